@@ -1,0 +1,5 @@
+import sys
+
+from hetc.cli import main
+
+sys.exit(main())

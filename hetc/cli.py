@@ -1,0 +1,74 @@
+"""The `hetc` command line: one entry point, one module per verb.
+
+Each module in `hetc.commands` exposes `register(subparsers)`, which adds its
+parser and sets `func(args) -> int`. User errors (`SpecError`, `UsageError`)
+print located messages and exit 2; anything else is a bug in hetc and says so
+(`--debug` shows the traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from hetc import __version__
+from hetc.errors import Sources, SpecError
+
+__all__ = ["main", "UsageError", "VERBS"]
+
+# verb modules, in the order `hetc --help` lists them
+VERBS = ["demo", "check", "fmt"]
+
+
+class UsageError(Exception):
+    """A user mistake outside spec files (a missing directory, a bad flag value)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hetc",
+        description="Compile and run LLM training plans for heterogeneous GPU clusters.",
+        epilog="Run `hetc VERB --help` for each verb. Spec language: docs/language.md.",
+    )
+    parser.add_argument("--version", action="version", version=f"hetc {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show Python tracebacks of internal errors")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
+    for name in VERBS:
+        importlib.import_module(f"hetc.commands.{name}").register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(name)s: %(message)s")
+    try:
+        return args.func(args) or 0
+    except SpecError as err:
+        sources = Sources()  # reads the quoted lines back from disk
+        for diag in err.diagnostics:
+            print(diag.render(sources), file=sys.stderr)
+        count = len(err.diagnostics)
+        if count > 1:
+            print(f"{count} errors", file=sys.stderr)
+        return 2
+    except UsageError as err:
+        print(f"hetc {args.verb}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:  # noqa: BLE001 - the last line of defence
+        if args.debug:
+            raise
+        print(f"hetc {args.verb}: internal error: {type(err).__name__}: {err}\n"
+              "this is a bug in hetc; rerun with --debug for the traceback", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

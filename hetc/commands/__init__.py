@@ -1,0 +1,1 @@
+"""One module per `hetc` verb; see `hetc.cli.VERBS`."""

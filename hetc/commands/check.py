@@ -1,0 +1,61 @@
+"""`hetc check SPEC`: parse and validate; located errors and exit 2, or a summary."""
+
+from __future__ import annotations
+
+import argparse
+
+from hetc.frontend import load_checked
+from hetc.passes.params import model_params
+from hetc.spec import AUTO
+
+__all__ = ["register", "summary"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "check", help="parse and validate a spec",
+        description="Parse SPEC and its imports and check every rule of the language. Prints "
+                    "FILE:LINE:COL: error: ... for each problem and exits 2, or prints a one-line summary.",
+    )
+    p.add_argument("specs", nargs="+", metavar="SPEC", help=".het file(s) to check")
+    p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    for path in args.specs:
+        loaded, checked = load_checked(path)
+        if not args.quiet:
+            print(f"{path}: ok: {summary(checked)}")
+    return 0
+
+
+def summary(checked) -> str:
+    spec = checked.spec
+    parts = []
+    if spec.model is not None:
+        m = spec.model
+        parts.append(f"model {m.name} ({m.arch.value}, {m.layers} blocks, {model_params(m) / 1e6:,.1f}M params)")
+    if checked.topology is not None:
+        kinds = sorted({g.device.name for g in checked.topology.gpus})
+        parts.append(f"{checked.topology.num_gpus} GPUs ({', '.join(kinds)})")
+    if spec.parallel is not None:
+        par = spec.parallel
+        if checked.pipeline is not None:
+            p = checked.pipeline
+            lanes = "/".join(str(len(s.lanes)) for s in p.stages)
+            parts.append(f"{p.world_size} ranks in {_n(len(p.stages), 'stage')} (lanes {lanes}), "
+                         f"{_n(len(p.ministages), 'ministage')}, {_n(p.num_microbatches, 'microbatch')}, "
+                         f"schedule {p.schedule.value}")
+        elif par.stages is AUTO or par.schedule is AUTO:
+            parts.append("plan: auto")
+        else:
+            parts.append("plan: partly auto")
+    if not parts:
+        parts.append(f"{len(spec.devices)} device kinds")
+    return "; ".join(parts)
+
+
+def _n(count: int, noun: str) -> str:
+    plural = noun + ("es" if noun.endswith("ch") else "s")
+    return f"{count} {noun if count == 1 else plural}"

@@ -1,0 +1,22 @@
+"""Load and validate a spec in one call: the front door every verb uses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hetc.errors import SpecError
+from hetc.load import LoadedSpec, load_spec
+from hetc.passes.validate import Checked, check_spec
+
+__all__ = ["load_checked"]
+
+
+def load_checked(path: str | Path, require_complete: bool = False) -> tuple[LoadedSpec, Checked]:
+    """Parse, import, convert and validate `path`; raise one SpecError with every problem."""
+    loaded = load_spec(path)
+    checked = check_spec(loaded.spec, loaded.path.parent)
+    if require_complete and not loaded.spec.is_complete:
+        missing = [k for k in ("model", "cluster", "train", "parallel") if getattr(loaded.spec, k) is None]
+        raise SpecError.at(loaded.spec.span, f"the spec has no {', '.join(missing)} block"
+                           f"{'s' if len(missing) > 1 else ''}; this command needs a whole spec")
+    return loaded, checked

@@ -1,0 +1,112 @@
+"""The explicit parallel plan, resolved to ranks and layer indices.
+
+`passes.resolve` builds a `Pipeline` from a complete Spec whose plan has no
+`auto` left; lowering, the cost model and the runtime read it instead of
+re-deriving rank sets, ministage layer ranges and microbatch routing.
+Layers are indexed over [embed, block0, ..., block{L-1}, head].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from hetc.spec import CPKind, OffloadSpec, ScheduleKind, ZeroSpec
+from hetc.topology import Gpu
+
+__all__ = ["Ministage", "Lane", "Stage", "Pipeline", "route_microbatches"]
+
+
+@dataclass(frozen=True, slots=True)
+class Ministage:
+    """A contiguous run of layers that one stage runs as a unit."""
+
+    index: int         # position along the model: the order microbatches visit
+    stage: int
+    chunk: int         # index among its stage's ministages
+    first_layer: int
+    stop_layer: int    # exclusive
+
+    @property
+    def layers(self) -> range:
+        return range(self.first_layer, self.stop_layer)
+
+
+@dataclass(frozen=True, slots=True)
+class Lane:
+    """N_intra = cp × tp ranks that together serve one microbatch."""
+
+    index: int
+    ranks: tuple[int, ...]   # world ranks, cp-major: rank of (part p, rep r) = ranks[p * tp + r]
+    microbatches: tuple[int, ...]  # global microbatch indices routed here, in order
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    index: int
+    name: str
+    ministages: tuple[int, ...]   # global ministage indices, in the stage's own order
+    lanes: tuple[Lane, ...]
+    tp: int
+    cp: int
+    cp_kind: CPKind
+    sequence_parallel: bool
+    zero: ZeroSpec
+    offload: OffloadSpec
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(r for lane in self.lanes for r in lane.ranks)
+
+    @property
+    def lane_size(self) -> int:
+        return self.tp * self.cp
+
+    def lane_of_microbatch(self, mb: int) -> Lane:
+        for lane in self.lanes:
+            if mb in lane.microbatches:
+                return lane
+        raise KeyError(mb)
+
+
+@dataclass(frozen=True, slots=True)
+class Pipeline:
+    stages: tuple[Stage, ...]
+    ministages: tuple[Ministage, ...]   # in model order
+    world: tuple[Gpu, ...]               # world rank -> GPU
+    num_microbatches: int
+    micro_batch: int
+    schedule: ScheduleKind
+    prefetch: int
+
+    @property
+    def world_size(self) -> int:
+        return len(self.world)
+
+    @cached_property
+    def stage_of_rank(self) -> dict[int, Stage]:
+        return {r: s for s in self.stages for r in s.ranks}
+
+    @cached_property
+    def lane_of_rank(self) -> dict[int, Lane]:
+        return {r: lane for s in self.stages for lane in s.lanes for r in lane.ranks}
+
+    def ministage_of_layer(self, layer: int) -> Ministage:
+        for m in self.ministages:
+            if m.first_layer <= layer < m.stop_layer:
+                return m
+        raise KeyError(layer)
+
+
+def route_microbatches(counts: list[int]) -> list[list[int]]:
+    """Spread microbatches 0..sum-1 over lanes with the given counts.
+
+    Lane l takes its i-th microbatch at position (i + 0.5) / counts[l]; merging
+    by position interleaves lanes so every lane starts early and a faster lane
+    (more microbatches) is never starved behind a slower one.
+    """
+    keys = sorted(((i + 0.5) / c, lane) for lane, c in enumerate(counts) for i in range(c))
+    out: list[list[int]] = [[] for _ in counts]
+    for mb, (_, lane) in enumerate(keys):
+        out[lane].append(mb)
+    return out

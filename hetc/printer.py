@@ -1,0 +1,235 @@
+"""Print syntax trees as canonical .het text, and Specs back as syntax trees.
+
+`format_file` is `hetc fmt`: one statement per line, two-space indent,
+comments kept, at most one blank line kept between statements, a blank line
+between top-level blocks. It is idempotent. `spec_to_items` turns a Spec
+into syntax (defaults left out) so `format_items(spec_to_items(s))` parses
+back to a Spec equal to `s`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from enum import StrEnum
+
+from hetc import syntax as ast
+from hetc.convert import fields_of
+from hetc.errors import NO_SPAN
+from hetc.spec import AUTO, LayerRange, Node, RankSlice, Routing, RoutingKind, Spec
+from hetc.units import format_quantity
+
+__all__ = ["format_file", "format_items", "spec_to_items", "format_spec"]
+
+INDENT = "  "
+WIDTH = 96
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]*\Z")
+_KEYWORDS = {"auto", "use"}
+
+
+def format_file(file: ast.File) -> str:
+    return format_items(file.items)
+
+
+def format_items(items) -> str:
+    lines: list[str] = []
+    _items(items, 0, lines, top=True)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def format_spec(spec: Spec) -> str:
+    return format_items(spec_to_items(spec))
+
+
+# ------------------------------------------------------------------ text
+
+
+def _items(items, depth: int, out: list[str], top: bool = False) -> None:
+    prev = None
+    for item in items:
+        if isinstance(item, ast.Comment) and item.trailing and out and prev is not None:
+            out[-1] += "  " + item.text
+            continue
+        if prev is not None and _blank_between(prev, item, top):
+            out.append("")
+        _item(item, depth, out)
+        prev = item
+
+
+def _blank_between(prev, item, top: bool) -> bool:
+    if top and not (isinstance(prev, ast.Use) and isinstance(item, ast.Use)):
+        if isinstance(prev, ast.Block) or isinstance(item, ast.Block) and not isinstance(prev, ast.Comment):
+            return True
+        if isinstance(prev, ast.Use) and not isinstance(item, ast.Use):
+            return True
+    start = item.span.line
+    return prev.span.line > 0 and start > 0 and start > _end_line(prev) + 1
+
+
+def _end_line(item) -> int:
+    return item.span.end_line
+
+
+def _item(item, depth: int, out: list[str]) -> None:
+    pad = INDENT * depth
+    if isinstance(item, ast.Comment):
+        out.append(pad + item.text)
+    elif isinstance(item, ast.Use):
+        out.append(f"{pad}use {_quote(item.path)}")
+    elif isinstance(item, ast.Attr):
+        out.append(f"{pad}{item.key} = {_value(item.value, depth)}")
+    else:
+        head = pad + item.kind
+        if item.label is not None:
+            head += " " + _label(item.label)
+        if item.peer is not None:
+            head += " <-> " + _label(item.peer)
+        body = [i for i in item.items]
+        if not body:
+            out.append(head + " {}")
+            return
+        out.append(head + " {")
+        _items(body, depth + 1, out)
+        out.append(pad + "}")
+
+
+def _label(text: str) -> str:
+    return text if _NAME.match(text) and text not in _KEYWORDS else _quote(text)
+
+
+def _quote(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _value(v, depth: int) -> str:
+    if isinstance(v, ast.Auto):
+        return "auto"
+    if isinstance(v, ast.Number):
+        return v.text if v.unit is None else f"{v.text} {v.unit}"
+    if isinstance(v, ast.String):
+        return _quote(v.value)
+    if isinstance(v, ast.Word):
+        return v.name
+    if isinstance(v, ast.LayerRange):
+        return f"{v.first}..{v.last}"
+    if isinstance(v, ast.RankRef):
+        idx = _index(v.node) + ("" if v.gpu is None else ", " + _index(v.gpu))
+        return f"{v.group}[{idx}]"
+    parts = [_value(i, depth + 1) for i in v.items]
+    one_line = "[" + ", ".join(parts) + "]"
+    if len(one_line) + len(INDENT) * depth < WIDTH - 20:
+        return one_line
+    inner = INDENT * (depth + 1)
+    return "[\n" + "".join(f"{inner}{p},\n" for p in parts) + INDENT * depth + "]"
+
+
+def _index(i: ast.Index) -> str:
+    if not i.is_slice:
+        return str(i.start)
+    return f"{'' if i.start is None else i.start}:{'' if i.stop is None else i.stop}"
+
+
+# ------------------------------------------------------------------ Spec -> syntax
+
+
+def spec_to_items(node: Node) -> list:
+    """The items of `node`'s block body (for Spec: the top-level blocks)."""
+    items: list = []
+    for info in fields_of(type(node)):
+        if info.meta["label"]:
+            continue
+        value = getattr(node, info.name)
+        default = _default(type(node), info.name)
+        if value == default and not info.required:
+            continue
+        if info.meta["block"] and value is not AUTO and value is not None:
+            items += _blocks(info, value)
+        else:
+            items.append(ast.Attr(info.name, _syntax(info, value), NO_SPAN, NO_SPAN))
+    return items
+
+
+def _default(cls, name):
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def _blocks(info, value) -> list:
+    values = value if info.many else (value,)
+    out = []
+    for v in values:
+        shorthand = _as_shorthand(v)
+        if shorthand is not None:
+            out.append(ast.Attr(info.name, shorthand, NO_SPAN, NO_SPAN))
+            continue
+        labels = [getattr(v, i.name) for i in fields_of(type(v)) if i.meta["label"]]
+        labels = [str(lab.value if isinstance(lab, StrEnum) else lab) for lab in labels]
+        labels += [None] * (2 - len(labels))
+        out.append(ast.Block(info.meta["block"], labels[0], labels[1], tuple(spec_to_items(v)),
+                             NO_SPAN, NO_SPAN))
+    return out
+
+
+def _as_shorthand(node: Node):
+    infos = fields_of(type(node))
+    short = [i for i in infos if i.meta["shorthand"]]
+    if not short:
+        return None
+    others = [i for i in infos if i is not short[0] and getattr(node, i.name) != _default(type(node), i.name)]
+    if others:
+        return None
+    return _syntax(short[0], getattr(node, short[0].name))
+
+
+def _syntax(info, value):
+    if value is AUTO:
+        return ast.Auto(NO_SPAN)
+    if isinstance(value, tuple):
+        parts = [_scalar(info, v) for v in value]
+        if len(parts) == 1 and info.base in (LayerRange, RankSlice):
+            return parts[0]
+        return ast.ListValue(tuple(parts), NO_SPAN)
+    return _scalar(info, value)
+
+
+def _scalar(info, value):
+    if isinstance(value, bool):
+        return ast.Word("true" if value else "false", NO_SPAN)
+    if isinstance(value, StrEnum):
+        return ast.Word(value.value, NO_SPAN)
+    if isinstance(value, int):
+        return ast.Number(str(value), None, NO_SPAN)
+    if isinstance(value, float):
+        if info.meta["unit"] is not None:
+            text, unit = format_quantity(value, info.meta["unit"]).split(" ", 1)
+            return ast.Number(text, unit, NO_SPAN)
+        return ast.Number(repr(value), None, NO_SPAN)
+    if isinstance(value, str):
+        if _NAME.match(value) and value not in _KEYWORDS | {"true", "false"}:
+            return ast.Word(value, NO_SPAN)
+        return ast.String(value, NO_SPAN)
+    if isinstance(value, LayerRange):
+        if value.first == value.last:
+            return ast.Word(value.first, NO_SPAN)
+        return ast.LayerRange(value.first, value.last, NO_SPAN)
+    if isinstance(value, RankSlice):
+        return _rank_ref(value)
+    if isinstance(value, Routing):
+        if value.kind is RoutingKind.COUNTS:
+            return ast.ListValue(tuple(ast.Number(str(c), None, NO_SPAN) for c in value.counts), NO_SPAN)
+        return ast.Word(value.kind.value, NO_SPAN)
+    raise TypeError(f"cannot print {value!r}")
+
+
+def _rank_ref(r: RankSlice):
+    whole_node = r.node_is_slice and r.node_start is None and r.node_stop is None
+    whole_gpu = r.gpu_is_slice and r.gpu_start is None and r.gpu_stop is None
+    if whole_node and whole_gpu:
+        return ast.Word(r.group, NO_SPAN)
+    node = ast.Index(r.node_start, r.node_stop, r.node_is_slice)
+    gpu = None if whole_gpu else ast.Index(r.gpu_start, r.gpu_stop, r.gpu_is_slice)
+    return ast.RankRef(r.group, node, gpu, NO_SPAN)

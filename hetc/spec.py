@@ -1,0 +1,509 @@
+"""The Spec: what the user means, as frozen dataclasses.
+
+Every node carries the `span` of the block it came from and `spans`, the
+span of each attribute's value, so that a later pass can point at the exact
+text it objects to. Spans never take part in equality: a Spec printed by
+`hetc fmt` and parsed back compares equal to the original.
+
+Each field's metadata (see `param`) is the language's schema: the key and
+its aliases, its unit, its bounds and a one-line doc. `hetc.convert` reads
+it to build Specs from syntax trees, `hetc.printer` to print them back, and
+docs/language.md lists it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from hetc.errors import NO_SPAN, Span
+from hetc.units import Dim
+
+__all__ = [
+    "Auto", "AUTO", "Node", "param", "Arch", "DType", "Checkpointing", "OptimizerKind",
+    "ScheduleKind", "CPKind", "RoutingKind", "DataKind", "LrScheduleKind", "Objective",
+    "OffloadTarget", "ZeroShard", "OptimizerSpec", "MoESpec", "ModelSpec", "PeakSpec",
+    "DeviceSpec", "LinkSpec", "IntraLinkSpec", "NodeSpec", "ClusterSpec", "DataSpec",
+    "LrScheduleSpec", "TrainSpec", "ZeroSpec", "OffloadSpec", "LayerRange", "RankSlice",
+    "Routing", "StageSpec", "ObjectiveSpec", "ParallelSpec", "Spec", "DTYPE_BYTES",
+]
+
+
+class Auto:
+    """The value `auto`: the planner chooses."""
+
+    _instance: "Auto | None" = None
+
+    def __new__(cls) -> "Auto":
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "AUTO"
+
+    def __reduce__(self):
+        return (Auto, ())
+
+
+AUTO = Auto()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Node:
+    """Base of every Spec node: where it was written."""
+
+    span: Span = field(default=NO_SPAN, compare=False, repr=False)
+    spans: tuple[tuple[str, Span], ...] = field(default=(), compare=False, repr=False)
+
+    def span_of(self, name: str) -> Span:
+        """The span of attribute `name`'s value, or of the whole block."""
+        for key, span in self.spans:
+            if key == name:
+                return span
+        return self.span
+
+
+def param(
+    default: Any = dataclasses.MISSING,
+    *,
+    doc: str,
+    aliases: tuple[str, ...] = (),
+    unit: Dim | None = None,
+    lo: float | None = None,
+    hi: float | None = None,
+    block: str | None = None,
+    label: bool = False,
+    shorthand: bool = False,
+    factory: Any = dataclasses.MISSING,
+) -> Any:
+    """A Spec field with its schema.
+
+    `block`: the field is written as nested block(s) of this kind;
+    `label`: the field takes the block's label (`model NAME { }`);
+    `shorthand`: `key = value` on the parent sets this field of the nested
+    block (`zero = 2` for `zero { level = 2 }`).
+    """
+    meta = dict(doc=doc, aliases=aliases, unit=unit, lo=lo, hi=hi, block=block, label=label,
+                shorthand=shorthand)
+    if factory is not dataclasses.MISSING:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# ---------------------------------------------------------------- enums
+
+
+class Arch(StrEnum):
+    LLAMA = "llama"
+    GPT = "gpt"
+
+
+class DType(StrEnum):
+    FP32 = "fp32"
+    TF32 = "tf32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP8 = "fp8"
+
+
+DTYPE_BYTES = {DType.FP32: 4, DType.TF32: 4, DType.BF16: 2, DType.FP16: 2, DType.FP8: 1}
+
+
+class Checkpointing(StrEnum):
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+
+class OptimizerKind(StrEnum):
+    ADAMW = "adamw"
+    ADAM = "adam"
+    SGD = "sgd"
+
+
+class ScheduleKind(StrEnum):
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"
+    ZB = "zb"
+    ZORSE = "zorse"
+
+
+class CPKind(StrEnum):
+    ULYSSES = "ulysses"
+    RING = "ring"
+
+
+class RoutingKind(StrEnum):
+    EVEN = "even"
+    PROPORTIONAL = "proportional"
+    COUNTS = "counts"
+
+
+class DataKind(StrEnum):
+    SYNTHETIC = "synthetic"
+    TEXT = "text"
+
+
+class LrScheduleKind(StrEnum):
+    CONSTANT = "constant"
+    COSINE = "cosine"
+    LINEAR = "linear"
+
+
+class Objective(StrEnum):
+    THROUGHPUT = "throughput"
+    COST = "cost"
+
+
+class OffloadTarget(StrEnum):
+    NONE = "none"
+    CPU = "cpu"
+    NVME = "nvme"
+
+
+class ZeroShard(StrEnum):
+    """Which lanes shard a stage's state together (hierarchical ZeRO)."""
+
+    ALL = "all"    # every lane of the stage: plain ZeRO
+    NODE = "node"  # lanes on the same node shard; nodes replicate (HSDP)
+
+
+# Aliases users bring from DeepSpeed, Megatron and torchtitan, per enum.
+ENUM_ALIASES: dict[type, dict[str, str]] = {
+    ScheduleKind: {
+        "gpipe": "gpipe", "schedulegpipe": "gpipe", "1f1b": "1f1b", "schedule1f1b": "1f1b",
+        "interleaved1f1b": "interleaved", "interleaved_1f1b": "interleaved", "scheduleinterleaved1f1b":
+        "interleaved", "zb": "zb", "zbh1": "zb", "zero_bubble": "zb", "interleavedzerobubble": "zb",
+        "zorse": "zorse",
+    },
+    DType: {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"},
+    Checkpointing: {"off": "none", "false": "none", "true": "full", "on": "full"},
+    CPKind: {"a2a": "ulysses", "alltoall": "ulysses", "ring_attention": "ring", "p2p": "ring"},
+    OffloadTarget: {"false": "none", "off": "none", "true": "cpu", "host": "cpu"},
+    ZeroShard: {"global": "all", "world": "all", "hsdp": "node"},
+}
+
+
+# ---------------------------------------------------------------- model
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OptimizerSpec(Node):
+    kind: OptimizerKind = param(OptimizerKind.ADAMW, label=True, doc="optimizer: adamw, adam or sgd")
+    beta1: float = param(0.9, lo=0, hi=1, doc="first-moment decay (Adam family)")
+    beta2: float = param(0.95, lo=0, hi=1, doc="second-moment decay (Adam family)")
+    eps: float = param(1e-8, lo=0, hi=1, doc="denominator epsilon")
+    weight_decay: float = param(0.0, lo=0, hi=1e3, doc="decoupled weight decay")
+    momentum: float = param(0.0, lo=0, hi=1, doc="SGD momentum")
+    master_dtype: DType = param(DType.FP32, aliases=("master_weights_dtype",),
+                                doc="dtype of master weights and optimizer state (δ_opt)")
+
+    @property
+    def num_states(self) -> int:
+        """n_opt: optimizer tensors per parameter."""
+        if self.kind is OptimizerKind.SGD:
+            return 1 if self.momentum else 0
+        return 2
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MoESpec(Node):
+    experts: int = param(doc="number of experts E", lo=1, hi=4096, aliases=("num_experts",))
+    top_k: int = param(2, doc="experts per token K", lo=1, hi=64, aliases=("moe_router_topk", "topk"))
+    capacity_factor: float = param(1.25, lo=0.01, hi=1e3, doc="expert capacity over the mean load")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSpec(Node):
+    name: str = param("model", label=True, doc="the model's name")
+    arch: Arch = param(Arch.LLAMA, doc="llama (RMSNorm, RoPE, GQA, SwiGLU) or gpt (LayerNorm, GELU)")
+    layers: int = param(doc="transformer blocks L", lo=1, hi=100_000,
+                        aliases=("num_layers", "n_layers", "num_hidden_layers"))
+    hidden: int = param(doc="hidden size H", lo=1, hi=1 << 20, aliases=("hidden_size", "d_model", "dim"))
+    heads: int = param(doc="query heads N_q", lo=1, hi=1 << 14,
+                       aliases=("num_attention_heads", "n_heads", "num_heads"))
+    kv_heads: int | None = param(None, lo=1, hi=1 << 14,
+                                 aliases=("num_query_groups", "num_key_value_heads", "n_kv_heads"),
+                                 doc="key/value heads N_kv (GQA); defaults to heads")
+    ffn: int = param(doc="feed-forward size H_FFN", lo=1, hi=1 << 22,
+                     aliases=("ffn_hidden_size", "intermediate_size"))
+    vocab: int = param(doc="vocabulary size V", lo=1, hi=1 << 24, aliases=("vocab_size", "padded_vocab_size"))
+    seq: int = param(doc="sequence length S", lo=1, hi=1 << 24,
+                     aliases=("seq_length", "seq_len", "max_seq_len", "sequence_length"))
+    dtype: DType = param(DType.BF16, aliases=("params_dtype", "precision"),
+                         doc="training dtype δ of parameters, gradients and activations")
+    activation_checkpoint: Checkpointing = param(
+        Checkpointing.NONE, aliases=("recompute", "activation_checkpointing", "recompute_granularity"),
+        doc="activation checkpointing: none, selective or full")
+    tied_embeddings: bool = param(False, aliases=("tie_word_embeddings", "tie_embeddings"),
+                                  doc="share the embedding and output matrices")
+    norm_eps: float = param(1e-5, lo=0, hi=1, doc="RMSNorm/LayerNorm epsilon")
+    rope_theta: float = param(10000.0, lo=1, hi=1e12, doc="RoPE base (llama)")
+    optimizer: OptimizerSpec = param(factory=OptimizerSpec, block="optimizer", doc="the optimizer")
+    moe: MoESpec | None = param(None, block="moe", doc="mixture of experts in every block")
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
+    def num_model_layers(self) -> int:
+        """embed + blocks + head: the units stages own."""
+        return self.layers + 2
+
+    def layer_name(self, idx: int) -> str:
+        if idx == 0:
+            return "embed"
+        if idx == self.layers + 1:
+            return "head"
+        return f"block{idx - 1}"
+
+    def layer_index(self, name: str) -> int | None:
+        """Index in [embed, block0, ..., head], or None for an unknown name."""
+        if name == "embed":
+            return 0
+        if name == "head":
+            return self.layers + 1
+        digits = name[5:]
+        if name.startswith("block") and digits.isdigit() and int(digits) < self.layers and \
+                (digits == "0" or not digits.startswith("0")):
+            return int(digits) + 1
+        return None
+
+
+# ---------------------------------------------------------------- cluster
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PeakSpec(Node):
+    fp32: float = param(0.0, unit=Dim.COMPUTE, lo=0, doc="dense fp32 peak")
+    tf32: float = param(0.0, unit=Dim.COMPUTE, lo=0, doc="dense tf32 tensor-core peak")
+    bf16: float = param(0.0, unit=Dim.COMPUTE, lo=0, doc="dense bf16 peak")
+    fp16: float = param(0.0, unit=Dim.COMPUTE, lo=0, doc="dense fp16 peak")
+    fp8: float = param(0.0, unit=Dim.COMPUTE, lo=0, doc="dense fp8 peak")
+
+    def for_dtype(self, dtype: DType) -> float:
+        """Peak FLOP/s for `dtype`, falling back to the nearest wider format."""
+        order = {DType.FP8: ("fp8", "fp16", "bf16"), DType.FP16: ("fp16", "bf16", "fp32"),
+                 DType.BF16: ("bf16", "fp16", "fp32"), DType.TF32: ("tf32", "fp32"),
+                 DType.FP32: ("fp32",)}[dtype]
+        for name in order:
+            value = getattr(self, name)
+            if value > 0:
+                return value
+        return self.fp32
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceSpec(Node):
+    name: str = param(label=True, doc="the device kind's name, referenced by nodes")
+    memory: float = param(unit=Dim.MEMORY, lo=1, doc="device memory")
+    peak: PeakSpec = param(factory=PeakSpec, block="peak", doc="peak dense FLOP/s per dtype")
+    host_link: float = param(16e9, unit=Dim.BANDWIDTH, lo=1, aliases=("pcie",),
+                             doc="host<->device copy bandwidth")
+    price: float = param(0.0, unit=Dim.PRICE_HOUR, lo=0, doc="price per device-hour")
+    efficiency: float = param(0.5, lo=0.01, hi=1, aliases=("mfu",),
+                              doc="fraction of peak reached by matmul-heavy layers (no profile)")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IntraLinkSpec(Node):
+    bandwidth: float = param(unit=Dim.BANDWIDTH, lo=1, doc="per-GPU bandwidth inside a node")
+    latency: float = param(5e-6, unit=Dim.TIME, lo=0, doc="latency inside a node")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeSpec(Node):
+    name: str = param(label=True, doc="the node group's name, used in rank sets")
+    device: str = param(doc="device kind of every GPU", aliases=("gpu", "kind"))
+    count: int = param(1, lo=1, hi=100_000, aliases=("nodes",), doc="number of nodes in the group")
+    gpus: int = param(1, lo=1, hi=1024, aliases=("gpus_per_node", "nproc_per_node"),
+                      doc="GPUs per node")
+    region: str = param("default", doc="region (links between regions may cost egress)")
+    zone: str = param("", doc="zone inside the region (defaults to the region)")
+    host_memory: float = param(0.0, unit=Dim.MEMORY, lo=0, doc="host memory per node (offload)")
+    intra: IntraLinkSpec | None = param(None, block="intra", shorthand=False,
+                                        doc="the link between GPUs of one node")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkSpec(Node):
+    """`link A <-> B { }`: A and B name node groups, or are quoted regions/zones."""
+
+    a: str = param(label=True, doc="one end: a node group, or a \"region\" / \"zone\"")
+    b: str = param(label=True, doc="the other end")
+    bandwidth: float = param(unit=Dim.BANDWIDTH, lo=1, doc="bandwidth per node pair")
+    latency: float = param(10e-6, unit=Dim.TIME, lo=0, doc="one-way latency")
+    egress: float = param(0.0, unit=Dim.PRICE_GB, lo=0, doc="price per GB sent across")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClusterSpec(Node):
+    name: str = param("cluster", label=True, doc="the cluster's name")
+    nodes: tuple[NodeSpec, ...] = param((), block="node", doc="node groups, in rank order")
+    links: tuple[LinkSpec, ...] = param((), block="link", doc="links between node groups or regions")
+    inter_bandwidth: float = param(12.5e9, unit=Dim.BANDWIDTH, lo=1, aliases=("network",),
+                                   doc="default bandwidth between two nodes")
+    inter_latency: float = param(20e-6, unit=Dim.TIME, lo=0, doc="default latency between nodes")
+
+
+# ---------------------------------------------------------------- train
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DataSpec(Node):
+    kind: DataKind = param(DataKind.SYNTHETIC, label=True, doc="synthetic tokens or a byte-level text file")
+    path: str = param("", doc="the text file (relative to the spec) for `data text`")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LrScheduleSpec(Node):
+    kind: LrScheduleKind = param(LrScheduleKind.CONSTANT, label=True, doc="constant, cosine or linear decay")
+    warmup: int = param(0, lo=0, hi=10**9, aliases=("warmup_steps", "lr_warmup_iters"),
+                        doc="linear warm-up steps")
+    min_lr: float = param(0.0, lo=0, hi=1e3, doc="learning rate at the end of decay")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainSpec(Node):
+    global_batch: int = param(lo=1, hi=1 << 30, aliases=("global_batch_size", "train_batch_size"),
+                              doc="sequences per optimizer step B")
+    micro_batch: int = param(1, lo=1, hi=1 << 20,
+                             aliases=("micro_batch_size", "train_micro_batch_size_per_gpu", "mbs"),
+                             doc="sequences per microbatch b")
+    grad_accum: int | None = param(None, lo=1, hi=1 << 20, aliases=("gradient_accumulation_steps",),
+                                   doc="microbatches per lane (checked against global_batch)")
+    steps: int = param(10, lo=1, hi=10**9, aliases=("train_iters", "max_steps"), doc="optimizer steps")
+    lr: float = param(1e-3, lo=0, hi=1e3, aliases=("learning_rate",), doc="peak learning rate")
+    grad_clip: float = param(0.0, lo=0, hi=1e9, aliases=("gradient_clipping", "clip_grad", "max_norm"),
+                             doc="global gradient-norm clipping (0: off)")
+    seed: int = param(0, lo=0, hi=2**63 - 1, doc="seed of initialisation and data")
+    data: DataSpec = param(factory=DataSpec, block="data", doc="training data")
+    lr_schedule: LrScheduleSpec = param(factory=LrScheduleSpec, block="lr_schedule",
+                                        doc="learning-rate schedule")
+
+
+# ---------------------------------------------------------------- parallel
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ZeroSpec(Node):
+    level: int | Auto = param(0, lo=0, hi=3, shorthand=True, aliases=("stage",),
+                              doc="ZeRO level inside a shard group: 0 all-reduce, 1 shard optimizer, "
+                                  "2 also gradients, 3 also parameters")
+    shard: ZeroShard = param(ZeroShard.ALL, doc="shard over all lanes, or only lanes on one node (HSDP)")
+    across: int = param(0, lo=0, hi=1, aliases=("replicate_level",),
+                        doc="level across shard groups: 0 all-reduce the shards, 1 also shard optimizer")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OffloadSpec(Node):
+    params: OffloadTarget = param(OffloadTarget.NONE, aliases=("offload_param", "param"),
+                                  doc="keep parameters of inactive ministages on the host")
+    optimizer: OffloadTarget = param(OffloadTarget.NONE, aliases=("offload_optimizer",),
+                                     doc="keep optimizer state on the host")
+    activations: OffloadTarget = param(OffloadTarget.NONE, aliases=("offload_activations",),
+                                       doc="keep boundary activations on the host")
+    pin_memory: bool = param(True, doc="page-locked host buffers (GPU)")
+
+    @property
+    def any(self) -> bool:
+        return any(t is not OffloadTarget.NONE for t in (self.params, self.optimizer, self.activations))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayerRange(Node):
+    """`embed..block3`: layers first through last, inclusive."""
+
+    first: str
+    last: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankSlice(Node):
+    """`group[n, g0:g1]`: GPUs g0..g1-1 of node n of a node group (None: all)."""
+
+    group: str
+    node_start: int | None = None
+    node_stop: int | None = None
+    gpu_start: int | None = None
+    gpu_stop: int | None = None
+    node_is_slice: bool = True
+    gpu_is_slice: bool = True
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Routing(Node):
+    """How a stage's microbatches are spread over its lanes."""
+
+    kind: RoutingKind = RoutingKind.EVEN
+    counts: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageSpec(Node):
+    name: str = param(label=True, doc="the stage's name")
+    layers: tuple[LayerRange, ...] | Auto = param(
+        AUTO, doc="layer range, or a list of ranges (one per ministage / virtual stage)")
+    ranks: tuple[RankSlice, ...] | Auto = param(AUTO, aliases=("gpus",), doc="the GPUs of this stage")
+    lanes: int | Auto = param(AUTO, lo=1, hi=1 << 20, aliases=("dp", "replicas"),
+                              doc="lanes (replicas); each serves whole microbatches")
+    tp: int | Auto = param(1, lo=1, hi=1024, aliases=("tensor_model_parallel_size", "tensor_parallel"),
+                           doc="tensor parallelism inside a lane (N_rep)")
+    cp: int | Auto = param(1, lo=1, hi=1024,
+                           aliases=("context_parallel_size", "context_parallel_degree", "sp"),
+                           doc="sequence/context parallelism inside a lane (N_part)")
+    cp_kind: CPKind = param(CPKind.RING, doc="ulysses (all-to-all) or ring attention")
+    sequence_parallel: bool = param(False, doc="Megatron sequence parallelism with tp")
+    ministages: int | Auto = param(1, lo=1, hi=1 << 16, aliases=("interleave", "virtual_stages"),
+                                   doc="split the layers into this many ministages")
+    microbatches: Routing | Auto = param(
+        Routing(), doc="even, proportional (to lane speed) or explicit counts per lane")
+    zero: ZeroSpec | None = param(None, block="zero", doc="this stage's ZeRO (overrides parallel's)")
+    offload: OffloadSpec | None = param(None, block="offload", doc="this stage's offload policy")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ObjectiveSpec(Node):
+    goal: Objective = param(Objective.THROUGHPUT, label=True, doc="throughput or cost")
+    budget: float = param(0.0, unit=Dim.PRICE_HOUR, lo=0, doc="most $/h to spend (0: no limit)")
+    min_throughput: float = param(0.0, unit=Dim.THROUGHPUT, lo=0, doc="least tokens/s (cost goal)")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParallelSpec(Node):
+    schedule: ScheduleKind | Auto = param(ScheduleKind.ONE_F_ONE_B,
+                                          aliases=("pipeline_parallel_schedule",),
+                                          doc="gpipe, 1f1b, interleaved, zb or zorse")
+    zero: ZeroSpec = param(factory=ZeroSpec, block="zero", aliases=("zero_optimization",),
+                           doc="ZeRO level and hierarchy for every stage")
+    offload: OffloadSpec = param(factory=OffloadSpec, block="offload", doc="offload policy")
+    prefetch: int | Auto = param(1, lo=0, hi=64, aliases=("prefetch_depth",),
+                                 doc="ministages prefetched ahead of use")
+    stages: tuple[StageSpec, ...] | Auto = param(AUTO, block="stage",
+                                                 doc="pipeline stages in order; none written: auto")
+    idle: tuple[RankSlice, ...] = param((), doc="GPUs deliberately left out of the plan")
+    objective: ObjectiveSpec = param(factory=ObjectiveSpec, block="objective",
+                                     doc="what the planner optimises")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Spec(Node):
+    """A whole spec: everything the files (and their imports) define."""
+
+    model: ModelSpec | None = param(None, block="model", doc="the model")
+    devices: tuple[DeviceSpec, ...] = param((), block="device", doc="device kinds")
+    cluster: ClusterSpec | None = param(None, block="cluster", doc="the cluster")
+    train: TrainSpec | None = param(None, block="train", doc="the training job")
+    parallel: ParallelSpec | None = param(None, block="parallel", doc="the parallel plan")
+
+    def device(self, name: str) -> DeviceSpec | None:
+        return next((d for d in self.devices if d.name == name), None)
+
+    @property
+    def is_complete(self) -> bool:
+        return None not in (self.model, self.cluster, self.train, self.parallel)

@@ -1,0 +1,368 @@
+"""Parse .het text into a small syntax tree with spans.
+
+This is the only module that touches lark. Its output (`File`, `Block`,
+`Attr` and the value nodes) is plain frozen dataclasses; `hetc.convert`
+turns it into the typed Spec and `hetc.printer` prints it back.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import NamedTuple, Union
+
+from lark import Lark, Token, Transformer, v_args
+from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
+
+from hetc.errors import Diagnostic, Span, SpecError
+from hetc.grammar import GRAMMAR_PATH
+
+__all__ = [
+    "Auto", "Number", "String", "Word", "LayerRange", "Index", "RankRef", "ListValue", "Value",
+    "Attr", "Block", "Use", "Item", "Comment", "File", "parse_text",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Auto:
+    span: Span = field(compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Number:
+    text: str
+    unit: str | None
+    span: Span = field(compare=False)
+
+    @property
+    def value(self) -> float:
+        return float(self.text)
+
+    def is_int(self) -> bool:
+        return self.text.lstrip("+-").isdigit()
+
+
+@dataclass(frozen=True, slots=True)
+class String:
+    value: str
+    span: Span = field(compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Word:
+    name: str
+    span: Span = field(compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerRange:
+    first: str
+    last: str
+    span: Span = field(compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Index:
+    """`i` (start=i, stop=None, is_slice=False) or `a:b` (either side optional)."""
+
+    start: int | None
+    stop: int | None
+    is_slice: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RankRef:
+    group: str
+    node: Index
+    gpu: Index | None
+    span: Span = field(compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class ListValue:
+    items: tuple["Value", ...]
+    span: Span = field(compare=False)
+
+
+Value = Union[Auto, Number, String, Word, LayerRange, RankRef, ListValue]
+
+
+@dataclass(frozen=True, slots=True)
+class Comment:
+    """A comment, kept so `hetc fmt` does not lose it."""
+
+    text: str
+    trailing: bool
+    span: Span = field(compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Attr:
+    key: str
+    value: Value
+    span: Span = field(compare=False)
+    key_span: Span = field(compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    kind: str
+    label: str | None
+    peer: str | None
+    items: tuple["Item", ...]
+    span: Span = field(compare=False)
+    kind_span: Span = field(compare=False)
+
+    @property
+    def head_span(self) -> Span:
+        return self.kind_span
+
+
+@dataclass(frozen=True, slots=True)
+class Use:
+    path: str
+    span: Span = field(compare=False)
+
+
+Item = Union[Attr, Block, Use, Comment]
+
+
+@dataclass(frozen=True, slots=True)
+class File:
+    path: str
+    items: tuple[Item, ...]
+
+
+# Note [comments]: lark drops ignored tokens, so comments are collected by a
+# lexer callback and woven back in by line: a comment on a line of its own
+# becomes an item before the next statement; one after code on the same line
+# is a trailing comment of the statement that ends on that line.
+
+
+@functools.cache
+def _parser() -> Lark:
+    return Lark(
+        GRAMMAR_PATH.read_text(),
+        parser="lalr",
+        propagate_positions=True,
+        maybe_placeholders=True,
+    )
+
+
+def _span(path: str, meta_or_token) -> Span:
+    m = meta_or_token
+    if isinstance(m, _RawComment):
+        return Span(path, m.line, m.column, m.line, m.end_column)
+    if isinstance(m, Token):
+        return Span(path, m.line, m.column, m.end_line or m.line, m.end_column or m.column + 1)
+    return Span(path, m.line, m.column, m.end_line, m.end_column)
+
+
+def _unquote(text: str) -> str:
+    body = text[1:-1]
+    return body.replace('\\"', '"').replace("\\\\", "\\")
+
+
+class _ToAst(Transformer):
+    def __init__(self, path: str):
+        super().__init__(visit_tokens=False)
+        self.path = path
+
+    def _s(self, x) -> Span:
+        return _span(self.path, x)
+
+    @v_args(meta=True)
+    def start(self, meta, items):
+        return list(items)
+
+    @v_args(meta=True)
+    def use(self, meta, children):
+        (tok,) = children
+        return Use(_unquote(tok), self._s(meta))
+
+    @v_args(meta=True)
+    def block(self, meta, children):
+        kind, label, peer, *items = children
+        return Block(
+            str(kind), self._label(label), self._label(peer), tuple(items), self._s(meta), self._s(kind)
+        )
+
+    @staticmethod
+    def _label(tok) -> str | None:
+        if tok is None:
+            return None
+        return _unquote(tok) if tok.type == "STRING" else str(tok)
+
+    @v_args(meta=True)
+    def attr(self, meta, children):
+        key, value = children
+        return Attr(str(key), value, self._s(meta), self._s(key))
+
+    @v_args(meta=True)
+    def auto(self, meta, _):
+        return Auto(self._s(meta))
+
+    @v_args(meta=True)
+    def number(self, meta, children):
+        num, unit = children
+        return Number(str(num), None if unit is None else str(unit), self._s(meta))
+
+    @v_args(meta=True)
+    def string(self, meta, children):
+        return String(_unquote(children[0]), self._s(meta))
+
+    @v_args(meta=True)
+    def word(self, meta, children):
+        return Word(str(children[0]), self._s(meta))
+
+    @v_args(meta=True)
+    def layer_range(self, meta, children):
+        return LayerRange(str(children[0]), str(children[1]), self._s(meta))
+
+    @v_args(meta=True)
+    def rank_ref(self, meta, children):
+        group, node, gpu = children
+        return RankRef(str(group), node, gpu, self._s(meta))
+
+    def at(self, children):
+        return Index(int(children[0]), None, False)
+
+    def slice(self, children):
+        lo, hi = children
+        return Index(None if lo is None else int(lo), None if hi is None else int(hi), True)
+
+    @v_args(meta=True)
+    def list(self, meta, children):
+        return ListValue(tuple(c for c in children if c is not None), self._s(meta))
+
+
+def parse_text(text: str, path: str) -> File:
+    """Parse one file; syntax errors become a located `SpecError`."""
+    try:
+        tree = _parser().parse(text)
+    except UnexpectedInput as err:
+        raise SpecError(_syntax_diagnostic(err, text, path)) from None
+    items = _ToAst(path).transform(tree)
+    return File(path, tuple(_weave_comments(items, _scan_comments(text), path)))
+
+
+class _RawComment(NamedTuple):
+    text: str
+    line: int
+    column: int
+    end_column: int
+    code_before: bool
+
+
+def _scan_comments(text: str) -> list[_RawComment]:
+    """Comments outside strings, with their line and column."""
+    found: list[_RawComment] = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        in_string = False
+        i = 0
+        while i < len(line):
+            ch = line[i]
+            if in_string:
+                if ch == "\\":
+                    i += 1
+                elif ch == '"':
+                    in_string = False
+            elif ch == '"':
+                in_string = True
+            elif ch == "#" or line.startswith("//", i):
+                body = line[i:].rstrip()
+                found.append(_RawComment(body, lineno, i + 1, i + 1 + len(body), bool(line[:i].strip())))
+                break
+            i += 1
+    return found
+
+
+def _weave_comments(items: list, comments: list[_RawComment], path: str) -> list:
+    """Attach comments to the item list of the block that contains them."""
+    if not comments:
+        return items
+    return _weave(items, comments, path, 0, 10**9)
+
+
+def _weave(items, comments: list[_RawComment], path: str, lo_line: int, hi_line: int) -> list:
+    mine = [c for c in comments if lo_line < c.line < hi_line]
+    out: list = []
+    for item in items:
+        span = item.span
+        for c in [c for c in mine if c.line < span.line and not c.code_before]:
+            out.append(Comment(c.text, False, _span(path, c)))
+            mine.remove(c)
+        if isinstance(item, Block):
+            inner = [c for c in mine if span.line <= c.line <= span.end_line]
+            head_trailing = [c for c in inner if c.line == span.line and c.code_before]
+            body = _weave(list(item.items), [c for c in inner if c not in head_trailing],
+                          path, span.line, span.end_line + (1 if span.end_line == span.line else 0))
+            for c in inner:
+                mine.remove(c)
+            trailing = [Comment(c.text, True, _span(path, c)) for c in head_trailing]
+            item = Block(item.kind, item.label, item.peer, tuple(trailing + body), item.span, item.kind_span)
+        out.append(item)
+        for c in [c for c in mine if c.line == span.end_line and c.code_before]:
+            out.append(Comment(c.text, True, _span(path, c)))
+            mine.remove(c)
+    out += [Comment(c.text, False, _span(path, c)) for c in mine]
+    return out
+
+
+_TOKEN_WORDS = {
+    "LBRACE": "'{'", "RBRACE": "'}'", "LSQB": "'['", "RSQB": "']'", "EQUAL": "'='",
+    "COMMA": "','", "SEMICOLON": "';'", "COLON": "':'", "_NL": "a new line", "NAME": "a name",
+    "NUMBER": "a number", "INT": "a whole number", "STRING": "a string", "UNIT": "a unit",
+    "AUTO": "'auto'", "USE": "'use'", "DIGIT_WORD": "a name", "__ANON_0": "'<->'",
+    "__ANON_1": "'..'", "MORETHAN": "'>'", "LESSTHAN": "'<'", "MINUS": "'-'",
+}
+
+
+def _describe_expected(expected: set[str]) -> str:
+    words = sorted({_TOKEN_WORDS.get(t, _literal_word(t)) for t in expected})
+    if not words:
+        return ""
+    if len(words) == 1:
+        return f"; expected {words[0]}"
+    return "; expected " + ", ".join(words[:-1]) + " or " + words[-1]
+
+
+def _literal_word(term: str) -> str:
+    pattern = _parser().get_terminal(term).pattern if term in _terminal_names() else None
+    if pattern is not None and pattern.type == "str":
+        return f"'{pattern.value}'"
+    return term.lower()
+
+
+@functools.cache
+def _terminal_names() -> frozenset[str]:
+    return frozenset(t.name for t in _parser().terminals)
+
+
+def _syntax_diagnostic(err: UnexpectedInput, text: str, path: str) -> Diagnostic:
+    if isinstance(err, UnexpectedEOF) or (
+        isinstance(err, UnexpectedToken) and err.token.type == "$END"
+    ):
+        line, col = _end_position(text)
+        expected = getattr(err, "expected", None) or getattr(err, "accepts", set())
+        return Diagnostic(Span(path, line, col, line, col + 1),
+                          "unexpected end of input" + _describe_expected(set(expected)))
+    if isinstance(err, UnexpectedCharacters):
+        ch = text[err.pos_in_stream] if err.pos_in_stream < len(text) else ""
+        what = f"unexpected character {ch!r}" if ch.isprintable() else f"unexpected byte {ch!r}"
+        return Diagnostic(Span(path, err.line, err.column, err.line, err.column + 1),
+                          what + _describe_expected(set(err.allowed or ())))
+    assert isinstance(err, UnexpectedToken)
+    tok = err.token
+    shown = "a new line" if tok.type == "_NL" else repr(str(tok))
+    end_col = tok.column + 1 if tok.type == "_NL" else (tok.end_column or tok.column + 1)
+    return Diagnostic(Span(path, tok.line, tok.column, tok.line, end_col),
+                      f"unexpected {shown}" + _describe_expected(set(err.accepts or err.expected)))
+
+
+def _end_position(text: str) -> tuple[int, int]:
+    stripped = text.rstrip()
+    if not stripped:
+        return 1, 1
+    lines = stripped.splitlines()
+    return len(lines), len(lines[-1]) + 1

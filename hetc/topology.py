@@ -1,0 +1,105 @@
+"""The cluster as a list of GPUs and a link lookup between any two of them.
+
+GPUs are numbered in declaration order (node group, node, GPU). Links are
+looked up from most to least specific: the same node (its `intra` link, or
+the device's default), a `link` between the two node groups, a `link`
+between their zones, then their regions, then the cluster default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from hetc.spec import ClusterSpec, DeviceSpec, Spec
+
+__all__ = ["Gpu", "Link", "Topology", "MAX_GPUS", "DEFAULT_INTRA_BANDWIDTH"]
+
+MAX_GPUS = 65536
+# PCIe-class default when a node declares no intra link.
+DEFAULT_INTRA_BANDWIDTH = 16e9
+DEFAULT_INTRA_LATENCY = 5e-6
+
+
+@dataclass(frozen=True, slots=True)
+class Gpu:
+    id: int                # index over every GPU of the cluster
+    group: str             # node group
+    node: int              # node index inside the group
+    local: int             # GPU index inside the node
+    device: DeviceSpec
+    region: str
+    zone: str
+
+    @property
+    def host(self) -> tuple[str, int]:
+        return (self.group, self.node)
+
+    def __str__(self) -> str:
+        return f"{self.group}[{self.node}, {self.local}]"
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    bandwidth: float   # bytes/s
+    latency: float     # s
+    egress: float = 0.0  # $/GB
+    intra_node: bool = False
+
+
+class Topology:
+    """Resolved cluster: GPUs, node groups and links."""
+
+    def __init__(self, spec: Spec):
+        assert spec.cluster is not None
+        self.cluster: ClusterSpec = spec.cluster
+        self.groups = {n.name: n for n in self.cluster.nodes}
+        devices = {d.name: d for d in spec.devices}
+        gpus = []
+        for group in self.cluster.nodes:
+            device = devices.get(group.device)
+            if device is None:
+                continue  # reported by validation
+            zone = group.zone or group.region
+            for node in range(group.count):
+                for local in range(group.gpus):
+                    gpus.append(Gpu(len(gpus), group.name, node, local, device, group.region, zone))
+        self.gpus: tuple[Gpu, ...] = tuple(gpus)
+        self._links = {}
+        for link in self.cluster.links:
+            self._links[frozenset((link.a, link.b))] = link
+
+    @property
+    def num_gpus(self) -> int:
+        return len(self.gpus)
+
+    @cached_property
+    def first_gpu_of_group(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for gpu in self.gpus:
+            out.setdefault(gpu.group, gpu.id)
+        return out
+
+    def gpu_at(self, group: str, node: int, local: int) -> Gpu:
+        g = self.groups[group]
+        return self.gpus[self.first_gpu_of_group[group] + node * g.gpus + local]
+
+    def link(self, a: Gpu, b: Gpu) -> Link:
+        if a.host == b.host:
+            intra = self.groups[a.group].intra
+            if intra is None:
+                return Link(DEFAULT_INTRA_BANDWIDTH, DEFAULT_INTRA_LATENCY, 0.0, True)
+            return Link(intra.bandwidth, intra.latency, 0.0, True)
+        for key in ((a.group, b.group), (a.zone, b.zone), (a.region, b.region)):
+            spec = self._links.get(frozenset(key))
+            if spec is not None:
+                return Link(spec.bandwidth, spec.latency, spec.egress)
+        return Link(self.cluster.inter_bandwidth, self.cluster.inter_latency)
+
+    def endpoints(self) -> set[str]:
+        """Names a `link` may join: node groups, zones and regions."""
+        names = set(self.groups)
+        for g in self.cluster.nodes:
+            names.add(g.region)
+            names.add(g.zone or g.region)
+        return names

@@ -1,0 +1,93 @@
+"""Units of the spec language; every quantity is stored in base SI units.
+
+memory in bytes, bandwidth in bytes/s, compute in FLOP/s, time in seconds,
+prices in $/hour and $/GB, throughput in tokens/s.
+"""
+
+from __future__ import annotations
+
+import math
+from enum import StrEnum
+
+__all__ = ["Dim", "UNITS", "DISPLAY", "to_base", "format_quantity", "units_of"]
+
+
+class Dim(StrEnum):
+    MEMORY = "memory"
+    BANDWIDTH = "bandwidth"
+    COMPUTE = "compute"
+    TIME = "time"
+    PRICE_HOUR = "price per hour"
+    PRICE_GB = "price per GB"
+    THROUGHPUT = "throughput"
+
+
+_K, _M, _G, _T, _P = 1e3, 1e6, 1e9, 1e12, 1e15
+
+# unit text -> (dimension, factor to base)
+UNITS: dict[str, tuple[Dim, float]] = {
+    "B": (Dim.MEMORY, 1), "KB": (Dim.MEMORY, _K), "MB": (Dim.MEMORY, _M), "GB": (Dim.MEMORY, _G),
+    "TB": (Dim.MEMORY, _T), "KiB": (Dim.MEMORY, 2**10), "MiB": (Dim.MEMORY, 2**20),
+    "GiB": (Dim.MEMORY, 2**30), "TiB": (Dim.MEMORY, 2**40),
+    "B/s": (Dim.BANDWIDTH, 1), "KB/s": (Dim.BANDWIDTH, _K), "MB/s": (Dim.BANDWIDTH, _M),
+    "GB/s": (Dim.BANDWIDTH, _G), "TB/s": (Dim.BANDWIDTH, _T), "MiB/s": (Dim.BANDWIDTH, 2**20),
+    "GiB/s": (Dim.BANDWIDTH, 2**30), "Mb/s": (Dim.BANDWIDTH, _M / 8), "Gb/s": (Dim.BANDWIDTH, _G / 8),
+    "Tb/s": (Dim.BANDWIDTH, _T / 8), "Mbps": (Dim.BANDWIDTH, _M / 8), "Gbps": (Dim.BANDWIDTH, _G / 8),
+    "GFLOP/s": (Dim.COMPUTE, _G), "TFLOP/s": (Dim.COMPUTE, _T), "PFLOP/s": (Dim.COMPUTE, _P),
+    "TFLOPS": (Dim.COMPUTE, _T),
+    "s": (Dim.TIME, 1), "ms": (Dim.TIME, 1e-3), "us": (Dim.TIME, 1e-6), "ns": (Dim.TIME, 1e-9),
+    "$/h": (Dim.PRICE_HOUR, 1), "$/hr": (Dim.PRICE_HOUR, 1),
+    "$/GB": (Dim.PRICE_GB, 1),
+    "tokens/s": (Dim.THROUGHPUT, 1),
+}
+
+# the units `hetc fmt` and `hetc plan` print, largest first
+DISPLAY: dict[Dim, tuple[str, ...]] = {
+    Dim.MEMORY: ("TiB", "GiB", "MiB", "KiB", "GB", "MB", "B"),
+    Dim.BANDWIDTH: ("TB/s", "GB/s", "Gb/s", "MB/s", "B/s"),
+    Dim.COMPUTE: ("PFLOP/s", "TFLOP/s", "GFLOP/s"),
+    Dim.TIME: ("s", "ms", "us", "ns"),
+    Dim.PRICE_HOUR: ("$/h",),
+    Dim.PRICE_GB: ("$/GB",),
+    Dim.THROUGHPUT: ("tokens/s",),
+}
+
+
+def units_of(dim: Dim) -> list[str]:
+    return [u for u, (d, _) in UNITS.items() if d == dim]
+
+
+def to_base(value: float, unit: str) -> tuple[Dim, float]:
+    """(dimension, value in base units); KeyError for an unknown unit."""
+    dim, factor = UNITS[unit]
+    return dim, _scale(value, factor)
+
+
+def _scale(value: float, factor: float) -> float:
+    # Divide by 1e6 rather than multiply by 1e-6: "5 us" is then exactly 5e-06.
+    return value / round(1 / factor) if factor < 1 else value * factor
+
+
+def _short(x: float) -> str:
+    if x == int(x) and abs(x) < 1e16:
+        return str(int(x))
+    return repr(x)
+
+
+def format_quantity(base: float, dim: Dim) -> str:
+    """The shortest display that parses back to exactly `base`."""
+    candidates = []
+    for unit in DISPLAY[dim]:
+        factor = UNITS[unit][1]
+        shown = base * round(1 / factor) if factor < 1 else base / factor
+        if not math.isfinite(shown):
+            continue
+        for digits in (6, 12, 17):
+            text = _short(float(f"{shown:.{digits}g}"))
+            if _scale(float(text), factor) == base:
+                candidates.append((len(text), abs(shown) < 1 and base != 0, f"{text} {unit}"))
+                break
+    if not candidates:
+        unit = DISPLAY[dim][-1]
+        return f"{_short(base / UNITS[unit][1])} {unit}"  # only for inf/nan, never parsed back
+    return min(candidates)[2]

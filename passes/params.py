@@ -1,0 +1,53 @@
+"""Parameter counts per layer, the Φ of every memory and traffic formula.
+
+The runtime's modules must have exactly these counts (tests/test_model.py
+checks it), so memory predictions and ZeRO shard sizes agree with what runs.
+"""
+
+from __future__ import annotations
+
+from hetc.spec import Arch, ModelSpec
+
+__all__ = ["layer_params", "model_params", "block_params", "stage_params"]
+
+
+def block_params(m: ModelSpec) -> int:
+    """One transformer block."""
+    h, f = m.hidden, m.ffn
+    head_dim = h // m.heads
+    q = h * m.heads * head_dim
+    kv = 2 * h * m.num_kv_heads * head_dim
+    out = m.heads * head_dim * h
+    if m.arch is Arch.LLAMA:
+        attn = q + kv + out
+        mlp = 3 * h * f
+        norms = 2 * h
+    else:  # GPT: biases on every projection, LayerNorm with bias
+        attn = q + kv + out + m.heads * head_dim + 2 * m.num_kv_heads * head_dim + h
+        mlp = 2 * h * f + f + h
+        norms = 4 * h
+    if m.moe is not None:
+        mlp = mlp * m.moe.experts + h * m.moe.experts  # experts + router
+    return attn + mlp + norms
+
+
+def layer_params(m: ModelSpec, idx: int) -> int:
+    """Layer `idx` of [embed, block0, ..., head]."""
+    if idx == 0:
+        pos = m.seq * m.hidden if m.arch is Arch.GPT else 0
+        return m.vocab * m.hidden + pos
+    if idx == m.layers + 1:
+        norm = m.hidden if m.arch is Arch.LLAMA else 2 * m.hidden
+        return norm + (0 if m.tied_embeddings else m.vocab * m.hidden)
+    return block_params(m)
+
+
+def stage_params(m: ModelSpec, layers: range) -> int:
+    """A contiguous run of layers, in O(1): blocks all have the same size."""
+    blocks = len(range(max(layers.start, 1), min(layers.stop, m.layers + 1)))
+    ends = sum(layer_params(m, i) for i in (0, m.layers + 1) if i in layers)
+    return blocks * block_params(m) + ends
+
+
+def model_params(m: ModelSpec) -> int:
+    return stage_params(m, range(m.num_model_layers))

@@ -1,0 +1,277 @@
+"""Resolve an explicit parallel plan to ranks, lanes, ministages and routing.
+
+Every inconsistency is a located diagnostic; `resolve_pipeline` returns the
+`Pipeline` only when there are none. Stages whose layers, ranks or lanes
+are `auto` are the planner's to fill; resolving them is an error here.
+"""
+
+from __future__ import annotations
+
+from hetc.errors import Diagnostic, Span, did_you_mean
+from hetc.pipeline import Lane, Ministage, Pipeline, Stage, route_microbatches
+from hetc.spec import AUTO, RankSlice, RoutingKind, Spec, StageSpec
+from hetc.topology import Gpu, Topology
+
+__all__ = ["resolve_pipeline", "resolve_rank_slices", "proportional_counts", "Diagnostics"]
+
+Diagnostics = list[Diagnostic]
+
+
+def resolve_rank_slices(slices: tuple[RankSlice, ...], topo: Topology, errors: Diagnostics) -> list[Gpu]:
+    out: list[Gpu] = []
+    for s in slices:
+        out += _one_slice(s, topo, errors)
+    return out
+
+
+def _one_slice(s: RankSlice, topo: Topology, errors: Diagnostics) -> list[Gpu]:
+    group = topo.groups.get(s.group)
+    if group is None:
+        errors.append(Diagnostic(s.span, f"unknown node group '{s.group}'"
+                                 f"{did_you_mean(s.group, list(topo.groups))}"))
+        return []
+    if s.group not in topo.first_gpu_of_group:
+        return []  # its device is unknown: reported elsewhere
+    nodes = _indices(s.node_start, s.node_stop, s.node_is_slice, group.count, "node", s, errors)
+    gpus = _indices(s.gpu_start, s.gpu_stop, s.gpu_is_slice, group.gpus, "GPU", s, errors)
+    if nodes is None or gpus is None:
+        return []
+    return [topo.gpu_at(s.group, n, g) for n in nodes for g in gpus]
+
+
+def _indices(start, stop, is_slice, size, what, s: RankSlice, errors) -> range | None:
+    where = f"'{s.group}' has {size} {what}{'s' if size != 1 else ''}"
+    if what == "GPU":
+        where = f"nodes of '{s.group}' have {size} GPU{'s' if size != 1 else ''}"
+    if not is_slice:
+        if start >= size:
+            errors.append(Diagnostic(s.span, f"{what} {start} is outside its node group: {where}"))
+            return None
+        return range(start, start + 1)
+    lo = 0 if start is None else start
+    hi = size if stop is None else stop
+    if hi > size:
+        errors.append(Diagnostic(s.span, f"{what} range {lo}:{hi} is outside its node group: {where}"))
+        return None
+    if lo >= hi:
+        errors.append(Diagnostic(s.span, f"{what} range {lo}:{hi} is empty"))
+        return None
+    return range(lo, hi)
+
+
+def resolve_pipeline(spec: Spec, topo: Topology, errors: Diagnostics) -> Pipeline | None:
+    par, model, train = spec.parallel, spec.model, spec.train
+    assert par is not None and model is not None and train is not None
+    if par.stages is AUTO or any(_is_auto(st) for st in par.stages) or par.schedule is AUTO:
+        return None
+    before = len(errors)
+    used = _rank_owners(spec, topo, errors)
+    world = tuple(g for g in topo.gpus if g.id in used)
+    rank_of = {g.id: r for r, g in enumerate(world)}
+    ministages = _ministages(spec, errors)
+    num_mb = train.global_batch // train.micro_batch
+    stages = []
+    for idx, st in enumerate(par.stages):
+        gpus = resolve_rank_slices(st.ranks, topo, [])
+        stage = _stage(idx, st, [rank_of[g.id] for g in gpus if g.id in rank_of], ministages,
+                       spec, num_mb, world, errors)
+        stages.append(stage)
+    if len(errors) > before or None in stages:
+        return None
+    ms_objs = tuple(m for m in ministages)
+    return Pipeline(tuple(stages), ms_objs, world, num_mb, train.micro_batch, par.schedule, par.prefetch)
+
+
+def _is_auto(st: StageSpec) -> bool:
+    return AUTO in (st.layers, st.ranks, st.lanes, st.tp, st.cp, st.ministages, st.microbatches)
+
+
+def _rank_owners(spec: Spec, topo: Topology, errors: Diagnostics) -> dict[int, str]:
+    """GPU id -> owning stage; GPUs used twice or by nobody are errors."""
+    par = spec.parallel
+    owner: dict[int, tuple[str, Span]] = {}
+    for label, slices in [(f"stage '{st.name}'", st.ranks) for st in par.stages] + [("idle", par.idle)]:
+        for s in slices:
+            for gpu in _one_slice(s, topo, errors):
+                if gpu.id in owner:
+                    first, span = owner[gpu.id]
+                    errors.append(Diagnostic(s.span, f"GPU {gpu} is used twice: by {first} and by {label}",
+                                             notes=((span, "first used here"),)))
+                    continue
+                owner[gpu.id] = (label, s.span)
+    unused = [g for g in topo.gpus if g.id not in owner]
+    if unused:
+        shown = ", ".join(str(g) for g in unused[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
+        errors.append(Diagnostic(par.span, f"{len(unused)} GPU{'s are' if len(unused) > 1 else ' is'} used by "
+                                 f"no stage: {shown}; give them to a stage or list them in idle = [...]"))
+    return {gid: label for gid, (label, _) in owner.items() if label != "idle"}
+
+
+def _layer_index(spec: Spec, name: str, span: Span, errors: Diagnostics) -> int | None:
+    model = spec.model
+    idx = model.layer_index(name)
+    if idx is None:
+        last = f"block{model.layers - 1}"
+        if name.startswith("block") and name[5:].isdigit():
+            msg = f"'{name}' does not exist: the model has {model.layers} blocks, block0..{last}"
+        else:
+            msg = f"unknown layer '{name}'{did_you_mean(name, ['embed', 'head', 'block0', last])}; " \
+                  f"layers are embed, block0..{last} and head"
+        errors.append(Diagnostic(span, msg))
+    return idx
+
+
+def _ministages(spec: Spec, errors: Diagnostics) -> list[Ministage]:
+    """Split every stage's layer ranges into ministages; check coverage and order."""
+    chunks: list[tuple[int, int, int, Span]] = []  # (first, stop, stage, span)
+    for s_idx, st in enumerate(spec.parallel.stages):
+        for r in _stage_ranges(spec, st, errors):
+            chunks.append((*r, s_idx, st.span_of("layers")))
+    chunks.sort()
+    _check_coverage(spec, chunks, errors)
+    out = []
+    per_stage: dict[int, int] = {}
+    for first, stop, stage, _ in chunks:
+        chunk = per_stage.get(stage, 0)
+        per_stage[stage] = chunk + 1
+        out.append(Ministage(len(out), stage, chunk, first, stop))
+    _check_stage_order(spec, out, errors)
+    return out
+
+
+def _stage_ranges(spec: Spec, st: StageSpec, errors: Diagnostics) -> list[tuple[int, int]]:
+    ranges = []
+    for r in st.layers:
+        lo = _layer_index(spec, r.first, r.span, errors)
+        hi = _layer_index(spec, r.last, r.span, errors)
+        if lo is None or hi is None:
+            continue
+        if hi < lo:
+            errors.append(Diagnostic(r.span, f"layers {r.first}..{r.last} are out of order: "
+                                     f"{r.last} comes before {r.first}"))
+            continue
+        ranges.append((lo, hi + 1))
+    if len(st.layers) > 1:
+        if st.ministages not in (1, len(st.layers)):
+            errors.append(Diagnostic(st.span_of("ministages"), f"stage '{st.name}' lists {len(st.layers)} "
+                                     f"layer ranges but ministages = {st.ministages}"))
+        return ranges
+    return [piece for lo, hi in ranges for piece in _split(lo, hi, st, errors)]
+
+
+def _split(lo: int, hi: int, st: StageSpec, errors: Diagnostics) -> list[tuple[int, int]]:
+    k = st.ministages
+    if k > hi - lo:
+        errors.append(Diagnostic(st.span_of("ministages"), f"stage '{st.name}' has {hi - lo} layers and "
+                                 f"cannot be split into {k} ministages"))
+        return [(lo, hi)]
+    bounds = [lo + (hi - lo) * i // k for i in range(k + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(k)]
+
+
+def _check_coverage(spec: Spec, chunks, errors: Diagnostics) -> None:
+    model = spec.model
+    names = spec.parallel.stages
+    expect = 0
+    last_owner: tuple[int, Span] | None = None
+    for first, stop, stage, span in chunks:
+        if first > expect:
+            gap = _range_name(model, expect, first)
+            errors.append(Diagnostic(span, f"layers {gap} belong to no stage"))
+        elif first < expect:
+            overlap = _range_name(model, first, min(stop, expect))
+            other = names[last_owner[0]].name
+            errors.append(Diagnostic(span, f"layers {overlap} are in two stages: '{other}' and "
+                                     f"'{names[stage].name}'", notes=((last_owner[1], "first assigned here"),)))
+        if stop > expect:
+            expect, last_owner = stop, (stage, span)
+    if chunks and expect < model.num_model_layers:
+        errors.append(Diagnostic(chunks[-1][3], f"layers {_range_name(model, expect, model.num_model_layers)}"
+                                 " belong to no stage"))
+
+
+def _check_stage_order(spec: Spec, ministages: list[Ministage], errors: Diagnostics) -> None:
+    first_seen: list[int] = []
+    for m in ministages:
+        if m.stage not in first_seen:
+            first_seen.append(m.stage)
+    stages = spec.parallel.stages
+    for pos, s_idx in enumerate(first_seen):
+        if s_idx != pos:
+            st = stages[s_idx]
+            errors.append(Diagnostic(st.span_of("layers"), f"stage '{st.name}' is listed as stage {s_idx} but "
+                                     f"its layers come at position {pos}: list stages in pipeline order"))
+            return
+
+
+def _range_name(model, lo: int, hi: int) -> str:
+    a, b = model.layer_name(lo), model.layer_name(hi - 1)
+    return a if a == b else f"{a}..{b}"
+
+
+def _stage(idx: int, st: StageSpec, ranks: list[int], ministages: list[Ministage], spec: Spec,
+           num_mb: int, world: tuple[Gpu, ...], errors: Diagnostics) -> Stage | None:
+    lane_size = st.tp * st.cp
+    if not ranks:
+        return None
+    lanes = st.lanes
+    if len(ranks) != lanes * lane_size:
+        errors.append(Diagnostic(st.span_of("lanes"), f"stage '{st.name}' has {len(ranks)} GPUs but lanes × tp"
+                                 f" × cp = {lanes} × {st.tp} × {st.cp} = {lanes * lane_size}"))
+        return None
+    lane_gpus = [[world[r] for r in ranks[i * lane_size:(i + 1) * lane_size]] for i in range(lanes)]
+    counts = _lane_counts(st, lane_gpus, num_mb, spec, errors)
+    if counts is None:
+        return None
+    routes = route_microbatches(counts)
+    lane_objs = tuple(Lane(i, tuple(ranks[i * lane_size:(i + 1) * lane_size]), tuple(routes[i]))
+                      for i in range(lanes))
+    own = tuple(m.index for m in ministages if m.stage == idx)
+    par = spec.parallel
+    return Stage(idx, st.name, own, lane_objs, st.tp, st.cp, st.cp_kind, st.sequence_parallel,
+                 st.zero or par.zero, st.offload or par.offload)
+
+
+def _lane_counts(st: StageSpec, lane_gpus: list[list[Gpu]], num_mb: int, spec: Spec,
+                 errors: Diagnostics) -> list[int] | None:
+    r = st.microbatches
+    lanes = len(lane_gpus)
+    train = spec.train
+    if r.kind is RoutingKind.COUNTS:
+        if len(r.counts) != lanes:
+            errors.append(Diagnostic(r.span, f"stage '{st.name}' has {lanes} lanes but {len(r.counts)} "
+                                     "microbatch counts"))
+            return None
+        if sum(r.counts) * train.micro_batch != train.global_batch:
+            errors.append(Diagnostic(r.span, f"global_batch ({train.global_batch}) ≠ micro_batch "
+                                     f"({train.micro_batch}) × microbatches ({sum(r.counts)} = "
+                                     f"{' + '.join(map(str, r.counts))}) in stage '{st.name}'"))
+            return None
+        if 0 in r.counts:
+            errors.append(Diagnostic(r.span, f"a lane of stage '{st.name}' gets no microbatch; "
+                                     "drop the lane or give it work"))
+            return None
+        return list(r.counts)
+    if num_mb < lanes:
+        errors.append(Diagnostic(st.span_of("lanes"), f"stage '{st.name}' has {lanes} lanes but there are only "
+                                 f"{num_mb} microbatches (global_batch {train.global_batch} / micro_batch "
+                                 f"{train.micro_batch})"))
+        return None
+    if r.kind is RoutingKind.EVEN:
+        return [num_mb // lanes + (1 if i < num_mb % lanes else 0) for i in range(lanes)]
+    return proportional_counts(lane_gpus, num_mb, spec.model.dtype)
+
+
+def proportional_counts(lane_gpus: list[list[Gpu]], num_mb: int, dtype) -> list[int]:
+    """Counts proportional to each lane's effective FLOP/s (largest remainder), at least 1 each."""
+    lanes = len(lane_gpus)
+    speeds = [min(g.device.peak.for_dtype(dtype) * g.device.efficiency for g in gpus) or 1.0
+              for gpus in lane_gpus]
+    total = sum(speeds)
+    spare = num_mb - lanes
+    exact = [spare * s / total for s in speeds]
+    counts = [1 + int(e) for e in exact]
+    order = sorted(range(lanes), key=lambda i: -(exact[i] - int(exact[i])))
+    for i in order[: num_mb - sum(counts)]:
+        counts[i] += 1
+    return counts

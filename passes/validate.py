@@ -1,0 +1,194 @@
+"""The validation pass: every rule a Spec must satisfy, as located errors.
+
+Runs the independent checks (names, model shape, cluster, batch arithmetic,
+plan resolution, memory fit) and reports all their diagnostics together.
+A spec file that defines only some sections (a catalog, a shared cluster)
+is checked for what it has.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from hetc.errors import Diagnostic, SpecError, did_you_mean
+from hetc.pipeline import Pipeline
+from hetc.spec import AUTO, DTYPE_BYTES, DataKind, OffloadTarget, Spec, ZeroShard
+from hetc.topology import MAX_GPUS, Topology
+from hetc.passes.params import model_params
+from hetc.passes.resolve import resolve_pipeline
+
+__all__ = ["Checked", "validate", "check_spec"]
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A Spec that passed validation, with what validation resolved."""
+
+    spec: Spec
+    topology: Topology | None
+    pipeline: Pipeline | None   # None while the plan still has `auto`
+
+
+def validate(spec: Spec, base_dir: Path | None = None) -> list[Diagnostic]:
+    errors: list[Diagnostic] = []
+    _check(spec, base_dir, errors)
+    return errors
+
+
+def check_spec(spec: Spec, base_dir: Path | None = None) -> Checked:
+    """Validate and resolve; raise one SpecError carrying every problem."""
+    errors: list[Diagnostic] = []
+    topo, pipeline = _check(spec, base_dir, errors)
+    if errors:
+        raise SpecError(errors)
+    return Checked(spec, topo, pipeline)
+
+
+def _check(spec: Spec, base_dir: Path | None, errors: list[Diagnostic]):
+    _unique(spec.devices, "device kind", errors)
+    if spec.model is not None:
+        _check_model(spec, errors)
+    if spec.train is not None:
+        _check_train(spec, base_dir, errors)
+    topo = None
+    if spec.cluster is not None:
+        topo = _check_cluster(spec, errors)
+    if spec.parallel is not None and spec.cluster is None:
+        errors.append(Diagnostic(spec.parallel.span, "a parallel plan needs a cluster block"))
+    pipeline = None
+    if spec.is_complete and topo is not None and not errors:
+        _check_parallel(spec, errors)
+        if not errors:
+            pipeline = resolve_pipeline(spec, topo, errors)
+        _check_fit(spec, topo, errors)
+    return topo, pipeline
+
+
+def _unique(nodes, what: str, errors) -> None:
+    seen = {}
+    for n in nodes:
+        if n.name in seen:
+            errors.append(Diagnostic(n.span, f"duplicate {what} '{n.name}'",
+                                     notes=((seen[n.name].span, "first defined here"),)))
+        else:
+            seen[n.name] = n
+
+
+def _check_model(spec: Spec, errors) -> None:
+    m = spec.model
+    if m.hidden % m.heads:
+        errors.append(Diagnostic(m.span_of("hidden"), f"hidden ({m.hidden}) is not divisible by heads ({m.heads})"))
+    if m.heads % m.num_kv_heads:
+        errors.append(Diagnostic(m.span_of("kv_heads"), f"heads ({m.heads}) is not divisible by kv_heads "
+                                 f"({m.num_kv_heads})"))
+    if m.arch.value == "llama" and (m.hidden // m.heads) % 2:
+        errors.append(Diagnostic(m.span_of("heads"), f"head size hidden / heads = {m.hidden // m.heads} must be "
+                                 "even for rotary embeddings"))
+    if m.moe is not None and m.moe.top_k > m.moe.experts:
+        errors.append(Diagnostic(m.moe.span_of("top_k"), f"top_k ({m.moe.top_k}) exceeds experts "
+                                 f"({m.moe.experts})"))
+
+
+def _check_train(spec: Spec, base_dir: Path | None, errors) -> None:
+    t = spec.train
+    if t.global_batch % t.micro_batch:
+        errors.append(Diagnostic(t.span_of("global_batch"), f"global_batch ({t.global_batch}) is not a multiple "
+                                 f"of micro_batch ({t.micro_batch})"))
+    if t.data.kind is DataKind.TEXT:
+        if not t.data.path:
+            errors.append(Diagnostic(t.data.span, "data text needs a path = \"file.txt\""))
+        elif base_dir is not None and not (base_dir / t.data.path).is_file():
+            errors.append(Diagnostic(t.data.span_of("path"), f"cannot find the text file '{t.data.path}'"))
+
+
+def _check_cluster(spec: Spec, errors) -> Topology | None:
+    c = spec.cluster
+    _unique(c.nodes, "node group", errors)
+    names = [d.name for d in spec.devices]
+    for n in c.nodes:
+        if spec.device(n.device) is None:
+            hint = did_you_mean(n.device, names) or (" (no device kinds are defined; add use \"catalog.het\")"
+                                                     if not names else "")
+            errors.append(Diagnostic(n.span_of("device"), f"unknown device kind '{n.device}'{hint}"))
+    total = sum(n.count * n.gpus for n in c.nodes)
+    if total > MAX_GPUS:
+        errors.append(Diagnostic(c.span, f"the cluster has {total} GPUs; hetc plans at most {MAX_GPUS}"))
+        return None
+    if not c.nodes:
+        errors.append(Diagnostic(c.span, "the cluster has no nodes"))
+        return None
+    topo = Topology(spec)
+    ends = topo.endpoints()
+    seen = {}
+    for link in c.links:
+        for end in (link.a, link.b):
+            if end not in ends:
+                errors.append(Diagnostic(link.span, f"unknown link end '{end}'{did_you_mean(end, ends)}; "
+                                         "a link joins node groups, zones or regions"))
+        key = frozenset((link.a, link.b))
+        if key in seen:
+            errors.append(Diagnostic(link.span, f"duplicate link {link.a} <-> {link.b}",
+                                     notes=((seen[key].span, "first defined here"),)))
+        seen[key] = link
+    return topo
+
+
+def _check_parallel(spec: Spec, errors) -> None:
+    par, m, t = spec.parallel, spec.model, spec.train
+    _check_zero(par.zero, errors)
+    if par.stages is AUTO:
+        return
+    _unique(par.stages, "stage", errors)
+    explicit = [st for st in par.stages if st.layers is not AUTO]
+    for st in par.stages:
+        if explicit and st.layers is AUTO:
+            errors.append(Diagnostic(st.span, f"stage '{st.name}' has no layers; write layers = ... (or leave "
+                                     "layers out of every stage to let the planner choose)"))
+        if st.zero is not None:
+            _check_zero(st.zero, errors)
+        if st.tp is not AUTO:
+            for what, n in (("heads", m.heads), ("kv_heads", m.num_kv_heads)):
+                if n % st.tp:
+                    errors.append(Diagnostic(st.span_of("tp"), f"{what} ({n}) is not divisible by tp ({st.tp}) "
+                                             f"in stage '{st.name}'"))
+        if st.cp is not AUTO and m.seq % st.cp:
+            errors.append(Diagnostic(st.span_of("cp"), f"seq ({m.seq}) is not divisible by cp ({st.cp}) "
+                                     f"in stage '{st.name}'"))
+        _check_grad_accum(spec, st, errors)
+
+
+def _check_zero(z, errors) -> None:
+    if z.across and z.shard is not ZeroShard.NODE:
+        errors.append(Diagnostic(z.span_of("across"), "across applies between shard groups: set shard = node"))
+
+
+def _check_grad_accum(spec: Spec, st, errors) -> None:
+    t = spec.train
+    if t.grad_accum is None or st.lanes is AUTO or st.microbatches is AUTO:
+        return
+    if st.microbatches.kind.value == "counts":
+        return
+    total = t.micro_batch * t.grad_accum * st.lanes
+    if total != t.global_batch:
+        errors.append(Diagnostic(t.span_of("global_batch"), f"global_batch ({t.global_batch}) ≠ micro_batch "
+                                 f"({t.micro_batch}) × grad_accum ({t.grad_accum}) × lanes ({st.lanes}) of stage "
+                                 f"'{st.name}' = {total}"))
+
+
+def _check_fit(spec: Spec, topo: Topology, errors) -> None:
+    """Model states must fit in the cluster's memory even fully sharded (ZeRO-3 over all GPUs)."""
+    m = spec.model
+    phi = model_params(m)
+    delta, delta_opt = DTYPE_BYTES[m.dtype], DTYPE_BYTES[m.optimizer.master_dtype]
+    n_opt = m.optimizer.num_states
+    master = delta_opt if delta_opt != delta else 0
+    need = phi * (2 * delta + (n_opt * delta_opt) + master)
+    have = sum(g.device.memory for g in topo.gpus)
+    off = spec.parallel.offload
+    if off.params is not OffloadTarget.NONE or off.optimizer is not OffloadTarget.NONE:
+        have += sum(n.host_memory * n.count for n in spec.cluster.nodes)
+    if need > have:
+        errors.append(Diagnostic(m.span, f"the model's parameters, gradients and optimizer state need "
+                                 f"{need / 2**30:.1f} GiB ({phi / 1e9:.2f}B parameters) but the cluster has "
+                                 f"{have / 2**30:.1f} GiB even fully sharded over {topo.num_gpus} GPUs"))
