@@ -1,0 +1,500 @@
+"""The Program: one instruction list per rank, for one training step.
+
+A closed set of instruction kinds, each a frozen dataclass with a one-line
+text form that parses back to the same object (`parse_instr(str(i)) == i`).
+A rank's listing (`RankProgram.to_text`) is what `hetc compile` writes to
+`programs/rank-NNNN.txt` and what `hetc verify` and `hetc run` read, so a
+person can edit a schedule by hand.
+
+Semantics the runtime and the verifier share (Note [dataflow]):
+- `fwd ms=k mb=j` reads its input from: the loaded tokens when ministage k
+  starts at the embedding; else this rank's own `fwd ms=k-1 mb=j` when it ran
+  it; else a completed `recv act ms=k-1 mb=j`. Its output is what
+  `send act ms=k mb=j` sends. When ministage k ends at the head, it also
+  computes the loss of microbatch j (labels from `load`).
+- `bwd ms=k mb=j` (or `bwd_i` then `bwd_w`) reads the gradient of its output
+  from: the loss when k ends at the head; else this rank's own backward of
+  ministage k+1; else a completed `recv grad ms=k+1 mb=j`. The gradient of
+  its input is what `send grad ms=k mb=j` sends.
+- A message is named by (tensor kind, producing ministage, microbatch): `act`
+  leaves ministage k forwards, `grad` leaves ministage k backwards.
+- An instruction with `h=N` only starts; `wait h=N` completes it. Without a
+  handle it completes before the next instruction starts.
+- Collectives act on the flat parameter/gradient buffer of one ministage over
+  a named group; every member must issue a group's collectives in the same
+  order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import ClassVar, Union
+
+__all__ = [
+    "Tensor", "Load", "Forward", "Backward", "BackwardInput", "BackwardWeight", "Send", "Recv",
+    "AllGather", "ReduceScatter", "AllReduce", "AllToAll", "Offload", "Prefetch", "Free", "Step",
+    "Wait", "Instr", "INSTR_TYPES", "parse_instr", "instr_from_json", "Group", "Shard", "RankProgram", "Program",
+    "ProgramFormatError", "COMPUTE_TYPES", "COMM_TYPES", "COLLECTIVE_TYPES",
+]
+
+
+class Tensor(StrEnum):
+    ACT = "act"          # a boundary activation of one microbatch
+    GRAD = "grad"        # the gradient of a boundary activation
+    PARAMS = "params"    # a ministage's parameters (flat buffer)
+    GRADS = "grads"      # a ministage's parameter gradients (flat buffer)
+    LOSS = "loss"        # the step's summed loss (for reporting)
+    NORM = "norm"        # the squared gradient norm (for clipping)
+
+
+class ProgramFormatError(ValueError):
+    """A listing or JSON that does not describe a program; carries the line."""
+
+    def __init__(self, message: str, line: int = 0, source: str = ""):
+        self.line = line
+        self.source = source
+        where = f"{source}:{line}: " if source else (f"line {line}: " if line else "")
+        super().__init__(where + message)
+
+
+@dataclass(frozen=True, slots=True)
+class _Base:
+    OP: ClassVar[str] = ""
+    WHAT: ClassVar[tuple[Tensor, ...]] = ()   # allowed values of the positional `what`
+
+    def __str__(self) -> str:
+        parts = [self.OP]
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "what":
+                parts.append(value.value)
+            elif value is None:
+                continue
+            else:
+                parts.append(f"{_KEYS.get(f.name, f.name)}={_fmt(value)}")
+        return " ".join(parts)
+
+    def to_json(self) -> dict:
+        out: dict = {"op": self.OP}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                out[f.name] = value.value if isinstance(value, StrEnum) else (
+                    list(value) if isinstance(value, tuple) else value)
+        return out
+
+
+# text key for a field, where it differs from the field name
+_KEYS = {"peer_to": "to", "peer_from": "from", "handle": "h"}
+
+
+def _fmt(value) -> str:
+    if isinstance(value, tuple):
+        return "x".join(str(v) for v in value)
+    return str(value)
+
+
+@dataclass(frozen=True, slots=True)
+class Load(_Base):
+    """Load the tokens and labels of microbatch `mb` (plan-independent content)."""
+
+    OP: ClassVar[str] = "load"
+    mb: int
+
+
+@dataclass(frozen=True, slots=True)
+class Forward(_Base):
+    OP: ClassVar[str] = "fwd"
+    ms: int
+    mb: int
+
+
+@dataclass(frozen=True, slots=True)
+class Backward(_Base):
+    """Input gradient and weight gradient together."""
+
+    OP: ClassVar[str] = "bwd"
+    ms: int
+    mb: int
+
+
+@dataclass(frozen=True, slots=True)
+class BackwardInput(_Base):
+    """Zero-bubble I: the input gradient only; weight gradient deferred to `bwd_w`."""
+
+    OP: ClassVar[str] = "bwd_i"
+    ms: int
+    mb: int
+
+
+@dataclass(frozen=True, slots=True)
+class BackwardWeight(_Base):
+    OP: ClassVar[str] = "bwd_w"
+    ms: int
+    mb: int
+
+
+@dataclass(frozen=True, slots=True)
+class Send(_Base):
+    OP: ClassVar[str] = "send"
+    WHAT: ClassVar[tuple[Tensor, ...]] = (Tensor.ACT, Tensor.GRAD)
+    what: Tensor
+    ms: int
+    mb: int
+    peer_to: int
+    shape: tuple[int, ...]
+    handle: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Recv(_Base):
+    OP: ClassVar[str] = "recv"
+    WHAT: ClassVar[tuple[Tensor, ...]] = (Tensor.ACT, Tensor.GRAD)
+    what: Tensor
+    ms: int
+    mb: int
+    peer_from: int
+    shape: tuple[int, ...]
+    handle: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AllGather(_Base):
+    """Gather ministage `ms`'s parameter shards into its full parameters."""
+
+    OP: ClassVar[str] = "all_gather"
+    WHAT: ClassVar[tuple[Tensor, ...]] = (Tensor.PARAMS,)
+    what: Tensor
+    ms: int
+    group: str
+    handle: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReduceScatter(_Base):
+    """Sum ministage `ms`'s gradients over the group, keeping this rank's shard."""
+
+    OP: ClassVar[str] = "reduce_scatter"
+    WHAT: ClassVar[tuple[Tensor, ...]] = (Tensor.GRADS,)
+    what: Tensor
+    ms: int
+    group: str
+    handle: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AllReduce(_Base):
+    """Sum over the group: a ministage's gradients (or its shard of them), the loss, or the norm."""
+
+    OP: ClassVar[str] = "all_reduce"
+    WHAT: ClassVar[tuple[Tensor, ...]] = (Tensor.GRADS, Tensor.LOSS, Tensor.NORM)
+    what: Tensor
+    group: str
+    ms: int | None = None
+    handle: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AllToAll(_Base):
+    """Layout transform of a boundary tensor inside a group (tp/cp contracts)."""
+
+    OP: ClassVar[str] = "all_to_all"
+    WHAT: ClassVar[tuple[Tensor, ...]] = (Tensor.ACT, Tensor.GRAD)
+    what: Tensor
+    ms: int
+    mb: int
+    group: str
+    handle: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Offload(_Base):
+    """Copy to the host and release device memory (params of a ministage, or one stashed act)."""
+
+    OP: ClassVar[str] = "offload"
+    WHAT: ClassVar[tuple[Tensor, ...]] = (Tensor.PARAMS, Tensor.ACT)
+    what: Tensor
+    ms: int
+    mb: int | None = None
+    handle: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Prefetch(_Base):
+    """Copy back from the host to the device."""
+
+    OP: ClassVar[str] = "prefetch"
+    WHAT: ClassVar[tuple[Tensor, ...]] = (Tensor.PARAMS, Tensor.ACT)
+    what: Tensor
+    ms: int
+    mb: int | None = None
+    handle: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Free(_Base):
+    """Release the gathered full parameters of a sharded ministage."""
+
+    OP: ClassVar[str] = "free"
+    WHAT: ClassVar[tuple[Tensor, ...]] = (Tensor.PARAMS,)
+    what: Tensor
+    ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Step(_Base):
+    """The optimizer step on this rank's shard of ministage `ms`."""
+
+    OP: ClassVar[str] = "step"
+    ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Wait(_Base):
+    OP: ClassVar[str] = "wait"
+    handle: int
+
+
+Instr = Union[Load, Forward, Backward, BackwardInput, BackwardWeight, Send, Recv, AllGather, ReduceScatter,
+              AllReduce, AllToAll, Offload, Prefetch, Free, Step, Wait]
+INSTR_TYPES: dict[str, type] = {t.OP: t for t in Instr.__args__}  # type: ignore[attr-defined]
+COMPUTE_TYPES = (Forward, Backward, BackwardInput, BackwardWeight)
+COLLECTIVE_TYPES = (AllGather, ReduceScatter, AllReduce, AllToAll)
+COMM_TYPES = (Send, Recv, *COLLECTIVE_TYPES)
+_FIELD_OF_KEY = {v: k for k, v in _KEYS.items()}
+
+
+def parse_instr(text: str) -> Instr:
+    """The inverse of `str(instr)`; ValueError with a reason on bad text."""
+    words = text.split()
+    if not words:
+        raise ValueError("empty instruction")
+    cls = INSTR_TYPES.get(words[0])
+    if cls is None:
+        raise ValueError(f"unknown instruction '{words[0]}'; known: {', '.join(INSTR_TYPES)}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values: dict = {}
+    rest = words[1:]
+    if "what" in fields:
+        if not rest or "=" in rest[0]:
+            raise ValueError(f"'{cls.OP}' needs one of {', '.join(w.value for w in cls.WHAT)}")
+        what = Tensor(rest[0]) if rest[0] in Tensor._value2member_map_ else None
+        if what not in cls.WHAT:
+            raise ValueError(f"'{cls.OP}' takes {', '.join(w.value for w in cls.WHAT)}, not '{rest[0]}'")
+        values["what"] = what
+        rest = rest[1:]
+    for word in rest:
+        key, sep, raw = word.partition("=")
+        name = _FIELD_OF_KEY.get(key, key)
+        if not sep or name not in fields or name == "what":
+            raise ValueError(f"unexpected '{word}' in '{cls.OP}'")
+        if name in values:
+            raise ValueError(f"'{key}' given twice")
+        values[name] = _parse_value(name, raw)
+    missing = [n for n, f in fields.items() if n not in values and f.default is dataclasses.MISSING]
+    if missing:
+        raise ValueError(f"'{cls.OP}' is missing {', '.join(_KEYS.get(m, m) for m in missing)}")
+    return cls(**values)
+
+
+def _parse_value(name: str, raw: str):
+    if name == "group":
+        if not raw:
+            raise ValueError("empty group name")
+        return raw
+    if name == "shape":
+        try:
+            dims = tuple(int(d) for d in raw.split("x"))
+        except ValueError:
+            raise ValueError(f"bad shape '{raw}' (write e.g. 2x32x64)") from None
+        if any(d <= 0 for d in dims):
+            raise ValueError(f"bad shape '{raw}'")
+        return dims
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"'{name}' must be a whole number, not '{raw}'") from None
+    if value < 0:
+        raise ValueError(f"'{name}' must not be negative")
+    return value
+
+
+def instr_from_json(obj: dict) -> Instr:
+    cls = INSTR_TYPES.get(obj.get("op", ""))
+    if cls is None:
+        raise ValueError(f"unknown instruction {obj.get('op')!r}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in obj:
+            continue
+        v = obj[f.name]
+        kwargs[f.name] = Tensor(v) if f.name == "what" else (tuple(v) if f.name == "shape" else v)
+    return cls(**kwargs)
+
+
+# ---------------------------------------------------------------- tables
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """A named set of ranks that run collectives together."""
+
+    name: str
+    ranks: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return f"group {self.name} = [{', '.join(map(str, self.ranks))}]"
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """How one rank holds a ministage's parameters (the buffer table).
+
+    `level` is the ZeRO level inside `group` (None: not sharded); `outer` and
+    `outer_level` the level across shard groups (hierarchical ZeRO).
+    `offload` keeps the parameters on the host between uses.
+    """
+
+    ms: int
+    level: int
+    group: str | None = None
+    outer: str | None = None
+    outer_level: int = 0
+    offload: bool = False
+
+    def __str__(self) -> str:
+        return (f"shard ms={self.ms} zero={self.level} group={self.group or '-'} outer={self.outer or '-'} "
+                f"outer_zero={self.outer_level} offload={'cpu' if self.offload else 'none'}")
+
+
+def _parse_shard(text: str) -> Shard:
+    kv = dict(w.partition("=")[::2] for w in text.split()[1:])
+    try:
+        return Shard(int(kv["ms"]), int(kv["zero"]), None if kv["group"] == "-" else kv["group"],
+                     None if kv["outer"] == "-" else kv["outer"], int(kv["outer_zero"]),
+                     kv["offload"] == "cpu")
+    except (KeyError, ValueError) as err:
+        raise ValueError(f"bad shard line ({err})") from None
+
+
+@dataclass(frozen=True, slots=True)
+class RankProgram:
+    """What one rank does in one step."""
+
+    rank: int
+    stage: int
+    lane: int
+    tp_rank: int
+    cp_rank: int
+    shards: tuple[Shard, ...]
+    instrs: tuple[Instr, ...]
+
+    def header(self) -> str:
+        return f"rank {self.rank} stage={self.stage} lane={self.lane} tp_rank={self.tp_rank} cp_rank={self.cp_rank}"
+
+    def to_text(self) -> str:
+        lines = [self.header(), *map(str, self.shards)]
+        lines += [f"{i:>5}  {instr}" for i, instr in enumerate(self.instrs)]
+        return "\n".join(lines) + "\n"
+
+    @classmethod
+    def from_text(cls, text: str, source: str = "") -> "RankProgram":
+        header: dict | None = None
+        shards, instrs = [], []
+        for lineno, raw in enumerate(text.splitlines(), start=1):
+            line = raw.split("#", 1)[0].strip()
+            if not line:
+                continue
+            try:
+                if line.startswith("rank "):
+                    header = _parse_header(line)
+                elif line.startswith("shard "):
+                    shards.append(_parse_shard(line))
+                else:
+                    index, _, body = line.partition(" ")
+                    if not index.isdigit():
+                        body = line  # the index column is optional when editing by hand
+                    instrs.append(parse_instr(body.strip()))
+            except ValueError as err:
+                raise ProgramFormatError(str(err), lineno, source) from None
+        if header is None:
+            raise ProgramFormatError("no 'rank N ...' header line", 1, source)
+        return cls(**header, shards=tuple(shards), instrs=tuple(instrs))
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "stage": self.stage, "lane": self.lane, "tp_rank": self.tp_rank,
+                "cp_rank": self.cp_rank, "shards": [dataclasses.asdict(s) for s in self.shards],
+                "instrs": [i.to_json() for i in self.instrs]}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "RankProgram":
+        return cls(obj["rank"], obj["stage"], obj["lane"], obj["tp_rank"], obj["cp_rank"],
+                   tuple(Shard(**s) for s in obj["shards"]),
+                   tuple(instr_from_json(i) for i in obj["instrs"]))
+
+
+def _parse_header(line: str) -> dict:
+    words = line.split()
+    kv = dict(w.partition("=")[::2] for w in words[2:])
+    try:
+        return {"rank": int(words[1]), "stage": int(kv["stage"]), "lane": int(kv["lane"]),
+                "tp_rank": int(kv["tp_rank"]), "cp_rank": int(kv["cp_rank"])}
+    except (KeyError, ValueError, IndexError):
+        raise ValueError("bad header: expected 'rank N stage=S lane=L tp_rank=T cp_rank=C'") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Program:
+    """All ranks' programs with the group table."""
+
+    ranks: tuple[RankProgram, ...]
+    groups: tuple[Group, ...]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def group(self, name: str) -> Group:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise KeyError(name)
+
+    def groups_text(self) -> str:
+        return "".join(f"{g}\n" for g in self.groups)
+
+    @staticmethod
+    def parse_groups(text: str, source: str = "") -> tuple[Group, ...]:
+        groups = []
+        for lineno, raw in enumerate(text.splitlines(), start=1):
+            line = raw.split("#", 1)[0].strip()
+            if not line:
+                continue
+            head, sep, body = line.partition("=")
+            words = head.split()
+            if not sep or len(words) != 2 or words[0] != "group":
+                raise ProgramFormatError("expected 'group NAME = [r, ...]'", lineno, source)
+            try:
+                ranks = tuple(int(r) for r in body.strip().strip("[]").split(",") if r.strip())
+            except ValueError:
+                raise ProgramFormatError("ranks must be whole numbers", lineno, source) from None
+            groups.append(Group(words[1], ranks))
+        return tuple(groups)
+
+    def to_json(self) -> str:
+        return json.dumps({"groups": [{"name": g.name, "ranks": list(g.ranks)} for g in self.groups],
+                           "ranks": [r.to_json() for r in self.ranks]})
+
+    @classmethod
+    def from_json(cls, text: str) -> "Program":
+        obj = json.loads(text)
+        return cls(tuple(RankProgram.from_json(r) for r in obj["ranks"]),
+                   tuple(Group(g["name"], tuple(g["ranks"])) for g in obj["groups"]))
+
+    def replace_rank(self, rank: int, instrs: tuple[Instr, ...]) -> "Program":
+        ranks = list(self.ranks)
+        ranks[rank] = dataclasses.replace(ranks[rank], instrs=instrs)
+        return Program(tuple(ranks), self.groups)
