@@ -84,57 +84,62 @@ class Converter:
 
     # ------------------------------------------------------------ blocks
 
-    def block(self, cls: type, items: tuple, span: Span, labels: tuple[str | None, ...] = (),
-              what: str = "") -> Node | None:
+    def block(self, cls: type, items: tuple, span: Span, what: str,
+              head: ast.Block | None = None) -> Node | None:
+        """Build `cls` from a block's items; `head` is the block itself (for its labels)."""
         infos = fields_of(cls)
         values: dict[str, Any] = {}
         spans: dict[str, Span] = {}
         failed = False
-        failed |= not self._labels(cls, infos, labels, span, what, values)
+        if head is not None:
+            failed |= not self._labels(infos, head, values, spans)
         seen: dict[str, Span] = {}
+        written: set[str] = set()  # fields the user wrote, even if wrongly: not "missing"
         for item in items:
             if isinstance(item, ast.Comment):
                 continue
             if isinstance(item, ast.Use):
                 self.error(item.span, "'use' is only allowed at the top of a file")
                 continue
+            written.update(_claimed_fields(infos, item))
             info = self._find(infos, item, what)
             if info is None:
                 failed = True
                 continue
             key = info.name if not (isinstance(item, ast.Block) and info.many) else None
             if key is not None and key in seen:
-                self.error(item.span if isinstance(item, ast.Block) else item.key_span,
-                           f"duplicate '{_item_name(item)}' in {what}",
-                           notes=((seen[key], "first defined here"),))
+                self.error(item.kind_span if isinstance(item, ast.Block) else item.key_span,
+                           _duplicate_message(item, info, what), notes=((seen[key], "first defined here"),))
                 failed = True
                 continue
             if key is not None:
                 seen[key] = item.span
             ok = self._assign(info, item, values, spans)
             failed |= not ok
-        failed |= not self._required(infos, values, span, what)
+        failed |= not self._required(infos, written, span, what)
         if failed:
             return None
         return cls(**values, span=span, spans=tuple(spans.items()))
 
-    def _labels(self, cls, infos, labels, span, what, values) -> bool:
+    def _labels(self, infos, head: ast.Block, values, spans) -> bool:
+        """The block's name(s): `model NAME`, `link A <-> B`, `optimizer adamw`."""
         label_infos = [i for i in infos if i.meta["label"]]
-        given = [lab for lab in labels if lab is not None]
+        given = [lab for lab in (head.label, head.peer) if lab is not None]
+        form = {0: "", 1: " NAME", 2: " A <-> B"}[len(label_infos)]
         if len(given) > len(label_infos):
-            self.error(span, f"{what} takes {_count(len(label_infos), 'name')}, got {len(given)}")
+            self.error(head.kind_span, f"{head.kind} takes {_count(len(label_infos), 'name')}, got "
+                                       f"{len(given)}: write {head.kind}{form} {{ ... }}")
             return False
-        for info, text in zip(label_infos, given):
-            value = self._enum(info.base, text, span, what) if _is_enum(info.base) else text
+        for info, text, span in zip(label_infos, given, head.label_spans or (head.kind_span,) * 2):
+            value = self._enum(info.base, text, span, f"'{head.kind}'") if _is_enum(info.base) else text
             if value is None:
                 return False
             values[info.name] = value
-        for info in label_infos[len(given):]:
-            if info.required:
-                form = "A <-> B" if len(label_infos) == 2 else "NAME"
-                self.error(span, f"{what} needs {'two ends' if len(label_infos) == 2 else 'a name'}: "
-                                 f"{what.strip(chr(39))} {form} {{ ... }}")
-                return False
+            spans[info.name] = span
+        if any(info.required for info in label_infos[len(given):]):
+            need = "two ends" if len(label_infos) == 2 else "a name"
+            self.error(head.kind_span, f"{head.kind} needs {need}: {head.kind}{form} {{ ... }}")
+            return False
         return True
 
     def _find(self, infos, item, what) -> FieldInfo | None:
@@ -159,11 +164,11 @@ class Converter:
         every = [k for i in infos if not i.meta["label"] for k in i.keys]
         hint = did_you_mean(key, every)
         self.error(item.key_span, f"unknown key '{item.key}' in {what}{hint}"
-                   + ("" if hint else f"; known keys: {_words(names)}"))
+                   + ("" if hint else f"; known keys: {', '.join(names)}"))
         return None
 
-    def _required(self, infos, values, span, what) -> bool:
-        missing = [i.name for i in infos if i.required and i.name not in values and not i.meta["label"]]
+    def _required(self, infos, written, span, what) -> bool:
+        missing = [i.name for i in infos if i.required and i.name not in written and not i.meta["label"]]
         if missing:
             self.error(span, f"{what} is missing {_words(missing, quote=True)}")
             return False
@@ -171,8 +176,7 @@ class Converter:
 
     def _assign(self, info: FieldInfo, item, values, spans) -> bool:
         if isinstance(item, ast.Block):
-            sub = self.block(info.base, item.items, item.span, (item.label, item.peer),
-                             what=_describe(item))
+            sub = self.block(info.base, item.items, item.span, _describe(item), head=item)
             if sub is None:
                 return False
             if info.many:
@@ -205,14 +209,21 @@ class Converter:
             if base is LayerRange and isinstance(node, ast.ListValue) and not items:
                 self.error(node.span, f"{what} needs at least one layer range")
                 return None
-            out = [self.scalar(base, info, n, what) for n in items]
-            return None if any(o is None for o in out) else tuple(out)
+            out = []
+            for n in items:  # one mistake repeated along a list is reported once
+                value = self.scalar(base, info, n, what)
+                if value is None:
+                    return None
+                out.append(value)
+            return tuple(out)
         return self.scalar(base, info, node, what)
 
     def _shorthand(self, cls, node, what):
         infos = [i for i in fields_of(cls) if i.meta["shorthand"]]
         if not infos:
-            self.error(node.span, f"{what} is a block: write {what.strip(chr(39))} {{ ... }}")
+            labelled = isinstance(node, ast.Word) and any(i.meta["label"] for i in fields_of(cls))
+            head = what.strip(chr(39)) + (f" {node.name}" if labelled else "")
+            self.error(node.span, f"{what} is a block: write {head} {{ ... }}")
             return None
         value = self.value(infos[0], node, what)
         if value is None:
@@ -245,7 +256,7 @@ class Converter:
     def _bool(self, node, what):
         if isinstance(node, ast.Word) and node.name in ("true", "false"):
             return node.name == "true"
-        self.error(node.span, f"{what} expects true or false")
+        self.error(node.span, f"{what} expects true or false, got {_shown(node)}")
         return None
 
     def _int(self, node, info, what):
@@ -253,12 +264,12 @@ class Converter:
             shown = _shown(node)
             self.error(node.span, f"{what} expects a whole number, got {shown}")
             return None
-        return self._bounded(int(node.text), info, node.span, what)
+        return self._bounded(int(node.text), info, node, what)
 
     def _float(self, node, info, what):
         unit_dim: Dim | None = info.meta["unit"]
         if not isinstance(node, ast.Number):
-            need = f"a {unit_dim.value} such as 1 {units_of(unit_dim)[0]}" if unit_dim else "a number"
+            need = f"{_NOUN[unit_dim]} such as {_EXAMPLE[unit_dim]}" if unit_dim else "a number"
             self.error(node.span, f"{what} expects {need}, got {_shown(node)}")
             return None
         value = float(node.text)
@@ -272,38 +283,42 @@ class Converter:
             value = self._unit(node, unit_dim, value, what)
             if value is None:
                 return None
-        return self._bounded(value, info, node.span, what)
+        return self._bounded(value, info, node, what)
 
     def _unit(self, node: ast.Number, dim: Dim, value: float, what: str) -> float | None:
         choices = units_of(dim)
         if node.unit is None:
             if value == 0:
                 return 0.0
-            self.error(node.span, f"{what} needs a unit of {dim.value}: {_words(choices)}")
+            self.error(node.span, f"{what} needs a unit: write it as {_EXAMPLE[dim]}, for example")
             return None
         if node.unit not in UNITS:
             self.error(node.span, f"unknown unit '{node.unit}'{did_you_mean(node.unit, choices)}")
             return None
         got_dim, base = to_base(value, node.unit)
         if got_dim != dim:
-            self.error(node.span, f"{what} is a {dim.value}, but '{node.unit}' measures {got_dim.value}; "
-                                  f"use {_words(choices)}")
+            self.error(node.span, f"{what} is {_NOUN[dim]}, but {node.unit} measures {_NOUN[got_dim]}; "
+                                  f"use a unit such as {_words(DISPLAY_HINT[dim])}")
             return None
         if not math.isfinite(base):
             self.error(node.span, f"{what}: {node.text} {node.unit} is too large")
             return None
         return base
 
-    def _bounded(self, value, info, span, what):
+    def _bounded(self, value, info, node: ast.Number, what):
         lo, hi = info.meta["lo"], info.meta["hi"]
-        if lo is not None and value < lo:
+        below, above = lo is not None and value < lo, hi is not None and value > hi
+        if not (below or above):
+            return value
+        got = _shown(node)
+        if lo is not None and hi is not None and hi - lo <= 16:  # a small closed set: 0..3, 0..1
+            self.error(node.span, f"{what} must be between {lo:g} and {hi:g}, got {got}")
+        elif below:
             rule = {0: "must not be negative", 1: "must be positive"}.get(lo, f"must be at least {lo:g}")
-            self.error(span, f"{what} {rule}, got {value:g}")
-            return None
-        if hi is not None and value > hi:
-            self.error(span, f"{what} must be at most {hi:g}, got {value:g}")
-            return None
-        return value
+            self.error(node.span, f"{what} {rule}, got {got}")
+        else:
+            self.error(node.span, f"{what} must be at most {hi:g}, got {got}")
+        return None
 
     def _enum(self, enum: type[StrEnum], text: str, span: Span, what: str):
         low = text.lower()
@@ -342,11 +357,16 @@ def _rank_slice(conv: Converter, node: ast.Value, what: str):
 
 def _routing(conv: Converter, node: ast.Value, what: str):
     if isinstance(node, ast.Word):
-        kind = conv._enum(RoutingKind, node.name, node.span, what)
+        kind = _enum_or_none(RoutingKind, node.name)
+        if kind is None:
+            hint = did_you_mean(node.name.lower(), ["even", "proportional"])
+            conv.error(node.span, f"{what}: unknown routing '{node.name}'{hint}; expected even, proportional "
+                                  "or a list of microbatch counts per lane such as [3, 1]")
+            return None
         if kind is RoutingKind.COUNTS:
             conv.error(node.span, f"{what}: write the counts per lane as a list, e.g. [3, 1]")
             return None
-        return None if kind is None else Routing(kind=kind, span=node.span)
+        return Routing(kind=kind, span=node.span)
     if isinstance(node, ast.ListValue) and node.items:
         info = FieldInfo("count", int, False, False, False, True, dict(lo=0, hi=1 << 30))
         counts = [conv._int(n, info, "a microbatch count") for n in node.items]
@@ -358,6 +378,26 @@ def _routing(conv: Converter, node: ast.Value, what: str):
 
 
 _SPECIAL = {LayerRange: _layer_range, RankSlice: _rank_slice, Routing: _routing}
+
+# How messages name a dimension, show an example value and suggest units.
+_NOUN = {Dim.MEMORY: "a memory size", Dim.BANDWIDTH: "a bandwidth", Dim.COMPUTE: "a compute rate",
+         Dim.TIME: "a time", Dim.PRICE_HOUR: "a price per hour", Dim.PRICE_GB: "a price per GB",
+         Dim.THROUGHPUT: "a throughput"}
+_EXAMPLE = {Dim.MEMORY: "80 GiB", Dim.BANDWIDTH: "25 GB/s", Dim.COMPUTE: "312 TFLOP/s", Dim.TIME: "5 us",
+            Dim.PRICE_HOUR: "2.5 $/h", Dim.PRICE_GB: "0.02 $/GB", Dim.THROUGHPUT: "1000 tokens/s"}
+DISPLAY_HINT = {Dim.MEMORY: ["GiB", "GB"], Dim.BANDWIDTH: ["GB/s", "Gb/s"], Dim.COMPUTE: ["TFLOP/s"],
+                Dim.TIME: ["s", "ms", "us"], Dim.PRICE_HOUR: ["$/h"], Dim.PRICE_GB: ["$/GB"],
+                Dim.THROUGHPUT: ["tokens/s"]}
+
+
+def _enum_or_none(enum: type[StrEnum], text: str):
+    return next((m for m in enum if m.value == text.lower()), None)
+
+
+def _claimed_fields(infos, item) -> list[str]:
+    """The field an item names by its key or block kind, however it is written."""
+    key = normalize_key(item.kind if isinstance(item, ast.Block) else item.key)
+    return [i.name for i in infos if key in i.keys or key == i.meta["block"]]
 
 
 def _is_enum(tp) -> bool:
@@ -388,7 +428,7 @@ def _words(items, quote: bool = False) -> str:
 
 
 def _count(n: int, noun: str) -> str:
-    return "no name" if n == 0 else f"{n} {noun}{'s' if n > 1 else ''}"
+    return "no name" if n == 0 else f"{('one', 'two')[n - 1] if n <= 2 else n} {noun}{'s' if n > 1 else ''}"
 
 
 def _describe(block: ast.Block) -> str:
@@ -399,8 +439,11 @@ def _describe(block: ast.Block) -> str:
     return f"{block.kind} '{block.label}' <-> '{block.peer}'"
 
 
-def _item_name(item) -> str:
-    return item.kind if isinstance(item, ast.Block) else item.key
+def _duplicate_message(item, info: FieldInfo, what: str) -> str:
+    if isinstance(item, ast.Block):
+        return f"duplicate '{item.kind}' block in {what}"
+    alias = normalize_key(item.key) != info.name
+    return f"duplicate '{item.key}' in {what}" + (f": it is another name for '{info.name}'" if alias else "")
 
 
 def to_spec(items: list, span: Span) -> Spec:

@@ -107,12 +107,20 @@ class Sources:
 
 
 def did_you_mean(word: str, choices: list[str] | tuple[str, ...] | set[str]) -> str:
-    """' (did you mean 'x'?)' for the closest choice, or '' when none is close."""
+    """' (did you mean 'x'?)' for the closest choice, or '' when none is close.
+
+    A word that starts a few choices (`A100` of `A100-40`, `A100-80`) names
+    them all; otherwise the closest spelling wins, then a case-insensitive match.
+    """
     import difflib
 
+    low = word.lower()
+    started = sorted(c for c in choices if c.lower().startswith(low) and c != word) if len(word) >= 2 else []
+    if 1 <= len(started) <= 3:
+        return " (did you mean " + " or ".join(f"'{c}'" for c in started) + "?)"
     close = difflib.get_close_matches(word, sorted(choices), n=1, cutoff=0.6)
     if not close:
         lowered = {c.lower(): c for c in choices}
-        if word.lower() in lowered:
-            close = [lowered[word.lower()]]
+        if low in lowered:
+            close = [lowered[low]]
     return f" (did you mean '{close[0]}'?)" if close else ""

@@ -8,6 +8,7 @@ turns it into the typed Spec and `hetc.printer` prints it back.
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass, field
 from typing import NamedTuple, Union
 
@@ -112,6 +113,7 @@ class Block:
     items: tuple["Item", ...]
     span: Span = field(compare=False)
     kind_span: Span = field(compare=False)
+    label_spans: tuple[Span, ...] = field(default=(), compare=False)  # of label, then peer
 
     @property
     def head_span(self) -> Span:
@@ -158,9 +160,12 @@ def _span(path: str, meta_or_token) -> Span:
     return Span(path, m.line, m.column, m.end_line, m.end_column)
 
 
+_ESCAPE = re.compile(r"\\(.)")
+
+
 def _unquote(text: str) -> str:
-    body = text[1:-1]
-    return body.replace('\\"', '"').replace("\\\\", "\\")
+    """The value of a string token: `\\x` stands for `x` (so `\\"` is a quote)."""
+    return _ESCAPE.sub(r"\1", text[1:-1])
 
 
 class _ToAst(Transformer):
@@ -183,9 +188,9 @@ class _ToAst(Transformer):
     @v_args(meta=True)
     def block(self, meta, children):
         kind, label, peer, *items = children
-        return Block(
-            str(kind), self._label(label), self._label(peer), tuple(items), self._s(meta), self._s(kind)
-        )
+        label_spans = tuple(self._s(tok) for tok in (label, peer) if tok is not None)
+        return Block(str(kind), self._label(label), self._label(peer), tuple(items), self._s(meta),
+                     self._s(kind), label_spans)
 
     @staticmethod
     def _label(tok) -> str | None:
@@ -300,7 +305,8 @@ def _weave(items, comments: list[_RawComment], path: str, lo_line: int, hi_line:
             for c in inner:
                 mine.remove(c)
             trailing = [Comment(c.text, True, _span(path, c)) for c in head_trailing]
-            item = Block(item.kind, item.label, item.peer, tuple(trailing + body), item.span, item.kind_span)
+            item = Block(item.kind, item.label, item.peer, tuple(trailing + body), item.span, item.kind_span,
+                         item.label_spans)
         out.append(item)
         for c in [c for c in mine if c.line == span.end_line and c.code_before]:
             out.append(Comment(c.text, True, _span(path, c)))
@@ -315,11 +321,18 @@ _TOKEN_WORDS = {
     "NUMBER": "a number", "INT": "a whole number", "STRING": "a string", "UNIT": "a unit",
     "AUTO": "'auto'", "USE": "'use'", "DIGIT_WORD": "a name", "__ANON_0": "'<->'",
     "__ANON_1": "'..'", "MORETHAN": "'>'", "LESSTHAN": "'<'", "MINUS": "'-'",
+    "$END": "the end of the file",
 }
+_SEPARATORS = {"_NL", "COMMA", "SEMICOLON"}
+# What a value may start with; said as "a value" when all of them are expected.
+_VALUE_START = {"'['", "'auto'", "a name", "a number", "a string"}
 
 
 def _describe_expected(expected: set[str]) -> str:
-    words = sorted({_TOKEN_WORDS.get(t, _literal_word(t)) for t in expected})
+    words = {_TOKEN_WORDS.get(t, _literal_word(t)) for t in expected}
+    if _VALUE_START <= words:
+        words = (words - _VALUE_START) | {"a value"}
+    words = sorted(words)
     if not words:
         return ""
     if len(words) == 1:
@@ -348,21 +361,65 @@ def _syntax_diagnostic(err: UnexpectedInput, text: str, path: str) -> Diagnostic
         return Diagnostic(Span(path, line, col, line, col + 1),
                           "unexpected end of input" + _describe_expected(set(expected)))
     if isinstance(err, UnexpectedCharacters):
-        ch = text[err.pos_in_stream] if err.pos_in_stream < len(text) else ""
-        what = f"unexpected character {ch!r}" if ch.isprintable() else f"unexpected byte {ch!r}"
-        return Diagnostic(Span(path, err.line, err.column, err.line, err.column + 1),
-                          what + _describe_expected(set(err.allowed or ())))
+        return _bad_character(err, text, path)
     assert isinstance(err, UnexpectedToken)
     tok = err.token
-    shown = "a new line" if tok.type == "_NL" else repr(str(tok))
+    expected = set(err.accepts or err.expected)
+    missing = _missing_separator(tok, expected, text, path)
+    if missing is not None:
+        return missing
+    shown = "end of line" if tok.type == "_NL" else repr(str(tok))
     end_col = tok.column + 1 if tok.type == "_NL" else (tok.end_column or tok.column + 1)
     return Diagnostic(Span(path, tok.line, tok.column, tok.line, end_col),
-                      f"unexpected {shown}" + _describe_expected(set(err.accepts or err.expected)))
+                      f"unexpected {shown}" + _describe_expected(expected))
+
+
+def _bad_character(err: UnexpectedCharacters, text: str, path: str) -> Diagnostic:
+    at = Span(path, err.line, err.column, err.line, err.column + 1)
+    ch = text[err.pos_in_stream] if err.pos_in_stream < len(text) else ""
+    if ch == '"':
+        return Diagnostic(at, "this string is not closed: a string ends with '\"' on the same line")
+    what = f"unexpected character {ch!r}" if ch.isprintable() else f"unexpected byte {ch!r}"
+    return Diagnostic(at, what + _describe_expected(_accepted_before(text, err.pos_in_stream, err.allowed)))
+
+
+def _accepted_before(text: str, pos: int, fallback) -> set[str]:
+    """The tokens the parser accepts at `pos`, from a parse of the text before it.
+
+    The lexer's `allowed` set belongs to a state LALR shares between contexts
+    (a block body and a list), so it may name ']' inside a block; re-parsing
+    the prefix and asking the parser gives only what is really possible.
+    """
+    try:
+        interactive = _parser().parse_interactive(text[:pos])
+        interactive.exhaust_lexer()
+        return set(interactive.accepts()) - {"$END"}
+    except UnexpectedInput:
+        return set(fallback or ())
+
+
+_TRAILING_NAME = re.compile(r"([A-Za-z_][A-Za-z0-9_\-]*)\s*$")
+
+
+def _missing_separator(tok: Token, expected: set[str], text: str, path: str) -> Diagnostic | None:
+    """`a = 4  b = 5` on one line: lark reads `4 b` as a number with unit `b`
+    and stumbles on the second '='. Point at `b` and say what is missing."""
+    if tok.type != "EQUAL" or not expected & _SEPARATORS:
+        return None
+    lines = text.split("\n")
+    before = lines[tok.line - 1][: tok.column - 1] if tok.line <= len(lines) else ""
+    found = _TRAILING_NAME.search(before)
+    if found is None or not before[: found.start()].strip():
+        return None
+    col = found.start() + 1
+    return Diagnostic(Span(path, tok.line, col, tok.line, col + len(found.group(1))),
+                      f"expected ',', ';' or a new line before '{found.group(1)}': "
+                      "statements on one line are separated by ',' or ';'")
 
 
 def _end_position(text: str) -> tuple[int, int]:
     stripped = text.rstrip()
     if not stripped:
         return 1, 1
-    lines = stripped.splitlines()
+    lines = stripped.split("\n")
     return len(lines), len(lines[-1]) + 1

@@ -72,7 +72,11 @@ def resolve_pipeline(spec: Spec, topo: Topology, errors: Diagnostics) -> Pipelin
     num_mb = train.global_batch // train.micro_batch
     stages = []
     for idx, st in enumerate(par.stages):
-        gpus = resolve_rank_slices(st.ranks, topo, [])
+        slice_errors: Diagnostics = []
+        gpus = resolve_rank_slices(st.ranks, topo, slice_errors)
+        if slice_errors:  # reported by _rank_owners; its lane arithmetic would only echo them
+            stages.append(None)
+            continue
         stage = _stage(idx, st, [rank_of[g.id] for g in gpus if g.id in rank_of], ministages,
                        spec, num_mb, world, errors)
         stages.append(stage)
@@ -90,6 +94,7 @@ def _rank_owners(spec: Spec, topo: Topology, errors: Diagnostics) -> dict[int, s
     """GPU id -> owning stage; GPUs used twice or by nobody are errors."""
     par = spec.parallel
     owner: dict[int, tuple[str, Span]] = {}
+    before = len(errors)
     for label, slices in [(f"stage '{st.name}'", st.ranks) for st in par.stages] + [("idle", par.idle)]:
         for s in slices:
             for gpu in _one_slice(s, topo, errors):
@@ -100,7 +105,7 @@ def _rank_owners(spec: Spec, topo: Topology, errors: Diagnostics) -> dict[int, s
                     continue
                 owner[gpu.id] = (label, s.span)
     unused = [g for g in topo.gpus if g.id not in owner]
-    if unused:
+    if unused and len(errors) == before:  # a bad rank set explains them: say that only
         shown = ", ".join(str(g) for g in unused[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
         errors.append(Diagnostic(par.span, f"{len(unused)} GPU{'s are' if len(unused) > 1 else ' is'} used by "
                                  f"no stage: {shown}; give them to a stage or list them in idle = [...]"))
@@ -115,18 +120,29 @@ def _layer_index(spec: Spec, name: str, span: Span, errors: Diagnostics) -> int 
         if name.startswith("block") and name[5:].isdigit():
             msg = f"'{name}' does not exist: the model has {model.layers} blocks, block0..{last}"
         else:
-            msg = f"unknown layer '{name}'{did_you_mean(name, ['embed', 'head', 'block0', last])}; " \
-                  f"layers are embed, block0..{last} and head"
+            msg = f"unknown layer '{name}'{_layer_hint(model, name)}; layers are embed, block0..{last} and head"
         errors.append(Diagnostic(span, msg))
     return idx
+
+
+def _layer_hint(model, name: str) -> str:
+    """Suggest `block7` for `blok7` or `Block7`; `embed` / `head` for their misspellings."""
+    stem = name.rstrip("0123456789")
+    digits = name[len(stem):]
+    if digits and did_you_mean(stem.lower(), ["block"]) and model.layer_index("block" + digits) is not None:
+        return f" (did you mean 'block{digits}'?)"
+    return did_you_mean(name, ["embed", "head"])
 
 
 def _ministages(spec: Spec, errors: Diagnostics) -> list[Ministage]:
     """Split every stage's layer ranges into ministages; check coverage and order."""
     chunks: list[tuple[int, int, int, Span]] = []  # (first, stop, stage, span)
+    before = len(errors)
     for s_idx, st in enumerate(spec.parallel.stages):
         for r in _stage_ranges(spec, st, errors):
             chunks.append((*r, s_idx, st.span_of("layers")))
+    if len(errors) > before:  # an unknown or reversed range would show up as gaps and overlaps too
+        return []
     chunks.sort()
     _check_coverage(spec, chunks, errors)
     out = []
@@ -176,18 +192,17 @@ def _check_coverage(spec: Spec, chunks, errors: Diagnostics) -> None:
     last_owner: tuple[int, Span] | None = None
     for first, stop, stage, span in chunks:
         if first > expect:
-            gap = _range_name(model, expect, first)
-            errors.append(Diagnostic(span, f"layers {gap} belong to no stage"))
+            errors.append(Diagnostic(span, f"{_layers_phrase(model, expect, first)} to no stage"))
         elif first < expect:
-            overlap = _range_name(model, first, min(stop, expect))
             other = names[last_owner[0]].name
-            errors.append(Diagnostic(span, f"layers {overlap} are in two stages: '{other}' and "
-                                     f"'{names[stage].name}'", notes=((last_owner[1], "first assigned here"),)))
+            overlap = _layers_phrase(model, first, min(stop, expect), verb=("is", "are"))
+            errors.append(Diagnostic(span, f"{overlap} in two stages: '{other}' and '{names[stage].name}'",
+                                     notes=((last_owner[1], "first assigned here"),)))
         if stop > expect:
             expect, last_owner = stop, (stage, span)
     if chunks and expect < model.num_model_layers:
-        errors.append(Diagnostic(chunks[-1][3], f"layers {_range_name(model, expect, model.num_model_layers)}"
-                                 " belong to no stage"))
+        errors.append(Diagnostic(chunks[-1][3], f"{_layers_phrase(model, expect, model.num_model_layers)} "
+                                 "to no stage"))
 
 
 def _check_stage_order(spec: Spec, ministages: list[Ministage], errors: Diagnostics) -> None:
@@ -200,13 +215,15 @@ def _check_stage_order(spec: Spec, ministages: list[Ministage], errors: Diagnost
         if s_idx != pos:
             st = stages[s_idx]
             errors.append(Diagnostic(st.span_of("layers"), f"stage '{st.name}' is listed as stage {s_idx} but "
-                                     f"its layers come at position {pos}: list stages in pipeline order"))
+                                     f"its layers make it stage {pos} of the pipeline; list stages in "
+                                     "pipeline order"))
             return
 
 
-def _range_name(model, lo: int, hi: int) -> str:
+def _layers_phrase(model, lo: int, hi: int, verb: tuple[str, str] = ("belongs", "belong")) -> str:
+    """'layer head belongs' or 'layers block2..block5 belong': layers lo..hi-1 and a verb."""
     a, b = model.layer_name(lo), model.layer_name(hi - 1)
-    return a if a == b else f"{a}..{b}"
+    return f"layer {a} {verb[0]}" if a == b else f"layers {a}..{b} {verb[1]}"
 
 
 def _stage(idx: int, st: StageSpec, ranks: list[int], ministages: list[Ministage], spec: Spec,

@@ -69,8 +69,8 @@ def _unique(nodes, what: str, errors) -> None:
     seen = {}
     for n in nodes:
         if n.name in seen:
-            errors.append(Diagnostic(n.span, f"duplicate {what} '{n.name}'",
-                                     notes=((seen[n.name].span, "first defined here"),)))
+            errors.append(Diagnostic(n.span_of("name"), f"duplicate {what} '{n.name}'",
+                                     notes=((seen[n.name].span_of("name"), "first defined here"),)))
         else:
             seen[n.name] = n
 
@@ -83,11 +83,11 @@ def _check_model(spec: Spec, errors) -> None:
         errors.append(Diagnostic(m.span_of("kv_heads"), f"heads ({m.heads}) is not divisible by kv_heads "
                                  f"({m.num_kv_heads})"))
     if m.arch.value == "llama" and (m.hidden // m.heads) % 2:
-        errors.append(Diagnostic(m.span_of("heads"), f"head size hidden / heads = {m.hidden // m.heads} must be "
-                                 "even for rotary embeddings"))
+        errors.append(Diagnostic(m.span_of("heads"), f"the head size hidden / heads = {m.hidden} / {m.heads} = "
+                                 f"{m.hidden // m.heads} must be even for rotary embeddings (llama)"))
     if m.moe is not None and m.moe.top_k > m.moe.experts:
-        errors.append(Diagnostic(m.moe.span_of("top_k"), f"top_k ({m.moe.top_k}) exceeds experts "
-                                 f"({m.moe.experts})"))
+        errors.append(Diagnostic(m.moe.span_of("top_k"), f"top_k ({m.moe.top_k}) exceeds the number of "
+                                 f"experts ({m.moe.experts})"))
 
 
 def _check_train(spec: Spec, base_dir: Path | None, errors) -> None:
@@ -122,9 +122,10 @@ def _check_cluster(spec: Spec, errors) -> Topology | None:
     ends = topo.endpoints()
     seen = {}
     for link in c.links:
-        for end in (link.a, link.b):
+        for field_name, end in (("a", link.a), ("b", link.b)):
             if end not in ends:
-                errors.append(Diagnostic(link.span, f"unknown link end '{end}'{did_you_mean(end, ends)}; "
+                errors.append(Diagnostic(link.span_of(field_name), f"unknown link end '{end}'"
+                                         f"{did_you_mean(end, ends)}; "
                                          "a link joins node groups, zones or regions"))
         key = frozenset((link.a, link.b))
         if key in seen:
@@ -184,11 +185,13 @@ def _check_fit(spec: Spec, topo: Topology, errors) -> None:
     n_opt = m.optimizer.num_states
     master = delta_opt if delta_opt != delta else 0
     need = phi * (2 * delta + (n_opt * delta_opt) + master)
-    have = sum(g.device.memory for g in topo.gpus)
+    gpu_memory = sum(g.device.memory for g in topo.gpus)
+    host_memory = 0.0
     off = spec.parallel.offload
     if off.params is not OffloadTarget.NONE or off.optimizer is not OffloadTarget.NONE:
-        have += sum(n.host_memory * n.count for n in spec.cluster.nodes)
-    if need > have:
+        host_memory = sum(n.host_memory * n.count for n in spec.cluster.nodes)
+    if need > gpu_memory + host_memory:
+        host = f" and {host_memory / 2**30:.1f} GiB of host memory for offload" if host_memory else ""
         errors.append(Diagnostic(m.span, f"the model's parameters, gradients and optimizer state need "
-                                 f"{need / 2**30:.1f} GiB ({phi / 1e9:.2f}B parameters) but the cluster has "
-                                 f"{have / 2**30:.1f} GiB even fully sharded over {topo.num_gpus} GPUs"))
+                                 f"{need / 2**30:.1f} GiB ({phi / 1e9:.2f}B parameters) but even fully sharded "
+                                 f"the cluster has {gpu_memory / 2**30:.1f} GiB on {topo.num_gpus} GPUs{host}"))
