@@ -23,6 +23,10 @@ Semantics the runtime and the verifier share (Note [dataflow]):
 - Collectives act on the flat parameter/gradient buffer of one ministage over
   a named group; every member must issue a group's collectives in the same
   order.
+- For a ZeRO-3 ministage, `all_gather params` raises a count of holders of
+  its full parameters (allocating them at 0 -> 1) and `free params` lowers it
+  (releasing them at 1 -> 0), so a gather for the next op may be posted while
+  the current op still uses the parameters.
 """
 
 from __future__ import annotations
@@ -351,11 +355,14 @@ class Group:
 
 @dataclass(frozen=True, slots=True)
 class Shard:
-    """How one rank holds a ministage's parameters (the buffer table).
+    """How one rank holds a ministage's state (the buffer table).
 
-    `level` is the ZeRO level inside `group` (None: not sharded); `outer` and
-    `outer_level` the level across shard groups (hierarchical ZeRO).
-    `offload` keeps the parameters on the host between uses.
+    `level` is the ZeRO level inside `group` (None: a single lane, nothing to
+    shard); `outer` and `outer_level` the level across shard groups
+    (hierarchical ZeRO). `param_offload` keeps parameters on the host between
+    uses, `opt_offload` keeps optimizer state on the host and steps there,
+    `act_offload` stashes only the ministage's boundary input on the host and
+    recomputes the ministage in backward.
     """
 
     ms: int
@@ -363,19 +370,28 @@ class Shard:
     group: str | None = None
     outer: str | None = None
     outer_level: int = 0
-    offload: bool = False
+    param_offload: bool = False
+    opt_offload: bool = False
+    act_offload: bool = False
 
     def __str__(self) -> str:
+        flags = [name for name, on in (("param_offload", self.param_offload), ("opt_offload", self.opt_offload),
+                                       ("act_offload", self.act_offload)) if on]
         return (f"shard ms={self.ms} zero={self.level} group={self.group or '-'} outer={self.outer or '-'} "
-                f"outer_zero={self.outer_level} offload={'cpu' if self.offload else 'none'}")
+                f"outer_zero={self.outer_level}" + "".join(f" {f}" for f in flags))
 
 
 def _parse_shard(text: str) -> Shard:
-    kv = dict(w.partition("=")[::2] for w in text.split()[1:])
+    words = text.split()[1:]
+    kv = dict(w.partition("=")[::2] for w in words if "=" in w)
+    flags = {w for w in words if "=" not in w}
+    unknown = flags - {"param_offload", "opt_offload", "act_offload"}
+    if unknown:
+        raise ValueError(f"unknown shard flag '{sorted(unknown)[0]}'")
     try:
         return Shard(int(kv["ms"]), int(kv["zero"]), None if kv["group"] == "-" else kv["group"],
                      None if kv["outer"] == "-" else kv["outer"], int(kv["outer_zero"]),
-                     kv["offload"] == "cpu")
+                     "param_offload" in flags, "opt_offload" in flags, "act_offload" in flags)
     except (KeyError, ValueError) as err:
         raise ValueError(f"bad shard line ({err})") from None
 

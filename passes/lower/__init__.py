@@ -1,0 +1,44 @@
+"""Lowering: an explicit Spec becomes one instruction program per rank.
+
+The passes run in a fixed, named order (`PASSES`); each is a pure function
+of the program so far and the plan. `lower(..., dump_after=NAME)` hands the
+program after pass NAME to a callback (`hetc compile --dump-after NAME`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from hetc.pipeline import Pipeline
+from hetc.program import Program
+from hetc.spec import Spec
+from hetc.passes.lower.context import LowerContext
+from hetc.passes.lower.finish import report_loss
+from hetc.passes.lower.offload import insert_offload
+from hetc.passes.lower.p2p import insert_p2p
+from hetc.passes.lower.schedule import order_compute
+from hetc.passes.lower.zero import insert_zero
+
+__all__ = ["PASSES", "PASS_NAMES", "lower"]
+
+# (name, what it does) in order; `schedule` builds the program, the rest rewrite it
+PASSES: list[tuple[str, str, Callable]] = [
+    ("schedule", "compute order per rank for the schedule kind", order_compute),
+    ("p2p", "sends and receives around compute, asynchronous", insert_p2p),
+    ("zero", "ZeRO gathers, reductions, optimizer steps, clipping", insert_zero),
+    ("offload", "host offload and prefetch of parameters and activations", insert_offload),
+    ("finish", "loss reporting", report_loss),
+]
+PASS_NAMES = [name for name, _, _ in PASSES]
+
+
+def lower(spec: Spec, pipeline: Pipeline, dump_after: str | None = None,
+          on_dump: Callable[[str, Program], None] | None = None) -> Program:
+    ctx = LowerContext(spec, pipeline)
+    program: Program | None = None
+    for name, _, fn in PASSES:
+        program = fn(ctx) if program is None else fn(program, ctx)
+        if on_dump is not None and dump_after in (name, "all"):
+            on_dump(name, program)
+    assert program is not None
+    return program

@@ -1,0 +1,47 @@
+"""Insertions into an instruction list, and handle numbering, for lowering passes.
+
+Passes decide positions against the list they were given, then apply all
+insertions at once, so no pass has to track shifting indices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hetc.program import Instr
+
+__all__ = ["Edits", "Handles"]
+
+
+@dataclass
+class Edits:
+    """Instructions to put before / after positions of the original list, and at its end."""
+
+    before: dict[int, list[Instr]] = field(default_factory=dict)
+    after: dict[int, list[Instr]] = field(default_factory=dict)
+    end: list[Instr] = field(default_factory=list)
+
+    def add_before(self, i: int, instr: Instr) -> None:
+        self.before.setdefault(i, []).append(instr)
+
+    def add_after(self, i: int, instr: Instr) -> None:
+        self.after.setdefault(i, []).append(instr)
+
+    def apply(self, instrs: tuple[Instr, ...]) -> tuple[Instr, ...]:
+        out: list[Instr] = []
+        for i, instr in enumerate(instrs):
+            out += self.before.get(i, [])
+            out.append(instr)
+            out += self.after.get(i, [])
+        return tuple(out + self.end)
+
+
+class Handles:
+    """Hands out a rank's async handle numbers."""
+
+    def __init__(self, start: int):
+        self.next = start
+
+    def take(self) -> int:
+        self.next += 1
+        return self.next - 1

@@ -1,0 +1,193 @@
+"""Pass `zero`: ZeRO collectives, optimizer steps and gradient clipping.
+
+Note [zero placement] — per ministage with shard group G (absent for a
+single lane: nothing to reduce) and level L:
+
+    L0  all_reduce grads after the ministage's last backward; step.
+    L1  reduce_scatter grads after the last backward; step the shard;
+        all_gather params after the step.
+    L2  like L1, but under per-microbatch schedules (GPipe, 1F1B, interleaved,
+        ZB) reduce_scatter after every microbatch's backward, as DeepSpeed
+        does under gradient accumulation.
+    L3  parameters stay sharded: all_gather before use and free after; under
+        per-microbatch schedules around every compute op, under Zorse once per
+        ministage sweep ("gather once per ministage"); gradients
+        reduce-scattered like L2; no gather after the step.
+
+Gathers are posted one compute run ahead (prefetch) and waited right before
+use. Per-microbatch collectives run on G.f / G.b so that each group sees its
+collectives in the same order on every lane. Under Zorse without gradient
+clipping each ministage steps as soon as its gradients are reduced
+(interleaved optimizer update); otherwise all steps come at the end, after
+the global gradient norm when clipping. Hierarchical ZeRO adds a reduction
+over the outer group after the inner one, and a gather back after the step.
+"""
+
+from __future__ import annotations
+
+from hetc.errors import Diagnostic, SpecError
+from hetc.program import (COMPUTE_TYPES, AllGather, AllReduce, Backward, BackwardWeight, Forward, Free, Instr,
+                          Program, RankProgram, ReduceScatter, Shard, Step, Tensor, Wait)
+from hetc.spec import OffloadTarget, ScheduleKind
+from hetc.passes.lower.context import LowerContext, RankPlace, next_handle
+from hetc.passes.lower.edits import Edits, Handles
+
+__all__ = ["insert_zero"]
+
+
+def insert_zero(program: Program, ctx: LowerContext) -> Program:
+    _check_lane_patterns(program, ctx)
+    return Program(tuple(_rank(rp, ctx.places[rp.rank], ctx) for rp in program.ranks), program.groups)
+
+
+def _per_microbatch(ctx: LowerContext) -> bool:
+    return ctx.pipeline.schedule is not ScheduleKind.ZORSE
+
+
+def _shards(place: RankPlace, ctx: LowerContext) -> tuple[Shard, ...]:
+    stage, zero = place.stage, place.stage.zero
+    group = ctx.zero_group(place)
+    off = stage.offload
+    return tuple(
+        Shard(ms, zero.level if group else 0, group, ctx.outer_group(place), zero.across if group else 0,
+              off.params is not OffloadTarget.NONE, off.optimizer is not OffloadTarget.NONE,
+              off.activations is not OffloadTarget.NONE)
+        for ms in stage.ministages)
+
+
+def _rank(rp: RankProgram, place: RankPlace, ctx: LowerContext) -> RankProgram:
+    shards = _shards(place, ctx)
+    edits = Edits()
+    handles = Handles(next_handle(rp.instrs))
+    compute = [(i, instr) for i, instr in enumerate(rp.instrs) if isinstance(instr, COMPUTE_TYPES)]
+    _gathers({sh.ms: sh for sh in shards if sh.group is not None}, compute, edits, handles, ctx)
+    interleaved_update = ctx.pipeline.schedule is ScheduleKind.ZORSE and not ctx.grad_clip
+    finals = [_reduce(shard, compute, edits, handles, ctx) for shard in shards]
+    gather_waits: list[Wait] = []
+    if interleaved_update:
+        for shard, (pos, waits) in zip(shards, finals):
+            posts, later = _regather(shard, handles)
+            for instr in waits + _outer_reduce(shard) + [Step(shard.ms)] + posts:
+                edits.add_after(pos, instr)
+            gather_waits += later
+    else:
+        for _, waits in finals:
+            edits.end += waits
+        for shard in shards:
+            edits.end += _outer_reduce(shard)
+        if ctx.grad_clip:
+            edits.end.append(AllReduce(Tensor.NORM, "world"))
+        for shard in shards:
+            posts, later = _regather(shard, handles)
+            edits.end += [Step(shard.ms), *posts]
+            gather_waits += later
+    edits.end += gather_waits
+    instrs = edits.apply(rp.instrs)
+    return RankProgram(rp.rank, rp.stage, rp.lane, rp.tp_rank, rp.cp_rank, shards, instrs)
+
+
+def _runs(compute: list[tuple[int, Instr]], per_mb: bool) -> list[tuple[int, list[int]]]:
+    """The rank's compute ops grouped into runs that share one gather: (ms, op indices), in order.
+
+    Per-microbatch schedules gather around every op; Zorse around every sweep
+    of one ministage in one direction.
+    """
+    runs: list[tuple[int, list[int]]] = []
+    prev = None
+    for k, (_, instr) in enumerate(compute):
+        key = (instr.ms, isinstance(instr, Forward))
+        if per_mb or key != prev:
+            runs.append((instr.ms, [k]))
+        else:
+            runs[-1][1].append(k)
+        prev = key
+    return runs
+
+
+def _gathers(shards: dict[int, Shard], compute, edits: Edits, handles: Handles, ctx: LowerContext) -> None:
+    """ZeRO-3: gather each run's parameters while the previous run computes; free them after."""
+    per_mb = _per_microbatch(ctx)
+    runs = _runs(compute, per_mb)
+    for g, (ms, run) in enumerate(runs):
+        shard = shards.get(ms)
+        if shard is None or shard.level != 3:
+            continue
+        first, last = run[0], run[-1]
+        # Zorse: a ministage's forward sweep followed by its own backward sweep keeps its gather
+        continues = not per_mb and g > 0 and runs[g - 1][0] == ms
+        continued = not per_mb and g + 1 < len(runs) and runs[g + 1][0] == ms
+        if not continues:
+            is_forward = isinstance(compute[first][1], Forward)
+            group = shard.group + ((".f" if is_forward else ".b") if per_mb else "")
+            h = handles.take()
+            post_at = compute[runs[g - 1][1][0]][0] if g > 0 else compute[first][0]
+            edits.add_before(post_at, AllGather(Tensor.PARAMS, ms, group, h))
+            edits.add_before(compute[first][0], Wait(h))
+        if not continued:
+            edits.add_after(compute[last][0], Free(Tensor.PARAMS, ms))
+
+
+def _reduce(shard: Shard, compute, edits: Edits, handles: Handles, ctx: LowerContext):
+    """Post the gradient reductions; return (position of the last backward, waits still due)."""
+    grad_ops = [k for k, (_, i) in enumerate(compute)
+                if i.ms == shard.ms and isinstance(i, (Backward, BackwardWeight))]
+    # the step waits one compute op longer, so the reduction overlaps that op
+    last_pos = compute[min(grad_ops[-1] + 1, len(compute) - 1)][0]
+    if shard.group is None:
+        return last_pos, []
+    per_mb = _per_microbatch(ctx) and shard.level >= 2
+    if per_mb:
+        pending: list[Wait] = []
+        for k in grad_ops:
+            pos = compute[k][0]
+            for w in pending:
+                edits.add_before(pos, w)
+            h = handles.take()
+            edits.add_after(pos, ReduceScatter(Tensor.GRADS, shard.ms, shard.group + ".b", h))
+            pending = [Wait(h)]
+        return last_pos, pending
+    h = handles.take()
+    op = (AllReduce(Tensor.GRADS, shard.group, shard.ms, h) if shard.level == 0
+          else ReduceScatter(Tensor.GRADS, shard.ms, shard.group, h))
+    edits.add_after(compute[grad_ops[-1]][0], op)
+    return last_pos, [Wait(h)]
+
+
+def _outer_reduce(shard: Shard) -> list[Instr]:
+    if shard.outer is None:
+        return []
+    if shard.outer_level == 0:
+        return [AllReduce(Tensor.GRADS, shard.outer, shard.ms)]
+    return [ReduceScatter(Tensor.GRADS, shard.ms, shard.outer)]
+
+
+def _regather(shard: Shard, handles: Handles) -> tuple[list[Instr], list[Wait]]:
+    """Gathers after the step: (posts to place after the step, waits for the end of the step)."""
+    posts: list[Instr] = []
+    waits: list[Wait] = []
+    if shard.outer is not None and shard.outer_level == 1:
+        posts.append(AllGather(Tensor.PARAMS, shard.ms, shard.outer))
+    if shard.group is not None and shard.level in (1, 2):
+        h = handles.take()
+        posts.append(AllGather(Tensor.PARAMS, shard.ms, shard.group, h))
+        waits.append(Wait(h))
+    return posts, waits
+
+
+def _check_lane_patterns(program: Program, ctx: LowerContext) -> None:
+    """Per-microbatch collectives need every lane of a stage to run the same op pattern."""
+    if not _per_microbatch(ctx):
+        return
+    for stage in ctx.pipeline.stages:
+        if len(stage.lanes) < 2 or stage.zero.level < 2:
+            continue
+        patterns = {}
+        for lane in stage.lanes:
+            rp = program.ranks[lane.ranks[0]]
+            patterns[lane.index] = [(type(i).__name__, i.ms) for i in rp.instrs if isinstance(i, COMPUTE_TYPES)]
+        if len({tuple(p) for p in patterns.values()}) > 1:
+            st = ctx.spec.parallel.stages[stage.index]
+            raise SpecError(Diagnostic(st.span, f"ZeRO-{stage.zero.level} under {ctx.pipeline.schedule.value} "
+                                       f"reduces every microbatch, so every lane of stage '{stage.name}' must "
+                                       "run the same sequence of ops, but its lanes serve different microbatch "
+                                       "patterns; use the zorse schedule, ZeRO ≤ 1, or equal lanes"))
