@@ -69,7 +69,7 @@ class Stage:
         raise KeyError(mb)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Pipeline:
     stages: tuple[Stage, ...]
     ministages: tuple[Ministage, ...]   # in model order

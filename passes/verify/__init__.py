@@ -1,0 +1,56 @@
+"""The verifier: prove a compiled program safe before anything runs.
+
+`verify` runs three independent checks and reports the first failing one's
+findings with a steps × ranks grid of the ranks involved:
+
+- `protocol`: all ranks together under the runtime's blocking rules — sends
+  meet receives with the same shape, collectives are entered in the same
+  order by every member, no rank blocks forever, every handle is waited;
+- `dataflow`: each rank uses only what it has, every microbatch passes every
+  ministage forward and backward exactly once, every step follows all
+  gradient contributions to its shard;
+- `memory` (when sizes are given): each rank's memory timeline stays within
+  its device.
+"""
+
+from __future__ import annotations
+
+from hetc.pipeline import Pipeline
+from hetc.program import Program
+from hetc.spec import Spec
+from hetc.viz.grid import render_grid
+from hetc.passes.verify.dataflow import check_dataflow
+from hetc.passes.verify.errors import Finding, VerifyError
+from hetc.passes.verify.protocol import check_protocol
+
+__all__ = ["verify", "VerifyError", "Finding"]
+
+
+def verify(program: Program, pipeline: Pipeline, spec: Spec, sizes=None) -> None:
+    """Raise VerifyError naming rank and instruction if the programs are unsafe."""
+    _check_shape(program, pipeline)
+    checks = [lambda: check_dataflow(program, pipeline, spec.model.num_model_layers, spec.train.grad_clip > 0),
+              lambda: check_protocol(program)]
+    if sizes is not None:
+        from hetc.passes.verify.memory import check_memory
+        checks.append(lambda: check_memory(program, pipeline, sizes))
+    for check in checks:
+        findings = check()
+        if findings:
+            focus = {}
+            for f in findings:
+                focus.setdefault(f.rank, max(f.index, 0))
+            raise VerifyError(findings, render_grid(program, dict(list(focus.items())[:6])))
+
+
+def _check_shape(program: Program, pipeline: Pipeline) -> None:
+    if program.world_size != pipeline.world_size:
+        raise VerifyError([Finding(0, -1, "", f"the program has {program.world_size} ranks but the plan has "
+                                   f"{pipeline.world_size}")])
+    for r, rp in enumerate(program.ranks):
+        place = pipeline.stage_of_rank.get(r)
+        lane = pipeline.lane_of_rank.get(r)
+        if rp.rank != r or place is None or (rp.stage, rp.lane) != (place.index, lane.index):
+            raise VerifyError([Finding(r, -1, "", f"the header says rank {rp.rank} stage {rp.stage} lane "
+                                       f"{rp.lane}, but in the plan rank {r} is stage "
+                                       f"{place.index if place else '?'} lane {lane.index if lane else '?'}")])

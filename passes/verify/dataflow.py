@@ -1,0 +1,294 @@
+"""Per-rank checks of what each instruction needs and what the step must do.
+
+Each rank's program is walked in order (its own order is all that matters
+here; the joint simulation is `protocol`). An instruction may only use what
+earlier instructions made available *and waited for*: a forward its input
+activation, a backward its output gradient and its stash, a ZeRO-3 compute
+its gathered parameters, an offloaded ministage its parameters back on the
+device; an optimizer step needs every gradient contribution to its shard
+reduced (and the global norm, when clipping). At the end every microbatch
+of the rank's lane has passed each of its ministages forward and backward
+exactly once, every ministage has stepped once, and nothing is left gathered
+or on the device that the next step expects on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hetc.pipeline import Pipeline
+from hetc.program import (AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight, Forward, Free,
+                          Instr, Load, Offload, Prefetch, Program, RankProgram, Recv, ReduceScatter, Send, Shard,
+                          Step, Tensor, Wait)
+from hetc.passes.verify.errors import Finding, at
+
+__all__ = ["check_dataflow"]
+
+
+class _Fault(Exception):
+    def __init__(self, message: str, index: int | None = None):
+        super().__init__(message)
+        self.index = index
+
+
+@dataclass
+class _State:
+    loaded: set = field(default_factory=set)
+    fwd: set = field(default_factory=set)           # (ms, mb) forwarded here
+    bwd: set = field(default_factory=set)           # (ms, mb) input-gradient done here (bwd or bwd_i)
+    wgrad: set = field(default_factory=set)         # (ms, mb) weight-gradient done here (bwd or bwd_w)
+    arrived: set = field(default_factory=set)       # (tensor, ms, mb) received and waited
+    pending: dict = field(default_factory=dict)     # handle -> instruction
+    gathered: dict = field(default_factory=dict)    # ms -> completed gathers not yet freed
+    on_host: set = field(default_factory=set)       # offloaded ministages' parameters now on the host
+    moving: set = field(default_factory=set)        # ("params", ms) / ("act", ms, mb) in flight
+    act_host: set = field(default_factory=set)      # (ms, mb) stashes on the host
+    reduced: dict = field(default_factory=dict)     # ms -> completed reductions after the last backward
+    stepped: set = field(default_factory=set)
+    norm_done: bool = False
+
+
+class _Rank:
+    def __init__(self, rp: RankProgram, pipeline: Pipeline, num_layers: int, clip: bool):
+        self.rp = rp
+        self.pipeline = pipeline
+        self.num_layers = num_layers
+        self.clip = clip
+        stage = pipeline.stages[rp.stage]
+        lane = stage.lanes[rp.lane]
+        self.own = set(stage.ministages)
+        self.mbs = set(lane.microbatches)
+        self.shards: dict[int, Shard] = {s.ms: s for s in rp.shards}
+        self.split = any(isinstance(i, BackwardInput) for i in rp.instrs)
+        self.s = _State(on_host={s.ms for s in rp.shards if s.param_offload})
+
+    def starts(self, ms: int) -> bool:
+        return self.pipeline.ministages[ms].first_layer == 0
+
+    def ends(self, ms: int) -> bool:
+        return self.pipeline.ministages[ms].stop_layer == self.num_layers
+
+    # ------------------------------------------------------------ instructions
+
+    def run(self, i: int, instr: Instr) -> None:
+        handler = _HANDLERS.get(type(instr))
+        handler(self, i, instr)
+
+    def _owned(self, instr) -> None:
+        if instr.ms not in self.own:
+            raise _Fault(f"ministage {instr.ms} does not belong to this rank's stage")
+        if hasattr(instr, "mb") and instr.mb is not None and instr.mb not in self.mbs:
+            raise _Fault(f"microbatch {instr.mb} is not routed to this rank's lane")
+
+    def _params_ready(self, ms: int) -> None:
+        shard = self.shards.get(ms)
+        if shard is None:
+            return
+        if shard.level == 3 and shard.group is not None and self.s.gathered.get(ms, 0) <= 0:
+            raise _Fault(f"the parameters of ministage {ms} are sharded (ZeRO-3) and not gathered here")
+        if shard.level != 3 or shard.group is None:
+            self._on_device(ms)
+
+    def _on_device(self, ms: int) -> None:
+        if ms in self.s.on_host or ("params", ms) in self.s.moving:
+            raise _Fault(f"the parameters of ministage {ms} are not on the device (prefetch and wait first)")
+
+    def load(self, i, instr: Load) -> None:
+        if instr.mb not in self.mbs:
+            raise _Fault(f"microbatch {instr.mb} is not routed to this rank's lane")
+        if instr.mb in self.s.loaded:
+            raise _Fault(f"microbatch {instr.mb} is loaded twice")
+        self.s.loaded.add(instr.mb)
+
+    def forward(self, i, instr: Forward) -> None:
+        self._owned(instr)
+        key = (instr.ms, instr.mb)
+        if key in self.s.fwd:
+            raise _Fault(f"microbatch {instr.mb} passes ministage {instr.ms} forward twice")
+        if self.starts(instr.ms) or self.ends(instr.ms):
+            if instr.mb not in self.s.loaded:
+                raise _Fault(f"microbatch {instr.mb}'s data is used before it is loaded")
+        if not self.starts(instr.ms) and (instr.ms - 1, instr.mb) not in self.s.fwd and \
+                (Tensor.ACT, instr.ms - 1, instr.mb) not in self.s.arrived:
+            raise _Fault(f"the input activation (act ms={instr.ms - 1} mb={instr.mb}) has not arrived: "
+                         "no completed receive or local forward provides it")
+        self._params_ready(instr.ms)
+        self.s.fwd.add(key)
+
+    def backward(self, i, instr) -> None:
+        self._owned(instr)
+        key = (instr.ms, instr.mb)
+        if isinstance(instr, BackwardWeight):
+            if key not in self.s.bwd:
+                raise _Fault("the weight gradient comes before its input gradient (bwd_i)")
+        else:
+            if key not in self.s.fwd:
+                raise _Fault(f"backward of microbatch {instr.mb} before its forward on ministage {instr.ms}")
+            if key in self.s.bwd:
+                raise _Fault(f"microbatch {instr.mb} passes ministage {instr.ms} backward twice")
+            nxt = (instr.ms + 1, instr.mb)
+            if not self.ends(instr.ms) and nxt not in self.s.bwd and (Tensor.GRAD, *nxt) not in self.s.arrived:
+                raise _Fault(f"the output gradient (grad ms={nxt[0]} mb={nxt[1]}) has not arrived")
+            if key in self.s.act_host or ("act", *key) in self.s.moving:
+                raise _Fault(f"the stashed input of ministage {instr.ms} for microbatch {instr.mb} is on the host")
+        if key in self.s.wgrad and not isinstance(instr, BackwardInput):
+            raise _Fault(f"microbatch {instr.mb}'s weight gradient of ministage {instr.ms} is computed twice")
+        self._params_ready(instr.ms)
+        if not isinstance(instr, BackwardWeight):
+            self.s.bwd.add(key)
+        if not isinstance(instr, BackwardInput):
+            self.s.wgrad.add(key)
+            self.s.reduced.pop(instr.ms, None)   # reductions must follow the last backward
+
+    def send(self, i, instr: Send) -> None:
+        key = (instr.ms, instr.mb)
+        done = self.s.fwd if instr.what is Tensor.ACT else self.s.bwd
+        if key not in done:
+            phase = "forward" if instr.what is Tensor.ACT else "backward"
+            raise _Fault(f"sends the {phase} output of ministage {instr.ms} for microbatch {instr.mb} "
+                         "before computing it")
+        self._post(i, instr)
+
+    def recv(self, i, instr: Recv) -> None:
+        key = (instr.what, instr.ms, instr.mb)
+        if key in self.s.arrived or any(_same_msg(p, instr) for p in self.s.pending.values()):
+            raise _Fault(f"receives {instr.what.value} ms={instr.ms} mb={instr.mb} twice")
+        self._post(i, instr)
+
+    def collective(self, i, instr) -> None:
+        if isinstance(instr, AllGather):
+            shard = self.shards.get(instr.ms)
+            if shard is None:
+                raise _Fault(f"ministage {instr.ms} does not belong to this rank's stage")
+            if shard.param_offload and (instr.ms in self.s.on_host or ("params", instr.ms) in self.s.moving):
+                raise _Fault(f"gathers ministage {instr.ms} while its shard is on the host")
+        self._post(i, instr)
+
+    def free(self, i, instr: Free) -> None:
+        if self.s.gathered.get(instr.ms, 0) <= 0:
+            raise _Fault(f"frees the parameters of ministage {instr.ms}, which are not gathered")
+        self.s.gathered[instr.ms] -= 1
+
+    def copy(self, i, instr) -> None:
+        if instr.what is Tensor.PARAMS:
+            self._owned(instr)
+            if ("params", instr.ms) in self.s.moving:
+                raise _Fault(f"the parameters of ministage {instr.ms} are already being copied")
+            to_host = isinstance(instr, Offload)
+            if to_host == (instr.ms in self.s.on_host):
+                raise _Fault(f"the parameters of ministage {instr.ms} are already on the "
+                             f"{'host' if to_host else 'device'}")
+            self.s.moving.add(("params", instr.ms))
+        else:
+            key = (instr.ms, instr.mb)
+            if key not in self.s.fwd or key in self.s.bwd:
+                raise _Fault(f"moves the stash of ministage {instr.ms} for microbatch {instr.mb}, which is not live")
+            self.s.moving.add(("act", *key))
+        self._post(i, instr)
+
+    def step(self, i, instr: Step) -> None:
+        self._owned(instr)
+        if instr.ms in self.s.stepped:
+            raise _Fault(f"ministage {instr.ms} steps twice")
+        missing = [mb for mb in sorted(self.mbs) if (instr.ms, mb) not in self.s.wgrad]
+        if missing:
+            raise _Fault(f"steps ministage {instr.ms} before the gradients of microbatches {missing} exist")
+        need = self._reductions_needed(instr.ms)
+        have = self.s.reduced.get(instr.ms, [])
+        if have[:len(need)] != need[:len(have)] or len(have) < len(need):
+            raise _Fault(f"steps ministage {instr.ms} before its gradients are reduced over "
+                         f"{', '.join(need[len(have):] or need)}")
+        if self.clip and not self.s.norm_done:
+            raise _Fault("steps before the global gradient norm is known (all_reduce norm)")
+        self._on_device(instr.ms) if not self.shards[instr.ms].opt_offload else None
+        self.s.stepped.add(instr.ms)
+
+    def _reductions_needed(self, ms: int) -> list[str]:
+        shard = self.shards[ms]
+        if shard.group is None:
+            return []
+        return [shard.group] + ([shard.outer] if shard.outer else [])
+
+    def _post(self, i, instr) -> None:
+        if instr.handle is None:
+            self._complete(instr)
+        else:
+            self.s.pending[instr.handle] = instr
+
+    def wait(self, i, instr: Wait) -> None:
+        done = self.s.pending.pop(instr.handle, None)
+        if done is not None:
+            self._complete(done)
+
+    def _complete(self, instr) -> None:
+        s = self.s
+        if isinstance(instr, Recv):
+            s.arrived.add((instr.what, instr.ms, instr.mb))
+        elif isinstance(instr, AllGather):
+            s.gathered[instr.ms] = s.gathered.get(instr.ms, 0) + (self.shards[instr.ms].level == 3)
+        elif isinstance(instr, (ReduceScatter, AllReduce)) and instr.what is Tensor.GRADS:
+            group = instr.group[:-2] if instr.group.endswith((".b", ".f")) else instr.group
+            s.reduced.setdefault(instr.ms, [])
+            if group not in s.reduced[instr.ms]:
+                s.reduced[instr.ms].append(group)
+        elif isinstance(instr, AllReduce) and instr.what is Tensor.NORM:
+            s.norm_done = True
+        elif isinstance(instr, (Offload, Prefetch)):
+            self._copied(instr)
+
+    def _copied(self, instr) -> None:
+        s = self.s
+        if instr.what is Tensor.PARAMS:
+            s.moving.discard(("params", instr.ms))
+            (s.on_host.add if isinstance(instr, Offload) else s.on_host.discard)(instr.ms)
+        else:
+            s.moving.discard(("act", instr.ms, instr.mb))
+            (s.act_host.add if isinstance(instr, Offload) else s.act_host.discard)((instr.ms, instr.mb))
+
+    # ------------------------------------------------------------ the end
+
+    def finish(self) -> list[tuple[int, str]]:
+        out = []
+        for ms in sorted(self.own):
+            for mb in sorted(self.mbs):
+                if (ms, mb) not in self.s.fwd:
+                    out.append(f"microbatch {mb} never passes ministage {ms} forward")
+                elif (ms, mb) not in self.s.wgrad or (ms, mb) not in self.s.bwd:
+                    out.append(f"microbatch {mb} never passes ministage {ms} backward")
+            if ms not in self.s.stepped:
+                out.append(f"ministage {ms} never steps its optimizer")
+            if self.s.gathered.get(ms, 0):
+                out.append(f"the gathered parameters of ministage {ms} are never freed")
+            if self.shards.get(ms) and self.shards[ms].param_offload and ms not in self.s.on_host:
+                out.append(f"the parameters of ministage {ms} end the step on the device, but the next step "
+                           "expects them on the host")
+        return out
+
+
+def _same_msg(pending, recv: Recv) -> bool:
+    return isinstance(pending, Recv) and (pending.what, pending.ms, pending.mb) == (recv.what, recv.ms, recv.mb)
+
+
+_HANDLERS = {
+    Load: _Rank.load, Forward: _Rank.forward, Backward: _Rank.backward, BackwardInput: _Rank.backward,
+    BackwardWeight: _Rank.backward, Send: _Rank.send, Recv: _Rank.recv, AllGather: _Rank.collective,
+    ReduceScatter: _Rank.collective, AllReduce: _Rank.collective, AllToAll: _Rank.collective,
+    Offload: _Rank.copy, Prefetch: _Rank.copy, Free: _Rank.free, Step: _Rank.step, Wait: _Rank.wait,
+}
+
+
+def check_dataflow(program: Program, pipeline: Pipeline, num_layers: int, clip: bool) -> list[Finding]:
+    findings = []
+    for rp in program.ranks:
+        rank = _Rank(rp, pipeline, num_layers, clip)
+        try:
+            for i, instr in enumerate(rp.instrs):
+                try:
+                    rank.run(i, instr)
+                except _Fault as fault:
+                    raise _Fault(str(fault), i) from None
+        except _Fault as fault:
+            findings.append(at(program, rp.rank, fault.index, str(fault)))
+            continue
+        findings += [at(program, rp.rank, len(rp.instrs) - 1, msg) for msg in rank.finish()]
+    return findings

@@ -1,0 +1,210 @@
+"""Run every rank's program together under the runtime's blocking rules.
+
+Note [blocking rules]: an instruction with a handle only *posts* its work;
+`wait` blocks until that work is complete; without a handle an instruction
+posts and waits at once. A send and a receive complete together, when both
+are posted (gloo's rendezvous, the conservative model); messages between
+two ranks match in posting order (what NCCL requires), and must agree on
+tensor, ministage, microbatch and shape. A collective completes when every
+member of its group has posted it; the k-th collective of a group must be
+the same on every member. Copies to and from the host complete on their own.
+If no rank can move and some have not finished, the programs deadlock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from hetc.program import COLLECTIVE_TYPES, Instr, Program, Recv, Send, Wait
+from hetc.passes.verify.errors import Finding, at
+
+__all__ = ["check_protocol"]
+
+
+@dataclass
+class _Op:
+    rank: int
+    index: int
+    instr: Instr
+    done: bool = False
+
+
+@dataclass
+class _Rank:
+    pc: int = 0
+    posted: dict[int, _Op] = field(default_factory=dict)    # handle -> op
+    waited: set[int] = field(default_factory=set)
+    blocking: _Op | None = None                              # a handle-less op in flight
+
+
+class _Sim:
+    def __init__(self, program: Program):
+        self.program = program
+        self.ranks = [_Rank() for _ in program.ranks]
+        self.sends: dict[tuple[int, int], deque[_Op]] = {}
+        self.recvs: dict[tuple[int, int], deque[_Op]] = {}
+        self.calls: dict[str, list[dict[int, _Op]]] = {}     # group -> k -> rank -> op
+        self.count: dict[tuple[str, int], int] = {}          # (group, rank) -> calls posted
+        self.members = {g.name: set(g.ranks) for g in program.groups}
+
+    # -------------------------------------------------------------- posting
+
+    def post(self, op: _Op) -> Finding | None:
+        instr = op.instr
+        if isinstance(instr, Send):
+            return self._post_p2p(op, (op.rank, instr.peer_to), self.sends, self.recvs)
+        if isinstance(instr, Recv):
+            return self._post_p2p(op, (instr.peer_from, op.rank), self.recvs, self.sends)
+        if isinstance(instr, COLLECTIVE_TYPES):
+            return self._post_collective(op)
+        op.done = True  # local work: copies, compute
+        return None
+
+    def _post_p2p(self, op: _Op, channel, mine, theirs) -> Finding | None:
+        peer = channel[1] if isinstance(op.instr, Send) else channel[0]
+        if not 0 <= peer < len(self.ranks) or peer == op.rank:
+            return at(self.program, op.rank, op.index, f"peer {peer} is not another rank of this "
+                      f"{len(self.ranks)}-rank program")
+        waiting = theirs.get(channel)
+        if waiting:
+            other = waiting.popleft()
+            send, recv = (op, other) if isinstance(op.instr, Send) else (other, op)
+            problem = _mismatch(send.instr, recv.instr)
+            if problem:
+                return at(self.program, recv.rank, recv.index, f"{problem}; the next message from rank "
+                          f"{send.rank} is `{send.instr}` (its instruction {send.index})")
+            op.done = other.done = True
+            return None
+        mine.setdefault(channel, deque()).append(op)
+        return None
+
+    def _post_collective(self, op: _Op) -> Finding | None:
+        group = op.instr.group
+        members = self.members.get(group)
+        if members is None:
+            return at(self.program, op.rank, op.index, f"unknown group '{group}'")
+        if op.rank not in members:
+            return at(self.program, op.rank, op.index, f"rank {op.rank} is not a member of group '{group}'")
+        k = self.count.get((group, op.rank), 0)
+        self.count[(group, op.rank)] = k + 1
+        calls = self.calls.setdefault(group, [])
+        if k == len(calls):
+            calls.append({})
+        entry = calls[k]
+        for other in entry.values():
+            if _collective_key(other.instr) != _collective_key(op.instr):
+                return at(self.program, op.rank, op.index, f"collective #{k} on group '{group}' differs: rank "
+                          f"{other.rank} calls `{other.instr}` (its instruction {other.index})")
+        entry[op.rank] = op
+        if len(entry) == len(members):
+            for o in entry.values():
+                o.done = True
+        return None
+
+    # -------------------------------------------------------------- stepping
+
+    def advance(self, r: int) -> tuple[bool, Finding | None]:
+        """Run rank r as far as it can go; (made progress, error)."""
+        state, instrs = self.ranks[r], self.program.ranks[r].instrs
+        moved = False
+        while state.pc < len(instrs):
+            if state.blocking is not None:
+                if not state.blocking.done:
+                    return moved, None
+                state.blocking = None
+                state.pc += 1
+                moved = True
+                continue
+            instr = instrs[state.pc]
+            if isinstance(instr, Wait):
+                op = state.posted.get(instr.handle)
+                if op is None or instr.handle in state.waited:
+                    why = "was never posted" if op is None else "was already waited"
+                    return moved, at(self.program, r, state.pc, f"handle {instr.handle} {why}")
+                if not op.done:
+                    return moved, None
+                state.waited.add(instr.handle)
+                state.pc += 1
+                moved = True
+                continue
+            op = _Op(r, state.pc, instr)
+            handle = getattr(instr, "handle", None)
+            if handle is not None:
+                if handle in state.posted:
+                    return moved, at(self.program, r, state.pc, f"handle {handle} is used twice")
+                state.posted[handle] = op
+            problem = self.post(op)
+            if problem:
+                return moved, problem
+            if handle is None:
+                state.blocking = op
+                continue
+            state.pc += 1
+            moved = True
+        return moved, None
+
+    def run(self) -> list[Finding]:
+        active = set(range(len(self.ranks)))
+        while active:
+            progress = False
+            for r in sorted(active):
+                moved, problem = self.advance(r)
+                if problem:
+                    return [problem]
+                progress |= moved
+                if self.ranks[r].pc >= len(self.program.ranks[r].instrs) and self.ranks[r].blocking is None:
+                    active.discard(r)
+            if not progress and active:
+                return self._deadlock(active)
+        return self._leftovers()
+
+    def _deadlock(self, active: set[int]) -> list[Finding]:
+        out = []
+        for r in sorted(active)[:8]:
+            state = self.ranks[r]
+            idx = state.pc
+            instr = self.program.ranks[r].instrs[idx]
+            if isinstance(instr, Wait):
+                op = state.posted[instr.handle]
+                why = f"waits for `{op.instr}` (instruction {op.index}), which never completes"
+            else:
+                why = "blocks forever"
+            out.append(at(self.program, r, idx, f"deadlock: {why}{self._blame(state, instr)}"))
+        return out
+
+    def _blame(self, state: _Rank, instr: Instr) -> str:
+        op = state.posted.get(instr.handle).instr if isinstance(instr, Wait) else instr
+        if isinstance(op, Send):
+            return f" (rank {op.peer_to} never posts the matching receive)"
+        if isinstance(op, Recv):
+            return f" (rank {op.peer_from} never posts the matching send)"
+        if isinstance(op, COLLECTIVE_TYPES):
+            return f" (not every member of '{op.group}' reaches this collective)"
+        return ""
+
+    def _leftovers(self) -> list[Finding]:
+        out = []
+        for r, state in enumerate(self.ranks):
+            for h, op in state.posted.items():
+                if h not in state.waited:
+                    out.append(at(self.program, r, op.index, f"handle {h} is never waited before the step ends"))
+        return out
+
+
+def _mismatch(send: Send, recv: Recv) -> str:
+    if (send.what, send.ms, send.mb) != (recv.what, recv.ms, recv.mb):
+        return "receives a different message than is sent"
+    if send.shape != recv.shape:
+        return f"shape {'x'.join(map(str, recv.shape))} does not match the sent shape " \
+               f"{'x'.join(map(str, send.shape))}"
+    return ""
+
+
+def _collective_key(instr) -> tuple:
+    return (type(instr).__name__, instr.what, getattr(instr, "ms", None), getattr(instr, "mb", None))
+
+
+def check_protocol(program: Program) -> list[Finding]:
+    """Every finding of running all ranks together (empty: deadlock-free and matched)."""
+    return _Sim(program).run()
