@@ -200,7 +200,8 @@ class _Rank:
                          f"{', '.join(need[len(have):] or need)}")
         if self.clip and not self.s.norm_done:
             raise _Fault("steps before the global gradient norm is known (all_reduce norm)")
-        self._on_device(instr.ms) if not self.shards[instr.ms].opt_offload else None
+        if not self.shards[instr.ms].opt_offload:
+            self._on_device(instr.ms)
         self.s.stepped.add(instr.ms)
 
     def _reductions_needed(self, ms: int) -> list[str]:
@@ -225,7 +226,9 @@ class _Rank:
         if isinstance(instr, Recv):
             s.arrived.add((instr.what, instr.ms, instr.mb))
         elif isinstance(instr, AllGather):
-            s.gathered[instr.ms] = s.gathered.get(instr.ms, 0) + (self.shards[instr.ms].level == 3)
+            shard = self.shards[instr.ms]
+            full = shard.level == 3 and instr.group != shard.outer   # the outer gather rebuilds the shard
+            s.gathered[instr.ms] = s.gathered.get(instr.ms, 0) + full
         elif isinstance(instr, (ReduceScatter, AllReduce)) and instr.what is Tensor.GRADS:
             group = instr.group[:-2] if instr.group.endswith((".b", ".f")) else instr.group
             s.reduced.setdefault(instr.ms, [])

@@ -1,0 +1,47 @@
+"""`hetc verify DIR`: re-read a plan directory's programs and prove them safe."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from hetc.cli import UsageError
+from hetc.plandir import read_plan, read_program
+from hetc.program import ProgramFormatError
+from hetc.passes.verify import VerifyError, verify
+
+__all__ = ["register"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "verify", help="verify a plan directory's programs",
+        description="Read DIR/plan.het and DIR/programs/rank-*.txt (possibly edited by hand) and run the "
+                    "verifier: every send meets its receive, collectives match, no rank blocks forever, every "
+                    "microbatch passes every ministage forward and backward once, every step follows its "
+                    "gradients. Exit 0, or name the rank and instruction and exit 2.",
+    )
+    p.add_argument("dir", type=Path, metavar="DIR")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.dir.is_dir():
+        raise UsageError(f"{args.dir} is not a directory")
+    _, checked = read_plan(args.dir)
+    try:
+        program = read_program(args.dir)
+    except ProgramFormatError as err:
+        print(f"{err.source or args.dir}:{err.line}: error: {str(err).split(': ', 1)[-1]}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as err:
+        raise UsageError(str(err)) from None
+    try:
+        verify(program, checked.pipeline, checked.spec)
+    except VerifyError as err:
+        print(err.render(), file=sys.stderr)
+        return 2
+    print(f"{args.dir}: ok: {program.world_size} ranks, {sum(len(r.instrs) for r in program.ranks)} "
+          "instructions verified")
+    return 0

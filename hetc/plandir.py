@@ -1,0 +1,112 @@
+"""The plan directory `hetc compile` writes and `hetc verify` / `run` / `viz` read.
+
+    DIR/plan.het                 the explicit spec (self-contained: devices inline)
+    DIR/programs/rank-NNNN.txt   each rank's listing; rank-NNNN.json beside it
+    DIR/groups.txt               the group table
+    DIR/timeline.json            the predicted timeline of one step
+    DIR/torch/laneL.csv          lane-aligned pipelines in torch's compute_comms format
+    DIR/summary.json             headline numbers (ranks, step time, tokens/s)
+
+Listings are the source of truth: a person may edit them by hand and
+`hetc verify DIR` / `hetc run DIR` read the text, not the JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from hetc.errors import SpecError
+from hetc.program import Program, ProgramFormatError, RankProgram
+from hetc.printer import format_spec
+from hetc.spec import DataKind, Spec
+
+__all__ = ["PLAN_FILE", "TIMELINE_FILE", "write_plan_dir", "read_program", "read_plan", "listing_name"]
+
+PLAN_FILE = "plan.het"
+TIMELINE_FILE = "timeline.json"
+SUMMARY_FILE = "summary.json"
+
+
+def listing_name(rank: int) -> str:
+    return f"rank-{rank:04d}.txt"
+
+
+def portable_spec(spec: Spec, spec_dir: Path, out_dir: Path) -> Spec:
+    """The spec with its data path rewritten relative to the plan directory."""
+    data = spec.train.data
+    if data.kind is not DataKind.TEXT or os.path.isabs(data.path):
+        return spec
+    path = os.path.relpath((spec_dir / data.path).resolve(), out_dir.resolve())
+    train = dataclasses.replace(spec.train, data=dataclasses.replace(data, path=path))
+    return dataclasses.replace(spec, train=train)
+
+
+def write_plan_dir(out: Path, spec: Spec, spec_dir: Path, program: Program, torch_csv: dict[str, str],
+                   timeline_json: str | None, summary: dict) -> None:
+    """Write everything at once into a fresh directory that then replaces `out` (never half a plan)."""
+    out = out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        (tmp / PLAN_FILE).write_text(format_spec(portable_spec(spec, spec_dir, out)))
+        progs = tmp / "programs"
+        progs.mkdir()
+        for rp in program.ranks:
+            (progs / listing_name(rp.rank)).write_text(rp.to_text())
+            (progs / listing_name(rp.rank).replace(".txt", ".json")).write_text(json.dumps(rp.to_json()))
+        (tmp / "groups.txt").write_text(program.groups_text())
+        if torch_csv:
+            (tmp / "torch").mkdir()
+            for name, text in torch_csv.items():
+                (tmp / "torch" / f"{name}.csv").write_text(text)
+        if timeline_json is not None:
+            (tmp / TIMELINE_FILE).write_text(timeline_json)
+        (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        if out.exists():
+            old = out.with_name(f".{out.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def read_program(plan_dir: Path) -> Program:
+    """The listings `programs/rank-*.txt` in rank order, with the group table."""
+    listings = sorted((plan_dir / "programs").glob("rank-*.txt"))
+    if not listings:
+        raise FileNotFoundError(f"{plan_dir}: no programs/rank-*.txt (is it a `hetc compile` directory?)")
+    ranks = sorted((RankProgram.from_text(p.read_text(), source=str(p)) for p in listings), key=lambda r: r.rank)
+    for expect, rp in enumerate(ranks):
+        if rp.rank != expect:
+            raise ProgramFormatError(f"expected the program of rank {expect}, found rank {rp.rank}", 1,
+                                     str(plan_dir / "programs" / listing_name(expect)))
+    groups_file = plan_dir / "groups.txt"
+    groups = Program.parse_groups(groups_file.read_text(), str(groups_file)) if groups_file.is_file() else ()
+    return Program(tuple(ranks), groups)
+
+
+def read_plan(plan_dir: Path):
+    """(LoadedSpec, Checked) of DIR/plan.het; a SpecError if it is missing or broken."""
+    from hetc.frontend import load_checked
+
+    path = plan_dir / PLAN_FILE
+    if not path.is_file():
+        raise SpecError.at(_nowhere(path), f"{plan_dir} is not a plan directory: no {PLAN_FILE} "
+                           "(write one with `hetc compile SPEC -o DIR`)")
+    return load_checked(path, require_complete=True)
+
+
+def _nowhere(path: Path):
+    from hetc.errors import Span
+
+    return Span(str(path), 1, 1, 1, 1)

@@ -1,0 +1,79 @@
+"""Export lane-aligned pipelines in torch.distributed.pipelining's action format.
+
+A plan is *lane-aligned* when every stage has the same lanes, each serving
+the same microbatches; then lane l of every stage forms one ordinary
+pipeline, which torch's `compute_comms` CSV can describe: one row per
+pipeline rank, cells such as `0F1`, `1SEND_F0`, `2RECV_B3`. torch stage
+indices are our ministage indices; microbatches are renumbered within the
+lane. A receive is written where the program waits for it (torch's actions
+block there), a send where it is posted. Plans whose lanes do not line up
+(Zorse's many-to-many pipelines) have no torch equivalent and export nothing.
+"""
+
+from __future__ import annotations
+
+from hetc.pipeline import Pipeline
+from hetc.program import Backward, BackwardInput, BackwardWeight, Forward, Program, Recv, Send, Tensor, Wait
+
+__all__ = ["torch_pipelines", "lanes_aligned", "TorchPipeline"]
+
+
+class TorchPipeline:
+    """One exported pipeline: rows of action strings, and what torch needs to check them."""
+
+    def __init__(self, name: str, rows: list[list[str]], num_stages: int, num_microbatches: int,
+                 stage_to_rank: dict[int, int]):
+        self.name = name
+        self.rows = rows
+        self.num_stages = num_stages
+        self.num_microbatches = num_microbatches
+        self.stage_to_rank = stage_to_rank
+
+    def csv(self) -> str:
+        return "".join(",".join(row) + "\n" for row in self.rows)
+
+
+def lanes_aligned(pipeline: Pipeline) -> bool:
+    first = pipeline.stages[0]
+    routes = [lane.microbatches for lane in first.lanes]
+    return all([lane.microbatches for lane in s.lanes] == routes for s in pipeline.stages)
+
+
+def torch_pipelines(program: Program, pipeline: Pipeline) -> list[TorchPipeline]:
+    if not lanes_aligned(pipeline):
+        return []
+    stage_to_rank = {m.index: m.stage for m in pipeline.ministages}
+    out = []
+    for lane_idx, lane in enumerate(pipeline.stages[0].lanes):
+        local = {mb: i for i, mb in enumerate(lane.microbatches)}
+        rows = [_actions(program.ranks[stage.lanes[lane_idx].ranks[0]].instrs, local)
+                for stage in pipeline.stages]
+        out.append(TorchPipeline(f"lane{lane_idx}", rows, len(pipeline.ministages), len(local), stage_to_rank))
+    return out
+
+
+def _actions(instrs, local: dict[int, int]) -> list[str]:
+    pending: dict[int, Recv] = {}
+    actions = []
+    for instr in instrs:
+        if isinstance(instr, Recv):
+            if instr.handle is None:
+                actions.append(_recv(instr, local))
+            else:
+                pending[instr.handle] = instr
+        elif isinstance(instr, Wait) and instr.handle in pending:
+            actions.append(_recv(pending.pop(instr.handle), local))
+        elif isinstance(instr, Send):
+            kind = "SEND_F" if instr.what is Tensor.ACT else "SEND_B"
+            actions.append(f"{instr.ms}{kind}{local[instr.mb]}")
+        elif isinstance(instr, (Forward, Backward, BackwardInput, BackwardWeight)):
+            code = {Forward: "F", Backward: "B", BackwardInput: "I", BackwardWeight: "W"}[type(instr)]
+            actions.append(f"{instr.ms}{code}{local[instr.mb]}")
+    return actions
+
+
+def _recv(instr: Recv, local: dict[int, int]) -> str:
+    # torch names a receive by the stage that consumes it
+    if instr.what is Tensor.ACT:
+        return f"{instr.ms + 1}RECV_F{local[instr.mb]}"
+    return f"{instr.ms - 1}RECV_B{local[instr.mb]}"
