@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,11 @@ ROOT = Path(__file__).resolve().parent.parent
 SPECS = ROOT / "specs"
 DEMO = SPECS / "demo"
 SHARED_DATA = ROOT.parent / "shared" / "data"
+
+# One intra-op thread per process (also for ranks that tests spawn): on the
+# shared 2-core machines, OpenMP threads spinning against other processes made
+# tiny CPU models ~40x slower. Set before anything imports torch.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def all_spec_files() -> list[Path]:

@@ -1,0 +1,104 @@
+"""Multi-head attention with GQA, RoPE and a replaceable attention core.
+
+The projections are tensor-parallel shards (runtime/tp.py): each tp rank
+holds N_q/tp query heads and N_kv/tp key/value heads, contiguous, so the
+query heads of one GQA group stay on the rank that holds their K/V.
+
+`Attention.core` is the hook where the attention core runs: it takes
+q [b, n_q, s, d] and k, v [b, n_kv, s, d] (K/V *not* expanded to the query
+heads, so ring attention passes the compact K/V around) and returns
+[b, n_q, s, d]. The default is causal attention over the local sequence;
+context parallelism replaces it (Ulysses: all-to-all to a head-sharded
+layout around the local core; ring attention: K/V blocks around the ring
+with an online softmax).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from hetc.runtime.tp import ParallelLinear, Split, TPRegion, TPShard
+from hetc.spec import Arch, ModelSpec
+
+__all__ = ["AttentionCore", "Rope", "causal_attention", "Rotary", "apply_rope", "Attention"]
+
+Rope = tuple[Tensor, Tensor]
+
+
+class AttentionCore(Protocol):
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Causal softmax attention; K/V heads are repeated to the query heads (GQA)."""
+    repeat = q.shape[1] // k.shape[1]
+    if repeat > 1:
+        k = k.repeat_interleave(repeat, dim=1)
+        v = v.repeat_interleave(repeat, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class Rotary(torch.nn.Module):
+    """RoPE angles for given token positions (no parameters)."""
+
+    def __init__(self, head_dim: int, theta: float, device=None) -> None:
+        super().__init__()
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim
+        self.register_buffer("inv_freq", (theta ** -exponents).float(), persistent=False)
+
+    def forward(self, positions: Tensor) -> Rope:
+        """cos and sin, each [s, head_dim], for positions [s] (any order: context parallelism
+        may hold non-contiguous chunks)."""
+        angles = positions.to(self.inv_freq.device, torch.float32)[:, None] * self.inv_freq[None, :]
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, rope: Rope) -> Tensor:
+    """Rotate x [b, h, s, d] by the angles of `rope` (rotate-half convention), in fp32."""
+    cos, sin = rope
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+    return (xf * cos + rotated * sin).type_as(x)
+
+
+class Attention(TPRegion):
+    """Self-attention of one block; q/k/v column-parallel, output row-parallel."""
+
+    def __init__(self, model: ModelSpec, shard: TPShard = TPShard(), device=None) -> None:
+        super().__init__()
+        h = model.hidden
+        self.head_dim = h // model.heads
+        self.n_heads = shard.part(model.heads, "heads")
+        self.n_kv_heads = shard.part(model.num_kv_heads, "kv_heads")
+        bias = model.arch is Arch.GPT
+        q_out, kv_out = model.heads * self.head_dim, model.num_kv_heads * self.head_dim
+        col = dict(bias=bias, split=Split.COLUMN, shard=shard, device=device)
+        self.wq = ParallelLinear(h, q_out, **col)
+        self.wk = ParallelLinear(h, kv_out, **col)
+        self.wv = ParallelLinear(h, kv_out, **col)
+        self.wo = ParallelLinear(q_out, h, bias=bias, split=Split.ROW, shard=shard, scaled_init=True,
+                                 device=device)
+        self.core: AttentionCore = causal_attention
+        self.recompute_core = False  # selective activation checkpointing
+
+    def forward(self, x: Tensor, rope: Rope | None = None) -> Tensor:
+        x = self.tp.enter(x)
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if self.recompute_core and torch.is_grad_enabled():
+            out = checkpoint(self.core, q, k, v, use_reentrant=False)
+        else:
+            out = self.core(q, k, v)
+        out = out.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim)
+        return self.wo(out, reduce=self.tp.exit)

@@ -1,0 +1,176 @@
+"""Flat parameter buffers: the unit ZeRO shards, gathers and steps.
+
+One flat buffer per ministage. Parameters are laid out in `named_parameters`
+order (fixed by the model code, independent of the plan), then padded to a
+multiple of the shard-group size so every shard is the same contiguous
+slice `[i * shard_numel, (i + 1) * shard_numel)`. The module's parameters
+and gradients become views into the buffers, so an all-gather into the
+compute buffer updates the module and backward accumulates straight into
+the grad buffer (ready for all-reduce / reduce-scatter without a copy).
+
+Padding is zero in parameters and gradients; AdamW and SGD keep it zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["FlatEntry", "FlatLayout", "bind_params", "bind_grads", "FlatParams"]
+
+
+@dataclass(frozen=True, slots=True)
+class FlatEntry:
+    """Where one parameter lives in the flat buffer."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+    numel: int
+
+
+@dataclass(frozen=True, slots=True)
+class FlatLayout:
+    """The flat layout of one module's parameters, padded for `num_shards` equal shards."""
+
+    entries: tuple[FlatEntry, ...]
+    numel: int          # sum of the parameters' sizes
+    padded_numel: int   # numel rounded up to a multiple of num_shards
+    num_shards: int
+
+    @classmethod
+    def of(cls, module: nn.Module, num_shards: int = 1) -> "FlatLayout":
+        """The layout of `module`'s parameters (shared ones once, under their first name)."""
+        assert num_shards >= 1
+        entries, offset = [], 0
+        for name, p in module.named_parameters():
+            entries.append(FlatEntry(name, tuple(p.shape), offset, p.numel()))
+            offset += p.numel()
+        padded = -(-offset // num_shards) * num_shards
+        return cls(tuple(entries), offset, padded, num_shards)
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.num_shards
+
+    def shard_range(self, shard: int) -> slice:
+        """The elements of shard `shard` in the flat buffer."""
+        assert 0 <= shard < self.num_shards, f"shard {shard} of {self.num_shards}"
+        return slice(shard * self.shard_numel, (shard + 1) * self.shard_numel)
+
+    def views(self, flat: Tensor) -> dict[str, Tensor]:
+        """Each parameter's view into a full flat buffer, by name."""
+        assert flat.numel() == self.padded_numel, f"buffer of {flat.numel()} for layout of {self.padded_numel}"
+        return {e.name: flat[e.offset:e.offset + e.numel].view(e.shape) for e in self.entries}
+
+    def pieces(self, shard: int) -> list[tuple[str, int, int, int]]:
+        """The parameter pieces inside shard `shard`: (name, start, stop, offset in the shard).
+
+        start/stop index the parameter flattened; this is how a checkpoint
+        written under one sharding is read back under another.
+        """
+        rng = self.shard_range(shard)
+        out = []
+        for e in self.entries:
+            start, stop = max(e.offset, rng.start), min(e.offset + e.numel, rng.stop)
+            if start < stop:
+                out.append((e.name, start - e.offset, stop - e.offset, start - rng.start))
+        return out
+
+    def flatten(self, tensors: dict[str, Tensor], dtype: torch.dtype = torch.float32,
+                device: torch.device | str | None = None) -> Tensor:
+        """A new padded flat buffer holding `tensors` (by name), zero padding."""
+        first = next(iter(tensors.values()))
+        flat = torch.zeros(self.padded_numel, dtype=dtype, device=device or first.device)
+        for e in self.entries:
+            flat[e.offset:e.offset + e.numel].copy_(tensors[e.name].detach().reshape(-1))
+        return flat
+
+
+def _params_by_name(module: nn.Module) -> dict[str, nn.Parameter]:
+    return dict(module.named_parameters())
+
+
+def bind_params(module: nn.Module, layout: FlatLayout, flat: Tensor) -> None:
+    """Make every parameter of `module` a view into `flat` (values are not copied)."""
+    views = layout.views(flat)
+    for name, p in _params_by_name(module).items():
+        p.data = views[name]
+
+
+def bind_grads(module: nn.Module, layout: FlatLayout, flat_grad: Tensor) -> None:
+    """Make every `.grad` a view into `flat_grad`; backward then accumulates into it in place.
+
+    Never call `module.zero_grad()` afterwards (it sets grads to None and
+    unbinds them): zero `flat_grad` instead.
+    """
+    views = layout.views(flat_grad)
+    for name, p in _params_by_name(module).items():
+        p.grad = views[name]
+
+
+class FlatParams:
+    """The flat buffers of one ministage on one rank.
+
+    - `compute`: the full padded buffer in the compute dtype; the module's
+      parameters are views into it. ZeRO-3 frees it between uses
+      (`release`) and all-gathers into it again (`materialize` first).
+    - `grad`: the full padded gradient buffer (compute dtype); `.grad` views.
+    - `master`: fp32 master weights of shard `shard_index` only — what the
+      optimizer steps. When the compute dtype is fp32 and the master need
+      not outlive `compute`, it is a view of `compute` (no master copy).
+    """
+
+    def __init__(self, module: nn.Module, *, num_shards: int = 1, shard_index: int = 0,
+                 dtype: torch.dtype = torch.float32, keep_master_apart: bool = False) -> None:
+        """`module` holds fp32 initial values; `keep_master_apart` for ZeRO-3 (compute is freed)."""
+        self.module = module
+        self.layout = FlatLayout.of(module, num_shards)
+        self.shard_index = shard_index
+        full = self.layout.flatten(_params_by_name(module), torch.float32)
+        self.compute = full if dtype == torch.float32 else full.to(dtype)
+        shard = full[self.layout.shard_range(shard_index)]
+        shares = dtype == torch.float32 and not keep_master_apart
+        self.master = shard if shares else shard.clone()
+        self.grad = torch.zeros_like(self.compute)
+        bind_params(module, self.layout, self.compute)
+        bind_grads(module, self.layout, self.grad)
+
+    @property
+    def master_is_compute(self) -> bool:
+        """True when stepping the master already updated the compute buffer."""
+        return self.master.data_ptr() == self.compute_shard.data_ptr() and \
+            self.master.dtype == self.compute.dtype
+
+    @property
+    def compute_shard(self) -> Tensor:
+        return self.compute[self.layout.shard_range(self.shard_index)]
+
+    @property
+    def grad_shard(self) -> Tensor:
+        """This rank's slice of the full grad buffer (after an all-reduce it is the reduced shard)."""
+        return self.grad[self.layout.shard_range(self.shard_index)]
+
+    def publish_master(self) -> None:
+        """Copy the stepped master shard into this rank's slice of the compute buffer (cast)."""
+        if not self.master_is_compute:
+            self.compute_shard.copy_(self.master)
+
+    def zero_grad(self) -> None:
+        self.grad.zero_()
+
+    def release(self) -> None:
+        """Free the compute buffer's memory; the parameter views stay bound (ZeRO-3)."""
+        self.compute.untyped_storage().resize_(0)
+
+    def materialize(self) -> None:
+        """Re-allocate a released compute buffer (contents undefined until gathered into)."""
+        storage = self.compute.untyped_storage()
+        storage.resize_(self.compute.numel() * self.compute.element_size())
+
+    def named_master(self) -> dict[str, Tensor]:
+        """Full-precision parameters by name; needs num_shards == 1 (else gather first)."""
+        assert self.layout.num_shards == 1, "the master holds one shard; gather it to name parameters"
+        return {n: t.float().clone() for n, t in self.layout.views(self.master).items()}

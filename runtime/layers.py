@@ -1,0 +1,102 @@
+"""The three kinds of model layer: embedding, transformer block, head.
+
+Parameter names (relative to the layer) are fixed here and are part of the
+contract: initial values are seeded by (seed, layer index, name) and
+checkpoints and plan-invariance tests compare parameters by
+`<layer name>.<name>` (e.g. `block3.attention.wq.weight`).
+
+| layer | llama | gpt |
+|---|---|---|
+| embed | tok_embeddings | tok_embeddings, pos_embeddings |
+| block | attention_norm, attention.{wq,wk,wv,wo}, ffn_norm, feed_forward.{w1,w2,w3} | ... LayerNorm, feed_forward.{fc1,fc2}, biases |
+| head | norm, output (absent when tied) | norm (LayerNorm), output |
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from hetc.runtime.attention import Attention, Rope
+from hetc.runtime.mlp import make_mlp
+from hetc.runtime.tp import ParallelLinear, TPShard
+from hetc.spec import Arch, ModelSpec
+
+__all__ = ["RMSNorm", "make_norm", "Embedding", "Block", "Head", "NORMS"]
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, the reduction in fp32."""
+
+    def __init__(self, dim: int, eps: float, device=None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, device=device))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y.type_as(x) * self.weight
+
+
+NORMS = (RMSNorm, nn.LayerNorm)
+
+
+def make_norm(model: ModelSpec, device=None) -> nn.Module:
+    if model.arch is Arch.LLAMA:
+        return RMSNorm(model.hidden, model.norm_eps, device)
+    return nn.LayerNorm(model.hidden, eps=model.norm_eps, device=device)
+
+
+class Embedding(nn.Module):
+    """Token embedding (plus learned positions for gpt): token ids -> [b, s, H]."""
+
+    def __init__(self, model: ModelSpec, device=None) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(model.vocab, model.hidden, device=device)
+        self.pos_embeddings = nn.Embedding(model.seq, model.hidden, device=device) \
+            if model.arch is Arch.GPT else None
+
+    def forward(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        x = self.tok_embeddings(tokens)
+        if self.pos_embeddings is not None:
+            x = x + self.pos_embeddings(positions)
+        return x
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, model: ModelSpec, shard: TPShard = TPShard(), device=None) -> None:
+        super().__init__()
+        self.attention_norm = make_norm(model, device)
+        self.attention = Attention(model, shard, device)
+        self.ffn_norm = make_norm(model, device)
+        self.feed_forward = make_mlp(model, shard, device)
+
+    def forward(self, x: Tensor, rope: Rope | None = None) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Head(nn.Module):
+    """Final norm and LM head; returns the mean token cross-entropy given labels.
+
+    With tied embeddings there is no `output`: the caller passes the
+    embedding matrix as `output_weight`.
+    """
+
+    def __init__(self, model: ModelSpec, device=None) -> None:
+        super().__init__()
+        self.norm = make_norm(model, device)
+        self.output = None if model.tied_embeddings else \
+            ParallelLinear(model.hidden, model.vocab, bias=False, device=device)
+
+    def forward(self, x: Tensor, labels: Tensor | None = None, output_weight: Tensor | None = None) -> Tensor:
+        """The loss (a scalar, fp32) given labels [b, s]; the logits [b, s, V] without."""
+        x = self.norm(x)
+        logits = self.output(x) if self.output is not None else F.linear(x, output_weight)
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())

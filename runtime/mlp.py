@@ -1,0 +1,85 @@
+"""Feed-forward networks: SwiGLU (llama), GELU MLP (gpt), and a top-k MoE of either.
+
+The dense MLPs are tensor-parallel regions: the up projections are
+column-parallel, the down projection row-parallel (runtime/tp.py).
+The MoE here computes every expert locally (token-choice top-k with a
+softmax over the chosen logits, no capacity drop); expert parallelism
+(all-to-all dispatch/combine) replaces `MoE.forward`'s expert loop later.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from hetc.runtime.tp import ParallelLinear, Split, TPRegion, TPShard
+from hetc.spec import Arch, ModelSpec
+
+__all__ = ["SwiGLU", "GeluMLP", "MoE", "make_mlp"]
+
+
+class SwiGLU(TPRegion):
+    """w2(silu(w1 x) * w3 x), no biases."""
+
+    def __init__(self, hidden: int, ffn: int, shard: TPShard = TPShard(), device=None) -> None:
+        super().__init__()
+        col = dict(bias=False, split=Split.COLUMN, shard=shard, device=device)
+        self.w1 = ParallelLinear(hidden, ffn, **col)
+        self.w3 = ParallelLinear(hidden, ffn, **col)
+        self.w2 = ParallelLinear(ffn, hidden, bias=False, split=Split.ROW, shard=shard, scaled_init=True,
+                                 device=device)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.tp.enter(x)
+        return self.w2(F.silu(self.w1(x)) * self.w3(x), reduce=self.tp.exit)
+
+
+class GeluMLP(TPRegion):
+    """fc2(gelu(fc1 x)) with biases (GPT-2's tanh GELU)."""
+
+    def __init__(self, hidden: int, ffn: int, shard: TPShard = TPShard(), device=None) -> None:
+        super().__init__()
+        self.fc1 = ParallelLinear(hidden, ffn, bias=True, split=Split.COLUMN, shard=shard, device=device)
+        self.fc2 = ParallelLinear(ffn, hidden, bias=True, split=Split.ROW, shard=shard, scaled_init=True,
+                                  device=device)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.tp.enter(x)
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"), reduce=self.tp.exit)
+
+
+def _dense(model: ModelSpec, shard: TPShard, device) -> nn.Module:
+    cls = SwiGLU if model.arch is Arch.LLAMA else GeluMLP
+    return cls(model.hidden, model.ffn, shard, device)
+
+
+class MoE(nn.Module):
+    """Top-k routed experts; each token's output is the gate-weighted sum of its experts."""
+
+    def __init__(self, model: ModelSpec, device=None) -> None:
+        super().__init__()
+        assert model.moe is not None
+        self.top_k = model.moe.top_k
+        self.experts = nn.ModuleList(_dense(model, TPShard(), device) for _ in range(model.moe.experts))
+        self.router = ParallelLinear(model.hidden, model.moe.experts, bias=False, device=device)
+
+    def forward(self, x: Tensor) -> Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        top_logits, top_experts = self.router(tokens).float().topk(self.top_k, dim=-1)
+        gates = torch.softmax(top_logits, dim=-1).to(x.dtype)
+        out = torch.zeros_like(tokens)
+        for e, expert in enumerate(self.experts):
+            rows, slot = (top_experts == e).nonzero(as_tuple=True)
+            if rows.numel():
+                out = out.index_add(0, rows, expert(tokens[rows]) * gates[rows, slot, None])
+        return out.view_as(x)
+
+
+def make_mlp(model: ModelSpec, shard: TPShard = TPShard(), device=None) -> nn.Module:
+    """The feed-forward network of one block for `model`'s architecture."""
+    if model.moe is None:
+        return _dense(model, shard, device)
+    if shard.size > 1:
+        raise ValueError("tensor parallelism of MoE blocks is not supported (use expert parallelism)")
+    return MoE(model, device)

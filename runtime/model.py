@@ -1,0 +1,206 @@
+"""Build the layers a rank owns from a ModelSpec, with plan-independent weights.
+
+Layers are indexed over [embed, block0, ..., block{L-1}, head] (index 0,
+1..L, L+1), as in hetc.pipeline. A `Ministage` is a contiguous run of them
+as one module: forward takes the boundary activation [b, s, H] (token ids
+[b, s] when it starts with the embedding) and returns the next boundary
+activation (the loss when it ends with the head).
+
+Note [Deterministic initialisation]
+Each parameter is drawn from its own generator seeded by (seed, layer
+index, parameter name) — never from the global RNG — as the *full* tensor,
+and a tensor-parallel shard keeps its slice. So every plan, whichever rank
+builds a layer and whatever it built before, starts from identical weights.
+Modules are constructed on the meta device, which also skips torch's default
+initialisation (and its use of the global RNG).
+
+Note [Precision]
+Layers are built and initialised in fp32. The runtime keeps fp32 master
+weights in the flat buffers (runtime/flat.py) and binds the module's
+parameters to a buffer of `compute_dtype(model.dtype)` (bf16/fp16 on GPU;
+the demo's fp32 on CPU, where master and compute buffer are one tensor).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from hetc.pipeline import Pipeline
+from hetc.runtime.attention import Attention, Rotary
+from hetc.runtime.layers import NORMS, Block, Embedding, Head
+from hetc.runtime.seeding import generator
+from hetc.runtime.tp import ParallelLinear, TPShard, shard_infos
+from hetc.spec import Arch, Checkpointing, DType, ModelSpec
+
+__all__ = ["INIT_STD", "compute_dtype", "build_layer", "init_layer", "Ministage", "build_ministage",
+           "check_tied_embeddings"]
+
+log = logging.getLogger(__name__)
+
+INIT_STD = 0.02  # GPT-2 / Megatron `init_method_std`; residual outputs get INIT_STD / sqrt(2L)
+
+_TORCH_DTYPES = {DType.FP32: torch.float32, DType.TF32: torch.float32, DType.BF16: torch.bfloat16,
+                 DType.FP16: torch.float16}
+
+
+def compute_dtype(dtype: DType) -> torch.dtype:
+    """The dtype of a ministage's compute parameters and activations for ModelSpec.dtype.
+
+    tf32 stores fp32 (TF32 is a matmul mode, not a storage format). fp8 has
+    no native training path here and computes in bf16.
+    """
+    if dtype is DType.FP8:
+        log.warning("fp8 training is not implemented; computing in bf16")
+        return torch.bfloat16
+    return _TORCH_DTYPES[dtype]
+
+
+def _construct(model: ModelSpec, idx: int, shard: TPShard) -> nn.Module:
+    if idx == 0:
+        return Embedding(model)
+    if idx == model.layers + 1:
+        return Head(model)
+    assert 0 < idx <= model.layers, f"layer {idx} outside [0, {model.layers + 1}]"
+    return Block(model, shard)
+
+
+def build_layer(model: ModelSpec, idx: int, *, seed: int, shard: TPShard = TPShard(),
+                device: torch.device | str = "cpu") -> nn.Module:
+    """Layer `idx` (0 embed, 1..L blocks, L+1 head) in fp32 on `device`, initialised."""
+    with torch.device("meta"):
+        layer = _construct(model, idx, shard)
+    assert not list(layer.buffers()), "layers hold no buffers: to_empty would leave them garbage"
+    layer.to_empty(device=device)
+    init_layer(layer, model, idx, seed)
+    return layer
+
+
+def _initial_value(owner: nn.Module, name: str, shape: tuple[int, ...], model: ModelSpec,
+                   gen: torch.Generator) -> Tensor:
+    """The full initial tensor of parameter `name` of module `owner`."""
+    if isinstance(owner, NORMS):
+        return torch.ones(shape) if name == "weight" else torch.zeros(shape)
+    if name == "bias":
+        return torch.zeros(shape)
+    assert isinstance(owner, (ParallelLinear, nn.Embedding)), f"no init rule for {type(owner).__name__}"
+    std = INIT_STD
+    if isinstance(owner, ParallelLinear) and owner.scaled_init:
+        std = INIT_STD / math.sqrt(2 * model.layers)
+    return torch.randn(shape, generator=gen) * std
+
+
+def init_layer(layer: nn.Module, model: ModelSpec, idx: int, seed: int) -> None:
+    """(Re)initialise every parameter of layer `idx`; see Note [Deterministic initialisation]."""
+    infos = shard_infos(layer)
+    owners = {f"{prefix}.{n}" if prefix else n: (mod, n)
+              for prefix, mod in layer.named_modules() for n, _ in mod.named_parameters(recurse=False)}
+    with torch.no_grad():
+        for name, param in layer.named_parameters():
+            owner, local = owners[name]
+            full = _initial_value(owner, local, infos[name].full_shape, model, generator(seed, idx, name))
+            param.copy_(infos[name].slice_of(full))
+
+
+class Ministage(nn.Module):
+    """Layers [first_layer, stop_layer) of the model as one module.
+
+    Each layer is a direct submodule named after it ("embed", "block0",
+    "head"), so parameter names are global: `block0.attention.wq.weight`.
+    """
+
+    def __init__(self, model: ModelSpec, layers: range, *, seed: int, shard: TPShard = TPShard(),
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        assert layers.step == 1 and len(layers) > 0, f"a ministage is a non-empty run of layers: {layers}"
+        self.first_layer, self.stop_layer = layers.start, layers.stop
+        self.layer_names = tuple(model.layer_name(i) for i in layers)
+        for i, name in zip(layers, self.layer_names):
+            self.add_module(name, build_layer(model, i, seed=seed, shard=shard, device=device))
+        has_block = any(isinstance(layer, Block) for layer in self.layers.values())
+        self.rotary = Rotary(model.hidden // model.heads, model.rope_theta, device) \
+            if model.arch is Arch.LLAMA and has_block else None
+        self.full_checkpoint = model.activation_checkpoint is Checkpointing.FULL
+        for attention in self.modules():
+            if isinstance(attention, Attention):
+                attention.recompute_core = model.activation_checkpoint is Checkpointing.SELECTIVE
+        self._check_tied(model)
+
+    def _check_tied(self, model: ModelSpec) -> None:
+        if model.tied_embeddings and self.computes_loss and not self.takes_tokens:
+            raise ValueError("tied embeddings need the embedding and the head in one ministage")
+
+    @property
+    def layers(self) -> dict[str, nn.Module]:
+        """The layers by name, in model order."""
+        return {name: self.get_submodule(name) for name in self.layer_names}
+
+    @property
+    def takes_tokens(self) -> bool:
+        """True when the first layer is the embedding: the input is token ids [b, s]."""
+        return "embed" in self.layer_names
+
+    @property
+    def computes_loss(self) -> bool:
+        """True when the last layer is the head: the output is the loss."""
+        return "head" in self.layer_names
+
+    def forward(self, inputs: Tensor, labels: Tensor | None = None, positions: Tensor | None = None) -> Tensor:
+        """Run the layers on one microbatch.
+
+        inputs: token ids [b, s] (int64) if `takes_tokens`, else the boundary
+        activation [b, s, H]. labels [b, s]: needed by the head for the loss
+        (mean token cross-entropy, fp32 scalar); without, the head returns
+        logits. positions [s]: token positions of the sequence this rank
+        holds (context parallelism); default 0..s-1.
+        """
+        if positions is None:
+            positions = torch.arange(inputs.shape[1], device=inputs.device)
+        rope = self.rotary(positions) if self.rotary is not None else None
+        x = inputs
+        for layer in self.layers.values():
+            if isinstance(layer, Embedding):
+                x = layer(x, positions)
+            elif isinstance(layer, Block):
+                x = self._run_block(layer, x, rope)
+            else:
+                tied = self.get_submodule("embed").tok_embeddings.weight if layer.output is None else None
+                x = layer(x, labels, tied)
+        return x
+
+    def _run_block(self, block: Block, x: Tensor, rope) -> Tensor:
+        if self.full_checkpoint and torch.is_grad_enabled():
+            return checkpoint(block, x, rope, use_reentrant=False)
+        return block(x, rope)
+
+
+def build_ministage(model: ModelSpec, layers: range, *, seed: int, shard: TPShard = TPShard(),
+                    device: torch.device | str = "cpu") -> Ministage:
+    """The module of one ministage: what the interpreter builds for each ministage its rank owns.
+
+    Parameters are fp32 and initialised identically under every plan (Note
+    [Deterministic initialisation]); wrap them with `hetc.runtime.flat.FlatParams`
+    to get the flat master/compute/grad buffers ZeRO works on.
+    """
+    return Ministage(model, layers, seed=seed, shard=shard, device=device)
+
+
+def check_tied_embeddings(model: ModelSpec, pipeline: Pipeline) -> str | None:
+    """Why `pipeline` cannot run `model`'s tied embeddings, or None when it can.
+
+    Tying shares one matrix between the embedding and the head, which the
+    runtime supports only inside one ministage (the gradient of a matrix
+    split over two ministages would need its own all-reduce).
+    """
+    if not model.tied_embeddings:
+        return None
+    embed, head = pipeline.ministage_of_layer(0), pipeline.ministage_of_layer(model.layers + 1)
+    if embed.index == head.index:
+        return None
+    return (f"tied_embeddings needs the embedding and the head in one ministage, but embed is in "
+            f"ministage {embed.index} (stage {embed.stage}) and head in ministage {head.index} "
+            f"(stage {head.stage}); set tied_embeddings = false or give one ministage all layers")

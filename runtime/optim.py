@@ -1,0 +1,143 @@
+"""The optimizer on flat fp32 shards, the learning-rate schedule and grad clipping.
+
+The optimizer is functional: `optimizer_step(opt, param, grad, state, lr=,
+step=)` updates one contiguous fp32 shard (a ZeRO shard of one ministage's
+flat buffer, runtime/flat.py) in place, element for element as
+`torch.optim.AdamW` / `Adam` / `SGD` (single-tensor implementation, one
+parameter group) would. Because the update is elementwise, how the model is
+cut into ministages and shards cannot change the numbers.
+
+Weight decay applies to every element, as in torchtitan (one parameter
+group). Steps are 0-based indices of the optimizer step everywhere in hetc;
+bias corrections use the 1-based count `step + 1`.
+
+Global gradient clipping is split in two: every rank sums the squares of its
+gradient shards (`grad_sq_sum`), the interpreter all-reduces the sums over
+the shard owners (each element counted once), and `clip_coefficient` turns
+the total into the factor every shard is multiplied by.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from hetc.spec import LrScheduleKind, OptimizerKind, OptimizerSpec, TrainSpec
+
+__all__ = ["OptimizerState", "init_state", "optimizer_step", "lr_at", "grad_sq_sum", "clip_coefficient"]
+
+CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s guard against a zero norm
+
+
+@dataclass(frozen=True, slots=True)
+class OptimizerState:
+    """Per-element state of one shard (tensors mutated in place; None when unused).
+
+    AdamW/Adam: exp_avg, exp_avg_sq. SGD with momentum: momentum_buffer.
+    """
+
+    exp_avg: Tensor | None = None
+    exp_avg_sq: Tensor | None = None
+    momentum_buffer: Tensor | None = None
+
+    def tensors(self) -> dict[str, Tensor]:
+        """The state tensors by name (for checkpoints and offload)."""
+        names = ("exp_avg", "exp_avg_sq", "momentum_buffer")
+        return {n: t for n in names if (t := getattr(self, n)) is not None}
+
+
+def init_state(opt: OptimizerSpec, shard: Tensor) -> OptimizerState:
+    """Zero state for a shard shaped and placed like `shard` (fp32, δ_opt)."""
+    def zeros() -> Tensor:
+        return torch.zeros_like(shard, dtype=torch.float32)
+    if opt.kind is OptimizerKind.SGD:
+        return OptimizerState(momentum_buffer=zeros() if opt.momentum else None)
+    return OptimizerState(exp_avg=zeros(), exp_avg_sq=zeros())
+
+
+def optimizer_step(opt: OptimizerSpec, param: Tensor, grad: Tensor, state: OptimizerState, *,
+                   lr: float, step: int) -> None:
+    """Update the fp32 shard `param` in place from `grad` (any float dtype, same size).
+
+    `step` is the 0-based optimizer step. Matches torch.optim.AdamW (Adam,
+    SGD) with foreach=False on the same elements.
+    """
+    assert param.dtype == torch.float32, "master shards are fp32"
+    assert param.shape == grad.shape, f"param shard {tuple(param.shape)} vs grad {tuple(grad.shape)}"
+    grad = grad.to(torch.float32)
+    if opt.kind is OptimizerKind.SGD:
+        _sgd(opt, param, grad, state, lr, step)
+    else:
+        _adam(opt, param, grad, state, lr, step + 1)
+
+
+def _adam(opt: OptimizerSpec, param: Tensor, grad: Tensor, state: OptimizerState, lr: float, t: int) -> None:
+    # The operation order of torch.optim.adam._single_tensor_adam: keep it, the test compares bits.
+    if opt.weight_decay:
+        if opt.kind is OptimizerKind.ADAMW:
+            param.mul_(1 - lr * opt.weight_decay)
+        else:
+            grad = grad.add(param, alpha=opt.weight_decay)
+    state.exp_avg.lerp_(grad, 1 - opt.beta1)
+    state.exp_avg_sq.mul_(opt.beta2).addcmul_(grad, grad, value=1 - opt.beta2)
+    step_size = lr / (1 - opt.beta1 ** t)
+    bias_correction2_sqrt = (1 - opt.beta2 ** t) ** 0.5
+    denom = (state.exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(opt.eps)
+    param.addcdiv_(state.exp_avg, denom, value=-step_size)
+
+
+def _sgd(opt: OptimizerSpec, param: Tensor, grad: Tensor, state: OptimizerState, lr: float, step: int) -> None:
+    if opt.weight_decay:
+        grad = grad.add(param, alpha=opt.weight_decay)
+    if opt.momentum:
+        buf = state.momentum_buffer
+        if step == 0:
+            buf.copy_(grad)
+        else:
+            buf.mul_(opt.momentum).add_(grad)
+        grad = buf
+    param.add_(grad, alpha=-lr)
+
+
+def lr_at(train: TrainSpec, step: int) -> float:
+    """The learning rate of 0-based optimizer step `step`.
+
+    Linear warm-up over the first `warmup` steps (reaching `lr` at step
+    warmup - 1), then constant, or a cosine / linear decay that reaches
+    `min_lr` at the last step (train.steps - 1).
+    """
+    sched, peak = train.lr_schedule, train.lr
+    if step < sched.warmup:
+        return peak * (step + 1) / sched.warmup
+    if sched.kind is LrScheduleKind.CONSTANT:
+        return peak
+    span = train.steps - 1 - sched.warmup
+    progress = min(1.0, (step - sched.warmup) / span) if span > 0 else 1.0
+    if sched.kind is LrScheduleKind.COSINE:
+        factor = 0.5 * (1 + math.cos(math.pi * progress))
+    else:
+        factor = 1 - progress
+    return sched.min_lr + (peak - sched.min_lr) * factor
+
+
+def grad_sq_sum(grad_shard: Tensor) -> Tensor:
+    """Sum of squares of one gradient shard, as a float64 scalar (all-reduce it with SUM).
+
+    float64 so that summing per-shard partials in any order (any plan) gives
+    the same total to far below fp32 resolution.
+    """
+    g = grad_shard.detach().to(torch.float64)
+    return torch.dot(g, g) if g.dim() == 1 else (g * g).sum()
+
+
+def clip_coefficient(total_sq: float | Tensor, max_norm: float) -> float:
+    """Factor to multiply every gradient by for global-norm clipping (1.0 when within max_norm).
+
+    `total_sq` is the sum of `grad_sq_sum` over all shards of the model;
+    the factor is torch.nn.utils.clip_grad_norm_'s max_norm / (norm + 1e-6), capped at 1.
+    """
+    norm = math.sqrt(float(total_sq))
+    return min(1.0, max_norm / (norm + CLIP_EPS))

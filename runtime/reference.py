@@ -1,0 +1,77 @@
+"""The single-process reference trainer: the golden numbers every plan must reproduce.
+
+The whole model is one ministage on one process, with one flat buffer and
+the same flat optimizer, data, schedule and clipping as the interpreter.
+
+Note [Loss normalisation]
+A step has m = global_batch / micro_batch microbatches. Each microbatch's
+loss is the mean token cross-entropy over its b × S tokens, and backward
+runs on loss / m. Every microbatch has the same number of tokens, so the
+summed gradient is the gradient of the mean loss over the global batch,
+however the microbatches are spread over lanes: a lane with 3 microbatches
+and one with 1 contribute 3/m and 1/m, and their all-reduced sum equals the
+one-device gradient. The reported step loss is the mean of the microbatch
+losses (summed in float64).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from hetc.runtime.data import DataSource, make_data_source
+from hetc.runtime.flat import FlatParams
+from hetc.runtime.model import build_ministage, compute_dtype
+from hetc.runtime.optim import clip_coefficient, grad_sq_sum, init_state, lr_at, optimizer_step
+from hetc.spec import ModelSpec, TrainSpec
+
+__all__ = ["ReferenceResult", "train_reference"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ReferenceResult:
+    losses: tuple[float, ...]        # per step: mean microbatch loss
+    grad_norms: tuple[float, ...]    # per step: global gradient norm before clipping
+    step_times: tuple[float, ...]    # per step: wall seconds (the compute-only baseline)
+    params: dict[str, Tensor]        # after the last step: fp32, by global parameter name
+
+
+def train_reference(model: ModelSpec, train: TrainSpec, *, base_dir: Path | str = ".", steps: int | None = None,
+                    device: torch.device | str = "cpu", data: DataSource | None = None) -> ReferenceResult:
+    """Train `model` on `train`'s data for `steps` (default train.steps) steps on one process.
+
+    `base_dir` resolves a text data path (the spec's folder); `data`
+    overrides the data source.
+    """
+    module = build_ministage(model, range(model.num_model_layers), seed=train.seed, device=device)
+    flat = FlatParams(module, dtype=compute_dtype(model.dtype))
+    state = init_state(model.optimizer, flat.master)
+    data = data if data is not None else make_data_source(model, train, base_dir)
+    num_mb = train.global_batch // train.micro_batch
+    losses, norms, times = [], [], []
+    for step in range(train.steps if steps is None else steps):
+        start = time.perf_counter()
+        flat.zero_grad()
+        total = 0.0
+        for mb in range(num_mb):
+            tokens, labels = data.get_microbatch(step, mb)
+            loss = module(tokens.to(device), labels.to(device))
+            (loss / num_mb).backward()
+            total += loss.item()
+        norm_sq = grad_sq_sum(flat.grad_shard)
+        if train.grad_clip > 0:
+            flat.grad.mul_(clip_coefficient(norm_sq, train.grad_clip))
+        optimizer_step(model.optimizer, flat.master, flat.grad_shard, state, lr=lr_at(train, step), step=step)
+        flat.publish_master()
+        times.append(time.perf_counter() - start)
+        losses.append(total / num_mb)
+        norms.append(float(norm_sq) ** 0.5)
+        log.debug("reference step %d: loss %.6f, grad norm %.4f", step, losses[-1], norms[-1])
+    return ReferenceResult(tuple(losses), tuple(norms), tuple(times), flat.named_master())

@@ -1,0 +1,158 @@
+"""Tensor-parallel building blocks: sharded projections and the comm hooks.
+
+A projection is built for one (tp_rank, tp_size) shard and holds only its
+slice of the full weight: column-parallel splits the output features (the
+heads of q/k/v, the FFN's hidden units), row-parallel splits the input
+features and needs a reduction of its partial outputs (Megatron's
+`ColumnParallelLinear` / `RowParallelLinear`). Initialisation draws the
+*full* tensor and keeps the slice (see runtime/model.py), so a TP=2 plan
+starts from exactly the weights of the 1-rank plan.
+
+The communication is a hook, `TPComm`: `enter` before the column-parallel
+projections (Megatron's copy-to-region: identity forward, all-reduce
+backward; with sequence parallelism an all-gather over the sequence) and
+`exit` after the row-parallel one (all-reduce forward; with sequence
+parallelism a reduce-scatter). `NO_TP` is the identity, exact for tp = 1.
+The interpreter installs a process-group-backed `TPComm` with `set_tp_comm`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Callable, Protocol
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["TPShard", "Split", "TPComm", "NO_TP", "ParallelLinear", "ShardInfo", "shard_infos",
+           "TPRegion", "set_tp_comm"]
+
+
+@dataclass(frozen=True, slots=True)
+class TPShard:
+    """Which tensor-parallel slice a rank holds: `rank` of `size`."""
+
+    rank: int = 0
+    size: int = 1
+
+    def __post_init__(self) -> None:
+        assert 0 <= self.rank < self.size, f"tp rank {self.rank} outside tp size {self.size}"
+
+    def part(self, n: int, what: str) -> int:
+        """How many of `n` units (heads, features) this shard holds."""
+        if n % self.size:
+            raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size ({self.size})")
+        return n // self.size
+
+
+class Split(StrEnum):
+    NONE = "none"      # replicated on every tp rank
+    COLUMN = "column"  # output features split
+    ROW = "row"        # input features split; partial outputs are reduced
+
+
+class TPComm(Protocol):
+    """The collectives around a tensor-parallel region (identity for tp = 1)."""
+
+    def enter(self, x: Tensor) -> Tensor:
+        """Before the column-parallel projections of one sub-block."""
+        ...
+
+    def exit(self, x: Tensor) -> Tensor:
+        """After the row-parallel projection: combine the partial sums."""
+        ...
+
+
+class _NoTP:
+    def enter(self, x: Tensor) -> Tensor:
+        return x
+
+    def exit(self, x: Tensor) -> Tensor:
+        return x
+
+    def __repr__(self) -> str:
+        return "NO_TP"
+
+
+NO_TP: TPComm = _NoTP()
+
+
+@dataclass(frozen=True, slots=True)
+class ShardInfo:
+    """The full shape of a parameter and the dimension its shard slices (None: replicated)."""
+
+    full_shape: tuple[int, ...]
+    dim: int | None
+    shard: TPShard
+
+    def slice_of(self, full: Tensor) -> Tensor:
+        """This shard's part of the full tensor."""
+        if self.dim is None:
+            return full
+        size = full.shape[self.dim] // self.shard.size
+        return full.narrow(self.dim, self.shard.rank * size, size)
+
+
+class ParallelLinear(nn.Linear):
+    """`nn.Linear` holding one tensor-parallel slice of a full (out, in) weight.
+
+    A row-parallel layer adds its (replicated) bias only after `reduce`, so
+    the bias counts once however many ranks hold partial sums.
+    `scaled_init` marks residual output projections (GPT-2's 1/sqrt(2L)).
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, split: Split = Split.NONE,
+                 shard: TPShard = TPShard(), scaled_init: bool = False, device=None) -> None:
+        local_in = shard.part(in_features, "input features") if split is Split.ROW else in_features
+        local_out = shard.part(out_features, "output features") if split is Split.COLUMN else out_features
+        super().__init__(local_in, local_out, bias=bias, device=device)
+        self.split, self.shard, self.scaled_init = split, shard, scaled_init
+        self.full_in, self.full_out = in_features, out_features
+
+    def forward(self, x: Tensor, reduce: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+        if self.split is not Split.ROW:
+            return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight)
+        y = reduce(y) if reduce is not None else y
+        return y if self.bias is None else y + self.bias
+
+    def shard_info(self, name: str) -> ShardInfo:
+        if name == "weight":
+            dim = {Split.NONE: None, Split.COLUMN: 0, Split.ROW: 1}[self.split]
+            return ShardInfo((self.full_out, self.full_in), dim, self.shard)
+        dim = 0 if self.split is Split.COLUMN else None
+        return ShardInfo((self.full_out,), dim, self.shard)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, split={self.split.value}, tp={self.shard.rank}/{self.shard.size}"
+
+
+def shard_infos(module: nn.Module) -> dict[str, ShardInfo]:
+    """Every parameter of `module` (by name) with its full shape and shard dimension."""
+    out: dict[str, ShardInfo] = {}
+    for prefix, sub in module.named_modules():
+        for name, p in sub.named_parameters(recurse=False):
+            full = f"{prefix}.{name}" if prefix else name
+            if full in out:
+                continue
+            if isinstance(sub, ParallelLinear):
+                out[full] = sub.shard_info(name)
+            else:
+                out[full] = ShardInfo(tuple(p.shape), None, TPShard())
+    return out
+
+
+class TPRegion(nn.Module):
+    """A sub-block (attention, MLP) whose projections share one `TPComm`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tp: TPComm = NO_TP
+
+
+def set_tp_comm(module: nn.Module, comm: TPComm) -> None:
+    """Install `comm` in every tensor-parallel region under `module`."""
+    for sub in module.modules():
+        if isinstance(sub, TPRegion):
+            sub.tp = comm

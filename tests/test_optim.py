@@ -1,0 +1,169 @@
+"""Flat buffers, the shard optimizer against torch.optim, the LR schedule and grad clipping."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from hetc.runtime.flat import FlatLayout, FlatParams, bind_grads, bind_params
+from hetc.runtime.optim import clip_coefficient, grad_sq_sum, init_state, lr_at, optimizer_step
+from hetc.spec import LrScheduleKind, LrScheduleSpec, OptimizerKind, OptimizerSpec, TrainSpec
+
+
+def small_module(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 7), nn.LayerNorm(7), nn.Linear(7, 3, bias=False))
+
+
+def random_grads(module: nn.Module, step: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    return {n: torch.randn(p.shape, generator=gen) for n, p in module.named_parameters()}
+
+
+def torch_optimizer(opt: OptimizerSpec, params, lr: float):
+    if opt.kind is OptimizerKind.SGD:
+        return torch.optim.SGD(params, lr=lr, momentum=opt.momentum, weight_decay=opt.weight_decay,
+                               foreach=False)
+    cls = torch.optim.AdamW if opt.kind is OptimizerKind.ADAMW else torch.optim.Adam
+    return cls(params, lr=lr, betas=(opt.beta1, opt.beta2), eps=opt.eps, weight_decay=opt.weight_decay,
+               foreach=False)
+
+
+OPTIMIZERS = [
+    OptimizerSpec(kind=OptimizerKind.ADAMW, weight_decay=0.1, beta2=0.95),
+    OptimizerSpec(kind=OptimizerKind.ADAMW, weight_decay=0.0, beta1=0.8, beta2=0.99, eps=1e-6),
+    OptimizerSpec(kind=OptimizerKind.ADAM, weight_decay=0.01),
+    OptimizerSpec(kind=OptimizerKind.SGD, momentum=0.9, weight_decay=0.05),
+    OptimizerSpec(kind=OptimizerKind.SGD),
+]
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: f"{o.kind.value}-wd{o.weight_decay}-m{o.momentum}")
+@pytest.mark.parametrize("num_shards", [1, 3])
+def test_shard_step_is_bitwise_torch_optim(opt, num_shards):
+    ref, ours = small_module(), small_module()
+    lrs = [1e-2, 3e-3, 5e-3, 1e-3]
+    torch_opt = torch_optimizer(opt, ref.parameters(), lrs[0])
+    layout = FlatLayout.of(ours, num_shards)
+    flat = layout.flatten(dict(ours.named_parameters()))
+    states = [init_state(opt, flat[layout.shard_range(i)]) for i in range(num_shards)]
+    for step, lr in enumerate(lrs):
+        grads = random_grads(ref, step)
+        for name, p in ref.named_parameters():
+            p.grad = grads[name].clone()
+        for group in torch_opt.param_groups:
+            group["lr"] = lr
+        torch_opt.step()
+        flat_grad = layout.flatten(grads)
+        for i in range(num_shards):  # each shard on its own, as ZeRO ranks do
+            rng = layout.shard_range(i)
+            optimizer_step(opt, flat[rng], flat_grad[rng], states[i], lr=lr, step=step)
+    for name, view in layout.views(flat).items():
+        assert torch.equal(view, ref.get_parameter(name).detach()), name
+    assert torch.count_nonzero(flat[layout.numel:]) == 0, "padding stays zero"
+
+
+def test_layout_pads_and_tiles_shards():
+    module = small_module()
+    layout = FlatLayout.of(module, 4)
+    assert layout.numel == 5 * 7 + 7 + 7 + 7 + 7 * 3 == 77
+    assert layout.padded_numel == 80 and layout.shard_numel == 20
+    assert [e.name for e in layout.entries] == [n for n, _ in module.named_parameters()]
+    covered = {}
+    for shard in range(4):
+        for name, start, stop, at in layout.pieces(shard):
+            covered.setdefault(name, []).append((start, stop))
+            assert 0 <= at < layout.shard_numel
+    for e in layout.entries:
+        spans = sorted(covered[e.name])
+        assert spans[0][0] == 0 and spans[-1][1] == e.numel
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+
+
+def test_bound_views_carry_values_and_gradients():
+    module = small_module()
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    layout = FlatLayout.of(module, 2)
+    flat = layout.flatten(before)
+    grad = torch.zeros_like(flat)
+    bind_params(module, layout, flat)
+    bind_grads(module, layout, grad)
+    for name, p in module.named_parameters():
+        assert torch.equal(p, before[name])
+    x = torch.randn(4, 5)
+    module(x).square().sum().backward()
+    module(x).square().sum().backward()
+    manual = small_module()
+    manual(x).square().sum().mul(2).backward()
+    expected = layout.flatten({n: p.grad for n, p in manual.named_parameters()})
+    torch.testing.assert_close(grad, expected)
+    flat.mul_(0.5)  # an update of the buffer is an update of the module
+    assert torch.equal(module[0].weight, before["0.weight"] * 0.5)
+
+
+def test_released_compute_buffer_is_refilled_in_place():
+    module = small_module()
+    flat = FlatParams(module, num_shards=2, shard_index=1, keep_master_apart=True)
+    saved = flat.compute.clone()
+    flat.release()
+    assert flat.compute.untyped_storage().size() == 0
+    flat.materialize()
+    flat.compute.copy_(saved)  # stands in for the all-gather
+    torch.testing.assert_close(module(torch.ones(1, 5)), small_module()(torch.ones(1, 5)))
+    assert torch.equal(flat.master, saved[flat.layout.shard_range(1)])
+
+
+def test_master_shard_publishes_into_the_compute_buffer():
+    module = small_module()
+    shared = FlatParams(module, num_shards=2, shard_index=0)
+    assert shared.master_is_compute
+    half = FlatParams(small_module(), num_shards=2, shard_index=1, dtype=torch.bfloat16)
+    assert not half.master_is_compute and half.master.dtype is torch.float32
+    half.master.fill_(0.25)
+    half.publish_master()
+    assert torch.all(half.compute_shard == 0.25)
+    assert not torch.all(half.compute[half.layout.shard_range(0)] == 0.25)
+
+
+def train(kind: LrScheduleKind, warmup: int, steps: int = 12) -> TrainSpec:
+    return TrainSpec(global_batch=1, steps=steps, lr=1.0,
+                     lr_schedule=LrScheduleSpec(kind=kind, warmup=warmup, min_lr=0.1))
+
+
+def test_warmup_reaches_the_peak():
+    t = train(LrScheduleKind.COSINE, warmup=4)
+    assert [lr_at(t, s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+
+
+@pytest.mark.parametrize("kind", [LrScheduleKind.COSINE, LrScheduleKind.LINEAR])
+def test_decay_ends_at_min_lr(kind):
+    t = train(kind, warmup=1)
+    lrs = [lr_at(t, s) for s in range(t.steps)]
+    assert lrs[0] == 1.0 and math.isclose(lrs[-1], 0.1)
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+    middle = lr_at(t, 6)  # progress (6 - warmup) / (steps - 1 - warmup) = 1/2
+    assert math.isclose(middle, 0.55), middle  # half way: (peak + min) / 2 for both shapes
+
+
+def test_constant_schedule():
+    t = train(LrScheduleKind.CONSTANT, warmup=2)
+    assert [lr_at(t, s) for s in range(5)] == [0.5, 1.0, 1.0, 1.0, 1.0]
+
+
+def test_clipping_matches_torch_and_is_shard_invariant():
+    module = small_module()
+    grads = random_grads(module, 0)
+    layout = FlatLayout.of(module, 3)
+    flat_grad = layout.flatten(grads)
+    total = sum(grad_sq_sum(flat_grad[layout.shard_range(i)]) for i in range(3))
+    assert math.isclose(float(total), float(grad_sq_sum(flat_grad)), rel_tol=1e-15)
+    for name, p in module.named_parameters():
+        p.grad = grads[name].clone()
+    norm = torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm=0.5)
+    assert math.isclose(math.sqrt(float(total)), norm.item(), rel_tol=1e-6)
+    flat_grad.mul_(clip_coefficient(total, 0.5))
+    torch.testing.assert_close(flat_grad, layout.flatten({n: p.grad for n, p in module.named_parameters()}))
+    assert clip_coefficient(total, 1e9) == 1.0
