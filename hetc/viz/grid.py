@@ -15,19 +15,22 @@ from hetc.program import Instr, Program, RankProgram
 
 __all__ = ["render_grid", "short_text", "MAX_CELL"]
 
-MAX_CELL = 28          # widest cell, in characters
+MAX_CELL = 40          # widest cell, in characters
 _MARK = "> "           # prefix of a focus cell
 _GAP = "..."           # a row standing for skipped rows
 
 
 def short_text(instr: Instr, width: int = MAX_CELL) -> str:
-    """The instruction's text without its tensor shape, cut to `width`.
+    """The instruction's text without what a reader needs least, cut to `width`.
 
-    The shape is the longest and least telling part of a send/recv line;
-    the peer, ministage and microbatch are what a schedule is read by.
+    Dropped: the tensor shape (the longest, least telling part of a send or
+    receive line) and a tensor word that the op allows only one of
+    (`all_gather params`, `reduce_scatter grads`): nothing is lost.
     """
-    words = [w for w in str(instr).split() if not w.startswith("shape=")]
-    text = " ".join(words)
+    words = str(instr).split()
+    if len(instr.WHAT) == 1:
+        words.pop(1)
+    text = " ".join(w for w in words if not w.startswith("shape="))
     return text if len(text) <= width else text[: width - 1] + "~"
 
 

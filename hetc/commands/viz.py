@@ -1,0 +1,129 @@
+"""`hetc viz DIR`: the schedule as an HTML page, a Chrome trace, or a terminal grid."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from hetc.cli import UsageError
+from hetc.plandir import TIMELINE_FILE, read_program
+from hetc.program import ProgramFormatError
+from hetc.timeline import Timeline
+
+__all__ = ["register", "parse_ranks", "read_timeline"]
+
+log = logging.getLogger(__name__)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "viz", help="draw a plan's schedule (HTML page, Chrome trace, text grid)",
+        description="Draw the schedule of a plan directory written by `hetc compile` (its predicted "
+                    "timeline.json), or a trace measured by `hetc run --trace`. The page is one "
+                    "self-contained HTML file: a row per rank grouped by stage and lane, tracks for "
+                    "compute, P2P, collectives and copies, send->recv arrows, bubbles and memory.",
+    )
+    p.add_argument("dir", metavar="DIR", help="plan directory (or a timeline .json file)")
+    p.add_argument("-o", "--output", metavar="FILE.html",
+                   help="write the page here (default DIR/schedule.html when nothing else is asked for)")
+    p.add_argument("--trace", metavar="MEASURED.json", help="draw this measured timeline instead of DIR's prediction")
+    p.add_argument("--compare", action="store_true",
+                   help="with --trace: predicted and measured side by side (each rank's rows one above the other)")
+    p.add_argument("--chrome-trace", metavar="FILE.json",
+                   help="also write the Trace Event format (open in ui.perfetto.dev or chrome://tracing)")
+    p.add_argument("--text", action="store_true", help="print the programs as a steps x ranks grid")
+    p.add_argument("--ranks", metavar="LIST", help="with --text: only these ranks, e.g. 0,2,8-11")
+    p.add_argument("--title", help="page title (default: the directory name)")
+    p.set_defaults(func=run)
+
+
+def parse_ranks(text: str) -> list[int]:
+    """'0,2,8-11' -> [0, 2, 8, 9, 10, 11]."""
+    ranks: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        first, dash, last = part.partition("-")
+        try:
+            lo, hi = int(first), int(last) if dash else int(first)
+        except ValueError:
+            raise UsageError(f"--ranks: '{part}' is not a rank or a range like 8-11") from None
+        if lo > hi or lo < 0:
+            raise UsageError(f"--ranks: bad range '{part}'")
+        ranks.extend(range(lo, hi + 1))
+    return ranks
+
+
+def read_timeline(path: Path) -> Timeline:
+    """A timeline file, or a UsageError that names it and says what is wrong."""
+    try:
+        return Timeline.from_json(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{path}: no such timeline") from None
+    except json.JSONDecodeError as err:
+        raise UsageError(f"{path}: not JSON ({err})") from None
+    except (ValueError, KeyError, TypeError) as err:
+        raise UsageError(f"{path}: not a timeline ({type(err).__name__}: {err})") from None
+
+
+def _timelines(args: argparse.Namespace, path: Path) -> list[Timeline]:
+    """What to draw: [predicted], [measured], or [predicted, measured] with --compare."""
+    predicted_file = path if path.is_file() else path / TIMELINE_FILE
+    predicted = read_timeline(predicted_file) if predicted_file.is_file() else None
+    measured = read_timeline(Path(args.trace)) if args.trace else None
+    if args.compare:
+        if predicted is None or measured is None:
+            raise UsageError("--compare needs DIR/timeline.json and --trace MEASURED.json")
+        return [predicted, measured]
+    if measured is not None:
+        return [measured]
+    if predicted is None:
+        raise UsageError(f"{path} has no {TIMELINE_FILE}; pass --trace MEASURED.json (from `hetc run --trace`)")
+    return [predicted]
+
+
+def run(args: argparse.Namespace) -> int:
+    path = Path(args.dir)
+    if not path.exists():
+        raise UsageError(f"{path}: no such directory")
+    if args.ranks and not args.text:
+        raise UsageError("--ranks goes with --text")
+    if args.text:
+        _print_grid(path, args.ranks)
+    output = args.output
+    if output is None and not args.text and not args.chrome_trace:
+        output = str((path.parent if path.is_file() else path) / "schedule.html")
+    if output is None and not args.chrome_trace:
+        return 0
+    timelines = _timelines(args, path)
+    if args.chrome_trace:
+        from hetc.viz.chrome import chrome_trace_json
+        Path(args.chrome_trace).write_text(chrome_trace_json(timelines))
+        print(f"wrote {args.chrome_trace} (open it in ui.perfetto.dev or chrome://tracing)")
+    if output:
+        from hetc.viz.page import render_page
+        title = args.title or f"{path.resolve().name} schedule"
+        html = render_page(timelines, title)
+        Path(output).write_text(html)
+        events = sum(len(t.events) for t in timelines)
+        print(f"wrote {output} ({len(timelines[0].ranks)} ranks, {events} events, {len(html) / 1e6:.1f} MB)")
+    return 0
+
+
+def _print_grid(path: Path, ranks: str | None) -> None:
+    from hetc.viz.grid import render_grid
+    try:
+        program = read_program(path)
+    except (ProgramFormatError, FileNotFoundError) as err:
+        raise UsageError(str(err)) from None
+    wanted = parse_ranks(ranks) if ranks else None
+    try:
+        grid = render_grid(program, ranks=wanted)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    try:
+        print(grid, flush=True)
+    except BrokenPipeError:   # `hetc viz DIR --text | head`: the reader has seen enough
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
