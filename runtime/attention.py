@@ -19,10 +19,10 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from hetc.runtime.tp import NO_SHARD, ParallelLinear, Split, TPRegion, TPShard
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from hetc.runtime.tp import ParallelLinear, Split, TPRegion, TPShard
 from hetc.spec import Arch, ModelSpec
 
 __all__ = ["AttentionCore", "Rope", "causal_attention", "Rotary", "apply_rope", "Attention"]
@@ -71,7 +71,7 @@ def apply_rope(x: Tensor, rope: Rope) -> Tensor:
 class Attention(TPRegion):
     """Self-attention of one block; q/k/v column-parallel, output row-parallel."""
 
-    def __init__(self, model: ModelSpec, shard: TPShard = TPShard(), device=None) -> None:
+    def __init__(self, model: ModelSpec, shard: TPShard = NO_SHARD, device=None) -> None:
         super().__init__()
         h = model.hidden
         self.head_dim = h // model.heads
@@ -79,7 +79,7 @@ class Attention(TPRegion):
         self.n_kv_heads = shard.part(model.num_kv_heads, "kv_heads")
         bias = model.arch is Arch.GPT
         q_out, kv_out = model.heads * self.head_dim, model.num_kv_heads * self.head_dim
-        col = dict(bias=bias, split=Split.COLUMN, shard=shard, device=device)
+        col = {"bias": bias, "split": Split.COLUMN, "shard": shard, "device": device}
         self.wq = ParallelLinear(h, q_out, **col)
         self.wk = ParallelLinear(h, kv_out, **col)
         self.wv = ParallelLinear(h, kv_out, **col)

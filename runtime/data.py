@@ -18,15 +18,14 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+from hetc.runtime.checks import check_text_vocab
+from hetc.runtime.seeding import generator
 from torch import Tensor
 
 from hetc.errors import SpecError
-from hetc.runtime.seeding import generator
 from hetc.spec import DataKind, ModelSpec, TrainSpec
 
-__all__ = ["DataSource", "SyntheticData", "TextData", "make_data_source", "BYTE_VOCAB"]
-
-BYTE_VOCAB = 256
+__all__ = ["DataSource", "SyntheticData", "TextData", "make_data_source"]
 
 
 class DataSource(Protocol):
@@ -101,13 +100,12 @@ def make_data_source(model: ModelSpec, train: TrainSpec, base_dir: Path | str = 
     A byte-level text needs vocab >= 256 and at least seq + 1 bytes: located
     errors otherwise.
     """
-    common = dict(seed=train.seed, seq=model.seq, micro_batch=train.micro_batch,
-                  global_batch=train.global_batch)
+    common = {"seed": train.seed, "seq": model.seq, "micro_batch": train.micro_batch,
+              "global_batch": train.global_batch}
     if train.data.kind is DataKind.SYNTHETIC:
         return SyntheticData(vocab=model.vocab, **common)
-    if model.vocab < BYTE_VOCAB:
-        raise SpecError.at(model.span_of("vocab"), f"byte-level text needs vocab >= {BYTE_VOCAB}, "
-                           f"not {model.vocab}")
+    if (problem := check_text_vocab(model, train)) is not None:
+        raise SpecError.at(model.span_of("vocab"), problem)
     path = Path(base_dir) / train.data.path
     try:
         text = path.read_bytes()

@@ -41,7 +41,7 @@ class FlatLayout:
     num_shards: int
 
     @classmethod
-    def of(cls, module: nn.Module, num_shards: int = 1) -> "FlatLayout":
+    def of(cls, module: nn.Module, num_shards: int = 1) -> FlatLayout:
         """The layout of `module`'s parameters (shared ones once, under their first name)."""
         assert num_shards >= 1
         entries, offset = [], 0

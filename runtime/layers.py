@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
-
 from hetc.runtime.attention import Attention, Rope
 from hetc.runtime.mlp import make_mlp
-from hetc.runtime.tp import ParallelLinear, TPShard
+from hetc.runtime.tp import NO_SHARD, ParallelLinear, TPShard
+from torch import Tensor, nn
+
 from hetc.spec import Arch, ModelSpec
 
 __all__ = ["RMSNorm", "make_norm", "Embedding", "Block", "Head", "NORMS"]
@@ -68,7 +68,7 @@ class Embedding(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(.))."""
 
-    def __init__(self, model: ModelSpec, shard: TPShard = TPShard(), device=None) -> None:
+    def __init__(self, model: ModelSpec, shard: TPShard = NO_SHARD, device=None) -> None:
         super().__init__()
         self.attention_norm = make_norm(model, device)
         self.attention = Attention(model, shard, device)

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from hetc.runtime.tp import NO_SHARD, ParallelLinear, Split, TPRegion, TPShard
 from torch import Tensor, nn
 
-from hetc.runtime.tp import ParallelLinear, Split, TPRegion, TPShard
 from hetc.spec import Arch, ModelSpec
 
 __all__ = ["SwiGLU", "GeluMLP", "MoE", "make_mlp"]
@@ -22,9 +22,9 @@ __all__ = ["SwiGLU", "GeluMLP", "MoE", "make_mlp"]
 class SwiGLU(TPRegion):
     """w2(silu(w1 x) * w3 x), no biases."""
 
-    def __init__(self, hidden: int, ffn: int, shard: TPShard = TPShard(), device=None) -> None:
+    def __init__(self, hidden: int, ffn: int, shard: TPShard = NO_SHARD, device=None) -> None:
         super().__init__()
-        col = dict(bias=False, split=Split.COLUMN, shard=shard, device=device)
+        col = {"bias": False, "split": Split.COLUMN, "shard": shard, "device": device}
         self.w1 = ParallelLinear(hidden, ffn, **col)
         self.w3 = ParallelLinear(hidden, ffn, **col)
         self.w2 = ParallelLinear(ffn, hidden, bias=False, split=Split.ROW, shard=shard, scaled_init=True,
@@ -38,7 +38,7 @@ class SwiGLU(TPRegion):
 class GeluMLP(TPRegion):
     """fc2(gelu(fc1 x)) with biases (GPT-2's tanh GELU)."""
 
-    def __init__(self, hidden: int, ffn: int, shard: TPShard = TPShard(), device=None) -> None:
+    def __init__(self, hidden: int, ffn: int, shard: TPShard = NO_SHARD, device=None) -> None:
         super().__init__()
         self.fc1 = ParallelLinear(hidden, ffn, bias=True, split=Split.COLUMN, shard=shard, device=device)
         self.fc2 = ParallelLinear(ffn, hidden, bias=True, split=Split.ROW, shard=shard, scaled_init=True,
@@ -61,7 +61,7 @@ class MoE(nn.Module):
         super().__init__()
         assert model.moe is not None
         self.top_k = model.moe.top_k
-        self.experts = nn.ModuleList(_dense(model, TPShard(), device) for _ in range(model.moe.experts))
+        self.experts = nn.ModuleList(_dense(model, NO_SHARD, device) for _ in range(model.moe.experts))
         self.router = ParallelLinear(model.hidden, model.moe.experts, bias=False, device=device)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -76,7 +76,7 @@ class MoE(nn.Module):
         return out.view_as(x)
 
 
-def make_mlp(model: ModelSpec, shard: TPShard = TPShard(), device=None) -> nn.Module:
+def make_mlp(model: ModelSpec, shard: TPShard = NO_SHARD, device=None) -> nn.Module:
     """The feed-forward network of one block for `model`'s architecture."""
     if model.moe is None:
         return _dense(model, shard, device)

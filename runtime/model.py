@@ -27,18 +27,16 @@ import logging
 import math
 
 import torch
-from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
-
-from hetc.pipeline import Pipeline
 from hetc.runtime.attention import Attention, Rotary
 from hetc.runtime.layers import NORMS, Block, Embedding, Head
 from hetc.runtime.seeding import generator
-from hetc.runtime.tp import ParallelLinear, TPShard, shard_infos
+from hetc.runtime.tp import NO_SHARD, ParallelLinear, TPShard, shard_infos
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
 from hetc.spec import Arch, Checkpointing, DType, ModelSpec
 
-__all__ = ["INIT_STD", "compute_dtype", "build_layer", "init_layer", "Ministage", "build_ministage",
-           "check_tied_embeddings"]
+__all__ = ["INIT_STD", "compute_dtype", "build_layer", "init_layer", "Ministage", "build_ministage"]
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +50,8 @@ def compute_dtype(dtype: DType) -> torch.dtype:
     """The dtype of a ministage's compute parameters and activations for ModelSpec.dtype.
 
     tf32 stores fp32 (TF32 is a matmul mode, not a storage format). fp8 has
-    no native training path here and computes in bf16.
+    no native training path here and computes in bf16. fp16 has no loss
+    scaling yet: prefer bf16.
     """
     if dtype is DType.FP8:
         log.warning("fp8 training is not implemented; computing in bf16")
@@ -69,7 +68,7 @@ def _construct(model: ModelSpec, idx: int, shard: TPShard) -> nn.Module:
     return Block(model, shard)
 
 
-def build_layer(model: ModelSpec, idx: int, *, seed: int, shard: TPShard = TPShard(),
+def build_layer(model: ModelSpec, idx: int, *, seed: int, shard: TPShard = NO_SHARD,
                 device: torch.device | str = "cpu") -> nn.Module:
     """Layer `idx` (0 embed, 1..L blocks, L+1 head) in fp32 on `device`, initialised."""
     with torch.device("meta"):
@@ -113,7 +112,7 @@ class Ministage(nn.Module):
     "head"), so parameter names are global: `block0.attention.wq.weight`.
     """
 
-    def __init__(self, model: ModelSpec, layers: range, *, seed: int, shard: TPShard = TPShard(),
+    def __init__(self, model: ModelSpec, layers: range, *, seed: int, shard: TPShard = NO_SHARD,
                  device: torch.device | str = "cpu") -> None:
         super().__init__()
         assert layers.step == 1 and len(layers) > 0, f"a ministage is a non-empty run of layers: {layers}"
@@ -132,7 +131,8 @@ class Ministage(nn.Module):
 
     def _check_tied(self, model: ModelSpec) -> None:
         if model.tied_embeddings and self.computes_loss and not self.takes_tokens:
-            raise ValueError("tied embeddings need the embedding and the head in one ministage")
+            raise ValueError("tied embeddings need the embedding and the head in one ministage "
+                             "(the validator reports this through hetc.runtime.checks)")
 
     @property
     def layers(self) -> dict[str, nn.Module]:
@@ -178,7 +178,7 @@ class Ministage(nn.Module):
         return block(x, rope)
 
 
-def build_ministage(model: ModelSpec, layers: range, *, seed: int, shard: TPShard = TPShard(),
+def build_ministage(model: ModelSpec, layers: range, *, seed: int, shard: TPShard = NO_SHARD,
                     device: torch.device | str = "cpu") -> Ministage:
     """The module of one ministage: what the interpreter builds for each ministage its rank owns.
 
@@ -187,20 +187,3 @@ def build_ministage(model: ModelSpec, layers: range, *, seed: int, shard: TPShar
     to get the flat master/compute/grad buffers ZeRO works on.
     """
     return Ministage(model, layers, seed=seed, shard=shard, device=device)
-
-
-def check_tied_embeddings(model: ModelSpec, pipeline: Pipeline) -> str | None:
-    """Why `pipeline` cannot run `model`'s tied embeddings, or None when it can.
-
-    Tying shares one matrix between the embedding and the head, which the
-    runtime supports only inside one ministage (the gradient of a matrix
-    split over two ministages would need its own all-reduce).
-    """
-    if not model.tied_embeddings:
-        return None
-    embed, head = pipeline.ministage_of_layer(0), pipeline.ministage_of_layer(model.layers + 1)
-    if embed.index == head.index:
-        return None
-    return (f"tied_embeddings needs the embedding and the head in one ministage, but embed is in "
-            f"ministage {embed.index} (stage {embed.stage}) and head in ministage {head.index} "
-            f"(stage {head.stage}); set tied_embeddings = false or give one ministage all layers")

@@ -18,14 +18,15 @@ The interpreter installs a process-group-backed `TPComm` with `set_tp_comm`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["TPShard", "Split", "TPComm", "NO_TP", "ParallelLinear", "ShardInfo", "shard_infos",
+__all__ = ["TPShard", "NO_SHARD", "Split", "TPComm", "NO_TP", "ParallelLinear", "ShardInfo", "shard_infos",
            "TPRegion", "set_tp_comm"]
 
 
@@ -44,6 +45,9 @@ class TPShard:
         if n % self.size:
             raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size ({self.size})")
         return n // self.size
+
+
+NO_SHARD = TPShard()  # tp size 1: the whole tensor
 
 
 class Split(StrEnum):
@@ -103,7 +107,7 @@ class ParallelLinear(nn.Linear):
     """
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, split: Split = Split.NONE,
-                 shard: TPShard = TPShard(), scaled_init: bool = False, device=None) -> None:
+                 shard: TPShard = NO_SHARD, scaled_init: bool = False, device=None) -> None:
         local_in = shard.part(in_features, "input features") if split is Split.ROW else in_features
         local_out = shard.part(out_features, "output features") if split is Split.COLUMN else out_features
         super().__init__(local_in, local_out, bias=bias, device=device)
@@ -139,7 +143,7 @@ def shard_infos(module: nn.Module) -> dict[str, ShardInfo]:
             if isinstance(sub, ParallelLinear):
                 out[full] = sub.shard_info(name)
             else:
-                out[full] = ShardInfo(tuple(p.shape), None, TPShard())
+                out[full] = ShardInfo(tuple(p.shape), None, NO_SHARD)
     return out
 
 

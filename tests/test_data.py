@@ -6,10 +6,11 @@ import dataclasses
 
 import pytest
 import torch
+from hetc.runtime.checks import check_text_vocab
+from hetc.runtime.data import SyntheticData, TextData, make_data_source
 
 from hetc.errors import SpecError
 from hetc.frontend import load_checked
-from hetc.runtime.data import SyntheticData, TextData, make_data_source
 from hetc.spec import DataKind, DataSpec, ModelSpec, TrainSpec
 from tests.conftest import DEMO
 
@@ -75,8 +76,11 @@ def test_synthetic_tokens_cover_the_vocabulary():
 
 
 def test_text_needs_a_byte_vocabulary():
+    small = dataclasses.replace(MODEL, vocab=100)
+    assert check_text_vocab(MODEL, text_job()) is None and check_text_vocab(small, job()) is None
+    assert "vocab >= 256" in check_text_vocab(small, text_job())
     with pytest.raises(SpecError, match="vocab >= 256"):
-        make_data_source(dataclasses.replace(MODEL, vocab=100), text_job(), DEMO)
+        make_data_source(small, text_job(), DEMO)
 
 
 def test_text_file_errors_are_spec_errors(tmp_path):

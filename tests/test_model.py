@@ -6,23 +6,24 @@ import dataclasses
 
 import pytest
 import torch
-
 from hetc.passes.params import layer_params
-from hetc.pipeline import Ministage as PlanMinistage
-from hetc.pipeline import Pipeline
-from hetc.runtime.attention import Attention
+from hetc.runtime.checks import check_tied_embeddings
 from hetc.runtime.flat import FlatParams
 from hetc.runtime.mlp import GeluMLP, SwiGLU
-from hetc.runtime.model import build_layer, build_ministage, check_tied_embeddings, compute_dtype
+from hetc.runtime.model import build_layer, build_ministage, compute_dtype
 from hetc.runtime.tp import ParallelLinear, Split, TPShard, set_tp_comm
+
+from hetc.pipeline import Ministage as PlanMinistage
+from hetc.pipeline import Pipeline
 from hetc.spec import Arch, Checkpointing, DType, ModelSpec, MoESpec, ScheduleKind
 
 SEED = 7
 
 
 def tiny(arch: Arch = Arch.LLAMA, **kw) -> ModelSpec:
-    base = dict(arch=arch, layers=3, hidden=32, heads=4, kv_heads=2, ffn=40, vocab=64, seq=12, dtype=DType.FP32)
-    return ModelSpec(**{**base, **kw})
+    base = ModelSpec(arch=arch, layers=3, hidden=32, heads=4, kv_heads=2, ffn=40, vocab=64, seq=12,
+                     dtype=DType.FP32)
+    return dataclasses.replace(base, **kw)
 
 
 def tokens(model: ModelSpec, b: int = 2, seed: int = 0) -> torch.Tensor:
@@ -93,7 +94,7 @@ def test_a_chain_of_ministages_is_the_whole_model(arch):
     model = tiny(arch)
     toks, labels = tokens(model), tokens(model).roll(-1, dims=1)
     ref_loss, ref_grads = loss_and_grads(whole(model), toks)
-    parts = [build_ministage(model, r, seed=SEED) for r in (range(0, 2), range(2, 4), range(4, 5))]
+    parts = [build_ministage(model, r, seed=SEED) for r in (range(2), range(2, 4), range(4, 5))]
     assert parts[0].takes_tokens and not parts[0].computes_loss and parts[2].computes_loss
     boundaries = []  # (received activation, sent activation) per non-last ministage
     x = toks
@@ -135,7 +136,7 @@ def test_rope_depends_only_on_relative_positions():
 
 def test_gpt_learned_positions_follow_the_positions_argument():
     model = tiny(Arch.GPT)
-    embed = build_ministage(model, range(0, 1), seed=SEED)
+    embed = build_ministage(model, range(1), seed=SEED)
     toks = tokens(model)
     assert not torch.equal(embed(toks), embed(toks, positions=torch.arange(model.seq).flip(0)))
 
@@ -193,7 +194,7 @@ def test_tied_embeddings_share_one_matrix():
     stage = whole(model)
     names = [n for n, _ in stage.named_parameters()]
     assert "head.output.weight" not in names and "embed.tok_embeddings.weight" in names
-    loss, grads = loss_and_grads(stage, tokens(model))
+    _, grads = loss_and_grads(stage, tokens(model))
     assert grads["embed.tok_embeddings.weight"].abs().sum() > 0
     with pytest.raises(ValueError, match="one ministage"):
         build_ministage(model, range(3, 5), seed=SEED)

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
-from torch import nn
-
 from hetc.runtime.flat import FlatLayout, FlatParams, bind_grads, bind_params
 from hetc.runtime.optim import clip_coefficient, grad_sq_sum, init_state, lr_at, optimizer_step
+from torch import nn
+
 from hetc.spec import LrScheduleKind, LrScheduleSpec, OptimizerKind, OptimizerSpec, TrainSpec
 
 
@@ -80,7 +81,7 @@ def test_layout_pads_and_tiles_shards():
     for e in layout.entries:
         spans = sorted(covered[e.name])
         assert spans[0][0] == 0 and spans[-1][1] == e.numel
-        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
 
 
 def test_bound_views_carry_values_and_gradients():
@@ -143,7 +144,7 @@ def test_decay_ends_at_min_lr(kind):
     t = train(kind, warmup=1)
     lrs = [lr_at(t, s) for s in range(t.steps)]
     assert lrs[0] == 1.0 and math.isclose(lrs[-1], 0.1)
-    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+    assert all(a >= b for a, b in itertools.pairwise(lrs))
     middle = lr_at(t, 6)  # progress (6 - warmup) / (steps - 1 - warmup) = 1/2
     assert math.isclose(middle, 0.55), middle  # half way: (peak + min) / 2 for both shapes
 
