@@ -196,14 +196,14 @@ class Converter:
     # ------------------------------------------------------------ values
 
     def value(self, info: FieldInfo, node: ast.Value, what: str) -> Any:
+        base = info.base
+        if dataclasses.is_dataclass(base) and base not in (LayerRange, RankSlice, Routing):
+            return self._shorthand(base, node, what)  # `zero = auto` is the level's auto
         if isinstance(node, ast.Auto):
             if info.auto_ok:
                 return AUTO
             self.error(node.span, f"{what} cannot be auto")
             return None
-        base = info.base
-        if dataclasses.is_dataclass(base) and base not in (LayerRange, RankSlice, Routing):
-            return self._shorthand(base, node, what)
         if info.many or base in (LayerRange, RankSlice):
             items = node.items if isinstance(node, ast.ListValue) else (node,)
             if base is LayerRange and isinstance(node, ast.ListValue) and not items:

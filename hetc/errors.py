@@ -91,19 +91,24 @@ class Sources:
     texts: dict[str, list[str]] = field(default_factory=dict)
 
     def add(self, path: str, text: str) -> None:
-        self.texts[path] = text.splitlines()
+        self.texts[path] = _lines(text)
 
     def line(self, path: str, line: int) -> str | None:
         lines = self.texts.get(path)
         if lines is None and Path(path).is_file():
             try:
-                lines = Path(path).read_text(errors="replace").splitlines()
+                lines = _lines(Path(path).read_text(errors="replace"))
             except OSError:
                 return None
             self.texts[path] = lines
         if not lines or not 1 <= line <= len(lines):
             return None
         return lines[line - 1].expandtabs(1)
+
+
+def _lines(text: str) -> list[str]:
+    """Lines as the parser counts them: split at "\n" only (not at \f or \u2028)."""
+    return [line.removesuffix("\r") for line in text.split("\n")]
 
 
 def did_you_mean(word: str, choices: list[str] | tuple[str, ...] | set[str]) -> str:

@@ -47,7 +47,8 @@ def format_spec(spec: Spec) -> str:
 def _items(items, depth: int, out: list[str], top: bool = False) -> None:
     prev = None
     for item in items:
-        if isinstance(item, ast.Comment) and item.trailing and out and prev is not None:
+        # A trailing comment ends the line before it: the previous statement's, or the block's head.
+        if isinstance(item, ast.Comment) and item.trailing and out and (prev is not None or depth > 0):
             out[-1] += "  " + item.text
             continue
         if prev is not None and _blank_between(prev, item, top):

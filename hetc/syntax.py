@@ -136,10 +136,12 @@ class File:
 
 
 # Note [comments]: lark drops ignored tokens, so comments are collected by a
-# lexer callback and woven back in by line: a comment on a line of its own
-# becomes an item before the next statement; one after code on the same line
-# is a trailing comment of the statement that ends on that line.
-
+# scan of the text and woven back in by position. A comment on a line of its
+# own becomes an item before the next statement of the innermost block around
+# it. A comment after code on the same line is a *trailing* comment: of the
+# statement or block that ends on that line before it (`}  # end`), or, on a
+# block's first line, of its opening brace (`stage s {  # why`). Lines count
+# "\n" only, as lark does.
 
 @functools.cache
 def _parser() -> Lark:
@@ -262,7 +264,7 @@ class _RawComment(NamedTuple):
 def _scan_comments(text: str) -> list[_RawComment]:
     """Comments outside strings, with their line and column."""
     found: list[_RawComment] = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    for lineno, line in enumerate(text.split("\n"), start=1):
         in_string = False
         i = 0
         while i < len(line):
@@ -283,35 +285,40 @@ def _scan_comments(text: str) -> list[_RawComment]:
 
 
 def _weave_comments(items: list, comments: list[_RawComment], path: str) -> list:
-    """Attach comments to the item list of the block that contains them."""
+    """Put each comment into the item list of the block that contains it."""
     if not comments:
         return items
-    return _weave(items, comments, path, 0, 10**9)
+    return _weave(items, sorted(comments, key=lambda c: (c.line, c.column)), path)
 
 
-def _weave(items, comments: list[_RawComment], path: str, lo_line: int, hi_line: int) -> list:
-    mine = [c for c in comments if lo_line < c.line < hi_line]
+def _comment(c: _RawComment, trailing: bool, path: str) -> Comment:
+    return Comment(c.text, trailing, _span(path, c))
+
+
+def _weave(items, comments: list[_RawComment], path: str) -> list:
+    """`items` of one block body with `comments` (all within that body) placed among them."""
     out: list = []
-    for item in items:
+    rest = list(comments)
+    for n, item in enumerate(items):
         span = item.span
-        for c in [c for c in mine if c.line < span.line and not c.code_before]:
-            out.append(Comment(c.text, False, _span(path, c)))
-            mine.remove(c)
+        out += [_comment(c, c.code_before, path) for c in rest if c.line < span.line]
+        mine = [c for c in rest if span.line <= c.line <= span.end_line]
+        rest = [c for c in rest if c.line > span.end_line]
+        after = [c for c in mine if c.line == span.end_line and c.column >= span.end_col]
+        within = [c for c in mine if c not in after]
+        following = items[n + 1] if n + 1 < len(items) else None
+        if following is not None and following.span.line == span.end_line:
+            rest, after = after + rest, []  # `a = 1; b = 2  # c` belongs to b
         if isinstance(item, Block):
-            inner = [c for c in mine if span.line <= c.line <= span.end_line]
-            head_trailing = [c for c in inner if c.line == span.line and c.code_before]
-            body = _weave(list(item.items), [c for c in inner if c not in head_trailing],
-                          path, span.line, span.end_line + (1 if span.end_line == span.line else 0))
-            for c in inner:
-                mine.remove(c)
-            trailing = [Comment(c.text, True, _span(path, c)) for c in head_trailing]
-            item = Block(item.kind, item.label, item.peer, tuple(trailing + body), item.span, item.kind_span,
-                         item.label_spans)
-        out.append(item)
-        for c in [c for c in mine if c.line == span.end_line and c.code_before]:
-            out.append(Comment(c.text, True, _span(path, c)))
-            mine.remove(c)
-    out += [Comment(c.text, False, _span(path, c)) for c in mine]
+            body = _weave(list(item.items), within, path)
+            out.append(Block(item.kind, item.label, item.peer, tuple(body), item.span, item.kind_span,
+                             item.label_spans))
+        else:  # a statement spread over lines (a long list): keep its comments next to it
+            out += [_comment(c, False, path) for c in within if not c.code_before]
+            out.append(item)
+            after = [c for c in within if c.code_before] + after
+        out += [_comment(c, True, path) for c in after]
+    out += [_comment(c, c.code_before, path) for c in rest]  # code before: an empty block's head
     return out
 
 
