@@ -1,0 +1,169 @@
+"""The buffers of one ministage on one rank, laid out for its ZeRO shard.
+
+Note [flat shards] — with an inner group of n_in lanes (this rank is i_in)
+and, for hierarchical ZeRO, an outer group of n_out (this rank is i_out):
+the flat buffer is padded to n_in · n_out parts when the optimizer state is
+sharded across (outer level 1), else to n_in parts. The *inner shard* is
+part i_in of n_in; the *optimizer shard* is the part this rank steps: the
+whole buffer at level 0, the inner shard at levels 1-3, and its i_out-th
+sub-slice when sharded across.
+
+    compute      full parameters in the compute dtype; module parameters are
+                 views into it. ZeRO-3 releases it between uses and keeps
+                 `param_shard` (the inner shard) instead.
+    grad         full gradient buffer; backward accumulates here.
+    acc          fp32 reduced gradients of the inner shard (levels 1-3).
+    opt_grad     fp32 gradients of the optimizer shard when sharded across.
+    master       fp32 master weights of the optimizer shard, and its
+                 optimizer state.
+
+All sums are plain sums: the loss of each microbatch is already divided by
+the number of microbatches (Note [Loss normalisation] in reference.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from hetc.program import Shard
+from hetc.runtime.flat import FlatLayout, bind_grads, bind_params
+from hetc.runtime.model import Ministage
+from hetc.runtime.optim import OptimizerState, init_state
+from hetc.spec import OptimizerSpec
+
+__all__ = ["GroupPos", "MinistageBuffers"]
+
+
+@dataclass(frozen=True, slots=True)
+class GroupPos:
+    """This rank's place in a group: its index and the group's size."""
+
+    index: int = 0
+    size: int = 1
+
+
+class MinistageBuffers:
+    def __init__(self, module: Ministage, shard: Shard, inner: GroupPos, outer: GroupPos,
+                 optimizer: OptimizerSpec, dtype: torch.dtype, device: torch.device):
+        self.module, self.shard, self.inner, self.outer = module, shard, inner, outer
+        self.level = shard.level if shard.group is not None else 0
+        across = outer.size if shard.outer_level == 1 else 1
+        self.layout = FlatLayout.of(module, inner.size * across)
+        self.device, self.dtype = device, dtype
+        full = self.layout.flatten(dict(module.named_parameters()), torch.float32, device)
+        self.master = full[self.opt_range].clone()
+        self.opt_state: OptimizerState = init_state(optimizer, self.master)
+        self.compute = full.to(dtype) if dtype != torch.float32 else full
+        self.grad = torch.zeros_like(self.compute)
+        self.acc = torch.zeros(self.inner_numel, dtype=torch.float32, device=device) if self.level else None
+        self.opt_grad = torch.zeros(self.master.numel(), dtype=torch.float32, device=device) \
+            if across > 1 else None
+        self.param_shard = self.compute[self.inner_range].clone() if self.level == 3 else None
+        self.holders = 0           # ZeRO-3: gathers not yet freed
+        self.host: Tensor | None = None
+        bind_params(module, self.layout, self.compute)
+        bind_grads(module, self.layout, self.grad)
+        if self.level == 3:
+            self.release()
+        if shard.param_offload:     # offloaded parameters start (and end) every step on the host
+            self.to_host()
+            self.drop_device_copy()
+
+    # ------------------------------------------------------------ ranges
+
+    @property
+    def inner_numel(self) -> int:
+        return self.layout.padded_numel // self.inner.size
+
+    @property
+    def inner_range(self) -> slice:
+        n = self.inner_numel
+        return slice(self.inner.index * n, (self.inner.index + 1) * n)
+
+    @property
+    def opt_range(self) -> slice:
+        """The elements this rank steps, as a slice of the full flat buffer."""
+        if self.level == 0:
+            return slice(0, self.layout.padded_numel)
+        rng = self.inner_range
+        if self.shard.outer_level == 1:
+            n = self.inner_numel // self.outer.size
+            return slice(rng.start + self.outer.index * n, rng.start + (self.outer.index + 1) * n)
+        return rng
+
+    def opt_range_in_inner(self) -> slice:
+        rng, inner = self.opt_range, self.inner_range
+        return slice(rng.start - inner.start, rng.stop - inner.start)
+
+    # ------------------------------------------------------------ step
+
+    def step_grad(self) -> Tensor:
+        """fp32 gradients of the optimizer shard, fully reduced."""
+        if self.level == 0:
+            return self.grad.float()
+        return self.opt_grad if self.opt_grad is not None else self.acc
+
+    def unique_grad(self) -> Tensor:
+        """The part of the reduced gradient only this rank counts in the global norm.
+
+        Replicas hold equal copies; each element is counted on exactly one of them.
+        """
+        if self.level == 0:
+            part = self.layout.padded_numel // self.inner.size
+            return self.grad[self.inner.index * part:(self.inner.index + 1) * part].float()
+        if self.opt_grad is not None:
+            return self.opt_grad
+        if self.outer.size > 1:      # inner shards replicated across nodes
+            part = self.inner_numel // self.outer.size
+            return self.acc[self.outer.index * part:(self.outer.index + 1) * part]
+        return self.acc
+
+    def publish(self) -> None:
+        """Put the stepped master weights where the next gathers read them."""
+        if self.level == 3:
+            self.param_shard[self.opt_range_in_inner()].copy_(self.master)
+        else:
+            self.compute[self.opt_range].copy_(self.master)
+
+    def zero_grads(self) -> None:
+        self.grad.zero_()
+        if self.acc is not None:
+            self.acc.zero_()
+        if self.opt_grad is not None:
+            self.opt_grad.zero_()
+
+    # ------------------------------------------------------------ ZeRO-3 residency
+
+    def release(self) -> None:
+        self.compute.untyped_storage().resize_(0)
+
+    def materialize(self) -> None:
+        storage = self.compute.untyped_storage()
+        if storage.size() == 0:
+            storage.resize_(self.compute.numel() * self.compute.element_size())
+
+    # ------------------------------------------------------------ host offload
+
+    def resident(self) -> Tensor:
+        """The parameter storage that offload moves: the inner shard at ZeRO-3, else everything."""
+        return self.param_shard if self.level == 3 else self.compute
+
+    def to_host(self) -> None:
+        src = self.resident()
+        if self.host is None:
+            self.host = torch.empty(src.shape, dtype=src.dtype, device="cpu",
+                                    pin_memory=src.device.type == "cuda")
+        self.host.copy_(src, non_blocking=src.device.type == "cuda")
+
+    def drop_device_copy(self) -> None:
+        self.resident().untyped_storage().resize_(0)
+
+    def to_device(self) -> None:
+        dst = self.resident()
+        storage = dst.untyped_storage()
+        if storage.size() == 0:
+            storage.resize_(dst.numel() * dst.element_size())
+        dst.copy_(self.host, non_blocking=dst.device.type == "cuda")

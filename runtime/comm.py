@@ -1,0 +1,90 @@
+"""Communication for the interpreter: named process groups, tags, async copies.
+
+Every collective and point-to-point call is asynchronous (`async_op=True`)
+and returns a torch Work; the interpreter waits on it where the program
+says. On CUDA, host<->device copies run on their own stream and their
+"work" is an event; on CPU the same code path copies at once.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from hetc.program import Group, Recv, Send, Tensor as Kind
+
+__all__ = ["Comm", "make_groups"]
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def make_groups(groups: tuple[Group, ...], timeout=None) -> dict[str, object]:
+    """Create every group of the program, in table order, on every rank (torch requires all to call)."""
+    out: dict[str, object] = {}
+    for g in groups:
+        if g.name == "world":
+            out[g.name] = dist.group.WORLD
+        else:
+            out[g.name] = dist.new_group(list(g.ranks), timeout=timeout)
+    return out
+
+
+class _EventWork:
+    """A copy on a side stream, as a Work: `wait` makes the current stream wait for it."""
+
+    def __init__(self, event: "torch.cuda.Event"):
+        self.event = event
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+
+class Comm:
+    def __init__(self, groups: dict[str, object], num_microbatches: int, act_dtype: torch.dtype,
+                 device: torch.device):
+        self.groups = groups
+        self.m = num_microbatches
+        self.act_dtype = act_dtype
+        self.device = device
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def group(self, name: str):
+        try:
+            return self.groups[name]
+        except KeyError:
+            raise RuntimeError(f"unknown group '{name}'") from None
+
+    def tag(self, instr: Send | Recv) -> int:
+        """One tag per message (kind, ministage, microbatch): gloo matches on it."""
+        return (instr.ms * self.m + instr.mb) * 2 + (instr.what is Kind.GRAD)
+
+    def isend(self, t: Tensor, peer: int, tag: int):
+        return dist.isend(t, peer, tag=tag)
+
+    def irecv(self, t: Tensor, peer: int, tag: int):
+        return dist.irecv(t, peer, tag=tag)
+
+    def all_gather(self, out: Tensor, mine: Tensor, group):
+        return _all_gather(out, mine, group=group, async_op=True)
+
+    def reduce_scatter(self, out: Tensor, full: Tensor, group):
+        return _reduce_scatter(out, full, group=group, async_op=True)
+
+    def all_reduce(self, t: Tensor, group):
+        return dist.all_reduce(t, group=group, async_op=True)
+
+    def copy(self, move: Callable[[], None], done: Callable[[], None] | None):
+        """(work, on_done) for a host<->device copy."""
+        if self.copy_stream is None:
+            move()
+            return None, done
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            move()
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        return _EventWork(event), done

@@ -1,0 +1,371 @@
+"""The interpreter: one handler per instruction kind, over torch.distributed.
+
+It runs one rank's `RankProgram` once per training step and does exactly
+what the program says, checking the protocol as it goes (Note [runtime
+invariants]): a compute op whose input has not arrived, a message received
+twice, a handle waited twice or never, a stash left over at the end of the
+step are errors that name the rank, the step and the instruction.
+
+Every ministage is an autograd island: its forward input is a detached
+tensor that requires grad, so its backward yields the gradient to send (or
+to hand to the previous ministage on this rank) without one graph spanning
+ministages.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from hetc.program import (AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight, Forward, Free,
+                          Instr, Load, Offload, Prefetch, RankProgram, Recv, ReduceScatter, Send, Step, Tensor as Kind,
+                          Wait)
+from hetc.runtime.buffers import MinistageBuffers
+from hetc.runtime.comm import Comm
+from hetc.runtime.data import DataSource
+from hetc.runtime.optim import clip_coefficient, grad_sq_sum, lr_at, optimizer_step
+from hetc.runtime.split_backward import backward_input, backward_weight
+from hetc.spec import Spec
+
+__all__ = ["Interpreter", "StepResult", "ProtocolError"]
+
+log = logging.getLogger("hetc.runtime")
+
+
+class ProtocolError(RuntimeError):
+    """The program broke a runtime invariant (it should have failed verification)."""
+
+
+@dataclass
+class StepResult:
+    loss: float
+    seconds: float
+    events: list[tuple[int, float, float]] = field(default_factory=list)   # (instr index, start, end)
+
+
+@dataclass
+class _Pending:
+    instr: Instr
+    work: object | None                      # a torch Work, or None when already complete
+    on_done: Callable[[], None] | None
+    posted: float
+
+
+class Interpreter:
+    def __init__(self, spec: Spec, program: RankProgram, buffers: dict[int, MinistageBuffers], comm: Comm,
+                 data: DataSource, num_microbatches: int, device: torch.device,
+                 first_layer: dict[int, int], stop_layer: dict[int, int]):
+        self.spec, self.program, self.buffers, self.comm = spec, program, buffers, comm
+        self.data, self.m, self.device = data, num_microbatches, device
+        self.starts = {ms: first_layer[ms] == 0 for ms in buffers}
+        self.ends = {ms: stop_layer[ms] == spec.model.num_model_layers for ms in buffers}
+        self.counts_loss = program.tp_rank == 0 and program.cp_rank == 0
+        self._handlers = {
+            Load: self._load, Forward: self._forward, Backward: self._backward,
+            BackwardInput: self._backward_input, BackwardWeight: self._backward_weight, Send: self._send,
+            Recv: self._recv, AllGather: self._all_gather, ReduceScatter: self._reduce_scatter,
+            AllReduce: self._all_reduce, AllToAll: self._all_to_all, Offload: self._offload,
+            Prefetch: self._prefetch, Free: self._free, Step: self._step, Wait: self._wait,
+        }
+
+    # ------------------------------------------------------------ the step
+
+    def run_step(self, step: int, trace: bool = False) -> StepResult:
+        self._begin(step)
+        t0 = time.perf_counter()
+        events = []
+        for index, instr in enumerate(self.program.instrs):
+            start = time.perf_counter() - t0
+            try:
+                self._handlers[type(instr)](instr)
+            except Exception as err:
+                raise type(err)(f"[rank {self.program.rank}] step {step}: instruction {index} `{instr}`: "
+                                f"{err}") from err
+            if trace:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                events.append((index, start, time.perf_counter() - t0))
+        self._end(step)
+        return StepResult(self.loss_total, time.perf_counter() - t0, events)
+
+    def _begin(self, step: int) -> None:
+        self.step_idx = step
+        self.tokens: dict[int, tuple[Tensor, Tensor]] = {}
+        self.inputs: dict[tuple[int, int], Tensor] = {}      # (ms, mb) -> forward input (stash)
+        self.outputs: dict[tuple[int, int], Tensor] = {}     # (ms, mb) -> forward output / loss
+        self.in_grads: dict[tuple[int, int], Tensor] = {}    # (ms, mb) -> gradient of the forward input
+        self.arrived: dict[tuple[Kind, int, int], Tensor] = {}
+        self.param_groups: dict[tuple[int, int], list] = {}  # zero-bubble: saved for bwd_w
+        self.on_host: dict[tuple[int, int], Tensor] = {}     # offloaded stashes
+        self.pending: dict[int, _Pending] = {}
+        self.losses: list[float] = []
+        self.loss_total = float("nan")
+        self.clip = 1.0
+        for buf in self.buffers.values():
+            buf.zero_grads()
+
+    def _end(self, step: int) -> None:
+        if self.pending:
+            h, p = next(iter(self.pending.items()))
+            raise ProtocolError(f"[rank {self.program.rank}] step {step}: handle {h} of `{p.instr}` is never waited")
+        leftover = [k for k in self.inputs if k not in self.in_grads]
+        if leftover:
+            raise ProtocolError(f"[rank {self.program.rank}] step {step}: forward stashes {leftover[:3]} never "
+                                "ran backward")
+
+    # ------------------------------------------------------------ async plumbing
+
+    def _post(self, instr: Instr, work, on_done: Callable[[], None] | None = None) -> None:
+        handle = getattr(instr, "handle", None)
+        if handle is None:
+            if work is not None:
+                work.wait()
+            if on_done is not None:
+                on_done()
+            return
+        if handle in self.pending:
+            raise ProtocolError(f"handle {handle} is already in flight")
+        self.pending[handle] = _Pending(instr, work, on_done, time.perf_counter())
+
+    def _wait(self, instr: Wait) -> None:
+        p = self.pending.pop(instr.handle, None)
+        if p is None:
+            raise ProtocolError(f"handle {instr.handle} is not in flight")
+        if p.work is not None:
+            p.work.wait()
+        if p.on_done is not None:
+            p.on_done()
+
+    # ------------------------------------------------------------ data and compute
+
+    def _load(self, instr: Load) -> None:
+        tokens, labels = self.data.get_microbatch(self.step_idx, instr.mb)
+        self.tokens[instr.mb] = (tokens.to(self.device), labels.to(self.device))
+
+    def _input_of(self, ms: int, mb: int) -> Tensor:
+        if self.starts[ms]:
+            if mb not in self.tokens:
+                raise ProtocolError(f"microbatch {mb} is not loaded")
+            return self.tokens[mb][0]
+        local = self.outputs.get((ms - 1, mb))
+        if local is not None and (ms - 1) in self.buffers:
+            return local.detach().requires_grad_(True)
+        got = self.arrived.pop((Kind.ACT, ms - 1, mb), None)
+        if got is None:
+            raise ProtocolError(f"the input act ms={ms - 1} mb={mb} has not arrived")
+        return got.requires_grad_(True)
+
+    def _forward(self, instr: Forward) -> None:
+        ms, mb = instr.ms, instr.mb
+        buf = self._buffers(ms)
+        x = self._input_of(ms, mb)
+        labels = self.tokens[mb][1] if self.ends[ms] else None
+        if buf.shard.act_offload:
+            with torch.no_grad():   # stash only the boundary input; recompute in backward
+                out = buf.module(x, labels)
+        else:
+            out = buf.module(x, labels)
+        self.inputs[(ms, mb)] = x
+        self.outputs[(ms, mb)] = out
+        if self.ends[ms]:
+            self.losses.append(out.detach().float().item())
+
+    def _graph_of(self, ms: int, mb: int) -> tuple[Tensor, Tensor]:
+        """(input, output-with-graph) of a forward, recomputing it if only the input was stashed."""
+        key = (ms, mb)
+        if key in self.on_host:
+            raise ProtocolError(f"the stash of ms={ms} mb={mb} is still on the host")
+        x, out = self.inputs[key], self.outputs[key]
+        buf = self._buffers(ms)
+        if buf.shard.act_offload:
+            labels = self.tokens[mb][1] if self.ends[ms] else None
+            with torch.enable_grad():
+                out = buf.module(x, labels)
+        return x, out
+
+    def _output_grad(self, ms: int, mb: int) -> Tensor | None:
+        if self.ends[ms]:
+            return None
+        local = self.in_grads.get((ms + 1, mb))
+        if local is not None and (ms + 1) in self.buffers:
+            return local
+        got = self.arrived.pop((Kind.GRAD, ms + 1, mb), None)
+        if got is None:
+            raise ProtocolError(f"the output gradient grad ms={ms + 1} mb={mb} has not arrived")
+        return got
+
+    def _seed(self, ms: int, mb: int):
+        x, out = self._graph_of(ms, mb)
+        grad = self._output_grad(ms, mb)
+        if grad is None:
+            out = out / self.m   # Note [Loss normalisation]
+        return x, out, grad
+
+    def _backward(self, instr: Backward) -> None:
+        x, out, grad = self._seed(instr.ms, instr.mb)
+        torch.autograd.backward(out, grad)
+        self._done_backward(instr.ms, instr.mb, x)
+
+    def _backward_input(self, instr: BackwardInput) -> None:
+        x, out, grad = self._seed(instr.ms, instr.mb)
+        self.param_groups[(instr.ms, instr.mb)] = backward_input(out, grad, x, self._buffers(instr.ms).module)
+        self._done_backward(instr.ms, instr.mb, x)
+
+    def _backward_weight(self, instr: BackwardWeight) -> None:
+        groups = self.param_groups.pop((instr.ms, instr.mb), None)
+        if groups is None:
+            raise ProtocolError(f"bwd_w before bwd_i for ms={instr.ms} mb={instr.mb}")
+        backward_weight(self._buffers(instr.ms).module, groups)
+
+    def _done_backward(self, ms: int, mb: int, x: Tensor) -> None:
+        self.in_grads[(ms, mb)] = x.grad if x.grad is not None else torch.zeros(0)
+        self.outputs.pop((ms, mb), None)
+
+    def _buffers(self, ms: int) -> MinistageBuffers:
+        buf = self.buffers.get(ms)
+        if buf is None:
+            raise ProtocolError(f"ministage {ms} is not on this rank")
+        return buf
+
+    # ------------------------------------------------------------ point to point
+
+    def _send(self, instr: Send) -> None:
+        key = (instr.ms, instr.mb)
+        if instr.what is Kind.ACT:
+            tensor = self.outputs.get(key)
+        else:
+            tensor = self.in_grads.get(key)
+        if tensor is None:
+            raise ProtocolError(f"nothing to send: {instr.what.value} ms={instr.ms} mb={instr.mb} is not computed")
+        payload = tensor.detach().contiguous()
+        self._post(instr, self.comm.isend(payload, instr.peer_to, self.comm.tag(instr)))
+
+    def _recv(self, instr: Recv) -> None:
+        key = (instr.what, instr.ms, instr.mb)
+        if key in self.arrived:
+            raise ProtocolError(f"{instr.what.value} ms={instr.ms} mb={instr.mb} is received twice")
+        buf = torch.empty(instr.shape, dtype=self.comm.act_dtype, device=self.device)
+        work = self.comm.irecv(buf, instr.peer_from, self.comm.tag(instr))
+        self._post(instr, work, lambda: self.arrived.__setitem__(key, buf))
+
+    # ------------------------------------------------------------ collectives
+
+    def _all_gather(self, instr: AllGather) -> None:
+        buf = self._buffers(instr.ms)
+        group = self.comm.group(instr.group)
+        if instr.group == buf.shard.outer:
+            target = buf.param_shard if buf.level == 3 else buf.compute[buf.inner_range]
+            mine = target[buf.opt_range_in_inner()].clone()
+            self._post(instr, self.comm.all_gather(target, mine, group))
+            return
+        if buf.level == 3:
+            buf.holders += 1
+            buf.materialize()
+            self._post(instr, self.comm.all_gather(buf.compute, buf.param_shard, group))
+            return
+        mine = buf.compute[buf.inner_range].clone()
+        self._post(instr, self.comm.all_gather(buf.compute, mine, group))
+
+    def _free(self, instr: Free) -> None:
+        buf = self._buffers(instr.ms)
+        if buf.holders <= 0:
+            raise ProtocolError(f"ministage {instr.ms}'s parameters are not gathered")
+        buf.holders -= 1
+        if buf.holders == 0:
+            buf.release()
+
+    def _reduce_scatter(self, instr: ReduceScatter) -> None:
+        buf = self._buffers(instr.ms)
+        group = self.comm.group(instr.group)
+        if instr.group == buf.shard.outer:
+            self._post(instr, self.comm.reduce_scatter(buf.opt_grad, buf.acc, group))
+            return
+        out = torch.empty(buf.inner_numel, dtype=buf.grad.dtype, device=self.device)
+
+        def done() -> None:
+            buf.acc.add_(out.float())
+            buf.grad.zero_()   # the next microbatch accumulates afresh
+        self._post(instr, self.comm.reduce_scatter(out, buf.grad, group), done)
+
+    def _all_reduce(self, instr: AllReduce) -> None:
+        group = self.comm.group(instr.group)
+        if instr.what is Kind.LOSS:
+            self._reduce_loss(instr, group)
+        elif instr.what is Kind.NORM:
+            self._reduce_norm(instr, group)
+        else:
+            buf = self._buffers(instr.ms)
+            target = buf.acc if instr.group == buf.shard.outer else buf.grad
+            self._post(instr, self.comm.all_reduce(target, group))
+
+    def _reduce_loss(self, instr: AllReduce, group) -> None:
+        mine = sum(self.losses) / self.m if self.counts_loss else 0.0
+        total = torch.tensor([mine], dtype=torch.float64, device=self.device)
+        self._post(instr, self.comm.all_reduce(total, group),
+                   lambda: setattr(self, "loss_total", float(total.item())))
+
+    def _reduce_norm(self, instr: AllReduce, group) -> None:
+        local = sum(float(grad_sq_sum(buf.unique_grad())) for buf in self.buffers.values())
+        total = torch.tensor([local], dtype=torch.float64, device=self.device)
+
+        def done() -> None:
+            self.clip = clip_coefficient(float(total.item()), self.spec.train.grad_clip)
+        self._post(instr, self.comm.all_reduce(total, group), done)
+
+    def _all_to_all(self, instr: AllToAll) -> None:
+        raise ProtocolError("layout transforms (all_to_all) need tensor/context parallel kernels, "
+                            "which this runtime does not have yet")
+
+    # ------------------------------------------------------------ optimizer
+
+    def _step(self, instr: Step) -> None:
+        buf = self._buffers(instr.ms)
+        grad = buf.step_grad()
+        if self.clip != 1.0:
+            grad = grad * self.clip
+        optimizer_step(self.spec.model.optimizer, buf.master, grad, buf.opt_state,
+                       lr=lr_at(self.spec.train, self.step_idx), step=self.step_idx)
+        buf.publish()
+
+    # ------------------------------------------------------------ host offload
+
+    def _offload(self, instr: Offload) -> None:
+        if instr.what is Kind.PARAMS:
+            buf = self._buffers(instr.ms)
+            self._post(instr, *self.comm.copy(buf.to_host, buf.drop_device_copy))
+            return
+        key = (instr.ms, instr.mb)
+        x = self.inputs[key]
+        host = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=x.device.type == "cuda")
+
+        def move() -> None:
+            host.copy_(x.detach(), non_blocking=x.device.type == "cuda")
+
+        def done() -> None:
+            self.on_host[key] = host
+            self.inputs[key] = x.detach().new_empty(0)   # the device copy is gone
+        self._post(instr, *self.comm.copy(move, done))
+
+    def _prefetch(self, instr: Prefetch) -> None:
+        if instr.what is Kind.PARAMS:
+            buf = self._buffers(instr.ms)
+            self._post(instr, *self.comm.copy(buf.to_device, None))
+            return
+        key = (instr.ms, instr.mb)
+        host = self.on_host.pop(key, None)
+        if host is None:
+            raise ProtocolError(f"the stash of ms={instr.ms} mb={instr.mb} is not on the host")
+        back = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+
+        def move() -> None:
+            back.copy_(host, non_blocking=self.device.type == "cuda")
+
+        def done() -> None:
+            self.inputs[key] = back.requires_grad_(not self.starts[instr.ms])
+        self._post(instr, *self.comm.copy(move, done))
