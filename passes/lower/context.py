@@ -70,6 +70,15 @@ class LowerContext:
         lane = self.lane_for(ms, mb)
         return lane.ranks[min(pos, len(lane.ranks) - 1)]
 
+    def receivers(self, ms: int, mb: int, pos: int, from_size: int) -> list[int]:
+        """The ranks running ms on mb whose `peer` is lane position `pos` of a lane of `from_size` ranks.
+
+        The inverse of `peer`: where two bordering lanes differ in size, one
+        rank of the smaller lane serves several of the larger one.
+        """
+        lane = self.lane_for(ms, mb)
+        return [r for p, r in enumerate(lane.ranks) if min(p, from_size - 1) == pos]
+
     def stage_of(self, ms: int) -> Stage:
         return self.pipeline.stages[self.pipeline.ministages[ms].stage]
 

@@ -19,19 +19,21 @@ class Edits:
 
     before: dict[int, list[Instr]] = field(default_factory=dict)
     after: dict[int, list[Instr]] = field(default_factory=dict)
+    first_after: dict[int, list[Instr]] = field(default_factory=dict)   # ahead of `after` at the same place
     end: list[Instr] = field(default_factory=list)
 
     def add_before(self, i: int, instr: Instr) -> None:
         self.before.setdefault(i, []).append(instr)
 
-    def add_after(self, i: int, instr: Instr) -> None:
-        self.after.setdefault(i, []).append(instr)
+    def add_after(self, i: int, instr: Instr, first: bool = False) -> None:
+        (self.first_after if first else self.after).setdefault(i, []).append(instr)
 
     def apply(self, instrs: tuple[Instr, ...]) -> tuple[Instr, ...]:
         out: list[Instr] = []
         for i, instr in enumerate(instrs):
             out += self.before.get(i, [])
             out.append(instr)
+            out += self.first_after.get(i, [])
             out += self.after.get(i, [])
         return tuple(out + self.end)
 

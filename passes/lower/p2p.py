@@ -6,11 +6,19 @@ never blocks on a send; every receive is posted one compute op before its
 consumer (the transfer overlaps that op) and waited right before the
 consumer. With compute orders that come from one feasible execution (see
 Note [schedules by simulation]) no cycle of waits can form; the verifier
-proves it for the concrete programs. Sends and receives between a pair of
-ranks happen in the same order on both sides, which NCCL needs.
+proves it for the concrete programs.
+
+Note [channel order]: messages between a pair of ranks match in posting
+order (NCCL and gloo both need it), so a rank posts the receives from one
+peer in the order that peer sends them. Where a rank consumes them in a
+different order (several ministages of a stage exchanging with the same
+peer, as in 1F1B over virtual stages), a receive is posted early enough not
+to overtake one the peer sends after it.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from hetc.program import (Backward, BackwardInput, Forward, Instr, Program, RankProgram, Recv, Send, Tensor,
                           Wait)
@@ -19,39 +27,76 @@ from hetc.passes.lower.units import split_units
 
 __all__ = ["insert_p2p"]
 
+# a message on one channel: (tensor kind, producing ministage, microbatch)
+_Msg = tuple[Tensor, int, int]
+
 
 def insert_p2p(program: Program, ctx: LowerContext) -> Program:
-    return Program(tuple(_rank(rp, ctx.places[rp.rank], ctx) for rp in program.ranks), program.groups)
+    send_order = _send_orders(program, ctx)
+    return Program(tuple(_rank(rp, ctx.places[rp.rank], ctx, send_order) for rp in program.ranks),
+                   program.groups)
 
 
-def _rank(rp: RankProgram, place: RankPlace, ctx: LowerContext) -> RankProgram:
+def _send_orders(program: Program, ctx: LowerContext) -> dict[tuple[int, int], dict[_Msg, int]]:
+    """(src, dst) -> message -> its position among the sends src posts to dst."""
+    orders: dict[tuple[int, int], dict[_Msg, int]] = {}
+    for rp in program.ranks:
+        place = ctx.places[rp.rank]
+        for instr in rp.instrs:
+            for send in _sends_after(instr, place, ctx):
+                channel = orders.setdefault((rp.rank, send.peer_to), {})
+                channel[(send.what, send.ms, send.mb)] = len(channel)
+    return orders
+
+
+def _post_slots(units, place: RankPlace, ctx: LowerContext, send_order) -> list[list[Recv]]:
+    """The receives to post before each unit's compute (slot k: one unit ahead of unit k), in channel order."""
+    wanted: list[tuple[int, int, Recv]] = []      # (slot, position on its channel, receive)
+    for k, unit in enumerate(units):
+        for op in unit.compute:
+            recv = _recv_for(op, place, ctx)
+            if recv is not None:
+                seq = send_order[(recv.peer_from, place.rank)][(recv.what, recv.ms, recv.mb)]
+                wanted.append((k, seq, recv))
+    by_channel: dict[int, list[list]] = {}
+    for item in wanted:
+        by_channel.setdefault(item[2].peer_from, []).append(list(item))
+    for items in by_channel.values():
+        items.sort(key=lambda it: it[1])
+        for earlier, later in zip(reversed(items[:-1]), reversed(items[1:])):
+            earlier[0] = min(earlier[0], later[0])   # never post after a message the peer sends later
+    slots: list[list[Recv]] = [[] for _ in units]
+    for slot, _, recv in sorted((tuple(it) for items in by_channel.values() for it in items),
+                                key=lambda it: (it[0], it[1], it[2].peer_from)):
+        slots[slot].append(recv)
+    return slots
+
+
+def _rank(rp: RankProgram, place: RankPlace, ctx: LowerContext, send_order) -> RankProgram:
     handle = next_handle(rp.instrs)
     units = split_units(rp.instrs)
-    recvs: list[list[Recv]] = []
-    for unit in units:
-        wanted = [_recv_for(op, place, ctx) for op in unit.compute]
-        recvs.append([r for r in wanted if r is not None])
-    # give every receive its handle up front, so posts and waits agree
+    # give every receive its handle up front, in posting order, so posts and waits agree
     posted: list[list[Recv]] = []
-    for unit_recvs in recvs:
-        with_handles = []
-        for r in unit_recvs:
-            with_handles.append(Recv(r.what, r.ms, r.mb, r.peer_from, r.shape, handle))
+    wait_for: dict[_Msg, int] = {}
+    for slot in _post_slots(units, place, ctx, send_order):
+        posted.append([])
+        for r in slot:
+            posted[-1].append(Recv(r.what, r.ms, r.mb, r.peer_from, r.shape, handle))
+            wait_for[(r.what, r.ms, r.mb)] = handle
             handle += 1
-        posted.append(with_handles)
     out: list[Instr] = []
     send_waits: list[Wait] = []
     if posted:
         out += posted[0]
     for k, unit in enumerate(units):
-        out += [Wait(r.handle) for r in posted[k]]
+        needed = [_recv_for(op, place, ctx) for op in unit.compute]
+        out += [Wait(wait_for[(r.what, r.ms, r.mb)]) for r in needed if r is not None]
         if k + 1 < len(units):
             out += posted[k + 1]
         for instr in unit.instrs:
             out.append(instr)
-            send = _send_after(instr, place, ctx, handle)
-            if send is not None:
-                out.append(send)
+            for send in _sends_after(instr, place, ctx):
+                out.append(dataclasses.replace(send, handle=handle))
                 send_waits.append(Wait(handle))
                 handle += 1
     out += send_waits
@@ -71,14 +116,14 @@ def _recv_for(op: Instr, place: RankPlace, ctx: LowerContext) -> Recv | None:
     return None
 
 
-def _send_after(op: Instr, place: RankPlace, ctx: LowerContext, handle: int) -> Send | None:
-    """The send of `op`'s output to another rank, if any."""
+def _sends_after(op: Instr, place: RankPlace, ctx: LowerContext) -> list[Send]:
+    """The sends of `op`'s output to other ranks (without handles)."""
+    size = len(place.lane.ranks)
     if isinstance(op, Forward) and not ctx.ends_model(op.ms):
-        peer = ctx.peer(op.ms + 1, op.mb, place.pos)
-        if peer != place.rank:
-            return Send(Tensor.ACT, op.ms, op.mb, peer, ctx.boundary_shape(op.ms), handle)
+        peers = ctx.receivers(op.ms + 1, op.mb, place.pos, size)
+        return [Send(Tensor.ACT, op.ms, op.mb, p, ctx.boundary_shape(op.ms)) for p in peers if p != place.rank]
     if isinstance(op, (Backward, BackwardInput)) and not ctx.starts_model(op.ms):
-        peer = ctx.peer(op.ms - 1, op.mb, place.pos)
-        if peer != place.rank:
-            return Send(Tensor.GRAD, op.ms, op.mb, peer, ctx.boundary_shape(op.ms - 1), handle)
-    return None
+        peers = ctx.receivers(op.ms - 1, op.mb, place.pos, size)
+        return [Send(Tensor.GRAD, op.ms, op.mb, p, ctx.boundary_shape(op.ms - 1)) for p in peers
+                if p != place.rank]
+    return []

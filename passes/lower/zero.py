@@ -32,7 +32,7 @@ from hetc.spec import OffloadTarget, ScheduleKind
 from hetc.passes.lower.context import LowerContext, RankPlace, next_handle
 from hetc.passes.lower.edits import Edits, Handles
 
-__all__ = ["insert_zero"]
+__all__ = ["insert_zero", "lane_pattern_error"]
 
 
 def insert_zero(program: Program, ctx: LowerContext) -> Program:
@@ -65,13 +65,13 @@ def _rank(rp: RankProgram, place: RankPlace, ctx: LowerContext) -> RankProgram:
     finals = [_reduce(shard, compute, edits, handles, ctx) for shard in shards]
     gather_waits: list[Wait] = []
     if interleaved_update:
-        for shard, (pos, waits) in zip(shards, finals):
+        for shard, (pos, waits, first) in zip(shards, finals):
             posts, later = _regather(shard, handles)
             for instr in waits + _outer_reduce(shard) + [Step(shard.ms)] + posts:
-                edits.add_after(pos, instr)
+                edits.add_after(pos, instr, first)
             gather_waits += later
     else:
-        for _, waits in finals:
+        for _, waits, _ in finals:
             edits.end += waits
         for shard in shards:
             edits.end += _outer_reduce(shard)
@@ -128,13 +128,20 @@ def _gathers(shards: dict[int, Shard], compute, edits: Edits, handles: Handles, 
 
 
 def _reduce(shard: Shard, compute, edits: Edits, handles: Handles, ctx: LowerContext):
-    """Post the gradient reductions; return (position of the last backward, waits still due)."""
+    """Post the gradient reductions; return (where the step goes, waits still due, step goes first there).
+
+    The step waits one compute op longer, so the reduction overlaps that op;
+    when that op is another ministage's last backward, the step (and the
+    gather after it) goes ahead of that ministage's reduction, so every lane
+    issues the group's collectives in the same order however many
+    microbatches it runs (Note [zero placement]).
+    """
     grad_ops = [k for k, (_, i) in enumerate(compute)
                 if i.ms == shard.ms and isinstance(i, (Backward, BackwardWeight))]
-    # the step waits one compute op longer, so the reduction overlaps that op
     last_pos = compute[min(grad_ops[-1] + 1, len(compute) - 1)][0]
+    first = last_pos != compute[grad_ops[-1]][0]
     if shard.group is None:
-        return last_pos, []
+        return last_pos, [], first
     per_mb = _per_microbatch(ctx) and shard.level >= 2
     if per_mb:
         pending: list[Wait] = []
@@ -145,12 +152,12 @@ def _reduce(shard: Shard, compute, edits: Edits, handles: Handles, ctx: LowerCon
             h = handles.take()
             edits.add_after(pos, ReduceScatter(Tensor.GRADS, shard.ms, shard.group + ".b", h))
             pending = [Wait(h)]
-        return last_pos, pending
+        return last_pos, pending, first
     h = handles.take()
     op = (AllReduce(Tensor.GRADS, shard.group, shard.ms, h) if shard.level == 0
           else ReduceScatter(Tensor.GRADS, shard.ms, shard.group, h))
     edits.add_after(compute[grad_ops[-1]][0], op)
-    return last_pos, [Wait(h)]
+    return last_pos, [Wait(h)], first
 
 
 def _outer_reduce(shard: Shard) -> list[Instr]:
@@ -186,8 +193,12 @@ def _check_lane_patterns(program: Program, ctx: LowerContext) -> None:
             rp = program.ranks[lane.ranks[0]]
             patterns[lane.index] = [(type(i).__name__, i.ms) for i in rp.instrs if isinstance(i, COMPUTE_TYPES)]
         if len({tuple(p) for p in patterns.values()}) > 1:
-            st = ctx.spec.parallel.stages[stage.index]
-            raise SpecError(Diagnostic(st.span, f"ZeRO-{stage.zero.level} under {ctx.pipeline.schedule.value} "
-                                       f"reduces every microbatch, so every lane of stage '{stage.name}' must "
-                                       "run the same sequence of ops, but its lanes serve different microbatch "
-                                       "patterns; use the zorse schedule, ZeRO ≤ 1, or equal lanes"))
+            raise lane_pattern_error(ctx, stage)
+
+
+def lane_pattern_error(ctx: LowerContext, stage) -> SpecError:
+    st = ctx.spec.parallel.stages[stage.index]
+    return SpecError(Diagnostic(st.span, f"ZeRO-{stage.zero.level} under {ctx.pipeline.schedule.value} "
+                                f"reduces every microbatch, so every lane of stage '{stage.name}' must "
+                                "run the same sequence of ops, but its lanes serve different microbatch "
+                                "patterns; use the zorse schedule, ZeRO ≤ 1, or equal lanes"))

@@ -1,0 +1,216 @@
+"""The discrete-event simulation behind pass `schedule` (Note [schedules by simulation]).
+
+Each lane has a `Policy` naming the ops it would run next; `simulate` runs
+all lanes together with nominal durations and returns the order in which
+each lane ran its ops. Dependencies between ops (a forward needs the
+previous ministage's forward of the same microbatch, ...) come from the
+caller, so this module knows nothing about schedules or ministages.
+
+Note [coupled lanes]: where the lanes of a stage issue a collective around
+every compute op (ZeRO-2/3 under per-microbatch schedules), a lane cannot
+get ahead of its siblings: op k of any lane starts only when every lane of
+the stage has run its op k-1. The simulation models that with a pseudo-op
+("K", stage, k-1), finished when the stage's last lane finishes its op k-1,
+so the orders it returns stay feasible when the lanes are coupled. The
+first lane to run its op k leads: its siblings run the same kind of op
+(forward, backward, weight gradient) at k, so the stage's lanes issue the
+same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+from hetc.errors import InternalError
+
+__all__ = ["Op", "Policy", "simulate"]
+
+log = logging.getLogger(__name__)
+
+# An op is (kind, ms, mb) with kind one of "F", "B", "I", "W" (and "K" for a stage's lockstep point).
+Op = tuple[str, int, int]
+LaneKey = tuple[int, int]   # (stage, lane)
+
+
+@dataclass
+class Policy:
+    """Which op a lane runs next. `f_order` / `b_order` are its queues in order."""
+
+    f_order: list[Op]
+    b_order: list[Op]
+    w_order: list[Op] = field(default_factory=list)
+    limit: int | None = None      # None: strict sequence f_order + b_order
+    per_unit: int = 1             # ops of one microbatch unit (ministages run back to back)
+    fi: int = 0
+    bi: int = 0
+    wi: int = 0
+
+    def candidates(self) -> list[Op]:
+        """Ops the lane would run now, most preferred first."""
+        f = self.next_forward()
+        b = self.b_order[self.bi] if self.bi < len(self.b_order) else None
+        w = self.w_order[self.wi] if self.wi < min(len(self.w_order), self.bi) else None
+        if self.limit is None:
+            return [f] if f is not None else ([b] if b is not None else [])
+        in_flight = -(-self.fi // self.per_unit) - self.bi // self.per_unit
+        out = [b] if b is not None else []
+        if f is not None and (in_flight < self.limit or self.fi % self.per_unit):
+            out.append(f)
+        if w is not None:
+            out.append(w)
+        return out
+
+    def head(self, kind: str) -> list[Op]:
+        """The next op of one kind (F, B or I, W) whatever the limit, for a lane following its stage's lead."""
+        queue, i = {"F": (self.f_order, self.fi), "W": (self.w_order, self.wi)}.get(kind, (self.b_order, self.bi))
+        return [queue[i]] if i < len(queue) else []
+
+    def held_back(self) -> bool:
+        """The next forward waits only for the in-flight limit."""
+        f = self.next_forward()
+        return f is not None and self.limit is not None and f not in self.candidates()
+
+    def next_forward(self) -> Op | None:
+        return self.f_order[self.fi] if self.fi < len(self.f_order) else None
+
+    def advance(self, op: Op) -> None:
+        if op[0] == "F":
+            self.fi += 1
+        elif op[0] == "W":
+            self.wi += 1
+        else:
+            self.bi += 1
+
+    @property
+    def done(self) -> int:
+        return self.fi + self.bi + self.wi
+
+    @property
+    def finished(self) -> bool:
+        return self.fi == len(self.f_order) and self.bi == len(self.b_order) and self.wi == len(self.w_order)
+
+
+class _Simulation:
+    def __init__(self, policies: dict[LaneKey, Policy], deps: Callable[[Op], list[Op]],
+                 duration: Callable[[Op], float], coupled: dict[int, int]):
+        self.policies, self.deps, self.duration = policies, deps, duration
+        self.coupled = coupled                      # stage -> number of lanes moving in lockstep
+        self.end: dict[Op, float] = {}
+        self.orders: dict[LaneKey, list[Op]] = {key: [] for key in policies}
+        self.clock = {key: 0.0 for key in policies}
+        self.version = {key: 0 for key in policies}
+        self.parked: dict[Op, list] = {}
+        self.lockstep: dict[tuple[int, int], list] = {}   # (stage, k) -> [lanes done, latest end]
+        self.lead: dict[tuple[int, int], str] = {}        # (stage, k) -> kind of op the first lane ran
+        self.heap = [(0.0, i, key, 0) for i, key in enumerate(sorted(policies))]
+        self.seq = len(self.heap)
+
+    def push(self, t: float, key: LaneKey, ver: int) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, key, ver))
+
+    def run(self) -> dict[LaneKey, list[Op]]:
+        heapq.heapify(self.heap)
+        while self.heap or self._lift_limit():
+            t, _, key, ver = heapq.heappop(self.heap)
+            policy = self.policies[key]
+            if ver != self.version[key] or policy.finished:
+                continue
+            now = max(t, self.clock[key])
+            chosen, wake, missing = self._pick(key, now)
+            if chosen is not None:
+                self._run_op(key, chosen, now)
+                continue
+            if wake is not None:
+                self.push(wake, key, self.version[key])
+            for dep in missing:
+                self.parked.setdefault(dep, []).append((key, self.version[key]))
+        stuck = [key for key, p in self.policies.items() if not p.finished]
+        if stuck:
+            raise InternalError(f"schedule generation is stuck: lanes {stuck} cannot proceed")
+        return self.orders
+
+    def _deps_of(self, key: LaneKey, op: Op) -> list[Op]:
+        deps = self.deps(op)
+        k = self.policies[key].done
+        if key[0] in self.coupled and k > 0:
+            deps = deps + [("K", key[0], k - 1)]
+        return deps
+
+    def _candidates(self, key: LaneKey) -> list[Op]:
+        policy = self.policies[key]
+        lead = self.lead.get((key[0], policy.done))
+        return policy.candidates() if lead is None else policy.head(lead)
+
+    def _pick(self, key: LaneKey, now: float):
+        """(op to run now | None, earliest time something may be ready, unscheduled dependencies)."""
+        wake, missing = None, []
+        for op in self._candidates(key):
+            deps = self._deps_of(key, op)
+            unscheduled = [d for d in deps if d not in self.end]
+            if unscheduled:
+                missing += unscheduled
+                continue
+            ready = max((self.end[d] for d in deps), default=0.0)
+            if ready <= now:
+                return op, None, []
+            wake = ready if wake is None else min(wake, ready)
+        return None, wake, missing
+
+    def _run_op(self, key: LaneKey, op: Op, now: float) -> None:
+        finish = now + self.duration(op)
+        k = self.policies[key].done
+        self.orders[key].append(op)
+        self.policies[key].advance(op)
+        self.clock[key] = finish
+        self.version[key] += 1
+        self.push(finish, key, self.version[key])
+        self._finished(op, finish)
+        if key[0] in self.coupled:
+            self.lead.setdefault((key[0], k), op[0])
+            point = self.lockstep.setdefault((key[0], k), [0, 0.0])
+            point[0] += 1
+            point[1] = max(point[1], finish)
+            if point[0] == self.coupled[key[0]]:
+                self._finished(("K", key[0], k), point[1])
+
+    def _finished(self, op: Op, finish: float) -> None:
+        self.end[op] = finish
+        for waiter, wver in self.parked.pop(op, []):
+            self.push(finish, waiter, wver)
+
+    def _lift_limit(self) -> bool:
+        """Note [lifting a limit]: when every lane waits, let one lane run a forward beyond its in-flight limit.
+
+        With many-to-many routing (or lanes in lockstep) the 1F1B limits of
+        lanes that share microbatches unevenly can wait on each other in a
+        cycle. Every lane's queues follow one global order of ops, so
+        following the forwards each stuck lane waits for ends at a lane
+        whose next forward has its input and is held back only by its limit;
+        that lane (the earliest ready, then the lowest stage and lane) keeps
+        one more microbatch in flight. False when no lane can.
+        """
+        held = []
+        for key, policy in sorted(self.policies.items()):
+            if not policy.held_back() or self.lead.get((key[0], policy.done), "F") != "F":
+                continue
+            deps = self._deps_of(key, policy.next_forward())
+            if all(d in self.end for d in deps):
+                held.append((max([self.end[d] for d in deps] + [self.clock[key]]), key))
+        if not held:
+            return False
+        ready, key = min(held)
+        self.policies[key].limit += 1
+        log.debug("schedule: lane %s runs a forward beyond its in-flight limit (now %d)", key,
+                  self.policies[key].limit)
+        self.push(ready, key, self.version[key])
+        return True
+
+
+def simulate(policies: dict[LaneKey, Policy], deps: Callable[[Op], list[Op]], duration: Callable[[Op], float],
+             coupled: dict[int, int] | None = None) -> dict[LaneKey, list[Op]]:
+    """Run every lane's policy against the others; return each lane's op order."""
+    return _Simulation(policies, deps, duration, coupled or {}).run()
