@@ -121,7 +121,18 @@ def _value(v, depth: int) -> str:
     if len(one_line) + len(INDENT) * depth < WIDTH - 20:
         return one_line
     inner = INDENT * (depth + 1)
-    return "[\n" + "".join(f"{inner}{p},\n" for p in parts) + INDENT * depth + "]"
+    return "[\n" + "".join(f"{inner}{row},\n" for row in _fill(parts, WIDTH - len(inner))) + INDENT * depth + "]"
+
+
+def _fill(parts: list[str], width: int) -> list[str]:
+    """Rows of comma-separated parts, each row as full as `width` allows (a long list of counts)."""
+    rows: list[str] = []
+    for part in parts:
+        if rows and len(rows[-1]) + 2 + len(part) + 1 <= width and "\n" not in part + rows[-1]:
+            rows[-1] += ", " + part
+        else:
+            rows.append(part)
+    return rows
 
 
 def _index(i: ast.Index) -> str:
