@@ -70,7 +70,7 @@ import pytest
 from hetc.cli import main as hetc_main
 from hetc.timeline import Event, EventKind, Flow, MemorySample, Stream, Timeline
 from hetc.viz.chrome import chrome_trace
-from hetc.viz.encode import KIND_ORDER, STREAM_ORDER, encode_timeline, tokens_per_s
+from hetc.viz.encode import KIND_ORDER, STREAM_ORDER, decode_text, encode_timeline, tokens_per_s
 from hetc.viz.headless import dump_dom, find_chromium, screenshot
 from hetc.viz.page import render_page
 from hetc.plandir import read_program
@@ -117,11 +117,16 @@ def test_encoding_decodes_back_to_the_events(demo):
     _, timeline = demo
     data = encode_timeline(timeline)
     ev, unit = data["events"], data["unit"]
-    got = {}
+    got, texts, at = {}, [], 0
+    for template in ev["template"]:     # each event's numbers follow the previous event's
+        parts = data["templates"][template]
+        texts.append(decode_text(parts, ev["numbers"][at:at + len(parts) - 1]))
+        at += len(parts) - 1
+    assert at == len(ev["numbers"])
     ranks = data["ranks"]["rank"]
     for pos, rank in enumerate(ranks):
         for i in range(ev["offsets"][pos], ev["offsets"][pos + 1]):
-            got[rank, ev["index"][i]] = (data["strings"][ev["text"][i]], KIND_ORDER[ev["kind"][i]],
+            got[rank, ev["index"][i]] = (texts[i], KIND_ORDER[ev["kind"][i]],
                                          STREAM_ORDER[ev["stream"][i]], ev["start"][i] * unit,
                                          (ev["start"][i] + ev["dur"][i]) * unit)
     assert len(got) == len(timeline.events)
@@ -132,10 +137,19 @@ def test_encoding_decodes_back_to_the_events(demo):
     flat = data["flows"]
     assert len(flat) == 3 * len(timeline.flows)
     for k in range(0, len(flat), 3):   # each flow joins a send to a receive
-        assert data["strings"][ev["text"][flat[k]]].startswith("send")
-        assert data["strings"][ev["text"][flat[k + 1]]].startswith("recv")
+        assert texts[flat[k]].startswith("send") and texts[flat[k + 1]].startswith("recv")
     assert data["ranks"]["bubble"] == [round(timeline.bubble_fraction(r), 4) for r in ranks]
-    assert tokens_per_s(timeline) == pytest.approx(512 / timeline.step_time)
+    assert tokens_per_s(timeline) == pytest.approx(demo_plan().microbatches * 64 / timeline.step_time)
+
+
+@pytest.mark.parametrize("text", ["fwd ms=3 mb=17", "all_gather params ms=0 group=dp.s0.p0 h=4",
+                                  "send act ms=1 mb=0 to=2 shape=8x4096x8192 h=12", "step ms=0", "wait h=007",
+                                  "x=12345678901234567890 y=0 z=00"])
+def test_text_templates_round_trip(text):
+    from hetc.viz.encode import _split_numbers
+    parts, numbers = _split_numbers(text)
+    assert decode_text(list(parts), numbers) == text
+    assert all(str(n) in text for n in numbers)
 
 
 def test_bubble_fractions_match_the_per_rank_form(demo):
@@ -224,6 +238,36 @@ def test_cli_text_grid(demo_dir, capsys):
     assert "rank 0 s0/l0" in out and "rank 2 s1/l0" in out and "rank 3 s1/l1" in out and "rank 1 " not in out
     program = read_program(demo_dir)
     assert out.count("\nstep ") == max(len(program.ranks[r].instrs) for r in (0, 2, 3))
+
+
+@pytest.fixture(scope="module")
+def compiled_demo(tmp_path_factory) -> Path:
+    """The real demo's pipeline plan, as `hetc compile` writes it."""
+    out = tmp_path_factory.mktemp("compiled") / "pp"
+    assert hetc_main(["compile", str(Path(__file__).parent.parent / "specs" / "demo" / "pp.het"), "-o", str(out)]) == 0
+    return out
+
+
+def test_cli_text_grid_of_a_compiled_demo(compiled_demo, capsys):
+    capsys.readouterr()
+    assert hetc_main(["viz", str(compiled_demo), "--text"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    program = read_program(compiled_demo)
+    assert lines[0].split() == [w for rp in program.ranks for w in ("rank", str(rp.rank), f"s{rp.stage}/l{rp.lane}")]
+    assert len(lines) == 1 + max(len(rp.instrs) for rp in program.ranks)
+    first = {rp.rank: short_text(rp.instrs[0]) for rp in program.ranks}
+    assert all(text in lines[1] for text in first.values())
+
+
+def test_compiled_demo_page_and_chrome_trace(compiled_demo, tmp_path, chromium):
+    if not (compiled_demo / "timeline.json").is_file():
+        pytest.skip("`hetc compile` writes no timeline.json yet (the simulator pass)")
+    page, trace = tmp_path / "demo.html", tmp_path / "demo.json"
+    assert hetc_main(["viz", str(compiled_demo), "-o", str(page), "--chrome-trace", str(trace)]) == 0
+    timeline = Timeline.from_json((compiled_demo / "timeline.json").read_text())
+    _assert_everything_in_dom(_open(chromium, page), timeline)
+    _assert_valid_trace(json.loads(trace.read_text()))
+    screenshot(page, tmp_path / "demo.png", chromium=chromium)
 
 
 def test_cli_page_and_chrome_trace(demo_dir, tmp_path, capsys):
@@ -410,3 +454,46 @@ def test_1024_rank_page_is_small_and_opens_fast(chromium, tmp_path):
     open_ms = float(re.search(r'data-open-ms="([0-9.]+)"', body).group(1))
     # "a few seconds" on a quiet machine (docs/benchmarks.md); generous here, where CPUs are shared
     assert open_ms < 15_000 and dump.seconds < 60, (open_ms, dump.seconds)
+
+
+# The page's layout constants (templates/model.js) locate rank 0's compute track for the probe below.
+_LABEL_W, _STAGE_H, _PART_PAD, _COMPUTE_H = 190, 22, 4, 18
+_PROBE = """<script>
+function probe() {
+  if (document.body.dataset.ready !== "1") { setTimeout(probe, 10); return; }
+  const canvas = document.getElementById("lanes"), box = canvas.getBoundingClientRect(), span = SPAN_S;
+  const t0 = -0.01 * span, t1 = 1.02 * span;
+  const x = box.left + LABEL_W + (T_MID - t0) / (t1 - t0) * (canvas.clientWidth - LABEL_W), y = box.top + Y_MID;
+  const at = {clientX: x, clientY: y, bubbles: true};
+  canvas.dispatchEvent(new MouseEvent("mousemove", at));
+  const tip = document.getElementById("tip");
+  document.body.dataset.probeTip = tip.hidden ? "" : tip.textContent;
+  canvas.dispatchEvent(new MouseEvent("mousedown", at));
+  canvas.dispatchEvent(new MouseEvent("mouseup", at));
+  document.body.dataset.probeSelected = document.getElementById("details").textContent;
+  document.getElementById("scroller").dispatchEvent(new WheelEvent("wheel", {...at, deltaY: -300, ctrlKey: true}));
+  for (const key of ["w", "a", "d", "s", "0"]) window.dispatchEvent(new KeyboardEvent("keydown", {key: key}));
+  const search = document.getElementById("search");
+  search.value = "mb=1";
+  search.dispatchEvent(new Event("input"));
+  document.getElementById("compact").click();
+  canvas.dispatchEvent(new MouseEvent("mousemove", {...at, clientY: box.top + 30}));
+  document.body.dataset.probeDone = "1";
+}
+probe();
+</script></body>"""
+
+
+def test_hover_click_zoom_and_search_in_chromium(chromium, demo, tmp_path):
+    """Synthetic mouse, wheel and key events on the real page: the tooltip and the selection name the block."""
+    _, timeline = demo
+    forward = min((e for e in timeline.events if e.rank == 0 and e.kind is EventKind.FORWARD), key=lambda e: e.start)
+    probe = (_PROBE.replace("SPAN_S", repr(timeline.step_time)).replace("T_MID", repr((forward.start + forward.end) / 2))
+             .replace("LABEL_W", str(_LABEL_W)).replace("Y_MID", str(_STAGE_H + _PART_PAD + _COMPUTE_H // 2)))
+    page = tmp_path / "probe.html"
+    page.write_text(render_page([timeline]).replace("</body>", probe))
+    index = _open(chromium, page)
+    assert index.body.get("data-probe-done") == "1"
+    assert forward.text in index.body["data-probe-tip"] and "rank 0" in index.body["data-probe-tip"]
+    assert index.body["data-probe-selected"].startswith(forward.text)
+    assert [b["data-index"] for b in index.blocks if "current" in b["class"].split()] == [str(forward.index)]

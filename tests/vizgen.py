@@ -51,7 +51,8 @@ class SynthPlan:
         return [mb for mb in range(self.microbatches) if self.lane_of(stage, mb) == lane]
 
 
-DEMO = SynthPlan(lanes=(2, 2), devices=("cpu", "cpu"), microbatches=8, param_bytes=2 * 1024 ** 2)
+# shaped like specs/demo/pp.het: 2 stages x 2 lanes, global batch 8 / micro-batch 2 = 4 microbatches
+DEMO = SynthPlan(lanes=(2, 2), devices=("cpu", "cpu"), microbatches=4, param_bytes=2 * 1024 ** 2)
 
 
 def demo_plan() -> SynthPlan:
@@ -239,3 +240,23 @@ def write_plan_dir(out: Path, program: Program, timeline: Timeline | None) -> Pa
     if timeline is not None:
         (out / "timeline.json").write_text(timeline.to_json())
     return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m tests.vizgen OUT [--lanes 2,2] [--devices cpu,cpu] [--microbatches 8]`: a synthetic plan dir."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m tests.vizgen", description=main.__doc__)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--lanes", default="2,2", help="lanes per stage")
+    parser.add_argument("--devices", default="cpu,cpu", help=f"device per stage, of {', '.join(DEVICES)}")
+    parser.add_argument("--microbatches", type=int, default=DEMO.microbatches)
+    args = parser.parse_args(argv)
+    plan = SynthPlan(lanes=tuple(int(n) for n in args.lanes.split(",")), devices=tuple(args.devices.split(",")),
+                     microbatches=args.microbatches, param_bytes=DEMO.param_bytes)
+    program = synth_program(plan)
+    write_plan_dir(args.out, program, simulate(plan, program))
+
+
+if __name__ == "__main__":
+    main()

@@ -108,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
         html = render_page(timelines, title)
         Path(output).write_text(html)
         events = sum(len(t.events) for t in timelines)
-        print(f"wrote {output} ({len(timelines[0].ranks)} ranks, {events} events, {len(html) / 1e6:.1f} MB)")
+        size = f"{len(html) / 1e6:.1f} MB" if len(html) >= 100_000 else f"{len(html) / 1e3:.0f} kB"
+        print(f"wrote {output} ({len(timelines[0].ranks)} ranks, {events} events, {size})")
     return 0
 
 

@@ -1,28 +1,36 @@
 """A Timeline packed for the page: a string table and flat integer arrays.
 
-Note [compact page data]: a 1024-rank plan has ~10^5 events. As objects
-(`{"rank": 3, "text": ...}`) they would cost ~150 bytes each; packed as
-columns of small integers with instruction texts in a deduplicated string
-table they cost ~30, and the browser parses them as plain JSON arrays in
-tens of milliseconds. Events are grouped by rank in display order (stage,
-lane, rank) through an offsets array, sorted by stream then start, so the
-page draws one rank's track from one contiguous slice. Times are integers
-in `unit` seconds, chosen so that a step spans about 10^6 ticks.
+Note [compact page data]: a 1024-rank plan has 10^5 to 10^6 events. As
+objects (`{"rank": 3, "text": ...}`) they would cost ~150 bytes each. Here
+they are columns of small integers. Instruction texts are mostly unique
+(peers, microbatches, handles differ) but share few shapes, so a text is
+stored as a template (its text split around its numbers: `["fwd ms=",
+" mb=", ""]`) and the numbers (`3, 17`); a send line costs ~15 bytes
+instead of ~45. Events are grouped by rank in display order (stage, lane,
+rank) through an offsets array, sorted by stream then start, so the page
+draws one rank's track from one contiguous slice. Times are integers in
+`unit` seconds, chosen so that a step spans about 10^6 ticks.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 
-from hetc.timeline import EventKind, Stream, Timeline
+from hetc.timeline import EventKind, RankInfo, Stream, Timeline
 
-__all__ = ["encode_timeline", "tokens_per_s", "StageSummary", "stage_summaries", "KIND_ORDER", "STREAM_ORDER"]
+__all__ = ["encode_timeline", "decode_text", "tokens_per_s", "StageSummary", "stage_summaries", "KIND_ORDER",
+           "STREAM_ORDER"]
 
 KIND_ORDER = tuple(EventKind)
 STREAM_ORDER = tuple(Stream)
+_KIND_RANK = {k: i for i, k in enumerate(KIND_ORDER)}
+_STREAM_RANK = {s: i for i, s in enumerate(STREAM_ORDER)}
 _TICKS_PER_STEP = 1e6
+# a number that prints back the same: no leading zeros, exact as a JS double
+_NUMBER = re.compile(r"(?<!\d)(?:0|[1-9]\d{0,14})(?!\d)")
 
 
 def tokens_per_s(timeline: Timeline) -> float | None:
@@ -50,43 +58,55 @@ def _time_unit(step_time: float) -> float:
     return max(1e-9, 10.0 ** math.floor(math.log10(step_time / _TICKS_PER_STEP)))
 
 
-class _Strings:
-    def __init__(self) -> None:
-        self.table: list[str] = []
-        self._index: dict[str, int] = {}
+class _Table:
+    """Deduplicating table: value -> its index."""
 
-    def __call__(self, text: str) -> int:
-        index = self._index.get(text)
+    def __init__(self) -> None:
+        self.items: list = []
+        self._index: dict = {}
+
+    def __call__(self, key, item=None) -> int:
+        index = self._index.get(key)
         if index is None:
-            index = self._index[text] = len(self.table)
-            self.table.append(text)
+            index = self._index[key] = len(self.items)
+            self.items.append(key if item is None else item)
         return index
+
+
+def _split_numbers(text: str) -> tuple[tuple[str, ...], list[int]]:
+    """'fwd ms=3 mb=17' -> (('fwd ms=', ' mb=', ''), [3, 17])."""
+    return tuple(_NUMBER.split(text)), [int(n) for n in _NUMBER.findall(text)]
+
+
+def decode_text(parts: list[str], numbers: list[int]) -> str:
+    """The inverse of the template split (what the page's script does)."""
+    return "".join(p + (str(numbers[k]) if k < len(numbers) else "") for k, p in enumerate(parts))
 
 
 def encode_timeline(timeline: Timeline) -> dict:
     """The page's view of one timeline (see Note [compact page data])."""
     unit = _time_unit(timeline.step_time)
-    strings = _Strings()
+    strings, templates = _Table(), _Table()
     ranks = sorted(timeline.ranks, key=lambda r: (r.stage, r.lane, r.rank))
-    bubbles = timeline.bubble_fractions()
     events_of, memory_of = defaultdict(list), defaultdict(list)
     for e in timeline.events:
         events_of[e.rank].append(e)
     for m in timeline.memory:
         memory_of[m.rank].append(m)
-    stream_rank = {s: i for i, s in enumerate(STREAM_ORDER)}
-    kind_rank = {k: i for i, k in enumerate(KIND_ORDER)}
-    ev = {"offsets": [0], "index": [], "text": [], "kind": [], "stream": [], "start": [], "dur": []}
+    ev = {"offsets": [0], "index": [], "template": [], "numbers": [], "kind": [], "stream": [], "start": [],
+          "dur": []}
     mem = {"offsets": [0], "time": [], "bytes": []}
     position: dict[tuple[int, int], int] = {}
     for info in ranks:
-        for e in sorted(events_of[info.rank], key=lambda e: (stream_rank[e.stream], e.start, e.index)):
+        for e in sorted(events_of[info.rank], key=lambda e: (_STREAM_RANK[e.stream], e.start, e.index)):
             position[e.rank, e.index] = len(ev["index"])
+            parts, numbers = _split_numbers(e.text)
             start = round(e.start / unit)
             ev["index"].append(e.index)
-            ev["text"].append(strings(e.text))
-            ev["kind"].append(kind_rank[e.kind])
-            ev["stream"].append(stream_rank[e.stream])
+            ev["template"].append(templates(parts, list(parts)))
+            ev["numbers"] += numbers
+            ev["kind"].append(_KIND_RANK[e.kind])
+            ev["stream"].append(_STREAM_RANK[e.stream])
             ev["start"].append(start)
             ev["dur"].append(max(0, round(e.end / unit) - start))
         ev["offsets"].append(len(ev["index"]))
@@ -94,21 +114,31 @@ def encode_timeline(timeline: Timeline) -> dict:
             mem["time"].append(round(m.time / unit))
             mem["bytes"].append(round(m.nbytes))
         mem["offsets"].append(len(mem["time"]))
-    flows: list[int] = []
-    for f in timeline.flows:
-        src, dst = position.get((f.src_rank, f.src_index)), position.get((f.dst_rank, f.dst_index))
-        if src is not None and dst is not None:  # a flow whose ends were not traced has nothing to join
-            flows += [src, dst, round(f.nbytes)]
     return {
         "source": timeline.source, "step_time": timeline.step_time, "unit": unit,
         "tokens_per_s": tokens_per_s(timeline), "plan": [list(p) for p in timeline.plan],
-        "strings": strings.table,
-        "ranks": {"rank": [r.rank for r in ranks], "stage": [r.stage for r in ranks],
-                  "lane": [r.lane for r in ranks], "device": [strings(r.device) for r in ranks],
-                  "gpu": [strings(r.gpu) for r in ranks], "capacity": [round(r.capacity) for r in ranks],
-                  "bubble": [round(bubbles.get(r.rank, 0.0), 4) for r in ranks]},
-        "events": ev, "flows": flows, "memory": mem,
+        "templates": templates.items, "strings": strings.items,
+        "ranks": _rank_columns(timeline, ranks, strings),
+        "events": ev, "flows": _flow_triples(timeline, position), "memory": mem,
     }
+
+
+def _rank_columns(timeline: Timeline, ranks: list[RankInfo], strings: _Table) -> dict:
+    bubbles = timeline.bubble_fractions()
+    return {"rank": [r.rank for r in ranks], "stage": [r.stage for r in ranks],
+            "lane": [r.lane for r in ranks], "device": [strings(r.device) for r in ranks],
+            "gpu": [strings(r.gpu) for r in ranks], "capacity": [round(r.capacity) for r in ranks],
+            "bubble": [round(bubbles.get(r.rank, 0.0), 4) for r in ranks]}
+
+
+def _flow_triples(timeline: Timeline, position: dict[tuple[int, int], int]) -> list[int]:
+    """Flat (send position, receive position, bytes); a flow whose ends were not traced has nothing to join."""
+    flows: list[int] = []
+    for f in timeline.flows:
+        src, dst = position.get((f.src_rank, f.src_index)), position.get((f.dst_rank, f.dst_index))
+        if src is not None and dst is not None:
+            flows += [src, dst, round(f.nbytes)]
+    return flows
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,12 +63,29 @@ function paintBlock(v, i, tr) {
   ctx.globalAlpha = v.match && !v.match[i] ? 0.15 : (kind === "wait" || kind === "recv" ? 0.55 : 1);
   ctx.fillStyle = COLORS[kind];
   ctx.fillRect(x0, tr.y, w, tr.h);
-  if (w > 3 * CHAR_W && tr.h >= 14) {
-    const text = eventText(v, i), fit = Math.floor((w - 4) / CHAR_W);
+  if (w > 2 * CHAR_W && tr.h >= 14) {
+    const fit = Math.floor((w - 4) / CHAR_W), label = labelsOf(v, i).find(l => l.length <= fit);
     ctx.fillStyle = "#fff";
-    ctx.fillText(fit >= text.length ? text : text.slice(0, fit - 1) + "…", Math.max(x0, LABEL_W) + 2, tr.y + tr.h - 5);
+    if (label) ctx.fillText(label, Math.max(x0, LABEL_W) + 2, tr.y + tr.h - 5);
   }
   ctx.globalAlpha = 1;
+}
+
+// Labels for a block, longest first: the instruction text, the text without shape and
+// handle, then torch.distributed.pipelining's action form ("0F2": ministage 0, forward,
+// microbatch 2), so a narrow block still says which microbatch it is.
+const SHORT_OPS = { fwd: "F", bwd: "B", bwd_i: "I", bwd_w: "W" };
+
+function labelsOf(v, i) {
+  let labels = v.labels[i];
+  if (labels) return labels;
+  const text = eventText(v, i), op = text.split(" ")[0];
+  const ms = (text.match(/ ms=(\d+)/) || [])[1], mb = (text.match(/ mb=(\d+)/) || [])[1];
+  labels = [text, text.replace(/ (shape|h)=\S+/g, "")];
+  if (SHORT_OPS[op] && ms !== undefined && mb !== undefined) labels.push(`${ms}${SHORT_OPS[op]}${mb}`);
+  else if (op === "step" && ms !== undefined) labels.push(`opt${ms}`);
+  else if (op === "load" && mb !== undefined) labels.push(`L${mb}`);
+  return (v.labels[i] = labels);
 }
 
 function paintMemory(v, r, m) {
@@ -157,9 +174,7 @@ function paintLabel(row) {
     ctx.fillText(`${r.device} ${r.gpu}`, 8, y + 22);
     const bw = 60, bx = LABEL_W - bw - 8;
     ctx.fillText(`bubble ${(100 * r.bubble).toFixed(1)}%`, 8, y + 34);
-    ctx.fillStyle = "#e1e5ea"; ctx.fillRect(bx, y + 27, bw, 6);
-    ctx.fillStyle = r.bubble > .3 ? "#d62728" : r.bubble > .15 ? "#f0a330" : "#4c9a5a";
-    ctx.fillRect(bx, y + 27, bw * Math.min(1, r.bubble), 6);
+    bubbleBar(r.bubble, bx, y + 27, bw, 6);
     if (p.mem) {
       ctx.fillStyle = r.peak > r.capacity ? "#d62728" : "#66707c";
       ctx.fillText(`mem ${fmtBytes(r.peak)} / ${fmtBytes(r.capacity)}`, 8, y + 46);
@@ -169,12 +184,18 @@ function paintLabel(row) {
 }
 
 function paintCompactLabel(p) {
-  const r = p.r;
-  ctx.font = "9px system-ui, sans-serif";
-  ctx.fillStyle = r.bubble > .3 ? "#d62728" : "#66707c";
+  const r = p.r, bw = 40, bx = LABEL_W - bw - 8;
+  ctx.font = "9px system-ui, sans-serif"; ctx.fillStyle = "#454e59";
   ctx.fillText(`rank ${r.rank} · lane ${r.lane}` + (VIEWS.length > 1 ? ` · ${p.view.source}` : "") +
-    ` · bubble ${(100 * r.bubble).toFixed(0)}%`, 8, p.y + COMPACT_H);
+    ` · ${(100 * r.bubble).toFixed(0)}%`, 8, p.y + COMPACT_H);
+  bubbleBar(r.bubble, bx, p.y + 3, bw, 5);
   ctx.font = "10px ui-monospace, SFMono-Regular, Menlo, monospace";
+}
+
+function bubbleBar(bubble, x, y, w, h) {
+  ctx.fillStyle = "#e1e5ea"; ctx.fillRect(x, y, w, h);
+  ctx.fillStyle = bubble > .3 ? "#d62728" : bubble > .15 ? "#f0a330" : "#4c9a5a";
+  ctx.fillRect(x, y, w * Math.min(1, bubble), h);
 }
 
 function stageTitle(stage) {

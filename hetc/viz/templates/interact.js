@@ -154,10 +154,12 @@ function setCompact(compact) {
 }
 
 // Deep links: #rank=5&index=17 selects that instruction (add &view=measured when
-// comparing); #rank=5 lists a rank; #q=mb%3D3 highlights; #compact shows the overview.
+// comparing); #rank=5 lists a rank; #q=mb%3D3 highlights; #compact shows the overview;
+// #mem=peak scales memory curves to each rank's peak instead of its capacity.
 function applyHash() {
   const params = new URLSearchParams(location.hash.slice(1));
   if (params.has("compact")) setCompact(true);
+  if (params.get("mem") === "peak") { STATE.memPeak = true; document.getElementById("mem-peak").checked = true; redraw(); }
   if (params.has("q")) { document.getElementById("search").value = params.get("q"); search(params.get("q")); }
   if (!params.has("rank")) return;
   const rank = Number(params.get("rank")), wanted = params.get("view");
@@ -181,10 +183,11 @@ function search(query) {
   for (const v of VIEWS) {
     if (!words.length && rankWanted === null) { v.match = null; continue; }
     v.match = new Uint8Array(v.ev.index.length);
+    // whole tokens: "mb=2" does not match "mb=21"
     const patterns = words.map(w => new RegExp(w.replace(/[.*+?^${}()|[\]\\]/g, "\\$&") + "(?![\\w])", "i"));
-    const textHit = v.strings.map(s => patterns.every(p => p.test(s)));  // "mb=2" does not match "mb=21"
     for (let i = 0; i < v.match.length; i++) {
-      v.match[i] = textHit[v.ev.text[i]] && (rankWanted === null || v.ranks[v.rankPos[i]].rank === rankWanted) ? 1 : 0;
+      const rankOk = rankWanted === null || v.ranks[v.rankPos[i]].rank === rankWanted;
+      v.match[i] = rankOk && patterns.every(p => p.test(eventText(v, i))) ? 1 : 0;
     }
   }
   redraw();

@@ -10,33 +10,52 @@
 const listing = document.getElementById("listing"), details = document.getElementById("details");
 const LISTS = VIEWS.map(() => new Map());   // per view: rank -> <ol>
 
-function buildIndex() {
-  const html = [];
-  for (const v of VIEWS) {
-    for (const r of v.ranks) {
-      html.push(`<ol class="rank-row" hidden data-view="${v.source}" data-rank="${r.rank}" data-stage="${r.stage}" ` +
-        `data-lane="${r.lane}" data-device="${escapeHtml(r.device)}" data-bubble="${r.bubble}" ` +
-        `data-title="rank ${r.rank} · stage ${r.stage} · lane ${r.lane}${VIEWS.length > 1 ? " · " + v.source : ""}">`);
-      for (const i of programOrder(v, r)) {
-        html.push(`<li class="block" data-index="${v.ev.index[i]}" data-kind="${kindOf(v, i)}" ` +
-          `data-stream="${STREAMS[v.ev.stream[i]]}" data-start="${v.start[i]}" data-end="${v.end[i]}" data-i="${i}">` +
-          `<b>${v.ev.index[i]}</b><code>${escapeHtml(eventText(v, i))}</code><span>${fmtTime(v.start[i])}</span></li>`);
-      }
-      html.push("</ol>");
+// Built in slices of ~INDEX_SLICE events between frames, so that a plan of a million
+// events is drawn and usable at once while its index fills in; `done` runs at the end.
+const INDEX_SLICE = 20000;
+
+function buildIndex(done) {
+  const work = [];
+  for (const v of VIEWS) for (const r of v.ranks) work.push([v, r]);
+  let next = 0;
+  function slice() {
+    const html = [];
+    for (let budget = INDEX_SLICE; next < work.length && budget > 0; next++) {
+      const [v, r] = work[next];
+      html.push(rankListHtml(v, r));
+      budget -= r.to - r.from + 1;
     }
+    listing.insertAdjacentHTML("beforeend", html.join(""));
+    if (next < work.length) { setTimeout(slice, 0); return; }
+    for (const ol of listing.querySelectorAll("ol.rank-row")) {
+      LISTS[VIEWS.findIndex(v => v.source === ol.dataset.view)].set(Number(ol.dataset.rank), ol);
+    }
+    done();
   }
-  listing.insertAdjacentHTML("beforeend", html.join(""));
-  for (const ol of listing.querySelectorAll("ol.rank-row")) {
-    LISTS[VIEWS.findIndex(v => v.source === ol.dataset.view)].set(Number(ol.dataset.rank), ol);
+  listing.addEventListener("click", onListingClick);
+  slice();
+}
+
+function rankListHtml(v, r) {
+  const html = [`<ol class="rank-row" hidden data-view="${v.source}" data-rank="${r.rank}" data-stage="${r.stage}" ` +
+    `data-lane="${r.lane}" data-device="${escapeHtml(r.device)}" data-bubble="${r.bubble}" ` +
+    `data-title="rank ${r.rank} · stage ${r.stage} · lane ${r.lane}${VIEWS.length > 1 ? " · " + v.source : ""}">`];
+  for (const i of programOrder(v, r)) {
+    html.push(`<li class="block" data-index="${v.ev.index[i]}" data-kind="${kindOf(v, i)}" ` +
+      `data-stream="${STREAMS[v.ev.stream[i]]}" data-start="${v.start[i]}" data-end="${v.end[i]}" data-i="${i}">` +
+      `<b>${v.ev.index[i]}</b><code>${escapeHtml(eventText(v, i))}</code><span>${fmtTime(v.start[i])}</span></li>`);
   }
-  listing.addEventListener("click", e => {
-    const li = e.target.closest("li.block");
-    if (!li) return;
-    const view = VIEWS.findIndex(v => v.source === li.parentElement.dataset.view), i = Number(li.dataset.i);
-    select(view, i);
-    zoomTo(VIEWS[view].start[i], VIEWS[view].end[i]);
-    scrollToRank(VIEWS[view].ranks[VIEWS[view].rankPos[i]].rank);
-  });
+  html.push("</ol>");
+  return html.join("");
+}
+
+function onListingClick(e) {
+  const li = e.target.closest("li.block");
+  if (!li) return;
+  const view = VIEWS.findIndex(v => v.source === li.parentElement.dataset.view), i = Number(li.dataset.i);
+  select(view, i);
+  zoomTo(VIEWS[view].start[i], VIEWS[view].end[i]);
+  scrollToRank(VIEWS[view].ranks[VIEWS[view].rankPos[i]].rank);
 }
 
 // A rank's events in instruction order (the canvas keeps them by stream, then time).

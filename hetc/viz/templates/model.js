@@ -10,7 +10,11 @@ const MEM_H = 18, GAP = 2, PART_PAD = 4, STAGE_H = 22, LABEL_W = 190, COMPACT_H 
 function decodeView(d, viewIdx) {
   const ev = d.events, n = ev.index.length, unit = d.unit;
   const start = new Float64Array(n), end = new Float64Array(n), rankPos = new Int32Array(n);
-  for (let i = 0; i < n; i++) { start[i] = ev.start[i] * unit; end[i] = (ev.start[i] + ev.dur[i]) * unit; }
+  const numberAt = new Int32Array(n + 1);  // where event i's numbers start in ev.numbers
+  for (let i = 0; i < n; i++) {
+    start[i] = ev.start[i] * unit; end[i] = (ev.start[i] + ev.dur[i]) * unit;
+    numberAt[i + 1] = numberAt[i] + d.templates[ev.template[i]].length - 1;
+  }
   const ranks = [], usedStreams = new Set([0]);
   const R = d.ranks.rank.length;
   for (let p = 0; p < R; p++) {
@@ -31,6 +35,7 @@ function decodeView(d, viewIdx) {
   for (const r of ranks) for (let i = r.memFrom; i < r.memTo; i++) r.peak = Math.max(r.peak, d.memory.bytes[i]);
   const byRank = new Map(ranks.map(r => [r.rank, r]));
   return { idx: viewIdx, source: d.source, stepTime: d.step_time, tokensPerS: d.tokens_per_s, strings: d.strings,
+    templates: d.templates, numberAt: numberAt, texts: new Array(n), labels: new Array(n),
     ranks: ranks, byRank: byRank, ev: ev, start: start, end: end, rankPos: rankPos, flows: d.flows,
     memTime: memTime, memBytes: d.memory.bytes, hasMemory: memTime.length > 0,
     streams: [...usedStreams].sort((a, b) => a - b), match: null };
@@ -94,11 +99,20 @@ function rowAt(y) {  // the last row starting at or above y
   return lo;
 }
 
-function eventText(v, i) { return v.strings[v.ev.text[i]]; }
+// An event's instruction text: its template's parts around its numbers (encode.py), built once.
+function eventText(v, i) {
+  let text = v.texts[i];
+  if (text !== undefined) return text;
+  const parts = v.templates[v.ev.template[i]], nums = v.ev.numbers, at = v.numberAt[i];
+  text = parts[0];
+  for (let k = 1; k < parts.length; k++) text += nums[at + k - 1] + parts[k];
+  return (v.texts[i] = text);
+}
 function kindOf(v, i) { return KINDS[v.ev.kind[i]]; }
 
 function fmtTime(s) {
   const a = Math.abs(s);
+  if (a < 1e-12) return "0";
   if (a >= 1) return s.toFixed(3) + " s";
   if (a >= 1e-3) return (s * 1e3).toFixed(3) + " ms";
   return (s * 1e6).toFixed(1) + " µs";
