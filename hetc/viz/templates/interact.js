@@ -57,13 +57,13 @@ function describe(v, i) {
   const r = v.ranks[v.rankPos[i]], dur = v.end[i] - v.start[i];
   let html = `<code>${escapeHtml(eventText(v, i))}</code><br>` +
     `<span class="muted">rank ${r.rank} · #${v.ev.index[i]} · ${kindOf(v, i)} on ${STREAMS[v.ev.stream[i]]}` +
-    (VIEWS.length > 1 ? ` · ${v.source}` : "") + `</span><br>` +
+    (VIEWS.length > 1 ? ` · ${escapeHtml(v.source)}` : "") + `</span><br>` +
     `${fmtTime(v.start[i])} → ${fmtTime(v.end[i])} (${fmtTime(dur)})`;
   const other = counterpart(v, i);
   if (other) {
     const od = other.view.end[other.i] - other.view.start[other.i];
     const pct = dur > 0 ? ` (${od >= dur ? "+" : ""}${(100 * (od - dur) / dur).toFixed(0)}%)` : "";
-    html += `<br><span class="muted">${other.view.source}: ${fmtTime(other.view.start[other.i])}, ` +
+    html += `<br><span class="muted">${escapeHtml(other.view.source)}: ${fmtTime(other.view.start[other.i])}, ` +
       `lasts ${fmtTime(od)}${pct}</span>`;
   }
   for (let k = 0; k < v.flows.length; k += 3) {

@@ -1,9 +1,9 @@
 // ---- listing.js: the DOM index (every rank row, every block) and the side panel.
 //
-// #listing holds one <ol class="rank-row"> per view and rank (data-view, data-rank,
-// data-stage, data-lane, data-device, data-bubble), in display order, and in it one
-// <li class="block"> per event (data-index, data-kind, data-stream, data-start,
-// data-end; the text is the instruction). It is built from the decoded arrays the
+// #listing holds one <ol class="rank-row"> per view and rank (data-view: the source,
+// data-v: the view's position, data-rank, data-stage, data-lane, data-device,
+// data-bubble), in display order, and in it one <li class="block"> per event
+// (data-index, data-kind, data-stream, data-start, data-end; the <code> is the text). It is built from the decoded arrays the
 // canvas draws, so it is what the canvas shows; the selected rank's lists are
 // visible as its program listing, the others carry `hidden`.
 
@@ -28,7 +28,7 @@ function buildIndex(done) {
     listing.insertAdjacentHTML("beforeend", html.join(""));
     if (next < work.length) { setTimeout(slice, 0); return; }
     for (const ol of listing.querySelectorAll("ol.rank-row")) {
-      LISTS[VIEWS.findIndex(v => v.source === ol.dataset.view)].set(Number(ol.dataset.rank), ol);
+      LISTS[Number(ol.dataset.v)].set(Number(ol.dataset.rank), ol);
     }
     done();
   }
@@ -37,9 +37,10 @@ function buildIndex(done) {
 }
 
 function rankListHtml(v, r) {
-  const html = [`<ol class="rank-row" hidden data-view="${v.source}" data-rank="${r.rank}" data-stage="${r.stage}" ` +
+  const html = [`<ol class="rank-row" hidden data-v="${v.idx}" data-view="${escapeHtml(v.source)}" ` +
+    `data-rank="${r.rank}" data-stage="${r.stage}" ` +
     `data-lane="${r.lane}" data-device="${escapeHtml(r.device)}" data-bubble="${r.bubble}" ` +
-    `data-title="rank ${r.rank} · stage ${r.stage} · lane ${r.lane}${VIEWS.length > 1 ? " · " + v.source : ""}">`];
+    `data-title="rank ${r.rank} · stage ${r.stage} · lane ${r.lane}${VIEWS.length > 1 ? " · " + escapeHtml(v.source) : ""}">`];
   for (const i of programOrder(v, r)) {
     html.push(`<li class="block" data-index="${v.ev.index[i]}" data-kind="${kindOf(v, i)}" ` +
       `data-stream="${STREAMS[v.ev.stream[i]]}" data-start="${v.start[i]}" data-end="${v.end[i]}" data-i="${i}">` +
@@ -52,7 +53,7 @@ function rankListHtml(v, r) {
 function onListingClick(e) {
   const li = e.target.closest("li.block");
   if (!li) return;
-  const view = VIEWS.findIndex(v => v.source === li.parentElement.dataset.view), i = Number(li.dataset.i);
+  const view = Number(li.parentElement.dataset.v), i = Number(li.dataset.i);
   select(view, i);
   zoomTo(VIEWS[view].start[i], VIEWS[view].end[i]);
   scrollToRank(VIEWS[view].ranks[VIEWS[view].rankPos[i]].rank);
