@@ -17,11 +17,10 @@ from typing import Any
 
 from hetc import syntax as ast
 from hetc.errors import Diagnostic, Span, SpecError, did_you_mean
-from hetc.spec import (AUTO, ENUM_ALIASES, Auto, LayerRange, Node, RankSlice, Routing, RoutingKind,
-                       Spec)
+from hetc.spec import AUTO, ENUM_ALIASES, Auto, LayerRange, Node, RankSlice, Routing, RoutingKind, Spec
 from hetc.units import UNITS, Dim, to_base, units_of
 
-__all__ = ["to_spec", "FieldInfo", "fields_of", "normalize_key"]
+__all__ = ["FieldInfo", "fields_of", "normalize_key", "to_spec"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +53,8 @@ def fields_of(cls: type) -> tuple[FieldInfo, ...]:
             continue
         base, many, auto_ok, none_ok = _take_apart(hints[f.name])
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        meta = dict(f.metadata) or dict(doc="", aliases=(), unit=None, lo=None, hi=None, block=None,
-                                        label=False, shorthand=False)
+        meta = dict(f.metadata) or {"doc": "", "aliases": (), "unit": None, "lo": None, "hi": None,
+                                     "block": None, "label": False, "shorthand": False}
         out.append(FieldInfo(f.name, base, many, auto_ok, none_ok, required, meta))
     return tuple(out)
 
@@ -243,13 +242,14 @@ class Converter:
         if base is str:
             if isinstance(node, (ast.String, ast.Word)):
                 return node.value if isinstance(node, ast.String) else node.name
-            self.error(node.span, f"{what} expects a name or a string")
+            self.error(node.span, f"{what} expects a name or a string, got {_shown(node)}")
             return None
         if _is_enum(base):
             if isinstance(node, (ast.Word, ast.String)):
                 return self._enum(base, node.name if isinstance(node, ast.Word) else node.value,
                                   node.span, what)
-            self.error(node.span, f"{what} expects one of {_words([e.value for e in base])}")
+            choices = _words([e.value for e in base])
+            self.error(node.span, f"{what} expects one of {choices}, got {_shown(node)}")
             return None
         return _SPECIAL[base](self, node, what)
 
@@ -368,12 +368,12 @@ def _routing(conv: Converter, node: ast.Value, what: str):
             return None
         return Routing(kind=kind, span=node.span)
     if isinstance(node, ast.ListValue) and node.items:
-        info = FieldInfo("count", int, False, False, False, True, dict(lo=0, hi=1 << 30))
+        info = FieldInfo("count", int, False, False, False, True, {"lo": 0, "hi": 1 << 30})
         counts = [conv._int(n, info, "a microbatch count") for n in node.items]
         if any(c is None for c in counts):
             return None
         return Routing(kind=RoutingKind.COUNTS, counts=tuple(counts), span=node.span)
-    conv.error(node.span, f"{what} expects even, proportional or a list of counts per lane")
+    conv.error(node.span, f"{what} expects even, proportional or a list of counts per lane, got {_shown(node)}")
     return None
 
 

@@ -51,8 +51,9 @@ def parse_file(path: Path, sources: Sources, at: Span | None = None) -> ast.File
         raise SpecError.at(Span(str(path), line, col, line, col + 1),
                            "the file is not UTF-8 text") from None
     if "\x00" in text:
-        line = text[: text.index("\x00")].count("\n") + 1
-        raise SpecError.at(Span(str(path), line, 1, line, 2), "the file contains a NUL byte")
+        at = text.index("\x00")
+        line, col = text.count("\n", 0, at) + 1, at - text.rfind("\n", 0, at)
+        raise SpecError.at(Span(str(path), line, col, line, col + 1), "the file contains a NUL byte")
     sources.add(str(path), text)
     return ast.parse_text(text, str(path))
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass, field
-from typing import NamedTuple, Union
+from typing import NamedTuple
 
 from lark import Lark, Token, Transformer, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
@@ -19,8 +19,22 @@ from hetc.errors import Diagnostic, Span, SpecError
 from hetc.grammar import GRAMMAR_PATH
 
 __all__ = [
-    "Auto", "Number", "String", "Word", "LayerRange", "Index", "RankRef", "ListValue", "Value",
-    "Attr", "Block", "Use", "Item", "Comment", "File", "parse_text",
+    "Attr",
+    "Auto",
+    "Block",
+    "Comment",
+    "File",
+    "Index",
+    "Item",
+    "LayerRange",
+    "ListValue",
+    "Number",
+    "RankRef",
+    "String",
+    "Use",
+    "Value",
+    "Word",
+    "parse_text",
 ]
 
 
@@ -81,11 +95,11 @@ class RankRef:
 
 @dataclass(frozen=True, slots=True)
 class ListValue:
-    items: tuple["Value", ...]
+    items: tuple[Value, ...]
     span: Span = field(compare=False)
 
 
-Value = Union[Auto, Number, String, Word, LayerRange, RankRef, ListValue]
+Value = Auto | Number | String | Word | LayerRange | RankRef | ListValue
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +124,7 @@ class Block:
     kind: str
     label: str | None
     peer: str | None
-    items: tuple["Item", ...]
+    items: tuple[Item, ...]
     span: Span = field(compare=False)
     kind_span: Span = field(compare=False)
     label_spans: tuple[Span, ...] = field(default=(), compare=False)  # of label, then peer
@@ -126,7 +140,7 @@ class Use:
     span: Span = field(compare=False)
 
 
-Item = Union[Attr, Block, Use, Comment]
+Item = Attr | Block | Use | Comment
 
 
 @dataclass(frozen=True, slots=True)

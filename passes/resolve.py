@@ -12,7 +12,7 @@ from hetc.pipeline import Lane, Ministage, Pipeline, Stage, route_microbatches
 from hetc.spec import AUTO, RankSlice, RoutingKind, Spec, StageSpec
 from hetc.topology import Gpu, Topology
 
-__all__ = ["resolve_pipeline", "resolve_rank_slices", "proportional_counts", "Diagnostics"]
+__all__ = ["Diagnostics", "proportional_counts", "resolve_pipeline", "resolve_rank_slices"]
 
 Diagnostics = list[Diagnostic]
 

@@ -11,14 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from hetc.passes.params import model_params
+from hetc.passes.resolve import resolve_pipeline
+
 from hetc.errors import Diagnostic, SpecError, did_you_mean
 from hetc.pipeline import Pipeline
 from hetc.spec import AUTO, DTYPE_BYTES, DataKind, OffloadTarget, Spec, ZeroShard
 from hetc.topology import MAX_GPUS, Topology
-from hetc.passes.params import model_params
-from hetc.passes.resolve import resolve_pipeline
 
-__all__ = ["Checked", "validate", "check_spec"]
+__all__ = ["Checked", "check_spec", "validate"]
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,7 @@ def _check_cluster(spec: Spec, errors) -> Topology | None:
 
 
 def _check_parallel(spec: Spec, errors) -> None:
-    par, m, t = spec.parallel, spec.model, spec.train
+    par, m = spec.parallel, spec.model
     _check_zero(par.zero, errors)
     if par.stages is AUTO:
         return
