@@ -2,13 +2,18 @@
 
 Passes decide positions against the list they were given, then apply all
 insertions at once, so no pass has to track shifting indices.
+
+What a pass puts *after* an instruction goes after the sends that directly
+follow it: a compute op's output is posted to its consumer first (Note [p2p
+placement]), so a blocking wait or a step placed after the op never holds
+back the next stage.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hetc.program import Instr
+from hetc.program import Instr, Send
 
 __all__ = ["Edits", "Handles"]
 
@@ -30,12 +35,15 @@ class Edits:
 
     def apply(self, instrs: tuple[Instr, ...]) -> tuple[Instr, ...]:
         out: list[Instr] = []
+        held: list[Instr] = []     # after-insertions waiting for the sends that follow their instruction
         for i, instr in enumerate(instrs):
+            if held and not isinstance(instr, Send):
+                out += held
+                held = []
             out += self.before.get(i, [])
             out.append(instr)
-            out += self.first_after.get(i, [])
-            out += self.after.get(i, [])
-        return tuple(out + self.end)
+            held += self.first_after.get(i, []) + self.after.get(i, [])
+        return tuple(out + held + self.end)
 
 
 class Handles:

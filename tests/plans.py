@@ -1,0 +1,46 @@
+"""Compiled plans for the lowering, verifier and export tests (shared, cached per process).
+
+`compile_plan(path, schedule)` loads a spec, optionally swaps its schedule
+kind (so every demo plan can be lowered under every schedule), lowers and
+returns the program with the plan; it does not verify, so tests can.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+
+from hetc.frontend import load_checked
+from hetc.passes.lower import lower
+from hetc.passes.validate import check_spec
+from hetc.pipeline import Pipeline
+from hetc.program import Program
+from hetc.spec import ScheduleKind, Spec
+from tests.conftest import DEMO, ROOT
+
+__all__ = ["DEMO_PLANS", "TEST_PLANS", "Lowered", "compile_plan", "plan_id"]
+
+TEST_SPECS = ROOT / "tests" / "specs"
+DEMO_PLANS = sorted(p for p in DEMO.glob("*.het") if p.name != "job.het")
+TEST_PLANS = sorted(p for p in TEST_SPECS.glob("*.het") if not p.name.startswith("job"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowered:
+    spec: Spec
+    pipeline: Pipeline
+    program: Program
+
+
+def plan_id(path: Path) -> str:
+    return f"{path.parent.name}/{path.stem}"
+
+
+@functools.lru_cache(maxsize=None)
+def compile_plan(path: Path, schedule: ScheduleKind | None = None) -> Lowered:
+    loaded, checked = load_checked(path, require_complete=True)
+    if schedule is not None and schedule is not checked.spec.parallel.schedule:
+        parallel = dataclasses.replace(checked.spec.parallel, schedule=schedule)
+        checked = check_spec(dataclasses.replace(checked.spec, parallel=parallel), loaded.path.parent)
+    return Lowered(checked.spec, checked.pipeline, lower(checked.spec, checked.pipeline))
