@@ -1,0 +1,96 @@
+"""`hetc run DIR --local`: start the plan's ranks as processes on this machine.
+
+Each rank is `python -m hetc run DIR ...` with the environment torchrun would
+give it (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), one thread
+each unless OMP_NUM_THREADS says otherwise. If a rank fails, the others are
+given time to notice (they name the dead rank themselves) and are then
+stopped; the launcher exits with the first failure's status.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+__all__ = ["spawn_local", "free_port"]
+
+GRACE_S = 45.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_local(world: int, argv: list[str]) -> int:
+    """Run `hetc <argv>` as `world` local ranks; return the exit status.
+
+    Like torchrun's agent, this process hosts the rendezvous store, so the
+    store (and the heartbeats that name a dead rank) outlive any one rank.
+    """
+    import torch.distributed as dist
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, world_size=world, is_master=True, wait_for_workers=False)
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   TORCHELASTIC_USE_AGENT_STORE="True")
+        env.setdefault("OMP_NUM_THREADS", "1")
+        procs.append(subprocess.Popen([sys.executable, "-m", "hetc", *argv], env=env))
+    try:
+        return _supervise(procs)
+    except KeyboardInterrupt:
+        _stop(procs)
+        return 130
+    finally:
+        del store
+
+
+def _supervise(procs: list[subprocess.Popen]) -> int:
+    failed_at, status = None, 0
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            break
+        bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+        if bad and failed_at is None:
+            rank, code = bad[0]
+            status = code if code > 0 else 128 - code
+            failed_at = time.monotonic()
+            print(f"hetc run: rank {rank} exited with status {_describe(code)}", file=sys.stderr, flush=True)
+        if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
+            _stop(procs)
+            break
+        time.sleep(0.2)
+    codes = [p.wait() for p in procs]
+    if status == 0:
+        status = next((c if c > 0 else 128 - c for c in codes if c != 0), 0)
+    return status
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"{-code} (killed by {signal.Signals(-code).name})"
+        except ValueError:
+            return str(code)
+    return str(code)
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + 5
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()

@@ -1,0 +1,108 @@
+"""What `hetc run` tells the user: a line per step, metrics, a measured trace.
+
+Rank 0 prints `step 3/30  loss 4.9485  2,310 tokens/s  0.041 s/step` and,
+with `--metrics FILE`, writes one JSON object per step (step, loss,
+step_time_s, tokens_per_s, peak_memory_bytes per rank). Per-rank peak
+memory travels through the rendezvous store, outside the program's
+collectives. With `--trace FILE` the last step is timed per instruction on
+every rank and rank 0 writes a measured `Timeline` (the format of the
+compiler's prediction, so `hetc viz` draws either).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+
+import torch
+import torch.distributed as dist
+
+from hetc.program import Recv, Send
+from hetc.timeline import Event, Flow, MemorySample, RankInfo, Timeline, classify
+
+__all__ = ["Reporter", "peak_memory"]
+
+
+def peak_memory(device: torch.device) -> float:
+    """Peak bytes this process has used: CUDA allocations, or the CPU process's peak RSS."""
+    if device.type == "cuda":
+        return float(torch.cuda.max_memory_allocated(device))
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+class Reporter:
+    def __init__(self, rank, spec, pipeline, program, infos, opts, device):
+        self.rank, self.spec, self.pipeline, self.program = rank, spec, pipeline, program
+        self.infos, self.opts, self.device = infos, opts, device
+        self.tokens_per_step = spec.train.global_batch * spec.model.seq
+        self.store = dist.distributed_c10d._get_default_store()
+        self.metrics = open(opts.metrics, "w") if opts.metrics is not None and rank == 0 else None
+        self.traced: list | None = None
+        self.step_time = 0.0
+
+    def step(self, step: int, total: int, result) -> None:
+        if result.events:
+            self.traced, self.step_time = result.events, result.seconds
+        memories = self._memories(step) if self.opts.metrics is not None else None
+        if self.rank != 0:
+            return
+        tps = self.tokens_per_step / result.seconds if result.seconds > 0 else 0.0
+        if not self.opts.quiet:
+            print(f"step {step + 1}/{total}  loss {result.loss:.4f}  {tps:,.0f} tokens/s  "
+                  f"{result.seconds:.3f} s/step", flush=True)
+        if self.metrics is not None:
+            record = {"step": step, "loss": result.loss, "step_time_s": result.seconds, "tokens_per_s": tps,
+                      "peak_memory_bytes": memories}
+            self.metrics.write(json.dumps(record) + "\n")
+            self.metrics.flush()
+
+    def _memories(self, step: int) -> list[float] | None:
+        self.store.set(f"hetc/mem/{step}/{self.rank}", str(peak_memory(self.device)))
+        if self.rank != 0:
+            return None
+        return [float(self.store.get(f"hetc/mem/{step}/{r}")) for r in range(self.program.world_size)]
+
+    def finish(self) -> None:
+        if self.opts.trace is not None:
+            self._write_trace()
+        if self.metrics is not None:
+            self.metrics.close()
+
+    def _write_trace(self) -> None:
+        mine = (self.traced or [], peak_memory(self.device), self.step_time)
+        gathered: list = [None] * self.program.world_size
+        dist.all_gather_object(gathered, mine)
+        if self.rank != 0:
+            return
+        timeline = build_measured_timeline(self.program, self.pipeline, gathered)
+        self.opts.trace.write_text(timeline.to_json())
+        print(f"trace of the last step: {self.opts.trace}", file=sys.stderr)
+
+
+def build_measured_timeline(program, pipeline, per_rank: list) -> Timeline:
+    """A Timeline from each rank's (events, peak memory, step seconds)."""
+    ranks, events, memory, sends, recvs = [], [], [], {}, {}
+    for r, (evs, peak, _) in enumerate(per_rank):
+        rp = program.ranks[r]
+        gpu = pipeline.world[r]
+        ranks.append(RankInfo(r, rp.stage, rp.lane, gpu.device.name, str(gpu), gpu.device.memory))
+        for index, start, end in evs:
+            instr = rp.instrs[index]
+            kind, stream = classify(instr)
+            events.append(Event(r, index, str(instr), kind, stream, start, end))
+            if isinstance(instr, Send):
+                sends[(r, instr.peer_to, instr.what, instr.ms, instr.mb)] = index
+            elif isinstance(instr, Recv):
+                recvs[(instr.peer_from, r, instr.what, instr.ms, instr.mb)] = index
+        memory.append(MemorySample(r, 0.0, peak))
+    flows = []
+    for key, s_index in sends.items():
+        r_index = recvs.get(key)
+        if r_index is not None:
+            flows.append(Flow(key[0], s_index, key[1], r_index, 0.0))
+    step_time = max((t for _, _, t in per_rank), default=0.0)
+    plan = (("schedule", pipeline.schedule.value), ("ranks", str(program.world_size)),
+            ("stages", str(len(pipeline.stages))), ("microbatches", str(pipeline.num_microbatches)),
+            ("measured step time", f"{step_time:.4f} s"))
+    return Timeline("measured", tuple(ranks), tuple(events), tuple(flows), tuple(memory), step_time, plan)

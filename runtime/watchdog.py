@@ -1,0 +1,85 @@
+"""Name a dead rank instead of hanging: heartbeats through the rendezvous store.
+
+Every rank bumps a counter `hetc/hb/RANK` once a second and watches the
+next rank's counter (a ring, so every rank is watched by one other). A
+counter that stops moving for `timeout` seconds means that rank is gone:
+the watcher publishes `hetc/dead` and every rank, seeing it at its next
+beat, prints which rank died and exits non-zero. A rank that finishes
+normally marks `hetc/done/RANK` so its watcher does not mistake it for dead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+
+__all__ = ["Watchdog"]
+
+log = logging.getLogger("hetc.runtime")
+
+
+class Watchdog(threading.Thread):
+    def __init__(self, store, rank: int, world: int, interval: float = 1.0, timeout: float = 10.0):
+        super().__init__(name="hetc-watchdog", daemon=True)
+        self.store, self.rank, self.world = store, rank, world
+        self.interval, self.timeout = interval, timeout
+        self.watched = (rank + 1) % world
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        last_value, last_change = None, time.monotonic()
+        while not self._stop.wait(self.interval):
+            try:
+                self.store.add(f"hetc/hb/{self.rank}", 1)
+                if self.store.check(["hetc/dead"]):
+                    self._die(int(self.store.get("hetc/dead")), "reported by its neighbour")
+                if self.world == 1 or self.store.check([f"hetc/done/{self.watched}"]):
+                    continue
+                value = self.store.add(f"hetc/hb/{self.watched}", 0)
+            except Exception as err:  # noqa: BLE001 - the store itself is gone
+                if self._stop.is_set():
+                    return
+                self._die(0, f"the rendezvous store stopped answering ({type(err).__name__})")
+            now = time.monotonic()
+            if value != last_value:
+                last_value, last_change = value, now
+            elif now - last_change > self.timeout:
+                try:
+                    self.store.set("hetc/dead", str(self.watched))
+                except Exception:  # noqa: BLE001
+                    pass
+                self._die(self.watched, f"no heartbeat for {self.timeout:.0f} s")
+
+    def _die(self, dead: int, why: str) -> None:
+        if self._stop.is_set():
+            return
+        print(f"[rank {self.rank}] error: rank {dead} stopped responding ({why}); exiting", file=sys.stderr,
+              flush=True)
+        os._exit(3)
+
+    def silent_ranks(self, settle_s: float = 3.0) -> list[int]:
+        """Ranks whose heartbeat does not move for `settle_s` seconds (and that have not finished).
+
+        Used after a failed collective or message, to say which peer is gone.
+        """
+        try:
+            if self.store.check(["hetc/dead"]):
+                return [int(self.store.get("hetc/dead"))]
+            others = [r for r in range(self.world) if r != self.rank]
+            before = {r: self.store.add(f"hetc/hb/{r}", 0) for r in others}
+            time.sleep(settle_s)
+            return [r for r in others if self.store.add(f"hetc/hb/{r}", 0) == before[r]
+                    and not self.store.check([f"hetc/done/{r}"])]
+        except Exception:  # noqa: BLE001 - the store (hosted with rank 0) is gone
+            return [0]
+
+    def finish(self) -> None:
+        """This rank is done: stop watching and tell the watcher not to worry."""
+        self._stop.set()
+        try:
+            self.store.set(f"hetc/done/{self.rank}", "1")
+        except Exception:  # noqa: BLE001
+            pass
