@@ -1,0 +1,230 @@
+"""Lowering: every plan under every schedule kind lowers to programs the verifier accepts.
+
+Also: heterogeneous lanes (many-to-many routing, uneven microbatches),
+hierarchical ZeRO groups, random plans, `hetc compile --dump-after`, and the
+exit codes of `hetc verify` on hand-edited listings.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections import Counter
+
+import pytest
+
+from hetc.cli import main
+from hetc.errors import SpecError
+from hetc.frontend import load_checked
+from hetc.passes.lower import PASS_NAMES, lower
+from hetc.passes.verify import verify
+from hetc.program import (COMPUTE_TYPES, AllGather, Backward, BackwardInput, BackwardWeight, Forward, Load, Recv,
+                          ReduceScatter, Send, Step)
+from hetc.spec import ScheduleKind
+from tests.conftest import DEMO
+from tests.plans import DEMO_PLANS, TEST_PLANS, TEST_SPECS, compile_plan, plan_id
+from tests.random_plans import random_plan
+
+KINDS = list(ScheduleKind)
+# plans whose ZeRO-2/3 lanes serve different microbatch patterns: only Zorse can run them
+ZORSE_ONLY = {"specs/zorse16"}
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=str)
+@pytest.mark.parametrize("path", DEMO_PLANS + TEST_PLANS, ids=plan_id)
+def test_every_plan_lowers_and_verifies_under_every_schedule(path, kind):
+    if plan_id(path) in ZORSE_ONLY and kind is not ScheduleKind.ZORSE:
+        with pytest.raises(SpecError, match="must run the same sequence of ops"):
+            compile_plan(path, kind)
+        return
+    lowered = compile_plan(path, kind)
+    verify(lowered.program, lowered.pipeline, lowered.spec)
+    assert lowered.pipeline.schedule is kind
+
+
+def _compute(rp):
+    return [i for i in rp.instrs if isinstance(i, COMPUTE_TYPES)]
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=str)
+def test_compute_counts_match_the_plan(kind):
+    """Each rank runs each of its ministages forward and backward once per microbatch of its lane."""
+    lowered = compile_plan(DEMO / "hetero.het", kind)
+    for rp in lowered.program.ranks:
+        stage, lane = lowered.pipeline.stages[rp.stage], lowered.pipeline.stages[rp.stage].lanes[rp.lane]
+        counts = Counter((type(i), i.ms) for i in _compute(rp))
+        backward = [BackwardInput, BackwardWeight] if kind is ScheduleKind.ZB else [Backward]
+        expected = Counter({(t, ms): len(lane.microbatches) for ms in stage.ministages for t in [Forward, *backward]})
+        assert counts == expected
+
+
+def test_schedule_shapes():
+    """GPipe runs all forwards first; 1F1B keeps at most (stages - stage) microbatches in flight."""
+    gpipe = _compute(compile_plan(DEMO / "gpipe.het").program.ranks[0])
+    kinds = [type(i) for i in gpipe]
+    assert kinds == sorted(kinds, key=lambda t: t is not Forward)
+    for rp in compile_plan(DEMO / "gpipe.het", ScheduleKind.ONE_F_ONE_B).program.ranks:
+        in_flight, peak = 0, 0
+        for op in _compute(rp):
+            in_flight += 1 if isinstance(op, Forward) else -1
+            peak = max(peak, in_flight)
+        assert peak == 4 - rp.stage
+
+
+def test_zorse_sweeps_ministages_and_steps_each_right_after_its_backward():
+    rp = compile_plan(DEMO / "zero3_offload.het").program.ranks[0]
+    sweep = [(type(i), i.ms) for i in _compute(rp)]
+    assert sweep == [(Forward, ms) for ms in (0, 1, 2) for _ in range(2)] + \
+        [(Backward, ms) for ms in (2, 1, 0) for _ in range(2)]
+    steps = [k for k, i in enumerate(rp.instrs) if isinstance(i, Step)]
+    backwards = [k for k, i in enumerate(rp.instrs) if isinstance(i, Backward)]
+    assert steps[0] < backwards[-1], "the interleaved optimizer step comes before the last backward"
+    gathers = Counter(i.ms for i in rp.instrs if isinstance(i, AllGather))
+    assert gathers == {0: 2, 1: 2, 2: 1}, "gather once per ministage sweep (forward, then backward)"
+
+
+def test_zero3_under_1f1b_gathers_every_microbatch():
+    rp = compile_plan(DEMO / "zero3_offload.het", ScheduleKind.ONE_F_ONE_B).program.ranks[0]
+    assert sum(isinstance(i, AllGather) for i in rp.instrs) == len(_compute(rp))
+
+
+def test_heterogeneous_lanes_route_many_to_many():
+    lowered = compile_plan(TEST_SPECS / "zorse16.het")
+    middle = lowered.pipeline.stages[1]
+    counts = sorted(len(lane.microbatches) for lane in middle.lanes)
+    assert counts[0] < counts[-1], "uneven microbatches per lane"
+    for rank in middle.lanes[0].ranks:
+        rp = lowered.program.ranks[rank]
+        senders = {i.peer_from for i in rp.instrs if isinstance(i, Recv) and i.what.value == "act"}
+        assert len(senders) > 1, "one middle lane takes activations from several front lanes"
+    verify(lowered.program, lowered.pipeline, lowered.spec)
+
+
+def test_hierarchical_zero_groups():
+    lowered = compile_plan(DEMO / "hsdp.het")
+    groups = {g.name: g.ranks for g in lowered.program.groups}
+    assert groups["dp.s0.p0.n0"] == (0, 1) and groups["dp.s0.p0.n1"] == (2, 3)
+    assert groups["dpx.s0.p0.i0"] == (0, 2) and groups["dpx.s0.p0.i1"] == (1, 3)
+    rp = lowered.program.ranks[3]
+    assert {(s.group, s.outer, s.level, s.outer_level) for s in rp.shards} == {("dp.s0.p0.n1", "dpx.s0.p0.i1", 3, 1)}
+    reductions = [i.group for i in rp.instrs if isinstance(i, ReduceScatter)]
+    assert reductions[-1] == "dpx.s0.p0.i1" and reductions.index("dpx.s0.p0.i1") > 0, \
+        "inner reduce-scatter first, then across nodes"
+
+
+def test_p2p_pairs_post_in_the_same_order():
+    """Between two ranks, the k-th send of one is the k-th receive of the other (Note [channel order])."""
+    program = compile_plan(DEMO / "interleaved.het", ScheduleKind.ONE_F_ONE_B).program
+    for a in program.ranks:
+        for b in program.ranks:
+            sent = [(i.what, i.ms, i.mb) for i in a.instrs if isinstance(i, Send) and i.peer_to == b.rank]
+            got = [(i.what, i.ms, i.mb) for i in b.instrs if isinstance(i, Recv) and i.peer_from == a.rank]
+            assert sent == got
+
+
+RANDOM_SEEDS = range(40)
+
+
+@pytest.mark.parametrize("seed", RANDOM_SEEDS)
+def test_random_plans_lower_and_verify(seed, tmp_path):
+    """Any plan the front-end accepts lowers to verified programs, or gets a located error."""
+    path = tmp_path / f"plan{seed}.het"
+    path.write_text(random_plan(random.Random(seed)))
+    try:
+        _, checked = load_checked(path, require_complete=True)
+        program = lower(checked.spec, checked.pipeline)
+    except SpecError as err:
+        assert all(d.span is not None for d in err.diagnostics)
+        return
+    verify(program, checked.pipeline, checked.spec)
+
+
+def test_random_plans_mostly_compile(tmp_path):
+    """Guard against the generator drifting into plans that all fail validation."""
+    ok = 0
+    for seed in RANDOM_SEEDS:
+        path = tmp_path / f"plan{seed}.het"
+        path.write_text(random_plan(random.Random(seed)))
+        try:
+            load_checked(path, require_complete=True)
+            ok += 1
+        except SpecError:
+            pass
+    assert ok >= len(RANDOM_SEEDS) // 2
+
+
+# ---------------------------------------------------------------- the CLI
+
+
+def test_dump_after_schedule_shows_only_loads_and_compute(tmp_path, capsys):
+    assert main(["compile", str(DEMO / "pp.het"), "-o", str(tmp_path / "plan"), "--dump-after", "schedule"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# after pass schedule\n")
+    ops = {line.split()[1] for line in out.splitlines() if re.match(r"\s+\d+\s", line)}
+    assert ops == {Load.OP, Forward.OP, Backward.OP}
+    assert (tmp_path / "plan" / "programs" / "rank-0000.txt").is_file()
+
+
+def test_dump_after_all_names_every_pass(tmp_path, capsys):
+    assert main(["compile", str(DEMO / "zb.het"), "-o", str(tmp_path / "plan"), "--dump-after", "all"]) == 0
+    out = capsys.readouterr().out
+    assert re.findall(r"^# after pass (\w+)$", out, re.M) == PASS_NAMES
+
+
+def test_dump_after_unknown_pass_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["compile", str(DEMO / "pp.het"), "-o", str(tmp_path / "plan"), "--dump-after", "nonsense"])
+    assert exit_.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.fixture
+def plan_dir(tmp_path, capsys):
+    out = tmp_path / "plan"
+    assert main(["compile", str(DEMO / "pp.het"), "-o", str(out)]) == 0
+    capsys.readouterr()
+    return out
+
+
+def _edit(plan_dir, rank: int, edit) -> None:
+    path = plan_dir / "programs" / f"rank-{rank:04d}.txt"
+    path.write_text(edit(path.read_text()))
+
+
+def test_verify_accepts_a_compiled_plan(plan_dir, capsys):
+    assert main(["verify", str(plan_dir)]) == 0
+    assert "ok: 4 ranks" in capsys.readouterr().out
+
+
+def test_verify_rejects_a_dropped_receive_naming_rank_and_instruction(plan_dir, capsys):
+    lines = (plan_dir / "programs" / "rank-0002.txt").read_text().splitlines(True)
+    dropped = next(k for k, line in enumerate(lines) if " recv " in line)
+    _edit(plan_dir, 2, lambda text: "".join(lines[:dropped] + lines[dropped + 1:]))
+    assert main(["verify", str(plan_dir)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"error: rank 2, instruction 2 `fwd ms=1 mb=0`: the input activation \(act ms=0 mb=0\) "
+                     r"has not arrived", err)
+    assert "<-- ERROR HERE" in err
+
+
+def test_verify_rejects_a_swapped_peer(plan_dir, capsys):
+    _edit(plan_dir, 0, lambda text: text.replace("send act ms=0 mb=0 to=2", "send act ms=0 mb=0 to=3", 1))
+    assert main(["verify", str(plan_dir)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"error: rank 2, instruction 0 `recv act ms=0 mb=0 from=0 .*`: receives a different message "
+                     r"than is sent; the next message from rank 0 is `send act ms=0 mb=2 ", err)
+
+
+def test_verify_reports_a_syntax_error_with_file_and_line(plan_dir, capsys):
+    _edit(plan_dir, 1, lambda text: text.replace("fwd ms=0 mb=1", "fwd ms=0 mb=one", 1))
+    assert main(["verify", str(plan_dir)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"rank-0001\.txt:\d+: error: 'mb' must be a whole number, not 'one'", err)
+
+
+def test_verify_without_a_plan_directory_is_a_usage_error(tmp_path, capsys):
+    assert main(["verify", str(tmp_path / "missing")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["verify", str(tmp_path / "empty")]) == 2
+    assert "no plan.het" in capsys.readouterr().err
