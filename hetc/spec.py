@@ -306,6 +306,9 @@ class DeviceSpec(Node):
     host_link: float = param(16e9, unit=Dim.BANDWIDTH, lo=1, aliases=("pcie",),
                              doc="host<->device copy bandwidth")
     price: float = param(0.0, unit=Dim.PRICE_HOUR, lo=0, doc="price per device-hour")
+    memory_bandwidth: float = param(0.0, unit=Dim.BANDWIDTH, lo=0, aliases=("hbm_bandwidth",),
+                                    doc="device memory bandwidth (0: unknown); bounds memory-bound work "
+                                        "such as the optimizer step")
     efficiency: float = param(0.5, lo=0.01, hi=1, aliases=("mfu",),
                               doc="fraction of peak reached by matmul-heavy layers (no profile)")
 

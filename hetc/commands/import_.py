@@ -1,0 +1,57 @@
+"""`hetc import sailor|zorse`: other systems' inputs as a .het spec (DESIGN.md §5)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+__all__ = ["register"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("import", help="turn Sailor's or Zorse's inputs into a .het spec",
+                       description="Write a .het spec that carries another system's cluster, model and plan. "
+                                   "The spec passes `hetc check`; `hetc explain SPEC --profile DIR` times it "
+                                   "with that system's measured profiles.")
+    systems = p.add_subparsers(dest="system", metavar="SYSTEM", required=True)
+    s = systems.add_parser("sailor", help="a Sailor data folder and plan (or quotas)",
+                           description="DIR is laid out like Sailor's: profiles/<MODEL>/<GPU>/profile.json, "
+                                       "training_config_*.json, network fits, prices.")
+    s.add_argument("--data", required=True, metavar="DIR", help="the Sailor data folder")
+    s.add_argument("--model", required=True, metavar="NAME", help="Sailor's model name, e.g. OPT-350")
+    which = s.add_mutually_exclusive_group(required=True)
+    which.add_argument("--plan", metavar="PLAN.json", help="a Sailor plan: the spec carries it explicitly")
+    which.add_argument("--quotas", metavar="QUOTAS.json",
+                       help="{gpu_kind: {zone: GPUs}}: the spec's plan is auto, for hetc plan")
+    s.add_argument("-o", "--output", metavar="OUT.het", help="write here instead of stdout")
+    s.set_defaults(func=_sailor)
+    z = systems.add_parser("zorse", help="Zorse's cluster_info.json and training_config.json",
+                           description="DIR is Zorse's folder with data/model_stats.json and "
+                                       "data/model_latencies.json.")
+    z.add_argument("--data", required=True, metavar="DIR", help="the Zorse folder")
+    z.add_argument("--cluster", required=True, metavar="cluster_info.json", help="Zorse's cluster description")
+    z.add_argument("--model", required=True, metavar="NAME", help="Zorse's model name, e.g. deepspeedllama_7b")
+    z.add_argument("--plan", metavar="training_config.json", help="a Zorse plan (without: the plan is auto)")
+    z.add_argument("-o", "--output", metavar="OUT.het", help="write here instead of stdout")
+    z.set_defaults(func=_zorse)
+
+
+def _sailor(args: argparse.Namespace) -> int:
+    from hetc.importers.sailor import import_sailor
+
+    return _emit(import_sailor(args.data, args.model, args.plan, args.quotas), args.output)
+
+
+def _zorse(args: argparse.Namespace) -> int:
+    from hetc.importers.zorse import import_zorse
+
+    return _emit(import_zorse(args.data, args.cluster, args.model, args.plan), args.output)
+
+
+def _emit(text: str, output: str | None) -> int:
+    if output is None:
+        sys.stdout.write(text)
+    else:
+        Path(output).write_text(text)
+    return 0

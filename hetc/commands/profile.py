@@ -1,0 +1,136 @@
+"""`hetc profile`: measure this machine into a profile file the cost model reads.
+
+Per-layer forward/backward times of a model (from SPEC, or from flags) over
+a few micro-batch sizes and sequence lengths, collective and point-to-point
+rates between local processes, host<->device copy rates. The format is
+hetc.passes.cost.hetc_profile; `hetc explain SPEC --profile FILE` uses it
+for GPUs of the measured device kind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from pathlib import Path
+
+from hetc.cli import UsageError
+from hetc.passes.params import block_params
+from hetc.spec import Arch, DType, ModelSpec
+
+__all__ = ["register", "run"]
+
+DEFAULT_SIZES = "65536,1048576"
+COPY_SIZES = [1 << 20, 16 << 20]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help="measure the local device into a profile file",
+                       description="Time hetc's layers forward and backward, local collectives and point-to-"
+                                   "point transfers, and host<->device copies. The default run takes seconds "
+                                   "on a CPU.")
+    p.add_argument("spec", nargs="?", metavar="SPEC", help="take the model from this spec")
+    p.add_argument("-o", "--output", default="profile.json", metavar="FILE", help="where to write (profile.json)")
+    p.add_argument("--device-kind", metavar="NAME",
+                   help="the catalog device kind measured (default: from the CUDA device name, or cpu)")
+    p.add_argument("--micro-batches", default="1,2", metavar="B,B", help="micro-batch sizes (1,2)")
+    p.add_argument("--seqs", metavar="S,S", help="sequence lengths (default: the model's)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per point, after one warm-up (3)")
+    p.add_argument("--ranks", type=int, default=2, help="local processes for collectives and p2p (2)")
+    p.add_argument("--comm-sizes", default=DEFAULT_SIZES, metavar="BYTES,BYTES",
+                   help=f"message sizes for collectives and p2p ({DEFAULT_SIZES})")
+    p.add_argument("--no-comm", action="store_true", help="skip collectives and p2p")
+    model = p.add_argument_group("model (without SPEC)")
+    model.add_argument("--arch", default="llama", choices=[a.value for a in Arch])
+    model.add_argument("--hidden", type=int, default=256)
+    model.add_argument("--heads", type=int, default=4)
+    model.add_argument("--kv-heads", type=int)
+    model.add_argument("--ffn", type=int, default=704)
+    model.add_argument("--vocab", type=int, default=1024)
+    model.add_argument("--seq", type=int, default=128)
+    model.add_argument("--dtype", default="fp32", choices=[d.value for d in DType])
+    p.set_defaults(func=run)
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{what} must be comma-separated integers, got '{text}'") from None
+    if not values or min(values) < 1:
+        raise UsageError(f"{what} must be positive integers, got '{text}'")
+    return values
+
+
+def _model(args: argparse.Namespace) -> ModelSpec:
+    if args.spec:
+        from hetc.frontend import load_checked
+
+        _, checked = load_checked(args.spec)
+        if checked.spec.model is None:
+            raise UsageError(f"{args.spec} has no model block")
+        return checked.spec.model
+    if args.hidden % args.heads or (args.hidden // args.heads) % 2:
+        raise UsageError(f"--hidden ({args.hidden}) must be --heads ({args.heads}) × an even head size")
+    return ModelSpec(name="profiled", arch=Arch(args.arch), layers=1, hidden=args.hidden, heads=args.heads,
+                     kv_heads=args.kv_heads, ffn=args.ffn, vocab=args.vocab, seq=args.seq, dtype=DType(args.dtype))
+
+
+class _Progress:
+    """One status line on stderr, rewritten in place."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.tty = sys.stderr.isatty()
+
+    def __call__(self, what: str) -> None:
+        line = f"hetc profile: {what} ({time.perf_counter() - self.start:.1f} s)"
+        print(f"\r{line:<72}" if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+
+    def done(self, path: Path) -> None:
+        self(f"wrote {path}")
+        if self.tty:
+            print(file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+    model = _model(args)
+    micro_batches = _ints(args.micro_batches, "--micro-batches")
+    seqs = _ints(args.seqs, "--seqs") if args.seqs else [model.seq]
+    sizes = _ints(args.comm_sizes, "--comm-sizes")
+    if args.repeats < 1 or args.ranks < 2:
+        raise UsageError("--repeats must be at least 1 and --ranks at least 2")
+    progress = _Progress()
+    progress("starting")
+    import torch
+
+    from hetc.passes.cost.devices import catalog_name
+    from hetc.passes.cost.hetc_profile import write_profile
+    from hetc.runtime import measure
+
+    device = measure.local_device()
+    name = torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu"
+    kind = args.device_kind or (catalog_name(name) if device.type == "cuda" else "cpu")
+    layers = measure.time_layers(model, micro_batches, seqs, args.repeats, progress)
+    progress("host<->device copies")
+    copies = measure.copy_rates(COPY_SIZES, args.repeats)
+    collectives, p2p = [], []
+    if not args.no_comm:
+        progress(f"collectives and p2p between {args.ranks} processes")
+        collectives, p2p = measure.comm_rates(args.ranks, sizes, args.repeats)
+    memory = torch.cuda.get_device_properties(0).total_memory if device.type == "cuda" else 0
+    out = Path(args.output)
+    write_profile(out, {
+        "device": {"kind": kind, "name": name, "backend": device.type, "memory": memory,
+                   "count": torch.cuda.device_count() if device.type == "cuda" else 1},
+        "dtype": model.dtype.value,
+        "model": {"name": model.name, "arch": model.arch.value, "hidden": model.hidden, "heads": model.heads,
+                  "kv_heads": model.num_kv_heads, "ffn": model.ffn, "vocab": model.vocab,
+                  "block_params": block_params(model)},
+        "layers": [{"layer": s.layer, "tp": 1, "seq": s.seq, "micro_batch": s.micro_batch,
+                    "forward_s": s.forward_s, "backward_s": s.backward_s} for s in layers],
+        "collectives": collectives, "p2p": p2p, "copy": copies,
+    })
+    progress.done(out)
+    return 0

@@ -1,0 +1,80 @@
+"""The text form of a cost estimate (`hetc explain`)."""
+
+from __future__ import annotations
+
+from hetc.passes.cost.estimate import Estimate, RankMemory
+from hetc.pipeline import Pipeline
+
+__all__ = ["human_bytes", "human_rate", "report"]
+
+_COLUMNS = ("params", "grads", "optimizer", "activations", "buffers", "reserve")
+
+
+def human_bytes(n: float) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def human_rate(flops: float) -> str:
+    for unit, size in (("EFLOP/s", 1e18), ("PFLOP/s", 1e15), ("TFLOP/s", 1e12), ("GFLOP/s", 1e9)):
+        if flops >= size:
+            return f"{flops / size:.2f} {unit}"
+    return f"{flops:.0f} FLOP/s"
+
+
+def report(path: str, pipeline: Pipeline, e: Estimate) -> str:
+    t = e.time
+    lines = [
+        (f"{path}: {_n(pipeline.world_size, 'rank')}, {_n(len(pipeline.stages), 'stage')}, "
+         f"{_n(len(pipeline.ministages), 'ministage')}, {_n(pipeline.num_microbatches, 'microbatch')} of "
+         f"{pipeline.micro_batch}, schedule {e.schedule}"),
+        (f"step time   {e.step_time_s:.4g} s  (pipeline {t.pipeline:.4g} s incl. bubble {t.bubble:.4g} s; "
+         f"after the flush {t.tail:.4g} s)"),
+        (f"throughput  {e.tokens_per_s:,.0f} tokens/s   MFU {e.mfu:.1%}   HFU {e.hfu:.1%}   "
+         f"(cluster peak {human_rate(e.peak_flops)})"),
+        "",
+        "memory per rank" + ("" if e.fits else "   ** DOES NOT FIT **"),
+    ]
+    lines += _memory_rows(e.memory)
+    lines += ["", "traffic per step (one rank)"]
+    for g in e.traffic:
+        note = f"  ({g.note})" if g.note else ""
+        lines.append(f"  {g.kind:3s} {g.group:52s} {human_bytes(g.bytes_per_step):>11s}  "
+                     f"{g.seconds_per_step:.4g} s{note}")
+    if not e.traffic:
+        lines.append("  none")
+    lines += ["", "layer times from"]
+    for stage, sources in e.sources.items():
+        lines.append(f"  stage {pipeline.stages[stage].name}:")
+        lines += [f"    {source}" for source in sources]
+    for why in e.rejected:
+        lines.append(f"  note: {why}")
+    return "\n".join(lines)
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}{'es' if noun.endswith('ch') else 's'}"
+
+
+def _memory_rows(memory: tuple[RankMemory, ...]) -> list[str]:
+    head = "  ranks        device     " + "".join(f"{c:>12s}" for c in _COLUMNS) + f"{'total':>12s}{'capacity':>12s}"
+    rows, start = [head], 0
+    for i in range(1, len(memory) + 1):
+        if i < len(memory) and _same(memory[i], memory[start]):
+            continue
+        m = memory[start]
+        ranks = f"{m.rank}" if i - 1 == start else f"{m.rank}-{memory[i - 1].rank}"
+        cells = "".join(f"{human_bytes(getattr(m, c)):>12s}" for c in _COLUMNS)
+        flag = "" if m.fits else "  over"
+        host = f"  (+{human_bytes(m.host)} on host)" if m.host else ""
+        rows.append(f"  {ranks:12s} {m.device:10s}{cells}{human_bytes(m.total):>12s}"
+                    f"{human_bytes(m.capacity):>12s}{flag}{host}")
+        start = i
+    return rows
+
+
+def _same(a: RankMemory, b: RankMemory) -> bool:
+    return a.device == b.device and a.stage == b.stage and \
+        all(abs(getattr(a, c) - getattr(b, c)) < 1 for c in (*_COLUMNS, "host"))

@@ -1,0 +1,1 @@
+"""Turn other systems' inputs (Sailor, Zorse) into .het specs: `hetc import sailor|zorse`."""

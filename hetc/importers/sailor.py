@@ -1,0 +1,190 @@
+"""Sailor's inputs as a .het spec: model, cluster and (with --plan) the plan.
+
+A Sailor plan (`pipeline_list[0]`) gives per stage its layers
+(`layers_per_stage`, indices over [embed, blocks, head]), one entry per data-
+parallel replica in `tmp_per_stage` (`[[[gpu, gpus_per_node, zone], ...], tp]`:
+the VMs the replica runs on and its TP degree), `mbs` and `gbs`. It ran
+Megatron-DeepSpeed: 1F1B, TP inside a node, replica j of every stage forms
+pipeline j, gradients all-reduced after the flush (ZeRO-0). Each replica
+becomes one lane on its own node; nodes of one (GPU kind, GPUs per node,
+zone) form a node group.
+
+With --quotas (`{gpu_kind: {zone: gpus}}`) the cluster holds those GPUs and
+the plan is `auto`, for `hetc plan`.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from hetc.cli import UsageError
+from hetc.importers.common import (
+    NodeBook,
+    catalog_devices,
+    gpu_slice,
+    layer_range,
+    read_input_json,
+    render,
+    require_dir,
+)
+from hetc.passes.cost.devices import catalog_name
+from hetc.passes.cost.profiles import ProfileError
+from hetc.passes.cost.sailor_data import SailorModel, read_json, read_models, read_sailor
+from hetc.spec import (
+    AUTO,
+    ClusterSpec,
+    DType,
+    IntraLinkSpec,
+    LinkSpec,
+    ModelSpec,
+    OptimizerSpec,
+    ParallelSpec,
+    Routing,
+    ScheduleKind,
+    Spec,
+    StageSpec,
+    TrainSpec,
+    ZeroSpec,
+)
+
+__all__ = ["import_sailor"]
+
+log = logging.getLogger(__name__)
+
+# Links in the spec are constants; the cost model uses Sailor's size-dependent fits when given
+# the data folder (--profile). The constants are the fits at this message size.
+REFERENCE_MESSAGE = 64e6
+DEFAULT_GPUS_PER_NODE = 4
+
+
+def import_sailor(data: str, model_name: str, plan: str | None, quotas: str | None) -> str:
+    folder = require_dir(data, "Sailor data folder")
+    try:
+        models = read_models(folder)
+        net = read_sailor(folder).network
+    except ProfileError as err:
+        raise UsageError(str(err)) from None
+    model = models.get(model_name)
+    if model is None:
+        raise UsageError(f"no training_config_*.json in '{folder}' describes model '{model_name}'; "
+                         f"known: {', '.join(sorted(models)) or 'none'}")
+    book = NodeBook()
+    if plan is not None:
+        raw = read_input_json(plan, "Sailor plan")
+        parallel, train, idle, header = _plan(raw, model, book, Path(plan).name)
+    else:
+        raw = read_input_json(quotas, "quotas file")
+        _quotas(raw, book, folder)
+        parallel = ParallelSpec(schedule=AUTO, stages=AUTO)
+        train, idle, header = TrainSpec(global_batch=model.global_batch), (), [f"quotas: {Path(quotas).name}"]
+    spec = Spec(model=_model_spec(model), devices=catalog_devices({k for k, _, _ in book.counts}),
+                cluster=_cluster(book, net), train=train,
+                parallel=parallel if not idle else ParallelSpec(**{**_fields(parallel), "idle": idle}))
+    return render(spec, [f"Imported from Sailor by `hetc import sailor` (model {model_name}, data {folder}).",
+                         *header, f"Measured layer times and network fits: hetc explain SPEC --profile {folder}"])
+
+
+def _fields(node) -> dict:
+    return {f: getattr(node, f) for f in node.__dataclass_fields__ if f not in ("span", "spans")}
+
+
+def _model_spec(m: SailorModel) -> ModelSpec:
+    # Megatron keeps a copy of a tied embedding on the last stage: untied counts that memory right.
+    return ModelSpec(name=m.name, arch=m.arch, layers=m.layers, hidden=m.hidden, heads=m.heads, ffn=m.ffn,
+                     vocab=m.vocab, seq=m.seq, dtype=DType.FP32 if m.dtype_bytes == 4 else DType.FP16,
+                     tied_embeddings=False, optimizer=OptimizerSpec(beta2=0.999))
+
+
+def _plan(raw: dict, model: SailorModel, book: NodeBook, name: str):
+    try:
+        pipeline = raw["pipeline_list"][0]
+        stages_layers, replicas = pipeline["layers_per_stage"], pipeline["tmp_per_stage"]
+        mbs, gbs = int(raw["mbs"]), int(raw["gbs"])
+    except (KeyError, IndexError, TypeError, ValueError) as err:
+        raise UsageError(f"'{name}' is not a Sailor plan: missing or bad {err}") from None
+    if len(raw["pipeline_list"]) > 1:
+        raise UsageError(f"'{name}' has {len(raw['pipeline_list'])} pipelines; hetc imports one "
+                         "(Sailor's heterogeneous plans put all replicas in one pipeline)")
+    if len(stages_layers) != len(replicas):
+        raise UsageError(f"'{name}': {len(stages_layers)} layer lists but {len(replicas)} stages in tmp_per_stage")
+    hetc_model = _model_spec(model)
+    stages, idle, first = [], [], 0
+    for s, (layers, reps) in enumerate(zip(stages_layers, replicas)):
+        stop = first + len(layers)
+        if list(layers) != list(range(first, stop)):
+            log.warning("%s: stage %d lists layers %s; taking the contiguous range %d..%d", name, s, layers,
+                        first, stop - 1)
+        stage, unused = _stage(s, reps, hetc_model, first, stop, book, name)
+        stages.append(stage)
+        idle += unused
+        first = stop
+    if first != model.layers + 2:
+        raise UsageError(f"'{name}' covers {first} layers but {model.name} has {model.layers + 2} "
+                         f"(embedding, {model.layers} blocks, head)")
+    measured = [f"{k} = {raw[k]}" for k in ("real", "red_grads", "max_mem") if k in raw]
+    header = [f"plan: {name}" + (f" (measured: {', '.join(measured)})" if measured else "")]
+    parallel = ParallelSpec(schedule=ScheduleKind.ONE_F_ONE_B, zero=ZeroSpec(level=0), stages=tuple(stages))
+    return parallel, TrainSpec(global_batch=gbs, micro_batch=mbs), tuple(idle), header
+
+
+def _stage(s: int, reps: list, model: ModelSpec, first: int, stop: int, book: NodeBook, name: str):
+    ranks, idle, tps = [], [], set()
+    for j, rep in enumerate(reps):
+        try:
+            vms, tp = rep[0], int(rep[1])
+            kind, per_node, zone = catalog_name(str(vms[0][0])), int(vms[0][1]), str(vms[0][2])
+        except (IndexError, TypeError, ValueError) as err:
+            raise UsageError(f"'{name}': stage {s} replica {j} is not [[[gpu, gpus_per_node, zone]], tp] "
+                             f"({err})") from None
+        if len(vms) != 1 or tp > per_node:
+            raise UsageError(f"'{name}': stage {s} replica {j} spans {len(vms)} VMs (tp {tp}); hetc keeps "
+                             "tensor parallelism inside one node")
+        group, node = book.take(kind, per_node, zone)
+        ranks.append(gpu_slice(group, node, 0, tp))
+        if tp < per_node:
+            idle.append(gpu_slice(group, node, tp, per_node))
+        tps.add(tp)
+    if len(tps) != 1:
+        raise UsageError(f"'{name}': stage {s} mixes TP degrees {sorted(tps)}; a hetc stage has one")
+    stage = StageSpec(name=f"s{s}", layers=(layer_range(model, first, stop),), ranks=tuple(ranks),
+                      lanes=len(reps), tp=tps.pop(), microbatches=Routing())
+    return stage, idle
+
+
+def _quotas(raw: dict, book: NodeBook, folder: Path) -> None:
+    cfg = read_json(folder / "basic_cluster_config.json") if (folder / "basic_cluster_config.json").is_file() \
+        else {}
+    if not isinstance(raw, dict) or not raw:
+        raise UsageError("a quotas file maps GPU kinds to {zone: GPUs}, e.g. {\"A100-40\": {\"us-central1-a\": 8}}")
+    for gpu, zones in raw.items():
+        per_node = int(cfg.get(gpu, {}).get("gpus_per_node", DEFAULT_GPUS_PER_NODE))
+        if not isinstance(zones, dict):
+            raise UsageError(f"quotas: '{gpu}' must map zones to GPU counts")
+        for zone, count in zones.items():
+            if not isinstance(count, int) or count < 0 or count % per_node:
+                raise UsageError(f"quotas: {gpu} in {zone}: {count} is not a multiple of {per_node} GPUs "
+                                 "per node")
+            for _ in range(count // per_node):
+                book.take(catalog_name(gpu), per_node, zone)
+
+
+def _cluster(book: NodeBook, net) -> ClusterSpec:
+    def intra(kind: str, gpus: int) -> IntraLinkSpec | None:
+        fit = net.intra_rate(kind, gpus)
+        return IntraLinkSpec(bandwidth=fit.rate(REFERENCE_MESSAGE)) if fit is not None else None
+
+    nodes = book.node_specs(_region, intra)
+    links = []
+    for i, a in enumerate(nodes):
+        for b in nodes[i:]:
+            fit = net.inter_rate(a.zone, a.device, b.zone, b.device, min(a.gpus, b.gpus))
+            if fit is not None:
+                links.append(LinkSpec(a=a.name, b=b.name, bandwidth=fit.rate(REFERENCE_MESSAGE)))
+    return ClusterSpec(name="sailor", nodes=nodes, links=tuple(links))
+
+
+def _region(zone: str) -> str:
+    """GCP zones are region-letter: us-central1-a is in us-central1."""
+    head, _, tail = zone.rpartition("-")
+    return head if head and len(tail) == 1 else zone

@@ -1,0 +1,23 @@
+"""The cost model: memory, time and traffic of a resolved plan (DESIGN.md §3, docs/costmodel.md).
+
+    from hetc.passes.cost import CostModel, load_profiles
+    cm = CostModel(spec, pipeline, topology, load_profiles(["../shared/data/sailor"]))
+    cm.compute_time(rank, ms, "F"); cm.param_bytes(ms, rank); cm.estimate().step_time_s
+"""
+
+from hetc.passes.cost.estimate import Estimate, GroupTraffic, RankMemory
+from hetc.passes.cost.model import PHASES, CostModel
+from hetc.passes.cost.profiles import ComputeTable, NetworkFits, ProfileError, Profiles, load_profiles
+
+__all__ = [
+           "PHASES",
+           "ComputeTable",
+           "CostModel",
+           "Estimate",
+           "GroupTraffic",
+           "NetworkFits",
+           "ProfileError",
+           "Profiles",
+           "RankMemory",
+           "load_profiles",
+]

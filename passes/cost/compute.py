@@ -1,0 +1,186 @@
+"""Per-layer compute time: measured where a profile covers it, arithmetic otherwise.
+
+For one layer kind (embed, block, head) on one device kind, in order:
+
+1. a profile of this model shape on this device (same dtype; the nearest
+   sequence length, scaled by the FLOPs ratio). A missing TP degree comes
+   from tp = 1 divided by tp (the caller adds the TP all-reduces). A layer
+   kind the profile lacks (Zorse measures blocks only) is timed at the
+   FLOP rate the profile's block reached.
+2. a profile of this model on another device kind, scaled by the speed
+   ratio of the two devices measured on a reference model profiled on both
+   (same dtype, sequence, micro-batch and TP); the other device is the one
+   whose datasheet peak is closest to this device's.
+3. FLOPs / (peak(dtype) × efficiency) from the DeviceSpec.
+
+Times are for one microbatch on one rank of a lane of tp × cp ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from hetc.passes.cost.profiles import ComputeTable, Profiles
+from hetc.passes.cost.shapes import LayerKind, layer_flops
+from hetc.passes.params import block_params
+
+from hetc.spec import DTYPE_BYTES, DeviceSpec, DType, ModelSpec
+
+__all__ = ["ComputeModel", "LayerTime", "dtype_class"]
+
+# Bandwidth assumed for memory-bound work when a device declares none (a mid-range GPU).
+DEFAULT_MEMORY_BANDWIDTH = 500e9
+
+
+def dtype_class(dtype: DType) -> str:
+    """Profiles are matched by storage width: 16-bit formats run at the same speed."""
+    return "fp32" if DTYPE_BYTES[dtype] == 4 else "fp16" if DTYPE_BYTES[dtype] == 2 else "fp8"
+
+
+@dataclass(frozen=True, slots=True)
+class LayerTime:
+    forward: float
+    backward: float     # input-grad + weight-grad
+    needs_tp_comm: bool  # True when the TP all-reduces are not inside the measured time
+    source: str
+
+
+class ComputeModel:
+    """Times layers of `model` on device kinds, from `profiles` where they apply."""
+
+    def __init__(self, model: ModelSpec, profiles: Profiles, devices: dict[str, DeviceSpec]):
+        self.model = model
+        self.profiles = profiles
+        self.devices = devices
+        self._dtype = dtype_class(model.dtype)
+        self._block_params = block_params(model)
+        self.layer = lru_cache(maxsize=None)(self._layer)
+
+    # ------------------------------------------------------------ lookup
+
+    def _layer(self, device: str, kind: str, micro_batch: int, tp: int) -> LayerTime:
+        for table in self._own_tables(device):
+            got = self._from_table(table, kind, micro_batch, tp)
+            if got is not None:
+                return got
+        got = self._transferred(device, kind, micro_batch, tp)
+        if got is not None:
+            return got
+        return self._analytic(device, kind, micro_batch, tp)
+
+    def _own_tables(self, device: str) -> list[ComputeTable]:
+        """Tables of this model's shape on `device`, nearest sequence length first."""
+        tables = [t for t in self.profiles.tables(device)
+                  if t.matches(self.model.hidden, self._block_params, self._dtype)]
+        return sorted(tables, key=lambda t: (abs(math.log(t.seq / self.model.seq)), t.source))
+
+    def _seq_scale(self, table: ComputeTable, kind: str) -> float:
+        if table.seq == self.model.seq:
+            return 1.0
+        idx = _index_of(self.model, kind)
+        there = layer_flops(self.model, idx, 1, table.seq).forward
+        return layer_flops(self.model, idx, 1).forward / there if there else 1.0
+
+    def _from_table(self, table: ComputeTable, kind: str, micro_batch: int, tp: int) -> LayerTime | None:
+        has_kind = any(k[0] == kind for k in table.fits)
+        if kind != LayerKind.BLOCK and (not has_kind or table.vocab not in (None, self.model.vocab)):
+            return self._at_block_rate(table, kind, micro_batch, tp)
+        if not has_kind:
+            return None
+        scale = self._seq_scale(table, kind)
+        if tp in table.tps:
+            f, b = table.time(kind, tp, "F", micro_batch), table.time(kind, tp, "B", micro_batch)
+            if f is not None and b is not None:
+                return LayerTime(f * scale, b * scale, False, table.source)
+        base = min(table.tps)
+        f, b = table.time(kind, base, "F", micro_batch), table.time(kind, base, "B", micro_batch)
+        if f is None or b is None:
+            return None
+        ratio = scale * base / tp
+        return LayerTime(f * ratio, b * ratio, kind == LayerKind.BLOCK and tp > 1,
+                         f"{table.source} (tp {base} scaled to {tp})")
+
+    def _at_block_rate(self, table: ComputeTable, kind: str, micro_batch: int, tp: int) -> LayerTime | None:
+        """Time a layer the table lacks at the FLOP rate its block reached."""
+        block = self._from_table(table, LayerKind.BLOCK, micro_batch, 1)
+        if block is None:
+            return None
+        flops = layer_flops(self.model, 1, micro_batch)
+        rate_f = flops.forward / block.forward if block.forward else None
+        rate_b = flops.backward / block.backward if block.backward else None
+        own = layer_flops(self.model, _index_of(self.model, kind), micro_batch)
+        if not rate_f or not rate_b or own.forward == 0:
+            return None
+        # the head is vocabulary-parallel: each TP rank does 1/tp of it
+        return LayerTime(own.forward / rate_f / tp, own.backward / rate_b / tp, False,
+                         f"{table.source} (block FLOP rate)")
+
+    def _transferred(self, device: str, kind: str, micro_batch: int, tp: int) -> LayerTime | None:
+        target = self.devices.get(device)
+        if target is None:
+            return None
+        others = {t.device for t in self.profiles.compute if t.device != device
+                  and t.matches(self.model.hidden, self._block_params, self._dtype)}
+        for other in sorted(others, key=lambda d: (self._peak_distance(target, d), d)):
+            theirs = next((self._from_table(t, kind, micro_batch, tp) for t in self._tables_of(other)), None)
+            ratio = self._speed_ratio(device, other, micro_batch, tp)
+            if theirs is not None and ratio is not None and not theirs.needs_tp_comm:
+                return LayerTime(theirs.forward * ratio[0], theirs.backward * ratio[1], False,
+                                 f"{theirs.source} × {device}/{other} speed ratio")
+        return None
+
+    def _tables_of(self, device: str) -> list[ComputeTable]:
+        return [t for t in self.profiles.tables(device)
+                if t.matches(self.model.hidden, self._block_params, self._dtype)]
+
+    def _peak_distance(self, target: DeviceSpec, other: str) -> float:
+        spec = self.devices.get(other) or _catalog().get(other)
+        if spec is None:
+            return math.inf
+        a, b = target.peak.for_dtype(self.model.dtype), spec.peak.for_dtype(self.model.dtype)
+        return abs(math.log(a / b)) if a > 0 and b > 0 else math.inf
+
+    def _speed_ratio(self, device: str, other: str, micro_batch: int, tp: int) -> tuple[float, float] | None:
+        """(forward, backward) time ratio device/other on a reference model profiled on both."""
+        for mine in self.profiles.tables(device):
+            if mine.dtype != self._dtype or tp not in mine.tps:
+                continue
+            for theirs in self.profiles.tables(other):
+                if (theirs.hidden, theirs.block_params, theirs.seq, theirs.dtype) != \
+                        (mine.hidden, mine.block_params, mine.seq, mine.dtype) or tp not in theirs.tps:
+                    continue
+                a = [mine.time("block", tp, p, micro_batch) for p in ("F", "B")]
+                b = [theirs.time("block", tp, p, micro_batch) for p in ("F", "B")]
+                if all(a) and all(b):
+                    return a[0] / b[0], a[1] / b[1]
+        return None
+
+    def _analytic(self, device: str, kind: str, micro_batch: int, tp: int) -> LayerTime:
+        spec = self.devices[device]
+        flops = layer_flops(self.model, _index_of(self.model, kind), micro_batch)
+        share = tp  # blocks are sharded, the head vocabulary-parallel
+        rate = spec.peak.for_dtype(self.model.dtype) * spec.efficiency
+        if kind == LayerKind.EMBED:
+            # gather rows forward, scatter-add gradients backward: memory-bound
+            moved = 2.0 * micro_batch * self.model.seq * self.model.hidden * DTYPE_BYTES[self.model.dtype]
+            bw = spec.memory_bandwidth or DEFAULT_MEMORY_BANDWIDTH
+            return LayerTime(moved / bw, moved / bw, False, "arithmetic")
+        if rate <= 0:
+            return LayerTime(math.inf, math.inf, False, "arithmetic (no peak)")
+        return LayerTime(flops.forward / rate / share, flops.backward / rate / share,
+                         kind == LayerKind.BLOCK and tp > 1, "arithmetic")
+
+
+@lru_cache(maxsize=1)
+def _catalog() -> dict[str, DeviceSpec]:
+    """The bundled catalog's device kinds: datasheet peaks of devices a spec does not declare."""
+    from hetc.load import BUNDLED_SPECS, load_spec
+
+    return {d.name: d for d in load_spec(BUNDLED_SPECS / "catalog.het").spec.devices}
+
+
+def _index_of(model: ModelSpec, kind: str) -> int:
+    return {LayerKind.EMBED: 0, LayerKind.BLOCK: 1, LayerKind.HEAD: model.layers + 1}[kind]
+

@@ -1,0 +1,235 @@
+"""The analytic estimate of a whole plan: step time, throughput, memory per rank, traffic per group."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from hetc.passes.cost import traffic
+from hetc.passes.cost.memory import context_reserve, in_flight, offloaded
+from hetc.passes.cost.plan_time import PlanTime, border_time, plan_time, sync_time, zorse_units
+from hetc.passes.cost.shapes import LayerKind, layer_flops, layer_kind, model_flops_per_token
+
+from hetc.pipeline import Stage
+from hetc.spec import Checkpointing, OffloadTarget, ScheduleKind
+
+__all__ = ["Estimate", "GroupTraffic", "RankMemory", "build_estimate"]
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    rank: int
+    gpu: str
+    device: str
+    stage: int
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+    reserve: float
+    capacity: float
+    host: float   # offloaded to host memory
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers + self.reserve
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+
+@dataclass(frozen=True)
+class GroupTraffic:
+    kind: str                  # dp, pp, tp, cp
+    group: str
+    ranks: tuple[int, ...]     # one representative group
+    bytes_per_step: float      # sent by one rank (pp: the whole border)
+    seconds_per_step: float    # spent in these transfers by one rank, overlapped or not
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Estimate:
+    step_time_s: float
+    tokens_per_step: int
+    model_flops_per_step: float
+    hardware_flops_per_step: float
+    peak_flops: float
+    time: PlanTime
+    memory: tuple[RankMemory, ...]
+    traffic: tuple[GroupTraffic, ...]
+    schedule: str
+    sources: dict[int, tuple[str, ...]]   # stage -> where its layer times came from
+    rejected: tuple[str, ...]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_time_s if self.step_time_s > 0 else 0.0
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops_per_step / (self.step_time_s * self.peak_flops) if self.peak_flops else 0.0
+
+    @property
+    def hfu(self) -> float:
+        return self.hardware_flops_per_step / (self.step_time_s * self.peak_flops) if self.peak_flops else 0.0
+
+    @property
+    def fits(self) -> bool:
+        return all(m.fits for m in self.memory)
+
+    def to_json(self) -> dict:
+        t = self.time
+        return {
+            "step_time_s": self.step_time_s, "tokens_per_step": self.tokens_per_step,
+            "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "hfu": self.hfu, "peak_flops": self.peak_flops,
+            "model_flops_per_step": self.model_flops_per_step,
+            "hardware_flops_per_step": self.hardware_flops_per_step, "schedule": self.schedule,
+            "time": {"pipeline_s": t.pipeline, "bubble_s": t.bubble, "tail_s": t.tail,
+                     "bottleneck": list(t.bottleneck) if t.bottleneck else None},
+            "fits": self.fits,
+            "memory": [{**asdict(m), "total": m.total, "fits": m.fits} for m in self.memory],
+            "traffic": [{**asdict(g), "ranks": list(g.ranks)} for g in self.traffic],
+            "lanes": [{"stage": x.stage, "lane": x.lane, "microbatches": x.microbatches, "forward_s": x.forward,
+                       "backward_s": x.backward, "p2p_s": x.p2p, "overlapped_s": x.overlapped} for x in t.lanes],
+            "sources": {str(k): list(v) for k, v in self.sources.items()},
+            "rejected_profiles": list(self.rejected),
+        }
+
+
+def build_estimate(cm) -> Estimate:
+    p, m = cm.pipeline, cm.model
+    timing = plan_time(cm)
+    tokens = p.num_microbatches * p.micro_batch * m.seq
+    model_flops = model_flops_per_token(m) * tokens
+    return Estimate(timing.step, tokens, model_flops, model_flops + _recompute_flops(cm) * p.num_microbatches,
+                    cm.peak_flops, timing, tuple(_memory(cm, r) for r in range(p.world_size)),
+                    tuple(_traffic(cm, timing)), p.schedule.value, _sources(cm), cm.profiles.rejected_for(m.name))
+
+
+def _recompute_flops(cm) -> float:
+    m, b = cm.model, cm.pipeline.micro_batch
+    if m.activation_checkpoint is Checkpointing.NONE:
+        return 0.0
+    block = layer_flops(m, 1, b)
+    extra = block.forward if m.activation_checkpoint is Checkpointing.FULL else block.attention
+    return extra * m.layers
+
+
+def _sources(cm) -> dict[int, tuple[str, ...]]:
+    out = {}
+    for stage in cm.pipeline.stages:
+        found = set()
+        for lane in stage.lanes:
+            for r in lane.ranks:
+                for ms in stage.ministages:
+                    for i in cm.ministage(ms).layers:
+                        kind = layer_kind(cm.model, i)
+                        found.add(cm.compute.layer(cm.gpu(r).device.name, kind, cm.pipeline.micro_batch,
+                                                   stage.tp).source)
+        out[stage.index] = tuple(sorted(found))
+    return out
+
+
+# ------------------------------------------------------------------ memory
+
+
+def _memory(cm, rank: int) -> RankMemory:
+    stage = cm.stage_of(rank)
+    shard = cm.shard(rank)
+    mss = stage.ministages
+    off_params, off_opt = offloaded(stage.offload)
+    params = sum(cm.param_bytes(ms, rank) for ms in mss)
+    largest = max(cm.param_bytes(ms, rank) for ms in mss)
+    resident = min(params, (1 + cm.pipeline.prefetch) * largest) if off_params else params
+    grads = sum(cm.grad_bytes(ms, rank) for ms in mss) * shard.grads
+    if cm.pipeline.schedule is ScheduleKind.ZORSE:  # reduced and stepped right after each ministage
+        grads = max(cm.grad_bytes(ms, rank) for ms in mss)
+    optimizer = sum(cm.optimizer_bytes(ms, rank) for ms in mss) * shard.optimizer
+    acts, acts_host = _activations(cm, stage, rank)
+    gather = (1 + cm.pipeline.prefetch) * largest if int(stage.zero.level) >= 3 else 0.0
+    gpu = cm.gpu(rank)
+    context = context_reserve(gpu.device.memory, gpu.device.name.lower().startswith("cpu"))
+    host = (params * shard.params if off_params else 0.0) + (optimizer if off_opt else 0.0) + acts_host
+    return RankMemory(rank, str(gpu), gpu.device.name, stage.index, resident * shard.params, grads,
+                      0.0 if off_opt else optimizer, acts, cm.reserve_bytes(rank) - context + gather, context,
+                      gpu.device.memory, host)
+
+
+def _activations(cm, stage: Stage, rank: int) -> tuple[float, float]:
+    """(on the device, on the host) activation bytes at this rank's peak."""
+    p = cm.pipeline
+    lane = p.lane_of_rank[rank]
+    per_mb = [cm.activation_bytes(ms, rank) for ms in stage.ministages]
+    n = len(lane.microbatches)
+    if p.schedule is not ScheduleKind.ZORSE:
+        return in_flight(p.schedule, stage.index, len(p.stages), n, len(stage.ministages)) * sum(per_mb), 0.0
+    if stage.offload.activations is OffloadTarget.NONE:
+        return n * sum(per_mb), 0.0
+    # boundary inputs of every microbatch on the host; one ministage recomputed at a time on the device
+    boundary = sum(cm.boundary_bytes(ms - 1) for ms in stage.ministages if ms > 0) / (stage.tp * stage.cp)
+    buffers = (1 + p.prefetch) * max((cm.boundary_bytes(ms) for ms in stage.ministages), default=0.0)
+    return max(per_mb) + buffers / (stage.tp * stage.cp), n * boundary
+
+
+# ------------------------------------------------------------------ traffic
+
+
+def _traffic(cm, timing: PlanTime) -> list[GroupTraffic]:
+    out: list[GroupTraffic] = []
+    p, m = cm.pipeline, cm.model
+    lanes = {(t.stage, t.lane): t for t in timing.lanes}
+    for stage in p.stages:
+        rank = stage.lanes[0].ranks[0]
+        n_mb = max(len(lane.microbatches) for lane in stage.lanes)
+        blocks = sum(1 for ms in stage.ministages for i in cm.ministage(ms).layers
+                     if layer_kind(m, i) == LayerKind.BLOCK)
+        if len(stage.lanes) > 1:
+            nbytes = sum(cm.numel(ms, rank) for ms in stage.ministages) * cm.delta
+            level = int(stage.zero.level)
+            sent = traffic.zero_bytes(level, p.schedule, nbytes, len(stage.lanes), n_mb)
+            if p.schedule is ScheduleKind.ZORSE:  # gathered for the forward and the backward, reduced once
+                seconds = sum(2 * u.fetch + u.sync for u in zorse_units(cm) if u.stage == stage.index)
+            else:
+                seconds = sync_time(cm, stage, rank) + n_mb * lanes[(stage.index, 0)].overlapped
+            out.append(GroupTraffic("dp", f"stage {stage.name}: ZeRO-{level} over {len(stage.lanes)} lanes",
+                                    cm.zero_group(rank), sent, seconds))
+        if stage.tp > 1 and blocks:
+            sent = traffic.tp_bytes(stage.tp, p.micro_batch, m.seq // stage.cp, m.hidden, cm.delta)
+            seconds = 2 * cm.tp_comm_time(rank)
+            measured = not cm.compute.layer(cm.gpu(rank).device.name, LayerKind.BLOCK, p.micro_batch,
+                                            stage.tp).needs_tp_comm
+            out.append(GroupTraffic("tp", f"stage {stage.name}: tp {stage.tp}", cm.tp_group(rank),
+                                    sent * blocks * n_mb, seconds * blocks * n_mb,
+                                    "inside the measured layer times" if measured else ""))
+        if stage.cp > 1 and blocks:
+            sent = _cp_bytes(cm, stage)
+            f, b = cm.cp_comm_time(rank)
+            out.append(GroupTraffic("cp", f"stage {stage.name}: {stage.cp_kind.value} cp {stage.cp}",
+                                    cm.cp_group(rank), sent * blocks * n_mb, (f + b) * blocks * n_mb))
+    out += _borders(cm, lanes)
+    return out
+
+
+def _cp_bytes(cm, stage: Stage) -> float:
+    m, b = cm.model, cm.pipeline.micro_batch
+    args = (m.num_kv_heads, m.heads, b, m.seq, m.hidden // stage.tp, cm.delta)
+    if stage.cp_kind.value == "ulysses":
+        return traffic.ulysses_bytes(stage.cp, *args)
+    return traffic.ring_attention_bytes(stage.cp, *args)
+
+
+def _borders(cm, lanes) -> list[GroupTraffic]:
+    p, m = cm.pipeline, cm.model
+    out = []
+    for a, b in zip(p.ministages, p.ministages[1:]):
+        if a.stage == b.stage:
+            continue
+        sa, sb = p.stages[a.stage], p.stages[b.stage]
+        sent = traffic.pp_bytes(p.micro_batch, m.seq, m.hidden, cm.delta, p.num_microbatches)
+        seconds = max(2 * len(lane.microbatches) * border_time(cm, sa, lane, sb, a.index) for lane in sa.lanes)
+        ranks = (sa.lanes[0].ranks[0], sb.lanes[0].ranks[0])
+        out.append(GroupTraffic("pp", f"{sa.name} -> {sb.name} ({m.layer_name(a.stop_layer - 1)} | "
+                                f"{m.layer_name(b.first_layer)})", ranks, sent, seconds))
+    return out

@@ -1,0 +1,104 @@
+"""The profile file `hetc profile` writes and the cost model reads (JSON, versioned).
+
+    {
+      "format": "hetc-profile", "version": 1,
+      "device": {"kind": "cpu", "name": "...", "backend": "cpu" | "cuda", "memory": bytes, "count": n},
+      "dtype": "fp32",
+      "model": {"name", "arch", "hidden", "heads", "kv_heads", "ffn", "vocab", "block_params"},
+      "layers": [{"layer": "embed" | "block" | "head", "tp": 1, "seq": S, "micro_batch": b,
+                  "forward_s": t, "backward_s": t}, ...],
+      "collectives": [{"kind": "all_reduce" | "all_gather" | ..., "ranks": n, "bytes": X, "seconds": t}, ...],
+      "p2p": [{"bytes": X, "seconds": t}, ...],
+      "copy": [{"direction": "h2d" | "d2h", "bytes": X, "seconds": t}, ...]
+    }
+
+`device.kind` is the catalog name the measurements apply to (GPUs of that
+kind in a spec). Collective times are for the full buffer (`bytes`) over
+`ranks` local processes; the link rate is recovered with the ring model.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from hetc.passes.cost.network import MeasuredPoints, ring_chunk, ring_steps
+from hetc.passes.cost.profiles import ComputeTable, NetworkFits, ProfileError, Profiles, fit_line
+
+__all__ = ["FORMAT", "VERSION", "profile_from_dict", "read_profile", "write_profile"]
+
+FORMAT = "hetc-profile"
+VERSION = 1
+
+
+def write_profile(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps({"format": FORMAT, "version": VERSION, **data}, indent=1) + "\n")
+
+
+def read_profile(path: Path) -> Profiles:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ProfileError(f"'{path}' is not a hetc profile: {err}") from None
+    return profile_from_dict(data, str(path))
+
+
+def profile_from_dict(data: Any, source: str) -> Profiles:
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ProfileError(f"'{source}' is not a hetc profile (no \"format\": \"{FORMAT}\")")
+    if data.get("version") != VERSION:
+        raise ProfileError(f"'{source}' is a version {data.get('version')} profile; this hetc reads "
+                           f"version {VERSION}")
+    try:
+        kind = str(data["device"]["kind"])
+        tables = _tables(data, kind, source)
+        network = _network(data, kind)
+        copy = _copy_rate(data)
+    except (KeyError, TypeError, ValueError) as err:
+        raise ProfileError(f"'{source}': malformed hetc profile ({type(err).__name__}: {err})") from None
+    return Profiles(tuple(tables), network, {kind: copy} if copy else {}, (), (source,))
+
+
+def _tables(data: dict, kind: str, source: str) -> list[ComputeTable]:
+    model = data["model"]
+    by_seq: dict[int, dict] = defaultdict(lambda: defaultdict(list))
+    for row in data.get("layers", []):
+        seq, key = int(row["seq"]), (str(row["layer"]), int(row.get("tp", 1)))
+        by_seq[seq][key + ("F",)].append((int(row["micro_batch"]), float(row["forward_s"])))
+        by_seq[seq][key + ("B",)].append((int(row["micro_batch"]), float(row["backward_s"])))
+    return [ComputeTable(source, kind, int(model["hidden"]), int(model["block_params"]), seq,
+                         str(data.get("dtype", "fp32")), {k: fit_line(v) for k, v in points.items()},
+                         int(model["vocab"]) if "vocab" in model else None, None, str(model.get("name", "")))
+            for seq, points in sorted(by_seq.items())]
+
+
+def _network(data: dict, kind: str) -> NetworkFits:
+    """One ring step's rate between two local processes, by ring size, from p2p and collectives."""
+    points: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for row in data.get("p2p", []):
+        points[2].append((float(row["bytes"]), float(row["bytes"]) / float(row["seconds"])))
+    for row in data.get("collectives", []):
+        n, nbytes, seconds = int(row["ranks"]), float(row["bytes"]), float(row["seconds"])
+        steps = ring_steps(str(row["kind"]), n)
+        if steps and seconds > 0:
+            chunk = ring_chunk(nbytes, n)
+            points[n].append((chunk, steps * chunk / seconds))
+    intra = {}
+    for n, pts in points.items():
+        by_size: dict[float, list[float]] = defaultdict(list)
+        for size, rate in pts:
+            by_size[size].append(rate)
+        sizes = sorted(by_size)
+        intra[(kind, n)] = MeasuredPoints(tuple(sizes), tuple(sum(by_size[s]) / len(by_size[s]) for s in sizes))
+    return NetworkFits(intra=intra)
+
+
+def _copy_rate(data: dict) -> float | None:
+    rows = data.get("copy", [])
+    if not rows:
+        return None
+    largest = max(float(r["bytes"]) for r in rows)
+    rates = [float(r["bytes"]) / float(r["seconds"]) for r in rows if float(r["bytes"]) == largest]
+    return sum(rates) / len(rates)

@@ -1,0 +1,113 @@
+"""Memory formulas: model states per ZeRO level, activations in flight, reserve.
+
+Model states for Φ parameters whose replicas are kept in sync by a ZeRO
+group of N ranks (DESIGN.md §3, survey I.I), with δ the training dtype's
+bytes, δ_opt the optimizer's and n_opt its state tensors:
+
+    ZeRO 0: (2δ + (n_opt + m)·δ_opt)·Φ
+    ZeRO 1: (2δ + (n_opt + m)·δ_opt / N)·Φ
+    ZeRO 2: (δ + δ/N + (n_opt + m)·δ_opt / N)·Φ
+    ZeRO 3: (2δ/N + (n_opt + m)·δ_opt / N)·Φ
+
+where m = 1 for the fp32 master copy when δ ≠ δ_opt and 0 otherwise (so
+AdamW with δ = δ_opt = 4 is 4δΦ at ZeRO 0). Hierarchical ZeRO shards over
+the N_node lanes of one node and replicates across nodes; `across = 1`
+further shards the optimizer state over all N lanes (ZeRO-1 across groups).
+
+Activations in flight per rank depend on the schedule (see `in_flight`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetc.spec import DTYPE_BYTES, ModelSpec, OffloadSpec, OffloadTarget, ScheduleKind, ZeroSpec
+
+__all__ = [
+    "GRAD_BUCKET_PARAMS",
+    "ShardFactors",
+    "StateBytes",
+    "context_reserve",
+    "in_flight",
+    "shard_factors",
+    "state_bytes_per_param",
+]
+
+# Megatron's default DDP bucket (40M parameters): gradients are reduced bucket by bucket.
+GRAD_BUCKET_PARAMS = 40_000_000
+# CUDA context, cuBLAS/cuDNN workspaces and NCCL's channels: what nvidia-smi shows on an idle
+# training process before the first tensor. A CPU rank (a local run) needs little.
+GPU_CONTEXT_BYTES = 1.0 * 2**30
+CPU_CONTEXT_BYTES = 64 * 2**20
+# The caching allocator cannot use every byte: fragmentation keeps a share unusable.
+FRAGMENTATION = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class StateBytes:
+    """Bytes per parameter, unsharded: weights, gradients, optimizer (master copy + states)."""
+
+    params: float
+    grads: float
+    optimizer: float
+
+
+def state_bytes_per_param(model: ModelSpec) -> StateBytes:
+    delta = DTYPE_BYTES[model.dtype]
+    delta_opt = DTYPE_BYTES[model.optimizer.master_dtype]
+    master = 1 if delta != delta_opt else 0
+    return StateBytes(delta, delta, (model.optimizer.num_states + master) * delta_opt)
+
+
+@dataclass(frozen=True, slots=True)
+class ShardFactors:
+    """The fraction of each unsharded state one rank keeps."""
+
+    params: float
+    grads: float
+    optimizer: float
+
+
+def shard_factors(zero: ZeroSpec, group: int, node_group: int | None = None) -> ShardFactors:
+    """Fractions kept per rank under `zero` for a ZeRO group of `group` lanes.
+
+    `node_group`: lanes of that group on this rank's node (hierarchical ZeRO,
+    `shard = node`); None for plain ZeRO over the whole group.
+    """
+    level = int(zero.level)
+    shard = group if node_group is None else node_group
+    opt_shard = group if (node_group is None or zero.across >= 1) else node_group
+    return ShardFactors(
+        params=1.0 / shard if level >= 3 else 1.0,
+        grads=1.0 / shard if level >= 2 else 1.0,
+        optimizer=1.0 / opt_shard if level >= 1 else 1.0,
+    )
+
+
+def offloaded(offload: OffloadSpec) -> tuple[bool, bool]:
+    """(parameters, optimizer state) kept on the host."""
+    return offload.params is not OffloadTarget.NONE, offload.optimizer is not OffloadTarget.NONE
+
+
+def in_flight(schedule: ScheduleKind, stage: int, num_stages: int, microbatches: int,
+              chunks: int = 1) -> float:
+    """Microbatches' worth of one stage's activations a rank holds at its peak.
+
+    GPipe keeps every microbatch until the backward; 1F1B (and ZB-H1, which
+    keeps the 1F1B peak) at most the stages ahead of it, itself included;
+    interleaved 1F1B with v chunks warms up 2(p−s−1) + (v−1)·p chunk-steps
+    (Megatron) and each chunk holds 1/v of the stage. Zorse runs one
+    ministage at a time (handled by the caller).
+    """
+    if schedule is ScheduleKind.GPIPE:
+        return float(microbatches)
+    ahead = num_stages - stage
+    if schedule is ScheduleKind.INTERLEAVED and chunks > 1:
+        warmup = 2 * (ahead - 1) + (chunks - 1) * num_stages + 1
+        return min(float(microbatches * chunks), float(warmup)) / chunks
+    return float(min(microbatches, ahead))
+
+
+def context_reserve(memory: float, is_cpu: bool) -> float:
+    """Framework reserve of a device with `memory` bytes: context plus allocator fragmentation."""
+    return (CPU_CONTEXT_BYTES if is_cpu else GPU_CONTEXT_BYTES) + FRAGMENTATION * memory

@@ -1,0 +1,261 @@
+"""`CostModel`: memory in bytes and time in seconds for one resolved plan.
+
+The contract lowering, the verifier, the timeline simulator and the planner
+build on. Ranks are world ranks of `pipeline.world`; `ms` is a global
+ministage index (`pipeline.ministages`). Memory methods return what one
+rank holds; time methods what one rank spends, for one microbatch where a
+microbatch is involved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import cached_property
+
+from hetc.passes.cost.compute import DEFAULT_MEMORY_BANDWIDTH, ComputeModel
+from hetc.passes.cost.memory import (
+    GRAD_BUCKET_PARAMS,
+    ShardFactors,
+    context_reserve,
+    shard_factors,
+    state_bytes_per_param,
+)
+from hetc.passes.cost.network import ConstantBandwidth, ring_chunk, ring_steps
+from hetc.passes.cost.profiles import Profiles
+from hetc.passes.cost.shapes import LayerKind, activation_elements, layer_flops, layer_kind, params_per_rank
+
+from hetc.pipeline import Ministage, Pipeline, Stage
+from hetc.spec import DTYPE_BYTES, Checkpointing, CPKind, OffloadTarget, Spec, ZeroShard
+from hetc.topology import Gpu, Topology
+
+__all__ = ["CPU_OPTIMIZER_BYTES_PER_S", "PHASES", "CostModel"]
+
+PHASES = ("F", "B", "I", "W")
+# Host-side Adam (DeepSpeed's CPUAdam) streams the states through the CPU's memory.
+CPU_OPTIMIZER_BYTES_PER_S = 10e9
+# all-to-all over more ranks than this uses the ring's neighbours to find the slowest link.
+ALL_PAIRS_LIMIT = 64
+
+
+class CostModel:
+    def __init__(self, spec: Spec, pipeline: Pipeline, topology: Topology, profiles: Profiles | None = None):
+        assert spec.model is not None and spec.train is not None
+        self.spec, self.pipeline, self.topology = spec, pipeline, topology
+        self.model = spec.model
+        self.profiles = profiles or Profiles()
+        self.devices = {d.name: d for d in spec.devices}
+        self.compute = ComputeModel(self.model, self.profiles, self.devices)
+        self.delta = DTYPE_BYTES[self.model.dtype]
+        self.states = state_bytes_per_param(self.model)
+
+    # ------------------------------------------------------------ structure
+
+    def stage_of(self, rank: int) -> Stage:
+        return self.pipeline.stage_of_rank[rank]
+
+    def gpu(self, rank: int) -> Gpu:
+        return self.pipeline.world[rank]
+
+    def ministage(self, ms: int) -> Ministage:
+        return self.pipeline.ministages[ms]
+
+    def tp_group(self, rank: int) -> tuple[int, ...]:
+        """The ranks of this rank's lane that share its sequence part (its TP group)."""
+        lane, tp = self.pipeline.lane_of_rank[rank], self.stage_of(rank).tp
+        part = lane.ranks.index(rank) // tp
+        return lane.ranks[part * tp:(part + 1) * tp]
+
+    def cp_group(self, rank: int) -> tuple[int, ...]:
+        lane, tp = self.pipeline.lane_of_rank[rank], self.stage_of(rank).tp
+        rep = lane.ranks.index(rank) % tp
+        return lane.ranks[rep::tp]
+
+    def zero_group(self, rank: int) -> tuple[int, ...]:
+        """Ranks holding the same shard position in every lane of the stage (the DP/ZeRO group)."""
+        stage = self.stage_of(rank)
+        pos = self.pipeline.lane_of_rank[rank].ranks.index(rank)
+        return tuple(lane.ranks[pos] for lane in stage.lanes)
+
+    def node_group(self, rank: int) -> tuple[int, ...]:
+        host = self.gpu(rank).host
+        return tuple(r for r in self.zero_group(rank) if self.gpu(r).host == host)
+
+    def shard(self, rank: int) -> ShardFactors:
+        """The fraction of each model state this rank keeps under its stage's ZeRO."""
+        zero = self.stage_of(rank).zero
+        node = len(self.node_group(rank)) if zero.shard is ZeroShard.NODE else None
+        return shard_factors(zero, len(self.zero_group(rank)), node)
+
+    # ------------------------------------------------------------ memory (bytes, one rank)
+
+    def numel(self, ms: int, rank: int) -> float:
+        """Parameters of ministage `ms` one rank of its TP group holds (before ZeRO sharding)."""
+        tp = self.stage_of(rank).tp
+        return sum(params_per_rank(self.model, i, tp) for i in self.ministage(ms).layers)
+
+    def param_bytes(self, ms: int, rank: int) -> float:
+        return self.numel(ms, rank) * self.states.params
+
+    def grad_bytes(self, ms: int, rank: int) -> float:
+        return self.numel(ms, rank) * self.states.grads
+
+    def optimizer_bytes(self, ms: int, rank: int) -> float:
+        return self.numel(ms, rank) * self.states.optimizer
+
+    def activation_bytes(self, ms: int, rank: int) -> float:
+        stage = self.stage_of(rank)
+        total = 0.0
+        for i in self.ministage(ms).layers:
+            elems, extra = activation_elements(self.model, i, self.pipeline.micro_batch, tp=stage.tp,
+                                               cp=stage.cp, sequence_parallel=stage.sequence_parallel)
+            total += elems * self.delta + extra
+        return total
+
+    def boundary_bytes(self, ms: int) -> float:
+        if ms == len(self.pipeline.ministages) - 1:
+            return 0.0
+        return float(self.pipeline.micro_batch * self.model.seq * self.model.hidden * self.delta)
+
+    def reserve_bytes(self, rank: int) -> float:
+        device = self.gpu(rank).device
+        stage = self.stage_of(rank)
+        p2p = 2 * max((self.boundary_bytes(ms) for ms in stage.ministages), default=0.0) / stage.cp
+        grads = sum(self.grad_bytes(ms, rank) for ms in stage.ministages) * self.shard(rank).grads
+        bucket = min(grads, GRAD_BUCKET_PARAMS * self.states.grads) if len(stage.lanes) > 1 else 0.0
+        return context_reserve(device.memory, _is_cpu(device.name)) + p2p + bucket
+
+    # ------------------------------------------------------------ time (seconds)
+
+    def compute_time(self, rank: int, ms: int, phase: str) -> float:
+        """One microbatch through ministage `ms` on `rank`: F, B = I + W, I (input-grad) or W (weight-grad)."""
+        if phase not in PHASES:
+            raise ValueError(f"phase must be one of {', '.join(PHASES)}, not {phase!r}")
+        return sum(self._layer_time(rank, i, phase) for i in self.ministage(ms).layers)
+
+    def _layer_time(self, rank: int, idx: int, phase: str) -> float:
+        if phase == "B":
+            return self._layer_time(rank, idx, "I") + self._layer_time(rank, idx, "W")
+        stage, kind = self.stage_of(rank), layer_kind(self.model, idx)
+        measured = self.compute.layer(self.gpu(rank).device.name, kind, self.pipeline.micro_batch, stage.tp)
+        flops = layer_flops(self.model, idx, self.pipeline.micro_batch)
+        share_i = flops.input_grad / flops.backward if flops.backward else 0.0
+        comm = self.tp_comm_time(rank) if (measured.needs_tp_comm and kind == LayerKind.BLOCK) else 0.0
+        cp_comm = self.cp_comm_time(rank) if kind == LayerKind.BLOCK else (0.0, 0.0)
+        fwd = measured.forward / stage.cp
+        if phase == "F":
+            return fwd + comm + cp_comm[0]
+        if phase == "W":
+            return measured.backward / stage.cp * (1.0 - share_i)
+        return measured.backward / stage.cp * share_i + comm + cp_comm[1] + self._recompute(idx, fwd, flops)
+
+    def _recompute(self, idx: int, forward: float, flops) -> float:
+        ckpt = self.model.activation_checkpoint
+        if ckpt is Checkpointing.FULL and layer_kind(self.model, idx) == LayerKind.BLOCK:
+            return forward
+        if ckpt is Checkpointing.SELECTIVE and flops.forward:
+            return forward * flops.attention / flops.forward
+        return 0.0
+
+    def tp_comm_time(self, rank: int) -> float:
+        """Two all-reduces (attention out, FFN out) of b·S·H per block and pass; Megatron-SP's
+        reduce-scatter + all-gather pairs move the same bytes."""
+        group = self.tp_group(rank)
+        if len(group) < 2:
+            return 0.0
+        nbytes = self.boundary_bytes(0) / self.stage_of(rank).cp
+        return 2 * self.collective_time("all_reduce", group, nbytes)
+
+    def cp_comm_time(self, rank: int) -> tuple[float, float]:
+        """(forward, backward) exposed context-parallel communication per block."""
+        stage = self.stage_of(rank)
+        group = self.cp_group(rank)
+        if len(group) < 2:
+            return 0.0, 0.0
+        kv = self.model.num_kv_heads / self.model.heads
+        full = float(self.pipeline.micro_batch * self.model.seq * self.model.hidden * self.delta)
+        if stage.cp_kind is CPKind.ULYSSES:
+            # two all-to-alls each way (q/k/v in, output back), blocking; 4(N_kv/N_q + 1)·δbSH/N_SP per rank
+            fwd = self.collective_time("all_to_all", group, (2 * kv + 1) * full / stage.tp) + \
+                self.collective_time("all_to_all", group, full / stage.tp)
+            return fwd, fwd
+        # ring attention: K and V go around forward, K, V, dK, dV backward; overlapped with attention
+        ring = self.p2p_time(group[0], group[1 % len(group)], 2 * kv * full / stage.cp / stage.tp)
+        steps = len(group) - 1
+        attn = layer_flops(self.model, 1, self.pipeline.micro_batch).attention
+        core = attn / max(layer_flops(self.model, 1, self.pipeline.micro_batch).forward, 1.0)
+        measured = self.compute.layer(self.gpu(rank).device.name, LayerKind.BLOCK,
+                                      self.pipeline.micro_batch, stage.tp)
+        overlap = measured.forward / stage.cp * core
+        return max(0.0, steps * ring - overlap), max(0.0, 2 * steps * ring - 2 * overlap)
+
+    def optimizer_time(self, rank: int, numel: float) -> float:
+        """One optimizer step over `numel` parameters: memory-bound (reads and writes every state)."""
+        delta_opt = DTYPE_BYTES[self.model.optimizer.master_dtype]
+        states = self.states.optimizer / delta_opt  # n_opt + master
+        master = self.states.optimizer / delta_opt - self.model.optimizer.num_states
+        moved = numel * (2 * self.delta + 2 * states * delta_opt + (0 if master else self.delta))
+        if self.stage_of(rank).offload.optimizer is not OffloadTarget.NONE:
+            return moved / CPU_OPTIMIZER_BYTES_PER_S
+        device = self.gpu(rank).device
+        return moved / (device.memory_bandwidth or DEFAULT_MEMORY_BANDWIDTH)
+
+    def p2p_time(self, src: int, dst: int, nbytes: float, concurrent: int = 1) -> float:
+        """Send `nbytes` from `src` to `dst` while `concurrent` such transfers share each node's link."""
+        if nbytes <= 0 or src == dst:
+            return 0.0
+        rate, latency = self._link(self.gpu(src), self.gpu(dst), nbytes, 2, concurrent)
+        return latency + nbytes / rate
+
+    def collective_time(self, kind: str, ranks: Sequence[int], nbytes: float, concurrent: int = 1) -> float:
+        """A ring collective over `ranks` (in ring order) of the full buffer `nbytes`."""
+        n = len(ranks)
+        steps = ring_steps(kind, n)
+        if steps == 0 or nbytes <= 0:
+            return 0.0
+        chunk = ring_chunk(nbytes, n)
+        gpus = [self.gpu(r) for r in ranks]
+        per_node: dict[tuple[str, int], int] = {}
+        for g in gpus:
+            per_node[g.host] = per_node.get(g.host, 0) + 1
+        pairs = [(gpus[i], gpus[(i + 1) % n]) for i in range(n)]
+        if kind == "all_to_all" and n <= ALL_PAIRS_LIMIT:
+            pairs = [(a, b) for a in gpus for b in gpus if a.id != b.id]
+        worst = max(chunk / rate + latency for rate, latency in
+                    (self._link(a, b, chunk, per_node[a.host], concurrent) for a, b in pairs))
+        return steps * worst
+
+    def copy_time(self, rank: int, nbytes: float) -> float:
+        device = self.gpu(rank).device
+        rate = self.profiles.copy.get(device.name) or device.host_link
+        return nbytes / rate if nbytes > 0 else 0.0
+
+    def _link(self, a: Gpu, b: Gpu, nbytes: float, ring_size: int, concurrent: int) -> tuple[float, float]:
+        """(bytes/s for one stream, latency) between two GPUs for messages of `nbytes`."""
+        net = self.profiles.network
+        if a.host == b.host:
+            fit = net.intra_rate(a.device.name, ring_size)
+            if fit is not None:
+                return fit.rate(nbytes), 0.0
+            link = self.topology.link(a, b)
+            return link.bandwidth, link.latency
+        fit = net.inter_rate(a.zone, a.device.name, b.zone, b.device.name, concurrent)
+        if fit is not None:
+            return fit.rate(nbytes) / concurrent, 0.0
+        link = self.topology.link(a, b)
+        return ConstantBandwidth(link.bandwidth).rate(nbytes) / concurrent, link.latency
+
+    # ------------------------------------------------------------ the whole plan
+
+    @cached_property
+    def peak_flops(self) -> float:
+        """The cluster's peak FLOP/s for the training dtype (every GPU it declares)."""
+        return sum(g.device.peak.for_dtype(self.model.dtype) for g in self.topology.gpus)
+
+    def estimate(self):
+        from hetc.passes.cost.estimate import build_estimate
+        return build_estimate(self)
+
+
+def _is_cpu(name: str) -> bool:
+    return name.lower().startswith("cpu")
+

@@ -1,0 +1,115 @@
+"""Bandwidth models and the ring formulas for collectives.
+
+A link's bandwidth may depend on the message size (measured fits: Sailor's
+`GB/s = a·log2(MB)² + b·log2(MB) + c`, capped; hetc profile points,
+interpolated) and on how many GPUs of a node send at once: a fit measured
+for k concurrent GPUs gives their *aggregate* rate, which the k streams
+share.
+
+Ring model (survey O.II; NCCL's ring algorithm): all-gather and
+reduce-scatter of an X-byte buffer over n ranks take n−1 steps of X/n each;
+all-reduce is a reduce-scatter then an all-gather (2(n−1) steps). The
+slowest link of the ring sets the pace. All-to-all sends (n−1)/n·X from
+every rank in n−1 pairwise exchanges.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+__all__ = [
+    "COLLECTIVES",
+    "Bandwidth",
+    "ConstantBandwidth",
+    "MeasuredPoints",
+    "QuadraticLogFit",
+    "collective_bytes_per_rank",
+    "ring_chunk",
+    "ring_steps",
+]
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+# A fit never drops below this fraction of its cap: guards against a quadratic
+# that turns negative far outside the sizes it was measured on.
+MIN_FIT_FRACTION = 0.01
+
+
+class Bandwidth(Protocol):
+    def rate(self, nbytes: float) -> float:
+        """Aggregate bytes/s for messages of `nbytes`."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class ConstantBandwidth:
+    bytes_per_s: float
+
+    def rate(self, nbytes: float) -> float:
+        return self.bytes_per_s
+
+
+@dataclass(frozen=True, slots=True)
+class QuadraticLogFit:
+    """Sailor's network fit: GB/s = a·x² + b·x + c with x = log2(MB), capped at `cap` bytes/s.
+
+    Past the parabola's vertex (a < 0) the rate is held at the vertex: a link
+    does not slow down for larger messages; the fit just was not measured there.
+    """
+
+    a: float
+    b: float
+    c: float
+    cap: float
+
+    def rate(self, nbytes: float) -> float:
+        x = math.log2(max(nbytes, 1.0) / 1e6)
+        if self.a < 0:
+            x = min(x, -self.b / (2 * self.a))
+        gbs = (self.a * x + self.b) * x + self.c
+        return max(min(gbs * 1e9, self.cap), self.cap * MIN_FIT_FRACTION)
+
+
+@dataclass(frozen=True, slots=True)
+class MeasuredPoints:
+    """Measured (message bytes, bytes/s) points, interpolated in log(size); flat outside."""
+
+    sizes: tuple[float, ...]
+    rates: tuple[float, ...]
+
+    def rate(self, nbytes: float) -> float:
+        i = bisect_left(self.sizes, nbytes)
+        if i == 0:
+            return self.rates[0]
+        if i == len(self.sizes):
+            return self.rates[-1]
+        lo, hi = math.log(self.sizes[i - 1]), math.log(self.sizes[i])
+        t = (math.log(nbytes) - lo) / (hi - lo)
+        return self.rates[i - 1] + t * (self.rates[i] - self.rates[i - 1])
+
+
+def ring_steps(kind: str, n: int) -> int:
+    """Sequential ring steps of one chunk (X/n bytes) each."""
+    if n <= 1:
+        return 0
+    if kind == "all_reduce":
+        return 2 * (n - 1)
+    if kind in COLLECTIVES:
+        return n - 1
+    raise ValueError(f"unknown collective '{kind}'; one of {', '.join(COLLECTIVES)}")
+
+
+def ring_chunk(nbytes: float, n: int) -> float:
+    return nbytes / max(n, 1)
+
+
+def collective_bytes_per_rank(kind: str, n: int, nbytes: float) -> float:
+    """Bytes each rank sends for a collective over the full buffer `nbytes` (ring algorithms)."""
+    return ring_steps(kind, n) * ring_chunk(nbytes, n)
+
+
+def slowest(rates: Sequence[float]) -> float:
+    return min(rates) if rates else math.inf

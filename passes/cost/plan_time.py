@@ -1,0 +1,210 @@
+"""The step time of a whole plan: lanes' per-microbatch timings, the schedule, the tail.
+
+The tail after the pipeline flush (Megatron-DeepSpeed: `ReduceGrads`, then
+`OptimizerStep`): every stage reduces its gradients over its ZeRO group and
+steps its optimizer as soon as its own last backward is done; stage s
+finishes its backward earlier than stage 0 by the drain behind it, so only
+what is left of its tail after that lead is exposed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetc.passes.cost.memory import offloaded
+from hetc.passes.cost.schedule import LaneTiming, Unit, UnitLane, pipeline_time, sequential_time
+
+from hetc.pipeline import Lane, Stage
+from hetc.spec import Checkpointing, OffloadTarget, ScheduleKind, ZeroShard
+
+__all__ = ["PlanTime", "border_time", "lane_timings", "plan_time", "sync_time", "zorse_units"]
+
+
+@dataclass(frozen=True)
+class PlanTime:
+    step: float
+    pipeline: float
+    bubble: float
+    tail: float
+    lanes: tuple[LaneTiming, ...]
+    bottleneck: tuple[int, int] | None
+
+
+def plan_time(cm) -> PlanTime:
+    lanes = lane_timings(cm)
+    p = cm.pipeline
+    if p.schedule is ScheduleKind.ZORSE:
+        total = sequential_time(zorse_units(cm), p.num_microbatches)
+        busy = max(t.work for t in lanes)
+        return PlanTime(total, total, max(0.0, total - busy), 0.0, tuple(lanes), None)
+    chunks = max(len(s.ministages) for s in p.stages)
+    pipe = pipeline_time(p.schedule, lanes, chunks)
+    tail = _tail(cm, lanes)
+    return PlanTime(pipe.total + tail, pipe.total, pipe.bubble, tail, tuple(lanes), pipe.bottleneck)
+
+
+def lane_timings(cm) -> list[LaneTiming]:
+    out = []
+    for stage in cm.pipeline.stages:
+        for lane in stage.lanes:
+            f, i, w = (max(sum(cm.compute_time(r, ms, ph) for ms in stage.ministages) for r in _kinds(cm, lane))
+                       for ph in ("F", "I", "W"))
+            out.append(LaneTiming(stage.index, lane.index, len(lane.microbatches), f, i, w,
+                                  _p2p_per_microbatch(cm, stage, lane), _overlapped(cm, stage, lane)))
+    return out
+
+
+def _kinds(cm, lane: Lane) -> list[int]:
+    """One rank per device kind in the lane: ranks of one kind time alike."""
+    seen = {}
+    for r in lane.ranks:
+        seen.setdefault(cm.gpu(r).device.name, r)
+    return list(seen.values())
+
+
+def _concurrent(cm, rank: int) -> int:
+    """Ranks of this rank's lane on its node: they send their shares over the node's link at once."""
+    lane = cm.pipeline.lane_of_rank[rank]
+    return sum(1 for r in lane.ranks if cm.gpu(r).host == cm.gpu(rank).host)
+
+
+def _peer_lane(stage: Stage, lane: Lane) -> Lane:
+    """The lane of `stage` that serves most of `lane`'s microbatches."""
+    mine = set(lane.microbatches)
+    return max(stage.lanes, key=lambda other: (len(mine & set(other.microbatches)), -other.index))
+
+
+def border_time(cm, stage: Stage, lane: Lane, other: Stage, ms: int) -> float:
+    """One transfer (each rank its share of the activation) between `lane` and its peer in `other`."""
+    peer = _peer_lane(other, lane)
+    src, dst = lane.ranks[0], peer.ranks[0]
+    share = cm.boundary_bytes(ms) / (stage.tp * stage.cp)
+    return cm.p2p_time(src, dst, share, _concurrent(cm, src))
+
+
+def _p2p_per_microbatch(cm, stage: Stage, lane: Lane) -> float:
+    p = cm.pipeline
+    total = 0.0
+    for ms in stage.ministages:
+        for nb, border in ((ms - 1, ms - 1), (ms + 1, ms)):
+            if 0 <= nb < len(p.ministages) and p.ministages[nb].stage != stage.index:
+                total += border_time(cm, stage, lane, p.stages[p.ministages[nb].stage], border)
+    return total
+
+
+def _stage_numel(cm, stage: Stage, rank: int) -> float:
+    return sum(cm.numel(ms, rank) for ms in stage.ministages)
+
+
+def _overlapped(cm, stage: Stage, lane: Lane) -> float:
+    """Per-microbatch collectives beside the compute: ZeRO-3 gathers, ZeRO-2/3 reduce-scatters,
+    parameter copies from the host."""
+    level = int(stage.zero.level)
+    rank = lane.ranks[0]
+    if cm.pipeline.schedule is ScheduleKind.ZORSE or (level < 2 and stage.offload.params is OffloadTarget.NONE):
+        return 0.0  # Zorse gathers and reduces once per ministage (see zorse_units)
+    group = cm.node_group(rank) if stage.zero.shard is ZeroShard.NODE else cm.zero_group(rank)
+    nbytes = _stage_numel(cm, stage, rank) * cm.delta
+    k = _concurrent(cm, rank)
+    total = 0.0
+    if level >= 2:
+        total += cm.collective_time("reduce_scatter", group, nbytes, k)
+    if level >= 3:
+        total += 2 * cm.collective_time("all_gather", group, nbytes, k)
+    if stage.offload.params is not OffloadTarget.NONE:
+        total += 2 * cm.copy_time(rank, nbytes * cm.shard(rank).params)
+    return total
+
+
+def sync_time(cm, stage: Stage, rank: int, per_ministage: bool = False) -> float:
+    """Exposed gradient reduction after the last backward (and ZeRO-1/2's parameter all-gather)."""
+    level = int(stage.zero.level)
+    nbytes = _stage_numel(cm, stage, rank) * cm.delta
+    k = _concurrent(cm, rank)
+    if stage.zero.shard is ZeroShard.NODE:
+        node = cm.node_group(rank)
+        across = tuple(r for r in cm.zero_group(rank) if r in _same_position(cm, rank))
+        inner = cm.collective_time("reduce_scatter", node, nbytes, k) + \
+            cm.collective_time("all_gather", node, nbytes, k)
+        return inner + cm.collective_time("all_reduce", across, nbytes / max(len(node), 1), k)
+    group = cm.zero_group(rank)
+    if level <= 1:
+        return cm.collective_time("all_reduce", group, nbytes, k)
+    if per_ministage:  # Zorse: one reduce-scatter per ministage, then (ZeRO-2) one gather
+        rs = cm.collective_time("reduce_scatter", group, nbytes, k)
+        return rs + (cm.collective_time("all_gather", group, nbytes, k) if level == 2 else 0.0)
+    last_rs = cm.collective_time("reduce_scatter", group, nbytes, k) / max(len(stage.lanes[0].microbatches), 1)
+    return last_rs + (cm.collective_time("all_gather", group, nbytes, k) if level == 2 else 0.0)
+
+
+def _same_position(cm, rank: int) -> set[int]:
+    """Ranks of the ZeRO group at this rank's index within their node's shard group."""
+    node = cm.node_group(rank)
+    idx = node.index(rank)
+    by_host: dict[tuple[str, int], list[int]] = {}
+    for r in cm.zero_group(rank):
+        by_host.setdefault(cm.gpu(r).host, []).append(r)
+    return {members[idx] for members in by_host.values() if idx < len(members)}
+
+
+def _opt_time(cm, stage: Stage, rank: int) -> float:
+    numel = _stage_numel(cm, stage, rank) * cm.shard(rank).optimizer
+    t = cm.optimizer_time(rank, numel)
+    if offloaded(stage.offload)[1]:  # gradients down, parameters back up
+        t += cm.copy_time(rank, numel * (cm.states.grads + cm.states.params))
+    return t
+
+
+def _tail(cm, lanes: list[LaneTiming]) -> float:
+    p = cm.pipeline
+    drain = {s.index: max(t.backward + t.p2p for t in lanes if t.stage == s.index) for s in p.stages}
+    tail, lead = 0.0, 0.0
+    for stage in p.stages:
+        worst = max(sync_time(cm, stage, r) + _opt_time(cm, stage, r)
+                    for lane in stage.lanes for r in _kinds(cm, lane))
+        tail = max(tail, worst - lead)
+        lead += drain[stage.index]
+    return max(tail, 0.0)
+
+
+# ------------------------------------------------------------------ Zorse units
+
+
+def zorse_units(cm) -> list[Unit]:
+    p = cm.pipeline
+    units = []
+    for ms in p.ministages:
+        stage = p.stages[ms.stage]
+        rank = stage.lanes[0].ranks[0]
+        lanes = tuple(_unit_lane(cm, stage, lane, ms.index) for lane in stage.lanes)
+        numel = cm.numel(ms.index, rank)
+        fetch = 0.0
+        if int(stage.zero.level) >= 3:
+            fetch += cm.collective_time("all_gather", cm.zero_group(rank), numel * cm.delta, _concurrent(cm, rank))
+        if stage.offload.params is not OffloadTarget.NONE:
+            fetch += cm.copy_time(rank, numel * cm.delta * cm.shard(rank).params)
+        ratio = numel / max(_stage_numel(cm, stage, rank), 1.0)
+        sync = sync_time(cm, stage, rank, per_ministage=True) * ratio
+        step = _opt_time(cm, stage, rank) * ratio
+        units.append(Unit(stage.index, lanes, fetch, sync, step, offloaded(stage.offload)[1]))
+    return units
+
+
+def _unit_lane(cm, stage: Stage, lane: Lane, ms: int) -> UnitLane:
+    p = cm.pipeline
+    rank = lane.ranks[0]
+    f = max(cm.compute_time(r, ms, "F") for r in _kinds(cm, lane))
+    b = max(cm.compute_time(r, ms, "B") for r in _kinds(cm, lane))
+    offload_acts = stage.offload.activations is not OffloadTarget.NONE
+    if offload_acts:
+        # boundary activations go to the host after the forward and come back for the backward,
+        # beside the compute; the ministage's inside is recomputed from them
+        copy = cm.copy_time(rank, cm.boundary_bytes(ms) / (stage.tp * stage.cp))
+        recompute = 0.0 if cm.model.activation_checkpoint is Checkpointing.FULL else f
+        f, b = max(f, copy), max(b + recompute, copy)
+    out = back = 0.0
+    if ms + 1 < len(p.ministages) and p.ministages[ms + 1].stage != stage.index:
+        out = border_time(cm, stage, lane, p.stages[p.ministages[ms + 1].stage], ms)
+    if ms > 0 and p.ministages[ms - 1].stage != stage.index:
+        back = border_time(cm, stage, lane, p.stages[p.ministages[ms - 1].stage], ms - 1)
+    return UnitLane(lane.microbatches, f, b, out, back)

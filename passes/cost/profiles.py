@@ -1,0 +1,195 @@
+"""Measured numbers the cost model prefers over datasheet arithmetic.
+
+`Profiles` gathers what `hetc profile` measured and what Sailor and Zorse
+published (see `load_profiles`): per-layer forward/backward times
+(`ComputeTable`, one per device kind, model shape, dtype and sequence
+length), link bandwidth models and host<->device copy rates.
+
+Per-layer times are kept as a line in the micro-batch size, t(b) = c + k·b,
+fitted to the measured points with relative weights (every point counts by
+its relative error). Zorse publishes exactly such fits; for Sailor's raw
+points the fit smooths measurement noise at small micro-batches, where the
+GPU is launch-bound and single points are unreliable (a point slower than a
+larger micro-batch is not physical).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from hetc.passes.cost.network import Bandwidth
+
+__all__ = [
+    "LAYER_SLOTS",
+    "ComputeTable",
+    "LinearFit",
+    "NetworkFits",
+    "ProfileError",
+    "Profiles",
+    "fit_line",
+    "load_profiles",
+]
+
+log = logging.getLogger(__name__)
+
+LAYER_SLOTS = ("embed", "block", "head")
+PHASES = ("F", "B")
+# Two models' blocks are "the same shape" for timing when their parameter counts agree this well.
+SHAPE_TOLERANCE = 0.01
+
+
+class ProfileError(ValueError):
+    """A profile file or data directory that cannot be read."""
+
+
+@dataclass(frozen=True, slots=True)
+class LinearFit:
+    """Seconds for micro-batch size b: intercept + slope·b (never negative)."""
+
+    intercept: float
+    slope: float
+
+    def __call__(self, b: float) -> float:
+        return max(self.intercept + self.slope * b, 0.0)
+
+
+def fit_line(points: list[tuple[float, float]]) -> LinearFit:
+    """Least squares in relative error over (micro_batch, seconds) points."""
+    pts = [(float(b), float(t)) for b, t in points if t > 0]
+    if not pts:
+        return LinearFit(0.0, 0.0)
+    if len({b for b, _ in pts}) == 1:
+        b0, t0 = pts[0]
+        return LinearFit(0.0, t0 / b0)  # one size measured: proportional in b
+    b = np.array([p[0] for p in pts])
+    t = np.array([p[1] for p in pts])
+    w = 1.0 / t
+    design = np.vstack([np.ones_like(b), b]).T * w[:, None]
+    (c, k), *_ = np.linalg.lstsq(design, t * w, rcond=None)
+    if k < 0:  # time cannot fall as work grows: fall back to the mean per-sample time
+        return LinearFit(0.0, float(np.mean(t / b)))
+    return LinearFit(float(c), float(k))
+
+
+@dataclass(frozen=True)
+class ComputeTable:
+    """Per-layer times of one model shape on one device kind, at one dtype and sequence length.
+
+    `fits[(slot, tp, phase)]` with slot in embed/block/head and phase F or B
+    (the whole backward). `layers` is the number of blocks measured with, if
+    known (Sailor profiles cover a whole model).
+    """
+
+    source: str
+    device: str
+    hidden: int
+    block_params: int
+    seq: int
+    dtype: str
+    fits: dict[tuple[str, int, str], LinearFit]
+    vocab: int | None = None
+    layers: int | None = None
+    model_name: str = ""
+
+    @property
+    def tps(self) -> tuple[int, ...]:
+        return tuple(sorted({tp for _, tp, _ in self.fits}))
+
+    def time(self, slot: str, tp: int, phase: str, micro_batch: float) -> float | None:
+        fit = self.fits.get((slot, tp, phase))
+        return None if fit is None else fit(micro_batch)
+
+    def matches(self, hidden: int, block_params: int, dtype: str) -> bool:
+        return (self.hidden == hidden and self.dtype == dtype
+                and abs(self.block_params - block_params) <= SHAPE_TOLERANCE * block_params)
+
+
+@dataclass(frozen=True)
+class NetworkFits:
+    """Link bandwidths by device kind, zone and number of GPUs per node that send at once.
+
+    `intra[(device, ring_size)]`: one ring step between GPUs of a node.
+    `inter[(zone, device, count, zone, device, count)]`: the aggregate rate
+    of `count` GPUs of one node sending to a node of the other kind.
+    """
+
+    intra: dict[tuple[str, int], Bandwidth] = field(default_factory=dict)
+    inter: dict[tuple[str, str, int, str, str, int], Bandwidth] = field(default_factory=dict)
+    inter_any_zone: dict[tuple[str, int], Bandwidth] = field(default_factory=dict)
+
+    def intra_rate(self, device: str, ring_size: int) -> Bandwidth | None:
+        counts = sorted(c for d, c in self.intra if d == device)
+        return self.intra[(device, _at_least(counts, ring_size))] if counts else None
+
+    def inter_rate(self, zone_a: str, dev_a: str, zone_b: str, dev_b: str, count: int) -> Bandwidth | None:
+        pairs = {(k[2], k[5]): v for k, v in self.inter.items()
+                 if k[0] == zone_a and k[1] == dev_a and k[3] == zone_b and k[4] == dev_b}
+        if pairs:
+            c = _at_least(sorted({a for a, _ in pairs}), count)
+            return pairs.get((c, c)) or next(v for (a, _), v in sorted(pairs.items()) if a == c)
+        if dev_a == dev_b:
+            counts = sorted(c for d, c in self.inter_any_zone if d == dev_a)
+            if counts:
+                return self.inter_any_zone[(dev_a, _at_least(counts, count))]
+        return None
+
+    def merged(self, other: NetworkFits) -> NetworkFits:
+        return NetworkFits({**self.intra, **other.intra}, {**self.inter, **other.inter},
+                           {**self.inter_any_zone, **other.inter_any_zone})
+
+
+def _at_least(counts: list[int], want: int) -> int:
+    """The smallest measured count that covers `want`, else the largest measured."""
+    return next((c for c in counts if c >= want), counts[-1])
+
+
+@dataclass(frozen=True)
+class Profiles:
+    """Everything measured, from every source given."""
+
+    compute: tuple[ComputeTable, ...] = ()
+    network: NetworkFits = field(default_factory=NetworkFits)
+    copy: dict[str, float] = field(default_factory=dict)         # device kind -> host<->device bytes/s
+    rejected: tuple[tuple[str, str], ...] = ()   # (model name, why its measurement was not used)
+    sources: tuple[str, ...] = ()
+
+    def rejected_for(self, model: str) -> tuple[str, ...]:
+        return tuple(why for name, why in self.rejected if name == model)
+
+    def tables(self, device: str) -> list[ComputeTable]:
+        return [t for t in self.compute if t.device == device]
+
+    def merged(self, other: Profiles) -> Profiles:
+        return Profiles(self.compute + other.compute, self.network.merged(other.network),
+                        {**self.copy, **other.copy}, self.rejected + other.rejected,
+                        self.sources + other.sources)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.compute or self.network.intra or self.network.inter or self.copy)
+
+
+def load_profiles(paths: list[str | Path]) -> Profiles:
+    """Read each path: a `hetc profile` JSON file, a Sailor data folder or a Zorse data folder."""
+    from hetc.passes.cost import hetc_profile, sailor_data, zorse_data
+
+    out = Profiles()
+    for raw in paths:
+        path = Path(raw)
+        if path.is_file():
+            out = out.merged(hetc_profile.read_profile(path))
+        elif sailor_data.looks_like(path):
+            out = out.merged(sailor_data.read_sailor(path))
+        elif zorse_data.looks_like(path):
+            out = out.merged(zorse_data.read_zorse(path))
+        elif path.is_dir():
+            raise ProfileError(f"'{path}' is neither a Sailor data folder (profiles/<MODEL>/<GPU>/"
+                               "profile.json) nor a Zorse one (data/model_latencies.json)")
+        else:
+            raise ProfileError(f"cannot find the profile '{path}'")
+    for model, why in out.rejected:
+        log.info("%s: %s", model, why)
+    return out

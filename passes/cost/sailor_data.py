@@ -1,0 +1,178 @@
+"""Read a Sailor data folder: models, per-layer profiles and network fits.
+
+Layout (as in Sailor's repository): `training_config_*.json` (model and
+batch), `llm_info.json` (parameters per layer and TP degree),
+`profiles/<MODEL>/<GPU>/profile.json` (`{micro_batch: {tp: {layer:
+[fwd_s, bwd_s, update_s]}}}`, layer 0 the embedding, the last the final
+norm and LM head), `network_coeffs_all_homo.json`,
+`intra_node_bandwidths.json` and `multizone_bandwidths_het.json` (fits
+`[[a, b, c], cap]`, see network.QuadraticLogFit), `basic_cluster_config.json`,
+`prices.json`.
+
+A profile is used only if its layer count fits the model it is filed under
+(L + 2 entries, or L + 3 with the final norm apart from the head): a profile
+of another shape would silently time the wrong model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hetc.passes.cost.devices import catalog_name
+from hetc.passes.cost.network import QuadraticLogFit
+from hetc.passes.cost.profiles import ComputeTable, NetworkFits, ProfileError, Profiles, fit_line
+
+from hetc.spec import Arch
+
+__all__ = ["SailorModel", "looks_like", "read_json", "read_models", "read_sailor"]
+
+_GPT_TYPES = {"gpt", "gpt2", "opt", "gpt_neo", "gptneo", "gpt-neo"}
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ProfileError(f"cannot find '{path}'") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ProfileError(f"'{path}' is not valid JSON: {err}") from None
+
+
+def looks_like(path: Path) -> bool:
+    return path.is_dir() and ((path / "profiles").is_dir() or (path / "network_coeffs_all_homo.json").is_file())
+
+
+@dataclass(frozen=True)
+class SailorModel:
+    """A model as Sailor describes it, with what llm_info.json adds (the runs' real counts)."""
+
+    name: str
+    arch: Arch
+    hidden: int
+    layers: int
+    heads: int
+    seq: int
+    vocab: int
+    ffn: int
+    global_batch: int
+    dtype_bytes: int            # 4: the profiles and runs are fp32
+    block_params: int | None    # from llm_info.json
+    head_has_matrix: bool       # the last layer holds a V×H matrix (untied, or a tied copy)
+
+
+def read_models(folder: Path) -> dict[str, SailorModel]:
+    """Models with a training config in `folder`, keyed by Sailor's model name."""
+    info = _optional_json(folder / "llm_info.json") or {}
+    out = {}
+    for path in sorted(folder.glob("training_config_*.json")):
+        cfg = read_json(path)
+        try:
+            model = _model(cfg, info.get(cfg["model"], {}).get("1"))
+        except (KeyError, TypeError, ValueError) as err:
+            raise ProfileError(f"'{path}' is not a Sailor training config: missing or bad {err}") from None
+        out[model.name] = model
+    return out
+
+
+def _model(cfg: dict, layers_info: dict | None) -> SailorModel:
+    kind = str(cfg.get("type", "gpt2")).lower()
+    arch = Arch.GPT if kind in _GPT_TYPES else Arch.LLAMA
+    hidden, seq = int(cfg["hidden_size"]), int(cfg["sequence_length"])
+    ffn = int(cfg.get("ffn_hidden_size", cfg.get("intermediate_size", 4 * hidden)))
+    vocab, block, head_matrix, dtype_bytes = int(cfg["vocab_size"]), None, True, 4
+    if layers_info:
+        embed = layers_info["0"]
+        pos = int(cfg.get("max_position_embeddings", seq)) if arch is Arch.GPT else 0
+        if embed["params_floats"] % hidden == 0:
+            vocab = embed["params_floats"] // hidden - pos  # the padded vocabulary that ran
+        block = int(layers_info["1"]["params_floats"])
+        last = layers_info[str(len(layers_info) - 1)]["params_floats"]
+        head_matrix = last >= vocab * hidden
+        dtype_bytes = round(embed["params_bytes"] / embed["params_floats"])
+    return SailorModel(str(cfg["model"]), arch, hidden, int(cfg["num_layers"]), int(cfg["heads"]), seq,
+                       vocab, ffn, int(cfg.get("global_batch_size", 1)), dtype_bytes, block, head_matrix)
+
+
+def _optional_json(path: Path) -> Any:
+    return read_json(path) if path.is_file() else None
+
+
+def read_sailor(folder: Path) -> Profiles:
+    models = read_models(folder)
+    tables, rejected = [], []
+    for path in sorted(folder.glob("profiles/*/*/profile.json")):
+        name, gpu = path.parent.parent.name, path.parent.name
+        model = models.get(name)
+        if model is None:
+            rejected.append((name, f"{path}: no training_config_*.json describes model '{name}'; profile not used"))
+            continue
+        table, why = _table(path, model, catalog_name(gpu))
+        if table is None:
+            rejected.append((name, f"{path}: {why}; profile not used"))
+        else:
+            tables.append(table)
+    return Profiles(tuple(tables), _network(folder), {}, tuple(rejected), (str(folder),))
+
+
+def _table(path: Path, model: SailorModel, device: str) -> tuple[ComputeTable | None, str]:
+    data = read_json(path)
+    points: dict[tuple[str, int, str], list[tuple[float, float]]] = {}
+    try:
+        for mb, per_tp in data.items():
+            for tp, per_layer in per_tp.items():
+                n = len(per_layer)
+                if n not in (model.layers + 2, model.layers + 3):
+                    return None, (f"it has {n} layers but {model.name} has {model.layers} blocks "
+                                  f"(expected {model.layers + 2} entries)")
+                for slot, entries in _slots(per_layer, n, model.layers).items():
+                    for phase, col in (("F", 0), ("B", 1)):
+                        t = sum(e[col] for e in entries) if slot == "head" else \
+                            sum(e[col] for e in entries) / len(entries)
+                        points.setdefault((slot, int(tp), phase), []).append((int(mb), t))
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError) as err:
+        return None, f"not a Sailor profile ({err})"
+    fits = {key: fit_line(pts) for key, pts in points.items()}
+    dtype = "fp32" if model.dtype_bytes == 4 else "fp16"
+    block = model.block_params if model.block_params is not None else 0
+    return ComputeTable(str(path), device, model.hidden, block, model.seq, dtype, fits, model.vocab,
+                        model.layers, model.name), ""
+
+
+def _slots(per_layer: dict, n: int, blocks: int) -> dict[str, list[list[float]]]:
+    """Embedding, the blocks (averaged: they are identical) and the head (final norm + LM head)."""
+    entries = [per_layer[str(i)] for i in range(n)]
+    return {"embed": entries[:1], "block": entries[1:1 + blocks], "head": entries[1 + blocks:]}
+
+
+def _network(folder: Path) -> NetworkFits:
+    intra, inter, inter_any = {}, {}, {}
+    homo = _optional_json(folder / "network_coeffs_all_homo.json") or {}
+    for table, target in ((homo.get("intra", {}), intra),
+                          (_optional_json(folder / "intra_node_bandwidths.json") or {}, intra)):
+        for gpu, per_count in table.items():
+            for count, fit in per_count.items():
+                target[(catalog_name(gpu), int(count))] = _fit(fit)
+    for gpu, per_count in homo.get("inter", {}).items():
+        for count, fit in per_count.items():
+            inter_any[(catalog_name(gpu), int(count))] = _fit(fit)
+    het = _optional_json(folder / "multizone_bandwidths_het.json") or {}
+    for za, per_gpu in het.items():
+        for ga, per_count in per_gpu.items():
+            for ca, per_zone in per_count.items():
+                for zb, per_gpu_b in per_zone.items():
+                    for gb, per_count_b in per_gpu_b.items():
+                        for cb, fit in per_count_b.items():
+                            key = (za, catalog_name(ga), int(ca), zb, catalog_name(gb), int(cb))
+                            inter[key] = _fit(fit)
+    return NetworkFits(intra, inter, inter_any)
+
+
+def _fit(raw) -> QuadraticLogFit:
+    try:
+        (a, b, c), cap = raw
+        return QuadraticLogFit(float(a), float(b), float(c), float(cap))
+    except (TypeError, ValueError) as err:
+        raise ProfileError(f"a Sailor network fit must be [[a, b, c], cap], got {raw!r} ({err})") from None

@@ -1,0 +1,164 @@
+"""The model's arithmetic per layer: parameters per rank, FLOPs and stashed activations.
+
+Layers are indexed over [embed, block0, ..., block{L-1}, head] (see
+hetc.pipeline). Tensor parallelism follows Megatron: a block's projections
+are sharded (column-parallel q/k/v and FFN-in, row-parallel out and FFN-out)
+while its norms and row-parallel biases are replicated; the word embedding
+and the output matrix are vocabulary-parallel (sharded by tp, with a
+vocab-parallel cross-entropy), position embeddings and the final norm
+replicated. Context parallelism (cp) splits the sequence, replicates weights.
+
+FLOPs are of the full layer for one microbatch of `b` sequences (divide by
+tp × cp for one rank). Activations use the Korthikanti et al. accounting
+("Reducing Activation Recomputation in Large Transformer Models", 2022)
+adapted to flash attention (no S×S score matrices are stored) and no dropout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetc.passes.params import block_params, layer_params
+
+from hetc.spec import Arch, Checkpointing, ModelSpec
+
+__all__ = [
+    "LayerFlops",
+    "LayerKind",
+    "activation_elements",
+    "layer_flops",
+    "layer_kind",
+    "model_flops_per_token",
+    "params_per_rank",
+]
+
+# Bytes of the logits kept for the loss: cross-entropy runs in fp32.
+LOGIT_BYTES = 4
+
+
+class LayerKind:
+    EMBED = "embed"
+    BLOCK = "block"
+    HEAD = "head"
+
+
+def layer_kind(m: ModelSpec, idx: int) -> str:
+    if idx == 0:
+        return LayerKind.EMBED
+    if idx == m.layers + 1:
+        return LayerKind.HEAD
+    return LayerKind.BLOCK
+
+
+def _block_replicated(m: ModelSpec) -> int:
+    """Block parameters every TP rank holds whole: norms and row-parallel biases."""
+    if m.arch is Arch.LLAMA:
+        return 2 * m.hidden
+    return 4 * m.hidden + 2 * m.hidden  # two LayerNorms (weight + bias), out-proj and FFN-out biases
+
+
+def params_per_rank(m: ModelSpec, idx: int, tp: int = 1) -> float:
+    """Parameters of layer `idx` held by one rank of a TP group of `tp`."""
+    if tp == 1:
+        return float(layer_params(m, idx))
+    kind = layer_kind(m, idx)
+    vocab = m.vocab * m.hidden
+    if kind == LayerKind.EMBED:
+        return vocab / tp + (layer_params(m, idx) - vocab)
+    if kind == LayerKind.HEAD:
+        matrix = 0 if m.tied_embeddings else vocab
+        return matrix / tp + (layer_params(m, idx) - matrix)
+    replicated = _block_replicated(m)
+    return (block_params(m) - replicated) / tp + replicated
+
+
+@dataclass(frozen=True, slots=True)
+class LayerFlops:
+    """Forward FLOPs of one layer for one microbatch, split by how backward treats them."""
+
+    linear: float      # matmuls with weights: backward = input-grad (×1) + weight-grad (×1)
+    attention: float   # attention core (QKᵀ, AV): backward = input-grad only (×2)
+
+    @property
+    def forward(self) -> float:
+        return self.linear + self.attention
+
+    @property
+    def input_grad(self) -> float:
+        return self.linear + 2 * self.attention
+
+    @property
+    def weight_grad(self) -> float:
+        return self.linear
+
+    @property
+    def backward(self) -> float:
+        return self.input_grad + self.weight_grad
+
+
+def _matmul_params(m: ModelSpec) -> float:
+    """Weights a token multiplies through in one block (MoE: the top-k experts it visits)."""
+    h, f = m.hidden, m.ffn
+    head_dim = h // m.heads
+    attn = 2 * h * m.heads * head_dim + 2 * h * m.num_kv_heads * head_dim
+    mlp = (3 if m.arch is Arch.LLAMA else 2) * h * f
+    if m.moe is not None:
+        mlp = mlp * m.moe.top_k + h * m.moe.experts  # visited experts + router
+    return attn + mlp
+
+
+def layer_flops(m: ModelSpec, idx: int, micro_batch: int, seq: int | None = None) -> LayerFlops:
+    """Forward FLOPs of layer `idx` (full layer, not per rank) for `micro_batch` sequences."""
+    s = m.seq if seq is None else seq
+    tokens = micro_batch * s
+    kind = layer_kind(m, idx)
+    if kind == LayerKind.EMBED:
+        return LayerFlops(0.0, 0.0)  # a lookup: memory-bound, no matmul
+    if kind == LayerKind.HEAD:
+        return LayerFlops(2.0 * tokens * m.hidden * m.vocab, 0.0)
+    # QKᵀ and AV: 2 × 2·S·(heads·head_dim) FLOPs per token; counted unmasked (PaLM's convention).
+    attention = 4.0 * tokens * s * m.hidden
+    return LayerFlops(2.0 * tokens * _matmul_params(m), attention)
+
+
+def model_flops_per_token(m: ModelSpec) -> float:
+    """Training FLOPs per token without recomputation (forward + backward = 3 × forward)."""
+    total = sum(layer_flops(m, i, 1).forward for i in range(m.num_model_layers))
+    return 3.0 * total / m.seq
+
+
+def activation_elements(m: ModelSpec, idx: int, micro_batch: int, *, tp: int = 1, cp: int = 1,
+                        sequence_parallel: bool = False,
+                        checkpoint: Checkpointing | None = None) -> tuple[float, float]:
+    """(elements kept in the training dtype, extra bytes) stashed by layer `idx` for one microbatch.
+
+    Per rank of a lane with `tp` × `cp` ranks. A block under `full`
+    checkpointing keeps only its input; `selective` keeps the inputs of its
+    matmuls and recomputes norms, activations and the attention core.
+    """
+    ckpt = m.activation_checkpoint if checkpoint is None else checkpoint
+    tokens = micro_batch * m.seq / cp
+    h, f = m.hidden, m.ffn
+    kind = layer_kind(m, idx)
+    if kind == LayerKind.EMBED:
+        return 0.0, 0.0  # token ids only
+    if kind == LayerKind.HEAD:
+        # norm input, this rank's vocabulary slice of the logits for the loss
+        return tokens * h / (tp if sequence_parallel else 1), tokens * m.vocab / tp * LOGIT_BYTES
+    replicated_div = tp if sequence_parallel else 1
+    if ckpt is Checkpointing.FULL:
+        return tokens * h / replicated_div, 0.0
+    kv = 2 * h * m.num_kv_heads // m.heads
+    ffn_inner = 3 * f if m.arch is Arch.LLAMA else 2 * f  # (gate, up, product) or (fc1 out, act out)
+    if ckpt is Checkpointing.SELECTIVE:
+        # block input, q/k/v input, out-proj input, FFN input, FFN-out input
+        replicated = 3 * h
+        sharded = h + f
+    else:
+        # norm inputs, normed q/k/v and FFN inputs (replicated); q, k, v, attention output, FFN inner
+        replicated = 4 * h
+        sharded = h + kv + h + ffn_inner
+    if m.moe is not None and ckpt is not Checkpointing.SELECTIVE:
+        sharded += (m.moe.top_k - 1) * ffn_inner  # each token's inner activations in every visited expert
+    stats = tokens * (m.heads / tp) * 4  # flash attention's log-sum-exp, fp32 per head
+    return tokens * (replicated / replicated_div + sharded / tp), stats

@@ -1,0 +1,61 @@
+"""Read a Zorse data folder: per-block latency fits and model shapes.
+
+`data/model_latencies.json`: `model → gpu → seq_len → dtype →
+[[fwd_slope, fwd_intercept], [bwd_slope, bwd_intercept], [fwd_ms...],
+[bwd_ms...]]` (milliseconds per transformer block, linear in the
+micro-batch size; the raw lists are optional). `data/model_stats.json`:
+hidden size, blocks and parameters per block. Zorse does not use tensor
+parallelism, so every table is for tp = 1; embedding and head are not
+measured (the cost model times them from FLOPs).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hetc.passes.cost.devices import catalog_name
+from hetc.passes.cost.profiles import ComputeTable, LinearFit, Profiles
+from hetc.passes.cost.sailor_data import read_json
+
+__all__ = ["DTYPES", "LATENCIES", "STATS", "looks_like", "read_zorse"]
+
+LATENCIES = Path("data/model_latencies.json")
+STATS = Path("data/model_stats.json")
+DTYPES = {"float16": "fp16", "bfloat16": "fp16", "float32": "fp32"}
+
+
+def looks_like(path: Path) -> bool:
+    return path.is_dir() and (path / LATENCIES).is_file()
+
+
+def read_zorse(folder: Path) -> Profiles:
+    latencies = read_json(folder / LATENCIES)
+    stats = read_json(folder / STATS) if (folder / STATS).is_file() else {}
+    tables, rejected = [], []
+    for model, per_gpu in latencies.items():
+        shape = stats.get(model)
+        if shape is None:
+            rejected.append((model, f"{folder / LATENCIES}: model '{model}' is not in {STATS}; latencies not used"))
+            continue
+        for gpu, per_seq in per_gpu.items():
+            for seq, per_dtype in per_seq.items():
+                for dtype, entry in per_dtype.items():
+                    fits = _fits(entry)
+                    where = f"{folder / LATENCIES}: {model}/{gpu}/{seq}/{dtype}"
+                    if fits is None or dtype not in DTYPES:
+                        rejected.append((model, f"{where}: no forward and backward fit; not used"))
+                        continue
+                    tables.append(ComputeTable(where, catalog_name(gpu), int(shape["hidden_size"]),
+                                               int(shape["parameters_per_layer"]), int(seq), DTYPES[dtype],
+                                               fits, None, int(shape["num_layers"]), model))
+    return Profiles(tuple(tables), rejected=tuple(rejected), sources=(str(folder),))
+
+
+def _fits(entry) -> dict | None:
+    try:
+        (fs, fi), (bs, bi) = entry[0], entry[1]
+        fwd, bwd = LinearFit(float(fi) / 1e3, float(fs) / 1e3), LinearFit(float(bi) / 1e3, float(bs) / 1e3)
+    except (TypeError, ValueError, IndexError):
+        return None
+    return {("block", 1, "F"): fwd, ("block", 1, "B"): bwd}
+

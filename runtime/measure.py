@@ -1,0 +1,192 @@
+"""Measurements for `hetc profile`: layer times, copy bandwidth, collectives between local processes.
+
+Layers are hetc's own (runtime/model.py), built one at a time as a
+ministage and timed forward and backward on random inputs; the median of
+`repeats` runs after one warm-up. On CUDA the clock is CUDA events around
+the work; on CPU the wall clock. Collectives run in `ranks` spawned
+processes (gloo on CPU, NCCL when there is a GPU per rank).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from hetc.runtime.model import build_ministage, compute_dtype
+
+from hetc.spec import ModelSpec
+
+__all__ = ["COLLECTIVE_KINDS", "LayerSample", "comm_rates", "copy_rates", "local_device", "time_layers"]
+
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+# torch renamed the flat-tensor collectives; use whichever this torch has
+_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(frozen=True)
+class LayerSample:
+    layer: str
+    micro_batch: int
+    seq: int
+    forward_s: float
+    backward_s: float
+
+
+def local_device() -> torch.device:
+    """CUDA if there is one; else the CPU, with the one thread a local-run rank uses (runtime/worker.py)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    return torch.device("cpu")
+
+
+def _clock(device: torch.device, fn: Callable[[], None], repeats: int, setup: Callable[[], None] | None = None) -> float:
+    """Fastest of `repeats` timed runs of `fn` after one warm-up (`setup` runs untimed before each).
+
+    The minimum, as timeit reports: interference from other processes only adds time.
+    """
+    if setup:
+        setup()
+    fn()
+    times = []
+    for _ in range(repeats):
+        if setup:
+            setup()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def time_layers(model: ModelSpec, micro_batches: list[int], seqs: list[int], repeats: int,
+                progress: Callable[[str], None]) -> list[LayerSample]:
+    """Forward and backward seconds of the embedding, one block and the head at each (b, S)."""
+    device = local_device()
+    dtype = compute_dtype(model.dtype) if device.type == "cuda" else torch.float32
+    out = []
+    for name, idx in (("embed", 0), ("block", 1), ("head", model.layers + 1)):
+        stage = build_ministage(model, range(idx, idx + 1), seed=0, device=device).to(dtype)
+        for seq in seqs:
+            for b in micro_batches:
+                progress(f"{name} b={b} S={seq}")
+                fwd, bwd = _time_one(stage, name, model, b, seq, device, dtype, repeats)
+                out.append(LayerSample(name, b, seq, fwd, bwd))
+        del stage
+    return out
+
+
+def _time_one(stage, name: str, model: ModelSpec, b: int, seq: int, device, dtype, repeats: int):
+    tokens = torch.randint(0, model.vocab, (b, seq), device=device)
+    hidden = torch.randn(b, seq, model.hidden, device=device, dtype=dtype)
+    labels = tokens if name == "head" else None
+    pending: list[torch.Tensor] = []
+
+    def inputs():
+        return tokens if name == "embed" else hidden.detach().requires_grad_(True)
+
+    def forward():
+        y = stage(inputs(), labels)
+        pending[:] = [y if y.dim() == 0 else y.float().square().mean()]
+
+    def backward():
+        pending.pop().backward()
+
+    def reset():
+        stage.zero_grad(set_to_none=True)
+        forward()
+
+    return _clock(device, forward, repeats, setup=pending.clear), _clock(device, backward, repeats, setup=reset)
+
+
+def copy_rates(sizes: list[int], repeats: int) -> list[dict]:
+    """Host<->device bytes/s (pinned memory); on CPU, a host memory copy."""
+    device = local_device()
+    rows = []
+    for n in sizes:
+        host = torch.empty(n, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        if device.type == "cuda":
+            dev = torch.empty(n, dtype=torch.uint8, device=device)
+            pairs = (("h2d", dev, host), ("d2h", host, dev))
+        else:
+            pairs = (("copy", torch.empty_like(host), host),)
+        for direction, dst, src in pairs:
+            copy = partial(dst.copy_, src, non_blocking=device.type == "cuda")
+            rows.append({"direction": direction, "bytes": n, "seconds": _clock(device, copy, repeats)})
+    return rows
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def comm_rates(ranks: int, sizes: list[int], repeats: int) -> tuple[list[dict], list[dict]]:
+    """(collectives, p2p) measured between `ranks` local processes; rows as in the profile file."""
+    port = _free_port()
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_comm_worker, args=(ranks, port, sizes, repeats, queue), nprocs=ranks, join=True,
+                       start_method="spawn")
+    return queue.get()
+
+
+def _comm_worker(rank: int, ranks: int, port: int, sizes: list[int], repeats: int, queue) -> None:
+    use_nccl = torch.cuda.is_available() and torch.cuda.device_count() >= ranks
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("nccl" if use_nccl else "gloo", rank=rank, world_size=ranks)
+    device = torch.device("cuda", rank) if use_nccl else torch.device("cpu")
+    if use_nccl:
+        torch.cuda.set_device(device)
+    collectives, p2p = [], []
+    for n in sizes:
+        elems = max(n // 4 // ranks * ranks, ranks)
+        full = torch.ones(elems, device=device)
+        part = torch.ones(elems // ranks, device=device)
+        ops = {"all_reduce": partial(dist.all_reduce, full),
+               "all_gather": partial(_GATHER, full, part),
+               "reduce_scatter": partial(_SCATTER, part, full)}
+        for kind, op in ops.items():
+            try:
+                seconds = _synced(device, op, repeats)
+            except (RuntimeError, NotImplementedError):  # gloo lacks some collectives in some builds
+                continue
+            collectives.append({"kind": kind, "ranks": ranks, "bytes": elems * 4, "seconds": seconds})
+        p2p.append({"bytes": elems * 4, "seconds": _ping(rank, device, full, repeats)})
+    if rank == 0:
+        queue.put((collectives, p2p))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _synced(device: torch.device, op: Callable[[], None], repeats: int) -> float:
+    dist.barrier()
+    return _clock(device, op, repeats)
+
+
+def _ping(rank: int, device: torch.device, buf: torch.Tensor, repeats: int) -> float:
+    """One-way time: half a round trip between ranks 0 and 1."""
+    def round_trip():
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        elif rank == 1:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+    dist.barrier()
+    return _clock(device, round_trip, repeats) / 2
