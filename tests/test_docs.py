@@ -1,0 +1,71 @@
+"""docs/ stays true to the code: generated parts are current, examples parse."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+from hetc import syntax as ast
+from hetc.convert import fields_of, to_spec
+from hetc.errors import Span
+from hetc.spec import Spec
+from tests.conftest import ROOT
+
+DOCS = ROOT / "docs"
+
+
+def _load(script: str):
+    spec = importlib.util.spec_from_file_location(script, DOCS / f"{script}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_language_md_key_tables_are_current():
+    text = (DOCS / "language.md").read_text()
+    assert _load("gen_language").render(text) == text, "run python docs/gen_language.py"
+
+
+def test_errors_md_is_current():
+    assert _load("gen_errors").render() == (DOCS / "errors.md").read_text(), "run python docs/gen_errors.py"
+
+
+def _node_classes(cls: type, seen: set[type]) -> set[type]:
+    seen.add(cls)
+    for info in fields_of(cls):
+        if dataclasses.is_dataclass(info.base) and info.meta["block"] and info.base not in seen:
+            _node_classes(info.base, seen)
+    return seen
+
+
+def test_every_block_has_a_key_table():
+    text = (DOCS / "language.md").read_text()
+    missing = [c.__name__ for c in _node_classes(Spec, set()) if f"<!-- generated: keys {c.__name__} -->" not in text]
+    assert not missing
+
+
+_EXAMPLE = re.compile(r"```het\n(.*?)```", re.DOTALL)
+
+
+@pytest.mark.parametrize("number", range(len(_EXAMPLE.findall((DOCS / "language.md").read_text()))))
+def test_language_md_examples_parse_and_convert(number):
+    example = _EXAMPLE.findall((DOCS / "language.md").read_text())[number]
+    items = [i for i in ast.parse_text(example, "language.md").items if not isinstance(i, ast.Use)]
+    to_spec(items, Span("language.md", 1, 1, 1, 1))
+
+
+def test_glossary_defines_the_shared_words():
+    text = (DOCS / "glossary.md").read_text()
+    for word in ("rank", "stage", "lane", "ministage", "microbatch", "group", "N_part", "N_rep", "ZeRO level",
+                 "schedule", "offload", "routing"):
+        assert re.search(rf"\*\*{re.escape(word)}", text), word
+
+
+def test_errors_md_covers_every_invalid_case():
+    text = (DOCS / "errors.md").read_text()
+    cases = [p.name for p in Path(ROOT / "tests" / "invalid").glob("*.het") if not p.name.startswith("_")]
+    assert all(f"`tests/invalid/{name}`" in text for name in cases)
