@@ -159,7 +159,7 @@ class Converter:
         for info in infos:
             if key in info.keys and not info.meta["label"]:
                 return info
-        names = [i.name for i in infos if not i.meta["label"]]
+        names = [i.meta["block"] or i.name for i in infos if not i.meta["label"]]
         every = [k for i in infos if not i.meta["label"] for k in i.keys]
         hint = did_you_mean(key, every)
         self.error(item.key_span, f"unknown key '{item.key}' in {what}{hint}"

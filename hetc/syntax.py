@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from lark import Lark, Token, Transformer, v_args
+from lark import Lark, Token, Transformer, Tree, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
 from hetc.errors import Diagnostic, Span, SpecError
@@ -263,8 +263,24 @@ def parse_text(text: str, path: str) -> File:
         tree = _parser().parse(text)
     except UnexpectedInput as err:
         raise SpecError(_syntax_diagnostic(err, text, path)) from None
+    _check_depth(tree, path)
     items = _ToAst(path).transform(tree)
     return File(path, tuple(_weave_comments(items, _scan_comments(text), path)))
+
+
+MAX_NESTING = 32  # blocks and lists inside each other; real specs need about 4
+
+
+def _check_depth(tree: Tree, path: str) -> None:
+    """Refuse absurd nesting before the recursive passes (transform, convert, print) meet it."""
+    stack = [(tree, 0)]
+    while stack:
+        node, depth = stack.pop()
+        nests = node.data in ("block", "list")
+        if nests and depth == MAX_NESTING:
+            raise SpecError.at(_span(path, node.meta), f"blocks and lists are nested more than {MAX_NESTING} "
+                                                       "levels deep here")
+        stack += [(child, depth + nests) for child in node.children if isinstance(child, Tree)]
 
 
 class _RawComment(NamedTuple):

@@ -19,6 +19,10 @@ from hetc.pipeline import Pipeline
 from hetc.spec import AUTO, DTYPE_BYTES, DataKind, OffloadTarget, Spec, ZeroShard
 from hetc.topology import MAX_GPUS, Topology
 
+# Every rank's program lists each of its microbatches; beyond this a step is
+# not a plan anyone runs, and resolving it would take seconds.
+MAX_MICROBATCHES = 65536
+
 __all__ = ["Checked", "check_spec", "validate"]
 
 
@@ -96,6 +100,10 @@ def _check_train(spec: Spec, base_dir: Path | None, errors) -> None:
     if t.global_batch % t.micro_batch:
         errors.append(Diagnostic(t.span_of("global_batch"), f"global_batch ({t.global_batch}) is not a multiple "
                                  f"of micro_batch ({t.micro_batch})"))
+    elif t.global_batch // t.micro_batch > MAX_MICROBATCHES:
+        errors.append(Diagnostic(t.span_of("global_batch"), f"global_batch / micro_batch = {t.global_batch} / "
+                                 f"{t.micro_batch} = {t.global_batch // t.micro_batch} microbatches a step; hetc "
+                                 f"schedules at most {MAX_MICROBATCHES}: raise micro_batch"))
     if t.data.kind is DataKind.TEXT:
         if not t.data.path:
             errors.append(Diagnostic(t.data.span, "data text needs a path = \"file.txt\""))
