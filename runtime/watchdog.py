@@ -27,11 +27,11 @@ class Watchdog(threading.Thread):
         self.store, self.rank, self.world = store, rank, world
         self.interval, self.timeout = interval, timeout
         self.watched = (rank + 1) % world
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def run(self) -> None:
         last_value, last_change = None, time.monotonic()
-        while not self._stop.wait(self.interval):
+        while not self._halt.wait(self.interval):
             try:
                 self.store.add(f"hetc/hb/{self.rank}", 1)
                 if self.store.check(["hetc/dead"]):
@@ -40,7 +40,7 @@ class Watchdog(threading.Thread):
                     continue
                 value = self.store.add(f"hetc/hb/{self.watched}", 0)
             except Exception as err:  # noqa: BLE001 - the store itself is gone
-                if self._stop.is_set():
+                if self._halt.is_set():
                     return
                 self._die(0, f"the rendezvous store stopped answering ({type(err).__name__})")
             now = time.monotonic()
@@ -54,7 +54,7 @@ class Watchdog(threading.Thread):
                 self._die(self.watched, f"no heartbeat for {self.timeout:.0f} s")
 
     def _die(self, dead: int, why: str) -> None:
-        if self._stop.is_set():
+        if self._halt.is_set():
             return
         print(f"[rank {self.rank}] error: rank {dead} stopped responding ({why}); exiting", file=sys.stderr,
               flush=True)
@@ -78,8 +78,10 @@ class Watchdog(threading.Thread):
 
     def finish(self) -> None:
         """This rank is done: stop watching and tell the watcher not to worry."""
-        self._stop.set()
+        self._halt.set()
         try:
             self.store.set(f"hetc/done/{self.rank}", "1")
         except Exception:  # noqa: BLE001
             pass
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout=5 * self.interval)

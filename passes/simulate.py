@@ -1,0 +1,224 @@
+"""Predict one step's timeline by running the programs against the cost model.
+
+Note [timeline model]: each rank issues its instructions in order. Compute
+(forward, backward, optimizer step) occupies the rank's compute stream for
+the cost model's duration. Asynchronous work runs beside it: a message
+moves once both its send and its receive are posted, taking the link's
+time; a collective starts when the last member posts it; host copies queue
+on the rank's copy stream. `wait` holds the issuing thread until the work
+is done, and a blocking instruction is its own wait. The step ends when
+the last rank finishes. This is the same blocking model the verifier
+checks, with time added, so verified programs always simulate to the end.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from hetc.pipeline import Pipeline
+from hetc.program import (AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight, Forward, Free,
+                          Instr, Load, Offload, Prefetch, Program, Recv, ReduceScatter, Send, Step, Tensor, Wait)
+from hetc.spec import DTYPE_BYTES, Spec
+from hetc.timeline import Event, EventKind, Flow, RankInfo, Stream, Timeline, classify
+
+__all__ = ["simulate", "SimulationError"]
+
+_PHASE = {Forward: "F", Backward: "B", BackwardInput: "I", BackwardWeight: "W"}
+
+
+class SimulationError(RuntimeError):
+    """The programs cannot be run to the end (they should have failed verification)."""
+
+
+@dataclass
+class _Op:
+    rank: int
+    index: int
+    instr: Instr
+    post: float
+    end: float | None = None
+
+
+@dataclass
+class _Rank:
+    pc: int = 0
+    t: float = 0.0
+    handles: dict[int, _Op] = field(default_factory=dict)
+    blocking: _Op | None = None
+    copy_free: float = 0.0
+
+
+class _Sim:
+    def __init__(self, program: Program, pipeline: Pipeline, spec: Spec, costs):
+        self.program, self.pipeline, self.spec, self.costs = program, pipeline, spec, costs
+        self.delta = DTYPE_BYTES[spec.model.dtype]
+        self.ranks = [_Rank() for _ in program.ranks]
+        self.channels: dict[tuple[int, int], tuple[deque, deque]] = {}
+        self.calls: dict[str, list[list[_Op]]] = {}
+        self.count: dict[tuple[str, int], int] = {}
+        self.members = {g.name: g.ranks for g in program.groups}
+        self.shards = {rp.rank: {s.ms: s for s in rp.shards} for rp in program.ranks}
+        self.events: list[Event] = []
+        self.flows: list[Flow] = []
+
+    # ------------------------------------------------------------ durations
+
+    def _compute(self, rank: int, instr) -> float:
+        if isinstance(instr, Step):
+            return self.costs.optimizer_time(rank, self._opt_numel(rank, instr.ms))
+        if isinstance(instr, (Load, Free, Wait)):
+            return 0.0
+        return self.costs.compute_time(rank, instr.ms, _PHASE[type(instr)])
+
+    def _opt_numel(self, rank: int, ms: int) -> float:
+        shard = self.shards[rank][ms]
+        if shard.group is None or shard.level == 0:
+            return self.costs.numel(ms, rank)
+        parts = len(self.members[shard.group])
+        if shard.outer is not None and shard.outer_level == 1:
+            parts *= len(self.members[shard.outer])
+        return self.costs.numel(ms, rank) / parts
+
+    def _collective_bytes(self, rank: int, instr) -> float:
+        if isinstance(instr, AllReduce) and instr.what in (Tensor.LOSS, Tensor.NORM):
+            return 8.0
+        if isinstance(instr, AllToAll):
+            return self.costs.boundary_bytes(instr.ms)
+        full = self.costs.param_bytes(instr.ms, rank)
+        shard = self.shards[rank][instr.ms]
+        if instr.group == shard.outer:
+            return full / len(self.members[shard.group])
+        return full
+
+    def _copy_bytes(self, rank: int, instr) -> float:
+        if instr.what is Tensor.ACT:
+            return self.costs.boundary_bytes(instr.ms)
+        shard = self.shards[rank][instr.ms]
+        full = self.costs.param_bytes(instr.ms, rank)
+        return full / len(self.members[shard.group]) if shard.level == 3 and shard.group else full
+
+    # ------------------------------------------------------------ posting
+
+    def _post(self, op: _Op) -> None:
+        instr = op.instr
+        if isinstance(instr, (Send, Recv)):
+            self._post_p2p(op)
+        elif isinstance(instr, (AllGather, ReduceScatter, AllReduce, AllToAll)):
+            self._post_collective(op)
+        elif isinstance(instr, (Offload, Prefetch)):
+            state = self.ranks[op.rank]
+            start = max(op.post, state.copy_free)
+            op.end = start + self.costs.copy_time(op.rank, self._copy_bytes(op.rank, instr))
+            state.copy_free = op.end
+            self._event(op.rank, op.index, start, op.end)
+        else:
+            op.end = op.post
+
+    def _post_p2p(self, op: _Op) -> None:
+        instr = op.instr
+        is_send = isinstance(instr, Send)
+        key = (op.rank, instr.peer_to) if is_send else (instr.peer_from, op.rank)
+        sends, recvs = self.channels.setdefault(key, (deque(), deque()))
+        mine, theirs = (sends, recvs) if is_send else (recvs, sends)
+        if not theirs:
+            mine.append(op)
+            return
+        other = theirs.popleft()
+        send, recv = (op, other) if is_send else (other, op)
+        nbytes = math.prod(send.instr.shape) * self.delta
+        start = max(send.post, recv.post)
+        end = start + self.costs.p2p_time(send.rank, recv.rank, nbytes)
+        send.end = recv.end = end
+        self._event(send.rank, send.index, start, end)
+        self._event(recv.rank, recv.index, start, end)
+        self.flows.append(Flow(send.rank, send.index, recv.rank, recv.index, nbytes))
+
+    def _post_collective(self, op: _Op) -> None:
+        group = op.instr.group
+        members = self.members[group]
+        k = self.count.get((group, op.rank), 0)
+        self.count[(group, op.rank)] = k + 1
+        calls = self.calls.setdefault(group, [])
+        if k == len(calls):
+            calls.append([])
+        calls[k].append(op)
+        if len(calls[k]) < len(members):
+            return
+        start = max(o.post for o in calls[k])
+        kind = type(op.instr).__name__
+        name = {"AllGather": "all_gather", "ReduceScatter": "reduce_scatter", "AllReduce": "all_reduce",
+                "AllToAll": "all_to_all"}[kind]
+        end = start + self.costs.collective_time(name, members, self._collective_bytes(op.rank, op.instr))
+        for o in calls[k]:
+            o.end = end
+            self._event(o.rank, o.index, start, end)
+
+    # ------------------------------------------------------------ running
+
+    def _event(self, rank: int, index: int, start: float, end: float) -> None:
+        instr = self.program.ranks[rank].instrs[index]
+        kind, stream = classify(instr)
+        self.events.append(Event(rank, index, str(instr), kind, stream, start, end))
+
+    def advance(self, r: int) -> bool:
+        state, instrs = self.ranks[r], self.program.ranks[r].instrs
+        moved = False
+        while state.pc < len(instrs):
+            if state.blocking is not None:
+                if state.blocking.end is None:
+                    return moved
+                state.t = max(state.t, state.blocking.end)
+                state.blocking = None
+                state.pc += 1
+                moved = True
+                continue
+            instr = instrs[state.pc]
+            if isinstance(instr, Wait):
+                op = state.handles[instr.handle]
+                if op.end is None:
+                    return moved
+                state.t = max(state.t, op.end)
+            elif isinstance(instr, (Forward, Backward, BackwardInput, BackwardWeight, Step, Load, Free)):
+                duration = self._compute(r, instr)
+                if duration > 0:
+                    self._event(r, state.pc, state.t, state.t + duration)
+                state.t += duration
+            else:
+                op = _Op(r, state.pc, instr, state.t)
+                self._post(op)
+                handle = getattr(instr, "handle", None)
+                if handle is None:
+                    state.blocking = op
+                    continue
+                state.handles[handle] = op
+            state.pc += 1
+            moved = True
+        return moved
+
+    def run(self) -> float:
+        active = set(range(len(self.ranks)))
+        while active:
+            progress = False
+            for r in sorted(active):
+                progress |= self.advance(r)
+                if self.ranks[r].pc >= len(self.program.ranks[r].instrs) and self.ranks[r].blocking is None:
+                    active.discard(r)
+            if not progress and active:
+                stuck = sorted(active)[:4]
+                raise SimulationError(f"ranks {stuck} cannot finish the step (unverified programs?)")
+        ends = [s.t for s in self.ranks] + [e.end for e in self.events]
+        return max(ends, default=0.0)
+
+
+def simulate(program: Program, pipeline: Pipeline, spec: Spec, costs, plan_facts=()) -> Timeline:
+    """The predicted Timeline of one step (source "predicted")."""
+    sim = _Sim(program, pipeline, spec, costs)
+    step_time = sim.run()
+    infos = []
+    for rp in program.ranks:
+        gpu = pipeline.world[rp.rank]
+        infos.append(RankInfo(rp.rank, rp.stage, rp.lane, gpu.device.name, str(gpu), gpu.device.memory))
+    events = sorted(sim.events, key=lambda e: (e.rank, e.start, e.index))
+    return Timeline("predicted", tuple(infos), tuple(events), tuple(sim.flows), (), step_time, tuple(plan_facts))
