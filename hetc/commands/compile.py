@@ -12,7 +12,9 @@ from hetc.cli import UsageError
 from hetc.frontend import load_checked
 from hetc.plandir import write_plan_dir
 from hetc.program import Program
+from hetc.passes.cost import CostModel
 from hetc.passes.export_torch import torch_pipelines
+from hetc.passes.simulate import simulate
 from hetc.passes.lower import PASSES, PASS_NAMES, lower
 from hetc.passes.verify import VerifyError, verify
 
@@ -24,8 +26,9 @@ log = logging.getLogger("hetc.compile")
 class Compiled:
     """Everything compile produced, for the CLI and for tests."""
 
-    def __init__(self, loaded, checked, program: Program, timeline=None):
-        self.loaded, self.checked, self.program, self.timeline = loaded, checked, program, timeline
+    def __init__(self, loaded, checked, program: Program, costs, timeline):
+        self.loaded, self.checked, self.program = loaded, checked, program
+        self.costs, self.timeline = costs, timeline
 
     @property
     def pipeline(self):
@@ -54,7 +57,25 @@ def compile_spec(spec_path: Path, dump_after: str | None = None, on_dump=None) -
                          "-o PLANNED.het` and compile that")
     program = lower(checked.spec, checked.pipeline, dump_after, on_dump)
     verify(program, checked.pipeline, checked.spec)
-    return Compiled(loaded, checked, program)
+    costs = CostModel(checked.spec, checked.pipeline, checked.topology)
+    timeline = simulate(program, checked.pipeline, checked.spec, costs, plan_facts(checked))
+    return Compiled(loaded, checked, program, costs, timeline)
+
+
+def plan_facts(checked) -> list[tuple[str, str]]:
+    """The plan at a glance, for the visualizer's side panel."""
+    spec, p = checked.spec, checked.pipeline
+    facts = [("schedule", p.schedule.value), ("ranks", str(p.world_size)), ("stages", str(len(p.stages))),
+             ("ministages", str(len(p.ministages))), ("microbatches", str(p.num_microbatches)),
+             ("micro batch", str(p.micro_batch)),
+             ("tokens_per_step", str(spec.train.global_batch * spec.model.seq))]
+    for st in p.stages:
+        first = p.ministages[st.ministages[0]]
+        last = p.ministages[st.ministages[-1]]
+        layers = f"{spec.model.layer_name(first.first_layer)}..{spec.model.layer_name(last.stop_layer - 1)}"
+        facts.append((f"stage {st.name}", f"{layers}, {len(st.lanes)} lanes × {st.lane_size}, "
+                      f"ZeRO-{st.zero.level}, {len(st.ministages)} ministages"))
+    return facts
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,8 +98,13 @@ def run(args: argparse.Namespace) -> int:
                "ministages": len(pipeline.ministages), "microbatches": pipeline.num_microbatches,
                "schedule": pipeline.schedule.value,
                "instructions": sum(len(r.instrs) for r in program.ranks)}
-    write_plan_dir(args.out, compiled.checked.spec, compiled.loaded.path.parent, program, exports, None, summary)
+    step = compiled.timeline.step_time
+    tokens = compiled.checked.spec.train.global_batch * compiled.checked.spec.model.seq
+    summary.update(step_time_s=step, tokens_per_s=tokens / step if step > 0 else 0.0)
+    write_plan_dir(args.out, compiled.checked.spec, compiled.loaded.path.parent, program, exports,
+                   compiled.timeline.to_json(), summary)
     took = time.perf_counter() - start
     print(f"compiled {args.spec}: {program.world_size} ranks, {summary['instructions']} instructions, "
-          f"verified in {took:.2f}s -> {args.out}/")
+          f"verified; predicted {step * 1e3:.2f} ms/step ({summary['tokens_per_s']:,.0f} tokens/s) "
+          f"[{took:.2f}s] -> {args.out}/")
     return 0
