@@ -1,0 +1,145 @@
+"""The memory model against DESIGN.md §3: exact bytes per ZeRO level, master copy, hierarchy."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hetc.passes.cost.memory import in_flight
+from hetc.passes.cost.shapes import activation_elements, params_per_rank
+from hetc.passes.params import block_params, layer_params, stage_params
+
+from hetc.spec import Arch, Checkpointing, ScheduleKind
+from tests.costspecs import cost_model, plan_text
+
+ONE_STAGE = """
+  zero {{ level = {level} {extra} }}
+  stage all {{
+    layers = embed..head
+    ranks = n
+    lanes = 8
+  }}
+"""
+
+
+def _static(cm, rank: int = 0) -> tuple[float, float, float]:
+    e = cm.estimate()
+    m = e.memory[rank]
+    return m.params, m.grads, m.optimizer
+
+
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
+def test_zero_levels_without_master_copy(tmp_path, level):
+    """δ = δ_opt = 4, AdamW (n_opt = 2): no master copy, so ZeRO-0 is 4δΦ."""
+    cm = cost_model(tmp_path, plan_text(ONE_STAGE.format(level=level, extra="")))
+    phi, n, d = stage_params(cm.model, range(cm.model.num_model_layers)), 8, 4
+    params, grads, optimizer = _static(cm)
+    assert params == d * phi / (n if level == 3 else 1)
+    assert grads == d * phi / (n if level >= 2 else 1)
+    assert optimizer == 2 * d * phi / (n if level >= 1 else 1)
+    design = {0: 2 * d + 2 * d, 1: 2 * d + 2 * d / n, 2: d + d / n + 2 * d / n, 3: 2 * d / n + 2 * d / n}
+    assert params + grads + optimizer == pytest.approx(design[level] * phi, rel=1e-12)
+
+
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
+def test_zero_levels_with_master_copy(tmp_path, level):
+    """bf16 training, fp32 optimizer: (n_opt + 1)·δ_opt = 12 bytes of optimizer state per parameter."""
+    cm = cost_model(tmp_path, plan_text(ONE_STAGE.format(level=level, extra=""), dtype="bf16", master="fp32"))
+    phi, n, d, d_opt = stage_params(cm.model, range(cm.model.num_model_layers)), 8, 2, 4
+    total = sum(_static(cm))
+    design = {0: 2 * d + 3 * d_opt, 1: 2 * d + 3 * d_opt / n, 2: d + d / n + 3 * d_opt / n,
+              3: 2 * d / n + 3 * d_opt / n}
+    assert total == pytest.approx(design[level] * phi, rel=1e-12)
+    assert cm.optimizer_bytes(0, 0) == 3 * d_opt * cm.numel(0, 0)   # unsharded: master + 2 states
+
+
+def test_hierarchical_zero_shards_inside_the_node(tmp_path):
+    """ZeRO-3 with shard = node: 4 lanes per node shard; across = 1 shards the optimizer over all 8."""
+    inner = cost_model(tmp_path, plan_text(ONE_STAGE.format(level=3, extra="; shard = node")))
+    across = cost_model(tmp_path, plan_text(ONE_STAGE.format(level=3, extra="; shard = node; across = 1")))
+    phi, d = stage_params(inner.model, range(inner.model.num_model_layers)), 4
+    assert _static(inner) == (d * phi / 4, d * phi / 4, 2 * d * phi / 4)
+    assert _static(across) == (d * phi / 4, d * phi / 4, 2 * d * phi / 8)
+    assert len(inner.node_group(0)) == 4 and len(inner.zero_group(0)) == 8
+
+
+def test_unsharded_api_per_ministage(tmp_path):
+    cm = cost_model(tmp_path, plan_text(ONE_STAGE.format(level=3, extra=""), dtype="bf16"))
+    numel = stage_params(cm.model, range(cm.model.num_model_layers))
+    assert cm.param_bytes(0, 0) == 2 * numel and cm.grad_bytes(0, 0) == 2 * numel
+    assert cm.boundary_bytes(0) == 0.0   # the only ministage: nothing leaves it
+
+
+def test_tensor_parallel_parameters_match_the_runtime(tmp_path):
+    """A block's TP shard holds exactly what the runtime's TP modules hold (llama and gpt)."""
+    torch = pytest.importorskip("torch")
+    from hetc.runtime.layers import Block
+    from hetc.runtime.tp import TPShard
+
+    llama = cost_model(tmp_path, plan_text(ONE_STAGE.format(level=0, extra=""))).model
+    for model in (llama, dataclasses.replace(llama, arch=Arch.GPT, kv_heads=None)):
+        with torch.device("meta"):
+            shard = Block(model, TPShard(0, 2))
+        assert params_per_rank(model, 1, 2) == sum(p.numel() for p in shard.parameters())
+        assert params_per_rank(model, 1, 1) == block_params(model)
+    vocab = llama.vocab * llama.hidden
+    assert params_per_rank(llama, 0, 4) == vocab / 4                        # vocabulary-parallel embedding
+    assert params_per_rank(llama, llama.layers + 1, 4) == \
+        vocab / 4 + layer_params(llama, llama.layers + 1) - vocab            # vocab-parallel head, whole norm
+
+
+def test_activations_in_flight_per_schedule():
+    assert in_flight(ScheduleKind.GPIPE, 0, 4, 16) == 16
+    assert [in_flight(ScheduleKind.ONE_F_ONE_B, s, 4, 16) for s in range(4)] == [4, 3, 2, 1]
+    assert in_flight(ScheduleKind.ONE_F_ONE_B, 0, 4, 2) == 2     # never more than there are
+    assert in_flight(ScheduleKind.ZB, 1, 4, 16) == 3              # ZB-H1 keeps the 1F1B peak
+    # interleaved, 2 chunks, 4 stages: Megatron's warm-up 2(p-s-1) + (v-1)p + 1 chunk-steps of half a stage
+    assert in_flight(ScheduleKind.INTERLEAVED, 0, 4, 16, 2) == (2 * 3 + 4 + 1) / 2
+
+
+PIPE = """
+  schedule = {schedule}
+  stage a {{
+    layers = embed..block3
+    ranks = n[0]
+    lanes = 4
+  }}
+  stage b {{
+    layers = block4..head
+    ranks = n[1]
+    lanes = 4
+  }}
+"""
+
+
+def test_gpipe_stashes_every_microbatch_1f1b_the_stages_ahead(tmp_path):
+    text = plan_text(PIPE.format(schedule="gpipe"), global_batch=32)
+    gpipe = cost_model(tmp_path, text).estimate().memory[0]
+    ofob = cost_model(tmp_path, text.replace("gpipe", "1f1b")).estimate().memory[0]
+    cm = cost_model(tmp_path, text)
+    per_mb = cm.activation_bytes(0, 0)
+    assert gpipe.activations == pytest.approx(8 * per_mb)   # 32 sequences / 4 lanes
+    assert ofob.activations == pytest.approx(2 * per_mb)    # stage 0 of 2
+
+
+def test_full_checkpointing_keeps_block_inputs_only(tmp_path):
+    cm = cost_model(tmp_path, plan_text(PIPE.format(schedule="1f1b"), ckpt="full", global_batch=32))
+    m = cm.model
+    assert activation_elements(m, 2, 1) == (m.seq * m.hidden, 0.0)
+    none = activation_elements(m, 2, 1, checkpoint=Checkpointing.NONE)[0]
+    selective = activation_elements(m, 2, 1, checkpoint=Checkpointing.SELECTIVE)[0]
+    assert m.seq * m.hidden < selective < none
+    # tensor and sequence parallelism divide what they shard
+    assert activation_elements(m, 2, 1, tp=2, sequence_parallel=True, checkpoint=Checkpointing.NONE)[0] == \
+        pytest.approx(none / 2, rel=0.01)
+
+
+def test_reserve_counts_context_and_buffers(tmp_path):
+    cm = cost_model(tmp_path, plan_text(PIPE.format(schedule="1f1b"), global_batch=32))
+    mem = cm.estimate().memory[0]
+    gib = 2**30
+    assert mem.reserve == pytest.approx(1 * gib + 0.05 * 40 * gib)   # CUDA context + allocator slack
+    assert mem.buffers >= 2 * cm.boundary_bytes(0)                    # p2p send and receive buffers
+    assert mem.total == pytest.approx(mem.params + mem.grads + mem.optimizer + mem.activations + mem.buffers
+                                      + mem.reserve)
+    assert mem.fits

@@ -1,0 +1,144 @@
+"""The estimate moves the right way, and compute times come from the right source."""
+
+from __future__ import annotations
+
+import pytest
+from hetc.passes.cost import Profiles
+from hetc.passes.cost.hetc_profile import FORMAT, VERSION, profile_from_dict
+from hetc.passes.cost.shapes import layer_flops
+from hetc.passes.params import block_params
+
+from tests.costspecs import cluster, cost_model, plan_text
+
+DP = """
+  zero = {zero}
+  stage all {{
+    layers = embed..head
+    ranks = {ranks}
+    lanes = {lanes}
+  }}
+  idle = [{idle}]
+"""
+
+PP = """
+  schedule = {schedule}
+  zero = {zero}
+  stage a {{
+    layers = {a}
+    ranks = n[0]
+    lanes = 4
+    ministages = {v}
+  }}
+  stage b {{
+    layers = {b}
+    ranks = n[1]
+    lanes = 4
+    ministages = {v}
+  }}
+"""
+
+
+def _dp(tmp_path, lanes: int, zero: int = 0, global_batch: int = 32, **kw):
+    ranks = {2: "n[0, 0:2]", 4: "n[0]", 8: "n"}[lanes]
+    idle = {2: "n[0, 2:4], n[1]", 4: "n[1]", 8: ""}[lanes]
+    body = DP.format(zero=zero, ranks=ranks, lanes=lanes, idle=idle).replace("  idle = []\n", "")
+    return cost_model(tmp_path, plan_text(body, global_batch=global_batch, **kw)).estimate()
+
+
+def _pp(tmp_path, schedule="1f1b", zero=0, v=1, global_batch=32, **kw):
+    a, b = ("embed..block3", "block4..head") if v == 1 else \
+        ("[embed..block1, block4..block5]", "[block2..block3, block6..head]")
+    return cost_model(tmp_path, plan_text(PP.format(schedule=schedule, zero=zero, v=v, a=a, b=b),
+                                          global_batch=global_batch, **kw)).estimate()
+
+
+def test_more_lanes_are_faster_until_the_network_dominates(tmp_path):
+    times = [_dp(tmp_path, n, global_batch=512).step_time_s for n in (2, 4, 8)]
+    assert times[0] > times[1] > times[2]
+    # a tiny step: the 8-lane all-reduce over the 10 GB/s inter-node link costs more than it saves
+    small = [_dp(tmp_path, n, global_batch=32).step_time_s for n in (4, 8)]
+    assert small[0] < small[1]
+
+
+def test_faster_devices_and_links_are_faster(tmp_path):
+    body = DP.format(zero=0, ranks="n", lanes=8, idle="").replace("  idle = []\n", "")
+    a100 = cost_model(tmp_path, plan_text(body, global_batch=32)).estimate()
+    v100 = cost_model(tmp_path, plan_text(body, global_batch=32, clusters=cluster(device="V100-16"))).estimate()
+    slow = cost_model(tmp_path, plan_text(body, global_batch=32, clusters=cluster(inter="100 MB/s"))).estimate()
+    assert a100.step_time_s < v100.step_time_s and a100.step_time_s < slow.step_time_s
+    assert a100.peak_flops == 8 * 19.5e12   # the fp32 peak of the cluster's 8 A100s
+
+
+def test_bubble_shrinks_with_microbatches_and_interleaving(tmp_path):
+    few, many = _pp(tmp_path, global_batch=8), _pp(tmp_path, global_batch=64)
+    assert few.time.bubble / few.step_time_s > many.time.bubble / many.step_time_s
+    ofob, inter = _pp(tmp_path, v=2), _pp(tmp_path, schedule="interleaved", v=2)
+    assert inter.time.bubble == pytest.approx(ofob.time.bubble / 2)
+    zb = _pp(tmp_path, schedule="zb")
+    assert zb.time.bubble < _pp(tmp_path).time.bubble
+    gpipe = _pp(tmp_path, schedule="gpipe")
+    assert gpipe.memory[0].activations > _pp(tmp_path).memory[0].activations
+
+
+def test_zero3_trades_memory_for_traffic(tmp_path):
+    z0, z3 = _dp(tmp_path, 8, zero=0), _dp(tmp_path, 8, zero=3)
+    m0, m3 = z0.memory[0], z3.memory[0]
+    assert m3.params + m3.grads + m3.optimizer < (m0.params + m0.grads + m0.optimizer) / 4
+    assert z3.traffic[0].bytes_per_step > z0.traffic[0].bytes_per_step
+
+
+def test_zorse_gathers_once_per_ministage(tmp_path):
+    pipe = _pp(tmp_path, zero=3, v=2)
+    zorse = _pp(tmp_path, schedule="zorse", zero=3, v=2)
+    dp = [g for g in zorse.traffic if g.kind == "dp"]
+    assert all(z.bytes_per_step < p.bytes_per_step for z, p in zip(dp, [g for g in pipe.traffic if g.kind == "dp"]))
+    assert zorse.step_time_s > 0 and zorse.fits
+
+
+def test_checkpointing_trades_time_for_memory(tmp_path):
+    none, full = _pp(tmp_path), _pp(tmp_path, ckpt="full")
+    assert full.memory[0].activations < none.memory[0].activations
+    assert full.step_time_s > none.step_time_s
+    assert full.hfu > full.mfu and none.hfu == pytest.approx(none.mfu)
+
+
+def _profile(device: str, hidden: int, block: int, fwd: tuple[float, float], bwd: tuple[float, float],
+             name: str) -> Profiles:
+    rows = [{"layer": "block", "tp": 1, "seq": 128, "micro_batch": b, "forward_s": fwd[0] + fwd[1] * b,
+             "backward_s": bwd[0] + bwd[1] * b} for b in (1, 2, 4)]
+    return profile_from_dict({"format": FORMAT, "version": VERSION, "device": {"kind": device}, "dtype": "fp32",
+                              "model": {"hidden": hidden, "block_params": block}, "layers": rows}, name)
+
+
+def test_measured_block_times_replace_arithmetic(tmp_path):
+    body = DP.format(zero=0, ranks="n", lanes=8, idle="").replace("  idle = []\n", "")
+    text = plan_text(body, global_batch=16)
+    base = cost_model(tmp_path, text)
+    measured = _profile("A100-40", base.model.hidden, block_params(base.model), (1e-3, 2e-3), (2e-3, 4e-3), "p")
+    cm = cost_model(tmp_path, text, measured)
+    # the head, which the profile lacks, runs at the FLOP rate the measured block reached
+    rate = layer_flops(cm.model, 1, 1).forward / 3e-3
+    head = cm.compute.layer("A100-40", "head", 1, 1)
+    assert head.forward == pytest.approx(layer_flops(cm.model, cm.model.layers + 1, 1).forward / rate)
+    assert "block FLOP rate" in head.source and base.compute.layer("A100-40", "head", 1, 1).source == "arithmetic"
+    assert cm.compute.layer("A100-40", "block", 1, 1).forward == pytest.approx(3e-3)
+    assert cm.compute.layer("A100-40", "block", 1, 1).backward == pytest.approx(6e-3)
+    assert cm.compute_time(0, 0, "B") == pytest.approx(cm.compute_time(0, 0, "I") + cm.compute_time(0, 0, "W"))
+    # a TP degree the profile lacks: tp = 1 divided by tp, and the all-reduces added by the caller
+    half = cm.compute.layer("A100-40", "block", 1, 2)
+    assert half.forward == pytest.approx(1.5e-3) and half.needs_tp_comm
+
+
+def test_profiles_transfer_across_devices_by_a_reference_model(tmp_path):
+    body = DP.format(zero=0, ranks="n", lanes=8, idle="").replace("  idle = []\n", "")
+    text = plan_text(body, global_batch=16, clusters=cluster(device="H100"))
+    base = cost_model(tmp_path, text)
+    mine = (base.model.hidden, block_params(base.model))
+    ref = (512, 3_000_000)   # another model, profiled on both devices
+    profiles = _profile("A100-40", *mine, (0.0, 4e-3), (0.0, 8e-3), "m-a100") \
+        .merged(_profile("A100-40", *ref, (0.0, 2e-3), (0.0, 4e-3), "r-a100")) \
+        .merged(_profile("H100", *ref, (0.0, 1e-3), (0.0, 1e-3), "r-h100"))
+    cm = cost_model(tmp_path, text, profiles)
+    t = cm.compute.layer("H100", "block", 2, 1)
+    assert t.forward == pytest.approx(8e-3 * 0.5) and t.backward == pytest.approx(16e-3 * 0.25)
+    assert "speed ratio" in t.source

@@ -1,0 +1,72 @@
+"""`hetc explain`: JSON fields, the text report, and its errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hetc.cli import main
+from tests.conftest import DEMO
+from tests.costspecs import plan_text, write_spec
+
+EXPLICIT_DEMOS = ["single.het", "dp.het", "pp.het", "hetero.het", "zero3_offload.het", "interleaved.het",
+                  "zb.het", "gpipe.het", "hsdp.het"]
+
+
+def _json(capsys, *args) -> dict:
+    assert main(["explain", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("name", EXPLICIT_DEMOS)
+def test_json_fields(capsys, name):
+    out = _json(capsys, str(DEMO / name))
+    assert out["step_time_s"] > 0 and out["tokens_per_s"] > 0
+    assert 0 < out["mfu"] <= out["hfu"] <= 1
+    assert out["tokens_per_step"] == 8 * 32                      # global_batch × seq of the demo job
+    ranks = {m["rank"] for m in out["memory"]}
+    assert ranks == set(range(len(out["memory"])))
+    for m in out["memory"]:
+        parts = sum(m[k] for k in ("params", "grads", "optimizer", "activations", "buffers", "reserve"))
+        assert m["total"] == pytest.approx(parts) and m["capacity"] == 4 * 2**30
+    for g in out["traffic"]:
+        assert g["kind"] in {"dp", "pp", "tp", "cp"} and g["bytes_per_step"] >= 0 and g["seconds_per_step"] >= 0
+    assert out["time"]["pipeline_s"] <= out["step_time_s"] + 1e-12
+
+
+def test_text_report(capsys):
+    assert main(["explain", str(DEMO / "hetero.het")]) == 0
+    text = capsys.readouterr().out
+    for needle in ("step time", "tokens/s", "MFU", "HFU", "memory per rank", "params", "optimizer",
+                   "activations", "traffic per step", "pp  head_end -> middle", "layer times from"):
+        assert needle in text
+
+
+def test_auto_plan_is_an_error(tmp_path, capsys):
+    spec = write_spec(tmp_path, plan_text("  schedule = auto", global_batch=8))
+    assert main(["explain", str(spec)]) == 2
+    assert "run `hetc plan" in capsys.readouterr().err
+
+
+def test_bad_profile_is_an_error(tmp_path, capsys):
+    bad = tmp_path / "p.json"
+    bad.write_text('{"format": "something-else"}')
+    assert main(["explain", str(DEMO / "pp.het"), "--profile", str(bad)]) == 2
+    assert "not a hetc profile" in capsys.readouterr().err
+    assert main(["explain", str(DEMO / "pp.het"), "--profile", str(tmp_path / "none.json")]) == 2
+    assert "cannot find the profile" in capsys.readouterr().err
+    assert main(["explain", str(DEMO / "pp.het"), "--profile", str(tmp_path)]) == 2
+    assert "neither a Sailor data folder" in capsys.readouterr().err
+
+
+def test_sailor_profile_and_fits_are_used(capsys, shared_data, tmp_path):
+    sample = shared_data / "sailor/validation-samples/mit/N4/plan_config_N4_D2.json"
+    out = tmp_path / "mit.het"
+    assert main(["import", "sailor", "--data", str(shared_data / "sailor"), "--model", "OPT-350",
+                 "--plan", str(sample), "-o", str(out)]) == 0
+    with_data = _json(capsys, str(out), "--profile", str(shared_data / "sailor"))
+    without = _json(capsys, str(out))
+    assert all("profile.json" in s for srcs in with_data["sources"].values() for s in srcs)
+    assert all(s == "arithmetic" for srcs in without["sources"].values() for s in srcs)
+    assert with_data["step_time_s"] != without["step_time_s"]

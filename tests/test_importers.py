@@ -1,0 +1,123 @@
+"""`hetc import sailor|zorse`: the output passes `hetc check` and carries the same plan."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hetc.cli import main
+from hetc.frontend import load_checked
+from hetc.spec import AUTO, RoutingKind, ScheduleKind
+
+GPU_KINDS = {"GH-96": "GH200", "RTX-3090": "RTX3090", "RTX-2080": "RTX2080Ti", "Titan-RTX": "TitanRTX"}
+
+
+@pytest.fixture
+def sailor(shared_data):
+    return shared_data / "sailor"
+
+
+@pytest.fixture
+def zorse(shared_data):
+    return shared_data / "zorse"
+
+
+def _import(args: list[str], out) -> int:
+    return main(["import", *args, "-o", str(out)])
+
+
+def _samples(sailor):
+    return sorted((sailor / "validation-samples").rglob("*.json"))
+
+
+def test_sailor_plans_round_trip(sailor, tmp_path):
+    for sample in _samples(sailor):
+        model = "GPT-Neo-2.7" if "GPT-NEO" in str(sample) else "OPT-350"
+        out = tmp_path / f"{sample.stem}.het"
+        assert _import(["sailor", "--data", str(sailor), "--model", model, "--plan", str(sample)], out) == 0
+        assert main(["check", "-q", str(out)]) == 0
+        _, checked = load_checked(out)
+        _same_plan(json.loads(sample.read_text()), checked)
+
+
+def _same_plan(raw: dict, checked) -> None:
+    plan, p = raw["pipeline_list"][0], checked.pipeline
+    assert p.schedule is ScheduleKind.ONE_F_ONE_B and p.micro_batch == raw["mbs"]
+    assert p.num_microbatches * p.micro_batch == raw["gbs"]
+    first = 0
+    for stage, layers, replicas in zip(p.stages, plan["layers_per_stage"], plan["tmp_per_stage"]):
+        span = range(first, first + len(layers))
+        assert [i for ms in stage.ministages for i in p.ministages[ms].layers] == list(span)
+        first = span.stop
+        assert len(stage.lanes) == len(replicas)
+        for lane, (vms, tp) in zip(stage.lanes, replicas):
+            assert stage.tp == tp and len(lane.ranks) == tp
+            gpus = [p.world[r] for r in lane.ranks]
+            assert {g.device.name for g in gpus} == {GPU_KINDS[vms[0][0]]}
+            assert {g.host for g in gpus} == {gpus[0].host}, "TP stays inside one node"
+            assert {g.zone for g in gpus} == {vms[0][2]}
+    # replica j of every stage serves the same microbatches: Sailor's pipeline j
+    for j in range(len(p.stages[0].lanes)):
+        assert len({s.lanes[j].microbatches for s in p.stages}) == 1
+
+
+def test_sailor_quotas_give_an_auto_plan(sailor, tmp_path):
+    quotas = tmp_path / "quotas.json"
+    quotas.write_text(json.dumps({"A100-40": {"us-central1-a": 8}, "V100-16": {"us-central1-b": 4}}))
+    out = tmp_path / "auto.het"
+    assert _import(["sailor", "--data", str(sailor), "--model", "OPT-350", "--quotas", str(quotas)], out) == 0
+    _, checked = load_checked(out)
+    assert checked.pipeline is None and checked.spec.parallel.stages is AUTO
+    kinds = sorted((g.device.name, g.zone) for g in checked.topology.gpus)
+    assert kinds.count(("A100-40", "us-central1-a")) == 8 and kinds.count(("V100-16", "us-central1-b")) == 4
+    assert main(["explain", str(out)]) == 2   # nothing to explain before `hetc plan`
+
+
+def test_zorse_plan_round_trip(zorse, tmp_path):
+    config = json.loads((zorse / "example/training_config.json").read_text())
+    out = tmp_path / "zorse.het"
+    args = ["zorse", "--data", str(zorse), "--cluster", str(zorse / "example/cluster_info.json"),
+            "--model", config["model_name"], "--plan", str(zorse / "example/training_config.json")]
+    assert _import(args, out) == 0
+    assert main(["check", "-q", str(out)]) == 0
+    _, checked = load_checked(out)
+    p, cfg = checked.pipeline, config["pipeline_config"]
+    assert p.schedule is ScheduleKind.ZORSE and p.micro_batch == config["microbatch_size"]
+    assert len(p.stages) == len(cfg)
+    info = json.loads((zorse / "example/cluster_info.json").read_text())
+    names = {g["global_rank"]: g["name"] for g in info["gpu_list"]}
+    for stage, st in zip(p.stages, cfg):
+        assert len(stage.ministages) == config["interleave_degree"]
+        counts = [len(lane.microbatches) for lane in stage.lanes]
+        assert counts == st["num_microbatches_per_rank"]                  # uneven, as Zorse routes them
+        kinds = [p.world[lane.ranks[0]].device.name.lower() for lane in stage.lanes]
+        assert kinds == [names[r].lower() for r in st["gpu_ranks"]]
+    spec = checked.spec.parallel.stages[0]
+    assert spec.microbatches.kind is RoutingKind.COUNTS
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{", "not valid JSON"),
+    ('{"pipeline_list": []}', "not a Sailor plan"),
+    (('{"pipeline_list": [{"layers_per_stage": [[0, 1]], "tmp_per_stage": [[[[["GH-96", 4, "z-a"]], 4]]],'
+      ' "dp": [1]}], "mbs": 1, "gbs": 1}'), "covers 2 layers"),
+])
+def test_bad_sailor_plans_are_usage_errors(sailor, tmp_path, capsys, content, message):
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    rc = main(["import", "sailor", "--data", str(sailor), "--model", "OPT-350", "--plan", str(bad)])
+    assert rc == 2 and message in capsys.readouterr().err
+
+
+def test_bad_inputs_name_the_file(sailor, tmp_path, capsys):
+    assert main(["import", "sailor", "--data", str(tmp_path / "nowhere"), "--model", "OPT-350",
+                 "--plan", "x.json"]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert main(["import", "sailor", "--data", str(sailor), "--model", "GPT-9", "--plan", "x.json"]) == 2
+    assert "known: GPT-Neo-2.7, OPT-350" in capsys.readouterr().err
+    assert main(["import", "sailor", "--data", str(sailor), "--model", "OPT-350",
+                 "--plan", str(tmp_path / "missing.json")]) == 2
+    assert "cannot find the Sailor plan" in capsys.readouterr().err
+    assert main(["import", "zorse", "--data", str(sailor), "--cluster", "c.json", "--model", "m"]) == 2
+    assert "cannot find the Zorse model stats" in capsys.readouterr().err

@@ -1,0 +1,47 @@
+"""`hetc profile`: a short CPU run writes a profile that `hetc explain` reads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hetc.passes.cost import ProfileError, load_profiles
+from hetc.passes.cost.hetc_profile import FORMAT, VERSION, profile_from_dict
+
+from hetc.cli import main
+from tests.conftest import DEMO
+
+pytestmark = pytest.mark.slow
+
+
+def test_short_cpu_run_feeds_explain(tmp_path, capsys):
+    out = tmp_path / "cpu.json"
+    assert main(["profile", str(DEMO / "job.het"), "-o", str(out), "--micro-batches", "1,2", "--repeats", "2",
+                 "--comm-sizes", "65536"]) == 0
+    assert "wrote" in capsys.readouterr().err                 # the progress line
+    data = json.loads(out.read_text())
+    assert data["format"] == FORMAT and data["version"] == VERSION and data["device"]["kind"] == "cpu"
+    layers = {(r["layer"], r["micro_batch"]) for r in data["layers"]}
+    assert layers == {(k, b) for k in ("embed", "block", "head") for b in (1, 2)}
+    assert all(r["forward_s"] > 0 and r["backward_s"] > 0 for r in data["layers"])
+    assert {r["kind"] for r in data["collectives"]} >= {"all_reduce", "all_gather"}
+    assert data["p2p"] and data["copy"]
+
+    profiles = load_profiles([out])
+    assert profiles.network.intra_rate("cpu", 2) is not None and profiles.copy["cpu"] > 0
+    assert main(["explain", str(DEMO / "pp.het"), "--json", "--profile", str(out)]) == 0
+    explained = json.loads(capsys.readouterr().out)
+    assert all(str(out) in s for srcs in explained["sources"].values() for s in srcs)
+
+
+def test_profile_format_is_checked():
+    with pytest.raises(ProfileError, match="version 2"):
+        profile_from_dict({"format": FORMAT, "version": 2}, "p.json")
+    with pytest.raises(ProfileError, match="malformed"):
+        profile_from_dict({"format": FORMAT, "version": VERSION, "device": {}}, "p.json")
+
+
+def test_bad_flags(capsys):
+    assert main(["profile", "--micro-batches", "x"]) == 2
+    assert "comma-separated integers" in capsys.readouterr().err
+    assert main(["profile", "--hidden", "30", "--heads", "4"]) == 2

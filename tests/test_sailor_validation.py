@@ -1,0 +1,65 @@
+"""Sailor's measured Megatron-DeepSpeed runs: `hetc explain` on their imports within 10%.
+
+The plans in ../shared/data/sailor/validation-samples ran for real (1F1B,
+TP inside a node, DP all-reduce); `real` is the measured seconds per
+iteration. The cost model times them from Sailor's per-layer profiles and
+network fits (docs/costmodel.md, "Validation").
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hetc.passes.cost import CostModel, load_profiles
+
+from hetc.frontend import load_checked
+from hetc.importers.sailor import import_sailor
+from tests.conftest import SHARED_DATA
+
+SAILOR = SHARED_DATA / "sailor"
+SAMPLES = sorted((SAILOR / "validation-samples").rglob("*.json")) if SAILOR.is_dir() else []
+TOLERANCE = 0.10
+# Known misses, with why. Each must stay a miss (strict xfail) until the model learns the cause.
+KNOWN = {
+    "clariden/OPT-350/N4/plan_config_N4_D2.json":
+        "predicted 13.7% short: at one sequence per microbatch DeepSpeed's pipeline engine spends ~5 ms "
+        "per microbatch outside the layers (the same gap shows on the unpipelined N1 runs), which "
+        "Sailor's per-layer profile does not contain",
+}
+
+
+def _model(sample) -> str:
+    return "GPT-Neo-2.7" if "GPT-NEO" in str(sample) else "OPT-350"
+
+
+def _ids():
+    return [str(p.relative_to(SAILOR / "validation-samples")) for p in SAMPLES]
+
+
+@pytest.fixture(scope="module")
+def profiles():
+    if not SAILOR.is_dir():
+        pytest.skip(f"Sailor's reference data is not at {SAILOR} (only in the development workspace)")
+    return load_profiles([SAILOR])
+
+
+def predict(sample, profiles, tmp_path) -> float:
+    spec = tmp_path / "sample.het"
+    spec.write_text(import_sailor(str(SAILOR), _model(sample), str(sample), None))
+    _, checked = load_checked(spec)
+    return CostModel(checked.spec, checked.pipeline, checked.topology, profiles).estimate().step_time_s
+
+
+@pytest.mark.parametrize("sample", SAMPLES, ids=_ids())
+def test_predicts_measured_iteration_time(sample, profiles, tmp_path, request):
+    name = str(sample.relative_to(SAILOR / "validation-samples"))
+    if name in KNOWN:
+        request.applymarker(pytest.mark.xfail(reason=KNOWN[name], strict=True))
+    real = json.loads(sample.read_text())["real"]
+    predicted = predict(sample, profiles, tmp_path)
+    assert abs(predicted - real) / real <= TOLERANCE, f"{name}: predicted {predicted:.4g} s, measured {real:.4g} s"
+
+
+def test_samples_present(profiles):
+    assert len(SAMPLES) >= 4, "the four published validation plans"
