@@ -17,6 +17,7 @@ from hetc.passes.validate import check_spec
 from hetc.pipeline import Pipeline
 from hetc.program import Program
 from hetc.spec import ScheduleKind, Spec
+from hetc.topology import Topology
 from tests.conftest import DEMO, ROOT
 
 __all__ = ["DEMO_PLANS", "TEST_PLANS", "Lowered", "compile_plan", "plan_id"]
@@ -31,6 +32,7 @@ class Lowered:
     spec: Spec
     pipeline: Pipeline
     program: Program
+    topology: Topology
 
 
 def plan_id(path: Path) -> str:
@@ -43,4 +45,4 @@ def compile_plan(path: Path, schedule: ScheduleKind | None = None) -> Lowered:
     if schedule is not None and schedule is not checked.spec.parallel.schedule:
         parallel = dataclasses.replace(checked.spec.parallel, schedule=schedule)
         checked = check_spec(dataclasses.replace(checked.spec, parallel=parallel), loaded.path.parent)
-    return Lowered(checked.spec, checked.pipeline, lower(checked.spec, checked.pipeline))
+    return Lowered(checked.spec, checked.pipeline, lower(checked.spec, checked.pipeline), checked.topology)

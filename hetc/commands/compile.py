@@ -56,8 +56,8 @@ def compile_spec(spec_path: Path, dump_after: str | None = None, on_dump=None) -
         raise UsageError(f"{spec_path}: the plan still has `auto` in it; fill it with `hetc plan {spec_path} "
                          "-o PLANNED.het` and compile that")
     program = lower(checked.spec, checked.pipeline, dump_after, on_dump)
-    verify(program, checked.pipeline, checked.spec)
     costs = CostModel(checked.spec, checked.pipeline, checked.topology)
+    verify(program, checked.pipeline, checked.spec, costs)
     timeline = simulate(program, checked.pipeline, checked.spec, costs, plan_facts(checked))
     return Compiled(loaded, checked, program, costs, timeline)
 
@@ -89,6 +89,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         compiled = compile_spec(Path(args.spec), args.dump_after, dump if args.dump_after else None)
     except VerifyError as err:
+        if err.check == "memory":   # the plan's fault, not lowering's
+            print(f"hetc compile: the plan does not fit in device memory:\n{err.render()}", file=sys.stderr)
+            return 2
         print(f"hetc compile: the lowered programs are unsafe (a bug in hetc's lowering):\n{err.render()}",
               file=sys.stderr)
         return 1

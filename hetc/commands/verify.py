@@ -9,6 +9,7 @@ from pathlib import Path
 from hetc.cli import UsageError
 from hetc.plandir import read_plan, read_program
 from hetc.program import ProgramFormatError
+from hetc.passes.cost import CostModel
 from hetc.passes.verify import VerifyError, verify
 
 __all__ = ["register"]
@@ -20,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Read DIR/plan.het and DIR/programs/rank-*.txt (possibly edited by hand) and run the "
                     "verifier: every send meets its receive, collectives match, no rank blocks forever, every "
                     "microbatch passes every ministage forward and backward once, every step follows its "
-                    "gradients. Exit 0, or name the rank and instruction and exit 2.",
+                    "gradients, every rank's memory (cost model) fits its device. Exit 0, or name the rank and instruction and exit 2.",
     )
     p.add_argument("dir", type=Path, metavar="DIR")
     p.set_defaults(func=run)
@@ -38,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     except FileNotFoundError as err:
         raise UsageError(str(err)) from None
     try:
-        verify(program, checked.pipeline, checked.spec)
+        verify(program, checked.pipeline, checked.spec, CostModel(checked.spec, checked.pipeline, checked.topology))
     except VerifyError as err:
         print(err.render(), file=sys.stderr)
         return 2

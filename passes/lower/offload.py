@@ -6,8 +6,11 @@ program that touch its parameters (gathers, compute, frees, the step) with
 no other ministage's compute in between. Each window's parameters are
 prefetched `prefetch` windows ahead (any ministage's windows count, so with
 depth 1 at most the current and the next ministage are resident, as in
-Zorse) and offloaded right after the window; the offload is waited before
-the same ministage is prefetched again, or at the end of the step.
+Zorse — plus, under ZeRO-3, the shard of the one after, which the next
+ministage's gather posted one run ahead needs) and offloaded right after the window; the offload is waited one
+compute op later (the device copy is only released when it completes), or
+before the same ministage is prefetched again if that comes first, or at
+the end of the step.
 
 Note [activation offload]: with `act_offload` a ministage stashes only its
 boundary input; it goes to the host right after the forward (waited one
@@ -104,17 +107,24 @@ def _param_windows(instrs, params: set[int], depth: int, edits: Edits, handles: 
         span = [ms, post_at, first, last]
         spans.append(span)
         latest[ms] = span
-    pending_offload: dict[int, int] = {}    # ms -> handle of its last offload
-    for ms, post_at, first, last in spans:
-        if ms in pending_offload:
-            edits.add_before(post_at, Wait(pending_offload.pop(ms)))
+    compute = [i for i, instr in enumerate(instrs) if isinstance(instr, COMPUTE_TYPES)]
+    next_post = {}                          # span index -> where the same ministage's next prefetch is posted
+    for k, span in enumerate(spans):
+        later = [s for s in spans[k + 1:] if s[0] == span[0]]
+        next_post[k] = later[0][1] if later else None
+    for k, (ms, post_at, first, last) in enumerate(spans):
         h = handles.take()
         edits.add_before(post_at, Prefetch(Tensor.PARAMS, ms, None, h))
         edits.add_before(first, Wait(h))
         h_off = handles.take()
         edits.add_after(last, Offload(Tensor.PARAMS, ms, None, h_off))
-        pending_offload[ms] = h_off
-    edits.end += [Wait(h) for h in pending_offload.values()]
+        # the device copy is released when the offload completes: wait one compute op later
+        after = [i for i in compute if i > last][1:2]
+        wait_at = min([*after, *([next_post[k]] if next_post[k] is not None else [])], default=None)
+        if wait_at is None:
+            edits.end.append(Wait(h_off))
+        else:
+            edits.add_before(wait_at, Wait(h_off))
 
 
 def _activations(instrs, acts: set[int], edits: Edits, handles: Handles) -> None:

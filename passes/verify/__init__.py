@@ -21,26 +21,32 @@ from hetc.spec import Spec
 from hetc.viz.grid import render_grid
 from hetc.passes.verify.dataflow import check_dataflow
 from hetc.passes.verify.errors import Finding, VerifyError
+from hetc.passes.verify.memory import Sizes, check_memory
 from hetc.passes.verify.protocol import check_protocol
 
-__all__ = ["verify", "VerifyError", "Finding"]
+__all__ = ["verify", "VerifyError", "Finding", "Sizes"]
 
 
-def verify(program: Program, pipeline: Pipeline, spec: Spec, sizes=None) -> None:
-    """Raise VerifyError naming rank and instruction if the programs are unsafe."""
+def verify(program: Program, pipeline: Pipeline, spec: Spec, sizes: Sizes | None = None) -> None:
+    """Raise VerifyError naming rank and instruction if the programs are unsafe.
+
+    `sizes` (a `CostModel`) turns on the memory check; `VerifyError.check`
+    says which check failed ("memory" is a plan that does not fit, not a
+    lowering bug).
+    """
     _check_shape(program, pipeline)
-    checks = [lambda: check_dataflow(program, pipeline, spec.model.num_model_layers, spec.train.grad_clip > 0),
-              lambda: check_protocol(program)]
+    checks = [("dataflow", lambda: check_dataflow(program, pipeline, spec.model.num_model_layers,
+                                                  spec.train.grad_clip > 0)),
+              ("protocol", lambda: check_protocol(program))]
     if sizes is not None:
-        from hetc.passes.verify.memory import check_memory
-        checks.append(lambda: check_memory(program, pipeline, sizes))
-    for check in checks:
+        checks.append(("memory", lambda: check_memory(program, pipeline, sizes)))
+    for name, check in checks:
         findings = check()
         if findings:
             focus = {}
             for f in findings:
                 focus.setdefault(f.rank, max(f.index, 0))
-            raise VerifyError(findings, render_grid(program, dict(list(focus.items())[:6])))
+            raise VerifyError(findings, render_grid(program, dict(list(focus.items())[:6])), check=name)
 
 
 def _check_shape(program: Program, pipeline: Pipeline) -> None:

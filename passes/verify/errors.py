@@ -22,9 +22,10 @@ class Finding:
 class VerifyError(Exception):
     """The programs are unsafe; `findings` says where, `grid` shows the ranks involved."""
 
-    def __init__(self, findings: list[Finding], grid: str = ""):
+    def __init__(self, findings: list[Finding], grid: str = "", check: str = ""):
         self.findings = findings
         self.grid = grid
+        self.check = check          # the failing check: dataflow, protocol, memory (or "" for the plan's shape)
         super().__init__("\n".join(str(f) for f in findings))
 
     @property

@@ -8,7 +8,8 @@ two ranks match in posting order (what NCCL requires), and must agree on
 tensor, ministage, microbatch and shape. A collective completes when every
 member of its group has posted it; the k-th collective of a group must be
 the same on every member. Copies to and from the host complete on their own.
-If no rank can move and some have not finished, the programs deadlock.
+If no rank can move and some have not finished, the programs deadlock
+(explained by `deadlock.py`, Note [deadlock blame]).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from hetc.program import COLLECTIVE_TYPES, Instr, Program, Recv, Send, Wait
+from hetc.passes.verify.deadlock import Stuck, explain_deadlock
 from hetc.passes.verify.errors import Finding, at
 
 __all__ = ["check_protocol"]
@@ -28,6 +30,7 @@ class _Op:
     index: int
     instr: Instr
     done: bool = False
+    call: int | None = None      # a collective's number among its group's calls
 
 
 @dataclass
@@ -88,6 +91,7 @@ class _Sim:
             return at(self.program, op.rank, op.index, f"rank {op.rank} is not a member of group '{group}'")
         k = self.count.get((group, op.rank), 0)
         self.count[(group, op.rank)] = k + 1
+        op.call = k
         calls = self.calls.setdefault(group, [])
         if k == len(calls):
             calls.append({})
@@ -160,28 +164,14 @@ class _Sim:
         return self._leftovers()
 
     def _deadlock(self, active: set[int]) -> list[Finding]:
-        out = []
-        for r in sorted(active)[:8]:
+        stuck = []
+        for r in sorted(active):
             state = self.ranks[r]
-            idx = state.pc
-            instr = self.program.ranks[r].instrs[idx]
-            if isinstance(instr, Wait):
-                op = state.posted[instr.handle]
-                why = f"waits for `{op.instr}` (instruction {op.index}), which never completes"
-            else:
-                why = "blocks forever"
-            out.append(at(self.program, r, idx, f"deadlock: {why}{self._blame(state, instr)}"))
-        return out
-
-    def _blame(self, state: _Rank, instr: Instr) -> str:
-        op = state.posted.get(instr.handle).instr if isinstance(instr, Wait) else instr
-        if isinstance(op, Send):
-            return f" (rank {op.peer_to} never posts the matching receive)"
-        if isinstance(op, Recv):
-            return f" (rank {op.peer_from} never posts the matching send)"
-        if isinstance(op, COLLECTIVE_TYPES):
-            return f" (not every member of '{op.group}' reaches this collective)"
-        return ""
+            instr = self.program.ranks[r].instrs[state.pc]
+            op = state.posted[instr.handle] if isinstance(instr, Wait) else state.blocking
+            stuck.append(Stuck(r, state.pc, op.instr, op.index, op.call))
+        posted = {key: n for key, n in self.count.items()}
+        return explain_deadlock(self.program, stuck, posted)
 
     def _leftovers(self) -> list[Finding]:
         out = []

@@ -1,0 +1,91 @@
+"""Explain a deadlock: for each blocked rank, who it waits for and whether they ever will act.
+
+Note [deadlock blame]: when no rank can move, every unfinished rank waits
+on a partner — a send's receiver, a receive's sender, the members of a
+collective that have not posted it. A partner whose whole program has no
+matching operation is the fault (a dropped receive, a wrong peer, a missing
+collective call); a partner that has one but is blocked before it only
+passes the wait along. Findings list the first kind before the second, so
+the error leads with the rank whose program is wrong, not with rank 0.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from hetc.program import COLLECTIVE_TYPES, Instr, Program, Recv, Send
+from hetc.passes.verify.errors import Finding, at
+
+__all__ = ["Stuck", "explain_deadlock"]
+
+MAX_FINDINGS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Stuck:
+    """Rank `rank` is blocked at instruction `index` on `op` (posted at `op_index`; `call`: its collective number)."""
+
+    rank: int
+    index: int
+    op: Instr
+    op_index: int
+    call: int | None = None
+
+
+class _Partners:
+    """What every rank's whole program posts: p2p messages per channel, collective calls per group."""
+
+    def __init__(self, program: Program):
+        self.program = program
+        self.sends: Counter = Counter()
+        self.recvs: Counter = Counter()
+        self.calls: Counter = Counter()
+        for rp in program.ranks:
+            for instr in rp.instrs:
+                if isinstance(instr, Send):
+                    self.sends[(rp.rank, instr.peer_to, instr.what, instr.ms, instr.mb)] += 1
+                elif isinstance(instr, Recv):
+                    self.recvs[(instr.peer_from, rp.rank, instr.what, instr.ms, instr.mb)] += 1
+                elif isinstance(instr, COLLECTIVE_TYPES):
+                    self.calls[(instr.group, rp.rank)] += 1
+        self.members = {g.name: g.ranks for g in program.groups}
+
+    def blame(self, s: Stuck, posted: dict[tuple[str, int], int]) -> tuple[bool, str]:
+        """(the partner never acts, why) for one blocked rank."""
+        op = s.op
+        if isinstance(op, Send):
+            if self.recvs[(s.rank, op.peer_to, op.what, op.ms, op.mb)] == 0:
+                return True, f"rank {op.peer_to} posts no matching receive"
+            return False, f"rank {op.peer_to} is blocked before its matching receive"
+        if isinstance(op, Recv):
+            if self.sends[(op.peer_from, s.rank, op.what, op.ms, op.mb)] == 0:
+                return True, f"rank {op.peer_from} posts no matching send"
+            return False, f"rank {op.peer_from} is blocked before its matching send"
+        if isinstance(op, COLLECTIVE_TYPES) and s.call is not None:
+            members = self.members.get(op.group, ())
+            never = [m for m in members if self.calls[(op.group, m)] <= s.call]
+            if never:
+                return True, f"{_ranks(never)} of '{op.group}' make only {self.calls[(op.group, never[0])]} " \
+                             f"call(s) on it, never this #{s.call}"
+            late = [m for m in members if posted.get((op.group, m), 0) <= s.call]
+            return False, f"{_ranks(late)} of '{op.group}' are blocked before this collective"
+        return False, ""
+
+
+def _ranks(ranks: list[int]) -> str:
+    shown = ", ".join(map(str, ranks[:6])) + (", ..." if len(ranks) > 6 else "")
+    return f"rank{'s' if len(ranks) > 1 else ''} {shown}"
+
+
+def explain_deadlock(program: Program, stuck: list[Stuck], posted: dict[tuple[str, int], int]) -> list[Finding]:
+    """Findings for the blocked ranks, the ranks whose partner never acts first (Note [deadlock blame])."""
+    partners = _Partners(program)
+    ranked = []
+    for s in stuck:
+        never, why = partners.blame(s, posted)
+        waits = f"waits for `{s.op}` (instruction {s.op_index}), which never completes" \
+            if s.op_index != s.index else "blocks forever"
+        ranked.append((not never, s.rank, at(program, s.rank, s.index,
+                                             f"deadlock: {waits}" + (f": {why}" if why else ""))))
+    return [finding for _, _, finding in sorted(ranked, key=lambda x: x[:2])[:MAX_FINDINGS]]

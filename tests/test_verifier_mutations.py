@@ -1,0 +1,208 @@
+"""Mutation tests: the verifier rejects deliberately broken programs, naming rank and instruction.
+
+For each compiled example, 50 seeded random faults — drop a receive, swap
+two different collectives of one group on one rank, change a peer, drop a
+wait, duplicate a forward, remove an optimizer step, shrink a device's
+memory below the rank's peak — and every one must raise VerifyError whose
+findings point at real instructions (index in range, text matching) and
+name the rank the fault was put into.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import random
+import re
+
+import pytest
+
+from hetc.pipeline import Pipeline
+from hetc.program import COLLECTIVE_TYPES, Forward, Program, Recv, Send, Step, Wait
+from hetc.passes.cost import CostModel
+from hetc.passes.verify import VerifyError, verify
+from hetc.passes.verify.memory import format_bytes, rank_peaks
+from tests.conftest import DEMO
+from tests.golden.cases import GOLDEN_DIR
+from tests.plans import DEMO_PLANS, TEST_PLANS, compile_plan, plan_id
+
+EXAMPLES = DEMO_PLANS + TEST_PLANS + [GOLDEN_DIR / "zorse.het", GOLDEN_DIR / "zero3_1f1b.het"]
+FAULTS_PER_EXAMPLE = 50
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    fault: str
+    rank: int
+    program: Program
+    pipeline: Pipeline
+
+
+def _positions(program: Program, kind) -> list[tuple[int, int]]:
+    return [(rp.rank, i) for rp in program.ranks for i, instr in enumerate(rp.instrs) if isinstance(instr, kind)]
+
+
+def _edit(program: Program, rank: int, instrs: list) -> Program:
+    return program.replace_rank(rank, tuple(instrs))
+
+
+def drop_recv(rng, program, pipeline):
+    rank, i = rng.choice(_positions(program, Recv))
+    instrs = list(program.ranks[rank].instrs)
+    handle = instrs.pop(i).handle
+    if handle is not None and rng.random() < 0.5:   # and its wait, so only the data is missing
+        instrs = [x for x in instrs if not (isinstance(x, Wait) and x.handle == handle)]
+    return rank, _edit(program, rank, instrs), pipeline
+
+
+def _collective_key(instr) -> tuple:
+    return (type(instr), instr.what, getattr(instr, "ms", None), getattr(instr, "mb", None))
+
+
+def swap_collectives(rng, program, pipeline):
+    """Two collectives of one group with different content, on one rank of a group of two or more."""
+    sizes = {g.name: len(g.ranks) for g in program.groups}
+    pairs = []
+    for rp in program.ranks:
+        calls = [(i, x) for i, x in enumerate(rp.instrs) if isinstance(x, COLLECTIVE_TYPES) and sizes[x.group] > 1]
+        pairs += [(rp.rank, i, j) for a, (i, x) in enumerate(calls) for j, y in calls[a + 1:]
+                  if x.group == y.group and _collective_key(x) != _collective_key(y)]
+    rank, i, j = rng.choice(pairs)
+    instrs = list(program.ranks[rank].instrs)
+    instrs[i], instrs[j] = instrs[j], instrs[i]
+    return rank, _edit(program, rank, instrs), pipeline
+
+
+def change_peer(rng, program, pipeline):
+    rank, i = rng.choice(_positions(program, (Send, Recv)))
+    instrs = list(program.ranks[rank].instrs)
+    instr = instrs[i]
+    old = instr.peer_to if isinstance(instr, Send) else instr.peer_from
+    peer = rng.choice([r for r in range(program.world_size) if r not in (rank, old)])
+    field = "peer_to" if isinstance(instr, Send) else "peer_from"
+    instrs[i] = dataclasses.replace(instr, **{field: peer})
+    return rank, _edit(program, rank, instrs), pipeline
+
+
+def _remove_one(kind):
+    def remove(rng, program, pipeline):
+        rank, i = rng.choice(_positions(program, kind))
+        instrs = list(program.ranks[rank].instrs)
+        del instrs[i]
+        return rank, _edit(program, rank, instrs), pipeline
+    return remove
+
+
+drop_wait = _remove_one(Wait)
+remove_step = _remove_one(Step)
+
+
+def duplicate_forward(rng, program, pipeline):
+    rank, i = rng.choice(_positions(program, Forward))
+    instrs = list(program.ranks[rank].instrs)
+    instrs.insert(rng.randrange(i + 1, len(instrs) + 1), instrs[i])
+    return rank, _edit(program, rank, instrs), pipeline
+
+
+
+
+def shrink_memory(rng, program, pipeline, peaks):
+    """The rank's device now holds a little (or a lot) less than the rank's peak use."""
+    rank = rng.randrange(program.world_size)
+    gpu = pipeline.world[rank]
+    smaller = dataclasses.replace(gpu.device, memory=peaks[rank].total * rng.uniform(0.5, 0.9999))
+    world = tuple(dataclasses.replace(g, device=smaller) if r == rank else g for r, g in enumerate(pipeline.world))
+    return rank, program, dataclasses.replace(pipeline, world=world)
+
+
+FAULTS = {"drop_recv": drop_recv, "swap_collectives": swap_collectives, "change_peer": change_peer,
+          "drop_wait": drop_wait, "duplicate_forward": duplicate_forward, "remove_step": remove_step,
+          "shrink_memory": shrink_memory}
+
+
+def _applicable(program: Program) -> list[str]:
+    out = ["duplicate_forward", "remove_step", "shrink_memory"]
+    if _positions(program, Wait):
+        out.append("drop_wait")
+    if _positions(program, Recv):
+        out += ["drop_recv", "change_peer"]
+    sizes = {g.name: len(g.ranks) for g in program.groups}
+    if any(len({_collective_key(x) for x in rp.instrs if isinstance(x, COLLECTIVE_TYPES) and x.group == g}) > 1
+           for rp in program.ranks for g, n in sizes.items() if n > 1):
+        out.append("swap_collectives")
+    return sorted(out)
+
+
+@functools.lru_cache(maxsize=None)
+def _example(path):
+    lowered = compile_plan(path)
+    costs = CostModel(lowered.spec, lowered.pipeline, lowered.topology)
+    return lowered, costs, rank_peaks(lowered.program, lowered.pipeline, costs)
+
+
+def mutants(path, count: int = FAULTS_PER_EXAMPLE) -> list[Mutant]:
+    lowered, _, peaks = _example(path)
+    rng = random.Random(f"{plan_id(path)}")
+    kinds = _applicable(lowered.program)
+    out = []
+    for k in range(count):
+        fault = kinds[k % len(kinds)] if k < len(kinds) else rng.choice(kinds)   # every kind at least once
+        extra = (peaks,) if fault == "shrink_memory" else ()
+        rank, program, pipeline = FAULTS[fault](rng, lowered.program, lowered.pipeline, *extra)
+        out.append(Mutant(fault, rank, program, pipeline))
+    return out
+
+
+def test_enough_examples():
+    assert len(EXAMPLES) >= 10
+    assert max(compile_plan(p).program.world_size for p in EXAMPLES) >= 16
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=plan_id)
+def test_the_unmutated_example_verifies(path):
+    lowered, costs, _ = _example(path)
+    verify(lowered.program, lowered.pipeline, lowered.spec, costs)
+
+
+def _named(err: VerifyError, rank: int) -> bool:
+    return any(f.rank == rank or re.search(rf"\brank {rank}\b", f.message) for f in err.findings)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=plan_id)
+def test_every_fault_is_rejected_naming_rank_and_instruction(path):
+    lowered, costs, _ = _example(path)
+    for n, mutant in enumerate(mutants(path)):
+        case = f"{plan_id(path)} fault #{n} ({mutant.fault} on rank {mutant.rank})"
+        with pytest.raises(VerifyError) as caught:
+            verify(mutant.program, mutant.pipeline, lowered.spec, costs)
+        err = caught.value
+        assert err.findings, case
+        for f in err.findings:
+            instrs = mutant.program.ranks[f.rank].instrs
+            assert 0 <= f.index < len(instrs), f"{case}: {f}"
+            assert f.text == str(instrs[f.index]), f"{case}: {f}"
+            assert f"rank {f.rank}, instruction {f.index} `{f.text}`" in str(err), case
+        assert _named(err, mutant.rank), f"{case}: the error does not name rank {mutant.rank}:\n{err}"
+        if mutant.fault == "shrink_memory":
+            assert err.check == "memory", case
+            assert format_bytes(mutant.pipeline.world[mutant.rank].device.memory) in str(err), case
+
+
+def test_every_fault_kind_is_exercised():
+    kinds = {m.fault for path in EXAMPLES for m in mutants(path)}
+    assert kinds == set(FAULTS)
+
+
+def test_memory_error_names_the_peak_and_the_capacity():
+    lowered, costs, peaks = _example(DEMO / "zero3_offload.het")
+    rank = 2
+    _, _, pipeline = shrink_memory(random.Random(0), lowered.program, lowered.pipeline, peaks)
+    world = tuple(dataclasses.replace(g, device=dataclasses.replace(g.device, memory=peaks[rank].total - 1))
+                  if r == rank else g for r, g in enumerate(lowered.pipeline.world))
+    with pytest.raises(VerifyError) as caught:
+        verify(lowered.program, dataclasses.replace(pipeline, world=world), lowered.spec, costs)
+    finding = next(f for f in caught.value.findings if f.rank == rank)
+    assert finding.index == peaks[rank].index, "just below the peak, the peak is the first overflow"
+    assert f"needs {format_bytes(peaks[rank].total)} at its peak (instruction {peaks[rank].index}:" in \
+        finding.message
+    assert f"holds {format_bytes(peaks[rank].total - 1)}" in finding.message

@@ -1,0 +1,114 @@
+"""The memory check: each rank's timeline from its instructions, sized by the cost model."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from hetc.cli import main
+from hetc.passes.cost import CostModel
+from hetc.passes.verify import VerifyError, verify
+from hetc.passes.verify.memory import check_memory, format_bytes, rank_peaks
+from hetc.program import Forward
+from hetc.spec import ScheduleKind
+from tests.conftest import DEMO
+from tests.plans import DEMO_PLANS, TEST_PLANS, TEST_SPECS, compile_plan, plan_id
+
+
+def _peaks(path, kind=None):
+    lowered = compile_plan(path, kind)
+    costs = CostModel(lowered.spec, lowered.pipeline, lowered.topology)
+    return lowered, costs, rank_peaks(lowered.program, lowered.pipeline, costs)
+
+
+@pytest.mark.parametrize("path", DEMO_PLANS + TEST_PLANS, ids=plan_id)
+def test_every_plan_fits_and_agrees_with_the_cost_estimate(path):
+    lowered, costs, peaks = _peaks(path)
+    assert check_memory(lowered.program, lowered.pipeline, costs) == []
+    estimate = costs.estimate()
+    for peak, rank_memory in zip(peaks, estimate.memory):
+        assert peak.total <= peak.capacity
+        assert peak.total == pytest.approx(rank_memory.total, rel=0.25), f"rank {peak.rank}"
+
+
+def test_static_states_follow_the_zero_level():
+    """Before the first instruction a rank holds its parameter and optimizer shards and its reserve."""
+    for name, params, optimizer in [("zero1", 1, 1 / 4), ("zero3", 1 / 4, 1 / 4), ("dp", 1, 1)]:
+        lowered, costs, _ = _peaks(DEMO / f"{name}.het")
+        rp = lowered.program.ranks[0]
+        first = dataclasses.replace(rp, instrs=())
+        program = lowered.program.replace_rank(0, ())
+        start = rank_peaks(dataclasses.replace(program, ranks=(first, *program.ranks[1:])), lowered.pipeline,
+                           costs)[0]
+        assert start.parts["params"] == pytest.approx(costs.param_bytes(0, 0) * params), name
+        assert start.parts["optimizer"] == pytest.approx(costs.optimizer_bytes(0, 0) * optimizer), name
+        assert start.parts["reserve"] == costs.reserve_bytes(0)
+
+
+def test_gpipe_stashes_every_microbatch_and_1f1b_only_the_ones_in_flight():
+    for kind, expect in [(ScheduleKind.GPIPE, lambda n, stage: n), (ScheduleKind.ONE_F_ONE_B,
+                                                                   lambda n, stage: min(n, 4 - stage))]:
+        lowered, costs, peaks = _peaks(DEMO / "gpipe.het", kind)
+        for peak in peaks:
+            rp = lowered.program.ranks[peak.rank]
+            ms = lowered.pipeline.stages[rp.stage].ministages[0]
+            n = len(lowered.pipeline.stages[rp.stage].lanes[0].microbatches)
+            assert peak.parts["activations"] == pytest.approx(expect(n, rp.stage) * costs.activation_bytes(ms, rp.rank))
+
+
+def test_activation_offload_keeps_less_than_every_microbatch_on_the_device():
+    lowered, costs, offloaded = _peaks(DEMO / "offload_act.het")
+    assert lowered.pipeline.schedule is ScheduleKind.GPIPE
+    for peak in offloaded:
+        ms = lowered.pipeline.stages[lowered.program.ranks[peak.rank].stage].ministages[0]
+        n = len(lowered.pipeline.stages[0].lanes[0].microbatches)
+        assert peak.parts["activations"] < n * costs.activation_bytes(ms, peak.rank)
+
+
+def test_parameter_offload_keeps_few_ministages_resident():
+    """Zorse: full parameters of two ministages (the current one and the next, gathered ahead); shards
+    of those two, the one prefetched for the next gather (prefetch depth 1) and one still copying out."""
+    lowered, costs, peaks = _peaks(TEST_SPECS / "offload8.het")
+    assert lowered.pipeline.prefetch == 1
+    for peak in peaks:
+        mss = lowered.pipeline.stages[lowered.program.ranks[peak.rank].stage].ministages
+        largest = max(costs.param_bytes(ms, peak.rank) for ms in mss)
+        assert 0 < peak.parts["gathered"] <= 2 * largest
+        assert 0 < peak.parts["params"] <= 4 * largest / 4     # ZeRO-3 shards over four lanes
+        assert peak.parts["params"] < sum(costs.param_bytes(ms, peak.rank) for ms in mss) / 4 / 2
+
+
+def test_memory_error_points_at_the_first_overflow():
+    lowered, costs, peaks = _peaks(DEMO / "pp.het")
+    rank = 1
+    first_fwd = next(i for i, x in enumerate(lowered.program.ranks[rank].instrs) if isinstance(x, Forward))
+    before = rank_peaks(lowered.program.replace_rank(rank, lowered.program.ranks[rank].instrs[:first_fwd]),
+                        lowered.pipeline, costs)[rank].total
+    capacity = (before + peaks[rank].total) / 2
+    world = tuple(dataclasses.replace(g, device=dataclasses.replace(g.device, memory=capacity)) if r == rank else g
+                  for r, g in enumerate(lowered.pipeline.world))
+    with pytest.raises(VerifyError) as caught:
+        verify(lowered.program, dataclasses.replace(lowered.pipeline, world=world), lowered.spec, costs)
+    err = caught.value
+    assert err.check == "memory" and [f.rank for f in err.findings] == [rank]
+    assert err.findings[0].index >= first_fwd
+    assert f"holds {format_bytes(capacity)}" in str(err)
+
+
+def _shrink_device(plan_text: str, memory: str) -> str:
+    return re.sub(r"(device cpu \{\n  memory = )[^\n]+", rf"\g<1>{memory}", plan_text)
+
+
+def test_cli_reports_a_plan_that_does_not_fit(tmp_path, capsys):
+    out = tmp_path / "plan"
+    assert main(["compile", str(DEMO / "pp.het"), "-o", str(out)]) == 0
+    plan = out / "plan.het"
+    plan.write_text(_shrink_device(plan.read_text(), "66 MiB"))
+    assert main(["verify", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"error: rank 0, instruction \d+ `.*`: out of device memory: the rank needs [\d.]+ MiB at its "
+                     r"peak \(instruction \d+: params .*\) but its cpu holds 66.0 MiB", err)
+    assert main(["compile", str(plan), "-o", str(tmp_path / "again")]) == 2
+    assert "the plan does not fit in device memory" in capsys.readouterr().err
