@@ -70,3 +70,11 @@ def test_sailor_profile_and_fits_are_used(capsys, shared_data, tmp_path):
     assert all("profile.json" in s for srcs in with_data["sources"].values() for s in srcs)
     assert all(s == "arithmetic" for srcs in without["sources"].values() for s in srcs)
     assert with_data["step_time_s"] != without["step_time_s"]
+
+
+def test_a_device_without_peak_or_profile_is_an_error(tmp_path, capsys):
+    text = plan_text("  stage all {\n    layers = embed..head\n    ranks = n[0, 0]\n    lanes = 1\n  }\n"
+                     "  idle = [n[0, 1:4], n[1]]", global_batch=4)
+    text = text.replace('use "catalog.het"', 'device bare {\n  memory = 16 GiB\n}').replace("A100-40", "bare")
+    assert main(["explain", str(write_spec(tmp_path, text))]) == 2
+    assert "declares no peak FLOP/s" in capsys.readouterr().err

@@ -38,14 +38,17 @@ def load_profile_args(paths: list[str]):
 
 
 def run(args: argparse.Namespace) -> int:
-    from hetc.passes.cost import CostModel
+    from hetc.passes.cost import CostError, CostModel
 
     _, checked = load_checked(args.spec, require_complete=True)
     if checked.pipeline is None:
         raise UsageError(f"the plan in {args.spec} still has `auto` in it; run `hetc plan {args.spec} -o "
                          "OUT.het` first and explain OUT.het")
     profiles = load_profile_args(args.profile)
-    estimate = CostModel(checked.spec, checked.pipeline, checked.topology, profiles).estimate()
+    try:
+        estimate = CostModel(checked.spec, checked.pipeline, checked.topology, profiles).estimate()
+    except CostError as err:
+        raise UsageError(str(err)) from None
     if args.json:
         print(json.dumps({"spec": args.spec, **estimate.to_json()}, indent=1))
     else:

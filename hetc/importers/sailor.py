@@ -90,9 +90,12 @@ def _fields(node) -> dict:
 
 
 def _model_spec(m: SailorModel) -> ModelSpec:
-    # Megatron keeps a copy of a tied embedding on the last stage: untied counts that memory right.
+    # Sailor's runs keep fp32 weights (4 bytes per parameter in llm_info.json) but their matmuls run on
+    # tensor cores: the profiled A100 and GH200 layers exceed the fp32 peak. That is tf32 (on GPUs
+    # without TF32 the peak falls back to fp32). Megatron keeps a copy of a tied embedding on the last
+    # stage, so an untied model counts that memory right.
     return ModelSpec(name=m.name, arch=m.arch, layers=m.layers, hidden=m.hidden, heads=m.heads, ffn=m.ffn,
-                     vocab=m.vocab, seq=m.seq, dtype=DType.FP32 if m.dtype_bytes == 4 else DType.FP16,
+                     vocab=m.vocab, seq=m.seq, dtype=DType.TF32 if m.dtype_bytes == 4 else DType.FP16,
                      tied_embeddings=False, optimizer=OptimizerSpec(beta2=0.999))
 
 

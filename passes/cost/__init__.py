@@ -5,19 +5,21 @@
     cm.compute_time(rank, ms, "F"); cm.param_bytes(ms, rank); cm.estimate().step_time_s
 """
 
+from hetc.passes.cost.compute import CostError
 from hetc.passes.cost.estimate import Estimate, GroupTraffic, RankMemory
 from hetc.passes.cost.model import PHASES, CostModel
 from hetc.passes.cost.profiles import ComputeTable, NetworkFits, ProfileError, Profiles, load_profiles
 
 __all__ = [
-           "PHASES",
-           "ComputeTable",
-           "CostModel",
-           "Estimate",
-           "GroupTraffic",
-           "NetworkFits",
-           "ProfileError",
-           "Profiles",
-           "RankMemory",
-           "load_profiles",
+    "PHASES",
+    "ComputeTable",
+    "CostError",
+    "CostModel",
+    "Estimate",
+    "GroupTraffic",
+    "NetworkFits",
+    "ProfileError",
+    "Profiles",
+    "RankMemory",
+    "load_profiles",
 ]

@@ -28,10 +28,14 @@ from hetc.passes.params import block_params
 
 from hetc.spec import DTYPE_BYTES, DeviceSpec, DType, ModelSpec
 
-__all__ = ["ComputeModel", "LayerTime", "dtype_class"]
+__all__ = ["ComputeModel", "CostError", "LayerTime", "dtype_class"]
 
 # Bandwidth assumed for memory-bound work when a device declares none (a mid-range GPU).
 DEFAULT_MEMORY_BANDWIDTH = 500e9
+
+
+class CostError(ValueError):
+    """The plan cannot be costed (a device kind with neither a peak nor a profile)."""
 
 
 def dtype_class(dtype: DType) -> str:
@@ -168,7 +172,8 @@ class ComputeModel:
             bw = spec.memory_bandwidth or DEFAULT_MEMORY_BANDWIDTH
             return LayerTime(moved / bw, moved / bw, False, "arithmetic")
         if rate <= 0:
-            return LayerTime(math.inf, math.inf, False, "arithmetic (no peak)")
+            raise CostError(f"device kind '{device}' declares no peak FLOP/s for {self.model.dtype.value} and no "
+                            "profile times it; add a peak { ... } block or a profile (hetc profile)")
         return LayerTime(flops.forward / rate / share, flops.backward / rate / share,
                          kind == LayerKind.BLOCK and tp > 1, "arithmetic")
 

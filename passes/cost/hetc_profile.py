@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from hetc.passes.cost.network import MeasuredPoints, ring_chunk, ring_steps
-from hetc.passes.cost.profiles import ComputeTable, NetworkFits, ProfileError, Profiles, fit_line
+from hetc.passes.cost.profiles import LAYER_SLOTS, ComputeTable, NetworkFits, ProfileError, Profiles, fit_line
 
 __all__ = ["FORMAT", "VERSION", "profile_from_dict", "read_profile", "write_profile"]
 
@@ -65,6 +65,8 @@ def _tables(data: dict, kind: str, source: str) -> list[ComputeTable]:
     model = data["model"]
     by_seq: dict[int, dict] = defaultdict(lambda: defaultdict(list))
     for row in data.get("layers", []):
+        if row["layer"] not in LAYER_SLOTS:
+            raise ValueError(f"layer '{row['layer']}' is not one of {', '.join(LAYER_SLOTS)}")
         seq, key = int(row["seq"]), (str(row["layer"]), int(row.get("tp", 1)))
         by_seq[seq][key + ("F",)].append((int(row["micro_batch"]), float(row["forward_s"])))
         by_seq[seq][key + ("B",)].append((int(row["micro_batch"]), float(row["backward_s"])))

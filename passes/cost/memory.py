@@ -29,6 +29,7 @@ __all__ = [
     "StateBytes",
     "context_reserve",
     "in_flight",
+    "offloaded",
     "shard_factors",
     "state_bytes_per_param",
 ]

@@ -20,7 +20,7 @@ from hetc.passes.cost.memory import (
     shard_factors,
     state_bytes_per_param,
 )
-from hetc.passes.cost.network import ConstantBandwidth, ring_chunk, ring_steps
+from hetc.passes.cost.network import ring_chunk, ring_steps
 from hetc.passes.cost.profiles import Profiles
 from hetc.passes.cost.shapes import LayerKind, activation_elements, layer_flops, layer_kind, params_per_rank
 
@@ -47,6 +47,9 @@ class CostModel:
         self.compute = ComputeModel(self.model, self.profiles, self.devices)
         self.delta = DTYPE_BYTES[self.model.dtype]
         self.states = state_bytes_per_param(self.model)
+        self._zero_groups: dict[int, tuple[int, ...]] = {}
+        self._routes: dict[int, dict[int, int]] = {}
+        self._collectives: dict[tuple, float] = {}
 
     # ------------------------------------------------------------ structure
 
@@ -58,6 +61,14 @@ class CostModel:
 
     def ministage(self, ms: int) -> Ministage:
         return self.pipeline.ministages[ms]
+
+    def lane_of_microbatch(self, stage: int) -> dict[int, int]:
+        """microbatch -> index of the lane of `stage` that serves it."""
+        table = self._routes.get(stage)
+        if table is None:
+            table = {mb: lane.index for lane in self.pipeline.stages[stage].lanes for mb in lane.microbatches}
+            self._routes[stage] = table
+        return table
 
     def tp_group(self, rank: int) -> tuple[int, ...]:
         """The ranks of this rank's lane that share its sequence part (its TP group)."""
@@ -72,9 +83,12 @@ class CostModel:
 
     def zero_group(self, rank: int) -> tuple[int, ...]:
         """Ranks holding the same shard position in every lane of the stage (the DP/ZeRO group)."""
-        stage = self.stage_of(rank)
-        pos = self.pipeline.lane_of_rank[rank].ranks.index(rank)
-        return tuple(lane.ranks[pos] for lane in stage.lanes)
+        group = self._zero_groups.get(rank)
+        if group is None:
+            pos = self.pipeline.lane_of_rank[rank].ranks.index(rank)
+            group = tuple(lane.ranks[pos] for lane in self.stage_of(rank).lanes)
+            self._zero_groups.update((r, group) for r in group)
+        return group
 
     def node_group(self, rank: int) -> tuple[int, ...]:
         host = self.gpu(rank).host
@@ -208,6 +222,13 @@ class CostModel:
 
     def collective_time(self, kind: str, ranks: Sequence[int], nbytes: float, concurrent: int = 1) -> float:
         """A ring collective over `ranks` (in ring order) of the full buffer `nbytes`."""
+        key = (kind, tuple(ranks), nbytes, concurrent)
+        got = self._collectives.get(key)
+        if got is None:
+            got = self._collectives[key] = self._ring_time(kind, key[1], nbytes, concurrent)
+        return got
+
+    def _ring_time(self, kind: str, ranks: tuple[int, ...], nbytes: float, concurrent: int) -> float:
         n = len(ranks)
         steps = ring_steps(kind, n)
         if steps == 0 or nbytes <= 0:
@@ -242,7 +263,7 @@ class CostModel:
         if fit is not None:
             return fit.rate(nbytes) / concurrent, 0.0
         link = self.topology.link(a, b)
-        return ConstantBandwidth(link.bandwidth).rate(nbytes) / concurrent, link.latency
+        return link.bandwidth / concurrent, link.latency
 
     # ------------------------------------------------------------ the whole plan
 

@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 __all__ = [
     "COLLECTIVES",
     "Bandwidth",
-    "ConstantBandwidth",
     "MeasuredPoints",
     "QuadraticLogFit",
     "collective_bytes_per_rank",
@@ -42,14 +40,6 @@ class Bandwidth(Protocol):
     def rate(self, nbytes: float) -> float:
         """Aggregate bytes/s for messages of `nbytes`."""
         ...
-
-
-@dataclass(frozen=True, slots=True)
-class ConstantBandwidth:
-    bytes_per_s: float
-
-    def rate(self, nbytes: float) -> float:
-        return self.bytes_per_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +100,3 @@ def collective_bytes_per_rank(kind: str, n: int, nbytes: float) -> float:
     """Bytes each rank sends for a collective over the full buffer `nbytes` (ring algorithms)."""
     return ring_steps(kind, n) * ring_chunk(nbytes, n)
 
-
-def slowest(rates: Sequence[float]) -> float:
-    return min(rates) if rates else math.inf

@@ -9,9 +9,10 @@ what is left of its tail after that lead is exposed.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
-from hetc.passes.cost.memory import offloaded
+from hetc.passes.cost.memory import GRAD_BUCKET_PARAMS, offloaded
 from hetc.passes.cost.schedule import LaneTiming, Unit, UnitLane, pipeline_time, sequential_time
 
 from hetc.pipeline import Lane, Stage
@@ -62,21 +63,30 @@ def _kinds(cm, lane: Lane) -> list[int]:
     return list(seen.values())
 
 
+def _reps(cm, ranks) -> list[int]:
+    """One rank per device kind among `ranks`."""
+    seen: dict[str, int] = {}
+    for r in sorted(ranks):
+        seen.setdefault(cm.gpu(r).device.name, r)
+    return list(seen.values())
+
+
 def _concurrent(cm, rank: int) -> int:
     """Ranks of this rank's lane on its node: they send their shares over the node's link at once."""
     lane = cm.pipeline.lane_of_rank[rank]
     return sum(1 for r in lane.ranks if cm.gpu(r).host == cm.gpu(rank).host)
 
 
-def _peer_lane(stage: Stage, lane: Lane) -> Lane:
+def _peer_lane(cm, stage: Stage, lane: Lane) -> Lane:
     """The lane of `stage` that serves most of `lane`'s microbatches."""
-    mine = set(lane.microbatches)
-    return max(stage.lanes, key=lambda other: (len(mine & set(other.microbatches)), -other.index))
+    served = Counter(cm.lane_of_microbatch(stage.index)[mb] for mb in lane.microbatches)
+    best = max(served.items(), key=lambda kv: (kv[1], -kv[0]))[0]
+    return stage.lanes[best]
 
 
 def border_time(cm, stage: Stage, lane: Lane, other: Stage, ms: int) -> float:
     """One transfer (each rank its share of the activation) between `lane` and its peer in `other`."""
-    peer = _peer_lane(other, lane)
+    peer = _peer_lane(cm, other, lane)
     src, dst = lane.ranks[0], peer.ranks[0]
     share = cm.boundary_bytes(ms) / (stage.tp * stage.cp)
     return cm.p2p_time(src, dst, share, _concurrent(cm, src))
@@ -133,8 +143,10 @@ def sync_time(cm, stage: Stage, rank: int, per_ministage: bool = False) -> float
     if per_ministage:  # Zorse: one reduce-scatter per ministage, then (ZeRO-2) one gather
         rs = cm.collective_time("reduce_scatter", group, nbytes, k)
         return rs + (cm.collective_time("all_gather", group, nbytes, k) if level == 2 else 0.0)
-    last_rs = cm.collective_time("reduce_scatter", group, nbytes, k) / max(len(stage.lanes[0].microbatches), 1)
-    return last_rs + (cm.collective_time("all_gather", group, nbytes, k) if level == 2 else 0.0)
+    # the last microbatch's reduce-scatter overlaps its own backward bucket by bucket: the last bucket shows
+    last_bucket = min(nbytes, GRAD_BUCKET_PARAMS * cm.delta)
+    return cm.collective_time("reduce_scatter", group, last_bucket, k) + \
+        (cm.collective_time("all_gather", group, nbytes, k) if level == 2 else 0.0)
 
 
 def _same_position(cm, rank: int) -> set[int]:
@@ -160,8 +172,10 @@ def _tail(cm, lanes: list[LaneTiming]) -> float:
     drain = {s.index: max(t.backward + t.p2p for t in lanes if t.stage == s.index) for s in p.stages}
     tail, lead = 0.0, 0.0
     for stage in p.stages:
-        worst = max(sync_time(cm, stage, r) + _opt_time(cm, stage, r)
-                    for lane in stage.lanes for r in _kinds(cm, lane))
+        # ranks at one position of every lane sync together; the optimizer differs by device kind
+        kinds = {r for lane in stage.lanes for r in _kinds(cm, lane)}
+        step = max(_opt_time(cm, stage, r) for r in _reps(cm, kinds))
+        worst = max(sync_time(cm, stage, r) for r in stage.lanes[0].ranks) + step
         tail = max(tail, worst - lead)
         lead += drain[stage.index]
     return max(tail, 0.0)

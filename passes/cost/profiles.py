@@ -36,7 +36,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 LAYER_SLOTS = ("embed", "block", "head")
-PHASES = ("F", "B")
 # Two models' blocks are "the same shape" for timing when their parameter counts agree this well.
 SHAPE_TOLERANCE = 0.01
 
