@@ -142,3 +142,18 @@ def test_profiles_transfer_across_devices_by_a_reference_model(tmp_path):
     t = cm.compute.layer("H100", "block", 2, 1)
     assert t.forward == pytest.approx(8e-3 * 0.5) and t.backward == pytest.approx(16e-3 * 0.25)
     assert "speed ratio" in t.source
+
+
+def test_tensor_parallel_all_reduces_are_added_to_arithmetic_times(tmp_path):
+    one = DP.format(zero=0, ranks="n[0, 0:1]", lanes=1, idle="n[0, 1:4], n[1]")
+    two = DP.format(zero=0, ranks="n[0, 0:2]", lanes=1, idle="n[0, 2:4], n[1]").replace("lanes = 1", "lanes = 1\n    tp = 2")
+    cm1 = cost_model(tmp_path, plan_text(one, global_batch=4))
+    cm2 = cost_model(tmp_path, plan_text(two, global_batch=4))
+    block1, block2 = (cm.compute.layer("A100-40", "block", 1, cm.stage_of(0).tp) for cm in (cm1, cm2))
+    assert block2.forward == pytest.approx(block1.forward / 2) and block2.needs_tp_comm
+    blocks = cm1.model.layers
+    allreduce = cm2.collective_time("all_reduce", cm2.tp_group(0), cm2.hidden_bytes)
+    assert allreduce > 0
+    # the forward of the one ministage: embed and head whole per rank (vocab-parallel head: halved), blocks halved
+    assert cm2.compute_time(0, 0, "F") - cm1.compute_time(0, 0, "F") / 2 == pytest.approx(
+        blocks * 2 * allreduce + cm1.compute.layer("A100-40", "embed", 1, 1).forward / 2, rel=1e-6)

@@ -50,6 +50,7 @@ class CostModel:
         self._zero_groups: dict[int, tuple[int, ...]] = {}
         self._routes: dict[int, dict[int, int]] = {}
         self._collectives: dict[tuple, float] = {}
+        self._compute_times: dict[tuple[int, int, str], float] = {}
 
     # ------------------------------------------------------------ structure
 
@@ -125,10 +126,14 @@ class CostModel:
             total += elems * self.delta + extra
         return total
 
-    def boundary_bytes(self, ms: int) -> float:
-        if ms == len(self.pipeline.ministages) - 1:
-            return 0.0
+    @cached_property
+    def hidden_bytes(self) -> float:
+        """One microbatch's hidden states, b·S·H·δ: the PP message and the TP all-reduce."""
         return float(self.pipeline.micro_batch * self.model.seq * self.model.hidden * self.delta)
+
+    def boundary_bytes(self, ms: int) -> float:
+        """The activation leaving ministage `ms` for one microbatch (none after the last)."""
+        return 0.0 if ms == len(self.pipeline.ministages) - 1 else self.hidden_bytes
 
     def reserve_bytes(self, rank: int) -> float:
         device = self.gpu(rank).device
@@ -142,9 +147,13 @@ class CostModel:
 
     def compute_time(self, rank: int, ms: int, phase: str) -> float:
         """One microbatch through ministage `ms` on `rank`: F, B = I + W, I (input-grad) or W (weight-grad)."""
-        if phase not in PHASES:
-            raise ValueError(f"phase must be one of {', '.join(PHASES)}, not {phase!r}")
-        return sum(self._layer_time(rank, i, phase) for i in self.ministage(ms).layers)
+        key = (rank, ms, phase)
+        got = self._compute_times.get(key)
+        if got is None:
+            if phase not in PHASES:
+                raise ValueError(f"phase must be one of {', '.join(PHASES)}, not {phase!r}")
+            got = self._compute_times[key] = sum(self._layer_time(rank, i, phase) for i in self.ministage(ms).layers)
+        return got
 
     def _layer_time(self, rank: int, idx: int, phase: str) -> float:
         if phase == "B":
@@ -176,8 +185,7 @@ class CostModel:
         group = self.tp_group(rank)
         if len(group) < 2:
             return 0.0
-        nbytes = self.boundary_bytes(0) / self.stage_of(rank).cp
-        return 2 * self.collective_time("all_reduce", group, nbytes)
+        return 2 * self.collective_time("all_reduce", group, self.hidden_bytes / self.stage_of(rank).cp)
 
     def cp_comm_time(self, rank: int) -> tuple[float, float]:
         """(forward, backward) exposed context-parallel communication per block."""
@@ -186,7 +194,7 @@ class CostModel:
         if len(group) < 2:
             return 0.0, 0.0
         kv = self.model.num_kv_heads / self.model.heads
-        full = float(self.pipeline.micro_batch * self.model.seq * self.model.hidden * self.delta)
+        full = self.hidden_bytes
         if stage.cp_kind is CPKind.ULYSSES:
             # two all-to-alls each way (q/k/v in, output back), blocking; 4(N_kv/N_q + 1)·δbSH/N_SP per rank
             fwd = self.collective_time("all_to_all", group, (2 * kv + 1) * full / stage.tp) + \
