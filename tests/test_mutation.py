@@ -1,13 +1,13 @@
 """Randomized mutations of every spec in specs/: only located SpecErrors, never a crash or a hang.
 
-Each case copies specs/ once (per session) to a scratch folder, breaks one
-file there with one to three mutations (delete or duplicate a line, drop a
-bracket, a number replaced by 0, -1, 1e30, NaN or a word, a typo in a
-keyword, random bytes, truncation, a self-import, ...), runs the front-end
-(load + validate) in-process under a time limit, renders any diagnostics
-the way the CLI does, and restores the file. A mutated file is loaded itself
-or through a file that imports it, so errors located in imported files are
-covered too.
+specs/ is copied once to a scratch folder. Each case breaks one file there
+with one to three mutations (delete or duplicate a line, drop a bracket, a
+number replaced by 0, -1, 1e30, NaN or a word, or grown a thousandfold, a
+typo in a keyword, random bytes, truncation, a self-import, ...), runs the
+front-end (load + validate) in-process under a time limit, renders any
+diagnostics the way the CLI does, and restores the file. A mutated file is
+loaded itself or through a file that imports it, so errors located in
+imported files are covered too.
 
 Cases are seeded by (file, index): a failure names its case, and
 `HETC_MUTATION_CASE=demo/job.het#17` reruns just that one. The default run is
@@ -84,6 +84,15 @@ def _replace_number(rng, data):
     return data[:m.start()] + new + data[m.end():], f"number {m.group()!r} -> {new!r} at byte {m.start()}"
 
 
+def _grow_number(rng, data):
+    """A number made much larger but still in bounds: 12 nodes -> 12000 (hunts for slowness)."""
+    spots = [m for m in _NUMBER.finditer(data) if m.group().isdigit()]
+    if not spots:
+        return _replace_number(rng, data)
+    m, tail = rng.choice(spots), rng.choice([b"0", b"000", b"9999"])
+    return data[:m.end()] + tail + data[m.end():], f"number {m.group()!r} -> {m.group() + tail!r}"
+
+
 def _typo(rng, data):
     spots = list(_NAME.finditer(data))
     if not spots:
@@ -130,7 +139,7 @@ def _self_import(rng, data, name: str):
 
 
 MUTATIONS = [_delete_line, _duplicate_line, _swap_lines, _drop_bracket, _replace_number, _replace_number,
-             _typo, _typo, _random_bytes, _odd_text, _truncate, _self_import]
+             _grow_number, _typo, _typo, _random_bytes, _odd_text, _truncate, _self_import]
 
 
 def mutate(rng: random.Random, data: bytes, name: str) -> tuple[bytes, list[str]]:
