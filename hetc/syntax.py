@@ -1,22 +1,39 @@
 """Parse .het text into a small syntax tree with spans.
 
 This is the only module that touches lark. Its output (`File`, `Block`,
-`Attr` and the value nodes) is plain frozen dataclasses; `hetc.convert`
-turns it into the typed Spec and `hetc.printer` prints it back.
+`Attr` and the value nodes of `hetc.syntax_tree`, re-exported here) is plain
+frozen dataclasses; `hetc.convert` turns it into the typed Spec and
+`hetc.printer` prints it back. Syntax errors say in words what was expected.
 """
 
 from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from lark import Lark, Token, Transformer, Tree, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
+from hetc.comments import scan_comments, weave_comments
 from hetc.errors import Diagnostic, Span, SpecError
 from hetc.grammar import GRAMMAR_PATH
+from hetc.syntax_tree import (
+    Attr,
+    Auto,
+    Block,
+    Comment,
+    File,
+    Index,
+    Item,
+    LayerRange,
+    ListValue,
+    Number,
+    RankRef,
+    String,
+    Use,
+    Value,
+    Word,
+)
 
 __all__ = [
     "Attr",
@@ -38,125 +55,6 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, slots=True)
-class Auto:
-    span: Span = field(compare=False)
-
-
-@dataclass(frozen=True, slots=True)
-class Number:
-    text: str
-    unit: str | None
-    span: Span = field(compare=False)
-
-    @property
-    def value(self) -> float:
-        return float(self.text)
-
-    def is_int(self) -> bool:
-        return self.text.lstrip("+-").isdigit()
-
-
-@dataclass(frozen=True, slots=True)
-class String:
-    value: str
-    span: Span = field(compare=False)
-
-
-@dataclass(frozen=True, slots=True)
-class Word:
-    name: str
-    span: Span = field(compare=False)
-
-
-@dataclass(frozen=True, slots=True)
-class LayerRange:
-    first: str
-    last: str
-    span: Span = field(compare=False)
-
-
-@dataclass(frozen=True, slots=True)
-class Index:
-    """`i` (start=i, stop=None, is_slice=False) or `a:b` (either side optional)."""
-
-    start: int | None
-    stop: int | None
-    is_slice: bool
-
-
-@dataclass(frozen=True, slots=True)
-class RankRef:
-    group: str
-    node: Index
-    gpu: Index | None
-    span: Span = field(compare=False)
-
-
-@dataclass(frozen=True, slots=True)
-class ListValue:
-    items: tuple[Value, ...]
-    span: Span = field(compare=False)
-
-
-Value = Auto | Number | String | Word | LayerRange | RankRef | ListValue
-
-
-@dataclass(frozen=True, slots=True)
-class Comment:
-    """A comment, kept so `hetc fmt` does not lose it."""
-
-    text: str
-    trailing: bool
-    span: Span = field(compare=False)
-
-
-@dataclass(frozen=True, slots=True)
-class Attr:
-    key: str
-    value: Value
-    span: Span = field(compare=False)
-    key_span: Span = field(compare=False)
-
-
-@dataclass(frozen=True, slots=True)
-class Block:
-    kind: str
-    label: str | None
-    peer: str | None
-    items: tuple[Item, ...]
-    span: Span = field(compare=False)
-    kind_span: Span = field(compare=False)
-    label_spans: tuple[Span, ...] = field(default=(), compare=False)  # of label, then peer
-
-    @property
-    def head_span(self) -> Span:
-        return self.kind_span
-
-
-@dataclass(frozen=True, slots=True)
-class Use:
-    path: str
-    span: Span = field(compare=False)
-
-
-Item = Attr | Block | Use | Comment
-
-
-@dataclass(frozen=True, slots=True)
-class File:
-    path: str
-    items: tuple[Item, ...]
-
-
-# Note [comments]: lark drops ignored tokens, so comments are collected by a
-# scan of the text and woven back in by position. A comment on a line of its
-# own becomes an item before the next statement of the innermost block around
-# it. A comment after code on the same line is a *trailing* comment: of the
-# statement or block that ends on that line before it (`}  # end`), or, on a
-# block's first line, of its opening brace (`stage s {  # why`). Lines count
-# "\n" only, as lark does.
-
 @functools.cache
 def _parser() -> Lark:
     return Lark(
@@ -169,8 +67,6 @@ def _parser() -> Lark:
 
 def _span(path: str, meta_or_token) -> Span:
     m = meta_or_token
-    if isinstance(m, _RawComment):
-        return Span(path, m.line, m.column, m.line, m.end_column)
     if isinstance(m, Token):
         return Span(path, m.line, m.column, m.end_line or m.line, m.end_column or m.column + 1)
     return Span(path, m.line, m.column, m.end_line, m.end_column)
@@ -265,7 +161,7 @@ def parse_text(text: str, path: str) -> File:
         raise SpecError(_syntax_diagnostic(err, text, path)) from None
     _check_depth(tree, path)
     items = _ToAst(path).transform(tree)
-    return File(path, tuple(_weave_comments(items, _scan_comments(text), path)))
+    return File(path, tuple(weave_comments(items, scan_comments(text), path)))
 
 
 MAX_NESTING = 32  # blocks and lists inside each other; real specs need about 4
@@ -281,75 +177,6 @@ def _check_depth(tree: Tree, path: str) -> None:
             raise SpecError.at(_span(path, node.meta), f"blocks and lists are nested more than {MAX_NESTING} "
                                                        "levels deep here")
         stack += [(child, depth + nests) for child in node.children if isinstance(child, Tree)]
-
-
-class _RawComment(NamedTuple):
-    text: str
-    line: int
-    column: int
-    end_column: int
-    code_before: bool
-
-
-def _scan_comments(text: str) -> list[_RawComment]:
-    """Comments outside strings, with their line and column."""
-    found: list[_RawComment] = []
-    for lineno, line in enumerate(text.split("\n"), start=1):
-        in_string = False
-        i = 0
-        while i < len(line):
-            ch = line[i]
-            if in_string:
-                if ch == "\\":
-                    i += 1
-                elif ch == '"':
-                    in_string = False
-            elif ch == '"':
-                in_string = True
-            elif ch == "#" or line.startswith("//", i):
-                body = line[i:].rstrip()
-                found.append(_RawComment(body, lineno, i + 1, i + 1 + len(body), bool(line[:i].strip())))
-                break
-            i += 1
-    return found
-
-
-def _weave_comments(items: list, comments: list[_RawComment], path: str) -> list:
-    """Put each comment into the item list of the block that contains it."""
-    if not comments:
-        return items
-    return _weave(items, sorted(comments, key=lambda c: (c.line, c.column)), path)
-
-
-def _comment(c: _RawComment, trailing: bool, path: str) -> Comment:
-    return Comment(c.text, trailing, _span(path, c))
-
-
-def _weave(items, comments: list[_RawComment], path: str) -> list:
-    """`items` of one block body with `comments` (all within that body) placed among them."""
-    out: list = []
-    rest = list(comments)
-    for n, item in enumerate(items):
-        span = item.span
-        out += [_comment(c, c.code_before, path) for c in rest if c.line < span.line]
-        mine = [c for c in rest if span.line <= c.line <= span.end_line]
-        rest = [c for c in rest if c.line > span.end_line]
-        after = [c for c in mine if c.line == span.end_line and c.column >= span.end_col]
-        within = [c for c in mine if c not in after]
-        following = items[n + 1] if n + 1 < len(items) else None
-        if following is not None and following.span.line == span.end_line:
-            rest, after = after + rest, []  # `a = 1; b = 2  # c` belongs to b
-        if isinstance(item, Block):
-            body = _weave(list(item.items), within, path)
-            out.append(Block(item.kind, item.label, item.peer, tuple(body), item.span, item.kind_span,
-                             item.label_spans))
-        else:  # a statement spread over lines (a long list): keep its comments next to it
-            out += [_comment(c, False, path) for c in within if not c.code_before]
-            out.append(item)
-            after = [c for c in within if c.code_before] + after
-        out += [_comment(c, True, path) for c in after]
-    out += [_comment(c, c.code_before, path) for c in rest]  # code before: an empty block's head
-    return out
 
 
 _TOKEN_WORDS = {
