@@ -59,7 +59,7 @@ def _n(count: int, noun: str) -> str:
 
 
 def _memory_rows(memory: tuple[RankMemory, ...]) -> list[str]:
-    head = "  ranks        device     " + "".join(f"{c:>12s}" for c in _COLUMNS) + f"{'total':>12s}{'capacity':>12s}"
+    head = "  ranks        device     " + "".join(f"{c:>12s}" for c in (*_COLUMNS, "total", "capacity"))
     rows, start = [head], 0
     for i in range(1, len(memory) + 1):
         if i < len(memory) and _same(memory[i], memory[start]):

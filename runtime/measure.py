@@ -48,7 +48,8 @@ def local_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _clock(device: torch.device, fn: Callable[[], None], repeats: int, setup: Callable[[], None] | None = None) -> float:
+def _clock(device: torch.device, fn: Callable[[], None], repeats: int,
+           setup: Callable[[], None] | None = None) -> float:
     """Fastest of `repeats` timed runs of `fn` after one warm-up (`setup` runs untimed before each).
 
     The minimum, as timeit reports: interference from other processes only adds time.
@@ -111,7 +112,8 @@ def _time_one(stage, name: str, model: ModelSpec, b: int, seq: int, device, dtyp
         stage.zero_grad(set_to_none=True)
         forward()
 
-    return _clock(device, forward, repeats, setup=pending.clear), _clock(device, backward, repeats, setup=reset)
+    fwd = _clock(device, forward, repeats, setup=pending.clear)
+    return fwd, _clock(device, backward, repeats, setup=reset)
 
 
 def copy_rates(sizes: list[int], repeats: int) -> list[dict]:

@@ -37,7 +37,8 @@ def test_parallelism_volumes():
     assert traffic.tp_bytes(1, b, s, h, d) == 0.0
     sp, kv, q = 8, 8, 64
     assert traffic.ulysses_bytes(sp, kv, q, b, s, h, d) == pytest.approx(4 * (kv / q + 1) * bsh / sp * 7 / 8)
-    assert traffic.ring_attention_bytes(1 << 20, kv, q, b, s, h, d) == pytest.approx(6 * kv / q * bsh, rel=1e-5)
+    ring = traffic.ring_attention_bytes(1 << 20, kv, q, b, s, h, d)
+    assert ring == pytest.approx(6 * kv / q * bsh, rel=1e-5)
     assert traffic.ep_bytes(1 << 20, 2, b, s, h, d) == pytest.approx(4 * 2 * bsh, rel=1e-5)
     assert collective_bytes_per_rank("all_reduce", 4, 1000.0) == 2 * 3 * 250.0
     assert collective_bytes_per_rank("all_gather", 4, 1000.0) == 3 * 250.0
@@ -113,4 +114,5 @@ def test_explained_traffic_lists_every_group(tmp_path):
     phi = cm.numel(0, 0) * d
     assert dp.bytes_per_step == pytest.approx(traffic.zero_bytes(2, ScheduleKind.ONE_F_ONE_B, phi, 2, 4))
     tp = next(g for (k, name), g in groups.items() if k == "tp" and "stage a" in name)
-    assert tp.bytes_per_step == pytest.approx(4 * 4 * traffic.tp_bytes(2, 1, m.seq, m.hidden, d))  # 4 blocks, 4 mbs
+    per_layer = traffic.tp_bytes(2, 1, m.seq, m.hidden, d)
+    assert tp.bytes_per_step == pytest.approx(4 * 4 * per_layer)   # 4 blocks, 4 microbatches

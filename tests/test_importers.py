@@ -46,12 +46,13 @@ def _same_plan(raw: dict, checked) -> None:
     assert p.schedule is ScheduleKind.ONE_F_ONE_B and p.micro_batch == raw["mbs"]
     assert p.num_microbatches * p.micro_batch == raw["gbs"]
     first = 0
-    for stage, layers, replicas in zip(p.stages, plan["layers_per_stage"], plan["tmp_per_stage"]):
+    stages = zip(p.stages, plan["layers_per_stage"], plan["tmp_per_stage"], strict=True)
+    for stage, layers, replicas in stages:
         span = range(first, first + len(layers))
         assert [i for ms in stage.ministages for i in p.ministages[ms].layers] == list(span)
         first = span.stop
         assert len(stage.lanes) == len(replicas)
-        for lane, (vms, tp) in zip(stage.lanes, replicas):
+        for lane, (vms, tp) in zip(stage.lanes, replicas, strict=True):
             assert stage.tp == tp and len(lane.ranks) == tp
             gpus = [p.world[r] for r in lane.ranks]
             assert {g.device.name for g in gpus} == {GPU_KINDS[vms[0][0]]}
@@ -87,7 +88,7 @@ def test_zorse_plan_round_trip(zorse, tmp_path):
     assert len(p.stages) == len(cfg)
     info = json.loads((zorse / "example/cluster_info.json").read_text())
     names = {g["global_rank"]: g["name"] for g in info["gpu_list"]}
-    for stage, st in zip(p.stages, cfg):
+    for stage, st in zip(p.stages, cfg, strict=True):
         assert len(stage.ministages) == config["interleave_degree"]
         counts = [len(lane.microbatches) for lane in stage.lanes]
         assert counts == st["num_microbatches_per_rank"]                  # uneven, as Zorse routes them

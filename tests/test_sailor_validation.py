@@ -58,7 +58,9 @@ def test_predicts_measured_iteration_time(sample, profiles, tmp_path, request):
         request.applymarker(pytest.mark.xfail(reason=KNOWN[name], strict=True))
     real = json.loads(sample.read_text())["real"]
     predicted = predict(sample, profiles, tmp_path)
-    assert abs(predicted - real) / real <= TOLERANCE, f"{name}: predicted {predicted:.4g} s, measured {real:.4g} s"
+    error = (predicted - real) / real
+    assert abs(error) <= TOLERANCE, \
+        f"{name}: predicted {predicted:.4g} s, measured {real:.4g} s ({error:+.1%})"
 
 
 def test_samples_present(profiles):

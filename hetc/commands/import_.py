@@ -30,8 +30,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                            description="DIR is Zorse's folder with data/model_stats.json and "
                                        "data/model_latencies.json.")
     z.add_argument("--data", required=True, metavar="DIR", help="the Zorse folder")
-    z.add_argument("--cluster", required=True, metavar="cluster_info.json", help="Zorse's cluster description")
-    z.add_argument("--model", required=True, metavar="NAME", help="Zorse's model name, e.g. deepspeedllama_7b")
+    z.add_argument("--cluster", required=True, metavar="cluster_info.json",
+                   help="Zorse's cluster description")
+    z.add_argument("--model", required=True, metavar="NAME",
+                   help="Zorse's model name, e.g. deepspeedllama_7b")
     z.add_argument("--plan", metavar="training_config.json", help="a Zorse plan (without: the plan is auto)")
     z.add_argument("-o", "--output", metavar="OUT.het", help="write here instead of stdout")
     z.set_defaults(func=_zorse)

@@ -31,7 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "point transfers, and host<->device copies. The default run takes seconds "
                                    "on a CPU.")
     p.add_argument("spec", nargs="?", metavar="SPEC", help="take the model from this spec")
-    p.add_argument("-o", "--output", default="profile.json", metavar="FILE", help="where to write (profile.json)")
+    p.add_argument("-o", "--output", default="profile.json", metavar="FILE",
+                   help="where to write (profile.json)")
     p.add_argument("--device-kind", metavar="NAME",
                    help="the catalog device kind measured (default: from the CUDA device name, or cpu)")
     p.add_argument("--micro-batches", default="1,2", metavar="B,B", help="micro-batch sizes (1,2)")
@@ -74,7 +75,8 @@ def _model(args: argparse.Namespace) -> ModelSpec:
     if args.hidden % args.heads or (args.hidden // args.heads) % 2:
         raise UsageError(f"--hidden ({args.hidden}) must be --heads ({args.heads}) × an even head size")
     return ModelSpec(name="profiled", arch=Arch(args.arch), layers=1, hidden=args.hidden, heads=args.heads,
-                     kv_heads=args.kv_heads, ffn=args.ffn, vocab=args.vocab, seq=args.seq, dtype=DType(args.dtype))
+                     kv_heads=args.kv_heads, ffn=args.ffn, vocab=args.vocab, seq=args.seq,
+                     dtype=DType(args.dtype))
 
 
 class _Progress:
@@ -86,7 +88,8 @@ class _Progress:
 
     def __call__(self, what: str) -> None:
         line = f"hetc profile: {what} ({time.perf_counter() - self.start:.1f} s)"
-        print(f"\r{line:<72}" if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+        text, end = (f"\r{line:<72}", "") if self.tty else (line, "\n")
+        print(text, end=end, file=sys.stderr, flush=True)
 
     def done(self, path: Path) -> None:
         self(f"wrote {path}")

@@ -82,7 +82,8 @@ def import_sailor(data: str, model_name: str, plan: str | None, quotas: str | No
                 cluster=_cluster(book, net), train=train,
                 parallel=parallel if not idle else ParallelSpec(**{**_fields(parallel), "idle": idle}))
     return render(spec, [f"Imported from Sailor by `hetc import sailor` (model {model_name}, data {folder}).",
-                         *header, f"Measured layer times and network fits: hetc explain SPEC --profile {folder}"])
+                         *header,
+                         f"Measured layer times and network fits: hetc explain SPEC --profile {folder}"])
 
 
 def _fields(node) -> dict:
@@ -110,7 +111,8 @@ def _plan(raw: dict, model: SailorModel, book: NodeBook, name: str):
         raise UsageError(f"'{name}' has {len(raw['pipeline_list'])} pipelines; hetc imports one "
                          "(Sailor's heterogeneous plans put all replicas in one pipeline)")
     if len(stages_layers) != len(replicas):
-        raise UsageError(f"'{name}': {len(stages_layers)} layer lists but {len(replicas)} stages in tmp_per_stage")
+        raise UsageError(f"'{name}': {len(stages_layers)} layer lists but {len(replicas)} stages in "
+                         "tmp_per_stage")
     hetc_model = _model_spec(model)
     stages, idle, first = [], [], 0
     for s, (layers, reps) in enumerate(zip(stages_layers, replicas)):
@@ -156,10 +158,11 @@ def _stage(s: int, reps: list, model: ModelSpec, first: int, stop: int, book: No
 
 
 def _quotas(raw: dict, book: NodeBook, folder: Path) -> None:
-    cfg = read_json(folder / "basic_cluster_config.json") if (folder / "basic_cluster_config.json").is_file() \
-        else {}
+    basic = folder / "basic_cluster_config.json"
+    cfg = read_json(basic) if basic.is_file() else {}
     if not isinstance(raw, dict) or not raw:
-        raise UsageError("a quotas file maps GPU kinds to {zone: GPUs}, e.g. {\"A100-40\": {\"us-central1-a\": 8}}")
+        raise UsageError('a quotas file maps GPU kinds to {zone: GPUs}, e.g. '
+                         '{"A100-40": {"us-central1-a": 8}}')
     for gpu, zones in raw.items():
         per_node = int(cfg.get(gpu, {}).get("gpus_per_node", DEFAULT_GPUS_PER_NODE))
         if not isinstance(zones, dict):

@@ -62,7 +62,8 @@ def import_zorse(data: str, cluster: str, model_name: str, plan: str | None) -> 
     folder = require_dir(data, "Zorse folder")
     stats = read_input_json(folder / STATS, "Zorse model stats")
     if model_name not in stats:
-        raise UsageError(f"model '{model_name}' is not in {folder / STATS}; known: {', '.join(sorted(stats))}")
+        raise UsageError(f"model '{model_name}' is not in {folder / STATS}; "
+                         f"known: {', '.join(sorted(stats))}")
     info = read_input_json(cluster, "Zorse cluster description")
     config = read_input_json(plan, "Zorse plan") if plan else {}
     model = _model(model_name, stats[model_name], config)
@@ -76,7 +77,8 @@ def import_zorse(data: str, cluster: str, model_name: str, plan: str | None) -> 
         parallel, train = ParallelSpec(schedule=AUTO, stages=AUTO), TrainSpec(global_batch=128)
     spec = Spec(model=model, devices=catalog_devices(kinds), train=train, parallel=parallel,
                 cluster=ClusterSpec(name="zorse", nodes=nodes, links=links, **_inter(info, cluster)))
-    measured = f" (Zorse's latency: {config['latency']:.0f} ms)" if isinstance(config.get("latency"), float) else ""
+    latency = config.get("latency")
+    measured = f" (Zorse's latency: {latency:.0f} ms)" if isinstance(latency, float) else ""
     header = [f"Imported from Zorse by `hetc import zorse` (model {model_name}, cluster {Path(cluster).name}"
               + (f", plan {Path(plan).name}{measured})." if plan else ")."),
               f"Measured layer times: hetc explain SPEC --profile {folder}"]
@@ -105,8 +107,10 @@ def _model(name: str, shape: dict, config: dict) -> ModelSpec:
         ffn = (per_block - 4 * hidden * hidden - 2 * hidden) // (3 * hidden)
     else:
         ffn = 4 * hidden
-    dtype = {"fp16": DType.FP16, "fp32": DType.FP32}[DTYPES.get(config.get("autocast_dtype", "float16"), "fp16")]
-    return ModelSpec(name=name, arch=arch, layers=layers, hidden=hidden, heads=max(hidden // head_dim, 1), ffn=ffn,
+    width = DTYPES.get(config.get("autocast_dtype", "float16"), "fp16")
+    dtype = {"fp16": DType.FP16, "fp32": DType.FP32}[width]
+    return ModelSpec(name=name, arch=arch, layers=layers, hidden=hidden, heads=max(hidden // head_dim, 1),
+                     ffn=ffn,
                      vocab=int(config.get("vocab_size", 32000)), seq=int(config.get("sequence_length", 2048)),
                      dtype=dtype)
 
@@ -127,7 +131,8 @@ def _cluster(info: dict, where: str):
         intra = _intra(bandwidth, m_idx)
         for kind, ranks in sorted(by_kind.items()):
             group = f"{zone}_{kind}".replace("-", "_").lower()
-            nodes.append(NodeSpec(name=group, device=kind, gpus=len(ranks), zone=zone, region=zone, intra=intra))
+            nodes.append(NodeSpec(name=group, device=kind, gpus=len(ranks), zone=zone, region=zone,
+                                  intra=intra))
             for local, rank in enumerate(sorted(ranks)):
                 gpus[rank] = (group, kind, local)
         if len(by_kind) > 1 and intra is not None:

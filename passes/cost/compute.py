@@ -172,8 +172,8 @@ class ComputeModel:
             bw = spec.memory_bandwidth or DEFAULT_MEMORY_BANDWIDTH
             return LayerTime(moved / bw, moved / bw, False, "arithmetic")
         if rate <= 0:
-            raise CostError(f"device kind '{device}' declares no peak FLOP/s for {self.model.dtype.value} and no "
-                            "profile times it; add a peak { ... } block or a profile (hetc profile)")
+            raise CostError(f"device kind '{device}' declares no peak FLOP/s for {self.model.dtype.value} "
+                            "and no profile times it; add a peak { ... } block or a profile (hetc profile)")
         return LayerTime(flops.forward / rate / share, flops.backward / rate / share,
                          kind == LayerKind.BLOCK and tp > 1, "arithmetic")
 

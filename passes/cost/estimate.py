@@ -83,7 +83,8 @@ class Estimate:
         t = self.time
         return {
             "step_time_s": self.step_time_s, "tokens_per_step": self.tokens_per_step,
-            "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "hfu": self.hfu, "peak_flops": self.peak_flops,
+            "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "hfu": self.hfu,
+            "peak_flops": self.peak_flops,
             "model_flops_per_step": self.model_flops_per_step,
             "hardware_flops_per_step": self.hardware_flops_per_step, "schedule": self.schedule,
             "time": {"pipeline_s": t.pipeline, "bubble_s": t.bubble, "tail_s": t.tail,
@@ -91,8 +92,9 @@ class Estimate:
             "fits": self.fits,
             "memory": [{**asdict(m), "total": m.total, "fits": m.fits} for m in self.memory],
             "traffic": [{**asdict(g), "ranks": list(g.ranks)} for g in self.traffic],
-            "lanes": [{"stage": x.stage, "lane": x.lane, "microbatches": x.microbatches, "forward_s": x.forward,
-                       "backward_s": x.backward, "p2p_s": x.p2p, "overlapped_s": x.overlapped} for x in t.lanes],
+            "lanes": [{"stage": x.stage, "lane": x.lane, "microbatches": x.microbatches,
+                       "forward_s": x.forward, "backward_s": x.backward, "p2p_s": x.p2p,
+                       "overlapped_s": x.overlapped} for x in t.lanes],
             "sources": {str(k): list(v) for k, v in self.sources.items()},
             "rejected_profiles": list(self.rejected),
         }
@@ -105,7 +107,8 @@ def build_estimate(cm) -> Estimate:
     model_flops = model_flops_per_token(m) * tokens
     return Estimate(timing.step, tokens, model_flops, model_flops + _recompute_flops(cm) * p.num_microbatches,
                     cm.peak_flops, timing, tuple(_memory(cm, r) for r in range(p.world_size)),
-                    tuple(_traffic(cm, timing)), p.schedule.value, _sources(cm), cm.profiles.rejected_for(m.name))
+                    tuple(_traffic(cm, timing)), p.schedule.value, _sources(cm),
+                    cm.profiles.rejected_for(m.name))
 
 
 def _recompute_flops(cm) -> float:
@@ -228,7 +231,8 @@ def _borders(cm, lanes) -> list[GroupTraffic]:
             continue
         sa, sb = p.stages[a.stage], p.stages[b.stage]
         sent = traffic.pp_bytes(p.micro_batch, m.seq, m.hidden, cm.delta, p.num_microbatches)
-        seconds = max(2 * len(lane.microbatches) * border_time(cm, sa, lane, sb, a.index) for lane in sa.lanes)
+        seconds = max(2 * len(lane.microbatches) * border_time(cm, sa, lane, sb, a.index)
+                      for lane in sa.lanes)
         ranks = (sa.lanes[0].ranks[0], sb.lanes[0].ranks[0])
         out.append(GroupTraffic("pp", f"{sa.name} -> {sb.name} ({m.layer_name(a.stop_layer - 1)} | "
                                 f"{m.layer_name(b.first_layer)})", ranks, sent, seconds))

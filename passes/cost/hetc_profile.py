@@ -93,7 +93,8 @@ def _network(data: dict, kind: str) -> NetworkFits:
         for size, rate in pts:
             by_size[size].append(rate)
         sizes = sorted(by_size)
-        intra[(kind, n)] = MeasuredPoints(tuple(sizes), tuple(sum(by_size[s]) / len(by_size[s]) for s in sizes))
+        rates = tuple(sum(by_size[s]) / len(by_size[s]) for s in sizes)
+        intra[(kind, n)] = MeasuredPoints(tuple(sizes), rates)
     return NetworkFits(intra=intra)
 
 

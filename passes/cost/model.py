@@ -146,13 +146,14 @@ class CostModel:
     # ------------------------------------------------------------ time (seconds)
 
     def compute_time(self, rank: int, ms: int, phase: str) -> float:
-        """One microbatch through ministage `ms` on `rank`: F, B = I + W, I (input-grad) or W (weight-grad)."""
+        """One microbatch through ministage `ms` on `rank`: F, B = I + W, I (input-grad), W (weight-grad)."""
         key = (rank, ms, phase)
         got = self._compute_times.get(key)
         if got is None:
             if phase not in PHASES:
                 raise ValueError(f"phase must be one of {', '.join(PHASES)}, not {phase!r}")
-            got = self._compute_times[key] = sum(self._layer_time(rank, i, phase) for i in self.ministage(ms).layers)
+            got = sum(self._layer_time(rank, i, phase) for i in self.ministage(ms).layers)
+            self._compute_times[key] = got
         return got
 
     def _layer_time(self, rank: int, idx: int, phase: str) -> float:

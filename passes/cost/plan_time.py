@@ -48,23 +48,16 @@ def lane_timings(cm) -> list[LaneTiming]:
     out = []
     for stage in cm.pipeline.stages:
         for lane in stage.lanes:
-            f, i, w = (max(sum(cm.compute_time(r, ms, ph) for ms in stage.ministages) for r in _kinds(cm, lane))
+            reps = _reps(cm, lane.ranks)
+            f, i, w = (max(sum(cm.compute_time(r, ms, ph) for ms in stage.ministages) for r in reps)
                        for ph in ("F", "I", "W"))
             out.append(LaneTiming(stage.index, lane.index, len(lane.microbatches), f, i, w,
                                   _p2p_per_microbatch(cm, stage, lane), _overlapped(cm, stage, lane)))
     return out
 
 
-def _kinds(cm, lane: Lane) -> list[int]:
-    """One rank per device kind in the lane: ranks of one kind time alike."""
-    seen = {}
-    for r in lane.ranks:
-        seen.setdefault(cm.gpu(r).device.name, r)
-    return list(seen.values())
-
-
 def _reps(cm, ranks) -> list[int]:
-    """One rank per device kind among `ranks`."""
+    """One rank per device kind among `ranks`: ranks of one kind time alike."""
     seen: dict[str, int] = {}
     for r in sorted(ranks):
         seen.setdefault(cm.gpu(r).device.name, r)
@@ -111,8 +104,10 @@ def _overlapped(cm, stage: Stage, lane: Lane) -> float:
     parameter copies from the host."""
     level = int(stage.zero.level)
     rank = lane.ranks[0]
-    if cm.pipeline.schedule is ScheduleKind.ZORSE or (level < 2 and stage.offload.params is OffloadTarget.NONE):
+    if cm.pipeline.schedule is ScheduleKind.ZORSE:
         return 0.0  # Zorse gathers and reduces once per ministage (see zorse_units)
+    if level < 2 and stage.offload.params is OffloadTarget.NONE:
+        return 0.0
     group = cm.node_group(rank) if stage.zero.shard is ZeroShard.NODE else cm.zero_group(rank)
     nbytes = _stage_numel(cm, stage, rank) * cm.delta
     k = _concurrent(cm, rank)
@@ -173,8 +168,7 @@ def _tail(cm, lanes: list[LaneTiming]) -> float:
     tail, lead = 0.0, 0.0
     for stage in p.stages:
         # ranks at one position of every lane sync together; the optimizer differs by device kind
-        kinds = {r for lane in stage.lanes for r in _kinds(cm, lane)}
-        step = max(_opt_time(cm, stage, r) for r in _reps(cm, kinds))
+        step = max(_opt_time(cm, stage, r) for r in _reps(cm, stage.ranks))
         worst = max(sync_time(cm, stage, r) for r in stage.lanes[0].ranks) + step
         tail = max(tail, worst - lead)
         lead += drain[stage.index]
@@ -194,7 +188,8 @@ def zorse_units(cm) -> list[Unit]:
         numel = cm.numel(ms.index, rank)
         fetch = 0.0
         if int(stage.zero.level) >= 3:
-            fetch += cm.collective_time("all_gather", cm.zero_group(rank), numel * cm.delta, _concurrent(cm, rank))
+            fetch += cm.collective_time("all_gather", cm.zero_group(rank), numel * cm.delta,
+                                        _concurrent(cm, rank))
         if stage.offload.params is not OffloadTarget.NONE:
             fetch += cm.copy_time(rank, numel * cm.delta * cm.shard(rank).params)
         ratio = numel / max(_stage_numel(cm, stage, rank), 1.0)
@@ -207,8 +202,8 @@ def zorse_units(cm) -> list[Unit]:
 def _unit_lane(cm, stage: Stage, lane: Lane, ms: int) -> UnitLane:
     p = cm.pipeline
     rank = lane.ranks[0]
-    f = max(cm.compute_time(r, ms, "F") for r in _kinds(cm, lane))
-    b = max(cm.compute_time(r, ms, "B") for r in _kinds(cm, lane))
+    f = max(cm.compute_time(r, ms, "F") for r in _reps(cm, lane.ranks))
+    b = max(cm.compute_time(r, ms, "B") for r in _reps(cm, lane.ranks))
     offload_acts = stage.offload.activations is not OffloadTarget.NONE
     if offload_acts:
         # boundary activations go to the host after the forward and come back for the backward,

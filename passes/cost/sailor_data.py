@@ -42,7 +42,8 @@ def read_json(path: Path) -> Any:
 
 
 def looks_like(path: Path) -> bool:
-    return path.is_dir() and ((path / "profiles").is_dir() or (path / "network_coeffs_all_homo.json").is_file())
+    return path.is_dir() and ((path / "profiles").is_dir()
+                              or (path / "network_coeffs_all_homo.json").is_file())
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,8 @@ def read_sailor(folder: Path) -> Profiles:
         name, gpu = path.parent.parent.name, path.parent.name
         model = models.get(name)
         if model is None:
-            rejected.append((name, f"{path}: no training_config_*.json describes model '{name}'; profile not used"))
+            why = f"{path}: no training_config_*.json describes model '{name}'; profile not used"
+            rejected.append((name, why))
             continue
         table, why = _table(path, model, catalog_name(gpu))
         if table is None:

@@ -26,7 +26,8 @@ def _ring(n: int) -> float:
     return (n - 1) / n if n > 1 else 0.0
 
 
-def zero_bytes(level: int, schedule: ScheduleKind, param_bytes: float, group: int, microbatches: int) -> float:
+def zero_bytes(level: int, schedule: ScheduleKind, param_bytes: float, group: int,
+               microbatches: int) -> float:
     """Per rank per step for a ZeRO group of `group` ranks over `param_bytes` (δΦ, this rank's TP shard)."""
     once = _ring(group) * param_bytes
     per_microbatch = microbatches if schedule is not ScheduleKind.ZORSE else 1

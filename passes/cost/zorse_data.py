@@ -35,7 +35,8 @@ def read_zorse(folder: Path) -> Profiles:
     for model, per_gpu in latencies.items():
         shape = stats.get(model)
         if shape is None:
-            rejected.append((model, f"{folder / LATENCIES}: model '{model}' is not in {STATS}; latencies not used"))
+            why = f"{folder / LATENCIES}: model '{model}' is not in {STATS}; latencies not used"
+            rejected.append((model, why))
             continue
         for gpu, per_seq in per_gpu.items():
             for seq, per_dtype in per_seq.items():
