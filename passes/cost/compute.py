@@ -65,7 +65,7 @@ class ComputeModel:
     # ------------------------------------------------------------ lookup
 
     def _layer(self, device: str, kind: str, micro_batch: int, tp: int) -> LayerTime:
-        for table in self._own_tables(device):
+        for table in self._tables_of(device):
             got = self._from_table(table, kind, micro_batch, tp)
             if got is not None:
                 return got
@@ -74,7 +74,7 @@ class ComputeModel:
             return got
         return self._analytic(device, kind, micro_batch, tp)
 
-    def _own_tables(self, device: str) -> list[ComputeTable]:
+    def _tables_of(self, device: str) -> list[ComputeTable]:
         """Tables of this model's shape on `device`, nearest sequence length first."""
         tables = [t for t in self.profiles.tables(device)
                   if t.matches(self.model.hidden, self._block_params, self._dtype)]
@@ -98,12 +98,14 @@ class ComputeModel:
             f, b = table.time(kind, tp, "F", micro_batch), table.time(kind, tp, "B", micro_batch)
             if f is not None and b is not None:
                 return LayerTime(f * scale, b * scale, False, table.source)
-        base = min(table.tps)
+        # tp = 1 divided by tp, the caller adding the all-reduces; else the nearest measured degree,
+        # whose time already holds all-reduces of about the same size
+        base = 1 if 1 in table.tps else min(table.tps, key=lambda t: (abs(math.log(t / tp)), t))
         f, b = table.time(kind, base, "F", micro_batch), table.time(kind, base, "B", micro_batch)
         if f is None or b is None:
             return None
         ratio = scale * base / tp
-        return LayerTime(f * ratio, b * ratio, kind == LayerKind.BLOCK and tp > 1,
+        return LayerTime(f * ratio, b * ratio, kind == LayerKind.BLOCK and base == 1 and tp > 1,
                          f"{table.source} (tp {base} scaled to {tp})")
 
     def _at_block_rate(self, table: ComputeTable, kind: str, micro_batch: int, tp: int) -> LayerTime | None:
@@ -128,16 +130,14 @@ class ComputeModel:
         others = {t.device for t in self.profiles.compute if t.device != device
                   and t.matches(self.model.hidden, self._block_params, self._dtype)}
         for other in sorted(others, key=lambda d: (self._peak_distance(target, d), d)):
-            theirs = next((self._from_table(t, kind, micro_batch, tp) for t in self._tables_of(other)), None)
+            found = (self._from_table(t, kind, micro_batch, tp) for t in self._tables_of(other))
+            theirs = next((x for x in found if x is not None), None)
             ratio = self._speed_ratio(device, other, micro_batch, tp)
             if theirs is not None and ratio is not None and not theirs.needs_tp_comm:
                 return LayerTime(theirs.forward * ratio[0], theirs.backward * ratio[1], False,
                                  f"{theirs.source} × {device}/{other} speed ratio")
         return None
 
-    def _tables_of(self, device: str) -> list[ComputeTable]:
-        return [t for t in self.profiles.tables(device)
-                if t.matches(self.model.hidden, self._block_params, self._dtype)]
 
     def _peak_distance(self, target: DeviceSpec, other: str) -> float:
         spec = self.devices.get(other) or _catalog().get(other)

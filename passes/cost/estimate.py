@@ -123,15 +123,10 @@ def _recompute_flops(cm) -> float:
 def _sources(cm) -> dict[int, tuple[str, ...]]:
     out = {}
     for stage in cm.pipeline.stages:
-        found = set()
-        for lane in stage.lanes:
-            for r in lane.ranks:
-                for ms in stage.ministages:
-                    for i in cm.ministage(ms).layers:
-                        kind = layer_kind(cm.model, i)
-                        found.add(cm.compute.layer(cm.gpu(r).device.name, kind, cm.pipeline.micro_batch,
-                                                   stage.tp).source)
-        out[stage.index] = tuple(sorted(found))
+        devices = {cm.gpu(r).device.name for r in stage.ranks}
+        kinds = {layer_kind(cm.model, i) for ms in stage.ministages for i in cm.ministage(ms).layers}
+        out[stage.index] = tuple(sorted({cm.compute.layer(d, k, cm.pipeline.micro_batch, stage.tp).source
+                                         for d in devices for k in kinds}))
     return out
 
 
