@@ -106,20 +106,31 @@ class MinistageBuffers:
             return self.grad.float()
         return self.opt_grad if self.opt_grad is not None else self.acc
 
-    def unique_grad(self) -> Tensor:
-        """The part of the reduced gradient only this rank counts in the global norm.
+    @property
+    def unique_range(self) -> slice:
+        """The elements only this rank counts (global grad norm) and writes (checkpoints).
 
-        Replicas hold equal copies; each element is counted on exactly one of them.
+        Replicas hold equal copies of a shard; they split it so that each
+        element belongs to exactly one of them. Always inside `opt_range`.
         """
         if self.level == 0:
             part = self.layout.padded_numel // self.inner.size
-            return self.grad[self.inner.index * part:(self.inner.index + 1) * part].float()
+            return slice(self.inner.index * part, (self.inner.index + 1) * part)
+        if self.shard.outer_level == 1 or self.outer.size == 1:
+            return self.opt_range
+        part = self.inner_numel // self.outer.size     # inner shards replicated across nodes
+        start = self.inner_range.start + self.outer.index * part
+        return slice(start, start + part)
+
+    def unique_grad(self) -> Tensor:
+        """The reduced gradient of `unique_range`, in fp32."""
+        rng = self.unique_range
+        if self.level == 0:
+            return self.grad[rng].float()
         if self.opt_grad is not None:
             return self.opt_grad
-        if self.outer.size > 1:      # inner shards replicated across nodes
-            part = self.inner_numel // self.outer.size
-            return self.acc[self.outer.index * part:(self.outer.index + 1) * part]
-        return self.acc
+        base = self.inner_range.start
+        return self.acc[rng.start - base:rng.stop - base]
 
     def publish(self) -> None:
         """Put the stepped master weights where the next gathers read them."""
@@ -127,6 +138,20 @@ class MinistageBuffers:
             self.param_shard[self.opt_range_in_inner()].copy_(self.master)
         else:
             self.compute[self.opt_range].copy_(self.master)
+
+    def load_params(self, full: Tensor) -> None:
+        """Set the parameters from `full`, the whole fp32 flat buffer (a checkpoint being loaded).
+
+        The master takes its slice; the compute copy (or, under ZeRO-3, the
+        inner shard; with parameter offload, the host copy) takes the rest,
+        so no gather is needed before the next step.
+        """
+        self.master.copy_(full[self.opt_range])
+        values = full.to(self.dtype)
+        if self.level == 3:
+            values = values[self.inner_range]
+        target = self.host if self.shard.param_offload else self.resident()
+        target.copy_(values)
 
     def zero_grads(self) -> None:
         self.grad.zero_()

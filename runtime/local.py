@@ -4,7 +4,8 @@ Each rank is `python -m hetc run DIR ...` with the environment torchrun would
 give it (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), one thread
 each unless OMP_NUM_THREADS says otherwise. If a rank fails, the others are
 given time to notice (they name the dead rank themselves) and are then
-stopped; the launcher exits with the first failure's status.
+stopped; the launcher reports every rank that fails and exits with the first
+failure's status.
 """
 
 from __future__ import annotations
@@ -54,18 +55,21 @@ def spawn_local(world: int, argv: list[str]) -> int:
 
 
 def _supervise(procs: list[subprocess.Popen]) -> int:
-    failed_at, status = None, 0
+    """Wait for all ranks; report each failed one; stop the rest GRACE_S after the first failure."""
+    failed_at, status, reported = None, 0, set()
     while True:
         codes = [p.poll() for p in procs]
+        for rank, code in enumerate(codes):
+            if code not in (None, 0) and rank not in reported:
+                reported.add(rank)
+                print(f"hetc run: rank {rank} exited with status {_describe(code)}", file=sys.stderr, flush=True)
+                if failed_at is None:
+                    status, failed_at = (code if code > 0 else 128 - code), time.monotonic()
         if all(c is not None for c in codes):
             break
-        bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-        if bad and failed_at is None:
-            rank, code = bad[0]
-            status = code if code > 0 else 128 - code
-            failed_at = time.monotonic()
-            print(f"hetc run: rank {rank} exited with status {_describe(code)}", file=sys.stderr, flush=True)
         if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
+            print(f"hetc run: stopping the ranks still running {GRACE_S:.0f} s after the first failure",
+                  file=sys.stderr, flush=True)
             _stop(procs)
             break
         time.sleep(0.2)

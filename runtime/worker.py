@@ -111,11 +111,14 @@ def _train(plan_dir: Path, opts: RunOptions, rank: int, local_rank: int, spec, p
         traced = opts.trace is not None and step == steps - 1
         result = rt.interpreter.run_step(step, trace=traced)
         reporter.step(step, steps, result)
-        if opts.checkpoint is not None and opts.every and (step + 1) % opts.every == 0:
+        if _saves_after(opts, step + 1, steps):
             _save(rt, opts, step + 1)
-    if opts.checkpoint is not None and not opts.every:
-        _save(rt, opts, steps)
     reporter.finish()
+
+
+def _saves_after(opts: RunOptions, done: int, last: int) -> bool:
+    """Checkpoint every `every` steps and after the last one."""
+    return opts.checkpoint is not None and (done == last or (opts.every > 0 and done % opts.every == 0))
 
 
 def _device(kind_name: str, local_rank: int) -> torch.device:

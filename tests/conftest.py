@@ -27,3 +27,38 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"reference data not present at {SHARED_DATA} (only in the development workspace)")
     return SHARED_DATA
+
+
+# ---------------------------------------------------------------- multi-process runtime tests
+
+REFERENCE_STEPS = 5
+
+
+@pytest.fixture(scope="session")
+def rank_pool():
+    """Four gloo ranks shared by every runtime test of the session (tests/rank_pool.py)."""
+    from tests.rank_pool import RankPool
+
+    pool = RankPool()
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
+def demo_plan_dirs(tmp_path_factory) -> dict:
+    """Every demo plan compiled once: {stem: plan directory}."""
+    from tests.plans import DEMO_PLANS
+    from tests.rank_pool import compile_plans
+
+    return compile_plans(DEMO_PLANS, tmp_path_factory.mktemp("demo_plans"))
+
+
+@pytest.fixture(scope="session")
+def demo_reference(demo_plan_dirs):
+    """The 1-process reference run of the demo job for REFERENCE_STEPS steps (losses, final params)."""
+    from hetc.plandir import read_plan
+    from hetc.runtime.reference import train_reference
+
+    plan_dir = demo_plan_dirs["single"]
+    _, checked = read_plan(plan_dir)
+    return train_reference(checked.spec.model, checked.spec.train, base_dir=plan_dir, steps=REFERENCE_STEPS)

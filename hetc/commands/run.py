@@ -32,8 +32,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, help="optimizer steps (default: the spec's train.steps)")
     p.add_argument("--metrics", type=Path, metavar="FILE", help="one JSON line per step (rank 0)")
     p.add_argument("--trace", type=Path, metavar="FILE", help="measured timeline of the last step")
-    p.add_argument("--checkpoint", type=Path, metavar="DIR", help="save DCP checkpoints here")
-    p.add_argument("--every", type=int, default=0, metavar="K", help="save every K steps (default: at the end)")
+    p.add_argument("--checkpoint", type=Path, metavar="DIR",
+                   help="save DCP checkpoints here (DIR/step-N, DIR/latest); any plan of the model can resume")
+    p.add_argument("--every", type=int, default=0, metavar="K",
+                   help="save every K steps (and always after the last step)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint")
     p.add_argument("--timeout", type=float, default=120.0, metavar="S", help="collective timeout in seconds")
     p.set_defaults(func=run)
@@ -46,8 +48,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--steps must be positive")
     if args.every < 0:
         raise UsageError("--every must not be negative")
+    if (args.resume or args.every) and args.checkpoint is None:
+        raise UsageError(f"{'--resume' if args.resume else '--every'} needs --checkpoint DIR")
     if args.local is not None:
         return _local(args)
+    from hetc.runtime.checkpoint import CheckpointError
     from hetc.runtime.cluster_check import ClusterMismatch
     from hetc.runtime.worker import EnvError, PeerFailure, RunOptions, run_worker
 
@@ -57,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         return run_worker(args.dir, opts)
     except (EnvError, ClusterMismatch) as err:
         raise UsageError(str(err)) from None
-    except PeerFailure as err:
+    except (PeerFailure, CheckpointError) as err:
         print(f"hetc run: error: {err}", file=sys.stderr, flush=True)
         return 1
 

@@ -1,0 +1,195 @@
+"""Distributed checkpoints with torch.distributed.checkpoint (DCP), resharded on load.
+
+Note [Checkpoint layout]
+A checkpoint is plan-free: every tensor is keyed by global parameter name
+and stored flattened (1-D, the parameter's numel), whatever plan wrote it.
+
+    model.<fqn>                      fp32 master weights of parameter <fqn>
+    optimizer.state.<fqn>.<state>    its optimizer state (exp_avg, exp_avg_sq, momentum_buffer)
+    train.step                       optimizer steps done = the next step to run
+
+The data source is stateless ((step, microbatch) -> tokens) and the
+learning rate a function of the step, so the step is all the trainer state.
+On save each rank writes the pieces of its `unique_range` (replicas of a
+shard split it; MinistageBuffers.unique_range), as chunks at their offset in
+the flattened parameter (runtime/pieces.py); DCP's save planner rejects a
+plan whose chunks overlap or leave a hole, so "every element written
+exactly once" is checked on every save. On load each rank asks for what the
+*new* plan gives it: the optimizer state of its optimizer shard (a slice),
+and the whole parameters of its ministages, from which the master, the
+compute buffer, the ZeRO-3 shard or the host copy are filled locally (no
+gather). DCP's load planner reads the overlap of each request with whatever
+chunks the old plan wrote: that is the resharding.
+
+Note [Atomic saves]
+All ranks write into DIR/step-N.tmp; once DCP has written the metadata
+(the last act of a save, after every rank's data), rank 0 renames the
+directory to DIR/step-N and then replaces DIR/latest (a one-line file
+naming it) with os.replace. A save that fails or is killed half-way leaves
+at most a stale *.tmp, which the next save removes: `latest` only ever
+names a complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+
+from hetc.runtime.buffers import MinistageBuffers
+from hetc.runtime.pieces import FlatPieces, PieceLoadPlanner, PieceSavePlanner, layout_pieces
+
+__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "read_params",
+           "LATEST", "STEP_KEY"]
+
+log = logging.getLogger("hetc.runtime")
+
+LATEST = "latest"
+STEP_KEY = "train.step"
+MODEL_PREFIX = "model."
+OPTIM_PREFIX = "optimizer.state."
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be read: missing, incomplete or of another model."""
+
+
+def save_checkpoint(rt, directory: Path, step: int) -> Path:
+    """Save rank runtime `rt` after `step` optimizer steps into DIR/step-N; collective over the plan."""
+    directory = Path(directory)
+    group = rt.interpreter.comm.group("world")
+    final = directory / f"step-{step}"
+    tmp = final.with_name(final.name + ".tmp")
+    leader = dist.get_rank(group) == 0
+    if leader:
+        directory.mkdir(parents=True, exist_ok=True)
+        for stale in directory.glob("step-*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
+    dist.barrier(group=group)
+    try:
+        dcp.save(_save_state(rt.buffers, step), storage_writer=dcp.FileSystemWriter(tmp),
+                 planner=PieceSavePlanner(), process_group=group)
+    except dcp.CheckpointException as err:
+        raise CheckpointError(f"saving step {step} into {tmp} failed: {_cause(err)}; {directory / LATEST} "
+                              "still names the last complete checkpoint") from None
+    if leader:
+        _publish(directory, tmp, final)
+        log.info("checkpoint of step %d: %s", step, final)
+    dist.barrier(group=group)
+    return final
+
+
+def load_checkpoint(rt, directory: Path) -> int:
+    """Load the latest checkpoint in `directory` into `rt`; return the next step (0 when there is none)."""
+    path = latest_checkpoint(directory)
+    if path is None:
+        log.warning("no checkpoint in %s yet: starting at step 0", directory)
+        return 0
+    state, fulls = _load_state(rt.buffers)
+    try:
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=PieceLoadPlanner(),
+                 process_group=rt.interpreter.comm.group("world"))
+    except dcp.CheckpointException as err:
+        raise CheckpointError(f"cannot load {path}: {_cause(err)}") from None
+    for ms, buf in rt.buffers.items():
+        buf.load_params(fulls[ms])
+    log.info("resumed from %s at step %d", path, state[STEP_KEY])
+    return int(state[STEP_KEY])
+
+
+def latest_checkpoint(directory: Path) -> Path | None:
+    """The checkpoint DIR/latest names, or None when nothing was saved yet."""
+    pointer = Path(directory) / LATEST
+    if not pointer.is_file():
+        return None
+    path = Path(directory) / pointer.read_text().strip()
+    if not (path / ".metadata").is_file():
+        raise CheckpointError(f"{pointer} names {path.name}, which is not a complete checkpoint")
+    return path
+
+
+def read_params(path: Path) -> dict[str, Tensor]:
+    """The fp32 parameters of checkpoint `path` (a step-N directory), flattened, by name; no process group."""
+    reader = dcp.FileSystemReader(path)
+    sizes = {k: md.size for k, md in reader.read_metadata().state_dict_metadata.items()
+             if k.startswith(MODEL_PREFIX)}
+    state = {k: torch.empty(size, dtype=torch.float32) for k, size in sizes.items()}
+    with warnings.catch_warnings():     # one process on purpose: DCP warns that it assumes so
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return {k.removeprefix(MODEL_PREFIX): t for k, t in state.items()}
+
+
+# ---------------------------------------------------------------- state dicts
+
+
+def _save_state(buffers: dict[int, MinistageBuffers], step: int) -> dict[str, object]:
+    """The pieces this rank writes: its `unique_range` of the master and of the optimizer state."""
+    state: dict[str, object] = {STEP_KEY: step}
+    for buf in buffers.values():
+        rng, base = buf.unique_range, buf.opt_range.start
+        local = slice(rng.start - base, rng.stop - base)
+        named = {"": buf.master, **{f".{n}": t for n, t in buf.opt_state.tensors().items()}}
+        for suffix, tensor in named.items():
+            for name, pieces in layout_pieces(buf.layout, rng, tensor[local]).items():
+                key = f"{MODEL_PREFIX}{name}" if not suffix else f"{OPTIM_PREFIX}{name}{suffix}"
+                state[key] = pieces
+    return state
+
+
+def _load_state(buffers: dict[int, MinistageBuffers]) -> tuple[dict[str, object], dict[int, Tensor]]:
+    """What this rank reads: whole parameters (into fresh fp32 flat buffers) and its optimizer-state slices."""
+    state: dict[str, object] = {STEP_KEY: 0}
+    fulls = {}
+    for ms, buf in buffers.items():
+        full = torch.zeros(buf.layout.padded_numel, dtype=torch.float32, device=buf.master.device)
+        fulls[ms] = full
+        for e in buf.layout.entries:
+            state[f"{MODEL_PREFIX}{e.name}"] = full[e.offset:e.offset + e.numel]
+        for n, tensor in buf.opt_state.tensors().items():
+            for name, pieces in layout_pieces(buf.layout, buf.opt_range, tensor).items():
+                state[f"{OPTIM_PREFIX}{name}.{n}"] = pieces
+    return state, fulls
+
+
+# ---------------------------------------------------------------- files
+
+
+def _publish(directory: Path, tmp: Path, final: Path) -> None:
+    """Make `tmp` the checkpoint `final` and point DIR/latest at it; see Note [Atomic saves]."""
+    old = final.with_name(final.name + ".old")
+    if final.exists():        # saving a step again after resuming from an earlier one
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    tmp.rename(final)
+    pointer = directory / (LATEST + ".tmp")
+    with open(pointer, "w") as f:
+        f.write(final.name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(pointer, directory / LATEST)
+    _fsync_dir(directory)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _cause(err: dcp.CheckpointException) -> str:
+    """The first rank's error, in one line (DCP gathers every rank's traceback)."""
+    for rank, (exc, _) in sorted(err.failures.items()):
+        text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
+        return f"(rank {rank}) {text[:300]}"
+    return str(err).splitlines()[0]
