@@ -91,6 +91,7 @@ class _Walk:
     live: dict[tuple, tuple[str, float]] = field(default_factory=dict)   # key -> (part, bytes)
     gathers: dict[int, int] = field(default_factory=dict)               # ms -> holders of its full params
     pending: dict[int, tuple] = field(default_factory=dict)             # handle -> key released on completion
+    total: float = 0.0
     peak: Peak | None = None
     first_over: int | None = None
 
@@ -98,14 +99,16 @@ class _Walk:
         if key not in self.live and nbytes > 0:
             self.live[key] = (part, nbytes)
             self.used[part] += nbytes
+            self.total += nbytes
 
     def give(self, key: tuple) -> None:
         part, nbytes = self.live.pop(key, (None, 0.0))
         if part is not None:
             self.used[part] -= nbytes
+            self.total -= nbytes
 
     def observe(self, index: int, transient: float = 0.0) -> None:
-        total = sum(self.used.values()) + transient
+        total = self.total + transient
         if total > self.capacity and self.first_over is None:
             self.first_over = index
         if self.peak is None or total > self.peak.total:
@@ -115,94 +118,123 @@ class _Walk:
 
 class _Rank:
     def __init__(self, rp: RankProgram, pipeline: Pipeline, sizes: Sizes, group_size: dict[str, int]):
-        self.rp, self.pipeline, self.sizes = rp, pipeline, sizes
+        self.rp, self.pipeline = rp, pipeline
         self.shards = {s.ms: s for s in rp.shards}
-        self.factors = {ms: _factors(s, group_size) for ms, s in self.shards.items()}
         self.walk = _Walk(rp.rank, pipeline.world[rp.rank].device.memory)
         self.split = any(isinstance(i, BackwardInput) for i in rp.instrs)
-        r = rp.rank
-        self.walk.take(("reserve",), "reserve", sizes.reserve_bytes(r))
+        self._sizes(sizes, group_size)
+        self.walk.take(("reserve",), "reserve", sizes.reserve_bytes(rp.rank))
         for ms, shard in self.shards.items():
-            f = self.factors[ms]
             if not shard.param_offload:
-                self.walk.take(("params", ms), "params", sizes.param_bytes(ms, r) * f.params)
+                self.walk.take(("params", ms), "params", self.shard_params[ms])
             if not shard.opt_offload:
-                self.walk.take(("optimizer", ms), "optimizer", sizes.optimizer_bytes(ms, r) * f.optimizer)
+                self.walk.take(("optimizer", ms), "optimizer", self.optimizer[ms])
 
-    def _shard(self, ms: int) -> Shard:
-        return self.shards.get(ms) or Shard(ms, 0)
+    def _sizes(self, sizes: Sizes, group_size: dict[str, int]) -> None:
+        """Every size this rank's instructions need, once per ministage of the model."""
+        r, count = self.rp.rank, len(self.pipeline.ministages)
+        none = _Factors(1.0, 1.0, 1.0)
+        factors = [_factors(self.shards[ms], group_size) if ms in self.shards else none for ms in range(count)]
+        own = [ms for ms in range(count) if self.pipeline.ministages[ms].stage == self.rp.stage]
+        self.full_params = {ms: sizes.param_bytes(ms, r) for ms in own}
+        self.shard_params = {ms: self.full_params[ms] * factors[ms].params for ms in own}
+        self.grads = {ms: sizes.grad_bytes(ms, r) * factors[ms].grads for ms in own}
+        self.optimizer = {ms: sizes.optimizer_bytes(ms, r) * factors[ms].optimizer for ms in own}
+        self.activations = {ms: sizes.activation_bytes(ms, r) for ms in own}
+        # boundary tensor leaving ministage ms (or its gradient), per rank of the producing stage
+        self.boundary = [sizes.boundary_bytes(ms) / self.pipeline.stages[m.stage].cp
+                         for ms, m in enumerate(self.pipeline.ministages)]
+        self.act_offload = {ms for ms, shard in self.shards.items() if shard.act_offload}
+        self.full_gather = {ms for ms, shard in self.shards.items() if shard.level == 3}
+        self.outer = {ms: shard.outer for ms, shard in self.shards.items()}
 
     def _stash_bytes(self, ms: int) -> float:
-        if not self._shard(ms).act_offload:
-            return self.sizes.activation_bytes(ms, self.rp.rank)
-        return self._boundary(ms - 1) if ms > 0 else 0.0
-
-    def _boundary(self, ms: int) -> float:
-        """Bytes of the activation leaving ministage ms (or its gradient), per rank of the producing stage."""
-        return self.sizes.boundary_bytes(ms) / self.pipeline.stages[self.pipeline.ministages[ms].stage].cp
-
-    # ------------------------------------------------------------ instructions
+        if ms not in self.act_offload:
+            return self.activations.get(ms, 0.0)
+        return self.boundary[ms - 1] if ms > 0 else 0.0
 
     def run(self, i: int, instr: Instr) -> None:
-        w, r = self.walk, self.rp.rank
-        transient = 0.0
-        if isinstance(instr, (Forward, Backward, BackwardInput)) and self._shard(instr.ms).act_offload:
-            transient = self.sizes.activation_bytes(instr.ms, r)     # computed (or recomputed) in full
-        if isinstance(instr, (Backward, BackwardWeight)) or (isinstance(instr, BackwardInput) and not self.split):
-            w.take(("grads", instr.ms), "grads", self.sizes.grad_bytes(instr.ms, r) * self.factors_of(instr.ms).grads)
-        if isinstance(instr, Forward):
-            w.take(("stash", instr.ms, instr.mb), "activations", self._stash_bytes(instr.ms))
-        self._post(instr)
-        w.observe(i, transient)
-        self._after(instr)
+        handler = _HANDLERS.get(type(instr))
+        if handler is None:
+            self.walk.observe(i)
+        else:
+            handler(self, i, instr)
 
-    def factors_of(self, ms: int) -> _Factors:
-        return self.factors.get(ms) or _Factors(1.0, 1.0, 1.0)
+    # ------------------------------------------------------------ handlers: take, observe, give back
 
-    def _post(self, instr: Instr) -> None:
-        w, r = self.walk, self.rp.rank
-        if isinstance(instr, Recv):
-            producer = instr.ms
-            w.take(("recv", instr.what, instr.ms, instr.mb), "buffers",
-                   self._boundary(producer if instr.what is Tensor.ACT else producer - 1))
-        elif isinstance(instr, AllGather) and self._gathers_full(instr):
-            w.gathers[instr.ms] = w.gathers.get(instr.ms, 0) + 1
-            w.take(("gathered", instr.ms), "gathered", self.sizes.param_bytes(instr.ms, r))
-        elif isinstance(instr, Prefetch):
-            if instr.what is Tensor.PARAMS:
-                w.take(("params", instr.ms), "params",
-                       self.sizes.param_bytes(instr.ms, r) * self.factors_of(instr.ms).params)
-            else:
-                w.take(("stash", instr.ms, instr.mb), "activations", self._stash_bytes(instr.ms))
-        elif isinstance(instr, Offload):
-            key = ("params", instr.ms) if instr.what is Tensor.PARAMS else ("stash", instr.ms, instr.mb)
-            if instr.handle is None:
-                w.give(key)
-            else:
-                w.pending[instr.handle] = key
+    def _transient(self, ms: int) -> float:
+        """Activations that exist only while the op runs: the full forward (or its recompute) with act_offload."""
+        return self.activations.get(ms, 0.0) if ms in self.act_offload else 0.0
 
-    def _gathers_full(self, instr: AllGather) -> bool:
-        shard = self._shard(instr.ms)
-        return shard.level == 3 and instr.group != shard.outer
+    def forward(self, i: int, instr: Forward) -> None:
+        self.walk.take(("stash", instr.ms, instr.mb), "activations", self._stash_bytes(instr.ms))
+        self.walk.observe(i, self._transient(instr.ms))
+        self.walk.give(("recv", Tensor.ACT, instr.ms - 1, instr.mb))
 
-    def _after(self, instr: Instr) -> None:
+    def backward(self, i: int, instr) -> None:
+        weights = not isinstance(instr, BackwardInput) or not self.split
+        if weights:
+            self.walk.take(("grads", instr.ms), "grads", self.grads.get(instr.ms, 0.0))
+        self.walk.observe(i, self._transient(instr.ms))
+        self.walk.give(("recv", Tensor.GRAD, instr.ms + 1, instr.mb))
+        if weights:
+            self.walk.give(("stash", instr.ms, instr.mb))
+
+    def backward_weight(self, i: int, instr: BackwardWeight) -> None:
+        self.walk.take(("grads", instr.ms), "grads", self.grads.get(instr.ms, 0.0))
+        self.walk.observe(i)
+        self.walk.give(("stash", instr.ms, instr.mb))
+
+    def recv(self, i: int, instr: Recv) -> None:
+        producer = instr.ms if instr.what is Tensor.ACT else instr.ms - 1
+        self.walk.take(("recv", instr.what, instr.ms, instr.mb), "buffers", self.boundary[producer])
+        self.walk.observe(i)
+
+    def all_gather(self, i: int, instr: AllGather) -> None:
         w = self.walk
-        if isinstance(instr, Wait) and instr.handle in w.pending:
-            w.give(w.pending.pop(instr.handle))
-        elif isinstance(instr, Free) and w.gathers.get(instr.ms, 0) > 0:
+        if instr.ms in self.full_gather and instr.group != self.outer[instr.ms]:
+            w.gathers[instr.ms] = w.gathers.get(instr.ms, 0) + 1
+            w.take(("gathered", instr.ms), "gathered", self.full_params.get(instr.ms, 0.0))
+        w.observe(i)
+
+    def free(self, i: int, instr: Free) -> None:
+        w = self.walk
+        w.observe(i)
+        if w.gathers.get(instr.ms, 0) > 0:
             w.gathers[instr.ms] -= 1
             if w.gathers[instr.ms] == 0:
                 w.give(("gathered", instr.ms))
-        elif isinstance(instr, Forward):
-            w.give(("recv", Tensor.ACT, instr.ms - 1, instr.mb))
-        elif isinstance(instr, (Backward, BackwardInput)):
-            w.give(("recv", Tensor.GRAD, instr.ms + 1, instr.mb))
-            if isinstance(instr, Backward) or not self.split:
-                w.give(("stash", instr.ms, instr.mb))
-        elif isinstance(instr, BackwardWeight):
-            w.give(("stash", instr.ms, instr.mb))
-        elif isinstance(instr, Step):
-            w.give(("grads", instr.ms))
+
+    def prefetch(self, i: int, instr: Prefetch) -> None:
+        if instr.what is Tensor.PARAMS:
+            self.walk.take(("params", instr.ms), "params", self.shard_params.get(instr.ms, 0.0))
+        else:
+            self.walk.take(("stash", instr.ms, instr.mb), "activations", self._stash_bytes(instr.ms))
+        self.walk.observe(i)
+
+    def offload(self, i: int, instr: Offload) -> None:
+        key = ("params", instr.ms) if instr.what is Tensor.PARAMS else ("stash", instr.ms, instr.mb)
+        if instr.handle is None:
+            self.walk.give(key)
+        else:
+            self.walk.pending[instr.handle] = key
+        self.walk.observe(i)
+
+    def wait(self, i: int, instr: Wait) -> None:
+        self.walk.observe(i)
+        if instr.handle in self.walk.pending:
+            self.walk.give(self.walk.pending.pop(instr.handle))
+
+    def step(self, i: int, instr: Step) -> None:
+        self.walk.observe(i)
+        self.walk.give(("grads", instr.ms))
+
+
+_HANDLERS = {
+    Forward: _Rank.forward, Backward: _Rank.backward, BackwardInput: _Rank.backward,
+    BackwardWeight: _Rank.backward_weight, Recv: _Rank.recv, AllGather: _Rank.all_gather, Free: _Rank.free,
+    Prefetch: _Rank.prefetch, Offload: _Rank.offload, Wait: _Rank.wait, Step: _Rank.step,
+}
 
 
 def rank_peaks(program: Program, pipeline: Pipeline, sizes: Sizes) -> list[Peak]:

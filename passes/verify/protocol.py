@@ -50,6 +50,14 @@ class _Sim:
         self.calls: dict[str, list[dict[int, _Op]]] = {}     # group -> k -> rank -> op
         self.count: dict[tuple[str, int], int] = {}          # (group, rank) -> calls posted
         self.members = {g.name: set(g.ranks) for g in program.groups}
+        self.runnable: deque[int] = deque(range(len(program.ranks)))   # ranks that may move (Note [event-driven])
+        self.queued = set(self.runnable)
+
+    def _complete(self, op: _Op) -> None:
+        op.done = True
+        if op.rank not in self.queued:
+            self.queued.add(op.rank)
+            self.runnable.append(op.rank)
 
     # -------------------------------------------------------------- posting
 
@@ -77,7 +85,8 @@ class _Sim:
             if problem:
                 return at(self.program, recv.rank, recv.index, f"{problem}; the next message from rank "
                           f"{send.rank} is `{send.instr}` (its instruction {send.index})")
-            op.done = other.done = True
+            self._complete(op)
+            self._complete(other)
             return None
         mine.setdefault(channel, deque()).append(op)
         return None
@@ -96,14 +105,16 @@ class _Sim:
         if k == len(calls):
             calls.append({})
         entry = calls[k]
-        for other in entry.values():
+        if entry:   # every earlier poster agrees with the first one
+            other = next(iter(entry.values()))
             if _collective_key(other.instr) != _collective_key(op.instr):
                 return at(self.program, op.rank, op.index, f"collective #{k} on group '{group}' differs: rank "
                           f"{other.rank} calls `{other.instr}` (its instruction {other.index})")
         entry[op.rank] = op
         if len(entry) == len(members):
             for o in entry.values():
-                o.done = True
+                self._complete(o)
+            calls[k] = {}   # done: keep no references
         return None
 
     # -------------------------------------------------------------- stepping
@@ -149,18 +160,17 @@ class _Sim:
         return moved, None
 
     def run(self) -> list[Finding]:
-        active = set(range(len(self.ranks)))
-        while active:
-            progress = False
-            for r in sorted(active):
-                moved, problem = self.advance(r)
-                if problem:
-                    return [problem]
-                progress |= moved
-                if self.ranks[r].pc >= len(self.program.ranks[r].instrs) and self.ranks[r].blocking is None:
-                    active.discard(r)
-            if not progress and active:
-                return self._deadlock(active)
+        """Note [event-driven]: a rank is advanced again only when one of its posted ops completes."""
+        while self.runnable:
+            r = self.runnable.popleft()
+            self.queued.discard(r)
+            _, problem = self.advance(r)
+            if problem:
+                return [problem]
+        active = {r for r, state in enumerate(self.ranks)
+                  if state.pc < len(self.program.ranks[r].instrs) or state.blocking is not None}
+        if active:
+            return self._deadlock(active)
         return self._leftovers()
 
     def _deadlock(self, active: set[int]) -> list[Finding]:
