@@ -18,15 +18,15 @@ import torch
 import torch.nn.functional as F
 from hetc.runtime.attention import Attention, Rope
 from hetc.runtime.mlp import make_mlp
-from hetc.runtime.tp import NO_SHARD, ParallelLinear, TPShard
+from hetc.runtime.tp import NO_SHARD, ParallelLinear, TPAware, TPShard
 from torch import Tensor, nn
 
 from hetc.spec import Arch, ModelSpec
 
-__all__ = ["RMSNorm", "make_norm", "Embedding", "Block", "Head", "NORMS"]
+__all__ = ["RMSNorm", "LayerNorm", "make_norm", "Embedding", "Block", "Head", "NORMS"]
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(TPAware, nn.Module):
     """x / rms(x) * weight, the reduction in fp32."""
 
     def __init__(self, dim: int, eps: float, device=None) -> None:
@@ -37,7 +37,15 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return y.type_as(x) * self.weight
+        return y.type_as(x) * self.tp.replicated(self.weight)
+
+
+class LayerNorm(TPAware, nn.LayerNorm):
+    """`nn.LayerNorm` whose parameters go through the TP hook (sequence parallelism)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.tp.replicated(self.weight),
+                            self.tp.replicated(self.bias), self.eps)
 
 
 NORMS = (RMSNorm, nn.LayerNorm)
@@ -46,10 +54,10 @@ NORMS = (RMSNorm, nn.LayerNorm)
 def make_norm(model: ModelSpec, device=None) -> nn.Module:
     if model.arch is Arch.LLAMA:
         return RMSNorm(model.hidden, model.norm_eps, device)
-    return nn.LayerNorm(model.hidden, eps=model.norm_eps, device=device)
+    return LayerNorm(model.hidden, eps=model.norm_eps, device=device)
 
 
-class Embedding(nn.Module):
+class Embedding(TPAware, nn.Module):
     """Token embedding (plus learned positions for gpt): token ids -> [b, s, H]."""
 
     def __init__(self, model: ModelSpec, device=None) -> None:
@@ -59,9 +67,9 @@ class Embedding(nn.Module):
             if model.arch is Arch.GPT else None
 
     def forward(self, tokens: Tensor, positions: Tensor) -> Tensor:
-        x = self.tok_embeddings(tokens)
+        x = F.embedding(tokens, self.tp.replicated(self.tok_embeddings.weight))
         if self.pos_embeddings is not None:
-            x = x + self.pos_embeddings(positions)
+            x = x + F.embedding(positions, self.tp.replicated(self.pos_embeddings.weight))
         return x
 
 
@@ -80,11 +88,14 @@ class Block(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-class Head(nn.Module):
+class Head(TPAware, nn.Module):
     """Final norm and LM head; returns the mean token cross-entropy given labels.
 
     With tied embeddings there is no `output`: the caller passes the
-    embedding matrix as `output_weight`.
+    embedding matrix as `output_weight`. When this rank holds only part of
+    the sequence (context or sequence parallelism), `loss_tokens` is the
+    microbatch's whole token count: the loss is this rank's cross-entropy sum
+    over it, so the parts' losses add up to the mean.
     """
 
     def __init__(self, model: ModelSpec, device=None) -> None:
@@ -93,10 +104,13 @@ class Head(nn.Module):
         self.output = None if model.tied_embeddings else \
             ParallelLinear(model.hidden, model.vocab, bias=False, device=device)
 
-    def forward(self, x: Tensor, labels: Tensor | None = None, output_weight: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, labels: Tensor | None = None, output_weight: Tensor | None = None,
+                loss_tokens: int | None = None) -> Tensor:
         """The loss (a scalar, fp32) given labels [b, s]; the logits [b, s, V] without."""
         x = self.norm(x)
-        logits = self.output(x) if self.output is not None else F.linear(x, output_weight)
+        logits = self.output(x) if self.output is not None else F.linear(x, self.tp.replicated(output_weight))
         if labels is None:
             return logits
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+        if loss_tokens is None:
+            return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum") / loss_tokens

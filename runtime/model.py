@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 from hetc.runtime.attention import Attention, Rotary
@@ -36,7 +37,8 @@ from torch.utils.checkpoint import checkpoint
 
 from hetc.spec import Arch, Checkpointing, DType, ModelSpec
 
-__all__ = ["INIT_STD", "compute_dtype", "build_layer", "init_layer", "Ministage", "build_ministage"]
+__all__ = ["INIT_STD", "compute_dtype", "build_layer", "init_layer", "TokenLayout", "Ministage",
+           "build_ministage"]
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +107,22 @@ def init_layer(layer: nn.Module, model: ModelSpec, idx: int, seed: int) -> None:
             param.copy_(infos[name].slice_of(full))
 
 
+@dataclass(frozen=True)
+class TokenLayout:
+    """Which tokens of the sequence a rank holds, when not all of them (hetc/layout.py).
+
+    positions: the rank's tokens at the ministage borders (its inputs,
+    outputs and labels); attention_positions: the tokens its attention core
+    sees (its cp rank's, gathered over tp under sequence parallelism), which
+    set the RoPE angles; seq: the full sequence length, so the head's loss is
+    this rank's share of the microbatch mean. None: the whole sequence.
+    """
+
+    positions: Tensor | None = None
+    attention_positions: Tensor | None = None
+    seq: int | None = None
+
+
 class Ministage(nn.Module):
     """Layers [first_layer, stop_layer) of the model as one module.
 
@@ -127,6 +145,7 @@ class Ministage(nn.Module):
         for attention in self.modules():
             if isinstance(attention, Attention):
                 attention.recompute_core = model.activation_checkpoint is Checkpointing.SELECTIVE
+        self.token_layout = TokenLayout()
         self._check_tied(model)
 
     def _check_tied(self, model: ModelSpec) -> None:
@@ -156,11 +175,14 @@ class Ministage(nn.Module):
         activation [b, s, H]. labels [b, s]: needed by the head for the loss
         (mean token cross-entropy, fp32 scalar); without, the head returns
         logits. positions [s]: token positions of the sequence this rank
-        holds (context parallelism); default 0..s-1.
+        holds; default `token_layout`'s (context parallelism), else 0..s-1.
         """
+        layout = self.token_layout
         if positions is None:
-            positions = torch.arange(inputs.shape[1], device=inputs.device)
-        rope = self.rotary(positions) if self.rotary is not None else None
+            positions = layout.positions if layout.positions is not None else \
+                torch.arange(inputs.shape[1], device=inputs.device)
+        attending = layout.attention_positions if layout.attention_positions is not None else positions
+        rope = self.rotary(attending) if self.rotary is not None else None
         x = inputs
         for layer in self.layers.values():
             if isinstance(layer, Embedding):
@@ -169,7 +191,8 @@ class Ministage(nn.Module):
                 x = self._run_block(layer, x, rope)
             else:
                 tied = self.get_submodule("embed").tok_embeddings.weight if layer.output is None else None
-                x = layer(x, labels, tied)
+                tokens = None if layout.seq is None or labels is None else labels.shape[0] * layout.seq
+                x = layer(x, labels, tied, tokens)
         return x
 
     def _run_block(self, block: Block, x: Tensor, rope) -> Tensor:

@@ -12,8 +12,12 @@ The communication is a hook, `TPComm`: `enter` before the column-parallel
 projections (Megatron's copy-to-region: identity forward, all-reduce
 backward; with sequence parallelism an all-gather over the sequence) and
 `exit` after the row-parallel one (all-reduce forward; with sequence
-parallelism a reduce-scatter). `NO_TP` is the identity, exact for tp = 1.
-The interpreter installs a process-group-backed `TPComm` with `set_tp_comm`.
+parallelism a reduce-scatter), and `replicated` on every parameter that each
+tp rank holds whole (with sequence parallelism such a parameter sees only
+this rank's tokens, so its gradient is summed over the group). `NO_TP` is
+the identity, exact for tp = 1. Modules that use the hook are `TPAware`; the
+interpreter installs a process-group-backed `TPComm`
+(runtime/tensor_parallel.py) with `set_tp_comm`.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = ["TPShard", "NO_SHARD", "Split", "TPComm", "NO_TP", "ParallelLinear", "ShardInfo", "shard_infos",
-           "TPRegion", "set_tp_comm"]
+           "TPAware", "TPRegion", "set_tp_comm"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +71,10 @@ class TPComm(Protocol):
         """After the row-parallel projection: combine the partial sums."""
         ...
 
+    def replicated(self, p: Tensor) -> Tensor:
+        """A parameter every tp rank holds whole, as forward uses it."""
+        ...
+
 
 class _NoTP:
     def enter(self, x: Tensor) -> Tensor:
@@ -74,6 +82,9 @@ class _NoTP:
 
     def exit(self, x: Tensor) -> Tensor:
         return x
+
+    def replicated(self, p: Tensor) -> Tensor:
+        return p
 
     def __repr__(self) -> str:
         return "NO_TP"
@@ -98,7 +109,13 @@ class ShardInfo:
         return full.narrow(self.dim, self.shard.rank * size, size)
 
 
-class ParallelLinear(nn.Linear):
+class TPAware:
+    """A module whose forward goes through its lane's `TPComm` (`set_tp_comm` replaces the default)."""
+
+    tp: TPComm = NO_TP
+
+
+class ParallelLinear(TPAware, nn.Linear):
     """`nn.Linear` holding one tensor-parallel slice of a full (out, in) weight.
 
     A row-parallel layer adds its (replicated) bias only after `reduce`, so
@@ -115,11 +132,15 @@ class ParallelLinear(nn.Linear):
         self.full_in, self.full_out = in_features, out_features
 
     def forward(self, x: Tensor, reduce: Callable[[Tensor], Tensor] | None = None) -> Tensor:
-        if self.split is not Split.ROW:
-            return F.linear(x, self.weight, self.bias)
-        y = F.linear(x, self.weight)
+        weight = self.tp.replicated(self.weight) if self.split is Split.NONE else self.weight
+        if self.split is Split.COLUMN:
+            return F.linear(x, weight, self.bias)
+        bias = None if self.bias is None else self.tp.replicated(self.bias)
+        if self.split is Split.NONE:
+            return F.linear(x, weight, bias)
+        y = F.linear(x, weight)
         y = reduce(y) if reduce is not None else y
-        return y if self.bias is None else y + self.bias
+        return y if bias is None else y + bias
 
     def shard_info(self, name: str) -> ShardInfo:
         if name == "weight":
@@ -147,16 +168,12 @@ def shard_infos(module: nn.Module) -> dict[str, ShardInfo]:
     return out
 
 
-class TPRegion(nn.Module):
+class TPRegion(TPAware, nn.Module):
     """A sub-block (attention, MLP) whose projections share one `TPComm`."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.tp: TPComm = NO_TP
 
 
 def set_tp_comm(module: nn.Module, comm: TPComm) -> None:
-    """Install `comm` in every tensor-parallel region under `module`."""
+    """Install `comm` in every tensor-parallel region and replicated-parameter user under `module`."""
     for sub in module.modules():
-        if isinstance(sub, TPRegion):
+        if isinstance(sub, TPAware):
             sub.tp = comm

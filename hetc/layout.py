@@ -1,0 +1,198 @@
+"""Block layout contracts: which tokens of the sequence each rank of a lane holds at a border.
+
+The survey's contract (III.III) says the activation at every border is
+((b, S/N_part, H) × N_part)^N_rep. Here that becomes, for the rank at lane
+position `pos` (= cp_rank · tp + tp_rank, `hetc.pipeline.Lane`), a list of
+token ranges of the full sequence, its *held ranges* (Note [block layout]):
+
+- cp = 1 without sequence parallelism: the whole sequence, replicated over
+  the tp ranks (N_rep = tp);
+- Ulysses with cp = k: the cp_rank-th of k contiguous slices;
+- ring attention with cp = k: chunks c and 2k−1−c of 2k equal chunks (the
+  zigzag that gives every rank the same causal-attention work);
+- Megatron sequence parallelism additionally splits the rank's tokens over
+  the tp ranks: part tp_rank of tp equal parts of the cp_rank's local
+  sequence (N_part = cp · tp, N_rep = 1).
+
+A rank's boundary tensor is the concatenation of its held ranges in that
+order, so a token range inside one held range is a contiguous slice of it
+(`local_slice`). Where two sides of a border disagree, `transfers` cuts the
+sequence into point-to-point pieces: each receiving position gets every
+token it needs exactly once, from a position that holds it.
+
+Note [block layout]: the sequence-parallel split is over the cp rank's
+*concatenated* tokens, not over each held range: Megatron's all-gather at a
+tensor-parallel region's entry concatenates the tp ranks' parts along the
+sequence, which then rebuilds the cp rank's local sequence in order with no
+permutation (with the zigzag ring and tp = 2, tp rank 0 holds chunk c and
+tp rank 1 chunk 2k−1−c).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from hetc.spec import CPKind
+
+__all__ = ["Range", "SeqLayout", "Piece", "seq_chunks", "layout_problem", "attention_ranges", "boundary_ranges",
+           "held_length", "local_slice", "positions", "transfers", "describe"]
+
+Range = tuple[int, int]   # [start, stop) of the full sequence
+
+
+class SeqLayout(Protocol):
+    """What decides a stage's border layout (`hetc.pipeline.Stage` has these)."""
+
+    tp: int
+    cp: int
+    cp_kind: CPKind
+    sequence_parallel: bool
+
+
+def _zigzag(layout: SeqLayout) -> bool:
+    return layout.cp > 1 and layout.cp_kind is CPKind.RING
+
+
+def _splits_over_tp(layout: SeqLayout) -> bool:
+    return layout.sequence_parallel and layout.tp > 1
+
+
+def seq_chunks(layout: SeqLayout) -> int:
+    """Into how many equal parts the layout cuts the sequence (each must be whole tokens)."""
+    chunks = layout.cp * (2 if _zigzag(layout) else 1)
+    return chunks * (layout.tp if _splits_over_tp(layout) else 1)
+
+
+def layout_problem(layout: SeqLayout, seq: int) -> str | None:
+    """Why `seq` tokens cannot take this layout, or None."""
+    if _zigzag(layout) and seq % (2 * layout.cp):
+        return f"ring attention with cp={layout.cp} cuts the sequence into 2·cp = {2 * layout.cp} zigzag chunks"
+    if seq % layout.cp:
+        return f"cp={layout.cp} cuts the sequence into {layout.cp} slices"
+    if _splits_over_tp(layout) and (seq // layout.cp) % layout.tp:
+        return (f"sequence parallelism splits each cp rank's {seq // layout.cp} tokens over tp={layout.tp} "
+                "ranks")
+    return None
+
+
+def attention_ranges(layout: SeqLayout, pos: int, seq: int) -> tuple[Range, ...]:
+    """The tokens the cp rank of lane position `pos` attends from (its tp group's union)."""
+    problem = layout_problem(layout, seq)
+    if problem:
+        raise ValueError(f"seq {seq}: {problem}, which does not divide it")
+    c, k = pos // layout.tp, layout.cp
+    if k == 1:
+        return ((0, seq),)
+    if not _zigzag(layout):
+        n = seq // k
+        return ((c * n, (c + 1) * n),)
+    n = seq // (2 * k)
+    return _merged(((c * n, (c + 1) * n), ((2 * k - 1 - c) * n, (2 * k - c) * n)))
+
+
+def boundary_ranges(layout: SeqLayout, pos: int, seq: int) -> tuple[Range, ...]:
+    """The token ranges the rank at lane position `pos` holds at a ministage border, in local order."""
+    local = attention_ranges(layout, pos, seq)
+    if not _splits_over_tp(layout):
+        return local
+    part = held_length(local) // layout.tp
+    start = (pos % layout.tp) * part
+    return _global_ranges(local, start, start + part)
+
+
+def _merged(ranges: Sequence[Range]) -> tuple[Range, ...]:
+    """Join ranges that continue each other (the middle ring rank's two chunks are one run)."""
+    out: list[Range] = []
+    for a, b in ranges:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return tuple(out)
+
+
+def _global_ranges(held: Sequence[Range], start: int, stop: int) -> tuple[Range, ...]:
+    """The full-sequence ranges of local positions [start, stop) of a tensor holding `held`."""
+    out, offset = [], 0
+    for a, b in held:
+        lo, hi = max(start, offset), min(stop, offset + b - a)
+        if lo < hi:
+            out.append((a + lo - offset, a + hi - offset))
+        offset += b - a
+    return _merged(out)
+
+
+def held_length(ranges: Sequence[Range]) -> int:
+    return sum(b - a for a, b in ranges)
+
+
+def local_slice(held: Sequence[Range], piece: Range) -> slice:
+    """Where the tokens of `piece` sit in a tensor holding `held`; the piece lies inside one held range."""
+    offset = 0
+    for a, b in held:
+        if a <= piece[0] and piece[1] <= b:
+            return slice(offset + piece[0] - a, offset + piece[1] - a)
+        offset += b - a
+    raise ValueError(f"tokens {piece[0]}:{piece[1]} are not inside one of the held ranges {list(held)}")
+
+
+def positions(ranges: Sequence[Range]) -> list[int]:
+    """The token positions of `ranges`, in local order (RoPE angles, learned position embeddings)."""
+    return [t for a, b in ranges for t in range(a, b)]
+
+
+def describe(ranges: Sequence[Range]) -> str:
+    return ",".join(f"{a}:{b}" for a, b in ranges)
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One point-to-point message of a border: tokens `seq` from lane position `giver` to `needer`.
+
+    `seq` is None when the message is the giver's whole local tensor and
+    exactly what the needer holds (the two sides agree: a plain p2p send).
+    """
+
+    giver: int
+    needer: int
+    seq: Range | None
+
+
+def transfers(giving: Sequence[Sequence[Range]], needing: Sequence[Sequence[Range]]) -> list[Piece]:
+    """The messages that give every needing position its ranges, each token exactly once.
+
+    `giving[p]` are the ranges lane position p of one side holds, `needing[q]`
+    those position q of the other side needs. A piece comes from position q
+    itself when it holds it, else from the holder after q in rotation (which
+    spreads a replicated side's sends over its ranks). Pieces stay inside one
+    held range of their giver and one needed range of their needer, so both
+    ends are contiguous slices. ValueError when some needed token is held by
+    no giver.
+    """
+    out: list[Piece] = []
+    for q, needed in enumerate(needing):
+        if q < len(giving) and tuple(giving[q]) == tuple(needed):
+            out.append(Piece(q, q, None))
+            continue
+        for rng in needed:
+            out += _cover(rng, q, giving)
+    return out
+
+
+def _cover(rng: Range, q: int, giving: Sequence[Sequence[Range]]) -> list[Piece]:
+    cuts = sorted({rng[0], rng[1], *(e for held in giving for r in held for e in r if rng[0] < e < rng[1])})
+    pieces: list[tuple[int, Range, Range]] = []    # (giver, its held range, tokens)
+    n = len(giving)
+    for a, b in zip(cuts, cuts[1:]):
+        holders = [(p, r) for p, held in enumerate(giving) for r in held if r[0] <= a and b <= r[1]]
+        if not holders:
+            raise ValueError(f"tokens {a}:{b} are needed by lane position {q} but held by no position "
+                             "of the other side")
+        giver, held = min(holders, key=lambda h: (h[0] - q) % n)
+        if pieces and pieces[-1][0] == giver and pieces[-1][1] == held:
+            pieces[-1] = (giver, held, (pieces[-1][2][0], b))
+        else:
+            pieces.append((giver, held, (a, b)))
+    return [Piece(giver, q, tokens) for giver, _, tokens in pieces]

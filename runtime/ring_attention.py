@@ -1,0 +1,173 @@
+"""Ring attention: K/V blocks travel around the cp ranks; an online softmax merges them.
+
+Every cp rank holds the queries, keys and values of its own tokens (all of
+its tp shard's heads). In forward the compact K/V (not expanded to the
+query heads) go around the ring once; each rank attends its queries to each
+visiting block and merges the partial results with a running log-sum-exp
+(flash attention's online softmax), keeping only the output and the LSE.
+Backward recomputes the probabilities block by block from the LSE; K/V go
+around again and their gradient accumulators travel with them, arriving
+home after a full turn. Per rank and layer that moves 2 (forward) + 4
+(backward) tensors of b·S/cp·N_kv·d around cp−1 (K/V) or cp (gradient)
+hops: the survey's 6·(N_kv/N_q)·δbSH.
+
+Note [zigzag]: with a causal mask the cost of a query block depends on how
+many keys precede it. The sequence is cut into 2·cp chunks and cp rank c
+holds chunks c and 2cp−1−c (hetc/layout.py), so every rank has the same
+causal work. A query chunk i and a key chunk j meet fully (j < i), causally
+(j = i) or not at all (j > i); whole blocks are skipped, never half-masked.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["RingAttention", "zigzag_chunks"]
+
+
+def zigzag_chunks(cp_rank: int, cp: int) -> tuple[int, ...]:
+    """The chunk indices (of 2·cp) a cp rank holds, in local order; a single chunk when cp = 1."""
+    return (0,) if cp == 1 else (cp_rank, 2 * cp - 1 - cp_rank)
+
+
+class _Ring:
+    """Point-to-point neighbours of one rank in its cp group (global ranks, ring order)."""
+
+    def __init__(self, group, ranks: tuple[int, ...], cp_rank: int) -> None:
+        self.group, self.ranks, self.cp_rank = group, ranks, cp_rank
+        self.size = len(ranks)
+        self.next = ranks[(cp_rank + 1) % self.size]
+        self.prev = ranks[(cp_rank - 1) % self.size]
+
+    def source(self, step: int) -> int:
+        """The cp rank whose K/V this rank holds at `step` of a turn."""
+        return (self.cp_rank - step) % self.size
+
+    def shift(self, tensors: list[Tensor]):
+        """Send `tensors` to the next rank, receive the previous rank's; (received, works to wait)."""
+        got = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group, tag=i) for i, t in enumerate(tensors)]
+        ops += [dist.P2POp(dist.irecv, g, self.prev, self.group, tag=i) for i, g in enumerate(got)]
+        return got, dist.batch_isend_irecv(ops)
+
+
+def _wait(works) -> None:
+    for w in works:
+        w.wait()
+
+
+def _visits(ring: _Ring, kv: list[Tensor]):
+    """One turn: yield (the K/V this rank holds, their chunk indices) per step, the next K/V moving meanwhile."""
+    for step in range(ring.size):
+        works = []
+        if step + 1 < ring.size:
+            nxt, works = ring.shift(kv)
+        yield kv, zigzag_chunks(ring.source(step), ring.size)
+        if works:
+            _wait(works)
+            kv = nxt
+
+
+def _expand(kv: Tensor, heads: int) -> Tensor:
+    return kv.repeat_interleave(heads // kv.shape[1], dim=1) if kv.shape[1] != heads else kv
+
+
+def _scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
+    s = torch.matmul(q.float(), _expand(k, q.shape[1]).float().transpose(-1, -2)) * scale
+    if causal:
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
+        s = s.masked_fill(mask, float("-inf"))
+    return s
+
+
+def _pairs(mine: tuple[int, ...], theirs: tuple[int, ...]):
+    """(query chunk slot, key chunk slot, causal) for every block that is not fully masked."""
+    for qi, qc in enumerate(mine):
+        for kj, kc in enumerate(theirs):
+            if kc <= qc:
+                yield qi, kj, kc == qc
+
+
+def _chunk(x: Tensor, slot: int, n: int) -> Tensor:
+    """Chunk `slot` of `n` along the sequence (dim 2 of [b, h, s, ...])."""
+    size = x.shape[2] // n
+    return x[:, :, slot * size:(slot + 1) * size]
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, ring: _Ring) -> Tensor:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        mine = zigzag_chunks(ring.cp_rank, ring.size)
+        n = len(mine)
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        for kv, theirs in _visits(ring, [k, v]):
+            for qi, kj, causal in _pairs(mine, theirs):
+                _merge_block(_chunk(q, qi, n), _chunk(kv[0], kj, n), _chunk(kv[1], kj, n), causal, scale,
+                             _chunk(out, qi, n), _chunk(lse, qi, n))
+        ctx.ring, ctx.scale = ring, scale
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, scale = ctx.ring, ctx.scale
+        mine = zigzag_chunks(ring.cp_rank, ring.size)
+        n = len(mine)
+        dout = grad_out.float()
+        delta = (dout * out).sum(-1)                                  # D = rowsum(dO ∘ O)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dkv = [torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+               torch.zeros(v.shape, dtype=torch.float32, device=v.device)]
+        for kv, theirs in _visits(ring, [k, v]):
+            for qi, kj, causal in _pairs(mine, theirs):
+                _block_grads(_chunk(q, qi, n), _chunk(kv[0], kj, n), _chunk(kv[1], kj, n),
+                             *(_chunk(t, qi, n) for t in (dout, lse, delta)), causal, scale,
+                             _chunk(dq, qi, n), _chunk(dkv[0], kj, n), _chunk(dkv[1], kj, n))
+            if ring.size > 1:        # the accumulators follow their K/V; after a full turn they are home
+                dkv, works = ring.shift(dkv)
+                _wait(works)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+
+
+def _merge_block(q, k, v, causal: bool, scale: float, out: Tensor, lse: Tensor) -> None:
+    """Attend q to one K/V block and merge it into the running (out, lse) (the online softmax)."""
+    s = _scores(q, k, causal, scale)
+    block_lse = torch.logsumexp(s, dim=-1)
+    block_out = torch.matmul(torch.exp(s - block_lse[..., None]), _expand(v, q.shape[1]).float())
+    merged = torch.logaddexp(lse, block_lse)
+    out.copy_(out * torch.exp(lse - merged)[..., None] + block_out * torch.exp(block_lse - merged)[..., None])
+    lse.copy_(merged)
+
+
+def _block_grads(q, k, v, dout, lse, delta, causal: bool, scale: float, dq, dk, dv) -> None:
+    """Accumulate one block's dQ, dK, dV (flash attention's backward for a block)."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    p = torch.exp(_scores(q, k, causal, scale) - lse[..., None])
+    dv_full = torch.matmul(p.transpose(-1, -2), dout)
+    dp = torch.matmul(dout, _expand(v, heads).float().transpose(-1, -2))
+    ds = p * (dp - delta[..., None]) * scale
+    dq.add_(torch.matmul(ds, _expand(k, heads).float()))
+    dk_full = torch.matmul(ds.transpose(-1, -2), q.float())
+    group = heads // kv_heads
+    dk.add_(dk_full.unflatten(1, (kv_heads, group)).sum(2))
+    dv.add_(dv_full.unflatten(1, (kv_heads, group)).sum(2))
+
+
+class RingAttention:
+    """An `AttentionCore` for one cp group (global `ranks` in cp order; this rank is `cp_rank`)."""
+
+    def __init__(self, group, ranks: tuple[int, ...], cp_rank: int) -> None:
+        self.ring = _Ring(group, tuple(ranks), cp_rank)
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return _RingAttention.apply(q, k, v, self.ring)
+
+    def __repr__(self) -> str:
+        return f"RingAttention(cp={self.ring.size}, cp_rank={self.ring.cp_rank})"

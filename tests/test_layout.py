@@ -1,0 +1,109 @@
+"""Block layout contracts (hetc/layout.py): held ranges per layout and the pieces of a border."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hetc.layout import (Piece, attention_ranges, boundary_ranges, layout_problem, local_slice, positions,
+                         seq_chunks, transfers)
+from hetc.spec import CPKind
+
+
+@dataclass(frozen=True)
+class L:
+    tp: int = 1
+    cp: int = 1
+    cp_kind: CPKind = CPKind.RING
+    sequence_parallel: bool = False
+
+
+def lane(layout: L, seq: int) -> list[tuple[tuple[int, int], ...]]:
+    return [boundary_ranges(layout, pos, seq) for pos in range(layout.tp * layout.cp)]
+
+
+def test_tensor_parallelism_replicates_the_whole_sequence():
+    assert lane(L(tp=2), 32) == [((0, 32),), ((0, 32),)]
+
+
+def test_ulysses_holds_contiguous_slices_in_cp_order():
+    assert lane(L(cp=4, cp_kind=CPKind.ULYSSES), 32) == [((0, 8),), ((8, 16),), ((16, 24),), ((24, 32),)]
+
+
+def test_ring_attention_holds_zigzag_chunks():
+    assert lane(L(cp=2), 32) == [((0, 8), (24, 32)), ((8, 24),)]     # chunks 1 and 2 are one run
+    assert boundary_ranges(L(cp=4), 1, 32) == ((4, 8), (24, 28))
+
+
+def test_sequence_parallelism_splits_the_cp_ranks_tokens_over_tp():
+    assert lane(L(tp=2, sequence_parallel=True), 32) == [((0, 16),), ((16, 32),)]
+    # lane positions are cp-major: pos = cp_rank * tp + tp_rank; the split is of the concatenation
+    assert lane(L(tp=2, cp=2, sequence_parallel=True), 32) == [((0, 8),), ((24, 32),), ((8, 16),), ((16, 24),)]
+    assert boundary_ranges(L(tp=4, cp=2, sequence_parallel=True), 1, 32) == ((4, 8),)
+    # the attention still sees the whole cp rank's tokens
+    assert attention_ranges(L(tp=2, cp=2, sequence_parallel=True), 1, 32) == ((0, 8), (24, 32))
+
+
+def test_granularity_and_problems():
+    assert seq_chunks(L(tp=2, cp=2, sequence_parallel=True)) == 8
+    assert seq_chunks(L(tp=2, cp=3, cp_kind=CPKind.ULYSSES)) == 3
+    assert layout_problem(L(cp=3), 32) == "ring attention with cp=3 cuts the sequence into 2·cp = 6 zigzag chunks"
+    assert "splits each cp rank's 16 tokens over tp=3" in layout_problem(L(tp=3, cp=2, sequence_parallel=True,
+                                                                            cp_kind=CPKind.ULYSSES), 32)
+    assert layout_problem(L(tp=3), 32) is None       # replicated: any tp
+    with pytest.raises(ValueError, match="does not divide"):
+        boundary_ranges(L(cp=3), 0, 32)
+
+
+def test_local_slices_and_positions():
+    held = ((4, 8), (24, 28))
+    assert local_slice(held, (26, 28)) == slice(6, 8)
+    assert positions(((0, 2), (6, 8))) == [0, 1, 6, 7]
+    with pytest.raises(ValueError, match="not inside one"):
+        local_slice(((0, 8), (24, 32)), (4, 26))
+
+
+def test_agreeing_sides_send_whole_tensors():
+    ring = lane(L(cp=2), 32)
+    assert transfers(ring, ring) == [Piece(0, 0, None), Piece(1, 1, None)]
+
+
+def test_tp_to_ring_cp_takes_pieces_from_the_same_position():
+    pieces = transfers(lane(L(tp=2), 32), lane(L(cp=2), 32))
+    assert pieces == [Piece(0, 0, (0, 8)), Piece(0, 0, (24, 32)), Piece(1, 1, (8, 24))]
+
+
+def test_ring_cp_to_tp_gives_every_replica_the_whole_sequence():
+    pieces = transfers(lane(L(cp=2), 32), lane(L(tp=2), 32))
+    assert pieces == [Piece(0, 0, (0, 8)), Piece(1, 0, (8, 24)), Piece(0, 0, (24, 32)),
+                      Piece(0, 1, (0, 8)), Piece(1, 1, (8, 24)), Piece(0, 1, (24, 32))]
+
+
+def test_a_token_nobody_holds_is_an_error():
+    with pytest.raises(ValueError, match="tokens 16:32 are needed by lane position 0"):
+        transfers([((0, 16),)], [((0, 32),)])
+
+
+LAYOUTS = st.builds(L, tp=st.sampled_from([1, 2, 4]), cp=st.sampled_from([1, 2, 4]),
+                    cp_kind=st.sampled_from(list(CPKind)), sequence_parallel=st.booleans())
+
+
+@given(LAYOUTS, LAYOUTS)
+def test_pieces_tile_every_needed_range_exactly_once(a, b):
+    seq = 64
+    giving, needing = lane(a, seq), lane(b, seq)
+    got: dict[int, list[tuple[int, int]]] = {q: [] for q in range(len(needing))}
+    for piece in transfers(giving, needing):
+        held = giving[piece.giver]
+        if piece.seq is None:
+            assert held == needing[piece.needer]
+            got[piece.needer] += list(held)
+            continue
+        local_slice(held, piece.seq)                      # contiguous at the giver
+        local_slice(needing[piece.needer], piece.seq)     # and at the needer
+        got[piece.needer].append(piece.seq)
+    for q, needed in enumerate(needing):
+        assert sorted(t for a_, b_ in got[q] for t in range(a_, b_)) == sorted(positions(needed))

@@ -1,0 +1,163 @@
+"""TP, sequence parallelism, Ulysses and ring attention against the unsharded model (4 gloo processes).
+
+Each case builds the whole tiny model twice on every rank of a lane: once
+unsharded (the reference) and once as the rank's shard, wired by
+`hetc.runtime.lane.place_ministage` exactly as the interpreter wires it.
+The lane's ranks run forward and backward on their tokens of one
+microbatch; then the parts' losses must add up to the reference loss and
+every rank's parameter gradients (summed over the cp ranks, as the ZeRO
+group does) must equal its slice of the reference gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import traceback
+
+import pytest
+import torch.multiprocessing as mp
+
+from hetc.spec import Arch, CPKind, DType, ModelSpec
+
+WORLD = 4
+TIMEOUT_S = 120
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    tp: int = 1
+    cp: int = 1
+    cp_kind: CPKind = CPKind.RING
+    sequence_parallel: bool = False
+    arch: Arch = Arch.LLAMA
+
+    @property
+    def name(self) -> str:
+        parts = [f"tp{self.tp}"] + (["sp"] if self.sequence_parallel else [])
+        parts += [f"{self.cp_kind.value}{self.cp}"] if self.cp > 1 else []
+        return "-".join(parts + ([self.arch.value] if self.arch is not Arch.LLAMA else []))
+
+
+CASES = [
+    Case(tp=2),
+    Case(tp=2, sequence_parallel=True),
+    Case(cp=2, cp_kind=CPKind.ULYSSES),
+    Case(cp=4, cp_kind=CPKind.ULYSSES),             # 2 K/V heads over 4 ranks: repeated K/V heads
+    Case(cp=2),
+    Case(cp=4),
+    Case(tp=2, cp=2, sequence_parallel=True),
+    Case(tp=2, cp=2, cp_kind=CPKind.ULYSSES),
+    Case(tp=2, cp=2, sequence_parallel=True, arch=Arch.GPT),
+]
+
+
+def model_for(case: Case) -> ModelSpec:
+    return ModelSpec(arch=case.arch, layers=2, hidden=32, heads=4, kv_heads=2, ffn=40, vocab=64, seq=16,
+                     dtype=DType.FP32)
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> dict[str, str | None]:
+    """{case name: None, or the first rank's traceback}, from one run of every case on 4 processes."""
+    from hetc.runtime.local import free_port
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    pipes, procs = [], []
+    for rank in range(WORLD):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_worker, args=(rank, port, child), daemon=True)
+        proc.start()
+        pipes.append(parent)
+        procs.append(proc)
+    results = []
+    for rank, pipe in enumerate(pipes):
+        assert pipe.poll(TIMEOUT_S), f"rank {rank} did not finish within {TIMEOUT_S} s"
+        results.append(pipe.recv())
+    for proc in procs:
+        proc.join(10)
+    return {case.name: next((r[case.name] for r in results if r[case.name]), None) for case in CASES}
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_lane_matches_the_unsharded_model(outcomes, case):
+    assert outcomes[case.name] is None, outcomes[case.name]
+
+
+# ---------------------------------------------------------------- inside a worker
+
+
+def _worker(rank: int, port: int, conn) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=60))
+    groups = _groups()
+    out = {}
+    for case in CASES:
+        try:
+            _check(case, rank, groups)
+            out[case.name] = None
+        except Exception:  # noqa: BLE001 - report to the test
+            out[case.name] = f"rank {rank}:\n{traceback.format_exc()}"
+        dist.barrier()
+    conn.send(out)
+    dist.destroy_process_group()
+
+
+def _groups() -> dict[tuple[int, ...], object]:
+    """Every rank set a case may use, created on every rank in one order (torch requires it)."""
+    import torch.distributed as dist
+
+    sets = [(0, 1), (2, 3), (0, 2), (1, 3), (0, 1, 2, 3)]
+    return {s: dist.new_group(list(s)) for s in sets}
+
+
+def _check(case: Case, rank: int, groups) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from hetc.pipeline import Stage
+    from hetc.runtime.lane import LanePlace, place_ministage, take_tokens
+    from hetc.runtime.model import build_ministage
+    from hetc.runtime.tp import shard_infos
+    from hetc.spec import OffloadSpec, ZeroSpec
+
+    lane = tuple(range(case.tp * case.cp))
+    if rank not in lane:
+        return
+    model = model_for(case)
+    stage = Stage(0, "s", (0,), (), case.tp, case.cp, case.cp_kind, case.sequence_parallel, ZeroSpec(),
+                  OffloadSpec())
+    pos = lane.index(rank)
+    tp_ranks = lane[pos // case.tp * case.tp:][:case.tp]
+    cp_ranks = lane[pos % case.tp::case.tp]
+    place = LanePlace(stage, pos, model.seq, groups.get(tp_ranks), groups.get(cp_ranks), cp_ranks)
+    layers = range(model.num_model_layers)
+    reference = build_ministage(model, layers, seed=3)
+    mine = build_ministage(model, layers, seed=3, shard=place.shard)
+    place_ministage(mine, place)
+
+    tokens = torch.randint(0, model.vocab, (2, model.seq), generator=torch.Generator().manual_seed(5))
+    labels = tokens.roll(-1, dims=1)
+    want = reference(tokens, labels)
+    want.backward()
+    loss = mine(take_tokens(tokens, place), take_tokens(labels, place))
+    loss.backward()
+
+    total = (loss.detach() if place.counts_loss else torch.zeros(())).reshape(1).clone()
+    dist.all_reduce(total, group=groups[lane] if len(lane) > 1 else None)
+    torch.testing.assert_close(total[0], want.detach(), rtol=1e-5, atol=0)
+    full = dict(reference.named_parameters())
+    infos = shard_infos(mine)
+    for name, p in mine.named_parameters():
+        grad = p.grad.clone()
+        if case.cp > 1:
+            dist.all_reduce(grad, group=groups[cp_ranks])
+        expected = infos[name].slice_of(full[name].grad)
+        torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
