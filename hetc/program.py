@@ -23,6 +23,15 @@ Semantics the runtime and the verifier share (Note [dataflow]):
 - Collectives act on the flat parameter/gradient buffer of one ministage over
   a named group; every member must issue a group's collectives in the same
   order.
+- A `send`/`recv` with `seq=a:b` carries only tokens [a, b) of the sequence:
+  where the block layouts of two sides differ (hetc/layout.py), a boundary
+  tensor travels as pieces, and a consumer waits until its received pieces
+  tile exactly the tokens it holds.
+- Note [compute collectives]: the compute of a ministage whose shard line
+  names a `tp_group` / `cp_group` runs tensor-parallel all-reduces, Ulysses
+  all-to-alls or ring-attention exchanges on those groups, so every compute
+  op of it is a collective there: all members run the same ops in the same
+  order.
 - For a ZeRO-3 ministage, `all_gather params` raises a count of holders of
   its full parameters (allocating them at 0 -> 1) and `free params` lowers it
   (releasing them at 1 -> 0), so a gather for the next op may be posted while
@@ -71,14 +80,15 @@ class _Base:
 
     def __str__(self) -> str:
         parts = [self.OP]
-        for f in dataclasses.fields(self):
+        fields = sorted(dataclasses.fields(self), key=lambda f: f.name == "handle")   # the handle last
+        for f in fields:
             value = getattr(self, f.name)
             if f.name == "what":
                 parts.append(value.value)
             elif value is None:
                 continue
             else:
-                parts.append(f"{_KEYS.get(f.name, f.name)}={_fmt(value)}")
+                parts.append(f"{_KEYS.get(f.name, f.name)}={_fmt(f.name, value)}")
         return " ".join(parts)
 
     def to_json(self) -> dict:
@@ -95,7 +105,9 @@ class _Base:
 _KEYS = {"peer_to": "to", "peer_from": "from", "handle": "h"}
 
 
-def _fmt(value) -> str:
+def _fmt(name: str, value) -> str:
+    if name == "seq":
+        return f"{value[0]}:{value[1]}"
     if isinstance(value, tuple):
         return "x".join(str(v) for v in value)
     return str(value)
@@ -143,6 +155,8 @@ class BackwardWeight(_Base):
 
 @dataclass(frozen=True, slots=True)
 class Send(_Base):
+    """Send a boundary tensor; `seq=a:b` only tokens [a, b) of the sequence (a layout transform's piece)."""
+
     OP: ClassVar[str] = "send"
     WHAT: ClassVar[tuple[Tensor, ...]] = (Tensor.ACT, Tensor.GRAD)
     what: Tensor
@@ -151,10 +165,13 @@ class Send(_Base):
     peer_to: int
     shape: tuple[int, ...]
     handle: int | None = None
+    seq: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Recv(_Base):
+    """Receive a boundary tensor, or with `seq=a:b` the piece of it holding tokens [a, b)."""
+
     OP: ClassVar[str] = "recv"
     WHAT: ClassVar[tuple[Tensor, ...]] = (Tensor.ACT, Tensor.GRAD)
     what: Tensor
@@ -163,6 +180,7 @@ class Recv(_Base):
     peer_from: int
     shape: tuple[int, ...]
     handle: int | None = None
+    seq: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,6 +327,11 @@ def _parse_value(name: str, raw: str):
         if not raw:
             raise ValueError("empty group name")
         return raw
+    if name == "seq":
+        start, sep, stop = raw.partition(":")
+        if not (sep and start.isdigit() and stop.isdigit() and int(start) < int(stop)):
+            raise ValueError(f"bad token range '{raw}' (write e.g. seq=0:16)")
+        return int(start), int(stop)
     if name == "shape":
         try:
             dims = tuple(int(d) for d in raw.split("x"))
@@ -335,7 +358,7 @@ def instr_from_json(obj: dict) -> Instr:
         if f.name not in obj:
             continue
         v = obj[f.name]
-        kwargs[f.name] = Tensor(v) if f.name == "what" else (tuple(v) if f.name == "shape" else v)
+        kwargs[f.name] = Tensor(v) if f.name == "what" else (tuple(v) if f.name in ("shape", "seq") else v)
     return cls(**kwargs)
 
 
@@ -362,7 +385,9 @@ class Shard:
     (hierarchical ZeRO). `param_offload` keeps parameters on the host between
     uses, `opt_offload` keeps optimizer state on the host and steps there,
     `act_offload` stashes only the ministage's boundary input on the host and
-    recomputes the ministage in backward.
+    recomputes the ministage in backward. `tp_group` / `cp_group` name the
+    groups the ministage's compute runs its tensor- and context-parallel
+    collectives on (Note [compute collectives]).
     """
 
     ms: int
@@ -373,12 +398,19 @@ class Shard:
     param_offload: bool = False
     opt_offload: bool = False
     act_offload: bool = False
+    tp_group: str | None = None
+    cp_group: str | None = None
+
+    @property
+    def compute_groups(self) -> tuple[str, ...]:
+        return tuple(g for g in (self.tp_group, self.cp_group) if g is not None)
 
     def __str__(self) -> str:
         flags = [name for name, on in (("param_offload", self.param_offload), ("opt_offload", self.opt_offload),
                                        ("act_offload", self.act_offload)) if on]
+        groups = "".join(f" {k}={g}" for k, g in (("tp_group", self.tp_group), ("cp_group", self.cp_group)) if g)
         return (f"shard ms={self.ms} zero={self.level} group={self.group or '-'} outer={self.outer or '-'} "
-                f"outer_zero={self.outer_level}" + "".join(f" {f}" for f in flags))
+                f"outer_zero={self.outer_level}" + groups + "".join(f" {f}" for f in flags))
 
 
 def _parse_shard(text: str) -> Shard:
@@ -391,7 +423,8 @@ def _parse_shard(text: str) -> Shard:
     try:
         return Shard(int(kv["ms"]), int(kv["zero"]), None if kv["group"] == "-" else kv["group"],
                      None if kv["outer"] == "-" else kv["outer"], int(kv["outer_zero"]),
-                     "param_offload" in flags, "opt_offload" in flags, "act_offload" in flags)
+                     "param_offload" in flags, "opt_offload" in flags, "act_offload" in flags,
+                     kv.get("tp_group") or None, kv.get("cp_group") or None)
     except (KeyError, ValueError) as err:
         raise ValueError(f"bad shard line ({err})") from None
 

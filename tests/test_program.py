@@ -49,6 +49,11 @@ def test_json_round_trip(instr):
 
 def test_text_form_examples():
     assert str(Send(Tensor.ACT, 0, 1, 2, (2, 32, 64), handle=3)) == "send act ms=0 mb=1 to=2 shape=2x32x64 h=3"
+    piece = Recv(Tensor.GRAD, 1, 0, 3, (2, 8, 64), handle=4, seq=(24, 32))
+    assert str(piece) == "recv grad ms=1 mb=0 from=3 shape=2x8x64 seq=24:32 h=4"
+    assert parse_instr(str(piece)) == piece
+    with pytest.raises(ValueError, match="bad token range '8:8'"):
+        parse_instr("recv act ms=0 mb=0 from=1 shape=2x8x64 seq=8:8")
     assert str(AllReduce(Tensor.LOSS, "world")) == "all_reduce loss group=world"
     assert str(Offload(Tensor.PARAMS, 2, None, 13)) == "offload params ms=2 h=13"
 
@@ -56,6 +61,7 @@ def test_text_form_examples():
 _small = st.integers(min_value=0, max_value=10_000)
 _group = st.from_regex(r"[a-z][a-z0-9.]{0,12}", fullmatch=True)
 _shape = st.lists(st.integers(min_value=1, max_value=4096), min_size=1, max_size=4).map(tuple)
+_seq = st.tuples(_small, st.integers(min_value=1, max_value=4096)).map(lambda t: (t[0], t[0] + t[1]))
 
 
 def _instances(cls):
@@ -67,6 +73,8 @@ def _instances(cls):
             kwargs[f.name] = _group
         elif f.name == "shape":
             kwargs[f.name] = _shape
+        elif f.name == "seq":
+            kwargs[f.name] = st.none() | _seq
         elif f.default is None:
             kwargs[f.name] = st.none() | _small
         else:
@@ -106,6 +114,7 @@ def test_listing_is_editable_by_hand():
 
 def test_shard_lines_round_trip():
     for shard in [Shard(0, 3, "dp.s0.p0", None, 0, True, False, True), Shard(2, 0),
+                  Shard(1, 1, "dp.s1.t0", tp_group="tp.s1.l0.c0", cp_group="cp.s1.l0.t0"),
                   Shard(1, 3, "dp.s0.p0.n1", "dpx.s0.p0.i0", 1, False, True, False)]:
         rp = RankProgram(0, 0, 0, 0, 0, (shard,), (Step(shard.ms),))
         assert RankProgram.from_text(rp.to_text()) == rp
