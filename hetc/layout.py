@@ -37,7 +37,7 @@ from typing import Protocol
 from hetc.spec import CPKind
 
 __all__ = ["Range", "SeqLayout", "Piece", "seq_chunks", "layout_problem", "attention_ranges", "boundary_ranges",
-           "held_length", "local_slice", "positions", "transfers", "describe"]
+           "held_length", "local_slice", "positions", "transfers", "describe", "tiling_problem"]
 
 Range = tuple[int, int]   # [start, stop) of the full sequence
 
@@ -144,7 +144,18 @@ def positions(ranges: Sequence[Range]) -> list[int]:
 
 
 def describe(ranges: Sequence[Range]) -> str:
-    return ",".join(f"{a}:{b}" for a, b in ranges)
+    return ",".join(f"{a}:{b}" for a, b in ranges) or "nothing"
+
+
+def tiling_problem(pieces: Sequence[Range], needed: Sequence[Range]) -> str | None:
+    """Why `pieces` do not cover exactly the tokens of `needed`, each once, or None."""
+    ordered = sorted(pieces)
+    for (_, b), (c, d) in zip(ordered, ordered[1:]):
+        if c < b:
+            return f"tokens {c}:{min(b, d)} arrive twice"
+    if _merged(ordered) != _merged(sorted(needed)):
+        return f"the pieces cover tokens {describe(_merged(ordered))} but this rank holds {describe(needed)}"
+    return None
 
 
 @dataclass(frozen=True, slots=True)

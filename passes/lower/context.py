@@ -1,14 +1,21 @@
 """What every lowering pass needs to know about the plan, computed once.
 
-`LowerContext` answers the questions passes ask over and over: which rank
-runs ministage k for microbatch j at my lane position, which group a
-ministage's ZeRO collectives use, what shape a boundary tensor has.
+`LowerContext` answers the questions passes ask over and over: which lane
+runs ministage k for microbatch j, which group a ministage's ZeRO
+collectives use, which messages carry a boundary tensor between two lanes
+(pieces of the sequence where their block layouts differ, hetc/layout.py).
 Group names follow one scheme (Note [group names]):
 
     dp.s{stage}.p{pos}         the stage's lanes at lane position pos (ZeRO)
-    dp.s{stage}.p{pos}.f|.b    per-microbatch forward / backward collectives
-    dp.s{stage}.p{pos}.n{k}    hierarchical ZeRO: the lanes on node k
+    dp.s{stage}.t{t}           with cp > 1: tp rank t of every lane and cp rank
+                               (Megatron's dp × cp group: cp ranks replicate
+                               the parameters and see different tokens)
+    {dp group}.f|.b            per-microbatch forward / backward collectives
+    {dp group}.n{k}            hierarchical ZeRO: the replicas on node k
     dpx.s{stage}.p{pos}.i{i}   hierarchical ZeRO: shard i of every node
+                               (dpx.s{stage}.t{t}.i{i} with cp > 1)
+    tp.s{stage}.l{lane}.c{c}   the tp ranks of cp rank c of a lane
+    cp.s{stage}.l{lane}.t{t}   the cp ranks of tp rank t of a lane
     world                      every rank (loss, gradient norm)
 """
 
@@ -17,11 +24,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from hetc.errors import Diagnostic, SpecError
+from hetc.layout import Range, boundary_ranges, held_length, transfers
 from hetc.pipeline import Lane, Pipeline, Stage
-from hetc.program import Group, Instr, RankProgram
+from hetc.program import Group, Instr, RankProgram, Tensor
 from hetc.spec import Spec, ZeroShard
 
-__all__ = ["LowerContext", "RankPlace", "next_handle"]
+__all__ = ["LowerContext", "RankPlace", "Message", "next_handle"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +49,16 @@ class RankPlace:
         return self.pos // self.stage.tp
 
 
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One point-to-point transfer of a boundary tensor (or, with `seq`, of its tokens [a, b))."""
+
+    src: int
+    dst: int
+    shape: tuple[int, ...]
+    seq: Range | None
+
+
 class LowerContext:
     def __init__(self, spec: Spec, pipeline: Pipeline):
         self.spec = spec
@@ -47,6 +66,7 @@ class LowerContext:
         self.model = spec.model
         self.train = spec.train
         self.grad_clip = spec.train.grad_clip
+        self._messages: dict[tuple[Tensor, int, int], tuple[Message, ...]] = {}
 
     @cached_property
     def places(self) -> tuple[RankPlace, ...]:
@@ -65,19 +85,35 @@ class LowerContext:
         """The lane that runs ministage `ms` on microbatch `mb`."""
         return self._lane_by_stage_mb[(self.pipeline.ministages[ms].stage, mb)]
 
-    def peer(self, ms: int, mb: int, pos: int) -> int:
-        """The rank at lane position `pos` (clamped to that lane's size) that runs ms on mb."""
-        lane = self.lane_for(ms, mb)
-        return lane.ranks[min(pos, len(lane.ranks) - 1)]
+    def held(self, stage: Stage, pos: int) -> tuple[Range, ...]:
+        """The tokens lane position `pos` of `stage` holds at its ministages' borders."""
+        return boundary_ranges(stage, pos, self.model.seq)
 
-    def receivers(self, ms: int, mb: int, pos: int, from_size: int) -> list[int]:
-        """The ranks running ms on mb whose `peer` is lane position `pos` of a lane of `from_size` ranks.
+    def messages(self, what: Tensor, ms: int, mb: int) -> tuple[Message, ...]:
+        """The transfers of `what` leaving ministage `ms` for microbatch `mb` (activation forward to ms+1,
+        gradient backward to ms−1) between different ranks.
 
-        The inverse of `peer`: where two bordering lanes differ in size, one
-        rank of the smaller lane serves several of the larger one.
+        Each position of the consuming lane gets the tokens it holds from
+        the producing lane (`hetc.layout.transfers`); where the layouts agree
+        that is one whole tensor per position, else pieces of the sequence.
         """
-        lane = self.lane_for(ms, mb)
-        return [r for p, r in enumerate(lane.ranks) if min(p, from_size - 1) == pos]
+        key = (what, ms, mb)
+        if key not in self._messages:
+            self._messages[key] = self._transfers(ms, ms + 1 if what is Tensor.ACT else ms - 1, mb)
+        return self._messages[key]
+
+    def _transfers(self, producer: int, consumer: int, mb: int) -> tuple[Message, ...]:
+        (src_stage, src_lane), (dst_stage, dst_lane) = ((self.stage_of(m), self.lane_for(m, mb))
+                                                        for m in (producer, consumer))
+        giving = [self.held(src_stage, p) for p in range(len(src_lane.ranks))]
+        needing = [self.held(dst_stage, q) for q in range(len(dst_lane.ranks))]
+        out = []
+        for piece in transfers(giving, needing):
+            src, dst = src_lane.ranks[piece.giver], dst_lane.ranks[piece.needer]
+            if src != dst:
+                tokens = held_length(giving[piece.giver]) if piece.seq is None else piece.seq[1] - piece.seq[0]
+                out.append(Message(src, dst, (self.pipeline.micro_batch, tokens, self.model.hidden), piece.seq))
+        return tuple(out)
 
     def stage_of(self, ms: int) -> Stage:
         return self.pipeline.stages[self.pipeline.ministages[ms].stage]
@@ -88,44 +124,53 @@ class LowerContext:
     def ends_model(self, ms: int) -> bool:
         return self.pipeline.ministages[ms].stop_layer == self.model.num_model_layers
 
-    def boundary_shape(self, ms: int) -> tuple[int, ...]:
-        """Shape of the activation leaving ministage ms (and of its gradient)."""
-        stage = self.stage_of(ms)
-        return (self.pipeline.micro_batch, self.model.seq // stage.cp, self.model.hidden)
-
     # ---------------------------------------------------------------- groups
 
-    def zero_group(self, place: RankPlace) -> str | None:
-        """The group sharding this rank's ministages, or None for a single lane."""
+    def replicas(self, place: RankPlace) -> list[int]:
+        """The ranks holding the same parameters as this one: its tp rank in every lane and cp rank."""
         stage = place.stage
-        if len(stage.lanes) == 1:
+        return [lane.ranks[c * stage.tp + place.tp_rank] for lane in stage.lanes for c in range(stage.cp)]
+
+    def _dp_name(self, place: RankPlace) -> str:
+        stage = place.stage
+        return f"dp.s{stage.index}.t{place.tp_rank}" if stage.cp > 1 else f"dp.s{stage.index}.p{place.pos}"
+
+    def zero_group(self, place: RankPlace) -> str | None:
+        """The group sharding this rank's ministages, or None when nothing replicates them."""
+        if len(self.replicas(place)) == 1:
             return None
-        if _hierarchical(stage):
-            return f"dp.s{stage.index}.p{place.pos}.n{self._node_index(place)}"
-        return f"dp.s{stage.index}.p{place.pos}"
+        if _hierarchical(place.stage):
+            return f"{self._dp_name(place)}.n{self._node_index(place)}"
+        return self._dp_name(place)
 
     def outer_group(self, place: RankPlace) -> str | None:
-        if len(place.stage.lanes) == 1 or not _hierarchical(place.stage):
+        if len(self.replicas(place)) == 1 or not _hierarchical(place.stage):
             return None
         inner = self._inner_members(place)
-        return f"dpx.s{place.stage.index}.p{place.pos}.i{inner.index(place.rank)}"
+        return f"dpx{self._dp_name(place)[2:]}.i{inner.index(place.rank)}"
 
     def _node_index(self, place: RankPlace) -> int:
-        nodes = self._stage_nodes(place.stage)
-        return nodes.index(self.pipeline.world[place.rank].host)
-
-    def _stage_nodes(self, stage: Stage) -> list:
         nodes: list = []
-        for lane in stage.lanes:
-            host = self.pipeline.world[lane.ranks[0]].host
-            if host not in nodes:
-                nodes.append(host)
-        return nodes
+        for r in self.replicas(place):
+            if self.pipeline.world[r].host not in nodes:
+                nodes.append(self.pipeline.world[r].host)
+        return nodes.index(self.pipeline.world[place.rank].host)
 
     def _inner_members(self, place: RankPlace) -> list[int]:
         host = self.pipeline.world[place.rank].host
-        return [lane.ranks[place.pos] for lane in place.stage.lanes
-                if self.pipeline.world[lane.ranks[place.pos]].host == host]
+        return [r for r in self.replicas(place) if self.pipeline.world[r].host == host]
+
+    def tp_group(self, place: RankPlace) -> str | None:
+        """The group this rank's tensor-parallel collectives run on (None for tp = 1)."""
+        if place.stage.tp == 1:
+            return None
+        return f"tp.s{place.stage.index}.l{place.lane.index}.c{place.cp_rank}"
+
+    def cp_group(self, place: RankPlace) -> str | None:
+        """The group this rank's context-parallel collectives run on (None for cp = 1)."""
+        if place.stage.cp == 1:
+            return None
+        return f"cp.s{place.stage.index}.l{place.lane.index}.t{place.tp_rank}"
 
     @cached_property
     def groups(self) -> tuple[Group, ...]:
@@ -134,15 +179,26 @@ class LowerContext:
         for place in self.places:
             for name in self._groups_of(place):
                 named.setdefault(name, []).append(place.rank)
+        for name, ranks in named.items():
+            if name.startswith(("tp.", "cp.")) and ranks != sorted(ranks):
+                raise self._lane_order_error(self.places[ranks[0]].stage, name)
         return tuple(Group(n, tuple(sorted(r))) for n, r in named.items())
 
+    def _lane_order_error(self, stage: Stage, group: str) -> SpecError:
+        """torch numbers a group's members by global rank; tp/cp ranks must follow that order."""
+        st = self.spec.parallel.stages[stage.index]
+        return SpecError(Diagnostic(st.span_of("ranks"), f"the ranks of group {group} of stage '{st.name}' are "
+                                    "not in ascending order along the lane; list each lane's GPUs in rank "
+                                    "order when tp or cp > 1"))
+
     def _groups_of(self, place: RankPlace) -> list[str]:
+        lane = [g for g in (self.tp_group(place), self.cp_group(place)) if g]
         inner = self.zero_group(place)
         if inner is None:
-            return []
+            return lane
         names = [inner, f"{inner}.f", f"{inner}.b"]
         outer = self.outer_group(place)
-        return names + ([outer] if outer else [])
+        return names + ([outer] if outer else []) + lane
 
 
 def _hierarchical(stage: Stage) -> bool:

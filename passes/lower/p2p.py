@@ -14,6 +14,12 @@ peer in the order that peer sends them. Where a rank consumes them in a
 different order (several ministages of a stage exchanging with the same
 peer, as in 1F1B over virtual stages), a receive is posted early enough not
 to overtake one the peer sends after it.
+
+Note [border pieces]: where the block layouts of two bordering lanes differ
+(hetc/layout.py), a boundary tensor travels as pieces `seq=a:b` from the
+positions holding them (`LowerContext.messages`); a consumer waits for all
+of its pieces. Gradients go back the same way with the roles swapped, so a
+replicated side (tensor parallelism) gets every token on every rank.
 """
 
 from __future__ import annotations
@@ -27,8 +33,12 @@ from hetc.passes.lower.units import split_units
 
 __all__ = ["insert_p2p"]
 
-# a message on one channel: (tensor kind, producing ministage, microbatch)
-_Msg = tuple[Tensor, int, int]
+# a message on one channel: (tensor kind, producing ministage, microbatch, token range or None)
+_Msg = tuple[Tensor, int, int, tuple[int, int] | None]
+
+
+def _key(instr: Send | Recv) -> _Msg:
+    return (instr.what, instr.ms, instr.mb, instr.seq)
 
 
 def insert_p2p(program: Program, ctx: LowerContext) -> Program:
@@ -45,7 +55,7 @@ def _send_orders(program: Program, ctx: LowerContext) -> dict[tuple[int, int], d
         for instr in rp.instrs:
             for send in _sends_after(instr, place, ctx):
                 channel = orders.setdefault((rp.rank, send.peer_to), {})
-                channel[(send.what, send.ms, send.mb)] = len(channel)
+                channel[_key(send)] = len(channel)
     return orders
 
 
@@ -54,9 +64,8 @@ def _post_slots(units, place: RankPlace, ctx: LowerContext, send_order) -> list[
     wanted: list[tuple[int, int, Recv]] = []      # (slot, position on its channel, receive)
     for k, unit in enumerate(units):
         for op in unit.compute:
-            recv = _recv_for(op, place, ctx)
-            if recv is not None:
-                seq = send_order[(recv.peer_from, place.rank)][(recv.what, recv.ms, recv.mb)]
+            for recv in _recvs_for(op, place, ctx):
+                seq = send_order[(recv.peer_from, place.rank)][_key(recv)]
                 wanted.append((k, seq, recv))
     by_channel: dict[int, list[list]] = {}
     for item in wanted:
@@ -81,16 +90,15 @@ def _rank(rp: RankProgram, place: RankPlace, ctx: LowerContext, send_order) -> R
     for slot in _post_slots(units, place, ctx, send_order):
         posted.append([])
         for r in slot:
-            posted[-1].append(Recv(r.what, r.ms, r.mb, r.peer_from, r.shape, handle))
-            wait_for[(r.what, r.ms, r.mb)] = handle
+            posted[-1].append(dataclasses.replace(r, handle=handle))
+            wait_for[_key(r)] = handle
             handle += 1
     out: list[Instr] = []
     send_waits: list[Wait] = []
     if posted:
         out += posted[0]
     for k, unit in enumerate(units):
-        needed = [_recv_for(op, place, ctx) for op in unit.compute]
-        out += [Wait(wait_for[(r.what, r.ms, r.mb)]) for r in needed if r is not None]
+        out += [Wait(wait_for[_key(r)]) for op in unit.compute for r in _recvs_for(op, place, ctx)]
         if k + 1 < len(units):
             out += posted[k + 1]
         for instr in unit.instrs:
@@ -103,27 +111,32 @@ def _rank(rp: RankProgram, place: RankPlace, ctx: LowerContext, send_order) -> R
     return RankProgram(rp.rank, rp.stage, rp.lane, rp.tp_rank, rp.cp_rank, rp.shards, tuple(out))
 
 
-def _recv_for(op: Instr, place: RankPlace, ctx: LowerContext) -> Recv | None:
-    """The receive `op` needs from another rank, if any."""
+def _input_message(op: Instr, ctx: LowerContext) -> tuple[Tensor, int] | None:
+    """(kind, producing ministage) of the boundary tensor compute op `op` consumes, if any."""
     if isinstance(op, Forward) and not ctx.starts_model(op.ms):
-        peer = ctx.peer(op.ms - 1, op.mb, place.pos)
-        if peer != place.rank:
-            return Recv(Tensor.ACT, op.ms - 1, op.mb, peer, ctx.boundary_shape(op.ms - 1))
+        return Tensor.ACT, op.ms - 1
     if isinstance(op, (Backward, BackwardInput)) and not ctx.ends_model(op.ms):
-        peer = ctx.peer(op.ms + 1, op.mb, place.pos)
-        if peer != place.rank:
-            return Recv(Tensor.GRAD, op.ms + 1, op.mb, peer, ctx.boundary_shape(op.ms))
+        return Tensor.GRAD, op.ms + 1
     return None
+
+
+def _recvs_for(op: Instr, place: RankPlace, ctx: LowerContext) -> list[Recv]:
+    """The receives `op` needs from other ranks (Note [border pieces])."""
+    consumed = _input_message(op, ctx)
+    if consumed is None:
+        return []
+    what, ms = consumed
+    return [Recv(what, ms, op.mb, m.src, m.shape, seq=m.seq) for m in ctx.messages(what, ms, op.mb)
+            if m.dst == place.rank]
 
 
 def _sends_after(op: Instr, place: RankPlace, ctx: LowerContext) -> list[Send]:
     """The sends of `op`'s output to other ranks (without handles)."""
-    size = len(place.lane.ranks)
     if isinstance(op, Forward) and not ctx.ends_model(op.ms):
-        peers = ctx.receivers(op.ms + 1, op.mb, place.pos, size)
-        return [Send(Tensor.ACT, op.ms, op.mb, p, ctx.boundary_shape(op.ms)) for p in peers if p != place.rank]
-    if isinstance(op, (Backward, BackwardInput)) and not ctx.starts_model(op.ms):
-        peers = ctx.receivers(op.ms - 1, op.mb, place.pos, size)
-        return [Send(Tensor.GRAD, op.ms, op.mb, p, ctx.boundary_shape(op.ms - 1)) for p in peers
-                if p != place.rank]
-    return []
+        what = Tensor.ACT
+    elif isinstance(op, (Backward, BackwardInput)) and not ctx.starts_model(op.ms):
+        what = Tensor.GRAD
+    else:
+        return []
+    return [Send(what, op.ms, op.mb, m.dst, m.shape, seq=m.seq) for m in ctx.messages(what, op.ms, op.mb)
+            if m.src == place.rank]

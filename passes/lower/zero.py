@@ -51,7 +51,7 @@ def _shards(place: RankPlace, ctx: LowerContext) -> tuple[Shard, ...]:
     return tuple(
         Shard(ms, zero.level if group else 0, group, ctx.outer_group(place), zero.across if group else 0,
               off.params is not OffloadTarget.NONE, off.optimizer is not OffloadTarget.NONE,
-              off.activations is not OffloadTarget.NONE)
+              off.activations is not OffloadTarget.NONE, ctx.tp_group(place), ctx.cp_group(place))
         for ms in stage.ministages)
 
 

@@ -36,7 +36,7 @@ def verify(program: Program, pipeline: Pipeline, spec: Spec, sizes: Sizes | None
     """
     _check_shape(program, pipeline)
     checks = [("dataflow", lambda: check_dataflow(program, pipeline, spec.model.num_model_layers,
-                                                  spec.train.grad_clip > 0)),
+                                                  spec.train.grad_clip > 0, spec.model.seq)),
               ("protocol", lambda: check_protocol(program))]
     if sizes is not None:
         checks.append(("memory", lambda: check_memory(program, pipeline, sizes)))

@@ -10,12 +10,19 @@ reduced (and the global norm, when clipping). At the end every microbatch
 of the rank's lane has passed each of its ministages forward and backward
 exactly once, every ministage has stepped once, and nothing is left gathered
 or on the device that the next step expects on the host.
+
+Boundary tensors may arrive in pieces (`seq=a:b`, hetc/layout.py): a piece
+must lie inside what its sender holds and what this rank holds, and before
+a forward or backward uses a tensor its pieces must tile exactly the tokens
+this rank holds; a whole-tensor receive must come from a rank holding the
+same tokens.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hetc.layout import Range, boundary_ranges, describe, local_slice, tiling_problem
 from hetc.pipeline import Pipeline
 from hetc.program import (AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight, Forward, Free,
                           Instr, Load, Offload, Prefetch, Program, RankProgram, Recv, ReduceScatter, Send, Shard,
@@ -37,7 +44,7 @@ class _State:
     fwd: set = field(default_factory=set)           # (ms, mb) forwarded here
     bwd: set = field(default_factory=set)           # (ms, mb) input-gradient done here (bwd or bwd_i)
     wgrad: set = field(default_factory=set)         # (ms, mb) weight-gradient done here (bwd or bwd_w)
-    arrived: set = field(default_factory=set)       # (tensor, ms, mb) received and waited
+    arrived: dict = field(default_factory=dict)     # (tensor, ms, mb) -> token ranges received and waited
     pending: dict = field(default_factory=dict)     # handle -> instruction
     gathered: dict = field(default_factory=dict)    # ms -> completed gathers not yet freed
     on_host: set = field(default_factory=set)       # offloaded ministages' parameters now on the host
@@ -49,18 +56,39 @@ class _State:
 
 
 class _Rank:
-    def __init__(self, rp: RankProgram, pipeline: Pipeline, num_layers: int, clip: bool):
+    def __init__(self, rp: RankProgram, pipeline: Pipeline, num_layers: int, clip: bool, seq: int | None):
         self.rp = rp
         self.pipeline = pipeline
         self.num_layers = num_layers
         self.clip = clip
+        self.seq = seq
         stage = pipeline.stages[rp.stage]
         lane = stage.lanes[rp.lane]
+        self.held = self._held_by(rp.rank)
         self.own = set(stage.ministages)
         self.mbs = set(lane.microbatches)
         self.shards: dict[int, Shard] = {s.ms: s for s in rp.shards}
         self.split = any(isinstance(i, BackwardInput) for i in rp.instrs)
         self.s = _State(on_host={s.ms for s in rp.shards if s.param_offload})
+
+    def _held_by(self, rank: int) -> tuple[Range, ...] | None:
+        """The tokens `rank` holds at its borders (None: not checked, no sequence length given)."""
+        if self.seq is None:
+            return None
+        lane = self.pipeline.lane_of_rank[rank]
+        return boundary_ranges(self.pipeline.stage_of_rank[rank], lane.ranks.index(rank), self.seq)
+
+    def _arrived(self, what: Tensor, ms: int, mb: int) -> bool:
+        """Whether the boundary tensor (what, ms, mb) is here: its received pieces tile this rank's tokens."""
+        pieces = self.s.arrived.get((what, ms, mb))
+        if not pieces:
+            return False
+        if self.held is not None:
+            problem = tiling_problem(pieces, self.held)
+            if problem:
+                raise _Fault(f"the received pieces of {what.value} ms={ms} mb={mb} do not tile this rank's "
+                             f"tokens: {problem}")
+        return True
 
     def starts(self, ms: int) -> bool:
         return self.pipeline.ministages[ms].first_layer == 0
@@ -109,7 +137,7 @@ class _Rank:
             if instr.mb not in self.s.loaded:
                 raise _Fault(f"microbatch {instr.mb}'s data is used before it is loaded")
         if not self.starts(instr.ms) and (instr.ms - 1, instr.mb) not in self.s.fwd and \
-                (Tensor.ACT, instr.ms - 1, instr.mb) not in self.s.arrived:
+                not self._arrived(Tensor.ACT, instr.ms - 1, instr.mb):
             raise _Fault(f"the input activation (act ms={instr.ms - 1} mb={instr.mb}) has not arrived: "
                          "no completed receive or local forward provides it")
         self._params_ready(instr.ms)
@@ -127,7 +155,7 @@ class _Rank:
             if key in self.s.bwd:
                 raise _Fault(f"microbatch {instr.mb} passes ministage {instr.ms} backward twice")
             nxt = (instr.ms + 1, instr.mb)
-            if not self.ends(instr.ms) and nxt not in self.s.bwd and (Tensor.GRAD, *nxt) not in self.s.arrived:
+            if not self.ends(instr.ms) and nxt not in self.s.bwd and not self._arrived(Tensor.GRAD, *nxt):
                 raise _Fault(f"the output gradient (grad ms={nxt[0]} mb={nxt[1]}) has not arrived")
             if key in self.s.act_host or ("act", *key) in self.s.moving:
                 raise _Fault(f"the stashed input of ministage {instr.ms} for microbatch {instr.mb} is on the host")
@@ -147,13 +175,39 @@ class _Rank:
             phase = "forward" if instr.what is Tensor.ACT else "backward"
             raise _Fault(f"sends the {phase} output of ministage {instr.ms} for microbatch {instr.mb} "
                          "before computing it")
+        if instr.seq is not None and self.held is not None:
+            self._inside(instr.seq, self.held, "this rank holds")
         self._post(i, instr)
 
     def recv(self, i, instr: Recv) -> None:
         key = (instr.what, instr.ms, instr.mb)
-        if key in self.s.arrived or any(_same_msg(p, instr) for p in self.s.pending.values()):
-            raise _Fault(f"receives {instr.what.value} ms={instr.ms} mb={instr.mb} twice")
+        pending = [p for p in self.s.pending.values() if _same_msg(p, instr)]
+        if instr.seq is None and (key in self.s.arrived or pending) or \
+                instr.seq in self.s.arrived.get(key, []) or any(p.seq == instr.seq for p in pending):
+            raise _Fault(f"receives {instr.what.value} ms={instr.ms} mb={instr.mb}"
+                         f"{'' if instr.seq is None else f' seq={describe([instr.seq])}'} twice")
+        if self.held is not None:
+            self._check_piece(instr)
         self._post(i, instr)
+
+    def _check_piece(self, instr: Recv) -> None:
+        sender = self._held_by(instr.peer_from)
+        if instr.seq is None:
+            if sender != self.held:
+                raise _Fault(f"receives rank {instr.peer_from}'s whole {instr.what.value}, tokens "
+                             f"{describe(sender)}, but this rank holds {describe(self.held)}: the layouts differ, "
+                             "so the tensor must come in pieces (seq=a:b)")
+            return
+        self._inside(instr.seq, self.held, "this rank holds")
+        self._inside(instr.seq, sender, f"rank {instr.peer_from} holds")
+
+    @staticmethod
+    def _inside(piece: Range, held: tuple[Range, ...], whose: str) -> None:
+        try:
+            local_slice(held, piece)
+        except ValueError:
+            raise _Fault(f"tokens {describe([piece])} are not inside one range of the tokens {whose} "
+                         f"({describe(held)})") from None
 
     def collective(self, i, instr) -> None:
         if isinstance(instr, AllGather):
@@ -224,7 +278,10 @@ class _Rank:
     def _complete(self, instr) -> None:
         s = self.s
         if isinstance(instr, Recv):
-            s.arrived.add((instr.what, instr.ms, instr.mb))
+            # a whole tensor brings every token this rank holds (`recv` checked the sender holds the same)
+            whole = list(self.held) if self.held is not None else [(0, 0)]
+            s.arrived.setdefault((instr.what, instr.ms, instr.mb), []).extend(
+                whole if instr.seq is None else [instr.seq])
         elif isinstance(instr, AllGather):
             shard = self.shards[instr.ms]
             full = shard.level == 3 and instr.group != shard.outer   # the outer gather rebuilds the shard
@@ -280,10 +337,12 @@ _HANDLERS = {
 }
 
 
-def check_dataflow(program: Program, pipeline: Pipeline, num_layers: int, clip: bool) -> list[Finding]:
+def check_dataflow(program: Program, pipeline: Pipeline, num_layers: int, clip: bool,
+                   seq: int | None = None) -> list[Finding]:
+    """Per-rank findings; with the sequence length `seq`, received pieces are checked against the layouts."""
     findings = []
     for rp in program.ranks:
-        rank = _Rank(rp, pipeline, num_layers, clip)
+        rank = _Rank(rp, pipeline, num_layers, clip, seq)
         try:
             for i, instr in enumerate(rp.instrs):
                 try:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from hetc.program import COLLECTIVE_TYPES, Instr, Program, Recv, Send
+from hetc.program import COLLECTIVE_TYPES, COMPUTE_TYPES, Instr, Program, Recv, Send
 from hetc.passes.verify.errors import Finding, at
 
 __all__ = ["Stuck", "explain_deadlock"]
@@ -24,13 +24,15 @@ MAX_FINDINGS = 8
 
 @dataclass(frozen=True, slots=True)
 class Stuck:
-    """Rank `rank` is blocked at instruction `index` on `op` (posted at `op_index`; `call`: its collective number)."""
+    """Rank `rank` is blocked at instruction `index` on `op` (posted at `op_index`; `call`: its collective
+    number on `group`, which a compute op with tp/cp collectives names)."""
 
     rank: int
     index: int
     op: Instr
     op_index: int
     call: int | None = None
+    group: str | None = None
 
 
 class _Partners:
@@ -42,6 +44,7 @@ class _Partners:
         self.recvs: Counter = Counter()
         self.calls: Counter = Counter()
         for rp in program.ranks:
+            groups = {sh.ms: sh.compute_groups for sh in rp.shards}
             for instr in rp.instrs:
                 if isinstance(instr, Send):
                     self.sends[(rp.rank, instr.peer_to, instr.what, instr.ms, instr.mb)] += 1
@@ -49,6 +52,9 @@ class _Partners:
                     self.recvs[(instr.peer_from, rp.rank, instr.what, instr.ms, instr.mb)] += 1
                 elif isinstance(instr, COLLECTIVE_TYPES):
                     self.calls[(instr.group, rp.rank)] += 1
+                elif isinstance(instr, COMPUTE_TYPES):
+                    for group in groups.get(instr.ms, ()):
+                        self.calls[(group, rp.rank)] += 1
         self.members = {g.name: g.ranks for g in program.groups}
 
     def blame(self, s: Stuck, posted: dict[tuple[str, int], int]) -> tuple[bool, str]:
@@ -62,14 +68,15 @@ class _Partners:
             if self.sends[(op.peer_from, s.rank, op.what, op.ms, op.mb)] == 0:
                 return True, f"rank {op.peer_from} posts no matching send"
             return False, f"rank {op.peer_from} is blocked before its matching send"
-        if isinstance(op, COLLECTIVE_TYPES) and s.call is not None:
-            members = self.members.get(op.group, ())
-            never = [m for m in members if self.calls[(op.group, m)] <= s.call]
+        group = s.group or getattr(op, "group", None)
+        if group is not None and s.call is not None:
+            members = self.members.get(group, ())
+            never = [m for m in members if self.calls[(group, m)] <= s.call]
             if never:
-                return True, f"{_ranks(never)} of '{op.group}' make only {self.calls[(op.group, never[0])]} " \
+                return True, f"{_ranks(never)} of '{group}' make only {self.calls[(group, never[0])]} " \
                              f"call(s) on it, never this #{s.call}"
-            late = [m for m in members if posted.get((op.group, m), 0) <= s.call]
-            return False, f"{_ranks(late)} of '{op.group}' are blocked before this collective"
+            late = [m for m in members if posted.get((group, m), 0) <= s.call]
+            return False, f"{_ranks(late)} of '{group}' are blocked before this collective"
         return False, ""
 
 

@@ -8,8 +8,11 @@ two ranks match in posting order (what NCCL requires), and must agree on
 tensor, ministage, microbatch and shape. A collective completes when every
 member of its group has posted it; the k-th collective of a group must be
 the same on every member. Copies to and from the host complete on their own.
-If no rank can move and some have not finished, the programs deadlock
-(explained by `deadlock.py`, Note [deadlock blame]).
+A compute op of a ministage whose shard names tp/cp groups is a collective
+on each of them (Note [compute collectives] in hetc/program.py): it
+completes when every member of both has posted the same op. If no rank can
+move and some have not finished, the programs deadlock (explained by
+`deadlock.py`, Note [deadlock blame]).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from hetc.program import COLLECTIVE_TYPES, Instr, Program, Recv, Send, Wait
+from hetc.program import COLLECTIVE_TYPES, COMPUTE_TYPES, Instr, Program, Recv, Send, Wait
 from hetc.passes.verify.deadlock import Stuck, explain_deadlock
 from hetc.passes.verify.errors import Finding, at
 
@@ -31,6 +34,9 @@ class _Op:
     instr: Instr
     done: bool = False
     call: int | None = None      # a collective's number among its group's calls
+    group: str | None = None     # the group it is a collective on (a compute op's tp or cp group)
+    parent: "_Op | None" = None  # the compute op this is one group's part of
+    parts: int = 0               # a compute op's parts not yet complete
 
 
 @dataclass
@@ -50,11 +56,17 @@ class _Sim:
         self.calls: dict[str, list[dict[int, _Op]]] = {}     # group -> k -> rank -> op
         self.count: dict[tuple[str, int], int] = {}          # (group, rank) -> calls posted
         self.members = {g.name: set(g.ranks) for g in program.groups}
+        self.compute_groups = {(rp.rank, sh.ms): sh.compute_groups for rp in program.ranks for sh in rp.shards}
         self.runnable: deque[int] = deque(range(len(program.ranks)))   # ranks that may move (Note [event-driven])
         self.queued = set(self.runnable)
 
     def _complete(self, op: _Op) -> None:
         op.done = True
+        if op.parent is not None:
+            op.parent.parts -= 1
+            if op.parent.parts == 0:
+                self._complete(op.parent)
+            return
         if op.rank not in self.queued:
             self.queued.add(op.rank)
             self.runnable.append(op.rank)
@@ -69,7 +81,19 @@ class _Sim:
             return self._post_p2p(op, (instr.peer_from, op.rank), self.recvs, self.sends)
         if isinstance(instr, COLLECTIVE_TYPES):
             return self._post_collective(op)
+        groups = self.compute_groups.get((op.rank, instr.ms), ()) if isinstance(instr, COMPUTE_TYPES) else ()
+        if groups:
+            return self._post_compute(op, groups)
         op.done = True  # local work: copies, compute
+        return None
+
+    def _post_compute(self, op: _Op, groups: tuple[str, ...]) -> Finding | None:
+        """A compute op with tp/cp collectives: one part per group, done when every part is."""
+        op.parts = len(groups)
+        for group in groups:
+            problem = self._post_collective(_Op(op.rank, op.index, op.instr, group=group, parent=op))
+            if problem:
+                return problem
         return None
 
     def _post_p2p(self, op: _Op, channel, mine, theirs) -> Finding | None:
@@ -92,7 +116,7 @@ class _Sim:
         return None
 
     def _post_collective(self, op: _Op) -> Finding | None:
-        group = op.instr.group
+        group = op.group or op.instr.group
         members = self.members.get(group)
         if members is None:
             return at(self.program, op.rank, op.index, f"unknown group '{group}'")
@@ -101,6 +125,8 @@ class _Sim:
         k = self.count.get((group, op.rank), 0)
         self.count[(group, op.rank)] = k + 1
         op.call = k
+        if op.parent is not None and op.parent.call is None:
+            op.parent.call, op.parent.group = k, group
         calls = self.calls.setdefault(group, [])
         if k == len(calls):
             calls.append({})
@@ -179,7 +205,7 @@ class _Sim:
             state = self.ranks[r]
             instr = self.program.ranks[r].instrs[state.pc]
             op = state.posted[instr.handle] if isinstance(instr, Wait) else state.blocking
-            stuck.append(Stuck(r, state.pc, op.instr, op.index, op.call))
+            stuck.append(Stuck(r, state.pc, op.instr, op.index, op.call, op.group))
         posted = {key: n for key, n in self.count.items()}
         return explain_deadlock(self.program, stuck, posted)
 
@@ -193,7 +219,7 @@ class _Sim:
 
 
 def _mismatch(send: Send, recv: Recv) -> str:
-    if (send.what, send.ms, send.mb) != (recv.what, recv.ms, recv.mb):
+    if (send.what, send.ms, send.mb, send.seq) != (recv.what, recv.ms, recv.mb, recv.seq):
         return "receives a different message than is sent"
     if send.shape != recv.shape:
         return f"shape {'x'.join(map(str, recv.shape))} does not match the sent shape " \
@@ -202,7 +228,8 @@ def _mismatch(send: Send, recv: Recv) -> str:
 
 
 def _collective_key(instr) -> tuple:
-    return (type(instr).__name__, instr.what, getattr(instr, "ms", None), getattr(instr, "mb", None))
+    return (type(instr).__name__, getattr(instr, "what", None), getattr(instr, "ms", None),
+            getattr(instr, "mb", None))
 
 
 def check_protocol(program: Program) -> list[Finding]:
