@@ -7,6 +7,7 @@ exit codes of `hetc verify` on hand-edited listings.
 
 from __future__ import annotations
 
+import logging
 import random
 import re
 from collections import Counter
@@ -120,6 +121,33 @@ def test_p2p_pairs_post_in_the_same_order():
             sent = [(i.what, i.ms, i.mb) for i in a.instrs if isinstance(i, Send) and i.peer_to == b.rank]
             got = [(i.what, i.ms, i.mb) for i in b.instrs if isinstance(i, Recv) and i.peer_from == a.rank]
             assert sent == got
+
+
+def test_stuck_lanes_lift_a_limit_instead_of_failing(caplog):
+    """1F1B limits against lanes in lockstep need a lane to run beyond its limit (Note [lifting a limit])."""
+    compile_plan.cache_clear()
+    with caplog.at_level(logging.DEBUG, logger="hetc.passes.lower.simulate"):
+        lowered = compile_plan(TEST_SPECS / "zero3_fan_out.het")
+    assert "beyond its in-flight limit" in caplog.text
+    verify(lowered.program, lowered.pipeline, lowered.spec)
+
+
+def test_coupled_lanes_run_the_same_ops():
+    """ZeRO-3 lanes that gather every op move in lockstep (Note [coupled lanes]) and stay deadlock-free."""
+    lowered = compile_plan(TEST_SPECS / "zero3_coupled.het")
+    middle = lowered.pipeline.stages[1]
+    patterns = {tuple((type(i), i.ms) for i in _compute(lowered.program.ranks[lane.ranks[0]]))
+                for lane in middle.lanes}
+    assert len(patterns) == 1
+    verify(lowered.program, lowered.pipeline, lowered.spec)
+
+
+def test_a_smaller_lane_serves_every_rank_of_a_larger_one():
+    """Across a tp 1 -> 2 border the single upstream rank sends to both ranks of the downstream lane."""
+    lowered = compile_plan(TEST_SPECS / "zero3_coupled.het")
+    lane = lowered.pipeline.stages[1].lanes[0]
+    for rank in lane.ranks:
+        assert any(isinstance(i, Recv) and i.peer_from == 0 for i in lowered.program.ranks[rank].instrs)
 
 
 RANDOM_SEEDS = range(40)

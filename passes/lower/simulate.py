@@ -12,9 +12,10 @@ get ahead of its siblings: op k of any lane starts only when every lane of
 the stage has run its op k-1. The simulation models that with a pseudo-op
 ("K", stage, k-1), finished when the stage's last lane finishes its op k-1,
 so the orders it returns stay feasible when the lanes are coupled. The
-first lane to run its op k leads: its siblings run the same kind of op
-(forward, backward, weight gradient) at k, so the stage's lanes issue the
-same collectives in the same order.
+first lane to run its op k leads: it chooses a kind of op (forward,
+backward, weight gradient) that every sibling can run once its inputs
+exist, and its siblings run the same kind at k, so the stage's lanes issue
+the same collectives in the same order.
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ class _Simulation:
         self.parked: dict[Op, list] = {}
         self.lockstep: dict[tuple[int, int], list] = {}   # (stage, k) -> [lanes done, latest end]
         self.lead: dict[tuple[int, int], str] = {}        # (stage, k) -> kind of op the first lane ran
+        self.siblings = {stage: [key for key in sorted(policies) if key[0] == stage] for stage in coupled}
         self.heap = [(0.0, i, key, 0) for i, key in enumerate(sorted(policies))]
         self.seq = len(self.heap)
 
@@ -140,15 +142,30 @@ class _Simulation:
             deps = deps + [("K", key[0], k - 1)]
         return deps
 
-    def _candidates(self, key: LaneKey) -> list[Op]:
+    def _candidates(self, key: LaneKey) -> tuple[list[Op], list[Op]]:
+        """(ops the lane may run now, most preferred first; dependencies a sibling lane still waits for)."""
         policy = self.policies[key]
+        if key[0] not in self.coupled:
+            return policy.candidates(), []
         lead = self.lead.get((key[0], policy.done))
-        return policy.candidates() if lead is None else policy.head(lead)
+        if lead is not None:
+            return policy.head(lead), []
+        # the first lane at op k chooses for its stage: only a kind every sibling can run once its inputs exist
+        shared, waiting = [], []
+        for op in policy.candidates():
+            missing = [d for sib in self.siblings[key[0]] for head in self.policies[sib].head(op[0])
+                       for d in self.deps(head) if d not in self.end]
+            if missing:
+                waiting += missing
+            else:
+                shared.append(op)
+        return shared, waiting
 
     def _pick(self, key: LaneKey, now: float):
         """(op to run now | None, earliest time something may be ready, unscheduled dependencies)."""
-        wake, missing = None, []
-        for op in self._candidates(key):
+        candidates, missing = self._candidates(key)
+        wake = None
+        for op in candidates:
             deps = self._deps_of(key, op)
             unscheduled = [d for d in deps if d not in self.end]
             if unscheduled:
@@ -203,10 +220,11 @@ class _Simulation:
         if not held:
             return False
         ready, key = min(held)
-        self.policies[key].limit += 1
+        for lane in self.siblings.get(key[0], [key]):   # lanes in lockstep keep equal limits
+            self.policies[lane].limit += 1
+            self.push(ready, lane, self.version[lane])
         log.debug("schedule: lane %s runs a forward beyond its in-flight limit (now %d)", key,
                   self.policies[key].limit)
-        self.push(ready, key, self.version[key])
         return True
 
 
