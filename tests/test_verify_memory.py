@@ -11,7 +11,7 @@ from hetc.cli import main
 from hetc.passes.cost import CostModel
 from hetc.passes.verify import VerifyError, verify
 from hetc.passes.verify.memory import check_memory, format_bytes, rank_peaks
-from hetc.program import Forward
+from hetc.program import Forward, Load, Recv, Tensor, Wait
 from hetc.spec import ScheduleKind
 from tests.conftest import DEMO
 from tests.plans import DEMO_PLANS, TEST_PLANS, TEST_SPECS, compile_plan, plan_id
@@ -112,3 +112,16 @@ def test_cli_reports_a_plan_that_does_not_fit(tmp_path, capsys):
                      r"peak \(instruction \d+: params .*\) but its cpu holds 66.0 MiB", err)
     assert main(["compile", str(plan), "-o", str(tmp_path / "again")]) == 2
     assert "the plan does not fit in device memory" in capsys.readouterr().err
+
+
+def test_receive_pieces_are_sized_by_their_shape_and_freed_by_their_consumer():
+    lowered, costs, _ = _peaks(DEMO / "pp.het")
+    pieces = [Recv(Tensor.ACT, 0, 0, 0, (2, 16, 64), handle=0, seq=(0, 16)),
+              Recv(Tensor.ACT, 0, 0, 0, (2, 16, 64), handle=1, seq=(16, 32))]
+    instrs = (*pieces, Wait(0), Wait(1), Load(0), Forward(1, 0))
+    peak = rank_peaks(lowered.program.replace_rank(2, instrs), lowered.pipeline, costs)[2]
+    assert peak.index == len(instrs) - 1, "the forward adds its stash while the pieces are still held"
+    assert peak.parts["buffers"] == 2 * (2 * 16 * 64) * costs.delta
+    smaller = Recv(Tensor.ACT, 0, 2, 0, (2, 31, 64), handle=2)
+    later = rank_peaks(lowered.program.replace_rank(2, instrs + (smaller,)), lowered.pipeline, costs)[2]
+    assert later.index == peak.index, "the consumed pieces were given back, so a smaller buffer is no new peak"

@@ -16,7 +16,8 @@ from the cost model (`CostModel.param_bytes`, `grad_bytes`,
   or `bwd_w` under zero-bubble); with `act_offload` only the boundary input
   is stashed, none while it is on the host, and the ministage's activations
   exist during its forward and its recomputing backward;
-- receive buffers from the post to the compute op that consumes them.
+- receive buffers (each piece, by its shape) from the post to the compute op
+  that consumes them.
 
 Buffers are taken when work is posted and given back when it completes, so
 the peak is what the rank needs whatever the overlap.
@@ -24,6 +25,7 @@ the peak is what the rank needs whatever the overlap.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -39,6 +41,8 @@ PARTS = ("params", "grads", "optimizer", "gathered", "activations", "buffers", "
 
 class Sizes(Protocol):
     """What the memory check needs from the cost model (`hetc.passes.cost.CostModel`)."""
+
+    delta: float   # bytes per element of the training dtype (activations and their gradients)
 
     def param_bytes(self, ms: int, rank: int) -> float: ...
     def grad_bytes(self, ms: int, rank: int) -> float: ...
@@ -141,9 +145,11 @@ class _Rank:
         self.grads = {ms: sizes.grad_bytes(ms, r) * factors[ms].grads for ms in own}
         self.optimizer = {ms: sizes.optimizer_bytes(ms, r) * factors[ms].optimizer for ms in own}
         self.activations = {ms: sizes.activation_bytes(ms, r) for ms in own}
-        # boundary tensor leaving ministage ms (or its gradient), per rank of the producing stage
-        self.boundary = [sizes.boundary_bytes(ms) / self.pipeline.stages[m.stage].cp
-                         for ms, m in enumerate(self.pipeline.ministages)]
+        # the boundary input of each own ministage, as this rank holds it (its share of the tokens)
+        cp = self.pipeline.stages[self.rp.stage].cp
+        self.stash_input = {ms: sizes.boundary_bytes(ms - 1) / cp if ms > 0 else 0.0 for ms in own}
+        self.delta = sizes.delta
+        self.pieces: dict[tuple, list[tuple]] = {}   # (what, ms, mb) -> live receive buffers (pieces)
         self.act_offload = {ms for ms, shard in self.shards.items() if shard.act_offload}
         self.full_gather = {ms for ms, shard in self.shards.items() if shard.level == 3}
         self.outer = {ms: shard.outer for ms, shard in self.shards.items()}
@@ -151,7 +157,7 @@ class _Rank:
     def _stash_bytes(self, ms: int) -> float:
         if ms not in self.act_offload:
             return self.activations.get(ms, 0.0)
-        return self.boundary[ms - 1] if ms > 0 else 0.0
+        return self.stash_input.get(ms, 0.0)
 
     def run(self, i: int, instr: Instr) -> None:
         handler = _HANDLERS.get(type(instr))
@@ -169,14 +175,14 @@ class _Rank:
     def forward(self, i: int, instr: Forward) -> None:
         self.walk.take(("stash", instr.ms, instr.mb), "activations", self._stash_bytes(instr.ms))
         self.walk.observe(i, self._transient(instr.ms))
-        self.walk.give(("recv", Tensor.ACT, instr.ms - 1, instr.mb))
+        self._consumed(Tensor.ACT, instr.ms - 1, instr.mb)
 
     def backward(self, i: int, instr) -> None:
         weights = not isinstance(instr, BackwardInput) or not self.split
         if weights:
             self.walk.take(("grads", instr.ms), "grads", self.grads.get(instr.ms, 0.0))
         self.walk.observe(i, self._transient(instr.ms))
-        self.walk.give(("recv", Tensor.GRAD, instr.ms + 1, instr.mb))
+        self._consumed(Tensor.GRAD, instr.ms + 1, instr.mb)
         if weights:
             self.walk.give(("stash", instr.ms, instr.mb))
 
@@ -186,9 +192,14 @@ class _Rank:
         self.walk.give(("stash", instr.ms, instr.mb))
 
     def recv(self, i: int, instr: Recv) -> None:
-        producer = instr.ms if instr.what is Tensor.ACT else instr.ms - 1
-        self.walk.take(("recv", instr.what, instr.ms, instr.mb), "buffers", self.boundary[producer])
+        key = ("recv", instr.what, instr.ms, instr.mb, instr.seq)
+        self.walk.take(key, "buffers", math.prod(instr.shape) * self.delta)
+        self.pieces.setdefault((instr.what, instr.ms, instr.mb), []).append(key)
         self.walk.observe(i)
+
+    def _consumed(self, what: Tensor, ms: int, mb: int) -> None:
+        for key in self.pieces.pop((what, ms, mb), []):
+            self.walk.give(key)
 
     def all_gather(self, i: int, instr: AllGather) -> None:
         w = self.walk
