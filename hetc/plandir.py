@@ -41,7 +41,7 @@ def portable_spec(spec: Spec, spec_dir: Path, out_dir: Path) -> Spec:
     data = spec.train.data
     if data.kind is not DataKind.TEXT or os.path.isabs(data.path):
         return spec
-    path = os.path.relpath((spec_dir / data.path).resolve(), out_dir.resolve())
+    path = os.path.relpath(data.resolve(spec_dir).resolve(), out_dir.resolve())
     train = dataclasses.replace(spec.train, data=dataclasses.replace(data, path=path))
     return dataclasses.replace(spec, train=train)
 

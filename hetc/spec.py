@@ -360,7 +360,18 @@ class ClusterSpec(Node):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DataSpec(Node):
     kind: DataKind = param(DataKind.SYNTHETIC, label=True, doc="synthetic tokens or a byte-level text file")
-    path: str = param("", doc="the text file (relative to the spec) for `data text`")
+    path: str = param("", doc="the text file for `data text`, relative to the file that declares it")
+
+    def resolve(self, fallback_dir: "Path | str" = ".") -> "Path":
+        """The text file: relative paths are relative to the spec file that wrote them."""
+        from pathlib import Path
+
+        path = Path(self.path)
+        if path.is_absolute():
+            return path
+        declared = self.span.file
+        base = Path(declared).parent if declared and not declared.startswith("<") else Path(fallback_dir)
+        return base / path
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

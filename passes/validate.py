@@ -107,7 +107,7 @@ def _check_train(spec: Spec, base_dir: Path | None, errors) -> None:
     if t.data.kind is DataKind.TEXT:
         if not t.data.path:
             errors.append(Diagnostic(t.data.span, "data text needs a path = \"file.txt\""))
-        elif base_dir is not None and not (base_dir / t.data.path).is_file():
+        elif base_dir is not None and not t.data.resolve(base_dir).is_file():
             errors.append(Diagnostic(t.data.span_of("path"), f"cannot find the text file '{t.data.path}'"))
 
 

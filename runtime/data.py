@@ -95,7 +95,8 @@ class TextData(_Sequences):
 
 
 def make_data_source(model: ModelSpec, train: TrainSpec, base_dir: Path | str = ".") -> DataSource:
-    """The data source of a training job; a text path is relative to `base_dir` (the spec's folder).
+    """The data source of a training job; a relative text path is relative to the spec file that
+    declares it (`base_dir` when the spec was built in code).
 
     A byte-level text needs vocab >= 256 and at least seq + 1 bytes: located
     errors otherwise.
@@ -106,7 +107,7 @@ def make_data_source(model: ModelSpec, train: TrainSpec, base_dir: Path | str = 
         return SyntheticData(vocab=model.vocab, **common)
     if (problem := check_text_vocab(model, train)) is not None:
         raise SpecError.at(model.span_of("vocab"), problem)
-    path = Path(base_dir) / train.data.path
+    path = train.data.resolve(base_dir)
     try:
         text = path.read_bytes()
     except OSError as err:
