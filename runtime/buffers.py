@@ -19,6 +19,10 @@ sub-slice when sharded across.
 
 All sums are plain sums: the loss of each microbatch is already divided by
 the number of microbatches (Note [Loss normalisation] in reference.py).
+
+Under tensor parallelism the module holds one tp rank's slices (`infos`);
+parameters every tp rank holds whole (norms, embedding, head) are counted
+in the gradient norm and written to checkpoints by tp rank 0 only.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from hetc.program import Shard
 from hetc.runtime.flat import FlatLayout, bind_grads, bind_params
 from hetc.runtime.model import Ministage
 from hetc.runtime.optim import OptimizerState, init_state
+from hetc.runtime.tp import ShardInfo, shard_infos
 from hetc.spec import OptimizerSpec
 
 __all__ = ["GroupPos", "MinistageBuffers"]
@@ -63,6 +68,10 @@ class MinistageBuffers:
             if across > 1 else None
         self.param_shard = self.compute[self.inner_range].clone() if self.level == 3 else None
         self.holders = 0           # ZeRO-3: gathers not yet freed
+        self.infos: dict[str, ShardInfo] = shard_infos(module)
+        split = [i.shard for i in self.infos.values() if i.dim is not None]
+        self.tp_size = split[0].size if split else 1
+        self.writes_replicated = not split or split[0].rank == 0
         self.host: Tensor | None = None
         bind_params(module, self.layout, self.compute)
         bind_grads(module, self.layout, self.grad)
@@ -123,14 +132,23 @@ class MinistageBuffers:
         return slice(start, start + part)
 
     def unique_grad(self) -> Tensor:
-        """The reduced gradient of `unique_range`, in fp32."""
+        """The reduced gradient of `unique_range`, in fp32 (tp replicas of whole parameters zeroed)."""
         rng = self.unique_range
         if self.level == 0:
-            return self.grad[rng].float()
-        if self.opt_grad is not None:
-            return self.opt_grad
-        base = self.inner_range.start
-        return self.acc[rng.start - base:rng.stop - base]
+            grad = self.grad[rng].float()
+        elif self.opt_grad is not None:
+            grad = self.opt_grad
+        else:
+            base = self.inner_range.start
+            grad = self.acc[rng.start - base:rng.stop - base]
+        if self.writes_replicated:
+            return grad
+        grad = grad.clone()
+        for e in self.layout.entries:
+            start, stop = max(e.offset, rng.start), min(e.offset + e.numel, rng.stop)
+            if start < stop and self.infos[e.name].dim is None:
+                grad[start - rng.start:stop - rng.start] = 0
+        return grad
 
     def publish(self) -> None:
         """Put the stepped master weights where the next gathers read them."""

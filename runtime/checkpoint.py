@@ -19,7 +19,9 @@ exactly once" is checked on every save. On load each rank asks for what the
 and the whole parameters of its ministages, from which the master, the
 compute buffer, the ZeRO-3 shard or the host copy are filled locally (no
 gather). DCP's load planner reads the overlap of each request with whatever
-chunks the old plan wrote: that is the resharding.
+chunks the old plan wrote: that is the resharding. Tensor-parallel slices
+are chunks of the full parameters (runtime/pieces.py), so a TP=2 checkpoint
+loads into a TP=1 plan and back.
 
 Note [Atomic saves]
 All ranks write into DIR/step-N.tmp; once DCP has written the metadata
@@ -44,7 +46,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 
 from hetc.runtime.buffers import MinistageBuffers
-from hetc.runtime.pieces import FlatPieces, PieceLoadPlanner, PieceSavePlanner, layout_pieces
+from hetc.runtime.pieces import FlatPieces, PieceLoadPlanner, PieceSavePlanner, layout_pieces, param_pieces
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "read_params",
            "LATEST", "STEP_KEY"]
@@ -138,7 +140,9 @@ def _save_state(buffers: dict[int, MinistageBuffers], step: int) -> dict[str, ob
         local = slice(rng.start - base, rng.stop - base)
         named = {"": buf.master, **{f".{n}": t for n, t in buf.opt_state.tensors().items()}}
         for suffix, tensor in named.items():
-            for name, pieces in layout_pieces(buf.layout, rng, tensor[local]).items():
+            for name, pieces in layout_pieces(buf.layout, rng, tensor[local], buf.infos).items():
+                if buf.infos[name].dim is None and not buf.writes_replicated:
+                    continue          # a tp replica: tp rank 0 writes it
                 key = f"{MODEL_PREFIX}{name}" if not suffix else f"{OPTIM_PREFIX}{name}{suffix}"
                 state[key] = pieces
     return state
@@ -152,9 +156,11 @@ def _load_state(buffers: dict[int, MinistageBuffers]) -> tuple[dict[str, object]
         full = torch.zeros(buf.layout.padded_numel, dtype=torch.float32, device=buf.master.device)
         fulls[ms] = full
         for e in buf.layout.entries:
-            state[f"{MODEL_PREFIX}{e.name}"] = full[e.offset:e.offset + e.numel]
+            view = full[e.offset:e.offset + e.numel]
+            state[f"{MODEL_PREFIX}{e.name}"] = view if buf.tp_size == 1 else \
+                param_pieces(buf.infos[e.name], e.shape, 0, view)
         for n, tensor in buf.opt_state.tensors().items():
-            for name, pieces in layout_pieces(buf.layout, buf.opt_range, tensor).items():
+            for name, pieces in layout_pieces(buf.layout, buf.opt_range, tensor, buf.infos).items():
                 state[f"{OPTIM_PREFIX}{name}.{n}"] = pieces
     return state, fulls
 

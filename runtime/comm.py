@@ -63,8 +63,13 @@ class Comm:
             raise RuntimeError(f"unknown group '{name}'") from None
 
     def tag(self, instr: Send | Recv) -> int:
-        """One tag per message (kind, ministage, microbatch): gloo matches on it."""
-        return (instr.ms * self.m + instr.mb) * 2 + (instr.what is Kind.GRAD)
+        """One tag per message (kind, ministage, microbatch, piece): gloo matches on it.
+
+        Pieces of one message (`seq=a:b`) are told apart by their first
+        token (mod 1023; pieces that share a tag still match in posting order).
+        """
+        tag = (instr.ms * self.m + instr.mb) * 2 + (instr.what is Kind.GRAD)
+        return tag if instr.seq is None else tag * 1024 + 1 + instr.seq[0] % 1023
 
     def isend(self, t: Tensor, peer: int, tag: int):
         return dist.isend(t, peer, tag=tag)

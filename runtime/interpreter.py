@@ -29,6 +29,7 @@ from hetc.program import (AllGather, AllReduce, AllToAll, Backward, BackwardInpu
 from hetc.runtime.buffers import MinistageBuffers
 from hetc.runtime.comm import Comm
 from hetc.runtime.data import DataSource
+from hetc.runtime.lane import Arrivals, LanePlace, take_tokens
 from hetc.runtime.optim import clip_coefficient, grad_sq_sum, lr_at, optimizer_step
 from hetc.runtime.split_backward import backward_input, backward_weight
 from hetc.spec import Spec
@@ -60,12 +61,12 @@ class _Pending:
 class Interpreter:
     def __init__(self, spec: Spec, program: RankProgram, buffers: dict[int, MinistageBuffers], comm: Comm,
                  data: DataSource, num_microbatches: int, device: torch.device,
-                 first_layer: dict[int, int], stop_layer: dict[int, int]):
+                 first_layer: dict[int, int], stop_layer: dict[int, int], place: LanePlace):
         self.spec, self.program, self.buffers, self.comm = spec, program, buffers, comm
-        self.data, self.m, self.device = data, num_microbatches, device
+        self.data, self.m, self.device, self.place = data, num_microbatches, device, place
         self.starts = {ms: first_layer[ms] == 0 for ms in buffers}
         self.ends = {ms: stop_layer[ms] == spec.model.num_model_layers for ms in buffers}
-        self.counts_loss = program.tp_rank == 0 and program.cp_rank == 0
+        self.counts_loss = place.counts_loss
         self._handlers = {
             Load: self._load, Forward: self._forward, Backward: self._backward,
             BackwardInput: self._backward_input, BackwardWeight: self._backward_weight, Send: self._send,
@@ -100,7 +101,7 @@ class Interpreter:
         self.inputs: dict[tuple[int, int], Tensor] = {}      # (ms, mb) -> forward input (stash)
         self.outputs: dict[tuple[int, int], Tensor] = {}     # (ms, mb) -> forward output / loss
         self.in_grads: dict[tuple[int, int], Tensor] = {}    # (ms, mb) -> gradient of the forward input
-        self.arrived: dict[tuple[Kind, int, int], Tensor] = {}
+        self.arrived = Arrivals(self.place.ranges)
         self.param_groups: dict[tuple[int, int], list] = {}  # zero-bubble: saved for bwd_w
         self.on_host: dict[tuple[int, int], Tensor] = {}     # offloaded stashes
         self.pending: dict[int, _Pending] = {}
@@ -146,7 +147,8 @@ class Interpreter:
 
     def _load(self, instr: Load) -> None:
         tokens, labels = self.data.get_microbatch(self.step_idx, instr.mb)
-        self.tokens[instr.mb] = (tokens.to(self.device), labels.to(self.device))
+        self.tokens[instr.mb] = (take_tokens(tokens, self.place).to(self.device),
+                                 take_tokens(labels, self.place).to(self.device))
 
     def _input_of(self, ms: int, mb: int) -> Tensor:
         if self.starts[ms]:
@@ -156,7 +158,7 @@ class Interpreter:
         local = self.outputs.get((ms - 1, mb))
         if local is not None and (ms - 1) in self.buffers:
             return local.detach().requires_grad_(True)
-        got = self.arrived.pop((Kind.ACT, ms - 1, mb), None)
+        got = self.arrived.take((Kind.ACT, ms - 1, mb))
         if got is None:
             raise ProtocolError(f"the input act ms={ms - 1} mb={mb} has not arrived")
         return got.requires_grad_(True)
@@ -195,7 +197,7 @@ class Interpreter:
         local = self.in_grads.get((ms + 1, mb))
         if local is not None and (ms + 1) in self.buffers:
             return local
-        got = self.arrived.pop((Kind.GRAD, ms + 1, mb), None)
+        got = self.arrived.take((Kind.GRAD, ms + 1, mb))
         if got is None:
             raise ProtocolError(f"the output gradient grad ms={ms + 1} mb={mb} has not arrived")
         return got
@@ -243,16 +245,16 @@ class Interpreter:
             tensor = self.in_grads.get(key)
         if tensor is None:
             raise ProtocolError(f"nothing to send: {instr.what.value} ms={instr.ms} mb={instr.mb} is not computed")
-        payload = tensor.detach().contiguous()
+        payload = self.arrived.local(tensor.detach(), instr.seq).contiguous()
         self._post(instr, self.comm.isend(payload, instr.peer_to, self.comm.tag(instr)))
 
     def _recv(self, instr: Recv) -> None:
         key = (instr.what, instr.ms, instr.mb)
-        if key in self.arrived:
+        if instr.seq is None and key in self.arrived:
             raise ProtocolError(f"{instr.what.value} ms={instr.ms} mb={instr.mb} is received twice")
         buf = torch.empty(instr.shape, dtype=self.comm.act_dtype, device=self.device)
         work = self.comm.irecv(buf, instr.peer_from, self.comm.tag(instr))
-        self._post(instr, work, lambda: self.arrived.__setitem__(key, buf))
+        self._post(instr, work, lambda: self.arrived.put(key, buf, instr.seq))
 
     # ------------------------------------------------------------ collectives
 

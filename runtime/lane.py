@@ -7,6 +7,7 @@ tokens it holds at the borders (hetc/layout.py). `place_ministage` wires a
 built ministage for it: the TP comm (runtime/tensor_parallel.py), the
 attention core (Ulysses or ring attention for cp > 1) and the token layout
 (positions for RoPE and learned embeddings, the loss's share of the mean).
+`Arrivals` assembles the boundary tensors that arrive in pieces.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from hetc.layout import SeqLayout, attention_ranges, boundary_ranges, positions
+from hetc.layout import SeqLayout, attention_ranges, boundary_ranges, held_length, local_slice, positions
 from hetc.runtime.attention import Attention
 from hetc.runtime.model import Ministage, TokenLayout
 from hetc.runtime.ring_attention import RingAttention
@@ -25,7 +26,7 @@ from hetc.runtime.tp import NO_SHARD, TPShard, set_tp_comm
 from hetc.runtime.ulysses import UlyssesAttention
 from hetc.spec import CPKind
 
-__all__ = ["LanePlace", "place_ministage", "take_tokens"]
+__all__ = ["LanePlace", "place_ministage", "take_tokens", "Arrivals"]
 
 
 @dataclass(frozen=True)
@@ -92,3 +93,50 @@ def take_tokens(x: Tensor, place: LanePlace) -> Tensor:
     if not place.splits_sequence:
         return x
     return torch.cat([x[:, a:b] for a, b in place.ranges], dim=1)
+
+
+class Arrivals:
+    """Boundary tensors received from other ranks, whole or in pieces of the sequence.
+
+    A piece (`recv ... seq=a:b`, Note [border pieces] in passes/lower/p2p.py)
+    is copied into place in a tensor holding this rank's tokens; the tensor
+    can be taken once every token has arrived (the verifier proved that the
+    pieces tile them, `hetc.layout.tiling_problem`; here they are counted).
+    """
+
+    def __init__(self, held: tuple[tuple[int, int], ...]) -> None:
+        self.held = held
+        self.tokens = held_length(held)
+        self.ready: dict[tuple, Tensor] = {}
+        self.partial: dict[tuple, tuple[Tensor, int]] = {}     # key -> (tensor being filled, tokens so far)
+
+    def __contains__(self, key: tuple) -> bool:
+        return key in self.ready or key in self.partial
+
+    def put(self, key: tuple, tensor: Tensor, seq: tuple[int, int] | None) -> None:
+        if seq is None:
+            if key in self:
+                raise RuntimeError(f"{key} is received twice")
+            self.ready[key] = tensor
+            return
+        target, filled = self.partial.pop(key, (None, 0))
+        if target is None:
+            if key in self.ready:
+                raise RuntimeError(f"a piece of {key} arrives after the whole tensor")
+            target = tensor.new_empty((tensor.shape[0], self.tokens, *tensor.shape[2:]))
+        target[:, local_slice(self.held, seq)] = tensor
+        filled += seq[1] - seq[0]
+        if filled == self.tokens:
+            self.ready[key] = target
+        else:
+            self.partial[key] = (target, filled)
+
+    def take(self, key: tuple) -> Tensor | None:
+        """The complete tensor (removed), None if nothing of it arrived; an error if only some pieces did."""
+        if key in self.partial:
+            raise RuntimeError(f"only {self.partial[key][1]} of the {self.tokens} tokens of {key} have arrived")
+        return self.ready.pop(key, None)
+
+    def local(self, tensor: Tensor, seq: tuple[int, int] | None) -> Tensor:
+        """What to send of this rank's boundary tensor: all of it, or the tokens of `seq`."""
+        return tensor if seq is None else tensor[:, local_slice(self.held, seq)]

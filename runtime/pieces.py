@@ -10,6 +10,12 @@ ones. Arbitrary (uneven) offsets are what neither DTensor's even sharding
 nor ShardedTensor's non-overlapping global layout can say for reads
 (replicas read the same ranges).
 
+Under tensor parallelism a rank holds a slice of each split parameter
+(runtime/tp.py): the chunks are placed at the slice's offsets in the *full*
+flattened parameter (one chunk for a column-parallel slice, one per row for
+a row-parallel one), so a checkpoint names full parameters whatever the tp
+size; parameters every tp rank holds whole are written by tp rank 0 only.
+
 DCP looks state up as tensors; the two planners below teach it to find a
 chunk inside a `FlatPieces` (and skip meta-tensor initialisation, which
 does not know the type). The save planner also refuses chunks that two
@@ -19,6 +25,7 @@ ranks write: DCP would keep one silently, and DCP's own global check
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -28,8 +35,9 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from hetc.runtime.flat import FlatLayout
+from hetc.runtime.tp import ShardInfo
 
-__all__ = ["FlatPieces", "layout_pieces", "PieceSavePlanner", "PieceLoadPlanner"]
+__all__ = ["FlatPieces", "layout_pieces", "param_pieces", "PieceSavePlanner", "PieceLoadPlanner"]
 
 
 @dataclass(frozen=True)
@@ -67,11 +75,14 @@ def _chunk(offset: int, view: Tensor) -> ChunkStorageMetadata:
     return ChunkStorageMetadata(offsets=torch.Size([offset]), sizes=torch.Size([view.numel()]))
 
 
-def layout_pieces(layout: FlatLayout, rng: slice, values: Tensor) -> dict[str, FlatPieces]:
+def layout_pieces(layout: FlatLayout, rng: slice, values: Tensor,
+                  infos: dict[str, ShardInfo] | None = None) -> dict[str, FlatPieces]:
     """The parameters inside elements `rng` of a flat buffer laid out by `layout`, by name.
 
     `values` holds elements `rng` (a slice of the master or of an optimizer
-    state tensor); each piece is a view into it. Padding belongs to no parameter.
+    state tensor); each piece is a view into it. Padding belongs to no
+    parameter. `infos` (tensor-parallel shards) place the pieces in the full
+    parameters.
     """
     assert values.numel() == rng.stop - rng.start, f"{values.numel()} values for range {rng}"
     out = {}
@@ -79,8 +90,23 @@ def layout_pieces(layout: FlatLayout, rng: slice, values: Tensor) -> dict[str, F
         start, stop = max(e.offset, rng.start), min(e.offset + e.numel, rng.stop)
         if start < stop:
             view = values[start - rng.start:stop - rng.start]
-            out[e.name] = FlatPieces(e.numel, ((start - e.offset, view),))
+            out[e.name] = param_pieces(infos.get(e.name) if infos else None, e.shape, start - e.offset, view)
     return out
+
+
+def param_pieces(info: ShardInfo | None, shape: tuple[int, ...], start: int, view: Tensor) -> FlatPieces:
+    """Elements [start, start + len(view)) of a parameter of local `shape`, as chunks of the full parameter."""
+    if info is None or info.dim is None:
+        return FlatPieces(math.prod(shape), ((start, view),))
+    inner = math.prod(shape[info.dim:])                # a run of the slice along its split dimension
+    full_inner = math.prod(info.full_shape[info.dim:])
+    chunks, i, stop = [], start, start + view.numel()
+    while i < stop:
+        outer, j = divmod(i, inner)
+        n = min(stop - i, inner - j)
+        chunks.append((outer * full_inner + info.shard.rank * inner + j, view[i - start:i - start + n]))
+        i += n
+    return FlatPieces(math.prod(info.full_shape), tuple(chunks))
 
 
 def _lookup(state: dict, index: MetadataIndex):

@@ -1,8 +1,10 @@
 """Build one rank's runtime state from a verified plan: modules, buffers, groups.
 
 Everything here follows the program: the ministages this rank owns are the
-ones its `shard` lines name, their sharding is what the lines say, and the
-groups are the program's group table.
+ones its `shard` lines name, their sharding is what the lines say (with the
+tp/cp groups their compute talks over), and the groups are the program's
+group table. The rank's place in its lane (runtime/lane.py) decides its
+tensor-parallel slice of the weights and the tokens it holds.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from hetc.runtime.buffers import GroupPos, MinistageBuffers
 from hetc.runtime.comm import Comm
 from hetc.runtime.data import DataSource
 from hetc.runtime.interpreter import Interpreter
+from hetc.runtime.lane import LanePlace, place_ministage
 from hetc.runtime.model import build_ministage, compute_dtype
 from hetc.spec import Spec
 
-__all__ = ["RankRuntime", "build_rank"]
+__all__ = ["RankRuntime", "build_rank", "lane_place"]
 
 
 @dataclass
@@ -37,30 +40,46 @@ def _pos(program: Program, name: str | None, rank: int) -> GroupPos:
     return GroupPos(ranks.index(rank), len(ranks))
 
 
-def build_buffers(spec: Spec, pipeline: Pipeline, program: Program, rank: int,
-                  device: torch.device) -> dict[int, MinistageBuffers]:
+def lane_place(spec: Spec, pipeline: Pipeline, program: Program, rank: int,
+               groups: dict[str, object] | None = None) -> LanePlace:
+    """This rank's place in its lane, with the process groups its shard lines name (when `groups` is given)."""
+    stage, lane = pipeline.stage_of_rank[rank], pipeline.lane_of_rank[rank]
+    pos = lane.ranks.index(rank)
+    shards = program.ranks[rank].shards      # every ministage of a rank names the same tp/cp groups
+
+    def group(name: str | None):
+        return None if name is None or groups is None else groups[name]
+    return LanePlace(stage, pos, spec.model.seq, group(shards[0].tp_group if shards else None),
+                     group(shards[0].cp_group if shards else None), lane.ranks[pos % stage.tp::stage.tp])
+
+
+def build_buffers(spec: Spec, pipeline: Pipeline, program: Program, rank: int, device: torch.device,
+                  place: LanePlace | None = None) -> dict[int, MinistageBuffers]:
     rp = program.ranks[rank]
+    place = place or lane_place(spec, pipeline, program, rank)
     dtype = compute_dtype(spec.model.dtype)
     out = {}
     for shard in rp.shards:
-        out[shard.ms] = _ministage(spec, pipeline, program, rank, shard, dtype, device)
+        out[shard.ms] = _ministage(spec, pipeline, program, rank, shard, place, dtype, device)
     return out
 
 
-def _ministage(spec: Spec, pipeline: Pipeline, program: Program, rank: int, shard: Shard,
+def _ministage(spec: Spec, pipeline: Pipeline, program: Program, rank: int, shard: Shard, place: LanePlace,
                dtype: torch.dtype, device: torch.device) -> MinistageBuffers:
     m = pipeline.ministages[shard.ms]
-    module = build_ministage(spec.model, m.layers, seed=spec.train.seed, device=device)
+    module = build_ministage(spec.model, m.layers, seed=spec.train.seed, shard=place.shard, device=device)
+    place_ministage(module, place, device)
     return MinistageBuffers(module, shard, _pos(program, shard.group, rank), _pos(program, shard.outer, rank),
                             spec.model.optimizer, dtype, device)
 
 
 def build_rank(spec: Spec, pipeline: Pipeline, program: Program, rank: int, groups: dict[str, object],
                data: DataSource, device: torch.device) -> RankRuntime:
-    buffers = build_buffers(spec, pipeline, program, rank, device)
+    place = lane_place(spec, pipeline, program, rank, groups)
+    buffers = build_buffers(spec, pipeline, program, rank, device, place)
     comm = Comm(groups, pipeline.num_microbatches, compute_dtype(spec.model.dtype), device)
     firsts = {m.index: m.first_layer for m in pipeline.ministages}
     stops = {m.index: m.stop_layer for m in pipeline.ministages}
     interp = Interpreter(spec, program.ranks[rank], buffers, comm, data, pipeline.num_microbatches, device,
-                         firsts, stops)
+                         firsts, stops, place)
     return RankRuntime(rank, interp, buffers)

@@ -17,9 +17,11 @@ from tests.conftest import REFERENCE_STEPS
 from tests.plans import DEMO_PLANS
 from tests.rank_pool import PlanJob, agreed_losses, assert_losses_close, assert_params_close
 
-# What the issue asks the demo folder to cover (hetero: lanes 1, 2, 1 with microbatches [3, 1]).
+# What the issues ask the demo folder to cover (hetero: lanes 1, 2, 1 with microbatches [3, 1]; the
+# block layouts: TP, Ulysses, ring attention, TP x CP in one lane, a TP -> CP border, TP in a hetero pipeline).
 REQUIRED = {"single", "dp", "zero1", "zero2", "zero3", "hsdp", "gpipe", "pp", "interleaved", "zb",
-            "zero3_offload", "hetero", "offload_act"}
+            "zero3_offload", "hetero", "offload_act",
+            "tp2", "ulysses2", "ring2", "tp2_cp2", "tp_to_cp", "hetero_tp"}
 
 
 def test_demo_folder_has_every_required_plan():
