@@ -65,15 +65,15 @@ def seq_chunks(layout: SeqLayout) -> int:
     return chunks * (layout.tp if _splits_over_tp(layout) else 1)
 
 
-def layout_problem(layout: SeqLayout, seq: int) -> str | None:
-    """Why `seq` tokens cannot take this layout, or None."""
-    if _zigzag(layout) and seq % (2 * layout.cp):
-        return f"ring attention with cp={layout.cp} cuts the sequence into 2·cp = {2 * layout.cp} zigzag chunks"
+def layout_problem(layout: SeqLayout, seq: int) -> tuple[str, str] | None:
+    """Why `seq` tokens cannot take this layout: (the field at fault, "cp" or "tp"; the reason), or None."""
     if seq % layout.cp:
-        return f"cp={layout.cp} cuts the sequence into {layout.cp} slices"
+        return "cp", f"cp ({layout.cp}) cuts the sequence into {layout.cp} slices"
+    if _zigzag(layout) and seq % (2 * layout.cp):
+        return "cp", f"ring attention with cp ({layout.cp}) cuts the sequence into 2·cp = {2 * layout.cp} zigzag chunks"
     if _splits_over_tp(layout) and (seq // layout.cp) % layout.tp:
-        return (f"sequence parallelism splits each cp rank's {seq // layout.cp} tokens over tp={layout.tp} "
-                "ranks")
+        return "tp", (f"sequence parallelism splits each cp rank's {seq // layout.cp} tokens over tp "
+                      f"({layout.tp}) ranks")
     return None
 
 
@@ -81,7 +81,7 @@ def attention_ranges(layout: SeqLayout, pos: int, seq: int) -> tuple[Range, ...]
     """The tokens the cp rank of lane position `pos` attends from (its tp group's union)."""
     problem = layout_problem(layout, seq)
     if problem:
-        raise ValueError(f"seq {seq}: {problem}, which does not divide it")
+        raise ValueError(f"seq {seq}: {problem[1]}, which does not divide it")
     c, k = pos // layout.tp, layout.cp
     if k == 1:
         return ((0, seq),)

@@ -15,8 +15,9 @@ from hetc.passes.params import model_params
 from hetc.passes.resolve import resolve_pipeline
 
 from hetc.errors import Diagnostic, SpecError, did_you_mean
+from hetc.layout import layout_problem
 from hetc.pipeline import Pipeline
-from hetc.spec import AUTO, DTYPE_BYTES, DataKind, OffloadTarget, Spec, ZeroShard
+from hetc.spec import AUTO, DTYPE_BYTES, CPKind, DataKind, OffloadTarget, Spec, ZeroShard
 from hetc.topology import MAX_GPUS, Topology
 
 # Every rank's program lists each of its microbatches; beyond this a step is
@@ -165,7 +166,26 @@ def _check_parallel(spec: Spec, errors) -> None:
         if st.cp is not AUTO and m.seq % st.cp:
             errors.append(Diagnostic(st.span_of("cp"), f"seq ({m.seq}) is not divisible by cp ({st.cp}) "
                                      f"in stage '{st.name}'"))
+        elif st.tp is not AUTO and st.cp is not AUTO:
+            _check_layout(m, st, errors)
         _check_grad_accum(spec, st, errors)
+
+
+def _check_layout(m, st, errors) -> None:
+    """The stage's block layout must cut the sequence (and Ulysses the heads) into whole parts.
+
+    Every border of the stage carries its layout (hetc/layout.py); a layout
+    the sequence cannot take leaves no transform to the other side.
+    """
+    problem = layout_problem(st, m.seq)
+    if problem is not None:
+        field, why = problem
+        errors.append(Diagnostic(st.span_of(field), f"{why}, but seq ({m.seq}) does not split so: stage "
+                                 f"'{st.name}' has no block layout for its borders"))
+    if st.cp > 1 and st.cp_kind is CPKind.ULYSSES and m.heads % st.tp == 0 and (m.heads // st.tp) % st.cp:
+        errors.append(Diagnostic(st.span_of("cp"), f"Ulysses spreads the {m.heads // st.tp} query heads of each "
+                                 f"tp rank over cp ({st.cp}) ranks in stage '{st.name}'; use ring attention "
+                                 "or a cp that divides them"))
 
 
 def _check_zero(z, errors) -> None:

@@ -50,9 +50,11 @@ def test_sequence_parallelism_splits_the_cp_ranks_tokens_over_tp():
 def test_granularity_and_problems():
     assert seq_chunks(L(tp=2, cp=2, sequence_parallel=True)) == 8
     assert seq_chunks(L(tp=2, cp=3, cp_kind=CPKind.ULYSSES)) == 3
-    assert layout_problem(L(cp=3), 32) == "ring attention with cp=3 cuts the sequence into 2·cp = 6 zigzag chunks"
-    assert "splits each cp rank's 16 tokens over tp=3" in layout_problem(L(tp=3, cp=2, sequence_parallel=True,
-                                                                            cp_kind=CPKind.ULYSSES), 32)
+    assert layout_problem(L(cp=6), 42) == ("cp", "ring attention with cp (6) cuts the sequence into 2·cp = 12 "
+                                                 "zigzag chunks")
+    assert layout_problem(L(cp=3), 32) == ("cp", "cp (3) cuts the sequence into 3 slices")
+    assert layout_problem(L(tp=3, cp=2, sequence_parallel=True, cp_kind=CPKind.ULYSSES), 32) == \
+        ("tp", "sequence parallelism splits each cp rank's 16 tokens over tp (3) ranks")
     assert layout_problem(L(tp=3), 32) is None       # replicated: any tp
     with pytest.raises(ValueError, match="does not divide"):
         boundary_ranges(L(cp=3), 0, 32)

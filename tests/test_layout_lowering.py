@@ -1,0 +1,113 @@
+"""Block layouts in the compiled programs: border pieces, tp/cp groups, and what the verifier rejects."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hetc.passes.verify import VerifyError, verify
+from hetc.program import Forward, Program, Recv, Send, Wait
+from tests.conftest import DEMO
+from tests.plans import compile_plan
+
+
+def _listing(plan: str, rank: int) -> list[str]:
+    return [str(i) for i in compile_plan(DEMO / f"{plan}.het").program.ranks[rank].instrs]
+
+
+def test_a_tp_to_cp_border_sends_each_ring_rank_its_zigzag_chunks():
+    # first stage: ranks 0, 1 (TP=2, whole sequence each); second: ranks 2, 3 (ring CP=2)
+    sends = [s for s in _listing("tp_to_cp", 0) if s.startswith("send act ms=0 mb=0")]
+    assert sends == ["send act ms=0 mb=0 to=2 shape=2x8x64 seq=0:8 h=12",
+                     "send act ms=0 mb=0 to=2 shape=2x8x64 seq=24:32 h=13"]
+    assert [s for s in _listing("tp_to_cp", 1) if s.startswith("send act ms=0 mb=0")] == \
+        ["send act ms=0 mb=0 to=3 shape=2x16x64 seq=8:24 h=12"]
+    # gradients back: every tp rank receives every token, from the ring rank that holds it
+    grads = [s.rsplit(" h=", 1)[0] for s in _listing("tp_to_cp", 1) if s.startswith("recv grad ms=1 mb=0")]
+    assert grads == ["recv grad ms=1 mb=0 from=2 shape=2x8x64 seq=0:8", "recv grad ms=1 mb=0 from=3 shape=2x16x64 "
+                     "seq=8:24", "recv grad ms=1 mb=0 from=2 shape=2x8x64 seq=24:32"]
+
+
+def test_agreeing_layouts_send_whole_tensors():
+    assert not any("seq=" in s for plan in ("pp", "hetero") for r in range(4) for s in _listing(plan, r))
+
+
+def test_shard_lines_name_the_compute_groups_and_dp_spans_cp():
+    lowered = compile_plan(DEMO / "tp2_cp2.het")
+    shard = lowered.program.ranks[1].shards[0]
+    assert (shard.group, shard.tp_group, shard.cp_group) == ("dp.s0.t1", "tp.s0.l0.c0", "cp.s0.l0.t1")
+    groups = {g.name: g.ranks for g in lowered.program.groups}
+    assert groups["tp.s0.l0.c0"] == (0, 1) and groups["cp.s0.l0.t1"] == (1, 3) and groups["dp.s0.t1"] == (1, 3)
+    ring = compile_plan(DEMO / "ring2.het").program    # two lanes of cp 2: ZeRO over lanes x cp ranks
+    assert {g.name: g.ranks for g in ring.groups}["dp.s0.t0"] == (0, 1, 2, 3)
+
+
+# ---------------------------------------------------------------- hand-edited programs
+
+
+def _verify(plan: str, program: Program) -> VerifyError:
+    lowered = compile_plan(DEMO / f"{plan}.het")
+    with pytest.raises(VerifyError) as caught:
+        verify(program, lowered.pipeline, lowered.spec)
+    return caught.value
+
+
+def _edited(plan: str, rank: int, edit) -> Program:
+    program = compile_plan(DEMO / f"{plan}.het").program
+    return program.replace_rank(rank, tuple(edit(list(program.ranks[rank].instrs))))
+
+
+def _first(instrs, pred) -> int:
+    return next(i for i, instr in enumerate(instrs) if pred(instr))
+
+
+def _replacing(pred, **changes):
+    """An edit that changes fields of the first instruction matching `pred`."""
+    def edit(instrs):
+        i = _first(instrs, pred)
+        instrs[i] = dataclasses.replace(instrs[i], **changes)
+        return instrs
+    return edit
+
+
+def test_a_missing_piece_is_rejected_at_the_forward_that_needs_it():
+    def drop_piece(instrs):
+        i = _first(instrs, lambda x: isinstance(x, Recv) and x.seq == (24, 32))
+        h = instrs[i].handle
+        return [x for k, x in enumerate(instrs) if k != i and x != Wait(h)]
+    program = _edited("tp_to_cp", 2, drop_piece)
+    err = _verify("tp_to_cp", program)
+    fwd = _first(program.ranks[2].instrs, lambda x: isinstance(x, Forward))
+    assert (err.rank, err.index, err.check) == (2, fwd, "dataflow")
+    assert "do not tile this rank's tokens: the pieces cover tokens 0:8 but this rank holds 0:8,24:32" in str(err)
+
+
+def test_a_piece_outside_the_receivers_tokens_is_rejected():
+    shift = _replacing(lambda x: isinstance(x, Recv) and x.seq == (0, 8), seq=(4, 12))
+    err = _verify("tp_to_cp", _edited("tp_to_cp", 2, shift))
+    assert err.rank == 2 and "tokens 4:12 are not inside one range of the tokens this rank holds (0:8,24:32)" \
+        in str(err)
+
+
+def test_a_whole_tensor_across_disagreeing_layouts_is_rejected():
+    whole = _replacing(lambda x: isinstance(x, Recv) and x.seq is not None, seq=None, shape=(2, 16, 64))
+    err = _verify("tp_to_cp", _edited("tp_to_cp", 2, whole))
+    assert err.rank == 2 and "the layouts differ, so the tensor must come in pieces" in str(err)
+
+
+def test_a_tp_rank_running_its_compute_in_another_order_is_rejected():
+    def swap(instrs):     # rank 1 runs its second forward before its first backward; rank 0 does not
+        b = _first(instrs, lambda x: type(x).__name__ == "Backward")
+        f = [i for i, x in enumerate(instrs) if isinstance(x, Forward)][1]
+        return instrs[:b] + instrs[b + 1:f + 1] + [instrs[b]] + instrs[f + 1:]
+    err = _verify("tp2", _edited("tp2", 1, swap))
+    assert err.check == "protocol" and "collective #1 on group 'tp.s0.l0.c0' differs" in str(err)
+
+
+def test_a_send_and_a_receive_of_different_pieces_do_not_match():
+    other_piece = _replacing(lambda x: isinstance(x, Send) and x.seq == (24, 32), seq=(0, 8))
+    err = _verify("tp_to_cp", _edited("tp_to_cp", 0, other_piece))
+    assert err.check == "protocol" and err.rank == 2
+    assert "receives a different message than is sent; the next message from rank 0 is `send act ms=0 mb=0 to=2 " \
+        "shape=2x8x64 seq=0:8" in str(err)
