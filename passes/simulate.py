@@ -9,6 +9,13 @@ on the rank's copy stream. `wait` holds the issuing thread until the work
 is done, and a blocking instruction is its own wait. The step ends when
 the last rank finishes. This is the same blocking model the verifier
 checks, with time added, so verified programs always simulate to the end.
+
+Note [memory samples]: the memory check's walk (`rank_levels`) gives each
+rank's bytes in use while each instruction runs; the simulator knows when
+the rank issued each one. A sample goes where the level changes, at the
+issue time of the instruction that changes it, and one more at the rank's
+end for the use after its last instruction. The curve is then a step
+function whose maximum is the verifier's peak.
 """
 
 from __future__ import annotations
@@ -20,8 +27,9 @@ from dataclasses import dataclass, field
 from hetc.pipeline import Pipeline
 from hetc.program import (AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight, Forward, Free,
                           Instr, Load, Offload, Prefetch, Program, Recv, ReduceScatter, Send, Step, Tensor, Wait)
+from hetc.passes.verify.memory import Sizes, rank_levels
 from hetc.spec import DTYPE_BYTES, Spec
-from hetc.timeline import Event, EventKind, Flow, RankInfo, Stream, Timeline, classify
+from hetc.timeline import Event, Flow, MemorySample, RankInfo, Timeline, classify
 
 __all__ = ["simulate", "SimulationError"]
 
@@ -62,6 +70,7 @@ class _Sim:
         self.shards = {rp.rank: {s.ms: s for s in rp.shards} for rp in program.ranks}
         self.events: list[Event] = []
         self.flows: list[Flow] = []
+        self.issued: list[list[float]] = [[] for _ in program.ranks]   # rank -> issue time of each instruction
 
     # ------------------------------------------------------------ durations
 
@@ -163,7 +172,7 @@ class _Sim:
         self.events.append(Event(rank, index, str(instr), kind, stream, start, end))
 
     def advance(self, r: int) -> bool:
-        state, instrs = self.ranks[r], self.program.ranks[r].instrs
+        state, instrs, issued = self.ranks[r], self.program.ranks[r].instrs, self.issued[r]
         moved = False
         while state.pc < len(instrs):
             if state.blocking is not None:
@@ -174,6 +183,8 @@ class _Sim:
                 state.pc += 1
                 moved = True
                 continue
+            if len(issued) == state.pc:      # first reached (a wait may be retried; t holds meanwhile)
+                issued.append(state.t)
             instr = instrs[state.pc]
             if isinstance(instr, Wait):
                 op = state.handles[instr.handle]
@@ -212,8 +223,22 @@ class _Sim:
         return max(ends, default=0.0)
 
 
+def _memory_samples(sim: _Sim, sizes: Sizes) -> list[MemorySample]:
+    """Each rank's memory curve, one sample per change (Note [memory samples])."""
+    samples = []
+    levels = rank_levels(sim.program, sim.pipeline, sizes)
+    for rp, rank_level in zip(sim.program.ranks, levels, strict=True):
+        times = [*sim.issued[rp.rank], sim.ranks[rp.rank].t]
+        last = None
+        for time, level in zip(times, rank_level, strict=True):
+            if level != last:
+                samples.append(MemorySample(rp.rank, time, level))
+                last = level
+    return samples
+
+
 def simulate(program: Program, pipeline: Pipeline, spec: Spec, costs, plan_facts=()) -> Timeline:
-    """The predicted Timeline of one step (source "predicted")."""
+    """The predicted Timeline of one step (source "predicted"), with each rank's memory curve."""
     sim = _Sim(program, pipeline, spec, costs)
     step_time = sim.run()
     infos = []
@@ -221,4 +246,5 @@ def simulate(program: Program, pipeline: Pipeline, spec: Spec, costs, plan_facts
         gpu = pipeline.world[rp.rank]
         infos.append(RankInfo(rp.rank, rp.stage, rp.lane, gpu.device.name, str(gpu), gpu.device.memory))
     events = sorted(sim.events, key=lambda e: (e.rank, e.start, e.index))
-    return Timeline("predicted", tuple(infos), tuple(events), tuple(sim.flows), (), step_time, tuple(plan_facts))
+    return Timeline("predicted", tuple(infos), tuple(events), tuple(sim.flows), tuple(_memory_samples(sim, costs)),
+                    step_time, tuple(plan_facts))

@@ -20,7 +20,9 @@ from the cost model (`CostModel.param_bytes`, `grad_bytes`,
   that consumes them.
 
 Buffers are taken when work is posted and given back when it completes, so
-the peak is what the rank needs whatever the overlap.
+the peak is what the rank needs whatever the overlap. `rank_levels` gives
+the same walk instruction by instruction (the simulator turns it into the
+timeline's memory curves).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from hetc.program import (AllGather, Backward, BackwardInput, BackwardWeight, Fo
                           Prefetch, Program, RankProgram, Recv, Shard, Step, Tensor, Wait)
 from hetc.passes.verify.errors import Finding, at
 
-__all__ = ["Sizes", "Peak", "rank_peaks", "check_memory", "format_bytes"]
+__all__ = ["Sizes", "Peak", "rank_peaks", "rank_levels", "check_memory", "format_bytes"]
 
 PARTS = ("params", "grads", "optimizer", "gathered", "activations", "buffers", "reserve")
 
@@ -98,6 +100,7 @@ class _Walk:
     total: float = 0.0
     peak: Peak | None = None
     first_over: int | None = None
+    levels: list[float] | None = None   # when recording: the use at each observation, in order
 
     def take(self, key: tuple, part: str, nbytes: float) -> None:
         if key not in self.live and nbytes > 0:
@@ -113,6 +116,8 @@ class _Walk:
 
     def observe(self, index: int, transient: float = 0.0) -> None:
         total = self.total + transient
+        if self.levels is not None:
+            self.levels.append(total)
         if total > self.capacity and self.first_over is None:
             self.first_over = index
         if self.peak is None or total > self.peak.total:
@@ -248,18 +253,47 @@ _HANDLERS = {
 }
 
 
+def _walk(rp: RankProgram, pipeline: Pipeline, sizes: Sizes, group_size: dict[str, int], record: bool) -> _Walk:
+    """One rank's walk; with `record`, its `levels` hold the use while each instruction runs."""
+    rank = _Rank(rp, pipeline, sizes, group_size)
+    rank.walk.observe(0)                  # the static use alone, before the first instruction
+    if record:
+        rank.walk.levels = []
+    for i, instr in enumerate(rp.instrs):
+        rank.run(i, instr)                # every handler observes exactly once
+    return rank.walk
+
+
+def _group_sizes(program: Program) -> dict[str, int]:
+    return {g.name: len(g.ranks) for g in program.groups}
+
+
 def rank_peaks(program: Program, pipeline: Pipeline, sizes: Sizes) -> list[Peak]:
     """Every rank's memory peak (Note [memory timeline])."""
-    group_size = {g.name: len(g.ranks) for g in program.groups}
+    group_size = _group_sizes(program)
     peaks = []
     for rp in program.ranks:
-        rank = _Rank(rp, pipeline, sizes, group_size)
-        rank.walk.observe(0)
-        for i, instr in enumerate(rp.instrs):
-            rank.run(i, instr)
-        peak = rank.walk.peak
-        peaks.append(Peak(peak.rank, peak.index, peak.total, peak.parts, peak.capacity, rank.walk.first_over))
+        walk = _walk(rp, pipeline, sizes, group_size, record=False)
+        peak = walk.peak
+        peaks.append(Peak(peak.rank, peak.index, peak.total, peak.parts, peak.capacity, walk.first_over))
     return peaks
+
+
+def rank_levels(program: Program, pipeline: Pipeline, sizes: Sizes) -> list[list[float]]:
+    """Per rank, in program order: the bytes in use while each instruction runs, then after the last one.
+
+    Entry i is what the memory check compares with the capacity at instruction
+    i (its buffers taken, none yet given back); the final entry is the use once
+    the program has ended. Their maximum is the rank's `Peak.total`.
+    """
+    group_size = _group_sizes(program)
+    levels = []
+    for rp in program.ranks:
+        walk = _walk(rp, pipeline, sizes, group_size, record=True)
+        if len(walk.levels) != len(rp.instrs):
+            raise AssertionError(f"rank {rp.rank}: {len(walk.levels)} observations of {len(rp.instrs)} instructions")
+        levels.append([*walk.levels, walk.total])
+    return levels
 
 
 def check_memory(program: Program, pipeline: Pipeline, sizes: Sizes) -> list[Finding]:
