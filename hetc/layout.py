@@ -36,8 +36,9 @@ from typing import Protocol
 
 from hetc.spec import CPKind
 
-__all__ = ["Range", "SeqLayout", "Piece", "seq_chunks", "layout_problem", "attention_ranges", "boundary_ranges",
-           "held_length", "local_slice", "positions", "transfers", "describe", "tiling_problem"]
+__all__ = ["Range", "SeqLayout", "Piece", "seq_chunks", "layout_problem", "replication", "held_fraction",
+           "attention_ranges", "boundary_ranges", "held_length", "local_slice", "positions", "transfers", "describe",
+           "tiling_problem"]
 
 Range = tuple[int, int]   # [start, stop) of the full sequence
 
@@ -75,6 +76,16 @@ def layout_problem(layout: SeqLayout, seq: int) -> tuple[str, str] | None:
         return "tp", (f"sequence parallelism splits each cp rank's {seq // layout.cp} tokens over tp "
                       f"({layout.tp}) ranks")
     return None
+
+
+def replication(layout: SeqLayout) -> int:
+    """N_rep: how many ranks of a lane hold each token at a border (tp, unless sequence parallel)."""
+    return 1 if _splits_over_tp(layout) else layout.tp
+
+
+def held_fraction(layout: SeqLayout) -> float:
+    """The share of the sequence one rank holds at a border: 1 / N_part."""
+    return replication(layout) / (layout.tp * layout.cp)
 
 
 def attention_ranges(layout: SeqLayout, pos: int, seq: int) -> tuple[Range, ...]:

@@ -9,6 +9,7 @@ from hetc.passes.cost.memory import context_reserve, in_flight, offloaded
 from hetc.passes.cost.plan_time import PlanTime, border_time, plan_time, sync_time, zorse_units
 from hetc.passes.cost.shapes import LayerKind, layer_flops, layer_kind, model_flops_per_token
 
+from hetc.layout import replication
 from hetc.pipeline import Stage
 from hetc.spec import Checkpointing, OffloadTarget, ScheduleKind
 
@@ -166,9 +167,9 @@ def _activations(cm, stage: Stage, rank: int) -> tuple[float, float]:
     if stage.offload.activations is OffloadTarget.NONE:
         return n * sum(per_mb), 0.0
     # boundary inputs of every microbatch on the host; one ministage recomputed at a time on the device
-    boundary = sum(cm.boundary_bytes(ms - 1) for ms in stage.ministages if ms > 0) / (stage.tp * stage.cp)
-    buffers = (1 + p.prefetch) * max((cm.boundary_bytes(ms) for ms in stage.ministages), default=0.0)
-    return max(per_mb) + buffers / (stage.tp * stage.cp), n * boundary
+    boundary = sum(cm.held_boundary_bytes(ms - 1, stage) for ms in stage.ministages if ms > 0)
+    buffers = (1 + p.prefetch) * max((cm.held_boundary_bytes(ms, stage) for ms in stage.ministages), default=0.0)
+    return max(per_mb) + buffers, n * boundary
 
 
 # ------------------------------------------------------------------ traffic
@@ -183,15 +184,17 @@ def _traffic(cm, timing: PlanTime) -> list[GroupTraffic]:
         n_mb = max(len(lane.microbatches) for lane in stage.lanes)
         blocks = sum(1 for ms in stage.ministages for i in cm.ministage(ms).layers
                      if layer_kind(m, i) == LayerKind.BLOCK)
-        if len(stage.lanes) > 1:
+        replicas = len(cm.zero_group(rank))      # lanes × cp ranks
+        if replicas > 1:
             nbytes = sum(cm.numel(ms, rank) for ms in stage.ministages) * cm.delta
             level = int(stage.zero.level)
-            sent = traffic.zero_bytes(level, p.schedule, nbytes, len(stage.lanes), n_mb)
+            sent = traffic.zero_bytes(level, p.schedule, nbytes, replicas, n_mb)
             if p.schedule is ScheduleKind.ZORSE:  # gathered for the forward and the backward, reduced once
                 seconds = sum(2 * u.fetch + u.sync for u in zorse_units(cm) if u.stage == stage.index)
             else:
                 seconds = sync_time(cm, stage, rank) + n_mb * lanes[(stage.index, 0)].overlapped
-            out.append(GroupTraffic("dp", f"stage {stage.name}: ZeRO-{level} over {len(stage.lanes)} lanes",
+            over = f"{len(stage.lanes)} lanes" + (f" x cp {stage.cp}" if stage.cp > 1 else "")
+            out.append(GroupTraffic("dp", f"stage {stage.name}: ZeRO-{level} over {over}",
                                     cm.zero_group(rank), sent, seconds))
         if stage.tp > 1 and blocks:
             sent = traffic.tp_bytes(stage.tp, p.micro_batch, m.seq // stage.cp, m.hidden, cm.delta)
@@ -225,7 +228,8 @@ def _borders(cm, lanes) -> list[GroupTraffic]:
         if a.stage == b.stage:
             continue
         sa, sb = p.stages[a.stage], p.stages[b.stage]
-        sent = traffic.pp_bytes(p.micro_batch, m.seq, m.hidden, cm.delta, p.num_microbatches)
+        sent = traffic.pp_bytes(p.micro_batch, m.seq, m.hidden, cm.delta, p.num_microbatches,
+                                replicas=(replication(sb), replication(sa)))
         seconds = max(2 * len(lane.microbatches) * border_time(cm, sa, lane, sb, a.index)
                       for lane in sa.lanes)
         ranks = (sa.lanes[0].ranks[0], sb.lanes[0].ranks[0])

@@ -24,6 +24,7 @@ from hetc.passes.cost.network import ring_chunk, ring_steps
 from hetc.passes.cost.profiles import Profiles
 from hetc.passes.cost.shapes import LayerKind, activation_elements, layer_flops, layer_kind, params_per_rank
 
+from hetc.layout import held_fraction
 from hetc.pipeline import Ministage, Pipeline, Stage
 from hetc.spec import DTYPE_BYTES, Checkpointing, CPKind, OffloadTarget, Spec, ZeroShard
 from hetc.topology import Gpu, Topology
@@ -83,11 +84,13 @@ class CostModel:
         return lane.ranks[rep::tp]
 
     def zero_group(self, rank: int) -> tuple[int, ...]:
-        """Ranks holding the same shard position in every lane of the stage (the DP/ZeRO group)."""
+        """Ranks holding the same parameters: this rank's tp slice in every lane and cp rank of the stage
+        (the DP/ZeRO group; Megatron's dp × cp group, as passes/lower/context.py builds it)."""
         group = self._zero_groups.get(rank)
         if group is None:
-            pos = self.pipeline.lane_of_rank[rank].ranks.index(rank)
-            group = tuple(lane.ranks[pos] for lane in self.stage_of(rank).lanes)
+            stage = self.stage_of(rank)
+            t = self.pipeline.lane_of_rank[rank].ranks.index(rank) % stage.tp
+            group = tuple(lane.ranks[c * stage.tp + t] for lane in stage.lanes for c in range(stage.cp))
             self._zero_groups.update((r, group) for r in group)
         return group
 
@@ -131,6 +134,10 @@ class CostModel:
         """One microbatch's hidden states, b·S·H·δ: the PP message and the TP all-reduce."""
         return float(self.pipeline.micro_batch * self.model.seq * self.model.hidden * self.delta)
 
+    def held_boundary_bytes(self, ms: int, stage: Stage) -> float:
+        """What one rank of `stage` holds of the activation leaving `ms` (its tokens, hetc/layout.py)."""
+        return self.boundary_bytes(ms) * held_fraction(stage)
+
     def boundary_bytes(self, ms: int) -> float:
         """The activation leaving ministage `ms` for one microbatch (none after the last)."""
         return 0.0 if ms == len(self.pipeline.ministages) - 1 else self.hidden_bytes
@@ -138,7 +145,7 @@ class CostModel:
     def reserve_bytes(self, rank: int) -> float:
         device = self.gpu(rank).device
         stage = self.stage_of(rank)
-        p2p = 2 * max((self.boundary_bytes(ms) for ms in stage.ministages), default=0.0) / stage.cp
+        p2p = 2 * max((self.held_boundary_bytes(ms, stage) for ms in stage.ministages), default=0.0)
         grads = sum(self.grad_bytes(ms, rank) for ms in stage.ministages) * self.shard(rank).grads
         bucket = min(grads, GRAD_BUCKET_PARAMS * self.states.grads) if len(stage.lanes) > 1 else 0.0
         return context_reserve(device.memory, _is_cpu(device.name)) + p2p + bucket

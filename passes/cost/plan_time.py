@@ -78,7 +78,14 @@ def _peer_lane(cm, stage: Stage, lane: Lane) -> Lane:
 
 
 def border_time(cm, stage: Stage, lane: Lane, other: Stage, ms: int) -> float:
-    """One transfer (each rank its share of the activation) between `lane` and its peer in `other`."""
+    """One transfer (each rank its share of the activation) between `lane` and its peer in `other`.
+
+    The share is 1/(tp·cp) as in Megatron, whose tp ranks each send a slice
+    and all-gather after the border (validated on Sailor's measured runs).
+    hetc's own lowering does so only with sequence parallelism; without it,
+    every tp replica receives the whole tensor (tp× the bytes, which the
+    traffic table counts), so this underestimates such borders.
+    """
     peer = _peer_lane(cm, other, lane)
     src, dst = lane.ranks[0], peer.ranks[0]
     share = cm.boundary_bytes(ms) / (stage.tp * stage.cp)
@@ -208,7 +215,7 @@ def _unit_lane(cm, stage: Stage, lane: Lane, ms: int) -> UnitLane:
     if offload_acts:
         # boundary activations go to the host after the forward and come back for the backward,
         # beside the compute; the ministage's inside is recomputed from them
-        copy = cm.copy_time(rank, cm.boundary_bytes(ms) / (stage.tp * stage.cp))
+        copy = cm.copy_time(rank, cm.held_boundary_bytes(ms, stage))
         recompute = 0.0 if cm.model.activation_checkpoint is Checkpointing.FULL else f
         f, b = max(f, copy), max(b + recompute, copy)
     out = back = 0.0

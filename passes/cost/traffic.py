@@ -8,7 +8,9 @@ its exact ring factor (n−1)/n, so a group of one sends nothing:
   microbatch (DeepSpeed): m·δΦ + δΦ. Zorse reduces once per ministage: 2δΦ.
 - ZeRO-3: 3δΦ (gather forward, gather backward, reduce-scatter); a plain
   pipeline gathers and reduces per microbatch: 3δΦ·m; Zorse once per ministage.
-- PP: δ·b·S·H per border, per direction, per microbatch.
+- PP: δ·b·S·H per border, per direction, per microbatch, times the N_rep of
+  the receiving side (every tp rank without sequence parallelism holds the
+  whole sequence, so each gets it; with Megatron-SP each gets its part).
 - TP: an all-reduce of δbSH after attention and after the FFN, forward and
   backward: 4 all-reduces, 8δbSH per layer (4δbSH per sub-block).
 - Ulysses: 4(N_kv/N_q + 1)·δbSH / N_SP per layer; ring attention
@@ -38,9 +40,11 @@ def zero_bytes(level: int, schedule: ScheduleKind, param_bytes: float, group: in
     return 3 * once * per_microbatch
 
 
-def pp_bytes(micro_batch: int, seq: int, hidden: int, delta: int, microbatches: int) -> float:
-    """Per border per step: one activation forward and one gradient back per microbatch."""
-    return 2.0 * delta * micro_batch * seq * hidden * microbatches
+def pp_bytes(micro_batch: int, seq: int, hidden: int, delta: int, microbatches: int,
+             replicas: tuple[int, int] = (1, 1)) -> float:
+    """Per border per step: one activation forward and one gradient back per microbatch, to each of
+    `replicas` = (N_rep after the border, N_rep before it) copies (hetc.layout.replication)."""
+    return float(sum(replicas)) * delta * micro_batch * seq * hidden * microbatches
 
 
 def tp_bytes(tp: int, micro_batch: int, seq: int, hidden: int, delta: int) -> float:
