@@ -64,6 +64,10 @@ def compile_spec(spec_path: Path, dump_after: str | None = None, on_dump=None) -
 
 def plan_facts(checked) -> list[tuple[str, str]]:
     """The plan at a glance, for the visualizer's side panel."""
+
+    def count(n: int, noun: str) -> str:
+        return f"{n} {noun}{'' if n == 1 else 's'}"
+
     spec, p = checked.spec, checked.pipeline
     facts = [("schedule", p.schedule.value), ("ranks", str(p.world_size)), ("stages", str(len(p.stages))),
              ("ministages", str(len(p.ministages))), ("microbatches", str(p.num_microbatches)),
@@ -73,8 +77,9 @@ def plan_facts(checked) -> list[tuple[str, str]]:
         first = p.ministages[st.ministages[0]]
         last = p.ministages[st.ministages[-1]]
         layers = f"{spec.model.layer_name(first.first_layer)}..{spec.model.layer_name(last.stop_layer - 1)}"
-        facts.append((f"stage {st.name}", f"{layers}, {len(st.lanes)} lanes × {st.lane_size}, "
-                      f"ZeRO-{st.zero.level}, {len(st.ministages)} ministages"))
+        facts.append((f"stage {st.name}", f"{layers}, {count(len(st.lanes), 'lane')} × "
+                      f"{count(st.lane_size, 'rank')}, ZeRO-{st.zero.level}, "
+                      f"{count(len(st.ministages), 'ministage')}"))
     return facts
 
 

@@ -148,7 +148,7 @@ class StageSummary:
     stage: int
     num_ranks: int
     num_lanes: int
-    devices: str
+    devices: tuple[str, ...]  # device kinds, sorted
     mean_bubble: float
     peak_memory: float        # the highest any rank of the stage reaches, bytes
     capacity: float           # the smallest capacity among those ranks, bytes
@@ -162,7 +162,7 @@ def stage_summaries(timeline: Timeline) -> list[StageSummary]:
     by_stage = defaultdict(list)
     for r in timeline.ranks:
         by_stage[r.stage].append(r)
-    return [StageSummary(stage, len(rs), len({r.lane for r in rs}), ", ".join(sorted({r.device for r in rs})),
+    return [StageSummary(stage, len(rs), len({r.lane for r in rs}), tuple(sorted({r.device for r in rs})),
                          sum(bubbles.get(r.rank, 0.0) for r in rs) / len(rs),
                          max(peak[r.rank] for r in rs), min(r.capacity for r in rs))
             for stage, rs in sorted(by_stage.items())]

@@ -91,6 +91,15 @@ def _delta_text(timelines: Sequence[Timeline]) -> str:
     return f"{second.source} {'+' if change >= 0 else ''}{100 * change:.1f}% vs {first.source}"
 
 
+def _plan_facts(timelines: Sequence[Timeline]) -> list[tuple[str, str]]:
+    """The side panel's plan facts: the first timeline's, each key once, and the rank count if they lack it."""
+    facts: dict[str, str] = {}
+    for key, value in timelines[0].plan:
+        facts.setdefault(key, value)    # the first value of a key wins
+    facts.setdefault("ranks", str(len({r.rank for t in timelines for r in t.ranks})))
+    return list(facts.items())
+
+
 def render_page(timelines: Sequence[Timeline], title: str = "hetc schedule") -> str:
     """The HTML page for one timeline, or two side by side (predicted first, then measured)."""
     if not 1 <= len(timelines) <= 2:
@@ -101,8 +110,7 @@ def render_page(timelines: Sequence[Timeline], title: str = "hetc schedule") -> 
     first = timelines[0]
     html = _ENV.get_template("page.html.j2").render(
         title=title, views=[_view_summary(t) for t in timelines], delta_text=_delta_text(timelines),
-        plan=first.plan, num_ranks=len({r.rank for t in timelines for r in t.ranks}),
-        stages=stage_summaries(first), legend=LEGEND, css=_asset("viz.css"),
+        plan=_plan_facts(timelines), stages=stage_summaries(first), legend=LEGEND, css=_asset("viz.css"),
         script=markupsafe.Markup("\n").join(_asset(name) for name in _SCRIPTS), data_json=markupsafe.Markup(_script_json(data)),
     )
     log.info("rendered %d timeline(s), %d events, %.1f MB", len(timelines),

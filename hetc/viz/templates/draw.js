@@ -88,24 +88,38 @@ function labelsOf(v, i) {
   return (v.labels[i] = labels);
 }
 
+// A rank's memory curve (a step per sample) against its capacity (red dashed line), or,
+// with "memory to peak", stretched between its lowest and peak use so that small swings
+// on a large resident base still show.
 function paintMemory(v, r, m) {
   if (r.memTo <= r.memFrom) return;
-  const top = STATE.memPeak ? Math.max(r.peak, 1) : Math.max(r.capacity, r.peak, 1);
-  const yOf = b => m.y + m.h - b / top * m.h;
+  const [low, top] = memRange(r);
+  const yOf = b => m.y + m.h - (b - low) / (top - low) * (m.h - 1);
   ctx.fillStyle = "#eef3f8"; ctx.fillRect(LABEL_W, m.y, W - LABEL_W, m.h);
-  ctx.beginPath(); ctx.moveTo(xOf(0), m.y + m.h);
-  let prev = 0;
-  for (let i = r.memFrom; i < r.memTo; i++) {
+  const line = new Path2D(), x0 = xOf(v.memTime[r.memFrom]);
+  let prev = v.memBytes[r.memFrom];
+  line.moveTo(x0, yOf(prev));
+  for (let i = r.memFrom + 1; i < r.memTo; i++) {
     const x = xOf(v.memTime[i]);
-    ctx.lineTo(x, yOf(prev)); ctx.lineTo(x, yOf(v.memBytes[i])); prev = v.memBytes[i];
+    line.lineTo(x, yOf(prev)); line.lineTo(x, yOf(v.memBytes[i])); prev = v.memBytes[i];
   }
-  ctx.lineTo(xOf(SPAN), yOf(prev)); ctx.lineTo(xOf(SPAN), m.y + m.h); ctx.closePath();
-  ctx.fillStyle = r.peak > r.capacity ? "rgba(214,39,40,.45)" : "rgba(49,130,189,.35)"; ctx.fill();
+  const x1 = xOf(SPAN);
+  line.lineTo(x1, yOf(prev));
+  const area = new Path2D(line);
+  area.lineTo(x1, m.y + m.h); area.lineTo(x0, m.y + m.h); area.closePath();
+  const over = r.peak > r.capacity;
+  ctx.fillStyle = over ? "rgba(214,39,40,.3)" : "rgba(49,130,189,.25)"; ctx.fill(area);
+  ctx.strokeStyle = over ? "#d62728" : "#2f6fa7"; ctx.lineWidth = 1; ctx.stroke(line);
   if (r.capacity <= top) {
     ctx.strokeStyle = "#d62728"; ctx.setLineDash([4, 3]);
     ctx.beginPath(); ctx.moveTo(LABEL_W, yOf(r.capacity) + .5); ctx.lineTo(W, yOf(r.capacity) + .5); ctx.stroke();
     ctx.setLineDash([]);
   }
+}
+
+function memRange(r) {  // [bottom, top] of the memory track, bytes
+  if (STATE.memPeak) return [r.low, Math.max(r.peak, r.low + 1)];
+  return [0, Math.max(r.capacity, r.peak, 1)];
 }
 
 function trackOf(v, i) {  // in compact rows everything sits on the compute track
@@ -177,7 +191,8 @@ function paintLabel(row) {
     bubbleBar(r.bubble, bx, y + 27, bw, 6);
     if (p.mem) {
       ctx.fillStyle = r.peak > r.capacity ? "#d62728" : "#66707c";
-      ctx.fillText(`mem ${fmtBytes(r.peak)} / ${fmtBytes(r.capacity)}`, 8, y + 46);
+      const used = STATE.memPeak ? fmtBytesRange(r.low, r.peak) : fmtBytes(r.peak);
+      ctx.fillText(`mem ${used} / ${fmtBytes(r.capacity)}`, 8, y + 46);
     }
     ctx.font = "10px ui-monospace, SFMono-Regular, Menlo, monospace";
   }
@@ -216,16 +231,27 @@ function paintAxis() {
   actx.clearRect(0, 0, W, 24);
   actx.fillStyle = "#f7f8fa"; actx.fillRect(0, 0, W, 24);
   actx.font = "10px system-ui, sans-serif"; actx.fillStyle = "#66707c"; actx.strokeStyle = "#c5ccd5";
-  const step = niceStep(STATE.t1 - STATE.t0, W - LABEL_W);
+  const step = niceStep(STATE.t1 - STATE.t0, W - LABEL_W), marks = VIEWS.map(v => xOf(v.stepTime));
   for (let t = Math.ceil(STATE.t0 / step) * step; t <= STATE.t1; t += step) {
     const x = Math.round(xOf(t)) + .5;
     if (x < LABEL_W) continue;
     actx.beginPath(); actx.moveTo(x, 14); actx.lineTo(x, 24); actx.stroke();
-    actx.fillText(fmtTime(t), x + 3, 12);
+    const text = fmtTick(t, step), right = x + 3 + actx.measureText(text).width;
+    // a label that would run off the edge or under a step-time mark is left out
+    if (right < W - 2 && !marks.some(m => m >= x && m <= right + 2)) actx.fillText(text, x + 3, 12);
   }
   for (const v of VIEWS) {
     const x = xOf(v.stepTime);
     actx.fillStyle = v.idx ? "#8a5a00" : "#1d232b"; actx.fillRect(x, 0, 2, 24);
   }
   actx.fillStyle = "#1d232b"; actx.fillText(`${fmtTime(STATE.t1 - STATE.t0)} shown`, 8, 16);
+}
+
+// A tick's time in the unit the visible span reads best in, with as many decimals as the step needs.
+function fmtTick(t, step) {
+  const span = Math.max(Math.abs(STATE.t0), Math.abs(STATE.t1));
+  const [scale, unit] = span >= 1 ? [1, "s"] : span >= 1e-3 ? [1e3, "ms"] : [1e6, "µs"];
+  if (Math.abs(t) < step / 2) return "0";
+  const decimals = Math.max(0, Math.ceil(-Math.log10(step * scale) - 1e-9));
+  return `${(t * scale).toFixed(decimals)} ${unit}`;
 }

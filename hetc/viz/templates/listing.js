@@ -2,7 +2,7 @@
 //
 // #listing holds one <ol class="rank-row"> per view and rank (data-view: the source,
 // data-v: the view's position, data-rank, data-stage, data-lane, data-device,
-// data-bubble), in display order, and in it one <li class="block"> per event
+// data-bubble, data-mem-peak and data-capacity in bytes), in display order, and in it one <li class="block"> per event
 // (data-index, data-kind, data-stream, data-start, data-end; the <code> is the text). It is built from the decoded arrays the
 // canvas draws, so it is what the canvas shows; the selected rank's lists are
 // visible as its program listing, the others carry `hidden`.
@@ -40,6 +40,7 @@ function rankListHtml(v, r) {
   const html = [`<ol class="rank-row" hidden data-v="${v.idx}" data-view="${escapeHtml(v.source)}" ` +
     `data-rank="${r.rank}" data-stage="${r.stage}" ` +
     `data-lane="${r.lane}" data-device="${escapeHtml(r.device)}" data-bubble="${r.bubble}" ` +
+    `data-mem-peak="${r.peak}" data-capacity="${r.capacity}" ` +
     `data-title="rank ${r.rank} · stage ${r.stage} · lane ${r.lane}${VIEWS.length > 1 ? " · " + escapeHtml(v.source) : ""}">`];
   for (const i of programOrder(v, r)) {
     html.push(`<li class="block" data-index="${v.ev.index[i]}" data-kind="${kindOf(v, i)}" ` +

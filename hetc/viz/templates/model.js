@@ -28,11 +28,16 @@ function decodeView(d, viewIdx) {
     ranks.push({ pos: p, rank: d.ranks.rank[p], stage: d.ranks.stage[p], lane: d.ranks.lane[p],
       device: d.strings[d.ranks.device[p]], gpu: d.strings[d.ranks.gpu[p]], capacity: d.ranks.capacity[p],
       bubble: d.ranks.bubble[p], from: from, to: to, tracks: tracks,
-      memFrom: d.memory.offsets[p], memTo: d.memory.offsets[p + 1], peak: 0 });
+      memFrom: d.memory.offsets[p], memTo: d.memory.offsets[p + 1], peak: 0, low: 0 });
   }
   const memTime = new Float64Array(d.memory.time.length);
   for (let i = 0; i < memTime.length; i++) memTime[i] = d.memory.time[i] * unit;
-  for (const r of ranks) for (let i = r.memFrom; i < r.memTo; i++) r.peak = Math.max(r.peak, d.memory.bytes[i]);
+  for (const r of ranks) {
+    r.low = r.memTo > r.memFrom ? Infinity : 0;
+    for (let i = r.memFrom; i < r.memTo; i++) {
+      r.peak = Math.max(r.peak, d.memory.bytes[i]); r.low = Math.min(r.low, d.memory.bytes[i]);
+    }
+  }
   const byRank = new Map(ranks.map(r => [r.rank, r]));
   return { idx: viewIdx, source: d.source, stepTime: d.step_time, tokensPerS: d.tokens_per_s, strings: d.strings,
     templates: d.templates, numberAt: numberAt, texts: new Array(n), labels: new Array(n),
@@ -118,9 +123,19 @@ function fmtTime(s) {
   return (s * 1e6).toFixed(1) + " µs";
 }
 
-function fmtBytes(b) {
-  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+const BYTE_UNITS = ["B", "KiB", "MiB", "GiB", "TiB"];
+
+function byteUnit(b) {  // the index of the unit that prints b with 1-4 digits before the point
   let i = 0;
-  while (Math.abs(b) >= 1024 && i < units.length - 1) { b /= 1024; i++; }
-  return (i ? b.toFixed(1) : String(b)) + " " + units[i];
+  while (Math.abs(b) >= 1024 && i < BYTE_UNITS.length - 1) { b /= 1024; i++; }
+  return i;
+}
+
+function fmtBytes(b, i = byteUnit(b)) {
+  return (i ? (b / Math.pow(1024, i)).toFixed(1) : String(Math.round(b))) + " " + BYTE_UNITS[i];
+}
+
+function fmtBytesRange(low, high) {  // "270.1–271.6 MiB": both ends in the unit of the higher one
+  const i = byteUnit(high);
+  return fmtBytes(low, i).split(" ")[0] + "–" + fmtBytes(high, i);
 }
