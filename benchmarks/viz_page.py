@@ -2,9 +2,12 @@
 
     .venv/bin/python benchmarks/viz_page.py [--runs 3] [--no-write]
 
-The plans are synthetic (tests/vizgen.py: 16 stages x 64 lanes, 1F1B with
-ZeRO-1 collectives) until `hetc compile` predicts timelines of that size.
-Times inside the page come from body[data-paint-ms] and body[data-open-ms].
+The plans are real: benchmarks/specs/viz1024_*.het (8 stages x 128 lanes
+of H100 and A100 nodes, 1F1B with ZeRO-1, and Zorse with ZeRO-3 and
+offload), compiled by `hetc compile`'s passes; their predicted timelines
+(with each rank's memory curve) are rendered as `hetc viz` renders them and
+opened in headless Chromium. Times inside the page come from
+body[data-paint-ms] and body[data-open-ms].
 """
 
 from __future__ import annotations
@@ -20,51 +23,59 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.markdown import replace_section  # noqa: E402
+from hetc.commands.compile import compile_spec  # noqa: E402
 from hetc.viz.headless import dump_dom, find_chromium  # noqa: E402
 from hetc.viz.page import render_page  # noqa: E402
-from tests.vizgen import scaled_plan, simulate, synth_program  # noqa: E402
 
 BENCHMARKS_MD = ROOT / "docs" / "benchmarks.md"
 HEADING = "## Visualizer"
-
-
-# (microbatches per lane) of the two 1024-rank plans: a typical step, and a long one
-PER_LANE = (8, 32)
+PLANS = {"1F1B, ZeRO-1": ROOT / "benchmarks" / "specs" / "viz1024_1f1b.het",
+         "Zorse, ZeRO-3, offload": ROOT / "benchmarks" / "specs" / "viz1024_zorse.het"}
 
 
 def _body_seconds(body: str, name: str) -> float:
     return float(re.search(rf'data-{name}-ms="([0-9.]+)"', body).group(1)) / 1e3
 
 
-def measure(per_lane: int, runs: int) -> dict:
-    plan = scaled_plan(num_stages=16, num_lanes=64, per_lane=per_lane)
-    timeline = simulate(plan, synth_program(plan))
+def _open(page: Path, runs: int) -> dict:
+    """Median paint, open and whole-browser times of `runs` headless loads."""
+    samples = []
+    for _ in range(runs):
+        dump = dump_dom(page, timeout=600)
+        body = re.search(r"<body([^>]*)>", dump.html).group(1)
+        if 'data-ready="1"' not in body or "data-error" in body:
+            raise SystemExit(f"the page did not open cleanly: <body{body}>")
+        samples.append({"paint_s": _body_seconds(body, "paint"), "open_s": _body_seconds(body, "open"),
+                        "wall_s": dump.seconds})
+    return {key: statistics.median(s[key] for s in samples) for key in samples[0]}
+
+
+def measure(name: str, spec: Path, runs: int) -> dict:
+    compiled = compile_spec(spec)
+    timeline = compiled.timeline
     started = time.perf_counter()
-    html = render_page([timeline], "1024 ranks")
+    html = render_page([timeline], f"1024 ranks, {name}")
     render_s = time.perf_counter() - started
     with tempfile.TemporaryDirectory() as tmp:
         page = Path(tmp) / "big.html"
         page.write_text(html)
-        samples = []
-        for _ in range(runs):
-            dump = dump_dom(page, timeout=600)
-            body = re.search(r"<body([^>]*)>", dump.html).group(1)
-            samples.append({"paint_s": _body_seconds(body, "paint"), "open_s": _body_seconds(body, "open"),
-                            "wall_s": dump.seconds})
-    median = {key: statistics.median(s[key] for s in samples) for key in samples[0]}
-    return {"ranks": len(timeline.ranks), "per_lane": per_lane, "events": len(timeline.events),
-            "flows": len(timeline.flows), "mb": len(html.encode()) / 1e6, "render_s": render_s, **median}
+        opened = _open(page, runs)
+    return {"plan": name, "ranks": len(timeline.ranks), "microbatches": compiled.pipeline.num_microbatches,
+            "events": len(timeline.events), "flows": len(timeline.flows), "memory": len(timeline.memory),
+            "mb": len(html.encode()) / 1e6, "render_s": render_s, **opened}
 
 
 def section(results: list[dict], runs: int) -> str:
     rows = "\n".join(
-        f"| {m['ranks']} ranks, {m['per_lane']} microbatches/lane | {m['events']:,} | {m['flows']:,} | "
-        f"{m['mb']:.1f} MB | {m['render_s']:.2f} s | {m['paint_s']:.2f} s | {m['open_s']:.2f} s | {m['wall_s']:.1f} s |"
-        for m in results)
+        f"| {m['ranks']} ranks, {m['plan']}, {m['microbatches']:,} microbatches | {m['events']:,} | "
+        f"{m['flows']:,} | {m['memory']:,} | {m['mb']:.1f} MB | {m['render_s']:.2f} s | {m['paint_s']:.2f} s | "
+        f"{m['open_s']:.2f} s | {m['wall_s']:.1f} s |" for m in results)
     return f"""{HEADING}
 
-`benchmarks/viz_page.py`: synthetic 1F1B plans of 16 stages x 64 lanes with ZeRO-1
-collectives (tests/vizgen.py), rendered by `hetc viz` and opened in headless
+`benchmarks/viz_page.py`: the plans of `benchmarks/specs/viz1024_*.het` (a 7 B Llama in
+8 stages x 128 lanes on H100 and A100-80 nodes), compiled, their predicted timelines
+(each rank's memory curve included) rendered by `hetc viz` and opened in headless
 Chromium; median of {runs} runs on 2 shared CPU cores.
 
 - *render*: Python builds the self-contained page;
@@ -73,19 +84,10 @@ Chromium; median of {runs} runs on 2 shared CPU cores.
 - *headless run*: the whole Chromium process (start, load, scripts, serialising the
   whole DOM for `--dump-dom`, exit): an upper bound, dominated by the dump.
 
-| plan | events | arrows | page | render | drawn | open | headless run |
-|---|---|---|---|---|---|---|---|
+| plan | events | arrows | memory samples | page | render | drawn | open | headless run |
+|---|---|---|---|---|---|---|---|---|
 {rows}
 """
-
-
-def write_section(text: str, path: Path = BENCHMARKS_MD) -> None:
-    """Replace the Visualizer section of docs/benchmarks.md (or add it), keeping every other section."""
-    old = path.read_text() if path.is_file() else "# Benchmarks\n"
-    pattern = re.compile(rf"^{re.escape(HEADING)}\n.*?(?=^## |\Z)", re.S | re.M)
-    new = pattern.sub(lambda _: text + "\n", old) if pattern.search(old) else old.rstrip("\n") + "\n\n" + text
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(new)
 
 
 def main() -> int:
@@ -96,10 +98,10 @@ def main() -> int:
     if find_chromium() is None:
         print("needs chromium (Debian: apt-get install chromium)", file=sys.stderr)
         return 2
-    text = section([measure(per_lane, args.runs) for per_lane in PER_LANE], args.runs)
-    print(text)
+    text = section([measure(name, spec, args.runs) for name, spec in PLANS.items()], args.runs)
+    sys.stdout.write(text)
     if not args.no_write:
-        write_section(text)
+        replace_section(BENCHMARKS_MD, HEADING, text)
     return 0
 
 

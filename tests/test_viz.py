@@ -57,6 +57,7 @@ def test_short_text_drops_what_is_implied_and_cuts_long_instructions():
 
 # ---------------------------------------------------------------- inputs
 
+import dataclasses
 import html.parser
 import json
 import os
@@ -68,46 +69,50 @@ from pathlib import Path
 import pytest
 
 from hetc.cli import main as hetc_main
-from hetc.timeline import Event, EventKind, Flow, MemorySample, Stream, Timeline
+from hetc.commands.compile import compile_spec
+from hetc.timeline import Event, EventKind, Flow, MemorySample, RankInfo, Stream, Timeline
 from hetc.viz.chrome import chrome_trace
 from hetc.viz.encode import KIND_ORDER, STREAM_ORDER, decode_text, encode_timeline, tokens_per_s
 from hetc.viz.headless import dump_dom, find_chromium, screenshot
 from hetc.viz.page import render_page
 from hetc.plandir import read_program
 
-from tests.vizgen import SynthPlan, demo_plan, scaled_plan, simulate, synth_program, write_plan_dir
-
-HETERO_64 = SynthPlan(lanes=(8,) * 8, devices=("T4", "A100-40", "H100", "A100-40") * 2, microbatches=32)
-
-
-@pytest.fixture(scope="module")
-def demo() -> tuple:
-    plan = demo_plan()
-    program = synth_program(plan)
-    return program, simulate(plan, program)
+ROOT = Path(__file__).resolve().parent.parent
+DEMO_SPEC = ROOT / "specs" / "demo" / "hetero.het"                  # lanes 1, 2, 1; microbatches 3 and 1
+HETERO_64_SPEC = ROOT / "tests" / "specs" / "viz" / "hetero64.het"     # 8 stages x 8 lanes, T4 / A100 / H100
+PLAN_1024_SPEC = ROOT / "benchmarks" / "specs" / "viz1024_zorse.het"  # 8 stages x 128 lanes, Zorse + offload
 
 
 @pytest.fixture(scope="module")
-def demo_dir(demo, tmp_path_factory) -> Path:
-    program, timeline = demo
-    return write_plan_dir(tmp_path_factory.mktemp("demo-plan"), program, timeline)
+def demo_dir(tmp_path_factory) -> Path:
+    """The demo's heterogeneous plan, as `hetc compile` writes it."""
+    out = tmp_path_factory.mktemp("demo") / "plan"
+    assert hetc_main(["compile", str(DEMO_SPEC), "-o", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def demo(demo_dir) -> tuple:
+    """The compiled demo's programs and its predicted timeline."""
+    return read_program(demo_dir), Timeline.from_json((demo_dir / "timeline.json").read_text())
 
 
 def _measured(timeline: Timeline, slowdown: float = 1.25) -> Timeline:
-    """The same step as if measured: every event later and longer, plus an overlapping async send."""
+    """The same step as if measured: every event later and longer."""
     events = [Event(e.rank, e.index, e.text, e.kind, e.stream, e.start * slowdown, e.end * slowdown)
               for e in timeline.events]
     return Timeline("measured", timeline.ranks, tuple(events), timeline.flows, timeline.memory,
                     timeline.step_time * slowdown, timeline.plan)
 
 
-def test_simulated_inputs_are_sane(demo):
+def test_compiled_demo_timeline_is_sane(demo):
     program, timeline = demo
-    assert {e.rank for e in timeline.events} == {0, 1, 2, 3}
-    assert len(timeline.events) == sum(len(rp.instrs) for rp in program.ranks)
+    assert {e.rank for e in timeline.events} == {r.rank for r in timeline.ranks} == {0, 1, 2, 3}
+    assert all(e.text == str(program.ranks[e.rank].instrs[e.index]) for e in timeline.events)
     sends = sum(1 for rp in program.ranks for i in rp.instrs if i.OP == "send")
     assert len(timeline.flows) == sends
-    assert 0 < timeline.bubble_fraction(0) < 1
+    assert {m.rank for m in timeline.memory} == {0, 1, 2, 3}
+    assert all(0 < timeline.bubble_fraction(r.rank) < 1 for r in timeline.ranks)
 
 
 # ---------------------------------------------------------------- encoding
@@ -139,7 +144,7 @@ def test_encoding_decodes_back_to_the_events(demo):
     for k in range(0, len(flat), 3):   # each flow joins a send to a receive
         assert texts[flat[k]].startswith("send") and texts[flat[k + 1]].startswith("recv")
     assert data["ranks"]["bubble"] == [round(timeline.bubble_fraction(r), 4) for r in ranks]
-    assert tokens_per_s(timeline) == pytest.approx(demo_plan().microbatches * 64 / timeline.step_time)
+    assert tokens_per_s(timeline) == pytest.approx(8 * 32 / timeline.step_time)   # global batch x seq
 
 
 @pytest.mark.parametrize("text", ["fwd ms=3 mb=17", "all_gather params ms=0 group=dp.s0.p0 h=4",
@@ -191,18 +196,18 @@ def test_chrome_trace_of_the_demo_validates(demo):
     _assert_valid_trace(trace)
     events = trace["traceEvents"]
     names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
-    assert names[2] == "rank 2 · cpu node0[2] · stage 1 lane 0"
+    assert names[2] == "rank 2 · cpu host[1, 0] · stage 1 lane 1"
     threads = {(e["pid"], e["args"]["name"]) for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
-    assert {(0, "compute"), (0, "p2p"), (0, "collective")} <= threads
+    assert {(1, "compute"), (1, "p2p"), (1, "collective")} <= threads
     slices = {(e["pid"], e["args"]["index"]): e["name"] for e in events if e["ph"] == "X"}
-    assert slices == {(rp.rank, i): str(instr) for rp in program.ranks for i, instr in enumerate(rp.instrs)}
+    assert slices == {(e.rank, e.index): str(program.ranks[e.rank].instrs[e.index]) for e in timeline.events}
     assert sum(e["ph"] == "s" for e in events) == len(timeline.flows)
     counters = [e for e in events if e["ph"] == "C"]
-    assert len(counters) == len(timeline.memory) and all("bytes" in c["args"] for c in counters)
+    assert len(counters) == len(timeline.memory) > 0 and all("bytes" in c["args"] for c in counters)
 
 
 def test_chrome_trace_packs_overlapping_events_into_nesting_threads():
-    ranks = demo_plan_timeline_ranks()
+    ranks = (RankInfo(0, 0, 0, "cpu", "host[0]", 4e9), RankInfo(1, 1, 0, "cpu", "host[1]", 4e9))
     overlapping = (Event(0, 0, "send act ms=0 mb=0 to=1 shape=2 h=1", EventKind.SEND, Stream.P2P, 0.0, 2.0),
                    Event(0, 1, "send act ms=0 mb=1 to=1 shape=2 h=2", EventKind.SEND, Stream.P2P, 1.0, 3.0),
                    Event(0, 2, "fwd ms=0 mb=0", EventKind.FORWARD, Stream.COMPUTE, 0.0, 1.0),
@@ -214,11 +219,6 @@ def test_chrome_trace_packs_overlapping_events_into_nesting_threads():
     assert len(p2p_tids) == 2
     thread_names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name" and e["pid"] == 0}
     assert {"p2p", "p2p #2", "compute"} <= thread_names
-
-
-def demo_plan_timeline_ranks():
-    from hetc.timeline import RankInfo
-    return (RankInfo(0, 0, 0, "cpu", "host[0]", 4e9), RankInfo(1, 1, 0, "cpu", "host[1]", 4e9))
 
 
 def test_chrome_trace_of_a_comparison_keeps_both_apart(demo):
@@ -233,41 +233,18 @@ def test_chrome_trace_of_a_comparison_keeps_both_apart(demo):
 
 
 def test_cli_text_grid(demo_dir, capsys):
-    assert hetc_main(["viz", str(demo_dir), "--text", "--ranks", "0,2-3"]) == 0
-    out = capsys.readouterr().out
-    assert "rank 0 s0/l0" in out and "rank 2 s1/l0" in out and "rank 3 s1/l1" in out and "rank 1 " not in out
-    program = read_program(demo_dir)
-    assert out.count("\nstep ") == max(len(program.ranks[r].instrs) for r in (0, 2, 3))
-
-
-@pytest.fixture(scope="module")
-def compiled_demo(tmp_path_factory) -> Path:
-    """The real demo's pipeline plan, as `hetc compile` writes it."""
-    out = tmp_path_factory.mktemp("compiled") / "pp"
-    assert hetc_main(["compile", str(Path(__file__).parent.parent / "specs" / "demo" / "pp.het"), "-o", str(out)]) == 0
-    return out
-
-
-def test_cli_text_grid_of_a_compiled_demo(compiled_demo, capsys):
     capsys.readouterr()
-    assert hetc_main(["viz", str(compiled_demo), "--text"]) == 0
+    assert hetc_main(["viz", str(demo_dir), "--text"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    program = read_program(compiled_demo)
+    program = read_program(demo_dir)
     assert lines[0].split() == [w for rp in program.ranks for w in ("rank", str(rp.rank), f"s{rp.stage}/l{rp.lane}")]
     assert len(lines) == 1 + max(len(rp.instrs) for rp in program.ranks)
     first = {rp.rank: short_text(rp.instrs[0]) for rp in program.ranks}
     assert all(text in lines[1] for text in first.values())
-
-
-def test_compiled_demo_page_and_chrome_trace(compiled_demo, tmp_path, chromium):
-    if not (compiled_demo / "timeline.json").is_file():
-        pytest.skip("`hetc compile` writes no timeline.json yet (the simulator pass)")
-    page, trace = tmp_path / "demo.html", tmp_path / "demo.json"
-    assert hetc_main(["viz", str(compiled_demo), "-o", str(page), "--chrome-trace", str(trace)]) == 0
-    timeline = Timeline.from_json((compiled_demo / "timeline.json").read_text())
-    _assert_everything_in_dom(_open(chromium, page), timeline)
-    _assert_valid_trace(json.loads(trace.read_text()))
-    screenshot(page, tmp_path / "demo.png", chromium=chromium)
+    assert hetc_main(["viz", str(demo_dir), "--text", "--ranks", "0,2-3"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0 s0/l0" in out and "rank 2 s1/l1" in out and "rank 3 s2/l0" in out and "rank 1 " not in out
+    assert out.count("\nstep ") == max(len(program.ranks[r].instrs) for r in (0, 2, 3))
 
 
 def test_cli_page_and_chrome_trace(demo_dir, tmp_path, capsys):
@@ -278,6 +255,16 @@ def test_cli_page_and_chrome_trace(demo_dir, tmp_path, capsys):
     assert not re.search(r"""<(script|link|img)[^>]+(src|href)=["']?https?:""", text)   # nothing fetched
     _assert_valid_trace(json.loads(trace.read_text()))
     assert "wrote" in capsys.readouterr().out
+
+
+def test_side_panel_lists_each_plan_fact_once(demo):
+    _, timeline = demo
+    assert ("ranks", "4") in timeline.plan   # compile's plan facts count the ranks themselves
+    text = render_page([timeline])
+    assert text.count("<dt>ranks</dt>") == 1 and text.count("<dt>schedule</dt>") == 1
+    bare = dataclasses.replace(timeline, plan=(("schedule", "1f1b"), ("schedule", "gpipe")))
+    text = render_page([bare])   # facts without a rank count get one; a repeated key shows its first value
+    assert "<dt>ranks</dt><dd>4</dd>" in text and text.count("<dt>schedule</dt>") == 1 and "<dd>gpipe</dd>" not in text
 
 
 def test_cli_measured_and_compare(demo, demo_dir, tmp_path):
@@ -388,10 +375,16 @@ def _open(chromium: str, page: Path, fragment: str = "") -> _Index:
 def _assert_everything_in_dom(index: _Index, timeline: Timeline) -> None:
     rows = {int(r["data-rank"]): r for r in index.rows if r["data-view"] == timeline.source}
     assert rows.keys() == {r.rank for r in timeline.ranks}
+    peaks: dict[int, float] = {}
+    for m in timeline.memory:
+        peaks[m.rank] = max(peaks.get(m.rank, 0.0), m.nbytes)
     for info in timeline.ranks:
         row = rows[info.rank]
         assert (int(row["data-stage"]), int(row["data-lane"]), row["data-device"]) == (info.stage, info.lane,
                                                                                         info.device)
+        # the curve the page draws for the rank, against its capacity
+        assert (float(row["data-mem-peak"]), float(row["data-capacity"])) == \
+            (round(peaks.get(info.rank, 0.0)), round(info.capacity))
     bubbles = timeline.bubble_fractions()
     assert all(float(rows[r]["data-bubble"]) == pytest.approx(b, abs=1e-4) for r, b in bubbles.items())
     blocks = {(b["rank"], int(b["data-index"])): b for b in index.blocks if b["view"] == timeline.source}
@@ -402,19 +395,18 @@ def _assert_everything_in_dom(index: _Index, timeline: Timeline) -> None:
         assert float(b["data-start"]) == pytest.approx(e.start, abs=1e-6 * timeline.step_time + 1e-9)
 
 
-def test_demo_page_in_chromium(chromium, demo, tmp_path):
+def test_demo_page_in_chromium(chromium, demo, demo_dir, tmp_path):
     _, timeline = demo
     page = tmp_path / "demo.html"
-    page.write_text(render_page([timeline], "demo schedule"))
+    assert hetc_main(["viz", str(demo_dir), "-o", str(page), "--title", "demo schedule"]) == 0
     _assert_everything_in_dom(_open(chromium, page), timeline)
-    png = screenshot(page, tmp_path / "demo.png", chromium=chromium)
+    png = screenshot(page, tmp_path / "demo.png", chromium=chromium, fragment="mem=peak")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
 
 
 def test_64_rank_heterogeneous_page_in_chromium(chromium, tmp_path):
-    program = synth_program(HETERO_64)
-    timeline = simulate(HETERO_64, program)
-    assert len(timeline.ranks) == 64
+    timeline = compile_spec(HETERO_64_SPEC).timeline
+    assert len(timeline.ranks) == 64 and {r.device for r in timeline.ranks} == {"T4", "A100-40", "H100"}
     page = tmp_path / "hetero64.html"
     page.write_text(render_page([timeline], "64 ranks"))
     _assert_everything_in_dom(_open(chromium, page), timeline)
@@ -427,20 +419,21 @@ def test_comparison_page_and_deep_link_in_chromium(chromium, demo, tmp_path):
     measured = _measured(timeline)
     page = tmp_path / "compare.html"
     page.write_text(render_page([timeline, measured]))
-    index = _open(chromium, page, fragment="rank=2&index=5&view=measured")
+    forward = next(e for e in timeline.events if e.rank == 2 and e.kind is EventKind.FORWARD)
+    index = _open(chromium, page, fragment=f"rank=2&index={forward.index}&view=measured")
     _assert_everything_in_dom(index, timeline)
     _assert_everything_in_dom(index, measured)
     shown = [r for r in index.rows if "hidden" not in r]   # the deep link lists rank 2 in both views
     assert {(r["data-view"], r["data-rank"]) for r in shown} == {("predicted", "2"), ("measured", "2")}
     current = [b for b in index.blocks if "current" in b["class"].split()]
-    assert [(b["view"], b["rank"], b["data-index"]) for b in current] == [("measured", 2, "5")]
-    screenshot(page, tmp_path / "compare.png", chromium=chromium, fragment="rank=2&index=5&q=mb%3D2")
+    assert [(b["view"], b["rank"], b["data-index"]) for b in current] == [("measured", 2, str(forward.index))]
+    screenshot(page, tmp_path / "compare.png", chromium=chromium, fragment=f"rank=2&index={forward.index}&q=mb%3D2")
 
 
 @pytest.mark.slow
 def test_1024_rank_page_is_small_and_opens_fast(chromium, tmp_path):
-    plan = scaled_plan(num_stages=16, num_lanes=64, per_lane=8)
-    timeline = simulate(plan, synth_program(plan))
+    timeline = compile_spec(PLAN_1024_SPEC).timeline
+    assert len(timeline.ranks) == 1024 and len(timeline.memory) > 1024
     page = tmp_path / "big.html"
     page.write_text(render_page([timeline]))
     size_mb = page.stat().st_size / 1e6
