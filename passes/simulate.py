@@ -9,6 +9,11 @@ on the rank's copy stream. `wait` holds the issuing thread until the work
 is done, and a blocking instruction is its own wait. The step ends when
 the last rank finishes. This is the same blocking model the verifier
 checks, with time added, so verified programs always simulate to the end.
+The compute of a ministage with tensor/context parallelism runs its
+collectives inside (Note [compute collectives] in hetc/program.py), so the
+ranks of its lane run it in lockstep: it starts when the last of them
+reaches it and takes the slowest one's time, which the cost model's
+`compute_time` gives with the TP/CP communication included.
 
 Note [memory samples]: the memory check's walk (`rank_levels`) gives each
 rank's bytes in use while each instruction runs; the simulator knows when
@@ -144,23 +149,46 @@ class _Sim:
         self._event(recv.rank, recv.index, start, end)
         self.flows.append(Flow(send.rank, send.index, recv.rank, recv.index, nbytes))
 
-    def _post_collective(self, op: _Op) -> None:
-        group = op.instr.group
-        members = self.members[group]
-        k = self.count.get((group, op.rank), 0)
-        self.count[(group, op.rank)] = k + 1
-        calls = self.calls.setdefault(group, [])
+    def _lockstep(self, rank: int, instr) -> bool:
+        if not isinstance(instr, (Forward, Backward, BackwardInput, BackwardWeight)):
+            return False
+        shard = self.shards[rank].get(instr.ms)
+        return shard is not None and bool(shard.compute_groups)
+
+    def _post_lockstep(self, op: _Op) -> None:
+        """A compute op with tp/cp collectives: every rank of the lane together, the slowest one's time."""
+        lane = self.pipeline.lane_of_rank[op.rank].ranks
+        calls = self._call(f"compute:{lane}", op)
+        if len(calls) < len(lane):
+            return
+        start = max(o.post for o in calls)
+        end = start + max(self._compute(o.rank, o.instr) for o in calls)
+        for o in calls:
+            o.end = end
+            self._event(o.rank, o.index, start, end)
+
+    def _call(self, key: str, op: _Op) -> list[_Op]:
+        """Count `op` as its rank's next call on `key`; the posts of that call so far."""
+        k = self.count.get((key, op.rank), 0)
+        self.count[(key, op.rank)] = k + 1
+        calls = self.calls.setdefault(key, [])
         if k == len(calls):
             calls.append([])
         calls[k].append(op)
-        if len(calls[k]) < len(members):
+        return calls[k]
+
+    def _post_collective(self, op: _Op) -> None:
+        group = op.instr.group
+        members = self.members[group]
+        calls = self._call(group, op)
+        if len(calls) < len(members):
             return
-        start = max(o.post for o in calls[k])
+        start = max(o.post for o in calls)
         kind = type(op.instr).__name__
         name = {"AllGather": "all_gather", "ReduceScatter": "reduce_scatter", "AllReduce": "all_reduce",
                 "AllToAll": "all_to_all"}[kind]
         end = start + self.costs.collective_time(name, members, self._collective_bytes(op.rank, op.instr))
-        for o in calls[k]:
+        for o in calls:
             o.end = end
             self._event(o.rank, o.index, start, end)
 
@@ -191,6 +219,11 @@ class _Sim:
                 if op.end is None:
                     return moved
                 state.t = max(state.t, op.end)
+            elif self._lockstep(r, instr):
+                op = _Op(r, state.pc, instr, state.t)
+                self._post_lockstep(op)
+                state.blocking = op
+                continue
             elif isinstance(instr, (Forward, Backward, BackwardInput, BackwardWeight, Step, Load, Free)):
                 duration = self._compute(r, instr)
                 if duration > 0:

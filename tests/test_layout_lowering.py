@@ -111,3 +111,24 @@ def test_a_send_and_a_receive_of_different_pieces_do_not_match():
     assert err.check == "protocol" and err.rank == 2
     assert "receives a different message than is sent; the next message from rank 0 is `send act ms=0 mb=0 to=2 " \
         "shape=2x8x64 seq=0:8" in str(err)
+
+
+# ---------------------------------------------------------------- the predicted timeline
+
+
+@pytest.mark.parametrize("plan", ["tp_to_cp", "tp2_cp2", "hetero_tp"])
+def test_a_lane_runs_tp_cp_compute_in_lockstep_in_the_timeline(plan):
+    from hetc.passes.cost import CostModel
+    from hetc.passes.simulate import simulate
+
+    lowered = compile_plan(DEMO / f"{plan}.het")
+    timeline = simulate(lowered.program, lowered.pipeline, lowered.spec,
+                        CostModel(lowered.spec, lowered.pipeline, lowered.topology))
+    starts: dict[tuple, set[float]] = {}
+    for e in timeline.events:
+        stage = lowered.pipeline.stage_of_rank[e.rank]
+        if e.text.startswith(("fwd", "bwd")) and stage.tp * stage.cp > 1:
+            lane = lowered.pipeline.lane_of_rank[e.rank].ranks
+            starts.setdefault((lane, e.text), set()).add(round(e.start, 12))
+    assert starts and all(len(s) == 1 for s in starts.values()), \
+        {k: s for k, s in starts.items() if len(s) > 1}
