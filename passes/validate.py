@@ -182,6 +182,10 @@ def _check_layout(m, st, errors) -> None:
         field, why = problem
         errors.append(Diagnostic(st.span_of(field), f"{why}, but seq ({m.seq}) does not split so: stage "
                                  f"'{st.name}' has no block layout for its borders"))
+    if st.tp > 1 and m.moe is not None:
+        errors.append(Diagnostic(st.span_of("tp"), f"stage '{st.name}' splits MoE blocks over tp ({st.tp}), which "
+                                 "hetc does not implement (nor expert parallelism yet); use tp = 1 with cp or "
+                                 "lanes"))
     if st.cp > 1 and st.cp_kind is CPKind.ULYSSES and m.heads % st.tp == 0 and (m.heads // st.tp) % st.cp:
         errors.append(Diagnostic(st.span_of("cp"), f"Ulysses spreads the {m.heads // st.tp} query heads of each "
                                  f"tp rank over cp ({st.cp}) ranks in stage '{st.name}'; use ring attention "

@@ -321,8 +321,9 @@ class Interpreter:
         self._post(instr, self.comm.all_reduce(total, group), done)
 
     def _all_to_all(self, instr: AllToAll) -> None:
-        raise ProtocolError("layout transforms (all_to_all) need tensor/context parallel kernels, "
-                            "which this runtime does not have yet")
+        raise ProtocolError("all_to_all of boundary tensors has no runtime: hetc lowers layout transforms "
+                            "to point-to-point pieces (send/recv seq=a:b), and Ulysses' all-to-alls run "
+                            "inside the compute of its ministages")
 
     # ------------------------------------------------------------ optimizer
 

@@ -19,7 +19,7 @@ import traceback
 import pytest
 import torch.multiprocessing as mp
 
-from hetc.spec import Arch, CPKind, DType, ModelSpec
+from hetc.spec import Arch, Checkpointing, CPKind, DType, ModelSpec
 
 WORLD = 4
 TIMEOUT_S = 120
@@ -32,12 +32,15 @@ class Case:
     cp_kind: CPKind = CPKind.RING
     sequence_parallel: bool = False
     arch: Arch = Arch.LLAMA
+    checkpoint: Checkpointing = Checkpointing.NONE     # recomputation reruns the collectives in backward
 
     @property
     def name(self) -> str:
         parts = [f"tp{self.tp}"] + (["sp"] if self.sequence_parallel else [])
         parts += [f"{self.cp_kind.value}{self.cp}"] if self.cp > 1 else []
-        return "-".join(parts + ([self.arch.value] if self.arch is not Arch.LLAMA else []))
+        parts += [self.arch.value] if self.arch is not Arch.LLAMA else []
+        return "-".join(parts + ([f"ckpt-{self.checkpoint.value}"] if self.checkpoint is not Checkpointing.NONE
+                                 else []))
 
 
 CASES = [
@@ -50,12 +53,14 @@ CASES = [
     Case(tp=2, cp=2, sequence_parallel=True),
     Case(tp=2, cp=2, cp_kind=CPKind.ULYSSES),
     Case(tp=2, cp=2, sequence_parallel=True, arch=Arch.GPT),
+    Case(tp=2, cp=2, sequence_parallel=True, checkpoint=Checkpointing.FULL),
+    Case(cp=2, checkpoint=Checkpointing.SELECTIVE),
 ]
 
 
 def model_for(case: Case) -> ModelSpec:
     return ModelSpec(arch=case.arch, layers=2, hidden=32, heads=4, kv_heads=2, ffn=40, vocab=64, seq=16,
-                     dtype=DType.FP32)
+                     dtype=DType.FP32, activation_checkpoint=case.checkpoint)
 
 
 @pytest.fixture(scope="module")
