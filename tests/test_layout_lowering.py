@@ -132,3 +132,24 @@ def test_a_lane_runs_tp_cp_compute_in_lockstep_in_the_timeline(plan):
             starts.setdefault((lane, e.text), set()).add(round(e.start, 12))
     assert starts and all(len(s) == 1 for s in starts.values()), \
         {k: s for k, s in starts.items() if len(s) > 1}
+
+
+def test_a_lane_out_of_rank_order_is_a_located_error_where_the_order_matters(tmp_path):
+    from hetc.errors import SpecError
+    from hetc.frontend import load_checked
+    from hetc.passes.lower import lower
+
+    def compile_text(extra: str):
+        spec = tmp_path / "desc.het"
+        spec.write_text(f'use "{DEMO / "job.het"}"\nparallel {{\n  stage all {{\n    layers = embed..head\n'
+                        f'    ranks = [host[1, 1], host[1, 0]]\n    lanes = 1\n    tp = 2\n{extra}  }}\n'
+                        '  idle = [host[0]]\n}\n')
+        _, checked = load_checked(spec, require_complete=True)
+        return lower(checked.spec, checked.pipeline)
+
+    assert compile_text("")            # plain TP all-reduces do not care in which order torch numbers the ranks
+    with pytest.raises(SpecError) as caught:
+        compile_text("    sequence_parallel = true\n")
+    diag = caught.value.diagnostics[0]
+    assert (diag.span.line, diag.span.col) == (5, 13)
+    assert "group tp.s0.l0.c0 of stage 'all' are not in ascending order along the lane" in diag.message

@@ -28,7 +28,7 @@ from hetc.errors import Diagnostic, SpecError
 from hetc.layout import Range, boundary_ranges, held_length, transfers
 from hetc.pipeline import Lane, Pipeline, Stage
 from hetc.program import Group, Instr, RankProgram, Tensor
-from hetc.spec import Spec, ZeroShard
+from hetc.spec import CPKind, Spec, ZeroShard
 
 __all__ = ["LowerContext", "RankPlace", "Message", "next_handle"]
 
@@ -179,17 +179,28 @@ class LowerContext:
         for place in self.places:
             for name in self._groups_of(place):
                 named.setdefault(name, []).append(place.rank)
-        for name, ranks in named.items():
-            if name.startswith(("tp.", "cp.")) and ranks != sorted(ranks):
-                raise self._lane_order_error(self.places[ranks[0]].stage, name)
+        for place in self.places:
+            self._check_lane_order(place)
         return tuple(Group(n, tuple(sorted(r))) for n, r in named.items())
 
+    def _check_lane_order(self, place: RankPlace) -> None:
+        """torch numbers a group's members by global rank; a lane's tp and cp ranks must follow that order
+        (sequence-parallel gathers and Ulysses' all-to-alls concatenate in it)."""
+        stage, ranks = place.stage, place.lane.ranks
+        ordered = []
+        if stage.sequence_parallel and stage.tp > 1:
+            ordered.append((self.tp_group(place), ranks[place.cp_rank * stage.tp:(place.cp_rank + 1) * stage.tp]))
+        if stage.cp > 1 and stage.cp_kind is CPKind.ULYSSES:
+            ordered.append((self.cp_group(place), ranks[place.tp_rank::stage.tp]))
+        for name, members in ordered:
+            if list(members) != sorted(members):
+                raise self._lane_order_error(stage, name)
+
     def _lane_order_error(self, stage: Stage, group: str) -> SpecError:
-        """torch numbers a group's members by global rank; tp/cp ranks must follow that order."""
         st = self.spec.parallel.stages[stage.index]
         return SpecError(Diagnostic(st.span_of("ranks"), f"the ranks of group {group} of stage '{st.name}' are "
-                                    "not in ascending order along the lane; list each lane's GPUs in rank "
-                                    "order when tp or cp > 1"))
+                                    "not in ascending order along the lane, which sequence parallelism and "
+                                    "Ulysses need; list each lane's GPUs in rank order"))
 
     def _groups_of(self, place: RankPlace) -> list[str]:
         lane = [g for g in (self.tp_group(place), self.cp_group(place)) if g]
