@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Protocol
 
 from hetc.spec import CPKind
@@ -161,7 +162,7 @@ def describe(ranges: Sequence[Range]) -> str:
 def tiling_problem(pieces: Sequence[Range], needed: Sequence[Range]) -> str | None:
     """Why `pieces` do not cover exactly the tokens of `needed`, each once, or None."""
     ordered = sorted(pieces)
-    for (_, b), (c, d) in zip(ordered, ordered[1:]):
+    for (_, b), (c, d) in pairwise(ordered):
         if c < b:
             return f"tokens {c}:{min(b, d)} arrive twice"
     if _merged(ordered) != _merged(sorted(needed)):
@@ -207,7 +208,7 @@ def _cover(rng: Range, q: int, giving: Sequence[Sequence[Range]]) -> list[Piece]
     cuts = sorted({rng[0], rng[1], *(e for held in giving for r in held for e in r if rng[0] < e < rng[1])})
     pieces: list[tuple[int, Range, Range]] = []    # (giver, its held range, tokens)
     n = len(giving)
-    for a, b in zip(cuts, cuts[1:]):
+    for a, b in pairwise(cuts):
         holders = [(p, r) for p, held in enumerate(giving) for r in held if r[0] <= a and b <= r[1]]
         if not holders:
             raise ValueError(f"tokens {a}:{b} are needed by lane position {q} but held by no position "

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
-
 from hetc.runtime.attention import AttentionCore, causal_attention
 from hetc.runtime.tensor_parallel import conjugate
+from torch import Tensor
 
 __all__ = ["UlyssesAttention", "seq_to_heads", "heads_to_seq", "kv_repeats"]
 

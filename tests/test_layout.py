@@ -8,8 +8,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hetc.layout import (Piece, attention_ranges, boundary_ranges, layout_problem, local_slice, positions,
-                         seq_chunks, transfers)
+from hetc.layout import (
+    Piece,
+    attention_ranges,
+    boundary_ranges,
+    layout_problem,
+    local_slice,
+    positions,
+    seq_chunks,
+    transfers,
+)
 from hetc.spec import CPKind
 
 
@@ -50,8 +58,8 @@ def test_sequence_parallelism_splits_the_cp_ranks_tokens_over_tp():
 def test_granularity_and_problems():
     assert seq_chunks(L(tp=2, cp=2, sequence_parallel=True)) == 8
     assert seq_chunks(L(tp=2, cp=3, cp_kind=CPKind.ULYSSES)) == 3
-    assert layout_problem(L(cp=6), 42) == ("cp", "ring attention with cp (6) cuts the sequence into 2·cp = 12 "
-                                                 "zigzag chunks")
+    assert layout_problem(L(cp=6), 42) == ("cp", ("ring attention with cp (6) cuts the sequence into 2·cp = 12 "
+                                                  "zigzag chunks"))
     assert layout_problem(L(cp=3), 32) == ("cp", "cp (3) cuts the sequence into 3 slices")
     assert layout_problem(L(tp=3, cp=2, sequence_parallel=True, cp_kind=CPKind.ULYSSES), 32) == \
         ("tp", "sequence parallelism splits each cp rank's 16 tokens over tp (3) ranks")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
 from hetc.passes.verify import VerifyError, verify
+
 from hetc.program import Forward, Program, Recv, Send, Wait
 from tests.conftest import DEMO
 from tests.plans import compile_plan
@@ -25,8 +25,9 @@ def test_a_tp_to_cp_border_sends_each_ring_rank_its_zigzag_chunks():
         ["send act ms=0 mb=0 to=3 shape=2x16x64 seq=8:24 h=12"]
     # gradients back: every tp rank receives every token, from the ring rank that holds it
     grads = [s.rsplit(" h=", 1)[0] for s in _listing("tp_to_cp", 1) if s.startswith("recv grad ms=1 mb=0")]
-    assert grads == ["recv grad ms=1 mb=0 from=2 shape=2x8x64 seq=0:8", "recv grad ms=1 mb=0 from=3 shape=2x16x64 "
-                     "seq=8:24", "recv grad ms=1 mb=0 from=2 shape=2x8x64 seq=24:32"]
+    assert grads == ["recv grad ms=1 mb=0 from=2 shape=2x8x64 seq=0:8",
+                     "recv grad ms=1 mb=0 from=3 shape=2x16x64 seq=8:24",
+                     "recv grad ms=1 mb=0 from=2 shape=2x8x64 seq=24:32"]
 
 
 def test_agreeing_layouts_send_whole_tensors():
@@ -135,9 +136,10 @@ def test_a_lane_runs_tp_cp_compute_in_lockstep_in_the_timeline(plan):
 
 
 def test_a_lane_out_of_rank_order_is_a_located_error_where_the_order_matters(tmp_path):
+    from hetc.passes.lower import lower
+
     from hetc.errors import SpecError
     from hetc.frontend import load_checked
-    from hetc.passes.lower import lower
 
     def compile_text(extra: str):
         spec = tmp_path / "desc.het"
