@@ -1,0 +1,330 @@
+"""Score a candidate with the cost model's formulas, once per class of alike ranks.
+
+This is `CostModel.estimate()` (passes/cost/plan_time.py and estimate.py)
+restated for the planner: the same lane timings, schedule formulas
+(`pipeline_time`, `sequential_time`), tail after the flush and per-rank
+memory, but each quantity is computed once per class of ranks that the
+cost model would time alike (same stage, device kind and microbatch count;
+same peer node groups) instead of once per rank, so that 2048 ranks score
+in milliseconds. tests/test_plan_evaluate.py holds it equal to the full
+estimate on plans of every schedule, ZeRO level and offload.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from hetc.passes.cost import RankMemory
+from hetc.passes.cost.memory import GRAD_BUCKET_PARAMS, in_flight, shard_factors
+from hetc.passes.cost.schedule import LaneTiming, Unit, UnitLane, pipeline_time, sequential_time
+from hetc.passes.cost.shapes import LayerKind
+from hetc.passes.plan.costs import Primitives
+from hetc.passes.plan.egress import egress_per_step
+from hetc.passes.plan.views import PlanView, StageView
+
+from hetc.spec import Checkpointing, ScheduleKind, ZeroShard
+from hetc.topology import Gpu
+
+__all__ = ["Score", "StageCosts", "evaluate", "unit_lane_times"]
+
+
+@dataclass(frozen=True)
+class Score:
+    step_time_s: float
+    pipeline_s: float
+    bubble_s: float
+    tail_s: float
+    tokens_per_step: int
+    memory: tuple[RankMemory, ...]    # one per class of alike ranks; `ranks` expands them
+    classes: tuple[tuple[int, ...], ...]   # GPU ids of each memory entry
+    price_per_hour: float
+    egress_per_step: float            # $ per step for bytes crossing priced links
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_time_s if self.step_time_s > 0 else 0.0
+
+    @property
+    def fits(self) -> bool:
+        return all(m.fits for m in self.memory)
+
+    @property
+    def dollars_per_token(self) -> float:
+        per_step = self.price_per_hour * self.step_time_s / 3600 + self.egress_per_step
+        return per_step / self.tokens_per_step
+
+    @property
+    def dollars_per_hour(self) -> float:
+        """GPU rent plus egress at this step rate."""
+        return self.price_per_hour + (self.egress_per_step * 3600 / self.step_time_s if self.step_time_s else 0.0)
+
+
+class StageCosts:
+    """Per-stage quantities of the cost model, for one stage of a plan view."""
+
+    def __init__(self, prims: Primitives, plan: PlanView, stage: StageView):
+        self.p, self.plan, self.s = prims, plan, stage
+        self.last_ms = len(plan.ministages) - 1
+        self._statics: dict[int | None, tuple[float, float, float, float, float]] = {}
+
+    # ------------------------------------------------------------ layers
+
+    @cached_property
+    def layer_counts(self) -> tuple[int, int, int]:
+        """(embed, blocks, head) units this stage owns."""
+        head = self.p.model.layers + 1
+        idx = [i for ms in self.s.ministages for i in range(*self.plan.ministages[ms][:2])]
+        return (idx.count(0), sum(1 for i in idx if 0 < i < head), idx.count(head))
+
+    def ministage_units(self, ms: int) -> tuple[int, int, int]:
+        first, stop, _ = self.plan.ministages[ms]
+        head = self.p.model.layers + 1
+        return (int(first == 0), len(range(max(first, 1), min(stop, head))), int(stop > head))
+
+    def _sum(self, units: tuple[int, int, int], per_kind) -> float:
+        return sum(n * per_kind(kind) for n, kind in zip(units, _KINDS) if n)
+
+    def numel(self, units: tuple[int, int, int] | None = None) -> float:
+        return self._sum(units or self.layer_counts, lambda k: self.p.params(k, self.s.tp))
+
+    def boundary_bytes(self, ms: int) -> float:
+        return 0.0 if ms == self.last_ms else self.p.boundary
+
+    @cached_property
+    def ms_numel(self) -> list[float]:
+        return [self.numel(self.ministage_units(ms)) for ms in self.s.ministages]
+
+    def compute(self, lane: int, units: tuple[int, int, int] | None = None) -> tuple[float, float, float]:
+        """(F, I, W) seconds of one microbatch through `units` (default: the stage) on a lane."""
+        gpus = self.s.lanes[lane]
+        boundary0 = 0.0 if self.last_ms == 0 else self.p.boundary
+        return self.p.lane_compute(tuple(g.device.name for g in gpus), self.s.tp, tuple(g.id for g in gpus),
+                                   boundary0, units or self.layer_counts)
+
+    # ------------------------------------------------------------ communication
+
+    def border(self, lane: int, other: int, ms: int) -> float:
+        peer = self.plan.peer_gpu(self.s.index, lane, other)
+        share = self.boundary_bytes(ms) / self.s.tp
+        return self.p.p2p(self.s.lanes[lane][0], peer, share, self.s.concurrent(lane))
+
+    def p2p(self, lane: int) -> float:
+        total = 0.0
+        for ms in self.s.ministages:
+            for nb, border in ((ms - 1, ms - 1), (ms + 1, ms)):
+                if 0 <= nb <= self.last_ms and self.plan.stage_of_ministage(nb) != self.s.index:
+                    total += self.border(lane, self.plan.stage_of_ministage(nb), border)
+        return total
+
+    def shard(self, lane: int):
+        return shard_factors(self.s.zero, len(self.s.ring), self.s.node_share(lane))
+
+    def zero_ring(self, lane: int) -> tuple[int, ...]:
+        return self.s.res.node_ring(lane) if self.s.zero.shard is ZeroShard.NODE else self.s.ring
+
+    def overlapped(self, lane: int) -> float:
+        level, off = int(self.s.zero.level), self.s.knobs.offload
+        if self.plan.schedule is ScheduleKind.ZORSE or (level < 2 and not off.params):
+            return 0.0
+        nbytes = self.numel() * self.p.delta
+        k, ring = self.s.concurrent(lane), self.zero_ring(lane)
+        total = self.p.ring("reduce_scatter", ring, nbytes, k) if level >= 2 else 0.0
+        if level >= 3:
+            total += 2 * self.p.ring("all_gather", ring, nbytes, k)
+        if off.params:
+            total += 2 * self.p.copy(self.s.lanes[lane][0], nbytes * self.shard(lane).params)
+        return total
+
+    def sync(self, lane: int, per_ministage: bool = False) -> float:
+        level = int(self.s.zero.level)
+        nbytes = self.numel() * self.p.delta
+        k = self.s.concurrent(lane)
+        if self.s.zero.shard is ZeroShard.NODE:
+            node = self.s.res.node_ring(lane)
+            inner = self.p.ring("reduce_scatter", node, nbytes, k) + self.p.ring("all_gather", node, nbytes, k)
+            return inner + self.p.ring("all_reduce", self.s.res.across_ring(lane), nbytes / max(len(node), 1), k)
+        ring = self.s.ring
+        if level <= 1:
+            return self.p.ring("all_reduce", ring, nbytes, k)
+        gather = self.p.ring("all_gather", ring, nbytes, k) if level == 2 else 0.0
+        if per_ministage:
+            return self.p.ring("reduce_scatter", ring, nbytes, k) + gather
+        # the last microbatch's reduce-scatter overlaps its backward bucket by bucket: the last bucket shows
+        last_bucket = min(nbytes, GRAD_BUCKET_PARAMS * self.p.delta)
+        return self.p.ring("reduce_scatter", ring, last_bucket, k) + gather
+
+    def optimizer(self, lane: int) -> float:
+        numel = self.numel() * self.shard(lane).optimizer
+        gpu = self.s.lanes[lane][0]
+        on_host = self.s.knobs.offload.optimizer
+        t = self.p.optimizer(gpu, numel, on_host)
+        if on_host:
+            t += self.p.copy(gpu, numel * (self.p.states.grads + self.p.states.params))
+        return t
+
+    # ------------------------------------------------------------ memory
+
+    def memory(self, lane: int, gpu: Gpu, count: int) -> RankMemory:
+        """Mirrors estimate._memory for a rank of `lane` serving `count` microbatches."""
+        params, grads, optimizer, buffers, host = self._static(self.s.node_share(lane))
+        acts, acts_host = self._activations(count)
+        return RankMemory(gpu.id, str(gpu), gpu.device.name, self.s.index, params, grads, optimizer, acts,
+                          buffers, self.p.context(gpu), gpu.device.memory, host + acts_host)
+
+    def fits(self, lane: int, count: int) -> bool:
+        """Whether every rank of `lane` fits serving `count` microbatches."""
+        params, grads, optimizer, buffers, _ = self._static(self.s.node_share(lane))
+        acts = self._activations(count)[0]
+        return all(params + grads + optimizer + acts + buffers + self.p.context(g) <= g.device.memory
+                   for g in self.s.lanes[lane])
+
+    def _static(self, node_share: int | None) -> tuple[float, float, float, float, float]:
+        """(params, grads, optimizer, buffers, host) bytes on a rank: all but activations and reserve."""
+        got = self._statics.get(node_share)
+        if got is not None:
+            return got
+        st, p, off = self.s, self.p, self.s.knobs.offload
+        shard = shard_factors(st.zero, len(st.ring), node_share)
+        params_each = [n * p.states.params for n in self.ms_numel]
+        params, largest = sum(params_each), max(params_each)
+        prefetch = self.plan.prefetch
+        resident = min(params, (1 + prefetch) * largest) if off.params else params
+        grads_sharded = sum(n * p.states.grads for n in self.ms_numel) * shard.grads
+        grads = grads_sharded
+        if self.plan.schedule is ScheduleKind.ZORSE:
+            grads = max(n * p.states.grads for n in self.ms_numel)
+        optimizer = sum(n * p.states.optimizer for n in self.ms_numel) * shard.optimizer
+        gather = (1 + prefetch) * largest if int(st.zero.level) >= 3 else 0.0
+        p2p = 2 * max((self.boundary_bytes(ms) for ms in st.ministages), default=0.0)
+        bucket = min(grads_sharded, GRAD_BUCKET_PARAMS * p.states.grads) if len(st.lanes) > 1 else 0.0
+        host = (params * shard.params if off.params else 0.0) + (optimizer if off.optimizer else 0.0)
+        got = self._statics[node_share] = (resident * shard.params, grads, 0.0 if off.optimizer else optimizer,
+                                           p2p + bucket + gather, host)
+        return got
+
+    @cached_property
+    def _per_mb_activations(self) -> list[float]:
+        return [self._sum(self.ministage_units(ms), lambda k: self.p.activations(k, self.s.tp))
+                for ms in self.s.ministages]
+
+    def _activations(self, count: int) -> tuple[float, float]:
+        st = self.s
+        per_mb = self._per_mb_activations
+        schedule = self.plan.schedule
+        if schedule is not ScheduleKind.ZORSE:
+            return in_flight(schedule, st.index, self.plan.num_stages, count, len(st.ministages)) * sum(per_mb), 0.0
+        if not st.knobs.offload.activations:
+            return count * sum(per_mb), 0.0
+        boundary = sum(self.boundary_bytes(ms - 1) for ms in st.ministages if ms > 0) / st.tp
+        buffers = (1 + self.plan.prefetch) * max(self.boundary_bytes(ms) for ms in st.ministages)
+        return max(per_mb) + buffers / st.tp, count * boundary
+
+
+_KINDS = (LayerKind.EMBED, LayerKind.BLOCK, LayerKind.HEAD)
+
+
+def evaluate(prims: Primitives, plan: PlanView) -> Score:
+    costs = [StageCosts(prims, plan, s) for s in plan.stages]
+    lanes = [t for sc in costs for t in _lane_timings(sc)]
+    if plan.schedule is ScheduleKind.ZORSE:
+        total = sequential_time(_zorse_units(costs), plan.num_microbatches)
+        busy = max(t.work for t in lanes)
+        pipe, bubble, tail = total, max(0.0, total - busy), 0.0
+    else:
+        chunks = max(len(s.ministages) for s in plan.stages)
+        pt = pipeline_time(plan.schedule, lanes, chunks)
+        pipe, bubble, tail = pt.total, pt.bubble, _tail(costs, lanes)
+    memory, classes = _memory(costs)
+    tokens = plan.num_microbatches * plan.micro_batch * prims.model.seq
+    price = sum(g.device.price for g in plan.gpus)
+    return Score(pipe + tail, pipe, bubble, tail, tokens, memory, classes, price,
+                 egress_per_step(prims, plan, costs))
+
+
+def _lane_classes(sc: StageCosts) -> dict[tuple, list[int]]:
+    """Lanes the cost model times alike: device kinds, concurrency, count and border peers' groups."""
+    out: dict[tuple, list[int]] = {}
+    plan, st = sc.plan, sc.s
+    neighbours = sorted({plan.stage_of_ministage(nb) for ms in st.ministages for nb in (ms - 1, ms + 1)
+                         if 0 <= nb <= sc.last_ms and plan.stage_of_ministage(nb) != st.index})
+    for lane, gpus in enumerate(st.lanes):
+        peers = tuple((peer.group, peer.host == gpus[0].host)
+                      for peer in (plan.peer_gpu(st.index, lane, o) for o in neighbours))
+        key = (tuple(g.device.name for g in gpus), tuple(g.group for g in gpus), st.concurrent(lane),
+               st.counts[lane], peers, st.node_share(lane))
+        out.setdefault(key, []).append(lane)
+    return out
+
+
+def _lane_timings(sc: StageCosts) -> list[LaneTiming]:
+    out = []
+    for lanes in _lane_classes(sc).values():
+        lane = lanes[0]
+        f, i, w = sc.compute(lane)
+        out.append(LaneTiming(sc.s.index, lane, sc.s.counts[lane], f, i, w, sc.p2p(lane), sc.overlapped(lane)))
+    return out
+
+
+def _tail(costs: list[StageCosts], lanes: list[LaneTiming]) -> float:
+    tail, lead = 0.0, 0.0
+    for sc in costs:
+        mine = [t for t in lanes if t.stage == sc.s.index]
+        worst = max(sc.sync(t.lane) + sc.optimizer(t.lane) for t in mine)
+        tail = max(tail, worst - lead)
+        lead += max(t.backward + t.p2p for t in mine)
+    return max(tail, 0.0)
+
+
+def _zorse_units(costs: list[StageCosts]) -> list[Unit]:
+    plan = costs[0].plan
+    units = []
+    for ms, (_, _, s) in enumerate(plan.ministages):
+        sc = costs[s]
+        classes = {lane: lanes[0] for lanes in _lane_classes(sc).values() for lane in lanes}
+        per_class = {rep: unit_lane_times(sc, rep, ms) for rep in set(classes.values())}
+        unit_lanes = tuple(UnitLane(tuple(sc.s.routes[lane]), *per_class[classes[lane]])
+                           for lane in range(len(sc.s.lanes)))
+        numel = sc.numel(sc.ministage_units(ms))
+        fetch = 0.0
+        if int(sc.s.zero.level) >= 3:
+            fetch += sc.p.ring("all_gather", sc.s.ring, numel * sc.p.delta, sc.s.concurrent(0))
+        if sc.s.knobs.offload.params:
+            fetch += sc.p.copy(sc.s.lanes[0][0], numel * sc.p.delta * sc.shard(0).params)
+        ratio = numel / max(sc.numel(), 1.0)
+        units.append(Unit(s, unit_lanes, fetch, sc.sync(0, per_ministage=True) * ratio, sc.optimizer(0) * ratio,
+                          sc.s.knobs.offload.optimizer))
+    return units
+
+
+def unit_lane_times(sc: StageCosts, lane: int, ms: int) -> tuple[float, float, float, float]:
+    """(forward, backward, p2p out, p2p back) of one microbatch through ministage `ms` on `lane`."""
+    plan = sc.plan
+    f, i, w = sc.compute(lane, sc.ministage_units(ms))
+    b = i + w
+    if sc.s.knobs.offload.activations:
+        copy = sc.p.copy(sc.s.lanes[lane][0], sc.boundary_bytes(ms) / sc.s.tp)
+        recompute = 0.0 if sc.p.model.activation_checkpoint is Checkpointing.FULL else f
+        f, b = max(f, copy), max(b + recompute, copy)
+    out = back = 0.0
+    if ms < sc.last_ms and plan.stage_of_ministage(ms + 1) != sc.s.index:
+        out = sc.border(lane, plan.stage_of_ministage(ms + 1), ms)
+    if ms > 0 and plan.stage_of_ministage(ms - 1) != sc.s.index:
+        back = sc.border(lane, plan.stage_of_ministage(ms - 1), ms - 1)
+    return f, b, out, back
+
+
+def _memory(costs: list[StageCosts]) -> tuple[tuple[RankMemory, ...], tuple[tuple[int, ...], ...]]:
+    memory, classes = [], []
+    for sc in costs:
+        seen: dict[tuple, int] = {}
+        for lane, gpus in enumerate(sc.s.lanes):
+            for gpu in gpus:
+                key = (gpu.device.name, sc.s.counts[lane], sc.s.node_share(lane))
+                if key in seen:
+                    classes[seen[key]] += (gpu.id,)
+                    continue
+                seen[key] = len(memory)
+                memory.append(sc.memory(lane, gpu, sc.s.counts[lane]))
+                classes.append((gpu.id,))
+    return tuple(memory), tuple(classes)

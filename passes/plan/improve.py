@@ -1,0 +1,78 @@
+"""Local search on an assignment, scored exactly.
+
+The assignment model approximates a few things the exact score does not:
+the bubble counts every stage's fill, the tail ignores the lead that later
+stages' drains give earlier ones, Zorse's sequential schedule is treated
+like a pipeline. Starting from an assignment, moves that change one stage's
+configuration, or move one layer unit between two stages, are scored with
+`evaluate` and taken while they improve the plan (first improvement), up
+to a budget of evaluations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from hetc.passes.plan.assign import Assignment
+from hetc.passes.plan.tables import Option
+
+if TYPE_CHECKING:
+    from hetc.passes.plan.search import Found, Search, Structure
+
+__all__ = ["improve"]
+
+
+def improve(search: Search, st: Structure, start: Assignment, budget: int) -> Found | None:
+    best = search.found(st, start)
+    if best is None:
+        return None
+    current = list(start.options)
+    seen = {tuple(current)}
+    while budget > 0:
+        for options in _neighbours(search, st, current):
+            if tuple(options) in seen:
+                continue
+            seen.add(tuple(options))
+            budget -= 1
+            got = search.found(st, Assignment(tuple(options), 0.0))
+            if got is not None and search.rank(got) < search.rank(best):
+                best, current = got, options
+                break
+            if budget <= 0:
+                break
+        else:
+            break   # no neighbour improves
+    return best
+
+
+def _neighbours(search: Search, st: Structure, current: list[Option]) -> Iterator[list[Option]]:
+    limits = search._limits(st)
+    n_stages = len(current)
+    for a in range(n_stages):
+        for b in range(n_stages):
+            if a == b or current[a].layers <= 1 or current[b].layers >= limits[b]:
+                continue
+            moved = list(current)
+            moved[a] = _like(search, st, a, current[a], current[a].layers - 1)
+            moved[b] = _like(search, st, b, current[b], current[b].layers + 1)
+            if moved[a] is not None and moved[b] is not None:
+                yield moved
+    for s in range(n_stages):
+        for o in _options(search, st, s, current[s].layers):
+            if o is not current[s]:
+                yield current[:s] + [o] + current[s + 1:]
+
+
+def _options(search: Search, st: Structure, s: int, n: int) -> list[Option]:
+    table = search._table(st, s, range(n, n + 1), search.knobs(st, s, full=True))
+    return [o for o in table.options if o.work is not None]
+
+
+def _like(search: Search, st: Structure, s: int, was: Option, n: int) -> Option | None:
+    """Stage s's option for n units: the same configuration if it can take them, else the best-ranked."""
+    options = _options(search, st, s, n)
+    same = [o for o in options if o.knobs == was.knobs]
+    if same:
+        return same[0]
+    return min(options, key=lambda o: (o.work + o.fill + o.tail, o.knobs), default=None)

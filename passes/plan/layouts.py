@@ -1,0 +1,142 @@
+"""Stage layouts: which GPUs form each pipeline stage, in pipeline order.
+
+A layout starts from a level of the bandwidth hierarchy (`partition`): each
+domain becomes one or more consecutive stages, so data-parallel rings stay
+inside a domain and pipeline borders cross between domains. A domain with
+p stages is cut one of two ways:
+
+- `mixed`: every node group of the domain is split into p equal parts and
+  stage j takes part j of each (lanes of different kinds share a stage;
+  microbatch routing balances them: Zorse's many-to-many pipeline);
+- `by kind`: the domain's node groups, fastest first, get consecutive
+  stages in proportion to their compute (Sailor's and HexiScale's shape).
+
+The number of stages per domain follows the domains' compute shares.
+Domains are ordered every way when there are at most `MAX_PERMUTED`,
+otherwise fastest first and slowest first.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from hetc.passes.plan.candidate import GpuBlock, StageGpus, split_evenly
+from hetc.passes.plan.partition import Domains
+
+from hetc.spec import DType
+from hetc.topology import Topology
+
+__all__ = ["Layout", "MAX_PERMUTED", "group_speed", "layouts", "split_group"]
+
+Layout = tuple[StageGpus, ...]
+MAX_PERMUTED = 3
+
+
+def group_speed(topo: Topology, group: str, dtype: DType) -> float:
+    """Effective FLOP/s of a whole node group (datasheet peak × efficiency)."""
+    g = topo.groups[group]
+    device = topo.gpu_at(group, 0, 0).device
+    return g.count * g.gpus * device.peak.for_dtype(dtype) * device.efficiency
+
+
+def split_group(topo: Topology, group: str, parts: int) -> list[tuple[GpuBlock, ...]] | None:
+    """Cut a node group into `parts` runs of GPUs: by whole nodes when it has enough, else inside nodes."""
+    g = topo.groups[group]
+    if parts > g.count * g.gpus:
+        return None
+    if g.count >= parts:
+        out, start = [], 0
+        for size in split_evenly(g.count, parts):
+            out.append((GpuBlock(group, start, start + size, 0, g.gpus),))
+            start += size
+        return out
+    out, start = [], 0
+    for size in split_evenly(g.count * g.gpus, parts):
+        out.append(_gpu_run(group, g.gpus, start, start + size))
+        start += size
+    return out
+
+
+def _gpu_run(group: str, per_node: int, lo: int, hi: int) -> tuple[GpuBlock, ...]:
+    """GPUs lo..hi-1 in node-major order as blocks: a partial node, whole nodes, a partial node."""
+    blocks = []
+    while lo < hi:
+        node, gpu = divmod(lo, per_node)
+        if gpu == 0 and hi - lo >= per_node:
+            nodes = (hi - lo) // per_node
+            blocks.append(GpuBlock(group, node, node + nodes, 0, per_node))
+            lo += nodes * per_node
+        else:
+            stop = min(per_node, gpu + hi - lo)
+            blocks.append(GpuBlock(group, node, node + 1, gpu, stop))
+            lo += stop - gpu
+    return tuple(blocks)
+
+
+def _shares(weights: list[float], total: int, floor: int = 1) -> list[int] | None:
+    """`total` split in proportion to `weights`, each at least `floor` (largest remainder)."""
+    n = len(weights)
+    if total < floor * n:
+        return None
+    spare = total - floor * n
+    exact = [spare * w / sum(weights) for w in weights]
+    out = [floor + int(e) for e in exact]
+    for i in sorted(range(n), key=lambda i: (-(exact[i] - int(exact[i])), i))[: total - sum(out)]:
+        out[i] += 1
+    return out
+
+
+def _mixed(topo: Topology, groups: tuple[str, ...], parts: int) -> list[StageGpus] | None:
+    splits = [split_group(topo, g, parts) for g in groups]
+    if any(s is None for s in splits):
+        return None
+    return [StageGpus(tuple(b for s in splits for b in s[j])) for j in range(parts)]
+
+
+def _by_kind(topo: Topology, groups: tuple[str, ...], parts: int, dtype: DType) -> list[StageGpus] | None:
+    ordered = sorted(groups, key=lambda g: -group_speed(topo, g, dtype) / _size(topo, g))
+    counts = _shares([group_speed(topo, g, dtype) for g in ordered], parts)
+    if counts is None:
+        return None
+    out = []
+    for g, p in zip(ordered, counts):
+        split = split_group(topo, g, p)
+        if split is None:
+            return None
+        out += [StageGpus(blocks) for blocks in split]
+    return out
+
+
+def _size(topo: Topology, group: str) -> int:
+    g = topo.groups[group]
+    return g.count * g.gpus
+
+
+def layouts(topo: Topology, partitions: list[Domains], max_stages: int, dtype: DType) -> list[Layout]:
+    """Every layout of up to `max_stages` stages the partitions give, without repeats, fewest stages first."""
+    seen: dict[Layout, None] = {}
+    for domains in partitions:
+        speeds = [sum(group_speed(topo, g, dtype) for g in d) for d in domains]
+        orders = _orders(len(domains), speeds)
+        for total in range(len(domains), max_stages + 1):
+            per_domain = _shares(speeds, total)
+            if per_domain is None:
+                continue
+            for cut in (_mixed, _by_kind):
+                parts = [_cut(cut, topo, d, p, dtype) for d, p in zip(domains, per_domain)]
+                if any(p is None for p in parts):
+                    continue
+                for order in orders:
+                    seen.setdefault(tuple(st for i in order for st in parts[i]), None)
+    return sorted(seen, key=len)
+
+
+def _cut(cut, topo: Topology, domain: tuple[str, ...], parts: int, dtype: DType):
+    return cut(topo, domain, parts) if cut is _mixed else cut(topo, domain, parts, dtype)
+
+
+def _orders(n: int, speeds: list[float]) -> list[tuple[int, ...]]:
+    if n <= MAX_PERMUTED:
+        return list(itertools.permutations(range(n)))
+    fast = tuple(sorted(range(n), key=lambda i: (-speeds[i], i)))
+    return [fast, fast[::-1]]

@@ -1,0 +1,128 @@
+"""The search space: which parts of the plan the planner chooses, and from what.
+
+What the spec fixes stays fixed; what it leaves to the planner is searched:
+
+- `auto` anywhere (schedule, ZeRO level, prefetch, a stage's fields);
+- when the spec writes no stage at all (`stages` auto, the usual case), also
+  the plan-wide settings it does not write: schedule, ZeRO level, offload
+  and idle GPUs; and the micro-batch size when the main file's `train`
+  block does not write it (`hetc import sailor --quotas` leaves it out).
+
+A written value is never overridden: `zero = 2` under an auto plan keeps
+ZeRO-2 on every stage.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from hetc.passes.plan.candidate import Knobs, Offload, StageGpus
+
+from hetc.spec import AUTO, ScheduleKind, Spec, ZeroSpec
+from hetc.topology import Topology
+
+__all__ = ["SearchSpace", "DEFAULT_SCHEDULES", "MAX_IDLE_GROUPS", "knob_options", "space_from_spec", "written"]
+
+DEFAULT_SCHEDULES = (ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZB, ScheduleKind.INTERLEAVED, ScheduleKind.ZORSE,
+                     ScheduleKind.GPIPE)
+PLAIN_OFFLOADS = (Offload(), Offload(optimizer=True), Offload(params=True, optimizer=True))
+ZORSE_OFFLOADS = (Offload(), Offload(activations=True), Offload(params=True, activations=True),
+                  Offload(params=True, optimizer=True, activations=True))
+MINISTAGES = (1, 2, 4)
+INTERLEAVE = (2,)
+MICRO_BATCHES = (1, 2, 4, 8)
+MAX_STAGES = 16
+# With more node groups than this, idle choices drop whole device kinds, slowest first, not every subset.
+MAX_IDLE_GROUPS = 5
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    schedules: tuple[ScheduleKind, ...] = DEFAULT_SCHEDULES
+    zero_levels: tuple[int, ...] = (0, 1, 2, 3)
+    offloads: tuple[Offload, ...] = PLAIN_OFFLOADS
+    zorse_offloads: tuple[Offload, ...] = ZORSE_OFFLOADS
+    ministages: tuple[int, ...] = MINISTAGES
+    interleave: tuple[int, ...] = INTERLEAVE
+    micro_batches: tuple[int, ...] = (1,)
+    idle_sets: tuple[tuple[str, ...], ...] = ((),)
+    max_stages: int = MAX_STAGES
+    prefetch: int = 1
+    zero_base: ZeroSpec = field(default_factory=ZeroSpec)
+    stages: tuple[StageGpus, ...] | None = None   # fixed stage GPUs: the spec wrote its stages
+
+
+def written(node, name: str) -> bool:
+    return any(key == name for key, _ in node.spans)
+
+
+def space_from_spec(spec: Spec, topo: Topology, **overrides) -> SearchSpace:
+    """The space the spec leaves open (`overrides` narrow it further, e.g. in tests)."""
+    par, train = spec.parallel, spec.train
+    designing = par.stages is AUTO
+
+    def free(name: str, value) -> bool:
+        return value is AUTO or (designing and not written(par, name))
+
+    out = dict(
+        schedules=DEFAULT_SCHEDULES if free("schedule", par.schedule) else (par.schedule,),
+        zero_levels=(0, 1, 2, 3) if free("zero", par.zero.level) else (int(par.zero.level),),
+        offloads=PLAIN_OFFLOADS if free("offload", None) else (Offload.from_spec(par.offload),),
+        zorse_offloads=ZORSE_OFFLOADS if free("offload", None) else (Offload.from_spec(par.offload),),
+        micro_batches=_micro_batches(spec),
+        idle_sets=_idle_sets(spec, topo) if free("idle", None) else (tuple(s.group for s in par.idle),),
+        prefetch=1 if par.prefetch is AUTO else par.prefetch,
+        zero_base=par.zero if par.zero.level is not AUTO else ZeroSpec(shard=par.zero.shard, across=par.zero.across),
+    )
+    out.update(overrides)
+    return SearchSpace(**out)
+
+
+def _micro_batches(spec: Spec) -> tuple[int, ...]:
+    train = spec.train
+    main_file = spec.span.file
+    if written(train, "micro_batch") or train.span.file != main_file or train.grad_accum is not None:
+        return (train.micro_batch,)
+    return tuple(b for b in MICRO_BATCHES if train.global_batch % b == 0)
+
+
+def _idle_sets(spec: Spec, topo: Topology) -> tuple[tuple[str, ...], ...]:
+    """Node groups to leave idle: every proper subset for a few groups, else whole device kinds, slowest first."""
+    groups = list(topo.groups)
+    if len(groups) <= MAX_IDLE_GROUPS:
+        subsets = [c for k in range(len(groups)) for c in itertools.combinations(groups, k)]
+        return tuple(subsets)
+    dtype = spec.model.dtype
+
+    def speed(name: str) -> float:
+        device = topo.gpu_at(name, 0, 0).device
+        return device.peak.for_dtype(dtype) * device.efficiency
+
+    kinds = sorted({topo.gpu_at(g, 0, 0).device.name: speed(g) for g in groups}.items(), key=lambda kv: kv[1])
+    out: list[tuple[str, ...]] = [()]
+    for k in range(1, len(kinds)):
+        dropped = {name for name, _ in kinds[:k]}
+        out.append(tuple(g for g in groups if topo.gpu_at(g, 0, 0).device.name in dropped))
+    return tuple(out)
+
+
+def knob_options(space: SearchSpace, schedule: ScheduleKind, interleave: int, lanes: int) -> list:
+    """Stage configurations to try under `schedule` for a stage of `lanes` lanes.
+
+    With one lane every ZeRO level shards over one rank: level 0 says the
+    same thing plainly (and ZeRO-3's gather buffer only costs memory). With
+    several lanes ZeRO-1 holds less than ZeRO-0 and steps a shard of the
+    optimizer in the same sync time, so level 0 is dropped when 1 is allowed.
+    """
+    levels = space.zero_levels
+    if lanes == 1:
+        levels = (min(levels),)
+    elif 0 in levels and 1 in levels:
+        levels = tuple(z for z in levels if z != 0)
+    if schedule is ScheduleKind.ZORSE:
+        return [Knobs(z, off, k) for z in levels for off in space.zorse_offloads for k in space.ministages]
+    if schedule is ScheduleKind.INTERLEAVED:
+        return [Knobs(z, off, interleave) for z in levels for off in space.offloads]
+    return [Knobs(z, off, k) for z in levels for off in space.offloads
+            for k in (space.ministages if (off.params or z >= 3) else (1,))]

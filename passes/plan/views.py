@@ -1,0 +1,168 @@
+"""A candidate resolved to GPUs, lanes, ministages and microbatch routes, as `resolve` would.
+
+`PlanView` is what `evaluate` reads: the facts a `Pipeline` carries
+(ministages in model order, each stage's lanes and the microbatches routed
+to them), computed directly from a `Candidate` without building a Spec.
+Ranks are GPU ids; a lane is a run of `tp` consecutive GPUs of a stage.
+`ResolvedStage` (a stage's GPUs, lanes and ZeRO rings) is shared by every
+view of the same `StageGpus`, so building views for many candidates is cheap.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from hetc.passes.plan.candidate import Candidate, Knobs, StageGpus
+
+from hetc.pipeline import route_microbatches
+from hetc.spec import ScheduleKind, ZeroShard, ZeroSpec
+from hetc.topology import Gpu, Topology
+
+__all__ = ["ResolvedStage", "StageView", "PlanView", "Resolver", "view_of"]
+
+
+class ResolvedStage:
+    """The GPUs of one stage, its lanes and its ZeRO ring (the first rank of every lane)."""
+
+    def __init__(self, stage: StageGpus, topo: Topology):
+        self.gpus: tuple[Gpu, ...] = tuple(g for block in stage.blocks for g in block.gpus(topo))
+        self.tp = stage.tp
+        self.lanes = tuple(self.gpus[i:i + self.tp] for i in range(0, len(self.gpus), self.tp))
+        self.ring = tuple(lane[0].id for lane in self.lanes)
+        self._host = {g.id: g.host for g in self.gpus}
+        self._node_rings: dict[tuple[str, int], tuple[int, ...]] = {}
+
+    def node_ring(self, lane: int) -> tuple[int, ...]:
+        """Hierarchical ZeRO (`shard = node`): the ring members on this lane's node."""
+        host = self.lanes[lane][0].host
+        got = self._node_rings.get(host)
+        if got is None:
+            got = self._node_rings[host] = tuple(r for r in self.ring if self._host[r] == host)
+        return got
+
+    def across_ring(self, lane: int) -> tuple[int, ...]:
+        """Hierarchical ZeRO: ring members at this lane's position within their node's shard group."""
+        pos = self.node_ring(lane).index(self.lanes[lane][0].id)
+        by_host: dict = {}
+        for r in self.ring:
+            by_host.setdefault(self._host[r], []).append(r)
+        return tuple(members[pos] for members in by_host.values() if pos < len(members))
+
+    def concurrent(self, lane: int) -> int:
+        """Ranks of a lane on its first rank's node: they share the node's link."""
+        host = self.lanes[lane][0].host
+        return sum(1 for g in self.lanes[lane] if g.host == host)
+
+
+class Resolver:
+    """Resolves `StageGpus` once per planning run."""
+
+    def __init__(self, topo: Topology):
+        self.topo = topo
+        self._cache: dict[StageGpus, ResolvedStage] = {}
+
+    def __call__(self, stage: StageGpus) -> ResolvedStage:
+        got = self._cache.get(stage)
+        if got is None:
+            got = self._cache[stage] = ResolvedStage(stage, self.topo)
+        return got
+
+
+@dataclass(frozen=True)
+class StageView:
+    index: int
+    res: ResolvedStage
+    knobs: Knobs
+    zero: ZeroSpec
+    ministages: tuple[int, ...]    # global ministage indices, in the stage's order
+    counts: tuple[int, ...]        # microbatches per lane
+
+    @property
+    def lanes(self) -> tuple[tuple[Gpu, ...], ...]:
+        return self.res.lanes
+
+    @property
+    def ring(self) -> tuple[int, ...]:
+        return self.res.ring
+
+    @property
+    def tp(self) -> int:
+        return self.res.tp
+
+    def concurrent(self, lane: int) -> int:
+        return self.res.concurrent(lane)
+
+    def node_share(self, lane: int) -> int | None:
+        return len(self.res.node_ring(lane)) if self.zero.shard is ZeroShard.NODE else None
+
+    @cached_property
+    def routes(self) -> list[list[int]]:
+        return route_microbatches(list(self.counts))
+
+    @cached_property
+    def lane_of_microbatch(self) -> list[int]:
+        out = [0] * sum(self.counts)
+        for lane, mbs in enumerate(self.routes):
+            for mb in mbs:
+                out[mb] = lane
+        return out
+
+
+@dataclass(frozen=True)
+class PlanView:
+    """A whole candidate resolved; `StageCosts` reads it through the methods below."""
+
+    stages: tuple[StageView, ...]
+    ministages: tuple[tuple[int, int, int], ...]   # (first, stop, stage) in model order
+    schedule: ScheduleKind
+    prefetch: int
+    micro_batch: int
+    _peer_table: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def num_microbatches(self) -> int:
+        return sum(self.stages[0].counts)
+
+    def stage_of_ministage(self, ms: int) -> int:
+        return self.ministages[ms][2]
+
+    @cached_property
+    def gpus(self) -> tuple[Gpu, ...]:
+        return tuple(g for s in self.stages for g in s.res.gpus)
+
+    def peer_gpu(self, stage: int, lane: int, other: int) -> Gpu:
+        """First rank of the lane of `other` serving most of this lane's microbatches (lowest index on ties)."""
+        return self.stages[other].lanes[self._peers(stage, other)[lane]][0]
+
+    def _peers(self, a: int, b: int) -> list[int]:
+        got = self._peer_table.get((a, b))
+        if got is None:
+            sa, sb = self.stages[a], self.stages[b]
+            if len(sb.lanes) == 1:
+                got = [0] * len(sa.lanes)
+            else:
+                shared = Counter(zip(sa.lane_of_microbatch, sb.lane_of_microbatch))
+                best: dict[int, tuple[int, int]] = {}
+                for (la, lb), n in shared.items():
+                    if la not in best or (n, -lb) > (best[la][0], -best[la][1]):
+                        best[la] = (n, lb)
+                got = [best.get(la, (0, 0))[1] for la in range(len(sa.lanes))]
+            self._peer_table[(a, b)] = got
+        return got
+
+
+def view_of(c: Candidate, resolve: Resolver, zero_specs: tuple[ZeroSpec, ...]) -> PlanView:
+    """Resolve `c`: its stages' GPUs in rank order and its ministages in model order."""
+    chunks = sorted((first, stop, s) for s, ranges in enumerate(c.ranges) for first, stop in ranges)
+    own: dict[int, list[int]] = {}
+    for idx, (_, _, s) in enumerate(chunks):
+        own.setdefault(s, []).append(idx)
+    stages = tuple(StageView(s, resolve(st), c.knobs[s], zero_specs[s], tuple(own.get(s, ())), c.counts[s])
+                   for s, st in enumerate(c.stages))
+    return PlanView(stages, tuple(chunks), c.schedule, c.prefetch, c.micro_batch)
