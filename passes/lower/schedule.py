@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 
+from hetc.errors import InternalError
 from hetc.pipeline import Lane, Stage
 from hetc.program import Backward, BackwardInput, BackwardWeight, Forward, Load, Program
 from hetc.spec import ScheduleKind
@@ -28,13 +29,29 @@ __all__ = ["order_compute", "Op"]
 
 
 def order_compute(ctx: LowerContext) -> Program:
-    """Pass `schedule`: a Program holding only loads and compute, in run order."""
+    """Pass `schedule`: a Program holding only loads and compute, in run order.
+
+    1F1B and interleaved 1F1B follow Megatron's strict order (a forward
+    whenever the in-flight limit allows, else a backward), which does not
+    depend on how long ops take; only where many-to-many routing makes that
+    order wait on itself does the pass fall back to "a backward whenever
+    one is ready" (Note [schedules by simulation]).
+    """
+    try:
+        return _order(ctx, strict=True)
+    except InternalError:
+        return _order(ctx, strict=False)
+
+
+def _order(ctx: LowerContext, strict: bool) -> Program:
     kind = ctx.pipeline.schedule
     lanes = [(stage, lane) for stage in ctx.pipeline.stages for lane in stage.lanes]
     policies = {(s.index, lane.index): _policy(ctx, kind, s, lane) for s, lane in lanes}
+    for policy in policies.values():
+        policy.forward_first = strict and kind in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED)
     split = kind is ScheduleKind.ZB
     orders = simulate(policies, lambda op: _deps(ctx, op, split), lambda op: _duration(ctx, op),
-                      _coupled_stages(ctx, policies))
+                      _coupled_stages(ctx, policies), lift_limits=not strict)
     programs = []
     for place in ctx.places:
         ops = orders[(place.stage.index, place.lane.index)]

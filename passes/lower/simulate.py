@@ -45,6 +45,7 @@ class Policy:
     w_order: list[Op] = field(default_factory=list)
     limit: int | None = None      # None: strict sequence f_order + b_order
     per_unit: int = 1             # ops of one microbatch unit (ministages run back to back)
+    forward_first: bool = False   # Megatron's strict 1F1B: a forward whenever the limit allows, else a backward
     fi: int = 0
     bi: int = 0
     wi: int = 0
@@ -57,8 +58,11 @@ class Policy:
         if self.limit is None:
             return [f] if f is not None else ([b] if b is not None else [])
         in_flight = -(-self.fi // self.per_unit) - self.bi // self.per_unit
+        forward_allowed = f is not None and (in_flight < self.limit or self.fi % self.per_unit)
+        if self.forward_first and not self.bi % self.per_unit:
+            return [f] if forward_allowed else ([b] if b is not None else [])
         out = [b] if b is not None else []
-        if f is not None and (in_flight < self.limit or self.fi % self.per_unit):
+        if forward_allowed:
             out.append(f)
         if w is not None:
             out.append(w)
@@ -96,8 +100,9 @@ class Policy:
 
 class _Simulation:
     def __init__(self, policies: dict[LaneKey, Policy], deps: Callable[[Op], list[Op]],
-                 duration: Callable[[Op], float], coupled: dict[int, int]):
+                 duration: Callable[[Op], float], coupled: dict[int, int], lift_limits: bool = True):
         self.policies, self.deps, self.duration = policies, deps, duration
+        self.lift_limits = lift_limits
         self.coupled = coupled                      # stage -> number of lanes moving in lockstep
         self.end: dict[Op, float] = {}
         self.orders: dict[LaneKey, list[Op]] = {key: [] for key in policies}
@@ -116,7 +121,7 @@ class _Simulation:
 
     def run(self) -> dict[LaneKey, list[Op]]:
         heapq.heapify(self.heap)
-        while self.heap or self._lift_limit():
+        while self.heap or (self.lift_limits and self._lift_limit()):
             t, _, key, ver = heapq.heappop(self.heap)
             policy = self.policies[key]
             if ver != self.version[key] or policy.finished:
@@ -229,6 +234,10 @@ class _Simulation:
 
 
 def simulate(policies: dict[LaneKey, Policy], deps: Callable[[Op], list[Op]], duration: Callable[[Op], float],
-             coupled: dict[int, int] | None = None) -> dict[LaneKey, list[Op]]:
-    """Run every lane's policy against the others; return each lane's op order."""
-    return _Simulation(policies, deps, duration, coupled or {}).run()
+             coupled: dict[int, int] | None = None, lift_limits: bool = True) -> dict[LaneKey, list[Op]]:
+    """Run every lane's policy against the others; return each lane's op order.
+
+    InternalError when the policies wait on each other for good (with
+    `lift_limits`, only when no in-flight limit can be raised to break it).
+    """
+    return _Simulation(policies, deps, duration, coupled or {}, lift_limits).run()
