@@ -41,6 +41,7 @@ Semantics the runtime and the verifier share (Note [dataflow]):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from enum import StrEnum
@@ -80,15 +81,12 @@ class _Base:
 
     def __str__(self) -> str:
         parts = [self.OP]
-        fields = sorted(dataclasses.fields(self), key=lambda f: f.name == "handle")   # the handle last
-        for f in fields:
-            value = getattr(self, f.name)
-            if f.name == "what":
+        for name, key in _text_fields(type(self)):
+            value = getattr(self, name)
+            if name == "what":
                 parts.append(value.value)
-            elif value is None:
-                continue
-            else:
-                parts.append(f"{_KEYS.get(f.name, f.name)}={_fmt(f.name, value)}")
+            elif value is not None:
+                parts.append(f"{key}={_fmt(name, value) if isinstance(value, tuple) else value}")
         return " ".join(parts)
 
     def to_json(self) -> dict:
@@ -103,6 +101,13 @@ class _Base:
 
 # text key for a field, where it differs from the field name
 _KEYS = {"peer_to": "to", "peer_from": "from", "handle": "h"}
+
+
+@functools.cache
+def _text_fields(cls: type) -> tuple[tuple[str, str], ...]:
+    """(field, text key) in text order: the handle last. Cached: listings print millions of these."""
+    fields = sorted(dataclasses.fields(cls), key=lambda f: f.name == "handle")
+    return tuple((f.name, _KEYS.get(f.name, f.name)) for f in fields)
 
 
 def _fmt(name: str, value) -> str:

@@ -177,15 +177,19 @@ class CostModel:
             return fwd + comm + cp_comm[0]
         if phase == "W":
             return measured.backward / stage.cp * (1.0 - share_i)
-        return measured.backward / stage.cp * share_i + comm + cp_comm[1] + self._recompute(idx, fwd, flops)
+        return measured.backward / stage.cp * share_i + comm + cp_comm[1] + \
+            self._recompute(stage, idx, fwd + comm + cp_comm[0], flops)
 
-    def _recompute(self, idx: int, forward: float, flops) -> float:
+    def _recompute(self, stage: Stage, idx: int, forward: float, flops) -> float:
+        """Forward work the backward repeats: activation checkpointing, and with activations offloaded
+        the whole ministage once more (only its boundary input was kept; the runtime reruns it)."""
+        ministage = forward if stage.offload.activations is not OffloadTarget.NONE else 0.0
         ckpt = self.model.activation_checkpoint
         if ckpt is Checkpointing.FULL and layer_kind(self.model, idx) == LayerKind.BLOCK:
-            return forward
+            return ministage + forward
         if ckpt is Checkpointing.SELECTIVE and flops.forward:
-            return forward * flops.attention / flops.forward
-        return 0.0
+            return ministage + forward * flops.attention / flops.forward
+        return ministage
 
     def tp_comm_time(self, rank: int) -> float:
         """Two all-reduces (attention out, FFN out) of b·S·H per block and pass; Megatron-SP's

@@ -16,7 +16,7 @@ from hetc.passes.cost.memory import GRAD_BUCKET_PARAMS, offloaded
 from hetc.passes.cost.schedule import LaneTiming, Unit, UnitLane, pipeline_time, sequential_time
 
 from hetc.pipeline import Lane, Stage
-from hetc.spec import Checkpointing, OffloadTarget, ScheduleKind, ZeroShard
+from hetc.spec import OffloadTarget, ScheduleKind, ZeroShard
 
 __all__ = ["PlanTime", "border_time", "lane_timings", "plan_time", "sync_time", "zorse_units"]
 
@@ -214,10 +214,9 @@ def _unit_lane(cm, stage: Stage, lane: Lane, ms: int) -> UnitLane:
     offload_acts = stage.offload.activations is not OffloadTarget.NONE
     if offload_acts:
         # boundary activations go to the host after the forward and come back for the backward,
-        # beside the compute; the ministage's inside is recomputed from them
+        # beside the compute (the backward's recompute of the ministage is in compute_time)
         copy = cm.copy_time(rank, cm.held_boundary_bytes(ms, stage))
-        recompute = 0.0 if cm.model.activation_checkpoint is Checkpointing.FULL else f
-        f, b = max(f, copy), max(b + recompute, copy)
+        f, b = max(f, copy), max(b, copy)
     out = back = 0.0
     if ms + 1 < len(p.ministages) and p.ministages[ms + 1].stage != stage.index:
         out = border_time(cm, stage, lane, p.stages[p.ministages[ms + 1].stage], ms)
