@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 from hetc.cli import UsageError
+from hetc.passes.verify import VerifyError, verify
+from hetc.program import ProgramFormatError
 
 __all__ = ["register"]
 
@@ -50,8 +52,19 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--every must not be negative")
     if (args.resume or args.every) and args.checkpoint is None:
         raise UsageError(f"{'--resume' if args.resume else '--every'} needs --checkpoint DIR")
-    if args.local is not None:
-        return _local(args)
+    try:
+        if args.local is not None:
+            return _local(args)
+        return _rank(args)
+    except VerifyError as err:
+        print(f"hetc run: error: {args.dir}'s programs are unsafe:\n{err.render()}", file=sys.stderr, flush=True)
+        return 2
+    except ProgramFormatError as err:
+        print(f"{err.source or args.dir}:{err.line}: error: {str(err).split(': ', 1)[-1]}", file=sys.stderr)
+        return 2
+
+
+def _rank(args: argparse.Namespace) -> int:
     from hetc.runtime.checkpoint import CheckpointError
     from hetc.runtime.cluster_check import ClusterMismatch
     from hetc.runtime.worker import EnvError, PeerFailure, RunOptions, run_worker
@@ -68,10 +81,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _local(args: argparse.Namespace) -> int:
-    from hetc.plandir import read_plan
+    from hetc.plandir import read_plan, read_program
     from hetc.runtime.local import spawn_local
 
     _, checked = read_plan(args.dir)
+    verify(read_program(args.dir), checked.pipeline, checked.spec)   # before starting any rank
     world = checked.pipeline.world_size
     if args.local not in (-1, world):
         raise UsageError(f"the plan has {world} ranks; --local {args.local} cannot run it")
