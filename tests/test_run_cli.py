@@ -1,0 +1,45 @@
+"""`hetc run` refuses unsafe or malformed programs before starting any rank."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from hetc.cli import main
+from tests.conftest import DEMO
+
+
+@pytest.fixture(scope="module")
+def plan(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plan") / "pp"
+    assert main(["compile", str(DEMO / "pp.het"), "-o", str(out)]) == 0
+    return out
+
+
+def _copy(plan, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(plan, broken)
+    return broken, broken / "programs" / "rank-0000.txt"
+
+
+def test_a_dropped_receive_is_refused_naming_rank_and_instruction(plan, tmp_path, capsys):
+    broken, listing = _copy(plan, tmp_path)
+    lines = [line for line in listing.read_text().splitlines() if "recv grad ms=1 mb=0" not in line]
+    listing.write_text("\n".join(lines) + "\n")
+    assert main(["run", str(broken), "--local", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "programs are unsafe" in err and "rank 0, instruction" in err and "has not arrived" in err
+
+
+def test_a_misspelt_instruction_is_a_located_error(plan, tmp_path, capsys):
+    broken, listing = _copy(plan, tmp_path)
+    listing.write_text(listing.read_text().replace("  load mb=0", "  lod mb=0", 1))
+    assert main(["run", str(broken), "--local"]) == 2
+    err = capsys.readouterr().err
+    assert f"{listing}:3: error: unknown instruction 'lod'" in err
+
+
+def test_a_wrong_local_world_size_is_refused(plan, capsys):
+    assert main(["run", str(plan), "--local", "3"]) == 2
+    assert "the plan has 4 ranks; --local 3 cannot run it" in capsys.readouterr().err
