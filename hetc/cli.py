@@ -19,7 +19,7 @@ from hetc.errors import Sources, SpecError
 __all__ = ["main", "UsageError", "VERBS"]
 
 # verb modules, in the order `hetc --help` lists them
-VERBS = ["demo", "check", "fmt", "compile", "verify", "run", "viz", "explain", "profile", "import_"]
+VERBS = ["demo", "check", "fmt", "plan", "compile", "verify", "run", "viz", "explain", "profile", "import_"]
 
 
 class UsageError(Exception):

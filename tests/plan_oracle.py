@@ -38,7 +38,7 @@ class Exhaustive:
         s = self.search
         best: Found | None = None
         for idle, layout in s.layouts():
-            for st in s.variants(idle, layout, s.space.schedules, s.space.micro_batches):
+            for st in s.variants(idle, layout, s.space.schedules, s.space.micro_batches, s.space.tp):
                 for got in self._structure(st):
                     if best is None or s.rank(got) < s.rank(best):
                         best = got

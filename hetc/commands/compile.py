@@ -8,7 +8,6 @@ import sys
 import time
 from pathlib import Path
 
-from hetc.cli import UsageError
 from hetc.frontend import load_checked
 from hetc.plandir import write_plan_dir
 from hetc.program import Program
@@ -52,9 +51,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def compile_spec(spec_path: Path, dump_after: str | None = None, on_dump=None) -> Compiled:
     loaded, checked = load_checked(spec_path, require_complete=True)
-    if checked.pipeline is None:
-        raise UsageError(f"{spec_path}: the plan still has `auto` in it; fill it with `hetc plan {spec_path} "
-                         "-o PLANNED.het` and compile that")
+    if checked.pipeline is None:  # `auto` left: plan first (`hetc plan SPEC -o OUT.het` shows the plan)
+        from hetc.passes.plan.planner import plan_checked
+
+        checked = plan_checked(loaded.spec, loaded.path.parent)
     program = lower(checked.spec, checked.pipeline, dump_after, on_dump)
     costs = CostModel(checked.spec, checked.pipeline, checked.topology)
     verify(program, checked.pipeline, checked.spec, costs)

@@ -10,9 +10,10 @@ count per lane class so that
     lockstep lanes serve alike:          c_sj = M / lanes_s under per-microbatch ZeRO collectives
     T bounds every lane's work:          c_sj · cycle_sj(option) ≤ T
 
-minimising T + Σ_s fill_s + max_s tail_s: the bottleneck lane, the fill and
-drain it waits for (the bubble), and the gradient sync and optimizer step
-after the flush. `assign_fast` solves the bottleneck alone exactly (the
+minimising T + Σ_s fill_s + max_s (tail_s − Σ_{s'<s} drain_s'): the
+bottleneck lane, the fill and drain it waits for (the bubble), and the
+gradient sync and optimizer step after the flush, which each stage starts
+when its own backward ends, the drains of the stages before it earlier. `assign_fast` solves the bottleneck alone exactly (the
 least T whose feasible layer counts can sum to U, by bisection over the
 options' own bottlenecks) and then spends spare capacity on a lower
 bubble; CP-SAT starts from it and trades the terms against each other.
@@ -45,27 +46,81 @@ class Assignment:
     objective: float                # T + Σ fill + max tail, seconds (the model's, not the exact score)
 
 
-def _stage_bottlenecks(table: StageTable) -> list[tuple[float, Option]]:
-    return [(o.work, o) for o in table.options if o.work is not None]
+@dataclass(frozen=True)
+class _Entry:
+    work: float          # rounded: float noise does not decide
+    rank: tuple
+    option: Option
 
 
-def _objective(options: list[Option]) -> float:
-    return max(o.work for o in options) + sum(o.fill for o in options) + max(o.tail for o in options)
+def _entries(tables: list[StageTable]) -> list[list[_Entry]]:
+    """Per stage, its placeable options, least work first."""
+    return [sorted((_Entry(_rounded(o.work), _rank(o), o) for o in t.options if o.work is not None),
+                   key=lambda e: e.work) for t in tables]
+
+
+def _objective(options: list[Option] | tuple[Option, ...]) -> float:
+    """T + Σ fill + the tail after the flush, where a stage's tail hides behind the drains of the
+    stages before it (they finish their backward later): the cost model's `_tail`."""
+    tail, lead = 0.0, 0.0
+    for o in options:
+        tail = max(tail, o.tail - lead)
+        lead += o.drain
+    return max(o.work for o in options) + sum(o.fill for o in options) + tail
+
+
+def _polish(options: list[Option], per_stage: list[list[_Entry]], rounds: int = 64) -> list[Option]:
+    """Local moves under the objective: a unit from one stage to another (each keeping its configuration
+    where it can), or another configuration at a stage's count."""
+    by_n: list[dict[int, list[Option]]] = [{} for _ in per_stage]
+    for table, entries in zip(by_n, per_stage):
+        for e in sorted(entries, key=lambda e: e.rank):
+            table.setdefault(e.option.layers, []).append(e.option)
+    best, value = list(options), _objective(options)
+    for _ in range(rounds):
+        for moved in _moves(best, by_n):
+            v = _objective(moved)
+            if v < value * (1 - 1e-12):
+                best, value = moved, v
+                break
+        else:
+            break
+    return best
+
+
+def _like(choices: list[Option], was: Option) -> Option | None:
+    return next((o for o in choices if o.knobs == was.knobs), choices[0] if choices else None)
+
+
+def _moves(options: list[Option], by_n: list[dict[int, list[Option]]]):
+    n = len(options)
+    for a in range(n):
+        for b in range(n):
+            if a != b:
+                oa = _like(by_n[a].get(options[a].layers - 1, []), options[a])
+                ob = _like(by_n[b].get(options[b].layers + 1, []), options[b])
+                if oa is not None and ob is not None:
+                    yield [oa if i == a else ob if i == b else o for i, o in enumerate(options)]
+    for s in range(n):
+        for o in by_n[s].get(options[s].layers, []):
+            if o is not options[s]:
+                yield options[:s] + [o] + options[s + 1:]
 
 
 def assign_fast(tables: list[StageTable], units: int, m: int) -> Assignment | None:
-    """Least bottleneck exactly; among the layer splits that reach it (and a few looser bounds), least bubble."""
-    per_stage = [_stage_bottlenecks(t) for t in tables]
-    if any(not opts for opts in per_stage):
+    """Least bottleneck exactly; among the layer splits that reach it (and a few looser bounds), least
+    bubble and tail, polished by local moves."""
+    per_stage = _entries(tables)
+    if any(not entries for entries in per_stage):
         return None
-    levels = sorted({_rounded(t) for opts in per_stage for t, _ in opts})
+    levels = sorted({e.work for entries in per_stage for e in entries})
     lo, hi = 0, len(levels)
     while lo < hi:  # least feasible level
         mid = (lo + hi) // 2
-        if _split(per_stage, units, levels[mid]) is None:
-            lo = mid + 1
-        else:
+        if _reachable(per_stage, units, levels[mid]):
             hi = mid
+        else:
+            lo = mid + 1
     best: Assignment | None = None
     for bound in levels[lo:lo + FAST_THRESHOLDS]:
         chosen = _split(per_stage, units, bound)
@@ -73,31 +128,52 @@ def assign_fast(tables: list[StageTable], units: int, m: int) -> Assignment | No
             got = Assignment(tuple(chosen), _objective(chosen))
             if best is None or got.objective < best.objective:
                 best = got
-    return best
+    if best is None:
+        return None
+    polished = _polish(list(best.options), per_stage)
+    return Assignment(tuple(polished), _objective(polished))
 
 
-def _split(per_stage: list[list[tuple[float, Option]]], units: int, bound: float) -> list[Option] | None:
+def _reachable(per_stage: list[list[_Entry]], units: int, bound: float) -> bool:
+    """Whether layer counts of options within `bound` can sum to `units` (reachable sums as bits)."""
+    reach = 1
+    mask = (1 << (units + 1)) - 1
+    for entries in per_stage:
+        counts = {e.option.layers for e in entries if e.work <= bound}
+        nxt = 0
+        for n in counts:
+            nxt |= reach << n
+        reach = nxt & mask
+        if not reach:
+            return False
+    return bool(reach >> units & 1)
+
+
+def _split(per_stage: list[list[_Entry]], units: int, bound: float) -> list[Option] | None:
     """Options within `bound` whose layer counts sum to `units`, least Σ fill + tail (a DP over stages)."""
     best_at = []
-    for opts in per_stage:
-        by_n: dict[int, Option] = {}
-        for t, o in opts:
-            if _rounded(t) <= bound and (o.layers not in by_n or _rank(o) < _rank(by_n[o.layers])):
-                by_n[o.layers] = o
+    for entries in per_stage:
+        by_n: dict[int, _Entry] = {}
+        for e in entries:
+            if e.work > bound:
+                break
+            n = e.option.layers
+            if n not in by_n or e.rank < by_n[n].rank:
+                by_n[n] = e
         if not by_n:
             return None
-        best_at.append(by_n)
+        best_at.append([(n, e.option, e.option.fill + e.option.tail) for n, e in by_n.items()])
     # reach[u]: (cost, choices) of the best way for the stages so far to own u units
     reach: dict[int, tuple[float, tuple[Option, ...]]] = {0: (0.0, ())}
-    for by_n in best_at:
+    for choices in best_at:
         nxt: dict[int, tuple[float, tuple[Option, ...]]] = {}
         for u, (cost, chosen) in reach.items():
-            for n, o in by_n.items():
-                if u + n > units:
+            for n, o, extra in choices:
+                total = u + n
+                if total > units:
                     continue
-                cand = (cost + o.fill + o.tail, chosen + (o,))
-                if u + n not in nxt or cand[0] < nxt[u + n][0]:
-                    nxt[u + n] = cand
+                if total not in nxt or cost + extra < nxt[total][0]:
+                    nxt[total] = (cost + extra, chosen + (o,))
         reach = nxt
     got = reach.get(units)
     return list(got[1]) if got else None
@@ -113,9 +189,9 @@ def _rounded(x: float) -> float:
 
 
 def assign_cpsat(tables: list[StageTable], units: int, m: int, hint: Assignment | None,
-                 time_limit: float = 1.0) -> Assignment | None:
-    """The joint model; None when it finds nothing within `time_limit` seconds."""
-    per_stage = [_stage_bottlenecks(t) for t in tables]
+                 work_limit: float = 1.0) -> Assignment | None:
+    """The joint model; None when it finds nothing within `work_limit` (CP-SAT's deterministic time)."""
+    per_stage = [[(e.work, e.option) for e in entries] for entries in _entries(tables)]
     if any(not opts for opts in per_stage):
         return None
     scale = RESOLUTION / (hint.objective if hint else max(t for opts in per_stage for t, _ in opts))
@@ -127,14 +203,16 @@ def assign_cpsat(tables: list[StageTable], units: int, m: int, hint: Assignment 
     horizon = ticks(max(t for opts in per_stage for t, _ in opts)) + 1
     bound = model.NewIntVar(0, horizon, "T")
     tail = model.NewIntVar(0, ticks(max(o.tail for opts in per_stage for _, o in opts)) + 1, "tail")
-    picks, layer_terms, fill_terms = [], [], []
+    picks, layer_terms, fill_terms, lead = [], [], [], []
     for s, opts in enumerate(per_stage):
         x = [model.NewBoolVar(f"x{s}_{k}") for k in range(len(opts))]
         model.AddExactlyOne(x)
         picks.append(x)
         layer_terms += [o.layers * xi for (_, o), xi in zip(opts, x)]
         fill_terms += [ticks(o.fill) * xi for (_, o), xi in zip(opts, x)]
-        model.Add(tail >= sum(ticks(o.tail) * xi for (_, o), xi in zip(opts, x)))
+        # a stage's tail shows beyond the drains of the stages before it
+        model.Add(tail >= sum(ticks(o.tail) * xi for (_, o), xi in zip(opts, x)) - sum(lead))
+        lead += [ticks(o.drain) * xi for (_, o), xi in zip(opts, x)]
         _lanes(model, s, opts, x, bound, m, ticks)
     model.Add(sum(layer_terms) == units)
     model.Minimize(bound + sum(fill_terms) + tail)
@@ -143,7 +221,7 @@ def assign_cpsat(tables: list[StageTable], units: int, m: int, hint: Assignment 
             for (_, o), xi in zip(opts, x):
                 model.AddHint(xi, o is chosen)
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = time_limit
+    solver.parameters.max_deterministic_time = work_limit   # not wall time: the same answer on a busy machine
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = 0
     status = solver.Solve(model)

@@ -65,6 +65,8 @@ class Primitives:
         self.probe = CostModel(self.spec, probe_world, topo, profiles)
         self.delta = DTYPE_BYTES[self.model.dtype]
         self.states = state_bytes_per_param(self.model)
+        # b·S·H·δ: the activation at a border (every tp rank holds it all: no sequence parallelism) and
+        # the TP all-reduce's buffer
         self.boundary = float(micro_batch * self.model.seq * self.model.hidden * self.delta)
         self._rings: dict = {}
         self._p2p: dict = {}
@@ -84,30 +86,31 @@ class Primitives:
         return elems * self.delta + extra
 
     def _layer_cost(self, device: str, idx_kind: str, tp: int, tp_group: tuple[int, ...],
-                    boundary0: float) -> LayerCost:
-        """Mirrors CostModel._layer_time for cp = 1: measured or arithmetic time, TP all-reduces, recompute."""
+                    rerun: bool) -> LayerCost:
+        """Mirrors CostModel._layer_time for cp = 1: measured or arithmetic time, TP all-reduces, and the
+        forward work the backward repeats (checkpointing; `rerun`: offloaded activations rerun the ministage)."""
         m = self.model
         measured = self.probe.compute.layer(device, idx_kind, self.micro_batch, tp)
         flops = layer_flops(m, _index(m, idx_kind), self.micro_batch)
         share_i = flops.input_grad / flops.backward if flops.backward else 0.0
         comm = 0.0
         if measured.needs_tp_comm and idx_kind == LayerKind.BLOCK and len(tp_group) > 1:
-            comm = 2 * self.ring("all_reduce", tp_group, boundary0)
-        fwd = measured.forward
-        recompute = 0.0
+            comm = 2 * self.ring("all_reduce", tp_group, self.boundary)
+        forward = measured.forward + comm
+        recompute = forward if rerun else 0.0
         if m.activation_checkpoint is Checkpointing.FULL and idx_kind == LayerKind.BLOCK:
-            recompute = fwd
+            recompute += forward
         elif m.activation_checkpoint is Checkpointing.SELECTIVE and flops.forward:
-            recompute = fwd * flops.attention / flops.forward
-        return LayerCost(fwd + comm, measured.backward * share_i + comm + recompute,
+            recompute += forward * flops.attention / flops.forward
+        return LayerCost(forward, measured.backward * share_i + comm + recompute,
                          measured.backward * (1.0 - share_i))
 
-    def _lane_compute(self, devices: tuple[str, ...], tp: int, tp_group: tuple[int, ...], boundary0: float,
+    def _lane_compute(self, devices: tuple[str, ...], tp: int, tp_group: tuple[int, ...], rerun: bool,
                       units: tuple[int, int, int]) -> tuple[float, float, float]:
         """(F, I, W) of one microbatch through (embed, blocks, head) units on a lane: its slowest kind per phase."""
         best = (0.0, 0.0, 0.0)
         for device in dict.fromkeys(devices):
-            costs = [self.layer_cost(device, k, tp, tp_group, boundary0) for k in _KINDS]
+            costs = [self.layer_cost(device, k, tp, tp_group, rerun) for k in _KINDS]
             mine = tuple(sum(n * getattr(c, a) for n, c in zip(units, costs) if n)
                          for a in ("forward", "input_grad", "weight_grad"))
             best = tuple(max(a, b) for a, b in zip(best, mine))

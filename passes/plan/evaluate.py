@@ -23,7 +23,7 @@ from hetc.passes.plan.costs import Primitives
 from hetc.passes.plan.egress import egress_per_step
 from hetc.passes.plan.views import PlanView, StageView
 
-from hetc.spec import Checkpointing, ScheduleKind, ZeroShard
+from hetc.spec import ScheduleKind, ZeroShard
 from hetc.topology import Gpu
 
 __all__ = ["Score", "StageCosts", "evaluate", "unit_lane_times"]
@@ -98,9 +98,8 @@ class StageCosts:
     def compute(self, lane: int, units: tuple[int, int, int] | None = None) -> tuple[float, float, float]:
         """(F, I, W) seconds of one microbatch through `units` (default: the stage) on a lane."""
         gpus = self.s.lanes[lane]
-        boundary0 = 0.0 if self.last_ms == 0 else self.p.boundary
         return self.p.lane_compute(tuple(g.device.name for g in gpus), self.s.tp, tuple(g.id for g in gpus),
-                                   boundary0, units or self.layer_counts)
+                                   self.s.knobs.offload.activations, units or self.layer_counts)
 
     # ------------------------------------------------------------ communication
 
@@ -116,6 +115,10 @@ class StageCosts:
                 if 0 <= nb <= self.last_ms and self.plan.stage_of_ministage(nb) != self.s.index:
                     total += self.border(lane, self.plan.stage_of_ministage(nb), border)
         return total
+
+    @cached_property
+    def lane_classes(self) -> dict[tuple, list[int]]:
+        return _lane_classes(self)
 
     def shard(self, lane: int):
         return shard_factors(self.s.zero, len(self.s.ring), self.s.node_share(lane))
@@ -179,6 +182,19 @@ class StageCosts:
         return all(params + grads + optimizer + acts + buffers + self.p.context(g) <= g.device.memory
                    for g in self.s.lanes[lane])
 
+    def headroom(self, lane: int, count: int) -> float:
+        """Bytes left on the fullest rank of `lane` serving `count` microbatches."""
+        params, grads, optimizer, buffers, _ = self._static(self.s.node_share(lane))
+        used = params + grads + optimizer + self._activations(count)[0] + buffers
+        return min(g.device.memory - used - self.p.context(g) for g in self.s.lanes[lane])
+
+    def activations_per_count(self) -> float:
+        """Activation bytes each further microbatch adds when that is linear in the count (GPipe, Zorse), else 0."""
+        schedule = self.plan.schedule
+        if schedule is ScheduleKind.GPIPE or (schedule is ScheduleKind.ZORSE and not self.s.knobs.offload.activations):
+            return sum(self._per_mb_activations)
+        return 0.0
+
     def _static(self, node_share: int | None) -> tuple[float, float, float, float, float]:
         """(params, grads, optimizer, buffers, host) bytes on a rank: all but activations and reserve."""
         got = self._statics.get(node_share)
@@ -216,9 +232,10 @@ class StageCosts:
             return in_flight(schedule, st.index, self.plan.num_stages, count, len(st.ministages)) * sum(per_mb), 0.0
         if not st.knobs.offload.activations:
             return count * sum(per_mb), 0.0
-        boundary = sum(self.boundary_bytes(ms - 1) for ms in st.ministages if ms > 0) / st.tp
+        # every rank of a tp group holds the whole boundary activation (no sequence parallelism)
+        boundary = sum(self.boundary_bytes(ms - 1) for ms in st.ministages if ms > 0)
         buffers = (1 + self.plan.prefetch) * max(self.boundary_bytes(ms) for ms in st.ministages)
-        return max(per_mb) + buffers / st.tp, count * boundary
+        return max(per_mb) + buffers, count * boundary
 
 
 _KINDS = (LayerKind.EMBED, LayerKind.BLOCK, LayerKind.HEAD)
@@ -243,23 +260,30 @@ def evaluate(prims: Primitives, plan: PlanView) -> Score:
 
 
 def _lane_classes(sc: StageCosts) -> dict[tuple, list[int]]:
-    """Lanes the cost model times alike: device kinds, concurrency, count and border peers' groups."""
+    """Lanes the cost model times alike: the stage's lane class, microbatch count and border peers' groups."""
     out: dict[tuple, list[int]] = {}
     plan, st = sc.plan, sc.s
     neighbours = sorted({plan.stage_of_ministage(nb) for ms in st.ministages for nb in (ms - 1, ms + 1)
                          if 0 <= nb <= sc.last_ms and plan.stage_of_ministage(nb) != st.index})
-    for lane, gpus in enumerate(st.lanes):
-        peers = tuple((peer.group, peer.host == gpus[0].host)
-                      for peer in (plan.peer_gpu(st.index, lane, o) for o in neighbours))
-        key = (tuple(g.device.name for g in gpus), tuple(g.group for g in gpus), st.concurrent(lane),
-               st.counts[lane], peers, st.node_share(lane))
-        out.setdefault(key, []).append(lane)
+    hosts = st.res.lane_hosts
+    peer_keys = [_peer_keys(plan, st.index, o, hosts) for o in neighbours]
+    for c, lanes in enumerate(st.res.classes):
+        for lane in lanes:
+            key = (c, st.counts[lane], *(keys[lane] for keys in peer_keys))
+            out.setdefault(key, []).append(lane)
     return out
+
+
+def _peer_keys(plan, stage: int, other: int, hosts: list) -> list[tuple[str, bool]]:
+    """Per lane of `stage`: its peer's node group in stage `other`, and whether they share a host."""
+    theirs = plan.stages[other].lanes
+    peers = [theirs[lane][0] for lane in plan.peer_lanes(stage, other)]
+    return [(p.group, p.host == h) for p, h in zip(peers, hosts)]
 
 
 def _lane_timings(sc: StageCosts) -> list[LaneTiming]:
     out = []
-    for lanes in _lane_classes(sc).values():
+    for lanes in sc.lane_classes.values():
         lane = lanes[0]
         f, i, w = sc.compute(lane)
         out.append(LaneTiming(sc.s.index, lane, sc.s.counts[lane], f, i, w, sc.p2p(lane), sc.overlapped(lane)))
@@ -267,13 +291,23 @@ def _lane_timings(sc: StageCosts) -> list[LaneTiming]:
 
 
 def _tail(costs: list[StageCosts], lanes: list[LaneTiming]) -> float:
+    """Mirrors plan_time._tail: lane 0 syncs with its ZeRO groups, every device kind steps its shard."""
     tail, lead = 0.0, 0.0
     for sc in costs:
         mine = [t for t in lanes if t.stage == sc.s.index]
-        worst = max(sc.sync(t.lane) + sc.optimizer(t.lane) for t in mine)
+        worst = sc.sync(0) + max(sc.optimizer(lane) for lane in _kind_reps(sc))
         tail = max(tail, worst - lead)
         lead += max(t.backward + t.p2p for t in mine)
     return max(tail, 0.0)
+
+
+def _kind_reps(sc: StageCosts) -> list[int]:
+    """The first lane holding each device kind of the stage (its lowest rank of the kind)."""
+    seen: dict[str, int] = {}
+    for lane, gpus in enumerate(sc.s.lanes):
+        for g in gpus:
+            seen.setdefault(g.device.name, lane)
+    return list(seen.values())
 
 
 def _zorse_units(costs: list[StageCosts]) -> list[Unit]:
@@ -281,7 +315,7 @@ def _zorse_units(costs: list[StageCosts]) -> list[Unit]:
     units = []
     for ms, (_, _, s) in enumerate(plan.ministages):
         sc = costs[s]
-        classes = {lane: lanes[0] for lanes in _lane_classes(sc).values() for lane in lanes}
+        classes = {lane: lanes[0] for lanes in sc.lane_classes.values() for lane in lanes}
         per_class = {rep: unit_lane_times(sc, rep, ms) for rep in set(classes.values())}
         unit_lanes = tuple(UnitLane(tuple(sc.s.routes[lane]), *per_class[classes[lane]])
                            for lane in range(len(sc.s.lanes)))
@@ -302,10 +336,9 @@ def unit_lane_times(sc: StageCosts, lane: int, ms: int) -> tuple[float, float, f
     plan = sc.plan
     f, i, w = sc.compute(lane, sc.ministage_units(ms))
     b = i + w
-    if sc.s.knobs.offload.activations:
-        copy = sc.p.copy(sc.s.lanes[lane][0], sc.boundary_bytes(ms) / sc.s.tp)
-        recompute = 0.0 if sc.p.model.activation_checkpoint is Checkpointing.FULL else f
-        f, b = max(f, copy), max(b + recompute, copy)
+    if sc.s.knobs.offload.activations:  # the copy runs beside the compute (whose backward reruns it)
+        copy = sc.p.copy(sc.s.lanes[lane][0], sc.boundary_bytes(ms))
+        f, b = max(f, copy), max(b, copy)
     out = back = 0.0
     if ms < sc.last_ms and plan.stage_of_ministage(ms + 1) != sc.s.index:
         out = sc.border(lane, plan.stage_of_ministage(ms + 1), ms)
@@ -315,16 +348,16 @@ def unit_lane_times(sc: StageCosts, lane: int, ms: int) -> tuple[float, float, f
 
 
 def _memory(costs: list[StageCosts]) -> tuple[tuple[RankMemory, ...], tuple[tuple[int, ...], ...]]:
-    memory, classes = [], []
+    memory: list[RankMemory] = []
+    classes: list[list[int]] = []
     for sc in costs:
         seen: dict[tuple, int] = {}
         for lane, gpus in enumerate(sc.s.lanes):
             for gpu in gpus:
                 key = (gpu.device.name, sc.s.counts[lane], sc.s.node_share(lane))
-                if key in seen:
-                    classes[seen[key]] += (gpu.id,)
-                    continue
-                seen[key] = len(memory)
-                memory.append(sc.memory(lane, gpu, sc.s.counts[lane]))
-                classes.append((gpu.id,))
-    return tuple(memory), tuple(classes)
+                if key not in seen:
+                    seen[key] = len(memory)
+                    memory.append(sc.memory(lane, gpu, sc.s.counts[lane]))
+                    classes.append([])
+                classes[seen[key]].append(gpu.id)
+    return tuple(memory), tuple(tuple(c) for c in classes)

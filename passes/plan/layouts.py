@@ -11,7 +11,8 @@ p stages is cut one of two ways:
 - `by kind`: the domain's node groups, fastest first, get consecutive
   stages in proportion to their compute (Sailor's and HexiScale's shape).
 
-The number of stages per domain follows the domains' compute shares.
+The number of stages per domain follows the domains' compute shares; the
+pipeline depths tried thin out as they grow (`stage_counts`).
 Domains are ordered every way when there are at most `MAX_PERMUTED`,
 otherwise fastest first and slowest first.
 """
@@ -26,7 +27,7 @@ from hetc.passes.plan.partition import Domains
 from hetc.spec import DType
 from hetc.topology import Topology
 
-__all__ = ["Layout", "MAX_PERMUTED", "group_speed", "layouts", "split_group"]
+__all__ = ["Layout", "MAX_PERMUTED", "gpu_run", "group_speed", "layouts", "split_group", "stage_counts"]
 
 Layout = tuple[StageGpus, ...]
 MAX_PERMUTED = 3
@@ -52,12 +53,12 @@ def split_group(topo: Topology, group: str, parts: int) -> list[tuple[GpuBlock, 
         return out
     out, start = [], 0
     for size in split_evenly(g.count * g.gpus, parts):
-        out.append(_gpu_run(group, g.gpus, start, start + size))
+        out.append(gpu_run(group, g.gpus, start, start + size))
         start += size
     return out
 
 
-def _gpu_run(group: str, per_node: int, lo: int, hi: int) -> tuple[GpuBlock, ...]:
+def gpu_run(group: str, per_node: int, lo: int, hi: int) -> tuple[GpuBlock, ...]:
     """GPUs lo..hi-1 in node-major order as blocks: a partial node, whole nodes, a partial node."""
     blocks = []
     while lo < hi:
@@ -118,7 +119,7 @@ def layouts(topo: Topology, partitions: list[Domains], max_stages: int, dtype: D
     for domains in partitions:
         speeds = [sum(group_speed(topo, g, dtype) for g in d) for d in domains]
         orders = _orders(len(domains), speeds)
-        for total in range(len(domains), max_stages + 1):
+        for total in stage_counts(len(domains), max_stages):
             per_domain = _shares(speeds, total)
             if per_domain is None:
                 continue
@@ -129,6 +130,15 @@ def layouts(topo: Topology, partitions: list[Domains], max_stages: int, dtype: D
                 for order in orders:
                     seen.setdefault(tuple(st for i in order for st in parts[i]), None)
     return sorted(seen, key=len)
+
+
+def stage_counts(least: int, most: int) -> list[int]:
+    """Pipeline depths tried: every depth up to 6, then about a third apart (8, 10, 12, 16, 20, 24, 32, ...)."""
+    depths, d = [], 1
+    while d <= most:
+        depths.append(d)
+        d = d + 1 if d < 6 else d + max(2, d // 3 // 2 * 2)
+    return [d for d in depths if d >= least] or ([least] if least <= most else [])
 
 
 def _cut(cut, topo: Topology, domain: tuple[str, ...], parts: int, dtype: DType):

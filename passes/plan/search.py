@@ -5,7 +5,8 @@ Coarse to fine, since the space is a product of many choices:
 1. layouts: every (idle set, layout) under a default schedule and the
    smallest micro-batch (every size, on small clusters), with a few stage
    configurations (`base_knobs`);
-2. schedules: the best layouts under every schedule and micro-batch size;
+2. schedules: the best layouts under every schedule, micro-batch size and
+   tensor-parallel degree (TP groups inside a node: `intra_lane.tp_degrees`);
 3. configurations: the best structures with every stage configuration
    (ZeRO level, offload, ministages), solved by `assign_fast` and refined
    by the CP-SAT model (`assign_cpsat`).
@@ -25,7 +26,8 @@ from dataclasses import dataclass, replace
 
 from hetc.passes.cost import Profiles
 from hetc.passes.plan.assign import Assignment, assign_cpsat, assign_fast
-from hetc.passes.plan.candidate import Candidate, Knobs
+from hetc.passes.cost.intra_lane import tp_degrees
+from hetc.passes.plan.candidate import Candidate, Knobs, StageGpus
 from hetc.passes.plan.costs import Primitives
 from hetc.passes.plan.evaluate import Score, evaluate
 from hetc.passes.plan.improve import improve
@@ -47,15 +49,25 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SearchLimits:
+    """How wide each step looks. Large clusters cost more per plan scored, so they look narrower."""
+
     exhaustive: int = 96      # at most this many structures: configure every one, skip steps 1 and 2
     layouts: int = 12         # layouts kept after step 1
     structures: int = 10      # structures kept after step 2
     refine: int = 3           # best configured structures refined by CP-SAT and local search
-    exact_screen_gpus: int = 256
-    local_evaluations: int = 80
-    local_evaluations_large: int = 16
-    window: int = 2           # layer counts tried on each side of a stage's share, at first
-    cpsat_seconds: float = 0.5
+    local_evaluations: int = 80   # exact scores per local search
+    exact_screen: bool = True     # rank steps 1 and 2 by exact scores (else by the assignment model)
+    window: int = 4           # layer counts tried on each side of a stage's share, at first (half when coarse)
+    cpsat_work: float = 0.5     # CP-SAT's deterministic time per model
+
+    @classmethod
+    def for_cluster(cls, num_gpus: int) -> SearchLimits:
+        if num_gpus <= LARGE_CLUSTER:
+            return cls()
+        return cls(layouts=6, structures=6, refine=3, local_evaluations=12, exact_screen=False, window=2)
+
+
+LARGE_CLUSTER = 256   # GPUs: beyond this an exact score takes milliseconds
 
 
 @dataclass(frozen=True)
@@ -76,8 +88,9 @@ class Found:
 
 class Search:
     def __init__(self, spec: Spec, topo: Topology, profiles: Profiles | None, space: SearchSpace, goal: Goal,
-                 limits: SearchLimits = SearchLimits()):
-        self.spec, self.topo, self.space, self.goal, self.limits = spec, topo, space, goal, limits
+                 limits: SearchLimits | None = None):
+        self.spec, self.topo, self.space, self.goal = spec, topo, space, goal
+        self.limits = limits or SearchLimits.for_cluster(topo.num_gpus)
         self.resolve = Resolver(topo)
         self.prims = {b: Primitives(spec, topo, profiles, b) for b in space.micro_batches}
         self.units = spec.model.num_model_layers
@@ -99,14 +112,31 @@ class Search:
                                       self.spec.model.dtype):
                     yield idle, layout
 
-    def variants(self, idle: tuple[str, ...], layout: Layout, schedules, micro_batches) -> Iterator[Structure]:
-        for b in micro_batches:
-            if max(st.num_lanes for st in layout) > self.prims[b].num_microbatches:
+    def variants(self, idle: tuple[str, ...], layout: Layout, schedules, micro_batches,
+                 tps: tuple[int, ...] = (1,)) -> Iterator[Structure]:
+        for tp in tps:
+            shaped = self._with_tp(layout, tp)
+            if shaped is None:
                 continue
-            for schedule in schedules:
-                for v in (self.space.interleave if schedule is ScheduleKind.INTERLEAVED else (0,)):
-                    if not v or len(layout) * v <= self.units:
-                        yield Structure(idle, layout, schedule, b, v)
+            for b in micro_batches:
+                if max(st.num_lanes for st in shaped) > self.prims[b].num_microbatches:
+                    continue
+                for schedule in schedules:
+                    for v in (self.space.interleave if schedule is ScheduleKind.INTERLEAVED else (0,)):
+                        if not v or len(shaped) * v <= self.units:
+                            yield Structure(idle, shaped, schedule, b, v)
+
+    def _with_tp(self, layout: Layout, tp: int) -> Layout | None:
+        """The layout with lanes of `tp` GPUs, if every TP group fits in one node and splits the heads."""
+        if all(st.tp == tp for st in layout):
+            return layout
+        for st in layout:
+            if any(b.gpu_start % tp or (b.gpu_stop - b.gpu_start) % tp for b in st.blocks):
+                return None
+            lane = self.resolve(StageGpus(st.blocks, 1)).gpus[:tp]
+            if tp not in tp_degrees(self.spec.model, self.topo, lane):
+                return None
+        return tuple(StageGpus(st.blocks, tp) for st in layout)
 
     # ------------------------------------------------------------ tables
 
@@ -148,18 +178,26 @@ class Search:
 
     def assign(self, st: Structure, full: bool, around: tuple[int, ...] | None = None
                ) -> tuple[Assignment, list[StageTable]] | None:
-        """The fast assignment over windows of layer counts, widened until it settles inside them."""
+        """The fast assignment over windows of layer counts; a window the answer presses against grows that way."""
         limits = self._limits(st)
         centres = list(around) if around else self._centres(st)
         knobs = [self.knobs(st, s, full) for s in range(len(st.layout))]
         m = self.prims[st.micro_batch].num_microbatches
-        width = self.limits.window
+        width = self.limits.window if full else max(1, self.limits.window // 2)
+        lows = [max(1, min(c, most) - width) for c, most in zip(centres, limits)]
+        highs = [min(most, max(c, 1) + width) for c, most in zip(centres, limits)]
         while True:
-            windows = [range(max(1, c - width), min(most, c + width) + 1) for c, most in zip(centres, limits)]
-            tables = [self._table(st, s, w, knobs[s]) for s, w in enumerate(windows)]
+            tables = [self._table(st, s, range(lo, hi + 1), knobs[s]) for s, (lo, hi) in enumerate(zip(lows, highs))]
             a = assign_fast(tables, self.units, m)
-            whole = all(w.start == 1 and w.stop == most + 1 for w, most in zip(windows, limits))
-            if whole or (a is not None and not _at_edge(a, windows, limits)):
+            grown = False
+            for s, most in enumerate(limits):
+                pressed_low = a is None or a.options[s].layers == lows[s]
+                pressed_high = a is None or a.options[s].layers == highs[s]
+                if pressed_low and lows[s] > 1:
+                    lows[s], grown = max(1, lows[s] - width), True
+                if pressed_high and highs[s] < most:
+                    highs[s], grown = min(most, highs[s] + width), True
+            if not grown:
                 return (a, tables) if a is not None else None
             width *= 2
 
@@ -200,7 +238,7 @@ class Search:
 
         pairs = list(self.layouts())
         every = [st for idle, layout in pairs
-                 for st in self.variants(idle, layout, self.space.schedules, self.space.micro_batches)]
+                 for st in self.variants(idle, layout, self.space.schedules, self.space.micro_batches, self.space.tp)]
         if len(every) <= self.limits.exhaustive:
             shortlist = every   # few enough to configure every one
         else:
@@ -210,8 +248,12 @@ class Search:
             tell("layouts")
             best = _top_distinct(ranked, self.limits.layouts, key=lambda st: (st.idle, st.layout))
             ranked = self._screen(st for idle, layout in best
-                                  for st in self.variants(idle, layout, self.space.schedules, self.space.micro_batches))
+                                  for st in self.variants(idle, layout, self.space.schedules, self.space.micro_batches,
+                                                          self.space.tp))
             tell("schedules")
+            if not self.exact_screen:  # the model ranks roughly: score a wider shortlist exactly
+                wide = _top_distinct(ranked, 3 * self.limits.structures, key=lambda st: st)
+                ranked = self._rescore(wide)
             shortlist = _top_distinct(ranked, self.limits.structures, key=lambda st: st)
         found = sorted((f for st in shortlist for f in self._configure(st)), key=self.rank)
         tell("configurations")
@@ -228,8 +270,7 @@ class Search:
 
     @property
     def exact_screen(self) -> bool:
-        """Rank structures by their exact score while that is cheap, else by the assignment model."""
-        return self.topo.num_gpus <= self.limits.exact_screen_gpus
+        return self.limits.exact_screen
 
     def _screen(self, structures) -> list[tuple[tuple, Structure]]:
         out = []
@@ -248,6 +289,15 @@ class Search:
                 out.append(((False, False, value), st))
         return out
 
+    def _rescore(self, structures: list[Structure]) -> list[tuple[tuple, Structure]]:
+        out = []
+        for st in structures:
+            got = self.assign(st, full=False)
+            f = None if got is None else self.found(st, got[0])
+            if f is not None:
+                out.append((self.rank(f)[:3], st))
+        return out
+
     def _configure(self, st: Structure) -> list[Found]:
         """The structure with every stage configuration: the fast assignment, scored exactly."""
         self.visited += 1
@@ -264,11 +314,14 @@ class Search:
         a, tables = self._assigned[st]
         m = self.prims[st.micro_batch].num_microbatches
         starts = [a]
-        refined = assign_cpsat(tables, self.units, m, a, self.limits.cpsat_seconds)
+        refined = assign_cpsat(tables, self.units, m, a, self.limits.cpsat_work)
         if refined is not None and refined.options != a.options:
             starts.append(refined)
-        budget = self.limits.local_evaluations if self.exact_screen else self.limits.local_evaluations_large
-        return [f for start in starts for f in (improve(self, st, start, budget),) if f is not None]
+        if not self.exact_screen:  # large: search on from the better start only
+            scored = [f for f in (self.found(st, x) for x in starts) if f is not None]
+            starts = [min(zip(scored, starts), key=lambda fs: self.rank(fs[0]))[1]] if scored else []
+        return [f for start in starts for f in (improve(self, st, start, self.limits.local_evaluations),)
+                if f is not None]
 
     def rank(self, f: Found) -> tuple:
         return (not self.goal.admits(f.score), not f.score.fits, self.goal.value(f.score), f.candidate.key())
@@ -282,11 +335,6 @@ def base_knobs(options: list[Knobs]) -> list[Knobs]:
     by_weight = sorted(options, key=weight)
     plain = [k for k in by_weight if k.offload == by_weight[0].offload and k.ministages == by_weight[0].ministages]
     return list(dict.fromkeys([by_weight[0], plain[-1], by_weight[-1]]))
-
-
-def _at_edge(a: Assignment, windows: list[range], limits: list[int]) -> bool:
-    return any((o.layers == w.start and w.start > 1) or (o.layers == w.stop - 1 and w.stop - 1 < most)
-               for o, w, most in zip(a.options, windows, limits))
 
 
 def _to_refine(found: list[Found], k: int) -> list[Structure]:

@@ -17,24 +17,46 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from hetc.passes.plan.candidate import Knobs, Offload, StageGpus
+from hetc.passes.plan.candidate import Candidate, Knobs, Offload, StageGpus
 
 from hetc.spec import AUTO, ScheduleKind, Spec, ZeroSpec
 from hetc.topology import Topology
 
-__all__ = ["SearchSpace", "DEFAULT_SCHEDULES", "MAX_IDLE_GROUPS", "knob_options", "space_from_spec", "written"]
+__all__ = ["Fixed", "SearchSpace", "DEFAULT_SCHEDULES", "MAX_IDLE_GROUPS", "knob_options", "space_from_spec",
+           "written"]
 
-DEFAULT_SCHEDULES = (ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZB, ScheduleKind.INTERLEAVED, ScheduleKind.ZORSE,
-                     ScheduleKind.GPIPE)
+# 1F1B and GPipe are left out of `schedule = auto`: in the cost model zero-bubble (ZB-H1) runs the same
+# steady state with a bubble shrunk by the weight-gradient work and holds 1F1B's activations, and GPipe
+# takes 1F1B's time with every microbatch's activations held. A spec that names them gets them.
+DEFAULT_SCHEDULES = (ScheduleKind.ZB, ScheduleKind.INTERLEAVED, ScheduleKind.ZORSE)
 PLAIN_OFFLOADS = (Offload(), Offload(optimizer=True), Offload(params=True, optimizer=True))
 ZORSE_OFFLOADS = (Offload(), Offload(activations=True), Offload(params=True, activations=True),
                   Offload(params=True, optimizer=True, activations=True))
 MINISTAGES = (1, 2, 4)
 INTERLEAVE = (2,)
 MICRO_BATCHES = (1, 2, 4, 8)
+TP_DEGREES = (1, 2, 4, 8)
 MAX_STAGES = 16
 # With more node groups than this, idle choices drop whole device kinds, slowest first, not every subset.
 MAX_IDLE_GROUPS = 5
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """What the spec pins (None: the planner's choice). A baseline plan may be chosen only if it agrees."""
+
+    schedule: ScheduleKind | None = None
+    zero: int | None = None
+    offload: Offload | None = None
+    micro_batch: int | None = None
+    idle: tuple[str, ...] | None = None
+
+    def admits(self, c: Candidate) -> bool:
+        return ((self.schedule is None or c.schedule is self.schedule)
+                and (self.zero is None or all(k.zero == self.zero for k in c.knobs))
+                and (self.offload is None or all(k.offload == self.offload for k in c.knobs))
+                and (self.micro_batch is None or c.micro_batch == self.micro_batch)
+                and (self.idle is None or set(c.idle) == set(self.idle)))
 
 
 @dataclass(frozen=True)
@@ -46,11 +68,13 @@ class SearchSpace:
     ministages: tuple[int, ...] = MINISTAGES
     interleave: tuple[int, ...] = INTERLEAVE
     micro_batches: tuple[int, ...] = (1,)
+    tp: tuple[int, ...] = (1,)
     idle_sets: tuple[tuple[str, ...], ...] = ((),)
     max_stages: int = MAX_STAGES
     prefetch: int = 1
     zero_base: ZeroSpec = field(default_factory=ZeroSpec)
     stages: tuple[StageGpus, ...] | None = None   # fixed stage GPUs: the spec wrote its stages
+    fixed: Fixed = field(default_factory=lambda: Fixed())
 
 
 def written(node, name: str) -> bool:
@@ -59,21 +83,31 @@ def written(node, name: str) -> bool:
 
 def space_from_spec(spec: Spec, topo: Topology, **overrides) -> SearchSpace:
     """The space the spec leaves open (`overrides` narrow it further, e.g. in tests)."""
-    par, train = spec.parallel, spec.train
+    par = spec.parallel
     designing = par.stages is AUTO
 
-    def free(name: str, value) -> bool:
+    def free(name: str, value=None) -> bool:
         return value is AUTO or (designing and not written(par, name))
 
+    micro_batches = _micro_batches(spec)
+    fixed = Fixed(
+        schedule=None if free("schedule", par.schedule) else par.schedule,
+        zero=None if free("zero", par.zero.level) else int(par.zero.level),
+        offload=None if free("offload") else Offload.from_spec(par.offload),
+        micro_batch=micro_batches[0] if len(micro_batches) == 1 else None,
+        idle=None if free("idle") else tuple(s.group for s in par.idle),
+    )
     out = dict(
-        schedules=DEFAULT_SCHEDULES if free("schedule", par.schedule) else (par.schedule,),
-        zero_levels=(0, 1, 2, 3) if free("zero", par.zero.level) else (int(par.zero.level),),
-        offloads=PLAIN_OFFLOADS if free("offload", None) else (Offload.from_spec(par.offload),),
-        zorse_offloads=ZORSE_OFFLOADS if free("offload", None) else (Offload.from_spec(par.offload),),
-        micro_batches=_micro_batches(spec),
-        idle_sets=_idle_sets(spec, topo) if free("idle", None) else (tuple(s.group for s in par.idle),),
+        schedules=DEFAULT_SCHEDULES if fixed.schedule is None else (fixed.schedule,),
+        zero_levels=(0, 1, 2, 3) if fixed.zero is None else (fixed.zero,),
+        offloads=PLAIN_OFFLOADS if fixed.offload is None else (fixed.offload,),
+        zorse_offloads=ZORSE_OFFLOADS if fixed.offload is None else (fixed.offload,),
+        micro_batches=micro_batches,
+        tp=TP_DEGREES if designing else (1,),
+        idle_sets=_idle_sets(spec, topo) if fixed.idle is None else (fixed.idle,),
         prefetch=1 if par.prefetch is AUTO else par.prefetch,
         zero_base=par.zero if par.zero.level is not AUTO else ZeroSpec(shard=par.zero.shard, across=par.zero.across),
+        fixed=fixed,
     )
     out.update(overrides)
     return SearchSpace(**out)

@@ -7,6 +7,11 @@ one microbatch (its cycle), the microbatches that still fit in memory, and
 the stage's pipeline fill, gradient-sync-and-step tail and drain. `assign`
 chooses one option per stage and the microbatches per lane class.
 
+Under Zorse's schedule a stage runs its ministages one after the other,
+each over every microbatch; only its last ministage overlaps the next
+stage, so the rest of its work counts as fill (Note [Zorse serialises a
+stage's ministages]).
+
 Entries come from `evaluate.StageCosts` on a stand-in pipeline: the stage
 itself, exact, between one-rank stand-ins for its neighbours (their first
 GPU receives its activations). Only the border peers are approximate; the
@@ -26,7 +31,7 @@ from hetc.passes.plan.views import ResolvedStage, StageView
 from hetc.spec import ScheduleKind, ZeroShard, ZeroSpec
 from hetc.topology import Gpu
 
-__all__ = ["LaneClass", "Option", "StageTable", "StageContext", "stage_table"]
+__all__ = ["LaneClass", "Option", "StageTable", "StageContext", "stage_costs", "stage_table"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,33 +116,29 @@ def _context(prims: Primitives, index: int, num_stages: int, n: int, ministages:
     return ctx, tuple(own)
 
 
+def stage_costs(prims: Primitives, res: ResolvedStage, index: int, num_stages: int, n: int, knobs: Knobs,
+                schedule: ScheduleKind, neighbours: dict[int, Gpu], interleave: int = 0, prefetch: int = 1,
+                zero_base: ZeroSpec | None = None) -> StageCosts:
+    """The cost model's view of stage `index` owning n layer units under `knobs`, between stand-ins."""
+    m = prims.num_microbatches
+    nominal = tuple(split_evenly(m, len(res.lanes))) if len(res.lanes) <= m else (1,) * len(res.lanes)
+    ctx, own = _context(prims, index, num_stages, n, knobs.ministages, interleave, neighbours, schedule, prefetch)
+    view = StageView(index, res, knobs, replace(zero_base or ZeroSpec(), level=knobs.zero), own, nominal)
+    return StageCosts(prims, ctx, view)
+
+
 def stage_table(prims: Primitives, res: ResolvedStage, index: int, num_stages: int, layer_range: range,
                 knob_options: list[Knobs], schedule: ScheduleKind, neighbours: dict[int, Gpu],
                 interleave: int = 0, prefetch: int = 1, zero_base: ZeroSpec | None = None) -> StageTable:
     table = StageTable(index, res)
-    m = prims.num_microbatches
-    nominal = tuple(split_evenly(m, len(res.lanes))) if len(res.lanes) <= m else (1,) * len(res.lanes)
-    classes = _classes(res)
     for n in layer_range:
         for knobs in knob_options:
             if knobs.ministages > n or (interleave and interleave > n):
                 continue
-            zero = replace(zero_base or ZeroSpec(), level=knobs.zero)
-            ctx, own = _context(prims, index, num_stages, n, knobs.ministages, interleave, neighbours,
-                                schedule, prefetch)
-            view = StageView(index, res, knobs, zero, own, nominal)
-            table.options.append(_option(prims, StageCosts(prims, ctx, view), n, knobs, classes, m))
+            sc = stage_costs(prims, res, index, num_stages, n, knobs, schedule, neighbours, interleave, prefetch,
+                             zero_base)
+            table.options.append(_option(prims, sc, n, knobs, res.classes, prims.num_microbatches))
     return table
-
-
-def _classes(res: ResolvedStage) -> list[tuple[int, ...]]:
-    """Lanes that time alike: same device kinds, node group and concurrency."""
-    out: dict[tuple, list[int]] = {}
-    for lane, gpus in enumerate(res.lanes):
-        key = (tuple(g.device.name for g in gpus), tuple(g.group for g in gpus), res.concurrent(lane),
-               len(res.node_ring(lane)))
-        out.setdefault(key, []).append(lane)
-    return [tuple(v) for v in out.values()]
 
 
 def _option(prims: Primitives, sc: StageCosts, n: int, knobs: Knobs, classes, m: int) -> Option:
@@ -161,6 +162,11 @@ def _option(prims: Primitives, sc: StageCosts, n: int, knobs: Knobs, classes, m:
     per_mb = schedule is not ScheduleKind.ZORSE and knobs.zero >= 2 and sc.s.zero.shard is ZeroShard.ALL
     equal = per_mb and len(sc.s.lanes) > 1
     work = bottleneck(m, [(len(c.lanes), c.cycle, c.cap) for c in lane_classes], equal)
+    if schedule is ScheduleKind.ZORSE and work is not None and sc.plan.num_stages > 1:
+        # Note [Zorse serialises a stage's ministages]: the next stage starts on a microbatch only once
+        # this stage runs its last ministage, so all but 1/k of the stage's work cannot overlap the pipeline
+        k = len(sc.s.ministages)
+        fill += (k - 1) / k * work
     return Option(n, knobs, tuple(lane_classes), fill, tail, drain, equal, work)
 
 
@@ -170,7 +176,15 @@ def _cap(sc: StageCosts, lane: int, m: int) -> int:
         return m
     if not sc.fits(lane, 1):
         return 0
-    lo, hi = 1, m
+    lo, hi = 1, m   # fits(lo), not fits(hi)
+    per_microbatch = sc.activations_per_count()
+    if per_microbatch:  # linear in the count: the closed form, checked
+        guess = min(max(1 + int(sc.headroom(lane, 1) / per_microbatch), 1), m - 1)
+        if sc.fits(lane, guess):
+            lo = guess
+            hi = guess + 1 if not sc.fits(lane, guess + 1) else m
+        else:
+            hi = guess
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if sc.fits(lane, mid) else (lo, mid)

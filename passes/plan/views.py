@@ -31,29 +31,38 @@ class ResolvedStage:
         self.tp = stage.tp
         self.lanes = tuple(self.gpus[i:i + self.tp] for i in range(0, len(self.gpus), self.tp))
         self.ring = tuple(lane[0].id for lane in self.lanes)
-        self._host = {g.id: g.host for g in self.gpus}
-        self._node_rings: dict[tuple[str, int], tuple[int, ...]] = {}
+        self.lane_hosts = [lane[0].host for lane in self.lanes]
+        self._ring_by_host: dict[tuple[str, int], list[int]] = {}
+        for host, r in zip(self.lane_hosts, self.ring):
+            self._ring_by_host.setdefault(host, []).append(r)
 
     def node_ring(self, lane: int) -> tuple[int, ...]:
         """Hierarchical ZeRO (`shard = node`): the ring members on this lane's node."""
-        host = self.lanes[lane][0].host
-        got = self._node_rings.get(host)
-        if got is None:
-            got = self._node_rings[host] = tuple(r for r in self.ring if self._host[r] == host)
-        return got
+        return tuple(self._ring_by_host[self.lane_hosts[lane]])
 
     def across_ring(self, lane: int) -> tuple[int, ...]:
         """Hierarchical ZeRO: ring members at this lane's position within their node's shard group."""
-        pos = self.node_ring(lane).index(self.lanes[lane][0].id)
-        by_host: dict = {}
-        for r in self.ring:
-            by_host.setdefault(self._host[r], []).append(r)
-        return tuple(members[pos] for members in by_host.values() if pos < len(members))
+        pos = self._ring_by_host[self.lane_hosts[lane]].index(self.ring[lane])
+        chosen = {members[pos] for members in self._ring_by_host.values() if pos < len(members)}
+        return tuple(r for r in self.ring if r in chosen)
 
     def concurrent(self, lane: int) -> int:
         """Ranks of a lane on its first rank's node: they share the node's link."""
-        host = self.lanes[lane][0].host
-        return sum(1 for g in self.lanes[lane] if g.host == host)
+        return self._concurrent[lane]
+
+    @cached_property
+    def _concurrent(self) -> list[int]:
+        return [sum(1 for g in lane if g.host == lane[0].host) for lane in self.lanes]
+
+    @cached_property
+    def classes(self) -> list[tuple[int, ...]]:
+        """Lanes that time alike: same device kinds, node groups, concurrency and node-local ring."""
+        out: dict[tuple, list[int]] = {}
+        for lane, gpus in enumerate(self.lanes):
+            key = (tuple(g.device.name for g in gpus), tuple(g.group for g in gpus), self.concurrent(lane),
+                   len(self._ring_by_host[self.lane_hosts[lane]]))
+            out.setdefault(key, []).append(lane)
+        return [tuple(v) for v in out.values()]
 
 
 class Resolver:
@@ -138,9 +147,10 @@ class PlanView:
 
     def peer_gpu(self, stage: int, lane: int, other: int) -> Gpu:
         """First rank of the lane of `other` serving most of this lane's microbatches (lowest index on ties)."""
-        return self.stages[other].lanes[self._peers(stage, other)[lane]][0]
+        return self.stages[other].lanes[self.peer_lanes(stage, other)[lane]][0]
 
-    def _peers(self, a: int, b: int) -> list[int]:
+    def peer_lanes(self, a: int, b: int) -> list[int]:
+        """For every lane of stage a, the lane of stage b serving most of its microbatches."""
         got = self._peer_table.get((a, b))
         if got is None:
             sa, sb = self.stages[a], self.stages[b]

@@ -1,0 +1,64 @@
+"""`hetc plan SPEC`: fill every `auto` of the plan; print or write the explicit spec."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from hetc.commands.explain import PROFILE_ENV, load_profile_args
+from hetc.frontend import load_checked
+
+__all__ = ["register"]
+
+# Searches that take longer than this report their progress on stderr.
+PROGRESS_AFTER_S = 1.0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan", help="choose every `auto` of a plan: stages, layers, lanes, schedule, ZeRO, offload",
+        description="Search stage layouts over the cluster's bandwidth domains, the schedule, micro-batch size, "
+                    "tensor parallelism, ZeRO level, offload and ministages of every stage, and the GPUs to "
+                    "leave idle, under the spec's objective (throughput, or $ per token within a budget), and "
+                    "compare the plan with baselines under the same cost model. Prints the explicit spec (or "
+                    "writes it with -o) and a summary; docs/planner.md. "
+                    f"Measured profiles come from --profile and ${PROFILE_ENV}.")
+    p.add_argument("spec", metavar="SPEC")
+    p.add_argument("-o", "--out", type=Path, metavar="OUT.het", help="write the explicit spec here")
+    p.add_argument("--json", action="store_true", help="print one JSON object (the spec's text in \"text\")")
+    p.add_argument("--profile", action="append", default=[], metavar="FILE|DIR",
+                   help="a `hetc profile` file, a Sailor data folder or a Zorse folder (repeatable)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from hetc.passes.plan.output import planned_text
+    from hetc.passes.plan.planner import plan_spec
+    from hetc.planreport import plan_json, plan_summary
+
+    loaded, _ = load_checked(args.spec, require_complete=True)
+    profiles = load_profile_args(args.profile)
+    start = time.perf_counter()
+
+    def progress(message: str) -> None:
+        if time.perf_counter() - start > PROGRESS_AFTER_S:
+            print(f"hetc plan: {message}", file=sys.stderr, flush=True)
+
+    result = plan_spec(loaded.spec, profiles, loaded.path.parent, progress)
+    note = "" if not result.planned else (f"planned by hetc plan: {result.step_time_s:.4g} s/step, "
+                                          f"{result.tokens_per_s:,.0f} tokens/s predicted")
+    text = planned_text(loaded, result.spec if result.planned else None, args.out, note)
+    if args.out is not None:
+        args.out.write_text(text)
+    summary = plan_summary(args.spec, result)
+    if args.json:
+        print(json.dumps(plan_json(args.spec, result, text), indent=1))
+    elif args.out is not None:
+        print(summary)
+    else:
+        sys.stdout.write(text)
+        print(summary, file=sys.stderr)
+    return 0

@@ -1,0 +1,150 @@
+"""What `hetc plan` says about a plan: the text summary with the baselines table, and the JSON object."""
+
+from __future__ import annotations
+
+from hetc.costreport import human_bytes
+from hetc.passes.cost import RankMemory
+from hetc.passes.plan.baselines import Baseline
+from hetc.passes.plan.planner import PlanResult
+
+from hetc.spec import Objective
+
+__all__ = ["plan_json", "plan_summary"]
+
+
+def _memory(result: PlanResult) -> list[RankMemory]:
+    """One entry per rank, from the full estimate or the planner's classes of alike ranks."""
+    if result.estimate is not None:
+        return list(result.estimate.memory)
+    rank_of = {g.id: r for r, g in enumerate(result.checked.pipeline.world)}
+    out = []
+    for m, ids in zip(result.score.memory, result.score.classes):
+        out += [RankMemory(rank_of[i], str(result.checked.topology.gpus[i]), m.device, m.stage, m.params, m.grads,
+                           m.optimizer, m.activations, m.buffers, m.reserve, m.capacity, m.host) for i in ids]
+    return sorted(out, key=lambda m: m.rank)
+
+
+def plan_summary(path: str, result: PlanResult) -> str:
+    p = result.checked.pipeline
+    spec = result.spec
+    lines = []
+    if result.planned:
+        lines.append(f"planned {path} in {result.seconds:.2f} s ({result.structures} structures searched) for "
+                     f"{result.goal.describe()}" + ("" if result.chosen == "planner" else
+                                                    f"; the {result.chosen} baseline won"))
+    else:
+        lines.append(f"{path}: the plan has no `auto`; nothing to plan")
+    idle = ", ".join(s.group for s in spec.parallel.idle) or "none"
+    lines.append(f"  schedule {p.schedule.value}, micro_batch {p.micro_batch}, {p.num_microbatches} microbatches, "
+                 f"{len(p.stages)} stages on {p.world_size} ranks (idle: {idle})")
+    for st, sp in zip(p.stages, spec.parallel.stages):
+        first, last = p.ministages[st.ministages[0]], p.ministages[st.ministages[-1]]
+        layers = f"{spec.model.layer_name(first.first_layer)}..{spec.model.layer_name(last.stop_layer - 1)}"
+        counts = sorted({len(lane.microbatches) for lane in st.lanes})
+        mbs = str(counts[0]) if len(counts) == 1 else f"{counts[0]}..{counts[-1]}"
+        lines.append(f"    {st.name:4s} {_ranks(sp):28s} {layers:18s} {_n(len(st.lanes), 'lane'):>9s} × tp {st.tp}  "
+                     f"ZeRO-{st.zero.level}  {_n(len(st.ministages), 'ministage')}  {mbs} microbatches/lane"
+                     + _offload(st.offload))
+    memory = _memory(result)
+    fullest = max(memory, key=lambda m: m.total / m.capacity)
+    source = "the cost model's estimate" if result.estimate is not None else "the planner's score"
+    lines.append(f"  predicted {result.step_time_s:.4g} s/step, {result.tokens_per_s:,.0f} tokens/s"
+                 f"{_mfu(result)}; fullest GPU {fullest.gpu} at {fullest.total / fullest.capacity:.0%} of "
+                 f"{human_bytes(fullest.capacity)} ({source})")
+    if result.score is not None and result.goal.kind is Objective.COST:
+        lines.append(f"  cost {result.score.dollars_per_hour:,.2f} $/h, {result.score.dollars_per_token * 1e6:.4g} $ "
+                     "per million tokens")
+    if result.baselines:
+        lines += ["", _table(result)]
+    return "\n".join(lines)
+
+
+def _ranks(stage_spec) -> str:
+    value = ", ".join(_slice(r) for r in stage_spec.ranks)
+    return value if len(value) <= 28 else value[:25] + "..."
+
+
+def _slice(r) -> str:
+    def part(start, stop, is_slice) -> str:
+        if not is_slice:
+            return str(start)
+        return f"{'' if start is None else start}:{'' if stop is None else stop}"
+
+    node, gpu = part(r.node_start, r.node_stop, r.node_is_slice), part(r.gpu_start, r.gpu_stop, r.gpu_is_slice)
+    if node == ":" and gpu == ":":
+        return r.group
+    return f"{r.group}[{node}]" if gpu == ":" else f"{r.group}[{node}, {gpu}]"
+
+
+def _offload(off) -> str:
+    parts = [n for n in ("params", "optimizer", "activations") if getattr(off, n).value != "none"]
+    return f"  offload {'+'.join(parts)}" if parts else ""
+
+
+def _mfu(result: PlanResult) -> str:
+    return "" if result.estimate is None else f", MFU {result.estimate.mfu:.1%}"
+
+
+def _table(result: PlanResult) -> str:
+    rows = [f"  {'baseline (same cost model)':58s} {'step (s)':>10s} {'tokens/s':>12s} {'plan vs it':>11s}"]
+    for b in result.baselines:
+        rows.append(f"  {_title(b):58s} " + _cells(result, b))
+    return "baselines\n" + "\n".join(rows)
+
+
+def _title(b: Baseline) -> str:
+    return b.title if len(b.title) <= 58 else b.title[:55] + "..."
+
+
+def _cells(result: PlanResult, b: Baseline) -> str:
+    if b.score is None:
+        return f"{'—':>10s} {'—':>12s}   not built: {b.note}"
+    speedup = f"{b.score.step_time_s / result.step_time_s:.2f}×"
+    oom = "" if b.score.fits else "   does not fit in memory"
+    return f"{b.score.step_time_s:10.4g} {b.score.tokens_per_s:12,.0f} {speedup:>11s}{oom}"
+
+
+def plan_json(path: str, result: PlanResult, text: str) -> dict:
+    p, spec = result.checked.pipeline, result.spec
+    head = result.estimate.to_json() if result.estimate is not None else {
+        "step_time_s": result.score.step_time_s, "tokens_per_step": result.score.tokens_per_step,
+        "tokens_per_s": result.score.tokens_per_s, "fits": result.score.fits}
+    memory = [{"rank": m.rank, "gpu": m.gpu, "device": m.device, "stage": m.stage, "params": m.params,
+               "grads": m.grads, "optimizer": m.optimizer, "activations": m.activations, "buffers": m.buffers,
+               "reserve": m.reserve, "host": m.host, "total": m.total, "capacity": m.capacity, "fits": m.fits}
+              for m in _memory(result)]
+    out = {"spec": path, **head, "memory": memory, "planned": result.planned, "chosen": result.chosen,
+           "estimated_by": "cost model" if result.estimate is not None else "planner (class by class)",
+           "objective": {"goal": result.goal.kind.value, "budget_per_hour": result.goal.budget,
+                         "min_throughput": result.goal.min_throughput},
+           "plan": {"schedule": p.schedule.value, "micro_batch": p.micro_batch, "microbatches": p.num_microbatches,
+                    "idle": [s.group for s in spec.parallel.idle],
+                    "stages": [_stage_json(spec, p, st) for st in p.stages]},
+           "baselines": [_baseline_json(b) for b in result.baselines],
+           "planning": {"seconds": result.seconds, "structures": result.structures},
+           "text": text}
+    if result.score is not None:
+        out["dollars_per_hour"] = result.score.dollars_per_hour
+        out["dollars_per_token"] = result.score.dollars_per_token
+    return out
+
+
+def _stage_json(spec, p, st) -> dict:
+    first, last = p.ministages[st.ministages[0]], p.ministages[st.ministages[-1]]
+    return {"name": st.name, "first_layer": spec.model.layer_name(first.first_layer),
+            "last_layer": spec.model.layer_name(last.stop_layer - 1), "ranks": list(st.ranks),
+            "lanes": len(st.lanes), "tp": st.tp, "zero": int(st.zero.level), "ministages": len(st.ministages),
+            "microbatches": [len(lane.microbatches) for lane in st.lanes],
+            "offload": {k: getattr(st.offload, k).value for k in ("params", "optimizer", "activations")}}
+
+
+def _baseline_json(b: Baseline) -> dict:
+    if b.score is None:
+        return {"name": b.name, "title": b.title, "built": False, "note": b.note}
+    return {"name": b.name, "title": b.title, "built": True, "step_time_s": b.score.step_time_s,
+            "tokens_per_s": b.score.tokens_per_s, "fits": b.score.fits,
+            "dollars_per_token": b.score.dollars_per_token}
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")

@@ -1,0 +1,157 @@
+"""The plans other systems would run, scored with the same cost model.
+
+- `megatron`: a homogeneous DP × PP × TP grid over every GPU (declaration
+  order, TP inside a node), equal layers per stage, 1F1B, ZeRO-1 (the
+  distributed optimizer); the best grid by score, as a Megatron user would
+  tune it.
+- `fastest`: the same grid search on the fastest GPU kind alone (a
+  homogeneous sub-cluster; the other GPUs idle).
+- `hexiscale`: one stage per node group, fastest first, equal layers per
+  stage, ZeRO-2 and even microbatches (HexiScale's heterogeneous PP + DP).
+- `cephalo`: one stage of every GPU under ZeRO-3 (Cephalo's whole-cluster
+  FSDP).
+
+A baseline that cannot be built says why (`note`); one that does not fit
+in memory keeps its score with `fits` false.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetc.passes.plan.candidate import Candidate, GpuBlock, Knobs, Offload, StageGpus, split_evenly
+from hetc.passes.plan.evaluate import Score
+from hetc.passes.plan.layouts import gpu_run, group_speed, split_group
+
+from hetc.spec import ScheduleKind
+from hetc.topology import Topology
+
+__all__ = ["Baseline", "baselines"]
+
+TP_DEGREES = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class Baseline:
+    name: str
+    title: str
+    candidate: Candidate | None
+    score: Score | None
+    note: str = ""
+
+
+def baselines(search) -> list[Baseline]:
+    """Every baseline for `search`'s spec and cluster, scored with its primitives."""
+    out = [_grid_baseline(search, "megatron", "Megatron DP×PP×TP grid, ZeRO-1", list(search.topo.groups))]
+    fastest = _fastest_groups(search)
+    out.append(_grid_baseline(search, "fastest", f"fastest kind only ({_kind(search.topo, fastest[0])})", fastest))
+    out.append(_single(search, "hexiscale", "equal layers per stage + ZeRO-2 (HexiScale-like)", _hexiscale(search), 2))
+    out.append(_single(search, "cephalo", "whole-cluster ZeRO-3 (Cephalo-like)", _cephalo(search), 3))
+    return out
+
+
+def _kind(topo: Topology, group: str) -> str:
+    return topo.gpu_at(group, 0, 0).device.name
+
+
+def _fastest_groups(search) -> list[str]:
+    topo, dtype = search.topo, search.spec.model.dtype
+
+    def per_gpu(g: str) -> float:
+        device = topo.gpu_at(g, 0, 0).device
+        return device.peak.for_dtype(dtype) * device.efficiency
+
+    best = max(per_gpu(g) for g in topo.groups)
+    kind = next(_kind(topo, g) for g in topo.groups if per_gpu(g) == best)
+    return [g for g in topo.groups if _kind(topo, g) == kind]
+
+
+def _micro_batch(search) -> int:
+    return min(search.space.micro_batches)
+
+
+def _even(m: int, lanes: int) -> tuple[int, ...] | None:
+    return tuple([m // lanes] * lanes) if m % lanes == 0 else None
+
+
+def _build(search, stages: list[StageGpus], knobs: Knobs, idle: tuple[str, ...]) -> Candidate | str:
+    b = _micro_batch(search)
+    m = search.prims[b].num_microbatches
+    units = search.units
+    if len(stages) > units:
+        return f"{len(stages)} stages for {units} layers"
+    counts = [_even(m, st.num_lanes) for st in stages]
+    if None in counts:
+        lanes = next(st.num_lanes for st, c in zip(stages, counts) if c is None)
+        return f"{m} microbatches do not split evenly over {lanes} lanes"
+    return Candidate(tuple(stages), tuple(split_evenly(units, len(stages))), (knobs,) * len(stages),
+                     tuple(counts), ScheduleKind.ONE_F_ONE_B, b, search.space.prefetch, idle)
+
+
+def _single(search, name: str, title: str, stages: list[StageGpus], zero: int) -> Baseline:
+    c = _build(search, stages, Knobs(zero, Offload(), 1), ())
+    if isinstance(c, str):
+        return Baseline(name, title, None, None, c)
+    return Baseline(name, title, c, search.score(c))
+
+
+def _hexiscale(search) -> list[StageGpus]:
+    topo, dtype = search.topo, search.spec.model.dtype
+    groups = sorted(topo.groups, key=lambda g: -group_speed(topo, g, dtype) / _size(topo, g))
+    return [StageGpus(split_group(topo, g, 1)[0]) for g in groups]
+
+
+def _cephalo(search) -> list[StageGpus]:
+    return [StageGpus(tuple(GpuBlock(g, 0, n.count, 0, n.gpus) for g, n in search.topo.groups.items()))]
+
+
+def _size(topo: Topology, group: str) -> int:
+    g = topo.groups[group]
+    return g.count * g.gpus
+
+
+def _grid_baseline(search, name: str, title: str, groups: list[str]) -> Baseline:
+    """The best-scoring DP × PP × TP grid over `groups` (the others idle)."""
+    topo, model = search.topo, search.spec.model
+    per_node = min(topo.groups[g].gpus for g in groups)
+    total = sum(_size(topo, g) for g in groups)
+    idle = tuple(g for g in topo.groups if g not in groups)
+    best: Baseline | None = None
+    why = "no grid divides the GPUs"
+    for tp in TP_DEGREES:
+        if per_node % tp or model.heads % tp or model.num_kv_heads % tp or total % tp:
+            continue
+        for pp in range(1, min(search.units, total // tp) + 1):
+            if (total // tp) % pp:
+                continue
+            c = _build(search, _grid_stages(topo, groups, pp, tp), Knobs(1, Offload(), 1), idle)
+            if isinstance(c, str):
+                why = c
+                continue
+            got = Baseline(name, f"{title}: dp {total // tp // pp} × pp {pp} × tp {tp}", c, search.score(c))
+            if best is None or _better(search, got, best):
+                best = got
+    return best or Baseline(name, title, None, None, why)
+
+
+def _better(search, a: Baseline, b: Baseline) -> bool:
+    return (not a.score.fits, search.goal.value(a.score)) < (not b.score.fits, search.goal.value(b.score))
+
+
+def _grid_stages(topo: Topology, groups: list[str], pp: int, tp: int) -> list[StageGpus]:
+    """Stage p takes the p-th run of GPUs in declaration order (runs are whole lanes of tp)."""
+    gpus = [(g, i) for g in groups for i in range(_size(topo, g))]
+    per_stage = len(gpus) // pp
+    stages = []
+    for p in range(pp):
+        run = gpus[p * per_stage:(p + 1) * per_stage]
+        blocks: list[GpuBlock] = []
+        for g in dict.fromkeys(name for name, _ in run):
+            idx = [i for name, i in run if name == g]
+            blocks += _blocks(topo, g, idx[0], idx[-1] + 1)
+        stages.append(StageGpus(tuple(blocks), tp))
+    return stages
+
+
+def _blocks(topo: Topology, group: str, lo: int, hi: int) -> list[GpuBlock]:
+    return list(gpu_run(group, topo.groups[group].gpus, lo, hi))

@@ -1,0 +1,117 @@
+"""Why no plan can be chosen, as a located error.
+
+Three reasons, checked in this order:
+
+1. a single layer does not fit on any GPU, even alone in a stage of every
+   GPU of the node group with the most memory per GPU, sharded as far as
+   the spec allows (the highest ZeRO level, parameters and optimizer state
+   offloaded), one microbatch in flight: the error names the layer and
+   the GPU, at the model block;
+2. layers fit one by one but no plan holds them all: the closest plan's
+   fullest GPU and the layers on it, at the parallel block;
+3. plans fit but none within the objective's budget or minimum
+   throughput: the nearest miss, at the objective.
+"""
+
+from __future__ import annotations
+
+from hetc.costreport import human_bytes
+from hetc.passes.plan.candidate import Knobs, Offload, StageGpus
+from hetc.passes.plan.layouts import split_group
+from hetc.passes.plan.tables import stage_costs
+
+from hetc.errors import Diagnostic, SpecError
+from hetc.spec import ScheduleKind
+
+__all__ = ["no_plan_error"]
+
+
+def no_plan_error(search, best, found) -> SpecError:
+    spec = search.spec
+    layer = _layer_that_cannot_fit(search)
+    if layer is not None:
+        return SpecError([Diagnostic(spec.model.span, layer)])
+    fitting = [f for f in found if f.score.fits]
+    if not fitting:
+        closest = min(found, key=lambda f: _overflow(f.score), default=None)
+        return SpecError([Diagnostic(spec.parallel.span, _closest(search, closest))])
+    return SpecError([Diagnostic(spec.parallel.objective.span, _objective_miss(search, fitting))])
+
+
+def _frugal(search, lanes: int) -> Knobs:
+    space = search.space
+    offloads = [o for o in space.offloads if o.params or o.optimizer] or list(space.offloads)
+    offload = max(offloads, key=lambda o: (o.params, o.optimizer))
+    level = max(space.zero_levels) if lanes > 1 else min(space.zero_levels)
+    return Knobs(level, offload, 1)
+
+
+def _layer_that_cannot_fit(search) -> str | None:
+    topo, model = search.topo, search.spec.model
+    group = max(topo.groups, key=lambda g: (topo.gpu_at(g, 0, 0).device.memory, _size(topo, g)))
+    stage = StageGpus(split_group(topo, group, 1)[0])
+    res = search.resolve(stage)
+    prims = search.prims[min(search.space.micro_batches)]
+    knobs = _frugal(search, len(res.lanes))
+    schedule = ScheduleKind.ONE_F_ONE_B
+    neighbours = {i: res.lanes[0][0] for i in range(3)}
+    worst = None
+    for index, name in ((0, "embed"), (1, model.layer_name(1)), (2, "head")):
+        sc = stage_costs(prims, res, index, 3, 1, knobs, schedule, neighbours, 0, search.space.prefetch,
+                         search.space.zero_base)
+        gpu = res.lanes[0][0]
+        mem = sc.memory(0, gpu, 1)
+        if not mem.fits and (worst is None or mem.total - mem.capacity > worst[1].total - worst[1].capacity):
+            worst = (name, mem, gpu, knobs, len(res.lanes))
+    if worst is None:
+        return None
+    name, mem, gpu, knobs, lanes = worst
+    what = "block" if name.startswith("block") else name
+    return (f"layer {name} does not fit on any GPU: alone in a stage of all {_size(topo, group)} "
+            f"{gpu.device.name} GPUs of '{group}' (the most memory per GPU), sharded over {lanes} "
+            f"lane{'s' if lanes > 1 else ''} with ZeRO-{knobs.zero}{_offloaded(knobs.offload)}, micro_batch "
+            f"{prims.micro_batch}, one microbatch in flight, the {what} needs {human_bytes(mem.total)} on "
+            f"{gpu} ({human_bytes(mem.params + mem.grads + mem.optimizer)} of model states, "
+            f"{human_bytes(mem.activations)} of activations) but {gpu.device.name} has "
+            f"{human_bytes(mem.capacity)}")
+
+
+def _offloaded(off: Offload) -> str:
+    return "" if off == Offload() else f", {off} offloaded to the host"
+
+
+def _size(topo, group: str) -> int:
+    g = topo.groups[group]
+    return g.count * g.gpus
+
+
+def _overflow(score) -> float:
+    return max(m.total / m.capacity for m in score.memory)
+
+
+def _closest(search, closest) -> str:
+    if closest is None:
+        m = search.prims[min(search.space.micro_batches)].num_microbatches
+        return (f"no plan places {m} microbatches (global_batch {search.spec.train.global_batch}) on this cluster: "
+                "every lane needs at least one")
+    mem = max(closest.score.memory, key=lambda r: r.total / r.capacity)
+    c = closest.candidate
+    stage = mem.stage
+    first, stop = c.ranges[stage][0][0], c.ranges[stage][-1][1]
+    model = search.spec.model
+    layers = f"{model.layer_name(first)}..{model.layer_name(stop - 1)}"
+    return (f"no plan fits in memory: the closest ({len(c.stages)} stages, {c.schedule.value}) still needs "
+            f"{human_bytes(mem.total)} on {mem.gpu} ({mem.device}, {human_bytes(mem.capacity)}) for layers "
+            f"{layers}; add GPUs or host memory, or shorten the sequence")
+
+
+def _objective_miss(search, fitting) -> str:
+    goal = search.goal
+    if goal.budget > 0 and not any(goal.within_budget(f.score) for f in fitting):
+        cheapest = min(fitting, key=lambda f: f.score.dollars_per_hour)
+        return (f"no plan stays within the budget of {goal.budget:g} $/h: the cheapest that fits costs "
+                f"{cheapest.score.dollars_per_hour:,.2f} $/h ({cheapest.score.tokens_per_s:,.0f} tokens/s)")
+    fastest = max(fitting, key=lambda f: f.score.tokens_per_s)
+    return (f"no plan reaches min_throughput {goal.min_throughput:,.0f} tokens/s"
+            f"{' within the budget' if goal.budget > 0 else ''}: the fastest that fits reaches "
+            f"{fastest.score.tokens_per_s:,.0f} tokens/s")

@@ -1,0 +1,74 @@
+"""The planned spec as text: the main file with its `parallel` block replaced.
+
+The main file keeps its `use` lines, comments and blocks; only the
+`parallel` block (and, if the planner chose it, `micro_batch` in the main
+file's `train` block) change. Written to another folder, relative `use`
+paths are rewritten to still reach the files they imported.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+
+from hetc import syntax as ast
+from hetc.errors import NO_SPAN, Diagnostic, SpecError
+from hetc.load import BUNDLED_SPECS, LoadedSpec
+from hetc.printer import format_items, spec_to_items
+from hetc.spec import Spec
+
+__all__ = ["planned_text"]
+
+
+def planned_text(loaded: LoadedSpec, planned: Spec | None, out: Path | None = None, note: str = "") -> str:
+    """The main file of `loaded`, with `planned`'s parallel plan (and micro-batch size), as .het text.
+
+    `planned` None: the main file as it is (canonically formatted), for a plan with nothing to fill.
+    """
+    items = list(ast.parse_text(loaded.path.read_text(), str(loaded.path)).items)
+    if planned is not None:
+        items = _replaced(loaded, items, planned, note)
+    if out is not None:
+        items = [_moved_use(item, loaded.path, out) if isinstance(item, ast.Use) else item for item in items]
+    return format_items(items)
+
+
+def _replaced(loaded: LoadedSpec, items: list, planned: Spec, note: str) -> list:
+    where = next((i for i, item in enumerate(items) if _is_block(item, "parallel")), None)
+    if where is None:
+        raise SpecError([Diagnostic(loaded.spec.parallel.span, f"the plan is written in "
+                                    f"{loaded.spec.parallel.span.file}, not in {loaded.path}: plan that file")])
+    (block,) = spec_to_items(Spec(parallel=planned.parallel))
+    if note:
+        block = replace(block, items=(ast.Comment(f"# {note}", False, NO_SPAN), *block.items))
+    items[where] = block
+    if planned.train.micro_batch != loaded.spec.train.micro_batch:
+        items = [_with_micro_batch(item, planned.train.micro_batch) if _is_block(item, "train") else item
+                 for item in items]
+    return items
+
+
+def _is_block(item, kind: str) -> bool:
+    return isinstance(item, ast.Block) and item.kind == kind
+
+
+def _with_micro_batch(block: ast.Block, micro_batch: int) -> ast.Block:
+    value = ast.Number(str(micro_batch), None, NO_SPAN)
+    attr = ast.Attr("micro_batch", value, NO_SPAN, NO_SPAN)
+    items = list(block.items)
+    at = next((i for i, it in enumerate(items) if isinstance(it, ast.Attr) and it.key == "global_batch"), -1)
+    items.insert(at + 1, attr)
+    return replace(block, items=tuple(items))
+
+
+def _moved_use(use: ast.Use, main: Path, out: Path) -> ast.Use:
+    """The same import seen from `out`'s folder (absolute paths and bundled imports stay as written)."""
+    local = main.parent / use.path
+    if Path(use.path).is_absolute() or not local.exists():
+        return use  # absolute, or found in the bundled specs/ folder from anywhere
+    moved = os.path.relpath(local.resolve(), out.resolve().parent)
+    bundled = BUNDLED_SPECS / use.path
+    if bundled.exists() and bundled.resolve() == local.resolve() and not (out.parent / use.path).exists():
+        return use  # the bundled catalog: `use "catalog.het"` works from every folder
+    return replace(use, path=moved)

@@ -1,0 +1,147 @@
+"""`plan_spec`: fill every `auto` of a spec's parallel plan and say what the plan costs.
+
+The search (`search.Search`) proposes plans; the baselines (`baselines`)
+are scored beside them and one that beats the search's best, and agrees
+with what the spec fixes, is chosen instead. The chosen plan is written
+back into the Spec (`emit`), validated, and estimated by the cost model
+itself (`CostModel.estimate()`) up to `FULL_ESTIMATE_RANKS` ranks; beyond
+that the planner's class-by-class score, which equals it, is reported.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from hetc.passes.cost import CostModel, Estimate, Profiles
+from hetc.passes.plan.baselines import Baseline, baselines
+from hetc.passes.plan.candidate import Candidate
+from hetc.passes.plan.emit import emit_spec
+from hetc.passes.plan.evaluate import Score
+from hetc.passes.plan.infeasible import no_plan_error
+from hetc.passes.plan.objective import Goal
+from hetc.passes.plan.search import Found, Search, SearchLimits
+from hetc.passes.plan.space import space_from_spec
+from hetc.passes.validate import Checked, check_spec
+
+from hetc.errors import Diagnostic, SpecError
+from hetc.spec import AUTO, Spec, StageSpec
+
+__all__ = ["FULL_ESTIMATE_RANKS", "PlanResult", "needs_plan", "plan_checked", "plan_spec"]
+
+log = logging.getLogger(__name__)
+
+# Above this many ranks the full estimate takes seconds; the planner's own score (equal to it) stands in.
+FULL_ESTIMATE_RANKS = 512
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    spec: Spec                         # the explicit spec
+    checked: Checked                   # ... validated and resolved
+    goal: Goal
+    score: Score | None                # the planner's score of the plan (None: nothing was planned)
+    estimate: Estimate | None          # the cost model's estimate (None above FULL_ESTIMATE_RANKS)
+    candidate: Candidate | None = None
+    baselines: tuple[Baseline, ...] = ()
+    chosen: str = "planner"            # or the name of the baseline that won
+    seconds: float = 0.0
+    structures: int = 0
+
+    @property
+    def planned(self) -> bool:
+        return self.candidate is not None
+
+    @property
+    def step_time_s(self) -> float:
+        return self.estimate.step_time_s if self.estimate is not None else self.score.step_time_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.estimate.tokens_per_s if self.estimate is not None else self.score.tokens_per_s
+
+
+def _stage_auto(st: StageSpec) -> bool:
+    return AUTO in (st.layers, st.ranks, st.lanes, st.tp, st.cp, st.ministages, st.microbatches) or \
+        (st.zero is not None and st.zero.level is AUTO)
+
+
+def needs_plan(spec: Spec) -> bool:
+    par = spec.parallel
+    return par is not None and (par.stages is AUTO or par.schedule is AUTO or par.zero.level is AUTO
+                                or par.prefetch is AUTO or any(_stage_auto(st) for st in par.stages))
+
+
+def plan_spec(spec: Spec, profiles: Profiles | None = None, base_dir: Path | None = None,
+              progress: Callable[[str], None] | None = None, limits: SearchLimits | None = None,
+              **space_overrides) -> PlanResult:
+    """The explicit plan for `spec` (returned as is, estimated, when it has no `auto`)."""
+    checked = check_spec(spec, base_dir)
+    goal = Goal.of(spec.parallel.objective)
+    if not needs_plan(spec):
+        return PlanResult(spec, checked, goal, None, _estimate(checked, profiles))
+    _supported(spec)
+    start = time.perf_counter()
+    topo = checked.topology
+    search = Search(spec, topo, profiles, space_from_spec(spec, topo, **space_overrides), goal, limits)
+    found = search.run(progress)
+    scored = baselines(search)
+    best, chosen = _choose(search, found, scored)
+    if best is None or not goal.admits(best.score):
+        raise no_plan_error(search, best, found)
+    explicit = emit_spec(spec, best.candidate, topo, search.space.zero_base)
+    planned = check_spec(explicit, base_dir)
+    estimate = _estimate(planned, profiles)
+    _cross_check(best.score, estimate)
+    return PlanResult(explicit, planned, goal, best.score, estimate, best.candidate, tuple(scored), chosen,
+                      time.perf_counter() - start, search.visited)
+
+
+def plan_checked(spec: Spec, base_dir: Path | None = None, profiles: Profiles | None = None) -> Checked:
+    """The validated explicit spec (planned first if it has `auto`): what `hetc compile` builds on."""
+    result = plan_spec(spec, profiles, base_dir)
+    if result.planned:
+        log.info("planned %s: %.4g s/step, %s", result.chosen, result.step_time_s, result.goal.describe())
+    return result.checked
+
+
+def _supported(spec: Spec) -> None:
+    par = spec.parallel
+    if par.stages is not AUTO:
+        st = next(st for st in par.stages) if par.stages else None
+        raise SpecError([Diagnostic(st.span if st else par.span,
+                                    "the planner designs whole plans: leave every stage block out (the "
+                                    "stages are then `auto`) or write each stage's fields; it does not "
+                                    "fill `auto` inside a written stage yet")])
+
+
+def _choose(search: Search, found: list[Found], scored: list[Baseline]) -> tuple[Found | None, str]:
+    """The search's best, unless a baseline the spec allows does better."""
+    pool = [(f, "planner") for f in found[:1]]
+    pool += [(Found(b.candidate, b.score, None), b.name) for b in scored
+             if b.candidate is not None and search.space.fixed.admits(b.candidate)]
+    if not pool:
+        return None, "planner"
+    best, name = min(pool, key=lambda fn: search.rank(fn[0]))
+    return best, name
+
+
+def _estimate(checked: Checked, profiles: Profiles | None) -> Estimate | None:
+    p = checked.pipeline
+    if p is None or p.world_size > FULL_ESTIMATE_RANKS:
+        return None
+    return CostModel(checked.spec, p, checked.topology, profiles).estimate()
+
+
+def _cross_check(score: Score, estimate: Estimate | None) -> None:
+    """The planner's class-by-class score restates the cost model; say so loudly if they part."""
+    if estimate is None:
+        return
+    drift = abs(score.step_time_s - estimate.step_time_s) / max(estimate.step_time_s, 1e-30)
+    if drift > 1e-6:
+        log.warning("the planner scored this plan %.6g s/step but the cost model estimates %.6g s "
+                    "(%.2g%% apart): passes/plan/evaluate.py no longer mirrors passes/cost",
+                    score.step_time_s, estimate.step_time_s, 100 * drift)
