@@ -30,7 +30,7 @@ from ortools.sat.python import cp_model
 
 from hetc.passes.plan.tables import Option, StageTable
 
-__all__ = ["Assignment", "assign_cpsat", "assign_fast"]
+__all__ = ["Assignment", "assign_cpsat", "assign_fast", "model_objective"]
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def _entries(tables: list[StageTable]) -> list[list[_Entry]]:
                    key=lambda e: e.work) for t in tables]
 
 
-def _objective(options: list[Option] | tuple[Option, ...]) -> float:
+def model_objective(options: list[Option] | tuple[Option, ...]) -> float:
     """T + Σ fill + the tail after the flush, where a stage's tail hides behind the drains of the
     stages before it (they finish their backward later): the cost model's `_tail`."""
     tail, lead = 0.0, 0.0
@@ -76,10 +76,10 @@ def _polish(options: list[Option], per_stage: list[list[_Entry]], rounds: int = 
     for table, entries in zip(by_n, per_stage):
         for e in sorted(entries, key=lambda e: e.rank):
             table.setdefault(e.option.layers, []).append(e.option)
-    best, value = list(options), _objective(options)
+    best, value = list(options), model_objective(options)
     for _ in range(rounds):
         for moved in _moves(best, by_n):
-            v = _objective(moved)
+            v = model_objective(moved)
             if v < value * (1 - 1e-12):
                 best, value = moved, v
                 break
@@ -125,13 +125,13 @@ def assign_fast(tables: list[StageTable], units: int, m: int) -> Assignment | No
     for bound in levels[lo:lo + FAST_THRESHOLDS]:
         chosen = _split(per_stage, units, bound)
         if chosen is not None:
-            got = Assignment(tuple(chosen), _objective(chosen))
+            got = Assignment(tuple(chosen), model_objective(chosen))
             if best is None or got.objective < best.objective:
                 best = got
     if best is None:
         return None
     polished = _polish(list(best.options), per_stage)
-    return Assignment(tuple(polished), _objective(polished))
+    return Assignment(tuple(polished), model_objective(polished))
 
 
 def _reachable(per_stage: list[list[_Entry]], units: int, bound: float) -> bool:
@@ -229,7 +229,7 @@ def assign_cpsat(tables: list[StageTable], units: int, m: int, hint: Assignment 
         log.debug("CP-SAT: %s", solver.StatusName(status))
         return None
     chosen = [next(o for (_, o), xi in zip(opts, x) if solver.Value(xi)) for opts, x in zip(per_stage, picks)]
-    return Assignment(tuple(chosen), _objective(chosen))
+    return Assignment(tuple(chosen), model_objective(chosen))
 
 
 def _lanes(model: cp_model.CpModel, s: int, opts, x, bound, m: int, ticks) -> None:

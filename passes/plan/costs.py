@@ -70,6 +70,7 @@ class Primitives:
         self.boundary = float(micro_batch * self.model.seq * self.model.hidden * self.delta)
         self._rings: dict = {}
         self._p2p: dict = {}
+        self.egress_prices: dict[tuple[str, str], float] = {}
         self.layer_cost = lru_cache(maxsize=None)(self._layer_cost)
         self.lane_compute = lru_cache(maxsize=None)(self._lane_compute)
         self.params = lru_cache(maxsize=None)(self._params)

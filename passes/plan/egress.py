@@ -8,6 +8,7 @@ per-step bytes (`traffic.zero_bytes`) to its ring successor. A link's
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING
 
 from hetc.passes.cost.traffic import zero_bytes
@@ -33,7 +34,14 @@ def egress_per_step(prims: Primitives, plan: PlanView, costs: list[StageCosts]) 
 
 
 def _price(prims: Primitives, a, b) -> float:
-    return prims.topo.link(a, b).egress if a.host != b.host else 0.0
+    """$/GB between two GPUs: their node groups' link (none inside a host)."""
+    if a.host == b.host:
+        return 0.0
+    key = (a.group, b.group)
+    got = prims.egress_prices.get(key)
+    if got is None:
+        got = prims.egress_prices[key] = prims.topo.link(a, b).egress
+    return got
 
 
 def _borders(prims: Primitives, plan: PlanView) -> float:
@@ -43,10 +51,9 @@ def _borders(prims: Primitives, plan: PlanView) -> float:
         if sa == sb:
             continue
         a, b = plan.stages[sa], plan.stages[sb]
-        for mb in range(plan.num_microbatches):
-            gpu_a = a.lanes[a.lane_of_microbatch[mb]][0]
-            gpu_b = b.lanes[b.lane_of_microbatch[mb]][0]
-            total += 2 * prims.boundary * _price(prims, gpu_a, gpu_b) / GB
+        pairs = Counter(zip(a.lane_of_microbatch, b.lane_of_microbatch))
+        for (la, lb), n in pairs.items():
+            total += n * 2 * prims.boundary * _price(prims, a.lanes[la][0], b.lanes[lb][0]) / GB
     return total
 
 

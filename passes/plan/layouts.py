@@ -30,7 +30,7 @@ from hetc.topology import Topology
 __all__ = ["Layout", "MAX_PERMUTED", "gpu_run", "group_speed", "layouts", "split_group", "stage_counts"]
 
 Layout = tuple[StageGpus, ...]
-MAX_PERMUTED = 3
+MAX_PERMUTED = 2
 
 
 def group_speed(topo: Topology, group: str, dtype: DType) -> float:

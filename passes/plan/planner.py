@@ -35,7 +35,7 @@ __all__ = ["FULL_ESTIMATE_RANKS", "PlanResult", "needs_plan", "plan_checked", "p
 log = logging.getLogger(__name__)
 
 # Above this many ranks the full estimate takes seconds; the planner's own score (equal to it) stands in.
-FULL_ESTIMATE_RANKS = 512
+FULL_ESTIMATE_RANKS = 4096
 
 
 @dataclass(frozen=True)

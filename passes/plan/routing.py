@@ -64,9 +64,12 @@ def _bound(m: int, classes: Sequence[tuple[int, float, int]], equal: bool) -> tu
         return sum(n * _take(t, cycle, cap) for n, cycle, cap in classes)
 
     lo = max(cycle for _, cycle, _ in classes)          # every lane serves at least one
-    hi = max(cycle * cap for _, cycle, cap in classes)  # every lane at its cap
     if placed(lo) >= m:
-        hi = lo
+        return lo, [_take(lo, cycle, cap) for _, cycle, cap in classes]
+    got = _between_breakpoints(m, classes, placed, lo)
+    if got is not None:
+        return got
+    hi = max(cycle * cap for _, cycle, cap in classes)  # every lane at its cap
     for _ in range(100):
         if hi - lo <= _REL * hi:
             break
@@ -74,6 +77,22 @@ def _bound(m: int, classes: Sequence[tuple[int, float, int]], equal: bool) -> tu
         lo, hi = (lo, mid) if placed(mid) >= m else (mid, hi)
     per_class = [_take(hi, cycle, cap) for _, cycle, cap in classes]
     return max(c * cycle for c, (_, cycle, _) in zip(per_class, classes)), per_class
+
+
+def _between_breakpoints(m: int, classes, placed, lo: float) -> tuple[float, list[int]] | None:
+    """The least bound when no cap binds: it lies within one slowest cycle above the fluid bound
+    m / Σ(lanes / cycle), where every class has only a few count steps (breakpoints c · cycle) to try."""
+    fluid = max(lo, m / sum(n / cycle for n, cycle, _ in classes if cycle > 0))
+    hi = fluid + max(cycle for _, cycle, _ in classes)
+    if any(cycle <= 0 for _, cycle, _ in classes) or placed(hi) < m:
+        return None  # a cap binds: bisect instead
+    points = sorted({c * cycle for _, cycle, _ in classes
+                     for c in range(max(1, math.floor(fluid / cycle)), math.floor(hi / cycle) + 2)})
+    for t in points:
+        if t >= fluid * (1 - _REL) and placed(t) >= m:
+            per_class = [_take(t, cycle, cap) for _, cycle, cap in classes]
+            return max(c * cycle for c, (_, cycle, _) in zip(per_class, classes)), per_class
+    return None
 
 
 def _take(t: float, cycle: float, cap: int) -> int:

@@ -20,12 +20,13 @@ while the assignment presses against the window's edge.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from hetc.passes.cost import Profiles
-from hetc.passes.plan.assign import Assignment, assign_cpsat, assign_fast
+from hetc.passes.plan.assign import Assignment, assign_cpsat, assign_fast, model_objective
 from hetc.passes.cost.intra_lane import tp_degrees
 from hetc.passes.plan.candidate import Candidate, Knobs, StageGpus
 from hetc.passes.plan.costs import Primitives
@@ -52,6 +53,7 @@ class SearchLimits:
     """How wide each step looks. Large clusters cost more per plan scored, so they look narrower."""
 
     exhaustive: int = 96      # at most this many structures: configure every one, skip steps 1 and 2
+    quick_layouts: int = 48   # more layouts than this: a quick look keeps this many for step 1
     layouts: int = 12         # layouts kept after step 1
     structures: int = 10      # structures kept after step 2
     refine: int = 3           # best configured structures refined by CP-SAT and local search
@@ -61,13 +63,16 @@ class SearchLimits:
     cpsat_work: float = 0.5     # CP-SAT's deterministic time per model
 
     @classmethod
-    def for_cluster(cls, num_gpus: int) -> SearchLimits:
-        if num_gpus <= LARGE_CLUSTER:
+    def for_cluster(cls, num_gpus: int, units: int) -> SearchLimits:
+        if num_gpus <= SMALL_CLUSTER and units <= SMALL_MODEL:
             return cls()
-        return cls(layouts=6, structures=6, refine=3, local_evaluations=12, exact_screen=False, window=2)
+        return cls(exhaustive=0, quick_layouts=24, layouts=4, structures=6, refine=3, local_evaluations=12,
+                   exact_screen=False, window=2, cpsat_work=0.25)
 
 
-LARGE_CLUSTER = 256   # GPUs: beyond this an exact score takes milliseconds
+# Beyond either, exact scores cost more than the assignment model's: rank by the model, score the best.
+SMALL_CLUSTER = 32   # GPUs
+SMALL_MODEL = 48     # layer units
 
 
 @dataclass(frozen=True)
@@ -90,12 +95,12 @@ class Search:
     def __init__(self, spec: Spec, topo: Topology, profiles: Profiles | None, space: SearchSpace, goal: Goal,
                  limits: SearchLimits | None = None):
         self.spec, self.topo, self.space, self.goal = spec, topo, space, goal
-        self.limits = limits or SearchLimits.for_cluster(topo.num_gpus)
+        self.limits = limits or SearchLimits.for_cluster(topo.num_gpus, spec.model.num_model_layers)
         self.resolve = Resolver(topo)
         self.prims = {b: Primitives(spec, topo, profiles, b) for b in space.micro_batches}
         self.units = spec.model.num_model_layers
         self.visited = 0
-        self._options: dict[tuple, list[Option]] = {}
+        self._options: dict[tuple, Option | None] = {}
         self._assigned: dict[Structure, tuple[Assignment, list[StageTable]]] = {}
 
     # ------------------------------------------------------------ structures
@@ -146,31 +151,43 @@ class Search:
         most = self.units - (n - 1)
         return [most if s in (0, n - 1) else min(most, self.units - 2) for s in range(n)]
 
+    def _speeds(self, st: Structure) -> list[float]:
+        dtype = self.spec.model.dtype
+        return [sum(group_speed(self.topo, b.group, dtype) * b.size /
+                    (self.topo.groups[b.group].count * self.topo.groups[b.group].gpus) for b in stage.blocks)
+                for stage in st.layout]
+
     def _centres(self, st: Structure) -> list[int]:
         """Each stage's share of the units by its GPUs' speed."""
-        dtype = self.spec.model.dtype
-        speeds = []
-        for stage in st.layout:
-            speeds.append(sum(group_speed(self.topo, b.group, dtype) * b.size /
-                              (self.topo.groups[b.group].count * self.topo.groups[b.group].gpus)
-                              for b in stage.blocks))
+        speeds = self._speeds(st)
         return [max(1, round(self.units * v / sum(speeds))) for v in speeds]
 
-    def _table(self, st: Structure, s: int, layers: range, knobs: list[Knobs]) -> StageTable:
+    def _table(self, st: Structure, s: int, layers: range, knobs: list[Knobs],
+               fallback: Knobs | None = None) -> StageTable:
+        """Stage s's options for these layer counts; `fallback` only where none of `knobs` fits in memory."""
         res = self.resolve(st.layout[s])
         table = StageTable(s, res)
         n_stages = len(st.layout)
         neighbours = {o % n_stages: self.resolve(st.layout[o % n_stages]).lanes[0][0]
                       for o in (s - 1, s + 1) if n_stages > 1}
+        m = self.prims[st.micro_batch].num_microbatches
         for n in layers:
-            key = (st.layout, s, st.schedule, st.micro_batch, st.interleave, n, tuple(knobs))
-            got = self._options.get(key)
-            if got is None:
-                got = self._options[key] = stage_table(
-                    self.prims[st.micro_batch], res, s, n_stages, range(n, n + 1), knobs, st.schedule,
-                    neighbours, st.interleave, self.space.prefetch, self.space.zero_base).options
-            table.options += got
+            got = [self._option(st, s, n, k, res, neighbours) for k in knobs]
+            if fallback is not None and not any(o is not None and all(c.cap >= m for c in o.classes) for o in got):
+                got.append(self._option(st, s, n, fallback, res, neighbours))
+            table.options += [o for o in got if o is not None]
         return table
+
+    def _option(self, st: Structure, s: int, n: int, knobs: Knobs, res, neighbours) -> Option | None:
+        # what the option depends on: this stage, its place, its neighbours' first GPUs (the border peers)
+        peers = tuple(sorted((o, g.group, g.host) for o, g in neighbours.items()))
+        key = (st.layout[s], s, len(st.layout), peers, st.schedule, st.micro_batch, st.interleave, n, knobs)
+        if key not in self._options:
+            options = stage_table(self.prims[st.micro_batch], res, s, len(st.layout), range(n, n + 1), [knobs],
+                                  st.schedule, neighbours, st.interleave, self.space.prefetch,
+                                  self.space.zero_base).options
+            self._options[key] = options[0] if options else None
+        return self._options[key]
 
     def knobs(self, st: Structure, s: int, full: bool) -> list[Knobs]:
         options = knob_options(self.space, st.schedule, st.interleave, len(self.resolve(st.layout[s]).lanes))
@@ -182,12 +199,15 @@ class Search:
         limits = self._limits(st)
         centres = list(around) if around else self._centres(st)
         knobs = [self.knobs(st, s, full) for s in range(len(st.layout))]
+        fallbacks = [None if full or len(k) < 2 else k[-1] for k in knobs]
+        knobs = [k if full or len(k) < 2 else k[:-1] for k in knobs]
         m = self.prims[st.micro_batch].num_microbatches
         width = self.limits.window if full else max(1, self.limits.window // 2)
         lows = [max(1, min(c, most) - width) for c, most in zip(centres, limits)]
         highs = [min(most, max(c, 1) + width) for c, most in zip(centres, limits)]
         while True:
-            tables = [self._table(st, s, range(lo, hi + 1), knobs[s]) for s, (lo, hi) in enumerate(zip(lows, highs))]
+            tables = [self._table(st, s, range(lo, hi + 1), knobs[s], fallbacks[s])
+                      for s, (lo, hi) in enumerate(zip(lows, highs))]
             a = assign_fast(tables, self.units, m)
             grown = False
             for s, most in enumerate(limits):
@@ -243,7 +263,14 @@ class Search:
             shortlist = every   # few enough to configure every one
         else:
             first = self._first_schedules()
-            sizes = self.space.micro_batches if self.exact_screen else (min(self.space.micro_batches),)
+            smallest = (min(self.space.micro_batches),)
+            if len(pairs) > self.limits.quick_layouts:
+                quick = [(self._quick(st), st) for idle, layout in pairs
+                         for st in self.variants(idle, layout, first[:1], smallest)]
+                pairs = _top_distinct(quick, self.limits.quick_layouts, key=lambda st: (st.idle, st.layout))
+                tell("quick look")
+            every_size = len(pairs) * len(first) * len(self.space.micro_batches) <= self.limits.exhaustive
+            sizes = self.space.micro_batches if every_size else smallest
             ranked = self._screen(st for idle, layout in pairs for st in self.variants(idle, layout, first, sizes))
             tell("layouts")
             best = _top_distinct(ranked, self.limits.layouts, key=lambda st: (st.idle, st.layout))
@@ -261,6 +288,37 @@ class Search:
             found += self._refine(st)
         tell("refinement")
         return sorted(found, key=self.rank)
+
+    def _quick(self, st: Structure) -> tuple:
+        """A first look at a structure: layers split by speed, each stage's lightest or most frugal option."""
+        options = []
+        for s, n in enumerate(self._speed_split(st)):
+            knobs = base_knobs(self.knobs(st, s, full=False))
+            table = self._table(st, s, range(n, n + 1), knobs[:1], knobs[-1] if len(knobs) > 1 else None)
+            placeable = [o for o in table.options if o.work is not None]
+            if not placeable:
+                return (True, math.inf)
+            options.append(min(placeable, key=lambda o: (o.work + o.fill + o.tail, o.knobs)))
+        return (False, model_objective(options) * self._price_factor(st))
+
+    def _speed_split(self, st: Structure) -> list[int]:
+        """The layer units split in proportion to the stages' speed (largest remainder), within their limits."""
+        limits = self._limits(st)
+        shares = self._speeds(st)
+        exact = [self.units * v / sum(shares) for v in shares]
+        out = [min(max(1, int(e)), most) for e, most in zip(exact, limits)]
+        order = sorted(range(len(out)), key=lambda i: -(exact[i] - int(exact[i])))
+        while sum(out) != self.units:
+            step = 1 if sum(out) < self.units else -1
+            i = next(i for i in order if 1 <= out[i] + step <= limits[i])
+            out[i] += step
+            order = order[1:] + order[:1]
+        return out
+
+    def _price_factor(self, st: Structure) -> float:
+        if self.goal.kind is not Objective.COST:
+            return 1.0
+        return sum(g.device.price for stage in st.layout for g in self.resolve(stage).gpus)
 
     def _first_schedules(self) -> tuple[ScheduleKind, ...]:
         """Step 1's schedules: the space's first plain schedule, and Zorse's if allowed (it fits where others cannot)."""
@@ -284,8 +342,7 @@ class Search:
                 if f is not None:
                     out.append((self.rank(f)[:3], st))
             else:
-                price = sum(g.device.price for s in st.layout for g in self.resolve(s).gpus)
-                value = got[0].objective * (price if self.goal.kind is Objective.COST else 1.0)
+                value = got[0].objective * self._price_factor(st)
                 out.append(((False, False, value), st))
         return out
 

@@ -18,6 +18,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from hetc.passes.plan.candidate import Candidate, Knobs, Offload, StageGpus
+from hetc.passes.plan.partition import bandwidth_domains
 
 from hetc.spec import AUTO, ScheduleKind, Spec, ZeroSpec
 from hetc.topology import Topology
@@ -37,8 +38,8 @@ INTERLEAVE = (2,)
 MICRO_BATCHES = (1, 2, 4, 8)
 TP_DEGREES = (1, 2, 4, 8)
 MAX_STAGES = 16
-# With more node groups than this, idle choices drop whole device kinds, slowest first, not every subset.
-MAX_IDLE_GROUPS = 5
+# With more node groups than this, the idle choices are a few (`_idle_sets`), not every subset.
+MAX_IDLE_GROUPS = 3
 
 
 @dataclass(frozen=True)
@@ -122,23 +123,30 @@ def _micro_batches(spec: Spec) -> tuple[int, ...]:
 
 
 def _idle_sets(spec: Spec, topo: Topology) -> tuple[tuple[str, ...], ...]:
-    """Node groups to leave idle: every proper subset for a few groups, else whole device kinds, slowest first."""
+    """Node groups to leave idle.
+
+    With at most `MAX_IDLE_GROUPS` node groups, every proper subset. With
+    more: none; each group alone; each bandwidth domain of the two-way cut
+    (a region behind a slow link); and whole device kinds, slowest first.
+    """
     groups = list(topo.groups)
     if len(groups) <= MAX_IDLE_GROUPS:
-        subsets = [c for k in range(len(groups)) for c in itertools.combinations(groups, k)]
-        return tuple(subsets)
+        return tuple(c for k in range(len(groups)) for c in itertools.combinations(groups, k))
     dtype = spec.model.dtype
 
     def speed(name: str) -> float:
         device = topo.gpu_at(name, 0, 0).device
         return device.peak.for_dtype(dtype) * device.efficiency
 
-    kinds = sorted({topo.gpu_at(g, 0, 0).device.name: speed(g) for g in groups}.items(), key=lambda kv: kv[1])
     out: list[tuple[str, ...]] = [()]
+    out += [(g,) for g in groups]
+    two_way = bandwidth_domains(topo, groups)[1]
+    out += [domain for domain in two_way]
+    kinds = sorted({topo.gpu_at(g, 0, 0).device.name: speed(g) for g in groups}.items(), key=lambda kv: kv[1])
     for k in range(1, len(kinds)):
         dropped = {name for name, _ in kinds[:k]}
         out.append(tuple(g for g in groups if topo.gpu_at(g, 0, 0).device.name in dropped))
-    return tuple(out)
+    return tuple(dict.fromkeys(tuple(sorted(o, key=groups.index)) for o in out if len(o) < len(groups)))
 
 
 def knob_options(space: SearchSpace, schedule: ScheduleKind, interleave: int, lanes: int) -> list:

@@ -11,8 +11,8 @@ view of the same `StageGpus`, so building views for many candidates is cheap.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
-from functools import cached_property
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
 
 from hetc.passes.plan.candidate import Candidate, Knobs, StageGpus
 
@@ -106,17 +106,13 @@ class StageView:
     def node_share(self, lane: int) -> int | None:
         return len(self.res.node_ring(lane)) if self.zero.shard is ZeroShard.NODE else None
 
-    @cached_property
-    def routes(self) -> list[list[int]]:
-        return route_microbatches(list(self.counts))
+    @property
+    def routes(self) -> tuple[tuple[int, ...], ...]:
+        return _routes(self.counts)
 
-    @cached_property
-    def lane_of_microbatch(self) -> list[int]:
-        out = [0] * sum(self.counts)
-        for lane, mbs in enumerate(self.routes):
-            for mb in mbs:
-                out[mb] = lane
-        return out
+    @property
+    def lane_of_microbatch(self) -> tuple[int, ...]:
+        return _lane_of_microbatch(self.counts)
 
 
 @dataclass(frozen=True)
@@ -128,7 +124,6 @@ class PlanView:
     schedule: ScheduleKind
     prefetch: int
     micro_batch: int
-    _peer_table: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_stages(self) -> int:
@@ -149,22 +144,36 @@ class PlanView:
         """First rank of the lane of `other` serving most of this lane's microbatches (lowest index on ties)."""
         return self.stages[other].lanes[self.peer_lanes(stage, other)[lane]][0]
 
-    def peer_lanes(self, a: int, b: int) -> list[int]:
+    def peer_lanes(self, a: int, b: int) -> tuple[int, ...]:
         """For every lane of stage a, the lane of stage b serving most of its microbatches."""
-        got = self._peer_table.get((a, b))
-        if got is None:
-            sa, sb = self.stages[a], self.stages[b]
-            if len(sb.lanes) == 1:
-                got = [0] * len(sa.lanes)
-            else:
-                shared = Counter(zip(sa.lane_of_microbatch, sb.lane_of_microbatch))
-                best: dict[int, tuple[int, int]] = {}
-                for (la, lb), n in shared.items():
-                    if la not in best or (n, -lb) > (best[la][0], -best[la][1]):
-                        best[la] = (n, lb)
-                got = [best.get(la, (0, 0))[1] for la in range(len(sa.lanes))]
-            self._peer_table[(a, b)] = got
-        return got
+        return _peers(self.stages[a].counts, self.stages[b].counts)
+
+
+@lru_cache(maxsize=4096)
+def _routes(counts: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(r) for r in route_microbatches(list(counts)))
+
+
+@lru_cache(maxsize=4096)
+def _lane_of_microbatch(counts: tuple[int, ...]) -> tuple[int, ...]:
+    out = [0] * sum(counts)
+    for lane, mbs in enumerate(_routes(counts)):
+        for mb in mbs:
+            out[mb] = lane
+    return tuple(out)
+
+
+@lru_cache(maxsize=4096)
+def _peers(mine: tuple[int, ...], theirs: tuple[int, ...]) -> tuple[int, ...]:
+    """Per lane of `mine`, the lane of `theirs` sharing most microbatches (lowest index on ties)."""
+    if len(theirs) == 1:
+        return (0,) * len(mine)
+    shared = Counter(zip(_lane_of_microbatch(mine), _lane_of_microbatch(theirs)))
+    best: dict[int, tuple[int, int]] = {}
+    for (la, lb), n in shared.items():
+        if la not in best or (n, -lb) > (best[la][0], -best[la][1]):
+            best[la] = (n, lb)
+    return tuple(best.get(la, (0, 0))[1] for la in range(len(mine)))
 
 
 def view_of(c: Candidate, resolve: Resolver, zero_specs: tuple[ZeroSpec, ...]) -> PlanView:
