@@ -43,13 +43,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from hetc.runtime.buffers import MinistageBuffers
+from hetc.runtime.pieces import PieceLoadPlanner, PieceSavePlanner, layout_pieces, param_pieces
 from torch import Tensor
 
-from hetc.runtime.buffers import MinistageBuffers
-from hetc.runtime.pieces import FlatPieces, PieceLoadPlanner, PieceSavePlanner, layout_pieces, param_pieces
-
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "read_params",
-           "LATEST", "STEP_KEY"]
+__all__ = [
+    "LATEST",
+    "STEP_KEY",
+    "CheckpointError",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "read_params",
+    "save_checkpoint",
+]
 
 log = logging.getLogger("hetc.runtime")
 

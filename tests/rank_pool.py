@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import os
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,8 +22,18 @@ import torch.multiprocessing as mp
 
 from hetc.cli import main as hetc_main
 
-__all__ = ["PlanJob", "RankReport", "RankPool", "compile_plans", "agreed_losses", "assert_losses_close",
-           "assert_params_close", "LOSS_RTOL", "PARAM_RTOL", "PARAM_ATOL"]
+__all__ = [
+    "LOSS_RTOL",
+    "PARAM_ATOL",
+    "PARAM_RTOL",
+    "PlanJob",
+    "RankPool",
+    "RankReport",
+    "agreed_losses",
+    "assert_losses_close",
+    "assert_params_close",
+    "compile_plans",
+]
 
 POOL_SIZE = 4
 COLLECTIVE_TIMEOUT_S = 60.0
@@ -87,7 +98,6 @@ def assert_losses_close(got: tuple[float, ...], want: tuple[float, ...]) -> None
 def assert_params_close(checkpoint: Path, want: dict) -> None:
     """The fp32 parameters in `checkpoint` (a step-N directory) equal `want` (by name, any shape)."""
     import torch
-
     from hetc.runtime.checkpoint import read_params
 
     got = read_params(checkpoint)
@@ -153,11 +163,11 @@ def _serve(rank: int, size: int, port: int, conn) -> None:
 def _run_job(job: PlanJob, rank: int) -> RankReport | None:
     import torch
     import torch.distributed as dist
-
-    from hetc.plandir import read_plan, read_program
     from hetc.runtime.comm import make_groups
     from hetc.runtime.data import make_data_source
     from hetc.runtime.setup import build_rank
+
+    from hetc.plandir import read_plan, read_program
 
     _, checked = read_plan(job.plan_dir)
     program = read_program(job.plan_dir)
@@ -186,26 +196,21 @@ def _train(rt, job: PlanJob, rank: int) -> RankReport:
     return RankReport(rank, start, losses)
 
 
-class _failing_writer:
-    """Make this rank's DCP writes fail half-way (an interrupted save), when `active`."""
+@contextmanager
+def _failing_writer(active: bool):
+    """Make this rank's DCP writes fail once its data is on disk (an interrupted save), when `active`."""
+    if not active:
+        yield
+        return
+    from torch.distributed.checkpoint import FileSystemWriter
 
-    def __init__(self, active: bool) -> None:
-        self.active = active
+    original = FileSystemWriter.write_data
 
-    def __enter__(self) -> None:
-        if not self.active:
-            return
-        from torch.distributed.checkpoint import FileSystemWriter
-
-        self.original = FileSystemWriter.write_data
-
-        def write_data(writer, plan, planner):
-            self.original(writer, plan, planner).wait()    # this rank's data is on disk, then it fails
-            raise OSError("simulated failure in the middle of a save")
-        FileSystemWriter.write_data = write_data
-
-    def __exit__(self, *exc) -> None:
-        if self.active:
-            from torch.distributed.checkpoint import FileSystemWriter
-
-            FileSystemWriter.write_data = self.original
+    def write_data(writer, plan, planner):
+        original(writer, plan, planner).wait()
+        raise OSError("simulated failure in the middle of a save")
+    FileSystemWriter.write_data = write_data
+    try:
+        yield
+    finally:
+        FileSystemWriter.write_data = original
