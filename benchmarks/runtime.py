@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.markdown import replace_section  # noqa: E402
+from benchmarks.markdown import replace_section
 
 SPEC = ROOT / "benchmarks" / "specs" / "runtime_1f1b.het"
 BENCHMARKS_MD = ROOT / "docs" / "benchmarks.md"
@@ -66,11 +66,10 @@ class TorchPipeline:
     def __init__(self, spec, pipeline, rank: int, data) -> None:
         import torch
         import torch.nn.functional as F
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
         from hetc.runtime.flat import FlatParams
         from hetc.runtime.model import build_ministage
         from hetc.runtime.optim import init_state
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
         self.spec, self.data, self.rank = spec, data, rank
         ministages = [pipeline.ministages[i] for i in pipeline.stages[rank].ministages]
@@ -89,7 +88,6 @@ class TorchPipeline:
     def step(self, step: int) -> float | None:
         """One training step; the mean microbatch loss on the last stage."""
         import torch
-
         from hetc.runtime.optim import lr_at, optimizer_step
 
         self.flat.zero_grad()
@@ -113,9 +111,9 @@ def compute_alone(buffers, spec, program, pipeline, data, step: int, stand_in) -
     `buffers` are a copy of the rank's (the interpreter's keep training in step with torch's).
     """
     import torch
+    from hetc.runtime.optim import lr_at, optimizer_step
 
     from hetc.program import Backward, Forward, Load, Step
-    from hetc.runtime.optim import lr_at, optimizer_step
 
     m, last_layer = pipeline.num_microbatches, spec.model.num_model_layers
     start = time.perf_counter()
@@ -146,8 +144,20 @@ def compute_alone(buffers, spec, program, pipeline, data, step: int, stand_in) -
 
 def _comm_and_compute(program, events) -> tuple[float, float]:
     """Seconds in communication instructions (posting, waiting) and in compute ones, from a traced step."""
-    from hetc.program import AllGather, AllReduce, Backward, BackwardInput, BackwardWeight, Forward, Load, \
-        Recv, ReduceScatter, Send, Step, Wait
+    from hetc.program import (
+        AllGather,
+        AllReduce,
+        Backward,
+        BackwardInput,
+        BackwardWeight,
+        Forward,
+        Load,
+        Recv,
+        ReduceScatter,
+        Send,
+        Step,
+        Wait,
+    )
 
     comm_kinds = (Send, Recv, Wait, AllReduce, AllGather, ReduceScatter)
     compute_kinds = (Forward, Backward, BackwardInput, BackwardWeight, Step, Load)
@@ -166,11 +176,11 @@ def bench_rank(rank: int, world: int, port: int, plan_dir: Path, turns: int, res
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
-
-    from hetc.plandir import read_plan, read_program
     from hetc.runtime.comm import make_groups
     from hetc.runtime.data import make_data_source
     from hetc.runtime.setup import build_buffers, build_rank
+
+    from hetc.plandir import read_plan, read_program
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -227,9 +237,9 @@ def bench_rank(rank: int, world: int, port: int, plan_dir: Path, turns: int, res
 
 def measure(turns: int) -> tuple[list[RankTimes], Path]:
     import torch.multiprocessing as mp
+    from hetc.runtime.local import free_port
 
     from hetc.cli import main as hetc_main
-    from hetc.runtime.local import free_port
 
     out = Path(tempfile.mkdtemp(prefix="hetc-bench-runtime-"))
     plan_dir = out / "plan"

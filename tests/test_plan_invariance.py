@@ -11,8 +11,8 @@ equal the reference's.
 from __future__ import annotations
 
 import pytest
-
 from hetc.runtime.checkpoint import latest_checkpoint
+
 from tests.conftest import REFERENCE_STEPS
 from tests.plans import DEMO_PLANS
 from tests.rank_pool import PlanJob, agreed_losses, assert_losses_close, assert_params_close
