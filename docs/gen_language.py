@@ -20,7 +20,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from hetc import spec as spec_module
-from hetc.convert import FieldInfo, fields_of
+from hetc.schema import FieldInfo, fields_of
 from hetc.spec import AUTO, ENUM_ALIASES, LayerRange, RankSlice, Routing
 from hetc.units import DISPLAY, UNITS, Dim, format_quantity
 

@@ -1,0 +1,69 @@
+"""The language schema: each Spec field's type taken apart, with its metadata.
+
+`hetc.spec.param` attaches the metadata (key aliases, unit, bounds, block
+kind, doc); this module reads it back per dataclass for the converter, the
+printer and the documentation generator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+import typing
+from typing import Any
+
+from hetc.spec import Auto
+
+__all__ = ["FieldInfo", "fields_of", "normalize_key"]
+
+
+@dataclasses.dataclass(frozen=True)
+class FieldInfo:
+    """One Spec field, with its type taken apart."""
+
+    name: str
+    base: Any          # int, float, str, bool, an enum, a Node class, LayerRange, RankSlice, Routing
+    many: bool         # a tuple of `base`
+    auto_ok: bool
+    none_ok: bool
+    required: bool
+    meta: dict
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return (self.name, *self.meta["aliases"])
+
+
+def normalize_key(key: str) -> str:
+    return key.replace("-", "_").lower()
+
+
+@functools.cache
+def fields_of(cls: type) -> tuple[FieldInfo, ...]:
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if f.name in ("span", "spans"):
+            continue
+        base, many, auto_ok, none_ok = _take_apart(hints[f.name])
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        meta = dict(f.metadata) or {"doc": "", "aliases": (), "unit": None, "lo": None, "hi": None,
+                                     "block": None, "label": False, "shorthand": False}
+        out.append(FieldInfo(f.name, base, many, auto_ok, none_ok, required, meta))
+    return tuple(out)
+
+
+def _take_apart(tp) -> tuple[Any, bool, bool, bool]:
+    auto_ok = none_ok = False
+    args = [tp]
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = list(typing.get_args(tp))
+        auto_ok = Auto in args
+        none_ok = type(None) in args
+        args = [a for a in args if a not in (Auto, type(None))]
+    (inner,) = args
+    many = typing.get_origin(inner) is tuple
+    if many:
+        inner = typing.get_args(inner)[0]
+    return inner, many, auto_ok, none_ok

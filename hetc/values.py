@@ -1,0 +1,254 @@
+"""Typed values from syntax-tree values: numbers with units and bounds, words, enums, ranges.
+
+`ValueConverter` holds the error list and the value rules; `hetc.convert.Converter`
+adds the block rules on top. Every problem is recorded as a located
+diagnostic and the value comes back as None.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from enum import StrEnum
+from typing import Any
+
+from hetc import syntax as ast
+from hetc.errors import Diagnostic, Span, did_you_mean
+from hetc.schema import FieldInfo, fields_of
+from hetc.spec import AUTO, ENUM_ALIASES, LayerRange, RankSlice, Routing, RoutingKind
+from hetc.units import UNITS, Dim, to_base, units_of
+
+__all__ = ["ValueConverter", "is_enum", "words"]
+
+
+class ValueConverter:
+    def __init__(self) -> None:
+        self.errors: list[Diagnostic] = []
+
+    def error(self, span: Span, message: str, notes: tuple = ()) -> None:
+        self.errors.append(Diagnostic(span, message, notes=notes))
+
+    def value(self, info: FieldInfo, node: ast.Value, what: str) -> Any:
+        base = info.base
+        if dataclasses.is_dataclass(base) and base not in (LayerRange, RankSlice, Routing):
+            return self._shorthand(base, node, what)  # `zero = auto` is the level's auto
+        if isinstance(node, ast.Auto):
+            if info.auto_ok:
+                return AUTO
+            self.error(node.span, f"{what} cannot be auto")
+            return None
+        if info.many or base in (LayerRange, RankSlice):
+            items = node.items if isinstance(node, ast.ListValue) else (node,)
+            if base is LayerRange and isinstance(node, ast.ListValue) and not items:
+                self.error(node.span, f"{what} needs at least one layer range")
+                return None
+            out = []
+            for n in items:  # one mistake repeated along a list is reported once
+                value = self.scalar(base, info, n, what)
+                if value is None:
+                    return None
+                out.append(value)
+            return tuple(out)
+        return self.scalar(base, info, node, what)
+
+    def _shorthand(self, cls, node, what):
+        infos = [i for i in fields_of(cls) if i.meta["shorthand"]]
+        if not infos:
+            labelled = isinstance(node, ast.Word) and any(i.meta["label"] for i in fields_of(cls))
+            head = what.strip(chr(39)) + (f" {node.name}" if labelled else "")
+            self.error(node.span, f"{what} is a block: write {head} {{ ... }}")
+            return None
+        value = self.value(infos[0], node, what)
+        if value is None:
+            return None
+        return cls(**{infos[0].name: value}, span=node.span, spans=((infos[0].name, node.span),))
+
+    def scalar(self, base, info: FieldInfo, node: ast.Value, what: str) -> Any:
+        if isinstance(node, ast.ListValue) and base is not Routing:
+            self.error(node.span, f"{what} takes one value, not a list")
+            return None
+        if base is bool:
+            return self._bool(node, what)
+        if base is int:
+            return self._int(node, info, what)
+        if base is float:
+            return self._float(node, info, what)
+        if base is str:
+            if isinstance(node, (ast.String, ast.Word)):
+                return node.value if isinstance(node, ast.String) else node.name
+            self.error(node.span, f"{what} expects a name or a string, got {_shown(node)}")
+            return None
+        if is_enum(base):
+            if isinstance(node, (ast.Word, ast.String)):
+                return self._enum(base, node.name if isinstance(node, ast.Word) else node.value,
+                                  node.span, what)
+            choices = words([e.value for e in base])
+            self.error(node.span, f"{what} expects one of {choices}, got {_shown(node)}")
+            return None
+        return _SPECIAL[base](self, node, what)
+
+    def _bool(self, node, what):
+        if isinstance(node, ast.Word) and node.name in ("true", "false"):
+            return node.name == "true"
+        self.error(node.span, f"{what} expects true or false, got {_shown(node)}")
+        return None
+
+    def _int(self, node, info, what):
+        if not isinstance(node, ast.Number) or not node.is_int() or node.unit is not None:
+            shown = _shown(node)
+            self.error(node.span, f"{what} expects a whole number, got {shown}")
+            return None
+        return self._bounded(int(node.text), info, node, what)
+
+    def _float(self, node, info, what):
+        unit_dim: Dim | None = info.meta["unit"]
+        if not isinstance(node, ast.Number):
+            need = f"{_NOUN[unit_dim]} such as {_EXAMPLE[unit_dim]}" if unit_dim else "a number"
+            self.error(node.span, f"{what} expects {need}, got {_shown(node)}")
+            return None
+        value = float(node.text)
+        if not math.isfinite(value):
+            self.error(node.span, f"{what}: {node.text} is too large")
+            return None
+        if unit_dim is None and node.unit is not None:
+            self.error(node.span, f"{what} takes a plain number, without the unit '{node.unit}'")
+            return None
+        if unit_dim is not None:
+            value = self._unit(node, unit_dim, value, what)
+            if value is None:
+                return None
+        return self._bounded(value, info, node, what)
+
+    def _unit(self, node: ast.Number, dim: Dim, value: float, what: str) -> float | None:
+        choices = units_of(dim)
+        if node.unit is None:
+            if value == 0:
+                return 0.0
+            self.error(node.span, f"{what} needs a unit: write it as {_EXAMPLE[dim]}, for example")
+            return None
+        if node.unit not in UNITS:
+            self.error(node.span, f"unknown unit '{node.unit}'{did_you_mean(node.unit, choices)}")
+            return None
+        got_dim, base = to_base(value, node.unit)
+        if got_dim != dim:
+            self.error(node.span, f"{what} is {_NOUN[dim]}, but {node.unit} measures {_NOUN[got_dim]}; "
+                                  f"use a unit such as {words(DISPLAY_HINT[dim])}")
+            return None
+        if not math.isfinite(base):
+            self.error(node.span, f"{what}: {node.text} {node.unit} is too large")
+            return None
+        return base
+
+    def _bounded(self, value, info, node: ast.Number, what):
+        lo, hi = info.meta["lo"], info.meta["hi"]
+        below, above = lo is not None and value < lo, hi is not None and value > hi
+        if not (below or above):
+            return value
+        got = _shown(node)
+        if lo is not None and hi is not None and hi - lo <= 16:  # a small closed set: 0..3, 0..1
+            self.error(node.span, f"{what} must be between {lo:g} and {hi:g}, got {got}")
+        elif below:
+            rule = {0: "must not be negative", 1: "must be positive"}.get(lo, f"must be at least {lo:g}")
+            self.error(node.span, f"{what} {rule}, got {got}")
+        else:
+            self.error(node.span, f"{what} must be at most {hi:g}, got {got}")
+        return None
+
+    def _enum(self, enum: type[StrEnum], text: str, span: Span, what: str):
+        low = text.lower()
+        for member in enum:
+            if member.value == low:
+                return member
+        alias = ENUM_ALIASES.get(enum, {}).get(low.replace("-", "_"))
+        if alias is not None:
+            return enum(alias)
+        choices = [e.value for e in enum]
+        hint = did_you_mean(low, choices)
+        self.error(span, f"{what}: unknown value '{text}'{hint}; expected {words(choices)}")
+        return None
+
+
+def _layer_range(conv: ValueConverter, node: ast.Value, what: str):
+    if isinstance(node, ast.LayerRange):
+        return LayerRange(first=node.first, last=node.last, span=node.span)
+    if isinstance(node, ast.Word):
+        return LayerRange(first=node.name, last=node.name, span=node.span)
+    conv.error(node.span, f"{what} expects layers such as embed..block3, got {_shown(node)}")
+    return None
+
+
+def _rank_slice(conv: ValueConverter, node: ast.Value, what: str):
+    if isinstance(node, ast.Word):
+        return RankSlice(group=node.name, span=node.span)
+    if not isinstance(node, ast.RankRef):
+        conv.error(node.span, f"{what} expects GPUs such as h100[0, 0:4], got {_shown(node)}")
+        return None
+    gpu = node.gpu or ast.Index(None, None, True)
+    n, g = node.node, gpu
+    return RankSlice(group=node.group, node_start=n.start, node_stop=n.stop, gpu_start=g.start,
+                     gpu_stop=g.stop, node_is_slice=n.is_slice, gpu_is_slice=g.is_slice, span=node.span)
+
+
+def _routing(conv: ValueConverter, node: ast.Value, what: str):
+    if isinstance(node, ast.Word):
+        kind = _enum_or_none(RoutingKind, node.name)
+        if kind is None:
+            hint = did_you_mean(node.name.lower(), ["even", "proportional"])
+            conv.error(node.span, f"{what}: unknown routing '{node.name}'{hint}; expected even, proportional "
+                                  "or a list of microbatch counts per lane such as [3, 1]")
+            return None
+        if kind is RoutingKind.COUNTS:
+            conv.error(node.span, f"{what}: write the counts per lane as a list, e.g. [3, 1]")
+            return None
+        return Routing(kind=kind, span=node.span)
+    if isinstance(node, ast.ListValue) and node.items:
+        info = FieldInfo("count", int, False, False, False, True, {"lo": 0, "hi": 1 << 30})
+        counts = [conv._int(n, info, "a microbatch count") for n in node.items]
+        if any(c is None for c in counts):
+            return None
+        return Routing(kind=RoutingKind.COUNTS, counts=tuple(counts), span=node.span)
+    conv.error(node.span, f"{what} expects even, proportional or a list of counts per lane, got {_shown(node)}")
+    return None
+
+
+_SPECIAL = {LayerRange: _layer_range, RankSlice: _rank_slice, Routing: _routing}
+
+# How messages name a dimension, show an example value and suggest units.
+_NOUN = {Dim.MEMORY: "a memory size", Dim.BANDWIDTH: "a bandwidth", Dim.COMPUTE: "a compute rate",
+         Dim.TIME: "a time", Dim.PRICE_HOUR: "a price per hour", Dim.PRICE_GB: "a price per GB",
+         Dim.THROUGHPUT: "a throughput"}
+_EXAMPLE = {Dim.MEMORY: "80 GiB", Dim.BANDWIDTH: "25 GB/s", Dim.COMPUTE: "312 TFLOP/s", Dim.TIME: "5 us",
+            Dim.PRICE_HOUR: "2.5 $/h", Dim.PRICE_GB: "0.02 $/GB", Dim.THROUGHPUT: "1000 tokens/s"}
+DISPLAY_HINT = {Dim.MEMORY: ["GiB", "GB"], Dim.BANDWIDTH: ["GB/s", "Gb/s"], Dim.COMPUTE: ["TFLOP/s"],
+                Dim.TIME: ["s", "ms", "us"], Dim.PRICE_HOUR: ["$/h"], Dim.PRICE_GB: ["$/GB"],
+                Dim.THROUGHPUT: ["tokens/s"]}
+
+
+def _enum_or_none(enum: type[StrEnum], text: str):
+    return next((m for m in enum if m.value == text.lower()), None)
+
+
+def is_enum(tp) -> bool:
+    return isinstance(tp, type) and issubclass(tp, StrEnum)
+
+
+def _shown(node) -> str:
+    if isinstance(node, ast.Number):
+        return f"{node.text} {node.unit}" if node.unit else node.text
+    if isinstance(node, ast.Word):
+        return f"'{node.name}'"
+    if isinstance(node, ast.String):
+        return f'"{node.value}"'
+    if isinstance(node, ast.ListValue):
+        return "a list"
+    if isinstance(node, ast.LayerRange):
+        return f"{node.first}..{node.last}"
+    if isinstance(node, ast.RankRef):
+        return f"{node.group}[...]"
+    return "auto"
+
+def words(items, quote: bool = False) -> str:
+    items = [f"'{i}'" if quote else str(i) for i in items]
+    if len(items) <= 1:
+        return "".join(items)
+    return ", ".join(items[:-1]) + " and " + items[-1] if quote else ", ".join(items[:-1]) + " or " + items[-1]
