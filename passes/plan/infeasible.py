@@ -26,14 +26,17 @@ from hetc.spec import ScheduleKind
 __all__ = ["no_plan_error"]
 
 
-def no_plan_error(search, best, found) -> SpecError:
+def no_plan_error(search, found, baselines) -> SpecError:
+    """`found`: the search's plans (fitting or not); `baselines`: the baselines, scored."""
     spec = search.spec
     layer = _layer_that_cannot_fit(search)
     if layer is not None:
         return SpecError([Diagnostic(spec.model.span, layer)])
     fitting = [f for f in found if f.score.fits]
     if not fitting:
-        closest = min(found, key=lambda f: _overflow(f.score), default=None)
+        tried = [(f.candidate, f.score) for f in found] + [(b.candidate, b.score) for b in baselines
+                                                           if b.score is not None]
+        closest = min(tried, key=lambda cs: _overflow(cs[1]), default=None)
         return SpecError([Diagnostic(spec.parallel.span, _closest(search, closest))])
     return SpecError([Diagnostic(spec.parallel.objective.span, _objective_miss(search, fitting))])
 
@@ -71,9 +74,10 @@ def _layer_that_cannot_fit(search) -> str | None:
             f"{gpu.device.name} GPUs of '{group}' (the most memory per GPU), sharded over {lanes} "
             f"lane{'s' if lanes > 1 else ''} with ZeRO-{knobs.zero}{_offloaded(knobs.offload)}, micro_batch "
             f"{prims.micro_batch}, one microbatch in flight, the {what} needs {human_bytes(mem.total)} on "
-            f"{gpu} ({human_bytes(mem.params + mem.grads + mem.optimizer)} of model states, "
-            f"{human_bytes(mem.activations)} of activations) but {gpu.device.name} has "
-            f"{human_bytes(mem.capacity)}")
+            f"{gpu} ({gpu.device.name}, {human_bytes(mem.capacity)}): "
+            f"{human_bytes(mem.params + mem.grads + mem.optimizer)} of model states, "
+            f"{human_bytes(mem.activations)} of activations, {human_bytes(mem.buffers + mem.reserve)} of "
+            "buffers and reserve")
 
 
 def _offloaded(off: Offload) -> str:
@@ -92,17 +96,17 @@ def _overflow(score) -> float:
 def _closest(search, closest) -> str:
     if closest is None:
         m = search.prims[min(search.space.micro_batches)].num_microbatches
-        return (f"no plan places {m} microbatches (global_batch {search.spec.train.global_batch}) on this cluster: "
-                "every lane needs at least one")
-    mem = max(closest.score.memory, key=lambda r: r.total / r.capacity)
-    c = closest.candidate
-    stage = mem.stage
-    first, stop = c.ranges[stage][0][0], c.ranges[stage][-1][1]
+        return (f"no plan places {m} microbatches (global_batch {search.spec.train.global_batch}) in memory on "
+                "this cluster: every stage layout the planner tried overflows some GPU even at one microbatch "
+                "per lane; add GPUs, or leave ZeRO and offload to the planner where the spec fixes them")
+    c, score = closest
+    mem = max(score.memory, key=lambda r: r.total / r.capacity)
+    first, stop = c.ranges[mem.stage][0][0], c.ranges[mem.stage][-1][1]
     model = search.spec.model
     layers = f"{model.layer_name(first)}..{model.layer_name(stop - 1)}"
     return (f"no plan fits in memory: the closest ({len(c.stages)} stages, {c.schedule.value}) still needs "
             f"{human_bytes(mem.total)} on {mem.gpu} ({mem.device}, {human_bytes(mem.capacity)}) for layers "
-            f"{layers}; add GPUs or host memory, or shorten the sequence")
+            f"{layers}; add GPUs, or leave ZeRO and offload to the planner where the spec fixes them")
 
 
 def _objective_miss(search, fitting) -> str:

@@ -91,7 +91,7 @@ def plan_spec(spec: Spec, profiles: Profiles | None = None, base_dir: Path | Non
     scored = baselines(search)
     best, chosen = _choose(search, found, scored)
     if best is None or not goal.admits(best.score):
-        raise no_plan_error(search, best, found)
+        raise no_plan_error(search, found, scored)
     explicit = emit_spec(spec, best.candidate, topo, search.space.zero_base)
     planned = check_spec(explicit, base_dir)
     estimate = _estimate(planned, profiles)
