@@ -36,7 +36,7 @@ def plan_summary(path: str, result: PlanResult) -> str:
         lines.append(f"{path}: the plan has no `auto`; nothing to plan")
     idle = ", ".join(s.group for s in spec.parallel.idle) or "none"
     lines.append(f"  schedule {p.schedule.value}, micro_batch {p.micro_batch}, {p.num_microbatches} microbatches, "
-                 f"{len(p.stages)} stages on {p.world_size} ranks (idle: {idle})")
+                 f"{_n(len(p.stages), 'stage')} on {_n(p.world_size, 'rank')} (idle: {idle})")
     for st, sp in zip(p.stages, spec.parallel.stages):
         first, last = p.ministages[st.ministages[0]], p.ministages[st.ministages[-1]]
         layers = f"{spec.model.layer_name(first.first_layer)}..{spec.model.layer_name(last.stop_layer - 1)}"
@@ -86,22 +86,31 @@ def _mfu(result: PlanResult) -> str:
 
 
 def _table(result: PlanResult) -> str:
-    rows = [f"  {'baseline (same cost model)':58s} {'step (s)':>10s} {'tokens/s':>12s} {'plan vs it':>11s}"]
+    cost = result.goal.kind is Objective.COST
+    head = f"  {'baseline (same cost model)':62s} {'step (s)':>10s} {'tokens/s':>12s}"
+    head += f" {'$/M tokens':>11s}" if cost else ""
+    rows = [head + f" {'plan vs it':>11s}"]
     for b in result.baselines:
-        rows.append(f"  {_title(b):58s} " + _cells(result, b))
+        rows.append(f"  {_title(b):62s} " + _cells(result, b, cost))
     return "baselines\n" + "\n".join(rows)
 
 
 def _title(b: Baseline) -> str:
-    return b.title if len(b.title) <= 58 else b.title[:55] + "..."
+    return b.title if len(b.title) <= 62 else b.title[:59] + "..."
 
 
-def _cells(result: PlanResult, b: Baseline) -> str:
+def _cells(result: PlanResult, b: Baseline, cost: bool) -> str:
     if b.score is None:
-        return f"{'—':>10s} {'—':>12s}   not built: {b.note}"
-    speedup = f"{b.score.step_time_s / result.step_time_s:.2f}×"
+        blank = f"{'—':>10s} {'—':>12s}" + (f" {'—':>11s}" if cost else "")
+        return f"{blank}   not built: {b.note}"
+    cells = f"{b.score.step_time_s:10.4g} {b.score.tokens_per_s:12,.0f}"
+    if cost:
+        cells += f" {b.score.dollars_per_token * 1e6:11.4g}"
+        ratio = b.score.dollars_per_token / result.score.dollars_per_token
+    else:
+        ratio = b.score.step_time_s / result.step_time_s
     oom = "" if b.score.fits else "   does not fit in memory"
-    return f"{b.score.step_time_s:10.4g} {b.score.tokens_per_s:12,.0f} {speedup:>11s}{oom}"
+    return f"{cells} {f'{ratio:.2f}×':>11s}{oom}"
 
 
 def plan_json(path: str, result: PlanResult, text: str) -> dict:

@@ -29,6 +29,7 @@ from hetc.topology import Topology
 __all__ = ["Baseline", "baselines"]
 
 TP_DEGREES = (1, 2, 4, 8)
+GRIDS_TUNED = 3   # grids (best at the smallest micro-batch) tried at every micro-batch size
 
 
 @dataclass(frozen=True)
@@ -42,11 +43,11 @@ class Baseline:
 
 def baselines(search) -> list[Baseline]:
     """Every baseline for `search`'s spec and cluster, scored with its primitives."""
-    out = [_grid_baseline(search, "megatron", "Megatron DP×PP×TP grid, ZeRO-1", list(search.topo.groups))]
+    out = [_grid_baseline(search, "megatron", "Megatron grid, ZeRO-1", list(search.topo.groups))]
     fastest = _fastest_groups(search)
-    out.append(_grid_baseline(search, "fastest", f"fastest kind only ({_kind(search.topo, fastest[0])})", fastest))
-    out.append(_single(search, "hexiscale", "equal layers per stage + ZeRO-2 (HexiScale-like)", _hexiscale(search), 2))
-    out.append(_single(search, "cephalo", "whole-cluster ZeRO-3 (Cephalo-like)", _cephalo(search), 3))
+    out.append(_grid_baseline(search, "fastest", f"only {_kind(search.topo, fastest[0])}, grid", fastest))
+    out.append(_single(search, "hexiscale", "HexiScale-like: equal layers, ZeRO-2", _hexiscale(search), 2))
+    out.append(_single(search, "cephalo", "Cephalo-like: whole-cluster ZeRO-3", _cephalo(search), 3))
     return out
 
 
@@ -66,33 +67,38 @@ def _fastest_groups(search) -> list[str]:
     return [g for g in topo.groups if _kind(topo, g) == kind]
 
 
-def _micro_batch(search) -> int:
-    return min(search.space.micro_batches)
-
-
 def _even(m: int, lanes: int) -> tuple[int, ...] | None:
     return tuple([m // lanes] * lanes) if m % lanes == 0 else None
 
 
-def _build(search, stages: list[StageGpus], knobs: Knobs, idle: tuple[str, ...]) -> Candidate | str:
-    b = _micro_batch(search)
-    m = search.prims[b].num_microbatches
+def _builds(search, stages: list[StageGpus], knobs: Knobs, idle: tuple[str, ...]) -> list[Candidate] | str:
+    """The plan at every micro-batch size the spec allows whose microbatches split evenly over the lanes."""
     units = search.units
     if len(stages) > units:
         return f"{len(stages)} stages for {units} layers"
-    counts = [_even(m, st.num_lanes) for st in stages]
-    if None in counts:
-        lanes = next(st.num_lanes for st, c in zip(stages, counts) if c is None)
-        return f"{m} microbatches do not split evenly over {lanes} lanes"
-    return Candidate(tuple(stages), tuple(split_evenly(units, len(stages))), (knobs,) * len(stages),
-                     tuple(counts), ScheduleKind.ONE_F_ONE_B, b, search.space.prefetch, idle)
+    out, why = [], ""
+    for b in sorted(search.space.micro_batches):
+        m = search.prims[b].num_microbatches
+        counts = [_even(m, st.num_lanes) for st in stages]
+        if None in counts:
+            lanes = next(st.num_lanes for st, c in zip(stages, counts) if c is None)
+            why = why or f"{m} microbatches do not split evenly over {lanes} lanes"
+            continue
+        out.append(Candidate(tuple(stages), tuple(split_evenly(units, len(stages))), (knobs,) * len(stages),
+                             tuple(counts), ScheduleKind.ONE_F_ONE_B, b, search.space.prefetch, idle))
+    return out or why
+
+
+def _best(search, name: str, title, candidates: list[Candidate]) -> Baseline:
+    scored = [Baseline(name, title(c), c, search.score(c)) for c in candidates]
+    return min(scored, key=lambda b: (not b.score.fits, search.goal.value(b.score)))
 
 
 def _single(search, name: str, title: str, stages: list[StageGpus], zero: int) -> Baseline:
-    c = _build(search, stages, Knobs(zero, Offload(), 1), ())
-    if isinstance(c, str):
-        return Baseline(name, title, None, None, c)
-    return Baseline(name, title, c, search.score(c))
+    built = _builds(search, stages, Knobs(zero, Offload(), 1), ())
+    if isinstance(built, str):
+        return Baseline(name, title, None, None, built)
+    return _best(search, name, lambda c: f"{title}, b {c.micro_batch}", built)
 
 
 def _hexiscale(search) -> list[StageGpus]:
@@ -116,26 +122,28 @@ def _grid_baseline(search, name: str, title: str, groups: list[str]) -> Baseline
     per_node = min(topo.groups[g].gpus for g in groups)
     total = sum(_size(topo, g) for g in groups)
     idle = tuple(g for g in topo.groups if g not in groups)
-    best: Baseline | None = None
-    why = "no grid divides the GPUs"
+    grids, why = [], "no grid divides the GPUs"
     for tp in TP_DEGREES:
         if per_node % tp or model.heads % tp or model.num_kv_heads % tp or total % tp:
             continue
-        for pp in range(1, min(search.units, total // tp) + 1):
-            if (total // tp) % pp:
-                continue
-            c = _build(search, _grid_stages(topo, groups, pp, tp), Knobs(1, Offload(), 1), idle)
-            if isinstance(c, str):
-                why = c
-                continue
-            got = Baseline(name, f"{title}: dp {total // tp // pp} × pp {pp} × tp {tp}", c, search.score(c))
-            if best is None or _better(search, got, best):
-                best = got
-    return best or Baseline(name, title, None, None, why)
+        grids += [(pp, tp) for pp in range(1, min(search.units, total // tp) + 1) if (total // tp) % pp == 0]
+    scored: list[tuple[tuple, list[Candidate]]] = []
+    for pp, tp in grids:
+        built = _builds(search, _grid_stages(topo, groups, pp, tp), Knobs(1, Offload(), 1), idle)
+        if isinstance(built, str):
+            why = built
+            continue
+        first = search.score(built[0])   # the grid at its smallest micro-batch size
+        scored.append(((not first.fits, search.goal.value(first)), built))
+    if not scored:
+        return Baseline(name, title, None, None, why)
+    # every micro-batch size for the few best grids
+    candidates = [c for _, built in sorted(scored, key=lambda sb: sb[0])[:GRIDS_TUNED] for c in built]
 
+    def described(c: Candidate) -> str:
+        return f"{title}: dp {c.stages[0].num_lanes} × pp {len(c.stages)} × tp {c.stages[0].tp}, b {c.micro_batch}"
 
-def _better(search, a: Baseline, b: Baseline) -> bool:
-    return (not a.score.fits, search.goal.value(a.score)) < (not b.score.fits, search.goal.value(b.score))
+    return _best(search, name, described, candidates)
 
 
 def _grid_stages(topo: Topology, groups: list[str], pp: int, tp: int) -> list[StageGpus]:

@@ -114,9 +114,16 @@ class Candidate:
         return ministage_ranges(self.layers, tuple(k.ministages for k in self.knobs), chunks)
 
     def key(self) -> tuple:
-        """A total order for ties: fewer stages, then the plain fields."""
-        return (len(self.stages), self.schedule.value, self.micro_batch, self.layers, self.knobs,
-                tuple(s.blocks for s in self.stages), self.counts)
+        """A total order for ties, plainer plans first: fewer stages, the simpler schedule, less TP,
+        less offload, fewer ministages, lower ZeRO; then the plain fields."""
+        offloads = sum(k.offload.params + k.offload.optimizer + k.offload.activations for k in self.knobs)
+        return (len(self.stages), _PLAINER[self.schedule], max(s.tp for s in self.stages), offloads,
+                sum(k.ministages for k in self.knobs), sum(k.zero for k in self.knobs), self.micro_batch,
+                self.layers, self.knobs, tuple(s.blocks for s in self.stages), self.counts)
+
+
+_PLAINER = {ScheduleKind.ONE_F_ONE_B: 0, ScheduleKind.ZB: 1, ScheduleKind.GPIPE: 2, ScheduleKind.INTERLEAVED: 3,
+            ScheduleKind.ZORSE: 4}
 
 
 def split_evenly(total: int, parts: int) -> list[int]:

@@ -125,7 +125,8 @@ def _choose(search: Search, found: list[Found], scored: list[Baseline]) -> tuple
              if b.candidate is not None and search.space.fixed.admits(b.candidate)]
     if not pool:
         return None, "planner"
-    best, name = min(pool, key=lambda fn: search.rank(fn[0]))
+    # on a tie the search's own plan stays (it comes first)
+    best, name = min(pool, key=lambda fn: (search.rank(fn[0])[:3], fn[1] != "planner"))
     return best, name
 
 

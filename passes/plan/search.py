@@ -66,7 +66,7 @@ class SearchLimits:
     def for_cluster(cls, num_gpus: int, units: int) -> SearchLimits:
         if num_gpus <= SMALL_CLUSTER and units <= SMALL_MODEL:
             return cls()
-        return cls(exhaustive=0, quick_layouts=24, layouts=4, structures=6, refine=3, local_evaluations=12,
+        return cls(exhaustive=0, quick_layouts=16, layouts=4, structures=6, refine=3, local_evaluations=12,
                    exact_screen=False, window=2, cpsat_work=0.25)
 
 
