@@ -37,12 +37,12 @@ def plan_summary(path: str, result: PlanResult) -> str:
     idle = ", ".join(s.group for s in spec.parallel.idle) or "none"
     lines.append(f"  schedule {p.schedule.value}, micro_batch {p.micro_batch}, {p.num_microbatches} microbatches, "
                  f"{_n(len(p.stages), 'stage')} on {_n(p.world_size, 'rank')} (idle: {idle})")
+    width = max(4, *(len(st.name) for st in p.stages))
     for st, sp in zip(p.stages, spec.parallel.stages):
-        first, last = p.ministages[st.ministages[0]], p.ministages[st.ministages[-1]]
-        layers = f"{spec.model.layer_name(first.first_layer)}..{spec.model.layer_name(last.stop_layer - 1)}"
+        layers = _layers(spec, p, st)
         counts = sorted({len(lane.microbatches) for lane in st.lanes})
         mbs = str(counts[0]) if len(counts) == 1 else f"{counts[0]}..{counts[-1]}"
-        lines.append(f"    {st.name:4s} {_ranks(sp):28s} {layers:18s} {_n(len(st.lanes), 'lane'):>9s} × tp {st.tp}  "
+        lines.append(f"    {st.name:{width}s} {_ranks(sp):28s} {layers:18s} {_n(len(st.lanes), 'lane'):>9s} × tp {st.tp}  "
                      f"ZeRO-{st.zero.level}  {_n(len(st.ministages), 'ministage')}  {mbs} microbatches/lane"
                      + _offload(st.offload))
     memory = _memory(result)
@@ -57,6 +57,12 @@ def plan_summary(path: str, result: PlanResult) -> str:
     if result.baselines:
         lines += ["", _table(result)]
     return "\n".join(lines)
+
+
+def _layers(spec, p, st) -> str:
+    first = spec.model.layer_name(p.ministages[st.ministages[0]].first_layer)
+    last = spec.model.layer_name(p.ministages[st.ministages[-1]].stop_layer - 1)
+    return first if first == last else f"{first}..{last}"
 
 
 def _ranks(stage_spec) -> str:

@@ -16,6 +16,7 @@ from hetc.passes.plan.partition import bandwidth_domains
 from hetc.passes.plan.planner import plan_spec
 from hetc.passes.plan.routing import bottleneck, spread
 from hetc.planreport import plan_summary
+from hetc.spec import AUTO
 from hetc.topology import Topology
 from tests.conftest import SPECS
 
@@ -132,6 +133,37 @@ def test_what_the_spec_fixes_stays_fixed(tmp_path):
     planned = result.spec.parallel
     assert [g.group for g in planned.idle] == ["t"]
     assert all((st.zero or planned.zero).level == 2 for st in planned.stages)
+
+
+def test_written_stages_keep_what_they_write(tmp_path):
+    text = f'''use "{SPECS / "demo" / "job.het"}"
+
+parallel {{
+  schedule = auto
+  stage first {{
+    ranks = host[0, 0]
+    layers = auto
+  }}
+  stage middle {{
+    ranks = [host[0, 1], host[1, 0]]
+    layers = auto
+    lanes = auto
+    microbatches = [3, 1]
+  }}
+  stage last {{
+    ranks = host[1, 1]
+    layers = auto
+  }}
+}}
+'''
+    spec = _write(tmp_path, text)
+    out = tmp_path / "planned.het"
+    assert main(["plan", str(spec), "-o", str(out)]) == 0
+    planned = load_spec(out).spec.parallel
+    assert [st.name for st in planned.stages] == ["first", "middle", "last"]
+    assert planned.stages[1].microbatches.counts == (3, 1) and planned.stages[1].lanes == 2
+    assert all(st.layers is not AUTO for st in planned.stages)
+    assert main(["check", str(out)]) == 0
 
 
 def test_compile_plans_a_spec_with_auto_first(tmp_path):

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from hetc.passes.plan.candidate import Candidate, GpuBlock, Offload
 
-from hetc.spec import LayerRange, ParallelSpec, RankSlice, Routing, RoutingKind, Spec, StageSpec, ZeroSpec
+from hetc.spec import AUTO, LayerRange, ParallelSpec, RankSlice, Routing, RoutingKind, Spec, StageSpec, ZeroSpec
 from hetc.topology import Topology
 
 __all__ = ["emit_parallel", "emit_spec", "rank_slice"]
@@ -40,28 +40,48 @@ def _routing(counts: tuple[int, ...]) -> Routing:
 
 
 def emit_parallel(spec: Spec, c: Candidate, topo: Topology, zero_base: ZeroSpec | None = None) -> ParallelSpec:
-    """The explicit parallel block of `c`; the spec's objective and fixed ZeRO hierarchy are kept."""
+    """The explicit parallel block of `c`; the spec's objective, fixed ZeRO hierarchy and written stages are kept."""
     par, model = spec.parallel, spec.model
     base = zero_base or ZeroSpec()
     levels = Counter(k.zero for k in c.knobs)
     offloads = Counter(k.offload for k in c.knobs)
     zero_level = max(levels, key=lambda lv: (levels[lv], -lv))
     common_off = max(offloads, key=lambda o: (offloads[o], o == Offload()))
+    if par.stages is not AUTO:  # written stages: fill their `auto` fields, keep the rest as written
+        zero_level = zero_level if par.zero.level is AUTO else int(par.zero.level)
+        common_off = Offload.from_spec(par.offload)
+    written = par.stages if par.stages is not AUTO else [None] * len(c.stages)
     stages = []
-    for i, (st, ranges, knobs, counts) in enumerate(zip(c.stages, c.ranges, c.knobs, c.counts)):
+    for i, (st, ranges, knobs, counts, old) in enumerate(zip(c.stages, c.ranges, c.knobs, c.counts, written)):
         contiguous = all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
         if contiguous:
             layers = (LayerRange(first=model.layer_name(ranges[0][0]), last=model.layer_name(ranges[-1][1] - 1)),)
         else:
             layers = tuple(LayerRange(first=model.layer_name(a), last=model.layer_name(b - 1)) for a, b in ranges)
-        stages.append(StageSpec(
-            name=f"s{i}", layers=layers, ranks=tuple(rank_slice(b, topo) for b in st.blocks),
-            lanes=st.num_lanes, tp=st.tp, ministages=knobs.ministages, microbatches=_routing(counts),
-            zero=None if knobs.zero == zero_level else replace(base, level=knobs.zero),
-            offload=None if knobs.offload == common_off else knobs.offload.to_spec()))
-    idle = tuple(RankSlice(group=g) for g in c.idle)
-    return ParallelSpec(schedule=c.schedule, zero=replace(base, level=zero_level), offload=common_off.to_spec(),
-                        prefetch=c.prefetch, stages=tuple(stages), idle=idle, objective=par.objective)
+        fields = dict(layers=layers, ranks=tuple(rank_slice(b, topo) for b in st.blocks), lanes=st.num_lanes,
+                      tp=st.tp, cp=1, ministages=knobs.ministages, microbatches=_routing(counts),
+                      zero=None if knobs.zero == zero_level else replace(base, level=knobs.zero),
+                      offload=None if knobs.offload == common_off else knobs.offload.to_spec())
+        if old is None:
+            stages.append(StageSpec(name=f"s{i}", **fields))
+        else:
+            stages.append(_filled(old, fields, knobs))
+    idle = tuple(RankSlice(group=g) for g in c.idle) if par.stages is AUTO else par.idle
+    zero = replace(par.zero if par.zero.level is not AUTO else base, level=zero_level)
+    return replace(par, schedule=c.schedule, zero=zero, offload=common_off.to_spec(), prefetch=c.prefetch,
+                   stages=tuple(stages), idle=idle)
+
+
+def _filled(old: StageSpec, fields: dict, knobs) -> StageSpec:
+    """A written stage with its `auto` fields filled (written values stay as written)."""
+    keep = {name: getattr(old, name) for name in ("layers", "ranks", "lanes", "tp", "cp", "ministages",
+                                                 "microbatches") if getattr(old, name) is not AUTO}
+    out = replace(old, **{**fields, **keep})
+    if old.zero is not None:
+        out = replace(out, zero=replace(old.zero, level=knobs.zero))
+    if old.offload is not None:
+        out = replace(out, offload=old.offload)
+    return out
 
 
 def emit_spec(spec: Spec, c: Candidate, topo: Topology, zero_base: ZeroSpec | None = None) -> Spec:

@@ -51,7 +51,8 @@ def _neighbours(search: Search, st: Structure, current: list[Option]) -> Iterato
     n_stages = len(current)
     for a in range(n_stages):
         for b in range(n_stages):
-            if a == b or current[a].layers <= 1 or current[b].layers >= limits[b]:
+            if a == b or current[a].layers <= 1 or current[b].layers >= limits[b] or \
+                    search._fixed_layers(a) is not None or search._fixed_layers(b) is not None:
                 continue
             moved = list(current)
             moved[a] = _like(search, st, a, current[a], current[a].layers - 1)

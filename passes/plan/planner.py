@@ -27,7 +27,7 @@ from hetc.passes.plan.search import Found, Search, SearchLimits
 from hetc.passes.plan.space import space_from_spec
 from hetc.passes.validate import Checked, check_spec
 
-from hetc.errors import Diagnostic, SpecError
+
 from hetc.spec import AUTO, Spec, StageSpec
 
 __all__ = ["FULL_ESTIMATE_RANKS", "PlanResult", "needs_plan", "plan_checked", "plan_spec"]
@@ -83,7 +83,6 @@ def plan_spec(spec: Spec, profiles: Profiles | None = None, base_dir: Path | Non
     goal = Goal.of(spec.parallel.objective)
     if not needs_plan(spec):
         return PlanResult(spec, checked, goal, None, _estimate(checked, profiles))
-    _supported(spec)
     start = time.perf_counter()
     topo = checked.topology
     search = Search(spec, topo, profiles, space_from_spec(spec, topo, **space_overrides), goal, limits)
@@ -106,16 +105,6 @@ def plan_checked(spec: Spec, base_dir: Path | None = None, profiles: Profiles | 
     if result.planned:
         log.info("planned %s: %.4g s/step, %s", result.chosen, result.step_time_s, result.goal.describe())
     return result.checked
-
-
-def _supported(spec: Spec) -> None:
-    par = spec.parallel
-    if par.stages is not AUTO:
-        st = next(st for st in par.stages) if par.stages else None
-        raise SpecError([Diagnostic(st.span if st else par.span,
-                                    "the planner designs whole plans: leave every stage block out (the "
-                                    "stages are then `auto`) or write each stage's fields; it does not "
-                                    "fill `auto` inside a written stage yet")])
 
 
 def _choose(search: Search, found: list[Found], scored: list[Baseline]) -> tuple[Found | None, str]:

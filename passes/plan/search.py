@@ -39,6 +39,7 @@ from hetc.passes.plan.routing import spread
 from hetc.passes.plan.space import SearchSpace, knob_options
 from hetc.passes.plan.tables import Option, StageTable, stage_table
 from hetc.passes.plan.views import Resolver, view_of
+from hetc.passes.plan.stages import written_counts
 
 from hetc.spec import Objective, ScheduleKind, Spec
 from hetc.topology import Topology
@@ -106,16 +107,21 @@ class Search:
     # ------------------------------------------------------------ structures
 
     def layouts(self) -> Iterator[tuple[tuple[str, ...], Layout]]:
+        rules = self.space.stages
         for idle in self.space.idle_sets:
-            if self.space.stages is not None:
-                yield idle, self.space.stages
+            if rules is not None and rules[0].gpus is not None:
+                yield idle, tuple(r.gpus for r in rules)
                 continue
             used = [g for g in self.topo.groups if g not in idle]
             if used:
                 max_stages = min(self.space.max_stages, self.units)
                 for layout in layouts(self.topo, bandwidth_domains(self.topo, used), max_stages,
                                       self.spec.model.dtype):
-                    yield idle, layout
+                    if rules is None or len(layout) == len(rules):
+                        yield idle, layout
+
+    def rule(self, s: int):
+        return None if self.space.stages is None else self.space.stages[s]
 
     def variants(self, idle: tuple[str, ...], layout: Layout, schedules, micro_batches,
                  tps: tuple[int, ...] = (1,)) -> Iterator[Structure]:
@@ -133,15 +139,16 @@ class Search:
 
     def _with_tp(self, layout: Layout, tp: int) -> Layout | None:
         """The layout with lanes of `tp` GPUs, if every TP group fits in one node and splits the heads."""
-        if all(st.tp == tp for st in layout):
+        tps = [self.rule(s).tp if self.rule(s) is not None and self.rule(s).tp else tp for s in range(len(layout))]
+        if all(st.tp == t for st, t in zip(layout, tps)):
             return layout
-        for st in layout:
-            if any(b.gpu_start % tp or (b.gpu_stop - b.gpu_start) % tp for b in st.blocks):
+        for st, t in zip(layout, tps):
+            if any(b.gpu_start % t or (b.gpu_stop - b.gpu_start) % t for b in st.blocks):
                 return None
-            lane = self.resolve(StageGpus(st.blocks, 1)).gpus[:tp]
-            if tp not in tp_degrees(self.spec.model, self.topo, lane):
+            lane = self.resolve(StageGpus(st.blocks, 1)).gpus[:t]
+            if t not in tp_degrees(self.spec.model, self.topo, lane):
                 return None
-        return tuple(StageGpus(st.blocks, tp) for st in layout)
+        return tuple(StageGpus(st.blocks, t) for st, t in zip(layout, tps))
 
     # ------------------------------------------------------------ tables
 
@@ -150,6 +157,10 @@ class Search:
         n = len(st.layout)
         most = self.units - (n - 1)
         return [most if s in (0, n - 1) else min(most, self.units - 2) for s in range(n)]
+
+    def _fixed_layers(self, s: int) -> int | None:
+        rule = self.rule(s)
+        return None if rule is None else rule.layers
 
     def _speeds(self, st: Structure) -> list[float]:
         dtype = self.spec.model.dtype
@@ -190,7 +201,8 @@ class Search:
         return self._options[key]
 
     def knobs(self, st: Structure, s: int, full: bool) -> list[Knobs]:
-        options = knob_options(self.space, st.schedule, st.interleave, len(self.resolve(st.layout[s]).lanes))
+        options = knob_options(self.space, st.schedule, st.interleave, len(self.resolve(st.layout[s]).lanes),
+                               self.rule(s))
         return options if full else base_knobs(options)
 
     def assign(self, st: Structure, full: bool, around: tuple[int, ...] | None = None
@@ -205,6 +217,9 @@ class Search:
         width = self.limits.window if full else max(1, self.limits.window // 2)
         lows = [max(1, min(c, most) - width) for c, most in zip(centres, limits)]
         highs = [min(most, max(c, 1) + width) for c, most in zip(centres, limits)]
+        for s in range(len(st.layout)):   # written layer ranges stay
+            if self._fixed_layers(s) is not None:
+                lows[s] = highs[s] = limits[s] = self._fixed_layers(s)
         while True:
             tables = [self._table(st, s, range(lo, hi + 1), knobs[s], fallbacks[s])
                       for s, (lo, hi) in enumerate(zip(lows, highs))]
@@ -234,9 +249,17 @@ class Search:
             for cls, row in zip(o.classes, per_class):
                 for lane, count in zip(cls.lanes, row):
                     lane_counts[lane] = count
-            counts.append(tuple(lane_counts))
+            counts.append(self._routed(st, len(counts), m) or tuple(lane_counts))
         return Candidate(st.layout, tuple(o.layers for o in a.options), tuple(o.knobs for o in a.options),
                          tuple(counts), st.schedule, st.micro_batch, self.space.prefetch, st.idle)
+
+    def _routed(self, st: Structure, s: int, m: int) -> tuple[int, ...] | None:
+        """A written routing's counts for stage s (None: the planner routes)."""
+        rule = self.rule(s)
+        if rule is None or rule.routing is None:
+            return None
+        lanes = self.resolve(st.layout[s]).lanes
+        return written_counts(rule.routing, [list(lane) for lane in lanes], m, self.spec.model.dtype)
 
     def score(self, c: Candidate) -> Score:
         zero = tuple(replace(self.space.zero_base, level=k.zero) for k in c.knobs)
@@ -304,6 +327,9 @@ class Search:
     def _speed_split(self, st: Structure) -> list[int]:
         """The layer units split in proportion to the stages' speed (largest remainder), within their limits."""
         limits = self._limits(st)
+        fixed = [self._fixed_layers(s) for s in range(len(st.layout))]
+        if any(n is not None for n in fixed):
+            return self._split_around(st, fixed, limits)
         shares = self._speeds(st)
         exact = [self.units * v / sum(shares) for v in shares]
         out = [min(max(1, int(e)), most) for e, most in zip(exact, limits)]
@@ -313,6 +339,17 @@ class Search:
             i = next(i for i in order if 1 <= out[i] + step <= limits[i])
             out[i] += step
             order = order[1:] + order[:1]
+        return out
+
+    def _split_around(self, st: Structure, fixed: list[int | None], limits: list[int]) -> list[int]:
+        """Written layer counts kept; the rest of the units spread over the other stages by speed."""
+        free = [s for s, n in enumerate(fixed) if n is None]
+        left = self.units - sum(n for n in fixed if n is not None)
+        speeds = self._speeds(st)
+        out = [n if n is not None else 1 for n in fixed]
+        for _ in range(max(0, left - len(free))):
+            s = max(free, key=lambda i: (speeds[i] / out[i] if out[i] < limits[i] else -1.0, -i))
+            out[s] += 1
         return out
 
     def _price_factor(self, st: Structure) -> float:

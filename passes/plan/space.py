@@ -17,8 +17,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from hetc.passes.plan.candidate import Candidate, Knobs, Offload, StageGpus
+from hetc.passes.plan.candidate import Candidate, Knobs, Offload
 from hetc.passes.plan.partition import bandwidth_domains
+from hetc.passes.plan.stages import StageRule, stage_rules
 
 from hetc.spec import AUTO, ScheduleKind, Spec, ZeroSpec
 from hetc.topology import Topology
@@ -51,9 +52,10 @@ class Fixed:
     offload: Offload | None = None
     micro_batch: int | None = None
     idle: tuple[str, ...] | None = None
+    stages: bool = False              # the spec writes its stages: no other layout is admitted
 
     def admits(self, c: Candidate) -> bool:
-        return ((self.schedule is None or c.schedule is self.schedule)
+        return (not self.stages and (self.schedule is None or c.schedule is self.schedule)
                 and (self.zero is None or all(k.zero == self.zero for k in c.knobs))
                 and (self.offload is None or all(k.offload == self.offload for k in c.knobs))
                 and (self.micro_batch is None or c.micro_batch == self.micro_batch)
@@ -74,7 +76,7 @@ class SearchSpace:
     max_stages: int = MAX_STAGES
     prefetch: int = 1
     zero_base: ZeroSpec = field(default_factory=ZeroSpec)
-    stages: tuple[StageGpus, ...] | None = None   # fixed stage GPUs: the spec wrote its stages
+    stages: tuple[StageRule, ...] | None = None   # the spec wrote its stages: what each fixes
     fixed: Fixed = field(default_factory=lambda: Fixed())
 
 
@@ -90,13 +92,15 @@ def space_from_spec(spec: Spec, topo: Topology, **overrides) -> SearchSpace:
     def free(name: str, value=None) -> bool:
         return value is AUTO or (designing and not written(par, name))
 
-    micro_batches = _micro_batches(spec)
+    micro_batches = _micro_batches(spec, designing)
+    rules = None if designing else stage_rules(spec, topo)
     fixed = Fixed(
         schedule=None if free("schedule", par.schedule) else par.schedule,
         zero=None if free("zero", par.zero.level) else int(par.zero.level),
         offload=None if free("offload") else Offload.from_spec(par.offload),
         micro_batch=micro_batches[0] if len(micro_batches) == 1 else None,
         idle=None if free("idle") else tuple(s.group for s in par.idle),
+        stages=not designing,
     )
     out = dict(
         schedules=DEFAULT_SCHEDULES if fixed.schedule is None else (fixed.schedule,),
@@ -104,20 +108,22 @@ def space_from_spec(spec: Spec, topo: Topology, **overrides) -> SearchSpace:
         offloads=PLAIN_OFFLOADS if fixed.offload is None else (fixed.offload,),
         zorse_offloads=ZORSE_OFFLOADS if fixed.offload is None else (fixed.offload,),
         micro_batches=micro_batches,
-        tp=TP_DEGREES if designing else (1,),
+        tp=TP_DEGREES if designing or any(r.tp is None for r in rules) else (1,),
         idle_sets=_idle_sets(spec, topo) if fixed.idle is None else (fixed.idle,),
         prefetch=1 if par.prefetch is AUTO else par.prefetch,
         zero_base=par.zero if par.zero.level is not AUTO else ZeroSpec(shard=par.zero.shard, across=par.zero.across),
         fixed=fixed,
+        stages=rules,
     )
     out.update(overrides)
     return SearchSpace(**out)
 
 
-def _micro_batches(spec: Spec) -> tuple[int, ...]:
+def _micro_batches(spec: Spec, designing: bool) -> tuple[int, ...]:
     train = spec.train
     main_file = spec.span.file
-    if written(train, "micro_batch") or train.span.file != main_file or train.grad_accum is not None:
+    if not designing or written(train, "micro_batch") or train.span.file != main_file or \
+            train.grad_accum is not None:
         return (train.micro_batch,)
     return tuple(b for b in MICRO_BATCHES if train.global_batch % b == 0)
 
@@ -149,8 +155,9 @@ def _idle_sets(spec: Spec, topo: Topology) -> tuple[tuple[str, ...], ...]:
     return tuple(dict.fromkeys(tuple(sorted(o, key=groups.index)) for o in out if len(o) < len(groups)))
 
 
-def knob_options(space: SearchSpace, schedule: ScheduleKind, interleave: int, lanes: int) -> list:
-    """Stage configurations to try under `schedule` for a stage of `lanes` lanes.
+def knob_options(space: SearchSpace, schedule: ScheduleKind, interleave: int, lanes: int,
+                 rule: StageRule | None = None) -> list[Knobs]:
+    """Stage configurations to try under `schedule` for a stage of `lanes` lanes (what `rule` fixes, fixed).
 
     With one lane every ZeRO level shards over one rank: level 0 says the
     same thing plainly (and ZeRO-3's gather buffer only costs memory). With
@@ -162,9 +169,15 @@ def knob_options(space: SearchSpace, schedule: ScheduleKind, interleave: int, la
         levels = (min(levels),)
     elif 0 in levels and 1 in levels:
         levels = tuple(z for z in levels if z != 0)
+    plain, zorse, ministages = space.offloads, space.zorse_offloads, space.ministages
+    if rule is not None:
+        levels = levels if rule.zero is None else (rule.zero,)
+        plain, zorse = (plain, zorse) if rule.offload is None else ((rule.offload,), (rule.offload,))
+        ministages = ministages if rule.ministages is None else (rule.ministages,)
     if schedule is ScheduleKind.ZORSE:
-        return [Knobs(z, off, k) for z in levels for off in space.zorse_offloads for k in space.ministages]
+        return [Knobs(z, off, k) for z in levels for off in zorse for k in ministages]
     if schedule is ScheduleKind.INTERLEAVED:
-        return [Knobs(z, off, interleave) for z in levels for off in space.offloads]
-    return [Knobs(z, off, k) for z in levels for off in space.offloads
-            for k in (space.ministages if (off.params or z >= 3) else (1,))]
+        return [Knobs(z, off, interleave) for z in levels for off in plain]
+    fixed = rule is not None and rule.ministages is not None
+    return [Knobs(z, off, k) for z in levels for off in plain
+            for k in (ministages if (off.params or z >= 3 or fixed) else (1,))]
