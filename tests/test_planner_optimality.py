@@ -15,7 +15,7 @@ import random
 
 import pytest
 
-from hetc.load import load_spec
+from hetc.frontend import load_checked
 from hetc.passes.plan.candidate import Offload
 from hetc.passes.plan.objective import Goal
 from hetc.passes.plan.search import Search
@@ -36,12 +36,16 @@ def cluster_spec(seed: int) -> str:
     """A random small cluster and model, the same for a seed on every machine."""
     rng = random.Random(seed)
     kinds = rng.sample(KINDS, rng.choice([2, 2, 3]))
-    nodes = []
+    nodes, zones = [], []
     for i, kind in enumerate(kinds):
         count, gpus = rng.choice([(1, 1), (1, 2), (2, 1), (2, 2), (1, 4)] if len(kinds) == 2 else [(1, 1), (1, 2), (2, 1)])
+        zones.append(rng.choice(["z1", "z1", "z2"]))
         nodes.append(f"  node g{i} {{\n    device = {kind}\n    count = {count}\n    gpus = {gpus}\n"
-                     f"    zone = {rng.choice(['z1', 'z1', 'z2'])}\n"
+                     f"    zone = {zones[-1]}\n"
                      f"    intra {{\n      bandwidth = {rng.choice(['16 GB/s', '150 GB/s'])}\n    }}\n  }}\n")
+    link = rng.choice(["1 GB/s", "5 GB/s"])
+    if len(set(zones)) > 1:
+        nodes.append(f'  link "z1" <-> "z2" {{\n    bandwidth = {link}\n    egress = 0.01 $/GB\n  }}\n')
     hidden = rng.choice([1024, 2048])
     return f"""use "catalog.het"
 model m {{
@@ -54,11 +58,7 @@ model m {{
   dtype = bf16
 }}
 cluster c {{
-{''.join(nodes)}  link "z1" <-> "z2" {{
-    bandwidth = {rng.choice(['1 GB/s', '5 GB/s'])}
-    egress = 0.01 $/GB
-  }}
-  inter_bandwidth = {rng.choice(['5 GB/s', '12.5 GB/s'])}
+{''.join(nodes)}  inter_bandwidth = {rng.choice(['5 GB/s', '12.5 GB/s'])}
 }}
 train {{
   global_batch = {rng.choice([8, 16])}
@@ -73,7 +73,7 @@ parallel {{
 def test_planner_is_within_one_percent_of_exhaustive_search(tmp_path, seed):
     path = tmp_path / "cluster.het"
     path.write_text(cluster_spec(seed))
-    spec = load_spec(path).spec
+    spec = load_checked(path, require_complete=True)[0].spec
     topo = Topology(spec)
     goal = Goal.of(spec.parallel.objective)
     planner = Search(spec, topo, None, space_from_spec(spec, topo, **SPACE), goal).run()

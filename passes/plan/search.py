@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 class SearchLimits:
     """How wide each step looks. Large clusters cost more per plan scored, so they look narrower."""
 
-    exhaustive: int = 96      # at most this many structures: configure every one, skip steps 1 and 2
+    exhaustive: int = 200     # at most this many structures: configure every one, skip steps 1 to 3
     quick_layouts: int = 48   # more layouts than this: a quick look keeps this many for step 1
     layouts: int = 12         # layouts kept after step 1
     structures: int = 10      # structures kept after step 2

@@ -149,9 +149,10 @@ def _option(prims: Primitives, sc: StageCosts, n: int, knobs: Knobs, classes, m:
         f, i, w = sc.compute(lane)
         p2p = sc.p2p(lane)
         if schedule is ScheduleKind.ZORSE:
+            # a lane sends a microbatch on and goes on with the next: transfers delay the next stage, not it
             per_ms = [unit_lane_times(sc, lane, ms) for ms in sc.s.ministages]
-            one = sum(a + b + c + d for a, b, c, d in per_ms)
-            cycle = one
+            cycle = sum(a + b for a, b, _, _ in per_ms)
+            one = cycle + sum(c + d for _, _, c, d in per_ms)
         else:
             one = f + i + w + p2p
             cycle = max(one, sc.overlapped(lane))
