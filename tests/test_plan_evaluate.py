@@ -14,7 +14,8 @@ import random
 import pytest
 
 from hetc.load import load_spec
-from hetc.passes.cost import CostModel
+from hetc.importers.sailor import import_sailor
+from hetc.passes.cost import CostModel, load_profiles
 from hetc.passes.plan.candidate import Candidate, GpuBlock, Knobs, Offload, StageGpus, split_evenly
 from hetc.passes.plan.costs import Primitives
 from hetc.passes.plan.emit import emit_spec
@@ -145,19 +146,31 @@ def _candidate(spec, topo: Topology, rng: random.Random) -> Candidate | None:
 
 @pytest.mark.parametrize("cluster", sorted(CLUSTERS))
 def test_planner_scores_plans_as_the_cost_model_does(tmp_path, cluster):
-    spec = _spec(tmp_path, cluster)
+    _compare(_spec(tmp_path, cluster), None, plans=24)
+
+
+def test_with_measured_layer_times_and_network_fits(tmp_path, shared_data):
+    """Sailor's OPT-350 profiles and network fits (measured rates by message size and sender count)."""
+    quotas = tmp_path / "quotas.json"
+    quotas.write_text('{"A100-40": {"us-central1-a": 8}, "V100-16": {"us-central1-a": 8}}')
+    path = tmp_path / "opt.het"
+    path.write_text(import_sailor(str(shared_data / "sailor"), "OPT-350", None, str(quotas)))
+    _compare(load_spec(path).spec, load_profiles([shared_data / "sailor"]), plans=8)
+
+
+def _compare(spec, profiles, plans: int) -> None:
     topo = Topology(spec)
     rng = random.Random(7)
     resolve = Resolver(topo)
     compared = 0
-    while compared < 24:
+    while compared < plans:
         c = _candidate(spec, topo, rng)
         if c is None:
             continue
-        score = evaluate(Primitives(spec, topo, None, c.micro_batch), view_of(
+        score = evaluate(Primitives(spec, topo, profiles, c.micro_batch), view_of(
             c, resolve, tuple(ZeroSpec(level=k.zero) for k in c.knobs)))
         checked = check_spec(emit_spec(spec, c, topo))
-        estimate = CostModel(checked.spec, checked.pipeline, checked.topology).estimate()
+        estimate = CostModel(checked.spec, checked.pipeline, checked.topology, profiles).estimate()
         assert score.step_time_s == pytest.approx(estimate.step_time_s, rel=1e-9), c
         rank_of = {g.id: r for r, g in enumerate(checked.pipeline.world)}
         full = {m.rank: m for m in estimate.memory}

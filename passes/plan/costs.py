@@ -14,8 +14,10 @@ node), a point-to-point transfer on the two node groups and whether they
 share a host. `CostModel.collective_time` recomputes every pair's link,
 which at 1024 ranks with measured network fits costs tens of milliseconds.
 
-Adapter note: `ring` mirrors `CostModel.collective_time` and calls the
-private `CostModel._link`; a public per-pair link method would let it go.
+Adapter note: `ring` mirrors `CostModel.collective_time` and `link`
+mirrors the private `CostModel._link`, whose measured-fit lookup scans the
+whole fit table on every call; a public, cached per-pair link method in
+passes/cost would let both go.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class Primitives:
         self._rings: dict = {}
         self._p2p: dict = {}
         self.egress_prices: dict[tuple[str, str], float] = {}
+        self._fits: dict[tuple, object] = {}
         self.layer_cost = lru_cache(maxsize=None)(self._layer_cost)
         self.lane_compute = lru_cache(maxsize=None)(self._lane_compute)
         self.params = lru_cache(maxsize=None)(self._params)
@@ -130,7 +133,7 @@ class Primitives:
         got = self._rings.get(key)
         if got is None:
             worst = max(chunk / rate + latency for rate, latency in
-                        (self.probe._link(a, b, chunk, ring_size, concurrent)
+                        (self.link(a, b, chunk, ring_size, concurrent)
                          for a, b, ring_size in self._pair_kinds(kind, ranks).values()))
             got = self._rings[key] = steps * worst
         return got
@@ -156,8 +159,23 @@ class Primitives:
         key = (src.group, dst.group, src.host == dst.host, nbytes, concurrent)
         got = self._p2p.get(key)
         if got is None:
-            got = self._p2p[key] = self.probe.p2p_time(src.id, dst.id, nbytes, concurrent)
+            rate, latency = self.link(src, dst, nbytes, 2, concurrent)
+            got = self._p2p[key] = latency + nbytes / rate
         return got
+
+    def link(self, a: Gpu, b: Gpu, nbytes: float, ring_size: int, concurrent: int) -> tuple[float, float]:
+        """Mirrors CostModel._link: (bytes/s of one stream, latency), the measured fit memoised per pair kind."""
+        same_host = a.host == b.host
+        key = (a.group, b.group, same_host, ring_size, concurrent)
+        if key not in self._fits:
+            net = self.probe.profiles.network
+            self._fits[key] = net.intra_rate(a.device.name, ring_size) if same_host else \
+                net.inter_rate(a.zone, a.device.name, b.zone, b.device.name, concurrent)
+        fit = self._fits[key]
+        if fit is not None:
+            return (fit.rate(nbytes), 0.0) if same_host else (fit.rate(nbytes) / concurrent, 0.0)
+        link = self.topo.link(a, b)
+        return (link.bandwidth, link.latency) if same_host else (link.bandwidth / concurrent, link.latency)
 
     def copy(self, gpu: Gpu, nbytes: float) -> float:
         return self.probe.copy_time(gpu.id, nbytes)

@@ -34,8 +34,9 @@ __all__ = ["FULL_ESTIMATE_RANKS", "PlanResult", "needs_plan", "plan_checked", "p
 
 log = logging.getLogger(__name__)
 
-# Above this many ranks the full estimate takes seconds; the planner's own score (equal to it) stands in.
-FULL_ESTIMATE_RANKS = 4096
+# Above this many ranks the full estimate takes most of a second (it looks up measured network fits
+# pair by pair); the planner's own score, equal to it (tests/test_plan_evaluate.py), stands in.
+FULL_ESTIMATE_RANKS = 1024
 
 
 @dataclass(frozen=True)
