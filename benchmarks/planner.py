@@ -1,4 +1,4 @@
-"""How long `hetc plan` takes on large mixed clusters, and what it predicts; writes docs/benchmarks.md "Planner".
+"""How long `hetc plan` takes on large mixed clusters, what it predicts; writes docs/benchmarks.md "Planner".
 
     .venv/bin/python benchmarks/planner.py [--runs 2] [--no-write]
 
@@ -26,11 +26,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.markdown import replace_section  # noqa: E402
-from hetc.importers.sailor import import_sailor  # noqa: E402
-from hetc.load import load_spec  # noqa: E402
-from hetc.passes.cost import load_profiles  # noqa: E402
-from hetc.passes.plan.planner import plan_spec  # noqa: E402
+from hetc.passes.cost import load_profiles
+from hetc.passes.plan.planner import plan_spec
+
+from benchmarks.markdown import replace_section
+from hetc.importers.sailor import import_sailor
+from hetc.load import load_spec
 
 BENCHMARKS_MD = ROOT / "docs" / "benchmarks.md"
 HEADING = "## Planner"
@@ -125,13 +126,13 @@ def section(two: list[dict], four: list[dict], runs: int) -> str:
               "network fits" if SAILOR.is_dir() else
               "catalog devices and datasheet arithmetic (../shared/data/sailor was absent)")
     lines = [HEADING, "",
-             "`benchmarks/planner.py`: `hetc plan` on OPT-350M (global batch 1024, sequence 2048) as in "
-             f"Sailor's setup; {source}. Planning time is `plan_spec` in-process, best of {runs} "
-             "on 2 CPU cores shared with other work (one thread: CP-SAT runs one worker), searching "
-             "schedule, micro-batch size, TP degree, ZeRO level, offload and ministages per stage, and idle "
-             "GPUs. Published planners on this kind of machine: Sailor's C++ planner (SOSP'25) and Zorse's "
-             "(MLSys'26), which search neither ZeRO levels, offload nor ministages. The bound of the issue: "
-             "2048 GPUs in under 5 s.", "",
+             ("`benchmarks/planner.py`: `hetc plan` on OPT-350M (global batch 1024, sequence 2048) as in "
+              f"Sailor's setup; {source}. Planning time is `plan_spec` in-process, best of {runs} "
+              "on 2 CPU cores shared with other work (one thread: CP-SAT runs one worker), searching "
+              "schedule, micro-batch size, TP degree, ZeRO level, offload and ministages per stage, and idle "
+              "GPUs. Published planners on this kind of machine: Sailor's C++ planner (SOSP'25) and Zorse's "
+              "(MLSys'26), which search neither ZeRO levels, offload nor ministages. The bound of the issue: "
+              "2048 GPUs in under 5 s."), "",
              "A100-40 + V100-16 (a quarter A100s), one zone:", "",
              "| GPUs | hetc plan (CPU) | wall | Sailor | Zorse | predicted tokens/s | plan | best baseline |",
              "|---|---|---|---|---|---|---|---|"]
@@ -147,11 +148,13 @@ def section(two: list[dict], four: list[dict], runs: int) -> str:
               "| GPUs | hetc plan (CPU) | wall | predicted tokens/s | plan | best baseline |",
               "|---|---|---|---|---|---|"]
     for r in four:
-        lines.append(f"| {r['gpus']} | **{r['cpu_s']:.2f} s** | {r['wall_s']:.2f} s | {r['tokens_per_s']:,.0f} | "
+        lines.append(f"| {r['gpus']} | **{r['cpu_s']:.2f} s** | {r['wall_s']:.2f} s | "
+                     f"{r['tokens_per_s']:,.0f} | "
                      f"{r['plan']} | {r['baseline']} {r['baseline_tokens_per_s']:,.0f} |")
     big = next(r for r in two if r["gpus"] == 2048)
     verdict = "met" if big["cpu_s"] < 5 and big["wall_s"] < 5 else "NOT met"
-    lines += ["", f"2048 GPUs: {big['cpu_s']:.2f} s of CPU, {big['wall_s']:.2f} s wall (bound 5 s: {verdict})."]
+    lines += ["", (f"2048 GPUs: {big['cpu_s']:.2f} s of CPU, {big['wall_s']:.2f} s wall "
+                   f"(bound 5 s: {verdict}).")]
     return "\n".join(lines) + "\n"
 
 

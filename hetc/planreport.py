@@ -6,7 +6,6 @@ from hetc.costreport import human_bytes
 from hetc.passes.cost import RankMemory
 from hetc.passes.plan.baselines import Baseline
 from hetc.passes.plan.planner import PlanResult
-
 from hetc.spec import Objective
 
 __all__ = ["plan_json", "plan_summary"]
@@ -19,8 +18,9 @@ def _memory(result: PlanResult) -> list[RankMemory]:
     rank_of = {g.id: r for r, g in enumerate(result.checked.pipeline.world)}
     out = []
     for m, ids in zip(result.score.memory, result.score.classes):
-        out += [RankMemory(rank_of[i], str(result.checked.topology.gpus[i]), m.device, m.stage, m.params, m.grads,
-                           m.optimizer, m.activations, m.buffers, m.reserve, m.capacity, m.host) for i in ids]
+        out += [RankMemory(rank_of[i], str(result.checked.topology.gpus[i]), m.device, m.stage, m.params,
+                           m.grads, m.optimizer, m.activations, m.buffers, m.reserve, m.capacity, m.host)
+                for i in ids]
     return sorted(out, key=lambda m: m.rank)
 
 
@@ -29,20 +29,22 @@ def plan_summary(path: str, result: PlanResult) -> str:
     spec = result.spec
     lines = []
     if result.planned:
-        lines.append(f"planned {path} in {result.seconds:.2f} s ({result.structures} structures searched) for "
-                     f"{result.goal.describe()}" + ("" if result.chosen == "planner" else
-                                                    f"; the {result.chosen} baseline won"))
+        won = "" if result.chosen == "planner" else f"; the {result.chosen} baseline won"
+        lines.append(f"planned {path} in {result.seconds:.2f} s ({result.structures} structures searched) "
+                     f"for {result.goal.describe()}{won}")
     else:
         lines.append(f"{path}: the plan has no `auto`; nothing to plan")
     idle = ", ".join(s.group for s in spec.parallel.idle) or "none"
-    lines.append(f"  schedule {p.schedule.value}, micro_batch {p.micro_batch}, {p.num_microbatches} microbatches, "
+    lines.append(f"  schedule {p.schedule.value}, micro_batch {p.micro_batch}, "
+                 f"{p.num_microbatches} microbatches, "
                  f"{_n(len(p.stages), 'stage')} on {_n(p.world_size, 'rank')} (idle: {idle})")
     width = max(4, *(len(st.name) for st in p.stages))
     for st, sp in zip(p.stages, spec.parallel.stages):
         layers = _layers(spec, p, st)
         counts = sorted({len(lane.microbatches) for lane in st.lanes})
         mbs = str(counts[0]) if len(counts) == 1 else f"{counts[0]}..{counts[-1]}"
-        lines.append(f"    {st.name:{width}s} {_ranks(sp):28s} {layers:18s} {_n(len(st.lanes), 'lane'):>9s} × tp {st.tp}  "
+        lanes = _n(len(st.lanes), "lane")
+        lines.append(f"    {st.name:{width}s} {_ranks(sp):28s} {layers:18s} {lanes:>9s} × tp {st.tp}  "
                      f"ZeRO-{st.zero.level}  {_n(len(st.ministages), 'ministage')}  {mbs} microbatches/lane"
                      + _offload(st.offload))
     memory = _memory(result)
@@ -52,8 +54,9 @@ def plan_summary(path: str, result: PlanResult) -> str:
                  f"{_mfu(result)}; fullest GPU {fullest.gpu} at {fullest.total / fullest.capacity:.0%} of "
                  f"{human_bytes(fullest.capacity)} ({source})")
     if result.score is not None and result.goal.kind is Objective.COST:
-        lines.append(f"  cost {result.score.dollars_per_hour:,.2f} $/h, {result.score.dollars_per_token * 1e6:.4g} $ "
-                     "per million tokens")
+        score = result.score
+        lines.append(f"  cost {score.dollars_per_hour:,.2f} $/h, {score.dollars_per_token * 1e6:.4g} $ per "
+                     "million tokens")
     if result.baselines:
         lines += ["", _table(result)]
     return "\n".join(lines)
@@ -76,7 +79,8 @@ def _slice(r) -> str:
             return str(start)
         return f"{'' if start is None else start}:{'' if stop is None else stop}"
 
-    node, gpu = part(r.node_start, r.node_stop, r.node_is_slice), part(r.gpu_start, r.gpu_stop, r.gpu_is_slice)
+    node = part(r.node_start, r.node_stop, r.node_is_slice)
+    gpu = part(r.gpu_start, r.gpu_stop, r.gpu_is_slice)
     if node == ":" and gpu == ":":
         return r.group
     return f"{r.group}[{node}]" if gpu == ":" else f"{r.group}[{node}, {gpu}]"
@@ -132,7 +136,8 @@ def plan_json(path: str, result: PlanResult, text: str) -> dict:
            "estimated_by": "cost model" if result.estimate is not None else "planner (class by class)",
            "objective": {"goal": result.goal.kind.value, "budget_per_hour": result.goal.budget,
                          "min_throughput": result.goal.min_throughput},
-           "plan": {"schedule": p.schedule.value, "micro_batch": p.micro_batch, "microbatches": p.num_microbatches,
+           "plan": {"schedule": p.schedule.value, "micro_batch": p.micro_batch,
+                    "microbatches": p.num_microbatches,
                     "idle": [s.group for s in spec.parallel.idle],
                     "stages": [_stage_json(spec, p, st) for st in p.stages]},
            "baselines": [_baseline_json(b) for b in result.baselines],

@@ -47,7 +47,8 @@ class Exhaustive:
     def _structure(self, st):
         s = self.search
         limits = s._limits(st)
-        tables = [s._table(st, i, range(1, most + 1), s.knobs(st, i, full=True)) for i, most in enumerate(limits)]
+        tables = [s._table(st, i, range(1, most + 1), s.knobs(st, i, full=True))
+                  for i, most in enumerate(limits)]
         by_n = [t.by_layers() for t in tables]
         for split in compositions(s.units, len(st.layout), limits):
             choices = [by_n[i].get(n, []) for i, n in enumerate(split)]

@@ -12,9 +12,6 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from hetc.load import load_spec
-from hetc.importers.sailor import import_sailor
 from hetc.passes.cost import CostModel, load_profiles
 from hetc.passes.plan.candidate import Candidate, GpuBlock, Knobs, Offload, StageGpus, split_evenly
 from hetc.passes.plan.costs import Primitives
@@ -22,6 +19,9 @@ from hetc.passes.plan.emit import emit_spec
 from hetc.passes.plan.evaluate import evaluate
 from hetc.passes.plan.views import Resolver, view_of
 from hetc.passes.validate import check_spec
+
+from hetc.importers.sailor import import_sailor
+from hetc.load import load_spec
 from hetc.spec import ScheduleKind, ZeroSpec
 from hetc.topology import Topology
 

@@ -1,4 +1,4 @@
-"""`hetc plan`: the Zorse clusters plan in seconds, output is a checked and stable spec, errors are located."""
+"""`hetc plan`: the Zorse clusters plan in seconds; the output checks and is stable; errors are located."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import random
 import time
 
 import pytest
+from hetc.passes.plan.partition import bandwidth_domains
+from hetc.passes.plan.planner import plan_spec
+from hetc.passes.plan.routing import bottleneck, spread
 
 from hetc.cli import main
 from hetc.commands.compile import compile_spec
 from hetc.load import load_spec
-from hetc.passes.plan.partition import bandwidth_domains
-from hetc.passes.plan.planner import plan_spec
-from hetc.passes.plan.routing import bottleneck, spread
 from hetc.planreport import plan_summary
 from hetc.spec import AUTO
 from hetc.topology import Topology
@@ -185,11 +185,13 @@ def test_a_model_that_fits_layer_by_layer_but_not_whole_names_the_fullest_gpu(tm
     # no ZeRO, no offload: every stage holds its layers' whole states, which the cluster has room for
     # only summed over its GPUs (what validation checks), not stage by stage
     text = (SMALL % "  zero = 0\n  offload {\n    params = none\n  }\n").replace(
-        "layers = 4", "layers = 56").replace("hidden = 1024", "hidden = 4096").replace("ffn = 2816", "ffn = 11008")
+        "layers = 4", "layers = 56").replace("hidden = 1024", "hidden = 4096").replace(
+        "ffn = 2816", "ffn = 11008")
     spec = _write(tmp_path, text)
     assert main(["plan", str(spec)]) == 2
     err = capsys.readouterr().err
-    assert f"{spec}:30:1: error: no plan fits in memory: the closest" in err and "A100-40, 40.00 GiB) for layers" in err
+    assert f"{spec}:30:1: error: no plan fits in memory: the closest" in err
+    assert "A100-40, 40.00 GiB) for layers" in err
 
 
 def test_cost_objective_respects_the_budget(tmp_path, capsys):
@@ -229,4 +231,5 @@ def test_bottleneck_routing_is_the_least_busiest_lane():
         assert bottleneck(m, classes) == pytest.approx(best, rel=1e-9)
         counts = spread(m, classes)
         assert sum(map(sum, counts)) == m
-        assert max(c * cycle for row, (_, cycle, _) in zip(counts, classes) for c in row) == pytest.approx(best)
+        busiest = max(c * cycle for row, (_, cycle, _) in zip(counts, classes) for c in row)
+        assert busiest == pytest.approx(best)

@@ -14,19 +14,20 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from hetc.frontend import load_checked
 from hetc.passes.plan.candidate import Offload
 from hetc.passes.plan.objective import Goal
 from hetc.passes.plan.search import Search
 from hetc.passes.plan.space import space_from_spec
+
+from hetc.frontend import load_checked
 from hetc.spec import ScheduleKind
 from hetc.topology import Topology
 from tests.plan_oracle import Exhaustive
 
-SPACE = dict(schedules=(ScheduleKind.ZB, ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZORSE), zero_levels=(0, 1, 3),
-             offloads=(Offload(),), zorse_offloads=(Offload(), Offload(activations=True)),
-             ministages=(1, 2), micro_batches=(1, 2), max_stages=3)
+SPACE = {"schedules": (ScheduleKind.ZB, ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZORSE),
+         "zero_levels": (0, 1, 3), "offloads": (Offload(),),
+         "zorse_offloads": (Offload(), Offload(activations=True)),
+         "ministages": (1, 2), "micro_batches": (1, 2), "max_stages": 3}
 KINDS = ("A100-40", "V100-16", "T4", "A10G", "L4", "H100", "RTX3090")
 CLUSTERS = 22
 TOLERANCE = 0.01
@@ -38,7 +39,8 @@ def cluster_spec(seed: int) -> str:
     kinds = rng.sample(KINDS, rng.choice([2, 2, 3]))
     nodes, zones = [], []
     for i, kind in enumerate(kinds):
-        count, gpus = rng.choice([(1, 1), (1, 2), (2, 1), (2, 2), (1, 4)] if len(kinds) == 2 else [(1, 1), (1, 2), (2, 1)])
+        shapes = [(1, 1), (1, 2), (2, 1), (2, 2), (1, 4)] if len(kinds) == 2 else [(1, 1), (1, 2), (2, 1)]
+        count, gpus = rng.choice(shapes)
         zones.append(rng.choice(["z1", "z1", "z2"]))
         nodes.append(f"  node g{i} {{\n    device = {kind}\n    count = {count}\n    gpus = {gpus}\n"
                      f"    zone = {zones[-1]}\n"

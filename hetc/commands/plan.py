@@ -20,11 +20,11 @@ PROGRESS_AFTER_S = 1.0
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "plan", help="choose every `auto` of a plan: stages, layers, lanes, schedule, ZeRO, offload",
-        description="Search stage layouts over the cluster's bandwidth domains, the schedule, micro-batch size, "
-                    "tensor parallelism, ZeRO level, offload and ministages of every stage, and the GPUs to "
-                    "leave idle, under the spec's objective (throughput, or $ per token within a budget), and "
-                    "compare the plan with baselines under the same cost model. Prints the explicit spec (or "
-                    "writes it with -o) and a summary; docs/planner.md. "
+        description="Search stage layouts over the cluster's bandwidth domains, the schedule, "
+                    "micro-batch size, tensor parallelism, ZeRO level, offload and ministages of every "
+                    "stage, and the GPUs to leave idle, under the spec's objective (throughput, or $ per "
+                    "token within a budget), and compare the plan with baselines under the same cost model. "
+                    "Prints the explicit spec (or writes it with -o) and a summary; docs/planner.md. "
                     f"Measured profiles come from --profile and ${PROFILE_ENV}.")
     p.add_argument("spec", metavar="SPEC")
     p.add_argument("-o", "--out", type=Path, metavar="OUT.het", help="write the explicit spec here")

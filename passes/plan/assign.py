@@ -13,10 +13,11 @@ count per lane class so that
 minimising T + Σ_s fill_s + max_s (tail_s − Σ_{s'<s} drain_s'): the
 bottleneck lane, the fill and drain it waits for (the bubble), and the
 gradient sync and optimizer step after the flush, which each stage starts
-when its own backward ends, the drains of the stages before it earlier. `assign_fast` solves the bottleneck alone exactly (the
-least T whose feasible layer counts can sum to U, by bisection over the
-options' own bottlenecks) and then spends spare capacity on a lower
-bubble; CP-SAT starts from it and trades the terms against each other.
+when its own backward ends, the drains of the stages before it earlier.
+`assign_fast` solves the bottleneck alone exactly (the least T whose
+feasible layer counts can sum to U, by bisection over the options' own
+bottlenecks), then spends spare capacity on a lower bubble and tail;
+CP-SAT starts from it and trades the terms against each other.
 The exact per-lane counts are spread by `routing.spread` afterwards.
 """
 
@@ -26,9 +27,8 @@ import logging
 import math
 from dataclasses import dataclass
 
-from ortools.sat.python import cp_model
-
 from hetc.passes.plan.tables import Option, StageTable
+from ortools.sat.python import cp_model
 
 __all__ = ["Assignment", "assign_cpsat", "assign_fast", "model_objective"]
 
@@ -197,7 +197,7 @@ def assign_cpsat(tables: list[StageTable], units: int, m: int, hint: Assignment 
     scale = RESOLUTION / (hint.objective if hint else max(t for opts in per_stage for t, _ in opts))
 
     def ticks(seconds: float) -> int:
-        return int(math.ceil(seconds * scale))
+        return math.ceil(seconds * scale)
 
     model = cp_model.CpModel()
     horizon = ticks(max(t for opts in per_stage for t, _ in opts)) + 1

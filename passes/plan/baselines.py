@@ -141,7 +141,8 @@ def _grid_baseline(search, name: str, title: str, groups: list[str]) -> Baseline
     candidates = [c for _, built in sorted(scored, key=lambda sb: sb[0])[:GRIDS_TUNED] for c in built]
 
     def described(c: Candidate) -> str:
-        return f"{title}: dp {c.stages[0].num_lanes} × pp {len(c.stages)} × tp {c.stages[0].tp}, b {c.micro_batch}"
+        first = c.stages[0]
+        return f"{title}: dp {first.num_lanes} × pp {len(c.stages)} × tp {first.tp}, b {c.micro_batch}"
 
     return _best(search, name, described, candidates)
 

@@ -18,7 +18,7 @@ from functools import cached_property
 from hetc.spec import OffloadSpec, OffloadTarget, ScheduleKind
 from hetc.topology import Gpu, Topology
 
-__all__ = ["GpuBlock", "Knobs", "Offload", "StageGpus", "Candidate", "split_evenly", "ministage_ranges"]
+__all__ = ["Candidate", "GpuBlock", "Knobs", "Offload", "StageGpus", "ministage_ranges", "split_evenly"]
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -122,8 +122,8 @@ class Candidate:
                 self.layers, self.knobs, tuple(s.blocks for s in self.stages), self.counts)
 
 
-_PLAINER = {ScheduleKind.ONE_F_ONE_B: 0, ScheduleKind.ZB: 1, ScheduleKind.GPIPE: 2, ScheduleKind.INTERLEAVED: 3,
-            ScheduleKind.ZORSE: 4}
+_PLAINER = {ScheduleKind.ONE_F_ONE_B: 0, ScheduleKind.ZB: 1, ScheduleKind.GPIPE: 2,
+            ScheduleKind.INTERLEAVED: 3, ScheduleKind.ZORSE: 4}
 
 
 def split_evenly(total: int, parts: int) -> list[int]:

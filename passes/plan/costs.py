@@ -63,7 +63,8 @@ class Primitives:
         self.model = spec.model
         self.micro_batch = micro_batch
         self.num_microbatches = train.global_batch // micro_batch
-        probe_world = Pipeline((), (), topo.gpus, self.num_microbatches, micro_batch, ScheduleKind.ONE_F_ONE_B, 1)
+        probe_world = Pipeline((), (), topo.gpus, self.num_microbatches, micro_batch,
+                               ScheduleKind.ONE_F_ONE_B, 1)
         self.probe = CostModel(self.spec, probe_world, topo, profiles)
         self.delta = DTYPE_BYTES[self.model.dtype]
         self.states = state_bytes_per_param(self.model)
@@ -92,7 +93,8 @@ class Primitives:
     def _layer_cost(self, device: str, idx_kind: str, tp: int, tp_group: tuple[int, ...],
                     rerun: bool) -> LayerCost:
         """Mirrors CostModel._layer_time for cp = 1: measured or arithmetic time, TP all-reduces, and the
-        forward work the backward repeats (checkpointing; `rerun`: offloaded activations rerun the ministage)."""
+        forward work the backward repeats (checkpointing; `rerun`: offloaded activations rerun the
+        ministage)."""
         m = self.model
         measured = self.probe.compute.layer(device, idx_kind, self.micro_batch, tp)
         flops = layer_flops(m, _index(m, idx_kind), self.micro_batch)
@@ -111,7 +113,8 @@ class Primitives:
 
     def _lane_compute(self, devices: tuple[str, ...], tp: int, tp_group: tuple[int, ...], rerun: bool,
                       units: tuple[int, int, int]) -> tuple[float, float, float]:
-        """(F, I, W) of one microbatch through (embed, blocks, head) units on a lane: its slowest kind per phase."""
+        """(F, I, W) of one microbatch through (embed, blocks, head) units on a lane: its slowest kind
+        per phase."""
         best = (0.0, 0.0, 0.0)
         for device in dict.fromkeys(devices):
             costs = [self.layer_cost(device, k, tp, tp_group, rerun) for k in _KINDS]
@@ -164,7 +167,8 @@ class Primitives:
         return got
 
     def link(self, a: Gpu, b: Gpu, nbytes: float, ring_size: int, concurrent: int) -> tuple[float, float]:
-        """Mirrors CostModel._link: (bytes/s of one stream, latency), the measured fit memoised per pair kind."""
+        """Mirrors CostModel._link: (bytes/s of one stream, latency); the measured fit memoised per pair
+        kind."""
         same_host = a.host == b.host
         key = (a.group, b.group, same_host, ring_size, concurrent)
         if key not in self._fits:

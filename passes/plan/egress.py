@@ -16,7 +16,7 @@ from hetc.passes.plan.costs import Primitives
 from hetc.passes.plan.views import PlanView
 
 if TYPE_CHECKING:
-    from hetc.passes.plan.evaluate import StageCosts
+    from hetc.passes.plan.stagecosts import StageCosts
 
 __all__ = ["egress_per_step", "has_egress"]
 

@@ -6,12 +6,23 @@ from the plan-wide setting, which is the most common one among the stages.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from dataclasses import replace
 
 from hetc.passes.plan.candidate import Candidate, GpuBlock, Offload
 
-from hetc.spec import AUTO, LayerRange, ParallelSpec, RankSlice, Routing, RoutingKind, Spec, StageSpec, ZeroSpec
+from hetc.spec import (
+    AUTO,
+    LayerRange,
+    ParallelSpec,
+    RankSlice,
+    Routing,
+    RoutingKind,
+    Spec,
+    StageSpec,
+    ZeroSpec,
+)
 from hetc.topology import Topology
 
 __all__ = ["emit_parallel", "emit_spec", "rank_slice"]
@@ -39,8 +50,10 @@ def _routing(counts: tuple[int, ...]) -> Routing:
     return Routing(kind=RoutingKind.COUNTS, counts=counts)
 
 
-def emit_parallel(spec: Spec, c: Candidate, topo: Topology, zero_base: ZeroSpec | None = None) -> ParallelSpec:
-    """The explicit parallel block of `c`; the spec's objective, fixed ZeRO hierarchy and written stages are kept."""
+def emit_parallel(spec: Spec, c: Candidate, topo: Topology,
+                  zero_base: ZeroSpec | None = None) -> ParallelSpec:
+    """The explicit parallel block of `c`; the spec's objective, fixed ZeRO hierarchy and written stages
+    are kept."""
     par, model = spec.parallel, spec.model
     base = zero_base or ZeroSpec()
     levels = Counter(k.zero for k in c.knobs)
@@ -53,15 +66,14 @@ def emit_parallel(spec: Spec, c: Candidate, topo: Topology, zero_base: ZeroSpec 
     written = par.stages if par.stages is not AUTO else [None] * len(c.stages)
     stages = []
     for i, (st, ranges, knobs, counts, old) in enumerate(zip(c.stages, c.ranges, c.knobs, c.counts, written)):
-        contiguous = all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
-        if contiguous:
-            layers = (LayerRange(first=model.layer_name(ranges[0][0]), last=model.layer_name(ranges[-1][1] - 1)),)
-        else:
-            layers = tuple(LayerRange(first=model.layer_name(a), last=model.layer_name(b - 1)) for a, b in ranges)
-        fields = dict(layers=layers, ranks=tuple(rank_slice(b, topo) for b in st.blocks), lanes=st.num_lanes,
-                      tp=st.tp, cp=1, ministages=knobs.ministages, microbatches=_routing(counts),
-                      zero=None if knobs.zero == zero_level else replace(base, level=knobs.zero),
-                      offload=None if knobs.offload == common_off else knobs.offload.to_spec())
+        contiguous = all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+        pieces = [(ranges[0][0], ranges[-1][1])] if contiguous else ranges
+        layers = tuple(LayerRange(first=model.layer_name(a), last=model.layer_name(b - 1)) for a, b in pieces)
+        fields = {"layers": layers, "ranks": tuple(rank_slice(b, topo) for b in st.blocks),
+                  "lanes": st.num_lanes, "tp": st.tp, "cp": 1, "ministages": knobs.ministages,
+                  "microbatches": _routing(counts),
+                  "zero": None if knobs.zero == zero_level else replace(base, level=knobs.zero),
+                  "offload": None if knobs.offload == common_off else knobs.offload.to_spec()}
         if old is None:
             stages.append(StageSpec(name=f"s{i}", **fields))
         else:
@@ -85,5 +97,7 @@ def _filled(old: StageSpec, fields: dict, knobs) -> StageSpec:
 
 
 def emit_spec(spec: Spec, c: Candidate, topo: Topology, zero_base: ZeroSpec | None = None) -> Spec:
-    train = spec.train if spec.train.micro_batch == c.micro_batch else replace(spec.train, micro_batch=c.micro_batch)
+    train = spec.train
+    if train.micro_batch != c.micro_batch:
+        train = replace(train, micro_batch=c.micro_batch)
     return replace(spec, parallel=emit_parallel(spec, c, topo, zero_base), train=train)

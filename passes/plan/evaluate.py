@@ -13,20 +13,17 @@ estimate on plans of every schedule, ZeRO level and offload.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
 from hetc.passes.cost import RankMemory
-from hetc.passes.cost.memory import GRAD_BUCKET_PARAMS, in_flight, shard_factors
 from hetc.passes.cost.schedule import LaneTiming, Unit, UnitLane, pipeline_time, sequential_time
-from hetc.passes.cost.shapes import LayerKind
 from hetc.passes.plan.costs import Primitives
 from hetc.passes.plan.egress import egress_per_step
-from hetc.passes.plan.views import PlanView, StageView
+from hetc.passes.plan.stagecosts import StageCosts, unit_lane_times
+from hetc.passes.plan.views import PlanView
 
-from hetc.spec import ScheduleKind, ZeroShard
-from hetc.topology import Gpu
+from hetc.spec import ScheduleKind
 
-__all__ = ["Score", "StageCosts", "evaluate", "unit_lane_times"]
+__all__ = ["Score", "evaluate"]
 
 
 @dataclass(frozen=True)
@@ -57,188 +54,8 @@ class Score:
     @property
     def dollars_per_hour(self) -> float:
         """GPU rent plus egress at this step rate."""
-        return self.price_per_hour + (self.egress_per_step * 3600 / self.step_time_s if self.step_time_s else 0.0)
-
-
-class StageCosts:
-    """Per-stage quantities of the cost model, for one stage of a plan view."""
-
-    def __init__(self, prims: Primitives, plan: PlanView, stage: StageView):
-        self.p, self.plan, self.s = prims, plan, stage
-        self.last_ms = len(plan.ministages) - 1
-        self._statics: dict[int | None, tuple[float, float, float, float, float]] = {}
-
-    # ------------------------------------------------------------ layers
-
-    @cached_property
-    def layer_counts(self) -> tuple[int, int, int]:
-        """(embed, blocks, head) units this stage owns."""
-        head = self.p.model.layers + 1
-        idx = [i for ms in self.s.ministages for i in range(*self.plan.ministages[ms][:2])]
-        return (idx.count(0), sum(1 for i in idx if 0 < i < head), idx.count(head))
-
-    def ministage_units(self, ms: int) -> tuple[int, int, int]:
-        first, stop, _ = self.plan.ministages[ms]
-        head = self.p.model.layers + 1
-        return (int(first == 0), len(range(max(first, 1), min(stop, head))), int(stop > head))
-
-    def _sum(self, units: tuple[int, int, int], per_kind) -> float:
-        return sum(n * per_kind(kind) for n, kind in zip(units, _KINDS) if n)
-
-    def numel(self, units: tuple[int, int, int] | None = None) -> float:
-        return self._sum(units or self.layer_counts, lambda k: self.p.params(k, self.s.tp))
-
-    def boundary_bytes(self, ms: int) -> float:
-        return 0.0 if ms == self.last_ms else self.p.boundary
-
-    @cached_property
-    def ms_numel(self) -> list[float]:
-        return [self.numel(self.ministage_units(ms)) for ms in self.s.ministages]
-
-    def compute(self, lane: int, units: tuple[int, int, int] | None = None) -> tuple[float, float, float]:
-        """(F, I, W) seconds of one microbatch through `units` (default: the stage) on a lane."""
-        gpus = self.s.lanes[lane]
-        return self.p.lane_compute(tuple(g.device.name for g in gpus), self.s.tp, tuple(g.id for g in gpus),
-                                   self.s.knobs.offload.activations, units or self.layer_counts)
-
-    # ------------------------------------------------------------ communication
-
-    def border(self, lane: int, other: int, ms: int) -> float:
-        peer = self.plan.peer_gpu(self.s.index, lane, other)
-        share = self.boundary_bytes(ms) / self.s.tp
-        return self.p.p2p(self.s.lanes[lane][0], peer, share, self.s.concurrent(lane))
-
-    def p2p(self, lane: int) -> float:
-        total = 0.0
-        for ms in self.s.ministages:
-            for nb, border in ((ms - 1, ms - 1), (ms + 1, ms)):
-                if 0 <= nb <= self.last_ms and self.plan.stage_of_ministage(nb) != self.s.index:
-                    total += self.border(lane, self.plan.stage_of_ministage(nb), border)
-        return total
-
-    @cached_property
-    def lane_classes(self) -> dict[tuple, list[int]]:
-        return _lane_classes(self)
-
-    def shard(self, lane: int):
-        return shard_factors(self.s.zero, len(self.s.ring), self.s.node_share(lane))
-
-    def zero_ring(self, lane: int) -> tuple[int, ...]:
-        return self.s.res.node_ring(lane) if self.s.zero.shard is ZeroShard.NODE else self.s.ring
-
-    def overlapped(self, lane: int) -> float:
-        level, off = int(self.s.zero.level), self.s.knobs.offload
-        if self.plan.schedule is ScheduleKind.ZORSE or (level < 2 and not off.params):
-            return 0.0
-        nbytes = self.numel() * self.p.delta
-        k, ring = self.s.concurrent(lane), self.zero_ring(lane)
-        total = self.p.ring("reduce_scatter", ring, nbytes, k) if level >= 2 else 0.0
-        if level >= 3:
-            total += 2 * self.p.ring("all_gather", ring, nbytes, k)
-        if off.params:
-            total += 2 * self.p.copy(self.s.lanes[lane][0], nbytes * self.shard(lane).params)
-        return total
-
-    def sync(self, lane: int, per_ministage: bool = False) -> float:
-        level = int(self.s.zero.level)
-        nbytes = self.numel() * self.p.delta
-        k = self.s.concurrent(lane)
-        if self.s.zero.shard is ZeroShard.NODE:
-            node = self.s.res.node_ring(lane)
-            inner = self.p.ring("reduce_scatter", node, nbytes, k) + self.p.ring("all_gather", node, nbytes, k)
-            return inner + self.p.ring("all_reduce", self.s.res.across_ring(lane), nbytes / max(len(node), 1), k)
-        ring = self.s.ring
-        if level <= 1:
-            return self.p.ring("all_reduce", ring, nbytes, k)
-        gather = self.p.ring("all_gather", ring, nbytes, k) if level == 2 else 0.0
-        if per_ministage:
-            return self.p.ring("reduce_scatter", ring, nbytes, k) + gather
-        # the last microbatch's reduce-scatter overlaps its backward bucket by bucket: the last bucket shows
-        last_bucket = min(nbytes, GRAD_BUCKET_PARAMS * self.p.delta)
-        return self.p.ring("reduce_scatter", ring, last_bucket, k) + gather
-
-    def optimizer(self, lane: int) -> float:
-        numel = self.numel() * self.shard(lane).optimizer
-        gpu = self.s.lanes[lane][0]
-        on_host = self.s.knobs.offload.optimizer
-        t = self.p.optimizer(gpu, numel, on_host)
-        if on_host:
-            t += self.p.copy(gpu, numel * (self.p.states.grads + self.p.states.params))
-        return t
-
-    # ------------------------------------------------------------ memory
-
-    def memory(self, lane: int, gpu: Gpu, count: int) -> RankMemory:
-        """Mirrors estimate._memory for a rank of `lane` serving `count` microbatches."""
-        params, grads, optimizer, buffers, host = self._static(self.s.node_share(lane))
-        acts, acts_host = self._activations(count)
-        return RankMemory(gpu.id, str(gpu), gpu.device.name, self.s.index, params, grads, optimizer, acts,
-                          buffers, self.p.context(gpu), gpu.device.memory, host + acts_host)
-
-    def fits(self, lane: int, count: int) -> bool:
-        """Whether every rank of `lane` fits serving `count` microbatches."""
-        params, grads, optimizer, buffers, _ = self._static(self.s.node_share(lane))
-        acts = self._activations(count)[0]
-        return all(params + grads + optimizer + acts + buffers + self.p.context(g) <= g.device.memory
-                   for g in self.s.lanes[lane])
-
-    def headroom(self, lane: int, count: int) -> float:
-        """Bytes left on the fullest rank of `lane` serving `count` microbatches."""
-        params, grads, optimizer, buffers, _ = self._static(self.s.node_share(lane))
-        used = params + grads + optimizer + self._activations(count)[0] + buffers
-        return min(g.device.memory - used - self.p.context(g) for g in self.s.lanes[lane])
-
-    def activations_per_count(self) -> float:
-        """Activation bytes each further microbatch adds when that is linear in the count (GPipe, Zorse), else 0."""
-        schedule = self.plan.schedule
-        if schedule is ScheduleKind.GPIPE or (schedule is ScheduleKind.ZORSE and not self.s.knobs.offload.activations):
-            return sum(self._per_mb_activations)
-        return 0.0
-
-    def _static(self, node_share: int | None) -> tuple[float, float, float, float, float]:
-        """(params, grads, optimizer, buffers, host) bytes on a rank: all but activations and reserve."""
-        got = self._statics.get(node_share)
-        if got is not None:
-            return got
-        st, p, off = self.s, self.p, self.s.knobs.offload
-        shard = shard_factors(st.zero, len(st.ring), node_share)
-        params_each = [n * p.states.params for n in self.ms_numel]
-        params, largest = sum(params_each), max(params_each)
-        prefetch = self.plan.prefetch
-        resident = min(params, (1 + prefetch) * largest) if off.params else params
-        grads_sharded = sum(n * p.states.grads for n in self.ms_numel) * shard.grads
-        grads = grads_sharded
-        if self.plan.schedule is ScheduleKind.ZORSE:
-            grads = max(n * p.states.grads for n in self.ms_numel)
-        optimizer = sum(n * p.states.optimizer for n in self.ms_numel) * shard.optimizer
-        gather = (1 + prefetch) * largest if int(st.zero.level) >= 3 else 0.0
-        p2p = 2 * max((self.boundary_bytes(ms) for ms in st.ministages), default=0.0)
-        bucket = min(grads_sharded, GRAD_BUCKET_PARAMS * p.states.grads) if len(st.lanes) > 1 else 0.0
-        host = (params * shard.params if off.params else 0.0) + (optimizer if off.optimizer else 0.0)
-        got = self._statics[node_share] = (resident * shard.params, grads, 0.0 if off.optimizer else optimizer,
-                                           p2p + bucket + gather, host)
-        return got
-
-    @cached_property
-    def _per_mb_activations(self) -> list[float]:
-        return [self._sum(self.ministage_units(ms), lambda k: self.p.activations(k, self.s.tp))
-                for ms in self.s.ministages]
-
-    def _activations(self, count: int) -> tuple[float, float]:
-        st = self.s
-        per_mb = self._per_mb_activations
-        schedule = self.plan.schedule
-        if schedule is not ScheduleKind.ZORSE:
-            return in_flight(schedule, st.index, self.plan.num_stages, count, len(st.ministages)) * sum(per_mb), 0.0
-        if not st.knobs.offload.activations:
-            return count * sum(per_mb), 0.0
-        # every rank of a tp group holds the whole boundary activation (no sequence parallelism)
-        boundary = sum(self.boundary_bytes(ms - 1) for ms in st.ministages if ms > 0)
-        buffers = (1 + self.plan.prefetch) * max(self.boundary_bytes(ms) for ms in st.ministages)
-        return max(per_mb) + buffers, count * boundary
-
-
-_KINDS = (LayerKind.EMBED, LayerKind.BLOCK, LayerKind.HEAD)
+        egress = self.egress_per_step * 3600 / self.step_time_s if self.step_time_s else 0.0
+        return self.price_per_hour + egress
 
 
 def evaluate(prims: Primitives, plan: PlanView) -> Score:
@@ -259,34 +76,13 @@ def evaluate(prims: Primitives, plan: PlanView) -> Score:
                  egress_per_step(prims, plan, costs))
 
 
-def _lane_classes(sc: StageCosts) -> dict[tuple, list[int]]:
-    """Lanes the cost model times alike: the stage's lane class, microbatch count and border peers' groups."""
-    out: dict[tuple, list[int]] = {}
-    plan, st = sc.plan, sc.s
-    neighbours = sorted({plan.stage_of_ministage(nb) for ms in st.ministages for nb in (ms - 1, ms + 1)
-                         if 0 <= nb <= sc.last_ms and plan.stage_of_ministage(nb) != st.index})
-    hosts = st.res.lane_hosts
-    peer_keys = [_peer_keys(plan, st.index, o, hosts) for o in neighbours]
-    for c, lanes in enumerate(st.res.classes):
-        for lane in lanes:
-            key = (c, st.counts[lane], *(keys[lane] for keys in peer_keys))
-            out.setdefault(key, []).append(lane)
-    return out
-
-
-def _peer_keys(plan, stage: int, other: int, hosts: list) -> list[tuple[str, bool]]:
-    """Per lane of `stage`: its peer's node group in stage `other`, and whether they share a host."""
-    theirs = plan.stages[other].lanes
-    peers = [theirs[lane][0] for lane in plan.peer_lanes(stage, other)]
-    return [(p.group, p.host == h) for p, h in zip(peers, hosts)]
-
-
 def _lane_timings(sc: StageCosts) -> list[LaneTiming]:
     out = []
     for lanes in sc.lane_classes.values():
         lane = lanes[0]
         f, i, w = sc.compute(lane)
-        out.append(LaneTiming(sc.s.index, lane, sc.s.counts[lane], f, i, w, sc.p2p(lane), sc.overlapped(lane)))
+        out.append(LaneTiming(sc.s.index, lane, sc.s.counts[lane], f, i, w, sc.p2p(lane),
+                              sc.overlapped(lane)))
     return out
 
 
@@ -326,25 +122,10 @@ def _zorse_units(costs: list[StageCosts]) -> list[Unit]:
         if sc.s.knobs.offload.params:
             fetch += sc.p.copy(sc.s.lanes[0][0], numel * sc.p.delta * sc.shard(0).params)
         ratio = numel / max(sc.numel(), 1.0)
-        units.append(Unit(s, unit_lanes, fetch, sc.sync(0, per_ministage=True) * ratio, sc.optimizer(0) * ratio,
+        units.append(Unit(s, unit_lanes, fetch, sc.sync(0, per_ministage=True) * ratio,
+                          sc.optimizer(0) * ratio,
                           sc.s.knobs.offload.optimizer))
     return units
-
-
-def unit_lane_times(sc: StageCosts, lane: int, ms: int) -> tuple[float, float, float, float]:
-    """(forward, backward, p2p out, p2p back) of one microbatch through ministage `ms` on `lane`."""
-    plan = sc.plan
-    f, i, w = sc.compute(lane, sc.ministage_units(ms))
-    b = i + w
-    if sc.s.knobs.offload.activations:  # the copy runs beside the compute (whose backward reruns it)
-        copy = sc.p.copy(sc.s.lanes[lane][0], sc.boundary_bytes(ms))
-        f, b = max(f, copy), max(b, copy)
-    out = back = 0.0
-    if ms < sc.last_ms and plan.stage_of_ministage(ms + 1) != sc.s.index:
-        out = sc.border(lane, plan.stage_of_ministage(ms + 1), ms)
-    if ms > 0 and plan.stage_of_ministage(ms - 1) != sc.s.index:
-        back = sc.border(lane, plan.stage_of_ministage(ms - 1), ms - 1)
-    return f, b, out, back
 
 
 def _memory(costs: list[StageCosts]) -> tuple[tuple[RankMemory, ...], tuple[tuple[int, ...], ...]]:

@@ -15,11 +15,11 @@ Three reasons, checked in this order:
 
 from __future__ import annotations
 
-from hetc.costreport import human_bytes
 from hetc.passes.plan.candidate import Knobs, Offload, StageGpus
 from hetc.passes.plan.layouts import split_group
 from hetc.passes.plan.tables import stage_costs
 
+from hetc.costreport import human_bytes
 from hetc.errors import Diagnostic, SpecError
 from hetc.spec import ScheduleKind
 
@@ -96,9 +96,10 @@ def _overflow(score) -> float:
 def _closest(search, closest) -> str:
     if closest is None:
         m = search.prims[min(search.space.micro_batches)].num_microbatches
-        return (f"no plan places {m} microbatches (global_batch {search.spec.train.global_batch}) in memory on "
-                "this cluster: every stage layout the planner tried overflows some GPU even at one microbatch "
-                "per lane; add GPUs, or leave ZeRO and offload to the planner where the spec fixes them")
+        return (f"no plan places {m} microbatches (global_batch {search.spec.train.global_batch}) in "
+                "memory on this cluster: every stage layout the planner tried overflows some GPU even at one "
+                "microbatch per lane; add GPUs, or leave ZeRO and offload to the planner where the spec "
+                "fixes them")
     c, score = closest
     mem = max(score.memory, key=lambda r: r.total / r.capacity)
     first, stop = c.ranges[mem.stage][0][0], c.ranges[mem.stage][-1][1]

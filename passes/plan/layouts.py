@@ -27,7 +27,7 @@ from hetc.passes.plan.partition import Domains
 from hetc.spec import DType
 from hetc.topology import Topology
 
-__all__ = ["Layout", "MAX_PERMUTED", "gpu_run", "group_speed", "layouts", "split_group", "stage_counts"]
+__all__ = ["MAX_PERMUTED", "Layout", "gpu_run", "group_speed", "layouts", "split_group", "stage_counts"]
 
 Layout = tuple[StageGpus, ...]
 MAX_PERMUTED = 2
@@ -133,7 +133,7 @@ def layouts(topo: Topology, partitions: list[Domains], max_stages: int, dtype: D
 
 
 def stage_counts(least: int, most: int) -> list[int]:
-    """Pipeline depths tried: every depth up to 6, then about a third apart (8, 10, 12, 16, 20, 24, 32, ...)."""
+    """Pipeline depths tried: every depth up to 6, then about a third apart (8, 10, 12, 16, 20, ...)."""
     depths, d = [], 1
     while d <= most:
         depths.append(d)

@@ -37,8 +37,9 @@ def planned_text(loaded: LoadedSpec, planned: Spec | None, out: Path | None = No
 def _replaced(loaded: LoadedSpec, items: list, planned: Spec, note: str) -> list:
     where = next((i for i, item in enumerate(items) if _is_block(item, "parallel")), None)
     if where is None:
-        raise SpecError([Diagnostic(loaded.spec.parallel.span, f"the plan is written in "
-                                    f"{loaded.spec.parallel.span.file}, not in {loaded.path}: plan that file")])
+        where = loaded.spec.parallel.span
+        raise SpecError([Diagnostic(where, f"the plan is written in {where.file}, not in {loaded.path}: "
+                                    "plan that file")])
     (block,) = spec_to_items(Spec(parallel=planned.parallel))
     if note:
         block = replace(block, items=(ast.Comment(f"# {note}", False, NO_SPAN), *block.items))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-__all__ = ["spread", "bottleneck"]
+__all__ = ["bottleneck", "spread"]
 
 _REL = 1e-12   # float slack when comparing c·cycle with T
 
@@ -56,7 +56,7 @@ def _bound(m: int, classes: Sequence[tuple[int, float, int]], equal: bool) -> tu
     if sum(n * cap for n, _, cap in classes) < m:
         return None
     if len(classes) == 1:
-        (n, cycle, cap), = classes
+        (n, cycle, _), = classes
         c = -(-m // n)
         return c * cycle, [c]
 

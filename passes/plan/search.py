@@ -22,26 +22,17 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Callable
 
 from hetc.passes.cost import Profiles
-from hetc.passes.plan.assign import Assignment, assign_cpsat, assign_fast, model_objective
-from hetc.passes.cost.intra_lane import tp_degrees
-from hetc.passes.plan.candidate import Candidate, Knobs, StageGpus
-from hetc.passes.plan.costs import Primitives
-from hetc.passes.plan.evaluate import Score, evaluate
+from hetc.passes.plan.assign import Assignment, assign_cpsat, model_objective
 from hetc.passes.plan.improve import improve
-from hetc.passes.plan.layouts import Layout, group_speed, layouts
 from hetc.passes.plan.objective import Goal
-from hetc.passes.plan.partition import bandwidth_domains
-from hetc.passes.plan.routing import spread
-from hetc.passes.plan.space import SearchSpace, knob_options
-from hetc.passes.plan.tables import Option, StageTable, stage_table
-from hetc.passes.plan.views import Resolver, view_of
-from hetc.passes.plan.stages import written_counts
+from hetc.passes.plan.space import SearchSpace
+from hetc.passes.plan.structures import Found, SearchLimits, Structure, Structures, base_knobs
+from hetc.passes.plan.tables import StageTable
 
-from hetc.spec import Objective, ScheduleKind, Spec
+from hetc.spec import ScheduleKind, Spec
 from hetc.topology import Topology
 
 __all__ = ["Found", "Search", "SearchLimits", "Structure"]
@@ -49,227 +40,14 @@ __all__ = ["Found", "Search", "SearchLimits", "Structure"]
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class SearchLimits:
-    """How wide each step looks. Large clusters cost more per plan scored, so they look narrower."""
+class Search(Structures):
+    """The coarse-to-fine search over structures (module docstring)."""
 
-    exhaustive: int = 200     # at most this many structures: configure every one, skip steps 1 to 3
-    quick_layouts: int = 48   # more layouts than this: a quick look keeps this many for step 1
-    layouts: int = 12         # layouts kept after step 1
-    structures: int = 10      # structures kept after step 2
-    refine: int = 3           # best configured structures refined by CP-SAT and local search
-    local_evaluations: int = 80   # exact scores per local search
-    exact_screen: bool = True     # rank steps 1 and 2 by exact scores (else by the assignment model)
-    window: int = 4           # layer counts tried on each side of a stage's share, at first (half when coarse)
-    cpsat_work: float = 0.5     # CP-SAT's deterministic time per model
-
-    @classmethod
-    def for_cluster(cls, num_gpus: int, units: int) -> SearchLimits:
-        if num_gpus <= SMALL_CLUSTER and units <= SMALL_MODEL:
-            return cls()
-        return cls(exhaustive=0, quick_layouts=16, layouts=4, structures=6, refine=3, local_evaluations=12,
-                   exact_screen=False, window=2, cpsat_work=0.25)
-
-
-# Beyond either, exact scores cost more than the assignment model's: rank by the model, score the best.
-SMALL_CLUSTER = 32   # GPUs
-SMALL_MODEL = 48     # layer units
-
-
-@dataclass(frozen=True)
-class Structure:
-    idle: tuple[str, ...]
-    layout: Layout
-    schedule: ScheduleKind
-    micro_batch: int
-    interleave: int = 0
-
-
-@dataclass(frozen=True)
-class Found:
-    candidate: Candidate
-    score: Score
-    structure: Structure
-
-
-class Search:
     def __init__(self, spec: Spec, topo: Topology, profiles: Profiles | None, space: SearchSpace, goal: Goal,
                  limits: SearchLimits | None = None):
-        self.spec, self.topo, self.space, self.goal = spec, topo, space, goal
-        self.limits = limits or SearchLimits.for_cluster(topo.num_gpus, spec.model.num_model_layers)
-        self.resolve = Resolver(topo)
-        self.prims = {b: Primitives(spec, topo, profiles, b) for b in space.micro_batches}
-        self.units = spec.model.num_model_layers
+        super().__init__(spec, topo, profiles, space, goal, limits)
         self.visited = 0
-        self._options: dict[tuple, Option | None] = {}
         self._assigned: dict[Structure, tuple[Assignment, list[StageTable]]] = {}
-
-    # ------------------------------------------------------------ structures
-
-    def layouts(self) -> Iterator[tuple[tuple[str, ...], Layout]]:
-        rules = self.space.stages
-        for idle in self.space.idle_sets:
-            if rules is not None and rules[0].gpus is not None:
-                yield idle, tuple(r.gpus for r in rules)
-                continue
-            used = [g for g in self.topo.groups if g not in idle]
-            if used:
-                max_stages = min(self.space.max_stages, self.units)
-                for layout in layouts(self.topo, bandwidth_domains(self.topo, used), max_stages,
-                                      self.spec.model.dtype):
-                    if rules is None or len(layout) == len(rules):
-                        yield idle, layout
-
-    def rule(self, s: int):
-        return None if self.space.stages is None else self.space.stages[s]
-
-    def variants(self, idle: tuple[str, ...], layout: Layout, schedules, micro_batches,
-                 tps: tuple[int, ...] = (1,)) -> Iterator[Structure]:
-        for tp in tps:
-            shaped = self._with_tp(layout, tp)
-            if shaped is None:
-                continue
-            for b in micro_batches:
-                if max(st.num_lanes for st in shaped) > self.prims[b].num_microbatches:
-                    continue
-                for schedule in schedules:
-                    for v in (self.space.interleave if schedule is ScheduleKind.INTERLEAVED else (0,)):
-                        if not v or len(shaped) * v <= self.units:
-                            yield Structure(idle, shaped, schedule, b, v)
-
-    def _with_tp(self, layout: Layout, tp: int) -> Layout | None:
-        """The layout with lanes of `tp` GPUs, if every TP group fits in one node and splits the heads."""
-        tps = [self.rule(s).tp if self.rule(s) is not None and self.rule(s).tp else tp for s in range(len(layout))]
-        if all(st.tp == t for st, t in zip(layout, tps)):
-            return layout
-        for st, t in zip(layout, tps):
-            if any(b.gpu_start % t or (b.gpu_stop - b.gpu_start) % t for b in st.blocks):
-                return None
-            lane = self.resolve(StageGpus(st.blocks, 1)).gpus[:t]
-            if t not in tp_degrees(self.spec.model, self.topo, lane):
-                return None
-        return tuple(StageGpus(st.blocks, t) for st, t in zip(layout, tps))
-
-    # ------------------------------------------------------------ tables
-
-    def _limits(self, st: Structure) -> list[int]:
-        """The most layer units each stage may own (the others need one each; middle stages no embed/head)."""
-        n = len(st.layout)
-        most = self.units - (n - 1)
-        return [most if s in (0, n - 1) else min(most, self.units - 2) for s in range(n)]
-
-    def _fixed_layers(self, s: int) -> int | None:
-        rule = self.rule(s)
-        return None if rule is None else rule.layers
-
-    def _speeds(self, st: Structure) -> list[float]:
-        dtype = self.spec.model.dtype
-        return [sum(group_speed(self.topo, b.group, dtype) * b.size /
-                    (self.topo.groups[b.group].count * self.topo.groups[b.group].gpus) for b in stage.blocks)
-                for stage in st.layout]
-
-    def _centres(self, st: Structure) -> list[int]:
-        """Each stage's share of the units by its GPUs' speed."""
-        speeds = self._speeds(st)
-        return [max(1, round(self.units * v / sum(speeds))) for v in speeds]
-
-    def _table(self, st: Structure, s: int, layers: range, knobs: list[Knobs],
-               fallback: Knobs | None = None) -> StageTable:
-        """Stage s's options for these layer counts; `fallback` only where none of `knobs` fits in memory."""
-        res = self.resolve(st.layout[s])
-        table = StageTable(s, res)
-        n_stages = len(st.layout)
-        neighbours = {o % n_stages: self.resolve(st.layout[o % n_stages]).lanes[0][0]
-                      for o in (s - 1, s + 1) if n_stages > 1}
-        m = self.prims[st.micro_batch].num_microbatches
-        for n in layers:
-            got = [self._option(st, s, n, k, res, neighbours) for k in knobs]
-            if fallback is not None and not any(o is not None and all(c.cap >= m for c in o.classes) for o in got):
-                got.append(self._option(st, s, n, fallback, res, neighbours))
-            table.options += [o for o in got if o is not None]
-        return table
-
-    def _option(self, st: Structure, s: int, n: int, knobs: Knobs, res, neighbours) -> Option | None:
-        # what the option depends on: this stage, its place, its neighbours' first GPUs (the border peers)
-        peers = tuple(sorted((o, g.group, g.host) for o, g in neighbours.items()))
-        key = (st.layout[s], s, len(st.layout), peers, st.schedule, st.micro_batch, st.interleave, n, knobs)
-        if key not in self._options:
-            options = stage_table(self.prims[st.micro_batch], res, s, len(st.layout), range(n, n + 1), [knobs],
-                                  st.schedule, neighbours, st.interleave, self.space.prefetch,
-                                  self.space.zero_base).options
-            self._options[key] = options[0] if options else None
-        return self._options[key]
-
-    def knobs(self, st: Structure, s: int, full: bool) -> list[Knobs]:
-        options = knob_options(self.space, st.schedule, st.interleave, len(self.resolve(st.layout[s]).lanes),
-                               self.rule(s))
-        return options if full else base_knobs(options)
-
-    def assign(self, st: Structure, full: bool, around: tuple[int, ...] | None = None
-               ) -> tuple[Assignment, list[StageTable]] | None:
-        """The fast assignment over windows of layer counts; a window the answer presses against grows that way."""
-        limits = self._limits(st)
-        centres = list(around) if around else self._centres(st)
-        knobs = [self.knobs(st, s, full) for s in range(len(st.layout))]
-        fallbacks = [None if full or len(k) < 2 else k[-1] for k in knobs]
-        knobs = [k if full or len(k) < 2 else k[:-1] for k in knobs]
-        m = self.prims[st.micro_batch].num_microbatches
-        width = self.limits.window if full else max(1, self.limits.window // 2)
-        lows = [max(1, min(c, most) - width) for c, most in zip(centres, limits)]
-        highs = [min(most, max(c, 1) + width) for c, most in zip(centres, limits)]
-        for s in range(len(st.layout)):   # written layer ranges stay
-            if self._fixed_layers(s) is not None:
-                lows[s] = highs[s] = limits[s] = self._fixed_layers(s)
-        while True:
-            tables = [self._table(st, s, range(lo, hi + 1), knobs[s], fallbacks[s])
-                      for s, (lo, hi) in enumerate(zip(lows, highs))]
-            a = assign_fast(tables, self.units, m)
-            grown = False
-            for s, most in enumerate(limits):
-                pressed_low = a is None or a.options[s].layers == lows[s]
-                pressed_high = a is None or a.options[s].layers == highs[s]
-                if pressed_low and lows[s] > 1:
-                    lows[s], grown = max(1, lows[s] - width), True
-                if pressed_high and highs[s] < most:
-                    highs[s], grown = min(most, highs[s] + width), True
-            if not grown:
-                return (a, tables) if a is not None else None
-            width *= 2
-
-    # ------------------------------------------------------------ plans
-
-    def candidate(self, st: Structure, a: Assignment) -> Candidate | None:
-        m = self.prims[st.micro_batch].num_microbatches
-        counts = []
-        for o in a.options:
-            per_class = spread(m, o.lane_classes(), o.equal_counts)
-            if per_class is None:
-                return None
-            lane_counts = [0] * sum(len(c.lanes) for c in o.classes)
-            for cls, row in zip(o.classes, per_class):
-                for lane, count in zip(cls.lanes, row):
-                    lane_counts[lane] = count
-            counts.append(self._routed(st, len(counts), m) or tuple(lane_counts))
-        return Candidate(st.layout, tuple(o.layers for o in a.options), tuple(o.knobs for o in a.options),
-                         tuple(counts), st.schedule, st.micro_batch, self.space.prefetch, st.idle)
-
-    def _routed(self, st: Structure, s: int, m: int) -> tuple[int, ...] | None:
-        """A written routing's counts for stage s (None: the planner routes)."""
-        rule = self.rule(s)
-        if rule is None or rule.routing is None:
-            return None
-        lanes = self.resolve(st.layout[s]).lanes
-        return written_counts(rule.routing, [list(lane) for lane in lanes], m, self.spec.model.dtype)
-
-    def score(self, c: Candidate) -> Score:
-        zero = tuple(replace(self.space.zero_base, level=k.zero) for k in c.knobs)
-        return evaluate(self.prims[c.micro_batch], view_of(c, self.resolve, zero))
-
-    def found(self, st: Structure, a: Assignment | None) -> Found | None:
-        c = None if a is None else self.candidate(st, a)
-        return None if c is None else Found(c, self.score(c), st)
-
-    # ------------------------------------------------------------ the run
 
     def run(self, progress: Callable[[str], None] | None = None) -> list[Found]:
         """Plans found, best first."""
@@ -281,7 +59,7 @@ class Search:
 
         pairs = list(self.layouts())
         every = [st for idle, layout in pairs
-                 for st in self.variants(idle, layout, self.space.schedules, self.space.micro_batches, self.space.tp)]
+                 for st in self._every_variant(idle, layout)]
         if len(every) <= self.limits.exhaustive:
             shortlist = every   # few enough to configure every one
         else:
@@ -294,12 +72,11 @@ class Search:
                 tell("quick look")
             every_size = len(pairs) * len(first) * len(self.space.micro_batches) <= self.limits.exhaustive
             sizes = self.space.micro_batches if every_size else smallest
-            ranked = self._screen(st for idle, layout in pairs for st in self.variants(idle, layout, first, sizes))
+            ranked = self._screen(st for idle, layout in pairs
+                                  for st in self.variants(idle, layout, first, sizes))
             tell("layouts")
             best = _top_distinct(ranked, self.limits.layouts, key=lambda st: (st.idle, st.layout))
-            ranked = self._screen(st for idle, layout in best
-                                  for st in self.variants(idle, layout, self.space.schedules, self.space.micro_batches,
-                                                          self.space.tp))
+            ranked = self._screen(st for idle, layout in best for st in self._every_variant(idle, layout))
             tell("schedules")
             if not self.exact_screen:  # the model ranks roughly: score a wider shortlist exactly
                 wide = _top_distinct(ranked, 3 * self.limits.structures, key=lambda st: st)
@@ -324,41 +101,13 @@ class Search:
             options.append(min(placeable, key=lambda o: (o.work + o.fill + o.tail, o.knobs)))
         return (False, model_objective(options) * self._price_factor(st))
 
-    def _speed_split(self, st: Structure) -> list[int]:
-        """The layer units split in proportion to the stages' speed (largest remainder), within their limits."""
-        limits = self._limits(st)
-        fixed = [self._fixed_layers(s) for s in range(len(st.layout))]
-        if any(n is not None for n in fixed):
-            return self._split_around(st, fixed, limits)
-        shares = self._speeds(st)
-        exact = [self.units * v / sum(shares) for v in shares]
-        out = [min(max(1, int(e)), most) for e, most in zip(exact, limits)]
-        order = sorted(range(len(out)), key=lambda i: -(exact[i] - int(exact[i])))
-        while sum(out) != self.units:
-            step = 1 if sum(out) < self.units else -1
-            i = next(i for i in order if 1 <= out[i] + step <= limits[i])
-            out[i] += step
-            order = order[1:] + order[:1]
-        return out
-
-    def _split_around(self, st: Structure, fixed: list[int | None], limits: list[int]) -> list[int]:
-        """Written layer counts kept; the rest of the units spread over the other stages by speed."""
-        free = [s for s, n in enumerate(fixed) if n is None]
-        left = self.units - sum(n for n in fixed if n is not None)
-        speeds = self._speeds(st)
-        out = [n if n is not None else 1 for n in fixed]
-        for _ in range(max(0, left - len(free))):
-            s = max(free, key=lambda i: (speeds[i] / out[i] if out[i] < limits[i] else -1.0, -i))
-            out[s] += 1
-        return out
-
-    def _price_factor(self, st: Structure) -> float:
-        if self.goal.kind is not Objective.COST:
-            return 1.0
-        return sum(g.device.price for stage in st.layout for g in self.resolve(stage).gpus)
+    def _every_variant(self, idle: tuple[str, ...], layout):
+        space = self.space
+        return self.variants(idle, layout, space.schedules, space.micro_batches, space.tp)
 
     def _first_schedules(self) -> tuple[ScheduleKind, ...]:
-        """Step 1's schedules: the space's first plain schedule, and Zorse's if allowed (it fits where others cannot)."""
+        """Step 1's schedules: the space's first plain schedule, and Zorse's if allowed (it fits where
+        others cannot)."""
         plain = [s for s in self.space.schedules if s is not ScheduleKind.ZORSE]
         out = plain[:1] + [s for s in self.space.schedules if s is ScheduleKind.ZORSE]
         return tuple(out)
@@ -419,16 +168,6 @@ class Search:
 
     def rank(self, f: Found) -> tuple:
         return (not self.goal.admits(f.score), not f.score.fits, self.goal.value(f.score), f.candidate.key())
-
-
-def base_knobs(options: list[Knobs]) -> list[Knobs]:
-    """A few configurations for the coarse steps: the lightest, ZeRO's most sharded without offload, the most frugal."""
-    def weight(k: Knobs) -> tuple:
-        return (k.offload.params + k.offload.optimizer + k.offload.activations, k.zero, k.ministages)
-
-    by_weight = sorted(options, key=weight)
-    plain = [k for k in by_weight if k.offload == by_weight[0].offload and k.ministages == by_weight[0].ministages]
-    return list(dict.fromkeys([by_weight[0], plain[-1], by_weight[-1]]))
 
 
 def _to_refine(found: list[Found], k: int) -> list[Structure]:

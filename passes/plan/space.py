@@ -24,8 +24,15 @@ from hetc.passes.plan.stages import StageRule, stage_rules
 from hetc.spec import AUTO, ScheduleKind, Spec, ZeroSpec
 from hetc.topology import Topology
 
-__all__ = ["Fixed", "SearchSpace", "DEFAULT_SCHEDULES", "MAX_IDLE_GROUPS", "knob_options", "space_from_spec",
-           "written"]
+__all__ = [
+    "DEFAULT_SCHEDULES",
+    "MAX_IDLE_GROUPS",
+    "Fixed",
+    "SearchSpace",
+    "knob_options",
+    "space_from_spec",
+    "written",
+]
 
 # 1F1B and GPipe are left out of `schedule = auto`: in the cost model zero-bubble (ZB-H1) runs the same
 # steady state with a bubble shrunk by the weight-gradient work and holds 1F1B's activations, and GPipe
@@ -102,19 +109,20 @@ def space_from_spec(spec: Spec, topo: Topology, **overrides) -> SearchSpace:
         idle=None if free("idle") else tuple(s.group for s in par.idle),
         stages=not designing,
     )
-    out = dict(
-        schedules=DEFAULT_SCHEDULES if fixed.schedule is None else (fixed.schedule,),
-        zero_levels=(0, 1, 2, 3) if fixed.zero is None else (fixed.zero,),
-        offloads=PLAIN_OFFLOADS if fixed.offload is None else (fixed.offload,),
-        zorse_offloads=ZORSE_OFFLOADS if fixed.offload is None else (fixed.offload,),
-        micro_batches=micro_batches,
-        tp=TP_DEGREES if designing or any(r.tp is None for r in rules) else (1,),
-        idle_sets=_idle_sets(spec, topo) if fixed.idle is None else (fixed.idle,),
-        prefetch=1 if par.prefetch is AUTO else par.prefetch,
-        zero_base=par.zero if par.zero.level is not AUTO else ZeroSpec(shard=par.zero.shard, across=par.zero.across),
-        fixed=fixed,
-        stages=rules,
-    )
+    out = {
+        "schedules": DEFAULT_SCHEDULES if fixed.schedule is None else (fixed.schedule,),
+        "zero_levels": (0, 1, 2, 3) if fixed.zero is None else (fixed.zero,),
+        "offloads": PLAIN_OFFLOADS if fixed.offload is None else (fixed.offload,),
+        "zorse_offloads": ZORSE_OFFLOADS if fixed.offload is None else (fixed.offload,),
+        "micro_batches": micro_batches,
+        "tp": TP_DEGREES if designing or any(r.tp is None for r in rules) else (1,),
+        "idle_sets": _idle_sets(spec, topo) if fixed.idle is None else (fixed.idle,),
+        "prefetch": 1 if par.prefetch is AUTO else par.prefetch,
+        "zero_base": par.zero if par.zero.level is not AUTO else ZeroSpec(shard=par.zero.shard,
+                                                                           across=par.zero.across),
+        "fixed": fixed,
+        "stages": rules,
+    }
     out.update(overrides)
     return SearchSpace(**out)
 

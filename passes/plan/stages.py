@@ -42,15 +42,16 @@ def stage_rules(spec: Spec, topo: Topology) -> tuple[StageRule, ...]:
     with_ranks = [r for r in rules if r.gpus is not None]
     if with_ranks and len(with_ranks) != len(rules):
         st = next(s for s, r in zip(spec.parallel.stages, rules) if r.gpus is None)
-        raise SpecError([Diagnostic(st.span, f"stage '{st.name}' leaves its ranks to the planner but other stages "
-                                    "write theirs; write every stage's ranks, or none")])
+        raise SpecError([Diagnostic(st.span, f"stage '{st.name}' leaves its ranks to the planner but other "
+                                    "stages write theirs; write every stage's ranks, or none")])
     return rules
 
 
 def _rule(spec: Spec, topo: Topology, st: StageSpec) -> StageRule:
     if st.cp is not AUTO and st.cp != 1:
         raise SpecError([Diagnostic(st.span_of("cp"), f"stage '{st.name}' fixes cp = {st.cp}; the planner "
-                                    "plans cp = 1: plan without context parallelism, or write the whole stage")])
+                                    "plans cp = 1: plan without context parallelism, or write the whole "
+                                    "stage")])
     tp = None if st.tp is AUTO else st.tp
     gpus = None
     if st.ranks is not AUTO:
@@ -73,8 +74,8 @@ def _layers(spec: Spec, st: StageSpec) -> int | None:
     if st.layers is AUTO:
         return None
     if len(st.layers) != 1:
-        raise SpecError([Diagnostic(st.span_of("layers"), f"stage '{st.name}' lists {len(st.layers)} layer ranges; "
-                                    "the planner keeps written layers only as one range a stage")])
+        raise SpecError([Diagnostic(st.span_of("layers"), f"stage '{st.name}' lists {len(st.layers)} layer "
+                                    "ranges; the planner keeps written layers only as one range a stage")])
     r = st.layers[0]
     return spec.model.layer_index(r.last) - spec.model.layer_index(r.first) + 1
 

@@ -24,14 +24,14 @@ from dataclasses import dataclass, field, replace
 
 from hetc.passes.plan.candidate import Knobs, split_evenly
 from hetc.passes.plan.costs import Primitives
-from hetc.passes.plan.evaluate import StageCosts, unit_lane_times
 from hetc.passes.plan.routing import bottleneck
+from hetc.passes.plan.stagecosts import StageCosts, unit_lane_times
 from hetc.passes.plan.views import ResolvedStage, StageView
 
 from hetc.spec import ScheduleKind, ZeroShard, ZeroSpec
 from hetc.topology import Gpu
 
-__all__ = ["LaneClass", "Option", "StageTable", "StageContext", "stage_costs", "stage_table"]
+__all__ = ["LaneClass", "Option", "StageContext", "StageTable", "stage_costs", "stage_table"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +50,7 @@ class Option:
     tail: float                 # gradient sync + optimizer step after the flush
     drain: float                # backward + p2p of one microbatch (what later stages' tails hide behind)
     equal_counts: bool          # per-microbatch collectives: every lane must serve as many microbatches
-    work: float | None          # the least busiest-lane seconds over all microbatches (None: cannot place them)
+    work: float | None          # least busiest-lane seconds over all microbatches (None: cannot place them)
 
     def lane_classes(self) -> list[tuple[int, float, int]]:
         return [(len(c.lanes), c.cycle, c.cap) for c in self.classes]
@@ -122,7 +122,8 @@ def stage_costs(prims: Primitives, res: ResolvedStage, index: int, num_stages: i
     """The cost model's view of stage `index` owning n layer units under `knobs`, between stand-ins."""
     m = prims.num_microbatches
     nominal = tuple(split_evenly(m, len(res.lanes))) if len(res.lanes) <= m else (1,) * len(res.lanes)
-    ctx, own = _context(prims, index, num_stages, n, knobs.ministages, interleave, neighbours, schedule, prefetch)
+    ctx, own = _context(prims, index, num_stages, n, knobs.ministages, interleave, neighbours, schedule,
+                        prefetch)
     view = StageView(index, res, knobs, replace(zero_base or ZeroSpec(), level=knobs.zero), own, nominal)
     return StageCosts(prims, ctx, view)
 
@@ -135,8 +136,8 @@ def stage_table(prims: Primitives, res: ResolvedStage, index: int, num_stages: i
         for knobs in knob_options:
             if knobs.ministages > n or (interleave and interleave > n):
                 continue
-            sc = stage_costs(prims, res, index, num_stages, n, knobs, schedule, neighbours, interleave, prefetch,
-                             zero_base)
+            sc = stage_costs(prims, res, index, num_stages, n, knobs, schedule, neighbours, interleave,
+                             prefetch, zero_base)
             table.options.append(_option(prims, sc, n, knobs, res.classes, prims.num_microbatches))
     return table
 

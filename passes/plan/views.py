@@ -20,7 +20,7 @@ from hetc.pipeline import route_microbatches
 from hetc.spec import ScheduleKind, ZeroShard, ZeroSpec
 from hetc.topology import Gpu, Topology
 
-__all__ = ["ResolvedStage", "StageView", "PlanView", "Resolver", "view_of"]
+__all__ = ["PlanView", "ResolvedStage", "Resolver", "StageView", "view_of"]
 
 
 class ResolvedStage:
@@ -141,7 +141,8 @@ class PlanView:
         return tuple(g for s in self.stages for g in s.res.gpus)
 
     def peer_gpu(self, stage: int, lane: int, other: int) -> Gpu:
-        """First rank of the lane of `other` serving most of this lane's microbatches (lowest index on ties)."""
+        """First rank of the lane of `other` serving most of this lane's microbatches (lowest index on
+        ties)."""
         return self.stages[other].lanes[self.peer_lanes(stage, other)[lane]][0]
 
     def peer_lanes(self, a: int, b: int) -> tuple[int, ...]:
