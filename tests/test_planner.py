@@ -194,6 +194,12 @@ def test_a_model_that_fits_layer_by_layer_but_not_whole_names_the_fullest_gpu(tm
     assert "A100-40, 40.00 GiB) for layers" in err
 
 
+def test_part_of_a_node_group_cannot_be_left_idle(tmp_path, capsys):
+    spec = _write(tmp_path, SMALL % "  idle = t[1]\n")
+    assert main(["plan", str(spec)]) == 2
+    assert "the planner leaves whole node groups idle: write idle = [t]" in capsys.readouterr().err
+
+
 def test_cost_objective_respects_the_budget(tmp_path, capsys):
     cheap = load_spec(_write(tmp_path, SMALL % "  objective cost {\n    budget = 20 $/h\n  }\n")).spec
     result = plan_spec(cheap)

@@ -21,6 +21,7 @@ from hetc.passes.plan.candidate import Candidate, Knobs, Offload
 from hetc.passes.plan.partition import bandwidth_domains
 from hetc.passes.plan.stages import StageRule, stage_rules
 
+from hetc.errors import Diagnostic, SpecError
 from hetc.spec import AUTO, ScheduleKind, Spec, ZeroSpec
 from hetc.topology import Topology
 
@@ -99,6 +100,7 @@ def space_from_spec(spec: Spec, topo: Topology, **overrides) -> SearchSpace:
     def free(name: str, value=None) -> bool:
         return value is AUTO or (designing and not written(par, name))
 
+    _whole_groups_idle(spec)
     micro_batches = _micro_batches(spec, designing)
     rules = None if designing else stage_rules(spec, topo)
     fixed = Fixed(
@@ -125,6 +127,17 @@ def space_from_spec(spec: Spec, topo: Topology, **overrides) -> SearchSpace:
     }
     out.update(overrides)
     return SearchSpace(**out)
+
+
+def _whole_groups_idle(spec: Spec) -> None:
+    """The planner idles whole node groups, so a written idle slice of part of one cannot be kept."""
+    if spec.parallel.stages is not AUTO:
+        return
+    for r in spec.parallel.idle:
+        bounds = (r.node_start, r.node_stop, r.gpu_start, r.gpu_stop)
+        if not (r.node_is_slice and r.gpu_is_slice and bounds == (None, None, None, None)):
+            raise SpecError([Diagnostic(r.span, f"the planner leaves whole node groups idle: write idle = "
+                                        f"[{r.group}], or leave `idle` out to let it choose")])
 
 
 def _micro_batches(spec: Spec, designing: bool) -> tuple[int, ...]:
