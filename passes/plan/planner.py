@@ -81,8 +81,8 @@ def plan_spec(spec: Spec, profiles: Profiles | None = None, base_dir: Path | Non
     """The explicit plan for `spec` (returned as is, estimated, when it has no `auto`)."""
     checked = check_spec(spec, base_dir)
     goal = Goal.of(spec.parallel.objective)
-    if not needs_plan(spec):
-        return PlanResult(spec, checked, goal, None, _estimate(checked, profiles))
+    if not needs_plan(spec):  # nothing searched: the cost model's estimate at any size
+        return PlanResult(spec, checked, goal, None, _estimate(checked, profiles, always=True))
     start = time.perf_counter()
     topo = checked.topology
     search = Search(spec, topo, profiles, space_from_spec(spec, topo, **space_overrides), goal, limits)
@@ -119,9 +119,9 @@ def _choose(search: Search, found: list[Found], scored: list[Baseline]) -> tuple
     return best, name
 
 
-def _estimate(checked: Checked, profiles: Profiles | None) -> Estimate | None:
+def _estimate(checked: Checked, profiles: Profiles | None, always: bool = False) -> Estimate | None:
     p = checked.pipeline
-    if p is None or p.world_size > FULL_ESTIMATE_RANKS:
+    if p is None or (p.world_size > FULL_ESTIMATE_RANKS and not always):
         return None
     return CostModel(checked.spec, p, checked.topology, profiles).estimate()
 
