@@ -26,10 +26,10 @@ from hetc.passes.cost.shapes import LayerKind, activation_elements, layer_flops,
 
 from hetc.layout import held_fraction
 from hetc.pipeline import Ministage, Pipeline, Stage
-from hetc.spec import DTYPE_BYTES, Checkpointing, CPKind, OffloadTarget, Spec, ZeroShard
+from hetc.spec import DTYPE_BYTES, Checkpointing, CPKind, DeviceSpec, ModelSpec, OffloadTarget, Spec, ZeroShard
 from hetc.topology import Gpu, Topology
 
-__all__ = ["CPU_OPTIMIZER_BYTES_PER_S", "PHASES", "CostModel"]
+__all__ = ["CPU_OPTIMIZER_BYTES_PER_S", "PHASES", "CostModel", "optimizer_seconds", "ring_pair_kinds"]
 
 PHASES = ("F", "B", "I", "W")
 # Host-side Adam (DeepSpeed's CPUAdam) streams the states through the CPU's memory.
@@ -52,6 +52,7 @@ class CostModel:
         self._routes: dict[int, dict[int, int]] = {}
         self._collectives: dict[tuple, float] = {}
         self._compute_times: dict[tuple[int, int, str], float] = {}
+        self._fits: dict[tuple, object] = {}
 
     # ------------------------------------------------------------ structure
 
@@ -223,21 +224,14 @@ class CostModel:
         return max(0.0, steps * ring - overlap), max(0.0, 2 * steps * ring - 2 * overlap)
 
     def optimizer_time(self, rank: int, numel: float) -> float:
-        """One optimizer step over `numel` parameters: memory-bound (reads and writes every state)."""
-        delta_opt = DTYPE_BYTES[self.model.optimizer.master_dtype]
-        states = self.states.optimizer / delta_opt  # n_opt + master
-        master = self.states.optimizer / delta_opt - self.model.optimizer.num_states
-        moved = numel * (2 * self.delta + 2 * states * delta_opt + (0 if master else self.delta))
-        if self.stage_of(rank).offload.optimizer is not OffloadTarget.NONE:
-            return moved / CPU_OPTIMIZER_BYTES_PER_S
-        device = self.gpu(rank).device
-        return moved / (device.memory_bandwidth or DEFAULT_MEMORY_BANDWIDTH)
+        on_host = self.stage_of(rank).offload.optimizer is not OffloadTarget.NONE
+        return optimizer_seconds(self.model, self.gpu(rank).device, numel, on_host)
 
     def p2p_time(self, src: int, dst: int, nbytes: float, concurrent: int = 1) -> float:
         """Send `nbytes` from `src` to `dst` while `concurrent` such transfers share each node's link."""
         if nbytes <= 0 or src == dst:
             return 0.0
-        rate, latency = self._link(self.gpu(src), self.gpu(dst), nbytes, 2, concurrent)
+        rate, latency = self.link(self.gpu(src), self.gpu(dst), nbytes, 2, concurrent)
         return latency + nbytes / rate
 
     def collective_time(self, kind: str, ranks: Sequence[int], nbytes: float, concurrent: int = 1) -> float:
@@ -254,15 +248,9 @@ class CostModel:
         if steps == 0 or nbytes <= 0:
             return 0.0
         chunk = ring_chunk(nbytes, n)
-        gpus = [self.gpu(r) for r in ranks]
-        per_node: dict[tuple[str, int], int] = {}
-        for g in gpus:
-            per_node[g.host] = per_node.get(g.host, 0) + 1
-        pairs = [(gpus[i], gpus[(i + 1) % n]) for i in range(n)]
-        if kind == "all_to_all" and n <= ALL_PAIRS_LIMIT:
-            pairs = [(a, b) for a in gpus for b in gpus if a.id != b.id]
         worst = max(chunk / rate + latency for rate, latency in
-                    (self._link(a, b, chunk, per_node[a.host], concurrent) for a, b in pairs))
+                    (self.link(a, b, chunk, ring_size, concurrent)
+                     for a, b, ring_size in ring_pair_kinds(kind, tuple(self.gpu(r) for r in ranks))))
         return steps * worst
 
     def copy_time(self, rank: int, nbytes: float) -> float:
@@ -270,20 +258,24 @@ class CostModel:
         rate = self.profiles.copy.get(device.name) or device.host_link
         return nbytes / rate if nbytes > 0 else 0.0
 
-    def _link(self, a: Gpu, b: Gpu, nbytes: float, ring_size: int, concurrent: int) -> tuple[float, float]:
-        """(bytes/s for one stream, latency) between two GPUs for messages of `nbytes`."""
-        net = self.profiles.network
-        if a.host == b.host:
-            fit = net.intra_rate(a.device.name, ring_size)
-            if fit is not None:
-                return fit.rate(nbytes), 0.0
-            link = self.topology.link(a, b)
-            return link.bandwidth, link.latency
-        fit = net.inter_rate(a.zone, a.device.name, b.zone, b.device.name, concurrent)
+    def link(self, a: Gpu, b: Gpu, nbytes: float, ring_size: int, concurrent: int) -> tuple[float, float]:
+        """(bytes/s for one stream, latency) between two GPUs for messages of `nbytes`.
+
+        The measured fit (if any) is looked up once per kind of pair: node
+        groups, same host, ring size on the node, streams sharing the link.
+        """
+        same_host = a.host == b.host
+        key = (a.group, b.group, same_host, ring_size, concurrent)
+        if key not in self._fits:
+            net = self.profiles.network
+            self._fits[key] = net.intra_rate(a.device.name, ring_size) if same_host else \
+                net.inter_rate(a.zone, a.device.name, b.zone, b.device.name, concurrent)
+        fit = self._fits[key]
+        share = 1 if same_host else concurrent
         if fit is not None:
-            return fit.rate(nbytes) / concurrent, 0.0
+            return fit.rate(nbytes) / share, 0.0
         link = self.topology.link(a, b)
-        return link.bandwidth / concurrent, link.latency
+        return link.bandwidth / share, link.latency
 
     # ------------------------------------------------------------ the whole plan
 
@@ -295,6 +287,38 @@ class CostModel:
     def estimate(self):
         from hetc.passes.cost.estimate import build_estimate
         return build_estimate(self)
+
+
+def optimizer_seconds(model: ModelSpec, device: DeviceSpec, numel: float, on_host: bool) -> float:
+    """One optimizer step over `numel` parameters: memory-bound (reads and writes every state)."""
+    delta, delta_opt = DTYPE_BYTES[model.dtype], DTYPE_BYTES[model.optimizer.master_dtype]
+    states = state_bytes_per_param(model).optimizer / delta_opt  # n_opt + master
+    master = states - model.optimizer.num_states
+    moved = numel * (2 * delta + 2 * states * delta_opt + (0 if master else delta))
+    if on_host:
+        return moved / CPU_OPTIMIZER_BYTES_PER_S
+    return moved / (device.memory_bandwidth or DEFAULT_MEMORY_BANDWIDTH)
+
+
+def ring_pair_kinds(kind: str, gpus: tuple[Gpu, ...]) -> list[tuple[Gpu, Gpu, int]]:
+    """One (sender, receiver, GPUs of the ring on the sender's node) per kind of link a ring uses.
+
+    A ring runs as fast as its slowest pair, and pairs of the same node
+    groups, host sharing and per-node count are alike, so one of each is
+    enough (an all-to-all uses every pair; small ones are listed in full).
+    """
+    n = len(gpus)
+    per_node: dict[tuple[str, int], int] = {}
+    for g in gpus:
+        per_node[g.host] = per_node.get(g.host, 0) + 1
+    if kind == "all_to_all" and n <= ALL_PAIRS_LIMIT:
+        pairs = [(a, b) for a in gpus for b in gpus if a.id != b.id]
+    else:
+        pairs = [(gpus[i], gpus[(i + 1) % n]) for i in range(n)]
+    kinds: dict[tuple, tuple[Gpu, Gpu, int]] = {}
+    for a, b in pairs:
+        kinds.setdefault((a.group, b.group, a.host == b.host, per_node[a.host]), (a, b, per_node[a.host]))
+    return list(kinds.values())
 
 
 def _is_cpu(name: str) -> bool:

@@ -14,22 +14,19 @@ node), a point-to-point transfer on the two node groups and whether they
 share a host. `CostModel.collective_time` recomputes every pair's link,
 which at 1024 ranks with measured network fits costs tens of milliseconds.
 
-Adapter note: `ring` mirrors `CostModel.collective_time` and `link`
-mirrors the private `CostModel._link`, whose measured-fit lookup scans the
-whole fit table on every call; a public, cached per-pair link method in
-passes/cost would let both go.
+Links, kinds of ring pairs and optimizer steps come from the cost model
+itself (`CostModel.link`, `ring_pair_kinds`, `optimizer_seconds`); only the
+memo keys differ.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from hetc.passes.cost import CostModel, Profiles
-from hetc.passes.cost.compute import DEFAULT_MEMORY_BANDWIDTH
 from hetc.passes.cost.memory import context_reserve, state_bytes_per_param
-from hetc.passes.cost.model import ALL_PAIRS_LIMIT, CPU_OPTIMIZER_BYTES_PER_S
+from hetc.passes.cost.model import optimizer_seconds, ring_pair_kinds
 from hetc.passes.cost.network import ring_chunk, ring_steps
 from hetc.passes.cost.shapes import LayerKind, activation_elements, layer_flops, params_per_rank
 
@@ -74,7 +71,6 @@ class Primitives:
         self._rings: dict = {}
         self._p2p: dict = {}
         self.egress_prices: dict[tuple[str, str], float] = {}
-        self._fits: dict[tuple, object] = {}
         self.layer_cost = lru_cache(maxsize=None)(self._layer_cost)
         self.lane_compute = lru_cache(maxsize=None)(self._lane_compute)
         self.params = lru_cache(maxsize=None)(self._params)
@@ -126,34 +122,24 @@ class Primitives:
     # ------------------------------------------------------------ links
 
     def ring(self, kind: str, ranks: tuple[int, ...], nbytes: float, concurrent: int = 1) -> float:
-        """`CostModel.collective_time` over GPU ids `ranks`, memoised on the ring's pair kinds."""
+        """`CostModel.collective_time` over GPU ids `ranks`, memoised on the ring's kinds of pair."""
         n = len(ranks)
         steps = ring_steps(kind, n)
         if steps == 0 or nbytes <= 0:
             return 0.0
         chunk = ring_chunk(nbytes, n)
-        key = (kind, n, nbytes, concurrent, self._pair_kinds(kind, ranks))
+        kinds = self._pair_kinds(kind, ranks)
+        key = (kind, n, nbytes, concurrent, tuple((a.group, b.group, a.host == b.host, size) for a, b, size in kinds))
         got = self._rings.get(key)
         if got is None:
             worst = max(chunk / rate + latency for rate, latency in
-                        (self.link(a, b, chunk, ring_size, concurrent)
-                         for a, b, ring_size in self._pair_kinds(kind, ranks).values()))
+                        (self.link(a, b, chunk, size, concurrent) for a, b, size in kinds))
             got = self._rings[key] = steps * worst
         return got
 
     @lru_cache(maxsize=4096)  # noqa: B019 - one Primitives per plan; rings repeat across candidates
-    def _pair_kinds(self, kind: str, ranks: tuple[int, ...]) -> _PairKinds:
-        gpus = [self.topo.gpus[r] for r in ranks]
-        per_node = Counter(g.host for g in gpus)
-        n = len(gpus)
-        if kind == "all_to_all" and n <= ALL_PAIRS_LIMIT:
-            pairs = [(a, b) for a in gpus for b in gpus if a.id != b.id]
-        else:
-            pairs = [(gpus[i], gpus[(i + 1) % n]) for i in range(n)]
-        out: dict = {}
-        for a, b in pairs:
-            out.setdefault((a.group, b.group, a.host == b.host, per_node[a.host]), (a, b, per_node[a.host]))
-        return _PairKinds(out)
+    def _pair_kinds(self, kind: str, ranks: tuple[int, ...]) -> tuple:
+        return tuple(ring_pair_kinds(kind, tuple(self.topo.gpus[r] for r in ranks)))
 
     def p2p(self, src: Gpu, dst: Gpu, nbytes: float, concurrent: int = 1) -> float:
         """`CostModel.p2p_time` between two GPUs, memoised on their node groups."""
@@ -167,45 +153,16 @@ class Primitives:
         return got
 
     def link(self, a: Gpu, b: Gpu, nbytes: float, ring_size: int, concurrent: int) -> tuple[float, float]:
-        """Mirrors CostModel._link: (bytes/s of one stream, latency); the measured fit memoised per pair
-        kind."""
-        same_host = a.host == b.host
-        key = (a.group, b.group, same_host, ring_size, concurrent)
-        if key not in self._fits:
-            net = self.probe.profiles.network
-            self._fits[key] = net.intra_rate(a.device.name, ring_size) if same_host else \
-                net.inter_rate(a.zone, a.device.name, b.zone, b.device.name, concurrent)
-        fit = self._fits[key]
-        if fit is not None:
-            return (fit.rate(nbytes), 0.0) if same_host else (fit.rate(nbytes) / concurrent, 0.0)
-        link = self.topo.link(a, b)
-        return (link.bandwidth, link.latency) if same_host else (link.bandwidth / concurrent, link.latency)
+        return self.probe.link(a, b, nbytes, ring_size, concurrent)
 
     def copy(self, gpu: Gpu, nbytes: float) -> float:
         return self.probe.copy_time(gpu.id, nbytes)
 
     def optimizer(self, gpu: Gpu, numel: float, on_host: bool) -> float:
-        """Mirrors CostModel.optimizer_time: memory-bound, reads and writes every state."""
-        delta_opt = DTYPE_BYTES[self.model.optimizer.master_dtype]
-        states = self.states.optimizer / delta_opt
-        master = states - self.model.optimizer.num_states
-        moved = numel * (2 * self.delta + 2 * states * delta_opt + (0 if master else self.delta))
-        if on_host:
-            return moved / CPU_OPTIMIZER_BYTES_PER_S
-        return moved / (gpu.device.memory_bandwidth or DEFAULT_MEMORY_BANDWIDTH)
+        return optimizer_seconds(self.model, gpu.device, numel, on_host)
 
     def context(self, gpu: Gpu) -> float:
         return context_reserve(gpu.device.memory, is_cpu(gpu.device.name))
-
-
-class _PairKinds(dict):
-    """(group, group, same host, GPUs on the sender's node) -> a representative (a, b, ring size)."""
-
-    def __hash__(self) -> int:  # used inside memo keys: equal rings hash alike
-        return hash(frozenset(self))
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, _PairKinds) and self.keys() == other.keys()
 
 
 _KINDS = (LayerKind.EMBED, LayerKind.BLOCK, LayerKind.HEAD)
