@@ -18,7 +18,7 @@ from hetc.passes.cost.schedule import LaneTiming, Unit, UnitLane, pipeline_time,
 from hetc.pipeline import Lane, Stage
 from hetc.spec import OffloadTarget, ScheduleKind, ZeroShard
 
-__all__ = ["PlanTime", "border_time", "lane_timings", "plan_time", "sync_time", "zorse_units"]
+__all__ = ["PlanTime", "border_time", "lane_timings", "plan_time", "step_end_time", "sync_time", "zorse_units"]
 
 
 @dataclass(frozen=True)
@@ -34,14 +34,29 @@ class PlanTime:
 def plan_time(cm) -> PlanTime:
     lanes = lane_timings(cm)
     p = cm.pipeline
+    end = step_end_time(cm.spec.train.grad_clip > 0,
+                        lambda nbytes: cm.collective_time("all_reduce", tuple(range(p.world_size)), nbytes))
     if p.schedule is ScheduleKind.ZORSE:
         total = sequential_time(zorse_units(cm), p.num_microbatches)
         busy = max(t.work for t in lanes)
-        return PlanTime(total, total, max(0.0, total - busy), 0.0, tuple(lanes), None)
+        return PlanTime(total + end, total, max(0.0, total - busy), end, tuple(lanes), None)
     chunks = max(len(s.ministages) for s in p.stages)
     pipe = pipeline_time(p.schedule, lanes, chunks)
-    tail = _tail(cm, lanes)
+    tail = _tail(cm, lanes) + end
     return PlanTime(pipe.total + tail, pipe.total, pipe.bubble, tail, tuple(lanes), pipe.bottleneck)
+
+
+# what the all-reduces of the step's loss and squared gradient norm carry (one float64 each)
+SCALAR_BYTES = 8.0
+
+
+def step_end_time(clips: bool, all_reduce) -> float:
+    """The step's last collectives over every rank: the loss report, and the norm when clipping.
+
+    They are latency-bound (8 bytes), so on slow links or many ranks they
+    show; `all_reduce(nbytes)` times one over the whole world.
+    """
+    return all_reduce(SCALAR_BYTES) * (2 if clips else 1)
 
 
 def lane_timings(cm) -> list[LaneTiming]:

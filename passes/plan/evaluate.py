@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetc.passes.cost import RankMemory
+from hetc.passes.cost.plan_time import step_end_time
 from hetc.passes.cost.schedule import LaneTiming, Unit, UnitLane, pipeline_time, sequential_time
 from hetc.passes.plan.costs import Primitives
 from hetc.passes.plan.egress import egress_per_step
@@ -61,14 +62,16 @@ class Score:
 def evaluate(prims: Primitives, plan: PlanView) -> Score:
     costs = [StageCosts(prims, plan, s) for s in plan.stages]
     lanes = [t for sc in costs for t in _lane_timings(sc)]
+    world = tuple(sorted(g.id for g in plan.gpus))   # the "world" group: ranks in GPU order
+    end = step_end_time(prims.spec.train.grad_clip > 0, lambda nbytes: prims.ring("all_reduce", world, nbytes))
     if plan.schedule is ScheduleKind.ZORSE:
         total = sequential_time(_zorse_units(costs), plan.num_microbatches)
         busy = max(t.work for t in lanes)
-        pipe, bubble, tail = total, max(0.0, total - busy), 0.0
+        pipe, bubble, tail = total, max(0.0, total - busy), end
     else:
         chunks = max(len(s.ministages) for s in plan.stages)
         pt = pipeline_time(plan.schedule, lanes, chunks)
-        pipe, bubble, tail = pt.total, pt.bubble, _tail(costs, lanes)
+        pipe, bubble, tail = pt.total, pt.bubble, _tail(costs, lanes) + end
     memory, classes = _memory(costs)
     tokens = plan.num_microbatches * plan.micro_batch * prims.model.seq
     price = sum(g.device.price for g in plan.gpus)
