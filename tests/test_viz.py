@@ -455,7 +455,7 @@ _PROBE = """<script>
 function probe() {
   if (document.body.dataset.ready !== "1") { setTimeout(probe, 10); return; }
   const canvas = document.getElementById("lanes"), box = canvas.getBoundingClientRect(), span = SPAN_S;
-  const t0 = -0.01 * span, t1 = 1.02 * span;
+  const t0 = 0, t1 = 1.02 * span;   // the initial view (draw.js STATE)
   const x = box.left + LABEL_W + (T_MID - t0) / (t1 - t0) * (canvas.clientWidth - LABEL_W), y = box.top + Y_MID;
   const at = {clientX: x, clientY: y, bubbles: true};
   canvas.dispatchEvent(new MouseEvent("mousemove", at));
