@@ -53,6 +53,7 @@ class Stage:
     sequence_parallel: bool
     zero: ZeroSpec
     offload: OffloadSpec
+    ep: int = 1        # expert parallelism: lanes i·ep..(i+1)·ep−1 share the experts of MoE blocks
 
     @property
     def ranks(self) -> tuple[int, ...]:

@@ -31,7 +31,16 @@ Semantics the runtime and the verifier share (Note [dataflow]):
   names a `tp_group` / `cp_group` runs tensor-parallel all-reduces, Ulysses
   all-to-alls or ring-attention exchanges on those groups, so every compute
   op of it is a collective there: all members run the same ops in the same
-  order.
+  order. An `ep_group` (expert parallelism) joins the same lane position of
+  several lanes, which serve different microbatches: there its members run
+  the same op kinds on the same ministages in the same order (microbatches
+  may differ), each op doing the MoE blocks' all-to-alls.
+- A ministage whose shard line names an `ep_group` keeps its expert
+  parameters in a second flat buffer, replicated over `expert_group` (the
+  lanes at the same EP rank; `-`: none) instead of the ministage's `group`.
+  A collective on `expert_group` (or its `.f`/`.b`) acts on that buffer,
+  one on the other groups on the dense one; `step`, `offload` and
+  `prefetch` act on both.
 - For a ZeRO-3 ministage, `all_gather params` raises a count of holders of
   its full parameters (allocating them at 0 -> 1) and `free params` lowers it
   (releasing them at 1 -> 0), so a gather for the next op may be posted while
@@ -392,7 +401,9 @@ class Shard:
     `act_offload` stashes only the ministage's boundary input on the host and
     recomputes the ministage in backward. `tp_group` / `cp_group` name the
     groups the ministage's compute runs its tensor- and context-parallel
-    collectives on (Note [compute collectives]).
+    collectives on (Note [compute collectives]); `ep_group` the expert-parallel
+    group of its MoE blocks, whose expert parameters are replicated over
+    `expert_group` (None: nowhere else) rather than `group`.
     """
 
     ms: int
@@ -405,15 +416,34 @@ class Shard:
     act_offload: bool = False
     tp_group: str | None = None
     cp_group: str | None = None
+    ep_group: str | None = None
+    expert_group: str | None = None
 
     @property
     def compute_groups(self) -> tuple[str, ...]:
-        return tuple(g for g in (self.tp_group, self.cp_group) if g is not None)
+        return tuple(g for g in (self.tp_group, self.cp_group, self.ep_group) if g is not None)
+
+    @property
+    def experts(self) -> Shard | None:
+        """The shard of the expert parameters' own buffer (a view: `group` is `expert_group`), or None."""
+        if self.ep_group is None:
+            return None
+        return dataclasses.replace(self, group=self.expert_group, outer=None, outer_level=0, ep_group=None,
+                                   expert_group=None)
+
+    def part(self, group: str) -> Shard:
+        """The buffer a collective on `group` acts on: the experts' or the dense parameters' (Note above)."""
+        experts = self.experts
+        base = group[:-2] if group.endswith((".f", ".b")) else group
+        return experts if experts is not None and base == self.expert_group else self
 
     def __str__(self) -> str:
         flags = [name for name, on in (("param_offload", self.param_offload), ("opt_offload", self.opt_offload),
                                        ("act_offload", self.act_offload)) if on]
-        groups = "".join(f" {k}={g}" for k, g in (("tp_group", self.tp_group), ("cp_group", self.cp_group)) if g)
+        groups = "".join(f" {k}={g}" for k, g in (("tp_group", self.tp_group), ("cp_group", self.cp_group),
+                                                   ("ep_group", self.ep_group)) if g)
+        if self.ep_group:
+            groups += f" expert_group={self.expert_group or '-'}"
         return (f"shard ms={self.ms} zero={self.level} group={self.group or '-'} outer={self.outer or '-'} "
                 f"outer_zero={self.outer_level}" + groups + "".join(f" {f}" for f in flags))
 
@@ -429,7 +459,8 @@ def _parse_shard(text: str) -> Shard:
         return Shard(int(kv["ms"]), int(kv["zero"]), None if kv["group"] == "-" else kv["group"],
                      None if kv["outer"] == "-" else kv["outer"], int(kv["outer_zero"]),
                      "param_offload" in flags, "opt_offload" in flags, "act_offload" in flags,
-                     kv.get("tp_group") or None, kv.get("cp_group") or None)
+                     kv.get("tp_group") or None, kv.get("cp_group") or None, kv.get("ep_group") or None,
+                     None if kv.get("expert_group", "-") == "-" else kv["expert_group"])
     except (KeyError, ValueError) as err:
         raise ValueError(f"bad shard line ({err})") from None
 

@@ -473,6 +473,9 @@ class StageSpec(Node):
                            doc="sequence/context parallelism inside a lane (N_part)")
     cp_kind: CPKind = param(CPKind.RING, doc="ulysses (all-to-all) or ring attention")
     sequence_parallel: bool = param(False, doc="Megatron sequence parallelism with tp")
+    ep: int = param(1, lo=1, hi=4096, aliases=("expert_model_parallel_size", "expert_parallel_size", "ep_size"),
+                    doc="expert parallelism: lanes i·ep..(i+1)·ep−1 split the experts of MoE blocks "
+                        "between them (all-to-all dispatch and combine)")
     ministages: int | Auto = param(1, lo=1, hi=1 << 16, aliases=("interleave", "virtual_stages"),
                                    doc="split the layers into this many ministages")
     microbatches: Routing | Auto = param(

@@ -8,26 +8,34 @@ from __future__ import annotations
 
 from hetc.spec import Arch, ModelSpec
 
-__all__ = ["layer_params", "model_params", "block_params", "stage_params"]
+__all__ = ["layer_params", "model_params", "block_params", "expert_params", "stage_params"]
+
+
+def _mlp_params(m: ModelSpec) -> int:
+    """One dense feed-forward network (one expert of an MoE)."""
+    h, f = m.hidden, m.ffn
+    return 3 * h * f if m.arch is Arch.LLAMA else 2 * h * f + f + h
+
+
+def expert_params(m: ModelSpec) -> int:
+    """The experts of one block (all of them; 0 without MoE): what expert parallelism splits."""
+    return 0 if m.moe is None else _mlp_params(m) * m.moe.experts
 
 
 def block_params(m: ModelSpec) -> int:
     """One transformer block."""
-    h, f = m.hidden, m.ffn
+    h = m.hidden
     head_dim = h // m.heads
     q = h * m.heads * head_dim
     kv = 2 * h * m.num_kv_heads * head_dim
     out = m.heads * head_dim * h
     if m.arch is Arch.LLAMA:
         attn = q + kv + out
-        mlp = 3 * h * f
         norms = 2 * h
     else:  # GPT: biases on every projection, LayerNorm with bias
         attn = q + kv + out + m.heads * head_dim + 2 * m.num_kv_heads * head_dim + h
-        mlp = 2 * h * f + f + h
         norms = 4 * h
-    if m.moe is not None:
-        mlp = mlp * m.moe.experts + h * m.moe.experts  # experts + router
+    mlp = _mlp_params(m) if m.moe is None else expert_params(m) + h * m.moe.experts  # experts + router
     return attn + mlp + norms
 
 

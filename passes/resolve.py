@@ -246,7 +246,7 @@ def _stage(idx: int, st: StageSpec, ranks: list[int], ministages: list[Ministage
     own = tuple(m.index for m in ministages if m.stage == idx)
     par = spec.parallel
     return Stage(idx, st.name, own, lane_objs, st.tp, st.cp, st.cp_kind, st.sequence_parallel,
-                 st.zero or par.zero, st.offload or par.offload)
+                 st.zero or par.zero, st.offload or par.offload, st.ep)
 
 
 def _lane_counts(st: StageSpec, lane_gpus: list[list[Gpu]], num_mb: int, spec: Spec,

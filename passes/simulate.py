@@ -88,20 +88,32 @@ class _Sim:
 
     def _opt_numel(self, rank: int, ms: int) -> float:
         shard = self.shards[rank][ms]
-        if shard.group is None or shard.level == 0:
-            return self.costs.numel(ms, rank)
-        parts = len(self.members[shard.group])
-        if shard.outer is not None and shard.outer_level == 1:
-            parts *= len(self.members[shard.outer])
-        return self.costs.numel(ms, rank) / parts
+        return sum(self._part_share(rank, shard, part) * self.costs.numel(ms, rank) / self._opt_parts(part)
+                   for part in (shard, shard.experts) if part is not None)
+
+    def _opt_parts(self, part) -> int:
+        if part.group is None or part.level == 0:
+            return 1
+        parts = len(self.members[part.group])
+        if part.outer is not None and part.outer_level == 1:
+            parts *= len(self.members[part.outer])
+        return parts
+
+    def _part_share(self, rank: int, shard, part) -> float:
+        """The share of a ministage's parameters in buffer `part` (its expert or dense ones, or all)."""
+        if shard.experts is None:
+            return 1.0
+        experts = self.costs.expert_fraction(shard.ms, rank)
+        return experts if part is not shard else 1.0 - experts
 
     def _collective_bytes(self, rank: int, instr) -> float:
         if isinstance(instr, AllReduce) and instr.what in (Tensor.LOSS, Tensor.NORM):
             return 8.0
         if isinstance(instr, AllToAll):
             return self.costs.boundary_bytes(instr.ms)
-        full = self.costs.param_bytes(instr.ms, rank)
-        shard = self.shards[rank][instr.ms]
+        whole = self.shards[rank][instr.ms]
+        shard = whole.part(instr.group)
+        full = self.costs.param_bytes(instr.ms, rank) * self._part_share(rank, whole, shard)
         if instr.group == shard.outer:
             return full / len(self.members[shard.group])
         return full
@@ -156,16 +168,22 @@ class _Sim:
         return shard is not None and bool(shard.compute_groups)
 
     def _post_lockstep(self, op: _Op) -> None:
-        """A compute op with tp/cp collectives: every rank of the lane together, the slowest one's time."""
-        lane = self.pipeline.lane_of_rank[op.rank].ranks
-        calls = self._call(f"compute:{lane}", op)
-        if len(calls) < len(lane):
+        """A compute op with tp/cp/ep collectives: every rank of the lanes its groups join together (one
+        lane; an EP group's lanes), the slowest one's time."""
+        ranks = self._lockstep_ranks(op.rank, op.instr.ms)
+        calls = self._call(f"compute:{ranks}", op)
+        if len(calls) < len(ranks):
             return
         start = max(o.post for o in calls)
         end = start + max(self._compute(o.rank, o.instr) for o in calls)
         for o in calls:
             o.end = end
             self._event(o.rank, o.index, start, end)
+
+    def _lockstep_ranks(self, rank: int, ms: int) -> tuple[int, ...]:
+        groups = self.shards[rank][ms].compute_groups
+        lanes = {self.pipeline.lane_of_rank[m] for g in groups for m in self.members[g]}
+        return tuple(sorted(r for lane in lanes for r in lane.ranks))
 
     def _call(self, key: str, op: _Op) -> list[_Op]:
         """Count `op` as its rank's next call on `key`; the posts of that call so far."""

@@ -168,6 +168,8 @@ def _check_parallel(spec: Spec, errors) -> None:
                                      f"in stage '{st.name}'"))
         elif st.tp is not AUTO and st.cp is not AUTO:
             _check_layout(m, st, errors)
+        if st.ep != 1:
+            _check_experts(m, st, st.zero or par.zero, errors)
         _check_grad_accum(spec, st, errors)
 
 
@@ -184,12 +186,30 @@ def _check_layout(m, st, errors) -> None:
                                  f"'{st.name}' has no block layout for its borders"))
     if st.tp > 1 and m.moe is not None:
         errors.append(Diagnostic(st.span_of("tp"), f"stage '{st.name}' splits MoE blocks over tp ({st.tp}), which "
-                                 "hetc does not implement (nor expert parallelism yet); use tp = 1 with cp or "
-                                 "lanes"))
+                                 "hetc does not implement; use tp = 1 with cp, lanes or ep (expert parallelism)"))
     if st.cp > 1 and st.cp_kind is CPKind.ULYSSES and m.heads % st.tp == 0 and (m.heads // st.tp) % st.cp:
         errors.append(Diagnostic(st.span_of("cp"), f"Ulysses spreads the {m.heads // st.tp} query heads of each "
                                  f"tp rank over cp ({st.cp}) ranks in stage '{st.name}'; use ring attention "
                                  "or a cp that divides them"))
+
+
+def _check_experts(m, st, zero, errors) -> None:
+    """Expert parallelism groups ep lanes of the stage; each holds experts / ep of every MoE block."""
+    where = st.span_of("ep")
+    if m.moe is None:
+        errors.append(Diagnostic(where, f"stage '{st.name}' sets ep ({st.ep}), but the model has no experts; "
+                                 "add a moe block to the model or leave ep at 1"))
+        return
+    if m.moe.experts % st.ep:
+        errors.append(Diagnostic(where, f"the model's {m.moe.experts} experts do not split over ep ({st.ep}) in "
+                                 f"stage '{st.name}'"))
+    if st.lanes is not AUTO and st.lanes % st.ep:
+        errors.append(Diagnostic(where, f"stage '{st.name}' has {st.lanes} lanes, which do not form groups of ep "
+                                 f"({st.ep}): expert-parallel groups are made of whole lanes"))
+    if zero.level is not AUTO and zero.level >= 3 or zero.shard is ZeroShard.NODE and zero.level != 0:
+        what = "ZeRO-3" if zero.level is not AUTO and zero.level >= 3 else "hierarchical ZeRO (shard = node)"
+        errors.append(Diagnostic(where, f"{what} with expert parallelism is not implemented (stage "
+                                 f"'{st.name}'); use ZeRO ≤ 2 over all lanes"))
 
 
 def _check_zero(z, errors) -> None:

@@ -23,10 +23,16 @@ the number of microbatches (Note [Loss normalisation] in reference.py).
 Under tensor parallelism the module holds one tp rank's slices (`infos`);
 parameters every tp rank holds whole (norms, embedding, head) are counted
 in the gradient norm and written to checkpoints by tp rank 0 only.
+
+Under expert parallelism a ministage's expert parameters live in a buffer
+of their own, `experts` (sharded over the shard line's `expert_group`,
+hetc/program.py), and the ministage's buffer holds the rest; `parts` lists
+both for whatever acts on all of a ministage's state.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -52,11 +58,14 @@ class GroupPos:
 
 class MinistageBuffers:
     def __init__(self, module: Ministage, shard: Shard, inner: GroupPos, outer: GroupPos,
-                 optimizer: OptimizerSpec, dtype: torch.dtype, device: torch.device):
+                 optimizer: OptimizerSpec, dtype: torch.dtype, device: torch.device,
+                 names: Collection[str] | None = None):
+        """`names`: the parameters of `module` this buffer holds (default all)."""
         self.module, self.shard, self.inner, self.outer = module, shard, inner, outer
         self.level = shard.level if shard.group is not None else 0
         across = outer.size if shard.outer_level == 1 else 1
-        self.layout = FlatLayout.of(module, inner.size * across)
+        self.layout = FlatLayout.of(module, inner.size * across, names)
+        self.experts: MinistageBuffers | None = None     # the expert parameters' own buffer, if any
         self.device, self.dtype = device, dtype
         full = self.layout.flatten(dict(module.named_parameters()), torch.float32, device)
         self.master = full[self.opt_range].clone()
@@ -80,6 +89,14 @@ class MinistageBuffers:
         if shard.param_offload:     # offloaded parameters start (and end) every step on the host
             self.to_host()
             self.drop_device_copy()
+
+    def parts(self) -> tuple[MinistageBuffers, ...]:
+        """This buffer and, under expert parallelism, the experts' buffer."""
+        return (self,) if self.experts is None else (self, self.experts)
+
+    def part(self, group: str) -> MinistageBuffers:
+        """The buffer a collective on `group` acts on (Shard.part)."""
+        return self.experts if self.experts is not None and self.shard.part(group) != self.shard else self
 
     # ------------------------------------------------------------ ranges
 
@@ -172,6 +189,8 @@ class MinistageBuffers:
         target.copy_(values)
 
     def zero_grads(self) -> None:
+        if self.experts is not None:
+            self.experts.zero_grads()
         self.grad.zero_()
         if self.acc is not None:
             self.acc.zero_()

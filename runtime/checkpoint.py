@@ -107,7 +107,8 @@ def load_checkpoint(rt, directory: Path) -> int:
     except dcp.CheckpointException as err:
         raise CheckpointError(f"cannot load {path}: {_cause(err)}") from None
     for ms, buf in rt.buffers.items():
-        buf.load_params(fulls[ms])
+        for i, part in enumerate(buf.parts()):
+            part.load_params(fulls[(ms, i)])
     log.info("resumed from %s at step %d", path, state[STEP_KEY])
     return int(state[STEP_KEY])
 
@@ -141,7 +142,7 @@ def read_params(path: Path) -> dict[str, Tensor]:
 def _save_state(buffers: dict[int, MinistageBuffers], step: int) -> dict[str, object]:
     """The pieces this rank writes: its `unique_range` of the master and of the optimizer state."""
     state: dict[str, object] = {STEP_KEY: step}
-    for buf in buffers.values():
+    for buf in (part for whole in buffers.values() for part in whole.parts()):
         rng, base = buf.unique_range, buf.opt_range.start
         local = slice(rng.start - base, rng.stop - base)
         named = {"": buf.master, **{f".{n}": t for n, t in buf.opt_state.tensors().items()}}
@@ -154,20 +155,22 @@ def _save_state(buffers: dict[int, MinistageBuffers], step: int) -> dict[str, ob
     return state
 
 
-def _load_state(buffers: dict[int, MinistageBuffers]) -> tuple[dict[str, object], dict[int, Tensor]]:
-    """What this rank reads: whole parameters (into fresh fp32 flat buffers) and its optimizer-state slices."""
+def _load_state(buffers: dict[int, MinistageBuffers]) -> tuple[dict[str, object], dict[tuple, Tensor]]:
+    """What this rank reads: whole parameters (into fresh fp32 flat buffers, by (ms, part)) and its
+    optimizer-state slices."""
     state: dict[str, object] = {STEP_KEY: 0}
     fulls = {}
-    for ms, buf in buffers.items():
-        full = torch.zeros(buf.layout.padded_numel, dtype=torch.float32, device=buf.master.device)
-        fulls[ms] = full
-        for e in buf.layout.entries:
-            view = full[e.offset:e.offset + e.numel]
-            state[f"{MODEL_PREFIX}{e.name}"] = view if buf.tp_size == 1 else \
-                param_pieces(buf.infos[e.name], e.shape, 0, view)
-        for n, tensor in buf.opt_state.tensors().items():
-            for name, pieces in layout_pieces(buf.layout, buf.opt_range, tensor, buf.infos).items():
-                state[f"{OPTIM_PREFIX}{name}.{n}"] = pieces
+    for ms, whole in buffers.items():
+        for i, buf in enumerate(whole.parts()):
+            fulls[(ms, i)] = full = torch.zeros(buf.layout.padded_numel, dtype=torch.float32,
+                                                device=buf.master.device)
+            for e in buf.layout.entries:
+                view = full[e.offset:e.offset + e.numel]
+                state[f"{MODEL_PREFIX}{e.name}"] = view if buf.tp_size == 1 else \
+                    param_pieces(buf.infos[e.name], e.shape, 0, view)
+            for n, tensor in buf.opt_state.tensors().items():
+                for name, pieces in layout_pieces(buf.layout, buf.opt_range, tensor, buf.infos).items():
+                    state[f"{OPTIM_PREFIX}{name}.{n}"] = pieces
     return state, fulls
 
 

@@ -1,6 +1,7 @@
 """Flat parameter buffers: the unit ZeRO shards, gathers and steps.
 
-One flat buffer per ministage. Parameters are laid out in `named_parameters`
+One flat buffer per ministage (two under expert parallelism: its dense
+and its expert parameters, each laid out alone). Parameters are laid out in `named_parameters`
 order (fixed by the model code, independent of the plan), then padded to a
 multiple of the shard-group size so every shard is the same contiguous
 slice `[i * shard_numel, (i + 1) * shard_numel)`. The module's parameters
@@ -13,6 +14,7 @@ Padding is zero in parameters and gradients; AdamW and SGD keep it zero.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -41,11 +43,14 @@ class FlatLayout:
     num_shards: int
 
     @classmethod
-    def of(cls, module: nn.Module, num_shards: int = 1) -> FlatLayout:
-        """The layout of `module`'s parameters (shared ones once, under their first name)."""
+    def of(cls, module: nn.Module, num_shards: int = 1, names: Collection[str] | None = None) -> FlatLayout:
+        """The layout of `module`'s parameters (shared ones once, under their first name); with `names`,
+        of those parameters only (a ministage whose expert parameters have a buffer of their own)."""
         assert num_shards >= 1
         entries, offset = [], 0
         for name, p in module.named_parameters():
+            if names is not None and name not in names:
+                continue
             entries.append(FlatEntry(name, tuple(p.shape), offset, p.numel()))
             offset += p.numel()
         padded = -(-offset // num_shards) * num_shards
@@ -94,21 +99,22 @@ def _params_by_name(module: nn.Module) -> dict[str, nn.Parameter]:
 
 
 def bind_params(module: nn.Module, layout: FlatLayout, flat: Tensor) -> None:
-    """Make every parameter of `module` a view into `flat` (values are not copied)."""
-    views = layout.views(flat)
-    for name, p in _params_by_name(module).items():
-        p.data = views[name]
+    """Make every parameter of `layout` a view into `flat` (values are not copied)."""
+    params = _params_by_name(module)
+    for name, view in layout.views(flat).items():
+        params[name].data = view
 
 
 def bind_grads(module: nn.Module, layout: FlatLayout, flat_grad: Tensor) -> None:
-    """Make every `.grad` a view into `flat_grad`; backward then accumulates into it in place.
+    """Make the `.grad` of every parameter of `layout` a view into `flat_grad`; backward then accumulates
+    into it in place.
 
     Never call `module.zero_grad()` afterwards (it sets grads to None and
     unbinds them): zero `flat_grad` instead.
     """
-    views = layout.views(flat_grad)
-    for name, p in _params_by_name(module).items():
-        p.grad = views[name]
+    params = _params_by_name(module)
+    for name, view in layout.views(flat_grad).items():
+        params[name].grad = view
 
 
 class FlatParams:

@@ -259,7 +259,7 @@ class Interpreter:
     # ------------------------------------------------------------ collectives
 
     def _all_gather(self, instr: AllGather) -> None:
-        buf = self._buffers(instr.ms)
+        buf = self._buffers(instr.ms).part(instr.group)
         group = self.comm.group(instr.group)
         if instr.group == buf.shard.outer:
             target = buf.param_shard if buf.level == 3 else buf.compute[buf.inner_range]
@@ -283,7 +283,7 @@ class Interpreter:
             buf.release()
 
     def _reduce_scatter(self, instr: ReduceScatter) -> None:
-        buf = self._buffers(instr.ms)
+        buf = self._buffers(instr.ms).part(instr.group)
         group = self.comm.group(instr.group)
         if instr.group == buf.shard.outer:
             self._post(instr, self.comm.reduce_scatter(buf.opt_grad, buf.acc, group))
@@ -302,7 +302,7 @@ class Interpreter:
         elif instr.what is Kind.NORM:
             self._reduce_norm(instr, group)
         else:
-            buf = self._buffers(instr.ms)
+            buf = self._buffers(instr.ms).part(instr.group)
             target = buf.acc if instr.group == buf.shard.outer else buf.grad
             self._post(instr, self.comm.all_reduce(target, group))
 
@@ -313,7 +313,7 @@ class Interpreter:
                    lambda: setattr(self, "loss_total", float(total.item())))
 
     def _reduce_norm(self, instr: AllReduce, group) -> None:
-        local = sum(float(grad_sq_sum(buf.unique_grad())) for buf in self.buffers.values())
+        local = sum(float(grad_sq_sum(part.unique_grad())) for buf in self.buffers.values() for part in buf.parts())
         total = torch.tensor([local], dtype=torch.float64, device=self.device)
 
         def done() -> None:
@@ -328,20 +328,21 @@ class Interpreter:
     # ------------------------------------------------------------ optimizer
 
     def _step(self, instr: Step) -> None:
-        buf = self._buffers(instr.ms)
-        grad = buf.step_grad()
-        if self.clip != 1.0:
-            grad = grad * self.clip
-        optimizer_step(self.spec.model.optimizer, buf.master, grad, buf.opt_state,
-                       lr=lr_at(self.spec.train, self.step_idx), step=self.step_idx)
-        buf.publish()
+        for buf in self._buffers(instr.ms).parts():
+            grad = buf.step_grad()
+            if self.clip != 1.0:
+                grad = grad * self.clip
+            optimizer_step(self.spec.model.optimizer, buf.master, grad, buf.opt_state,
+                           lr=lr_at(self.spec.train, self.step_idx), step=self.step_idx)
+            buf.publish()
 
     # ------------------------------------------------------------ host offload
 
     def _offload(self, instr: Offload) -> None:
         if instr.what is Kind.PARAMS:
-            buf = self._buffers(instr.ms)
-            self._post(instr, *self.comm.copy(buf.to_host, buf.drop_device_copy))
+            parts = self._buffers(instr.ms).parts()
+            self._post(instr, *self.comm.copy(lambda: [p.to_host() for p in parts],
+                                              lambda: [p.drop_device_copy() for p in parts]))
             return
         key = (instr.ms, instr.mb)
         x = self.inputs[key]
@@ -357,8 +358,8 @@ class Interpreter:
 
     def _prefetch(self, instr: Prefetch) -> None:
         if instr.what is Kind.PARAMS:
-            buf = self._buffers(instr.ms)
-            self._post(instr, *self.comm.copy(buf.to_device, None))
+            parts = self._buffers(instr.ms).parts()
+            self._post(instr, *self.comm.copy(lambda: [p.to_device() for p in parts], None))
             return
         key = (instr.ms, instr.mb)
         host = self.on_host.pop(key, None)

@@ -1,12 +1,13 @@
-"""A rank's place inside its lane: its TP shard, its TP/CP collectives, its tokens.
+"""A rank's place inside its lane: its TP shard, its TP/CP/EP collectives, its tokens.
 
 A lane of tp × cp ranks serves one microbatch together (hetc/pipeline.py);
 `LanePlace` is what one of them needs to run its ministages: which slice of
 the weights it holds (`TPShard`), the groups its compute talks over, and the
 tokens it holds at the borders (hetc/layout.py). `place_ministage` wires a
 built ministage for it: the TP comm (runtime/tensor_parallel.py), the
-attention core (Ulysses or ring attention for cp > 1) and the token layout
-(positions for RoPE and learned embeddings, the loss's share of the mean).
+attention core (Ulysses or ring attention for cp > 1), the token layout
+(positions for RoPE and learned embeddings, the loss's share of the mean)
+and the MoE blocks' expert exchange and routing (runtime/moe.py).
 `Arrivals` assembles the boundary tensors that arrive in pieces.
 """
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from hetc.runtime.attention import Attention
 from hetc.runtime.model import Ministage, TokenLayout
+from hetc.runtime.moe import ALL_EXPERTS, ExpertExchange, ExpertShard, MoE, SequenceRouting
 from hetc.runtime.ring_attention import RingAttention
 from hetc.runtime.tensor_parallel import GroupTP
 from hetc.runtime.tp import NO_SHARD, TPShard, set_tp_comm
@@ -33,8 +35,9 @@ __all__ = ["LanePlace", "place_ministage", "take_tokens", "Arrivals"]
 class LanePlace:
     """Lane position `pos` (cp_rank · tp + tp_rank) of a lane with `layout`, for sequences of `seq`.
 
-    tp_group / cp_group are process groups (None when that size is 1);
-    cp_ranks the global ranks of the cp group in cp order (ring neighbours).
+    tp_group / cp_group / ep_group are process groups (None when that size
+    is 1); cp_ranks the global ranks of the cp group in cp order (ring
+    neighbours); experts the experts of MoE blocks this rank holds.
     """
 
     layout: SeqLayout
@@ -43,6 +46,8 @@ class LanePlace:
     tp_group: object | None = None
     cp_group: object | None = None
     cp_ranks: tuple[int, ...] = ()
+    ep_group: object | None = None
+    experts: ExpertShard = ALL_EXPERTS
 
     @property
     def tp_rank(self) -> int:
@@ -86,6 +91,19 @@ def place_ministage(module: Ministage, place: LanePlace, device: torch.device | 
             return torch.tensor(positions(ranges), dtype=torch.long, device=device)
         module.token_layout = TokenLayout(tensor(place.ranges),
                                           tensor(attention_ranges(layout, place.pos, place.seq)), place.seq)
+    _place_experts(module, place, device)
+
+
+def _place_experts(module: Ministage, place: LanePlace, device: torch.device | str) -> None:
+    """MoE blocks: the EP group's dispatch and combine, and the cp group that shares a microbatch's routing."""
+    routing = None
+    if place.layout.cp > 1:
+        mine = torch.tensor(positions(place.ranges), dtype=torch.long, device=device)
+        routing = SequenceRouting(place.cp_group, mine, place.seq)
+    for sub in module.modules():
+        if isinstance(sub, MoE):
+            sub.exchange = ExpertExchange(place.ep_group, place.experts.size)
+            sub.routing = routing
 
 
 def take_tokens(x: Tensor, place: LanePlace) -> Tensor:

@@ -10,6 +10,9 @@ checkpoints and plan-invariance tests compare parameters by
 | embed | tok_embeddings | tok_embeddings, pos_embeddings |
 | block | attention_norm, attention.{wq,wk,wv,wo}, ffn_norm, feed_forward.{w1,w2,w3} | ... LayerNorm, feed_forward.{fc1,fc2}, biases |
 | head | norm, output (absent when tied) | norm (LayerNorm), output |
+
+An MoE block's feed_forward is `router` and `experts.{e}.{w1,w2,w3 | fc1,fc2}`
+with e the expert's global index, whichever rank holds it (runtime/moe.py).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from hetc.runtime.attention import Attention, Rope
 from hetc.runtime.mlp import make_mlp
+from hetc.runtime.moe import ALL_EXPERTS, ExpertShard
 from hetc.runtime.tp import NO_SHARD, ParallelLinear, TPAware, TPShard
 from torch import Tensor, nn
 
@@ -76,12 +80,13 @@ class Embedding(TPAware, nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(.))."""
 
-    def __init__(self, model: ModelSpec, shard: TPShard = NO_SHARD, device=None) -> None:
+    def __init__(self, model: ModelSpec, shard: TPShard = NO_SHARD, device=None,
+                 experts: ExpertShard = ALL_EXPERTS) -> None:
         super().__init__()
         self.attention_norm = make_norm(model, device)
         self.attention = Attention(model, shard, device)
         self.ffn_norm = make_norm(model, device)
-        self.feed_forward = make_mlp(model, shard, device)
+        self.feed_forward = make_mlp(model, shard, device, experts)
 
     def forward(self, x: Tensor, rope: Rope | None = None) -> Tensor:
         h = x + self.attention(self.attention_norm(x), rope)

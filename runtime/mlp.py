@@ -2,21 +2,20 @@
 
 The dense MLPs are tensor-parallel regions: the up projections are
 column-parallel, the down projection row-parallel (runtime/tp.py).
-The MoE here computes every expert locally (token-choice top-k with a
-softmax over the chosen logits, no capacity drop); expert parallelism
-(all-to-all dispatch/combine) replaces `MoE.forward`'s expert loop later.
+MoE blocks (runtime/moe.py) route each token to its top-k experts, each a
+dense MLP of the architecture, with a capacity and expert parallelism.
 """
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
+from hetc.runtime.moe import ALL_EXPERTS, ExpertShard, MoE
 from hetc.runtime.tp import NO_SHARD, ParallelLinear, Split, TPRegion, TPShard
 from torch import Tensor, nn
 
 from hetc.spec import Arch, ModelSpec
 
-__all__ = ["SwiGLU", "GeluMLP", "MoE", "make_mlp"]
+__all__ = ["SwiGLU", "GeluMLP", "make_mlp"]
 
 
 class SwiGLU(TPRegion):
@@ -54,32 +53,11 @@ def _dense(model: ModelSpec, shard: TPShard, device) -> nn.Module:
     return cls(model.hidden, model.ffn, shard, device)
 
 
-class MoE(nn.Module):
-    """Top-k routed experts; each token's output is the gate-weighted sum of its experts."""
-
-    def __init__(self, model: ModelSpec, device=None) -> None:
-        super().__init__()
-        assert model.moe is not None
-        self.top_k = model.moe.top_k
-        self.experts = nn.ModuleList(_dense(model, NO_SHARD, device) for _ in range(model.moe.experts))
-        self.router = ParallelLinear(model.hidden, model.moe.experts, bias=False, device=device)
-
-    def forward(self, x: Tensor) -> Tensor:
-        tokens = x.reshape(-1, x.shape[-1])
-        top_logits, top_experts = self.router(tokens).float().topk(self.top_k, dim=-1)
-        gates = torch.softmax(top_logits, dim=-1).to(x.dtype)
-        out = torch.zeros_like(tokens)
-        for e, expert in enumerate(self.experts):
-            rows, slot = (top_experts == e).nonzero(as_tuple=True)
-            if rows.numel():
-                out = out.index_add(0, rows, expert(tokens[rows]) * gates[rows, slot, None])
-        return out.view_as(x)
-
-
-def make_mlp(model: ModelSpec, shard: TPShard = NO_SHARD, device=None) -> nn.Module:
-    """The feed-forward network of one block for `model`'s architecture."""
+def make_mlp(model: ModelSpec, shard: TPShard = NO_SHARD, device=None,
+             experts: ExpertShard = ALL_EXPERTS) -> nn.Module:
+    """The feed-forward network of one block for `model`'s architecture (with `experts` of an MoE's)."""
     if model.moe is None:
         return _dense(model, shard, device)
     if shard.size > 1:
         raise ValueError("tensor parallelism of MoE blocks is not supported (use expert parallelism)")
-    return MoE(model, device)
+    return MoE(model, lambda: _dense(model, NO_SHARD, device), experts, device)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from hetc.runtime.attention import Attention, Rotary
 from hetc.runtime.layers import NORMS, Block, Embedding, Head
+from hetc.runtime.moe import ALL_EXPERTS, ExpertShard
 from hetc.runtime.seeding import generator
 from hetc.runtime.tp import NO_SHARD, ParallelLinear, TPShard, shard_infos
 from torch import Tensor, nn
@@ -61,20 +62,23 @@ def compute_dtype(dtype: DType) -> torch.dtype:
     return _TORCH_DTYPES[dtype]
 
 
-def _construct(model: ModelSpec, idx: int, shard: TPShard) -> nn.Module:
+def _construct(model: ModelSpec, idx: int, shard: TPShard, experts: ExpertShard) -> nn.Module:
     if idx == 0:
         return Embedding(model)
     if idx == model.layers + 1:
         return Head(model)
     assert 0 < idx <= model.layers, f"layer {idx} outside [0, {model.layers + 1}]"
-    return Block(model, shard)
+    return Block(model, shard, experts=experts)
 
 
 def build_layer(model: ModelSpec, idx: int, *, seed: int, shard: TPShard = NO_SHARD,
-                device: torch.device | str = "cpu") -> nn.Module:
-    """Layer `idx` (0 embed, 1..L blocks, L+1 head) in fp32 on `device`, initialised."""
+                device: torch.device | str = "cpu", experts: ExpertShard = ALL_EXPERTS) -> nn.Module:
+    """Layer `idx` (0 embed, 1..L blocks, L+1 head) in fp32 on `device`, initialised.
+
+    `experts`: which experts of an MoE block this rank holds (expert parallelism).
+    """
     with torch.device("meta"):
-        layer = _construct(model, idx, shard)
+        layer = _construct(model, idx, shard, experts)
     assert not list(layer.buffers()), "layers hold no buffers: to_empty would leave them garbage"
     layer.to_empty(device=device)
     init_layer(layer, model, idx, seed)
@@ -131,13 +135,13 @@ class Ministage(nn.Module):
     """
 
     def __init__(self, model: ModelSpec, layers: range, *, seed: int, shard: TPShard = NO_SHARD,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", experts: ExpertShard = ALL_EXPERTS) -> None:
         super().__init__()
         assert layers.step == 1 and len(layers) > 0, f"a ministage is a non-empty run of layers: {layers}"
         self.first_layer, self.stop_layer = layers.start, layers.stop
         self.layer_names = tuple(model.layer_name(i) for i in layers)
         for i, name in zip(layers, self.layer_names):
-            self.add_module(name, build_layer(model, i, seed=seed, shard=shard, device=device))
+            self.add_module(name, build_layer(model, i, seed=seed, shard=shard, device=device, experts=experts))
         has_block = any(isinstance(layer, Block) for layer in self.layers.values())
         self.rotary = Rotary(model.hidden // model.heads, model.rope_theta, device) \
             if model.arch is Arch.LLAMA and has_block else None
@@ -202,11 +206,11 @@ class Ministage(nn.Module):
 
 
 def build_ministage(model: ModelSpec, layers: range, *, seed: int, shard: TPShard = NO_SHARD,
-                    device: torch.device | str = "cpu") -> Ministage:
+                    device: torch.device | str = "cpu", experts: ExpertShard = ALL_EXPERTS) -> Ministage:
     """The module of one ministage: what the interpreter builds for each ministage its rank owns.
 
     Parameters are fp32 and initialised identically under every plan (Note
     [Deterministic initialisation]); wrap them with `hetc.runtime.flat.FlatParams`
     to get the flat master/compute/grad buffers ZeRO works on.
     """
-    return Ministage(model, layers, seed=seed, shard=shard, device=device)
+    return Ministage(model, layers, seed=seed, shard=shard, device=device, experts=experts)

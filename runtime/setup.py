@@ -2,8 +2,8 @@
 
 Everything here follows the program: the ministages this rank owns are the
 ones its `shard` lines name, their sharding is what the lines say (with the
-tp/cp groups their compute talks over), and the groups are the program's
-group table. The rank's place in its lane (runtime/lane.py) decides its
+tp/cp/ep groups their compute talks over, and the experts' own buffer under
+expert parallelism), and the groups are the program's group table. The rank's place in its lane (runtime/lane.py) decides its
 tensor-parallel slice of the weights and the tokens it holds.
 """
 
@@ -21,6 +21,7 @@ from hetc.runtime.data import DataSource
 from hetc.runtime.interpreter import Interpreter
 from hetc.runtime.lane import LanePlace, place_ministage
 from hetc.runtime.model import build_ministage, compute_dtype
+from hetc.runtime.moe import ExpertShard, is_expert_param
 from hetc.spec import Spec
 
 __all__ = ["RankRuntime", "build_rank", "lane_place"]
@@ -46,11 +47,13 @@ def lane_place(spec: Spec, pipeline: Pipeline, program: Program, rank: int,
     stage, lane = pipeline.stage_of_rank[rank], pipeline.lane_of_rank[rank]
     pos = lane.ranks.index(rank)
     shards = program.ranks[rank].shards      # every ministage of a rank names the same tp/cp groups
+    ep = next((sh.ep_group for sh in shards if sh.ep_group), None)    # those with MoE blocks the same ep group
 
     def group(name: str | None):
         return None if name is None or groups is None else groups[name]
     return LanePlace(stage, pos, spec.model.seq, group(shards[0].tp_group if shards else None),
-                     group(shards[0].cp_group if shards else None), lane.ranks[pos % stage.tp::stage.tp])
+                     group(shards[0].cp_group if shards else None), lane.ranks[pos % stage.tp::stage.tp],
+                     group(ep), ExpertShard(lane.index % stage.ep, stage.ep))
 
 
 def build_buffers(spec: Spec, pipeline: Pipeline, program: Program, rank: int, device: torch.device,
@@ -67,10 +70,19 @@ def build_buffers(spec: Spec, pipeline: Pipeline, program: Program, rank: int, d
 def _ministage(spec: Spec, pipeline: Pipeline, program: Program, rank: int, shard: Shard, place: LanePlace,
                dtype: torch.dtype, device: torch.device) -> MinistageBuffers:
     m = pipeline.ministages[shard.ms]
-    module = build_ministage(spec.model, m.layers, seed=spec.train.seed, shard=place.shard, device=device)
+    module = build_ministage(spec.model, m.layers, seed=spec.train.seed, shard=place.shard, device=device,
+                             experts=place.experts)
     place_ministage(module, place, device)
-    return MinistageBuffers(module, shard, _pos(program, shard.group, rank), _pos(program, shard.outer, rank),
-                            spec.model.optimizer, dtype, device)
+    opt = spec.model.optimizer
+    if shard.experts is None:
+        return MinistageBuffers(module, shard, _pos(program, shard.group, rank), _pos(program, shard.outer, rank),
+                                opt, dtype, device)
+    names = [n for n, _ in module.named_parameters()]
+    dense = MinistageBuffers(module, shard, _pos(program, shard.group, rank), _pos(program, shard.outer, rank),
+                             opt, dtype, device, [n for n in names if not is_expert_param(n)])
+    dense.experts = MinistageBuffers(module, shard.experts, _pos(program, shard.expert_group, rank), GroupPos(),
+                                     opt, dtype, device, [n for n in names if is_expert_param(n)])
+    return dense
 
 
 def build_rank(spec: Spec, pipeline: Pipeline, program: Program, rank: int, groups: dict[str, object],

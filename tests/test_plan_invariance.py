@@ -5,23 +5,32 @@ pool of 4 gloo ranks (tests/rank_pool.py); its per-step losses must equal
 the single-process reference trainer's within 1e-5 relative, and its
 parameters after the last step — written by the plan's ranks as a DCP
 checkpoint, each element by exactly one rank, and read back by name — must
-equal the reference's.
+equal the reference's. Plans named moe_* train the MoE demo job
+(moe_job.het: top-2 routing with dropped tokens, gradient clipping), whose
+reference is moe_single's model and data.
 """
 
 from __future__ import annotations
 
 import pytest
 from hetc.runtime.checkpoint import latest_checkpoint
+from hetc.runtime.reference import train_reference
 
+from hetc.plandir import read_plan
 from tests.conftest import REFERENCE_STEPS
 from tests.plans import DEMO_PLANS
 from tests.rank_pool import PlanJob, agreed_losses, assert_losses_close, assert_params_close
+
+MOE = "moe_"   # plans of the MoE demo job
+DENSE_PLANS = sorted(p.stem for p in DEMO_PLANS if not p.stem.startswith(MOE))
+MOE_PLANS = sorted(p.stem for p in DEMO_PLANS if p.stem.startswith(MOE))
 
 # What the issues ask the demo folder to cover (hetero: lanes 1, 2, 1 with microbatches [3, 1]; the
 # block layouts: TP, Ulysses, ring attention, TP x CP in one lane, a TP -> CP border, TP in a hetero pipeline).
 REQUIRED = {"single", "dp", "zero1", "zero2", "zero3", "hsdp", "gpipe", "pp", "interleaved", "zb",
             "zero3_offload", "hetero", "offload_act",
-            "tp2", "ulysses2", "ring2", "tp2_cp2", "tp_to_cp", "hetero_tp"}
+            "tp2", "ulysses2", "ring2", "tp2_cp2", "tp_to_cp", "hetero_tp",
+            "moe_single", "moe_ep2", "moe_ep2_cp2"}
 
 
 def test_demo_folder_has_every_required_plan():
@@ -29,8 +38,23 @@ def test_demo_folder_has_every_required_plan():
     assert REQUIRED <= names, f"missing demo plans: {sorted(REQUIRED - names)}"
 
 
-@pytest.mark.parametrize("plan", sorted(p.stem for p in DEMO_PLANS))
+@pytest.mark.parametrize("plan", DENSE_PLANS)
 def test_plan_matches_reference(plan, rank_pool, demo_plan_dirs, demo_reference, tmp_path):
     reports = rank_pool.run(PlanJob(demo_plan_dirs[plan], REFERENCE_STEPS, save_to=tmp_path))
     assert_losses_close(agreed_losses(reports), demo_reference.losses)
     assert_params_close(latest_checkpoint(tmp_path), demo_reference.params)
+
+
+@pytest.fixture(scope="module")
+def moe_reference(demo_plan_dirs):
+    plan_dir = demo_plan_dirs["moe_single"]
+    _, checked = read_plan(plan_dir)
+    return train_reference(checked.spec.model, checked.spec.train, base_dir=plan_dir, steps=REFERENCE_STEPS)
+
+
+@pytest.mark.parametrize("plan", MOE_PLANS)
+def test_moe_plan_matches_reference(plan, rank_pool, demo_plan_dirs, moe_reference, tmp_path):
+    """Expert parallelism (EP = 2, alone and across cp = 2 lanes) drops, dispatches and clips like one rank."""
+    reports = rank_pool.run(PlanJob(demo_plan_dirs[plan], REFERENCE_STEPS, save_to=tmp_path))
+    assert_losses_close(agreed_losses(reports), moe_reference.losses)
+    assert_params_close(latest_checkpoint(tmp_path), moe_reference.params)

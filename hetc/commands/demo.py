@@ -37,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    plans = sorted(p for p in DEMO_DIR.glob("*.het") if p.name != "job.het")
+    plans = sorted(p for p in DEMO_DIR.glob("*.het") if not p.name.endswith("job.het"))
     spec_path = DEMO_DIR / f"{args.plan}.het"
     if spec_path not in plans:
         raise UsageError(f"no demo plan '{args.plan}'; choose from {', '.join(p.stem for p in plans)}")

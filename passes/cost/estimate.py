@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from hetc.passes.cost import traffic
+from hetc.passes.cost.experts import ep_comm_time, ep_group, expert_group, sharded_numel
 from hetc.passes.cost.memory import context_reserve, in_flight, offloaded
 from hetc.passes.cost.plan_time import PlanTime, border_time, plan_time, sync_time, zorse_units
 from hetc.passes.cost.shapes import LayerKind, layer_flops, layer_kind, model_flops_per_token
@@ -142,10 +143,10 @@ def _memory(cm, rank: int) -> RankMemory:
     params = sum(cm.param_bytes(ms, rank) for ms in mss)
     largest = max(cm.param_bytes(ms, rank) for ms in mss)
     resident = min(params, (1 + cm.pipeline.prefetch) * largest) if off_params else params
-    grads = sum(cm.grad_bytes(ms, rank) for ms in mss) * shard.grads
+    grads = sum(sharded_numel(cm, ms, rank, "grads") for ms in mss) * cm.states.grads
     if cm.pipeline.schedule is ScheduleKind.ZORSE:  # reduced and stepped right after each ministage
         grads = max(cm.grad_bytes(ms, rank) for ms in mss)
-    optimizer = sum(cm.optimizer_bytes(ms, rank) for ms in mss) * shard.optimizer
+    optimizer = sum(sharded_numel(cm, ms, rank, "optimizer") for ms in mss) * cm.states.optimizer
     acts, acts_host = _activations(cm, stage, rank)
     gather = (1 + cm.pipeline.prefetch) * largest if int(stage.zero.level) >= 3 else 0.0
     gpu = cm.gpu(rank)
@@ -186,7 +187,8 @@ def _traffic(cm, timing: PlanTime) -> list[GroupTraffic]:
                      if layer_kind(m, i) == LayerKind.BLOCK)
         replicas = len(cm.zero_group(rank))      # lanes × cp ranks
         if replicas > 1:
-            nbytes = sum(cm.numel(ms, rank) for ms in stage.ministages) * cm.delta
+            dense = (cm.numel(ms, rank) * (1 - cm.expert_fraction(ms, rank)) for ms in stage.ministages)
+            nbytes = sum(dense) * cm.delta
             level = int(stage.zero.level)
             sent = traffic.zero_bytes(level, p.schedule, nbytes, replicas, n_mb)
             if p.schedule is ScheduleKind.ZORSE:  # gathered for the forward and the backward, reduced once
@@ -204,12 +206,34 @@ def _traffic(cm, timing: PlanTime) -> list[GroupTraffic]:
             out.append(GroupTraffic("tp", f"stage {stage.name}: tp {stage.tp}", cm.tp_group(rank),
                                     sent * blocks * n_mb, seconds * blocks * n_mb,
                                     "inside the measured layer times" if measured else ""))
+        if stage.ep > 1 and blocks:
+            out += _expert_traffic(cm, stage, rank, blocks, n_mb)
         if stage.cp > 1 and blocks:
             sent = _cp_bytes(cm, stage)
             f, b = cm.cp_comm_time(rank)
             out.append(GroupTraffic("cp", f"stage {stage.name}: {stage.cp_kind.value} cp {stage.cp}",
                                     cm.cp_group(rank), sent * blocks * n_mb, (f + b) * blocks * n_mb))
     out += _borders(cm, lanes)
+    return out
+
+
+def _expert_traffic(cm, stage: Stage, rank: int, blocks: int, n_mb: int) -> list[GroupTraffic]:
+    """The MoE blocks' dispatch and combine (EP), and the experts' own gradient reduction."""
+    m, b = cm.model, cm.pipeline.micro_batch
+    sent = traffic.ep_bytes(stage.ep, m.moe.top_k, b, m.seq // stage.cp, m.hidden, cm.delta)
+    out = [GroupTraffic("ep", f"stage {stage.name}: ep {stage.ep}", ep_group(cm, rank), sent * blocks * n_mb,
+                        2 * ep_comm_time(cm, rank) * blocks * n_mb)]
+    replicas = expert_group(cm, rank)
+    if len(replicas) > 1:
+        nbytes = sum(cm.numel(ms, rank) * cm.expert_fraction(ms, rank) for ms in stage.ministages) * cm.delta
+        level = int(stage.zero.level)
+        per_mb = level == 2 and cm.pipeline.schedule is not ScheduleKind.ZORSE
+        seconds = cm.collective_time("all_reduce", replicas, nbytes) if level < 2 else \
+            cm.collective_time("reduce_scatter", replicas, nbytes) * (n_mb if per_mb else 1) + \
+            cm.collective_time("all_gather", replicas, nbytes)
+        out.append(GroupTraffic("dp", f"stage {stage.name}: experts' ZeRO-{level} over {len(replicas)} ranks",
+                                replicas, traffic.zero_bytes(level, cm.pipeline.schedule, nbytes, len(replicas),
+                                                             n_mb), seconds))
     return out
 
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from functools import cached_property
 
 from hetc.passes.cost.compute import DEFAULT_MEMORY_BANDWIDTH, ComputeModel
+from hetc.passes.cost.experts import ep_comm_time
 from hetc.passes.cost.memory import (
     GRAD_BUCKET_PARAMS,
     ShardFactors,
@@ -23,6 +24,7 @@ from hetc.passes.cost.memory import (
 from hetc.passes.cost.network import ring_chunk, ring_steps
 from hetc.passes.cost.profiles import Profiles
 from hetc.passes.cost.shapes import LayerKind, activation_elements, layer_flops, layer_kind, params_per_rank
+from hetc.passes.params import expert_params
 
 from hetc.layout import held_fraction
 from hetc.pipeline import Ministage, Pipeline, Stage
@@ -108,9 +110,17 @@ class CostModel:
     # ------------------------------------------------------------ memory (bytes, one rank)
 
     def numel(self, ms: int, rank: int) -> float:
-        """Parameters of ministage `ms` one rank of its TP group holds (before ZeRO sharding)."""
-        tp = self.stage_of(rank).tp
-        return sum(params_per_rank(self.model, i, tp) for i in self.ministage(ms).layers)
+        """Parameters of ministage `ms` one rank of its TP and EP groups holds (before ZeRO sharding)."""
+        stage = self.stage_of(rank)
+        return sum(params_per_rank(self.model, i, stage.tp, stage.ep) for i in self.ministage(ms).layers)
+
+    def expert_fraction(self, ms: int, rank: int) -> float:
+        """The share of `numel` that is expert parameters in their own buffer (expert parallelism), else 0."""
+        stage = self.stage_of(rank)
+        if stage.ep == 1:
+            return 0.0
+        blocks = sum(1 for i in self.ministage(ms).layers if layer_kind(self.model, i) == LayerKind.BLOCK)
+        return blocks * expert_params(self.model) / stage.ep / self.numel(ms, rank)
 
     def param_bytes(self, ms: int, rank: int) -> float:
         return self.numel(ms, rank) * self.states.params
@@ -172,6 +182,7 @@ class CostModel:
         flops = layer_flops(self.model, idx, self.pipeline.micro_batch)
         share_i = flops.input_grad / flops.backward if flops.backward else 0.0
         comm = self.tp_comm_time(rank) if (measured.needs_tp_comm and kind == LayerKind.BLOCK) else 0.0
+        comm += ep_comm_time(self, rank) if kind == LayerKind.BLOCK else 0.0
         cp_comm = self.cp_comm_time(rank) if kind == LayerKind.BLOCK else (0.0, 0.0)
         fwd = measured.forward / stage.cp
         if phase == "F":

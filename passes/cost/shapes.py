@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hetc.passes.params import block_params, layer_params
+from hetc.passes.params import block_params, expert_params, layer_params
 
 from hetc.spec import Arch, Checkpointing, ModelSpec
 
@@ -57,8 +57,12 @@ def _block_replicated(m: ModelSpec) -> int:
     return 4 * m.hidden + 2 * m.hidden  # two LayerNorms (weight + bias), out-proj and FFN-out biases
 
 
-def params_per_rank(m: ModelSpec, idx: int, tp: int = 1) -> float:
-    """Parameters of layer `idx` held by one rank of a TP group of `tp`."""
+def params_per_rank(m: ModelSpec, idx: int, tp: int = 1, ep: int = 1) -> float:
+    """Parameters of layer `idx` held by one rank of a TP group of `tp` (and an EP group of `ep`,
+    which holds 1/ep of every MoE block's experts)."""
+    if ep > 1 and layer_kind(m, idx) == LayerKind.BLOCK:
+        experts = expert_params(m)
+        return params_per_rank(m, idx, tp) - experts + experts / ep
     if tp == 1:
         return float(layer_params(m, idx))
     kind = layer_kind(m, idx)

@@ -16,6 +16,10 @@ Group names follow one scheme (Note [group names]):
                                (dpx.s{stage}.t{t}.i{i} with cp > 1)
     tp.s{stage}.l{lane}.c{c}   the tp ranks of cp rank c of a lane
     cp.s{stage}.l{lane}.t{t}   the cp ranks of tp rank t of a lane
+    ep.s{stage}.g{g}.p{pos}    expert parallelism: lane position pos of lanes
+                               g·ep .. (g+1)·ep − 1 (EP group g)
+    dpe.s{stage}.e{r}          the replicas of EP rank r's experts: every
+                               lane at EP rank r, every position (ZeRO)
     world                      every rank (loss, gradient norm)
 """
 
@@ -172,6 +176,23 @@ class LowerContext:
             return None
         return f"cp.s{place.stage.index}.l{place.lane.index}.t{place.tp_rank}"
 
+    def ep_group(self, place: RankPlace, ms: int) -> str | None:
+        """The expert-parallel group of ministage `ms`'s MoE blocks on this rank (None: ep = 1, or no block)."""
+        if place.stage.ep == 1 or not self._has_block(ms):
+            return None
+        return f"ep.s{place.stage.index}.g{place.lane.index // place.stage.ep}.p{place.pos}"
+
+    def expert_group(self, place: RankPlace) -> str | None:
+        """The group replicating this rank's experts (None when no other rank holds them)."""
+        stage = place.stage
+        if stage.ep == 1 or len(stage.lanes) // stage.ep * stage.lane_size == 1:
+            return None
+        return f"dpe.s{stage.index}.e{place.lane.index % stage.ep}"
+
+    def _has_block(self, ms: int) -> bool:
+        m = self.pipeline.ministages[ms]
+        return any(1 <= i <= self.model.layers for i in m.layers)
+
     @cached_property
     def groups(self) -> tuple[Group, ...]:
         """Every group any pass may name, in a stable order."""
@@ -195,6 +216,13 @@ class LowerContext:
         for name, members in ordered:
             if list(members) != sorted(members):
                 raise self._lane_order_error(stage, name)
+        first = place.lane.index - place.lane.index % stage.ep
+        members = [lane.ranks[place.pos] for lane in stage.lanes[first:first + stage.ep]]
+        if members != sorted(members):   # EP rank r (lane first + r) owns the r-th share of the experts
+            st = self.spec.parallel.stages[stage.index]
+            raise SpecError(Diagnostic(st.span_of("ranks"), f"the lanes {first}..{first + stage.ep - 1} of stage "
+                                       f"'{st.name}' form an expert-parallel group but are not in ascending rank "
+                                       "order, which the experts' all-to-alls need; list the GPUs in rank order"))
 
     def _lane_order_error(self, stage: Stage, group: str) -> SpecError:
         st = self.spec.parallel.stages[stage.index]
@@ -204,12 +232,15 @@ class LowerContext:
 
     def _groups_of(self, place: RankPlace) -> list[str]:
         lane = [g for g in (self.tp_group(place), self.cp_group(place)) if g]
+        experts = sorted({g for ms in place.stage.ministages if (g := self.ep_group(place, ms))})
+        if experts and (replicas := self.expert_group(place)):
+            experts += [replicas, f"{replicas}.f", f"{replicas}.b"]
         inner = self.zero_group(place)
         if inner is None:
-            return lane
+            return lane + experts
         names = [inner, f"{inner}.f", f"{inner}.b"]
         outer = self.outer_group(place)
-        return names + ([outer] if outer else []) + lane
+        return names + ([outer] if outer else []) + lane + experts
 
 
 def _hierarchical(stage: Stage) -> bool:

@@ -37,6 +37,7 @@ __all__ = ["insert_zero", "lane_pattern_error"]
 
 def insert_zero(program: Program, ctx: LowerContext) -> Program:
     _check_lane_patterns(program, ctx)
+    _check_expert_lanes(program, ctx)
     return Program(tuple(_rank(rp, ctx.places[rp.rank], ctx) for rp in program.ranks), program.groups)
 
 
@@ -51,8 +52,15 @@ def _shards(place: RankPlace, ctx: LowerContext) -> tuple[Shard, ...]:
     return tuple(
         Shard(ms, zero.level if group else 0, group, ctx.outer_group(place), zero.across if group else 0,
               off.params is not OffloadTarget.NONE, off.optimizer is not OffloadTarget.NONE,
-              off.activations is not OffloadTarget.NONE, ctx.tp_group(place), ctx.cp_group(place))
+              off.activations is not OffloadTarget.NONE, ctx.tp_group(place), ctx.cp_group(place),
+              *_expert_groups(place, ms, ctx))
         for ms in stage.ministages)
+
+
+def _expert_groups(place: RankPlace, ms: int, ctx: LowerContext) -> tuple[str | None, str | None]:
+    """(ep_group, expert_group) of a ministage: its MoE blocks' all-to-alls and its experts' replicas."""
+    ep = ctx.ep_group(place, ms)
+    return ep, ctx.expert_group(place) if ep else None
 
 
 def _rank(rp: RankProgram, place: RankPlace, ctx: LowerContext) -> RankProgram:
@@ -62,28 +70,48 @@ def _rank(rp: RankProgram, place: RankPlace, ctx: LowerContext) -> RankProgram:
     compute = [(i, instr) for i, instr in enumerate(rp.instrs) if isinstance(instr, COMPUTE_TYPES)]
     _gathers({sh.ms: sh for sh in shards if sh.group is not None}, compute, edits, handles, ctx)
     interleaved_update = ctx.pipeline.schedule is ScheduleKind.ZORSE and not ctx.grad_clip
-    finals = [_reduce(shard, compute, edits, handles, ctx) for shard in shards]
+    finals = [[_reduce(part, compute, edits, handles, ctx) for part in _parts(shard)] for shard in shards]
     gather_waits: list[Wait] = []
     if interleaved_update:
-        for shard, (pos, waits, first) in zip(shards, finals):
-            posts, later = _regather(shard, handles)
-            for instr in waits + _outer_reduce(shard) + [Step(shard.ms)] + posts:
+        for shard, reductions in zip(shards, finals):
+            pos, _, first = reductions[0]
+            posts, later = _regathers(shard, handles)
+            for instr in _waits(reductions) + _outer_reduce(shard) + [Step(shard.ms)] + posts:
                 edits.add_after(pos, instr, first)
             gather_waits += later
     else:
-        for _, waits, _ in finals:
-            edits.end += waits
+        for reductions in finals:
+            edits.end += _waits(reductions)
         for shard in shards:
             edits.end += _outer_reduce(shard)
         if ctx.grad_clip:
             edits.end.append(AllReduce(Tensor.NORM, "world"))
         for shard in shards:
-            posts, later = _regather(shard, handles)
+            posts, later = _regathers(shard, handles)
             edits.end += [Step(shard.ms), *posts]
             gather_waits += later
     edits.end += gather_waits
     instrs = edits.apply(rp.instrs)
     return RankProgram(rp.rank, rp.stage, rp.lane, rp.tp_rank, rp.cp_rank, shards, instrs)
+
+
+def _parts(shard: Shard) -> list[Shard]:
+    """The flat buffers of a ministage: one, or its dense and its expert parameters (expert parallelism)."""
+    return [shard] if shard.experts is None else [shard, shard.experts]
+
+
+def _waits(reductions: list[tuple[int, list[Wait], bool]]) -> list[Wait]:
+    return [w for _, waits, _ in reductions for w in waits]
+
+
+def _regathers(shard: Shard, handles: Handles) -> tuple[list[Instr], list[Wait]]:
+    posts: list[Instr] = []
+    waits: list[Wait] = []
+    for part in _parts(shard):
+        more, later = _regather(part, handles)
+        posts += more
+        waits += later
+    return posts, waits
 
 
 def _runs(compute: list[tuple[int, Instr]], per_mb: bool) -> list[tuple[int, list[int]]]:
@@ -194,6 +222,27 @@ def _check_lane_patterns(program: Program, ctx: LowerContext) -> None:
             patterns[lane.index] = [(type(i).__name__, i.ms) for i in rp.instrs if isinstance(i, COMPUTE_TYPES)]
         if len({tuple(p) for p in patterns.values()}) > 1:
             raise lane_pattern_error(ctx, stage)
+
+
+def _check_expert_lanes(program: Program, ctx: LowerContext) -> None:
+    """The lanes of an expert-parallel group run their MoE ministages' compute together (Note [compute
+    collectives]): each must run the same op kinds on the same ministages in the same order."""
+    for stage in ctx.pipeline.stages:
+        if stage.ep == 1:
+            continue
+        for first in range(0, len(stage.lanes), stage.ep):
+            lanes = stage.lanes[first:first + stage.ep]
+            patterns = [[(type(i).__name__, i.ms) for i in program.ranks[lane.ranks[0]].instrs
+                         if isinstance(i, COMPUTE_TYPES) and ctx.ep_group(ctx.places[lane.ranks[0]], i.ms)]
+                        for lane in lanes]
+            odd = next((lane for lane, p in zip(lanes, patterns) if p != patterns[0]), None)
+            if odd is not None:
+                st = ctx.spec.parallel.stages[stage.index]
+                raise SpecError(Diagnostic(st.span_of("ep"), f"lanes {lanes[0].index} and {odd.index} of stage "
+                                           f"'{stage.name}' form an expert-parallel group, whose MoE compute runs in "
+                                           "lockstep, but they run different sequences of ops (microbatch counts "
+                                           f"{len(lanes[0].microbatches)} and {len(odd.microbatches)}); give the "
+                                           "lanes of each group equal microbatches"))
 
 
 def lane_pattern_error(ctx: LowerContext, stage) -> SpecError:

@@ -247,19 +247,21 @@ class _Rank:
         missing = [mb for mb in sorted(self.mbs) if (instr.ms, mb) not in self.s.wgrad]
         if missing:
             raise _Fault(f"steps ministage {instr.ms} before the gradients of microbatches {missing} exist")
-        need = self._reductions_needed(instr.ms)
-        have = self.s.reduced.get(instr.ms, [])
-        if have[:len(need)] != need[:len(have)] or len(have) < len(need):
-            raise _Fault(f"steps ministage {instr.ms} before its gradients are reduced over "
-                         f"{', '.join(need[len(have):] or need)}")
+        shard = self.shards[instr.ms]
+        for part in filter(None, (shard, shard.experts)):    # each flat buffer: inner group, then outer
+            need = self._reductions_needed(part)
+            have = [g for g in self.s.reduced.get(instr.ms, []) if shard.part(g) == part]
+            if have[:len(need)] != need[:len(have)] or len(have) < len(need):
+                raise _Fault(f"steps ministage {instr.ms} before its gradients are reduced over "
+                             f"{', '.join(need[len(have):] or need)}")
         if self.clip and not self.s.norm_done:
             raise _Fault("steps before the global gradient norm is known (all_reduce norm)")
         if not self.shards[instr.ms].opt_offload:
             self._on_device(instr.ms)
         self.s.stepped.add(instr.ms)
 
-    def _reductions_needed(self, ms: int) -> list[str]:
-        shard = self.shards[ms]
+    @staticmethod
+    def _reductions_needed(shard: Shard) -> list[str]:
         if shard.group is None:
             return []
         return [shard.group] + ([shard.outer] if shard.outer else [])

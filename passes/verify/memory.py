@@ -27,6 +27,7 @@ timeline's memory curves).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -52,6 +53,7 @@ class Sizes(Protocol):
     def activation_bytes(self, ms: int, rank: int) -> float: ...
     def boundary_bytes(self, ms: int) -> float: ...
     def reserve_bytes(self, rank: int) -> float: ...
+    def expert_fraction(self, ms: int, rank: int) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,16 @@ def _factors(shard: Shard, group_size: dict[str, int]) -> _Factors:
     everyone = inner * (group_size.get(shard.outer, 1) if shard.outer else 1)
     optimizer = (1 / everyone if shard.outer_level >= 1 else 1 / inner) if shard.level >= 1 else 1.0
     return _Factors(1 / inner if shard.level >= 3 else 1.0, 1 / inner if shard.level >= 2 else 1.0, optimizer)
+
+
+def _ministage_factors(shard: Shard, group_size: dict[str, int], sizes: Sizes, rank: int) -> _Factors:
+    """`_factors` of the ministage's buffers, weighted by their sizes (expert parameters apart, if so)."""
+    dense = _factors(shard, group_size)
+    if shard.experts is None:
+        return dense
+    share, experts = sizes.expert_fraction(shard.ms, rank), _factors(shard.experts, group_size)
+    return _Factors(*(d * (1 - share) + e * share for d, e in zip(dataclasses.astuple(dense),
+                                                                   dataclasses.astuple(experts))))
 
 
 @dataclass
@@ -143,7 +155,8 @@ class _Rank:
         """Every size this rank's instructions need, once per ministage of the model."""
         r, count = self.rp.rank, len(self.pipeline.ministages)
         none = _Factors(1.0, 1.0, 1.0)
-        factors = [_factors(self.shards[ms], group_size) if ms in self.shards else none for ms in range(count)]
+        factors = [_ministage_factors(self.shards[ms], group_size, sizes, r) if ms in self.shards else none
+                   for ms in range(count)]
         own = [ms for ms in range(count) if self.pipeline.ministages[ms].stage == self.rp.stage]
         self.full_params = {ms: sizes.param_bytes(ms, r) for ms in own}
         self.shard_params = {ms: self.full_params[ms] * factors[ms].params for ms in own}

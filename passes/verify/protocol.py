@@ -8,9 +8,11 @@ two ranks match in posting order (what NCCL requires), and must agree on
 tensor, ministage, microbatch and shape. A collective completes when every
 member of its group has posted it; the k-th collective of a group must be
 the same on every member. Copies to and from the host complete on their own.
-A compute op of a ministage whose shard names tp/cp groups is a collective
-on each of them (Note [compute collectives] in hetc/program.py): it
-completes when every member of both has posted the same op. If no rank can
+A compute op of a ministage whose shard names tp/cp/ep groups is a
+collective on each of them (Note [compute collectives] in hetc/program.py):
+it completes when every member of each has posted the same op (on an ep
+group, whose members serve different microbatches: the same kind of op on
+the same ministage). If no rank can
 move and some have not finished, the programs deadlock (explained by
 `deadlock.py`, Note [deadlock blame]).
 """
@@ -57,6 +59,7 @@ class _Sim:
         self.count: dict[tuple[str, int], int] = {}          # (group, rank) -> calls posted
         self.members = {g.name: set(g.ranks) for g in program.groups}
         self.compute_groups = {(rp.rank, sh.ms): sh.compute_groups for rp in program.ranks for sh in rp.shards}
+        self.across_lanes = {sh.ep_group for rp in program.ranks for sh in rp.shards if sh.ep_group}
         self.runnable: deque[int] = deque(range(len(program.ranks)))   # ranks that may move (Note [event-driven])
         self.queued = set(self.runnable)
 
@@ -133,7 +136,8 @@ class _Sim:
         entry = calls[k]
         if entry:   # every earlier poster agrees with the first one
             other = next(iter(entry.values()))
-            if _collective_key(other.instr) != _collective_key(op.instr):
+            any_mb = group in self.across_lanes
+            if _collective_key(other.instr, any_mb) != _collective_key(op.instr, any_mb):
                 return at(self.program, op.rank, op.index, f"collective #{k} on group '{group}' differs: rank "
                           f"{other.rank} calls `{other.instr}` (its instruction {other.index})")
         entry[op.rank] = op
@@ -227,9 +231,9 @@ def _mismatch(send: Send, recv: Recv) -> str:
     return ""
 
 
-def _collective_key(instr) -> tuple:
+def _collective_key(instr, any_mb: bool = False) -> tuple:
     return (type(instr).__name__, getattr(instr, "what", None), getattr(instr, "ms", None),
-            getattr(instr, "mb", None))
+            None if any_mb else getattr(instr, "mb", None))
 
 
 def check_protocol(program: Program) -> list[Finding]:
