@@ -6,6 +6,10 @@ counter that stops moving for `timeout` seconds means that rank is gone:
 the watcher publishes `hetc/dead` and every rank, seeing it at its next
 beat, prints which rank died and exits non-zero. A rank that finishes
 normally marks `hetc/done/RANK` so its watcher does not mistake it for dead.
+
+The heartbeats travel on a connection of their own to the rendezvous store
+(`store_client`): a store request of the main thread that waits for a key a
+dead rank will never write must not hold up the beats behind it.
 """
 
 from __future__ import annotations
@@ -16,9 +20,19 @@ import sys
 import threading
 import time
 
-__all__ = ["Watchdog"]
+__all__ = ["Watchdog", "store_client"]
 
 log = logging.getLogger("hetc.runtime")
+
+
+def store_client(timeout_s: float = 30.0):
+    """A new client connection to the rendezvous store torchrun (or `hetc run --local`) hosts."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
 
 
 class Watchdog(threading.Thread):

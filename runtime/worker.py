@@ -21,7 +21,7 @@ from hetc.runtime.comm import make_groups
 from hetc.runtime.data import make_data_source
 from hetc.runtime.report import Reporter
 from hetc.runtime.setup import build_rank
-from hetc.runtime.watchdog import Watchdog
+from hetc.runtime.watchdog import Watchdog, store_client
 from hetc.passes.verify import verify
 
 __all__ = ["RunOptions", "run_worker", "EnvError", "PeerFailure"]
@@ -72,7 +72,7 @@ def run_worker(plan_dir: Path, opts: RunOptions) -> int:
     timeout = datetime.timedelta(seconds=opts.timeout_s)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
                             timeout=timeout, **({"device_id": device} if device.type == "cuda" else {}))
-    watchdog = Watchdog(dist.distributed_c10d._get_default_store(), rank, world,
+    watchdog = Watchdog(store_client(), rank, world,
                         timeout=opts.heartbeat_timeout_s)
     watchdog.start()
     try:
