@@ -96,3 +96,26 @@ def test_expert_parameters_are_recognised_at_every_level():
 def test_expert_shard_needs_an_even_split():
     with pytest.raises(ValueError, match="do not split"):
         ExpertShard(0, 3).local(4)
+
+
+def test_the_moe_demo_job_drops_token_choices():
+    """moe_job.het's capacity factor 1 makes busy experts drop, so its plans test that every plan drops alike."""
+    from hetc.runtime.data import make_data_source
+    from hetc.runtime.model import build_ministage
+
+    from hetc.frontend import load_checked
+    from tests.conftest import DEMO
+
+    _, checked = load_checked(DEMO / "moe_single.het")
+    model, train = checked.spec.model, checked.spec.train
+    module = build_ministage(model, range(model.num_model_layers), seed=train.seed)
+    kept = []
+    for block in (module.get_submodule(model.layer_name(i)) for i in range(1, model.layers + 1)):
+        moe = block.feed_forward
+        block.ffn_norm.register_forward_hook(lambda _, __, out, moe=moe: kept.append(
+            moe._kept(moe.router(out).topk(moe.top_k).indices)))
+    tokens, labels = make_data_source(model, train, DEMO).get_microbatch(0, 0)
+    with torch.no_grad():
+        module(tokens, labels)
+    assert len(kept) == model.layers
+    assert any(not k.all() for k in kept)

@@ -30,7 +30,7 @@ MOE_PLANS = sorted(p.stem for p in DEMO_PLANS if p.stem.startswith(MOE))
 REQUIRED = {"single", "dp", "zero1", "zero2", "zero3", "hsdp", "gpipe", "pp", "interleaved", "zb",
             "zero3_offload", "hetero", "offload_act",
             "tp2", "ulysses2", "ring2", "tp2_cp2", "tp_to_cp", "hetero_tp",
-            "moe_single", "moe_ep2", "moe_ep2_cp2"}
+            "moe_single", "moe_ep2", "moe_ep2_cp2", "moe_pp_ep2"}
 
 
 def test_demo_folder_has_every_required_plan():
@@ -54,7 +54,8 @@ def moe_reference(demo_plan_dirs):
 
 @pytest.mark.parametrize("plan", MOE_PLANS)
 def test_moe_plan_matches_reference(plan, rank_pool, demo_plan_dirs, moe_reference, tmp_path):
-    """Expert parallelism (EP = 2, alone and across cp = 2 lanes) drops, dispatches and clips like one rank."""
+    """Expert parallelism (EP = 2 alone, across cp = 2 lanes, in a zero-bubble pipeline) drops, dispatches
+    and clips like one rank."""
     reports = rank_pool.run(PlanJob(demo_plan_dirs[plan], REFERENCE_STEPS, save_to=tmp_path))
     assert_losses_close(agreed_losses(reports), moe_reference.losses)
     assert_params_close(latest_checkpoint(tmp_path), moe_reference.params)
