@@ -20,6 +20,7 @@ from hetc.plandir import read_plan
 from tests.conftest import REFERENCE_STEPS
 from tests.plans import DEMO_PLANS
 from tests.rank_pool import PlanJob, agreed_losses, assert_losses_close, assert_params_close
+from tests.test_checkpoint import SAVED_AT, _save_then_resume
 
 MOE = "moe_"   # plans of the MoE demo job
 DENSE_PLANS = sorted(p.stem for p in DEMO_PLANS if not p.stem.startswith(MOE))
@@ -59,3 +60,12 @@ def test_moe_plan_matches_reference(plan, rank_pool, demo_plan_dirs, moe_referen
     reports = rank_pool.run(PlanJob(demo_plan_dirs[plan], REFERENCE_STEPS, save_to=tmp_path))
     assert_losses_close(agreed_losses(reports), moe_reference.losses)
     assert_params_close(latest_checkpoint(tmp_path), moe_reference.params)
+
+
+@pytest.mark.parametrize("saver, resumer", [("moe_ep2", "moe_ep2_cp2"), ("moe_pp_ep2", "moe_single")])
+def test_moe_checkpoint_resumes_under_another_expert_layout(saver, resumer, rank_pool, demo_plan_dirs,
+                                                            moe_reference, tmp_path):
+    """Experts are saved under their global names by the ranks holding them, so any layout resumes."""
+    losses, path = _save_then_resume(rank_pool, demo_plan_dirs, tmp_path, saver, resumer)
+    assert_losses_close(losses, moe_reference.losses[SAVED_AT:])
+    assert_params_close(path, moe_reference.params)
