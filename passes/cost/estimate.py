@@ -43,7 +43,7 @@ class RankMemory:
 
 @dataclass(frozen=True)
 class GroupTraffic:
-    kind: str                  # dp, pp, tp, cp
+    kind: str                  # dp, pp, tp, cp, ep
     group: str
     ranks: tuple[int, ...]     # one representative group
     bytes_per_step: float      # sent by one rank (pp: the whole border)

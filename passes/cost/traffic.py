@@ -64,4 +64,5 @@ def ring_attention_bytes(cp: int, kv_heads: int, heads: int, micro_batch: int, s
 
 
 def ep_bytes(ep: int, top_k: int, micro_batch: int, seq: int, hidden: int, delta: int) -> float:
+    """Per rank per MoE layer per microbatch: dispatch and combine of the top-k copies, forward and backward."""
     return 4 * top_k * delta * micro_batch * seq * hidden * _ring(ep)
