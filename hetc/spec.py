@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from enum import StrEnum
+from pathlib import Path
 from typing import Any
 
 from hetc.errors import NO_SPAN, Span
@@ -362,10 +363,8 @@ class DataSpec(Node):
     kind: DataKind = param(DataKind.SYNTHETIC, label=True, doc="synthetic tokens or a byte-level text file")
     path: str = param("", doc="the text file for `data text`, relative to the file that declares it")
 
-    def resolve(self, fallback_dir: "Path | str" = ".") -> "Path":
+    def resolve(self, fallback_dir: Path | str = ".") -> Path:
         """The text file: relative paths are relative to the spec file that wrote them."""
-        from pathlib import Path
-
         path = Path(self.path)
         if path.is_absolute():
             return path
