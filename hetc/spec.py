@@ -313,6 +313,11 @@ class DeviceSpec(Node):
     efficiency: float = param(0.5, lo=0.01, hi=1, aliases=("mfu",),
                               doc="fraction of peak reached by matmul-heavy layers (no profile)")
 
+    @property
+    def is_cpu(self) -> bool:
+        """A `cpu...` kind stands for a CPU process of a local run, not a GPU."""
+        return self.name.lower().startswith("cpu")
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class IntraLinkSpec(Node):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from hetc.pipeline import Pipeline
 
-__all__ = ["ProcessInfo", "local_info", "check_cluster", "ClusterMismatch", "is_cpu_kind"]
+__all__ = ["ProcessInfo", "local_info", "check_cluster", "ClusterMismatch"]
 
 MEMORY_SLACK = 0.9   # a "80 GiB" device reports a little less
 
@@ -33,8 +33,6 @@ class ProcessInfo:
     memory: float        # bytes of device memory (0 for CPU)
 
 
-def is_cpu_kind(name: str) -> bool:
-    return name.lower().startswith("cpu")
 
 
 def local_info(local_rank: int, device: torch.device) -> ProcessInfo:
@@ -50,7 +48,7 @@ def check_cluster(pipeline: Pipeline, mine: ProcessInfo) -> list[ProcessInfo]:
     problems = []
     for rank, (gpu, info) in enumerate(zip(pipeline.world, infos)):
         kind = gpu.device
-        if is_cpu_kind(kind.name):
+        if kind.is_cpu:
             continue
         if info.device == "cpu":
             problems.append(f"rank {rank} on {info.host} has no GPU, but the plan puts a {kind.name} there")
@@ -59,7 +57,7 @@ def check_cluster(pipeline: Pipeline, mine: ProcessInfo) -> list[ProcessInfo]:
                             f"but the plan expects a {kind.name} with {kind.memory / 2**30:.0f} GiB")
     hosts: dict = {}
     for rank, (gpu, info) in enumerate(zip(pipeline.world, infos)):
-        if is_cpu_kind(gpu.device.name):
+        if gpu.device.is_cpu:
             continue
         hosts.setdefault(gpu.host, set()).add(info.host)
     for node, seen in hosts.items():

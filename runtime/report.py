@@ -61,7 +61,8 @@ class Reporter:
         self.store.set(f"hetc/mem/{step}/{self.rank}", str(peak_memory(self.device)))
         if self.rank != 0:
             return None
-        return [float(self.store.get(f"hetc/mem/{step}/{r}")) for r in range(self.program.world_size)]
+        keys = [f"hetc/mem/{step}/{r}" for r in range(self.program.world_size)]
+        return [float(v) for v in self.store.multi_get(keys)]   # one round trip, not one per rank
 
     def finish(self) -> None:
         if self.opts.trace is not None:

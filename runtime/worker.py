@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from hetc.plandir import read_plan, read_program
-from hetc.runtime.cluster_check import ClusterMismatch, check_cluster, is_cpu_kind, local_info
+from hetc.spec import DeviceSpec
+from hetc.runtime.cluster_check import ClusterMismatch, check_cluster, local_info
 from hetc.runtime.comm import make_groups
 from hetc.runtime.data import make_data_source
 from hetc.runtime.report import Reporter
@@ -67,7 +68,7 @@ def run_worker(plan_dir: Path, opts: RunOptions) -> int:
     if world != program.world_size:
         raise EnvError(f"the plan has {program.world_size} ranks but WORLD_SIZE is {world}")
     kind = pipeline.world[rank].device
-    device = _device(kind.name, local_rank)
+    device = _device(kind, local_rank)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     timeout = datetime.timedelta(seconds=opts.timeout_s)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
@@ -121,11 +122,11 @@ def _saves_after(opts: RunOptions, done: int, last: int) -> bool:
     return opts.checkpoint is not None and (done == last or (opts.every > 0 and done % opts.every == 0))
 
 
-def _device(kind_name: str, local_rank: int) -> torch.device:
-    if is_cpu_kind(kind_name):
+def _device(kind: DeviceSpec, local_rank: int) -> torch.device:
+    if kind.is_cpu:
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ClusterMismatch(f"the plan puts a {kind_name} on this rank but CUDA is not available here")
+        raise ClusterMismatch(f"the plan puts a {kind.name} on this rank but CUDA is not available here")
     device = torch.device("cuda", local_rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
     return device

@@ -126,7 +126,7 @@ def test_p2p_pairs_post_in_the_same_order():
 def test_stuck_lanes_lift_a_limit_instead_of_failing(caplog):
     """1F1B limits against lanes in lockstep need a lane to run beyond its limit (Note [lifting a limit])."""
     compile_plan.cache_clear()
-    with caplog.at_level(logging.DEBUG, logger="hetc.passes.lower.simulate"):
+    with caplog.at_level(logging.DEBUG, logger="hetc.passes.lower.lane_sim"):
         lowered = compile_plan(TEST_SPECS / "zero3_fan_out.het")
     assert "beyond its in-flight limit" in caplog.text
     verify(lowered.program, lowered.pipeline, lowered.spec)

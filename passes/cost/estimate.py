@@ -150,7 +150,7 @@ def _memory(cm, rank: int) -> RankMemory:
     acts, acts_host = _activations(cm, stage, rank)
     gather = (1 + cm.pipeline.prefetch) * largest if int(stage.zero.level) >= 3 else 0.0
     gpu = cm.gpu(rank)
-    context = context_reserve(gpu.device.memory, gpu.device.name.lower().startswith("cpu"))
+    context = context_reserve(gpu.device.memory, gpu.device.is_cpu)
     host = (params * shard.params if off_params else 0.0) + (optimizer if off_opt else 0.0) + acts_host
     return RankMemory(rank, str(gpu), gpu.device.name, stage.index, resident * shard.params, grads,
                       0.0 if off_opt else optimizer, acts, cm.reserve_bytes(rank) - context + gather, context,

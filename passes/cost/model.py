@@ -159,7 +159,7 @@ class CostModel:
         p2p = 2 * max((self.held_boundary_bytes(ms, stage) for ms in stage.ministages), default=0.0)
         grads = sum(self.grad_bytes(ms, rank) for ms in stage.ministages) * self.shard(rank).grads
         bucket = min(grads, GRAD_BUCKET_PARAMS * self.states.grads) if len(stage.lanes) > 1 else 0.0
-        return context_reserve(device.memory, _is_cpu(device.name)) + p2p + bucket
+        return context_reserve(device.memory, device.is_cpu) + p2p + bucket
 
     # ------------------------------------------------------------ time (seconds)
 
@@ -332,6 +332,4 @@ def ring_pair_kinds(kind: str, gpus: tuple[Gpu, ...]) -> list[tuple[Gpu, Gpu, in
     return list(kinds.values())
 
 
-def _is_cpu(name: str) -> bool:
-    return name.lower().startswith("cpu")
 

@@ -10,7 +10,7 @@ feasible execution, they are consistent across ranks by construction —
 with uneven lanes and many-to-many routing as much as in a plain grid —
 and the later passes only add communication around them. Durations only
 choose among valid orders, so the result is deterministic. The engine is
-in `simulate.py` (with Note [coupled lanes] and Note [lifting a limit]).
+in `lane_sim.py` (with Note [coupled lanes] and Note [lifting a limit]).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from hetc.program import Backward, BackwardInput, BackwardWeight, Forward, Load,
 from hetc.spec import ScheduleKind
 from hetc.passes.lower.context import LowerContext, rank_shell
 from hetc.passes.lower.zero import lane_pattern_error
-from hetc.passes.lower.simulate import Op, Policy, simulate
+from hetc.passes.lower.lane_sim import Op, Policy, simulate
 
 __all__ = ["order_compute", "Op"]
 

@@ -34,11 +34,9 @@ from hetc.pipeline import Pipeline
 from hetc.spec import DTYPE_BYTES, Checkpointing, ScheduleKind, Spec
 from hetc.topology import Gpu, Topology
 
-__all__ = ["LayerCost", "Primitives", "is_cpu"]
+__all__ = ["LayerCost", "Primitives"]
 
 
-def is_cpu(device_name: str) -> bool:
-    return device_name.lower().startswith("cpu")
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +160,7 @@ class Primitives:
         return optimizer_seconds(self.model, gpu.device, numel, on_host)
 
     def context(self, gpu: Gpu) -> float:
-        return context_reserve(gpu.device.memory, is_cpu(gpu.device.name))
+        return context_reserve(gpu.device.memory, gpu.device.is_cpu)
 
 
 _KINDS = (LayerKind.EMBED, LayerKind.BLOCK, LayerKind.HEAD)
