@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hetc.passes.cost import Profiles
 from hetc.passes.cost.hetc_profile import FORMAT, VERSION, profile_from_dict
+from hetc.passes.cost.profiles import ProfileError
 from hetc.passes.cost.shapes import layer_flops
 from hetc.passes.params import block_params
 
@@ -165,3 +166,30 @@ def test_tensor_parallel_all_reduces_are_added_to_arithmetic_times(tmp_path):
     # the one ministage's forward: blocks and the vocab-parallel head halved, the embedding not
     assert cm2.compute_time(0, 0, "F") - cm1.compute_time(0, 0, "F") / 2 == pytest.approx(
         blocks * 2 * allreduce + cm1.compute.layer("A100-40", "embed", 1, 1).forward / 2, rel=1e-6)
+
+
+def _engine(seconds) -> Profiles:
+    return profile_from_dict({"format": FORMAT, "version": VERSION, "device": {"kind": "A100-40"},
+                              "model": {"hidden": 1, "block_params": 1}, "microbatch_overhead_s": seconds},
+                             "engine.json")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_engine_overhead_lengthens_every_microbatch_of_every_stage(tmp_path, schedule):
+    text = plan_text(PP.format(schedule=schedule, zero=0, v=1, a="embed..block3", b="block4..head"),
+                     global_batch=32)
+    base = cost_model(tmp_path, text).estimate()
+    slow = cost_model(tmp_path, text, _engine(2e-3)).estimate()
+    before = {(t.stage, t.lane): t for t in base.time.lanes}
+    for t in slow.time.lanes:
+        assert t.forward == pytest.approx(before[(t.stage, t.lane)].forward + 2e-3)
+        assert t.backward == pytest.approx(before[(t.stage, t.lane)].backward)
+    m = base.time.lanes[0].microbatches
+    # the bottleneck lane's m microbatches, and the other stage's fill once
+    assert slow.step_time_s - base.step_time_s == pytest.approx((m + 1) * 2e-3, rel=1e-6)
+
+
+@pytest.mark.parametrize("bad", [-1e-3, float("nan"), "fast"])
+def test_engine_overhead_must_be_a_time(bad):
+    with pytest.raises(ProfileError, match="engine.json"):
+        _engine(bad)

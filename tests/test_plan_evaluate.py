@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from hetc.passes.cost import CostModel, load_profiles
+from hetc.passes.cost import CostModel, Profiles, load_profiles
 from hetc.passes.plan.candidate import Candidate, GpuBlock, Knobs, Offload, StageGpus, split_evenly
 from hetc.passes.plan.costs import Primitives
 from hetc.passes.plan.emit import emit_spec
@@ -147,6 +147,13 @@ def _candidate(spec, topo: Topology, rng: random.Random) -> Candidate | None:
 @pytest.mark.parametrize("cluster", sorted(CLUSTERS))
 def test_planner_scores_plans_as_the_cost_model_does(tmp_path, cluster):
     _compare(_spec(tmp_path, cluster), None, plans=24)
+
+
+def test_with_an_engine_overhead_per_device_kind(tmp_path):
+    """Measured per-microbatch engine costs, a different one per kind (lanes take their slowest)."""
+    spec = _spec(tmp_path, "zones")
+    kinds = sorted({d.name for d in spec.devices})
+    _compare(spec, Profiles(overhead={k: 1e-3 * (i + 1) for i, k in enumerate(kinds)}), plans=16)
 
 
 def test_with_measured_layer_times_and_network_fits(tmp_path, shared_data):

@@ -23,9 +23,10 @@ TOLERANCE = 0.10
 # Known misses, with why. Each must stay a miss (strict xfail) until the model learns the cause.
 KNOWN = {
     "clariden/OPT-350/N4/plan_config_N4_D2.json":
-        "predicted 13.7% short: at one sequence per microbatch DeepSpeed's pipeline engine spends ~5 ms "
-        "per microbatch outside the layers (the same gap shows on the unpipelined N1 runs), which "
-        "Sailor's per-layer profile does not contain",
+        "predicted 13.7% short: at one sequence per microbatch on GH200, Megatron-DeepSpeed spends "
+        "~5 ms per stage and microbatch outside the per-layer times (the engine synchronizes the device "
+        "every microbatch); measuring that host-side cost needs the engine on a GPU "
+        "(docs/costmodel.md, Validation)",
 }
 
 

@@ -127,8 +127,11 @@ def _sources(cm) -> dict[int, tuple[str, ...]]:
     for stage in cm.pipeline.stages:
         devices = {cm.gpu(r).device.name for r in stage.ranks}
         kinds = {layer_kind(cm.model, i) for ms in stage.ministages for i in cm.ministage(ms).layers}
-        out[stage.index] = tuple(sorted({cm.compute.layer(d, k, cm.pipeline.micro_batch, stage.tp).source
-                                         for d in devices for k in kinds}))
+        layers = sorted({cm.compute.layer(d, k, cm.pipeline.micro_batch, stage.tp).source
+                         for d in devices for k in kinds})
+        engine = [f"engine, {d}: {cm.profiles.overhead[d] * 1e3:.4g} ms a microbatch outside the layers"
+                  for d in sorted(devices) if cm.profiles.overhead.get(d)]
+        out[stage.index] = tuple(layers + engine)
     return out
 
 

@@ -9,12 +9,16 @@
                   "forward_s": t, "backward_s": t}, ...],
       "collectives": [{"kind": "all_reduce" | "all_gather" | ..., "ranks": n, "bytes": X, "seconds": t}, ...],
       "p2p": [{"bytes": X, "seconds": t}, ...],
-      "copy": [{"direction": "h2d" | "d2h", "bytes": X, "seconds": t}, ...]
+      "copy": [{"direction": "h2d" | "d2h", "bytes": X, "seconds": t}, ...],
+      "microbatch_overhead_s": t            (optional)
     }
 
 `device.kind` is the catalog name the measurements apply to (GPUs of that
 kind in a spec). Collective times are for the full buffer (`bytes`) over
 `ranks` local processes; the link rate is recovered with the ring model.
+`microbatch_overhead_s` is what a stage of the executing engine spends per
+microbatch outside its layers (dispatch, device synchronizations, loss
+glue): a measured run's step time less its layers, per microbatch and stage.
 """
 
 from __future__ import annotations
@@ -56,9 +60,11 @@ def profile_from_dict(data: Any, source: str) -> Profiles:
         tables = _tables(data, kind, source)
         network = _network(data, kind)
         copy = _copy_rate(data)
+        overhead = _overhead(data)
     except (KeyError, TypeError, ValueError) as err:
         raise ProfileError(f"'{source}': malformed hetc profile ({type(err).__name__}: {err})") from None
-    return Profiles(tuple(tables), network, {kind: copy} if copy else {}, (), (source,))
+    return Profiles(tuple(tables), network, {kind: copy} if copy else {},
+                    {kind: overhead} if overhead is not None else {}, sources=(source,))
 
 
 def _tables(data: dict, kind: str, source: str) -> list[ComputeTable]:
@@ -105,3 +111,12 @@ def _copy_rate(data: dict) -> float | None:
     largest = max(float(r["bytes"]) for r in rows)
     rates = [float(r["bytes"]) / float(r["seconds"]) for r in rows if float(r["bytes"]) == largest]
     return sum(rates) / len(rates)
+
+
+def _overhead(data: dict) -> float | None:
+    if "microbatch_overhead_s" not in data:
+        return None
+    seconds = float(data["microbatch_overhead_s"])
+    if not seconds >= 0:   # also rejects NaN
+        raise ValueError(f"microbatch_overhead_s must be a time of at least 0 s, not {seconds}")
+    return seconds

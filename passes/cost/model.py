@@ -264,6 +264,10 @@ class CostModel:
                      for a, b, ring_size in ring_pair_kinds(kind, tuple(self.gpu(r) for r in ranks))))
         return steps * worst
 
+    def microbatch_overhead(self, rank: int) -> float:
+        """Seconds this rank's engine spends per microbatch outside the layers (measured, else 0)."""
+        return self.profiles.overhead.get(self.gpu(rank).device.name, 0.0)
+
     def copy_time(self, rank: int, nbytes: float) -> float:
         device = self.gpu(rank).device
         rate = self.profiles.copy.get(device.name) or device.host_link

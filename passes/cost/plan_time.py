@@ -66,6 +66,7 @@ def lane_timings(cm) -> list[LaneTiming]:
             reps = _reps(cm, lane.ranks)
             f, i, w = (max(sum(cm.compute_time(r, ms, ph) for ms in stage.ministages) for r in reps)
                        for ph in ("F", "I", "W"))
+            f += max(cm.microbatch_overhead(r) for r in reps)
             out.append(LaneTiming(stage.index, lane.index, len(lane.microbatches), f, i, w,
                                   _p2p_per_microbatch(cm, stage, lane), _overlapped(cm, stage, lane)))
     return out
@@ -224,8 +225,10 @@ def zorse_units(cm) -> list[Unit]:
 def _unit_lane(cm, stage: Stage, lane: Lane, ms: int) -> UnitLane:
     p = cm.pipeline
     rank = lane.ranks[0]
-    f = max(cm.compute_time(r, ms, "F") for r in _reps(cm, lane.ranks))
-    b = max(cm.compute_time(r, ms, "B") for r in _reps(cm, lane.ranks))
+    reps = _reps(cm, lane.ranks)
+    share = 1 / len(stage.ministages)   # the engine's per-microbatch cost, spread over the stage's units
+    f = max(cm.compute_time(r, ms, "F") + cm.microbatch_overhead(r) * share for r in reps)
+    b = max(cm.compute_time(r, ms, "B") for r in reps)
     offload_acts = stage.offload.activations is not OffloadTarget.NONE
     if offload_acts:
         # boundary activations go to the host after the forward and come back for the backward,

@@ -152,6 +152,9 @@ class Profiles:
     compute: tuple[ComputeTable, ...] = ()
     network: NetworkFits = field(default_factory=NetworkFits)
     copy: dict[str, float] = field(default_factory=dict)         # device kind -> host<->device bytes/s
+    # device kind -> seconds a stage spends per microbatch outside its layers (the engine's
+    # dispatch, device synchronizations, loss glue): measured, never assumed
+    overhead: dict[str, float] = field(default_factory=dict)
     rejected: tuple[tuple[str, str], ...] = ()   # (model name, why its measurement was not used)
     sources: tuple[str, ...] = ()
 
@@ -163,12 +166,12 @@ class Profiles:
 
     def merged(self, other: Profiles) -> Profiles:
         return Profiles(self.compute + other.compute, self.network.merged(other.network),
-                        {**self.copy, **other.copy}, self.rejected + other.rejected,
-                        self.sources + other.sources)
+                        {**self.copy, **other.copy}, {**self.overhead, **other.overhead},
+                        self.rejected + other.rejected, self.sources + other.sources)
 
     @property
     def empty(self) -> bool:
-        return not (self.compute or self.network.intra or self.network.inter or self.copy)
+        return not (self.compute or self.network.intra or self.network.inter or self.copy or self.overhead)
 
 
 def load_profiles(paths: list[str | Path]) -> Profiles:

@@ -116,7 +116,7 @@ def read_sailor(folder: Path) -> Profiles:
             rejected.append((name, f"{path}: {why}; profile not used"))
         else:
             tables.append(table)
-    return Profiles(tuple(tables), _network(folder), {}, tuple(rejected), (str(folder),))
+    return Profiles(tuple(tables), _network(folder), rejected=tuple(rejected), sources=(str(folder),))
 
 
 def _table(path: Path, model: SailorModel, device: str) -> tuple[ComputeTable | None, str]:

@@ -156,6 +156,9 @@ class Primitives:
     def copy(self, gpu: Gpu, nbytes: float) -> float:
         return self.probe.copy_time(gpu.id, nbytes)
 
+    def overhead(self, gpu: Gpu) -> float:
+        return self.probe.microbatch_overhead(gpu.id)
+
     def optimizer(self, gpu: Gpu, numel: float, on_host: bool) -> float:
         return optimizer_seconds(self.model, gpu.device, numel, on_host)
 

@@ -84,6 +84,7 @@ def _lane_timings(sc: StageCosts) -> list[LaneTiming]:
     for lanes in sc.lane_classes.values():
         lane = lanes[0]
         f, i, w = sc.compute(lane)
+        f += sc.overhead(lane)
         out.append(LaneTiming(sc.s.index, lane, sc.s.counts[lane], f, i, w, sc.p2p(lane),
                               sc.overlapped(lane)))
     return out

@@ -65,6 +65,10 @@ class StageCosts:
         return self.p.lane_compute(tuple(g.device.name for g in gpus), self.s.tp, tuple(g.id for g in gpus),
                                    self.s.knobs.offload.activations, units or self.layer_counts)
 
+    def overhead(self, lane: int) -> float:
+        """The engine's seconds per microbatch outside the layers (`CostModel.microbatch_overhead`)."""
+        return max(self.p.overhead(g) for g in self.s.lanes[lane])
+
     # ------------------------------------------------------------ communication
 
     def border(self, lane: int, other: int, ms: int) -> float:
@@ -234,6 +238,7 @@ def unit_lane_times(sc: StageCosts, lane: int, ms: int) -> tuple[float, float, f
     """(forward, backward, p2p out, p2p back) of one microbatch through ministage `ms` on `lane`."""
     plan = sc.plan
     f, i, w = sc.compute(lane, sc.ministage_units(ms))
+    f += sc.overhead(lane) / len(sc.s.ministages)   # as plan_time._unit_lane spreads it
     b = i + w
     if sc.s.knobs.offload.activations:  # the copy runs beside the compute (whose backward reruns it)
         copy = sc.p.copy(sc.s.lanes[lane][0], sc.boundary_bytes(ms))
