@@ -4,8 +4,12 @@ Every rank bumps a counter `hetc/hb/RANK` once a second and watches the
 next rank's counter (a ring, so every rank is watched by one other). A
 counter that stops moving for `timeout` seconds means that rank is gone:
 the watcher publishes `hetc/dead` and every rank, seeing it at its next
-beat, prints which rank died and exits non-zero. A rank that finishes
-normally marks `hetc/done/RANK` so its watcher does not mistake it for dead.
+beat, prints which rank died and exits non-zero. A rank whose collective
+fails publishes the culprit the same way: the error reaches only the ranks
+wired to the dead one, and the rest would otherwise wait out the whole
+process-group timeout. A rank that finishes normally marks `hetc/done/RANK`
+so its watcher does not mistake it for dead; one that fails does not, so its
+own silence is noticed.
 
 The heartbeats travel on a connection of their own to the rendezvous store
 (`store_client`): a store request of the main thread that waits for a key a
@@ -49,7 +53,7 @@ class Watchdog(threading.Thread):
             try:
                 self.store.add(f"hetc/hb/{self.rank}", 1)
                 if self.store.check(["hetc/dead"]):
-                    self._die(int(self.store.get("hetc/dead")), "reported by its neighbour")
+                    self._die(int(self.store.get("hetc/dead")), "reported by another rank")
                 if self.world == 1 or self.store.check([f"hetc/done/{self.watched}"]):
                     continue
                 value = self.store.add(f"hetc/hb/{self.watched}", 0)
@@ -61,11 +65,15 @@ class Watchdog(threading.Thread):
             if value != last_value:
                 last_value, last_change = value, now
             elif now - last_change > self.timeout:
-                try:
-                    self.store.set("hetc/dead", str(self.watched))
-                except Exception:  # noqa: BLE001
-                    pass
+                self.declare_dead(self.watched)
                 self._die(self.watched, f"no heartbeat for {self.timeout:.0f} s")
+
+    def declare_dead(self, dead: int) -> None:
+        """Tell every rank that `dead` is gone; each one's watchdog exits at its next beat."""
+        try:
+            self.store.set("hetc/dead", str(dead))
+        except Exception:  # noqa: BLE001 - the store is gone: every rank notices that by itself
+            pass
 
     def _die(self, dead: int, why: str) -> None:
         if self._halt.is_set():
@@ -90,11 +98,12 @@ class Watchdog(threading.Thread):
         except Exception:  # noqa: BLE001 - the store (hosted with rank 0) is gone
             return [0]
 
-    def finish(self) -> None:
-        """This rank is done: stop watching and tell the watcher not to worry."""
+    def finish(self, completed: bool = True) -> None:
+        """Stop watching; if this rank `completed` its work, tell its watcher not to worry."""
         self._halt.set()
         try:
-            self.store.set(f"hetc/done/{self.rank}", "1")
+            if completed:
+                self.store.set(f"hetc/done/{self.rank}", "1")
         except Exception:  # noqa: BLE001
             pass
         if self.is_alive() and threading.current_thread() is not self:

@@ -61,7 +61,7 @@ def _env() -> tuple[int, int, int]:
 
 def run_worker(plan_dir: Path, opts: RunOptions) -> int:
     rank, world, local_rank = _env()
-    loaded, checked = read_plan(plan_dir)
+    _, checked = read_plan(plan_dir)
     program = read_program(plan_dir)
     spec, pipeline = checked.spec, checked.pipeline
     verify(program, pipeline, spec)
@@ -76,17 +76,21 @@ def run_worker(plan_dir: Path, opts: RunOptions) -> int:
     watchdog = Watchdog(store_client(), rank, world,
                         timeout=opts.heartbeat_timeout_s)
     watchdog.start()
+    completed = False
     try:
         _train(plan_dir, opts, rank, local_rank, spec, pipeline, program, device, timeout)
+        completed = True
     except (RuntimeError, dist.DistError) as err:
         if isinstance(err, ClusterMismatch) or not _is_comm_failure(err):
             raise
         dead = watchdog.silent_ranks()
+        if len(dead) == 1:
+            watchdog.declare_dead(dead[0])
         who = f"rank {dead[0]}" if len(dead) == 1 else f"ranks {dead}" if dead else "another rank"
         detail = str(err).splitlines()[0].split(" This is typically")[0]
         raise PeerFailure(f"{who} stopped responding (noticed by rank {rank}: {detail[:300]})") from None
     finally:
-        watchdog.finish()
+        watchdog.finish(completed)
     dist.barrier()
     dist.destroy_process_group()
     return 0
