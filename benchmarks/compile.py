@@ -29,14 +29,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.markdown import replace_section  # noqa: E402
+from benchmarks.markdown import publish  # noqa: E402
 from hetc.cli import main as hetc_main  # noqa: E402
 from hetc.frontend import load_checked  # noqa: E402
 from hetc.passes.cost import CostModel  # noqa: E402
 from hetc.passes.lower import lower  # noqa: E402
 from hetc.passes.verify import verify  # noqa: E402
 
-BENCHMARKS_MD = ROOT / "docs" / "benchmarks.md"
 HEADING = "## Compile and verify"
 NUM_STAGES = 8
 PER_LANE = 4
@@ -126,10 +125,7 @@ def main() -> int:
         parser.error(f"ranks must be multiples of {NUM_STAGES * GPUS_PER_NODE}: {bad}")
     results = [measure(ranks, policy, args.runs) for ranks in args.ranks for policy in POLICIES]
     text = section(results, args.runs)
-    sys.stdout.write(text)
-    if not args.no_write:
-        replace_section(BENCHMARKS_MD, HEADING, text)
-    return 0
+    return publish(HEADING, text, write=not args.no_write)
 
 
 if __name__ == "__main__":

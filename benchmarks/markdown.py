@@ -3,9 +3,21 @@
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
-__all__ = ["replace_section"]
+__all__ = ["BENCHMARKS_MD", "publish", "replace_section"]
+
+BENCHMARKS_MD = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+
+
+def publish(heading: str, text: str, write: bool) -> int:
+    """Print a benchmark's section; with `write`, also put it in docs/benchmarks.md. The exit status."""
+    sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    if write:
+        replace_section(BENCHMARKS_MD, heading, text)
+        print(f"updated {BENCHMARKS_MD.name}: {heading}", file=sys.stderr)
+    return 0
 
 
 def replace_section(path: Path, heading: str, text: str) -> None:

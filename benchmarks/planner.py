@@ -29,11 +29,10 @@ sys.path.insert(0, str(ROOT))
 from hetc.passes.cost import load_profiles
 from hetc.passes.plan.planner import plan_spec
 
-from benchmarks.markdown import replace_section
+from benchmarks.markdown import publish
 from hetc.importers.sailor import import_sailor
 from hetc.load import load_spec
 
-BENCHMARKS_MD = ROOT / "docs" / "benchmarks.md"
 HEADING = "## Planner"
 SAILOR = ROOT.parent / "shared" / "data" / "sailor"
 ZONE = "us-central1-a"
@@ -167,10 +166,7 @@ def main() -> int:
     two = [measure(quotas(n, ("A100-40", "V100-16"), (0.25, 0.75)), args.runs, profiles) for n in SIZES]
     four = [measure(quotas(n, FOUR_KINDS, (0.25,) * 4), args.runs, profiles) for n in FOUR_KIND_SIZES]
     text = section(two, four, args.runs)
-    print(text)
-    if not args.no_write:
-        replace_section(BENCHMARKS_MD, HEADING, text)
-    return 0
+    return publish(HEADING, text, write=not args.no_write)
 
 
 if __name__ == "__main__":

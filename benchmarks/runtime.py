@@ -35,10 +35,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.markdown import replace_section
+from benchmarks.markdown import publish
 
 SPEC = ROOT / "benchmarks" / "specs" / "runtime_1f1b.het"
-BENCHMARKS_MD = ROOT / "docs" / "benchmarks.md"
 HEADING = "## Runtime"
 WARMUP_STEPS = 2
 
@@ -356,11 +355,7 @@ def main() -> int:
     args = parser.parse_args()
     ranks, _ = measure(args.turns)
     text = render(summarise(ranks))
-    print(text)
-    if not args.no_write:
-        replace_section(BENCHMARKS_MD, HEADING, text)
-        print(f"updated {BENCHMARKS_MD.relative_to(ROOT)}", file=sys.stderr)
-    return 0
+    return publish(HEADING, text, write=not args.no_write)
 
 
 if __name__ == "__main__":

@@ -23,12 +23,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.markdown import replace_section  # noqa: E402
+from benchmarks.markdown import publish  # noqa: E402
 from hetc.commands.compile import compile_spec  # noqa: E402
 from hetc.viz.headless import dump_dom, find_chromium  # noqa: E402
 from hetc.viz.page import render_page  # noqa: E402
 
-BENCHMARKS_MD = ROOT / "docs" / "benchmarks.md"
 HEADING = "## Visualizer"
 PLANS = {"1F1B, ZeRO-1": ROOT / "benchmarks" / "specs" / "viz1024_1f1b.het",
          "Zorse, ZeRO-3, offload": ROOT / "benchmarks" / "specs" / "viz1024_zorse.het"}
@@ -99,10 +98,7 @@ def main() -> int:
         print("needs chromium (Debian: apt-get install chromium)", file=sys.stderr)
         return 2
     text = section([measure(name, spec, args.runs) for name, spec in PLANS.items()], args.runs)
-    sys.stdout.write(text)
-    if not args.no_write:
-        replace_section(BENCHMARKS_MD, HEADING, text)
-    return 0
+    return publish(HEADING, text, write=not args.no_write)
 
 
 if __name__ == "__main__":

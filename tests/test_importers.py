@@ -32,10 +32,11 @@ def _samples(sailor):
 
 
 def test_sailor_plans_round_trip(sailor, tmp_path):
-    for sample in _samples(sailor):
-        model = "GPT-Neo-2.7" if "GPT-NEO" in str(sample) else "OPT-350"
+    for sample in _samples(sailor):   # without --model: the plan's layer count names it
         out = tmp_path / f"{sample.stem}.het"
-        assert _import(["sailor", "--data", str(sailor), "--model", model, "--plan", str(sample)], out) == 0
+        assert _import(["sailor", "--data", str(sailor), "--plan", str(sample)], out) == 0
+        named = "GPT-Neo-2.7" if "GPT-NEO" in str(sample) else "OPT-350"
+        assert f"(model {named}," in out.read_text()
         assert main(["check", "-q", str(out)]) == 0
         _, checked = load_checked(out)
         _same_plan(json.loads(sample.read_text()), checked)
@@ -109,6 +110,18 @@ def test_bad_sailor_plans_are_usage_errors(sailor, tmp_path, capsys, content, me
     bad.write_text(content)
     rc = main(["import", "sailor", "--data", str(sailor), "--model", "OPT-350", "--plan", str(bad)])
     assert rc == 2 and message in capsys.readouterr().err
+
+
+def test_a_plan_no_model_fits_asks_for_the_model(sailor, tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    plan.write_text('{"pipeline_list": [{"layers_per_stage": [[0, 1]], "tmp_per_stage": [], "dp": [1]}], '
+                    '"mbs": 1, "gbs": 1}')
+    assert main(["import", "sailor", "--data", str(sailor), "--plan", str(plan)]) == 2
+    err = capsys.readouterr().err
+    assert "covers 2 layers: no model" in err and "GPT-Neo-2.7 (34), OPT-350 (26)" in err
+    assert "name it with --model" in err
+    assert main(["import", "sailor", "--data", str(sailor), "--quotas", str(plan)]) == 2
+    assert "--quotas needs --model NAME" in capsys.readouterr().err
 
 
 def test_bad_inputs_name_the_file(sailor, tmp_path, capsys):

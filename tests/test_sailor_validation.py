@@ -14,7 +14,7 @@ import pytest
 from hetc.passes.cost import CostModel, load_profiles
 
 from hetc.frontend import load_checked
-from hetc.importers.sailor import import_sailor
+from hetc.importers.sailor import import_sailor, plan_model
 from tests.conftest import SHARED_DATA
 
 SAILOR = SHARED_DATA / "sailor"
@@ -30,10 +30,6 @@ KNOWN = {
 }
 
 
-def _model(sample) -> str:
-    return "GPT-Neo-2.7" if "GPT-NEO" in str(sample) else "OPT-350"
-
-
 def _ids():
     return [str(p.relative_to(SAILOR / "validation-samples")) for p in SAMPLES]
 
@@ -47,7 +43,7 @@ def profiles():
 
 def predict(sample, profiles, tmp_path) -> float:
     spec = tmp_path / "sample.het"
-    spec.write_text(import_sailor(str(SAILOR), _model(sample), str(sample), None))
+    spec.write_text(import_sailor(str(SAILOR), plan_model(str(SAILOR), str(sample)), str(sample), None))
     _, checked = load_checked(spec)
     return CostModel(checked.spec, checked.pipeline, checked.topology, profiles).estimate().step_time_s
 
@@ -66,3 +62,22 @@ def test_predicts_measured_iteration_time(sample, profiles, tmp_path, request):
 
 def test_samples_present(profiles):
     assert len(SAMPLES) >= 4, "the four published validation plans"
+
+
+def test_the_benchmark_times_every_measured_plan_it_finds(profiles, tmp_path, capsys):
+    """benchmarks/sailor_runs.py: plans with a measured `real` are timed; other JSON is passed over."""
+    from benchmarks.sailor_runs import main
+
+    runs = tmp_path / "validation"
+    for sample in SAMPLES:
+        target = runs / sample.relative_to(SAILOR / "validation-samples")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(sample.read_text())
+    (runs / "notes.json").write_text('{"not": "a plan"}')
+    assert main(["--runs", str(runs), "--data", str(SAILOR), "--no-write"]) == 0
+    out = capsys.readouterr().out
+    assert f"**{len(SAMPLES)} runs: median |error|" in out
+    rows = [line for line in out.splitlines() if line.startswith("| clariden") or line.startswith("| mit")]
+    assert len(rows) == len(SAMPLES) and "notes.json" not in out
+    assert "| clariden/OPT-350/N4/plan_config_N4_D2.json | OPT-350 | 2×2, tp 4 | 1 | 32 | -13.7% |" in rows
+    assert main(["--runs", str(tmp_path / "empty"), "--data", str(SAILOR), "--no-write"]) == 2

@@ -19,7 +19,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                            description="DIR is laid out like Sailor's: profiles/<MODEL>/<GPU>/profile.json, "
                                        "training_config_*.json, network fits, prices.")
     s.add_argument("--data", required=True, metavar="DIR", help="the Sailor data folder")
-    s.add_argument("--model", required=True, metavar="NAME", help="Sailor's model name, e.g. OPT-350")
+    s.add_argument("--model", metavar="NAME",
+                   help="Sailor's model name, e.g. OPT-350 (with --plan, by default the model whose layer "
+                        "count the plan covers)")
     which = s.add_mutually_exclusive_group(required=True)
     which.add_argument("--plan", metavar="PLAN.json", help="a Sailor plan: the spec carries it explicitly")
     which.add_argument("--quotas", metavar="QUOTAS.json",
@@ -40,9 +42,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _sailor(args: argparse.Namespace) -> int:
-    from hetc.importers.sailor import import_sailor
+    from hetc.cli import UsageError
+    from hetc.importers.sailor import import_sailor, plan_model
 
-    return _emit(import_sailor(args.data, args.model, args.plan, args.quotas), args.output)
+    model = args.model
+    if model is None:
+        if args.plan is None:
+            raise UsageError("hetc import sailor --quotas needs --model NAME (Sailor's model name)")
+        model = plan_model(args.data, args.plan)
+    return _emit(import_sailor(args.data, model, args.plan, args.quotas), args.output)
 
 
 def _zorse(args: argparse.Namespace) -> int:

@@ -48,7 +48,7 @@ from hetc.spec import (
     ZeroSpec,
 )
 
-__all__ = ["import_sailor"]
+__all__ = ["import_sailor", "plan_model"]
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,29 @@ def import_sailor(data: str, model_name: str, plan: str | None, quotas: str | No
     return render(spec, [f"Imported from Sailor by `hetc import sailor` (model {model_name}, data {folder}).",
                          *header,
                          f"Measured layer times and network fits: hetc explain SPEC --profile {folder}"])
+
+
+def plan_model(data: str, plan: str) -> str:
+    """The model a Sailor plan trains: the one whose layers (embedding, blocks, head) its stages cover.
+
+    Sailor's plans do not name their model; the layer count tells the
+    models of a data folder apart (OPT-350: 26, GPT-Neo-2.7: 34).
+    """
+    folder = require_dir(data, "Sailor data folder")
+    raw = read_input_json(plan, "Sailor plan")
+    try:
+        covered = sum(len(layers) for layers in raw["pipeline_list"][0]["layers_per_stage"])
+        models = read_models(folder)
+    except (KeyError, IndexError, TypeError) as err:
+        raise UsageError(f"'{plan}' is not a Sailor plan: missing or bad {err}") from None
+    except ProfileError as err:
+        raise UsageError(str(err)) from None
+    fits = sorted(name for name, m in models.items() if m.layers + 2 == covered)
+    if len(fits) != 1:
+        known = ", ".join(f"{name} ({m.layers + 2})" for name, m in sorted(models.items())) or "none"
+        raise UsageError(f"'{plan}' covers {covered} layers: {'several' if fits else 'no'} model in "
+                         f"'{folder}' has that many (known: {known}); name it with --model")
+    return fits[0]
 
 
 def _fields(node) -> dict:
