@@ -23,7 +23,7 @@ def publish(heading: str, text: str, write: bool) -> int:
 def replace_section(path: Path, heading: str, text: str) -> None:
     """Put `text` (which starts with `heading`) in place of that section of `path`, or append it."""
     old = path.read_text() if path.is_file() else "# Benchmarks\n"
-    pattern = re.compile(rf"^{re.escape(heading)}\n.*?(?=^## |\Z)", re.S | re.M)
+    pattern = re.compile(rf"^{re.escape(heading)}\n.*?(?=^## |\Z)", re.DOTALL | re.MULTILINE)
     new = pattern.sub(lambda _: text.rstrip("\n") + "\n\n", old) if pattern.search(old) \
         else old.rstrip("\n") + "\n\n" + text
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,7 @@ import sys
 from hetc import __version__
 from hetc.errors import Sources, SpecError
 
-__all__ = ["main", "UsageError", "VERBS"]
+__all__ = ["VERBS", "UsageError", "main"]
 
 # verb modules, in the order `hetc --help` lists them
 VERBS = ["demo", "check", "fmt", "plan", "compile", "verify", "run", "viz", "explain", "profile", "import_"]

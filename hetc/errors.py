@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = [
-    "Span",
     "NO_SPAN",
     "Diagnostic",
-    "SpecError",
     "InternalError",
     "Sources",
+    "Span",
+    "SpecError",
     "did_you_mean",
 ]
 
@@ -48,13 +48,13 @@ class Diagnostic:
     severity: str = "error"
     notes: tuple[tuple[Span, str], ...] = ()
 
-    def render(self, sources: "Sources") -> str:
+    def render(self, sources: Sources) -> str:
         lines = [self._one(self.span, self.severity, self.message, sources)]
         lines += [self._one(span, "note", msg, sources) for span, msg in self.notes]
         return "\n".join(lines)
 
     @staticmethod
-    def _one(span: Span, severity: str, message: str, sources: "Sources") -> str:
+    def _one(span: Span, severity: str, message: str, sources: Sources) -> str:
         head = f"{span}: {severity}: {message}"
         text = sources.line(span.file, span.line)
         if text is None:
@@ -76,7 +76,7 @@ class SpecError(Exception):
         super().__init__("\n".join(f"{d.span}: {d.severity}: {d.message}" for d in self.diagnostics))
 
     @classmethod
-    def at(cls, span: Span, message: str) -> "SpecError":
+    def at(cls, span: Span, message: str) -> SpecError:
         return cls(Diagnostic(span, message))
 
 

@@ -37,9 +37,23 @@ from typing import Protocol
 
 from hetc.spec import CPKind
 
-__all__ = ["Range", "SeqLayout", "Piece", "seq_chunks", "layout_problem", "replication", "held_fraction",
-           "attention_ranges", "boundary_ranges", "held_length", "local_slice", "positions", "transfers", "describe",
-           "tiling_problem"]
+__all__ = [
+    "Piece",
+    "Range",
+    "SeqLayout",
+    "attention_ranges",
+    "boundary_ranges",
+    "describe",
+    "held_fraction",
+    "held_length",
+    "layout_problem",
+    "local_slice",
+    "positions",
+    "replication",
+    "seq_chunks",
+    "tiling_problem",
+    "transfers",
+]
 
 Range = tuple[int, int]   # [start, stop) of the full sequence
 

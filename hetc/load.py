@@ -15,7 +15,7 @@ from hetc.convert import to_spec
 from hetc.errors import Diagnostic, Sources, Span, SpecError
 from hetc.spec import Spec
 
-__all__ = ["load_spec", "parse_file", "BUNDLED_SPECS", "LoadedSpec"]
+__all__ = ["BUNDLED_SPECS", "LoadedSpec", "load_spec", "parse_file"]
 
 BUNDLED_SPECS = Path(__file__).resolve().parent.parent / "specs"
 MAX_FILE_BYTES = 16 << 20

@@ -14,7 +14,7 @@ from functools import cached_property
 from hetc.spec import CPKind, OffloadSpec, ScheduleKind, ZeroSpec
 from hetc.topology import Gpu
 
-__all__ = ["Ministage", "Lane", "Stage", "Pipeline", "route_microbatches"]
+__all__ = ["Lane", "Ministage", "Pipeline", "Stage", "route_microbatches"]
 
 
 @dataclass(frozen=True, slots=True)

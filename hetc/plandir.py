@@ -25,7 +25,7 @@ from hetc.program import Program, ProgramFormatError, RankProgram
 from hetc.printer import format_spec
 from hetc.spec import DataKind, Spec
 
-__all__ = ["PLAN_FILE", "TIMELINE_FILE", "write_plan_dir", "read_program", "read_plan", "listing_name"]
+__all__ = ["PLAN_FILE", "TIMELINE_FILE", "listing_name", "read_plan", "read_program", "write_plan_dir"]
 
 PLAN_FILE = "plan.het"
 TIMELINE_FILE = "timeline.json"

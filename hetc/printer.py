@@ -19,7 +19,7 @@ from hetc.errors import NO_SPAN
 from hetc.spec import AUTO, LayerRange, Node, RankSlice, Routing, RoutingKind, Spec
 from hetc.units import format_quantity
 
-__all__ = ["format_file", "format_items", "spec_to_items", "format_spec"]
+__all__ = ["format_file", "format_items", "format_spec", "spec_to_items"]
 
 INDENT = "  "
 WIDTH = 96

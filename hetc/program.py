@@ -57,10 +57,35 @@ from enum import StrEnum
 from typing import ClassVar, Union
 
 __all__ = [
-    "Tensor", "Load", "Forward", "Backward", "BackwardInput", "BackwardWeight", "Send", "Recv",
-    "AllGather", "ReduceScatter", "AllReduce", "AllToAll", "Offload", "Prefetch", "Free", "Step",
-    "Wait", "Instr", "INSTR_TYPES", "parse_instr", "instr_from_json", "Group", "Shard", "RankProgram", "Program",
-    "ProgramFormatError", "COMPUTE_TYPES", "COMM_TYPES", "COLLECTIVE_TYPES",
+    "COLLECTIVE_TYPES",
+    "COMM_TYPES",
+    "COMPUTE_TYPES",
+    "INSTR_TYPES",
+    "AllGather",
+    "AllReduce",
+    "AllToAll",
+    "Backward",
+    "BackwardInput",
+    "BackwardWeight",
+    "Forward",
+    "Free",
+    "Group",
+    "Instr",
+    "Load",
+    "Offload",
+    "Prefetch",
+    "Program",
+    "ProgramFormatError",
+    "RankProgram",
+    "Recv",
+    "ReduceScatter",
+    "Send",
+    "Shard",
+    "Step",
+    "Tensor",
+    "Wait",
+    "instr_from_json",
+    "parse_instr",
 ]
 
 
@@ -486,7 +511,7 @@ class RankProgram:
         return "\n".join(lines) + "\n"
 
     @classmethod
-    def from_text(cls, text: str, source: str = "") -> "RankProgram":
+    def from_text(cls, text: str, source: str = "") -> RankProgram:
         header: dict | None = None
         shards, instrs = [], []
         for lineno, raw in enumerate(text.splitlines(), start=1):
@@ -515,7 +540,7 @@ class RankProgram:
                 "instrs": [i.to_json() for i in self.instrs]}
 
     @classmethod
-    def from_json(cls, obj: dict) -> "RankProgram":
+    def from_json(cls, obj: dict) -> RankProgram:
         return cls(obj["rank"], obj["stage"], obj["lane"], obj["tp_rank"], obj["cp_rank"],
                    tuple(Shard(**s) for s in obj["shards"]),
                    tuple(instr_from_json(i) for i in obj["instrs"]))
@@ -574,12 +599,12 @@ class Program:
                            "ranks": [r.to_json() for r in self.ranks]})
 
     @classmethod
-    def from_json(cls, text: str) -> "Program":
+    def from_json(cls, text: str) -> Program:
         obj = json.loads(text)
         return cls(tuple(RankProgram.from_json(r) for r in obj["ranks"]),
                    tuple(Group(g["name"], tuple(g["ranks"])) for g in obj["groups"]))
 
-    def replace_rank(self, rank: int, instrs: tuple[Instr, ...]) -> "Program":
+    def replace_rank(self, rank: int, instrs: tuple[Instr, ...]) -> Program:
         ranks = list(self.ranks)
         ranks[rank] = dataclasses.replace(ranks[rank], instrs=instrs)
         return Program(tuple(ranks), self.groups)

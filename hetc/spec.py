@@ -23,21 +23,53 @@ from hetc.errors import NO_SPAN, Span
 from hetc.units import Dim
 
 __all__ = [
-    "Auto", "AUTO", "Node", "param", "Arch", "DType", "Checkpointing", "OptimizerKind",
-    "ScheduleKind", "CPKind", "RoutingKind", "DataKind", "LrScheduleKind", "Objective",
-    "OffloadTarget", "ZeroShard", "OptimizerSpec", "MoESpec", "ModelSpec", "PeakSpec",
-    "DeviceSpec", "LinkSpec", "IntraLinkSpec", "NodeSpec", "ClusterSpec", "DataSpec",
-    "LrScheduleSpec", "TrainSpec", "ZeroSpec", "OffloadSpec", "LayerRange", "RankSlice",
-    "Routing", "StageSpec", "ObjectiveSpec", "ParallelSpec", "Spec", "DTYPE_BYTES",
+    "AUTO",
+    "DTYPE_BYTES",
+    "Arch",
+    "Auto",
+    "CPKind",
+    "Checkpointing",
+    "ClusterSpec",
+    "DType",
+    "DataKind",
+    "DataSpec",
+    "DeviceSpec",
+    "IntraLinkSpec",
+    "LayerRange",
+    "LinkSpec",
+    "LrScheduleKind",
+    "LrScheduleSpec",
+    "MoESpec",
+    "ModelSpec",
+    "Node",
+    "NodeSpec",
+    "Objective",
+    "ObjectiveSpec",
+    "OffloadSpec",
+    "OffloadTarget",
+    "OptimizerKind",
+    "OptimizerSpec",
+    "ParallelSpec",
+    "PeakSpec",
+    "RankSlice",
+    "Routing",
+    "RoutingKind",
+    "ScheduleKind",
+    "Spec",
+    "StageSpec",
+    "TrainSpec",
+    "ZeroShard",
+    "ZeroSpec",
+    "param",
 ]
 
 
 class Auto:
     """The value `auto`: the planner chooses."""
 
-    _instance: "Auto | None" = None
+    _instance: Auto | None = None
 
-    def __new__(cls) -> "Auto":
+    def __new__(cls) -> Auto:
         if cls._instance is None:
             cls._instance = super().__new__(cls)
         return cls._instance

@@ -14,7 +14,7 @@ from enum import StrEnum
 from hetc.program import (AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight, Forward,
                           Free, Instr, Load, Offload, Prefetch, Recv, ReduceScatter, Send, Step, Wait)
 
-__all__ = ["Stream", "EventKind", "Event", "Flow", "MemorySample", "RankInfo", "Timeline", "classify"]
+__all__ = ["Event", "EventKind", "Flow", "MemorySample", "RankInfo", "Stream", "Timeline", "classify"]
 
 FORMAT_VERSION = 1
 
@@ -144,7 +144,7 @@ class Timeline:
         })
 
     @classmethod
-    def from_json(cls, text: str) -> "Timeline":
+    def from_json(cls, text: str) -> Timeline:
         obj = json.loads(text)
         if obj.get("version") != FORMAT_VERSION:
             raise ValueError(f"timeline format version {obj.get('version')!r}, expected {FORMAT_VERSION}")

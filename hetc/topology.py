@@ -13,7 +13,7 @@ from functools import cached_property
 
 from hetc.spec import ClusterSpec, DeviceSpec, Spec
 
-__all__ = ["Gpu", "Link", "Topology", "MAX_GPUS", "DEFAULT_INTRA_BANDWIDTH"]
+__all__ = ["DEFAULT_INTRA_BANDWIDTH", "MAX_GPUS", "Gpu", "Link", "Topology"]
 
 MAX_GPUS = 65536
 # PCIe-class default when a node declares no intra link.

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from enum import StrEnum
 
-__all__ = ["Dim", "UNITS", "DISPLAY", "to_base", "format_quantity", "units_of"]
+__all__ = ["DISPLAY", "UNITS", "Dim", "format_quantity", "to_base", "units_of"]
 
 
 class Dim(StrEnum):

@@ -15,7 +15,7 @@ from __future__ import annotations
 from hetc.pipeline import Pipeline
 from hetc.program import Backward, BackwardInput, BackwardWeight, Forward, Program, Recv, Send, Tensor, Wait
 
-__all__ = ["torch_pipelines", "lanes_aligned", "TorchPipeline"]
+__all__ = ["TorchPipeline", "lanes_aligned", "torch_pipelines"]
 
 
 class TorchPipeline:

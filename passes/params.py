@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from hetc.spec import Arch, ModelSpec
 
-__all__ = ["layer_params", "model_params", "block_params", "expert_params", "stage_params"]
+__all__ = ["block_params", "expert_params", "layer_params", "model_params", "stage_params"]
 
 
 def _mlp_params(m: ModelSpec) -> int:

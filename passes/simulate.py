@@ -36,7 +36,7 @@ from hetc.passes.verify.memory import Sizes, rank_levels
 from hetc.spec import DTYPE_BYTES, Spec
 from hetc.timeline import Event, Flow, MemorySample, RankInfo, Timeline, classify
 
-__all__ = ["simulate", "SimulationError"]
+__all__ = ["SimulationError", "simulate"]
 
 _PHASE = {Forward: "F", Backward: "B", BackwardInput: "I", BackwardWeight: "W"}
 

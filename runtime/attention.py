@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hetc.spec import Arch, ModelSpec
 
-__all__ = ["AttentionCore", "Rope", "causal_attention", "Rotary", "apply_rope", "Attention"]
+__all__ = ["Attention", "AttentionCore", "Rope", "Rotary", "apply_rope", "causal_attention"]
 
 Rope = tuple[Tensor, Tensor]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from hetc.pipeline import Pipeline
 from hetc.spec import DataKind, ModelSpec, TrainSpec
 
-__all__ = ["BYTE_VOCAB", "check_tied_embeddings", "check_text_vocab"]
+__all__ = ["BYTE_VOCAB", "check_text_vocab", "check_tied_embeddings"]
 
 BYTE_VOCAB = 256  # byte-level text: one token per byte
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from hetc.pipeline import Pipeline
 
-__all__ = ["ProcessInfo", "local_info", "check_cluster", "ClusterMismatch"]
+__all__ = ["ClusterMismatch", "ProcessInfo", "check_cluster", "local_info"]
 
 MEMORY_SLACK = 0.9   # a "80 GiB" device reports a little less
 

@@ -8,7 +8,7 @@ says. On CUDA, host<->device copies run on their own stream and their
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,7 @@ def make_groups(groups: tuple[Group, ...], timeout=None) -> dict[str, object]:
 class _EventWork:
     """A copy on a side stream, as a Work: `wait` makes the current stream wait for it."""
 
-    def __init__(self, event: "torch.cuda.Event"):
+    def __init__(self, event: torch.cuda.Event):
         self.event = event
 
     def wait(self) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-__all__ = ["FlatEntry", "FlatLayout", "bind_params", "bind_grads", "FlatParams"]
+__all__ = ["FlatEntry", "FlatLayout", "FlatParams", "bind_grads", "bind_params"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -33,7 +33,7 @@ from hetc.runtime.optim import clip_coefficient, grad_sq_sum, lr_at, optimizer_s
 from hetc.runtime.split_backward import backward_input, backward_weight
 from hetc.spec import Spec
 
-__all__ = ["Interpreter", "StepResult", "ProtocolError"]
+__all__ = ["Interpreter", "ProtocolError", "StepResult"]
 
 log = logging.getLogger("hetc.runtime")
 

@@ -28,7 +28,7 @@ from torch import Tensor
 from hetc.layout import SeqLayout, attention_ranges, boundary_ranges, held_length, local_slice, positions
 from hetc.spec import CPKind
 
-__all__ = ["LanePlace", "place_ministage", "take_tokens", "Arrivals"]
+__all__ = ["Arrivals", "LanePlace", "place_ministage", "take_tokens"]
 
 
 @dataclass(frozen=True)

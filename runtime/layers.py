@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from hetc.spec import Arch, ModelSpec
 
-__all__ = ["RMSNorm", "LayerNorm", "make_norm", "Embedding", "Block", "Head", "NORMS"]
+__all__ = ["NORMS", "Block", "Embedding", "Head", "LayerNorm", "RMSNorm", "make_norm"]
 
 
 class RMSNorm(TPAware, nn.Module):

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 
-__all__ = ["spawn_local", "free_port"]
+__all__ = ["free_port", "spawn_local"]
 
 GRACE_S = 45.0
 

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from hetc.spec import Arch, ModelSpec
 
-__all__ = ["SwiGLU", "GeluMLP", "make_mlp"]
+__all__ = ["GeluMLP", "SwiGLU", "make_mlp"]
 
 
 class SwiGLU(TPRegion):

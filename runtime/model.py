@@ -38,8 +38,15 @@ from torch.utils.checkpoint import checkpoint
 
 from hetc.spec import Arch, Checkpointing, DType, ModelSpec
 
-__all__ = ["INIT_STD", "compute_dtype", "build_layer", "init_layer", "TokenLayout", "Ministage",
-           "build_ministage"]
+__all__ = [
+    "INIT_STD",
+    "Ministage",
+    "TokenLayout",
+    "build_layer",
+    "build_ministage",
+    "compute_dtype",
+    "init_layer",
+]
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from hetc.spec import LrScheduleKind, OptimizerKind, OptimizerSpec, TrainSpec
 
-__all__ = ["OptimizerState", "init_state", "optimizer_step", "lr_at", "grad_sq_sum", "clip_coefficient"]
+__all__ = ["OptimizerState", "clip_coefficient", "grad_sq_sum", "init_state", "lr_at", "optimizer_step"]
 
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s guard against a zero norm
 

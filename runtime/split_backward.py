@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-__all__ = ["backward_input", "backward_weight", "DeferredWeightGrad"]
+__all__ = ["DeferredWeightGrad", "backward_input", "backward_weight"]
 
 
 @dataclass

@@ -29,8 +29,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["GroupTP", "all_gather_into", "reduce_scatter_into", "conjugate", "copy_to_region",
-           "reduce_from_region", "gather_sequence", "scatter_sequence", "sum_grad_over"]
+__all__ = [
+    "GroupTP",
+    "all_gather_into",
+    "conjugate",
+    "copy_to_region",
+    "gather_sequence",
+    "reduce_from_region",
+    "reduce_scatter_into",
+    "scatter_sequence",
+    "sum_grad_over",
+]
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -30,8 +30,19 @@ from typing import Protocol
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["TPShard", "NO_SHARD", "Split", "TPComm", "NO_TP", "ParallelLinear", "ShardInfo", "shard_infos",
-           "TPAware", "TPRegion", "set_tp_comm"]
+__all__ = [
+    "NO_SHARD",
+    "NO_TP",
+    "ParallelLinear",
+    "ShardInfo",
+    "Split",
+    "TPAware",
+    "TPComm",
+    "TPRegion",
+    "TPShard",
+    "set_tp_comm",
+    "shard_infos",
+]
 
 
 @dataclass(frozen=True, slots=True)

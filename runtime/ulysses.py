@@ -22,7 +22,7 @@ from hetc.runtime.attention import AttentionCore, causal_attention
 from hetc.runtime.tensor_parallel import conjugate
 from torch import Tensor
 
-__all__ = ["UlyssesAttention", "seq_to_heads", "heads_to_seq", "kv_repeats"]
+__all__ = ["UlyssesAttention", "heads_to_seq", "kv_repeats", "seq_to_heads"]
 
 
 def _all_to_all(x: Tensor, group) -> Tensor:

@@ -25,7 +25,7 @@ from hetc.runtime.setup import build_rank
 from hetc.runtime.watchdog import Watchdog, store_client
 from hetc.passes.verify import verify
 
-__all__ = ["RunOptions", "run_worker", "EnvError", "PeerFailure"]
+__all__ = ["EnvError", "PeerFailure", "RunOptions", "run_worker"]
 
 log = logging.getLogger("hetc.runtime")
 

@@ -39,7 +39,7 @@ def plan_id(path: Path) -> str:
     return f"{path.parent.name}/{path.stem}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compile_plan(path: Path, schedule: ScheduleKind | None = None) -> Lowered:
     loaded, checked = load_checked(path, require_complete=True)
     if schedule is not None and schedule is not checked.spec.parallel.schedule:

@@ -196,7 +196,7 @@ def test_dump_after_schedule_shows_only_loads_and_compute(tmp_path, capsys):
 def test_dump_after_all_names_every_pass(tmp_path, capsys):
     assert main(["compile", str(DEMO / "zb.het"), "-o", str(tmp_path / "plan"), "--dump-after", "all"]) == 0
     out = capsys.readouterr().out
-    assert re.findall(r"^# after pass (\w+)$", out, re.M) == PASS_NAMES
+    assert re.findall(r"^# after pass (\w+)$", out, re.MULTILINE) == PASS_NAMES
 
 
 def test_dump_after_unknown_pass_is_a_usage_error(tmp_path, capsys):

@@ -133,7 +133,7 @@ def _applicable(program: Program) -> list[str]:
     return sorted(out)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _example(path):
     lowered = compile_plan(path)
     costs = CostModel(lowered.spec, lowered.pipeline, lowered.topology)

@@ -304,7 +304,7 @@ def test_cli_user_errors_exit_2(demo_dir, tmp_path, capsys):
 
 
 def _page_data(text: str) -> dict:
-    match = re.search(r'<script id="hetc-data" type="application/json">(.*?)</script>', text, re.S)
+    match = re.search(r'<script id="hetc-data" type="application/json">(.*?)</script>', text, re.DOTALL)
     assert match
     return json.loads(match.group(1))
 

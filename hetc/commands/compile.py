@@ -17,7 +17,7 @@ from hetc.passes.simulate import simulate
 from hetc.passes.lower import PASSES, PASS_NAMES, lower
 from hetc.passes.verify import VerifyError, verify
 
-__all__ = ["register", "compile_spec", "Compiled"]
+__all__ = ["Compiled", "compile_spec", "register"]
 
 log = logging.getLogger("hetc.compile")
 

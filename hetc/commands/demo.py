@@ -19,7 +19,7 @@ from hetc.commands.check import summary
 from hetc.frontend import load_checked
 from hetc.load import BUNDLED_SPECS
 
-__all__ = ["register", "DEMO_DIR", "DEMO_PLAN"]
+__all__ = ["DEMO_DIR", "DEMO_PLAN", "register"]
 
 DEMO_DIR = BUNDLED_SPECS / "demo"
 DEMO_PLAN = "hetero"

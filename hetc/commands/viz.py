@@ -14,7 +14,7 @@ from hetc.plandir import TIMELINE_FILE, read_program
 from hetc.program import ProgramFormatError
 from hetc.timeline import Timeline
 
-__all__ = ["register", "parse_ranks", "read_timeline"]
+__all__ = ["parse_ranks", "read_timeline", "register"]
 
 log = logging.getLogger(__name__)
 

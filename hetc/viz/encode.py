@@ -21,8 +21,15 @@ from dataclasses import dataclass
 
 from hetc.timeline import EventKind, RankInfo, Stream, Timeline
 
-__all__ = ["encode_timeline", "decode_text", "tokens_per_s", "StageSummary", "stage_summaries", "KIND_ORDER",
-           "STREAM_ORDER"]
+__all__ = [
+    "KIND_ORDER",
+    "STREAM_ORDER",
+    "StageSummary",
+    "decode_text",
+    "encode_timeline",
+    "stage_summaries",
+    "tokens_per_s",
+]
 
 KIND_ORDER = tuple(EventKind)
 STREAM_ORDER = tuple(Stream)

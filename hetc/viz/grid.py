@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 
 from hetc.program import Instr, Program, RankProgram
 
-__all__ = ["render_grid", "short_text", "MAX_CELL"]
+__all__ = ["MAX_CELL", "render_grid", "short_text"]
 
 MAX_CELL = 40          # widest cell, in characters
 _MARK = "> "           # prefix of a focus cell

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["find_chromium", "dump_dom", "screenshot", "Dump", "CHROMIUM_FLAGS"]
+__all__ = ["CHROMIUM_FLAGS", "Dump", "dump_dom", "find_chromium", "screenshot"]
 
 log = logging.getLogger(__name__)
 

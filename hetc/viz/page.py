@@ -19,7 +19,7 @@ import markupsafe
 from hetc.timeline import EventKind, Timeline
 from hetc.viz.encode import KIND_ORDER, STREAM_ORDER, encode_timeline, stage_summaries, tokens_per_s
 
-__all__ = ["render_page", "KIND_COLORS", "LEGEND"]
+__all__ = ["KIND_COLORS", "LEGEND", "render_page"]
 
 log = logging.getLogger(__name__)
 

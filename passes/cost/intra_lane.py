@@ -25,7 +25,7 @@ from hetc.layout import layout_problem
 from hetc.spec import CPKind, ModelSpec
 from hetc.topology import Gpu, Topology
 
-__all__ = ["LaneLayout", "tp_degrees", "lane_layouts"]
+__all__ = ["LaneLayout", "lane_layouts", "tp_degrees"]
 
 
 def _divisors(n: int) -> list[int]:

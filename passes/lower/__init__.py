@@ -7,7 +7,7 @@ program after pass NAME to a callback (`hetc compile --dump-after NAME`).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from hetc.pipeline import Pipeline
 from hetc.program import Program

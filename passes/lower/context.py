@@ -34,7 +34,7 @@ from hetc.pipeline import Lane, Pipeline, Stage
 from hetc.program import Group, Instr, RankProgram, Tensor
 from hetc.spec import CPKind, Spec, ZeroShard
 
-__all__ = ["LowerContext", "RankPlace", "Message", "next_handle"]
+__all__ = ["LowerContext", "Message", "RankPlace", "next_handle"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import heapq
 import logging
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 from hetc.errors import InternalError
 

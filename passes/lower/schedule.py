@@ -25,7 +25,7 @@ from hetc.passes.lower.context import LowerContext, rank_shell
 from hetc.passes.lower.zero import lane_pattern_error
 from hetc.passes.lower.lane_sim import Op, Policy, simulate
 
-__all__ = ["order_compute", "Op"]
+__all__ = ["Op", "order_compute"]
 
 
 def order_compute(ctx: LowerContext) -> Program:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from hetc.program import COMPUTE_TYPES, Instr
 
-__all__ = ["Unit", "split_units", "join_units"]
+__all__ = ["Unit", "join_units", "split_units"]
 
 
 @dataclass

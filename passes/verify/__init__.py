@@ -24,7 +24,7 @@ from hetc.passes.verify.errors import Finding, VerifyError
 from hetc.passes.verify.memory import Sizes, check_memory
 from hetc.passes.verify.protocol import check_protocol
 
-__all__ = ["verify", "VerifyError", "Finding", "Sizes"]
+__all__ = ["Finding", "Sizes", "VerifyError", "verify"]
 
 
 def verify(program: Program, pipeline: Pipeline, spec: Spec, sizes: Sizes | None = None) -> None:

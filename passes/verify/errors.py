@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hetc.program import Program
 
-__all__ = ["VerifyError", "Finding"]
+__all__ = ["Finding", "VerifyError"]
 
 
 class Finding:

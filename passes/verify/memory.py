@@ -37,7 +37,7 @@ from hetc.program import (AllGather, Backward, BackwardInput, BackwardWeight, Fo
                           Prefetch, Program, RankProgram, Recv, Shard, Step, Tensor, Wait)
 from hetc.passes.verify.errors import Finding, at
 
-__all__ = ["Sizes", "Peak", "rank_peaks", "rank_levels", "check_memory", "format_bytes"]
+__all__ = ["Peak", "Sizes", "check_memory", "format_bytes", "rank_levels", "rank_peaks"]
 
 PARTS = ("params", "grads", "optimizer", "gathered", "activations", "buffers", "reserve")
 

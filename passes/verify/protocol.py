@@ -37,7 +37,7 @@ class _Op:
     done: bool = False
     call: int | None = None      # a collective's number among its group's calls
     group: str | None = None     # the group it is a collective on (a compute op's tp or cp group)
-    parent: "_Op | None" = None  # the compute op this is one group's part of
+    parent: _Op | None = None  # the compute op this is one group's part of
     parts: int = 0               # a compute op's parts not yet complete
 
 

@@ -14,7 +14,7 @@ from hetc.spec import ScheduleKind
 from tests.conftest import DEMO, ROOT
 from tests.plans import compile_plan
 
-__all__ = ["GOLDEN_DIR", "CASES", "golden_path", "render"]
+__all__ = ["CASES", "GOLDEN_DIR", "golden_path", "render"]
 
 GOLDEN_DIR = Path(__file__).resolve().parent
 
