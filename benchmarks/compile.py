@@ -29,12 +29,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.markdown import publish  # noqa: E402
-from hetc.cli import main as hetc_main  # noqa: E402
-from hetc.frontend import load_checked  # noqa: E402
-from hetc.passes.cost import CostModel  # noqa: E402
-from hetc.passes.lower import lower  # noqa: E402
-from hetc.passes.verify import verify  # noqa: E402
+from benchmarks.markdown import publish
+from hetc.cli import main as hetc_main
+from hetc.frontend import load_checked
+from hetc.passes.cost import CostModel
+from hetc.passes.lower import lower
+from hetc.passes.verify import verify
 
 HEADING = "## Compile and verify"
 NUM_STAGES = 8

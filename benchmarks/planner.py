@@ -26,12 +26,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from hetc.passes.cost import load_profiles
-from hetc.passes.plan.planner import plan_spec
-
 from benchmarks.markdown import publish
 from hetc.importers.sailor import import_sailor
 from hetc.load import load_spec
+from hetc.passes.cost import load_profiles
+from hetc.passes.plan.planner import plan_spec
 
 HEADING = "## Planner"
 SAILOR = ROOT.parent / "shared" / "data" / "sailor"

@@ -65,10 +65,11 @@ class TorchPipeline:
     def __init__(self, spec, pipeline, rank: int, data) -> None:
         import torch
         import torch.nn.functional as F
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
         from hetc.runtime.flat import FlatParams
         from hetc.runtime.model import build_ministage
         from hetc.runtime.optim import init_state
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
         self.spec, self.data, self.rank = spec, data, rank
         ministages = [pipeline.ministages[i] for i in pipeline.stages[rank].ministages]
@@ -87,6 +88,7 @@ class TorchPipeline:
     def step(self, step: int) -> float | None:
         """One training step; the mean microbatch loss on the last stage."""
         import torch
+
         from hetc.runtime.optim import lr_at, optimizer_step
 
         self.flat.zero_grad()
@@ -110,9 +112,9 @@ def compute_alone(buffers, spec, program, pipeline, data, step: int, stand_in) -
     `buffers` are a copy of the rank's (the interpreter's keep training in step with torch's).
     """
     import torch
-    from hetc.runtime.optim import lr_at, optimizer_step
 
     from hetc.program import Backward, Forward, Load, Step
+    from hetc.runtime.optim import lr_at, optimizer_step
 
     m, last_layer = pipeline.num_microbatches, spec.model.num_model_layers
     start = time.perf_counter()
@@ -175,11 +177,11 @@ def bench_rank(rank: int, world: int, port: int, plan_dir: Path, turns: int, res
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
+
+    from hetc.plandir import read_plan, read_program
     from hetc.runtime.comm import make_groups
     from hetc.runtime.data import make_data_source
     from hetc.runtime.setup import build_buffers, build_rank
-
-    from hetc.plandir import read_plan, read_program
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -236,9 +238,9 @@ def bench_rank(rank: int, world: int, port: int, plan_dir: Path, turns: int, res
 
 def measure(turns: int) -> tuple[list[RankTimes], Path]:
     import torch.multiprocessing as mp
-    from hetc.runtime.local import free_port
 
     from hetc.cli import main as hetc_main
+    from hetc.runtime.local import free_port
 
     out = Path(tempfile.mkdtemp(prefix="hetc-bench-runtime-"))
     plan_dir = out / "plan"

@@ -29,12 +29,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from hetc.passes.cost import CostModel, load_profiles
-
 from benchmarks.markdown import publish
 from hetc.cli import UsageError
 from hetc.frontend import load_checked
 from hetc.importers.sailor import import_sailor, plan_model
+from hetc.passes.cost import CostModel, load_profiles
 
 HEADING = "## Cost model"
 SAILOR = ROOT.parent / "shared" / "data" / "sailor"
@@ -90,15 +89,15 @@ def section(results: list[Result], runs: Path) -> str:
     errors = [abs(r.error) for r in timed]
     within = sum(e <= TOLERANCE for e in errors)
     lines = [HEADING, "",
-             f"`benchmarks/sailor_runs.py --runs {runs.name}/`: Sailor's plans that ran on Megatron-DeepSpeed "
-             "(1F1B, TP inside a node, DP all-reduce) with their measured seconds per iteration, imported with "
-             "`hetc import sailor` and timed by `hetc explain` from Sailor's per-layer profiles and network "
-             "fits. Error = (predicted − measured) / measured. Sailor's repository keeps its measured runs in "
-             "sailor/Planner/simulations/validation/; ../shared/data/sailor/validation-samples/ (the default) "
-             "holds four of them.", ""]
+             (f"`benchmarks/sailor_runs.py --runs {runs.name}/`: Sailor's plans that ran on Megatron-DeepSpeed "
+              "(1F1B, TP inside a node, DP all-reduce) with their measured seconds per iteration, imported with "
+              "`hetc import sailor` and timed by `hetc explain` from Sailor's per-layer profiles and network "
+              "fits. Error = (predicted − measured) / measured. Sailor's repository keeps its measured runs in "
+              "sailor/Planner/simulations/validation/; ../shared/data/sailor/validation-samples/ (the default) "
+              "holds four of them."), ""]
     if errors:
-        lines += [f"**{len(timed)} runs: median |error| {statistics.median(errors):.1%}, mean "
-                  f"{statistics.fmean(errors):.1%}, {within} of {len(timed)} within {TOLERANCE:.0%}.**", ""]
+        lines += [(f"**{len(timed)} runs: median |error| {statistics.median(errors):.1%}, mean "
+                   f"{statistics.fmean(errors):.1%}, {within} of {len(timed)} within {TOLERANCE:.0%}.**"), ""]
     lines += ["| run | model | stages × lanes, TP | micro-batch | microbatches per lane | error |",
               "|---|---|---|---|---|---|"]
     for r in results:

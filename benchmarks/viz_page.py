@@ -23,10 +23,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.markdown import publish  # noqa: E402
-from hetc.commands.compile import compile_spec  # noqa: E402
-from hetc.viz.headless import dump_dom, find_chromium  # noqa: E402
-from hetc.viz.page import render_page  # noqa: E402
+from benchmarks.markdown import publish
+from hetc.commands.compile import compile_spec
+from hetc.viz.headless import dump_dom, find_chromium
+from hetc.viz.page import render_page
 
 HEADING = "## Visualizer"
 PLANS = {"1F1B, ZeRO-1": ROOT / "benchmarks" / "specs" / "viz1024_1f1b.het",

@@ -7,7 +7,7 @@ import sys as _sys
 # from a source tree without installing, map it here.
 if "hetc.grammar" not in _sys.modules:
     try:
-        import hetc.grammar  # noqa: F401
+        import hetc.grammar  # noqa: F401 - imported to see whether it is installed
     except ImportError:  # pragma: no cover - source tree without install
         import importlib.util as _util
         from pathlib import Path as _Path

@@ -21,8 +21,8 @@ import tempfile
 from pathlib import Path
 
 from hetc.errors import SpecError
-from hetc.program import Program, ProgramFormatError, RankProgram
 from hetc.printer import format_spec
+from hetc.program import Program, ProgramFormatError, RankProgram
 from hetc.spec import DataKind, Spec
 
 __all__ = ["PLAN_FILE", "TIMELINE_FILE", "listing_name", "read_plan", "read_program", "write_plan_dir"]

@@ -14,8 +14,8 @@ import re
 from enum import StrEnum
 
 from hetc import syntax as ast
-from hetc.schema import fields_of
 from hetc.errors import NO_SPAN
+from hetc.schema import fields_of
 from hetc.spec import AUTO, LayerRange, Node, RankSlice, Routing, RoutingKind, Spec
 from hetc.units import format_quantity
 

@@ -479,7 +479,7 @@ def _parse_shard(text: str) -> Shard:
     flags = {w for w in words if "=" not in w}
     unknown = flags - {"param_offload", "opt_offload", "act_offload"}
     if unknown:
-        raise ValueError(f"unknown shard flag '{sorted(unknown)[0]}'")
+        raise ValueError(f"unknown shard flag '{min(unknown)}'")
     try:
         return Shard(int(kv["ms"]), int(kv["zero"]), None if kv["group"] == "-" else kv["group"],
                      None if kv["outer"] == "-" else kv["outer"], int(kv["outer_zero"]),

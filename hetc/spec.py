@@ -119,8 +119,8 @@ def param(
     `shorthand`: `key = value` on the parent sets this field of the nested
     block (`zero = 2` for `zero { level = 2 }`).
     """
-    meta = dict(doc=doc, aliases=aliases, unit=unit, lo=lo, hi=hi, block=block, label=label,
-                shorthand=shorthand)
+    meta = {"doc": doc, "aliases": aliases, "unit": unit, "lo": lo, "hi": hi, "block": block, "label": label,
+            "shorthand": shorthand}
     if factory is not dataclasses.MISSING:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)

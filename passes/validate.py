@@ -11,11 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from hetc.passes.params import model_params
-from hetc.passes.resolve import resolve_pipeline
-
 from hetc.errors import Diagnostic, SpecError, did_you_mean
 from hetc.layout import layout_problem
+from hetc.passes.params import model_params
+from hetc.passes.resolve import resolve_pipeline
 from hetc.pipeline import Pipeline
 from hetc.spec import AUTO, DTYPE_BYTES, CPKind, DataKind, OffloadTarget, Spec, ZeroShard
 from hetc.topology import MAX_GPUS, Topology

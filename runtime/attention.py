@@ -19,10 +19,10 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from hetc.runtime.tp import NO_SHARD, ParallelLinear, Split, TPRegion, TPShard
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from hetc.runtime.tp import NO_SHARD, ParallelLinear, Split, TPRegion, TPShard
 from hetc.spec import Arch, ModelSpec
 
 __all__ = ["Attention", "AttentionCore", "Rope", "Rotary", "apply_rope", "causal_attention"]

@@ -43,9 +43,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import Tensor
+
 from hetc.runtime.buffers import MinistageBuffers
 from hetc.runtime.pieces import PieceLoadPlanner, PieceSavePlanner, layout_pieces, param_pieces
-from torch import Tensor
 
 __all__ = [
     "LATEST",

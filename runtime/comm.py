@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from hetc.program import Group, Recv, Send, Tensor as Kind
+from hetc.program import Group, Recv, Send
+from hetc.program import Tensor as Kind
 
 __all__ = ["Comm", "make_groups"]
 

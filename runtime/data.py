@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-from hetc.runtime.checks import check_text_vocab
-from hetc.runtime.seeding import generator
 from torch import Tensor
 
 from hetc.errors import SpecError
+from hetc.runtime.checks import check_text_vocab
+from hetc.runtime.seeding import generator
 from hetc.spec import DataKind, ModelSpec, TrainSpec
 
 __all__ = ["DataSource", "SyntheticData", "TextData", "make_data_source"]

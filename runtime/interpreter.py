@@ -16,15 +16,33 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from hetc.program import (AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight, Forward, Free,
-                          Instr, Load, Offload, Prefetch, RankProgram, Recv, ReduceScatter, Send, Step, Tensor as Kind,
-                          Wait)
+from hetc.program import (
+    AllGather,
+    AllReduce,
+    AllToAll,
+    Backward,
+    BackwardInput,
+    BackwardWeight,
+    Forward,
+    Free,
+    Instr,
+    Load,
+    Offload,
+    Prefetch,
+    RankProgram,
+    Recv,
+    ReduceScatter,
+    Send,
+    Step,
+    Wait,
+)
+from hetc.program import Tensor as Kind
 from hetc.runtime.buffers import MinistageBuffers
 from hetc.runtime.comm import Comm
 from hetc.runtime.data import DataSource

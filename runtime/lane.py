@@ -16,6 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
+
+from hetc.layout import SeqLayout, attention_ranges, boundary_ranges, held_length, local_slice, positions
 from hetc.runtime.attention import Attention
 from hetc.runtime.model import Ministage, TokenLayout
 from hetc.runtime.moe import ALL_EXPERTS, ExpertExchange, ExpertShard, MoE, SequenceRouting
@@ -23,9 +26,6 @@ from hetc.runtime.ring_attention import RingAttention
 from hetc.runtime.tensor_parallel import GroupTP
 from hetc.runtime.tp import NO_SHARD, TPShard, set_tp_comm
 from hetc.runtime.ulysses import UlyssesAttention
-from torch import Tensor
-
-from hetc.layout import SeqLayout, attention_ranges, boundary_ranges, held_length, local_slice, positions
 from hetc.spec import CPKind
 
 __all__ = ["Arrivals", "LanePlace", "place_ministage", "take_tokens"]

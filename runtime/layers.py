@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor, nn
+
 from hetc.runtime.attention import Attention, Rope
 from hetc.runtime.mlp import make_mlp
 from hetc.runtime.moe import ALL_EXPERTS, ExpertShard
 from hetc.runtime.tp import NO_SHARD, ParallelLinear, TPAware, TPShard
-from torch import Tensor, nn
-
 from hetc.spec import Arch, ModelSpec
 
 __all__ = ["NORMS", "Block", "Embedding", "Head", "LayerNorm", "RMSNorm", "make_norm"]

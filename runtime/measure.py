@@ -19,8 +19,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from hetc.runtime.model import build_ministage, compute_dtype
 
+from hetc.runtime.model import build_ministage, compute_dtype
 from hetc.spec import ModelSpec
 
 __all__ = ["COLLECTIVE_KINDS", "LayerSample", "comm_rates", "copy_rates", "local_device", "time_layers"]

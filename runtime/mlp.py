@@ -9,10 +9,10 @@ dense MLP of the architecture, with a capacity and expert parallelism.
 from __future__ import annotations
 
 import torch.nn.functional as F
-from hetc.runtime.moe import ALL_EXPERTS, ExpertShard, MoE
-from hetc.runtime.tp import NO_SHARD, ParallelLinear, Split, TPRegion, TPShard
 from torch import Tensor, nn
 
+from hetc.runtime.moe import ALL_EXPERTS, ExpertShard, MoE
+from hetc.runtime.tp import NO_SHARD, ParallelLinear, Split, TPRegion, TPShard
 from hetc.spec import Arch, ModelSpec
 
 __all__ = ["GeluMLP", "SwiGLU", "make_mlp"]

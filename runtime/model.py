@@ -28,14 +28,14 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
 from hetc.runtime.attention import Attention, Rotary
 from hetc.runtime.layers import NORMS, Block, Embedding, Head
 from hetc.runtime.moe import ALL_EXPERTS, ExpertShard
 from hetc.runtime.seeding import generator
 from hetc.runtime.tp import NO_SHARD, ParallelLinear, TPShard, shard_infos
-from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
-
 from hetc.spec import Arch, Checkpointing, DType, ModelSpec
 
 __all__ = [

@@ -40,10 +40,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from hetc.runtime.tensor_parallel import all_gather_into
-from hetc.runtime.tp import ParallelLinear
 from torch import Tensor, nn
 
+from hetc.runtime.tensor_parallel import all_gather_into
+from hetc.runtime.tp import ParallelLinear
 from hetc.spec import ModelSpec
 
 __all__ = [

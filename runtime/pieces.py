@@ -29,12 +29,13 @@ import math
 from dataclasses import dataclass
 
 import torch
-from hetc.runtime.flat import FlatLayout
-from hetc.runtime.tp import ShardInfo
 from torch import Tensor
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+from hetc.runtime.flat import FlatLayout
+from hetc.runtime.tp import ShardInfo
 
 __all__ = ["FlatPieces", "PieceLoadPlanner", "PieceSavePlanner", "layout_pieces", "param_pieces"]
 

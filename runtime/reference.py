@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import Tensor
+
 from hetc.runtime.data import DataSource, make_data_source
 from hetc.runtime.flat import FlatParams
 from hetc.runtime.model import build_ministage, compute_dtype
 from hetc.runtime.optim import clip_coefficient, grad_sq_sum, init_state, lr_at, optimizer_step
-from torch import Tensor
-
 from hetc.spec import ModelSpec, TrainSpec
 
 __all__ = ["ReferenceResult", "train_reference"]

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
+
 from hetc.runtime.attention import AttentionCore, causal_attention
 from hetc.runtime.tensor_parallel import conjugate
-from torch import Tensor
 
 __all__ = ["UlyssesAttention", "heads_to_seq", "kv_repeats", "seq_to_heads"]
 

@@ -18,6 +18,7 @@ dead rank will never write must not hold up the beats behind it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -70,10 +71,8 @@ class Watchdog(threading.Thread):
 
     def declare_dead(self, dead: int) -> None:
         """Tell every rank that `dead` is gone; each one's watchdog exits at its next beat."""
-        try:
+        with contextlib.suppress(Exception):  # the store is gone: every rank notices that by itself
             self.store.set("hetc/dead", str(dead))
-        except Exception:  # noqa: BLE001 - the store is gone: every rank notices that by itself
-            pass
 
     def _die(self, dead: int, why: str) -> None:
         if self._halt.is_set():
@@ -101,10 +100,8 @@ class Watchdog(threading.Thread):
     def finish(self, completed: bool = True) -> None:
         """Stop watching; if this rank `completed` its work, tell its watcher not to worry."""
         self._halt.set()
-        try:
-            if completed:
+        if completed:
+            with contextlib.suppress(Exception):  # the store is gone: nobody is left to mistake us for dead
                 self.store.set(f"hetc/done/{self.rank}", "1")
-        except Exception:  # noqa: BLE001
-            pass
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout=5 * self.interval)

@@ -15,15 +15,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hetc.passes.verify import verify
 from hetc.plandir import read_plan, read_program
-from hetc.spec import DeviceSpec
 from hetc.runtime.cluster_check import ClusterMismatch, check_cluster, local_info
 from hetc.runtime.comm import make_groups
 from hetc.runtime.data import make_data_source
 from hetc.runtime.report import Reporter
 from hetc.runtime.setup import build_rank
 from hetc.runtime.watchdog import Watchdog, store_client
-from hetc.passes.verify import verify
+from hetc.spec import DeviceSpec
 
 __all__ = ["EnvError", "PeerFailure", "RunOptions", "run_worker"]
 
@@ -56,7 +56,7 @@ def _env() -> tuple[int, int, int]:
     if missing:
         raise EnvError(f"not launched by torchrun ({', '.join(missing)} unset): use "
                        "`torchrun --nproc-per-node N -m hetc run DIR` or `hetc run DIR --local`")
-    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0"))
 
 
 def run_worker(plan_dir: Path, opts: RunOptions) -> int:

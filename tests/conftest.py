@@ -56,9 +56,8 @@ def demo_plan_dirs(tmp_path_factory) -> dict:
 @pytest.fixture(scope="session")
 def demo_reference(demo_plan_dirs):
     """The 1-process reference run of the demo job for REFERENCE_STEPS steps (losses, final params)."""
-    from hetc.runtime.reference import train_reference
-
     from hetc.plandir import read_plan
+    from hetc.runtime.reference import train_reference
 
     plan_dir = demo_plan_dirs["single"]
     _, checked = read_plan(plan_dir)

@@ -98,6 +98,7 @@ def assert_losses_close(got: tuple[float, ...], want: tuple[float, ...]) -> None
 def assert_params_close(checkpoint: Path, want: dict) -> None:
     """The fp32 parameters in `checkpoint` (a step-N directory) equal `want` (by name, any shape)."""
     import torch
+
     from hetc.runtime.checkpoint import read_params
 
     got = read_params(checkpoint)
@@ -163,11 +164,11 @@ def _serve(rank: int, size: int, port: int, conn) -> None:
 def _run_job(job: PlanJob, rank: int) -> RankReport | None:
     import torch
     import torch.distributed as dist
+
+    from hetc.plandir import read_plan, read_program
     from hetc.runtime.comm import make_groups
     from hetc.runtime.data import make_data_source
     from hetc.runtime.setup import build_rank
-
-    from hetc.plandir import read_plan, read_program
 
     _, checked = read_plan(job.plan_dir)
     program = read_program(job.plan_dir)

@@ -13,9 +13,9 @@ import sys
 
 import pytest
 import torch
-from hetc.runtime.checkpoint import LATEST, CheckpointError, latest_checkpoint, read_params
 
 from hetc.cli import main as hetc_main
+from hetc.runtime.checkpoint import LATEST, CheckpointError, latest_checkpoint, read_params
 from tests.conftest import REFERENCE_STEPS, ROOT
 from tests.rank_pool import PlanJob, agreed_losses, assert_losses_close, assert_params_close
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from hetc.runtime.checkpoint import latest_checkpoint
 
+from hetc.runtime.checkpoint import latest_checkpoint
 from tests.conftest import DEMO, REFERENCE_STEPS
 from tests.rank_pool import PlanJob, agreed_losses, assert_losses_close, assert_params_close, compile_plans
 

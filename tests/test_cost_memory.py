@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+
 from hetc.passes.cost.memory import in_flight
 from hetc.passes.cost.shapes import activation_elements, params_per_rank
 from hetc.passes.params import block_params, layer_params, stage_params
-
 from hetc.spec import Arch, Checkpointing, ScheduleKind
 from tests.costspecs import cost_model, plan_text
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from hetc.passes.cost import traffic
 from hetc.passes.cost.network import MeasuredPoints, QuadraticLogFit, collective_bytes_per_rank
-
 from hetc.spec import ScheduleKind
 from tests.costspecs import cluster, cost_model, plan_text
 

@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 import torch
-from hetc.runtime.checks import check_text_vocab
-from hetc.runtime.data import SyntheticData, TextData, make_data_source
 
 from hetc.errors import SpecError
 from hetc.frontend import load_checked
+from hetc.runtime.checks import check_text_vocab
+from hetc.runtime.data import SyntheticData, TextData, make_data_source
 from hetc.spec import DataKind, DataSpec, ModelSpec, TrainSpec
 from tests.conftest import DEMO
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 
 import pytest
-from hetc.passes.cost import CostModel, traffic
 
 from hetc.layout import held_fraction
+from hetc.passes.cost import CostModel, traffic
 from hetc.program import Send
 from tests.conftest import DEMO
 from tests.plans import compile_plan

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from hetc.passes.verify import VerifyError, verify
 
+from hetc.passes.verify import VerifyError, verify
 from hetc.program import Forward, Program, Recv, Send, Wait
 from tests.conftest import DEMO
 from tests.plans import compile_plan
@@ -136,10 +136,9 @@ def test_a_lane_runs_tp_cp_compute_in_lockstep_in_the_timeline(plan):
 
 
 def test_a_lane_out_of_rank_order_is_a_located_error_where_the_order_matters(tmp_path):
-    from hetc.passes.lower import lower
-
     from hetc.errors import SpecError
     from hetc.frontend import load_checked
+    from hetc.passes.lower import lower
 
     def compile_text(extra: str):
         spec = tmp_path / "desc.het"

@@ -7,10 +7,10 @@ import math
 
 import pytest
 import torch
-from hetc.runtime.flat import FlatLayout, FlatParams, bind_grads, bind_params
-from hetc.runtime.optim import clip_coefficient, grad_sq_sum, init_state, lr_at, optimizer_step
 from torch import nn
 
+from hetc.runtime.flat import FlatLayout, FlatParams, bind_grads, bind_params
+from hetc.runtime.optim import clip_coefficient, grad_sq_sum, init_state, lr_at, optimizer_step
 from hetc.spec import LrScheduleKind, LrScheduleSpec, OptimizerKind, OptimizerSpec, TrainSpec
 
 

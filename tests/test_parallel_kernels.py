@@ -126,11 +126,11 @@ def _groups() -> dict[tuple[int, ...], object]:
 def _check(case: Case, rank: int, groups) -> None:
     import torch
     import torch.distributed as dist
+
+    from hetc.pipeline import Stage
     from hetc.runtime.lane import LanePlace, place_ministage, take_tokens
     from hetc.runtime.model import build_ministage
     from hetc.runtime.tp import shard_infos
-
-    from hetc.pipeline import Stage
     from hetc.spec import OffloadSpec, ZeroSpec
 
     lane = tuple(range(case.tp * case.cp))

@@ -12,6 +12,9 @@ from __future__ import annotations
 import random
 
 import pytest
+
+from hetc.importers.sailor import import_sailor
+from hetc.load import load_spec
 from hetc.passes.cost import CostModel, Profiles, load_profiles
 from hetc.passes.plan.candidate import Candidate, GpuBlock, Knobs, Offload, StageGpus, split_evenly
 from hetc.passes.plan.costs import Primitives
@@ -19,9 +22,6 @@ from hetc.passes.plan.emit import emit_spec
 from hetc.passes.plan.evaluate import evaluate
 from hetc.passes.plan.views import Resolver, view_of
 from hetc.passes.validate import check_spec
-
-from hetc.importers.sailor import import_sailor
-from hetc.load import load_spec
 from hetc.spec import ScheduleKind, ZeroSpec
 from hetc.topology import Topology
 

@@ -13,10 +13,10 @@ reference is moe_single's model and data.
 from __future__ import annotations
 
 import pytest
-from hetc.runtime.checkpoint import latest_checkpoint
-from hetc.runtime.reference import train_reference
 
 from hetc.plandir import read_plan
+from hetc.runtime.checkpoint import latest_checkpoint
+from hetc.runtime.reference import train_reference
 from tests.conftest import REFERENCE_STEPS
 from tests.plans import DEMO_PLANS
 from tests.rank_pool import PlanJob, agreed_losses, assert_losses_close, assert_params_close

@@ -8,13 +8,13 @@ import random
 import time
 
 import pytest
-from hetc.passes.plan.partition import bandwidth_domains
-from hetc.passes.plan.planner import plan_spec
-from hetc.passes.plan.routing import bottleneck, spread
 
 from hetc.cli import main
 from hetc.commands.compile import compile_spec
 from hetc.load import load_spec
+from hetc.passes.plan.partition import bandwidth_domains
+from hetc.passes.plan.planner import plan_spec
+from hetc.passes.plan.routing import bottleneck, spread
 from hetc.planreport import plan_summary
 from hetc.spec import AUTO
 from hetc.topology import Topology

@@ -14,12 +14,12 @@ from __future__ import annotations
 import random
 
 import pytest
+
+from hetc.frontend import load_checked
 from hetc.passes.plan.candidate import Offload
 from hetc.passes.plan.objective import Goal
 from hetc.passes.plan.search import Search
 from hetc.passes.plan.space import space_from_spec
-
-from hetc.frontend import load_checked
 from hetc.spec import ScheduleKind
 from hetc.topology import Topology
 from tests.plan_oracle import Exhaustive

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from hetc.passes.cost import ProfileError, load_profiles
-from hetc.passes.cost.hetc_profile import FORMAT, VERSION, profile_from_dict
 
 from hetc.cli import main
+from hetc.passes.cost import ProfileError, load_profiles
+from hetc.passes.cost.hetc_profile import FORMAT, VERSION, profile_from_dict
 from tests.conftest import DEMO
 
 pytestmark = pytest.mark.slow

@@ -7,12 +7,12 @@ import time
 
 import pytest
 import torch
+
+from hetc.frontend import load_checked
 from hetc.runtime.data import make_data_source
 from hetc.runtime.model import build_ministage
 from hetc.runtime.optim import lr_at
 from hetc.runtime.reference import train_reference
-
-from hetc.frontend import load_checked
 from hetc.spec import DType, LrScheduleKind, LrScheduleSpec, ModelSpec, OptimizerSpec, TrainSpec
 from tests.conftest import DEMO
 

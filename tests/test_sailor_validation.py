@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from hetc.passes.cost import CostModel, load_profiles
 
 from hetc.frontend import load_checked
 from hetc.importers.sailor import import_sailor, plan_model
+from hetc.passes.cost import CostModel, load_profiles
 from tests.conftest import SHARED_DATA
 
 SAILOR = SHARED_DATA / "sailor"
@@ -77,7 +77,7 @@ def test_the_benchmark_times_every_measured_plan_it_finds(profiles, tmp_path, ca
     assert main(["--runs", str(runs), "--data", str(SAILOR), "--no-write"]) == 0
     out = capsys.readouterr().out
     assert f"**{len(SAMPLES)} runs: median |error|" in out
-    rows = [line for line in out.splitlines() if line.startswith("| clariden") or line.startswith("| mit")]
+    rows = [line for line in out.splitlines() if line.startswith(("| clariden", "| mit"))]
     assert len(rows) == len(SAMPLES) and "notes.json" not in out
     assert "| clariden/OPT-350/N4/plan_config_N4_D2.json | OPT-350 | 2×2, tp 4 | 1 | 32 | -13.7% |" in rows
     assert main(["--runs", str(tmp_path / "empty"), "--data", str(SAILOR), "--no-write"]) == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from pathlib import Path
 
@@ -38,7 +39,7 @@ def test_every_rank_has_a_memory_curve_whose_peak_is_the_verifiers(spec):
         assert max(m.nbytes for m in curve) == peak.total
         times = [m.time for m in curve]
         assert times == sorted(times) and 0 <= times[0] and times[-1] <= timeline.step_time
-        assert all(a.nbytes != b.nbytes for a, b in zip(curve, curve[1:]))   # one sample per change
+        assert all(a.nbytes != b.nbytes for a, b in itertools.pairwise(curve))   # one sample per change
         # the level first reaches the peak when the peak's instruction is issued
         event = starts.get((peak.rank, peak.index))
         if event is not None:

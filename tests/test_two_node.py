@@ -14,8 +14,8 @@ import subprocess
 import sys
 
 import pytest
-from hetc.runtime.local import free_port
 
+from hetc.runtime.local import free_port
 from tests.conftest import ROOT
 from tests.rank_pool import assert_losses_close
 

@@ -17,11 +17,11 @@ import re
 
 import pytest
 
-from hetc.pipeline import Pipeline
-from hetc.program import COLLECTIVE_TYPES, Forward, Program, Recv, Send, Step, Wait
 from hetc.passes.cost import CostModel
 from hetc.passes.verify import VerifyError, verify
 from hetc.passes.verify.memory import format_bytes, rank_peaks
+from hetc.pipeline import Pipeline
+from hetc.program import COLLECTIVE_TYPES, Forward, Program, Recv, Send, Step, Wait
 from tests.conftest import DEMO
 from tests.golden.cases import GOLDEN_DIR
 from tests.plans import DEMO_PLANS, TEST_PLANS, compile_plan, plan_id

@@ -70,12 +70,12 @@ import pytest
 
 from hetc.cli import main as hetc_main
 from hetc.commands.compile import compile_spec
+from hetc.plandir import read_program
 from hetc.timeline import Event, EventKind, Flow, MemorySample, RankInfo, Stream, Timeline
 from hetc.viz.chrome import chrome_trace
 from hetc.viz.encode import KIND_ORDER, STREAM_ORDER, decode_text, encode_timeline, tokens_per_s
 from hetc.viz.headless import dump_dom, find_chromium, screenshot
 from hetc.viz.page import render_page
-from hetc.plandir import read_program
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_SPEC = ROOT / "specs" / "demo" / "hetero.het"                  # lanes 1, 2, 1; microbatches 3 and 1

@@ -24,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     for path in args.specs:
-        loaded, checked = load_checked(path)
+        _loaded, checked = load_checked(path)
         if not args.quiet:
             print(f"{path}: ok: {summary(checked)}")
     return 0

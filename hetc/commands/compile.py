@@ -9,13 +9,13 @@ import time
 from pathlib import Path
 
 from hetc.frontend import load_checked
-from hetc.plandir import write_plan_dir
-from hetc.program import Program
 from hetc.passes.cost import CostModel
 from hetc.passes.export_torch import torch_pipelines
+from hetc.passes.lower import PASS_NAMES, PASSES, lower
 from hetc.passes.simulate import simulate
-from hetc.passes.lower import PASSES, PASS_NAMES, lower
 from hetc.passes.verify import VerifyError, verify
+from hetc.plandir import write_plan_dir
+from hetc.program import Program
 
 __all__ = ["Compiled", "compile_spec", "register"]
 
@@ -77,9 +77,9 @@ def plan_facts(checked) -> list[tuple[str, str]]:
         first = p.ministages[st.ministages[0]]
         last = p.ministages[st.ministages[-1]]
         layers = f"{spec.model.layer_name(first.first_layer)}..{spec.model.layer_name(last.stop_layer - 1)}"
-        facts.append((f"stage {st.name}", f"{layers}, {count(len(st.lanes), 'lane')} × "
-                      f"{count(st.lane_size, 'rank')}, ZeRO-{st.zero.level}, "
-                      f"{count(len(st.ministages), 'ministage')}"))
+        facts.append((f"stage {st.name}", (f"{layers}, {count(len(st.lanes), 'lane')} × "
+                                           f"{count(st.lane_size, 'rank')}, ZeRO-{st.zero.level}, "
+                                           f"{count(len(st.ministages), 'ministage')}")))
     return facts
 
 

@@ -7,10 +7,10 @@ import sys
 from pathlib import Path
 
 from hetc.cli import UsageError
-from hetc.plandir import read_plan, read_program
-from hetc.program import ProgramFormatError
 from hetc.passes.cost import CostModel
 from hetc.passes.verify import VerifyError, verify
+from hetc.plandir import read_plan, read_program
+from hetc.program import ProgramFormatError
 
 __all__ = ["register"]
 

@@ -78,9 +78,8 @@ def _rows(columns: list[RankProgram], focus: dict[int, int] | None, context: int
         shown.update(range(max(0, index - context), min(max(length, index + 1), index + context + 1)))
     rows: list[int | None] = []
     for i in sorted(shown):
-        if rows and rows[-1] is not None and i != rows[-1] + 1:
-            rows.append(None)
-        elif not rows and i > 0:
+        gap = (rows[-1] is not None and i != rows[-1] + 1) if rows else i > 0
+        if gap:
             rows.append(None)
         rows.append(i)
     if rows and rows[-1] is not None and rows[-1] < length - 1:

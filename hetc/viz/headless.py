@@ -47,7 +47,7 @@ def _run(args: list[str], page: Path, timeout: float, chromium: str | None,
     with tempfile.TemporaryDirectory(prefix="hetc-chromium-") as profile:
         command = [binary, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args, page.resolve().as_uri() + (f"#{fragment}" if fragment else "")]
         log.info("running %s", " ".join(command))
-        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"chromium exited {result.returncode}: {result.stderr[-2000:]}")
     return result

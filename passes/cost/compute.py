@@ -25,7 +25,6 @@ from functools import lru_cache
 from hetc.passes.cost.profiles import ComputeTable, Profiles
 from hetc.passes.cost.shapes import LayerKind, layer_flops
 from hetc.passes.params import block_params
-
 from hetc.spec import DTYPE_BYTES, DeviceSpec, DType, ModelSpec
 
 __all__ = ["ComputeModel", "CostError", "LayerTime", "dtype_class"]

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from hetc.layout import replication
 from hetc.passes.cost import traffic
 from hetc.passes.cost.experts import ep_comm_time, ep_group, expert_group, sharded_numel
 from hetc.passes.cost.memory import context_reserve, in_flight, offloaded
 from hetc.passes.cost.plan_time import PlanTime, border_time, plan_time, sync_time, zorse_units
 from hetc.passes.cost.shapes import LayerKind, layer_flops, layer_kind, model_flops_per_token
-
-from hetc.layout import replication
 from hetc.pipeline import Stage
 from hetc.spec import Checkpointing, OffloadTarget, ScheduleKind
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import cached_property
 
+from hetc.layout import held_fraction
 from hetc.passes.cost.compute import DEFAULT_MEMORY_BANDWIDTH, ComputeModel
 from hetc.passes.cost.experts import ep_comm_time
 from hetc.passes.cost.memory import (
@@ -25,10 +26,17 @@ from hetc.passes.cost.network import ring_chunk, ring_steps
 from hetc.passes.cost.profiles import Profiles
 from hetc.passes.cost.shapes import LayerKind, activation_elements, layer_flops, layer_kind, params_per_rank
 from hetc.passes.params import expert_params
-
-from hetc.layout import held_fraction
 from hetc.pipeline import Ministage, Pipeline, Stage
-from hetc.spec import DTYPE_BYTES, Checkpointing, CPKind, DeviceSpec, ModelSpec, OffloadTarget, Spec, ZeroShard
+from hetc.spec import (
+    DTYPE_BYTES,
+    Checkpointing,
+    CPKind,
+    DeviceSpec,
+    ModelSpec,
+    OffloadTarget,
+    Spec,
+    ZeroShard,
+)
 from hetc.topology import Gpu, Topology
 
 __all__ = ["CPU_OPTIMIZER_BYTES_PER_S", "PHASES", "CostModel", "optimizer_seconds", "ring_pair_kinds"]

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 from hetc.passes.cost.memory import GRAD_BUCKET_PARAMS, offloaded
 from hetc.passes.cost.schedule import LaneTiming, Unit, UnitLane, pipeline_time, sequential_time
-
 from hetc.pipeline import Lane, Stage
 from hetc.spec import OffloadTarget, ScheduleKind, ZeroShard
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
 from hetc.passes.cost.network import Bandwidth
 
 __all__ = [

@@ -24,7 +24,6 @@ from typing import Any
 from hetc.passes.cost.devices import catalog_name
 from hetc.passes.cost.network import QuadraticLogFit
 from hetc.passes.cost.profiles import ComputeTable, NetworkFits, ProfileError, Profiles, fit_line
-
 from hetc.spec import Arch
 
 __all__ = ["SailorModel", "looks_like", "read_json", "read_models", "read_sailor"]

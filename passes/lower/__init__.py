@@ -9,15 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from hetc.pipeline import Pipeline
-from hetc.program import Program
-from hetc.spec import Spec
 from hetc.passes.lower.context import LowerContext
 from hetc.passes.lower.finish import report_loss
 from hetc.passes.lower.offload import insert_offload
 from hetc.passes.lower.p2p import insert_p2p
 from hetc.passes.lower.schedule import order_compute
 from hetc.passes.lower.zero import insert_zero
+from hetc.pipeline import Pipeline
+from hetc.program import Program
+from hetc.spec import Spec
 
 __all__ = ["PASSES", "PASS_NAMES", "lower"]
 

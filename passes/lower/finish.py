@@ -7,8 +7,8 @@ loss, with ranks that computed none contributing zero.
 
 from __future__ import annotations
 
-from hetc.program import AllReduce, Program, RankProgram, Tensor
 from hetc.passes.lower.context import LowerContext
+from hetc.program import AllReduce, Program, RankProgram, Tensor
 
 __all__ = ["report_loss"]
 

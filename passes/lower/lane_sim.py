@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import heapq
 import logging
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from hetc.errors import InternalError
 

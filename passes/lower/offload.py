@@ -20,10 +20,24 @@ backward that directly follows its own forward keeps the stash on device.
 
 from __future__ import annotations
 
-from hetc.program import (COMPUTE_TYPES, AllGather, Backward, BackwardInput, Forward, Free, Instr, Offload,
-                          Prefetch, Program, RankProgram, Step, Tensor, Wait)
 from hetc.passes.lower.context import LowerContext, next_handle
 from hetc.passes.lower.edits import Edits, Handles
+from hetc.program import (
+    COMPUTE_TYPES,
+    AllGather,
+    Backward,
+    BackwardInput,
+    Forward,
+    Free,
+    Instr,
+    Offload,
+    Prefetch,
+    Program,
+    RankProgram,
+    Step,
+    Tensor,
+    Wait,
+)
 
 __all__ = ["insert_offload"]
 
@@ -49,7 +63,7 @@ def _rank(rp: RankProgram, depth: int) -> RankProgram:
 
 def _refs(instr: Instr, handles_of: dict[int, int]) -> int | None:
     """The ministage whose parameters `instr` needs on the device, if any."""
-    if isinstance(instr, COMPUTE_TYPES) or isinstance(instr, Step):
+    if isinstance(instr, (COMPUTE_TYPES, Step)):
         return instr.ms
     if isinstance(instr, (AllGather, Free)) and instr.what is Tensor.PARAMS:
         return instr.ms

@@ -26,10 +26,20 @@ from __future__ import annotations
 
 import dataclasses
 
-from hetc.program import (Backward, BackwardInput, Forward, Instr, Program, RankProgram, Recv, Send, Tensor,
-                          Wait)
 from hetc.passes.lower.context import LowerContext, RankPlace, next_handle
 from hetc.passes.lower.units import split_units
+from hetc.program import (
+    Backward,
+    BackwardInput,
+    Forward,
+    Instr,
+    Program,
+    RankProgram,
+    Recv,
+    Send,
+    Tensor,
+    Wait,
+)
 
 __all__ = ["insert_p2p"]
 

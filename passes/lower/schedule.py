@@ -18,12 +18,12 @@ from __future__ import annotations
 import itertools
 
 from hetc.errors import InternalError
+from hetc.passes.lower.context import LowerContext, rank_shell
+from hetc.passes.lower.lane_sim import Op, Policy, simulate
+from hetc.passes.lower.zero import lane_pattern_error
 from hetc.pipeline import Lane, Stage
 from hetc.program import Backward, BackwardInput, BackwardWeight, Forward, Load, Program
 from hetc.spec import ScheduleKind
-from hetc.passes.lower.context import LowerContext, rank_shell
-from hetc.passes.lower.zero import lane_pattern_error
-from hetc.passes.lower.lane_sim import Op, Policy, simulate
 
 __all__ = ["Op", "order_compute"]
 

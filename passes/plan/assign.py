@@ -27,8 +27,9 @@ import logging
 import math
 from dataclasses import dataclass
 
-from hetc.passes.plan.tables import Option, StageTable
 from ortools.sat.python import cp_model
+
+from hetc.passes.plan.tables import Option, StageTable
 
 __all__ = ["Assignment", "assign_cpsat", "assign_fast", "model_objective"]
 

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from hetc.passes.plan.candidate import Candidate, GpuBlock, Knobs, Offload, StageGpus, split_evenly
 from hetc.passes.plan.evaluate import Score
 from hetc.passes.plan.layouts import gpu_run, group_speed, split_group
-
 from hetc.spec import ScheduleKind
 from hetc.topology import Topology
 

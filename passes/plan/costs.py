@@ -29,7 +29,6 @@ from hetc.passes.cost.memory import context_reserve, state_bytes_per_param
 from hetc.passes.cost.model import optimizer_seconds, ring_pair_kinds
 from hetc.passes.cost.network import ring_chunk, ring_steps
 from hetc.passes.cost.shapes import LayerKind, activation_elements, layer_flops, params_per_rank
-
 from hetc.pipeline import Pipeline
 from hetc.spec import DTYPE_BYTES, Checkpointing, ScheduleKind, Spec
 from hetc.topology import Gpu, Topology

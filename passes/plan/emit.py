@@ -11,7 +11,6 @@ from collections import Counter
 from dataclasses import replace
 
 from hetc.passes.plan.candidate import Candidate, GpuBlock, Offload
-
 from hetc.spec import (
     AUTO,
     LayerRange,

@@ -21,7 +21,6 @@ from hetc.passes.plan.costs import Primitives
 from hetc.passes.plan.egress import egress_per_step
 from hetc.passes.plan.stagecosts import StageCosts, unit_lane_times
 from hetc.passes.plan.views import PlanView
-
 from hetc.spec import ScheduleKind
 
 __all__ = ["Score", "evaluate"]

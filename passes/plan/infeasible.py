@@ -15,12 +15,11 @@ Three reasons, checked in this order:
 
 from __future__ import annotations
 
+from hetc.costreport import human_bytes
+from hetc.errors import Diagnostic, SpecError
 from hetc.passes.plan.candidate import Knobs, Offload, StageGpus
 from hetc.passes.plan.layouts import split_group
 from hetc.passes.plan.tables import stage_costs
-
-from hetc.costreport import human_bytes
-from hetc.errors import Diagnostic, SpecError
 from hetc.spec import ScheduleKind
 
 __all__ = ["no_plan_error"]

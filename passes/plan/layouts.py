@@ -23,7 +23,6 @@ import itertools
 
 from hetc.passes.plan.candidate import GpuBlock, StageGpus, split_evenly
 from hetc.passes.plan.partition import Domains
-
 from hetc.spec import DType
 from hetc.topology import Topology
 

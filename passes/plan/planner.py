@@ -26,7 +26,6 @@ from hetc.passes.plan.objective import Goal
 from hetc.passes.plan.search import Found, Search, SearchLimits
 from hetc.passes.plan.space import space_from_spec
 from hetc.passes.validate import Checked, check_spec
-
 from hetc.spec import AUTO, Spec, StageSpec
 
 __all__ = ["FULL_ESTIMATE_RANKS", "PlanResult", "needs_plan", "plan_checked", "plan_spec"]

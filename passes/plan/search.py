@@ -31,7 +31,6 @@ from hetc.passes.plan.objective import Goal
 from hetc.passes.plan.space import SearchSpace
 from hetc.passes.plan.structures import Found, SearchLimits, Structure, Structures, base_knobs
 from hetc.passes.plan.tables import StageTable
-
 from hetc.spec import ScheduleKind, Spec
 from hetc.topology import Topology
 

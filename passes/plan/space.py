@@ -17,11 +17,10 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from hetc.errors import Diagnostic, SpecError
 from hetc.passes.plan.candidate import Candidate, Knobs, Offload
 from hetc.passes.plan.partition import bandwidth_domains
 from hetc.passes.plan.stages import StageRule, stage_rules
-
-from hetc.errors import Diagnostic, SpecError
 from hetc.spec import AUTO, ScheduleKind, Spec, ZeroSpec
 from hetc.topology import Topology
 

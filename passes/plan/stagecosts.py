@@ -14,7 +14,6 @@ from hetc.passes.cost import RankMemory
 from hetc.passes.cost.memory import GRAD_BUCKET_PARAMS, in_flight, shard_factors
 from hetc.passes.cost.shapes import LayerKind
 from hetc.passes.plan.costs import Primitives
-
 from hetc.spec import ScheduleKind, ZeroShard
 from hetc.topology import Gpu
 

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hetc.errors import Diagnostic, SpecError
 from hetc.passes.plan.candidate import GpuBlock, Offload, StageGpus
 from hetc.passes.resolve import proportional_counts
-
-from hetc.errors import Diagnostic, SpecError
 from hetc.spec import AUTO, RankSlice, Routing, RoutingKind, Spec, StageSpec
 from hetc.topology import Topology
 

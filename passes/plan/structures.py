@@ -27,7 +27,6 @@ from hetc.passes.plan.space import SearchSpace, knob_options
 from hetc.passes.plan.stages import written_counts
 from hetc.passes.plan.tables import Option, StageTable, stage_table
 from hetc.passes.plan.views import Resolver, view_of
-
 from hetc.spec import Objective, ScheduleKind, Spec
 from hetc.topology import Topology
 

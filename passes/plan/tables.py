@@ -27,7 +27,6 @@ from hetc.passes.plan.costs import Primitives
 from hetc.passes.plan.routing import bottleneck
 from hetc.passes.plan.stagecosts import StageCosts, unit_lane_times
 from hetc.passes.plan.views import ResolvedStage, StageView
-
 from hetc.spec import ScheduleKind, ZeroShard, ZeroSpec
 from hetc.topology import Gpu
 

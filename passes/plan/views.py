@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
 from hetc.passes.plan.candidate import Candidate, Knobs, StageGpus
-
 from hetc.pipeline import route_microbatches
 from hetc.spec import ScheduleKind, ZeroShard, ZeroSpec
 from hetc.topology import Gpu, Topology

@@ -15,14 +15,14 @@ findings with a steps × ranks grid of the ranks involved:
 
 from __future__ import annotations
 
-from hetc.pipeline import Pipeline
-from hetc.program import Program
-from hetc.spec import Spec
-from hetc.viz.grid import render_grid
 from hetc.passes.verify.dataflow import check_dataflow
 from hetc.passes.verify.errors import Finding, VerifyError
 from hetc.passes.verify.memory import Sizes, check_memory
 from hetc.passes.verify.protocol import check_protocol
+from hetc.pipeline import Pipeline
+from hetc.program import Program
+from hetc.spec import Spec
+from hetc.viz.grid import render_grid
 
 __all__ = ["Finding", "Sizes", "VerifyError", "verify"]
 

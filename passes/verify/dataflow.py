@@ -23,11 +23,31 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hetc.layout import Range, boundary_ranges, describe, local_slice, tiling_problem
-from hetc.pipeline import Pipeline
-from hetc.program import (AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight, Forward, Free,
-                          Instr, Load, Offload, Prefetch, Program, RankProgram, Recv, ReduceScatter, Send, Shard,
-                          Step, Tensor, Wait)
 from hetc.passes.verify.errors import Finding, at
+from hetc.pipeline import Pipeline
+from hetc.program import (
+    AllGather,
+    AllReduce,
+    AllToAll,
+    Backward,
+    BackwardInput,
+    BackwardWeight,
+    Forward,
+    Free,
+    Instr,
+    Load,
+    Offload,
+    Prefetch,
+    Program,
+    RankProgram,
+    Recv,
+    ReduceScatter,
+    Send,
+    Shard,
+    Step,
+    Tensor,
+    Wait,
+)
 
 __all__ = ["check_dataflow"]
 
@@ -133,9 +153,8 @@ class _Rank:
         key = (instr.ms, instr.mb)
         if key in self.s.fwd:
             raise _Fault(f"microbatch {instr.mb} passes ministage {instr.ms} forward twice")
-        if self.starts(instr.ms) or self.ends(instr.ms):
-            if instr.mb not in self.s.loaded:
-                raise _Fault(f"microbatch {instr.mb}'s data is used before it is loaded")
+        if (self.starts(instr.ms) or self.ends(instr.ms)) and instr.mb not in self.s.loaded:
+            raise _Fault(f"microbatch {instr.mb}'s data is used before it is loaded")
         if not self.starts(instr.ms) and (instr.ms - 1, instr.mb) not in self.s.fwd and \
                 not self._arrived(Tensor.ACT, instr.ms - 1, instr.mb):
             raise _Fault(f"the input activation (act ms={instr.ms - 1} mb={instr.mb}) has not arrived: "

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from hetc.program import COLLECTIVE_TYPES, COMPUTE_TYPES, Instr, Program, Recv, Send
 from hetc.passes.verify.errors import Finding, at
+from hetc.program import COLLECTIVE_TYPES, COMPUTE_TYPES, Instr, Program, Recv, Send
 
 __all__ = ["Stuck", "explain_deadlock"]
 
@@ -73,8 +73,8 @@ class _Partners:
             members = self.members.get(group, ())
             never = [m for m in members if self.calls[(group, m)] <= s.call]
             if never:
-                return True, f"{_ranks(never)} of '{group}' make only {self.calls[(group, never[0])]} " \
-                             f"call(s) on it, never this #{s.call}"
+                return True, (f"{_ranks(never)} of '{group}' make only {self.calls[(group, never[0])]} "
+                              f"call(s) on it, never this #{s.call}")
             late = [m for m in members if posted.get((group, m), 0) <= s.call]
             return False, f"{_ranks(late)} of '{group}' are blocked before this collective"
         return False, ""

@@ -22,9 +22,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from hetc.program import COLLECTIVE_TYPES, COMPUTE_TYPES, Instr, Program, Recv, Send, Wait
 from hetc.passes.verify.deadlock import Stuck, explain_deadlock
 from hetc.passes.verify.errors import Finding, at
+from hetc.program import COLLECTIVE_TYPES, COMPUTE_TYPES, Instr, Program, Recv, Send, Wait
 
 __all__ = ["check_protocol"]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 if __package__ in (None, ""):   # run as a script: make `tests` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.golden.cases import CASES, golden_path, render  # noqa: E402
+from tests.golden.cases import CASES, golden_path, render
 
 
 def main(names: list[str]) -> int:
