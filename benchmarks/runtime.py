@@ -145,20 +145,8 @@ def compute_alone(buffers, spec, program, pipeline, data, step: int, stand_in) -
 
 def _comm_and_compute(program, events) -> tuple[float, float]:
     """Seconds in communication instructions (posting, waiting) and in compute ones, from a traced step."""
-    from hetc.program import (
-        AllGather,
-        AllReduce,
-        Backward,
-        BackwardInput,
-        BackwardWeight,
-        Forward,
-        Load,
-        Recv,
-        ReduceScatter,
-        Send,
-        Step,
-        Wait,
-    )
+    from hetc.program import (AllGather, AllReduce, Backward, BackwardInput, BackwardWeight, Forward, Load,
+                              Recv, ReduceScatter, Send, Step, Wait)
 
     comm_kinds = (Send, Recv, Wait, AllReduce, AllGather, ReduceScatter)
     compute_kinds = (Forward, Backward, BackwardInput, BackwardWeight, Step, Load)

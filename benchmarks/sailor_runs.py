@@ -22,7 +22,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,9 +30,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.markdown import publish
 from hetc.cli import UsageError
-from hetc.frontend import load_checked
-from hetc.importers.sailor import import_sailor, plan_model
-from hetc.passes.cost import CostModel, load_profiles
+from hetc.importers.sailor import explain_plan, plan_model
+from hetc.passes.cost import load_profiles
 
 HEADING = "## Cost model"
 SAILOR = ROOT.parent / "shared" / "data" / "sailor"
@@ -74,11 +72,7 @@ def time_plan(data: Path, plan: Path, root: Path, profiles) -> Result:
     name = str(plan.relative_to(root))
     try:
         model = plan_model(str(data), str(plan))
-        with tempfile.TemporaryDirectory() as tmp:
-            spec = Path(tmp) / "plan.het"
-            spec.write_text(import_sailor(str(data), model, str(plan), None))
-            _, checked = load_checked(spec)
-            predicted = CostModel(checked.spec, checked.pipeline, checked.topology, profiles).estimate().step_time_s
+        predicted = explain_plan(str(data), str(plan), profiles, model).step_time_s
     except UsageError as err:
         return Result(name, "?", shape, mbs, per_lane, None, str(err))
     return Result(name, model, shape, mbs, per_lane, (predicted - raw["real"]) / raw["real"])

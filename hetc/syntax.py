@@ -17,23 +17,8 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput
 from hetc.comments import scan_comments, weave_comments
 from hetc.errors import Diagnostic, Span, SpecError
 from hetc.grammar import GRAMMAR_PATH
-from hetc.syntax_tree import (
-    Attr,
-    Auto,
-    Block,
-    Comment,
-    File,
-    Index,
-    Item,
-    LayerRange,
-    ListValue,
-    Number,
-    RankRef,
-    String,
-    Use,
-    Value,
-    Word,
-)
+from hetc.syntax_tree import (Attr, Auto, Block, Comment, File, Index, Item, LayerRange, ListValue, Number,
+                              RankRef, String, Use, Value, Word)
 
 __all__ = [
     "Attr",

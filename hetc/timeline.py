@@ -11,25 +11,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 
-from hetc.program import (
-    AllGather,
-    AllReduce,
-    AllToAll,
-    Backward,
-    BackwardInput,
-    BackwardWeight,
-    Forward,
-    Free,
-    Instr,
-    Load,
-    Offload,
-    Prefetch,
-    Recv,
-    ReduceScatter,
-    Send,
-    Step,
-    Wait,
-)
+from hetc.program import (AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight, Forward,
+                          Free, Instr, Load, Offload, Prefetch, Recv, ReduceScatter, Send, Step, Wait)
 
 __all__ = ["Event", "EventKind", "Flow", "MemorySample", "RankInfo", "Stream", "Timeline", "classify"]
 

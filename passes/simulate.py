@@ -31,27 +31,9 @@ from dataclasses import dataclass, field
 
 from hetc.passes.verify.memory import Sizes, rank_levels
 from hetc.pipeline import Pipeline
-from hetc.program import (
-    AllGather,
-    AllReduce,
-    AllToAll,
-    Backward,
-    BackwardInput,
-    BackwardWeight,
-    Forward,
-    Free,
-    Instr,
-    Load,
-    Offload,
-    Prefetch,
-    Program,
-    Recv,
-    ReduceScatter,
-    Send,
-    Step,
-    Tensor,
-    Wait,
-)
+from hetc.program import (AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight, Forward,
+                          Free, Instr, Load, Offload, Prefetch, Program, Recv, ReduceScatter, Send, Step,
+                          Tensor, Wait)
 from hetc.spec import DTYPE_BYTES, Spec
 from hetc.timeline import Event, Flow, MemorySample, RankInfo, Timeline, classify
 

@@ -22,26 +22,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from hetc.program import (
-    AllGather,
-    AllReduce,
-    AllToAll,
-    Backward,
-    BackwardInput,
-    BackwardWeight,
-    Forward,
-    Free,
-    Instr,
-    Load,
-    Offload,
-    Prefetch,
-    RankProgram,
-    Recv,
-    ReduceScatter,
-    Send,
-    Step,
-    Wait,
-)
+from hetc.program import (AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight, Forward,
+                          Free, Instr, Load, Offload, Prefetch, RankProgram, Recv, ReduceScatter, Send, Step,
+                          Wait)
 from hetc.program import Tensor as Kind
 from hetc.runtime.buffers import MinistageBuffers
 from hetc.runtime.comm import Comm

@@ -8,16 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hetc.layout import (
-    Piece,
-    attention_ranges,
-    boundary_ranges,
-    layout_problem,
-    local_slice,
-    positions,
-    seq_chunks,
-    transfers,
-)
+from hetc.layout import (Piece, attention_ranges, boundary_ranges, layout_problem, local_slice, positions,
+                         seq_chunks, transfers)
 from hetc.spec import CPKind
 
 

@@ -19,19 +19,8 @@ from hetc.errors import SpecError
 from hetc.frontend import load_checked
 from hetc.passes.lower import PASS_NAMES, lower
 from hetc.passes.verify import verify
-from hetc.program import (
-    COMPUTE_TYPES,
-    AllGather,
-    Backward,
-    BackwardInput,
-    BackwardWeight,
-    Forward,
-    Load,
-    Recv,
-    ReduceScatter,
-    Send,
-    Step,
-)
+from hetc.program import (COMPUTE_TYPES, AllGather, Backward, BackwardInput, BackwardWeight, Forward, Load,
+                          Recv, ReduceScatter, Send, Step)
 from hetc.spec import ScheduleKind
 from tests.conftest import DEMO
 from tests.plans import DEMO_PLANS, TEST_PLANS, TEST_SPECS, compile_plan, plan_id

@@ -9,33 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetc.program import (
-    INSTR_TYPES,
-    AllGather,
-    AllReduce,
-    AllToAll,
-    Backward,
-    BackwardInput,
-    BackwardWeight,
-    Forward,
-    Free,
-    Group,
-    Load,
-    Offload,
-    Prefetch,
-    Program,
-    ProgramFormatError,
-    RankProgram,
-    Recv,
-    ReduceScatter,
-    Send,
-    Shard,
-    Step,
-    Tensor,
-    Wait,
-    instr_from_json,
-    parse_instr,
-)
+from hetc.program import (INSTR_TYPES, AllGather, AllReduce, AllToAll, Backward, BackwardInput,
+                          BackwardWeight, Forward, Free, Group, Load, Offload, Prefetch, Program,
+                          ProgramFormatError, RankProgram, Recv, ReduceScatter, Send, Shard, Step, Tensor,
+                          Wait, instr_from_json, parse_instr)
 from tests.plans import DEMO_PLANS, TEST_PLANS, compile_plan, plan_id
 
 # one or more instances of every kind, with optional fields both set and left out

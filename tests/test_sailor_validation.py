@@ -12,9 +12,8 @@ import json
 
 import pytest
 
-from hetc.frontend import load_checked
-from hetc.importers.sailor import import_sailor, plan_model
-from hetc.passes.cost import CostModel, load_profiles
+from hetc.importers.sailor import explain_plan
+from hetc.passes.cost import load_profiles
 from tests.conftest import SHARED_DATA
 
 SAILOR = SHARED_DATA / "sailor"
@@ -41,20 +40,13 @@ def profiles():
     return load_profiles([SAILOR])
 
 
-def predict(sample, profiles, tmp_path) -> float:
-    spec = tmp_path / "sample.het"
-    spec.write_text(import_sailor(str(SAILOR), plan_model(str(SAILOR), str(sample)), str(sample), None))
-    _, checked = load_checked(spec)
-    return CostModel(checked.spec, checked.pipeline, checked.topology, profiles).estimate().step_time_s
-
-
 @pytest.mark.parametrize("sample", SAMPLES, ids=_ids())
-def test_predicts_measured_iteration_time(sample, profiles, tmp_path, request):
+def test_predicts_measured_iteration_time(sample, profiles, request):
     name = str(sample.relative_to(SAILOR / "validation-samples"))
     if name in KNOWN:
         request.applymarker(pytest.mark.xfail(reason=KNOWN[name], strict=True))
     real = json.loads(sample.read_text())["real"]
-    predicted = predict(sample, profiles, tmp_path)
+    predicted = explain_plan(str(SAILOR), str(sample), profiles).step_time_s
     error = (predicted - real) / real
     assert abs(error) <= TOLERANCE, \
         f"{name}: predicted {predicted:.4g} s, measured {real:.4g} s ({error:+.1%})"

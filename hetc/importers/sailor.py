@@ -19,36 +19,15 @@ import logging
 from pathlib import Path
 
 from hetc.cli import UsageError
-from hetc.importers.common import (
-    NodeBook,
-    catalog_devices,
-    gpu_slice,
-    layer_range,
-    read_input_json,
-    render,
-    require_dir,
-)
+from hetc.importers.common import (NodeBook, catalog_devices, gpu_slice, layer_range, read_input_json, render,
+                                   require_dir)
 from hetc.passes.cost.devices import catalog_name
 from hetc.passes.cost.profiles import ProfileError
 from hetc.passes.cost.sailor_data import SailorModel, read_json, read_models, read_sailor
-from hetc.spec import (
-    AUTO,
-    ClusterSpec,
-    DType,
-    IntraLinkSpec,
-    LinkSpec,
-    ModelSpec,
-    OptimizerSpec,
-    ParallelSpec,
-    Routing,
-    ScheduleKind,
-    Spec,
-    StageSpec,
-    TrainSpec,
-    ZeroSpec,
-)
+from hetc.spec import (AUTO, ClusterSpec, DType, IntraLinkSpec, LinkSpec, ModelSpec, OptimizerSpec,
+                       ParallelSpec, Routing, ScheduleKind, Spec, StageSpec, TrainSpec, ZeroSpec)
 
-__all__ = ["import_sailor", "plan_model"]
+__all__ = ["explain_plan", "import_sailor", "plan_model"]
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +86,23 @@ def plan_model(data: str, plan: str) -> str:
         raise UsageError(f"'{plan}' covers {covered} layers: {'several' if fits else 'no'} model in "
                          f"'{folder}' has that many (known: {known}); name it with --model")
     return fits[0]
+
+
+def explain_plan(data: str, plan: str, profiles, model: str | None = None):
+    """`hetc import sailor` then `hetc explain --profile`: the cost model's estimate for a Sailor plan.
+
+    `model` is Sailor's model name; by default the one the plan's layer count names (`plan_model`).
+    """
+    import tempfile
+
+    from hetc.frontend import load_checked
+    from hetc.passes.cost import CostModel
+
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp) / "plan.het"
+        spec.write_text(import_sailor(data, model or plan_model(data, plan), plan, None))
+        _, checked = load_checked(spec)
+    return CostModel(checked.spec, checked.pipeline, checked.topology, profiles).estimate()
 
 
 def _fields(node) -> dict:

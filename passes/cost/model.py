@@ -27,16 +27,8 @@ from hetc.passes.cost.profiles import Profiles
 from hetc.passes.cost.shapes import LayerKind, activation_elements, layer_flops, layer_kind, params_per_rank
 from hetc.passes.params import expert_params
 from hetc.pipeline import Ministage, Pipeline, Stage
-from hetc.spec import (
-    DTYPE_BYTES,
-    Checkpointing,
-    CPKind,
-    DeviceSpec,
-    ModelSpec,
-    OffloadTarget,
-    Spec,
-    ZeroShard,
-)
+from hetc.spec import (DTYPE_BYTES, Checkpointing, CPKind, DeviceSpec, ModelSpec, OffloadTarget, Spec,
+                       ZeroShard)
 from hetc.topology import Gpu, Topology
 
 __all__ = ["CPU_OPTIMIZER_BYTES_PER_S", "PHASES", "CostModel", "optimizer_seconds", "ring_pair_kinds"]

@@ -28,18 +28,8 @@ import dataclasses
 
 from hetc.passes.lower.context import LowerContext, RankPlace, next_handle
 from hetc.passes.lower.units import split_units
-from hetc.program import (
-    Backward,
-    BackwardInput,
-    Forward,
-    Instr,
-    Program,
-    RankProgram,
-    Recv,
-    Send,
-    Tensor,
-    Wait,
-)
+from hetc.program import (Backward, BackwardInput, Forward, Instr, Program, RankProgram, Recv, Send, Tensor,
+                          Wait)
 
 __all__ = ["insert_p2p"]
 

@@ -28,23 +28,8 @@ from __future__ import annotations
 from hetc.errors import Diagnostic, SpecError
 from hetc.passes.lower.context import LowerContext, RankPlace, next_handle
 from hetc.passes.lower.edits import Edits, Handles
-from hetc.program import (
-    COMPUTE_TYPES,
-    AllGather,
-    AllReduce,
-    Backward,
-    BackwardWeight,
-    Forward,
-    Free,
-    Instr,
-    Program,
-    RankProgram,
-    ReduceScatter,
-    Shard,
-    Step,
-    Tensor,
-    Wait,
-)
+from hetc.program import (COMPUTE_TYPES, AllGather, AllReduce, Backward, BackwardWeight, Forward, Free, Instr,
+                          Program, RankProgram, ReduceScatter, Shard, Step, Tensor, Wait)
 from hetc.spec import OffloadTarget, ScheduleKind
 
 __all__ = ["insert_zero", "lane_pattern_error"]

@@ -11,17 +11,8 @@ from collections import Counter
 from dataclasses import replace
 
 from hetc.passes.plan.candidate import Candidate, GpuBlock, Offload
-from hetc.spec import (
-    AUTO,
-    LayerRange,
-    ParallelSpec,
-    RankSlice,
-    Routing,
-    RoutingKind,
-    Spec,
-    StageSpec,
-    ZeroSpec,
-)
+from hetc.spec import (AUTO, LayerRange, ParallelSpec, RankSlice, Routing, RoutingKind, Spec, StageSpec,
+                       ZeroSpec)
 from hetc.topology import Topology
 
 __all__ = ["emit_parallel", "emit_spec", "rank_slice"]

@@ -25,29 +25,9 @@ from dataclasses import dataclass, field
 from hetc.layout import Range, boundary_ranges, describe, local_slice, tiling_problem
 from hetc.passes.verify.errors import Finding, at
 from hetc.pipeline import Pipeline
-from hetc.program import (
-    AllGather,
-    AllReduce,
-    AllToAll,
-    Backward,
-    BackwardInput,
-    BackwardWeight,
-    Forward,
-    Free,
-    Instr,
-    Load,
-    Offload,
-    Prefetch,
-    Program,
-    RankProgram,
-    Recv,
-    ReduceScatter,
-    Send,
-    Shard,
-    Step,
-    Tensor,
-    Wait,
-)
+from hetc.program import (AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight, Forward,
+                          Free, Instr, Load, Offload, Prefetch, Program, RankProgram, Recv, ReduceScatter,
+                          Send, Shard, Step, Tensor, Wait)
 
 __all__ = ["check_dataflow"]
 

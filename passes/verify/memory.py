@@ -34,24 +34,8 @@ from typing import Protocol
 
 from hetc.passes.verify.errors import Finding, at
 from hetc.pipeline import Pipeline
-from hetc.program import (
-    AllGather,
-    Backward,
-    BackwardInput,
-    BackwardWeight,
-    Forward,
-    Free,
-    Instr,
-    Offload,
-    Prefetch,
-    Program,
-    RankProgram,
-    Recv,
-    Shard,
-    Step,
-    Tensor,
-    Wait,
-)
+from hetc.program import (AllGather, Backward, BackwardInput, BackwardWeight, Forward, Free, Instr, Offload,
+                          Prefetch, Program, RankProgram, Recv, Shard, Step, Tensor, Wait)
 
 __all__ = ["Peak", "Sizes", "check_memory", "format_bytes", "rank_levels", "rank_peaks"]
 
