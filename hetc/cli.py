@@ -11,12 +11,17 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 from hetc import __version__
 from hetc.errors import Sources, SpecError
 
-__all__ = ["VERBS", "UsageError", "main"]
+__all__ = ["BROKEN_PIPE_STATUS", "VERBS", "UsageError", "main"]
+
+# `hetc explain X | head`: the reader went away. A shell reports a program killed by
+# SIGPIPE as 128 + 13; Python ignores the signal, so hetc says the same in its status.
+BROKEN_PIPE_STATUS = 128 + 13
 
 # verb modules, in the order `hetc --help` lists them
 VERBS = ["demo", "check", "fmt", "plan", "compile", "verify", "run", "viz", "explain", "profile", "import_"]
@@ -47,7 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(name)s: %(message)s")
     try:
-        return args.func(args) or 0
+        status = args.func(args) or 0
+        sys.stdout.flush()   # here, not at exit, so that a closed pipe is handled below
+        return status
+    except BrokenPipeError:
+        _silence_stdout()
+        return BROKEN_PIPE_STATUS
     except SpecError as err:
         sources = Sources()  # reads the quoted lines back from disk
         for diag in err.diagnostics:
@@ -68,6 +78,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hetc {args.verb}: internal error: {type(err).__name__}: {err}\n"
               "this is a bug in hetc; rerun with --debug for the traceback", file=sys.stderr)
         return 1
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's flush at exit finds no closed pipe."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 if __name__ == "__main__":  # pragma: no cover

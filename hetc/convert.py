@@ -95,8 +95,8 @@ class Converter(ValueConverter):
             self.error(item.kind_span, f"unknown block '{item.kind}' in {what}{hint}{allowed}")
             return None
         key = normalize_key(item.key)
-        for info in infos:
-            if key in info.keys and not info.meta["label"]:
+        for info in infos:   # `stage = auto` names the field of the `stage` blocks, as `stages = auto` does
+            if (key in info.keys or key == info.meta["block"]) and not info.meta["label"]:
                 return info
         names = [i.meta["block"] or i.name for i in infos if not i.meta["label"]]
         every = [k for i in infos if not i.meta["label"] for k in i.keys]

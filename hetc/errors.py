@@ -12,14 +12,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = [
+    "MAX_SOURCE_BYTES",
     "NO_SPAN",
     "Diagnostic",
     "InternalError",
     "Sources",
     "Span",
     "SpecError",
+    "clip_words",
     "did_you_mean",
 ]
+
+
+# The largest spec file hetc reads (hetc.load) or quotes: real specs are a few kB.
+MAX_SOURCE_BYTES = 4 << 20
+# Note [quoting untrusted text]: a message quotes at most this many characters of
+# one line of the source around the column, and of any one word of the user's
+# text it echoes, so a 4 MB line or token still gets a message a person can read.
+QUOTE_WIDTH = 100
+MAX_WORD = 60
+MAX_MESSAGE = 1000
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -55,15 +67,36 @@ class Diagnostic:
 
     @staticmethod
     def _one(span: Span, severity: str, message: str, sources: Sources) -> str:
-        head = f"{span}: {severity}: {message}"
+        head = f"{span}: {severity}: {clip_words(message)}"
         text = sources.line(span.file, span.line)
         if text is None:
             return head
         width = 1
         if span.end_line == span.line and span.end_col > span.col:
             width = span.end_col - span.col
-        caret = " " * (span.col - 1) + "^" + "~" * (width - 1)
-        return f"{head}\n    {text}\n    {caret}"
+        shown, col = _window(text, span.col)
+        width = max(1, min(width, len(shown) - col + 1))
+        caret = " " * (col - 1) + "^" + "~" * (width - 1)
+        return f"{head}\n    {shown}\n    {caret}"
+
+
+def _window(text: str, col: int) -> tuple[str, int]:
+    """At most QUOTE_WIDTH characters of `text` around column `col`, and the column within them."""
+    if len(text) <= QUOTE_WIDTH:
+        return text, col
+    start = max(0, min(col - 1 - QUOTE_WIDTH // 3, len(text) - QUOTE_WIDTH))
+    stop = start + QUOTE_WIDTH
+    before, after = ("..." if start else ""), ("..." if stop < len(text) else "")
+    return before + text[start:stop] + after, col - start + len(before)
+
+
+def clip_words(message: str) -> str:
+    """`message` with every word longer than MAX_WORD cut in the middle (Note [quoting untrusted text])."""
+    if len(message) <= MAX_WORD:
+        return message
+    half = MAX_WORD // 2
+    message = " ".join(w if len(w) <= MAX_WORD else f"{w[:half]}...{w[-half:]}" for w in message.split(" "))
+    return message if len(message) <= MAX_MESSAGE else f"{message[:MAX_MESSAGE // 2]} ... {message[-MAX_MESSAGE // 2:]}"
 
 
 class SpecError(Exception):
@@ -95,7 +128,7 @@ class Sources:
 
     def line(self, path: str, line: int) -> str | None:
         lines = self.texts.get(path)
-        if lines is None and Path(path).is_file():
+        if lines is None and _quotable(Path(path)):
             try:
                 lines = _lines(Path(path).read_text(errors="replace"))
             except OSError:
@@ -104,6 +137,14 @@ class Sources:
         if not lines or not 1 <= line <= len(lines):
             return None
         return lines[line - 1].expandtabs(1)
+
+
+def _quotable(path: Path) -> bool:
+    """A regular file small enough to read back (never a pipe or a device: Note [untrusted paths])."""
+    try:
+        return path.is_file() and path.stat().st_size <= MAX_SOURCE_BYTES
+    except OSError:
+        return False
 
 
 def _lines(text: str) -> list[str]:
@@ -115,7 +156,9 @@ def did_you_mean(word: str, choices: list[str] | tuple[str, ...] | set[str]) -> 
     """' (did you mean 'x'?)' for the closest choice, or '' when none is close.
 
     A word that starts a few choices (`A100` of `A100-40`, `A100-80`) names
-    them all; otherwise the closest spelling wins, then a case-insensitive match.
+    them all; a choice that starts the word before a '-' or '_' (`H100` of
+    `H100-80GB`) comes next; otherwise the closest spelling wins, then a
+    case-insensitive match.
     """
     import difflib
 
@@ -123,6 +166,11 @@ def did_you_mean(word: str, choices: list[str] | tuple[str, ...] | set[str]) -> 
     started = sorted(c for c in choices if c.lower().startswith(low) and c != word) if len(word) >= 2 else []
     if 1 <= len(started) <= 3:
         return " (did you mean " + " or ".join(f"'{c}'" for c in started) + "?)"
+    # `H100-80GB`, `a100_sxm`: a choice followed by a suffix the catalog leaves out
+    stems = [c for c in choices if len(c) >= 2 and low[len(c):len(c) + 1] in ("-", "_", " ")
+             and low.startswith(c.lower())]
+    if stems:
+        return f" (did you mean '{max(stems, key=len)}'?)"
     close = difflib.get_close_matches(word, sorted(choices), n=1, cutoff=0.6)
     if not close:
         lowered = {c.lower(): c for c in choices}

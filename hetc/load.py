@@ -7,18 +7,19 @@ twice along different paths is read once; a cycle is a located error.
 
 from __future__ import annotations
 
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hetc import syntax as ast
 from hetc.convert import to_spec
-from hetc.errors import Diagnostic, Sources, Span, SpecError
+from hetc.errors import MAX_SOURCE_BYTES, Diagnostic, Sources, Span, SpecError
 from hetc.spec import Spec
 
-__all__ = ["BUNDLED_SPECS", "LoadedSpec", "load_spec", "parse_file"]
+__all__ = ["BUNDLED_SPECS", "MAX_FILE_BYTES", "LoadedSpec", "load_spec", "parse_file", "read_spec_bytes"]
 
 BUNDLED_SPECS = Path(__file__).resolve().parent.parent / "specs"
-MAX_FILE_BYTES = 16 << 20
+MAX_FILE_BYTES = MAX_SOURCE_BYTES
 
 
 @dataclass
@@ -30,18 +31,8 @@ class LoadedSpec:
 
 
 def parse_file(path: Path, sources: Sources, at: Span | None = None) -> ast.File:
-    """Parse one file; unreadable or non-UTF-8 input is a located error."""
-    where = at or Span(str(path), 1, 1, 1, 1)
-    try:
-        if path.stat().st_size > MAX_FILE_BYTES:
-            raise SpecError.at(where, f"'{path}' is larger than {MAX_FILE_BYTES >> 20} MiB")
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise SpecError.at(where, f"cannot find '{path}'") from None
-    except IsADirectoryError:
-        raise SpecError.at(where, f"'{path}' is a directory, not a spec file") from None
-    except OSError as err:
-        raise SpecError.at(where, f"cannot read '{path}': {err.strerror}") from None
+    """Parse one file; unreadable, oversized or non-UTF-8 input is a located error."""
+    data = read_spec_bytes(path, at or Span(str(path), 1, 1, 1, 1))
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -56,6 +47,43 @@ def parse_file(path: Path, sources: Sources, at: Span | None = None) -> ast.File
         raise SpecError.at(Span(str(path), line, col, line, col + 1), "the file contains a NUL byte")
     sources.add(str(path), text)
     return ast.parse_text(text, str(path))
+
+
+def read_spec_bytes(path: Path, where: Span) -> bytes:
+    """The bytes of a regular file of at most MAX_FILE_BYTES, or a SpecError located at `where`.
+
+    Note [untrusted paths]: `use "/dev/zero"` or a named pipe would block or
+    stream for ever, so only regular files are opened, and a file that grows
+    past the cap while being read is still read no further than the cap.
+    """
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        raise SpecError.at(where, f"cannot find '{path}'") from None
+    except OSError as err:
+        raise SpecError.at(where, f"cannot read '{path}': {err.strerror}") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise SpecError.at(where, f"'{path}' is a directory, not a spec file")
+    if not stat.S_ISREG(info.st_mode):
+        raise SpecError.at(where, f"'{path}' is {_file_kind(info.st_mode)}, not a regular file; "
+                                  "a spec is read only from a regular file")
+    too_big = SpecError.at(where, f"'{path}' is larger than {MAX_FILE_BYTES >> 20} MiB, the limit for a spec file")
+    if info.st_size > MAX_FILE_BYTES:
+        raise too_big
+    try:
+        with path.open("rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+    except OSError as err:
+        raise SpecError.at(where, f"cannot read '{path}': {err.strerror}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise too_big
+    return data
+
+
+def _file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
 def _resolve(use: ast.Use, importer: Path) -> Path:
@@ -88,6 +116,10 @@ class _Collector:
             self.errors += err.diagnostics
             return []
         self.files.append(path)
+        if not any(not isinstance(i, ast.Comment) for i in tree.items):
+            self.errors.append(Diagnostic(at or Span(str(path), 1, 1, 1, 1), f"'{path}' is empty: a spec file holds "
+                                          "blocks (model, cluster, train, parallel, device) or `use` lines"))
+            return []
         items: list = []
         for item in tree.items:
             if isinstance(item, ast.Use):

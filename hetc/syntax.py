@@ -107,7 +107,8 @@ class _ToAst(Transformer):
     @v_args(meta=True)
     def number(self, meta, children):
         num, unit = children
-        return Number(str(num), None if unit is None else str(unit), self._s(meta))
+        spaced = unit is not None and unit.start_pos > num.end_pos
+        return Number(str(num), None if unit is None else str(unit), self._s(meta), spaced)
 
     @v_args(meta=True)
     def string(self, meta, children):
@@ -193,7 +194,7 @@ def _literal_word(term: str) -> str:
     pattern = _parser().get_terminal(term).pattern if term in _terminal_names() else None
     if pattern is not None and pattern.type == "str":
         return f"'{pattern.value}'"
-    return term.lower()
+    return "a value"   # never a grammar-internal terminal name
 
 
 @functools.cache
@@ -247,13 +248,20 @@ def _accepted_before(text: str, pos: int, fallback) -> set[str]:
         return set(fallback or ())
 
 
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]*")
 _TRAILING_NAME = re.compile(r"([A-Za-z_][A-Za-z0-9_\-]*)\s*$")
 
 
 def _missing_separator(tok: Token, expected: set[str], text: str, path: str) -> Diagnostic | None:
     """`a = 4  b = 5` on one line: lark reads `4 b` as a number with unit `b`
     and stumbles on the second '='. Point at `b` and say what is missing."""
-    if tok.type != "EQUAL" or not expected & _SEPARATORS:
+    if not expected & _SEPARATORS:
+        return None
+    # `arch = llama heads = 4`: a second statement starts at the name (which the lexer may call a unit)
+    if tok.type in ("NAME", "UNIT") and _NAME.fullmatch(str(tok)):
+        col, name = tok.column, str(tok)
+        return Diagnostic(Span(path, tok.line, col, tok.line, col + len(name)), _separator_message(name))
+    if tok.type != "EQUAL":
         return None
     lines = text.split("\n")
     before = lines[tok.line - 1][: tok.column - 1] if tok.line <= len(lines) else ""
@@ -262,8 +270,11 @@ def _missing_separator(tok: Token, expected: set[str], text: str, path: str) -> 
         return None
     col = found.start() + 1
     return Diagnostic(Span(path, tok.line, col, tok.line, col + len(found.group(1))),
-                      f"expected ',', ';' or a new line before '{found.group(1)}': "
-                      "statements on one line are separated by ',' or ';'")
+                      _separator_message(found.group(1)))
+
+
+def _separator_message(name: str) -> str:
+    return f"expected ',', ';' or a new line before '{name}': statements on one line are separated by ',' or ';'"
 
 
 def _end_position(text: str) -> tuple[int, int]:

@@ -27,6 +27,12 @@ class Number:
     text: str
     unit: str | None
     span: Span = field(compare=False)
+    spaced: bool = field(default=True, compare=False)   # a space between number and unit, as written
+
+    @property
+    def written(self) -> str:
+        """The value as the user wrote it (`1f1v` stays one word in messages)."""
+        return self.text + (" " if self.spaced else "") + self.unit if self.unit else self.text
 
     @property
     def value(self) -> float:

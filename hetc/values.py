@@ -31,7 +31,7 @@ class ValueConverter:
     def value(self, info: FieldInfo, node: ast.Value, what: str) -> Any:
         base = info.base
         if dataclasses.is_dataclass(base) and base not in (LayerRange, RankSlice, Routing):
-            return self._shorthand(base, node, what)  # `zero = auto` is the level's auto
+            return self._shorthand(info, node, what)  # `zero = auto` is the level's auto
         if isinstance(node, ast.Auto):
             if info.auto_ok:
                 return AUTO
@@ -51,12 +51,18 @@ class ValueConverter:
             return tuple(out)
         return self.scalar(base, info, node, what)
 
-    def _shorthand(self, cls, node, what):
+    def _shorthand(self, field: FieldInfo, node, what):
+        cls = field.base
         infos = [i for i in fields_of(cls) if i.meta["shorthand"]]
         if not infos:
-            labelled = isinstance(node, ast.Word) and any(i.meta["label"] for i in fields_of(cls))
-            head = what.strip(chr(39)) + (f" {node.name}" if labelled else "")
-            self.error(node.span, f"{what} is a block: write {head} {{ ... }}")
+            if isinstance(node, ast.Auto) and field.auto_ok:   # `stage = auto`: the planner writes the blocks
+                return AUTO
+            labels = [i for i in fields_of(cls) if i.meta["label"]]
+            kind = field.meta["block"] or what.strip(chr(39))
+            named = " NAME" if any(i.required for i in labels) else ""
+            head = kind + (f" {node.name}" if labels and isinstance(node, ast.Word) else named)
+            also = f", or {kind} = auto to let the planner choose" if field.auto_ok else ""
+            self.error(node.span, f"{what} is a block: write {head} {{ ... }}{also}")
             return None
         value = self.value(infos[0], node, what)
         if value is None:
@@ -82,6 +88,8 @@ class ValueConverter:
             if isinstance(node, (ast.Word, ast.String)):
                 return self._enum(base, node.name if isinstance(node, ast.Word) else node.value,
                                   node.span, what)
+            if isinstance(node, ast.Number) and node.unit and not node.spaced:   # `1f1v`: one word to a reader
+                return self._enum(base, node.written, node.span, what)
             choices = words([e.value for e in base])
             self.error(node.span, f"{what} expects one of {choices}, got {_shown(node)}")
             return None
@@ -234,7 +242,7 @@ def is_enum(tp) -> bool:
 
 def _shown(node) -> str:
     if isinstance(node, ast.Number):
-        return f"{node.text} {node.unit}" if node.unit else node.text
+        return node.written
     if isinstance(node, ast.Word):
         return f"'{node.name}'"
     if isinstance(node, ast.String):

@@ -97,19 +97,27 @@ def _rank_owners(spec: Spec, topo: Topology, errors: Diagnostics) -> dict[int, s
     before = len(errors)
     for label, slices in [(f"stage '{st.name}'", st.ranks) for st in par.stages] + [("idle", par.idle)]:
         for s in slices:
+            twice: dict[tuple[str, Span], list[Gpu]] = {}   # one error per pair of rank sets, not per GPU
             for gpu in _one_slice(s, topo, errors):
                 if gpu.id in owner:
-                    first, span = owner[gpu.id]
-                    errors.append(Diagnostic(s.span, f"GPU {gpu} is used twice: by {first} and by {label}",
-                                             notes=((span, "first used here"),)))
+                    twice.setdefault(owner[gpu.id], []).append(gpu)
                     continue
                 owner[gpu.id] = (label, s.span)
+            for (first, span), gpus in twice.items():
+                what = f"GPU {gpus[0]} is" if len(gpus) == 1 else f"{len(gpus)} GPUs ({_some(gpus)}) are"
+                errors.append(Diagnostic(s.span, f"{what} used twice: by {first} and by {label}",
+                                         notes=((span, "first used here"),)))
     unused = [g for g in topo.gpus if g.id not in owner]
     if unused and len(errors) == before:  # a bad rank set explains them: say that only
-        shown = ", ".join(str(g) for g in unused[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
+        shown = _some(unused)
         errors.append(Diagnostic(par.span, f"{len(unused)} GPU{'s are' if len(unused) > 1 else ' is'} used by "
                                  f"no stage: {shown}; give them to a stage or list them in idle = [...]"))
     return {gid: label for gid, (label, _) in owner.items() if label != "idle"}
+
+
+def _some(gpus: list[Gpu]) -> str:
+    """The first few GPUs of a list, by name: `a[0, 0], a[0, 1] and 6 more`."""
+    return ", ".join(str(g) for g in gpus[:4]) + (f" and {len(gpus) - 4} more" if len(gpus) > 4 else "")
 
 
 def _layer_index(spec: Spec, name: str, span: Span, errors: Diagnostics) -> int | None:

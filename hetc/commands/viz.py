@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import sys
 from pathlib import Path
 
 from hetc.cli import UsageError
@@ -88,6 +86,9 @@ def run(args: argparse.Namespace) -> int:
     path = Path(args.dir)
     if not path.exists():
         raise UsageError(f"{path}: no such directory")
+    if path.is_file() and path.suffix == ".het":
+        raise UsageError(f"{path} is a spec, and viz draws a plan directory: run `hetc compile {path} -o DIR` "
+                         "and then `hetc viz DIR`")
     if args.ranks and not args.text:
         raise UsageError("--ranks goes with --text")
     if args.text:
@@ -124,7 +125,4 @@ def _print_grid(path: Path, ranks: str | None) -> None:
         grid = render_grid(program, ranks=wanted)
     except ValueError as err:
         raise UsageError(str(err)) from None
-    try:
-        print(grid, flush=True)
-    except BrokenPipeError:   # `hetc viz DIR --text | head`: the reader has seen enough
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    print(grid, flush=True)   # a closed pipe (`| head`) is hetc.cli's to handle, as for every verb

@@ -1,0 +1,130 @@
+"""The CLI against untrusted input and a new user's first tries: exact messages, locations, exit status 2."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hetc.cli import BROKEN_PIPE_STATUS, main
+from hetc.errors import MAX_SOURCE_BYTES, QUOTE_WIDTH
+from tests.conftest import DEMO, ROOT
+
+JOB = DEMO / "job.het"
+
+
+def _check(capsys, path) -> tuple[int, list[str]]:
+    status = main(["check", str(path)])
+    return status, capsys.readouterr().err.splitlines()
+
+
+# ---------------------------------------------------------------- untrusted input
+
+
+@pytest.mark.timeout(60)
+def test_use_of_a_named_pipe_is_a_located_error_not_a_hang(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    os.mkfifo("pipe.het")
+    (tmp_path / "spec.het").write_text('use "pipe.het"\n')
+    status, err = _check(capsys, "spec.het")
+    assert status == 2
+    assert err[0] == ("spec.het:1:1: error: 'pipe.het' is a named pipe, not a regular file; a spec is read "
+                      "only from a regular file")
+
+
+@pytest.mark.timeout(60)
+def test_checking_a_named_pipe_itself_is_an_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    os.mkfifo("pipe.het")
+    status, err = _check(capsys, "pipe.het")
+    assert status == 2
+    assert err == ["pipe.het:1:1: error: 'pipe.het' is a named pipe, not a regular file; a spec is read only "
+                   "from a regular file"]
+
+
+def test_a_file_over_the_size_cap_is_refused_with_a_short_message(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "big.het").write_text("# " + "x" * MAX_SOURCE_BYTES + "\n")
+    status, err = _check(capsys, "big.het")
+    assert status == 2
+    assert err == [f"big.het:1:1: error: 'big.het' is larger than {MAX_SOURCE_BYTES >> 20} MiB, the limit for "
+                   "a spec file"]
+
+
+def test_a_long_line_is_quoted_as_a_window_around_the_column(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    word = "x" * 1_000_000
+    (tmp_path / "long.het").write_text(f"model m {{ layers = 4 {word} = 3 }}\n")
+    status, err = _check(capsys, "long.het")
+    assert status == 2
+    assert err[0] == (f"long.het:1:22: error: expected ',', ';' or a new line before '{'x' * 29}...{'x' * 28}': "
+                      "statements on one line are separated by ',' or ';'")
+    assert err[1] == "    model m { layers = 4 " + "x" * (QUOTE_WIDTH - len("model m { layers = 4 ")) + "..."
+    assert err[2] == "    " + " " * 21 + "^" + "~" * (QUOTE_WIDTH - 21 + 2)
+    assert len(err) == 3
+
+
+def test_an_error_far_along_a_line_shows_the_text_around_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    before = 'model m { doc = "' + "ab " * 100_000 + '" '
+    (tmp_path / "wide.het").write_text(before + "= 4 }\n")
+    status, err = _check(capsys, "wide.het")
+    assert status == 2
+    assert err[0] == f"wide.het:1:{len(before) + 1}: error: unexpected '='; expected ',', ';', '}}' or a new line"
+    quoted, caret = err[1], err[2]
+    assert quoted == "    ..." + (before + "= 4 }")[-QUOTE_WIDTH:]   # the line's end: the last QUOTE_WIDTH
+    assert caret == " " * quoted.index('= 4 }') + "^"
+
+
+def test_deep_nesting_on_one_line_gets_a_short_located_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "deep.het").write_text("a { " * 5000 + "}" * 5000 + "\n")
+    status, err = _check(capsys, "deep.het")
+    assert status == 2
+    assert err[0] == "deep.het:1:129: error: blocks and lists are nested more than 32 levels deep here"
+    assert sum(len(line) for line in err) < 400
+
+
+# ---------------------------------------------------------------- a new user's first tries
+
+
+def test_an_empty_file_fails_check(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty.het").write_text("")
+    status, err = _check(capsys, "empty.het")
+    assert status == 2
+    assert err[0] == ("empty.het:1:1: error: 'empty.het' is empty: a spec file holds blocks (model, cluster, "
+                      "train, parallel, device) or `use` lines")
+
+
+@pytest.mark.parametrize("form", ["stage = auto", "stages = auto"])
+def test_stage_auto_as_documented_leaves_the_stages_to_the_planner(tmp_path, capsys, form):
+    spec = tmp_path / "auto.het"
+    spec.write_text(f'use "{JOB}"\nparallel {{\n  {form}\n}}\n')
+    assert main(["check", str(spec)]) == 0
+    assert capsys.readouterr().out.endswith("; plan: auto\n")
+
+
+def test_viz_of_a_spec_says_it_wants_a_plan_directory(capsys):
+    assert main(["viz", str(DEMO / "pp.het")]) == 2
+    assert capsys.readouterr().err == (f"hetc viz: error: {DEMO / 'pp.het'} is a spec, and viz draws a plan "
+                                       f"directory: run `hetc compile {DEMO / 'pp.het'} -o DIR` and then "
+                                       "`hetc viz DIR`\n")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("verb", [["explain", str(DEMO / "pp.het")], ["check", str(DEMO / "pp.het")]],
+                         ids=lambda v: v[0])
+def test_a_closed_stdout_ends_quietly(verb):
+    """`hetc explain X | head`: the reader is gone before hetc writes; no traceback, no "internal error"."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run([sys.executable, "-m", "hetc", *verb], stdout=write_end, stderr=subprocess.PIPE,
+                              cwd=ROOT, timeout=100, text=True)
+    finally:
+        os.close(write_end)
+    assert done.stderr == ""
+    assert done.returncode == BROKEN_PIPE_STATUS
