@@ -15,7 +15,7 @@ from __future__ import annotations
 from hetc.pipeline import Pipeline
 from hetc.program import Backward, BackwardInput, BackwardWeight, Forward, Program, Recv, Send, Tensor, Wait
 
-__all__ = ["TorchPipeline", "lanes_aligned", "torch_pipelines"]
+__all__ = ["TorchPipeline", "lanes_aligned", "torch_pipelines", "why_not_exported"]
 
 
 class TorchPipeline:
@@ -37,6 +37,22 @@ def lanes_aligned(pipeline: Pipeline) -> bool:
     first = pipeline.stages[0]
     routes = [lane.microbatches for lane in first.lanes]
     return all([lane.microbatches for lane in s.lanes] == routes for s in pipeline.stages)
+
+
+def why_not_exported(pipeline: Pipeline) -> str | None:
+    """Why `torch_pipelines` writes nothing for `pipeline` (None when it exports every lane)."""
+    if lanes_aligned(pipeline):
+        return None
+    first = pipeline.stages[0]
+    odd = next(s for s in pipeline.stages
+               if [lane.microbatches for lane in s.lanes] != [lane.microbatches for lane in first.lanes])
+    def lanes(stage) -> str:
+        return f"{len(stage.lanes)} lane{'s' if len(stage.lanes) > 1 else ''}"
+
+    why = (f"stage '{first.name}' has {lanes(first)} and stage '{odd.name}' {lanes(odd)}"
+           if len(odd.lanes) != len(first.lanes) else
+           f"the lanes of stages '{first.name}' and '{odd.name}' serve different microbatches")
+    return f"{why}: a many-to-many pipeline, which torch's action format cannot describe"
 
 
 def torch_pipelines(program: Program, pipeline: Pipeline) -> list[TorchPipeline]:

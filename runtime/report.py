@@ -7,6 +7,11 @@ memory travels through the rendezvous store, outside the program's
 collectives. With `--trace FILE` the last step is timed per instruction on
 every rank and rank 0 writes a measured `Timeline` (the format of the
 compiler's prediction, so `hetc viz` draws either).
+
+Note [step numbers]: the interpreter counts steps from 0; everything the
+user reads counts them from 1, as optimizer steps done: the console's
+`step 3/30`, the metrics line `"step": 3` and the checkpoint `step-3`
+written after it all name the same step.
 """
 
 from __future__ import annotations
@@ -48,11 +53,12 @@ class Reporter:
         if self.rank != 0:
             return
         tps = self.tokens_per_step / result.seconds if result.seconds > 0 else 0.0
+        done = step + 1   # Note [step numbers]
         if not self.opts.quiet:
-            print(f"step {step + 1}/{total}  loss {result.loss:.4f}  {tps:,.0f} tokens/s  "
+            print(f"step {done}/{total}  loss {result.loss:.4f}  {tps:,.0f} tokens/s  "
                   f"{result.seconds:.3f} s/step", flush=True)
         if self.metrics is not None:
-            record = {"step": step, "loss": result.loss, "step_time_s": result.seconds, "tokens_per_s": tps,
+            record = {"step": done, "loss": result.loss, "step_time_s": result.seconds, "tokens_per_s": tps,
                       "peak_memory_bytes": memories}
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()

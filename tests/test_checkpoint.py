@@ -101,6 +101,6 @@ def test_hetc_run_saves_every_k_steps_and_resumes(demo_plan_dirs, demo_reference
     second = _hetc_run(plan, "--steps", REFERENCE_STEPS, "--checkpoint", ckpt, "--resume", "--metrics", metrics)
     assert second.returncode == 0, second.stderr
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["step"] for r in records] == [3, 4]
+    assert [r["step"] for r in records] == [4, 5]   # 1-based, as the console: step-3 was the third step
     assert_losses_close(tuple(r["loss"] for r in records), demo_reference.losses[3:])
     assert_params_close(latest_checkpoint(ckpt), demo_reference.params)

@@ -128,3 +128,22 @@ def test_a_closed_stdout_ends_quietly(verb):
         os.close(write_end)
     assert done.stderr == ""
     assert done.returncode == BROKEN_PIPE_STATUS
+
+
+def test_compile_says_when_it_skips_torch_csv_and_why(tmp_path, capsys):
+    assert main(["compile", str(DEMO / "hetero.het"), "-o", str(tmp_path / "hetero")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == ("torch/*.csv not written: stage 'head_end' has 1 lane and stage 'middle' 2 lanes: a "
+                      "many-to-many pipeline, which torch's action format cannot describe")
+    assert not (tmp_path / "hetero" / "torch").exists()
+    assert main(["compile", str(DEMO / "pp.het"), "-o", str(tmp_path / "pp")]) == 0
+    assert "not written" not in capsys.readouterr().out
+    assert sorted(p.name for p in (tmp_path / "pp" / "torch").iterdir()) == ["lane0.csv", "lane1.csv"]
+
+
+def test_compile_help_says_which_plans_get_torch_csv(capsys):
+    with pytest.raises(SystemExit):
+        main(["compile", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "torch/*.csv" in help_text and "for plans whose lanes line up across stages" in help_text
+    assert "compile says that it skipped torch/" in help_text

@@ -43,3 +43,24 @@ def test_a_misspelt_instruction_is_a_located_error(plan, tmp_path, capsys):
 def test_a_wrong_local_world_size_is_refused(plan, capsys):
     assert main(["run", str(plan), "--local", "3"]) == 2
     assert "the plan has 4 ranks; --local 3 cannot run it" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(300)
+def test_metrics_count_steps_as_the_console_does(tmp_path):
+    """metrics.jsonl's "step" is the console's `step k/N` (1-based: Note [step numbers] in runtime/report.py)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    plan_dir, metrics = tmp_path / "single", tmp_path / "m.jsonl"
+    assert main(["compile", str(DEMO / "single.het"), "-o", str(plan_dir)]) == 0
+    done = subprocess.run([sys.executable, "-m", "hetc", "run", str(plan_dir), "--local", "--steps", "2",
+                           "--metrics", str(metrics)], cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stderr
+    console = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert console == ["1/2", "2/2"]
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2]

@@ -43,6 +43,6 @@ def test_two_torchrun_launches_run_a_4_rank_plan(demo_plan_dirs, demo_reference,
     written = [p for p in tmp_path.glob("node*.jsonl")]
     assert len(written) == 1, logs
     records = [json.loads(line) for line in written[0].read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(STEPS))
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))   # 1-based, as the console counts
     assert len(records[0]["peak_memory_bytes"]) == 4
     assert_losses_close(tuple(r["loss"] for r in records), demo_reference.losses[:STEPS])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from hetc.frontend import load_checked
 from hetc.passes.cost import CostModel
-from hetc.passes.export_torch import torch_pipelines
+from hetc.passes.export_torch import torch_pipelines, why_not_exported
 from hetc.passes.lower import PASS_NAMES, PASSES, lower
 from hetc.passes.simulate import simulate
 from hetc.passes.verify import VerifyError, verify
@@ -39,7 +39,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "compile", help="lower a plan to per-rank programs and verify them",
         description="Lower SPEC's explicit plan to one instruction program per rank, prove the programs "
                     "deadlock-free and complete (the verifier), and write the plan directory DIR: plan.het, "
-                    "programs/rank-NNNN.txt (+ .json), groups.txt, torch/*.csv, summary.json.",
+                    "programs/rank-NNNN.txt (+ .json), groups.txt, summary.json, and torch/*.csv (each lane's "
+                    "pipeline in torch.distributed.pipelining's action format) for plans whose lanes line up "
+                    "across stages; for many-to-many pipelines (e.g. Zorse's) torch's format has no equivalent, "
+                    "and compile says that it skipped torch/.",
         epilog="passes: " + "; ".join(f"{n} ({d})" for n, d, _ in PASSES),
     )
     p.add_argument("spec", metavar="SPEC")
@@ -112,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
     write_plan_dir(args.out, compiled.checked.spec, compiled.loaded.path.parent, program, exports,
                    compiled.timeline.to_json(), summary)
     took = time.perf_counter() - start
+    if (why := why_not_exported(pipeline)) is not None:
+        print(f"torch/*.csv not written: {why}")
     print(f"compiled {args.spec}: {program.world_size} ranks, {summary['instructions']} instructions, "
           f"verified; predicted {step * 1e3:.2f} ms/step ({summary['tokens_per_s']:,.0f} tokens/s) "
           f"[{took:.2f}s] -> {args.out}/")
