@@ -15,6 +15,8 @@ from hetc.errors import Diagnostic, SpecError, did_you_mean
 from hetc.layout import layout_problem
 from hetc.passes.params import model_params
 from hetc.passes.resolve import resolve_pipeline
+from hetc.passes.validate_plan import check_plan
+from hetc.runtime.checks import check_text_vocab
 from hetc.pipeline import Pipeline
 from hetc.spec import AUTO, DTYPE_BYTES, CPKind, DataKind, OffloadTarget, Spec, ZeroShard
 from hetc.topology import MAX_GPUS, Topology
@@ -56,6 +58,8 @@ def _check(spec: Spec, base_dir: Path | None, errors: list[Diagnostic]):
         _check_model(spec, errors)
     if spec.train is not None:
         _check_train(spec, base_dir, errors)
+    if spec.model is not None and spec.train is not None and (problem := check_text_vocab(spec.model, spec.train)):
+        errors.append(Diagnostic(spec.model.span_of("vocab"), problem))   # the runtime's own rule
     topo = None
     if spec.cluster is not None:
         topo = _check_cluster(spec, errors)
@@ -66,6 +70,8 @@ def _check(spec: Spec, base_dir: Path | None, errors: list[Diagnostic]):
         _check_parallel(spec, errors)
         if not errors:
             pipeline = resolve_pipeline(spec, topo, errors)
+        if pipeline is not None:
+            check_plan(spec, pipeline, errors)
         _check_fit(spec, topo, errors)
     return topo, pipeline
 

@@ -153,4 +153,5 @@ def test_a_lane_out_of_rank_order_is_a_located_error_where_the_order_matters(tmp
         compile_text("    sequence_parallel = true\n")
     diag = caught.value.diagnostics[0]
     assert (diag.span.line, diag.span.col) == (5, 13)
-    assert "group tp.s0.l0.c0 of stage 'all' are not in ascending order along the lane" in diag.message
+    assert diag.message == ("the tp ranks of lane 0 of stage 'all' are not in ascending rank order, which sequence "
+                            "parallelism needs; list each lane's GPUs in rank order")

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from hetc.errors import Diagnostic, SpecError
+from hetc.errors import InternalError
 from hetc.layout import Range, boundary_ranges, held_length, transfers
 from hetc.pipeline import Lane, Pipeline, Stage
 from hetc.program import Group, Instr, RankProgram, Tensor
@@ -205,30 +205,19 @@ class LowerContext:
         return tuple(Group(n, tuple(sorted(r))) for n, r in named.items())
 
     def _check_lane_order(self, place: RankPlace) -> None:
-        """torch numbers a group's members by global rank; a lane's tp and cp ranks must follow that order
-        (sequence-parallel gathers and Ulysses' all-to-alls concatenate in it)."""
+        """torch numbers a group's members by global rank; where the order of concatenation matters the lane's
+        ranks follow it (validation refused plans that break this: hetc.passes.validate_plan)."""
         stage, ranks = place.stage, place.lane.ranks
         ordered = []
         if stage.sequence_parallel and stage.tp > 1:
-            ordered.append((self.tp_group(place), ranks[place.cp_rank * stage.tp:(place.cp_rank + 1) * stage.tp]))
+            ordered.append(ranks[place.cp_rank * stage.tp:(place.cp_rank + 1) * stage.tp])
         if stage.cp > 1 and stage.cp_kind is CPKind.ULYSSES:
-            ordered.append((self.cp_group(place), ranks[place.tp_rank::stage.tp]))
-        for name, members in ordered:
-            if list(members) != sorted(members):
-                raise self._lane_order_error(stage, name)
+            ordered.append(ranks[place.tp_rank::stage.tp])
         first = place.lane.index - place.lane.index % stage.ep
-        members = [lane.ranks[place.pos] for lane in stage.lanes[first:first + stage.ep]]
-        if members != sorted(members):   # EP rank r (lane first + r) owns the r-th share of the experts
-            st = self.spec.parallel.stages[stage.index]
-            raise SpecError(Diagnostic(st.span_of("ranks"), f"the lanes {first}..{first + stage.ep - 1} of stage "
-                                       f"'{st.name}' form an expert-parallel group but are not in ascending rank "
-                                       "order, which the experts' all-to-alls need; list the GPUs in rank order"))
-
-    def _lane_order_error(self, stage: Stage, group: str) -> SpecError:
-        st = self.spec.parallel.stages[stage.index]
-        return SpecError(Diagnostic(st.span_of("ranks"), f"the ranks of group {group} of stage '{st.name}' are "
-                                    "not in ascending order along the lane, which sequence parallelism and "
-                                    "Ulysses need; list each lane's GPUs in rank order"))
+        ordered.append(tuple(lane.ranks[place.pos] for lane in stage.lanes[first:first + stage.ep]))
+        for members in ordered:
+            if list(members) != sorted(members):
+                raise InternalError(f"rank {place.rank}: group members {members} are not in rank order")
 
     def _groups_of(self, place: RankPlace) -> list[str]:
         lane = [g for g in (self.tp_group(place), self.cp_group(place)) if g]

@@ -6,16 +6,17 @@ each lane ran its ops. Dependencies between ops (a forward needs the
 previous ministage's forward of the same microbatch, ...) come from the
 caller, so this module knows nothing about schedules or ministages.
 
-Note [coupled lanes]: where the lanes of a stage issue a collective around
-every compute op (ZeRO-2/3 under per-microbatch schedules), a lane cannot
-get ahead of its siblings: op k of any lane starts only when every lane of
-the stage has run its op k-1. The simulation models that with a pseudo-op
-("K", stage, k-1), finished when the stage's last lane finishes its op k-1,
-so the orders it returns stay feasible when the lanes are coupled. The
-first lane to run its op k leads: it chooses a kind of op (forward,
-backward, weight gradient) that every sibling can run once its inputs
-exist, and its siblings run the same kind at k, so the stage's lanes issue
-the same collectives in the same order.
+Note [coupled lanes]: where lanes issue a collective together around every
+compute op (the lanes of a stage under ZeRO-2/3 with a per-microbatch
+schedule; the lanes of an expert-parallel group around their MoE blocks), a
+lane cannot get ahead of its siblings: op k of any lane starts only when
+every lane of its group has run its op k-1. The simulation models that with
+a pseudo-op ("K", group, k-1), finished when the group's last lane finishes
+its op k-1, so the orders it returns stay feasible when the lanes are
+coupled. The first lane to run its op k leads: it chooses a kind of op
+(forward, backward, weight gradient) that every sibling can run once its
+inputs exist, and its siblings run the same kind at k, so the group's lanes
+issue the same collectives in the same order.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ __all__ = ["Op", "Policy", "simulate"]
 
 log = logging.getLogger(__name__)
 
-# An op is (kind, ms, mb) with kind one of "F", "B", "I", "W" (and "K" for a stage's lockstep point).
+# An op is (kind, ms, mb) with kind one of "F", "B", "I", "W" (and "K" for a lockstep group's point).
 Op = tuple[str, int, int]
 LaneKey = tuple[int, int]   # (stage, lane)
 
@@ -100,18 +101,18 @@ class Policy:
 
 class _Simulation:
     def __init__(self, policies: dict[LaneKey, Policy], deps: Callable[[Op], list[Op]],
-                 duration: Callable[[Op], float], coupled: dict[int, int], lift_limits: bool = True):
+                 duration: Callable[[Op], float], coupled: list[tuple[LaneKey, ...]], lift_limits: bool = True):
         self.policies, self.deps, self.duration = policies, deps, duration
         self.lift_limits = lift_limits
-        self.coupled = coupled                      # stage -> number of lanes moving in lockstep
+        self.group_of = {key: g for g, lanes in enumerate(coupled) for key in lanes}   # lane -> lockstep group
+        self.siblings = {g: sorted(lanes) for g, lanes in enumerate(coupled)}
         self.end: dict[Op, float] = {}
         self.orders: dict[LaneKey, list[Op]] = {key: [] for key in policies}
         self.clock = {key: 0.0 for key in policies}
         self.version = {key: 0 for key in policies}
         self.parked: dict[Op, list] = {}
-        self.lockstep: dict[tuple[int, int], list] = {}   # (stage, k) -> [lanes done, latest end]
-        self.lead: dict[tuple[int, int], str] = {}        # (stage, k) -> kind of op the first lane ran
-        self.siblings = {stage: [key for key in sorted(policies) if key[0] == stage] for stage in coupled}
+        self.lockstep: dict[tuple[int, int], list] = {}   # (group, k) -> [lanes done, latest end]
+        self.lead: dict[tuple[int, int], str] = {}        # (group, k) -> kind of op the first lane ran
         self.heap = [(0.0, i, key, 0) for i, key in enumerate(sorted(policies))]
         self.seq = len(self.heap)
 
@@ -143,22 +144,23 @@ class _Simulation:
     def _deps_of(self, key: LaneKey, op: Op) -> list[Op]:
         deps = self.deps(op)
         k = self.policies[key].done
-        if key[0] in self.coupled and k > 0:
-            deps = deps + [("K", key[0], k - 1)]
+        if key in self.group_of and k > 0:
+            deps = deps + [("K", self.group_of[key], k - 1)]
         return deps
 
     def _candidates(self, key: LaneKey) -> tuple[list[Op], list[Op]]:
         """(ops the lane may run now, most preferred first; dependencies a sibling lane still waits for)."""
         policy = self.policies[key]
-        if key[0] not in self.coupled:
+        group = self.group_of.get(key)
+        if group is None:
             return policy.candidates(), []
-        lead = self.lead.get((key[0], policy.done))
+        lead = self.lead.get((group, policy.done))
         if lead is not None:
             return policy.head(lead), []
-        # the first lane at op k chooses for its stage: only a kind every sibling can run once its inputs exist
+        # the first lane at op k chooses for its group: only a kind every sibling can run once its inputs exist
         shared, waiting = [], []
         for op in policy.candidates():
-            missing = [d for sib in self.siblings[key[0]] for head in self.policies[sib].head(op[0])
+            missing = [d for sib in self.siblings[group] for head in self.policies[sib].head(op[0])
                        for d in self.deps(head) if d not in self.end]
             if missing:
                 waiting += missing
@@ -191,13 +193,14 @@ class _Simulation:
         self.version[key] += 1
         self.push(finish, key, self.version[key])
         self._finished(op, finish)
-        if key[0] in self.coupled:
-            self.lead.setdefault((key[0], k), op[0])
-            point = self.lockstep.setdefault((key[0], k), [0, 0.0])
+        group = self.group_of.get(key)
+        if group is not None:
+            self.lead.setdefault((group, k), op[0])
+            point = self.lockstep.setdefault((group, k), [0, 0.0])
             point[0] += 1
             point[1] = max(point[1], finish)
-            if point[0] == self.coupled[key[0]]:
-                self._finished(("K", key[0], k), point[1])
+            if point[0] == len(self.siblings[group]):
+                self._finished(("K", group, k), point[1])
 
     def _finished(self, op: Op, finish: float) -> None:
         self.end[op] = finish
@@ -217,7 +220,7 @@ class _Simulation:
         """
         held = []
         for key, policy in sorted(self.policies.items()):
-            if not policy.held_back() or self.lead.get((key[0], policy.done), "F") != "F":
+            if not policy.held_back() or self.lead.get((self.group_of.get(key, -1), policy.done), "F") != "F":
                 continue
             deps = self._deps_of(key, policy.next_forward())
             if all(d in self.end for d in deps):
@@ -225,7 +228,7 @@ class _Simulation:
         if not held:
             return False
         ready, key = min(held)
-        for lane in self.siblings.get(key[0], [key]):   # lanes in lockstep keep equal limits
+        for lane in self.siblings.get(self.group_of.get(key, -1), [key]):   # lanes in lockstep keep equal limits
             self.policies[lane].limit += 1
             self.push(ready, lane, self.version[lane])
         log.debug("schedule: lane %s runs a forward beyond its in-flight limit (now %d)", key,
@@ -234,10 +237,10 @@ class _Simulation:
 
 
 def simulate(policies: dict[LaneKey, Policy], deps: Callable[[Op], list[Op]], duration: Callable[[Op], float],
-             coupled: dict[int, int] | None = None, lift_limits: bool = True) -> dict[LaneKey, list[Op]]:
+             coupled: list[tuple[LaneKey, ...]] | None = None, lift_limits: bool = True) -> dict[LaneKey, list[Op]]:
     """Run every lane's policy against the others; return each lane's op order.
 
     InternalError when the policies wait on each other for good (with
     `lift_limits`, only when no in-flight limit can be raised to break it).
     """
-    return _Simulation(policies, deps, duration, coupled or {}, lift_limits).run()
+    return _Simulation(policies, deps, duration, coupled or [], lift_limits).run()

@@ -16,16 +16,17 @@ in `lane_sim.py` (with Note [coupled lanes] and Note [lifting a limit]).
 from __future__ import annotations
 
 import itertools
+from enum import StrEnum
+from typing import NamedTuple
 
 from hetc.errors import InternalError
 from hetc.passes.lower.context import LowerContext, rank_shell
 from hetc.passes.lower.lane_sim import Op, Policy, simulate
-from hetc.passes.lower.zero import lane_pattern_error
-from hetc.pipeline import Lane, Stage
+from hetc.pipeline import Lane, Pipeline, Stage
 from hetc.program import Backward, BackwardInput, BackwardWeight, Forward, Load, Program
-from hetc.spec import ScheduleKind
+from hetc.spec import ModelSpec, ScheduleKind
 
-__all__ = ["Op", "order_compute"]
+__all__ = ["Lockstep", "LockstepReason", "Op", "lane_policy", "lockstep_groups", "order_compute", "queue_shape"]
 
 
 def order_compute(ctx: LowerContext) -> Program:
@@ -46,12 +47,12 @@ def order_compute(ctx: LowerContext) -> Program:
 def _order(ctx: LowerContext, strict: bool) -> Program:
     kind = ctx.pipeline.schedule
     lanes = [(stage, lane) for stage in ctx.pipeline.stages for lane in stage.lanes]
-    policies = {(s.index, lane.index): _policy(ctx, kind, s, lane) for s, lane in lanes}
+    policies = {(s.index, lane.index): lane_policy(ctx.pipeline, s, lane) for s, lane in lanes}
     for policy in policies.values():
         policy.forward_first = strict and kind in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED)
     split = kind is ScheduleKind.ZB
     orders = simulate(policies, lambda op: _deps(ctx, op, split), lambda op: _duration(ctx, op),
-                      _coupled_stages(ctx, policies), lift_limits=not strict)
+                      _coupled_lanes(ctx, policies), lift_limits=not strict)
     programs = []
     for place in ctx.places:
         ops = orders[(place.stage.index, place.lane.index)]
@@ -59,18 +60,20 @@ def _order(ctx: LowerContext, strict: bool) -> Program:
     return Program(tuple(programs), ctx.groups)
 
 
-def _policy(ctx: LowerContext, kind: ScheduleKind, stage: Stage, lane: Lane) -> Policy:
+def lane_policy(pipeline: Pipeline, stage: Stage, lane: Lane) -> Policy:
+    """The queues of ops `lane` of `stage` runs under the pipeline's schedule, and its in-flight limit."""
+    kind = pipeline.schedule
     own = list(stage.ministages)
     mbs = list(lane.microbatches)
     bkind = "I" if kind is ScheduleKind.ZB else "B"
-    num_stages = len(ctx.pipeline.stages)
+    num_stages = len(pipeline.stages)
     downstream = num_stages - stage.index
     if kind is ScheduleKind.ZORSE:
         f = [("F", ms, mb) for ms in own for mb in mbs]
         b = [("B", ms, mb) for ms in reversed(own) for mb in mbs]
         return Policy(f, b)
     if kind is ScheduleKind.INTERLEAVED:
-        f, b = _interleaved_orders(ctx, own, mbs, num_stages)
+        f, b = _interleaved_orders(pipeline, own, mbs, num_stages)
         v = len(own)
         limit = (downstream - 1) * 2 + (v - 1) * num_stages + 1
         return Policy(f, b, limit=limit)
@@ -82,7 +85,7 @@ def _policy(ctx: LowerContext, kind: ScheduleKind, stage: Stage, lane: Lane) -> 
     return Policy(f, b, w, limit=downstream, per_unit=len(own))
 
 
-def _interleaved_orders(ctx: LowerContext, own: list[int], mbs: list[int], group: int
+def _interleaved_orders(pipeline: Pipeline, own: list[int], mbs: list[int], group: int
                         ) -> tuple[list[Op], list[Op]]:
     """Megatron's interleaved order: microbatches in groups of `group`, chunk by chunk.
 
@@ -93,7 +96,7 @@ def _interleaved_orders(ctx: LowerContext, own: list[int], mbs: list[int], group
     (group, ministage, microbatch), so no lane waits for a forward its
     upstream lane has queued behind one that waits for it.
     """
-    first = {mb: i for lane in ctx.pipeline.stages[0].lanes for i, mb in enumerate(lane.microbatches)}
+    first = {mb: i for lane in pipeline.stages[0].lanes for i, mb in enumerate(lane.microbatches)}
     f, b = [], []
     for _, chunk in itertools.groupby(sorted(mbs, key=lambda mb: (first[mb] // group, mb)),
                                       key=lambda mb: first[mb] // group):
@@ -103,24 +106,54 @@ def _interleaved_orders(ctx: LowerContext, own: list[int], mbs: list[int], group
     return f, b
 
 
-def _coupled_stages(ctx: LowerContext, policies: dict) -> dict[int, int]:
-    """Stages whose lanes run a collective around every compute op (Note [coupled lanes]): stage -> lanes.
+def _coupled_lanes(ctx: LowerContext, policies: dict) -> list[tuple[tuple[int, int], ...]]:
+    """The groups of lanes that move in lockstep (Note [coupled lanes]), as (stage, lane) keys.
 
     Lanes in lockstep must queue the same ops (kind and ministage) in the
-    same order; where their microbatches make the queues differ, a located
-    error.
+    same order; validation has refused plans where they do not
+    (`hetc.passes.validate_lanes`), so here that is an invariant.
     """
-    if ctx.pipeline.schedule is ScheduleKind.ZORSE:
-        return {}
-    coupled = [s for s in ctx.pipeline.stages if len(s.lanes) > 1 and s.zero.level >= 2]
-    for stage in coupled:
-        shapes = {_queue_shape(policies[(stage.index, lane.index)]) for lane in stage.lanes}
-        if len(shapes) > 1:
-            raise lane_pattern_error(ctx, stage)
-    return {s.index: len(s.lanes) for s in coupled}
+    out = []
+    for group in lockstep_groups(ctx.pipeline, ctx.model):
+        keys = tuple((group.stage.index, lane.index) for lane in group.lanes)
+        if len({queue_shape(policies[key]) for key in keys}) > 1:
+            raise InternalError(f"lanes {keys} move in lockstep but queue different ops")
+        out.append(keys)
+    return out
 
 
-def _queue_shape(policy: Policy) -> tuple:
+class Lockstep(NamedTuple):
+    """Lanes of one stage that issue collectives together around every compute op, and why."""
+
+    stage: Stage
+    lanes: tuple[Lane, ...]
+    reason: LockstepReason
+
+
+class LockstepReason(StrEnum):
+    ZERO = "zero"      # ZeRO-2/3 under a per-microbatch schedule: gradients reduced (and params gathered) per op
+    EXPERTS = "ep"     # an expert-parallel group: all-to-alls inside every MoE block
+
+
+def lockstep_groups(pipeline: Pipeline, model: ModelSpec) -> list[Lockstep]:
+    """Every group of lanes that must run the same ops in the same order (Note [coupled lanes])."""
+    out = []
+    for stage in pipeline.stages:
+        if pipeline.schedule is not ScheduleKind.ZORSE and len(stage.lanes) > 1 and stage.zero.level >= 2:
+            out.append(Lockstep(stage, stage.lanes, LockstepReason.ZERO))
+        elif stage.ep > 1 and _has_moe_block(pipeline, model, stage):
+            out += [Lockstep(stage, stage.lanes[i:i + stage.ep], LockstepReason.EXPERTS)
+                    for i in range(0, len(stage.lanes), stage.ep)]
+    return out
+
+
+def _has_moe_block(pipeline: Pipeline, model: ModelSpec, stage: Stage) -> bool:
+    return model.moe is not None and any(1 <= layer <= model.layers for ms in stage.ministages
+                                         for layer in pipeline.ministages[ms].layers)
+
+
+def queue_shape(policy: Policy) -> tuple:
+    """The (kind, ministage) sequence of each of a lane's queues: what lanes in lockstep must share."""
     return tuple(tuple((kind, ms) for kind, ms, _ in queue) for queue in (policy.f_order, policy.b_order,
                                                                            policy.w_order))
 

@@ -25,19 +25,19 @@ over the outer group after the inner one, and a gather back after the step.
 
 from __future__ import annotations
 
-from hetc.errors import Diagnostic, SpecError
+from hetc.errors import InternalError
 from hetc.passes.lower.context import LowerContext, RankPlace, next_handle
 from hetc.passes.lower.edits import Edits, Handles
+from hetc.passes.lower.schedule import lockstep_groups
 from hetc.program import (COMPUTE_TYPES, AllGather, AllReduce, Backward, BackwardWeight, Forward, Free, Instr,
                           Program, RankProgram, ReduceScatter, Shard, Step, Tensor, Wait)
 from hetc.spec import OffloadTarget, ScheduleKind
 
-__all__ = ["insert_zero", "lane_pattern_error"]
+__all__ = ["insert_zero"]
 
 
 def insert_zero(program: Program, ctx: LowerContext) -> Program:
     _check_lane_patterns(program, ctx)
-    _check_expert_lanes(program, ctx)
     return Program(tuple(_rank(rp, ctx.places[rp.rank], ctx) for rp in program.ranks), program.groups)
 
 
@@ -210,44 +210,11 @@ def _regather(shard: Shard, handles: Handles) -> tuple[list[Instr], list[Wait]]:
 
 
 def _check_lane_patterns(program: Program, ctx: LowerContext) -> None:
-    """Per-microbatch collectives need every lane of a stage to run the same op pattern."""
-    if not _per_microbatch(ctx):
-        return
-    for stage in ctx.pipeline.stages:
-        if len(stage.lanes) < 2 or stage.zero.level < 2:
-            continue
-        patterns = {}
-        for lane in stage.lanes:
-            rp = program.ranks[lane.ranks[0]]
-            patterns[lane.index] = [(type(i).__name__, i.ms) for i in rp.instrs if isinstance(i, COMPUTE_TYPES)]
-        if len({tuple(p) for p in patterns.values()}) > 1:
-            raise lane_pattern_error(ctx, stage)
-
-
-def _check_expert_lanes(program: Program, ctx: LowerContext) -> None:
-    """The lanes of an expert-parallel group run their MoE ministages' compute together (Note [compute
-    collectives]): each must run the same op kinds on the same ministages in the same order."""
-    for stage in ctx.pipeline.stages:
-        if stage.ep == 1:
-            continue
-        for first in range(0, len(stage.lanes), stage.ep):
-            lanes = stage.lanes[first:first + stage.ep]
-            patterns = [[(type(i).__name__, i.ms) for i in program.ranks[lane.ranks[0]].instrs
-                         if isinstance(i, COMPUTE_TYPES) and ctx.ep_group(ctx.places[lane.ranks[0]], i.ms)]
-                        for lane in lanes]
-            odd = next((lane for lane, p in zip(lanes, patterns) if p != patterns[0]), None)
-            if odd is not None:
-                st = ctx.spec.parallel.stages[stage.index]
-                raise SpecError(Diagnostic(st.span_of("ep"), f"lanes {lanes[0].index} and {odd.index} of stage "
-                                           f"'{stage.name}' form an expert-parallel group, whose MoE compute runs in "
-                                           "lockstep, but they run different sequences of ops (microbatch counts "
-                                           f"{len(lanes[0].microbatches)} and {len(odd.microbatches)}); give the "
-                                           "lanes of each group equal microbatches"))
-
-
-def lane_pattern_error(ctx: LowerContext, stage) -> SpecError:
-    st = ctx.spec.parallel.stages[stage.index]
-    return SpecError(Diagnostic(st.span, f"ZeRO-{stage.zero.level} under {ctx.pipeline.schedule.value} "
-                                f"reduces every microbatch, so every lane of stage '{stage.name}' must "
-                                "run the same sequence of ops, but its lanes serve different microbatch "
-                                "patterns; use the zorse schedule, ZeRO ≤ 1, or equal lanes"))
+    """Lanes in lockstep (Note [coupled lanes]) run the same compute ops in the same order; validation refused
+    plans whose lanes cannot (hetc.passes.validate_plan), so a difference here is a bug in pass `schedule`."""
+    for group in lockstep_groups(ctx.pipeline, ctx.model):
+        patterns = {tuple((type(i).__name__, i.ms) for i in program.ranks[lane.ranks[0]].instrs
+                          if isinstance(i, COMPUTE_TYPES)) for lane in group.lanes}
+        if len(patterns) > 1:
+            raise InternalError(f"the lanes of stage {group.stage.index} in lockstep ({group.reason.value}) run "
+                                "different compute sequences")

@@ -1,0 +1,88 @@
+"""Rules on the resolved plan: what the runtime and the lowering passes need of a Pipeline.
+
+`hetc check` must report every error `hetc compile` or `hetc run` would
+meet, so the rules that need the resolved ranks, lanes and ministages live
+here, beside the validation pass, and lowering only asserts them:
+
+- tied embeddings need the embedding and the head in one ministage
+  (`hetc.runtime.checks`, which the runtime shares);
+- a lane's ranks must ascend where torch's group numbering matters
+  (sequence-parallel gathers, Ulysses' all-to-alls, expert groups);
+- lanes that move in lockstep (Note [coupled lanes] in passes/lower/lane_sim.py)
+  must queue the same ops in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hetc.errors import Diagnostic
+from hetc.passes.lower.schedule import LockstepReason, lane_policy, lockstep_groups, queue_shape
+from hetc.pipeline import Lane, Pipeline, Stage
+from hetc.runtime.checks import check_tied_embeddings
+from hetc.spec import CPKind, Spec, StageSpec
+
+__all__ = ["check_plan"]
+
+
+def check_plan(spec: Spec, pipeline: Pipeline, errors: list[Diagnostic]) -> None:
+    """Append a located error for every rule of the module docstring that `pipeline` breaks."""
+    model = spec.model
+    if (problem := check_tied_embeddings(model, pipeline)) is not None:
+        errors.append(Diagnostic(model.span_of("tied_embeddings"), problem))
+    for stage in pipeline.stages:
+        _check_rank_order(spec.parallel.stages[stage.index], stage, errors)
+    _check_lockstep(spec, pipeline, errors)
+
+
+def _ascending(ranks: Sequence[int]) -> bool:
+    return list(ranks) == sorted(ranks)
+
+
+def _check_rank_order(st: StageSpec, stage: Stage, errors: list[Diagnostic]) -> None:
+    """torch numbers a group's members by global rank; where the order of concatenation matters, the lane's
+    ranks must follow it (one error per stage and rule)."""
+    tp, cp = stage.tp, stage.cp
+    rules = []
+    if stage.sequence_parallel and tp > 1:
+        rules.append(("tp", "sequence parallelism", lambda lane: [lane.ranks[c * tp:(c + 1) * tp] for c in range(cp)]))
+    if cp > 1 and stage.cp_kind is CPKind.ULYSSES:
+        rules.append(("cp", "Ulysses attention", lambda lane: [lane.ranks[t::tp] for t in range(tp)]))
+    for what, needs, members in rules:
+        lane = next((lane for lane in stage.lanes if not all(_ascending(m) for m in members(lane))), None)
+        if lane is not None:
+            errors.append(Diagnostic(st.span_of("ranks"), f"the {what} ranks of lane {lane.index} of stage "
+                                     f"'{st.name}' are not in ascending rank order, which {needs} needs; list "
+                                     "each lane's GPUs in rank order"))
+    for first in range(0, len(stage.lanes), stage.ep) if stage.ep > 1 else ():
+        group = stage.lanes[first:first + stage.ep]
+        if not all(_ascending([lane.ranks[pos] for lane in group]) for pos in range(stage.lane_size)):
+            # EP rank r (lane first + r) owns the r-th share of the experts
+            errors.append(Diagnostic(st.span_of("ranks"), f"the lanes {first}..{first + stage.ep - 1} of stage "
+                                     f"'{st.name}' form an expert-parallel group but are not in ascending rank "
+                                     "order, which the experts' all-to-alls need; list the GPUs in rank order"))
+            return
+
+
+def _check_lockstep(spec: Spec, pipeline: Pipeline, errors: list[Diagnostic]) -> None:
+    for group in lockstep_groups(pipeline, spec.model):
+        shapes = [queue_shape(lane_policy(pipeline, group.stage, lane)) for lane in group.lanes]
+        odd = next((lane for lane, shape in zip(group.lanes, shapes) if shape != shapes[0]), None)
+        if odd is not None:
+            errors.append(_lockstep_error(spec, pipeline, group.stage, group.reason, (group.lanes[0], odd)))
+
+
+def _lockstep_error(spec: Spec, pipeline: Pipeline, stage: Stage, reason: LockstepReason,
+                    lanes: tuple[Lane, Lane]) -> Diagnostic:
+    st = spec.parallel.stages[stage.index]
+    if reason is LockstepReason.ZERO:
+        return Diagnostic(st.span, f"ZeRO-{stage.zero.level} under {pipeline.schedule.value} reduces every "
+                                   f"microbatch, so every lane of stage '{stage.name}' must run the same sequence "
+                                   "of ops, but its lanes serve different microbatch patterns; use the zorse "
+                                   "schedule, ZeRO ≤ 1, or equal lanes")
+    first, odd = lanes
+    return Diagnostic(st.span_of("ep"), f"lanes {first.index} and {odd.index} of stage '{stage.name}' form an "
+                                        "expert-parallel group, whose MoE compute runs in lockstep, but they run "
+                                        f"different sequences of ops (microbatch counts {len(first.microbatches)} "
+                                        f"and {len(odd.microbatches)}); give the lanes of each group equal "
+                                        "microbatches")
