@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from hetc.errors import SpecError
-from hetc.runtime.checks import check_text_vocab
+from hetc.runtime.checks import check_text_size, check_text_vocab
 from hetc.runtime.seeding import generator
 from hetc.spec import DataKind, ModelSpec, TrainSpec
 
@@ -113,7 +113,6 @@ def make_data_source(model: ModelSpec, train: TrainSpec, base_dir: Path | str = 
     except OSError as err:
         raise SpecError.at(train.data.span_of("path"), f"cannot read the text file '{path}': "
                            f"{err.strerror}") from None
-    if len(text) < model.seq + 1:
-        raise SpecError.at(train.data.span_of("path"), f"the text file '{path}' has {len(text)} bytes; "
-                           f"a sequence of seq = {model.seq} needs {model.seq + 1}")
+    if (problem := check_text_size(model, path, len(text))) is not None:
+        raise SpecError.at(train.data.span_of("path"), problem)
     return TextData(text=text, **common)
