@@ -33,9 +33,9 @@ def expected_errors(case: Path) -> list[str]:
 
 
 def actual_errors(case: Path) -> list[str]:
-    """Load and validate `case` from inside tests/invalid/, as `LINE:COL: message` lines."""
+    """Load and validate `case` from inside tests/invalid/ as `hetc check` does, as `LINE:COL: message` lines."""
     try:
-        load_checked(case.name)
+        load_checked(case.name, require_fit=True)
     except SpecError as err:
         return [_located(d.span, d.message, case.name) for d in err.diagnostics]
     return []

@@ -111,7 +111,22 @@ def test_cli_reports_a_plan_that_does_not_fit(tmp_path, capsys):
     assert re.search(r"error: rank 0, instruction \d+ `.*`: out of device memory: the rank needs [\d.]+ MiB at its "
                      r"peak \(instruction \d+: params .*\) but its cpu holds 66.0 MiB", err)
     assert main(["compile", str(plan), "-o", str(tmp_path / "again")]) == 2
-    assert "the plan does not fit in device memory" in capsys.readouterr().err
+    lines = capsys.readouterr().err.splitlines()
+    # one located summary per stage, on the stage's block, not one line per rank
+    summaries = [line for line in lines if ": error: " in line]
+    text = plan.read_text().splitlines()
+    stage_lines = [str(text.index(f"  stage {name} {{") + 1) for name in ("first", "second")]
+    assert [s.split(": error: ")[0].rsplit(":", 2)[1:] for s in summaries] == [[n, "3"] for n in stage_lines]
+    assert re.fullmatch(r".*plan\.het:\d+:3: error: stage 'first' does not fit in device memory: the verifier finds "
+                        r"that rank 0 needs [\d.]+ MiB \(params .*\) but its cpu host\[0, 0\] holds 66\.0 MiB; all 2 "
+                        r"of its ranks overflow; to fit, try a higher ZeRO level \(zero = 2\.\.3\), offload "
+                        r"\{ params = cpu, optimizer = cpu \}, .*", summaries[0])
+    assert lines[1:3] == ["      stage first {", "      ^"] and lines[-1] == "2 errors"
+    # `hetc check` says the same from the cost model's estimate, before anything is lowered
+    assert main(["check", str(plan)]) == 2
+    estimated = [line for line in capsys.readouterr().err.splitlines() if ": error: " in line]
+    assert [e.split(": error: ")[0] for e in estimated] == [s.split(": error: ")[0] for s in summaries]
+    assert all("the cost model estimates that rank" in e for e in estimated)
 
 
 def test_receive_pieces_are_sized_by_their_shape_and_freed_by_their_consumer():

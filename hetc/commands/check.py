@@ -15,7 +15,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "check", help="parse and validate a spec",
         description="Parse SPEC and its imports and check every rule of the language. Prints "
-                    "FILE:LINE:COL: error: ... for each problem and exits 2, or prints a one-line summary.",
+                    "FILE:LINE:COL: error: ... for each problem and exits 2, or prints a one-line summary. "
+                    "An explicit plan is also checked against device memory with the cost model's estimate "
+                    "(`hetc explain` shows the numbers).",
     )
     p.add_argument("specs", nargs="+", metavar="SPEC", help=".het file(s) to check")
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
@@ -24,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     for path in args.specs:
-        _loaded, checked = load_checked(path)
+        _loaded, checked = load_checked(path, require_fit=True)
         if not args.quiet:
             print(f"{path}: ok: {summary(checked)}")
     return 0

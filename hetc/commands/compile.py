@@ -8,12 +8,15 @@ import sys
 import time
 from pathlib import Path
 
+from hetc.errors import Diagnostic, SpecError
 from hetc.frontend import load_checked
 from hetc.passes.cost import CostModel
 from hetc.passes.export_torch import torch_pipelines, why_not_exported
 from hetc.passes.lower import PASS_NAMES, PASSES, lower
 from hetc.passes.simulate import simulate
+from hetc.passes.validate_fit import peak_overflows
 from hetc.passes.verify import VerifyError, verify
+from hetc.passes.verify.memory import rank_peaks
 from hetc.plandir import write_plan_dir
 from hetc.program import Program
 
@@ -60,7 +63,16 @@ def compile_spec(spec_path: Path, dump_after: str | None = None, on_dump=None) -
         checked = plan_checked(loaded.spec, loaded.path.parent)
     program = lower(checked.spec, checked.pipeline, dump_after, on_dump)
     costs = CostModel(checked.spec, checked.pipeline, checked.topology)
-    verify(program, checked.pipeline, checked.spec, costs)
+    try:
+        verify(program, checked.pipeline, checked.spec, costs)
+    except VerifyError as err:
+        if err.check != "memory":
+            raise
+        # the plan's fault, not lowering's: one located summary per stage (passes/validate_fit.py)
+        peaks = rank_peaks(program, checked.pipeline, costs)
+        raise SpecError(peak_overflows(checked.spec, checked.pipeline, peaks) or
+                        [Diagnostic(checked.spec.parallel.span, f"the plan does not fit in device memory:\n"
+                                                                f"{err.render()}")]) from None
     timeline = simulate(program, checked.pipeline, checked.spec, costs, plan_facts(checked))
     return Compiled(loaded, checked, program, costs, timeline)
 
@@ -97,9 +109,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         compiled = compile_spec(Path(args.spec), args.dump_after, dump if args.dump_after else None)
     except VerifyError as err:
-        if err.check == "memory":   # the plan's fault, not lowering's
-            print(f"hetc compile: the plan does not fit in device memory:\n{err.render()}", file=sys.stderr)
-            return 2
         print(f"hetc compile: the lowered programs are unsafe (a bug in hetc's lowering):\n{err.render()}",
               file=sys.stderr)
         return 1

@@ -1,0 +1,106 @@
+"""Does the plan fit in device memory? One located error per stage that does not, naming what would help.
+
+`hetc check` asks the cost model's estimate (`CostModel.estimate().memory`);
+`hetc compile` asks the verifier's walk of the lowered programs
+(`passes.verify.memory.rank_peaks`). Both report through `stage_overflow`, so
+a user sees one message per stage — where the stage is written, its worst
+rank, how many of its ranks overflow and the knobs that would make it fit —
+not one line per rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from hetc.errors import Diagnostic
+from hetc.passes.verify.memory import Peak, format_bytes
+from hetc.pipeline import Pipeline, Stage
+from hetc.spec import Checkpointing, OffloadTarget, Spec
+
+__all__ = ["RankUse", "estimate_overflows", "peak_overflows", "stage_overflows"]
+
+
+@dataclass(frozen=True)
+class RankUse:
+    """One rank's memory at its peak: the parts by name, and its device's capacity."""
+
+    rank: int
+    parts: Mapping[str, float]
+    capacity: float
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+    @property
+    def over(self) -> bool:
+        return self.total > self.capacity
+
+
+def estimate_overflows(checked) -> list[Diagnostic]:
+    """The stages of `checked`'s plan (a `passes.validate.Checked`) that the cost model's estimate puts over
+    their devices' memory."""
+    from hetc.passes.cost import CostError, CostModel
+
+    spec = checked.spec
+    try:
+        estimate = CostModel(spec, checked.pipeline, checked.topology).estimate()
+    except CostError as err:   # a device the cost model cannot time: compile and run would stop there too
+        return [Diagnostic(spec.parallel.span, str(err))]
+    uses = [RankUse(m.rank, {"params": m.params, "grads": m.grads, "optimizer": m.optimizer,
+                             "activations": m.activations, "buffers": m.buffers, "reserve": m.reserve},
+                    m.capacity) for m in estimate.memory]
+    return stage_overflows(spec, checked.pipeline, uses, "the cost model estimates")
+
+
+def peak_overflows(spec: Spec, pipeline: Pipeline, peaks: list[Peak]) -> list[Diagnostic]:
+    """The stages whose ranks' verified peaks (`passes.verify.memory.rank_peaks`) exceed their devices."""
+    uses = [RankUse(p.rank, p.parts, p.capacity) for p in sorted(peaks, key=lambda p: p.rank)]
+    return stage_overflows(spec, pipeline, uses, "the verifier finds")
+
+
+def stage_overflows(spec: Spec, pipeline: Pipeline, uses: list[RankUse], source: str) -> list[Diagnostic]:
+    """One error per stage with a rank over its capacity; `source` says where the numbers come from."""
+    out = []
+    for stage in pipeline.stages:
+        mine = [uses[r] for r in stage.ranks]
+        if any(u.over for u in mine):
+            out.append(_stage_overflow(spec, pipeline, stage, mine, source))
+    return out
+
+
+def _stage_overflow(spec: Spec, pipeline: Pipeline, stage: Stage, uses: list[RankUse], source: str) -> Diagnostic:
+    over = [u for u in uses if u.over]
+    worst = max(over, key=lambda u: u.total / u.capacity)
+    gpu = pipeline.world[worst.rank]
+    parts = ", ".join(f"{name} {format_bytes(b)}" for name, b in worst.parts.items() if b > 0)
+    count = "" if len(uses) == 1 else (f"; all {len(uses)} of its ranks overflow" if len(over) == len(uses)
+                                       else f"; {len(over)} of its {len(uses)} ranks overflow")
+    st = spec.parallel.stages[stage.index]
+    return Diagnostic(st.span, f"stage '{stage.name}' does not fit in device memory: {source} that rank "
+                               f"{worst.rank} needs {format_bytes(worst.total)} ({parts}) but its "
+                               f"{gpu.device.name} {gpu} holds {format_bytes(worst.capacity)}{count}; to fit, try "
+                               + ", ".join(_knobs(spec, pipeline, stage)))
+
+
+def _knobs(spec: Spec, pipeline: Pipeline, stage: Stage) -> list[str]:
+    """What would lower the stage's memory, among what it does not use yet."""
+    model, knobs = spec.model, []
+    replicas = len(stage.lanes) * stage.cp
+    if stage.zero.level < 3:
+        knobs.append(f"a higher ZeRO level (zero = {stage.zero.level + 1}..3)" if replicas > 1 else
+                     "more lanes with a ZeRO level (lanes = 2, zero = 1..3)")
+    off = [name for name, target in (("params", stage.offload.params), ("optimizer", stage.offload.optimizer))
+           if target is OffloadTarget.NONE]
+    if off:
+        knobs.append("offload { " + ", ".join(f"{name} = cpu" for name in off) + " }")
+    if model.activation_checkpoint is not Checkpointing.FULL:
+        knobs.append("activation_checkpoint = full in the model")
+    if model.heads % (2 * stage.tp) == 0 and model.num_kv_heads % (2 * stage.tp) == 0:
+        knobs.append(f"more tensor parallelism (tp = {2 * stage.tp})")
+    if sum(len(pipeline.ministages[ms].layers) for ms in stage.ministages) > 1:
+        knobs.append("more stages (fewer layers per stage)")
+    if spec.train.micro_batch > 1:
+        knobs.append(f"a smaller micro_batch (now {spec.train.micro_batch})")
+    return knobs
