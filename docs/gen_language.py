@@ -88,7 +88,9 @@ def value_kind(info: FieldInfo) -> str:
         text = "`even`, `proportional` or `[count, ...]` per lane"
     else:
         text = base.__name__
-    if info.auto_ok:
+    if info.auto_ok and info.meta["block"]:   # the one way to write it (hetc.values accepts both spellings)
+        text += f", or `{info.meta['block']} = auto`"
+    elif info.auto_ok:
         text += ", or `auto`"
     return text
 

@@ -13,12 +13,13 @@ from pathlib import Path
 
 from hetc.errors import Diagnostic, SpecError, did_you_mean
 from hetc.layout import layout_problem
+from hetc.passes.cost.memory import state_bytes_per_param
 from hetc.passes.params import model_params
 from hetc.passes.resolve import resolve_pipeline
 from hetc.passes.validate_plan import check_plan
 from hetc.runtime.checks import check_text_size, check_text_vocab
 from hetc.pipeline import Pipeline
-from hetc.spec import AUTO, DTYPE_BYTES, CPKind, DataKind, OffloadTarget, Spec, ZeroShard
+from hetc.spec import AUTO, CPKind, DataKind, OffloadTarget, Spec, ZeroShard
 from hetc.topology import MAX_GPUS, Topology
 
 # Every rank's program lists each of its microbatches; beyond this a step is
@@ -249,10 +250,8 @@ def _check_fit(spec: Spec, topo: Topology, errors) -> None:
     """Model states must fit in the cluster's memory even fully sharded (ZeRO-3 over all GPUs)."""
     m = spec.model
     phi = model_params(m)
-    delta, delta_opt = DTYPE_BYTES[m.dtype], DTYPE_BYTES[m.optimizer.master_dtype]
-    n_opt = m.optimizer.num_states
-    master = delta_opt if delta_opt != delta else 0
-    need = phi * (2 * delta + (n_opt * delta_opt) + master)
+    per_param = state_bytes_per_param(m)   # the cost model's bytes per parameter (DESIGN.md §3)
+    need = phi * (per_param.params + per_param.grads + per_param.optimizer)
     gpu_memory = sum(g.device.memory for g in topo.gpus)
     host_memory = 0.0
     off = spec.parallel.offload
