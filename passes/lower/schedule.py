@@ -111,7 +111,7 @@ def _coupled_lanes(ctx: LowerContext, policies: dict) -> list[tuple[tuple[int, i
 
     Lanes in lockstep must queue the same ops (kind and ministage) in the
     same order; validation has refused plans where they do not
-    (`hetc.passes.validate_lanes`), so here that is an invariant.
+    (`hetc.passes.validate_plan`), so here that is an invariant.
     """
     out = []
     for group in lockstep_groups(ctx.pipeline, ctx.model):
