@@ -136,7 +136,13 @@ def _candidate(spec, topo: Topology, rng: random.Random) -> Candidate | None:
                                 schedule is ScheduleKind.ZORSE and rng.random() < 0.5),
                         chunks or rng.choice([1, min(2, n)])) for n in layers)
     counts = []
-    for st in stages:
+    for st, k in zip(stages, knobs):
+        if schedule is not ScheduleKind.ZORSE and k.zero >= 2 and st.num_lanes > 1:
+            # lanes in lockstep serve alike (passes/plan/routing.py; validation refuses anything else)
+            if m % st.num_lanes:
+                return None
+            counts.append((m // st.num_lanes,) * st.num_lanes)
+            continue
         row = [1] * st.num_lanes
         for _ in range(m - st.num_lanes):
             row[rng.randrange(st.num_lanes)] += 1
