@@ -12,7 +12,7 @@ from hetc.pipeline import Lane, Ministage, Pipeline, Stage, route_microbatches
 from hetc.spec import AUTO, RankSlice, RoutingKind, Spec, StageSpec
 from hetc.topology import Gpu, Topology
 
-__all__ = ["Diagnostics", "proportional_counts", "resolve_pipeline", "resolve_rank_slices"]
+__all__ = ["Diagnostics", "plan_has_auto", "proportional_counts", "resolve_pipeline", "resolve_rank_slices"]
 
 Diagnostics = list[Diagnostic]
 
@@ -62,7 +62,7 @@ def _indices(start, stop, is_slice, size, what, s: RankSlice, errors) -> range |
 def resolve_pipeline(spec: Spec, topo: Topology, errors: Diagnostics) -> Pipeline | None:
     par, model, train = spec.parallel, spec.model, spec.train
     assert par is not None and model is not None and train is not None
-    if par.stages is AUTO or any(_is_auto(st) for st in par.stages) or par.schedule is AUTO:
+    if plan_has_auto(spec):
         return None
     before = len(errors)
     used = _rank_owners(spec, topo, errors)
@@ -86,8 +86,16 @@ def resolve_pipeline(spec: Spec, topo: Topology, errors: Diagnostics) -> Pipelin
     return Pipeline(tuple(stages), ms_objs, world, num_mb, train.micro_batch, par.schedule, par.prefetch)
 
 
-def _is_auto(st: StageSpec) -> bool:
-    return AUTO in (st.layers, st.ranks, st.lanes, st.tp, st.cp, st.ministages, st.microbatches)
+def plan_has_auto(spec: Spec) -> bool:
+    """Whether the parallel plan leaves anything to the planner (then no Pipeline is resolved)."""
+    par = spec.parallel
+    return par is not None and (par.stages is AUTO or par.schedule is AUTO or par.zero.level is AUTO
+                                or par.prefetch is AUTO or any(_stage_auto(st) for st in par.stages))
+
+
+def _stage_auto(st: StageSpec) -> bool:
+    return AUTO in (st.layers, st.ranks, st.lanes, st.tp, st.cp, st.ministages, st.microbatches) or \
+        (st.zero is not None and st.zero.level is AUTO)
 
 
 def _rank_owners(spec: Spec, topo: Topology, errors: Diagnostics) -> dict[int, str]:

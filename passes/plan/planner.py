@@ -25,8 +25,9 @@ from hetc.passes.plan.infeasible import no_plan_error
 from hetc.passes.plan.objective import Goal
 from hetc.passes.plan.search import Found, Search, SearchLimits
 from hetc.passes.plan.space import space_from_spec
+from hetc.passes.resolve import plan_has_auto as needs_plan   # one rule for what is left to plan
 from hetc.passes.validate import Checked, check_spec
-from hetc.spec import AUTO, Spec, StageSpec
+from hetc.spec import Spec
 
 __all__ = ["FULL_ESTIMATE_RANKS", "PlanResult", "needs_plan", "plan_checked", "plan_spec"]
 
@@ -61,17 +62,6 @@ class PlanResult:
     @property
     def tokens_per_s(self) -> float:
         return self.estimate.tokens_per_s if self.estimate is not None else self.score.tokens_per_s
-
-
-def _stage_auto(st: StageSpec) -> bool:
-    return AUTO in (st.layers, st.ranks, st.lanes, st.tp, st.cp, st.ministages, st.microbatches) or \
-        (st.zero is not None and st.zero.level is AUTO)
-
-
-def needs_plan(spec: Spec) -> bool:
-    par = spec.parallel
-    return par is not None and (par.stages is AUTO or par.schedule is AUTO or par.zero.level is AUTO
-                                or par.prefetch is AUTO or any(_stage_auto(st) for st in par.stages))
 
 
 def plan_spec(spec: Spec, profiles: Profiles | None = None, base_dir: Path | None = None,
