@@ -202,7 +202,7 @@ def run_case(case: Case, original: bytes, root: Path) -> str | None:
     case.target.write_bytes(data)
     try:
         with time_limit(CASE_TIME_LIMIT_S):
-            load_checked(case.load)
+            load_checked(case.load, require_fit=True)   # as `hetc check` does
     except SpecError as err:
         problems = location_problems(err)
         return f"{'; '.join(what)}: {problems}" if problems else None
