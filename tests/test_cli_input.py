@@ -147,3 +147,13 @@ def test_compile_help_says_which_plans_get_torch_csv(capsys):
     help_text = " ".join(capsys.readouterr().out.split())
     assert "torch/*.csv" in help_text and "for plans whose lanes line up across stages" in help_text
     assert "compile says that it skipped torch/" in help_text
+
+
+def test_no_grammar_terminal_name_reaches_a_syntax_message():
+    """What a syntax error says it expected is words ('a name', "'='"), never lark's names (NAME, _NL, __ANON_0)."""
+    from hetc.syntax import _describe_expected, _parser
+
+    names = [t.name for t in _parser().terminals]
+    for name in names:
+        said = _describe_expected({name})
+        assert said.startswith("; expected ") and not any(n in said for n in names), (name, said)
