@@ -38,7 +38,21 @@ from typing import Protocol
 from hetc.passes.verify.errors import Finding, at
 from hetc.program import COLLECTIVE_TYPES, COMPUTE_TYPES, Instr, Offload, Prefetch, Program, Recv, Send, Wait
 
-__all__ = ["NO_TIME", "Clock", "Machine", "Op", "RankState"]
+__all__ = ["NO_TIME", "Clock", "Machine", "Op", "RankState", "collective_groups", "compute_groups"]
+
+
+def compute_groups(program: Program) -> dict[tuple[int, int], tuple[str, ...]]:
+    """(rank, ministage) -> the groups its compute ops are collectives on (Note [compute collectives])."""
+    return {(rp.rank, sh.ms): sh.compute_groups for rp in program.ranks for sh in rp.shards}
+
+
+def collective_groups(rank: int, instr: Instr, groups: dict[tuple[int, int], tuple[str, ...]]) -> tuple[str, ...]:
+    """The groups `instr` is a call on: a collective's own group, a compute op's tp/cp/ep groups."""
+    if isinstance(instr, COLLECTIVE_TYPES):
+        return (instr.group,)
+    if isinstance(instr, COMPUTE_TYPES):
+        return groups.get((rank, instr.ms), ())
+    return ()
 
 
 @dataclass(eq=False)
@@ -117,7 +131,7 @@ class Machine:
         self.calls: dict[str, list[dict[int, Op]]] = {}     # group -> k -> rank -> op
         self.count: dict[tuple[str, int], int] = {}          # (group, rank) -> calls posted
         self.members = {g.name: set(g.ranks) for g in program.groups}
-        self.compute_groups = {(rp.rank, sh.ms): sh.compute_groups for rp in program.ranks for sh in rp.shards}
+        self.compute_groups = compute_groups(program)
         self.across_lanes = {sh.ep_group for rp in program.ranks for sh in rp.shards if sh.ep_group}
         self.runnable: deque[int] = deque(range(len(program.ranks)))
         self.queued = set(self.runnable)
@@ -161,7 +175,7 @@ class Machine:
             self._finish(op, start, self.clock.copy(op.rank, instr))
             state.copy_free = op.end
             return None
-        groups = self.compute_groups.get((op.rank, instr.ms), ()) if isinstance(instr, COMPUTE_TYPES) else ()
+        groups = collective_groups(op.rank, instr, self.compute_groups)
         if groups:
             return self._post_compute(op, groups)
         duration = self.clock.local(op.rank, instr)   # local work: compute, step, load, free
