@@ -110,3 +110,14 @@ def test_plan_lists_the_sources_too(tmp_path, capsys):
 def test_a_profile_in_an_unknown_dtype_is_an_error(tmp_path):
     with pytest.raises(ProfileError, match="malformed"):
         load_profiles([_write(tmp_path, "bad.json", _profile("bf17"))])
+
+
+def test_offload_copies_name_their_rate(tmp_path):
+    body = ONE_LANE.replace("    lanes = 2\n", "    lanes = 2\n    offload { optimizer = cpu }\n")
+    measured = dict(_profile("fp32"), copy=[{"direction": "h2d", "bytes": 1e6, "seconds": 1e-4}])
+    cm = cost_model(tmp_path, plan_text(body), profile_from_dict(measured, "copy.json"))
+    (host,) = [x for x in cm.estimate().provenance.links if "offload" in x.used_by]
+    assert host.source == "measured in copy.json"
+    (declared,) = [x for x in cost_model(tmp_path, plan_text(body)).estimate().provenance.links
+                   if "offload" in x.used_by]
+    assert declared.source.startswith("the host_link of device A100-40 at ")

@@ -64,7 +64,7 @@ def profile_from_dict(data: Any, source: str) -> Profiles:
         overhead = _overhead(data)
     except (KeyError, TypeError, ValueError) as err:
         raise ProfileError(f"'{source}': malformed hetc profile ({type(err).__name__}: {err})") from None
-    return Profiles(tuple(tables), network, {kind: copy} if copy else {},
+    return Profiles(tuple(tables), network, {kind: copy} if copy else {}, {kind: source} if copy else {},
                     {kind: overhead} if overhead is not None else {}, sources=(source,))
 
 

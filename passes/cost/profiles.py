@@ -178,6 +178,7 @@ class Profiles:
     compute: tuple[ComputeTable, ...] = ()
     network: NetworkFits = field(default_factory=NetworkFits)
     copy: dict[str, float] = field(default_factory=dict)         # device kind -> host<->device bytes/s
+    copy_sources: dict[str, str] = field(default_factory=dict)   # device kind -> where `copy` was measured
     # device kind -> seconds a stage spends per microbatch outside its layers (the engine's
     # dispatch, device synchronizations, loss glue): measured, never assumed
     overhead: dict[str, float] = field(default_factory=dict)
@@ -192,8 +193,9 @@ class Profiles:
 
     def merged(self, other: Profiles) -> Profiles:
         return Profiles(self.compute + other.compute, self.network.merged(other.network),
-                        {**self.copy, **other.copy}, {**self.overhead, **other.overhead},
-                        self.rejected + other.rejected, self.sources + other.sources)
+                        {**self.copy, **other.copy}, {**self.copy_sources, **other.copy_sources},
+                        {**self.overhead, **other.overhead}, self.rejected + other.rejected,
+                        self.sources + other.sources)
 
     @property
     def empty(self) -> bool:

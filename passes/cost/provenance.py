@@ -22,6 +22,7 @@ from hetc.passes.cost.model import ring_pair_kinds
 from hetc.passes.cost.profiles import ComputeTable, dtype_class
 from hetc.passes.cost.shapes import layer_kind
 from hetc.passes.params import block_params
+from hetc.spec import OffloadTarget
 from hetc.topology import Gpu
 
 __all__ = ["LinkSource", "Provenance", "UnusedProfile", "provenance"]
@@ -96,13 +97,28 @@ def _layer_sources(cm) -> dict[int, tuple[str, ...]]:
 
 
 def _links(cm) -> list[LinkSource]:
-    """One entry per kind of pair (node groups, same node) each kind of traffic crosses."""
+    """One entry per kind of pair (node groups, same node) each kind of traffic crosses, then host copies."""
     out: dict[tuple, LinkSource] = {}
     for used_by, a, b, ring_size in _crossings(cm):
         key = (used_by, frozenset((a.group, b.group)), a.host == b.host)   # either direction alike
         if key not in out:
             out[key] = _link_source(cm, used_by, a, b, ring_size)
-    return list(out.values())
+    return list(out.values()) + _host_links(cm)
+
+
+def _host_links(cm) -> list[LinkSource]:
+    """The host <-> device copies of stages that offload anything (`CostModel.copy_time`'s rate)."""
+    out = []
+    for stage in cm.pipeline.stages:
+        off = stage.offload
+        if all(getattr(off, k) is OffloadTarget.NONE for k in ("params", "optimizer", "activations")):
+            continue
+        for device in sorted({cm.gpu(r).device.name for r in stage.ranks}):
+            measured = cm.profiles.copy_sources.get(device) if device in cm.profiles.copy else None
+            source = f"measured in {measured}" if measured else f"the host_link of device {device} at " \
+                f"{cm.devices[device].span}"
+            out.append(LinkSource(f"stage {stage.name}: offload", f"{device} <-> its host", source))
+    return out
 
 
 def _crossings(cm):
