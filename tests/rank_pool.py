@@ -46,9 +46,10 @@ LOSS_RTOL = 1e-5      # the issue's bound: per-step losses within 1e-5 relative 
 # sums inside a layer (tensor parallelism, the sequence over cp ranks) move
 # the weights with the smallest gradients (below Adam's eps, where
 # g / (|g| + eps) is steep) further: up to 5.8e-6 on the TP and CP demo
-# plans, and 1.15e-5 on moe_ep2_cp2 (block2 expert 1's w3 [1010]; the same code
-# passed at 1e-5 on an earlier machine, so those last bits depend on it). 5e-5 still leaves a factor of 60 to a wrong shard (an
-# element stepped twice, or not at all), which moves weights by ~lr.
+# plans, and 1.15e-5 on moe_ep2_cp2 (block2 expert 1's w3 [1010]; the same
+# code passed at 1e-5 on an earlier machine, so those last bits depend on
+# it). 5e-5 still leaves a factor of 60 to a wrong shard (an element stepped
+# twice, or not at all), which moves weights by ~lr.
 PARAM_RTOL, PARAM_ATOL = 1e-5, 5e-5
 
 
