@@ -36,7 +36,12 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from hetc.passes.verify.errors import Finding, at
-from hetc.program import COLLECTIVE_TYPES, COMPUTE_TYPES, Instr, Offload, Prefetch, Program, Recv, Send, Wait
+from hetc.program import (COLLECTIVE_TYPES, COMPUTE_TYPES, Free, Instr, Load, Offload, Prefetch, Program, Recv,
+                          Send, Step, Wait)
+
+# Instructions that only take the rank's own time; so does a compute op unless its ministage has collectives.
+_LOCAL = frozenset({Load, Free, Step})
+_COMPUTE = frozenset(COMPUTE_TYPES)
 
 __all__ = ["NO_TIME", "Clock", "Machine", "Op", "RankState", "collective_groups", "compute_groups"]
 
@@ -55,7 +60,7 @@ def collective_groups(rank: int, instr: Instr, groups: dict[tuple[int, int], tup
     return ()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Op:
     """One posted instruction (or one group's part of a compute op with collectives)."""
 
@@ -68,8 +73,8 @@ class Op:
     call: int | None = None      # a collective's number among its group's calls
     group: str | None = None     # the group it is a collective on (a compute op's tp/cp/ep group)
     parent: Op | None = None     # the compute op this is one group's part of
-    parts: list[Op] = field(default_factory=list)   # a compute op's parts, one per group
-    matched: list[Op] = field(default_factory=list)  # a part: every member's part of the same call
+    parts: list[Op] | None = None     # a compute op's parts, one per group
+    matched: list[Op] | None = None   # a part: every member's part of the same call
     waiting: int = 0             # a compute op's parts not yet complete
 
     @property
@@ -132,6 +137,7 @@ class Machine:
         self.count: dict[tuple[str, int], int] = {}          # (group, rank) -> calls posted
         self.members = {g.name: set(g.ranks) for g in program.groups}
         self.compute_groups = compute_groups(program)
+        self.lockstep = {key for key, groups in self.compute_groups.items() if groups}   # compute ops that are calls
         self.across_lanes = {sh.ep_group for rp in program.ranks for sh in rp.shards if sh.ep_group}
         self.runnable: deque[int] = deque(range(len(program.ranks)))
         self.queued = set(self.runnable)
@@ -175,18 +181,11 @@ class Machine:
             self._finish(op, start, self.clock.copy(op.rank, instr))
             state.copy_free = op.end
             return None
-        groups = collective_groups(op.rank, instr, self.compute_groups)
-        if groups:
-            return self._post_compute(op, groups)
-        duration = self.clock.local(op.rank, instr)   # local work: compute, step, load, free
-        op.start, op.end = op.post, op.post + duration
-        if duration > 0 and self.record:
-            self.ran.append(op)
-        return None
+        return self._post_compute(op, collective_groups(op.rank, instr, self.compute_groups))
 
     def _post_compute(self, op: Op, groups: tuple[str, ...]) -> Finding | None:
         """A compute op with tp/cp/ep collectives: one part per group, done when every part is."""
-        op.waiting = len(groups)
+        op.waiting, op.parts = len(groups), []
         for group in groups:
             part = Op(op.rank, op.index, op.instr, op.post, group=group, parent=op)
             op.parts.append(part)
@@ -264,40 +263,56 @@ class Machine:
         state, instrs = self.ranks[r], self.program.ranks[r].instrs
         while state.pc < len(instrs):
             if state.blocking is not None:
-                if not state.blocking.done:
+                end = state.blocking.end
+                if end is None:
                     return None
-                state.t = max(state.t, state.blocking.end)
+                state.t = max(state.t, end)
                 state.blocking = None
                 state.pc += 1
                 continue
             if len(state.issued) == state.pc:      # first reached (a wait may be retried; t holds meanwhile)
                 state.issued.append(state.t)
             instr = instrs[state.pc]
-            if isinstance(instr, Wait):
+            kind = type(instr)
+            if kind is Wait:
                 op = state.posted.get(instr.handle)
                 if op is None or instr.handle in state.waited:
                     why = "was never posted" if op is None else "was already waited"
                     return at(self.program, r, state.pc, f"handle {instr.handle} {why}")
-                if not op.done:
+                if op.end is None:
                     return None
                 state.waited.add(instr.handle)
                 state.t = max(state.t, op.end)
-                state.pc += 1
-                continue
-            op = Op(r, state.pc, instr, state.t)
-            handle = getattr(instr, "handle", None)
-            if handle is not None:
-                if handle in state.posted:
-                    return at(self.program, r, state.pc, f"handle {handle} is used twice")
-                state.posted[handle] = op
-            problem = self._post(op)
-            if problem:
-                return problem
-            if handle is None:
-                state.blocking = op
-                continue
+            elif kind in _LOCAL or (kind in _COMPUTE and (r, instr.ms) not in self.lockstep):
+                self._run_local(r, state, instr)
+            else:
+                problem = self._issue(r, state, instr)
+                if problem:
+                    return problem
+                if state.blocking is not None:
+                    continue
             state.pc += 1
         return None
+
+    def _run_local(self, r: int, state: RankState, instr: Instr) -> None:
+        """Work on the rank's own thread (compute without collectives, step, load, free): it just takes time."""
+        duration = self.clock.local(r, instr)
+        if duration > 0 and self.record:
+            self.ran.append(Op(r, state.pc, instr, state.t, state.t, state.t + duration))
+        state.t += duration
+
+    def _issue(self, r: int, state: RankState, instr: Instr) -> Finding | None:
+        """Post communication or copies; a handle-less one becomes what the rank blocks on."""
+        op = Op(r, state.pc, instr, state.t)
+        handle = getattr(instr, "handle", None)
+        if handle is not None:
+            if handle in state.posted:
+                return at(self.program, r, state.pc, f"handle {handle} is used twice")
+            state.posted[handle] = op
+        problem = self._post(op)
+        if problem is None and handle is None:
+            state.blocking = op
+        return problem
 
     def run(self) -> Finding | None:
         """Advance ranks until none can move (Note [event-driven]); the first protocol error, if any."""
