@@ -2,7 +2,7 @@
 
 For one layer kind (embed, block, head) on one device kind, in order:
 
-1. a profile of this model shape on this device (same dtype; the nearest
+1. a profile of this model shape on this device (same dtype speed class, `dtype_class`; the nearest
    sequence length, scaled by the FLOPs ratio). A missing TP degree comes
    from tp = 1 divided by tp (the caller adds the TP all-reduces). A layer
    kind the profile lacks (Zorse measures blocks only) is timed at the
@@ -25,7 +25,7 @@ from functools import lru_cache
 from hetc.passes.cost.profiles import ComputeTable, Profiles, dtype_class
 from hetc.passes.cost.shapes import LayerKind, layer_flops
 from hetc.passes.params import block_params
-from hetc.spec import DTYPE_BYTES, DeviceSpec, DType, ModelSpec
+from hetc.spec import DTYPE_BYTES, DeviceSpec, ModelSpec
 
 __all__ = ["ComputeModel", "CostError", "LayerTime", "dtype_class"]
 
