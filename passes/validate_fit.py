@@ -18,7 +18,7 @@ from hetc.passes.verify.memory import Peak, format_bytes
 from hetc.pipeline import Pipeline, Stage
 from hetc.spec import Checkpointing, OffloadTarget, Spec
 
-__all__ = ["RankUse", "estimate_overflows", "peak_overflows", "stage_overflows"]
+__all__ = ["RankUse", "cost_error", "estimate_overflows", "peak_overflows", "stage_overflows"]
 
 
 @dataclass(frozen=True)
@@ -46,12 +46,18 @@ def estimate_overflows(checked) -> list[Diagnostic]:
     spec = checked.spec
     try:
         estimate = CostModel(spec, checked.pipeline, checked.topology).estimate()
-    except CostError as err:   # a device the cost model cannot time: compile and run would stop there too
-        return [Diagnostic(spec.parallel.span, str(err))]
+    except CostError as err:   # a device the cost model cannot time: compile would stop there too
+        return [cost_error(spec, err)]
     uses = [RankUse(m.rank, {"params": m.params, "grads": m.grads, "optimizer": m.optimizer,
                              "activations": m.activations, "buffers": m.buffers, "reserve": m.reserve},
                     m.capacity) for m in estimate.memory]
     return stage_overflows(spec, checked.pipeline, uses, "the cost model estimates")
+
+
+def cost_error(spec: Spec, err) -> Diagnostic:
+    """A `passes.cost.CostError`, located at the device kind it blames (else at the plan)."""
+    device = spec.device(err.device) if err.device is not None else None
+    return Diagnostic(device.span if device is not None else spec.parallel.span, str(err))
 
 
 def peak_overflows(spec: Spec, pipeline: Pipeline, peaks: list[Peak]) -> list[Diagnostic]:

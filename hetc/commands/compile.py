@@ -10,11 +10,11 @@ from pathlib import Path
 
 from hetc.errors import Diagnostic, SpecError
 from hetc.frontend import load_checked
-from hetc.passes.cost import CostModel
+from hetc.passes.cost import CostError, CostModel
 from hetc.passes.export_torch import torch_pipelines, why_not_exported
 from hetc.passes.lower import PASS_NAMES, PASSES, lower
 from hetc.passes.simulate import simulate
-from hetc.passes.validate_fit import peak_overflows
+from hetc.passes.validate_fit import cost_error, peak_overflows
 from hetc.passes.verify import VerifyError, verify
 from hetc.passes.verify.memory import rank_peaks
 from hetc.plandir import write_plan_dir
@@ -65,6 +65,9 @@ def compile_spec(spec_path: Path, dump_after: str | None = None, on_dump=None) -
     costs = CostModel(checked.spec, checked.pipeline, checked.topology)
     try:
         verify(program, checked.pipeline, checked.spec, costs)
+        timeline = simulate(program, checked.pipeline, checked.spec, costs, plan_facts(checked))
+    except CostError as err:
+        raise SpecError(cost_error(checked.spec, err)) from None
     except VerifyError as err:
         if err.check != "memory":
             raise
@@ -73,7 +76,6 @@ def compile_spec(spec_path: Path, dump_after: str | None = None, on_dump=None) -
         raise SpecError(peak_overflows(checked.spec, checked.pipeline, peaks) or
                         [Diagnostic(checked.spec.parallel.span, f"the plan does not fit in device memory:\n"
                                                                 f"{err.render()}")]) from None
-    timeline = simulate(program, checked.pipeline, checked.spec, costs, plan_facts(checked))
     return Compiled(loaded, checked, program, costs, timeline)
 
 

@@ -36,6 +36,10 @@ DEFAULT_MEMORY_BANDWIDTH = 500e9
 class CostError(ValueError):
     """The plan cannot be costed (a device kind with neither a peak nor a profile)."""
 
+    def __init__(self, message: str, device: str | None = None):
+        super().__init__(message)
+        self.device = device   # the device kind to blame, for a located error
+
 
 @dataclass(frozen=True, slots=True)
 class LayerTime:
@@ -167,7 +171,7 @@ class ComputeModel:
             return LayerTime(moved / bw, moved / bw, False, "arithmetic")
         if rate <= 0:
             raise CostError(f"device kind '{device}' declares no peak FLOP/s for {self.model.dtype.value} "
-                            "and no profile times it; add a peak { ... } block or a profile (hetc profile)")
+                            "and no profile times it; add a peak { ... } block or a profile (hetc profile)", device)
         return LayerTime(flops.forward / rate / share, flops.backward / rate / share,
                          kind == LayerKind.BLOCK and tp > 1, "arithmetic")
 
