@@ -77,5 +77,9 @@ def test_a_device_without_peak_or_profile_is_an_error(tmp_path, capsys):
     text = plan_text("  stage all {\n    layers = embed..head\n    ranks = n[0, 0]\n    lanes = 1\n  }\n"
                      "  idle = [n[0, 1:4], n[1]]", global_batch=4)
     text = text.replace('use "catalog.het"', 'device bare {\n  memory = 16 GiB\n}').replace("A100-40", "bare")
-    assert main(["explain", str(write_spec(tmp_path, text))]) == 2
-    assert "declares no peak FLOP/s" in capsys.readouterr().err
+    spec = write_spec(tmp_path, text)
+    assert main(["explain", str(spec)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == (f"{spec}:1:1: error: device kind 'bare' declares no peak FLOP/s for fp32 and no profile "
+                      "times it; add a peak { ... } block or a profile (hetc profile)")
+    assert err[1] == "    device bare {"

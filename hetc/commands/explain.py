@@ -7,7 +7,9 @@ import json
 import os
 
 from hetc.cli import UsageError
+from hetc.errors import SpecError
 from hetc.frontend import load_checked
+from hetc.passes.validate_fit import cost_error
 
 __all__ = ["PROFILE_ENV", "load_profile_args", "register"]
 
@@ -47,8 +49,8 @@ def run(args: argparse.Namespace) -> int:
     profiles = load_profile_args(args.profile)
     try:
         estimate = CostModel(checked.spec, checked.pipeline, checked.topology, profiles).estimate()
-    except CostError as err:
-        raise UsageError(str(err)) from None
+    except CostError as err:   # located at the device kind, as check and compile say it
+        raise SpecError(cost_error(checked.spec, err)) from None
     if args.json:
         print(json.dumps({"spec": args.spec, **estimate.to_json()}, indent=1))
     else:
