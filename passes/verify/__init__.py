@@ -27,16 +27,18 @@ from hetc.viz.grid import render_grid
 __all__ = ["Finding", "Sizes", "VerifyError", "verify"]
 
 
-def verify(program: Program, pipeline: Pipeline, spec: Spec, sizes: Sizes | None = None) -> None:
+def verify(program: Program, pipeline: Pipeline, spec: Spec, sizes: Sizes | None = None,
+           forward_only: bool = False) -> None:
     """Raise VerifyError naming rank and instruction if the programs are unsafe.
 
     `sizes` (a `CostModel`) turns on the memory check; `VerifyError.check`
     says which check failed ("memory" is a plan that does not fit, not a
-    lowering bug).
+    lowering bug). `forward_only` checks an evaluation program
+    (passes/lower/forward_only.py) for completeness forward only.
     """
     _check_shape(program, pipeline)
     checks = [("dataflow", lambda: check_dataflow(program, pipeline, spec.model.num_model_layers,
-                                                  spec.train.grad_clip > 0, spec.model.seq)),
+                                                  spec.train.grad_clip > 0, spec.model.seq, forward_only)),
               ("protocol", lambda: check_protocol(program))]
     if sizes is not None:
         checks.append(("memory", lambda: check_memory(program, pipeline, sizes)))
