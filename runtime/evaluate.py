@@ -12,8 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from hetc.passes.lower.forward_only import forward_only
-from hetc.passes.verify import verify
+from hetc.passes.verify import verified_evaluation
 from hetc.pipeline import Pipeline
 from hetc.program import Program, RankProgram
 from hetc.runtime.data import DataSource, make_eval_source
@@ -46,6 +45,6 @@ def make_evaluator(spec: Spec, pipeline: Pipeline, program: Program, rank: int,
     data = make_eval_source(spec.model, spec.train, base_dir)
     if data is None:
         return None
-    programs = forward_only(program)
-    verify(programs, pipeline, spec, forward_only=True)
+    programs = verified_evaluation(program, pipeline, spec)
+    assert programs is not None, "make_eval_source gave data, so the job evaluates"
     return Evaluator(programs.ranks[rank], data, spec.train.eval_every, spec.train.eval_batches)

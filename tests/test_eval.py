@@ -19,7 +19,7 @@ from hetc.commands.compile import compile_spec
 from hetc.passes.lower.forward_only import forward_only
 from hetc.passes.verify import VerifyError, verify
 from hetc.plandir import read_plan
-from hetc.program import Backward, Forward, Step
+from hetc.program import Backward, Forward, Recv, Step, Wait
 from hetc.runtime.reference import train_reference
 from tests.conftest import DEMO
 from tests.rank_pool import PlanJob, agreed_losses, assert_losses_close, compile_plans
@@ -89,6 +89,24 @@ def test_eval_program_is_forward_only_and_verified(tmp_path):
     assert 0 < compiled.eval_timeline.step_time < compiled.timeline.step_time
     with pytest.raises(VerifyError, match="forward only"):   # the training program is not an eval program
         verify(compiled.program, compiled.pipeline, compiled.checked.spec, forward_only=True)
+
+
+def test_the_verifier_blames_a_broken_eval_program(tmp_path):
+    eval_job(tmp_path)
+    (tmp_path / "pp.het").write_text((DEMO / "pp.het").read_text())
+    compiled = compile_spec(tmp_path / "pp.het")
+    evaluation = forward_only(compiled.program)
+    rank = next(rp for rp in evaluation.ranks if any(isinstance(i, Recv) for i in rp.instrs))
+    mb = next(i.mb for i in rank.instrs if isinstance(i, Recv))
+    instrs = tuple(i for i in rank.instrs if not (isinstance(i, Recv) and i.mb == mb))
+    broken = evaluation.replace_rank(rank.rank, tuple(i for i in instrs if not _waits_for(i, rank, mb)))
+    with pytest.raises(VerifyError, match=f"rank {rank.rank}, instruction .*has not arrived"):
+        verify(broken, compiled.pipeline, compiled.checked.spec, forward_only=True)
+
+
+def _waits_for(instr, rp, mb: int) -> bool:
+    handles = {i.handle for i in rp.instrs if isinstance(i, Recv) and i.mb == mb}
+    return isinstance(instr, Wait) and instr.handle in handles
 
 
 def test_run_logs_val_loss(tmp_path, capfd):

@@ -12,9 +12,8 @@ from hetc.frontend import load_checked
 from hetc.passes.cost import CostModel
 from hetc.passes.export_torch import torch_pipelines
 from hetc.passes.lower import PASS_NAMES, PASSES, lower
-from hetc.passes.lower.forward_only import forward_only
 from hetc.passes.simulate import simulate
-from hetc.passes.verify import VerifyError, verify
+from hetc.passes.verify import VerifyError, verified_evaluation, verify
 from hetc.plandir import write_plan_dir
 from hetc.program import Program
 
@@ -61,11 +60,8 @@ def compile_spec(spec_path: Path, dump_after: str | None = None, on_dump=None) -
     costs = CostModel(checked.spec, checked.pipeline, checked.topology)
     verify(program, checked.pipeline, checked.spec, costs)
     timeline = simulate(program, checked.pipeline, checked.spec, costs, plan_facts(checked))
-    eval_timeline = None
-    if checked.spec.train.eval_every > 0:   # Note [Evaluation programs]: verified and timed like training
-        evaluation = forward_only(program)
-        verify(evaluation, checked.pipeline, checked.spec, forward_only=True)
-        eval_timeline = simulate(evaluation, checked.pipeline, checked.spec, costs)
+    evaluation = verified_evaluation(program, checked.pipeline, checked.spec)
+    eval_timeline = None if evaluation is None else simulate(evaluation, checked.pipeline, checked.spec, costs)
     return Compiled(loaded, checked, program, costs, timeline, eval_timeline)
 
 

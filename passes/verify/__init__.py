@@ -15,6 +15,7 @@ findings with a steps × ranks grid of the ranks involved:
 
 from __future__ import annotations
 
+from hetc.passes.lower.forward_only import forward_only
 from hetc.passes.verify.dataflow import check_dataflow
 from hetc.passes.verify.errors import Finding, VerifyError
 from hetc.passes.verify.memory import Sizes, check_memory
@@ -24,7 +25,7 @@ from hetc.program import Program
 from hetc.spec import Spec
 from hetc.viz.grid import render_grid
 
-__all__ = ["Finding", "Sizes", "VerifyError", "verify"]
+__all__ = ["Finding", "Sizes", "VerifyError", "verified_evaluation", "verify"]
 
 
 def verify(program: Program, pipeline: Pipeline, spec: Spec, sizes: Sizes | None = None,
@@ -49,6 +50,18 @@ def verify(program: Program, pipeline: Pipeline, spec: Spec, sizes: Sizes | None
             for f in findings:
                 focus.setdefault(f.rank, max(f.index, 0))
             raise VerifyError(findings, render_grid(program, dict(list(focus.items())[:6])), check=name)
+
+
+def verified_evaluation(program: Program, pipeline: Pipeline, spec: Spec) -> Program | None:
+    """The evaluation programs of a job that evaluates (`train { eval_every }`), verified; else None.
+
+    Note [Evaluation programs] in passes/lower/forward_only.py says why the memory check is not rerun.
+    """
+    if spec.train.eval_every == 0:
+        return None
+    evaluation = forward_only(program)
+    verify(evaluation, pipeline, spec, forward_only=True)
+    return evaluation
 
 
 def _check_shape(program: Program, pipeline: Pipeline) -> None:
