@@ -39,10 +39,15 @@ def listing_name(rank: int) -> str:
 def portable_spec(spec: Spec, spec_dir: Path, out_dir: Path) -> Spec:
     """The spec with its data paths (training and eval) rewritten relative to the plan directory."""
 
+    def moved(data: DataSpec, path: str) -> str:
+        if not path or os.path.isabs(path):
+            return path
+        return os.path.relpath(data.resolve(spec_dir, path).resolve(), out_dir.resolve())
+
     def portable(data: DataSpec | None) -> DataSpec | None:
-        if data is None or data.kind is DataKind.SYNTHETIC or not data.path or os.path.isabs(data.path):
+        if data is None or data.kind is DataKind.SYNTHETIC:
             return data
-        return dataclasses.replace(data, path=os.path.relpath(data.resolve(spec_dir).resolve(), out_dir.resolve()))
+        return dataclasses.replace(data, path=moved(data, data.path), tokenizer=moved(data, data.tokenizer))
     train = dataclasses.replace(spec.train, data=portable(spec.train.data), eval=portable(spec.train.eval))
     return dataclasses.replace(spec, train=train)
 

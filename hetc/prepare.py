@@ -13,7 +13,6 @@ per document.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -25,7 +24,7 @@ from typing import TextIO
 import numpy as np
 
 from hetc.spec import TokenDType
-from hetc.tokenfile import dtype_for_vocab, fits, write_hetc_header, write_megatron_index
+from hetc.tokenfile import dtype_for_vocab, fits, tokenizer_digest, write_hetc_header, write_megatron_index
 
 __all__ = ["PrepareError", "Prepared", "Tokenizer", "load_tokenizer", "prepare"]
 
@@ -73,8 +72,7 @@ def load_tokenizer(directory: Path, eos: str | None = None) -> Tokenizer:
     eos_id = token if isinstance(token, int) else encoder.token_to_id(token)
     if eos_id is None:
         raise PrepareError(f"the EOS token '{token}' is not in the vocabulary of '{path}'")
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    return Tokenizer(encoder, directory.resolve().name, digest, encoder.get_vocab_size(with_added_tokens=True),
+    return Tokenizer(encoder, directory.resolve().name, tokenizer_digest(directory), encoder.get_vocab_size(with_added_tokens=True),
                      int(eos_id))
 
 

@@ -414,17 +414,19 @@ class DataSpec(Node):
     dtype: TokenDType | None = param(None, aliases=("token_dtype",),
                                      doc="`tokens`: uint16 or uint32 ids; needed for a raw file, checked "
                                          "against a header or a Megatron .idx (whose int32 is uint32 here)")
+    tokenizer: str = param("", doc="`tokens`: the Hugging Face tokenizer directory the ids are for; a file "
+                                   "`hetc data prepare` wrote with another tokenizer is an error")
     shuffle: bool = param(True, doc="`text`/`tokens`: visit windows in an order shuffled by (seed, epoch); "
                                     "false: global sequence g is tokens [g·seq, (g+1)·seq]")
 
-    def resolve(self, fallback_dir: Path | str = ".") -> Path:
-        """The data file: relative paths are relative to the spec file that wrote them."""
-        path = Path(self.path)
-        if path.is_absolute():
-            return path
+    def resolve(self, fallback_dir: Path | str = ".", path: str | None = None) -> Path:
+        """The data file (or `path`): relative paths are relative to the spec file that wrote them."""
+        target = Path(self.path if path is None else path)
+        if target.is_absolute():
+            return target
         declared = self.span.file
         base = Path(declared).parent if declared and not declared.startswith("<") else Path(fallback_dir)
-        return base / path
+        return base / target
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -30,6 +30,7 @@ memmap (never whole in memory); sequence windows are cut from the stream
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ __all__ = [
     "inspect_tokens",
     "looks_binary",
     "open_tokens",
+    "tokenizer_digest",
     "write_hetc_header",
     "write_megatron_index",
 ]
@@ -88,6 +90,7 @@ class TokenFile:
     vocab: int | None = None     # the tokenizer's vocabulary (hetc header only)
     tokenizer: str | None = None
     index: Path | None = None    # PREFIX.idx
+    tokenizer_sha256: str | None = None
 
     @property
     def max_id(self) -> int:
@@ -102,6 +105,11 @@ def fits(dtype: TokenDType, vocab: int) -> bool:
 
 def dtype_for_vocab(vocab: int) -> TokenDType:
     return TokenDType.UINT16 if fits(TokenDType.UINT16, vocab) else TokenDType.UINT32
+
+
+def tokenizer_digest(directory: Path) -> str:
+    """What a token file's header records of the tokenizer that wrote it: sha256 of its tokenizer.json."""
+    return hashlib.sha256((directory / "tokenizer.json").read_bytes()).hexdigest()
 
 
 def looks_binary(path: Path, probe: int = 1 << 16) -> str | None:
@@ -180,7 +188,8 @@ def _inspect_hetc(path: Path, dtype: TokenDType | None) -> TokenFile:
         raise TokenFileError(f"'{path}' should hold {count} {stored.value} ids after its header "
                              f"({offset + count * width} bytes) but has {path.stat().st_size} bytes: "
                              "was it cut short?")
-    return TokenFile(Layout.HETC, path, offset, _WIDTH[stored], count, vocab, header.get("tokenizer"))
+    return TokenFile(Layout.HETC, path, offset, _WIDTH[stored], count, vocab, header.get("tokenizer"),
+                     tokenizer_sha256=header.get("tokenizer_sha256"))
 
 
 # ---------------------------------------------------------------- Megatron

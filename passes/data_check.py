@@ -14,7 +14,7 @@ from pathlib import Path
 from hetc.errors import Diagnostic
 from hetc.runtime.checks import check_text_vocab
 from hetc.spec import DataKind, DataSpec, ModelSpec, Spec, TokenDType
-from hetc.tokenfile import TokenFileError, fits, inspect_tokens, looks_binary
+from hetc.tokenfile import TokenFile, TokenFileError, fits, inspect_tokens, looks_binary, tokenizer_digest
 
 __all__ = ["check_data"]
 
@@ -44,7 +44,7 @@ def _check_source(data: DataSpec, model: ModelSpec | None, base_dir: Path | None
     if data.kind is DataKind.TEXT:
         _check_text(data, path, errors)
     else:
-        _check_tokens(data, path, model, errors)
+        _check_tokens(data, path, model, base_dir, errors)
 
 
 def _check_text(data: DataSpec, path: Path, errors) -> None:
@@ -57,7 +57,7 @@ def _check_text(data: DataSpec, path: Path, errors) -> None:
                                  "ids with data tokens { path = ..., dtype = uint16 | uint32 }"))
 
 
-def _check_tokens(data: DataSpec, path: Path, model: ModelSpec | None, errors) -> None:
+def _check_tokens(data: DataSpec, path: Path, model: ModelSpec | None, base_dir: Path, errors) -> None:
     try:
         tf = inspect_tokens(path, data.dtype)
     except TokenFileError as err:
@@ -71,9 +71,27 @@ def _check_tokens(data: DataSpec, path: Path, model: ModelSpec | None, errors) -
         made_by = f" by the tokenizer '{tf.tokenizer}'" if tf.tokenizer else ""
         errors.append(Diagnostic(data.span_of("path"), f"'{data.path}' was written{made_by} with a vocabulary of "
                                  f"{tf.vocab}, larger than the model's vocab = {model.vocab}"))
+    if data.tokenizer:
+        _check_tokenizer(data, tf, base_dir, errors)
     if model is not None and tf.num_tokens < model.seq + 1:
         errors.append(Diagnostic(data.span_of("path"), f"'{data.path}' holds {tf.num_tokens} tokens; a sequence "
                                  f"of seq = {model.seq} needs {model.seq + 1}"))
+
+
+def _check_tokenizer(data: DataSpec, tf: TokenFile, base_dir: Path, errors) -> None:
+    """The tokenizer the spec names must be the one a hetc header says wrote the file."""
+    where = data.span_of("tokenizer")
+    try:
+        digest = tokenizer_digest(data.resolve(base_dir, data.tokenizer))
+    except OSError as err:
+        errors.append(Diagnostic(where, f"cannot read '{data.tokenizer}/tokenizer.json': {err.strerror}"))
+        return
+    if tf.tokenizer_sha256 is None:
+        errors.append(Diagnostic(where, f"'{data.path}' records no tokenizer (only `hetc data prepare`'s files "
+                                 "do); leave tokenizer out for it"))
+    elif tf.tokenizer_sha256 != digest:
+        errors.append(Diagnostic(where, f"'{data.path}' was written by the tokenizer '{tf.tokenizer}', not by "
+                                 f"'{data.tokenizer}' (their tokenizer.json differ)"))
 
 
 def _check_eval(spec: Spec, errors) -> None:

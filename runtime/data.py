@@ -42,8 +42,12 @@ from hetc.runtime.seeding import generator
 from hetc.spec import DataKind, DataSpec, ModelSpec, TrainSpec
 from hetc.tokenfile import TokenFileError, inspect_tokens, open_tokens
 
-__all__ = ["DataSource", "SyntheticData", "TextData", "Windows", "make_data_source", "make_eval_source",
+__all__ = ["DataError", "DataSource", "SyntheticData", "TextData", "Windows", "make_data_source", "make_eval_source",
            "split_held_out"]
+
+
+class DataError(ValueError):
+    """The data breaks a rule that only reading it shows (an id beyond the vocabulary): a user error."""
 
 
 class DataSource(Protocol):
@@ -107,7 +111,7 @@ class Windows(_Sequences):
         ids = torch.from_numpy(np.asarray(self.tokens[start:start + self.seq + 1]).astype(np.int64))
         if self.vocab is not None and int(ids.max()) >= self.vocab:
             at = start + int((ids >= self.vocab).nonzero()[0])
-            raise ValueError(f"{self.where} holds the id {int(self.tokens[at])} at token {at}, outside the "
+            raise DataError(f"{self.where} holds the id {int(self.tokens[at])} at token {at}, outside the "
                              f"model's vocab = {self.vocab}")
         return ids
 

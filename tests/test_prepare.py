@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hetc.cli import main
-from hetc.runtime.data import make_data_source, make_eval_source
+from hetc.runtime.data import DataError, make_data_source, make_eval_source
 from hetc.spec import DataKind, DataSpec, ModelSpec, TokenDType, TrainSpec
 from hetc.tokenfile import HETC_OFFSET, Layout, inspect_tokens
 from tests.conftest import DEMO
@@ -163,7 +163,7 @@ def test_eval_share_holds_out_the_last_windows(prepared):
     assert torch.equal(train.sequence(kept), whole.sequence(0))   # training wraps before the held-out windows
 
 
-def test_prepared_tokens_train_end_to_end(prepared, tmp_path, capfd):
+def test_prepared_tokens_train_end_to_end(prepared, tokenizer_dir, tmp_path):
     spec = tmp_path / "job.het"
     spec.write_text(f'''use "{DEMO.parent / 'catalog.het'}"
 model tiny {{
@@ -189,6 +189,7 @@ train {{
   data tokens {{
     path = "{prepared['hetc']}"
     dtype = uint16
+    tokenizer = "{tokenizer_dir}"
   }}
 }}
 parallel {{
@@ -224,8 +225,25 @@ def test_ids_beyond_the_model_are_refused(prepared, tokenizer_dir, tmp_path):
     np.asarray([1, 2, 300, 4] * 10, dtype="<u2").tofile(raw)
     data = DataSpec(kind=DataKind.TOKENS, path=str(raw), dtype=TokenDType.UINT16, shuffle=False)
     windows = make_data_source(model, TrainSpec(global_batch=2, micro_batch=2, data=data))
-    with pytest.raises(ValueError, match="holds the id 300 at token 2, outside the model's vocab = 256"):
+    with pytest.raises(DataError, match="holds the id 300 at token 2, outside the model's vocab = 256"):
         windows.get_microbatch(0, 0)
+
+
+def test_a_file_of_another_tokenizer_is_refused(prepared, tokenizer_dir, tmp_path):
+    from hetc.passes.data_check import check_data
+    from hetc.spec import Spec
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "tokenizer.json").write_text((tokenizer_dir / "tokenizer.json").read_text() + "\n")
+    model = ModelSpec(layers=1, hidden=8, heads=2, ffn=8, vocab=VOCAB, seq=SEQ)
+    refused = (f"'{prepared['hetc']}' was written by the tokenizer '{tokenizer_dir.name}', not by '{other}' "
+               "(their tokenizer.json differ)")
+    for directory, want in [(tokenizer_dir, []), (other, [refused])]:
+        data = DataSpec(kind=DataKind.TOKENS, path=str(prepared["hetc"]), tokenizer=str(directory))
+        errors = []
+        check_data(Spec(model=model, train=TrainSpec(global_batch=8, data=data)), tmp_path, errors)
+        assert [e.message for e in errors] == want
 
 
 def test_a_vocabulary_beyond_uint16_needs_uint32(tmp_path, capsys):

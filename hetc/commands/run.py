@@ -67,13 +67,14 @@ def run(args: argparse.Namespace) -> int:
 def _rank(args: argparse.Namespace) -> int:
     from hetc.runtime.checkpoint import CheckpointError
     from hetc.runtime.cluster_check import ClusterMismatch
+    from hetc.runtime.data import DataError
     from hetc.runtime.worker import EnvError, PeerFailure, RunOptions, run_worker
 
     opts = RunOptions(steps=args.steps, metrics=args.metrics, trace=args.trace, checkpoint=args.checkpoint,
                       every=args.every, resume=args.resume, timeout_s=args.timeout)
     try:
         return run_worker(args.dir, opts)
-    except (EnvError, ClusterMismatch) as err:
+    except (EnvError, ClusterMismatch, DataError) as err:
         raise UsageError(str(err)) from None
     except (PeerFailure, CheckpointError) as err:
         print(f"hetc run: error: {err}", file=sys.stderr, flush=True)
