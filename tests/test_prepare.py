@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 
 import numpy as np
 import pytest
@@ -164,6 +165,9 @@ def test_eval_share_holds_out_the_last_windows(prepared):
 
 
 def test_prepared_tokens_train_end_to_end(prepared, tokenizer_dir, tmp_path):
+    """Paths relative to the spec, which the plan directory rewrites relative to itself."""
+    shutil.copy(prepared["hetc"], tmp_path / "corpus.tok")
+    shutil.copytree(tokenizer_dir, tmp_path / "tok")
     spec = tmp_path / "job.het"
     spec.write_text(f'''use "{DEMO.parent / 'catalog.het'}"
 model tiny {{
@@ -187,9 +191,9 @@ train {{
   eval_every = 3
   eval_share = 0.01
   data tokens {{
-    path = "{prepared['hetc']}"
+    path = "corpus.tok"
     dtype = uint16
-    tokenizer = "{tokenizer_dir}"
+    tokenizer = "tok"
   }}
 }}
 parallel {{
@@ -202,6 +206,8 @@ parallel {{
 ''')
     assert main(["check", str(spec)]) == 0
     assert main(["compile", str(spec), "-o", str(tmp_path / "plan")]) == 0
+    plan = (tmp_path / "plan" / "plan.het").read_text()
+    assert 'path = "../corpus.tok"' in plan and 'tokenizer = "../tok"' in plan
     metrics = tmp_path / "metrics.jsonl"
     assert main(["run", str(tmp_path / "plan"), "--local", "--metrics", str(metrics)]) == 0
     records = [json.loads(line) for line in metrics.read_text().splitlines()]

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from hetc.cli import UsageError
-from hetc.passes.verify import VerifyError, verify
+from hetc.passes.verify import VerifyError, verified_evaluation, verify
 from hetc.program import ProgramFormatError
 
 __all__ = ["register"]
@@ -86,7 +86,9 @@ def _local(args: argparse.Namespace) -> int:
     from hetc.runtime.local import spawn_local
 
     _, checked = read_plan(args.dir)
-    verify(read_program(args.dir), checked.pipeline, checked.spec)   # before starting any rank
+    program = read_program(args.dir)
+    verify(program, checked.pipeline, checked.spec)   # before starting any rank
+    verified_evaluation(program, checked.pipeline, checked.spec)
     world = checked.pipeline.world_size
     if args.local not in (-1, world):
         raise UsageError(f"the plan has {world} ranks; --local {args.local} cannot run it")
