@@ -19,12 +19,15 @@ import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import numpy as np
 
 from hetc.spec import TokenDType
 from hetc.tokenfile import dtype_for_vocab, fits, tokenizer_digest, write_hetc_header, write_megatron_index
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer as HFTokenizer
 
 __all__ = ["PrepareError", "Prepared", "Tokenizer", "load_tokenizer", "prepare"]
 
@@ -39,7 +42,7 @@ class PrepareError(ValueError):
 
 @dataclass(frozen=True)
 class Tokenizer:
-    encoder: object        # tokenizers.Tokenizer
+    encoder: HFTokenizer
     name: str              # the tokenizer directory's name
     sha256: str            # of tokenizer.json: which tokenizer made a file
     vocab: int             # ids 0..vocab-1, added tokens included

@@ -243,6 +243,7 @@ def _megatron_arrays(idx: Path, sequences: int) -> tuple[np.ndarray, np.ndarray]
 
 def _check_contiguous(tf: TokenFile) -> None:
     """The sequences must lie back to back from byte 0 and fill the .bin (Note [Token file layouts])."""
+    assert tf.index is not None, "a Megatron TokenFile names its index"
     with open(tf.index, "rb") as f:
         f.seek(len(MEGATRON_MAGIC) + 9)
         (sequences,) = struct.unpack("<Q", f.read(8))

@@ -13,19 +13,21 @@ from pathlib import Path
 
 from hetc.errors import Diagnostic
 from hetc.runtime.checks import check_text_vocab
-from hetc.spec import DataKind, DataSpec, ModelSpec, Spec, TokenDType
+from hetc.spec import DataKind, DataSpec, ModelSpec, Spec, TokenDType, TrainSpec
 from hetc.tokenfile import TokenFile, TokenFileError, fits, inspect_tokens, looks_binary, tokenizer_digest
 
 __all__ = ["check_data"]
 
 
 def check_data(spec: Spec, base_dir: Path | None, errors: list[Diagnostic]) -> None:
+    """Diagnostics of the train block's data and eval data (a spec that has a train block)."""
     t = spec.train
+    assert t is not None, "the validator checks data only of a spec with a train block"
     for data in filter(None, (t.data, t.eval)):
         _check_source(data, spec.model, base_dir, errors)
     if spec.model is not None and (problem := check_text_vocab(spec.model, t)) is not None:
         errors.append(Diagnostic(spec.model.span_of("vocab"), problem))
-    _check_eval(spec, errors)
+    _check_eval(t, errors)
 
 
 def _check_source(data: DataSpec, model: ModelSpec | None, base_dir: Path | None, errors) -> None:
@@ -94,8 +96,7 @@ def _check_tokenizer(data: DataSpec, tf: TokenFile, base_dir: Path, errors) -> N
                                  f"'{data.tokenizer}' (their tokenizer.json differ)"))
 
 
-def _check_eval(spec: Spec, errors) -> None:
-    t = spec.train
+def _check_eval(t: TrainSpec, errors) -> None:
     if t.eval is not None and t.eval_share > 0:
         errors.append(Diagnostic(t.span_of("eval_share"), "give validation data either as an eval block or as "
                                  "eval_share of the training data, not both"))

@@ -42,9 +42,11 @@ class Evaluator:
 def make_evaluator(spec: Spec, pipeline: Pipeline, program: Program, rank: int,
                    base_dir: Path | str) -> Evaluator | None:
     """This rank's evaluator, its program verified; None when the job does not evaluate."""
-    data = make_eval_source(spec.model, spec.train, base_dir)
+    model, train = spec.model, spec.train
+    assert model is not None and train is not None, "a plan's spec is complete"
+    data = make_eval_source(model, train, base_dir)
     if data is None:
         return None
     programs = verified_evaluation(program, pipeline, spec)
     assert programs is not None, "make_eval_source gave data, so the job evaluates"
-    return Evaluator(programs.ranks[rank], data, spec.train.eval_every, spec.train.eval_batches)
+    return Evaluator(programs.ranks[rank], data, train.eval_every, train.eval_batches)

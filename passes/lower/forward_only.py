@@ -47,8 +47,8 @@ def _rank(rp: RankProgram) -> RankProgram:
                 kept.append(instr)
         elif _keeps(instr, shards):
             kept.append(instr)
-        elif getattr(instr, "handle", None) is not None:
-            dropped.add(instr.handle)
+        elif (handle := getattr(instr, "handle", None)) is not None:
+            dropped.add(handle)
     return RankProgram(rp.rank, rp.stage, rp.lane, rp.tp_rank, rp.cp_rank, rp.shards, tuple(kept))
 
 
