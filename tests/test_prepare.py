@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from hetc.cli import main
+from hetc.errors import SpecError
 from hetc.runtime.data import DataError, make_data_source, make_eval_source
 from hetc.spec import DataKind, DataSpec, ModelSpec, TokenDType, TrainSpec
 from hetc.tokenfile import HETC_OFFSET, Layout, inspect_tokens
@@ -298,3 +299,27 @@ def _no_pyarrow() -> bool:
     except ImportError:
         return True
     return False
+
+
+def test_megatron_files_hetc_cannot_read_as_one_stream_are_refused(prepared, tmp_path):
+    from hetc.tokenfile import TokenFileError
+
+    idx = prepared["megatron"].with_name("c.idx").read_bytes()
+    shutil.copy(prepared["megatron"].with_name("c.bin"), tmp_path / "m.bin")
+
+    def broken(raw: bytes, match: str) -> None:
+        (tmp_path / "m.idx").write_bytes(raw)
+        with pytest.raises(TokenFileError, match=match):
+            inspect_tokens(tmp_path / "m", None)
+
+    broken(idx[:17] + bytes([5]) + idx[18:], r"stores int64 ids; hetc reads uint16 \(code 8\) and int32")
+    broken(idx[:9] + (2).to_bytes(8, "little") + idx[17:], "version 2 of Megatron's index")
+    broken(b"NOTMEGA" + idx[7:], "is not a Megatron index")
+    with pytest.raises(TokenFileError, match="dtype = uint32, but .* says its ids are uint16"):
+        (tmp_path / "m.idx").write_bytes(idx)
+        inspect_tokens(tmp_path / "m", TokenDType.UINT32)
+    second = 34 + 4 * int.from_bytes(idx[18:26], "little") + 8   # where sequence 1's byte offset is
+    later = (int.from_bytes(idx[second:second + 8], "little") + 2).to_bytes(8, "little")
+    (tmp_path / "m.idx").write_bytes(idx[:second] + later + idx[second + 8:])   # a gap before sequence 1
+    with pytest.raises(SpecError, match="do not lie back to back"):
+        source(tmp_path / "m", shuffle=False)
