@@ -14,12 +14,12 @@ from pathlib import Path
 from hetc.errors import Diagnostic, SpecError, did_you_mean
 from hetc.layout import layout_problem
 from hetc.passes.cost.memory import state_bytes_per_param
+from hetc.passes.data_check import check_data
 from hetc.passes.params import model_params
 from hetc.passes.resolve import resolve_pipeline
 from hetc.passes.validate_plan import check_plan
-from hetc.runtime.checks import check_text_size, check_text_vocab
 from hetc.pipeline import Pipeline
-from hetc.spec import AUTO, CPKind, DataKind, OffloadTarget, Spec, ZeroShard
+from hetc.spec import AUTO, CPKind, OffloadTarget, Spec, ZeroShard
 from hetc.topology import MAX_GPUS, Topology
 
 # Every rank's program lists each of its microbatches; beyond this a step is
@@ -59,8 +59,6 @@ def _check(spec: Spec, base_dir: Path | None, errors: list[Diagnostic]):
         _check_model(spec, errors)
     if spec.train is not None:
         _check_train(spec, base_dir, errors)
-    if spec.model is not None and spec.train is not None:
-        _check_text_data(spec, base_dir, errors)
     topo = None
     if spec.cluster is not None:
         topo = _check_cluster(spec, errors)
@@ -111,21 +109,7 @@ def _check_train(spec: Spec, base_dir: Path | None, errors) -> None:
         errors.append(Diagnostic(t.span_of("global_batch"), f"global_batch / micro_batch = {t.global_batch} / "
                                  f"{t.micro_batch} = {t.global_batch // t.micro_batch} microbatches a step; hetc "
                                  f"schedules at most {MAX_MICROBATCHES}: raise micro_batch"))
-    if t.data.kind is DataKind.TEXT:
-        if not t.data.path:
-            errors.append(Diagnostic(t.data.span, "data text needs a path = \"file.txt\""))
-        elif base_dir is not None and not t.data.resolve(base_dir).is_file():
-            errors.append(Diagnostic(t.data.span_of("path"), f"cannot find the text file '{t.data.path}'"))
-
-
-def _check_text_data(spec: Spec, base_dir: Path | None, errors) -> None:
-    """The runtime's rules for byte-level text (hetc.runtime.checks), reported before any rank starts."""
-    m, data = spec.model, spec.train.data
-    if (problem := check_text_vocab(m, spec.train)) is not None:
-        errors.append(Diagnostic(m.span_of("vocab"), problem))
-    path = data.resolve(base_dir) if data.kind is DataKind.TEXT and data.path and base_dir is not None else None
-    if path is not None and path.is_file() and (problem := check_text_size(m, data.path, path.stat().st_size)):
-        errors.append(Diagnostic(data.span_of("path"), problem))
+    check_data(spec, base_dir, errors)
 
 
 def _check_cluster(spec: Spec, errors) -> Topology | None:

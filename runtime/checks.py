@@ -9,7 +9,7 @@ from __future__ import annotations
 from hetc.pipeline import Pipeline
 from hetc.spec import DataKind, ModelSpec, TrainSpec
 
-__all__ = ["BYTE_VOCAB", "check_text_size", "check_text_vocab", "check_tied_embeddings"]
+__all__ = ["BYTE_VOCAB", "check_text_vocab", "check_tied_embeddings"]
 
 BYTE_VOCAB = 256  # byte-level text: one token per byte
 
@@ -32,14 +32,9 @@ def check_tied_embeddings(model: ModelSpec, pipeline: Pipeline) -> str | None:
 
 
 def check_text_vocab(model: ModelSpec, train: TrainSpec) -> str | None:
-    """Why byte-level text cannot feed `model` (report at model.span_of("vocab"))."""
-    if train.data.kind is DataKind.TEXT and model.vocab < BYTE_VOCAB:
+    """Why byte-level text (training or eval data) cannot feed `model` (report at model.span_of("vocab"))."""
+    texts = [d for d in (train.data, train.eval) if d is not None and d.kind is DataKind.TEXT]
+    if texts and model.vocab < BYTE_VOCAB:
         return f"byte-level text needs vocab >= {BYTE_VOCAB}, not {model.vocab}"
     return None
 
-
-def check_text_size(model: ModelSpec, path: object, size: int) -> str | None:
-    """Why a byte-level text of `size` bytes cannot feed `model` (report at train.data.span_of("path"))."""
-    if size < model.seq + 1:
-        return f"the text file '{path}' has {size} bytes; a sequence of seq = {model.seq} needs {model.seq + 1}"
-    return None

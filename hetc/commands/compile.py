@@ -15,7 +15,7 @@ from hetc.passes.export_torch import torch_pipelines, why_not_exported
 from hetc.passes.lower import PASS_NAMES, PASSES, lower
 from hetc.passes.simulate import simulate
 from hetc.passes.validate_fit import cost_error, peak_overflows
-from hetc.passes.verify import VerifyError, verify
+from hetc.passes.verify import VerifyError, verified_evaluation, verify
 from hetc.passes.verify.memory import rank_peaks
 from hetc.plandir import write_plan_dir
 from hetc.program import Program
@@ -28,9 +28,10 @@ log = logging.getLogger("hetc.compile")
 class Compiled:
     """Everything compile produced, for the CLI and for tests."""
 
-    def __init__(self, loaded, checked, program: Program, costs, timeline):
+    def __init__(self, loaded, checked, program: Program, costs, timeline, eval_timeline=None):
         self.loaded, self.checked, self.program = loaded, checked, program
         self.costs, self.timeline = costs, timeline
+        self.eval_timeline = eval_timeline   # one validation batch, when the job evaluates
 
     @property
     def pipeline(self):
@@ -66,6 +67,8 @@ def compile_spec(spec_path: Path, dump_after: str | None = None, on_dump=None) -
     try:
         verify(program, checked.pipeline, checked.spec, costs)
         timeline = simulate(program, checked.pipeline, checked.spec, costs, plan_facts(checked))
+        evaluation = verified_evaluation(program, checked.pipeline, checked.spec)
+        eval_timeline = None if evaluation is None else simulate(evaluation, checked.pipeline, checked.spec, costs)
     except CostError as err:
         raise SpecError(cost_error(checked.spec, err)) from None
     except VerifyError as err:
@@ -76,7 +79,7 @@ def compile_spec(spec_path: Path, dump_after: str | None = None, on_dump=None) -
         raise SpecError(peak_overflows(checked.spec, checked.pipeline, peaks) or
                         [Diagnostic(checked.spec.parallel.span, f"the plan does not fit in device memory:\n"
                                                                 f"{err.render()}")]) from None
-    return Compiled(loaded, checked, program, costs, timeline)
+    return Compiled(loaded, checked, program, costs, timeline, eval_timeline)
 
 
 def plan_facts(checked) -> list[tuple[str, str]]:
@@ -123,6 +126,10 @@ def run(args: argparse.Namespace) -> int:
     step = compiled.timeline.step_time
     tokens = compiled.checked.spec.train.global_batch * compiled.checked.spec.model.seq
     summary.update(step_time_s=step, tokens_per_s=tokens / step if step > 0 else 0.0)
+    if compiled.eval_timeline is not None:
+        train = compiled.checked.spec.train
+        summary.update(eval_time_s=compiled.eval_timeline.step_time * train.eval_batches,
+                       eval_every=train.eval_every)
     write_plan_dir(args.out, compiled.checked.spec, compiled.loaded.path.parent, program, exports,
                    compiled.timeline.to_json(), summary)
     took = time.perf_counter() - start
