@@ -114,7 +114,7 @@ def _train(plan_dir: Path, opts: RunOptions, rank: int, local_rank: int, spec, p
     steps = spec.train.steps if opts.steps is None else opts.steps
     for step in range(start, steps):
         traced = opts.trace is not None and step == steps - 1
-        result = rt.interpreter.run_step(step, trace=traced)
+        result = rt.interpreter.run_step(step, trace=traced, classes=opts.metrics is not None)
         reporter.step(step, steps, result)
         if _saves_after(opts, step + 1, steps):
             _save(rt, opts, step + 1)
