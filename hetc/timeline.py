@@ -14,8 +14,19 @@ from enum import StrEnum
 from hetc.program import (AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight, Forward,
                           Free, Instr, Load, Offload, Prefetch, Recv, ReduceScatter, Send, Step, Wait)
 
-__all__ = ["Event", "EventKind", "Flow", "MemorySample", "RankInfo", "Stream", "TimeClass", "Timeline", "classify",
-           "class_times", "mean_class_times"]
+__all__ = [
+    "Event",
+    "EventKind",
+    "Flow",
+    "MemorySample",
+    "RankInfo",
+    "Stream",
+    "TimeClass",
+    "Timeline",
+    "class_times",
+    "classify",
+    "mean_class_times",
+]
 
 FORMAT_VERSION = 1
 

@@ -73,3 +73,21 @@ def test_calibrate_refuses_what_is_not_a_plan_directory(tmp_path, capsys):
     assert main(["calibrate", str(tmp_path)]) == 2
     assert "is not a plan directory" in capsys.readouterr().err
     assert main(["calibrate", str(tmp_path), "--steps", "0"]) == 2
+
+
+def test_viz_compare_shows_the_gap_per_class_from_a_metrics_file(single, tmp_path, capsys):
+    split = [{"compute": c, "comm_wait": 0.001, "optimizer": 0.002, "offload": 0.0} for c in (0.5, 0.02, 0.04, 0.03)]
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text("".join(json.dumps({"step": i, "step_time_s": s["compute"] + 0.004, "class_times_s": [s]})
+                               + "\n" for i, s in enumerate(split)))
+    page = tmp_path / "page.html"
+    argv = ["viz", str(single), "--compare", "--trace", str(single / "timeline.json"), "--metrics", str(metrics)]
+    assert main([*argv, "--text"]) == 0
+    table = capsys.readouterr().out.split("time per class, mean per rank, one step:\n")[1]
+    rows = {line.split()[0]: line.split() for line in table.splitlines()}
+    assert rows["compute"][2] == "30.000"           # the median of the steps after the first, in ms
+    assert rows["optimizer"][2] == "2.000" and rows["step"][2] == "34.000"
+    assert main([*argv, "-o", str(page)]) == 0
+    html = page.read_text()
+    assert "Time per class" in html and "30.000 ms" in html
+    assert main(["viz", str(single), "--metrics", str(metrics)]) == 2   # --metrics goes with --compare

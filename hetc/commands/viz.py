@@ -113,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--ranks goes with --text")
     if args.metrics and not args.compare:
         raise UsageError("--metrics goes with --compare")
+    if args.profile and path.is_file():
+        raise UsageError("--profile predicts a plan directory's programs again; DIR is a timeline file")
     if args.text:
         _print_grid(path, args.ranks)
     output = args.output
