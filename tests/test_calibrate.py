@@ -46,7 +46,7 @@ def test_run_metrics_record_time_per_class_each_step(single, tmp_path):
     metrics = tmp_path / "m.jsonl"
     assert main(["run", str(single), "--local", "--steps", "2", "--metrics", str(metrics), "--quiet"]) == 0
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["step"] for r in records] == [0, 1]
+    assert [r["step"] for r in records] == [1, 2]   # 1-based, as the console (Note [step numbers])
     for r in records:
         (split,) = r["class_times_s"]            # one rank
         assert set(split) == CLASSES and min(split.values()) >= 0
@@ -79,7 +79,7 @@ def test_viz_compare_shows_the_gap_per_class_from_a_metrics_file(single, tmp_pat
     split = [{"compute": c, "comm_wait": 0.001, "optimizer": 0.002, "offload": 0.0} for c in (0.5, 0.02, 0.04, 0.03)]
     metrics = tmp_path / "m.jsonl"
     metrics.write_text("".join(json.dumps({"step": i, "step_time_s": s["compute"] + 0.004, "class_times_s": [s]})
-                               + "\n" for i, s in enumerate(split)))
+                               + "\n" for i, s in enumerate(split, start=1)))
     page = tmp_path / "page.html"
     argv = ["viz", str(single), "--compare", "--trace", str(single / "timeline.json"), "--metrics", str(metrics)]
     assert main([*argv, "--text"]) == 0
