@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = ROOT / "specs"
@@ -16,6 +17,13 @@ SHARED_DATA = ROOT.parent / "shared" / "data"
 # shared 2-core machines, OpenMP threads spinning against other processes made
 # tiny CPU models ~40x slower. Set before anything imports torch.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Hypothesis times each example (deadline) and its data generation (too_slow) by
+# default: durations that pass on a quiet machine and fail on a busy one. Every
+# property test also says deadline=None itself; this covers any that forgets. No
+# example database: tests write only under tmp_path, not .hypothesis/ in the checkout.
+settings.register_profile("hetc", deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
+settings.load_profile("hetc")
 
 
 def all_spec_files() -> list[Path]:
