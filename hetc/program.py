@@ -54,7 +54,7 @@ import functools
 import json
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import ClassVar, Union
+from typing import ClassVar
 
 __all__ = [
     "COLLECTIVE_TYPES",
@@ -319,8 +319,8 @@ class Wait(_Base):
     handle: int
 
 
-Instr = Union[Load, Forward, Backward, BackwardInput, BackwardWeight, Send, Recv, AllGather, ReduceScatter,
-              AllReduce, AllToAll, Offload, Prefetch, Free, Step, Wait]
+Instr = (Load | Forward | Backward | BackwardInput | BackwardWeight | Send | Recv | AllGather | ReduceScatter
+         | AllReduce | AllToAll | Offload | Prefetch | Free | Step | Wait)
 INSTR_TYPES: dict[str, type] = {t.OP: t for t in Instr.__args__}  # type: ignore[attr-defined]
 COMPUTE_TYPES = (Forward, Backward, BackwardInput, BackwardWeight)
 COLLECTIVE_TYPES = (AllGather, ReduceScatter, AllReduce, AllToAll)

@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, final
 
 from hetc.errors import NO_SPAN, Span
 from hetc.units import Dim
@@ -64,6 +64,7 @@ __all__ = [
 ]
 
 
+@final
 class Auto:
     """The value `auto`: the planner chooses."""
 
