@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from hetc.errors import SpecError
+from hetc.errors import InternalError, SpecError
 from hetc.runtime.checks import check_text_vocab
 from hetc.runtime.seeding import generator
 from hetc.spec import DataKind, ModelSpec, TrainSpec
@@ -38,7 +38,8 @@ class _Sequences(ABC):
     """Shared microbatch assembly: subclasses define `sequence(g) -> [seq + 1] int64`."""
 
     def __init__(self, *, seed: int, seq: int, micro_batch: int, global_batch: int) -> None:
-        assert global_batch % micro_batch == 0, "the validator checks global_batch % micro_batch"
+        if global_batch % micro_batch:
+            raise InternalError("the validator checks global_batch % micro_batch")
         self.seed, self.seq = seed, seq
         self.micro_batch, self.global_batch = micro_batch, global_batch
 
@@ -51,7 +52,8 @@ class _Sequences(ABC):
         """Global sequence `g`: seq + 1 int64 tokens."""
 
     def get_microbatch(self, step: int, mb: int) -> tuple[Tensor, Tensor]:
-        assert 0 <= mb < self.num_microbatches, f"microbatch {mb} of {self.num_microbatches}"
+        if not 0 <= mb < self.num_microbatches:
+            raise InternalError(f"microbatch {mb} of {self.num_microbatches}")
         first = step * self.global_batch + mb * self.micro_batch
         rows = torch.stack([self.sequence(first + i) for i in range(self.micro_batch)])
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
@@ -79,7 +81,8 @@ class TextData(_Sequences):
         super().__init__(**kw)
         self.tokens = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(torch.int64)
         self.num_windows = (len(text) - 1) // self.seq
-        assert self.num_windows > 0, "make_data_source checks the file's length"
+        if self.num_windows <= 0:
+            raise InternalError("make_data_source checks the file's length")
         self._epoch_order: tuple[int, Tensor] | None = None  # the last epoch's window order
 
     def sequence(self, g: int) -> Tensor:
