@@ -19,7 +19,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, final
 
-from hetc.errors import NO_SPAN, Span
+from hetc.errors import NO_SPAN, InternalError, Span
 from hetc.units import Dim
 
 __all__ = [
@@ -450,6 +450,13 @@ class ZeroSpec(Node):
     across: int = param(0, lo=0, hi=1, aliases=("replicate_level",),
                         doc="level across shard groups: 0 all-reduce the shards, 1 also shard optimizer")
 
+    @property
+    def resolved_level(self) -> int:
+        """The level of a resolved plan, where the planner has replaced `auto`."""
+        if isinstance(self.level, Auto):
+            raise InternalError("a ZeRO level of auto after planning")
+        return self.level
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OffloadSpec(Node):
@@ -543,6 +550,13 @@ class ParallelSpec(Node):
     idle: tuple[RankSlice, ...] = param((), doc="GPUs deliberately left out of the plan")
     objective: ObjectiveSpec = param(factory=ObjectiveSpec, block="objective",
                                      doc="what the planner optimises")
+
+    @property
+    def resolved_stages(self) -> tuple[StageSpec, ...]:
+        """The stages of a resolved plan, where the planner has replaced `auto`."""
+        if isinstance(self.stages, Auto):
+            raise InternalError("stages of auto after planning")
+        return self.stages
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -22,7 +22,7 @@ from hetc.passes.cost.memory import (
     shard_factors,
     state_bytes_per_param,
 )
-from hetc.passes.cost.network import ring_chunk, ring_steps
+from hetc.passes.cost.network import Bandwidth, ring_chunk, ring_steps
 from hetc.passes.cost.profiles import Profiles
 from hetc.passes.cost.shapes import LayerKind, activation_elements, layer_flops, layer_kind, params_per_rank
 from hetc.passes.params import expert_params
@@ -54,7 +54,7 @@ class CostModel:
         self._routes: dict[int, dict[int, int]] = {}
         self._collectives: dict[tuple, float] = {}
         self._compute_times: dict[tuple[int, int, str], float] = {}
-        self._fits: dict[tuple, object] = {}
+        self._fits: dict[tuple, Bandwidth | None] = {}
 
     # ------------------------------------------------------------ structure
 
