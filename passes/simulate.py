@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 
 from hetc.passes.verify.memory import Sizes, rank_levels
 from hetc.pipeline import Pipeline
-from hetc.program import (AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight, Forward,
-                          Free, Instr, Load, Offload, Prefetch, Program, Recv, ReduceScatter, Send, Step,
-                          Tensor, Wait)
+from hetc.program import (COLLECTIVE_TYPES, COMPUTE_TYPES, AllGather, AllReduce, AllToAll, Backward, BackwardInput,
+                          BackwardWeight, Forward, Free, Instr, Load, Offload, Prefetch, Program, Recv, ReduceScatter,
+                          Send, Step, Tensor, Wait)
 from hetc.spec import DTYPE_BYTES, Spec
 from hetc.timeline import Event, Flow, MemorySample, RankInfo, Timeline, classify
 
@@ -67,6 +67,7 @@ class _Rank:
 class _Sim:
     def __init__(self, program: Program, pipeline: Pipeline, spec: Spec, costs):
         self.program, self.pipeline, self.spec, self.costs = program, pipeline, spec, costs
+        assert spec.model is not None   # a checked spec
         self.delta = DTYPE_BYTES[spec.model.dtype]
         self.ranks = [_Rank() for _ in program.ranks]
         self.channels: dict[tuple[int, int], tuple[deque, deque]] = {}
@@ -116,6 +117,7 @@ class _Sim:
         shard = whole.part(instr.group)
         full = self.costs.param_bytes(instr.ms, rank) * self._part_share(rank, whole, shard)
         if instr.group == shard.outer:
+            assert shard.group is not None   # an outer group is one across shard groups
             return full / len(self.members[shard.group])
         return full
 
@@ -145,8 +147,9 @@ class _Sim:
 
     def _post_p2p(self, op: _Op) -> None:
         instr = op.instr
+        assert isinstance(instr, (Send, Recv))
         is_send = isinstance(instr, Send)
-        key = (op.rank, instr.peer_to) if is_send else (instr.peer_from, op.rank)
+        key = (op.rank, instr.peer_to) if isinstance(instr, Send) else (instr.peer_from, op.rank)
         sends, recvs = self.channels.setdefault(key, (deque(), deque()))
         mine, theirs = (sends, recvs) if is_send else (recvs, sends)
         if not theirs:
@@ -154,6 +157,7 @@ class _Sim:
             return
         other = theirs.popleft()
         send, recv = (op, other) if is_send else (other, op)
+        assert isinstance(send.instr, Send)
         nbytes = math.prod(send.instr.shape) * self.delta
         start = max(send.post, recv.post)
         end = start + self.costs.p2p_time(send.rank, recv.rank, nbytes)
@@ -171,6 +175,7 @@ class _Sim:
     def _post_lockstep(self, op: _Op) -> None:
         """A compute op with tp/cp/ep collectives: every rank of the lanes its groups join together (one
         lane; an EP group's lanes), the slowest one's time."""
+        assert isinstance(op.instr, COMPUTE_TYPES)
         ranks = self._lockstep_ranks(op.rank, op.instr.ms)
         calls = self._call(f"compute:{ranks}", op)
         if len(calls) < len(ranks):
@@ -197,6 +202,7 @@ class _Sim:
         return calls[k]
 
     def _post_collective(self, op: _Op) -> None:
+        assert isinstance(op.instr, COLLECTIVE_TYPES)
         group = op.instr.group
         members = self.members[group]
         calls = self._call(group, op)

@@ -108,6 +108,7 @@ class _Sim:
         if waiting:
             other = waiting.popleft()
             send, recv = (op, other) if isinstance(op.instr, Send) else (other, op)
+            assert isinstance(send.instr, Send) and isinstance(recv.instr, Recv)
             problem = _mismatch(send.instr, recv.instr)
             if problem:
                 return at(self.program, recv.rank, recv.index, f"{problem}; the next message from rank "
@@ -119,7 +120,10 @@ class _Sim:
         return None
 
     def _post_collective(self, op: _Op) -> Finding | None:
-        group = op.group or op.instr.group
+        group = op.group
+        if group is None:   # not a compute op's part: a collective instruction
+            assert isinstance(op.instr, COLLECTIVE_TYPES)
+            group = op.instr.group
         members = self.members.get(group)
         if members is None:
             return at(self.program, op.rank, op.index, f"unknown group '{group}'")
@@ -209,6 +213,7 @@ class _Sim:
             state = self.ranks[r]
             instr = self.program.ranks[r].instrs[state.pc]
             op = state.posted[instr.handle] if isinstance(instr, Wait) else state.blocking
+            assert op is not None   # an active rank waits on something
             stuck.append(Stuck(r, state.pc, op.instr, op.index, op.call, op.group))
         posted = {key: n for key, n in self.count.items()}
         return explain_deadlock(self.program, stuck, posted)
