@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from enum import StrEnum
+from enum import Enum, StrEnum
 from pathlib import Path
-from typing import Any, final
+from typing import Any, Final
 
 from hetc.errors import NO_SPAN, InternalError, Span
 from hetc.units import Dim
@@ -64,25 +64,22 @@ __all__ = [
 ]
 
 
-@final
-class Auto:
-    """The value `auto`: the planner chooses."""
+class Auto(Enum):
+    """The value `auto`: the planner chooses.
 
-    _instance: Auto | None = None
+    A one-member enum, so that `x is AUTO` / `x is not AUTO` narrows `int | Auto`
+    to `int` for the type checker; a singleton that pickles and copies as itself.
+    """
 
-    def __new__(cls) -> Auto:
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
+    AUTO = "auto"
 
     def __repr__(self) -> str:
         return "AUTO"
 
-    def __reduce__(self):
-        return (Auto, ())
+    __str__ = __repr__
 
 
-AUTO = Auto()
+AUTO: Final = Auto.AUTO
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -10,6 +10,7 @@ import pytest
 
 from hetc.cli import main
 from hetc.commands.compile import compile_spec
+from hetc.frontend import load_checked
 from hetc.load import load_spec
 from hetc.passes.plan.partition import bandwidth_domains
 from hetc.passes.plan.planner import plan_spec
@@ -17,7 +18,7 @@ from hetc.passes.plan.routing import bottleneck, spread
 from hetc.planreport import plan_summary
 from hetc.spec import AUTO
 from hetc.topology import Topology
-from tests.conftest import SPECS
+from tests.conftest import DEMO, SPECS
 
 ZORSE = [SPECS / "zorse" / f"{c}_auto.het" for c in "abc"]
 BASELINES = ("megatron", "fastest", "hexiscale", "cephalo")
@@ -237,3 +238,14 @@ def test_bottleneck_routing_is_the_least_busiest_lane():
         assert sum(map(sum, counts)) == m
         busiest = max(c * cycle for row, (_, cycle, _) in zip(counts, classes) for c in row)
         assert busiest == pytest.approx(best)
+
+
+def test_a_plan_auto_only_in_prefetch_is_left_to_the_planner(tmp_path, capsys):
+    """`prefetch = auto` in an otherwise explicit plan: not a resolved pipeline (it used to resolve with
+    prefetch still auto, and `hetc compile` failed with an internal error)."""
+    text = (DEMO / "zero3.het").read_text().replace('use "job.het"', f'use "{DEMO / "job.het"}"')
+    path = _write(tmp_path, text.replace("parallel {\n", "parallel {\n  prefetch = auto\n", 1))
+    _, checked = load_checked(path)
+    assert checked.pipeline is None
+    assert main(["check", str(path)]) == 0
+    assert "plan: partly auto" in capsys.readouterr().out
