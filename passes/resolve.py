@@ -12,7 +12,7 @@ from hetc.pipeline import Lane, Ministage, Pipeline, Stage, route_microbatches
 from hetc.spec import AUTO, RankSlice, RoutingKind, Spec, StageSpec
 from hetc.topology import Gpu, Topology
 
-__all__ = ["Diagnostics", "proportional_counts", "resolve_pipeline", "resolve_rank_slices"]
+__all__ = ["Diagnostics", "layer_index", "proportional_counts", "resolve_pipeline", "resolve_rank_slices"]
 
 Diagnostics = list[Diagnostic]
 
@@ -116,7 +116,7 @@ def _rank_owners(spec: Spec, topo: Topology, errors: Diagnostics) -> dict[int, s
     return {gid: label for gid, (label, _) in owner.items() if label != "idle"}
 
 
-def _layer_index(spec: Spec, name: str, span: Span, errors: Diagnostics) -> int | None:
+def layer_index(spec: Spec, name: str, span: Span, errors: Diagnostics) -> int | None:
     model = spec.model
     assert model is not None   # a complete spec
     idx = model.layer_index(name)
@@ -165,8 +165,8 @@ def _stage_ranges(spec: Spec, st: StageSpec, errors: Diagnostics) -> list[tuple[
     assert st.layers is not AUTO and st.ministages is not AUTO   # an explicit stage
     ranges = []
     for r in st.layers:
-        lo = _layer_index(spec, r.first, r.span, errors)
-        hi = _layer_index(spec, r.last, r.span, errors)
+        lo = layer_index(spec, r.first, r.span, errors)
+        hi = layer_index(spec, r.last, r.span, errors)
         if lo is None or hi is None:
             continue
         if hi < lo:

@@ -249,3 +249,13 @@ def test_a_plan_auto_only_in_prefetch_is_left_to_the_planner(tmp_path, capsys):
     assert checked.pipeline is None
     assert main(["check", str(path)]) == 0
     assert "plan: partly auto" in capsys.readouterr().out
+
+
+def test_an_unknown_layer_in_a_partly_auto_plan_is_a_located_error(tmp_path, capsys):
+    """It used to end in `internal error: TypeError` (the layer's index was None)."""
+    path = _write(tmp_path, f'use "{DEMO / "job.het"}"\nparallel {{\n  stage a {{\n    layers = embed..block9\n'
+                            "  }\n  stage b {\n    layers = block1..head\n  }\n}\n")
+    assert main(["plan", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:4:14: error: 'block9' does not exist: the model has 4 blocks, block0..block3" in err
+    assert "internal error" not in err
