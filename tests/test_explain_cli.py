@@ -26,7 +26,7 @@ def test_json_fields(capsys, name):
     assert 0 < out["mfu"] <= out["hfu"] <= 1
     assert out["tokens_per_step"] == 8 * 32                      # global_batch × seq of the demo job
     ranks = {m["rank"] for m in out["memory"]}
-    assert ranks == set(range(len(out["memory"])))
+    assert ranks and ranks == set(range(len(out["memory"])))
     for m in out["memory"]:
         parts = sum(m[k] for k in ("params", "grads", "optimizer", "activations", "buffers", "reserve"))
         assert m["total"] == pytest.approx(parts) and m["capacity"] == 4 * 2**30
