@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
+from hypothesis.configuration import set_hypothesis_home_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = ROOT / "specs"
@@ -24,6 +27,15 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # example database: tests write only under tmp_path, not .hypothesis/ in the checkout.
 settings.register_profile("hetc", deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
 settings.load_profile("hetc")
+
+# Hypothesis' own caches (the constants it collects while pytest collects, unicode
+# tables) go to a temporary directory removed at the end, not to .hypothesis/ here.
+_HYPOTHESIS_HOME = tempfile.mkdtemp(prefix="hetc-hypothesis-")
+set_hypothesis_home_dir(_HYPOTHESIS_HOME)
+
+
+def pytest_unconfigure(config) -> None:
+    shutil.rmtree(_HYPOTHESIS_HOME, ignore_errors=True)
 
 
 def all_spec_files() -> list[Path]:
