@@ -279,25 +279,24 @@ class CostModel:
         The measured fit (if any) is looked up once per kind of pair: node
         groups, same host, ring size on the node, streams sharing the link.
         """
+        fit = self.measured_link(a, b, ring_size, concurrent)
+        share = 1 if a.host == b.host else concurrent
+        if fit is not None:
+            return fit.rate(nbytes) / share, 0.0
+        link = self.topology.link(a, b)
+        return link.bandwidth / share, link.latency
+
+    def measured_link(self, a: Gpu, b: Gpu, ring_size: int, concurrent: int) -> Bandwidth | None:
+        """The profiles' fit for this kind of pair, which `link` prefers over the spec's declared link."""
         same_host = a.host == b.host
         key = (a.group, b.group, same_host, ring_size, concurrent)
         if key not in self._fits:
             net = self.profiles.network
             self._fits[key] = net.intra_rate(a.device.name, ring_size) if same_host else \
                 net.inter_rate(a.zone, a.device.name, b.zone, b.device.name, concurrent)
-        fit = self._fits[key]
-        share = 1 if same_host else concurrent
-        if fit is not None:
-            return fit.rate(nbytes) / share, 0.0
-        link = self.topology.link(a, b)
-        return link.bandwidth / share, link.latency
+        return self._fits[key]
 
     # ------------------------------------------------------------ the whole plan
-
-    @cached_property
-    def peak_flops(self) -> float:
-        """The cluster's peak FLOP/s for the training dtype (every GPU it declares)."""
-        return sum(g.device.peak.for_dtype(self.model.dtype) for g in self.topology.gpus)
 
     def estimate(self):
         from hetc.passes.cost.estimate import build_estimate
