@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from hetc.cli import UsageError
-from hetc.passes.verify import VerifyError, verify
+from hetc.passes.verify import VerifyError, verified_evaluation, verify
 from hetc.program import ProgramFormatError
 
 __all__ = ["register"]
@@ -67,13 +67,14 @@ def run(args: argparse.Namespace) -> int:
 def _rank(args: argparse.Namespace) -> int:
     from hetc.runtime.checkpoint import CheckpointError
     from hetc.runtime.cluster_check import ClusterMismatch
+    from hetc.runtime.data import DataError
     from hetc.runtime.worker import EnvError, PeerFailure, RunOptions, run_worker
 
     opts = RunOptions(steps=args.steps, metrics=args.metrics, trace=args.trace, checkpoint=args.checkpoint,
                       every=args.every, resume=args.resume, timeout_s=args.timeout)
     try:
         return run_worker(args.dir, opts)
-    except (EnvError, ClusterMismatch) as err:
+    except (EnvError, ClusterMismatch, DataError) as err:
         raise UsageError(str(err)) from None
     except (PeerFailure, CheckpointError) as err:
         print(f"hetc run: error: {err}", file=sys.stderr, flush=True)
@@ -85,7 +86,9 @@ def _local(args: argparse.Namespace) -> int:
     from hetc.runtime.local import spawn_local
 
     _, checked = read_plan(args.dir)
-    verify(read_program(args.dir), checked.pipeline, checked.spec)   # before starting any rank
+    program = read_program(args.dir)
+    verify(program, checked.pipeline, checked.spec)   # before starting any rank
+    verified_evaluation(program, checked.pipeline, checked.spec)
     world = checked.pipeline.world_size
     if args.local not in (-1, world):
         raise UsageError(f"the plan has {world} ranks; --local {args.local} cannot run it")
