@@ -6,6 +6,7 @@
     DIR/timeline.json            the predicted timeline of one step
     DIR/torch/laneL.csv          lane-aligned pipelines in torch's compute_comms format
     DIR/summary.json             headline numbers (ranks, step time, tokens/s)
+    DIR/profiles.json            the profiles the prediction used, with their sha256 (hetc/profileargs.py)
 
 Listings are the source of truth: a person may edit them by hand and
 `hetc verify DIR` / `hetc run DIR` read the text, not the JSON.
@@ -53,7 +54,7 @@ def portable_spec(spec: Spec, spec_dir: Path, out_dir: Path) -> Spec:
 
 
 def write_plan_dir(out: Path, spec: Spec, spec_dir: Path, program: Program, torch_csv: dict[str, str],
-                   timeline_json: str | None, summary: dict) -> None:
+                   timeline_json: str | None, summary: dict, profiles: dict | None = None) -> None:
     """Write everything at once into a fresh directory that then replaces `out` (never half a plan)."""
     out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -73,6 +74,9 @@ def write_plan_dir(out: Path, spec: Spec, spec_dir: Path, program: Program, torc
         if timeline_json is not None:
             (tmp / TIMELINE_FILE).write_text(timeline_json)
         (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        if profiles is not None:
+            from hetc.profileargs import PROFILES_FILE
+            (tmp / PROFILES_FILE).write_text(json.dumps(profiles, indent=2) + "\n")
         if out.exists():
             old = out.with_name(f".{out.name}.old")
             shutil.rmtree(old, ignore_errors=True)

@@ -39,6 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--every", type=int, default=0, metavar="K",
                    help="save every K steps (and always after the last step)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint")
+    p.add_argument("-q", "--quiet", action="store_true", help="print no line per step")
     p.add_argument("--timeout", type=float, default=120.0, metavar="S", help="collective timeout in seconds")
     p.set_defaults(func=run)
 
@@ -71,7 +72,7 @@ def _rank(args: argparse.Namespace) -> int:
     from hetc.runtime.worker import EnvError, PeerFailure, RunOptions, run_worker
 
     opts = RunOptions(steps=args.steps, metrics=args.metrics, trace=args.trace, checkpoint=args.checkpoint,
-                      every=args.every, resume=args.resume, timeout_s=args.timeout)
+                      every=args.every, resume=args.resume, timeout_s=args.timeout, quiet=args.quiet)
     try:
         return run_worker(args.dir, opts)
     except (EnvError, ClusterMismatch, DataError) as err:
@@ -97,7 +98,6 @@ def _local(args: argparse.Namespace) -> int:
         value = getattr(args, flag)
         if value is not None and not (flag == "every" and value == 0):
             argv += [f"--{flag}", str(value)]
-    if args.resume:
-        argv.append("--resume")
+    argv += [f"--{flag}" for flag in ("resume", "quiet") if getattr(args, flag)]
     print(f"hetc run: starting {world} local rank{'s' if world > 1 else ''}", file=sys.stderr, flush=True)
     return spawn_local(world, argv)
