@@ -83,7 +83,7 @@ def _stage_overflow(spec: Spec, pipeline: Pipeline, stage: Stage, uses: list[Ran
     parts = ", ".join(f"{name} {format_bytes(b)}" for name, b in worst.parts.items() if b > 0)
     count = "" if len(uses) == 1 else (f"; all {len(uses)} of its ranks overflow" if len(over) == len(uses)
                                        else f"; {len(over)} of its {len(uses)} ranks overflow")
-    st = spec.parallel.stages[stage.index]
+    st = spec.parallel.resolved_stages[stage.index]
     return Diagnostic(st.span, f"stage '{stage.name}' does not fit in device memory: {source} that rank "
                                f"{worst.rank} needs {format_bytes(worst.total)} ({parts}) but its "
                                f"{gpu.device.name} {gpu} holds {format_bytes(worst.capacity)}{count}; to fit, try "
@@ -94,8 +94,9 @@ def _knobs(spec: Spec, pipeline: Pipeline, stage: Stage) -> list[str]:
     """What would lower the stage's memory, among what it does not use yet."""
     model, knobs = spec.model, []
     replicas = len(stage.lanes) * stage.cp
-    if stage.zero.level < 3:
-        knobs.append(f"a higher ZeRO level (zero = {stage.zero.level + 1}..3)" if replicas > 1 else
+    level = stage.zero.resolved_level
+    if level < 3:
+        knobs.append(f"a higher ZeRO level (zero = {level + 1}..3)" if replicas > 1 else
                      "more lanes with a ZeRO level (lanes = 2, zero = 1..3)")
     off = [name for name, target in (("params", stage.offload.params), ("optimizer", stage.offload.optimizer))
            if target is OffloadTarget.NONE]

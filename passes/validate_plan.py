@@ -31,7 +31,7 @@ def check_plan(spec: Spec, pipeline: Pipeline, errors: list[Diagnostic]) -> None
     if (problem := check_tied_embeddings(model, pipeline)) is not None:
         errors.append(Diagnostic(model.span_of("tied_embeddings"), problem))
     for stage in pipeline.stages:
-        _check_rank_order(spec.parallel.stages[stage.index], stage, errors)
+        _check_rank_order(spec.parallel.resolved_stages[stage.index], stage, errors)
     _check_lockstep(spec, pipeline, errors)
 
 
@@ -74,9 +74,9 @@ def _check_lockstep(spec: Spec, pipeline: Pipeline, errors: list[Diagnostic]) ->
 
 def _lockstep_error(spec: Spec, pipeline: Pipeline, stage: Stage, reason: LockstepReason,
                     lanes: tuple[Lane, Lane]) -> Diagnostic:
-    st = spec.parallel.stages[stage.index]
+    st = spec.parallel.resolved_stages[stage.index]
     if reason is LockstepReason.ZERO:
-        return Diagnostic(st.span, f"ZeRO-{stage.zero.level} under {pipeline.schedule.value} reduces every "
+        return Diagnostic(st.span, f"ZeRO-{stage.zero.resolved_level} under {pipeline.schedule.value} reduces every "
                                    f"microbatch, so every lane of stage '{stage.name}' must run the same sequence "
                                    "of ops, but its lanes serve different microbatch patterns; use the zorse "
                                    "schedule, ZeRO ≤ 1, or equal lanes")

@@ -67,8 +67,10 @@ class LowerContext:
     def __init__(self, spec: Spec, pipeline: Pipeline):
         self.spec = spec
         self.pipeline = pipeline
+        assert spec.model is not None and spec.train is not None and spec.parallel is not None   # checked
         self.model = spec.model
         self.train = spec.train
+        self.parallel = spec.parallel
         self.grad_clip = spec.train.grad_clip
         self._messages: dict[tuple[Tensor, int, int], tuple[Message, ...]] = {}
 
@@ -234,7 +236,7 @@ class LowerContext:
 
 def _hierarchical(stage: Stage) -> bool:
     """Shard inside nodes and replicate across them (HSDP); level 0 has nothing to shard."""
-    return stage.zero.shard is ZeroShard.NODE and stage.zero.level > 0
+    return stage.zero.shard is ZeroShard.NODE and stage.zero.resolved_level > 0
 
 
 def next_handle(instrs: list[Instr] | tuple[Instr, ...]) -> int:

@@ -23,7 +23,7 @@ from hetc.errors import InternalError
 from hetc.passes.lower.context import LowerContext, rank_shell
 from hetc.passes.lower.lane_sim import Op, Policy, simulate
 from hetc.pipeline import Lane, Pipeline, Stage
-from hetc.program import Backward, BackwardInput, BackwardWeight, Forward, Load, Program
+from hetc.program import Backward, BackwardInput, BackwardWeight, ComputeInstr, Forward, Instr, Load, Program
 from hetc.spec import ModelSpec, ScheduleKind
 
 __all__ = ["Lockstep", "LockstepReason", "Op", "lane_policy", "lockstep_groups", "order_compute", "queue_shape"]
@@ -139,7 +139,7 @@ def lockstep_groups(pipeline: Pipeline, model: ModelSpec) -> list[Lockstep]:
     """Every group of lanes that must run the same ops in the same order (Note [coupled lanes])."""
     out = []
     for stage in pipeline.stages:
-        if pipeline.schedule is not ScheduleKind.ZORSE and len(stage.lanes) > 1 and stage.zero.level >= 2:
+        if pipeline.schedule is not ScheduleKind.ZORSE and len(stage.lanes) > 1 and stage.zero.resolved_level >= 2:
             out.append(Lockstep(stage, stage.lanes, LockstepReason.ZERO))
         elif stage.ep > 1 and _has_moe_block(pipeline, model, stage):
             out += [Lockstep(stage, stage.lanes[i:i + stage.ep], LockstepReason.EXPERTS)
@@ -177,12 +177,13 @@ def _duration(ctx: LowerContext, op: Op) -> float:
     return {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}[op[0]] * layers
 
 
-_COMPUTE = {"F": Forward, "B": Backward, "I": BackwardInput, "W": BackwardWeight}
+_COMPUTE: dict[str, type[ComputeInstr]] = {"F": Forward, "B": Backward, "I": BackwardInput, "W": BackwardWeight}
 
 
 def _with_loads(ctx: LowerContext, shell, ops: list[Op]):
     """The rank's compute ops, with a `load` before the first use of each microbatch's data."""
-    instrs, loaded = [], set()
+    instrs: list[Instr] = []
+    loaded = set()
     for kind, ms, mb in ops:
         needs_data = kind == "F" and (ctx.starts_model(ms) or ctx.ends_model(ms))
         if needs_data and mb not in loaded:
