@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from hetc.errors import Diagnostic, Span, did_you_mean
 from hetc.pipeline import Lane, Ministage, Pipeline, Stage, route_microbatches
-from hetc.spec import AUTO, RankSlice, RoutingKind, Spec, StageSpec
+from hetc.spec import AUTO, Auto, RankSlice, RoutingKind, Spec, StageSpec
 from hetc.topology import Gpu, Topology
 
 __all__ = ["Diagnostics", "layer_index", "plan_has_auto", "proportional_counts", "resolve_pipeline",
@@ -63,7 +63,8 @@ def _indices(start, stop, is_slice, size, what, s: RankSlice, errors) -> range |
 def resolve_pipeline(spec: Spec, topo: Topology, errors: Diagnostics) -> Pipeline | None:
     par, model, train = spec.parallel, spec.model, spec.train
     assert par is not None and model is not None and train is not None
-    if plan_has_auto(spec):
+    schedule, prefetch = par.schedule, par.prefetch
+    if plan_has_auto(spec) or isinstance(schedule, Auto) or isinstance(prefetch, Auto):   # (the types' sake)
         return None
     before = len(errors)
     used = _rank_owners(spec, topo, errors)
@@ -72,7 +73,7 @@ def resolve_pipeline(spec: Spec, topo: Topology, errors: Diagnostics) -> Pipelin
     ministages = _ministages(spec, errors)
     num_mb = train.global_batch // train.micro_batch
     stages: list[Stage | None] = []
-    for idx, st in enumerate(par.stages):
+    for idx, st in enumerate(par.resolved_stages):
         assert st.ranks is not AUTO   # none of it is auto (above)
         slice_errors: Diagnostics = []
         gpus = resolve_rank_slices(st.ranks, topo, slice_errors)
@@ -85,7 +86,7 @@ def resolve_pipeline(spec: Spec, topo: Topology, errors: Diagnostics) -> Pipelin
     if len(errors) > before or None in stages:
         return None
     ms_objs = tuple(m for m in ministages)
-    return Pipeline(tuple(s for s in stages if s is not None), ms_objs, world, num_mb, train.micro_batch, par.schedule, par.prefetch)
+    return Pipeline(tuple(s for s in stages if s is not None), ms_objs, world, num_mb, train.micro_batch, schedule, prefetch)
 
 
 def plan_has_auto(spec: Spec) -> bool:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from hetc.errors import Diagnostic
 from hetc.passes.verify.memory import Peak, format_bytes
+from hetc.passes.validate_plan import plan_blocks
 from hetc.pipeline import Pipeline, Stage
 from hetc.spec import Checkpointing, OffloadTarget, Spec
 
@@ -57,7 +58,7 @@ def estimate_overflows(checked) -> list[Diagnostic]:
 def cost_error(spec: Spec, err) -> Diagnostic:
     """A `passes.cost.CostError`, located at the device kind it blames (else at the plan)."""
     device = spec.device(err.device) if err.device is not None else None
-    return Diagnostic(device.span if device is not None else spec.parallel.span, str(err))
+    return Diagnostic(device.span if device is not None else plan_blocks(spec)[2].span, str(err))
 
 
 def peak_overflows(spec: Spec, pipeline: Pipeline, peaks: list[Peak]) -> list[Diagnostic]:
@@ -83,7 +84,7 @@ def _stage_overflow(spec: Spec, pipeline: Pipeline, stage: Stage, uses: list[Ran
     parts = ", ".join(f"{name} {format_bytes(b)}" for name, b in worst.parts.items() if b > 0)
     count = "" if len(uses) == 1 else (f"; all {len(uses)} of its ranks overflow" if len(over) == len(uses)
                                        else f"; {len(over)} of its {len(uses)} ranks overflow")
-    st = spec.parallel.resolved_stages[stage.index]
+    st = plan_blocks(spec)[2].resolved_stages[stage.index]
     return Diagnostic(st.span, f"stage '{stage.name}' does not fit in device memory: {source} that rank "
                                f"{worst.rank} needs {format_bytes(worst.total)} ({parts}) but its "
                                f"{gpu.device.name} {gpu} holds {format_bytes(worst.capacity)}{count}; to fit, try "
@@ -92,7 +93,7 @@ def _stage_overflow(spec: Spec, pipeline: Pipeline, stage: Stage, uses: list[Ran
 
 def _knobs(spec: Spec, pipeline: Pipeline, stage: Stage) -> list[str]:
     """What would lower the stage's memory, among what it does not use yet."""
-    model, knobs = spec.model, []
+    (model, train, _), knobs = plan_blocks(spec), []
     replicas = len(stage.lanes) * stage.cp
     level = stage.zero.resolved_level
     if level < 3:
@@ -108,6 +109,6 @@ def _knobs(spec: Spec, pipeline: Pipeline, stage: Stage) -> list[str]:
         knobs.append(f"more tensor parallelism (tp = {2 * stage.tp})")
     if sum(len(pipeline.ministages[ms].layers) for ms in stage.ministages) > 1:
         knobs.append("more stages (fewer layers per stage)")
-    if spec.train.micro_batch > 1:
-        knobs.append(f"a smaller micro_batch (now {spec.train.micro_batch})")
+    if train.micro_batch > 1:
+        knobs.append(f"a smaller micro_batch (now {train.micro_batch})")
     return knobs

@@ -16,22 +16,29 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hetc.errors import Diagnostic
+from hetc.errors import Diagnostic, InternalError
 from hetc.passes.lower.schedule import LockstepReason, lane_policy, lockstep_groups, queue_shape
 from hetc.pipeline import Lane, Pipeline, Stage
 from hetc.runtime.checks import check_tied_embeddings
-from hetc.spec import CPKind, Spec, StageSpec
+from hetc.spec import CPKind, ModelSpec, ParallelSpec, Spec, StageSpec, TrainSpec
 
-__all__ = ["check_plan"]
+__all__ = ["check_plan", "plan_blocks"]
+
+
+def plan_blocks(spec: Spec) -> tuple[ModelSpec, TrainSpec, ParallelSpec]:
+    """The model, train and parallel blocks of a spec whose plan resolved (so it has all three)."""
+    if spec.model is None or spec.train is None or spec.parallel is None:
+        raise InternalError("a resolved plan without its model, train or parallel block")
+    return spec.model, spec.train, spec.parallel
 
 
 def check_plan(spec: Spec, pipeline: Pipeline, errors: list[Diagnostic]) -> None:
     """Append a located error for every rule of the module docstring that `pipeline` breaks."""
-    model = spec.model
+    model, _, par = plan_blocks(spec)
     if (problem := check_tied_embeddings(model, pipeline)) is not None:
         errors.append(Diagnostic(model.span_of("tied_embeddings"), problem))
     for stage in pipeline.stages:
-        _check_rank_order(spec.parallel.resolved_stages[stage.index], stage, errors)
+        _check_rank_order(par.resolved_stages[stage.index], stage, errors)
     _check_lockstep(spec, pipeline, errors)
 
 
@@ -65,7 +72,7 @@ def _check_rank_order(st: StageSpec, stage: Stage, errors: list[Diagnostic]) -> 
 
 
 def _check_lockstep(spec: Spec, pipeline: Pipeline, errors: list[Diagnostic]) -> None:
-    for group in lockstep_groups(pipeline, spec.model):
+    for group in lockstep_groups(pipeline, plan_blocks(spec)[0]):
         shapes = [queue_shape(lane_policy(pipeline, group.stage, lane)) for lane in group.lanes]
         odd = next((lane for lane, shape in zip(group.lanes, shapes) if shape != shapes[0]), None)
         if odd is not None:
@@ -74,7 +81,7 @@ def _check_lockstep(spec: Spec, pipeline: Pipeline, errors: list[Diagnostic]) ->
 
 def _lockstep_error(spec: Spec, pipeline: Pipeline, stage: Stage, reason: LockstepReason,
                     lanes: tuple[Lane, Lane]) -> Diagnostic:
-    st = spec.parallel.resolved_stages[stage.index]
+    st = plan_blocks(spec)[2].resolved_stages[stage.index]
     if reason is LockstepReason.ZERO:
         return Diagnostic(st.span, f"ZeRO-{stage.zero.resolved_level} under {pipeline.schedule.value} reduces every "
                                    f"microbatch, so every lane of stage '{stage.name}' must run the same sequence "
