@@ -55,8 +55,8 @@ def compile_spec(spec_path: Path, dump_after: str | None = None, on_dump=None) -
         from hetc.passes.plan.planner import plan_checked
 
         checked = plan_checked(loaded.spec, loaded.path.parent)
-    program = lower(checked.spec, checked.pipeline, dump_after, on_dump)
     costs = CostModel(checked.spec, checked.pipeline, checked.topology)
+    program = lower(checked.spec, checked.pipeline, dump_after, on_dump, costs)
     verify(program, checked.pipeline, checked.spec, costs)
     timeline = simulate(program, checked.pipeline, checked.spec, costs, plan_facts(checked))
     return Compiled(loaded, checked, program, costs, timeline)

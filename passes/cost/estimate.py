@@ -166,7 +166,9 @@ def _activations(cm, stage: Stage, rank: int) -> tuple[float, float]:
     per_mb = [cm.activation_bytes(ms, rank) for ms in stage.ministages]
     n = len(lane.microbatches)
     if p.schedule is not ScheduleKind.ZORSE:
-        return in_flight(p.schedule, stage.index, len(p.stages), n, len(stage.ministages)) * sum(per_mb), 0.0
+        held = in_flight(p.schedule, stage.index, len(p.stages), n, len(stage.ministages),
+                         cm.in_flight_limits[stage.index])
+        return held * sum(per_mb), 0.0
     if stage.offload.activations is OffloadTarget.NONE:
         return n * sum(per_mb), 0.0
     # boundary inputs of every microbatch on the host; one ministage recomputed at a time on the device

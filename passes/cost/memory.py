@@ -91,11 +91,12 @@ def offloaded(offload: OffloadSpec) -> tuple[bool, bool]:
 
 
 def in_flight(schedule: ScheduleKind, stage: int, num_stages: int, microbatches: int,
-              chunks: int = 1) -> float:
+              chunks: int = 1, limit: int | None = None) -> float:
     """Microbatches' worth of one stage's activations a rank holds at its peak.
 
     GPipe keeps every microbatch until the backward; 1F1B (and ZB-H1, which
-    keeps the 1F1B peak) at most the stages ahead of it, itself included;
+    keeps the 1F1B peak) at most its in-flight `limit` (`schedule.in_flight_limits`,
+    Note [in-flight limit]; by default the stages ahead of it, itself included);
     interleaved 1F1B with v chunks warms up 2(p−s−1) + (v−1)·p chunk-steps
     (Megatron) and each chunk holds 1/v of the stage. Zorse runs one
     ministage at a time (handled by the caller).
@@ -106,7 +107,7 @@ def in_flight(schedule: ScheduleKind, stage: int, num_stages: int, microbatches:
     if schedule is ScheduleKind.INTERLEAVED and chunks > 1:
         warmup = 2 * (ahead - 1) + (chunks - 1) * num_stages + 1
         return min(float(microbatches * chunks), float(warmup)) / chunks
-    return float(min(microbatches, ahead))
+    return float(min(microbatches, ahead if limit is None else limit))
 
 
 def context_reserve(memory: float, is_cpu: bool) -> float:

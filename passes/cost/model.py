@@ -295,6 +295,14 @@ class CostModel:
     # ------------------------------------------------------------ the whole plan
 
     @cached_property
+    def in_flight_limits(self) -> dict[int, int]:
+        """Per stage, the microbatches a lane keeps in flight (Note [in-flight limit]): what lowering's
+        schedule holds each lane to and the estimate counts activations with."""
+        from hetc.passes.cost.plan_time import lane_timings
+        from hetc.passes.cost.schedule import in_flight_limits
+        return in_flight_limits(self.pipeline.schedule, lane_timings(self), len(self.pipeline.stages))
+
+    @cached_property
     def peak_flops(self) -> float:
         """The cluster's peak FLOP/s for the training dtype (every GPU it declares)."""
         return sum(g.device.peak.for_dtype(self.model.dtype) for g in self.topology.gpus)

@@ -20,11 +20,14 @@ microbatch by microbatch in `sequential_time`.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hetc.spec import ScheduleKind
 
-__all__ = ["LaneTiming", "PipelineTime", "Unit", "UnitLane", "pipeline_time", "sequential_time"]
+__all__ = ["LaneTiming", "PipelineTime", "Unit", "UnitLane", "in_flight_limits", "pipeline_time",
+           "sequential_time"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +86,50 @@ def _fill(schedule: ScheduleKind, t: LaneTiming) -> float:
     if schedule is ScheduleKind.ZB:
         return max(0.0, t.forward + t.input_grad + t.p2p - t.weight_grad)
     return t.one
+
+
+# ------------------------------------------------------------------ in-flight limit
+
+
+def in_flight_limits(schedule: ScheduleKind, lanes: Sequence[LaneTiming], num_stages: int) -> dict[int, int]:
+    """Per stage: how many microbatches each lane keeps in flight under 1F1B and ZB-H1.
+
+    Note [in-flight limit]: the one number lowering's schedule
+    (passes/lower/schedule.py) holds every lane of the stage to and the
+    estimate counts stashed activations with. A microbatch stays in flight
+    on a lane from its forward to its last backward op: the lane's own
+    forward and backward plus the round trip R through every stage after it
+    (the forward and input-gradient backward of one microbatch on that
+    stage's slowest lane, with its border transfers). The pipeline runs at
+    its busiest lane's pace: over the step (T* busy seconds) a lane serving
+    n microbatches starts one every T*/n, so by Little's law it keeps
+    ⌈(own + R) / (T*/n)⌉ in flight not to wait. With equal lanes that is
+    Megatron's S − s, never less; a stage of few fast lanes feeding many
+    slower ones (uneven lanes, Zorse's heterogeneous pipelines) needs more,
+    and held to S − s it would idle most of the step. Lanes of a stage keep
+    one limit (ZeRO-2/3 couples them), the largest any of them needs.
+    """
+    stages = range(num_stages)
+    if schedule not in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZB) or not lanes:
+        return {s: num_stages - s for s in stages}
+    trip = {s: max((_round_trip_share(schedule, t) for t in lanes if t.stage == s), default=0.0)
+            for s in stages}
+    busiest = max(t.work for t in lanes)
+    out = {}
+    for s in stages:
+        after = sum(trip[d] for d in range(s + 1, num_stages))
+        mine = [t for t in lanes if t.stage == s]
+        needed = max(math.ceil((t.one + after) * t.microbatches / busiest * (1 - 1e-9)) if busiest > 0 else 1
+                     for t in mine)
+        most = max(t.microbatches for t in mine)
+        out[s] = max(num_stages - s, min(needed, most))
+    return out
+
+
+def _round_trip_share(schedule: ScheduleKind, t: LaneTiming) -> float:
+    """What one microbatch spends in this lane on its way down and back (the gradient leaves after I)."""
+    back = t.input_grad if schedule is ScheduleKind.ZB else t.backward
+    return t.forward + back + t.p2p
 
 
 # ------------------------------------------------------------------ Zorse

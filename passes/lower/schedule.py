@@ -79,7 +79,7 @@ def _policy(ctx: LowerContext, kind: ScheduleKind, stage: Stage, lane: Lane) -> 
     if kind is ScheduleKind.GPIPE:
         return Policy(f, b)
     w = [("W", ms, mb) for _, ms, mb in b] if kind is ScheduleKind.ZB else []
-    return Policy(f, b, w, limit=downstream, per_unit=len(own))
+    return Policy(f, b, w, limit=ctx.in_flight_limit(stage.index), per_unit=len(own))
 
 
 def _interleaved_orders(ctx: LowerContext, own: list[int], mbs: list[int], group: int

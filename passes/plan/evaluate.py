@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from hetc.passes.cost import RankMemory
 from hetc.passes.cost.plan_time import step_end_time
-from hetc.passes.cost.schedule import LaneTiming, Unit, UnitLane, pipeline_time, sequential_time
+from hetc.passes.cost.schedule import (LaneTiming, Unit, UnitLane, in_flight_limits, pipeline_time,
+                                      sequential_time)
 from hetc.passes.plan.costs import Primitives
 from hetc.passes.plan.egress import egress_per_step
 from hetc.passes.plan.stagecosts import StageCosts, unit_lane_times
@@ -61,6 +62,9 @@ class Score:
 def evaluate(prims: Primitives, plan: PlanView) -> Score:
     costs = [StageCosts(prims, plan, s) for s in plan.stages]
     lanes = [t for sc in costs for t in _lane_timings(sc)]
+    limits = in_flight_limits(plan.schedule, lanes, plan.num_stages)
+    for sc in costs:
+        sc.in_flight_limit = limits[sc.s.index]
     world = tuple(sorted(g.id for g in plan.gpus))   # the "world" group: ranks in GPU order
     end = step_end_time(prims.spec.train.grad_clip > 0, lambda nbytes: prims.ring("all_reduce", world, nbytes))
     if plan.schedule is ScheduleKind.ZORSE:

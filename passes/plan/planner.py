@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from hetc.errors import InternalError
 from hetc.passes.cost import CostModel, Estimate, Profiles
 from hetc.passes.plan.baselines import Baseline, baselines
 from hetc.passes.plan.candidate import Candidate
@@ -94,6 +95,7 @@ def plan_spec(spec: Spec, profiles: Profiles | None = None, base_dir: Path | Non
     planned = check_spec(explicit, base_dir)
     estimate = _estimate(planned, profiles)
     _cross_check(best.score, estimate)
+    _check_winner(planned, profiles, chosen)
     return PlanResult(explicit, planned, goal, best.score, estimate, best.candidate, tuple(scored), chosen,
                       time.perf_counter() - start, search.visited)
 
@@ -123,6 +125,31 @@ def _estimate(checked: Checked, profiles: Profiles | None, always: bool = False)
     if p is None or (p.world_size > FULL_ESTIMATE_RANKS and not always):
         return None
     return CostModel(checked.spec, p, checked.topology, profiles).estimate()
+
+
+# Note [the planner checks its winner]: the chosen plan is lowered and verified (deadlock-freedom,
+# dataflow, every rank's memory against its device) before it is printed, so `hetc plan` never prints a
+# plan that `hetc compile` refuses. A refusal is the cost model and the compiled program disagreeing,
+# a bug in hetc, not the user's: it is an InternalError naming the plan and the verifier's finding.
+# Above CHECK_RANKS ranks lowering every rank's program takes longer than the search itself; the
+# agreement benchmark (benchmarks/plan_agreement.py) checks plans of that size instead.
+CHECK_RANKS = 512
+
+
+def _check_winner(checked: Checked, profiles: Profiles | None, chosen: str) -> None:
+    from hetc.agreement import build
+    from hetc.passes.verify import VerifyError
+
+    if checked.pipeline is None or checked.pipeline.world_size > CHECK_RANKS:
+        return
+    try:
+        build(checked, profiles, simulated=False)
+    except VerifyError as err:
+        what = "does not fit in device memory" if err.check == "memory" else f"fails the {err.check} check"
+        raise InternalError(f"the plan hetc plan chose ({chosen}) {what} once compiled, though its cost model "
+                            f"said it fits; this is a bug in hetc's cost model or lowering:\n" +
+                            "\n".join(f"  {f}" for f in err.findings[:4])
+                            ) from None
 
 
 def _cross_check(score: Score, estimate: Estimate | None) -> None:

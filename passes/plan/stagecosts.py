@@ -29,6 +29,8 @@ class StageCosts:
         """`plan`: a PlanView or tables.StageContext; `stage`: a StageView."""
         self.p, self.plan, self.s = prims, plan, stage
         self.last_ms = len(plan.ministages) - 1
+        # microbatches a lane keeps in flight (Note [in-flight limit]); None: the stages ahead (option tables)
+        self.in_flight_limit: int | None = None
         self._statics: dict[int | None, tuple[float, float, float, float, float]] = {}
 
     # ------------------------------------------------------------ layers
@@ -201,7 +203,8 @@ class StageCosts:
         per_mb = self._per_mb_activations
         schedule = self.plan.schedule
         if schedule is not ScheduleKind.ZORSE:
-            held = in_flight(schedule, st.index, self.plan.num_stages, count, len(st.ministages))
+            held = in_flight(schedule, st.index, self.plan.num_stages, count, len(st.ministages),
+                             self.in_flight_limit)
             return held * sum(per_mb), 0.0
         if not st.knobs.offload.activations:
             return count * sum(per_mb), 0.0
