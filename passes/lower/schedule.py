@@ -48,7 +48,8 @@ def _order(ctx: LowerContext, strict: bool) -> Program:
     lanes = [(stage, lane) for stage in ctx.pipeline.stages for lane in stage.lanes]
     policies = {(s.index, lane.index): _policy(ctx, kind, s, lane) for s, lane in lanes}
     for policy in policies.values():
-        policy.forward_first = strict and kind in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED)
+        policy.forward_first = strict and kind in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED,
+                                                   ScheduleKind.ZB)
     split = kind is ScheduleKind.ZB
     orders = simulate(policies, lambda op: _deps(ctx, op, split), lambda op: _duration(ctx, op),
                       _coupled_stages(ctx, policies), lift_limits=not strict)

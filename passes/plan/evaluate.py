@@ -74,7 +74,7 @@ def evaluate(prims: Primitives, plan: PlanView) -> Score:
     else:
         chunks = max(len(s.ministages) for s in plan.stages)
         pt = pipeline_time(plan.schedule, lanes, chunks)
-        pipe, bubble, tail = pt.total, pt.bubble, _tail(costs, lanes) + end
+        pipe, bubble, tail = pt.total, pt.bubble, _tail(costs, lanes) + end + costs[0].first_gather()
     memory, classes = _memory(costs)
     tokens = plan.num_microbatches * plan.micro_batch * prims.model.seq
     price = sum(g.device.price for g in plan.gpus)

@@ -12,6 +12,7 @@ from functools import cached_property
 
 from hetc.passes.cost import RankMemory
 from hetc.passes.cost.memory import GRAD_BUCKET_PARAMS, in_flight, shard_factors
+from hetc.passes.cost.plan_time import gathers_per_microbatch
 from hetc.passes.cost.shapes import LayerKind
 from hetc.passes.plan.costs import Primitives
 from hetc.spec import ScheduleKind, ZeroShard
@@ -103,7 +104,7 @@ class StageCosts:
         k, ring = self.s.concurrent(lane), self.zero_ring(lane)
         total = self.p.ring("reduce_scatter", ring, nbytes, k) if level >= 2 else 0.0
         if level >= 3:
-            total += 2 * self.p.ring("all_gather", ring, nbytes, k)
+            total += gathers_per_microbatch(self.plan.schedule) * self.p.ring("all_gather", ring, nbytes, k)
         if off.params:
             total += 2 * self.p.copy(self.s.lanes[lane][0], nbytes * self.shard(lane).params)
         return total
@@ -124,9 +125,13 @@ class StageCosts:
         gather = self.p.ring("all_gather", ring, nbytes, k) if level == 2 else 0.0
         if per_ministage:
             return self.p.ring("reduce_scatter", ring, nbytes, k) + gather
-        # the last microbatch's reduce-scatter overlaps its backward bucket by bucket: the last bucket shows
-        last_bucket = min(nbytes, GRAD_BUCKET_PARAMS * self.p.delta)
-        return self.p.ring("reduce_scatter", ring, last_bucket, k) + gather
+        return self.p.ring("reduce_scatter", ring, self.ms_numel[0] * self.p.delta, k) + gather
+
+    def first_gather(self) -> float:
+        """Mirrors plan_time._first_gather for the first stage."""
+        if int(self.s.zero.level) < 3 or len(self.s.lanes) < 2:
+            return 0.0
+        return self.p.ring("all_gather", self.zero_ring(0), self.ms_numel[0] * self.p.delta, self.s.concurrent(0))
 
     def optimizer(self, lane: int) -> float:
         numel = self.numel() * self.shard(lane).optimizer
