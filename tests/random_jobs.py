@@ -45,7 +45,10 @@ def _cluster(rng: random.Random, max_gpus: int) -> tuple[list[str], list[str]]:
     lines, total, groups = ["cluster mix {"], 0, []
     for i, kind in enumerate(kinds):
         gpus = rng.choice([g for g in (2, 4, 8) if total + g <= max_gpus] or [2])
-        count = 2 if total + 2 * gpus <= max_gpus and rng.random() < 0.3 else 1
+        most = max(2, max_gpus // (len(kinds) * gpus))   # nodes of this kind a large cluster may take
+        several = total + 2 * gpus <= max_gpus and rng.random() < (0.3 if most == 2 else 1.0)
+        count = (2 if most == 2 else rng.randint(2, most)) if several else 1
+        count = min(count, max(1, (max_gpus - total) // gpus))
         total += gpus * count
         name = f"g{i}"
         groups.append(name)

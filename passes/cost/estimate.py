@@ -150,7 +150,9 @@ def _memory(cm, rank: int) -> RankMemory:
         grads = max(cm.grad_bytes(ms, rank) for ms in mss)
     optimizer = sum(sharded_numel(cm, ms, rank, "optimizer") for ms in mss) * cm.states.optimizer
     acts, acts_host = _activations(cm, stage, rank)
-    gather = (1 + cm.pipeline.prefetch) * largest if int(stage.zero.level) >= 3 else 0.0
+    # ZeRO-3 gathers full parameters only where there is a group to gather from
+    gathers = int(stage.zero.level) >= 3 and len(cm.zero_group(rank)) > 1
+    gather = (1 + cm.pipeline.prefetch) * largest if gathers else 0.0
     gpu = cm.gpu(rank)
     context = context_reserve(gpu.device.memory, gpu.device.is_cpu)
     host = (params * shard.params if off_params else 0.0) + (optimizer if off_opt else 0.0) + acts_host

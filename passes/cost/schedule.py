@@ -21,13 +21,13 @@ microbatch by microbatch in `sequential_time`.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from hetc.spec import ScheduleKind
 
-__all__ = ["LaneTiming", "PipelineTime", "Unit", "UnitLane", "in_flight_limits", "pipeline_time",
-           "sequential_time"]
+__all__ = ["LaneTiming", "PipelineTime", "Unit", "UnitLane", "in_flight_limits", "lockstep_fill",
+           "pipeline_time", "sequential_time", "step_lower_bound"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,10 +88,32 @@ def _fill(schedule: ScheduleKind, t: LaneTiming) -> float:
     return t.one
 
 
+def step_lower_bound(schedule: ScheduleKind, lanes: Sequence[LaneTiming]) -> float:
+    """No schedule of these lanes runs its pipeline faster (docs/costmodel.md, "The lower bound of a step").
+
+    The busiest lane (stage b) is busy `work`; it cannot start before the
+    first microbatch has come through every stage before it (their fastest
+    lane's forward and transfers), and after its last op the last gradient
+    still goes back through them (input-gradient backward under ZB). Zorse
+    runs stage by stage, so only the busy time bounds it.
+    """
+    worst = max(lanes, key=lambda t: t.work)
+    if schedule is ScheduleKind.ZORSE:
+        return worst.work
+    bound = worst.work
+    for s in {t.stage for t in lanes if t.stage < worst.stage}:
+        mine = [t for t in lanes if t.stage == s]
+        back = (lambda t: t.input_grad) if schedule is ScheduleKind.ZB else (lambda t: t.backward)
+        bound += min(t.forward + t.p2p for t in mine) + min(back(t) for t in mine)
+    return bound
+
+
 # ------------------------------------------------------------------ in-flight limit
 
 
-def in_flight_limits(schedule: ScheduleKind, lanes: Sequence[LaneTiming], num_stages: int) -> dict[int, int]:
+def in_flight_limits(schedule: ScheduleKind, lanes: Sequence[LaneTiming], num_stages: int,
+                     coupled: Mapping[int, int] | None = None,
+                     lane_counts: Mapping[int, int] | None = None) -> dict[int, int]:
     """Per stage: how many microbatches each lane keeps in flight under 1F1B and ZB-H1.
 
     Note [in-flight limit]: the one number lowering's schedule
@@ -108,6 +130,14 @@ def in_flight_limits(schedule: ScheduleKind, lanes: Sequence[LaneTiming], num_st
     slower ones (uneven lanes, Zorse's heterogeneous pipelines) needs more,
     and held to S − s it would idle most of the step. Lanes of a stage keep
     one limit (ZeRO-2/3 couples them), the largest any of them needs.
+
+    `coupled`: stage -> its lanes, for stages whose lanes run in lockstep
+    (Note [coupled lanes] in passes/lower/lane_sim.py): such a stage runs
+    its k-th microbatch on every lane at once, so a microbatch coming from
+    the stage before it (of `lane_counts` lanes) also waits for the
+    L_d / L_{d−1} − 1 others of its slot, one period of that stage apart,
+    and its slot's gradients come back from a stage after it of fewer lanes
+    in the same way.
     """
     stages = range(num_stages)
     if schedule not in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZB) or not lanes:
@@ -115,6 +145,10 @@ def in_flight_limits(schedule: ScheduleKind, lanes: Sequence[LaneTiming], num_st
     trip = {s: max((_round_trip_share(schedule, t) for t in lanes if t.stage == s), default=0.0)
             for s in stages}
     busiest = max(t.work for t in lanes)
+    for d, width in (coupled or {}).items():
+        trip[d] += _slot_wait(lanes, lane_counts, busiest, width, d - 1)   # its slot fills from the stage before
+        if d + 1 < num_stages:   # and its slot's gradients come back from the stage after
+            trip[d + 1] += _slot_wait(lanes, lane_counts, busiest, width, d + 1)
     out = {}
     for s in stages:
         after = sum(trip[d] for d in range(s + 1, num_stages))
@@ -124,6 +158,29 @@ def in_flight_limits(schedule: ScheduleKind, lanes: Sequence[LaneTiming], num_st
         most = max(t.microbatches for t in mine)
         out[s] = max(num_stages - s, min(needed, most))
     return out
+
+
+def lockstep_fill(lanes: Sequence[LaneTiming], num_stages: int, coupled: Mapping[int, int],
+                  lane_counts: Mapping[int, int]) -> float:
+    """The fill and drain that lockstep stages add to the bubble: their first slot waits for its
+    microbatches to arrive, their last one for its gradients to come back (`in_flight_limits`)."""
+    if not lanes:
+        return 0.0
+    busiest = max(t.work for t in lanes)
+    return sum(_slot_wait(lanes, lane_counts, busiest, width, d - 1) +
+               (_slot_wait(lanes, lane_counts, busiest, width, d + 1) if d + 1 < num_stages else 0.0)
+               for d, width in coupled.items())
+
+
+def _slot_wait(lanes: Sequence[LaneTiming], lane_counts: Mapping[int, int] | None, busiest: float, width: int,
+               other: int) -> float:
+    """What a microbatch of a lockstep stage of `width` lanes waits for the rest of its slot to pass through
+    stage `other` of fewer lanes (one period of that stage's lanes per further microbatch)."""
+    mine = [t for t in lanes if t.stage == other]
+    if not mine or not lane_counts or width <= lane_counts[other]:
+        return 0.0
+    period = busiest / max(t.microbatches for t in mine)
+    return (width / lane_counts[other] - 1) * period
 
 
 def _round_trip_share(schedule: ScheduleKind, t: LaneTiming) -> float:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from hetc.passes.cost import RankMemory
 from hetc.passes.cost.plan_time import step_end_time
-from hetc.passes.cost.schedule import (LaneTiming, Unit, UnitLane, in_flight_limits, pipeline_time,
-                                      sequential_time)
+from hetc.passes.cost.schedule import (LaneTiming, Unit, UnitLane, in_flight_limits, lockstep_fill,
+                                      pipeline_time, sequential_time)
 from hetc.passes.plan.costs import Primitives
 from hetc.passes.plan.egress import egress_per_step
 from hetc.passes.plan.stagecosts import StageCosts, unit_lane_times
@@ -62,7 +62,11 @@ class Score:
 def evaluate(prims: Primitives, plan: PlanView) -> Score:
     costs = [StageCosts(prims, plan, s) for s in plan.stages]
     lanes = [t for sc in costs for t in _lane_timings(sc)]
-    limits = in_flight_limits(plan.schedule, lanes, plan.num_stages)
+    per_mb = plan.schedule is not ScheduleKind.ZORSE
+    coupled = {sc.s.index: len(sc.s.lanes) for sc in costs
+               if per_mb and len(sc.s.lanes) > 1 and int(sc.s.zero.level) >= 2}
+    limits = in_flight_limits(plan.schedule, lanes, plan.num_stages, coupled,
+                              {sc.s.index: len(sc.s.lanes) for sc in costs})
     for sc in costs:
         sc.in_flight_limit = limits[sc.s.index]
     world = tuple(sorted(g.id for g in plan.gpus))   # the "world" group: ranks in GPU order
@@ -74,7 +78,9 @@ def evaluate(prims: Primitives, plan: PlanView) -> Score:
     else:
         chunks = max(len(s.ministages) for s in plan.stages)
         pt = pipeline_time(plan.schedule, lanes, chunks)
-        pipe, bubble, tail = pt.total, pt.bubble, _tail(costs, lanes) + end + costs[0].first_gather()
+        lockstep = lockstep_fill(lanes, plan.num_stages, coupled, {sc.s.index: len(sc.s.lanes) for sc in costs})
+        pipe, bubble = pt.total + lockstep, pt.bubble + lockstep
+        tail = _tail(costs, lanes) + end + costs[0].first_gather()
     memory, classes = _memory(costs)
     tokens = plan.num_microbatches * plan.micro_batch * prims.model.seq
     price = sum(g.device.price for g in plan.gpus)

@@ -189,7 +189,7 @@ class StageCosts:
         if self.plan.schedule is ScheduleKind.ZORSE:
             grads = max(n * p.states.grads for n in self.ms_numel)
         optimizer = sum(n * p.states.optimizer for n in self.ms_numel) * shard.optimizer
-        gather = (1 + prefetch) * largest if int(st.zero.level) >= 3 else 0.0
+        gather = (1 + prefetch) * largest if int(st.zero.level) >= 3 and len(st.lanes) > 1 else 0.0
         p2p = 2 * max((self.boundary_bytes(ms) for ms in st.ministages), default=0.0)
         bucket = min(grads_sharded, GRAD_BUCKET_PARAMS * p.states.grads) if len(st.lanes) > 1 else 0.0
         host = (params * shard.params if off.params else 0.0) + (optimizer if off.optimizer else 0.0)
