@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from hetc.layout import replication
 from hetc.passes.cost import traffic
 from hetc.passes.cost.experts import ep_comm_time, ep_group, expert_group, sharded_numel
-from hetc.passes.cost.memory import context_reserve, in_flight, offloaded
+from hetc.passes.cost.memory import context_reserve, in_flight, interleaved_update, offloaded, resident_params
 from hetc.passes.cost.plan_time import PlanTime, border_time, plan_time, sync_time, zorse_units
 from hetc.passes.cost.shapes import LayerKind, layer_flops, layer_kind, model_flops_per_token
 from hetc.pipeline import Stage
@@ -144,9 +144,11 @@ def _memory(cm, rank: int) -> RankMemory:
     off_params, off_opt = offloaded(stage.offload)
     params = sum(cm.param_bytes(ms, rank) for ms in mss)
     largest = max(cm.param_bytes(ms, rank) for ms in mss)
-    resident = min(params, (1 + cm.pipeline.prefetch) * largest) if off_params else params
+    clip = cm.spec.train.grad_clip
+    resident = resident_params(cm.pipeline.schedule, clip, params, largest, cm.pipeline.prefetch) if off_params \
+        else params
     grads = sum(sharded_numel(cm, ms, rank, "grads") for ms in mss) * cm.states.grads
-    if cm.pipeline.schedule is ScheduleKind.ZORSE:  # reduced and stepped right after each ministage
+    if interleaved_update(cm.pipeline.schedule, clip):  # reduced and stepped right after each ministage
         grads = max(cm.grad_bytes(ms, rank) for ms in mss)
     optimizer = sum(sharded_numel(cm, ms, rank, "optimizer") for ms in mss) * cm.states.optimizer
     acts, acts_host = _activations(cm, stage, rank)

@@ -29,7 +29,9 @@ __all__ = [
     "StateBytes",
     "context_reserve",
     "in_flight",
+    "interleaved_update",
     "offloaded",
+    "resident_params",
     "shard_factors",
     "state_bytes_per_param",
 ]
@@ -88,6 +90,24 @@ def shard_factors(zero: ZeroSpec, group: int, node_group: int | None = None) -> 
 def offloaded(offload: OffloadSpec) -> tuple[bool, bool]:
     """(parameters, optimizer state) kept on the host."""
     return offload.params is not OffloadTarget.NONE, offload.optimizer is not OffloadTarget.NONE
+
+
+def interleaved_update(schedule: ScheduleKind, grad_clip: float) -> bool:
+    """Each ministage reduces and steps right after its backward (Zorse without clipping; with clipping
+    every step waits for the global gradient norm at the end: passes/lower/zero.py)."""
+    return schedule is ScheduleKind.ZORSE and not grad_clip
+
+
+def resident_params(schedule: ScheduleKind, grad_clip: float, params: float, largest: float,
+                    prefetch: int) -> float:
+    """Bytes of offloaded parameters on the device at a rank's peak (Note [parameter residency] in
+    passes/lower/offload.py): Zorse with the interleaved update runs one ministage at a time, so the
+    current one and `prefetch` more; per-microbatch schedules interleave every ministage's ops (forwards
+    of one microbatch, backwards of another, weight gradients of a third), and steps at the end bring
+    every ministage back, so lowering's windows overlap and it keeps them all."""
+    if interleaved_update(schedule, grad_clip):
+        return min(params, (1 + prefetch) * largest)
+    return params
 
 
 def in_flight(schedule: ScheduleKind, stage: int, num_stages: int, microbatches: int,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from hetc.passes.cost.memory import offloaded
+from hetc.passes.cost.memory import interleaved_update, offloaded
 from hetc.passes.cost.schedule import LaneTiming, Unit, UnitLane, lockstep_fill, pipeline_time, sequential_time
 from hetc.pipeline import Lane, Stage
 from hetc.spec import OffloadTarget, ScheduleKind, ZeroShard
@@ -37,7 +37,8 @@ def plan_time(cm) -> PlanTime:
     end = step_end_time(cm.spec.train.grad_clip > 0,
                         lambda nbytes: cm.collective_time("all_reduce", tuple(range(p.world_size)), nbytes))
     if p.schedule is ScheduleKind.ZORSE:
-        total = sequential_time(zorse_units(cm), p.num_microbatches)
+        total = sequential_time(zorse_units(cm), p.num_microbatches,
+                                not interleaved_update(p.schedule, cm.spec.train.grad_clip))
         busy = max(t.work for t in lanes)
         return PlanTime(total + end, total, max(0.0, total - busy), end, tuple(lanes), None)
     chunks = max(len(s.ministages) for s in p.stages)

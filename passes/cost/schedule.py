@@ -213,12 +213,13 @@ class Unit:
     step_on_host: bool = False
 
 
-def sequential_time(units: list[Unit], num_microbatches: int) -> float:
+def sequential_time(units: list[Unit], num_microbatches: int, steps_at_end: bool = False) -> float:
     """Zorse: each unit runs all its microbatches forward, then the next; backward in reverse.
 
     A stage starts fetching a unit's parameters when it starts the unit
     before it (one unit of prefetch), syncs a unit's gradients on its
-    communication stream and steps its optimizer right after its backward.
+    communication stream and steps its optimizer right after its backward
+    (`steps_at_end`: after every unit's sync, as with gradient clipping).
     """
     stage_free: dict[int, float] = {}
     stage_started: dict[int, float] = {}
@@ -231,10 +232,15 @@ def sequential_time(units: list[Unit], num_microbatches: int) -> float:
         arrive = _run(unit, arrive, stage_free, stage_started, forward=False)
         end = stage_free[unit.stage]
         comm_free[unit.stage] = max(comm_free.get(unit.stage, 0.0), end) + unit.sync
+        if steps_at_end:
+            continue
         if unit.step_on_host:
             done = max(done, comm_free[unit.stage] + unit.step)
         else:
             stage_free[unit.stage] = max(end, comm_free[unit.stage]) + unit.step
+    if steps_at_end:   # every stage's steps after the last sync of the step (the global norm)
+        synced = max([*stage_free.values(), *comm_free.values()])
+        return synced + max(sum(u.step for u in units if u.stage == s) for s in stage_free)
     return max([done, *stage_free.values(), *comm_free.values()])
 
 

@@ -62,14 +62,15 @@ class Policy:
         done = self.wi if self.w_order else self.bi
         in_flight = -(-self.fi // self.per_unit) - done // self.per_unit
         forward_allowed = f is not None and (in_flight < self.limit or self.fi % self.per_unit)
+        # ZB-H1: 1F1B's order with B split; a weight gradient that holds the next forward back comes first
+        # (F, I, W, F, ...), the others fill the cooldown behind the input gradients
+        by_input = -(-self.fi // self.per_unit) - self.bi // self.per_unit
+        first, then = (w, b) if f is not None and by_input < self.limit else (b, w)
+        backs = [op for op in (first, then) if op is not None]
         if self.forward_first and not self.bi % self.per_unit:
-            if forward_allowed:
-                return [f]
-            # ZB-H1: 1F1B's order with B split; a weight gradient that holds the next forward back comes
-            # first (F, I, W, F, ...), the others fill the cooldown behind the input gradients
-            by_input = -(-self.fi // self.per_unit) - self.bi // self.per_unit
-            first, then = (w, b) if f is not None and by_input < self.limit else (b, w)
-            return [op for op in (first, then) if op is not None]
+            return [f] if forward_allowed else backs
+        if self.w_order:   # the same preferences, without waiting for a forward whose input is late
+            return ([f] if forward_allowed else []) + backs
         out = [b] if b is not None else []
         if forward_allowed:
             out.append(f)

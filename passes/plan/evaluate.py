@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetc.passes.cost import RankMemory
+from hetc.passes.cost.memory import interleaved_update
 from hetc.passes.cost.plan_time import step_end_time
 from hetc.passes.cost.schedule import (LaneTiming, Unit, UnitLane, in_flight_limits, lockstep_fill,
                                       pipeline_time, sequential_time)
@@ -72,7 +73,8 @@ def evaluate(prims: Primitives, plan: PlanView) -> Score:
     world = tuple(sorted(g.id for g in plan.gpus))   # the "world" group: ranks in GPU order
     end = step_end_time(prims.spec.train.grad_clip > 0, lambda nbytes: prims.ring("all_reduce", world, nbytes))
     if plan.schedule is ScheduleKind.ZORSE:
-        total = sequential_time(_zorse_units(costs), plan.num_microbatches)
+        total = sequential_time(_zorse_units(costs), plan.num_microbatches,
+                                not interleaved_update(plan.schedule, prims.spec.train.grad_clip))
         busy = max(t.work for t in lanes)
         pipe, bubble, tail = total, max(0.0, total - busy), end
     else:

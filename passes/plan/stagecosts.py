@@ -11,7 +11,8 @@ from __future__ import annotations
 from functools import cached_property
 
 from hetc.passes.cost import RankMemory
-from hetc.passes.cost.memory import GRAD_BUCKET_PARAMS, in_flight, shard_factors
+from hetc.passes.cost.memory import (GRAD_BUCKET_PARAMS, in_flight, interleaved_update, resident_params,
+                                    shard_factors)
 from hetc.passes.cost.plan_time import gathers_per_microbatch
 from hetc.passes.cost.shapes import LayerKind
 from hetc.passes.plan.costs import Primitives
@@ -183,10 +184,11 @@ class StageCosts:
         params_each = [n * p.states.params for n in self.ms_numel]
         params, largest = sum(params_each), max(params_each)
         prefetch = self.plan.prefetch
-        resident = min(params, (1 + prefetch) * largest) if off.params else params
+        clip = p.spec.train.grad_clip
+        resident = resident_params(self.plan.schedule, clip, params, largest, prefetch) if off.params else params
         grads_sharded = sum(n * p.states.grads for n in self.ms_numel) * shard.grads
         grads = grads_sharded
-        if self.plan.schedule is ScheduleKind.ZORSE:
+        if interleaved_update(self.plan.schedule, clip):
             grads = max(n * p.states.grads for n in self.ms_numel)
         optimizer = sum(n * p.states.optimizer for n in self.ms_numel) * shard.optimizer
         gather = (1 + prefetch) * largest if int(st.zero.level) >= 3 and len(st.lanes) > 1 else 0.0
