@@ -13,7 +13,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from hetc.passes.cost.memory import interleaved_update, offloaded
-from hetc.passes.cost.schedule import LaneTiming, Unit, UnitLane, lockstep_fill, pipeline_time, sequential_time
+from hetc.passes.cost.schedule import (LaneTiming, Unit, UnitLane, lockstep_fill, pipeline_time, sequential_time,
+                                      step_lower_bound)
 from hetc.pipeline import Lane, Stage
 from hetc.spec import OffloadTarget, ScheduleKind, ZeroShard
 
@@ -43,10 +44,12 @@ def plan_time(cm) -> PlanTime:
         return PlanTime(total + end, total, max(0.0, total - busy), end, tuple(lanes), None)
     chunks = max(len(s.ministages) for s in p.stages)
     pipe = pipeline_time(p.schedule, lanes, chunks)
-    lockstep = lockstep_fill(lanes, len(p.stages), cm.coupled_stages, {s.index: len(s.lanes) for s in p.stages})
+    # never below the lower bound of the step (docs/costmodel.md), then the lockstep stages' fill
+    extra = max(0.0, step_lower_bound(p.schedule, lanes) - pipe.total) + \
+        lockstep_fill(p.schedule, lanes, len(p.stages), cm.coupled_stages, {s.index: len(s.lanes) for s in p.stages})
     tail = _tail(cm, lanes) + end + _first_gather(cm)
-    return PlanTime(pipe.total + lockstep + tail, pipe.total + lockstep, pipe.bubble + lockstep, tail,
-                    tuple(lanes), pipe.bottleneck)
+    return PlanTime(pipe.total + extra + tail, pipe.total + extra, pipe.bubble + extra, tail, tuple(lanes),
+                    pipe.bottleneck)
 
 
 # what the all-reduces of the step's loss and squared gradient norm carry (one float64 each)

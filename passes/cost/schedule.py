@@ -160,11 +160,12 @@ def in_flight_limits(schedule: ScheduleKind, lanes: Sequence[LaneTiming], num_st
     return out
 
 
-def lockstep_fill(lanes: Sequence[LaneTiming], num_stages: int, coupled: Mapping[int, int],
-                  lane_counts: Mapping[int, int]) -> float:
-    """The fill and drain that lockstep stages add to the bubble: their first slot waits for its
-    microbatches to arrive, their last one for its gradients to come back (`in_flight_limits`)."""
-    if not lanes:
+def lockstep_fill(schedule: ScheduleKind, lanes: Sequence[LaneTiming], num_stages: int,
+                  coupled: Mapping[int, int], lane_counts: Mapping[int, int]) -> float:
+    """The fill and drain that lockstep stages add to the bubble under 1F1B-like schedules: their first
+    slot waits for its microbatches to arrive, their last one for its gradients to come back
+    (`in_flight_limits`). GPipe runs every forward before any backward: the waits hide in that."""
+    if not lanes or schedule is ScheduleKind.GPIPE:
         return 0.0
     busiest = max(t.work for t in lanes)
     return sum(_slot_wait(lanes, lane_counts, busiest, width, d - 1) +
