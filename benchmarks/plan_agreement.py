@@ -52,7 +52,9 @@ def measure(seed: int, size: int, folder: Path) -> dict:
     planned = time.perf_counter() - start
     built = build(result.checked)
     agreement = compare(built)
-    bound = step_lower_bound(result.checked.pipeline.schedule, lane_timings(built.costs))
+    pipeline = result.checked.pipeline
+    chunks = max(len(s.ministages) for s in pipeline.stages)
+    bound = step_lower_bound(pipeline.schedule, lane_timings(built.costs), chunks)
     return {"outcome": "agrees" if agreement.within(TOLERANCE) else "gap", "step_gap": agreement.step_gap,
             "memory_gap": agreement.worst_memory_gap[1], "ranks": result.checked.pipeline.world_size,
             "bound_ratio": built.step_time_s / bound if bound > 0 else 1.0, "plan_s": planned,

@@ -13,8 +13,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from hetc.passes.cost.memory import interleaved_update, offloaded
-from hetc.passes.cost.schedule import (LaneTiming, Unit, UnitLane, lockstep_fill, pipeline_time, sequential_time,
-                                      step_lower_bound)
+from hetc.passes.cost.schedule import (LaneTiming, Unit, UnitLane, exposed_first_gather, lockstep_fill,
+                                      pipeline_time, sequential_time, step_lower_bound)
 from hetc.pipeline import Lane, Stage
 from hetc.spec import OffloadTarget, ScheduleKind, ZeroShard
 
@@ -45,9 +45,9 @@ def plan_time(cm) -> PlanTime:
     chunks = max(len(s.ministages) for s in p.stages)
     pipe = pipeline_time(p.schedule, lanes, chunks)
     # never below the lower bound of the step (docs/costmodel.md), then the lockstep stages' fill
-    extra = max(0.0, step_lower_bound(p.schedule, lanes) - pipe.total) + \
+    extra = max(0.0, step_lower_bound(p.schedule, lanes, chunks) - pipe.total) + \
         lockstep_fill(p.schedule, lanes, len(p.stages), cm.coupled_stages, {s.index: len(s.lanes) for s in p.stages})
-    tail = _tail(cm, lanes) + end + _first_gather(cm)
+    tail = _tail(cm, lanes) + end + exposed_first_gather(_first_gather(cm), lanes[0])
     return PlanTime(pipe.total + extra + tail, pipe.total + extra, pipe.bubble + extra, tail, tuple(lanes),
                     pipe.bottleneck)
 

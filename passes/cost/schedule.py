@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 from hetc.spec import ScheduleKind
 
-__all__ = ["LaneTiming", "PipelineTime", "Unit", "UnitLane", "in_flight_limits", "lockstep_fill",
+__all__ = ["LaneTiming", "PipelineTime", "Unit", "UnitLane", "exposed_first_gather", "in_flight_limits",
+           "lockstep_fill",
            "pipeline_time", "sequential_time", "step_lower_bound"]
 
 
@@ -88,13 +89,21 @@ def _fill(schedule: ScheduleKind, t: LaneTiming) -> float:
     return t.one
 
 
-def step_lower_bound(schedule: ScheduleKind, lanes: Sequence[LaneTiming]) -> float:
+def exposed_first_gather(gather: float, first: LaneTiming) -> float:
+    """The part of the first stage's first ZeRO-3 gather that shows: a lane whose cycle is set by its
+    collectives (`overlapped` > `one`) already counts every gather in its work."""
+    slack = first.work - first.microbatches * first.one
+    return max(0.0, gather - slack)
+
+
+def step_lower_bound(schedule: ScheduleKind, lanes: Sequence[LaneTiming], chunks: int = 1) -> float:
     """No schedule of these lanes runs its pipeline faster (docs/costmodel.md, "The lower bound of a step").
 
     The busiest lane (stage b) is busy `work`; it cannot start before the
     first microbatch has come through every stage before it (their fastest
     lane's forward and transfers), and after its last op the last gradient
-    still goes back through them (input-gradient backward under ZB). Zorse
+    still goes back through them (input-gradient backward under ZB); under
+    interleaved 1F1B only through their first of `chunks` chunks. Zorse
     runs stage by stage, so only the busy time bounds it.
     """
     worst = max(lanes, key=lambda t: t.work)
@@ -104,7 +113,8 @@ def step_lower_bound(schedule: ScheduleKind, lanes: Sequence[LaneTiming]) -> flo
     for s in {t.stage for t in lanes if t.stage < worst.stage}:
         mine = [t for t in lanes if t.stage == s]
         back = (lambda t: t.input_grad) if schedule is ScheduleKind.ZB else (lambda t: t.backward)
-        bound += min(t.forward + t.p2p for t in mine) + min(back(t) for t in mine)
+        share = 1 / chunks if schedule is ScheduleKind.INTERLEAVED else 1.0
+        bound += (min(t.forward + t.p2p for t in mine) + min(back(t) for t in mine)) * share
     return bound
 
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from hetc.passes.cost import RankMemory
 from hetc.passes.cost.memory import interleaved_update
 from hetc.passes.cost.plan_time import step_end_time
-from hetc.passes.cost.schedule import (LaneTiming, Unit, UnitLane, in_flight_limits, lockstep_fill,
-                                      pipeline_time, sequential_time, step_lower_bound)
+from hetc.passes.cost.schedule import (LaneTiming, Unit, UnitLane, exposed_first_gather, in_flight_limits,
+                                      lockstep_fill, pipeline_time, sequential_time, step_lower_bound)
 from hetc.passes.plan.costs import Primitives
 from hetc.passes.plan.egress import egress_per_step
 from hetc.passes.plan.stagecosts import StageCosts, unit_lane_times
@@ -82,10 +82,11 @@ def evaluate(prims: Primitives, plan: PlanView) -> Score:
         pt = pipeline_time(plan.schedule, lanes, chunks)
         # never below the lower bound of the step (docs/costmodel.md), then the lockstep stages' fill
         widths = {sc.s.index: len(sc.s.lanes) for sc in costs}
-        extra = max(0.0, step_lower_bound(plan.schedule, lanes) - pt.total) + \
+        extra = max(0.0, step_lower_bound(plan.schedule, lanes, chunks) - pt.total) + \
             lockstep_fill(plan.schedule, lanes, plan.num_stages, coupled, widths)
         pipe, bubble = pt.total + extra, pt.bubble + extra
-        tail = _tail(costs, lanes) + end + costs[0].first_gather()
+        first = next(t for t in lanes if t.stage == 0)
+        tail = _tail(costs, lanes) + end + exposed_first_gather(costs[0].first_gather(), first)
     memory, classes = _memory(costs)
     tokens = plan.num_microbatches * plan.micro_batch * prims.model.seq
     price = sum(g.device.price for g in plan.gpus)
