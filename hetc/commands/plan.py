@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from hetc.commands.explain import PROFILE_ENV, load_profile_args
+from hetc.profileargs import PROFILE_ENV, add_profile_option, load_profile_args
 from hetc.frontend import load_checked
 
 __all__ = ["register"]
@@ -29,15 +29,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("spec", metavar="SPEC")
     p.add_argument("-o", "--out", type=Path, metavar="OUT.het", help="write the explicit spec here")
     p.add_argument("--json", action="store_true", help="print one JSON object (the spec's text in \"text\")")
-    p.add_argument("--profile", action="append", default=[], metavar="FILE|DIR",
-                   help="a `hetc profile` file, a Sailor data folder or a Zorse folder (repeatable)")
+    add_profile_option(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from hetc.passes.plan.output import planned_text
     from hetc.passes.plan.planner import plan_spec
-    from hetc.planreport import plan_json, plan_summary
+    from hetc.planreport import plan_json, plan_provenance, plan_summary
 
     loaded, _ = load_checked(args.spec, require_complete=True)
     profiles = load_profile_args(args.profile)
@@ -53,9 +52,10 @@ def run(args: argparse.Namespace) -> int:
     text = planned_text(loaded, result.spec if result.planned else None, args.out, note)
     if args.out is not None:
         args.out.write_text(text)
-    summary = plan_summary(args.spec, result)
+    prov = plan_provenance(result, profiles)
+    summary = plan_summary(args.spec, result, prov)
     if args.json:
-        print(json.dumps(plan_json(args.spec, result, text), indent=1))
+        print(json.dumps(plan_json(args.spec, result, text, prov), indent=1))
     elif args.out is not None:
         print(summary)
     else:
