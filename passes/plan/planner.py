@@ -131,16 +131,18 @@ def _estimate(checked: Checked, profiles: Profiles | None, always: bool = False)
 # dataflow, every rank's memory against its device) before it is printed, so `hetc plan` never prints a
 # plan that `hetc compile` refuses. A refusal is the cost model and the compiled program disagreeing,
 # a bug in hetc, not the user's: it is an InternalError naming the plan and the verifier's finding.
-# Above CHECK_RANKS ranks lowering every rank's program takes longer than the search itself; the
-# agreement benchmark (benchmarks/plan_agreement.py) checks plans of that size instead.
-CHECK_RANKS = 512
+# Lowering and verifying costs about 0.3 ms of CPU per compute op of one lane (a microbatch through a
+# ministage); above CHECK_OPS of them (specs/zorse/c_auto.het: 14k, 4 s) the check would take longer than
+# the search itself, and the agreement test and benchmark (benchmarks/plan_agreement.py) check such plans.
+CHECK_OPS = 8192
 
 
 def _check_winner(checked: Checked, profiles: Profiles | None, chosen: str) -> None:
     from hetc.agreement import build
     from hetc.passes.verify import VerifyError
 
-    if checked.pipeline is None or checked.pipeline.world_size > CHECK_RANKS:
+    p = checked.pipeline
+    if p is None or p.num_microbatches * len(p.ministages) > CHECK_OPS:
         return
     try:
         build(checked, profiles, simulated=False)
