@@ -135,7 +135,7 @@ def _memory(cm, rank: int) -> RankMemory:
     optimizer = sum(sharded_numel(cm, ms, rank, "optimizer") for ms in mss) * cm.states.optimizer
     acts, acts_host = _activations(cm, stage, rank)
     # ZeRO-3 gathers full parameters only where there is a group to gather from
-    gathers = int(stage.zero.level) >= 3 and len(cm.zero_group(rank)) > 1
+    gathers = stage.zero.resolved_level >= 3 and len(cm.zero_group(rank)) > 1
     gather = (1 + cm.pipeline.prefetch) * largest if gathers else 0.0
     gpu = cm.gpu(rank)
     context = context_reserve(gpu.device.memory, gpu.device.is_cpu)
@@ -179,7 +179,7 @@ def _traffic(cm, timing: PlanTime) -> list[GroupTraffic]:
         if replicas > 1:
             dense = (cm.numel(ms, rank) * (1 - cm.expert_fraction(ms, rank)) for ms in stage.ministages)
             nbytes = sum(dense) * cm.delta
-            level = int(stage.zero.level)
+            level = stage.zero.resolved_level
             sent = traffic.zero_bytes(level, p.schedule, nbytes, replicas, n_mb)
             if p.schedule is ScheduleKind.ZORSE:  # gathered for the forward and the backward, reduced once
                 seconds = sum(2 * u.fetch + u.sync for u in zorse_units(cm) if u.stage == stage.index)
@@ -216,7 +216,7 @@ def _expert_traffic(cm, stage: Stage, rank: int, blocks: int, n_mb: int) -> list
     replicas = expert_group(cm, rank)
     if len(replicas) > 1:
         nbytes = sum(cm.numel(ms, rank) * cm.expert_fraction(ms, rank) for ms in stage.ministages) * cm.delta
-        level = int(stage.zero.level)
+        level = stage.zero.resolved_level
         per_mb = level == 2 and cm.pipeline.schedule is not ScheduleKind.ZORSE
         seconds = cm.collective_time("all_reduce", replicas, nbytes) if level < 2 else \
             cm.collective_time("reduce_scatter", replicas, nbytes) * (n_mb if per_mb else 1) + \

@@ -303,7 +303,7 @@ class CostModel:
         """Stages whose lanes run in lockstep (per-microbatch ZeRO-2/3 collectives): stage -> lanes."""
         p = self.pipeline
         per_mb = p.schedule is not ScheduleKind.ZORSE
-        return {s.index: len(s.lanes) for s in p.stages if per_mb and len(s.lanes) > 1 and s.zero.level >= 2}
+        return {s.index: len(s.lanes) for s in p.stages if per_mb and len(s.lanes) > 1 and s.zero.resolved_level >= 2}
 
     @cached_property
     def in_flight_limits(self) -> dict[int, int]:

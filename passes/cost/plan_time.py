@@ -131,7 +131,7 @@ def _stage_numel(cm, stage: Stage, rank: int) -> float:
 def _overlapped(cm, stage: Stage, lane: Lane) -> float:
     """Per-microbatch collectives beside the compute: ZeRO-3 gathers, ZeRO-2/3 reduce-scatters,
     parameter copies from the host."""
-    level = int(stage.zero.level)
+    level = stage.zero.resolved_level
     rank = lane.ranks[0]
     if cm.pipeline.schedule is ScheduleKind.ZORSE:
         return 0.0  # Zorse gathers and reduces once per ministage (see zorse_units)
@@ -159,7 +159,7 @@ def _first_gather(cm) -> float:
     """ZeRO-3: the first stage waits for its first ministage's gather before anything runs."""
     stage = cm.pipeline.stages[0]
     rank = stage.lanes[0].ranks[0]
-    if int(stage.zero.level) < 3 or len(cm.zero_group(rank)) < 2:
+    if stage.zero.resolved_level < 3 or len(cm.zero_group(rank)) < 2:
         return 0.0
     group = cm.node_group(rank) if stage.zero.shard is ZeroShard.NODE else cm.zero_group(rank)
     nbytes = cm.numel(stage.ministages[0], rank) * cm.delta
@@ -168,7 +168,7 @@ def _first_gather(cm) -> float:
 
 def sync_time(cm, stage: Stage, rank: int, per_ministage: bool = False) -> float:
     """Exposed gradient reduction after the last backward (and ZeRO-1/2's parameter all-gather)."""
-    level = int(stage.zero.level)
+    level = stage.zero.resolved_level
     nbytes = _stage_numel(cm, stage, rank) * cm.delta
     k = _concurrent(cm, rank)
     if stage.zero.shard is ZeroShard.NODE:

@@ -68,11 +68,11 @@ class Policy:
         first, then = (w, b) if f is not None and by_input < self.limit else (b, w)
         backs = [op for op in (first, then) if op is not None]
         if self.forward_first and not self.bi % self.per_unit:
-            return [f] if forward_allowed else backs
+            return [f] if forward_allowed and f is not None else backs
         if self.w_order:   # the same preferences, without waiting for a forward whose input is late
-            return ([f] if forward_allowed else []) + backs
+            return ([f] if forward_allowed and f is not None else []) + backs
         out = [b] if b is not None else []
-        if forward_allowed:
+        if forward_allowed and f is not None:
             out.append(f)
         if w is not None:
             out.append(w)
@@ -227,16 +227,19 @@ class _Simulation:
         """
         held = []
         for key, policy in sorted(self.policies.items()):
-            if not policy.held_back() or self.lead.get((key[0], policy.done), "F") != "F":
+            forward = policy.next_forward()
+            if not policy.held_back() or forward is None or self.lead.get((key[0], policy.done), "F") != "F":
                 continue
-            deps = self._deps_of(key, policy.next_forward())
+            deps = self._deps_of(key, forward)
             if all(d in self.end for d in deps):
                 held.append((max([self.end[d] for d in deps] + [self.clock[key]]), key))
         if not held:
             return False
         ready, key = min(held)
         for lane in self.siblings.get(key[0], [key]):   # lanes in lockstep keep equal limits
-            self.policies[lane].limit += 1
+            sibling = self.policies[lane]
+            assert sibling.limit is not None   # only a limited lane is held back
+            sibling.limit += 1
             self.push(ready, lane, self.version[lane])
         log.debug("schedule: lane %s runs a forward beyond its in-flight limit (now %d)", key,
                   self.policies[key].limit)

@@ -71,7 +71,7 @@ def evaluate(prims: Primitives, plan: PlanView) -> Score:
     for sc in costs:
         sc.in_flight_limit = limits[sc.s.index]
     world = tuple(sorted(g.id for g in plan.gpus))   # the "world" group: ranks in GPU order
-    end = step_end_time(prims.spec.train.grad_clip > 0, lambda nbytes: prims.ring("all_reduce", world, nbytes))
+    end = step_end_time(prims.train.grad_clip > 0, lambda nbytes: prims.ring("all_reduce", world, nbytes))
     if plan.schedule is ScheduleKind.ZORSE:
         total = sequential_time(_zorse_units(costs), plan.num_microbatches,
                                 not interleaved_update(plan.schedule, prims.spec.train.grad_clip))
