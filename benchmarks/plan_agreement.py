@@ -69,7 +69,8 @@ def section(rows: dict[int, list[dict]], jobs: int) -> str:
              "each planned with the planner's own limits, then compiled, verified and simulated. "
              "`agrees`: explain's step within 10 % of the compiled simulation and every rank's memory within "
              "10 % of the compiled peak. `bound`: compiled steps within 10 % of the lower bound of "
-             "docs/costmodel.md. Gaps are explain / compiled − 1.", "",
+             "docs/costmodel.md, which counts the pipeline only (no gradient sync or optimizer step after "
+             "the flush), so a step with a long tail is far from it. Gaps are explain / compiled − 1.", "",
              "| GPUs (at most) | planned | agree | nothing fits | refused by the check | worst step gap | "
              "worst memory gap | within 10 % of the bound |", "|---|---|---|---|---|---|---|---|"]
     for size, got in rows.items():
