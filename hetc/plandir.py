@@ -37,7 +37,11 @@ def listing_name(rank: int) -> str:
 
 
 def portable_spec(spec: Spec, spec_dir: Path, out_dir: Path) -> Spec:
-    """The spec with its data path rewritten relative to the plan directory."""
+    """The spec with its data path and its model's hf directory rewritten relative to the plan directory."""
+    model = spec.model
+    if model is not None and model.hf and not os.path.isabs(model.hf):
+        hf = os.path.relpath(model.hf_dir(spec_dir).resolve(), out_dir.resolve())
+        spec = dataclasses.replace(spec, model=dataclasses.replace(model, hf=hf))
     data = spec.train.data
     if data.kind is not DataKind.TEXT or os.path.isabs(data.path):
         return spec
