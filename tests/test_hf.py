@@ -22,11 +22,12 @@ import torch
 import torch.nn.functional as F
 
 from hetc.cli import main as hetc_main
-from tests.rank_pool import LOSS_RTOL, PlanJob, agreed_losses, compile_plans
+from tests.rank_pool import LOSS_RTOL, PlanJob, agreed_losses, assert_losses_close, compile_plans
 
 transformers = pytest.importorskip("transformers")
 
 SEQ, GLOBAL_BATCH, MICRO_BATCH, SEED = 16, 8, 2, 11
+SGD = "  optimizer sgd {\n    momentum = 0.9\n  }\n"
 PERTURB = 0.25     # added to every weight (std): logits far from uniform, loss far from ln(vocab)
 
 _COMMON = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
@@ -114,7 +115,7 @@ def save_tiny(arch: str, directory: Path) -> Path:
     return directory
 
 
-def write_job(path: Path, hf_dir: Path, plan: str, extra_model: str = "", steps: int = 4) -> Path:
+def write_job(path: Path, hf_dir: Path, plan: str, extra_model: str = "", lr: float = 3e-3) -> Path:
     ranks, parallel = PLANS[plan]
     path.write_text(f"""use "catalog.het"
 model tiny {{
@@ -131,8 +132,8 @@ cluster local {{
 train {{
   global_batch = {GLOBAL_BATCH}
   micro_batch = {MICRO_BATCH}
-  steps = {steps}
-  lr = 3e-3
+  steps = 4
+  lr = {lr}
   seed = {SEED}
 }}
 parallel {{
@@ -181,6 +182,8 @@ def plan_dirs(hf_dirs, tmp_path_factory) -> dict[tuple[str, str], Path]:
     root = tmp_path_factory.mktemp("hf_plans")
     specs = [write_job(root / f"{arch}-{plan}.het", hf_dirs[arch], plan) for arch, plan in CASES]
     specs.append(write_job(root / "llama-random.het", hf_dirs["llama"], "single", "  init = random\n"))
+    for plan in ("single", "tp2"):     # SGD: an update proportional to the gradient (Adam's hides its scale)
+        specs.append(write_job(root / f"qwen3-{plan}sgd.het", hf_dirs["qwen3"], plan, SGD, lr=0.05))
     dirs = compile_plans(specs, root / "out")
     return {tuple(stem.split("-")): path for stem, path in dirs.items()}
 
@@ -202,7 +205,7 @@ def test_init_random_ignores_the_weights(hf_dirs, plan_dirs, rank_pool):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch, plan", [("llama", "single"), ("qwen3", "tp2"), ("qwen2", "zero3"),
+@pytest.mark.parametrize("arch, plan", [("llama", "single"), ("qwen3", "tp2sgd"), ("qwen2", "zero3"),
                                         ("mixtral", "ep2")])
 def test_exported_weights_give_the_next_loss(arch, plan, plan_dirs, rank_pool, tmp_path):
     """Three steps under `plan`, export: transformers on the export gives the loss hetc logs at step 4."""
@@ -217,3 +220,12 @@ def test_exported_weights_give_the_next_loss(arch, plan, plan_dirs, rank_pool, t
     _, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert_close(step4, transformers_loss(out, plan_dir, 3))
+
+
+@pytest.mark.slow
+def test_tensor_parallel_trains_like_one_rank(plan_dirs, rank_pool):
+    """Qwen3's q/k norms see only a tp rank's heads: their gradients must be summed over tp (HeadNorm)."""
+    single = agreed_losses(rank_pool.run(PlanJob(plan_dirs["qwen3", "singlesgd"], 4)))
+    tp2 = agreed_losses(rank_pool.run(PlanJob(plan_dirs["qwen3", "tp2sgd"], 4)))
+    assert single[-1] < single[0] - 0.05        # SGD at this rate moves the weights
+    assert_losses_close(tp2, single)
