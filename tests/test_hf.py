@@ -229,3 +229,161 @@ def test_tensor_parallel_trains_like_one_rank(plan_dirs, rank_pool):
     tp2 = agreed_losses(rank_pool.run(PlanJob(plan_dirs["qwen3", "tp2sgd"], 4)))
     assert single[-1] < single[0] - 0.05        # SGD at this rate moves the weights
     assert_losses_close(tp2, single)
+
+
+# ---------------------------------------------------------------- bad weights: located errors, exit 2
+
+
+def _edit_weights(src: Path, dst: Path, edit) -> Path:
+    """A copy of the Hugging Face directory `src` whose tensors `edit(dict)` changed."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, dst / "model.safetensors")
+    return dst
+
+
+BAD_WEIGHTS = {
+    "missing": (lambda t: t.pop("model.norm.weight"), "missing tensor model.norm.weight"),
+    "extra": (lambda t: t.update({"model.layers.0.mlp.extra.weight": torch.zeros(2)}),
+              "unexpected tensor model.layers.0.mlp.extra.weight"),
+    "misshapen": (lambda t: t.update({"lm_head.weight": torch.zeros(95, 32)}),
+                  "lm_head.weight has shape [95, 32], the model needs [96, 32]"),
+}
+
+
+@pytest.mark.parametrize("problem", sorted(BAD_WEIGHTS))
+def test_bad_weights_are_a_located_error(problem, hf_dirs, tmp_path, capsys):
+    edit, message = BAD_WEIGHTS[problem]
+    bad = _edit_weights(hf_dirs["llama"], tmp_path / "bad", edit)
+    spec = write_job(tmp_path / "job.het", bad, "single")
+    assert hetc_main(["check", str(spec)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{spec}:3:8: error: the safetensors in '{bad}' do not fit the model: "), err
+    assert message in err
+
+
+def test_an_index_naming_a_missing_shard_is_a_located_error(hf_dirs, tmp_path, capsys):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(hf_dirs["llama"], bad)
+    (bad / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}))
+    spec = write_job(tmp_path / "job.het", bad, "single")
+    assert hetc_main(["check", str(spec)]) == 2
+    assert "names model-00002-of-00002.safetensors, which is not in" in capsys.readouterr().err
+
+
+def test_export_of_a_non_checkpoint_is_refused(tmp_path, capsys):
+    assert hetc_main(["export", "hf", str(tmp_path), "-o", str(tmp_path / "out")]) == 2
+    assert "is not a complete checkpoint" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- hetc import hf
+
+
+def test_import_prints_the_equivalent_block(hf_dirs, tmp_path, capsys):
+    """The printed block describes the model hf = DIR does (checked by writing both ways)."""
+    from hetc.load import load_spec
+
+    assert hetc_main(["import", "hf", str(hf_dirs["qwen3"]), "--name", "tiny"]) == 0
+    printed = capsys.readouterr().out
+    assert "head_dim = 16" in printed and "qk_norm = true" in printed
+    (tmp_path / "explicit.het").write_text(printed)
+    (tmp_path / "hf.het").write_text(f'model tiny {{\n  hf = "{hf_dirs["qwen3"]}"\n}}\n')
+    explicit, via_hf = load_spec(tmp_path / "explicit.het").spec.model, load_spec(tmp_path / "hf.het").spec.model
+    import dataclasses
+
+    assert dataclasses.replace(via_hf, hf="") == explicit
+
+
+def test_a_written_block_with_hf_round_trips(hf_dirs, tmp_path):
+    """plan.het prints every field beside hf; reading it back gives the same model (no contradiction)."""
+    from hetc.load import load_spec
+    from hetc.printer import format_spec
+
+    spec = load_spec(write_job(tmp_path / "job.het", hf_dirs["mixtral"], "ep2")).spec
+    (tmp_path / "again.het").write_text(format_spec(spec))
+    again = load_spec(tmp_path / "again.het").spec
+    assert again == spec and again.model.moe.capacity_factor == 2.0    # dropless: experts / top_k
+
+
+# ---------------------------------------------------------------- a rank reads only its share
+
+
+def _write_sharded(directory: Path, config: dict, shards: int) -> dict[str, tuple[int, ...]]:
+    """config.json and random fp32 weights of `config`'s model in `shards` files with an index."""
+    from safetensors.torch import save_file
+
+    from hetc.hf.config import import_model
+    from hetc.hf.weights import expected_shapes
+
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(config))
+    shapes = expected_shapes(import_model(directory, "big"))
+    names = list(shapes)
+    weight_map = {}
+    for i in range(shards):
+        part = names[i::shards]
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({n: torch.randn(shapes[n]) for n in part}, str(directory / file))
+        weight_map.update((n, file) for n in part)
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return shapes
+
+
+@pytest.mark.slow
+def test_a_rank_materialises_only_its_shard_plus_one_tensor(tmp_path):
+    """~350 MB of sharded safetensors; one ZeRO-3 rank of 4 (the whole model) and one TP rank of 2 of a
+    pipeline stage (the blocks) read their share."""
+    from hetc.hf.config import import_model
+    from hetc.hf.weights import WeightReader
+    from hetc.runtime.flat import FlatLayout
+    from hetc.runtime.hf_load import LoadStats, read_flat
+    from hetc.runtime.model import Ministage
+    from hetc.runtime.tp import TPShard, shard_infos
+
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 1024, "intermediate_size": 2816,
+              "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 8192,
+              "max_position_embeddings": 64, "rms_norm_eps": 1e-5}
+    directory = tmp_path / "big"
+    shapes = _write_sharded(directory, config, shards=3)
+    whole = 4 * sum(math.prod(s) for s in shapes.values())
+    largest = 4 * max(math.prod(s) for s in shapes.values())
+    assert whole > 300e6
+    model = import_model(directory, "big")
+    everything, blocks = range(model.num_model_layers), range(1, model.layers + 1)
+    for layers, tp, num_shards, index in ((everything, TPShard(0, 1), 4, 1), (blocks, TPShard(1, 2), 1, 0)):
+        with torch.device("meta"):
+            module = Ministage(model, layers, seed=0, shard=tp, device="meta")
+        layout, infos = FlatLayout.of(module, num_shards), shard_infos(module)
+        rng = layout.shard_range(index)
+        stats = LoadStats()
+        with WeightReader(directory) as reader:
+            values = read_flat(reader, layout, infos, rng, stats)
+        share = 4 * (rng.stop - rng.start)
+        assert share < whole / 2                         # a quarter of the model, or half of the blocks
+        assert stats.peak <= share + largest, (stats, share, largest)
+        assert stats.read <= share + 2 * largest         # partial rows at the range's two ends
+        _check_some_values(values, layout, infos, rng, directory)
+
+
+def _check_some_values(values, layout, infos, rng, directory: Path) -> None:
+    """The first and last parameters inside the range hold the file's values (their slices)."""
+    from safetensors import safe_open
+
+    from hetc.hf.names import hf_name
+    from hetc.hf.weights import weight_map
+
+    files = weight_map(directory)
+    inside = [e for e in layout.entries if e.offset >= rng.start and e.offset + e.numel <= rng.stop]
+    for e in (inside[0], inside[-1]):
+        with safe_open(str(files[hf_name(e.name)]), "pt") as f:
+            full = f.get_tensor(hf_name(e.name))
+        want = infos[e.name].slice_of(full).reshape(-1)
+        torch.testing.assert_close(values[e.offset - rng.start:e.offset - rng.start + e.numel], want)
