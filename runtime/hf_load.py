@@ -28,7 +28,7 @@ from hetc.runtime.buffers import MinistageBuffers
 from hetc.runtime.flat import FlatLayout
 from hetc.runtime.tp import ShardInfo
 
-__all__ = ["LoadStats", "load_hf_weights", "read_flat"]
+__all__ = ["LoadStats", "load_hf_weights", "load_whole", "read_flat"]
 
 
 @dataclass
@@ -52,6 +52,12 @@ def load_hf_weights(buffers: dict[int, MinistageBuffers], directory: Path) -> Lo
                 del values
         stats.read = reader.bytes_read
     return stats
+
+
+def load_whole(layout: FlatLayout, infos: dict[str, ShardInfo], directory: Path) -> Tensor:
+    """The whole fp32 flat buffer `layout` describes (one process holding the model: the reference)."""
+    with WeightReader(directory) as reader:
+        return read_flat(reader, layout, infos, slice(0, layout.padded_numel))
 
 
 def read_flat(reader: WeightReader, layout: FlatLayout, infos: dict[str, ShardInfo], rng: slice,

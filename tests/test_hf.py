@@ -80,6 +80,13 @@ PLANS = {
     cp = 2
     cp_kind = ring
   }"""),
+    "ulysses2": (2, """stage all {
+    layers = embed..head
+    ranks = host
+    lanes = 1
+    cp = 2
+    cp_kind = ulysses
+  }"""),
     # uneven and heterogeneous: one lane, then two lanes taking 3 and 1 of the 4 microbatches
     "hetero": (3, """schedule = 1f1b
   stage first {
@@ -172,7 +179,7 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
 
 # (arch, plan): every architecture on one rank, each plan kind with one or two of them
 CASES = [(arch, "single") for arch in ARCHS] + [
-    ("llama", "pp"), ("qwen2", "zero3"), ("qwen3", "tp2"), ("mistral", "cp2"), ("llama", "hetero"),
+    ("llama", "pp"), ("qwen2", "zero3"), ("qwen3", "tp2"), ("mistral", "cp2"), ("qwen3", "ulysses2"), ("llama", "hetero"),
     ("mixtral", "ep2"), ("mixtral", "pp"),
 ]
 
@@ -193,6 +200,16 @@ def plan_dirs(hf_dirs, tmp_path_factory) -> dict[tuple[str, str], Path]:
 def test_first_loss_equals_transformers(arch, plan, hf_dirs, plan_dirs, rank_pool):
     (loss,) = agreed_losses(rank_pool.run(PlanJob(plan_dirs[arch, plan], 1)))
     assert_close(loss, transformers_loss(hf_dirs[arch], plan_dirs[arch, plan], 0))
+
+
+def test_the_reference_trainer_starts_from_the_weights(hf_dirs, plan_dirs):
+    from hetc.plandir import read_plan
+    from hetc.runtime.reference import train_reference
+
+    plan_dir = plan_dirs["qwen2", "single"]
+    spec = read_plan(plan_dir)[1].spec
+    (loss,) = train_reference(spec.model, spec.train, base_dir=plan_dir, steps=1).losses
+    assert_close(loss, transformers_loss(hf_dirs["qwen2"], plan_dir, 0))
 
 
 @pytest.mark.slow
