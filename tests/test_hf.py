@@ -404,3 +404,45 @@ def _check_some_values(values, layout, infos, rng, directory: Path) -> None:
             full = f.get_tensor(hf_name(e.name))
         want = infos[e.name].slice_of(full).reshape(-1)
         torch.testing.assert_close(values[e.offset - rng.start:e.offset - rng.start + e.numel], want)
+
+
+# ---------------------------------------------------------------- config.json, as transformers 4 wrote it
+
+
+def _config_dir(tmp_path: Path, **config) -> Path:
+    base = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100, "max_position_embeddings": 128}
+    (tmp_path / "config.json").write_text(json.dumps({**base, **config}))
+    return tmp_path
+
+
+def test_a_transformers_4_llama_3_1_config(tmp_path):
+    from hetc.hf.config import import_model
+    from hetc.spec import DType, RopeScalingKind
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    model = import_model(_config_dir(tmp_path, rope_theta=500000.0, rope_scaling=scaling, torch_dtype="bfloat16",
+                                     num_key_value_heads=2), "llama31")
+    assert (model.rope_theta, model.dtype, model.num_kv_heads, model.seq) == (500000.0, DType.BF16, 2, 128)
+    assert model.rope_scaling.kind is RopeScalingKind.LLAMA3 and model.rope_scaling.original_seq == 64
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "RoPE scaling 'yarn' is not supported"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ({"architectures": ["GPT2LMHeadModel"]}, "hetc reads LlamaForCausalLM, MistralForCausalLM"),
+    ({"num_hidden_layers": 0}, "\"num_hidden_layers\" must be a positive integer"),
+])
+def test_configs_hetc_cannot_take(config, message, tmp_path, capsys):
+    assert hetc_main(["import", "hf", str(_config_dir(tmp_path, **config))]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_seq_beyond_a_sliding_window_is_a_located_error(tmp_path, capsys):
+    (tmp_path / "m").mkdir()
+    directory = _config_dir(tmp_path / "m", architectures=["MistralForCausalLM"], sliding_window=32)
+    spec = tmp_path / "job.het"
+    spec.write_text(f'model m {{\n  hf = "{directory}"\n  seq = 64\n}}\n')
+    assert hetc_main(["check", str(spec)]) == 2
+    assert f"{spec}:3:9: error: seq (64) exceeds the sliding window (32)" in capsys.readouterr().err

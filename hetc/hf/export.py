@@ -82,7 +82,6 @@ def _architecture(model: ModelSpec) -> tuple[str, str]:
 def export_hf(checkpoint: Path, out: Path, *, dtype: DType = DType.FP32,
               max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[Path]:
     """Write `out`/config.json, the shards and the index; return the shard paths."""
-    import torch
     from safetensors.torch import save_file
 
     from hetc.runtime.checkpoint import read_params

@@ -149,7 +149,7 @@ class WeightReader:
     def close(self) -> None:
         self._open.clear()
 
-    def __enter__(self) -> WeightReader:
+    def __enter__(self) -> WeightReader:  # noqa: PYI034 - a final class
         return self
 
     def __exit__(self, *exc) -> None:
