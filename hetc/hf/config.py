@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from hetc.errors import Span
-from hetc.spec import Arch, DType, RopeScalingKind, RopeScalingSpec
+from hetc.spec import Arch, DType, ModelSpec, RopeScalingKind, RopeScalingSpec
 
 __all__ = ["CONFIG_FILE", "SUPPORTED", "TRAINING_FIELDS", "HfError", "Preset", "import_model", "model_preset",
            "read_config"]
@@ -129,7 +129,8 @@ def _rope(config: dict[str, Any]) -> dict[str, Any]:
     params = config.get("rope_parameters")
     if isinstance(params, dict):
         return params
-    scaling = config.get("rope_scaling") if isinstance(config.get("rope_scaling"), dict) else {}
+    scaling = config.get("rope_scaling")
+    scaling = scaling if isinstance(scaling, dict) else {}
     return {"rope_theta": config.get("rope_theta", 10000.0), **scaling}
 
 
@@ -169,17 +170,16 @@ def _sliding_window(config: dict[str, Any]) -> int | None:
 
 
 
-def import_model(directory: Path, name: str):
+def import_model(directory: Path, name: str) -> ModelSpec:
     """The explicit ModelSpec DIR/config.json describes (`hetc import hf`); HfError or SpecError."""
     import dataclasses
 
     from hetc.convert import Converter
     from hetc.errors import NO_SPAN, SpecError
-    from hetc.spec import ModelSpec
 
     conv = Converter()
     preset = model_preset(read_config(directory), f"{directory}/{CONFIG_FILE}", NO_SPAN)
     model = conv.block(ModelSpec, (), NO_SPAN, "model", preset=preset)
-    if conv.errors or model is None:
+    if conv.errors or not isinstance(model, ModelSpec):
         raise SpecError(conv.errors)
     return dataclasses.replace(model, name=name)

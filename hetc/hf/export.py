@@ -32,6 +32,8 @@ _TORCH_NAMES = {DType.FP32: "float32", DType.BF16: "bfloat16", DType.FP16: "floa
 def hf_config(model: ModelSpec, dtype: DType = DType.FP32, base: dict[str, Any] | None = None) -> dict[str, Any]:
     """config.json for `model` (`base`: the config it came from, whose other keys are kept)."""
     arch, model_type = _architecture(model)
+    if arch == "LlamaForCausalLM" and (base or {}).get("architectures") == ["MistralForCausalLM"]:
+        arch, model_type = "MistralForCausalLM", "mistral"    # the same tensors: keep what it was
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": model.rope_theta}
     if model.rope_scaling is not None:
         s = model.rope_scaling
@@ -99,7 +101,8 @@ def export_hf(checkpoint: Path, out: Path, *, dtype: DType = DType.FP32,
     shards = _shards(tensors, max_shard_bytes)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    weight_map, paths = {}, []
+    weight_map: dict[str, str] = {}
+    paths: list[Path] = []
     for i, names in enumerate(shards, 1):
         path = out / f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         save_file({n: tensors[n] for n in names}, str(path), metadata={"format": "pt"})
@@ -126,6 +129,8 @@ def read_checkpoint_model(checkpoint: Path) -> tuple[ModelSpec, dict[str, Any] |
         model = load_spec(card).spec.model
     except SpecError as err:
         raise HfError(f"cannot read {card}: {err}") from None
+    if model is None:
+        raise HfError(f"{card} holds no model block")
     base_file = checkpoint / HF_CONFIG_FILE
     base = json.loads(base_file.read_text()) if base_file.is_file() else None
     return model, base
