@@ -44,12 +44,13 @@ LOSS_RTOL = 1e-5      # the issue's bound: per-step losses within 1e-5 relative 
 # gradient in its last bits, and Adam's normalised update turns that into
 # up to ~6e-7 on weights of ~1e-2 (measured; lr 3e-3). Plans that split the
 # sums inside a layer (tensor parallelism, the sequence over cp ranks) move
-# the weight with the demo's smallest gradient (block0.feed_forward.w3.weight
-# [7823], -7.6e-9, below Adam's eps, where g / (|g| + eps) is steep) by up
-# to 5.8e-6 (measured on the TP and CP demo plans). 1e-5 still leaves a
-# factor of 300 to a wrong shard (an element stepped twice, or not at all),
-# which moves weights by ~lr.
-PARAM_RTOL, PARAM_ATOL = 1e-5, 1e-5
+# the weights with the smallest gradients (below Adam's eps, where
+# g / (|g| + eps) is steep) further: up to 5.8e-6 on the TP and CP demo
+# plans, and 1.15e-5 on moe_ep2_cp2 (block2 expert 1's w3 [1010]; the same
+# code passed at 1e-5 on an earlier machine, so those last bits depend on
+# it). 5e-5 still leaves a factor of 60 to a wrong shard (an element stepped
+# twice, or not at all), which moves weights by ~lr.
+PARAM_RTOL, PARAM_ATOL = 1e-5, 5e-5
 
 
 @dataclass(frozen=True)
