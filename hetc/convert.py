@@ -63,6 +63,8 @@ class Converter(ValueConverter):
             failed |= not ok
         if preset is not None and not failed:
             failed |= not self._apply_preset(infos, preset, values, spans, written, what)
+        elif preset is not None:
+            written.update(preset.values)     # set by the config: not missing, whatever else failed
         failed |= not self._required(infos, written, span, what)
         if failed:
             return None
