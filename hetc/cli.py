@@ -19,7 +19,8 @@ from hetc.errors import Sources, SpecError
 __all__ = ["VERBS", "UsageError", "main"]
 
 # verb modules, in the order `hetc --help` lists them
-VERBS = ["demo", "check", "fmt", "plan", "compile", "verify", "run", "viz", "explain", "profile", "import_", "export"]
+VERBS = ["demo", "check", "fmt", "plan", "compile", "verify", "run", "viz", "explain", "profile", "calibrate",
+         "import_", "export", "data"]
 
 
 class UsageError(Exception):

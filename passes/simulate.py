@@ -34,7 +34,7 @@ from hetc.pipeline import Pipeline
 from hetc.program import (AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight, Forward,
                           Free, Instr, Load, Program, ReduceScatter, Step, Tensor)
 from hetc.spec import DTYPE_BYTES, Spec
-from hetc.timeline import Event, Flow, MemorySample, RankInfo, Timeline, classify
+from hetc.timeline import Event, Flow, MemorySample, RankInfo, Timeline, class_times, classify
 
 __all__ = ["SimulationError", "simulate"]
 
@@ -170,5 +170,9 @@ def simulate(program: Program, pipeline: Pipeline, spec: Spec, costs, plan_facts
     for rp in program.ranks:
         gpu = pipeline.world[rp.rank]
         infos.append(RankInfo(rp.rank, rp.stage, rp.lane, gpu.device.name, str(gpu), gpu.device.memory))
+    classes = tuple({c.value: s for c, s in class_times(rp.instrs, machine.ranks[rp.rank].issued,
+                                                         machine.ranks[rp.rank].t).items()}
+                    for rp in program.ranks)
     return Timeline("predicted", tuple(infos), tuple(_events(machine)), flows,
-                    tuple(_memory_samples(machine, pipeline, costs)), machine.end_time(), tuple(plan_facts))
+                    tuple(_memory_samples(machine, pipeline, costs)), machine.end_time(), tuple(plan_facts),
+                    classes)

@@ -33,6 +33,7 @@ from hetc.runtime.lane import Arrivals, LanePlace, take_tokens
 from hetc.runtime.optim import clip_coefficient, grad_sq_sum, lr_at, optimizer_step
 from hetc.runtime.split_backward import backward_input, backward_weight
 from hetc.spec import Spec
+from hetc.timeline import class_times
 
 __all__ = ["Interpreter", "ProtocolError", "StepResult"]
 
@@ -48,6 +49,7 @@ class StepResult:
     loss: float
     seconds: float
     events: list[tuple[int, float, float]] = field(default_factory=list)   # (instr index, start, end)
+    classes: dict[str, float] = field(default_factory=dict)   # seconds per TimeClass (Note [time classes])
 
 
 @dataclass
@@ -67,6 +69,7 @@ class Interpreter:
         self.starts = {ms: first_layer[ms] == 0 for ms in buffers}
         self.ends = {ms: stop_layer[ms] == spec.model.num_model_layers for ms in buffers}
         self.counts_loss = place.counts_loss
+        self.training = True
         self._handlers = {
             Load: self._load, Forward: self._forward, Backward: self._backward,
             BackwardInput: self._backward_input, BackwardWeight: self._backward_weight, Send: self._send,
@@ -77,23 +80,45 @@ class Interpreter:
 
     # ------------------------------------------------------------ the step
 
-    def run_step(self, step: int, trace: bool = False) -> StepResult:
+    def run_step(self, step: int, trace: bool = False, classes: bool = False) -> StepResult:
+        """One step; `trace` times each instruction, `classes` the step's time per TimeClass.
+
+        Both synchronize the GPU after each instruction, so its time is the instruction's own.
+        """
+        self.training = True
+        return self._run(step, trace, classes)
+
+    def evaluate(self, batch: int, program: RankProgram, data: DataSource) -> float:
+        """The mean loss of validation batch `batch`, by `program`, this rank's evaluation program
+        (Note [Evaluation programs] in passes/lower/forward_only.py): no graph, no stash, no update."""
+        saved = self.program, self.data
+        self.program, self.data, self.training = program, data, False
+        try:
+            with torch.no_grad():
+                return self._run(batch, trace=False).loss
+        finally:
+            self.program, self.data = saved
+
+    def _run(self, step: int, trace: bool, classes: bool = False) -> StepResult:
         self._begin(step)
         t0 = time.perf_counter()
-        events = []
+        events, reached = [], []
         for index, instr in enumerate(self.program.instrs):
             start = time.perf_counter() - t0
+            reached.append(start)
             try:
                 self._handlers[type(instr)](instr)
             except Exception as err:
                 raise type(err)(f"[rank {self.program.rank}] step {step}: instruction {index} `{instr}`: "
                                 f"{err}") from err
+            if (trace or classes) and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
             if trace:
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
                 events.append((index, start, time.perf_counter() - t0))
+        loop_end = time.perf_counter() - t0
         self._end(step)
-        return StepResult(self.loss_total, time.perf_counter() - t0, events)
+        split = {c.value: s for c, s in class_times(self.program.instrs, reached, loop_end).items()} if classes else {}
+        return StepResult(self.loss_total, time.perf_counter() - t0, events, split)
 
     def _begin(self, step: int) -> None:
         self.step_idx = step
@@ -108,8 +133,9 @@ class Interpreter:
         self.losses: list[float] = []
         self.loss_total = float("nan")
         self.clip = 1.0
-        for buf in self.buffers.values():
-            buf.zero_grads()
+        if self.training:
+            for buf in self.buffers.values():
+                buf.zero_grads()
 
     def _end(self, step: int) -> None:
         if self.pending:
@@ -173,7 +199,8 @@ class Interpreter:
                 out = buf.module(x, labels)
         else:
             out = buf.module(x, labels)
-        self.inputs[(ms, mb)] = x
+        if self.training:
+            self.inputs[(ms, mb)] = x
         self.outputs[(ms, mb)] = out
         if self.ends[ms]:
             self.losses.append(out.detach().float().item())

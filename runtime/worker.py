@@ -20,6 +20,7 @@ from hetc.plandir import read_plan, read_program
 from hetc.runtime.cluster_check import ClusterMismatch, check_cluster, local_info
 from hetc.runtime.comm import make_groups
 from hetc.runtime.data import make_data_source
+from hetc.runtime.evaluate import make_evaluator
 from hetc.runtime.report import Reporter
 from hetc.runtime.setup import build_rank
 from hetc.runtime.watchdog import Watchdog, store_client
@@ -109,13 +110,15 @@ def _train(plan_dir: Path, opts: RunOptions, rank: int, local_rank: int, spec, p
     groups = make_groups(program.groups, timeout)
     data = make_data_source(spec.model, spec.train, plan_dir)
     rt = build_rank(spec, pipeline, program, rank, groups, data, device)
+    evaluator = make_evaluator(spec, pipeline, program, rank, plan_dir)
     reporter = Reporter(rank, spec, pipeline, program, infos, opts, device)
     start = _resume(rt, opts) if opts.resume else 0
     steps = spec.train.steps if opts.steps is None else opts.steps
     for step in range(start, steps):
         traced = opts.trace is not None and step == steps - 1
-        result = rt.interpreter.run_step(step, trace=traced)
-        reporter.step(step, steps, result)
+        result = rt.interpreter.run_step(step, trace=traced, classes=opts.metrics is not None)
+        val_loss = evaluator.run(rt.interpreter) if evaluator is not None and evaluator.due(step + 1) else None
+        reporter.step(step, steps, result, val_loss)
         if _saves_after(opts, step + 1, steps):
             _save(rt, opts, step + 1)
     reporter.finish()

@@ -68,6 +68,7 @@ class RankReport:
     start: int                        # the first step run (after resuming)
     losses: tuple[float, ...]         # one per step run (the reduced loss every rank sees)
     error: str | None = None          # the traceback when the job failed on this rank
+    val_losses: tuple[float, ...] = ()  # one per evaluation (train { eval_every })
 
 
 def compile_plans(specs: list[Path], out: Path) -> dict[str, Path]:
@@ -169,6 +170,7 @@ def _run_job(job: PlanJob, rank: int) -> RankReport | None:
     from hetc.plandir import read_plan, read_program
     from hetc.runtime.comm import make_groups
     from hetc.runtime.data import make_data_source
+    from hetc.runtime.evaluate import make_evaluator
     from hetc.runtime.setup import build_rank
 
     _, checked = read_plan(job.plan_dir)
@@ -180,22 +182,26 @@ def _run_job(job: PlanJob, rank: int) -> RankReport | None:
         spec, pipeline = checked.spec, checked.pipeline
         data = make_data_source(spec.model, spec.train, job.plan_dir)
         rt = build_rank(spec, pipeline, program, rank, groups, data, torch.device("cpu"))
-        return _train(rt, job, rank)
+        return _train(rt, job, rank, make_evaluator(spec, pipeline, program, rank, job.plan_dir))
     finally:
         for group in groups.values():
             if group is not dist.group.WORLD:
                 dist.destroy_process_group(group)
 
 
-def _train(rt, job: PlanJob, rank: int) -> RankReport:
+def _train(rt, job: PlanJob, rank: int, evaluator) -> RankReport:
     from hetc.runtime.checkpoint import load_checkpoint, save_checkpoint
 
     start = load_checkpoint(rt, job.resume_from) if job.resume_from is not None else 0
-    losses = tuple(rt.interpreter.run_step(step).loss for step in range(start, job.steps))
+    losses, val_losses = [], []
+    for step in range(start, job.steps):
+        losses.append(rt.interpreter.run_step(step).loss)
+        if evaluator is not None and evaluator.due(step + 1):
+            val_losses.append(evaluator.run(rt.interpreter))
     if job.save_to is not None:
         with _failing_writer(job.fail_save_on == rank):
             save_checkpoint(rt, job.save_to, job.steps)
-    return RankReport(rank, start, losses)
+    return RankReport(rank, start, tuple(losses), val_losses=tuple(val_losses))
 
 
 @contextmanager

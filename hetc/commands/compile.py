@@ -10,14 +10,16 @@ from pathlib import Path
 
 from hetc.frontend import load_checked
 from hetc.passes.cost import CostModel
+from hetc.passes.cost.provenance import provenance
 from hetc.passes.export_torch import torch_pipelines
 from hetc.passes.lower import PASS_NAMES, PASSES, lower
 from hetc.passes.simulate import simulate
-from hetc.passes.verify import VerifyError, verify
+from hetc.passes.verify import VerifyError, verified_evaluation, verify
 from hetc.plandir import write_plan_dir
+from hetc.profileargs import PROFILE_ENV, add_profile_option, load_profile_args, record_profiles
 from hetc.program import Program
 
-__all__ = ["Compiled", "compile_spec", "register"]
+__all__ = ["Compiled", "compile_spec", "predict", "register"]
 
 log = logging.getLogger("hetc.compile")
 
@@ -25,9 +27,10 @@ log = logging.getLogger("hetc.compile")
 class Compiled:
     """Everything compile produced, for the CLI and for tests."""
 
-    def __init__(self, loaded, checked, program: Program, costs, timeline):
+    def __init__(self, loaded, checked, program: Program, costs, timeline, eval_timeline=None):
         self.loaded, self.checked, self.program = loaded, checked, program
         self.costs, self.timeline = costs, timeline
+        self.eval_timeline = eval_timeline   # one validation batch, when the job evaluates
 
     @property
     def pipeline(self):
@@ -39,27 +42,37 @@ def register(sub: argparse._SubParsersAction) -> None:
         "compile", help="lower a plan to per-rank programs and verify them",
         description="Lower SPEC's explicit plan to one instruction program per rank, prove the programs "
                     "deadlock-free and complete (the verifier), and write the plan directory DIR: plan.het, "
-                    "programs/rank-NNNN.txt (+ .json), groups.txt, torch/*.csv, summary.json.",
+                    "programs/rank-NNNN.txt (+ .json), groups.txt, torch/*.csv, summary.json, profiles.json. "
+                    f"Measured profiles come from --profile and ${PROFILE_ENV}.",
         epilog="passes: " + "; ".join(f"{n} ({d})" for n, d, _ in PASSES),
     )
     p.add_argument("spec", metavar="SPEC")
     p.add_argument("-o", "--out", type=Path, required=True, metavar="DIR", help="the plan directory to write")
     p.add_argument("--dump-after", choices=PASS_NAMES + ["all"], metavar="PASS",
                    help=f"print every rank's program after PASS ({', '.join(PASS_NAMES)} or all)")
+    add_profile_option(p)
     p.set_defaults(func=run)
 
 
-def compile_spec(spec_path: Path, dump_after: str | None = None, on_dump=None) -> Compiled:
+def compile_spec(spec_path: Path, dump_after: str | None = None, on_dump=None, profiles=None) -> Compiled:
+    """Lower, verify and simulate `spec_path`'s plan, timed with `profiles` (a Profiles, or none)."""
     loaded, checked = load_checked(spec_path, require_complete=True)
     if checked.pipeline is None:  # `auto` left: plan first (`hetc plan SPEC -o OUT.het` shows the plan)
         from hetc.passes.plan.planner import plan_checked
 
-        checked = plan_checked(loaded.spec, loaded.path.parent)
+        checked = plan_checked(loaded.spec, loaded.path.parent, profiles)
     program = lower(checked.spec, checked.pipeline, dump_after, on_dump)
-    costs = CostModel(checked.spec, checked.pipeline, checked.topology)
+    costs, timeline = predict(program, checked, profiles)
+    evaluation = verified_evaluation(program, checked.pipeline, checked.spec)
+    eval_timeline = None if evaluation is None else simulate(evaluation, checked.pipeline, checked.spec, costs)
+    return Compiled(loaded, checked, program, costs, timeline, eval_timeline)
+
+
+def predict(program: Program, checked, profiles=None):
+    """(the CostModel, the predicted Timeline) of verified-to-be `program`: `compile` and `viz --profile`."""
+    costs = CostModel(checked.spec, checked.pipeline, checked.topology, profiles)
     verify(program, checked.pipeline, checked.spec, costs)
-    timeline = simulate(program, checked.pipeline, checked.spec, costs, plan_facts(checked))
-    return Compiled(loaded, checked, program, costs, timeline)
+    return costs, simulate(program, checked.pipeline, checked.spec, costs, plan_facts(checked))
 
 
 def plan_facts(checked) -> list[tuple[str, str]]:
@@ -91,8 +104,9 @@ def run(args: argparse.Namespace) -> int:
         for rp in program.ranks:
             sys.stdout.write(rp.to_text() + "\n")
 
+    profiles = load_profile_args(args.profile)
     try:
-        compiled = compile_spec(Path(args.spec), args.dump_after, dump if args.dump_after else None)
+        compiled = compile_spec(Path(args.spec), args.dump_after, dump if args.dump_after else None, profiles)
     except VerifyError as err:
         if err.check == "memory":   # the plan's fault, not lowering's
             print(f"hetc compile: the plan does not fit in device memory:\n{err.render()}", file=sys.stderr)
@@ -109,10 +123,25 @@ def run(args: argparse.Namespace) -> int:
     step = compiled.timeline.step_time
     tokens = compiled.checked.spec.train.global_batch * compiled.checked.spec.model.seq
     summary.update(step_time_s=step, tokens_per_s=tokens / step if step > 0 else 0.0)
+    if compiled.eval_timeline is not None:
+        train = compiled.checked.spec.train
+        summary.update(eval_time_s=compiled.eval_timeline.step_time * train.eval_batches,
+                       eval_every=train.eval_every)
+    prov = provenance(compiled.costs)
     write_plan_dir(args.out, compiled.checked.spec, compiled.loaded.path.parent, program, exports,
-                   compiled.timeline.to_json(), summary)
+                   compiled.timeline.to_json(), summary, record_profiles(args.profile, prov.unused))
     took = time.perf_counter() - start
     print(f"compiled {args.spec}: {program.world_size} ranks, {summary['instructions']} instructions, "
           f"verified; predicted {step * 1e3:.2f} ms/step ({summary['tokens_per_s']:,.0f} tokens/s) "
           f"[{took:.2f}s] -> {args.out}/")
+    print_profile_use(prov, bool(compiled.costs.profiles.sources))
     return 0
+
+
+def print_profile_use(prov, offered: bool, file=None) -> None:
+    """What timed the plan's layers and which profiles offered are unused, and why (Note [provenance])."""
+    if offered:
+        print("layer times from: " + "; ".join(sorted({s for stage in prov.layers.values() for s in stage})),
+              file=file)
+    for u in prov.unused:
+        print(f"unused profile {u}", file=file)

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from hetc.cli import UsageError
-from hetc.passes.verify import VerifyError, verify
+from hetc.passes.verify import VerifyError, verified_evaluation, verify
 from hetc.program import ProgramFormatError
 
 __all__ = ["register"]
@@ -39,6 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--every", type=int, default=0, metavar="K",
                    help="save every K steps (and always after the last step)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint")
+    p.add_argument("-q", "--quiet", action="store_true", help="print no line per step")
     p.add_argument("--timeout", type=float, default=120.0, metavar="S", help="collective timeout in seconds")
     p.set_defaults(func=run)
 
@@ -67,13 +68,14 @@ def run(args: argparse.Namespace) -> int:
 def _rank(args: argparse.Namespace) -> int:
     from hetc.runtime.checkpoint import CheckpointError
     from hetc.runtime.cluster_check import ClusterMismatch
+    from hetc.runtime.data import DataError
     from hetc.runtime.worker import EnvError, PeerFailure, RunOptions, run_worker
 
     opts = RunOptions(steps=args.steps, metrics=args.metrics, trace=args.trace, checkpoint=args.checkpoint,
-                      every=args.every, resume=args.resume, timeout_s=args.timeout)
+                      every=args.every, resume=args.resume, timeout_s=args.timeout, quiet=args.quiet)
     try:
         return run_worker(args.dir, opts)
-    except (EnvError, ClusterMismatch) as err:
+    except (EnvError, ClusterMismatch, DataError) as err:
         raise UsageError(str(err)) from None
     except (PeerFailure, CheckpointError) as err:
         print(f"hetc run: error: {err}", file=sys.stderr, flush=True)
@@ -85,7 +87,9 @@ def _local(args: argparse.Namespace) -> int:
     from hetc.runtime.local import spawn_local
 
     _, checked = read_plan(args.dir)
-    verify(read_program(args.dir), checked.pipeline, checked.spec)   # before starting any rank
+    program = read_program(args.dir)
+    verify(program, checked.pipeline, checked.spec)   # before starting any rank
+    verified_evaluation(program, checked.pipeline, checked.spec)
     world = checked.pipeline.world_size
     if args.local not in (-1, world):
         raise UsageError(f"the plan has {world} ranks; --local {args.local} cannot run it")
@@ -94,7 +98,6 @@ def _local(args: argparse.Namespace) -> int:
         value = getattr(args, flag)
         if value is not None and not (flag == "every" and value == 0):
             argv += [f"--{flag}", str(value)]
-    if args.resume:
-        argv.append("--resume")
+    argv += [f"--{flag}" for flag in ("resume", "quiet") if getattr(args, flag)]
     print(f"hetc run: starting {world} local rank{'s' if world > 1 else ''}", file=sys.stderr, flush=True)
     return spawn_local(world, argv)
