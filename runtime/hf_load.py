@@ -50,7 +50,6 @@ def load_hf_weights(buffers: dict[int, MinistageBuffers], directory: Path) -> Lo
                 values = read_flat(reader, buf.layout, buf.infos, rng, stats)
                 buf.load_params(values, rng)
                 del values
-        stats.read = reader.bytes_read
     return stats
 
 
@@ -75,7 +74,8 @@ def read_flat(reader: WeightReader, layout: FlatLayout, infos: dict[str, ShardIn
         row = math.prod(e.shape[1:])
         first, last = a // row, -(-b // row)
         piece = reader.read(hf_name(e.name), _full_index(infos[e.name], e.shape, first, last)).reshape(-1)
-        stats.peak = max(stats.peak, own + piece.numel() * piece.element_size())
+        nbytes = piece.numel() * piece.element_size()
+        stats.peak, stats.read = max(stats.peak, own + nbytes), stats.read + nbytes
         out[start - rng.start:stop - rng.start] = piece[a - first * row:b - first * row]
     return out
 

@@ -121,23 +121,17 @@ def _header(path: Path) -> dict[str, Any]:
 
 
 class WeightReader:
-    """Slices of the tensors of a directory, read lazily, in fp32; counts the bytes it materialises."""
+    """Slices of the tensors of a directory, read lazily, in fp32."""
 
     def __init__(self, directory: Path) -> None:
         self.files = weight_map(directory)
         self._open: dict[Path, Any] = {}
-        self.bytes_read = 0            # every slice returned, summed
-        self.largest_read = 0          # the largest single slice
 
     def read(self, name: str, index: Iterable[slice]):
         """Tensor `name`[index] (one slice per leading dimension) as a new fp32 torch tensor."""
         import torch
 
-        part = self._handle(self.files[name]).get_slice(name)[tuple(index)].to(torch.float32)
-        nbytes = part.numel() * part.element_size()
-        self.bytes_read += nbytes
-        self.largest_read = max(self.largest_read, nbytes)
-        return part
+        return self._handle(self.files[name]).get_slice(name)[tuple(index)].to(torch.float32)
 
     def _handle(self, path: Path):
         if path not in self._open:
