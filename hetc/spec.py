@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from enum import StrEnum
+from enum import Enum, StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
-from hetc.errors import NO_SPAN, Span
+from hetc.errors import NO_SPAN, InternalError, Span
 from hetc.units import Dim
 
 __all__ = [
@@ -69,24 +69,22 @@ __all__ = [
 ]
 
 
-class Auto:
-    """The value `auto`: the planner chooses."""
+class Auto(Enum):
+    """The value `auto`: the planner chooses.
 
-    _instance: Auto | None = None
+    A one-member enum, so that `x is AUTO` / `x is not AUTO` narrows `int | Auto`
+    to `int` for the type checker; a singleton that pickles and copies as itself.
+    """
 
-    def __new__(cls) -> Auto:
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
+    AUTO = "auto"
 
     def __repr__(self) -> str:
         return "AUTO"
 
-    def __reduce__(self):
-        return (Auto, ())
+    __str__ = __repr__
 
 
-AUTO = Auto()
+AUTO: Final = Auto.AUTO
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -549,6 +547,13 @@ class ZeroSpec(Node):
     across: int = param(0, lo=0, hi=1, aliases=("replicate_level",),
                         doc="level across shard groups: 0 all-reduce the shards, 1 also shard optimizer")
 
+    @property
+    def resolved_level(self) -> int:
+        """The level of a resolved plan, where the planner has replaced `auto`."""
+        if isinstance(self.level, Auto):
+            raise InternalError("a ZeRO level of auto after planning")
+        return self.level
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OffloadSpec(Node):
@@ -642,6 +647,13 @@ class ParallelSpec(Node):
     idle: tuple[RankSlice, ...] = param((), doc="GPUs deliberately left out of the plan")
     objective: ObjectiveSpec = param(factory=ObjectiveSpec, block="objective",
                                      doc="what the planner optimises")
+
+    @property
+    def resolved_stages(self) -> tuple[StageSpec, ...]:
+        """The stages of a resolved plan, where the planner has replaced `auto`."""
+        if isinstance(self.stages, Auto):
+            raise InternalError("stages of auto after planning")
+        return self.stages
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

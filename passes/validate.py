@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hetc.errors import Diagnostic, SpecError, did_you_mean
 from hetc.layout import layout_problem
@@ -72,7 +73,7 @@ def _check(spec: Spec, base_dir: Path | None, errors: list[Diagnostic]):
 
 
 def _unique(nodes, what: str, errors) -> None:
-    seen = {}
+    seen: dict[str, Any] = {}
     for n in nodes:
         if n.name in seen:
             errors.append(Diagnostic(n.span_of("name"), f"duplicate {what} '{n.name}'",
@@ -83,6 +84,7 @@ def _unique(nodes, what: str, errors) -> None:
 
 def _check_model(spec: Spec, errors) -> None:
     m = spec.model
+    assert m is not None   # _check calls it only then
     if m.hidden % m.heads and m.head_dim is None:
         errors.append(Diagnostic(m.span_of("hidden"), f"hidden ({m.hidden}) is not divisible by heads ({m.heads})"))
     if m.heads % m.num_kv_heads:
@@ -118,6 +120,7 @@ def _check_init(m, errors) -> None:
 
 def _check_train(spec: Spec, base_dir: Path | None, errors) -> None:
     t = spec.train
+    assert t is not None   # _check calls it only then
     if t.global_batch % t.micro_batch:
         errors.append(Diagnostic(t.span_of("global_batch"), f"global_batch ({t.global_batch}) is not a multiple "
                                  f"of micro_batch ({t.micro_batch})"))
@@ -130,6 +133,7 @@ def _check_train(spec: Spec, base_dir: Path | None, errors) -> None:
 
 def _check_cluster(spec: Spec, errors) -> Topology | None:
     c = spec.cluster
+    assert c is not None   # _check calls it only then
     _unique(c.nodes, "node group", errors)
     names = [d.name for d in spec.devices]
     for n in c.nodes:
@@ -146,7 +150,7 @@ def _check_cluster(spec: Spec, errors) -> Topology | None:
         return None
     topo = Topology(spec)
     ends = topo.endpoints()
-    seen = {}
+    seen: dict[frozenset[str], Any] = {}
     for link in c.links:
         for field_name, end in (("a", link.a), ("b", link.b)):
             if end not in ends:
@@ -163,6 +167,7 @@ def _check_cluster(spec: Spec, errors) -> Topology | None:
 
 def _check_parallel(spec: Spec, errors) -> None:
     par, m = spec.parallel, spec.model
+    assert par is not None and m is not None   # a complete spec
     _check_zero(par.zero, errors)
     if par.stages is AUTO:
         return
@@ -235,6 +240,7 @@ def _check_zero(z, errors) -> None:
 
 def _check_grad_accum(spec: Spec, st, errors) -> None:
     t = spec.train
+    assert t is not None   # a complete spec
     if t.grad_accum is None or st.lanes is AUTO or st.microbatches is AUTO:
         return
     if st.microbatches.kind.value == "counts":
@@ -249,6 +255,7 @@ def _check_grad_accum(spec: Spec, st, errors) -> None:
 def _check_fit(spec: Spec, topo: Topology, errors) -> None:
     """Model states must fit in the cluster's memory even fully sharded (ZeRO-3 over all GPUs)."""
     m = spec.model
+    assert m is not None and spec.parallel is not None and spec.cluster is not None   # a complete spec
     phi = model_params(m)
     delta, delta_opt = DTYPE_BYTES[m.dtype], DTYPE_BYTES[m.optimizer.master_dtype]
     n_opt = m.optimizer.num_states

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from hetc.errors import InternalError
 from hetc.runtime.attention import Attention, Rotary
 from hetc.runtime.layers import NORMS, Block, Embedding, Head
 from hetc.runtime.moe import ALL_EXPERTS, ExpertShard
@@ -75,7 +76,8 @@ def _construct(model: ModelSpec, idx: int, shard: TPShard, experts: ExpertShard)
         return Embedding(model)
     if idx == model.layers + 1:
         return Head(model)
-    assert 0 < idx <= model.layers, f"layer {idx} outside [0, {model.layers + 1}]"
+    if not 0 < idx <= model.layers:
+        raise InternalError(f"layer {idx} outside [0, {model.layers + 1}]")
     return Block(model, shard, experts=experts)
 
 
@@ -87,7 +89,8 @@ def build_layer(model: ModelSpec, idx: int, *, seed: int, shard: TPShard = NO_SH
     """
     with torch.device("meta"):
         layer = _construct(model, idx, shard, experts)
-    assert not list(layer.buffers()), "layers hold no buffers: to_empty would leave them garbage"
+    if list(layer.buffers()):
+        raise InternalError("layers hold no buffers: to_empty would leave them garbage")
     layer.to_empty(device=device)
     init_layer(layer, model, idx, seed)
     return layer
@@ -110,7 +113,8 @@ def _initial_value(owner: nn.Module, name: str, shape: tuple[int, ...], model: M
         return torch.ones(shape) if name == "weight" else torch.zeros(shape)
     if name == "bias":
         return torch.zeros(shape)
-    assert isinstance(owner, (ParallelLinear, nn.Embedding)), f"no init rule for {type(owner).__name__}"
+    if not isinstance(owner, (ParallelLinear, nn.Embedding)):
+        raise InternalError(f"no init rule for {type(owner).__name__}")
     std = INIT_STD
     if isinstance(owner, ParallelLinear) and owner.scaled_init:
         std = INIT_STD / math.sqrt(2 * model.layers)
@@ -155,7 +159,8 @@ class Ministage(nn.Module):
     def __init__(self, model: ModelSpec, layers: range, *, seed: int, shard: TPShard = NO_SHARD,
                  device: torch.device | str = "cpu", experts: ExpertShard = ALL_EXPERTS) -> None:
         super().__init__()
-        assert layers.step == 1 and len(layers) > 0, f"a ministage is a non-empty run of layers: {layers}"
+        if not (layers.step == 1 and len(layers) > 0):
+            raise InternalError(f"a ministage is a non-empty run of layers: {layers}")
         self.first_layer, self.stop_layer = layers.start, layers.stop
         self.layer_names = tuple(model.layer_name(i) for i in layers)
         for i, name in zip(layers, self.layer_names):

@@ -40,7 +40,8 @@ class Reporter:
         self.infos, self.opts, self.device = infos, opts, device
         self.tokens_per_step = spec.train.global_batch * spec.model.seq
         self.store = dist.distributed_c10d._get_default_store()
-        self.metrics = open(opts.metrics, "w") if opts.metrics is not None and rank == 0 else None
+        # open for the whole run, closed by finish()
+        self.metrics = open(opts.metrics, "w") if opts.metrics is not None and rank == 0 else None  # noqa: SIM115
         self.traced: list | None = None
         self.step_time = 0.0
 

@@ -32,6 +32,8 @@ from typing import Protocol
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from hetc.errors import InternalError
+
 __all__ = [
     "NO_SHARD",
     "NO_TP",
@@ -55,7 +57,8 @@ class TPShard:
     size: int = 1
 
     def __post_init__(self) -> None:
-        assert 0 <= self.rank < self.size, f"tp rank {self.rank} outside tp size {self.size}"
+        if not 0 <= self.rank < self.size:
+            raise InternalError(f"tp rank {self.rank} outside tp size {self.size}")
 
     def part(self, n: int, what: str) -> int:
         """How many of `n` units (heads, features) this shard holds."""

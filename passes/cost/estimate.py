@@ -132,7 +132,7 @@ def _memory(cm, rank: int) -> RankMemory:
         grads = max(cm.grad_bytes(ms, rank) for ms in mss)
     optimizer = sum(sharded_numel(cm, ms, rank, "optimizer") for ms in mss) * cm.states.optimizer
     acts, acts_host = _activations(cm, stage, rank)
-    gather = (1 + cm.pipeline.prefetch) * largest if int(stage.zero.level) >= 3 else 0.0
+    gather = (1 + cm.pipeline.prefetch) * largest if stage.zero.resolved_level >= 3 else 0.0
     gpu = cm.gpu(rank)
     context = context_reserve(gpu.device.memory, gpu.device.is_cpu)
     host = (params * shard.params if off_params else 0.0) + (optimizer if off_opt else 0.0) + acts_host
@@ -173,7 +173,7 @@ def _traffic(cm, timing: PlanTime) -> list[GroupTraffic]:
         if replicas > 1:
             dense = (cm.numel(ms, rank) * (1 - cm.expert_fraction(ms, rank)) for ms in stage.ministages)
             nbytes = sum(dense) * cm.delta
-            level = int(stage.zero.level)
+            level = stage.zero.resolved_level
             sent = traffic.zero_bytes(level, p.schedule, nbytes, replicas, n_mb)
             if p.schedule is ScheduleKind.ZORSE:  # gathered for the forward and the backward, reduced once
                 seconds = sum(2 * u.fetch + u.sync for u in zorse_units(cm) if u.stage == stage.index)
@@ -210,7 +210,7 @@ def _expert_traffic(cm, stage: Stage, rank: int, blocks: int, n_mb: int) -> list
     replicas = expert_group(cm, rank)
     if len(replicas) > 1:
         nbytes = sum(cm.numel(ms, rank) * cm.expert_fraction(ms, rank) for ms in stage.ministages) * cm.delta
-        level = int(stage.zero.level)
+        level = stage.zero.resolved_level
         per_mb = level == 2 and cm.pipeline.schedule is not ScheduleKind.ZORSE
         seconds = cm.collective_time("all_reduce", replicas, nbytes) if level < 2 else \
             cm.collective_time("reduce_scatter", replicas, nbytes) * (n_mb if per_mb else 1) + \

@@ -75,7 +75,7 @@ def shard_factors(zero: ZeroSpec, group: int, node_group: int | None = None) -> 
     `node_group`: lanes of that group on this rank's node (hierarchical ZeRO,
     `shard = node`); None for plain ZeRO over the whole group.
     """
-    level = int(zero.level)
+    level = zero.resolved_level
     shard = group if node_group is None else node_group
     opt_shard = group if (node_group is None or zero.across >= 1) else node_group
     return ShardFactors(

@@ -124,7 +124,7 @@ def _stage_numel(cm, stage: Stage, rank: int) -> float:
 def _overlapped(cm, stage: Stage, lane: Lane) -> float:
     """Per-microbatch collectives beside the compute: ZeRO-3 gathers, ZeRO-2/3 reduce-scatters,
     parameter copies from the host."""
-    level = int(stage.zero.level)
+    level = stage.zero.resolved_level
     rank = lane.ranks[0]
     if cm.pipeline.schedule is ScheduleKind.ZORSE:
         return 0.0  # Zorse gathers and reduces once per ministage (see zorse_units)
@@ -145,7 +145,7 @@ def _overlapped(cm, stage: Stage, lane: Lane) -> float:
 
 def sync_time(cm, stage: Stage, rank: int, per_ministage: bool = False) -> float:
     """Exposed gradient reduction after the last backward (and ZeRO-1/2's parameter all-gather)."""
-    level = int(stage.zero.level)
+    level = stage.zero.resolved_level
     nbytes = _stage_numel(cm, stage, rank) * cm.delta
     k = _concurrent(cm, rank)
     if stage.zero.shard is ZeroShard.NODE:

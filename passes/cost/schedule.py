@@ -69,7 +69,7 @@ class PipelineTime:
 def pipeline_time(schedule: ScheduleKind, lanes: list[LaneTiming], chunks: int = 1) -> PipelineTime:
     """Forward and backward of every microbatch, for 1F1B-like schedules and GPipe."""
     worst = max(lanes, key=lambda t: t.work)
-    others = {}
+    others: dict[int, float] = {}
     for t in lanes:
         if t.stage != worst.stage:
             others[t.stage] = max(others.get(t.stage, 0.0), _fill(schedule, t))

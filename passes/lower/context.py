@@ -67,8 +67,10 @@ class LowerContext:
     def __init__(self, spec: Spec, pipeline: Pipeline):
         self.spec = spec
         self.pipeline = pipeline
+        assert spec.model is not None and spec.train is not None and spec.parallel is not None   # checked
         self.model = spec.model
         self.train = spec.train
+        self.parallel = spec.parallel
         self.grad_clip = spec.train.grad_clip
         self._messages: dict[tuple[Tensor, int, int], tuple[Message, ...]] = {}
 
@@ -217,15 +219,15 @@ class LowerContext:
             if list(members) != sorted(members):
                 raise self._lane_order_error(stage, name)
         first = place.lane.index - place.lane.index % stage.ep
-        members = [lane.ranks[place.pos] for lane in stage.lanes[first:first + stage.ep]]
-        if members != sorted(members):   # EP rank r (lane first + r) owns the r-th share of the experts
-            st = self.spec.parallel.stages[stage.index]
+        ep_members = [lane.ranks[place.pos] for lane in stage.lanes[first:first + stage.ep]]
+        if ep_members != sorted(ep_members):   # EP rank r (lane first + r) owns the r-th share of the experts
+            st = self.parallel.resolved_stages[stage.index]
             raise SpecError(Diagnostic(st.span_of("ranks"), f"the lanes {first}..{first + stage.ep - 1} of stage "
                                        f"'{st.name}' form an expert-parallel group but are not in ascending rank "
                                        "order, which the experts' all-to-alls need; list the GPUs in rank order"))
 
-    def _lane_order_error(self, stage: Stage, group: str) -> SpecError:
-        st = self.spec.parallel.stages[stage.index]
+    def _lane_order_error(self, stage: Stage, group: str | None) -> SpecError:
+        st = self.parallel.resolved_stages[stage.index]
         return SpecError(Diagnostic(st.span_of("ranks"), f"the ranks of group {group} of stage '{st.name}' are "
                                     "not in ascending order along the lane, which sequence parallelism and "
                                     "Ulysses need; list each lane's GPUs in rank order"))
@@ -245,7 +247,7 @@ class LowerContext:
 
 def _hierarchical(stage: Stage) -> bool:
     """Shard inside nodes and replicate across them (HSDP); level 0 has nothing to shard."""
-    return stage.zero.shard is ZeroShard.NODE and stage.zero.level > 0
+    return stage.zero.shard is ZeroShard.NODE and stage.zero.resolved_level > 0
 
 
 def next_handle(instrs: list[Instr] | tuple[Instr, ...]) -> int:

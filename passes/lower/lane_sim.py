@@ -60,9 +60,9 @@ class Policy:
         in_flight = -(-self.fi // self.per_unit) - self.bi // self.per_unit
         forward_allowed = f is not None and (in_flight < self.limit or self.fi % self.per_unit)
         if self.forward_first and not self.bi % self.per_unit:
-            return [f] if forward_allowed else ([b] if b is not None else [])
+            return [f] if forward_allowed and f is not None else ([b] if b is not None else [])
         out = [b] if b is not None else []
-        if forward_allowed:
+        if forward_allowed and f is not None:
             out.append(f)
         if w is not None:
             out.append(w)
@@ -217,16 +217,19 @@ class _Simulation:
         """
         held = []
         for key, policy in sorted(self.policies.items()):
-            if not policy.held_back() or self.lead.get((key[0], policy.done), "F") != "F":
+            forward = policy.next_forward()
+            if not policy.held_back() or forward is None or self.lead.get((key[0], policy.done), "F") != "F":
                 continue
-            deps = self._deps_of(key, policy.next_forward())
+            deps = self._deps_of(key, forward)
             if all(d in self.end for d in deps):
                 held.append((max([self.end[d] for d in deps] + [self.clock[key]]), key))
         if not held:
             return False
         ready, key = min(held)
         for lane in self.siblings.get(key[0], [key]):   # lanes in lockstep keep equal limits
-            self.policies[lane].limit += 1
+            sibling = self.policies[lane]
+            assert sibling.limit is not None   # only a limited lane is held back
+            sibling.limit += 1
             self.push(ready, lane, self.version[lane])
         log.debug("schedule: lane %s runs a forward beyond its in-flight limit (now %d)", key,
                   self.policies[key].limit)

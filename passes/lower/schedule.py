@@ -22,7 +22,7 @@ from hetc.passes.lower.context import LowerContext, rank_shell
 from hetc.passes.lower.lane_sim import Op, Policy, simulate
 from hetc.passes.lower.zero import lane_pattern_error
 from hetc.pipeline import Lane, Stage
-from hetc.program import Backward, BackwardInput, BackwardWeight, Forward, Load, Program
+from hetc.program import Backward, BackwardInput, BackwardWeight, ComputeInstr, Forward, Instr, Load, Program
 from hetc.spec import ScheduleKind
 
 __all__ = ["Op", "order_compute"]
@@ -112,7 +112,7 @@ def _coupled_stages(ctx: LowerContext, policies: dict) -> dict[int, int]:
     """
     if ctx.pipeline.schedule is ScheduleKind.ZORSE:
         return {}
-    coupled = [s for s in ctx.pipeline.stages if len(s.lanes) > 1 and s.zero.level >= 2]
+    coupled = [s for s in ctx.pipeline.stages if len(s.lanes) > 1 and s.zero.resolved_level >= 2]
     for stage in coupled:
         shapes = {_queue_shape(policies[(stage.index, lane.index)]) for lane in stage.lanes}
         if len(shapes) > 1:
@@ -144,12 +144,13 @@ def _duration(ctx: LowerContext, op: Op) -> float:
     return {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}[op[0]] * layers
 
 
-_COMPUTE = {"F": Forward, "B": Backward, "I": BackwardInput, "W": BackwardWeight}
+_COMPUTE: dict[str, type[ComputeInstr]] = {"F": Forward, "B": Backward, "I": BackwardInput, "W": BackwardWeight}
 
 
 def _with_loads(ctx: LowerContext, shell, ops: list[Op]):
     """The rank's compute ops, with a `load` before the first use of each microbatch's data."""
-    instrs, loaded = [], set()
+    instrs: list[Instr] = []
+    loaded = set()
     for kind, ms, mb in ops:
         needs_data = kind == "F" and (ctx.starts_model(ms) or ctx.ends_model(ms))
         if needs_data and mb not in loaded:

@@ -62,7 +62,7 @@ def evaluate(prims: Primitives, plan: PlanView) -> Score:
     costs = [StageCosts(prims, plan, s) for s in plan.stages]
     lanes = [t for sc in costs for t in _lane_timings(sc)]
     world = tuple(sorted(g.id for g in plan.gpus))   # the "world" group: ranks in GPU order
-    end = step_end_time(prims.spec.train.grad_clip > 0, lambda nbytes: prims.ring("all_reduce", world, nbytes))
+    end = step_end_time(prims.train.grad_clip > 0, lambda nbytes: prims.ring("all_reduce", world, nbytes))
     if plan.schedule is ScheduleKind.ZORSE:
         total = sequential_time(_zorse_units(costs), plan.num_microbatches)
         busy = max(t.work for t in lanes)

@@ -56,11 +56,17 @@ class PlanResult:
 
     @property
     def step_time_s(self) -> float:
-        return self.estimate.step_time_s if self.estimate is not None else self.score.step_time_s
+        if self.estimate is not None:
+            return self.estimate.step_time_s
+        assert self.score is not None   # a result has an estimate or a score
+        return self.score.step_time_s
 
     @property
     def tokens_per_s(self) -> float:
-        return self.estimate.tokens_per_s if self.estimate is not None else self.score.tokens_per_s
+        if self.estimate is not None:
+            return self.estimate.tokens_per_s
+        assert self.score is not None   # a result has an estimate or a score
+        return self.score.tokens_per_s
 
 
 def _stage_auto(st: StageSpec) -> bool:
@@ -79,11 +85,13 @@ def plan_spec(spec: Spec, profiles: Profiles | None = None, base_dir: Path | Non
               **space_overrides) -> PlanResult:
     """The explicit plan for `spec` (returned as is, estimated, when it has no `auto`)."""
     checked = check_spec(spec, base_dir)
+    assert spec.parallel is not None   # check_spec refuses a spec that is not complete
     goal = Goal.of(spec.parallel.objective)
     if not needs_plan(spec):  # nothing searched: the cost model's estimate at any size
         return PlanResult(spec, checked, goal, None, _estimate(checked, profiles, always=True))
     start = time.perf_counter()
     topo = checked.topology
+    assert topo is not None   # a complete spec has a cluster
     search = Search(spec, topo, profiles, space_from_spec(spec, topo, **space_overrides), goal, limits)
     found = search.run(progress)
     scored = baselines(search)
@@ -110,7 +118,7 @@ def _choose(search: Search, found: list[Found], scored: list[Baseline]) -> tuple
     """The search's best, unless a baseline the spec allows does better."""
     pool = [(f, "planner") for f in found[:1]]
     pool += [(Found(b.candidate, b.score, None), b.name) for b in scored
-             if b.candidate is not None and search.space.fixed.admits(b.candidate)]
+             if b.candidate is not None and b.score is not None and search.space.fixed.admits(b.candidate)]
     if not pool:
         return None, "planner"
     # on a tie the search's own plan stays (it comes first)
@@ -122,6 +130,7 @@ def _estimate(checked: Checked, profiles: Profiles | None, always: bool = False)
     p = checked.pipeline
     if p is None or (p.world_size > FULL_ESTIMATE_RANKS and not always):
         return None
+    assert checked.topology is not None   # a pipeline runs on a cluster
     return CostModel(checked.spec, p, checked.topology, profiles).estimate()
 
 
