@@ -63,16 +63,16 @@ def measure(seed: int, size: int, folder: Path) -> dict:
 
 def section(rows: dict[int, list[dict]], jobs: int) -> str:
     lines = [HEADING, "",
-             f"`benchmarks/plan_agreement.py`: {jobs} random heterogeneous jobs per cluster size "
+             (f"`benchmarks/plan_agreement.py`: {jobs} random heterogeneous jobs per cluster size "
              "(tests/random_jobs.py: 2-4 catalog device kinds, nodes of 2-8 GPUs, slow links between some "
              "groups, dense Llama models of 125 M to 70 B parameters, sequence 1k-8k, `schedule = auto`), "
              "each planned with the planner's own limits, then compiled, verified and simulated. "
              "`agrees`: explain's step within 10 % of the compiled simulation and every rank's memory within "
              "10 % of the compiled peak. `bound`: compiled steps within 10 % of the lower bound of "
              "docs/costmodel.md, which counts the pipeline only (no gradient sync or optimizer step after "
-             "the flush), so a step with a long tail is far from it. Gaps are explain / compiled − 1.", "",
-             "| GPUs (at most) | planned | agree | nothing fits | refused by the check | worst step gap | "
-             "worst memory gap | within 10 % of the bound |", "|---|---|---|---|---|---|---|---|"]
+             "the flush), so a step with a long tail is far from it. Gaps are explain / compiled − 1."), "",
+             ("| GPUs (at most) | planned | agree | nothing fits | refused by the check | worst step gap | "
+             "worst memory gap | within 10 % of the bound |"), "|---|---|---|---|---|---|---|---|"]
     for size, got in rows.items():
         planned = [r for r in got if r["outcome"] in ("agrees", "gap")]
         agree = sum(r["outcome"] == "agrees" for r in planned)

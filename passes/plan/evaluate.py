@@ -74,7 +74,7 @@ def evaluate(prims: Primitives, plan: PlanView) -> Score:
     end = step_end_time(prims.train.grad_clip > 0, lambda nbytes: prims.ring("all_reduce", world, nbytes))
     if plan.schedule is ScheduleKind.ZORSE:
         total = sequential_time(_zorse_units(costs), plan.num_microbatches,
-                                not interleaved_update(plan.schedule, prims.spec.train.grad_clip))
+                                not interleaved_update(plan.schedule, prims.train.grad_clip))
         busy = max(t.work for t in lanes)
         pipe, bubble, tail = total, max(0.0, total - busy), end
     else:

@@ -184,7 +184,7 @@ class StageCosts:
         params_each = [n * p.states.params for n in self.ms_numel]
         params, largest = sum(params_each), max(params_each)
         prefetch = self.plan.prefetch
-        clip = p.spec.train.grad_clip
+        clip = p.train.grad_clip
         resident = resident_params(self.plan.schedule, clip, params, largest, prefetch) if off.params else params
         grads_sharded = sum(n * p.states.grads for n in self.ms_numel) * shard.grads
         grads = grads_sharded
