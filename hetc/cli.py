@@ -25,7 +25,7 @@ BROKEN_PIPE_STATUS = 128 + 13
 
 # verb modules, in the order `hetc --help` lists them
 VERBS = ["demo", "check", "fmt", "plan", "compile", "verify", "run", "viz", "explain", "profile", "calibrate",
-         "import_", "data"]
+         "import_", "export", "data"]
 
 
 class UsageError(Exception):

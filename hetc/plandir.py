@@ -38,7 +38,8 @@ def listing_name(rank: int) -> str:
 
 
 def portable_spec(spec: Spec, spec_dir: Path, out_dir: Path) -> Spec:
-    """The spec with its data paths (training and eval) rewritten relative to the plan directory."""
+    """The spec with its data paths (training and eval) and its model's hf directory rewritten relative to
+    the plan directory."""
 
     def moved(data: DataSpec, path: str) -> str:
         if not path or os.path.isabs(path):
@@ -49,6 +50,10 @@ def portable_spec(spec: Spec, spec_dir: Path, out_dir: Path) -> Spec:
         if data is None or data.kind is DataKind.SYNTHETIC:
             return data
         return dataclasses.replace(data, path=moved(data, data.path), tokenizer=moved(data, data.tokenizer))
+    model = spec.model
+    if model is not None and model.hf and not os.path.isabs(model.hf):
+        hf = os.path.relpath(model.hf_dir(spec_dir).resolve(), out_dir.resolve())
+        spec = dataclasses.replace(spec, model=dataclasses.replace(model, hf=hf))
     train = dataclasses.replace(spec.train, data=portable(spec.train.data), eval=portable(spec.train.eval))
     return dataclasses.replace(spec, train=train)
 

@@ -89,17 +89,37 @@ def _unique(nodes, what: str, errors) -> None:
 def _check_model(spec: Spec, errors) -> None:
     m = spec.model
     assert m is not None   # _check calls it only then
-    if m.hidden % m.heads:
+    if m.hidden % m.heads and m.head_dim is None:
         errors.append(Diagnostic(m.span_of("hidden"), f"hidden ({m.hidden}) is not divisible by heads ({m.heads})"))
     if m.heads % m.num_kv_heads:
         errors.append(Diagnostic(m.span_of("kv_heads"), f"heads ({m.heads}) is not divisible by kv_heads "
                                  f"({m.num_kv_heads})"))
-    if m.arch.value == "llama" and (m.hidden // m.heads) % 2:
+    if m.arch.value == "llama" and m.head_dim is None and (m.hidden // m.heads) % 2:
         errors.append(Diagnostic(m.span_of("heads"), f"the head size hidden / heads = {m.hidden} / {m.heads} = "
                                  f"{m.hidden // m.heads} must be even for rotary embeddings (llama)"))
+    elif m.arch.value == "llama" and m.head_size % 2:
+        errors.append(Diagnostic(m.span_of("head_dim"), f"head_dim ({m.head_size}) must be even for rotary "
+                                 "embeddings (llama)"))
+    _check_init(m, errors)
     if m.moe is not None and m.moe.top_k > m.moe.experts:
         errors.append(Diagnostic(m.moe.span_of("top_k"), f"top_k ({m.moe.top_k}) exceeds the number of "
                                  f"experts ({m.moe.experts})"))
+
+
+def _check_init(m, errors) -> None:
+    """Pretrained weights need an hf directory whose safetensors are exactly the model's (headers only)."""
+    from hetc.spec import InitKind
+
+    if m.init is InitKind.PRETRAINED and not m.hf_has_weights:
+        why = "the model has no hf directory" if not m.hf else f"'{m.hf}' holds no safetensors"
+        errors.append(Diagnostic(m.span_of("init"), f"init = pretrained, but {why}"))
+    elif m.wants_pretrained:
+        from hetc.hf.weights import model_weight_problems
+
+        problems = model_weight_problems(m, m.hf_dir())
+        if problems:
+            errors.append(Diagnostic(m.span_of("hf"), f"the safetensors in '{m.hf}' do not fit the model: "
+                                     + "; ".join(problems[:4]) + (" ..." if len(problems) > 4 else "")))
 
 
 def _check_train(spec: Spec, base_dir: Path | None, errors) -> None:

@@ -169,6 +169,12 @@ class FlatParams:
         if not self.master_is_compute:
             self.compute_shard.copy_(self.master)
 
+    def load(self, full: Tensor) -> None:
+        """Set every parameter from `full`, the whole fp32 flat buffer (initial weights from a file)."""
+        self.compute.copy_(full.to(self.compute.dtype))
+        if not self.master_is_compute:
+            self.master.copy_(full[self.layout.shard_range(self.shard_index)])
+
     def zero_grad(self) -> None:
         self.grad.zero_()
 

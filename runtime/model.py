@@ -46,6 +46,7 @@ __all__ = [
     "build_layer",
     "build_ministage",
     "compute_dtype",
+    "full_shapes",
     "init_layer",
 ]
 
@@ -93,6 +94,16 @@ def build_layer(model: ModelSpec, idx: int, *, seed: int, shard: TPShard = NO_SH
     layer.to_empty(device=device)
     init_layer(layer, model, idx, seed)
     return layer
+
+
+def full_shapes(model: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Every parameter of the whole model (global names) with its full shape; built on the meta device."""
+    ends = (0, model.layers + 1)
+    with torch.device("meta"):      # blocks are alike: build one
+        built = {idx: shard_infos(_construct(model, idx, NO_SHARD, ALL_EXPERTS)) for idx in (*ends, 1)}
+    return {f"{model.layer_name(idx)}.{name}": info.full_shape
+            for idx in range(model.num_model_layers)
+            for name, info in built[idx if idx in ends else 1].items()}
 
 
 def _initial_value(owner: nn.Module, name: str, shape: tuple[int, ...], model: ModelSpec,
@@ -155,7 +166,7 @@ class Ministage(nn.Module):
         for i, name in zip(layers, self.layer_names):
             self.add_module(name, build_layer(model, i, seed=seed, shard=shard, device=device, experts=experts))
         has_block = any(isinstance(layer, Block) for layer in self.layers.values())
-        self.rotary = Rotary(model.hidden // model.heads, model.rope_theta, device) \
+        self.rotary = Rotary(model.head_size, model.rope_theta, device, model.rope_scaling) \
             if model.arch is Arch.LLAMA and has_block else None
         self.full_checkpoint = model.activation_checkpoint is Checkpointing.FULL
         for attention in self.modules():

@@ -67,9 +67,11 @@ def compile_spec(spec_path: Path, dump_after: str | None = None, on_dump=None, p
         from hetc.passes.plan.planner import plan_checked
 
         checked = plan_checked(loaded.spec, loaded.path.parent, profiles)
-    program = lower(checked.spec, checked.pipeline, dump_after, on_dump)
+    # the schedule is timed with the cost model that predicts and verifies it (Note [in-flight limit])
+    costs = CostModel(checked.spec, checked.pipeline, checked.topology, profiles)
+    program = lower(checked.spec, checked.pipeline, dump_after, on_dump, costs)
     try:
-        costs, timeline = predict(program, checked, profiles)
+        costs, timeline = predict(program, checked, profiles, costs)
         evaluation = verified_evaluation(program, checked.pipeline, checked.spec)
         eval_timeline = None if evaluation is None else simulate(evaluation, checked.pipeline, checked.spec, costs)
     except CostError as err:
@@ -77,21 +79,20 @@ def compile_spec(spec_path: Path, dump_after: str | None = None, on_dump=None, p
     except VerifyError as err:
         if err.check != "memory":
             raise
-        raise SpecError(_memory_overflows(program, checked, profiles, err)) from None
+        raise SpecError(_memory_overflows(program, checked, costs, err)) from None
     return Compiled(loaded, checked, program, costs, timeline, eval_timeline)
 
 
-def _memory_overflows(program: Program, checked, profiles, err: VerifyError) -> list[Diagnostic]:
+def _memory_overflows(program: Program, checked, costs: CostModel, err: VerifyError) -> list[Diagnostic]:
     """The plan's fault, not lowering's: one located summary per stage (passes/validate_fit.py)."""
-    costs = CostModel(checked.spec, checked.pipeline, checked.topology, profiles)
     peaks = rank_peaks(program, checked.pipeline, costs)
     return peak_overflows(checked.spec, checked.pipeline, peaks) or [
         Diagnostic(checked.spec.parallel.span, f"the plan does not fit in device memory:\n{err.render()}")]
 
 
-def predict(program: Program, checked, profiles=None):
+def predict(program: Program, checked, profiles=None, costs: CostModel | None = None):
     """(the CostModel, the predicted Timeline) of verified-to-be `program`: `compile` and `viz --profile`."""
-    costs = CostModel(checked.spec, checked.pipeline, checked.topology, profiles)
+    costs = costs or CostModel(checked.spec, checked.pipeline, checked.topology, profiles)
     verify(program, checked.pipeline, checked.spec, costs)
     return costs, simulate(program, checked.pipeline, checked.spec, costs, plan_facts(checked))
 

@@ -30,9 +30,11 @@ from functools import cached_property
 
 from hetc.errors import InternalError
 from hetc.layout import Range, boundary_ranges, held_length, transfers
+from hetc.passes.cost import CostModel
 from hetc.pipeline import Lane, Pipeline, Stage
 from hetc.program import Group, Instr, RankProgram, Tensor
 from hetc.spec import CPKind, Spec, ZeroShard
+from hetc.topology import Topology
 
 __all__ = ["LowerContext", "Message", "RankPlace", "next_handle"]
 
@@ -64,15 +66,25 @@ class Message:
 
 
 class LowerContext:
-    def __init__(self, spec: Spec, pipeline: Pipeline):
+    def __init__(self, spec: Spec, pipeline: Pipeline, costs: CostModel | None = None):
         self.spec = spec
         self.pipeline = pipeline
+        self._costs = costs
         assert spec.model is not None and spec.train is not None and spec.parallel is not None   # checked
         self.model = spec.model
         self.train = spec.train
         self.parallel = spec.parallel
         self.grad_clip = spec.train.grad_clip
         self._messages: dict[tuple[Tensor, int, int], tuple[Message, ...]] = {}
+
+    @cached_property
+    def costs(self) -> CostModel:
+        """The cost model the schedule is timed with (the catalog's arithmetic unless one is given)."""
+        return self._costs or CostModel(self.spec, self.pipeline, Topology(self.spec))
+
+    def in_flight_limit(self, stage: int) -> int:
+        """Microbatches each lane of `stage` keeps in flight (Note [in-flight limit], passes/cost)."""
+        return self.costs.in_flight_limits[stage]
 
     @cached_property
     def places(self) -> tuple[RankPlace, ...]:

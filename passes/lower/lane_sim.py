@@ -58,10 +58,20 @@ class Policy:
         w = self.w_order[self.wi] if self.wi < min(len(self.w_order), self.bi) else None
         if self.limit is None:
             return [f] if f is not None else ([b] if b is not None else [])
-        in_flight = -(-self.fi // self.per_unit) - self.bi // self.per_unit
+        # a microbatch's activations stay stashed until its last backward op (W under zero-bubble): it is
+        # in flight until then, so ZB-H1 keeps 1F1B's peak memory (Note [in-flight limit], passes/cost)
+        done = self.wi if self.w_order else self.bi
+        in_flight = -(-self.fi // self.per_unit) - done // self.per_unit
         forward_allowed = f is not None and (in_flight < self.limit or self.fi % self.per_unit)
+        # ZB-H1: 1F1B's order with B split; a weight gradient that holds the next forward back comes first
+        # (F, I, W, F, ...), the others fill the cooldown behind the input gradients
+        by_input = -(-self.fi // self.per_unit) - self.bi // self.per_unit
+        first, then = (w, b) if f is not None and by_input < self.limit else (b, w)
+        backs = [op for op in (first, then) if op is not None]
         if self.forward_first and not self.bi % self.per_unit:
-            return [f] if forward_allowed and f is not None else ([b] if b is not None else [])
+            return [f] if forward_allowed and f is not None else backs
+        if self.w_order:   # the same preferences, without waiting for a forward whose input is late
+            return ([f] if forward_allowed and f is not None else []) + backs
         out = [b] if b is not None else []
         if forward_allowed and f is not None:
             out.append(f)

@@ -49,7 +49,8 @@ def _order(ctx: LowerContext, strict: bool) -> Program:
     lanes = [(stage, lane) for stage in ctx.pipeline.stages for lane in stage.lanes]
     policies = {(s.index, lane.index): lane_policy(ctx.pipeline, s, lane) for s, lane in lanes}
     for policy in policies.values():
-        policy.forward_first = strict and kind in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED)
+        policy.forward_first = strict and kind in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED,
+                                                   ScheduleKind.ZB)
     split = kind is ScheduleKind.ZB
     orders = simulate(policies, lambda op: _deps(ctx, op, split), lambda op: _duration(ctx, op),
                       _coupled_lanes(ctx, policies), lift_limits=not strict)
@@ -82,7 +83,7 @@ def lane_policy(pipeline: Pipeline, stage: Stage, lane: Lane) -> Policy:
     if kind is ScheduleKind.GPIPE:
         return Policy(f, b)
     w = [("W", ms, mb) for _, ms, mb in b] if kind is ScheduleKind.ZB else []
-    return Policy(f, b, w, limit=downstream, per_unit=len(own))
+    return Policy(f, b, w, limit=ctx.in_flight_limit(stage.index), per_unit=len(own))
 
 
 def _interleaved_orders(pipeline: Pipeline, own: list[int], mbs: list[int], group: int

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from hetc.errors import InternalError
 from hetc.passes.cost import CostModel, Estimate, Profiles
 from hetc.passes.plan.baselines import Baseline, baselines
 from hetc.passes.plan.candidate import Candidate
@@ -92,6 +93,7 @@ def plan_spec(spec: Spec, profiles: Profiles | None = None, base_dir: Path | Non
     planned = check_spec(explicit, base_dir)
     estimate = _estimate(planned, profiles)
     _cross_check(best.score, estimate)
+    _check_winner(planned, profiles, chosen)
     return PlanResult(explicit, planned, goal, best.score, estimate, best.candidate, tuple(scored), chosen,
                       time.perf_counter() - start, search.visited)
 
@@ -122,6 +124,33 @@ def _estimate(checked: Checked, profiles: Profiles | None, always: bool = False)
         return None
     assert checked.topology is not None   # a pipeline runs on a cluster
     return CostModel(checked.spec, p, checked.topology, profiles).estimate()
+
+
+# Note [the planner checks its winner]: the chosen plan is lowered and verified (deadlock-freedom,
+# dataflow, every rank's memory against its device) before it is printed, so `hetc plan` never prints a
+# plan that `hetc compile` refuses. A refusal is the cost model and the compiled program disagreeing,
+# a bug in hetc, not the user's: it is an InternalError naming the plan and the verifier's finding.
+# Lowering and verifying costs about 0.3 ms of CPU per compute op of one lane (a microbatch through a
+# ministage); above CHECK_OPS of them (specs/zorse/c_auto.het: 14k, 4 s) the check would take longer than
+# the search itself, and the agreement test and benchmark (benchmarks/plan_agreement.py) check such plans.
+CHECK_OPS = 8192
+
+
+def _check_winner(checked: Checked, profiles: Profiles | None, chosen: str) -> None:
+    from hetc.agreement import build
+    from hetc.passes.verify import VerifyError
+
+    p = checked.pipeline
+    if p is None or p.num_microbatches * len(p.ministages) > CHECK_OPS:
+        return
+    try:
+        build(checked, profiles, simulated=False)
+    except VerifyError as err:
+        what = "does not fit in device memory" if err.check == "memory" else f"fails the {err.check} check"
+        raise InternalError(f"the plan hetc plan chose ({chosen}) {what} once compiled, though its cost model "
+                            f"said it fits; this is a bug in hetc's cost model or lowering:\n" +
+                            "\n".join(f"  {f}" for f in err.findings[:4])
+                            ) from None
 
 
 def _cross_check(score: Score, estimate: Estimate | None) -> None:
