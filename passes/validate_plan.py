@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hetc.errors import Diagnostic, InternalError
-from hetc.passes.lower.schedule import LockstepReason, lane_policy, lockstep_groups, queue_shape
+from hetc.passes.lower.schedule import LockstepReason, lane_queues, lockstep_groups, queue_shape
 from hetc.pipeline import Lane, Pipeline, Stage
 from hetc.runtime.checks import check_tied_embeddings
 from hetc.spec import CPKind, ModelSpec, ParallelSpec, Spec, StageSpec, TrainSpec
@@ -73,7 +73,7 @@ def _check_rank_order(st: StageSpec, stage: Stage, errors: list[Diagnostic]) -> 
 
 def _check_lockstep(spec: Spec, pipeline: Pipeline, errors: list[Diagnostic]) -> None:
     for group in lockstep_groups(pipeline, plan_blocks(spec)[0]):
-        shapes = [queue_shape(lane_policy(pipeline, group.stage, lane)) for lane in group.lanes]
+        shapes = [queue_shape(lane_queues(pipeline, group.stage, lane)) for lane in group.lanes]
         odd = next((lane for lane, shape in zip(group.lanes, shapes) if shape != shapes[0]), None)
         if odd is not None:
             errors.append(_lockstep_error(spec, pipeline, group.stage, group.reason, (group.lanes[0], odd)))

@@ -26,7 +26,7 @@ from hetc.pipeline import Lane, Pipeline, Stage
 from hetc.program import Backward, BackwardInput, BackwardWeight, ComputeInstr, Forward, Instr, Load, Program
 from hetc.spec import ModelSpec, ScheduleKind
 
-__all__ = ["Lockstep", "LockstepReason", "Op", "lane_policy", "lockstep_groups", "order_compute", "queue_shape"]
+__all__ = ["Lockstep", "LockstepReason", "Op", "lane_queues", "lockstep_groups", "order_compute", "queue_shape"]
 
 
 def order_compute(ctx: LowerContext) -> Program:
@@ -47,7 +47,7 @@ def order_compute(ctx: LowerContext) -> Program:
 def _order(ctx: LowerContext, strict: bool) -> Program:
     kind = ctx.pipeline.schedule
     lanes = [(stage, lane) for stage in ctx.pipeline.stages for lane in stage.lanes]
-    policies = {(s.index, lane.index): lane_policy(ctx.pipeline, s, lane) for s, lane in lanes}
+    policies = {(s.index, lane.index): _policy(ctx, s, lane) for s, lane in lanes}
     for policy in policies.values():
         policy.forward_first = strict and kind in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED,
                                                    ScheduleKind.ZB)
@@ -61,29 +61,33 @@ def _order(ctx: LowerContext, strict: bool) -> Program:
     return Program(tuple(programs), ctx.groups)
 
 
-def lane_policy(pipeline: Pipeline, stage: Stage, lane: Lane) -> Policy:
-    """The queues of ops `lane` of `stage` runs under the pipeline's schedule, and its in-flight limit."""
+def lane_queues(pipeline: Pipeline, stage: Stage, lane: Lane) -> tuple[list[Op], list[Op], list[Op]]:
+    """The forward, backward and weight-gradient queues `lane` of `stage` runs under the pipeline's schedule."""
     kind = pipeline.schedule
     own = list(stage.ministages)
     mbs = list(lane.microbatches)
-    bkind = "I" if kind is ScheduleKind.ZB else "B"
-    num_stages = len(pipeline.stages)
-    downstream = num_stages - stage.index
     if kind is ScheduleKind.ZORSE:
-        f = [("F", ms, mb) for ms in own for mb in mbs]
-        b = [("B", ms, mb) for ms in reversed(own) for mb in mbs]
-        return Policy(f, b)
+        return [("F", ms, mb) for ms in own for mb in mbs], [("B", ms, mb) for ms in reversed(own) for mb in mbs], []
     if kind is ScheduleKind.INTERLEAVED:
-        f, b = _interleaved_orders(pipeline, own, mbs, num_stages)
-        v = len(own)
-        limit = (downstream - 1) * 2 + (v - 1) * num_stages + 1
-        return Policy(f, b, limit=limit)
+        f, b = _interleaved_orders(pipeline, own, mbs, len(pipeline.stages))
+        return f, b, []
+    bkind = "I" if kind is ScheduleKind.ZB else "B"
     f = [("F", ms, mb) for mb in mbs for ms in own]
     b = [(bkind, ms, mb) for mb in mbs for ms in reversed(own)]
-    if kind is ScheduleKind.GPIPE:
-        return Policy(f, b)
     w = [("W", ms, mb) for _, ms, mb in b] if kind is ScheduleKind.ZB else []
-    return Policy(f, b, w, limit=ctx.in_flight_limit(stage.index), per_unit=len(own))
+    return f, b, w
+
+
+def _policy(ctx: LowerContext, stage: Stage, lane: Lane) -> Policy:
+    """The lane's queues with the schedule's in-flight limit."""
+    kind, num_stages = ctx.pipeline.schedule, len(ctx.pipeline.stages)
+    f, b, w = lane_queues(ctx.pipeline, stage, lane)
+    if kind in (ScheduleKind.ZORSE, ScheduleKind.GPIPE):
+        return Policy(f, b)
+    if kind is ScheduleKind.INTERLEAVED:
+        downstream, v = num_stages - stage.index, len(stage.ministages)
+        return Policy(f, b, limit=(downstream - 1) * 2 + (v - 1) * num_stages + 1)
+    return Policy(f, b, w, limit=ctx.in_flight_limit(stage.index), per_unit=len(stage.ministages))
 
 
 def _interleaved_orders(pipeline: Pipeline, own: list[int], mbs: list[int], group: int
@@ -117,7 +121,8 @@ def _coupled_lanes(ctx: LowerContext, policies: dict) -> list[tuple[tuple[int, i
     out = []
     for group in lockstep_groups(ctx.pipeline, ctx.model):
         keys = tuple((group.stage.index, lane.index) for lane in group.lanes)
-        if len({queue_shape(policies[key]) for key in keys}) > 1:
+        if len({queue_shape((policies[key].f_order, policies[key].b_order, policies[key].w_order))
+                for key in keys}) > 1:
             raise InternalError(f"lanes {keys} move in lockstep but queue different ops")
         out.append(keys)
     return out
@@ -153,10 +158,9 @@ def _has_moe_block(pipeline: Pipeline, model: ModelSpec, stage: Stage) -> bool:
                                          for layer in pipeline.ministages[ms].layers)
 
 
-def queue_shape(policy: Policy) -> tuple:
+def queue_shape(queues: tuple[list[Op], list[Op], list[Op]]) -> tuple:
     """The (kind, ministage) sequence of each of a lane's queues: what lanes in lockstep must share."""
-    return tuple(tuple((kind, ms) for kind, ms, _ in queue) for queue in (policy.f_order, policy.b_order,
-                                                                           policy.w_order))
+    return tuple(tuple((kind, ms) for kind, ms, _ in queue) for queue in queues)
 
 
 def _deps(ctx: LowerContext, op: Op, split_backward: bool) -> list[Op]:
