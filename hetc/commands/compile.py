@@ -17,7 +17,7 @@ from hetc.passes.verify import VerifyError, verify
 from hetc.plandir import write_plan_dir
 from hetc.program import Program
 
-__all__ = ["Compiled", "compile_spec", "register"]
+__all__ = ["Compiled", "compile_spec", "register", "write_compiled"]
 
 log = logging.getLogger("hetc.compile")
 
@@ -83,6 +83,22 @@ def plan_facts(checked) -> list[tuple[str, str]]:
     return facts
 
 
+def write_compiled(compiled: Compiled, out: Path) -> dict:
+    """Write the plan directory `out` of `compiled`; return its summary."""
+    pipeline, program = compiled.pipeline, compiled.program
+    exports = {tp.name: tp.csv() for tp in torch_pipelines(program, pipeline)}
+    summary = {"ranks": program.world_size, "stages": len(pipeline.stages),
+               "ministages": len(pipeline.ministages), "microbatches": pipeline.num_microbatches,
+               "schedule": pipeline.schedule.value,
+               "instructions": sum(len(r.instrs) for r in program.ranks)}
+    step = compiled.timeline.step_time
+    tokens = compiled.checked.spec.train.global_batch * compiled.checked.spec.model.seq
+    summary.update(step_time_s=step, tokens_per_s=tokens / step if step > 0 else 0.0)
+    write_plan_dir(out, compiled.checked.spec, compiled.loaded.path.parent, program, exports,
+                   compiled.timeline.to_json(), summary)
+    return summary
+
+
 def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
 
@@ -100,17 +116,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"hetc compile: the lowered programs are unsafe (a bug in hetc's lowering):\n{err.render()}",
               file=sys.stderr)
         return 1
-    pipeline, program = compiled.pipeline, compiled.program
-    exports = {tp.name: tp.csv() for tp in torch_pipelines(program, pipeline)}
-    summary = {"ranks": program.world_size, "stages": len(pipeline.stages),
-               "ministages": len(pipeline.ministages), "microbatches": pipeline.num_microbatches,
-               "schedule": pipeline.schedule.value,
-               "instructions": sum(len(r.instrs) for r in program.ranks)}
-    step = compiled.timeline.step_time
-    tokens = compiled.checked.spec.train.global_batch * compiled.checked.spec.model.seq
-    summary.update(step_time_s=step, tokens_per_s=tokens / step if step > 0 else 0.0)
-    write_plan_dir(args.out, compiled.checked.spec, compiled.loaded.path.parent, program, exports,
-                   compiled.timeline.to_json(), summary)
+    summary = write_compiled(compiled, args.out)
+    program, step = compiled.program, compiled.timeline.step_time
     took = time.perf_counter() - start
     print(f"compiled {args.spec}: {program.world_size} ranks, {summary['instructions']} instructions, "
           f"verified; predicted {step * 1e3:.2f} ms/step ({summary['tokens_per_s']:,.0f} tokens/s) "
