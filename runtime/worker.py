@@ -170,8 +170,8 @@ def _train(plan_dir: Path, opts: RunOptions, rank: int, spec, pipeline, program,
     data = make_data_source(spec.model, spec.train, plan_dir)
     rt = build_rank(spec, pipeline, program, rank, groups, data, device)
     saver = _checkpointer(rt, opts, timeout)
-    if hooks.on_resumed is not None:
-        dist.barrier()      # the load time below is the load's, not the wait for the last rank to start
+    if opts.elastic:        # every rank: the load time below is the load's, not the wait for the last rank to start
+        dist.barrier()
     loading = time.perf_counter()
     start = _resume(rt, opts) if opts.resume else 0
     if hooks.on_resumed is not None:

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Agent", "metrics_records", "start_agent", "wait_for", "wait_listening"]
+__all__ = ["Agent", "metrics_records", "start_agent", "start_launched", "wait_for", "wait_listening"]
 
 ROOT = Path(__file__).resolve().parent.parent
 # Short rendezvous timeouts: a survivor's next round closes 2 s after the
@@ -75,6 +75,17 @@ def start_agent(name: str, nproc: int, port: int, args: list[str], out: Path, nn
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
+    return Agent(name, proc, log)
+
+
+def start_launched(name: str, node: str, port: int, target: Path, run_args: list[str], out: Path) -> Agent:
+    """`hetc launch TARGET --node NODE` as a node (torchrun with the node's own process count)."""
+    log = out / f"{name}.log"
+    cmd = [sys.executable, "-m", "hetc", "launch", str(target), "--node", node, "--rdzv", f"127.0.0.1:{port}",
+           "--local-addr", "127.0.0.1", "--run-args", *run_args]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)
     return Agent(name, proc, log)
 
 
