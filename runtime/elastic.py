@@ -37,8 +37,8 @@ from pathlib import Path
 from hetc.errors import SpecError
 from hetc.plandir import read_plan, read_program
 from hetc.runtime.placement import Process, discover, node_label, place
-from hetc.runtime.worker import (Launch, RunOptions, discovery_device, launch_env, process_start_time,
-                                 rendezvous_store, run_placed)
+from hetc.runtime.local import process_start_time
+from hetc.runtime.worker import Launch, RunOptions, discovery_device, launch_env, rendezvous_store, run_placed
 from hetc.spec import Spec
 from hetc.topology import Topology
 

@@ -16,8 +16,9 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-__all__ = ["LAUNCHER_ENV", "NODE_ENV", "free_port", "spawn_local"]
+__all__ = ["LAUNCHER_ENV", "NODE_ENV", "free_port", "process_start_time", "spawn_local"]
 
 GRACE_S = 45.0
 LAUNCHER_ENV = "HETC_LOCAL_LAUNCHER"   # set in the ranks `--local` starts: the launcher speaks for them
@@ -28,6 +29,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def process_start_time() -> float | None:
+    """When this process started (wall clock; from /proc and the boot-time clock on Linux, else None)."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        since_boot = time.clock_gettime(time.CLOCK_BOOTTIME)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    return time.time() - (since_boot - ticks / os.sysconf("SC_CLK_TCK"))
 
 
 def spawn_local(world: int, argv: list[str], places: list[tuple[str, int]] | None = None) -> int:

@@ -28,11 +28,11 @@ from hetc.runtime.placement import ClusterMismatch, discover, local_process, pla
 from hetc.runtime.preempt import PREEMPTED_STATUS, Preemption
 from hetc.runtime.report import Reporter
 from hetc.runtime.setup import build_rank
-from hetc.runtime.watchdog import Watchdog, store_client
+from hetc.runtime.watchdog import Watchdog, attempt_prefix, store_client
 from hetc.spec import DeviceSpec
 
 __all__ = ["EnvError", "Launch", "PeerFailure", "RunOptions", "describe_latest", "launch_env",
-           "process_start_time", "rendezvous_store", "run_placed", "run_worker"]
+           "rendezvous_store", "run_placed", "run_worker"]
 
 log = logging.getLogger("hetc.runtime")
 
@@ -90,9 +90,10 @@ def rendezvous_store(launch: Launch, timeout_s: float):
     """The store the processes meet in: the agent's (torchrun's default, `--local`), or one that launch
     rank 0 hosts (torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), as torch's env:// would."""
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=launch.world,
-                         is_master=not agent_store and launch.rank == 0, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout_s))
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=launch.world,
+                          is_master=not agent_store and launch.rank == 0, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.PrefixStore(attempt_prefix(), store)
 
 
 def discovery_device() -> torch.device:
@@ -205,17 +206,6 @@ def _train(plan_dir: Path, opts: RunOptions, rank: int, spec, pipeline, program,
 class _Hooks:
     on_resumed: Callable[[int, float], None] | None = None
     on_first_step: Callable[[], None] | None = None
-
-
-def process_start_time() -> float | None:
-    """When this process started (wall clock, from /proc on Linux; None elsewhere)."""
-    try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime"))
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
-    return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _checkpointer(rt, opts: RunOptions, timeout: datetime.timedelta):

@@ -65,12 +65,13 @@ class Agent:
 
 
 def start_agent(name: str, nproc: int, port: int, args: list[str], out: Path, nnodes: str = "2",
-                max_restarts: int = 0, env: dict | None = None) -> Agent:
+                max_restarts: int = 0, env: dict | None = None, entry: tuple[str, ...] = ("-m", "hetc")) -> Agent:
+    """torchrun of `entry` (default `-m hetc`) with `args`, as node `name` of `nproc` processes."""
     log = out / f"{name}.log"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
            "--max-restarts", str(max_restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
            "--rdzv-conf", RDZV_CONF, "--local-addr", "127.0.0.1", "--monitor-interval", "0.5",
-           "-m", "hetc", *args]
+           *entry, *args]
     full_env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **(env or {}))
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=f, stderr=subprocess.STDOUT,
