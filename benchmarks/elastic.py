@@ -118,8 +118,10 @@ def render(hetc: list[dict], bare: list[dict]) -> str:
                   f"**{statistics.median(own):.2f} s** (target under 3 s: {'met' if max(own) < 3 else 'not met'}).",
               "*detection + restart* for hetc includes the survivors naming the dead rank "
               "(runtime/watchdog.py waits 3 s for heartbeats to settle) before they exit; *worker start* "
-              "is mostly `import torch`, slow on the shared cores. *first step* holds placement by "
-              "discovery, the process groups, building the model and the step itself."]
+              "is `import torch` for both and, for hetc, importing its front-end, compiler passes and "
+              "runtime (slow on the shared cores). *first step* holds, for hetc, placement by discovery, "
+              "the process groups, building the model and the step itself; for bare torchrun, "
+              "`init_process_group` and one all-reduce."]
     return "\n".join(lines) + "\n"
 
 

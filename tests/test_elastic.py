@@ -172,3 +172,8 @@ def test_launch_of_a_spec_runs_it_elastically(capsys):
 def test_launch_of_a_node_the_plan_lacks_is_a_usage_error(node, message, mixed_plan, capsys):
     assert hetc_main(["launch", str(mixed_plan), "--node", node, "--rdzv", "127.0.0.1:29500", "--print"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_launch_of_a_spec_without_checkpoints_is_a_usage_error(capsys):
+    assert hetc_main(["launch", str(MIXED / "auto.het"), "--node", "big[0]", "--print"]) == 2
+    assert "add `--run-args --checkpoint DIR --every N`" in capsys.readouterr().err

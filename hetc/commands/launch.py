@@ -39,8 +39,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("target", type=Path, metavar="PLAN_OR_SPEC",
                    help="a plan directory (runs as compiled) or a spec (runs with --elastic)")
     p.add_argument("--node", required=True, metavar="GROUP[i]", help="the node this machine is, e.g. big[0]")
-    p.add_argument("--rdzv", required=True, metavar="HOST:PORT",
-                   help="the rendezvous endpoint every node uses (one of the nodes)")
+    p.add_argument("--rdzv", default="127.0.0.1:29500", metavar="HOST:PORT",
+                   help="the rendezvous endpoint every node uses, on one of the nodes (default 127.0.0.1:29500: "
+                        "every node on this machine)")
     p.add_argument("--rdzv-id", default="hetc", metavar="ID", help="the job's rendezvous id (the same on every node)")
     p.add_argument("--nnodes", metavar="N|MIN:MAX",
                    help="nodes in the job (default: the plan's nodes; for a spec 1:all of the cluster's)")
@@ -74,6 +75,9 @@ def torchrun_command(args: argparse.Namespace) -> tuple[dict[str, str], list[str
         raise UsageError(f"--rdzv wants HOST:PORT; got '{args.rdzv}'")
     elastic = args.target.is_file()
     nproc, nodes = _spec_node(args.target, node) if elastic else _plan_node(args.target, node)
+    if elastic and not {"--checkpoint", "--every"} <= set(args.run_args):
+        raise UsageError("a spec runs elastically and resumes from checkpoints: add "
+                         "`--run-args --checkpoint DIR --every N`")
     restarts = args.max_restarts if args.max_restarts is not None else (3 if elastic else 0)
     argv = ["--nnodes", args.nnodes or (f"1:{nodes}" if elastic else str(nodes)), "--nproc-per-node", str(nproc),
             "--max-restarts", str(restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv,
