@@ -2,6 +2,11 @@
 
 Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT like any
 torch.distributed program (torchrun sets them; `hetc run --local` too).
+RANK is only the launch order: placement by discovery (runtime/placement.py)
+decides which GPU of the plan this process runs, and the process group is
+created with the plan's ranks. SIGTERM stops every rank after the same step
+with a checkpoint (runtime/preempt.py); saves are asynchronous
+(Note [Async saves]).
 """
 
 from __future__ import annotations
@@ -179,25 +184,20 @@ def _train(plan_dir: Path, opts: RunOptions, rank: int, spec, pipeline, program,
         hooks.on_resumed(start, time.perf_counter() - loading)
     reporter = Reporter(rank, spec, pipeline, program, opts, device, append=start > 0)
     steps = spec.train.steps if opts.steps is None else opts.steps
-    try:
-        for step in range(start, steps):
-            traced = opts.trace is not None and step == steps - 1
-            result = rt.interpreter.run_step(step, trace=traced)
-            reporter.step(step, steps, result)
-            if step == start and hooks.on_first_step is not None:
-                hooks.on_first_step()
-            if preemption.should_stop(step + 1) and step + 1 < steps:
-                return _preempted(saver, rank, step + 1)
-            if saver is not None and _saves_after(opts, step + 1, steps):
-                saver.save(step + 1)
-            elif saver is not None:
-                saver.poll()
-        if saver is not None:
-            saver.wait()
-    except KeyboardInterrupt:
-        if rank == 0:
-            print(f"hetc run: interrupted; {describe_latest(opts.checkpoint)}", file=sys.stderr, flush=True)
-        raise
+    for step in range(start, steps):
+        traced = opts.trace is not None and step == steps - 1
+        result = rt.interpreter.run_step(step, trace=traced)
+        reporter.step(step, steps, result)
+        if step == start and hooks.on_first_step is not None:
+            hooks.on_first_step()
+        if preemption.should_stop(step + 1) and step + 1 < steps:
+            return _preempted(saver, rank, step + 1)
+        if saver is not None and _saves_after(opts, step + 1, steps):
+            saver.save(step + 1)
+        elif saver is not None:
+            saver.poll()
+    if saver is not None:
+        saver.wait()
     reporter.finish()
     return 0
 

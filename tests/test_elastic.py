@@ -177,3 +177,17 @@ def test_launch_of_a_node_the_plan_lacks_is_a_usage_error(node, message, mixed_p
 def test_launch_of_a_spec_without_checkpoints_is_a_usage_error(capsys):
     assert hetc_main(["launch", str(MIXED / "auto.het"), "--node", "big[0]", "--print"]) == 2
     assert "add `--run-args --checkpoint DIR --every N`" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([], "--elastic needs --checkpoint DIR and --every N"),
+    (["--checkpoint", "ck", "--every", "2", "--local"], "--elastic runs under torchrun --nnodes MIN:MAX, not --local"),
+])
+def test_elastic_usage_errors(extra, message, capsys):
+    assert hetc_main(["run", str(MIXED / "auto.het"), "--elastic", *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_elastic_wants_a_spec_not_a_plan_directory(mixed_plan, capsys):
+    assert hetc_main(["run", str(mixed_plan), "--elastic", "--checkpoint", "ck", "--every", "2"]) == 2
+    assert "--elastic wants a spec file to plan on the nodes present" in capsys.readouterr().err
