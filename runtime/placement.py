@@ -140,7 +140,7 @@ def place(world: Sequence[Gpu], procs: Sequence[Process], elastic: bool = False,
     for proc in sorted(procs, key=lambda p: (p.agent, p.local_rank)):
         launched.setdefault(proc.agent, []).append(proc)
     problems: list[str] = []
-    chosen = _match_labelled(plan_nodes, launched, problems)
+    chosen = _match_labelled(plan_nodes, launched, problems, elastic)
     _match_by_device(plan_nodes, launched, chosen)
     taken = set(chosen.values())
     for host, gpus in plan_nodes.items():
@@ -162,7 +162,9 @@ def place(world: Sequence[Gpu], procs: Sequence[Process], elastic: bool = False,
     return Placement(plan_rank, idle, chosen)
 
 
-def _match_labelled(plan_nodes, launched, problems: list[str]) -> dict[str, tuple[str, int]]:
+def _match_labelled(plan_nodes, launched, problems: list[str], elastic: bool) -> dict[str, tuple[str, int]]:
+    """Launched nodes named by `--node` onto those plan nodes (in an elastic run a node the plan
+    leaves out idles)."""
     chosen: dict[str, tuple[str, int]] = {}
     for agent, procs in launched.items():
         label = procs[0].label
@@ -170,6 +172,8 @@ def _match_labelled(plan_nodes, launched, problems: list[str]) -> dict[str, tupl
             continue
         host = parse_node_label(label)
         if host not in plan_nodes:
+            if elastic:
+                continue
             problems.append(f"{procs[0].host} was launched as node {label}, which the plan does not use")
         elif host in chosen.values():
             problems.append(f"two launched nodes claim the plan's node {label}")

@@ -85,3 +85,11 @@ def test_a_process_without_the_plans_gpu_is_an_error():
 def test_elastic_runs_let_processes_idle():
     placed = place(_gpus(("big", 2, CPU)), _procs(("s", 1, "cpu", 0), ("b", 2, "cpu", 0)), elastic=True)
     assert placed.plan_rank == {1: 0, 2: 1} and placed.idle == (0,)
+
+
+def test_in_an_elastic_run_a_named_node_the_plan_leaves_out_idles():
+    procs = _procs(("x", 1, "cpu", 0), ("y", 2, "cpu", 0), label={"x": "small[0]", "y": "big[0]"})
+    placed = place(_gpus(("big", 2, CPU)), procs, elastic=True)
+    assert placed.plan_rank == {1: 0, 2: 1} and placed.idle == (0,)
+    with pytest.raises(ClusterMismatch, match="launched as node small\\[0\\], which the plan does not use"):
+        place(_gpus(("big", 2, CPU)), procs)
