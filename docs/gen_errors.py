@@ -49,6 +49,8 @@ SECTIONS = {
     "layers": "Layers and stages",
     "lane": "Lanes and microbatch routing",
     "fit": "Memory",
+    "data": "Training and evaluation data",
+    "eval": "Training and evaluation data",
     "multi": "Several errors at once",
 }
 OTHER = "Other rules"

@@ -19,7 +19,8 @@ from hetc.errors import Sources, SpecError
 __all__ = ["VERBS", "UsageError", "main"]
 
 # verb modules, in the order `hetc --help` lists them
-VERBS = ["demo", "check", "fmt", "plan", "compile", "verify", "run", "launch", "viz", "explain", "profile", "import_"]
+VERBS = ["demo", "check", "fmt", "plan", "compile", "verify", "run", "launch", "viz", "explain", "profile",
+         "import_", "data"]
 
 
 class UsageError(Exception):

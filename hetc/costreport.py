@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from hetc.passes.cost.estimate import Estimate, RankMemory
+from hetc.passes.cost.provenance import Provenance
+from hetc.passes.cost.utilization import Utilization
 from hetc.pipeline import Pipeline
 
-__all__ = ["human_bytes", "human_rate", "report"]
+__all__ = ["human_bytes", "human_rate", "provenance_lines", "report", "utilization_text"]
 
 _COLUMNS = ("params", "grads", "optimizer", "activations", "buffers", "reserve")
 
@@ -32,8 +34,7 @@ def report(path: str, pipeline: Pipeline, e: Estimate) -> str:
          f"{pipeline.micro_batch}, schedule {e.schedule}"),
         (f"step time   {e.step_time_s:.4g} s  (pipeline {t.pipeline:.4g} s incl. bubble {t.bubble:.4g} s; "
          f"after the flush {t.tail:.4g} s)"),
-        (f"throughput  {e.tokens_per_s:,.0f} tokens/s   MFU {e.mfu:.1%}   HFU {e.hfu:.1%}   "
-         f"(cluster peak {human_rate(e.peak_flops)})"),
+        f"throughput  {e.tokens_per_s:,.0f} tokens/s   {utilization_text(e.utilization)}",
         "",
         "memory per rank" + ("" if e.fits else "   ** DOES NOT FIT **"),
     ]
@@ -45,13 +46,31 @@ def report(path: str, pipeline: Pipeline, e: Estimate) -> str:
                      f"{g.seconds_per_step:.4g} s{note}")
     if not e.traffic:
         lines.append("  none")
-    lines += ["", "layer times from"]
-    for stage, sources in e.sources.items():
+    lines += ["", *provenance_lines(pipeline, e.provenance)]
+    return "\n".join(lines)
+
+
+def provenance_lines(pipeline: Pipeline, prov: Provenance) -> list[str]:
+    """Note [provenance] as text: layer times per stage, link rates, profiles offered but not used."""
+    lines = ["layer times from"]
+    for stage, sources in prov.layers.items():
         lines.append(f"  stage {pipeline.stages[stage].name}:")
         lines += [f"    {source}" for source in sources]
-    for why in e.rejected:
-        lines.append(f"  note: {why}")
-    return "\n".join(lines)
+    lines += ["link rates from"] + [f"  {link}" for link in prov.links]
+    if not prov.links:
+        lines.append("  no traffic between GPUs")
+    if prov.unused:
+        lines += ["profiles offered but not used"] + [f"  {u}" for u in prov.unused]
+    return lines
+
+
+def utilization_text(u: Utilization) -> str:
+    """MFU and HFU over the used GPUs, the cluster-wide figures beside them (Note [utilization])."""
+    used = f"MFU {u.mfu:.1%}   HFU {u.hfu:.1%} over {_n(u.used_gpus, 'used GPU')} ({human_rate(u.used_peak_flops)})"
+    if u.used_gpus == u.cluster_gpus:
+        return used + "; the whole cluster"
+    return (used + f";   cluster-wide MFU {u.cluster_mfu:.1%}   HFU {u.cluster_hfu:.1%} over "
+            f"{_n(u.cluster_gpus, 'GPU')} ({human_rate(u.cluster_peak_flops)})")
 
 
 def _n(count: int, noun: str) -> str:

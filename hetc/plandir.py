@@ -23,7 +23,7 @@ from pathlib import Path
 from hetc.errors import SpecError
 from hetc.printer import format_spec
 from hetc.program import Program, ProgramFormatError, RankProgram
-from hetc.spec import DataKind, Spec
+from hetc.spec import DataKind, DataSpec, Spec
 
 __all__ = ["PLAN_FILE", "TIMELINE_FILE", "listing_name", "read_plan", "read_program", "write_plan_dir"]
 
@@ -37,12 +37,18 @@ def listing_name(rank: int) -> str:
 
 
 def portable_spec(spec: Spec, spec_dir: Path, out_dir: Path) -> Spec:
-    """The spec with its data path rewritten relative to the plan directory."""
-    data = spec.train.data
-    if data.kind is not DataKind.TEXT or os.path.isabs(data.path):
-        return spec
-    path = os.path.relpath(data.resolve(spec_dir).resolve(), out_dir.resolve())
-    train = dataclasses.replace(spec.train, data=dataclasses.replace(data, path=path))
+    """The spec with its data paths (training and eval) rewritten relative to the plan directory."""
+
+    def moved(data: DataSpec, path: str) -> str:
+        if not path or os.path.isabs(path):
+            return path
+        return os.path.relpath(data.resolve(spec_dir, path).resolve(), out_dir.resolve())
+
+    def portable(data: DataSpec | None) -> DataSpec | None:
+        if data is None or data.kind is DataKind.SYNTHETIC:
+            return data
+        return dataclasses.replace(data, path=moved(data, data.path), tokenizer=moved(data, data.tokenizer))
+    train = dataclasses.replace(spec.train, data=portable(spec.train.data), eval=portable(spec.train.eval))
     return dataclasses.replace(spec, train=train)
 
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from hetc.costreport import human_bytes
-from hetc.passes.cost import RankMemory
+from hetc.costreport import human_bytes, provenance_lines, utilization_text
+from hetc.passes.cost import CostModel, Profiles, RankMemory
+from hetc.passes.cost.provenance import Provenance, provenance
+from hetc.passes.cost.utilization import Utilization, utilization
 from hetc.passes.plan.baselines import Baseline
 from hetc.passes.plan.planner import PlanResult
 from hetc.spec import Objective
 
-__all__ = ["plan_json", "plan_summary"]
+__all__ = ["plan_json", "plan_provenance", "plan_summary"]
 
 
 def _memory(result: PlanResult) -> list[RankMemory]:
@@ -24,7 +26,16 @@ def _memory(result: PlanResult) -> list[RankMemory]:
     return sorted(out, key=lambda m: m.rank)
 
 
-def plan_summary(path: str, result: PlanResult) -> str:
+def plan_provenance(result: PlanResult, profiles: Profiles) -> Provenance:
+    """Note [provenance] of the printed plan: the estimate's, or read off a cost model of it."""
+    if result.estimate is not None:
+        return result.estimate.provenance
+    checked = result.checked
+    return provenance(CostModel(checked.spec, checked.pipeline, checked.topology, profiles))
+
+
+def plan_summary(path: str, result: PlanResult, prov: Provenance | None = None) -> str:
+    """The summary; with `prov` (`plan_provenance`), where its numbers came from (Note [provenance])."""
     p = result.checked.pipeline
     spec = result.spec
     lines = []
@@ -50,15 +61,18 @@ def plan_summary(path: str, result: PlanResult) -> str:
     memory = _memory(result)
     fullest = max(memory, key=lambda m: m.total / m.capacity)
     source = "the cost model's estimate" if result.estimate is not None else "the planner's score"
-    lines.append(f"  predicted {result.step_time_s:.4g} s/step, {result.tokens_per_s:,.0f} tokens/s"
-                 f"{_mfu(result)}; fullest GPU {fullest.gpu} at {fullest.total / fullest.capacity:.0%} of "
+    lines.append(f"  predicted {result.step_time_s:.4g} s/step, {result.tokens_per_s:,.0f} tokens/s; "
+                 f"fullest GPU {fullest.gpu} at {fullest.total / fullest.capacity:.0%} of "
                  f"{human_bytes(fullest.capacity)} ({source})")
+    lines.append(f"  {utilization_text(_utilization(result))}")
     if result.score is not None and result.goal.kind is Objective.COST:
         score = result.score
         lines.append(f"  cost {score.dollars_per_hour:,.2f} $/h, {score.dollars_per_token * 1e6:.4g} $ per "
                      "million tokens")
     if result.baselines:
         lines += ["", _table(result)]
+    if prov is not None:
+        lines += ["", *provenance_lines(p, prov)]
     return "\n".join(lines)
 
 
@@ -91,8 +105,12 @@ def _offload(off) -> str:
     return f"  offload {'+'.join(parts)}" if parts else ""
 
 
-def _mfu(result: PlanResult) -> str:
-    return "" if result.estimate is None else f", MFU {result.estimate.mfu:.1%}"
+def _utilization(result: PlanResult) -> Utilization:
+    """The estimate's, or (planned class by class) the same figures from the planner's step time."""
+    if result.estimate is not None:
+        return result.estimate.utilization
+    checked = result.checked
+    return utilization(result.spec.model, checked.pipeline, checked.topology, result.step_time_s)
 
 
 def _table(result: PlanResult) -> str:
@@ -123,11 +141,12 @@ def _cells(result: PlanResult, b: Baseline, cost: bool) -> str:
     return f"{cells} {f'{ratio:.2f}×':>11s}{oom}"
 
 
-def plan_json(path: str, result: PlanResult, text: str) -> dict:
+def plan_json(path: str, result: PlanResult, text: str, prov: Provenance) -> dict:
     p, spec = result.checked.pipeline, result.spec
     head = result.estimate.to_json() if result.estimate is not None else {
         "step_time_s": result.score.step_time_s, "tokens_per_step": result.score.tokens_per_step,
-        "tokens_per_s": result.score.tokens_per_s, "fits": result.score.fits}
+        "tokens_per_s": result.score.tokens_per_s, "fits": result.score.fits,
+        **_utilization(result).to_json()}
     memory = [{"rank": m.rank, "gpu": m.gpu, "device": m.device, "stage": m.stage, "params": m.params,
                "grads": m.grads, "optimizer": m.optimizer, "activations": m.activations, "buffers": m.buffers,
                "reserve": m.reserve, "host": m.host, "total": m.total, "capacity": m.capacity, "fits": m.fits}
@@ -142,7 +161,7 @@ def plan_json(path: str, result: PlanResult, text: str) -> dict:
                     "stages": [_stage_json(spec, p, st) for st in p.stages]},
            "baselines": [_baseline_json(b) for b in result.baselines],
            "planning": {"seconds": result.seconds, "structures": result.structures},
-           "text": text}
+           "text": text, **prov.to_json()}
     if result.score is not None:
         out["dollars_per_hour"] = result.score.dollars_per_hour
         out["dollars_per_token"] = result.score.dollars_per_token

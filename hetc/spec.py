@@ -57,6 +57,7 @@ __all__ = [
     "ScheduleKind",
     "Spec",
     "StageSpec",
+    "TokenDType",
     "TrainSpec",
     "ZeroShard",
     "ZeroSpec",
@@ -179,6 +180,14 @@ class RoutingKind(StrEnum):
 class DataKind(StrEnum):
     SYNTHETIC = "synthetic"
     TEXT = "text"
+    TOKENS = "tokens"
+
+
+class TokenDType(StrEnum):
+    """How wide a token id is in a token file (`data tokens`)."""
+
+    UINT16 = "uint16"
+    UINT32 = "uint32"
 
 
 class LrScheduleKind(StrEnum):
@@ -397,17 +406,27 @@ class ClusterSpec(Node):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DataSpec(Node):
-    kind: DataKind = param(DataKind.SYNTHETIC, label=True, doc="synthetic tokens or a byte-level text file")
-    path: str = param("", doc="the text file for `data text`, relative to the file that declares it")
+    kind: DataKind = param(DataKind.SYNTHETIC, label=True,
+                           doc="synthetic tokens, a byte-level text file, or a token file (`tokens`)")
+    path: str = param("", doc="the text or token file, relative to the file that declares it; for `tokens` a "
+                              "flat token file (nanoGPT's raw ids, or `hetc data prepare`'s with a header) or "
+                              "a Megatron indexed dataset (PREFIX, PREFIX.bin or PREFIX.idx)")
+    dtype: TokenDType | None = param(None, aliases=("token_dtype",),
+                                     doc="`tokens`: uint16 or uint32 ids; needed for a raw file, checked "
+                                         "against a header or a Megatron .idx (whose int32 is uint32 here)")
+    tokenizer: str = param("", doc="`tokens`: the Hugging Face tokenizer directory the ids are for; a file "
+                                   "`hetc data prepare` wrote with another tokenizer is an error")
+    shuffle: bool = param(True, doc="`text`/`tokens`: visit windows in an order shuffled by (seed, epoch); "
+                                    "false: global sequence g is tokens [g·seq, (g+1)·seq]")
 
-    def resolve(self, fallback_dir: Path | str = ".") -> Path:
-        """The text file: relative paths are relative to the spec file that wrote them."""
-        path = Path(self.path)
-        if path.is_absolute():
-            return path
+    def resolve(self, fallback_dir: Path | str = ".", path: str | None = None) -> Path:
+        """The data file (or `path`): relative paths are relative to the spec file that wrote them."""
+        target = Path(self.path if path is None else path)
+        if target.is_absolute():
+            return target
         declared = self.span.file
         base = Path(declared).parent if declared and not declared.startswith("<") else Path(fallback_dir)
-        return base / path
+        return base / target
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -433,6 +452,15 @@ class TrainSpec(Node):
                              doc="global gradient-norm clipping (0: off)")
     seed: int = param(0, lo=0, hi=2**63 - 1, doc="seed of initialisation and data")
     data: DataSpec = param(factory=DataSpec, block="data", doc="training data")
+    eval_every: int = param(0, lo=0, hi=10**9, aliases=("eval_interval",),
+                            doc="compute the validation loss every this many steps (0: never)")
+    eval_batches: int = param(1, lo=1, hi=10**6, aliases=("eval_iters",),
+                              doc="global batches the validation loss averages over")
+    eval_share: float = param(0.0, lo=0, hi=0.5, aliases=("validation_split",),
+                              doc="hold out this share of the training data's windows (its end) for "
+                                  "validation, instead of an eval block")
+    eval: DataSpec | None = param(None, block="eval", aliases=("eval_data",),
+                                  doc="validation data, written like data (`eval tokens { path = ... }`)")
     lr_schedule: LrScheduleSpec = param(factory=LrScheduleSpec, block="lr_schedule",
                                         doc="learning-rate schedule")
 

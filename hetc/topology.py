@@ -45,6 +45,8 @@ class Link:
     latency: float     # s
     egress: float = 0.0  # $/GB
     intra_node: bool = False
+    origin: str = ""     # what the spec declares this link by (or the default it falls back on)
+    declared: bool = False   # a `link` or `intra` block of the spec, not a default
 
 
 class Topology:
@@ -65,9 +67,17 @@ class Topology:
                 for local in range(group.gpus):
                     gpus.append(Gpu(len(gpus), group.name, node, local, device, group.region, zone))
         self.gpus: tuple[Gpu, ...] = tuple(gpus)
-        self._links = {}
-        for link in self.cluster.links:
-            self._links[frozenset((link.a, link.b))] = link
+        # Links are built once, each with its origin (`hetc explain` lists where every rate came from).
+        self._links = {frozenset((spec.a, spec.b)): Link(spec.bandwidth, spec.latency, spec.egress, False,
+                                                         f"link {spec.a} <-> {spec.b} at {spec.span}", True)
+                       for spec in self.cluster.links}
+        self._intra = {g.name: Link(g.intra.bandwidth, g.intra.latency, 0.0, True,
+                                    f"the intra link of node group {g.name} at {g.intra.span}", True)
+                       for g in self.cluster.nodes if g.intra is not None}
+        self._default_intra = Link(DEFAULT_INTRA_BANDWIDTH, DEFAULT_INTRA_LATENCY, 0.0, True,
+                                   "the default intra-node link (PCIe class; the node group declares none)")
+        self._default_inter = Link(self.cluster.inter_bandwidth, self.cluster.inter_latency, 0.0, False,
+                                   "the cluster's inter_bandwidth (no link declared between these nodes)")
 
     @property
     def num_gpus(self) -> int:
@@ -86,15 +96,12 @@ class Topology:
 
     def link(self, a: Gpu, b: Gpu) -> Link:
         if a.host == b.host:
-            intra = self.groups[a.group].intra
-            if intra is None:
-                return Link(DEFAULT_INTRA_BANDWIDTH, DEFAULT_INTRA_LATENCY, 0.0, True)
-            return Link(intra.bandwidth, intra.latency, 0.0, True)
+            return self._intra.get(a.group, self._default_intra)
         for key in ((a.group, b.group), (a.zone, b.zone), (a.region, b.region)):
-            spec = self._links.get(frozenset(key))
-            if spec is not None:
-                return Link(spec.bandwidth, spec.latency, spec.egress)
-        return Link(self.cluster.inter_bandwidth, self.cluster.inter_latency)
+            link = self._links.get(frozenset(key))
+            if link is not None:
+                return link
+        return self._default_inter
 
     def endpoints(self) -> set[str]:
         """Names a `link` may join: node groups, zones and regions."""

@@ -13,10 +13,11 @@ from pathlib import Path
 
 from hetc.errors import Diagnostic, SpecError, did_you_mean
 from hetc.layout import layout_problem
+from hetc.passes.data_check import check_data
 from hetc.passes.params import model_params
 from hetc.passes.resolve import resolve_pipeline
 from hetc.pipeline import Pipeline
-from hetc.spec import AUTO, DTYPE_BYTES, CPKind, DataKind, OffloadTarget, Spec, ZeroShard
+from hetc.spec import AUTO, DTYPE_BYTES, CPKind, OffloadTarget, Spec, ZeroShard
 from hetc.topology import MAX_GPUS, Topology
 
 # Every rank's program lists each of its microbatches; beyond this a step is
@@ -104,11 +105,7 @@ def _check_train(spec: Spec, base_dir: Path | None, errors) -> None:
         errors.append(Diagnostic(t.span_of("global_batch"), f"global_batch / micro_batch = {t.global_batch} / "
                                  f"{t.micro_batch} = {t.global_batch // t.micro_batch} microbatches a step; hetc "
                                  f"schedules at most {MAX_MICROBATCHES}: raise micro_batch"))
-    if t.data.kind is DataKind.TEXT:
-        if not t.data.path:
-            errors.append(Diagnostic(t.data.span, "data text needs a path = \"file.txt\""))
-        elif base_dir is not None and not t.data.resolve(base_dir).is_file():
-            errors.append(Diagnostic(t.data.span_of("path"), f"cannot find the text file '{t.data.path}'"))
+    check_data(spec, base_dir, errors)
 
 
 def _check_cluster(spec: Spec, errors) -> Topology | None:

@@ -32,7 +32,8 @@ def check_tied_embeddings(model: ModelSpec, pipeline: Pipeline) -> str | None:
 
 
 def check_text_vocab(model: ModelSpec, train: TrainSpec) -> str | None:
-    """Why byte-level text cannot feed `model` (report at model.span_of("vocab"))."""
-    if train.data.kind is DataKind.TEXT and model.vocab < BYTE_VOCAB:
+    """Why byte-level text (training or eval data) cannot feed `model` (report at model.span_of("vocab"))."""
+    texts = [d for d in (train.data, train.eval) if d is not None and d.kind is DataKind.TEXT]
+    if texts and model.vocab < BYTE_VOCAB:
         return f"byte-level text needs vocab >= {BYTE_VOCAB}, not {model.vocab}"
     return None

@@ -1,4 +1,4 @@
-"""Training data: synthetic tokens or a byte-level text file.
+"""Training and evaluation data: synthetic tokens, a byte-level text file, a token file.
 
 Note [Plan-independent data]
 The content of a microbatch depends only on (seed, step, global microbatch
@@ -6,26 +6,48 @@ index, micro_batch, seq), never on the plan: microbatch `mb` of step
 `step` holds global sequences `step * global_batch + mb * micro_batch + i`,
 and sequence `g` is a pure function of (seed, g, seq). Any rank can load any
 microbatch without coordination, and every plan sees the same batches.
+Evaluation batch k is read the same way from the evaluation source, with k
+in place of the step.
 
 Each sequence has seq + 1 tokens; the model reads the first seq and
 predicts the last seq (tokens[t + 1] is the label of position t).
+
+Note [Windows]
+A text file (one token per byte) and a token file (hetc/tokenfile.py) are
+both a stream of N ids, memory-mapped, cut into W = (N - 1) // seq windows
+of seq + 1 ids with stride seq (neighbours share one id: the last label of
+one is the first input of the next). With `shuffle = false` global
+sequence g is window g mod W: ids [g·seq, (g+1)·seq] in the first epoch,
+so any other tool can reproduce a run's batches. With `shuffle = true`
+epoch e = g div W visits every window once, in an order drawn from
+(seed, e) (a permutation of W indices, 8 bytes per window, made once per
+epoch). `eval_share` keeps the last ceil(W · share) windows for validation,
+read in order; training windows are the ones before them.
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from hetc.errors import SpecError
+from hetc.errors import Span, SpecError
 from hetc.runtime.checks import check_text_vocab
 from hetc.runtime.seeding import generator
-from hetc.spec import DataKind, ModelSpec, TrainSpec
+from hetc.spec import DataKind, DataSpec, ModelSpec, TrainSpec
+from hetc.tokenfile import TokenFileError, inspect_tokens, open_tokens
 
-__all__ = ["DataSource", "SyntheticData", "TextData", "make_data_source"]
+__all__ = ["DataError", "DataSource", "SyntheticData", "TextData", "Windows", "make_data_source", "make_eval_source",
+           "split_held_out"]
+
+
+class DataError(ValueError):
+    """The data breaks a rule that only reading it shows (an id beyond the vocabulary): a user error."""
 
 
 class DataSource(Protocol):
@@ -58,34 +80,40 @@ class _Sequences(ABC):
 
 
 class SyntheticData(_Sequences):
-    """Uniform random tokens in [0, vocab), one generator per sequence."""
+    """Uniform random tokens in [0, vocab), one generator per sequence (of the named stream)."""
 
-    def __init__(self, *, vocab: int, **kw) -> None:
+    def __init__(self, *, vocab: int, stream: str = "data", **kw) -> None:
         super().__init__(**kw)
-        self.vocab = vocab
+        self.vocab, self.stream = vocab, stream
 
     def sequence(self, g: int) -> Tensor:
-        return torch.randint(0, self.vocab, (self.seq + 1,), generator=generator(self.seed, "data", g))
+        return torch.randint(0, self.vocab, (self.seq + 1,), generator=generator(self.seed, self.stream, g))
 
 
-class TextData(_Sequences):
-    """Byte-level text: each sequence is a window of seq + 1 bytes of the file.
+class Windows(_Sequences):
+    """Windows of seq + 1 ids cut from a stream of ids (Note [Windows])."""
 
-    The file is cut into non-overlapping windows (stride seq); every epoch
-    visits all of them once, in an order shuffled by (seed, epoch).
-    """
-
-    def __init__(self, *, text: bytes, **kw) -> None:
+    def __init__(self, *, tokens: np.ndarray, shuffle: bool = True, vocab: int | None = None,
+                 where: str = "the data", **kw) -> None:
         super().__init__(**kw)
-        self.tokens = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(torch.int64)
-        self.num_windows = (len(text) - 1) // self.seq
-        assert self.num_windows > 0, "make_data_source checks the file's length"
+        self.tokens, self.shuffle, self.vocab, self.where = tokens, shuffle, vocab, where
+        self.num_windows = (len(tokens) - 1) // self.seq
+        assert self.num_windows > 0, "make_data_source checks the stream's length"
         self._epoch_order: tuple[int, Tensor] | None = None  # the last epoch's window order
 
-    def sequence(self, g: int) -> Tensor:
+    def window_start(self, g: int) -> int:
+        """The offset of global sequence g's first id in the stream."""
         epoch, pos = divmod(g, self.num_windows)
-        start = int(self._order(epoch)[pos]) * self.seq
-        return self.tokens[start:start + self.seq + 1]
+        return (int(self._order(epoch)[pos]) if self.shuffle else pos) * self.seq
+
+    def sequence(self, g: int) -> Tensor:
+        start = self.window_start(g)
+        ids = torch.from_numpy(np.asarray(self.tokens[start:start + self.seq + 1]).astype(np.int64))
+        if self.vocab is not None and int(ids.max()) >= self.vocab:
+            at = start + int((ids >= self.vocab).nonzero()[0])
+            raise DataError(f"{self.where} holds the id {int(self.tokens[at])} at token {at}, outside the "
+                             f"model's vocab = {self.vocab}")
+        return ids
 
     def _order(self, epoch: int) -> Tensor:
         if self._epoch_order is None or self._epoch_order[0] != epoch:
@@ -94,26 +122,82 @@ class TextData(_Sequences):
         return self._epoch_order[1]
 
 
-def make_data_source(model: ModelSpec, train: TrainSpec, base_dir: Path | str = ".") -> DataSource:
-    """The data source of a training job; a relative text path is relative to the spec file that
-    declares it (`base_dir` when the spec was built in code).
+class TextData(Windows):
+    """Byte-level text: one token per byte, windows shuffled per epoch."""
 
-    A byte-level text needs vocab >= 256 and at least seq + 1 bytes: located
-    errors otherwise.
+    def __init__(self, *, text: bytes | np.ndarray, **kw) -> None:
+        tokens = np.frombuffer(text, dtype=np.uint8) if isinstance(text, bytes) else text
+        super().__init__(tokens=tokens, **kw)
+
+
+def split_held_out(tokens: np.ndarray, seq: int, share: float) -> tuple[np.ndarray, np.ndarray]:
+    """(training ids, held-out ids): the last ceil(W · share) windows are held out (Note [Windows])."""
+    windows = (len(tokens) - 1) // seq
+    held = max(1, math.ceil(windows * share))
+    if windows - held < 1:
+        raise ValueError(f"{len(tokens)} tokens make {windows} windows of seq = {seq}; holding out {held} "
+                         "leaves none to train on")
+    cut = (windows - held) * seq
+    return tokens[:cut + 1], tokens[cut:]
+
+
+def make_data_source(model: ModelSpec, train: TrainSpec, base_dir: Path | str = ".") -> DataSource:
+    """The training data of a job; a relative path is relative to the spec file that declares it
+    (`base_dir` when the spec was built in code). With `eval_share`, the held-out windows are left out.
+
+    A byte-level text needs vocab >= 256, a stream at least seq + 1 ids: located errors otherwise.
     """
+    return _source(model, train, train.data, base_dir, held_out=False)
+
+
+def make_eval_source(model: ModelSpec, train: TrainSpec, base_dir: Path | str = ".") -> DataSource | None:
+    """The validation data: the eval block's, or the training data's held-out share (None: no evaluation)."""
+    if train.eval_every == 0:
+        return None
+    if train.eval is not None:
+        return _source(model, train, train.eval, base_dir, held_out=False, stream="eval")
+    return _source(model, train, train.data, base_dir, held_out=True)
+
+
+def _source(model: ModelSpec, train: TrainSpec, data: DataSpec, base_dir: Path | str, *, held_out: bool,
+            stream: str = "data") -> DataSource:
     common = {"seed": train.seed, "seq": model.seq, "micro_batch": train.micro_batch,
               "global_batch": train.global_batch}
-    if train.data.kind is DataKind.SYNTHETIC:
-        return SyntheticData(vocab=model.vocab, **common)
+    if data.kind is DataKind.SYNTHETIC:
+        return SyntheticData(vocab=model.vocab, stream=stream, **common)
     if (problem := check_text_vocab(model, train)) is not None:
         raise SpecError.at(model.span_of("vocab"), problem)
-    path = train.data.resolve(base_dir)
+    path = data.resolve(base_dir)
+    tokens = _stream(data, path)
+    where = data.span_of("path")
+    if train.eval_share > 0 and data is train.data:
+        try:
+            kept, held = split_held_out(tokens, model.seq, train.eval_share)
+        except ValueError as err:
+            raise SpecError.at(train.span_of("eval_share"), f"'{path}': {err}") from None
+        tokens = held if held_out else kept
+    _check_length(tokens, model.seq, path, where)
+    shuffle = data.shuffle and not held_out
+    if data.kind is DataKind.TEXT:   # a byte is always below vocab >= 256
+        return TextData(text=tokens, shuffle=shuffle, where=f"'{path}'", **common)
+    return Windows(tokens=tokens, shuffle=shuffle, vocab=model.vocab, where=f"'{path}'", **common)
+
+
+def _stream(data: DataSpec, path: Path) -> np.ndarray:
+    """The file's ids, memory-mapped."""
     try:
-        text = path.read_bytes()
-    except OSError as err:
-        raise SpecError.at(train.data.span_of("path"), f"cannot read the text file '{path}': "
-                           f"{err.strerror}") from None
-    if len(text) < model.seq + 1:
-        raise SpecError.at(train.data.span_of("path"), f"the text file '{path}' has {len(text)} bytes; "
-                           f"a sequence of seq = {model.seq} needs {model.seq + 1}")
-    return TextData(text=text, **common)
+        if data.kind is DataKind.TEXT:
+            return np.memmap(path, dtype=np.uint8, mode="r")
+        return open_tokens(inspect_tokens(path, data.dtype))
+    except TokenFileError as err:
+        raise SpecError.at(data.span_of("path"), str(err)) from None
+    except (OSError, ValueError) as err:
+        why = getattr(err, "strerror", None) or str(err)
+        raise SpecError.at(data.span_of("path"), f"cannot read the {data.kind.value} file '{path}': {why}") from None
+
+
+def _check_length(tokens: np.ndarray, seq: int, path: Path, where: Span) -> None:
+    if len(tokens) < seq + 1:
+        unit = "bytes" if tokens.dtype == np.uint8 else "tokens"
+        raise SpecError.at(where, f"the file '{path}' has {len(tokens)} {unit}; a sequence of seq = {seq} "
+                           f"needs {seq + 1}")

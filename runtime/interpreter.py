@@ -67,6 +67,7 @@ class Interpreter:
         self.starts = {ms: first_layer[ms] == 0 for ms in buffers}
         self.ends = {ms: stop_layer[ms] == spec.model.num_model_layers for ms in buffers}
         self.counts_loss = place.counts_loss
+        self.training = True
         self._handlers = {
             Load: self._load, Forward: self._forward, Backward: self._backward,
             BackwardInput: self._backward_input, BackwardWeight: self._backward_weight, Send: self._send,
@@ -78,6 +79,21 @@ class Interpreter:
     # ------------------------------------------------------------ the step
 
     def run_step(self, step: int, trace: bool = False) -> StepResult:
+        self.training = True
+        return self._run(step, trace)
+
+    def evaluate(self, batch: int, program: RankProgram, data: DataSource) -> float:
+        """The mean loss of validation batch `batch`, by `program`, this rank's evaluation program
+        (Note [Evaluation programs] in passes/lower/forward_only.py): no graph, no stash, no update."""
+        saved = self.program, self.data
+        self.program, self.data, self.training = program, data, False
+        try:
+            with torch.no_grad():
+                return self._run(batch, trace=False).loss
+        finally:
+            self.program, self.data = saved
+
+    def _run(self, step: int, trace: bool) -> StepResult:
         self._begin(step)
         t0 = time.perf_counter()
         events = []
@@ -108,8 +124,9 @@ class Interpreter:
         self.losses: list[float] = []
         self.loss_total = float("nan")
         self.clip = 1.0
-        for buf in self.buffers.values():
-            buf.zero_grads()
+        if self.training:
+            for buf in self.buffers.values():
+                buf.zero_grads()
 
     def _end(self, step: int) -> None:
         if self.pending:
@@ -173,7 +190,8 @@ class Interpreter:
                 out = buf.module(x, labels)
         else:
             out = buf.module(x, labels)
-        self.inputs[(ms, mb)] = x
+        if self.training:
+            self.inputs[(ms, mb)] = x
         self.outputs[(ms, mb)] = out
         if self.ends[ms]:
             self.losses.append(out.detach().float().item())

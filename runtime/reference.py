@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from hetc.runtime.data import DataSource, make_data_source
+from hetc.runtime.data import DataSource, make_data_source, make_eval_source
 from hetc.runtime.flat import FlatParams
 from hetc.runtime.model import build_ministage, compute_dtype
 from hetc.runtime.optim import clip_coefficient, grad_sq_sum, init_state, lr_at, optimizer_step
@@ -41,6 +41,7 @@ class ReferenceResult:
     grad_norms: tuple[float, ...]    # per step: global gradient norm before clipping
     step_times: tuple[float, ...]    # per step: wall seconds (the compute-only baseline)
     params: dict[str, Tensor]        # after the last step: fp32, by global parameter name
+    val_losses: tuple[float, ...] = ()   # per evaluation (train { eval_every }): mean over eval_batches
 
 
 def train_reference(model: ModelSpec, train: TrainSpec, *, base_dir: Path | str = ".", steps: int | None = None,
@@ -54,8 +55,9 @@ def train_reference(model: ModelSpec, train: TrainSpec, *, base_dir: Path | str 
     flat = FlatParams(module, dtype=compute_dtype(model.dtype))
     state = init_state(model.optimizer, flat.master)
     data = data if data is not None else make_data_source(model, train, base_dir)
+    held_out = make_eval_source(model, train, base_dir)
     num_mb = train.global_batch // train.micro_batch
-    losses, norms, times = [], [], []
+    losses, norms, times, vals = [], [], [], []
     for step in range(train.steps if steps is None else steps):
         start = time.perf_counter()
         flat.zero_grad()
@@ -73,5 +75,17 @@ def train_reference(model: ModelSpec, train: TrainSpec, *, base_dir: Path | str 
         times.append(time.perf_counter() - start)
         losses.append(total / num_mb)
         norms.append(float(norm_sq) ** 0.5)
+        if held_out is not None and (step + 1) % train.eval_every == 0:
+            vals.append(_validation_loss(module, held_out, train.eval_batches, num_mb, device))
         log.debug("reference step %d: loss %.6f, grad norm %.4f", step, losses[-1], norms[-1])
-    return ReferenceResult(tuple(losses), tuple(norms), tuple(times), flat.named_master())
+    return ReferenceResult(tuple(losses), tuple(norms), tuple(times), flat.named_master(), tuple(vals))
+
+
+@torch.no_grad()
+def _validation_loss(module, data: DataSource, batches: int, num_mb: int, device) -> float:
+    """The mean over `batches` validation batches of their mean microbatch loss (runtime/evaluate.py)."""
+    total = 0.0
+    for batch in range(batches):
+        total += sum(module(*(t.to(device) for t in data.get_microbatch(batch, mb))).item()
+                     for mb in range(num_mb)) / num_mb
+    return total / batches

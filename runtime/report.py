@@ -1,8 +1,10 @@
 """What `hetc run` tells the user: a line per step, metrics, a measured trace.
 
-Rank 0 prints `step 3/30  loss 4.9485  2,310 tokens/s  0.041 s/step` and,
-with `--metrics FILE`, writes one JSON object per step (step, loss,
-step_time_s, tokens_per_s, peak_memory_bytes per rank). Per-rank peak
+Rank 0 prints `step 3/30  loss 4.9485  2,310 tokens/s  0.041 s/step` (with
+`val_loss 5.0012` after the loss on steps that evaluate) and, with
+`--metrics FILE`, writes one JSON object per step (step, loss,
+step_time_s, tokens_per_s, peak_memory_bytes per rank, and val_loss on
+steps that evaluate). Per-rank peak
 memory travels through the rendezvous store, outside the program's
 collectives. With `--trace FILE` the last step is timed per instruction on
 every rank and rank 0 writes a measured `Timeline` (the format of the
@@ -42,7 +44,8 @@ class Reporter:
         self.traced: list | None = None
         self.step_time = 0.0
 
-    def step(self, step: int, total: int, result) -> None:
+    def step(self, step: int, total: int, result, val_loss: float | None = None) -> None:
+        """Report a finished step; `val_loss` when the step was followed by an evaluation."""
         if result.events:
             self.traced, self.step_time = result.events, result.seconds
         memories = self._memories(step) if self.opts.metrics is not None else None
@@ -50,11 +53,14 @@ class Reporter:
             return
         tps = self.tokens_per_step / result.seconds if result.seconds > 0 else 0.0
         if not self.opts.quiet:
-            print(f"step {step + 1}/{total}  loss {result.loss:.4f}  {tps:,.0f} tokens/s  "
+            val = "" if val_loss is None else f"  val_loss {val_loss:.4f}"
+            print(f"step {step + 1}/{total}  loss {result.loss:.4f}{val}  {tps:,.0f} tokens/s  "
                   f"{result.seconds:.3f} s/step", flush=True)
         if self.metrics is not None:
             record = {"step": step, "loss": result.loss, "step_time_s": result.seconds, "tokens_per_s": tps,
                       "peak_memory_bytes": memories}
+            if val_loss is not None:
+                record["val_loss"] = val_loss
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()
 

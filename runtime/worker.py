@@ -28,6 +28,7 @@ from hetc.passes.verify import verify
 from hetc.plandir import read_plan, read_program
 from hetc.runtime.comm import make_groups
 from hetc.runtime.data import make_data_source
+from hetc.runtime.evaluate import make_evaluator
 from hetc.runtime.local import NODE_ENV
 from hetc.runtime.placement import ClusterMismatch, discover, local_process, place
 from hetc.runtime.preempt import PREEMPTED_STATUS, Preemption
@@ -175,6 +176,7 @@ def _train(plan_dir: Path, opts: RunOptions, rank: int, spec, pipeline, program,
     groups = make_groups(program.groups, timeout)
     data = make_data_source(spec.model, spec.train, plan_dir)
     rt = build_rank(spec, pipeline, program, rank, groups, data, device)
+    evaluator = make_evaluator(spec, pipeline, program, rank, plan_dir)
     saver = _checkpointer(rt, opts, timeout)
     if opts.elastic:        # every rank: the load time below is the load's, not the wait for the last rank to start
         dist.barrier()
@@ -187,7 +189,8 @@ def _train(plan_dir: Path, opts: RunOptions, rank: int, spec, pipeline, program,
     for step in range(start, steps):
         traced = opts.trace is not None and step == steps - 1
         result = rt.interpreter.run_step(step, trace=traced)
-        reporter.step(step, steps, result)
+        val_loss = evaluator.run(rt.interpreter) if evaluator is not None and evaluator.due(step + 1) else None
+        reporter.step(step, steps, result, val_loss)
         if step == start and hooks.on_first_step is not None:
             hooks.on_first_step()
         if preemption.should_stop(step + 1) and step + 1 < steps:

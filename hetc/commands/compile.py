@@ -13,7 +13,7 @@ from hetc.passes.cost import CostModel
 from hetc.passes.export_torch import torch_pipelines
 from hetc.passes.lower import PASS_NAMES, PASSES, lower
 from hetc.passes.simulate import simulate
-from hetc.passes.verify import VerifyError, verify
+from hetc.passes.verify import VerifyError, verified_evaluation, verify
 from hetc.plandir import write_plan_dir
 from hetc.program import Program
 
@@ -25,9 +25,10 @@ log = logging.getLogger("hetc.compile")
 class Compiled:
     """Everything compile produced, for the CLI and for tests."""
 
-    def __init__(self, loaded, checked, program: Program, costs, timeline):
+    def __init__(self, loaded, checked, program: Program, costs, timeline, eval_timeline=None):
         self.loaded, self.checked, self.program = loaded, checked, program
         self.costs, self.timeline = costs, timeline
+        self.eval_timeline = eval_timeline   # one validation batch, when the job evaluates
 
     @property
     def pipeline(self):
@@ -59,7 +60,9 @@ def compile_spec(spec_path: Path, dump_after: str | None = None, on_dump=None) -
     costs = CostModel(checked.spec, checked.pipeline, checked.topology)
     verify(program, checked.pipeline, checked.spec, costs)
     timeline = simulate(program, checked.pipeline, checked.spec, costs, plan_facts(checked))
-    return Compiled(loaded, checked, program, costs, timeline)
+    evaluation = verified_evaluation(program, checked.pipeline, checked.spec)
+    eval_timeline = None if evaluation is None else simulate(evaluation, checked.pipeline, checked.spec, costs)
+    return Compiled(loaded, checked, program, costs, timeline, eval_timeline)
 
 
 def plan_facts(checked) -> list[tuple[str, str]]:
@@ -94,6 +97,10 @@ def write_compiled(compiled: Compiled, out: Path) -> dict:
     step = compiled.timeline.step_time
     tokens = compiled.checked.spec.train.global_batch * compiled.checked.spec.model.seq
     summary.update(step_time_s=step, tokens_per_s=tokens / step if step > 0 else 0.0)
+    if compiled.eval_timeline is not None:
+        train = compiled.checked.spec.train
+        summary.update(eval_time_s=compiled.eval_timeline.step_time * train.eval_batches,
+                       eval_every=train.eval_every)
     write_plan_dir(out, compiled.checked.spec, compiled.loaded.path.parent, program, exports,
                    compiled.timeline.to_json(), summary)
     return summary

@@ -37,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from hetc.passes.plan.output import planned_text
     from hetc.passes.plan.planner import plan_spec
-    from hetc.planreport import plan_json, plan_summary
+    from hetc.planreport import plan_json, plan_provenance, plan_summary
 
     loaded, _ = load_checked(args.spec, require_complete=True)
     profiles = load_profile_args(args.profile)
@@ -53,9 +53,10 @@ def run(args: argparse.Namespace) -> int:
     text = planned_text(loaded, result.spec if result.planned else None, args.out, note)
     if args.out is not None:
         args.out.write_text(text)
-    summary = plan_summary(args.spec, result)
+    prov = plan_provenance(result, profiles)
+    summary = plan_summary(args.spec, result, prov)
     if args.json:
-        print(json.dumps(plan_json(args.spec, result, text), indent=1))
+        print(json.dumps(plan_json(args.spec, result, text, prov), indent=1))
     elif args.out is not None:
         print(summary)
     else:

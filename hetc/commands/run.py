@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from hetc.cli import UsageError
-from hetc.passes.verify import VerifyError, verify
+from hetc.passes.verify import VerifyError, verified_evaluation, verify
 from hetc.program import ProgramFormatError
 from hetc.runtime.local import LAUNCHER_ENV
 
@@ -100,6 +100,7 @@ def _check_elastic(args: argparse.Namespace) -> None:
 
 def _rank(args: argparse.Namespace) -> int:
     from hetc.runtime.checkpoint import CheckpointError
+    from hetc.runtime.data import DataError
     from hetc.runtime.placement import ClusterMismatch
     from hetc.runtime.worker import EnvError, PeerFailure, RunOptions, describe_latest, run_worker
 
@@ -112,7 +113,7 @@ def _rank(args: argparse.Namespace) -> int:
 
             return run_elastic(args.dir, opts)
         return run_worker(args.dir, opts)
-    except (EnvError, ClusterMismatch) as err:
+    except (EnvError, ClusterMismatch, DataError) as err:
         raise UsageError(str(err)) from None
     except (PeerFailure, CheckpointError) as err:
         print(f"hetc run: error: {err}", file=sys.stderr, flush=True)
@@ -129,7 +130,9 @@ def _local(args: argparse.Namespace) -> int:
     from hetc.runtime.placement import node_label
 
     _, checked = read_plan(args.dir)
-    verify(read_program(args.dir), checked.pipeline, checked.spec)   # before starting any rank
+    program = read_program(args.dir)
+    verify(program, checked.pipeline, checked.spec)   # before starting any rank
+    verified_evaluation(program, checked.pipeline, checked.spec)
     world = checked.pipeline.world_size
     if args.local not in (-1, world):
         raise UsageError(f"the plan has {world} ranks; --local {args.local} cannot run it")

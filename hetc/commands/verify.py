@@ -8,7 +8,7 @@ from pathlib import Path
 
 from hetc.cli import UsageError
 from hetc.passes.cost import CostModel
-from hetc.passes.verify import VerifyError, verify
+from hetc.passes.verify import VerifyError, verified_evaluation, verify
 from hetc.plandir import read_plan, read_program
 from hetc.program import ProgramFormatError
 
@@ -40,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(err)) from None
     try:
         verify(program, checked.pipeline, checked.spec, CostModel(checked.spec, checked.pipeline, checked.topology))
+        verified_evaluation(program, checked.pipeline, checked.spec)   # the forward-only programs derived
     except VerifyError as err:
         print(err.render(), file=sys.stderr)
         return 2

@@ -89,7 +89,7 @@ def _model(name: str, shape: dict, config: dict) -> ModelSpec:
     else:
         ffn = 4 * hidden
     width = DTYPES.get(config.get("autocast_dtype", "float16"), "fp16")
-    dtype = {"fp16": DType.FP16, "fp32": DType.FP32}[width]
+    dtype = DType(width)
     return ModelSpec(name=name, arch=arch, layers=layers, hidden=hidden, heads=max(hidden // head_dim, 1),
                      ffn=ffn,
                      vocab=int(config.get("vocab_size", 32000)), seq=int(config.get("sequence_length", 2048)),

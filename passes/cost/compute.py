@@ -2,7 +2,7 @@
 
 For one layer kind (embed, block, head) on one device kind, in order:
 
-1. a profile of this model shape on this device (same dtype; the nearest
+1. a profile of this model shape on this device (same dtype speed class, `dtype_class`; the nearest
    sequence length, scaled by the FLOPs ratio). A missing TP degree comes
    from tp = 1 divided by tp (the caller adds the TP all-reduces). A layer
    kind the profile lacks (Zorse measures blocks only) is timed at the
@@ -22,10 +22,10 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from hetc.passes.cost.profiles import ComputeTable, Profiles
+from hetc.passes.cost.profiles import ComputeTable, Profiles, dtype_class
 from hetc.passes.cost.shapes import LayerKind, layer_flops
 from hetc.passes.params import block_params
-from hetc.spec import DTYPE_BYTES, DeviceSpec, DType, ModelSpec
+from hetc.spec import DTYPE_BYTES, DeviceSpec, ModelSpec
 
 __all__ = ["ComputeModel", "CostError", "LayerTime", "dtype_class"]
 
@@ -35,11 +35,6 @@ DEFAULT_MEMORY_BANDWIDTH = 500e9
 
 class CostError(ValueError):
     """The plan cannot be costed (a device kind with neither a peak nor a profile)."""
-
-
-def dtype_class(dtype: DType) -> str:
-    """Profiles are matched by storage width: 16-bit formats run at the same speed."""
-    return "fp32" if DTYPE_BYTES[dtype] == 4 else "fp16" if DTYPE_BYTES[dtype] == 2 else "fp8"
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +52,7 @@ class ComputeModel:
         self.model = model
         self.profiles = profiles
         self.devices = devices
-        self._dtype = dtype_class(model.dtype)
+        self._dtype = model.dtype
         self._block_params = block_params(model)
         self.layer = lru_cache(maxsize=None)(self._layer)
 
@@ -148,11 +143,11 @@ class ComputeModel:
     def _speed_ratio(self, device: str, other: str, micro_batch: int, tp: int) -> tuple[float, float] | None:
         """(forward, backward) time ratio device/other on a reference model profiled on both."""
         for mine in self.profiles.tables(device):
-            if mine.dtype != self._dtype or tp not in mine.tps:
+            if dtype_class(mine.dtype) != dtype_class(self._dtype) or tp not in mine.tps:
                 continue
             for theirs in self.profiles.tables(other):
-                if (theirs.hidden, theirs.block_params, theirs.seq, theirs.dtype) != \
-                        (mine.hidden, mine.block_params, mine.seq, mine.dtype) or tp not in theirs.tps:
+                if (theirs.hidden, theirs.block_params, theirs.seq, dtype_class(theirs.dtype)) != \
+                        (mine.hidden, mine.block_params, mine.seq, dtype_class(mine.dtype)) or tp not in theirs.tps:
                     continue
                 a = [mine.time("block", tp, p, micro_batch) for p in ("F", "B")]
                 b = [theirs.time("block", tp, p, micro_batch) for p in ("F", "B")]

@@ -9,9 +9,11 @@ from hetc.passes.cost import traffic
 from hetc.passes.cost.experts import ep_comm_time, ep_group, expert_group, sharded_numel
 from hetc.passes.cost.memory import context_reserve, in_flight, offloaded
 from hetc.passes.cost.plan_time import PlanTime, border_time, plan_time, sync_time, zorse_units
-from hetc.passes.cost.shapes import LayerKind, layer_flops, layer_kind, model_flops_per_token
+from hetc.passes.cost.provenance import Provenance, provenance
+from hetc.passes.cost.shapes import LayerKind, layer_kind
+from hetc.passes.cost.utilization import Utilization, flop_counts, utilization
 from hetc.pipeline import Stage
-from hetc.spec import Checkpointing, OffloadTarget, ScheduleKind
+from hetc.spec import OffloadTarget, ScheduleKind
 
 __all__ = ["Estimate", "GroupTraffic", "RankMemory", "build_estimate"]
 
@@ -56,13 +58,12 @@ class Estimate:
     tokens_per_step: int
     model_flops_per_step: float
     hardware_flops_per_step: float
-    peak_flops: float
+    utilization: Utilization
     time: PlanTime
     memory: tuple[RankMemory, ...]
     traffic: tuple[GroupTraffic, ...]
     schedule: str
-    sources: dict[int, tuple[str, ...]]   # stage -> where its layer times came from
-    rejected: tuple[str, ...]
+    provenance: Provenance   # where the layer times and link rates came from; profiles left unused
 
     @property
     def tokens_per_s(self) -> float:
@@ -70,11 +71,17 @@ class Estimate:
 
     @property
     def mfu(self) -> float:
-        return self.model_flops_per_step / (self.step_time_s * self.peak_flops) if self.peak_flops else 0.0
+        """Over the GPUs the plan uses (Note [utilization])."""
+        return self.utilization.mfu
 
     @property
     def hfu(self) -> float:
-        return self.hardware_flops_per_step / (self.step_time_s * self.peak_flops) if self.peak_flops else 0.0
+        return self.utilization.hfu
+
+    @property
+    def peak_flops(self) -> float:
+        """The used GPUs' peak FLOP/s in the training dtype."""
+        return self.utilization.used_peak_flops
 
     @property
     def fits(self) -> bool:
@@ -84,8 +91,7 @@ class Estimate:
         t = self.time
         return {
             "step_time_s": self.step_time_s, "tokens_per_step": self.tokens_per_step,
-            "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "hfu": self.hfu,
-            "peak_flops": self.peak_flops,
+            "tokens_per_s": self.tokens_per_s, **self.utilization.to_json(),
             "model_flops_per_step": self.model_flops_per_step,
             "hardware_flops_per_step": self.hardware_flops_per_step, "schedule": self.schedule,
             "time": {"pipeline_s": t.pipeline, "bubble_s": t.bubble, "tail_s": t.tail,
@@ -96,8 +102,7 @@ class Estimate:
             "lanes": [{"stage": x.stage, "lane": x.lane, "microbatches": x.microbatches,
                        "forward_s": x.forward, "backward_s": x.backward, "p2p_s": x.p2p,
                        "overlapped_s": x.overlapped} for x in t.lanes],
-            "sources": {str(k): list(v) for k, v in self.sources.items()},
-            "rejected_profiles": list(self.rejected),
+            **self.provenance.to_json(),
         }
 
 
@@ -105,33 +110,10 @@ def build_estimate(cm) -> Estimate:
     p, m = cm.pipeline, cm.model
     timing = plan_time(cm)
     tokens = p.num_microbatches * p.micro_batch * m.seq
-    model_flops = model_flops_per_token(m) * tokens
-    return Estimate(timing.step, tokens, model_flops, model_flops + _recompute_flops(cm) * p.num_microbatches,
-                    cm.peak_flops, timing, tuple(_memory(cm, r) for r in range(p.world_size)),
-                    tuple(_traffic(cm, timing)), p.schedule.value, _sources(cm),
-                    cm.profiles.rejected_for(m.name))
-
-
-def _recompute_flops(cm) -> float:
-    m, b = cm.model, cm.pipeline.micro_batch
-    if m.activation_checkpoint is Checkpointing.NONE:
-        return 0.0
-    block = layer_flops(m, 1, b)
-    extra = block.forward if m.activation_checkpoint is Checkpointing.FULL else block.attention
-    return extra * m.layers
-
-
-def _sources(cm) -> dict[int, tuple[str, ...]]:
-    out = {}
-    for stage in cm.pipeline.stages:
-        devices = {cm.gpu(r).device.name for r in stage.ranks}
-        kinds = {layer_kind(cm.model, i) for ms in stage.ministages for i in cm.ministage(ms).layers}
-        layers = sorted({cm.compute.layer(d, k, cm.pipeline.micro_batch, stage.tp).source
-                         for d in devices for k in kinds})
-        engine = [f"engine, {d}: {cm.profiles.overhead[d] * 1e3:.4g} ms a microbatch outside the layers"
-                  for d in sorted(devices) if cm.profiles.overhead.get(d)]
-        out[stage.index] = tuple(layers + engine)
-    return out
+    flops = flop_counts(m, p)
+    return Estimate(timing.step, tokens, flops.model, flops.hardware, utilization(m, p, cm.topology, timing.step),
+                    timing, tuple(_memory(cm, r) for r in range(p.world_size)),
+                    tuple(_traffic(cm, timing)), p.schedule.value, provenance(cm))
 
 
 # ------------------------------------------------------------------ memory

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from hetc.passes.cost.network import MeasuredPoints, ring_chunk, ring_steps
+from hetc.spec import DType
 from hetc.passes.cost.profiles import LAYER_SLOTS, ComputeTable, NetworkFits, ProfileError, Profiles, fit_line
 
 __all__ = ["FORMAT", "VERSION", "profile_from_dict", "read_profile", "write_profile"]
@@ -58,12 +59,12 @@ def profile_from_dict(data: Any, source: str) -> Profiles:
     try:
         kind = str(data["device"]["kind"])
         tables = _tables(data, kind, source)
-        network = _network(data, kind)
+        network = _network(data, kind, source)
         copy = _copy_rate(data)
         overhead = _overhead(data)
     except (KeyError, TypeError, ValueError) as err:
         raise ProfileError(f"'{source}': malformed hetc profile ({type(err).__name__}: {err})") from None
-    return Profiles(tuple(tables), network, {kind: copy} if copy else {},
+    return Profiles(tuple(tables), network, {kind: copy} if copy else {}, {kind: source} if copy else {},
                     {kind: overhead} if overhead is not None else {}, sources=(source,))
 
 
@@ -77,12 +78,12 @@ def _tables(data: dict, kind: str, source: str) -> list[ComputeTable]:
         by_seq[seq][key + ("F",)].append((int(row["micro_batch"]), float(row["forward_s"])))
         by_seq[seq][key + ("B",)].append((int(row["micro_batch"]), float(row["backward_s"])))
     return [ComputeTable(source, kind, int(model["hidden"]), int(model["block_params"]), seq,
-                         str(data.get("dtype", "fp32")), {k: fit_line(v) for k, v in points.items()},
+                         DType(str(data.get("dtype", "fp32"))).value, {k: fit_line(v) for k, v in points.items()},
                          int(model["vocab"]) if "vocab" in model else None, None, str(model.get("name", "")))
             for seq, points in sorted(by_seq.items())]
 
 
-def _network(data: dict, kind: str) -> NetworkFits:
+def _network(data: dict, kind: str, source: str) -> NetworkFits:
     """One ring step's rate between two local processes, by ring size, from p2p and collectives."""
     points: dict[int, list[tuple[float, float]]] = defaultdict(list)
     for row in data.get("p2p", []):
@@ -100,7 +101,7 @@ def _network(data: dict, kind: str) -> NetworkFits:
             by_size[size].append(rate)
         sizes = sorted(by_size)
         rates = tuple(sum(by_size[s]) / len(by_size[s]) for s in sizes)
-        intra[(kind, n)] = MeasuredPoints(tuple(sizes), rates)
+        intra[(kind, n)] = MeasuredPoints(tuple(sizes), rates, source)
     return NetworkFits(intra=intra)
 
 

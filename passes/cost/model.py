@@ -22,7 +22,7 @@ from hetc.passes.cost.memory import (
     shard_factors,
     state_bytes_per_param,
 )
-from hetc.passes.cost.network import ring_chunk, ring_steps
+from hetc.passes.cost.network import Bandwidth, ring_chunk, ring_steps
 from hetc.passes.cost.profiles import Profiles
 from hetc.passes.cost.shapes import LayerKind, activation_elements, layer_flops, layer_kind, params_per_rank
 from hetc.passes.params import expert_params
@@ -54,7 +54,7 @@ class CostModel:
         self._routes: dict[int, dict[int, int]] = {}
         self._collectives: dict[tuple, float] = {}
         self._compute_times: dict[tuple[int, int, str], float] = {}
-        self._fits: dict[tuple, object] = {}
+        self._fits: dict[tuple, Bandwidth | None] = {}
 
     # ------------------------------------------------------------ structure
 
@@ -279,25 +279,24 @@ class CostModel:
         The measured fit (if any) is looked up once per kind of pair: node
         groups, same host, ring size on the node, streams sharing the link.
         """
+        fit = self.measured_link(a, b, ring_size, concurrent)
+        share = 1 if a.host == b.host else concurrent
+        if fit is not None:
+            return fit.rate(nbytes) / share, 0.0
+        link = self.topology.link(a, b)
+        return link.bandwidth / share, link.latency
+
+    def measured_link(self, a: Gpu, b: Gpu, ring_size: int, concurrent: int) -> Bandwidth | None:
+        """The profiles' fit for this kind of pair, which `link` prefers over the spec's declared link."""
         same_host = a.host == b.host
         key = (a.group, b.group, same_host, ring_size, concurrent)
         if key not in self._fits:
             net = self.profiles.network
             self._fits[key] = net.intra_rate(a.device.name, ring_size) if same_host else \
                 net.inter_rate(a.zone, a.device.name, b.zone, b.device.name, concurrent)
-        fit = self._fits[key]
-        share = 1 if same_host else concurrent
-        if fit is not None:
-            return fit.rate(nbytes) / share, 0.0
-        link = self.topology.link(a, b)
-        return link.bandwidth / share, link.latency
+        return self._fits[key]
 
     # ------------------------------------------------------------ the whole plan
-
-    @cached_property
-    def peak_flops(self) -> float:
-        """The cluster's peak FLOP/s for the training dtype (every GPU it declares)."""
-        return sum(g.device.peak.for_dtype(self.model.dtype) for g in self.topology.gpus)
 
     def estimate(self):
         from hetc.passes.cost.estimate import build_estimate

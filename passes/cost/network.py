@@ -37,6 +37,8 @@ MIN_FIT_FRACTION = 0.01
 
 
 class Bandwidth(Protocol):
+    source: str   # where it was measured: the profile file or data folder
+
     def rate(self, nbytes: float) -> float:
         """Aggregate bytes/s for messages of `nbytes`."""
         ...
@@ -54,6 +56,7 @@ class QuadraticLogFit:
     b: float
     c: float
     cap: float
+    source: str = ""
 
     def rate(self, nbytes: float) -> float:
         x = math.log2(max(nbytes, 1.0) / 1e6)
@@ -69,6 +72,7 @@ class MeasuredPoints:
 
     sizes: tuple[float, ...]
     rates: tuple[float, ...]
+    source: str = ""
 
     def rate(self, nbytes: float) -> float:
         i = bisect_left(self.sizes, nbytes)

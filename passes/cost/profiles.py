@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from hetc.passes.cost.network import Bandwidth
+from hetc.spec import DTYPE_BYTES, DType
 
 __all__ = [
     "LAYER_SLOTS",
@@ -30,6 +31,8 @@ __all__ = [
     "NetworkFits",
     "ProfileError",
     "Profiles",
+    "Rejected",
+    "dtype_class",
     "fit_line",
     "load_profiles",
 ]
@@ -43,6 +46,17 @@ SHAPE_TOLERANCE = 0.01
 
 class ProfileError(ValueError):
     """A profile file or data directory that cannot be read."""
+
+
+def dtype_class(dtype: DType | str) -> str:
+    """The speed class a measurement applies to: 16-bit formats (bf16, fp16) run at the same speed.
+
+    Profiles keep the dtype they were measured in (`ComputeTable.dtype`) and
+    are matched to a model by class, so a bf16 profile times a bf16 or an
+    fp16 model, never an fp32 one.
+    """
+    width = DTYPE_BYTES[DType(dtype)]
+    return "fp32" if width == 4 else "fp16" if width == 2 else "fp8"
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +102,7 @@ class ComputeTable:
     hidden: int
     block_params: int
     seq: int
-    dtype: str
+    dtype: str          # a DType name: what it was measured in (compared by `dtype_class`)
     fits: dict[tuple[str, int, str], LinearFit]
     vocab: int | None = None
     layers: int | None = None
@@ -102,9 +116,11 @@ class ComputeTable:
         fit = self.fits.get((slot, tp, phase))
         return None if fit is None else fit(micro_batch)
 
-    def matches(self, hidden: int, block_params: int, dtype: str) -> bool:
-        return (self.hidden == hidden and self.dtype == dtype
-                and abs(self.block_params - block_params) <= SHAPE_TOLERANCE * block_params)
+    def same_shape(self, hidden: int, block_params: int) -> bool:
+        return self.hidden == hidden and abs(self.block_params - block_params) <= SHAPE_TOLERANCE * block_params
+
+    def matches(self, hidden: int, block_params: int, dtype: DType | str) -> bool:
+        return self.same_shape(hidden, block_params) and dtype_class(self.dtype) == dtype_class(dtype)
 
 
 @dataclass(frozen=True)
@@ -146,6 +162,15 @@ def _at_least(counts: list[int], want: int) -> int:
     return next((c for c in counts if c >= want), counts[-1])
 
 
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """A measurement a data folder holds for `model` that cannot be used at all, and why."""
+
+    model: str
+    where: str    # the file (and entry) it is in
+    why: str
+
+
 @dataclass(frozen=True)
 class Profiles:
     """Everything measured, from every source given."""
@@ -153,22 +178,24 @@ class Profiles:
     compute: tuple[ComputeTable, ...] = ()
     network: NetworkFits = field(default_factory=NetworkFits)
     copy: dict[str, float] = field(default_factory=dict)         # device kind -> host<->device bytes/s
+    copy_sources: dict[str, str] = field(default_factory=dict)   # device kind -> where `copy` was measured
     # device kind -> seconds a stage spends per microbatch outside its layers (the engine's
     # dispatch, device synchronizations, loss glue): measured, never assumed
     overhead: dict[str, float] = field(default_factory=dict)
-    rejected: tuple[tuple[str, str], ...] = ()   # (model name, why its measurement was not used)
+    rejected: tuple[Rejected, ...] = ()   # measurements read but unusable, each with why
     sources: tuple[str, ...] = ()
 
-    def rejected_for(self, model: str) -> tuple[str, ...]:
-        return tuple(why for name, why in self.rejected if name == model)
+    def rejected_for(self, model: str) -> tuple[Rejected, ...]:
+        return tuple(r for r in self.rejected if r.model == model)
 
     def tables(self, device: str) -> list[ComputeTable]:
         return [t for t in self.compute if t.device == device]
 
     def merged(self, other: Profiles) -> Profiles:
         return Profiles(self.compute + other.compute, self.network.merged(other.network),
-                        {**self.copy, **other.copy}, {**self.overhead, **other.overhead},
-                        self.rejected + other.rejected, self.sources + other.sources)
+                        {**self.copy, **other.copy}, {**self.copy_sources, **other.copy_sources},
+                        {**self.overhead, **other.overhead}, self.rejected + other.rejected,
+                        self.sources + other.sources)
 
     @property
     def empty(self) -> bool:
@@ -193,6 +220,6 @@ def load_profiles(paths: list[str | Path]) -> Profiles:
                                "profile.json) nor a Zorse one (data/model_latencies.json)")
         else:
             raise ProfileError(f"cannot find the profile '{path}'")
-    for model, why in out.rejected:
-        log.info("%s: %s", model, why)
+    for r in out.rejected:
+        log.info("%s: %s: %s", r.model, r.where, r.why)
     return out

@@ -23,7 +23,7 @@ from typing import Any
 
 from hetc.passes.cost.devices import catalog_name
 from hetc.passes.cost.network import QuadraticLogFit
-from hetc.passes.cost.profiles import ComputeTable, NetworkFits, ProfileError, Profiles, fit_line
+from hetc.passes.cost.profiles import ComputeTable, NetworkFits, ProfileError, Profiles, Rejected, fit_line
 from hetc.spec import Arch
 
 __all__ = ["SailorModel", "looks_like", "read_json", "read_models", "read_sailor"]
@@ -107,12 +107,11 @@ def read_sailor(folder: Path) -> Profiles:
         name, gpu = path.parent.parent.name, path.parent.name
         model = models.get(name)
         if model is None:
-            why = f"{path}: no training_config_*.json describes model '{name}'; profile not used"
-            rejected.append((name, why))
+            rejected.append(Rejected(name, str(path), f"no training_config_*.json describes model '{name}'"))
             continue
         table, why = _table(path, model, catalog_name(gpu))
         if table is None:
-            rejected.append((name, f"{path}: {why}; profile not used"))
+            rejected.append(Rejected(name, str(path), why))
         else:
             tables.append(table)
     return Profiles(tuple(tables), _network(folder), rejected=tuple(rejected), sources=(str(folder),))
@@ -150,16 +149,17 @@ def _slots(per_layer: dict, n: int, blocks: int) -> dict[str, list[list[float]]]
 
 def _network(folder: Path) -> NetworkFits:
     intra, inter, inter_any = {}, {}, {}
-    homo = _optional_json(folder / "network_coeffs_all_homo.json") or {}
-    for table, target in ((homo.get("intra", {}), intra),
-                          (_optional_json(folder / "intra_node_bandwidths.json") or {}, intra)):
+    homo_path, intra_path = folder / "network_coeffs_all_homo.json", folder / "intra_node_bandwidths.json"
+    het_path = folder / "multizone_bandwidths_het.json"
+    homo = _optional_json(homo_path) or {}
+    for table, source in ((homo.get("intra", {}), homo_path), (_optional_json(intra_path) or {}, intra_path)):
         for gpu, per_count in table.items():
             for count, fit in per_count.items():
-                target[(catalog_name(gpu), int(count))] = _fit(fit)
+                intra[(catalog_name(gpu), int(count))] = _fit(fit, source)
     for gpu, per_count in homo.get("inter", {}).items():
         for count, fit in per_count.items():
-            inter_any[(catalog_name(gpu), int(count))] = _fit(fit)
-    het = _optional_json(folder / "multizone_bandwidths_het.json") or {}
+            inter_any[(catalog_name(gpu), int(count))] = _fit(fit, homo_path)
+    het = _optional_json(het_path) or {}
     for za, per_gpu in het.items():
         for ga, per_count in per_gpu.items():
             for ca, per_zone in per_count.items():
@@ -167,13 +167,13 @@ def _network(folder: Path) -> NetworkFits:
                     for gb, per_count_b in per_gpu_b.items():
                         for cb, fit in per_count_b.items():
                             key = (za, catalog_name(ga), int(ca), zb, catalog_name(gb), int(cb))
-                            inter[key] = _fit(fit)
+                            inter[key] = _fit(fit, het_path)
     return NetworkFits(intra, inter, inter_any)
 
 
-def _fit(raw) -> QuadraticLogFit:
+def _fit(raw, source: Path) -> QuadraticLogFit:
     try:
         (a, b, c), cap = raw
-        return QuadraticLogFit(float(a), float(b), float(c), float(cap))
+        return QuadraticLogFit(float(a), float(b), float(c), float(cap), str(source))
     except (TypeError, ValueError) as err:
         raise ProfileError(f"a Sailor network fit must be [[a, b, c], cap], got {raw!r} ({err})") from None

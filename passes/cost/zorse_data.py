@@ -14,14 +14,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from hetc.passes.cost.devices import catalog_name
-from hetc.passes.cost.profiles import ComputeTable, LinearFit, Profiles
+from hetc.passes.cost.profiles import ComputeTable, LinearFit, Profiles, Rejected
 from hetc.passes.cost.sailor_data import read_json
 
 __all__ = ["DTYPES", "LATENCIES", "STATS", "looks_like", "read_zorse"]
 
 LATENCIES = Path("data/model_latencies.json")
 STATS = Path("data/model_stats.json")
-DTYPES = {"float16": "fp16", "bfloat16": "fp16", "float32": "fp32"}
+DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
 
 def looks_like(path: Path) -> bool:
@@ -35,8 +35,7 @@ def read_zorse(folder: Path) -> Profiles:
     for model, per_gpu in latencies.items():
         shape = stats.get(model)
         if shape is None:
-            why = f"{folder / LATENCIES}: model '{model}' is not in {STATS}; latencies not used"
-            rejected.append((model, why))
+            rejected.append(Rejected(model, str(folder / LATENCIES), f"model '{model}' is not in {STATS}"))
             continue
         for gpu, per_seq in per_gpu.items():
             for seq, per_dtype in per_seq.items():
@@ -44,7 +43,7 @@ def read_zorse(folder: Path) -> Profiles:
                     fits = _fits(entry)
                     where = f"{folder / LATENCIES}: {model}/{gpu}/{seq}/{dtype}"
                     if fits is None or dtype not in DTYPES:
-                        rejected.append((model, f"{where}: no forward and backward fit; not used"))
+                        rejected.append(Rejected(model, where, "no forward and backward fit"))
                         continue
                     tables.append(ComputeTable(where, catalog_name(gpu), int(shape["hidden_size"]),
                                                int(shape["parameters_per_layer"]), int(seq), DTYPES[dtype],

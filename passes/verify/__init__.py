@@ -15,6 +15,7 @@ findings with a steps × ranks grid of the ranks involved:
 
 from __future__ import annotations
 
+from hetc.passes.lower.forward_only import forward_only
 from hetc.passes.verify.dataflow import check_dataflow
 from hetc.passes.verify.errors import Finding, VerifyError
 from hetc.passes.verify.memory import Sizes, check_memory
@@ -24,19 +25,21 @@ from hetc.program import Program
 from hetc.spec import Spec
 from hetc.viz.grid import render_grid
 
-__all__ = ["Finding", "Sizes", "VerifyError", "verify"]
+__all__ = ["Finding", "Sizes", "VerifyError", "verified_evaluation", "verify"]
 
 
-def verify(program: Program, pipeline: Pipeline, spec: Spec, sizes: Sizes | None = None) -> None:
+def verify(program: Program, pipeline: Pipeline, spec: Spec, sizes: Sizes | None = None,
+           forward_only: bool = False) -> None:
     """Raise VerifyError naming rank and instruction if the programs are unsafe.
 
     `sizes` (a `CostModel`) turns on the memory check; `VerifyError.check`
     says which check failed ("memory" is a plan that does not fit, not a
-    lowering bug).
+    lowering bug). `forward_only` checks an evaluation program
+    (passes/lower/forward_only.py) for completeness forward only.
     """
     _check_shape(program, pipeline)
     checks = [("dataflow", lambda: check_dataflow(program, pipeline, spec.model.num_model_layers,
-                                                  spec.train.grad_clip > 0, spec.model.seq)),
+                                                  spec.train.grad_clip > 0, spec.model.seq, forward_only)),
               ("protocol", lambda: check_protocol(program))]
     if sizes is not None:
         checks.append(("memory", lambda: check_memory(program, pipeline, sizes)))
@@ -47,6 +50,18 @@ def verify(program: Program, pipeline: Pipeline, spec: Spec, sizes: Sizes | None
             for f in findings:
                 focus.setdefault(f.rank, max(f.index, 0))
             raise VerifyError(findings, render_grid(program, dict(list(focus.items())[:6])), check=name)
+
+
+def verified_evaluation(program: Program, pipeline: Pipeline, spec: Spec) -> Program | None:
+    """The evaluation programs of a job that evaluates (`train { eval_every }`), verified; else None.
+
+    Note [Evaluation programs] in passes/lower/forward_only.py says why the memory check is not rerun.
+    """
+    if spec.train.eval_every == 0:
+        return None
+    evaluation = forward_only(program)
+    verify(evaluation, pipeline, spec, forward_only=True)
+    return evaluation
 
 
 def _check_shape(program: Program, pipeline: Pipeline) -> None:

@@ -56,8 +56,10 @@ class _State:
 
 
 class _Rank:
-    def __init__(self, rp: RankProgram, pipeline: Pipeline, num_layers: int, clip: bool, seq: int | None):
+    def __init__(self, rp: RankProgram, pipeline: Pipeline, num_layers: int, clip: bool, seq: int | None,
+                 forward_only: bool = False):
         self.rp = rp
+        self.forward_only = forward_only
         self.pipeline = pipeline
         self.num_layers = num_layers
         self.clip = clip
@@ -143,6 +145,7 @@ class _Rank:
         self.s.fwd.add(key)
 
     def backward(self, i, instr) -> None:
+        self._learning(instr)
         self._owned(instr)
         key = (instr.ms, instr.mb)
         if isinstance(instr, BackwardWeight):
@@ -239,7 +242,12 @@ class _Rank:
             self.s.moving.add(("act", *key))
         self._post(i, instr)
 
+    def _learning(self, instr) -> None:
+        if self.forward_only:
+            raise _Fault(f"an evaluation program runs forward only, but `{instr}` learns")
+
     def step(self, i, instr: Step) -> None:
+        self._learning(instr)
         self._owned(instr)
         if instr.ms in self.s.stepped:
             raise _Fault(f"ministage {instr.ms} steps twice")
@@ -314,9 +322,9 @@ class _Rank:
             for mb in sorted(self.mbs):
                 if (ms, mb) not in self.s.fwd:
                     out.append(f"microbatch {mb} never passes ministage {ms} forward")
-                elif (ms, mb) not in self.s.wgrad or (ms, mb) not in self.s.bwd:
+                elif not self.forward_only and ((ms, mb) not in self.s.wgrad or (ms, mb) not in self.s.bwd):
                     out.append(f"microbatch {mb} never passes ministage {ms} backward")
-            if ms not in self.s.stepped:
+            if ms not in self.s.stepped and not self.forward_only:
                 out.append(f"ministage {ms} never steps its optimizer")
             if self.s.gathered.get(ms, 0):
                 out.append(f"the gathered parameters of ministage {ms} are never freed")
@@ -339,11 +347,15 @@ _HANDLERS = {
 
 
 def check_dataflow(program: Program, pipeline: Pipeline, num_layers: int, clip: bool,
-                   seq: int | None = None) -> list[Finding]:
-    """Per-rank findings; with the sequence length `seq`, received pieces are checked against the layouts."""
+                   seq: int | None = None, forward_only: bool = False) -> list[Finding]:
+    """Per-rank findings; with the sequence length `seq`, received pieces are checked against the layouts.
+
+    `forward_only`: an evaluation program (Note [Evaluation programs] in passes/lower/forward_only.py):
+    every microbatch passes each ministage forward once, and nothing runs backward or steps.
+    """
     findings = []
     for rp in program.ranks:
-        rank = _Rank(rp, pipeline, num_layers, clip, seq)
+        rank = _Rank(rp, pipeline, num_layers, clip and not forward_only, seq, forward_only)
         try:
             for i, instr in enumerate(rp.instrs):
                 try:

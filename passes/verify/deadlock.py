@@ -15,7 +15,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from hetc.passes.verify.errors import Finding, at
-from hetc.program import COLLECTIVE_TYPES, COMPUTE_TYPES, Instr, Program, Recv, Send
+from hetc.passes.verify.machine import collective_groups, compute_groups
+from hetc.program import Instr, Program, Recv, Send
 
 __all__ = ["Stuck", "explain_deadlock"]
 
@@ -43,17 +44,15 @@ class _Partners:
         self.sends: Counter = Counter()
         self.recvs: Counter = Counter()
         self.calls: Counter = Counter()
+        groups = compute_groups(program)
         for rp in program.ranks:
-            groups = {sh.ms: sh.compute_groups for sh in rp.shards}
             for instr in rp.instrs:
                 if isinstance(instr, Send):
                     self.sends[(rp.rank, instr.peer_to, instr.what, instr.ms, instr.mb)] += 1
                 elif isinstance(instr, Recv):
                     self.recvs[(instr.peer_from, rp.rank, instr.what, instr.ms, instr.mb)] += 1
-                elif isinstance(instr, COLLECTIVE_TYPES):
-                    self.calls[(instr.group, rp.rank)] += 1
-                elif isinstance(instr, COMPUTE_TYPES):
-                    for group in groups.get(instr.ms, ()):
+                else:
+                    for group in collective_groups(rp.rank, instr, groups):
                         self.calls[(group, rp.rank)] += 1
         self.members = {g.name: g.ranks for g in program.groups}
 

@@ -1,0 +1,108 @@
+"""Validation of the training and evaluation data: files that exist and fit the model.
+
+Part of the validation pass (passes/validate.py). A text file must be text,
+a token file must be readable as its block says (hetc/tokenfile.py), its
+ids must fit the model's vocabulary, and evaluation must have data to read.
+Files are looked at only when the spec's directory is known (`base_dir`),
+and only their headers are read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hetc.errors import Diagnostic
+from hetc.runtime.checks import check_text_vocab
+from hetc.spec import DataKind, DataSpec, ModelSpec, Spec, TokenDType, TrainSpec
+from hetc.tokenfile import TokenFile, TokenFileError, fits, inspect_tokens, looks_binary, tokenizer_digest
+
+__all__ = ["check_data"]
+
+
+def check_data(spec: Spec, base_dir: Path | None, errors: list[Diagnostic]) -> None:
+    """Diagnostics of the train block's data and eval data (a spec that has a train block)."""
+    t = spec.train
+    assert t is not None, "the validator checks data only of a spec with a train block"
+    for data in filter(None, (t.data, t.eval)):
+        _check_source(data, spec.model, base_dir, errors)
+    if spec.model is not None and (problem := check_text_vocab(spec.model, t)) is not None:
+        errors.append(Diagnostic(spec.model.span_of("vocab"), problem))
+    _check_eval(t, errors)
+
+
+def _check_source(data: DataSpec, model: ModelSpec | None, base_dir: Path | None, errors) -> None:
+    if data.kind is DataKind.SYNTHETIC:
+        return
+    if not data.path:
+        example = "file.txt" if data.kind is DataKind.TEXT else "tokens.bin"
+        errors.append(Diagnostic(data.span, f"data {data.kind.value} needs a path = \"{example}\""))
+        return
+    if model is not None and data.dtype is TokenDType.UINT16 and not fits(TokenDType.UINT16, model.vocab):
+        errors.append(Diagnostic(data.span_of("dtype"), f"dtype = uint16 holds ids below 65536, too few for the "
+                                 f"model's vocab = {model.vocab}: its token files need dtype = uint32"))
+    if base_dir is None:
+        return
+    path = data.resolve(base_dir)
+    if data.kind is DataKind.TEXT:
+        _check_text(data, path, errors)
+    else:
+        _check_tokens(data, path, model, base_dir, errors)
+
+
+def _check_text(data: DataSpec, path: Path, errors) -> None:
+    if not path.is_file():
+        errors.append(Diagnostic(data.span_of("path"), f"cannot find the text file '{data.path}'"))
+        return
+    why = looks_binary(path)
+    if why is not None:
+        errors.append(Diagnostic(data.span_of("path"), f"'{data.path}' is not a text file: {why}; read token "
+                                 "ids with data tokens { path = ..., dtype = uint16 | uint32 }"))
+
+
+def _check_tokens(data: DataSpec, path: Path, model: ModelSpec | None, base_dir: Path, errors) -> None:
+    try:
+        tf = inspect_tokens(path, data.dtype)
+    except TokenFileError as err:
+        field = "dtype" if str(err).startswith("dtype =") else "path"
+        errors.append(Diagnostic(data.span_of(field), str(err)))
+        return
+    except OSError as err:
+        errors.append(Diagnostic(data.span_of("path"), f"cannot read the token file '{data.path}': {err.strerror}"))
+        return
+    if model is not None and tf.vocab is not None and tf.vocab > model.vocab:
+        made_by = f" by the tokenizer '{tf.tokenizer}'" if tf.tokenizer else ""
+        errors.append(Diagnostic(data.span_of("path"), f"'{data.path}' was written{made_by} with a vocabulary of "
+                                 f"{tf.vocab}, larger than the model's vocab = {model.vocab}"))
+    if data.tokenizer:
+        _check_tokenizer(data, tf, base_dir, errors)
+    if model is not None and tf.num_tokens < model.seq + 1:
+        errors.append(Diagnostic(data.span_of("path"), f"'{data.path}' holds {tf.num_tokens} tokens; a sequence "
+                                 f"of seq = {model.seq} needs {model.seq + 1}"))
+
+
+def _check_tokenizer(data: DataSpec, tf: TokenFile, base_dir: Path, errors) -> None:
+    """The tokenizer the spec names must be the one a hetc header says wrote the file."""
+    where = data.span_of("tokenizer")
+    try:
+        digest = tokenizer_digest(data.resolve(base_dir, data.tokenizer))
+    except OSError as err:
+        errors.append(Diagnostic(where, f"cannot read '{data.tokenizer}/tokenizer.json': {err.strerror}"))
+        return
+    if tf.tokenizer_sha256 is None:
+        errors.append(Diagnostic(where, f"'{data.path}' records no tokenizer (only `hetc data prepare`'s files "
+                                 "do); leave tokenizer out for it"))
+    elif tf.tokenizer_sha256 != digest:
+        errors.append(Diagnostic(where, f"'{data.path}' was written by the tokenizer '{tf.tokenizer}', not by "
+                                 f"'{data.tokenizer}' (their tokenizer.json differ)"))
+
+
+def _check_eval(t: TrainSpec, errors) -> None:
+    if t.eval is not None and t.eval_share > 0:
+        errors.append(Diagnostic(t.span_of("eval_share"), "give validation data either as an eval block or as "
+                                 "eval_share of the training data, not both"))
+    elif t.eval_share > 0 and t.data.kind is DataKind.SYNTHETIC:
+        errors.append(Diagnostic(t.span_of("eval_share"), "eval_share holds out part of a text or token file; "
+                                 "synthetic data has none (use an eval block)"))
+    elif t.eval_every > 0 and t.eval is None and t.eval_share == 0:
+        errors.append(Diagnostic(t.span_of("eval_every"), "eval_every needs validation data: an eval block "
+                                 "(eval tokens { path = ... }) or eval_share = 0.01 of the training data"))

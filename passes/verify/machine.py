@@ -1,0 +1,355 @@
+"""The runtime's blocking rules, as one machine the verifier and the simulator both drive.
+
+Note [blocking rules]: an instruction with a handle only *posts* its work;
+`wait` blocks until that work is complete; without a handle an instruction
+posts and waits at once. A send and a receive complete together, when both
+are posted (gloo's rendezvous, the conservative model); messages between
+two ranks match in posting order (what NCCL requires), and must agree on
+tensor, ministage, microbatch and shape. A collective completes when every
+member of its group has posted it; the k-th collective of a group must be
+the same on every member. Copies to and from the host queue on the rank's
+copy stream and complete on their own. A compute op of a ministage whose
+shard names tp/cp/ep groups is a collective on each of them (Note [compute
+collectives] in hetc/program.py): it completes when every member of each
+has posted the same op (on an ep group, whose members serve different
+microbatches: the same kind of op on the same ministage). If no rank can
+move and some have not finished, the programs deadlock.
+
+Time: each rank has a clock. An op is posted at the rank's time; local
+work (compute, the optimizer step) runs for its duration on the rank's
+thread; a message starts when both ends are posted, a collective when its
+last member posts, a copy when the copy stream is free; each then takes
+the `Clock`'s duration. A wait moves the rank's time to the end of what it
+waits for. The verifier runs the machine with `NO_TIME` (every duration
+zero) to prove the programs finish; the simulator plugs in the cost model.
+
+Note [event-driven]: a rank is advanced again only when one of its posted
+ops completes, so a run costs about one visit per instruction. Matching
+goes by posting order per channel and per group, never by time, so the
+times do not depend on the order ranks are visited in.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from hetc.passes.verify.errors import Finding, at
+from hetc.program import (COLLECTIVE_TYPES, COMPUTE_TYPES, Free, Instr, Load, Offload, Prefetch, Program, Recv,
+                          Send, Step, Wait)
+
+# Instructions that only take the rank's own time; so does a compute op unless its ministage has collectives.
+_LOCAL = frozenset({Load, Free, Step})
+_COMPUTE = frozenset(COMPUTE_TYPES)
+
+__all__ = ["NO_TIME", "Clock", "Machine", "Op", "RankState", "collective_groups", "compute_groups"]
+
+
+def compute_groups(program: Program) -> dict[tuple[int, int], tuple[str, ...]]:
+    """(rank, ministage) -> the groups its compute ops are collectives on (Note [compute collectives])."""
+    return {(rp.rank, sh.ms): sh.compute_groups for rp in program.ranks for sh in rp.shards}
+
+
+def collective_groups(rank: int, instr: Instr, groups: dict[tuple[int, int], tuple[str, ...]]) -> tuple[str, ...]:
+    """The groups `instr` is a call on: a collective's own group, a compute op's tp/cp/ep groups."""
+    if isinstance(instr, COLLECTIVE_TYPES):
+        return (instr.group,)
+    if isinstance(instr, COMPUTE_TYPES):
+        return groups.get((rank, instr.ms), ())
+    return ()
+
+
+@dataclass(eq=False, slots=True)
+class Op:
+    """One posted instruction (or one group's part of a compute op with collectives)."""
+
+    rank: int
+    index: int
+    instr: Instr
+    post: float = 0.0
+    start: float = 0.0
+    end: float | None = None     # set when the op completes
+    call: int | None = None      # a collective's number among its group's calls
+    group: str | None = None     # the group it is a collective on (a compute op's tp/cp/ep group)
+    parent: Op | None = None     # the compute op this is one group's part of
+    parts: list[Op] | None = None     # a compute op's parts, one per group
+    matched: list[Op] | None = None   # a part: every member's part of the same call
+    waiting: int = 0             # a compute op's parts not yet complete
+
+    @property
+    def done(self) -> bool:
+        return self.end is not None
+
+
+class Clock(Protocol):
+    """How long each kind of work takes (seconds)."""
+
+    def local(self, rank: int, instr: Instr) -> float: ...     # compute, step, load, free
+    def copy(self, rank: int, instr: Instr) -> float: ...      # offload / prefetch on the copy stream
+    def p2p(self, send: Op, recv: Op) -> float: ...
+    def collective(self, ops: list[Op]) -> float: ...          # every member's op of one call
+
+
+class _NoTime:
+    """The verifier's clock: every duration zero."""
+
+    def local(self, rank: int, instr: Instr) -> float:
+        return 0.0
+
+    def copy(self, rank: int, instr: Instr) -> float:
+        return 0.0
+
+    def p2p(self, send: Op, recv: Op) -> float:
+        return 0.0
+
+    def collective(self, ops: list[Op]) -> float:
+        return 0.0
+
+
+NO_TIME: Clock = _NoTime()
+
+
+@dataclass
+class RankState:
+    pc: int = 0
+    t: float = 0.0
+    posted: dict[int, Op] = field(default_factory=dict)    # handle -> op
+    waited: set[int] = field(default_factory=set)
+    blocking: Op | None = None                              # a handle-less op in flight
+    copy_free: float = 0.0                                  # when the copy stream is next free
+    issued: list[float] = field(default_factory=list)       # the time each instruction was first reached
+
+    def finished(self, length: int) -> bool:
+        return self.pc >= length and self.blocking is None
+
+
+class Machine:
+    """All ranks' programs run together under Note [blocking rules], timed by `clock`."""
+
+    def __init__(self, program: Program, clock: Clock = NO_TIME, record: bool = False):
+        """`record`: keep every completed op with its times (`ran`) and the matched messages."""
+        self.program, self.clock, self.record = program, clock, record
+        self.ranks = [RankState() for _ in program.ranks]
+        self.sends: dict[tuple[int, int], deque[Op]] = {}
+        self.recvs: dict[tuple[int, int], deque[Op]] = {}
+        self.calls: dict[str, list[dict[int, Op]]] = {}     # group -> k -> rank -> op
+        self.count: dict[tuple[str, int], int] = {}          # (group, rank) -> calls posted
+        self.members = {g.name: set(g.ranks) for g in program.groups}
+        self.compute_groups = compute_groups(program)
+        self.lockstep = {key for key, groups in self.compute_groups.items() if groups}   # compute ops that are calls
+        self.across_lanes = {sh.ep_group for rp in program.ranks for sh in rp.shards if sh.ep_group}
+        self.runnable: deque[int] = deque(range(len(program.ranks)))
+        self.queued = set(self.runnable)
+        self.ran: list[Op] = []                   # completed ops that did work (the timeline's events)
+        self.messages: list[tuple[Op, Op]] = []   # (send, receive) pairs, in matching order
+
+    # -------------------------------------------------------------- completion
+
+    def _finish(self, op: Op, start: float, duration: float) -> None:
+        op.start, op.end = start, start + duration
+        if self.record:
+            self.ran.append(op)
+        self._wake(op.rank)
+
+    def _wake(self, rank: int) -> None:
+        if rank not in self.queued:
+            self.queued.add(rank)
+            self.runnable.append(rank)
+
+    def _part_done(self, part: Op) -> None:
+        parent = part.parent
+        parent.waiting -= 1
+        if parent.waiting == 0:
+            start = max(p.start for p in parent.parts)
+            duration = max(self.clock.local(o.rank, o.instr) for p in parent.parts for o in p.matched)
+            self._finish(parent, start, duration)
+
+    # -------------------------------------------------------------- posting
+
+    def _post(self, op: Op) -> Finding | None:
+        instr = op.instr
+        if isinstance(instr, Send):
+            return self._post_p2p(op, (op.rank, instr.peer_to), self.sends, self.recvs)
+        if isinstance(instr, Recv):
+            return self._post_p2p(op, (instr.peer_from, op.rank), self.recvs, self.sends)
+        if isinstance(instr, COLLECTIVE_TYPES):
+            return self._post_collective(op)
+        if isinstance(instr, (Offload, Prefetch)):
+            state = self.ranks[op.rank]
+            start = max(op.post, state.copy_free)
+            self._finish(op, start, self.clock.copy(op.rank, instr))
+            state.copy_free = op.end
+            return None
+        return self._post_compute(op, collective_groups(op.rank, instr, self.compute_groups))
+
+    def _post_compute(self, op: Op, groups: tuple[str, ...]) -> Finding | None:
+        """A compute op with tp/cp/ep collectives: one part per group, done when every part is."""
+        op.waiting, op.parts = len(groups), []
+        for group in groups:
+            part = Op(op.rank, op.index, op.instr, op.post, group=group, parent=op)
+            op.parts.append(part)
+            problem = self._post_collective(part)
+            if problem:
+                return problem
+        return None
+
+    def _post_p2p(self, op: Op, channel, mine, theirs) -> Finding | None:
+        peer = channel[1] if isinstance(op.instr, Send) else channel[0]
+        if not 0 <= peer < len(self.ranks) or peer == op.rank:
+            return at(self.program, op.rank, op.index, f"peer {peer} is not another rank of this "
+                      f"{len(self.ranks)}-rank program")
+        waiting = theirs.get(channel)
+        if not waiting:
+            mine.setdefault(channel, deque()).append(op)
+            return None
+        other = waiting.popleft()
+        send, recv = (op, other) if isinstance(op.instr, Send) else (other, op)
+        problem = _mismatch(send.instr, recv.instr)
+        if problem:
+            return at(self.program, recv.rank, recv.index, f"{problem}; the next message from rank "
+                      f"{send.rank} is `{send.instr}` (its instruction {send.index})")
+        start, duration = max(send.post, recv.post), self.clock.p2p(send, recv)
+        self._finish(send, start, duration)
+        self._finish(recv, start, duration)
+        if self.record:
+            self.messages.append((send, recv))
+        return None
+
+    def _post_collective(self, op: Op) -> Finding | None:
+        group = op.group or op.instr.group
+        members = self.members.get(group)
+        if members is None:
+            return at(self.program, op.rank, op.index, f"unknown group '{group}'")
+        if op.rank not in members:
+            return at(self.program, op.rank, op.index, f"rank {op.rank} is not a member of group '{group}'")
+        k = self.count.get((group, op.rank), 0)
+        self.count[(group, op.rank)] = k + 1
+        op.call = k
+        if op.parent is not None and op.parent.call is None:
+            op.parent.call, op.parent.group = k, group
+        calls = self.calls.setdefault(group, [])
+        if k == len(calls):
+            calls.append({})
+        entry = calls[k]
+        if entry:   # every earlier poster agrees with the first one
+            other = next(iter(entry.values()))
+            any_mb = group in self.across_lanes
+            if _collective_key(other.instr, any_mb) != _collective_key(op.instr, any_mb):
+                return at(self.program, op.rank, op.index, f"collective #{k} on group '{group}' differs: rank "
+                          f"{other.rank} calls `{other.instr}` (its instruction {other.index})")
+        entry[op.rank] = op
+        if len(entry) == len(members):
+            self._complete_call(list(entry.values()))
+            calls[k] = {}   # done: keep no references
+        return None
+
+    def _complete_call(self, ops: list[Op]) -> None:
+        start = max(o.post for o in ops)
+        if ops[0].parent is not None:        # parts of compute ops: the compute itself is timed once all are in
+            for o in ops:
+                o.start, o.end, o.matched = start, start, ops
+            for o in ops:
+                self._part_done(o)
+            return
+        duration = self.clock.collective(ops)
+        for o in ops:
+            self._finish(o, start, duration)
+
+    # -------------------------------------------------------------- stepping
+
+    def advance(self, r: int) -> Finding | None:
+        """Run rank r as far as it can go."""
+        state, instrs = self.ranks[r], self.program.ranks[r].instrs
+        while state.pc < len(instrs):
+            if state.blocking is not None:
+                end = state.blocking.end
+                if end is None:
+                    return None
+                state.t = max(state.t, end)
+                state.blocking = None
+                state.pc += 1
+                continue
+            if len(state.issued) == state.pc:      # first reached (a wait may be retried; t holds meanwhile)
+                state.issued.append(state.t)
+            instr = instrs[state.pc]
+            kind = type(instr)
+            if kind is Wait:
+                op = state.posted.get(instr.handle)
+                if op is None or instr.handle in state.waited:
+                    why = "was never posted" if op is None else "was already waited"
+                    return at(self.program, r, state.pc, f"handle {instr.handle} {why}")
+                if op.end is None:
+                    return None
+                state.waited.add(instr.handle)
+                state.t = max(state.t, op.end)
+            elif kind in _LOCAL or (kind in _COMPUTE and (r, instr.ms) not in self.lockstep):
+                self._run_local(r, state, instr)
+            else:
+                problem = self._issue(r, state, instr)
+                if problem:
+                    return problem
+                if state.blocking is not None:
+                    continue
+            state.pc += 1
+        return None
+
+    def _run_local(self, r: int, state: RankState, instr: Instr) -> None:
+        """Work on the rank's own thread (compute without collectives, step, load, free): it just takes time."""
+        duration = self.clock.local(r, instr)
+        if duration > 0 and self.record:
+            self.ran.append(Op(r, state.pc, instr, state.t, state.t, state.t + duration))
+        state.t += duration
+
+    def _issue(self, r: int, state: RankState, instr: Instr) -> Finding | None:
+        """Post communication or copies; a handle-less one becomes what the rank blocks on."""
+        op = Op(r, state.pc, instr, state.t)
+        handle = getattr(instr, "handle", None)
+        if handle is not None:
+            if handle in state.posted:
+                return at(self.program, r, state.pc, f"handle {handle} is used twice")
+            state.posted[handle] = op
+        problem = self._post(op)
+        if problem is None and handle is None:
+            state.blocking = op
+        return problem
+
+    def run(self) -> Finding | None:
+        """Advance ranks until none can move (Note [event-driven]); the first protocol error, if any."""
+        while self.runnable:
+            r = self.runnable.popleft()
+            self.queued.discard(r)
+            problem = self.advance(r)
+            if problem:
+                return problem
+        return None
+
+    def unfinished(self) -> list[int]:
+        return [r for r, state in enumerate(self.ranks) if not state.finished(len(self.program.ranks[r].instrs))]
+
+    def blocked_on(self, r: int) -> Op:
+        """The op an unfinished rank waits for."""
+        state = self.ranks[r]
+        instr = self.program.ranks[r].instrs[state.pc] if state.pc < len(self.program.ranks[r].instrs) else None
+        return state.posted[instr.handle] if isinstance(instr, Wait) else state.blocking
+
+    def unwaited(self) -> list[Op]:
+        """Posted ops whose handle no wait completes before the step ends."""
+        return [op for state in self.ranks for h, op in state.posted.items() if h not in state.waited]
+
+    def end_time(self) -> float:
+        return max([s.t for s in self.ranks] + [op.end for op in self.ran], default=0.0)
+
+
+def _mismatch(send: Send, recv: Recv) -> str:
+    if (send.what, send.ms, send.mb, send.seq) != (recv.what, recv.ms, recv.mb, recv.seq):
+        return "receives a different message than is sent"
+    if send.shape != recv.shape:
+        return f"shape {'x'.join(map(str, recv.shape))} does not match the sent shape " \
+               f"{'x'.join(map(str, send.shape))}"
+    return ""
+
+
+def _collective_key(instr, any_mb: bool = False) -> tuple:
+    return (type(instr).__name__, getattr(instr, "what", None), getattr(instr, "ms", None),
+            None if any_mb else getattr(instr, "mb", None))

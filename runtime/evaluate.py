@@ -1,0 +1,52 @@
+"""Validation while training: every `eval_every` steps, the mean loss over `eval_batches` batches.
+
+The loss comes from each rank's evaluation program (passes/lower/forward_only.py),
+so every plan computes it with the schedule and collectives it trains with,
+and the batches come from the evaluation source (Note [Plan-independent
+data] in runtime/data.py): batch k holds global sequences k·B .. (k+1)·B − 1
+of it, the same batches at every evaluation, so the values are comparable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from hetc.passes.verify import verified_evaluation
+from hetc.pipeline import Pipeline
+from hetc.program import Program, RankProgram
+from hetc.runtime.data import DataSource, make_eval_source
+from hetc.runtime.interpreter import Interpreter
+from hetc.spec import Spec
+
+__all__ = ["Evaluator", "make_evaluator"]
+
+
+@dataclass(frozen=True)
+class Evaluator:
+    program: RankProgram      # this rank's evaluation program
+    data: DataSource
+    every: int
+    batches: int
+
+    def due(self, done: int) -> bool:
+        """Whether to evaluate once `done` steps are complete."""
+        return done % self.every == 0
+
+    def run(self, interpreter: Interpreter) -> float:
+        """The validation loss: the mean of the batches' mean losses (equal-sized batches)."""
+        total = sum(interpreter.evaluate(k, self.program, self.data) for k in range(self.batches))
+        return total / self.batches
+
+
+def make_evaluator(spec: Spec, pipeline: Pipeline, program: Program, rank: int,
+                   base_dir: Path | str) -> Evaluator | None:
+    """This rank's evaluator, its program verified; None when the job does not evaluate."""
+    model, train = spec.model, spec.train
+    assert model is not None and train is not None, "a plan's spec is complete"
+    data = make_eval_source(model, train, base_dir)
+    if data is None:
+        return None
+    programs = verified_evaluation(program, pipeline, spec)
+    assert programs is not None, "make_eval_source gave data, so the job evaluates"
+    return Evaluator(programs.ranks[rank], data, train.eval_every, train.eval_batches)
