@@ -101,9 +101,12 @@ class Checkpointer:
         dist.barrier(group=self.group)
         state = _save_state(self.rt.buffers, step)
         writer = dcp.FileSystemWriter(tmp)
+        future: Future
         if self.asynchronous:
-            future = dcp.async_save(state, storage_writer=writer, planner=PieceSavePlanner(),
-                                    process_group=self.group, async_stager=_HostStager())
+            response = dcp.async_save(state, storage_writer=writer, planner=PieceSavePlanner(),
+                                      process_group=self.group, async_stager=_HostStager())
+            # a stager that copies before returning gets a plain Future (no staging future)
+            future = response if isinstance(response, Future) else response.upload_completion
         else:
             future = Future()
             try:
@@ -238,6 +241,12 @@ class _HostStager(AsyncStager):
 
     def stage(self, state_dict: dict[str, object]) -> dict[str, object]:
         return {k: _to_host(v) for k, v in state_dict.items()}
+
+    def synchronize_staging(self) -> None:
+        return None      # `stage` copies before it returns
+
+    def close(self) -> None:
+        return None
 
 
 def _to_host(value: object) -> object:

@@ -65,6 +65,8 @@ def present_spec(spec: Spec, procs: list[Process]) -> tuple[Spec, list[Process]]
         present.setdefault(host[0], []).append(host[1])
     renumber = {(g, old): new for g, olds in present.items() for new, old in enumerate(olds)}
     cluster = spec.cluster
+    if cluster is None:
+        raise ReconfigError("the spec has no cluster block to plan on")
     nodes = tuple(dataclasses.replace(n, count=len(present[n.name])) for n in cluster.nodes if n.name in present)
     gone = {n.name for n in cluster.nodes} - set(present)
     links = tuple(link for link in cluster.links if link.a not in gone and link.b not in gone)

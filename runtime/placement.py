@@ -170,17 +170,16 @@ def _match_labelled(plan_nodes, launched, problems: list[str], elastic: bool) ->
         label = procs[0].label
         if not label:
             continue
-        host = parse_node_label(label)
-        if host not in plan_nodes:
-            if elastic:
-                continue
-            problems.append(f"{procs[0].host} was launched as node {label}, which the plan does not use")
-        elif host in chosen.values():
+        node = parse_node_label(label)
+        if node is None or node not in plan_nodes:
+            if not elastic:
+                problems.append(f"{procs[0].host} was launched as node {label}, which the plan does not use")
+        elif node in chosen.values():
             problems.append(f"two launched nodes claim the plan's node {label}")
-        elif (why := _node_problem(plan_nodes[host], procs)) is not None:
+        elif (why := _node_problem(plan_nodes[node], procs)) is not None:
             problems.append(f"node {label} {why}")
         else:
-            chosen[agent] = host
+            chosen[agent] = node
     return chosen
 
 

@@ -40,7 +40,9 @@ class Reporter:
         self.opts, self.device = opts, device
         self.tokens_per_step = spec.train.global_batch * spec.model.seq
         self.store = dist.distributed_c10d._get_default_store()
-        self.metrics = open(opts.metrics, "a" if append else "w") if opts.metrics is not None and rank == 0 else None
+        writes = opts.metrics is not None and rank == 0
+        # open for the whole run, closed in finish()
+        self.metrics = open(opts.metrics, "a" if append else "w") if writes else None  # noqa: SIM115
         self.traced: list | None = None
         self.step_time = 0.0
 
