@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.distributed as dist
 
 from hetc.spec import DeviceSpec
 from hetc.topology import Gpu
@@ -101,7 +102,12 @@ def discover(store, mine: Process, world: int) -> list[Process]:
     """Every launched process's report, by launch rank (through the rendezvous store)."""
     store.set(f"{PROC_KEY}{mine.launch_rank}", json.dumps(asdict(mine)))
     keys = [f"{PROC_KEY}{r}" for r in range(world)]
-    store.wait(keys)
+    try:
+        store.wait(keys)
+    except dist.DistStoreError:
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        raise ClusterMismatch(f"launch ranks {missing} of {world} never reported to the rendezvous store "
+                              "(are all nodes started, with the same WORLD_SIZE?)") from None
     return [Process(**json.loads(v)) for v in store.multi_get(keys)]
 
 

@@ -31,8 +31,12 @@ log = logging.getLogger("hetc.runtime")
 
 
 def attempt_prefix() -> str:
-    """The store prefix of this start of the workers: torchrun's agent store outlives a restart, and
-    the keys of the start before (heartbeats, `hetc/dead`) must not reach this one."""
+    """The store prefix of this start of the workers. torchrun's shared agent store outlives a
+    restart, and the keys of the start before (heartbeats, `hetc/dead`) must not reach this one;
+    a store the workers host (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) is new at every start and needs
+    none, and must not have one: an agent that joins later counts its restarts from 0."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return ""
     return f"hetc/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 
 

@@ -25,17 +25,20 @@ from tests.rank_pool import LOSS_RTOL
 MIXED = ROOT / "tests" / "specs" / "mixed"
 STEPS = 3
 ELASTIC_STEPS = 10
+# long enough that the run on two ranks is still going when the third node's agent has started
+# (python and `import torch`: 5-20 s on the shared cores) and joins
+JOIN_STEPS = 200
 
 
 @pytest.fixture(scope="module")
 def mixed_reference():
-    """Losses of the mixed job on one process, for ELASTIC_STEPS steps."""
+    """Losses of the mixed job on one process, for JOIN_STEPS steps."""
     from hetc.frontend import load_checked
     from hetc.runtime.reference import train_reference
 
     loaded, _ = load_checked(MIXED / "job.het")
     spec = loaded.spec
-    return train_reference(spec.model, spec.train, base_dir=MIXED, steps=ELASTIC_STEPS).losses
+    return train_reference(spec.model, spec.train, base_dir=MIXED, steps=JOIN_STEPS).losses
 
 
 @pytest.fixture(scope="module")
@@ -121,11 +124,11 @@ def test_sigterm_to_one_node_saves_the_step_and_the_restart_loses_none(mixed_pla
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_elastic_run_replans_when_a_node_leaves_and_when_one_joins(mixed_reference, tmp_path):
     port, metrics, ckpt = free_port(), tmp_path / "m.jsonl", tmp_path / "ckpt"
-    args = ["run", str(MIXED / "auto.het"), "--elastic", "--checkpoint", str(ckpt), "--every", "2",
-            "--steps", str(ELASTIC_STEPS), "--metrics", str(metrics)]
+    args = ["run", str(MIXED / "auto.het"), "--elastic", "--checkpoint", str(ckpt), "--every", "5",
+            "--steps", str(JOIN_STEPS), "--metrics", str(metrics)]
 
     def replans() -> list[str]:
         return re.findall(r"hetc run --elastic: (\d+) ranks on ([^,]+(?:, small\[0\])?),", big.text())
@@ -138,14 +141,15 @@ def test_elastic_run_replans_when_a_node_leaves_and_when_one_joins(mixed_referen
         wait_for(lambda: ("3", "big[0], small[0]") in replans() and len(metrics_records(metrics)) >= 3,
                  "3 steps on 3 ranks")
         agents[-1].kill_node()
+        done_on_3 = len(metrics_records(metrics))
         wait_for(lambda: replans()[-1:] == [("2", "big[0]")], "a re-plan onto the 2 ranks left")
-        wait_for(lambda: any(r["step"] >= 5 for r in metrics_records(metrics)[3:]), "training on 2 ranks")
+        wait_for(lambda: len(metrics_records(metrics)) > done_on_3, "training on 2 ranks")
         agents.append(start_agent("small2", 1, port, args, tmp_path, nnodes="1:2", max_restarts=3))
         codes = [a.proc.wait(400) for a in (agents[0], agents[2])]
     logs = _logs(agents)
     assert codes == [0, 0], logs
     assert [n for n, _ in replans()][-3:] == ["3", "2", "3"], logs
-    _assert_matches_reference(metrics_records(metrics), mixed_reference, ELASTIC_STEPS)
+    _assert_matches_reference(metrics_records(metrics), mixed_reference, JOIN_STEPS)
 
 
 def test_launch_prints_torchrun_for_one_node(mixed_plan, capsys):
