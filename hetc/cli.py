@@ -20,7 +20,7 @@ __all__ = ["VERBS", "UsageError", "main"]
 
 # verb modules, in the order `hetc --help` lists them
 VERBS = ["demo", "check", "fmt", "plan", "compile", "verify", "run", "launch", "viz", "explain", "profile",
-         "import_", "data"]
+         "calibrate", "import_", "export", "data"]
 
 
 class UsageError(Exception):

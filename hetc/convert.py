@@ -13,22 +13,28 @@ from typing import Any
 from hetc import syntax as ast
 from hetc.errors import Diagnostic, Span, SpecError, did_you_mean
 from hetc.schema import FieldInfo, fields_of, normalize_key
-from hetc.spec import Node, Spec
+from hetc.hf.config import TRAINING_FIELDS, HfError, Preset, model_preset, read_config
+from hetc.spec import ModelSpec, Node, Spec, declared_path
 from hetc.values import ValueConverter, is_enum, words
 
-__all__ = ["FieldInfo", "fields_of", "normalize_key", "to_spec"]
+__all__ = ["Converter", "FieldInfo", "fields_of", "normalize_key", "to_spec"]
 
 
 class Converter(ValueConverter):
     """The block rules: labels, known keys and blocks, duplicates, required fields."""
 
     def block(self, cls: type, items: tuple, span: Span, what: str,
-              head: ast.Block | None = None) -> Node | None:
-        """Build `cls` from a block's items; `head` is the block itself (for its labels)."""
+              head: ast.Block | None = None, preset: Preset | None = None) -> Node | None:
+        """Build `cls` from a block's items; `head` is the block itself (for its labels); `preset`
+        fills the fields the items leave out (Note [hf presets])."""
         infos = fields_of(cls)
         values: dict[str, Any] = {}
         spans: dict[str, Span] = {}
         failed = False
+        if cls is ModelSpec and preset is None:
+            preset, ok = self._hf_preset(infos, items)
+            if not ok:
+                return None
         if head is not None:
             failed |= not self._labels(infos, head, values, spans)
         seen: dict[str, Span] = {}
@@ -52,8 +58,13 @@ class Converter(ValueConverter):
                 continue
             if key is not None:
                 seen[key] = item.span
-            ok = self._assign(info, item, values, spans)
+            nested = preset.values.get(info.name) if preset is not None else None
+            ok = self._assign(info, item, values, spans, nested if isinstance(nested, Preset) else None)
             failed |= not ok
+        if preset is not None and not failed:
+            failed |= not self._apply_preset(infos, preset, values, spans, written, what)
+        elif preset is not None:
+            written.update(preset.values)     # set by the config: not missing, whatever else failed
         failed |= not self._required(infos, written, span, what)
         if failed:
             return None
@@ -112,9 +123,50 @@ class Converter(ValueConverter):
             return False
         return True
 
-    def _assign(self, info: FieldInfo, item, values, spans) -> bool:
+    def _hf_preset(self, infos, items) -> tuple[Preset | None, bool]:
+        """The preset of a model block's `hf = "DIR"` (None without one); False when DIR is unusable."""
+        info = next(i for i in infos if i.name == "hf")
+        item = next((i for i in items if isinstance(i, ast.Attr) and normalize_key(i.key) in info.keys), None)
+        if item is None:
+            return None, True
+        text = self.value(info, item.value, f"'{item.key}'")
+        if text is None:
+            return None, False
+        where = item.value.span
+        try:
+            return model_preset(read_config(declared_path(text, where)), f"{text}/config.json", where), True
+        except HfError as err:
+            self.error(where, str(err))
+            return None, False
+
+    def _apply_preset(self, infos, preset: Preset, values, spans, written, what) -> bool:
+        """Fill the fields the block left out from `preset`; a locked field written otherwise is an error."""
+        ok = True
+        for name, value in preset.values.items():
+            if name in values:
+                if name in preset.locked and not isinstance(value, Preset) and values[name] != value:
+                    self.error(spans[name], f"'{name}' contradicts {preset.source}, which says "
+                                            f"{_shown(value)}; beside hf only training fields may be set "
+                                            f"({', '.join(sorted(TRAINING_FIELDS - {'hf'}))})")
+                    ok = False
+                continue
+            if isinstance(value, Preset):
+                info = next(i for i in infos if i.name == name)
+                value = self.block(info.base, (), preset.span, f"'{name}' of {preset.source}", preset=value)
+                if value is None:
+                    return False
+            values[name], spans[name] = value, preset.span
+            written.add(name)
+        for name, limit in preset.limits.items():
+            if values.get(name, 0) > limit:
+                self.error(spans[name], f"{name} ({values[name]}) exceeds the sliding window ({limit}) of "
+                                        f"{preset.source}; hetc attends to the whole sequence")
+                ok = False
+        return ok
+
+    def _assign(self, info: FieldInfo, item, values, spans, preset: Preset | None = None) -> bool:
         if isinstance(item, ast.Block):
-            sub = self.block(info.base, item.items, item.span, _describe(item), head=item)
+            sub = self.block(info.base, item.items, item.span, _describe(item), head=item, preset=preset)
             if sub is None:
                 return False
             if info.many:
@@ -138,6 +190,12 @@ def _claimed_fields(infos, item) -> list[str]:
     return [i.name for i in infos if key in i.keys or key == i.meta["block"]]
 
 
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, Node) or value is None:
+        return "none" if value is None else f"another {type(value).__name__}"
+    return str(getattr(value, "value", value))
 
 
 def _count(n: int, noun: str) -> str:

@@ -61,10 +61,14 @@ Range = tuple[int, int]   # [start, stop) of the full sequence
 class SeqLayout(Protocol):
     """What decides a stage's border layout (`hetc.pipeline.Stage` has these)."""
 
-    tp: int
-    cp: int
-    cp_kind: CPKind
-    sequence_parallel: bool
+    @property
+    def tp(self) -> int: ...
+    @property
+    def cp(self) -> int: ...
+    @property
+    def cp_kind(self) -> CPKind: ...
+    @property
+    def sequence_parallel(self) -> bool: ...
 
 
 def _zigzag(layout: SeqLayout) -> bool:

@@ -6,6 +6,7 @@
     DIR/timeline.json            the predicted timeline of one step
     DIR/torch/laneL.csv          lane-aligned pipelines in torch's compute_comms format
     DIR/summary.json             headline numbers (ranks, step time, tokens/s)
+    DIR/profiles.json            the profiles the prediction used, with their sha256 (hetc/profileargs.py)
 
 Listings are the source of truth: a person may edit them by hand and
 `hetc verify DIR` / `hetc run DIR` read the text, not the JSON.
@@ -37,7 +38,8 @@ def listing_name(rank: int) -> str:
 
 
 def portable_spec(spec: Spec, spec_dir: Path, out_dir: Path) -> Spec:
-    """The spec with its data paths (training and eval) rewritten relative to the plan directory."""
+    """The spec with its data paths (training and eval) and its model's hf directory rewritten relative to
+    the plan directory."""
 
     def moved(data: DataSpec, path: str) -> str:
         if not path or os.path.isabs(path):
@@ -48,12 +50,16 @@ def portable_spec(spec: Spec, spec_dir: Path, out_dir: Path) -> Spec:
         if data is None or data.kind is DataKind.SYNTHETIC:
             return data
         return dataclasses.replace(data, path=moved(data, data.path), tokenizer=moved(data, data.tokenizer))
+    model = spec.model
+    if model is not None and model.hf and not os.path.isabs(model.hf):
+        hf = os.path.relpath(model.hf_dir(spec_dir).resolve(), out_dir.resolve())
+        spec = dataclasses.replace(spec, model=dataclasses.replace(model, hf=hf))
     train = dataclasses.replace(spec.train, data=portable(spec.train.data), eval=portable(spec.train.eval))
     return dataclasses.replace(spec, train=train)
 
 
 def write_plan_dir(out: Path, spec: Spec, spec_dir: Path, program: Program, torch_csv: dict[str, str],
-                   timeline_json: str | None, summary: dict) -> None:
+                   timeline_json: str | None, summary: dict, profiles: dict | None = None) -> None:
     """Write everything at once into a fresh directory that then replaces `out` (never half a plan)."""
     out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -73,6 +79,9 @@ def write_plan_dir(out: Path, spec: Spec, spec_dir: Path, program: Program, torc
         if timeline_json is not None:
             (tmp / TIMELINE_FILE).write_text(timeline_json)
         (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        if profiles is not None:
+            from hetc.profileargs import PROFILES_FILE
+            (tmp / PROFILES_FILE).write_text(json.dumps(profiles, indent=2) + "\n")
         if out.exists():
             old = out.with_name(f".{out.name}.old")
             shutil.rmtree(old, ignore_errors=True)

@@ -54,7 +54,7 @@ import functools
 import json
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import ClassVar, Union
+from typing import Any, ClassVar
 
 __all__ = [
     "COLLECTIVE_TYPES",
@@ -67,6 +67,7 @@ __all__ = [
     "Backward",
     "BackwardInput",
     "BackwardWeight",
+    "ComputeInstr",
     "Forward",
     "Free",
     "Group",
@@ -115,7 +116,7 @@ class _Base:
 
     def __str__(self) -> str:
         parts = [self.OP]
-        for name, key in _text_fields(type(self)):
+        for name, key in _text_fields(type(self)):  # type: ignore[arg-type]  # a class is hashable
             value = getattr(self, name)
             if name == "what":
                 parts.append(value.value)
@@ -319,10 +320,11 @@ class Wait(_Base):
     handle: int
 
 
-Instr = Union[Load, Forward, Backward, BackwardInput, BackwardWeight, Send, Recv, AllGather, ReduceScatter,
-              AllReduce, AllToAll, Offload, Prefetch, Free, Step, Wait]
-INSTR_TYPES: dict[str, type] = {t.OP: t for t in Instr.__args__}  # type: ignore[attr-defined]
+Instr = (Load | Forward | Backward | BackwardInput | BackwardWeight | Send | Recv | AllGather | ReduceScatter
+         | AllReduce | AllToAll | Offload | Prefetch | Free | Step | Wait)
+INSTR_TYPES: dict[str, type[Instr]] = {t.OP: t for t in Instr.__args__}  # type: ignore[attr-defined]
 COMPUTE_TYPES = (Forward, Backward, BackwardInput, BackwardWeight)
+ComputeInstr = Forward | Backward | BackwardInput | BackwardWeight
 COLLECTIVE_TYPES = (AllGather, ReduceScatter, AllReduce, AllToAll)
 COMM_TYPES = (Send, Recv, *COLLECTIVE_TYPES)
 _FIELD_OF_KEY = {v: k for k, v in _KEYS.items()}
@@ -392,7 +394,7 @@ def instr_from_json(obj: dict) -> Instr:
     cls = INSTR_TYPES.get(obj.get("op", ""))
     if cls is None:
         raise ValueError(f"unknown instruction {obj.get('op')!r}")
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         if f.name not in obj:
             continue

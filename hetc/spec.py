@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from enum import StrEnum
+from enum import Enum, StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
-from hetc.errors import NO_SPAN, Span
+from hetc.errors import NO_SPAN, InternalError, Span
 from hetc.units import Dim
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "DataKind",
     "DataSpec",
     "DeviceSpec",
+    "InitKind",
     "IntraLinkSpec",
     "LayerRange",
     "LinkSpec",
@@ -52,6 +53,8 @@ __all__ = [
     "ParallelSpec",
     "PeakSpec",
     "RankSlice",
+    "RopeScalingKind",
+    "RopeScalingSpec",
     "Routing",
     "RoutingKind",
     "ScheduleKind",
@@ -61,28 +64,27 @@ __all__ = [
     "TrainSpec",
     "ZeroShard",
     "ZeroSpec",
+    "declared_path",
     "param",
 ]
 
 
-class Auto:
-    """The value `auto`: the planner chooses."""
+class Auto(Enum):
+    """The value `auto`: the planner chooses.
 
-    _instance: Auto | None = None
+    A one-member enum, so that `x is AUTO` / `x is not AUTO` narrows `int | Auto`
+    to `int` for the type checker; a singleton that pickles and copies as itself.
+    """
 
-    def __new__(cls) -> Auto:
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
+    AUTO = "auto"
 
     def __repr__(self) -> str:
         return "AUTO"
 
-    def __reduce__(self):
-        return (Auto, ())
+    __str__ = __repr__
 
 
-AUTO = Auto()
+AUTO: Final = Auto.AUTO
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -133,6 +135,17 @@ def param(
 class Arch(StrEnum):
     LLAMA = "llama"
     GPT = "gpt"
+
+
+class InitKind(StrEnum):
+    """Where a model's initial weights come from."""
+
+    RANDOM = "random"           # hetc's seeded initialisation (Note [Deterministic initialisation])
+    PRETRAINED = "pretrained"   # the safetensors of the model's `hf` directory
+
+
+class RopeScalingKind(StrEnum):
+    LLAMA3 = "llama3"
 
 
 class DType(StrEnum):
@@ -260,8 +273,30 @@ class MoESpec(Node):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RopeScalingSpec(Node):
+    """RoPE frequency scaling for contexts beyond the pretraining length (Llama 3.1's `llama3` rule)."""
+
+    kind: RopeScalingKind = param(RopeScalingKind.LLAMA3, label=True, aliases=("rope_type",),
+                                  doc="the scaling rule: llama3")
+    factor: float = param(8.0, lo=1, hi=1e6, doc="how much longer the context is than original_seq")
+    low_freq_factor: float = param(1.0, lo=0, hi=1e6, doc="wavelengths above original_seq / this are scaled")
+    high_freq_factor: float = param(4.0, lo=0, hi=1e6,
+                                    doc="wavelengths below original_seq / this are kept; between: smoothed")
+    original_seq: int = param(8192, lo=1, hi=1 << 24, aliases=("original_max_position_embeddings",),
+                              doc="the context length the model was pretrained at")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ModelSpec(Node):
     name: str = param("model", label=True, doc="the model's name")
+    hf: str = param("", aliases=("hf_dir", "pretrained"),
+                    doc="a Hugging Face model directory, relative to the file that declares it: its "
+                        "config.json sets the architecture and sizes (keys written beside it may only "
+                        "set training fields: name, seq, dtype, activation_checkpoint, optimizer, init, "
+                        "moe.capacity_factor), its safetensors the initial weights")
+    init: InitKind | None = param(None, aliases=("init_weights",),
+                                  doc="random (seeded) or pretrained (the hf directory's safetensors); "
+                                      "default: pretrained when the hf directory holds safetensors")
     arch: Arch = param(Arch.LLAMA, doc="llama (RMSNorm, RoPE, GQA, SwiGLU) or gpt (LayerNorm, GELU)")
     layers: int = param(doc="transformer blocks L", lo=1, hi=100_000,
                         aliases=("num_layers", "n_layers", "num_hidden_layers"))
@@ -285,12 +320,42 @@ class ModelSpec(Node):
                                   doc="share the embedding and output matrices")
     norm_eps: float = param(1e-5, lo=0, hi=1, doc="RMSNorm/LayerNorm epsilon")
     rope_theta: float = param(10000.0, lo=1, hi=1e12, doc="RoPE base (llama)")
+    head_dim: int | None = param(None, lo=1, hi=1 << 14, aliases=("head_size", "kv_channels"),
+                                 doc="size of one attention head (default hidden / heads)")
+    qkv_bias: bool = param(False, aliases=("add_qkv_bias",), doc="biases on the q, k and v projections (llama)")
+    out_bias: bool = param(False, doc="a bias on the attention output projection (llama)")
+    qk_norm: bool = param(False, doc="an RMSNorm over each head of q and of k, before RoPE (Qwen3)")
+    rope_scaling: RopeScalingSpec | None = param(None, block="rope_scaling",
+                                                 doc="RoPE frequency scaling (Llama 3.1: llama3)")
     optimizer: OptimizerSpec = param(factory=OptimizerSpec, block="optimizer", doc="the optimizer")
     moe: MoESpec | None = param(None, block="moe", doc="mixture of experts in every block")
 
     @property
     def num_kv_heads(self) -> int:
         return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
+    def head_size(self) -> int:
+        """d: the size of one attention head."""
+        return self.hidden // self.heads if self.head_dim is None else self.head_dim
+
+    def hf_dir(self, fallback_dir: Path | str = ".") -> Path | None:
+        """The `hf` directory (relative paths are relative to the spec file that wrote them), or None."""
+        if not self.hf:
+            return None
+        return declared_path(self.hf, self.span_of("hf"), fallback_dir)
+
+    @property
+    def wants_pretrained(self) -> bool:
+        """Whether initial weights come from the hf directory (`init`, or its default); see hetc.hf."""
+        return self.init is InitKind.PRETRAINED or (self.init is None and self.hf_has_weights)
+
+    @property
+    def hf_has_weights(self) -> bool:
+        from hetc.hf.weights import has_weights
+
+        directory = self.hf_dir()
+        return directory is not None and has_weights(directory)
 
     @property
     def num_model_layers(self) -> int:
@@ -421,12 +486,17 @@ class DataSpec(Node):
 
     def resolve(self, fallback_dir: Path | str = ".", path: str | None = None) -> Path:
         """The data file (or `path`): relative paths are relative to the spec file that wrote them."""
-        target = Path(self.path if path is None else path)
-        if target.is_absolute():
-            return target
-        declared = self.span.file
-        base = Path(declared).parent if declared and not declared.startswith("<") else Path(fallback_dir)
-        return base / target
+        return declared_path(self.path if path is None else path, self.span, fallback_dir)
+
+
+def declared_path(text: str, span: Span, fallback_dir: Path | str = ".") -> Path:
+    """Path `text` as written at `span`: relative to the spec file that wrote it (else `fallback_dir`)."""
+    path = Path(text)
+    if path.is_absolute():
+        return path
+    declared = span.file
+    base = Path(declared).parent if declared and not declared.startswith("<") else Path(fallback_dir)
+    return base / path
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -476,6 +546,13 @@ class ZeroSpec(Node):
     shard: ZeroShard = param(ZeroShard.ALL, doc="shard over all lanes, or only lanes on one node (HSDP)")
     across: int = param(0, lo=0, hi=1, aliases=("replicate_level",),
                         doc="level across shard groups: 0 all-reduce the shards, 1 also shard optimizer")
+
+    @property
+    def resolved_level(self) -> int:
+        """The level of a resolved plan, where the planner has replaced `auto`."""
+        if isinstance(self.level, Auto):
+            raise InternalError("a ZeRO level of auto after planning")
+        return self.level
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -570,6 +647,13 @@ class ParallelSpec(Node):
     idle: tuple[RankSlice, ...] = param((), doc="GPUs deliberately left out of the plan")
     objective: ObjectiveSpec = param(factory=ObjectiveSpec, block="objective",
                                      doc="what the planner optimises")
+
+    @property
+    def resolved_stages(self) -> tuple[StageSpec, ...]:
+        """The stages of a resolved plan, where the planner has replaced `auto`."""
+        if isinstance(self.stages, Auto):
+            raise InternalError("stages of auto after planning")
+        return self.stages
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -14,7 +14,19 @@ from enum import StrEnum
 from hetc.program import (AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight, Forward,
                           Free, Instr, Load, Offload, Prefetch, Recv, ReduceScatter, Send, Step, Wait)
 
-__all__ = ["Event", "EventKind", "Flow", "MemorySample", "RankInfo", "Stream", "Timeline", "classify"]
+__all__ = [
+    "Event",
+    "EventKind",
+    "Flow",
+    "MemorySample",
+    "RankInfo",
+    "Stream",
+    "TimeClass",
+    "Timeline",
+    "class_times",
+    "classify",
+    "mean_class_times",
+]
 
 FORMAT_VERSION = 1
 
@@ -57,6 +69,52 @@ _KIND_OF = {
 def classify(instr: Instr) -> tuple[EventKind, Stream]:
     """The event kind and the stream an instruction runs on."""
     return _KIND_OF[type(instr)]
+
+
+class TimeClass(StrEnum):
+    """What a rank's thread spent a step's time on (Note [time classes])."""
+
+    COMPUTE = "compute"            # forward, backward, data load, free
+    COMM_WAIT = "comm_wait"        # blocked in a send, receive or collective, or waiting for one
+    OPTIMIZER = "optimizer"        # the optimizer step
+    OFFLOAD = "offload"            # host <-> device copies, or waiting for one
+
+
+# Note [time classes]: the simulator (passes/simulate.py) and `hetc run
+# --metrics` (runtime/interpreter.py) both know when a rank's thread reached
+# each instruction: the machine's issue times, and the interpreter's clock
+# before each handler. The time from reaching instruction i to reaching i+1
+# (for the last, to the end of the rank's step) is charged to i's class; a
+# `wait` is charged to the class of the work it waits for. The classes of a
+# rank so sum to its thread's time, never more than the step, and the
+# prediction and the measurement are split by one rule.
+_CLASS_OF = {EventKind.OPTIMIZER: TimeClass.OPTIMIZER, EventKind.SEND: TimeClass.COMM_WAIT,
+             EventKind.RECV: TimeClass.COMM_WAIT, EventKind.COLLECTIVE: TimeClass.COMM_WAIT,
+             EventKind.OFFLOAD: TimeClass.OFFLOAD, EventKind.PREFETCH: TimeClass.OFFLOAD}
+
+
+def class_times(instrs: tuple[Instr, ...] | list[Instr], reached: list[float], end: float) -> dict[TimeClass, float]:
+    """Seconds per class of one rank's step, from the time its thread reached each instruction."""
+    out = {c: 0.0 for c in TimeClass}
+    posted: dict[int, TimeClass] = {}
+    for i, instr in enumerate(instrs[:len(reached)]):
+        if isinstance(instr, Wait):
+            cls = posted.get(instr.handle, TimeClass.COMM_WAIT)
+        else:
+            cls = _CLASS_OF.get(classify(instr)[0], TimeClass.COMPUTE)
+            handle = getattr(instr, "handle", None)
+            if handle is not None:
+                posted[handle] = cls
+        after = reached[i + 1] if i + 1 < len(reached) else end
+        out[cls] += max(after - reached[i], 0.0)
+    return out
+
+
+def mean_class_times(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """The mean over ranks of each class's seconds (the figure `viz --compare` and `calibrate` show)."""
+    if not per_rank:
+        return {}
+    return {c.value: sum(r.get(c.value, 0.0) for r in per_rank) / len(per_rank) for c in TimeClass}
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +166,8 @@ class Timeline:
     step_time: float = 0.0
     # plan facts for the side panel, in display order: ("schedule", "1f1b"), ...
     plan: tuple[tuple[str, str], ...] = field(default=())
+    # seconds per TimeClass of each rank's step (Note [time classes]); empty when not known
+    classes: tuple[dict[str, float], ...] = field(default=())
 
     def events_of(self, rank: int) -> list[Event]:
         return [e for e in self.events if e.rank == rank]
@@ -141,6 +201,7 @@ class Timeline:
             "events": [[e.rank, e.index, e.text, e.kind.value, e.stream.value, e.start, e.end] for e in self.events],
             "flows": [[f.src_rank, f.src_index, f.dst_rank, f.dst_index, f.nbytes] for f in self.flows],
             "memory": [[m.rank, m.time, m.nbytes] for m in self.memory],
+            "classes": list(self.classes),
         })
 
     @classmethod
@@ -155,4 +216,5 @@ class Timeline:
             events=tuple(Event(r, i, t, EventKind(k), Stream(s), a, b) for r, i, t, k, s, a, b in obj["events"]),
             flows=tuple(Flow(*f) for f in obj["flows"]),
             memory=tuple(MemorySample(*m) for m in obj["memory"]),
+            classes=tuple({TimeClass(k).value: float(v) for k, v in r.items()} for r in obj.get("classes", ())),
         )

@@ -24,17 +24,16 @@ def expert_params(m: ModelSpec) -> int:
 
 def block_params(m: ModelSpec) -> int:
     """One transformer block."""
-    h = m.hidden
-    head_dim = h // m.heads
-    q = h * m.heads * head_dim
-    kv = 2 * h * m.num_kv_heads * head_dim
-    out = m.heads * head_dim * h
-    if m.arch is Arch.LLAMA:
-        attn = q + kv + out
-        norms = 2 * h
-    else:  # GPT: biases on every projection, LayerNorm with bias
-        attn = q + kv + out + m.heads * head_dim + 2 * m.num_kv_heads * head_dim + h
-        norms = 4 * h
+    h, d = m.hidden, m.head_size
+    q = h * m.heads * d
+    kv = 2 * h * m.num_kv_heads * d
+    out = m.heads * d * h
+    gpt = m.arch is Arch.GPT
+    qkv_bias = (m.heads + 2 * m.num_kv_heads) * d if gpt or m.qkv_bias else 0
+    out_bias = h if gpt or m.out_bias else 0
+    qk_norms = 2 * d if m.qk_norm else 0
+    norms = 2 * h if m.arch is Arch.LLAMA else 4 * h    # GPT: LayerNorm with bias
+    attn = q + kv + out + qkv_bias + out_bias + qk_norms
     mlp = _mlp_params(m) if m.moe is None else expert_params(m) + h * m.moe.experts  # experts + router
     return attn + mlp + norms
 

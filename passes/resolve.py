@@ -12,7 +12,7 @@ from hetc.pipeline import Lane, Ministage, Pipeline, Stage, route_microbatches
 from hetc.spec import AUTO, RankSlice, RoutingKind, Spec, StageSpec
 from hetc.topology import Gpu, Topology
 
-__all__ = ["Diagnostics", "proportional_counts", "resolve_pipeline", "resolve_rank_slices"]
+__all__ = ["Diagnostics", "layer_index", "proportional_counts", "resolve_pipeline", "resolve_rank_slices"]
 
 Diagnostics = list[Diagnostic]
 
@@ -62,7 +62,8 @@ def _indices(start, stop, is_slice, size, what, s: RankSlice, errors) -> range |
 def resolve_pipeline(spec: Spec, topo: Topology, errors: Diagnostics) -> Pipeline | None:
     par, model, train = spec.parallel, spec.model, spec.train
     assert par is not None and model is not None and train is not None
-    if par.stages is AUTO or any(_is_auto(st) for st in par.stages) or par.schedule is AUTO:
+    if (par.stages is AUTO or any(_is_auto(st) for st in par.stages) or par.schedule is AUTO
+            or par.prefetch is AUTO):   # the planner chooses prefetch too
         return None
     before = len(errors)
     used = _rank_owners(spec, topo, errors)
@@ -70,8 +71,9 @@ def resolve_pipeline(spec: Spec, topo: Topology, errors: Diagnostics) -> Pipelin
     rank_of = {g.id: r for r, g in enumerate(world)}
     ministages = _ministages(spec, errors)
     num_mb = train.global_batch // train.micro_batch
-    stages = []
+    stages: list[Stage | None] = []
     for idx, st in enumerate(par.stages):
+        assert st.ranks is not AUTO   # none of it is auto (above)
         slice_errors: Diagnostics = []
         gpus = resolve_rank_slices(st.ranks, topo, slice_errors)
         if slice_errors:  # reported by _rank_owners; its lane arithmetic would only echo them
@@ -83,7 +85,7 @@ def resolve_pipeline(spec: Spec, topo: Topology, errors: Diagnostics) -> Pipelin
     if len(errors) > before or None in stages:
         return None
     ms_objs = tuple(m for m in ministages)
-    return Pipeline(tuple(stages), ms_objs, world, num_mb, train.micro_batch, par.schedule, par.prefetch)
+    return Pipeline(tuple(s for s in stages if s is not None), ms_objs, world, num_mb, train.micro_batch, par.schedule, par.prefetch)
 
 
 def _is_auto(st: StageSpec) -> bool:
@@ -93,9 +95,11 @@ def _is_auto(st: StageSpec) -> bool:
 def _rank_owners(spec: Spec, topo: Topology, errors: Diagnostics) -> dict[int, str]:
     """GPU id -> owning stage; GPUs used twice or by nobody are errors."""
     par = spec.parallel
+    assert par is not None and par.stages is not AUTO   # resolve_pipeline's caller checked
     owner: dict[int, tuple[str, Span]] = {}
     before = len(errors)
     for label, slices in [(f"stage '{st.name}'", st.ranks) for st in par.stages] + [("idle", par.idle)]:
+        assert slices is not AUTO
         for s in slices:
             for gpu in _one_slice(s, topo, errors):
                 if gpu.id in owner:
@@ -112,8 +116,9 @@ def _rank_owners(spec: Spec, topo: Topology, errors: Diagnostics) -> dict[int, s
     return {gid: label for gid, (label, _) in owner.items() if label != "idle"}
 
 
-def _layer_index(spec: Spec, name: str, span: Span, errors: Diagnostics) -> int | None:
+def layer_index(spec: Spec, name: str, span: Span, errors: Diagnostics) -> int | None:
     model = spec.model
+    assert model is not None   # a complete spec
     idx = model.layer_index(name)
     if idx is None:
         last = f"block{model.layers - 1}"
@@ -138,6 +143,7 @@ def _ministages(spec: Spec, errors: Diagnostics) -> list[Ministage]:
     """Split every stage's layer ranges into ministages; check coverage and order."""
     chunks: list[tuple[int, int, int, Span]] = []  # (first, stop, stage, span)
     before = len(errors)
+    assert spec.parallel is not None and spec.parallel.stages is not AUTO   # a complete plan
     for s_idx, st in enumerate(spec.parallel.stages):
         for r in _stage_ranges(spec, st, errors):
             chunks.append((*r, s_idx, st.span_of("layers")))
@@ -145,7 +151,7 @@ def _ministages(spec: Spec, errors: Diagnostics) -> list[Ministage]:
         return []
     chunks.sort()
     _check_coverage(spec, chunks, errors)
-    out = []
+    out: list[Ministage] = []
     per_stage: dict[int, int] = {}
     for first, stop, stage, _ in chunks:
         chunk = per_stage.get(stage, 0)
@@ -156,10 +162,11 @@ def _ministages(spec: Spec, errors: Diagnostics) -> list[Ministage]:
 
 
 def _stage_ranges(spec: Spec, st: StageSpec, errors: Diagnostics) -> list[tuple[int, int]]:
+    assert st.layers is not AUTO and st.ministages is not AUTO   # an explicit stage
     ranges = []
     for r in st.layers:
-        lo = _layer_index(spec, r.first, r.span, errors)
-        hi = _layer_index(spec, r.last, r.span, errors)
+        lo = layer_index(spec, r.first, r.span, errors)
+        hi = layer_index(spec, r.last, r.span, errors)
         if lo is None or hi is None:
             continue
         if hi < lo:
@@ -177,6 +184,7 @@ def _stage_ranges(spec: Spec, st: StageSpec, errors: Diagnostics) -> list[tuple[
 
 def _split(lo: int, hi: int, st: StageSpec, errors: Diagnostics) -> list[tuple[int, int]]:
     k = st.ministages
+    assert k is not AUTO   # an explicit stage
     if k > hi - lo:
         errors.append(Diagnostic(st.span_of("ministages"), f"stage '{st.name}' has {hi - lo} layers and "
                                  f"cannot be split into {k} ministages"))
@@ -187,6 +195,7 @@ def _split(lo: int, hi: int, st: StageSpec, errors: Diagnostics) -> list[tuple[i
 
 def _check_coverage(spec: Spec, chunks, errors: Diagnostics) -> None:
     model = spec.model
+    assert model is not None and spec.parallel is not None and spec.parallel.stages is not AUTO
     names = spec.parallel.stages
     expect = 0
     last_owner: tuple[int, Span] | None = None
@@ -194,6 +203,7 @@ def _check_coverage(spec: Spec, chunks, errors: Diagnostics) -> None:
         if first > expect:
             errors.append(Diagnostic(span, f"{_layers_phrase(model, expect, first)} to no stage"))
         elif first < expect:
+            assert last_owner is not None   # expect > 0: some chunk set it
             other = names[last_owner[0]].name
             overlap = _layers_phrase(model, first, min(stop, expect), verb=("is", "are"))
             errors.append(Diagnostic(span, f"{overlap} in two stages: '{other}' and '{names[stage].name}'",
@@ -210,6 +220,7 @@ def _check_stage_order(spec: Spec, ministages: list[Ministage], errors: Diagnost
     for m in ministages:
         if m.stage not in first_seen:
             first_seen.append(m.stage)
+    assert spec.parallel is not None and spec.parallel.stages is not AUTO
     stages = spec.parallel.stages
     for pos, s_idx in enumerate(first_seen):
         if s_idx != pos:
@@ -228,6 +239,7 @@ def _layers_phrase(model, lo: int, hi: int, verb: tuple[str, str] = ("belongs", 
 
 def _stage(idx: int, st: StageSpec, ranks: list[int], ministages: list[Ministage], spec: Spec,
            num_mb: int, world: tuple[Gpu, ...], errors: Diagnostics) -> Stage | None:
+    assert st.tp is not AUTO and st.cp is not AUTO and st.lanes is not AUTO   # an explicit stage
     lane_size = st.tp * st.cp
     if not ranks:
         return None
@@ -245,6 +257,7 @@ def _stage(idx: int, st: StageSpec, ranks: list[int], ministages: list[Ministage
                       for i in range(lanes))
     own = tuple(m.index for m in ministages if m.stage == idx)
     par = spec.parallel
+    assert par is not None
     return Stage(idx, st.name, own, lane_objs, st.tp, st.cp, st.cp_kind, st.sequence_parallel,
                  st.zero or par.zero, st.offload or par.offload, st.ep)
 
@@ -254,6 +267,7 @@ def _lane_counts(st: StageSpec, lane_gpus: list[list[Gpu]], num_mb: int, spec: S
     r = st.microbatches
     lanes = len(lane_gpus)
     train = spec.train
+    assert r is not AUTO and train is not None and spec.model is not None   # an explicit stage
     if r.kind is RoutingKind.COUNTS:
         if len(r.counts) != lanes:
             errors.append(Diagnostic(r.span, f"stage '{st.name}' has {lanes} lanes but {len(r.counts)} "

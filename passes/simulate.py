@@ -27,14 +27,15 @@ function whose maximum is the verifier's peak.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 from hetc.passes.verify.machine import Machine, Op
 from hetc.passes.verify.memory import Sizes, rank_levels
 from hetc.pipeline import Pipeline
-from hetc.program import (AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight, Forward,
-                          Free, Instr, Load, Program, ReduceScatter, Step, Tensor)
+from hetc.program import (COLLECTIVE_TYPES, AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight,
+                          ComputeInstr, Forward, Free, Instr, Load, Program, ReduceScatter, Send, Step, Tensor)
 from hetc.spec import DTYPE_BYTES, Spec
-from hetc.timeline import Event, Flow, MemorySample, RankInfo, Timeline, classify
+from hetc.timeline import Event, Flow, MemorySample, RankInfo, Timeline, class_times, classify
 
 __all__ = ["SimulationError", "simulate"]
 
@@ -54,6 +55,7 @@ class _Costs:
 
     def __init__(self, program: Program, spec: Spec, costs):
         self.costs = costs
+        assert spec.model is not None   # a checked spec
         self.delta = DTYPE_BYTES[spec.model.dtype]
         self.members = {g.name: g.ranks for g in program.groups}
         self.shards = {rp.rank: {s.ms: s for s in rp.shards} for rp in program.ranks}
@@ -65,7 +67,7 @@ class _Costs:
             return self.costs.optimizer_time(rank, self._opt_numel(rank, instr.ms))
         if isinstance(instr, (Load, Free)):
             return 0.0
-        return self.costs.compute_time(rank, instr.ms, _PHASE[type(instr)])
+        return self.costs.compute_time(rank, cast(ComputeInstr, instr).ms, _PHASE[type(instr)])
 
     def copy(self, rank: int, instr: Instr) -> float:
         return self.costs.copy_time(rank, self._copy_bytes(rank, instr))
@@ -75,6 +77,7 @@ class _Costs:
 
     def collective(self, ops: list[Op]) -> float:
         op = ops[0]
+        assert isinstance(op.instr, COLLECTIVE_TYPES)
         members = self.members[op.instr.group]
         return self.costs.collective_time(_COLLECTIVE_NAMES[type(op.instr)], members,
                                           self._collective_bytes(op.rank, op.instr))
@@ -82,6 +85,7 @@ class _Costs:
     # ------------------------------------------------------------ sizes
 
     def message_bytes(self, send: Op) -> float:
+        assert isinstance(send.instr, Send)
         return math.prod(send.instr.shape) * self.delta
 
     def _opt_numel(self, rank: int, ms: int) -> float:
@@ -113,6 +117,7 @@ class _Costs:
         shard = whole.part(instr.group)
         full = self.costs.param_bytes(instr.ms, rank) * self._part_share(rank, whole, shard)
         if instr.group == shard.outer:
+            assert shard.group is not None   # an outer group is one across shard groups
             return full / len(self.members[shard.group])
         return full
 
@@ -141,6 +146,7 @@ def _events(machine: Machine) -> list[Event]:
     for op in machine.ran:
         instr = machine.program.ranks[op.rank].instrs[op.index]
         kind, stream = classify(instr)
+        assert op.end is not None   # it ran
         out.append(Event(op.rank, op.index, str(instr), kind, stream, op.start, op.end))
     return sorted(out, key=lambda e: (e.rank, e.start, e.index))
 
@@ -170,5 +176,9 @@ def simulate(program: Program, pipeline: Pipeline, spec: Spec, costs, plan_facts
     for rp in program.ranks:
         gpu = pipeline.world[rp.rank]
         infos.append(RankInfo(rp.rank, rp.stage, rp.lane, gpu.device.name, str(gpu), gpu.device.memory))
+    classes = tuple({c.value: s for c, s in class_times(rp.instrs, machine.ranks[rp.rank].issued,
+                                                         machine.ranks[rp.rank].t).items()}
+                    for rp in program.ranks)
     return Timeline("predicted", tuple(infos), tuple(_events(machine)), flows,
-                    tuple(_memory_samples(machine, pipeline, costs)), machine.end_time(), tuple(plan_facts))
+                    tuple(_memory_samples(machine, pipeline, costs)), machine.end_time(), tuple(plan_facts),
+                    classes)

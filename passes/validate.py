@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hetc.errors import Diagnostic, SpecError, did_you_mean
 from hetc.layout import layout_problem
@@ -72,7 +73,7 @@ def _check(spec: Spec, base_dir: Path | None, errors: list[Diagnostic]):
 
 
 def _unique(nodes, what: str, errors) -> None:
-    seen = {}
+    seen: dict[str, Any] = {}
     for n in nodes:
         if n.name in seen:
             errors.append(Diagnostic(n.span_of("name"), f"duplicate {what} '{n.name}'",
@@ -83,21 +84,43 @@ def _unique(nodes, what: str, errors) -> None:
 
 def _check_model(spec: Spec, errors) -> None:
     m = spec.model
-    if m.hidden % m.heads:
+    assert m is not None   # _check calls it only then
+    if m.hidden % m.heads and m.head_dim is None:
         errors.append(Diagnostic(m.span_of("hidden"), f"hidden ({m.hidden}) is not divisible by heads ({m.heads})"))
     if m.heads % m.num_kv_heads:
         errors.append(Diagnostic(m.span_of("kv_heads"), f"heads ({m.heads}) is not divisible by kv_heads "
                                  f"({m.num_kv_heads})"))
-    if m.arch.value == "llama" and (m.hidden // m.heads) % 2:
+    if m.arch.value == "llama" and m.head_dim is None and (m.hidden // m.heads) % 2:
         errors.append(Diagnostic(m.span_of("heads"), f"the head size hidden / heads = {m.hidden} / {m.heads} = "
                                  f"{m.hidden // m.heads} must be even for rotary embeddings (llama)"))
+    elif m.arch.value == "llama" and m.head_size % 2:
+        errors.append(Diagnostic(m.span_of("head_dim"), f"head_dim ({m.head_size}) must be even for rotary "
+                                 "embeddings (llama)"))
+    _check_init(m, errors)
     if m.moe is not None and m.moe.top_k > m.moe.experts:
         errors.append(Diagnostic(m.moe.span_of("top_k"), f"top_k ({m.moe.top_k}) exceeds the number of "
                                  f"experts ({m.moe.experts})"))
 
 
+def _check_init(m, errors) -> None:
+    """Pretrained weights need an hf directory whose safetensors are exactly the model's (headers only)."""
+    from hetc.spec import InitKind
+
+    if m.init is InitKind.PRETRAINED and not m.hf_has_weights:
+        why = "the model has no hf directory" if not m.hf else f"'{m.hf}' holds no safetensors"
+        errors.append(Diagnostic(m.span_of("init"), f"init = pretrained, but {why}"))
+    elif m.wants_pretrained:
+        from hetc.hf.weights import model_weight_problems
+
+        problems = model_weight_problems(m, m.hf_dir())
+        if problems:
+            errors.append(Diagnostic(m.span_of("hf"), f"the safetensors in '{m.hf}' do not fit the model: "
+                                     + "; ".join(problems[:4]) + (" ..." if len(problems) > 4 else "")))
+
+
 def _check_train(spec: Spec, base_dir: Path | None, errors) -> None:
     t = spec.train
+    assert t is not None   # _check calls it only then
     if t.global_batch % t.micro_batch:
         errors.append(Diagnostic(t.span_of("global_batch"), f"global_batch ({t.global_batch}) is not a multiple "
                                  f"of micro_batch ({t.micro_batch})"))
@@ -110,6 +133,7 @@ def _check_train(spec: Spec, base_dir: Path | None, errors) -> None:
 
 def _check_cluster(spec: Spec, errors) -> Topology | None:
     c = spec.cluster
+    assert c is not None   # _check calls it only then
     _unique(c.nodes, "node group", errors)
     names = [d.name for d in spec.devices]
     for n in c.nodes:
@@ -126,7 +150,7 @@ def _check_cluster(spec: Spec, errors) -> Topology | None:
         return None
     topo = Topology(spec)
     ends = topo.endpoints()
-    seen = {}
+    seen: dict[frozenset[str], Any] = {}
     for link in c.links:
         for field_name, end in (("a", link.a), ("b", link.b)):
             if end not in ends:
@@ -143,6 +167,7 @@ def _check_cluster(spec: Spec, errors) -> Topology | None:
 
 def _check_parallel(spec: Spec, errors) -> None:
     par, m = spec.parallel, spec.model
+    assert par is not None and m is not None   # a complete spec
     _check_zero(par.zero, errors)
     if par.stages is AUTO:
         return
@@ -215,6 +240,7 @@ def _check_zero(z, errors) -> None:
 
 def _check_grad_accum(spec: Spec, st, errors) -> None:
     t = spec.train
+    assert t is not None   # a complete spec
     if t.grad_accum is None or st.lanes is AUTO or st.microbatches is AUTO:
         return
     if st.microbatches.kind.value == "counts":
@@ -229,6 +255,7 @@ def _check_grad_accum(spec: Spec, st, errors) -> None:
 def _check_fit(spec: Spec, topo: Topology, errors) -> None:
     """Model states must fit in the cluster's memory even fully sharded (ZeRO-3 over all GPUs)."""
     m = spec.model
+    assert m is not None and spec.parallel is not None and spec.cluster is not None   # a complete spec
     phi = model_params(m)
     delta, delta_opt = DTYPE_BYTES[m.dtype], DTYPE_BYTES[m.optimizer.master_dtype]
     n_opt = m.optimizer.num_states

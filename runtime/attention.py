@@ -15,6 +15,7 @@ with an online softmax).
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import torch
@@ -22,10 +23,11 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from hetc.runtime.norms import HeadNorm
 from hetc.runtime.tp import NO_SHARD, ParallelLinear, Split, TPRegion, TPShard
-from hetc.spec import Arch, ModelSpec
+from hetc.spec import Arch, ModelSpec, RopeScalingSpec
 
-__all__ = ["Attention", "AttentionCore", "Rope", "Rotary", "apply_rope", "causal_attention"]
+__all__ = ["Attention", "AttentionCore", "Rope", "Rotary", "apply_rope", "causal_attention", "scaled_frequencies"]
 
 Rope = tuple[Tensor, Tensor]
 
@@ -43,13 +45,28 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+def scaled_frequencies(inv_freq: Tensor, scaling: RopeScalingSpec) -> Tensor:
+    """Llama 3.1's `llama3` rule: wavelengths longer than original_seq / low_freq_factor are slowed by
+    `factor`, shorter than original_seq / high_freq_factor kept, and those between interpolated."""
+    wavelen = 2 * math.pi / inv_freq
+    low, high = scaling.original_seq / scaling.low_freq_factor, scaling.original_seq / scaling.high_freq_factor
+    smooth = (scaling.original_seq / wavelen - scaling.low_freq_factor) / \
+        (scaling.high_freq_factor - scaling.low_freq_factor)
+    between = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    out = torch.where(wavelen > low, inv_freq / scaling.factor, inv_freq)
+    return torch.where((wavelen >= high) & (wavelen <= low), between, out)
+
+
 class Rotary(torch.nn.Module):
     """RoPE angles for given token positions (no parameters)."""
 
-    def __init__(self, head_dim: int, theta: float, device=None) -> None:
+    def __init__(self, head_dim: int, theta: float, device=None, scaling: RopeScalingSpec | None = None) -> None:
         super().__init__()
         exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim
-        self.register_buffer("inv_freq", (theta ** -exponents).float(), persistent=False)
+        inv_freq = theta ** -exponents
+        if scaling is not None:
+            inv_freq = scaled_frequencies(inv_freq, scaling)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
     def forward(self, positions: Tensor) -> Rope:
         """cos and sin, each [s, head_dim], for positions [s] (any order: context parallelism
@@ -74,17 +91,19 @@ class Attention(TPRegion):
     def __init__(self, model: ModelSpec, shard: TPShard = NO_SHARD, device=None) -> None:
         super().__init__()
         h = model.hidden
-        self.head_dim = h // model.heads
+        self.head_dim = model.head_size
         self.n_heads = shard.part(model.heads, "heads")
         self.n_kv_heads = shard.part(model.num_kv_heads, "kv_heads")
-        bias = model.arch is Arch.GPT
+        gpt = model.arch is Arch.GPT
         q_out, kv_out = model.heads * self.head_dim, model.num_kv_heads * self.head_dim
-        col = {"bias": bias, "split": Split.COLUMN, "shard": shard, "device": device}
+        col = {"bias": gpt or model.qkv_bias, "split": Split.COLUMN, "shard": shard, "device": device}
         self.wq = ParallelLinear(h, q_out, **col)
         self.wk = ParallelLinear(h, kv_out, **col)
         self.wv = ParallelLinear(h, kv_out, **col)
-        self.wo = ParallelLinear(q_out, h, bias=bias, split=Split.ROW, shard=shard, scaled_init=True,
-                                 device=device)
+        self.wo = ParallelLinear(q_out, h, bias=gpt or model.out_bias, split=Split.ROW, shard=shard,
+                                 scaled_init=True, device=device)
+        self.q_norm = HeadNorm(self.head_dim, model.norm_eps, device) if model.qk_norm else None
+        self.k_norm = HeadNorm(self.head_dim, model.norm_eps, device) if model.qk_norm else None
         self.core: AttentionCore = causal_attention
         self.recompute_core = False  # selective activation checkpointing
 
@@ -94,6 +113,8 @@ class Attention(TPRegion):
         q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         if self.recompute_core and torch.is_grad_enabled():

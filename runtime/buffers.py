@@ -174,19 +174,29 @@ class MinistageBuffers:
         else:
             self.compute[self.opt_range].copy_(self.master)
 
-    def load_params(self, full: Tensor) -> None:
-        """Set the parameters from `full`, the whole fp32 flat buffer (a checkpoint being loaded).
+    @property
+    def param_range(self) -> slice:
+        """The elements whose parameters this rank keeps: its inner shard at ZeRO-3, else all of them.
+
+        What a loader must provide (`load_params`): it covers `opt_range`.
+        """
+        return self.inner_range if self.level == 3 else slice(0, self.layout.padded_numel)
+
+    def load_params(self, values: Tensor, rng: slice | None = None) -> None:
+        """Set the parameters from `values`, elements `rng` (default all) of the fp32 flat buffer, which
+        cover `param_range` (a checkpoint or Hugging Face weights being loaded).
 
         The master takes its slice; the compute copy (or, under ZeRO-3, the
         inner shard; with parameter offload, the host copy) takes the rest,
         so no gather is needed before the next step.
         """
-        self.master.copy_(full[self.opt_range])
-        values = full.to(self.dtype)
-        if self.level == 3:
-            values = values[self.inner_range]
+        rng = slice(0, self.layout.padded_numel) if rng is None else rng
+        keep, opt = self.param_range, self.opt_range
+        assert rng.start <= keep.start and keep.stop <= rng.stop, f"{rng} does not cover {keep}"
+        self.master.copy_(values[opt.start - rng.start:opt.stop - rng.start])
+        kept = values[keep.start - rng.start:keep.stop - rng.start].to(self.dtype)
         target = self.host if self.shard.param_offload else self.resident()
-        target.copy_(values)
+        target.copy_(kept)
 
     def zero_grads(self) -> None:
         if self.experts is not None:

@@ -8,6 +8,11 @@ and stored flattened (1-D, the parameter's numel), whatever plan wrote it.
     optimizer.state.<fqn>.<state>    its optimizer state (exp_avg, exp_avg_sq, momentum_buffer)
     train.step                       optimizer steps done = the next step to run
 
+Beside DCP's files rank 0 writes model.het, the model block the weights
+belong to (explicit: every field written, no hf directory), and, for a
+model read from a Hugging Face directory, its config.json as hf_config.json:
+what `hetc export hf` needs to name and shape the tensors (hetc/hf/export.py).
+
 The data source is stateless ((step, microbatch) -> tokens) and the
 learning rate a function of the step, so the step is all the trainer state.
 On save each rank writes the pieces of its `unique_range` (replicas of a
@@ -34,6 +39,7 @@ names a complete checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -48,10 +54,14 @@ from torch import Tensor
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from hetc.runtime.buffers import MinistageBuffers
+from hetc.printer import format_spec
 from hetc.runtime.pieces import FlatPieces, PieceLoadPlanner, PieceSavePlanner, layout_pieces, param_pieces
+from hetc.spec import Spec
 
 __all__ = [
+    "HF_CONFIG_FILE",
     "LATEST",
+    "MODEL_FILE",
     "STEP_KEY",
     "CheckpointError",
     "Checkpointer",
@@ -65,6 +75,8 @@ __all__ = [
 log = logging.getLogger("hetc.runtime")
 
 LATEST = "latest"
+MODEL_FILE = "model.het"
+HF_CONFIG_FILE = "hf_config.json"
 STEP_KEY = "train.step"
 MODEL_PREFIX = "model."
 OPTIM_PREFIX = "optimizer.state."
@@ -134,6 +146,7 @@ class Checkpointer:
                                   f"{self.directory / LATEST} still names the last complete checkpoint") from None
         final = tmp.with_name(tmp.name.removesuffix(".tmp"))
         if self.leader:
+            _write_model(self.rt.interpreter.spec.model, tmp)
             _publish(self.directory, tmp, final)
             if self.keep is not None:
                 _prune(self.directory, self.keep)
@@ -294,6 +307,14 @@ def _prune(directory: Path, keep: int) -> None:
     for step in complete_steps(directory)[:-keep]:
         if f"step-{step}" != latest:
             shutil.rmtree(directory / f"step-{step}", ignore_errors=True)
+
+
+def _write_model(model, directory: Path) -> None:
+    """model.het (and hf_config.json) beside the tensors; see Note [Checkpoint layout]."""
+    if model.hf and (model.hf_dir() / "config.json").is_file():
+        shutil.copyfile(model.hf_dir() / "config.json", directory / HF_CONFIG_FILE)
+    explicit = dataclasses.replace(model, hf="", init=None)
+    (directory / MODEL_FILE).write_text(format_spec(Spec(model=explicit)))
 
 
 def _fsync_dir(directory: Path) -> None:

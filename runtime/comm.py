@@ -26,16 +26,11 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 def make_groups(groups: tuple[Group, ...], timeout=None) -> dict[str, object]:
     """Create every group of the program, in table order, on every rank (torch requires all to call).
 
-    The program's "world" is the default group when the plan fills it, else
-    a subgroup of its first ranks (a pool of processes reused across plans).
+    The program's "world" is the default group: the launcher made it of
+    exactly the plan's ranks (hetc.runtime.worker checks WORLD_SIZE).
     """
-    out: dict[str, object] = {}
-    for g in groups:
-        if g.name == "world" and len(g.ranks) == dist.get_world_size():
-            out[g.name] = dist.group.WORLD
-        else:
-            out[g.name] = dist.new_group(list(g.ranks), timeout=timeout)
-    return out
+    return {g.name: dist.group.WORLD if g.name == "world" else dist.new_group(list(g.ranks), timeout=timeout)
+            for g in groups}
 
 
 class _EventWork:

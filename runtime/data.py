@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hetc.errors import Span, SpecError
+from hetc.errors import InternalError, Span, SpecError
 from hetc.runtime.checks import check_text_vocab
 from hetc.runtime.seeding import generator
 from hetc.spec import DataKind, DataSpec, ModelSpec, TrainSpec
@@ -60,7 +60,8 @@ class _Sequences(ABC):
     """Shared microbatch assembly: subclasses define `sequence(g) -> [seq + 1] int64`."""
 
     def __init__(self, *, seed: int, seq: int, micro_batch: int, global_batch: int) -> None:
-        assert global_batch % micro_batch == 0, "the validator checks global_batch % micro_batch"
+        if global_batch % micro_batch:
+            raise InternalError("the validator checks global_batch % micro_batch")
         self.seed, self.seq = seed, seq
         self.micro_batch, self.global_batch = micro_batch, global_batch
 
@@ -73,7 +74,8 @@ class _Sequences(ABC):
         """Global sequence `g`: seq + 1 int64 tokens."""
 
     def get_microbatch(self, step: int, mb: int) -> tuple[Tensor, Tensor]:
-        assert 0 <= mb < self.num_microbatches, f"microbatch {mb} of {self.num_microbatches}"
+        if not 0 <= mb < self.num_microbatches:
+            raise InternalError(f"microbatch {mb} of {self.num_microbatches}")
         first = step * self.global_batch + mb * self.micro_batch
         rows = torch.stack([self.sequence(first + i) for i in range(self.micro_batch)])
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
@@ -98,7 +100,8 @@ class Windows(_Sequences):
         super().__init__(**kw)
         self.tokens, self.shuffle, self.vocab, self.where = tokens, shuffle, vocab, where
         self.num_windows = (len(tokens) - 1) // self.seq
-        assert self.num_windows > 0, "make_data_source checks the stream's length"
+        if self.num_windows <= 0:
+            raise InternalError("make_data_source checks the stream's length")
         self._epoch_order: tuple[int, Tensor] | None = None  # the last epoch's window order
 
     def window_start(self, g: int) -> int:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from hetc.errors import InternalError
+
 __all__ = ["FlatEntry", "FlatLayout", "FlatParams", "bind_grads", "bind_params"]
 
 
@@ -46,7 +48,8 @@ class FlatLayout:
     def of(cls, module: nn.Module, num_shards: int = 1, names: Collection[str] | None = None) -> FlatLayout:
         """The layout of `module`'s parameters (shared ones once, under their first name); with `names`,
         of those parameters only (a ministage whose expert parameters have a buffer of their own)."""
-        assert num_shards >= 1
+        if num_shards < 1:
+            raise InternalError(f"a layout needs a shard, not {num_shards}")
         entries, offset = [], 0
         for name, p in module.named_parameters():
             if names is not None and name not in names:
@@ -62,12 +65,14 @@ class FlatLayout:
 
     def shard_range(self, shard: int) -> slice:
         """The elements of shard `shard` in the flat buffer."""
-        assert 0 <= shard < self.num_shards, f"shard {shard} of {self.num_shards}"
+        if not 0 <= shard < self.num_shards:
+            raise InternalError(f"shard {shard} of {self.num_shards}")
         return slice(shard * self.shard_numel, (shard + 1) * self.shard_numel)
 
     def views(self, flat: Tensor) -> dict[str, Tensor]:
         """Each parameter's view into a full flat buffer, by name."""
-        assert flat.numel() == self.padded_numel, f"buffer of {flat.numel()} for layout of {self.padded_numel}"
+        if flat.numel() != self.padded_numel:
+            raise InternalError(f"buffer of {flat.numel()} for layout of {self.padded_numel}")
         return {e.name: flat[e.offset:e.offset + e.numel].view(e.shape) for e in self.entries}
 
     def pieces(self, shard: int) -> list[tuple[str, int, int, int]]:
@@ -164,6 +169,12 @@ class FlatParams:
         if not self.master_is_compute:
             self.compute_shard.copy_(self.master)
 
+    def load(self, full: Tensor) -> None:
+        """Set every parameter from `full`, the whole fp32 flat buffer (initial weights from a file)."""
+        self.compute.copy_(full.to(self.compute.dtype))
+        if not self.master_is_compute:
+            self.master.copy_(full[self.layout.shard_range(self.shard_index)])
+
     def zero_grad(self) -> None:
         self.grad.zero_()
 
@@ -178,5 +189,6 @@ class FlatParams:
 
     def named_master(self) -> dict[str, Tensor]:
         """Full-precision parameters by name; needs num_shards == 1 (else gather first)."""
-        assert self.layout.num_shards == 1, "the master holds one shard; gather it to name parameters"
+        if self.layout.num_shards != 1:
+            raise InternalError("the master holds one shard; gather it to name parameters")
         return {n: t.float().clone() for n, t in self.layout.views(self.master).items()}

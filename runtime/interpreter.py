@@ -33,6 +33,7 @@ from hetc.runtime.lane import Arrivals, LanePlace, take_tokens
 from hetc.runtime.optim import clip_coefficient, grad_sq_sum, lr_at, optimizer_step
 from hetc.runtime.split_backward import backward_input, backward_weight
 from hetc.spec import Spec
+from hetc.timeline import class_times
 
 __all__ = ["Interpreter", "ProtocolError", "StepResult"]
 
@@ -48,6 +49,7 @@ class StepResult:
     loss: float
     seconds: float
     events: list[tuple[int, float, float]] = field(default_factory=list)   # (instr index, start, end)
+    classes: dict[str, float] = field(default_factory=dict)   # seconds per TimeClass (Note [time classes])
 
 
 @dataclass
@@ -78,9 +80,13 @@ class Interpreter:
 
     # ------------------------------------------------------------ the step
 
-    def run_step(self, step: int, trace: bool = False) -> StepResult:
+    def run_step(self, step: int, trace: bool = False, classes: bool = False) -> StepResult:
+        """One step; `trace` times each instruction, `classes` the step's time per TimeClass.
+
+        Both synchronize the GPU after each instruction, so its time is the instruction's own.
+        """
         self.training = True
-        return self._run(step, trace)
+        return self._run(step, trace, classes)
 
     def evaluate(self, batch: int, program: RankProgram, data: DataSource) -> float:
         """The mean loss of validation batch `batch`, by `program`, this rank's evaluation program
@@ -93,23 +99,26 @@ class Interpreter:
         finally:
             self.program, self.data = saved
 
-    def _run(self, step: int, trace: bool) -> StepResult:
+    def _run(self, step: int, trace: bool, classes: bool = False) -> StepResult:
         self._begin(step)
         t0 = time.perf_counter()
-        events = []
+        events, reached = [], []
         for index, instr in enumerate(self.program.instrs):
             start = time.perf_counter() - t0
+            reached.append(start)
             try:
                 self._handlers[type(instr)](instr)
             except Exception as err:
                 raise type(err)(f"[rank {self.program.rank}] step {step}: instruction {index} `{instr}`: "
                                 f"{err}") from err
+            if (trace or classes) and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
             if trace:
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
                 events.append((index, start, time.perf_counter() - t0))
+        loop_end = time.perf_counter() - t0
         self._end(step)
-        return StepResult(self.loss_total, time.perf_counter() - t0, events)
+        split = {c.value: s for c, s in class_times(self.program.instrs, reached, loop_end).items()} if classes else {}
+        return StepResult(self.loss_total, time.perf_counter() - t0, events, split)
 
     def _begin(self, step: int) -> None:
         self.step_idx = step

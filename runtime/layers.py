@@ -8,7 +8,7 @@ checkpoints and plan-invariance tests compare parameters by
 | layer | llama | gpt |
 |---|---|---|
 | embed | tok_embeddings | tok_embeddings, pos_embeddings |
-| block | attention_norm, attention.{wq,wk,wv,wo}, ffn_norm, feed_forward.{w1,w2,w3} | ... LayerNorm, feed_forward.{fc1,fc2}, biases |
+| block | attention_norm, attention.{wq,wk,wv,wo} (biases with qkv_bias / out_bias; attention.{q_norm,k_norm} with qk_norm), ffn_norm, feed_forward.{w1,w2,w3} | ... LayerNorm, feed_forward.{fc1,fc2}, biases |
 | head | norm, output (absent when tied) | norm (LayerNorm), output |
 
 An MoE block's feed_forward is `router` and `experts.{e}.{w1,w2,w3 | fc1,fc2}`
@@ -17,42 +17,17 @@ with e the expert's global index, whichever rank holds it (runtime/moe.py).
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hetc.runtime.attention import Attention, Rope
 from hetc.runtime.mlp import make_mlp
 from hetc.runtime.moe import ALL_EXPERTS, ExpertShard
+from hetc.runtime.norms import NORMS, LayerNorm, RMSNorm
 from hetc.runtime.tp import NO_SHARD, ParallelLinear, TPAware, TPShard
 from hetc.spec import Arch, ModelSpec
 
 __all__ = ["NORMS", "Block", "Embedding", "Head", "LayerNorm", "RMSNorm", "make_norm"]
-
-
-class RMSNorm(TPAware, nn.Module):
-    """x / rms(x) * weight, the reduction in fp32."""
-
-    def __init__(self, dim: int, eps: float, device=None) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim, device=device))
-
-    def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return y.type_as(x) * self.tp.replicated(self.weight)
-
-
-class LayerNorm(TPAware, nn.LayerNorm):
-    """`nn.LayerNorm` whose parameters go through the TP hook (sequence parallelism)."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.layer_norm(x, self.normalized_shape, self.tp.replicated(self.weight),
-                            self.tp.replicated(self.bias), self.eps)
-
-
-NORMS = (RMSNorm, nn.LayerNorm)
 
 
 def make_norm(model: ModelSpec, device=None) -> nn.Module:

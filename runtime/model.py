@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from hetc.errors import InternalError
 from hetc.runtime.attention import Attention, Rotary
 from hetc.runtime.layers import NORMS, Block, Embedding, Head
 from hetc.runtime.moe import ALL_EXPERTS, ExpertShard
@@ -45,6 +46,7 @@ __all__ = [
     "build_layer",
     "build_ministage",
     "compute_dtype",
+    "full_shapes",
     "init_layer",
 ]
 
@@ -74,7 +76,8 @@ def _construct(model: ModelSpec, idx: int, shard: TPShard, experts: ExpertShard)
         return Embedding(model)
     if idx == model.layers + 1:
         return Head(model)
-    assert 0 < idx <= model.layers, f"layer {idx} outside [0, {model.layers + 1}]"
+    if not 0 < idx <= model.layers:
+        raise InternalError(f"layer {idx} outside [0, {model.layers + 1}]")
     return Block(model, shard, experts=experts)
 
 
@@ -86,10 +89,21 @@ def build_layer(model: ModelSpec, idx: int, *, seed: int, shard: TPShard = NO_SH
     """
     with torch.device("meta"):
         layer = _construct(model, idx, shard, experts)
-    assert not list(layer.buffers()), "layers hold no buffers: to_empty would leave them garbage"
+    if list(layer.buffers()):
+        raise InternalError("layers hold no buffers: to_empty would leave them garbage")
     layer.to_empty(device=device)
     init_layer(layer, model, idx, seed)
     return layer
+
+
+def full_shapes(model: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Every parameter of the whole model (global names) with its full shape; built on the meta device."""
+    ends = (0, model.layers + 1)
+    with torch.device("meta"):      # blocks are alike: build one
+        built = {idx: shard_infos(_construct(model, idx, NO_SHARD, ALL_EXPERTS)) for idx in (*ends, 1)}
+    return {f"{model.layer_name(idx)}.{name}": info.full_shape
+            for idx in range(model.num_model_layers)
+            for name, info in built[idx if idx in ends else 1].items()}
 
 
 def _initial_value(owner: nn.Module, name: str, shape: tuple[int, ...], model: ModelSpec,
@@ -99,7 +113,8 @@ def _initial_value(owner: nn.Module, name: str, shape: tuple[int, ...], model: M
         return torch.ones(shape) if name == "weight" else torch.zeros(shape)
     if name == "bias":
         return torch.zeros(shape)
-    assert isinstance(owner, (ParallelLinear, nn.Embedding)), f"no init rule for {type(owner).__name__}"
+    if not isinstance(owner, (ParallelLinear, nn.Embedding)):
+        raise InternalError(f"no init rule for {type(owner).__name__}")
     std = INIT_STD
     if isinstance(owner, ParallelLinear) and owner.scaled_init:
         std = INIT_STD / math.sqrt(2 * model.layers)
@@ -144,13 +159,14 @@ class Ministage(nn.Module):
     def __init__(self, model: ModelSpec, layers: range, *, seed: int, shard: TPShard = NO_SHARD,
                  device: torch.device | str = "cpu", experts: ExpertShard = ALL_EXPERTS) -> None:
         super().__init__()
-        assert layers.step == 1 and len(layers) > 0, f"a ministage is a non-empty run of layers: {layers}"
+        if not (layers.step == 1 and len(layers) > 0):
+            raise InternalError(f"a ministage is a non-empty run of layers: {layers}")
         self.first_layer, self.stop_layer = layers.start, layers.stop
         self.layer_names = tuple(model.layer_name(i) for i in layers)
         for i, name in zip(layers, self.layer_names):
             self.add_module(name, build_layer(model, i, seed=seed, shard=shard, device=device, experts=experts))
         has_block = any(isinstance(layer, Block) for layer in self.layers.values())
-        self.rotary = Rotary(model.hidden // model.heads, model.rope_theta, device) \
+        self.rotary = Rotary(model.head_size, model.rope_theta, device, model.rope_scaling) \
             if model.arch is Arch.LLAMA and has_block else None
         self.full_checkpoint = model.activation_checkpoint is Checkpointing.FULL
         for attention in self.modules():

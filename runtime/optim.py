@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from hetc.errors import InternalError
 from hetc.spec import LrScheduleKind, OptimizerKind, OptimizerSpec, TrainSpec
 
 __all__ = ["OptimizerState", "clip_coefficient", "grad_sq_sum", "init_state", "lr_at", "optimizer_step"]
@@ -65,8 +66,10 @@ def optimizer_step(opt: OptimizerSpec, param: Tensor, grad: Tensor, state: Optim
     `step` is the 0-based optimizer step. Matches torch.optim.AdamW (Adam,
     SGD) with foreach=False on the same elements.
     """
-    assert param.dtype == torch.float32, "master shards are fp32"
-    assert param.shape == grad.shape, f"param shard {tuple(param.shape)} vs grad {tuple(grad.shape)}"
+    if param.dtype != torch.float32:
+        raise InternalError("master shards are fp32")
+    if param.shape != grad.shape:
+        raise InternalError(f"param shard {tuple(param.shape)} vs grad {tuple(grad.shape)}")
     grad = grad.to(torch.float32)
     if opt.kind is OptimizerKind.SGD:
         _sgd(opt, param, grad, state, lr, step)

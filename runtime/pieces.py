@@ -34,6 +34,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
+from hetc.errors import InternalError
 from hetc.runtime.flat import FlatLayout
 from hetc.runtime.tp import ShardInfo
 
@@ -84,7 +85,8 @@ def layout_pieces(layout: FlatLayout, rng: slice, values: Tensor,
     parameter. `infos` (tensor-parallel shards) place the pieces in the full
     parameters.
     """
-    assert values.numel() == rng.stop - rng.start, f"{values.numel()} values for range {rng}"
+    if values.numel() != rng.stop - rng.start:
+        raise InternalError(f"{values.numel()} values for range {rng}")
     out = {}
     for e in layout.entries:
         start, stop = max(e.offset, rng.start), min(e.offset + e.numel, rng.stop)

@@ -26,8 +26,10 @@ from torch import Tensor
 
 from hetc.runtime.data import DataSource, make_data_source, make_eval_source
 from hetc.runtime.flat import FlatParams
+from hetc.runtime.hf_load import load_whole
 from hetc.runtime.model import build_ministage, compute_dtype
 from hetc.runtime.optim import clip_coefficient, grad_sq_sum, init_state, lr_at, optimizer_step
+from hetc.runtime.tp import shard_infos
 from hetc.spec import ModelSpec, TrainSpec
 
 __all__ = ["ReferenceResult", "train_reference"]
@@ -53,6 +55,8 @@ def train_reference(model: ModelSpec, train: TrainSpec, *, base_dir: Path | str 
     """
     module = build_ministage(model, range(model.num_model_layers), seed=train.seed, device=device)
     flat = FlatParams(module, dtype=compute_dtype(model.dtype))
+    if model.wants_pretrained:       # the same initial weights as every plan's ranks (runtime/hf_load.py)
+        flat.load(load_whole(flat.layout, shard_infos(module), model.hf_dir()))
     state = init_state(model.optimizer, flat.master)
     data = data if data is not None else make_data_source(model, train, base_dir)
     held_out = make_eval_source(model, train, base_dir)

@@ -3,7 +3,8 @@
 Rank 0 prints `step 3/30  loss 4.9485  2,310 tokens/s  0.041 s/step` (with
 `val_loss 5.0012` after the loss on steps that evaluate) and, with
 `--metrics FILE`, writes one JSON object per step (step, loss,
-step_time_s, tokens_per_s, peak_memory_bytes per rank, and val_loss on
+step_time_s, tokens_per_s, peak_memory_bytes per rank, class_times_s: per
+rank, the step's seconds per TimeClass, Note [time classes], and val_loss on
 steps that evaluate). Per-rank peak
 memory travels through the rendezvous store, outside the program's
 collectives. With `--trace FILE` the last step is timed per instruction on
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hetc.program import Recv, Send
-from hetc.timeline import Event, Flow, MemorySample, RankInfo, Timeline, classify
+from hetc.timeline import Event, Flow, MemorySample, RankInfo, Timeline, class_times, classify
 
 __all__ = ["Reporter", "peak_memory"]
 
@@ -41,7 +42,7 @@ class Reporter:
         self.tokens_per_step = spec.train.global_batch * spec.model.seq
         self.store = dist.distributed_c10d._get_default_store()
         writes = opts.metrics is not None and rank == 0
-        # open for the whole run, closed in finish()
+        # open for the whole run, closed by finish()
         self.metrics = open(opts.metrics, "a" if append else "w") if writes else None  # noqa: SIM115
         self.traced: list | None = None
         self.step_time = 0.0
@@ -51,6 +52,7 @@ class Reporter:
         if result.events:
             self.traced, self.step_time = result.events, result.seconds
         memories = self._memories(step) if self.opts.metrics is not None else None
+        classes = self._classes(step, result.classes) if self.opts.metrics is not None else None
         if self.rank != 0:
             return
         tps = self.tokens_per_step / result.seconds if result.seconds > 0 else 0.0
@@ -60,7 +62,7 @@ class Reporter:
                   f"{result.seconds:.3f} s/step", flush=True)
         if self.metrics is not None:
             record = {"step": step, "loss": result.loss, "step_time_s": result.seconds, "tokens_per_s": tps,
-                      "peak_memory_bytes": memories}
+                      "peak_memory_bytes": memories, "class_times_s": classes}
             if val_loss is not None:
                 record["val_loss"] = val_loss
             self.metrics.write(json.dumps(record) + "\n")
@@ -72,6 +74,13 @@ class Reporter:
             return None
         keys = [f"hetc/mem/{step}/{r}" for r in range(self.program.world_size)]
         return [float(v) for v in self.store.multi_get(keys)]   # one round trip, not one per rank
+
+    def _classes(self, step: int, mine: dict[str, float]) -> list[dict[str, float]] | None:
+        self.store.set(f"hetc/classes/{step}/{self.rank}", json.dumps(mine))
+        if self.rank != 0:
+            return None
+        keys = [f"hetc/classes/{step}/{r}" for r in range(self.program.world_size)]
+        return [json.loads(v) for v in self.store.multi_get(keys)]
 
     def finish(self) -> None:
         if self.opts.trace is not None:
@@ -92,9 +101,11 @@ class Reporter:
 
 def build_measured_timeline(program, pipeline, per_rank: list) -> Timeline:
     """A Timeline from each rank's (events, peak memory, step seconds)."""
-    ranks, events, memory, sends, recvs = [], [], [], {}, {}
+    ranks, events, memory, sends, recvs, classes = [], [], [], {}, {}, []
     for r, (evs, peak, _) in enumerate(per_rank):
         rp = program.ranks[r]
+        split = class_times(rp.instrs, [start for _, start, _ in evs], max((end for *_, end in evs), default=0.0))
+        classes.append({c.value: s for c, s in split.items()})
         gpu = pipeline.world[r]
         ranks.append(RankInfo(r, rp.stage, rp.lane, gpu.device.name, str(gpu), gpu.device.memory))
         for index, start, end in evs:
@@ -115,4 +126,5 @@ def build_measured_timeline(program, pipeline, per_rank: list) -> Timeline:
     plan = (("schedule", pipeline.schedule.value), ("ranks", str(program.world_size)),
             ("stages", str(len(pipeline.stages))), ("microbatches", str(pipeline.num_microbatches)),
             ("measured step time", f"{step_time:.4f} s"))
-    return Timeline("measured", tuple(ranks), tuple(events), tuple(flows), tuple(memory), step_time, plan)
+    return Timeline("measured", tuple(ranks), tuple(events), tuple(flows), tuple(memory), step_time, plan,
+                    tuple(classes))

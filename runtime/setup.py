@@ -18,6 +18,7 @@ from hetc.program import Program, Shard
 from hetc.runtime.buffers import GroupPos, MinistageBuffers
 from hetc.runtime.comm import Comm
 from hetc.runtime.data import DataSource
+from hetc.runtime.hf_load import load_hf_weights
 from hetc.runtime.interpreter import Interpreter
 from hetc.runtime.lane import LanePlace, place_ministage
 from hetc.runtime.model import build_ministage, compute_dtype
@@ -89,6 +90,8 @@ def build_rank(spec: Spec, pipeline: Pipeline, program: Program, rank: int, grou
                data: DataSource, device: torch.device) -> RankRuntime:
     place = lane_place(spec, pipeline, program, rank, groups)
     buffers = build_buffers(spec, pipeline, program, rank, device, place)
+    if spec.model.wants_pretrained:     # the validator checked the tensors against the model
+        load_hf_weights(buffers, spec.model.hf_dir())
     comm = Comm(groups, pipeline.num_microbatches, compute_dtype(spec.model.dtype), device)
     firsts = {m.index: m.first_layer for m in pipeline.ministages}
     stops = {m.index: m.stop_layer for m in pipeline.ministages}

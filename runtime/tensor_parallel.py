@@ -125,5 +125,8 @@ class GroupTP:
     def replicated(self, p: Tensor) -> Tensor:
         return sum_grad_over(p, self.group) if self.sequence_parallel else p
 
+    def partial(self, p: Tensor) -> Tensor:
+        return sum_grad_over(p, self.group)
+
     def __repr__(self) -> str:
         return f"GroupTP(size={dist.get_world_size(self.group)}, sequence_parallel={self.sequence_parallel})"

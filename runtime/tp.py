@@ -12,9 +12,11 @@ The communication is a hook, `TPComm`: `enter` before the column-parallel
 projections (Megatron's copy-to-region: identity forward, all-reduce
 backward; with sequence parallelism an all-gather over the sequence) and
 `exit` after the row-parallel one (all-reduce forward; with sequence
-parallelism a reduce-scatter), and `replicated` on every parameter that each
+parallelism a reduce-scatter), `replicated` on every parameter that each
 tp rank holds whole (with sequence parallelism such a parameter sees only
-this rank's tokens, so its gradient is summed over the group). `NO_TP` is
+this rank's tokens, so its gradient is summed over the group), and `partial`
+on one that each tp rank holds whole but applies to its own heads only (the
+q/k norms: its gradient is always summed over the group). `NO_TP` is
 the identity, exact for tp = 1. Modules that use the hook are `TPAware`; the
 interpreter installs a process-group-backed `TPComm`
 (runtime/tensor_parallel.py) with `set_tp_comm`.
@@ -29,6 +31,8 @@ from typing import Protocol
 
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from hetc.errors import InternalError
 
 __all__ = [
     "NO_SHARD",
@@ -53,7 +57,8 @@ class TPShard:
     size: int = 1
 
     def __post_init__(self) -> None:
-        assert 0 <= self.rank < self.size, f"tp rank {self.rank} outside tp size {self.size}"
+        if not 0 <= self.rank < self.size:
+            raise InternalError(f"tp rank {self.rank} outside tp size {self.size}")
 
     def part(self, n: int, what: str) -> int:
         """How many of `n` units (heads, features) this shard holds."""
@@ -86,6 +91,11 @@ class TPComm(Protocol):
         """A parameter every tp rank holds whole, as forward uses it."""
         ...
 
+    def partial(self, p: Tensor) -> Tensor:
+        """A parameter every tp rank holds whole but applies to its own heads only (q/k norms):
+        its gradient is summed over the group."""
+        ...
+
 
 class _NoTP:
     def enter(self, x: Tensor) -> Tensor:
@@ -95,6 +105,9 @@ class _NoTP:
         return x
 
     def replicated(self, p: Tensor) -> Tensor:
+        return p
+
+    def partial(self, p: Tensor) -> Tensor:
         return p
 
     def __repr__(self) -> str:

@@ -188,7 +188,7 @@ def _train(plan_dir: Path, opts: RunOptions, rank: int, spec, pipeline, program,
     steps = spec.train.steps if opts.steps is None else opts.steps
     for step in range(start, steps):
         traced = opts.trace is not None and step == steps - 1
-        result = rt.interpreter.run_step(step, trace=traced)
+        result = rt.interpreter.run_step(step, trace=traced, classes=opts.metrics is not None)
         val_loss = evaluator.run(rt.interpreter) if evaluator is not None and evaluator.due(step + 1) else None
         reporter.step(step, steps, result, val_loss)
         if step == start and hooks.on_first_step is not None:

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.configuration import set_hypothesis_home_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = ROOT / "specs"
@@ -16,6 +20,22 @@ SHARED_DATA = ROOT.parent / "shared" / "data"
 # shared 2-core machines, OpenMP threads spinning against other processes made
 # tiny CPU models ~40x slower. Set before anything imports torch.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Hypothesis times each example (deadline) and its data generation (too_slow) by
+# default: durations that pass on a quiet machine and fail on a busy one. Every
+# property test also says deadline=None itself; this covers any that forgets. No
+# example database: tests write only under tmp_path, not .hypothesis/ in the checkout.
+settings.register_profile("hetc", deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
+settings.load_profile("hetc")
+
+# Hypothesis' own caches (the constants it collects while pytest collects, unicode
+# tables) go to a temporary directory removed at the end, not to .hypothesis/ here.
+_HYPOTHESIS_HOME = tempfile.mkdtemp(prefix="hetc-hypothesis-")
+set_hypothesis_home_dir(_HYPOTHESIS_HOME)
+
+
+def pytest_unconfigure(config) -> None:
+    shutil.rmtree(_HYPOTHESIS_HOME, ignore_errors=True)
 
 
 def all_spec_files() -> list[Path]:

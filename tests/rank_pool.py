@@ -1,18 +1,24 @@
 """A persistent pool of gloo ranks that run compiled plans one after another (multi-process tests).
 
 Starting four Python processes that import torch costs seconds on the
-2-core test machines; a pool pays it once per session. The workers form one
-default process group; per plan they create the plan's groups (the plan's
-"world" becomes a subgroup of the first k workers when the plan has k < 4
-ranks, see hetc.runtime.comm.make_groups), build their rank runtime, run the
-steps, optionally resume from / save a checkpoint, tear the groups down and
-report.
+2-core test machines; a pool pays it once per session. Per job, the first k
+workers (k: the plan's ranks) form a default process group of their own on
+a fresh port, exactly as torchrun's k processes would, so the runtime needs
+no special case for the pool; they create the plan's groups, build their
+rank runtime, run the steps, optionally resume from / save a checkpoint,
+destroy every group and report. The other workers sit the job out.
+
+A job that does not answer in time (a hang, a dead worker) fails with
+TimeoutError, and the pool starts its workers afresh, so the jobs after it
+run on clean processes rather than on ranks still stuck in the old one.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import threading
+import time
 import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -60,6 +66,7 @@ class PlanJob:
     resume_from: Path | None = None   # a checkpoint directory to resume from
     save_to: Path | None = None       # save a checkpoint after the last step
     fail_save_on: int | None = None   # test hook: this rank's storage writer fails during the save
+    hang_on: int | None = None        # test hook: this rank never answers
 
 
 @dataclass(frozen=True)
@@ -112,58 +119,82 @@ def assert_params_close(checkpoint: Path, want: dict) -> None:
 
 class RankPool:
     def __init__(self, size: int = POOL_SIZE) -> None:
+        self.size = size
+        self.conns: list = []
+        self.procs: list = []
+        self._start()
+
+    def run(self, job: PlanJob, timeout_s: float = REPLY_TIMEOUT_S) -> list[RankReport]:
+        """Run `job` on every worker; the reports of the plan's ranks (workers beyond it report nothing).
+
+        Raises TimeoutError when a worker does not answer within `timeout_s`
+        (after restarting the workers, so that the next job is not stuck behind this one).
+        """
         from hetc.runtime.local import free_port
 
-        ctx = mp.get_context("spawn")
         port = free_port()
-        self.conns, self.procs = [], []
-        for rank in range(size):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(rank, size, port, child), daemon=True)
-            proc.start()
-            self.conns.append(parent)
-            self.procs.append(proc)
-
-    def run(self, job: PlanJob) -> list[RankReport]:
-        """Run `job` on every worker; the reports of the plan's ranks (workers beyond it report nothing)."""
-        for conn in self.conns:
-            conn.send(job)
+        deadline = time.monotonic() + timeout_s
         reports = []
-        for rank, conn in enumerate(self.conns):
-            if not conn.poll(REPLY_TIMEOUT_S):
-                raise TimeoutError(f"pool rank {rank} did not answer within {REPLY_TIMEOUT_S:.0f} s")
-            reports.append(conn.recv())
+        try:
+            for conn in self.conns:
+                conn.send((job, port))
+            for rank, conn in enumerate(self.conns):
+                if not conn.poll(max(0.0, deadline - time.monotonic())):
+                    raise TimeoutError(f"pool rank {rank} did not answer within {timeout_s:.0f} s")
+                reports.append(conn.recv())
+        except (TimeoutError, EOFError, OSError):
+            self._restart()
+            raise
         return [r for r in reports if r is not None]
 
     def close(self) -> None:
         for conn in self.conns:
-            conn.send(None)
+            try:
+                conn.send(None)
+            except OSError:
+                pass          # the worker is gone already
         for proc in self.procs:
             proc.join(10)
             if proc.is_alive():
                 proc.kill()
+                proc.join()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.conns, self.procs = [], []
+        for rank in range(self.size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(rank, child), daemon=True)
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+
+    def _restart(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.join()
+        for conn in self.conns:
+            conn.close()
+        self._start()
 
 
 # ---------------------------------------------------------------- inside a worker
 
 
-def _serve(rank: int, size: int, port: int, conn) -> None:
+def _serve(rank: int, conn) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
-    import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    while (job := conn.recv()) is not None:
+    while (message := conn.recv()) is not None:
+        job, port = message
         try:
-            conn.send(_run_job(job, rank))
+            conn.send(_run_job(job, rank, port))
         except BaseException:  # noqa: BLE001 - report every failure to the test, keep serving
             conn.send(RankReport(rank, 0, (), traceback.format_exc()))
-    dist.destroy_process_group()
 
 
-def _run_job(job: PlanJob, rank: int) -> RankReport | None:
+def _run_job(job: PlanJob, rank: int, port: int) -> RankReport | None:
     import torch
     import torch.distributed as dist
 
@@ -175,18 +206,21 @@ def _run_job(job: PlanJob, rank: int) -> RankReport | None:
 
     _, checked = read_plan(job.plan_dir)
     program = read_program(job.plan_dir)
-    groups = make_groups(program.groups, datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    if rank >= program.world_size:
+        return None
+    if job.hang_on == rank:
+        threading.Event().wait()
+    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=program.world_size, timeout=timeout)
     try:
-        if rank >= program.world_size:
-            return None
+        groups = make_groups(program.groups, timeout)
         spec, pipeline = checked.spec, checked.pipeline
         data = make_data_source(spec.model, spec.train, job.plan_dir)
         rt = build_rank(spec, pipeline, program, rank, groups, data, torch.device("cpu"))
         return _train(rt, job, rank, make_evaluator(spec, pipeline, program, rank, job.plan_dir))
     finally:
-        for group in groups.values():
-            if group is not dist.group.WORLD:
-                dist.destroy_process_group(group)
+        dist.destroy_process_group()   # the default group and every group made from it
 
 
 def _train(rt, job: PlanJob, rank: int, evaluator) -> RankReport:

@@ -68,4 +68,5 @@ def test_glossary_defines_the_shared_words():
 def test_errors_md_covers_every_invalid_case():
     text = (DOCS / "errors.md").read_text()
     cases = [p.name for p in Path(ROOT / "tests" / "invalid").glob("*.het") if not p.name.startswith("_")]
+    assert cases, "no invalid cases found"
     assert all(f"`tests/invalid/{name}`" in text for name in cases)

@@ -26,7 +26,7 @@ def test_json_fields(capsys, name):
     assert 0 < out["mfu"] <= out["hfu"] <= 1
     assert out["tokens_per_step"] == 8 * 32                      # global_batch × seq of the demo job
     ranks = {m["rank"] for m in out["memory"]}
-    assert ranks == set(range(len(out["memory"])))
+    assert ranks and ranks == set(range(len(out["memory"])))
     for m in out["memory"]:
         parts = sum(m[k] for k in ("params", "grads", "optimizer", "activations", "buffers", "reserve"))
         assert m["total"] == pytest.approx(parts) and m["capacity"] == 4 * 2**30
@@ -68,6 +68,7 @@ def test_sailor_profile_and_fits_are_used(capsys, shared_data, tmp_path):
                  "--plan", str(sample), "-o", str(out)]) == 0
     with_data = _json(capsys, str(out), "--profile", str(shared_data / "sailor"))
     without = _json(capsys, str(out))
+    assert with_data["sources"] and without["sources"]
     assert all("profile.json" in s for srcs in with_data["sources"].values() for s in srcs)
     assert all(s == "arithmetic" for srcs in without["sources"].values() for s in srcs)
     assert with_data["step_time_s"] != without["step_time_s"]

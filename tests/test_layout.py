@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hetc.layout import (Piece, attention_ranges, boundary_ranges, layout_problem, local_slice, positions,
@@ -93,6 +93,7 @@ LAYOUTS = st.builds(L, tp=st.sampled_from([1, 2, 4]), cp=st.sampled_from([1, 2, 
                     cp_kind=st.sampled_from(list(CPKind)), sequence_parallel=st.booleans())
 
 
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(LAYOUTS, LAYOUTS)
 def test_pieces_tile_every_needed_range_exactly_once(a, b):
     seq = 64

@@ -53,6 +53,17 @@ def test_layer_sizes_equal_the_cost_models(arch, kv_heads, moe, tied):
         assert sum(p.numel() for p in layer.parameters()) == layer_params(model, idx), model.layer_name(idx)
 
 
+@pytest.mark.parametrize("extra", [{"qkv_bias": True}, {"qkv_bias": True, "out_bias": True},
+                                   {"qk_norm": True, "head_dim": 16}, {"head_dim": 6}],
+                         ids=["qwen2-biases", "llama-attention-bias", "qwen3-norms", "head-dim"])
+def test_hf_architecture_fields_equal_the_cost_models(extra):
+    model = tiny(**extra)
+    stage = whole(model)
+    for idx in range(model.num_model_layers):
+        layer = stage.layers[model.layer_name(idx)]
+        assert sum(p.numel() for p in layer.parameters()) == layer_params(model, idx), model.layer_name(idx)
+
+
 def test_init_is_independent_of_what_else_a_rank_builds():
     model = tiny()
     full = dict(whole(model).named_parameters())

@@ -1,16 +1,16 @@
-"""`hetc plan`: the Zorse clusters plan in seconds; the output checks and is stable; errors are located."""
+"""`hetc plan`: the Zorse clusters plan; the output checks and is stable; errors are located."""
 
 from __future__ import annotations
 
 import json
 import math
 import random
-import time
 
 import pytest
 
 from hetc.cli import main
 from hetc.commands.compile import compile_spec
+from hetc.frontend import load_checked
 from hetc.load import load_spec
 from hetc.passes.plan.partition import bandwidth_domains
 from hetc.passes.plan.planner import plan_spec
@@ -18,7 +18,7 @@ from hetc.passes.plan.routing import bottleneck, spread
 from hetc.planreport import plan_summary
 from hetc.spec import AUTO
 from hetc.topology import Topology
-from tests.conftest import SPECS
+from tests.conftest import DEMO, SPECS
 
 ZORSE = [SPECS / "zorse" / f"{c}_auto.het" for c in "abc"]
 BASELINES = ("megatron", "fastest", "hexiscale", "cephalo")
@@ -65,15 +65,14 @@ def _write(tmp_path, text: str, name: str = "spec.het"):
 
 
 @pytest.mark.parametrize("path", ZORSE, ids=lambda p: p.stem)
-def test_zorse_clusters_plan_in_under_three_seconds_and_beat_the_baselines(path):
+def test_zorse_clusters_plan_and_beat_the_baselines(path):
+    # How long this takes is benchmarks/examples.py's figure, not an assertion.
     spec = load_spec(path).spec
-    start = time.process_time()
     result = plan_spec(spec, base_dir=path.parent)
-    took = time.process_time() - start
-    assert took < 3.0, f"{path.name} took {took:.2f} s of CPU"
     assert result.planned and result.estimate is not None and result.estimate.fits
     assert result.estimate.step_time_s == pytest.approx(result.score.step_time_s, rel=1e-6)
     assert {b.name for b in result.baselines} == set(BASELINES)
+    assert any(b.score is not None and b.score.fits for b in result.baselines), "no baseline to beat"
     for b in result.baselines:  # never worse than a baseline that fits
         if b.score is not None and b.score.fits:
             assert result.step_time_s <= b.score.step_time_s * (1 + 1e-9), b.name
@@ -239,3 +238,24 @@ def test_bottleneck_routing_is_the_least_busiest_lane():
         assert sum(map(sum, counts)) == m
         busiest = max(c * cycle for row, (_, cycle, _) in zip(counts, classes) for c in row)
         assert busiest == pytest.approx(best)
+
+
+def test_a_plan_auto_only_in_prefetch_is_left_to_the_planner(tmp_path, capsys):
+    """`prefetch = auto` in an otherwise explicit plan: not a resolved pipeline (it used to resolve with
+    prefetch still auto, and `hetc compile` failed with an internal error)."""
+    text = (DEMO / "zero3.het").read_text().replace('use "job.het"', f'use "{DEMO / "job.het"}"')
+    path = _write(tmp_path, text.replace("parallel {\n", "parallel {\n  prefetch = auto\n", 1))
+    _, checked = load_checked(path)
+    assert checked.pipeline is None
+    assert main(["check", str(path)]) == 0
+    assert "plan: partly auto" in capsys.readouterr().out
+
+
+def test_an_unknown_layer_in_a_partly_auto_plan_is_a_located_error(tmp_path, capsys):
+    """It used to end in `internal error: TypeError` (the layer's index was None)."""
+    path = _write(tmp_path, f'use "{DEMO / "job.het"}"\nparallel {{\n  stage a {{\n    layers = embed..block9\n'
+                            "  }\n  stage b {\n    layers = block1..head\n  }\n}\n")
+    assert main(["plan", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:4:14: error: 'block9' does not exist: the model has 4 blocks, block0..block3" in err
+    assert "internal error" not in err

@@ -31,6 +31,7 @@ def test_short_cpu_run_feeds_explain(tmp_path, capsys):
     assert profiles.network.intra_rate("cpu", 2) is not None and profiles.copy["cpu"] > 0
     assert main(["explain", str(DEMO / "pp.het"), "--json", "--profile", str(out)]) == 0
     explained = json.loads(capsys.readouterr().out)
+    assert explained["sources"]
     assert all(str(out) in s for srcs in explained["sources"].values() for s in srcs)
 
 

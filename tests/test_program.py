@@ -6,7 +6,7 @@ import dataclasses
 import json
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hetc.program import (INSTR_TYPES, AllGather, AllReduce, AllToAll, Backward, BackwardInput,
@@ -83,7 +83,7 @@ def _instances(cls):
     return st.builds(cls, **kwargs)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.one_of(*[_instances(cls) for cls in INSTR_TYPES.values()]))
 def test_generated_instructions_round_trip(instr):
     assert parse_instr(str(instr)) == instr

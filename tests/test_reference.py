@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
@@ -94,11 +93,8 @@ def test_reference_is_deterministic():
 def test_the_demo_job_learns_its_text():
     loaded, _ = load_checked(DEMO / "job.het")
     spec = loaded.spec
-    start = time.perf_counter()
     result = train_reference(spec.model, spec.train, base_dir=loaded.path.parent)
-    elapsed = time.perf_counter() - start
     losses = result.losses
     assert len(losses) == spec.train.steps == 30
     assert abs(losses[0] - math.log(spec.model.vocab)) < 0.1, "starts at chance"
     assert sum(losses[-5:]) / 5 < losses[0] - 1.5, losses
-    assert elapsed < 60, f"{elapsed:.1f}s for a tiny model"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 
 from hetc.cli import main
@@ -10,7 +13,7 @@ from hetc.frontend import load_checked
 from hetc.load import parse_file
 from hetc.printer import format_file
 from hetc.syntax import parse_text
-from tests.conftest import all_spec_files
+from tests.conftest import SPECS, all_spec_files
 
 SPEC_FILES = all_spec_files()
 
@@ -24,17 +27,22 @@ def test_spec_checks(path):
     load_checked(path)
 
 
+@pytest.fixture(scope="module")
+def scratch_specs(tmp_path_factory) -> Path:
+    """A copy of specs/, so that a formatted spec sits where its relative `use`s and data paths resolve."""
+    root = tmp_path_factory.mktemp("fmt") / "specs"
+    shutil.copytree(SPECS, root)
+    return root
+
+
 @pytest.mark.parametrize("path", SPEC_FILES, ids=lambda p: p.relative_to(p.parents[1]).as_posix())
-def test_fmt_is_idempotent_and_keeps_the_spec(path, tmp_path):
+def test_fmt_is_idempotent_and_keeps_the_spec(path, scratch_specs):
     once = format_file(parse_file(path, Sources()))
     twice = format_file(parse_text(once, str(path)))
     assert once == twice
-    copy = path.parent / f".fmt-test-{path.name}"
-    try:
-        copy.write_text(once)
-        assert load_checked(copy)[0].spec == load_checked(path)[0].spec
-    finally:
-        copy.unlink()
+    copy = scratch_specs / path.relative_to(SPECS)
+    copy.write_text(once)
+    assert load_checked(copy)[0].spec == load_checked(path)[0].spec
 
 
 def test_cli_check_exit_codes(tmp_path, capsys):

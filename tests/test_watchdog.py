@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime
 import threading
-import time
 
 import pytest
 import torch.distributed as dist
@@ -39,7 +38,13 @@ def store():
     del master
 
 
-def _dogs(store, world: int, timeout: float = 30.0) -> list[RecordingWatchdog]:
+# Waits for what must happen: only a guard against a hang, never a measure of speed.
+HANG_GUARD_S = 60.0
+# A silence long enough that a busy machine's scheduling never looks like one.
+SILENCE_S = 2.0
+
+
+def _dogs(store, world: int, timeout: float = 600.0) -> list[RecordingWatchdog]:
     return [RecordingWatchdog(store(), r, world, interval=0.05, timeout=timeout) for r in range(world)]
 
 
@@ -50,36 +55,34 @@ def test_a_rank_that_names_a_dead_peer_stops_every_other_rank(store):
     for d in (dogs[0], dogs[3]):
         d.start()
     dogs[1].declare_dead(2)
-    started = time.monotonic()
-    for d in (dogs[0], dogs[3]):
-        assert d.named.wait(5.0), f"rank {d.rank} never heard"
+    for d in (dogs[0], dogs[3]):   # the heartbeat timeout is 600 s: the verdict came through the store
+        assert d.named.wait(HANG_GUARD_S), f"rank {d.rank} never heard"
         assert d.verdict == (2, "reported by another rank")
-    assert time.monotonic() - started < 5.0
     for d in dogs:
         d.finish()
 
 
 def test_a_silent_rank_is_named_by_its_watcher(store):
-    dogs = _dogs(store, 3, timeout=0.5)
+    dogs = _dogs(store, 3, timeout=SILENCE_S)
     for d in dogs[:2]:     # rank 2 never beats
         d.start()
-    assert dogs[1].named.wait(5.0)
+    assert dogs[1].named.wait(HANG_GUARD_S)
     assert dogs[1].verdict[0] == 2 and dogs[1].verdict[1].startswith("no heartbeat for")
-    assert dogs[0].named.wait(5.0) and dogs[0].verdict[0] == 2
+    assert dogs[0].named.wait(HANG_GUARD_S) and dogs[0].verdict[0] == 2
     for d in dogs:
         d.finish()
 
 
 def test_only_a_rank_that_completed_is_excused_from_watching(store):
-    dogs = _dogs(store, 3, timeout=0.5)
+    dogs = _dogs(store, 3, timeout=SILENCE_S)
     dogs[2].finish(completed=False)          # failed: its watcher must still notice the silence
     dogs[1].start()
-    assert dogs[1].named.wait(5.0) and dogs[1].verdict[0] == 2
+    assert dogs[1].named.wait(HANG_GUARD_S) and dogs[1].verdict[0] == 2
 
-    dogs = _dogs(store, 3, timeout=0.5)       # the same store: clear the verdict from before
+    dogs = _dogs(store, 3, timeout=SILENCE_S)       # the same store: clear the verdict from before
     client = store()
     client.delete_key("hetc/dead")
     dogs[2].finish(completed=True)
     dogs[1].start()
-    assert not dogs[1].named.wait(1.5), dogs[1].verdict
+    assert not dogs[1].named.wait(3 * SILENCE_S), dogs[1].verdict
     dogs[1].finish()

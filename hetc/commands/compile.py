@@ -10,14 +10,16 @@ from pathlib import Path
 
 from hetc.frontend import load_checked
 from hetc.passes.cost import CostModel
+from hetc.passes.cost.provenance import provenance
 from hetc.passes.export_torch import torch_pipelines
 from hetc.passes.lower import PASS_NAMES, PASSES, lower
 from hetc.passes.simulate import simulate
 from hetc.passes.verify import VerifyError, verified_evaluation, verify
 from hetc.plandir import write_plan_dir
+from hetc.profileargs import PROFILE_ENV, add_profile_option, load_profile_args, record_profiles
 from hetc.program import Program
 
-__all__ = ["Compiled", "compile_spec", "register", "write_compiled"]
+__all__ = ["Compiled", "compile_spec", "predict", "register", "write_compiled"]
 
 log = logging.getLogger("hetc.compile")
 
@@ -40,29 +42,39 @@ def register(sub: argparse._SubParsersAction) -> None:
         "compile", help="lower a plan to per-rank programs and verify them",
         description="Lower SPEC's explicit plan to one instruction program per rank, prove the programs "
                     "deadlock-free and complete (the verifier), and write the plan directory DIR: plan.het, "
-                    "programs/rank-NNNN.txt (+ .json), groups.txt, torch/*.csv, summary.json.",
+                    "programs/rank-NNNN.txt (+ .json), groups.txt, torch/*.csv, summary.json, profiles.json. "
+                    f"Measured profiles come from --profile and ${PROFILE_ENV}.",
         epilog="passes: " + "; ".join(f"{n} ({d})" for n, d, _ in PASSES),
     )
     p.add_argument("spec", metavar="SPEC")
     p.add_argument("-o", "--out", type=Path, required=True, metavar="DIR", help="the plan directory to write")
     p.add_argument("--dump-after", choices=PASS_NAMES + ["all"], metavar="PASS",
                    help=f"print every rank's program after PASS ({', '.join(PASS_NAMES)} or all)")
+    add_profile_option(p)
     p.set_defaults(func=run)
 
 
-def compile_spec(spec_path: Path, dump_after: str | None = None, on_dump=None) -> Compiled:
+def compile_spec(spec_path: Path, dump_after: str | None = None, on_dump=None, profiles=None) -> Compiled:
+    """Lower, verify and simulate `spec_path`'s plan, timed with `profiles` (a Profiles, or none)."""
     loaded, checked = load_checked(spec_path, require_complete=True)
     if checked.pipeline is None:  # `auto` left: plan first (`hetc plan SPEC -o OUT.het` shows the plan)
         from hetc.passes.plan.planner import plan_checked
 
-        checked = plan_checked(loaded.spec, loaded.path.parent)
-    program = lower(checked.spec, checked.pipeline, dump_after, on_dump)
-    costs = CostModel(checked.spec, checked.pipeline, checked.topology)
-    verify(program, checked.pipeline, checked.spec, costs)
-    timeline = simulate(program, checked.pipeline, checked.spec, costs, plan_facts(checked))
+        checked = plan_checked(loaded.spec, loaded.path.parent, profiles)
+    # the schedule is timed with the cost model that predicts and verifies it (Note [in-flight limit])
+    costs = CostModel(checked.spec, checked.pipeline, checked.topology, profiles)
+    program = lower(checked.spec, checked.pipeline, dump_after, on_dump, costs)
+    costs, timeline = predict(program, checked, profiles, costs)
     evaluation = verified_evaluation(program, checked.pipeline, checked.spec)
     eval_timeline = None if evaluation is None else simulate(evaluation, checked.pipeline, checked.spec, costs)
     return Compiled(loaded, checked, program, costs, timeline, eval_timeline)
+
+
+def predict(program: Program, checked, profiles=None, costs: CostModel | None = None):
+    """(the CostModel, the predicted Timeline) of verified-to-be `program`: `compile` and `viz --profile`."""
+    costs = costs or CostModel(checked.spec, checked.pipeline, checked.topology, profiles)
+    verify(program, checked.pipeline, checked.spec, costs)
+    return costs, simulate(program, checked.pipeline, checked.spec, costs, plan_facts(checked))
 
 
 def plan_facts(checked) -> list[tuple[str, str]]:
@@ -86,8 +98,9 @@ def plan_facts(checked) -> list[tuple[str, str]]:
     return facts
 
 
-def write_compiled(compiled: Compiled, out: Path) -> dict:
-    """Write the plan directory `out` of `compiled`; return its summary."""
+def write_compiled(compiled: Compiled, out: Path, profile_args: list[str] | None = None) -> dict:
+    """Write the plan directory `out` of `compiled` (with the profiles `profile_args` named); return its
+    summary."""
     pipeline, program = compiled.pipeline, compiled.program
     exports = {tp.name: tp.csv() for tp in torch_pipelines(program, pipeline)}
     summary = {"ranks": program.world_size, "stages": len(pipeline.stages),
@@ -101,8 +114,9 @@ def write_compiled(compiled: Compiled, out: Path) -> dict:
         train = compiled.checked.spec.train
         summary.update(eval_time_s=compiled.eval_timeline.step_time * train.eval_batches,
                        eval_every=train.eval_every)
+    prov = provenance(compiled.costs)
     write_plan_dir(out, compiled.checked.spec, compiled.loaded.path.parent, program, exports,
-                   compiled.timeline.to_json(), summary)
+                   compiled.timeline.to_json(), summary, record_profiles(profile_args or [], prov.unused))
     return summary
 
 
@@ -114,8 +128,9 @@ def run(args: argparse.Namespace) -> int:
         for rp in program.ranks:
             sys.stdout.write(rp.to_text() + "\n")
 
+    profiles = load_profile_args(args.profile)
     try:
-        compiled = compile_spec(Path(args.spec), args.dump_after, dump if args.dump_after else None)
+        compiled = compile_spec(Path(args.spec), args.dump_after, dump if args.dump_after else None, profiles)
     except VerifyError as err:
         if err.check == "memory":   # the plan's fault, not lowering's
             print(f"hetc compile: the plan does not fit in device memory:\n{err.render()}", file=sys.stderr)
@@ -123,10 +138,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"hetc compile: the lowered programs are unsafe (a bug in hetc's lowering):\n{err.render()}",
               file=sys.stderr)
         return 1
-    summary = write_compiled(compiled, args.out)
+    summary = write_compiled(compiled, args.out, args.profile)
     program, step = compiled.program, compiled.timeline.step_time
     took = time.perf_counter() - start
     print(f"compiled {args.spec}: {program.world_size} ranks, {summary['instructions']} instructions, "
           f"verified; predicted {step * 1e3:.2f} ms/step ({summary['tokens_per_s']:,.0f} tokens/s) "
           f"[{took:.2f}s] -> {args.out}/")
+    print_profile_use(prov, bool(compiled.costs.profiles.sources))
     return 0
+
+
+def print_profile_use(prov, offered: bool, file=None) -> None:
+    """What timed the plan's layers and which profiles offered are unused, and why (Note [provenance])."""
+    if offered:
+        print("layer times from: " + "; ".join(sorted({s for stage in prov.layers.values() for s in stage})),
+              file=file)
+    for u in prov.unused:
+        print(f"unused profile {u}", file=file)

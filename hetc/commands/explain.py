@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 from hetc.cli import UsageError
 from hetc.frontend import load_checked
+from hetc.profileargs import PROFILE_ENV, add_profile_option, load_profile_args
 
-__all__ = ["PROFILE_ENV", "load_profile_args", "register"]
-
-PROFILE_ENV = "HETC_PROFILES"   # os.pathsep-separated profile files / data folders used by default
+__all__ = ["register"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -22,19 +20,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     f"Measured profiles come from --profile and ${PROFILE_ENV}.")
     p.add_argument("spec", metavar="SPEC", help="a .het spec with an explicit plan")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--profile", action="append", default=[], metavar="FILE|DIR",
-                   help="a `hetc profile` file, a Sailor data folder or a Zorse folder (repeatable)")
+    add_profile_option(p)
     p.set_defaults(func=run)
-
-
-def load_profile_args(paths: list[str]):
-    from hetc.passes.cost import ProfileError, load_profiles
-
-    env = [x for x in os.environ.get(PROFILE_ENV, "").split(os.pathsep) if x]
-    try:
-        return load_profiles(env + list(paths))
-    except ProfileError as err:
-        raise UsageError(str(err)) from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,4 +1,4 @@
-"""`hetc import sailor|zorse`: other systems' inputs as a .het spec (DESIGN.md §5)."""
+"""`hetc import sailor|zorse|hf`: other systems' inputs as a .het spec (DESIGN.md §5)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ __all__ = ["register"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("import", help="turn Sailor's or Zorse's inputs into a .het spec",
+    p = sub.add_parser("import", help="turn Sailor's, Zorse's or Hugging Face's inputs into a .het spec",
                        description="Write a .het spec that carries another system's cluster, model and plan. "
                                    "The spec passes `hetc check`; `hetc explain SPEC --profile DIR` times it "
                                    "with that system's measured profiles.")
@@ -39,6 +39,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     z.add_argument("--plan", metavar="training_config.json", help="a Zorse plan (without: the plan is auto)")
     z.add_argument("-o", "--output", metavar="OUT.het", help="write here instead of stdout")
     z.set_defaults(func=_zorse)
+    h = systems.add_parser("hf", help="a Hugging Face model directory's config.json",
+                           description="Print the explicit model block equivalent to `model NAME { hf = "
+                                       "\"DIR\" }` (architecture and sizes; the weights stay in DIR).")
+    h.add_argument("directory", metavar="DIR", help="a directory with config.json")
+    h.add_argument("--name", metavar="NAME", help="the model's name (default: DIR's name)")
+    h.add_argument("-o", "--output", metavar="OUT.het", help="write here instead of stdout")
+    h.set_defaults(func=_hf)
 
 
 def _sailor(args: argparse.Namespace) -> int:
@@ -57,6 +64,22 @@ def _zorse(args: argparse.Namespace) -> int:
     from hetc.importers.zorse import import_zorse
 
     return _emit(import_zorse(args.data, args.cluster, args.model, args.plan), args.output)
+
+
+def _hf(args: argparse.Namespace) -> int:
+    from hetc.cli import UsageError
+    from hetc.hf.config import HfError, import_model
+    from hetc.printer import format_spec
+    from hetc.spec import Spec
+
+    directory = Path(args.directory)
+    name = args.name or directory.resolve().name.replace(".", "_") or "model"
+    try:
+        model = import_model(directory, name)
+    except HfError as err:
+        raise UsageError(str(err)) from None
+    header = f"# {directory / 'config.json'}; `hf = \"{directory}\"` beside these keys also loads its weights\n"
+    return _emit(header + format_spec(Spec(model=model)), args.output)
 
 
 def _emit(text: str, output: str | None) -> int:

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from hetc.commands.explain import PROFILE_ENV, load_profile_args
+from hetc.profileargs import PROFILE_ENV, add_profile_option, load_profile_args
 from hetc.frontend import load_checked
 
 __all__ = ["register"]
@@ -29,8 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("spec", metavar="SPEC")
     p.add_argument("-o", "--out", type=Path, metavar="OUT.het", help="write the explicit spec here")
     p.add_argument("--json", action="store_true", help="print one JSON object (the spec's text in \"text\")")
-    p.add_argument("--profile", action="append", default=[], metavar="FILE|DIR",
-                   help="a `hetc profile` file, a Sailor data folder or a Zorse folder (repeatable)")
+    add_profile_option(p)
     p.set_defaults(func=run)
 
 

@@ -53,6 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM, finish the step in flight and save within S seconds, then exit with "
                         "status 143 (torchrun restarts)")
+    p.add_argument("-q", "--quiet", action="store_true", help="print no line per step")
     p.add_argument("--timeout", type=float, default=120.0, metavar="S", help="collective timeout in seconds")
     p.set_defaults(func=run)
 
@@ -106,7 +107,7 @@ def _rank(args: argparse.Namespace) -> int:
 
     opts = RunOptions(steps=args.steps, metrics=args.metrics, trace=args.trace, checkpoint=args.checkpoint,
                       every=args.every, keep=args.keep, resume=args.resume or args.elastic, timeout_s=args.timeout,
-                      grace_s=args.stop_timeout, elastic=args.elastic)
+                      grace_s=args.stop_timeout, elastic=args.elastic, quiet=args.quiet)
     try:
         if args.elastic:
             from hetc.runtime.elastic import run_elastic
@@ -141,8 +142,7 @@ def _local(args: argparse.Namespace) -> int:
         value = getattr(args, flag)
         if value is not None and not (flag == "every" and value == 0):
             argv += [f"--{flag.replace('_', '-')}", str(value)]
-    if args.resume:
-        argv.append("--resume")
+    argv += [f"--{flag}" for flag in ("resume", "quiet") if getattr(args, flag)]
     print(f"hetc run: starting {world} local rank{'s' if world > 1 else ''}", file=sys.stderr, flush=True)
     status = spawn_local(world, argv, [(node_label(*gpu.host), gpu.local) for gpu in checked.pipeline.world])
     if status == 130:

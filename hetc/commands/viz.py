@@ -9,10 +9,13 @@ import os
 import sys
 from pathlib import Path
 
+from hetc.classgap import ClassGap, class_gaps, gap_table, measured_from_metrics
 from hetc.cli import UsageError
 from hetc.plandir import TIMELINE_FILE, read_program
+from hetc.prediction import plan_prediction
+from hetc.profileargs import PROFILE_ENV, add_profile_option
 from hetc.program import ProgramFormatError
-from hetc.timeline import Timeline
+from hetc.timeline import Timeline, mean_class_times
 
 __all__ = ["parse_ranks", "read_timeline", "register"]
 
@@ -25,7 +28,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Draw the schedule of a plan directory written by `hetc compile` (its predicted "
                     "timeline.json), or a trace measured by `hetc run --trace`. The page is one "
                     "self-contained HTML file: a row per rank grouped by stage and lane, tracks for "
-                    "compute, P2P, collectives and copies, send->recv arrows, bubbles and memory.",
+                    "compute, P2P, collectives and copies, send->recv arrows, bubbles and memory. With --profile (or "
+                    f"${PROFILE_ENV}) other than the profiles DIR was compiled with, the prediction is made "
+                    "again with them. --compare shows the gap per time class (compute, comm_wait, optimizer, "
+                    "offload) and says when the profiles of DIR's prediction have changed.",
     )
     p.add_argument("dir", metavar="DIR", help="plan directory (or a timeline .json file)")
     p.add_argument("-o", "--output", metavar="FILE.html",
@@ -33,6 +39,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace", metavar="MEASURED.json", help="draw this measured timeline instead of DIR's prediction")
     p.add_argument("--compare", action="store_true",
                    help="with --trace: predicted and measured side by side (each rank's rows one above the other)")
+    p.add_argument("--metrics", metavar="METRICS.jsonl",
+                   help="with --compare: the measured time per class from `hetc run --metrics` (median of "
+                        "its steps after the first; default: the trace's step)")
+    add_profile_option(p)
     p.add_argument("--chrome-trace", metavar="FILE.json",
                    help="also write the Trace Event format (open in ui.perfetto.dev or chrome://tracing)")
     p.add_argument("--text", action="store_true", help="print the programs as a steps x ranks grid")
@@ -68,10 +78,21 @@ def read_timeline(path: Path) -> Timeline:
         raise UsageError(f"{path}: not a timeline ({type(err).__name__}: {err})") from None
 
 
+def _gaps(args: argparse.Namespace, predicted: Timeline, measured: Timeline) -> tuple[list[ClassGap], float]:
+    """The per-class gaps of --compare and the measured step they go with."""
+    if args.metrics:
+        try:
+            classes, step = measured_from_metrics(Path(args.metrics))
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise UsageError(f"{args.metrics}: {err}") from None
+    else:
+        classes, step = mean_class_times(list(measured.classes)), measured.step_time
+    return class_gaps(mean_class_times(list(predicted.classes)), classes), step
+
+
 def _timelines(args: argparse.Namespace, path: Path) -> list[Timeline]:
     """What to draw: [predicted], [measured], or [predicted, measured] with --compare."""
-    predicted_file = path if path.is_file() else path / TIMELINE_FILE
-    predicted = read_timeline(predicted_file) if predicted_file.is_file() else None
+    predicted = plan_prediction(path, args.profile, "viz", args.compare)
     measured = read_timeline(Path(args.trace)) if args.trace else None
     if args.compare:
         if predicted is None or measured is None:
@@ -90,14 +111,26 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"{path}: no such directory")
     if args.ranks and not args.text:
         raise UsageError("--ranks goes with --text")
+    if args.metrics and not args.compare:
+        raise UsageError("--metrics goes with --compare")
+    if args.profile and path.is_file():
+        raise UsageError("--profile predicts a plan directory's programs again; DIR is a timeline file")
     if args.text:
         _print_grid(path, args.ranks)
     output = args.output
     if output is None and not args.text and not args.chrome_trace:
         output = str((path.parent if path.is_file() else path) / "schedule.html")
-    if output is None and not args.chrome_trace:
+    if output is None and not args.chrome_trace and not args.compare:
         return 0
     timelines = _timelines(args, path)
+    gaps: list[ClassGap] = []
+    if args.compare:
+        gaps, measured_step = _gaps(args, timelines[0], timelines[1])
+        if args.text:
+            print("time per class, mean per rank, one step:")
+            print(gap_table(gaps, timelines[0].step_time, measured_step))
+    if output is None and not args.chrome_trace:
+        return 0
     if args.chrome_trace:
         from hetc.viz.chrome import chrome_trace_json
         Path(args.chrome_trace).write_text(chrome_trace_json(timelines))
@@ -105,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     if output:
         from hetc.viz.page import render_page
         title = args.title or f"{path.resolve().name} schedule"
-        html = render_page(timelines, title)
+        html = render_page(timelines, title, gaps)
         Path(output).write_text(html)
         events = sum(len(t.events) for t in timelines)
         size = f"{len(html) / 1e6:.1f} MB" if len(html) >= 100_000 else f"{len(html) / 1e3:.0f} kB"

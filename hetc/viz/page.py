@@ -16,6 +16,7 @@ from importlib import resources
 import jinja2
 import markupsafe
 
+from hetc.classgap import ClassGap
 from hetc.timeline import EventKind, Timeline
 from hetc.viz.encode import KIND_ORDER, STREAM_ORDER, encode_timeline, stage_summaries, tokens_per_s
 
@@ -100,8 +101,16 @@ def _plan_facts(timelines: Sequence[Timeline]) -> list[tuple[str, str]]:
     return list(facts.items())
 
 
-def render_page(timelines: Sequence[Timeline], title: str = "hetc schedule") -> str:
-    """The HTML page for one timeline, or two side by side (predicted first, then measured)."""
+def _gap_rows(gaps: Sequence[ClassGap]) -> list[dict]:
+    return [{"name": g.time_class, "predicted": _format_seconds(g.predicted_s), "measured": _format_seconds(g.measured_s),
+             "ratio": f"×{g.ratio:.2f}" if g.ratio is not None else "-"} for g in gaps]
+
+
+def render_page(timelines: Sequence[Timeline], title: str = "hetc schedule", gaps: Sequence[ClassGap] = ()) -> str:
+    """The HTML page for one timeline, or two side by side (predicted first, then measured).
+
+    `gaps` (with two timelines): the time per class, predicted against measured (hetc/classgap.py).
+    """
     if not 1 <= len(timelines) <= 2:
         raise ValueError(f"the page shows one or two timelines, not {len(timelines)}")
     data = {"kinds": [k.value for k in KIND_ORDER], "streams": [s.value for s in STREAM_ORDER],
@@ -110,7 +119,7 @@ def render_page(timelines: Sequence[Timeline], title: str = "hetc schedule") -> 
     first = timelines[0]
     html = _ENV.get_template("page.html.j2").render(
         title=title, views=[_view_summary(t) for t in timelines], delta_text=_delta_text(timelines),
-        plan=_plan_facts(timelines), stages=stage_summaries(first), legend=LEGEND, css=_asset("viz.css"),
+        plan=_plan_facts(timelines), stages=stage_summaries(first), gaps=_gap_rows(gaps), legend=LEGEND, css=_asset("viz.css"),
         script=markupsafe.Markup("\n").join(_asset(name) for name in _SCRIPTS), data_json=markupsafe.Markup(_script_json(data)),
     )
     log.info("rendered %d timeline(s), %d events, %.1f MB", len(timelines),

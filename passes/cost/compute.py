@@ -149,10 +149,10 @@ class ComputeModel:
                 if (theirs.hidden, theirs.block_params, theirs.seq, dtype_class(theirs.dtype)) != \
                         (mine.hidden, mine.block_params, mine.seq, dtype_class(mine.dtype)) or tp not in theirs.tps:
                     continue
-                a = [mine.time("block", tp, p, micro_batch) for p in ("F", "B")]
-                b = [theirs.time("block", tp, p, micro_batch) for p in ("F", "B")]
-                if all(a) and all(b):
-                    return a[0] / b[0], a[1] / b[1]
+                fa, ba = (mine.time("block", tp, p, micro_batch) for p in ("F", "B"))
+                fb, bb = (theirs.time("block", tp, p, micro_batch) for p in ("F", "B"))
+                if fa and ba and fb and bb:
+                    return fa / fb, ba / bb
         return None
 
     def _analytic(self, device: str, kind: str, micro_batch: int, tp: int) -> LayerTime:

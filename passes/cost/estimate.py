@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from hetc.layout import replication
 from hetc.passes.cost import traffic
 from hetc.passes.cost.experts import ep_comm_time, ep_group, expert_group, sharded_numel
-from hetc.passes.cost.memory import context_reserve, in_flight, offloaded
+from hetc.passes.cost.memory import context_reserve, in_flight, interleaved_update, offloaded, resident_params
 from hetc.passes.cost.plan_time import PlanTime, border_time, plan_time, sync_time, zorse_units
 from hetc.passes.cost.provenance import Provenance, provenance
 from hetc.passes.cost.shapes import LayerKind, layer_kind
@@ -126,13 +126,17 @@ def _memory(cm, rank: int) -> RankMemory:
     off_params, off_opt = offloaded(stage.offload)
     params = sum(cm.param_bytes(ms, rank) for ms in mss)
     largest = max(cm.param_bytes(ms, rank) for ms in mss)
-    resident = min(params, (1 + cm.pipeline.prefetch) * largest) if off_params else params
+    clip = cm.spec.train.grad_clip
+    resident = resident_params(cm.pipeline.schedule, clip, params, largest, cm.pipeline.prefetch) if off_params \
+        else params
     grads = sum(sharded_numel(cm, ms, rank, "grads") for ms in mss) * cm.states.grads
-    if cm.pipeline.schedule is ScheduleKind.ZORSE:  # reduced and stepped right after each ministage
+    if interleaved_update(cm.pipeline.schedule, clip):  # reduced and stepped right after each ministage
         grads = max(cm.grad_bytes(ms, rank) for ms in mss)
     optimizer = sum(sharded_numel(cm, ms, rank, "optimizer") for ms in mss) * cm.states.optimizer
     acts, acts_host = _activations(cm, stage, rank)
-    gather = (1 + cm.pipeline.prefetch) * largest if int(stage.zero.level) >= 3 else 0.0
+    # ZeRO-3 gathers full parameters only where there is a group to gather from
+    gathers = stage.zero.resolved_level >= 3 and len(cm.zero_group(rank)) > 1
+    gather = (1 + cm.pipeline.prefetch) * largest if gathers else 0.0
     gpu = cm.gpu(rank)
     context = context_reserve(gpu.device.memory, gpu.device.is_cpu)
     host = (params * shard.params if off_params else 0.0) + (optimizer if off_opt else 0.0) + acts_host
@@ -148,7 +152,9 @@ def _activations(cm, stage: Stage, rank: int) -> tuple[float, float]:
     per_mb = [cm.activation_bytes(ms, rank) for ms in stage.ministages]
     n = len(lane.microbatches)
     if p.schedule is not ScheduleKind.ZORSE:
-        return in_flight(p.schedule, stage.index, len(p.stages), n, len(stage.ministages)) * sum(per_mb), 0.0
+        held = in_flight(p.schedule, stage.index, len(p.stages), n, len(stage.ministages),
+                         cm.in_flight_limits[stage.index])
+        return held * sum(per_mb), 0.0
     if stage.offload.activations is OffloadTarget.NONE:
         return n * sum(per_mb), 0.0
     # boundary inputs of every microbatch on the host; one ministage recomputed at a time on the device
@@ -173,7 +179,7 @@ def _traffic(cm, timing: PlanTime) -> list[GroupTraffic]:
         if replicas > 1:
             dense = (cm.numel(ms, rank) * (1 - cm.expert_fraction(ms, rank)) for ms in stage.ministages)
             nbytes = sum(dense) * cm.delta
-            level = int(stage.zero.level)
+            level = stage.zero.resolved_level
             sent = traffic.zero_bytes(level, p.schedule, nbytes, replicas, n_mb)
             if p.schedule is ScheduleKind.ZORSE:  # gathered for the forward and the backward, reduced once
                 seconds = sum(2 * u.fetch + u.sync for u in zorse_units(cm) if u.stage == stage.index)
@@ -210,7 +216,7 @@ def _expert_traffic(cm, stage: Stage, rank: int, blocks: int, n_mb: int) -> list
     replicas = expert_group(cm, rank)
     if len(replicas) > 1:
         nbytes = sum(cm.numel(ms, rank) * cm.expert_fraction(ms, rank) for ms in stage.ministages) * cm.delta
-        level = int(stage.zero.level)
+        level = stage.zero.resolved_level
         per_mb = level == 2 and cm.pipeline.schedule is not ScheduleKind.ZORSE
         seconds = cm.collective_time("all_reduce", replicas, nbytes) if level < 2 else \
             cm.collective_time("reduce_scatter", replicas, nbytes) * (n_mb if per_mb else 1) + \

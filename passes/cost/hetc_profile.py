@@ -28,7 +28,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from hetc.passes.cost.network import MeasuredPoints, ring_chunk, ring_steps
+from hetc.passes.cost.network import Bandwidth, MeasuredPoints, ring_chunk, ring_steps
 from hetc.spec import DType
 from hetc.passes.cost.profiles import LAYER_SLOTS, ComputeTable, NetworkFits, ProfileError, Profiles, fit_line
 
@@ -94,7 +94,7 @@ def _network(data: dict, kind: str, source: str) -> NetworkFits:
         if steps and seconds > 0:
             chunk = ring_chunk(nbytes, n)
             points[n].append((chunk, steps * chunk / seconds))
-    intra = {}
+    intra: dict[tuple[str, int], Bandwidth] = {}
     for n, pts in points.items():
         by_size: dict[float, list[float]] = defaultdict(list)
         for size, rate in pts:

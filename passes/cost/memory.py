@@ -29,7 +29,9 @@ __all__ = [
     "StateBytes",
     "context_reserve",
     "in_flight",
+    "interleaved_update",
     "offloaded",
+    "resident_params",
     "shard_factors",
     "state_bytes_per_param",
 ]
@@ -75,7 +77,7 @@ def shard_factors(zero: ZeroSpec, group: int, node_group: int | None = None) -> 
     `node_group`: lanes of that group on this rank's node (hierarchical ZeRO,
     `shard = node`); None for plain ZeRO over the whole group.
     """
-    level = int(zero.level)
+    level = zero.resolved_level
     shard = group if node_group is None else node_group
     opt_shard = group if (node_group is None or zero.across >= 1) else node_group
     return ShardFactors(
@@ -90,12 +92,31 @@ def offloaded(offload: OffloadSpec) -> tuple[bool, bool]:
     return offload.params is not OffloadTarget.NONE, offload.optimizer is not OffloadTarget.NONE
 
 
+def interleaved_update(schedule: ScheduleKind, grad_clip: float) -> bool:
+    """Each ministage reduces and steps right after its backward (Zorse without clipping; with clipping
+    every step waits for the global gradient norm at the end: passes/lower/zero.py)."""
+    return schedule is ScheduleKind.ZORSE and not grad_clip
+
+
+def resident_params(schedule: ScheduleKind, grad_clip: float, params: float, largest: float,
+                    prefetch: int) -> float:
+    """Bytes of offloaded parameters on the device at a rank's peak (Note [parameter residency] in
+    passes/lower/offload.py): Zorse with the interleaved update runs one ministage at a time, so the
+    current one and `prefetch` more; per-microbatch schedules interleave every ministage's ops (forwards
+    of one microbatch, backwards of another, weight gradients of a third), and steps at the end bring
+    every ministage back, so lowering's windows overlap and it keeps them all."""
+    if interleaved_update(schedule, grad_clip):
+        return min(params, (1 + prefetch) * largest)
+    return params
+
+
 def in_flight(schedule: ScheduleKind, stage: int, num_stages: int, microbatches: int,
-              chunks: int = 1) -> float:
+              chunks: int = 1, limit: int | None = None) -> float:
     """Microbatches' worth of one stage's activations a rank holds at its peak.
 
     GPipe keeps every microbatch until the backward; 1F1B (and ZB-H1, which
-    keeps the 1F1B peak) at most the stages ahead of it, itself included;
+    keeps the 1F1B peak) at most its in-flight `limit` (`schedule.in_flight_limits`,
+    Note [in-flight limit]; by default the stages ahead of it, itself included);
     interleaved 1F1B with v chunks warms up 2(p−s−1) + (v−1)·p chunk-steps
     (Megatron) and each chunk holds 1/v of the stage. Zorse runs one
     ministage at a time (handled by the caller).
@@ -106,7 +127,7 @@ def in_flight(schedule: ScheduleKind, stage: int, num_stages: int, microbatches:
     if schedule is ScheduleKind.INTERLEAVED and chunks > 1:
         warmup = 2 * (ahead - 1) + (chunks - 1) * num_stages + 1
         return min(float(microbatches * chunks), float(warmup)) / chunks
-    return float(min(microbatches, ahead))
+    return float(min(microbatches, ahead if limit is None else limit))
 
 
 def context_reserve(memory: float, is_cpu: bool) -> float:

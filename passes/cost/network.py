@@ -37,7 +37,10 @@ MIN_FIT_FRACTION = 0.01
 
 
 class Bandwidth(Protocol):
-    source: str   # where it was measured: the profile file or data folder
+    @property
+    def source(self) -> str:
+        """Where it was measured: the profile file or data folder."""
+        ...
 
     def rate(self, nbytes: float) -> float:
         """Aggregate bytes/s for messages of `nbytes`."""

@@ -12,12 +12,14 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from hetc.passes.cost.memory import GRAD_BUCKET_PARAMS, offloaded
-from hetc.passes.cost.schedule import LaneTiming, Unit, UnitLane, pipeline_time, sequential_time
+from hetc.passes.cost.memory import interleaved_update, offloaded
+from hetc.passes.cost.schedule import (LaneTiming, Unit, UnitLane, exposed_first_gather, lockstep_fill,
+                                      pipeline_time, sequential_time, step_lower_bound)
 from hetc.pipeline import Lane, Stage
 from hetc.spec import OffloadTarget, ScheduleKind, ZeroShard
 
-__all__ = ["PlanTime", "border_time", "lane_timings", "plan_time", "step_end_time", "sync_time", "zorse_units"]
+__all__ = ["PlanTime", "border_time", "gathers_per_microbatch", "lane_timings", "plan_time", "step_end_time",
+           "sync_time", "zorse_units"]
 
 
 @dataclass(frozen=True)
@@ -36,13 +38,18 @@ def plan_time(cm) -> PlanTime:
     end = step_end_time(cm.spec.train.grad_clip > 0,
                         lambda nbytes: cm.collective_time("all_reduce", tuple(range(p.world_size)), nbytes))
     if p.schedule is ScheduleKind.ZORSE:
-        total = sequential_time(zorse_units(cm), p.num_microbatches)
+        total = sequential_time(zorse_units(cm), p.num_microbatches,
+                                not interleaved_update(p.schedule, cm.spec.train.grad_clip))
         busy = max(t.work for t in lanes)
         return PlanTime(total + end, total, max(0.0, total - busy), end, tuple(lanes), None)
     chunks = max(len(s.ministages) for s in p.stages)
     pipe = pipeline_time(p.schedule, lanes, chunks)
-    tail = _tail(cm, lanes) + end
-    return PlanTime(pipe.total + tail, pipe.total, pipe.bubble, tail, tuple(lanes), pipe.bottleneck)
+    # never below the lower bound of the step (docs/costmodel.md), then the lockstep stages' fill
+    extra = max(0.0, step_lower_bound(p.schedule, lanes, chunks) - pipe.total) + \
+        lockstep_fill(p.schedule, lanes, len(p.stages), cm.coupled_stages, {s.index: len(s.lanes) for s in p.stages})
+    tail = _tail(cm, lanes) + end + exposed_first_gather(_first_gather(cm), lanes[0])
+    return PlanTime(pipe.total + extra + tail, pipe.total + extra, pipe.bubble + extra, tail, tuple(lanes),
+                    pipe.bottleneck)
 
 
 # what the all-reduces of the step's loss and squared gradient norm carry (one float64 each)
@@ -124,7 +131,7 @@ def _stage_numel(cm, stage: Stage, rank: int) -> float:
 def _overlapped(cm, stage: Stage, lane: Lane) -> float:
     """Per-microbatch collectives beside the compute: ZeRO-3 gathers, ZeRO-2/3 reduce-scatters,
     parameter copies from the host."""
-    level = int(stage.zero.level)
+    level = stage.zero.resolved_level
     rank = lane.ranks[0]
     if cm.pipeline.schedule is ScheduleKind.ZORSE:
         return 0.0  # Zorse gathers and reduces once per ministage (see zorse_units)
@@ -137,15 +144,31 @@ def _overlapped(cm, stage: Stage, lane: Lane) -> float:
     if level >= 2:
         total += cm.collective_time("reduce_scatter", group, nbytes, k)
     if level >= 3:
-        total += 2 * cm.collective_time("all_gather", group, nbytes, k)
+        total += gathers_per_microbatch(cm.pipeline.schedule) * cm.collective_time("all_gather", group, nbytes, k)
     if stage.offload.params is not OffloadTarget.NONE:
         total += 2 * cm.copy_time(rank, nbytes * cm.shard(rank).params)
     return total
 
 
+def gathers_per_microbatch(schedule: ScheduleKind) -> int:
+    """ZeRO-3 gathers a ministage's parameters around each of its compute ops: F and B, or F, I and W."""
+    return 3 if schedule is ScheduleKind.ZB else 2
+
+
+def _first_gather(cm) -> float:
+    """ZeRO-3: the first stage waits for its first ministage's gather before anything runs."""
+    stage = cm.pipeline.stages[0]
+    rank = stage.lanes[0].ranks[0]
+    if stage.zero.resolved_level < 3 or len(cm.zero_group(rank)) < 2:
+        return 0.0
+    group = cm.node_group(rank) if stage.zero.shard is ZeroShard.NODE else cm.zero_group(rank)
+    nbytes = cm.numel(stage.ministages[0], rank) * cm.delta
+    return cm.collective_time("all_gather", group, nbytes, _concurrent(cm, rank))
+
+
 def sync_time(cm, stage: Stage, rank: int, per_ministage: bool = False) -> float:
     """Exposed gradient reduction after the last backward (and ZeRO-1/2's parameter all-gather)."""
-    level = int(stage.zero.level)
+    level = stage.zero.resolved_level
     nbytes = _stage_numel(cm, stage, rank) * cm.delta
     k = _concurrent(cm, rank)
     if stage.zero.shard is ZeroShard.NODE:
@@ -160,9 +183,10 @@ def sync_time(cm, stage: Stage, rank: int, per_ministage: bool = False) -> float
     if per_ministage:  # Zorse: one reduce-scatter per ministage, then (ZeRO-2) one gather
         rs = cm.collective_time("reduce_scatter", group, nbytes, k)
         return rs + (cm.collective_time("all_gather", group, nbytes, k) if level == 2 else 0.0)
-    # the last microbatch's reduce-scatter overlaps its own backward bucket by bucket: the last bucket shows
-    last_bucket = min(nbytes, GRAD_BUCKET_PARAMS * cm.delta)
-    return cm.collective_time("reduce_scatter", group, last_bucket, k) + \
+    # lowering reduces each ministage after its gradient op and waits at the end: the last reduction (of the
+    # stage's first ministage, whose backward comes last) shows whole
+    last = cm.numel(stage.ministages[0], rank) * cm.delta
+    return cm.collective_time("reduce_scatter", group, last, k) + \
         (cm.collective_time("all_gather", group, nbytes, k) if level == 2 else 0.0)
 
 

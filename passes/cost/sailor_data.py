@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hetc.passes.cost.devices import catalog_name
-from hetc.passes.cost.network import QuadraticLogFit
+from hetc.passes.cost.network import Bandwidth, QuadraticLogFit
 from hetc.passes.cost.profiles import ComputeTable, NetworkFits, ProfileError, Profiles, Rejected, fit_line
 from hetc.spec import Arch
 
@@ -148,7 +148,9 @@ def _slots(per_layer: dict, n: int, blocks: int) -> dict[str, list[list[float]]]
 
 
 def _network(folder: Path) -> NetworkFits:
-    intra, inter, inter_any = {}, {}, {}
+    intra: dict[tuple[str, int], Bandwidth] = {}
+    inter: dict[tuple[str, str, int, str, str, int], Bandwidth] = {}
+    inter_any: dict[tuple[str, int], Bandwidth] = {}
     homo_path, intra_path = folder / "network_coeffs_all_homo.json", folder / "intra_node_bandwidths.json"
     het_path = folder / "multizone_bandwidths_het.json"
     homo = _optional_json(homo_path) or {}

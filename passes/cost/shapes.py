@@ -102,7 +102,7 @@ class LayerFlops:
 def _matmul_params(m: ModelSpec) -> float:
     """Weights a token multiplies through in one block (MoE: the top-k experts it visits)."""
     h, f = m.hidden, m.ffn
-    head_dim = h // m.heads
+    head_dim = m.head_size
     attn = 2 * h * m.heads * head_dim + 2 * h * m.num_kv_heads * head_dim
     mlp = (3 if m.arch is Arch.LLAMA else 2) * h * f
     if m.moe is not None:

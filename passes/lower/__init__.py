@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from hetc.passes.cost import CostModel
 from hetc.passes.lower.context import LowerContext
 from hetc.passes.lower.finish import report_loss
 from hetc.passes.lower.offload import insert_offload
@@ -33,8 +34,9 @@ PASS_NAMES = [name for name, _, _ in PASSES]
 
 
 def lower(spec: Spec, pipeline: Pipeline, dump_after: str | None = None,
-          on_dump: Callable[[str, Program], None] | None = None) -> Program:
-    ctx = LowerContext(spec, pipeline)
+          on_dump: Callable[[str, Program], None] | None = None, costs: CostModel | None = None) -> Program:
+    """`costs`: the cost model that times the schedule (Note [in-flight limit]); the catalog's by default."""
+    ctx = LowerContext(spec, pipeline, costs)
     program: Program | None = None
     for name, _, fn in PASSES:
         program = fn(ctx) if program is None else fn(program, ctx)

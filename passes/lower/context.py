@@ -30,9 +30,11 @@ from functools import cached_property
 
 from hetc.errors import Diagnostic, SpecError
 from hetc.layout import Range, boundary_ranges, held_length, transfers
+from hetc.passes.cost import CostModel
 from hetc.pipeline import Lane, Pipeline, Stage
 from hetc.program import Group, Instr, RankProgram, Tensor
 from hetc.spec import CPKind, Spec, ZeroShard
+from hetc.topology import Topology
 
 __all__ = ["LowerContext", "Message", "RankPlace", "next_handle"]
 
@@ -64,13 +66,25 @@ class Message:
 
 
 class LowerContext:
-    def __init__(self, spec: Spec, pipeline: Pipeline):
+    def __init__(self, spec: Spec, pipeline: Pipeline, costs: CostModel | None = None):
         self.spec = spec
         self.pipeline = pipeline
+        self._costs = costs
+        assert spec.model is not None and spec.train is not None and spec.parallel is not None   # checked
         self.model = spec.model
         self.train = spec.train
+        self.parallel = spec.parallel
         self.grad_clip = spec.train.grad_clip
         self._messages: dict[tuple[Tensor, int, int], tuple[Message, ...]] = {}
+
+    @cached_property
+    def costs(self) -> CostModel:
+        """The cost model the schedule is timed with (the catalog's arithmetic unless one is given)."""
+        return self._costs or CostModel(self.spec, self.pipeline, Topology(self.spec))
+
+    def in_flight_limit(self, stage: int) -> int:
+        """Microbatches each lane of `stage` keeps in flight (Note [in-flight limit], passes/cost)."""
+        return self.costs.in_flight_limits[stage]
 
     @cached_property
     def places(self) -> tuple[RankPlace, ...]:
@@ -217,15 +231,15 @@ class LowerContext:
             if list(members) != sorted(members):
                 raise self._lane_order_error(stage, name)
         first = place.lane.index - place.lane.index % stage.ep
-        members = [lane.ranks[place.pos] for lane in stage.lanes[first:first + stage.ep]]
-        if members != sorted(members):   # EP rank r (lane first + r) owns the r-th share of the experts
-            st = self.spec.parallel.stages[stage.index]
+        ep_members = [lane.ranks[place.pos] for lane in stage.lanes[first:first + stage.ep]]
+        if ep_members != sorted(ep_members):   # EP rank r (lane first + r) owns the r-th share of the experts
+            st = self.parallel.resolved_stages[stage.index]
             raise SpecError(Diagnostic(st.span_of("ranks"), f"the lanes {first}..{first + stage.ep - 1} of stage "
                                        f"'{st.name}' form an expert-parallel group but are not in ascending rank "
                                        "order, which the experts' all-to-alls need; list the GPUs in rank order"))
 
-    def _lane_order_error(self, stage: Stage, group: str) -> SpecError:
-        st = self.spec.parallel.stages[stage.index]
+    def _lane_order_error(self, stage: Stage, group: str | None) -> SpecError:
+        st = self.parallel.resolved_stages[stage.index]
         return SpecError(Diagnostic(st.span_of("ranks"), f"the ranks of group {group} of stage '{st.name}' are "
                                     "not in ascending order along the lane, which sequence parallelism and "
                                     "Ulysses need; list each lane's GPUs in rank order"))
@@ -245,7 +259,7 @@ class LowerContext:
 
 def _hierarchical(stage: Stage) -> bool:
     """Shard inside nodes and replicate across them (HSDP); level 0 has nothing to shard."""
-    return stage.zero.shard is ZeroShard.NODE and stage.zero.level > 0
+    return stage.zero.shard is ZeroShard.NODE and stage.zero.resolved_level > 0
 
 
 def next_handle(instrs: list[Instr] | tuple[Instr, ...]) -> int:

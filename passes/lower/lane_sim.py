@@ -57,12 +57,22 @@ class Policy:
         w = self.w_order[self.wi] if self.wi < min(len(self.w_order), self.bi) else None
         if self.limit is None:
             return [f] if f is not None else ([b] if b is not None else [])
-        in_flight = -(-self.fi // self.per_unit) - self.bi // self.per_unit
+        # a microbatch's activations stay stashed until its last backward op (W under zero-bubble): it is
+        # in flight until then, so ZB-H1 keeps 1F1B's peak memory (Note [in-flight limit], passes/cost)
+        done = self.wi if self.w_order else self.bi
+        in_flight = -(-self.fi // self.per_unit) - done // self.per_unit
         forward_allowed = f is not None and (in_flight < self.limit or self.fi % self.per_unit)
+        # ZB-H1: 1F1B's order with B split; a weight gradient that holds the next forward back comes first
+        # (F, I, W, F, ...), the others fill the cooldown behind the input gradients
+        by_input = -(-self.fi // self.per_unit) - self.bi // self.per_unit
+        first, then = (w, b) if f is not None and by_input < self.limit else (b, w)
+        backs = [op for op in (first, then) if op is not None]
         if self.forward_first and not self.bi % self.per_unit:
-            return [f] if forward_allowed else ([b] if b is not None else [])
+            return [f] if forward_allowed and f is not None else backs
+        if self.w_order:   # the same preferences, without waiting for a forward whose input is late
+            return ([f] if forward_allowed and f is not None else []) + backs
         out = [b] if b is not None else []
-        if forward_allowed:
+        if forward_allowed and f is not None:
             out.append(f)
         if w is not None:
             out.append(w)
@@ -217,16 +227,19 @@ class _Simulation:
         """
         held = []
         for key, policy in sorted(self.policies.items()):
-            if not policy.held_back() or self.lead.get((key[0], policy.done), "F") != "F":
+            forward = policy.next_forward()
+            if not policy.held_back() or forward is None or self.lead.get((key[0], policy.done), "F") != "F":
                 continue
-            deps = self._deps_of(key, policy.next_forward())
+            deps = self._deps_of(key, forward)
             if all(d in self.end for d in deps):
                 held.append((max([self.end[d] for d in deps] + [self.clock[key]]), key))
         if not held:
             return False
         ready, key = min(held)
         for lane in self.siblings.get(key[0], [key]):   # lanes in lockstep keep equal limits
-            self.policies[lane].limit += 1
+            sibling = self.policies[lane]
+            assert sibling.limit is not None   # only a limited lane is held back
+            sibling.limit += 1
             self.push(ready, lane, self.version[lane])
         log.debug("schedule: lane %s runs a forward beyond its in-flight limit (now %d)", key,
                   self.policies[key].limit)

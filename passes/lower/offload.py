@@ -81,7 +81,7 @@ def _residency_runs(instrs: tuple[Instr, ...], params: set[int]) -> list[list[in
         ms, first, _ = run
         floor = max((r[2] for r in runs[:k] if r[0] == ms), default=-1)
         posted = [j for j in range(floor + 1, first)
-                  if isinstance(instrs[j], AllGather) and instrs[j].what is Tensor.PARAMS and instrs[j].ms == ms]
+                  if isinstance(g := instrs[j], AllGather) and g.what is Tensor.PARAMS and g.ms == ms]
         if posted:
             run[1] = posted[0]
     for k, run in enumerate(runs):
@@ -120,7 +120,8 @@ def _param_windows(instrs, params: set[int], depth: int, edits: Edits, handles: 
         edits.add_after(last, Offload(Tensor.PARAMS, ms, None, h_off))
         # the device copy is released when the offload completes: wait one compute op later
         after = [i for i in compute if i > last][1:2]
-        wait_at = min([*after, *([next_post[k]] if next_post[k] is not None else [])], default=None)
+        post = next_post[k]
+        wait_at = min([*after, *([post] if post is not None else [])], default=None)
         if wait_at is None:
             edits.end.append(Wait(h_off))
         else:

@@ -28,7 +28,7 @@ import dataclasses
 
 from hetc.passes.lower.context import LowerContext, RankPlace, next_handle
 from hetc.passes.lower.units import split_units
-from hetc.program import (Backward, BackwardInput, Forward, Instr, Program, RankProgram, Recv, Send, Tensor,
+from hetc.program import (COMPUTE_TYPES, Backward, BackwardInput, Forward, Instr, Program, RankProgram, Recv, Send, Tensor,
                           Wait)
 
 __all__ = ["insert_p2p"]
@@ -123,7 +123,7 @@ def _input_message(op: Instr, ctx: LowerContext) -> tuple[Tensor, int] | None:
 def _recvs_for(op: Instr, place: RankPlace, ctx: LowerContext) -> list[Recv]:
     """The receives `op` needs from other ranks (Note [border pieces])."""
     consumed = _input_message(op, ctx)
-    if consumed is None:
+    if consumed is None or not isinstance(op, COMPUTE_TYPES):
         return []
     what, ms = consumed
     return [Recv(what, ms, op.mb, m.src, m.shape, seq=m.seq) for m in ctx.messages(what, ms, op.mb)

@@ -22,7 +22,7 @@ from hetc.passes.lower.context import LowerContext, rank_shell
 from hetc.passes.lower.lane_sim import Op, Policy, simulate
 from hetc.passes.lower.zero import lane_pattern_error
 from hetc.pipeline import Lane, Stage
-from hetc.program import Backward, BackwardInput, BackwardWeight, Forward, Load, Program
+from hetc.program import Backward, BackwardInput, BackwardWeight, ComputeInstr, Forward, Instr, Load, Program
 from hetc.spec import ScheduleKind
 
 __all__ = ["Op", "order_compute"]
@@ -48,7 +48,8 @@ def _order(ctx: LowerContext, strict: bool) -> Program:
     lanes = [(stage, lane) for stage in ctx.pipeline.stages for lane in stage.lanes]
     policies = {(s.index, lane.index): _policy(ctx, kind, s, lane) for s, lane in lanes}
     for policy in policies.values():
-        policy.forward_first = strict and kind in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED)
+        policy.forward_first = strict and kind in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED,
+                                                   ScheduleKind.ZB)
     split = kind is ScheduleKind.ZB
     orders = simulate(policies, lambda op: _deps(ctx, op, split), lambda op: _duration(ctx, op),
                       _coupled_stages(ctx, policies), lift_limits=not strict)
@@ -79,7 +80,7 @@ def _policy(ctx: LowerContext, kind: ScheduleKind, stage: Stage, lane: Lane) -> 
     if kind is ScheduleKind.GPIPE:
         return Policy(f, b)
     w = [("W", ms, mb) for _, ms, mb in b] if kind is ScheduleKind.ZB else []
-    return Policy(f, b, w, limit=downstream, per_unit=len(own))
+    return Policy(f, b, w, limit=ctx.in_flight_limit(stage.index), per_unit=len(own))
 
 
 def _interleaved_orders(ctx: LowerContext, own: list[int], mbs: list[int], group: int
@@ -112,7 +113,7 @@ def _coupled_stages(ctx: LowerContext, policies: dict) -> dict[int, int]:
     """
     if ctx.pipeline.schedule is ScheduleKind.ZORSE:
         return {}
-    coupled = [s for s in ctx.pipeline.stages if len(s.lanes) > 1 and s.zero.level >= 2]
+    coupled = [s for s in ctx.pipeline.stages if len(s.lanes) > 1 and s.zero.resolved_level >= 2]
     for stage in coupled:
         shapes = {_queue_shape(policies[(stage.index, lane.index)]) for lane in stage.lanes}
         if len(shapes) > 1:
@@ -144,12 +145,13 @@ def _duration(ctx: LowerContext, op: Op) -> float:
     return {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}[op[0]] * layers
 
 
-_COMPUTE = {"F": Forward, "B": Backward, "I": BackwardInput, "W": BackwardWeight}
+_COMPUTE: dict[str, type[ComputeInstr]] = {"F": Forward, "B": Backward, "I": BackwardInput, "W": BackwardWeight}
 
 
 def _with_loads(ctx: LowerContext, shell, ops: list[Op]):
     """The rank's compute ops, with a `load` before the first use of each microbatch's data."""
-    instrs, loaded = [], set()
+    instrs: list[Instr] = []
+    loaded = set()
     for kind, ms, mb in ops:
         needs_data = kind == "F" and (ctx.starts_model(ms) or ctx.ends_model(ms))
         if needs_data and mb not in loaded:

@@ -28,7 +28,7 @@ from __future__ import annotations
 from hetc.errors import Diagnostic, SpecError
 from hetc.passes.lower.context import LowerContext, RankPlace, next_handle
 from hetc.passes.lower.edits import Edits, Handles
-from hetc.program import (COMPUTE_TYPES, AllGather, AllReduce, Backward, BackwardWeight, Forward, Free, Instr,
+from hetc.program import (COMPUTE_TYPES, AllGather, AllReduce, Backward, BackwardWeight, ComputeInstr, Forward, Free, Instr,
                           Program, RankProgram, ReduceScatter, Shard, Step, Tensor, Wait)
 from hetc.spec import OffloadTarget, ScheduleKind
 
@@ -50,7 +50,7 @@ def _shards(place: RankPlace, ctx: LowerContext) -> tuple[Shard, ...]:
     group = ctx.zero_group(place)
     off = stage.offload
     return tuple(
-        Shard(ms, zero.level if group else 0, group, ctx.outer_group(place), zero.across if group else 0,
+        Shard(ms, zero.resolved_level if group else 0, group, ctx.outer_group(place), zero.across if group else 0,
               off.params is not OffloadTarget.NONE, off.optimizer is not OffloadTarget.NONE,
               off.activations is not OffloadTarget.NONE, ctx.tp_group(place), ctx.cp_group(place),
               *_expert_groups(place, ms, ctx))
@@ -114,7 +114,7 @@ def _regathers(shard: Shard, handles: Handles) -> tuple[list[Instr], list[Wait]]
     return posts, waits
 
 
-def _runs(compute: list[tuple[int, Instr]], per_mb: bool) -> list[tuple[int, list[int]]]:
+def _runs(compute: list[tuple[int, ComputeInstr]], per_mb: bool) -> list[tuple[int, list[int]]]:
     """The rank's compute ops grouped into runs that share one gather: (ms, op indices), in order.
 
     Per-microbatch schedules gather around every op; Zorse around every sweep
@@ -138,7 +138,7 @@ def _gathers(shards: dict[int, Shard], compute, edits: Edits, handles: Handles, 
     runs = _runs(compute, per_mb)
     for g, (ms, run) in enumerate(runs):
         shard = shards.get(ms)
-        if shard is None or shard.level != 3:
+        if shard is None or shard.level != 3 or shard.group is None:
             continue
         first, last = run[0], run[-1]
         # Zorse: a ministage's forward sweep followed by its own backward sweep keeps its gather
@@ -214,7 +214,7 @@ def _check_lane_patterns(program: Program, ctx: LowerContext) -> None:
     if not _per_microbatch(ctx):
         return
     for stage in ctx.pipeline.stages:
-        if len(stage.lanes) < 2 or stage.zero.level < 2:
+        if len(stage.lanes) < 2 or stage.zero.resolved_level < 2:
             continue
         patterns = {}
         for lane in stage.lanes:
@@ -237,7 +237,7 @@ def _check_expert_lanes(program: Program, ctx: LowerContext) -> None:
                         for lane in lanes]
             odd = next((lane for lane, p in zip(lanes, patterns) if p != patterns[0]), None)
             if odd is not None:
-                st = ctx.spec.parallel.stages[stage.index]
+                st = ctx.parallel.resolved_stages[stage.index]
                 raise SpecError(Diagnostic(st.span_of("ep"), f"lanes {lanes[0].index} and {odd.index} of stage "
                                            f"'{stage.name}' form an expert-parallel group, whose MoE compute runs in "
                                            "lockstep, but they run different sequences of ops (microbatch counts "
@@ -246,7 +246,7 @@ def _check_expert_lanes(program: Program, ctx: LowerContext) -> None:
 
 
 def lane_pattern_error(ctx: LowerContext, stage) -> SpecError:
-    st = ctx.spec.parallel.stages[stage.index]
+    st = ctx.parallel.resolved_stages[stage.index]
     return SpecError(Diagnostic(st.span, f"ZeRO-{stage.zero.level} under {ctx.pipeline.schedule.value} "
                                 f"reduces every microbatch, so every lane of stage '{stage.name}' must "
                                 "run the same sequence of ops, but its lanes serve different microbatch "

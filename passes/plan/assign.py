@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from ortools.sat.python import cp_model
 
@@ -67,7 +68,7 @@ def model_objective(options: list[Option] | tuple[Option, ...]) -> float:
     for o in options:
         tail = max(tail, o.tail - lead)
         lead += o.drain
-    return max(o.work for o in options) + sum(o.fill for o in options) + tail
+    return max(o.placed_work for o in options) + sum(o.fill for o in options) + tail
 
 
 def _polish(options: list[Option], per_stage: list[list[_Entry]], rounds: int = 64) -> list[Option]:
@@ -202,47 +203,50 @@ def assign_cpsat(tables: list[StageTable], units: int, m: int, hint: Assignment 
 
     model = cp_model.CpModel()
     horizon = ticks(max(t for opts in per_stage for t, _ in opts)) + 1
-    bound = model.NewIntVar(0, horizon, "T")
-    tail = model.NewIntVar(0, ticks(max(o.tail for opts in per_stage for _, o in opts)) + 1, "tail")
-    picks, layer_terms, fill_terms, lead = [], [], [], []
+    bound = model.new_int_var(0, horizon, "T")
+    tail = model.new_int_var(0, ticks(max(o.tail for opts in per_stage for _, o in opts)) + 1, "tail")
+    picks: list[list[Any]] = []
+    layer_terms: list[Any] = []
+    fill_terms: list[Any] = []
+    lead: list[Any] = []   # CP-SAT linear expressions
     for s, opts in enumerate(per_stage):
-        x = [model.NewBoolVar(f"x{s}_{k}") for k in range(len(opts))]
-        model.AddExactlyOne(x)
+        x = [model.new_bool_var(f"x{s}_{k}") for k in range(len(opts))]
+        model.add_exactly_one(x)
         picks.append(x)
         layer_terms += [o.layers * xi for (_, o), xi in zip(opts, x)]
         fill_terms += [ticks(o.fill) * xi for (_, o), xi in zip(opts, x)]
         # a stage's tail shows beyond the drains of the stages before it
-        model.Add(tail >= sum(ticks(o.tail) * xi for (_, o), xi in zip(opts, x)) - sum(lead))
+        model.add(tail >= sum(ticks(o.tail) * xi for (_, o), xi in zip(opts, x)) - sum(lead))
         lead += [ticks(o.drain) * xi for (_, o), xi in zip(opts, x)]
         _lanes(model, s, opts, x, bound, m, ticks)
-    model.Add(sum(layer_terms) == units)
-    model.Minimize(bound + sum(fill_terms) + tail)
+    model.add(sum(layer_terms) == units)
+    model.minimize(bound + sum(fill_terms) + tail)
     if hint is not None:
         for (opts, x), chosen in zip(zip(per_stage, picks), hint.options):
             for (_, o), xi in zip(opts, x):
-                model.AddHint(xi, o is chosen)
+                model.add_hint(xi, o is chosen)
     solver = cp_model.CpSolver()
     solver.parameters.max_deterministic_time = work_limit   # not wall time: the same answer on a busy machine
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = 0
-    status = solver.Solve(model)
+    status = solver.solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        log.debug("CP-SAT: %s", solver.StatusName(status))
+        log.debug("CP-SAT: %s", solver.status_name(status))
         return None
-    chosen = [next(o for (_, o), xi in zip(opts, x) if solver.Value(xi)) for opts, x in zip(per_stage, picks)]
-    return Assignment(tuple(chosen), model_objective(chosen))
+    picked = [next(o for (_, o), xi in zip(opts, x) if solver.value(xi)) for opts, x in zip(per_stage, picks)]
+    return Assignment(tuple(picked), model_objective(picked))
 
 
 def _lanes(model: cp_model.CpModel, s: int, opts, x, bound, m: int, ticks) -> None:
     """Microbatch counts per lane class of stage s, tied to the option its x picks."""
     shapes = {tuple(len(c.lanes) for c in o.classes) for _, o in opts}
     (sizes,) = shapes  # every option of a stage has the same lane classes
-    counts = [model.NewIntVar(1, m, f"c{s}_{j}") for j in range(len(sizes))]
-    model.Add(sum(n * c for n, c in zip(sizes, counts)) >= m)
+    counts = [model.new_int_var(1, m, f"c{s}_{j}") for j in range(len(sizes))]
+    model.add(sum(n * c for n, c in zip(sizes, counts)) >= m)
     total = sum(sizes)
     for (_, o), xi in zip(opts, x):
         for c, cls in zip(counts, o.classes):
-            model.Add(c <= max(cls.cap, 1)).OnlyEnforceIf(xi)
-            model.Add(c * ticks(cls.cycle) <= bound).OnlyEnforceIf(xi)
+            model.add(c <= max(cls.cap, 1)).only_enforce_if(xi)
+            model.add(c * ticks(cls.cycle) <= bound).only_enforce_if(xi)
             if o.equal_counts:
-                model.Add(c == m // total).OnlyEnforceIf(xi)
+                model.add(c == m // total).only_enforce_if(xi)

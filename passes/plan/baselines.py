@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from hetc.passes.plan.candidate import Candidate, GpuBlock, Knobs, Offload, StageGpus, split_evenly
 from hetc.passes.plan.evaluate import Score
-from hetc.passes.plan.layouts import gpu_run, group_speed, split_group
+from hetc.passes.plan.layouts import gpu_run, group_speed, whole_group
 from hetc.spec import ScheduleKind
 from hetc.topology import Topology
 
@@ -84,13 +84,14 @@ def _builds(search, stages: list[StageGpus], knobs: Knobs, idle: tuple[str, ...]
             why = why or f"{m} microbatches do not split evenly over {lanes} lanes"
             continue
         out.append(Candidate(tuple(stages), tuple(split_evenly(units, len(stages))), (knobs,) * len(stages),
-                             tuple(counts), ScheduleKind.ONE_F_ONE_B, b, search.space.prefetch, idle))
+                             tuple(c for c in counts if c is not None), ScheduleKind.ONE_F_ONE_B, b, search.space.prefetch, idle))
     return out or why
 
 
 def _best(search, name: str, title, candidates: list[Candidate]) -> Baseline:
-    scored = [Baseline(name, title(c), c, search.score(c)) for c in candidates]
-    return min(scored, key=lambda b: (not b.score.fits, search.goal.value(b.score)))
+    scored = [(search.score(c), c) for c in candidates]
+    score, best = min(scored, key=lambda sc: (not sc[0].fits, search.goal.value(sc[0])))
+    return Baseline(name, title(best), best, score)
 
 
 def _single(search, name: str, title: str, stages: list[StageGpus], zero: int) -> Baseline:
@@ -103,7 +104,7 @@ def _single(search, name: str, title: str, stages: list[StageGpus], zero: int) -
 def _hexiscale(search) -> list[StageGpus]:
     topo, dtype = search.topo, search.spec.model.dtype
     groups = sorted(topo.groups, key=lambda g: -group_speed(topo, g, dtype) / _size(topo, g))
-    return [StageGpus(split_group(topo, g, 1)[0]) for g in groups]
+    return [StageGpus(whole_group(topo, g)) for g in groups]
 
 
 def _cephalo(search) -> list[StageGpus]:

@@ -30,7 +30,7 @@ from hetc.passes.cost.model import optimizer_seconds, ring_pair_kinds
 from hetc.passes.cost.network import ring_chunk, ring_steps
 from hetc.passes.cost.shapes import LayerKind, activation_elements, layer_flops, params_per_rank
 from hetc.pipeline import Pipeline
-from hetc.spec import DTYPE_BYTES, Checkpointing, ScheduleKind, Spec
+from hetc.spec import DTYPE_BYTES, Checkpointing, ModelSpec, ScheduleKind, Spec, TrainSpec
 from hetc.topology import Gpu, Topology
 
 __all__ = ["LayerCost", "Primitives"]
@@ -51,10 +51,12 @@ class Primitives:
     """Cost-model arithmetic for one spec, cluster and micro-batch size."""
 
     def __init__(self, spec: Spec, topo: Topology, profiles: Profiles | None, micro_batch: int):
+        assert spec.model is not None and spec.train is not None   # a checked spec
         train = replace(spec.train, micro_batch=micro_batch)
         self.spec = replace(spec, train=train)
         self.topo = topo
-        self.model = spec.model
+        self.model: ModelSpec = spec.model
+        self.train: TrainSpec = train
         self.micro_batch = micro_batch
         self.num_microbatches = train.global_batch // micro_batch
         probe_world = Pipeline((), (), topo.gpus, self.num_microbatches, micro_batch,

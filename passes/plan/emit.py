@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 from hetc.passes.plan.candidate import Candidate, GpuBlock, Offload
 from hetc.spec import (AUTO, LayerRange, ParallelSpec, RankSlice, Routing, RoutingKind, Spec, StageSpec,
@@ -45,21 +47,22 @@ def emit_parallel(spec: Spec, c: Candidate, topo: Topology,
     """The explicit parallel block of `c`; the spec's objective, fixed ZeRO hierarchy and written stages
     are kept."""
     par, model = spec.parallel, spec.model
+    assert par is not None and model is not None   # a checked spec
     base = zero_base or ZeroSpec()
     levels = Counter(k.zero for k in c.knobs)
     offloads = Counter(k.offload for k in c.knobs)
     zero_level = max(levels, key=lambda lv: (levels[lv], -lv))
     common_off = max(offloads, key=lambda o: (offloads[o], o == Offload()))
     if par.stages is not AUTO:  # written stages: fill their `auto` fields, keep the rest as written
-        zero_level = zero_level if par.zero.level is AUTO else int(par.zero.level)
+        zero_level = zero_level if par.zero.level is AUTO else par.zero.level
         common_off = Offload.from_spec(par.offload)
-    written = par.stages if par.stages is not AUTO else [None] * len(c.stages)
+    written: Sequence[StageSpec | None] = par.stages if par.stages is not AUTO else [None] * len(c.stages)
     stages = []
     for i, (st, ranges, knobs, counts, old) in enumerate(zip(c.stages, c.ranges, c.knobs, c.counts, written)):
         contiguous = all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
         pieces = [(ranges[0][0], ranges[-1][1])] if contiguous else ranges
         layers = tuple(LayerRange(first=model.layer_name(a), last=model.layer_name(b - 1)) for a, b in pieces)
-        fields = {"layers": layers, "ranks": tuple(rank_slice(b, topo) for b in st.blocks),
+        fields: dict[str, Any] = {"layers": layers, "ranks": tuple(rank_slice(b, topo) for b in st.blocks),
                   "lanes": st.num_lanes, "tp": st.tp, "cp": 1, "ministages": knobs.ministages,
                   "microbatches": _routing(counts),
                   "zero": None if knobs.zero == zero_level else replace(base, level=knobs.zero),
@@ -88,6 +91,7 @@ def _filled(old: StageSpec, fields: dict, knobs) -> StageSpec:
 
 def emit_spec(spec: Spec, c: Candidate, topo: Topology, zero_base: ZeroSpec | None = None) -> Spec:
     train = spec.train
+    assert train is not None   # a checked spec
     if train.micro_batch != c.micro_batch:
         train = replace(train, micro_batch=c.micro_batch)
     return replace(spec, parallel=emit_parallel(spec, c, topo, zero_base), train=train)

@@ -15,8 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetc.passes.cost import RankMemory
+from hetc.passes.cost.memory import interleaved_update
 from hetc.passes.cost.plan_time import step_end_time
-from hetc.passes.cost.schedule import LaneTiming, Unit, UnitLane, pipeline_time, sequential_time
+from hetc.passes.cost.schedule import (LaneTiming, Unit, UnitLane, exposed_first_gather, in_flight_limits,
+                                      lockstep_fill, pipeline_time, sequential_time, step_lower_bound)
 from hetc.passes.plan.costs import Primitives
 from hetc.passes.plan.egress import egress_per_step
 from hetc.passes.plan.stagecosts import StageCosts, unit_lane_times
@@ -61,16 +63,30 @@ class Score:
 def evaluate(prims: Primitives, plan: PlanView) -> Score:
     costs = [StageCosts(prims, plan, s) for s in plan.stages]
     lanes = [t for sc in costs for t in _lane_timings(sc)]
+    per_mb = plan.schedule is not ScheduleKind.ZORSE
+    coupled = {sc.s.index: len(sc.s.lanes) for sc in costs
+               if per_mb and len(sc.s.lanes) > 1 and int(sc.s.zero.level) >= 2}
+    limits = in_flight_limits(plan.schedule, lanes, plan.num_stages, coupled,
+                              {sc.s.index: len(sc.s.lanes) for sc in costs})
+    for sc in costs:
+        sc.in_flight_limit = limits[sc.s.index]
     world = tuple(sorted(g.id for g in plan.gpus))   # the "world" group: ranks in GPU order
-    end = step_end_time(prims.spec.train.grad_clip > 0, lambda nbytes: prims.ring("all_reduce", world, nbytes))
+    end = step_end_time(prims.train.grad_clip > 0, lambda nbytes: prims.ring("all_reduce", world, nbytes))
     if plan.schedule is ScheduleKind.ZORSE:
-        total = sequential_time(_zorse_units(costs), plan.num_microbatches)
+        total = sequential_time(_zorse_units(costs), plan.num_microbatches,
+                                not interleaved_update(plan.schedule, prims.train.grad_clip))
         busy = max(t.work for t in lanes)
         pipe, bubble, tail = total, max(0.0, total - busy), end
     else:
         chunks = max(len(s.ministages) for s in plan.stages)
         pt = pipeline_time(plan.schedule, lanes, chunks)
-        pipe, bubble, tail = pt.total, pt.bubble, _tail(costs, lanes) + end
+        # never below the lower bound of the step (docs/costmodel.md), then the lockstep stages' fill
+        widths = {sc.s.index: len(sc.s.lanes) for sc in costs}
+        extra = max(0.0, step_lower_bound(plan.schedule, lanes, chunks) - pt.total) + \
+            lockstep_fill(plan.schedule, lanes, plan.num_stages, coupled, widths)
+        pipe, bubble = pt.total + extra, pt.bubble + extra
+        first = next(t for t in lanes if t.stage == 0)
+        tail = _tail(costs, lanes) + end + exposed_first_gather(costs[0].first_gather(), first)
     memory, classes = _memory(costs)
     tokens = plan.num_microbatches * plan.micro_batch * prims.model.seq
     price = sum(g.device.price for g in plan.gpus)

@@ -54,11 +54,11 @@ def _neighbours(search: Search, st: Structure, current: list[Option]) -> Iterato
             if a == b or current[a].layers <= 1 or current[b].layers >= limits[b] or \
                     search._fixed_layers(a) is not None or search._fixed_layers(b) is not None:
                 continue
-            moved = list(current)
+            moved: list[Option | None] = list(current)
             moved[a] = _like(search, st, a, current[a], current[a].layers - 1)
             moved[b] = _like(search, st, b, current[b], current[b].layers + 1)
             if moved[a] is not None and moved[b] is not None:
-                yield moved
+                yield [o for o in moved if o is not None]
     for s in range(n_stages):
         for o in _options(search, st, s, current[s].layers):
             if o is not current[s]:
@@ -76,4 +76,4 @@ def _like(search: Search, st: Structure, s: int, was: Option, n: int) -> Option 
     same = [o for o in options if o.knobs == was.knobs]
     if same:
         return same[0]
-    return min(options, key=lambda o: (o.work + o.fill + o.tail, o.knobs), default=None)
+    return min(options, key=lambda o: (o.placed_work + o.fill + o.tail, o.knobs), default=None)

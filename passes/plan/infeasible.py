@@ -18,7 +18,7 @@ from __future__ import annotations
 from hetc.costreport import human_bytes
 from hetc.errors import Diagnostic, SpecError
 from hetc.passes.plan.candidate import Knobs, Offload, StageGpus
-from hetc.passes.plan.layouts import split_group
+from hetc.passes.plan.layouts import whole_group
 from hetc.passes.plan.tables import stage_costs
 from hetc.spec import ScheduleKind
 
@@ -51,7 +51,7 @@ def _frugal(search, lanes: int) -> Knobs:
 def _layer_that_cannot_fit(search) -> str | None:
     topo, model = search.topo, search.spec.model
     group = max(topo.groups, key=lambda g: (topo.gpu_at(g, 0, 0).device.memory, _size(topo, g)))
-    stage = StageGpus(split_group(topo, group, 1)[0])
+    stage = StageGpus(whole_group(topo, group))
     res = search.resolve(stage)
     prims = search.prims[min(search.space.micro_batches)]
     knobs = _frugal(search, len(res.lanes))

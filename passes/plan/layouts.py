@@ -26,7 +26,7 @@ from hetc.passes.plan.partition import Domains
 from hetc.spec import DType
 from hetc.topology import Topology
 
-__all__ = ["MAX_PERMUTED", "Layout", "gpu_run", "group_speed", "layouts", "split_group", "stage_counts"]
+__all__ = ["MAX_PERMUTED", "Layout", "gpu_run", "group_speed", "layouts", "split_group", "stage_counts", "whole_group"]
 
 Layout = tuple[StageGpus, ...]
 MAX_PERMUTED = 2
@@ -39,18 +39,25 @@ def group_speed(topo: Topology, group: str, dtype: DType) -> float:
     return g.count * g.gpus * device.peak.for_dtype(dtype) * device.efficiency
 
 
+def whole_group(topo: Topology, group: str) -> tuple[GpuBlock, ...]:
+    """Every GPU of a node group as one run (split_group into one part, which always exists)."""
+    parts = split_group(topo, group, 1)
+    assert parts is not None   # a node group has a GPU
+    return parts[0]
+
+
 def split_group(topo: Topology, group: str, parts: int) -> list[tuple[GpuBlock, ...]] | None:
     """Cut a node group into `parts` runs of GPUs: by whole nodes when it has enough, else inside nodes."""
     g = topo.groups[group]
     if parts > g.count * g.gpus:
         return None
+    out: list[tuple[GpuBlock, ...]] = []
+    start = 0
     if g.count >= parts:
-        out, start = [], 0
         for size in split_evenly(g.count, parts):
             out.append((GpuBlock(group, start, start + size, 0, g.gpus),))
             start += size
         return out
-    out, start = [], 0
     for size in split_evenly(g.count * g.gpus, parts):
         out.append(gpu_run(group, g.gpus, start, start + size))
         start += size
@@ -87,8 +94,8 @@ def _shares(weights: list[float], total: int, floor: int = 1) -> list[int] | Non
 
 
 def _mixed(topo: Topology, groups: tuple[str, ...], parts: int) -> list[StageGpus] | None:
-    splits = [split_group(topo, g, parts) for g in groups]
-    if any(s is None for s in splits):
+    splits = [s for g in groups if (s := split_group(topo, g, parts)) is not None]
+    if len(splits) < len(groups):
         return None
     return [StageGpus(tuple(b for s in splits for b in s[j])) for j in range(parts)]
 

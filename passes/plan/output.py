@@ -35,10 +35,11 @@ def planned_text(loaded: LoadedSpec, planned: Spec | None, out: Path | None = No
 
 
 def _replaced(loaded: LoadedSpec, items: list, planned: Spec, note: str) -> list:
+    assert loaded.spec.parallel is not None and loaded.spec.train is not None and planned.train is not None
     where = next((i for i, item in enumerate(items) if _is_block(item, "parallel")), None)
     if where is None:
-        where = loaded.spec.parallel.span
-        raise SpecError([Diagnostic(where, f"the plan is written in {where.file}, not in {loaded.path}: "
+        span = loaded.spec.parallel.span
+        raise SpecError([Diagnostic(span, f"the plan is written in {span.file}, not in {loaded.path}: "
                                     "plan that file")])
     (block,) = spec_to_items(Spec(parallel=planned.parallel))
     if note:

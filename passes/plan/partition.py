@@ -77,6 +77,6 @@ def bandwidth_domains(topo: Topology, groups: list[str]) -> list[Domains]:
     for k in range(1, len(groups) + 1):
         forest = tree.copy()
         forest.remove_edges_from((a, b) for a, b, _ in edges[:k - 1])
-        parts = [tuple(sorted(c, key=order.get)) for c in nx.connected_components(forest)]
+        parts = [tuple(sorted(c, key=lambda n: order[n])) for c in nx.connected_components(forest)]
         out.append(tuple(sorted(parts, key=lambda p: order[p[0]])))
     return out

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from hetc.errors import InternalError
 from hetc.passes.cost import CostModel, Estimate, Profiles
 from hetc.passes.plan.baselines import Baseline, baselines
 from hetc.passes.plan.candidate import Candidate
@@ -56,11 +57,17 @@ class PlanResult:
 
     @property
     def step_time_s(self) -> float:
-        return self.estimate.step_time_s if self.estimate is not None else self.score.step_time_s
+        if self.estimate is not None:
+            return self.estimate.step_time_s
+        assert self.score is not None   # a result has an estimate or a score
+        return self.score.step_time_s
 
     @property
     def tokens_per_s(self) -> float:
-        return self.estimate.tokens_per_s if self.estimate is not None else self.score.tokens_per_s
+        if self.estimate is not None:
+            return self.estimate.tokens_per_s
+        assert self.score is not None   # a result has an estimate or a score
+        return self.score.tokens_per_s
 
 
 def _stage_auto(st: StageSpec) -> bool:
@@ -79,11 +86,13 @@ def plan_spec(spec: Spec, profiles: Profiles | None = None, base_dir: Path | Non
               **space_overrides) -> PlanResult:
     """The explicit plan for `spec` (returned as is, estimated, when it has no `auto`)."""
     checked = check_spec(spec, base_dir)
+    assert spec.parallel is not None   # check_spec refuses a spec that is not complete
     goal = Goal.of(spec.parallel.objective)
     if not needs_plan(spec):  # nothing searched: the cost model's estimate at any size
         return PlanResult(spec, checked, goal, None, _estimate(checked, profiles, always=True))
     start = time.perf_counter()
     topo = checked.topology
+    assert topo is not None   # a complete spec has a cluster
     search = Search(spec, topo, profiles, space_from_spec(spec, topo, **space_overrides), goal, limits)
     found = search.run(progress)
     scored = baselines(search)
@@ -94,6 +103,7 @@ def plan_spec(spec: Spec, profiles: Profiles | None = None, base_dir: Path | Non
     planned = check_spec(explicit, base_dir)
     estimate = _estimate(planned, profiles)
     _cross_check(best.score, estimate)
+    _check_winner(planned, profiles, chosen)
     return PlanResult(explicit, planned, goal, best.score, estimate, best.candidate, tuple(scored), chosen,
                       time.perf_counter() - start, search.visited)
 
@@ -110,7 +120,7 @@ def _choose(search: Search, found: list[Found], scored: list[Baseline]) -> tuple
     """The search's best, unless a baseline the spec allows does better."""
     pool = [(f, "planner") for f in found[:1]]
     pool += [(Found(b.candidate, b.score, None), b.name) for b in scored
-             if b.candidate is not None and search.space.fixed.admits(b.candidate)]
+             if b.candidate is not None and b.score is not None and search.space.fixed.admits(b.candidate)]
     if not pool:
         return None, "planner"
     # on a tie the search's own plan stays (it comes first)
@@ -122,7 +132,35 @@ def _estimate(checked: Checked, profiles: Profiles | None, always: bool = False)
     p = checked.pipeline
     if p is None or (p.world_size > FULL_ESTIMATE_RANKS and not always):
         return None
+    assert checked.topology is not None   # a pipeline runs on a cluster
     return CostModel(checked.spec, p, checked.topology, profiles).estimate()
+
+
+# Note [the planner checks its winner]: the chosen plan is lowered and verified (deadlock-freedom,
+# dataflow, every rank's memory against its device) before it is printed, so `hetc plan` never prints a
+# plan that `hetc compile` refuses. A refusal is the cost model and the compiled program disagreeing,
+# a bug in hetc, not the user's: it is an InternalError naming the plan and the verifier's finding.
+# Lowering and verifying costs about 0.3 ms of CPU per compute op of one lane (a microbatch through a
+# ministage); above CHECK_OPS of them (specs/zorse/c_auto.het: 14k, 4 s) the check would take longer than
+# the search itself, and the agreement test and benchmark (benchmarks/plan_agreement.py) check such plans.
+CHECK_OPS = 8192
+
+
+def _check_winner(checked: Checked, profiles: Profiles | None, chosen: str) -> None:
+    from hetc.agreement import build
+    from hetc.passes.verify import VerifyError
+
+    p = checked.pipeline
+    if p is None or p.num_microbatches * len(p.ministages) > CHECK_OPS:
+        return
+    try:
+        build(checked, profiles, simulated=False)
+    except VerifyError as err:
+        what = "does not fit in device memory" if err.check == "memory" else f"fails the {err.check} check"
+        raise InternalError(f"the plan hetc plan chose ({chosen}) {what} once compiled, though its cost model "
+                            f"said it fits; this is a bug in hetc's cost model or lowering:\n" +
+                            "\n".join(f"  {f}" for f in err.findings[:4])
+                            ) from None
 
 
 def _cross_check(score: Score, estimate: Estimate | None) -> None:

@@ -23,6 +23,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from typing import Any
 
 from hetc.passes.cost import Profiles
 from hetc.passes.plan.assign import Assignment, assign_cpsat, model_objective
@@ -97,7 +98,7 @@ class Search(Structures):
             placeable = [o for o in table.options if o.work is not None]
             if not placeable:
                 return (True, math.inf)
-            options.append(min(placeable, key=lambda o: (o.work + o.fill + o.tail, o.knobs)))
+            options.append(min(placeable, key=lambda o: (o.placed_work + o.fill + o.tail, o.knobs)))
         return (False, model_objective(options) * self._price_factor(st))
 
     def _every_variant(self, idle: tuple[str, ...], layout):
@@ -171,15 +172,16 @@ class Search(Structures):
 
 def _to_refine(found: list[Found], k: int) -> list[Structure]:
     """The k best structures, and the best of every schedule kind (the model times them differently)."""
-    picks = _top_distinct([(i, f.structure) for i, f in enumerate(found)], k, key=lambda st: st)
-    for kind in dict.fromkeys(f.structure.schedule for f in found):
-        best = next(f.structure for f in found if f.structure.schedule is kind)
+    structures = [f.structure for f in found if f.structure is not None]   # the search's (not baselines)
+    picks = _top_distinct(list(enumerate(structures)), k, key=lambda st: st)
+    for kind in dict.fromkeys(st.schedule for st in structures):
+        best = next(st for st in structures if st.schedule is kind)
         if best not in picks:
             picks.append(best)
     return picks
 
 
-def _top_distinct(ranked: list[tuple[float, Structure]], k: int, key) -> list:
+def _top_distinct(ranked: list[tuple[Any, Structure]], k: int, key) -> list:
     out: dict = {}
     for _, st in sorted(ranked, key=lambda r: (r[0], len(r[1].layout))):
         out.setdefault(key(st), None)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 from hetc.errors import Diagnostic, SpecError
 from hetc.passes.plan.candidate import Candidate, Knobs, Offload
@@ -94,6 +95,7 @@ def written(node, name: str) -> bool:
 def space_from_spec(spec: Spec, topo: Topology, **overrides) -> SearchSpace:
     """The space the spec leaves open (`overrides` narrow it further, e.g. in tests)."""
     par = spec.parallel
+    assert par is not None   # a checked spec
     designing = par.stages is AUTO
 
     def free(name: str, value=None) -> bool:
@@ -103,20 +105,20 @@ def space_from_spec(spec: Spec, topo: Topology, **overrides) -> SearchSpace:
     micro_batches = _micro_batches(spec, designing)
     rules = None if designing else stage_rules(spec, topo)
     fixed = Fixed(
-        schedule=None if free("schedule", par.schedule) else par.schedule,
-        zero=None if free("zero", par.zero.level) else int(par.zero.level),
+        schedule=None if par.schedule is AUTO or free("schedule") else par.schedule,
+        zero=None if free("zero", par.zero.level) else par.zero.resolved_level,
         offload=None if free("offload") else Offload.from_spec(par.offload),
         micro_batch=micro_batches[0] if len(micro_batches) == 1 else None,
         idle=None if free("idle") else tuple(s.group for s in par.idle),
         stages=not designing,
     )
-    out = {
+    out: dict[str, Any] = {
         "schedules": DEFAULT_SCHEDULES if fixed.schedule is None else (fixed.schedule,),
         "zero_levels": (0, 1, 2, 3) if fixed.zero is None else (fixed.zero,),
         "offloads": PLAIN_OFFLOADS if fixed.offload is None else (fixed.offload,),
         "zorse_offloads": ZORSE_OFFLOADS if fixed.offload is None else (fixed.offload,),
         "micro_batches": micro_batches,
-        "tp": TP_DEGREES if designing or any(r.tp is None for r in rules) else (1,),
+        "tp": TP_DEGREES if rules is None or any(r.tp is None for r in rules) else (1,),   # None: designing
         "idle_sets": _idle_sets(spec, topo) if fixed.idle is None else (fixed.idle,),
         "prefetch": 1 if par.prefetch is AUTO else par.prefetch,
         "zero_base": par.zero if par.zero.level is not AUTO else ZeroSpec(shard=par.zero.shard,
@@ -130,6 +132,7 @@ def space_from_spec(spec: Spec, topo: Topology, **overrides) -> SearchSpace:
 
 def _whole_groups_idle(spec: Spec) -> None:
     """The planner idles whole node groups, so a written idle slice of part of one cannot be kept."""
+    assert spec.parallel is not None
     if spec.parallel.stages is not AUTO:
         return
     for r in spec.parallel.idle:
@@ -141,6 +144,7 @@ def _whole_groups_idle(spec: Spec) -> None:
 
 def _micro_batches(spec: Spec, designing: bool) -> tuple[int, ...]:
     train = spec.train
+    assert train is not None   # a checked spec
     main_file = spec.span.file
     if not designing or written(train, "micro_batch") or train.span.file != main_file or \
             train.grad_accum is not None:
@@ -158,6 +162,7 @@ def _idle_sets(spec: Spec, topo: Topology) -> tuple[tuple[str, ...], ...]:
     groups = list(topo.groups)
     if len(groups) <= MAX_IDLE_GROUPS:
         return tuple(c for k in range(len(groups)) for c in itertools.combinations(groups, k))
+    assert spec.model is not None
     dtype = spec.model.dtype
 
     def speed(name: str) -> float:

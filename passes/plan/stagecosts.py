@@ -11,7 +11,9 @@ from __future__ import annotations
 from functools import cached_property
 
 from hetc.passes.cost import RankMemory
-from hetc.passes.cost.memory import GRAD_BUCKET_PARAMS, in_flight, shard_factors
+from hetc.passes.cost.memory import (GRAD_BUCKET_PARAMS, in_flight, interleaved_update, resident_params,
+                                    shard_factors)
+from hetc.passes.cost.plan_time import gathers_per_microbatch
 from hetc.passes.cost.shapes import LayerKind
 from hetc.passes.plan.costs import Primitives
 from hetc.spec import ScheduleKind, ZeroShard
@@ -29,6 +31,8 @@ class StageCosts:
         """`plan`: a PlanView or tables.StageContext; `stage`: a StageView."""
         self.p, self.plan, self.s = prims, plan, stage
         self.last_ms = len(plan.ministages) - 1
+        # microbatches a lane keeps in flight (Note [in-flight limit]); None: the stages ahead (option tables)
+        self.in_flight_limit: int | None = None
         self._statics: dict[int | None, tuple[float, float, float, float, float]] = {}
 
     # ------------------------------------------------------------ layers
@@ -101,7 +105,7 @@ class StageCosts:
         k, ring = self.s.concurrent(lane), self.zero_ring(lane)
         total = self.p.ring("reduce_scatter", ring, nbytes, k) if level >= 2 else 0.0
         if level >= 3:
-            total += 2 * self.p.ring("all_gather", ring, nbytes, k)
+            total += gathers_per_microbatch(self.plan.schedule) * self.p.ring("all_gather", ring, nbytes, k)
         if off.params:
             total += 2 * self.p.copy(self.s.lanes[lane][0], nbytes * self.shard(lane).params)
         return total
@@ -122,9 +126,13 @@ class StageCosts:
         gather = self.p.ring("all_gather", ring, nbytes, k) if level == 2 else 0.0
         if per_ministage:
             return self.p.ring("reduce_scatter", ring, nbytes, k) + gather
-        # the last microbatch's reduce-scatter overlaps its backward bucket by bucket: the last bucket shows
-        last_bucket = min(nbytes, GRAD_BUCKET_PARAMS * self.p.delta)
-        return self.p.ring("reduce_scatter", ring, last_bucket, k) + gather
+        return self.p.ring("reduce_scatter", ring, self.ms_numel[0] * self.p.delta, k) + gather
+
+    def first_gather(self) -> float:
+        """Mirrors plan_time._first_gather for the first stage."""
+        if int(self.s.zero.level) < 3 or len(self.s.lanes) < 2:
+            return 0.0
+        return self.p.ring("all_gather", self.zero_ring(0), self.ms_numel[0] * self.p.delta, self.s.concurrent(0))
 
     def optimizer(self, lane: int) -> float:
         numel = self.numel() * self.shard(lane).optimizer
@@ -176,13 +184,14 @@ class StageCosts:
         params_each = [n * p.states.params for n in self.ms_numel]
         params, largest = sum(params_each), max(params_each)
         prefetch = self.plan.prefetch
-        resident = min(params, (1 + prefetch) * largest) if off.params else params
+        clip = p.train.grad_clip
+        resident = resident_params(self.plan.schedule, clip, params, largest, prefetch) if off.params else params
         grads_sharded = sum(n * p.states.grads for n in self.ms_numel) * shard.grads
         grads = grads_sharded
-        if self.plan.schedule is ScheduleKind.ZORSE:
+        if interleaved_update(self.plan.schedule, clip):
             grads = max(n * p.states.grads for n in self.ms_numel)
         optimizer = sum(n * p.states.optimizer for n in self.ms_numel) * shard.optimizer
-        gather = (1 + prefetch) * largest if int(st.zero.level) >= 3 else 0.0
+        gather = (1 + prefetch) * largest if int(st.zero.level) >= 3 and len(st.lanes) > 1 else 0.0
         p2p = 2 * max((self.boundary_bytes(ms) for ms in st.ministages), default=0.0)
         bucket = min(grads_sharded, GRAD_BUCKET_PARAMS * p.states.grads) if len(st.lanes) > 1 else 0.0
         host = (params * shard.params if off.params else 0.0) + (optimizer if off.optimizer else 0.0)
@@ -201,7 +210,8 @@ class StageCosts:
         per_mb = self._per_mb_activations
         schedule = self.plan.schedule
         if schedule is not ScheduleKind.ZORSE:
-            held = in_flight(schedule, st.index, self.plan.num_stages, count, len(st.ministages))
+            held = in_flight(schedule, st.index, self.plan.num_stages, count, len(st.ministages),
+                             self.in_flight_limit)
             return held * sum(per_mb), 0.0
         if not st.knobs.offload.activations:
             return count * sum(per_mb), 0.0

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from hetc.errors import Diagnostic, SpecError
 from hetc.passes.plan.candidate import GpuBlock, Offload, StageGpus
-from hetc.passes.resolve import proportional_counts
+from hetc.passes.resolve import layer_index, proportional_counts
 from hetc.spec import AUTO, RankSlice, Routing, RoutingKind, Spec, StageSpec
 from hetc.topology import Topology
 
@@ -37,6 +37,7 @@ class StageRule:
 
 
 def stage_rules(spec: Spec, topo: Topology) -> tuple[StageRule, ...]:
+    assert spec.parallel is not None and spec.parallel.stages is not AUTO   # written stages
     rules = tuple(_rule(spec, topo, st) for st in spec.parallel.stages)
     with_ranks = [r for r in rules if r.gpus is not None]
     if with_ranks and len(with_ranks) != len(rules):
@@ -76,7 +77,11 @@ def _layers(spec: Spec, st: StageSpec) -> int | None:
         raise SpecError([Diagnostic(st.span_of("layers"), f"stage '{st.name}' lists {len(st.layers)} layer "
                                     "ranges; the planner keeps written layers only as one range a stage")])
     r = st.layers[0]
-    return spec.model.layer_index(r.last) - spec.model.layer_index(r.first) + 1
+    errors: list[Diagnostic] = []
+    first, last = layer_index(spec, r.first, r.span, errors), layer_index(spec, r.last, r.span, errors)
+    if first is None or last is None:   # a layer the model does not have
+        raise SpecError(errors)
+    return last - first + 1
 
 
 def _block(topo: Topology, r: RankSlice) -> GpuBlock:

@@ -27,7 +27,7 @@ from hetc.passes.plan.space import SearchSpace, knob_options
 from hetc.passes.plan.stages import written_counts
 from hetc.passes.plan.tables import Option, StageTable, stage_table
 from hetc.passes.plan.views import Resolver, view_of
-from hetc.spec import Objective, ScheduleKind, Spec
+from hetc.spec import ModelSpec, Objective, ScheduleKind, Spec
 from hetc.topology import Topology
 
 __all__ = ["Found", "SearchLimits", "Structure", "Structures", "base_knobs"]
@@ -73,13 +73,15 @@ class Structure:
 class Found:
     candidate: Candidate
     score: Score
-    structure: Structure
+    structure: Structure | None   # None: a baseline, found outside the search
 
 
 class Structures:
     def __init__(self, spec: Spec, topo: Topology, profiles: Profiles | None, space: SearchSpace, goal: Goal,
                  limits: SearchLimits | None = None):
+        assert spec.model is not None   # a checked spec
         self.spec, self.topo, self.space, self.goal = spec, topo, space, goal
+        self.model: ModelSpec = spec.model
         self.limits = limits or SearchLimits.for_cluster(topo.num_gpus, spec.model.num_model_layers)
         self.resolve = Resolver(topo)
         self.prims = {b: Primitives(spec, topo, profiles, b) for b in space.micro_batches}
@@ -90,13 +92,13 @@ class Structures:
         rules = self.space.stages
         for idle in self.space.idle_sets:
             if rules is not None and rules[0].gpus is not None:
-                yield idle, tuple(r.gpus for r in rules)
+                yield idle, tuple(r.gpus for r in rules if r.gpus is not None)   # all or none: stage_rules
                 continue
             used = [g for g in self.topo.groups if g not in idle]
             if used:
                 max_stages = min(self.space.max_stages, self.units)
                 for layout in layouts(self.topo, bandwidth_domains(self.topo, used), max_stages,
-                                      self.spec.model.dtype):
+                                      self.model.dtype):
                     if rules is None or len(layout) == len(rules):
                         yield idle, layout
 
@@ -127,7 +129,7 @@ class Structures:
             if any(b.gpu_start % t or (b.gpu_stop - b.gpu_start) % t for b in st.blocks):
                 return None
             lane = self.resolve(StageGpus(st.blocks, 1)).gpus[:t]
-            if t not in tp_degrees(self.spec.model, self.topo, lane):
+            if t not in tp_degrees(self.model, self.topo, lane):
                 return None
         return tuple(StageGpus(st.blocks, t) for st, t in zip(layout, tps))
 
@@ -144,7 +146,7 @@ class Structures:
         return None if rule is None else rule.layers
 
     def _speeds(self, st: Structure) -> list[float]:
-        dtype = self.spec.model.dtype
+        dtype = self.model.dtype
         return [sum(group_speed(self.topo, b.group, dtype) * b.size /
                     (self.topo.groups[b.group].count * self.topo.groups[b.group].gpus) for b in stage.blocks)
                 for stage in st.layout]
@@ -202,8 +204,8 @@ class Structures:
         lows = [max(1, min(c, most) - width) for c, most in zip(centres, limits)]
         highs = [min(most, max(c, 1) + width) for c, most in zip(centres, limits)]
         for s in range(len(st.layout)):   # written layer ranges stay
-            if self._fixed_layers(s) is not None:
-                lows[s] = highs[s] = limits[s] = self._fixed_layers(s)
+            if (fixed := self._fixed_layers(s)) is not None:
+                lows[s] = highs[s] = limits[s] = fixed
         while True:
             tables = [self._table(st, s, range(lo, hi + 1), knobs[s], fallbacks[s])
                       for s, (lo, hi) in enumerate(zip(lows, highs))]
@@ -224,7 +226,7 @@ class Structures:
 
     def candidate(self, st: Structure, a: Assignment) -> Candidate | None:
         m = self.prims[st.micro_batch].num_microbatches
-        counts = []
+        counts: list[tuple[int, ...]] = []
         for o in a.options:
             per_class = spread(m, o.lane_classes(), o.equal_counts)
             if per_class is None:
@@ -243,7 +245,7 @@ class Structures:
         if rule is None or rule.routing is None:
             return None
         lanes = self.resolve(st.layout[s]).lanes
-        return written_counts(rule.routing, [list(lane) for lane in lanes], m, self.spec.model.dtype)
+        return written_counts(rule.routing, [list(lane) for lane in lanes], m, self.model.dtype)
 
     def score(self, c: Candidate) -> Score:
         zero = tuple(replace(self.space.zero_base, level=k.zero) for k in c.knobs)

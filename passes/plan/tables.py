@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from hetc.errors import InternalError
 from hetc.passes.plan.candidate import Knobs, split_evenly
 from hetc.passes.plan.costs import Primitives
 from hetc.passes.plan.routing import bottleneck
@@ -53,6 +54,13 @@ class Option:
 
     def lane_classes(self) -> list[tuple[int, float, int]]:
         return [(len(c.lanes), c.cycle, c.cap) for c in self.classes]
+
+    @property
+    def placed_work(self) -> float:
+        """`work` of an option that can place its microbatches (the only ones the search keeps)."""
+        if self.work is None:
+            raise InternalError(f"an option that cannot place its microbatches was kept: {self.knobs}")
+        return self.work
 
 
 @dataclass

@@ -38,15 +38,17 @@ def verify(program: Program, pipeline: Pipeline, spec: Spec, sizes: Sizes | None
     (passes/lower/forward_only.py) for completeness forward only.
     """
     _check_shape(program, pipeline)
-    checks = [("dataflow", lambda: check_dataflow(program, pipeline, spec.model.num_model_layers,
-                                                  spec.train.grad_clip > 0, spec.model.seq, forward_only)),
+    model, train = spec.model, spec.train
+    assert model is not None and train is not None   # a checked spec
+    checks = [("dataflow", lambda: check_dataflow(program, pipeline, model.num_model_layers,
+                                                  train.grad_clip > 0, model.seq, forward_only)),
               ("protocol", lambda: check_protocol(program))]
     if sizes is not None:
         checks.append(("memory", lambda: check_memory(program, pipeline, sizes)))
     for name, check in checks:
         findings = check()
         if findings:
-            focus = {}
+            focus: dict[int, int] = {}
             for f in findings:
                 focus.setdefault(f.rank, max(f.index, 0))
             raise VerifyError(findings, render_grid(program, dict(list(focus.items())[:6])), check=name)
@@ -57,6 +59,7 @@ def verified_evaluation(program: Program, pipeline: Pipeline, spec: Spec) -> Pro
 
     Note [Evaluation programs] in passes/lower/forward_only.py says why the memory check is not rerun.
     """
+    assert spec.train is not None   # a checked spec
     if spec.train.eval_every == 0:
         return None
     evaluation = forward_only(program)
@@ -71,7 +74,7 @@ def _check_shape(program: Program, pipeline: Pipeline) -> None:
     for r, rp in enumerate(program.ranks):
         place = pipeline.stage_of_rank.get(r)
         lane = pipeline.lane_of_rank.get(r)
-        if rp.rank != r or place is None or (rp.stage, rp.lane) != (place.index, lane.index):
+        if rp.rank != r or place is None or lane is None or (rp.stage, rp.lane) != (place.index, lane.index):
             raise VerifyError([Finding(r, -1, "", f"the header says rank {rp.rank} stage {rp.stage} lane "
                                        f"{rp.lane}, but in the plan rank {r} is stage "
                                        f"{place.index if place else '?'} lane {lane.index if lane else '?'}")])

@@ -20,7 +20,9 @@ same tokens.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from hetc.layout import Range, boundary_ranges, describe, local_slice, tiling_problem
 from hetc.passes.verify.errors import Finding, at
@@ -101,8 +103,7 @@ class _Rank:
     # ------------------------------------------------------------ instructions
 
     def run(self, i: int, instr: Instr) -> None:
-        handler = _HANDLERS.get(type(instr))
-        handler(self, i, instr)
+        _HANDLERS[type(instr)](self, i, instr)
 
     def _owned(self, instr) -> None:
         if instr.ms not in self.own:
@@ -194,6 +195,7 @@ class _Rank:
 
     def _check_piece(self, instr: Recv) -> None:
         sender = self._held_by(instr.peer_from)
+        assert sender is not None and self.held is not None   # both known once `seq` is
         if instr.seq is None:
             if sender != self.held:
                 raise _Fault(f"receives rank {instr.peer_from}'s whole {instr.what.value}, tokens "
@@ -316,7 +318,7 @@ class _Rank:
 
     # ------------------------------------------------------------ the end
 
-    def finish(self) -> list[tuple[int, str]]:
+    def finish(self) -> list[str]:
         out = []
         for ms in sorted(self.own):
             for mb in sorted(self.mbs):
@@ -338,7 +340,7 @@ def _same_msg(pending, recv: Recv) -> bool:
     return isinstance(pending, Recv) and (pending.what, pending.ms, pending.mb) == (recv.what, recv.ms, recv.mb)
 
 
-_HANDLERS = {
+_HANDLERS: dict[type, Callable[[_Rank, int, Any], None]] = {
     Load: _Rank.load, Forward: _Rank.forward, Backward: _Rank.backward, BackwardInput: _Rank.backward,
     BackwardWeight: _Rank.backward, Send: _Rank.send, Recv: _Rank.recv, AllGather: _Rank.collective,
     ReduceScatter: _Rank.collective, AllReduce: _Rank.collective, AllToAll: _Rank.collective,
@@ -363,6 +365,7 @@ def check_dataflow(program: Program, pipeline: Pipeline, num_layers: int, clip: 
                 except _Fault as fault:
                     raise _Fault(str(fault), i) from None
         except _Fault as fault:
+            assert fault.index is not None   # the inner handler re-raised it with the index
             findings.append(at(program, rp.rank, fault.index, str(fault)))
             continue
         findings += [at(program, rp.rank, len(rp.instrs) - 1, msg) for msg in rank.finish()]

@@ -33,11 +33,11 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 from hetc.passes.verify.errors import Finding, at
-from hetc.program import (COLLECTIVE_TYPES, COMPUTE_TYPES, Free, Instr, Load, Offload, Prefetch, Program, Recv,
-                          Send, Step, Wait)
+from hetc.program import (COLLECTIVE_TYPES, COMPUTE_TYPES, ComputeInstr, Free, Instr, Load, Offload, Prefetch, Program,
+                          Recv, Send, Step, Wait)
 
 # Instructions that only take the rank's own time; so does a compute op unless its ministage has collectives.
 _LOCAL = frozenset({Load, Free, Step})
@@ -159,10 +159,11 @@ class Machine:
 
     def _part_done(self, part: Op) -> None:
         parent = part.parent
+        assert parent is not None and parent.parts is not None   # a part belongs to its compute op
         parent.waiting -= 1
         if parent.waiting == 0:
             start = max(p.start for p in parent.parts)
-            duration = max(self.clock.local(o.rank, o.instr) for p in parent.parts for o in p.matched)
+            duration = max(self.clock.local(o.rank, o.instr) for p in parent.parts for o in p.matched or ())
             self._finish(parent, start, duration)
 
     # -------------------------------------------------------------- posting
@@ -179,6 +180,7 @@ class Machine:
             state = self.ranks[op.rank]
             start = max(op.post, state.copy_free)
             self._finish(op, start, self.clock.copy(op.rank, instr))
+            assert op.end is not None   # _finish set it
             state.copy_free = op.end
             return None
         return self._post_compute(op, collective_groups(op.rank, instr, self.compute_groups))
@@ -205,6 +207,7 @@ class Machine:
             return None
         other = waiting.popleft()
         send, recv = (op, other) if isinstance(op.instr, Send) else (other, op)
+        assert isinstance(send.instr, Send) and isinstance(recv.instr, Recv)
         problem = _mismatch(send.instr, recv.instr)
         if problem:
             return at(self.program, recv.rank, recv.index, f"{problem}; the next message from rank "
@@ -217,7 +220,10 @@ class Machine:
         return None
 
     def _post_collective(self, op: Op) -> Finding | None:
-        group = op.group or op.instr.group
+        group = op.group
+        if group is None:   # not a compute op's part: a collective instruction
+            assert isinstance(op.instr, COLLECTIVE_TYPES)
+            group = op.instr.group
         members = self.members.get(group)
         if members is None:
             return at(self.program, op.rank, op.index, f"unknown group '{group}'")
@@ -274,7 +280,7 @@ class Machine:
                 state.issued.append(state.t)
             instr = instrs[state.pc]
             kind = type(instr)
-            if kind is Wait:
+            if isinstance(instr, Wait):
                 op = state.posted.get(instr.handle)
                 if op is None or instr.handle in state.waited:
                     why = "was never posted" if op is None else "was already waited"
@@ -283,7 +289,7 @@ class Machine:
                     return None
                 state.waited.add(instr.handle)
                 state.t = max(state.t, op.end)
-            elif kind in _LOCAL or (kind in _COMPUTE and (r, instr.ms) not in self.lockstep):
+            elif kind in _LOCAL or (kind in _COMPUTE and (r, cast(ComputeInstr, instr).ms) not in self.lockstep):
                 self._run_local(r, state, instr)
             else:
                 problem = self._issue(r, state, instr)
@@ -331,14 +337,16 @@ class Machine:
         """The op an unfinished rank waits for."""
         state = self.ranks[r]
         instr = self.program.ranks[r].instrs[state.pc] if state.pc < len(self.program.ranks[r].instrs) else None
-        return state.posted[instr.handle] if isinstance(instr, Wait) else state.blocking
+        op = state.posted[instr.handle] if isinstance(instr, Wait) else state.blocking
+        assert op is not None   # an unfinished rank waits on something
+        return op
 
-    def unwaited(self) -> list[Op]:
-        """Posted ops whose handle no wait completes before the step ends."""
-        return [op for state in self.ranks for h, op in state.posted.items() if h not in state.waited]
+    def unwaited(self) -> list[tuple[int, Op]]:
+        """(handle, op) of posted ops whose handle no wait completes before the step ends."""
+        return [(h, op) for state in self.ranks for h, op in state.posted.items() if h not in state.waited]
 
     def end_time(self) -> float:
-        return max([s.t for s in self.ranks] + [op.end for op in self.ran], default=0.0)
+        return max([s.t for s in self.ranks] + [op.end for op in self.ran if op.end is not None], default=0.0)
 
 
 def _mismatch(send: Send, recv: Recv) -> str:

@@ -288,6 +288,7 @@ def rank_peaks(program: Program, pipeline: Pipeline, sizes: Sizes) -> list[Peak]
     for rp in program.ranks:
         walk = _walk(rp, pipeline, sizes, group_size, record=False)
         peak = walk.peak
+        assert peak is not None   # observe(0) set it
         peaks.append(Peak(peak.rank, peak.index, peak.total, peak.parts, peak.capacity, walk.first_over))
     return peaks
 
@@ -303,6 +304,7 @@ def rank_levels(program: Program, pipeline: Pipeline, sizes: Sizes) -> list[list
     levels = []
     for rp in program.ranks:
         walk = _walk(rp, pipeline, sizes, group_size, record=True)
+        assert walk.levels is not None   # recorded
         if len(walk.levels) != len(rp.instrs):
             raise AssertionError(f"rank {rp.rank}: {len(walk.levels)} observations of {len(rp.instrs)} instructions")
         levels.append([*walk.levels, walk.total])

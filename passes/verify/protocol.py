@@ -21,8 +21,8 @@ def check_protocol(program: Program) -> list[Finding]:
     active = machine.unfinished()
     if active:
         return _deadlock(machine, active)
-    return [at(program, op.rank, op.index, f"handle {op.instr.handle} is never waited before the step ends")
-            for op in machine.unwaited()]
+    return [at(program, op.rank, op.index, f"handle {handle} is never waited before the step ends")
+            for handle, op in machine.unwaited()]
 
 
 def _deadlock(machine: Machine, active: list[int]) -> list[Finding]:

@@ -1,0 +1,82 @@
+"""Build a checked plan as `hetc compile` does and compare it with the cost model's estimate.
+
+`build(checked, profiles)` lowers the plan, verifies it (deadlock, dataflow,
+memory) and simulates its step: what `hetc plan` checks its winner with
+before printing it (Note [the planner checks its winner]) and what the
+agreement test (tests/test_plan_agreement.py) and benchmark
+(benchmarks/plan_agreement.py) hold the estimate to.
+
+`compare(built)` puts the estimate (`hetc explain`) beside the compiled
+program: step time against the simulated timeline, every rank's memory
+against the verifier's peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetc.passes.cost import CostModel, Estimate, Profiles
+from hetc.passes.lower import lower
+from hetc.passes.simulate import simulate
+from hetc.passes.validate import Checked
+from hetc.passes.verify import verify
+from hetc.passes.verify.memory import Peak, rank_peaks
+from hetc.program import Program
+
+__all__ = ["Agreement", "Built", "build", "compare"]
+
+
+@dataclass(frozen=True)
+class Built:
+    """A plan lowered, verified and simulated."""
+
+    checked: Checked
+    program: Program
+    costs: CostModel
+    step_time_s: float | None          # None: not simulated
+    peaks: tuple[Peak, ...]
+
+
+def build(checked: Checked, profiles: Profiles | None = None, simulated: bool = True) -> Built:
+    """Lower and verify `checked`'s plan (VerifyError if it is unsafe or does not fit), then simulate it."""
+    spec, pipeline = checked.spec, checked.pipeline
+    costs = CostModel(spec, pipeline, checked.topology, profiles)
+    program = lower(spec, pipeline, costs=costs)
+    verify(program, pipeline, spec, costs)
+    step = simulate(program, pipeline, spec, costs).step_time if simulated else None
+    return Built(checked, program, costs, step, tuple(rank_peaks(program, pipeline, costs)))
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """The estimate beside the compiled program: relative gaps (estimate / compiled − 1)."""
+
+    estimate: Estimate
+    simulated_s: float
+    step_gap: float
+    peaks: tuple[float, ...]           # per rank: the compiled program's peak bytes
+    memory_gaps: tuple[float, ...]     # per rank
+
+    @property
+    def worst_memory_gap(self) -> tuple[int, float]:
+        """(rank, gap) of the rank whose estimate is furthest from its compiled peak."""
+        rank = max(range(len(self.memory_gaps)), key=lambda r: abs(self.memory_gaps[r]))
+        return rank, self.memory_gaps[rank]
+
+    def within(self, tolerance: float) -> bool:
+        return abs(self.step_gap) <= tolerance and all(abs(g) <= tolerance for g in self.memory_gaps)
+
+    def describe(self) -> str:
+        rank, gap = self.worst_memory_gap
+        return (f"step: explain {self.estimate.step_time_s:.4g} s vs compiled {self.simulated_s:.4g} s "
+                f"({100 * self.step_gap:+.1f}%); worst memory: rank {rank} explain "
+                f"{self.estimate.memory[rank].total / 2**30:.2f} GiB vs compiled "
+                f"{self.peaks[rank] / 2**30:.2f} GiB ({100 * gap:+.1f}%)")
+
+
+def compare(built: Built) -> Agreement:
+    assert built.step_time_s is not None, "compare() needs a simulated step"
+    estimate = built.costs.estimate()
+    peaks = tuple(p.total for p in built.peaks)
+    gaps = tuple(m.total / p - 1 for m, p in zip(estimate.memory, peaks, strict=True))
+    return Agreement(estimate, built.step_time_s, estimate.step_time_s / built.step_time_s - 1, peaks, gaps)

@@ -1,0 +1,87 @@
+"""Predicted against measured, one TimeClass at a time: `hetc viz --compare` and `hetc calibrate`.
+
+Both sides are split by Note [time classes] (hetc/timeline.py) and averaged
+over ranks, so a gap names the term of the cost model that is off: compute
+(layer times), communication wait (links, and the schedule's waits),
+optimizer or offload (host copies).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from hetc.timeline import TimeClass, mean_class_times
+
+__all__ = ["ClassGap", "class_gaps", "gap_table", "measured_from_metrics", "worst_gap"]
+
+
+@dataclass(frozen=True, slots=True)
+class ClassGap:
+    time_class: str
+    predicted_s: float     # mean per rank, one step
+    measured_s: float
+
+    @property
+    def gap_s(self) -> float:
+        return self.measured_s - self.predicted_s
+
+    @property
+    def ratio(self) -> float | None:
+        """measured / predicted; None when nothing was predicted."""
+        return self.measured_s / self.predicted_s if self.predicted_s > 0 else None
+
+    def to_json(self) -> dict:
+        return {"class": self.time_class, "predicted_s": self.predicted_s, "measured_s": self.measured_s,
+                "gap_s": self.gap_s, "ratio": self.ratio}
+
+
+def class_gaps(predicted: dict[str, float], measured: dict[str, float]) -> list[ClassGap]:
+    """One row per TimeClass, in the enum's order."""
+    return [ClassGap(c.value, predicted.get(c.value, 0.0), measured.get(c.value, 0.0)) for c in TimeClass]
+
+
+def worst_gap(gaps: list[ClassGap]) -> ClassGap | None:
+    """The class whose measured time is furthest from its prediction (in seconds); None if all agree."""
+    off = max(gaps, key=lambda g: abs(g.gap_s), default=None)
+    return off if off is not None and off.gap_s != 0 else None
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f}"
+
+
+def gap_table(gaps: list[ClassGap], predicted_step: float, measured_step: float) -> str:
+    """A short text table: a row per class and one for the step, then the term most off."""
+    rows = [("class", "predicted ms", "measured ms", "gap ms", "measured/predicted")]
+    for g in gaps:
+        rows.append((g.time_class, _ms(g.predicted_s), _ms(g.measured_s), f"{g.gap_s * 1e3:+.3f}",
+                     f"×{g.ratio:.2f}" if g.ratio is not None else "-"))
+    step_ratio = f"×{measured_step / predicted_step:.2f}" if predicted_step > 0 else "-"
+    rows.append(("step", _ms(predicted_step), _ms(measured_step), f"{(measured_step - predicted_step) * 1e3:+.3f}",
+                 step_ratio))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    off = worst_gap(gaps)
+    if off is not None:
+        how = f"×{off.ratio:.2f} of predicted" if off.ratio is not None else "none predicted"
+        lines.append(f"most off: {off.time_class}, {off.gap_s * 1e3:+.3f} ms a step per rank ({how})")
+    return "\n".join(lines)
+
+
+def measured_from_metrics(path: Path, skip: int = 1) -> tuple[dict[str, float], float]:
+    """(median over steps of the mean per rank of each class, median step seconds) of a `--metrics` file.
+
+    The first `skip` steps are left out while more remain (warm-up: allocation, first-touch, caches).
+    """
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = [r for r in records if r.get("class_times_s")]
+    if not records:
+        raise ValueError(f"{path}: no step with class_times_s (write it with `hetc run --metrics`)")
+    kept = records[skip:] if len(records) > skip else records
+    per_step = [mean_class_times(r["class_times_s"]) for r in kept]
+    classes = {c.value: statistics.median(s[c.value] for s in per_step) for c in TimeClass}
+    return classes, statistics.median(r["step_time_s"] for r in kept)

@@ -1,0 +1,43 @@
+"""`hetc export hf CHECKPOINT -o DIR`: a checkpoint of any plan as a Hugging Face model directory."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+__all__ = ["register"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="write a checkpoint in another system's format",
+                       description="Write a checkpoint (a step-N folder of `hetc run --checkpoint DIR`, "
+                                   "saved under any plan) in another system's format.")
+    formats = p.add_subparsers(dest="format", metavar="FORMAT", required=True)
+    h = formats.add_parser("hf", help="config.json and sharded safetensors with Hugging Face names",
+                           description="Write DIR/config.json, DIR/model-NNNNN-of-NNNNN.safetensors and "
+                                       "DIR/model.safetensors.index.json, which transformers' "
+                                       "from_pretrained loads.")
+    h.add_argument("checkpoint", metavar="CHECKPOINT", help="a step-N checkpoint folder")
+    h.add_argument("-o", "--output", required=True, metavar="DIR", help="the Hugging Face directory to write")
+    h.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="dtype of the written tensors (default fp32, the master weights)")
+    h.add_argument("--max-shard-size", type=float, default=2.0, metavar="GB",
+                   help="largest shard in GiB (default 2)")
+    h.set_defaults(func=_hf)
+
+
+def _hf(args: argparse.Namespace) -> int:
+    from hetc.cli import UsageError
+    from hetc.hf.config import HfError
+    from hetc.hf.export import export_hf
+    from hetc.spec import DType
+
+    if args.max_shard_size <= 0:
+        raise UsageError("--max-shard-size must be positive")
+    try:
+        paths = export_hf(Path(args.checkpoint), Path(args.output), dtype=DType(args.dtype),
+                          max_shard_bytes=int(args.max_shard_size * (1 << 30)))
+    except HfError as err:
+        raise UsageError(str(err)) from None
+    print(f"wrote {args.output}: config.json and {len(paths)} safetensors shard(s)")
+    return 0

@@ -1,0 +1,185 @@
+"""config.json of a Hugging Face causal LM -> the fields of a ModelSpec.
+
+Note [hf presets]
+`model NAME { hf = "DIR" }` takes the architecture and sizes from
+DIR/config.json as a `Preset`: values the converter (hetc/convert.py) puts
+in every field the block does not write, located at the `hf` value. Fields
+that describe the architecture are *locked*: a key written beside `hf` that
+sets one to another value contradicts the weights and is a located error;
+writing the same value is allowed (that is how `hetc fmt` and plan.het print
+such a block, every field explicit). Training fields (TRAINING_FIELDS) take
+the config's value only as a default: seq = max_position_embeddings, dtype
+= the config's dtype, and for Mixtral moe.capacity_factor = experts / top_k,
+the capacity at which hetc's MoE drops no assignment (Note [expert capacity]
+in runtime/moe.py: C = ⌈cf·T·K/E⌉ = T, and an expert serves each token at
+most once) — Mixtral itself is dropless, so that is the faithful default.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hetc.errors import Span
+from hetc.spec import Arch, DType, ModelSpec, RopeScalingKind, RopeScalingSpec
+
+__all__ = ["CONFIG_FILE", "SUPPORTED", "TRAINING_FIELDS", "HfError", "Preset", "import_model", "model_preset",
+           "read_config"]
+
+CONFIG_FILE = "config.json"
+
+# architectures (config.json "architectures"[0]) -> what differs from plain Llama
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+             "MixtralForCausalLM")
+
+# fields a key beside `hf` may set (Note [hf presets]); MoE: only capacity_factor
+TRAINING_FIELDS = frozenset({"name", "hf", "init", "seq", "dtype", "activation_checkpoint", "optimizer",
+                             "capacity_factor"})
+
+_DTYPES = {"float32": DType.FP32, "bfloat16": DType.BF16, "float16": DType.FP16}
+
+
+class HfError(ValueError):
+    """A Hugging Face directory hetc cannot take; the caller locates it."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Field values from a config (nested Presets for blocks); see Note [hf presets]."""
+
+    values: dict[str, Any]
+    locked: frozenset[str]
+    span: Span
+    source: str                                # "DIR/config.json", for messages
+    limits: dict[str, int] = field(default_factory=dict)   # field -> largest value the weights allow
+
+
+def read_config(directory: Path) -> dict[str, Any]:
+    """DIR/config.json as a dict; HfError when it is missing or not a JSON object."""
+    path = Path(directory) / CONFIG_FILE
+    if not Path(directory).is_dir():
+        raise HfError(f"'{directory}' is not a directory (hf names a Hugging Face model directory)")
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise HfError(f"'{directory}' has no {CONFIG_FILE} (hf names a Hugging Face model directory)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise HfError(f"cannot read {path}: {err}") from None
+    if not isinstance(config, dict):
+        raise HfError(f"{path} is not a JSON object")
+    return config
+
+
+def model_preset(config: dict[str, Any], source: str, span: Span) -> Preset:
+    """The ModelSpec fields `config` describes; HfError for an architecture hetc does not implement."""
+    arch = _architecture(config)
+    heads = _int(config, "num_attention_heads")
+    hidden = _int(config, "hidden_size")
+    head_dim = config.get("head_dim")
+    values: dict[str, Any] = {
+        "arch": Arch.LLAMA,
+        "layers": _int(config, "num_hidden_layers"),
+        "hidden": hidden,
+        "heads": heads,
+        "kv_heads": int(config.get("num_key_value_heads") or heads),
+        "ffn": _int(config, "intermediate_size"),
+        "vocab": _int(config, "vocab_size"),
+        "tied_embeddings": bool(config.get("tie_word_embeddings", False)),
+        "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+        "rope_theta": float(_rope(config).get("rope_theta", 10000.0)),
+        "head_dim": None if head_dim in (None, hidden // heads) else int(head_dim),
+        "qkv_bias": arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
+        "out_bias": arch != "Qwen2ForCausalLM" and bool(config.get("attention_bias", False)),
+        "qk_norm": arch == "Qwen3ForCausalLM",
+        "rope_scaling": _rope_scaling(config),
+        "moe": _moe(config, span, source) if arch == "MixtralForCausalLM" else None,
+        "seq": _int(config, "max_position_embeddings"),
+    }
+    dtype = config.get("dtype", config.get("torch_dtype"))
+    if dtype in _DTYPES:
+        values["dtype"] = _DTYPES[dtype]
+    _check_unsupported(config)
+    locked = frozenset(values) - TRAINING_FIELDS
+    window = _sliding_window(config)
+    if window:
+        values["seq"] = min(values["seq"], window)
+    return Preset(values, locked, span, source, {"seq": window} if window else {})
+
+
+def _architecture(config: dict[str, Any]) -> str:
+    names = config.get("architectures") or []
+    name = names[0] if isinstance(names, list) and names else None
+    if name not in SUPPORTED:
+        what = f"architecture '{name}'" if name else "a config without \"architectures\""
+        raise HfError(f"{what} is not supported; hetc reads {', '.join(SUPPORTED)}")
+    return name
+
+
+def _int(config: dict[str, Any], key: str) -> int:
+    value = config.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise HfError(f"\"{key}\" must be a positive integer, not {value!r}")
+    return value
+
+
+def _rope(config: dict[str, Any]) -> dict[str, Any]:
+    """RoPE settings: transformers 5 nests them in rope_parameters, 4 writes rope_theta and rope_scaling."""
+    params = config.get("rope_parameters")
+    if isinstance(params, dict):
+        return params
+    scaling = config.get("rope_scaling")
+    scaling = scaling if isinstance(scaling, dict) else {}
+    return {"rope_theta": config.get("rope_theta", 10000.0), **scaling}
+
+
+def _rope_scaling(config: dict[str, Any]) -> RopeScalingSpec | None:
+    rope = _rope(config)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != RopeScalingKind.LLAMA3.value:
+        raise HfError(f"RoPE scaling '{kind}' is not supported; hetc implements llama3 (Llama 3.1)")
+    return RopeScalingSpec(kind=RopeScalingKind.LLAMA3, factor=float(rope["factor"]),
+                           low_freq_factor=float(rope["low_freq_factor"]),
+                           high_freq_factor=float(rope["high_freq_factor"]),
+                           original_seq=int(rope["original_max_position_embeddings"]))
+
+
+def _moe(config: dict[str, Any], span: Span, source: str) -> Preset:
+    experts, top_k = _int(config, "num_local_experts"), _int(config, "num_experts_per_tok")
+    if config.get("router_jitter_noise", 0.0):
+        raise HfError("router_jitter_noise is not supported (hetc's router is deterministic)")
+    values = {"experts": experts, "top_k": top_k, "capacity_factor": experts / top_k}
+    return Preset(values, frozenset({"experts", "top_k"}), span, source)
+
+
+def _check_unsupported(config: dict[str, Any]) -> None:
+    if config.get("hidden_act", "silu") != "silu":
+        raise HfError(f"hidden_act '{config['hidden_act']}' is not supported; these architectures use silu")
+    if config.get("mlp_bias", False):
+        raise HfError("mlp_bias = true is not supported (hetc's SwiGLU has no biases)")
+
+
+def _sliding_window(config: dict[str, Any]) -> int | None:
+    """The attention window, when the config limits attention to one (hetc attends to the whole sequence)."""
+    window = config.get("sliding_window")
+    uses = config.get("use_sliding_window", True)
+    return int(window) if isinstance(window, int) and uses else None
+
+
+
+def import_model(directory: Path, name: str) -> ModelSpec:
+    """The explicit ModelSpec DIR/config.json describes (`hetc import hf`); HfError or SpecError."""
+    import dataclasses
+
+    from hetc.convert import Converter
+    from hetc.errors import NO_SPAN, SpecError
+
+    conv = Converter()
+    preset = model_preset(read_config(directory), f"{directory}/{CONFIG_FILE}", NO_SPAN)
+    model = conv.block(ModelSpec, (), NO_SPAN, "model", preset=preset)
+    if conv.errors or not isinstance(model, ModelSpec):
+        raise SpecError(conv.errors)
+    return dataclasses.replace(model, name=name)

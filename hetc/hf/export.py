@@ -1,0 +1,150 @@
+"""A hetc checkpoint as a Hugging Face directory: config.json and sharded safetensors with an index.
+
+The checkpoint (a `step-N` folder of `hetc run --checkpoint DIR`) is
+plan-free (Note [Checkpoint layout]): full fp32 parameters by hetc name,
+and model.het, the model they belong to. Export reads the parameters in
+one process, gives each its full shape and Hugging Face name (names.py),
+and writes shards of at most `max_shard_bytes` with
+model.safetensors.index.json, the layout `save_pretrained` writes. The
+config is the one the model came from (hf_config.json) when there is one,
+with every architecture key rewritten from the model, so a model trained
+from a Hugging Face directory goes back with its tokenizer ids and the rest.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from hetc.errors import SpecError
+from hetc.hf.config import CONFIG_FILE, HfError
+from hetc.hf.names import hf_name
+from hetc.hf.weights import INDEX_FILE
+from hetc.spec import Arch, DType, ModelSpec
+
+__all__ = ["DEFAULT_SHARD_BYTES", "export_hf", "hf_config", "read_checkpoint_model"]
+
+DEFAULT_SHARD_BYTES = 2 << 30
+_TORCH_NAMES = {DType.FP32: "float32", DType.BF16: "bfloat16", DType.FP16: "float16"}
+
+
+def hf_config(model: ModelSpec, dtype: DType = DType.FP32, base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """config.json for `model` (`base`: the config it came from, whose other keys are kept)."""
+    arch, model_type = _architecture(model)
+    if arch == "LlamaForCausalLM" and (base or {}).get("architectures") == ["MistralForCausalLM"]:
+        arch, model_type = "MistralForCausalLM", "mistral"    # the same tensors: keep what it was
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": model.rope_theta}
+    if model.rope_scaling is not None:
+        s = model.rope_scaling
+        rope = {"rope_type": s.kind.value, "rope_theta": model.rope_theta, "factor": s.factor,
+                "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor,
+                "original_max_position_embeddings": s.original_seq}
+    config = dict(base or {})
+    for legacy in ("rope_scaling", "torch_dtype"):
+        config.pop(legacy, None)
+    config.update({
+        "architectures": [arch], "model_type": model_type, "vocab_size": model.vocab,
+        "hidden_size": model.hidden, "intermediate_size": model.ffn, "num_hidden_layers": model.layers,
+        "num_attention_heads": model.heads, "num_key_value_heads": model.num_kv_heads,
+        "head_dim": model.head_size, "hidden_act": "silu", "rms_norm_eps": model.norm_eps,
+        "tie_word_embeddings": model.tied_embeddings, "rope_parameters": rope, "rope_theta": model.rope_theta,
+        "max_position_embeddings": max(int(config.get("max_position_embeddings", 0)), model.seq),
+        "dtype": _TORCH_NAMES[dtype],
+    })
+    if model_type in ("llama", "qwen3"):
+        config["attention_bias"] = model.qkv_bias
+        config["mlp_bias"] = False
+    if model.moe is not None:
+        config.update({"num_local_experts": model.moe.experts, "num_experts_per_tok": model.moe.top_k,
+                       "router_jitter_noise": 0.0})
+    return config
+
+
+def _architecture(model: ModelSpec) -> tuple[str, str]:
+    """The Hugging Face class that holds exactly `model`'s parameters."""
+    if model.arch is not Arch.LLAMA:
+        raise HfError(f"a {model.arch.value}-arch model has no Hugging Face counterpart here; "
+                      "hetc exports llama-arch models")
+    if model.moe is not None:
+        if model.qkv_bias or model.out_bias or model.qk_norm:
+            raise HfError("Mixtral has no attention biases or q/k norms: this MoE model cannot be exported")
+        return "MixtralForCausalLM", "mixtral"
+    if model.qk_norm:
+        if model.qkv_bias != model.out_bias:
+            raise HfError("Qwen3 biases all four attention projections or none: cannot export this model")
+        return "Qwen3ForCausalLM", "qwen3"
+    if model.qkv_bias and not model.out_bias:
+        return "Qwen2ForCausalLM", "qwen2"
+    if model.qkv_bias != model.out_bias:
+        raise HfError("out_bias without qkv_bias has no Hugging Face counterpart")
+    return "LlamaForCausalLM", "llama"
+
+
+def export_hf(checkpoint: Path, out: Path, *, dtype: DType = DType.FP32,
+              max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[Path]:
+    """Write `out`/config.json, the shards and the index; return the shard paths."""
+    from safetensors.torch import save_file
+
+    from hetc.runtime.checkpoint import read_params
+    from hetc.runtime.model import compute_dtype, full_shapes
+
+    model, base = read_checkpoint_model(Path(checkpoint))
+    config = hf_config(model, dtype, base)
+    params = read_params(Path(checkpoint))
+    shapes = full_shapes(model)
+    if set(params) != set(shapes):
+        raise HfError(f"{checkpoint} does not hold the parameters of its {Path(checkpoint) / 'model.het'}: "
+                      f"{sorted(set(params) ^ set(shapes))[:3]}")
+    torch_dtype = compute_dtype(dtype)
+    tensors = {hf_name(n): params[n].view(shapes[n]).to(torch_dtype).contiguous() for n in shapes}
+    shards = _shards(tensors, max_shard_bytes)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    paths: list[Path] = []
+    for i, names in enumerate(shards, 1):
+        path = out / f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file({n: tensors[n] for n in names}, str(path), metadata={"format": "pt"})
+        weight_map.update((n, path.name) for n in names)
+        paths.append(path)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                             indent=2) + "\n")
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    return paths
+
+
+def read_checkpoint_model(checkpoint: Path) -> tuple[ModelSpec, dict[str, Any] | None]:
+    """The model a checkpoint holds (its model.het) and the config it came from (hf_config.json), if any."""
+    from hetc.load import load_spec
+    from hetc.runtime.checkpoint import HF_CONFIG_FILE, MODEL_FILE
+
+    if not (checkpoint / ".metadata").is_file():
+        raise HfError(f"'{checkpoint}' is not a complete checkpoint (a step-N folder of `hetc run --checkpoint`)")
+    card = checkpoint / MODEL_FILE
+    if not card.is_file():
+        raise HfError(f"'{checkpoint}' has no {MODEL_FILE} (it was saved by an older hetc)")
+    try:
+        model = load_spec(card).spec.model
+    except SpecError as err:
+        raise HfError(f"cannot read {card}: {err}") from None
+    if model is None:
+        raise HfError(f"{card} holds no model block")
+    base_file = checkpoint / HF_CONFIG_FILE
+    base = json.loads(base_file.read_text()) if base_file.is_file() else None
+    return model, base
+
+
+def _shards(tensors: dict, max_bytes: int) -> list[list[str]]:
+    """Names in model order, cut into runs of at most `max_bytes` (a bigger tensor gets a shard of its own)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards

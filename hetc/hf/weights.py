@@ -1,0 +1,150 @@
+"""Safetensors weights of a Hugging Face directory: which file holds what, checks, lazy slices.
+
+A directory holds one `model.safetensors`, or shards named by
+`model.safetensors.index.json` ("weight_map": tensor -> file), or other
+`*.safetensors` files. Checks read only the headers (the format: an 8-byte
+little-endian length, then a JSON table of name -> dtype, shape, offsets),
+which costs a few kilobytes per file and no torch. Reads go through
+safetensors' `safe_open(...).get_slice`, which maps the file and copies out
+only the requested index ranges: a rank materialises its own slices, never
+a whole tensor it does not own (see runtime/hf_load.py).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from hetc.hf.config import HfError
+
+__all__ = ["INDEX_FILE", "SINGLE_FILE", "WeightReader", "expected_shapes", "has_weights", "header_shapes",
+           "model_weight_problems", "weight_map", "weight_problems"]
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_MAX_HEADER = 100 << 20      # safetensors' own bound on the JSON header
+_NOT_PARAMETERS = (".rotary_emb.inv_freq",)    # buffers some older checkpoints saved beside the weights
+
+
+def has_weights(directory: Path) -> bool:
+    directory = Path(directory)
+    return (directory / INDEX_FILE).is_file() or any(directory.glob("*.safetensors"))
+
+
+def weight_map(directory: Path) -> dict[str, Path]:
+    """Tensor name -> the file holding it; HfError for a broken index or a missing shard."""
+    directory = Path(directory)
+    index = directory / INDEX_FILE
+    if index.is_file():
+        try:
+            mapping = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise HfError(f"cannot read {index}: {type(err).__name__}: {err}") from None
+        files = {name: directory / file for name, file in mapping.items()}
+        for path in sorted(set(files.values())):
+            if not path.is_file():
+                raise HfError(f"{index.name} names {path.name}, which is not in {directory}")
+        return files
+    out: dict[str, Path] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        out.update((name, path) for name in _header(path))
+    return out
+
+
+def header_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape, from the headers alone."""
+    files = weight_map(directory)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in sorted(set(files.values())):
+        for name, entry in _header(path).items():
+            if files.get(name) == path:
+                shapes[name] = tuple(entry["shape"])
+    missing = sorted(set(files) - set(shapes))
+    if missing:
+        raise HfError(f"the index puts {missing[0]} in {files[missing[0]].name}, which does not hold it")
+    return shapes
+
+
+def expected_shapes(model) -> dict[str, tuple[int, ...]]:
+    """The Hugging Face tensors `model` (a ModelSpec) needs, with their shapes (from the runtime's modules)."""
+    from hetc.hf.names import hf_name
+    from hetc.runtime.model import full_shapes
+
+    return {hf_name(name): shape for name, shape in full_shapes(model).items()}
+
+
+def model_weight_problems(model, directory: Path) -> list[str]:
+    """What keeps `directory`'s safetensors from being `model`'s weights (empty: nothing), from headers."""
+    try:
+        return weight_problems(header_shapes(directory), expected_shapes(model))
+    except HfError as err:
+        return [str(err)]
+
+
+def weight_problems(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]) -> list[str]:
+    """Missing, extra and misshapen tensors (Hugging Face names), as short messages."""
+    names = {n for n in found if not n.endswith(_NOT_PARAMETERS)}
+    problems = []
+    if missing := sorted(set(expected) - names):
+        problems.append(f"missing {_some(missing)}")
+    if extra := sorted(names - set(expected)):
+        problems.append(f"unexpected {_some(extra)}")
+    for name in sorted(set(expected) & names):
+        if found[name] != expected[name]:
+            problems.append(f"{name} has shape {list(found[name])}, the model needs {list(expected[name])}")
+    return problems
+
+
+def _some(names: list[str]) -> str:
+    shown = ", ".join(names[:3])
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return f"{'tensor' if len(names) == 1 else 'tensors'} {shown}{more}"
+
+
+def _header(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            (size,) = struct.unpack("<Q", raw) if len(raw) == 8 else (-1,)
+            if not 0 < size <= _MAX_HEADER:
+                raise HfError(f"{path} is not a safetensors file")
+            table = json.loads(f.read(size))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise HfError(f"cannot read the safetensors header of {path}: {err}") from None
+    if not isinstance(table, dict):
+        raise HfError(f"{path} is not a safetensors file")
+    table.pop("__metadata__", None)
+    return table
+
+
+class WeightReader:
+    """Slices of the tensors of a directory, read lazily, in fp32."""
+
+    def __init__(self, directory: Path) -> None:
+        self.files = weight_map(directory)
+        self._open: dict[Path, Any] = {}
+
+    def read(self, name: str, index: Iterable[slice]):
+        """Tensor `name`[index] (one slice per leading dimension) as a new fp32 torch tensor."""
+        import torch
+
+        return self._handle(self.files[name]).get_slice(name)[tuple(index)].to(torch.float32)
+
+    def _handle(self, path: Path):
+        if path not in self._open:
+            from safetensors import safe_open
+
+            self._open[path] = safe_open(str(path), framework="pt")
+        return self._open[path]
+
+    def close(self) -> None:
+        self._open.clear()
+
+    def __enter__(self) -> WeightReader:  # noqa: PYI034 - a final class
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

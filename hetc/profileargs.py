@@ -1,0 +1,111 @@
+"""The measured profiles a verb predicts time with: `--profile FILE` (repeatable) and `$HETC_PROFILES`.
+
+Every verb that predicts time (`plan`, `explain`, `compile`, `viz`,
+`calibrate`) takes its profiles through `add_profile_option` and
+`load_profile_args`, so they read the same files in the same order: the
+environment's first, then the command line's.
+
+Note [recorded profiles]: `hetc compile` writes DIR/profiles.json, the
+profiles its prediction (DIR/timeline.json) was made with, each with the
+sha256 of its content (a data folder: of its files' names and contents),
+and those it offered but did not use, with the reason. `hetc viz --compare`
+and `hetc calibrate` read it back: a file since changed or gone is said so,
+since the prediction on the page is then not what those files would give.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from hetc.cli import UsageError
+
+__all__ = ["PROFILES_FILE", "PROFILE_ENV", "RecordedProfile", "add_profile_option", "fingerprint",
+           "load_profile_args", "profile_paths", "read_recorded", "record_profiles", "same_as_recorded", "stale_profiles"]
+
+PROFILE_ENV = "HETC_PROFILES"   # os.pathsep-separated profile files / data folders used by default
+PROFILES_FILE = "profiles.json"
+
+
+def add_profile_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile", action="append", default=[], metavar="FILE|DIR",
+                   help=f"a `hetc profile` file, a Sailor data folder or a Zorse folder (repeatable; "
+                        f"after those in ${PROFILE_ENV})")
+
+
+def profile_paths(paths: list[str]) -> list[str]:
+    """$HETC_PROFILES's entries, then `paths` (the command line's)."""
+    env = [x for x in os.environ.get(PROFILE_ENV, "").split(os.pathsep) if x]
+    return env + list(paths)
+
+
+def load_profile_args(paths: list[str]):
+    """The Profiles of `profile_paths(paths)`, or a UsageError naming the file that cannot be read."""
+    from hetc.passes.cost import ProfileError, load_profiles
+
+    try:
+        return load_profiles(profile_paths(paths))
+    except ProfileError as err:
+        raise UsageError(str(err)) from None
+
+
+def fingerprint(path: Path) -> str | None:
+    """sha256 of a file, or of a folder's relative file names and contents; None when it is gone."""
+    digest = hashlib.sha256()
+    if path.is_file():
+        digest.update(path.read_bytes())
+    elif path.is_dir():
+        for f in sorted(p for p in path.rglob("*") if p.is_file()):
+            digest.update(str(f.relative_to(path)).encode() + b"\0" + f.read_bytes() + b"\0")
+    else:
+        return None
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedProfile:
+    path: str      # absolute, as the prediction read it
+    sha256: str
+
+
+def record_profiles(paths: list[str], unused) -> dict:
+    """DIR/profiles.json's content (Note [recorded profiles]); `unused` is Provenance.unused."""
+    used = [RecordedProfile(str(Path(p).resolve()), fingerprint(Path(p)) or "") for p in profile_paths(paths)]
+    return {"profiles": [{"path": r.path, "sha256": r.sha256} for r in used],
+            "unused_profiles": [{"profile": u.profile, "reason": u.reason} for u in unused]}
+
+
+def read_recorded(plan_dir: Path) -> list[RecordedProfile] | None:
+    """The profiles DIR's prediction was made with; None for a directory older than profiles.json."""
+    path = plan_dir / PROFILES_FILE
+    if not path.is_file():
+        return None
+    try:
+        return [RecordedProfile(str(r["path"]), str(r["sha256"])) for r in json.loads(path.read_text())["profiles"]]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise UsageError(f"{path}: not a profiles record ({type(err).__name__}: {err})") from None
+
+
+def stale_profiles(recorded: list[RecordedProfile]) -> list[str]:
+    """One line per recorded profile that has changed or gone since the prediction was made."""
+    out = []
+    for r in recorded:
+        now = fingerprint(Path(r.path))
+        if now is None:
+            out.append(f"{r.path} is missing (the prediction was made with it)")
+        elif now != r.sha256:
+            out.append(f"{r.path} has changed since the prediction was made (sha256 {r.sha256[:12]} then, "
+                       f"{now[:12]} now)")
+    return out
+
+
+def same_as_recorded(paths: list[str], recorded: list[RecordedProfile] | None) -> bool:
+    """Whether `profile_paths(paths)` are the recorded files with the recorded content."""
+    if recorded is None:
+        return not profile_paths(paths)
+    given = [(str(Path(p).resolve()), fingerprint(Path(p))) for p in profile_paths(paths)]
+    return given == [(r.path, r.sha256) for r in recorded]

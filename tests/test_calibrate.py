@@ -1,0 +1,93 @@
+"""Time per class (Note [time classes]): `hetc run --metrics`, the simulator's split, `hetc calibrate`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hetc.cli import main
+from hetc.program import AllReduce, Backward, Forward, Recv, Send, Step, Tensor, Wait
+from hetc.timeline import TimeClass, Timeline, class_times
+from tests.conftest import DEMO
+
+CLASSES = {c.value for c in TimeClass}
+
+
+def test_a_wait_counts_for_the_work_it_waits_for():
+    instrs = [Forward(0, 0), Send(Tensor.ACT, 0, 0, peer_to=1, shape=(1, 2), handle=7),
+              Recv(Tensor.GRAD, 0, 0, peer_from=1, shape=(1, 2)), Backward(0, 0), Wait(7),
+              AllReduce(Tensor.GRADS, "dp", 0), Step(0)]
+    split = class_times(instrs, [0.0, 1.0, 1.5, 4.0, 6.0, 6.5, 8.0], 9.0)
+    assert split == {TimeClass.COMPUTE: 1.0 + 2.0, TimeClass.COMM_WAIT: 0.5 + 2.5 + 0.5 + 1.5,
+                     TimeClass.OPTIMIZER: 1.0, TimeClass.OFFLOAD: 0.0}
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single") / "plan"
+    assert main(["compile", str(DEMO / "single.het"), "-o", str(out)]) == 0
+    return out
+
+
+def test_the_prediction_is_split_by_class_within_each_ranks_step(tmp_path):
+    out = tmp_path / "pp"
+    assert main(["compile", str(DEMO / "pp.het"), "-o", str(out)]) == 0
+    timeline = Timeline.from_json((out / "timeline.json").read_text())
+    assert len(timeline.classes) == len(timeline.ranks)
+    for split in timeline.classes:
+        assert set(split) == CLASSES and min(split.values()) >= 0
+        assert 0 < sum(split.values()) <= timeline.step_time * (1 + 1e-9)
+        assert split["comm_wait"] > 0            # a pipeline's ranks wait for their neighbours
+
+
+@pytest.mark.slow
+def test_run_metrics_record_time_per_class_each_step(single, tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    assert main(["run", str(single), "--local", "--steps", "2", "--metrics", str(metrics), "--quiet"]) == 0
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1]
+    for r in records:
+        (split,) = r["class_times_s"]            # one rank
+        assert set(split) == CLASSES and min(split.values()) >= 0
+        assert sum(split.values()) <= r["step_time_s"]
+        assert split["compute"] > 0 and split["optimizer"] > 0 and split["offload"] == 0
+
+
+@pytest.mark.slow
+def test_calibrate_lists_each_class_against_the_prediction(single, capsys):
+    assert main(["calibrate", str(single), "--steps", "2", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert [c["class"] for c in got["classes"]] == [c.value for c in TimeClass]
+    predicted = json.loads((single / "summary.json").read_text())["step_time_s"]
+    assert got["predicted_step_s"] == pytest.approx(predicted)
+    assert all(c["measured_s"] >= 0 and c["predicted_s"] >= 0 for c in got["classes"])
+    assert got["most_off"] in CLASSES
+    assert main(["calibrate", str(single), "--steps", "2"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in table[2:7]] == [c.value for c in TimeClass] + ["step"]
+    assert table[7].startswith("most off: ")
+
+
+def test_calibrate_refuses_what_is_not_a_plan_directory(tmp_path, capsys):
+    assert main(["calibrate", str(tmp_path)]) == 2
+    assert "is not a plan directory" in capsys.readouterr().err
+    assert main(["calibrate", str(tmp_path), "--steps", "0"]) == 2
+
+
+def test_viz_compare_shows_the_gap_per_class_from_a_metrics_file(single, tmp_path, capsys):
+    split = [{"compute": c, "comm_wait": 0.001, "optimizer": 0.002, "offload": 0.0} for c in (0.5, 0.02, 0.04, 0.03)]
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text("".join(json.dumps({"step": i, "step_time_s": s["compute"] + 0.004, "class_times_s": [s]})
+                               + "\n" for i, s in enumerate(split)))
+    page = tmp_path / "page.html"
+    argv = ["viz", str(single), "--compare", "--trace", str(single / "timeline.json"), "--metrics", str(metrics)]
+    assert main([*argv, "--text"]) == 0
+    table = capsys.readouterr().out.split("time per class, mean per rank, one step:\n")[1]
+    rows = {line.split()[0]: line.split() for line in table.splitlines()}
+    assert rows["compute"][2] == "30.000"           # the median of the steps after the first, in ms
+    assert rows["optimizer"][2] == "2.000" and rows["step"][2] == "34.000"
+    assert main([*argv, "-o", str(page)]) == 0
+    html = page.read_text()
+    assert "Time per class" in html and "30.000 ms" in html
+    assert main(["viz", str(single), "--metrics", str(metrics)]) == 2   # --metrics goes with --compare
