@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"compiled {args.spec}: {program.world_size} ranks, {summary['instructions']} instructions, "
           f"verified; predicted {step * 1e3:.2f} ms/step ({summary['tokens_per_s']:,.0f} tokens/s) "
           f"[{took:.2f}s] -> {args.out}/")
-    print_profile_use(prov, bool(compiled.costs.profiles.sources))
+    print_profile_use(provenance(compiled.costs), bool(compiled.costs.profiles.sources))
     return 0
 
 
