@@ -24,8 +24,8 @@ __all__ = ["BROKEN_PIPE_STATUS", "VERBS", "UsageError", "main"]
 BROKEN_PIPE_STATUS = 128 + 13
 
 # verb modules, in the order `hetc --help` lists them
-VERBS = ["demo", "check", "fmt", "plan", "compile", "verify", "run", "viz", "explain", "profile", "calibrate",
-         "import_", "export", "data"]
+VERBS = ["demo", "check", "fmt", "plan", "compile", "verify", "run", "launch", "viz", "explain", "profile",
+         "calibrate", "import_", "export", "data"]
 
 
 class UsageError(Exception):

@@ -44,16 +44,18 @@ import logging
 import os
 import shutil
 import warnings
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
+from torch.distributed.checkpoint.staging import AsyncStager
 
 from hetc.runtime.buffers import MinistageBuffers
 from hetc.printer import format_spec
-from hetc.runtime.pieces import PieceLoadPlanner, PieceSavePlanner, layout_pieces, param_pieces
+from hetc.runtime.pieces import FlatPieces, PieceLoadPlanner, PieceSavePlanner, layout_pieces, param_pieces
 from hetc.spec import Spec
 
 __all__ = [
@@ -62,6 +64,8 @@ __all__ = [
     "MODEL_FILE",
     "STEP_KEY",
     "CheckpointError",
+    "Checkpointer",
+    "complete_steps",
     "latest_checkpoint",
     "load_checkpoint",
     "read_params",
@@ -82,29 +86,83 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be read: missing, incomplete or of another model."""
 
 
+class Checkpointer:
+    """Saves of one run into DIR/step-N, asynchronous where asked; see Notes [Atomic saves], [Async saves].
+
+    `keep` (None: all) is how many complete checkpoints stay; older ones are
+    removed only once a newer one is published, so the last complete one
+    survives every interrupted save.
+    """
+
+    def __init__(self, rt, directory: Path, keep: int | None = None, group=None, asynchronous: bool = False):
+        self.rt, self.directory, self.keep = rt, Path(directory), keep
+        self.group = group if group is not None else rt.interpreter.comm.group("world")
+        self.asynchronous = asynchronous
+        self.leader = dist.get_rank(self.group) == 0
+        self._pending: tuple[int, Path, Future] | None = None
+
+    def save(self, step: int) -> None:
+        """Start saving the state after `step` optimizer steps (collective); `wait` completes it."""
+        self.wait()
+        final = self.directory / f"step-{step}"
+        tmp = final.with_name(final.name + ".tmp")
+        if self.leader:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            for stale in self.directory.glob("step-*.tmp"):
+                shutil.rmtree(stale, ignore_errors=True)
+        dist.barrier(group=self.group)
+        state = _save_state(self.rt.buffers, step)
+        writer = dcp.FileSystemWriter(tmp)
+        future: Future
+        if self.asynchronous:
+            response = dcp.async_save(state, storage_writer=writer, planner=PieceSavePlanner(),
+                                      process_group=self.group, async_stager=_HostStager())
+            # a stager that copies before returning gets a plain Future (no staging future)
+            future = response if isinstance(response, Future) else response.upload_completion
+        else:
+            future = Future()
+            try:
+                future.set_result(dcp.save(state, storage_writer=writer, planner=PieceSavePlanner(),
+                                           process_group=self.group))
+            except dcp.CheckpointException as err:
+                future.set_exception(err)
+        self._pending = (step, tmp, future)
+
+    def poll(self) -> None:
+        """Publish the save in flight if it is done (called after every step; costs nothing otherwise)."""
+        if self._pending is not None and self._pending[2].done():
+            self.wait()
+
+    def wait(self) -> Path | None:
+        """Complete the save in flight, if any: DIR/latest names it once this returns on the leader."""
+        if self._pending is None:
+            return None
+        step, tmp, future = self._pending
+        self._pending = None
+        try:
+            future.result()
+        except dcp.CheckpointException as err:
+            raise CheckpointError(f"saving step {step} into {tmp} failed: {_cause(err)}; "
+                                  f"{self.directory / LATEST} still names the last complete checkpoint") from None
+        final = tmp.with_name(tmp.name.removesuffix(".tmp"))
+        if self.leader:
+            _write_model(self.rt.interpreter.spec.model, tmp)
+            _publish(self.directory, tmp, final)
+            if self.keep is not None:
+                _prune(self.directory, self.keep)
+            log.info("checkpoint of step %d: %s", step, final)
+        return final
+
+
 def save_checkpoint(rt, directory: Path, step: int) -> Path:
-    """Save rank runtime `rt` after `step` optimizer steps into DIR/step-N; collective over the plan."""
-    directory = Path(directory)
-    group = rt.interpreter.comm.group("world")
-    final = directory / f"step-{step}"
-    tmp = final.with_name(final.name + ".tmp")
-    leader = dist.get_rank(group) == 0
-    if leader:
-        directory.mkdir(parents=True, exist_ok=True)
-        for stale in directory.glob("step-*.tmp"):
-            shutil.rmtree(stale, ignore_errors=True)
-    dist.barrier(group=group)
-    try:
-        dcp.save(_save_state(rt.buffers, step), storage_writer=dcp.FileSystemWriter(tmp),
-                 planner=PieceSavePlanner(), process_group=group)
-    except dcp.CheckpointException as err:
-        raise CheckpointError(f"saving step {step} into {tmp} failed: {_cause(err)}; {directory / LATEST} "
-                              "still names the last complete checkpoint") from None
-    if leader:
-        _write_model(rt.interpreter.spec.model, tmp)
-        _publish(directory, tmp, final)
-        log.info("checkpoint of step %d: %s", step, final)
-    dist.barrier(group=group)
+    """Save rank runtime `rt` after `step` optimizer steps into DIR/step-N; collective over the plan.
+
+    Returns once DIR/latest names the new checkpoint on every rank."""
+    saver = Checkpointer(rt, directory)
+    saver.save(step)
+    final = saver.wait()
+    dist.barrier(group=saver.group)
+    assert final is not None
     return final
 
 
@@ -188,6 +246,31 @@ def _load_state(buffers: dict[int, MinistageBuffers]) -> tuple[dict[str, object]
     return state, fulls
 
 
+class _HostStager(AsyncStager):
+    """Copies this rank's pieces to host memory before the background write (training goes on
+    changing the originals); DCP's default stager does not know FlatPieces."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict: dict[str, object]) -> dict[str, object]:
+        return {k: _to_host(v) for k, v in state_dict.items()}
+
+    def synchronize_staging(self) -> None:
+        return None      # `stage` copies before it returns
+
+    def close(self) -> None:
+        return None
+
+
+def _to_host(value: object) -> object:
+    if isinstance(value, Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, FlatPieces):
+        return FlatPieces(value.numel, tuple((off, view.detach().to("cpu", copy=True))
+                                             for off, view in value.chunks))
+    return value
+
+
 # ---------------------------------------------------------------- files
 
 
@@ -206,6 +289,24 @@ def _publish(directory: Path, tmp: Path, final: Path) -> None:
     os.replace(pointer, directory / LATEST)
     _fsync_dir(directory)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def complete_steps(directory: Path) -> list[int]:
+    """The steps of the complete checkpoints in `directory` (their metadata written), oldest first."""
+    steps = []
+    for path in Path(directory).glob("step-*"):
+        number = path.name.removeprefix("step-")
+        if number.isdigit() and (path / ".metadata").is_file():
+            steps.append(int(number))
+    return sorted(steps)
+
+
+def _prune(directory: Path, keep: int) -> None:
+    """Remove complete checkpoints but the newest `keep` (and never the one `latest` names)."""
+    latest = (directory / LATEST).read_text().strip()
+    for step in complete_steps(directory)[:-keep]:
+        if f"step-{step}" != latest:
+            shutil.rmtree(directory / f"step-{step}", ignore_errors=True)
 
 
 def _write_model(model, directory: Path) -> None:

@@ -16,10 +16,13 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-__all__ = ["free_port", "spawn_local"]
+__all__ = ["LAUNCHER_ENV", "NODE_ENV", "free_port", "process_start_time", "spawn_local"]
 
 GRACE_S = 45.0
+LAUNCHER_ENV = "HETC_LOCAL_LAUNCHER"   # set in the ranks `--local` starts: the launcher speaks for them
+NODE_ENV = "HETC_NODE"   # the plan node a process was launched for (`hetc launch --node`, `hetc run --local`)
 
 
 def free_port() -> int:
@@ -28,8 +31,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_local(world: int, argv: list[str]) -> int:
+def process_start_time() -> float | None:
+    """When this process started (wall clock; from /proc and the boot-time clock on Linux, else None)."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        since_boot = time.clock_gettime(time.CLOCK_BOOTTIME)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    return time.time() - (since_boot - ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def spawn_local(world: int, argv: list[str], places: list[tuple[str, int]] | None = None) -> int:
     """Run `hetc <argv>` as `world` local ranks; return the exit status.
+
+    `places[r]` (plan node label, local GPU index) says which GPU of the
+    plan rank r is, so that placement by discovery (runtime/placement.py)
+    finds the launch order the plan's.
 
     Like torchrun's agent, this process hosts the rendezvous store, so the
     store (and the heartbeats that name a dead rank) outlive any one rank.
@@ -40,9 +57,10 @@ def spawn_local(world: int, argv: list[str]) -> int:
     store = dist.TCPStore("127.0.0.1", port, world_size=world, is_master=True, wait_for_workers=False)
     procs = []
     for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+        label, local = places[rank] if places is not None else ("", rank)
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local),
                    LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   TORCHELASTIC_USE_AGENT_STORE="True")
+                   TORCHELASTIC_USE_AGENT_STORE="True", **{NODE_ENV: label, LAUNCHER_ENV: "1"})
         env.setdefault("OMP_NUM_THREADS", "1")
         procs.append(subprocess.Popen([sys.executable, "-m", "hetc", *argv], env=env))
     try:

@@ -98,7 +98,9 @@ def layout_pieces(layout: FlatLayout, rng: slice, values: Tensor,
 
 def param_pieces(info: ShardInfo | None, shape: tuple[int, ...], start: int, view: Tensor) -> FlatPieces:
     """Elements [start, start + len(view)) of a parameter of local `shape`, as chunks of the full parameter."""
-    if info is None or info.dim is None:
+    if info is None or info.dim is None or tuple(info.full_shape) == tuple(shape):
+        # not split (tp = 1 included): one chunk, not one per row (each chunk is a file record DCP
+        # reads back with its own torch.load, ~2 ms apiece)
         return FlatPieces(math.prod(shape), ((start, view),))
     inner = math.prod(shape[info.dim:])                # a run of the slice along its split dimension
     full_inner = math.prod(info.full_shape[info.dim:])

@@ -40,13 +40,15 @@ def peak_memory(device: torch.device) -> float:
 
 
 class Reporter:
-    def __init__(self, rank, spec, pipeline, program, infos, opts, device):
+    def __init__(self, rank, spec, pipeline, program, opts, device, append: bool = False):
+        """`append`: a resumed run adds its steps to the metrics file instead of starting it afresh."""
         self.rank, self.spec, self.pipeline, self.program = rank, spec, pipeline, program
-        self.infos, self.opts, self.device = infos, opts, device
+        self.opts, self.device = opts, device
         self.tokens_per_step = spec.train.global_batch * spec.model.seq
         self.store = dist.distributed_c10d._get_default_store()
+        writes = opts.metrics is not None and rank == 0
         # open for the whole run, closed by finish()
-        self.metrics = open(opts.metrics, "w") if opts.metrics is not None and rank == 0 else None  # noqa: SIM115
+        self.metrics = open(opts.metrics, "a" if append else "w") if writes else None  # noqa: SIM115
         self.traced: list | None = None
         self.step_time = 0.0
 

@@ -25,9 +25,19 @@ import sys
 import threading
 import time
 
-__all__ = ["Watchdog", "store_client"]
+__all__ = ["Watchdog", "attempt_prefix", "store_client"]
 
 log = logging.getLogger("hetc.runtime")
+
+
+def attempt_prefix() -> str:
+    """The store prefix of this start of the workers. torchrun's shared agent store outlives a
+    restart, and the keys of the start before (heartbeats, `hetc/dead`) must not reach this one;
+    a store the workers host (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) is new at every start and needs
+    none, and must not have one: an agent that joins later counts its restarts from 0."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return ""
+    return f"hetc/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 
 
 def store_client(timeout_s: float = 30.0):
@@ -36,8 +46,9 @@ def store_client(timeout_s: float = 30.0):
 
     import torch.distributed as dist
 
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=datetime.timedelta(seconds=timeout_s))
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.PrefixStore(attempt_prefix(), store)
 
 
 class Watchdog(threading.Thread):

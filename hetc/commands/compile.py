@@ -22,7 +22,7 @@ from hetc.plandir import write_plan_dir
 from hetc.profileargs import PROFILE_ENV, add_profile_option, load_profile_args, record_profiles
 from hetc.program import Program
 
-__all__ = ["Compiled", "compile_spec", "predict", "register"]
+__all__ = ["Compiled", "compile_spec", "predict", "register", "write_compiled"]
 
 log = logging.getLogger("hetc.compile")
 
@@ -118,6 +118,28 @@ def plan_facts(checked) -> list[tuple[str, str]]:
     return facts
 
 
+def write_compiled(compiled: Compiled, out: Path, profile_args: list[str] | None = None) -> dict:
+    """Write the plan directory `out` of `compiled` (with the profiles `profile_args` named); return its
+    summary."""
+    pipeline, program = compiled.pipeline, compiled.program
+    exports = {tp.name: tp.csv() for tp in torch_pipelines(program, pipeline)}
+    summary = {"ranks": program.world_size, "stages": len(pipeline.stages),
+               "ministages": len(pipeline.ministages), "microbatches": pipeline.num_microbatches,
+               "schedule": pipeline.schedule.value,
+               "instructions": sum(len(r.instrs) for r in program.ranks)}
+    step = compiled.timeline.step_time
+    tokens = compiled.checked.spec.train.global_batch * compiled.checked.spec.model.seq
+    summary.update(step_time_s=step, tokens_per_s=tokens / step if step > 0 else 0.0)
+    if compiled.eval_timeline is not None:
+        train = compiled.checked.spec.train
+        summary.update(eval_time_s=compiled.eval_timeline.step_time * train.eval_batches,
+                       eval_every=train.eval_every)
+    prov = provenance(compiled.costs)
+    write_plan_dir(out, compiled.checked.spec, compiled.loaded.path.parent, program, exports,
+                   compiled.timeline.to_json(), summary, record_profiles(profile_args or [], prov.unused))
+    return summary
+
+
 def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
 
@@ -133,29 +155,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"hetc compile: the lowered programs are unsafe (a bug in hetc's lowering):\n{err.render()}",
               file=sys.stderr)
         return 1
-    pipeline, program = compiled.pipeline, compiled.program
-    exports = {tp.name: tp.csv() for tp in torch_pipelines(program, pipeline)}
-    summary = {"ranks": program.world_size, "stages": len(pipeline.stages),
-               "ministages": len(pipeline.ministages), "microbatches": pipeline.num_microbatches,
-               "schedule": pipeline.schedule.value,
-               "instructions": sum(len(r.instrs) for r in program.ranks)}
-    step = compiled.timeline.step_time
-    tokens = compiled.checked.spec.train.global_batch * compiled.checked.spec.model.seq
-    summary.update(step_time_s=step, tokens_per_s=tokens / step if step > 0 else 0.0)
-    if compiled.eval_timeline is not None:
-        train = compiled.checked.spec.train
-        summary.update(eval_time_s=compiled.eval_timeline.step_time * train.eval_batches,
-                       eval_every=train.eval_every)
-    prov = provenance(compiled.costs)
-    write_plan_dir(args.out, compiled.checked.spec, compiled.loaded.path.parent, program, exports,
-                   compiled.timeline.to_json(), summary, record_profiles(args.profile, prov.unused))
+    summary = write_compiled(compiled, args.out, args.profile)
+    program, step = compiled.program, compiled.timeline.step_time
     took = time.perf_counter() - start
     if (why := why_not_exported(pipeline)) is not None:
         print(f"torch/*.csv not written: {why}")
     print(f"compiled {args.spec}: {program.world_size} ranks, {summary['instructions']} instructions, "
           f"verified; predicted {step * 1e3:.2f} ms/step ({summary['tokens_per_s']:,.0f} tokens/s) "
           f"[{took:.2f}s] -> {args.out}/")
-    print_profile_use(prov, bool(compiled.costs.profiles.sources))
+    print_profile_use(provenance(compiled.costs), bool(compiled.costs.profiles.sources))
     return 0
 
 

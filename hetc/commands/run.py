@@ -8,12 +8,14 @@ NCCL on GPU).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from hetc.cli import UsageError
 from hetc.passes.verify import VerifyError, verified_evaluation, verify
 from hetc.program import ProgramFormatError
+from hetc.runtime.local import LAUNCHER_ENV
 
 __all__ = ["register"]
 
@@ -25,10 +27,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "MASTER_ADDR, ...) each process runs its rank; with --local the plan's ranks are started "
                     "here. Rank 0 prints a line per step.",
         epilog="examples:\n  hetc run out/demo --local --steps 20 --metrics m.jsonl\n"
-               "  torchrun --nnodes 2 --nproc-per-node 4 --rdzv-endpoint HOST:29500 -m hetc run out/plan",
+               "  torchrun --nnodes 2 --nproc-per-node 4 --rdzv-endpoint HOST:29500 -m hetc run out/plan\n"
+               "  hetc launch out/plan --node big[0]     # torchrun for one node of a mixed cluster\n"
+               "  TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 1:2 --max-restarts 3 ... \\\n"
+               "      -m hetc run job.het --elastic --checkpoint ckpt --every 10",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("dir", type=Path, metavar="DIR", help="a plan directory from `hetc compile`")
+    p.add_argument("dir", type=Path, metavar="DIR",
+                   help="a plan directory from `hetc compile` (with --elastic: a spec, planned on the nodes present)")
     p.add_argument("--local", nargs="?", const=-1, type=int, metavar="N",
                    help="start the plan's ranks on this machine (N must equal the plan's world size)")
     p.add_argument("--steps", type=int, help="optimizer steps (default: the spec's train.steps)")
@@ -38,21 +44,36 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="save DCP checkpoints here (DIR/step-N, DIR/latest); any plan of the model can resume")
     p.add_argument("--every", type=int, default=0, metavar="K",
                    help="save every K steps (and always after the last step)")
+    p.add_argument("--keep", type=int, metavar="N",
+                   help="keep only the newest N complete checkpoints (older ones go once a newer one is complete)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint")
+    p.add_argument("--elastic", action="store_true",
+                   help="under torchrun --nnodes MIN:MAX: on every (re)start re-plan SPEC on the nodes present, "
+                        "compile, verify and resume from the latest complete checkpoint")
+    p.add_argument("--stop-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM, finish the step in flight and save within S seconds, then exit with "
+                        "status 143 (torchrun restarts)")
     p.add_argument("-q", "--quiet", action="store_true", help="print no line per step")
     p.add_argument("--timeout", type=float, default=120.0, metavar="S", help="collective timeout in seconds")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    if not (args.dir / "plan.het").is_file():
+    if args.elastic:
+        _check_elastic(args)
+    elif not (args.dir / "plan.het").is_file():
         raise UsageError(f"{args.dir} is not a plan directory (write one with `hetc compile SPEC -o DIR`)")
     if args.steps is not None and args.steps < 1:
         raise UsageError("--steps must be positive")
     if args.every < 0:
         raise UsageError("--every must not be negative")
-    if (args.resume or args.every) and args.checkpoint is None:
-        raise UsageError(f"{'--resume' if args.resume else '--every'} needs --checkpoint DIR")
+    if args.keep is not None and args.keep < 1:
+        raise UsageError("--keep must be at least 1")
+    if args.stop_timeout <= 0:
+        raise UsageError("--stop-timeout must be positive")
+    for flag in ("resume", "every", "keep"):
+        if getattr(args, flag) and args.checkpoint is None:
+            raise UsageError(f"--{flag} needs --checkpoint DIR")
     try:
         if args.local is not None:
             return _local(args)
@@ -65,26 +86,49 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
+def _check_elastic(args: argparse.Namespace) -> None:
+    if args.local is not None:
+        raise UsageError("--elastic runs under torchrun --nnodes MIN:MAX, not --local")
+    if args.checkpoint is None or not args.every:
+        raise UsageError("--elastic needs --checkpoint DIR and --every N (a restart resumes from there)")
+    if not args.dir.is_file():
+        raise UsageError(f"--elastic wants a spec file to plan on the nodes present; {args.dir} is not a file")
+    if os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1" and "TORCHELASTIC_RUN_ID" in os.environ:
+        # torch 2.13 + gloo: restarted workers fail to re-initialise on the shared store (stale keys)
+        raise UsageError("--elastic needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment "
+                         "(`hetc launch SPEC --elastic` sets it)")
+
+
 def _rank(args: argparse.Namespace) -> int:
     from hetc.runtime.checkpoint import CheckpointError
-    from hetc.runtime.cluster_check import ClusterMismatch
     from hetc.runtime.data import DataError
-    from hetc.runtime.worker import EnvError, PeerFailure, RunOptions, run_worker
+    from hetc.runtime.placement import ClusterMismatch
+    from hetc.runtime.worker import EnvError, PeerFailure, RunOptions, describe_latest, run_worker
 
     opts = RunOptions(steps=args.steps, metrics=args.metrics, trace=args.trace, checkpoint=args.checkpoint,
-                      every=args.every, resume=args.resume, timeout_s=args.timeout, quiet=args.quiet)
+                      every=args.every, keep=args.keep, resume=args.resume or args.elastic, timeout_s=args.timeout,
+                      grace_s=args.stop_timeout, elastic=args.elastic, quiet=args.quiet)
     try:
+        if args.elastic:
+            from hetc.runtime.elastic import run_elastic
+
+            return run_elastic(args.dir, opts)
         return run_worker(args.dir, opts)
     except (EnvError, ClusterMismatch, DataError) as err:
         raise UsageError(str(err)) from None
     except (PeerFailure, CheckpointError) as err:
         print(f"hetc run: error: {err}", file=sys.stderr, flush=True)
         return 1
+    except KeyboardInterrupt:
+        if os.environ.get("RANK") == "0" and LAUNCHER_ENV not in os.environ:
+            print(f"hetc run: interrupted; {describe_latest(args.checkpoint)}", file=sys.stderr, flush=True)
+        return 130
 
 
 def _local(args: argparse.Namespace) -> int:
     from hetc.plandir import read_plan, read_program
     from hetc.runtime.local import spawn_local
+    from hetc.runtime.placement import node_label
 
     _, checked = read_plan(args.dir)
     program = read_program(args.dir)
@@ -94,10 +138,15 @@ def _local(args: argparse.Namespace) -> int:
     if args.local not in (-1, world):
         raise UsageError(f"the plan has {world} ranks; --local {args.local} cannot run it")
     argv = ["run", str(args.dir)]
-    for flag in ("steps", "metrics", "trace", "checkpoint", "every", "timeout"):
+    for flag in ("steps", "metrics", "trace", "checkpoint", "every", "keep", "timeout", "stop_timeout"):
         value = getattr(args, flag)
         if value is not None and not (flag == "every" and value == 0):
-            argv += [f"--{flag}", str(value)]
+            argv += [f"--{flag.replace('_', '-')}", str(value)]
     argv += [f"--{flag}" for flag in ("resume", "quiet") if getattr(args, flag)]
     print(f"hetc run: starting {world} local rank{'s' if world > 1 else ''}", file=sys.stderr, flush=True)
-    return spawn_local(world, argv)
+    status = spawn_local(world, argv, [(node_label(*gpu.host), gpu.local) for gpu in checked.pipeline.world])
+    if status == 130:
+        from hetc.runtime.worker import describe_latest
+
+        print(f"hetc run: interrupted; {describe_latest(args.checkpoint)}", file=sys.stderr, flush=True)
+    return status
