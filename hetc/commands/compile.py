@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     summary = write_compiled(compiled, args.out, args.profile)
     program, step = compiled.program, compiled.timeline.step_time
     took = time.perf_counter() - start
-    if (why := why_not_exported(pipeline)) is not None:
+    if (why := why_not_exported(compiled.pipeline)) is not None:
         print(f"torch/*.csv not written: {why}")
     print(f"compiled {args.spec}: {program.world_size} ranks, {summary['instructions']} instructions, "
           f"verified; predicted {step * 1e3:.2f} ms/step ({summary['tokens_per_s']:,.0f} tokens/s) "
