@@ -11,6 +11,7 @@ import json
 import math
 import random
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -281,7 +282,7 @@ def test_prepare_errors_exit_2(tokenizer_dir, corpus, tmp_path, capsys):
         ([str(bad)], "bad.jsonl:2: no text field 'text' (it has body)"),
         ([str(corpus), "--dtype", "uint16", "--eos", "nope"], "the EOS token 'nope' is not in the vocabulary"),
         ([str(tmp_path / "missing.jsonl")], "cannot find the input"),
-        ([str(tmp_path / "t.parquet")], "pyarrow" if _no_pyarrow() else "cannot read the Parquet file"),
+        ([str(tmp_path / "t.parquet")], "cannot read the Parquet file"),
     ]
     (tmp_path / "t.parquet").write_bytes(b"PAR1")
     for args, message in cases:
@@ -293,12 +294,28 @@ def test_prepare_errors_exit_2(tokenizer_dir, corpus, tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
-def _no_pyarrow() -> bool:
-    try:
-        import pyarrow  # noqa: F401
-    except ImportError:
-        return True
-    return False
+def test_parquet_gives_the_tokens_json_lines_give(prepared, corpus, tokenizer_dir, tmp_path, capsys):
+    """The same documents as a Parquet column, read a batch of rows at a time, make the same file."""
+    pq = pytest.importorskip("pyarrow.parquet", reason="pyarrow is in the test extra; `make test` installs it")
+    import pyarrow as pa
+
+    rows = [json.loads(line) for line in corpus.read_text().splitlines()]
+    table = pa.table({"id": [r["id"] for r in rows], "body": [r["text"] for r in rows]})
+    pq.write_table(table, tmp_path / "corpus.parquet", row_group_size=500)
+    out = tmp_path / "p.tok"
+    args = ["data", "prepare", str(tmp_path / "corpus.parquet"), "--tokenizer", str(tokenizer_dir), "-o"]
+    assert main([*args, str(out), "--field", "body"]) == 0
+    assert out.read_bytes() == prepared["hetc"].read_bytes()
+    assert main([*args, str(tmp_path / "q.tok")]) == 2
+    assert "no column 'text' (it has id, body); choose it with --field NAME" in capsys.readouterr().err
+
+
+def test_parquet_without_pyarrow_says_what_to_install(tokenizer_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)   # `import pyarrow.parquet` now fails
+    (tmp_path / "t.parquet").write_bytes(b"PAR1")
+    assert main(["data", "prepare", str(tmp_path / "t.parquet"), "--tokenizer", str(tokenizer_dir),
+                 "-o", str(tmp_path / "o")]) == 2
+    assert "needs pyarrow: pip install pyarrow" in capsys.readouterr().err
 
 
 def test_megatron_files_hetc_cannot_read_as_one_stream_are_refused(prepared, tmp_path):
