@@ -418,7 +418,7 @@ def test_comparison_page_and_deep_link_in_chromium(chromium, demo, tmp_path):
 
 
 @pytest.mark.slow
-def test_1024_rank_page_is_small_and_opens_fast(chromium, tmp_path):
+def test_1024_rank_page_is_small_and_complete(chromium, tmp_path):
     timeline = compile_spec(PLAN_1024_SPEC).timeline
     assert len(timeline.ranks) == 1024 and len(timeline.memory) > 1024
     page = tmp_path / "big.html"
@@ -431,9 +431,9 @@ def test_1024_rank_page_is_small_and_opens_fast(chromium, tmp_path):
     # counted by pattern: the page's own script holds these tags too, with ${...} in place of numbers
     assert len(re.findall(r'<ol class="rank-row"[^>]*? data-rank="\d+"', dump.html)) == 1024
     assert len(re.findall(r'<li class="block" data-index="\d+"', dump.html)) == len(timeline.events)
-    open_ms = float(re.search(r'data-open-ms="([0-9.]+)"', body).group(1))
-    # "a few seconds" on a quiet machine (docs/benchmarks.md); generous here, where CPUs are shared
-    assert open_ms < 15_000 and dump.seconds < 60, (open_ms, dump.seconds)
+    # the page measures its own opening time (data-open-ms); how long it takes is benchmarks/viz_page.py's
+    # figure (docs/benchmarks.md), not an assertion here
+    assert re.search(r'data-open-ms="[0-9.]+"', body), body
 
 
 # The page's layout constants (templates/model.js) locate rank 0's compute track for the probe below.
