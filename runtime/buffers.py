@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from hetc.errors import InternalError
 from hetc.program import Shard
 from hetc.runtime.flat import FlatLayout, bind_grads, bind_params
 from hetc.runtime.model import Ministage
@@ -192,7 +193,8 @@ class MinistageBuffers:
         """
         rng = slice(0, self.layout.padded_numel) if rng is None else rng
         keep, opt = self.param_range, self.opt_range
-        assert rng.start <= keep.start and keep.stop <= rng.stop, f"{rng} does not cover {keep}"
+        if not (rng.start <= keep.start and keep.stop <= rng.stop):
+            raise InternalError(f"{rng} does not cover {keep}")
         self.master.copy_(values[opt.start - rng.start:opt.stop - rng.start])
         kept = values[keep.start - rng.start:keep.stop - rng.start].to(self.dtype)
         target = self.host if self.shard.param_offload else self.resident()

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from hetc.errors import InternalError
 from hetc.hf.names import hf_name
 from hetc.hf.weights import WeightReader
 from hetc.runtime.buffers import MinistageBuffers
@@ -87,5 +88,6 @@ def _full_index(info: ShardInfo, local: tuple[int, ...], first: int, last: int) 
     offset = info.shard.rank * local[info.dim]
     if info.dim == 0:
         return [slice(offset + first, offset + last)]
-    assert info.dim == 1, f"a tensor-parallel split along dim {info.dim}"
+    if info.dim != 1:
+        raise InternalError(f"a tensor-parallel split along dim {info.dim}")
     return [slice(first, last), slice(offset, offset + local[1])]
