@@ -29,8 +29,10 @@ MAX_SOURCE_BYTES = 4 << 20
 # Note [quoting untrusted text]: a message quotes at most this many characters of
 # one line of the source around the column, and of any one word of the user's
 # text it echoes, so a 4 MB line or token still gets a message a person can read.
+# A word may be a file's path, which must survive whole: 200 characters holds
+# ordinary ones (a pytest tmp_path and a file in it is about 100).
 QUOTE_WIDTH = 100
-MAX_WORD = 60
+MAX_WORD = 200
 MAX_MESSAGE = 1000
 
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from hetc.cli import BROKEN_PIPE_STATUS, main
-from hetc.errors import MAX_SOURCE_BYTES, QUOTE_WIDTH
+from hetc.errors import MAX_SOURCE_BYTES, MAX_WORD, QUOTE_WIDTH
 from tests.conftest import DEMO, ROOT
 
 JOB = DEMO / "job.het"
@@ -59,7 +59,8 @@ def test_a_long_line_is_quoted_as_a_window_around_the_column(tmp_path, capsys, m
     (tmp_path / "long.het").write_text(f"model m {{ layers = 4 {word} = 3 }}\n")
     status, err = _check(capsys, "long.het")
     assert status == 2
-    assert err[0] == (f"long.het:1:22: error: expected ',', ';' or a new line before '{'x' * 29}...{'x' * 28}': "
+    half = MAX_WORD // 2   # the echoed word `'xx…x':` keeps its first and last `half` characters
+    assert err[0] == (f"long.het:1:22: error: expected ',', ';' or a new line before '{'x' * (half - 1)}...{'x' * (half - 2)}': "
                       "statements on one line are separated by ',' or ';'")
     assert err[1] == "    model m { layers = 4 " + "x" * (QUOTE_WIDTH - len("model m { layers = 4 ")) + "..."
     assert err[2] == "    " + " " * 21 + "^" + "~" * (QUOTE_WIDTH - 21 + 2)
