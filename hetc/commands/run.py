@@ -53,6 +53,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM, finish the step in flight and save within S seconds, then exit with "
                         "status 143 (torchrun restarts)")
+    p.add_argument("--heartbeat-timeout", type=float, default=10.0, metavar="S",
+                   help="a rank whose heartbeat stops for S seconds is taken for dead and every rank exits "
+                        "(raise it where ranks share starved CPUs)")
     p.add_argument("-q", "--quiet", action="store_true", help="print no line per step")
     p.add_argument("--timeout", type=float, default=120.0, metavar="S", help="collective timeout in seconds")
     p.set_defaults(func=run)
@@ -71,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--keep must be at least 1")
     if args.stop_timeout <= 0:
         raise UsageError("--stop-timeout must be positive")
+    if args.heartbeat_timeout <= 0:
+        raise UsageError("--heartbeat-timeout must be positive")
     for flag in ("resume", "every", "keep"):
         if getattr(args, flag) and args.checkpoint is None:
             raise UsageError(f"--{flag} needs --checkpoint DIR")
@@ -107,7 +112,8 @@ def _rank(args: argparse.Namespace) -> int:
 
     opts = RunOptions(steps=args.steps, metrics=args.metrics, trace=args.trace, checkpoint=args.checkpoint,
                       every=args.every, keep=args.keep, resume=args.resume or args.elastic, timeout_s=args.timeout,
-                      grace_s=args.stop_timeout, elastic=args.elastic, quiet=args.quiet)
+                      grace_s=args.stop_timeout, heartbeat_timeout_s=args.heartbeat_timeout,
+                      elastic=args.elastic, quiet=args.quiet)
     try:
         if args.elastic:
             from hetc.runtime.elastic import run_elastic
