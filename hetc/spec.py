@@ -441,6 +441,9 @@ class NodeSpec(Node):
     region: str = param("default", doc="region (links between regions may cost egress)")
     zone: str = param("", doc="zone inside the region (defaults to the region)")
     host_memory: float = param(0.0, unit=Dim.MEMORY, lo=0, doc="host memory per node (offload)")
+    cores: int = param(0, lo=0, hi=1_000_000, aliases=("cpu_cores",),
+                       doc="CPU cores the node's ranks share (0: each rank has its own); with fewer cores "
+                           "than ranks running, every rank's compute slows by ranks / cores")
     intra: IntraLinkSpec | None = param(None, block="intra", shorthand=False,
                                         doc="the link between GPUs of one node")
 

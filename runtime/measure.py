@@ -3,7 +3,9 @@
 Layers are hetc's own (runtime/model.py), built one at a time as a
 ministage and timed forward and backward on random inputs; the median of
 `repeats` runs after one warm-up. On CUDA the clock is CUDA events around
-the work; on CPU the wall clock. Collectives run in `ranks` spawned
+the work; on CPU the wall clock. `time_layers_at_once` times them in
+several processes at once, as the ranks of a node run (Note [shared cores]
+in passes/cost/cores.py). Collectives run in `ranks` spawned
 processes (gloo on CPU, NCCL when there is a GPU per rank).
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import os
 import socket
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +26,8 @@ import torch.multiprocessing as mp
 from hetc.runtime.model import build_ministage, compute_dtype
 from hetc.spec import ModelSpec
 
-__all__ = ["COLLECTIVE_KINDS", "LayerSample", "comm_rates", "copy_rates", "local_device", "time_layers"]
+__all__ = ["COLLECTIVE_KINDS", "LayerSample", "comm_rates", "copy_rates", "local_device", "time_layers",
+           "time_layers_at_once"]
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 # torch renamed the flat-tensor collectives; use whichever this torch has
@@ -49,10 +53,11 @@ def local_device() -> torch.device:
 
 
 def _clock(device: torch.device, fn: Callable[[], None], repeats: int,
-           setup: Callable[[], None] | None = None) -> float:
+           setup: Callable[[], None] | None = None, pick: Callable[[list[float]], float] = min) -> float:
     """Fastest of `repeats` timed runs of `fn` after one warm-up (`setup` runs untimed before each).
 
-    The minimum, as timeit reports: interference from other processes only adds time.
+    The minimum, as timeit reports: interference from other processes only adds time. Under a load that
+    is part of the measurement (ranks sharing cores) `pick` is the median instead.
     """
     if setup:
         setup()
@@ -72,13 +77,14 @@ def _clock(device: torch.device, fn: Callable[[], None], repeats: int,
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
-    return min(times)
+    return pick(times)
 
 
 def time_layers(model: ModelSpec, micro_batches: list[int], seqs: list[int], repeats: int,
-                progress: Callable[[str], None]) -> list[LayerSample]:
+                progress: Callable[[str], None], pick: Callable[[list[float]], float] = min,
+                device: torch.device | None = None) -> list[LayerSample]:
     """Forward and backward seconds of the embedding, one block and the head at each (b, S)."""
-    device = local_device()
+    device = device or local_device()
     dtype = compute_dtype(model.dtype) if device.type == "cuda" else torch.float32
     out = []
     for name, idx in (("embed", 0), ("block", 1), ("head", model.layers + 1)):
@@ -86,13 +92,13 @@ def time_layers(model: ModelSpec, micro_batches: list[int], seqs: list[int], rep
         for seq in seqs:
             for b in micro_batches:
                 progress(f"{name} b={b} S={seq}")
-                fwd, bwd = _time_one(stage, name, model, b, seq, device, dtype, repeats)
+                fwd, bwd = _time_one(stage, name, model, b, seq, device, dtype, repeats, pick)
                 out.append(LayerSample(name, b, seq, fwd, bwd))
         del stage
     return out
 
 
-def _time_one(stage, name: str, model: ModelSpec, b: int, seq: int, device, dtype, repeats: int):
+def _time_one(stage, name: str, model: ModelSpec, b: int, seq: int, device, dtype, repeats: int, pick=min):
     tokens = torch.randint(0, model.vocab, (b, seq), device=device)
     hidden = torch.randn(b, seq, model.hidden, device=device, dtype=dtype)
     labels = tokens if name == "head" else None
@@ -112,8 +118,32 @@ def _time_one(stage, name: str, model: ModelSpec, b: int, seq: int, device, dtyp
         stage.zero_grad(set_to_none=True)
         forward()
 
-    fwd = _clock(device, forward, repeats, setup=pending.clear)
-    return fwd, _clock(device, backward, repeats, setup=reset)
+    fwd = _clock(device, forward, repeats, setup=pending.clear, pick=pick)
+    return fwd, _clock(device, backward, repeats, setup=reset, pick=pick)
+
+
+def time_layers_at_once(model: ModelSpec, micro_batches: list[int], seqs: list[int], repeats: int,
+                        ranks: int) -> list[LayerSample]:
+    """`time_layers` in `ranks` processes at once (each with a rank's one thread, or its own GPU while there
+    are GPUs to go round): per point, the median over the processes of each one's median run."""
+    ctx = mp.get_context("spawn")
+    queue, start = ctx.SimpleQueue(), ctx.Barrier(ranks)
+    mp.start_processes(_layers_worker, args=(model, micro_batches, seqs, repeats, start, queue), nprocs=ranks,
+                       join=True, start_method="spawn")
+    runs = [queue.get() for _ in range(ranks)]
+    return [LayerSample(first.layer, first.micro_batch, first.seq,
+                        statistics.median(r[k].forward_s for r in runs),
+                        statistics.median(r[k].backward_s for r in runs))
+            for k, first in enumerate(runs[0])]
+
+
+def _layers_worker(rank: int, model: ModelSpec, micro_batches: list[int], seqs: list[int], repeats: int,
+                   start, queue) -> None:
+    device = local_device()
+    if device.type == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+    start.wait()   # every process times its layers over the same stretch of wall time
+    queue.put(time_layers(model, micro_batches, seqs, repeats, lambda _: None, statistics.median, device))
 
 
 def copy_rates(sizes: list[int], repeats: int) -> list[dict]:

@@ -11,12 +11,16 @@
       "p2p": [{"bytes": X, "seconds": t}, ...],
       "copy": [{"direction": "h2d" | "d2h", "bytes": X, "seconds": t}, ...],
       "microbatch_overhead_s": t            (optional)
+      "concurrency": {"ranks": n, "cores": c}   (optional; absent: one process)
     }
 
 `device.kind` is the catalog name the measurements apply to (GPUs of that
 kind in a spec). Collective times are for the full buffer (`bytes`) over
 `ranks` local processes; the link rate is recovered with the ring model.
-`microbatch_overhead_s` is what a stage of the executing engine spends per
+`concurrency` says the layers were timed in n processes at once on a
+machine of c cores; the reader divides the slowdown that sharing gave them
+out (Note [shared cores] in cores.py), and the cost model applies the
+plan's. `microbatch_overhead_s` is what a stage of the executing engine spends per
 microbatch outside its layers (dispatch, device synchronizations, loss
 glue): a measured run's step time less its layers, per microbatch and stage.
 """
@@ -28,6 +32,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from hetc.passes.cost.cores import core_slowdown
 from hetc.passes.cost.network import Bandwidth, MeasuredPoints, ring_chunk, ring_steps
 from hetc.spec import DType
 from hetc.passes.cost.profiles import LAYER_SLOTS, ComputeTable, NetworkFits, ProfileError, Profiles, fit_line
@@ -68,15 +73,26 @@ def profile_from_dict(data: Any, source: str) -> Profiles:
                     {kind: overhead} if overhead is not None else {}, sources=(source,))
 
 
+def _concurrency_slowdown(data: dict) -> float:
+    shared = data.get("concurrency")
+    if shared is None:
+        return 1.0
+    ranks, cores = int(shared["ranks"]), int(shared["cores"])
+    if ranks < 1 or cores < 1:
+        raise ValueError(f"concurrency needs at least 1 rank and 1 core, not {ranks} and {cores}")
+    return core_slowdown(ranks, cores)
+
+
 def _tables(data: dict, kind: str, source: str) -> list[ComputeTable]:
     model = data["model"]
+    slow = _concurrency_slowdown(data)
     by_seq: dict[int, dict] = defaultdict(lambda: defaultdict(list))
     for row in data.get("layers", []):
         if row["layer"] not in LAYER_SLOTS:
             raise ValueError(f"layer '{row['layer']}' is not one of {', '.join(LAYER_SLOTS)}")
         seq, key = int(row["seq"]), (str(row["layer"]), int(row.get("tp", 1)))
-        by_seq[seq][key + ("F",)].append((int(row["micro_batch"]), float(row["forward_s"])))
-        by_seq[seq][key + ("B",)].append((int(row["micro_batch"]), float(row["backward_s"])))
+        by_seq[seq][key + ("F",)].append((int(row["micro_batch"]), float(row["forward_s"]) / slow))
+        by_seq[seq][key + ("B",)].append((int(row["micro_batch"]), float(row["backward_s"]) / slow))
     return [ComputeTable(source, kind, int(model["hidden"]), int(model["block_params"]), seq,
                          DType(str(data.get("dtype", "fp32"))).value, {k: fit_line(v) for k, v in points.items()},
                          int(model["vocab"]) if "vocab" in model else None, None, str(model.get("name", "")))

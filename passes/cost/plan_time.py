@@ -85,10 +85,10 @@ def lane_timings(cm) -> list[LaneTiming]:
 
 
 def _reps(cm, ranks) -> list[int]:
-    """One rank per device kind among `ranks`: ranks of one kind time alike."""
-    seen: dict[str, int] = {}
+    """One rank per device kind and core share among `ranks`: such ranks time alike."""
+    seen: dict[tuple[str, float], int] = {}
     for r in sorted(ranks):
-        seen.setdefault(cm.gpu(r).device.name, r)
+        seen.setdefault((cm.gpu(r).device.name, cm.slowdown(r)), r)
     return list(seen.values())
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from functools import cached_property
 
 from hetc.passes.cost import RankMemory
+from hetc.passes.cost.cores import host_slowdowns
 from hetc.passes.cost.memory import (GRAD_BUCKET_PARAMS, in_flight, interleaved_update, resident_params,
                                     shard_factors)
 from hetc.passes.cost.schedule import ZeroCycle, zero_cycle
@@ -65,8 +66,19 @@ class StageCosts:
     def compute(self, lane: int, units: tuple[int, int, int] | None = None) -> tuple[float, float, float]:
         """(F, I, W) seconds of one microbatch through `units` (default: the stage) on a lane."""
         gpus = self.s.lanes[lane]
-        return self.p.lane_compute(tuple(g.device.name for g in gpus), self.s.tp, tuple(g.id for g in gpus),
-                                   self.s.knobs.offload.activations, units or self.layer_counts)
+        f, i, w = self.p.lane_compute(tuple(g.device.name for g in gpus), self.s.tp, tuple(g.id for g in gpus),
+                                      self.s.knobs.offload.activations, units or self.layer_counts)
+        slow = self.slowdown(lane)
+        return f * slow, i * slow, w * slow
+
+    @cached_property
+    def _slowdowns(self) -> dict[tuple[str, int], float]:
+        cores = {n.name: n.cores for n in self.p.topo.cluster.nodes}
+        return host_slowdowns(self.plan.gpus or self.s.res.gpus, cores)
+
+    def slowdown(self, lane: int) -> float:
+        """Mirrors CostModel.slowdown: the lane's slowest rank for sharing its node's cores."""
+        return max(self._slowdowns.get(g.host, 1.0) for g in self.s.lanes[lane])
 
     def overhead(self, lane: int) -> float:
         """The engine's seconds per microbatch outside the layers (`CostModel.microbatch_overhead`)."""
@@ -145,7 +157,7 @@ class StageCosts:
         numel = self.numel() * self.shard(lane).optimizer
         gpu = self.s.lanes[lane][0]
         on_host = self.s.knobs.offload.optimizer
-        t = self.p.optimizer(gpu, numel, on_host)
+        t = self.p.optimizer(gpu, numel, on_host) * self.slowdown(lane)
         if on_host:
             t += self.p.copy(gpu, numel * (self.p.states.grads + self.p.states.params))
         return t

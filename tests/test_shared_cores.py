@@ -1,0 +1,82 @@
+"""Ranks sharing a node's CPU cores (`node { cores = N }`, Note [shared cores] in passes/cost/cores.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hetc.cli import main
+from hetc.frontend import load_checked
+from hetc.passes.cost import CostModel
+from hetc.passes.cost.cores import core_slowdown, host_slowdowns
+from hetc.passes.cost.hetc_profile import FORMAT, VERSION, profile_from_dict
+from hetc.spec import DeviceSpec
+from hetc.topology import Gpu
+from tests.conftest import DEMO
+
+
+def test_ranks_beyond_the_cores_slow_down_in_proportion():
+    assert core_slowdown(4, 2) == 2.0
+    assert core_slowdown(3, 2) == 1.5
+    assert core_slowdown(2, 2) == core_slowdown(1, 2) == 1.0
+    assert core_slowdown(8, 0) == 1.0          # 0: the ranks do not share cores
+
+
+def test_each_node_counts_the_plan_ranks_on_it():
+    cpu = DeviceSpec(name="cpu", memory=2**30)
+    gpus = [Gpu(i, "host", i // 2, i % 2, cpu, "default", "") for i in range(3)] + \
+        [Gpu(3, "big", 0, 0, cpu, "default", "")]
+    slow = host_slowdowns(gpus, {"host": 1, "big": 0})
+    assert slow == {("host", 0): 2.0, ("host", 1): 1.0, ("big", 0): 1.0}
+
+
+def _demo_with_cores(tmp_path, cores: int) -> str:
+    """specs/demo/dp.het over a copy of the demo job whose nodes say how many cores their ranks share."""
+    job = (DEMO / "job.het").read_text()
+    job = job.replace('use "../catalog.het"', f'use "{DEMO.parent / "catalog.het"}"')
+    job = job.replace('path = "data/tiny.txt"', f'path = "{DEMO / "data" / "tiny.txt"}"')
+    job = job.replace("    gpus = 2\n", f"    gpus = 2\n    cores = {cores}\n")
+    (tmp_path / "job.het").write_text(job)
+    (tmp_path / "dp.het").write_text((DEMO / "dp.het").read_text())
+    return str(tmp_path / "dp.het")
+
+
+def _step(capsys, *argv: str) -> float:
+    assert main(list(argv)) == 0
+    return json.loads(capsys.readouterr().out)["step_time_s"]
+
+
+def _forward(path) -> float:
+    _, checked = load_checked(path)
+    return CostModel(checked.spec, checked.pipeline, checked.topology).compute_time(0, 0, "F")
+
+
+def test_cores_lengthen_explains_step_and_compile_agrees(tmp_path, capsys):
+    own = _step(capsys, "explain", str(DEMO / "dp.het"), "--json")
+    path = _demo_with_cores(tmp_path, 1)              # two ranks per node on one core
+    shared = _step(capsys, "explain", path, "--json")
+    assert _forward(path) == pytest.approx(2 * _forward(DEMO / "dp.het"))
+    assert shared > own          # the step's messages and collectives do not slow down
+    out = tmp_path / "plan"
+    assert main(["compile", path, "-o", str(out)]) == 0
+    capsys.readouterr()
+    assert json.loads((out / "summary.json").read_text())["step_time_s"] == pytest.approx(shared, rel=0.01)
+    assert _step(capsys, "plan", path, "--json") == pytest.approx(shared, rel=0.01)
+    assert _step(capsys, "explain", _demo_with_cores(tmp_path, 2), "--json") == pytest.approx(own)
+
+
+def test_a_profile_measured_at_once_is_divided_by_its_own_sharing():
+    def block_forward(concurrency: dict | None) -> float:
+        data = {"format": FORMAT, "version": VERSION, "device": {"kind": "cpu"}, "dtype": "fp32",
+                "model": {"hidden": 64, "block_params": 1000},
+                "layers": [{"layer": "block", "seq": 32, "micro_batch": 1, "forward_s": 4e-3,
+                            "backward_s": 8e-3}]}
+        if concurrency:
+            data["concurrency"] = concurrency
+        table = profile_from_dict(data, "p.json").compute[0]
+        return table.fits[("block", 1, "F")](1)
+
+    assert block_forward(None) == pytest.approx(4e-3)
+    assert block_forward({"ranks": 4, "cores": 2}) == pytest.approx(2e-3)
+    assert block_forward({"ranks": 2, "cores": 4}) == pytest.approx(4e-3)
