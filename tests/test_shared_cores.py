@@ -29,17 +29,22 @@ def test_each_node_counts_the_plan_ranks_on_it():
         [Gpu(3, "big", 0, 0, cpu, "default", "")]
     slow = host_slowdowns(gpus, {"host": 1, "big": 0})
     assert slow == {("host", 0): 2.0, ("host", 1): 1.0, ("big", 0): 1.0}
+    # the cluster's cores, shared by all four ranks (one machine), slow every node; the node's rule if larger
+    assert host_slowdowns(gpus, {"host": 1}, cluster_cores=2) == {("host", 0): 2.0, ("host", 1): 2.0,
+                                                                  ("big", 0): 2.0}
 
 
-def _demo_with_cores(tmp_path, cores: int) -> str:
-    """specs/demo/dp.het over a copy of the demo job whose nodes say how many cores their ranks share."""
+def _demo_with_cores(tmp_path, cores: int, plan: str = "dp", where: str = "    gpus = 2\n") -> str:
+    """A demo plan over a copy of the demo job whose nodes (or cluster: `where`) say how many cores their
+    ranks share."""
     job = (DEMO / "job.het").read_text()
     job = job.replace('use "../catalog.het"', f'use "{DEMO.parent / "catalog.het"}"')
     job = job.replace('path = "data/tiny.txt"', f'path = "{DEMO / "data" / "tiny.txt"}"')
-    job = job.replace("    gpus = 2\n", f"    gpus = 2\n    cores = {cores}\n")
+    assert where in job
+    job = job.replace(where, f"{where}{where[:len(where) - len(where.lstrip())]}cores = {cores}\n")
     (tmp_path / "job.het").write_text(job)
-    (tmp_path / "dp.het").write_text((DEMO / "dp.het").read_text())
-    return str(tmp_path / "dp.het")
+    (tmp_path / f"{plan}.het").write_text((DEMO / f"{plan}.het").read_text())
+    return str(tmp_path / f"{plan}.het")
 
 
 def _step(capsys, *argv: str) -> float:
@@ -64,6 +69,12 @@ def test_cores_lengthen_explains_step_and_compile_agrees(tmp_path, capsys):
     assert json.loads((out / "summary.json").read_text())["step_time_s"] == pytest.approx(shared, rel=0.01)
     assert _step(capsys, "plan", path, "--json") == pytest.approx(shared, rel=0.01)
     assert _step(capsys, "explain", _demo_with_cores(tmp_path, 2), "--json") == pytest.approx(own)
+
+
+def test_the_clusters_cores_are_shared_by_all_the_plans_ranks(tmp_path):
+    cluster = "  inter_latency = 500 us\n"
+    assert _forward(_demo_with_cores(tmp_path, 2, "dp", cluster)) == pytest.approx(2 * _forward(DEMO / "dp.het"))
+    assert _forward(_demo_with_cores(tmp_path, 2, "single", cluster)) == pytest.approx(_forward(DEMO / "single.het"))
 
 
 def test_a_profile_measured_at_once_is_divided_by_its_own_sharing():

@@ -9,7 +9,10 @@ operating system shares the cores out evenly, so each rank runs at
 cores / running of its own speed. The ranks running at once on a node are
 the plan's ranks placed on it: under a pipeline every stage works beside
 the others in the steady state, so all of them count (the bubble, where
-fewer run, is the small part of a step).
+fewer run, is the small part of a step). A cluster may say the same of all
+its ranks (`cluster { cores = N }`): a local run puts every "node" of the
+spec on one machine, whose cores all the plan's ranks share; a rank then
+slows by the larger of the two rules.
 
 Measured layer times carry the concurrency they were measured under
 (`hetc profile` runs as many ranks at once as the node will run and
@@ -36,7 +39,9 @@ def core_slowdown(running: int, cores: int) -> float:
     return running / cores
 
 
-def host_slowdowns(gpus: Iterable[Gpu], cores_by_group: Mapping[str, int]) -> dict[tuple[str, int], float]:
+def host_slowdowns(gpus: Iterable[Gpu], cores_by_group: Mapping[str, int],
+                   cluster_cores: int = 0) -> dict[tuple[str, int], float]:
     """Per node (host) of the plan's `gpus` (one per rank): its ranks' slowdown (Note [shared cores])."""
     running = Counter(g.host for g in gpus)
-    return {host: core_slowdown(n, cores_by_group.get(host[0], 0)) for host, n in running.items()}
+    everywhere = core_slowdown(sum(running.values()), cluster_cores)
+    return {host: max(everywhere, core_slowdown(n, cores_by_group.get(host[0], 0))) for host, n in running.items()}

@@ -57,7 +57,9 @@ class CostModel:
         self._compute_times: dict[tuple[int, int, str], float] = {}
         self._fits: dict[tuple, Bandwidth | None] = {}
         # Note [shared cores]: the plan's ranks on a node with fewer cores than ranks compute slower
-        self._slowdown = host_slowdowns(pipeline.world, {n.name: n.cores for n in (spec.cluster.nodes if spec.cluster else ())})
+        cluster = spec.cluster
+        self._slowdown = host_slowdowns(pipeline.world, {n.name: n.cores for n in cluster.nodes},
+                                        cluster.cores) if cluster else {}
 
     # ------------------------------------------------------------ structure
 

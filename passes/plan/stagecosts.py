@@ -73,8 +73,9 @@ class StageCosts:
 
     @cached_property
     def _slowdowns(self) -> dict[tuple[str, int], float]:
-        cores = {n.name: n.cores for n in self.p.topo.cluster.nodes}
-        return host_slowdowns(self.plan.gpus or self.s.res.gpus, cores)
+        cluster = self.p.topo.cluster
+        return host_slowdowns(self.plan.gpus or self.s.res.gpus, {n.name: n.cores for n in cluster.nodes},
+                              cluster.cores)
 
     def slowdown(self, lane: int) -> float:
         """Mirrors CostModel.slowdown: the lane's slowest rank for sharing its node's cores."""
