@@ -26,8 +26,16 @@ import torch.multiprocessing as mp
 from hetc.runtime.model import build_ministage, compute_dtype
 from hetc.spec import ModelSpec
 
-__all__ = ["COLLECTIVE_KINDS", "LayerSample", "comm_rates", "copy_rates", "local_device", "time_layers",
-           "time_layers_at_once"]
+__all__ = [
+    "COLLECTIVE_KINDS",
+    "LayerSample",
+    "comm_rates",
+    "copy_rates",
+    "local_device",
+    "slowdown",
+    "time_layers",
+    "time_layers_at_once",
+]
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 # torch renamed the flat-tensor collectives; use whichever this torch has
@@ -135,6 +143,13 @@ def time_layers_at_once(model: ModelSpec, micro_batches: list[int], seqs: list[i
                         statistics.median(r[k].forward_s for r in runs),
                         statistics.median(r[k].backward_s for r in runs))
             for k, first in enumerate(runs[0])]
+
+
+def slowdown(alone: list[LayerSample], at_once: list[LayerSample]) -> float:
+    """How many times slower the layers ran at once than alone: the median over points of the ratio of their
+    forward + backward times."""
+    return statistics.median((b.forward_s + b.backward_s) / (a.forward_s + a.backward_s)
+                             for a, b in zip(alone, at_once, strict=True))
 
 
 def _layers_worker(rank: int, model: ModelSpec, micro_batches: list[int], seqs: list[int], repeats: int,

@@ -77,17 +77,27 @@ def test_the_clusters_cores_are_shared_by_all_the_plans_ranks(tmp_path):
     assert _forward(_demo_with_cores(tmp_path, 2, "single", cluster)) == pytest.approx(_forward(DEMO / "single.het"))
 
 
-def test_a_profile_measured_at_once_is_divided_by_its_own_sharing():
-    def block_forward(concurrency: dict | None) -> float:
-        data = {"format": FORMAT, "version": VERSION, "device": {"kind": "cpu"}, "dtype": "fp32",
-                "model": {"hidden": 64, "block_params": 1000},
-                "layers": [{"layer": "block", "seq": 32, "micro_batch": 1, "forward_s": 4e-3,
-                            "backward_s": 8e-3}]}
-        if concurrency:
-            data["concurrency"] = concurrency
-        table = profile_from_dict(data, "p.json").compute[0]
-        return table.fits[("block", 1, "F")](1)
+def _profile(concurrency: dict | None) -> dict:
+    data = {"format": FORMAT, "version": VERSION, "device": {"kind": "cpu"}, "dtype": "fp32",
+            "model": {"hidden": 64, "block_params": 46208},
+            "layers": [{"layer": name, "seq": 32, "micro_batch": b, "forward_s": 1e-3 * b, "backward_s": 2e-3 * b}
+                       for name in ("embed", "block", "head") for b in (1, 2)]}
+    if concurrency:
+        data["concurrency"] = concurrency
+    return data
 
-    assert block_forward(None) == pytest.approx(4e-3)
-    assert block_forward({"ranks": 4, "cores": 2}) == pytest.approx(2e-3)
-    assert block_forward({"ranks": 2, "cores": 4}) == pytest.approx(4e-3)
+
+def test_a_measured_slowdown_replaces_the_rule_for_as_many_ranks(tmp_path):
+    measured = profile_from_dict(_profile({"ranks": 4, "cores": 2, "slowdown": 1.6}), "p.json")
+    assert measured.shared == {"cpu": (4, 1.6)}
+    assert measured.compute[0].fits[("block", 1, "F")](1) == pytest.approx(1e-3)   # the layers alone
+    alone = profile_from_dict(_profile(None), "p.json")
+    cluster = "  inter_latency = 500 us\n"
+
+    def forward(plan: str, profiles) -> float:
+        _, checked = load_checked(_demo_with_cores(tmp_path, 2, plan, cluster))
+        return CostModel(checked.spec, checked.pipeline, checked.topology, profiles).compute_time(0, 0, "F")
+
+    assert forward("dp", measured) == pytest.approx(1.6 * forward("single", alone))   # 4 ranks: as measured
+    assert forward("single", measured) == pytest.approx(forward("single", alone))  # 1 rank on 2 cores
+    assert forward("dp", alone) == pytest.approx(2 * forward("single", alone))     # no measurement: the rule

@@ -143,11 +143,13 @@ def run(args: argparse.Namespace) -> int:
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu"
     kind = args.device_kind or (catalog_name(name) if device.type == "cuda" else "cpu")
     at_once = args.ranks_at_once or ranks_at_once(spec, kind)
+    layers = measure.time_layers(model, micro_batches, seqs, args.repeats, progress)
+    concurrency = {}
     if at_once > 1:
         progress(f"layers in {at_once} processes at once")
-        layers = measure.time_layers_at_once(model, micro_batches, seqs, args.repeats, at_once)
-    else:
-        layers = measure.time_layers(model, micro_batches, seqs, args.repeats, progress)
+        loaded = measure.time_layers_at_once(model, micro_batches, seqs, args.repeats, at_once)
+        concurrency = {"concurrency": {"ranks": at_once, "cores": len(os.sched_getaffinity(0)),
+                                       "slowdown": measure.slowdown(layers, loaded)}}
     progress("host<->device copies")
     copies = measure.copy_rates(COPY_SIZES, args.repeats)
     collectives, p2p = [], []
@@ -166,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
         "layers": [{"layer": s.layer, "tp": 1, "seq": s.seq, "micro_batch": s.micro_batch,
                     "forward_s": s.forward_s, "backward_s": s.backward_s} for s in layers],
         "collectives": collectives, "p2p": p2p, "copy": copies,
-        "concurrency": {"ranks": at_once, "cores": len(os.sched_getaffinity(0))},
+        **concurrency,
     })
     progress.done(out)
     return 0

@@ -14,12 +14,11 @@ its ranks (`cluster { cores = N }`): a local run puts every "node" of the
 spec on one machine, whose cores all the plan's ranks share; a rank then
 slows by the larger of the two rules.
 
-Measured layer times carry the concurrency they were measured under
-(`hetc profile` runs as many ranks at once as the node will run and
-records it with the machine's cores); the profile reader divides that
-measurement's slowdown out (`core_slowdown`), and the cost model applies
-the plan's. When the plan runs as many ranks on as many cores as the
-profile did, the two cancel and the measured time is used as measured.
+`hetc profile` times the layers alone and, with as many processes at once
+as the spec's cluster runs on the machine, measures how many times slower
+each ran (`Profiles.shared`). Where the plan runs that many ranks at once on
+shared cores of that device kind, the measured slowdown replaces the rule:
+measured, not assumed; elsewhere the rule transfers it.
 """
 
 from __future__ import annotations
@@ -39,9 +38,27 @@ def core_slowdown(running: int, cores: int) -> float:
     return running / cores
 
 
-def host_slowdowns(gpus: Iterable[Gpu], cores_by_group: Mapping[str, int],
-                   cluster_cores: int = 0) -> dict[tuple[str, int], float]:
-    """Per node (host) of the plan's `gpus` (one per rank): its ranks' slowdown (Note [shared cores])."""
+def host_slowdowns(gpus: Iterable[Gpu], cores_by_group: Mapping[str, int], cluster_cores: int = 0,
+                   measured: Mapping[str, tuple[int, float]] | None = None) -> dict[tuple[str, int], float]:
+    """Per node (host) of the plan's `gpus` (one per rank): its ranks' slowdown (Note [shared cores]).
+
+    `measured`: device kind -> (ranks at once, their measured slowdown), used where the plan shares cores
+    among exactly that many ranks.
+    """
+    gpus = list(gpus)
     running = Counter(g.host for g in gpus)
-    everywhere = core_slowdown(sum(running.values()), cluster_cores)
-    return {host: max(everywhere, core_slowdown(n, cores_by_group.get(host[0], 0))) for host, n in running.items()}
+    kinds = {g.host: g.device.name for g in gpus}
+    out = {}
+    for host, n in running.items():
+        pools = [(n, cores_by_group.get(host[0], 0)), (len(gpus), cluster_cores)]
+        out[host] = max(_pool_slowdown(at_once, cores, (measured or {}).get(kinds[host])) for at_once, cores in pools)
+    return out
+
+
+def _pool_slowdown(at_once: int, cores: int, measured: tuple[int, float] | None) -> float:
+    """`at_once` ranks sharing `cores` (0: not shared): the measured slowdown of as many ranks, else the rule."""
+    if cores <= 0:
+        return 1.0
+    if measured is not None and measured[0] == at_once:
+        return measured[1]
+    return core_slowdown(at_once, cores)

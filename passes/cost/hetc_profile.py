@@ -11,16 +11,16 @@
       "p2p": [{"bytes": X, "seconds": t}, ...],
       "copy": [{"direction": "h2d" | "d2h", "bytes": X, "seconds": t}, ...],
       "microbatch_overhead_s": t            (optional)
-      "concurrency": {"ranks": n, "cores": c}   (optional; absent: one process)
+      "concurrency": {"ranks": n, "cores": c, "slowdown": s}   (optional)
     }
 
 `device.kind` is the catalog name the measurements apply to (GPUs of that
 kind in a spec). Collective times are for the full buffer (`bytes`) over
 `ranks` local processes; the link rate is recovered with the ring model.
-`concurrency` says the layers were timed in n processes at once on a
-machine of c cores; the reader divides the slowdown that sharing gave them
-out (Note [shared cores] in cores.py), and the cost model applies the
-plan's. `microbatch_overhead_s` is what a stage of the executing engine spends per
+The layer times are one process's alone; `concurrency` says the same
+layers timed in n processes at once on this machine's c cores ran s times
+slower (Note [shared cores] in cores.py: the cost model uses s where a plan
+runs n ranks at once on shared cores). `microbatch_overhead_s` is what a stage of the executing engine spends per
 microbatch outside its layers (dispatch, device synchronizations, loss
 glue): a measured run's step time less its layers, per microbatch and stage.
 """
@@ -32,7 +32,6 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from hetc.passes.cost.cores import core_slowdown
 from hetc.passes.cost.network import Bandwidth, MeasuredPoints, ring_chunk, ring_steps
 from hetc.spec import DType
 from hetc.passes.cost.profiles import LAYER_SLOTS, ComputeTable, NetworkFits, ProfileError, Profiles, fit_line
@@ -67,32 +66,32 @@ def profile_from_dict(data: Any, source: str) -> Profiles:
         network = _network(data, kind, source)
         copy = _copy_rate(data)
         overhead = _overhead(data)
+        shared = _shared(data, kind)
     except (KeyError, TypeError, ValueError) as err:
         raise ProfileError(f"'{source}': malformed hetc profile ({type(err).__name__}: {err})") from None
     return Profiles(tuple(tables), network, {kind: copy} if copy else {}, {kind: source} if copy else {},
-                    {kind: overhead} if overhead is not None else {}, sources=(source,))
+                    {kind: overhead} if overhead is not None else {}, sources=(source,), shared=shared)
 
 
-def _concurrency_slowdown(data: dict) -> float:
+def _shared(data: dict, kind: str) -> dict[str, tuple[int, float]]:
     shared = data.get("concurrency")
     if shared is None:
-        return 1.0
-    ranks, cores = int(shared["ranks"]), int(shared["cores"])
-    if ranks < 1 or cores < 1:
-        raise ValueError(f"concurrency needs at least 1 rank and 1 core, not {ranks} and {cores}")
-    return core_slowdown(ranks, cores)
+        return {}
+    ranks, slowdown = int(shared["ranks"]), float(shared["slowdown"])
+    if ranks < 1 or not slowdown > 0:   # also rejects NaN
+        raise ValueError(f"concurrency needs at least 1 rank and a positive slowdown, not {ranks} and {slowdown}")
+    return {kind: (ranks, slowdown)}
 
 
 def _tables(data: dict, kind: str, source: str) -> list[ComputeTable]:
     model = data["model"]
-    slow = _concurrency_slowdown(data)
     by_seq: dict[int, dict] = defaultdict(lambda: defaultdict(list))
     for row in data.get("layers", []):
         if row["layer"] not in LAYER_SLOTS:
             raise ValueError(f"layer '{row['layer']}' is not one of {', '.join(LAYER_SLOTS)}")
         seq, key = int(row["seq"]), (str(row["layer"]), int(row.get("tp", 1)))
-        by_seq[seq][key + ("F",)].append((int(row["micro_batch"]), float(row["forward_s"]) / slow))
-        by_seq[seq][key + ("B",)].append((int(row["micro_batch"]), float(row["backward_s"]) / slow))
+        by_seq[seq][key + ("F",)].append((int(row["micro_batch"]), float(row["forward_s"])))
+        by_seq[seq][key + ("B",)].append((int(row["micro_batch"]), float(row["backward_s"])))
     return [ComputeTable(source, kind, int(model["hidden"]), int(model["block_params"]), seq,
                          DType(str(data.get("dtype", "fp32"))).value, {k: fit_line(v) for k, v in points.items()},
                          int(model["vocab"]) if "vocab" in model else None, None, str(model.get("name", "")))

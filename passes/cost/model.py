@@ -59,7 +59,7 @@ class CostModel:
         # Note [shared cores]: the plan's ranks on a node with fewer cores than ranks compute slower
         cluster = spec.cluster
         self._slowdown = host_slowdowns(pipeline.world, {n.name: n.cores for n in cluster.nodes},
-                                        cluster.cores) if cluster else {}
+                                        cluster.cores, self.profiles.shared) if cluster else {}
 
     # ------------------------------------------------------------ structure
 

@@ -75,7 +75,7 @@ class StageCosts:
     def _slowdowns(self) -> dict[tuple[str, int], float]:
         cluster = self.p.topo.cluster
         return host_slowdowns(self.plan.gpus or self.s.res.gpus, {n.name: n.cores for n in cluster.nodes},
-                              cluster.cores)
+                              cluster.cores, self.p.probe.profiles.shared)
 
     def slowdown(self, lane: int) -> float:
         """Mirrors CostModel.slowdown: the lane's slowest rank for sharing its node's cores."""
