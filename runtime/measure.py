@@ -184,56 +184,79 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def comm_rates(ranks: int, sizes: list[int], repeats: int) -> tuple[list[dict], list[dict]]:
-    """(collectives, p2p) measured between `ranks` local processes; rows as in the profile file."""
+def comm_rates(ranks: int, sizes: list[int], repeats: int, at_once: int = 1) -> tuple[list[dict], list[dict]]:
+    """(collectives, p2p) measured between `ranks` local processes; rows as in the profile file.
+
+    With `at_once` > `ranks` processes (as many as the node runs, Note [shared cores]), every block of
+    `ranks` of them runs the same collectives and messages at the same time, and the median run is
+    kept (the load is part of the measurement); the collectives over all of them are measured too.
+    """
+    world = max(ranks, at_once // ranks * ranks)   # whole blocks of `ranks`
     port = _free_port()
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_comm_worker, args=(ranks, port, sizes, repeats, queue), nprocs=ranks, join=True,
+    mp.start_processes(_comm_worker, args=(ranks, world, port, sizes, repeats, queue), nprocs=world, join=True,
                        start_method="spawn")
     return queue.get()
 
 
-def _comm_worker(rank: int, ranks: int, port: int, sizes: list[int], repeats: int, queue) -> None:
-    use_nccl = torch.cuda.is_available() and torch.cuda.device_count() >= ranks
+def _comm_worker(rank: int, ranks: int, world: int, port: int, sizes: list[int], repeats: int, queue) -> None:
+    use_nccl = torch.cuda.is_available() and torch.cuda.device_count() >= world
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("nccl" if use_nccl else "gloo", rank=rank, world_size=ranks)
+    dist.init_process_group("nccl" if use_nccl else "gloo", rank=rank, world_size=world)
     device = torch.device("cuda", rank) if use_nccl else torch.device("cpu")
     if use_nccl:
         torch.cuda.set_device(device)
+    blocks = [list(range(b, b + ranks)) for b in range(0, world - ranks + 1, ranks)]
+    groups = [dist.new_group(b) for b in blocks]     # every process creates every group, in the same order
+    pick = min if world == ranks else statistics.median
+    group, block = next((g, b) for g, b in zip(groups, blocks) if rank in b)
     collectives, p2p = [], []
     for n in sizes:
-        elems = max(n // 4 // ranks * ranks, ranks)
-        full = torch.ones(elems, device=device)
-        part = torch.ones(elems // ranks, device=device)
-        ops = {"all_reduce": partial(dist.all_reduce, full),
-               "all_gather": partial(_GATHER, full, part),
-               "reduce_scatter": partial(_SCATTER, part, full)}
-        for kind, op in ops.items():
-            try:
-                seconds = _synced(device, op, repeats)
-            except (RuntimeError, NotImplementedError):  # gloo lacks some collectives in some builds
-                continue
-            collectives.append({"kind": kind, "ranks": ranks, "bytes": elems * 4, "seconds": seconds})
-        p2p.append({"bytes": elems * 4, "seconds": _ping(rank, device, full, repeats)})
+        collectives += _collectives(device, n, ranks, group, repeats, pick)
+        if world > ranks:
+            collectives += _collectives(device, n, world, None, repeats, pick)
+        buf = torch.ones(max(n // 4 // ranks * ranks, ranks), device=device)
+        p2p.append({"bytes": buf.numel() * 4, "seconds": _ping(rank, block[:2], device, buf, repeats, pick)})
     if rank == 0:
         queue.put((collectives, p2p))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _synced(device: torch.device, op: Callable[[], None], repeats: int) -> float:
+def _collectives(device, n: int, count: int, group, repeats: int, pick) -> list[dict]:
+    elems = max(n // 4 // count * count, count)
+    full = torch.ones(elems, device=device)
+    part = torch.ones(elems // count, device=device)
+    ops = {"all_reduce": partial(dist.all_reduce, full, group=group),
+           "all_gather": partial(_GATHER, full, part, group=group),
+           "reduce_scatter": partial(_SCATTER, part, full, group=group)}
+    rows = []
+    for kind, op in ops.items():
+        try:
+            seconds = _synced(device, op, repeats, pick)
+        except (RuntimeError, NotImplementedError):  # gloo lacks some collectives in some builds
+            dist.barrier()
+            continue
+        rows.append({"kind": kind, "ranks": count, "bytes": elems * 4, "seconds": seconds})
+    return rows
+
+
+def _synced(device: torch.device, op: Callable[[], None], repeats: int, pick=min) -> float:
     dist.barrier()
-    return _clock(device, op, repeats)
+    return _clock(device, op, repeats, pick=pick)
 
 
-def _ping(rank: int, device: torch.device, buf: torch.Tensor, repeats: int) -> float:
-    """One-way time: half a round trip between ranks 0 and 1."""
+def _ping(rank: int, pair: list[int], device: torch.device, buf: torch.Tensor, repeats: int, pick=min) -> float:
+    """One-way time: half a round trip between the two ranks of `pair` (this rank's block)."""
     def round_trip():
-        if rank == 0:
-            dist.send(buf, 1)
-            dist.recv(buf, 1)
-        elif rank == 1:
-            dist.recv(buf, 0)
-            dist.send(buf, 0)
+        if len(pair) < 2 or rank not in pair:
+            return
+        other = pair[1] if rank == pair[0] else pair[0]
+        if rank == pair[0]:
+            dist.send(buf, other)
+            dist.recv(buf, other)
+        else:
+            dist.recv(buf, other)
+            dist.send(buf, other)
     dist.barrier()
-    return _clock(device, round_trip, repeats) / 2
+    return _clock(device, round_trip, repeats, pick=pick) / 2

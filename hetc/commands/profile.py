@@ -154,8 +154,8 @@ def run(args: argparse.Namespace) -> int:
     copies = measure.copy_rates(COPY_SIZES, args.repeats)
     collectives, p2p = [], []
     if not args.no_comm:
-        progress(f"collectives and p2p between {args.ranks} processes")
-        collectives, p2p = measure.comm_rates(args.ranks, sizes, args.repeats)
+        progress(f"collectives and p2p between {args.ranks} processes, {max(at_once, args.ranks)} at once")
+        collectives, p2p = measure.comm_rates(args.ranks, sizes, args.repeats, at_once)
     memory = torch.cuda.get_device_properties(0).total_memory if device.type == "cuda" else 0
     out = Path(args.output)
     write_profile(out, {
