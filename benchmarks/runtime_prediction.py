@@ -62,7 +62,7 @@ class Row:
 
 
 def _hetc(*argv: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([*HETC, *argv], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return subprocess.run([*HETC, *argv], check=False, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
 def copy_demo(dest: Path, cores: int) -> Path:
@@ -113,13 +113,13 @@ def measure(plan: Path, work: Path, profiles: list[Path], steps: int) -> Row:
 
 def render(rows: list[Row], cores: int, load: tuple[float, float, float], steps: int) -> str:
     agree = sum(r.agrees for r in rows)
-    lines = [HEADING, "",
-             f"`benchmarks/runtime_prediction.py`, {datetime.date.today().isoformat()}: each plan of specs/demo/ "
+    intro = (f"`benchmarks/runtime_prediction.py`, {datetime.date.today().isoformat()}: each plan of specs/demo/ "
              f"compiled with one `hetc profile` per model (taken first, layers timed as many processes at once "
              f"as the cluster runs here), then `hetc run --local --steps {steps}`; measured is the median step "
              f"of steps {SKIP + 1}..{steps}. The demo cluster gets `cores = {cores}` (this machine's; all its "
              f"ranks share them). The machine is shared with other work: load average "
-             f"{load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1 / 5 / 15 min) when the run began.",
+             f"{load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1 / 5 / 15 min) when the run began.")
+    lines = [HEADING, "", intro,
              "", f"**{agree} of {len(rows)} plans within {TOLERANCE:.0%}.**", "",
              "| plan | predicted ms | measured ms | measured/predicted | within 15 %? | most off (misses) |",
              "|---|---:|---:|---:|---|---|"]
