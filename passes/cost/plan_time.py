@@ -13,8 +13,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from hetc.passes.cost.memory import interleaved_update, offloaded
-from hetc.passes.cost.schedule import (LaneTiming, Unit, UnitLane, exposed_first_gather, lockstep_fill,
-                                      pipeline_time, sequential_time, step_lower_bound)
+from hetc.passes.cost.schedule import (LaneTiming, Unit, UnitLane, lockstep_fill, pipeline_time, sequential_time,
+                                      step_lower_bound, zero_cycle)
 from hetc.pipeline import Lane, Stage
 from hetc.spec import OffloadTarget, ScheduleKind, ZeroShard
 
@@ -47,7 +47,8 @@ def plan_time(cm) -> PlanTime:
     # never below the lower bound of the step (docs/costmodel.md), then the lockstep stages' fill
     extra = max(0.0, step_lower_bound(p.schedule, lanes, chunks) - pipe.total) + \
         lockstep_fill(p.schedule, lanes, len(p.stages), cm.coupled_stages, {s.index: len(s.lanes) for s in p.stages})
-    tail = _tail(cm, lanes) + end + exposed_first_gather(_first_gather(cm), lanes[0])
+    # the first stage's first compute op waits for its ZeRO-3 gather: nothing runs beside it yet
+    tail = _tail(cm, lanes) + end + _first_gather(cm)
     return PlanTime(pipe.total + extra + tail, pipe.total + extra, pipe.bubble + extra, tail, tuple(lanes),
                     pipe.bottleneck)
 
@@ -73,16 +74,21 @@ def lane_timings(cm) -> list[LaneTiming]:
             f, i, w = (max(sum(cm.compute_time(r, ms, ph) for ms in stage.ministages) for r in reps)
                        for ph in ("F", "I", "W"))
             f += max(cm.microbatch_overhead(r) for r in reps)
-            out.append(LaneTiming(stage.index, lane.index, len(lane.microbatches), f, i, w,
-                                  _p2p_per_microbatch(cm, stage, lane), _overlapped(cm, stage, lane)))
+            p2p = _p2p_per_microbatch(cm, stage, lane)
+            reduce, gather, copies = _collectives(cm, stage, lane)
+            ops = (f, i, w) if cm.pipeline.schedule is ScheduleKind.ZB else (f, i + w)
+            zc = zero_cycle(cm.pipeline.schedule, ops, p2p, reduce, gather, copies, _shares(cm, stage, lane.ranks[0]))
+            out.append(LaneTiming(stage.index, lane.index, len(lane.microbatches), f, i, w, p2p,
+                                  reduce + gathers_per_microbatch(cm.pipeline.schedule) * gather + copies,
+                                  zc.bound, zc.trail))
     return out
 
 
 def _reps(cm, ranks) -> list[int]:
-    """One rank per device kind among `ranks`: ranks of one kind time alike."""
-    seen: dict[str, int] = {}
+    """One rank per device kind and core share among `ranks`: such ranks time alike."""
+    seen: dict[tuple[str, float], int] = {}
     for r in sorted(ranks):
-        seen.setdefault(cm.gpu(r).device.name, r)
+        seen.setdefault((cm.gpu(r).device.name, cm.slowdown(r)), r)
     return list(seen.values())
 
 
@@ -128,26 +134,30 @@ def _stage_numel(cm, stage: Stage, rank: int) -> float:
     return sum(cm.numel(ms, rank) for ms in stage.ministages)
 
 
-def _overlapped(cm, stage: Stage, lane: Lane) -> float:
-    """Per-microbatch collectives beside the compute: ZeRO-3 gathers, ZeRO-2/3 reduce-scatters,
-    parameter copies from the host."""
+def _shares(cm, stage: Stage, rank: int) -> tuple[float, float]:
+    """The fractions of the stage's parameters in its first and in its largest ministage."""
+    whole = max(_stage_numel(cm, stage, rank), 1.0)
+    each = [cm.numel(ms, rank) for ms in stage.ministages]
+    return each[0] / whole, max(each) / whole
+
+
+def _collectives(cm, stage: Stage, lane: Lane) -> tuple[float, float, float]:
+    """Per-microbatch work beside the compute: (ZeRO-2/3 reduce-scatter, one ZeRO-3 gather, parameter copies
+    from the host), each in seconds (Note [zero cycle] in schedule.py says how the compute waits for them)."""
     level = stage.zero.resolved_level
     rank = lane.ranks[0]
     if cm.pipeline.schedule is ScheduleKind.ZORSE:
-        return 0.0  # Zorse gathers and reduces once per ministage (see zorse_units)
+        return 0.0, 0.0, 0.0  # Zorse gathers and reduces once per ministage (see zorse_units)
     if level < 2 and stage.offload.params is OffloadTarget.NONE:
-        return 0.0
+        return 0.0, 0.0, 0.0
     group = cm.node_group(rank) if stage.zero.shard is ZeroShard.NODE else cm.zero_group(rank)
     nbytes = _stage_numel(cm, stage, rank) * cm.delta
     k = _concurrent(cm, rank)
-    total = 0.0
-    if level >= 2:
-        total += cm.collective_time("reduce_scatter", group, nbytes, k)
-    if level >= 3:
-        total += gathers_per_microbatch(cm.pipeline.schedule) * cm.collective_time("all_gather", group, nbytes, k)
-    if stage.offload.params is not OffloadTarget.NONE:
-        total += 2 * cm.copy_time(rank, nbytes * cm.shard(rank).params)
-    return total
+    reduce = cm.collective_time("reduce_scatter", group, nbytes, k) if level >= 2 else 0.0
+    gather = cm.collective_time("all_gather", group, nbytes, k) if level >= 3 else 0.0
+    copies = 2 * cm.copy_time(rank, nbytes * cm.shard(rank).params) \
+        if stage.offload.params is not OffloadTarget.NONE else 0.0
+    return reduce, gather, copies
 
 
 def gathers_per_microbatch(schedule: ScheduleKind) -> int:
@@ -167,27 +177,27 @@ def _first_gather(cm) -> float:
 
 
 def sync_time(cm, stage: Stage, rank: int, per_ministage: bool = False) -> float:
-    """Exposed gradient reduction after the last backward (and ZeRO-1/2's parameter all-gather)."""
+    """Gradient reduction after the last backward (and ZeRO-1/2's parameter all-gather).
+
+    Under per-microbatch schedules ZeRO-2/3 reduce-scatter after every
+    gradient op; the lane's cycle and trail count those (Note [zero cycle]).
+    """
     level = stage.zero.resolved_level
     nbytes = _stage_numel(cm, stage, rank) * cm.delta
     k = _concurrent(cm, rank)
     if stage.zero.shard is ZeroShard.NODE:
         node = cm.node_group(rank)
         across = tuple(r for r in cm.zero_group(rank) if r in _same_position(cm, rank))
-        inner = cm.collective_time("reduce_scatter", node, nbytes, k) + \
-            cm.collective_time("all_gather", node, nbytes, k)
+        inner = (cm.collective_time("reduce_scatter", node, nbytes, k) if level < 2 or per_ministage else 0.0) + \
+            (cm.collective_time("all_gather", node, nbytes, k) if level <= 2 else 0.0)
         return inner + cm.collective_time("all_reduce", across, nbytes / max(len(node), 1), k)
     group = cm.zero_group(rank)
     if level <= 1:
         return cm.collective_time("all_reduce", group, nbytes, k)
+    gather = cm.collective_time("all_gather", group, nbytes, k) if level == 2 else 0.0
     if per_ministage:  # Zorse: one reduce-scatter per ministage, then (ZeRO-2) one gather
-        rs = cm.collective_time("reduce_scatter", group, nbytes, k)
-        return rs + (cm.collective_time("all_gather", group, nbytes, k) if level == 2 else 0.0)
-    # lowering reduces each ministage after its gradient op and waits at the end: the last reduction (of the
-    # stage's first ministage, whose backward comes last) shows whole
-    last = cm.numel(stage.ministages[0], rank) * cm.delta
-    return cm.collective_time("reduce_scatter", group, last, k) + \
-        (cm.collective_time("all_gather", group, nbytes, k) if level == 2 else 0.0)
+        return cm.collective_time("reduce_scatter", group, nbytes, k) + gather
+    return gather
 
 
 def _same_position(cm, rank: int) -> set[int]:
@@ -215,7 +225,8 @@ def _tail(cm, lanes: list[LaneTiming]) -> float:
     for stage in p.stages:
         # ranks at one position of every lane sync together; the optimizer differs by device kind
         step = max(_opt_time(cm, stage, r) for r in _reps(cm, stage.ranks))
-        worst = max(sync_time(cm, stage, r) for r in stage.lanes[0].ranks) + step
+        trail = max(t.trail for t in lanes if t.stage == stage.index)
+        worst = trail + max(sync_time(cm, stage, r) for r in stage.lanes[0].ranks) + step
         tail = max(tail, worst - lead)
         lead += drain[stage.index]
     return max(tail, 0.0)

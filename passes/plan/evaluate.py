@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 from hetc.passes.cost import RankMemory
 from hetc.passes.cost.memory import interleaved_update
-from hetc.passes.cost.plan_time import step_end_time
-from hetc.passes.cost.schedule import (LaneTiming, Unit, UnitLane, exposed_first_gather, in_flight_limits,
-                                      lockstep_fill, pipeline_time, sequential_time, step_lower_bound)
+from hetc.passes.cost.plan_time import gathers_per_microbatch, step_end_time
+from hetc.passes.cost.schedule import (LaneTiming, Unit, UnitLane, in_flight_limits, lockstep_fill, pipeline_time,
+                                      sequential_time, step_lower_bound)
 from hetc.passes.plan.costs import Primitives
 from hetc.passes.plan.egress import egress_per_step
 from hetc.passes.plan.stagecosts import StageCosts, unit_lane_times
@@ -85,8 +85,7 @@ def evaluate(prims: Primitives, plan: PlanView) -> Score:
         extra = max(0.0, step_lower_bound(plan.schedule, lanes, chunks) - pt.total) + \
             lockstep_fill(plan.schedule, lanes, plan.num_stages, coupled, widths)
         pipe, bubble = pt.total + extra, pt.bubble + extra
-        first = next(t for t in lanes if t.stage == 0)
-        tail = _tail(costs, lanes) + end + exposed_first_gather(costs[0].first_gather(), first)
+        tail = _tail(costs, lanes) + end + costs[0].first_gather()
     memory, classes = _memory(costs)
     tokens = plan.num_microbatches * plan.micro_batch * prims.model.seq
     price = sum(g.device.price for g in plan.gpus)
@@ -100,8 +99,12 @@ def _lane_timings(sc: StageCosts) -> list[LaneTiming]:
         lane = lanes[0]
         f, i, w = sc.compute(lane)
         f += sc.overhead(lane)
-        out.append(LaneTiming(sc.s.index, lane, sc.s.counts[lane], f, i, w, sc.p2p(lane),
-                              sc.overlapped(lane)))
+        p2p = sc.p2p(lane)
+        reduce, gather, copies = sc.collectives(lane)
+        zc = sc.cycle(lane, f, i, w, p2p)
+        out.append(LaneTiming(sc.s.index, lane, sc.s.counts[lane], f, i, w, p2p,
+                              reduce + gathers_per_microbatch(sc.plan.schedule) * gather + copies, zc.bound,
+                              zc.trail))
     return out
 
 
@@ -110,7 +113,8 @@ def _tail(costs: list[StageCosts], lanes: list[LaneTiming]) -> float:
     tail, lead = 0.0, 0.0
     for sc in costs:
         mine = [t for t in lanes if t.stage == sc.s.index]
-        worst = sc.sync(0) + max(sc.optimizer(lane) for lane in _kind_reps(sc))
+        trail = max(t.trail for t in mine)
+        worst = trail + sc.sync(0) + max(sc.optimizer(lane) for lane in _kind_reps(sc))
         tail = max(tail, worst - lead)
         lead += max(t.backward + t.p2p for t in mine)
     return max(tail, 0.0)

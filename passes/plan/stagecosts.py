@@ -11,9 +11,10 @@ from __future__ import annotations
 from functools import cached_property
 
 from hetc.passes.cost import RankMemory
+from hetc.passes.cost.cores import host_slowdowns
 from hetc.passes.cost.memory import (GRAD_BUCKET_PARAMS, in_flight, interleaved_update, resident_params,
                                     shard_factors)
-from hetc.passes.cost.plan_time import gathers_per_microbatch
+from hetc.passes.cost.schedule import ZeroCycle, zero_cycle
 from hetc.passes.cost.shapes import LayerKind
 from hetc.passes.plan.costs import Primitives
 from hetc.spec import ScheduleKind, ZeroShard
@@ -65,8 +66,20 @@ class StageCosts:
     def compute(self, lane: int, units: tuple[int, int, int] | None = None) -> tuple[float, float, float]:
         """(F, I, W) seconds of one microbatch through `units` (default: the stage) on a lane."""
         gpus = self.s.lanes[lane]
-        return self.p.lane_compute(tuple(g.device.name for g in gpus), self.s.tp, tuple(g.id for g in gpus),
-                                   self.s.knobs.offload.activations, units or self.layer_counts)
+        f, i, w = self.p.lane_compute(tuple(g.device.name for g in gpus), self.s.tp, tuple(g.id for g in gpus),
+                                      self.s.knobs.offload.activations, units or self.layer_counts)
+        slow = self.slowdown(lane)
+        return f * slow, i * slow, w * slow
+
+    @cached_property
+    def _slowdowns(self) -> dict[tuple[str, int], float]:
+        cluster = self.p.topo.cluster
+        return host_slowdowns(self.plan.gpus or self.s.res.gpus, {n.name: n.cores for n in cluster.nodes},
+                              cluster.cores, self.p.probe.profiles.shared)
+
+    def slowdown(self, lane: int) -> float:
+        """Mirrors CostModel.slowdown: the lane's slowest rank for sharing its node's cores."""
+        return max(self._slowdowns.get(g.host, 1.0) for g in self.s.lanes[lane])
 
     def overhead(self, lane: int) -> float:
         """The engine's seconds per microbatch outside the layers (`CostModel.microbatch_overhead`)."""
@@ -97,18 +110,25 @@ class StageCosts:
     def zero_ring(self, lane: int) -> tuple[int, ...]:
         return self.s.res.node_ring(lane) if self.s.zero.shard is ZeroShard.NODE else self.s.ring
 
-    def overlapped(self, lane: int) -> float:
+    def collectives(self, lane: int) -> tuple[float, float, float]:
+        """Mirrors plan_time._collectives: (reduce-scatter, one gather, host copies) per microbatch."""
         level, off = int(self.s.zero.level), self.s.knobs.offload
         if self.plan.schedule is ScheduleKind.ZORSE or (level < 2 and not off.params):
-            return 0.0
+            return 0.0, 0.0, 0.0
         nbytes = self.numel() * self.p.delta
         k, ring = self.s.concurrent(lane), self.zero_ring(lane)
-        total = self.p.ring("reduce_scatter", ring, nbytes, k) if level >= 2 else 0.0
-        if level >= 3:
-            total += gathers_per_microbatch(self.plan.schedule) * self.p.ring("all_gather", ring, nbytes, k)
-        if off.params:
-            total += 2 * self.p.copy(self.s.lanes[lane][0], nbytes * self.shard(lane).params)
-        return total
+        reduce = self.p.ring("reduce_scatter", ring, nbytes, k) if level >= 2 else 0.0
+        gather = self.p.ring("all_gather", ring, nbytes, k) if level >= 3 else 0.0
+        copies = 2 * self.p.copy(self.s.lanes[lane][0], nbytes * self.shard(lane).params) if off.params else 0.0
+        return reduce, gather, copies
+
+    def cycle(self, lane: int, f: float, i: float, w: float, p2p: float) -> ZeroCycle:
+        """The lane's cycle and trail with its collectives (`zero_cycle`, Note [zero cycle])."""
+        schedule = self.plan.schedule
+        ops = (f, i, w) if schedule is ScheduleKind.ZB else (f, i + w)
+        whole = max(self.numel(), 1.0)
+        shares = (self.ms_numel[0] / whole, max(self.ms_numel) / whole)
+        return zero_cycle(schedule, ops, p2p, *self.collectives(lane), shares)
 
     def sync(self, lane: int, per_ministage: bool = False) -> float:
         level = int(self.s.zero.level)
@@ -116,8 +136,8 @@ class StageCosts:
         k = self.s.concurrent(lane)
         if self.s.zero.shard is ZeroShard.NODE:
             node = self.s.res.node_ring(lane)
-            inner = self.p.ring("reduce_scatter", node, nbytes, k) + \
-                self.p.ring("all_gather", node, nbytes, k)
+            inner = (self.p.ring("reduce_scatter", node, nbytes, k) if level < 2 or per_ministage else 0.0) + \
+                (self.p.ring("all_gather", node, nbytes, k) if level <= 2 else 0.0)
             across = self.s.res.across_ring(lane)
             return inner + self.p.ring("all_reduce", across, nbytes / max(len(node), 1), k)
         ring = self.s.ring
@@ -126,7 +146,7 @@ class StageCosts:
         gather = self.p.ring("all_gather", ring, nbytes, k) if level == 2 else 0.0
         if per_ministage:
             return self.p.ring("reduce_scatter", ring, nbytes, k) + gather
-        return self.p.ring("reduce_scatter", ring, self.ms_numel[0] * self.p.delta, k) + gather
+        return gather
 
     def first_gather(self) -> float:
         """Mirrors plan_time._first_gather for the first stage."""
@@ -138,7 +158,7 @@ class StageCosts:
         numel = self.numel() * self.shard(lane).optimizer
         gpu = self.s.lanes[lane][0]
         on_host = self.s.knobs.offload.optimizer
-        t = self.p.optimizer(gpu, numel, on_host)
+        t = self.p.optimizer(gpu, numel, on_host) * self.slowdown(lane)
         if on_host:
             t += self.p.copy(gpu, numel * (self.p.states.grads + self.p.states.params))
         return t

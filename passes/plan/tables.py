@@ -93,6 +93,11 @@ class StageContext:
     def peer_gpu(self, stage: int, lane: int, other: int) -> Gpu:
         return self.neighbours[other]
 
+    @property
+    def gpus(self) -> tuple[Gpu, ...]:
+        """The plan's GPUs are not known around one stage: `StageCosts` counts the stage's own."""
+        return ()
+
 
 def _context(prims: Primitives, index: int, num_stages: int, n: int, ministages: int, interleave: int,
              neighbours: dict[int, Gpu], schedule: ScheduleKind, prefetch: int) -> tuple[StageContext, tuple]:
@@ -152,6 +157,7 @@ def stage_table(prims: Primitives, res: ResolvedStage, index: int, num_stages: i
 def _option(prims: Primitives, sc: StageCosts, n: int, knobs: Knobs, classes, m: int) -> Option:
     schedule = sc.plan.schedule
     lane_classes, fill, tail, drain = [], 0.0, 0.0, 0.0
+    trail = 0.0
     for lanes in classes:
         lane = lanes[0]
         f, i, w = sc.compute(lane)
@@ -163,9 +169,10 @@ def _option(prims: Primitives, sc: StageCosts, n: int, knobs: Knobs, classes, m:
             one = cycle + sum(c + d for _, _, c, d in per_ms)
         else:
             one = f + i + w + p2p
-            cycle = max(one, sc.overlapped(lane))
+            zc = sc.cycle(lane, f, i, w, p2p)
+            cycle, trail = max(one, zc.bound), zc.trail
         fill = max(fill, max(0.0, f + i + p2p - w) if schedule is ScheduleKind.ZB else one)
-        tail = max(tail, sc.sync(lane, per_ministage=schedule is ScheduleKind.ZORSE) + sc.optimizer(lane))
+        tail = max(tail, trail + sc.sync(lane, per_ministage=schedule is ScheduleKind.ZORSE) + sc.optimizer(lane))
         drain = max(drain, i + w + p2p)
         lane_classes.append(LaneClass(lanes, cycle, _cap(sc, lane, m)))
     per_mb = schedule is not ScheduleKind.ZORSE and knobs.zero >= 2 and sc.s.zero.shard is ZeroShard.ALL
