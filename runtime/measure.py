@@ -29,6 +29,7 @@ from hetc.spec import ModelSpec
 __all__ = [
     "COLLECTIVE_KINDS",
     "LayerSample",
+    "LayersAtOnce",
     "comm_rates",
     "copy_rates",
     "local_device",
@@ -130,8 +131,17 @@ def _time_one(stage, name: str, model: ModelSpec, b: int, seq: int, device, dtyp
     return fwd, _clock(device, backward, repeats, setup=reset, pick=pick)
 
 
+@dataclass(frozen=True)
+class LayersAtOnce:
+    """`time_layers` in several processes at once: the per-point medians, and how much of the wall clock
+    each process had a core for."""
+
+    samples: list[LayerSample]
+    wall_per_cpu: float    # median over the processes of the sweep's wall time / its CPU time
+
+
 def time_layers_at_once(model: ModelSpec, micro_batches: list[int], seqs: list[int], repeats: int,
-                        ranks: int) -> list[LayerSample]:
+                        ranks: int) -> LayersAtOnce:
     """`time_layers` in `ranks` processes at once (each with a rank's one thread, or its own GPU while there
     are GPUs to go round): per point, the median over the processes of each one's median run."""
     ctx = mp.get_context("spawn")
@@ -139,17 +149,26 @@ def time_layers_at_once(model: ModelSpec, micro_batches: list[int], seqs: list[i
     mp.start_processes(_layers_worker, args=(model, micro_batches, seqs, repeats, start, queue), nprocs=ranks,
                        join=True, start_method="spawn")
     runs = [queue.get() for _ in range(ranks)]
-    return [LayerSample(first.layer, first.micro_batch, first.seq,
-                        statistics.median(r[k].forward_s for r in runs),
-                        statistics.median(r[k].backward_s for r in runs))
-            for k, first in enumerate(runs[0])]
+    samples = [LayerSample(first.layer, first.micro_batch, first.seq,
+                           statistics.median(r[k].forward_s for r, _ in runs),
+                           statistics.median(r[k].backward_s for r, _ in runs))
+               for k, first in enumerate(runs[0][0])]
+    return LayersAtOnce(samples, statistics.median(share for _, share in runs))
 
 
-def slowdown(alone: list[LayerSample], at_once: list[LayerSample]) -> float:
-    """How many times slower the layers ran at once than alone: the median over points of the ratio of their
-    forward + backward times."""
+def slowdown(alone: list[LayerSample], at_once: LayersAtOnce) -> float:
+    """How many times slower the layers ran at once than alone.
+
+    Note [slowdown by throughput]: on CPU, processes sharing cores take turns in scheduler slices of a
+    few ms, longer than most layers, so a layer timed at once mostly runs whole inside one slice and its
+    median hardly moves (4 processes on 2 cores: 1.26x); the turns show as gaps between the layers. What a
+    rank loses is its share of the wall clock, the sweep's wall time over its CPU time (one thread a rank:
+    the CPU time is the work). On a GPU each process has its own device and the per-layer times are the
+    measure: the median over points of the ratio of their forward + backward times."""
+    if local_device().type != "cuda":
+        return max(1.0, at_once.wall_per_cpu)
     return statistics.median((b.forward_s + b.backward_s) / (a.forward_s + a.backward_s)
-                             for a, b in zip(alone, at_once, strict=True))
+                             for a, b in zip(alone, at_once.samples, strict=True))
 
 
 def _layers_worker(rank: int, model: ModelSpec, micro_batches: list[int], seqs: list[int], repeats: int,
@@ -158,7 +177,10 @@ def _layers_worker(rank: int, model: ModelSpec, micro_batches: list[int], seqs: 
     if device.type == "cuda":
         device = torch.device("cuda", rank % torch.cuda.device_count())
     start.wait()   # every process times its layers over the same stretch of wall time
-    queue.put(time_layers(model, micro_batches, seqs, repeats, lambda _: None, statistics.median, device))
+    wall, cpu = time.perf_counter(), time.process_time()
+    samples = time_layers(model, micro_batches, seqs, repeats, lambda _: None, statistics.median, device)
+    share = (time.perf_counter() - wall) / max(time.process_time() - cpu, 1e-9)
+    queue.put((samples, share))
 
 
 def copy_rates(sizes: list[int], repeats: int) -> list[dict]:

@@ -23,6 +23,16 @@ def test_ranks_beyond_the_cores_slow_down_in_proportion():
     assert core_slowdown(8, 0) == 1.0          # 0: the ranks do not share cores
 
 
+def test_a_cpu_profile_measures_the_slowdown_by_each_processs_share_of_the_wall_clock():
+    """Note [slowdown by throughput]: per-layer medians at once that hardly move do not hide the turns."""
+    from hetc.runtime.measure import LayersAtOnce, LayerSample, slowdown
+
+    alone = [LayerSample("block", 1, 64, 1e-3, 2e-3)]
+    same_medians = [LayerSample("block", 1, 64, 1.1e-3, 2.2e-3)]
+    assert slowdown(alone, LayersAtOnce(same_medians, wall_per_cpu=2.05)) == 2.05
+    assert slowdown(alone, LayersAtOnce(same_medians, wall_per_cpu=0.97)) == 1.0   # never faster than alone
+
+
 def test_each_node_counts_the_plan_ranks_on_it():
     cpu = DeviceSpec(name="cpu", memory=2**30)
     gpus = [Gpu(i, "host", i // 2, i % 2, cpu, "default", "") for i in range(3)] + \
