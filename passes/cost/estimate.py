@@ -7,7 +7,8 @@ from dataclasses import asdict, dataclass
 from hetc.layout import replication
 from hetc.passes.cost import traffic
 from hetc.passes.cost.experts import ep_comm_time, ep_group, expert_group, sharded_numel
-from hetc.passes.cost.memory import context_reserve, in_flight, interleaved_update, offloaded, resident_params
+from hetc.passes.cost.memory import (RankMemory, StatesHeld, activation_memory, rank_memory,
+                                     state_memory)
 from hetc.passes.cost.plan_time import PlanTime, border_time, plan_time, sync_time, zorse_units
 from hetc.passes.cost.provenance import Provenance, provenance
 from hetc.passes.cost.shapes import LayerKind, layer_kind
@@ -16,30 +17,6 @@ from hetc.pipeline import Stage
 from hetc.spec import OffloadTarget, ScheduleKind
 
 __all__ = ["Estimate", "GroupTraffic", "RankMemory", "build_estimate"]
-
-
-@dataclass(frozen=True)
-class RankMemory:
-    rank: int
-    gpu: str
-    device: str
-    stage: int
-    params: float
-    grads: float
-    optimizer: float
-    activations: float
-    buffers: float
-    reserve: float
-    capacity: float
-    host: float   # offloaded to host memory
-
-    @property
-    def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.buffers + self.reserve
-
-    @property
-    def fits(self) -> bool:
-        return self.total <= self.capacity
 
 
 @dataclass(frozen=True)
@@ -121,46 +98,21 @@ def build_estimate(cm) -> Estimate:
 
 def _memory(cm, rank: int) -> RankMemory:
     stage = cm.stage_of(rank)
-    shard = cm.shard(rank)
     mss = stage.ministages
-    off_params, off_opt = offloaded(stage.offload)
-    params = sum(cm.param_bytes(ms, rank) for ms in mss)
-    largest = max(cm.param_bytes(ms, rank) for ms in mss)
-    clip = cm.spec.train.grad_clip
-    resident = resident_params(cm.pipeline.schedule, clip, params, largest, cm.pipeline.prefetch) if off_params \
-        else params
-    grads = sum(sharded_numel(cm, ms, rank, "grads") for ms in mss) * cm.states.grads
-    if interleaved_update(cm.pipeline.schedule, clip):  # reduced and stepped right after each ministage
-        grads = max(cm.grad_bytes(ms, rank) for ms in mss)
-    optimizer = sum(sharded_numel(cm, ms, rank, "optimizer") for ms in mss) * cm.states.optimizer
-    acts, acts_host = _activations(cm, stage, rank)
-    # ZeRO-3 gathers full parameters only where there is a group to gather from
-    gathers = stage.zero.resolved_level >= 3 and len(cm.zero_group(rank)) > 1
-    gather = (1 + cm.pipeline.prefetch) * largest if gathers else 0.0
-    gpu = cm.gpu(rank)
-    context = context_reserve(gpu.device.memory, gpu.device.is_cpu)
-    host = (params * shard.params if off_params else 0.0) + (optimizer if off_opt else 0.0) + acts_host
-    return RankMemory(rank, str(gpu), gpu.device.name, stage.index, resident * shard.params, grads,
-                      0.0 if off_opt else optimizer, acts, cm.reserve_bytes(rank) - context + gather, context,
-                      gpu.device.memory, host)
-
-
-def _activations(cm, stage: Stage, rank: int) -> tuple[float, float]:
-    """(on the device, on the host) activation bytes at this rank's peak."""
+    held = StatesHeld([cm.param_bytes(ms, rank) for ms in mss], [cm.grad_bytes(ms, rank) for ms in mss],
+                      sum(sharded_numel(cm, ms, rank, "grads") for ms in mss) * cm.states.grads,
+                      sum(sharded_numel(cm, ms, rank, "optimizer") for ms in mss) * cm.states.optimizer,
+                      cm.shard(rank), stage.zero.resolved_level >= 3 and len(cm.zero_group(rank)) > 1,
+                      len(stage.lanes), cm.largest_held_boundary(stage), cm.states.grads)
     p = cm.pipeline
+    states = state_memory(held, stage.offload, p.schedule, cm.spec.train.grad_clip, p.prefetch)
     lane = p.lane_of_rank[rank]
-    per_mb = [cm.activation_bytes(ms, rank) for ms in stage.ministages]
-    n = len(lane.microbatches)
-    if p.schedule is not ScheduleKind.ZORSE:
-        held = in_flight(p.schedule, stage.index, len(p.stages), n, len(stage.ministages),
-                         cm.in_flight_limits[stage.index])
-        return held * sum(per_mb), 0.0
-    if stage.offload.activations is OffloadTarget.NONE:
-        return n * sum(per_mb), 0.0
-    # boundary inputs of every microbatch on the host; one ministage recomputed at a time on the device
-    boundary = sum(cm.held_boundary_bytes(ms - 1, stage) for ms in stage.ministages if ms > 0)
-    buffers = (1 + p.prefetch) * max((cm.held_boundary_bytes(ms, stage) for ms in stage.ministages), default=0.0)
-    return max(per_mb) + buffers, n * boundary
+    acts = activation_memory(p.schedule, stage.index, len(p.stages), len(lane.microbatches),
+                             [cm.activation_bytes(ms, rank) for ms in mss], cm.in_flight_limits[stage.index],
+                             stage.offload.activations is not OffloadTarget.NONE,
+                             sum(cm.held_boundary_bytes(ms - 1, stage) for ms in mss if ms > 0),
+                             cm.largest_held_boundary(stage), p.prefetch)
+    return rank_memory(rank, cm.gpu(rank), stage.index, states, acts)
 
 
 # ------------------------------------------------------------------ traffic

@@ -1,50 +1,28 @@
 """The cost model's primitives, for the planner: per-layer times, links, collectives, bytes.
 
-The planner scores thousands of candidates, so it cannot build a Pipeline
-and run `CostModel.estimate()` for each (at 2048 ranks one estimate takes
-seconds). It evaluates plans class by class (`evaluate`) from the same
-primitives the cost model composes, taken here from a *probe* `CostModel`
-whose world is every GPU of the cluster (world rank = GPU id), so that its
-link, copy and layer-time methods answer for any GPU.
-
-Two primitives are memoised on what they depend on rather than on ranks:
-a ring collective depends on the ring's size and on the kinds of its
-consecutive pairs (node groups, same host, GPUs of the ring on the sender's
-node), a point-to-point transfer on the two node groups and whether they
-share a host. `CostModel.collective_time` recomputes every pair's link,
-which at 1024 ranks with measured network fits costs tens of milliseconds.
-
-Links, kinds of ring pairs and optimizer steps come from the cost model
-itself (`CostModel.link`, `ring_pair_kinds`, `optimizer_seconds`); only the
-memo keys differ.
+The planner scores thousands of candidates class by class (`evaluate`).
+Every time and byte here comes from a *probe* `CostModel` whose world is
+every GPU of the cluster (world rank = GPU id), so that its layer-time,
+link, collective and copy methods answer for any GPU; this class only
+memoises them on what a candidate's classes of lanes share (a layer's
+kind, a lane's device kinds).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import lru_cache
 
 from hetc.passes.cost import CostModel, Profiles
+from hetc.passes.cost.compute import LayerCost
 from hetc.passes.cost.memory import context_reserve, state_bytes_per_param
-from hetc.passes.cost.model import optimizer_seconds, ring_pair_kinds
-from hetc.passes.cost.network import ring_chunk, ring_steps
-from hetc.passes.cost.shapes import LayerKind, activation_elements, layer_flops, params_per_rank
+from hetc.passes.cost.model import optimizer_seconds
+from hetc.passes.cost.shapes import LayerKind, activation_elements, params_per_rank
 from hetc.pipeline import Pipeline
-from hetc.spec import DTYPE_BYTES, Checkpointing, ModelSpec, ScheduleKind, Spec, TrainSpec
+from hetc.spec import DTYPE_BYTES, ModelSpec, ScheduleKind, Spec, TrainSpec
 from hetc.topology import Gpu, Topology
 
-__all__ = ["LayerCost", "Primitives"]
-
-
-
-
-@dataclass(frozen=True, slots=True)
-class LayerCost:
-    """One layer on one rank for one microbatch: forward, input-grad, weight-grad seconds."""
-
-    forward: float
-    input_grad: float
-    weight_grad: float
+__all__ = ["Primitives"]
 
 
 class Primitives:
@@ -67,8 +45,6 @@ class Primitives:
         # b·S·H·δ: the activation at a border (every tp rank holds it all: no sequence parallelism) and
         # the TP all-reduce's buffer
         self.boundary = float(micro_batch * self.model.seq * self.model.hidden * self.delta)
-        self._rings: dict = {}
-        self._p2p: dict = {}
         self.egress_prices: dict[tuple[str, str], float] = {}
         self.layer_cost = lru_cache(maxsize=None)(self._layer_cost)
         self.lane_compute = lru_cache(maxsize=None)(self._lane_compute)
@@ -87,24 +63,8 @@ class Primitives:
 
     def _layer_cost(self, device: str, idx_kind: str, tp: int, tp_group: tuple[int, ...],
                     rerun: bool) -> LayerCost:
-        """Mirrors CostModel._layer_time for cp = 1: measured or arithmetic time, TP all-reduces, and the
-        forward work the backward repeats (checkpointing; `rerun`: offloaded activations rerun the
-        ministage)."""
-        m = self.model
-        measured = self.probe.compute.layer(device, idx_kind, self.micro_batch, tp)
-        flops = layer_flops(m, _index(m, idx_kind), self.micro_batch)
-        share_i = flops.input_grad / flops.backward if flops.backward else 0.0
-        comm = 0.0
-        if measured.needs_tp_comm and idx_kind == LayerKind.BLOCK and len(tp_group) > 1:
-            comm = 2 * self.ring("all_reduce", tp_group, self.boundary)
-        forward = measured.forward + comm
-        recompute = forward if rerun else 0.0
-        if m.activation_checkpoint is Checkpointing.FULL and idx_kind == LayerKind.BLOCK:
-            recompute += forward
-        elif m.activation_checkpoint is Checkpointing.SELECTIVE and flops.forward:
-            recompute += forward * flops.attention / flops.forward
-        return LayerCost(forward, measured.backward * share_i + comm + recompute,
-                         measured.backward * (1.0 - share_i))
+        """`CostModel.layer_cost` for a lane with cp = 1, memoised on the layer's kind."""
+        return self.probe.layer_cost(device, _index(self.model, idx_kind), tp, 1, tp_group, rerun)
 
     def _lane_compute(self, devices: tuple[str, ...], tp: int, tp_group: tuple[int, ...], rerun: bool,
                       units: tuple[int, int, int]) -> tuple[float, float, float]:
@@ -121,38 +81,12 @@ class Primitives:
     # ------------------------------------------------------------ links
 
     def ring(self, kind: str, ranks: tuple[int, ...], nbytes: float, concurrent: int = 1) -> float:
-        """`CostModel.collective_time` over GPU ids `ranks`, memoised on the ring's kinds of pair."""
-        n = len(ranks)
-        steps = ring_steps(kind, n)
-        if steps == 0 or nbytes <= 0:
-            return 0.0
-        chunk = ring_chunk(nbytes, n)
-        kinds = self._pair_kinds(kind, ranks)
-        key = (kind, n, nbytes, concurrent, tuple((a.group, b.group, a.host == b.host, size) for a, b, size in kinds))
-        got = self._rings.get(key)
-        if got is None:
-            worst = max(chunk / rate + latency for rate, latency in
-                        (self.link(a, b, chunk, size, concurrent) for a, b, size in kinds))
-            got = self._rings[key] = steps * worst
-        return got
-
-    @lru_cache(maxsize=4096)  # noqa: B019 - one Primitives per plan; rings repeat across candidates
-    def _pair_kinds(self, kind: str, ranks: tuple[int, ...]) -> tuple:
-        return tuple(ring_pair_kinds(kind, tuple(self.topo.gpus[r] for r in ranks)))
+        """`CostModel.collective_time` over GPU ids `ranks`."""
+        return self.probe.collective_time(kind, ranks, nbytes, concurrent)
 
     def p2p(self, src: Gpu, dst: Gpu, nbytes: float, concurrent: int = 1) -> float:
-        """`CostModel.p2p_time` between two GPUs, memoised on their node groups."""
-        if nbytes <= 0 or src.id == dst.id:
-            return 0.0
-        key = (src.group, dst.group, src.host == dst.host, nbytes, concurrent)
-        got = self._p2p.get(key)
-        if got is None:
-            rate, latency = self.link(src, dst, nbytes, 2, concurrent)
-            got = self._p2p[key] = latency + nbytes / rate
-        return got
-
-    def link(self, a: Gpu, b: Gpu, nbytes: float, ring_size: int, concurrent: int) -> tuple[float, float]:
-        return self.probe.link(a, b, nbytes, ring_size, concurrent)
+        """`CostModel.p2p_time` between two GPUs."""
+        return self.probe.p2p_time(src.id, dst.id, nbytes, concurrent)
 
     def copy(self, gpu: Gpu, nbytes: float) -> float:
         return self.probe.copy_time(gpu.id, nbytes)

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from functools import cached_property
 
-from hetc.passes.cost import RankMemory
-from hetc.passes.cost.memory import (GRAD_BUCKET_PARAMS, in_flight, interleaved_update, resident_params,
-                                    shard_factors)
+from hetc.passes.cost.memory import (RankMemory, ShardFactors, StateMemory, StatesHeld, activation_memory,
+                                    rank_memory, shard_factors, state_memory)
 from hetc.passes.cost.plan_time import gathers_per_microbatch
 from hetc.passes.cost.shapes import LayerKind
 from hetc.passes.plan.costs import Primitives
@@ -33,7 +32,7 @@ class StageCosts:
         self.last_ms = len(plan.ministages) - 1
         # microbatches a lane keeps in flight (Note [in-flight limit]); None: the stages ahead (option tables)
         self.in_flight_limit: int | None = None
-        self._statics: dict[int | None, tuple[float, float, float, float, float]] = {}
+        self._statics: dict[int | None, StateMemory] = {}
 
     # ------------------------------------------------------------ layers
 
@@ -91,8 +90,11 @@ class StageCosts:
     def lane_classes(self) -> dict[tuple, list[int]]:
         return _lane_classes(self)
 
-    def shard(self, lane: int):
-        return shard_factors(self.s.zero, len(self.s.ring), self.s.node_share(lane))
+    def shard(self, lane: int) -> ShardFactors:
+        return self.shard_of(self.s.node_share(lane))
+
+    def shard_of(self, node_share: int | None) -> ShardFactors:
+        return shard_factors(self.s.zero, len(self.s.ring), node_share)
 
     def zero_ring(self, lane: int) -> tuple[int, ...]:
         return self.s.res.node_ring(lane) if self.s.zero.shard is ZeroShard.NODE else self.s.ring
@@ -146,24 +148,18 @@ class StageCosts:
     # ------------------------------------------------------------ memory
 
     def memory(self, lane: int, gpu: Gpu, count: int) -> RankMemory:
-        """Mirrors estimate._memory for a rank of `lane` serving `count` microbatches."""
-        params, grads, optimizer, buffers, host = self._static(self.s.node_share(lane))
-        acts, acts_host = self._activations(count)
-        return RankMemory(gpu.id, str(gpu), gpu.device.name, self.s.index, params, grads, optimizer, acts,
-                          buffers, self.p.context(gpu), gpu.device.memory, host + acts_host)
+        """A rank of `lane` serving `count` microbatches (`passes.cost.memory.rank_memory`)."""
+        return rank_memory(gpu.id, gpu, self.s.index, self._static(self.s.node_share(lane)),
+                           self._activations(count))
 
     def fits(self, lane: int, count: int) -> bool:
         """Whether every rank of `lane` fits serving `count` microbatches."""
-        params, grads, optimizer, buffers, _ = self._static(self.s.node_share(lane))
-        acts = self._activations(count)[0]
-        return all(params + grads + optimizer + acts + buffers + self.p.context(g) <= g.device.memory
-                   for g in self.s.lanes[lane])
+        return self.headroom(lane, count) >= 0
 
     def headroom(self, lane: int, count: int) -> float:
         """Bytes left on the fullest rank of `lane` serving `count` microbatches."""
-        params, grads, optimizer, buffers, _ = self._static(self.s.node_share(lane))
-        used = params + grads + optimizer + self._activations(count)[0] + buffers
-        return min(g.device.memory - used - self.p.context(g) for g in self.s.lanes[lane])
+        kinds = {g.device.name: g for g in self.s.lanes[lane]}.values()   # a kind's ranks hold alike
+        return min(m.capacity - m.total for m in (self.memory(lane, g, count) for g in kinds))
 
     def activations_per_count(self) -> float:
         """Activation bytes each further microbatch adds when that is linear in the count (GPipe, Zorse
@@ -174,30 +170,20 @@ class StageCosts:
             return sum(self._per_mb_activations)
         return 0.0
 
-    def _static(self, node_share: int | None) -> tuple[float, float, float, float, float]:
-        """(params, grads, optimizer, buffers, host) bytes on a rank: all but activations and reserve."""
+    def _static(self, node_share: int | None) -> StateMemory:
+        """What a rank holds but activations and its reserve (`passes.cost.memory.state_memory`)."""
         got = self._statics.get(node_share)
-        if got is not None:
-            return got
-        st, p, off = self.s, self.p, self.s.knobs.offload
-        shard = shard_factors(st.zero, len(st.ring), node_share)
-        params_each = [n * p.states.params for n in self.ms_numel]
-        params, largest = sum(params_each), max(params_each)
-        prefetch = self.plan.prefetch
-        clip = p.train.grad_clip
-        resident = resident_params(self.plan.schedule, clip, params, largest, prefetch) if off.params else params
-        grads_sharded = sum(n * p.states.grads for n in self.ms_numel) * shard.grads
-        grads = grads_sharded
-        if interleaved_update(self.plan.schedule, clip):
-            grads = max(n * p.states.grads for n in self.ms_numel)
-        optimizer = sum(n * p.states.optimizer for n in self.ms_numel) * shard.optimizer
-        gather = (1 + prefetch) * largest if int(st.zero.level) >= 3 and len(st.lanes) > 1 else 0.0
-        p2p = 2 * max((self.boundary_bytes(ms) for ms in st.ministages), default=0.0)
-        bucket = min(grads_sharded, GRAD_BUCKET_PARAMS * p.states.grads) if len(st.lanes) > 1 else 0.0
-        host = (params * shard.params if off.params else 0.0) + (optimizer if off.optimizer else 0.0)
-        got = self._statics[node_share] = (resident * shard.params, grads,
-                                           0.0 if off.optimizer else optimizer,
-                                           p2p + bucket + gather, host)
+        if got is None:
+            st, p = self.s, self.p
+            held = StatesHeld([n * p.states.params for n in self.ms_numel],
+                              [n * p.states.grads for n in self.ms_numel],
+                              sum(n * p.states.grads for n in self.ms_numel) * self.shard_of(node_share).grads,
+                              sum(n * p.states.optimizer for n in self.ms_numel) *
+                              self.shard_of(node_share).optimizer, self.shard_of(node_share),
+                              int(st.zero.level) >= 3 and len(st.lanes) > 1, len(st.lanes),
+                              max((self.boundary_bytes(ms) for ms in st.ministages), default=0.0), p.states.grads)
+            got = self._statics[node_share] = state_memory(held, st.knobs.offload.to_spec(), self.plan.schedule,
+                                                           p.train.grad_clip, self.plan.prefetch)
         return got
 
     @cached_property
@@ -206,19 +192,12 @@ class StageCosts:
                 for ms in self.s.ministages]
 
     def _activations(self, count: int) -> tuple[float, float]:
-        st = self.s
-        per_mb = self._per_mb_activations
-        schedule = self.plan.schedule
-        if schedule is not ScheduleKind.ZORSE:
-            held = in_flight(schedule, st.index, self.plan.num_stages, count, len(st.ministages),
-                             self.in_flight_limit)
-            return held * sum(per_mb), 0.0
-        if not st.knobs.offload.activations:
-            return count * sum(per_mb), 0.0
         # every rank of a tp group holds the whole boundary activation (no sequence parallelism)
-        boundary = sum(self.boundary_bytes(ms - 1) for ms in st.ministages if ms > 0)
-        buffers = (1 + self.plan.prefetch) * max(self.boundary_bytes(ms) for ms in st.ministages)
-        return max(per_mb) + buffers, count * boundary
+        st = self.s
+        return activation_memory(self.plan.schedule, st.index, self.plan.num_stages, count,
+                                 self._per_mb_activations, self.in_flight_limit, st.knobs.offload.activations,
+                                 sum(self.boundary_bytes(ms - 1) for ms in st.ministages if ms > 0),
+                                 max(self.boundary_bytes(ms) for ms in st.ministages), self.plan.prefetch)
 
 
 def _lane_classes(sc: StageCosts) -> dict[tuple, list[int]]:
