@@ -9,7 +9,7 @@ from hetc.passes.cost import traffic
 from hetc.passes.cost.experts import ep_comm_time, ep_group, expert_group, sharded_numel
 from hetc.passes.cost.memory import (RankMemory, StatesHeld, activation_memory, rank_memory,
                                      state_memory)
-from hetc.passes.cost.plan_time import PlanTime, border_time, plan_time, sync_time, zorse_units
+from hetc.passes.cost.plan_time import PlanTime, border_time, plan_time, stage_sync_time, zorse_units
 from hetc.passes.cost.provenance import Provenance, provenance
 from hetc.passes.cost.shapes import LayerKind, layer_kind
 from hetc.passes.cost.utilization import Utilization, flop_counts, utilization
@@ -136,7 +136,7 @@ def _traffic(cm, timing: PlanTime) -> list[GroupTraffic]:
             if p.schedule is ScheduleKind.ZORSE:  # gathered for the forward and the backward, reduced once
                 seconds = sum(2 * u.fetch + u.sync for u in zorse_units(cm) if u.stage == stage.index)
             else:
-                seconds = sync_time(cm, stage, rank) + n_mb * lanes[(stage.index, 0)].overlapped
+                seconds = stage_sync_time(cm, stage, rank) + n_mb * lanes[(stage.index, 0)].overlapped
             over = f"{len(stage.lanes)} lanes" + (f" x cp {stage.cp}" if stage.cp > 1 else "")
             out.append(GroupTraffic("dp", f"stage {stage.name}: ZeRO-{level} over {over}",
                                     cm.zero_group(rank), sent, seconds))

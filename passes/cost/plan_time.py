@@ -10,16 +10,19 @@ what is left of its tail after that lead is exposed.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hetc.passes.cost.memory import interleaved_update, offloaded
 from hetc.passes.cost.schedule import (LaneTiming, Unit, UnitLane, exposed_first_gather, lockstep_fill,
                                       pipeline_time, sequential_time, step_lower_bound)
+from hetc.passes.cost.zero_time import (ZeroRings, across_nodes, fetch_time, first_gather_time,
+                                       optimizer_step_time, overlapped_time, sync_time)
 from hetc.pipeline import Lane, Stage
 from hetc.spec import OffloadTarget, ScheduleKind, ZeroShard
 
-__all__ = ["PlanTime", "border_time", "gathers_per_microbatch", "lane_timings", "plan_time", "step_end_time",
-           "sync_time", "zorse_units"]
+__all__ = ["PlanTime", "StepShape", "border_time", "compose_step", "flush_tail", "lane_timings", "plan_time",
+           "stage_sync_time", "step_end_time", "zero_rings", "zorse_units"]
 
 
 @dataclass(frozen=True)
@@ -37,19 +40,57 @@ def plan_time(cm) -> PlanTime:
     p = cm.pipeline
     end = step_end_time(cm.spec.train.grad_clip > 0,
                         lambda nbytes: cm.collective_time("all_reduce", tuple(range(p.world_size)), nbytes))
-    if p.schedule is ScheduleKind.ZORSE:
-        total = sequential_time(zorse_units(cm), p.num_microbatches,
-                                not interleaved_update(p.schedule, cm.spec.train.grad_clip))
+    return compose_step(StepShape(p.schedule, len(p.stages), max(len(s.ministages) for s in p.stages),
+                                  p.num_microbatches, cm.spec.train.grad_clip, cm.coupled_stages,
+                                  {s.index: len(s.lanes) for s in p.stages}),
+                        lanes, end, lambda: [_stage_flush(cm, stage) for stage in p.stages],
+                        lambda: _first_gather(cm), lambda: zorse_units(cm))
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What the step's composition reads of a plan besides its lanes' timings."""
+
+    schedule: ScheduleKind
+    num_stages: int
+    chunks: int                      # the most ministages of a stage (interleaved 1F1B's v)
+    num_microbatches: int
+    grad_clip: float
+    coupled: dict[int, int]          # lockstep stages -> their lanes (CostModel.coupled_stages)
+    widths: dict[int, int]           # stage -> its lanes
+
+
+def compose_step(shape: StepShape, lanes: list[LaneTiming], end: float, flush: Callable[[], list[float]],
+                 first_gather: Callable[[], float], units: Callable[[], list[Unit]]) -> PlanTime:
+    """The step from its lanes' timings (one per lane, or one per class of alike lanes: only maxima and
+    minima over them are taken): the schedule's pipeline, never below the step's lower bound
+    (docs/costmodel.md), the lockstep stages' fill, then the tail after the flush (`flush()`: per stage,
+    its worst exposed gradient sync plus optimizer step), the first ZeRO-3 gather and the step's last
+    all-reduces (`end`). Zorse's sequential ministages are simulated unit by unit (`units()`)."""
+    if shape.schedule is ScheduleKind.ZORSE:
+        total = sequential_time(units(), shape.num_microbatches,
+                                not interleaved_update(shape.schedule, shape.grad_clip))
         busy = max(t.work for t in lanes)
         return PlanTime(total + end, total, max(0.0, total - busy), end, tuple(lanes), None)
-    chunks = max(len(s.ministages) for s in p.stages)
-    pipe = pipeline_time(p.schedule, lanes, chunks)
-    # never below the lower bound of the step (docs/costmodel.md), then the lockstep stages' fill
-    extra = max(0.0, step_lower_bound(p.schedule, lanes, chunks) - pipe.total) + \
-        lockstep_fill(p.schedule, lanes, len(p.stages), cm.coupled_stages, {s.index: len(s.lanes) for s in p.stages})
-    tail = _tail(cm, lanes) + end + exposed_first_gather(_first_gather(cm), lanes[0])
+    pipe = pipeline_time(shape.schedule, lanes, shape.chunks)
+    extra = max(0.0, step_lower_bound(shape.schedule, lanes, shape.chunks) - pipe.total) + \
+        lockstep_fill(shape.schedule, lanes, shape.num_stages, shape.coupled, shape.widths)
+    tail = flush_tail(lanes, flush()) + end + exposed_first_gather(first_gather(), lanes[0])
     return PlanTime(pipe.total + extra + tail, pipe.total + extra, pipe.bubble + extra, tail, tuple(lanes),
                     pipe.bottleneck)
+
+
+def flush_tail(lanes: list[LaneTiming], worst: list[float]) -> float:
+    """The exposed tail: stage s syncs and steps (`worst[s]` seconds) after its own last backward, which
+    comes earlier than stage 0's by the drain (backward and transfers) of the stages before it."""
+    drain: dict[int, float] = {}
+    for t in lanes:
+        drain[t.stage] = max(drain.get(t.stage, 0.0), t.backward + t.p2p)
+    tail, lead = 0.0, 0.0
+    for s, mine in enumerate(worst):
+        tail = max(tail, mine - lead)
+        lead += drain[s]
+    return max(tail, 0.0)
 
 
 # what the all-reduces of the step's loss and squared gradient norm carry (one float64 each)
@@ -128,97 +169,51 @@ def _stage_numel(cm, stage: Stage, rank: int) -> float:
     return sum(cm.numel(ms, rank) for ms in stage.ministages)
 
 
-def _overlapped(cm, stage: Stage, lane: Lane) -> float:
-    """Per-microbatch collectives beside the compute: ZeRO-3 gathers, ZeRO-2/3 reduce-scatters,
-    parameter copies from the host."""
-    level = stage.zero.resolved_level
-    rank = lane.ranks[0]
-    if cm.pipeline.schedule is ScheduleKind.ZORSE:
-        return 0.0  # Zorse gathers and reduces once per ministage (see zorse_units)
-    if level < 2 and stage.offload.params is OffloadTarget.NONE:
-        return 0.0
-    group = cm.node_group(rank) if stage.zero.shard is ZeroShard.NODE else cm.zero_group(rank)
-    nbytes = _stage_numel(cm, stage, rank) * cm.delta
+def zero_rings(cm, rank: int) -> ZeroRings:
+    """This rank's ZeRO groups, its lane's ranks on its node sharing the node's link."""
     k = _concurrent(cm, rank)
-    total = 0.0
-    if level >= 2:
-        total += cm.collective_time("reduce_scatter", group, nbytes, k)
-    if level >= 3:
-        total += gathers_per_microbatch(cm.pipeline.schedule) * cm.collective_time("all_gather", group, nbytes, k)
-    if stage.offload.params is not OffloadTarget.NONE:
-        total += 2 * cm.copy_time(rank, nbytes * cm.shard(rank).params)
-    return total
+    group = cm.zero_group(rank)
+    hierarchical = cm.stage_of(rank).zero.shard is ZeroShard.NODE
+    if not hierarchical:
+        return ZeroRings(lambda kind, ranks, nbytes: cm.collective_time(kind, ranks, nbytes, k), group)
+    return ZeroRings(lambda kind, ranks, nbytes: cm.collective_time(kind, ranks, nbytes, k), group,
+                     cm.node_group(rank), across_nodes(group, lambda r: cm.gpu(r).host, rank))
 
 
-def gathers_per_microbatch(schedule: ScheduleKind) -> int:
-    """ZeRO-3 gathers a ministage's parameters around each of its compute ops: F and B, or F, I and W."""
-    return 3 if schedule is ScheduleKind.ZB else 2
+def _copier(cm, rank: int) -> Callable[[float], float]:
+    """Seconds to copy bytes between this rank's device and its host."""
+    return lambda nbytes: cm.copy_time(rank, nbytes)
+
+
+def _overlapped(cm, stage: Stage, lane: Lane) -> float:
+    rank = lane.ranks[0]
+    return overlapped_time(cm.pipeline.schedule, stage.zero, stage.offload.params is not OffloadTarget.NONE,
+                           _stage_numel(cm, stage, rank) * cm.delta, zero_rings(cm, rank),
+                           _copier(cm, rank), cm.shard(rank).params)
 
 
 def _first_gather(cm) -> float:
-    """ZeRO-3: the first stage waits for its first ministage's gather before anything runs."""
     stage = cm.pipeline.stages[0]
     rank = stage.lanes[0].ranks[0]
-    if stage.zero.resolved_level < 3 or len(cm.zero_group(rank)) < 2:
-        return 0.0
-    group = cm.node_group(rank) if stage.zero.shard is ZeroShard.NODE else cm.zero_group(rank)
-    nbytes = cm.numel(stage.ministages[0], rank) * cm.delta
-    return cm.collective_time("all_gather", group, nbytes, _concurrent(cm, rank))
+    return first_gather_time(stage.zero, cm.numel(stage.ministages[0], rank) * cm.delta, zero_rings(cm, rank))
 
 
-def sync_time(cm, stage: Stage, rank: int, per_ministage: bool = False) -> float:
-    """Exposed gradient reduction after the last backward (and ZeRO-1/2's parameter all-gather)."""
-    level = stage.zero.resolved_level
-    nbytes = _stage_numel(cm, stage, rank) * cm.delta
-    k = _concurrent(cm, rank)
-    if stage.zero.shard is ZeroShard.NODE:
-        node = cm.node_group(rank)
-        across = tuple(r for r in cm.zero_group(rank) if r in _same_position(cm, rank))
-        inner = cm.collective_time("reduce_scatter", node, nbytes, k) + \
-            cm.collective_time("all_gather", node, nbytes, k)
-        return inner + cm.collective_time("all_reduce", across, nbytes / max(len(node), 1), k)
-    group = cm.zero_group(rank)
-    if level <= 1:
-        return cm.collective_time("all_reduce", group, nbytes, k)
-    if per_ministage:  # Zorse: one reduce-scatter per ministage, then (ZeRO-2) one gather
-        rs = cm.collective_time("reduce_scatter", group, nbytes, k)
-        return rs + (cm.collective_time("all_gather", group, nbytes, k) if level == 2 else 0.0)
-    # lowering reduces each ministage after its gradient op and waits at the end: the last reduction (of the
-    # stage's first ministage, whose backward comes last) shows whole
-    last = cm.numel(stage.ministages[0], rank) * cm.delta
-    return cm.collective_time("reduce_scatter", group, last, k) + \
-        (cm.collective_time("all_gather", group, nbytes, k) if level == 2 else 0.0)
-
-
-def _same_position(cm, rank: int) -> set[int]:
-    """Ranks of the ZeRO group at this rank's index within their node's shard group."""
-    node = cm.node_group(rank)
-    idx = node.index(rank)
-    by_host: dict[tuple[str, int], list[int]] = {}
-    for r in cm.zero_group(rank):
-        by_host.setdefault(cm.gpu(r).host, []).append(r)
-    return {members[idx] for members in by_host.values() if idx < len(members)}
+def stage_sync_time(cm, stage: Stage, rank: int, per_ministage: bool = False) -> float:
+    """`zero_time.sync_time` for `rank` of `stage`."""
+    return sync_time(stage.zero, _stage_numel(cm, stage, rank) * cm.delta,
+                     cm.numel(stage.ministages[0], rank) * cm.delta, zero_rings(cm, rank), per_ministage)
 
 
 def _opt_time(cm, stage: Stage, rank: int) -> float:
-    numel = _stage_numel(cm, stage, rank) * cm.shard(rank).optimizer
-    t = cm.optimizer_time(rank, numel)
-    if offloaded(stage.offload)[1]:  # gradients down, parameters back up
-        t += cm.copy_time(rank, numel * (cm.states.grads + cm.states.params))
-    return t
+    return optimizer_step_time(lambda numel: cm.optimizer_time(rank, numel), _copier(cm, rank),
+                               _stage_numel(cm, stage, rank) * cm.shard(rank).optimizer,
+                               offloaded(stage.offload)[1], cm.states)
 
 
-def _tail(cm, lanes: list[LaneTiming]) -> float:
-    p = cm.pipeline
-    drain = {s.index: max(t.backward + t.p2p for t in lanes if t.stage == s.index) for s in p.stages}
-    tail, lead = 0.0, 0.0
-    for stage in p.stages:
-        # ranks at one position of every lane sync together; the optimizer differs by device kind
-        step = max(_opt_time(cm, stage, r) for r in _reps(cm, stage.ranks))
-        worst = max(sync_time(cm, stage, r) for r in stage.lanes[0].ranks) + step
-        tail = max(tail, worst - lead)
-        lead += drain[stage.index]
-    return max(tail, 0.0)
+def _stage_flush(cm, stage: Stage) -> float:
+    """Ranks at one position of every lane sync together; the optimizer step differs by device kind."""
+    step = max(_opt_time(cm, stage, r) for r in _reps(cm, stage.ranks))
+    return max(stage_sync_time(cm, stage, r) for r in stage.lanes[0].ranks) + step
 
 
 # ------------------------------------------------------------------ Zorse units
@@ -232,14 +227,10 @@ def zorse_units(cm) -> list[Unit]:
         rank = stage.lanes[0].ranks[0]
         lanes = tuple(_unit_lane(cm, stage, lane, ms.index) for lane in stage.lanes)
         numel = cm.numel(ms.index, rank)
-        fetch = 0.0
-        if int(stage.zero.level) >= 3:
-            fetch += cm.collective_time("all_gather", cm.zero_group(rank), numel * cm.delta,
-                                        _concurrent(cm, rank))
-        if stage.offload.params is not OffloadTarget.NONE:
-            fetch += cm.copy_time(rank, numel * cm.delta * cm.shard(rank).params)
+        fetch = fetch_time(stage.zero, stage.offload.params is not OffloadTarget.NONE, numel * cm.delta,
+                           zero_rings(cm, rank), _copier(cm, rank), cm.shard(rank).params)
         ratio = numel / max(_stage_numel(cm, stage, rank), 1.0)
-        sync = sync_time(cm, stage, rank, per_ministage=True) * ratio
+        sync = stage_sync_time(cm, stage, rank, per_ministage=True) * ratio
         step = _opt_time(cm, stage, rank) * ratio
         units.append(Unit(stage.index, lanes, fetch, sync, step, offloaded(stage.offload)[1]))
     return units
@@ -252,15 +243,11 @@ def _unit_lane(cm, stage: Stage, lane: Lane, ms: int) -> UnitLane:
     share = 1 / len(stage.ministages)   # the engine's per-microbatch cost, spread over the stage's units
     f = max(cm.compute_time(r, ms, "F") + cm.microbatch_overhead(r) * share for r in reps)
     b = max(cm.compute_time(r, ms, "B") for r in reps)
-    offload_acts = stage.offload.activations is not OffloadTarget.NONE
-    if offload_acts:
-        # boundary activations go to the host after the forward and come back for the backward,
-        # beside the compute (the backward's recompute of the ministage is in compute_time)
-        copy = cm.copy_time(rank, cm.held_boundary_bytes(ms, stage))
-        f, b = max(f, copy), max(b, copy)
+    copy = cm.copy_time(rank, cm.held_boundary_bytes(ms, stage)) \
+        if stage.offload.activations is not OffloadTarget.NONE else 0.0
     out = back = 0.0
     if ms + 1 < len(p.ministages) and p.ministages[ms + 1].stage != stage.index:
         out = border_time(cm, stage, lane, p.stages[p.ministages[ms + 1].stage], ms)
     if ms > 0 and p.ministages[ms - 1].stage != stage.index:
         back = border_time(cm, stage, lane, p.stages[p.ministages[ms - 1].stage], ms - 1)
-    return UnitLane(lane.microbatches, f, b, out, back)
+    return UnitLane.of(lane.microbatches, f, b, copy, out, back)

@@ -211,6 +211,14 @@ class UnitLane:
     p2p_out: float = 0.0   # per microbatch: the activation to the next unit (forward)
     p2p_back: float = 0.0  # per microbatch: the gradient to the previous unit (backward)
 
+    @classmethod
+    def of(cls, microbatches: tuple[int, ...], forward: float, backward: float, boundary_copy: float,
+           p2p_out: float, p2p_back: float) -> UnitLane:
+        """With activations offloaded, the boundary activation goes to the host after the forward and
+        comes back for the backward (`boundary_copy` seconds each way) beside the compute; the
+        backward's rerun of the ministage is in its compute time."""
+        return cls(microbatches, max(forward, boundary_copy), max(backward, boundary_copy), p2p_out, p2p_back)
+
 
 @dataclass(frozen=True)
 class Unit:

@@ -12,13 +12,11 @@ estimate on plans of every schedule, ZeRO level and offload.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hetc.passes.cost import RankMemory
-from hetc.passes.cost.memory import interleaved_update
-from hetc.passes.cost.plan_time import step_end_time
-from hetc.passes.cost.schedule import (LaneTiming, Unit, UnitLane, exposed_first_gather, in_flight_limits,
-                                      lockstep_fill, pipeline_time, sequential_time, step_lower_bound)
+from hetc.passes.cost.plan_time import StepShape, compose_step, step_end_time
+from hetc.passes.cost.schedule import LaneTiming, Unit, in_flight_limits
 from hetc.passes.plan.costs import Primitives
 from hetc.passes.plan.egress import egress_per_step
 from hetc.passes.plan.stagecosts import StageCosts, unit_lane_times
@@ -66,31 +64,20 @@ def evaluate(prims: Primitives, plan: PlanView) -> Score:
     per_mb = plan.schedule is not ScheduleKind.ZORSE
     coupled = {sc.s.index: len(sc.s.lanes) for sc in costs
                if per_mb and len(sc.s.lanes) > 1 and int(sc.s.zero.level) >= 2}
-    limits = in_flight_limits(plan.schedule, lanes, plan.num_stages, coupled,
-                              {sc.s.index: len(sc.s.lanes) for sc in costs})
+    widths = {sc.s.index: len(sc.s.lanes) for sc in costs}
+    limits = in_flight_limits(plan.schedule, lanes, plan.num_stages, coupled, widths)
     for sc in costs:
         sc.in_flight_limit = limits[sc.s.index]
     world = tuple(sorted(g.id for g in plan.gpus))   # the "world" group: ranks in GPU order
     end = step_end_time(prims.train.grad_clip > 0, lambda nbytes: prims.ring("all_reduce", world, nbytes))
-    if plan.schedule is ScheduleKind.ZORSE:
-        total = sequential_time(_zorse_units(costs), plan.num_microbatches,
-                                not interleaved_update(plan.schedule, prims.train.grad_clip))
-        busy = max(t.work for t in lanes)
-        pipe, bubble, tail = total, max(0.0, total - busy), end
-    else:
-        chunks = max(len(s.ministages) for s in plan.stages)
-        pt = pipeline_time(plan.schedule, lanes, chunks)
-        # never below the lower bound of the step (docs/costmodel.md), then the lockstep stages' fill
-        widths = {sc.s.index: len(sc.s.lanes) for sc in costs}
-        extra = max(0.0, step_lower_bound(plan.schedule, lanes, chunks) - pt.total) + \
-            lockstep_fill(plan.schedule, lanes, plan.num_stages, coupled, widths)
-        pipe, bubble = pt.total + extra, pt.bubble + extra
-        first = next(t for t in lanes if t.stage == 0)
-        tail = _tail(costs, lanes) + end + exposed_first_gather(costs[0].first_gather(), first)
+    shape = StepShape(plan.schedule, plan.num_stages, max(len(s.ministages) for s in plan.stages),
+                      plan.num_microbatches, prims.train.grad_clip, coupled, widths)
+    t = compose_step(shape, lanes, end, lambda: [_stage_flush(sc) for sc in costs], costs[0].first_gather,
+                     lambda: _zorse_units(costs))
     memory, classes = _memory(costs)
     tokens = plan.num_microbatches * plan.micro_batch * prims.model.seq
     price = sum(g.device.price for g in plan.gpus)
-    return Score(pipe + tail, pipe, bubble, tail, tokens, memory, classes, price,
+    return Score(t.step, t.pipeline, t.bubble, t.tail, tokens, memory, classes, price,
                  egress_per_step(prims, plan, costs))
 
 
@@ -105,15 +92,9 @@ def _lane_timings(sc: StageCosts) -> list[LaneTiming]:
     return out
 
 
-def _tail(costs: list[StageCosts], lanes: list[LaneTiming]) -> float:
-    """Mirrors plan_time._tail: lane 0 syncs with its ZeRO groups, every device kind steps its shard."""
-    tail, lead = 0.0, 0.0
-    for sc in costs:
-        mine = [t for t in lanes if t.stage == sc.s.index]
-        worst = sc.sync(0) + max(sc.optimizer(lane) for lane in _kind_reps(sc))
-        tail = max(tail, worst - lead)
-        lead += max(t.backward + t.p2p for t in mine)
-    return max(tail, 0.0)
+def _stage_flush(sc: StageCosts) -> float:
+    """Lane 0 syncs with its ZeRO groups, every device kind steps its shard (plan_time._stage_flush)."""
+    return sc.sync(0) + max(sc.optimizer(lane) for lane in _kind_reps(sc))
 
 
 def _kind_reps(sc: StageCosts) -> list[int]:
@@ -132,18 +113,11 @@ def _zorse_units(costs: list[StageCosts]) -> list[Unit]:
         sc = costs[s]
         classes = {lane: lanes[0] for lanes in sc.lane_classes.values() for lane in lanes}
         per_class = {rep: unit_lane_times(sc, rep, ms) for rep in set(classes.values())}
-        unit_lanes = tuple(UnitLane(tuple(sc.s.routes[lane]), *per_class[classes[lane]])
+        unit_lanes = tuple(replace(per_class[classes[lane]], microbatches=sc.s.routes[lane])
                            for lane in range(len(sc.s.lanes)))
-        numel = sc.numel(sc.ministage_units(ms))
-        fetch = 0.0
-        if int(sc.s.zero.level) >= 3:
-            fetch += sc.p.ring("all_gather", sc.s.ring, numel * sc.p.delta, sc.s.concurrent(0))
-        if sc.s.knobs.offload.params:
-            fetch += sc.p.copy(sc.s.lanes[0][0], numel * sc.p.delta * sc.shard(0).params)
-        ratio = numel / max(sc.numel(), 1.0)
-        units.append(Unit(s, unit_lanes, fetch, sc.sync(0, per_ministage=True) * ratio,
-                          sc.optimizer(0) * ratio,
-                          sc.s.knobs.offload.optimizer))
+        ratio = sc.numel(sc.ministage_units(ms)) / max(sc.numel(), 1.0)
+        units.append(Unit(s, unit_lanes, sc.fetch(ms), sc.sync(0, per_ministage=True) * ratio,
+                          sc.optimizer(0) * ratio, sc.s.knobs.offload.optimizer))
     return units
 
 

@@ -12,7 +12,9 @@ from functools import cached_property
 
 from hetc.passes.cost.memory import (RankMemory, ShardFactors, StateMemory, StatesHeld, activation_memory,
                                     rank_memory, shard_factors, state_memory)
-from hetc.passes.cost.plan_time import gathers_per_microbatch
+from hetc.passes.cost.schedule import UnitLane
+from hetc.passes.cost.zero_time import (ZeroRings, across_nodes, fetch_time, first_gather_time,
+                                       optimizer_step_time, overlapped_time, sync_time)
 from hetc.passes.cost.shapes import LayerKind
 from hetc.passes.plan.costs import Primitives
 from hetc.spec import ScheduleKind, ZeroShard
@@ -96,54 +98,41 @@ class StageCosts:
     def shard_of(self, node_share: int | None) -> ShardFactors:
         return shard_factors(self.s.zero, len(self.s.ring), node_share)
 
-    def zero_ring(self, lane: int) -> tuple[int, ...]:
-        return self.s.res.node_ring(lane) if self.s.zero.shard is ZeroShard.NODE else self.s.ring
+    def rings(self, lane: int) -> ZeroRings:
+        """The ZeRO groups of `lane`'s first rank (`passes.cost.zero_time`)."""
+        k, res = self.s.concurrent(lane), self.s.res
+        timer = lambda kind, ranks, nbytes: self.p.ring(kind, ranks, nbytes, k)
+        if self.s.zero.shard is not ZeroShard.NODE:
+            return ZeroRings(timer, self.s.ring)
+        return ZeroRings(timer, self.s.ring, res.node_ring(lane),
+                         across_nodes(self.s.ring, lambda r: res.host_of_ring[r], self.s.ring[lane]))
+
+    def _copier(self, lane: int):
+        gpu = self.s.lanes[lane][0]
+        return lambda nbytes: self.p.copy(gpu, nbytes)
 
     def overlapped(self, lane: int) -> float:
-        level, off = int(self.s.zero.level), self.s.knobs.offload
-        if self.plan.schedule is ScheduleKind.ZORSE or (level < 2 and not off.params):
-            return 0.0
-        nbytes = self.numel() * self.p.delta
-        k, ring = self.s.concurrent(lane), self.zero_ring(lane)
-        total = self.p.ring("reduce_scatter", ring, nbytes, k) if level >= 2 else 0.0
-        if level >= 3:
-            total += gathers_per_microbatch(self.plan.schedule) * self.p.ring("all_gather", ring, nbytes, k)
-        if off.params:
-            total += 2 * self.p.copy(self.s.lanes[lane][0], nbytes * self.shard(lane).params)
-        return total
+        return overlapped_time(self.plan.schedule, self.s.zero, self.s.knobs.offload.params,
+                               self.numel() * self.p.delta, self.rings(lane), self._copier(lane),
+                               self.shard(lane).params)
 
     def sync(self, lane: int, per_ministage: bool = False) -> float:
-        level = int(self.s.zero.level)
-        nbytes = self.numel() * self.p.delta
-        k = self.s.concurrent(lane)
-        if self.s.zero.shard is ZeroShard.NODE:
-            node = self.s.res.node_ring(lane)
-            inner = self.p.ring("reduce_scatter", node, nbytes, k) + \
-                self.p.ring("all_gather", node, nbytes, k)
-            across = self.s.res.across_ring(lane)
-            return inner + self.p.ring("all_reduce", across, nbytes / max(len(node), 1), k)
-        ring = self.s.ring
-        if level <= 1:
-            return self.p.ring("all_reduce", ring, nbytes, k)
-        gather = self.p.ring("all_gather", ring, nbytes, k) if level == 2 else 0.0
-        if per_ministage:
-            return self.p.ring("reduce_scatter", ring, nbytes, k) + gather
-        return self.p.ring("reduce_scatter", ring, self.ms_numel[0] * self.p.delta, k) + gather
+        return sync_time(self.s.zero, self.numel() * self.p.delta, self.ms_numel[0] * self.p.delta,
+                         self.rings(lane), per_ministage)
 
     def first_gather(self) -> float:
-        """Mirrors plan_time._first_gather for the first stage."""
-        if int(self.s.zero.level) < 3 or len(self.s.lanes) < 2:
-            return 0.0
-        return self.p.ring("all_gather", self.zero_ring(0), self.ms_numel[0] * self.p.delta, self.s.concurrent(0))
+        return first_gather_time(self.s.zero, self.ms_numel[0] * self.p.delta, self.rings(0))
+
+    def fetch(self, ms: int) -> float:
+        """Zorse brings ministage `ms` in once per step."""
+        return fetch_time(self.s.zero, self.s.knobs.offload.params,
+                          self.numel(self.ministage_units(ms)) * self.p.delta, self.rings(0), self._copier(0),
+                          self.shard(0).params)
 
     def optimizer(self, lane: int) -> float:
-        numel = self.numel() * self.shard(lane).optimizer
-        gpu = self.s.lanes[lane][0]
-        on_host = self.s.knobs.offload.optimizer
-        t = self.p.optimizer(gpu, numel, on_host)
-        if on_host:
-            t += self.p.copy(gpu, numel * (self.p.states.grads + self.p.states.params))
-        return t
+        gpu, on_host = self.s.lanes[lane][0], self.s.knobs.offload.optimizer
+        return optimizer_step_time(lambda numel: self.p.optimizer(gpu, numel, on_host), self._copier(lane),
+                                   self.numel() * self.shard(lane).optimizer, on_host, self.p.states)
 
     # ------------------------------------------------------------ memory
 
@@ -222,18 +211,15 @@ def _peer_keys(plan, stage: int, other: int, hosts: list) -> list[tuple[str, boo
     return [(p.group, p.host == h) for p, h in zip(peers, hosts)]
 
 
-def unit_lane_times(sc: StageCosts, lane: int, ms: int) -> tuple[float, float, float, float]:
-    """(forward, backward, p2p out, p2p back) of one microbatch through ministage `ms` on `lane`."""
+def unit_lane_times(sc: StageCosts, lane: int, ms: int) -> UnitLane:
+    """One microbatch through ministage `ms` on `lane` (`UnitLane.of`), with `lane`'s microbatches."""
     plan = sc.plan
     f, i, w = sc.compute(lane, sc.ministage_units(ms))
     f += sc.overhead(lane) / len(sc.s.ministages)   # as plan_time._unit_lane spreads it
-    b = i + w
-    if sc.s.knobs.offload.activations:  # the copy runs beside the compute (whose backward reruns it)
-        copy = sc.p.copy(sc.s.lanes[lane][0], sc.boundary_bytes(ms))
-        f, b = max(f, copy), max(b, copy)
+    copy = sc.p.copy(sc.s.lanes[lane][0], sc.boundary_bytes(ms)) if sc.s.knobs.offload.activations else 0.0
     out = back = 0.0
     if ms < sc.last_ms and plan.stage_of_ministage(ms + 1) != sc.s.index:
         out = sc.border(lane, plan.stage_of_ministage(ms + 1), ms)
     if ms > 0 and plan.stage_of_ministage(ms - 1) != sc.s.index:
         back = sc.border(lane, plan.stage_of_ministage(ms - 1), ms - 1)
-    return f, b, out, back
+    return UnitLane.of(sc.s.routes[lane], f, i + w, copy, out, back)

@@ -159,8 +159,8 @@ def _option(prims: Primitives, sc: StageCosts, n: int, knobs: Knobs, classes, m:
         if schedule is ScheduleKind.ZORSE:
             # a lane sends a microbatch on and goes on with the next: transfers delay the next stage, not it
             per_ms = [unit_lane_times(sc, lane, ms) for ms in sc.s.ministages]
-            cycle = sum(a + b for a, b, _, _ in per_ms)
-            one = cycle + sum(c + d for _, _, c, d in per_ms)
+            cycle = sum(u.forward + u.backward for u in per_ms)
+            one = cycle + sum(u.p2p_out + u.p2p_back for u in per_ms)
         else:
             one = f + i + w + p2p
             cycle = max(one, sc.overlapped(lane))
@@ -172,25 +172,13 @@ def _option(prims: Primitives, sc: StageCosts, n: int, knobs: Knobs, classes, m:
     equal = per_mb and len(sc.s.lanes) > 1
     work = bottleneck(m, [(len(c.lanes), c.cycle, c.cap) for c in lane_classes], equal)
     if schedule is ScheduleKind.ZORSE:
-        fill += _first_fetch(sc)
+        fill += sc.fetch(sc.s.ministages[0])   # the first ministage comes in before it can start
     if schedule is ScheduleKind.ZORSE and work is not None and sc.plan.num_stages > 1:
         # Note [Zorse serialises a stage's ministages]: the next stage starts on a microbatch only once
         # this stage runs its last ministage, so all but 1/k of the stage's work cannot overlap the pipeline
         k = len(sc.s.ministages)
         fill += (k - 1) / k * work
     return Option(n, knobs, tuple(lane_classes), fill, tail, drain, equal, work)
-
-
-def _first_fetch(sc: StageCosts) -> float:
-    """Zorse brings a stage's first ministage in (ZeRO-3 gather, host copy) before it can start."""
-    first = sc.s.ministages[0]
-    nbytes = sc.numel(sc.ministage_units(first)) * sc.p.delta
-    fetch = 0.0
-    if sc.s.knobs.zero >= 3:
-        fetch += sc.p.ring("all_gather", sc.s.ring, nbytes, sc.s.concurrent(0))
-    if sc.s.knobs.offload.params:
-        fetch += sc.p.copy(sc.s.lanes[0][0], nbytes * sc.shard(0).params)
-    return fetch
 
 
 def _cap(sc: StageCosts, lane: int, m: int) -> int:

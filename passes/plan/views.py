@@ -31,6 +31,7 @@ class ResolvedStage:
         self.lanes = tuple(self.gpus[i:i + self.tp] for i in range(0, len(self.gpus), self.tp))
         self.ring = tuple(lane[0].id for lane in self.lanes)
         self.lane_hosts = [lane[0].host for lane in self.lanes]
+        self.host_of_ring = dict(zip(self.ring, self.lane_hosts))
         self._ring_by_host: dict[tuple[str, int], list[int]] = {}
         for host, r in zip(self.lane_hosts, self.ring):
             self._ring_by_host.setdefault(host, []).append(r)
@@ -38,12 +39,6 @@ class ResolvedStage:
     def node_ring(self, lane: int) -> tuple[int, ...]:
         """Hierarchical ZeRO (`shard = node`): the ring members on this lane's node."""
         return tuple(self._ring_by_host[self.lane_hosts[lane]])
-
-    def across_ring(self, lane: int) -> tuple[int, ...]:
-        """Hierarchical ZeRO: ring members at this lane's position within their node's shard group."""
-        pos = self._ring_by_host[self.lane_hosts[lane]].index(self.ring[lane])
-        chosen = {members[pos] for members in self._ring_by_host.values() if pos < len(members)}
-        return tuple(r for r in self.ring if r in chosen)
 
     def concurrent(self, lane: int) -> int:
         """Ranks of a lane on its first rank's node: they share the node's link."""
