@@ -5,7 +5,8 @@ under specs/: the planner either prints a plan or says, located, that
 nothing fits; the plan compiles and verifies (deadlock, dataflow, memory);
 explain's step time is within 10 % of the compiled program's simulated
 step; every rank's memory by explain is within 10 % of the compiled
-program's peak, both ways. The planner searches narrowly here (the
+program's peak, both ways; and so are the planner's own class-by-class
+score of the plan (`hetc plan`'s step time and memory). The planner searches narrowly here (the
 agreement of what it prints is under test, not how well it searches), so
 the family stays within a minute or two of CPU.
 
@@ -61,7 +62,28 @@ def _outcome(path: Path, limits: SearchLimits | None) -> str | None:
         assert err.diagnostics[0].span.file, f"the 'nothing fits' error has no location: {message}"
         return None   # nothing fits, said with a location
     agreement = compare(build(result.checked))
-    return None if agreement.within(TOLERANCE) else agreement.describe()
+    problems = [] if agreement.within(TOLERANCE) else [agreement.describe()]
+    if result.score is not None:
+        problems += _score_problems(result, agreement)
+    return "; ".join(problems) or None
+
+
+def _score_problems(result, agreement) -> list[str]:
+    """The planner's own class-by-class score held to the compiled program, as explain's estimate is."""
+    score, out = result.score, []
+    gap = score.step_time_s / agreement.simulated_s - 1
+    if abs(gap) > TOLERANCE:
+        out.append(f"step: plan {score.step_time_s:.4g} s vs compiled {agreement.simulated_s:.4g} s "
+                   f"({100 * gap:+.1f}%)")
+    rank_of = {g.id: r for r, g in enumerate(result.checked.pipeline.world)}
+    for mem, gpus in zip(score.memory, score.classes, strict=True):
+        for gpu in gpus:
+            peak = agreement.peaks[rank_of[gpu]]
+            if abs(mem.total / peak - 1) > TOLERANCE:
+                out.append(f"memory: rank {rank_of[gpu]} plan {mem.total / 2**30:.2f} GiB vs compiled "
+                           f"{peak / 2**30:.2f} GiB")
+                break
+    return out
 
 
 def _jobs() -> list:

@@ -10,7 +10,7 @@ what is left of its tail after that lead is exposed.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from hetc.passes.cost.memory import interleaved_update, offloaded
@@ -21,8 +21,9 @@ from hetc.passes.cost.zero_time import (ZeroRings, across_nodes, fetch_time, fir
 from hetc.pipeline import Lane, Stage
 from hetc.spec import OffloadTarget, ScheduleKind, ZeroShard
 
-__all__ = ["PlanTime", "StepShape", "border_time", "compose_step", "flush_tail", "lane_timings", "plan_time",
-           "stage_sync_time", "step_end_time", "zero_rings", "zorse_units"]
+__all__ = ["PlanTime", "StepShape", "border_time", "compose_step", "flush_tail", "lane_timings",
+           "ministage_borders", "plan_time", "stage_borders", "stage_sync_time", "step_end_time", "zero_rings",
+           "zorse_units"]
 
 
 @dataclass(frozen=True)
@@ -155,14 +156,35 @@ def border_time(cm, stage: Stage, lane: Lane, other: Stage, ms: int) -> float:
     return cm.p2p_time(src, dst, share, _concurrent(cm, src))
 
 
+def ministage_borders(ms: int, stage: int, stage_of: Callable[[int], int], count: int
+                      ) -> tuple[int | None, int | None]:
+    """(the stage after ministage `ms`'s outgoing border, the stage before its incoming one): None where
+    the neighbouring ministage is absent or of the same `stage`; `count` ministages in all."""
+    out = stage_of(ms + 1) if ms + 1 < count and stage_of(ms + 1) != stage else None
+    back = stage_of(ms - 1) if ms > 0 and stage_of(ms - 1) != stage else None
+    return out, back
+
+
+def stage_borders(ministages: Sequence[int], stage: int, stage_of: Callable[[int], int], count: int
+                  ) -> Iterator[tuple[int, int]]:
+    """(other stage, ministage whose activation crosses) for every border a stage's microbatch crosses:
+    one transfer each, per microbatch, activation or gradient (docs/costmodel.md)."""
+    for ms in ministages:
+        out, back = ministage_borders(ms, stage, stage_of, count)
+        if back is not None:
+            yield back, ms - 1
+        if out is not None:
+            yield out, ms
+
+
 def _p2p_per_microbatch(cm, stage: Stage, lane: Lane) -> float:
     p = cm.pipeline
-    total = 0.0
-    for ms in stage.ministages:
-        for nb, border in ((ms - 1, ms - 1), (ms + 1, ms)):
-            if 0 <= nb < len(p.ministages) and p.ministages[nb].stage != stage.index:
-                total += border_time(cm, stage, lane, p.stages[p.ministages[nb].stage], border)
-    return total
+    return sum(border_time(cm, stage, lane, p.stages[other], ms)
+               for other, ms in stage_borders(stage.ministages, stage.index, _stage_of(cm), len(p.ministages)))
+
+
+def _stage_of(cm) -> Callable[[int], int]:
+    return lambda ms: cm.pipeline.ministages[ms].stage
 
 
 def _stage_numel(cm, stage: Stage, rank: int) -> float:
@@ -245,9 +267,7 @@ def _unit_lane(cm, stage: Stage, lane: Lane, ms: int) -> UnitLane:
     b = max(cm.compute_time(r, ms, "B") for r in reps)
     copy = cm.copy_time(rank, cm.held_boundary_bytes(ms, stage)) \
         if stage.offload.activations is not OffloadTarget.NONE else 0.0
-    out = back = 0.0
-    if ms + 1 < len(p.ministages) and p.ministages[ms + 1].stage != stage.index:
-        out = border_time(cm, stage, lane, p.stages[p.ministages[ms + 1].stage], ms)
-    if ms > 0 and p.ministages[ms - 1].stage != stage.index:
-        back = border_time(cm, stage, lane, p.stages[p.ministages[ms - 1].stage], ms - 1)
+    after, before = ministage_borders(ms, stage.index, _stage_of(cm), len(p.ministages))
+    out = border_time(cm, stage, lane, p.stages[after], ms) if after is not None else 0.0
+    back = border_time(cm, stage, lane, p.stages[before], ms - 1) if before is not None else 0.0
     return UnitLane.of(lane.microbatches, f, b, copy, out, back)

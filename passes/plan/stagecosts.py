@@ -12,6 +12,7 @@ from functools import cached_property
 
 from hetc.passes.cost.memory import (RankMemory, ShardFactors, StateMemory, StatesHeld, activation_memory,
                                     rank_memory, shard_factors, state_memory)
+from hetc.passes.cost.plan_time import ministage_borders, stage_borders
 from hetc.passes.cost.schedule import UnitLane
 from hetc.passes.cost.zero_time import (ZeroRings, across_nodes, fetch_time, first_gather_time,
                                        optimizer_step_time, overlapped_time, sync_time)
@@ -81,12 +82,8 @@ class StageCosts:
         return self.p.p2p(self.s.lanes[lane][0], peer, share, self.s.concurrent(lane))
 
     def p2p(self, lane: int) -> float:
-        total = 0.0
-        for ms in self.s.ministages:
-            for nb, border in ((ms - 1, ms - 1), (ms + 1, ms)):
-                if 0 <= nb <= self.last_ms and self.plan.stage_of_ministage(nb) != self.s.index:
-                    total += self.border(lane, self.plan.stage_of_ministage(nb), border)
-        return total
+        return sum(self.border(lane, other, ms) for other, ms in
+                   stage_borders(self.s.ministages, self.s.index, self.plan.stage_of_ministage, self.last_ms + 1))
 
     @cached_property
     def lane_classes(self) -> dict[tuple, list[int]]:
@@ -193,8 +190,8 @@ def _lane_classes(sc: StageCosts) -> dict[tuple, list[int]]:
     """Lanes the cost model times alike: the stage's lane class, microbatch count and border peers' groups."""
     out: dict[tuple, list[int]] = {}
     plan, st = sc.plan, sc.s
-    neighbours = sorted({plan.stage_of_ministage(nb) for ms in st.ministages for nb in (ms - 1, ms + 1)
-                         if 0 <= nb <= sc.last_ms and plan.stage_of_ministage(nb) != st.index})
+    neighbours = sorted({o for o, _ in stage_borders(st.ministages, st.index, plan.stage_of_ministage,
+                                                     sc.last_ms + 1)})
     hosts = st.res.lane_hosts
     peer_keys = [_peer_keys(plan, st.index, o, hosts) for o in neighbours]
     for c, lanes in enumerate(st.res.classes):
@@ -217,9 +214,7 @@ def unit_lane_times(sc: StageCosts, lane: int, ms: int) -> UnitLane:
     f, i, w = sc.compute(lane, sc.ministage_units(ms))
     f += sc.overhead(lane) / len(sc.s.ministages)   # as plan_time._unit_lane spreads it
     copy = sc.p.copy(sc.s.lanes[lane][0], sc.boundary_bytes(ms)) if sc.s.knobs.offload.activations else 0.0
-    out = back = 0.0
-    if ms < sc.last_ms and plan.stage_of_ministage(ms + 1) != sc.s.index:
-        out = sc.border(lane, plan.stage_of_ministage(ms + 1), ms)
-    if ms > 0 and plan.stage_of_ministage(ms - 1) != sc.s.index:
-        back = sc.border(lane, plan.stage_of_ministage(ms - 1), ms - 1)
+    after, before = ministage_borders(ms, sc.s.index, plan.stage_of_ministage, sc.last_ms + 1)
+    out = sc.border(lane, after, ms) if after is not None else 0.0
+    back = sc.border(lane, before, ms - 1) if before is not None else 0.0
     return UnitLane.of(sc.s.routes[lane], f, i + w, copy, out, back)
