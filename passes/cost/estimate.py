@@ -6,15 +6,16 @@ from dataclasses import asdict, dataclass
 
 from hetc.layout import replication
 from hetc.passes.cost import traffic
-from hetc.passes.cost.experts import ep_comm_time, ep_group, expert_group, sharded_numel
-from hetc.passes.cost.memory import (RankMemory, StatesHeld, activation_memory, rank_memory,
-                                     state_memory)
-from hetc.passes.cost.plan_time import PlanTime, border_time, plan_time, stage_sync_time, zorse_units
+from hetc.passes.cost.experts import ep_comm_time, ep_group, expert_group
+from hetc.passes.cost.classes import PlanTime
+from hetc.passes.cost.memory import RankMemory
+from hetc.passes.cost.pipeline_stage import pipeline_stages
+from hetc.passes.cost.plan_time import border_time, stage_sync_time, zorse_unit
 from hetc.passes.cost.provenance import Provenance, provenance
 from hetc.passes.cost.shapes import LayerKind, layer_kind
 from hetc.passes.cost.utilization import Utilization, flop_counts, utilization
 from hetc.pipeline import Stage
-from hetc.spec import OffloadTarget, ScheduleKind
+from hetc.spec import ScheduleKind
 
 __all__ = ["Estimate", "GroupTraffic", "RankMemory", "build_estimate"]
 
@@ -85,34 +86,13 @@ class Estimate:
 
 def build_estimate(cm) -> Estimate:
     p, m = cm.pipeline, cm.model
-    timing = plan_time(cm)
+    timing = cm.evaluation.time
     tokens = p.num_microbatches * p.micro_batch * m.seq
     flops = flop_counts(m, p)
+    memory = sorted((mem for s in pipeline_stages(cm) for mem, _ in s.memory_classes(cm.in_flight_limits[s.index])),
+                    key=lambda mem: mem.rank)
     return Estimate(timing.step, tokens, flops.model, flops.hardware, utilization(m, p, cm.topology, timing.step),
-                    timing, tuple(_memory(cm, r) for r in range(p.world_size)),
-                    tuple(_traffic(cm, timing)), p.schedule.value, provenance(cm))
-
-
-# ------------------------------------------------------------------ memory
-
-
-def _memory(cm, rank: int) -> RankMemory:
-    stage = cm.stage_of(rank)
-    mss = stage.ministages
-    held = StatesHeld([cm.param_bytes(ms, rank) for ms in mss], [cm.grad_bytes(ms, rank) for ms in mss],
-                      sum(sharded_numel(cm, ms, rank, "grads") for ms in mss) * cm.states.grads,
-                      sum(sharded_numel(cm, ms, rank, "optimizer") for ms in mss) * cm.states.optimizer,
-                      cm.shard(rank), stage.zero.resolved_level >= 3 and len(cm.zero_group(rank)) > 1,
-                      len(stage.lanes), cm.largest_held_boundary(stage), cm.states.grads)
-    p = cm.pipeline
-    states = state_memory(held, stage.offload, p.schedule, cm.spec.train.grad_clip, p.prefetch)
-    lane = p.lane_of_rank[rank]
-    acts = activation_memory(p.schedule, stage.index, len(p.stages), len(lane.microbatches),
-                             [cm.activation_bytes(ms, rank) for ms in mss], cm.in_flight_limits[stage.index],
-                             stage.offload.activations is not OffloadTarget.NONE,
-                             sum(cm.held_boundary_bytes(ms - 1, stage) for ms in mss if ms > 0),
-                             cm.largest_held_boundary(stage), p.prefetch)
-    return rank_memory(rank, cm.gpu(rank), stage.index, states, acts)
+                    timing, tuple(memory), tuple(_traffic(cm, timing)), p.schedule.value, provenance(cm))
 
 
 # ------------------------------------------------------------------ traffic
@@ -134,7 +114,7 @@ def _traffic(cm, timing: PlanTime) -> list[GroupTraffic]:
             level = stage.zero.resolved_level
             sent = traffic.zero_bytes(level, p.schedule, nbytes, replicas, n_mb)
             if p.schedule is ScheduleKind.ZORSE:  # gathered for the forward and the backward, reduced once
-                seconds = sum(2 * u.fetch + u.sync for u in zorse_units(cm) if u.stage == stage.index)
+                seconds = sum(2 * u.fetch + u.sync for u in (zorse_unit(cm, stage, ms) for ms in stage.ministages))
             else:
                 seconds = stage_sync_time(cm, stage, rank) + n_mb * lanes[(stage.index, 0)].overlapped
             over = f"{len(stage.lanes)} lanes" + (f" x cp {stage.cp}" if stage.cp > 1 else "")

@@ -27,8 +27,7 @@ from hetc.passes.cost.profiles import Profiles
 from hetc.passes.cost.shapes import LayerKind, activation_elements, layer_flops, layer_kind, params_per_rank
 from hetc.passes.params import expert_params
 from hetc.pipeline import Ministage, Pipeline, Stage
-from hetc.spec import (DTYPE_BYTES, Checkpointing, CPKind, DeviceSpec, ModelSpec, OffloadTarget, ScheduleKind,
-                       Spec, ZeroShard)
+from hetc.spec import (DTYPE_BYTES, Checkpointing, CPKind, DeviceSpec, ModelSpec, OffloadTarget, Spec, ZeroShard)
 from hetc.topology import Gpu, Topology
 
 __all__ = ["CPU_OPTIMIZER_BYTES_PER_S", "PHASES", "CostModel", "optimizer_seconds", "ring_pair_kinds"]
@@ -334,21 +333,16 @@ class CostModel:
     # ------------------------------------------------------------ the whole plan
 
     @cached_property
-    def coupled_stages(self) -> dict[int, int]:
-        """Stages whose lanes run in lockstep (per-microbatch ZeRO-2/3 collectives): stage -> lanes."""
-        p = self.pipeline
-        per_mb = p.schedule is not ScheduleKind.ZORSE
-        return {s.index: len(s.lanes) for s in p.stages if per_mb and len(s.lanes) > 1 and s.zero.resolved_level >= 2}
+    def evaluation(self):
+        """The step's composition over this pipeline (classes.py), its memory left to `estimate`."""
+        from hetc.passes.cost.pipeline_stage import evaluate_pipeline
+        return evaluate_pipeline(self, memory=False)
 
-    @cached_property
+    @property
     def in_flight_limits(self) -> dict[int, int]:
         """Per stage, the microbatches a lane keeps in flight (Note [in-flight limit]): what lowering's
         schedule holds each lane to and the estimate counts activations with."""
-        from hetc.passes.cost.plan_time import lane_timings
-        from hetc.passes.cost.schedule import in_flight_limits
-        p = self.pipeline
-        return in_flight_limits(p.schedule, lane_timings(self), len(p.stages), self.coupled_stages,
-                                {s.index: len(s.lanes) for s in p.stages})
+        return self.evaluation.limits
 
     def estimate(self):
         from hetc.passes.cost.estimate import build_estimate

@@ -1,97 +1,28 @@
-"""The step time of a whole plan: lanes' per-microbatch timings, the schedule, the tail.
+"""The cost model's stage quantities for one rank of a resolved Pipeline (`CostModel`).
 
-The tail after the pipeline flush (Megatron-DeepSpeed: `ReduceGrads`, then
-`OptimizerStep`): every stage reduces its gradients over its ZeRO group and
-steps its optimizer as soon as its own last backward is done; stage s
-finishes its backward earlier than stage 0 by the drain behind it, so only
-what is left of its tail after that lead is exposed.
+What `pipeline_stage.PipelineStage` answers the composition (classes.py)
+with: a lane's per-microbatch compute and border transfers, its ZeRO
+collectives (`zero_time`) with the rank's own groups, the flush tail of a
+stage (Megatron-DeepSpeed: `ReduceGrads`, then `OptimizerStep`), Zorse's
+units. The composition is the same the planner's class-by-class view of a
+candidate feeds (passes/plan/stagecosts.py).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 
-from hetc.passes.cost.memory import interleaved_update, offloaded
-from hetc.passes.cost.schedule import (LaneTiming, Unit, UnitLane, exposed_first_gather, lockstep_fill,
-                                      pipeline_time, sequential_time, step_lower_bound)
+from hetc.passes.cost.memory import offloaded
+from hetc.passes.cost.schedule import Unit, UnitLane
 from hetc.passes.cost.zero_time import (ZeroRings, across_nodes, fetch_time, first_gather_time,
                                        optimizer_step_time, overlapped_time, sync_time)
 from hetc.pipeline import Lane, Stage
-from hetc.spec import OffloadTarget, ScheduleKind, ZeroShard
+from hetc.spec import OffloadTarget, ZeroShard
 
-__all__ = ["PlanTime", "StepShape", "border_time", "compose_step", "flush_tail", "lane_timings",
-           "ministage_borders", "plan_time", "stage_borders", "stage_sync_time", "step_end_time", "zero_rings",
-           "zorse_units"]
-
-
-@dataclass(frozen=True)
-class PlanTime:
-    step: float
-    pipeline: float
-    bubble: float
-    tail: float
-    lanes: tuple[LaneTiming, ...]
-    bottleneck: tuple[int, int] | None
-
-
-def plan_time(cm) -> PlanTime:
-    lanes = lane_timings(cm)
-    p = cm.pipeline
-    end = step_end_time(cm.spec.train.grad_clip > 0,
-                        lambda nbytes: cm.collective_time("all_reduce", tuple(range(p.world_size)), nbytes))
-    return compose_step(StepShape(p.schedule, len(p.stages), max(len(s.ministages) for s in p.stages),
-                                  p.num_microbatches, cm.spec.train.grad_clip, cm.coupled_stages,
-                                  {s.index: len(s.lanes) for s in p.stages}),
-                        lanes, end, lambda: [_stage_flush(cm, stage) for stage in p.stages],
-                        lambda: _first_gather(cm), lambda: zorse_units(cm))
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """What the step's composition reads of a plan besides its lanes' timings."""
-
-    schedule: ScheduleKind
-    num_stages: int
-    chunks: int                      # the most ministages of a stage (interleaved 1F1B's v)
-    num_microbatches: int
-    grad_clip: float
-    coupled: dict[int, int]          # lockstep stages -> their lanes (CostModel.coupled_stages)
-    widths: dict[int, int]           # stage -> its lanes
-
-
-def compose_step(shape: StepShape, lanes: list[LaneTiming], end: float, flush: Callable[[], list[float]],
-                 first_gather: Callable[[], float], units: Callable[[], list[Unit]]) -> PlanTime:
-    """The step from its lanes' timings (one per lane, or one per class of alike lanes: only maxima and
-    minima over them are taken): the schedule's pipeline, never below the step's lower bound
-    (docs/costmodel.md), the lockstep stages' fill, then the tail after the flush (`flush()`: per stage,
-    its worst exposed gradient sync plus optimizer step), the first ZeRO-3 gather and the step's last
-    all-reduces (`end`). Zorse's sequential ministages are simulated unit by unit (`units()`)."""
-    if shape.schedule is ScheduleKind.ZORSE:
-        total = sequential_time(units(), shape.num_microbatches,
-                                not interleaved_update(shape.schedule, shape.grad_clip))
-        busy = max(t.work for t in lanes)
-        return PlanTime(total + end, total, max(0.0, total - busy), end, tuple(lanes), None)
-    pipe = pipeline_time(shape.schedule, lanes, shape.chunks)
-    extra = max(0.0, step_lower_bound(shape.schedule, lanes, shape.chunks) - pipe.total) + \
-        lockstep_fill(shape.schedule, lanes, shape.num_stages, shape.coupled, shape.widths)
-    tail = flush_tail(lanes, flush()) + end + exposed_first_gather(first_gather(), lanes[0])
-    return PlanTime(pipe.total + extra + tail, pipe.total + extra, pipe.bubble + extra, tail, tuple(lanes),
-                    pipe.bottleneck)
-
-
-def flush_tail(lanes: list[LaneTiming], worst: list[float]) -> float:
-    """The exposed tail: stage s syncs and steps (`worst[s]` seconds) after its own last backward, which
-    comes earlier than stage 0's by the drain (backward and transfers) of the stages before it."""
-    drain: dict[int, float] = {}
-    for t in lanes:
-        drain[t.stage] = max(drain.get(t.stage, 0.0), t.backward + t.p2p)
-    tail, lead = 0.0, 0.0
-    for s, mine in enumerate(worst):
-        tail = max(tail, mine - lead)
-        lead += drain[s]
-    return max(tail, 0.0)
+__all__ = ["border_time", "first_gather", "kind_reps", "ministage_borders", "overlapped", "p2p_per_microbatch",
+           "stage_borders", "stage_flush", "stage_sync_time", "step_end_time", "unit_lane", "zero_rings",
+           "zorse_unit"]
 
 
 # what the all-reduces of the step's loss and squared gradient norm carry (one float64 each)
@@ -107,20 +38,7 @@ def step_end_time(clips: bool, all_reduce) -> float:
     return all_reduce(SCALAR_BYTES) * (2 if clips else 1)
 
 
-def lane_timings(cm) -> list[LaneTiming]:
-    out = []
-    for stage in cm.pipeline.stages:
-        for lane in stage.lanes:
-            reps = _reps(cm, lane.ranks)
-            f, i, w = (max(sum(cm.compute_time(r, ms, ph) for ms in stage.ministages) for r in reps)
-                       for ph in ("F", "I", "W"))
-            f += max(cm.microbatch_overhead(r) for r in reps)
-            out.append(LaneTiming(stage.index, lane.index, len(lane.microbatches), f, i, w,
-                                  _p2p_per_microbatch(cm, stage, lane), _overlapped(cm, stage, lane)))
-    return out
-
-
-def _reps(cm, ranks) -> list[int]:
+def kind_reps(cm, ranks) -> list[int]:
     """One rank per device kind among `ranks`: ranks of one kind time alike."""
     seen: dict[str, int] = {}
     for r in sorted(ranks):
@@ -177,7 +95,7 @@ def stage_borders(ministages: Sequence[int], stage: int, stage_of: Callable[[int
             yield out, ms
 
 
-def _p2p_per_microbatch(cm, stage: Stage, lane: Lane) -> float:
+def p2p_per_microbatch(cm, stage: Stage, lane: Lane) -> float:
     p = cm.pipeline
     return sum(border_time(cm, stage, lane, p.stages[other], ms)
                for other, ms in stage_borders(stage.ministages, stage.index, _stage_of(cm), len(p.ministages)))
@@ -207,15 +125,14 @@ def _copier(cm, rank: int) -> Callable[[float], float]:
     return lambda nbytes: cm.copy_time(rank, nbytes)
 
 
-def _overlapped(cm, stage: Stage, lane: Lane) -> float:
+def overlapped(cm, stage: Stage, lane: Lane) -> float:
     rank = lane.ranks[0]
     return overlapped_time(cm.pipeline.schedule, stage.zero, stage.offload.params is not OffloadTarget.NONE,
                            _stage_numel(cm, stage, rank) * cm.delta, zero_rings(cm, rank),
                            _copier(cm, rank), cm.shard(rank).params)
 
 
-def _first_gather(cm) -> float:
-    stage = cm.pipeline.stages[0]
+def first_gather(cm, stage: Stage) -> float:
     rank = stage.lanes[0].ranks[0]
     return first_gather_time(stage.zero, cm.numel(stage.ministages[0], rank) * cm.delta, zero_rings(cm, rank))
 
@@ -232,36 +149,32 @@ def _opt_time(cm, stage: Stage, rank: int) -> float:
                                offloaded(stage.offload)[1], cm.states)
 
 
-def _stage_flush(cm, stage: Stage) -> float:
+def stage_flush(cm, stage: Stage) -> float:
     """Ranks at one position of every lane sync together; the optimizer step differs by device kind."""
-    step = max(_opt_time(cm, stage, r) for r in _reps(cm, stage.ranks))
+    step = max(_opt_time(cm, stage, r) for r in kind_reps(cm, stage.ranks))
     return max(stage_sync_time(cm, stage, r) for r in stage.lanes[0].ranks) + step
 
 
 # ------------------------------------------------------------------ Zorse units
 
 
-def zorse_units(cm) -> list[Unit]:
-    p = cm.pipeline
-    units = []
-    for ms in p.ministages:
-        stage = p.stages[ms.stage]
-        rank = stage.lanes[0].ranks[0]
-        lanes = tuple(_unit_lane(cm, stage, lane, ms.index) for lane in stage.lanes)
-        numel = cm.numel(ms.index, rank)
-        fetch = fetch_time(stage.zero, stage.offload.params is not OffloadTarget.NONE, numel * cm.delta,
-                           zero_rings(cm, rank), _copier(cm, rank), cm.shard(rank).params)
-        ratio = numel / max(_stage_numel(cm, stage, rank), 1.0)
-        sync = stage_sync_time(cm, stage, rank, per_ministage=True) * ratio
-        step = _opt_time(cm, stage, rank) * ratio
-        units.append(Unit(stage.index, lanes, fetch, sync, step, offloaded(stage.offload)[1]))
-    return units
+def zorse_unit(cm, stage: Stage, ms: int) -> Unit:
+    """Ministage `ms` of `stage` over every lane, and what it costs once per step."""
+    rank = stage.lanes[0].ranks[0]
+    lanes = tuple(unit_lane(cm, stage, lane, ms) for lane in stage.lanes)
+    numel = cm.numel(ms, rank)
+    fetch = fetch_time(stage.zero, stage.offload.params is not OffloadTarget.NONE, numel * cm.delta,
+                       zero_rings(cm, rank), _copier(cm, rank), cm.shard(rank).params)
+    ratio = numel / max(_stage_numel(cm, stage, rank), 1.0)
+    sync = stage_sync_time(cm, stage, rank, per_ministage=True) * ratio
+    step = _opt_time(cm, stage, rank) * ratio
+    return Unit(stage.index, lanes, fetch, sync, step, offloaded(stage.offload)[1])
 
 
-def _unit_lane(cm, stage: Stage, lane: Lane, ms: int) -> UnitLane:
+def unit_lane(cm, stage: Stage, lane: Lane, ms: int) -> UnitLane:
     p = cm.pipeline
     rank = lane.ranks[0]
-    reps = _reps(cm, lane.ranks)
+    reps = kind_reps(cm, lane.ranks)
     share = 1 / len(stage.ministages)   # the engine's per-microbatch cost, spread over the stage's units
     f = max(cm.compute_time(r, ms, "F") + cm.microbatch_overhead(r) * share for r in reps)
     b = max(cm.compute_time(r, ms, "B") for r in reps)

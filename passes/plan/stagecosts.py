@@ -1,24 +1,28 @@
-"""One stage's quantities in the cost model, for a plan view (or the stand-in pipeline of tables.py).
+"""One stage of a candidate as the cost model's composition reads it (`passes.cost.classes.StageSource`).
 
-Each method restates what passes/cost computes for a rank of the stage
-(CostModel, plan_time.py, estimate.py): compute per lane, border transfers,
-ZeRO collectives beside the compute and after the flush, the optimizer
-step, and memory. `evaluate` composes them into a plan's score.
+Once per class of alike lanes: compute per lane, border transfers, ZeRO
+collectives beside the compute and after the flush, the optimizer step,
+Zorse's units and memory per class of ranks, each from passes/cost's
+formulas (`CostModel.layer_cost` through `Primitives`, `zero_time`,
+`memory.state_memory`, `plan_time.stage_borders`) with the candidate's
+groups (views.py). The option tables (tables.py) read it too, on a
+stand-in pipeline around one stage.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import cached_property
 
 from hetc.passes.cost.memory import (RankMemory, ShardFactors, StateMemory, StatesHeld, activation_memory,
                                     rank_memory, shard_factors, state_memory)
 from hetc.passes.cost.plan_time import ministage_borders, stage_borders
-from hetc.passes.cost.schedule import UnitLane
+from hetc.passes.cost.schedule import Unit, UnitLane
 from hetc.passes.cost.zero_time import (ZeroRings, across_nodes, fetch_time, first_gather_time,
                                        optimizer_step_time, overlapped_time, sync_time)
 from hetc.passes.cost.shapes import LayerKind
 from hetc.passes.plan.costs import Primitives
-from hetc.spec import ScheduleKind, ZeroShard
+from hetc.spec import ScheduleKind, ZeroShard, ZeroSpec
 from hetc.topology import Gpu
 
 __all__ = ["StageCosts", "unit_lane_times"]
@@ -32,6 +36,9 @@ class StageCosts:
     def __init__(self, prims: Primitives, plan, stage):
         """`plan`: a PlanView or tables.StageContext; `stage`: a StageView."""
         self.p, self.plan, self.s = prims, plan, stage
+        self.index: int = stage.index
+        self.num_lanes: int = len(stage.lanes)
+        self.zero: ZeroSpec = stage.zero
         self.last_ms = len(plan.ministages) - 1
         # microbatches a lane keeps in flight (Note [in-flight limit]); None: the stages ahead (option tables)
         self.in_flight_limit: int | None = None
@@ -85,9 +92,41 @@ class StageCosts:
         return sum(self.border(lane, other, ms) for other, ms in
                    stage_borders(self.s.ministages, self.s.index, self.plan.stage_of_ministage, self.last_ms + 1))
 
+    def lane_classes(self) -> list[list[int]]:
+        return list(self._lane_classes.values())
+
     @cached_property
-    def lane_classes(self) -> dict[tuple, list[int]]:
+    def _lane_classes(self) -> dict[tuple, list[int]]:
         return _lane_classes(self)
+
+    def count(self, lane: int) -> int:
+        return self.s.counts[lane]
+
+    def flush(self) -> float:
+        """Lane 0 syncs with its ZeRO groups, every device kind steps its shard (plan_time.stage_flush)."""
+        return self.sync(0) + max(self.optimizer(lane) for lane in _kind_reps(self))
+
+    def unit(self, ms: int) -> Unit:
+        """Zorse: ministage `ms` over every lane (one timing per class of lanes)."""
+        rep = {lane: lanes[0] for lanes in self.lane_classes() for lane in lanes}
+        per_class = {r: unit_lane_times(self, r, ms) for r in set(rep.values())}
+        lanes = tuple(replace(per_class[rep[lane]], microbatches=self.s.routes[lane])
+                      for lane in range(len(self.s.lanes)))
+        ratio = self.numel(self.ministage_units(ms)) / max(self.numel(), 1.0)
+        return Unit(self.s.index, lanes, self.fetch(ms), self.sync(0, per_ministage=True) * ratio,
+                    self.optimizer(0) * ratio, self.s.knobs.offload.optimizer)
+
+    def memory_classes(self, limit: int | None) -> list[tuple[RankMemory, tuple[int, ...]]]:
+        """One entry per device kind, microbatch count and node share, with its GPU ids."""
+        self.in_flight_limit = limit
+        seen: dict[tuple, tuple[RankMemory, list[int]]] = {}
+        for lane, gpus in enumerate(self.s.lanes):
+            for gpu in gpus:
+                key = (gpu.device.name, self.s.counts[lane], self.s.node_share(lane))
+                if key not in seen:
+                    seen[key] = (self.memory(lane, gpu, self.s.counts[lane]), [])
+                seen[key][1].append(gpu.id)
+        return [(mem, tuple(ids)) for mem, ids in seen.values()]
 
     def shard(self, lane: int) -> ShardFactors:
         return self.shard_of(self.s.node_share(lane))
@@ -201,6 +240,15 @@ def _lane_classes(sc: StageCosts) -> dict[tuple, list[int]]:
     return out
 
 
+def _kind_reps(sc: StageCosts) -> list[int]:
+    """The first lane holding each device kind of the stage (its lowest rank of the kind)."""
+    seen: dict[str, int] = {}
+    for lane, gpus in enumerate(sc.s.lanes):
+        for g in gpus:
+            seen.setdefault(g.device.name, lane)
+    return list(seen.values())
+
+
 def _peer_keys(plan, stage: int, other: int, hosts: list) -> list[tuple[str, bool]]:
     """Per lane of `stage`: its peer's node group in stage `other`, and whether they share a host."""
     theirs = plan.stages[other].lanes
@@ -212,7 +260,7 @@ def unit_lane_times(sc: StageCosts, lane: int, ms: int) -> UnitLane:
     """One microbatch through ministage `ms` on `lane` (`UnitLane.of`), with `lane`'s microbatches."""
     plan = sc.plan
     f, i, w = sc.compute(lane, sc.ministage_units(ms))
-    f += sc.overhead(lane) / len(sc.s.ministages)   # as plan_time._unit_lane spreads it
+    f += sc.overhead(lane) / len(sc.s.ministages)   # as plan_time.unit_lane spreads it
     copy = sc.p.copy(sc.s.lanes[lane][0], sc.boundary_bytes(ms)) if sc.s.knobs.offload.activations else 0.0
     after, before = ministage_borders(ms, sc.s.index, plan.stage_of_ministage, sc.last_ms + 1)
     out = sc.border(lane, after, ms) if after is not None else 0.0
