@@ -43,6 +43,7 @@ class StageCosts:
         # microbatches a lane keeps in flight (Note [in-flight limit]); None: the stages ahead (option tables)
         self.in_flight_limit: int | None = None
         self._statics: dict[int | None, StateMemory] = {}
+        self._rooms: dict[tuple, float] = {}
 
     # ------------------------------------------------------------ layers
 
@@ -183,8 +184,18 @@ class StageCosts:
 
     def headroom(self, lane: int, count: int) -> float:
         """Bytes left on the fullest rank of `lane` serving `count` microbatches."""
+        share = self.s.node_share(lane)
         kinds = {g.device.name: g for g in self.s.lanes[lane]}.values()   # a kind's ranks hold alike
-        return min(m.capacity - m.total for m in (self.memory(lane, g, count) for g in kinds))
+        return min(self._room(g, share, count) for g in kinds)
+
+    def _room(self, gpu: Gpu, node_share: int | None, count: int) -> float:
+        """Bytes left on a rank of `gpu`'s kind; memoised (the option tables search counts)."""
+        key = (gpu.device.name, node_share, count, self.in_flight_limit)
+        got = self._rooms.get(key)
+        if got is None:
+            m = rank_memory(gpu.id, gpu, self.s.index, self._static(node_share), self._activations(count))
+            got = self._rooms[key] = m.capacity - m.total
+        return got
 
     def activations_per_count(self) -> float:
         """Activation bytes each further microbatch adds when that is linear in the count (GPipe, Zorse
