@@ -51,6 +51,7 @@ class CostModel:
         self.states = state_bytes_per_param(self.model)
         self._zero_groups: dict[int, tuple[int, ...]] = {}
         self._routes: dict[int, dict[int, int]] = {}
+        self._peers: dict[tuple[int, int], tuple[int, ...]] = {}
         self._collectives: dict[tuple, float] = {}
         self._ring_kinds: dict[tuple, tuple[tuple[Gpu, Gpu, int], ...]] = {}
         self._p2p: dict[tuple, float] = {}
@@ -75,6 +76,17 @@ class CostModel:
             table = {mb: lane.index for lane in self.pipeline.stages[stage].lanes for mb in lane.microbatches}
             self._routes[stage] = table
         return table
+
+    def peer_lanes(self, stage: int, other: int) -> tuple[int, ...]:
+        """Per lane of `stage`, the lane of `other` serving most of its microbatches (`plan_time.peer_lanes`)."""
+        got = self._peers.get((stage, other))
+        if got is None:
+            from hetc.passes.cost.plan_time import peer_lanes
+            m = range(self.pipeline.num_microbatches)
+            mine, theirs = self.lane_of_microbatch(stage), self.lane_of_microbatch(other)
+            got = self._peers[(stage, other)] = peer_lanes([mine[mb] for mb in m], [theirs[mb] for mb in m],
+                                                           len(self.pipeline.stages[stage].lanes))
+        return got
 
     def tp_group(self, rank: int) -> tuple[int, ...]:
         """The ranks of this rank's lane that share its sequence part (its TP group)."""

@@ -21,6 +21,7 @@ from hetc.pipeline import Lane, Stage
 from hetc.spec import OffloadTarget, ZeroShard
 
 __all__ = ["border_time", "first_gather", "kind_reps", "ministage_borders", "overlapped", "p2p_per_microbatch",
+           "peer_lanes",
            "stage_borders", "stage_flush", "stage_sync_time", "step_end_time", "unit_lane", "zero_rings",
            "zorse_unit"]
 
@@ -52,11 +53,21 @@ def _concurrent(cm, rank: int) -> int:
     return sum(1 for r in lane.ranks if cm.gpu(r).host == cm.gpu(rank).host)
 
 
+def peer_lanes(mine: Sequence[int], theirs: Sequence[int], num_lanes: int) -> tuple[int, ...]:
+    """For each of one stage's `num_lanes` lanes, the lane of another stage serving most of its
+    microbatches (the lowest on ties): the peer its border transfers are timed with. `mine`, `theirs`:
+    each microbatch's lane in the two stages."""
+    shared = Counter(zip(mine, theirs))
+    best: dict[int, tuple[int, int]] = {}
+    for (la, lb), n in shared.items():
+        if la not in best or (n, -lb) > (best[la][0], -best[la][1]):
+            best[la] = (n, lb)
+    return tuple(best.get(la, (0, 0))[1] for la in range(num_lanes))
+
+
 def _peer_lane(cm, stage: Stage, lane: Lane) -> Lane:
     """The lane of `stage` that serves most of `lane`'s microbatches."""
-    served = Counter(cm.lane_of_microbatch(stage.index)[mb] for mb in lane.microbatches)
-    best = max(served.items(), key=lambda kv: (kv[1], -kv[0]))[0]
-    return stage.lanes[best]
+    return stage.lanes[cm.peer_lanes(cm.stage_of(lane.ranks[0]).index, stage.index)[lane.index]]
 
 
 def border_time(cm, stage: Stage, lane: Lane, other: Stage, ms: int) -> float:
@@ -165,10 +176,9 @@ def zorse_unit(cm, stage: Stage, ms: int) -> Unit:
     numel = cm.numel(ms, rank)
     fetch = fetch_time(stage.zero, stage.offload.params is not OffloadTarget.NONE, numel * cm.delta,
                        zero_rings(cm, rank), _copier(cm, rank), cm.shard(rank).params)
-    ratio = numel / max(_stage_numel(cm, stage, rank), 1.0)
-    sync = stage_sync_time(cm, stage, rank, per_ministage=True) * ratio
-    step = _opt_time(cm, stage, rank) * ratio
-    return Unit(stage.index, lanes, fetch, sync, step, offloaded(stage.offload)[1])
+    return Unit.of(stage.index, lanes, fetch, numel, _stage_numel(cm, stage, rank),
+                   stage_sync_time(cm, stage, rank, per_ministage=True), _opt_time(cm, stage, rank),
+                   offloaded(stage.offload)[1])
 
 
 def unit_lane(cm, stage: Stage, lane: Lane, ms: int) -> UnitLane:

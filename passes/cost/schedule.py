@@ -231,6 +231,14 @@ class Unit:
     step: float = 0.0       # its optimizer step
     step_on_host: bool = False
 
+    @classmethod
+    def of(cls, stage: int, lanes: tuple[UnitLane, ...], fetch: float, numel: float, stage_numel: float,
+           sync: float, step: float, step_on_host: bool) -> Unit:
+        """A ministage of `numel` parameters of its stage's `stage_numel`: its share of the stage's
+        per-ministage gradient sync (`sync`) and of its optimizer step (`step`)."""
+        ratio = numel / max(stage_numel, 1.0)
+        return cls(stage, lanes, fetch, sync * ratio, step * ratio, step_on_host)
+
 
 def sequential_time(units: list[Unit], num_microbatches: int, steps_at_end: bool = False) -> float:
     """Zorse: each unit runs all its microbatches forward, then the next; backward in reverse.

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from hetc.passes.cost import RankMemory
 from hetc.passes.cost.classes import PlanShape, evaluate_classes
 from hetc.passes.cost.plan_time import step_end_time
-from hetc.passes.plan.costs import Primitives
+from hetc.passes.cost.probe import Primitives
 from hetc.passes.plan.egress import egress_per_step
 from hetc.passes.plan.stagecosts import StageCosts
 from hetc.passes.plan.views import PlanView

@@ -21,7 +21,7 @@ from hetc.passes.cost.schedule import Unit, UnitLane
 from hetc.passes.cost.zero_time import (ZeroRings, across_nodes, fetch_time, first_gather_time,
                                        optimizer_step_time, overlapped_time, sync_time)
 from hetc.passes.cost.shapes import LayerKind
-from hetc.passes.plan.costs import Primitives
+from hetc.passes.cost.probe import Primitives
 from hetc.spec import ScheduleKind, ZeroShard, ZeroSpec
 from hetc.topology import Gpu
 
@@ -113,9 +113,8 @@ class StageCosts:
         per_class = {r: unit_lane_times(self, r, ms) for r in set(rep.values())}
         lanes = tuple(replace(per_class[rep[lane]], microbatches=self.s.routes[lane])
                       for lane in range(len(self.s.lanes)))
-        ratio = self.numel(self.ministage_units(ms)) / max(self.numel(), 1.0)
-        return Unit(self.s.index, lanes, self.fetch(ms), self.sync(0, per_ministage=True) * ratio,
-                    self.optimizer(0) * ratio, self.s.knobs.offload.optimizer)
+        return Unit.of(self.s.index, lanes, self.fetch(ms), self.numel(self.ministage_units(ms)), self.numel(),
+                       self.sync(0, per_ministage=True), self.optimizer(0), self.s.knobs.offload.optimizer)
 
     def memory_classes(self, limit: int | None) -> list[tuple[RankMemory, tuple[int, ...]]]:
         """One entry per device kind, microbatch count and node share, with its GPU ids."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 
 from hetc.errors import InternalError
 from hetc.passes.plan.candidate import Knobs, split_evenly
-from hetc.passes.plan.costs import Primitives
+from hetc.passes.cost.probe import Primitives
 from hetc.passes.plan.routing import bottleneck
 from hetc.passes.plan.stagecosts import StageCosts, unit_lane_times
 from hetc.passes.plan.views import ResolvedStage, StageView

@@ -10,10 +10,10 @@ view of the same `StageGpus`, so building views for many candidates is cheap.
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
+from hetc.passes.cost.plan_time import peer_lanes
 from hetc.passes.plan.candidate import Candidate, Knobs, StageGpus
 from hetc.pipeline import route_microbatches
 from hetc.spec import ScheduleKind, ZeroShard, ZeroSpec
@@ -160,15 +160,10 @@ def _lane_of_microbatch(counts: tuple[int, ...]) -> tuple[int, ...]:
 
 @lru_cache(maxsize=4096)
 def _peers(mine: tuple[int, ...], theirs: tuple[int, ...]) -> tuple[int, ...]:
-    """Per lane of `mine`, the lane of `theirs` sharing most microbatches (lowest index on ties)."""
+    """Per lane of `mine`, the lane of `theirs` sharing most microbatches (`plan_time.peer_lanes`)."""
     if len(theirs) == 1:
         return (0,) * len(mine)
-    shared = Counter(zip(_lane_of_microbatch(mine), _lane_of_microbatch(theirs)))
-    best: dict[int, tuple[int, int]] = {}
-    for (la, lb), n in shared.items():
-        if la not in best or (n, -lb) > (best[la][0], -best[la][1]):
-            best[la] = (n, lb)
-    return tuple(best.get(la, (0, 0))[1] for la in range(len(mine)))
+    return peer_lanes(_lane_of_microbatch(mine), _lane_of_microbatch(theirs), len(mine))
 
 
 def view_of(c: Candidate, resolve: Resolver, zero_specs: tuple[ZeroSpec, ...]) -> PlanView:

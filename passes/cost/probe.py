@@ -1,6 +1,7 @@
-"""The cost model's primitives, for the planner: per-layer times, links, collectives, bytes.
+"""The cost model's primitives for any GPU of a cluster: per-layer times, links, collectives, bytes.
 
-The planner scores thousands of candidates class by class (`evaluate`).
+The planner reads thousands of candidates class by class
+(passes/plan/stagecosts.py) before any of them is a Pipeline.
 Every time and byte here comes from a *probe* `CostModel` whose world is
 every GPU of the cluster (world rank = GPU id), so that its layer-time,
 link, collective and copy methods answer for any GPU; this class only
