@@ -26,7 +26,7 @@ from hetc.passes.cost.schedule import (LaneTiming, Unit, exposed_first_gather, i
 from hetc.spec import ScheduleKind, ZeroSpec
 
 __all__ = ["ClassEstimate", "PlanShape", "PlanTime", "StageSource", "StepShape", "compose_step", "coupled_stages",
-           "evaluate_classes", "flush_tail", "lane_timings", "zorse_units"]
+           "evaluate_classes", "flush_tail", "lane_timings", "throughput", "tokens_per_step", "zorse_units"]
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,15 @@ class ClassEstimate:
     limits: dict[int, int]               # per stage, the microbatches a lane keeps in flight
     memory: tuple[RankMemory, ...]       # one per class of alike ranks
     classes: tuple[tuple[int, ...], ...]  # the ranks each memory entry stands for
+
+
+def tokens_per_step(num_microbatches: int, micro_batch: int, seq: int) -> int:
+    return num_microbatches * micro_batch * seq
+
+
+def throughput(tokens: int, step_time_s: float) -> float:
+    """Tokens per second (0 for a step that takes no time)."""
+    return tokens / step_time_s if step_time_s > 0 else 0.0
 
 
 def coupled_stages(schedule: ScheduleKind, stages: Sequence[StageSource]) -> dict[int, int]:

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from hetc.layout import replication
 from hetc.passes.cost import traffic
 from hetc.passes.cost.experts import ep_comm_time, ep_group, expert_group
-from hetc.passes.cost.classes import PlanTime
+from hetc.passes.cost.classes import PlanTime, throughput, tokens_per_step
 from hetc.passes.cost.memory import RankMemory
 from hetc.passes.cost.pipeline_stage import pipeline_stages
 from hetc.passes.cost.plan_time import border_time, stage_sync_time, zorse_unit
@@ -45,7 +45,7 @@ class Estimate:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.tokens_per_step / self.step_time_s if self.step_time_s > 0 else 0.0
+        return throughput(self.tokens_per_step, self.step_time_s)
 
     @property
     def mfu(self) -> float:
@@ -87,7 +87,7 @@ class Estimate:
 def build_estimate(cm) -> Estimate:
     p, m = cm.pipeline, cm.model
     timing = cm.evaluation.time
-    tokens = p.num_microbatches * p.micro_batch * m.seq
+    tokens = tokens_per_step(p.num_microbatches, p.micro_batch, m.seq)
     flops = flop_counts(m, p)
     memory = sorted((mem for s in pipeline_stages(cm) for mem, _ in s.memory_classes(cm.in_flight_limits[s.index])),
                     key=lambda mem: mem.rank)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetc.passes.cost import RankMemory
-from hetc.passes.cost.classes import PlanShape, evaluate_classes
+from hetc.passes.cost.classes import PlanShape, evaluate_classes, throughput, tokens_per_step
 from hetc.passes.cost.plan_time import step_end_time
 from hetc.passes.cost.probe import Primitives
 from hetc.passes.plan.egress import egress_per_step
@@ -38,7 +38,7 @@ class Score:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.tokens_per_step / self.step_time_s if self.step_time_s > 0 else 0.0
+        return throughput(self.tokens_per_step, self.step_time_s)
 
     @property
     def fits(self) -> bool:
@@ -65,7 +65,7 @@ def evaluate(prims: Primitives, plan: PlanView) -> Score:
                       tuple(s for _, _, s in plan.ministages), max(len(s.ministages) for s in plan.stages))
     got = evaluate_classes(shape, costs, end)
     t = got.time
-    tokens = plan.num_microbatches * plan.micro_batch * prims.model.seq
+    tokens = tokens_per_step(plan.num_microbatches, plan.micro_batch, prims.model.seq)
     price = sum(g.device.price for g in plan.gpus)
     return Score(t.step, t.pipeline, t.bubble, t.tail, tokens, got.memory, got.classes, price,
                  egress_per_step(prims, plan, costs))
