@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from hetc.passes.cost.memory import offloaded
 from hetc.passes.cost.schedule import Unit, UnitLane
-from hetc.passes.cost.zero_time import (ZeroRings, across_nodes, fetch_time, first_gather_time,
+from hetc.passes.cost.zero_time import (ZeroRings, across_nodes, fetch_time, first_gather_time, flush_time,
                                        optimizer_step_time, overlapped_time, sync_time)
 from hetc.pipeline import Lane, Stage
 from hetc.spec import OffloadTarget, ZeroShard
@@ -161,9 +161,9 @@ def _opt_time(cm, stage: Stage, rank: int) -> float:
 
 
 def stage_flush(cm, stage: Stage) -> float:
-    """Ranks at one position of every lane sync together; the optimizer step differs by device kind."""
-    step = max(_opt_time(cm, stage, r) for r in kind_reps(cm, stage.ranks))
-    return max(stage_sync_time(cm, stage, r) for r in stage.lanes[0].ranks) + step
+    """`zero_time.flush_time`: lane 0's ranks stand for the positions, one rank of each device kind."""
+    return flush_time((stage_sync_time(cm, stage, r) for r in stage.lanes[0].ranks),
+                      (_opt_time(cm, stage, r) for r in kind_reps(cm, stage.ranks)))
 
 
 # ------------------------------------------------------------------ Zorse units

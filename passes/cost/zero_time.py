@@ -18,13 +18,13 @@ evaluation (passes/plan/stagecosts.py). Each resolves the rank's groups
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from hetc.passes.cost.memory import StateBytes
 from hetc.spec import ScheduleKind, ZeroShard, ZeroSpec
 
-__all__ = ["ZeroRings", "across_nodes", "fetch_time", "first_gather_time", "gathers_per_microbatch",
+__all__ = ["ZeroRings", "across_nodes", "fetch_time", "first_gather_time", "flush_time", "gathers_per_microbatch",
            "optimizer_step_time", "overlapped_time", "sync_time"]
 
 # (kind, ranks, bytes) -> seconds of a ring collective, the rank's node link shared by its lane's ranks
@@ -112,6 +112,12 @@ def fetch_time(zero: ZeroSpec, offload_params: bool, nbytes: float, rings: ZeroR
     if offload_params:
         fetch += copy(nbytes * param_shard)
     return fetch
+
+
+def flush_time(syncs: Iterable[float], steps: Iterable[float]) -> float:
+    """A stage's tail after its last backward: the ranks at one position of every lane sync together
+    (`syncs`: one per position), then each device kind steps its shard (`steps`: one per kind)."""
+    return max(syncs) + max(steps)
 
 
 def optimizer_step_time(step: Callable[[float], float], copy: Callable[[float], float], numel: float,

@@ -18,7 +18,7 @@ from hetc.passes.cost.memory import (RankMemory, ShardFactors, StateMemory, Stat
                                     rank_memory, shard_factors, state_memory)
 from hetc.passes.cost.plan_time import ministage_borders, stage_borders
 from hetc.passes.cost.schedule import Unit, UnitLane
-from hetc.passes.cost.zero_time import (ZeroRings, across_nodes, fetch_time, first_gather_time,
+from hetc.passes.cost.zero_time import (ZeroRings, across_nodes, fetch_time, first_gather_time, flush_time,
                                        optimizer_step_time, overlapped_time, sync_time)
 from hetc.passes.cost.shapes import LayerKind
 from hetc.passes.cost.probe import Primitives
@@ -104,8 +104,9 @@ class StageCosts:
         return self.s.counts[lane]
 
     def flush(self) -> float:
-        """Lane 0 syncs with its ZeRO groups, every device kind steps its shard (plan_time.stage_flush)."""
-        return self.sync(0) + max(self.optimizer(lane) for lane in _kind_reps(self))
+        """`zero_time.flush_time`: lane 0's first rank stands for the positions (the tp ranks of a lane
+        sit on one node), the first lane holding each device kind for its kind."""
+        return flush_time((self.sync(0),), (self.optimizer(lane) for lane in _kind_reps(self)))
 
     def unit(self, ms: int) -> Unit:
         """Zorse: ministage `ms` over every lane (one timing per class of lanes)."""
