@@ -11,7 +11,9 @@ sub-slice when sharded across.
     compute      full parameters in the compute dtype; module parameters are
                  views into it. ZeRO-3 releases it between uses and keeps
                  `param_shard` (the inner shard) instead.
-    grad         full gradient buffer; backward accumulates here.
+    grad         full gradient buffer; backward accumulates here. ZeRO-3
+                 allocates it at the first gather (`materialize`), so a rank
+                 holds only its shards until it computes.
     acc          fp32 reduced gradients of the inner shard (levels 1-3).
     opt_grad     fp32 gradients of the optimizer shard when sharded across.
     master       fp32 master weights of the optimizer shard, and its
@@ -28,6 +30,22 @@ Under expert parallelism a ministage's expert parameters live in a buffer
 of their own, `experts` (sharded over the shard line's `expert_group`,
 hetc/program.py), and the ministage's buffer holds the rest; `parts` lists
 both for whatever acts on all of a ministage's state.
+
+Note [Ranks that load their weights]
+A rank whose initial weights come from a file (Hugging Face safetensors,
+runtime/hf_load.py, or a checkpoint it resumes from, runtime/checkpoint.py)
+builds its ministages with `initialise=False`: the parameters stay on the
+meta device, and the buffers allocate only what the rank keeps — the
+master and optimizer state of its optimizer shard and its `param_range`
+(under ZeRO-3 the inner shard; at levels 0-2 the compute buffer, the whole
+ministage, is the rank's own); under ZeRO-3 the full compute and grad
+buffers are bound and released at once, as a random start releases them.
+Nothing the rank does not own is ever given values, so its peak host
+memory is its own state plus what the loader holds at once (the range it
+fills and one tensor read). The loader must then fill `param_range`
+(`load_params`); until it does, the parameters are zero. A random start
+(`init = random`, or no weights) initialises the module as before and
+flattens it, so its numerics do not change.
 """
 
 from __future__ import annotations
@@ -68,15 +86,22 @@ class MinistageBuffers:
         self.layout = FlatLayout.of(module, inner.size * across, names)
         self.experts: MinistageBuffers | None = None     # the expert parameters' own buffer, if any
         self.device, self.dtype = device, dtype
-        full = self.layout.flatten(dict(module.named_parameters()), torch.float32, device)
-        self.master = full[self.opt_range].clone()
+        full = self._initial_values(module)
+        self.master = full[self.opt_range].clone() if full is not None else self._zeros(self.opt_range)
         self.opt_state: OptimizerState = init_state(optimizer, self.master)
-        self.compute = full.to(dtype) if dtype != torch.float32 else full
-        self.grad = torch.zeros_like(self.compute)
+        if self.level == 3:      # compute and grad: allocated, bound, then released below
+            self.compute = torch.empty(self.layout.padded_numel, dtype=dtype, device=device)
+            self.param_shard = full[self.inner_range].to(dtype, copy=True) if full is not None else \
+                self._zeros(self.inner_range, dtype)
+        else:
+            self.compute = full.to(dtype) if full is not None else self._zeros(slice(0, self.layout.padded_numel),
+                                                                               dtype)
+            self.param_shard = None
+        del full
+        self.grad = torch.empty_like(self.compute) if self.level == 3 else torch.zeros_like(self.compute)
         self.acc = torch.zeros(self.inner_numel, dtype=torch.float32, device=device) if self.level else None
         self.opt_grad = torch.zeros(self.master.numel(), dtype=torch.float32, device=device) \
             if across > 1 else None
-        self.param_shard = self.compute[self.inner_range].clone() if self.level == 3 else None
         self.holders = 0           # ZeRO-3: gathers not yet freed
         self.infos: dict[str, ShardInfo] = shard_infos(module)
         split = [i.shard for i in self.infos.values() if i.dim is not None]
@@ -87,9 +112,22 @@ class MinistageBuffers:
         bind_grads(module, self.layout, self.grad)
         if self.level == 3:
             self.release()
+            self.grad.untyped_storage().resize_(0)      # until the first gather: see `materialize`
         if shard.param_offload:     # offloaded parameters start (and end) every step on the host
             self.to_host()
             self.drop_device_copy()
+
+    def _initial_values(self, module: Ministage) -> Tensor | None:
+        """The fp32 flat buffer of `module`'s initialised parameters; None for a module without values
+        (built on the meta device: a loader fills the buffers, Note [Ranks that load their weights])."""
+        params = {n: p for n, p in module.named_parameters() if n in {e.name for e in self.layout.entries}}
+        meta = [p.is_meta for p in params.values()]
+        if any(meta) != all(meta):
+            raise InternalError("a ministage with some parameters on the meta device and some not")
+        return None if all(meta) else self.layout.flatten(params, torch.float32, self.device)
+
+    def _zeros(self, rng: slice, dtype: torch.dtype = torch.float32) -> Tensor:
+        return torch.zeros(rng.stop - rng.start, dtype=dtype, device=self.device)
 
     def parts(self) -> tuple[MinistageBuffers, ...]:
         """This buffer and, under expert parallelism, the experts' buffer."""
@@ -203,7 +241,8 @@ class MinistageBuffers:
     def zero_grads(self) -> None:
         if self.experts is not None:
             self.experts.zero_grads()
-        self.grad.zero_()
+        if self.grad.untyped_storage().size():       # ZeRO-3 before its first gather has none
+            self.grad.zero_()
         if self.acc is not None:
             self.acc.zero_()
         if self.opt_grad is not None:
@@ -215,9 +254,14 @@ class MinistageBuffers:
         self.compute.untyped_storage().resize_(0)
 
     def materialize(self) -> None:
+        """Allocate the released compute buffer (a gather fills it); the first time, the grad buffer too."""
         storage = self.compute.untyped_storage()
         if storage.size() == 0:
             storage.resize_(self.compute.numel() * self.compute.element_size())
+        grad = self.grad.untyped_storage()
+        if grad.size() == 0:
+            grad.resize_(self.grad.numel() * self.grad.element_size())
+            self.grad.zero_()
 
     # ------------------------------------------------------------ host offload
 

@@ -21,9 +21,11 @@ the flattened parameter (runtime/pieces.py); DCP's save planner rejects a
 plan whose chunks overlap or leave a hole, so "every element written
 exactly once" is checked on every save. On load each rank asks for what the
 *new* plan gives it: the optimizer state of its optimizer shard (a slice),
-and the whole parameters of its ministages, from which the master, the
-compute buffer, the ZeRO-3 shard or the host copy are filled locally (no
-gather). DCP's load planner reads the overlap of each request with whatever
+and the parameters of its `param_range` (its inner shard at ZeRO-3, else
+its ministages whole), from which the master, the compute buffer, the
+ZeRO-3 shard or the host copy are filled locally (no gather); a rank that
+resumes built no values of its own (Note [Ranks that load their weights]
+in runtime/buffers.py), so it holds its share and no more. DCP's load planner reads the overlap of each request with whatever
 chunks the old plan wrote: that is the resharding. Tensor-parallel slices
 are chunks of the full parameters (runtime/pieces.py), so a TP=2 checkpoint
 loads into a TP=1 plan and back.
@@ -55,7 +57,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 
 from hetc.runtime.buffers import MinistageBuffers
 from hetc.printer import format_spec
-from hetc.runtime.pieces import FlatPieces, PieceLoadPlanner, PieceSavePlanner, layout_pieces, param_pieces
+from hetc.runtime.pieces import FlatPieces, PieceLoadPlanner, PieceSavePlanner, layout_pieces
 from hetc.spec import Spec
 
 __all__ = [
@@ -68,6 +70,7 @@ __all__ = [
     "complete_steps",
     "latest_checkpoint",
     "load_checkpoint",
+    "read_checkpoint",
     "read_params",
     "save_checkpoint",
 ]
@@ -172,16 +175,22 @@ def load_checkpoint(rt, directory: Path) -> int:
     if path is None:
         log.warning("no checkpoint in %s yet: starting at step 0", directory)
         return 0
-    state, fulls = _load_state(rt.buffers)
+    step = read_checkpoint(rt.buffers, path, rt.interpreter.comm.group("world"))
+    log.info("resumed from %s at step %d", path, step)
+    return step
+
+
+def read_checkpoint(buffers: dict[int, MinistageBuffers], path: Path, group) -> int:
+    """Fill `buffers` from checkpoint `path` (a step-N directory), each rank its own share (collective over
+    `group`, the plan's ranks); return the next step."""
+    state, kept = _load_state(buffers)
     try:
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=PieceLoadPlanner(),
-                 process_group=rt.interpreter.comm.group("world"))
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=PieceLoadPlanner(), process_group=group)
     except dcp.CheckpointException as err:
         raise CheckpointError(f"cannot load {path}: {_cause(err)}") from None
-    for ms, buf in rt.buffers.items():
+    for ms, buf in buffers.items():
         for i, part in enumerate(buf.parts()):
-            part.load_params(fulls[(ms, i)])
-    log.info("resumed from %s at step %d", path, state[STEP_KEY])
+            part.load_params(kept[(ms, i)], part.param_range)
     return int(state[STEP_KEY])
 
 
@@ -228,22 +237,21 @@ def _save_state(buffers: dict[int, MinistageBuffers], step: int) -> dict[str, ob
 
 
 def _load_state(buffers: dict[int, MinistageBuffers]) -> tuple[dict[str, object], dict[tuple, Tensor]]:
-    """What this rank reads: whole parameters (into fresh fp32 flat buffers, by (ms, part)) and its
-    optimizer-state slices."""
+    """What this rank reads: the parameters of its `param_range` (its inner shard at ZeRO-3, else its
+    ministages whole; into fresh fp32 buffers of that range, by (ms, part)) and its optimizer-state slices."""
     state: dict[str, object] = {STEP_KEY: 0}
-    fulls = {}
+    kept = {}
     for ms, whole in buffers.items():
         for i, buf in enumerate(whole.parts()):
-            fulls[(ms, i)] = full = torch.zeros(buf.layout.padded_numel, dtype=torch.float32,
-                                                device=buf.master.device)
-            for e in buf.layout.entries:
-                view = full[e.offset:e.offset + e.numel]
-                state[f"{MODEL_PREFIX}{e.name}"] = view if buf.tp_size == 1 else \
-                    param_pieces(buf.infos[e.name], e.shape, 0, view)
+            rng = buf.param_range
+            kept[(ms, i)] = values = torch.zeros(rng.stop - rng.start, dtype=torch.float32,
+                                                 device=buf.master.device)
+            for name, pieces in layout_pieces(buf.layout, rng, values, buf.infos).items():
+                state[f"{MODEL_PREFIX}{name}"] = pieces
             for n, tensor in buf.opt_state.tensors().items():
                 for name, pieces in layout_pieces(buf.layout, buf.opt_range, tensor, buf.infos).items():
                     state[f"{OPTIM_PREFIX}{name}.{n}"] = pieces
-    return state, fulls
+    return state, kept
 
 
 class _HostStager(AsyncStager):

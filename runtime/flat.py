@@ -104,10 +104,30 @@ def _params_by_name(module: nn.Module) -> dict[str, nn.Parameter]:
 
 
 def bind_params(module: nn.Module, layout: FlatLayout, flat: Tensor) -> None:
-    """Make every parameter of `layout` a view into `flat` (values are not copied)."""
+    """Make every parameter of `layout` a view into `flat` (values are not copied).
+
+    A parameter on the meta device (a module built without values) cannot
+    take a real tensor as `.data`: it is first replaced, wherever the module
+    holds it, by an empty parameter on `flat`'s device. Binding through
+    `.data` (not `nn.Parameter(view)`) keeps each parameter's own version
+    counter: a view shares its buffer's, so a ZeRO-3 gather into the buffer
+    between forward and backward would look to autograd like a modified input.
+    """
     params = _params_by_name(module)
     for name, view in layout.views(flat).items():
-        params[name].data = view
+        param = params[name]
+        if param.is_meta:
+            param = _replace_param(module, param, nn.Parameter(flat.new_empty(0), param.requires_grad))
+        param.data = view
+
+
+def _replace_param(module: nn.Module, old: nn.Parameter, new: nn.Parameter) -> nn.Parameter:
+    """Put `new` wherever `module` (or a submodule) holds `old` (a shared parameter has several places)."""
+    for sub in module.modules():
+        for key, param in sub._parameters.items():
+            if param is old:
+                sub._parameters[key] = new
+    return new
 
 
 def bind_grads(module: nn.Module, layout: FlatLayout, flat_grad: Tensor) -> None:

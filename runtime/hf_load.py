@@ -11,6 +11,11 @@ once is the range (the rank's own shard) plus one such read, at most one
 tensor — never the whole model. `load_params` then fills the master, the
 compute copy or ZeRO-3 shard and the host copy, as a checkpoint load does
 (Note [Checkpoint layout]).
+
+The buffers it fills were built without values (Note [Ranks that load
+their weights] in runtime/buffers.py): the rank never held random weights
+of the whole ministage first, so its peak host memory is its own state plus
+the range and one read (tests/test_hf.py measures it).
 """
 
 from __future__ import annotations
@@ -43,21 +48,19 @@ class LoadStats:
 
 def load_hf_weights(buffers: dict[int, MinistageBuffers], directory: Path) -> LoadStats:
     """Fill every buffer of this rank from the safetensors in `directory`."""
-    stats = LoadStats()
-    with WeightReader(directory) as reader:
-        for whole in buffers.values():
-            for buf in whole.parts():
-                rng = buf.param_range
-                values = read_flat(reader, buf.layout, buf.infos, rng, stats)
-                buf.load_params(values, rng)
-                del values
+    stats, reader = LoadStats(), WeightReader(directory)
+    for whole in buffers.values():
+        for buf in whole.parts():
+            rng = buf.param_range
+            values = read_flat(reader, buf.layout, buf.infos, rng, stats)
+            buf.load_params(values, rng)
+            del values
     return stats
 
 
 def load_whole(layout: FlatLayout, infos: dict[str, ShardInfo], directory: Path) -> Tensor:
     """The whole fp32 flat buffer `layout` describes (one process holding the model: the reference)."""
-    with WeightReader(directory) as reader:
-        return read_flat(reader, layout, infos, slice(0, layout.padded_numel))
+    return read_flat(WeightReader(directory), layout, infos, slice(0, layout.padded_numel))
 
 
 def read_flat(reader: WeightReader, layout: FlatLayout, infos: dict[str, ShardInfo], rng: slice,

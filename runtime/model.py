@@ -82,15 +82,20 @@ def _construct(model: ModelSpec, idx: int, shard: TPShard, experts: ExpertShard)
 
 
 def build_layer(model: ModelSpec, idx: int, *, seed: int, shard: TPShard = NO_SHARD,
-                device: torch.device | str = "cpu", experts: ExpertShard = ALL_EXPERTS) -> nn.Module:
+                device: torch.device | str = "cpu", experts: ExpertShard = ALL_EXPERTS,
+                initialise: bool = True) -> nn.Module:
     """Layer `idx` (0 embed, 1..L blocks, L+1 head) in fp32 on `device`, initialised.
 
     `experts`: which experts of an MoE block this rank holds (expert parallelism).
+    `initialise=False` leaves the parameters on the meta device, without
+    values: a rank whose weights come from a file (Note [Ranks that load their weights]).
     """
     with torch.device("meta"):
         layer = _construct(model, idx, shard, experts)
     if list(layer.buffers()):
         raise InternalError("layers hold no buffers: to_empty would leave them garbage")
+    if not initialise:
+        return layer
     layer.to_empty(device=device)
     init_layer(layer, model, idx, seed)
     return layer
@@ -157,14 +162,16 @@ class Ministage(nn.Module):
     """
 
     def __init__(self, model: ModelSpec, layers: range, *, seed: int, shard: TPShard = NO_SHARD,
-                 device: torch.device | str = "cpu", experts: ExpertShard = ALL_EXPERTS) -> None:
+                 device: torch.device | str = "cpu", experts: ExpertShard = ALL_EXPERTS,
+                 initialise: bool = True) -> None:
         super().__init__()
         if not (layers.step == 1 and len(layers) > 0):
             raise InternalError(f"a ministage is a non-empty run of layers: {layers}")
         self.first_layer, self.stop_layer = layers.start, layers.stop
         self.layer_names = tuple(model.layer_name(i) for i in layers)
         for i, name in zip(layers, self.layer_names):
-            self.add_module(name, build_layer(model, i, seed=seed, shard=shard, device=device, experts=experts))
+            self.add_module(name, build_layer(model, i, seed=seed, shard=shard, device=device, experts=experts,
+                                              initialise=initialise))
         has_block = any(isinstance(layer, Block) for layer in self.layers.values())
         self.rotary = Rotary(model.head_size, model.rope_theta, device, model.rope_scaling) \
             if model.arch is Arch.LLAMA and has_block else None
@@ -229,11 +236,15 @@ class Ministage(nn.Module):
 
 
 def build_ministage(model: ModelSpec, layers: range, *, seed: int, shard: TPShard = NO_SHARD,
-                    device: torch.device | str = "cpu", experts: ExpertShard = ALL_EXPERTS) -> Ministage:
+                    device: torch.device | str = "cpu", experts: ExpertShard = ALL_EXPERTS,
+                    initialise: bool = True) -> Ministage:
     """The module of one ministage: what the interpreter builds for each ministage its rank owns.
 
     Parameters are fp32 and initialised identically under every plan (Note
     [Deterministic initialisation]); wrap them with `hetc.runtime.flat.FlatParams`
-    to get the flat master/compute/grad buffers ZeRO works on.
+    to get the flat master/compute/grad buffers ZeRO works on. With
+    `initialise=False` they stay on the meta device (the rotary tables are
+    real): MinistageBuffers then allocates only the rank's share, which a
+    loader fills (Note [Ranks that load their weights] in runtime/buffers.py).
     """
-    return Ministage(model, layers, seed=seed, shard=shard, device=device, experts=experts)
+    return Ministage(model, layers, seed=seed, shard=shard, device=device, experts=experts, initialise=initialise)

@@ -25,7 +25,7 @@ from hetc.runtime.model import build_ministage, compute_dtype
 from hetc.runtime.moe import ExpertShard, is_expert_param
 from hetc.spec import Spec
 
-__all__ = ["RankRuntime", "build_rank", "lane_place"]
+__all__ = ["RankRuntime", "build_buffers", "build_rank", "build_rank_buffers", "lane_place"]
 
 
 @dataclass
@@ -58,21 +58,23 @@ def lane_place(spec: Spec, pipeline: Pipeline, program: Program, rank: int,
 
 
 def build_buffers(spec: Spec, pipeline: Pipeline, program: Program, rank: int, device: torch.device,
-                  place: LanePlace | None = None) -> dict[int, MinistageBuffers]:
+                  place: LanePlace | None = None, initialise: bool = True) -> dict[int, MinistageBuffers]:
+    """This rank's ministages and their buffers; `initialise=False` gives them no values, for a loader to
+    fill (Note [Ranks that load their weights] in runtime/buffers.py)."""
     rp = program.ranks[rank]
     place = place or lane_place(spec, pipeline, program, rank)
     dtype = compute_dtype(spec.model.dtype)
     out = {}
     for shard in rp.shards:
-        out[shard.ms] = _ministage(spec, pipeline, program, rank, shard, place, dtype, device)
+        out[shard.ms] = _ministage(spec, pipeline, program, rank, shard, place, dtype, device, initialise)
     return out
 
 
 def _ministage(spec: Spec, pipeline: Pipeline, program: Program, rank: int, shard: Shard, place: LanePlace,
-               dtype: torch.dtype, device: torch.device) -> MinistageBuffers:
+               dtype: torch.dtype, device: torch.device, initialise: bool) -> MinistageBuffers:
     m = pipeline.ministages[shard.ms]
     module = build_ministage(spec.model, m.layers, seed=spec.train.seed, shard=place.shard, device=device,
-                             experts=place.experts)
+                             experts=place.experts, initialise=initialise)
     place_ministage(module, place, device)
     opt = spec.model.optimizer
     if shard.experts is None:
@@ -87,14 +89,26 @@ def _ministage(spec: Spec, pipeline: Pipeline, program: Program, rank: int, shar
 
 
 def build_rank(spec: Spec, pipeline: Pipeline, program: Program, rank: int, groups: dict[str, object],
-               data: DataSource, device: torch.device) -> RankRuntime:
+               data: DataSource, device: torch.device, resumes: bool = False) -> RankRuntime:
+    """One rank's runtime state. `resumes`: a checkpoint will be loaded (runtime/checkpoint.py), so the
+    rank gives its parameters no values of their own; see Note [Ranks that load their weights]."""
     place = lane_place(spec, pipeline, program, rank, groups)
-    buffers = build_buffers(spec, pipeline, program, rank, device, place)
-    if spec.model.wants_pretrained:     # the validator checked the tensors against the model
-        load_hf_weights(buffers, spec.model.hf_dir())
+    buffers = build_rank_buffers(spec, pipeline, program, rank, device, place, resumes)
     comm = Comm(groups, pipeline.num_microbatches, compute_dtype(spec.model.dtype), device)
     firsts = {m.index: m.first_layer for m in pipeline.ministages}
     stops = {m.index: m.stop_layer for m in pipeline.ministages}
     interp = Interpreter(spec, program.ranks[rank], buffers, comm, data, pipeline.num_microbatches, device,
                          firsts, stops, place)
     return RankRuntime(rank, interp, buffers)
+
+
+def build_rank_buffers(spec: Spec, pipeline: Pipeline, program: Program, rank: int, device: torch.device,
+                       place: LanePlace | None = None, resumes: bool = False) -> dict[int, MinistageBuffers]:
+    """The buffers a rank starts from: random, or its share of the Hugging Face weights; none given values
+    when a checkpoint will fill them (`resumes`)."""
+    pretrained = spec.model.wants_pretrained and not resumes
+    buffers = build_buffers(spec, pipeline, program, rank, device, place,
+                            initialise=not (pretrained or resumes))
+    if pretrained:     # the validator checked the tensors against the model
+        load_hf_weights(buffers, spec.model.hf_dir())
+    return buffers

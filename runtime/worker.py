@@ -175,7 +175,7 @@ def _train(plan_dir: Path, opts: RunOptions, rank: int, spec, pipeline, program,
            timeout: datetime.timedelta, preemption: Preemption, hooks: _Hooks) -> int:
     groups = make_groups(program.groups, timeout)
     data = make_data_source(spec.model, spec.train, plan_dir)
-    rt = build_rank(spec, pipeline, program, rank, groups, data, device)
+    rt = build_rank(spec, pipeline, program, rank, groups, data, device, resumes=_resumes(opts))
     evaluator = make_evaluator(spec, pipeline, program, rank, plan_dir)
     saver = _checkpointer(rt, opts, timeout)
     if opts.elastic:        # every rank: the load time below is the load's, not the wait for the last rank to start
@@ -261,6 +261,13 @@ def _device(kind: DeviceSpec, local_rank: int) -> torch.device:
     device = torch.device("cuda", local_rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
     return device
+
+
+def _resumes(opts: RunOptions) -> bool:
+    """Whether `_resume` will load a checkpoint (not start at step 0 because none was saved yet)."""
+    from hetc.runtime.checkpoint import latest_checkpoint
+
+    return opts.resume and opts.checkpoint is not None and latest_checkpoint(opts.checkpoint) is not None
 
 
 def _resume(rt, opts: RunOptions) -> int:

@@ -199,6 +199,7 @@ def _run_job(job: PlanJob, rank: int, port: int) -> RankReport | None:
     import torch.distributed as dist
 
     from hetc.plandir import read_plan, read_program
+    from hetc.runtime.checkpoint import latest_checkpoint
     from hetc.runtime.comm import make_groups
     from hetc.runtime.data import make_data_source
     from hetc.runtime.evaluate import make_evaluator
@@ -217,7 +218,8 @@ def _run_job(job: PlanJob, rank: int, port: int) -> RankReport | None:
         groups = make_groups(program.groups, timeout)
         spec, pipeline = checked.spec, checked.pipeline
         data = make_data_source(spec.model, spec.train, job.plan_dir)
-        rt = build_rank(spec, pipeline, program, rank, groups, data, torch.device("cpu"))
+        resumes = job.resume_from is not None and latest_checkpoint(job.resume_from) is not None
+        rt = build_rank(spec, pipeline, program, rank, groups, data, torch.device("cpu"), resumes=resumes)
         return _train(rt, job, rank, make_evaluator(spec, pipeline, program, rank, job.plan_dir))
     finally:
         dist.destroy_process_group()   # the default group and every group made from it

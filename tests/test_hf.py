@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -354,8 +355,20 @@ def _write_sharded(directory: Path, config: dict, shards: int) -> dict[str, tupl
     return shapes
 
 
+_BIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 1024, "intermediate_size": 2816,
+        "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 8192,
+        "max_position_embeddings": 64, "rms_norm_eps": 1e-5}
+
+
+@pytest.fixture(scope="module")
+def big_llama(tmp_path_factory) -> tuple[Path, dict[str, tuple[int, ...]]]:
+    """~350 MB of random fp32 Llama weights in 3 safetensors files with an index, and their shapes."""
+    directory = tmp_path_factory.mktemp("big_llama") / "big"
+    return directory, _write_sharded(directory, _BIG, shards=3)
+
+
 @pytest.mark.slow
-def test_a_rank_materialises_only_its_shard_plus_one_tensor(tmp_path):
+def test_a_rank_materialises_only_its_shard_plus_one_tensor(big_llama):
     """~350 MB of sharded safetensors; one ZeRO-3 rank of 4 (the whole model) and one TP rank of 2 of a
     pipeline stage (the blocks) read their share."""
     from hetc.hf.config import import_model
@@ -365,11 +378,7 @@ def test_a_rank_materialises_only_its_shard_plus_one_tensor(tmp_path):
     from hetc.runtime.model import Ministage
     from hetc.runtime.tp import TPShard, shard_infos
 
-    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 1024, "intermediate_size": 2816,
-              "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 8192,
-              "max_position_embeddings": 64, "rms_norm_eps": 1e-5}
-    directory = tmp_path / "big"
-    shapes = _write_sharded(directory, config, shards=3)
+    directory, shapes = big_llama
     whole = 4 * sum(math.prod(s) for s in shapes.values())
     largest = 4 * max(math.prod(s) for s in shapes.values())
     assert whole > 300e6
@@ -381,13 +390,168 @@ def test_a_rank_materialises_only_its_shard_plus_one_tensor(tmp_path):
         layout, infos = FlatLayout.of(module, num_shards), shard_infos(module)
         rng = layout.shard_range(index)
         stats = LoadStats()
-        with WeightReader(directory) as reader:
-            values = read_flat(reader, layout, infos, rng, stats)
+        values = read_flat(WeightReader(directory), layout, infos, rng, stats)
         share = 4 * (rng.stop - rng.start)
         assert share < whole / 2                         # a quarter of the model, or half of the blocks
         assert stats.peak <= share + largest, (stats, share, largest)
         assert share <= stats.read <= share + 2 * largest    # partial rows at the range's two ends
         _check_some_values(values, layout, infos, rng, directory)
+
+
+_PEAK_PROBE = """
+import json, sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hetc.plandir import read_plan, read_program
+from hetc.runtime.checkpoint import read_checkpoint
+from hetc.runtime.setup import build_rank_buffers
+import hetc.hf.weights, safetensors.torch     # what the load imports, before the baseline
+
+def status(key):
+    line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(key + ":"))
+    return int(line.split()[1]) * 1024
+
+plan_dir, rank = Path(sys.argv[1]), int(sys.argv[2])
+checkpoint = Path(sys.argv[3]) if len(sys.argv) > 3 else None
+_, checked = read_plan(plan_dir)              # the model's config parsed, the weights' headers checked
+program = read_program(plan_dir)
+if checkpoint is not None:     # DCP's plan exchange over a group of one: the requests are this rank's own
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+try:
+    Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts from the current RSS
+except OSError as err:
+    print(json.dumps({"skip": f"cannot reset the peak RSS: {err}"}))
+    sys.exit(0)
+baseline = status("VmRSS")
+buffers = build_rank_buffers(checked.spec, checked.pipeline, program, rank, torch.device("cpu"),
+                             resumes=checkpoint is not None)
+if checkpoint is not None:
+    read_checkpoint(buffers, checkpoint, dist.group.WORLD)
+peak = status("VmHWM")
+tensors = [t for b in buffers.values() for part in b.parts()
+           for t in (part.master, part.compute, part.grad, part.acc, part.opt_grad, part.param_shard, part.host,
+                     *part.opt_state.tensors().values()) if t is not None]
+held = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+parts = [part for b in buffers.values() for part in b.parts()]
+print(json.dumps({"growth": peak - baseline, "held": held,
+                  "share": max(4 * (p.param_range.stop - p.param_range.start) for p in parts),
+                  "first": parts[0].opt_range.start, "values": parts[0].master[:4].tolist()}))
+"""
+
+
+@pytest.fixture(scope="module")
+def big_zero3_plan(big_llama, tmp_path_factory) -> Path:
+    """The big Llama under ZeRO-3 over 4 CPU ranks, plain SGD (no optimizer state), compiled."""
+    directory, _ = big_llama
+    root = tmp_path_factory.mktemp("big_zero3")
+    spec = root / "big.het"
+    spec.write_text(f"""use "catalog.het"
+model big {{
+  hf = "{directory}"
+  seq = 16
+  dtype = fp32
+  optimizer sgd {{
+  }}
+}}
+cluster local {{
+  node host {{
+    device = cpu
+    gpus = 4
+  }}
+}}
+train {{
+  global_batch = 8
+  micro_batch = 2
+  steps = 1
+}}
+parallel {{
+  zero = 3
+  stage all {{
+    layers = embed..head
+    ranks = host
+    lanes = 4
+  }}
+}}
+""")
+    return compile_plans([spec], root / "out")["big"]
+
+
+def _peak_of_rank_1(plan_dir: Path, checkpoint: Path | None = None) -> dict:
+    """What the probe measured for rank 1 of `plan_dir` building its state (from `checkpoint` if given)."""
+    import subprocess
+    import sys
+
+    if not Path("/proc/self/status").is_file():
+        pytest.skip("measures the peak RSS through Linux's /proc/self/status")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = [sys.executable, "-c", _PEAK_PROBE, str(plan_dir), "1", *([str(checkpoint)] if checkpoint else [])]
+    out = subprocess.run(args, capture_output=True, text=True, env=env, check=False)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    if "skip" in got:
+        pytest.skip(got["skip"])
+    return got
+
+
+def _assert_peak_within_own_shard(got: dict, shapes: dict[str, tuple[int, ...]]) -> None:
+    whole = 4 * sum(math.prod(s) for s in shapes.values())
+    largest = 4 * max(math.prod(s) for s in shapes.values())
+    # Its own shard: what the rank keeps, three fp32 copies of its quarter (master, reduced gradients,
+    # parameter shard; plain SGD has no optimizer state; the full compute and grad buffers released),
+    # and while loading a fourth, the range the loader fills; one tensor: the one being read
+    # (`largest`). Slack: one more `largest` for the bytes of that read on their way in (safetensors'
+    # mapped file pages, counted in RSS until WeightReader unmaps them after the read; DCP's record
+    # of the stored tensor before its slice is copied out), and 16 MB for the allocator's and
+    # Python's own growth. Building the ministage whole, as a random start does, would add at least
+    # `whole`, more than the bound leaves.
+    share = got["share"]
+    bound = 4 * share + 2 * largest + 16 * 2**20
+    assert share <= whole / 4 + largest and bound < 3 * share + whole, (got, whole)
+    assert got["growth"] <= bound, {**got, "bound": bound, "whole": whole}
+    assert got["held"] <= 3 * share, got
+
+
+@pytest.mark.slow
+def test_a_zero3_rank_starting_from_hf_weights_peaks_at_its_own_shard(big_llama, big_zero3_plan):
+    """The real peak host memory of one ZeRO-3 rank of 4 building its state from ~350 MB of safetensors
+    (runtime/setup.py's build_rank_buffers, what `build_rank` runs at startup), measured in a fresh process
+    (VmHWM after a reset, over the RSS after imports and parsing the plan)."""
+    _assert_peak_within_own_shard(_peak_of_rank_1(big_zero3_plan), big_llama[1])
+
+
+@pytest.mark.slow
+def test_a_zero3_rank_resuming_peaks_at_its_own_shard(big_llama, big_zero3_plan, tmp_path):
+    """The same rank resuming from a checkpoint of those weights (as a one-rank plan writes it: every
+    parameter whole, Note [Checkpoint layout]) reads its share and holds no more; its master starts
+    with the file's values at its offset."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from safetensors import safe_open
+
+    from hetc.hf.config import import_model
+    from hetc.hf.names import hf_name
+    from hetc.hf.weights import weight_map
+    from hetc.runtime.checkpoint import STEP_KEY
+    from hetc.runtime.model import full_shapes
+
+    directory, shapes = big_llama
+    files = weight_map(directory)
+    names = list(full_shapes(import_model(directory, "big")))
+    state: dict[str, object] = {STEP_KEY: 3}
+    for name in names:
+        with safe_open(str(files[hf_name(name)]), "pt") as f:
+            state[f"model.{name}"] = f.get_tensor(hf_name(name)).reshape(-1)
+    with warnings.catch_warnings():     # one process on purpose: DCP warns that it assumes so
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, checkpoint_id=tmp_path / "step-3", no_dist=True)
+    got = _peak_of_rank_1(big_zero3_plan, tmp_path / "step-3")
+    _assert_peak_within_own_shard(got, shapes)
+    flat = torch.cat([state[f"model.{n}"] for n in names])
+    torch.testing.assert_close(torch.tensor(got["values"]), flat[got["first"]:got["first"] + 4])
 
 
 def _check_some_values(values, layout, infos, rng, directory: Path) -> None:

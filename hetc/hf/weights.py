@@ -121,30 +121,22 @@ def _header(path: Path) -> dict[str, Any]:
 
 
 class WeightReader:
-    """Slices of the tensors of a directory, read lazily, in fp32."""
+    """Slices of the tensors of a directory, read lazily, in fp32.
+
+    Each read maps its file and unmaps it once the slice is copied out: the
+    file's pages a read touches count in the process's resident memory for
+    as long as the file stays mapped, so a reader keeping its files open
+    would hold every page it had read (a rank's whole share, a second time)
+    until the end of the load.
+    """
 
     def __init__(self, directory: Path) -> None:
         self.files = weight_map(directory)
-        self._open: dict[Path, Any] = {}
 
     def read(self, name: str, index: Iterable[slice]):
         """Tensor `name`[index] (one slice per leading dimension) as a new fp32 torch tensor."""
         import torch
+        from safetensors import safe_open
 
-        return self._handle(self.files[name]).get_slice(name)[tuple(index)].to(torch.float32)
-
-    def _handle(self, path: Path):
-        if path not in self._open:
-            from safetensors import safe_open
-
-            self._open[path] = safe_open(str(path), framework="pt")
-        return self._open[path]
-
-    def close(self) -> None:
-        self._open.clear()
-
-    def __enter__(self) -> WeightReader:  # noqa: PYI034 - a final class
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        with safe_open(str(self.files[name]), framework="pt") as handle:
+            return handle.get_slice(name)[tuple(index)].to(torch.float32)
