@@ -41,12 +41,13 @@ def test_a_zorse_unit_takes_its_share_of_the_stages_sync_and_step():
 
 
 def test_hierarchical_zero_syncs_inside_the_node_then_across_at_its_position():
+    """ZeRO-1 sharded per node: reduce-scatter and gather inside the node, then the shards' all-reduce."""
     hosts = {0: "a", 1: "a", 2: "b", 3: "b"}
     assert across_nodes((0, 1, 2, 3), hosts.__getitem__, 1) == (1, 3)
     seen = []
     rings = ZeroRings(lambda kind, ranks, nbytes: seen.append((kind, ranks, nbytes)) or 1.0,
                       (0, 1, 2, 3), (0, 1), (0, 2))
-    assert sync_time(ZeroSpec(level=3, shard=ZeroShard.NODE), 8.0, 2.0, rings) == 3.0
+    assert sync_time(ZeroSpec(level=1, shard=ZeroShard.NODE), 8.0, rings) == 3.0
     assert seen == [("reduce_scatter", (0, 1), 8.0), ("all_gather", (0, 1), 8.0), ("all_reduce", (0, 2), 4.0)]
     assert flush_time([1.0, 2.0], [0.5, 0.25]) == 2.5
     assert throughput(100, 0.0) == 0.0 and throughput(100, 4.0) == 25.0

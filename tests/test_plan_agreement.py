@@ -111,13 +111,6 @@ ASYNC_SENDS = ("latency-bound borders on CPU (gloo's loopback latency, 0.5 ms a 
                "runs validate)")
 SPEC_GAPS: dict[str, str] = {
     "demo/gpipe.het": ASYNC_SENDS, "demo/hetero_tp.het": ASYNC_SENDS, "demo/tp_to_cp.het": ASYNC_SENDS,
-    "examples/auto_demo.het": (
-        "a ZeRO-3 stage bound by its collectives with two microbatches per lane: lowering waits for each "
-        "reduce-scatter before the next gradient op and gathers around every op, which the estimate's "
-        "max(compute, collectives) cycle overlaps (step -17 %)"),
-    "zorse/a_auto.het": (
-        "interleaved 1F1B over uneven lanes (8, 8, 2, 2): its in-flight limit is Megatron's fixed warm-up, "
-        "not the timed one (Note [in-flight limit]), so lanes wait beyond the estimate's fill (step -11 %)"),
     "examples/sailor_multizone.het": (
         "the step's tail: the estimate exposes stage 0's ZeRO-1 gradient all-reduce over the cross-zone ring "
         "whole after its last backward (7.7 s); the compiled timeline ends 4.8 s sooner, not yet explained"),

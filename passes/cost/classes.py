@@ -21,12 +21,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from hetc.passes.cost.memory import RankMemory, interleaved_update
-from hetc.passes.cost.schedule import (LaneTiming, Unit, exposed_first_gather, in_flight_limits, lockstep_fill,
-                                      pipeline_time, sequential_time, step_lower_bound)
+from hetc.passes.cost.schedule import (LaneTiming, Unit, in_flight_limits, lockstep_fill, pipeline_time,
+                                      sequential_time, step_lower_bound, zero_cycle)
+from hetc.passes.cost.zero_time import gathers_per_microbatch
 from hetc.spec import ScheduleKind, ZeroSpec
 
 __all__ = ["ClassEstimate", "PlanShape", "PlanTime", "StageSource", "StepShape", "compose_step", "coupled_stages",
-           "evaluate_classes", "flush_tail", "lane_timings", "throughput", "tokens_per_step", "zorse_units"]
+           "evaluate_classes", "flush_tail", "lane_timing", "lane_timings", "throughput", "tokens_per_step", "zorse_units"]
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,13 @@ class StageSource(Protocol):
 
     def p2p(self, lane: int) -> float: ...
 
-    def overlapped(self, lane: int) -> float: ...
+    def collectives(self, lane: int) -> tuple[float, float, float]:
+        """(reduce-scatter, one ZeRO-3 gather, host copies) seconds per microbatch beside the compute."""
+        ...
+
+    def shares(self) -> tuple[float, float]:
+        """The fractions of the stage's parameters in its first and in its largest ministage."""
+        ...
 
     def flush(self) -> float:
         """The stage's worst exposed gradient sync plus optimizer step after its last backward."""
@@ -112,33 +119,52 @@ def coupled_stages(schedule: ScheduleKind, stages: Sequence[StageSource]) -> dic
     return {s.index: s.num_lanes for s in stages if per_mb and s.num_lanes > 1 and s.zero.resolved_level >= 2}
 
 
-def lane_timings(stages: Sequence[StageSource]) -> list[LaneTiming]:
+def lane_timings(schedule: ScheduleKind, stages: Sequence[StageSource]) -> list[LaneTiming]:
     """One timing per class of lanes, led by its first lane."""
     out = []
     for st in stages:
         for lanes in st.lane_classes():
             lane = lanes[0]
             f, i, w = st.compute(lane)
-            out.append(LaneTiming(st.index, lane, st.count(lane), f + st.overhead(lane), i, w, st.p2p(lane),
-                                  st.overlapped(lane)))
+            f += st.overhead(lane)
+            out.append(lane_timing(schedule, st.index, lane, st.count(lane), (f, i, w), st.p2p(lane),
+                                   st.collectives(lane), st.shares()))
     return out
+
+
+def lane_timing(schedule: ScheduleKind, stage: int, lane: int, microbatches: int,
+                compute: tuple[float, float, float], p2p: float, collectives: tuple[float, float, float],
+                shares: tuple[float, float]) -> LaneTiming:
+    """A lane's per-microbatch timing: its (F, I, W), border transfers, and the cycle and trail its ZeRO
+    collectives (reduce-scatter, gather, host copies) allow (`zero_cycle`, Note [zero cycle])."""
+    f, i, w = compute
+    reduce, gather, copies = collectives
+    ops = (f, i, w) if schedule is ScheduleKind.ZB else (f, i + w)
+    zc = zero_cycle(schedule, ops, p2p, reduce, gather, copies, shares)
+    return LaneTiming(stage, lane, microbatches, f, i, w, p2p,
+                      reduce + gathers_per_microbatch(schedule) * gather + copies, zc.bound, zc.trail)
 
 
 def evaluate_classes(shape: PlanShape, stages: Sequence[StageSource], end: float,
                      memory: bool = True) -> ClassEstimate:
     """The step (`end`: the step's last all-reduces) and, with `memory`, every class's memory."""
-    lanes = lane_timings(stages)
+    lanes = lane_timings(shape.schedule, stages)
     coupled = coupled_stages(shape.schedule, stages)
     widths = {s.index: s.num_lanes for s in stages}
     limits = in_flight_limits(shape.schedule, lanes, len(stages), coupled, widths)
     step = StepShape(shape.schedule, len(stages), shape.chunks, shape.num_microbatches, shape.grad_clip,
                      coupled, widths)
-    time = compose_step(step, lanes, end, lambda: [s.flush() for s in stages], stages[0].first_gather,
-                        lambda: zorse_units(shape, stages))
+    time = compose_step(step, lanes, end, lambda: [_trail(lanes, s.index) + s.flush() for s in stages],
+                        stages[0].first_gather, lambda: zorse_units(shape, stages))
     if not memory:
         return ClassEstimate(time, limits, (), ())
     entries = [entry for s in stages for entry in s.memory_classes(limits[s.index])]
     return ClassEstimate(time, limits, tuple(m for m, _ in entries), tuple(ids for _, ids in entries))
+
+
+def _trail(lanes: Sequence[LaneTiming], stage: int) -> float:
+    """The stage's last reduce-scatter past its lanes' last cycle (Note [zero cycle])."""
+    return max(t.trail for t in lanes if t.stage == stage)
 
 
 def zorse_units(shape: PlanShape, stages: Sequence[StageSource]) -> list[Unit]:
@@ -174,7 +200,8 @@ def compose_step(shape: StepShape, lanes: list[LaneTiming], end: float, flush: C
     pipe = pipeline_time(shape.schedule, lanes, shape.chunks)
     extra = max(0.0, step_lower_bound(shape.schedule, lanes, shape.chunks) - pipe.total) + \
         lockstep_fill(shape.schedule, lanes, shape.num_stages, shape.coupled, shape.widths)
-    tail = flush_tail(lanes, flush()) + end + exposed_first_gather(first_gather(), lanes[0])
+    # the first stage's first compute op waits for its ZeRO-3 gather: nothing runs beside it yet
+    tail = flush_tail(lanes, flush()) + end + first_gather()
     return PlanTime(pipe.total + extra + tail, pipe.total + extra, pipe.bubble + extra, tail, tuple(lanes),
                     pipe.bottleneck)
 

@@ -48,8 +48,11 @@ class PipelineStage:
     def p2p(self, lane: int) -> float:
         return pt.p2p_per_microbatch(self.cm, self.stage, self.stage.lanes[lane])
 
-    def overlapped(self, lane: int) -> float:
-        return pt.overlapped(self.cm, self.stage, self.stage.lanes[lane])
+    def collectives(self, lane: int) -> tuple[float, float, float]:
+        return pt.collectives(self.cm, self.stage, self.stage.lanes[lane])
+
+    def shares(self) -> tuple[float, float]:
+        return pt.shares(self.cm, self.stage, self.stage.lanes[0].ranks[0])
 
     def flush(self) -> float:
         return pt.stage_flush(self.cm, self.stage)

@@ -16,13 +16,13 @@ from collections.abc import Callable, Iterator, Sequence
 from hetc.passes.cost.memory import offloaded
 from hetc.passes.cost.schedule import Unit, UnitLane
 from hetc.passes.cost.zero_time import (ZeroRings, across_nodes, fetch_time, first_gather_time, flush_time,
-                                       optimizer_step_time, overlapped_time, sync_time)
+                                       optimizer_step_time, sync_time, zero_collectives)
 from hetc.pipeline import Lane, Stage
 from hetc.spec import OffloadTarget, ZeroShard
 
-__all__ = ["border_time", "first_gather", "kind_reps", "ministage_borders", "overlapped", "p2p_per_microbatch",
+__all__ = ["border_time", "collectives", "first_gather", "kind_reps", "ministage_borders", "p2p_per_microbatch",
            "peer_lanes",
-           "stage_borders", "stage_flush", "stage_sync_time", "step_end_time", "unit_lane", "zero_rings",
+           "shares", "stage_borders", "stage_flush", "stage_sync_time", "step_end_time", "unit_lane", "zero_rings",
            "zorse_unit"]
 
 
@@ -136,9 +136,17 @@ def _copier(cm, rank: int) -> Callable[[float], float]:
     return lambda nbytes: cm.copy_time(rank, nbytes)
 
 
-def overlapped(cm, stage: Stage, lane: Lane) -> float:
+def shares(cm, stage: Stage, rank: int) -> tuple[float, float]:
+    """The fractions of the stage's parameters in its first and in its largest ministage."""
+    whole = max(_stage_numel(cm, stage, rank), 1.0)
+    each = [cm.numel(ms, rank) for ms in stage.ministages]
+    return each[0] / whole, max(each) / whole
+
+
+def collectives(cm, stage: Stage, lane: Lane) -> tuple[float, float, float]:
+    """`zero_time.zero_collectives` for the lane's first rank."""
     rank = lane.ranks[0]
-    return overlapped_time(cm.pipeline.schedule, stage.zero, stage.offload.params is not OffloadTarget.NONE,
+    return zero_collectives(cm.pipeline.schedule, stage.zero, stage.offload.params is not OffloadTarget.NONE,
                            _stage_numel(cm, stage, rank) * cm.delta, zero_rings(cm, rank),
                            _copier(cm, rank), cm.shard(rank).params)
 
@@ -150,8 +158,7 @@ def first_gather(cm, stage: Stage) -> float:
 
 def stage_sync_time(cm, stage: Stage, rank: int, per_ministage: bool = False) -> float:
     """`zero_time.sync_time` for `rank` of `stage`."""
-    return sync_time(stage.zero, _stage_numel(cm, stage, rank) * cm.delta,
-                     cm.numel(stage.ministages[0], rank) * cm.delta, zero_rings(cm, rank), per_ministage)
+    return sync_time(stage.zero, _stage_numel(cm, stage, rank) * cm.delta, zero_rings(cm, rank), per_ministage)
 
 
 def _opt_time(cm, stage: Stage, rank: int) -> float:

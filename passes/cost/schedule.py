@@ -8,8 +8,9 @@ What overlaps with what (docs/costmodel.md):
   in opposite directions at the same time, so each border costs one
   transfer per microbatch and cycle;
 - per-microbatch ZeRO collectives (ZeRO-3 gathers, ZeRO-2/3
-  reduce-scatters under gradient accumulation) run on their own stream
-  beside the compute: a cycle lasts max(compute + p2p, collectives);
+  reduce-scatters under gradient accumulation) run beside the compute, but
+  the compute waits for them where lowering put the waits (`zero_cycle`,
+  Note [zero cycle]);
 - the bubble: 1F1B and GPipe fill and drain once through every stage but
   the bottleneck; interleaved 1F1B with v chunks divides that by v; ZB-H1
   fills it with weight-gradient work, leaving (F + I − W) per stage.
@@ -26,9 +27,8 @@ from dataclasses import dataclass
 
 from hetc.spec import ScheduleKind
 
-__all__ = ["LaneTiming", "PipelineTime", "Unit", "UnitLane", "exposed_first_gather", "in_flight_limits",
-           "lockstep_fill",
-           "pipeline_time", "sequential_time", "step_lower_bound"]
+__all__ = ["LaneTiming", "PipelineTime", "Unit", "UnitLane", "ZeroCycle", "in_flight_limits", "lockstep_fill",
+           "pipeline_time", "sequential_time", "step_lower_bound", "zero_cycle"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +42,9 @@ class LaneTiming:
     input_grad: float
     weight_grad: float
     p2p: float = 0.0          # blocking transfers on this stage's borders
-    overlapped: float = 0.0   # collectives beside the compute
+    overlapped: float = 0.0   # seconds of collectives beside the compute, per microbatch (traffic)
+    bound: float = 0.0        # the cycle those collectives allow (`zero_cycle`); 0: none
+    trail: float = 0.0        # the last microbatch's reduce-scatter past the lane's last cycle
 
     @property
     def backward(self) -> float:
@@ -55,7 +57,7 @@ class LaneTiming:
 
     @property
     def cycle(self) -> float:
-        return max(self.one, self.overlapped)
+        return max(self.one, self.bound)
 
     @property
     def work(self) -> float:
@@ -89,11 +91,54 @@ def _fill(schedule: ScheduleKind, t: LaneTiming) -> float:
     return t.one
 
 
-def exposed_first_gather(gather: float, first: LaneTiming) -> float:
-    """The part of the first stage's first ZeRO-3 gather that shows: a lane whose cycle is set by its
-    collectives (`overlapped` > `one`) already counts every gather in its work."""
-    slack = first.work - first.microbatches * first.one
-    return max(0.0, gather - slack)
+@dataclass(frozen=True, slots=True)
+class ZeroCycle:
+    bound: float   # seconds per microbatch the collectives' waits allow (0: no collectives)
+    trail: float   # seconds after the lane's last cycle until its last reduce-scatter is done
+
+
+def zero_cycle(schedule: ScheduleKind, ops: Sequence[float], p2p: float, reduce: float, gather: float,
+               copies: float, shares: tuple[float, float] = (1.0, 1.0)) -> ZeroCycle:
+    """A lane's per-microbatch cycle with ZeRO collectives placed as lowering places them.
+
+    Note [zero cycle]: `ops` are one microbatch's compute ops in order (F, B
+    or F, I, W), the last one the gradient op. Pass `zero`
+    (passes/lower/zero.py, Note [zero placement]) posts each op's ZeRO-3
+    gather (`gather` s) when the op before it starts and waits for it right
+    before the op, so an op takes max(op, gather) of the rank's time; it
+    posts a reduce-scatter (`reduce` s) after each gradient op and waits for
+    it before the next gradient op of the ministage. Under 1F1B-like
+    schedules the next gradient op comes one cycle later, with the other ops
+    running beside the reduction: cycle = max(Σ max(op, gather) + p2p,
+    gradient op + reduce), per ministage. GPipe runs the gradient ops back to back: its
+    backward slot is gradient op + reduce. Host copies of offloaded
+    parameters (`copies` s) come before their gathers: with them, the
+    collectives and copies are counted as one stream beside the compute
+    (the model before this note; it fits lowering's offload windows less
+    well). After the lane's last gradient op nothing waits for a next one:
+    its reduction ends `trail` after the lane's last cycle (at most the
+    whole `reduce`, when the cycle does not already hold it). Every number
+    is the stage's (all its ministages); `shares` are the fractions of its
+    parameters in its first ministage (whose gradient op comes last) and in
+    its largest, which the per-ministage reductions scale by.
+    """
+    if reduce <= 0 and gather <= 0 and copies <= 0:
+        return ZeroCycle(0.0, 0.0)
+    if copies > 0:
+        # offloaded parameters: each gather waits for its shard's copy from the host, and lowering's residency
+        # windows (passes/lower/offload.py) chain copies and gathers; counted as one stream of all of them
+        n_gathers = len(ops) if gather > 0 else 0
+        return ZeroCycle(reduce + n_gathers * gather + copies, reduce)
+    first, largest = shares
+    slots = [max(d, gather) for d in ops]
+    grad = ops[-1]
+    if schedule is ScheduleKind.GPIPE:
+        bound = sum(slots[:-1]) + max(slots[-1], grad + reduce) + p2p
+    else:
+        bound = max(sum(slots) + p2p, largest * (grad + reduce))
+    # the last microbatch's cycle, to the end of its first ministage's reduction
+    last = sum(slots) - first * (slots[-1] - grad) + first * reduce + p2p
+    return ZeroCycle(bound, max(0.0, last - max(bound, sum(ops) + p2p)))
 
 
 def step_lower_bound(schedule: ScheduleKind, lanes: Sequence[LaneTiming], chunks: int = 1) -> float:

@@ -5,13 +5,14 @@ resolved Pipeline, rank by rank) and the planner's class-by-class
 evaluation (passes/plan/stagecosts.py). Each resolves the rank's groups
 (`ZeroRings`) and its link times; the formulas are here.
 
-- beside the compute, per microbatch (`overlapped_time`): ZeRO-2/3 reduce
-  the gradients after each backward, ZeRO-3 gathers the parameters around
-  every compute op (`gathers_per_microbatch`), offloaded parameters come in
-  and go back;
-- after the last backward (`sync_time`): the exposed gradient reduction
-  (and ZeRO-1/2's parameter all-gather; hierarchical ZeRO's node-local
-  reduce-scatter and gather plus the all-reduce across nodes);
+- beside the compute, per microbatch (`zero_collectives`): ZeRO-2/3
+  reduce the gradients after each backward, ZeRO-3 gathers the parameters
+  around every compute op (`gathers_per_microbatch`), offloaded parameters
+  come in and go back; `schedule.zero_cycle` places them (Note [zero cycle]);
+- after the last backward (`sync_time`): the gradient reduction not already
+  in the lanes' cycles (and ZeRO-1/2's parameter all-gather; hierarchical
+  ZeRO's node-local reduce-scatter and gather plus the all-reduce across
+  nodes);
 - Zorse gathers and reduces once per ministage (`fetch_time`, `sync_time`
   with `per_ministage`).
 """
@@ -25,7 +26,7 @@ from hetc.passes.cost.memory import StateBytes
 from hetc.spec import ScheduleKind, ZeroShard, ZeroSpec
 
 __all__ = ["ZeroRings", "across_nodes", "fetch_time", "first_gather_time", "flush_time", "gathers_per_microbatch",
-           "optimizer_step_time", "overlapped_time", "sync_time"]
+           "optimizer_step_time", "sync_time", "zero_collectives"]
 
 # (kind, ranks, bytes) -> seconds of a ring collective, the rank's node link shared by its lane's ranks
 Collective = Callable[[str, tuple[int, ...], float], float]
@@ -60,42 +61,42 @@ def gathers_per_microbatch(schedule: ScheduleKind) -> int:
     return 3 if schedule is ScheduleKind.ZB else 2
 
 
-def overlapped_time(schedule: ScheduleKind, zero: ZeroSpec, offload_params: bool, nbytes: float,
-                    rings: ZeroRings, copy: Callable[[float], float], param_shard: float) -> float:
-    """Per-microbatch collectives beside the compute for a stage of `nbytes` parameters (δΦ on this rank):
-    ZeRO-3 gathers, ZeRO-2/3 reduce-scatters, parameter copies from the host (`copy(bytes)`)."""
+def zero_collectives(schedule: ScheduleKind, zero: ZeroSpec, offload_params: bool, nbytes: float,
+                     rings: ZeroRings, copy: Callable[[float], float], param_shard: float
+                     ) -> tuple[float, float, float]:
+    """Per-microbatch work beside the compute for a stage of `nbytes` parameters (δΦ on this rank):
+    (ZeRO-2/3 reduce-scatter, one ZeRO-3 gather, parameter copies from the host (`copy(bytes)`)), each in
+    seconds; Note [zero cycle] in schedule.py says how the compute waits for them."""
     level = zero.resolved_level
     if schedule is ScheduleKind.ZORSE:
-        return 0.0  # Zorse gathers and reduces once per ministage (fetch_time, sync_time)
+        return 0.0, 0.0, 0.0  # Zorse gathers and reduces once per ministage (fetch_time, sync_time)
     if level < 2 and not offload_params:
-        return 0.0
+        return 0.0, 0.0, 0.0
     ring = rings.sharded(zero)
-    total = 0.0
-    if level >= 2:
-        total += rings.time("reduce_scatter", ring, nbytes)
-    if level >= 3:
-        total += gathers_per_microbatch(schedule) * rings.time("all_gather", ring, nbytes)
-    if offload_params:
-        total += 2 * copy(nbytes * param_shard)
-    return total
+    reduce = rings.time("reduce_scatter", ring, nbytes) if level >= 2 else 0.0
+    gather = rings.time("all_gather", ring, nbytes) if level >= 3 else 0.0
+    copies = 2 * copy(nbytes * param_shard) if offload_params else 0.0
+    return reduce, gather, copies
 
 
-def sync_time(zero: ZeroSpec, nbytes: float, first_bytes: float, rings: ZeroRings,
-              per_ministage: bool = False) -> float:
-    """Exposed gradient reduction after the last backward (and ZeRO-1/2's parameter all-gather), for a
-    stage of `nbytes` parameters whose first ministage holds `first_bytes`."""
+def sync_time(zero: ZeroSpec, nbytes: float, rings: ZeroRings, per_ministage: bool = False) -> float:
+    """Gradient reduction after the last backward (and ZeRO-1/2's parameter all-gather) for a stage of
+    `nbytes` parameters.
+
+    Under per-microbatch schedules ZeRO-2/3 reduce-scatter after every
+    gradient op; the lane's cycle and trail count those (Note [zero cycle]).
+    """
     level = zero.resolved_level
     if zero.shard is ZeroShard.NODE:
-        inner = rings.time("reduce_scatter", rings.node, nbytes) + rings.time("all_gather", rings.node, nbytes)
+        inner = (rings.time("reduce_scatter", rings.node, nbytes) if level < 2 or per_ministage else 0.0) + \
+            (rings.time("all_gather", rings.node, nbytes) if level <= 2 else 0.0)
         return inner + rings.time("all_reduce", rings.across, nbytes / max(len(rings.node), 1))
     if level <= 1:
         return rings.time("all_reduce", rings.group, nbytes)
     gather = rings.time("all_gather", rings.group, nbytes) if level == 2 else 0.0
     if per_ministage:  # Zorse: one reduce-scatter per ministage, then (ZeRO-2) one gather
         return rings.time("reduce_scatter", rings.group, nbytes) + gather
-    # lowering reduces each ministage after its gradient op and waits at the end: the last reduction (of the
-    # stage's first ministage, whose backward comes last) shows whole
-    return rings.time("reduce_scatter", rings.group, first_bytes) + gather
+    return gather
 
 
 def first_gather_time(zero: ZeroSpec, first_bytes: float, rings: ZeroRings) -> float:

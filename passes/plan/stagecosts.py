@@ -19,7 +19,7 @@ from hetc.passes.cost.memory import (RankMemory, ShardFactors, StateMemory, Stat
 from hetc.passes.cost.plan_time import ministage_borders, stage_borders
 from hetc.passes.cost.schedule import Unit, UnitLane
 from hetc.passes.cost.zero_time import (ZeroRings, across_nodes, fetch_time, first_gather_time, flush_time,
-                                       optimizer_step_time, overlapped_time, sync_time)
+                                       optimizer_step_time, sync_time, zero_collectives)
 from hetc.passes.cost.shapes import LayerKind
 from hetc.passes.cost.probe import Primitives
 from hetc.spec import ScheduleKind, ZeroShard, ZeroSpec
@@ -148,14 +148,18 @@ class StageCosts:
         gpu = self.s.lanes[lane][0]
         return lambda nbytes: self.p.copy(gpu, nbytes)
 
-    def overlapped(self, lane: int) -> float:
-        return overlapped_time(self.plan.schedule, self.s.zero, self.s.knobs.offload.params,
+    def shares(self) -> tuple[float, float]:
+        """The fractions of the stage's parameters in its first and in its largest ministage."""
+        whole = max(self.numel(), 1.0)
+        return self.ms_numel[0] / whole, max(self.ms_numel) / whole
+
+    def collectives(self, lane: int) -> tuple[float, float, float]:
+        return zero_collectives(self.plan.schedule, self.s.zero, self.s.knobs.offload.params,
                                self.numel() * self.p.delta, self.rings(lane), self._copier(lane),
                                self.shard(lane).params)
 
     def sync(self, lane: int, per_ministage: bool = False) -> float:
-        return sync_time(self.s.zero, self.numel() * self.p.delta, self.ms_numel[0] * self.p.delta,
-                         self.rings(lane), per_ministage)
+        return sync_time(self.s.zero, self.numel() * self.p.delta, self.rings(lane), per_ministage)
 
     def first_gather(self) -> float:
         return first_gather_time(self.s.zero, self.ms_numel[0] * self.p.delta, self.rings(0))

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from hetc.errors import InternalError
+from hetc.passes.cost.classes import lane_timing
 from hetc.passes.plan.candidate import Knobs, split_evenly
 from hetc.passes.cost.probe import Primitives
 from hetc.passes.plan.routing import bottleneck
@@ -152,6 +153,7 @@ def stage_table(prims: Primitives, res: ResolvedStage, index: int, num_stages: i
 def _option(prims: Primitives, sc: StageCosts, n: int, knobs: Knobs, classes, m: int) -> Option:
     schedule = sc.plan.schedule
     lane_classes, fill, tail, drain = [], 0.0, 0.0, 0.0
+    trail = 0.0
     for lanes in classes:
         lane = lanes[0]
         f, i, w = sc.compute(lane)
@@ -162,10 +164,10 @@ def _option(prims: Primitives, sc: StageCosts, n: int, knobs: Knobs, classes, m:
             cycle = sum(u.forward + u.backward for u in per_ms)
             one = cycle + sum(u.p2p_out + u.p2p_back for u in per_ms)
         else:
-            one = f + i + w + p2p
-            cycle = max(one, sc.overlapped(lane))
+            timing = lane_timing(schedule, sc.s.index, lane, 0, (f, i, w), p2p, sc.collectives(lane), sc.shares())
+            one, cycle, trail = timing.one, timing.cycle, timing.trail
         fill = max(fill, max(0.0, f + i + p2p - w) if schedule is ScheduleKind.ZB else one)
-        tail = max(tail, sc.sync(lane, per_ministage=schedule is ScheduleKind.ZORSE) + sc.optimizer(lane))
+        tail = max(tail, trail + sc.sync(lane, per_ministage=schedule is ScheduleKind.ZORSE) + sc.optimizer(lane))
         drain = max(drain, i + w + p2p)
         lane_classes.append(LaneClass(lanes, cycle, _cap(sc, lane, m)))
     per_mb = schedule is not ScheduleKind.ZORSE and knobs.zero >= 2 and sc.s.zero.shard is ZeroShard.ALL
