@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from hetc.agreement import build, compare
+from hetc.agreement import Agreement, build, compare
 from hetc.errors import SpecError
 from hetc.load import load_spec
-from hetc.passes.plan.planner import plan_spec
+from hetc.passes.plan.planner import PlanResult, plan_spec
 from hetc.passes.plan.structures import SearchLimits
 from tests.conftest import all_spec_files
 from tests.random_jobs import random_job
@@ -52,25 +52,42 @@ GAPS: dict[int, str] = {15: FALLBACK_ORDER, 56: FALLBACK_ORDER, 48: FILL_BOUND, 
                         39: INTERLEAVED_LOCKSTEP, 81: INTERLEAVED_LOCKSTEP}
 
 
-def _outcome(path: Path, limits: SearchLimits | None) -> str | None:
-    """None when the plan agrees with its compiled program, else what does not."""
+def _planned(path: Path, limits: SearchLimits | None) -> tuple[PlanResult, Agreement] | None:
+    """The plan and its compiled program beside its estimate; None when nothing fits (said with a
+    location)."""
     loaded = load_spec(path)
     try:
         result = plan_spec(loaded.spec, None, loaded.path.parent, limits=limits)
     except SpecError as err:
         message = err.diagnostics[0].message
         assert err.diagnostics[0].span.file, f"the 'nothing fits' error has no location: {message}"
-        return None   # nothing fits, said with a location
-    agreement = compare(build(result.checked))
+        return None
+    return result, compare(build(result.checked))
+
+
+def _agreement(path: Path, limits: SearchLimits | None) -> Agreement | None:
+    """The planned program beside its estimate; None when nothing fits (said with a location)."""
+    got = _planned(path, limits)
+    return None if got is None else got[1]
+
+
+def _outcome(path: Path, limits: SearchLimits | None) -> str | None:
+    """None when the plan (explain's estimate and the planner's own score) agrees with its compiled
+    program, else what does not."""
+    got = _planned(path, limits)
+    if got is None:
+        return None
+    result, agreement = got
     problems = [] if agreement.within(TOLERANCE) else [agreement.describe()]
     if result.score is not None:
         problems += _score_problems(result, agreement)
     return "; ".join(problems) or None
 
 
-def _score_problems(result, agreement) -> list[str]:
+def _score_problems(result: PlanResult, agreement: Agreement) -> list[str]:
     """The planner's own class-by-class score held to the compiled program, as explain's estimate is."""
     score, out = result.score, []
+    assert score is not None
     gap = score.step_time_s / agreement.simulated_s - 1
     if abs(gap) > TOLERANCE:
         out.append(f"step: plan {score.step_time_s:.4g} s vs compiled {agreement.simulated_s:.4g} s "
@@ -135,3 +152,16 @@ def _specs() -> list:
 def test_every_spec_compiles_and_agrees(path):
     problem = _outcome(path, None)
     assert problem is None, problem
+
+
+# A known gap is still bounded: the explicit plans among them keep their step within a wider band, so a
+# regression inside a listed gap does not go unseen while its xfail waits for the fix.
+WIDER = 0.20
+EXPLICIT_GAPS = ["demo/gpipe.het", "demo/hetero_tp.het", "demo/tp_to_cp.het", "examples/sailor_multizone.het"]
+
+
+@pytest.mark.parametrize("name", EXPLICIT_GAPS)
+def test_a_known_gap_keeps_the_step_within_the_wider_band(name):
+    assert name in SPEC_GAPS, f"{name} agrees now: drop it here"
+    agreement = _agreement(Path(__file__).parents[1] / "specs" / name, None)
+    assert agreement is not None and abs(agreement.step_gap) <= WIDER, agreement and agreement.describe()

@@ -29,7 +29,7 @@ SPACE = {"schedules": (ScheduleKind.ZB, ScheduleKind.ONE_F_ONE_B, ScheduleKind.Z
          "zorse_offloads": (Offload(), Offload(activations=True)),
          "ministages": (1, 2), "micro_batches": (1, 2), "max_stages": 3}
 KINDS = ("A100-40", "V100-16", "T4", "A10G", "L4", "H100", "RTX3090")
-CLUSTERS = 22
+CLUSTERS = 14
 TOLERANCE = 0.01
 
 

@@ -95,13 +95,13 @@ def reparse(spec: Spec) -> Spec:
     return to_spec(list(parse_text(text, "<fmt>").items), Span("<fmt>", 1, 1, 1, 1))
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(nodes(Spec))
 def test_printed_spec_parses_back_equal(spec: Spec):
     assert reparse(spec) == spec
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(nodes(Spec))
 def test_printing_is_canonical(spec: Spec):
     """One canonical printing: printing the reparsed Spec, or formatting the
@@ -126,7 +126,7 @@ def commented(draw) -> tuple[Spec, str, list[str]]:
     return spec, "\n".join(lines) + "\n", notes
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(commented())
 def test_fmt_keeps_every_comment_and_is_idempotent(case):
     spec, text, notes = case
