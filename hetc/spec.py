@@ -441,6 +441,9 @@ class NodeSpec(Node):
     region: str = param("default", doc="region (links between regions may cost egress)")
     zone: str = param("", doc="zone inside the region (defaults to the region)")
     host_memory: float = param(0.0, unit=Dim.MEMORY, lo=0, doc="host memory per node (offload)")
+    cores: int = param(0, lo=0, hi=1_000_000, aliases=("cpu_cores",),
+                       doc="CPU cores the node's ranks share (0: each rank has its own); with fewer cores "
+                           "than ranks running, every rank's compute slows by ranks / cores")
     intra: IntraLinkSpec | None = param(None, block="intra", shorthand=False,
                                         doc="the link between GPUs of one node")
 
@@ -464,6 +467,9 @@ class ClusterSpec(Node):
     inter_bandwidth: float = param(12.5e9, unit=Dim.BANDWIDTH, lo=1, aliases=("network",),
                                    doc="default bandwidth between two nodes")
     inter_latency: float = param(20e-6, unit=Dim.TIME, lo=0, doc="default latency between nodes")
+    cores: int = param(0, lo=0, hi=1_000_000, aliases=("cpu_cores",),
+                       doc="CPU cores every rank of the cluster shares, as in a local run whose nodes are one "
+                           "machine (0: not shared); like a node's `cores`, for all the plan's ranks together")
 
 
 # ---------------------------------------------------------------- train

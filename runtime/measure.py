@@ -3,7 +3,9 @@
 Layers are hetc's own (runtime/model.py), built one at a time as a
 ministage and timed forward and backward on random inputs; the median of
 `repeats` runs after one warm-up. On CUDA the clock is CUDA events around
-the work; on CPU the wall clock. Collectives run in `ranks` spawned
+the work; on CPU the wall clock. `time_layers_at_once` times them in
+several processes at once, as the ranks of a node run (Note [shared cores]
+in passes/cost/cores.py). Collectives run in `ranks` spawned
 processes (gloo on CPU, NCCL when there is a GPU per rank).
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import os
 import socket
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +26,16 @@ import torch.multiprocessing as mp
 from hetc.runtime.model import build_ministage, compute_dtype
 from hetc.spec import ModelSpec
 
-__all__ = ["COLLECTIVE_KINDS", "LayerSample", "comm_rates", "copy_rates", "local_device", "time_layers"]
+__all__ = [
+    "COLLECTIVE_KINDS",
+    "LayerSample",
+    "comm_rates",
+    "copy_rates",
+    "local_device",
+    "slowdown",
+    "time_layers",
+    "time_layers_at_once",
+]
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 # torch renamed the flat-tensor collectives; use whichever this torch has
@@ -49,10 +61,11 @@ def local_device() -> torch.device:
 
 
 def _clock(device: torch.device, fn: Callable[[], None], repeats: int,
-           setup: Callable[[], None] | None = None) -> float:
+           setup: Callable[[], None] | None = None, pick: Callable[[list[float]], float] = min) -> float:
     """Fastest of `repeats` timed runs of `fn` after one warm-up (`setup` runs untimed before each).
 
-    The minimum, as timeit reports: interference from other processes only adds time.
+    The minimum, as timeit reports: interference from other processes only adds time. Under a load that
+    is part of the measurement (ranks sharing cores) `pick` is the median instead.
     """
     if setup:
         setup()
@@ -72,13 +85,14 @@ def _clock(device: torch.device, fn: Callable[[], None], repeats: int,
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
-    return min(times)
+    return pick(times)
 
 
 def time_layers(model: ModelSpec, micro_batches: list[int], seqs: list[int], repeats: int,
-                progress: Callable[[str], None]) -> list[LayerSample]:
+                progress: Callable[[str], None], pick: Callable[[list[float]], float] = min,
+                device: torch.device | None = None) -> list[LayerSample]:
     """Forward and backward seconds of the embedding, one block and the head at each (b, S)."""
-    device = local_device()
+    device = device or local_device()
     dtype = compute_dtype(model.dtype) if device.type == "cuda" else torch.float32
     out = []
     for name, idx in (("embed", 0), ("block", 1), ("head", model.layers + 1)):
@@ -86,13 +100,13 @@ def time_layers(model: ModelSpec, micro_batches: list[int], seqs: list[int], rep
         for seq in seqs:
             for b in micro_batches:
                 progress(f"{name} b={b} S={seq}")
-                fwd, bwd = _time_one(stage, name, model, b, seq, device, dtype, repeats)
+                fwd, bwd = _time_one(stage, name, model, b, seq, device, dtype, repeats, pick)
                 out.append(LayerSample(name, b, seq, fwd, bwd))
         del stage
     return out
 
 
-def _time_one(stage, name: str, model: ModelSpec, b: int, seq: int, device, dtype, repeats: int):
+def _time_one(stage, name: str, model: ModelSpec, b: int, seq: int, device, dtype, repeats: int, pick=min):
     tokens = torch.randint(0, model.vocab, (b, seq), device=device)
     hidden = torch.randn(b, seq, model.hidden, device=device, dtype=dtype)
     labels = tokens if name == "head" else None
@@ -112,8 +126,39 @@ def _time_one(stage, name: str, model: ModelSpec, b: int, seq: int, device, dtyp
         stage.zero_grad(set_to_none=True)
         forward()
 
-    fwd = _clock(device, forward, repeats, setup=pending.clear)
-    return fwd, _clock(device, backward, repeats, setup=reset)
+    fwd = _clock(device, forward, repeats, setup=pending.clear, pick=pick)
+    return fwd, _clock(device, backward, repeats, setup=reset, pick=pick)
+
+
+def time_layers_at_once(model: ModelSpec, micro_batches: list[int], seqs: list[int], repeats: int,
+                        ranks: int) -> list[LayerSample]:
+    """`time_layers` in `ranks` processes at once (each with a rank's one thread, or its own GPU while there
+    are GPUs to go round): per point, the median over the processes of each one's median run."""
+    ctx = mp.get_context("spawn")
+    queue, start = ctx.SimpleQueue(), ctx.Barrier(ranks)
+    mp.start_processes(_layers_worker, args=(model, micro_batches, seqs, repeats, start, queue), nprocs=ranks,
+                       join=True, start_method="spawn")
+    runs = [queue.get() for _ in range(ranks)]
+    return [LayerSample(first.layer, first.micro_batch, first.seq,
+                        statistics.median(r[k].forward_s for r in runs),
+                        statistics.median(r[k].backward_s for r in runs))
+            for k, first in enumerate(runs[0])]
+
+
+def slowdown(alone: list[LayerSample], at_once: list[LayerSample]) -> float:
+    """How many times slower the layers ran at once than alone: the median over points of the ratio of their
+    forward + backward times."""
+    return statistics.median((b.forward_s + b.backward_s) / (a.forward_s + a.backward_s)
+                             for a, b in zip(alone, at_once, strict=True))
+
+
+def _layers_worker(rank: int, model: ModelSpec, micro_batches: list[int], seqs: list[int], repeats: int,
+                   start, queue) -> None:
+    device = local_device()
+    if device.type == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+    start.wait()   # every process times its layers over the same stretch of wall time
+    queue.put(time_layers(model, micro_batches, seqs, repeats, lambda _: None, statistics.median, device))
 
 
 def copy_rates(sizes: list[int], repeats: int) -> list[dict]:
@@ -139,56 +184,79 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def comm_rates(ranks: int, sizes: list[int], repeats: int) -> tuple[list[dict], list[dict]]:
-    """(collectives, p2p) measured between `ranks` local processes; rows as in the profile file."""
+def comm_rates(ranks: int, sizes: list[int], repeats: int, at_once: int = 1) -> tuple[list[dict], list[dict]]:
+    """(collectives, p2p) measured between `ranks` local processes; rows as in the profile file.
+
+    With `at_once` > `ranks` processes (as many as the node runs, Note [shared cores]), every block of
+    `ranks` of them runs the same collectives and messages at the same time, and the median run is
+    kept (the load is part of the measurement); the collectives over all of them are measured too.
+    """
+    world = max(ranks, at_once // ranks * ranks)   # whole blocks of `ranks`
     port = _free_port()
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_comm_worker, args=(ranks, port, sizes, repeats, queue), nprocs=ranks, join=True,
+    mp.start_processes(_comm_worker, args=(ranks, world, port, sizes, repeats, queue), nprocs=world, join=True,
                        start_method="spawn")
     return queue.get()
 
 
-def _comm_worker(rank: int, ranks: int, port: int, sizes: list[int], repeats: int, queue) -> None:
-    use_nccl = torch.cuda.is_available() and torch.cuda.device_count() >= ranks
+def _comm_worker(rank: int, ranks: int, world: int, port: int, sizes: list[int], repeats: int, queue) -> None:
+    use_nccl = torch.cuda.is_available() and torch.cuda.device_count() >= world
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("nccl" if use_nccl else "gloo", rank=rank, world_size=ranks)
+    dist.init_process_group("nccl" if use_nccl else "gloo", rank=rank, world_size=world)
     device = torch.device("cuda", rank) if use_nccl else torch.device("cpu")
     if use_nccl:
         torch.cuda.set_device(device)
+    blocks = [list(range(b, b + ranks)) for b in range(0, world - ranks + 1, ranks)]
+    groups = [dist.new_group(b) for b in blocks]     # every process creates every group, in the same order
+    pick = min if world == ranks else statistics.median
+    group, block = next((g, b) for g, b in zip(groups, blocks) if rank in b)
     collectives, p2p = [], []
     for n in sizes:
-        elems = max(n // 4 // ranks * ranks, ranks)
-        full = torch.ones(elems, device=device)
-        part = torch.ones(elems // ranks, device=device)
-        ops = {"all_reduce": partial(dist.all_reduce, full),
-               "all_gather": partial(_GATHER, full, part),
-               "reduce_scatter": partial(_SCATTER, part, full)}
-        for kind, op in ops.items():
-            try:
-                seconds = _synced(device, op, repeats)
-            except (RuntimeError, NotImplementedError):  # gloo lacks some collectives in some builds
-                continue
-            collectives.append({"kind": kind, "ranks": ranks, "bytes": elems * 4, "seconds": seconds})
-        p2p.append({"bytes": elems * 4, "seconds": _ping(rank, device, full, repeats)})
+        collectives += _collectives(device, n, ranks, group, repeats, pick)
+        if world > ranks:
+            collectives += _collectives(device, n, world, None, repeats, pick)
+        buf = torch.ones(max(n // 4 // ranks * ranks, ranks), device=device)
+        p2p.append({"bytes": buf.numel() * 4, "seconds": _ping(rank, block[:2], device, buf, repeats, pick)})
     if rank == 0:
         queue.put((collectives, p2p))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _synced(device: torch.device, op: Callable[[], None], repeats: int) -> float:
+def _collectives(device, n: int, count: int, group, repeats: int, pick) -> list[dict]:
+    elems = max(n // 4 // count * count, count)
+    full = torch.ones(elems, device=device)
+    part = torch.ones(elems // count, device=device)
+    ops = {"all_reduce": partial(dist.all_reduce, full, group=group),
+           "all_gather": partial(_GATHER, full, part, group=group),
+           "reduce_scatter": partial(_SCATTER, part, full, group=group)}
+    rows = []
+    for kind, op in ops.items():
+        try:
+            seconds = _synced(device, op, repeats, pick)
+        except (RuntimeError, NotImplementedError):  # gloo lacks some collectives in some builds
+            dist.barrier()
+            continue
+        rows.append({"kind": kind, "ranks": count, "bytes": elems * 4, "seconds": seconds})
+    return rows
+
+
+def _synced(device: torch.device, op: Callable[[], None], repeats: int, pick=min) -> float:
     dist.barrier()
-    return _clock(device, op, repeats)
+    return _clock(device, op, repeats, pick=pick)
 
 
-def _ping(rank: int, device: torch.device, buf: torch.Tensor, repeats: int) -> float:
-    """One-way time: half a round trip between ranks 0 and 1."""
+def _ping(rank: int, pair: list[int], device: torch.device, buf: torch.Tensor, repeats: int, pick=min) -> float:
+    """One-way time: half a round trip between the two ranks of `pair` (this rank's block)."""
     def round_trip():
-        if rank == 0:
-            dist.send(buf, 1)
-            dist.recv(buf, 1)
-        elif rank == 1:
-            dist.recv(buf, 0)
-            dist.send(buf, 0)
+        if len(pair) < 2 or rank not in pair:
+            return
+        other = pair[1] if rank == pair[0] else pair[0]
+        if rank == pair[0]:
+            dist.send(buf, other)
+            dist.recv(buf, other)
+        else:
+            dist.recv(buf, other)
+            dist.send(buf, other)
     dist.barrier()
-    return _clock(device, round_trip, repeats) / 2
+    return _clock(device, round_trip, repeats, pick=pick) / 2

@@ -26,6 +26,9 @@ def test_short_cpu_run_feeds_explain(tmp_path, capsys):
     assert all(r["forward_s"] > 0 and r["backward_s"] > 0 for r in data["layers"])
     assert {r["kind"] for r in data["collectives"]} >= {"all_reduce", "all_gather"}
     assert data["p2p"] and data["copy"]
+    # the demo cluster's four cpu ranks run here at once: the layers were timed four at a time too
+    assert data["concurrency"]["ranks"] == 4 and data["concurrency"]["cores"] >= 1
+    assert data["concurrency"]["slowdown"] > 0
 
     profiles = load_profiles([out])
     assert profiles.network.intra_rate("cpu", 2) is not None and profiles.copy["cpu"] > 0

@@ -10,6 +10,7 @@ for GPUs of the measured device kind.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 import time
@@ -17,9 +18,9 @@ from pathlib import Path
 
 from hetc.cli import UsageError
 from hetc.passes.params import block_params
-from hetc.spec import Arch, DType, ModelSpec
+from hetc.spec import Arch, DType, ModelSpec, Spec
 
-__all__ = ["register", "run"]
+__all__ = ["ranks_at_once", "register", "run"]
 
 DEFAULT_SIZES = "65536,1048576"
 COPY_SIZES = [1 << 20, 16 << 20]
@@ -39,6 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seqs", metavar="S,S", help="sequence lengths (default: the model's)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per point, after one warm-up (3)")
     p.add_argument("--ranks", type=int, default=2, help="local processes for collectives and p2p (2)")
+    p.add_argument("--ranks-at-once", type=int, metavar="N",
+                   help="time the layers in N processes at once, as a node runs its ranks (default: with SPEC, "
+                        "the ranks its cluster runs on this machine for the measured kind; else 1)")
     p.add_argument("--comm-sizes", default=DEFAULT_SIZES, metavar="BYTES,BYTES",
                    help=f"message sizes for collectives and p2p ({DEFAULT_SIZES})")
     p.add_argument("--no-comm", action="store_true", help="skip collectives and p2p")
@@ -64,14 +68,34 @@ def _ints(text: str, what: str) -> list[int]:
     return values
 
 
-def _model(args: argparse.Namespace) -> ModelSpec:
-    if args.spec:
-        from hetc.frontend import load_checked
+def _spec(args: argparse.Namespace) -> Spec | None:
+    if not args.spec:
+        return None
+    from hetc.frontend import load_checked
 
-        _, checked = load_checked(args.spec)
-        if checked.spec.model is None:
-            raise UsageError(f"{args.spec} has no model block")
-        return checked.spec.model
+    _, checked = load_checked(args.spec)
+    if checked.spec.model is None:
+        raise UsageError(f"{args.spec} has no model block")
+    return checked.spec
+
+
+def ranks_at_once(spec: Spec | None, kind: str) -> int:
+    """How many ranks of the measured kind run at once on this machine (Note [shared cores]): a local run
+    (`cpu` kinds) starts every rank of the cluster here, a GPU node its GPUs."""
+    if spec is None or spec.cluster is None:
+        return 1
+    nodes = [n for n in spec.cluster.nodes if n.device == kind]
+    if not nodes:
+        return 1
+    if kind.lower().startswith("cpu"):
+        return sum(n.count * n.gpus for n in nodes)
+    return max(n.gpus for n in nodes)
+
+
+def _model(args: argparse.Namespace, spec: Spec | None) -> ModelSpec:
+    if spec is not None:
+        assert spec.model is not None   # _spec checked it
+        return spec.model
     if args.hidden % args.heads or (args.hidden // args.heads) % 2:
         raise UsageError(f"--hidden ({args.hidden}) must be --heads ({args.heads}) × an even head size")
     return ModelSpec(name="profiled", arch=Arch(args.arch), layers=1, hidden=args.hidden, heads=args.heads,
@@ -98,12 +122,15 @@ class _Progress:
 
 
 def run(args: argparse.Namespace) -> int:
-    model = _model(args)
+    spec = _spec(args)
+    model = _model(args, spec)
     micro_batches = _ints(args.micro_batches, "--micro-batches")
     seqs = _ints(args.seqs, "--seqs") if args.seqs else [model.seq]
     sizes = _ints(args.comm_sizes, "--comm-sizes")
     if args.repeats < 1 or args.ranks < 2:
         raise UsageError("--repeats must be at least 1 and --ranks at least 2")
+    if args.ranks_at_once is not None and args.ranks_at_once < 1:
+        raise UsageError(f"--ranks-at-once must be at least 1, got {args.ranks_at_once}")
     progress = _Progress()
     progress("starting")
     import torch
@@ -115,13 +142,20 @@ def run(args: argparse.Namespace) -> int:
     device = measure.local_device()
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu"
     kind = args.device_kind or (catalog_name(name) if device.type == "cuda" else "cpu")
+    at_once = args.ranks_at_once or ranks_at_once(spec, kind)
     layers = measure.time_layers(model, micro_batches, seqs, args.repeats, progress)
+    concurrency = {}
+    if at_once > 1:
+        progress(f"layers in {at_once} processes at once")
+        loaded = measure.time_layers_at_once(model, micro_batches, seqs, args.repeats, at_once)
+        concurrency = {"concurrency": {"ranks": at_once, "cores": len(os.sched_getaffinity(0)),
+                                       "slowdown": measure.slowdown(layers, loaded)}}
     progress("host<->device copies")
     copies = measure.copy_rates(COPY_SIZES, args.repeats)
     collectives, p2p = [], []
     if not args.no_comm:
-        progress(f"collectives and p2p between {args.ranks} processes")
-        collectives, p2p = measure.comm_rates(args.ranks, sizes, args.repeats)
+        progress(f"collectives and p2p between {args.ranks} processes, {max(at_once, args.ranks)} at once")
+        collectives, p2p = measure.comm_rates(args.ranks, sizes, args.repeats, at_once)
     memory = torch.cuda.get_device_properties(0).total_memory if device.type == "cuda" else 0
     out = Path(args.output)
     write_profile(out, {
@@ -134,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
         "layers": [{"layer": s.layer, "tp": 1, "seq": s.seq, "micro_batch": s.micro_batch,
                     "forward_s": s.forward_s, "backward_s": s.backward_s} for s in layers],
         "collectives": collectives, "p2p": p2p, "copy": copies,
+        **concurrency,
     })
     progress.done(out)
     return 0

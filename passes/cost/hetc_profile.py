@@ -11,12 +11,16 @@
       "p2p": [{"bytes": X, "seconds": t}, ...],
       "copy": [{"direction": "h2d" | "d2h", "bytes": X, "seconds": t}, ...],
       "microbatch_overhead_s": t            (optional)
+      "concurrency": {"ranks": n, "cores": c, "slowdown": s}   (optional)
     }
 
 `device.kind` is the catalog name the measurements apply to (GPUs of that
 kind in a spec). Collective times are for the full buffer (`bytes`) over
 `ranks` local processes; the link rate is recovered with the ring model.
-`microbatch_overhead_s` is what a stage of the executing engine spends per
+The layer times are one process's alone; `concurrency` says the same
+layers timed in n processes at once on this machine's c cores ran s times
+slower (Note [shared cores] in cores.py: the cost model uses s where a plan
+runs n ranks at once on shared cores). `microbatch_overhead_s` is what a stage of the executing engine spends per
 microbatch outside its layers (dispatch, device synchronizations, loss
 glue): a measured run's step time less its layers, per microbatch and stage.
 """
@@ -62,10 +66,21 @@ def profile_from_dict(data: Any, source: str) -> Profiles:
         network = _network(data, kind, source)
         copy = _copy_rate(data)
         overhead = _overhead(data)
+        shared = _shared(data, kind)
     except (KeyError, TypeError, ValueError) as err:
         raise ProfileError(f"'{source}': malformed hetc profile ({type(err).__name__}: {err})") from None
     return Profiles(tuple(tables), network, {kind: copy} if copy else {}, {kind: source} if copy else {},
-                    {kind: overhead} if overhead is not None else {}, sources=(source,))
+                    {kind: overhead} if overhead is not None else {}, sources=(source,), shared=shared)
+
+
+def _shared(data: dict, kind: str) -> dict[str, tuple[int, float]]:
+    shared = data.get("concurrency")
+    if shared is None:
+        return {}
+    ranks, slowdown = int(shared["ranks"]), float(shared["slowdown"])
+    if ranks < 1 or not slowdown > 0:   # also rejects NaN
+        raise ValueError(f"concurrency needs at least 1 rank and a positive slowdown, not {ranks} and {slowdown}")
+    return {kind: (ranks, slowdown)}
 
 
 def _tables(data: dict, kind: str, source: str) -> list[ComputeTable]:

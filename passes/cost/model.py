@@ -14,6 +14,7 @@ from functools import cached_property
 
 from hetc.layout import held_fraction
 from hetc.passes.cost.compute import DEFAULT_MEMORY_BANDWIDTH, ComputeModel, LayerCost
+from hetc.passes.cost.cores import host_slowdowns
 from hetc.passes.cost.experts import ep_comm_time
 from hetc.passes.cost.memory import (
     ShardFactors,
@@ -57,6 +58,10 @@ class CostModel:
         self._p2p: dict[tuple, float] = {}
         self._compute_times: dict[tuple[int, int, str], float] = {}
         self._fits: dict[tuple, Bandwidth | None] = {}
+        # Note [shared cores]: the plan's ranks on a node with fewer cores than ranks compute slower
+        cluster = spec.cluster
+        self._slowdown = host_slowdowns(pipeline.world, {n.name: n.cores for n in cluster.nodes},
+                                        cluster.cores, self.profiles.shared) if cluster else {}
 
     # ------------------------------------------------------------ structure
 
@@ -186,9 +191,14 @@ class CostModel:
         if got is None:
             if phase not in PHASES:
                 raise ValueError(f"phase must be one of {', '.join(PHASES)}, not {phase!r}")
-            got = sum(self._layer_cost(rank, i).phase(phase) for i in self.ministage(ms).layers)
+            got = sum(self._layer_cost(rank, i).phase(phase) for i in self.ministage(ms).layers) * \
+                self.slowdown(rank)
             self._compute_times[key] = got
         return got
+
+    def slowdown(self, rank: int) -> float:
+        """How many times slower this rank computes for sharing its node's cores (Note [shared cores])."""
+        return self._slowdown.get(self.gpu(rank).host, 1.0)
 
     def _layer_cost(self, rank: int, idx: int) -> LayerCost:
         stage = self.stage_of(rank)
@@ -263,7 +273,7 @@ class CostModel:
 
     def optimizer_time(self, rank: int, numel: float) -> float:
         on_host = self.stage_of(rank).offload.optimizer is not OffloadTarget.NONE
-        return optimizer_seconds(self.model, self.gpu(rank).device, numel, on_host)
+        return optimizer_seconds(self.model, self.gpu(rank).device, numel, on_host) * self.slowdown(rank)
 
     def p2p_time(self, src: int, dst: int, nbytes: float, concurrent: int = 1) -> float:
         """Send `nbytes` from `src` to `dst` while `concurrent` such transfers share each node's link.

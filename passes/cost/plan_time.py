@@ -40,10 +40,10 @@ def step_end_time(clips: bool, all_reduce) -> float:
 
 
 def kind_reps(cm, ranks) -> list[int]:
-    """One rank per device kind among `ranks`: ranks of one kind time alike."""
-    seen: dict[str, int] = {}
+    """One rank per device kind and core share among `ranks`: such ranks time alike."""
+    seen: dict[tuple[str, float], int] = {}
     for r in sorted(ranks):
-        seen.setdefault(cm.gpu(r).device.name, r)
+        seen.setdefault((cm.gpu(r).device.name, cm.slowdown(r)), r)
     return list(seen.values())
 
 

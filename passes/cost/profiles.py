@@ -184,6 +184,8 @@ class Profiles:
     overhead: dict[str, float] = field(default_factory=dict)
     rejected: tuple[Rejected, ...] = ()   # measurements read but unusable, each with why
     sources: tuple[str, ...] = ()
+    # device kind -> (ranks timed at once, how many times slower each ran than alone): Note [shared cores]
+    shared: dict[str, tuple[int, float]] = field(default_factory=dict)
 
     def rejected_for(self, model: str) -> tuple[Rejected, ...]:
         return tuple(r for r in self.rejected if r.model == model)
@@ -195,7 +197,7 @@ class Profiles:
         return Profiles(self.compute + other.compute, self.network.merged(other.network),
                         {**self.copy, **other.copy}, {**self.copy_sources, **other.copy_sources},
                         {**self.overhead, **other.overhead}, self.rejected + other.rejected,
-                        self.sources + other.sources)
+                        self.sources + other.sources, {**self.shared, **other.shared})
 
     @property
     def empty(self) -> bool:

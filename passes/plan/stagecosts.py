@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import cached_property
 
+from hetc.passes.cost.cores import host_slowdowns
 from hetc.passes.cost.memory import (RankMemory, ShardFactors, StateMemory, StatesHeld, activation_memory,
                                     rank_memory, shard_factors, state_memory)
 from hetc.passes.cost.plan_time import ministage_borders, stage_borders
@@ -75,8 +76,20 @@ class StageCosts:
     def compute(self, lane: int, units: tuple[int, int, int] | None = None) -> tuple[float, float, float]:
         """(F, I, W) seconds of one microbatch through `units` (default: the stage) on a lane."""
         gpus = self.s.lanes[lane]
-        return self.p.lane_compute(tuple(g.device.name for g in gpus), self.s.tp, tuple(g.id for g in gpus),
-                                   self.s.knobs.offload.activations, units or self.layer_counts)
+        f, i, w = self.p.lane_compute(tuple(g.device.name for g in gpus), self.s.tp, tuple(g.id for g in gpus),
+                                      self.s.knobs.offload.activations, units or self.layer_counts)
+        slow = self.slowdown(lane)
+        return f * slow, i * slow, w * slow
+
+    @cached_property
+    def _slowdowns(self) -> dict[tuple[str, int], float]:
+        cluster = self.p.topo.cluster
+        return host_slowdowns(self.plan.gpus or self.s.res.gpus, {n.name: n.cores for n in cluster.nodes},
+                              cluster.cores, self.p.probe.profiles.shared)
+
+    def slowdown(self, lane: int) -> float:
+        """Mirrors CostModel.slowdown: the lane's slowest rank for sharing its node's cores."""
+        return max(self._slowdowns.get(g.host, 1.0) for g in self.s.lanes[lane])
 
     def overhead(self, lane: int) -> float:
         """The engine's seconds per microbatch outside the layers (`CostModel.microbatch_overhead`)."""
@@ -172,7 +185,8 @@ class StageCosts:
 
     def optimizer(self, lane: int) -> float:
         gpu, on_host = self.s.lanes[lane][0], self.s.knobs.offload.optimizer
-        return optimizer_step_time(lambda numel: self.p.optimizer(gpu, numel, on_host), self._copier(lane),
+        slow = self.slowdown(lane)
+        return optimizer_step_time(lambda numel: self.p.optimizer(gpu, numel, on_host) * slow, self._copier(lane),
                                    self.numel() * self.shard(lane).optimizer, on_host, self.p.states)
 
     # ------------------------------------------------------------ memory

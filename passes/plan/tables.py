@@ -94,6 +94,11 @@ class StageContext:
     def peer_gpu(self, stage: int, lane: int, other: int) -> Gpu:
         return self.neighbours[other]
 
+    @property
+    def gpus(self) -> tuple[Gpu, ...]:
+        """The plan's GPUs are not known around one stage: `StageCosts` counts the stage's own."""
+        return ()
+
 
 def _context(prims: Primitives, index: int, num_stages: int, n: int, ministages: int, interleave: int,
              neighbours: dict[int, Gpu], schedule: ScheduleKind, prefetch: int) -> tuple[StageContext, tuple]:

@@ -1,0 +1,160 @@
+"""Does `hetc compile` predict what `hetc run --local` measures here? Writes docs/benchmarks.md "Runtime prediction".
+
+    .venv/bin/python benchmarks/runtime_prediction.py [--steps 12] [--only NAME ...] [--no-write]
+
+Every plan under specs/demo/ (issue 16): the demo folder is copied with one
+line added to each job's cluster, `cores = N`, N this machine's cores (a
+local run puts all the spec's "nodes" on this machine, whose cores all the
+plan's ranks share: Note [shared cores] in passes/cost/cores.py). One
+`hetc profile` per model of the folder (the demo job's and the MoE job's;
+each measures its layers with as many processes at once as the cluster runs
+here), then per plan: `hetc compile --profile` (summary.json's
+step_time_s is the prediction), `hetc run --local --steps K --metrics`, and
+the median of steps 3..K. A plan agrees when measured/predicted is within
+15 %; for the others the table names the time class most off (hetc/classgap.py,
+as `hetc calibrate` does). The machine is shared: its load average is
+printed beside the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.markdown import publish
+from hetc.classgap import class_gaps, measured_from_metrics, worst_gap
+from hetc.timeline import Timeline, mean_class_times
+
+DEMO = ROOT / "specs" / "demo"
+JOBS = ("job.het", "moe_job.het")       # imported by the plans: the model, cluster and data
+HEADING = "## Runtime prediction"
+TOLERANCE = 0.15
+SKIP = 2                                 # steps 1 and 2 are warm-up: the median is over steps 3..K
+HETC = [sys.executable, "-m", "hetc"]
+
+
+@dataclass(frozen=True)
+class Row:
+    plan: str
+    predicted_s: float
+    measured_s: float | None
+    why: str = ""                        # for a miss: the time class most off, or the failure
+
+    @property
+    def ratio(self) -> float | None:
+        return self.measured_s / self.predicted_s if self.measured_s and self.predicted_s > 0 else None
+
+    @property
+    def agrees(self) -> bool:
+        return self.ratio is not None and abs(self.ratio - 1) <= TOLERANCE
+
+
+def _hetc(*argv: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([*HETC, *argv], check=False, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def copy_demo(dest: Path, cores: int) -> Path:
+    """specs/demo/ with `cores = N` in every job's cluster block (and the catalog beside it)."""
+    shutil.copytree(DEMO, dest / "demo")
+    shutil.copy(ROOT / "specs" / "catalog.het", dest / "catalog.het")
+    for job in JOBS:
+        path = dest / "demo" / job
+        text, n = re.subn(r"^(cluster \w+ \{\n)", rf"\1  cores = {cores}  # this machine's, for all its ranks\n",
+                          path.read_text(), flags=re.MULTILINE)
+        assert n == 1, f"{job}: no cluster block to add the cores to"
+        path.write_text(text)
+    return dest / "demo"
+
+
+def plans(demo: Path, only: list[str]) -> list[Path]:
+    found = sorted(p for p in demo.glob("*.het") if p.name not in JOBS)
+    return [p for p in found if not only or p.stem in only]
+
+
+def profile(job: Path, out: Path) -> None:
+    done = _hetc("profile", str(job), "-o", str(out), "--repeats", "5", timeout=900)
+    if done.returncode != 0:
+        raise SystemExit(f"hetc profile {job} failed:\n{done.stderr}")
+
+
+def measure(plan: Path, work: Path, profiles: list[Path], steps: int) -> Row:
+    out = work / plan.stem
+    flags = [f for p in profiles for f in ("--profile", str(p))]
+    done = _hetc("compile", str(plan), "-o", str(out), *flags)
+    if done.returncode != 0:
+        return Row(plan.stem, 0.0, None, f"compile failed: {done.stderr.strip().splitlines()[-1]}")
+    predicted = json.loads((out / "summary.json").read_text())["step_time_s"]
+    metrics = work / f"{plan.stem}.jsonl"
+    done = _hetc("run", str(out), "--local", "--steps", str(steps), "--metrics", str(metrics), "--quiet")
+    if done.returncode != 0:
+        return Row(plan.stem, predicted, None, f"run failed: {done.stderr.strip().splitlines()[-1:]}")
+    measured_classes, measured = measured_from_metrics(metrics, skip=SKIP)
+    row = Row(plan.stem, predicted, measured)
+    if row.agrees:
+        return row
+    timeline = Timeline.from_json((out / "timeline.json").read_text())
+    off = worst_gap(class_gaps(mean_class_times(list(timeline.classes)), measured_classes))
+    why = "" if off is None else (f"{off.time_class} {off.gap_s * 1e3:+.1f} ms per rank "
+                                  f"({off.predicted_s * 1e3:.1f} predicted, {off.measured_s * 1e3:.1f} measured)")
+    return Row(plan.stem, predicted, measured, why)
+
+
+def render(rows: list[Row], cores: int, load: tuple[float, float, float], steps: int) -> str:
+    agree = sum(r.agrees for r in rows)
+    intro = (f"`benchmarks/runtime_prediction.py`, {datetime.date.today().isoformat()}: each plan of specs/demo/ "
+             f"compiled with one `hetc profile` per model (taken first, layers timed as many processes at once "
+             f"as the cluster runs here), then `hetc run --local --steps {steps}`; measured is the median step "
+             f"of steps {SKIP + 1}..{steps}. The demo cluster gets `cores = {cores}` (this machine's; all its "
+             f"ranks share them). The machine is shared with other work: load average "
+             f"{load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1 / 5 / 15 min) when the run began.")
+    lines = [HEADING, "", intro,
+             "", f"**{agree} of {len(rows)} plans within {TOLERANCE:.0%}.**", "",
+             "| plan | predicted ms | measured ms | measured/predicted | within 15 %? | most off (misses) |",
+             "|---|---:|---:|---:|---|---|"]
+    for r in rows:
+        measured = f"{r.measured_s * 1e3:.1f}" if r.measured_s else "-"
+        ratio = f"{r.ratio:.2f}" if r.ratio else "-"
+        lines.append(f"| {r.plan} | {r.predicted_s * 1e3:.1f} | {measured} | {ratio} | "
+                     f"{'yes' if r.agrees else 'no'} | {'' if r.agrees else r.why} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--only", nargs="*", default=[], metavar="NAME", help="these plans only (file stems)")
+    ap.add_argument("--no-write", action="store_true", help="print, do not update docs/benchmarks.md")
+    args = ap.parse_args()
+    cores = len(os.sched_getaffinity(0))
+    load = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="hetc-prediction-") as tmp:
+        work = Path(tmp)
+        demo = copy_demo(work, cores)
+        profiles = []
+        for job in JOBS:
+            profiles.append(work / f"{Path(job).stem}.profile.json")
+            print(f"profiling {job} ...", file=sys.stderr, flush=True)
+            profile(demo / job, profiles[-1])
+        rows = []
+        for plan in plans(demo, args.only):
+            rows.append(measure(plan, work, profiles, args.steps))
+            r = rows[-1]
+            print(f"{r.plan}: predicted {r.predicted_s * 1e3:.1f} ms, measured "
+                  f"{(r.measured_s or 0) * 1e3:.1f} ms {r.why}", file=sys.stderr, flush=True)
+    return publish(HEADING, render(rows, cores, load, args.steps), not args.no_write and not args.only)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
