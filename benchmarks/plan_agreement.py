@@ -28,7 +28,8 @@ from benchmarks.markdown import publish
 from hetc.agreement import build, compare
 from hetc.errors import InternalError, SpecError
 from hetc.load import load_spec
-from hetc.passes.cost.plan_time import lane_timings
+from hetc.passes.cost.classes import lane_timings
+from hetc.passes.cost.pipeline_stage import pipeline_stages
 from hetc.passes.cost.schedule import step_lower_bound
 from hetc.passes.plan.planner import plan_spec
 from tests.random_jobs import random_job
@@ -54,7 +55,7 @@ def measure(seed: int, size: int, folder: Path) -> dict:
     agreement = compare(built)
     pipeline = result.checked.pipeline
     chunks = max(len(s.ministages) for s in pipeline.stages)
-    bound = step_lower_bound(pipeline.schedule, lane_timings(built.costs), chunks)
+    bound = step_lower_bound(pipeline.schedule, lane_timings(pipeline.schedule, pipeline_stages(built.costs)), chunks)
     return {"outcome": "agrees" if agreement.within(TOLERANCE) else "gap", "step_gap": agreement.step_gap,
             "memory_gap": agreement.worst_memory_gap[1], "ranks": result.checked.pipeline.world_size,
             "bound_ratio": built.step_time_s / bound if bound > 0 else 1.0, "plan_s": planned,

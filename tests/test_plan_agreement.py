@@ -5,7 +5,8 @@ under specs/: the planner either prints a plan or says, located, that
 nothing fits; the plan compiles and verifies (deadlock, dataflow, memory);
 explain's step time is within 10 % of the compiled program's simulated
 step; every rank's memory by explain is within 10 % of the compiled
-program's peak, both ways. The planner searches narrowly here (the
+program's peak, both ways; and so are the planner's own class-by-class
+score of the plan (`hetc plan`'s step time and memory). The planner searches narrowly here (the
 agreement of what it prints is under test, not how well it searches), so
 the family stays within a minute or two of CPU.
 
@@ -23,7 +24,7 @@ import pytest
 from hetc.agreement import Agreement, build, compare
 from hetc.errors import SpecError
 from hetc.load import load_spec
-from hetc.passes.plan.planner import plan_spec
+from hetc.passes.plan.planner import PlanResult, plan_spec
 from hetc.passes.plan.structures import SearchLimits
 from tests.conftest import all_spec_files
 from tests.random_jobs import random_job
@@ -51,8 +52,9 @@ GAPS: dict[int, str] = {15: FALLBACK_ORDER, 56: FALLBACK_ORDER, 48: FILL_BOUND, 
                         39: INTERLEAVED_LOCKSTEP, 81: INTERLEAVED_LOCKSTEP}
 
 
-def _agreement(path: Path, limits: SearchLimits | None) -> Agreement | None:
-    """The planned program beside its estimate; None when nothing fits (said with a location)."""
+def _planned(path: Path, limits: SearchLimits | None) -> tuple[PlanResult, Agreement] | None:
+    """The plan and its compiled program beside its estimate; None when nothing fits (said with a
+    location)."""
     loaded = load_spec(path)
     try:
         result = plan_spec(loaded.spec, None, loaded.path.parent, limits=limits)
@@ -60,13 +62,45 @@ def _agreement(path: Path, limits: SearchLimits | None) -> Agreement | None:
         message = err.diagnostics[0].message
         assert err.diagnostics[0].span.file, f"the 'nothing fits' error has no location: {message}"
         return None
-    return compare(build(result.checked))
+    return result, compare(build(result.checked))
+
+
+def _agreement(path: Path, limits: SearchLimits | None) -> Agreement | None:
+    """The planned program beside its estimate; None when nothing fits (said with a location)."""
+    got = _planned(path, limits)
+    return None if got is None else got[1]
 
 
 def _outcome(path: Path, limits: SearchLimits | None) -> str | None:
-    """None when the plan agrees with its compiled program, else what does not."""
-    agreement = _agreement(path, limits)
-    return None if agreement is None or agreement.within(TOLERANCE) else agreement.describe()
+    """None when the plan (explain's estimate and the planner's own score) agrees with its compiled
+    program, else what does not."""
+    got = _planned(path, limits)
+    if got is None:
+        return None
+    result, agreement = got
+    problems = [] if agreement.within(TOLERANCE) else [agreement.describe()]
+    if result.score is not None:
+        problems += _score_problems(result, agreement)
+    return "; ".join(problems) or None
+
+
+def _score_problems(result: PlanResult, agreement: Agreement) -> list[str]:
+    """The planner's own class-by-class score held to the compiled program, as explain's estimate is."""
+    score, out = result.score, []
+    assert score is not None
+    gap = score.step_time_s / agreement.simulated_s - 1
+    if abs(gap) > TOLERANCE:
+        out.append(f"step: plan {score.step_time_s:.4g} s vs compiled {agreement.simulated_s:.4g} s "
+                   f"({100 * gap:+.1f}%)")
+    rank_of = {g.id: r for r, g in enumerate(result.checked.pipeline.world)}
+    for mem, gpus in zip(score.memory, score.classes, strict=True):
+        for gpu in gpus:
+            peak = agreement.peaks[rank_of[gpu]]
+            if abs(mem.total / peak - 1) > TOLERANCE:
+                out.append(f"memory: rank {rank_of[gpu]} plan {mem.total / 2**30:.2f} GiB vs compiled "
+                           f"{peak / 2**30:.2f} GiB")
+                break
+    return out
 
 
 def _jobs() -> list:

@@ -27,7 +27,7 @@ from hetc.passes.cost.shapes import LayerKind, layer_flops
 from hetc.passes.params import block_params
 from hetc.spec import DTYPE_BYTES, DeviceSpec, ModelSpec
 
-__all__ = ["ComputeModel", "CostError", "LayerTime", "dtype_class"]
+__all__ = ["ComputeModel", "CostError", "LayerCost", "LayerTime", "dtype_class"]
 
 # Bandwidth assumed for memory-bound work when a device declares none (a mid-range GPU).
 DEFAULT_MEMORY_BANDWIDTH = 500e9
@@ -47,6 +47,22 @@ class LayerTime:
     backward: float     # input-grad + weight-grad
     needs_tp_comm: bool  # True when the TP all-reduces are not inside the measured time
     source: str
+
+
+@dataclass(frozen=True, slots=True)
+class LayerCost:
+    """One layer on one rank for one microbatch: forward, input-grad, weight-grad seconds, its
+    communication and recomputation included (`CostModel.layer_cost`)."""
+
+    forward: float
+    input_grad: float
+    weight_grad: float
+
+    def phase(self, phase: str) -> float:
+        """F, I, W, or B = I + W."""
+        if phase == "B":
+            return self.input_grad + self.weight_grad
+        return {"F": self.forward, "I": self.input_grad, "W": self.weight_grad}[phase]
 
 
 class ComputeModel:

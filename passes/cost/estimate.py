@@ -6,40 +6,18 @@ from dataclasses import asdict, dataclass
 
 from hetc.layout import replication
 from hetc.passes.cost import traffic
-from hetc.passes.cost.experts import ep_comm_time, ep_group, expert_group, sharded_numel
-from hetc.passes.cost.memory import context_reserve, in_flight, interleaved_update, offloaded, resident_params
-from hetc.passes.cost.plan_time import PlanTime, border_time, plan_time, sync_time, zorse_units
+from hetc.passes.cost.experts import ep_comm_time, ep_group, expert_group
+from hetc.passes.cost.classes import PlanTime, throughput, tokens_per_step
+from hetc.passes.cost.memory import RankMemory
+from hetc.passes.cost.pipeline_stage import pipeline_stages
+from hetc.passes.cost.plan_time import border_time, stage_sync_time, zorse_unit
 from hetc.passes.cost.provenance import Provenance, provenance
 from hetc.passes.cost.shapes import LayerKind, layer_kind
 from hetc.passes.cost.utilization import Utilization, flop_counts, utilization
 from hetc.pipeline import Stage
-from hetc.spec import OffloadTarget, ScheduleKind
+from hetc.spec import ScheduleKind
 
 __all__ = ["Estimate", "GroupTraffic", "RankMemory", "build_estimate"]
-
-
-@dataclass(frozen=True)
-class RankMemory:
-    rank: int
-    gpu: str
-    device: str
-    stage: int
-    params: float
-    grads: float
-    optimizer: float
-    activations: float
-    buffers: float
-    reserve: float
-    capacity: float
-    host: float   # offloaded to host memory
-
-    @property
-    def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.buffers + self.reserve
-
-    @property
-    def fits(self) -> bool:
-        return self.total <= self.capacity
 
 
 @dataclass(frozen=True)
@@ -67,7 +45,7 @@ class Estimate:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.tokens_per_step / self.step_time_s if self.step_time_s > 0 else 0.0
+        return throughput(self.tokens_per_step, self.step_time_s)
 
     @property
     def mfu(self) -> float:
@@ -108,59 +86,13 @@ class Estimate:
 
 def build_estimate(cm) -> Estimate:
     p, m = cm.pipeline, cm.model
-    timing = plan_time(cm)
-    tokens = p.num_microbatches * p.micro_batch * m.seq
+    timing = cm.evaluation.time
+    tokens = tokens_per_step(p.num_microbatches, p.micro_batch, m.seq)
     flops = flop_counts(m, p)
+    memory = sorted((mem for s in pipeline_stages(cm) for mem, _ in s.memory_classes(cm.in_flight_limits[s.index])),
+                    key=lambda mem: mem.rank)
     return Estimate(timing.step, tokens, flops.model, flops.hardware, utilization(m, p, cm.topology, timing.step),
-                    timing, tuple(_memory(cm, r) for r in range(p.world_size)),
-                    tuple(_traffic(cm, timing)), p.schedule.value, provenance(cm))
-
-
-# ------------------------------------------------------------------ memory
-
-
-def _memory(cm, rank: int) -> RankMemory:
-    stage = cm.stage_of(rank)
-    shard = cm.shard(rank)
-    mss = stage.ministages
-    off_params, off_opt = offloaded(stage.offload)
-    params = sum(cm.param_bytes(ms, rank) for ms in mss)
-    largest = max(cm.param_bytes(ms, rank) for ms in mss)
-    clip = cm.spec.train.grad_clip
-    resident = resident_params(cm.pipeline.schedule, clip, params, largest, cm.pipeline.prefetch) if off_params \
-        else params
-    grads = sum(sharded_numel(cm, ms, rank, "grads") for ms in mss) * cm.states.grads
-    if interleaved_update(cm.pipeline.schedule, clip):  # reduced and stepped right after each ministage
-        grads = max(cm.grad_bytes(ms, rank) for ms in mss)
-    optimizer = sum(sharded_numel(cm, ms, rank, "optimizer") for ms in mss) * cm.states.optimizer
-    acts, acts_host = _activations(cm, stage, rank)
-    # ZeRO-3 gathers full parameters only where there is a group to gather from
-    gathers = stage.zero.resolved_level >= 3 and len(cm.zero_group(rank)) > 1
-    gather = (1 + cm.pipeline.prefetch) * largest if gathers else 0.0
-    gpu = cm.gpu(rank)
-    context = context_reserve(gpu.device.memory, gpu.device.is_cpu)
-    host = (params * shard.params if off_params else 0.0) + (optimizer if off_opt else 0.0) + acts_host
-    return RankMemory(rank, str(gpu), gpu.device.name, stage.index, resident * shard.params, grads,
-                      0.0 if off_opt else optimizer, acts, cm.reserve_bytes(rank) - context + gather, context,
-                      gpu.device.memory, host)
-
-
-def _activations(cm, stage: Stage, rank: int) -> tuple[float, float]:
-    """(on the device, on the host) activation bytes at this rank's peak."""
-    p = cm.pipeline
-    lane = p.lane_of_rank[rank]
-    per_mb = [cm.activation_bytes(ms, rank) for ms in stage.ministages]
-    n = len(lane.microbatches)
-    if p.schedule is not ScheduleKind.ZORSE:
-        held = in_flight(p.schedule, stage.index, len(p.stages), n, len(stage.ministages),
-                         cm.in_flight_limits[stage.index])
-        return held * sum(per_mb), 0.0
-    if stage.offload.activations is OffloadTarget.NONE:
-        return n * sum(per_mb), 0.0
-    # boundary inputs of every microbatch on the host; one ministage recomputed at a time on the device
-    boundary = sum(cm.held_boundary_bytes(ms - 1, stage) for ms in stage.ministages if ms > 0)
-    buffers = (1 + p.prefetch) * max((cm.held_boundary_bytes(ms, stage) for ms in stage.ministages), default=0.0)
-    return max(per_mb) + buffers, n * boundary
+                    timing, tuple(memory), tuple(_traffic(cm, timing)), p.schedule.value, provenance(cm))
 
 
 # ------------------------------------------------------------------ traffic
@@ -182,9 +114,9 @@ def _traffic(cm, timing: PlanTime) -> list[GroupTraffic]:
             level = stage.zero.resolved_level
             sent = traffic.zero_bytes(level, p.schedule, nbytes, replicas, n_mb)
             if p.schedule is ScheduleKind.ZORSE:  # gathered for the forward and the backward, reduced once
-                seconds = sum(2 * u.fetch + u.sync for u in zorse_units(cm) if u.stage == stage.index)
+                seconds = sum(2 * u.fetch + u.sync for u in (zorse_unit(cm, stage, ms) for ms in stage.ministages))
             else:
-                seconds = sync_time(cm, stage, rank) + n_mb * lanes[(stage.index, 0)].overlapped
+                seconds = stage_sync_time(cm, stage, rank) + n_mb * lanes[(stage.index, 0)].overlapped
             over = f"{len(stage.lanes)} lanes" + (f" x cp {stage.cp}" if stage.cp > 1 else "")
             out.append(GroupTraffic("dp", f"stage {stage.name}: ZeRO-{level} over {over}",
                                     cm.zero_group(rank), sent, seconds))

@@ -19,21 +19,30 @@ Activations in flight per rank depend on the schedule (see `in_flight`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hetc.spec import DTYPE_BYTES, ModelSpec, OffloadSpec, OffloadTarget, ScheduleKind, ZeroSpec
+from hetc.topology import Gpu
 
 __all__ = [
     "GRAD_BUCKET_PARAMS",
+    "RankMemory",
     "ShardFactors",
     "StateBytes",
+    "StateMemory",
+    "StatesHeld",
+    "activation_memory",
     "context_reserve",
     "in_flight",
     "interleaved_update",
     "offloaded",
+    "rank_memory",
     "resident_params",
     "shard_factors",
     "state_bytes_per_param",
+    "state_memory",
+    "transfer_buffers",
 ]
 
 # Megatron's default DDP bucket (40M parameters): gradients are reduced bucket by bucket.
@@ -133,3 +142,104 @@ def in_flight(schedule: ScheduleKind, stage: int, num_stages: int, microbatches:
 def context_reserve(memory: float, is_cpu: bool) -> float:
     """Framework reserve of a device with `memory` bytes: context plus allocator fragmentation."""
     return (CPU_CONTEXT_BYTES if is_cpu else GPU_CONTEXT_BYTES) + FRAGMENTATION * memory
+
+
+def transfer_buffers(held_boundary: float, grads_kept: float, lanes: int, grad_bytes_per_param: float) -> float:
+    """Bytes a rank keeps for transfers: a send and a receive buffer of the largest activation it holds
+    at a border (`held_boundary`), and one gradient bucket being reduced when the stage has replicas."""
+    bucket = min(grads_kept, GRAD_BUCKET_PARAMS * grad_bytes_per_param) if lanes > 1 else 0.0
+    return 2 * held_boundary + bucket
+
+
+@dataclass(frozen=True, slots=True)
+class StatesHeld:
+    """A rank's model states before the memory policy places them (bytes; `CostModel` or the planner)."""
+
+    params: Sequence[float]   # each ministage's parameters (this rank's tp/ep part, not ZeRO-sharded)
+    grads: Sequence[float]    # each ministage's gradients, likewise
+    grads_kept: float         # gradients ZeRO leaves this rank (experts sharded over their own group)
+    optimizer_kept: float     # optimizer state ZeRO leaves this rank
+    shard: ShardFactors
+    gathers: bool             # ZeRO-3 with a group to gather from: full parameters come and go
+    lanes: int                # lanes of the stage (a gradient bucket when more than one)
+    held_boundary: float      # the largest activation this rank holds at a border
+    grad_bytes_per_param: float
+
+
+@dataclass(frozen=True, slots=True)
+class StateMemory:
+    """Model states and buffers on a rank's device, and what is offloaded to its host."""
+
+    params: float
+    grads: float
+    optimizer: float
+    buffers: float
+    host: float
+
+
+def state_memory(held: StatesHeld, offload: OffloadSpec, schedule: ScheduleKind, grad_clip: float,
+                 prefetch: int) -> StateMemory:
+    """Where a rank's states sit at its peak: resident parameters (Note [parameter residency]), gradients
+    (one ministage's when each is stepped right after its backward), optimizer state unless offloaded,
+    and buffers: transfers plus ZeRO-3's gathered parameters (the current ministage and `prefetch` more)."""
+    off_params, off_opt = offloaded(offload)
+    params, largest = sum(held.params), max(held.params)
+    resident = resident_params(schedule, grad_clip, params, largest, prefetch) if off_params else params
+    grads = max(held.grads) if interleaved_update(schedule, grad_clip) else held.grads_kept
+    gather = (1 + prefetch) * largest if held.gathers else 0.0
+    sharded_grads = sum(held.grads) * held.shard.grads
+    buffers = transfer_buffers(held.held_boundary, sharded_grads, held.lanes, held.grad_bytes_per_param) + gather
+    host = (params * held.shard.params if off_params else 0.0) + (held.optimizer_kept if off_opt else 0.0)
+    return StateMemory(resident * held.shard.params, grads, 0.0 if off_opt else held.optimizer_kept, buffers, host)
+
+
+def activation_memory(schedule: ScheduleKind, stage: int, num_stages: int, microbatches: int,
+                      per_microbatch: Sequence[float], limit: int | None, offload_activations: bool,
+                      boundary_inputs: float, largest_boundary: float, prefetch: int) -> tuple[float, float]:
+    """(on the device, on the host) activation bytes at the peak of a rank of `stage` serving
+    `microbatches`, whose ministages stash `per_microbatch` bytes each per microbatch.
+
+    Per-microbatch schedules keep `in_flight` microbatches of every
+    ministage; Zorse runs one ministage over every microbatch, so it keeps
+    them all, or with activations offloaded only each microbatch's boundary
+    inputs (`boundary_inputs`, on the host) and one ministage recomputed at a
+    time, beside `prefetch` + 1 boundary buffers on the device.
+    """
+    if schedule is not ScheduleKind.ZORSE:
+        held = in_flight(schedule, stage, num_stages, microbatches, len(per_microbatch), limit)
+        return held * sum(per_microbatch), 0.0
+    if not offload_activations:
+        return microbatches * sum(per_microbatch), 0.0
+    return max(per_microbatch) + (1 + prefetch) * largest_boundary, microbatches * boundary_inputs
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    rank: int
+    gpu: str
+    device: str
+    stage: int
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+    reserve: float
+    capacity: float
+    host: float   # offloaded to host memory
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers + self.reserve
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+
+def rank_memory(rank: int, gpu: Gpu, stage: int, states: StateMemory, activations: tuple[float, float]
+                ) -> RankMemory:
+    """The breakdown of one rank: `state_memory` and `activation_memory` on its device."""
+    context = context_reserve(gpu.device.memory, gpu.device.is_cpu)
+    return RankMemory(rank, str(gpu), gpu.device.name, stage, states.params, states.grads, states.optimizer,
+                      activations[0], states.buffers, context, gpu.device.memory, states.host + activations[1])

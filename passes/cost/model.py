@@ -13,23 +13,22 @@ from collections.abc import Sequence
 from functools import cached_property
 
 from hetc.layout import held_fraction
-from hetc.passes.cost.compute import DEFAULT_MEMORY_BANDWIDTH, ComputeModel
+from hetc.passes.cost.compute import DEFAULT_MEMORY_BANDWIDTH, ComputeModel, LayerCost
 from hetc.passes.cost.cores import host_slowdowns
 from hetc.passes.cost.experts import ep_comm_time
 from hetc.passes.cost.memory import (
-    GRAD_BUCKET_PARAMS,
     ShardFactors,
     context_reserve,
     shard_factors,
     state_bytes_per_param,
+    transfer_buffers,
 )
 from hetc.passes.cost.network import Bandwidth, ring_chunk, ring_steps
 from hetc.passes.cost.profiles import Profiles
 from hetc.passes.cost.shapes import LayerKind, activation_elements, layer_flops, layer_kind, params_per_rank
 from hetc.passes.params import expert_params
 from hetc.pipeline import Ministage, Pipeline, Stage
-from hetc.spec import (DTYPE_BYTES, Checkpointing, CPKind, DeviceSpec, ModelSpec, OffloadTarget, ScheduleKind,
-                       Spec, ZeroShard)
+from hetc.spec import (DTYPE_BYTES, Checkpointing, CPKind, DeviceSpec, ModelSpec, OffloadTarget, Spec, ZeroShard)
 from hetc.topology import Gpu, Topology
 
 __all__ = ["CPU_OPTIMIZER_BYTES_PER_S", "PHASES", "CostModel", "optimizer_seconds", "ring_pair_kinds"]
@@ -53,7 +52,10 @@ class CostModel:
         self.states = state_bytes_per_param(self.model)
         self._zero_groups: dict[int, tuple[int, ...]] = {}
         self._routes: dict[int, dict[int, int]] = {}
+        self._peers: dict[tuple[int, int], tuple[int, ...]] = {}
         self._collectives: dict[tuple, float] = {}
+        self._ring_kinds: dict[tuple, tuple[tuple[Gpu, Gpu, int], ...]] = {}
+        self._p2p: dict[tuple, float] = {}
         self._compute_times: dict[tuple[int, int, str], float] = {}
         self._fits: dict[tuple, Bandwidth | None] = {}
         # Note [shared cores]: the plan's ranks on a node with fewer cores than ranks compute slower
@@ -79,6 +81,17 @@ class CostModel:
             table = {mb: lane.index for lane in self.pipeline.stages[stage].lanes for mb in lane.microbatches}
             self._routes[stage] = table
         return table
+
+    def peer_lanes(self, stage: int, other: int) -> tuple[int, ...]:
+        """Per lane of `stage`, the lane of `other` serving most of its microbatches (`plan_time.peer_lanes`)."""
+        got = self._peers.get((stage, other))
+        if got is None:
+            from hetc.passes.cost.plan_time import peer_lanes
+            m = range(self.pipeline.num_microbatches)
+            mine, theirs = self.lane_of_microbatch(stage), self.lane_of_microbatch(other)
+            got = self._peers[(stage, other)] = peer_lanes([mine[mb] for mb in m], [theirs[mb] for mb in m],
+                                                           len(self.pipeline.stages[stage].lanes))
+        return got
 
     def tp_group(self, rank: int) -> tuple[int, ...]:
         """The ranks of this rank's lane that share its sequence part (its TP group)."""
@@ -158,13 +171,16 @@ class CostModel:
         """The activation leaving ministage `ms` for one microbatch (none after the last)."""
         return 0.0 if ms == len(self.pipeline.ministages) - 1 else self.hidden_bytes
 
+    def largest_held_boundary(self, stage: Stage) -> float:
+        """The largest activation a rank of `stage` holds at one of its borders."""
+        return max((self.held_boundary_bytes(ms, stage) for ms in stage.ministages), default=0.0)
+
     def reserve_bytes(self, rank: int) -> float:
         device = self.gpu(rank).device
         stage = self.stage_of(rank)
-        p2p = 2 * max((self.held_boundary_bytes(ms, stage) for ms in stage.ministages), default=0.0)
         grads = sum(self.grad_bytes(ms, rank) for ms in stage.ministages) * self.shard(rank).grads
-        bucket = min(grads, GRAD_BUCKET_PARAMS * self.states.grads) if len(stage.lanes) > 1 else 0.0
-        return context_reserve(device.memory, device.is_cpu) + p2p + bucket
+        return context_reserve(device.memory, device.is_cpu) + \
+            transfer_buffers(self.largest_held_boundary(stage), grads, len(stage.lanes), self.states.grads)
 
     # ------------------------------------------------------------ time (seconds)
 
@@ -175,7 +191,8 @@ class CostModel:
         if got is None:
             if phase not in PHASES:
                 raise ValueError(f"phase must be one of {', '.join(PHASES)}, not {phase!r}")
-            got = sum(self._layer_time(rank, i, phase) for i in self.ministage(ms).layers) * self.slowdown(rank)
+            got = sum(self._layer_cost(rank, i).phase(phase) for i in self.ministage(ms).layers) * \
+                self.slowdown(rank)
             self._compute_times[key] = got
         return got
 
@@ -183,42 +200,53 @@ class CostModel:
         """How many times slower this rank computes for sharing its node's cores (Note [shared cores])."""
         return self._slowdown.get(self.gpu(rank).host, 1.0)
 
-    def _layer_time(self, rank: int, idx: int, phase: str) -> float:
-        if phase == "B":
-            return self._layer_time(rank, idx, "I") + self._layer_time(rank, idx, "W")
-        stage, kind = self.stage_of(rank), layer_kind(self.model, idx)
-        measured = self.compute.layer(self.gpu(rank).device.name, kind, self.pipeline.micro_batch, stage.tp)
+    def _layer_cost(self, rank: int, idx: int) -> LayerCost:
+        stage = self.stage_of(rank)
+        block = layer_kind(self.model, idx) == LayerKind.BLOCK
+        return self.layer_cost(self.gpu(rank).device.name, idx, stage.tp, stage.cp, self.tp_group(rank),
+                               stage.offload.activations is not OffloadTarget.NONE,
+                               ep_comm_time(self, rank) if block else 0.0,
+                               self.cp_comm_time(rank) if block else (0.0, 0.0))
+
+    def layer_cost(self, device: str, idx: int, tp: int, cp: int, tp_group: tuple[int, ...], rerun: bool,
+                   expert_comm: float = 0.0, cp_comm: tuple[float, float] = (0.0, 0.0)) -> LayerCost:
+        """Layer `idx` on a rank of `device` for one microbatch, its lane split tp × cp: the measured (or
+        arithmetic) time, the exposed TP all-reduces over `tp_group`, a block's expert and (forward,
+        backward) context-parallel communication, and the forward work the backward repeats (`rerun`:
+        activations offloaded, so the ministage runs again)."""
+        kind = layer_kind(self.model, idx)
+        measured = self.compute.layer(device, kind, self.pipeline.micro_batch, tp)
         flops = layer_flops(self.model, idx, self.pipeline.micro_batch)
         share_i = flops.input_grad / flops.backward if flops.backward else 0.0
-        comm = self.tp_comm_time(rank) if (measured.needs_tp_comm and kind == LayerKind.BLOCK) else 0.0
-        comm += ep_comm_time(self, rank) if kind == LayerKind.BLOCK else 0.0
-        cp_comm = self.cp_comm_time(rank) if kind == LayerKind.BLOCK else (0.0, 0.0)
-        fwd = measured.forward / stage.cp
-        if phase == "F":
-            return fwd + comm + cp_comm[0]
-        if phase == "W":
-            return measured.backward / stage.cp * (1.0 - share_i)
-        return measured.backward / stage.cp * share_i + comm + cp_comm[1] + \
-            self._recompute(stage, idx, fwd + comm + cp_comm[0], flops)
+        block = kind == LayerKind.BLOCK
+        comm = self.tp_all_reduce_time(tp_group, cp) if (measured.needs_tp_comm and block) else 0.0
+        comm += expert_comm
+        forward = measured.forward / cp + comm + cp_comm[0]
+        return LayerCost(forward,
+                         measured.backward / cp * share_i + comm + cp_comm[1] +
+                         self._recompute(kind, forward, flops, rerun),
+                         measured.backward / cp * (1.0 - share_i))
 
-    def _recompute(self, stage: Stage, idx: int, forward: float, flops) -> float:
+    def _recompute(self, kind: str, forward: float, flops, rerun: bool) -> float:
         """Forward work the backward repeats: activation checkpointing, and with activations offloaded
         the whole ministage once more (only its boundary input was kept; the runtime reruns it)."""
-        ministage = forward if stage.offload.activations is not OffloadTarget.NONE else 0.0
+        ministage = forward if rerun else 0.0
         ckpt = self.model.activation_checkpoint
-        if ckpt is Checkpointing.FULL and layer_kind(self.model, idx) == LayerKind.BLOCK:
+        if ckpt is Checkpointing.FULL and kind == LayerKind.BLOCK:
             return ministage + forward
         if ckpt is Checkpointing.SELECTIVE and flops.forward:
             return ministage + forward * flops.attention / flops.forward
         return ministage
 
     def tp_comm_time(self, rank: int) -> float:
-        """Two all-reduces (attention out, FFN out) of b·S·H per block and pass; Megatron-SP's
-        reduce-scatter + all-gather pairs move the same bytes."""
-        group = self.tp_group(rank)
+        return self.tp_all_reduce_time(self.tp_group(rank), self.stage_of(rank).cp)
+
+    def tp_all_reduce_time(self, group: tuple[int, ...], cp: int) -> float:
+        """Two all-reduces (attention out, FFN out) of b·S·H/cp per block and pass over `group`;
+        Megatron-SP's reduce-scatter + all-gather pairs move the same bytes."""
         if len(group) < 2:
             return 0.0
-        return 2 * self.collective_time("all_reduce", group, self.hidden_bytes / self.stage_of(rank).cp)
+        return 2 * self.collective_time("all_reduce", group, self.hidden_bytes / cp)
 
     def cp_comm_time(self, rank: int) -> tuple[float, float]:
         """(forward, backward) exposed context-parallel communication per block."""
@@ -248,30 +276,49 @@ class CostModel:
         return optimizer_seconds(self.model, self.gpu(rank).device, numel, on_host) * self.slowdown(rank)
 
     def p2p_time(self, src: int, dst: int, nbytes: float, concurrent: int = 1) -> float:
-        """Send `nbytes` from `src` to `dst` while `concurrent` such transfers share each node's link."""
+        """Send `nbytes` from `src` to `dst` while `concurrent` such transfers share each node's link.
+
+        A link depends on the two node groups and whether they share a host
+        (`link`), so the time is memoised on those, not on the ranks.
+        """
         if nbytes <= 0 or src == dst:
             return 0.0
-        rate, latency = self.link(self.gpu(src), self.gpu(dst), nbytes, 2, concurrent)
-        return latency + nbytes / rate
-
-    def collective_time(self, kind: str, ranks: Sequence[int], nbytes: float, concurrent: int = 1) -> float:
-        """A ring collective over `ranks` (in ring order) of the full buffer `nbytes`."""
-        key = (kind, tuple(ranks), nbytes, concurrent)
-        got = self._collectives.get(key)
+        a, b = self.gpu(src), self.gpu(dst)
+        key = (a.group, b.group, a.host == b.host, nbytes, concurrent)
+        got = self._p2p.get(key)
         if got is None:
-            got = self._collectives[key] = self._ring_time(kind, key[1], nbytes, concurrent)
+            rate, latency = self.link(a, b, nbytes, 2, concurrent)
+            got = self._p2p[key] = latency + nbytes / rate
         return got
 
-    def _ring_time(self, kind: str, ranks: tuple[int, ...], nbytes: float, concurrent: int) -> float:
+    def collective_time(self, kind: str, ranks: Sequence[int], nbytes: float, concurrent: int = 1) -> float:
+        """A ring collective over `ranks` (in ring order) of the full buffer `nbytes`.
+
+        A ring runs as fast as its slowest pair, and pairs alike in kind
+        (`ring_pair_kinds`) time alike, so the time is memoised on the
+        ring's size and kinds of pair: rings of other ranks over the same
+        kinds of link (other lanes, other candidate plans) cost a lookup.
+        """
         n = len(ranks)
         steps = ring_steps(kind, n)
         if steps == 0 or nbytes <= 0:
             return 0.0
-        chunk = ring_chunk(nbytes, n)
-        worst = max(chunk / rate + latency for rate, latency in
-                    (self.link(a, b, chunk, ring_size, concurrent)
-                     for a, b, ring_size in ring_pair_kinds(kind, tuple(self.gpu(r) for r in ranks))))
-        return steps * worst
+        kinds = self._pair_kinds(kind, tuple(ranks))
+        key = (kind, n, nbytes, concurrent, tuple((a.group, b.group, a.host == b.host, size) for a, b, size in kinds))
+        got = self._collectives.get(key)
+        if got is None:
+            chunk = ring_chunk(nbytes, n)
+            worst = max(chunk / rate + latency for rate, latency in
+                        (self.link(a, b, chunk, size, concurrent) for a, b, size in kinds))
+            got = self._collectives[key] = steps * worst
+        return got
+
+    def _pair_kinds(self, kind: str, ranks: tuple[int, ...]) -> tuple[tuple[Gpu, Gpu, int], ...]:
+        key = (kind, ranks)
+        got = self._ring_kinds.get(key)
+        if got is None:
+            got = self._ring_kinds[key] = tuple(ring_pair_kinds(kind, tuple(self.gpu(r) for r in ranks)))
+        return got
 
     def microbatch_overhead(self, rank: int) -> float:
         """Seconds this rank's engine spends per microbatch outside the layers (measured, else 0)."""
@@ -308,21 +355,16 @@ class CostModel:
     # ------------------------------------------------------------ the whole plan
 
     @cached_property
-    def coupled_stages(self) -> dict[int, int]:
-        """Stages whose lanes run in lockstep (per-microbatch ZeRO-2/3 collectives): stage -> lanes."""
-        p = self.pipeline
-        per_mb = p.schedule is not ScheduleKind.ZORSE
-        return {s.index: len(s.lanes) for s in p.stages if per_mb and len(s.lanes) > 1 and s.zero.resolved_level >= 2}
+    def evaluation(self):
+        """The step's composition over this pipeline (classes.py), its memory left to `estimate`."""
+        from hetc.passes.cost.pipeline_stage import evaluate_pipeline
+        return evaluate_pipeline(self, memory=False)
 
-    @cached_property
+    @property
     def in_flight_limits(self) -> dict[int, int]:
         """Per stage, the microbatches a lane keeps in flight (Note [in-flight limit]): what lowering's
         schedule holds each lane to and the estimate counts activations with."""
-        from hetc.passes.cost.plan_time import lane_timings
-        from hetc.passes.cost.schedule import in_flight_limits
-        p = self.pipeline
-        return in_flight_limits(p.schedule, lane_timings(self), len(p.stages), self.coupled_stages,
-                                {s.index: len(s.lanes) for s in p.stages})
+        return self.evaluation.limits
 
     def estimate(self):
         from hetc.passes.cost.estimate import build_estimate

@@ -1,56 +1,29 @@
-"""The step time of a whole plan: lanes' per-microbatch timings, the schedule, the tail.
+"""The cost model's stage quantities for one rank of a resolved Pipeline (`CostModel`).
 
-The tail after the pipeline flush (Megatron-DeepSpeed: `ReduceGrads`, then
-`OptimizerStep`): every stage reduces its gradients over its ZeRO group and
-steps its optimizer as soon as its own last backward is done; stage s
-finishes its backward earlier than stage 0 by the drain behind it, so only
-what is left of its tail after that lead is exposed.
+What `pipeline_stage.PipelineStage` answers the composition (classes.py)
+with: a lane's per-microbatch compute and border transfers, its ZeRO
+collectives (`zero_time`) with the rank's own groups, the flush tail of a
+stage (Megatron-DeepSpeed: `ReduceGrads`, then `OptimizerStep`), Zorse's
+units. The composition is the same the planner's class-by-class view of a
+candidate feeds (passes/plan/stagecosts.py).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
 
-from hetc.passes.cost.memory import interleaved_update, offloaded
-from hetc.passes.cost.schedule import (LaneTiming, Unit, UnitLane, lockstep_fill, pipeline_time, sequential_time,
-                                      step_lower_bound, zero_cycle)
+from hetc.passes.cost.memory import offloaded
+from hetc.passes.cost.schedule import Unit, UnitLane
+from hetc.passes.cost.zero_time import (ZeroRings, across_nodes, fetch_time, first_gather_time, flush_time,
+                                       optimizer_step_time, sync_time, zero_collectives)
 from hetc.pipeline import Lane, Stage
-from hetc.spec import OffloadTarget, ScheduleKind, ZeroShard
+from hetc.spec import OffloadTarget, ZeroShard
 
-__all__ = ["PlanTime", "border_time", "gathers_per_microbatch", "lane_timings", "plan_time", "step_end_time",
-           "sync_time", "zorse_units"]
-
-
-@dataclass(frozen=True)
-class PlanTime:
-    step: float
-    pipeline: float
-    bubble: float
-    tail: float
-    lanes: tuple[LaneTiming, ...]
-    bottleneck: tuple[int, int] | None
-
-
-def plan_time(cm) -> PlanTime:
-    lanes = lane_timings(cm)
-    p = cm.pipeline
-    end = step_end_time(cm.spec.train.grad_clip > 0,
-                        lambda nbytes: cm.collective_time("all_reduce", tuple(range(p.world_size)), nbytes))
-    if p.schedule is ScheduleKind.ZORSE:
-        total = sequential_time(zorse_units(cm), p.num_microbatches,
-                                not interleaved_update(p.schedule, cm.spec.train.grad_clip))
-        busy = max(t.work for t in lanes)
-        return PlanTime(total + end, total, max(0.0, total - busy), end, tuple(lanes), None)
-    chunks = max(len(s.ministages) for s in p.stages)
-    pipe = pipeline_time(p.schedule, lanes, chunks)
-    # never below the lower bound of the step (docs/costmodel.md), then the lockstep stages' fill
-    extra = max(0.0, step_lower_bound(p.schedule, lanes, chunks) - pipe.total) + \
-        lockstep_fill(p.schedule, lanes, len(p.stages), cm.coupled_stages, {s.index: len(s.lanes) for s in p.stages})
-    # the first stage's first compute op waits for its ZeRO-3 gather: nothing runs beside it yet
-    tail = _tail(cm, lanes) + end + _first_gather(cm)
-    return PlanTime(pipe.total + extra + tail, pipe.total + extra, pipe.bubble + extra, tail, tuple(lanes),
-                    pipe.bottleneck)
+__all__ = ["border_time", "collectives", "first_gather", "kind_reps", "ministage_borders", "p2p_per_microbatch",
+           "peer_lanes",
+           "shares", "stage_borders", "stage_flush", "stage_sync_time", "step_end_time", "unit_lane", "zero_rings",
+           "zorse_unit"]
 
 
 # what the all-reduces of the step's loss and squared gradient norm carry (one float64 each)
@@ -66,25 +39,7 @@ def step_end_time(clips: bool, all_reduce) -> float:
     return all_reduce(SCALAR_BYTES) * (2 if clips else 1)
 
 
-def lane_timings(cm) -> list[LaneTiming]:
-    out = []
-    for stage in cm.pipeline.stages:
-        for lane in stage.lanes:
-            reps = _reps(cm, lane.ranks)
-            f, i, w = (max(sum(cm.compute_time(r, ms, ph) for ms in stage.ministages) for r in reps)
-                       for ph in ("F", "I", "W"))
-            f += max(cm.microbatch_overhead(r) for r in reps)
-            p2p = _p2p_per_microbatch(cm, stage, lane)
-            reduce, gather, copies = _collectives(cm, stage, lane)
-            ops = (f, i, w) if cm.pipeline.schedule is ScheduleKind.ZB else (f, i + w)
-            zc = zero_cycle(cm.pipeline.schedule, ops, p2p, reduce, gather, copies, _shares(cm, stage, lane.ranks[0]))
-            out.append(LaneTiming(stage.index, lane.index, len(lane.microbatches), f, i, w, p2p,
-                                  reduce + gathers_per_microbatch(cm.pipeline.schedule) * gather + copies,
-                                  zc.bound, zc.trail))
-    return out
-
-
-def _reps(cm, ranks) -> list[int]:
+def kind_reps(cm, ranks) -> list[int]:
     """One rank per device kind and core share among `ranks`: such ranks time alike."""
     seen: dict[tuple[str, float], int] = {}
     for r in sorted(ranks):
@@ -98,11 +53,21 @@ def _concurrent(cm, rank: int) -> int:
     return sum(1 for r in lane.ranks if cm.gpu(r).host == cm.gpu(rank).host)
 
 
+def peer_lanes(mine: Sequence[int], theirs: Sequence[int], num_lanes: int) -> tuple[int, ...]:
+    """For each of one stage's `num_lanes` lanes, the lane of another stage serving most of its
+    microbatches (the lowest on ties): the peer its border transfers are timed with. `mine`, `theirs`:
+    each microbatch's lane in the two stages."""
+    shared = Counter(zip(mine, theirs))
+    best: dict[int, tuple[int, int]] = {}
+    for (la, lb), n in shared.items():
+        if la not in best or (n, -lb) > (best[la][0], -best[la][1]):
+            best[la] = (n, lb)
+    return tuple(best.get(la, (0, 0))[1] for la in range(num_lanes))
+
+
 def _peer_lane(cm, stage: Stage, lane: Lane) -> Lane:
     """The lane of `stage` that serves most of `lane`'s microbatches."""
-    served = Counter(cm.lane_of_microbatch(stage.index)[mb] for mb in lane.microbatches)
-    best = max(served.items(), key=lambda kv: (kv[1], -kv[0]))[0]
-    return stage.lanes[best]
+    return stage.lanes[cm.peer_lanes(cm.stage_of(lane.ranks[0]).index, stage.index)[lane.index]]
 
 
 def border_time(cm, stage: Stage, lane: Lane, other: Stage, ms: int) -> float:
@@ -120,158 +85,119 @@ def border_time(cm, stage: Stage, lane: Lane, other: Stage, ms: int) -> float:
     return cm.p2p_time(src, dst, share, _concurrent(cm, src))
 
 
-def _p2p_per_microbatch(cm, stage: Stage, lane: Lane) -> float:
+def ministage_borders(ms: int, stage: int, stage_of: Callable[[int], int], count: int
+                      ) -> tuple[int | None, int | None]:
+    """(the stage after ministage `ms`'s outgoing border, the stage before its incoming one): None where
+    the neighbouring ministage is absent or of the same `stage`; `count` ministages in all."""
+    out = stage_of(ms + 1) if ms + 1 < count and stage_of(ms + 1) != stage else None
+    back = stage_of(ms - 1) if ms > 0 and stage_of(ms - 1) != stage else None
+    return out, back
+
+
+def stage_borders(ministages: Sequence[int], stage: int, stage_of: Callable[[int], int], count: int
+                  ) -> Iterator[tuple[int, int]]:
+    """(other stage, ministage whose activation crosses) for every border a stage's microbatch crosses:
+    one transfer each, per microbatch, activation or gradient (docs/costmodel.md)."""
+    for ms in ministages:
+        out, back = ministage_borders(ms, stage, stage_of, count)
+        if back is not None:
+            yield back, ms - 1
+        if out is not None:
+            yield out, ms
+
+
+def p2p_per_microbatch(cm, stage: Stage, lane: Lane) -> float:
     p = cm.pipeline
-    total = 0.0
-    for ms in stage.ministages:
-        for nb, border in ((ms - 1, ms - 1), (ms + 1, ms)):
-            if 0 <= nb < len(p.ministages) and p.ministages[nb].stage != stage.index:
-                total += border_time(cm, stage, lane, p.stages[p.ministages[nb].stage], border)
-    return total
+    return sum(border_time(cm, stage, lane, p.stages[other], ms)
+               for other, ms in stage_borders(stage.ministages, stage.index, _stage_of(cm), len(p.ministages)))
+
+
+def _stage_of(cm) -> Callable[[int], int]:
+    return lambda ms: cm.pipeline.ministages[ms].stage
 
 
 def _stage_numel(cm, stage: Stage, rank: int) -> float:
     return sum(cm.numel(ms, rank) for ms in stage.ministages)
 
 
-def _shares(cm, stage: Stage, rank: int) -> tuple[float, float]:
+def zero_rings(cm, rank: int) -> ZeroRings:
+    """This rank's ZeRO groups, its lane's ranks on its node sharing the node's link."""
+    k = _concurrent(cm, rank)
+    group = cm.zero_group(rank)
+    hierarchical = cm.stage_of(rank).zero.shard is ZeroShard.NODE
+    if not hierarchical:
+        return ZeroRings(lambda kind, ranks, nbytes: cm.collective_time(kind, ranks, nbytes, k), group)
+    return ZeroRings(lambda kind, ranks, nbytes: cm.collective_time(kind, ranks, nbytes, k), group,
+                     cm.node_group(rank), across_nodes(group, lambda r: cm.gpu(r).host, rank))
+
+
+def _copier(cm, rank: int) -> Callable[[float], float]:
+    """Seconds to copy bytes between this rank's device and its host."""
+    return lambda nbytes: cm.copy_time(rank, nbytes)
+
+
+def shares(cm, stage: Stage, rank: int) -> tuple[float, float]:
     """The fractions of the stage's parameters in its first and in its largest ministage."""
     whole = max(_stage_numel(cm, stage, rank), 1.0)
     each = [cm.numel(ms, rank) for ms in stage.ministages]
     return each[0] / whole, max(each) / whole
 
 
-def _collectives(cm, stage: Stage, lane: Lane) -> tuple[float, float, float]:
-    """Per-microbatch work beside the compute: (ZeRO-2/3 reduce-scatter, one ZeRO-3 gather, parameter copies
-    from the host), each in seconds (Note [zero cycle] in schedule.py says how the compute waits for them)."""
-    level = stage.zero.resolved_level
+def collectives(cm, stage: Stage, lane: Lane) -> tuple[float, float, float]:
+    """`zero_time.zero_collectives` for the lane's first rank."""
     rank = lane.ranks[0]
-    if cm.pipeline.schedule is ScheduleKind.ZORSE:
-        return 0.0, 0.0, 0.0  # Zorse gathers and reduces once per ministage (see zorse_units)
-    if level < 2 and stage.offload.params is OffloadTarget.NONE:
-        return 0.0, 0.0, 0.0
-    group = cm.node_group(rank) if stage.zero.shard is ZeroShard.NODE else cm.zero_group(rank)
-    nbytes = _stage_numel(cm, stage, rank) * cm.delta
-    k = _concurrent(cm, rank)
-    reduce = cm.collective_time("reduce_scatter", group, nbytes, k) if level >= 2 else 0.0
-    gather = cm.collective_time("all_gather", group, nbytes, k) if level >= 3 else 0.0
-    copies = 2 * cm.copy_time(rank, nbytes * cm.shard(rank).params) \
-        if stage.offload.params is not OffloadTarget.NONE else 0.0
-    return reduce, gather, copies
+    return zero_collectives(cm.pipeline.schedule, stage.zero, stage.offload.params is not OffloadTarget.NONE,
+                           _stage_numel(cm, stage, rank) * cm.delta, zero_rings(cm, rank),
+                           _copier(cm, rank), cm.shard(rank).params)
 
 
-def gathers_per_microbatch(schedule: ScheduleKind) -> int:
-    """ZeRO-3 gathers a ministage's parameters around each of its compute ops: F and B, or F, I and W."""
-    return 3 if schedule is ScheduleKind.ZB else 2
-
-
-def _first_gather(cm) -> float:
-    """ZeRO-3: the first stage waits for its first ministage's gather before anything runs."""
-    stage = cm.pipeline.stages[0]
+def first_gather(cm, stage: Stage) -> float:
     rank = stage.lanes[0].ranks[0]
-    if stage.zero.resolved_level < 3 or len(cm.zero_group(rank)) < 2:
-        return 0.0
-    group = cm.node_group(rank) if stage.zero.shard is ZeroShard.NODE else cm.zero_group(rank)
-    nbytes = cm.numel(stage.ministages[0], rank) * cm.delta
-    return cm.collective_time("all_gather", group, nbytes, _concurrent(cm, rank))
+    return first_gather_time(stage.zero, cm.numel(stage.ministages[0], rank) * cm.delta, zero_rings(cm, rank))
 
 
-def sync_time(cm, stage: Stage, rank: int, per_ministage: bool = False) -> float:
-    """Gradient reduction after the last backward (and ZeRO-1/2's parameter all-gather).
-
-    Under per-microbatch schedules ZeRO-2/3 reduce-scatter after every
-    gradient op; the lane's cycle and trail count those (Note [zero cycle]).
-    """
-    level = stage.zero.resolved_level
-    nbytes = _stage_numel(cm, stage, rank) * cm.delta
-    k = _concurrent(cm, rank)
-    if stage.zero.shard is ZeroShard.NODE:
-        node = cm.node_group(rank)
-        across = tuple(r for r in cm.zero_group(rank) if r in _same_position(cm, rank))
-        inner = (cm.collective_time("reduce_scatter", node, nbytes, k) if level < 2 or per_ministage else 0.0) + \
-            (cm.collective_time("all_gather", node, nbytes, k) if level <= 2 else 0.0)
-        return inner + cm.collective_time("all_reduce", across, nbytes / max(len(node), 1), k)
-    group = cm.zero_group(rank)
-    if level <= 1:
-        return cm.collective_time("all_reduce", group, nbytes, k)
-    gather = cm.collective_time("all_gather", group, nbytes, k) if level == 2 else 0.0
-    if per_ministage:  # Zorse: one reduce-scatter per ministage, then (ZeRO-2) one gather
-        return cm.collective_time("reduce_scatter", group, nbytes, k) + gather
-    return gather
-
-
-def _same_position(cm, rank: int) -> set[int]:
-    """Ranks of the ZeRO group at this rank's index within their node's shard group."""
-    node = cm.node_group(rank)
-    idx = node.index(rank)
-    by_host: dict[tuple[str, int], list[int]] = {}
-    for r in cm.zero_group(rank):
-        by_host.setdefault(cm.gpu(r).host, []).append(r)
-    return {members[idx] for members in by_host.values() if idx < len(members)}
+def stage_sync_time(cm, stage: Stage, rank: int, per_ministage: bool = False) -> float:
+    """`zero_time.sync_time` for `rank` of `stage`."""
+    return sync_time(stage.zero, _stage_numel(cm, stage, rank) * cm.delta, zero_rings(cm, rank), per_ministage)
 
 
 def _opt_time(cm, stage: Stage, rank: int) -> float:
-    numel = _stage_numel(cm, stage, rank) * cm.shard(rank).optimizer
-    t = cm.optimizer_time(rank, numel)
-    if offloaded(stage.offload)[1]:  # gradients down, parameters back up
-        t += cm.copy_time(rank, numel * (cm.states.grads + cm.states.params))
-    return t
+    return optimizer_step_time(lambda numel: cm.optimizer_time(rank, numel), _copier(cm, rank),
+                               _stage_numel(cm, stage, rank) * cm.shard(rank).optimizer,
+                               offloaded(stage.offload)[1], cm.states)
 
 
-def _tail(cm, lanes: list[LaneTiming]) -> float:
-    p = cm.pipeline
-    drain = {s.index: max(t.backward + t.p2p for t in lanes if t.stage == s.index) for s in p.stages}
-    tail, lead = 0.0, 0.0
-    for stage in p.stages:
-        # ranks at one position of every lane sync together; the optimizer differs by device kind
-        step = max(_opt_time(cm, stage, r) for r in _reps(cm, stage.ranks))
-        trail = max(t.trail for t in lanes if t.stage == stage.index)
-        worst = trail + max(sync_time(cm, stage, r) for r in stage.lanes[0].ranks) + step
-        tail = max(tail, worst - lead)
-        lead += drain[stage.index]
-    return max(tail, 0.0)
+def stage_flush(cm, stage: Stage) -> float:
+    """`zero_time.flush_time`: lane 0's ranks stand for the positions, one rank of each device kind."""
+    return flush_time((stage_sync_time(cm, stage, r) for r in stage.lanes[0].ranks),
+                      (_opt_time(cm, stage, r) for r in kind_reps(cm, stage.ranks)))
 
 
 # ------------------------------------------------------------------ Zorse units
 
 
-def zorse_units(cm) -> list[Unit]:
-    p = cm.pipeline
-    units = []
-    for ms in p.ministages:
-        stage = p.stages[ms.stage]
-        rank = stage.lanes[0].ranks[0]
-        lanes = tuple(_unit_lane(cm, stage, lane, ms.index) for lane in stage.lanes)
-        numel = cm.numel(ms.index, rank)
-        fetch = 0.0
-        if int(stage.zero.level) >= 3:
-            fetch += cm.collective_time("all_gather", cm.zero_group(rank), numel * cm.delta,
-                                        _concurrent(cm, rank))
-        if stage.offload.params is not OffloadTarget.NONE:
-            fetch += cm.copy_time(rank, numel * cm.delta * cm.shard(rank).params)
-        ratio = numel / max(_stage_numel(cm, stage, rank), 1.0)
-        sync = sync_time(cm, stage, rank, per_ministage=True) * ratio
-        step = _opt_time(cm, stage, rank) * ratio
-        units.append(Unit(stage.index, lanes, fetch, sync, step, offloaded(stage.offload)[1]))
-    return units
+def zorse_unit(cm, stage: Stage, ms: int) -> Unit:
+    """Ministage `ms` of `stage` over every lane, and what it costs once per step."""
+    rank = stage.lanes[0].ranks[0]
+    lanes = tuple(unit_lane(cm, stage, lane, ms) for lane in stage.lanes)
+    numel = cm.numel(ms, rank)
+    fetch = fetch_time(stage.zero, stage.offload.params is not OffloadTarget.NONE, numel * cm.delta,
+                       zero_rings(cm, rank), _copier(cm, rank), cm.shard(rank).params)
+    return Unit.of(stage.index, lanes, fetch, numel, _stage_numel(cm, stage, rank),
+                   stage_sync_time(cm, stage, rank, per_ministage=True), _opt_time(cm, stage, rank),
+                   offloaded(stage.offload)[1])
 
 
-def _unit_lane(cm, stage: Stage, lane: Lane, ms: int) -> UnitLane:
+def unit_lane(cm, stage: Stage, lane: Lane, ms: int) -> UnitLane:
     p = cm.pipeline
     rank = lane.ranks[0]
-    reps = _reps(cm, lane.ranks)
+    reps = kind_reps(cm, lane.ranks)
     share = 1 / len(stage.ministages)   # the engine's per-microbatch cost, spread over the stage's units
     f = max(cm.compute_time(r, ms, "F") + cm.microbatch_overhead(r) * share for r in reps)
     b = max(cm.compute_time(r, ms, "B") for r in reps)
-    offload_acts = stage.offload.activations is not OffloadTarget.NONE
-    if offload_acts:
-        # boundary activations go to the host after the forward and come back for the backward,
-        # beside the compute (the backward's recompute of the ministage is in compute_time)
-        copy = cm.copy_time(rank, cm.held_boundary_bytes(ms, stage))
-        f, b = max(f, copy), max(b, copy)
-    out = back = 0.0
-    if ms + 1 < len(p.ministages) and p.ministages[ms + 1].stage != stage.index:
-        out = border_time(cm, stage, lane, p.stages[p.ministages[ms + 1].stage], ms)
-    if ms > 0 and p.ministages[ms - 1].stage != stage.index:
-        back = border_time(cm, stage, lane, p.stages[p.ministages[ms - 1].stage], ms - 1)
-    return UnitLane(lane.microbatches, f, b, out, back)
+    copy = cm.copy_time(rank, cm.held_boundary_bytes(ms, stage)) \
+        if stage.offload.activations is not OffloadTarget.NONE else 0.0
+    after, before = ministage_borders(ms, stage.index, _stage_of(cm), len(p.ministages))
+    out = border_time(cm, stage, lane, p.stages[after], ms) if after is not None else 0.0
+    back = border_time(cm, stage, lane, p.stages[before], ms - 1) if before is not None else 0.0
+    return UnitLane.of(lane.microbatches, f, b, copy, out, back)

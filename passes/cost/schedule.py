@@ -256,6 +256,14 @@ class UnitLane:
     p2p_out: float = 0.0   # per microbatch: the activation to the next unit (forward)
     p2p_back: float = 0.0  # per microbatch: the gradient to the previous unit (backward)
 
+    @classmethod
+    def of(cls, microbatches: tuple[int, ...], forward: float, backward: float, boundary_copy: float,
+           p2p_out: float, p2p_back: float) -> UnitLane:
+        """With activations offloaded, the boundary activation goes to the host after the forward and
+        comes back for the backward (`boundary_copy` seconds each way) beside the compute; the
+        backward's rerun of the ministage is in its compute time."""
+        return cls(microbatches, max(forward, boundary_copy), max(backward, boundary_copy), p2p_out, p2p_back)
+
 
 @dataclass(frozen=True)
 class Unit:
@@ -267,6 +275,14 @@ class Unit:
     sync: float = 0.0       # reduce its gradients after its backward: beside later compute
     step: float = 0.0       # its optimizer step
     step_on_host: bool = False
+
+    @classmethod
+    def of(cls, stage: int, lanes: tuple[UnitLane, ...], fetch: float, numel: float, stage_numel: float,
+           sync: float, step: float, step_on_host: bool) -> Unit:
+        """A ministage of `numel` parameters of its stage's `stage_numel`: its share of the stage's
+        per-ministage gradient sync (`sync`) and of its optimizer step (`step`)."""
+        ratio = numel / max(stage_numel, 1.0)
+        return cls(stage, lanes, fetch, sync * ratio, step * ratio, step_on_host)
 
 
 def sequential_time(units: list[Unit], num_microbatches: int, steps_at_end: bool = False) -> float:

@@ -12,7 +12,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from hetc.passes.cost.traffic import zero_bytes
-from hetc.passes.plan.costs import Primitives
+from hetc.passes.cost.probe import Primitives
 from hetc.passes.plan.views import PlanView
 
 if TYPE_CHECKING:

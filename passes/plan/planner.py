@@ -5,7 +5,7 @@ are scored beside them and one that beats the search's best, and agrees
 with what the spec fixes, is chosen instead. The chosen plan is written
 back into the Spec (`emit`), validated, and estimated by the cost model
 itself (`CostModel.estimate()`) up to `FULL_ESTIMATE_RANKS` ranks; beyond
-that the planner's class-by-class score, which equals it, is reported.
+that the planner's class-by-class score, the same composition, is reported.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ __all__ = ["FULL_ESTIMATE_RANKS", "PlanResult", "needs_plan", "plan_checked", "p
 log = logging.getLogger(__name__)
 
 # Above this many ranks the full estimate takes most of a second (it looks up measured network fits
-# pair by pair); the planner's own score, equal to it (tests/test_plan_evaluate.py), stands in.
+# pair by pair); the planner's own score, the same composition class by class (passes/cost/classes.py),
+# stands in.
 FULL_ESTIMATE_RANKS = 1024
 
 
@@ -154,11 +155,13 @@ def _check_winner(checked: Checked, profiles: Profiles | None, chosen: str) -> N
 
 
 def _cross_check(score: Score, estimate: Estimate | None) -> None:
-    """The planner's class-by-class score restates the cost model; say so loudly if they part."""
+    """The planner's class-by-class score and the rank-by-rank estimate are one composition over two
+    readings of the plan (passes/cost/classes.py); say so loudly if they part."""
     if estimate is None:
         return
     drift = abs(score.step_time_s - estimate.step_time_s) / max(estimate.step_time_s, 1e-30)
     if drift > 1e-6:
         log.warning("the planner scored this plan %.6g s/step but the cost model estimates %.6g s "
-                    "(%.2g%% apart): passes/plan/evaluate.py no longer mirrors passes/cost",
+                    "(%.2g%% apart): passes/plan/stagecosts.py reads the candidate otherwise than "
+                    "passes/cost/pipeline_stage.py reads its pipeline",
                     score.step_time_s, estimate.step_time_s, 100 * drift)

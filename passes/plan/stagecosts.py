@@ -1,23 +1,29 @@
-"""One stage's quantities in the cost model, for a plan view (or the stand-in pipeline of tables.py).
+"""One stage of a candidate as the cost model's composition reads it (`passes.cost.classes.StageSource`).
 
-Each method restates what passes/cost computes for a rank of the stage
-(CostModel, plan_time.py, estimate.py): compute per lane, border transfers,
-ZeRO collectives beside the compute and after the flush, the optimizer
-step, and memory. `evaluate` composes them into a plan's score.
+Once per class of alike lanes: compute per lane, border transfers, ZeRO
+collectives beside the compute and after the flush, the optimizer step,
+Zorse's units and memory per class of ranks, each from passes/cost's
+formulas (`CostModel.layer_cost` through `Primitives`, `zero_time`,
+`memory.state_memory`, `plan_time.stage_borders`) with the candidate's
+groups (views.py). The option tables (tables.py) read it too, on a
+stand-in pipeline around one stage.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import cached_property
 
-from hetc.passes.cost import RankMemory
 from hetc.passes.cost.cores import host_slowdowns
-from hetc.passes.cost.memory import (GRAD_BUCKET_PARAMS, in_flight, interleaved_update, resident_params,
-                                    shard_factors)
-from hetc.passes.cost.schedule import ZeroCycle, zero_cycle
+from hetc.passes.cost.memory import (RankMemory, ShardFactors, StateMemory, StatesHeld, activation_memory,
+                                    rank_memory, shard_factors, state_memory)
+from hetc.passes.cost.plan_time import ministage_borders, stage_borders
+from hetc.passes.cost.schedule import Unit, UnitLane
+from hetc.passes.cost.zero_time import (ZeroRings, across_nodes, fetch_time, first_gather_time, flush_time,
+                                       optimizer_step_time, sync_time, zero_collectives)
 from hetc.passes.cost.shapes import LayerKind
-from hetc.passes.plan.costs import Primitives
-from hetc.spec import ScheduleKind, ZeroShard
+from hetc.passes.cost.probe import Primitives
+from hetc.spec import ScheduleKind, ZeroShard, ZeroSpec
 from hetc.topology import Gpu
 
 __all__ = ["StageCosts", "unit_lane_times"]
@@ -31,10 +37,14 @@ class StageCosts:
     def __init__(self, prims: Primitives, plan, stage):
         """`plan`: a PlanView or tables.StageContext; `stage`: a StageView."""
         self.p, self.plan, self.s = prims, plan, stage
+        self.index: int = stage.index
+        self.num_lanes: int = len(stage.lanes)
+        self.zero: ZeroSpec = stage.zero
         self.last_ms = len(plan.ministages) - 1
         # microbatches a lane keeps in flight (Note [in-flight limit]); None: the stages ahead (option tables)
         self.in_flight_limit: int | None = None
-        self._statics: dict[int | None, tuple[float, float, float, float, float]] = {}
+        self._statics: dict[int | None, StateMemory] = {}
+        self._rooms: dict[tuple, float] = {}
 
     # ------------------------------------------------------------ layers
 
@@ -93,97 +103,117 @@ class StageCosts:
         return self.p.p2p(self.s.lanes[lane][0], peer, share, self.s.concurrent(lane))
 
     def p2p(self, lane: int) -> float:
-        total = 0.0
-        for ms in self.s.ministages:
-            for nb, border in ((ms - 1, ms - 1), (ms + 1, ms)):
-                if 0 <= nb <= self.last_ms and self.plan.stage_of_ministage(nb) != self.s.index:
-                    total += self.border(lane, self.plan.stage_of_ministage(nb), border)
-        return total
+        return sum(self.border(lane, other, ms) for other, ms in
+                   stage_borders(self.s.ministages, self.s.index, self.plan.stage_of_ministage, self.last_ms + 1))
+
+    def lane_classes(self) -> list[list[int]]:
+        return list(self._lane_classes.values())
 
     @cached_property
-    def lane_classes(self) -> dict[tuple, list[int]]:
+    def _lane_classes(self) -> dict[tuple, list[int]]:
         return _lane_classes(self)
 
-    def shard(self, lane: int):
-        return shard_factors(self.s.zero, len(self.s.ring), self.s.node_share(lane))
+    def count(self, lane: int) -> int:
+        return self.s.counts[lane]
 
-    def zero_ring(self, lane: int) -> tuple[int, ...]:
-        return self.s.res.node_ring(lane) if self.s.zero.shard is ZeroShard.NODE else self.s.ring
+    def flush(self) -> float:
+        """`zero_time.flush_time`: lane 0's first rank stands for the positions (the tp ranks of a lane
+        sit on one node), the first lane holding each device kind for its kind."""
+        return flush_time((self.sync(0),), (self.optimizer(lane) for lane in _kind_reps(self)))
+
+    def unit(self, ms: int) -> Unit:
+        """Zorse: ministage `ms` over every lane (one timing per class of lanes)."""
+        rep = {lane: lanes[0] for lanes in self.lane_classes() for lane in lanes}
+        per_class = {r: unit_lane_times(self, r, ms) for r in set(rep.values())}
+        lanes = tuple(replace(per_class[rep[lane]], microbatches=self.s.routes[lane])
+                      for lane in range(len(self.s.lanes)))
+        return Unit.of(self.s.index, lanes, self.fetch(ms), self.numel(self.ministage_units(ms)), self.numel(),
+                       self.sync(0, per_ministage=True), self.optimizer(0), self.s.knobs.offload.optimizer)
+
+    def memory_classes(self, limit: int | None) -> list[tuple[RankMemory, tuple[int, ...]]]:
+        """One entry per device kind, microbatch count and node share, with its GPU ids."""
+        self.in_flight_limit = limit
+        seen: dict[tuple, tuple[RankMemory, list[int]]] = {}
+        for lane, gpus in enumerate(self.s.lanes):
+            for gpu in gpus:
+                key = (gpu.device.name, self.s.counts[lane], self.s.node_share(lane))
+                if key not in seen:
+                    seen[key] = (self.memory(lane, gpu, self.s.counts[lane]), [])
+                seen[key][1].append(gpu.id)
+        return [(mem, tuple(ids)) for mem, ids in seen.values()]
+
+    def shard(self, lane: int) -> ShardFactors:
+        return self.shard_of(self.s.node_share(lane))
+
+    def shard_of(self, node_share: int | None) -> ShardFactors:
+        return shard_factors(self.s.zero, len(self.s.ring), node_share)
+
+    def rings(self, lane: int) -> ZeroRings:
+        """The ZeRO groups of `lane`'s first rank (`passes.cost.zero_time`)."""
+        k, res = self.s.concurrent(lane), self.s.res
+        timer = lambda kind, ranks, nbytes: self.p.ring(kind, ranks, nbytes, k)
+        if self.s.zero.shard is not ZeroShard.NODE:
+            return ZeroRings(timer, self.s.ring)
+        return ZeroRings(timer, self.s.ring, res.node_ring(lane),
+                         across_nodes(self.s.ring, lambda r: res.host_of_ring[r], self.s.ring[lane]))
+
+    def _copier(self, lane: int):
+        gpu = self.s.lanes[lane][0]
+        return lambda nbytes: self.p.copy(gpu, nbytes)
+
+    def shares(self) -> tuple[float, float]:
+        """The fractions of the stage's parameters in its first and in its largest ministage."""
+        whole = max(self.numel(), 1.0)
+        return self.ms_numel[0] / whole, max(self.ms_numel) / whole
 
     def collectives(self, lane: int) -> tuple[float, float, float]:
-        """Mirrors plan_time._collectives: (reduce-scatter, one gather, host copies) per microbatch."""
-        level, off = int(self.s.zero.level), self.s.knobs.offload
-        if self.plan.schedule is ScheduleKind.ZORSE or (level < 2 and not off.params):
-            return 0.0, 0.0, 0.0
-        nbytes = self.numel() * self.p.delta
-        k, ring = self.s.concurrent(lane), self.zero_ring(lane)
-        reduce = self.p.ring("reduce_scatter", ring, nbytes, k) if level >= 2 else 0.0
-        gather = self.p.ring("all_gather", ring, nbytes, k) if level >= 3 else 0.0
-        copies = 2 * self.p.copy(self.s.lanes[lane][0], nbytes * self.shard(lane).params) if off.params else 0.0
-        return reduce, gather, copies
-
-    def cycle(self, lane: int, f: float, i: float, w: float, p2p: float) -> ZeroCycle:
-        """The lane's cycle and trail with its collectives (`zero_cycle`, Note [zero cycle])."""
-        schedule = self.plan.schedule
-        ops = (f, i, w) if schedule is ScheduleKind.ZB else (f, i + w)
-        whole = max(self.numel(), 1.0)
-        shares = (self.ms_numel[0] / whole, max(self.ms_numel) / whole)
-        return zero_cycle(schedule, ops, p2p, *self.collectives(lane), shares)
+        return zero_collectives(self.plan.schedule, self.s.zero, self.s.knobs.offload.params,
+                               self.numel() * self.p.delta, self.rings(lane), self._copier(lane),
+                               self.shard(lane).params)
 
     def sync(self, lane: int, per_ministage: bool = False) -> float:
-        level = int(self.s.zero.level)
-        nbytes = self.numel() * self.p.delta
-        k = self.s.concurrent(lane)
-        if self.s.zero.shard is ZeroShard.NODE:
-            node = self.s.res.node_ring(lane)
-            inner = (self.p.ring("reduce_scatter", node, nbytes, k) if level < 2 or per_ministage else 0.0) + \
-                (self.p.ring("all_gather", node, nbytes, k) if level <= 2 else 0.0)
-            across = self.s.res.across_ring(lane)
-            return inner + self.p.ring("all_reduce", across, nbytes / max(len(node), 1), k)
-        ring = self.s.ring
-        if level <= 1:
-            return self.p.ring("all_reduce", ring, nbytes, k)
-        gather = self.p.ring("all_gather", ring, nbytes, k) if level == 2 else 0.0
-        if per_ministage:
-            return self.p.ring("reduce_scatter", ring, nbytes, k) + gather
-        return gather
+        return sync_time(self.s.zero, self.numel() * self.p.delta, self.rings(lane), per_ministage)
 
     def first_gather(self) -> float:
-        """Mirrors plan_time._first_gather for the first stage."""
-        if int(self.s.zero.level) < 3 or len(self.s.lanes) < 2:
-            return 0.0
-        return self.p.ring("all_gather", self.zero_ring(0), self.ms_numel[0] * self.p.delta, self.s.concurrent(0))
+        return first_gather_time(self.s.zero, self.ms_numel[0] * self.p.delta, self.rings(0))
+
+    def fetch(self, ms: int) -> float:
+        """Zorse brings ministage `ms` in once per step."""
+        return fetch_time(self.s.zero, self.s.knobs.offload.params,
+                          self.numel(self.ministage_units(ms)) * self.p.delta, self.rings(0), self._copier(0),
+                          self.shard(0).params)
 
     def optimizer(self, lane: int) -> float:
-        numel = self.numel() * self.shard(lane).optimizer
-        gpu = self.s.lanes[lane][0]
-        on_host = self.s.knobs.offload.optimizer
-        t = self.p.optimizer(gpu, numel, on_host) * self.slowdown(lane)
-        if on_host:
-            t += self.p.copy(gpu, numel * (self.p.states.grads + self.p.states.params))
-        return t
+        gpu, on_host = self.s.lanes[lane][0], self.s.knobs.offload.optimizer
+        slow = self.slowdown(lane)
+        return optimizer_step_time(lambda numel: self.p.optimizer(gpu, numel, on_host) * slow, self._copier(lane),
+                                   self.numel() * self.shard(lane).optimizer, on_host, self.p.states)
 
     # ------------------------------------------------------------ memory
 
     def memory(self, lane: int, gpu: Gpu, count: int) -> RankMemory:
-        """Mirrors estimate._memory for a rank of `lane` serving `count` microbatches."""
-        params, grads, optimizer, buffers, host = self._static(self.s.node_share(lane))
-        acts, acts_host = self._activations(count)
-        return RankMemory(gpu.id, str(gpu), gpu.device.name, self.s.index, params, grads, optimizer, acts,
-                          buffers, self.p.context(gpu), gpu.device.memory, host + acts_host)
+        """A rank of `lane` serving `count` microbatches (`passes.cost.memory.rank_memory`)."""
+        return rank_memory(gpu.id, gpu, self.s.index, self._static(self.s.node_share(lane)),
+                           self._activations(count))
 
     def fits(self, lane: int, count: int) -> bool:
         """Whether every rank of `lane` fits serving `count` microbatches."""
-        params, grads, optimizer, buffers, _ = self._static(self.s.node_share(lane))
-        acts = self._activations(count)[0]
-        return all(params + grads + optimizer + acts + buffers + self.p.context(g) <= g.device.memory
-                   for g in self.s.lanes[lane])
+        return self.headroom(lane, count) >= 0
 
     def headroom(self, lane: int, count: int) -> float:
         """Bytes left on the fullest rank of `lane` serving `count` microbatches."""
-        params, grads, optimizer, buffers, _ = self._static(self.s.node_share(lane))
-        used = params + grads + optimizer + self._activations(count)[0] + buffers
-        return min(g.device.memory - used - self.p.context(g) for g in self.s.lanes[lane])
+        share = self.s.node_share(lane)
+        kinds = {g.device.name: g for g in self.s.lanes[lane]}.values()   # a kind's ranks hold alike
+        return min(self._room(g, share, count) for g in kinds)
+
+    def _room(self, gpu: Gpu, node_share: int | None, count: int) -> float:
+        """Bytes left on a rank of `gpu`'s kind; memoised (the option tables search counts)."""
+        key = (gpu.device.name, node_share, count, self.in_flight_limit)
+        got = self._rooms.get(key)
+        if got is None:
+            m = rank_memory(gpu.id, gpu, self.s.index, self._static(node_share), self._activations(count))
+            got = self._rooms[key] = m.capacity - m.total
+        return got
 
     def activations_per_count(self) -> float:
         """Activation bytes each further microbatch adds when that is linear in the count (GPipe, Zorse
@@ -194,30 +224,20 @@ class StageCosts:
             return sum(self._per_mb_activations)
         return 0.0
 
-    def _static(self, node_share: int | None) -> tuple[float, float, float, float, float]:
-        """(params, grads, optimizer, buffers, host) bytes on a rank: all but activations and reserve."""
+    def _static(self, node_share: int | None) -> StateMemory:
+        """What a rank holds but activations and its reserve (`passes.cost.memory.state_memory`)."""
         got = self._statics.get(node_share)
-        if got is not None:
-            return got
-        st, p, off = self.s, self.p, self.s.knobs.offload
-        shard = shard_factors(st.zero, len(st.ring), node_share)
-        params_each = [n * p.states.params for n in self.ms_numel]
-        params, largest = sum(params_each), max(params_each)
-        prefetch = self.plan.prefetch
-        clip = p.train.grad_clip
-        resident = resident_params(self.plan.schedule, clip, params, largest, prefetch) if off.params else params
-        grads_sharded = sum(n * p.states.grads for n in self.ms_numel) * shard.grads
-        grads = grads_sharded
-        if interleaved_update(self.plan.schedule, clip):
-            grads = max(n * p.states.grads for n in self.ms_numel)
-        optimizer = sum(n * p.states.optimizer for n in self.ms_numel) * shard.optimizer
-        gather = (1 + prefetch) * largest if int(st.zero.level) >= 3 and len(st.lanes) > 1 else 0.0
-        p2p = 2 * max((self.boundary_bytes(ms) for ms in st.ministages), default=0.0)
-        bucket = min(grads_sharded, GRAD_BUCKET_PARAMS * p.states.grads) if len(st.lanes) > 1 else 0.0
-        host = (params * shard.params if off.params else 0.0) + (optimizer if off.optimizer else 0.0)
-        got = self._statics[node_share] = (resident * shard.params, grads,
-                                           0.0 if off.optimizer else optimizer,
-                                           p2p + bucket + gather, host)
+        if got is None:
+            st, p = self.s, self.p
+            held = StatesHeld([n * p.states.params for n in self.ms_numel],
+                              [n * p.states.grads for n in self.ms_numel],
+                              sum(n * p.states.grads for n in self.ms_numel) * self.shard_of(node_share).grads,
+                              sum(n * p.states.optimizer for n in self.ms_numel) *
+                              self.shard_of(node_share).optimizer, self.shard_of(node_share),
+                              int(st.zero.level) >= 3 and len(st.lanes) > 1, len(st.lanes),
+                              max((self.boundary_bytes(ms) for ms in st.ministages), default=0.0), p.states.grads)
+            got = self._statics[node_share] = state_memory(held, st.knobs.offload.to_spec(), self.plan.schedule,
+                                                           p.train.grad_clip, self.plan.prefetch)
         return got
 
     @cached_property
@@ -226,27 +246,20 @@ class StageCosts:
                 for ms in self.s.ministages]
 
     def _activations(self, count: int) -> tuple[float, float]:
-        st = self.s
-        per_mb = self._per_mb_activations
-        schedule = self.plan.schedule
-        if schedule is not ScheduleKind.ZORSE:
-            held = in_flight(schedule, st.index, self.plan.num_stages, count, len(st.ministages),
-                             self.in_flight_limit)
-            return held * sum(per_mb), 0.0
-        if not st.knobs.offload.activations:
-            return count * sum(per_mb), 0.0
         # every rank of a tp group holds the whole boundary activation (no sequence parallelism)
-        boundary = sum(self.boundary_bytes(ms - 1) for ms in st.ministages if ms > 0)
-        buffers = (1 + self.plan.prefetch) * max(self.boundary_bytes(ms) for ms in st.ministages)
-        return max(per_mb) + buffers, count * boundary
+        st = self.s
+        return activation_memory(self.plan.schedule, st.index, self.plan.num_stages, count,
+                                 self._per_mb_activations, self.in_flight_limit, st.knobs.offload.activations,
+                                 sum(self.boundary_bytes(ms - 1) for ms in st.ministages if ms > 0),
+                                 max(self.boundary_bytes(ms) for ms in st.ministages), self.plan.prefetch)
 
 
 def _lane_classes(sc: StageCosts) -> dict[tuple, list[int]]:
     """Lanes the cost model times alike: the stage's lane class, microbatch count and border peers' groups."""
     out: dict[tuple, list[int]] = {}
     plan, st = sc.plan, sc.s
-    neighbours = sorted({plan.stage_of_ministage(nb) for ms in st.ministages for nb in (ms - 1, ms + 1)
-                         if 0 <= nb <= sc.last_ms and plan.stage_of_ministage(nb) != st.index})
+    neighbours = sorted({o for o, _ in stage_borders(st.ministages, st.index, plan.stage_of_ministage,
+                                                     sc.last_ms + 1)})
     hosts = st.res.lane_hosts
     peer_keys = [_peer_keys(plan, st.index, o, hosts) for o in neighbours]
     for c, lanes in enumerate(st.res.classes):
@@ -256,6 +269,15 @@ def _lane_classes(sc: StageCosts) -> dict[tuple, list[int]]:
     return out
 
 
+def _kind_reps(sc: StageCosts) -> list[int]:
+    """The first lane holding each device kind of the stage (its lowest rank of the kind)."""
+    seen: dict[str, int] = {}
+    for lane, gpus in enumerate(sc.s.lanes):
+        for g in gpus:
+            seen.setdefault(g.device.name, lane)
+    return list(seen.values())
+
+
 def _peer_keys(plan, stage: int, other: int, hosts: list) -> list[tuple[str, bool]]:
     """Per lane of `stage`: its peer's node group in stage `other`, and whether they share a host."""
     theirs = plan.stages[other].lanes
@@ -263,18 +285,13 @@ def _peer_keys(plan, stage: int, other: int, hosts: list) -> list[tuple[str, boo
     return [(p.group, p.host == h) for p, h in zip(peers, hosts)]
 
 
-def unit_lane_times(sc: StageCosts, lane: int, ms: int) -> tuple[float, float, float, float]:
-    """(forward, backward, p2p out, p2p back) of one microbatch through ministage `ms` on `lane`."""
+def unit_lane_times(sc: StageCosts, lane: int, ms: int) -> UnitLane:
+    """One microbatch through ministage `ms` on `lane` (`UnitLane.of`), with `lane`'s microbatches."""
     plan = sc.plan
     f, i, w = sc.compute(lane, sc.ministage_units(ms))
-    f += sc.overhead(lane) / len(sc.s.ministages)   # as plan_time._unit_lane spreads it
-    b = i + w
-    if sc.s.knobs.offload.activations:  # the copy runs beside the compute (whose backward reruns it)
-        copy = sc.p.copy(sc.s.lanes[lane][0], sc.boundary_bytes(ms))
-        f, b = max(f, copy), max(b, copy)
-    out = back = 0.0
-    if ms < sc.last_ms and plan.stage_of_ministage(ms + 1) != sc.s.index:
-        out = sc.border(lane, plan.stage_of_ministage(ms + 1), ms)
-    if ms > 0 and plan.stage_of_ministage(ms - 1) != sc.s.index:
-        back = sc.border(lane, plan.stage_of_ministage(ms - 1), ms - 1)
-    return f, b, out, back
+    f += sc.overhead(lane) / len(sc.s.ministages)   # as plan_time.unit_lane spreads it
+    copy = sc.p.copy(sc.s.lanes[lane][0], sc.boundary_bytes(ms)) if sc.s.knobs.offload.activations else 0.0
+    after, before = ministage_borders(ms, sc.s.index, plan.stage_of_ministage, sc.last_ms + 1)
+    out = sc.border(lane, after, ms) if after is not None else 0.0
+    back = sc.border(lane, before, ms - 1) if before is not None else 0.0
+    return UnitLane.of(sc.s.routes[lane], f, i + w, copy, out, back)

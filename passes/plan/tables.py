@@ -23,8 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from hetc.errors import InternalError
+from hetc.passes.cost.classes import lane_timing
 from hetc.passes.plan.candidate import Knobs, split_evenly
-from hetc.passes.plan.costs import Primitives
+from hetc.passes.cost.probe import Primitives
 from hetc.passes.plan.routing import bottleneck
 from hetc.passes.plan.stagecosts import StageCosts, unit_lane_times
 from hetc.passes.plan.views import ResolvedStage, StageView
@@ -165,12 +166,11 @@ def _option(prims: Primitives, sc: StageCosts, n: int, knobs: Knobs, classes, m:
         if schedule is ScheduleKind.ZORSE:
             # a lane sends a microbatch on and goes on with the next: transfers delay the next stage, not it
             per_ms = [unit_lane_times(sc, lane, ms) for ms in sc.s.ministages]
-            cycle = sum(a + b for a, b, _, _ in per_ms)
-            one = cycle + sum(c + d for _, _, c, d in per_ms)
+            cycle = sum(u.forward + u.backward for u in per_ms)
+            one = cycle + sum(u.p2p_out + u.p2p_back for u in per_ms)
         else:
-            one = f + i + w + p2p
-            zc = sc.cycle(lane, f, i, w, p2p)
-            cycle, trail = max(one, zc.bound), zc.trail
+            timing = lane_timing(schedule, sc.s.index, lane, 0, (f, i, w), p2p, sc.collectives(lane), sc.shares())
+            one, cycle, trail = timing.one, timing.cycle, timing.trail
         fill = max(fill, max(0.0, f + i + p2p - w) if schedule is ScheduleKind.ZB else one)
         tail = max(tail, trail + sc.sync(lane, per_ministage=schedule is ScheduleKind.ZORSE) + sc.optimizer(lane))
         drain = max(drain, i + w + p2p)
@@ -179,25 +179,13 @@ def _option(prims: Primitives, sc: StageCosts, n: int, knobs: Knobs, classes, m:
     equal = per_mb and len(sc.s.lanes) > 1
     work = bottleneck(m, [(len(c.lanes), c.cycle, c.cap) for c in lane_classes], equal)
     if schedule is ScheduleKind.ZORSE:
-        fill += _first_fetch(sc)
+        fill += sc.fetch(sc.s.ministages[0])   # the first ministage comes in before it can start
     if schedule is ScheduleKind.ZORSE and work is not None and sc.plan.num_stages > 1:
         # Note [Zorse serialises a stage's ministages]: the next stage starts on a microbatch only once
         # this stage runs its last ministage, so all but 1/k of the stage's work cannot overlap the pipeline
         k = len(sc.s.ministages)
         fill += (k - 1) / k * work
     return Option(n, knobs, tuple(lane_classes), fill, tail, drain, equal, work)
-
-
-def _first_fetch(sc: StageCosts) -> float:
-    """Zorse brings a stage's first ministage in (ZeRO-3 gather, host copy) before it can start."""
-    first = sc.s.ministages[0]
-    nbytes = sc.numel(sc.ministage_units(first)) * sc.p.delta
-    fetch = 0.0
-    if sc.s.knobs.zero >= 3:
-        fetch += sc.p.ring("all_gather", sc.s.ring, nbytes, sc.s.concurrent(0))
-    if sc.s.knobs.offload.params:
-        fetch += sc.p.copy(sc.s.lanes[0][0], nbytes * sc.shard(0).params)
-    return fetch
 
 
 def _cap(sc: StageCosts, lane: int, m: int) -> int:

@@ -10,10 +10,10 @@ view of the same `StageGpus`, so building views for many candidates is cheap.
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
+from hetc.passes.cost.plan_time import peer_lanes
 from hetc.passes.plan.candidate import Candidate, Knobs, StageGpus
 from hetc.pipeline import route_microbatches
 from hetc.spec import ScheduleKind, ZeroShard, ZeroSpec
@@ -31,6 +31,7 @@ class ResolvedStage:
         self.lanes = tuple(self.gpus[i:i + self.tp] for i in range(0, len(self.gpus), self.tp))
         self.ring = tuple(lane[0].id for lane in self.lanes)
         self.lane_hosts = [lane[0].host for lane in self.lanes]
+        self.host_of_ring = dict(zip(self.ring, self.lane_hosts))
         self._ring_by_host: dict[tuple[str, int], list[int]] = {}
         for host, r in zip(self.lane_hosts, self.ring):
             self._ring_by_host.setdefault(host, []).append(r)
@@ -38,12 +39,6 @@ class ResolvedStage:
     def node_ring(self, lane: int) -> tuple[int, ...]:
         """Hierarchical ZeRO (`shard = node`): the ring members on this lane's node."""
         return tuple(self._ring_by_host[self.lane_hosts[lane]])
-
-    def across_ring(self, lane: int) -> tuple[int, ...]:
-        """Hierarchical ZeRO: ring members at this lane's position within their node's shard group."""
-        pos = self._ring_by_host[self.lane_hosts[lane]].index(self.ring[lane])
-        chosen = {members[pos] for members in self._ring_by_host.values() if pos < len(members)}
-        return tuple(r for r in self.ring if r in chosen)
 
     def concurrent(self, lane: int) -> int:
         """Ranks of a lane on its first rank's node: they share the node's link."""
@@ -165,15 +160,10 @@ def _lane_of_microbatch(counts: tuple[int, ...]) -> tuple[int, ...]:
 
 @lru_cache(maxsize=4096)
 def _peers(mine: tuple[int, ...], theirs: tuple[int, ...]) -> tuple[int, ...]:
-    """Per lane of `mine`, the lane of `theirs` sharing most microbatches (lowest index on ties)."""
+    """Per lane of `mine`, the lane of `theirs` sharing most microbatches (`plan_time.peer_lanes`)."""
     if len(theirs) == 1:
         return (0,) * len(mine)
-    shared = Counter(zip(_lane_of_microbatch(mine), _lane_of_microbatch(theirs)))
-    best: dict[int, tuple[int, int]] = {}
-    for (la, lb), n in shared.items():
-        if la not in best or (n, -lb) > (best[la][0], -best[la][1]):
-            best[la] = (n, lb)
-    return tuple(best.get(la, (0, 0))[1] for la in range(len(mine)))
+    return peer_lanes(_lane_of_microbatch(mine), _lane_of_microbatch(theirs), len(mine))
 
 
 def view_of(c: Candidate, resolve: Resolver, zero_specs: tuple[ZeroSpec, ...]) -> PlanView:

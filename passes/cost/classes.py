@@ -1,0 +1,219 @@
+"""A plan's step time and memory, evaluated once per class of alike lanes and ranks.
+
+The one composition of the cost model for both of its readers:
+`CostModel.estimate()` (`hetc explain`, compile's reports), whose stages
+are read rank by rank from a resolved Pipeline (`pipeline_stage.PipelineStage`,
+every lane its own class), and the planner, whose stages are read from a
+candidate class by class (passes/plan/stagecosts.py) so that 2048 ranks
+score in milliseconds. A stage answers the `StageSource` questions (its
+lanes' per-microbatch times, its ZeRO collectives, its memory per class
+of ranks) with the formulas of passes/cost (`CostModel.layer_cost`,
+`zero_time`, `memory.state_memory`, ...); `evaluate_classes` composes them:
+the lanes' timings, the in-flight limits lowering's schedule holds them to
+(Note [in-flight limit]), the schedule's pipeline (`compose_step`)
+and every class's memory at its peak.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from hetc.passes.cost.memory import RankMemory, interleaved_update
+from hetc.passes.cost.schedule import (LaneTiming, Unit, in_flight_limits, lockstep_fill, pipeline_time,
+                                      sequential_time, step_lower_bound, zero_cycle)
+from hetc.passes.cost.zero_time import gathers_per_microbatch
+from hetc.spec import ScheduleKind, ZeroSpec
+
+__all__ = ["ClassEstimate", "PlanShape", "PlanTime", "StageSource", "StepShape", "compose_step", "coupled_stages",
+           "evaluate_classes", "flush_tail", "lane_timing", "lane_timings", "throughput", "tokens_per_step", "zorse_units"]
+
+
+@dataclass(frozen=True)
+class PlanTime:
+    step: float
+    pipeline: float
+    bubble: float
+    tail: float
+    lanes: tuple[LaneTiming, ...]
+    bottleneck: tuple[int, int] | None
+
+
+class StageSource(Protocol):
+    """One stage of a plan as the composition reads it; `lane` is a lane index of the stage."""
+
+    index: int
+    num_lanes: int
+    zero: ZeroSpec
+
+    def lane_classes(self) -> Sequence[Sequence[int]]:
+        """Lanes that time alike, each class led by the lane that stands for it."""
+        ...
+
+    def count(self, lane: int) -> int:
+        """Microbatches routed to `lane`."""
+        ...
+
+    def compute(self, lane: int) -> tuple[float, float, float]:
+        """(F, I, W) seconds of one microbatch through the stage on `lane`: its slowest device kind."""
+        ...
+
+    def overhead(self, lane: int) -> float: ...
+
+    def p2p(self, lane: int) -> float: ...
+
+    def collectives(self, lane: int) -> tuple[float, float, float]:
+        """(reduce-scatter, one ZeRO-3 gather, host copies) seconds per microbatch beside the compute."""
+        ...
+
+    def shares(self) -> tuple[float, float]:
+        """The fractions of the stage's parameters in its first and in its largest ministage."""
+        ...
+
+    def flush(self) -> float:
+        """The stage's worst exposed gradient sync plus optimizer step after its last backward."""
+        ...
+
+    def first_gather(self) -> float: ...
+
+    def unit(self, ms: int) -> Unit:
+        """Zorse: ministage `ms` of this stage over every lane."""
+        ...
+
+    def memory_classes(self, limit: int) -> Sequence[tuple[RankMemory, tuple[int, ...]]]:
+        """Per class of alike ranks: one's memory at its peak, with `limit` microbatches in flight, and
+        the ids of the ranks it stands for."""
+        ...
+
+
+@dataclass(frozen=True)
+class PlanShape:
+    schedule: ScheduleKind
+    num_microbatches: int
+    grad_clip: float
+    ministage_stages: tuple[int, ...]   # the stage of each ministage, in model order
+    chunks: int                         # the most ministages of a stage
+
+
+@dataclass(frozen=True)
+class ClassEstimate:
+    time: PlanTime                       # its lanes: one timing per class of lanes
+    limits: dict[int, int]               # per stage, the microbatches a lane keeps in flight
+    memory: tuple[RankMemory, ...]       # one per class of alike ranks
+    classes: tuple[tuple[int, ...], ...]  # the ranks each memory entry stands for
+
+
+def tokens_per_step(num_microbatches: int, micro_batch: int, seq: int) -> int:
+    return num_microbatches * micro_batch * seq
+
+
+def throughput(tokens: int, step_time_s: float) -> float:
+    """Tokens per second (0 for a step that takes no time)."""
+    return tokens / step_time_s if step_time_s > 0 else 0.0
+
+
+def coupled_stages(schedule: ScheduleKind, stages: Sequence[StageSource]) -> dict[int, int]:
+    """Stages whose lanes run in lockstep (per-microbatch ZeRO-2/3 collectives): stage -> lanes."""
+    per_mb = schedule is not ScheduleKind.ZORSE
+    return {s.index: s.num_lanes for s in stages if per_mb and s.num_lanes > 1 and s.zero.resolved_level >= 2}
+
+
+def lane_timings(schedule: ScheduleKind, stages: Sequence[StageSource]) -> list[LaneTiming]:
+    """One timing per class of lanes, led by its first lane."""
+    out = []
+    for st in stages:
+        for lanes in st.lane_classes():
+            lane = lanes[0]
+            f, i, w = st.compute(lane)
+            f += st.overhead(lane)
+            out.append(lane_timing(schedule, st.index, lane, st.count(lane), (f, i, w), st.p2p(lane),
+                                   st.collectives(lane), st.shares()))
+    return out
+
+
+def lane_timing(schedule: ScheduleKind, stage: int, lane: int, microbatches: int,
+                compute: tuple[float, float, float], p2p: float, collectives: tuple[float, float, float],
+                shares: tuple[float, float]) -> LaneTiming:
+    """A lane's per-microbatch timing: its (F, I, W), border transfers, and the cycle and trail its ZeRO
+    collectives (reduce-scatter, gather, host copies) allow (`zero_cycle`, Note [zero cycle])."""
+    f, i, w = compute
+    reduce, gather, copies = collectives
+    ops = (f, i, w) if schedule is ScheduleKind.ZB else (f, i + w)
+    zc = zero_cycle(schedule, ops, p2p, reduce, gather, copies, shares)
+    return LaneTiming(stage, lane, microbatches, f, i, w, p2p,
+                      reduce + gathers_per_microbatch(schedule) * gather + copies, zc.bound, zc.trail)
+
+
+def evaluate_classes(shape: PlanShape, stages: Sequence[StageSource], end: float,
+                     memory: bool = True) -> ClassEstimate:
+    """The step (`end`: the step's last all-reduces) and, with `memory`, every class's memory."""
+    lanes = lane_timings(shape.schedule, stages)
+    coupled = coupled_stages(shape.schedule, stages)
+    widths = {s.index: s.num_lanes for s in stages}
+    limits = in_flight_limits(shape.schedule, lanes, len(stages), coupled, widths)
+    step = StepShape(shape.schedule, len(stages), shape.chunks, shape.num_microbatches, shape.grad_clip,
+                     coupled, widths)
+    time = compose_step(step, lanes, end, lambda: [_trail(lanes, s.index) + s.flush() for s in stages],
+                        stages[0].first_gather, lambda: zorse_units(shape, stages))
+    if not memory:
+        return ClassEstimate(time, limits, (), ())
+    entries = [entry for s in stages for entry in s.memory_classes(limits[s.index])]
+    return ClassEstimate(time, limits, tuple(m for m, _ in entries), tuple(ids for _, ids in entries))
+
+
+def _trail(lanes: Sequence[LaneTiming], stage: int) -> float:
+    """The stage's last reduce-scatter past its lanes' last cycle (Note [zero cycle])."""
+    return max(t.trail for t in lanes if t.stage == stage)
+
+
+def zorse_units(shape: PlanShape, stages: Sequence[StageSource]) -> list[Unit]:
+    """Zorse's units: every ministage in model order, on its stage's lanes."""
+    return [stages[s].unit(ms) for ms, s in enumerate(shape.ministage_stages)]
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What the step's composition reads of a plan besides its lanes' timings."""
+
+    schedule: ScheduleKind
+    num_stages: int
+    chunks: int                      # the most ministages of a stage (interleaved 1F1B's v)
+    num_microbatches: int
+    grad_clip: float
+    coupled: dict[int, int]          # lockstep stages -> their lanes (`coupled_stages`)
+    widths: dict[int, int]           # stage -> its lanes
+
+
+def compose_step(shape: StepShape, lanes: list[LaneTiming], end: float, flush: Callable[[], list[float]],
+                 first_gather: Callable[[], float], units: Callable[[], list[Unit]]) -> PlanTime:
+    """The step from its lanes' timings (one per lane, or one per class of alike lanes: only maxima and
+    minima over them are taken): the schedule's pipeline, never below the step's lower bound
+    (docs/costmodel.md), the lockstep stages' fill, then the tail after the flush (`flush()`: per stage,
+    its worst exposed gradient sync plus optimizer step), the first ZeRO-3 gather and the step's last
+    all-reduces (`end`). Zorse's sequential ministages are simulated unit by unit (`units()`)."""
+    if shape.schedule is ScheduleKind.ZORSE:
+        total = sequential_time(units(), shape.num_microbatches,
+                                not interleaved_update(shape.schedule, shape.grad_clip))
+        busy = max(t.work for t in lanes)
+        return PlanTime(total + end, total, max(0.0, total - busy), end, tuple(lanes), None)
+    pipe = pipeline_time(shape.schedule, lanes, shape.chunks)
+    extra = max(0.0, step_lower_bound(shape.schedule, lanes, shape.chunks) - pipe.total) + \
+        lockstep_fill(shape.schedule, lanes, shape.num_stages, shape.coupled, shape.widths)
+    # the first stage's first compute op waits for its ZeRO-3 gather: nothing runs beside it yet
+    tail = flush_tail(lanes, flush()) + end + first_gather()
+    return PlanTime(pipe.total + extra + tail, pipe.total + extra, pipe.bubble + extra, tail, tuple(lanes),
+                    pipe.bottleneck)
+
+
+def flush_tail(lanes: list[LaneTiming], worst: list[float]) -> float:
+    """The exposed tail: stage s syncs and steps (`worst[s]` seconds) after its own last backward, which
+    comes earlier than stage 0's by the drain (backward and transfers) of the stages before it."""
+    drain: dict[int, float] = {}
+    for t in lanes:
+        drain[t.stage] = max(drain.get(t.stage, 0.0), t.backward + t.p2p)
+    tail, lead = 0.0, 0.0
+    for s, mine in enumerate(worst):
+        tail = max(tail, mine - lead)
+        lead += drain[s]
+    return max(tail, 0.0)

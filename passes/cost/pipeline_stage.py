@@ -1,0 +1,108 @@
+"""A stage of a resolved Pipeline as the composition reads it (`classes.StageSource`), rank by rank.
+
+Every lane is its own class and every rank its own memory entry: what
+`hetc explain` reports per rank. Its quantities are `plan_time`'s for the
+lane's first rank (the device kinds of a lane each timed by one of their
+ranks); its memory is `memory.state_memory` and `activation_memory` of the
+rank's own states and groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import cached_property
+
+from hetc.passes.cost import plan_time as pt
+from hetc.passes.cost.classes import ClassEstimate, PlanShape, evaluate_classes
+from hetc.passes.cost.experts import sharded_numel
+from hetc.passes.cost.memory import (RankMemory, StatesHeld, activation_memory, rank_memory, state_memory)
+from hetc.passes.cost.schedule import Unit
+from hetc.pipeline import Stage
+from hetc.spec import OffloadTarget, ZeroSpec
+
+__all__ = ["PipelineStage", "evaluate_pipeline", "pipeline_stages"]
+
+
+class PipelineStage:
+    def __init__(self, cm, stage: Stage):
+        self.cm, self.stage = cm, stage
+        self.index: int = stage.index
+        self.num_lanes: int = len(stage.lanes)
+        self.zero: ZeroSpec = stage.zero
+
+    def lane_classes(self) -> Sequence[Sequence[int]]:
+        return [(lane.index,) for lane in self.stage.lanes]
+
+    def count(self, lane: int) -> int:
+        return len(self.stage.lanes[lane].microbatches)
+
+    def compute(self, lane: int) -> tuple[float, float, float]:
+        cm, mss = self.cm, self.stage.ministages
+        reps = self._reps(lane)
+        f, i, w = (max(sum(cm.compute_time(r, ms, ph) for ms in mss) for r in reps) for ph in ("F", "I", "W"))
+        return f, i, w
+
+    def overhead(self, lane: int) -> float:
+        return max(self.cm.microbatch_overhead(r) for r in self._reps(lane))
+
+    def p2p(self, lane: int) -> float:
+        return pt.p2p_per_microbatch(self.cm, self.stage, self.stage.lanes[lane])
+
+    def collectives(self, lane: int) -> tuple[float, float, float]:
+        return pt.collectives(self.cm, self.stage, self.stage.lanes[lane])
+
+    def shares(self) -> tuple[float, float]:
+        return pt.shares(self.cm, self.stage, self.stage.lanes[0].ranks[0])
+
+    def flush(self) -> float:
+        return pt.stage_flush(self.cm, self.stage)
+
+    def first_gather(self) -> float:
+        return pt.first_gather(self.cm, self.stage)
+
+    def unit(self, ms: int) -> Unit:
+        return pt.zorse_unit(self.cm, self.stage, ms)
+
+    def memory_classes(self, limit: int) -> Sequence[tuple[RankMemory, tuple[int, ...]]]:
+        return [(rank_memory_of(self.cm, r, limit), (r,)) for r in sorted(self.stage.ranks)]
+
+    def _reps(self, lane: int) -> list[int]:
+        return self._lane_reps[lane]
+
+    @cached_property
+    def _lane_reps(self) -> list[list[int]]:
+        return [pt.kind_reps(self.cm, lane.ranks) for lane in self.stage.lanes]
+
+
+def pipeline_stages(cm) -> list[PipelineStage]:
+    return [PipelineStage(cm, s) for s in cm.pipeline.stages]
+
+
+def evaluate_pipeline(cm, memory: bool) -> ClassEstimate:
+    """The composition over `cm`'s pipeline, rank by rank."""
+    p = cm.pipeline
+    shape = PlanShape(p.schedule, p.num_microbatches, cm.spec.train.grad_clip,
+                      tuple(ms.stage for ms in p.ministages), max(len(s.ministages) for s in p.stages))
+    end = pt.step_end_time(cm.spec.train.grad_clip > 0,
+                           lambda nbytes: cm.collective_time("all_reduce", tuple(range(p.world_size)), nbytes))
+    return evaluate_classes(shape, pipeline_stages(cm), end, memory)
+
+
+def rank_memory_of(cm, rank: int, limit: int) -> RankMemory:
+    """One rank's memory at its peak, its lane holding `limit` microbatches in flight."""
+    stage = cm.stage_of(rank)
+    mss = stage.ministages
+    held = StatesHeld([cm.param_bytes(ms, rank) for ms in mss], [cm.grad_bytes(ms, rank) for ms in mss],
+                      sum(sharded_numel(cm, ms, rank, "grads") for ms in mss) * cm.states.grads,
+                      sum(sharded_numel(cm, ms, rank, "optimizer") for ms in mss) * cm.states.optimizer,
+                      cm.shard(rank), stage.zero.resolved_level >= 3 and len(cm.zero_group(rank)) > 1,
+                      len(stage.lanes), cm.largest_held_boundary(stage), cm.states.grads)
+    p = cm.pipeline
+    states = state_memory(held, stage.offload, p.schedule, cm.spec.train.grad_clip, p.prefetch)
+    lane = p.lane_of_rank[rank]
+    acts = activation_memory(p.schedule, stage.index, len(p.stages), len(lane.microbatches),
+                             [cm.activation_bytes(ms, rank) for ms in mss], limit,
+                             stage.offload.activations is not OffloadTarget.NONE,
+                             sum(cm.held_boundary_bytes(ms - 1, stage) for ms in mss if ms > 0),
+                             cm.largest_held_boundary(stage), p.prefetch)
+    return rank_memory(rank, cm.gpu(rank), stage.index, states, acts)

@@ -1,0 +1,109 @@
+"""The cost model's primitives for any GPU of a cluster: per-layer times, links, collectives, bytes.
+
+The planner reads thousands of candidates class by class
+(passes/plan/stagecosts.py) before any of them is a Pipeline.
+Every time and byte here comes from a *probe* `CostModel` whose world is
+every GPU of the cluster (world rank = GPU id), so that its layer-time,
+link, collective and copy methods answer for any GPU; this class only
+memoises them on what a candidate's classes of lanes share (a layer's
+kind, a lane's device kinds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import lru_cache
+
+from hetc.passes.cost import CostModel, Profiles
+from hetc.passes.cost.compute import LayerCost
+from hetc.passes.cost.memory import context_reserve, state_bytes_per_param
+from hetc.passes.cost.model import optimizer_seconds
+from hetc.passes.cost.shapes import LayerKind, activation_elements, params_per_rank
+from hetc.pipeline import Pipeline
+from hetc.spec import DTYPE_BYTES, ModelSpec, ScheduleKind, Spec, TrainSpec
+from hetc.topology import Gpu, Topology
+
+__all__ = ["Primitives"]
+
+
+class Primitives:
+    """Cost-model arithmetic for one spec, cluster and micro-batch size."""
+
+    def __init__(self, spec: Spec, topo: Topology, profiles: Profiles | None, micro_batch: int):
+        assert spec.model is not None and spec.train is not None   # a checked spec
+        train = replace(spec.train, micro_batch=micro_batch)
+        self.spec = replace(spec, train=train)
+        self.topo = topo
+        self.model: ModelSpec = spec.model
+        self.train: TrainSpec = train
+        self.micro_batch = micro_batch
+        self.num_microbatches = train.global_batch // micro_batch
+        probe_world = Pipeline((), (), topo.gpus, self.num_microbatches, micro_batch,
+                               ScheduleKind.ONE_F_ONE_B, 1)
+        self.probe = CostModel(self.spec, probe_world, topo, profiles)
+        self.delta = DTYPE_BYTES[self.model.dtype]
+        self.states = state_bytes_per_param(self.model)
+        # b·S·H·δ: the activation at a border (every tp rank holds it all: no sequence parallelism) and
+        # the TP all-reduce's buffer
+        self.boundary = float(micro_batch * self.model.seq * self.model.hidden * self.delta)
+        self.egress_prices: dict[tuple[str, str], float] = {}
+        self.layer_cost = lru_cache(maxsize=None)(self._layer_cost)
+        self.lane_compute = lru_cache(maxsize=None)(self._lane_compute)
+        self.params = lru_cache(maxsize=None)(self._params)
+        self.activations = lru_cache(maxsize=None)(self._activations)
+
+    # ------------------------------------------------------------ per layer
+
+    def _params(self, idx_kind: str, tp: int) -> float:
+        return params_per_rank(self.model, _index(self.model, idx_kind), tp)
+
+    def _activations(self, idx_kind: str, tp: int) -> float:
+        """Bytes one microbatch leaves stashed in this layer on one rank (cp = 1)."""
+        elems, extra = activation_elements(self.model, _index(self.model, idx_kind), self.micro_batch, tp=tp)
+        return elems * self.delta + extra
+
+    def _layer_cost(self, device: str, idx_kind: str, tp: int, tp_group: tuple[int, ...],
+                    rerun: bool) -> LayerCost:
+        """`CostModel.layer_cost` for a lane with cp = 1, memoised on the layer's kind."""
+        return self.probe.layer_cost(device, _index(self.model, idx_kind), tp, 1, tp_group, rerun)
+
+    def _lane_compute(self, devices: tuple[str, ...], tp: int, tp_group: tuple[int, ...], rerun: bool,
+                      units: tuple[int, int, int]) -> tuple[float, float, float]:
+        """(F, I, W) of one microbatch through (embed, blocks, head) units on a lane: its slowest kind
+        per phase."""
+        best = (0.0, 0.0, 0.0)
+        for device in dict.fromkeys(devices):
+            costs = [self.layer_cost(device, k, tp, tp_group, rerun) for k in _KINDS]
+            mine = tuple(sum(n * getattr(c, a) for n, c in zip(units, costs) if n)
+                         for a in ("forward", "input_grad", "weight_grad"))
+            best = tuple(max(a, b) for a, b in zip(best, mine))
+        return best
+
+    # ------------------------------------------------------------ links
+
+    def ring(self, kind: str, ranks: tuple[int, ...], nbytes: float, concurrent: int = 1) -> float:
+        """`CostModel.collective_time` over GPU ids `ranks`."""
+        return self.probe.collective_time(kind, ranks, nbytes, concurrent)
+
+    def p2p(self, src: Gpu, dst: Gpu, nbytes: float, concurrent: int = 1) -> float:
+        """`CostModel.p2p_time` between two GPUs."""
+        return self.probe.p2p_time(src.id, dst.id, nbytes, concurrent)
+
+    def copy(self, gpu: Gpu, nbytes: float) -> float:
+        return self.probe.copy_time(gpu.id, nbytes)
+
+    def overhead(self, gpu: Gpu) -> float:
+        return self.probe.microbatch_overhead(gpu.id)
+
+    def optimizer(self, gpu: Gpu, numel: float, on_host: bool) -> float:
+        return optimizer_seconds(self.model, gpu.device, numel, on_host)
+
+    def context(self, gpu: Gpu) -> float:
+        return context_reserve(gpu.device.memory, gpu.device.is_cpu)
+
+
+_KINDS = (LayerKind.EMBED, LayerKind.BLOCK, LayerKind.HEAD)
+
+
+def _index(m, kind: str) -> int:
+    return {LayerKind.EMBED: 0, LayerKind.BLOCK: 1, LayerKind.HEAD: m.layers + 1}[kind]

@@ -1,0 +1,131 @@
+"""The time of a stage's ZeRO collectives, host copies and optimizer step, for one rank.
+
+One implementation for both readers of the cost model: `plan_time` (a
+resolved Pipeline, rank by rank) and the planner's class-by-class
+evaluation (passes/plan/stagecosts.py). Each resolves the rank's groups
+(`ZeroRings`) and its link times; the formulas are here.
+
+- beside the compute, per microbatch (`zero_collectives`): ZeRO-2/3
+  reduce the gradients after each backward, ZeRO-3 gathers the parameters
+  around every compute op (`gathers_per_microbatch`), offloaded parameters
+  come in and go back; `schedule.zero_cycle` places them (Note [zero cycle]);
+- after the last backward (`sync_time`): the gradient reduction not already
+  in the lanes' cycles (and ZeRO-1/2's parameter all-gather; hierarchical
+  ZeRO's node-local reduce-scatter and gather plus the all-reduce across
+  nodes);
+- Zorse gathers and reduces once per ministage (`fetch_time`, `sync_time`
+  with `per_ministage`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from hetc.passes.cost.memory import StateBytes
+from hetc.spec import ScheduleKind, ZeroShard, ZeroSpec
+
+__all__ = ["ZeroRings", "across_nodes", "fetch_time", "first_gather_time", "flush_time", "gathers_per_microbatch",
+           "optimizer_step_time", "sync_time", "zero_collectives"]
+
+# (kind, ranks, bytes) -> seconds of a ring collective, the rank's node link shared by its lane's ranks
+Collective = Callable[[str, tuple[int, ...], float], float]
+
+
+@dataclass(frozen=True)
+class ZeroRings:
+    """The groups one rank's ZeRO collectives run over, and how long one takes."""
+
+    time: Collective
+    group: tuple[int, ...]            # the whole ZeRO group (DP × CP)
+    node: tuple[int, ...] = ()        # hierarchical ZeRO: the group's ranks on this rank's node
+    across: tuple[int, ...] = ()      # hierarchical ZeRO: the ranks at its position on every node
+
+    def sharded(self, zero: ZeroSpec) -> tuple[int, ...]:
+        """The ranks a level-2/3 shard spans: the node's under `shard = node`, else the whole group."""
+        return self.node if zero.shard is ZeroShard.NODE else self.group
+
+
+def across_nodes(group: Sequence[int], host_of: Callable[[int], object], rank: int) -> tuple[int, ...]:
+    """Hierarchical ZeRO: the ranks of `group` at `rank`'s index among its node's members, in group order."""
+    by_host: dict[object, list[int]] = {}
+    for r in group:
+        by_host.setdefault(host_of(r), []).append(r)
+    idx = by_host[host_of(rank)].index(rank)
+    chosen = {members[idx] for members in by_host.values() if idx < len(members)}
+    return tuple(r for r in group if r in chosen)
+
+
+def gathers_per_microbatch(schedule: ScheduleKind) -> int:
+    """ZeRO-3 gathers a ministage's parameters around each of its compute ops: F and B, or F, I and W."""
+    return 3 if schedule is ScheduleKind.ZB else 2
+
+
+def zero_collectives(schedule: ScheduleKind, zero: ZeroSpec, offload_params: bool, nbytes: float,
+                     rings: ZeroRings, copy: Callable[[float], float], param_shard: float
+                     ) -> tuple[float, float, float]:
+    """Per-microbatch work beside the compute for a stage of `nbytes` parameters (δΦ on this rank):
+    (ZeRO-2/3 reduce-scatter, one ZeRO-3 gather, parameter copies from the host (`copy(bytes)`)), each in
+    seconds; Note [zero cycle] in schedule.py says how the compute waits for them."""
+    level = zero.resolved_level
+    if schedule is ScheduleKind.ZORSE:
+        return 0.0, 0.0, 0.0  # Zorse gathers and reduces once per ministage (fetch_time, sync_time)
+    if level < 2 and not offload_params:
+        return 0.0, 0.0, 0.0
+    ring = rings.sharded(zero)
+    reduce = rings.time("reduce_scatter", ring, nbytes) if level >= 2 else 0.0
+    gather = rings.time("all_gather", ring, nbytes) if level >= 3 else 0.0
+    copies = 2 * copy(nbytes * param_shard) if offload_params else 0.0
+    return reduce, gather, copies
+
+
+def sync_time(zero: ZeroSpec, nbytes: float, rings: ZeroRings, per_ministage: bool = False) -> float:
+    """Gradient reduction after the last backward (and ZeRO-1/2's parameter all-gather) for a stage of
+    `nbytes` parameters.
+
+    Under per-microbatch schedules ZeRO-2/3 reduce-scatter after every
+    gradient op; the lane's cycle and trail count those (Note [zero cycle]).
+    """
+    level = zero.resolved_level
+    if zero.shard is ZeroShard.NODE:
+        inner = (rings.time("reduce_scatter", rings.node, nbytes) if level < 2 or per_ministage else 0.0) + \
+            (rings.time("all_gather", rings.node, nbytes) if level <= 2 else 0.0)
+        return inner + rings.time("all_reduce", rings.across, nbytes / max(len(rings.node), 1))
+    if level <= 1:
+        return rings.time("all_reduce", rings.group, nbytes)
+    gather = rings.time("all_gather", rings.group, nbytes) if level == 2 else 0.0
+    if per_ministage:  # Zorse: one reduce-scatter per ministage, then (ZeRO-2) one gather
+        return rings.time("reduce_scatter", rings.group, nbytes) + gather
+    return gather
+
+
+def first_gather_time(zero: ZeroSpec, first_bytes: float, rings: ZeroRings) -> float:
+    """ZeRO-3: the first stage waits for its first ministage's gather before anything runs."""
+    if zero.resolved_level < 3 or len(rings.group) < 2:
+        return 0.0
+    return rings.time("all_gather", rings.sharded(zero), first_bytes)
+
+
+def fetch_time(zero: ZeroSpec, offload_params: bool, nbytes: float, rings: ZeroRings,
+               copy: Callable[[float], float], param_shard: float) -> float:
+    """Zorse brings one ministage's `nbytes` parameters in once per step: ZeRO-3 gather, host copy."""
+    fetch = rings.time("all_gather", rings.group, nbytes) if zero.resolved_level >= 3 else 0.0
+    if offload_params:
+        fetch += copy(nbytes * param_shard)
+    return fetch
+
+
+def flush_time(syncs: Iterable[float], steps: Iterable[float]) -> float:
+    """A stage's tail after its last backward: the ranks at one position of every lane sync together
+    (`syncs`: one per position), then each device kind steps its shard (`steps`: one per kind)."""
+    return max(syncs) + max(steps)
+
+
+def optimizer_step_time(step: Callable[[float], float], copy: Callable[[float], float], numel: float,
+                        on_host: bool, states: StateBytes) -> float:
+    """One optimizer step over the `numel` parameters this rank keeps (`step(numel)`); on the host, the
+    gradients go down and the parameters come back up."""
+    t = step(numel)
+    if on_host:
+        t += copy(numel * (states.grads + states.params))
+    return t

@@ -1,0 +1,53 @@
+"""The composition's shared rules (passes/cost/classes.py, plan_time.py, zero_time.py) on small cases."""
+
+from __future__ import annotations
+
+import pytest
+
+from hetc.passes.cost.classes import flush_tail, throughput
+from hetc.passes.cost.plan_time import ministage_borders, peer_lanes, stage_borders
+from hetc.passes.cost.schedule import LaneTiming, Unit, UnitLane
+from hetc.passes.cost.zero_time import ZeroRings, across_nodes, flush_time, sync_time
+from hetc.spec import ZeroShard, ZeroSpec
+
+
+def test_a_lanes_peer_serves_most_of_its_microbatches_the_lowest_on_ties():
+    # stage a: lane 0 serves microbatches 0-2, lane 1 serves 3; stage b: 0, 1 -> lane 0; 2, 3 -> lane 1
+    assert peer_lanes([0, 0, 0, 1], [0, 0, 1, 1], 2) == (0, 1)
+    # a tie (one each): the lower lane
+    assert peer_lanes([0, 0], [1, 0], 1) == (0,)
+
+
+def test_borders_are_those_to_other_stages():
+    stage_of = [0, 1, 1, 0].__getitem__   # interleaved: stage 0 owns ministages 0 and 3
+    assert ministage_borders(0, 0, stage_of, 4) == (1, None)
+    assert ministage_borders(3, 0, stage_of, 4) == (None, 1)
+    assert ministage_borders(1, 1, stage_of, 4) == (None, 0)
+    assert list(stage_borders((0, 3), 0, stage_of, 4)) == [(1, 0), (1, 2)]
+
+
+def test_a_later_stages_tail_hides_behind_the_drain_of_the_stages_before_it():
+    lanes = [LaneTiming(0, 0, 4, 1.0, 1.0, 1.0, 0.5), LaneTiming(1, 0, 4, 1.0, 2.0, 1.0)]
+    # stage 0 drains 2.5 s: stage 1's 3 s tail shows 0.5 s, stage 0's own 1 s tail shows whole
+    assert flush_tail(lanes, [1.0, 3.0]) == pytest.approx(1.0)
+    assert flush_tail(lanes, [0.2, 3.0]) == pytest.approx(0.5)
+
+
+def test_a_zorse_unit_takes_its_share_of_the_stages_sync_and_step():
+    lane = UnitLane.of((0, 1), 1.0, 2.0, 3.0, 0.0, 0.0)   # the boundary copy outlasts the compute
+    assert (lane.forward, lane.backward) == (3.0, 3.0)
+    unit = Unit.of(0, (lane,), 0.1, 25.0, 100.0, 4.0, 8.0, False)
+    assert (unit.sync, unit.step) == (1.0, 2.0)
+
+
+def test_hierarchical_zero_syncs_inside_the_node_then_across_at_its_position():
+    """ZeRO-1 sharded per node: reduce-scatter and gather inside the node, then the shards' all-reduce."""
+    hosts = {0: "a", 1: "a", 2: "b", 3: "b"}
+    assert across_nodes((0, 1, 2, 3), hosts.__getitem__, 1) == (1, 3)
+    seen = []
+    rings = ZeroRings(lambda kind, ranks, nbytes: seen.append((kind, ranks, nbytes)) or 1.0,
+                      (0, 1, 2, 3), (0, 1), (0, 2))
+    assert sync_time(ZeroSpec(level=1, shard=ZeroShard.NODE), 8.0, rings) == 3.0
+    assert seen == [("reduce_scatter", (0, 1), 8.0), ("all_gather", (0, 1), 8.0), ("all_reduce", (0, 2), 4.0)]
+    assert flush_time([1.0, 2.0], [0.5, 0.25]) == 2.5
+    assert throughput(100, 0.0) == 0.0 and throughput(100, 4.0) == 25.0
