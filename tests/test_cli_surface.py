@@ -34,16 +34,16 @@ def _action_line(action: argparse.Action) -> str:
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    for action in parser._actions:  # noqa: SLF001 - argparse has no public listing of its actions
-        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+    for action in parser._actions:  # argparse has no public listing of its actions
+        if isinstance(action, argparse._SubParsersAction):
             return dict(action.choices)
     return {}
 
 
 def _parser_lines(title: str, parser: argparse.ArgumentParser) -> list[str]:
     lines = [title]
-    for action in parser._actions:  # noqa: SLF001
-        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
             lines.append(f"  {action.dest}: subcommands {sorted(action.choices)}")
         else:
             lines.append(_action_line(action))
