@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from hetc.agreement import Agreement, build, compare
+from hetc.passes.agreement import Agreement, build, compare
 from hetc.errors import SpecError
-from hetc.load import load_spec
+from hetc.frontend.load import load_spec
 from hetc.passes.plan.planner import PlanResult, plan_spec
 from hetc.passes.plan.structures import SearchLimits
 from tests.conftest import all_spec_files
