@@ -11,7 +11,7 @@ and stored flattened (1-D, the parameter's numel), whatever plan wrote it.
 Beside DCP's files rank 0 writes model.het, the model block the weights
 belong to (explicit: every field written, no hf directory), and, for a
 model read from a Hugging Face directory, its config.json as hf_config.json:
-what `hetc export hf` needs to name and shape the tensors (hetc/hf/export.py).
+what `hetc export hf` needs to name and shape the tensors (runtime/hf_export.py).
 
 The data source is stateless ((step, microbatch) -> tokens) and the
 learning rate a function of the step, so the step is all the trainer state.
