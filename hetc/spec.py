@@ -345,17 +345,6 @@ class ModelSpec(Node):
             return None
         return declared_path(self.hf, self.span_of("hf"), fallback_dir)
 
-    @property
-    def wants_pretrained(self) -> bool:
-        """Whether initial weights come from the hf directory (`init`, or its default); see hetc.hf."""
-        return self.init is InitKind.PRETRAINED or (self.init is None and self.hf_has_weights)
-
-    @property
-    def hf_has_weights(self) -> bool:
-        from hetc.hf.weights import has_weights
-
-        directory = self.hf_dir()
-        return directory is not None and has_weights(directory)
 
     @property
     def num_model_layers(self) -> int:
