@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:  # noqa: BLE001 - the last line of defence
         if args.debug:
             raise
-        print(f"hetc {args.verb}: internal error: {type(err).__name__}: {err}\n"
+        notes = "".join(f"\n  {note}" for note in getattr(err, "__notes__", ()))   # e.g. the interpreter's
+        print(f"hetc {args.verb}: internal error: {type(err).__name__}: {err}{notes}\n"
               "this is a bug in hetc; rerun with --debug for the traceback", file=sys.stderr)
         return 1
 
