@@ -21,7 +21,7 @@ from hetc.passes.cost import CostModel, Estimate, Profiles
 from hetc.passes.plan.baselines import Baseline, baselines
 from hetc.passes.plan.candidate import Candidate
 from hetc.passes.plan.emit import emit_spec
-from hetc.passes.plan.evaluate import Score
+from hetc.passes.cost.candidate_score import Score
 from hetc.passes.plan.infeasible import no_plan_error
 from hetc.passes.plan.objective import Goal
 from hetc.passes.plan.search import Found, Search, SearchLimits
@@ -162,6 +162,6 @@ def _cross_check(score: Score, estimate: Estimate | None) -> None:
     drift = abs(score.step_time_s - estimate.step_time_s) / max(estimate.step_time_s, 1e-30)
     if drift > 1e-6:
         log.warning("the planner scored this plan %.6g s/step but the cost model estimates %.6g s "
-                    "(%.2g%% apart): passes/plan/stagecosts.py reads the candidate otherwise than "
+                    "(%.2g%% apart): passes/cost/candidate_stage.py reads the candidate otherwise than "
                     "passes/cost/pipeline_stage.py reads its pipeline",
                     score.step_time_s, estimate.step_time_s, 100 * drift)

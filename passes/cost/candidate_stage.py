@@ -5,8 +5,8 @@ collectives beside the compute and after the flush, the optimizer step,
 Zorse's units and memory per class of ranks, each from passes/cost's
 formulas (`CostModel.layer_cost` through `Primitives`, `zero_time`,
 `memory.state_memory`, `plan_time.stage_borders`) with the candidate's
-groups (views.py). The option tables (tables.py) read it too, on a
-stand-in pipeline around one stage.
+groups (candidate_view.py). The planner's option tables read it too
+(stage_option.py), on a stand-in pipeline around one stage.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import cached_property
 
-from hetc.passes.cost.cores import host_slowdowns
+from hetc.passes.cost.candidate_view import PlanView, StageContext, StageView
 from hetc.passes.cost.memory import (RankMemory, ShardFactors, StateMemory, StatesHeld, activation_memory,
                                     rank_memory, shard_factors, state_memory)
 from hetc.passes.cost.plan_time import ministage_borders, stage_borders
@@ -34,8 +34,7 @@ _KINDS = (LayerKind.EMBED, LayerKind.BLOCK, LayerKind.HEAD)
 class StageCosts:
     """Per-stage quantities of the cost model, for one stage of a plan view."""
 
-    def __init__(self, prims: Primitives, plan, stage):
-        """`plan`: a PlanView or tables.StageContext; `stage`: a StageView."""
+    def __init__(self, prims: Primitives, plan: PlanView | StageContext, stage: StageView):
         self.p, self.plan, self.s = prims, plan, stage
         self.index: int = stage.index
         self.num_lanes: int = len(stage.lanes)
@@ -45,6 +44,7 @@ class StageCosts:
         self.in_flight_limit: int | None = None
         self._statics: dict[int | None, StateMemory] = {}
         self._rooms: dict[tuple, float] = {}
+        self._numels: dict[tuple[int, int, int], float] = {}
 
     # ------------------------------------------------------------ layers
 
@@ -64,7 +64,11 @@ class StageCosts:
         return sum(n * per_kind(kind) for n, kind in zip(units, _KINDS) if n)
 
     def numel(self, units: tuple[int, int, int] | None = None) -> float:
-        return self._sum(units or self.layer_counts, lambda k: self.p.params(k, self.s.tp))
+        units = units or self.layer_counts
+        got = self._numels.get(units)
+        if got is None:
+            got = self._numels[units] = self._sum(units, lambda k: self.p.params(k, self.s.tp))
+        return got
 
     def boundary_bytes(self, ms: int) -> float:
         return 0.0 if ms == self.last_ms else self.p.boundary
@@ -75,17 +79,15 @@ class StageCosts:
 
     def compute(self, lane: int, units: tuple[int, int, int] | None = None) -> tuple[float, float, float]:
         """(F, I, W) seconds of one microbatch through `units` (default: the stage) on a lane."""
-        gpus = self.s.lanes[lane]
-        f, i, w = self.p.lane_compute(tuple(g.device.name for g in gpus), self.s.tp, tuple(g.id for g in gpus),
-                                      self.s.knobs.offload.activations, units or self.layer_counts)
+        devices, ids = self.s.res.lane_devices[lane]
+        f, i, w = self.p.lane_compute(devices, self.s.tp, ids, self.s.knobs.offload.activations,
+                                      units or self.layer_counts)
         slow = self.slowdown(lane)
         return f * slow, i * slow, w * slow
 
     @cached_property
     def _slowdowns(self) -> dict[tuple[str, int], float]:
-        cluster = self.p.topo.cluster
-        return host_slowdowns(self.plan.gpus or self.s.res.gpus, {n.name: n.cores for n in cluster.nodes},
-                              cluster.cores, self.p.probe.profiles.shared)
+        return self.p.host_slowdowns(self.plan.gpus or self.s.res.gpus)
 
     def slowdown(self, lane: int) -> float:
         """Mirrors CostModel.slowdown: the lane's slowest rank for sharing its node's cores."""
