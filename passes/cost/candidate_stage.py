@@ -45,6 +45,8 @@ class StageCosts:
         self._statics: dict[int | None, StateMemory] = {}
         self._rooms: dict[tuple, float] = {}
         self._numels: dict[tuple[int, int, int], float] = {}
+        self._shards: dict[int | None, ShardFactors] = {}
+        self._rings: dict[int, ZeroRings] = {}
 
     # ------------------------------------------------------------ layers
 
@@ -91,7 +93,10 @@ class StageCosts:
 
     def slowdown(self, lane: int) -> float:
         """Mirrors CostModel.slowdown: the lane's slowest rank for sharing its node's cores."""
-        return max(self._slowdowns.get(g.host, 1.0) for g in self.s.lanes[lane])
+        slow = self._slowdowns
+        if not slow:   # no node of the plan shares its cores
+            return 1.0
+        return max(slow.get(g.host, 1.0) for g in self.s.lanes[lane])
 
     def overhead(self, lane: int) -> float:
         """The engine's seconds per microbatch outside the layers (`CostModel.microbatch_overhead`)."""
@@ -148,10 +153,19 @@ class StageCosts:
         return self.shard_of(self.s.node_share(lane))
 
     def shard_of(self, node_share: int | None) -> ShardFactors:
-        return shard_factors(self.s.zero, len(self.s.ring), node_share)
+        got = self._shards.get(node_share)
+        if got is None:
+            got = self._shards[node_share] = shard_factors(self.s.zero, len(self.s.ring), node_share)
+        return got
 
     def rings(self, lane: int) -> ZeroRings:
         """The ZeRO groups of `lane`'s first rank (`passes.cost.zero_time`)."""
+        got = self._rings.get(lane)
+        if got is None:
+            got = self._rings[lane] = self._zero_rings(lane)
+        return got
+
+    def _zero_rings(self, lane: int) -> ZeroRings:
         k, res = self.s.concurrent(lane), self.s.res
         timer = lambda kind, ranks, nbytes: self.p.ring(kind, ranks, nbytes, k)
         if self.s.zero.shard is not ZeroShard.NODE:

@@ -101,13 +101,15 @@ class Primitives:
         return optimizer_seconds(self.model, gpu.device, numel, on_host)
 
     def host_slowdowns(self, gpus: tuple[Gpu, ...]) -> dict[tuple[str, int], float]:
-        """`cores.host_slowdowns` of a plan's GPUs, memoised per tuple (a stage's GPUs are resolved once
+        """`cores.host_slowdowns` of a plan's GPUs (empty when none is slowed), memoised per tuple (a stage's GPUs are resolved once
         and read by every option of it; the tuple is held so that its id stays its own)."""
         got = self._slowdowns.get(id(gpus))
         if got is None or got[0] is not gpus:
             cluster = self.topo.cluster
-            got = self._slowdowns[id(gpus)] = (gpus, host_slowdowns(
-                gpus, {n.name: n.cores for n in cluster.nodes}, cluster.cores, self.probe.profiles.shared))
+            slow = host_slowdowns(gpus, {n.name: n.cores for n in cluster.nodes}, cluster.cores,
+                                  self.probe.profiles.shared)
+            # no host slowed: an empty table, so that a lane's slowdown is 1 without a look at its GPUs
+            got = self._slowdowns[id(gpus)] = (gpus, slow if any(v != 1.0 for v in slow.values()) else {})
         return got[1]
 
     def context(self, gpu: Gpu) -> float:

@@ -238,6 +238,14 @@ def assign_cpsat(tables: list[StageTable], units: int, m: int, hint: Assignment 
     return Assignment(tuple(picked), model_objective(picked))
 
 
+# Note [dominated options]: an option enters the model only through its layer count, fill, tail, drain,
+# lockstep flag and each lane class's cycle and cap. Another option of the same layer count that is no
+# worse in each (a lower fill, tail and cycles, a longer drain, which hides later stages' tails, a larger
+# cap, no lockstep) can replace it in any solution without raising the objective, so the model keeps its
+# optimum without it; of equal options the first stays. The hint's options stay whatever they are, so the
+# complete hint (`_hint`) remains a solution and CP-SAT never answers worse than it.
+
+
 def _undominated(opts: list[tuple[float, Option]], keep: set[int]) -> list[tuple[float, Option]]:
     """The options no other option of the same layer count beats or ties in every term of the model
     (fill, tail, drain, and each lane class's cycle and cap), the first of equals, and those in `keep`:

@@ -138,14 +138,16 @@ CHECK_OPS = 8192
 
 
 def _check_winner(checked: Checked, profiles: Profiles | None, chosen: str) -> None:
-    from hetc.agreement import build
-    from hetc.passes.verify import VerifyError
+    from hetc.passes.lower import lower
+    from hetc.passes.verify import VerifyError, verify
 
     p = checked.pipeline
     if p is None or p.num_microbatches * len(p.ministages) > CHECK_OPS:
         return
-    try:
-        build(checked, profiles, simulated=False)
+    assert checked.topology is not None   # a pipeline runs on a cluster
+    costs = CostModel(checked.spec, p, checked.topology, profiles)
+    try:   # what `hetc compile` runs, without the timeline and the per-rank report it writes beside
+        verify(lower(checked.spec, p, costs=costs), p, checked.spec, costs)
     except VerifyError as err:
         what = "does not fit in device memory" if err.check == "memory" else f"fails the {err.check} check"
         raise InternalError(f"the plan hetc plan chose ({chosen}) {what} once compiled, though its cost model "

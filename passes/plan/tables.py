@@ -18,6 +18,7 @@ chosen plan is scored exactly afterwards.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 from hetc.errors import InternalError
 from hetc.passes.cost.candidate_stage import StageCosts
@@ -104,8 +105,13 @@ def stage_costs(prims: Primitives, res: ResolvedStage, index: int, num_stages: i
     nominal = tuple(split_evenly(m, len(res.lanes))) if len(res.lanes) <= m else (1,) * len(res.lanes)
     ctx, own = _context(prims, index, num_stages, n, knobs.ministages, interleave, neighbours, schedule,
                         prefetch)
-    view = StageView(index, res, knobs, replace(zero_base or ZeroSpec(), level=knobs.zero), own, nominal)
+    view = StageView(index, res, knobs, _zero_at(zero_base or ZeroSpec(), knobs.zero), own, nominal)
     return StageCosts(prims, ctx, view)
+
+
+@lru_cache(maxsize=256)
+def _zero_at(base: ZeroSpec, level: int) -> ZeroSpec:
+    return replace(base, level=level)
 
 
 def stage_table(prims: Primitives, res: ResolvedStage, index: int, num_stages: int, layer_range: range,
