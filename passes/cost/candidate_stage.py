@@ -43,7 +43,6 @@ class StageCosts:
         # microbatches a lane keeps in flight (Note [in-flight limit]); None: the stages ahead (option tables)
         self.in_flight_limit: int | None = None
         self._statics: dict[int | None, StateMemory] = {}
-        self._rooms: dict[tuple, float] = {}
         self._numels: dict[tuple[int, int, int], float] = {}
         self._shards: dict[int | None, ShardFactors] = {}
         self._rings: dict[int, ZeroRings] = {}
@@ -223,13 +222,30 @@ class StageCosts:
         return min(self._room(g, share, count) for g in kinds)
 
     def _room(self, gpu: Gpu, node_share: int | None, count: int) -> float:
-        """Bytes left on a rank of `gpu`'s kind; memoised (the option tables search counts)."""
-        key = (gpu.device.name, node_share, count, self.in_flight_limit)
-        got = self._rooms.get(key)
+        """Bytes left on a rank of `gpu`'s kind; memoised on what the memory depends on, across the stages
+        read with one `Primitives` (the option tables ask for many counts, and for the same stage under
+        other neighbours and schedules)."""
+        key = (gpu.device.name, node_share, count, self.in_flight_limit, self._memory_key)
+        rooms = self.p.rooms
+        got = rooms.get(key)
         if got is None:
             m = rank_memory(gpu.id, gpu, self.s.index, self._static(node_share), self._activations(count))
-            got = self._rooms[key] = m.capacity - m.total
+            got = rooms[key] = m.capacity - m.total
         return got
+
+    @cached_property
+    def _memory_key(self) -> tuple[object, ...]:
+        """Everything of this stage `_static` and `_activations` read (with the node share and count)."""
+        st, plan = self.s, self.plan
+        return (tuple(self.ms_numel), tuple(self._per_mb_activations), st.zero, len(st.ring), len(st.lanes),
+                st.knobs.offload, plan.schedule, st.index, plan.num_stages, plan.prefetch, *self._borders)
+
+    @cached_property
+    def _borders(self) -> tuple[float, float]:
+        """(the boundary activations held from the stage's earlier ministages, the largest one it holds)."""
+        st = self.s
+        return (sum(self.boundary_bytes(ms - 1) for ms in st.ministages if ms > 0),
+                max(self.boundary_bytes(ms) for ms in st.ministages))
 
     def activations_per_count(self) -> float:
         """Activation bytes each further microbatch adds when that is linear in the count (GPipe, Zorse
@@ -251,7 +267,7 @@ class StageCosts:
                               sum(n * p.states.optimizer for n in self.ms_numel) *
                               self.shard_of(node_share).optimizer, self.shard_of(node_share),
                               int(st.zero.level) >= 3 and len(st.lanes) > 1, len(st.lanes),
-                              max((self.boundary_bytes(ms) for ms in st.ministages), default=0.0), p.states.grads)
+                              self._borders[1] if st.ministages else 0.0, p.states.grads)
             got = self._statics[node_share] = state_memory(held, st.knobs.offload.to_spec(), self.plan.schedule,
                                                            p.train.grad_clip, self.plan.prefetch)
         return got
@@ -264,10 +280,10 @@ class StageCosts:
     def _activations(self, count: int) -> tuple[float, float]:
         # every rank of a tp group holds the whole boundary activation (no sequence parallelism)
         st = self.s
+        held, largest = self._borders
         return activation_memory(self.plan.schedule, st.index, self.plan.num_stages, count,
                                  self._per_mb_activations, self.in_flight_limit, st.knobs.offload.activations,
-                                 sum(self.boundary_bytes(ms - 1) for ms in st.ministages if ms > 0),
-                                 max(self.boundary_bytes(ms) for ms in st.ministages), self.plan.prefetch)
+                                 held, largest, self.plan.prefetch)
 
 
 def _lane_classes(sc: StageCosts) -> dict[tuple, list[int]]:
