@@ -43,6 +43,7 @@ class StageCosts:
         # microbatches a lane keeps in flight (Note [in-flight limit]); None: the stages ahead (option tables)
         self.in_flight_limit: int | None = None
         self._statics: dict[int | None, StateMemory] = {}
+        self._rooms: dict[tuple[str, int | None, int, int | None], float] = {}
         self._numels: dict[tuple[int, int, int], float] = {}
         self._shards: dict[int | None, ShardFactors] = {}
         self._rings: dict[int, ZeroRings] = {}
@@ -223,24 +224,14 @@ class StageCosts:
         return min(self._room(g, share, count) for g in kinds)
 
     def _room(self, gpu: Gpu, node_share: int | None, count: int) -> float:
-        """Bytes left on a rank of `gpu`'s kind; memoised on what the memory depends on, across the stages
-        read with one `Primitives` (the option tables ask for many counts, and for the same stage under
-        other neighbours and schedules)."""
-        key = (gpu.device.name, node_share, count, self.in_flight_limit, self._memory_key)
-        rooms = self.p.rooms
-        got = rooms.get(key)
+        """Bytes left on a rank of `gpu`'s kind; memoised (the option tables search counts)."""
+        key = (gpu.device.name, node_share, count, self.in_flight_limit)
+        got = self._rooms.get(key)
         if got is None:
             m = rank_memory(gpu.id, gpu, self.s.index, self._static(node_share), self._activations(count),
                             self._zorse_peak(node_share, count))
-            got = rooms[key] = m.capacity - m.total
+            got = self._rooms[key] = m.capacity - m.total
         return got
-
-    @cached_property
-    def _memory_key(self) -> tuple[object, ...]:
-        """Everything of this stage `_static` and `_activations` read (with the node share and count)."""
-        st, plan = self.s, self.plan
-        return (tuple(self.ms_numel), tuple(self._per_mb_activations), st.zero, len(st.ring), len(st.lanes),
-                st.knobs.offload, plan.schedule, st.index, plan.num_stages, plan.prefetch, *self._borders)
 
     @cached_property
     def _borders(self) -> tuple[float, float]:

@@ -52,7 +52,6 @@ class Primitives:
         self.lane_compute = lru_cache(maxsize=None)(self._lane_compute)
         self.params = lru_cache(maxsize=None)(self._params)
         self.activations = lru_cache(maxsize=None)(self._activations)
-        self.rooms: dict[tuple[object, ...], float] = {}   # `candidate_stage.StageCosts._room`'s memo
         self._slowdowns: dict[int, tuple[tuple[Gpu, ...], dict[tuple[str, int], float]]] = {}
 
     # ------------------------------------------------------------ per layer

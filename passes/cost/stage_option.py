@@ -15,6 +15,7 @@ stage's ministages]).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -42,8 +43,18 @@ class StageOptionCosts:
 
 
 def option_costs(sc: StageCosts, classes: Sequence[tuple[int, ...]], m: int) -> StageOptionCosts:
-    """The stage's terms with `m` microbatches, one timing per class of lanes (each led by its first)."""
+    """The stage's terms with `m` microbatches, one timing per class of lanes (each led by its first).
+
+    Lanes in lockstep must serve equal counts; when `m` does not split evenly over them the option cannot
+    be placed, whatever it costs, so only its lanes' memory caps are found (the search asks whether it
+    fits) and its times are not: infinite cycles and no fill, tail or drain.
+    """
     schedule = sc.plan.schedule
+    per_mb = schedule is not ScheduleKind.ZORSE and sc.s.knobs.zero >= 2 and sc.s.zero.shard is ZeroShard.ALL
+    equal = per_mb and len(sc.s.lanes) > 1
+    if equal and m % len(sc.s.lanes):
+        caps = tuple(LaneClass(lanes, math.inf, lane_cap(sc, lanes[0], m)) for lanes in classes)
+        return StageOptionCosts(caps, 0.0, 0.0, 0.0, equal)
     lane_classes, fill, tail, drain = [], 0.0, 0.0, 0.0
     trail = 0.0
     for lanes in classes:
@@ -62,10 +73,9 @@ def option_costs(sc: StageCosts, classes: Sequence[tuple[int, ...]], m: int) -> 
         tail = max(tail, trail + sc.sync(lane, per_ministage=schedule is ScheduleKind.ZORSE) + sc.optimizer(lane))
         drain = max(drain, i + w + p2p)
         lane_classes.append(LaneClass(lanes, cycle, lane_cap(sc, lane, m)))
-    per_mb = schedule is not ScheduleKind.ZORSE and sc.s.knobs.zero >= 2 and sc.s.zero.shard is ZeroShard.ALL
     if schedule is ScheduleKind.ZORSE:
         fill += sc.fetch(sc.s.ministages[0])   # the first ministage comes in before it can start
-    return StageOptionCosts(tuple(lane_classes), fill, tail, drain, per_mb and len(sc.s.lanes) > 1)
+    return StageOptionCosts(tuple(lane_classes), fill, tail, drain, equal)
 
 
 def serialised_fill(sc: StageCosts, work: float | None) -> float:
