@@ -45,7 +45,10 @@ PARTS = ("params", "grads", "optimizer", "gathered", "activations", "buffers", "
 class Sizes(Protocol):
     """What the memory check needs from the cost model (`hetc.passes.cost.CostModel`)."""
 
-    delta: float   # bytes per element of the training dtype (activations and their gradients)
+    @property
+    def delta(self) -> float:   # bytes per element of the training dtype (activations and their gradients)
+        ...   # a read-only member: the cost model's is an int attribute, which reads as a float
+
 
     def param_bytes(self, ms: int, rank: int) -> float: ...
     def grad_bytes(self, ms: int, rank: int) -> float: ...
