@@ -179,3 +179,9 @@ def test_the_checker_reports_an_upward_import_and_a_cycle():
     assert edges_against_order(upward, layers) == [
         "hetc/spec.py (ir) imports runtime/worker.py (runtime), a layer below it"]
     assert layer_cycles(upward | {("runtime/worker.py", "hetc/spec.py")}, layers) == [["ir", "runtime"]]
+
+
+@pytest.mark.parametrize("name", ["grammar", "passes", "runtime"])
+def test_the_top_level_folders_are_hetc_packages_by_relative_links(name):
+    link = ROOT / "hetc" / name          # Note [layout] in pyproject.toml
+    assert link.is_symlink() and Path(link.readlink()) == Path("..") / name
