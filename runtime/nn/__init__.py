@@ -2,7 +2,9 @@
 
 What a ministage runs: `model.py` builds a stage's modules from the spec;
 `tensor_parallel.py` holds the sharded projections and their process-group
-collectives; the rest are one layer kind a file. Nothing here knows about
+collectives; `collectives.py` is every torch.distributed call of a step,
+typed when it fails (Note [communication failures]); the rest are one
+layer kind a file. Nothing here knows about
 instructions or schedules (that is runtime/interpreter.py).
 """
 
