@@ -46,8 +46,8 @@ class Sizes(Protocol):
     """What the memory check needs from the cost model (`hetc.passes.cost.CostModel`)."""
 
     @property
-    def delta(self) -> float:   # bytes per element of the training dtype (activations and their gradients)
-        ...   # a read-only member: the cost model's is an int attribute, which reads as a float
+    def delta(self) -> float: ...   # bytes per element of the training dtype (activations and their gradients)
+
 
 
     def param_bytes(self, ms: int, rank: int) -> float: ...
