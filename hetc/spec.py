@@ -395,13 +395,16 @@ class PeakSpec(Node):
 
     def for_dtype(self, dtype: DType) -> float:
         """Peak FLOP/s for `dtype`, falling back to the nearest wider format."""
-        order = {DType.FP8: ("fp8", "fp16", "bf16"), DType.FP16: ("fp16", "bf16", "fp32"),
-                 DType.BF16: ("bf16", "fp16", "fp32"), DType.TF32: ("tf32", "fp32"),
-                 DType.FP32: ("fp32",)}[dtype]
-        for name in order:
-            value = getattr(self, name)
-            if value > 0:
-                return value
+        order = {DType.FP8: (DType.FP8, DType.FP16, DType.BF16),
+                 DType.FP16: (DType.FP16, DType.BF16, DType.FP32),
+                 DType.BF16: (DType.BF16, DType.FP16, DType.FP32),
+                 DType.TF32: (DType.TF32, DType.FP32),
+                 DType.FP32: (DType.FP32,)}[dtype]
+        peak = {DType.FP32: self.fp32, DType.TF32: self.tf32, DType.BF16: self.bf16, DType.FP16: self.fp16,
+                DType.FP8: self.fp8}
+        for candidate in order:
+            if peak[candidate] > 0:
+                return peak[candidate]
         return self.fp32
 
 
