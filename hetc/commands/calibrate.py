@@ -16,6 +16,7 @@ from pathlib import Path
 
 from hetc.classgap import class_gaps, gap_table, measured_from_metrics, worst_gap
 from hetc.cli import UsageError
+from hetc.commands import Subparsers
 from hetc.prediction import plan_prediction
 from hetc.profileargs import PROFILE_ENV, add_profile_option
 from hetc.timeline import mean_class_times
@@ -25,7 +26,7 @@ __all__ = ["register"]
 DEFAULT_STEPS = 4
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: Subparsers) -> None:
     p = sub.add_parser(
         "calibrate", help="run a few steps locally and compare them with the prediction, per time class",
         description="Run DIR's ranks on this machine for a few steps (as `hetc run DIR --local --metrics`), "

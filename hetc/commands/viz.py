@@ -9,6 +9,7 @@ from pathlib import Path
 
 from hetc.classgap import ClassGap, class_gaps, gap_table, measured_from_metrics
 from hetc.cli import UsageError
+from hetc.commands import Subparsers
 from hetc.plandir import TIMELINE_FILE, read_program
 from hetc.prediction import plan_prediction
 from hetc.profileargs import PROFILE_ENV, add_profile_option
@@ -20,7 +21,7 @@ __all__ = ["parse_ranks", "read_timeline", "register"]
 log = logging.getLogger(__name__)
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: Subparsers) -> None:
     p = sub.add_parser(
         "viz", help="draw a plan's schedule (HTML page, Chrome trace, text grid)",
         description="Draw the schedule of a plan directory written by `hetc compile` (its predicted "
