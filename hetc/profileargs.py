@@ -20,9 +20,16 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
+from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hetc.cli import UsageError
+from hetc.jsontypes import JsonObject
+
+if TYPE_CHECKING:
+    from hetc.passes.cost import Profiles
+    from hetc.passes.cost.provenance import UnusedProfile
 
 __all__ = ["PROFILES_FILE", "PROFILE_ENV", "RecordedProfile", "add_profile_option", "fingerprint",
            "load_profile_args", "profile_paths", "read_recorded", "record_profiles", "same_as_recorded", "stale_profiles"]
@@ -43,12 +50,13 @@ def profile_paths(paths: list[str]) -> list[str]:
     return env + list(paths)
 
 
-def load_profile_args(paths: list[str]):
+def load_profile_args(paths: list[str]) -> Profiles:
     """The Profiles of `profile_paths(paths)`, or a UsageError naming the file that cannot be read."""
     from hetc.passes.cost import ProfileError, load_profiles
 
     try:
-        return load_profiles(profile_paths(paths))
+        wanted: list[str | Path] = [*profile_paths(paths)]
+        return load_profiles(wanted)
     except ProfileError as err:
         raise UsageError(str(err)) from None
 
@@ -72,7 +80,7 @@ class RecordedProfile:
     sha256: str
 
 
-def record_profiles(paths: list[str], unused) -> dict:
+def record_profiles(paths: list[str], unused: Iterable[UnusedProfile]) -> JsonObject:
     """DIR/profiles.json's content (Note [recorded profiles]); `unused` is Provenance.unused."""
     used = [RecordedProfile(str(Path(p).resolve()), fingerprint(Path(p)) or "") for p in profile_paths(paths)]
     return {"profiles": [{"path": r.path, "sha256": r.sha256} for r in used],
