@@ -633,6 +633,13 @@ class StageSpec(Node):
     zero: ZeroSpec | None = param(None, block="zero", doc="this stage's ZeRO (overrides parallel's)")
     offload: OffloadSpec | None = param(None, block="offload", doc="this stage's offload policy")
 
+    @property
+    def resolved_ranks(self) -> tuple[RankSlice, ...]:
+        """The GPUs of a resolved plan's stage, where the planner has replaced `auto`."""
+        if isinstance(self.ranks, Auto):
+            raise InternalError("stage ranks of auto after planning")
+        return self.ranks
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ObjectiveSpec(Node):
