@@ -70,7 +70,8 @@ def portable_spec(spec: Spec, spec_dir: Path, out_dir: Path) -> Spec:
 
 
 def write_plan_dir(out: Path, spec: Spec, spec_dir: Path, program: Program, torch_csv: dict[str, str],
-                   timeline_json: str | None, summary: JsonObject, profiles: JsonObject | None = None) -> None:
+                   timeline_json: str | None, summary: JsonObject,
+                   profiles: JsonObject | None = None) -> None:
     """Write everything at once into a fresh directory that then replaces `out` (never half a plan)."""
     out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)

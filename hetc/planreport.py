@@ -201,7 +201,8 @@ def _stage_json(model: ModelSpec, p: Pipeline, st: Stage) -> JsonObject:
     first, last = p.ministages[st.ministages[0]], p.ministages[st.ministages[-1]]
     return {"name": st.name, "first_layer": model.layer_name(first.first_layer),
             "last_layer": model.layer_name(last.stop_layer - 1), "ranks": list(st.ranks),
-            "lanes": len(st.lanes), "tp": st.tp, "zero": st.zero.resolved_level, "ministages": len(st.ministages),
+            "lanes": len(st.lanes), "tp": st.tp, "zero": st.zero.resolved_level,
+            "ministages": len(st.ministages),
             "microbatches": [len(lane.microbatches) for lane in st.lanes],
             "offload": {k: target.value for k, target in _offload_targets(st.offload).items()}}
 

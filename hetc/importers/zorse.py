@@ -71,7 +71,8 @@ def import_zorse(data: str, cluster: str, model_name: str, plan: str | None) -> 
     cluster_spec = ClusterSpec(name="zorse", nodes=nodes, links=links)
     if (inter := _inter_bandwidth(info)) is not None:   # else the spec's default
         cluster_spec = dataclasses.replace(cluster_spec, inter_bandwidth=inter)
-    spec = Spec(model=model, devices=catalog_devices(kinds), train=train, parallel=parallel, cluster=cluster_spec)
+    spec = Spec(model=model, devices=catalog_devices(kinds), train=train, parallel=parallel,
+                cluster=cluster_spec)
     latency = config.get("latency")
     measured = f" (Zorse's latency: {latency:.0f} ms)" if isinstance(latency, float) else ""
     header = [f"Imported from Zorse by `hetc import zorse` (model {model_name}, cluster {Path(cluster).name}"
@@ -110,7 +111,8 @@ def _model(name: str, shape: RawJson, config: RawJson) -> ModelSpec:
                      dtype=dtype)
 
 
-def _cluster(info: RawJson, where: str) -> tuple[dict[int, _Placed], tuple[NodeSpec, ...], tuple[LinkSpec, ...]]:
+def _cluster(info: RawJson,
+             where: str) -> tuple[dict[int, _Placed], tuple[NodeSpec, ...], tuple[LinkSpec, ...]]:
     """{global rank: where it lands}, node groups, links."""
     try:
         machines = info["machines"]
