@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 from hetc.commands import Subparsers
-from hetc.frontend import load_checked
-from hetc.passes.params import model_params
+from hetc.compiler import load_checked
+from hetc.passes.cost.params import model_params
 from hetc.passes.validate import Checked
 from hetc.spec import AUTO
 

@@ -24,10 +24,10 @@ from hetc.errors import InternalError
 from hetc.importers.common import (NodeBook, catalog_devices, gpu_slice, layer_range, read_input_json, render,
                                    require_dir)
 from hetc.jsontypes import RawJson
-from hetc.passes.cost.devices import catalog_name
 from hetc.passes.cost import Estimate
 from hetc.passes.cost.profiles import NetworkFits, ProfileError, Profiles
-from hetc.passes.cost.sailor_data import SailorModel, read_json, read_models, read_sailor
+from hetc.passes.cost.sources.devices import catalog_name
+from hetc.passes.cost.sources.sailor_data import SailorModel, read_json, read_models, read_sailor
 from hetc.spec import (AUTO, ClusterSpec, DType, IntraLinkSpec, LinkSpec, ModelSpec, OptimizerSpec,
                        ParallelSpec, RankSlice, Routing, ScheduleKind, Spec, StageSpec, TrainSpec, ZeroSpec)
 
@@ -101,7 +101,7 @@ def explain_plan(data: str, plan: str, profiles: Profiles | None, model: str | N
     """
     import tempfile
 
-    from hetc.frontend import load_checked
+    from hetc.compiler import load_checked
     from hetc.passes.cost import CostModel
 
     with tempfile.TemporaryDirectory() as tmp:
