@@ -25,6 +25,7 @@ from hetc.units import Dim
 __all__ = [
     "AUTO",
     "DTYPE_BYTES",
+    "SCHEMA_KEY",
     "Arch",
     "Auto",
     "CPKind",
@@ -34,6 +35,7 @@ __all__ = [
     "DataKind",
     "DataSpec",
     "DeviceSpec",
+    "FieldMeta",
     "InitKind",
     "IntraLinkSpec",
     "LayerRange",
@@ -102,6 +104,24 @@ class Node:
         return self.span
 
 
+@dataclass(frozen=True, slots=True)
+class FieldMeta:
+    """A Spec field's schema, as `param` attaches it (read back by hetc.frontend.schema)."""
+
+    doc: str = ""
+    aliases: tuple[str, ...] = ()     # other keys users write for it
+    unit: Dim | None = None           # a quantity's dimension (the units it accepts)
+    lo: float | None = None           # bounds, inclusive
+    hi: float | None = None
+    block: str | None = None          # written as nested block(s) of this kind
+    label: bool = False               # takes the block's label (`model NAME { }`)
+    shorthand: bool = False           # `key = value` on the parent sets it (`zero = 2`)
+
+
+# the key of a Spec field's FieldMeta in its dataclasses metadata
+SCHEMA_KEY: Final = "hetc"
+
+
 def param(
     default: Any = dataclasses.MISSING,
     *,
@@ -122,8 +142,7 @@ def param(
     `shorthand`: `key = value` on the parent sets this field of the nested
     block (`zero = 2` for `zero { level = 2 }`).
     """
-    meta = {"doc": doc, "aliases": aliases, "unit": unit, "lo": lo, "hi": hi, "block": block, "label": label,
-            "shorthand": shorthand}
+    meta = {SCHEMA_KEY: FieldMeta(doc, aliases, unit, lo, hi, block, label, shorthand)}
     if factory is not dataclasses.MISSING:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)

@@ -72,7 +72,7 @@ class Converter(ValueConverter):
 
     def _labels(self, infos, head: syntax.Block, values, spans) -> bool:
         """The block's name(s): `model NAME`, `link A <-> B`, `optimizer adamw`."""
-        label_infos = [i for i in infos if i.meta["label"]]
+        label_infos = [i for i in infos if i.meta.label]
         given = [lab for lab in (head.label, head.peer) if lab is not None]
         form = {0: "", 1: " NAME", 2: " A <-> B"}[len(label_infos)]
         if len(given) > len(label_infos):
@@ -95,9 +95,9 @@ class Converter(ValueConverter):
         if isinstance(item, syntax.Block):
             kind = normalize_key(item.kind)
             for info in infos:
-                if info.meta["block"] and kind in (info.meta["block"], *info.meta["aliases"]):
+                if info.meta.block and kind in (info.meta.block, *info.meta.aliases):
                     return info
-            blocks = [i.meta["block"] for i in infos if i.meta["block"]]
+            blocks = [i.meta.block for i in infos if i.meta.block]
             if any(kind in i.keys for i in infos):
                 self.error(item.kind_span, f"'{item.kind}' is a value here: write {item.kind} = ...")
                 return None
@@ -107,17 +107,17 @@ class Converter(ValueConverter):
             return None
         key = normalize_key(item.key)
         for info in infos:   # `stage = auto` names the field of the `stage` blocks, as `stages = auto` does
-            if (key in info.keys or key == info.meta["block"]) and not info.meta["label"]:
+            if (key in info.keys or key == info.meta.block) and not info.meta.label:
                 return info
-        names = [i.meta["block"] or i.name for i in infos if not i.meta["label"]]
-        every = [k for i in infos if not i.meta["label"] for k in i.keys]
+        names = [i.meta.block or i.name for i in infos if not i.meta.label]
+        every = [k for i in infos if not i.meta.label for k in i.keys]
         hint = did_you_mean(key, every)
         self.error(item.key_span, f"unknown key '{item.key}' in {what}{hint}"
                    + ("" if hint else f"; known keys: {', '.join(names)}"))
         return None
 
     def _required(self, infos, written, span, what) -> bool:
-        missing = [i.name for i in infos if i.required and i.name not in written and not i.meta["label"]]
+        missing = [i.name for i in infos if i.required and i.name not in written and not i.meta.label]
         if missing:
             self.error(span, f"{what} is missing {words(missing, quote=True)}")
             return False
@@ -187,7 +187,7 @@ class Converter(ValueConverter):
 def _claimed_fields(infos, item) -> list[str]:
     """The field an item names by its key or block kind, however it is written."""
     key = normalize_key(item.kind if isinstance(item, syntax.Block) else item.key)
-    return [i.name for i in infos if key in i.keys or key == i.meta["block"]]
+    return [i.name for i in infos if key in i.keys or key == i.meta.block]
 
 
 
