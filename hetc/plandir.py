@@ -128,7 +128,7 @@ def read_plan(plan_dir: Path) -> tuple[LoadedSpec, ExplicitPlan]:
 
     path = plan_dir / PLAN_FILE
     if not path.is_file():
-        raise SpecError.at(_nowhere(path), f"{plan_dir} is not a plan directory: no {PLAN_FILE} "
+        raise SpecError.at(Span.file_start(path), f"{plan_dir} is not a plan directory: no {PLAN_FILE} "
                            "(write one with `hetc compile SPEC -o DIR`)")
     loaded, checked = load_checked(path, require_complete=True)
     plan = checked.explicit()
@@ -137,7 +137,3 @@ def read_plan(plan_dir: Path) -> tuple[LoadedSpec, ExplicitPlan]:
         raise SpecError.at(where, "the plan still has `auto` in it; a plan directory holds an explicit plan "
                            "(write one with `hetc compile SPEC -o DIR`)")
     return loaded, plan
-
-
-def _nowhere(path: Path) -> Span:
-    return Span(str(path), 1, 1, 1, 1)

@@ -39,8 +39,13 @@ def normalize_key(key: str) -> str:
     return key.replace("-", "_").lower()
 
 
-@functools.cache
 def fields_of(cls: type) -> tuple[FieldInfo, ...]:
+    """The schema of dataclass `cls`'s fields (its source spans aside)."""
+    return _fields_of(cls)
+
+
+@functools.cache   # behind a typed signature: a cache wrapper takes any hashable arguments
+def _fields_of(cls: type) -> tuple[FieldInfo, ...]:
     hints = typing.get_type_hints(cls)
     out: list[FieldInfo] = []
     for f in dataclasses.fields(cls):
