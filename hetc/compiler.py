@@ -25,9 +25,8 @@ from hetc.passes.validate import Checked, ExplicitPlan, check_spec
 from hetc.passes.validate_fit import cost_error, estimate_overflows, peak_overflows
 from hetc.passes.verify import VerifyError, verified_evaluation, verify
 from hetc.passes.verify.memory import rank_peaks
-from hetc.plandir import write_plan_dir
-from hetc.commands.profileargs import record_profiles
 from hetc.pipeline import Pipeline
+from hetc.plandir import record_profiles, write_plan_dir
 from hetc.program import Program
 from hetc.timeline import Timeline
 

@@ -6,7 +6,8 @@
     DIR/timeline.json            the predicted timeline of one step
     DIR/torch/laneL.csv          lane-aligned pipelines in torch's compute_comms format
     DIR/summary.json             headline numbers (ranks, step time, tokens/s)
-    DIR/profiles.json            the profiles the prediction used, with their sha256 (hetc/commands/profileargs.py)
+    DIR/profiles.json            the profiles the prediction used, with their sha256 (Note [recorded profiles]
+                                 in hetc/commands/profileargs.py)
 
 Listings are the source of truth: a person may edit them by hand and
 `hetc verify DIR` / `hetc run DIR` read the text, not the JSON.
@@ -15,6 +16,7 @@ Listings are the source of truth: a person may edit them by hand and
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -29,14 +31,20 @@ from hetc.program import Program, ProgramFormatError, RankProgram
 from hetc.spec import DataKind, DataSpec, Spec
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from hetc.frontend.load import LoadedSpec
+    from hetc.passes.cost.provenance import UnusedProfile
     from hetc.passes.validate import ExplicitPlan
 
-__all__ = ["PLAN_FILE", "TIMELINE_FILE", "listing_name", "read_plan", "read_program", "write_plan_dir"]
+__all__ = ["PLAN_FILE", "PROFILES_FILE", "PROFILE_ENV", "TIMELINE_FILE", "RecordedProfile", "fingerprint", "listing_name",
+           "profile_paths", "read_plan", "read_program", "record_profiles", "write_plan_dir"]
 
 PLAN_FILE = "plan.het"
 TIMELINE_FILE = "timeline.json"
 SUMMARY_FILE = "summary.json"
+PROFILES_FILE = "profiles.json"
+PROFILE_ENV = "HETC_PROFILES"   # os.pathsep-separated profile files / data folders used by default
 
 
 def listing_name(rank: int) -> str:
@@ -92,7 +100,6 @@ def write_plan_dir(out: Path, spec: Spec, spec_dir: Path, program: Program, torc
             (tmp / TIMELINE_FILE).write_text(timeline_json)
         (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
         if profiles is not None:
-            from hetc.commands.profileargs import PROFILES_FILE
             (tmp / PROFILES_FILE).write_text(json.dumps(profiles, indent=2) + "\n")
         if out.exists():
             old = out.with_name(f".{out.name}.old")
@@ -137,3 +144,35 @@ def read_plan(plan_dir: Path) -> tuple[LoadedSpec, ExplicitPlan]:
         raise SpecError.at(where, "the plan still has `auto` in it; a plan directory holds an explicit plan "
                            "(write one with `hetc compile SPEC -o DIR`)")
     return loaded, plan
+
+
+def profile_paths(paths: list[str]) -> list[str]:
+    """$HETC_PROFILES's entries, then `paths` (the command line's)."""
+    env = [x for x in os.environ.get(PROFILE_ENV, "").split(os.pathsep) if x]
+    return env + list(paths)
+
+
+def fingerprint(path: Path) -> str | None:
+    """sha256 of a file, or of a folder's relative file names and contents; None when it is gone."""
+    digest = hashlib.sha256()
+    if path.is_file():
+        digest.update(path.read_bytes())
+    elif path.is_dir():
+        for f in sorted(p for p in path.rglob("*") if p.is_file()):
+            digest.update(str(f.relative_to(path)).encode() + b"\0" + f.read_bytes() + b"\0")
+    else:
+        return None
+    return digest.hexdigest()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RecordedProfile:
+    path: str      # absolute, as the prediction read it
+    sha256: str
+
+
+def record_profiles(paths: list[str], unused: Iterable[UnusedProfile]) -> JsonObject:
+    """DIR/profiles.json's content (Note [recorded profiles]); `unused` is Provenance.unused."""
+    used = [RecordedProfile(str(Path(p).resolve()), fingerprint(Path(p)) or "") for p in profile_paths(paths)]
+    return {"profiles": [{"path": r.path, "sha256": r.sha256} for r in used],
+            "unused_profiles": [{"profile": u.profile, "reason": u.reason} for u in unused]}

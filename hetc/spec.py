@@ -106,20 +106,19 @@ class Node:
 
 @dataclass(frozen=True, slots=True)
 class FieldMeta:
-    """A Spec field's schema, as `param` attaches it (read back by hetc.frontend.schema)."""
+    """A Spec field's schema, as `param` records it (the key under SCHEMA_KEY of the field's metadata)."""
 
     doc: str = ""
-    aliases: tuple[str, ...] = ()     # other keys users write for it
-    unit: Dim | None = None           # a quantity's dimension (the units it accepts)
-    lo: float | None = None           # bounds, inclusive
+    aliases: tuple[str, ...] = ()     # other keys that set the field
+    unit: Dim | None = None           # the dimension of a quantity (values take units)
+    lo: float | None = None           # inclusive bounds of a number
     hi: float | None = None
     block: str | None = None          # written as nested block(s) of this kind
     label: bool = False               # takes the block's label (`model NAME { }`)
     shorthand: bool = False           # `key = value` on the parent sets it (`zero = 2`)
 
 
-# the key of a Spec field's FieldMeta in its dataclasses metadata
-SCHEMA_KEY: Final = "hetc"
+SCHEMA_KEY: Final = "hetc"   # dataclasses' field metadata is a mapping shared with other libraries
 
 
 def param(
@@ -364,17 +363,6 @@ class ModelSpec(Node):
             return None
         return declared_path(self.hf, self.span_of("hf"), fallback_dir)
 
-    @property
-    def wants_pretrained(self) -> bool:
-        """Whether initial weights come from the hf directory (`init`, or its default); see hetc.hf."""
-        return self.init is InitKind.PRETRAINED or (self.init is None and self.hf_has_weights)
-
-    @property
-    def hf_has_weights(self) -> bool:
-        from hetc.hf.weights import has_weights
-
-        directory = self.hf_dir()
-        return directory is not None and has_weights(directory)
 
     @property
     def num_model_layers(self) -> int:

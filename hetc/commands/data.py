@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hetc.cli import UsageError
 from hetc.commands import Subparsers
+from hetc.errors import UsageError
 from hetc.spec import TokenDType
 
 __all__ = ["register"]

@@ -16,8 +16,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from hetc.cli import UsageError
 from hetc.commands import Subparsers
+from hetc.errors import UsageError
 from hetc.runtime.local import NODE_ENV
 
 __all__ = ["register", "torchrun_command"]

@@ -10,7 +10,7 @@ from hetc.passes.cost.utilization import Utilization, utilization
 from hetc.errors import InternalError
 from hetc.jsontypes import JsonObject
 from hetc.passes.plan.baselines import Baseline
-from hetc.passes.plan.evaluate import Score
+from hetc.passes.cost.candidate_score import Score
 from hetc.passes.plan.planner import PlanResult
 from hetc.passes.validate import ExplicitPlan
 from hetc.pipeline import Pipeline, Stage

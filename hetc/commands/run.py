@@ -12,8 +12,8 @@ import os
 import sys
 from pathlib import Path
 
-from hetc.cli import UsageError
 from hetc.commands import Subparsers
+from hetc.errors import UsageError
 from hetc.passes.verify import VerifyError, verified_evaluation, verify
 from hetc.program import ProgramFormatError
 from hetc.runtime.local import LAUNCHER_ENV

@@ -8,16 +8,18 @@ value rules are in `hetc.frontend.values`, the schema in `hetc.frontend.schema`.
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
 from typing import Any, TypeVar
 
 from hetc.frontend import syntax
-from hetc.errors import Diagnostic, Span, SpecError, did_you_mean
+from hetc.errors import NO_SPAN, Diagnostic, Span, SpecError, did_you_mean
 from hetc.frontend.schema import FieldInfo, fields_of, normalize_key
-from hetc.hf.config import TRAINING_FIELDS, HfError, Preset, model_preset, read_config
+from hetc.hf.config import CONFIG_FILE, TRAINING_FIELDS, HfError, Preset, model_preset, read_config
 from hetc.spec import ModelSpec, Node, Spec, declared_path
 from hetc.frontend.values import ValueConverter, is_enum, words
 
-__all__ = ["Converter", "FieldInfo", "fields_of", "normalize_key", "to_spec"]
+__all__ = ["Converter", "FieldInfo", "fields_of", "import_model", "normalize_key", "to_spec"]
 
 N = TypeVar("N", bound=Node)
 # a statement a block's body may hold: `key = value` or a nested block
@@ -231,3 +233,13 @@ def to_spec(items: list[syntax.Item], span: Span) -> Spec:
     if conv.errors or spec is None:
         raise SpecError(conv.errors or [Diagnostic(span, "empty spec")])
     return spec
+
+
+def import_model(directory: Path, name: str) -> ModelSpec:
+    """The explicit ModelSpec DIR/config.json describes (`hetc import hf`); HfError or SpecError."""
+    conv = Converter()
+    preset = model_preset(read_config(directory), f"{directory}/{CONFIG_FILE}", NO_SPAN)
+    model = conv.block(ModelSpec, (), NO_SPAN, "model", preset=preset)
+    if conv.errors or not isinstance(model, ModelSpec):
+        raise SpecError(conv.errors)
+    return dataclasses.replace(model, name=name)

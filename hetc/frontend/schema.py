@@ -1,8 +1,8 @@
 """The language schema: each Spec field's type taken apart, with its metadata.
 
-`hetc.spec.param` attaches the metadata (key aliases, unit, bounds, block
-kind, doc); this module reads it back per dataclass for the converter, the
-printer and the documentation generator.
+`hetc.spec.param` attaches the metadata, a `FieldMeta` (key aliases, unit,
+bounds, block kind, doc); this module reads it back per dataclass for the
+converter, the printer and the documentation generator.
 """
 
 from __future__ import annotations

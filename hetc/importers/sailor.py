@@ -19,8 +19,7 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from hetc.cli import UsageError
-from hetc.errors import InternalError
+from hetc.errors import InternalError, UsageError
 from hetc.importers.common import (NodeBook, catalog_devices, gpu_slice, layer_range, read_input_json, render,
                                    require_dir)
 from hetc.jsontypes import RawJson

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-from hetc.cli import UsageError
+from hetc.errors import UsageError
 from hetc.importers.common import catalog_devices, read_input_json, render, require_dir
 from hetc.jsontypes import RawJson
 from hetc.passes.cost.sources.devices import catalog_name
