@@ -30,7 +30,10 @@ of stage s with n microbatches:
   runs its own tail (the fastest of its ranks);
 - *round trip*: r's first backward waits for one microbatch to go down and
   back through the stages after it, and after its last forward that
-  microbatch's round trip comes before its backward.
+  microbatch's round trip comes before its backward;
+- *one microbatch*: each microbatch goes down through every ministage and
+  back (what bounds a step of few microbatches), then the first stage's
+  tail.
 
 The step is at least the largest of these chains over all ranks
 (`StepBound`: the rank whose chain sets it and its parts). Everything not
@@ -41,15 +44,17 @@ a lower bound.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from hetc.passes.cost.model import CostModel
 from hetc.passes.cost.zero_time import across_nodes
 from hetc.pipeline import Lane, Stage
+from hetc.program import COMPUTE_TYPES, Backward, BackwardWeight, Forward, Program
 from hetc.spec import ScheduleKind, ZeroShard
 
-__all__ = ["StepBound", "step_bound"]
+__all__ = ["StepBound", "programs_in_flight", "step_bound"]
 
 SCALAR_BYTES = 8.0   # the loss and the norm: one float64 each (passes/lower/finish.py, zero.py)
 
@@ -66,10 +71,11 @@ class StepBound:
     tail: float     # what cannot overlap after the last backward (its own, or the drained stage's)
 
 
-def step_bound(cm: CostModel) -> StepBound:
-    """The lower bound of one step of `cm`'s plan (Note [step lower bound])."""
-    chains = _Chains(cm)
-    best: StepBound | None = None
+def step_bound(cm: CostModel, in_flight: Mapping[int, int] | None = None) -> StepBound:
+    """The lower bound of one step of `cm`'s plan (Note [step lower bound]); `in_flight`: per rank, the most
+    microbatches its program keeps in flight (`programs_in_flight`), else as many as it serves."""
+    chains = _Chains(cm, in_flight or {})
+    best: StepBound | None = chains.of_microbatches()
     for stage in cm.pipeline.stages:
         for lane in stage.lanes:
             for rank in lane.ranks:
@@ -80,9 +86,39 @@ def step_bound(cm: CostModel) -> StepBound:
     return best
 
 
+def _round_trip_span(n: int, held: int, f: float, b: float, trip: float) -> float:
+    """A lane's span with a round trip of `trip` after it and at most `held` microbatches in flight: before its
+    first backward it runs at most `held` forwards while the first one goes round; after its last forward at
+    most `held` − 1 other backwards while that one goes round (disjoint waits when it serves more)."""
+    before = max(0.0, f + trip - held * f)
+    after = max(0.0, trip - (held - 1) * b)
+    return n * (f + b) + (before + after if n > held else max(before, after))
+
+
+def programs_in_flight(program: Program) -> dict[int, int]:
+    """Per rank, the most microbatches its compute order holds between their first forward and their last
+    backward op (B, or W under ZB): the in-flight limit it keeps (Note [in-flight limit])."""
+    out = {}
+    for rp in program.ranks:
+        ops = [i for i in rp.instrs if isinstance(i, COMPUTE_TYPES)]
+        owed = Counter(i.mb for i in ops if isinstance(i, (Backward, BackwardWeight)))
+        started: set[int] = set()
+        most = 0
+        for instr in ops:
+            if isinstance(instr, Forward):
+                started.add(instr.mb)
+            elif isinstance(instr, (Backward, BackwardWeight)):
+                owed[instr.mb] -= 1
+                if not owed[instr.mb]:
+                    started.discard(instr.mb)
+            most = max(most, len(started))
+        out[rp.rank] = most
+    return out
+
+
 class _Chains:
-    def __init__(self, cm: CostModel) -> None:
-        self.cm = cm
+    def __init__(self, cm: CostModel, in_flight: Mapping[int, int]) -> None:
+        self.cm, self.in_flight = cm, in_flight
         p = cm.pipeline
         self.p, self.kind = p, p.schedule
         self.lane_of = {(s.index, mb): lane for s in p.stages for lane in s.lanes for mb in lane.microbatches}
@@ -103,7 +139,10 @@ class _Chains:
         busy = max(n * (f + i + w) + self._other_steps(rank), self._zero_span(stage, rank, n, (f, i, w)))
         tail = self.tails[rank]
         best = StepBound(fill + busy + tail, rank, fill, busy, 0.0, tail)
-        grads_done = fill + busy - (n * w if self.kind is ScheduleKind.ZB else 0.0)
+        held = min(self.in_flight.get(rank, n), n)
+        # ZB: when its last input gradient is done, the rank still owes at most the weight gradients of the
+        # microbatches it holds in flight (a stash lives until its W)
+        grads_done = fill + busy - (held * w if self.kind is ScheduleKind.ZB else 0.0)
         for ms in range(first):   # the gradient back to ministage ms, then its stage's tail
             other = self.p.ministages[ms].stage
             if other == stage.index:
@@ -114,10 +153,24 @@ class _Chains:
                 best = StepBound(total, rank, fill, grads_done - fill, drain, self.stage_tail[other])
         if self.kind is not ScheduleKind.INTERLEAVED:   # its ministages are contiguous
             trip = min(self._round_trip(mb, stage.ministages[-1]) for mb in lane.microbatches)
-            b = i + w
-            span = max(max(n * f, f + trip) + n * b, n * f + max(n * b, trip + b))
-            if fill + span + tail > best.total and span > busy:
+            span = max(busy, _round_trip_span(n, held, f, i + w, trip))
+            if fill + span + tail > best.total:
                 best = StepBound(fill + span + tail, rank, fill, span, 0.0, tail)
+        return best
+
+    def of_microbatches(self) -> StepBound:
+        """Every microbatch goes down through every ministage and back, then the first stage's tail."""
+        best: StepBound | None = None
+        last = len(self.p.ministages) - 1
+        back = "I" if self.kind is ScheduleKind.ZB else "B"
+        for mb in range(self.p.num_microbatches):
+            path = self._arrival(mb, last) + self._fastest(mb, last, "F") + self._fastest(mb, last, back) + \
+                self._drain(mb, last, 0)
+            lane = self.lane_of[(self.p.ministages[0].stage, mb)]
+            rank = min(lane.ranks, key=lambda r: self.tails[r])
+            if best is None or path + self.tails[rank] > best.total:
+                best = StepBound(path + self.tails[rank], rank, 0.0, path, 0.0, self.tails[rank])
+        assert best is not None   # a plan has a microbatch
         return best
 
     def _zero_span(self, stage: Stage, rank: int, n: int, fiw: tuple[float, float, float]) -> float:
@@ -149,10 +202,14 @@ class _Chains:
         return sum(self._fastest(mb, m, "F") + self._transfer(mb, m) for m in range(ms))
 
     def _drain(self, mb: int, start: int, stop: int) -> float:
-        """After `mb`'s gradient op on ministage `start`: its gradient back to ministage `stop`, done there."""
+        """After `mb`'s gradient op on ministage `start`: its gradient back to ministage `stop`, done there
+        (under ZB with the weight gradients of the ministages of `stop`'s stage it passed)."""
         back = "I" if self.kind is ScheduleKind.ZB else "B"
         out = sum(self._transfer(mb, m) + self._fastest(mb, m, back) for m in range(stop, start))
-        return out + (self._fastest(mb, stop, "W") if self.kind is ScheduleKind.ZB else 0.0)
+        if self.kind is not ScheduleKind.ZB:
+            return out
+        owner = self.p.ministages[stop].stage
+        return out + sum(self._fastest(mb, m, "W") for m in range(stop, start) if self.p.ministages[m].stage == owner)
 
     def _round_trip(self, mb: int, last: int) -> float:
         """From `mb`'s forward leaving ministage `last` until its gradient comes back to it."""

@@ -142,7 +142,9 @@ def zero_cycle(schedule: ScheduleKind, ops: Sequence[float], p2p: float, reduce:
 
 
 def step_lower_bound(schedule: ScheduleKind, lanes: Sequence[LaneTiming], chunks: int = 1) -> float:
-    """No schedule of these lanes runs its pipeline faster (docs/costmodel.md, "The lower bound of a step").
+    """No schedule of these lanes runs its pipeline faster, in the estimate's terms: its floor for the pipeline
+    (`classes.compose_step`). The whole step's lower bound, which the compiled program is held to, is
+    `bound.step_bound` (docs/costmodel.md, "The lower bound of a step").
 
     The busiest lane (stage b) is busy `work`; it cannot start before the
     first microbatch has come through every stage before it (their fastest
