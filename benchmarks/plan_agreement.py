@@ -25,10 +25,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.markdown import publish
-from hetc.agreement import build, compare
+from hetc.passes.agreement import build, compare
 from hetc.errors import InternalError, SpecError
-from hetc.load import load_spec
-from hetc.bound_gap import bound_gap
+from hetc.frontend.load import load_spec
+from hetc.passes.bound_gap import bound_gap
 from hetc.passes.plan.planner import plan_spec
 from tests.random_jobs import random_job
 
@@ -68,7 +68,7 @@ def section(rows: dict[int, list[dict]], jobs: int) -> str:
              "10 % of the compiled peak. `bound`: compiled steps within 10 % of the lower bound of "
              "docs/costmodel.md (\"The lower bound of a step\": fill, busy, round trips, drain and the tail "
              "that cannot overlap), and the worst ratio with the part of the difference that holds most of it "
-             "(hetc/bound_gap.py). Gaps are explain / compiled − 1."), "",
+             "(passes/bound_gap.py). Gaps are explain / compiled − 1."), "",
              ("| GPUs (at most) | planned | agree | nothing fits | refused by the check | worst step gap | "
              "worst memory gap | within 10 % of the bound | worst compiled / bound |"),
              "|---|---|---|---|---|---|---|---|---|"]

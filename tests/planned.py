@@ -4,7 +4,7 @@ tests/test_plan_agreement.py (the estimate against the compiled program) and
 tests/test_step_bound.py (the compiled program against its lower bound)
 read the same plans: `PlanCache` plans a random job (tests/random_jobs.py,
 small clusters) or a spec under specs/ once, lowers, verifies and
-simulates it (`hetc.agreement.build`) and keeps the result for the other
+simulates it (`hetc.passes.agreement.build`) and keeps the result for the other
 module. The job specs are written under the session's pytest tmp dir.
 """
 
@@ -14,9 +14,9 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from hetc.agreement import Built, build
+from hetc.passes.agreement import Built, build
 from hetc.errors import SpecError
-from hetc.load import load_spec
+from hetc.frontend.load import load_spec
 from hetc.passes.plan.planner import PlanResult, plan_spec
 from hetc.passes.plan.structures import SearchLimits
 from tests.conftest import all_spec_files

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from hetc.agreement import Agreement, compare
+from hetc.passes.agreement import Agreement, compare
 from hetc.passes.plan.planner import PlanResult
 from tests.planned import JOBS, SPECS, Planned, spec_name
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hetc.agreement import Built
+from hetc.passes.agreement import Built
 from hetc.passes.cost.bound import StepBound, programs_in_flight, step_bound
 from hetc.timeline import Event, EventKind, Stream, Timeline
 
