@@ -171,7 +171,7 @@ def step_lower_bound(schedule: ScheduleKind, lanes: Sequence[LaneTiming], chunks
 def in_flight_limits(schedule: ScheduleKind, lanes: Sequence[LaneTiming], num_stages: int,
                      coupled: Mapping[int, int] | None = None,
                      lane_counts: Mapping[int, int] | None = None) -> dict[int, int]:
-    """Per stage: how many microbatches each lane keeps in flight under 1F1B and ZB-H1.
+    """Per stage: how many microbatches each lane keeps in flight under 1F1B, ZB-H1 and interleaved 1F1B.
 
     Note [in-flight limit]: the one number lowering's schedule
     (passes/lower/schedule.py) holds every lane of the stage to and the
@@ -187,6 +187,8 @@ def in_flight_limits(schedule: ScheduleKind, lanes: Sequence[LaneTiming], num_st
     slower ones (uneven lanes, Zorse's heterogeneous pipelines) needs more,
     and held to S − s it would idle most of the step. Lanes of a stage keep
     one limit (ZeRO-2/3 couples them), the largest any of them needs.
+    Interleaved 1F1B runs Megatron's warm-up and v chunk-steps more for
+    each microbatch beyond S − s (`memory.interleaved_warmup`).
 
     `coupled`: stage -> its lanes, for stages whose lanes run in lockstep
     (Note [coupled lanes] in passes/lower/lane_sim.py): such a stage runs
@@ -197,7 +199,7 @@ def in_flight_limits(schedule: ScheduleKind, lanes: Sequence[LaneTiming], num_st
     in the same way.
     """
     stages = range(num_stages)
-    if schedule not in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZB) or not lanes:
+    if schedule not in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZB, ScheduleKind.INTERLEAVED) or not lanes:
         return {s: num_stages - s for s in stages}
     trip = {s: max((_round_trip_share(schedule, t) for t in lanes if t.stage == s), default=0.0)
             for s in stages}

@@ -21,6 +21,7 @@ from enum import StrEnum
 from typing import NamedTuple
 
 from hetc.errors import InternalError
+from hetc.passes.cost.memory import interleaved_warmup
 from hetc.passes.lower.context import LowerContext, rank_shell
 from hetc.passes.lower.lane_sim import Op, Policy, simulate
 from hetc.pipeline import Lane, Pipeline, Stage
@@ -86,8 +87,8 @@ def _policy(ctx: LowerContext, stage: Stage, lane: Lane) -> Policy:
     if kind in (ScheduleKind.ZORSE, ScheduleKind.GPIPE):
         return Policy(f, b)
     if kind is ScheduleKind.INTERLEAVED:
-        downstream, v = num_stages - stage.index, len(stage.ministages)
-        return Policy(f, b, limit=(downstream - 1) * 2 + (v - 1) * num_stages + 1)
+        return Policy(f, b, limit=interleaved_warmup(stage.index, num_stages, len(stage.ministages),
+                                                     ctx.in_flight_limit(stage.index)))
     return Policy(f, b, w, limit=ctx.in_flight_limit(stage.index), per_unit=len(stage.ministages))
 
 
