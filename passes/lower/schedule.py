@@ -36,9 +36,10 @@ def order_compute(ctx: LowerContext) -> Program:
 
     1F1B and interleaved 1F1B follow Megatron's strict order (a forward
     whenever the in-flight limit allows, else a backward), which does not
-    depend on how long ops take; only where many-to-many routing makes that
-    order wait on itself does the pass fall back to "a backward whenever
-    one is ready" (Note [schedules by simulation]).
+    depend on how long ops take; ZB-H1 runs what is ready in its order of
+    preference; only where many-to-many routing makes the strict order wait
+    on itself does the pass fall back to "a backward whenever one is ready"
+    (Note [schedules by simulation]).
     """
     try:
         return _order(ctx, strict=True)
@@ -51,8 +52,9 @@ def _order(ctx: LowerContext, strict: bool) -> Program:
     lanes = [(stage, lane) for stage in ctx.pipeline.stages for lane in stage.lanes]
     policies = {(s.index, lane.index): _policy(ctx, s, lane) for s, lane in lanes}
     for policy in policies.values():
-        policy.forward_first = strict and kind in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED,
-                                                   ScheduleKind.ZB)
+        # ZB-H1 keeps its own preferences without waiting for a forward whose input is late: a weight gradient
+        # it holds fills the wait (Note [timed schedule])
+        policy.forward_first = strict and kind in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED)
     split = kind is ScheduleKind.ZB
     orders = simulate(policies, lambda op: _deps(ctx, op, split), lambda op: _duration(ctx, op),
                       _coupled_lanes(ctx, policies), lift_limits=not strict, lag=lambda dep, op: _lag(ctx, dep, op))
