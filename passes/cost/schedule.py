@@ -189,11 +189,14 @@ def in_flight_limits(schedule: ScheduleKind, lanes: Sequence[LaneTiming], num_st
     one limit (ZeRO-2/3 couples them), the largest any of them needs.
     Interleaved 1F1B runs Megatron's warm-up and v chunk-steps more for
     each microbatch beyond S − s (`memory.interleaved_warmup`). Under ZB-H1
-    a stage with stages after it keeps one more: Little's law gives the
-    mean, and a weight gradient in the lane's cycle or a lockstep slot's
-    late microbatch makes a round trip run long; with the one more stash
-    the lane runs a forward or a weight gradient meanwhile instead of idling
-    (measured on the agreement family: tests/test_step_bound.py).
+    a stage with stages after it, its lanes not in lockstep, keeps one more:
+    Little's law gives the mean, and a weight gradient in the lane's cycle
+    or a lockstep slot's late microbatch makes a round trip run long; with
+    the one more stash the lane runs a forward or a weight gradient
+    meanwhile instead of idling (measured on the agreement family:
+    tests/test_step_bound.py). Lanes in lockstep run what their slot allows
+    and seldom reach it, so the estimate's memory would count a stash
+    they never hold.
 
     `coupled`: stage -> its lanes, for stages whose lanes run in lockstep
     (Note [coupled lanes] in passes/lower/lane_sim.py): such a stage runs
@@ -221,7 +224,7 @@ def in_flight_limits(schedule: ScheduleKind, lanes: Sequence[LaneTiming], num_st
                      for t in mine)
         most = max(t.microbatches for t in mine)
         out[s] = max(num_stages - s, min(needed, most))
-        if schedule is ScheduleKind.ZB and s + 1 < num_stages:   # one of margin: Note [in-flight limit]
+        if schedule is ScheduleKind.ZB and s + 1 < num_stages and s not in (coupled or {}):   # Note [in-flight limit]
             out[s] = min(out[s] + 1, most)
     return out
 
