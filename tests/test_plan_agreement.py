@@ -28,17 +28,13 @@ TOLERANCE = 0.10
 
 # Causes of the gaps that remain, each measured on the seeds or specs listed with it (docs/costmodel.md,
 # "Known limits"). When a fix closes one, its xfail fails: drop the entry.
-FALLBACK_ORDER = ("uneven lanes (1 -> 2 -> 1 ...): with this many-to-many routing the strict 1F1B/ZB order waits "
-                  "on itself, so lowering falls back to 'a ready op first' orders (Note [schedules by "
-                  "simulation]), whose lanes idle beyond the estimate's fill and drain")
 FILL_BOUND = ("8 microbatches over 4 stages with a stage of 8 one-microbatch lanes: the step is mostly fill and "
               "drain through the slow fan-out stage; the estimate, held to the lower bound, still misses its "
               "input-gradient backwards queued behind the bottleneck")
-INTERLEAVED_LOCKSTEP = ("interleaved 1F1B with ZeRO-3 lockstep stages of uneven widths: its in-flight limit is "
-                        "Megatron's fixed warm-up, not the timed one (Note [in-flight limit]), and the lockstep "
-                        "slots wait for each other beyond the estimate's fill")
-GAPS: dict[int, str] = {15: FALLBACK_ORDER, 56: FALLBACK_ORDER, 48: FILL_BOUND,
-                        39: INTERLEAVED_LOCKSTEP, 81: INTERLEAVED_LOCKSTEP}
+INTERLEAVED_LOCKSTEP = ("interleaved 1F1B with ZeRO-2/3 lockstep stages of uneven widths: the lockstep slots wait "
+                        "for each other beyond the estimate's fill (its in-flight limit is the timed one now, "
+                        "Note [in-flight limit])")
+GAPS: dict[int, str] = {48: FILL_BOUND, 39: INTERLEAVED_LOCKSTEP, 81: INTERLEAVED_LOCKSTEP}
 
 
 def _outcome(got: Planned | None) -> str | None:
