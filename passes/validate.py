@@ -108,14 +108,13 @@ def _check_model(spec: Spec, errors) -> None:
 
 def _check_init(m, errors) -> None:
     """Pretrained weights need an hf directory whose safetensors are exactly the model's (headers only)."""
+    from hetc.hf.weights import hf_has_weights, model_weight_problems, wants_pretrained
     from hetc.spec import InitKind
 
-    if m.init is InitKind.PRETRAINED and not m.hf_has_weights:
+    if m.init is InitKind.PRETRAINED and not hf_has_weights(m):
         why = "the model has no hf directory" if not m.hf else f"'{m.hf}' holds no safetensors"
         errors.append(Diagnostic(m.span_of("init"), f"init = pretrained, but {why}"))
-    elif m.wants_pretrained:
-        from hetc.hf.weights import model_weight_problems
-
+    elif wants_pretrained(m):
         problems = model_weight_problems(m, m.hf_dir())
         if problems:
             errors.append(Diagnostic(m.span_of("hf"), f"the safetensors in '{m.hf}' do not fit the model: "
