@@ -22,6 +22,7 @@ from hetc.passes.validate import Checked
 from hetc.passes.verify import verify
 from hetc.passes.verify.memory import Peak, rank_peaks
 from hetc.program import Program
+from hetc.timeline import Timeline
 
 __all__ = ["Agreement", "Built", "build", "compare"]
 
@@ -35,6 +36,7 @@ class Built:
     costs: CostModel
     step_time_s: float | None          # None: not simulated
     peaks: tuple[Peak, ...]
+    timeline: Timeline | None = None   # the simulated step (None: not simulated)
 
 
 def build(checked: Checked, profiles: Profiles | None = None, simulated: bool = True) -> Built:
@@ -46,8 +48,9 @@ def build(checked: Checked, profiles: Profiles | None = None, simulated: bool = 
     costs = CostModel(spec, pipeline, plan.topology, profiles)
     program = lower(spec, pipeline, costs=costs)
     verify(program, pipeline, spec, costs)
-    step = simulate(program, pipeline, spec, costs).step_time if simulated else None
-    return Built(checked, program, costs, step, tuple(rank_peaks(program, pipeline, costs)))
+    timeline = simulate(program, pipeline, spec, costs) if simulated else None
+    step = timeline.step_time if timeline is not None else None
+    return Built(checked, program, costs, step, tuple(rank_peaks(program, pipeline, costs)), timeline)
 
 
 @dataclass(frozen=True)
