@@ -41,8 +41,11 @@ class Built:
 
 def build(checked: Checked, profiles: Profiles | None = None, simulated: bool = True) -> Built:
     """Lower and verify `checked`'s plan (VerifyError if it is unsafe or does not fit), then simulate it."""
-    spec, pipeline = checked.spec, checked.pipeline
-    costs = CostModel(spec, pipeline, checked.topology, profiles)
+    plan = checked.explicit()
+    if plan is None:
+        raise ValueError("build() needs an explicit plan; this one still has `auto` (plan it first)")
+    spec, pipeline = plan.spec, plan.pipeline
+    costs = CostModel(spec, pipeline, plan.topology, profiles)
     program = lower(spec, pipeline, costs=costs)
     verify(program, pipeline, spec, costs)
     timeline = simulate(program, pipeline, spec, costs) if simulated else None
