@@ -12,8 +12,9 @@ sub-slice when sharded across.
                  views into it. ZeRO-3 releases it between uses and keeps
                  `param_shard` (the inner shard) instead.
     grad         full gradient buffer; backward accumulates here. ZeRO-3
-                 allocates it at the first gather (`materialize`), so a rank
-                 holds only its shards until it computes.
+                 allocates it before a backward (`ready_grads`) and releases
+                 it once reduce-scattered (`reduced`), so a rank holds only
+                 its shards outside the backward of its ministage (its unit).
     acc          fp32 reduced gradients of the inner shard (levels 1-3).
     opt_grad     fp32 gradients of the optimizer shard when sharded across.
     master       fp32 master weights of the optimizer shard, and its
@@ -112,7 +113,7 @@ class MinistageBuffers:
         bind_grads(module, self.layout, self.grad)
         if self.level == 3:
             self.release()
-            self.grad.untyped_storage().resize_(0)      # until the first gather: see `materialize`
+            self.grad.untyped_storage().resize_(0)      # until a backward: see `ready_grads`
         if shard.param_offload:     # offloaded parameters start (and end) every step on the host
             self.to_host()
             self.drop_device_copy()
@@ -254,13 +255,24 @@ class MinistageBuffers:
         self.compute.untyped_storage().resize_(0)
 
     def materialize(self) -> None:
-        """Allocate the released compute buffer (a gather fills it); the first time, the grad buffer too."""
+        """Allocate the released compute buffer (a gather fills it)."""
         storage = self.compute.untyped_storage()
         if storage.size() == 0:
             storage.resize_(self.compute.numel() * self.compute.element_size())
+
+    def ready_grads(self) -> None:
+        """ZeRO-3: allocate the released grad buffer, zeroed, before a backward accumulates into it."""
         grad = self.grad.untyped_storage()
         if grad.size() == 0:
             grad.resize_(self.grad.numel() * self.grad.element_size())
+            self.grad.zero_()
+
+    def reduced(self) -> None:
+        """The gradients were reduced into `acc`: start the next accumulation afresh. ZeRO-3 releases the
+        full grad buffer (its shard lives on in `acc`) until the next backward (`ready_grads`)."""
+        if self.level == 3:
+            self.grad.untyped_storage().resize_(0)
+        else:
             self.grad.zero_()
 
     # ------------------------------------------------------------ host offload

@@ -22,6 +22,7 @@ from hetc.runtime.hf_load import load_hf_weights
 from hetc.runtime.interpreter import Interpreter
 from hetc.runtime.lane import LanePlace, place_ministage
 from hetc.runtime.model import build_ministage, compute_dtype
+from hetc.runtime.unit_buffers import Buffers, UnitBuffers
 from hetc.runtime.moe import ExpertShard, is_expert_param
 from hetc.spec import Spec
 
@@ -32,7 +33,7 @@ __all__ = ["RankRuntime", "build_buffers", "build_rank", "build_rank_buffers", "
 class RankRuntime:
     rank: int
     interpreter: Interpreter
-    buffers: dict[int, MinistageBuffers]
+    buffers: dict[int, Buffers]
 
 
 def _pos(program: Program, name: str | None, rank: int) -> GroupPos:
@@ -58,7 +59,7 @@ def lane_place(spec: Spec, pipeline: Pipeline, program: Program, rank: int,
 
 
 def build_buffers(spec: Spec, pipeline: Pipeline, program: Program, rank: int, device: torch.device,
-                  place: LanePlace | None = None, initialise: bool = True) -> dict[int, MinistageBuffers]:
+                  place: LanePlace | None = None, initialise: bool = True) -> dict[int, Buffers]:
     """This rank's ministages and their buffers; `initialise=False` gives them no values, for a loader to
     fill (Note [Ranks that load their weights] in runtime/buffers.py)."""
     rp = program.ranks[rank]
@@ -71,9 +72,18 @@ def build_buffers(spec: Spec, pipeline: Pipeline, program: Program, rank: int, d
 
 
 def _ministage(spec: Spec, pipeline: Pipeline, program: Program, rank: int, shard: Shard, place: LanePlace,
-               dtype: torch.dtype, device: torch.device, initialise: bool) -> MinistageBuffers:
-    m = pipeline.ministages[shard.ms]
-    module = build_ministage(spec.model, m.layers, seed=spec.train.seed, shard=place.shard, device=device,
+               dtype: torch.dtype, device: torch.device, initialise: bool) -> Buffers:
+    if shard.units:     # one module and one set of buffers per unit (runtime/unit_buffers.py)
+        return UnitBuffers(shard, {u: _buffers(spec, program, rank, shard, place, u.layers, dtype, device, initialise)
+                                   for u in shard.units})
+    return _buffers(spec, program, rank, shard, place, pipeline.ministages[shard.ms].layers, dtype, device,
+                    initialise)
+
+
+def _buffers(spec: Spec, program: Program, rank: int, shard: Shard, place: LanePlace, layers: range,
+             dtype: torch.dtype, device: torch.device, initialise: bool) -> MinistageBuffers:
+    """The module of `layers` (a ministage's, or a unit's) and its flat buffers."""
+    module = build_ministage(spec.model, layers, seed=spec.train.seed, shard=place.shard, device=device,
                              experts=place.experts, initialise=initialise)
     place_ministage(module, place, device)
     opt = spec.model.optimizer
@@ -103,7 +113,7 @@ def build_rank(spec: Spec, pipeline: Pipeline, program: Program, rank: int, grou
 
 
 def build_rank_buffers(spec: Spec, pipeline: Pipeline, program: Program, rank: int, device: torch.device,
-                       place: LanePlace | None = None, resumes: bool = False) -> dict[int, MinistageBuffers]:
+                       place: LanePlace | None = None, resumes: bool = False) -> dict[int, Buffers]:
     """The buffers a rank starts from: random, or its share of the Hugging Face weights; none given values
     when a checkpoint will fill them (`resumes`)."""
     pretrained = spec.model.wants_pretrained and not resumes

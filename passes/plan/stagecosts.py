@@ -21,6 +21,7 @@ from hetc.passes.cost.plan_time import ministage_borders, stage_borders
 from hetc.passes.cost.schedule import Unit, UnitLane
 from hetc.passes.cost.zero_time import (ZeroRings, across_nodes, fetch_time, first_gather_time, flush_time,
                                        optimizer_step_time, sync_time, zero_collectives)
+from hetc.passes.cost.zero_units import gathers_per_block, ministage_units
 from hetc.passes.cost.shapes import LayerKind
 from hetc.passes.cost.probe import Primitives
 from hetc.spec import ScheduleKind, ZeroShard, ZeroSpec
@@ -68,6 +69,20 @@ class StageCosts:
 
     def boundary_bytes(self, ms: int) -> float:
         return 0.0 if ms == self.last_ms else self.p.boundary
+
+    @cached_property
+    def unit_params(self) -> list[float]:
+        """The parameters of each unit ZeRO-3 gathers per block (Note [zero-3 units]); none: ministages.
+        The planner plans no expert parallelism (ep = 1)."""
+        per_block = gathers_per_block(self.plan.schedule, self.s.zero, self.s.knobs.offload.to_spec(), 1)
+        head = self.p.model.layers + 1
+        out = []
+        for ms in self.s.ministages:
+            first, stop, _ = self.plan.ministages[ms]
+            for u in ministage_units(self.p.model, range(first, stop), per_block):
+                kinds = (int(u.first == 0), int(0 < u.first < head), int(u.first == head))
+                out.append(self.numel(kinds) * self.p.states.params)
+        return out
 
     @cached_property
     def ms_numel(self) -> list[float]:
@@ -235,7 +250,8 @@ class StageCosts:
                               sum(n * p.states.optimizer for n in self.ms_numel) *
                               self.shard_of(node_share).optimizer, self.shard_of(node_share),
                               int(st.zero.level) >= 3 and len(st.lanes) > 1, len(st.lanes),
-                              max((self.boundary_bytes(ms) for ms in st.ministages), default=0.0), p.states.grads)
+                              max((self.boundary_bytes(ms) for ms in st.ministages), default=0.0), p.states.grads,
+                              self.unit_params)
             got = self._statics[node_share] = state_memory(held, st.knobs.offload.to_spec(), self.plan.schedule,
                                                            p.train.grad_clip, self.plan.prefetch)
         return got
