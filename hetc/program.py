@@ -131,7 +131,7 @@ class Unit:
 
     def __post_init__(self) -> None:
         if not 0 <= self.first < self.stop:
-            raise ValueError(f"bad unit {self.first}:{self.stop} (write e.g. unit=1:2, first < stop)")
+            raise ValueError(f"bad unit '{self.first}:{self.stop}' (write e.g. unit=1:2, first < stop)")
 
     def __str__(self) -> str:
         return f"{self.first}:{self.stop}"
