@@ -17,12 +17,10 @@ from hetc.passes.cost.classes import ClassEstimate, PlanShape, evaluate_classes
 from hetc.passes.cost.experts import sharded_numel
 from hetc.passes.cost.memory import (RankMemory, StatesHeld, activation_memory, rank_memory, state_memory)
 from hetc.passes.cost.schedule import Unit
-from hetc.passes.cost.zero_units import gathers_per_block, ministage_units
 from hetc.pipeline import Stage
-from hetc.program import Unit as GatherUnit
 from hetc.spec import OffloadTarget, ZeroSpec
 
-__all__ = ["PipelineStage", "evaluate_pipeline", "pipeline_stages", "stage_units"]
+__all__ = ["PipelineStage", "evaluate_pipeline", "pipeline_stages"]
 
 
 class PipelineStage:
@@ -90,12 +88,6 @@ def evaluate_pipeline(cm, memory: bool) -> ClassEstimate:
     return evaluate_classes(shape, pipeline_stages(cm), end, memory)
 
 
-def stage_units(cm, stage: Stage, ms: int) -> tuple[GatherUnit, ...]:
-    """The units lowering splits ministage `ms` into (Note [zero-3 units]); none: the ministage whole."""
-    per_block = gathers_per_block(cm.pipeline.schedule, stage.zero, stage.offload, stage.ep)
-    return ministage_units(cm.model, cm.ministage(ms).layers, per_block)
-
-
 def rank_memory_of(cm, rank: int, limit: int) -> RankMemory:
     """One rank's memory at its peak, its lane holding `limit` microbatches in flight."""
     stage = cm.stage_of(rank)
@@ -105,7 +97,7 @@ def rank_memory_of(cm, rank: int, limit: int) -> RankMemory:
                       sum(sharded_numel(cm, ms, rank, "optimizer") for ms in mss) * cm.states.optimizer,
                       cm.shard(rank), stage.zero.resolved_level >= 3 and len(cm.zero_group(rank)) > 1,
                       len(stage.lanes), cm.largest_held_boundary(stage), cm.states.grads,
-                      [cm.unit_param_bytes(u, rank) for ms in mss for u in stage_units(cm, stage, ms)])
+                      [n * cm.states.params for n in pt.unit_numels(cm, stage, rank)])
     p = cm.pipeline
     states = state_memory(held, stage.offload, p.schedule, cm.spec.train.grad_clip, p.prefetch)
     lane = p.lane_of_rank[rank]

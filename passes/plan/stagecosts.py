@@ -71,17 +71,16 @@ class StageCosts:
         return 0.0 if ms == self.last_ms else self.p.boundary
 
     @cached_property
-    def unit_params(self) -> list[float]:
-        """The parameters of each unit ZeRO-3 gathers per block (Note [zero-3 units]); none: ministages.
-        The planner plans no expert parallelism (ep = 1)."""
+    def unit_numels(self) -> list[float]:
+        """The parameters of each unit the stage gathers per block (Note [zero-3 units]), in layer order;
+        empty: none split. The planner plans no expert parallelism (ep = 1)."""
         per_block = gathers_per_block(self.plan.schedule, self.s.zero, self.s.knobs.offload.to_spec(), 1)
         head = self.p.model.layers + 1
         out = []
         for ms in self.s.ministages:
             first, stop, _ = self.plan.ministages[ms]
             for u in ministage_units(self.p.model, range(first, stop), per_block):
-                kinds = (int(u.first == 0), int(0 < u.first < head), int(u.first == head))
-                out.append(self.numel(kinds) * self.p.states.params)
+                out.append(self.numel((int(u.first == 0), int(0 < u.first < head), int(u.first == head))))
         return out
 
     @cached_property
@@ -184,13 +183,15 @@ class StageCosts:
     def collectives(self, lane: int) -> tuple[float, float, float]:
         return zero_collectives(self.plan.schedule, self.s.zero, self.s.knobs.offload.params,
                                self.numel() * self.p.delta, self.rings(lane), self._copier(lane),
-                               self.shard(lane).params)
+                               self.shard(lane).params, [n * self.p.delta for n in self.unit_numels])
 
     def sync(self, lane: int, per_ministage: bool = False) -> float:
-        return sync_time(self.s.zero, self.numel() * self.p.delta, self.rings(lane), per_ministage)
+        return sync_time(self.s.zero, self.numel() * self.p.delta, self.rings(lane), per_ministage,
+                         [n * self.p.delta for n in self.unit_numels])
 
     def first_gather(self) -> float:
-        return first_gather_time(self.s.zero, self.ms_numel[0] * self.p.delta, self.rings(0))
+        first = self.unit_numels[0] if self.unit_numels else self.ms_numel[0]
+        return first_gather_time(self.s.zero, first * self.p.delta, self.rings(0))
 
     def fetch(self, ms: int) -> float:
         """Zorse brings ministage `ms` in once per step."""
@@ -251,7 +252,7 @@ class StageCosts:
                               self.shard_of(node_share).optimizer, self.shard_of(node_share),
                               int(st.zero.level) >= 3 and len(st.lanes) > 1, len(st.lanes),
                               max((self.boundary_bytes(ms) for ms in st.ministages), default=0.0), p.states.grads,
-                              self.unit_params)
+                              [n * p.states.params for n in self.unit_numels])
             got = self._statics[node_share] = state_memory(held, st.knobs.offload.to_spec(), self.plan.schedule,
                                                            p.train.grad_clip, self.plan.prefetch)
         return got
