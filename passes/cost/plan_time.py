@@ -139,9 +139,10 @@ def _copier(cm, rank: int) -> Callable[[float], float]:
 
 
 def shares(cm, stage: Stage, rank: int) -> tuple[float, float]:
-    """The fractions of the stage's parameters in its first and in its largest ministage."""
+    """The fractions of the stage's parameters in its first and in its largest ministage (unit, where
+    it gathers per block: each unit reduces on its own, Note [zero-3 units])."""
     whole = max(_stage_numel(cm, stage, rank), 1.0)
-    each = [cm.numel(ms, rank) for ms in stage.ministages]
+    each = unit_numels(cm, stage, rank) or [cm.numel(ms, rank) for ms in stage.ministages]
     return each[0] / whole, max(each) / whole
 
 

@@ -176,9 +176,10 @@ class StageCosts:
         return lambda nbytes: self.p.copy(gpu, nbytes)
 
     def shares(self) -> tuple[float, float]:
-        """The fractions of the stage's parameters in its first and in its largest ministage."""
+        """The fractions of the stage's parameters in its first and in its largest ministage (unit)."""
         whole = max(self.numel(), 1.0)
-        return self.ms_numel[0] / whole, max(self.ms_numel) / whole
+        each = self.unit_numels or self.ms_numel   # units reduce on their own (Note [zero-3 units])
+        return each[0] / whole, max(each) / whole
 
     def collectives(self, lane: int) -> tuple[float, float, float]:
         return zero_collectives(self.plan.schedule, self.s.zero, self.s.knobs.offload.params,
