@@ -55,7 +55,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from hetc.printer import format_spec
+from hetc.frontend.printer import format_spec
 from hetc.runtime.pieces import FlatPieces, PieceLoadPlanner, PieceSavePlanner, layout_pieces
 from hetc.runtime.unit_buffers import Buffers
 from hetc.spec import Spec

@@ -31,7 +31,7 @@ from hetc.errors import InternalError
 from hetc.hf.names import hf_name
 from hetc.hf.weights import WeightReader
 from hetc.runtime.flat import FlatLayout
-from hetc.runtime.tp import ShardInfo
+from hetc.runtime.nn.tensor_parallel import ShardInfo
 from hetc.runtime.unit_buffers import Buffers
 
 __all__ = ["LoadStats", "load_hf_weights", "load_whole", "read_flat"]

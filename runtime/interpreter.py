@@ -34,7 +34,7 @@ from hetc.runtime.comm import Comm
 from hetc.runtime.data import DataSource
 from hetc.runtime.lane import Arrivals, LanePlace, take_tokens
 from hetc.runtime.optim import clip_coefficient, grad_sq_sum, lr_at, optimizer_step
-from hetc.runtime.split_backward import backward_input, backward_weight
+from hetc.runtime.nn.split_backward import backward_input, backward_weight
 from hetc.runtime.unit_buffers import Buffers, UnitBuffers
 from hetc.spec import Spec
 from hetc.timeline import class_times

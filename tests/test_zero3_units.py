@@ -7,7 +7,7 @@ import json
 import pytest
 
 from hetc.cli import main
-from hetc.frontend import load_checked
+from hetc.compiler import load_checked
 from hetc.passes.cost import CostModel
 from hetc.passes.lower import lower
 from hetc.passes.verify import verify
