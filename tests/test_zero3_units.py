@@ -76,4 +76,4 @@ def test_explain_shows_zero3_below_zero2(tmp_path, capsys):
     assert all(t3 < t2 for t2, t3 in zip(totals[2], totals[3], strict=True))
     assert main(["explain", str(_spec(tmp_path, 3))]) == 0
     text = capsys.readouterr().out
-    assert "ZeRO-3 over 8 lanes" in text
+    assert "ZeRO-3 over 8 lanes, gathered per layer (10 units)" in text
