@@ -62,7 +62,7 @@ from hetc.program import Shard
 from hetc.runtime.flat import FlatLayout, bind_grads, bind_params
 from hetc.runtime.nn.model import Ministage
 from hetc.runtime.optim import OptimizerState, init_state
-from hetc.runtime.nn.tensor_parallel import ShardInfo, shard_infos
+from hetc.runtime.nn.tensor_parallel import NO_SHARD, ShardInfo, TPShard, shard_infos
 from hetc.spec import OptimizerSpec
 
 __all__ = ["GroupPos", "MinistageBuffers"]
@@ -79,8 +79,9 @@ class GroupPos:
 class MinistageBuffers:
     def __init__(self, module: Ministage, shard: Shard, inner: GroupPos, outer: GroupPos,
                  optimizer: OptimizerSpec, dtype: torch.dtype, device: torch.device,
-                 names: Collection[str] | None = None):
-        """`names`: the parameters of `module` this buffer holds (default all)."""
+                 names: Collection[str] | None = None, *, tp: TPShard = NO_SHARD):
+        """`names`: the parameters of `module` this buffer holds (default all); `tp`: the rank's
+        tensor-parallel slice (tp rank 0 writes the parameters every tp rank holds whole)."""
         self.module, self.shard, self.inner, self.outer = module, shard, inner, outer
         self.level = shard.level if shard.group is not None else 0
         across = outer.size if shard.outer_level == 1 else 1
@@ -105,9 +106,10 @@ class MinistageBuffers:
             if across > 1 else None
         self.holders = 0           # ZeRO-3: gathers not yet freed
         self.infos: dict[str, ShardInfo] = shard_infos(module)
-        split = [i.shard for i in self.infos.values() if i.dim is not None]
-        self.tp_size = split[0].size if split else 1
-        self.writes_replicated = not split or split[0].rank == 0
+        # from the rank's place, not the module's split parameters: a ZeRO-3 unit of the embedding or the
+        # head has none, and would have every tp rank write them (Note [units] in hetc/program.py)
+        self.tp_size = tp.size
+        self.writes_replicated = tp.rank == 0
         self.host: Tensor | None = None
         bind_params(module, self.layout, self.compute)
         bind_grads(module, self.layout, self.grad)

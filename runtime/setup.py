@@ -89,12 +89,12 @@ def _buffers(spec: Spec, program: Program, rank: int, shard: Shard, place: LaneP
     opt = spec.model.optimizer
     if shard.experts is None:
         return MinistageBuffers(module, shard, _pos(program, shard.group, rank), _pos(program, shard.outer, rank),
-                                opt, dtype, device)
+                                opt, dtype, device, tp=place.shard)
     names = [n for n, _ in module.named_parameters()]
     dense = MinistageBuffers(module, shard, _pos(program, shard.group, rank), _pos(program, shard.outer, rank),
-                             opt, dtype, device, [n for n in names if not is_expert_param(n)])
+                             opt, dtype, device, [n for n in names if not is_expert_param(n)], tp=place.shard)
     dense.experts = MinistageBuffers(module, shard.experts, _pos(program, shard.expert_group, rank), GroupPos(),
-                                     opt, dtype, device, [n for n in names if is_expert_param(n)])
+                                     opt, dtype, device, [n for n in names if is_expert_param(n)], tp=place.shard)
     return dense
 
 

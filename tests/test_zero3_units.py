@@ -13,7 +13,10 @@ from hetc.passes.lower import lower
 from hetc.passes.verify import verify
 from hetc.passes.verify.memory import rank_peaks
 from hetc.program import AllGather, Free, Unit
+from hetc.runtime.checkpoint import latest_checkpoint
+from tests.conftest import DEMO, REFERENCE_STEPS
 from tests.costspecs import plan_text, write_spec
+from tests.rank_pool import PlanJob, agreed_losses, assert_losses_close, assert_params_close, compile_plans
 
 # one stage, one ministage of every layer, 8 lanes on one node of 8 GPUs; 1F1B by default
 ONE_MINISTAGE = """
@@ -77,3 +80,40 @@ def test_explain_shows_zero3_below_zero2(tmp_path, capsys):
     assert main(["explain", str(_spec(tmp_path, 3))]) == 0
     text = capsys.readouterr().out
     assert "ZeRO-3 over 8 lanes, gathered per layer (10 units)" in text
+
+
+# Per-block ZeRO-3 beside tensor parallelism (each unit's module wired to the tp group) and in a GPipe
+# pipeline of two stages; the demo folder's zero3 and hsdp plans cover one stage (test_plan_invariance.py).
+RUNTIME_PLANS = {
+    "tp2_zero3": """
+  zero = 3
+  stage all {
+    layers = embed..head
+    ranks = host
+    lanes = 2
+    tp = 2
+  }""",
+    "gpipe_zero3": """
+  schedule = gpipe
+  zero = 3
+  stage a {
+    layers = embed..block1
+    ranks = host[0]
+    lanes = 2
+  }
+  stage b {
+    layers = block2..head
+    ranks = host[1]
+    lanes = 2
+  }""",
+}
+
+
+@pytest.mark.parametrize("name", RUNTIME_PLANS)
+def test_per_block_zero3_trains_to_the_reference(name, rank_pool, demo_reference, tmp_path):
+    spec = write_spec(tmp_path, f'use "{DEMO / "job.het"}"\nparallel {{{RUNTIME_PLANS[name]}\n}}\n', f"{name}.het")
+    plan_dir = compile_plans([spec], tmp_path / "out")[name]
+    assert "units=" in (plan_dir / "programs" / "rank-0000.txt").read_text()
+    reports = rank_pool.run(PlanJob(plan_dir, REFERENCE_STEPS, save_to=tmp_path / "ckpt"))
+    assert_losses_close(agreed_losses(reports), demo_reference.losses)
+    assert_params_close(latest_checkpoint(tmp_path / "ckpt"), demo_reference.params)
