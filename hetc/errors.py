@@ -19,6 +19,7 @@ __all__ = [
     "Sources",
     "Span",
     "SpecError",
+    "UsageError",
     "clip_words",
     "did_you_mean",
 ]
@@ -48,6 +49,11 @@ class Span:
 
     def __str__(self) -> str:
         return f"{self.file}:{self.line}:{self.col}"
+
+    @classmethod
+    def file_start(cls, path: str | Path) -> Span:
+        """The first character of file `path`: where a problem with the whole file is reported."""
+        return cls(str(path), 1, 1, 1, 1)
 
 
 NO_SPAN = Span("<generated>", 0, 0, 0, 0)
@@ -113,6 +119,10 @@ class SpecError(Exception):
     @classmethod
     def at(cls, span: Span, message: str) -> SpecError:
         return cls(Diagnostic(span, message))
+
+
+class UsageError(Exception):
+    """A user mistake outside spec files (a missing directory, a bad flag value); the CLI prints it, exits 2."""
 
 
 class InternalError(AssertionError):

@@ -6,7 +6,8 @@
     DIR/timeline.json            the predicted timeline of one step
     DIR/torch/laneL.csv          lane-aligned pipelines in torch's compute_comms format
     DIR/summary.json             headline numbers (ranks, step time, tokens/s)
-    DIR/profiles.json            the profiles the prediction used, with their sha256 (hetc/commands/profileargs.py)
+    DIR/profiles.json            the profiles the prediction used, with their sha256 (Note [recorded profiles]
+                                 in hetc/commands/profileargs.py)
 
 Listings are the source of truth: a person may edit them by hand and
 `hetc verify DIR` / `hetc run DIR` read the text, not the JSON.
@@ -15,22 +16,35 @@ Listings are the source of truth: a person may edit them by hand and
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from hetc.errors import SpecError
+from hetc.errors import Span, SpecError
 from hetc.frontend.printer import format_spec
+from hetc.jsontypes import JsonObject
 from hetc.program import Program, ProgramFormatError, RankProgram
 from hetc.spec import DataKind, DataSpec, Spec
 
-__all__ = ["PLAN_FILE", "TIMELINE_FILE", "listing_name", "read_plan", "read_program", "write_plan_dir"]
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from hetc.frontend.load import LoadedSpec
+    from hetc.passes.cost.provenance import UnusedProfile
+    from hetc.passes.validate import ExplicitPlan
+
+__all__ = ["PLAN_FILE", "PROFILES_FILE", "PROFILE_ENV", "TIMELINE_FILE", "RecordedProfile", "fingerprint", "listing_name",
+           "profile_paths", "read_plan", "read_program", "record_profiles", "write_plan_dir"]
 
 PLAN_FILE = "plan.het"
 TIMELINE_FILE = "timeline.json"
 SUMMARY_FILE = "summary.json"
+PROFILES_FILE = "profiles.json"
+PROFILE_ENV = "HETC_PROFILES"   # os.pathsep-separated profile files / data folders used by default
 
 
 def listing_name(rank: int) -> str:
@@ -46,20 +60,26 @@ def portable_spec(spec: Spec, spec_dir: Path, out_dir: Path) -> Spec:
             return path
         return os.path.relpath(data.resolve(spec_dir, path).resolve(), out_dir.resolve())
 
-    def portable(data: DataSpec | None) -> DataSpec | None:
-        if data is None or data.kind is DataKind.SYNTHETIC:
+    def portable(data: DataSpec) -> DataSpec:
+        if data.kind is DataKind.SYNTHETIC:
             return data
         return dataclasses.replace(data, path=moved(data, data.path), tokenizer=moved(data, data.tokenizer))
     model = spec.model
-    if model is not None and model.hf and not os.path.isabs(model.hf):
-        hf = os.path.relpath(model.hf_dir(spec_dir).resolve(), out_dir.resolve())
+    hf_dir = None if model is None else model.hf_dir(spec_dir)
+    if model is not None and hf_dir is not None and not os.path.isabs(model.hf):
+        hf = os.path.relpath(hf_dir.resolve(), out_dir.resolve())
         spec = dataclasses.replace(spec, model=dataclasses.replace(model, hf=hf))
-    train = dataclasses.replace(spec.train, data=portable(spec.train.data), eval=portable(spec.train.eval))
+    if spec.train is None:   # no job, no data paths
+        return spec
+    evaluation = spec.train.eval
+    train = dataclasses.replace(spec.train, data=portable(spec.train.data),
+                                eval=None if evaluation is None else portable(evaluation))
     return dataclasses.replace(spec, train=train)
 
 
 def write_plan_dir(out: Path, spec: Spec, spec_dir: Path, program: Program, torch_csv: dict[str, str],
-                   timeline_json: str | None, summary: dict, profiles: dict | None = None) -> None:
+                   timeline_json: str | None, summary: JsonObject,
+                   profiles: JsonObject | None = None) -> None:
     """Write everything at once into a fresh directory that then replaces `out` (never half a plan)."""
     out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -80,7 +100,6 @@ def write_plan_dir(out: Path, spec: Spec, spec_dir: Path, program: Program, torc
             (tmp / TIMELINE_FILE).write_text(timeline_json)
         (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
         if profiles is not None:
-            from hetc.commands.profileargs import PROFILES_FILE
             (tmp / PROFILES_FILE).write_text(json.dumps(profiles, indent=2) + "\n")
         if out.exists():
             old = out.with_name(f".{out.name}.old")
@@ -110,18 +129,50 @@ def read_program(plan_dir: Path) -> Program:
     return Program(tuple(ranks), groups)
 
 
-def read_plan(plan_dir: Path):
-    """(LoadedSpec, Checked) of DIR/plan.het; a SpecError if it is missing or broken."""
+def read_plan(plan_dir: Path) -> tuple[LoadedSpec, ExplicitPlan]:
+    """(LoadedSpec, ExplicitPlan) of DIR/plan.het; a SpecError if it is missing, broken or not explicit."""
     from hetc.compiler import load_checked
 
     path = plan_dir / PLAN_FILE
     if not path.is_file():
-        raise SpecError.at(_nowhere(path), f"{plan_dir} is not a plan directory: no {PLAN_FILE} "
+        raise SpecError.at(Span.file_start(path), f"{plan_dir} is not a plan directory: no {PLAN_FILE} "
                            "(write one with `hetc compile SPEC -o DIR`)")
-    return load_checked(path, require_complete=True)
+    loaded, checked = load_checked(path, require_complete=True)
+    plan = checked.explicit()
+    if plan is None:   # `hetc compile` writes an explicit plan; this one was edited
+        where = loaded.spec.span if loaded.spec.parallel is None else loaded.spec.parallel.span
+        raise SpecError.at(where, "the plan still has `auto` in it; a plan directory holds an explicit plan "
+                           "(write one with `hetc compile SPEC -o DIR`)")
+    return loaded, plan
 
 
-def _nowhere(path: Path):
-    from hetc.errors import Span
+def profile_paths(paths: list[str]) -> list[str]:
+    """$HETC_PROFILES's entries, then `paths` (the command line's)."""
+    env = [x for x in os.environ.get(PROFILE_ENV, "").split(os.pathsep) if x]
+    return env + list(paths)
 
-    return Span(str(path), 1, 1, 1, 1)
+
+def fingerprint(path: Path) -> str | None:
+    """sha256 of a file, or of a folder's relative file names and contents; None when it is gone."""
+    digest = hashlib.sha256()
+    if path.is_file():
+        digest.update(path.read_bytes())
+    elif path.is_dir():
+        for f in sorted(p for p in path.rglob("*") if p.is_file()):
+            digest.update(str(f.relative_to(path)).encode() + b"\0" + f.read_bytes() + b"\0")
+    else:
+        return None
+    return digest.hexdigest()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RecordedProfile:
+    path: str      # absolute, as the prediction read it
+    sha256: str
+
+
+def record_profiles(paths: list[str], unused: Iterable[UnusedProfile]) -> JsonObject:
+    """DIR/profiles.json's content (Note [recorded profiles]); `unused` is Provenance.unused."""
+    used = [RecordedProfile(str(Path(p).resolve()), fingerprint(Path(p)) or "") for p in profile_paths(paths)]
+    return {"profiles": [{"path": r.path, "sha256": r.sha256} for r in used],
+            "unused_profiles": [{"profile": u.profile, "reason": u.reason} for u in unused]}

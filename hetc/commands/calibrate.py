@@ -15,9 +15,11 @@ import tempfile
 from pathlib import Path
 
 from hetc.viz.classgap import class_gaps, gap_table, measured_from_metrics, worst_gap
-from hetc.cli import UsageError
+from hetc.commands import Subparsers
+from hetc.errors import UsageError
 from hetc.commands.prediction import plan_prediction
-from hetc.commands.profileargs import PROFILE_ENV, add_profile_option
+from hetc.plandir import PROFILE_ENV
+from hetc.commands.profileargs import add_profile_option
 from hetc.timeline import mean_class_times
 
 __all__ = ["register"]
@@ -25,7 +27,7 @@ __all__ = ["register"]
 DEFAULT_STEPS = 4
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: Subparsers) -> None:
     p = sub.add_parser(
         "calibrate", help="run a few steps locally and compare them with the prediction, per time class",
         description="Run DIR's ranks on this machine for a few steps (as `hetc run DIR --local --metrics`), "

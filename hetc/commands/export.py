@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from hetc.commands import Subparsers
+
 __all__ = ["register"]
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: Subparsers) -> None:
     p = sub.add_parser("export", help="write a checkpoint in another system's format",
                        description="Write a checkpoint (a step-N folder of `hetc run --checkpoint DIR`, "
                                    "saved under any plan) in another system's format.")
@@ -27,9 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _hf(args: argparse.Namespace) -> int:
-    from hetc.cli import UsageError
+    from hetc.errors import UsageError
     from hetc.hf.config import HfError
-    from hetc.hf.export import export_hf
+    from hetc.runtime.hf_export import export_hf
     from hetc.spec import DType
 
     if args.max_shard_size <= 0:

@@ -6,10 +6,12 @@ import argparse
 import sys
 from pathlib import Path
 
+from hetc.commands import Subparsers
+
 __all__ = ["register"]
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: Subparsers) -> None:
     p = sub.add_parser("import", help="turn Sailor's, Zorse's or Hugging Face's inputs into a .het spec",
                        description="Write a .het spec that carries another system's cluster, model and plan. "
                                    "The spec passes `hetc check`; `hetc explain SPEC --profile DIR` times it "
@@ -49,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _sailor(args: argparse.Namespace) -> int:
-    from hetc.cli import UsageError
+    from hetc.errors import UsageError
     from hetc.importers.sailor import import_sailor, plan_model
 
     model = args.model
@@ -67,8 +69,9 @@ def _zorse(args: argparse.Namespace) -> int:
 
 
 def _hf(args: argparse.Namespace) -> int:
-    from hetc.cli import UsageError
-    from hetc.hf.config import HfError, import_model
+    from hetc.errors import UsageError
+    from hetc.frontend.convert import import_model
+    from hetc.hf.config import HfError
     from hetc.frontend.printer import format_spec
     from hetc.spec import Spec
 

@@ -6,7 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from hetc.cli import UsageError
+from hetc.commands import Subparsers
+from hetc.errors import UsageError
 from hetc.passes.cost import CostModel
 from hetc.passes.verify import VerifyError, verified_evaluation, verify
 from hetc.plandir import read_plan, read_program
@@ -15,7 +16,7 @@ from hetc.program import ProgramFormatError
 __all__ = ["register"]
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: Subparsers) -> None:
     p = sub.add_parser(
         "verify", help="verify a plan directory's programs",
         description="Read DIR/plan.het and DIR/programs/rank-*.txt (possibly edited by hand) and run the "

@@ -8,27 +8,34 @@ value rules are in `hetc.frontend.values`, the schema in `hetc.frontend.schema`.
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from pathlib import Path
+from typing import Any, TypeVar
 
 from hetc.frontend import syntax
-from hetc.errors import Diagnostic, Span, SpecError, did_you_mean
+from hetc.errors import NO_SPAN, Diagnostic, Span, SpecError, did_you_mean
 from hetc.frontend.schema import FieldInfo, fields_of, normalize_key
-from hetc.hf.config import TRAINING_FIELDS, HfError, Preset, model_preset, read_config
+from hetc.hf.config import CONFIG_FILE, TRAINING_FIELDS, HfError, Preset, model_preset, read_config
 from hetc.spec import ModelSpec, Node, Spec, declared_path
 from hetc.frontend.values import ValueConverter, is_enum, words
 
-__all__ = ["Converter", "FieldInfo", "fields_of", "normalize_key", "to_spec"]
+__all__ = ["Converter", "FieldInfo", "fields_of", "import_model", "normalize_key", "to_spec"]
+
+N = TypeVar("N", bound=Node)
+# a statement a block's body may hold: `key = value` or a nested block
+Statement = syntax.Attr | syntax.Block
+Infos = tuple[FieldInfo, ...]
 
 
 class Converter(ValueConverter):
     """The block rules: labels, known keys and blocks, duplicates, required fields."""
 
-    def block(self, cls: type, items: tuple, span: Span, what: str,
-              head: syntax.Block | None = None, preset: Preset | None = None) -> Node | None:
+    def block(self, cls: type[N], items: tuple[syntax.Item, ...], span: Span, what: str,
+              head: syntax.Block | None = None, preset: Preset | None = None) -> N | None:
         """Build `cls` from a block's items; `head` is the block itself (for its labels); `preset`
         fills the fields the items leave out (Note [hf presets])."""
         infos = fields_of(cls)
-        values: dict[str, Any] = {}
+        values: dict[str, Any] = {}   # cls's own field names, each value converted for its field
         spans: dict[str, Span] = {}
         failed = False
         if cls is ModelSpec and preset is None:
@@ -70,9 +77,9 @@ class Converter(ValueConverter):
             return None
         return cls(**values, span=span, spans=tuple(spans.items()))
 
-    def _labels(self, infos, head: syntax.Block, values, spans) -> bool:
+    def _labels(self, infos: Infos, head: syntax.Block, values: dict[str, Any], spans: dict[str, Span]) -> bool:
         """The block's name(s): `model NAME`, `link A <-> B`, `optimizer adamw`."""
-        label_infos = [i for i in infos if i.meta["label"]]
+        label_infos = [i for i in infos if i.meta.label]
         given = [lab for lab in (head.label, head.peer) if lab is not None]
         form = {0: "", 1: " NAME", 2: " A <-> B"}[len(label_infos)]
         if len(given) > len(label_infos):
@@ -91,13 +98,13 @@ class Converter(ValueConverter):
             return False
         return True
 
-    def _find(self, infos, item, what) -> FieldInfo | None:
+    def _find(self, infos: Infos, item: Statement, what: str) -> FieldInfo | None:
         if isinstance(item, syntax.Block):
             kind = normalize_key(item.kind)
             for info in infos:
-                if info.meta["block"] and kind in (info.meta["block"], *info.meta["aliases"]):
+                if info.meta.block and kind in (info.meta.block, *info.meta.aliases):
                     return info
-            blocks = [i.meta["block"] for i in infos if i.meta["block"]]
+            blocks = [i.meta.block for i in infos if i.meta.block]
             if any(kind in i.keys for i in infos):
                 self.error(item.kind_span, f"'{item.kind}' is a value here: write {item.kind} = ...")
                 return None
@@ -107,23 +114,23 @@ class Converter(ValueConverter):
             return None
         key = normalize_key(item.key)
         for info in infos:   # `stage = auto` names the field of the `stage` blocks, as `stages = auto` does
-            if (key in info.keys or key == info.meta["block"]) and not info.meta["label"]:
+            if (key in info.keys or key == info.meta.block) and not info.meta.label:
                 return info
-        names = [i.meta["block"] or i.name for i in infos if not i.meta["label"]]
-        every = [k for i in infos if not i.meta["label"] for k in i.keys]
+        names = [i.meta.block or i.name for i in infos if not i.meta.label]
+        every = [k for i in infos if not i.meta.label for k in i.keys]
         hint = did_you_mean(key, every)
         self.error(item.key_span, f"unknown key '{item.key}' in {what}{hint}"
                    + ("" if hint else f"; known keys: {', '.join(names)}"))
         return None
 
-    def _required(self, infos, written, span, what) -> bool:
-        missing = [i.name for i in infos if i.required and i.name not in written and not i.meta["label"]]
+    def _required(self, infos: Infos, written: set[str], span: Span, what: str) -> bool:
+        missing = [i.name for i in infos if i.required and i.name not in written and not i.meta.label]
         if missing:
             self.error(span, f"{what} is missing {words(missing, quote=True)}")
             return False
         return True
 
-    def _hf_preset(self, infos, items) -> tuple[Preset | None, bool]:
+    def _hf_preset(self, infos: Infos, items: tuple[syntax.Item, ...]) -> tuple[Preset | None, bool]:
         """The preset of a model block's `hf = "DIR"` (None without one); False when DIR is unusable."""
         info = next(i for i in infos if i.name == "hf")
         item = next((i for i in items if isinstance(i, syntax.Attr) and normalize_key(i.key) in info.keys), None)
@@ -139,7 +146,8 @@ class Converter(ValueConverter):
             self.error(where, str(err))
             return None, False
 
-    def _apply_preset(self, infos, preset: Preset, values, spans, written, what) -> bool:
+    def _apply_preset(self, infos: Infos, preset: Preset, values: dict[str, Any], spans: dict[str, Span],
+                      written: set[str], what: str) -> bool:
         """Fill the fields the block left out from `preset`; a locked field written otherwise is an error."""
         ok = True
         for name, value in preset.values.items():
@@ -164,7 +172,8 @@ class Converter(ValueConverter):
                 ok = False
         return ok
 
-    def _assign(self, info: FieldInfo, item, values, spans, preset: Preset | None = None) -> bool:
+    def _assign(self, info: FieldInfo, item: Statement, values: dict[str, Any], spans: dict[str, Span],
+                preset: Preset | None = None) -> bool:
         if isinstance(item, syntax.Block):
             sub = self.block(info.base, item.items, item.span, _describe(item), head=item, preset=preset)
             if sub is None:
@@ -184,10 +193,10 @@ class Converter(ValueConverter):
         return True
 
 
-def _claimed_fields(infos, item) -> list[str]:
+def _claimed_fields(infos: Infos, item: Statement) -> list[str]:
     """The field an item names by its key or block kind, however it is written."""
     key = normalize_key(item.kind if isinstance(item, syntax.Block) else item.key)
-    return [i.name for i in infos if key in i.keys or key == i.meta["block"]]
+    return [i.name for i in infos if key in i.keys or key == i.meta.block]
 
 
 
@@ -210,17 +219,27 @@ def _describe(block: syntax.Block) -> str:
     return f"{block.kind} '{block.label}' <-> '{block.peer}'"
 
 
-def _duplicate_message(item, info: FieldInfo, what: str) -> str:
+def _duplicate_message(item: Statement, info: FieldInfo, what: str) -> str:
     if isinstance(item, syntax.Block):
         return f"duplicate '{item.kind}' block in {what}"
     alias = normalize_key(item.key) != info.name
     return f"duplicate '{item.key}' in {what}" + (f": it is another name for '{info.name}'" if alias else "")
 
 
-def to_spec(items: list, span: Span) -> Spec:
+def to_spec(items: list[syntax.Item], span: Span) -> Spec:
     """Convert the merged top-level items of a spec and its imports."""
     conv = Converter()
     spec = conv.block(Spec, tuple(items), span, what="the spec")
     if conv.errors or spec is None:
         raise SpecError(conv.errors or [Diagnostic(span, "empty spec")])
     return spec
+
+
+def import_model(directory: Path, name: str) -> ModelSpec:
+    """The explicit ModelSpec DIR/config.json describes (`hetc import hf`); HfError or SpecError."""
+    conv = Converter()
+    preset = model_preset(read_config(directory), f"{directory}/{CONFIG_FILE}", NO_SPAN)
+    model = conv.block(ModelSpec, (), NO_SPAN, "model", preset=preset)
+    if conv.errors or not isinstance(model, ModelSpec):
+        raise SpecError(conv.errors)
+    return dataclasses.replace(model, name=name)

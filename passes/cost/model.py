@@ -55,9 +55,10 @@ class CostModel:
         self._routes: dict[int, dict[int, int]] = {}
         self._peers: dict[tuple[int, int], tuple[int, ...]] = {}
         self._collectives: dict[tuple, float] = {}
-        self._ring_kinds: dict[tuple, tuple[tuple[Gpu, Gpu, int], ...]] = {}
+        self._ring_kinds: dict[tuple, tuple[tuple[tuple[Gpu, Gpu, int], ...], tuple[object, ...]]] = {}
         self._p2p: dict[tuple, float] = {}
         self._compute_times: dict[tuple[int, int, str, Unit | None], float] = {}
+        self._numels: dict[tuple[int, int, int, int], float] = {}
         self._fits: dict[tuple, Bandwidth | None] = {}
         # Note [shared cores]: the plan's ranks on a node with fewer cores than ranks compute slower
         cluster = spec.cluster
@@ -135,7 +136,11 @@ class CostModel:
     def layers_numel(self, layers: range, rank: int) -> float:
         """`numel` of some layers of the rank's stage: a ministage's, or a ZeRO-3 unit's."""
         stage = self.stage_of(rank)
-        return sum(params_per_rank(self.model, i, stage.tp, stage.ep) for i in layers)
+        key = (layers.start, layers.stop, stage.tp, stage.ep)   # memoised: lowering and the verifier ask per rank
+        got = self._numels.get(key)
+        if got is None:
+            got = self._numels[key] = sum(params_per_rank(self.model, i, stage.tp, stage.ep) for i in layers)
+        return got
 
     def unit_param_bytes(self, unit: Unit, rank: int) -> float:
         """The full parameters of one ZeRO-3 unit (Note [units] in hetc/program.py)."""
@@ -320,8 +325,8 @@ class CostModel:
         steps = ring_steps(kind, n)
         if steps == 0 or nbytes <= 0:
             return 0.0
-        kinds = self._pair_kinds(kind, tuple(ranks))
-        key = (kind, n, nbytes, concurrent, tuple((a.group, b.group, a.host == b.host, size) for a, b, size in kinds))
+        kinds, signature = self._pair_kinds(kind, tuple(ranks))
+        key = (kind, n, nbytes, concurrent, signature)
         got = self._collectives.get(key)
         if got is None:
             chunk = ring_chunk(nbytes, n)
@@ -330,11 +335,14 @@ class CostModel:
             got = self._collectives[key] = steps * worst
         return got
 
-    def _pair_kinds(self, kind: str, ranks: tuple[int, ...]) -> tuple[tuple[Gpu, Gpu, int], ...]:
+    def _pair_kinds(self, kind: str, ranks: tuple[int, ...]) -> tuple[tuple[tuple[Gpu, Gpu, int], ...], tuple[object, ...]]:
+        """The ring's kinds of pair, and what of them its time depends on (the memo's key)."""
         key = (kind, ranks)
         got = self._ring_kinds.get(key)
         if got is None:
-            got = self._ring_kinds[key] = tuple(ring_pair_kinds(kind, tuple(self.gpu(r) for r in ranks)))
+            kinds = tuple(ring_pair_kinds(kind, tuple(self.gpu(r) for r in ranks)))
+            got = self._ring_kinds[key] = (kinds, tuple((a.group, b.group, a.host == b.host, size)
+                                                         for a, b, size in kinds))
         return got
 
     def microbatch_overhead(self, rank: int) -> float:
