@@ -67,7 +67,8 @@ class _Costs:
             return self.costs.optimizer_time(rank, self._opt_numel(rank, instr.ms))
         if isinstance(instr, (Load, Free)):
             return 0.0
-        return self.costs.compute_time(rank, cast(ComputeInstr, instr).ms, _PHASE[type(instr)])
+        op = cast(ComputeInstr, instr)
+        return self.costs.compute_time(rank, op.ms, _PHASE[type(instr)], op.unit)
 
     def copy(self, rank: int, instr: Instr) -> float:
         return self.costs.copy_time(rank, self._copy_bytes(rank, instr))
@@ -115,7 +116,8 @@ class _Costs:
             return self.costs.boundary_bytes(instr.ms)
         whole = self.shards[rank][instr.ms]
         shard = whole.part(instr.group)
-        full = self.costs.param_bytes(instr.ms, rank) * self._part_share(rank, whole, shard)
+        full = self.costs.param_bytes(instr.ms, rank) * self._part_share(rank, whole, shard) if instr.unit is None \
+            else self.costs.unit_param_bytes(instr.unit, rank)
         if instr.group == shard.outer:
             assert shard.group is not None   # an outer group is one across shard groups
             return full / len(self.members[shard.group])

@@ -167,7 +167,8 @@ def _cells(result: PlanResult, b: Baseline, cost: bool) -> str:
     return f"{cells} {f'{ratio:.2f}×':>11s}{oom}"
 
 
-def plan_json(path: str, result: PlanResult, text: str, prov: Provenance) -> JsonObject:
+def plan_json(path: str, result: PlanResult, text: str, prov: Provenance) -> dict[str, object]:
+    """`hetc plan --json`: the estimate's (or score's) figures, memory per rank, the plan, the baselines."""
     plan = _explicit(result)
     p = plan.pipeline
     head = result.estimate.to_json() if result.estimate is not None else _score_json(_score(result), result)
@@ -192,7 +193,7 @@ def plan_json(path: str, result: PlanResult, text: str, prov: Provenance) -> Jso
     return out
 
 
-def _score_json(score: Score, result: PlanResult) -> JsonObject:
+def _score_json(score: Score, result: PlanResult) -> dict[str, object]:
     """The headline numbers from the planner's score, where no full estimate was made."""
     return {"step_time_s": score.step_time_s, "tokens_per_step": score.tokens_per_step,
             "tokens_per_s": score.tokens_per_s, "fits": score.fits, **_utilization(result).to_json()}

@@ -360,4 +360,4 @@ def _mismatch(send: Send, recv: Recv) -> str:
 
 def _collective_key(instr, any_mb: bool = False) -> tuple:
     return (type(instr).__name__, getattr(instr, "what", None), getattr(instr, "ms", None),
-            None if any_mb else getattr(instr, "mb", None))
+            None if any_mb else getattr(instr, "mb", None), getattr(instr, "unit", None))
