@@ -9,6 +9,7 @@ says. On CUDA, host<->device copies run on their own stream and their
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -17,7 +18,7 @@ from torch import Tensor
 from hetc.program import Group, Recv, Send
 from hetc.program import Tensor as Kind
 
-__all__ = ["Comm", "make_groups"]
+__all__ = ["Comm", "Waitable", "make_groups"]
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -31,6 +32,12 @@ def make_groups(groups: tuple[Group, ...], timeout=None) -> dict[str, object]:
     """
     return {g.name: dist.group.WORLD if g.name == "world" else dist.new_group(list(g.ranks), timeout=timeout)
             for g in groups}
+
+
+class Waitable(Protocol):
+    """What an asynchronous operation returns: a torch Work, or a copy's event (`_EventWork`)."""
+
+    def wait(self) -> object: ...
 
 
 class _EventWork:
@@ -67,10 +74,10 @@ class Comm:
         tag = (instr.ms * self.m + instr.mb) * 2 + (instr.what is Kind.GRAD)
         return tag if instr.seq is None else tag * 1024 + 1 + instr.seq[0] % 1023
 
-    def isend(self, t: Tensor, peer: int, tag: int):
+    def isend(self, t: Tensor, peer: int, tag: int) -> Waitable | None:
         return dist.isend(t, peer, tag=tag)
 
-    def irecv(self, t: Tensor, peer: int, tag: int):
+    def irecv(self, t: Tensor, peer: int, tag: int) -> Waitable | None:
         return dist.irecv(t, peer, tag=tag)
 
     def all_gather(self, out: Tensor, mine: Tensor, group):
@@ -82,7 +89,8 @@ class Comm:
     def all_reduce(self, t: Tensor, group):
         return dist.all_reduce(t, group=group, async_op=True)
 
-    def copy(self, move: Callable[[], None], done: Callable[[], None] | None):
+    def copy(self, move: Callable[[], None],
+             done: Callable[[], None] | None) -> tuple[Waitable | None, Callable[[], None] | None]:
         """(work, on_done) for a host<->device copy."""
         if self.copy_stream is None:
             move()

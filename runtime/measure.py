@@ -61,7 +61,7 @@ def local_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _clock(device: torch.device, fn: Callable[[], None], repeats: int,
+def _clock(device: torch.device, fn: Callable[[], object], repeats: int,
            setup: Callable[[], None] | None = None, pick: Callable[[list[float]], float] = min) -> float:
     """Fastest of `repeats` timed runs of `fn` after one warm-up (`setup` runs untimed before each).
 
@@ -189,6 +189,7 @@ def copy_rates(sizes: list[int], repeats: int) -> list[dict]:
     rows = []
     for n in sizes:
         host = torch.empty(n, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        pairs: tuple[tuple[str, torch.Tensor, torch.Tensor], ...]
         if device.type == "cuda":
             dev = torch.empty(n, dtype=torch.uint8, device=device)
             pairs = (("h2d", dev, host), ("d2h", host, dev))
