@@ -12,8 +12,10 @@ block there), a send where it is posted. Plans whose lanes do not line up
 
 from __future__ import annotations
 
-from hetc.pipeline import Pipeline
-from hetc.program import Backward, BackwardInput, BackwardWeight, Forward, Program, Recv, Send, Tensor, Wait
+from collections.abc import Sequence
+
+from hetc.pipeline import Pipeline, Stage
+from hetc.program import Backward, BackwardInput, BackwardWeight, Forward, Instr, Program, Recv, Send, Tensor, Wait
 
 __all__ = ["TorchPipeline", "lanes_aligned", "torch_pipelines", "why_not_exported"]
 
@@ -46,7 +48,7 @@ def why_not_exported(pipeline: Pipeline) -> str | None:
     first = pipeline.stages[0]
     odd = next(s for s in pipeline.stages
                if [lane.microbatches for lane in s.lanes] != [lane.microbatches for lane in first.lanes])
-    def lanes(stage) -> str:
+    def lanes(stage: Stage) -> str:
         return f"{len(stage.lanes)} lane{'s' if len(stage.lanes) > 1 else ''}"
 
     why = (f"stage '{first.name}' has {lanes(first)} and stage '{odd.name}' {lanes(odd)}"
@@ -68,7 +70,7 @@ def torch_pipelines(program: Program, pipeline: Pipeline) -> list[TorchPipeline]
     return out
 
 
-def _actions(instrs, local: dict[int, int]) -> list[str]:
+def _actions(instrs: Sequence[Instr], local: dict[int, int]) -> list[str]:
     pending: dict[int, Recv] = {}
     actions = []
     for instr in instrs:

@@ -27,13 +27,16 @@ function whose maximum is the verifier's peak.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import cast
 
+from hetc.passes.cost.model import CostModel
 from hetc.passes.verify.machine import Machine, Op
 from hetc.passes.verify.memory import Sizes, rank_levels
 from hetc.pipeline import Pipeline
 from hetc.program import (COLLECTIVE_TYPES, AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight,
-                          ComputeInstr, Forward, Free, Instr, Load, Program, ReduceScatter, Send, Step, Tensor)
+                          ComputeInstr, Forward, Free, Instr, Load, Offload, Prefetch, Program, ReduceScatter, Send,
+                          Shard, Step, Tensor)
 from hetc.spec import DTYPE_BYTES, Spec
 from hetc.timeline import Event, Flow, MemorySample, RankInfo, Timeline, class_times, classify
 
@@ -53,7 +56,7 @@ _COLLECTIVE_NAMES = {AllGather: "all_gather", ReduceScatter: "reduce_scatter", A
 class _Costs:
     """The cost model as the blocking machine's `Clock` (Note [timeline model])."""
 
-    def __init__(self, program: Program, spec: Spec, costs):
+    def __init__(self, program: Program, spec: Spec, costs: CostModel):
         self.costs = costs
         assert spec.model is not None   # a checked spec
         self.delta = DTYPE_BYTES[spec.model.dtype]
@@ -93,7 +96,7 @@ class _Costs:
         return sum(self._part_share(rank, shard, part) * self.costs.numel(ms, rank) / self._opt_parts(part)
                    for part in (shard, shard.experts) if part is not None)
 
-    def _opt_parts(self, part) -> int:
+    def _opt_parts(self, part: Shard) -> int:
         if part.group is None or part.level == 0:
             return 1
         parts = len(self.members[part.group])
@@ -101,27 +104,30 @@ class _Costs:
             parts *= len(self.members[part.outer])
         return parts
 
-    def _part_share(self, rank: int, shard, part) -> float:
+    def _part_share(self, rank: int, shard: Shard, part: Shard) -> float:
         """The share of a ministage's parameters in buffer `part` (its expert or dense ones, or all)."""
         if shard.experts is None:
             return 1.0
         experts = self.costs.expert_fraction(shard.ms, rank)
         return experts if part is not shard else 1.0 - experts
 
-    def _collective_bytes(self, rank: int, instr) -> float:
+    def _collective_bytes(self, rank: int, instr: AllGather | ReduceScatter | AllReduce | AllToAll) -> float:
         if isinstance(instr, AllReduce) and instr.what in (Tensor.LOSS, Tensor.NORM):
             return 8.0
         if isinstance(instr, AllToAll):
             return self.costs.boundary_bytes(instr.ms)
-        whole = self.shards[rank][instr.ms]
+        ms = instr.ms
+        assert ms is not None   # a gradient or parameter collective names its ministage
+        whole = self.shards[rank][ms]
         shard = whole.part(instr.group)
-        full = self.costs.param_bytes(instr.ms, rank) * self._part_share(rank, whole, shard)
+        full = self.costs.param_bytes(ms, rank) * self._part_share(rank, whole, shard)
         if instr.group == shard.outer:
             assert shard.group is not None   # an outer group is one across shard groups
             return full / len(self.members[shard.group])
         return full
 
-    def _copy_bytes(self, rank: int, instr) -> float:
+    def _copy_bytes(self, rank: int, instr: Instr) -> float:
+        assert isinstance(instr, (Offload, Prefetch))   # the machine times only copies on the copy stream
         if instr.what is Tensor.ACT:
             return self.costs.boundary_bytes(instr.ms)
         shard = self.shards[rank][instr.ms]
@@ -166,7 +172,8 @@ def _memory_samples(machine: Machine, pipeline: Pipeline, sizes: Sizes) -> list[
     return samples
 
 
-def simulate(program: Program, pipeline: Pipeline, spec: Spec, costs, plan_facts=()) -> Timeline:
+def simulate(program: Program, pipeline: Pipeline, spec: Spec, costs: CostModel,
+             plan_facts: Iterable[tuple[str, str]] = ()) -> Timeline:
     """The predicted Timeline of one step (source "predicted"), with each rank's memory curve."""
     clock = _Costs(program, spec, costs)
     machine = _run(program, clock)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from hetc.layout import Range, boundary_ranges, describe, local_slice, tiling_problem
 from hetc.passes.verify.errors import Finding, at
@@ -33,6 +32,14 @@ from hetc.program import (AllGather, AllReduce, AllToAll, Backward, BackwardInpu
 
 __all__ = ["check_dataflow"]
 
+_Key = tuple[int, int]                  # (ms, mb)
+_Message = tuple[Tensor, int, int]      # (tensor, ms, mb) of a boundary tensor
+_Moving = tuple[str, int] | tuple[str, int, int]    # ("params", ms) / ("act", ms, mb)
+_Owned = Forward | Backward | BackwardInput | BackwardWeight | Step | Offload | Prefetch
+_Learning = Backward | BackwardInput | BackwardWeight | Step
+_Collective = AllGather | ReduceScatter | AllReduce | AllToAll
+_Posted = Send | Recv | _Collective | Offload | Prefetch    # what may carry a handle
+
 
 class _Fault(Exception):
     def __init__(self, message: str, index: int | None = None):
@@ -42,21 +49,21 @@ class _Fault(Exception):
 
 @dataclass
 class _State:
-    loaded: set = field(default_factory=set)
-    fwd: set = field(default_factory=set)           # (ms, mb) forwarded here
-    bwd: set = field(default_factory=set)           # (ms, mb) input-gradient done here (bwd or bwd_i)
-    wgrad: set = field(default_factory=set)         # (ms, mb) weight-gradient done here (bwd or bwd_w)
-    arrived: dict = field(default_factory=dict)     # (tensor, ms, mb) -> token ranges received and waited
-    pending: dict = field(default_factory=dict)     # handle -> instruction
+    loaded: set[int] = field(default_factory=set)
+    fwd: set[_Key] = field(default_factory=set)           # (ms, mb) forwarded here
+    bwd: set[_Key] = field(default_factory=set)           # (ms, mb) input-gradient done here (bwd or bwd_i)
+    wgrad: set[_Key] = field(default_factory=set)         # (ms, mb) weight-gradient done here (bwd or bwd_w)
+    arrived: dict[_Message, list[Range]] = field(default_factory=dict)   # token ranges received and waited
+    pending: dict[int, _Posted] = field(default_factory=dict)     # handle -> instruction
     # (tensor, ms, mb) -> its posted receives not yet waited: an index of `pending`, so that checking a
     # receive against the ones in flight does not scan every posted op (64 ranks: 10^8 comparisons)
-    receiving: dict = field(default_factory=dict)
-    gathered: dict = field(default_factory=dict)    # ms -> completed gathers not yet freed
-    on_host: set = field(default_factory=set)       # offloaded ministages' parameters now on the host
-    moving: set = field(default_factory=set)        # ("params", ms) / ("act", ms, mb) in flight
-    act_host: set = field(default_factory=set)      # (ms, mb) stashes on the host
-    reduced: dict = field(default_factory=dict)     # ms -> completed reductions after the last backward
-    stepped: set = field(default_factory=set)
+    receiving: dict[_Message, list[Recv]] = field(default_factory=dict)
+    gathered: dict[int, int] = field(default_factory=dict)    # ms -> completed gathers not yet freed
+    on_host: set[int] = field(default_factory=set)       # offloaded ministages' parameters now on the host
+    moving: set[_Moving] = field(default_factory=set)    # in flight
+    act_host: set[_Key] = field(default_factory=set)     # (ms, mb) stashes on the host
+    reduced: dict[int, list[str]] = field(default_factory=dict)   # ms -> completed reductions after the last backward
+    stepped: set[int] = field(default_factory=set)
     norm_done: bool = False
 
 
@@ -108,7 +115,7 @@ class _Rank:
     def run(self, i: int, instr: Instr) -> None:
         _HANDLERS[type(instr)](self, i, instr)
 
-    def _owned(self, instr) -> None:
+    def _owned(self, instr: _Owned) -> None:
         if instr.ms not in self.own:
             raise _Fault(f"ministage {instr.ms} does not belong to this rank's stage")
         if hasattr(instr, "mb") and instr.mb is not None and instr.mb not in self.mbs:
@@ -127,14 +134,14 @@ class _Rank:
         if ms in self.s.on_host or ("params", ms) in self.s.moving:
             raise _Fault(f"the parameters of ministage {ms} are not on the device (prefetch and wait first)")
 
-    def load(self, i, instr: Load) -> None:
+    def load(self, i: int, instr: Load) -> None:
         if instr.mb not in self.mbs:
             raise _Fault(f"microbatch {instr.mb} is not routed to this rank's lane")
         if instr.mb in self.s.loaded:
             raise _Fault(f"microbatch {instr.mb} is loaded twice")
         self.s.loaded.add(instr.mb)
 
-    def forward(self, i, instr: Forward) -> None:
+    def forward(self, i: int, instr: Forward) -> None:
         self._owned(instr)
         key = (instr.ms, instr.mb)
         if key in self.s.fwd:
@@ -148,7 +155,7 @@ class _Rank:
         self._params_ready(instr.ms)
         self.s.fwd.add(key)
 
-    def backward(self, i, instr) -> None:
+    def backward(self, i: int, instr: Backward | BackwardInput | BackwardWeight) -> None:
         self._learning(instr)
         self._owned(instr)
         key = (instr.ms, instr.mb)
@@ -174,7 +181,7 @@ class _Rank:
             self.s.wgrad.add(key)
             self.s.reduced.pop(instr.ms, None)   # reductions must follow the last backward
 
-    def send(self, i, instr: Send) -> None:
+    def send(self, i: int, instr: Send) -> None:
         key = (instr.ms, instr.mb)
         done = self.s.fwd if instr.what is Tensor.ACT else self.s.bwd
         if key not in done:
@@ -185,7 +192,7 @@ class _Rank:
             self._inside(instr.seq, self.held, "this rank holds")
         self._post(i, instr)
 
-    def recv(self, i, instr: Recv) -> None:
+    def recv(self, i: int, instr: Recv) -> None:
         key = _message(instr)
         pending = self.s.receiving.get(key, [])
         if instr.seq is None and (key in self.s.arrived or pending) or \
@@ -216,7 +223,7 @@ class _Rank:
             raise _Fault(f"tokens {describe([piece])} are not inside one range of the tokens {whose} "
                          f"({describe(held)})") from None
 
-    def collective(self, i, instr) -> None:
+    def collective(self, i: int, instr: _Collective) -> None:
         if isinstance(instr, AllGather):
             shard = self.shards.get(instr.ms)
             if shard is None:
@@ -225,12 +232,12 @@ class _Rank:
                 raise _Fault(f"gathers ministage {instr.ms} while its shard is on the host")
         self._post(i, instr)
 
-    def free(self, i, instr: Free) -> None:
+    def free(self, i: int, instr: Free) -> None:
         if self.s.gathered.get(instr.ms, 0) <= 0:
             raise _Fault(f"frees the parameters of ministage {instr.ms}, which are not gathered")
         self.s.gathered[instr.ms] -= 1
 
-    def copy(self, i, instr) -> None:
+    def copy(self, i: int, instr: Offload | Prefetch) -> None:
         if instr.what is Tensor.PARAMS:
             self._owned(instr)
             if ("params", instr.ms) in self.s.moving:
@@ -247,11 +254,11 @@ class _Rank:
             self.s.moving.add(("act", *key))
         self._post(i, instr)
 
-    def _learning(self, instr) -> None:
+    def _learning(self, instr: _Learning) -> None:
         if self.forward_only:
             raise _Fault(f"an evaluation program runs forward only, but `{instr}` learns")
 
-    def step(self, i, instr: Step) -> None:
+    def step(self, i: int, instr: Step) -> None:
         self._learning(instr)
         self._owned(instr)
         if instr.ms in self.s.stepped:
@@ -278,7 +285,7 @@ class _Rank:
             return []
         return [shard.group] + ([shard.outer] if shard.outer else [])
 
-    def _post(self, i, instr) -> None:
+    def _post(self, i: int, instr: _Posted) -> None:
         if instr.handle is None:
             self._complete(instr)
         else:
@@ -286,14 +293,14 @@ class _Rank:
             if isinstance(instr, Recv):
                 self.s.receiving.setdefault(_message(instr), []).append(instr)
 
-    def wait(self, i, instr: Wait) -> None:
+    def wait(self, i: int, instr: Wait) -> None:
         done = self.s.pending.pop(instr.handle, None)
         if done is not None:
             if isinstance(done, Recv):
                 self.s.receiving[_message(done)].remove(done)
             self._complete(done)
 
-    def _complete(self, instr) -> None:
+    def _complete(self, instr: _Posted) -> None:
         s = self.s
         if isinstance(instr, Recv):
             # a whole tensor brings every token this rank holds (`recv` checked the sender holds the same)
@@ -304,7 +311,7 @@ class _Rank:
             shard = self.shards[instr.ms]
             full = shard.level == 3 and instr.group != shard.outer   # the outer gather rebuilds the shard
             s.gathered[instr.ms] = s.gathered.get(instr.ms, 0) + full
-        elif isinstance(instr, (ReduceScatter, AllReduce)) and instr.what is Tensor.GRADS:
+        elif isinstance(instr, (ReduceScatter, AllReduce)) and instr.what is Tensor.GRADS and instr.ms is not None:
             group = instr.group[:-2] if instr.group.endswith((".b", ".f")) else instr.group
             s.reduced.setdefault(instr.ms, [])
             if group not in s.reduced[instr.ms]:
@@ -314,12 +321,13 @@ class _Rank:
         elif isinstance(instr, (Offload, Prefetch)):
             self._copied(instr)
 
-    def _copied(self, instr) -> None:
+    def _copied(self, instr: Offload | Prefetch) -> None:
         s = self.s
         if instr.what is Tensor.PARAMS:
             s.moving.discard(("params", instr.ms))
             (s.on_host.add if isinstance(instr, Offload) else s.on_host.discard)(instr.ms)
         else:
+            assert instr.mb is not None   # `copy` let only a live stash, (ms, mb), move
             s.moving.discard(("act", instr.ms, instr.mb))
             (s.act_host.add if isinstance(instr, Offload) else s.act_host.discard)((instr.ms, instr.mb))
 
@@ -343,11 +351,12 @@ class _Rank:
         return out
 
 
-def _message(recv: Recv) -> tuple:
+def _message(recv: Recv) -> _Message:
     return recv.what, recv.ms, recv.mb
 
 
-_HANDLERS: dict[type, Callable[[_Rank, int, Any], None]] = {
+# one handler per instruction class, each taking its own class (so the table's value type is loose)
+_HANDLERS: dict[type[Instr], Callable[..., None]] = {
     Load: _Rank.load, Forward: _Rank.forward, Backward: _Rank.backward, BackwardInput: _Rank.backward,
     BackwardWeight: _Rank.backward, Send: _Rank.send, Recv: _Rank.recv, AllGather: _Rank.collective,
     ReduceScatter: _Rank.collective, AllReduce: _Rank.collective, AllToAll: _Rank.collective,
