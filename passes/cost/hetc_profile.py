@@ -73,7 +73,7 @@ def profile_from_dict(data: Any, source: str) -> Profiles:
                     {kind: overhead} if overhead is not None else {}, sources=(source,), shared=shared)
 
 
-def _shared(data: dict, kind: str) -> dict[str, tuple[int, float]]:
+def _shared(data: dict[str, Any], kind: str) -> dict[str, tuple[int, float]]:
     shared = data.get("concurrency")
     if shared is None:
         return {}
@@ -83,9 +83,9 @@ def _shared(data: dict, kind: str) -> dict[str, tuple[int, float]]:
     return {kind: (ranks, slowdown)}
 
 
-def _tables(data: dict, kind: str, source: str) -> list[ComputeTable]:
+def _tables(data: dict[str, Any], kind: str, source: str) -> list[ComputeTable]:
     model = data["model"]
-    by_seq: dict[int, dict] = defaultdict(lambda: defaultdict(list))
+    by_seq: dict[int, dict[tuple[str, int, str], list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
     for row in data.get("layers", []):
         if row["layer"] not in LAYER_SLOTS:
             raise ValueError(f"layer '{row['layer']}' is not one of {', '.join(LAYER_SLOTS)}")
@@ -98,7 +98,7 @@ def _tables(data: dict, kind: str, source: str) -> list[ComputeTable]:
             for seq, points in sorted(by_seq.items())]
 
 
-def _network(data: dict, kind: str, source: str) -> NetworkFits:
+def _network(data: dict[str, Any], kind: str, source: str) -> NetworkFits:
     """One ring step's rate between two local processes, by ring size, from p2p and collectives."""
     points: dict[int, list[tuple[float, float]]] = defaultdict(list)
     for row in data.get("p2p", []):
@@ -120,7 +120,7 @@ def _network(data: dict, kind: str, source: str) -> NetworkFits:
     return NetworkFits(intra=intra)
 
 
-def _copy_rate(data: dict) -> float | None:
+def _copy_rate(data: dict[str, Any]) -> float | None:
     rows = data.get("copy", [])
     if not rows:
         return None
@@ -129,7 +129,7 @@ def _copy_rate(data: dict) -> float | None:
     return sum(rates) / len(rates)
 
 
-def _overhead(data: dict) -> float | None:
+def _overhead(data: dict[str, Any]) -> float | None:
     if "microbatch_overhead_s" not in data:
         return None
     seconds = float(data["microbatch_overhead_s"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 from hetc.layout import held_fraction
 from hetc.passes.cost.compute import DEFAULT_MEMORY_BANDWIDTH, ComputeModel, LayerCost
@@ -25,11 +26,16 @@ from hetc.passes.cost.memory import (
 )
 from hetc.passes.cost.network import Bandwidth, ring_chunk, ring_steps
 from hetc.passes.cost.profiles import Profiles
-from hetc.passes.cost.shapes import LayerKind, activation_elements, layer_flops, layer_kind, params_per_rank
+from hetc.passes.cost.shapes import (LayerFlops, LayerKind, activation_elements, layer_flops, layer_kind,
+                                    params_per_rank)
 from hetc.passes.params import expert_params
 from hetc.pipeline import Ministage, Pipeline, Stage
 from hetc.spec import (DTYPE_BYTES, Checkpointing, CPKind, DeviceSpec, ModelSpec, OffloadTarget, Spec, ZeroShard)
 from hetc.topology import Gpu, Topology
+
+if TYPE_CHECKING:     # they import this module
+    from hetc.passes.cost.classes import ClassEstimate
+    from hetc.passes.cost.estimate import Estimate
 
 __all__ = ["CPU_OPTIMIZER_BYTES_PER_S", "PHASES", "CostModel", "optimizer_seconds", "ring_pair_kinds"]
 
@@ -44,7 +50,7 @@ class CostModel:
     def __init__(self, spec: Spec, pipeline: Pipeline, topology: Topology, profiles: Profiles | None = None):
         assert spec.model is not None and spec.train is not None
         self.spec, self.pipeline, self.topology = spec, pipeline, topology
-        self.model = spec.model
+        self.model, self.train = spec.model, spec.train
         self.profiles = profiles or Profiles()
         self.devices = {d.name: d for d in spec.devices}
         self.compute = ComputeModel(self.model, self.profiles, self.devices)
@@ -53,11 +59,12 @@ class CostModel:
         self._zero_groups: dict[int, tuple[int, ...]] = {}
         self._routes: dict[int, dict[int, int]] = {}
         self._peers: dict[tuple[int, int], tuple[int, ...]] = {}
-        self._collectives: dict[tuple, float] = {}
-        self._ring_kinds: dict[tuple, tuple[tuple[Gpu, Gpu, int], ...]] = {}
-        self._p2p: dict[tuple, float] = {}
+        # memo keys: what the time depends on (kinds of pair: node groups, same host, GPUs of the node)
+        self._collectives: dict[tuple[str, int, float, int, tuple[tuple[str, str, bool, int], ...]], float] = {}
+        self._ring_kinds: dict[tuple[str, tuple[int, ...]], tuple[tuple[Gpu, Gpu, int], ...]] = {}
+        self._p2p: dict[tuple[str, str, bool, float, int], float] = {}
         self._compute_times: dict[tuple[int, int, str], float] = {}
-        self._fits: dict[tuple, Bandwidth | None] = {}
+        self._fits: dict[tuple[str, str, bool, int, int], Bandwidth | None] = {}
         # Note [shared cores]: the plan's ranks on a node with fewer cores than ranks compute slower
         cluster = spec.cluster
         self._slowdown = host_slowdowns(pipeline.world, {n.name: n.cores for n in cluster.nodes},
@@ -227,7 +234,7 @@ class CostModel:
                          self._recompute(kind, forward, flops, rerun),
                          measured.backward / cp * (1.0 - share_i))
 
-    def _recompute(self, kind: str, forward: float, flops, rerun: bool) -> float:
+    def _recompute(self, kind: str, forward: float, flops: LayerFlops, rerun: bool) -> float:
         """Forward work the backward repeats: activation checkpointing, and with activations offloaded
         the whole ministage once more (only its boundary input was kept; the runtime reruns it)."""
         ministage = forward if rerun else 0.0
@@ -355,7 +362,7 @@ class CostModel:
     # ------------------------------------------------------------ the whole plan
 
     @cached_property
-    def evaluation(self):
+    def evaluation(self) -> ClassEstimate:
         """The step's composition over this pipeline (classes.py), its memory left to `estimate`."""
         from hetc.passes.cost.pipeline_stage import evaluate_pipeline
         return evaluate_pipeline(self, memory=False)
@@ -366,7 +373,7 @@ class CostModel:
         schedule holds each lane to and the estimate counts activations with."""
         return self.evaluation.limits
 
-    def estimate(self):
+    def estimate(self) -> Estimate:
         from hetc.passes.cost.estimate import build_estimate
         return build_estimate(self)
 
@@ -397,7 +404,7 @@ def ring_pair_kinds(kind: str, gpus: tuple[Gpu, ...]) -> list[tuple[Gpu, Gpu, in
         pairs = [(a, b) for a in gpus for b in gpus if a.id != b.id]
     else:
         pairs = [(gpus[i], gpus[(i + 1) % n]) for i in range(n)]
-    kinds: dict[tuple, tuple[Gpu, Gpu, int]] = {}
+    kinds: dict[tuple[str, str, bool, int], tuple[Gpu, Gpu, int]] = {}
     for a, b in pairs:
         kinds.setdefault((a.group, b.group, a.host == b.host, per_node[a.host]), (a, b, per_node[a.host]))
     return list(kinds.values())

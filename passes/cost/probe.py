@@ -105,5 +105,5 @@ class Primitives:
 _KINDS = (LayerKind.EMBED, LayerKind.BLOCK, LayerKind.HEAD)
 
 
-def _index(m, kind: str) -> int:
+def _index(m: ModelSpec, kind: str) -> int:
     return {LayerKind.EMBED: 0, LayerKind.BLOCK: 1, LayerKind.HEAD: m.layers + 1}[kind]

@@ -77,7 +77,7 @@ def read_models(folder: Path) -> dict[str, SailorModel]:
     return out
 
 
-def _model(cfg: dict, layers_info: dict | None) -> SailorModel:
+def _model(cfg: dict[str, Any], layers_info: dict[str, Any] | None) -> SailorModel:
     kind = str(cfg.get("type", "gpt2")).lower()
     arch = Arch.GPT if kind in _GPT_TYPES else Arch.LLAMA
     hidden, seq = int(cfg["hidden_size"]), int(cfg["sequence_length"])
@@ -141,7 +141,7 @@ def _table(path: Path, model: SailorModel, device: str) -> tuple[ComputeTable | 
                         model.layers, model.name), ""
 
 
-def _slots(per_layer: dict, n: int, blocks: int) -> dict[str, list[list[float]]]:
+def _slots(per_layer: dict[str, Any], n: int, blocks: int) -> dict[str, list[list[float]]]:
     """Embedding, the blocks (averaged: they are identical) and the head (final norm + LM head)."""
     entries = [per_layer[str(i)] for i in range(n)]
     return {"embed": entries[:1], "block": entries[1:1 + blocks], "head": entries[1 + blocks:]}
@@ -173,7 +173,7 @@ def _network(folder: Path) -> NetworkFits:
     return NetworkFits(intra, inter, inter_any)
 
 
-def _fit(raw, source: Path) -> QuadraticLogFit:
+def _fit(raw: Any, source: Path) -> QuadraticLogFit:    # raw: parsed JSON, ((a, b, c), cap)
     try:
         (a, b, c), cap = raw
         return QuadraticLogFit(float(a), float(b), float(c), float(cap), str(source))

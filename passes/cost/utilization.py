@@ -46,7 +46,7 @@ class Utilization:
     used_gpus: int
     cluster_gpus: int
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, object]:
         return {"mfu": self.mfu, "hfu": self.hfu, "cluster_mfu": self.cluster_mfu, "cluster_hfu": self.cluster_hfu,
                 "peak_flops": self.used_peak_flops, "cluster_peak_flops": self.cluster_peak_flops,
                 "used_gpus": self.used_gpus, "cluster_gpus": self.cluster_gpus}

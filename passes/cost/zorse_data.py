@@ -12,6 +12,7 @@ measured (the cost model times them from FLOPs).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from hetc.passes.cost.devices import catalog_name
 from hetc.passes.cost.profiles import ComputeTable, LinearFit, Profiles, Rejected
@@ -51,7 +52,7 @@ def read_zorse(folder: Path) -> Profiles:
     return Profiles(tuple(tables), rejected=tuple(rejected), sources=(str(folder),))
 
 
-def _fits(entry) -> dict | None:
+def _fits(entry: Any) -> dict[tuple[str, int, str], LinearFit] | None:    # entry: parsed JSON
     try:
         (fs, fi), (bs, bi) = entry[0], entry[1]
         fwd, bwd = LinearFit(float(fi) / 1e3, float(fs) / 1e3), LinearFit(float(bi) / 1e3, float(bs) / 1e3)
