@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hetc.pipeline import Pipeline, Stage
-from hetc.program import Backward, BackwardInput, BackwardWeight, Forward, Instr, Program, Recv, Send, Tensor, Wait
+from hetc.program import (PHASE_OF, Backward, BackwardInput, BackwardWeight, Forward, Instr, Program, Recv, Send,
+                          Tensor, Wait)
 
 __all__ = ["TorchPipeline", "lanes_aligned", "torch_pipelines", "why_not_exported"]
 
@@ -85,8 +86,7 @@ def _actions(instrs: Sequence[Instr], local: dict[int, int]) -> list[str]:
             kind = "SEND_F" if instr.what is Tensor.ACT else "SEND_B"
             actions.append(f"{instr.ms}{kind}{local[instr.mb]}")
         elif isinstance(instr, (Forward, Backward, BackwardInput, BackwardWeight)):
-            code = {Forward: "F", Backward: "B", BackwardInput: "I", BackwardWeight: "W"}[type(instr)]
-            actions.append(f"{instr.ms}{code}{local[instr.mb]}")
+            actions.append(f"{instr.ms}{PHASE_OF[type(instr)]}{local[instr.mb]}")
     return actions
 
 

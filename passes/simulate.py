@@ -34,23 +34,15 @@ from hetc.passes.cost.model import CostModel
 from hetc.passes.verify.machine import Machine, Op
 from hetc.passes.verify.memory import Sizes, rank_levels
 from hetc.pipeline import Pipeline
-from hetc.program import (COLLECTIVE_TYPES, AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight,
-                          ComputeInstr, Forward, Free, Instr, Load, Offload, Prefetch, Program, ReduceScatter, Send,
-                          Shard, Step, Tensor)
+from hetc.program import (COLLECTIVE_OF, COLLECTIVE_TYPES, PHASE_OF, AllGather, AllReduce, AllToAll, ComputeInstr,
+                          Free, Instr, Load, Offload, Prefetch, Program, ReduceScatter, Send, Shard, Step, Tensor)
 from hetc.spec import DTYPE_BYTES, Spec
 from hetc.timeline import Event, Flow, MemorySample, RankInfo, Timeline, class_times, classify
 
 __all__ = ["SimulationError", "simulate"]
 
-_PHASE = {Forward: "F", Backward: "B", BackwardInput: "I", BackwardWeight: "W"}
-
-
 class SimulationError(RuntimeError):
     """The programs cannot be run to the end (they should have failed verification)."""
-
-
-_COLLECTIVE_NAMES = {AllGather: "all_gather", ReduceScatter: "reduce_scatter", AllReduce: "all_reduce",
-                     AllToAll: "all_to_all"}
 
 
 class _Costs:
@@ -70,7 +62,8 @@ class _Costs:
             return self.costs.optimizer_time(rank, self._opt_numel(rank, instr.ms))
         if isinstance(instr, (Load, Free)):
             return 0.0
-        return self.costs.compute_time(rank, cast(ComputeInstr, instr).ms, _PHASE[type(instr)])
+        compute = cast(ComputeInstr, instr)
+        return self.costs.compute_time(rank, compute.ms, PHASE_OF[type(compute)])
 
     def copy(self, rank: int, instr: Instr) -> float:
         return self.costs.copy_time(rank, self._copy_bytes(rank, instr))
@@ -82,7 +75,7 @@ class _Costs:
         op = ops[0]
         assert isinstance(op.instr, COLLECTIVE_TYPES)
         members = self.members[op.instr.group]
-        return self.costs.collective_time(_COLLECTIVE_NAMES[type(op.instr)], members,
+        return self.costs.collective_time(COLLECTIVE_OF[type(op.instr)], members,
                                           self._collective_bytes(op.rank, op.instr))
 
     # ------------------------------------------------------------ sizes

@@ -18,6 +18,7 @@ from hetc.passes.cost.schedule import LaneTiming
 from hetc.passes.cost.shapes import LayerKind, layer_kind
 from hetc.passes.cost.utilization import Utilization, flop_counts, utilization
 from hetc.pipeline import Stage
+from hetc.program import Collective
 from hetc.spec import ScheduleKind
 
 if TYPE_CHECKING:     # the cost model imports this module
@@ -157,9 +158,9 @@ def _expert_traffic(cm: CostModel, stage: Stage, rank: int, blocks: int, n_mb: i
         nbytes = sum(cm.numel(ms, rank) * cm.expert_fraction(ms, rank) for ms in stage.ministages) * cm.delta
         level = stage.zero.resolved_level
         per_mb = level == 2 and cm.pipeline.schedule is not ScheduleKind.ZORSE
-        seconds = cm.collective_time("all_reduce", replicas, nbytes) if level < 2 else \
-            cm.collective_time("reduce_scatter", replicas, nbytes) * (n_mb if per_mb else 1) + \
-            cm.collective_time("all_gather", replicas, nbytes)
+        seconds = cm.collective_time(Collective.ALL_REDUCE, replicas, nbytes) if level < 2 else \
+            cm.collective_time(Collective.REDUCE_SCATTER, replicas, nbytes) * (n_mb if per_mb else 1) + \
+            cm.collective_time(Collective.ALL_GATHER, replicas, nbytes)
         out.append(GroupTraffic("dp", f"stage {stage.name}: experts' ZeRO-{level} over {len(replicas)} ranks",
                                 replicas, traffic.zero_bytes(level, cm.pipeline.schedule, nbytes, len(replicas),
                                                              n_mb), seconds))

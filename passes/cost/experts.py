@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hetc.passes.cost.memory import ShardFactors, shard_factors
+from hetc.program import Collective
 
 if TYPE_CHECKING:     # the cost model imports this module
     from hetc.passes.cost.model import CostModel
@@ -54,4 +55,4 @@ def ep_comm_time(cm: CostModel, rank: int) -> float:
     if cm.model.moe is None or cm.stage_of(rank).ep == 1:
         return 0.0
     nbytes = cm.model.moe.top_k * cm.hidden_bytes / cm.stage_of(rank).cp
-    return 2 * cm.collective_time("all_to_all", ep_group(cm, rank), nbytes)
+    return 2 * cm.collective_time(Collective.ALL_TO_ALL, ep_group(cm, rank), nbytes)

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from hetc.passes.cost.network import Bandwidth, MeasuredPoints, ring_chunk, ring_steps
+from hetc.program import Phase
 from hetc.spec import DType
 from hetc.passes.cost.profiles import LAYER_SLOTS, ComputeTable, NetworkFits, ProfileError, Profiles, fit_line
 
@@ -85,13 +86,13 @@ def _shared(data: dict[str, Any], kind: str) -> dict[str, tuple[int, float]]:
 
 def _tables(data: dict[str, Any], kind: str, source: str) -> list[ComputeTable]:
     model = data["model"]
-    by_seq: dict[int, dict[tuple[str, int, str], list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
+    by_seq: dict[int, dict[tuple[str, int, Phase], list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
     for row in data.get("layers", []):
         if row["layer"] not in LAYER_SLOTS:
             raise ValueError(f"layer '{row['layer']}' is not one of {', '.join(LAYER_SLOTS)}")
         seq, key = int(row["seq"]), (str(row["layer"]), int(row.get("tp", 1)))
-        by_seq[seq][key + ("F",)].append((int(row["micro_batch"]), float(row["forward_s"])))
-        by_seq[seq][key + ("B",)].append((int(row["micro_batch"]), float(row["backward_s"])))
+        by_seq[seq][key + (Phase.FORWARD,)].append((int(row["micro_batch"]), float(row["forward_s"])))
+        by_seq[seq][key + (Phase.BACKWARD,)].append((int(row["micro_batch"]), float(row["backward_s"])))
     return [ComputeTable(source, kind, int(model["hidden"]), int(model["block_params"]), seq,
                          DType(str(data.get("dtype", "fp32"))).value, {k: fit_line(v) for k, v in points.items()},
                          int(model["vocab"]) if "vocab" in model else None, None, str(model.get("name", "")))

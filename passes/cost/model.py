@@ -30,6 +30,7 @@ from hetc.passes.cost.shapes import (LayerFlops, LayerKind, activation_elements,
                                     params_per_rank)
 from hetc.passes.params import expert_params
 from hetc.pipeline import Ministage, Pipeline, Stage
+from hetc.program import Collective, Phase
 from hetc.spec import (DTYPE_BYTES, Checkpointing, CPKind, DeviceSpec, ModelSpec, OffloadTarget, Spec, ZeroShard)
 from hetc.topology import Gpu, Topology
 
@@ -39,7 +40,7 @@ if TYPE_CHECKING:     # they import this module
 
 __all__ = ["CPU_OPTIMIZER_BYTES_PER_S", "PHASES", "CostModel", "optimizer_seconds", "ring_pair_kinds"]
 
-PHASES = ("F", "B", "I", "W")
+PHASES = tuple(Phase)
 # Host-side Adam (DeepSpeed's CPUAdam) streams the states through the CPU's memory.
 CPU_OPTIMIZER_BYTES_PER_S = 10e9
 # all-to-all over more ranks than this uses the ring's neighbours to find the slowest link.
@@ -60,10 +61,10 @@ class CostModel:
         self._routes: dict[int, dict[int, int]] = {}
         self._peers: dict[tuple[int, int], tuple[int, ...]] = {}
         # memo keys: what the time depends on (kinds of pair: node groups, same host, GPUs of the node)
-        self._collectives: dict[tuple[str, int, float, int, tuple[tuple[str, str, bool, int], ...]], float] = {}
-        self._ring_kinds: dict[tuple[str, tuple[int, ...]], tuple[tuple[Gpu, Gpu, int], ...]] = {}
+        self._collectives: dict[tuple[Collective, int, float, int, tuple[tuple[str, str, bool, int], ...]], float] = {}
+        self._ring_kinds: dict[tuple[Collective, tuple[int, ...]], tuple[tuple[Gpu, Gpu, int], ...]] = {}
         self._p2p: dict[tuple[str, str, bool, float, int], float] = {}
-        self._compute_times: dict[tuple[int, int, str], float] = {}
+        self._compute_times: dict[tuple[int, int, Phase], float] = {}
         self._fits: dict[tuple[str, str, bool, int, int], Bandwidth | None] = {}
         # Note [shared cores]: the plan's ranks on a node with fewer cores than ranks compute slower
         cluster = spec.cluster
@@ -191,7 +192,7 @@ class CostModel:
 
     # ------------------------------------------------------------ time (seconds)
 
-    def compute_time(self, rank: int, ms: int, phase: str) -> float:
+    def compute_time(self, rank: int, ms: int, phase: Phase) -> float:
         """One microbatch through ministage `ms` on `rank`: F, B = I + W, I (input-grad), W (weight-grad)."""
         key = (rank, ms, phase)
         got = self._compute_times.get(key)
@@ -253,7 +254,7 @@ class CostModel:
         Megatron-SP's reduce-scatter + all-gather pairs move the same bytes."""
         if len(group) < 2:
             return 0.0
-        return 2 * self.collective_time("all_reduce", group, self.hidden_bytes / cp)
+        return 2 * self.collective_time(Collective.ALL_REDUCE, group, self.hidden_bytes / cp)
 
     def cp_comm_time(self, rank: int) -> tuple[float, float]:
         """(forward, backward) exposed context-parallel communication per block."""
@@ -265,8 +266,8 @@ class CostModel:
         full = self.hidden_bytes
         if stage.cp_kind is CPKind.ULYSSES:
             # two all-to-alls each way (q/k/v in, output back), blocking; 4(N_kv/N_q + 1)·δbSH/N_SP per rank
-            fwd = self.collective_time("all_to_all", group, (2 * kv + 1) * full / stage.tp) + \
-                self.collective_time("all_to_all", group, full / stage.tp)
+            fwd = self.collective_time(Collective.ALL_TO_ALL, group, (2 * kv + 1) * full / stage.tp) + \
+                self.collective_time(Collective.ALL_TO_ALL, group, full / stage.tp)
             return fwd, fwd
         # ring attention: K and V go around forward, K, V, dK, dV backward; overlapped with attention
         ring = self.p2p_time(group[0], group[1 % len(group)], 2 * kv * full / stage.cp / stage.tp)
@@ -298,7 +299,7 @@ class CostModel:
             got = self._p2p[key] = latency + nbytes / rate
         return got
 
-    def collective_time(self, kind: str, ranks: Sequence[int], nbytes: float, concurrent: int = 1) -> float:
+    def collective_time(self, kind: Collective, ranks: Sequence[int], nbytes: float, concurrent: int = 1) -> float:
         """A ring collective over `ranks` (in ring order) of the full buffer `nbytes`.
 
         A ring runs as fast as its slowest pair, and pairs alike in kind
@@ -320,7 +321,7 @@ class CostModel:
             got = self._collectives[key] = steps * worst
         return got
 
-    def _pair_kinds(self, kind: str, ranks: tuple[int, ...]) -> tuple[tuple[Gpu, Gpu, int], ...]:
+    def _pair_kinds(self, kind: Collective, ranks: tuple[int, ...]) -> tuple[tuple[Gpu, Gpu, int], ...]:
         key = (kind, ranks)
         got = self._ring_kinds.get(key)
         if got is None:
@@ -389,7 +390,7 @@ def optimizer_seconds(model: ModelSpec, device: DeviceSpec, numel: float, on_hos
     return moved / (device.memory_bandwidth or DEFAULT_MEMORY_BANDWIDTH)
 
 
-def ring_pair_kinds(kind: str, gpus: tuple[Gpu, ...]) -> list[tuple[Gpu, Gpu, int]]:
+def ring_pair_kinds(kind: Collective, gpus: tuple[Gpu, ...]) -> list[tuple[Gpu, Gpu, int]]:
     """One (sender, receiver, GPUs of the ring on the sender's node) per kind of link a ring uses.
 
     A ring runs as fast as its slowest pair, and pairs of the same node
@@ -400,7 +401,7 @@ def ring_pair_kinds(kind: str, gpus: tuple[Gpu, ...]) -> list[tuple[Gpu, Gpu, in
     per_node: dict[tuple[str, int], int] = {}
     for g in gpus:
         per_node[g.host] = per_node.get(g.host, 0) + 1
-    if kind == "all_to_all" and n <= ALL_PAIRS_LIMIT:
+    if kind == Collective.ALL_TO_ALL and n <= ALL_PAIRS_LIMIT:
         pairs = [(a, b) for a in gpus for b in gpus if a.id != b.id]
     else:
         pairs = [(gpus[i], gpus[(i + 1) % n]) for i in range(n)]

@@ -20,6 +20,7 @@ from hetc.passes.cost.experts import sharded_numel
 from hetc.passes.cost.memory import (RankMemory, StatesHeld, activation_memory, rank_memory, state_memory)
 from hetc.passes.cost.schedule import Unit
 from hetc.pipeline import Stage
+from hetc.program import Collective, Phase
 from hetc.spec import OffloadTarget, ZeroSpec
 
 if TYPE_CHECKING:     # the cost model imports this module
@@ -44,7 +45,7 @@ class PipelineStage:
     def compute(self, lane: int) -> tuple[float, float, float]:
         cm, mss = self.cm, self.stage.ministages
         reps = self._reps(lane)
-        f, i, w = (max(sum(cm.compute_time(r, ms, ph) for ms in mss) for r in reps) for ph in ("F", "I", "W"))
+        f, i, w = (max(sum(cm.compute_time(r, ms, ph) for ms in mss) for r in reps) for ph in (Phase.FORWARD, Phase.INPUT_GRAD, Phase.WEIGHT_GRAD))
         return f, i, w
 
     def overhead(self, lane: int) -> float:
@@ -89,7 +90,7 @@ def evaluate_pipeline(cm: CostModel, memory: bool) -> ClassEstimate:
     shape = PlanShape(p.schedule, p.num_microbatches, cm.train.grad_clip,
                       tuple(ms.stage for ms in p.ministages), max(len(s.ministages) for s in p.stages))
     end = pt.step_end_time(cm.train.grad_clip > 0,
-                           lambda nbytes: cm.collective_time("all_reduce", tuple(range(p.world_size)), nbytes))
+                           lambda nbytes: cm.collective_time(Collective.ALL_REDUCE, tuple(range(p.world_size)), nbytes))
     return evaluate_classes(shape, pipeline_stages(cm), end, memory)
 
 

@@ -20,6 +20,7 @@ from hetc.passes.cost.schedule import Unit, UnitLane
 from hetc.passes.cost.zero_time import (ZeroRings, across_nodes, fetch_time, first_gather_time, flush_time,
                                        optimizer_step_time, sync_time, zero_collectives)
 from hetc.pipeline import Lane, Stage
+from hetc.program import Phase
 from hetc.spec import OffloadTarget, ZeroShard
 
 if TYPE_CHECKING:     # the cost model imports this module
@@ -198,8 +199,8 @@ def unit_lane(cm: CostModel, stage: Stage, lane: Lane, ms: int) -> UnitLane:
     rank = lane.ranks[0]
     reps = kind_reps(cm, lane.ranks)
     share = 1 / len(stage.ministages)   # the engine's per-microbatch cost, spread over the stage's units
-    f = max(cm.compute_time(r, ms, "F") + cm.microbatch_overhead(r) * share for r in reps)
-    b = max(cm.compute_time(r, ms, "B") for r in reps)
+    f = max(cm.compute_time(r, ms, Phase.FORWARD) + cm.microbatch_overhead(r) * share for r in reps)
+    b = max(cm.compute_time(r, ms, Phase.BACKWARD) for r in reps)
     copy = cm.copy_time(rank, cm.held_boundary_bytes(ms, stage)) \
         if stage.offload.activations is not OffloadTarget.NONE else 0.0
     after, before = ministage_borders(ms, stage.index, _stage_of(cm), len(p.ministages))

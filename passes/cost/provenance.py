@@ -23,6 +23,7 @@ from hetc.passes.cost.model import CostModel, ring_pair_kinds
 from hetc.passes.cost.profiles import ComputeTable, dtype_class
 from hetc.passes.cost.shapes import layer_kind
 from hetc.passes.params import block_params
+from hetc.program import Collective
 from hetc.spec import OffloadTarget
 from hetc.topology import Gpu
 
@@ -128,11 +129,11 @@ def _crossings(cm: CostModel) -> Iterator[tuple[str, Gpu, Gpu, int]]:
     for stage in p.stages:
         for lane in stage.lanes:
             if len(lane.ranks) > 1:
-                for a, b, size in ring_pair_kinds("all_reduce", tuple(cm.gpu(r) for r in lane.ranks)):
+                for a, b, size in ring_pair_kinds(Collective.ALL_REDUCE, tuple(cm.gpu(r) for r in lane.ranks)):
                     yield f"stage {stage.name}: inside a lane (tp/cp)", a, b, size
         for group in {cm.zero_group(r) for r in stage.ranks}:
             if len(group) > 1:
-                for a, b, size in ring_pair_kinds("all_gather", tuple(cm.gpu(r) for r in group)):
+                for a, b, size in ring_pair_kinds(Collective.ALL_GATHER, tuple(cm.gpu(r) for r in group)):
                     yield f"stage {stage.name}: ZeRO-{stage.zero.resolved_level} group", a, b, size
     for sa, sb in zip(p.stages, p.stages[1:]):
         seen = set()

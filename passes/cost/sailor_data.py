@@ -24,6 +24,7 @@ from typing import Any
 from hetc.passes.cost.devices import catalog_name
 from hetc.passes.cost.network import Bandwidth, QuadraticLogFit
 from hetc.passes.cost.profiles import ComputeTable, NetworkFits, ProfileError, Profiles, Rejected, fit_line
+from hetc.program import Phase
 from hetc.spec import Arch
 
 __all__ = ["SailorModel", "looks_like", "read_json", "read_models", "read_sailor"]
@@ -119,7 +120,7 @@ def read_sailor(folder: Path) -> Profiles:
 
 def _table(path: Path, model: SailorModel, device: str) -> tuple[ComputeTable | None, str]:
     data = read_json(path)
-    points: dict[tuple[str, int, str], list[tuple[float, float]]] = {}
+    points: dict[tuple[str, int, Phase], list[tuple[float, float]]] = {}
     try:
         for mb, per_tp in data.items():
             for tp, per_layer in per_tp.items():
@@ -128,7 +129,7 @@ def _table(path: Path, model: SailorModel, device: str) -> tuple[ComputeTable | 
                     return None, (f"it has {n} layers but {model.name} has {model.layers} blocks "
                                   f"(expected {model.layers + 2} entries)")
                 for slot, entries in _slots(per_layer, n, model.layers).items():
-                    for phase, col in (("F", 0), ("B", 1)):
+                    for phase, col in ((Phase.FORWARD, 0), (Phase.BACKWARD, 1)):
                         t = sum(e[col] for e in entries) if slot == "head" else \
                             sum(e[col] for e in entries) / len(entries)
                         points.setdefault((slot, int(tp), phase), []).append((int(mb), t))

@@ -17,6 +17,8 @@ from typing import Any
 from hetc.passes.cost.devices import catalog_name
 from hetc.passes.cost.profiles import ComputeTable, LinearFit, Profiles, Rejected
 from hetc.passes.cost.sailor_data import read_json
+from hetc.passes.cost.shapes import LayerKind
+from hetc.program import Phase
 
 __all__ = ["DTYPES", "LATENCIES", "STATS", "looks_like", "read_zorse"]
 
@@ -52,11 +54,11 @@ def read_zorse(folder: Path) -> Profiles:
     return Profiles(tuple(tables), rejected=tuple(rejected), sources=(str(folder),))
 
 
-def _fits(entry: Any) -> dict[tuple[str, int, str], LinearFit] | None:    # entry: parsed JSON
+def _fits(entry: Any) -> dict[tuple[str, int, Phase], LinearFit] | None:    # entry: parsed JSON
     try:
         (fs, fi), (bs, bi) = entry[0], entry[1]
         fwd, bwd = LinearFit(float(fi) / 1e3, float(fs) / 1e3), LinearFit(float(bi) / 1e3, float(bs) / 1e3)
     except (TypeError, ValueError, IndexError):
         return None
-    return {("block", 1, "F"): fwd, ("block", 1, "B"): bwd}
+    return {(LayerKind.BLOCK, 1, Phase.FORWARD): fwd, (LayerKind.BLOCK, 1, Phase.BACKWARD): bwd}
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from hetc.groups import split_direction
 from hetc.layout import Range, boundary_ranges, describe, local_slice, tiling_problem
 from hetc.passes.verify.errors import Finding, at
 from hetc.pipeline import Pipeline
@@ -312,7 +313,7 @@ class _Rank:
             full = shard.level == 3 and instr.group != shard.outer   # the outer gather rebuilds the shard
             s.gathered[instr.ms] = s.gathered.get(instr.ms, 0) + full
         elif isinstance(instr, (ReduceScatter, AllReduce)) and instr.what is Tensor.GRADS and instr.ms is not None:
-            group = instr.group[:-2] if instr.group.endswith((".b", ".f")) else instr.group
+            group, _ = split_direction(instr.group)
             s.reduced.setdefault(instr.ms, [])
             if group not in s.reduced[instr.ms]:
                 s.reduced[instr.ms].append(group)
