@@ -33,7 +33,7 @@ test: install browser
 # It never fails the target (the page tests then skip, saying why) and says nothing
 # when a browser is already there.
 browser: install
-	@$(BIN)/python -c "import sys; from hetc.viz.headless import find_chromium; sys.exit(find_chromium() is None)" \
+	@$(BIN)/python -c "import sys; from hetc.tools.headless import find_chromium; sys.exit(find_chromium() is None)" \
 	|| { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
 	     && echo "make: installing Debian's chromium for the page tests" \
 	     && { $(APT_INSTALL) chromium || { $(APT) update -q && $(APT_INSTALL) chromium; }; } >/dev/null 2>&1; } \

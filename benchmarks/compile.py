@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.markdown import publish
 from hetc.cli import main as hetc_main
-from hetc.frontend import load_checked
+from hetc.compiler import load_checked
 from hetc.passes.cost import CostModel
 from hetc.passes.lower import lower
 from hetc.passes.verify import verify

@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.markdown import publish
-from hetc.frontend import load_checked
-from hetc.load import load_spec
+from hetc.compiler import load_checked
+from hetc.frontend.load import load_spec
 from hetc.passes.plan.planner import plan_spec
 
 HEADING = "## Front-end and example plans"

@@ -25,9 +25,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.markdown import publish
-from hetc.agreement import build, compare
+from hetc.passes.agreement import build, compare
 from hetc.errors import InternalError, SpecError
-from hetc.load import load_spec
+from hetc.frontend.load import load_spec
 from hetc.passes.cost.classes import lane_timings
 from hetc.passes.cost.pipeline_stage import pipeline_stages
 from hetc.passes.cost.schedule import step_lower_bound

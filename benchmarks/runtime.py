@@ -68,7 +68,7 @@ class TorchPipeline:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
         from hetc.runtime.flat import FlatParams
-        from hetc.runtime.model import build_ministage
+        from hetc.runtime.nn.model import build_ministage
         from hetc.runtime.optim import init_state
 
         self.spec, self.data, self.rank = spec, data, rank

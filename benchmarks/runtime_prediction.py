@@ -11,7 +11,7 @@ each measures its layers with as many processes at once as the cluster runs
 here), then per plan: `hetc compile --profile` (summary.json's
 step_time_s is the prediction), `hetc run --local --steps K --metrics`, and
 the median of steps 3..K. A plan agrees when measured/predicted is within
-15 %; for the others the table names the time class most off (hetc/classgap.py,
+15 %; for the others the table names the time class most off (hetc/viz/classgap.py,
 as `hetc calibrate` does). The machine is shared: its load average is
 printed beside the figures.
 """
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.markdown import publish
-from hetc.classgap import class_gaps, measured_from_metrics, worst_gap
+from hetc.viz.classgap import class_gaps, measured_from_metrics, worst_gap
 from hetc.timeline import Timeline, mean_class_times
 
 DEMO = ROOT / "specs" / "demo"

@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.markdown import publish
-from hetc.commands.compile import compile_spec
-from hetc.viz.headless import dump_dom, find_chromium
+from hetc.compiler import compile_spec
+from hetc.tools.headless import dump_dom, find_chromium
 from hetc.viz.page import render_page
 
 HEADING = "## Visualizer"

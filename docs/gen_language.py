@@ -20,7 +20,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from hetc import spec as spec_module
-from hetc.schema import FieldInfo, fields_of
+from hetc.frontend.schema import FieldInfo, fields_of
 from hetc.spec import AUTO, ENUM_ALIASES, LayerRange, RankSlice, Routing
 from hetc.units import DISPLAY, UNITS, Dim, format_quantity
 
@@ -88,7 +88,7 @@ def value_kind(info: FieldInfo) -> str:
         text = "`even`, `proportional` or `[count, ...]` per lane"
     else:
         text = base.__name__
-    if info.auto_ok and info.meta["block"]:   # the one way to write it (hetc.values accepts both spellings)
+    if info.auto_ok and info.meta["block"]:   # the one way to write it (hetc.frontend.values accepts both spellings)
         text += f", or `{info.meta['block']} = auto`"
     elif info.auto_ok:
         text += ", or `auto`"

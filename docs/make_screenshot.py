@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from hetc.cli import main as hetc_main
-from hetc.viz.headless import screenshot
+from hetc.tools.headless import screenshot
 
 DEFAULT_PNG = Path(__file__).resolve().parent / "img" / "demo-schedule.png"
 

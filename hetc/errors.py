@@ -24,7 +24,7 @@ __all__ = [
 ]
 
 
-# The largest spec file hetc reads (hetc.load) or quotes: real specs are a few kB.
+# The largest spec file hetc reads (hetc.frontend.load) or quotes: real specs are a few kB.
 MAX_SOURCE_BYTES = 4 << 20
 # Note [quoting untrusted text]: a message quotes at most this many characters of
 # one line of the source around the column, and of any one word of the user's

@@ -6,7 +6,7 @@
     DIR/timeline.json            the predicted timeline of one step
     DIR/torch/laneL.csv          lane-aligned pipelines in torch's compute_comms format
     DIR/summary.json             headline numbers (ranks, step time, tokens/s)
-    DIR/profiles.json            the profiles the prediction used, with their sha256 (hetc/profileargs.py)
+    DIR/profiles.json            the profiles the prediction used, with their sha256 (hetc/commands/profileargs.py)
 
 Listings are the source of truth: a person may edit them by hand and
 `hetc verify DIR` / `hetc run DIR` read the text, not the JSON.
@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from hetc.errors import SpecError
-from hetc.printer import format_spec
+from hetc.frontend.printer import format_spec
 from hetc.program import Program, ProgramFormatError, RankProgram
 from hetc.spec import DataKind, DataSpec, Spec
 
@@ -80,7 +80,7 @@ def write_plan_dir(out: Path, spec: Spec, spec_dir: Path, program: Program, torc
             (tmp / TIMELINE_FILE).write_text(timeline_json)
         (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
         if profiles is not None:
-            from hetc.profileargs import PROFILES_FILE
+            from hetc.commands.profileargs import PROFILES_FILE
             (tmp / PROFILES_FILE).write_text(json.dumps(profiles, indent=2) + "\n")
         if out.exists():
             old = out.with_name(f".{out.name}.old")
@@ -112,7 +112,7 @@ def read_program(plan_dir: Path) -> Program:
 
 def read_plan(plan_dir: Path):
     """(LoadedSpec, Checked) of DIR/plan.het; a SpecError if it is missing or broken."""
-    from hetc.frontend import load_checked
+    from hetc.compiler import load_checked
 
     path = plan_dir / PLAN_FILE
     if not path.is_file():

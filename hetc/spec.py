@@ -6,8 +6,8 @@ text it objects to. Spans never take part in equality: a Spec printed by
 `hetc fmt` and parsed back compares equal to the original.
 
 Each field's metadata (see `param`) is the language's schema: the key and
-its aliases, its unit, its bounds and a one-line doc. `hetc.convert` reads
-it to build Specs from syntax trees, `hetc.printer` to print them back, and
+its aliases, its unit, its bounds and a one-line doc. `hetc.frontend.convert` reads
+it to build Specs from syntax trees, `hetc.frontend.printer` to print them back, and
 docs/language.md lists it.
 """
 

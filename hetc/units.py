@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from enum import StrEnum
 
-__all__ = ["DISPLAY", "UNITS", "Dim", "format_quantity", "to_base", "units_of"]
+__all__ = ["DISPLAY", "UNITS", "Dim", "format_quantity", "human_bytes", "human_rate", "to_base", "units_of"]
 
 
 class Dim(StrEnum):
@@ -91,3 +91,17 @@ def format_quantity(base: float, dim: Dim) -> str:
         unit = DISPLAY[dim][-1]
         return f"{_short(base / UNITS[unit][1])} {unit}"  # only for inf/nan, never parsed back
     return min(candidates)[2]
+
+
+def human_bytes(n: float) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def human_rate(flops: float) -> str:
+    for unit, size in (("EFLOP/s", 1e18), ("PFLOP/s", 1e15), ("TFLOP/s", 1e12), ("GFLOP/s", 1e9)):
+        if flops >= size:
+            return f"{flops / size:.2f} {unit}"
+    return f"{flops:.0f} FLOP/s"

@@ -17,7 +17,7 @@ from hetc.layout import layout_problem
 from hetc.passes.cost.intra_lane import LaneLayout
 from hetc.passes.cost.memory import state_bytes_per_param
 from hetc.passes.data_check import check_data
-from hetc.passes.params import model_params
+from hetc.passes.cost.params import model_params
 from hetc.passes.resolve import resolve_pipeline
 from hetc.passes.validate_plan import check_plan
 from hetc.pipeline import Pipeline

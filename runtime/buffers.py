@@ -59,9 +59,9 @@ from torch import Tensor
 from hetc.errors import InternalError
 from hetc.program import Shard
 from hetc.runtime.flat import FlatLayout, bind_grads, bind_params
-from hetc.runtime.model import Ministage
+from hetc.runtime.nn.model import Ministage
 from hetc.runtime.optim import OptimizerState, init_state
-from hetc.runtime.tp import ShardInfo, shard_infos
+from hetc.runtime.nn.tensor_parallel import ShardInfo, shard_infos
 from hetc.spec import OptimizerSpec
 
 __all__ = ["GroupPos", "MinistageBuffers"]

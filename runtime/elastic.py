@@ -112,7 +112,7 @@ def run_elastic(spec_path: Path, opts: RunOptions) -> int:
 
 
 def _load(spec_path: Path) -> Spec:
-    from hetc.load import load_spec
+    from hetc.frontend.load import load_spec
 
     return load_spec(spec_path).spec
 
@@ -133,10 +133,10 @@ def _plan(spec_path: Path, checkpoint: Path, launch: Launch, store, procs: list[
 
 
 def _plan_here(spec_path: Path, checkpoint: Path, procs: list[Process]) -> dict:
-    from hetc.commands.compile import compile_spec, write_compiled
+    from hetc.compiler import compile_spec, write_compiled
     from hetc.passes.plan.planner import plan_checked
     from hetc.plandir import portable_spec
-    from hetc.printer import format_spec
+    from hetc.frontend.printer import format_spec
 
     spec = _load(spec_path)
     cut, _ = present_spec(spec, procs)

@@ -32,7 +32,7 @@ from hetc.hf.names import hf_name
 from hetc.hf.weights import WeightReader
 from hetc.runtime.buffers import MinistageBuffers
 from hetc.runtime.flat import FlatLayout
-from hetc.runtime.tp import ShardInfo
+from hetc.runtime.nn.tensor_parallel import ShardInfo
 
 __all__ = ["LoadStats", "load_hf_weights", "load_whole", "read_flat"]
 

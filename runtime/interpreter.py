@@ -31,7 +31,7 @@ from hetc.runtime.comm import Comm, Waitable
 from hetc.runtime.data import DataSource
 from hetc.runtime.lane import Arrivals, LanePlace, take_tokens
 from hetc.runtime.optim import clip_coefficient, grad_sq_sum, lr_at, optimizer_step
-from hetc.runtime.split_backward import DeferredWeightGrad, backward_input, backward_weight
+from hetc.runtime.nn.split_backward import DeferredWeightGrad, backward_input, backward_weight
 from hetc.spec import Spec
 from hetc.timeline import class_times
 

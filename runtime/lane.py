@@ -4,10 +4,10 @@ A lane of tp × cp ranks serves one microbatch together (hetc/pipeline.py);
 `LanePlace` is what one of them needs to run its ministages: which slice of
 the weights it holds (`TPShard`), the groups its compute talks over, and the
 tokens it holds at the borders (hetc/layout.py). `place_ministage` wires a
-built ministage for it: the TP comm (runtime/tensor_parallel.py), the
+built ministage for it: the TP comm (runtime/nn/tensor_parallel.py), the
 attention core (Ulysses or ring attention for cp > 1), the token layout
 (positions for RoPE and learned embeddings, the loss's share of the mean)
-and the MoE blocks' expert exchange and routing (runtime/moe.py).
+and the MoE blocks' expert exchange and routing (runtime/nn/moe.py).
 `Arrivals` assembles the boundary tensors that arrive in pieces.
 """
 
@@ -19,13 +19,13 @@ import torch
 from torch import Tensor
 
 from hetc.layout import SeqLayout, attention_ranges, boundary_ranges, held_length, local_slice, positions
-from hetc.runtime.attention import Attention
-from hetc.runtime.model import Ministage, TokenLayout
-from hetc.runtime.moe import ALL_EXPERTS, ExpertExchange, ExpertShard, MoE, SequenceRouting
-from hetc.runtime.ring_attention import RingAttention
-from hetc.runtime.tensor_parallel import GroupTP
-from hetc.runtime.tp import NO_SHARD, TPShard, set_tp_comm
-from hetc.runtime.ulysses import UlyssesAttention
+from hetc.runtime.nn.attention import Attention
+from hetc.runtime.nn.model import Ministage, TokenLayout
+from hetc.runtime.nn.moe import ALL_EXPERTS, ExpertExchange, ExpertShard, MoE, SequenceRouting
+from hetc.runtime.nn.ring_attention import RingAttention
+from hetc.runtime.nn.tensor_parallel import GroupTP
+from hetc.runtime.nn.tensor_parallel import NO_SHARD, TPShard, set_tp_comm
+from hetc.runtime.nn.ulysses import UlyssesAttention
 from hetc.spec import CPKind
 
 __all__ = ["Arrivals", "LanePlace", "place_ministage", "take_tokens"]

@@ -1,6 +1,6 @@
 """Measurements for `hetc profile`: layer times, copy bandwidth, collectives between local processes.
 
-Layers are hetc's own (runtime/model.py), built one at a time as a
+Layers are hetc's own (runtime/nn/model.py), built one at a time as a
 ministage and timed forward and backward on random inputs; the median of
 `repeats` runs after one warm-up. On CUDA the clock is CUDA events around
 the work; on CPU the wall clock. `time_layers_at_once` times them in
@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hetc.program import Collective
-from hetc.runtime.model import build_ministage, compute_dtype
+from hetc.runtime.nn.model import build_ministage, compute_dtype
 from hetc.spec import ModelSpec
 
 __all__ = [

@@ -11,7 +11,7 @@ nor ShardedTensor's non-overlapping global layout can say for reads
 (replicas read the same ranges).
 
 Under tensor parallelism a rank holds a slice of each split parameter
-(runtime/tp.py): the chunks are placed at the slice's offsets in the *full*
+(runtime/nn/tensor_parallel.py): the chunks are placed at the slice's offsets in the *full*
 flattened parameter (one chunk for a column-parallel slice, one per row for
 a row-parallel one), so a checkpoint names full parameters whatever the tp
 size; parameters every tp rank holds whole are written by tp rank 0 only.
@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 
 from hetc.errors import InternalError
 from hetc.runtime.flat import FlatLayout
-from hetc.runtime.tp import ShardInfo
+from hetc.runtime.nn.tensor_parallel import ShardInfo
 
 __all__ = ["FlatPieces", "PieceLoadPlanner", "PieceSavePlanner", "layout_pieces", "param_pieces"]
 

@@ -27,9 +27,9 @@ from torch import Tensor
 from hetc.runtime.data import DataSource, make_data_source, make_eval_source
 from hetc.runtime.flat import FlatParams
 from hetc.runtime.hf_load import load_whole
-from hetc.runtime.model import build_ministage, compute_dtype
+from hetc.runtime.nn.model import build_ministage, compute_dtype
 from hetc.runtime.optim import clip_coefficient, grad_sq_sum, init_state, lr_at, optimizer_step
-from hetc.runtime.tp import shard_infos
+from hetc.runtime.nn.tensor_parallel import shard_infos
 from hetc.spec import ModelSpec, TrainSpec
 
 __all__ = ["ReferenceResult", "train_reference"]

@@ -21,8 +21,8 @@ from hetc.runtime.data import DataSource
 from hetc.runtime.hf_load import load_hf_weights
 from hetc.runtime.interpreter import Interpreter
 from hetc.runtime.lane import LanePlace, place_ministage
-from hetc.runtime.model import build_ministage, compute_dtype
-from hetc.runtime.moe import ExpertShard, is_expert_param
+from hetc.runtime.nn.model import build_ministage, compute_dtype
+from hetc.runtime.nn.moe import ExpertShard, is_expert_param
 from hetc.spec import Spec
 
 __all__ = ["RankRuntime", "build_buffers", "build_rank", "build_rank_buffers", "lane_place"]

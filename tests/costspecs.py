@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hetc.frontend import load_checked
+from hetc.compiler import load_checked
 from hetc.passes.cost import CostModel, Profiles
 
 __all__ = ["MODEL", "cluster", "cost_model", "plan_text", "write_spec"]

@@ -11,7 +11,7 @@ import dataclasses
 import functools
 from pathlib import Path
 
-from hetc.frontend import load_checked
+from hetc.compiler import load_checked
 from hetc.passes.lower import lower
 from hetc.passes.validate import check_spec
 from hetc.pipeline import Pipeline

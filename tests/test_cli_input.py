@@ -152,7 +152,7 @@ def test_compile_help_says_which_plans_get_torch_csv(capsys):
 
 def test_no_grammar_terminal_name_reaches_a_syntax_message():
     """What a syntax error says it expected is words ('a name', "'='"), never lark's names (NAME, _NL, __ANON_0)."""
-    from hetc.syntax import _describe_expected, _parser
+    from hetc.frontend.syntax import _describe_expected, _parser
 
     names = [t.name for t in _parser().terminals]
     for name in names:

@@ -8,7 +8,7 @@ import pytest
 
 from hetc.passes.cost.memory import in_flight
 from hetc.passes.cost.shapes import activation_elements, params_per_rank
-from hetc.passes.params import block_params, layer_params, stage_params
+from hetc.passes.cost.params import block_params, layer_params, stage_params
 from hetc.spec import Arch, Checkpointing, ScheduleKind
 from tests.costspecs import cost_model, plan_text
 
@@ -73,8 +73,8 @@ def test_unsharded_api_per_ministage(tmp_path):
 def test_tensor_parallel_parameters_match_the_runtime(tmp_path):
     """A block's TP shard holds exactly what the runtime's TP modules hold (llama and gpt)."""
     torch = pytest.importorskip("torch")
-    from hetc.runtime.layers import Block
-    from hetc.runtime.tp import TPShard
+    from hetc.runtime.nn.layers import Block
+    from hetc.runtime.nn.tensor_parallel import TPShard
 
     llama = cost_model(tmp_path, plan_text(ONE_STAGE.format(level=0, extra=""))).model
     for model in (llama, dataclasses.replace(llama, arch=Arch.GPT, kv_heads=None)):

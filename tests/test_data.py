@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hetc.errors import SpecError
-from hetc.frontend import load_checked
+from hetc.compiler import load_checked
 from hetc.runtime.checks import check_text_vocab
 from hetc.runtime.data import SyntheticData, TextData, make_data_source
 from hetc.spec import DataKind, DataSpec, ModelSpec, TrainSpec

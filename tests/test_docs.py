@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from hetc import syntax as ast
-from hetc.convert import fields_of, to_spec
+from hetc.frontend import syntax
+from hetc.frontend.convert import fields_of, to_spec
 from hetc.errors import Span
 from hetc.spec import Spec
 from tests.conftest import ROOT
@@ -54,7 +54,7 @@ _EXAMPLE = re.compile(r"```het\n(.*?)```", re.DOTALL)
 @pytest.mark.parametrize("number", range(len(_EXAMPLE.findall((DOCS / "language.md").read_text()))))
 def test_language_md_examples_parse_and_convert(number):
     example = _EXAMPLE.findall((DOCS / "language.md").read_text())[number]
-    items = [i for i in ast.parse_text(example, "language.md").items if not isinstance(i, ast.Use)]
+    items = [i for i in syntax.parse_text(example, "language.md").items if not isinstance(i, syntax.Use)]
     to_spec(items, Span("language.md", 1, 1, 1, 1))
 
 

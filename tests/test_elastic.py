@@ -36,7 +36,7 @@ PATIENT = ["--heartbeat-timeout", "120"]
 @pytest.fixture(scope="module")
 def mixed_reference():
     """Losses of the mixed job on one process, for JOIN_STEPS steps."""
-    from hetc.frontend import load_checked
+    from hetc.compiler import load_checked
     from hetc.runtime.reference import train_reference
 
     loaded, _ = load_checked(MIXED / "job.het")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from hetc.passes.cost import Profiles
-from hetc.passes.cost.hetc_profile import FORMAT, VERSION, profile_from_dict
+from hetc.passes.cost.sources.hetc_profile import FORMAT, VERSION, profile_from_dict
 from hetc.passes.cost.profiles import ProfileError
 from hetc.passes.cost.shapes import layer_flops
-from hetc.passes.params import block_params
+from hetc.passes.cost.params import block_params
 from tests.costspecs import cluster, cost_model, plan_text
 
 DP = """

@@ -15,7 +15,7 @@ import json
 import pytest
 
 from hetc.cli import main
-from hetc.commands.compile import compile_spec
+from hetc.compiler import compile_spec
 from hetc.passes.lower.forward_only import forward_only
 from hetc.passes.verify import VerifyError, verify
 from hetc.plandir import read_plan

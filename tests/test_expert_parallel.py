@@ -12,10 +12,10 @@ import dataclasses
 import pytest
 
 from hetc.errors import SpecError
-from hetc.frontend import load_checked
+from hetc.compiler import load_checked
 from hetc.passes.cost import CostModel, traffic
 from hetc.passes.lower import lower
-from hetc.passes.params import expert_params, model_params
+from hetc.passes.cost.params import expert_params, model_params
 from hetc.passes.simulate import simulate
 from hetc.passes.verify import VerifyError, verify
 from hetc.passes.verify.memory import rank_peaks

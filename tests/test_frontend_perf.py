@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from hetc.frontend import load_checked
+from hetc.compiler import load_checked
 from tests.conftest import ROOT, SPECS
 
 LARGEST = SPECS / "zorse" / "c_llama13b.het"  # cluster C: an explicit 128-rank plan

@@ -307,7 +307,7 @@ def test_export_of_a_non_checkpoint_is_refused(tmp_path, capsys):
 
 def test_import_prints_the_equivalent_block(hf_dirs, tmp_path, capsys):
     """The printed block describes the model hf = DIR does (checked by writing both ways)."""
-    from hetc.load import load_spec
+    from hetc.frontend.load import load_spec
 
     assert hetc_main(["import", "hf", str(hf_dirs["qwen3"]), "--name", "tiny"]) == 0
     printed = capsys.readouterr().out
@@ -322,8 +322,8 @@ def test_import_prints_the_equivalent_block(hf_dirs, tmp_path, capsys):
 
 def test_a_written_block_with_hf_round_trips(hf_dirs, tmp_path):
     """plan.het prints every field beside hf; reading it back gives the same model (no contradiction)."""
-    from hetc.load import load_spec
-    from hetc.printer import format_spec
+    from hetc.frontend.load import load_spec
+    from hetc.frontend.printer import format_spec
 
     spec = load_spec(write_job(tmp_path / "job.het", hf_dirs["mixtral"], "ep2")).spec
     (tmp_path / "again.het").write_text(format_spec(spec))
@@ -375,8 +375,8 @@ def test_a_rank_materialises_only_its_shard_plus_one_tensor(big_llama):
     from hetc.hf.weights import WeightReader
     from hetc.runtime.flat import FlatLayout
     from hetc.runtime.hf_load import LoadStats, read_flat
-    from hetc.runtime.model import Ministage
-    from hetc.runtime.tp import TPShard, shard_infos
+    from hetc.runtime.nn.model import Ministage
+    from hetc.runtime.nn.tensor_parallel import TPShard, shard_infos
 
     directory, shapes = big_llama
     whole = 4 * sum(math.prod(s) for s in shapes.values())
@@ -536,7 +536,7 @@ def test_a_zero3_rank_resuming_peaks_at_its_own_shard(big_llama, big_zero3_plan,
     from hetc.hf.names import hf_name
     from hetc.hf.weights import weight_map
     from hetc.runtime.checkpoint import STEP_KEY
-    from hetc.runtime.model import full_shapes
+    from hetc.runtime.nn.model import full_shapes
 
     directory, shapes = big_llama
     files = weight_map(directory)

@@ -20,7 +20,7 @@ import pytest
 
 from hetc.cli import main
 from hetc.errors import SpecError
-from hetc.frontend import load_checked
+from hetc.compiler import load_checked
 
 INVALID = Path(__file__).resolve().parent / "invalid"
 CASES = sorted(p for p in INVALID.glob("*.het") if not p.name.startswith("_"))

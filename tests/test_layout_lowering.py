@@ -137,7 +137,7 @@ def test_a_lane_runs_tp_cp_compute_in_lockstep_in_the_timeline(plan):
 
 def test_a_lane_out_of_rank_order_is_a_located_error_where_the_order_matters(tmp_path):
     from hetc.errors import SpecError
-    from hetc.frontend import load_checked
+    from hetc.compiler import load_checked
     from hetc.passes.lower import lower
 
     def compile_text(extra: str):

@@ -16,7 +16,7 @@ import pytest
 
 from hetc.cli import main
 from hetc.errors import NO_SPAN, SpecError
-from hetc.frontend import load_checked
+from hetc.compiler import load_checked
 from hetc.passes.lower import PASS_NAMES, lower
 from hetc.passes.lower.context import LowerContext
 from hetc.passes.verify import verify

@@ -7,14 +7,14 @@ import dataclasses
 import pytest
 import torch
 
-from hetc.passes.params import layer_params
+from hetc.passes.cost.params import layer_params
 from hetc.pipeline import Ministage as PlanMinistage
 from hetc.pipeline import Pipeline
 from hetc.runtime.checks import check_tied_embeddings
 from hetc.runtime.flat import FlatParams
-from hetc.runtime.mlp import GeluMLP, SwiGLU
-from hetc.runtime.model import build_layer, build_ministage, compute_dtype
-from hetc.runtime.tp import ParallelLinear, Split, TPShard, set_tp_comm
+from hetc.runtime.nn.mlp import GeluMLP, SwiGLU
+from hetc.runtime.nn.model import build_layer, build_ministage, compute_dtype
+from hetc.runtime.nn.tensor_parallel import ParallelLinear, Split, TPShard, set_tp_comm
 from hetc.spec import Arch, Checkpointing, DType, ModelSpec, MoESpec, ScheduleKind
 
 SEED = 7

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hetc.runtime.model import build_layer
-from hetc.runtime.moe import ALL_EXPERTS, ExpertShard, MoE, capacity, is_expert_param, keep_mask
+from hetc.runtime.nn.model import build_layer
+from hetc.runtime.nn.moe import ALL_EXPERTS, ExpertShard, MoE, capacity, is_expert_param, keep_mask
 from hetc.spec import MoESpec
 from tests.test_model import tiny
 
@@ -100,9 +100,9 @@ def test_expert_shard_needs_an_even_split():
 
 def test_the_moe_demo_job_drops_token_choices():
     """moe_job.het's capacity factor 1 makes busy experts drop, so its plans test that every plan drops alike."""
-    from hetc.frontend import load_checked
+    from hetc.compiler import load_checked
     from hetc.runtime.data import make_data_source
-    from hetc.runtime.model import build_ministage
+    from hetc.runtime.nn.model import build_ministage
     from tests.conftest import DEMO
 
     _, checked = load_checked(DEMO / "moe_single.het")

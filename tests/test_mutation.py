@@ -29,9 +29,9 @@ from pathlib import Path
 
 import pytest
 
-import hetc.syntax
+import hetc.frontend.syntax
 from hetc.errors import Sources, SpecError
-from hetc.frontend import load_checked
+from hetc.compiler import load_checked
 from tests.conftest import SPECS
 
 TOTAL_CASES = int(os.environ.get("HETC_MUTATIONS", "1200"))
@@ -251,7 +251,7 @@ def plan_cases(root: Path) -> list[Case]:
 @pytest.fixture
 def cached_parsing(monkeypatch):
     """Parse each distinct text once: imports that were not mutated are shared by most cases."""
-    monkeypatch.setattr(hetc.syntax, "parse_text", functools.lru_cache(maxsize=512)(hetc.syntax.parse_text))
+    monkeypatch.setattr(hetc.frontend.syntax, "parse_text", functools.lru_cache(maxsize=512)(hetc.frontend.syntax.parse_text))
 
 
 def test_mutated_specs_fail_cleanly(scratch_specs, cached_parsing):

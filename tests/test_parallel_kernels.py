@@ -129,8 +129,8 @@ def _check(case: Case, rank: int, groups) -> None:
 
     from hetc.pipeline import Stage
     from hetc.runtime.lane import LanePlace, place_ministage, take_tokens
-    from hetc.runtime.model import build_ministage
-    from hetc.runtime.tp import shard_infos
+    from hetc.runtime.nn.model import build_ministage
+    from hetc.runtime.nn.tensor_parallel import shard_infos
     from hetc.spec import OffloadSpec, ZeroSpec
 
     lane = tuple(range(case.tp * case.cp))

@@ -9,13 +9,13 @@ import random
 import pytest
 
 from hetc.cli import main
-from hetc.commands.compile import compile_spec
-from hetc.frontend import load_checked
-from hetc.load import load_spec
+from hetc.compiler import compile_spec
+from hetc.compiler import load_checked
+from hetc.frontend.load import load_spec
 from hetc.passes.plan.partition import bandwidth_domains
 from hetc.passes.plan.planner import plan_spec
 from hetc.passes.plan.routing import bottleneck, spread
-from hetc.planreport import plan_summary
+from hetc.commands.planreport import plan_summary
 from hetc.spec import AUTO
 from hetc.topology import Topology
 from tests.conftest import DEMO, SPECS

@@ -15,7 +15,7 @@ import random
 
 import pytest
 
-from hetc.frontend import load_checked
+from hetc.compiler import load_checked
 from hetc.passes.plan.candidate import Offload
 from hetc.passes.plan.objective import Goal
 from hetc.passes.plan.search import Search

@@ -8,7 +8,7 @@ import pytest
 
 from hetc.cli import main
 from hetc.passes.cost import ProfileError, load_profiles
-from hetc.passes.cost.hetc_profile import FORMAT, VERSION, profile_from_dict
+from hetc.passes.cost.sources.hetc_profile import FORMAT, VERSION, profile_from_dict
 from tests.conftest import DEMO
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Measured profiles reach every verb that predicts time, the same way (hetc/profileargs.py).
+"""Measured profiles reach every verb that predicts time, the same way (hetc/commands/profileargs.py).
 
 The profile is hand-written in `hetc profile`'s format (docs/costmodel.md)
 for the demo model on the demo cluster's `cpu` device, so the tests need no
@@ -15,8 +15,8 @@ import re
 import pytest
 
 from hetc.cli import main
-from hetc.passes.cost.hetc_profile import FORMAT, VERSION
-from hetc.profileargs import PROFILE_ENV, PROFILES_FILE, fingerprint
+from hetc.passes.cost.sources.hetc_profile import FORMAT, VERSION
+from hetc.commands.profileargs import PROFILE_ENV, PROFILES_FILE, fingerprint
 from hetc.timeline import Timeline
 from hetc.viz.page import _format_seconds
 from tests.conftest import DEMO

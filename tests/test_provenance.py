@@ -8,9 +8,9 @@ import pytest
 
 from hetc.cli import main
 from hetc.passes.cost import ProfileError, load_profiles
-from hetc.passes.cost.hetc_profile import FORMAT, VERSION, profile_from_dict
+from hetc.passes.cost.sources.hetc_profile import FORMAT, VERSION, profile_from_dict
 from hetc.passes.cost.shapes import LayerKind
-from hetc.passes.params import block_params
+from hetc.passes.cost.params import block_params
 from tests.costspecs import cost_model, plan_text, write_spec
 
 ONE_LANE = """

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from hetc.frontend import load_checked
+from hetc.compiler import load_checked
 from hetc.runtime.data import make_data_source
-from hetc.runtime.model import build_ministage
+from hetc.runtime.nn.model import build_ministage
 from hetc.runtime.optim import lr_at
 from hetc.runtime.reference import train_reference
 from hetc.spec import DType, LrScheduleKind, LrScheduleSpec, ModelSpec, OptimizerSpec, TrainSpec

@@ -15,11 +15,11 @@ from enum import StrEnum
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hetc.convert import FieldInfo, fields_of, to_spec
+from hetc.frontend.convert import FieldInfo, fields_of, to_spec
 from hetc.errors import Span
-from hetc.printer import format_file, format_spec
+from hetc.frontend.printer import format_file, format_spec
 from hetc.spec import AUTO, LayerRange, Node, RankSlice, Routing, RoutingKind, Spec
-from hetc.syntax import parse_text
+from hetc.frontend.syntax import parse_text
 
 _KEYWORDS = {"auto", "use"}
 # Names as the grammar's NAME token spells them (layer names, node groups).

@@ -7,10 +7,10 @@ import json
 import pytest
 
 from hetc.cli import main
-from hetc.frontend import load_checked
+from hetc.compiler import load_checked
 from hetc.passes.cost import CostModel
 from hetc.passes.cost.cores import core_slowdown, host_slowdowns
-from hetc.passes.cost.hetc_profile import FORMAT, VERSION, profile_from_dict
+from hetc.passes.cost.sources.hetc_profile import FORMAT, VERSION, profile_from_dict
 from hetc.spec import DeviceSpec
 from hetc.topology import Gpu
 from tests.conftest import DEMO

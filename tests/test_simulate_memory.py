@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hetc.commands.compile import compile_spec
+from hetc.compiler import compile_spec
 from hetc.passes.verify.memory import rank_levels, rank_peaks
 from hetc.timeline import EventKind, MemorySample, Timeline
 

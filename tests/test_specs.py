@@ -9,10 +9,10 @@ import pytest
 
 from hetc.cli import main
 from hetc.errors import Sources
-from hetc.frontend import load_checked
-from hetc.load import parse_file
-from hetc.printer import format_file
-from hetc.syntax import parse_text
+from hetc.compiler import load_checked
+from hetc.frontend.load import parse_file
+from hetc.frontend.printer import format_file
+from hetc.frontend.syntax import parse_text
 from tests.conftest import SPECS, all_spec_files
 
 SPEC_FILES = all_spec_files()

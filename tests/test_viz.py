@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hetc.program import Program, RankProgram, parse_instr
-from hetc.viz.grid import render_grid, short_text
+from hetc.grid import render_grid, short_text
 
 
 def _tiny_program() -> Program:
@@ -66,12 +66,12 @@ from pathlib import Path
 import pytest
 
 from hetc.cli import main as hetc_main
-from hetc.commands.compile import compile_spec
+from hetc.compiler import compile_spec
 from hetc.plandir import read_program
 from hetc.timeline import Event, EventKind, Flow, MemorySample, RankInfo, Stream, Timeline
 from hetc.viz.chrome import chrome_trace
 from hetc.viz.encode import KIND_ORDER, STREAM_ORDER, decode_text, encode_timeline, tokens_per_s
-from hetc.viz.headless import dump_dom, find_chromium, screenshot
+from hetc.tools.headless import dump_dom, find_chromium, screenshot
 from hetc.viz.page import render_page
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -3,7 +3,7 @@
 The plan's ranks run on this machine as `hetc run DIR --local --metrics`
 does; the median per TimeClass of the steps after the first (Note [time
 classes] in hetc/timeline.py) is set against DIR's prediction, split the
-same way (hetc/classgap.py).
+same way (hetc/viz/classgap.py).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hetc.classgap import class_gaps, gap_table, measured_from_metrics, worst_gap
+from hetc.viz.classgap import class_gaps, gap_table, measured_from_metrics, worst_gap
 from hetc.cli import UsageError
-from hetc.prediction import plan_prediction
-from hetc.profileargs import PROFILE_ENV, add_profile_option
+from hetc.commands.prediction import plan_prediction
+from hetc.commands.profileargs import PROFILE_ENV, add_profile_option
 from hetc.timeline import mean_class_times
 
 __all__ = ["register"]

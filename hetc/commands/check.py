@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from hetc.frontend import load_checked
-from hetc.passes.params import model_params
+from hetc.compiler import load_checked
+from hetc.passes.cost.params import model_params
 from hetc.spec import AUTO
 
 __all__ = ["register", "summary"]

@@ -40,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from hetc.prepare import PrepareError, load_tokenizer, prepare
+    from hetc.commands.prepare import PrepareError, load_tokenizer, prepare
 
     out = args.output
     if args.megatron and out.suffix in (".bin", ".idx"):

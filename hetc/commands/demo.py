@@ -16,8 +16,8 @@ from pathlib import Path
 
 from hetc.cli import UsageError
 from hetc.commands.check import summary
-from hetc.frontend import load_checked
-from hetc.load import BUNDLED_SPECS
+from hetc.compiler import load_checked
+from hetc.frontend.load import BUNDLED_SPECS
 
 __all__ = ["DEMO_DIR", "DEMO_PLAN", "register"]
 

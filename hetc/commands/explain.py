@@ -7,9 +7,9 @@ import json
 
 from hetc.cli import UsageError
 from hetc.errors import SpecError
-from hetc.frontend import load_checked
+from hetc.compiler import load_checked
 from hetc.passes.validate_fit import cost_error
-from hetc.profileargs import PROFILE_ENV, add_profile_option, load_profile_args
+from hetc.commands.profileargs import PROFILE_ENV, add_profile_option, load_profile_args
 
 __all__ = ["register"]
 
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"spec": args.spec, **estimate.to_json()}, indent=1))
     else:
-        from hetc.costreport import report
+        from hetc.commands.costreport import report
 
         print(report(args.spec, checked.pipeline, estimate))
     return 0

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 from hetc.errors import Sources
-from hetc.load import parse_file
-from hetc.printer import format_file
+from hetc.frontend.load import parse_file
+from hetc.frontend.printer import format_file
 
 __all__ = ["register"]
 

@@ -69,7 +69,7 @@ def _zorse(args: argparse.Namespace) -> int:
 def _hf(args: argparse.Namespace) -> int:
     from hetc.cli import UsageError
     from hetc.hf.config import HfError, import_model
-    from hetc.printer import format_spec
+    from hetc.frontend.printer import format_spec
     from hetc.spec import Spec
 
     directory = Path(args.directory)

@@ -105,7 +105,7 @@ def _plan_node(plan_dir: Path, node: tuple[str, int]) -> tuple[int, int]:
 
 def _spec_node(spec_path: Path, node: tuple[str, int]) -> tuple[int, int]:
     """(GPUs of `node`, nodes of the cluster) for a spec."""
-    from hetc.frontend import load_checked
+    from hetc.compiler import load_checked
 
     loaded, _ = load_checked(spec_path)
     cluster = loaded.spec.cluster

@@ -8,8 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-from hetc.profileargs import PROFILE_ENV, add_profile_option, load_profile_args
-from hetc.frontend import load_checked
+from hetc.commands.profileargs import PROFILE_ENV, add_profile_option, load_profile_args
+from hetc.compiler import load_checked
 
 __all__ = ["register"]
 
@@ -36,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from hetc.passes.plan.output import planned_text
     from hetc.passes.plan.planner import plan_spec
-    from hetc.planreport import plan_json, plan_provenance, plan_summary
+    from hetc.commands.planreport import plan_json, plan_provenance, plan_summary
 
     loaded, _ = load_checked(args.spec, require_complete=True)
     profiles = load_profile_args(args.profile)

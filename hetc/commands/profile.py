@@ -3,7 +3,7 @@
 Per-layer forward/backward times of a model (from SPEC, or from flags) over
 a few micro-batch sizes and sequence lengths, collective and point-to-point
 rates between local processes, host<->device copy rates. The format is
-hetc.passes.cost.hetc_profile; `hetc explain SPEC --profile FILE` uses it
+hetc.passes.cost.sources.hetc_profile; `hetc explain SPEC --profile FILE` uses it
 for GPUs of the measured device kind.
 """
 
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from hetc.cli import UsageError
-from hetc.passes.params import block_params
+from hetc.passes.cost.params import block_params
 from hetc.spec import Arch, DType, ModelSpec, Spec
 
 __all__ = ["ranks_at_once", "register", "run"]
@@ -71,7 +71,7 @@ def _ints(text: str, what: str) -> list[int]:
 def _spec(args: argparse.Namespace) -> Spec | None:
     if not args.spec:
         return None
-    from hetc.frontend import load_checked
+    from hetc.compiler import load_checked
 
     _, checked = load_checked(args.spec)
     if checked.spec.model is None:
@@ -135,8 +135,8 @@ def run(args: argparse.Namespace) -> int:
     progress("starting")
     import torch
 
-    from hetc.passes.cost.devices import catalog_name
-    from hetc.passes.cost.hetc_profile import write_profile
+    from hetc.passes.cost.sources.devices import catalog_name
+    from hetc.passes.cost.sources.hetc_profile import write_profile
     from hetc.runtime import measure
 
     device = measure.local_device()

@@ -7,11 +7,11 @@ import json
 import logging
 from pathlib import Path
 
-from hetc.classgap import ClassGap, class_gaps, gap_table, measured_from_metrics
+from hetc.viz.classgap import ClassGap, class_gaps, gap_table, measured_from_metrics
 from hetc.cli import UsageError
 from hetc.plandir import TIMELINE_FILE, read_program
-from hetc.prediction import plan_prediction
-from hetc.profileargs import PROFILE_ENV, add_profile_option
+from hetc.commands.prediction import plan_prediction
+from hetc.commands.profileargs import PROFILE_ENV, add_profile_option
 from hetc.program import ProgramFormatError
 from hetc.timeline import Timeline, mean_class_times
 
@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_grid(path: Path, ranks: str | None) -> None:
-    from hetc.viz.grid import render_grid
+    from hetc.grid import render_grid
     try:
         program = read_program(path)
     except (ProgramFormatError, FileNotFoundError) as err:

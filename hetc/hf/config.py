@@ -2,7 +2,7 @@
 
 Note [hf presets]
 `model NAME { hf = "DIR" }` takes the architecture and sizes from
-DIR/config.json as a `Preset`: values the converter (hetc/convert.py) puts
+DIR/config.json as a `Preset`: values the converter (hetc/frontend/convert.py) puts
 in every field the block does not write, located at the `hf` value. Fields
 that describe the architecture are *locked*: a key written beside `hf` that
 sets one to another value contradicts the weights and is a located error;
@@ -11,7 +11,7 @@ such a block, every field explicit). Training fields (TRAINING_FIELDS) take
 the config's value only as a default: seq = max_position_embeddings, dtype
 = the config's dtype, and for Mixtral moe.capacity_factor = experts / top_k,
 the capacity at which hetc's MoE drops no assignment (Note [expert capacity]
-in runtime/moe.py: C = ⌈cf·T·K/E⌉ = T, and an expert serves each token at
+in runtime/nn/moe.py: C = ⌈cf·T·K/E⌉ = T, and an expert serves each token at
 most once) — Mixtral itself is dropless, so that is the faithful default.
 """
 
@@ -174,7 +174,7 @@ def import_model(directory: Path, name: str) -> ModelSpec:
     """The explicit ModelSpec DIR/config.json describes (`hetc import hf`); HfError or SpecError."""
     import dataclasses
 
-    from hetc.convert import Converter
+    from hetc.frontend.convert import Converter
     from hetc.errors import NO_SPAN, SpecError
 
     conv = Converter()

@@ -87,7 +87,7 @@ def export_hf(checkpoint: Path, out: Path, *, dtype: DType = DType.FP32,
     from safetensors.torch import save_file
 
     from hetc.runtime.checkpoint import read_params
-    from hetc.runtime.model import compute_dtype, full_shapes
+    from hetc.runtime.nn.model import compute_dtype, full_shapes
 
     model, base = read_checkpoint_model(Path(checkpoint))
     config = hf_config(model, dtype, base)
@@ -117,7 +117,7 @@ def export_hf(checkpoint: Path, out: Path, *, dtype: DType = DType.FP32,
 
 def read_checkpoint_model(checkpoint: Path) -> tuple[ModelSpec, dict[str, Any] | None]:
     """The model a checkpoint holds (its model.het) and the config it came from (hf_config.json), if any."""
-    from hetc.load import load_spec
+    from hetc.frontend.load import load_spec
     from hetc.runtime.checkpoint import HF_CONFIG_FILE, MODEL_FILE
 
     if not (checkpoint / ".metadata").is_file():

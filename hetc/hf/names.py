@@ -1,6 +1,6 @@
 """hetc parameter names <-> Hugging Face tensor names (Llama, Mistral, Qwen2, Qwen3, Mixtral).
 
-hetc names a parameter by its layer (runtime/layers.py: `block3.attention.wq.weight`);
+hetc names a parameter by its layer (runtime/nn/layers.py: `block3.attention.wq.weight`);
 every supported architecture saves the same layout under Llama's names
 (`model.layers.3.self_attn.q_proj.weight`), Mixtral's experts under
 `block_sparse_moe` with the experts' own w1/w2/w3. The shapes agree

@@ -71,7 +71,7 @@ def header_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
 def expected_shapes(model) -> dict[str, tuple[int, ...]]:
     """The Hugging Face tensors `model` (a ModelSpec) needs, with their shapes (from the runtime's modules)."""
     from hetc.hf.names import hf_name
-    from hetc.runtime.model import full_shapes
+    from hetc.runtime.nn.model import full_shapes
 
     return {hf_name(name): shape for name, shape in full_shapes(model).items()}
 

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from hetc.cli import UsageError
-from hetc.load import BUNDLED_SPECS, load_spec
-from hetc.printer import format_spec
+from hetc.frontend.load import BUNDLED_SPECS, load_spec
+from hetc.frontend.printer import format_spec
 from hetc.spec import DeviceSpec, LayerRange, ModelSpec, NodeSpec, RankSlice, Spec
 
 __all__ = [

@@ -21,9 +21,9 @@ from pathlib import Path
 from hetc.cli import UsageError
 from hetc.importers.common import (NodeBook, catalog_devices, gpu_slice, layer_range, read_input_json, render,
                                    require_dir)
-from hetc.passes.cost.devices import catalog_name
+from hetc.passes.cost.sources.devices import catalog_name
 from hetc.passes.cost.profiles import ProfileError
-from hetc.passes.cost.sailor_data import SailorModel, read_json, read_models, read_sailor
+from hetc.passes.cost.sources.sailor_data import SailorModel, read_json, read_models, read_sailor
 from hetc.spec import (AUTO, ClusterSpec, DType, IntraLinkSpec, LinkSpec, ModelSpec, OptimizerSpec,
                        ParallelSpec, Routing, ScheduleKind, Spec, StageSpec, TrainSpec, ZeroSpec)
 
@@ -95,7 +95,7 @@ def explain_plan(data: str, plan: str, profiles, model: str | None = None):
     """
     import tempfile
 
-    from hetc.frontend import load_checked
+    from hetc.compiler import load_checked
     from hetc.passes.cost import CostModel
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -23,8 +23,8 @@ from pathlib import Path
 
 from hetc.cli import UsageError
 from hetc.importers.common import catalog_devices, read_input_json, render, require_dir
-from hetc.passes.cost.devices import catalog_name
-from hetc.passes.cost.zorse_data import DTYPES, STATS
+from hetc.passes.cost.sources.devices import catalog_name
+from hetc.passes.cost.sources.zorse_data import DTYPES, STATS
 from hetc.spec import (AUTO, Arch, ClusterSpec, DType, IntraLinkSpec, LayerRange, LinkSpec, ModelSpec,
                        NodeSpec, OffloadSpec, OffloadTarget, ParallelSpec, RankSlice, Routing, RoutingKind,
                        ScheduleKind, Spec, StageSpec, TrainSpec, ZeroSpec)

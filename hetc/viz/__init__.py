@@ -1,12 +1,12 @@
-"""The schedule visualizer: HTML page, Chrome trace and terminal grid.
+"""The schedule visualizer: HTML page and Chrome trace.
 
-- `hetc.viz.grid`: a steps x ranks text grid (`render_grid`), also what the
-  verifier prints around an error.
 - `hetc.viz.page`: the self-contained HTML page drawn from a `Timeline`.
 - `hetc.viz.chrome`: the Trace Event format for Perfetto / chrome://tracing.
+- `hetc.viz.classgap`: predicted against measured, one time class at a time.
 
-Submodules are imported on demand so that the verifier, which needs only the
-grid, does not pay for jinja2.
+The terminal grid (`render_grid`) is `hetc.grid`, beside the program it
+draws: the verifier prints it around an error and must not import the
+visualizer (or pay for jinja2).
 """
 
 __all__: list[str] = []

@@ -16,7 +16,7 @@ from importlib import resources
 import jinja2
 import markupsafe
 
-from hetc.classgap import ClassGap
+from hetc.viz.classgap import ClassGap
 from hetc.timeline import EventKind, Timeline
 from hetc.viz.encode import KIND_ORDER, STREAM_ORDER, encode_timeline, stage_summaries, tokens_per_s
 
@@ -109,7 +109,7 @@ def _gap_rows(gaps: Sequence[ClassGap]) -> list[dict]:
 def render_page(timelines: Sequence[Timeline], title: str = "hetc schedule", gaps: Sequence[ClassGap] = ()) -> str:
     """The HTML page for one timeline, or two side by side (predicted first, then measured).
 
-    `gaps` (with two timelines): the time per class, predicted against measured (hetc/classgap.py).
+    `gaps` (with two timelines): the time per class, predicted against measured (hetc/viz/classgap.py).
     """
     if not 1 <= len(timelines) <= 2:
         raise ValueError(f"the page shows one or two timelines, not {len(timelines)}")

@@ -24,7 +24,7 @@ from functools import lru_cache
 
 from hetc.passes.cost.profiles import ComputeTable, Profiles, dtype_class
 from hetc.passes.cost.shapes import LayerKind, layer_flops
-from hetc.passes.params import block_params
+from hetc.passes.cost.params import block_params
 from hetc.program import Phase
 from hetc.spec import DTYPE_BYTES, DeviceSpec, ModelSpec
 
@@ -196,7 +196,7 @@ class ComputeModel:
 @lru_cache(maxsize=1)
 def _catalog() -> dict[str, DeviceSpec]:
     """The bundled catalog's device kinds: datasheet peaks of devices a spec does not declare."""
-    from hetc.load import BUNDLED_SPECS, load_spec
+    from hetc.frontend.load import BUNDLED_SPECS, load_spec
 
     return {d.name: d for d in load_spec(BUNDLED_SPECS / "catalog.het").spec.devices}
 

@@ -20,7 +20,7 @@ Activations in flight per rank depend on the schedule (see `in_flight`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hetc.spec import DTYPE_BYTES, ModelSpec, OffloadSpec, OffloadTarget, ScheduleKind, ZeroSpec
 from hetc.topology import Gpu
@@ -43,6 +43,7 @@ __all__ = [
     "state_bytes_per_param",
     "state_memory",
     "transfer_buffers",
+    "zorse_backward_peak",
 ]
 
 # Megatron's default DDP bucket (40M parameters): gradients are reduced bucket by bucket.
@@ -213,6 +214,36 @@ def activation_memory(schedule: ScheduleKind, stage: int, num_stages: int, micro
     return max(per_microbatch) + (1 + prefetch) * largest_boundary, microbatches * boundary_inputs
 
 
+def zorse_backward_peak(schedule: ScheduleKind, grad_clip: float, offload_activations: bool, microbatches: int,
+                        per_microbatch: Sequence[float], grads: Sequence[float], grads_kept: float
+                        ) -> tuple[float, float] | None:
+    """(activations, gradients) on the device at a Zorse rank's peak, when the two are not at their
+    largest at once; None for the other schedules.
+
+    Note [Zorse backward peak]: Zorse runs its ministages one at a time, the
+    backward in reverse order, so as the backward of ministage k starts, the
+    activations of ministages 0..k are all alive (every microbatch's) and
+    gradients exist for k..K-1 only: k's own, and the later ones' as ZeRO
+    keeps them until the step (with clipping, every step waits for the
+    global norm) or none (without, each ministage steps right after its
+    backward). The peak is the largest of these sums, not the most
+    activations plus every gradient: the first backward holds the whole
+    stash beside one ministage's gradients. With activations offloaded only
+    one ministage is on the device at a time, and the sums do not apply.
+    """
+    if schedule is not ScheduleKind.ZORSE or offload_activations or not per_microbatch:
+        return None
+    kept_share = grads_kept / sum(grads) if sum(grads) else 0.0
+    keeps = not interleaved_update(schedule, grad_clip)
+    best: tuple[float, float] = (0.0, 0.0)
+    for k in range(len(per_microbatch)):
+        at_k = (microbatches * sum(per_microbatch[:k + 1]),
+                grads[k] + (kept_share * sum(grads[k + 1:]) if keeps else 0.0))
+        if sum(at_k) > sum(best):
+            best = at_k
+    return best
+
+
 @dataclass(frozen=True)
 class RankMemory:
     rank: int
@@ -237,9 +268,13 @@ class RankMemory:
         return self.total <= self.capacity
 
 
-def rank_memory(rank: int, gpu: Gpu, stage: int, states: StateMemory, activations: tuple[float, float]
-                ) -> RankMemory:
-    """The breakdown of one rank: `state_memory` and `activation_memory` on its device."""
+def rank_memory(rank: int, gpu: Gpu, stage: int, states: StateMemory, activations: tuple[float, float],
+                zorse_peak: tuple[float, float] | None = None) -> RankMemory:
+    """The breakdown of one rank: `state_memory` and `activation_memory` on its device, or with
+    `zorse_peak` (`zorse_backward_peak`) the activations and gradients held at once."""
+    if zorse_peak is not None:
+        states = replace(states, grads=zorse_peak[1])
+        activations = (zorse_peak[0], activations[1])
     context = context_reserve(gpu.device.memory, gpu.device.is_cpu)
     return RankMemory(rank, str(gpu), gpu.device.name, stage, states.params, states.grads, states.optimizer,
                       activations[0], states.buffers, context, gpu.device.memory, states.host + activations[1])

@@ -26,9 +26,9 @@ from hetc.passes.cost.memory import (
 )
 from hetc.passes.cost.network import Bandwidth, ring_chunk, ring_steps
 from hetc.passes.cost.profiles import Profiles
+from hetc.passes.cost.params import expert_params
 from hetc.passes.cost.shapes import (LayerFlops, LayerKind, activation_elements, layer_flops, layer_kind,
                                     params_per_rank)
-from hetc.passes.params import expert_params
 from hetc.pipeline import Ministage, Pipeline, Stage
 from hetc.program import Collective, Phase
 from hetc.spec import (DTYPE_BYTES, Checkpointing, CPKind, DeviceSpec, ModelSpec, OffloadTarget, Spec, ZeroShard)

@@ -17,7 +17,8 @@ from functools import cached_property
 from hetc.passes.cost import plan_time as pt
 from hetc.passes.cost.classes import ClassEstimate, PlanShape, evaluate_classes
 from hetc.passes.cost.experts import sharded_numel
-from hetc.passes.cost.memory import (RankMemory, StatesHeld, activation_memory, rank_memory, state_memory)
+from hetc.passes.cost.memory import (RankMemory, StatesHeld, activation_memory, rank_memory, state_memory,
+                                    zorse_backward_peak)
 from hetc.passes.cost.schedule import Unit
 from hetc.pipeline import Stage
 from hetc.program import Collective, Phase
@@ -106,9 +107,11 @@ def rank_memory_of(cm: CostModel, rank: int, limit: int) -> RankMemory:
     p = cm.pipeline
     states = state_memory(held, stage.offload, p.schedule, cm.train.grad_clip, p.prefetch)
     lane = p.lane_of_rank[rank]
-    acts = activation_memory(p.schedule, stage.index, len(p.stages), len(lane.microbatches),
-                             [cm.activation_bytes(ms, rank) for ms in mss], limit,
-                             stage.offload.activations is not OffloadTarget.NONE,
-                             sum(cm.held_boundary_bytes(ms - 1, stage) for ms in mss if ms > 0),
+    per_microbatch = [cm.activation_bytes(ms, rank) for ms in mss]
+    offload_activations = stage.offload.activations is not OffloadTarget.NONE
+    acts = activation_memory(p.schedule, stage.index, len(p.stages), len(lane.microbatches), per_microbatch, limit,
+                             offload_activations, sum(cm.held_boundary_bytes(ms - 1, stage) for ms in mss if ms > 0),
                              cm.largest_held_boundary(stage), p.prefetch)
-    return rank_memory(rank, cm.gpu(rank), stage.index, states, acts)
+    zorse = zorse_backward_peak(p.schedule, cm.train.grad_clip, offload_activations, len(lane.microbatches),
+                                per_microbatch, held.grads, held.grads_kept)
+    return rank_memory(rank, cm.gpu(rank), stage.index, states, acts, zorse)

@@ -207,7 +207,7 @@ class Profiles:
 
 def load_profiles(paths: list[str | Path]) -> Profiles:
     """Read each path: a `hetc profile` JSON file, a Sailor data folder or a Zorse data folder."""
-    from hetc.passes.cost import hetc_profile, sailor_data, zorse_data
+    from hetc.passes.cost.sources import hetc_profile, sailor_data, zorse_data
 
     out = Profiles()
     for raw in paths:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from hetc.passes.cost.model import CostModel, ring_pair_kinds
 from hetc.passes.cost.profiles import ComputeTable, dtype_class
 from hetc.passes.cost.shapes import layer_kind
-from hetc.passes.params import block_params
+from hetc.passes.cost.params import block_params
 from hetc.program import Collective
 from hetc.spec import OffloadTarget
 from hetc.topology import Gpu

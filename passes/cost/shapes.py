@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from hetc.passes.params import block_params, expert_params, layer_params
+from hetc.passes.cost.params import block_params, expert_params, layer_params
 from hetc.spec import Arch, Checkpointing, ModelSpec
 
 __all__ = [

@@ -15,7 +15,7 @@ Three reasons, checked in this order:
 
 from __future__ import annotations
 
-from hetc.costreport import human_bytes
+from hetc.units import human_bytes
 from hetc.errors import Diagnostic, SpecError
 from hetc.passes.plan.candidate import Knobs, Offload, StageGpus
 from hetc.passes.plan.layouts import whole_group

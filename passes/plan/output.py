@@ -12,10 +12,10 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from hetc import syntax as ast
+from hetc.frontend import syntax
 from hetc.errors import NO_SPAN, Diagnostic, SpecError
-from hetc.load import BUNDLED_SPECS, LoadedSpec
-from hetc.printer import format_items, spec_to_items
+from hetc.frontend.load import BUNDLED_SPECS, LoadedSpec
+from hetc.frontend.printer import format_items, spec_to_items
 from hetc.spec import Spec
 
 __all__ = ["planned_text"]
@@ -26,11 +26,11 @@ def planned_text(loaded: LoadedSpec, planned: Spec | None, out: Path | None = No
 
     `planned` None: the main file as it is (canonically formatted), for a plan with nothing to fill.
     """
-    items = list(ast.parse_text(loaded.path.read_text(), str(loaded.path)).items)
+    items = list(syntax.parse_text(loaded.path.read_text(), str(loaded.path)).items)
     if planned is not None:
         items = _replaced(loaded, items, planned, note)
     if out is not None:
-        items = [_moved_use(item, loaded.path, out) if isinstance(item, ast.Use) else item for item in items]
+        items = [_moved_use(item, loaded.path, out) if isinstance(item, syntax.Use) else item for item in items]
     return format_items(items)
 
 
@@ -43,7 +43,7 @@ def _replaced(loaded: LoadedSpec, items: list, planned: Spec, note: str) -> list
                                     "plan that file")])
     (block,) = spec_to_items(Spec(parallel=planned.parallel))
     if note:
-        block = replace(block, items=(ast.Comment(f"# {note}", False, NO_SPAN), *block.items))
+        block = replace(block, items=(syntax.Comment(f"# {note}", False, NO_SPAN), *block.items))
     items[where] = block
     if planned.train.micro_batch != loaded.spec.train.micro_batch:
         items = [_with_micro_batch(item, planned.train.micro_batch) if _is_block(item, "train") else item
@@ -52,19 +52,19 @@ def _replaced(loaded: LoadedSpec, items: list, planned: Spec, note: str) -> list
 
 
 def _is_block(item, kind: str) -> bool:
-    return isinstance(item, ast.Block) and item.kind == kind
+    return isinstance(item, syntax.Block) and item.kind == kind
 
 
-def _with_micro_batch(block: ast.Block, micro_batch: int) -> ast.Block:
-    value = ast.Number(str(micro_batch), None, NO_SPAN)
-    attr = ast.Attr("micro_batch", value, NO_SPAN, NO_SPAN)
+def _with_micro_batch(block: syntax.Block, micro_batch: int) -> syntax.Block:
+    value = syntax.Number(str(micro_batch), None, NO_SPAN)
+    attr = syntax.Attr("micro_batch", value, NO_SPAN, NO_SPAN)
     items = list(block.items)
-    at = next((i for i, it in enumerate(items) if isinstance(it, ast.Attr) and it.key == "global_batch"), -1)
+    at = next((i for i, it in enumerate(items) if isinstance(it, syntax.Attr) and it.key == "global_batch"), -1)
     items.insert(at + 1, attr)
     return replace(block, items=tuple(items))
 
 
-def _moved_use(use: ast.Use, main: Path, out: Path) -> ast.Use:
+def _moved_use(use: syntax.Use, main: Path, out: Path) -> syntax.Use:
     """The same import seen from `out`'s folder (absolute paths and bundled imports stay as written)."""
     local = main.parent / use.path
     if Path(use.path).is_absolute() or not local.exists():

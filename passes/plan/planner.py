@@ -138,7 +138,7 @@ CHECK_OPS = 8192
 
 
 def _check_winner(checked: Checked, profiles: Profiles | None, chosen: str) -> None:
-    from hetc.agreement import build
+    from hetc.passes.agreement import build
     from hetc.passes.verify import VerifyError
 
     p = checked.pipeline

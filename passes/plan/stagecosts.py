@@ -16,7 +16,7 @@ from functools import cached_property
 
 from hetc.passes.cost.cores import host_slowdowns
 from hetc.passes.cost.memory import (RankMemory, ShardFactors, StateMemory, StatesHeld, activation_memory,
-                                    rank_memory, shard_factors, state_memory)
+                                    rank_memory, shard_factors, state_memory, zorse_backward_peak)
 from hetc.passes.cost.plan_time import ministage_borders, stage_borders
 from hetc.passes.cost.schedule import Unit, UnitLane
 from hetc.passes.cost.zero_time import (ZeroRings, across_nodes, fetch_time, first_gather_time, flush_time,
@@ -193,8 +193,9 @@ class StageCosts:
 
     def memory(self, lane: int, gpu: Gpu, count: int) -> RankMemory:
         """A rank of `lane` serving `count` microbatches (`passes.cost.memory.rank_memory`)."""
-        return rank_memory(gpu.id, gpu, self.s.index, self._static(self.s.node_share(lane)),
-                           self._activations(count))
+        share = self.s.node_share(lane)
+        return rank_memory(gpu.id, gpu, self.s.index, self._static(share), self._activations(count),
+                           self._zorse_peak(share, count))
 
     def fits(self, lane: int, count: int) -> bool:
         """Whether every rank of `lane` fits serving `count` microbatches."""
@@ -211,7 +212,8 @@ class StageCosts:
         key = (gpu.device.name, node_share, count, self.in_flight_limit)
         got = self._rooms.get(key)
         if got is None:
-            m = rank_memory(gpu.id, gpu, self.s.index, self._static(node_share), self._activations(count))
+            m = rank_memory(gpu.id, gpu, self.s.index, self._static(node_share), self._activations(count),
+                            self._zorse_peak(node_share, count))
             got = self._rooms[key] = m.capacity - m.total
         return got
 
@@ -223,6 +225,12 @@ class StageCosts:
         if schedule is ScheduleKind.GPIPE or zorse:
             return sum(self._per_mb_activations)
         return 0.0
+
+    def _zorse_peak(self, node_share: int | None, count: int) -> tuple[float, float] | None:
+        """Activations and gradients at once at a Zorse rank's peak (`memory.zorse_backward_peak`)."""
+        grads = [n * self.p.states.grads for n in self.ms_numel]
+        return zorse_backward_peak(self.plan.schedule, self.p.train.grad_clip, bool(self.s.knobs.offload.activations),
+                                   count, self._per_mb_activations, grads, sum(grads) * self.shard_of(node_share).grads)
 
     def _static(self, node_share: int | None) -> StateMemory:
         """What a rank holds but activations and its reserve (`passes.cost.memory.state_memory`)."""

@@ -25,7 +25,7 @@ from hetc.passes.verify.protocol import check_protocol
 from hetc.pipeline import Pipeline
 from hetc.program import Program
 from hetc.spec import Spec
-from hetc.viz.grid import render_grid
+from hetc.grid import render_grid
 
 __all__ = ["Finding", "Sizes", "VerifyError", "verified_evaluation", "verify"]
 

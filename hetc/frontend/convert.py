@@ -3,19 +3,19 @@
 Errors are collected, not raised one at a time: a block with a bad value
 still reports its other bad values and its missing keys. `Converter.errors`
 ends up holding every diagnostic; `to_spec` raises them together. The
-value rules are in `hetc.values`, the schema in `hetc.schema`.
+value rules are in `hetc.frontend.values`, the schema in `hetc.frontend.schema`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from hetc import syntax as ast
+from hetc.frontend import syntax
 from hetc.errors import Diagnostic, Span, SpecError, did_you_mean
-from hetc.schema import FieldInfo, fields_of, normalize_key
+from hetc.frontend.schema import FieldInfo, fields_of, normalize_key
 from hetc.hf.config import TRAINING_FIELDS, HfError, Preset, model_preset, read_config
 from hetc.spec import ModelSpec, Node, Spec, declared_path
-from hetc.values import ValueConverter, is_enum, words
+from hetc.frontend.values import ValueConverter, is_enum, words
 
 __all__ = ["Converter", "FieldInfo", "fields_of", "normalize_key", "to_spec"]
 
@@ -24,7 +24,7 @@ class Converter(ValueConverter):
     """The block rules: labels, known keys and blocks, duplicates, required fields."""
 
     def block(self, cls: type, items: tuple, span: Span, what: str,
-              head: ast.Block | None = None, preset: Preset | None = None) -> Node | None:
+              head: syntax.Block | None = None, preset: Preset | None = None) -> Node | None:
         """Build `cls` from a block's items; `head` is the block itself (for its labels); `preset`
         fills the fields the items leave out (Note [hf presets])."""
         infos = fields_of(cls)
@@ -40,9 +40,9 @@ class Converter(ValueConverter):
         seen: dict[str, Span] = {}
         written: set[str] = set()  # fields the user wrote, even if wrongly: not "missing"
         for item in items:
-            if isinstance(item, ast.Comment):
+            if isinstance(item, syntax.Comment):
                 continue
-            if isinstance(item, ast.Use):
+            if isinstance(item, syntax.Use):
                 self.error(item.span, "'use' is only allowed at the top of a file")
                 continue
             written.update(_claimed_fields(infos, item))
@@ -50,9 +50,9 @@ class Converter(ValueConverter):
             if info is None:
                 failed = True
                 continue
-            key = info.name if not (isinstance(item, ast.Block) and info.many) else None
+            key = info.name if not (isinstance(item, syntax.Block) and info.many) else None
             if key is not None and key in seen:
-                self.error(item.kind_span if isinstance(item, ast.Block) else item.key_span,
+                self.error(item.kind_span if isinstance(item, syntax.Block) else item.key_span,
                            _duplicate_message(item, info, what), notes=((seen[key], "first defined here"),))
                 failed = True
                 continue
@@ -70,7 +70,7 @@ class Converter(ValueConverter):
             return None
         return cls(**values, span=span, spans=tuple(spans.items()))
 
-    def _labels(self, infos, head: ast.Block, values, spans) -> bool:
+    def _labels(self, infos, head: syntax.Block, values, spans) -> bool:
         """The block's name(s): `model NAME`, `link A <-> B`, `optimizer adamw`."""
         label_infos = [i for i in infos if i.meta["label"]]
         given = [lab for lab in (head.label, head.peer) if lab is not None]
@@ -92,7 +92,7 @@ class Converter(ValueConverter):
         return True
 
     def _find(self, infos, item, what) -> FieldInfo | None:
-        if isinstance(item, ast.Block):
+        if isinstance(item, syntax.Block):
             kind = normalize_key(item.kind)
             for info in infos:
                 if info.meta["block"] and kind in (info.meta["block"], *info.meta["aliases"]):
@@ -126,7 +126,7 @@ class Converter(ValueConverter):
     def _hf_preset(self, infos, items) -> tuple[Preset | None, bool]:
         """The preset of a model block's `hf = "DIR"` (None without one); False when DIR is unusable."""
         info = next(i for i in infos if i.name == "hf")
-        item = next((i for i in items if isinstance(i, ast.Attr) and normalize_key(i.key) in info.keys), None)
+        item = next((i for i in items if isinstance(i, syntax.Attr) and normalize_key(i.key) in info.keys), None)
         if item is None:
             return None, True
         text = self.value(info, item.value, f"'{item.key}'")
@@ -165,7 +165,7 @@ class Converter(ValueConverter):
         return ok
 
     def _assign(self, info: FieldInfo, item, values, spans, preset: Preset | None = None) -> bool:
-        if isinstance(item, ast.Block):
+        if isinstance(item, syntax.Block):
             sub = self.block(info.base, item.items, item.span, _describe(item), head=item, preset=preset)
             if sub is None:
                 return False
@@ -186,7 +186,7 @@ class Converter(ValueConverter):
 
 def _claimed_fields(infos, item) -> list[str]:
     """The field an item names by its key or block kind, however it is written."""
-    key = normalize_key(item.kind if isinstance(item, ast.Block) else item.key)
+    key = normalize_key(item.kind if isinstance(item, syntax.Block) else item.key)
     return [i.name for i in infos if key in i.keys or key == i.meta["block"]]
 
 
@@ -202,7 +202,7 @@ def _count(n: int, noun: str) -> str:
     return "no name" if n == 0 else f"{('one', 'two')[n - 1] if n <= 2 else n} {noun}{'s' if n > 1 else ''}"
 
 
-def _describe(block: ast.Block) -> str:
+def _describe(block: syntax.Block) -> str:
     if block.label is None:
         return f"'{block.kind}'"
     if block.peer is None:
@@ -211,7 +211,7 @@ def _describe(block: ast.Block) -> str:
 
 
 def _duplicate_message(item, info: FieldInfo, what: str) -> str:
-    if isinstance(item, ast.Block):
+    if isinstance(item, syntax.Block):
         return f"duplicate '{item.kind}' block in {what}"
     alias = normalize_key(item.key) != info.name
     return f"duplicate '{item.key}' in {what}" + (f": it is another name for '{info.name}'" if alias else "")

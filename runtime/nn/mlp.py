@@ -1,8 +1,8 @@
 """Feed-forward networks: SwiGLU (llama), GELU MLP (gpt), and a top-k MoE of either.
 
 The dense MLPs are tensor-parallel regions: the up projections are
-column-parallel, the down projection row-parallel (runtime/tp.py).
-MoE blocks (runtime/moe.py) route each token to its top-k experts, each a
+column-parallel, the down projection row-parallel (runtime/nn/tensor_parallel.py).
+MoE blocks (runtime/nn/moe.py) route each token to its top-k experts, each a
 dense MLP of the architecture, with a capacity and expert parallelism.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hetc.runtime.moe import ALL_EXPERTS, ExpertShard, MoE
-from hetc.runtime.tp import NO_SHARD, ParallelLinear, Split, TPRegion, TPShard
+from hetc.runtime.nn.moe import ALL_EXPERTS, ExpertShard, MoE
+from hetc.runtime.nn.tensor_parallel import NO_SHARD, ParallelLinear, Split, TPRegion, TPShard
 from hetc.spec import Arch, ModelSpec
 
 __all__ = ["GeluMLP", "SwiGLU", "make_mlp"]

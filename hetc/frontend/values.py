@@ -1,6 +1,6 @@
 """Typed values from syntax-tree values: numbers with units and bounds, words, enums, ranges.
 
-`ValueConverter` holds the error list and the value rules; `hetc.convert.Converter`
+`ValueConverter` holds the error list and the value rules; `hetc.frontend.convert.Converter`
 adds the block rules on top. Every problem is recorded as a located
 diagnostic and the value comes back as None.
 """
@@ -12,9 +12,9 @@ import math
 from enum import StrEnum
 from typing import Any
 
-from hetc import syntax as ast
+from hetc.frontend import syntax
 from hetc.errors import Diagnostic, Span, did_you_mean
-from hetc.schema import FieldInfo, fields_of
+from hetc.frontend.schema import FieldInfo, fields_of
 from hetc.spec import AUTO, ENUM_ALIASES, LayerRange, RankSlice, Routing, RoutingKind
 from hetc.units import UNITS, Dim, to_base, units_of
 
@@ -28,18 +28,18 @@ class ValueConverter:
     def error(self, span: Span, message: str, notes: tuple = ()) -> None:
         self.errors.append(Diagnostic(span, message, notes=notes))
 
-    def value(self, info: FieldInfo, node: ast.Value, what: str) -> Any:
+    def value(self, info: FieldInfo, node: syntax.Value, what: str) -> Any:
         base = info.base
         if dataclasses.is_dataclass(base) and base not in (LayerRange, RankSlice, Routing):
             return self._shorthand(info, node, what)  # `zero = auto` is the level's auto
-        if isinstance(node, ast.Auto):
+        if isinstance(node, syntax.Auto):
             if info.auto_ok:
                 return AUTO
             self.error(node.span, f"{what} cannot be auto")
             return None
         if info.many or base in (LayerRange, RankSlice):
-            items = node.items if isinstance(node, ast.ListValue) else (node,)
-            if base is LayerRange and isinstance(node, ast.ListValue) and not items:
+            items = node.items if isinstance(node, syntax.ListValue) else (node,)
+            if base is LayerRange and isinstance(node, syntax.ListValue) and not items:
                 self.error(node.span, f"{what} needs at least one layer range")
                 return None
             out = []
@@ -55,12 +55,12 @@ class ValueConverter:
         cls = field.base
         infos = [i for i in fields_of(cls) if i.meta["shorthand"]]
         if not infos:
-            if isinstance(node, ast.Auto) and field.auto_ok:   # `stage = auto`: the planner writes the blocks
+            if isinstance(node, syntax.Auto) and field.auto_ok:   # `stage = auto`: the planner writes the blocks
                 return AUTO
             labels = [i for i in fields_of(cls) if i.meta["label"]]
             kind = field.meta["block"] or what.strip(chr(39))
             named = " NAME" if any(i.required for i in labels) else ""
-            head = kind + (f" {node.name}" if labels and isinstance(node, ast.Word) else named)
+            head = kind + (f" {node.name}" if labels and isinstance(node, syntax.Word) else named)
             also = f", or {kind} = auto to let the planner choose" if field.auto_ok else ""
             self.error(node.span, f"{what} is a block: write {head} {{ ... }}{also}")
             return None
@@ -69,8 +69,8 @@ class ValueConverter:
             return None
         return cls(**{infos[0].name: value}, span=node.span, spans=((infos[0].name, node.span),))
 
-    def scalar(self, base, info: FieldInfo, node: ast.Value, what: str) -> Any:
-        if isinstance(node, ast.ListValue) and base is not Routing:
+    def scalar(self, base, info: FieldInfo, node: syntax.Value, what: str) -> Any:
+        if isinstance(node, syntax.ListValue) and base is not Routing:
             self.error(node.span, f"{what} takes one value, not a list")
             return None
         if base is bool:
@@ -80,15 +80,15 @@ class ValueConverter:
         if base is float:
             return self._float(node, info, what)
         if base is str:
-            if isinstance(node, (ast.String, ast.Word)):
-                return node.value if isinstance(node, ast.String) else node.name
+            if isinstance(node, (syntax.String, syntax.Word)):
+                return node.value if isinstance(node, syntax.String) else node.name
             self.error(node.span, f"{what} expects a name or a string, got {_shown(node)}")
             return None
         if is_enum(base):
-            if isinstance(node, (ast.Word, ast.String)):
-                return self._enum(base, node.name if isinstance(node, ast.Word) else node.value,
+            if isinstance(node, (syntax.Word, syntax.String)):
+                return self._enum(base, node.name if isinstance(node, syntax.Word) else node.value,
                                   node.span, what)
-            if isinstance(node, ast.Number) and node.unit and not node.spaced:   # `1f1v`: one word to a reader
+            if isinstance(node, syntax.Number) and node.unit and not node.spaced:   # `1f1v`: one word to a reader
                 return self._enum(base, node.written, node.span, what)
             choices = words([e.value for e in base])
             self.error(node.span, f"{what} expects one of {choices}, got {_shown(node)}")
@@ -96,13 +96,13 @@ class ValueConverter:
         return _SPECIAL[base](self, node, what)
 
     def _bool(self, node, what):
-        if isinstance(node, ast.Word) and node.name in ("true", "false"):
+        if isinstance(node, syntax.Word) and node.name in ("true", "false"):
             return node.name == "true"
         self.error(node.span, f"{what} expects true or false, got {_shown(node)}")
         return None
 
     def _int(self, node, info, what):
-        if not isinstance(node, ast.Number) or not node.is_int() or node.unit is not None:
+        if not isinstance(node, syntax.Number) or not node.is_int() or node.unit is not None:
             shown = _shown(node)
             self.error(node.span, f"{what} expects a whole number, got {shown}")
             return None
@@ -110,7 +110,7 @@ class ValueConverter:
 
     def _float(self, node, info, what):
         unit_dim: Dim | None = info.meta["unit"]
-        if not isinstance(node, ast.Number):
+        if not isinstance(node, syntax.Number):
             need = f"{_NOUN[unit_dim]} such as {_EXAMPLE[unit_dim]}" if unit_dim else "a number"
             self.error(node.span, f"{what} expects {need}, got {_shown(node)}")
             return None
@@ -127,7 +127,7 @@ class ValueConverter:
                 return None
         return self._bounded(value, info, node, what)
 
-    def _unit(self, node: ast.Number, dim: Dim, value: float, what: str) -> float | None:
+    def _unit(self, node: syntax.Number, dim: Dim, value: float, what: str) -> float | None:
         choices = units_of(dim)
         if node.unit is None:
             if value == 0:
@@ -147,7 +147,7 @@ class ValueConverter:
             return None
         return base
 
-    def _bounded(self, value, info, node: ast.Number, what):
+    def _bounded(self, value, info, node: syntax.Number, what):
         lo, hi = info.meta["lo"], info.meta["hi"]
         below, above = lo is not None and value < lo, hi is not None and value > hi
         if not (below or above):
@@ -176,29 +176,29 @@ class ValueConverter:
         return None
 
 
-def _layer_range(conv: ValueConverter, node: ast.Value, what: str):
-    if isinstance(node, ast.LayerRange):
+def _layer_range(conv: ValueConverter, node: syntax.Value, what: str):
+    if isinstance(node, syntax.LayerRange):
         return LayerRange(first=node.first, last=node.last, span=node.span)
-    if isinstance(node, ast.Word):
+    if isinstance(node, syntax.Word):
         return LayerRange(first=node.name, last=node.name, span=node.span)
     conv.error(node.span, f"{what} expects layers such as embed..block3, got {_shown(node)}")
     return None
 
 
-def _rank_slice(conv: ValueConverter, node: ast.Value, what: str):
-    if isinstance(node, ast.Word):
+def _rank_slice(conv: ValueConverter, node: syntax.Value, what: str):
+    if isinstance(node, syntax.Word):
         return RankSlice(group=node.name, span=node.span)
-    if not isinstance(node, ast.RankRef):
+    if not isinstance(node, syntax.RankRef):
         conv.error(node.span, f"{what} expects GPUs such as h100[0, 0:4], got {_shown(node)}")
         return None
-    gpu = node.gpu or ast.Index(None, None, True)
+    gpu = node.gpu or syntax.Index(None, None, True)
     n, g = node.node, gpu
     return RankSlice(group=node.group, node_start=n.start, node_stop=n.stop, gpu_start=g.start,
                      gpu_stop=g.stop, node_is_slice=n.is_slice, gpu_is_slice=g.is_slice, span=node.span)
 
 
-def _routing(conv: ValueConverter, node: ast.Value, what: str):
-    if isinstance(node, ast.Word):
+def _routing(conv: ValueConverter, node: syntax.Value, what: str):
+    if isinstance(node, syntax.Word):
         kind = _enum_or_none(RoutingKind, node.name)
         if kind is None:
             hint = did_you_mean(node.name.lower(), ["even", "proportional"])
@@ -209,7 +209,7 @@ def _routing(conv: ValueConverter, node: ast.Value, what: str):
             conv.error(node.span, f"{what}: write the counts per lane as a list, e.g. [3, 1]")
             return None
         return Routing(kind=kind, span=node.span)
-    if isinstance(node, ast.ListValue) and node.items:
+    if isinstance(node, syntax.ListValue) and node.items:
         info = FieldInfo("count", int, False, False, False, True, {"lo": 0, "hi": 1 << 30})
         counts = [conv._int(n, info, "a microbatch count") for n in node.items]
         if any(c is None for c in counts):
@@ -241,17 +241,17 @@ def is_enum(tp) -> bool:
 
 
 def _shown(node) -> str:
-    if isinstance(node, ast.Number):
+    if isinstance(node, syntax.Number):
         return node.written
-    if isinstance(node, ast.Word):
+    if isinstance(node, syntax.Word):
         return f"'{node.name}'"
-    if isinstance(node, ast.String):
+    if isinstance(node, syntax.String):
         return f'"{node.value}"'
-    if isinstance(node, ast.ListValue):
+    if isinstance(node, syntax.ListValue):
         return "a list"
-    if isinstance(node, ast.LayerRange):
+    if isinstance(node, syntax.LayerRange):
         return f"{node.first}..{node.last}"
-    if isinstance(node, ast.RankRef):
+    if isinstance(node, syntax.RankRef):
         return f"{node.group}[...]"
     return "auto"
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from hetc.errors import Span
-from hetc.syntax_tree import Block, Comment
+from hetc.frontend.tree import Block, Comment
 
 __all__ = ["RawComment", "scan_comments", "weave_comments"]
 

@@ -2,7 +2,7 @@
 
 The prediction `hetc compile` recorded (DIR/timeline.json), unless the
 profiles given now (`--profile`, `$HETC_PROFILES`) are not the ones it was
-made with (Note [recorded profiles] in hetc/profileargs.py): then the
+made with (Note [recorded profiles] in hetc/commands/profileargs.py): then the
 programs are simulated again with them, so what is compared is the
 prediction those profiles give.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hetc.cli import UsageError
 from hetc.plandir import TIMELINE_FILE, read_program
-from hetc.profileargs import load_profile_args, profile_paths, read_recorded, same_as_recorded, stale_profiles
+from hetc.commands.profileargs import load_profile_args, profile_paths, read_recorded, same_as_recorded, stale_profiles
 from hetc.program import ProgramFormatError
 from hetc.timeline import Timeline
 
@@ -43,7 +43,8 @@ def plan_prediction(path: Path, profile_args: list[str], verb: str, note_recorde
 
 
 def _predict_again(path: Path, profile_args: list[str], verb: str) -> Timeline:
-    from hetc.commands.compile import predict, print_profile_use
+    from hetc.commands.compile import print_profile_use
+    from hetc.compiler import predict
     from hetc.errors import SpecError
     from hetc.passes.cost.provenance import provenance
     from hetc.plandir import read_plan

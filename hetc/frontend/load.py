@@ -11,14 +11,14 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hetc import syntax as ast
-from hetc.convert import to_spec
+from hetc.frontend import syntax
+from hetc.frontend.convert import to_spec
 from hetc.errors import MAX_SOURCE_BYTES, Diagnostic, Sources, Span, SpecError
 from hetc.spec import Spec
 
 __all__ = ["BUNDLED_SPECS", "MAX_FILE_BYTES", "LoadedSpec", "load_spec", "parse_file", "read_spec_bytes"]
 
-BUNDLED_SPECS = Path(__file__).resolve().parent.parent / "specs"
+BUNDLED_SPECS = Path(__file__).resolve().parents[2] / "specs"
 MAX_FILE_BYTES = MAX_SOURCE_BYTES
 
 
@@ -30,7 +30,7 @@ class LoadedSpec:
     files: list[Path] = field(default_factory=list)
 
 
-def parse_file(path: Path, sources: Sources, at: Span | None = None) -> ast.File:
+def parse_file(path: Path, sources: Sources, at: Span | None = None) -> syntax.File:
     """Parse one file; unreadable, oversized or non-UTF-8 input is a located error."""
     data = read_spec_bytes(path, at or Span(str(path), 1, 1, 1, 1))
     try:
@@ -46,7 +46,7 @@ def parse_file(path: Path, sources: Sources, at: Span | None = None) -> ast.File
         line, col = text.count("\n", 0, at) + 1, at - text.rfind("\n", 0, at)
         raise SpecError.at(Span(str(path), line, col, line, col + 1), "the file contains a NUL byte")
     sources.add(str(path), text)
-    return ast.parse_text(text, str(path))
+    return syntax.parse_text(text, str(path))
 
 
 def read_spec_bytes(path: Path, where: Span) -> bytes:
@@ -86,7 +86,7 @@ def _file_kind(mode: int) -> str:
     return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
-def _resolve(use: ast.Use, importer: Path) -> Path:
+def _resolve(use: syntax.Use, importer: Path) -> Path:
     local = (importer.parent / use.path)
     if local.exists() or Path(use.path).is_absolute():
         return local
@@ -116,15 +116,15 @@ class _Collector:
             self.errors += err.diagnostics
             return []
         self.files.append(path)
-        if not any(not isinstance(i, ast.Comment) for i in tree.items):
+        if not any(not isinstance(i, syntax.Comment) for i in tree.items):
             self.errors.append(Diagnostic(at or Span(str(path), 1, 1, 1, 1), f"'{path}' is empty: a spec file holds "
                                           "blocks (model, cluster, train, parallel, device) or `use` lines"))
             return []
         items: list = []
         for item in tree.items:
-            if isinstance(item, ast.Use):
+            if isinstance(item, syntax.Use):
                 items += self.collect(_resolve(item, path), (*stack, key), item.span)
-        return items + [i for i in tree.items if not isinstance(i, ast.Use)]
+        return items + [i for i in tree.items if not isinstance(i, syntax.Use)]
 
 
 def load_spec(path: str | Path) -> LoadedSpec:

@@ -1,7 +1,7 @@
 """The syntax tree of a .het file: plain frozen dataclasses with spans.
 
-`hetc.syntax` builds it from lark's parse tree (and re-exports every name
-here); `hetc.convert` turns it into the typed Spec; `hetc.printer` prints it.
+`hetc.frontend.syntax` builds it from lark's parse tree (and re-exports every name
+here); `hetc.frontend.convert` turns it into the typed Spec; `hetc.frontend.printer` prints it.
 No lark object appears in it.
 """
 

@@ -1,6 +1,6 @@
 """Multi-head attention with GQA, RoPE and a replaceable attention core.
 
-The projections are tensor-parallel shards (runtime/tp.py): each tp rank
+The projections are tensor-parallel shards (runtime/nn/tensor_parallel.py): each tp rank
 holds N_q/tp query heads and N_kv/tp key/value heads, contiguous, so the
 query heads of one GQA group stay on the rank that holds their K/V.
 
@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from hetc.runtime.norms import HeadNorm
-from hetc.runtime.tp import NO_SHARD, ParallelLinear, Split, TPRegion, TPShard
+from hetc.runtime.nn.norms import HeadNorm
+from hetc.runtime.nn.tensor_parallel import NO_SHARD, ParallelLinear, Split, TPRegion, TPShard
 from hetc.spec import Arch, ModelSpec, RopeScalingSpec
 
 __all__ = ["Attention", "AttentionCore", "Rope", "Rotary", "apply_rope", "causal_attention", "scaled_frequencies"]

@@ -42,8 +42,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hetc.runtime.tensor_parallel import all_gather_into
-from hetc.runtime.tp import ParallelLinear
+from hetc.runtime.nn.tensor_parallel import all_gather_into
+from hetc.runtime.nn.tensor_parallel import ParallelLinear
 from hetc.spec import ModelSpec
 
 __all__ = [

@@ -1,9 +1,9 @@
 """Parse .het text into a small syntax tree with spans.
 
 This is the only module that touches lark. Its output (`File`, `Block`,
-`Attr` and the value nodes of `hetc.syntax_tree`, re-exported here) is plain
-frozen dataclasses; `hetc.convert` turns it into the typed Spec and
-`hetc.printer` prints it back. Syntax errors say in words what was expected.
+`Attr` and the value nodes of `hetc.frontend.tree`, re-exported here) is plain
+frozen dataclasses; `hetc.frontend.convert` turns it into the typed Spec and
+`hetc.frontend.printer` prints it back. Syntax errors say in words what was expected.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import re
 from lark import Lark, Token, Transformer, Tree, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
-from hetc.comments import scan_comments, weave_comments
+from hetc.frontend.comments import scan_comments, weave_comments
 from hetc.errors import Diagnostic, Span, SpecError
 from hetc.grammar import GRAMMAR_PATH
-from hetc.syntax_tree import (Attr, Auto, Block, Comment, File, Index, Item, LayerRange, ListValue, Number,
+from hetc.frontend.tree import (Attr, Auto, Block, Comment, File, Index, Item, LayerRange, ListValue, Number,
                               RankRef, String, Use, Value, Word)
 
 __all__ = [

@@ -13,9 +13,9 @@ import dataclasses
 import re
 from enum import StrEnum
 
-from hetc import syntax as ast
+from hetc.frontend import syntax
 from hetc.errors import NO_SPAN
-from hetc.schema import fields_of
+from hetc.frontend.schema import fields_of
 from hetc.spec import AUTO, LayerRange, Node, RankSlice, Routing, RoutingKind, Spec
 from hetc.units import format_quantity
 
@@ -27,7 +27,7 @@ _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]*\Z")
 _KEYWORDS = {"auto", "use"}
 
 
-def format_file(file: ast.File) -> str:
+def format_file(file: syntax.File) -> str:
     return format_items(file.items)
 
 
@@ -48,7 +48,7 @@ def _items(items, depth: int, out: list[str], top: bool = False) -> None:
     prev = None
     for item in items:
         # A trailing comment ends the line before it: the previous statement's, or the block's head.
-        if isinstance(item, ast.Comment) and item.trailing and out and (prev is not None or depth > 0):
+        if isinstance(item, syntax.Comment) and item.trailing and out and (prev is not None or depth > 0):
             out[-1] += "  " + item.text
             continue
         if prev is not None and _blank_between(prev, item, top):
@@ -58,10 +58,10 @@ def _items(items, depth: int, out: list[str], top: bool = False) -> None:
 
 
 def _blank_between(prev, item, top: bool) -> bool:
-    if top and not (isinstance(prev, ast.Use) and isinstance(item, ast.Use)):
-        if isinstance(prev, ast.Block) or isinstance(item, ast.Block) and not isinstance(prev, ast.Comment):
+    if top and not (isinstance(prev, syntax.Use) and isinstance(item, syntax.Use)):
+        if isinstance(prev, syntax.Block) or isinstance(item, syntax.Block) and not isinstance(prev, syntax.Comment):
             return True
-        if isinstance(prev, ast.Use) and not isinstance(item, ast.Use):
+        if isinstance(prev, syntax.Use) and not isinstance(item, syntax.Use):
             return True
     start = item.span.line
     return prev.span.line > 0 and start > 0 and start > _end_line(prev) + 1
@@ -73,11 +73,11 @@ def _end_line(item) -> int:
 
 def _item(item, depth: int, out: list[str]) -> None:
     pad = INDENT * depth
-    if isinstance(item, ast.Comment):
+    if isinstance(item, syntax.Comment):
         out.append(pad + item.text)
-    elif isinstance(item, ast.Use):
+    elif isinstance(item, syntax.Use):
         out.append(f"{pad}use {_quote(item.path)}")
-    elif isinstance(item, ast.Attr):
+    elif isinstance(item, syntax.Attr):
         out.append(f"{pad}{item.key} = {_value(item.value, depth)}")
     else:
         head = pad + item.kind
@@ -103,17 +103,17 @@ def _quote(text: str) -> str:
 
 
 def _value(v, depth: int) -> str:
-    if isinstance(v, ast.Auto):
+    if isinstance(v, syntax.Auto):
         return "auto"
-    if isinstance(v, ast.Number):
+    if isinstance(v, syntax.Number):
         return v.text if v.unit is None else f"{v.text} {v.unit}"
-    if isinstance(v, ast.String):
+    if isinstance(v, syntax.String):
         return _quote(v.value)
-    if isinstance(v, ast.Word):
+    if isinstance(v, syntax.Word):
         return v.name
-    if isinstance(v, ast.LayerRange):
+    if isinstance(v, syntax.LayerRange):
         return f"{v.first}..{v.last}"
-    if isinstance(v, ast.RankRef):
+    if isinstance(v, syntax.RankRef):
         idx = _index(v.node) + ("" if v.gpu is None else ", " + _index(v.gpu))
         return f"{v.group}[{idx}]"
     parts = [_value(i, depth + 1) for i in v.items]
@@ -135,7 +135,7 @@ def _fill(parts: list[str], width: int) -> list[str]:
     return rows
 
 
-def _index(i: ast.Index) -> str:
+def _index(i: syntax.Index) -> str:
     if not i.is_slice:
         return str(i.start)
     return f"{'' if i.start is None else i.start}:{'' if i.stop is None else i.stop}"
@@ -157,7 +157,7 @@ def spec_to_items(node: Node) -> list:
         if info.meta["block"] and value is not AUTO and value is not None:
             items += _blocks(info, value)
         else:
-            items.append(ast.Attr(info.name, _syntax(info, value), NO_SPAN, NO_SPAN))
+            items.append(syntax.Attr(info.name, _syntax(info, value), NO_SPAN, NO_SPAN))
     return items
 
 
@@ -176,12 +176,12 @@ def _blocks(info, value) -> list:
     for v in values:
         shorthand = _as_shorthand(v)
         if shorthand is not None:
-            out.append(ast.Attr(info.name, shorthand, NO_SPAN, NO_SPAN))
+            out.append(syntax.Attr(info.name, shorthand, NO_SPAN, NO_SPAN))
             continue
         labels = [getattr(v, i.name) for i in fields_of(type(v)) if i.meta["label"]]
         labels = [str(lab.value if isinstance(lab, StrEnum) else lab) for lab in labels]
         labels += [None] * (2 - len(labels))
-        out.append(ast.Block(info.meta["block"], labels[0], labels[1], tuple(spec_to_items(v)),
+        out.append(syntax.Block(info.meta["block"], labels[0], labels[1], tuple(spec_to_items(v)),
                              NO_SPAN, NO_SPAN))
     return out
 
@@ -199,41 +199,41 @@ def _as_shorthand(node: Node):
 
 def _syntax(info, value):
     if value is AUTO:
-        return ast.Auto(NO_SPAN)
+        return syntax.Auto(NO_SPAN)
     if isinstance(value, tuple):
         parts = [_scalar(info, v) for v in value]
         if len(parts) == 1 and info.base in (LayerRange, RankSlice):
             return parts[0]
-        return ast.ListValue(tuple(parts), NO_SPAN)
+        return syntax.ListValue(tuple(parts), NO_SPAN)
     return _scalar(info, value)
 
 
 def _scalar(info, value):
     if isinstance(value, bool):
-        return ast.Word("true" if value else "false", NO_SPAN)
+        return syntax.Word("true" if value else "false", NO_SPAN)
     if isinstance(value, StrEnum):
-        return ast.Word(value.value, NO_SPAN)
+        return syntax.Word(value.value, NO_SPAN)
     if isinstance(value, int):
-        return ast.Number(str(value), None, NO_SPAN)
+        return syntax.Number(str(value), None, NO_SPAN)
     if isinstance(value, float):
         if info.meta["unit"] is not None:
             text, unit = format_quantity(value, info.meta["unit"]).split(" ", 1)
-            return ast.Number(text, unit, NO_SPAN)
-        return ast.Number(repr(value), None, NO_SPAN)
+            return syntax.Number(text, unit, NO_SPAN)
+        return syntax.Number(repr(value), None, NO_SPAN)
     if isinstance(value, str):
         if _NAME.match(value) and value not in _KEYWORDS | {"true", "false"}:
-            return ast.Word(value, NO_SPAN)
-        return ast.String(value, NO_SPAN)
+            return syntax.Word(value, NO_SPAN)
+        return syntax.String(value, NO_SPAN)
     if isinstance(value, LayerRange):
         if value.first == value.last:
-            return ast.Word(value.first, NO_SPAN)
-        return ast.LayerRange(value.first, value.last, NO_SPAN)
+            return syntax.Word(value.first, NO_SPAN)
+        return syntax.LayerRange(value.first, value.last, NO_SPAN)
     if isinstance(value, RankSlice):
         return _rank_ref(value)
     if isinstance(value, Routing):
         if value.kind is RoutingKind.COUNTS:
-            return ast.ListValue(tuple(ast.Number(str(c), None, NO_SPAN) for c in value.counts), NO_SPAN)
-        return ast.Word(value.kind.value, NO_SPAN)
+            return syntax.ListValue(tuple(syntax.Number(str(c), None, NO_SPAN) for c in value.counts), NO_SPAN)
+        return syntax.Word(value.kind.value, NO_SPAN)
     raise TypeError(f"cannot print {value!r}")
 
 
@@ -241,7 +241,7 @@ def _rank_ref(r: RankSlice):
     whole_node = r.node_is_slice and r.node_start is None and r.node_stop is None
     whole_gpu = r.gpu_is_slice and r.gpu_start is None and r.gpu_stop is None
     if whole_node and whole_gpu:
-        return ast.Word(r.group, NO_SPAN)
-    node = ast.Index(r.node_start, r.node_stop, r.node_is_slice)
-    gpu = None if whole_gpu else ast.Index(r.gpu_start, r.gpu_stop, r.gpu_is_slice)
-    return ast.RankRef(r.group, node, gpu, NO_SPAN)
+        return syntax.Word(r.group, NO_SPAN)
+    node = syntax.Index(r.node_start, r.node_stop, r.node_is_slice)
+    gpu = None if whole_gpu else syntax.Index(r.gpu_start, r.gpu_stop, r.gpu_is_slice)
+    return syntax.RankRef(r.group, node, gpu, NO_SPAN)

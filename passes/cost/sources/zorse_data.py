@@ -14,10 +14,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hetc.passes.cost.devices import catalog_name
+from hetc.passes.cost.sources.devices import catalog_name
 from hetc.passes.cost.profiles import ComputeTable, LinearFit, Profiles, Rejected
-from hetc.passes.cost.sailor_data import read_json
 from hetc.passes.cost.shapes import LayerKind
+from hetc.passes.cost.sources.sailor_data import read_json
 from hetc.program import Phase
 
 __all__ = ["DTYPES", "LATENCIES", "STATS", "looks_like", "read_zorse"]

@@ -32,11 +32,11 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from hetc.errors import InternalError
-from hetc.runtime.attention import Attention, Rotary
-from hetc.runtime.layers import NORMS, Block, Embedding, Head
-from hetc.runtime.moe import ALL_EXPERTS, ExpertShard
+from hetc.runtime.nn.attention import Attention, Rotary
+from hetc.runtime.nn.layers import NORMS, Block, Embedding, Head
+from hetc.runtime.nn.moe import ALL_EXPERTS, ExpertShard
 from hetc.runtime.seeding import generator
-from hetc.runtime.tp import NO_SHARD, ParallelLinear, TPShard, shard_infos
+from hetc.runtime.nn.tensor_parallel import NO_SHARD, ParallelLinear, TPShard, shard_infos
 from hetc.spec import Arch, Checkpointing, DType, ModelSpec
 
 __all__ = [

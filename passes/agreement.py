@@ -39,8 +39,9 @@ class Built:
 
 def build(checked: Checked, profiles: Profiles | None = None, simulated: bool = True) -> Built:
     """Lower and verify `checked`'s plan (VerifyError if it is unsafe or does not fit), then simulate it."""
-    spec, pipeline = checked.spec, checked.pipeline
-    costs = CostModel(spec, pipeline, checked.topology, profiles)
+    spec, pipeline, topology = checked.spec, checked.pipeline, checked.topology
+    assert pipeline is not None and topology is not None, "build() takes an explicit plan"
+    costs = CostModel(spec, pipeline, topology, profiles)
     program = lower(spec, pipeline, costs=costs)
     verify(program, pipeline, spec, costs)
     step = simulate(program, pipeline, spec, costs).step_time if simulated else None

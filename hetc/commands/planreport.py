@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from hetc.costreport import human_bytes, provenance_lines, utilization_text
+from hetc.commands.costreport import provenance_lines, utilization_text
+from hetc.units import human_bytes
 from hetc.passes.cost import CostModel, Profiles, RankMemory
 from hetc.passes.cost.provenance import Provenance, provenance
 from hetc.passes.cost.utilization import Utilization, utilization

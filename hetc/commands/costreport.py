@@ -6,24 +6,11 @@ from hetc.passes.cost.estimate import Estimate, RankMemory
 from hetc.passes.cost.provenance import Provenance
 from hetc.passes.cost.utilization import Utilization
 from hetc.pipeline import Pipeline
+from hetc.units import human_bytes, human_rate
 
-__all__ = ["human_bytes", "human_rate", "provenance_lines", "report", "utilization_text"]
+__all__ = ["provenance_lines", "report", "utilization_text"]
 
 _COLUMNS = ("params", "grads", "optimizer", "activations", "buffers", "reserve")
-
-
-def human_bytes(n: float) -> str:
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
-def human_rate(flops: float) -> str:
-    for unit, size in (("EFLOP/s", 1e18), ("PFLOP/s", 1e15), ("TFLOP/s", 1e12), ("GFLOP/s", 1e9)):
-        if flops >= size:
-            return f"{flops / size:.2f} {unit}"
-    return f"{flops:.0f} FLOP/s"
 
 
 def report(path: str, pipeline: Pipeline, e: Estimate) -> str:

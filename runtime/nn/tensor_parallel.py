@@ -5,7 +5,7 @@ slice of the full weight: column-parallel splits the output features (the
 heads of q/k/v, the FFN's hidden units), row-parallel splits the input
 features and needs a reduction of its partial outputs (Megatron's
 `ColumnParallelLinear` / `RowParallelLinear`). Initialisation draws the
-*full* tensor and keeps the slice (see runtime/model.py), so a TP=2 plan
+*full* tensor and keeps the slice (see runtime/nn/model.py), so a TP=2 plan
 starts from exactly the weights of the 1-rank plan.
 
 The communication is a hook, `TPComm`: `enter` before the column-parallel
@@ -18,8 +18,28 @@ this rank's tokens, so its gradient is summed over the group), and `partial`
 on one that each tp rank holds whole but applies to its own heads only (the
 q/k norms: its gradient is always summed over the group). `NO_TP` is
 the identity, exact for tp = 1. Modules that use the hook are `TPAware`; the
-interpreter installs a process-group-backed `TPComm`
-(runtime/tensor_parallel.py) with `set_tp_comm`.
+interpreter installs a process-group-backed `TPComm` with `set_tp_comm`.
+
+Over a process group (the second half of this module): the four conjugate
+pairs (Megatron's `mappings.py`), as autograd functions on the lane's TP
+group; activations are [b, s, H], the sequence on dim 1:
+
+    copy_to_region       forward identity       backward all-reduce
+    reduce_from_region   forward all-reduce     backward identity
+    gather_sequence      forward all-gather(s)  backward reduce-scatter(s)
+    scatter_sequence     forward reduce-scatter(s) backward all-gather(s)
+
+`GroupTP` is the `TPComm` the interpreter installs: without
+sequence parallelism a region enters with copy and exits with all-reduce;
+with it, the residual stream between regions holds this rank's part of the
+sequence (hetc/layout.py), a region enters with an all-gather and exits with
+a reduce-scatter, and parameters every tp rank holds whole (norms, biases
+after the reduction, embedding and head) see only this rank's tokens, so
+their gradients are summed over the group in backward (Megatron's
+`allreduce_sequence_parallel_gradients`, done where the parameter is used).
+Every collective runs inside the ministage's forward or backward, which the
+verifier treats as a collective on the TP group (all members, same order).
+Written for gloo and NCCL alike: only contiguous tensors go on the wire.
 """
 
 from __future__ import annotations
@@ -29,6 +49,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
 
+import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -37,6 +59,7 @@ from hetc.errors import InternalError
 __all__ = [
     "NO_SHARD",
     "NO_TP",
+    "GroupTP",
     "ParallelLinear",
     "ShardInfo",
     "Split",
@@ -44,8 +67,16 @@ __all__ = [
     "TPComm",
     "TPRegion",
     "TPShard",
+    "all_gather_into",
+    "conjugate",
+    "copy_to_region",
+    "gather_sequence",
+    "reduce_from_region",
+    "reduce_scatter_into",
+    "scatter_sequence",
     "set_tp_comm",
     "shard_infos",
+    "sum_grad_over",
 ]
 
 
@@ -201,3 +232,95 @@ def set_tp_comm(module: nn.Module, comm: TPComm) -> None:
     for sub in module.modules():
         if isinstance(sub, TPAware):
             sub.tp = comm
+
+
+# The collectives over a process group (what the interpreter installs as `TPComm`)
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_into(out: Tensor, mine: Tensor, group) -> None:
+    """Blocking all-gather of equal parts along dim 0."""
+    _all_gather(out, mine, group=group)
+
+
+def reduce_scatter_into(out: Tensor, full: Tensor, group) -> None:
+    """Blocking reduce-scatter (sum) of equal parts along dim 0."""
+    _reduce_scatter(out, full, group=group)
+
+
+def _all_reduce(x: Tensor, group) -> Tensor:  # never in place: autograd may still hold `x`
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def _gather_seq(x: Tensor, group) -> Tensor:
+    n = dist.get_world_size(group)
+    local = x.transpose(0, 1).contiguous()                      # [s, b, H]: parts concatenate on dim 0
+    out = local.new_empty((n * local.shape[0], *local.shape[1:]))
+    all_gather_into(out, local, group)
+    return out.transpose(0, 1)
+
+
+def _scatter_seq(x: Tensor, group) -> Tensor:
+    n = dist.get_world_size(group)
+    full = x.transpose(0, 1).contiguous()
+    if full.shape[0] % n:
+        raise ValueError(f"sequence of {full.shape[0]} tokens does not split over {n} tensor-parallel ranks")
+    out = full.new_empty((full.shape[0] // n, *full.shape[1:]))
+    reduce_scatter_into(out, full, group)
+    return out.transpose(0, 1)
+
+
+def conjugate(name: str, forward: Callable[[Tensor, object], Tensor],
+              backward: Callable[[Tensor, object], Tensor]) -> Callable[[Tensor, object], Tensor]:
+    """`f(x, group)` that runs `forward(x, group)` and whose gradient is `backward(grad, group)`."""
+
+    class _Conjugate(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x: Tensor, group) -> Tensor:
+            ctx.group = group
+            return forward(x, group)
+
+        @staticmethod
+        def backward(ctx, grad: Tensor):
+            return backward(grad, ctx.group), None
+
+    _Conjugate.__name__ = _Conjugate.__qualname__ = name
+    return _Conjugate.apply
+
+
+def _identity(x: Tensor, group) -> Tensor:
+    return x.view_as(x)
+
+
+copy_to_region = conjugate("CopyToRegion", _identity, _all_reduce)
+reduce_from_region = conjugate("ReduceFromRegion", _all_reduce, _identity)
+gather_sequence = conjugate("GatherSequence", _gather_seq, _scatter_seq)
+scatter_sequence = conjugate("ScatterSequence", _scatter_seq, _gather_seq)
+# `p` unchanged forward; its gradient summed over the group backward
+sum_grad_over = conjugate("SumGradOver", _identity, _all_reduce)
+
+
+class GroupTP:
+    """The `TPComm` of one lane's TP group (see the module docstring)."""
+
+    def __init__(self, group, sequence_parallel: bool = False) -> None:
+        self.group = group
+        self.sequence_parallel = sequence_parallel
+
+    def enter(self, x: Tensor) -> Tensor:
+        return gather_sequence(x, self.group) if self.sequence_parallel else copy_to_region(x, self.group)
+
+    def exit(self, x: Tensor) -> Tensor:
+        return scatter_sequence(x, self.group) if self.sequence_parallel else reduce_from_region(x, self.group)
+
+    def replicated(self, p: Tensor) -> Tensor:
+        return sum_grad_over(p, self.group) if self.sequence_parallel else p
+
+    def partial(self, p: Tensor) -> Tensor:
+        return sum_grad_over(p, self.group)
+
+    def __repr__(self) -> str:
+        return f"GroupTP(size={dist.get_world_size(self.group)}, sequence_parallel={self.sequence_parallel})"

@@ -1,6 +1,6 @@
 """Normalisation layers: RMSNorm (llama), LayerNorm (gpt) and the per-head RMSNorm of q and k (Qwen3).
 
-Every norm is `TPAware` (runtime/tp.py): a norm of the residual stream sees
+Every norm is `TPAware` (runtime/nn/tensor_parallel.py): a norm of the residual stream sees
 the same tokens on every tp rank (all of them, or this rank's part under
 sequence parallelism, where `replicated` sums its gradient). A `HeadNorm`
 sits inside the attention region and sees only this rank's heads, so its
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hetc.runtime.tp import TPAware
+from hetc.runtime.nn.tensor_parallel import TPAware
 
 __all__ = ["NORMS", "HeadNorm", "LayerNorm", "RMSNorm"]
 

@@ -12,7 +12,7 @@ checkpoints and plan-invariance tests compare parameters by
 | head | norm, output (absent when tied) | norm (LayerNorm), output |
 
 An MoE block's feed_forward is `router` and `experts.{e}.{w1,w2,w3 | fc1,fc2}`
-with e the expert's global index, whichever rank holds it (runtime/moe.py).
+with e the expert's global index, whichever rank holds it (runtime/nn/moe.py).
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hetc.runtime.attention import Attention, Rope
-from hetc.runtime.mlp import make_mlp
-from hetc.runtime.moe import ALL_EXPERTS, ExpertShard
-from hetc.runtime.norms import NORMS, LayerNorm, RMSNorm
-from hetc.runtime.tp import NO_SHARD, ParallelLinear, TPAware, TPShard
+from hetc.runtime.nn.attention import Attention, Rope
+from hetc.runtime.nn.mlp import make_mlp
+from hetc.runtime.nn.moe import ALL_EXPERTS, ExpertShard
+from hetc.runtime.nn.norms import NORMS, LayerNorm, RMSNorm
+from hetc.runtime.nn.tensor_parallel import NO_SHARD, ParallelLinear, TPAware, TPShard
 from hetc.spec import Arch, ModelSpec
 
 __all__ = ["NORMS", "Block", "Embedding", "Head", "LayerNorm", "RMSNorm", "make_norm"]

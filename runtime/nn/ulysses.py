@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from hetc.runtime.attention import AttentionCore, causal_attention
-from hetc.runtime.tensor_parallel import conjugate
+from hetc.runtime.nn.attention import AttentionCore, causal_attention
+from hetc.runtime.nn.tensor_parallel import conjugate
 
 __all__ = ["UlyssesAttention", "heads_to_seq", "kv_repeats", "seq_to_heads"]
 
