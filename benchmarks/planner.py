@@ -10,14 +10,22 @@ network fits) and the cost model reads Sailor's measured layer times;
 without it, catalog devices and datasheet arithmetic stand in. Planning time
 is `plan_spec` in this process (imports done, one thread: CP-SAT runs with
 one worker): CPU seconds, and wall seconds on the shared machine (best of
-`--runs`). The whole search is on: schedule, micro-batch size, TP degree,
-ZeRO level, offload and ministages of every stage, idle GPUs.
+`--runs`); and the whole command, `python -m hetc plan SPEC` as a user runs
+it (interpreter start, imports, parsing, planning, the winner's check,
+printing), at the sizes in `COMMAND_SIZES`: its wall seconds and the CPU
+seconds of the child process (`resource.getrusage`), with the load average
+beside them (the machine is shared, so wall time is CPU time stretched by the
+load). The whole search is on: schedule, micro-batch size, TP degree, ZeRO
+level, offload and ministages of every stage, idle GPUs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
+import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +44,8 @@ HEADING = "## Planner"
 SAILOR = ROOT.parent / "shared" / "data" / "sailor"
 ZONE = "us-central1-a"
 SIZES = (16, 128, 512, 1024, 2048)
+COMMAND_SIZES = (128, 2048)   # timed as a whole `hetc plan` command too
+BOUNDS_S = {128: 2.0, 2048: 5.0}   # the issue's bounds on the command's wall time
 FOUR_KIND_SIZES = (128, 512, 2048)
 FOUR_KINDS = ("A100-80", "A100-40", "V100-16", "RTX-3090")
 # Published planning times on this kind of machine (Sailor, SOSP'25: its C++ planner; Zorse, MLSys'26).
@@ -106,6 +116,8 @@ def measure(counts: dict[str, int], runs: int, profiles) -> dict:
             took = {"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu}
             if best is None or took["cpu_s"] < best["cpu_s"]:
                 best = took
+        if sum(counts.values()) in COMMAND_SIZES:
+            best = {**best, **command_time(path, runs)}
     p = result.checked.pipeline
     fitting = [b for b in result.baselines if b.score is not None and b.score.fits]
     baseline = max(fitting, key=lambda b: b.score.tokens_per_s, default=None)
@@ -119,6 +131,22 @@ def measure(counts: dict[str, int], runs: int, profiles) -> dict:
             "baseline_tokens_per_s": baseline.score.tokens_per_s if baseline else 0.0}
 
 
+def command_time(path: Path, runs: int) -> dict:
+    """The whole `hetc plan` command, best of `runs` by CPU: wall, the child's CPU, the load average."""
+    argv = [sys.executable, "-m", "hetc", "plan", str(path)] + (["--profile", str(SAILOR)] if SAILOR.is_dir() else [])
+    best: dict = {}
+    for _ in range(runs):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        load, wall = os.getloadavg()[0], time.perf_counter()
+        subprocess.run(argv, check=True, capture_output=True, cwd=ROOT)
+        wall = time.perf_counter() - wall
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        if not best or cpu < best["command_cpu_s"]:
+            best = {"command_wall_s": wall, "command_cpu_s": cpu, "load": (load + os.getloadavg()[0]) / 2}
+    return best
+
+
 def section(two: list[dict], four: list[dict], runs: int) -> str:
     source = ("clusters from `hetc import sailor --quotas` and Sailor's measured OPT-350 layer times and "
               "network fits" if SAILOR.is_dir() else
@@ -129,8 +157,8 @@ def section(two: list[dict], four: list[dict], runs: int) -> str:
               "on 2 CPU cores shared with other work (one thread: CP-SAT runs one worker), searching "
               "schedule, micro-batch size, TP degree, ZeRO level, offload and ministages per stage, and idle "
               "GPUs. Published planners on this kind of machine: Sailor's C++ planner (SOSP'25) and Zorse's "
-              "(MLSys'26), which search neither ZeRO levels, offload nor ministages. The bound of the issue: "
-              "2048 GPUs in under 5 s."), "",
+              "(MLSys'26), which search neither ZeRO levels, offload nor ministages. The bounds of the issue, "
+              "on the whole command's wall time: 128 GPUs under 2 s, 2048 under 5 s."), "",
              "A100-40 + V100-16 (a quarter A100s), one zone:", "",
              "| GPUs | hetc plan (CPU) | wall | Sailor | Zorse | predicted tokens/s | plan | best baseline |",
              "|---|---|---|---|---|---|---|---|"]
@@ -142,6 +170,17 @@ def section(two: list[dict], four: list[dict], runs: int) -> str:
                      f"{r['tokens_per_s']:,.0f} | {r['plan']} | {r['baseline']} "
                      f"{r['baseline_tokens_per_s']:,.0f} |")
     lines += ["", "Zorse's planner: 23.7 s at 128 GPUs and more than 600 s at 256.", "",
+              ("The whole command, `python -m hetc plan SPEC --profile DATA` (interpreter start, imports, parsing, "
+               "the search, the winner's lowering and verification, printing), best of "
+               f"{runs} by CPU; the 1-minute load average of the 2 shared cores while it ran:"), "",
+              "| GPUs | command CPU | command wall | load average | bound (wall) |", "|---|---|---|---|---|"]
+    for r in two:
+        if "command_wall_s" in r:
+            bound = BOUNDS_S.get(r["gpus"])
+            verdict = "—" if bound is None else f"{bound:g} s: {'met' if r['command_wall_s'] < bound else 'NOT met'}"
+            lines.append(f"| {r['gpus']} | **{r['command_cpu_s']:.2f} s** | {r['command_wall_s']:.2f} s | "
+                         f"{r['load']:.1f} | {verdict} |")
+    lines += ["",
               f"Four kinds ({', '.join(FOUR_KINDS)}, a quarter each), one zone:", "",
               "| GPUs | hetc plan (CPU) | wall | predicted tokens/s | plan | best baseline |",
               "|---|---|---|---|---|---|"]
@@ -149,10 +188,6 @@ def section(two: list[dict], four: list[dict], runs: int) -> str:
         lines.append(f"| {r['gpus']} | **{r['cpu_s']:.2f} s** | {r['wall_s']:.2f} s | "
                      f"{r['tokens_per_s']:,.0f} | "
                      f"{r['plan']} | {r['baseline']} {r['baseline_tokens_per_s']:,.0f} |")
-    big = next(r for r in two if r["gpus"] == 2048)
-    verdict = "met" if big["cpu_s"] < 5 and big["wall_s"] < 5 else "NOT met"
-    lines += ["", (f"2048 GPUs: {big['cpu_s']:.2f} s of CPU, {big['wall_s']:.2f} s wall "
-                   f"(bound 5 s: {verdict}).")]
     return "\n".join(lines) + "\n"
 
 

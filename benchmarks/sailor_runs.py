@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.markdown import publish
-from hetc.cli import UsageError
+from hetc.errors import UsageError
 from hetc.importers.sailor import explain_plan, plan_model
 from hetc.passes.cost import load_profiles
 

@@ -54,26 +54,26 @@ def key_table(cls: type) -> str:
     infos = fields_of(cls)
     rows = ["| key | also accepted | value | default | meaning |", "|---|---|---|---|---|"]
     for info in infos:
-        key = "*(name after the kind)*" if info.meta["label"] else f"`{info.meta['block'] or info.name}`"
-        aliases = ", ".join(f"`{a}`" for a in info.meta["aliases"])
-        cells = [key, aliases, value_kind(info), default_of(cls, info), info.meta["doc"]]
+        key = "*(name after the kind)*" if info.meta.label else f"`{info.meta.block or info.name}`"
+        aliases = ", ".join(f"`{a}`" for a in info.meta.aliases)
+        cells = [key, aliases, value_kind(info), default_of(cls, info), info.meta.doc]
         rows.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return "\n".join(rows) + "\n"
 
 
 def value_kind(info: FieldInfo) -> str:
-    base, lo, hi = info.base, info.meta["lo"], info.meta["hi"]
-    if info.meta["block"]:
+    base, lo, hi = info.base, info.meta.lo, info.meta.hi
+    if info.meta.block:
         text = f"`{_block_head(info)} {{ }}` block" + ("s, repeatable" if info.many else "")
-        short = [i for i in fields_of(base) if i.meta["shorthand"]]
+        short = [i for i in fields_of(base) if i.meta.shorthand]
         if short:
             text += f", or `{info.name} = <{short[0].name}>`"
     elif base is bool:
         text = "`true` or `false`"
     elif base is int:
         text = "whole number" + _bounds(lo, hi)
-    elif base is float and info.meta["unit"] is not None:
-        text = f"{info.meta['unit'].value} ({', '.join(DISPLAY[info.meta['unit']][:3])}, ...)" + _bounds(lo, hi)
+    elif base is float and info.meta.unit is not None:
+        text = f"{info.meta.unit.value} ({', '.join(DISPLAY[info.meta.unit][:3])}, ...)" + _bounds(lo, hi)
     elif base is float:
         text = "number" + _bounds(lo, hi)
     elif base is str:
@@ -88,8 +88,8 @@ def value_kind(info: FieldInfo) -> str:
         text = "`even`, `proportional` or `[count, ...]` per lane"
     else:
         text = base.__name__
-    if info.auto_ok and info.meta["block"]:   # the one way to write it (hetc.frontend.values accepts both spellings)
-        text += f", or `{info.meta['block']} = auto`"
+    if info.auto_ok and info.meta.block:   # the one way to write it (hetc.frontend.values accepts both spellings)
+        text += f", or `{info.meta.block} = auto`"
     elif info.auto_ok:
         text += ", or `auto`"
     return text
@@ -97,8 +97,8 @@ def value_kind(info: FieldInfo) -> str:
 
 def _block_head(info: FieldInfo) -> str:
     """`device NAME`, `link A <-> B`, `optimizer KIND`: a block kind with its labels."""
-    labels = [i.name.upper() for i in fields_of(info.base) if i.meta["label"]]
-    return " ".join([info.meta["block"], " <-> ".join(labels)]).strip()
+    labels = [i.name.upper() for i in fields_of(info.base) if i.meta.label]
+    return " ".join([info.meta.block, " <-> ".join(labels)]).strip()
 
 
 def _bounds(lo, hi) -> str:
@@ -134,8 +134,8 @@ def default_of(cls: type, info: FieldInfo) -> str:
         return f"`{str(value).lower()}`"
     if isinstance(value, StrEnum):
         return f"`{value.value}`"
-    if isinstance(value, float) and info.meta["unit"] is not None:
-        return f"`{format_quantity(value, info.meta['unit'])}`"
+    if isinstance(value, float) and info.meta.unit is not None:
+        return f"`{format_quantity(value, info.meta.unit)}`"
     if isinstance(value, (int, float, str)):
         return f"`{value}`" if value != "" else "empty"
     if isinstance(value, tuple):

@@ -15,9 +15,9 @@ import os
 import sys
 
 from hetc import __version__
-from hetc.errors import Sources, SpecError
+from hetc.errors import Sources, SpecError, UsageError
 
-__all__ = ["BROKEN_PIPE_STATUS", "VERBS", "UsageError", "main"]
+__all__ = ["BROKEN_PIPE_STATUS", "VERBS", "main"]
 
 # `hetc explain X | head`: the reader went away. A shell reports a program killed by
 # SIGPIPE as 128 + 13; Python ignores the signal, so hetc says the same in its status.
@@ -26,10 +26,6 @@ BROKEN_PIPE_STATUS = 128 + 13
 # verb modules, in the order `hetc --help` lists them
 VERBS = ["demo", "check", "fmt", "plan", "compile", "verify", "run", "launch", "viz", "explain", "profile",
          "calibrate", "import_", "export", "data"]
-
-
-class UsageError(Exception):
-    """A user mistake outside spec files (a missing directory, a bad flag value)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:  # noqa: BLE001 - the last line of defence
         if args.debug:
             raise
-        print(f"hetc {args.verb}: internal error: {type(err).__name__}: {err}\n"
+        notes = "".join(f"\n  {note}" for note in getattr(err, "__notes__", ()))   # e.g. the interpreter's
+        print(f"hetc {args.verb}: internal error: {type(err).__name__}: {err}{notes}\n"
               "this is a bug in hetc; rerun with --debug for the traceback", file=sys.stderr)
         return 1
 

@@ -22,8 +22,7 @@ from hetc.passes.validate import Checked, check_spec
 from hetc.passes.validate_fit import cost_error, estimate_overflows, peak_overflows
 from hetc.passes.verify import VerifyError, verified_evaluation, verify
 from hetc.passes.verify.memory import rank_peaks
-from hetc.plandir import write_plan_dir
-from hetc.commands.profileargs import record_profiles
+from hetc.plandir import record_profiles, write_plan_dir
 from hetc.program import Program
 
 __all__ = ["Compiled", "compile_spec", "load_checked", "plan_facts", "predict", "write_compiled"]

@@ -19,6 +19,7 @@ __all__ = [
     "Sources",
     "Span",
     "SpecError",
+    "UsageError",
     "clip_words",
     "did_you_mean",
 ]
@@ -113,6 +114,10 @@ class SpecError(Exception):
     @classmethod
     def at(cls, span: Span, message: str) -> SpecError:
         return cls(Diagnostic(span, message))
+
+
+class UsageError(Exception):
+    """A user mistake outside spec files (a missing directory, a bad flag value); the CLI prints it, exits 2."""
 
 
 class InternalError(AssertionError):

@@ -6,7 +6,8 @@
     DIR/timeline.json            the predicted timeline of one step
     DIR/torch/laneL.csv          lane-aligned pipelines in torch's compute_comms format
     DIR/summary.json             headline numbers (ranks, step time, tokens/s)
-    DIR/profiles.json            the profiles the prediction used, with their sha256 (hetc/commands/profileargs.py)
+    DIR/profiles.json            the profiles the prediction used, with their sha256 (Note [recorded profiles]
+                                 in hetc/commands/profileargs.py)
 
 Listings are the source of truth: a person may edit them by hand and
 `hetc verify DIR` / `hetc run DIR` read the text, not the JSON.
@@ -15,6 +16,7 @@ Listings are the source of truth: a person may edit them by hand and
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -26,11 +28,14 @@ from hetc.frontend.printer import format_spec
 from hetc.program import Program, ProgramFormatError, RankProgram
 from hetc.spec import DataKind, DataSpec, Spec
 
-__all__ = ["PLAN_FILE", "TIMELINE_FILE", "listing_name", "read_plan", "read_program", "write_plan_dir"]
+__all__ = ["PLAN_FILE", "PROFILES_FILE", "PROFILE_ENV", "TIMELINE_FILE", "RecordedProfile", "fingerprint", "listing_name",
+           "profile_paths", "read_plan", "read_program", "record_profiles", "write_plan_dir"]
 
 PLAN_FILE = "plan.het"
 TIMELINE_FILE = "timeline.json"
 SUMMARY_FILE = "summary.json"
+PROFILES_FILE = "profiles.json"
+PROFILE_ENV = "HETC_PROFILES"   # os.pathsep-separated profile files / data folders used by default
 
 
 def listing_name(rank: int) -> str:
@@ -80,7 +85,6 @@ def write_plan_dir(out: Path, spec: Spec, spec_dir: Path, program: Program, torc
             (tmp / TIMELINE_FILE).write_text(timeline_json)
         (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
         if profiles is not None:
-            from hetc.commands.profileargs import PROFILES_FILE
             (tmp / PROFILES_FILE).write_text(json.dumps(profiles, indent=2) + "\n")
         if out.exists():
             old = out.with_name(f".{out.name}.old")
@@ -125,3 +129,35 @@ def _nowhere(path: Path):
     from hetc.errors import Span
 
     return Span(str(path), 1, 1, 1, 1)
+
+
+def profile_paths(paths: list[str]) -> list[str]:
+    """$HETC_PROFILES's entries, then `paths` (the command line's)."""
+    env = [x for x in os.environ.get(PROFILE_ENV, "").split(os.pathsep) if x]
+    return env + list(paths)
+
+
+def fingerprint(path: Path) -> str | None:
+    """sha256 of a file, or of a folder's relative file names and contents; None when it is gone."""
+    digest = hashlib.sha256()
+    if path.is_file():
+        digest.update(path.read_bytes())
+    elif path.is_dir():
+        for f in sorted(p for p in path.rglob("*") if p.is_file()):
+            digest.update(str(f.relative_to(path)).encode() + b"\0" + f.read_bytes() + b"\0")
+    else:
+        return None
+    return digest.hexdigest()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RecordedProfile:
+    path: str      # absolute, as the prediction read it
+    sha256: str
+
+
+def record_profiles(paths: list[str], unused) -> dict:
+    """DIR/profiles.json's content (Note [recorded profiles]); `unused` is Provenance.unused."""
+    used = [RecordedProfile(str(Path(p).resolve()), fingerprint(Path(p)) or "") for p in profile_paths(paths)]
+    return {"profiles": [{"path": r.path, "sha256": r.sha256} for r in used],
+            "unused_profiles": [{"profile": u.profile, "reason": u.reason} for u in unused]}

@@ -25,6 +25,7 @@ from hetc.units import Dim
 __all__ = [
     "AUTO",
     "DTYPE_BYTES",
+    "SCHEMA_KEY",
     "Arch",
     "Auto",
     "CPKind",
@@ -34,6 +35,7 @@ __all__ = [
     "DataKind",
     "DataSpec",
     "DeviceSpec",
+    "FieldMeta",
     "InitKind",
     "IntraLinkSpec",
     "LayerRange",
@@ -102,6 +104,23 @@ class Node:
         return self.span
 
 
+@dataclass(frozen=True, slots=True)
+class FieldMeta:
+    """A Spec field's schema, as `param` records it (the key under SCHEMA_KEY of the field's metadata)."""
+
+    doc: str = ""
+    aliases: tuple[str, ...] = ()     # other keys that set the field
+    unit: Dim | None = None           # the dimension of a quantity (values take units)
+    lo: float | None = None           # inclusive bounds of a number
+    hi: float | None = None
+    block: str | None = None          # written as nested block(s) of this kind
+    label: bool = False               # takes the block's label (`model NAME { }`)
+    shorthand: bool = False           # `key = value` on the parent sets it (`zero = 2`)
+
+
+SCHEMA_KEY: Final = "hetc"   # dataclasses' field metadata is a mapping shared with other libraries
+
+
 def param(
     default: Any = dataclasses.MISSING,
     *,
@@ -122,8 +141,7 @@ def param(
     `shorthand`: `key = value` on the parent sets this field of the nested
     block (`zero = 2` for `zero { level = 2 }`).
     """
-    meta = {"doc": doc, "aliases": aliases, "unit": unit, "lo": lo, "hi": hi, "block": block, "label": label,
-            "shorthand": shorthand}
+    meta = {SCHEMA_KEY: FieldMeta(doc, aliases, unit, lo, hi, block, label, shorthand)}
     if factory is not dataclasses.MISSING:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -345,17 +363,6 @@ class ModelSpec(Node):
             return None
         return declared_path(self.hf, self.span_of("hf"), fallback_dir)
 
-    @property
-    def wants_pretrained(self) -> bool:
-        """Whether initial weights come from the hf directory (`init`, or its default); see hetc.hf."""
-        return self.init is InitKind.PRETRAINED or (self.init is None and self.hf_has_weights)
-
-    @property
-    def hf_has_weights(self) -> bool:
-        from hetc.hf.weights import has_weights
-
-        directory = self.hf_dir()
-        return directory is not None and has_weights(directory)
 
     @property
     def num_model_layers(self) -> int:

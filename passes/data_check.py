@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hetc.errors import Diagnostic
-from hetc.runtime.checks import check_text_vocab
+from hetc.passes.validate_runtime import check_text_vocab
 from hetc.spec import DataKind, DataSpec, ModelSpec, Spec, TokenDType, TrainSpec
 from hetc.tokenfile import TokenFile, TokenFileError, fits, inspect_tokens, looks_binary, tokenizer_digest
 

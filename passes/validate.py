@@ -113,14 +113,13 @@ def _check_model(spec: Spec, errors: list[Diagnostic]) -> None:
 
 def _check_init(m: ModelSpec, errors: list[Diagnostic]) -> None:
     """Pretrained weights need an hf directory whose safetensors are exactly the model's (headers only)."""
+    from hetc.hf.weights import hf_has_weights, model_weight_problems, wants_pretrained
     from hetc.spec import InitKind
 
-    if m.init is InitKind.PRETRAINED and not m.hf_has_weights:
+    if m.init is InitKind.PRETRAINED and not hf_has_weights(m):
         why = "the model has no hf directory" if not m.hf else f"'{m.hf}' holds no safetensors"
         errors.append(Diagnostic(m.span_of("init"), f"init = pretrained, but {why}"))
-    elif m.wants_pretrained:
-        from hetc.hf.weights import model_weight_problems
-
+    elif wants_pretrained(m):
         directory = m.hf_dir()
         assert directory is not None   # wants_pretrained: an hf directory with weights
         problems = model_weight_problems(m, directory)

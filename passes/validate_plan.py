@@ -5,7 +5,7 @@ meet, so the rules that need the resolved ranks, lanes and ministages live
 here, beside the validation pass, and lowering only asserts them:
 
 - tied embeddings need the embedding and the head in one ministage
-  (`hetc.runtime.checks`, which the runtime shares);
+  (`hetc.passes.validate_runtime`, which the runtime shares);
 - a lane's ranks must ascend where torch's group numbering matters
   (sequence-parallel gathers, Ulysses' all-to-alls, expert groups);
 - lanes that move in lockstep (Note [coupled lanes] in passes/lower/lane_sim.py)
@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from hetc.errors import Diagnostic, InternalError
 from hetc.passes.lower.schedule import LockstepReason, lane_queues, lockstep_groups, queue_shape
 from hetc.pipeline import Lane, Pipeline, Stage
-from hetc.runtime.checks import check_tied_embeddings
+from hetc.passes.validate_runtime import check_tied_embeddings
 from hetc.spec import CPKind, ModelSpec, ParallelSpec, Spec, StageSpec, TrainSpec
 
 __all__ = ["check_plan", "plan_blocks"]

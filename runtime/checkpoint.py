@@ -11,7 +11,7 @@ and stored flattened (1-D, the parameter's numel), whatever plan wrote it.
 Beside DCP's files rank 0 writes model.het, the model block the weights
 belong to (explicit: every field written, no hf directory), and, for a
 model read from a Hugging Face directory, its config.json as hf_config.json:
-what `hetc export hf` needs to name and shape the tensors (hetc/hf/export.py).
+what `hetc export hf` needs to name and shape the tensors (runtime/hf_export.py).
 
 The data source is stateless ((step, microbatch) -> tokens) and the
 learning rate a function of the step, so the step is all the trainer state.
@@ -57,6 +57,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from hetc.runtime.buffers import MinistageBuffers
+from hetc.runtime.nn import collectives
 from hetc.frontend.printer import format_spec
 from hetc.runtime.pieces import FlatPieces, PieceLoadPlanner, PieceSavePlanner, layout_pieces
 from hetc.spec import Spec
@@ -114,7 +115,7 @@ class Checkpointer:
             self.directory.mkdir(parents=True, exist_ok=True)
             for stale in self.directory.glob("step-*.tmp"):
                 shutil.rmtree(stale, ignore_errors=True)
-        dist.barrier(group=self.group)
+        collectives.barrier(group=self.group)
         state = _save_state(self.rt.buffers, step)
         writer = dcp.FileSystemWriter(tmp)
         future: Future
@@ -165,7 +166,7 @@ def save_checkpoint(rt, directory: Path, step: int) -> Path:
     saver = Checkpointer(rt, directory)
     saver.save(step)
     final = saver.wait()
-    dist.barrier(group=saver.group)
+    collectives.barrier(group=saver.group)
     assert final is not None
     return final
 

@@ -1,8 +1,9 @@
 """Communication for the interpreter: named process groups, tags, async copies.
 
 Every collective and point-to-point call is asynchronous (`async_op=True`)
-and returns a torch Work; the interpreter waits on it where the program
-says. On CUDA, host<->device copies run on their own stream and their
+and returns a `CommWork`; the interpreter waits on it where the program
+says (a failure is a `CommFailure`: Note [communication failures] in
+runtime/nn/collectives.py). On CUDA, host<->device copies run on their own stream and their
 "work" is an event; on CPU the same code path copies at once.
 """
 
@@ -16,13 +17,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from hetc.program import Group, Recv, Send
+from hetc.runtime.nn import collectives
+from hetc.runtime.nn.collectives import CommWork
 from hetc.program import Tensor as Kind
 
 __all__ = ["Comm", "Waitable", "make_groups"]
-
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
 
 def make_groups(groups: tuple[Group, ...], timeout=None) -> dict[str, object]:
     """Create every group of the program, in table order, on every rank (torch requires all to call).
@@ -74,20 +73,20 @@ class Comm:
         tag = (instr.ms * self.m + instr.mb) * 2 + (instr.what is Kind.GRAD)
         return tag if instr.seq is None else tag * 1024 + 1 + instr.seq[0] % 1023
 
-    def isend(self, t: Tensor, peer: int, tag: int) -> Waitable | None:
-        return dist.isend(t, peer, tag=tag)
+    def isend(self, t: Tensor, peer: int, tag: int) -> CommWork:
+        return collectives.isend(t, peer, tag=tag)
 
-    def irecv(self, t: Tensor, peer: int, tag: int) -> Waitable | None:
-        return dist.irecv(t, peer, tag=tag)
+    def irecv(self, t: Tensor, peer: int, tag: int) -> CommWork:
+        return collectives.irecv(t, peer, tag=tag)
 
-    def all_gather(self, out: Tensor, mine: Tensor, group):
-        return _all_gather(out, mine, group=group, async_op=True)
+    def all_gather(self, out: Tensor, mine: Tensor, group) -> CommWork:
+        return CommWork(collectives.all_gather_into_tensor(out, mine, group=group, async_op=True))
 
-    def reduce_scatter(self, out: Tensor, full: Tensor, group):
-        return _reduce_scatter(out, full, group=group, async_op=True)
+    def reduce_scatter(self, out: Tensor, full: Tensor, group) -> CommWork:
+        return CommWork(collectives.reduce_scatter_tensor(out, full, group=group, async_op=True))
 
-    def all_reduce(self, t: Tensor, group):
-        return dist.all_reduce(t, group=group, async_op=True)
+    def all_reduce(self, t: Tensor, group) -> CommWork:
+        return CommWork(collectives.all_reduce(t, group=group, async_op=True))
 
     def copy(self, move: Callable[[], None],
              done: Callable[[], None] | None) -> tuple[Waitable | None, Callable[[], None] | None]:

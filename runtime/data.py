@@ -37,8 +37,8 @@ import torch
 from torch import Tensor
 
 from hetc.errors import InternalError, Span, SpecError
-from hetc.runtime.checks import check_text_vocab
-from hetc.runtime.seeding import generator
+from hetc.passes.validate_runtime import check_text_vocab
+from hetc.runtime.nn.seeding import generator
 from hetc.spec import DataKind, DataSpec, ModelSpec, TrainSpec
 from hetc.tokenfile import TokenFileError, inspect_tokens, open_tokens
 

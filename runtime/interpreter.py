@@ -112,8 +112,9 @@ class Interpreter:
             try:
                 self._handlers[type(instr)](instr)
             except Exception as err:
-                raise type(err)(f"[rank {self.program.rank}] step {step}: instruction {index} `{instr}`: "
-                                f"{err}") from err
+                # a note, not a new exception of type(err): not every exception's constructor takes a message
+                err.add_note(f"[rank {self.program.rank}] step {step}: instruction {index} `{instr}`")
+                raise
             if (trace or classes) and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             if trace:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from hetc.program import Recv, Send
+from hetc.runtime.nn import collectives
 from hetc.timeline import Event, Flow, MemorySample, RankInfo, Timeline, class_times, classify
 
 __all__ = ["Reporter", "peak_memory"]
@@ -97,7 +98,7 @@ class Reporter:
     def _write_trace(self) -> None:
         mine = (self.traced or [], peak_memory(self.device), self.step_time)
         gathered: list = [None] * self.program.world_size
-        dist.all_gather_object(gathered, mine)
+        collectives.all_gather_object(gathered, mine)
         if self.rank != 0:
             return
         timeline = build_measured_timeline(self.program, self.pipeline, gathered)

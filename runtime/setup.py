@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hetc.hf.weights import wants_pretrained
 from hetc.pipeline import Pipeline
 from hetc.program import Program, Shard
 from hetc.runtime.buffers import GroupPos, MinistageBuffers
@@ -111,7 +112,7 @@ def build_rank_buffers(spec: Spec, pipeline: Pipeline, program: Program, rank: i
     """The buffers a rank starts from: random, or its share of the Hugging Face weights; none given values
     when a checkpoint will fill them (`resumes`)."""
     assert spec.model is not None   # a checked spec
-    pretrained = spec.model.wants_pretrained and not resumes
+    pretrained = wants_pretrained(spec.model) and not resumes
     buffers = build_buffers(spec, pipeline, program, rank, device, place,
                             initialise=not (pretrained or resumes))
     if pretrained:     # the validator checked the tensors against the model

@@ -30,6 +30,8 @@ from hetc.runtime.comm import make_groups
 from hetc.runtime.data import make_data_source
 from hetc.runtime.evaluate import make_evaluator
 from hetc.runtime.local import NODE_ENV
+from hetc.runtime.nn import collectives
+from hetc.runtime.nn.collectives import is_comm_failure
 from hetc.runtime.placement import ClusterMismatch, discover, local_process, place
 from hetc.runtime.preempt import PREEMPTED_STATUS, Preemption
 from hetc.runtime.report import Reporter
@@ -147,14 +149,15 @@ def run_placed(plan_dir: Path, checked, program, rank: int, launch: Launch, stor
         status = _train(plan_dir, opts, rank, spec, pipeline, program, device, timeout, preemption, hooks)
         completed = True
     except (RuntimeError, dist.DistError) as err:
-        if isinstance(err, ClusterMismatch) or not _is_comm_failure(err):
+        if isinstance(err, ClusterMismatch) or not is_comm_failure(err):
             raise
         dead = watchdog.silent_ranks()
         if len(dead) == 1:
             watchdog.declare_dead(dead[0])
         who = f"rank {dead[0]}" if len(dead) == 1 else f"ranks {dead}" if dead else "another rank"
         detail = str(err).splitlines()[0].split(" This is typically")[0]
-        raise PeerFailure(f"{who} stopped responding (noticed by rank {rank}: {detail[:300]})") from None
+        where = "".join(f"{note}: " for note in getattr(err, "__notes__", ()))   # the interpreter's instruction
+        raise PeerFailure(f"{who} stopped responding (noticed by rank {rank}: {where}{detail[:300]})") from None
     finally:
         watchdog.finish(completed)
         preemption.close()
@@ -162,13 +165,6 @@ def run_placed(plan_dir: Path, checked, program, rank: int, launch: Launch, stor
         dist.barrier()
     dist.destroy_process_group()
     return status
-
-
-def _is_comm_failure(err: BaseException) -> bool:
-    text = str(err)
-    return isinstance(err, dist.DistError) or any(
-        s in text for s in ("Connection reset", "Connection closed", "Broken pipe", "Timed out", "timed out",
-                            "NCCL", "gloo"))
 
 
 def _train(plan_dir: Path, opts: RunOptions, rank: int, spec, pipeline, program, device: torch.device,
@@ -179,7 +175,7 @@ def _train(plan_dir: Path, opts: RunOptions, rank: int, spec, pipeline, program,
     evaluator = make_evaluator(spec, pipeline, program, rank, plan_dir)
     saver = _checkpointer(rt, opts, timeout)
     if opts.elastic:        # every rank: the load time below is the load's, not the wait for the last rank to start
-        dist.barrier()
+        collectives.barrier()
     loading = time.perf_counter()
     start = _resume(rt, opts) if opts.resume else 0
     if hooks.on_resumed is not None:

@@ -9,7 +9,7 @@ import torch
 
 from hetc.errors import SpecError
 from hetc.compiler import load_checked
-from hetc.runtime.checks import check_text_vocab
+from hetc.passes.validate_runtime import check_text_vocab
 from hetc.runtime.data import SyntheticData, TextData, make_data_source
 from hetc.spec import DataKind, DataSpec, ModelSpec, TrainSpec
 from tests.conftest import DEMO

@@ -37,7 +37,7 @@ def test_errors_md_is_current():
 def _node_classes(cls: type, seen: set[type]) -> set[type]:
     seen.add(cls)
     for info in fields_of(cls):
-        if dataclasses.is_dataclass(info.base) and info.meta["block"] and info.base not in seen:
+        if dataclasses.is_dataclass(info.base) and info.meta.block and info.base not in seen:
             _node_classes(info.base, seen)
     return seen
 

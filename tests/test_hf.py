@@ -338,7 +338,7 @@ def _write_sharded(directory: Path, config: dict, shards: int) -> dict[str, tupl
     """config.json and random fp32 weights of `config`'s model in `shards` files with an index."""
     from safetensors.torch import save_file
 
-    from hetc.hf.config import import_model
+    from hetc.frontend.convert import import_model
     from hetc.hf.weights import expected_shapes
 
     directory.mkdir()
@@ -371,7 +371,7 @@ def big_llama(tmp_path_factory) -> tuple[Path, dict[str, tuple[int, ...]]]:
 def test_a_rank_materialises_only_its_shard_plus_one_tensor(big_llama):
     """~350 MB of sharded safetensors; one ZeRO-3 rank of 4 (the whole model) and one TP rank of 2 of a
     pipeline stage (the blocks) read their share."""
-    from hetc.hf.config import import_model
+    from hetc.frontend.convert import import_model
     from hetc.hf.weights import WeightReader
     from hetc.runtime.flat import FlatLayout
     from hetc.runtime.hf_load import LoadStats, read_flat
@@ -532,7 +532,7 @@ def test_a_zero3_rank_resuming_peaks_at_its_own_shard(big_llama, big_zero3_plan,
     import torch.distributed.checkpoint as dcp
     from safetensors import safe_open
 
-    from hetc.hf.config import import_model
+    from hetc.frontend.convert import import_model
     from hetc.hf.names import hf_name
     from hetc.hf.weights import weight_map
     from hetc.runtime.checkpoint import STEP_KEY
@@ -581,7 +581,7 @@ def _config_dir(tmp_path: Path, **config) -> Path:
 
 
 def test_a_transformers_4_llama_3_1_config(tmp_path):
-    from hetc.hf.config import import_model
+    from hetc.frontend.convert import import_model
     from hetc.spec import DType, RopeScalingKind
 
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

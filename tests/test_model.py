@@ -10,7 +10,7 @@ import torch
 from hetc.passes.cost.params import layer_params
 from hetc.pipeline import Ministage as PlanMinistage
 from hetc.pipeline import Pipeline
-from hetc.runtime.checks import check_tied_embeddings
+from hetc.passes.validate_runtime import check_tied_embeddings
 from hetc.runtime.flat import FlatParams
 from hetc.runtime.nn.mlp import GeluMLP, SwiGLU
 from hetc.runtime.nn.model import build_layer, build_ministage, compute_dtype

@@ -16,7 +16,7 @@ import pytest
 
 from hetc.cli import main
 from hetc.passes.cost.sources.hetc_profile import FORMAT, VERSION
-from hetc.commands.profileargs import PROFILE_ENV, PROFILES_FILE, fingerprint
+from hetc.plandir import PROFILE_ENV, PROFILES_FILE, fingerprint
 from hetc.timeline import Timeline
 from hetc.viz.page import _format_seconds
 from tests.conftest import DEMO

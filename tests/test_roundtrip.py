@@ -53,7 +53,7 @@ routings = st.one_of(
 
 
 def scalar_strategy(info: FieldInfo) -> st.SearchStrategy:
-    base, lo, hi = info.base, info.meta["lo"], info.meta["hi"]
+    base, lo, hi = info.base, info.meta.lo, info.meta.hi
     if base is bool:
         return st.booleans()
     if base is int:

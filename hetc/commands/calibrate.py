@@ -15,9 +15,10 @@ import tempfile
 from pathlib import Path
 
 from hetc.viz.classgap import class_gaps, gap_table, measured_from_metrics, worst_gap
-from hetc.cli import UsageError
+from hetc.errors import UsageError
 from hetc.commands.prediction import plan_prediction
-from hetc.commands.profileargs import PROFILE_ENV, add_profile_option
+from hetc.plandir import PROFILE_ENV
+from hetc.commands.profileargs import add_profile_option
 from hetc.timeline import mean_class_times
 
 __all__ = ["register"]

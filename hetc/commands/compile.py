@@ -13,7 +13,8 @@ from hetc.passes.cost.provenance import provenance
 from hetc.passes.export_torch import why_not_exported
 from hetc.passes.lower import PASS_NAMES, PASSES
 from hetc.passes.verify import VerifyError
-from hetc.commands.profileargs import PROFILE_ENV, add_profile_option, load_profile_args
+from hetc.plandir import PROFILE_ENV
+from hetc.commands.profileargs import add_profile_option, load_profile_args
 from hetc.program import Program
 
 __all__ = ["print_profile_use", "register"]

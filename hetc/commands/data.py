@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hetc.cli import UsageError
+from hetc.errors import UsageError
 from hetc.spec import TokenDType
 
 __all__ = ["register"]

@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from hetc.cli import UsageError
+from hetc.errors import UsageError
 from hetc.commands.check import summary
 from hetc.compiler import load_checked
 from hetc.frontend.load import BUNDLED_SPECS

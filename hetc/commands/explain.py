@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from hetc.cli import UsageError
+from hetc.errors import UsageError
 from hetc.errors import SpecError
 from hetc.compiler import load_checked
 from hetc.passes.validate_fit import cost_error
-from hetc.commands.profileargs import PROFILE_ENV, add_profile_option, load_profile_args
+from hetc.plandir import PROFILE_ENV
+from hetc.commands.profileargs import add_profile_option, load_profile_args
 
 __all__ = ["register"]
 

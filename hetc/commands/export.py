@@ -27,9 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _hf(args: argparse.Namespace) -> int:
-    from hetc.cli import UsageError
+    from hetc.errors import UsageError
     from hetc.hf.config import HfError
-    from hetc.hf.export import export_hf
+    from hetc.runtime.hf_export import export_hf
     from hetc.spec import DType
 
     if args.max_shard_size <= 0:

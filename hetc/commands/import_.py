@@ -49,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _sailor(args: argparse.Namespace) -> int:
-    from hetc.cli import UsageError
+    from hetc.errors import UsageError
     from hetc.importers.sailor import import_sailor, plan_model
 
     model = args.model
@@ -67,8 +67,9 @@ def _zorse(args: argparse.Namespace) -> int:
 
 
 def _hf(args: argparse.Namespace) -> int:
-    from hetc.cli import UsageError
-    from hetc.hf.config import HfError, import_model
+    from hetc.errors import UsageError
+    from hetc.frontend.convert import import_model
+    from hetc.hf.config import HfError
     from hetc.frontend.printer import format_spec
     from hetc.spec import Spec
 

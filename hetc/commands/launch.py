@@ -16,7 +16,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from hetc.cli import UsageError
+from hetc.errors import UsageError
 from hetc.runtime.local import NODE_ENV
 
 __all__ = ["register", "torchrun_command"]

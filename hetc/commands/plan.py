@@ -8,7 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-from hetc.commands.profileargs import PROFILE_ENV, add_profile_option, load_profile_args
+from hetc.plandir import PROFILE_ENV
+from hetc.commands.profileargs import add_profile_option, load_profile_args
 from hetc.compiler import load_checked
 
 __all__ = ["register"]

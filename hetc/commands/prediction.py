@@ -12,9 +12,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from hetc.cli import UsageError
-from hetc.plandir import TIMELINE_FILE, read_program
-from hetc.commands.profileargs import load_profile_args, profile_paths, read_recorded, same_as_recorded, stale_profiles
+from hetc.errors import UsageError
+from hetc.commands.profileargs import load_profile_args, read_recorded, same_as_recorded, stale_profiles
+from hetc.plandir import TIMELINE_FILE, profile_paths, read_program
 from hetc.program import ProgramFormatError
 from hetc.timeline import Timeline
 

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from hetc.cli import UsageError
+from hetc.errors import UsageError
 from hetc.passes.cost.params import block_params
 from hetc.spec import Arch, DType, ModelSpec, Spec
 

@@ -16,31 +16,19 @@ since the prediction on the page is then not what those files would give.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import os
-from dataclasses import dataclass
 from pathlib import Path
 
-from hetc.cli import UsageError
+from hetc.errors import UsageError
+from hetc.plandir import PROFILE_ENV, PROFILES_FILE, RecordedProfile, fingerprint, profile_paths
 
-__all__ = ["PROFILES_FILE", "PROFILE_ENV", "RecordedProfile", "add_profile_option", "fingerprint",
-           "load_profile_args", "profile_paths", "read_recorded", "record_profiles", "same_as_recorded", "stale_profiles"]
-
-PROFILE_ENV = "HETC_PROFILES"   # os.pathsep-separated profile files / data folders used by default
-PROFILES_FILE = "profiles.json"
+__all__ = ["add_profile_option", "load_profile_args", "read_recorded", "same_as_recorded", "stale_profiles"]
 
 
 def add_profile_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="append", default=[], metavar="FILE|DIR",
                    help=f"a `hetc profile` file, a Sailor data folder or a Zorse folder (repeatable; "
                         f"after those in ${PROFILE_ENV})")
-
-
-def profile_paths(paths: list[str]) -> list[str]:
-    """$HETC_PROFILES's entries, then `paths` (the command line's)."""
-    env = [x for x in os.environ.get(PROFILE_ENV, "").split(os.pathsep) if x]
-    return env + list(paths)
 
 
 def load_profile_args(paths: list[str]):
@@ -51,32 +39,6 @@ def load_profile_args(paths: list[str]):
         return load_profiles(profile_paths(paths))
     except ProfileError as err:
         raise UsageError(str(err)) from None
-
-
-def fingerprint(path: Path) -> str | None:
-    """sha256 of a file, or of a folder's relative file names and contents; None when it is gone."""
-    digest = hashlib.sha256()
-    if path.is_file():
-        digest.update(path.read_bytes())
-    elif path.is_dir():
-        for f in sorted(p for p in path.rglob("*") if p.is_file()):
-            digest.update(str(f.relative_to(path)).encode() + b"\0" + f.read_bytes() + b"\0")
-    else:
-        return None
-    return digest.hexdigest()
-
-
-@dataclass(frozen=True, slots=True)
-class RecordedProfile:
-    path: str      # absolute, as the prediction read it
-    sha256: str
-
-
-def record_profiles(paths: list[str], unused) -> dict:
-    """DIR/profiles.json's content (Note [recorded profiles]); `unused` is Provenance.unused."""
-    used = [RecordedProfile(str(Path(p).resolve()), fingerprint(Path(p)) or "") for p in profile_paths(paths)]
-    return {"profiles": [{"path": r.path, "sha256": r.sha256} for r in used],
-            "unused_profiles": [{"profile": u.profile, "reason": u.reason} for u in unused]}
 
 
 def read_recorded(plan_dir: Path) -> list[RecordedProfile] | None:

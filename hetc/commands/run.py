@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from hetc.cli import UsageError
+from hetc.errors import UsageError
 from hetc.passes.verify import VerifyError, verified_evaluation, verify
 from hetc.program import ProgramFormatError
 from hetc.runtime.local import LAUNCHER_ENV

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from hetc.cli import UsageError
+from hetc.errors import UsageError
 from hetc.passes.cost import CostModel
 from hetc.passes.verify import VerifyError, verified_evaluation, verify
 from hetc.plandir import read_plan, read_program

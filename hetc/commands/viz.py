@@ -8,10 +8,11 @@ import logging
 from pathlib import Path
 
 from hetc.viz.classgap import ClassGap, class_gaps, gap_table, measured_from_metrics
-from hetc.cli import UsageError
+from hetc.errors import UsageError
 from hetc.plandir import TIMELINE_FILE, read_program
 from hetc.commands.prediction import plan_prediction
-from hetc.commands.profileargs import PROFILE_ENV, add_profile_option
+from hetc.plandir import PROFILE_ENV
+from hetc.commands.profileargs import add_profile_option
 from hetc.program import ProgramFormatError
 from hetc.timeline import Timeline, mean_class_times
 

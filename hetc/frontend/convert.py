@@ -8,16 +8,18 @@ value rules are in `hetc.frontend.values`, the schema in `hetc.frontend.schema`.
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
 from typing import Any
 
 from hetc.frontend import syntax
-from hetc.errors import Diagnostic, Span, SpecError, did_you_mean
+from hetc.errors import NO_SPAN, Diagnostic, Span, SpecError, did_you_mean
 from hetc.frontend.schema import FieldInfo, fields_of, normalize_key
-from hetc.hf.config import TRAINING_FIELDS, HfError, Preset, model_preset, read_config
+from hetc.hf.config import CONFIG_FILE, TRAINING_FIELDS, HfError, Preset, model_preset, read_config
 from hetc.spec import ModelSpec, Node, Spec, declared_path
 from hetc.frontend.values import ValueConverter, is_enum, words
 
-__all__ = ["Converter", "FieldInfo", "fields_of", "normalize_key", "to_spec"]
+__all__ = ["Converter", "FieldInfo", "fields_of", "import_model", "normalize_key", "to_spec"]
 
 
 class Converter(ValueConverter):
@@ -72,7 +74,7 @@ class Converter(ValueConverter):
 
     def _labels(self, infos, head: syntax.Block, values, spans) -> bool:
         """The block's name(s): `model NAME`, `link A <-> B`, `optimizer adamw`."""
-        label_infos = [i for i in infos if i.meta["label"]]
+        label_infos = [i for i in infos if i.meta.label]
         given = [lab for lab in (head.label, head.peer) if lab is not None]
         form = {0: "", 1: " NAME", 2: " A <-> B"}[len(label_infos)]
         if len(given) > len(label_infos):
@@ -95,9 +97,9 @@ class Converter(ValueConverter):
         if isinstance(item, syntax.Block):
             kind = normalize_key(item.kind)
             for info in infos:
-                if info.meta["block"] and kind in (info.meta["block"], *info.meta["aliases"]):
+                if info.meta.block and kind in (info.meta.block, *info.meta.aliases):
                     return info
-            blocks = [i.meta["block"] for i in infos if i.meta["block"]]
+            blocks = [i.meta.block for i in infos if i.meta.block]
             if any(kind in i.keys for i in infos):
                 self.error(item.kind_span, f"'{item.kind}' is a value here: write {item.kind} = ...")
                 return None
@@ -107,17 +109,17 @@ class Converter(ValueConverter):
             return None
         key = normalize_key(item.key)
         for info in infos:   # `stage = auto` names the field of the `stage` blocks, as `stages = auto` does
-            if (key in info.keys or key == info.meta["block"]) and not info.meta["label"]:
+            if (key in info.keys or key == info.meta.block) and not info.meta.label:
                 return info
-        names = [i.meta["block"] or i.name for i in infos if not i.meta["label"]]
-        every = [k for i in infos if not i.meta["label"] for k in i.keys]
+        names = [i.meta.block or i.name for i in infos if not i.meta.label]
+        every = [k for i in infos if not i.meta.label for k in i.keys]
         hint = did_you_mean(key, every)
         self.error(item.key_span, f"unknown key '{item.key}' in {what}{hint}"
                    + ("" if hint else f"; known keys: {', '.join(names)}"))
         return None
 
     def _required(self, infos, written, span, what) -> bool:
-        missing = [i.name for i in infos if i.required and i.name not in written and not i.meta["label"]]
+        missing = [i.name for i in infos if i.required and i.name not in written and not i.meta.label]
         if missing:
             self.error(span, f"{what} is missing {words(missing, quote=True)}")
             return False
@@ -187,7 +189,7 @@ class Converter(ValueConverter):
 def _claimed_fields(infos, item) -> list[str]:
     """The field an item names by its key or block kind, however it is written."""
     key = normalize_key(item.kind if isinstance(item, syntax.Block) else item.key)
-    return [i.name for i in infos if key in i.keys or key == i.meta["block"]]
+    return [i.name for i in infos if key in i.keys or key == i.meta.block]
 
 
 
@@ -224,3 +226,13 @@ def to_spec(items: list, span: Span) -> Spec:
     if conv.errors or spec is None:
         raise SpecError(conv.errors or [Diagnostic(span, "empty spec")])
     return spec
+
+
+def import_model(directory: Path, name: str) -> ModelSpec:
+    """The explicit ModelSpec DIR/config.json describes (`hetc import hf`); HfError or SpecError."""
+    conv = Converter()
+    preset = model_preset(read_config(directory), f"{directory}/{CONFIG_FILE}", NO_SPAN)
+    model = conv.block(ModelSpec, (), NO_SPAN, "model", preset=preset)
+    if conv.errors or not isinstance(model, ModelSpec):
+        raise SpecError(conv.errors)
+    return dataclasses.replace(model, name=name)

@@ -148,13 +148,13 @@ def spec_to_items(node: Node) -> list:
     """The items of `node`'s block body (for Spec: the top-level blocks)."""
     items: list = []
     for info in fields_of(type(node)):
-        if info.meta["label"]:
+        if info.meta.label:
             continue
         value = getattr(node, info.name)
         default = _default(type(node), info.name)
         if value == default and not info.required:
             continue
-        if info.meta["block"] and value is not AUTO and value is not None:
+        if info.meta.block and value is not AUTO and value is not None:
             items += _blocks(info, value)
         else:
             items.append(syntax.Attr(info.name, _syntax(info, value), NO_SPAN, NO_SPAN))
@@ -178,17 +178,17 @@ def _blocks(info, value) -> list:
         if shorthand is not None:
             out.append(syntax.Attr(info.name, shorthand, NO_SPAN, NO_SPAN))
             continue
-        labels = [getattr(v, i.name) for i in fields_of(type(v)) if i.meta["label"]]
+        labels = [getattr(v, i.name) for i in fields_of(type(v)) if i.meta.label]
         labels = [str(lab.value if isinstance(lab, StrEnum) else lab) for lab in labels]
         labels += [None] * (2 - len(labels))
-        out.append(syntax.Block(info.meta["block"], labels[0], labels[1], tuple(spec_to_items(v)),
+        out.append(syntax.Block(info.meta.block, labels[0], labels[1], tuple(spec_to_items(v)),
                              NO_SPAN, NO_SPAN))
     return out
 
 
 def _as_shorthand(node: Node):
     infos = fields_of(type(node))
-    short = [i for i in infos if i.meta["shorthand"]]
+    short = [i for i in infos if i.meta.shorthand]
     if not short:
         return None
     others = [i for i in infos if i is not short[0] and getattr(node, i.name) != _default(type(node), i.name)]
@@ -216,8 +216,8 @@ def _scalar(info, value):
     if isinstance(value, int):
         return syntax.Number(str(value), None, NO_SPAN)
     if isinstance(value, float):
-        if info.meta["unit"] is not None:
-            text, unit = format_quantity(value, info.meta["unit"]).split(" ", 1)
+        if info.meta.unit is not None:
+            text, unit = format_quantity(value, info.meta.unit).split(" ", 1)
             return syntax.Number(text, unit, NO_SPAN)
         return syntax.Number(repr(value), None, NO_SPAN)
     if isinstance(value, str):

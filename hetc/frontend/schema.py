@@ -1,8 +1,8 @@
 """The language schema: each Spec field's type taken apart, with its metadata.
 
-`hetc.spec.param` attaches the metadata (key aliases, unit, bounds, block
-kind, doc); this module reads it back per dataclass for the converter, the
-printer and the documentation generator.
+`hetc.spec.param` attaches the metadata, a `FieldMeta` (key aliases, unit,
+bounds, block kind, doc); this module reads it back per dataclass for the
+converter, the printer and the documentation generator.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import types
 import typing
 from typing import Any
 
-from hetc.spec import Auto
+from hetc.spec import SCHEMA_KEY, Auto, FieldMeta
 
 __all__ = ["FieldInfo", "fields_of", "normalize_key"]
 
@@ -28,11 +28,11 @@ class FieldInfo:
     auto_ok: bool
     none_ok: bool
     required: bool
-    meta: dict
+    meta: FieldMeta
 
     @property
     def keys(self) -> tuple[str, ...]:
-        return (self.name, *self.meta["aliases"])
+        return (self.name, *self.meta.aliases)
 
 
 def normalize_key(key: str) -> str:
@@ -48,8 +48,7 @@ def fields_of(cls: type) -> tuple[FieldInfo, ...]:
             continue
         base, many, auto_ok, none_ok = _take_apart(hints[f.name])
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        meta = dict(f.metadata) or {"doc": "", "aliases": (), "unit": None, "lo": None, "hi": None,
-                                     "block": None, "label": False, "shorthand": False}
+        meta = f.metadata.get(SCHEMA_KEY, FieldMeta())   # a field declared without `param`: no schema
         out.append(FieldInfo(f.name, base, many, auto_ok, none_ok, required, meta))
     return tuple(out)
 

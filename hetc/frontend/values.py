@@ -15,7 +15,7 @@ from typing import Any
 from hetc.frontend import syntax
 from hetc.errors import Diagnostic, Span, did_you_mean
 from hetc.frontend.schema import FieldInfo, fields_of
-from hetc.spec import AUTO, ENUM_ALIASES, LayerRange, RankSlice, Routing, RoutingKind
+from hetc.spec import AUTO, ENUM_ALIASES, FieldMeta, LayerRange, RankSlice, Routing, RoutingKind
 from hetc.units import UNITS, Dim, to_base, units_of
 
 __all__ = ["ValueConverter", "is_enum", "words"]
@@ -53,12 +53,12 @@ class ValueConverter:
 
     def _shorthand(self, field: FieldInfo, node, what):
         cls = field.base
-        infos = [i for i in fields_of(cls) if i.meta["shorthand"]]
+        infos = [i for i in fields_of(cls) if i.meta.shorthand]
         if not infos:
             if isinstance(node, syntax.Auto) and field.auto_ok:   # `stage = auto`: the planner writes the blocks
                 return AUTO
-            labels = [i for i in fields_of(cls) if i.meta["label"]]
-            kind = field.meta["block"] or what.strip(chr(39))
+            labels = [i for i in fields_of(cls) if i.meta.label]
+            kind = field.meta.block or what.strip(chr(39))
             named = " NAME" if any(i.required for i in labels) else ""
             head = kind + (f" {node.name}" if labels and isinstance(node, syntax.Word) else named)
             also = f", or {kind} = auto to let the planner choose" if field.auto_ok else ""
@@ -109,7 +109,7 @@ class ValueConverter:
         return self._bounded(int(node.text), info, node, what)
 
     def _float(self, node, info, what):
-        unit_dim: Dim | None = info.meta["unit"]
+        unit_dim: Dim | None = info.meta.unit
         if not isinstance(node, syntax.Number):
             need = f"{_NOUN[unit_dim]} such as {_EXAMPLE[unit_dim]}" if unit_dim else "a number"
             self.error(node.span, f"{what} expects {need}, got {_shown(node)}")
@@ -148,7 +148,7 @@ class ValueConverter:
         return base
 
     def _bounded(self, value, info, node: syntax.Number, what):
-        lo, hi = info.meta["lo"], info.meta["hi"]
+        lo, hi = info.meta.lo, info.meta.hi
         below, above = lo is not None and value < lo, hi is not None and value > hi
         if not (below or above):
             return value
@@ -210,7 +210,7 @@ def _routing(conv: ValueConverter, node: syntax.Value, what: str):
             return None
         return Routing(kind=kind, span=node.span)
     if isinstance(node, syntax.ListValue) and node.items:
-        info = FieldInfo("count", int, False, False, False, True, {"lo": 0, "hi": 1 << 30})
+        info = FieldInfo("count", int, False, False, False, True, FieldMeta(lo=0, hi=1 << 30))
         counts = [conv._int(n, info, "a microbatch count") for n in node.items]
         if any(c is None for c in counts):
             return None

@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from hetc.errors import Span
-from hetc.spec import Arch, DType, ModelSpec, RopeScalingKind, RopeScalingSpec
+from hetc.spec import Arch, DType, RopeScalingKind, RopeScalingSpec
 
-__all__ = ["CONFIG_FILE", "SUPPORTED", "TRAINING_FIELDS", "HfError", "Preset", "import_model", "model_preset",
+__all__ = ["CONFIG_FILE", "SUPPORTED", "TRAINING_FIELDS", "HfError", "Preset", "model_preset",
            "read_config"]
 
 CONFIG_FILE = "config.json"
@@ -167,19 +167,3 @@ def _sliding_window(config: dict[str, Any]) -> int | None:
     window = config.get("sliding_window")
     uses = config.get("use_sliding_window", True)
     return int(window) if isinstance(window, int) and uses else None
-
-
-
-def import_model(directory: Path, name: str) -> ModelSpec:
-    """The explicit ModelSpec DIR/config.json describes (`hetc import hf`); HfError or SpecError."""
-    import dataclasses
-
-    from hetc.frontend.convert import Converter
-    from hetc.errors import NO_SPAN, SpecError
-
-    conv = Converter()
-    preset = model_preset(read_config(directory), f"{directory}/{CONFIG_FILE}", NO_SPAN)
-    model = conv.block(ModelSpec, (), NO_SPAN, "model", preset=preset)
-    if conv.errors or not isinstance(model, ModelSpec):
-        raise SpecError(conv.errors)
-    return dataclasses.replace(model, name=name)

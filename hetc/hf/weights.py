@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from hetc.hf.config import HfError
+from hetc.spec import InitKind, ModelSpec
 
 __all__ = ["INDEX_FILE", "SINGLE_FILE", "WeightReader", "expected_shapes", "has_weights", "header_shapes",
-           "model_weight_problems", "weight_map", "weight_problems"]
+           "hf_has_weights", "model_weight_problems", "wants_pretrained", "weight_map", "weight_problems"]
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -32,6 +33,17 @@ _NOT_PARAMETERS = (".rotary_emb.inv_freq",)    # buffers some older checkpoints 
 def has_weights(directory: Path) -> bool:
     directory = Path(directory)
     return (directory / INDEX_FILE).is_file() or any(directory.glob("*.safetensors"))
+
+
+def hf_has_weights(model: ModelSpec) -> bool:
+    """Whether the model's `hf` directory holds safetensors."""
+    directory = model.hf_dir()
+    return directory is not None and has_weights(directory)
+
+
+def wants_pretrained(model: ModelSpec) -> bool:
+    """Whether initial weights come from the hf directory (`init`, or its default)."""
+    return model.init is InitKind.PRETRAINED or (model.init is None and hf_has_weights(model))
 
 
 def weight_map(directory: Path) -> dict[str, Path]:

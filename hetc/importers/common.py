@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hetc.cli import UsageError
+from hetc.errors import UsageError
 from hetc.frontend.load import BUNDLED_SPECS, load_spec
 from hetc.frontend.printer import format_spec
 from hetc.spec import DeviceSpec, LayerRange, ModelSpec, NodeSpec, RankSlice, Spec

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from hetc.cli import UsageError
+from hetc.errors import UsageError
 from hetc.importers.common import (NodeBook, catalog_devices, gpu_slice, layer_range, read_input_json, render,
                                    require_dir)
 from hetc.passes.cost.sources.devices import catalog_name

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from hetc.cli import UsageError
+from hetc.errors import UsageError
 from hetc.importers.common import catalog_devices, read_input_json, render, require_dir
 from hetc.passes.cost.sources.devices import catalog_name
 from hetc.passes.cost.sources.zorse_data import DTYPES, STATS

@@ -45,6 +45,8 @@ PHASES = tuple(Phase)
 CPU_OPTIMIZER_BYTES_PER_S = 10e9
 # all-to-all over more ranks than this uses the ring's neighbours to find the slowest link.
 ALL_PAIRS_LIMIT = 64
+# a ring's kinds of pair as its time depends on them: (node group, node group, same host, GPUs of the node)
+_PairSignature = tuple[tuple[str, str, bool, int], ...]
 
 
 class CostModel:
@@ -61,10 +63,12 @@ class CostModel:
         self._routes: dict[int, dict[int, int]] = {}
         self._peers: dict[tuple[int, int], tuple[int, ...]] = {}
         # memo keys: what the time depends on (kinds of pair: node groups, same host, GPUs of the node)
-        self._collectives: dict[tuple[Collective, int, float, int, tuple[tuple[str, str, bool, int], ...]], float] = {}
-        self._ring_kinds: dict[tuple[Collective, tuple[int, ...]], tuple[tuple[Gpu, Gpu, int], ...]] = {}
+        self._collectives: dict[tuple[Collective, int, float, int, _PairSignature], float] = {}
+        self._ring_kinds: dict[tuple[Collective, tuple[int, ...]],
+                               tuple[tuple[tuple[Gpu, Gpu, int], ...], _PairSignature]] = {}
         self._p2p: dict[tuple[str, str, bool, float, int], float] = {}
         self._compute_times: dict[tuple[int, int, Phase], float] = {}
+        self._numels: dict[tuple[int, int, int], float] = {}
         self._fits: dict[tuple[str, str, bool, int, int], Bandwidth | None] = {}
         # Note [shared cores]: the plan's ranks on a node with fewer cores than ranks compute slower
         cluster = spec.cluster
@@ -138,7 +142,12 @@ class CostModel:
     def numel(self, ms: int, rank: int) -> float:
         """Parameters of ministage `ms` one rank of its TP and EP groups holds (before ZeRO sharding)."""
         stage = self.stage_of(rank)
-        return sum(params_per_rank(self.model, i, stage.tp, stage.ep) for i in self.ministage(ms).layers)
+        key = (ms, stage.tp, stage.ep)   # memoised: lowering and the verifier ask for every rank
+        got = self._numels.get(key)
+        if got is None:
+            got = self._numels[key] = sum(params_per_rank(self.model, i, stage.tp, stage.ep)
+                                          for i in self.ministage(ms).layers)
+        return got
 
     def expert_fraction(self, ms: int, rank: int) -> float:
         """The share of `numel` that is expert parameters in their own buffer (expert parallelism), else 0."""
@@ -311,8 +320,8 @@ class CostModel:
         steps = ring_steps(kind, n)
         if steps == 0 or nbytes <= 0:
             return 0.0
-        kinds = self._pair_kinds(kind, tuple(ranks))
-        key = (kind, n, nbytes, concurrent, tuple((a.group, b.group, a.host == b.host, size) for a, b, size in kinds))
+        kinds, signature = self._pair_kinds(kind, tuple(ranks))
+        key = (kind, n, nbytes, concurrent, signature)
         got = self._collectives.get(key)
         if got is None:
             chunk = ring_chunk(nbytes, n)
@@ -321,11 +330,15 @@ class CostModel:
             got = self._collectives[key] = steps * worst
         return got
 
-    def _pair_kinds(self, kind: Collective, ranks: tuple[int, ...]) -> tuple[tuple[Gpu, Gpu, int], ...]:
+    def _pair_kinds(self, kind: Collective,
+                    ranks: tuple[int, ...]) -> tuple[tuple[tuple[Gpu, Gpu, int], ...], _PairSignature]:
+        """The ring's kinds of pair, and what of them its time depends on (the memo's key)."""
         key = (kind, ranks)
         got = self._ring_kinds.get(key)
         if got is None:
-            got = self._ring_kinds[key] = tuple(ring_pair_kinds(kind, tuple(self.gpu(r) for r in ranks)))
+            kinds = tuple(ring_pair_kinds(kind, tuple(self.gpu(r) for r in ranks)))
+            got = self._ring_kinds[key] = (kinds, tuple((a.group, b.group, a.host == b.host, size)
+                                                         for a, b, size in kinds))
         return got
 
     def microbatch_overhead(self, rank: int) -> float:

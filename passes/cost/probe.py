@@ -1,7 +1,7 @@
 """The cost model's primitives for any GPU of a cluster: per-layer times, links, collectives, bytes.
 
 The planner reads thousands of candidates class by class
-(passes/plan/stagecosts.py) before any of them is a Pipeline.
+(passes/cost/candidate_stage.py) before any of them is a Pipeline.
 Every time and byte here comes from a *probe* `CostModel` whose world is
 every GPU of the cluster (world rank = GPU id), so that its layer-time,
 link, collective and copy methods answer for any GPU; this class only
@@ -16,6 +16,7 @@ from functools import lru_cache
 
 from hetc.passes.cost import CostModel, Profiles
 from hetc.passes.cost.compute import LayerCost
+from hetc.passes.cost.cores import host_slowdowns
 from hetc.passes.cost.memory import context_reserve, state_bytes_per_param
 from hetc.passes.cost.model import optimizer_seconds
 from hetc.passes.cost.shapes import LayerKind, activation_elements, params_per_rank
@@ -52,6 +53,7 @@ class Primitives:
         self.lane_compute = lru_cache(maxsize=None)(self._lane_compute)
         self.params = lru_cache(maxsize=None)(self._params)
         self.activations = lru_cache(maxsize=None)(self._activations)
+        self._slowdowns: dict[int, tuple[tuple[Gpu, ...], dict[tuple[str, int], float]]] = {}
 
     # ------------------------------------------------------------ per layer
 
@@ -98,6 +100,18 @@ class Primitives:
 
     def optimizer(self, gpu: Gpu, numel: float, on_host: bool) -> float:
         return optimizer_seconds(self.model, gpu.device, numel, on_host)
+
+    def host_slowdowns(self, gpus: tuple[Gpu, ...]) -> dict[tuple[str, int], float]:
+        """`cores.host_slowdowns` of a plan's GPUs (empty when none is slowed), memoised per tuple (a stage's GPUs are resolved once
+        and read by every option of it; the tuple is held so that its id stays its own)."""
+        got = self._slowdowns.get(id(gpus))
+        if got is None or got[0] is not gpus:
+            cluster = self.topo.cluster
+            slow = host_slowdowns(gpus, {n.name: n.cores for n in cluster.nodes}, cluster.cores,
+                                  self.probe.profiles.shared)
+            # no host slowed: an empty table, so that a lane's slowdown is 1 without a look at its GPUs
+            got = self._slowdowns[id(gpus)] = (gpus, slow if any(v != 1.0 for v in slow.values()) else {})
+        return got[1]
 
     def context(self, gpu: Gpu) -> float:
         return context_reserve(gpu.device.memory, gpu.device.is_cpu)

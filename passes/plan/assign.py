@@ -30,6 +30,7 @@ from typing import Any
 
 from ortools.sat.python import cp_model
 
+from hetc.passes.plan.routing import spread
 from hetc.passes.plan.tables import Option, StageTable
 
 __all__ = ["Assignment", "assign_cpsat", "assign_fast", "model_objective"]
@@ -193,7 +194,8 @@ def _rounded(x: float) -> float:
 def assign_cpsat(tables: list[StageTable], units: int, m: int, hint: Assignment | None,
                  work_limit: float = 1.0) -> Assignment | None:
     """The joint model; None when it finds nothing within `work_limit` (CP-SAT's deterministic time)."""
-    per_stage = [[(e.work, e.option) for e in entries] for entries in _entries(tables)]
+    keep = set(map(id, hint.options)) if hint else set()
+    per_stage = [_undominated([(e.work, e.option) for e in entries], keep) for entries in _entries(tables)]
     if any(not opts for opts in per_stage):
         return None
     scale = RESOLUTION / (hint.objective if hint else max(t for opts in per_stage for t, _ in opts))
@@ -206,6 +208,7 @@ def assign_cpsat(tables: list[StageTable], units: int, m: int, hint: Assignment 
     bound = model.new_int_var(0, horizon, "T")
     tail = model.new_int_var(0, ticks(max(o.tail for opts in per_stage for _, o in opts)) + 1, "tail")
     picks: list[list[Any]] = []
+    count_vars: list[list[Any]] = []
     layer_terms: list[Any] = []
     fill_terms: list[Any] = []
     lead: list[Any] = []   # CP-SAT linear expressions
@@ -218,13 +221,11 @@ def assign_cpsat(tables: list[StageTable], units: int, m: int, hint: Assignment 
         # a stage's tail shows beyond the drains of the stages before it
         model.add(tail >= sum(ticks(o.tail) * xi for (_, o), xi in zip(opts, x)) - sum(lead))
         lead += [ticks(o.drain) * xi for (_, o), xi in zip(opts, x)]
-        _lanes(model, s, opts, x, bound, m, ticks)
+        count_vars.append(_lanes(model, s, opts, x, bound, m, ticks))
     model.add(sum(layer_terms) == units)
     model.minimize(bound + sum(fill_terms) + tail)
     if hint is not None:
-        for (opts, x), chosen in zip(zip(per_stage, picks), hint.options):
-            for (_, o), xi in zip(opts, x):
-                model.add_hint(xi, o is chosen)
+        _hint(model, hint, per_stage, picks, count_vars, m)
     solver = cp_model.CpSolver()
     solver.parameters.max_deterministic_time = work_limit   # not wall time: the same answer on a busy machine
     solver.parameters.num_workers = 1
@@ -237,7 +238,50 @@ def assign_cpsat(tables: list[StageTable], units: int, m: int, hint: Assignment 
     return Assignment(tuple(picked), model_objective(picked))
 
 
-def _lanes(model: cp_model.CpModel, s: int, opts, x, bound, m: int, ticks) -> None:
+# Note [dominated options]: an option enters the model only through its layer count, fill, tail, drain,
+# lockstep flag and each lane class's cycle and cap. Another option of the same layer count that is no
+# worse in each (a lower fill, tail and cycles, a longer drain, which hides later stages' tails, a larger
+# cap, no lockstep) can replace it in any solution without raising the objective, so the model keeps its
+# optimum without it; of equal options the first stays. The hint's options stay whatever they are, so the
+# complete hint (`_hint`) remains a solution and CP-SAT never answers worse than it.
+
+
+def _undominated(opts: list[tuple[float, Option]], keep: set[int]) -> list[tuple[float, Option]]:
+    """The options no other option of the same layer count beats or ties in every term of the model
+    (fill, tail, drain, and each lane class's cycle and cap), the first of equals, and those in `keep`:
+    the model's optimum is the same without the rest (Note [dominated options])."""
+    out: list[tuple[float, Option]] = []
+    for k, (work, o) in enumerate(opts):
+        if id(o) in keep or not any(_dominates(p, o, j < k) for j, (_, p) in enumerate(opts) if j != k):
+            out.append((work, o))
+    return out
+
+
+def _dominates(a: Option, b: Option, earlier: bool) -> bool:
+    """Whether `a` is at least as good as `b` in every term (strictly in one, or `a` comes first)."""
+    if a.layers != b.layers or len(a.classes) != len(b.classes) or (a.equal_counts and not b.equal_counts):
+        return False
+    ours = (a.fill, a.tail, -a.drain, *(x for c in a.classes for x in (c.cycle, -c.cap)))
+    theirs = (b.fill, b.tail, -b.drain, *(x for c in b.classes for x in (c.cycle, -c.cap)))
+    if any(x > y for x, y in zip(ours, theirs)):
+        return False
+    return earlier or ours != theirs or a.equal_counts != b.equal_counts
+
+
+def _hint(model: cp_model.CpModel, hint: Assignment, per_stage: list[list[tuple[float, Option]]],
+          picks: list[list[Any]], count_vars: list[list[Any]], m: int) -> None:
+    """The whole hint: its options and, per lane class, the most microbatches `spread` gives a lane (a
+    complete feasible start, so that CP-SAT's answer is never worse than the hint's)."""
+    for opts, x, counts, chosen in zip(per_stage, picks, count_vars, hint.options):
+        for (_, o), xi in zip(opts, x):
+            model.add_hint(xi, o is chosen)
+        rows = spread(m, chosen.lane_classes(), chosen.equal_counts)
+        if rows is not None:
+            for c, row in zip(counts, rows):
+                model.add_hint(c, max(row))
+
+
+def _lanes(model: cp_model.CpModel, s: int, opts, x, bound, m: int, ticks) -> list[Any]:
     """Microbatch counts per lane class of stage s, tied to the option its x picks."""
     shapes = {tuple(len(c.lanes) for c in o.classes) for _, o in opts}
     (sizes,) = shapes  # every option of a stage has the same lane classes
@@ -250,3 +294,4 @@ def _lanes(model: cp_model.CpModel, s: int, opts, x, bound, m: int, ticks) -> No
             model.add(c * ticks(cls.cycle) <= bound).only_enforce_if(xi)
             if o.equal_counts:
                 model.add(c == m // total).only_enforce_if(xi)
+    return counts

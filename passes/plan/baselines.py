@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetc.passes.plan.candidate import Candidate, GpuBlock, Knobs, Offload, StageGpus, split_evenly
-from hetc.passes.plan.evaluate import Score
+from hetc.passes.cost.candidate_score import Score
 from hetc.passes.plan.layouts import gpu_run, group_speed, whole_group
 from hetc.spec import ScheduleKind
 from hetc.topology import Topology

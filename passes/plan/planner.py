@@ -21,7 +21,7 @@ from hetc.passes.cost import CostModel, Estimate, Profiles
 from hetc.passes.plan.baselines import Baseline, baselines
 from hetc.passes.plan.candidate import Candidate
 from hetc.passes.plan.emit import emit_spec
-from hetc.passes.plan.evaluate import Score
+from hetc.passes.cost.candidate_score import Score
 from hetc.passes.plan.infeasible import no_plan_error
 from hetc.passes.plan.objective import Goal
 from hetc.passes.plan.search import Found, Search, SearchLimits
@@ -138,14 +138,16 @@ CHECK_OPS = 8192
 
 
 def _check_winner(checked: Checked, profiles: Profiles | None, chosen: str) -> None:
-    from hetc.passes.agreement import build
-    from hetc.passes.verify import VerifyError
+    from hetc.passes.lower import lower
+    from hetc.passes.verify import VerifyError, verify
 
     p = checked.pipeline
     if p is None or p.num_microbatches * len(p.ministages) > CHECK_OPS:
         return
-    try:
-        build(checked, profiles, simulated=False)
+    assert checked.topology is not None   # a pipeline runs on a cluster
+    costs = CostModel(checked.spec, p, checked.topology, profiles)
+    try:   # what `hetc compile` runs, without the timeline and the per-rank report it writes beside
+        verify(lower(checked.spec, p, costs=costs), p, checked.spec, costs)
     except VerifyError as err:
         what = "does not fit in device memory" if err.check == "memory" else f"fails the {err.check} check"
         raise InternalError(f"the plan hetc plan chose ({chosen}) {what} once compiled, though its cost model "
@@ -162,6 +164,6 @@ def _cross_check(score: Score, estimate: Estimate | None) -> None:
     drift = abs(score.step_time_s - estimate.step_time_s) / max(estimate.step_time_s, 1e-30)
     if drift > 1e-6:
         log.warning("the planner scored this plan %.6g s/step but the cost model estimates %.6g s "
-                    "(%.2g%% apart): passes/plan/stagecosts.py reads the candidate otherwise than "
+                    "(%.2g%% apart): passes/cost/candidate_stage.py reads the candidate otherwise than "
                     "passes/cost/pipeline_stage.py reads its pipeline",
                     score.step_time_s, estimate.step_time_s, 100 * drift)

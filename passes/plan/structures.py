@@ -18,7 +18,7 @@ from hetc.passes.cost.intra_lane import tp_degrees
 from hetc.passes.plan.assign import Assignment, assign_fast
 from hetc.passes.plan.candidate import Candidate, Knobs, StageGpus
 from hetc.passes.cost.probe import Primitives
-from hetc.passes.plan.evaluate import Score, evaluate
+from hetc.passes.cost.candidate_score import Score, evaluate
 from hetc.passes.plan.layouts import Layout, group_speed, layouts
 from hetc.passes.plan.objective import Goal
 from hetc.passes.plan.partition import bandwidth_domains

@@ -35,7 +35,7 @@ from hetc.errors import InternalError
 from hetc.runtime.nn.attention import Attention, Rotary
 from hetc.runtime.nn.layers import NORMS, Block, Embedding, Head
 from hetc.runtime.nn.moe import ALL_EXPERTS, ExpertShard
-from hetc.runtime.seeding import generator
+from hetc.runtime.nn.seeding import generator
 from hetc.runtime.nn.tensor_parallel import NO_SHARD, ParallelLinear, TPShard, shard_infos
 from hetc.spec import Arch, Checkpointing, DType, ModelSpec
 
@@ -185,7 +185,7 @@ class Ministage(nn.Module):
     def _check_tied(self, model: ModelSpec) -> None:
         if model.tied_embeddings and self.computes_loss and not self.takes_tokens:
             raise ValueError("tied embeddings need the embedding and the head in one ministage "
-                             "(the validator reports this through hetc.runtime.checks)")
+                             "(the validator reports this through hetc.passes.validate_runtime)")
 
     @property
     def layers(self) -> dict[str, nn.Module]:

@@ -38,12 +38,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hetc.runtime.nn.tensor_parallel import all_gather_into
-from hetc.runtime.nn.tensor_parallel import ParallelLinear
+from hetc.runtime.nn import collectives
+from hetc.runtime.nn.tensor_parallel import ParallelLinear, all_gather_into
 from hetc.spec import ModelSpec
 
 __all__ = [
@@ -127,7 +126,7 @@ class _AllToAll(torch.autograd.Function):
 
 def _all_to_all(x: Tensor, group, recv: list[int], send: list[int]) -> Tensor:
     out = x.new_empty((sum(recv), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    collectives.all_to_all_single(out, x.contiguous(), recv, send, group=group)
     return out
 
 
@@ -148,7 +147,7 @@ class ExpertExchange:
             return run(sent, counts.view(1, -1))
         mine = counts.view(self.size, -1)                 # what goes to each owner, per expert
         theirs = torch.empty_like(mine)
-        dist.all_to_all_single(theirs, mine.contiguous(), group=self.group)
+        collectives.all_to_all_single(theirs, mine.contiguous(), group=self.group)
         send, recv = mine.sum(1).tolist(), theirs.sum(1).tolist()
         received = _AllToAll.apply(sent, self.group, recv, send)
         return _AllToAll.apply(run(received, theirs), self.group, send, recv)

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from hetc.runtime.nn import collectives
+
 __all__ = ["RingAttention", "zigzag_chunks"]
 
 
@@ -52,7 +54,7 @@ class _Ring:
         got = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
         ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group, tag=i) for i, t in enumerate(tensors)]
         ops += [dist.P2POp(dist.irecv, g, self.prev, self.group, tag=i) for i, g in enumerate(got)]
-        return got, dist.batch_isend_irecv(ops)
+        return got, collectives.batch_isend_irecv(ops)
 
 
 def _wait(works) -> None:

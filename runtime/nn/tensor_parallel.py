@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hetc.errors import InternalError
+from hetc.runtime.nn import collectives
 
 __all__ = [
     "NO_SHARD",
@@ -235,23 +236,19 @@ def set_tp_comm(module: nn.Module, comm: TPComm) -> None:
 
 
 # The collectives over a process group (what the interpreter installs as `TPComm`)
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
 def all_gather_into(out: Tensor, mine: Tensor, group) -> None:
     """Blocking all-gather of equal parts along dim 0."""
-    _all_gather(out, mine, group=group)
+    collectives.all_gather_into_tensor(out, mine, group=group)
 
 
 def reduce_scatter_into(out: Tensor, full: Tensor, group) -> None:
     """Blocking reduce-scatter (sum) of equal parts along dim 0."""
-    _reduce_scatter(out, full, group=group)
+    collectives.reduce_scatter_tensor(out, full, group=group)
 
 
 def _all_reduce(x: Tensor, group) -> Tensor:  # never in place: autograd may still hold `x`
     out = x.contiguous().clone()
-    dist.all_reduce(out, group=group)
+    collectives.all_reduce(out, group=group)
     return out
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from hetc.runtime.nn import collectives
 from hetc.runtime.nn.attention import AttentionCore, causal_attention
 from hetc.runtime.nn.tensor_parallel import conjugate
 
@@ -28,7 +29,7 @@ __all__ = ["UlyssesAttention", "heads_to_seq", "kv_repeats", "seq_to_heads"]
 
 def _all_to_all(x: Tensor, group) -> Tensor:
     out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
+    collectives.all_to_all_single(out, x, group=group)
     return out
 
 

@@ -5,8 +5,8 @@ collectives beside the compute and after the flush, the optimizer step,
 Zorse's units and memory per class of ranks, each from passes/cost's
 formulas (`CostModel.layer_cost` through `Primitives`, `zero_time`,
 `memory.state_memory`, `plan_time.stage_borders`) with the candidate's
-groups (views.py). The option tables (tables.py) read it too, on a
-stand-in pipeline around one stage.
+groups (candidate_view.py). The planner's option tables read it too
+(stage_option.py), on a stand-in pipeline around one stage.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import cached_property
 
-from hetc.passes.cost.cores import host_slowdowns
+from hetc.passes.cost.candidate_view import PlanView, StageContext, StageView
 from hetc.passes.cost.memory import (RankMemory, ShardFactors, StateMemory, StatesHeld, activation_memory,
                                     rank_memory, shard_factors, state_memory, zorse_backward_peak)
 from hetc.passes.cost.plan_time import ministage_borders, stage_borders
@@ -34,8 +34,7 @@ _KINDS = (LayerKind.EMBED, LayerKind.BLOCK, LayerKind.HEAD)
 class StageCosts:
     """Per-stage quantities of the cost model, for one stage of a plan view."""
 
-    def __init__(self, prims: Primitives, plan, stage):
-        """`plan`: a PlanView or tables.StageContext; `stage`: a StageView."""
+    def __init__(self, prims: Primitives, plan: PlanView | StageContext, stage: StageView):
         self.p, self.plan, self.s = prims, plan, stage
         self.index: int = stage.index
         self.num_lanes: int = len(stage.lanes)
@@ -44,7 +43,10 @@ class StageCosts:
         # microbatches a lane keeps in flight (Note [in-flight limit]); None: the stages ahead (option tables)
         self.in_flight_limit: int | None = None
         self._statics: dict[int | None, StateMemory] = {}
-        self._rooms: dict[tuple, float] = {}
+        self._rooms: dict[tuple[str, int | None, int, int | None], float] = {}
+        self._numels: dict[tuple[int, int, int], float] = {}
+        self._shards: dict[int | None, ShardFactors] = {}
+        self._rings: dict[int, ZeroRings] = {}
 
     # ------------------------------------------------------------ layers
 
@@ -64,7 +66,11 @@ class StageCosts:
         return sum(n * per_kind(kind) for n, kind in zip(units, _KINDS) if n)
 
     def numel(self, units: tuple[int, int, int] | None = None) -> float:
-        return self._sum(units or self.layer_counts, lambda k: self.p.params(k, self.s.tp))
+        units = units or self.layer_counts
+        got = self._numels.get(units)
+        if got is None:
+            got = self._numels[units] = self._sum(units, lambda k: self.p.params(k, self.s.tp))
+        return got
 
     def boundary_bytes(self, ms: int) -> float:
         return 0.0 if ms == self.last_ms else self.p.boundary
@@ -75,21 +81,22 @@ class StageCosts:
 
     def compute(self, lane: int, units: tuple[int, int, int] | None = None) -> tuple[float, float, float]:
         """(F, I, W) seconds of one microbatch through `units` (default: the stage) on a lane."""
-        gpus = self.s.lanes[lane]
-        f, i, w = self.p.lane_compute(tuple(g.device.name for g in gpus), self.s.tp, tuple(g.id for g in gpus),
-                                      self.s.knobs.offload.activations, units or self.layer_counts)
+        devices, ids = self.s.res.lane_devices[lane]
+        f, i, w = self.p.lane_compute(devices, self.s.tp, ids, self.s.knobs.offload.activations,
+                                      units or self.layer_counts)
         slow = self.slowdown(lane)
         return f * slow, i * slow, w * slow
 
     @cached_property
     def _slowdowns(self) -> dict[tuple[str, int], float]:
-        cluster = self.p.topo.cluster
-        return host_slowdowns(self.plan.gpus or self.s.res.gpus, {n.name: n.cores for n in cluster.nodes},
-                              cluster.cores, self.p.probe.profiles.shared)
+        return self.p.host_slowdowns(self.plan.gpus or self.s.res.gpus)
 
     def slowdown(self, lane: int) -> float:
         """Mirrors CostModel.slowdown: the lane's slowest rank for sharing its node's cores."""
-        return max(self._slowdowns.get(g.host, 1.0) for g in self.s.lanes[lane])
+        slow = self._slowdowns
+        if not slow:   # no node of the plan shares its cores
+            return 1.0
+        return max(slow.get(g.host, 1.0) for g in self.s.lanes[lane])
 
     def overhead(self, lane: int) -> float:
         """The engine's seconds per microbatch outside the layers (`CostModel.microbatch_overhead`)."""
@@ -146,10 +153,19 @@ class StageCosts:
         return self.shard_of(self.s.node_share(lane))
 
     def shard_of(self, node_share: int | None) -> ShardFactors:
-        return shard_factors(self.s.zero, len(self.s.ring), node_share)
+        got = self._shards.get(node_share)
+        if got is None:
+            got = self._shards[node_share] = shard_factors(self.s.zero, len(self.s.ring), node_share)
+        return got
 
     def rings(self, lane: int) -> ZeroRings:
         """The ZeRO groups of `lane`'s first rank (`passes.cost.zero_time`)."""
+        got = self._rings.get(lane)
+        if got is None:
+            got = self._rings[lane] = self._zero_rings(lane)
+        return got
+
+    def _zero_rings(self, lane: int) -> ZeroRings:
         k, res = self.s.concurrent(lane), self.s.res
         timer = lambda kind, ranks, nbytes: self.p.ring(kind, ranks, nbytes, k)
         if self.s.zero.shard is not ZeroShard.NODE:
@@ -217,6 +233,13 @@ class StageCosts:
             got = self._rooms[key] = m.capacity - m.total
         return got
 
+    @cached_property
+    def _borders(self) -> tuple[float, float]:
+        """(the boundary activations held from the stage's earlier ministages, the largest one it holds)."""
+        st = self.s
+        return (sum(self.boundary_bytes(ms - 1) for ms in st.ministages if ms > 0),
+                max(self.boundary_bytes(ms) for ms in st.ministages))
+
     def activations_per_count(self) -> float:
         """Activation bytes each further microbatch adds when that is linear in the count (GPipe, Zorse
         without offloaded activations), else 0."""
@@ -243,7 +266,7 @@ class StageCosts:
                               sum(n * p.states.optimizer for n in self.ms_numel) *
                               self.shard_of(node_share).optimizer, self.shard_of(node_share),
                               int(st.zero.level) >= 3 and len(st.lanes) > 1, len(st.lanes),
-                              max((self.boundary_bytes(ms) for ms in st.ministages), default=0.0), p.states.grads)
+                              self._borders[1] if st.ministages else 0.0, p.states.grads)
             got = self._statics[node_share] = state_memory(held, st.knobs.offload.to_spec(), self.plan.schedule,
                                                            p.train.grad_clip, self.plan.prefetch)
         return got
@@ -256,10 +279,10 @@ class StageCosts:
     def _activations(self, count: int) -> tuple[float, float]:
         # every rank of a tp group holds the whole boundary activation (no sequence parallelism)
         st = self.s
+        held, largest = self._borders
         return activation_memory(self.plan.schedule, st.index, self.plan.num_stages, count,
                                  self._per_mb_activations, self.in_flight_limit, st.knobs.offload.activations,
-                                 sum(self.boundary_bytes(ms - 1) for ms in st.ministages if ms > 0),
-                                 max(self.boundary_bytes(ms) for ms in st.ministages), self.plan.prefetch)
+                                 held, largest, self.plan.prefetch)
 
 
 def _lane_classes(sc: StageCosts) -> dict[tuple, list[int]]:

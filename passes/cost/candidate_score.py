@@ -17,9 +17,9 @@ from hetc.passes.cost import RankMemory
 from hetc.passes.cost.classes import PlanShape, evaluate_classes, throughput, tokens_per_step
 from hetc.passes.cost.plan_time import step_end_time
 from hetc.passes.cost.probe import Primitives
-from hetc.passes.plan.egress import egress_per_step
-from hetc.passes.plan.stagecosts import StageCosts
-from hetc.passes.plan.views import PlanView
+from hetc.passes.cost.egress import egress_per_step
+from hetc.passes.cost.candidate_stage import StageCosts
+from hetc.passes.cost.candidate_view import PlanView
 
 __all__ = ["Score", "evaluate"]
 

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 from hetc.passes.cost.traffic import zero_bytes
 from hetc.passes.cost.probe import Primitives
-from hetc.passes.plan.views import PlanView
+from hetc.passes.cost.candidate_view import PlanView
 
 if TYPE_CHECKING:
-    from hetc.passes.plan.stagecosts import StageCosts
+    from hetc.passes.cost.candidate_stage import StageCosts
 
 __all__ = ["egress_per_step", "has_egress"]
 

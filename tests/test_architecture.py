@@ -1,0 +1,181 @@
+"""The layers of docs/architecture.md hold: no import cycle between them, no import against their order.
+
+The page is the one statement of the rule: its layer table (lowest first) and its table of known
+exceptions are parsed here. Every `import` and `from ... import` counts, at module level, inside
+functions, or under TYPE_CHECKING.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+__all__ = ["Layer", "edges_against_order", "import_edges", "layer_cycles"]
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = ROOT / "docs" / "architecture.md"
+PACKAGES = ("grammar", "hetc", "passes", "runtime")   # the top-level folders of the code
+# hetc.passes, hetc.runtime and hetc.grammar are the folders of these names (Note [layout])
+LINKED = {"hetc.passes": "passes", "hetc.runtime": "runtime", "hetc.grammar": "grammar"}
+LINKS = {ROOT / "hetc" / name for name in ("passes", "runtime", "grammar")}
+
+
+@dataclass(frozen=True)
+class Layer:
+    name: str
+    rank: int                  # the row: lower rows may import higher ones
+    paths: tuple[str, ...]     # "hetc/frontend/" (a folder) or "hetc/compiler.py" (a module)
+
+
+def _table(marker: str) -> list[list[str]]:
+    """The rows of the markdown table that follows `<!-- marker: ... -->` on the page."""
+    lines = PAGE.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"<!-- {marker}:"))
+    rows = []
+    for line in lines[start + 3:]:   # the comment, the header, the rule
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def _paths(cell: str) -> tuple[str, ...]:
+    return tuple(re.findall(r"`([^`]+)`", cell))
+
+
+def page_layers() -> list[Layer]:
+    return [Layer(row[0], rank, _paths(row[1])) for rank, row in enumerate(_table("layers"))]
+
+
+def page_exceptions() -> set[tuple[str, str]]:
+    return {(_paths(row[0])[0], _paths(row[1])[0]) for row in _table("exceptions")}
+
+
+def source_files() -> list[Path]:
+    """Every module of the code, by its real path (the symlinked packages once)."""
+    files = []
+    for top in PACKAGES:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            if not any(link in path.parents for link in LINKS):
+                files.append(path)
+    return files
+
+
+def _module_path(module: str) -> str | None:
+    """The repository path of an importable hetc module name, or None (a name inside a module)."""
+    for prefix, folder in LINKED.items():
+        if module == prefix or module.startswith(prefix + "."):
+            module = folder + module[len(prefix):]
+            break
+    base = ROOT / module.replace(".", "/")
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate.relative_to(ROOT).as_posix()
+    return None
+
+
+def _imported(node: ast.Import | ast.ImportFrom) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if node.level or node.module is None:
+        raise AssertionError(f"relative import at line {node.lineno}: hetc imports by absolute name")
+    return [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+
+
+def import_edges(files: list[Path]) -> set[tuple[str, str]]:
+    """(importing path, imported path) for every import of a hetc module, lazy ones included."""
+    edges = set()
+    for path in files:
+        source = path.relative_to(ROOT).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(), source)):
+            if not isinstance(node, ast.Import | ast.ImportFrom):
+                continue
+            for name in _imported(node):
+                if name.split(".")[0] in PACKAGES and (target := _module_path(name)) and target != source:
+                    edges.add((source, target))
+    return edges
+
+
+def layer_of(path: str, layers: list[Layer]) -> Layer:
+    """The layer whose path is the longest that names `path` (a module, or a folder above it)."""
+    owners = [(len(p), layer) for layer in layers for p in layer.paths
+              if path == p or (p.endswith("/") and path.startswith(p))]
+    if not owners:
+        raise AssertionError(f"{path} is in no layer of docs/architecture.md")
+    return max(owners, key=lambda owner: owner[0])[1]
+
+
+def edges_against_order(edges: set[tuple[str, str]], layers: list[Layer]) -> list[str]:
+    """Each import of a lower layer's module by a higher one, as one line."""
+    out = []
+    for source, target in sorted(edges):
+        a, b = layer_of(source, layers), layer_of(target, layers)
+        if b.rank > a.rank:
+            out.append(f"{source} ({a.name}) imports {target} ({b.name}), a layer below it")
+    return out
+
+
+def layer_cycles(edges: set[tuple[str, str]], layers: list[Layer]) -> list[list[str]]:
+    graph = nx.DiGraph()
+    for source, target in edges:
+        a, b = layer_of(source, layers).name, layer_of(target, layers).name
+        if a != b:
+            graph.add_edge(a, b)
+    return [sorted(component) for component in nx.strongly_connected_components(graph) if len(component) > 1]
+
+
+@pytest.fixture(scope="module")
+def edges() -> set[tuple[str, str]]:
+    return import_edges(source_files())
+
+
+def test_no_import_cycle_between_layers(edges):
+    # the page's exceptions stay out: a cycle is never allowed
+    cycles = layer_cycles(edges - page_exceptions(), page_layers())
+    assert not cycles, f"import cycles between layers: {cycles}"
+
+
+def test_imports_follow_the_layers(edges):
+    wrong = edges_against_order(edges - page_exceptions(), page_layers())
+    assert not wrong, "imports against docs/architecture.md's order:\n" + "\n".join(wrong)
+
+
+def test_every_exception_is_still_needed(edges):
+    layers = page_layers()
+    for source, target in page_exceptions():
+        assert (source, target) in edges, f"{source} no longer imports {target}: drop the exception"
+        assert edges_against_order({(source, target)}, layers), f"{source} -> {target} is no exception"
+
+
+def test_every_module_is_in_a_layer():
+    layers = page_layers()
+    for path in source_files():
+        layer_of(path.relative_to(ROOT).as_posix(), layers)
+
+
+def test_every_package_is_named():
+    named = {p for layer in page_layers() for p in layer.paths}
+    packages = {path.parent.relative_to(ROOT).as_posix() + "/" for path in source_files()
+                if path.name == "__init__.py"}
+    assert packages <= named, f"packages missing from the layer table: {sorted(packages - named)}"
+
+
+def test_every_path_named_exists():
+    named = re.findall(r"(?<![\w/.])((?:grammar|hetc|passes|runtime|tests|docs|specs|benchmarks)/[\w./-]*)",
+                       PAGE.read_text())
+    assert named
+    missing = sorted({p for p in named if not (ROOT / p.rstrip(".")).exists()})
+    assert not missing, f"docs/architecture.md names paths that do not exist: {missing}"
+
+
+def test_the_checker_reports_an_upward_import_and_a_cycle():
+    layers = page_layers()
+    upward = {("hetc/spec.py", "runtime/worker.py")}
+    assert edges_against_order(upward, layers) == [
+        "hetc/spec.py (ir) imports runtime/worker.py (runtime), a layer below it"]
+    assert layer_cycles(upward | {("runtime/worker.py", "hetc/spec.py")}, layers) == [["ir", "runtime"]]
