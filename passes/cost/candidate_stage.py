@@ -11,6 +11,7 @@ groups (candidate_view.py). The planner's option tables read it too
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from functools import cached_property
 
@@ -29,6 +30,8 @@ from hetc.topology import Gpu
 __all__ = ["StageCosts", "unit_lane_times"]
 
 _KINDS = (LayerKind.EMBED, LayerKind.BLOCK, LayerKind.HEAD)
+# lanes timed alike: (lane class, microbatch count, then per neighbouring stage (peer's node group, same host))
+_LaneClassKey = tuple[int | tuple[str, bool], ...]
 
 
 class StageCosts:
@@ -62,7 +65,7 @@ class StageCosts:
         head = self.p.model.layers + 1
         return (int(first == 0), len(range(max(first, 1), min(stop, head))), int(stop > head))
 
-    def _sum(self, units: tuple[int, int, int], per_kind) -> float:
+    def _sum(self, units: tuple[int, int, int], per_kind: Callable[[LayerKind], float]) -> float:
         return sum(n * per_kind(kind) for n, kind in zip(units, _KINDS) if n)
 
     def numel(self, units: tuple[int, int, int] | None = None) -> float:
@@ -117,7 +120,7 @@ class StageCosts:
         return list(self._lane_classes.values())
 
     @cached_property
-    def _lane_classes(self) -> dict[tuple, list[int]]:
+    def _lane_classes(self) -> dict[_LaneClassKey, list[int]]:
         return _lane_classes(self)
 
     def count(self, lane: int) -> int:
@@ -140,7 +143,7 @@ class StageCosts:
     def memory_classes(self, limit: int | None) -> list[tuple[RankMemory, tuple[int, ...]]]:
         """One entry per device kind, microbatch count and node share, with its GPU ids."""
         self.in_flight_limit = limit
-        seen: dict[tuple, tuple[RankMemory, list[int]]] = {}
+        seen: dict[tuple[str, int, int | None], tuple[RankMemory, list[int]]] = {}
         for lane, gpus in enumerate(self.s.lanes):
             for gpu in gpus:
                 key = (gpu.device.name, self.s.counts[lane], self.s.node_share(lane))
@@ -173,7 +176,7 @@ class StageCosts:
         return ZeroRings(timer, self.s.ring, res.node_ring(lane),
                          across_nodes(self.s.ring, lambda r: res.host_of_ring[r], self.s.ring[lane]))
 
-    def _copier(self, lane: int):
+    def _copier(self, lane: int) -> Callable[[float], float]:
         gpu = self.s.lanes[lane][0]
         return lambda nbytes: self.p.copy(gpu, nbytes)
 
@@ -265,7 +268,7 @@ class StageCosts:
                               sum(n * p.states.grads for n in self.ms_numel) * self.shard_of(node_share).grads,
                               sum(n * p.states.optimizer for n in self.ms_numel) *
                               self.shard_of(node_share).optimizer, self.shard_of(node_share),
-                              int(st.zero.level) >= 3 and len(st.lanes) > 1, len(st.lanes),
+                              st.zero.resolved_level >= 3 and len(st.lanes) > 1, len(st.lanes),
                               self._borders[1] if st.ministages else 0.0, p.states.grads)
             got = self._statics[node_share] = state_memory(held, st.knobs.offload.to_spec(), self.plan.schedule,
                                                            p.train.grad_clip, self.plan.prefetch)
@@ -285,17 +288,20 @@ class StageCosts:
                                  held, largest, self.plan.prefetch)
 
 
-def _lane_classes(sc: StageCosts) -> dict[tuple, list[int]]:
+def _lane_classes(sc: StageCosts) -> dict[_LaneClassKey, list[int]]:
     """Lanes the cost model times alike: the stage's lane class, microbatch count and border peers' groups."""
-    out: dict[tuple, list[int]] = {}
+    out: dict[_LaneClassKey, list[int]] = {}
     plan, st = sc.plan, sc.s
     neighbours = sorted({o for o, _ in stage_borders(st.ministages, st.index, plan.stage_of_ministage,
                                                      sc.last_ms + 1)})
     hosts = st.res.lane_hosts
-    peer_keys = [_peer_keys(plan, st.index, o, hosts) for o in neighbours]
+    peer_keys: list[list[tuple[str, bool]]] = []
+    if neighbours:
+        assert isinstance(plan, PlanView)   # a stage with borders is timed inside its plan
+        peer_keys = [_peer_keys(plan, st.index, o, hosts) for o in neighbours]
     for c, lanes in enumerate(st.res.classes):
         for lane in lanes:
-            key = (c, st.counts[lane], *(keys[lane] for keys in peer_keys))
+            key: _LaneClassKey = (c, st.counts[lane], *(keys[lane] for keys in peer_keys))
             out.setdefault(key, []).append(lane)
     return out
 
@@ -309,7 +315,7 @@ def _kind_reps(sc: StageCosts) -> list[int]:
     return list(seen.values())
 
 
-def _peer_keys(plan, stage: int, other: int, hosts: list) -> list[tuple[str, bool]]:
+def _peer_keys(plan: PlanView, stage: int, other: int, hosts: list[tuple[str, int]]) -> list[tuple[str, bool]]:
     """Per lane of `stage`: its peer's node group in stage `other`, and whether they share a host."""
     theirs = plan.stages[other].lanes
     peers = [theirs[lane][0] for lane in plan.peer_lanes(stage, other)]

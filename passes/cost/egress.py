@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from hetc.passes.cost.traffic import zero_bytes
 from hetc.passes.cost.probe import Primitives
 from hetc.passes.cost.candidate_view import PlanView
+from hetc.topology import Gpu
 
 if TYPE_CHECKING:
     from hetc.passes.cost.candidate_stage import StageCosts
@@ -33,7 +34,7 @@ def egress_per_step(prims: Primitives, plan: PlanView, costs: list[StageCosts]) 
     return _borders(prims, plan) + sum(_ring(prims, plan, sc) for sc in costs)
 
 
-def _price(prims: Primitives, a, b) -> float:
+def _price(prims: Primitives, a: Gpu, b: Gpu) -> float:
     """$/GB between two GPUs: their node groups' link (none inside a host)."""
     if a.host == b.host:
         return 0.0
@@ -62,7 +63,7 @@ def _ring(prims: Primitives, plan: PlanView, sc: StageCosts) -> float:
     n = len(st.lanes)
     if n < 2:
         return 0.0
-    sent = zero_bytes(int(st.zero.level), plan.schedule, sc.numel() * prims.delta, n, max(st.counts))
+    sent = zero_bytes(st.zero.resolved_level, plan.schedule, sc.numel() * prims.delta, n, max(st.counts))
     gpus = [lane[0] for lane in st.lanes]  # the ring of every lane position looks alike
     edges = sum(_price(prims, gpus[i], gpus[(i + 1) % n]) for i in range(n))
     return sent * edges * st.tp / GB
