@@ -50,6 +50,11 @@ class Span:
     def __str__(self) -> str:
         return f"{self.file}:{self.line}:{self.col}"
 
+    @classmethod
+    def file_start(cls, path: str | Path) -> Span:
+        """The first character of file `path`: where a problem with the whole file is reported."""
+        return cls(str(path), 1, 1, 1, 1)
+
 
 NO_SPAN = Span("<generated>", 0, 0, 0, 0)
 

@@ -22,11 +22,20 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from hetc.errors import SpecError
+from hetc.errors import Span, SpecError
 from hetc.frontend.printer import format_spec
+from hetc.jsontypes import JsonObject
 from hetc.program import Program, ProgramFormatError, RankProgram
 from hetc.spec import DataKind, DataSpec, Spec
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from hetc.frontend.load import LoadedSpec
+    from hetc.passes.cost.provenance import UnusedProfile
+    from hetc.passes.validate import ExplicitPlan
 
 __all__ = ["PLAN_FILE", "PROFILES_FILE", "PROFILE_ENV", "TIMELINE_FILE", "RecordedProfile", "fingerprint", "listing_name",
            "profile_paths", "read_plan", "read_program", "record_profiles", "write_plan_dir"]
@@ -51,20 +60,26 @@ def portable_spec(spec: Spec, spec_dir: Path, out_dir: Path) -> Spec:
             return path
         return os.path.relpath(data.resolve(spec_dir, path).resolve(), out_dir.resolve())
 
-    def portable(data: DataSpec | None) -> DataSpec | None:
-        if data is None or data.kind is DataKind.SYNTHETIC:
+    def portable(data: DataSpec) -> DataSpec:
+        if data.kind is DataKind.SYNTHETIC:
             return data
         return dataclasses.replace(data, path=moved(data, data.path), tokenizer=moved(data, data.tokenizer))
     model = spec.model
-    if model is not None and model.hf and not os.path.isabs(model.hf):
-        hf = os.path.relpath(model.hf_dir(spec_dir).resolve(), out_dir.resolve())
+    hf_dir = None if model is None else model.hf_dir(spec_dir)
+    if model is not None and hf_dir is not None and not os.path.isabs(model.hf):
+        hf = os.path.relpath(hf_dir.resolve(), out_dir.resolve())
         spec = dataclasses.replace(spec, model=dataclasses.replace(model, hf=hf))
-    train = dataclasses.replace(spec.train, data=portable(spec.train.data), eval=portable(spec.train.eval))
+    if spec.train is None:   # no job, no data paths
+        return spec
+    evaluation = spec.train.eval
+    train = dataclasses.replace(spec.train, data=portable(spec.train.data),
+                                eval=None if evaluation is None else portable(evaluation))
     return dataclasses.replace(spec, train=train)
 
 
 def write_plan_dir(out: Path, spec: Spec, spec_dir: Path, program: Program, torch_csv: dict[str, str],
-                   timeline_json: str | None, summary: dict, profiles: dict | None = None) -> None:
+                   timeline_json: str | None, summary: JsonObject,
+                   profiles: JsonObject | None = None) -> None:
     """Write everything at once into a fresh directory that then replaces `out` (never half a plan)."""
     out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -114,21 +129,21 @@ def read_program(plan_dir: Path) -> Program:
     return Program(tuple(ranks), groups)
 
 
-def read_plan(plan_dir: Path):
-    """(LoadedSpec, Checked) of DIR/plan.het; a SpecError if it is missing or broken."""
+def read_plan(plan_dir: Path) -> tuple[LoadedSpec, ExplicitPlan]:
+    """(LoadedSpec, ExplicitPlan) of DIR/plan.het; a SpecError if it is missing, broken or not explicit."""
     from hetc.compiler import load_checked
 
     path = plan_dir / PLAN_FILE
     if not path.is_file():
-        raise SpecError.at(_nowhere(path), f"{plan_dir} is not a plan directory: no {PLAN_FILE} "
+        raise SpecError.at(Span.file_start(path), f"{plan_dir} is not a plan directory: no {PLAN_FILE} "
                            "(write one with `hetc compile SPEC -o DIR`)")
-    return load_checked(path, require_complete=True)
-
-
-def _nowhere(path: Path):
-    from hetc.errors import Span
-
-    return Span(str(path), 1, 1, 1, 1)
+    loaded, checked = load_checked(path, require_complete=True)
+    plan = checked.explicit()
+    if plan is None:   # `hetc compile` writes an explicit plan; this one was edited
+        where = loaded.spec.span if loaded.spec.parallel is None else loaded.spec.parallel.span
+        raise SpecError.at(where, "the plan still has `auto` in it; a plan directory holds an explicit plan "
+                           "(write one with `hetc compile SPEC -o DIR`)")
+    return loaded, plan
 
 
 def profile_paths(paths: list[str]) -> list[str]:
@@ -156,7 +171,7 @@ class RecordedProfile:
     sha256: str
 
 
-def record_profiles(paths: list[str], unused) -> dict:
+def record_profiles(paths: list[str], unused: Iterable[UnusedProfile]) -> JsonObject:
     """DIR/profiles.json's content (Note [recorded profiles]); `unused` is Provenance.unused."""
     used = [RecordedProfile(str(Path(p).resolve()), fingerprint(Path(p)) or "") for p in profile_paths(paths)]
     return {"profiles": [{"path": r.path, "sha256": r.sha256} for r in used],

@@ -54,7 +54,9 @@ import functools
 import json
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
+
+from hetc.jsontypes import JsonObject, RawJson
 
 from hetc.groups import split_direction
 
@@ -130,8 +132,8 @@ class _Base:
                 parts.append(f"{key}={_fmt(name, value) if isinstance(value, tuple) else value}")
         return " ".join(parts)
 
-    def to_json(self) -> dict:
-        out: dict = {"op": self.OP}
+    def to_json(self) -> JsonObject:
+        out: JsonObject = {"op": self.OP}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if value is not None:
@@ -151,7 +153,7 @@ def _text_fields(cls: type) -> tuple[tuple[str, str], ...]:
     return tuple((f.name, _KEYS.get(f.name, f.name)) for f in fields)
 
 
-def _fmt(name: str, value) -> str:
+def _fmt(name: str, value: tuple[int, ...]) -> str:
     if name == "seq":
         return f"{value[0]}:{value[1]}"
     if isinstance(value, tuple):
@@ -328,7 +330,7 @@ class Wait(_Base):
 
 Instr = (Load | Forward | Backward | BackwardInput | BackwardWeight | Send | Recv | AllGather | ReduceScatter
          | AllReduce | AllToAll | Offload | Prefetch | Free | Step | Wait)
-INSTR_TYPES: dict[str, type[Instr]] = {t.OP: t for t in Instr.__args__}  # type: ignore[attr-defined]
+INSTR_TYPES: dict[str, type[Instr]] = {t.OP: t for t in Instr.__args__}
 COMPUTE_TYPES = (Forward, Backward, BackwardInput, BackwardWeight)
 ComputeInstr = Forward | Backward | BackwardInput | BackwardWeight
 COLLECTIVE_TYPES = (AllGather, ReduceScatter, AllReduce, AllToAll)
@@ -371,7 +373,7 @@ def parse_instr(text: str) -> Instr:
     if cls is None:
         raise ValueError(f"unknown instruction '{words[0]}'; known: {', '.join(INSTR_TYPES)}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    values: dict = {}
+    values: dict[str, Any] = {}   # cls's own field names, each value parsed for its field
     rest = words[1:]
     if "what" in fields:
         if not rest or "=" in rest[0]:
@@ -395,7 +397,7 @@ def parse_instr(text: str) -> Instr:
     return cls(**values)
 
 
-def _parse_value(name: str, raw: str):
+def _parse_value(name: str, raw: str) -> str | int | tuple[int, ...]:
     if name == "group":
         if not raw:
             raise ValueError("empty group name")
@@ -422,7 +424,7 @@ def _parse_value(name: str, raw: str):
     return value
 
 
-def instr_from_json(obj: dict) -> Instr:
+def instr_from_json(obj: RawJson) -> Instr:
     cls = INSTR_TYPES.get(obj.get("op", ""))
     if cls is None:
         raise ValueError(f"unknown instruction {obj.get('op')!r}")
@@ -546,8 +548,9 @@ class RankProgram:
 
     @classmethod
     def from_text(cls, text: str, source: str = "") -> RankProgram:
-        header: dict | None = None
-        shards, instrs = [], []
+        header: _Header | None = None
+        shards: list[Shard] = []
+        instrs: list[Instr] = []
         for lineno, raw in enumerate(text.splitlines(), start=1):
             line = raw.split("#", 1)[0].strip()
             if not line:
@@ -566,26 +569,36 @@ class RankProgram:
                 raise ProgramFormatError(str(err), lineno, source) from None
         if header is None:
             raise ProgramFormatError("no 'rank N ...' header line", 1, source)
-        return cls(**header, shards=tuple(shards), instrs=tuple(instrs))
+        return cls(*header, shards=tuple(shards), instrs=tuple(instrs))
 
-    def to_json(self) -> dict:
+    def to_json(self) -> JsonObject:
         return {"rank": self.rank, "stage": self.stage, "lane": self.lane, "tp_rank": self.tp_rank,
                 "cp_rank": self.cp_rank, "shards": [dataclasses.asdict(s) for s in self.shards],
                 "instrs": [i.to_json() for i in self.instrs]}
 
     @classmethod
-    def from_json(cls, obj: dict) -> RankProgram:
+    def from_json(cls, obj: RawJson) -> RankProgram:
         return cls(obj["rank"], obj["stage"], obj["lane"], obj["tp_rank"], obj["cp_rank"],
                    tuple(Shard(**s) for s in obj["shards"]),
                    tuple(instr_from_json(i) for i in obj["instrs"]))
 
 
-def _parse_header(line: str) -> dict:
+class _Header(NamedTuple):
+    """A listing's `rank N stage=S lane=L tp_rank=T cp_rank=C` line: RankProgram's leading fields."""
+
+    rank: int
+    stage: int
+    lane: int
+    tp_rank: int
+    cp_rank: int
+
+
+def _parse_header(line: str) -> _Header:
     words = line.split()
     kv = dict(w.partition("=")[::2] for w in words[2:])
     try:
-        return {"rank": int(words[1]), "stage": int(kv["stage"]), "lane": int(kv["lane"]),
-                "tp_rank": int(kv["tp_rank"]), "cp_rank": int(kv["cp_rank"])}
+        return _Header(int(words[1]), int(kv["stage"]), int(kv["lane"]), int(kv["tp_rank"]),
+                       int(kv["cp_rank"]))
     except (KeyError, ValueError, IndexError):
         raise ValueError("bad header: expected 'rank N stage=S lane=L tp_rank=T cp_rank=C'") from None
 

@@ -402,13 +402,16 @@ class PeakSpec(Node):
 
     def for_dtype(self, dtype: DType) -> float:
         """Peak FLOP/s for `dtype`, falling back to the nearest wider format."""
-        order = {DType.FP8: ("fp8", "fp16", "bf16"), DType.FP16: ("fp16", "bf16", "fp32"),
-                 DType.BF16: ("bf16", "fp16", "fp32"), DType.TF32: ("tf32", "fp32"),
-                 DType.FP32: ("fp32",)}[dtype]
-        for name in order:
-            value = getattr(self, name)
-            if value > 0:
-                return value
+        order = {DType.FP8: (DType.FP8, DType.FP16, DType.BF16),
+                 DType.FP16: (DType.FP16, DType.BF16, DType.FP32),
+                 DType.BF16: (DType.BF16, DType.FP16, DType.FP32),
+                 DType.TF32: (DType.TF32, DType.FP32),
+                 DType.FP32: (DType.FP32,)}[dtype]
+        peak = {DType.FP32: self.fp32, DType.TF32: self.tf32, DType.BF16: self.bf16, DType.FP16: self.fp16,
+                DType.FP8: self.fp8}
+        for candidate in order:
+            if peak[candidate] > 0:
+                return peak[candidate]
         return self.fp32
 
 
@@ -636,6 +639,13 @@ class StageSpec(Node):
         Routing(), doc="even, proportional (to lane speed) or explicit counts per lane")
     zero: ZeroSpec | None = param(None, block="zero", doc="this stage's ZeRO (overrides parallel's)")
     offload: OffloadSpec | None = param(None, block="offload", doc="this stage's offload policy")
+
+    @property
+    def resolved_ranks(self) -> tuple[RankSlice, ...]:
+        """The GPUs of a resolved plan's stage, where the planner has replaced `auto`."""
+        if isinstance(self.ranks, Auto):
+            raise InternalError("stage ranks of auto after planning")
+        return self.ranks
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

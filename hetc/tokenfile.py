@@ -40,6 +40,7 @@ from typing import BinaryIO
 
 import numpy as np
 
+from hetc.jsontypes import JsonObject
 from hetc.spec import TokenDType
 
 __all__ = [
@@ -159,7 +160,7 @@ def open_tokens(tf: TokenFile) -> np.ndarray:
 # ---------------------------------------------------------------- hetc header
 
 
-def write_hetc_header(f: BinaryIO, header: dict) -> None:
+def write_hetc_header(f: BinaryIO, header: JsonObject) -> None:
     """Write the magic, the offset and `header` as JSON at the start of `f` (which is then at the ids)."""
     body = json.dumps({"format": "hetc-tokens", "version": 1, **header}, sort_keys=True).encode()
     room = HETC_OFFSET - len(HETC_MAGIC) - 4

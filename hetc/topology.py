@@ -57,7 +57,7 @@ class Topology:
         self.cluster: ClusterSpec = spec.cluster
         self.groups = {n.name: n for n in self.cluster.nodes}
         devices = {d.name: d for d in spec.devices}
-        gpus = []
+        gpus: list[Gpu] = []
         for group in self.cluster.nodes:
             device = devices.get(group.device)
             if device is None:

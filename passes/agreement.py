@@ -22,6 +22,7 @@ from hetc.passes.validate import Checked
 from hetc.passes.verify import verify
 from hetc.passes.verify.memory import Peak, rank_peaks
 from hetc.program import Program
+from hetc.timeline import Timeline
 
 __all__ = ["Agreement", "Built", "build", "compare"]
 
@@ -35,17 +36,21 @@ class Built:
     costs: CostModel
     step_time_s: float | None          # None: not simulated
     peaks: tuple[Peak, ...]
+    timeline: Timeline | None = None   # the simulated step (None: not simulated)
 
 
 def build(checked: Checked, profiles: Profiles | None = None, simulated: bool = True) -> Built:
     """Lower and verify `checked`'s plan (VerifyError if it is unsafe or does not fit), then simulate it."""
-    spec, pipeline, topology = checked.spec, checked.pipeline, checked.topology
-    assert pipeline is not None and topology is not None, "build() takes an explicit plan"
-    costs = CostModel(spec, pipeline, topology, profiles)
+    plan = checked.explicit()
+    if plan is None:
+        raise ValueError("build() needs an explicit plan; this one still has `auto` (plan it first)")
+    spec, pipeline = plan.spec, plan.pipeline
+    costs = CostModel(spec, pipeline, plan.topology, profiles)
     program = lower(spec, pipeline, costs=costs)
     verify(program, pipeline, spec, costs)
-    step = simulate(program, pipeline, spec, costs).step_time if simulated else None
-    return Built(checked, program, costs, step, tuple(rank_peaks(program, pipeline, costs)))
+    timeline = simulate(program, pipeline, spec, costs) if simulated else None
+    step = timeline.step_time if timeline is not None else None
+    return Built(checked, program, costs, step, tuple(rank_peaks(program, pipeline, costs)), timeline)
 
 
 @dataclass(frozen=True)

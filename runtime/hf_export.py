@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hetc.errors import SpecError
 from hetc.hf.config import CONFIG_FILE, HfError
 from hetc.hf.names import hf_name
 from hetc.hf.weights import INDEX_FILE
 from hetc.spec import Arch, DType, ModelSpec
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["DEFAULT_SHARD_BYTES", "export_hf", "hf_config", "read_checkpoint_model"]
 
@@ -136,7 +139,7 @@ def read_checkpoint_model(checkpoint: Path) -> tuple[ModelSpec, dict[str, Any] |
     return model, base
 
 
-def _shards(tensors: dict, max_bytes: int) -> list[list[str]]:
+def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
     """Names in model order, cut into runs of at most `max_bytes` (a bigger tensor gets a shard of its own)."""
     shards: list[list[str]] = [[]]
     size = 0

@@ -82,3 +82,13 @@ def demo_reference(demo_plan_dirs):
     plan_dir = demo_plan_dirs["single"]
     _, checked = read_plan(plan_dir)
     return train_reference(checked.spec.model, checked.spec.train, base_dir=plan_dir, steps=REFERENCE_STEPS)
+
+
+# ---------------------------------------------------------------- planned plans
+
+
+@pytest.fixture(scope="session")
+def plan_cache(tmp_path_factory):
+    """The agreement family and specs/, each planned and built once per session (tests/planned.py)."""
+    from tests.planned import PlanCache
+    return PlanCache(tmp_path_factory.mktemp("planned"))

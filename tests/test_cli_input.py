@@ -131,6 +131,21 @@ def test_a_closed_stdout_ends_quietly(verb):
     assert done.returncode == BROKEN_PIPE_STATUS
 
 
+def test_a_plan_directory_whose_plan_was_edited_back_to_auto_is_a_located_error(tmp_path, capsys):
+    out = tmp_path / "plan"
+    assert main(["compile", str(DEMO / "single.het"), "-o", str(out)]) == 0
+    plan = out / "plan.het"
+    text = plan.read_text()
+    start = text.index("  stage all {")
+    plan.write_text(text[:start] + "  stages = auto\n" + text[text.index("  }\n", start) + 4:])
+    capsys.readouterr()
+    assert main(["verify", str(out)]) == 2
+    line = text[:text.index("parallel {")].count("\n") + 1
+    assert capsys.readouterr().err.splitlines()[0] == (
+        f"{plan}:{line}:1: error: the plan still has `auto` in it; a plan directory holds an explicit plan "
+        "(write one with `hetc compile SPEC -o DIR`)")
+
+
 def test_compile_says_when_it_skips_torch_csv_and_why(tmp_path, capsys):
     assert main(["compile", str(DEMO / "hetero.het"), "-o", str(tmp_path / "hetero")]) == 0
     out = capsys.readouterr().out.splitlines()

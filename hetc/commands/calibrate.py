@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from hetc.viz.classgap import class_gaps, gap_table, measured_from_metrics, worst_gap
+from hetc.commands import Subparsers
 from hetc.errors import UsageError
 from hetc.commands.prediction import plan_prediction
 from hetc.plandir import PROFILE_ENV
@@ -26,7 +27,7 @@ __all__ = ["register"]
 DEFAULT_STEPS = 4
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: Subparsers) -> None:
     p = sub.add_parser(
         "calibrate", help="run a few steps locally and compare them with the prediction, per time class",
         description="Run DIR's ranks on this machine for a few steps (as `hetc run DIR --local --metrics`), "

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import argparse
 
+from hetc.commands import Subparsers
 from hetc.compiler import load_checked
 from hetc.passes.cost.params import model_params
+from hetc.passes.validate import Checked
 from hetc.spec import AUTO
 
 __all__ = ["register", "summary"]
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: Subparsers) -> None:
     p = sub.add_parser(
         "check", help="parse and validate a spec",
         description="Parse SPEC and its imports and check every rule of the language. Prints "
@@ -32,9 +34,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def summary(checked) -> str:
+def summary(checked: Checked) -> str:
     spec = checked.spec
-    parts = []
+    parts: list[str] = []
     if spec.model is not None:
         m = spec.model
         parts.append(f"model {m.name} ({m.arch.value}, {m.layers} blocks, {model_params(m) / 1e6:,.1f}M params)")

@@ -7,9 +7,11 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import TextIO
 
+from hetc.commands import Subparsers
 from hetc.compiler import compile_spec, write_compiled
-from hetc.passes.cost.provenance import provenance
+from hetc.passes.cost.provenance import Provenance, provenance
 from hetc.passes.export_torch import why_not_exported
 from hetc.passes.lower import PASS_NAMES, PASSES
 from hetc.passes.verify import VerifyError
@@ -22,7 +24,7 @@ __all__ = ["print_profile_use", "register"]
 log = logging.getLogger("hetc.compile")
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: Subparsers) -> None:
     p = sub.add_parser(
         "compile", help="lower a plan to per-rank programs and verify them",
         description="Lower SPEC's explicit plan to one instruction program per rank, prove the programs "
@@ -69,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def print_profile_use(prov, offered: bool, file=None) -> None:
+def print_profile_use(prov: Provenance, offered: bool, file: TextIO | None = None) -> None:
     """What timed the plan's layers and which profiles offered are unused, and why (Note [provenance])."""
     if offered:
         print("layer times from: " + "; ".join(sorted({s for stage in prov.layers.values() for s in stage})),

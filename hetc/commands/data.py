@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from hetc.commands import Subparsers
 from hetc.errors import UsageError
 from hetc.spec import TokenDType
 
 __all__ = ["register"]
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: Subparsers) -> None:
     p = sub.add_parser("data", help="prepare training data (tokenize text into a token file)",
                        description="Tools for training data. `data tokens { path = OUT }` in a spec reads "
                                    "what `hetc data prepare` writes.")

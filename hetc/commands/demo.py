@@ -14,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+from hetc.commands import Subparsers
 from hetc.errors import UsageError
 from hetc.commands.check import summary
 from hetc.compiler import load_checked
@@ -25,7 +26,7 @@ DEMO_DIR = BUNDLED_SPECS / "demo"
 DEMO_PLAN = "hetero"
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: Subparsers) -> None:
     p = sub.add_parser("demo", help="compile, train and visualise the demo job",
                        description="Check the bundled demo job's plans (specs/demo/), compile one, train it "
                                    "on local CPU ranks and write the schedule page. Outputs go to OUT.")

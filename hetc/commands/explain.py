@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from hetc.commands import Subparsers
 from hetc.errors import UsageError
 from hetc.errors import SpecError
 from hetc.compiler import load_checked
@@ -15,7 +16,7 @@ from hetc.commands.profileargs import add_profile_option, load_profile_args
 __all__ = ["register"]
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: Subparsers) -> None:
     p = sub.add_parser(
         "explain", help="predict memory, traffic and step time of a plan",
         description="Per-rank memory (parameters, gradients, optimizer, activations, buffers, reserve), "
@@ -31,18 +32,19 @@ def run(args: argparse.Namespace) -> int:
     from hetc.passes.cost import CostError, CostModel
 
     _, checked = load_checked(args.spec, require_complete=True)
-    if checked.pipeline is None:
+    plan = checked.explicit()
+    if plan is None:
         raise UsageError(f"the plan in {args.spec} still has `auto` in it; run `hetc plan {args.spec} -o "
                          "OUT.het` first and explain OUT.het")
     profiles = load_profile_args(args.profile)
     try:
-        estimate = CostModel(checked.spec, checked.pipeline, checked.topology, profiles).estimate()
+        estimate = CostModel(plan.spec, plan.pipeline, plan.topology, profiles).estimate()
     except CostError as err:   # located at the device kind, as check and compile say it
-        raise SpecError(cost_error(checked.spec, err)) from None
+        raise SpecError(cost_error(plan.spec, err)) from None
     if args.json:
         print(json.dumps({"spec": args.spec, **estimate.to_json()}, indent=1))
     else:
         from hetc.commands.costreport import report
 
-        print(report(args.spec, checked.pipeline, estimate))
+        print(report(args.spec, plan.pipeline, estimate))
     return 0

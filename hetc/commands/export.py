@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from hetc.commands import Subparsers
+
 __all__ = ["register"]
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: Subparsers) -> None:
     p = sub.add_parser("export", help="write a checkpoint in another system's format",
                        description="Write a checkpoint (a step-N folder of `hetc run --checkpoint DIR`, "
                                    "saved under any plan) in another system's format.")

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from hetc.commands import Subparsers
 from hetc.errors import Sources
 from hetc.frontend.load import parse_file
 from hetc.frontend.printer import format_file
@@ -13,7 +14,7 @@ from hetc.frontend.printer import format_file
 __all__ = ["register"]
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: Subparsers) -> None:
     p = sub.add_parser(
         "fmt", help="format a spec file canonically",
         description="Print SPEC in canonical form: one statement per line, two-space indent, comments "

@@ -6,10 +6,12 @@ import argparse
 import sys
 from pathlib import Path
 
+from hetc.commands import Subparsers
+
 __all__ = ["register"]
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: Subparsers) -> None:
     p = sub.add_parser("import", help="turn Sailor's, Zorse's or Hugging Face's inputs into a .het spec",
                        description="Write a .het spec that carries another system's cluster, model and plan. "
                                    "The spec passes `hetc check`; `hetc explain SPEC --profile DIR` times it "

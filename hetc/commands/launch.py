@@ -16,6 +16,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from hetc.commands import Subparsers
 from hetc.errors import UsageError
 from hetc.runtime.local import NODE_ENV
 
@@ -25,7 +26,7 @@ __all__ = ["register", "torchrun_command"]
 ENV_FIXED = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: Subparsers) -> None:
     p = sub.add_parser(
         "launch", help="run (or print) torchrun for one node of a mixed cluster",
         description="Start torchrun for node GROUP[i] of the plan (or spec) with that node's process count and "

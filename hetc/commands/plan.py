@@ -8,8 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-from hetc.plandir import PROFILE_ENV
+from hetc.commands import Subparsers
 from hetc.commands.profileargs import add_profile_option, load_profile_args
+from hetc.plandir import PROFILE_ENV
 from hetc.compiler import load_checked
 
 __all__ = ["register"]
@@ -18,7 +19,7 @@ __all__ = ["register"]
 PROGRESS_AFTER_S = 1.0
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: Subparsers) -> None:
     p = sub.add_parser(
         "plan", help="choose every `auto` of a plan: stages, layers, lanes, schedule, ZeRO, offload",
         description="Search stage layouts over the cluster's bandwidth domains, the schedule, "

@@ -7,21 +7,42 @@ from hetc.units import human_bytes
 from hetc.passes.cost import CostModel, Profiles, RankMemory
 from hetc.passes.cost.provenance import Provenance, provenance
 from hetc.passes.cost.utilization import Utilization, utilization
+from hetc.errors import InternalError
+from hetc.jsontypes import JsonObject
 from hetc.passes.plan.baselines import Baseline
+from hetc.passes.cost.candidate_score import Score
 from hetc.passes.plan.planner import PlanResult
-from hetc.spec import Objective
+from hetc.passes.validate import ExplicitPlan
+from hetc.pipeline import Pipeline, Stage
+from hetc.spec import ModelSpec, Objective, OffloadSpec, OffloadTarget, RankSlice, StageSpec
 
 __all__ = ["plan_json", "plan_provenance", "plan_summary"]
+
+
+def _explicit(result: PlanResult) -> ExplicitPlan:
+    """The plan `result` holds: explicit whether the planner wrote it or the spec had no `auto`."""
+    plan = result.checked.explicit()
+    if plan is None:
+        raise InternalError("a plan result with `auto` left in its plan")
+    return plan
+
+
+def _score(result: PlanResult) -> Score:
+    """The planner's score, which a result without the cost model's estimate has."""
+    if result.score is None:
+        raise InternalError("a plan result with neither an estimate nor a score")
+    return result.score
 
 
 def _memory(result: PlanResult) -> list[RankMemory]:
     """One entry per rank, from the full estimate or the planner's classes of alike ranks."""
     if result.estimate is not None:
         return list(result.estimate.memory)
-    rank_of = {g.id: r for r, g in enumerate(result.checked.pipeline.world)}
+    plan, score = _explicit(result), _score(result)
+    rank_of = {g.id: r for r, g in enumerate(plan.pipeline.world)}
     out = []
-    for m, ids in zip(result.score.memory, result.score.classes):
-        out += [RankMemory(rank_of[i], str(result.checked.topology.gpus[i]), m.device, m.stage, m.params,
+    for m, ids in zip(score.memory, score.classes):
+        out += [RankMemory(rank_of[i], str(plan.topology.gpus[i]), m.device, m.stage, m.params,
                            m.grads, m.optimizer, m.activations, m.buffers, m.reserve, m.capacity, m.host)
                 for i in ids]
     return sorted(out, key=lambda m: m.rank)
@@ -31,14 +52,14 @@ def plan_provenance(result: PlanResult, profiles: Profiles) -> Provenance:
     """Note [provenance] of the printed plan: the estimate's, or read off a cost model of it."""
     if result.estimate is not None:
         return result.estimate.provenance
-    checked = result.checked
-    return provenance(CostModel(checked.spec, checked.pipeline, checked.topology, profiles))
+    plan = _explicit(result)
+    return provenance(CostModel(plan.spec, plan.pipeline, plan.topology, profiles))
 
 
 def plan_summary(path: str, result: PlanResult, prov: Provenance | None = None) -> str:
     """The summary; with `prov` (`plan_provenance`), where its numbers came from (Note [provenance])."""
-    p = result.checked.pipeline
-    spec = result.spec
+    plan = _explicit(result)
+    p = plan.pipeline
     lines = []
     if result.planned:
         won = "" if result.chosen == "planner" else f"; the {result.chosen} baseline won"
@@ -46,13 +67,13 @@ def plan_summary(path: str, result: PlanResult, prov: Provenance | None = None) 
                      f"for {result.goal.describe()}{won}")
     else:
         lines.append(f"{path}: the plan has no `auto`; nothing to plan")
-    idle = ", ".join(s.group for s in spec.parallel.idle) or "none"
+    idle = ", ".join(s.group for s in plan.parallel.idle) or "none"
     lines.append(f"  schedule {p.schedule.value}, micro_batch {p.micro_batch}, "
                  f"{p.num_microbatches} microbatches, "
                  f"{_n(len(p.stages), 'stage')} on {_n(p.world_size, 'rank')} (idle: {idle})")
     width = max(4, *(len(st.name) for st in p.stages))
-    for st, sp in zip(p.stages, spec.parallel.stages):
-        layers = _layers(spec, p, st)
+    for st, sp in zip(p.stages, plan.parallel.resolved_stages):
+        layers = _layers(plan.model, p, st)
         counts = sorted({len(lane.microbatches) for lane in st.lanes})
         mbs = str(counts[0]) if len(counts) == 1 else f"{counts[0]}..{counts[-1]}"
         lanes = _n(len(st.lanes), "lane")
@@ -77,19 +98,19 @@ def plan_summary(path: str, result: PlanResult, prov: Provenance | None = None) 
     return "\n".join(lines)
 
 
-def _layers(spec, p, st) -> str:
-    first = spec.model.layer_name(p.ministages[st.ministages[0]].first_layer)
-    last = spec.model.layer_name(p.ministages[st.ministages[-1]].stop_layer - 1)
+def _layers(model: ModelSpec, p: Pipeline, st: Stage) -> str:
+    first = model.layer_name(p.ministages[st.ministages[0]].first_layer)
+    last = model.layer_name(p.ministages[st.ministages[-1]].stop_layer - 1)
     return first if first == last else f"{first}..{last}"
 
 
-def _ranks(stage_spec) -> str:
-    value = ", ".join(_slice(r) for r in stage_spec.ranks)
+def _ranks(stage_spec: StageSpec) -> str:
+    value = ", ".join(_slice(r) for r in stage_spec.resolved_ranks)
     return value if len(value) <= 28 else value[:25] + "..."
 
 
-def _slice(r) -> str:
-    def part(start, stop, is_slice) -> str:
+def _slice(r: RankSlice) -> str:
+    def part(start: int | None, stop: int | None, is_slice: bool) -> str:
         if not is_slice:
             return str(start)
         return f"{'' if start is None else start}:{'' if stop is None else stop}"
@@ -101,8 +122,12 @@ def _slice(r) -> str:
     return f"{r.group}[{node}]" if gpu == ":" else f"{r.group}[{node}, {gpu}]"
 
 
-def _offload(off) -> str:
-    parts = [n for n in ("params", "optimizer", "activations") if getattr(off, n).value != "none"]
+def _offload_targets(off: OffloadSpec) -> dict[str, OffloadTarget]:
+    return {"params": off.params, "optimizer": off.optimizer, "activations": off.activations}
+
+
+def _offload(off: OffloadSpec) -> str:
+    parts = [n for n, target in _offload_targets(off).items() if target is not OffloadTarget.NONE]
     return f"  offload {'+'.join(parts)}" if parts else ""
 
 
@@ -110,8 +135,8 @@ def _utilization(result: PlanResult) -> Utilization:
     """The estimate's, or (planned class by class) the same figures from the planner's step time."""
     if result.estimate is not None:
         return result.estimate.utilization
-    checked = result.checked
-    return utilization(result.spec.model, checked.pipeline, checked.topology, result.step_time_s)
+    plan = _explicit(result)
+    return utilization(plan.model, plan.pipeline, plan.topology, result.step_time_s)
 
 
 def _table(result: PlanResult) -> str:
@@ -135,31 +160,29 @@ def _cells(result: PlanResult, b: Baseline, cost: bool) -> str:
     cells = f"{b.score.step_time_s:10.4g} {b.score.tokens_per_s:12,.0f}"
     if cost:
         cells += f" {b.score.dollars_per_token * 1e6:11.4g}"
-        ratio = b.score.dollars_per_token / result.score.dollars_per_token
+        ratio = b.score.dollars_per_token / _score(result).dollars_per_token
     else:
         ratio = b.score.step_time_s / result.step_time_s
     oom = "" if b.score.fits else "   does not fit in memory"
     return f"{cells} {f'{ratio:.2f}×':>11s}{oom}"
 
 
-def plan_json(path: str, result: PlanResult, text: str, prov: Provenance) -> dict:
-    p, spec = result.checked.pipeline, result.spec
-    head = result.estimate.to_json() if result.estimate is not None else {
-        "step_time_s": result.score.step_time_s, "tokens_per_step": result.score.tokens_per_step,
-        "tokens_per_s": result.score.tokens_per_s, "fits": result.score.fits,
-        **_utilization(result).to_json()}
-    memory = [{"rank": m.rank, "gpu": m.gpu, "device": m.device, "stage": m.stage, "params": m.params,
+def plan_json(path: str, result: PlanResult, text: str, prov: Provenance) -> JsonObject:
+    plan = _explicit(result)
+    p = plan.pipeline
+    head = result.estimate.to_json() if result.estimate is not None else _score_json(_score(result), result)
+    memory: list[JsonObject] = [{"rank": m.rank, "gpu": m.gpu, "device": m.device, "stage": m.stage, "params": m.params,
                "grads": m.grads, "optimizer": m.optimizer, "activations": m.activations, "buffers": m.buffers,
                "reserve": m.reserve, "host": m.host, "total": m.total, "capacity": m.capacity, "fits": m.fits}
               for m in _memory(result)]
-    out = {"spec": path, **head, "memory": memory, "planned": result.planned, "chosen": result.chosen,
+    out: JsonObject = {"spec": path, **head, "memory": memory, "planned": result.planned, "chosen": result.chosen,
            "estimated_by": "cost model" if result.estimate is not None else "planner (class by class)",
            "objective": {"goal": result.goal.kind.value, "budget_per_hour": result.goal.budget,
                          "min_throughput": result.goal.min_throughput},
            "plan": {"schedule": p.schedule.value, "micro_batch": p.micro_batch,
                     "microbatches": p.num_microbatches,
-                    "idle": [s.group for s in spec.parallel.idle],
-                    "stages": [_stage_json(spec, p, st) for st in p.stages]},
+                    "idle": [s.group for s in plan.parallel.idle],
+                    "stages": [_stage_json(plan.model, p, st) for st in p.stages]},
            "baselines": [_baseline_json(b) for b in result.baselines],
            "planning": {"seconds": result.seconds, "structures": result.structures},
            "text": text, **prov.to_json()}
@@ -169,16 +192,23 @@ def plan_json(path: str, result: PlanResult, text: str, prov: Provenance) -> dic
     return out
 
 
-def _stage_json(spec, p, st) -> dict:
+def _score_json(score: Score, result: PlanResult) -> JsonObject:
+    """The headline numbers from the planner's score, where no full estimate was made."""
+    return {"step_time_s": score.step_time_s, "tokens_per_step": score.tokens_per_step,
+            "tokens_per_s": score.tokens_per_s, "fits": score.fits, **_utilization(result).to_json()}
+
+
+def _stage_json(model: ModelSpec, p: Pipeline, st: Stage) -> JsonObject:
     first, last = p.ministages[st.ministages[0]], p.ministages[st.ministages[-1]]
-    return {"name": st.name, "first_layer": spec.model.layer_name(first.first_layer),
-            "last_layer": spec.model.layer_name(last.stop_layer - 1), "ranks": list(st.ranks),
-            "lanes": len(st.lanes), "tp": st.tp, "zero": int(st.zero.level), "ministages": len(st.ministages),
+    return {"name": st.name, "first_layer": model.layer_name(first.first_layer),
+            "last_layer": model.layer_name(last.stop_layer - 1), "ranks": list(st.ranks),
+            "lanes": len(st.lanes), "tp": st.tp, "zero": st.zero.resolved_level,
+            "ministages": len(st.ministages),
             "microbatches": [len(lane.microbatches) for lane in st.lanes],
-            "offload": {k: getattr(st.offload, k).value for k in ("params", "optimizer", "activations")}}
+            "offload": {k: target.value for k, target in _offload_targets(st.offload).items()}}
 
 
-def _baseline_json(b: Baseline) -> dict:
+def _baseline_json(b: Baseline) -> JsonObject:
     if b.score is None:
         return {"name": b.name, "title": b.title, "built": False, "note": b.note}
     return {"name": b.name, "title": b.title, "built": True, "step_time_s": b.score.step_time_s,

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, TextIO
 
 import numpy as np
 
+from hetc.jsontypes import JsonObject, RawJson
 from hetc.spec import TokenDType
 from hetc.tokenfile import dtype_for_vocab, fits, tokenizer_digest, write_hetc_header, write_megatron_index
 
@@ -92,7 +93,7 @@ def _configured_eos(directory: Path) -> str | int | None:
     return None
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(path: Path) -> dict[str, RawJson]:
     try:
         obj = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -135,7 +136,7 @@ def _json_lines(path: Path, field: str) -> Iterator[tuple[str, int]]:
 
 def _parquet(path: Path, field: str) -> Iterator[tuple[str, int]]:
     try:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # type: ignore[import-untyped]  # pyarrow ships no type stubs
     except ImportError:
         raise PrepareError(f"reading the Parquet file '{path}' needs pyarrow: pip install pyarrow "
                            "(or pip install 'hetc[parquet]')") from None
@@ -226,7 +227,7 @@ def prepare(inputs: Iterable[Path], tok: Tokenizer, out: Path, *, field: str = "
     return Prepared(paths, len(lengths), tokens, dtype)
 
 
-def _header(tok: Tokenizer, dtype: TokenDType, docs: int, tokens: int) -> dict:
+def _header(tok: Tokenizer, dtype: TokenDType, docs: int, tokens: int) -> JsonObject:
     return {"dtype": dtype.value, "vocab": tok.vocab, "tokenizer": tok.name, "tokenizer_sha256": tok.sha256,
             "eos": tok.eos, "documents": docs, "tokens": tokens}
 

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from hetc.commands import Subparsers
 from hetc.errors import UsageError
 from hetc.passes.cost.params import block_params
 from hetc.spec import Arch, DType, ModelSpec, Spec
@@ -26,7 +27,7 @@ DEFAULT_SIZES = "65536,1048576"
 COPY_SIZES = [1 << 20, 16 << 20]
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: Subparsers) -> None:
     p = sub.add_parser("profile", help="measure the local device into a profile file",
                        description="Time hetc's layers forward and backward, local collectives and point-to-"
                                    "point transfers, and host<->device copies. The default run takes seconds "
@@ -152,10 +153,11 @@ def run(args: argparse.Namespace) -> int:
                                        "slowdown": measure.slowdown(layers, loaded)}}
     progress("host<->device copies")
     copies = measure.copy_rates(COPY_SIZES, args.repeats)
-    collectives, p2p = [], []
     if not args.no_comm:
         progress(f"collectives and p2p between {args.ranks} processes, {max(at_once, args.ranks)} at once")
         collectives, p2p = measure.comm_rates(args.ranks, sizes, args.repeats, at_once)
+    else:
+        collectives, p2p = [], []
     memory = torch.cuda.get_device_properties(0).total_memory if device.type == "cuda" else 0
     out = Path(args.output)
     write_profile(out, {

@@ -18,9 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hetc.errors import UsageError
 from hetc.plandir import PROFILE_ENV, PROFILES_FILE, RecordedProfile, fingerprint, profile_paths
+
+if TYPE_CHECKING:
+    from hetc.passes.cost import Profiles
 
 __all__ = ["add_profile_option", "load_profile_args", "read_recorded", "same_as_recorded", "stale_profiles"]
 
@@ -31,12 +35,13 @@ def add_profile_option(p: argparse.ArgumentParser) -> None:
                         f"after those in ${PROFILE_ENV})")
 
 
-def load_profile_args(paths: list[str]):
+def load_profile_args(paths: list[str]) -> Profiles:
     """The Profiles of `profile_paths(paths)`, or a UsageError naming the file that cannot be read."""
     from hetc.passes.cost import ProfileError, load_profiles
 
     try:
-        return load_profiles(profile_paths(paths))
+        wanted: list[str | Path] = [*profile_paths(paths)]
+        return load_profiles(wanted)
     except ProfileError as err:
         raise UsageError(str(err)) from None
 

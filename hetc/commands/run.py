@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+from hetc.commands import Subparsers
 from hetc.errors import UsageError
 from hetc.passes.verify import VerifyError, verified_evaluation, verify
 from hetc.program import ProgramFormatError
@@ -20,7 +21,7 @@ from hetc.runtime.local import LAUNCHER_ENV
 __all__ = ["register"]
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: Subparsers) -> None:
     p = sub.add_parser(
         "run", help="train a compiled plan (under torchrun, or --local)",
         description="Execute DIR's per-rank programs. Under torchrun (which sets RANK, WORLD_SIZE, "

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from hetc.commands import Subparsers
 from hetc.errors import UsageError
 from hetc.passes.cost import CostModel
 from hetc.passes.verify import VerifyError, verified_evaluation, verify
@@ -15,7 +16,7 @@ from hetc.program import ProgramFormatError
 __all__ = ["register"]
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: Subparsers) -> None:
     p = sub.add_parser(
         "verify", help="verify a plan directory's programs",
         description="Read DIR/plan.het and DIR/programs/rank-*.txt (possibly edited by hand) and run the "

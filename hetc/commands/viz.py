@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 from hetc.viz.classgap import ClassGap, class_gaps, gap_table, measured_from_metrics
+from hetc.commands import Subparsers
 from hetc.errors import UsageError
 from hetc.plandir import TIMELINE_FILE, read_program
 from hetc.commands.prediction import plan_prediction
@@ -21,7 +22,7 @@ __all__ = ["parse_ranks", "read_timeline", "register"]
 log = logging.getLogger(__name__)
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: Subparsers) -> None:
     p = sub.add_parser(
         "viz", help="draw a plan's schedule (HTML page, Chrome trace, text grid)",
         description="Draw the schedule of a plan directory written by `hetc compile` (its predicted "

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from hetc.errors import Span
-from hetc.frontend.tree import Block, Comment
+from hetc.frontend.tree import Block, Comment, Item
 
 __all__ = ["RawComment", "scan_comments", "weave_comments"]
 
@@ -54,7 +54,7 @@ def scan_comments(text: str) -> list[RawComment]:
     return found
 
 
-def weave_comments(items: list, comments: list[RawComment], path: str) -> list:
+def weave_comments(items: list[Item], comments: list[RawComment], path: str) -> list[Item]:
     """Put each comment into the item list of the block that contains it."""
     if not comments:
         return items
@@ -65,9 +65,9 @@ def _comment(c: RawComment, trailing: bool, path: str) -> Comment:
     return Comment(c.text, trailing, Span(path, c.line, c.column, c.line, c.end_column))
 
 
-def _weave(items, comments: list[RawComment], path: str) -> list:
+def _weave(items: list[Item], comments: list[RawComment], path: str) -> list[Item]:
     """`items` of one block body with `comments` (all within that body) placed among them."""
-    out: list = []
+    out: list[Item] = []
     rest = list(comments)
     for n, item in enumerate(items):
         span = item.span

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from hetc.frontend import syntax
 from hetc.errors import NO_SPAN, Diagnostic, Span, SpecError, did_you_mean
@@ -21,16 +21,21 @@ from hetc.frontend.values import ValueConverter, is_enum, words
 
 __all__ = ["Converter", "FieldInfo", "fields_of", "import_model", "normalize_key", "to_spec"]
 
+N = TypeVar("N", bound=Node)
+# a statement a block's body may hold: `key = value` or a nested block
+Statement = syntax.Attr | syntax.Block
+Infos = tuple[FieldInfo, ...]
+
 
 class Converter(ValueConverter):
     """The block rules: labels, known keys and blocks, duplicates, required fields."""
 
-    def block(self, cls: type, items: tuple, span: Span, what: str,
-              head: syntax.Block | None = None, preset: Preset | None = None) -> Node | None:
+    def block(self, cls: type[N], items: tuple[syntax.Item, ...], span: Span, what: str,
+              head: syntax.Block | None = None, preset: Preset | None = None) -> N | None:
         """Build `cls` from a block's items; `head` is the block itself (for its labels); `preset`
         fills the fields the items leave out (Note [hf presets])."""
         infos = fields_of(cls)
-        values: dict[str, Any] = {}
+        values: dict[str, Any] = {}   # cls's own field names, each value converted for its field
         spans: dict[str, Span] = {}
         failed = False
         if cls is ModelSpec and preset is None:
@@ -72,7 +77,7 @@ class Converter(ValueConverter):
             return None
         return cls(**values, span=span, spans=tuple(spans.items()))
 
-    def _labels(self, infos, head: syntax.Block, values, spans) -> bool:
+    def _labels(self, infos: Infos, head: syntax.Block, values: dict[str, Any], spans: dict[str, Span]) -> bool:
         """The block's name(s): `model NAME`, `link A <-> B`, `optimizer adamw`."""
         label_infos = [i for i in infos if i.meta.label]
         given = [lab for lab in (head.label, head.peer) if lab is not None]
@@ -93,7 +98,7 @@ class Converter(ValueConverter):
             return False
         return True
 
-    def _find(self, infos, item, what) -> FieldInfo | None:
+    def _find(self, infos: Infos, item: Statement, what: str) -> FieldInfo | None:
         if isinstance(item, syntax.Block):
             kind = normalize_key(item.kind)
             for info in infos:
@@ -118,14 +123,14 @@ class Converter(ValueConverter):
                    + ("" if hint else f"; known keys: {', '.join(names)}"))
         return None
 
-    def _required(self, infos, written, span, what) -> bool:
+    def _required(self, infos: Infos, written: set[str], span: Span, what: str) -> bool:
         missing = [i.name for i in infos if i.required and i.name not in written and not i.meta.label]
         if missing:
             self.error(span, f"{what} is missing {words(missing, quote=True)}")
             return False
         return True
 
-    def _hf_preset(self, infos, items) -> tuple[Preset | None, bool]:
+    def _hf_preset(self, infos: Infos, items: tuple[syntax.Item, ...]) -> tuple[Preset | None, bool]:
         """The preset of a model block's `hf = "DIR"` (None without one); False when DIR is unusable."""
         info = next(i for i in infos if i.name == "hf")
         item = next((i for i in items if isinstance(i, syntax.Attr) and normalize_key(i.key) in info.keys), None)
@@ -141,7 +146,8 @@ class Converter(ValueConverter):
             self.error(where, str(err))
             return None, False
 
-    def _apply_preset(self, infos, preset: Preset, values, spans, written, what) -> bool:
+    def _apply_preset(self, infos: Infos, preset: Preset, values: dict[str, Any], spans: dict[str, Span],
+                      written: set[str], what: str) -> bool:
         """Fill the fields the block left out from `preset`; a locked field written otherwise is an error."""
         ok = True
         for name, value in preset.values.items():
@@ -166,7 +172,8 @@ class Converter(ValueConverter):
                 ok = False
         return ok
 
-    def _assign(self, info: FieldInfo, item, values, spans, preset: Preset | None = None) -> bool:
+    def _assign(self, info: FieldInfo, item: Statement, values: dict[str, Any], spans: dict[str, Span],
+                preset: Preset | None = None) -> bool:
         if isinstance(item, syntax.Block):
             sub = self.block(info.base, item.items, item.span, _describe(item), head=item, preset=preset)
             if sub is None:
@@ -186,7 +193,7 @@ class Converter(ValueConverter):
         return True
 
 
-def _claimed_fields(infos, item) -> list[str]:
+def _claimed_fields(infos: Infos, item: Statement) -> list[str]:
     """The field an item names by its key or block kind, however it is written."""
     key = normalize_key(item.kind if isinstance(item, syntax.Block) else item.key)
     return [i.name for i in infos if key in i.keys or key == i.meta.block]
@@ -212,14 +219,14 @@ def _describe(block: syntax.Block) -> str:
     return f"{block.kind} '{block.label}' <-> '{block.peer}'"
 
 
-def _duplicate_message(item, info: FieldInfo, what: str) -> str:
+def _duplicate_message(item: Statement, info: FieldInfo, what: str) -> str:
     if isinstance(item, syntax.Block):
         return f"duplicate '{item.kind}' block in {what}"
     alias = normalize_key(item.key) != info.name
     return f"duplicate '{item.key}' in {what}" + (f": it is another name for '{info.name}'" if alias else "")
 
 
-def to_spec(items: list, span: Span) -> Spec:
+def to_spec(items: list[syntax.Item], span: Span) -> Spec:
     """Convert the merged top-level items of a spec and its imports."""
     conv = Converter()
     spec = conv.block(Spec, tuple(items), span, what="the spec")

@@ -32,7 +32,7 @@ class LoadedSpec:
 
 def parse_file(path: Path, sources: Sources, at: Span | None = None) -> syntax.File:
     """Parse one file; unreadable, oversized or non-UTF-8 input is a located error."""
-    data = read_spec_bytes(path, at or Span(str(path), 1, 1, 1, 1))
+    data = read_spec_bytes(path, at or Span.file_start(path))
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -42,8 +42,8 @@ def parse_file(path: Path, sources: Sources, at: Span | None = None) -> syntax.F
         raise SpecError.at(Span(str(path), line, col, line, col + 1),
                            "the file is not UTF-8 text") from None
     if "\x00" in text:
-        at = text.index("\x00")
-        line, col = text.count("\n", 0, at) + 1, at - text.rfind("\n", 0, at)
+        nul = text.index("\x00")
+        line, col = text.count("\n", 0, nul) + 1, nul - text.rfind("\n", 0, nul)
         raise SpecError.at(Span(str(path), line, col, line, col + 1), "the file contains a NUL byte")
     sources.add(str(path), text)
     return syntax.parse_text(text, str(path))
@@ -101,11 +101,12 @@ class _Collector:
         self.files: list[Path] = []
         self.errors: list[Diagnostic] = []
 
-    def collect(self, path: Path, stack: tuple[Path, ...], at: Span | None) -> list:
+    def collect(self, path: Path, stack: tuple[Path, ...], at: Span | None) -> list[syntax.Item]:
+        """The items of `path` after those of the files it uses; `at`: the `use` line (None: the root)."""
         key = path.resolve()
         if key in stack:
             chain = " -> ".join(p.name for p in (*stack[stack.index(key):], key))
-            self.errors.append(Diagnostic(at, f"import cycle: {chain}"))
+            self.errors.append(Diagnostic(at or Span.file_start(path), f"import cycle: {chain}"))
             return []
         if key in self.done:
             return []
@@ -117,10 +118,10 @@ class _Collector:
             return []
         self.files.append(path)
         if not any(not isinstance(i, syntax.Comment) for i in tree.items):
-            self.errors.append(Diagnostic(at or Span(str(path), 1, 1, 1, 1), f"'{path}' is empty: a spec file holds "
+            self.errors.append(Diagnostic(at or Span.file_start(path), f"'{path}' is empty: a spec file holds "
                                           "blocks (model, cluster, train, parallel, device) or `use` lines"))
             return []
-        items: list = []
+        items: list[syntax.Item] = []
         for item in tree.items:
             if isinstance(item, syntax.Use):
                 items += self.collect(_resolve(item, path), (*stack, key), item.span)
@@ -135,5 +136,5 @@ def load_spec(path: str | Path) -> LoadedSpec:
     items = collector.collect(path, (), None)
     if collector.errors:
         raise SpecError(collector.errors)
-    spec = to_spec(items, Span(str(path), 1, 1, 1, 1))
+    spec = to_spec(items, Span.file_start(path))
     return LoadedSpec(spec, path, sources, collector.files)

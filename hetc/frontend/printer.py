@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Sequence
 from enum import StrEnum
+from typing import Any
 
 from hetc.frontend import syntax
 from hetc.errors import NO_SPAN
-from hetc.frontend.schema import fields_of
+from hetc.frontend.schema import FieldInfo, fields_of
 from hetc.spec import AUTO, LayerRange, Node, RankSlice, Routing, RoutingKind, Spec
 from hetc.units import format_quantity
 
@@ -31,7 +33,7 @@ def format_file(file: syntax.File) -> str:
     return format_items(file.items)
 
 
-def format_items(items) -> str:
+def format_items(items: Sequence[syntax.Item]) -> str:
     lines: list[str] = []
     _items(items, 0, lines, top=True)
     return "\n".join(lines).rstrip() + "\n"
@@ -44,8 +46,8 @@ def format_spec(spec: Spec) -> str:
 # ------------------------------------------------------------------ text
 
 
-def _items(items, depth: int, out: list[str], top: bool = False) -> None:
-    prev = None
+def _items(items: Sequence[syntax.Item], depth: int, out: list[str], top: bool = False) -> None:
+    prev: syntax.Item | None = None
     for item in items:
         # A trailing comment ends the line before it: the previous statement's, or the block's head.
         if isinstance(item, syntax.Comment) and item.trailing and out and (prev is not None or depth > 0):
@@ -57,7 +59,7 @@ def _items(items, depth: int, out: list[str], top: bool = False) -> None:
         prev = item
 
 
-def _blank_between(prev, item, top: bool) -> bool:
+def _blank_between(prev: syntax.Item, item: syntax.Item, top: bool) -> bool:
     if top and not (isinstance(prev, syntax.Use) and isinstance(item, syntax.Use)):
         if isinstance(prev, syntax.Block) or isinstance(item, syntax.Block) and not isinstance(prev, syntax.Comment):
             return True
@@ -67,11 +69,11 @@ def _blank_between(prev, item, top: bool) -> bool:
     return prev.span.line > 0 and start > 0 and start > _end_line(prev) + 1
 
 
-def _end_line(item) -> int:
+def _end_line(item: syntax.Item) -> int:
     return item.span.end_line
 
 
-def _item(item, depth: int, out: list[str]) -> None:
+def _item(item: syntax.Item, depth: int, out: list[str]) -> None:
     pad = INDENT * depth
     if isinstance(item, syntax.Comment):
         out.append(pad + item.text)
@@ -102,7 +104,7 @@ def _quote(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def _value(v, depth: int) -> str:
+def _value(v: syntax.Value, depth: int) -> str:
     if isinstance(v, syntax.Auto):
         return "auto"
     if isinstance(v, syntax.Number):
@@ -144,9 +146,9 @@ def _index(i: syntax.Index) -> str:
 # ------------------------------------------------------------------ Spec -> syntax
 
 
-def spec_to_items(node: Node) -> list:
+def spec_to_items(node: Node) -> list[syntax.Item]:
     """The items of `node`'s block body (for Spec: the top-level blocks)."""
-    items: list = []
+    items: list[syntax.Item] = []
     for info in fields_of(type(node)):
         if info.meta.label:
             continue
@@ -155,13 +157,14 @@ def spec_to_items(node: Node) -> list:
         if value == default and not info.required:
             continue
         if info.meta.block and value is not AUTO and value is not None:
-            items += _blocks(info, value)
+            items += _blocks(info, info.meta.block, value)
         else:
             items.append(syntax.Attr(info.name, _syntax(info, value), NO_SPAN, NO_SPAN))
     return items
 
 
-def _default(cls, name):
+def _default(cls: type, name: str) -> object:
+    """Field `name`'s default value in dataclass `cls` (dataclasses.MISSING: it has none)."""
     f = next(f for f in dataclasses.fields(cls) if f.name == name)
     if f.default is not dataclasses.MISSING:
         return f.default
@@ -170,23 +173,24 @@ def _default(cls, name):
     return dataclasses.MISSING
 
 
-def _blocks(info, value) -> list:
+def _blocks(info: FieldInfo, kind: str, value: Any) -> list[syntax.Item]:
+    """Field `info`'s `value` (a node, or a tuple of nodes) as blocks of `kind`, or as shorthand attributes."""
     values = value if info.many else (value,)
-    out = []
+    out: list[syntax.Item] = []
     for v in values:
         shorthand = _as_shorthand(v)
         if shorthand is not None:
             out.append(syntax.Attr(info.name, shorthand, NO_SPAN, NO_SPAN))
             continue
-        labels = [getattr(v, i.name) for i in fields_of(type(v)) if i.meta.label]
-        labels = [str(lab.value if isinstance(lab, StrEnum) else lab) for lab in labels]
+        raw = [getattr(v, i.name) for i in fields_of(type(v)) if i.meta.label]
+        labels: list[str | None] = [str(lab.value if isinstance(lab, StrEnum) else lab) for lab in raw]
         labels += [None] * (2 - len(labels))
-        out.append(syntax.Block(info.meta.block, labels[0], labels[1], tuple(spec_to_items(v)),
+        out.append(syntax.Block(kind, labels[0], labels[1], tuple(spec_to_items(v)),
                              NO_SPAN, NO_SPAN))
     return out
 
 
-def _as_shorthand(node: Node):
+def _as_shorthand(node: Node) -> syntax.Value | None:
     infos = fields_of(type(node))
     short = [i for i in infos if i.meta.shorthand]
     if not short:
@@ -197,7 +201,7 @@ def _as_shorthand(node: Node):
     return _syntax(short[0], getattr(node, short[0].name))
 
 
-def _syntax(info, value):
+def _syntax(info: FieldInfo, value: object) -> syntax.Value:
     if value is AUTO:
         return syntax.Auto(NO_SPAN)
     if isinstance(value, tuple):
@@ -208,7 +212,7 @@ def _syntax(info, value):
     return _scalar(info, value)
 
 
-def _scalar(info, value):
+def _scalar(info: FieldInfo, value: object) -> syntax.Value:
     if isinstance(value, bool):
         return syntax.Word("true" if value else "false", NO_SPAN)
     if isinstance(value, StrEnum):
@@ -237,7 +241,7 @@ def _scalar(info, value):
     raise TypeError(f"cannot print {value!r}")
 
 
-def _rank_ref(r: RankSlice):
+def _rank_ref(r: RankSlice) -> syntax.Word | syntax.RankRef:
     whole_node = r.node_is_slice and r.node_start is None and r.node_stop is None
     whole_gpu = r.gpu_is_slice and r.gpu_start is None and r.gpu_stop is None
     if whole_node and whole_gpu:

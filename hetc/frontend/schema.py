@@ -39,21 +39,29 @@ def normalize_key(key: str) -> str:
     return key.replace("-", "_").lower()
 
 
-@functools.cache
 def fields_of(cls: type) -> tuple[FieldInfo, ...]:
+    """The schema of dataclass `cls`'s fields (its source spans aside)."""
+    return _fields_of(cls)
+
+
+@functools.cache   # behind a typed signature: a cache wrapper takes any hashable arguments
+def _fields_of(cls: type) -> tuple[FieldInfo, ...]:
     hints = typing.get_type_hints(cls)
-    out = []
+    out: list[FieldInfo] = []
     for f in dataclasses.fields(cls):
         if f.name in ("span", "spans"):
             continue
         base, many, auto_ok, none_ok = _take_apart(hints[f.name])
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        meta = f.metadata.get(SCHEMA_KEY, FieldMeta())   # a field declared without `param`: no schema
+        meta = f.metadata.get(SCHEMA_KEY)
+        if not isinstance(meta, FieldMeta):   # a field declared without `param`
+            meta = FieldMeta()
         out.append(FieldInfo(f.name, base, many, auto_ok, none_ok, required, meta))
     return tuple(out)
 
 
-def _take_apart(tp) -> tuple[Any, bool, bool, bool]:
+def _take_apart(tp: object) -> tuple[Any, bool, bool, bool]:
+    """(the base type, a tuple of it, `auto` allowed, None allowed) of a field's type hint `tp`."""
     auto_ok = none_ok = False
     args = [tp]
     if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Collection
+from typing import Any
 
 from lark import Lark, Token, Transformer, Tree, v_args
+from lark.tree import Meta
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
 from hetc.frontend.comments import scan_comments, weave_comments
-from hetc.errors import Diagnostic, Span, SpecError
+from hetc.errors import Diagnostic, InternalError, Span, SpecError
 from hetc.grammar import GRAMMAR_PATH
 from hetc.frontend.tree import (Attr, Auto, Block, Comment, File, Index, Item, LayerRange, ListValue, Number,
                               RankRef, String, Use, Value, Word)
@@ -50,11 +53,19 @@ def _parser() -> Lark:
     )
 
 
-def _span(path: str, meta_or_token) -> Span:
+def _span(path: str, meta_or_token: Meta | Token) -> Span:
     m = meta_or_token
     if isinstance(m, Token):
-        return Span(path, m.line, m.column, m.end_line or m.line, m.end_column or m.column + 1)
+        line, column = _known(m.line, m), _known(m.column, m)
+        return Span(path, line, column, m.end_line or line, m.end_column or column + 1)
     return Span(path, m.line, m.column, m.end_line, m.end_column)
+
+
+def _known(position: int | None, tok: Token) -> int:
+    """A position of a token the lexer made (lark types them optional: a token built by hand has none)."""
+    if position is None:
+        raise InternalError(f"the lexer made a token without a position: {tok!r}")
+    return position
 
 
 _ESCAPE = re.compile(r"\\(.)")
@@ -65,77 +76,83 @@ def _unquote(text: str) -> str:
     return _ESCAPE.sub(r"\1", text[1:-1])
 
 
-class _ToAst(Transformer):
+# A rule's children: its tokens (None where an optional one is absent) and the nodes its sub-rules
+# returned. The grammar fixes which is where; lark's types cannot say it, so the rules that mix both
+# take them as `_Children` and unpack them by position.
+_Children = list[Any]
+
+
+class _ToAst(Transformer[Token, list[Item]]):
     def __init__(self, path: str):
         super().__init__(visit_tokens=False)
         self.path = path
 
-    def _s(self, x) -> Span:
+    def _s(self, x: Meta | Token) -> Span:
         return _span(self.path, x)
 
     @v_args(meta=True)
-    def start(self, meta, items):
+    def start(self, meta: Meta, items: list[Item]) -> list[Item]:
         return list(items)
 
     @v_args(meta=True)
-    def use(self, meta, children):
+    def use(self, meta: Meta, children: list[Token]) -> Use:
         (tok,) = children
         return Use(_unquote(tok), self._s(meta))
 
     @v_args(meta=True)
-    def block(self, meta, children):
+    def block(self, meta: Meta, children: _Children) -> Block:
         kind, label, peer, *items = children
         label_spans = tuple(self._s(tok) for tok in (label, peer) if tok is not None)
         return Block(str(kind), self._label(label), self._label(peer), tuple(items), self._s(meta),
                      self._s(kind), label_spans)
 
     @staticmethod
-    def _label(tok) -> str | None:
+    def _label(tok: Token | None) -> str | None:
         if tok is None:
             return None
         return _unquote(tok) if tok.type == "STRING" else str(tok)
 
     @v_args(meta=True)
-    def attr(self, meta, children):
+    def attr(self, meta: Meta, children: _Children) -> Attr:
         key, value = children
         return Attr(str(key), value, self._s(meta), self._s(key))
 
     @v_args(meta=True)
-    def auto(self, meta, _):
+    def auto(self, meta: Meta, _: list[Token]) -> Auto:
         return Auto(self._s(meta))
 
     @v_args(meta=True)
-    def number(self, meta, children):
+    def number(self, meta: Meta, children: list[Token]) -> Number:
         num, unit = children
-        spaced = unit is not None and unit.start_pos > num.end_pos
+        spaced = unit is not None and _known(unit.start_pos, unit) > _known(num.end_pos, num)
         return Number(str(num), None if unit is None else str(unit), self._s(meta), spaced)
 
     @v_args(meta=True)
-    def string(self, meta, children):
+    def string(self, meta: Meta, children: list[Token]) -> String:
         return String(_unquote(children[0]), self._s(meta))
 
     @v_args(meta=True)
-    def word(self, meta, children):
+    def word(self, meta: Meta, children: list[Token]) -> Word:
         return Word(str(children[0]), self._s(meta))
 
     @v_args(meta=True)
-    def layer_range(self, meta, children):
+    def layer_range(self, meta: Meta, children: list[Token]) -> LayerRange:
         return LayerRange(str(children[0]), str(children[1]), self._s(meta))
 
     @v_args(meta=True)
-    def rank_ref(self, meta, children):
+    def rank_ref(self, meta: Meta, children: _Children) -> RankRef:
         group, node, gpu = children
         return RankRef(str(group), node, gpu, self._s(meta))
 
-    def at(self, children):
+    def at(self, children: list[Token]) -> Index:
         return Index(int(children[0]), None, False)
 
-    def slice(self, children):
+    def slice(self, children: list[Token | None]) -> Index:
         lo, hi = children
         return Index(None if lo is None else int(lo), None if hi is None else int(hi), True)
 
     @v_args(meta=True)
-    def list(self, meta, children):
+    def list(self, meta: Meta, children: list[Value | None]) -> ListValue:
         return ListValue(tuple(c for c in children if c is not None), self._s(meta))
 
 
@@ -153,7 +170,7 @@ def parse_text(text: str, path: str) -> File:
 MAX_NESTING = 32  # blocks and lists inside each other; real specs need about 4
 
 
-def _check_depth(tree: Tree, path: str) -> None:
+def _check_depth(tree: Tree[Token], path: str) -> None:
     """Refuse absurd nesting before the recursive passes (transform, convert, print) meet it."""
     stack = [(tree, 0)]
     while stack:
@@ -179,10 +196,10 @@ _VALUE_START = {"'['", "'auto'", "a name", "a number", "a string"}
 
 
 def _describe_expected(expected: set[str]) -> str:
-    words = {_TOKEN_WORDS.get(t, _literal_word(t)) for t in expected}
-    if _VALUE_START <= words:
-        words = (words - _VALUE_START) | {"a value"}
-    words = sorted(words)
+    said = {_TOKEN_WORDS.get(t, _literal_word(t)) for t in expected}
+    if _VALUE_START <= said:
+        said = (said - _VALUE_START) | {"a value"}
+    words = sorted(said)
     if not words:
         return ""
     if len(words) == 1:
@@ -207,9 +224,8 @@ def _syntax_diagnostic(err: UnexpectedInput, text: str, path: str) -> Diagnostic
         isinstance(err, UnexpectedToken) and err.token.type == "$END"
     ):
         line, col = _end_position(text)
-        expected = getattr(err, "expected", None) or getattr(err, "accepts", set())
         return Diagnostic(Span(path, line, col, line, col + 1),
-                          "unexpected end of input" + _describe_expected(set(expected)))
+                          "unexpected end of input" + _describe_expected(_expected_at_end(err)))
     if isinstance(err, UnexpectedCharacters):
         return _bad_character(err, text, path)
     assert isinstance(err, UnexpectedToken)
@@ -219,21 +235,39 @@ def _syntax_diagnostic(err: UnexpectedInput, text: str, path: str) -> Diagnostic
     if missing is not None:
         return missing
     shown = "end of line" if tok.type == "_NL" else repr(str(tok))
-    end_col = tok.column + 1 if tok.type == "_NL" else (tok.end_column or tok.column + 1)
-    return Diagnostic(Span(path, tok.line, tok.column, tok.line, end_col),
+    line, column = _known(tok.line, tok), _known(tok.column, tok)
+    end_col = column + 1 if tok.type == "_NL" else (tok.end_column or column + 1)
+    return Diagnostic(Span(path, line, column, line, end_col),
                       f"unexpected {shown}" + _describe_expected(expected))
+
+
+def _expected_at_end(err: UnexpectedEOF | UnexpectedToken) -> set[str]:
+    """What the parser wanted when the input ended: an EOF's `expected`, else the token's."""
+    if isinstance(err, UnexpectedEOF):
+        return {str(t) for t in err.expected}
+    return set(err.expected or err.accepts or ())
 
 
 def _bad_character(err: UnexpectedCharacters, text: str, path: str) -> Diagnostic:
     at = Span(path, err.line, err.column, err.line, err.column + 1)
-    ch = text[err.pos_in_stream] if err.pos_in_stream < len(text) else ""
+    pos = _offset(err)
+    ch = text[pos] if pos < len(text) else ""
     if ch == '"':
         return Diagnostic(at, "this string is not closed: a string ends with '\"' on the same line")
     what = f"unexpected character {ch!r}" if ch.isprintable() else f"unexpected byte {ch!r}"
-    return Diagnostic(at, what + _describe_expected(_accepted_before(text, err.pos_in_stream, err.allowed)))
+    return Diagnostic(at, what + _describe_expected(_accepted_before(text, pos, err.allowed)))
 
 
-def _accepted_before(text: str, pos: int, fallback) -> set[str]:
+def _offset(err: UnexpectedCharacters) -> int:
+    """Where in the text the lexer stopped. lark's base class declares `pos_in_stream = None`, which mypy
+    takes for its type; UnexpectedCharacters sets it to the offset."""
+    pos: object = err.pos_in_stream
+    if not isinstance(pos, int):
+        raise InternalError(f"lark's UnexpectedCharacters without an offset: {err!r}")
+    return pos
+
+
+def _accepted_before(text: str, pos: int, fallback: Collection[str] | None) -> set[str]:
     """The tokens the parser accepts at `pos`, from a parse of the text before it.
 
     The lexer's `allowed` set belongs to a state LALR shares between contexts
@@ -243,7 +277,9 @@ def _accepted_before(text: str, pos: int, fallback) -> set[str]:
     try:
         interactive = _parser().parse_interactive(text[:pos])
         interactive.exhaust_lexer()
-        return set(interactive.accepts()) - {"$END"}
+        # lark's InteractiveParser.accepts has no annotations (it returns a set of terminal names)
+        accepted: set[str] = interactive.accepts()  # type: ignore[no-untyped-call]
+        return accepted - {"$END"}
     except UnexpectedInput:
         return set(fallback or ())
 
@@ -257,19 +293,20 @@ def _missing_separator(tok: Token, expected: set[str], text: str, path: str) -> 
     and stumbles on the second '='. Point at `b` and say what is missing."""
     if not expected & _SEPARATORS:
         return None
+    line, column = _known(tok.line, tok), _known(tok.column, tok)
     # `arch = llama heads = 4`: a second statement starts at the name (which the lexer may call a unit)
     if tok.type in ("NAME", "UNIT") and _NAME.fullmatch(str(tok)):
-        col, name = tok.column, str(tok)
-        return Diagnostic(Span(path, tok.line, col, tok.line, col + len(name)), _separator_message(name))
+        name = str(tok)
+        return Diagnostic(Span(path, line, column, line, column + len(name)), _separator_message(name))
     if tok.type != "EQUAL":
         return None
     lines = text.split("\n")
-    before = lines[tok.line - 1][: tok.column - 1] if tok.line <= len(lines) else ""
+    before = lines[line - 1][: column - 1] if line <= len(lines) else ""
     found = _TRAILING_NAME.search(before)
     if found is None or not before[: found.start()].strip():
         return None
     col = found.start() + 1
-    return Diagnostic(Span(path, tok.line, col, tok.line, col + len(found.group(1))),
+    return Diagnostic(Span(path, line, col, line, col + len(found.group(1))),
                       _separator_message(found.group(1)))
 
 

@@ -9,23 +9,27 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Iterable
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeGuard, TypeVar
 
 from hetc.frontend import syntax
 from hetc.errors import Diagnostic, Span, did_you_mean
 from hetc.frontend.schema import FieldInfo, fields_of
-from hetc.spec import AUTO, ENUM_ALIASES, FieldMeta, LayerRange, RankSlice, Routing, RoutingKind
+from hetc.spec import AUTO, ENUM_ALIASES, Auto, FieldMeta, LayerRange, Node, RankSlice, Routing, RoutingKind
 from hetc.units import UNITS, Dim, to_base, units_of
 
 __all__ = ["ValueConverter", "is_enum", "words"]
+
+E = TypeVar("E", bound=StrEnum)
+Num = TypeVar("Num", int, float)
 
 
 class ValueConverter:
     def __init__(self) -> None:
         self.errors: list[Diagnostic] = []
 
-    def error(self, span: Span, message: str, notes: tuple = ()) -> None:
+    def error(self, span: Span, message: str, notes: tuple[tuple[Span, str], ...] = ()) -> None:
         self.errors.append(Diagnostic(span, message, notes=notes))
 
     def value(self, info: FieldInfo, node: syntax.Value, what: str) -> Any:
@@ -51,8 +55,8 @@ class ValueConverter:
             return tuple(out)
         return self.scalar(base, info, node, what)
 
-    def _shorthand(self, field: FieldInfo, node, what):
-        cls = field.base
+    def _shorthand(self, field: FieldInfo, node: syntax.Value, what: str) -> Node | Auto | None:
+        cls: type[Node] = field.base   # a block's class (value() sends only those here)
         infos = [i for i in fields_of(cls) if i.meta.shorthand]
         if not infos:
             if isinstance(node, syntax.Auto) and field.auto_ok:   # `stage = auto`: the planner writes the blocks
@@ -69,7 +73,7 @@ class ValueConverter:
             return None
         return cls(**{infos[0].name: value}, span=node.span, spans=((infos[0].name, node.span),))
 
-    def scalar(self, base, info: FieldInfo, node: syntax.Value, what: str) -> Any:
+    def scalar(self, base: Any, info: FieldInfo, node: syntax.Value, what: str) -> Any:
         if isinstance(node, syntax.ListValue) and base is not Routing:
             self.error(node.span, f"{what} takes one value, not a list")
             return None
@@ -95,20 +99,20 @@ class ValueConverter:
             return None
         return _SPECIAL[base](self, node, what)
 
-    def _bool(self, node, what):
+    def _bool(self, node: syntax.Value, what: str) -> bool | None:
         if isinstance(node, syntax.Word) and node.name in ("true", "false"):
             return node.name == "true"
         self.error(node.span, f"{what} expects true or false, got {_shown(node)}")
         return None
 
-    def _int(self, node, info, what):
+    def _int(self, node: syntax.Value, info: FieldInfo, what: str) -> int | None:
         if not isinstance(node, syntax.Number) or not node.is_int() or node.unit is not None:
             shown = _shown(node)
             self.error(node.span, f"{what} expects a whole number, got {shown}")
             return None
         return self._bounded(int(node.text), info, node, what)
 
-    def _float(self, node, info, what):
+    def _float(self, node: syntax.Value, info: FieldInfo, what: str) -> float | None:
         unit_dim: Dim | None = info.meta.unit
         if not isinstance(node, syntax.Number):
             need = f"{_NOUN[unit_dim]} such as {_EXAMPLE[unit_dim]}" if unit_dim else "a number"
@@ -122,9 +126,10 @@ class ValueConverter:
             self.error(node.span, f"{what} takes a plain number, without the unit '{node.unit}'")
             return None
         if unit_dim is not None:
-            value = self._unit(node, unit_dim, value, what)
-            if value is None:
+            in_base = self._unit(node, unit_dim, value, what)
+            if in_base is None:
                 return None
+            value = in_base
         return self._bounded(value, info, node, what)
 
     def _unit(self, node: syntax.Number, dim: Dim, value: float, what: str) -> float | None:
@@ -147,7 +152,7 @@ class ValueConverter:
             return None
         return base
 
-    def _bounded(self, value, info, node: syntax.Number, what):
+    def _bounded(self, value: Num, info: FieldInfo, node: syntax.Number, what: str) -> Num | None:
         lo, hi = info.meta.lo, info.meta.hi
         below, above = lo is not None and value < lo, hi is not None and value > hi
         if not (below or above):
@@ -155,14 +160,15 @@ class ValueConverter:
         got = _shown(node)
         if lo is not None and hi is not None and hi - lo <= 16:  # a small closed set: 0..3, 0..1
             self.error(node.span, f"{what} must be between {lo:g} and {hi:g}, got {got}")
-        elif below:
-            rule = {0: "must not be negative", 1: "must be positive"}.get(lo, f"must be at least {lo:g}")
+        elif below and lo is not None:
+            rules: dict[float, str] = {0: "must not be negative", 1: "must be positive"}
+            rule = rules.get(lo, f"must be at least {lo:g}")
             self.error(node.span, f"{what} {rule}, got {got}")
         else:
             self.error(node.span, f"{what} must be at most {hi:g}, got {got}")
         return None
 
-    def _enum(self, enum: type[StrEnum], text: str, span: Span, what: str):
+    def _enum(self, enum: type[E], text: str, span: Span, what: str) -> E | None:
         low = text.lower()
         for member in enum:
             if member.value == low:
@@ -176,7 +182,7 @@ class ValueConverter:
         return None
 
 
-def _layer_range(conv: ValueConverter, node: syntax.Value, what: str):
+def _layer_range(conv: ValueConverter, node: syntax.Value, what: str) -> LayerRange | None:
     if isinstance(node, syntax.LayerRange):
         return LayerRange(first=node.first, last=node.last, span=node.span)
     if isinstance(node, syntax.Word):
@@ -185,7 +191,7 @@ def _layer_range(conv: ValueConverter, node: syntax.Value, what: str):
     return None
 
 
-def _rank_slice(conv: ValueConverter, node: syntax.Value, what: str):
+def _rank_slice(conv: ValueConverter, node: syntax.Value, what: str) -> RankSlice | None:
     if isinstance(node, syntax.Word):
         return RankSlice(group=node.name, span=node.span)
     if not isinstance(node, syntax.RankRef):
@@ -197,7 +203,7 @@ def _rank_slice(conv: ValueConverter, node: syntax.Value, what: str):
                      gpu_stop=g.stop, node_is_slice=n.is_slice, gpu_is_slice=g.is_slice, span=node.span)
 
 
-def _routing(conv: ValueConverter, node: syntax.Value, what: str):
+def _routing(conv: ValueConverter, node: syntax.Value, what: str) -> Routing | None:
     if isinstance(node, syntax.Word):
         kind = _enum_or_none(RoutingKind, node.name)
         if kind is None:
@@ -212,14 +218,17 @@ def _routing(conv: ValueConverter, node: syntax.Value, what: str):
     if isinstance(node, syntax.ListValue) and node.items:
         info = FieldInfo("count", int, False, False, False, True, FieldMeta(lo=0, hi=1 << 30))
         counts = [conv._int(n, info, "a microbatch count") for n in node.items]
-        if any(c is None for c in counts):
+        known = [c for c in counts if c is not None]
+        if len(known) != len(counts):
             return None
-        return Routing(kind=RoutingKind.COUNTS, counts=tuple(counts), span=node.span)
+        return Routing(kind=RoutingKind.COUNTS, counts=tuple(known), span=node.span)
     conv.error(node.span, f"{what} expects even, proportional or a list of counts per lane, got {_shown(node)}")
     return None
 
 
-_SPECIAL = {LayerRange: _layer_range, RankSlice: _rank_slice, Routing: _routing}
+# the value types written in their own syntax, each with its converter
+_SPECIAL: dict[type, Callable[[ValueConverter, syntax.Value, str], object]] = {
+    LayerRange: _layer_range, RankSlice: _rank_slice, Routing: _routing}
 
 # How messages name a dimension, show an example value and suggest units.
 _NOUN = {Dim.MEMORY: "a memory size", Dim.BANDWIDTH: "a bandwidth", Dim.COMPUTE: "a compute rate",
@@ -232,15 +241,15 @@ DISPLAY_HINT = {Dim.MEMORY: ["GiB", "GB"], Dim.BANDWIDTH: ["GB/s", "Gb/s"], Dim.
                 Dim.THROUGHPUT: ["tokens/s"]}
 
 
-def _enum_or_none(enum: type[StrEnum], text: str):
+def _enum_or_none(enum: type[E], text: str) -> E | None:
     return next((m for m in enum if m.value == text.lower()), None)
 
 
-def is_enum(tp) -> bool:
+def is_enum(tp: object) -> TypeGuard[type[StrEnum]]:
     return isinstance(tp, type) and issubclass(tp, StrEnum)
 
 
-def _shown(node) -> str:
+def _shown(node: syntax.Value) -> str:
     if isinstance(node, syntax.Number):
         return node.written
     if isinstance(node, syntax.Word):
@@ -255,8 +264,8 @@ def _shown(node) -> str:
         return f"{node.group}[...]"
     return "auto"
 
-def words(items, quote: bool = False) -> str:
-    items = [f"'{i}'" if quote else str(i) for i in items]
-    if len(items) <= 1:
-        return "".join(items)
-    return ", ".join(items[:-1]) + " and " + items[-1] if quote else ", ".join(items[:-1]) + " or " + items[-1]
+def words(items: Iterable[object], quote: bool = False) -> str:
+    texts = [f"'{i}'" if quote else str(i) for i in items]
+    if len(texts) <= 1:
+        return "".join(texts)
+    return ", ".join(texts[:-1]) + " and " + texts[-1] if quote else ", ".join(texts[:-1]) + " or " + texts[-1]

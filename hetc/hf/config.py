@@ -111,7 +111,7 @@ def model_preset(config: dict[str, Any], source: str, span: Span) -> Preset:
 def _architecture(config: dict[str, Any]) -> str:
     names = config.get("architectures") or []
     name = names[0] if isinstance(names, list) and names else None
-    if name not in SUPPORTED:
+    if not isinstance(name, str) or name not in SUPPORTED:
         what = f"architecture '{name}'" if name else "a config without \"architectures\""
         raise HfError(f"{what} is not supported; hetc reads {', '.join(SUPPORTED)}")
     return name

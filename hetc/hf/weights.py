@@ -16,10 +16,15 @@ import json
 import struct
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hetc.hf.config import HfError
 from hetc.spec import InitKind, ModelSpec
+
+if TYPE_CHECKING:
+    import torch
+
+    from hetc.spec import ModelSpec
 
 __all__ = ["INDEX_FILE", "SINGLE_FILE", "WeightReader", "expected_shapes", "has_weights", "header_shapes",
            "hf_has_weights", "model_weight_problems", "wants_pretrained", "weight_map", "weight_problems"]
@@ -80,15 +85,15 @@ def header_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def expected_shapes(model) -> dict[str, tuple[int, ...]]:
-    """The Hugging Face tensors `model` (a ModelSpec) needs, with their shapes (from the runtime's modules)."""
+def expected_shapes(model: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """The Hugging Face tensors `model` needs, with their shapes (from the runtime's modules)."""
     from hetc.hf.names import hf_name
     from hetc.runtime.nn.model import full_shapes
 
     return {hf_name(name): shape for name, shape in full_shapes(model).items()}
 
 
-def model_weight_problems(model, directory: Path) -> list[str]:
+def model_weight_problems(model: ModelSpec, directory: Path) -> list[str]:
     """What keeps `directory`'s safetensors from being `model`'s weights (empty: nothing), from headers."""
     try:
         return weight_problems(header_shapes(directory), expected_shapes(model))
@@ -145,10 +150,11 @@ class WeightReader:
     def __init__(self, directory: Path) -> None:
         self.files = weight_map(directory)
 
-    def read(self, name: str, index: Iterable[slice]):
+    def read(self, name: str, index: Iterable[slice]) -> torch.Tensor:
         """Tensor `name`[index] (one slice per leading dimension) as a new fp32 torch tensor."""
         import torch
         from safetensors import safe_open
 
         with safe_open(str(self.files[name]), framework="pt") as handle:
-            return handle.get_slice(name)[tuple(index)].to(torch.float32)
+            piece: torch.Tensor = handle.get_slice(name)[tuple(index)]   # safetensors' slice is untyped
+            return piece.to(torch.float32)

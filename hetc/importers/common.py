@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 from hetc.errors import UsageError
 from hetc.frontend.load import BUNDLED_SPECS, load_spec
 from hetc.frontend.printer import format_spec
-from hetc.spec import DeviceSpec, LayerRange, ModelSpec, NodeSpec, RankSlice, Spec
+from hetc.spec import DeviceSpec, IntraLinkSpec, LayerRange, ModelSpec, NodeSpec, RankSlice, Spec
 
 __all__ = [
     "NodeBook",
@@ -76,7 +77,9 @@ class NodeBook:
         self.counts[key] = index + 1
         return self.name_of(key), index
 
-    def node_specs(self, region_of, intra_of) -> tuple[NodeSpec, ...]:
+    def node_specs(self, region_of: Callable[[str], str],
+                   intra_of: Callable[[str, int], IntraLinkSpec | None]) -> tuple[NodeSpec, ...]:
+        """The node groups, named; `region_of(zone)` and `intra_of(kind, gpus)` fill in their links."""
         out = []
         for (kind, gpus, zone), count in sorted(self.counts.items()):
             out.append(NodeSpec(name=self.name_of((kind, gpus, zone)), device=kind, count=count, gpus=gpus,

@@ -15,17 +15,20 @@ the plan is `auto`, for `hetc plan`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
-from hetc.errors import UsageError
+from hetc.errors import InternalError, UsageError
 from hetc.importers.common import (NodeBook, catalog_devices, gpu_slice, layer_range, read_input_json, render,
                                    require_dir)
+from hetc.jsontypes import RawJson
+from hetc.passes.cost import Estimate
+from hetc.passes.cost.profiles import NetworkFits, ProfileError, Profiles
 from hetc.passes.cost.sources.devices import catalog_name
-from hetc.passes.cost.profiles import ProfileError
 from hetc.passes.cost.sources.sailor_data import SailorModel, read_json, read_models, read_sailor
 from hetc.spec import (AUTO, ClusterSpec, DType, IntraLinkSpec, LinkSpec, ModelSpec, OptimizerSpec,
-                       ParallelSpec, Routing, ScheduleKind, Spec, StageSpec, TrainSpec, ZeroSpec)
+                       ParallelSpec, RankSlice, Routing, ScheduleKind, Spec, StageSpec, TrainSpec, ZeroSpec)
 
 __all__ = ["explain_plan", "import_sailor", "plan_model"]
 
@@ -52,6 +55,8 @@ def import_sailor(data: str, model_name: str, plan: str | None, quotas: str | No
     if plan is not None:
         raw = read_input_json(plan, "Sailor plan")
         parallel, train, idle, header = _plan(raw, model, book, Path(plan).name)
+    elif quotas is None:
+        raise UsageError("hetc import sailor needs --plan or --quotas")
     else:
         raw = read_input_json(quotas, "quotas file")
         _quotas(raw, book, folder)
@@ -59,7 +64,7 @@ def import_sailor(data: str, model_name: str, plan: str | None, quotas: str | No
         train, idle, header = TrainSpec(global_batch=model.global_batch), (), [f"quotas: {Path(quotas).name}"]
     spec = Spec(model=_model_spec(model), devices=catalog_devices({k for k, _, _ in book.counts}),
                 cluster=_cluster(book, net), train=train,
-                parallel=parallel if not idle else ParallelSpec(**{**_fields(parallel), "idle": idle}))
+                parallel=dataclasses.replace(parallel, idle=idle) if idle else parallel)
     return render(spec, [f"Imported from Sailor by `hetc import sailor` (model {model_name}, data {folder}).",
                          *header,
                          f"Measured layer times and network fits: hetc explain SPEC --profile {folder}"])
@@ -88,7 +93,7 @@ def plan_model(data: str, plan: str) -> str:
     return fits[0]
 
 
-def explain_plan(data: str, plan: str, profiles, model: str | None = None):
+def explain_plan(data: str, plan: str, profiles: Profiles | None, model: str | None = None) -> Estimate:
     """`hetc import sailor` then `hetc explain --profile`: the cost model's estimate for a Sailor plan.
 
     `model` is Sailor's model name; by default the one the plan's layer count names (`plan_model`).
@@ -102,11 +107,11 @@ def explain_plan(data: str, plan: str, profiles, model: str | None = None):
         spec = Path(tmp) / "plan.het"
         spec.write_text(import_sailor(data, model or plan_model(data, plan), plan, None))
         _, checked = load_checked(spec)
-    return CostModel(checked.spec, checked.pipeline, checked.topology, profiles).estimate()
+    explicit = checked.explicit()
+    if explicit is None:   # _plan writes every stage of the Sailor plan
+        raise InternalError("a Sailor plan imported with `auto` left in it")
+    return CostModel(explicit.spec, explicit.pipeline, explicit.topology, profiles).estimate()
 
-
-def _fields(node) -> dict:
-    return {f: getattr(node, f) for f in node.__dataclass_fields__ if f not in ("span", "spans")}
 
 
 def _model_spec(m: SailorModel) -> ModelSpec:
@@ -119,7 +124,9 @@ def _model_spec(m: SailorModel) -> ModelSpec:
                      tied_embeddings=False, optimizer=OptimizerSpec(beta2=0.999))
 
 
-def _plan(raw: dict, model: SailorModel, book: NodeBook, name: str):
+def _plan(raw: RawJson, model: SailorModel, book: NodeBook,
+          name: str) -> tuple[ParallelSpec, TrainSpec, tuple[RankSlice, ...], list[str]]:
+    """(the plan, the job, the GPUs it leaves idle, header lines) of Sailor plan `raw`."""
     try:
         pipeline = raw["pipeline_list"][0]
         stages_layers, replicas = pipeline["layers_per_stage"], pipeline["tmp_per_stage"]
@@ -133,7 +140,9 @@ def _plan(raw: dict, model: SailorModel, book: NodeBook, name: str):
         raise UsageError(f"'{name}': {len(stages_layers)} layer lists but {len(replicas)} stages in "
                          "tmp_per_stage")
     hetc_model = _model_spec(model)
-    stages, idle, first = [], [], 0
+    stages: list[StageSpec] = []
+    idle: list[RankSlice] = []
+    first = 0
     for s, (layers, reps) in enumerate(zip(stages_layers, replicas)):
         stop = first + len(layers)
         if list(layers) != list(range(first, stop)):
@@ -152,8 +161,11 @@ def _plan(raw: dict, model: SailorModel, book: NodeBook, name: str):
     return parallel, TrainSpec(global_batch=gbs, micro_batch=mbs), tuple(idle), header
 
 
-def _stage(s: int, reps: list, model: ModelSpec, first: int, stop: int, book: NodeBook, name: str):
-    ranks, idle, tps = [], [], set()
+def _stage(s: int, reps: RawJson, model: ModelSpec, first: int, stop: int, book: NodeBook,
+           name: str) -> tuple[StageSpec, list[RankSlice]]:
+    ranks: list[RankSlice] = []
+    idle: list[RankSlice] = []
+    tps: set[int] = set()
     for j, rep in enumerate(reps):
         try:
             vms, tp = rep[0], int(rep[1])
@@ -176,7 +188,7 @@ def _stage(s: int, reps: list, model: ModelSpec, first: int, stop: int, book: No
     return stage, idle
 
 
-def _quotas(raw: dict, book: NodeBook, folder: Path) -> None:
+def _quotas(raw: RawJson, book: NodeBook, folder: Path) -> None:
     basic = folder / "basic_cluster_config.json"
     cfg = read_json(basic) if basic.is_file() else {}
     if not isinstance(raw, dict) or not raw:
@@ -194,7 +206,7 @@ def _quotas(raw: dict, book: NodeBook, folder: Path) -> None:
                 book.take(catalog_name(gpu), per_node, zone)
 
 
-def _cluster(book: NodeBook, net) -> ClusterSpec:
+def _cluster(book: NodeBook, net: NetworkFits) -> ClusterSpec:
     def intra(kind: str, gpus: int) -> IntraLinkSpec | None:
         fit = net.intra_rate(kind, gpus)
         return IntraLinkSpec(bandwidth=fit.rate(REFERENCE_MESSAGE)) if fit is not None else None

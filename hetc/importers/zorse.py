@@ -18,11 +18,15 @@ several ZeRO groups is imported with one (hetc shards over a stage's lanes).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 from hetc.errors import UsageError
 from hetc.importers.common import catalog_devices, read_input_json, render, require_dir
+from hetc.jsontypes import RawJson
 from hetc.passes.cost.sources.devices import catalog_name
 from hetc.passes.cost.sources.zorse_data import DTYPES, STATS
 from hetc.spec import (AUTO, Arch, ClusterSpec, DType, IntraLinkSpec, LayerRange, LinkSpec, ModelSpec,
@@ -39,6 +43,14 @@ MS = 1e-3
 _FAMILIES = {"llama": (Arch.LLAMA, 128), "mistral": (Arch.LLAMA, 128), "gpt": (Arch.GPT, 64)}
 
 
+class _Placed(NamedTuple):
+    """Where a Zorse GPU rank lands in the spec's cluster."""
+
+    group: str    # its node group
+    kind: str     # its device kind (the catalog's name)
+    local: int    # its index among the group's GPUs
+
+
 def import_zorse(data: str, cluster: str, model_name: str, plan: str | None) -> str:
     folder = require_dir(data, "Zorse folder")
     stats = read_input_json(folder / STATS, "Zorse model stats")
@@ -49,15 +61,18 @@ def import_zorse(data: str, cluster: str, model_name: str, plan: str | None) -> 
     config = read_input_json(plan, "Zorse plan") if plan else {}
     model = _model(model_name, stats[model_name], config)
     gpus, nodes, links = _cluster(info, cluster)
-    kinds = {g[1] for g in gpus.values()}
+    kinds = {g.kind for g in gpus.values()}
     if plan:
         parallel = _plan(config, model, gpus, Path(plan).name)
         train = TrainSpec(global_batch=_int(config, "global_batch_size", plan),
                           micro_batch=_int(config, "microbatch_size", plan))
     else:
         parallel, train = ParallelSpec(schedule=AUTO, stages=AUTO), TrainSpec(global_batch=128)
+    cluster_spec = ClusterSpec(name="zorse", nodes=nodes, links=links)
+    if (inter := _inter_bandwidth(info)) is not None:   # else the spec's default
+        cluster_spec = dataclasses.replace(cluster_spec, inter_bandwidth=inter)
     spec = Spec(model=model, devices=catalog_devices(kinds), train=train, parallel=parallel,
-                cluster=ClusterSpec(name="zorse", nodes=nodes, links=links, **_inter(info, cluster)))
+                cluster=cluster_spec)
     latency = config.get("latency")
     measured = f" (Zorse's latency: {latency:.0f} ms)" if isinstance(latency, float) else ""
     header = [f"Imported from Zorse by `hetc import zorse` (model {model_name}, cluster {Path(cluster).name}"
@@ -66,14 +81,14 @@ def import_zorse(data: str, cluster: str, model_name: str, plan: str | None) -> 
     return render(spec, header)
 
 
-def _int(config: dict, key: str, where: str) -> int:
+def _int(config: RawJson, key: str, where: str) -> int:
     try:
         return int(config[key])
     except (KeyError, TypeError, ValueError):
         raise UsageError(f"'{where}' has no integer '{key}'") from None
 
 
-def _model(name: str, shape: dict, config: dict) -> ModelSpec:
+def _model(name: str, shape: RawJson, config: RawJson) -> ModelSpec:
     family = next((f for f in _FAMILIES if f in name.lower()), None)
     if family is None:
         raise UsageError(f"hetc trains decoder-only LLMs; '{name}' is not a GPT, Llama or Mistral model")
@@ -96,14 +111,17 @@ def _model(name: str, shape: dict, config: dict) -> ModelSpec:
                      dtype=dtype)
 
 
-def _cluster(info: dict, where: str):
-    """{global rank: (group, kind, local index)}, node groups, links."""
+def _cluster(info: RawJson,
+             where: str) -> tuple[dict[int, _Placed], tuple[NodeSpec, ...], tuple[LinkSpec, ...]]:
+    """{global rank: where it lands}, node groups, links."""
     try:
         machines = info["machines"]
         bandwidth = info.get("bandwidth", {})
     except (KeyError, TypeError):
         raise UsageError(f"'{where}' is not a Zorse cluster description (no \"machines\")") from None
-    gpus, nodes, links = {}, [], []
+    gpus: dict[int, _Placed] = {}
+    nodes: list[NodeSpec] = []
+    links: list[LinkSpec] = []
     for m_idx, machine in enumerate(machines):
         zone = str(machine.get("machine", f"m{m_idx}"))
         by_kind: dict[str, list[int]] = {}
@@ -115,7 +133,7 @@ def _cluster(info: dict, where: str):
             nodes.append(NodeSpec(name=group, device=kind, gpus=len(ranks), zone=zone, region=zone,
                                   intra=intra))
             for local, rank in enumerate(sorted(ranks)):
-                gpus[rank] = (group, kind, local)
+                gpus[rank] = _Placed(group, kind, local)
         if len(by_kind) > 1 and intra is not None:
             links.append(LinkSpec(a=zone, b=zone, bandwidth=intra.bandwidth, latency=intra.latency))
     if not gpus:
@@ -123,7 +141,7 @@ def _cluster(info: dict, where: str):
     return gpus, tuple(nodes), tuple(links)
 
 
-def _intra(bandwidth: dict, machine: int) -> IntraLinkSpec | None:
+def _intra(bandwidth: RawJson, machine: int) -> IntraLinkSpec | None:
     gbs = bandwidth.get("intranode_bandwidth", {}).get(str(machine))
     if gbs is None:
         return None
@@ -131,13 +149,14 @@ def _intra(bandwidth: dict, machine: int) -> IntraLinkSpec | None:
     return IntraLinkSpec(bandwidth=float(gbs) * GB, latency=float(latency) * MS)
 
 
-def _inter(info: dict, where: str) -> dict:
+def _inter_bandwidth(info: RawJson) -> float | None:
+    """The slowest inter-node link Zorse lists, bytes/s; None when it lists none."""
     inter = info.get("bandwidth", {}).get("internode_bandwidth", {})
     values = [float(v) for v in _leaves(inter)]
-    return {"inter_bandwidth": min(values) * GB} if values else {}
+    return min(values) * GB if values else None
 
 
-def _leaves(tree):
+def _leaves(tree: RawJson) -> Iterator[RawJson]:
     if isinstance(tree, dict):
         for v in tree.values():
             yield from _leaves(v)
@@ -145,7 +164,7 @@ def _leaves(tree):
         yield tree
 
 
-def _plan(config: dict, model: ModelSpec, gpus: dict, where: str) -> ParallelSpec:
+def _plan(config: RawJson, model: ModelSpec, gpus: dict[int, _Placed], where: str) -> ParallelSpec:
     try:
         stages_cfg = config["pipeline_config"]
         interleave = int(config.get("interleave_degree", 1))
@@ -179,7 +198,7 @@ def _plan(config: dict, model: ModelSpec, gpus: dict, where: str) -> ParallelSpe
                         offload=OffloadSpec(activations=OffloadTarget.CPU), prefetch=1)
 
 
-def _gpu(entry: tuple[str, str, int]) -> RankSlice:
+def _gpu(entry: _Placed) -> RankSlice:
     group, _, local = entry
     return RankSlice(group=group, node_start=0, node_stop=None, gpu_start=local, gpu_stop=None,
                      node_is_slice=False, gpu_is_slice=False)

@@ -40,7 +40,7 @@ class Dump:
 
 
 def _run(args: list[str], page: Path, timeout: float, chromium: str | None,
-         fragment: str = "") -> subprocess.CompletedProcess:
+         fragment: str = "") -> subprocess.CompletedProcess[str]:
     binary = chromium or find_chromium()
     if binary is None:
         raise FileNotFoundError("no chromium on PATH (Debian: apt-get install chromium)")

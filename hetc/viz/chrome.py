@@ -15,6 +15,7 @@ import json
 from collections import defaultdict
 from collections.abc import Sequence
 
+from hetc.jsontypes import JsonObject
 from hetc.timeline import Event, Stream, Timeline
 
 __all__ = ["chrome_trace", "chrome_trace_json"]
@@ -27,7 +28,7 @@ _STREAM_TID = {s: i * _TIDS_PER_STREAM for i, s in enumerate(Stream)}
 def _pack(events: list[Event]) -> list[int]:
     """For events of one stream sorted by start: the overflow slot of each, so that every slot nests."""
     stacks: list[list[float]] = []    # per slot: ends of the events still open
-    slots = []
+    slots: list[int] = []
     for e in events:
         for slot, stack in enumerate(stacks):
             while stack and stack[-1] <= e.start:
@@ -42,8 +43,8 @@ def _pack(events: list[Event]) -> list[int]:
     return slots
 
 
-def _process_events(timeline: Timeline, pid_base: int, prefix: str) -> list[dict]:
-    out = []
+def _process_events(timeline: Timeline, pid_base: int, prefix: str) -> list[JsonObject]:
+    out: list[JsonObject] = []
     for info in timeline.ranks:
         pid = pid_base + info.rank
         name = f"{prefix}rank {info.rank} · {info.device} {info.gpu} · stage {info.stage} lane {info.lane}"
@@ -53,12 +54,17 @@ def _process_events(timeline: Timeline, pid_base: int, prefix: str) -> list[dict
     return out
 
 
-def _slices(timeline: Timeline, pid_base: int) -> tuple[list[dict], dict[tuple[int, int], tuple[int, float]]]:
+# where each (rank, instruction index) landed in the trace: (thread id, start in microseconds)
+_Where = dict[tuple[int, int], tuple[int, float]]
+
+
+def _slices(timeline: Timeline, pid_base: int) -> tuple[list[JsonObject], _Where]:
     """Complete events and thread names; and where each (rank, index) landed: (tid, start us)."""
     by_track: dict[tuple[int, Stream], list[Event]] = defaultdict(list)
     for e in timeline.events:
         by_track[e.rank, e.stream].append(e)
-    out, where = [], {}
+    out: list[JsonObject] = []
+    where: _Where = {}
     for (rank, stream), events in sorted(by_track.items(), key=lambda kv: (kv[0][0], _STREAM_TID[kv[0][1]])):
         events.sort(key=lambda e: (e.start, -e.end))
         slots = _pack(events)
@@ -78,13 +84,13 @@ def _slices(timeline: Timeline, pid_base: int) -> tuple[list[dict], dict[tuple[i
     return out, where
 
 
-def _flows(timeline: Timeline, pid_base: int, where: dict, first_id: int) -> list[dict]:
-    out = []
+def _flows(timeline: Timeline, pid_base: int, where: _Where, first_id: int) -> list[JsonObject]:
+    out: list[JsonObject] = []
     for n, f in enumerate(timeline.flows):
         src, dst = where.get((f.src_rank, f.src_index)), where.get((f.dst_rank, f.dst_index))
         if src is None or dst is None:
             continue
-        common = {"name": "p2p", "cat": "p2p", "id": first_id + n}
+        common: JsonObject = {"name": "p2p", "cat": "p2p", "id": first_id + n}
         out.append({**common, "ph": "s", "pid": pid_base + f.src_rank, "tid": src[0], "ts": src[1],
                     "args": {"bytes": f.nbytes}})
         # "bp": "e" binds the arrow's head to the receive slice that encloses its time
@@ -92,14 +98,14 @@ def _flows(timeline: Timeline, pid_base: int, where: dict, first_id: int) -> lis
     return out
 
 
-def _counters(timeline: Timeline, pid_base: int) -> list[dict]:
+def _counters(timeline: Timeline, pid_base: int) -> list[JsonObject]:
     return [{"ph": "C", "name": "device memory", "pid": pid_base + m.rank, "tid": 0, "ts": m.time * _US,
              "args": {"bytes": m.nbytes}} for m in sorted(timeline.memory, key=lambda m: (m.rank, m.time))]
 
 
-def chrome_trace(timelines: Sequence[Timeline]) -> dict:
+def chrome_trace(timelines: Sequence[Timeline]) -> JsonObject:
     """One trace for one or more timelines; the second and later get their own process ids."""
-    events: list[dict] = []
+    events: list[JsonObject] = []
     pid_base, flow_id = 0, 0
     for timeline in timelines:
         events += _process_events(timeline, pid_base, f"{timeline.source} " if len(timelines) > 1 else "")

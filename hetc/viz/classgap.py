@@ -13,6 +13,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from hetc.jsontypes import JsonObject
 from hetc.timeline import TimeClass, mean_class_times
 
 __all__ = ["ClassGap", "class_gaps", "gap_table", "measured_from_metrics", "worst_gap"]
@@ -33,7 +34,7 @@ class ClassGap:
         """measured / predicted; None when nothing was predicted."""
         return self.measured_s / self.predicted_s if self.predicted_s > 0 else None
 
-    def to_json(self) -> dict:
+    def to_json(self) -> JsonObject:
         return {"class": self.time_class, "predicted_s": self.predicted_s, "measured_s": self.measured_s,
                 "gap_s": self.gap_s, "ratio": self.ratio}
 

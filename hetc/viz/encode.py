@@ -17,9 +17,12 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
-from hetc.timeline import EventKind, RankInfo, Stream, Timeline
+from hetc.jsontypes import JsonObject
+from hetc.timeline import EventKind, MemorySample, RankInfo, Stream, Timeline, Event
 
 __all__ = [
     "KIND_ORDER",
@@ -36,6 +39,8 @@ STREAM_ORDER = tuple(Stream)
 _KIND_RANK = {k: i for i, k in enumerate(KIND_ORDER)}
 _STREAM_RANK = {s: i for i, s in enumerate(STREAM_ORDER)}
 _TICKS_PER_STEP = 1e6
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
 # a number that prints back the same: no leading zeros, exact as a JS double
 _NUMBER = re.compile(r"(?<!\d)(?:0|[1-9]\d{0,14})(?!\d)")
 
@@ -65,18 +70,19 @@ def _time_unit(step_time: float) -> float:
     return max(1e-9, 10.0 ** math.floor(math.log10(step_time / _TICKS_PER_STEP)))
 
 
-class _Table:
-    """Deduplicating table: value -> its index."""
+class _Table(Generic[K, V]):
+    """Deduplicating table: value -> its index; the table holds `item_of(value)` at that index."""
 
-    def __init__(self) -> None:
-        self.items: list = []
-        self._index: dict = {}
+    def __init__(self, item_of: Callable[[K], V]) -> None:
+        self.items: list[V] = []
+        self._index: dict[K, int] = {}
+        self._item_of = item_of
 
-    def __call__(self, key, item=None) -> int:
+    def __call__(self, key: K) -> int:
         index = self._index.get(key)
         if index is None:
             index = self._index[key] = len(self.items)
-            self.items.append(key if item is None else item)
+            self.items.append(self._item_of(key))
         return index
 
 
@@ -90,19 +96,21 @@ def decode_text(parts: list[str], numbers: list[int]) -> str:
     return "".join(p + (str(numbers[k]) if k < len(numbers) else "") for k, p in enumerate(parts))
 
 
-def encode_timeline(timeline: Timeline) -> dict:
+def encode_timeline(timeline: Timeline) -> JsonObject:
     """The page's view of one timeline (see Note [compact page data])."""
     unit = _time_unit(timeline.step_time)
-    strings, templates = _Table(), _Table()
+    strings: _Table[str, str] = _Table(str)
+    templates: _Table[tuple[str, ...], list[str]] = _Table(list)
     ranks = sorted(timeline.ranks, key=lambda r: (r.stage, r.lane, r.rank))
-    events_of, memory_of = defaultdict(list), defaultdict(list)
+    events_of: defaultdict[int, list[Event]] = defaultdict(list)
+    memory_of: defaultdict[int, list[MemorySample]] = defaultdict(list)
     for e in timeline.events:
         events_of[e.rank].append(e)
     for m in timeline.memory:
         memory_of[m.rank].append(m)
-    ev = {"offsets": [0], "index": [], "template": [], "numbers": [], "kind": [], "stream": [], "start": [],
-          "dur": []}
-    mem = {"offsets": [0], "time": [], "bytes": []}
+    ev: dict[str, list[int]] = {"offsets": [0], "index": [], "template": [], "numbers": [], "kind": [],
+                                "stream": [], "start": [], "dur": []}
+    mem: dict[str, list[int]] = {"offsets": [0], "time": [], "bytes": []}
     position: dict[tuple[int, int], int] = {}
     for info in ranks:
         for e in sorted(events_of[info.rank], key=lambda e: (_STREAM_RANK[e.stream], e.start, e.index)):
@@ -110,7 +118,7 @@ def encode_timeline(timeline: Timeline) -> dict:
             parts, numbers = _split_numbers(e.text)
             start = round(e.start / unit)
             ev["index"].append(e.index)
-            ev["template"].append(templates(parts, list(parts)))
+            ev["template"].append(templates(parts))
             ev["numbers"] += numbers
             ev["kind"].append(_KIND_RANK[e.kind])
             ev["stream"].append(_STREAM_RANK[e.stream])
@@ -130,7 +138,7 @@ def encode_timeline(timeline: Timeline) -> dict:
     }
 
 
-def _rank_columns(timeline: Timeline, ranks: list[RankInfo], strings: _Table) -> dict:
+def _rank_columns(timeline: Timeline, ranks: list[RankInfo], strings: _Table[str, str]) -> JsonObject:
     bubbles = timeline.bubble_fractions()
     return {"rank": [r.rank for r in ranks], "stage": [r.stage for r in ranks],
             "lane": [r.lane for r in ranks], "device": [strings(r.device) for r in ranks],
@@ -166,7 +174,7 @@ def stage_summaries(timeline: Timeline) -> list[StageSummary]:
     peak: dict[int, float] = defaultdict(float)
     for m in timeline.memory:
         peak[m.rank] = max(peak[m.rank], m.nbytes)
-    by_stage = defaultdict(list)
+    by_stage: defaultdict[int, list[RankInfo]] = defaultdict(list)
     for r in timeline.ranks:
         by_stage[r.stage].append(r)
     return [StageSummary(stage, len(rs), len({r.lane for r in rs}), tuple(sorted({r.device for r in rs})),

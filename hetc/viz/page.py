@@ -16,6 +16,7 @@ from importlib import resources
 import jinja2
 import markupsafe
 
+from hetc.jsontypes import JsonObject
 from hetc.viz.classgap import ClassGap
 from hetc.timeline import EventKind, Timeline
 from hetc.viz.encode import KIND_ORDER, STREAM_ORDER, encode_timeline, stage_summaries, tokens_per_s
@@ -73,12 +74,12 @@ def _asset(name: str) -> markupsafe.Markup:
     return markupsafe.Markup(text)
 
 
-def _script_json(obj: dict) -> str:
+def _script_json(obj: JsonObject) -> str:
     """JSON safe inside <script>: no '</script>' or '<!--' can end or confuse the element."""
     return json.dumps(obj, separators=(",", ":")).replace("<", "\\u003c")
 
 
-def _view_summary(timeline: Timeline) -> dict:
+def _view_summary(timeline: Timeline) -> dict[str, str]:
     tps = tokens_per_s(timeline)
     return {"source": timeline.source, "step_time_text": _format_seconds(timeline.step_time),
             "tokens_text": f"{tps:,.0f}" if tps else ""}
@@ -101,7 +102,7 @@ def _plan_facts(timelines: Sequence[Timeline]) -> list[tuple[str, str]]:
     return list(facts.items())
 
 
-def _gap_rows(gaps: Sequence[ClassGap]) -> list[dict]:
+def _gap_rows(gaps: Sequence[ClassGap]) -> list[dict[str, str]]:
     return [{"name": g.time_class, "predicted": _format_seconds(g.predicted_s), "measured": _format_seconds(g.measured_s),
              "ratio": f"×{g.ratio:.2f}" if g.ratio is not None else "-"} for g in gaps]
 
@@ -113,7 +114,7 @@ def render_page(timelines: Sequence[Timeline], title: str = "hetc schedule", gap
     """
     if not 1 <= len(timelines) <= 2:
         raise ValueError(f"the page shows one or two timelines, not {len(timelines)}")
-    data = {"kinds": [k.value for k in KIND_ORDER], "streams": [s.value for s in STREAM_ORDER],
+    data: JsonObject = {"kinds": [k.value for k in KIND_ORDER], "streams": [s.value for s in STREAM_ORDER],
             "colors": {k.value: c for k, c in KIND_COLORS.items()},
             "views": [encode_timeline(t) for t in timelines]}
     first = timelines[0]

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from dataclasses import asdict, dataclass
 
+from hetc.jsontypes import JsonObject
 from hetc.layout import replication
 from hetc.passes.cost import traffic
 from hetc.passes.cost.experts import ep_comm_time, ep_group, expert_group
@@ -72,7 +73,7 @@ class Estimate:
     def fits(self) -> bool:
         return all(m.fits for m in self.memory)
 
-    def to_json(self) -> dict[str, object]:
+    def to_json(self) -> JsonObject:
         t = self.time
         return {
             "step_time_s": self.step_time_s, "tokens_per_step": self.tokens_per_step,

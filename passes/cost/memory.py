@@ -36,6 +36,7 @@ __all__ = [
     "context_reserve",
     "in_flight",
     "interleaved_update",
+    "interleaved_warmup",
     "offloaded",
     "rank_memory",
     "resident_params",
@@ -135,9 +136,17 @@ def in_flight(schedule: ScheduleKind, stage: int, num_stages: int, microbatches:
         return float(microbatches)
     ahead = num_stages - stage
     if schedule is ScheduleKind.INTERLEAVED and chunks > 1:
-        warmup = 2 * (ahead - 1) + (chunks - 1) * num_stages + 1
+        warmup = interleaved_warmup(stage, num_stages, chunks, limit)
         return min(float(microbatches * chunks), float(warmup)) / chunks
     return float(min(microbatches, ahead if limit is None else limit))
+
+
+def interleaved_warmup(stage: int, num_stages: int, chunks: int, limit: int | None = None) -> int:
+    """Chunk-steps a lane of interleaved 1F1B runs ahead: Megatron's 2(p−s−1) + (v−1)·p + 1, and v more for each
+    microbatch its timed in-flight `limit` (Note [in-flight limit]) keeps beyond the p − s stages ahead of it."""
+    ahead = num_stages - stage
+    extra = max(0, limit - ahead) if limit is not None else 0
+    return 2 * (ahead - 1) + (chunks - 1) * num_stages + 1 + extra * chunks
 
 
 def context_reserve(memory: float, is_cpu: bool) -> float:

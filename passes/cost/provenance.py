@@ -19,6 +19,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from hetc.jsontypes import JsonObject
 from hetc.passes.cost.model import CostModel, ring_pair_kinds
 from hetc.passes.cost.profiles import ComputeTable, dtype_class
 from hetc.passes.cost.shapes import layer_kind
@@ -64,7 +65,7 @@ class Provenance:
     links: tuple[LinkSource, ...]
     unused: tuple[UnusedProfile, ...]
 
-    def to_json(self) -> dict[str, object]:
+    def to_json(self) -> JsonObject:
         return {"sources": {str(k): list(v) for k, v in self.layers.items()},
                 "links": [{"used_by": x.used_by, "between": x.between, "source": x.source,
                            "overrides": x.overrides or None} for x in self.links],

@@ -142,7 +142,9 @@ def zero_cycle(schedule: ScheduleKind, ops: Sequence[float], p2p: float, reduce:
 
 
 def step_lower_bound(schedule: ScheduleKind, lanes: Sequence[LaneTiming], chunks: int = 1) -> float:
-    """No schedule of these lanes runs its pipeline faster (docs/costmodel.md, "The lower bound of a step").
+    """No schedule of these lanes runs its pipeline faster, in the estimate's terms: its floor for the pipeline
+    (`classes.compose_step`). The whole step's lower bound, which the compiled program is held to, is
+    `bound.step_bound` (docs/costmodel.md, "The lower bound of a step").
 
     The busiest lane (stage b) is busy `work`; it cannot start before the
     first microbatch has come through every stage before it (their fastest
@@ -170,7 +172,7 @@ def step_lower_bound(schedule: ScheduleKind, lanes: Sequence[LaneTiming], chunks
 def in_flight_limits(schedule: ScheduleKind, lanes: Sequence[LaneTiming], num_stages: int,
                      coupled: Mapping[int, int] | None = None,
                      lane_counts: Mapping[int, int] | None = None) -> dict[int, int]:
-    """Per stage: how many microbatches each lane keeps in flight under 1F1B and ZB-H1.
+    """Per stage: how many microbatches each lane keeps in flight under 1F1B, ZB-H1 and interleaved 1F1B.
 
     Note [in-flight limit]: the one number lowering's schedule
     (passes/lower/schedule.py) holds every lane of the stage to and the
@@ -186,6 +188,16 @@ def in_flight_limits(schedule: ScheduleKind, lanes: Sequence[LaneTiming], num_st
     slower ones (uneven lanes, Zorse's heterogeneous pipelines) needs more,
     and held to S − s it would idle most of the step. Lanes of a stage keep
     one limit (ZeRO-2/3 couples them), the largest any of them needs.
+    Interleaved 1F1B runs Megatron's warm-up and v chunk-steps more for
+    each microbatch beyond S − s (`memory.interleaved_warmup`). Under ZB-H1
+    a stage with stages after it, its lanes not in lockstep, keeps one more:
+    Little's law gives the mean, and a weight gradient in the lane's cycle
+    or a lockstep slot's late microbatch makes a round trip run long; with
+    the one more stash the lane runs a forward or a weight gradient
+    meanwhile instead of idling (measured on the agreement family:
+    tests/test_step_bound.py). Lanes in lockstep run what their slot allows
+    and seldom reach it, so the estimate's memory would count a stash
+    they never hold.
 
     `coupled`: stage -> its lanes, for stages whose lanes run in lockstep
     (Note [coupled lanes] in passes/lower/lane_sim.py): such a stage runs
@@ -196,7 +208,7 @@ def in_flight_limits(schedule: ScheduleKind, lanes: Sequence[LaneTiming], num_st
     in the same way.
     """
     stages = range(num_stages)
-    if schedule not in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZB) or not lanes:
+    if schedule not in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZB, ScheduleKind.INTERLEAVED) or not lanes:
         return {s: num_stages - s for s in stages}
     trip = {s: max((_round_trip_share(schedule, t) for t in lanes if t.stage == s), default=0.0)
             for s in stages}
@@ -213,6 +225,8 @@ def in_flight_limits(schedule: ScheduleKind, lanes: Sequence[LaneTiming], num_st
                      for t in mine)
         most = max(t.microbatches for t in mine)
         out[s] = max(num_stages - s, min(needed, most))
+        if schedule is ScheduleKind.ZB and s + 1 < num_stages and s not in (coupled or {}):   # Note [in-flight limit]
+            out[s] = min(out[s] + 1, most)
     return out
 
 

@@ -1,7 +1,7 @@
 """The discrete-event simulation behind pass `schedule` (Note [schedules by simulation]).
 
 Each lane has a `Policy` naming the ops it would run next; `simulate` runs
-all lanes together with nominal durations and returns the order in which
+all lanes together with the caller's durations and returns the order in which
 each lane ran its ops. Dependencies between ops (a forward needs the
 previous ministage's forward of the same microbatch, ...) come from the
 caller, so this module knows nothing about schedules or ministages.
@@ -111,8 +111,10 @@ class Policy:
 
 class _Simulation:
     def __init__(self, policies: dict[LaneKey, Policy], deps: Callable[[Op], list[Op]],
-                 duration: Callable[[Op], float], coupled: list[tuple[LaneKey, ...]], lift_limits: bool = True):
+                 duration: Callable[[Op], float], coupled: list[tuple[LaneKey, ...]], lift_limits: bool = True,
+                 lag: Callable[[Op, Op], float] | None = None):
         self.policies, self.deps, self.duration = policies, deps, duration
+        self.lag = lag or (lambda dep, op: 0.0)
         self.lift_limits = lift_limits
         self.group_of = {key: g for g, lanes in enumerate(coupled) for key in lanes}   # lane -> lockstep group
         self.siblings = {g: sorted(lanes) for g, lanes in enumerate(coupled)}
@@ -188,7 +190,7 @@ class _Simulation:
             if unscheduled:
                 missing += unscheduled
                 continue
-            ready = max((self.end[d] for d in deps), default=0.0)
+            ready = max((self.end[d] + self.lag(d, op) for d in deps), default=0.0)
             if ready <= now:
                 return op, None, []
             wake = ready if wake is None else min(wake, ready)
@@ -236,7 +238,7 @@ class _Simulation:
                 continue
             deps = self._deps_of(key, forward)
             if all(d in self.end for d in deps):
-                held.append((max([self.end[d] for d in deps] + [self.clock[key]]), key))
+                held.append((max([self.end[d] + self.lag(d, forward) for d in deps] + [self.clock[key]]), key))
         if not held:
             return False
         ready, key = min(held)
@@ -251,10 +253,12 @@ class _Simulation:
 
 
 def simulate(policies: dict[LaneKey, Policy], deps: Callable[[Op], list[Op]], duration: Callable[[Op], float],
-             coupled: list[tuple[LaneKey, ...]] | None = None, lift_limits: bool = True) -> dict[LaneKey, list[Op]]:
+             coupled: list[tuple[LaneKey, ...]] | None = None, lift_limits: bool = True,
+             lag: Callable[[Op, Op], float] | None = None) -> dict[LaneKey, list[Op]]:
     """Run every lane's policy against the others; return each lane's op order.
 
+    `lag(dep, op)`: seconds after `dep` ends before `op` may use it (a transfer; 0 by default).
     InternalError when the policies wait on each other for good (with
     `lift_limits`, only when no in-flight limit can be raised to break it).
     """
-    return _Simulation(policies, deps, duration, coupled or [], lift_limits).run()
+    return _Simulation(policies, deps, duration, coupled or [], lift_limits, lag).run()

@@ -3,14 +3,15 @@
 Note [schedules by simulation]: every lane gets a *policy* that names its
 next compute op (strict sequences for GPipe and Zorse; "backward first, at
 most `limit` microbatches in flight" for 1F1B, interleaved 1F1B and ZB-H1).
-A small discrete-event simulation runs all lanes together with nominal
-durations (forward = layers, backward = 2 × layers) and records the order
-in which each lane ran its ops. Because the orders come out of one
-feasible execution, they are consistent across ranks by construction —
+A small discrete-event simulation runs all lanes together with the cost
+model's durations and border transfers (Note [timed schedule]) and records
+the order in which each lane ran its ops. Because the orders come out of
+one feasible execution, they are consistent across ranks by construction —
 with uneven lanes and many-to-many routing as much as in a plain grid —
 and the later passes only add communication around them. Durations only
-choose among valid orders, so the result is deterministic. The engine is
-in `lane_sim.py` (with Note [coupled lanes] and Note [lifting a limit]).
+choose among valid orders, and they are the cost model's numbers, so the
+result is deterministic. The engine is in `lane_sim.py` (with Note
+[coupled lanes] and Note [lifting a limit]).
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from enum import StrEnum
 from typing import NamedTuple
 
 from hetc.errors import InternalError
+from hetc.passes.cost.memory import interleaved_warmup
 from hetc.passes.lower.context import LowerContext, rank_shell
 from hetc.passes.lower.lane_sim import Op, Policy, simulate
 from hetc.pipeline import Lane, Pipeline, Stage
-from hetc.program import (Backward, BackwardInput, BackwardWeight, ComputeInstr, Forward, Instr, Load, Program,
+from hetc.program import (Backward, BackwardInput, BackwardWeight, ComputeInstr, Forward, Instr, Load, Phase, Program,
                           RankProgram)
 from hetc.spec import ModelSpec, ScheduleKind
 
@@ -35,9 +37,10 @@ def order_compute(ctx: LowerContext) -> Program:
 
     1F1B and interleaved 1F1B follow Megatron's strict order (a forward
     whenever the in-flight limit allows, else a backward), which does not
-    depend on how long ops take; only where many-to-many routing makes that
-    order wait on itself does the pass fall back to "a backward whenever
-    one is ready" (Note [schedules by simulation]).
+    depend on how long ops take; ZB-H1 runs what is ready in its order of
+    preference; only where many-to-many routing makes the strict order wait
+    on itself does the pass fall back to "a backward whenever one is ready"
+    (Note [schedules by simulation]).
     """
     try:
         return _order(ctx, strict=True)
@@ -50,11 +53,12 @@ def _order(ctx: LowerContext, strict: bool) -> Program:
     lanes = [(stage, lane) for stage in ctx.pipeline.stages for lane in stage.lanes]
     policies = {(s.index, lane.index): _policy(ctx, s, lane) for s, lane in lanes}
     for policy in policies.values():
-        policy.forward_first = strict and kind in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED,
-                                                   ScheduleKind.ZB)
+        # ZB-H1 keeps its own preferences without waiting for a forward whose input is late: a weight gradient
+        # it holds fills the wait (Note [timed schedule])
+        policy.forward_first = strict and kind in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED)
     split = kind is ScheduleKind.ZB
     orders = simulate(policies, lambda op: _deps(ctx, op, split), lambda op: _duration(ctx, op),
-                      _coupled_lanes(ctx, policies), lift_limits=not strict)
+                      _coupled_lanes(ctx, policies), lift_limits=not strict, lag=lambda dep, op: _lag(ctx, dep, op))
     programs = []
     for place in ctx.places:
         ops = orders[(place.stage.index, place.lane.index)]
@@ -86,8 +90,8 @@ def _policy(ctx: LowerContext, stage: Stage, lane: Lane) -> Policy:
     if kind in (ScheduleKind.ZORSE, ScheduleKind.GPIPE):
         return Policy(f, b)
     if kind is ScheduleKind.INTERLEAVED:
-        downstream, v = num_stages - stage.index, len(stage.ministages)
-        return Policy(f, b, limit=(downstream - 1) * 2 + (v - 1) * num_stages + 1)
+        return Policy(f, b, limit=interleaved_warmup(stage.index, num_stages, len(stage.ministages),
+                                                     ctx.in_flight_limit(stage.index)))
     return Policy(f, b, w, limit=ctx.in_flight_limit(stage.index), per_unit=len(stage.ministages))
 
 
@@ -178,9 +182,30 @@ def _deps(ctx: LowerContext, op: Op, split_backward: bool) -> list[Op]:
 
 
 def _duration(ctx: LowerContext, op: Op) -> float:
-    m = ctx.pipeline.ministages[op[1]]
-    layers = m.stop_layer - m.first_layer
-    return {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}[op[0]] * layers
+    """The op's time on its lane: the cost model's, for its slowest rank (a lane's ranks compute together).
+
+    Note [timed schedule]: where the order depends on what is ready (ZB-H1's
+    weight gradients filling the wait for an input gradient, lanes in
+    lockstep following the first one ready, the fallback order), nominal
+    durations choose an order for an execution that does not happen: with
+    uneven lanes of different device kinds a lane ran the input gradient it
+    expected first and idled, while a weight gradient it had could have
+    filled the wait. The same times as the simulated program (and the
+    border transfers, `_lag`) choose the order the program will meet.
+    """
+    kind, ms, mb = op
+    lane = ctx.lane_for(ms, mb)
+    phase = Phase(kind)   # a compute op's kind is its phase's letter
+    return max(ctx.costs.compute_time(r, ms, phase) for r in lane.ranks)
+
+
+def _lag(ctx: LowerContext, dep: Op, op: Op) -> float:
+    """The border transfer between a dependency on another stage and its consumer (Note [timed schedule])."""
+    if dep[0] == "K" or ctx.pipeline.ministages[dep[1]].stage == ctx.pipeline.ministages[op[1]].stage:
+        return 0.0
+    src, dst = ctx.lane_for(dep[1], dep[2]), ctx.lane_for(op[1], op[2])
+    border = min(dep[1], op[1])
+    return ctx.costs.p2p_time(src.ranks[0], dst.ranks[0], ctx.costs.boundary_bytes(border))
 
 
 _COMPUTE: dict[str, type[ComputeInstr]] = {"F": Forward, "B": Backward, "I": BackwardInput, "W": BackwardWeight}

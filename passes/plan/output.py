@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TypeGuard
 
 from hetc.frontend import syntax
-from hetc.errors import NO_SPAN, Diagnostic, SpecError
+from hetc.errors import NO_SPAN, Diagnostic, InternalError, SpecError
 from hetc.frontend.load import BUNDLED_SPECS, LoadedSpec
 from hetc.frontend.printer import format_items, spec_to_items
 from hetc.spec import Spec
@@ -43,6 +43,8 @@ def _replaced(loaded: LoadedSpec, items: list[syntax.Item], planned: Spec, note:
         raise SpecError([Diagnostic(span, f"the plan is written in {span.file}, not in {loaded.path}: "
                                     "plan that file")])
     (block,) = spec_to_items(Spec(parallel=planned.parallel))
+    if not isinstance(block, syntax.Block):   # a parallel plan prints as its block, never as shorthand
+        raise InternalError(f"the plan printed as {block!r}, not as a parallel block")
     if note:
         block = replace(block, items=(syntax.Comment(f"# {note}", False, NO_SPAN), *block.items))
     items[where] = block

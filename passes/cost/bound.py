@@ -1,0 +1,301 @@
+"""The lower bound of a step: no program of this plan runs one faster (docs/costmodel.md).
+
+Note [step lower bound]: the bound is taken over the rank thread and the
+chains of work every program of the plan must run, whatever order its
+schedule gives the ops; it reads the plan's choices (stages, lanes and
+their microbatches, ZeRO levels and groups, the schedule's kind) and times
+them with the cost model's primitives at the grain the compiled program's
+simulation uses (`CostModel.compute_time`, `p2p_time`, `collective_time`,
+`optimizer_time`, every collective over the program's own group of ranks,
+one transfer at the concurrency the simulation gives it). For each rank r
+of stage s with n microbatches:
+
+- *fill*: r's first forward waits for one of its microbatches to come
+  through every ministage before its first (the forward of the fastest
+  rank of the lane serving it there, and each border's transfer); under
+  ZeRO-3 it also waits for its first gather, posted when r starts;
+- *busy*: r's thread runs n forwards and backwards (F + I + W under ZB),
+  each its own duration; under per-microbatch ZeRO-3 an op starts no sooner
+  than the gather posted when the op before it started (Note [zero cycle]),
+  and under per-microbatch ZeRO-2/3 a gradient op waits for the reduction
+  its predecessor posted;
+- *tail* (what lowering cannot overlap after r's last op, Note [zero
+  placement]): the reduction of its first ministage's gradients (the last
+  to be produced), the hierarchical outer reduction, the norm when
+  clipping, every optimizer step (only the first ministage's under Zorse's
+  interleaved update: the others ran inside the step), the last parameter
+  gather after a step, and the loss all-reduce over every rank;
+- *drain*: after r's last gradient op the gradient still goes back through
+  the ministages before r's first, and the stage s' < s it reaches then
+  runs its own tail (the fastest of its ranks);
+- *round trip*: r's first backward waits for one microbatch to go down and
+  back through the stages after it, and after its last forward that
+  microbatch's round trip comes before its backward;
+- *one microbatch*: each microbatch goes down through every ministage and
+  back (what bounds a step of few microbatches), then the first stage's
+  tail.
+
+The step is at least the largest of these chains over all ranks
+(`StepBound`: the rank whose chain sets it and its parts). Everything not
+named here (per-microbatch transfers beside the compute, ZeRO-3 on Zorse's
+sweeps, host copies, expert buffers) is left out: leaving work out keeps it
+a lower bound.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from hetc.passes.cost.model import CostModel
+from hetc.passes.cost.zero_time import across_nodes
+from hetc.pipeline import Lane, Stage
+from hetc.program import COMPUTE_TYPES, Backward, BackwardWeight, Collective, Forward, Phase, Program
+from hetc.spec import ScheduleKind, ZeroShard
+
+__all__ = ["StepBound", "programs_in_flight", "step_bound"]
+
+SCALAR_BYTES = 8.0   # the loss and the norm: one float64 each (passes/lower/finish.py, zero.py)
+
+
+@dataclass(frozen=True)
+class StepBound:
+    """The lower bound and the chain that sets it (all seconds)."""
+
+    total: float
+    rank: int
+    fill: float     # before the rank's first compute op
+    busy: float     # the rank's own compute span
+    drain: float    # after its last op, the gradient back through the stages before it (0: its own tail)
+    tail: float     # what cannot overlap after the last backward (its own, or the drained stage's)
+
+
+def step_bound(cm: CostModel, in_flight: Mapping[int, int] | None = None) -> StepBound:
+    """The lower bound of one step of `cm`'s plan (Note [step lower bound]); `in_flight`: per rank, the most
+    microbatches its program keeps in flight (`programs_in_flight`), else as many as it serves."""
+    chains = _Chains(cm, in_flight or {})
+    best: StepBound | None = chains.of_microbatches()
+    for stage in cm.pipeline.stages:
+        for lane in stage.lanes:
+            for rank in lane.ranks:
+                got = chains.of_rank(stage, lane, rank)
+                if best is None or got.total > best.total:
+                    best = got
+    assert best is not None   # a plan has a rank
+    return best
+
+
+def _round_trip_span(n: int, held: int, f: float, b: float, trip: float) -> float:
+    """A lane's span with a round trip of `trip` after it and at most `held` microbatches in flight: before its
+    first backward it runs at most `held` forwards while the first one goes round; after its last forward at
+    most `held` − 1 other backwards while that one goes round (disjoint waits when it serves more)."""
+    before = max(0.0, f + trip - held * f)
+    after = max(0.0, trip - (held - 1) * b)
+    return n * (f + b) + (before + after if n > held else max(before, after))
+
+
+def programs_in_flight(program: Program) -> dict[int, int]:
+    """Per rank, the most microbatches its compute order holds between their first forward and their last
+    backward op (B, or W under ZB): the in-flight limit it keeps (Note [in-flight limit])."""
+    out = {}
+    for rp in program.ranks:
+        ops = [i for i in rp.instrs if isinstance(i, COMPUTE_TYPES)]
+        owed = Counter(i.mb for i in ops if isinstance(i, (Backward, BackwardWeight)))
+        started: set[int] = set()
+        most = 0
+        for instr in ops:
+            if isinstance(instr, Forward):
+                started.add(instr.mb)
+            elif isinstance(instr, (Backward, BackwardWeight)):
+                owed[instr.mb] -= 1
+                if not owed[instr.mb]:
+                    started.discard(instr.mb)
+            most = max(most, len(started))
+        out[rp.rank] = most
+    return out
+
+
+class _Chains:
+    def __init__(self, cm: CostModel, in_flight: Mapping[int, int]) -> None:
+        self.cm, self.in_flight = cm, in_flight
+        p = cm.pipeline
+        self.p, self.kind = p, p.schedule
+        self.lane_of = {(s.index, mb): lane for s in p.stages for lane in s.lanes for mb in lane.microbatches}
+        self.world = tuple(range(p.world_size))
+        self.end = cm.collective_time(Collective.ALL_REDUCE, self.world, SCALAR_BYTES)
+        assert cm.spec.train is not None   # a checked spec
+        self.clips = cm.spec.train.grad_clip > 0
+        self.tails = {r: self._tail(r) for s in p.stages for r in s.ranks}
+        self.stage_tail = {s.index: min(self.tails[r] for r in s.ranks) for s in p.stages}
+
+    # ------------------------------------------------------------ per rank
+
+    def of_rank(self, stage: Stage, lane: Lane, rank: int) -> StepBound:
+        cm, n = self.cm, len(lane.microbatches)
+        f, i, w = (sum(cm.compute_time(rank, ms, ph) for ms in stage.ministages) for ph in (Phase.FORWARD, Phase.INPUT_GRAD, Phase.WEIGHT_GRAD))
+        first = stage.ministages[0]
+        fill = max(min(self._arrival(mb, first) for mb in lane.microbatches), self._first_gather(rank))
+        busy = max(n * (f + i + w) + self._other_steps(rank), self._zero_span(stage, rank, n, (f, i, w)))
+        tail = self.tails[rank]
+        best = StepBound(fill + busy + tail, rank, fill, busy, 0.0, tail)
+        held = min(self.in_flight.get(rank, n), n)
+        # ZB: when its last input gradient is done, the rank still owes at most the weight gradients of the
+        # microbatches it holds in flight (a stash lives until its W)
+        grads_done = fill + busy - (held * w if self.kind is ScheduleKind.ZB else 0.0)
+        for ms in range(first):   # the gradient back to ministage ms, then its stage's tail
+            other = self.p.ministages[ms].stage
+            if other == stage.index:
+                continue
+            drain = min(self._drain(mb, first, ms) for mb in lane.microbatches)
+            total = grads_done + drain + self.stage_tail[other]
+            if total > best.total:
+                best = StepBound(total, rank, fill, grads_done - fill, drain, self.stage_tail[other])
+        if self.kind is not ScheduleKind.INTERLEAVED:   # its ministages are contiguous
+            trip = min(self._round_trip(mb, stage.ministages[-1]) for mb in lane.microbatches)
+            span = max(busy, _round_trip_span(n, held, f, i + w, trip))
+            if fill + span + tail > best.total:
+                best = StepBound(fill + span + tail, rank, fill, span, 0.0, tail)
+        return best
+
+    def of_microbatches(self) -> StepBound:
+        """Every microbatch goes down through every ministage and back, then the first stage's tail."""
+        best: StepBound | None = None
+        last = len(self.p.ministages) - 1
+        back = Phase.INPUT_GRAD if self.kind is ScheduleKind.ZB else Phase.BACKWARD
+        for mb in range(self.p.num_microbatches):
+            path = self._arrival(mb, last) + self._fastest(mb, last, Phase.FORWARD) + self._fastest(mb, last, back) + \
+                self._drain(mb, last, 0)
+            lane = self.lane_of[(self.p.ministages[0].stage, mb)]
+            rank = min(lane.ranks, key=lambda r: self.tails[r])
+            if best is None or path + self.tails[rank] > best.total:
+                best = StepBound(path + self.tails[rank], rank, 0.0, path, 0.0, self.tails[rank])
+        assert best is not None   # a plan has a microbatch
+        return best
+
+    def _zero_span(self, stage: Stage, rank: int, n: int, fiw: tuple[float, float, float]) -> float:
+        """The span per-microbatch ZeRO collectives allow (Note [zero cycle]): every op no sooner than the
+        gather posted when the op before it started; every gradient op after its predecessor's reduction."""
+        level, group = stage.zero.resolved_level, self._group(rank)
+        if self.kind is ScheduleKind.ZORSE or level < 2 or len(group) < 2 or stage.ep > 1:
+            return 0.0
+        f, i, w = fiw
+        ops = [f, i, w] if self.kind is ScheduleKind.ZB else [f, i + w]
+        span = 0.0
+        if level >= 3:
+            gather = min(self._collective(Collective.ALL_GATHER, group, rank, ms) for ms in stage.ministages)
+            span = n * sum(max(d, gather) for d in ops) - max(ops[-1], gather) + ops[-1]
+        grad = ops[-1]
+        reduce = min(self._collective(Collective.REDUCE_SCATTER, group, rank, ms) for ms in stage.ministages)
+        return max(span, f + n * grad + (n - 1) * reduce)
+
+    def _other_steps(self, rank: int) -> float:
+        """Zorse's interleaved update steps every ministage but the first inside the step."""
+        if not self._interleaved_update():
+            return 0.0
+        return sum(self._step(rank, ms) for ms in self.cm.stage_of(rank).ministages[1:])
+
+    # ------------------------------------------------------------ chains of one microbatch
+
+    def _arrival(self, mb: int, ms: int) -> float:
+        """The earliest start of microbatch `mb`'s forward on ministage `ms`."""
+        return sum(self._fastest(mb, m, Phase.FORWARD) + self._transfer(mb, m) for m in range(ms))
+
+    def _drain(self, mb: int, start: int, stop: int) -> float:
+        """After `mb`'s gradient op on ministage `start`: its gradient back to ministage `stop`, done there
+        (under ZB with the weight gradients of the ministages of `stop`'s stage it passed)."""
+        back = Phase.INPUT_GRAD if self.kind is ScheduleKind.ZB else Phase.BACKWARD
+        out = sum(self._transfer(mb, m) + self._fastest(mb, m, back) for m in range(stop, start))
+        if self.kind is not ScheduleKind.ZB:
+            return out
+        owner = self.p.ministages[stop].stage
+        return out + sum(self._fastest(mb, m, Phase.WEIGHT_GRAD) for m in range(stop, start) if self.p.ministages[m].stage == owner)
+
+    def _round_trip(self, mb: int, last: int) -> float:
+        """From `mb`'s forward leaving ministage `last` until its gradient comes back to it."""
+        back = Phase.INPUT_GRAD if self.kind is ScheduleKind.ZB else Phase.BACKWARD
+        later = range(last + 1, len(self.p.ministages))
+        return sum(self._fastest(mb, m, Phase.FORWARD) + self._fastest(mb, m, back) for m in later) + \
+            sum(2 * self._transfer(mb, m) for m in range(last, len(self.p.ministages) - 1))
+
+    def _fastest(self, mb: int, ms: int, phase: Phase) -> float:
+        lane = self.lane_of[(self.p.ministages[ms].stage, mb)]
+        return min(self.cm.compute_time(r, ms, phase) for r in lane.ranks)
+
+    def _transfer(self, mb: int, ms: int) -> float:
+        """The quickest piece of `mb`'s activation (or gradient) crossing the border after ministage `ms`."""
+        p = self.p
+        if ms + 1 >= len(p.ministages) or p.ministages[ms].stage == p.ministages[ms + 1].stage:
+            return 0.0
+        a, b = p.stages[p.ministages[ms].stage], p.stages[p.ministages[ms + 1].stage]
+        piece = self.cm.boundary_bytes(ms) / (a.tp * a.cp * b.tp * b.cp)
+        src, dst = self.lane_of[(a.index, mb)], self.lane_of[(b.index, mb)]
+        return min(self.cm.p2p_time(x, y, piece) for x in src.ranks for y in dst.ranks)
+
+    # ------------------------------------------------------------ collectives and steps
+
+    def _tail(self, rank: int) -> float:
+        """What follows a rank's last op (Note [zero placement]), none of it beside its compute."""
+        stage = self.cm.stage_of(rank)
+        first, last = stage.ministages[0], stage.ministages[-1]
+        group = self._group(rank)
+        level = stage.zero.resolved_level
+        tail = self.end
+        if len(group) > 1:
+            kind = Collective.ALL_REDUCE if level == 0 else Collective.REDUCE_SCATTER
+            tail += self._collective(kind, group, rank, first)
+            tail += self._outer(stage, rank, first)
+            stepped = first if self._interleaved_update() else last
+            if level in (1, 2):
+                tail += self._collective(Collective.ALL_GATHER, group, rank, stepped)
+        if self.clips and not self._interleaved_update():
+            tail += self.cm.collective_time(Collective.ALL_REDUCE, self.world, SCALAR_BYTES)
+        steps = [first] if self._interleaved_update() else stage.ministages
+        return tail + sum(self._step(rank, ms) for ms in steps)
+
+    def _outer(self, stage: Stage, rank: int, ms: int) -> float:
+        """Hierarchical ZeRO: the reduction across nodes (and the gather back) of one ministage."""
+        if stage.zero.shard is not ZeroShard.NODE:
+            return 0.0
+        outer = self._across(rank)
+        if len(outer) < 2:
+            return 0.0
+        nbytes = self._dense_bytes(rank, ms) / len(self._group(rank))
+        if stage.zero.across == 0:
+            return self.cm.collective_time(Collective.ALL_REDUCE, outer, nbytes)
+        return self.cm.collective_time(Collective.REDUCE_SCATTER, outer, nbytes) + \
+            self.cm.collective_time(Collective.ALL_GATHER, outer, nbytes)
+
+    def _group(self, rank: int) -> tuple[int, ...]:
+        """The group sharding the rank's ministages: its node's share of the ZeRO group when hierarchical."""
+        if self.cm.stage_of(rank).zero.shard is ZeroShard.NODE:
+            return self.cm.node_group(rank)
+        return self.cm.zero_group(rank)
+
+    def _across(self, rank: int) -> tuple[int, ...]:
+        return across_nodes(self.cm.zero_group(rank), lambda r: self.cm.gpu(r).host, rank)
+
+    def _collective(self, kind: Collective, group: Sequence[int], rank: int, ms: int) -> float:
+        return self.cm.collective_time(kind, tuple(group), self._dense_bytes(rank, ms))
+
+    def _dense_bytes(self, rank: int, ms: int) -> float:
+        return self.cm.param_bytes(ms, rank) * (1.0 - self.cm.expert_fraction(ms, rank))
+
+    def _first_gather(self, rank: int) -> float:
+        stage = self.cm.stage_of(rank)
+        group = self._group(rank)
+        if stage.zero.resolved_level < 3 or len(group) < 2 or stage.ep > 1:
+            return 0.0
+        return self._collective(Collective.ALL_GATHER, group, rank, stage.ministages[0])
+
+    def _step(self, rank: int, ms: int) -> float:
+        """The optimizer step of the rank's shard of ministage `ms` (dense parameters)."""
+        stage = self.cm.stage_of(rank)
+        parts = len(self._group(rank)) if stage.zero.resolved_level >= 1 else 1
+        if stage.zero.shard is ZeroShard.NODE and stage.zero.across == 1:
+            parts *= max(len(self._across(rank)), 1)
+        numel = self.cm.numel(ms, rank) * (1.0 - self.cm.expert_fraction(ms, rank)) / parts
+        return self.cm.optimizer_time(rank, numel)
+
+    def _interleaved_update(self) -> bool:
+        return self.kind is ScheduleKind.ZORSE and not self.clips

@@ -1,0 +1,77 @@
+"""The agreement family and specs/, planned and built once per test session.
+
+tests/test_plan_agreement.py (the estimate against the compiled program) and
+tests/test_step_bound.py (the compiled program against its lower bound)
+read the same plans: `PlanCache` plans a random job (tests/random_jobs.py,
+small clusters) or a spec under specs/ once, lowers, verifies and
+simulates it (`hetc.passes.agreement.build`) and keeps the result for the other
+module. The job specs are written under the session's pytest tmp dir.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from hetc.passes.agreement import Built, build
+from hetc.errors import SpecError
+from hetc.frontend.load import load_spec
+from hetc.passes.plan.planner import PlanResult, plan_spec
+from hetc.passes.plan.structures import SearchLimits
+from tests.conftest import all_spec_files
+from tests.random_jobs import random_job
+
+__all__ = ["JOBS", "NARROW", "SPECS", "PlanCache", "Planned", "spec_name"]
+
+JOBS = 100
+# The planner searches narrowly here (the agreement of what it prints is under test, not how well it searches),
+# so the family stays within a minute or two of CPU.
+NARROW = SearchLimits(exhaustive=0, quick_layouts=8, layouts=2, structures=3, refine=1, local_evaluations=4,
+                      exact_screen=False, window=2, cpsat_work=0.1)
+SPECS = [p for p in all_spec_files()
+         if p.name not in ("job.het", "moe_job.het", "catalog.het") and "cluster" not in p.name]
+
+
+def spec_name(path: Path) -> str:
+    """`demo/gpipe.het` for specs/demo/gpipe.het."""
+    return path.relative_to(path.parents[1]).as_posix()
+
+
+@dataclass(frozen=True)
+class Planned:
+    path: Path
+    result: PlanResult
+    built: Built
+
+
+class PlanCache:
+    """Plans built once per session; None where nothing fits (the error's location is checked)."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self._jobs: dict[int, Planned | None] = {}
+        self._specs: dict[Path, Planned | None] = {}
+
+    def job(self, seed: int) -> Planned | None:
+        if seed not in self._jobs:
+            path = self.folder / f"job{seed}.het"
+            path.write_text(random_job(random.Random(seed), max_gpus=8))
+            self._jobs[seed] = _planned(path, NARROW)
+        return self._jobs[seed]
+
+    def spec(self, path: Path) -> Planned | None:
+        if path not in self._specs:
+            self._specs[path] = _planned(path, None)
+        return self._specs[path]
+
+
+def _planned(path: Path, limits: SearchLimits | None) -> Planned | None:
+    loaded = load_spec(path)
+    try:
+        result = plan_spec(loaded.spec, None, loaded.path.parent, limits=limits)
+    except SpecError as err:
+        message = err.diagnostics[0].message
+        assert err.diagnostics[0].span.file, f"the 'nothing fits' error has no location: {message}"
+        return None
+    return Planned(path, result, build(result.checked))
