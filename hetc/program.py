@@ -45,6 +45,17 @@ Semantics the runtime and the verifier share (Note [dataflow]):
   its full parameters (allocating them at 0 -> 1) and `free params` lowers it
   (releasing them at 1 -> 0), so a gather for the next op may be posted while
   the current op still uses the parameters.
+- Note [units]: a ZeRO-3 ministage may be split into *units* (the FSDP unit:
+  one block each, its shard line's `units=`); then its parameters are one
+  flat buffer per unit, and `all_gather`, `free`, `reduce_scatter`, `all_reduce grads` with
+  `unit=a:b` act on the buffer of layers [a, b) alone. A compute op with
+  `unit=a:b` runs layers [a, b) of its ministage only: forward reads the
+  input of the ministage when a is its first layer, else its own forward of
+  the unit ending at a; backward reads the output gradient of the ministage
+  when b is its stop, else its own backward of the unit starting at b. The
+  ministage's forward (backward) is done, for sends and the next ministage,
+  when its last (first) unit is. A collective without a unit on a ministage
+  split into units is refused (each unit is a buffer of its own).
 """
 
 from __future__ import annotations
@@ -92,6 +103,7 @@ __all__ = [
     "Shard",
     "Step",
     "Tensor",
+    "Unit",
     "Wait",
     "instr_from_json",
     "parse_instr",
@@ -117,6 +129,33 @@ class ProgramFormatError(ValueError):
         super().__init__(where + message)
 
 
+@dataclass(frozen=True, slots=True, order=True)
+class Unit:
+    """Layers [first, stop) of a ministage (model layer indices): the unit ZeRO-3 gathers, computes and
+    reduces at once (Note [units]); text `first:stop`."""
+
+    first: int
+    stop: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.first < self.stop:
+            raise ValueError(f"bad unit '{self.first}:{self.stop}' (write e.g. unit=1:2, first < stop)")
+
+    def __str__(self) -> str:
+        return f"{self.first}:{self.stop}"
+
+    @property
+    def layers(self) -> range:
+        return range(self.first, self.stop)
+
+    @classmethod
+    def parse(cls, raw: str) -> Unit:
+        first, sep, stop = raw.partition(":")
+        if not (sep and first.isdigit() and stop.isdigit()):
+            raise ValueError(f"bad unit '{raw}' (write e.g. unit=1:2)")
+        return cls(int(first), int(stop))
+
+
 @dataclass(frozen=True, slots=True)
 class _Base:
     OP: ClassVar[str] = ""
@@ -138,7 +177,8 @@ class _Base:
             value = getattr(self, f.name)
             if value is not None:
                 out[f.name] = value.value if isinstance(value, StrEnum) else (
-                    list(value) if isinstance(value, tuple) else value)
+                    list(value) if isinstance(value, tuple) else
+                    [value.first, value.stop] if isinstance(value, Unit) else value)
         return out
 
 
@@ -174,6 +214,7 @@ class Forward(_Base):
     OP: ClassVar[str] = "fwd"
     ms: int
     mb: int
+    unit: Unit | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +224,7 @@ class Backward(_Base):
     OP: ClassVar[str] = "bwd"
     ms: int
     mb: int
+    unit: Unit | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +234,7 @@ class BackwardInput(_Base):
     OP: ClassVar[str] = "bwd_i"
     ms: int
     mb: int
+    unit: Unit | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +242,7 @@ class BackwardWeight(_Base):
     OP: ClassVar[str] = "bwd_w"
     ms: int
     mb: int
+    unit: Unit | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,6 +285,7 @@ class AllGather(_Base):
     ms: int
     group: str
     handle: int | None = None
+    unit: Unit | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,6 +298,7 @@ class ReduceScatter(_Base):
     ms: int
     group: str
     handle: int | None = None
+    unit: Unit | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,6 +311,7 @@ class AllReduce(_Base):
     group: str
     ms: int | None = None
     handle: int | None = None
+    unit: Unit | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,6 +359,7 @@ class Free(_Base):
     WHAT: ClassVar[tuple[Tensor, ...]] = (Tensor.PARAMS,)
     what: Tensor
     ms: int
+    unit: Unit | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -397,7 +445,7 @@ def parse_instr(text: str) -> Instr:
     return cls(**values)
 
 
-def _parse_value(name: str, raw: str) -> str | int | tuple[int, ...]:
+def _parse_value(name: str, raw: str) -> str | int | tuple[int, ...] | Unit:
     if name == "group":
         if not raw:
             raise ValueError("empty group name")
@@ -407,6 +455,8 @@ def _parse_value(name: str, raw: str) -> str | int | tuple[int, ...]:
         if not (sep and start.isdigit() and stop.isdigit() and int(start) < int(stop)):
             raise ValueError(f"bad token range '{raw}' (write e.g. seq=0:16)")
         return int(start), int(stop)
+    if name == "unit":
+        return Unit.parse(raw)
     if name == "shape":
         try:
             dims = tuple(int(d) for d in raw.split("x"))
@@ -433,7 +483,8 @@ def instr_from_json(obj: RawJson) -> Instr:
         if f.name not in obj:
             continue
         v = obj[f.name]
-        kwargs[f.name] = Tensor(v) if f.name == "what" else (tuple(v) if f.name in ("shape", "seq") else v)
+        kwargs[f.name] = Tensor(v) if f.name == "what" else (
+            tuple(v) if f.name in ("shape", "seq") else Unit(*v) if f.name == "unit" else v)
     return cls(**kwargs)
 
 
@@ -464,7 +515,9 @@ class Shard:
     groups the ministage's compute runs its tensor- and context-parallel
     collectives on (Note [compute collectives]); `ep_group` the expert-parallel
     group of its MoE blocks, whose expert parameters are replicated over
-    `expert_group` (None: nowhere else) rather than `group`.
+    `expert_group` (None: nowhere else) rather than `group`. `units`: the
+    ZeRO-3 units the ministage is split into (Note [units]); empty, one
+    buffer for the whole ministage.
     """
 
     ms: int
@@ -479,6 +532,7 @@ class Shard:
     cp_group: str | None = None
     ep_group: str | None = None
     expert_group: str | None = None
+    units: tuple[Unit, ...] = ()
 
     @property
     def compute_groups(self) -> tuple[str, ...]:
@@ -505,6 +559,8 @@ class Shard:
                                                    ("ep_group", self.ep_group)) if g)
         if self.ep_group:
             groups += f" expert_group={self.expert_group or '-'}"
+        if self.units:
+            groups += " units=" + ",".join(map(str, self.units))
         return (f"shard ms={self.ms} zero={self.level} group={self.group or '-'} outer={self.outer or '-'} "
                 f"outer_zero={self.outer_level}" + groups + "".join(f" {f}" for f in flags))
 
@@ -521,7 +577,8 @@ def _parse_shard(text: str) -> Shard:
                      None if kv["outer"] == "-" else kv["outer"], int(kv["outer_zero"]),
                      "param_offload" in flags, "opt_offload" in flags, "act_offload" in flags,
                      kv.get("tp_group") or None, kv.get("cp_group") or None, kv.get("ep_group") or None,
-                     None if kv.get("expert_group", "-") == "-" else kv["expert_group"])
+                     None if kv.get("expert_group", "-") == "-" else kv["expert_group"],
+                     tuple(Unit.parse(u) for u in kv["units"].split(",")) if kv.get("units") else ())
     except (KeyError, ValueError) as err:
         raise ValueError(f"bad shard line ({err})") from None
 
@@ -573,14 +630,24 @@ class RankProgram:
 
     def to_json(self) -> JsonObject:
         return {"rank": self.rank, "stage": self.stage, "lane": self.lane, "tp_rank": self.tp_rank,
-                "cp_rank": self.cp_rank, "shards": [dataclasses.asdict(s) for s in self.shards],
+                "cp_rank": self.cp_rank, "shards": [_shard_json(s) for s in self.shards],
                 "instrs": [i.to_json() for i in self.instrs]}
 
     @classmethod
     def from_json(cls, obj: RawJson) -> RankProgram:
         return cls(obj["rank"], obj["stage"], obj["lane"], obj["tp_rank"], obj["cp_rank"],
-                   tuple(Shard(**s) for s in obj["shards"]),
+                   tuple(_shard_from_json(s) for s in obj["shards"]),
                    tuple(instr_from_json(i) for i in obj["instrs"]))
+
+
+def _shard_json(shard: Shard) -> dict[str, Any]:
+    out = dataclasses.asdict(shard)
+    out["units"] = [[u.first, u.stop] for u in shard.units]
+    return out
+
+
+def _shard_from_json(obj: dict[str, Any]) -> Shard:
+    return Shard(**{**obj, "units": tuple(Unit(*u) for u in obj.get("units", ()))})
 
 
 class _Header(NamedTuple):

@@ -65,13 +65,22 @@ def torch_pipelines(program: Program, pipeline: Pipeline) -> list[TorchPipeline]
     out = []
     for lane_idx, lane in enumerate(pipeline.stages[0].lanes):
         local = {mb: i for i, mb in enumerate(lane.microbatches)}
-        rows = [_actions(program.ranks[stage.lanes[lane_idx].ranks[0]].instrs, local)
+        rows = [_actions(program.ranks[stage.lanes[lane_idx].ranks[0]].instrs, local, pipeline)
                 for stage in pipeline.stages]
         out.append(TorchPipeline(f"lane{lane_idx}", rows, len(pipeline.ministages), len(local), stage_to_rank))
     return out
 
 
-def _actions(instrs: Sequence[Instr], local: dict[int, int]) -> list[str]:
+def _completes(instr: Forward | Backward | BackwardInput | BackwardWeight, pipeline: Pipeline) -> bool:
+    """Whether the op finishes its ministage's pass: torch's action is the ministage's, and a ZeRO-3
+    ministage split into units (Note [units] in hetc/program.py) runs it as one op per unit."""
+    if instr.unit is None:
+        return True
+    m = pipeline.ministages[instr.ms]
+    return instr.unit.stop == m.stop_layer if isinstance(instr, Forward) else instr.unit.first == m.first_layer
+
+
+def _actions(instrs: Sequence[Instr], local: dict[int, int], pipeline: Pipeline) -> list[str]:
     pending: dict[int, Recv] = {}
     actions = []
     for instr in instrs:
@@ -85,7 +94,7 @@ def _actions(instrs: Sequence[Instr], local: dict[int, int]) -> list[str]:
         elif isinstance(instr, Send):
             kind = "SEND_F" if instr.what is Tensor.ACT else "SEND_B"
             actions.append(f"{instr.ms}{kind}{local[instr.mb]}")
-        elif isinstance(instr, (Forward, Backward, BackwardInput, BackwardWeight)):
+        elif isinstance(instr, (Forward, Backward, BackwardInput, BackwardWeight)) and _completes(instr, pipeline):
             actions.append(f"{instr.ms}{PHASE_OF[type(instr)]}{local[instr.mb]}")
     return actions
 

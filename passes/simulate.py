@@ -62,8 +62,8 @@ class _Costs:
             return self.costs.optimizer_time(rank, self._opt_numel(rank, instr.ms))
         if isinstance(instr, (Load, Free)):
             return 0.0
-        compute = cast(ComputeInstr, instr)
-        return self.costs.compute_time(rank, compute.ms, PHASE_OF[type(compute)])
+        op = cast(ComputeInstr, instr)
+        return self.costs.compute_time(rank, op.ms, PHASE_OF[type(op)], op.unit)
 
     def copy(self, rank: int, instr: Instr) -> float:
         return self.costs.copy_time(rank, self._copy_bytes(rank, instr))
@@ -113,7 +113,8 @@ class _Costs:
         assert ms is not None   # a gradient or parameter collective names its ministage
         whole = self.shards[rank][ms]
         shard = whole.part(instr.group)
-        full = self.costs.param_bytes(ms, rank) * self._part_share(rank, whole, shard)
+        full = self.costs.param_bytes(ms, rank) * self._part_share(rank, whole, shard) if instr.unit is None \
+            else self.costs.unit_param_bytes(instr.unit, rank)
         if instr.group == shard.outer:
             assert shard.group is not None   # an outer group is one across shard groups
             return full / len(self.members[shard.group])

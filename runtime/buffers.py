@@ -12,8 +12,9 @@ sub-slice when sharded across.
                  views into it. ZeRO-3 releases it between uses and keeps
                  `param_shard` (the inner shard) instead.
     grad         full gradient buffer; backward accumulates here. ZeRO-3
-                 allocates it at the first gather (`materialize`), so a rank
-                 holds only its shards until it computes.
+                 allocates it before a backward (`ready_grads`) and releases
+                 it once reduce-scattered (`reduced`), so a rank holds only
+                 its shards outside the backward of its ministage (its unit).
     acc          fp32 reduced gradients of the inner shard (levels 1-3).
     opt_grad     fp32 gradients of the optimizer shard when sharded across.
     master       fp32 master weights of the optimizer shard, and its
@@ -61,7 +62,7 @@ from hetc.program import Shard
 from hetc.runtime.flat import FlatLayout, bind_grads, bind_params
 from hetc.runtime.nn.model import Ministage
 from hetc.runtime.optim import OptimizerState, init_state
-from hetc.runtime.nn.tensor_parallel import ShardInfo, shard_infos
+from hetc.runtime.nn.tensor_parallel import NO_SHARD, ShardInfo, TPShard, shard_infos
 from hetc.spec import OptimizerSpec
 
 __all__ = ["GroupPos", "MinistageBuffers"]
@@ -78,8 +79,9 @@ class GroupPos:
 class MinistageBuffers:
     def __init__(self, module: Ministage, shard: Shard, inner: GroupPos, outer: GroupPos,
                  optimizer: OptimizerSpec, dtype: torch.dtype, device: torch.device,
-                 names: Collection[str] | None = None):
-        """`names`: the parameters of `module` this buffer holds (default all)."""
+                 names: Collection[str] | None = None, *, tp: TPShard = NO_SHARD):
+        """`names`: the parameters of `module` this buffer holds (default all); `tp`: the rank's
+        tensor-parallel slice (tp rank 0 writes the parameters every tp rank holds whole)."""
         self.module, self.shard, self.inner, self.outer = module, shard, inner, outer
         self.level = shard.level if shard.group is not None else 0
         across = outer.size if shard.outer_level == 1 else 1
@@ -104,15 +106,16 @@ class MinistageBuffers:
             if across > 1 else None
         self.holders = 0           # ZeRO-3: gathers not yet freed
         self.infos: dict[str, ShardInfo] = shard_infos(module)
-        split = [i.shard for i in self.infos.values() if i.dim is not None]
-        self.tp_size = split[0].size if split else 1
-        self.writes_replicated = not split or split[0].rank == 0
+        # from the rank's place, not the module's split parameters: a ZeRO-3 unit of the embedding or the
+        # head has none, and would have every tp rank write them (Note [units] in hetc/program.py)
+        self.tp_size = tp.size
+        self.writes_replicated = tp.rank == 0
         self.host: Tensor | None = None
         bind_params(module, self.layout, self.compute)
         bind_grads(module, self.layout, self.grad)
         if self.level == 3:
             self.release()
-            self.grad.untyped_storage().resize_(0)      # until the first gather: see `materialize`
+            self.grad.untyped_storage().resize_(0)      # until a backward: see `ready_grads`
         if shard.param_offload:     # offloaded parameters start (and end) every step on the host
             self.to_host()
             self.drop_device_copy()
@@ -276,13 +279,24 @@ class MinistageBuffers:
         self.compute.untyped_storage().resize_(0)
 
     def materialize(self) -> None:
-        """Allocate the released compute buffer (a gather fills it); the first time, the grad buffer too."""
+        """Allocate the released compute buffer (a gather fills it)."""
         storage = self.compute.untyped_storage()
         if storage.size() == 0:
             storage.resize_(self.compute.numel() * self.compute.element_size())
+
+    def ready_grads(self) -> None:
+        """ZeRO-3: allocate the released grad buffer, zeroed, before a backward accumulates into it."""
         grad = self.grad.untyped_storage()
         if grad.size() == 0:
             grad.resize_(self.grad.numel() * self.grad.element_size())
+            self.grad.zero_()
+
+    def reduced(self) -> None:
+        """The gradients were reduced into `acc`: start the next accumulation afresh. ZeRO-3 releases the
+        full grad buffer (its shard lives on in `acc`) until the next backward (`ready_grads`)."""
+        if self.level == 3:
+            self.grad.untyped_storage().resize_(0)
+        else:
             self.grad.zero_()
 
     # ------------------------------------------------------------ host offload

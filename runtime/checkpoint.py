@@ -56,10 +56,10 @@ from torch import Tensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from hetc.runtime.buffers import MinistageBuffers
 from hetc.runtime.nn import collectives
 from hetc.frontend.printer import format_spec
 from hetc.runtime.pieces import FlatPieces, PieceLoadPlanner, PieceSavePlanner, layout_pieces
+from hetc.runtime.unit_buffers import Buffers
 from hetc.spec import Spec
 
 __all__ = [
@@ -182,7 +182,7 @@ def load_checkpoint(rt, directory: Path) -> int:
     return step
 
 
-def read_checkpoint(buffers: dict[int, MinistageBuffers], path: Path, group) -> int:
+def read_checkpoint(buffers: dict[int, Buffers], path: Path, group) -> int:
     """Fill `buffers` from checkpoint `path` (a step-N directory), each rank its own share (collective over
     `group`, the plan's ranks); return the next step."""
     state, kept = _load_state(buffers)
@@ -225,7 +225,7 @@ def read_params(path: Path) -> dict[str, Tensor]:
 # ---------------------------------------------------------------- state dicts
 
 
-def _save_state(buffers: dict[int, MinistageBuffers], step: int) -> dict[str, object]:
+def _save_state(buffers: dict[int, Buffers], step: int) -> dict[str, object]:
     """The pieces this rank writes: its `unique_range` of the master and of the optimizer state."""
     state: dict[str, object] = {STEP_KEY: step}
     for buf in (part for whole in buffers.values() for part in whole.parts()):
@@ -241,7 +241,7 @@ def _save_state(buffers: dict[int, MinistageBuffers], step: int) -> dict[str, ob
     return state
 
 
-def _load_state(buffers: dict[int, MinistageBuffers]) -> tuple[dict[str, object], dict[tuple, Tensor]]:
+def _load_state(buffers: dict[int, Buffers]) -> tuple[dict[str, object], dict[tuple, Tensor]]:
     """What this rank reads: the parameters of its `param_range` (its inner shard at ZeRO-3, else its
     ministages whole; into fresh fp32 buffers of that range, by (ms, part)) and its optimizer-state slices."""
     state: dict[str, object] = {STEP_KEY: 0}

@@ -30,9 +30,9 @@ from torch import Tensor
 from hetc.errors import InternalError
 from hetc.hf.names import hf_name
 from hetc.hf.weights import WeightReader
-from hetc.runtime.buffers import MinistageBuffers
 from hetc.runtime.flat import FlatLayout
 from hetc.runtime.nn.tensor_parallel import ShardInfo
+from hetc.runtime.unit_buffers import Buffers
 
 __all__ = ["LoadStats", "load_hf_weights", "load_whole", "read_flat"]
 
@@ -46,7 +46,7 @@ class LoadStats:
     read: int = 0         # every slice read, summed
 
 
-def load_hf_weights(buffers: dict[int, MinistageBuffers], directory: Path) -> LoadStats:
+def load_hf_weights(buffers: dict[int, Buffers], directory: Path) -> LoadStats:
     """Fill every buffer of this rank from the safetensors in `directory`."""
     stats, reader = LoadStats(), WeightReader(directory)
     for whole in buffers.values():

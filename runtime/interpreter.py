@@ -9,7 +9,10 @@ step are errors that name the rank, the step and the instruction.
 Every ministage is an autograd island: its forward input is a detached
 tensor that requires grad, so its backward yields the gradient to send (or
 to hand to the previous ministage on this rank) without one graph spanning
-ministages.
+ministages. A ministage split into ZeRO-3 units (Note [units] in
+hetc/program.py) is an island per unit the same way: each unit's forward
+takes the previous unit's output detached, and its backward hands the
+gradient of its input to the unit before it.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from hetc.program import (AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight, Forward,
-                          Free, Instr, Load, Offload, Prefetch, RankProgram, Recv, ReduceScatter, Send, Step,
-                          Wait)
+from hetc.program import (AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight, ComputeInstr,
+                          Forward, Free, Instr, Load, Offload, Prefetch, RankProgram, Recv, ReduceScatter, Send,
+                          Step, Unit, Wait)
 from hetc.program import Tensor as Kind
 from hetc.runtime.buffers import MinistageBuffers
 from hetc.runtime.comm import Comm, Waitable
@@ -32,6 +35,7 @@ from hetc.runtime.data import DataSource
 from hetc.runtime.lane import Arrivals, LanePlace, take_tokens
 from hetc.runtime.optim import clip_coefficient, grad_sq_sum, lr_at, optimizer_step
 from hetc.runtime.nn.split_backward import DeferredWeightGrad, backward_input, backward_weight
+from hetc.runtime.unit_buffers import Buffers, UnitBuffers
 from hetc.spec import Spec
 from hetc.timeline import class_times
 
@@ -61,7 +65,7 @@ class _Pending:
 
 
 class Interpreter:
-    def __init__(self, spec: Spec, program: RankProgram, buffers: dict[int, MinistageBuffers], comm: Comm,
+    def __init__(self, spec: Spec, program: RankProgram, buffers: dict[int, Buffers], comm: Comm,
                  data: DataSource, num_microbatches: int, device: torch.device,
                  first_layer: dict[int, int], stop_layer: dict[int, int], place: LanePlace):
         self.spec, self.program, self.buffers, self.comm = spec, program, buffers, comm
@@ -69,6 +73,7 @@ class Interpreter:
         assert spec.model is not None and spec.train is not None   # a checked spec
         self.model, self.train = spec.model, spec.train
         self.starts = {ms: first_layer[ms] == 0 for ms in buffers}
+        self.first_layer, self.stop_layer = first_layer, stop_layer
         self.ends = {ms: stop_layer[ms] == spec.model.num_model_layers for ms in buffers}
         self.counts_loss = place.counts_loss
         self.training = True
@@ -133,6 +138,11 @@ class Interpreter:
         self.arrived = Arrivals(self.place.ranges)
         self.param_groups: dict[tuple[int, int], DeferredWeightGrad] = {}  # zero-bubble: saved for bwd_w
         self.on_host: dict[tuple[int, int], Tensor] = {}     # offloaded stashes
+        # ZeRO-3 units (Note [units]): (ms, mb, unit) -> (input, output with graph); (ms, mb, layer) -> the
+        # output of the unit ending there (forward) / the gradient of the input of the unit starting there
+        self.unit_graphs: dict[tuple[int, int, Unit], tuple[Tensor, Tensor]] = {}
+        self.unit_outs: dict[tuple[int, int, int], Tensor] = {}
+        self.unit_grads: dict[tuple[int, int, int], Tensor] = {}
         self.pending: dict[int, _Pending] = {}
         self.losses: list[float] = []
         self.loss_total = float("nan")
@@ -193,9 +203,44 @@ class Interpreter:
             raise ProtocolError(f"the input act ms={ms - 1} mb={mb} has not arrived")
         return got.requires_grad_(True)
 
+    def _opens(self, instr: ComputeInstr) -> bool:
+        """Whether the op starts at its ministage's first layer (a whole ministage, or its first unit)."""
+        return instr.unit is None or instr.unit.first == self.first_layer[instr.ms]
+
+    def _closes(self, instr: ComputeInstr) -> bool:
+        """Whether the op ends at its ministage's stop (a whole ministage, or its last unit)."""
+        return instr.unit is None or instr.unit.stop == self.stop_layer[instr.ms]
+
+    def _unit_forward(self, instr: Forward) -> None:
+        ms, mb, unit = instr.ms, instr.mb, instr.unit
+        assert unit is not None   # the caller's test
+        if self._opens(instr):
+            x = self._input_of(ms, mb)
+        else:
+            before = self.unit_outs.pop((ms, mb, unit.first), None)
+            if before is None:
+                raise ProtocolError(f"the unit of ministage {ms} ending at layer {unit.first} has not run forward "
+                                    f"on microbatch {mb}")
+            x = before.detach().requires_grad_(True)
+        closes = self._closes(instr)
+        out = self._buffer(ms, unit).module(x, self.tokens[mb][1] if closes and self.ends[ms] else None)
+        if self.training:
+            self.unit_graphs[(ms, mb, unit)] = (x, out)
+            if self._opens(instr):
+                self.inputs[(ms, mb)] = x
+        if not closes:
+            self.unit_outs[(ms, mb, unit.stop)] = out
+            return
+        self.outputs[(ms, mb)] = out
+        if self.ends[ms]:
+            self.losses.append(out.detach().float().item())
+
     def _forward(self, instr: Forward) -> None:
+        if instr.unit is not None:
+            self._unit_forward(instr)
+            return
         ms, mb = instr.ms, instr.mb
-        buf = self._buffers(ms)
+        buf = self._buffer(ms, None)
         x = self._input_of(ms, mb)
         labels = self.tokens[mb][1] if self.ends[ms] else None
         if buf.shard.act_offload:
@@ -215,7 +260,7 @@ class Interpreter:
         if key in self.on_host:
             raise ProtocolError(f"the stash of ms={ms} mb={mb} is still on the host")
         x, out = self.inputs[key], self.outputs[key]
-        buf = self._buffers(ms)
+        buf = self._buffer(ms, None)
         if buf.shard.act_offload:
             labels = self.tokens[mb][1] if self.ends[ms] else None
             with torch.enable_grad():
@@ -240,30 +285,78 @@ class Interpreter:
             out = out / self.m   # Note [Loss normalisation]
         return x, out, grad
 
+    def _unit_seed(self, instr: ComputeInstr) -> tuple[Tensor, Tensor, Tensor | None]:
+        ms, mb, unit = instr.ms, instr.mb, instr.unit
+        assert unit is not None   # the caller's test
+        graph = self.unit_graphs.pop((ms, mb, unit), None)
+        if graph is None:
+            raise ProtocolError(f"backward of unit {unit} of ministage {ms} before its forward on microbatch {mb}")
+        x, out = graph
+        if not self._closes(instr):
+            after = self.unit_grads.pop((ms, mb, unit.stop), None)
+            if after is None:
+                raise ProtocolError(f"the unit of ministage {ms} starting at layer {unit.stop} has not run "
+                                    f"backward on microbatch {mb}")
+            return x, out, after
+        grad = self._output_grad(ms, mb)
+        return x, (out / self.m if grad is None else out), grad   # Note [Loss normalisation]
+
     def _backward(self, instr: Backward) -> None:
-        x, out, grad = self._seed(instr.ms, instr.mb)
+        self._ready_grads(self._buffer(instr.ms, instr.unit))
+        if instr.unit is None:
+            x, out, grad = self._seed(instr.ms, instr.mb)
+        else:
+            x, out, grad = self._unit_seed(instr)
         torch.autograd.backward(out, grad)
-        self._done_backward(instr.ms, instr.mb, x)
+        if self._opens(instr):
+            self._done_backward(instr.ms, instr.mb, x)
+        else:
+            assert instr.unit is not None and x.grad is not None   # a unit after the first takes a grad input
+            self.unit_grads[(instr.ms, instr.mb, instr.unit.first)] = x.grad
 
     def _backward_input(self, instr: BackwardInput) -> None:
+        buf = self._buffer(instr.ms, None)
+        self._ready_grads(buf)
         x, out, grad = self._seed(instr.ms, instr.mb)
-        self.param_groups[(instr.ms, instr.mb)] = backward_input(out, grad, x, self._buffers(instr.ms).module)
+        self.param_groups[(instr.ms, instr.mb)] = backward_input(out, grad, x, buf.module)
         self._done_backward(instr.ms, instr.mb, x)
 
     def _backward_weight(self, instr: BackwardWeight) -> None:
         groups = self.param_groups.pop((instr.ms, instr.mb), None)
         if groups is None:
             raise ProtocolError(f"bwd_w before bwd_i for ms={instr.ms} mb={instr.mb}")
-        backward_weight(self._buffers(instr.ms).module, groups)
+        buf = self._buffer(instr.ms, None)
+        self._ready_grads(buf)
+        backward_weight(buf.module, groups)
+
+    @staticmethod
+    def _ready_grads(buf: MinistageBuffers) -> None:
+        for part in buf.parts():    # the dense and the expert parameters' gradients
+            part.ready_grads()
 
     def _done_backward(self, ms: int, mb: int, x: Tensor) -> None:
         self.in_grads[(ms, mb)] = x.grad if x.grad is not None else torch.zeros(0)
         self.outputs.pop((ms, mb), None)
 
-    def _buffers(self, ms: int) -> MinistageBuffers:
+    def _buffers(self, ms: int) -> Buffers:
         buf = self.buffers.get(ms)
         if buf is None:
             raise ProtocolError(f"ministage {ms} is not on this rank")
+        return buf
+
+    def _buffer(self, ms: int, unit: Unit | None) -> MinistageBuffers:
+        """The buffers an instruction naming `unit` (or none) acts on (Note [units])."""
+        buf = self._buffers(ms)
+        if isinstance(buf, UnitBuffers):
+            if unit is None:
+                raise ProtocolError(f"ministage {ms} is split into units {', '.join(map(str, buf.shard.units))}: "
+                                    "the instruction must name one")
+            try:
+                return buf.unit(unit)
+            except KeyError as err:
+                raise ProtocolError(str(err)) from None
+        if unit is not None:
+            raise ProtocolError(f"ministage {ms} is not split into units, but the instruction names unit {unit}")
         return buf
 
     # ------------------------------------------------------------ point to point
@@ -290,7 +383,7 @@ class Interpreter:
     # ------------------------------------------------------------ collectives
 
     def _all_gather(self, instr: AllGather) -> None:
-        buf = self._buffers(instr.ms).part(instr.group)
+        buf = self._buffer(instr.ms, instr.unit).part(instr.group)
         group = self.comm.group(instr.group)
         if instr.group == buf.shard.outer:
             target = buf.own_params if buf.level == 3 else buf.compute[buf.inner_range]
@@ -306,7 +399,7 @@ class Interpreter:
         self._post(instr, self.comm.all_gather(buf.compute, mine, group))
 
     def _free(self, instr: Free) -> None:
-        buf = self._buffers(instr.ms)
+        buf = self._buffer(instr.ms, instr.unit)
         if buf.holders <= 0:
             raise ProtocolError(f"ministage {instr.ms}'s parameters are not gathered")
         buf.holders -= 1
@@ -314,7 +407,7 @@ class Interpreter:
             buf.release()
 
     def _reduce_scatter(self, instr: ReduceScatter) -> None:
-        buf = self._buffers(instr.ms).part(instr.group)
+        buf = self._buffer(instr.ms, instr.unit).part(instr.group)
         group = self.comm.group(instr.group)
         if instr.group == buf.shard.outer:
             self._post(instr, self.comm.reduce_scatter(buf.across_grad, buf.inner_grad, group))
@@ -323,7 +416,7 @@ class Interpreter:
 
         def done() -> None:
             buf.inner_grad.add_(out.float())
-            buf.grad.zero_()   # the next microbatch accumulates afresh
+            buf.reduced()   # the next microbatch accumulates afresh
         self._post(instr, self.comm.reduce_scatter(out, buf.grad, group), done)
 
     def _all_reduce(self, instr: AllReduce) -> None:
@@ -335,7 +428,7 @@ class Interpreter:
         elif instr.ms is None:
             raise ProtocolError(f"`{instr}` reduces gradients but names no ministage")
         else:
-            buf = self._buffers(instr.ms).part(instr.group)
+            buf = self._buffer(instr.ms, instr.unit).part(instr.group)
             target = buf.inner_grad if instr.group == buf.shard.outer else buf.grad
             self._post(instr, self.comm.all_reduce(target, group))
 

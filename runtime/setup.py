@@ -24,6 +24,7 @@ from hetc.runtime.interpreter import Interpreter
 from hetc.runtime.lane import LanePlace, place_ministage
 from hetc.runtime.nn.model import build_ministage, compute_dtype
 from hetc.runtime.nn.moe import ExpertShard, is_expert_param
+from hetc.runtime.unit_buffers import Buffers, UnitBuffers
 from hetc.spec import Spec
 
 __all__ = ["RankRuntime", "build_buffers", "build_rank", "build_rank_buffers", "lane_place"]
@@ -33,7 +34,7 @@ __all__ = ["RankRuntime", "build_buffers", "build_rank", "build_rank_buffers", "
 class RankRuntime:
     rank: int
     interpreter: Interpreter
-    buffers: dict[int, MinistageBuffers]
+    buffers: dict[int, Buffers]
 
 
 def _pos(program: Program, name: str | None, rank: int) -> GroupPos:
@@ -60,7 +61,7 @@ def lane_place(spec: Spec, pipeline: Pipeline, program: Program, rank: int,
 
 
 def build_buffers(spec: Spec, pipeline: Pipeline, program: Program, rank: int, device: torch.device,
-                  place: LanePlace | None = None, initialise: bool = True) -> dict[int, MinistageBuffers]:
+                  place: LanePlace | None = None, initialise: bool = True) -> dict[int, Buffers]:
     """This rank's ministages and their buffers; `initialise=False` gives them no values, for a loader to
     fill (Note [Ranks that load their weights] in runtime/buffers.py)."""
     rp = program.ranks[rank]
@@ -74,21 +75,30 @@ def build_buffers(spec: Spec, pipeline: Pipeline, program: Program, rank: int, d
 
 
 def _ministage(spec: Spec, pipeline: Pipeline, program: Program, rank: int, shard: Shard, place: LanePlace,
-               dtype: torch.dtype, device: torch.device, initialise: bool) -> MinistageBuffers:
-    m = pipeline.ministages[shard.ms]
+               dtype: torch.dtype, device: torch.device, initialise: bool) -> Buffers:
+    if shard.units:     # one module and one set of buffers per unit (runtime/unit_buffers.py)
+        return UnitBuffers(shard, {u: _buffers(spec, program, rank, shard, place, u.layers, dtype, device, initialise)
+                                   for u in shard.units})
+    return _buffers(spec, program, rank, shard, place, pipeline.ministages[shard.ms].layers, dtype, device,
+                    initialise)
+
+
+def _buffers(spec: Spec, program: Program, rank: int, shard: Shard, place: LanePlace, layers: range,
+             dtype: torch.dtype, device: torch.device, initialise: bool) -> MinistageBuffers:
+    """The module of `layers` (a ministage's, or a unit's) and its flat buffers."""
     assert spec.model is not None and spec.train is not None   # a checked spec
-    module = build_ministage(spec.model, m.layers, seed=spec.train.seed, shard=place.shard, device=device,
+    module = build_ministage(spec.model, layers, seed=spec.train.seed, shard=place.shard, device=device,
                              experts=place.experts, initialise=initialise)
     place_ministage(module, place, device)
     opt = spec.model.optimizer
     if shard.experts is None:
         return MinistageBuffers(module, shard, _pos(program, shard.group, rank), _pos(program, shard.outer, rank),
-                                opt, dtype, device)
+                                opt, dtype, device, tp=place.shard)
     names = [n for n, _ in module.named_parameters()]
     dense = MinistageBuffers(module, shard, _pos(program, shard.group, rank), _pos(program, shard.outer, rank),
-                             opt, dtype, device, [n for n in names if not is_expert_param(n)])
+                             opt, dtype, device, [n for n in names if not is_expert_param(n)], tp=place.shard)
     dense.experts = MinistageBuffers(module, shard.experts, _pos(program, shard.expert_group, rank), GroupPos(),
-                                     opt, dtype, device, [n for n in names if is_expert_param(n)])
+                                     opt, dtype, device, [n for n in names if is_expert_param(n)], tp=place.shard)
     return dense
 
 
@@ -108,7 +118,7 @@ def build_rank(spec: Spec, pipeline: Pipeline, program: Program, rank: int, grou
 
 
 def build_rank_buffers(spec: Spec, pipeline: Pipeline, program: Program, rank: int, device: torch.device,
-                       place: LanePlace | None = None, resumes: bool = False) -> dict[int, MinistageBuffers]:
+                       place: LanePlace | None = None, resumes: bool = False) -> dict[int, Buffers]:
     """The buffers a rank starts from: random, or its share of the Hugging Face weights; none given values
     when a checkpoint will fill them (`resumes`)."""
     assert spec.model is not None   # a checked spec

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hetc.program import (INSTR_TYPES, AllGather, AllReduce, AllToAll, Backward, BackwardInput,
                           BackwardWeight, Forward, Free, Group, Load, Offload, Prefetch, Program,
                           ProgramFormatError, RankProgram, Recv, ReduceScatter, Send, Shard, Step, Tensor,
-                          Wait, instr_from_json, parse_instr)
+                          Unit, Wait, instr_from_json, parse_instr)
 from tests.plans import DEMO_PLANS, TEST_PLANS, compile_plan, plan_id
 
 # one or more instances of every kind, with optional fields both set and left out
@@ -26,6 +26,10 @@ EXAMPLES = [
     AllToAll(Tensor.ACT, 1, 2, "cp.s0.l0", 11), AllToAll(Tensor.GRAD, 0, 0, "cp.s0.l0"),
     Offload(Tensor.PARAMS, 2, None, 13), Offload(Tensor.ACT, 0, 4, 20), Prefetch(Tensor.PARAMS, 1),
     Prefetch(Tensor.ACT, 1, 2, 25), Free(Tensor.PARAMS, 3), Step(0), Wait(12),
+    # ZeRO-3 units (Note [units])
+    Forward(0, 1, Unit(1, 2)), Backward(0, 1, Unit(0, 1)), AllGather(Tensor.PARAMS, 0, "dp.s0.p0.f", 5, Unit(2, 3)),
+    Free(Tensor.PARAMS, 0, Unit(2, 3)), ReduceScatter(Tensor.GRADS, 0, "dp.s0.p0.b", 6, Unit(3, 4)),
+    AllReduce(Tensor.GRADS, "dpx.s0.p0.i0", 0, None, Unit(3, 4)),
 ]
 
 
@@ -57,12 +61,28 @@ def test_text_form_examples():
         parse_instr("recv act ms=0 mb=0 from=1 shape=2x8x64 seq=8:8")
     assert str(AllReduce(Tensor.LOSS, "world")) == "all_reduce loss group=world"
     assert str(Offload(Tensor.PARAMS, 2, None, 13)) == "offload params ms=2 h=13"
+    gather = AllGather(Tensor.PARAMS, 0, "dp.s0.p0.f", 3, Unit(1, 2))
+    assert str(gather) == "all_gather params ms=0 group=dp.s0.p0.f unit=1:2 h=3"
+    assert gather.to_json()["unit"] == [1, 2]
+    with pytest.raises(ValueError, match="bad unit '2:2'"):
+        parse_instr("fwd ms=0 mb=0 unit=2:2")
+    with pytest.raises(ValueError, match="bad unit '3'"):
+        parse_instr("free params ms=0 unit=3")
+
+
+def test_shard_units_round_trip():
+    shard = Shard(0, 3, "dp.s0.p0", units=(Unit(0, 1), Unit(1, 2)))
+    assert str(shard).endswith(" units=0:1,1:2")
+    rp = RankProgram(0, 0, 0, 0, 0, (shard,), (Forward(0, 0, Unit(0, 1)),))
+    assert RankProgram.from_text(rp.to_text()) == rp
+    assert RankProgram.from_json(json.loads(json.dumps(rp.to_json()))) == rp
 
 
 _small = st.integers(min_value=0, max_value=10_000)
 _group = st.from_regex(r"[a-z][a-z0-9.]{0,12}", fullmatch=True)
 _shape = st.lists(st.integers(min_value=1, max_value=4096), min_size=1, max_size=4).map(tuple)
 _seq = st.tuples(_small, st.integers(min_value=1, max_value=4096)).map(lambda t: (t[0], t[0] + t[1]))
+_unit = st.builds(lambda first, n: Unit(first, first + n), _small, st.integers(min_value=1, max_value=64))
 
 
 def _instances(cls):
@@ -76,6 +96,8 @@ def _instances(cls):
             kwargs[f.name] = _shape
         elif f.name == "seq":
             kwargs[f.name] = st.none() | _seq
+        elif f.name == "unit":
+            kwargs[f.name] = st.none() | _unit
         elif f.default is None:
             kwargs[f.name] = st.none() | _small
         else:

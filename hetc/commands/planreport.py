@@ -168,6 +168,7 @@ def _cells(result: PlanResult, b: Baseline, cost: bool) -> str:
 
 
 def plan_json(path: str, result: PlanResult, text: str, prov: Provenance) -> JsonObject:
+    """`hetc plan --json`: the estimate's (or score's) figures, memory per rank, the plan, the baselines."""
     plan = _explicit(result)
     p = plan.pipeline
     head = result.estimate.to_json() if result.estimate is not None else _score_json(_score(result), result)

@@ -77,7 +77,7 @@ def step_bound(cm: CostModel, in_flight: Mapping[int, int] | None = None) -> Ste
     chains = _Chains(cm, in_flight or {})
     best: StepBound | None = chains.of_microbatches()
     for stage in cm.pipeline.stages:
-        for lane in stage.lanes:
+        for lane in (lane for lane in stage.lanes if lane.microbatches):   # a lane with none only steps
             for rank in lane.ranks:
                 got = chains.of_rank(stage, lane, rank)
                 if best is None or got.total > best.total:

@@ -22,6 +22,7 @@ from hetc.passes.cost.plan_time import ministage_borders, stage_borders
 from hetc.passes.cost.schedule import Unit, UnitLane
 from hetc.passes.cost.zero_time import (ZeroRings, across_nodes, fetch_time, first_gather_time, flush_time,
                                        optimizer_step_time, sync_time, zero_collectives)
+from hetc.passes.cost.zero_units import gathers_per_block, ministage_units
 from hetc.passes.cost.shapes import LayerKind
 from hetc.passes.cost.probe import Primitives
 from hetc.spec import ScheduleKind, ZeroShard, ZeroSpec
@@ -65,8 +66,12 @@ class StageCosts:
         head = self.p.model.layers + 1
         return (int(first == 0), len(range(max(first, 1), min(stop, head))), int(stop > head))
 
-    def _sum(self, units: tuple[int, int, int], per_kind: Callable[[LayerKind], float]) -> float:
-        return sum(n * per_kind(kind) for n, kind in zip(units, _KINDS) if n)
+    def _sum(self, units: tuple[int, int, int], per_kind: Callable[[str], float]) -> float:
+        total = 0.0
+        for n, kind in zip(units, _KINDS):
+            if n:
+                total += n * per_kind(kind)
+        return total
 
     def numel(self, units: tuple[int, int, int] | None = None) -> float:
         units = units or self.layer_counts
@@ -77,6 +82,19 @@ class StageCosts:
 
     def boundary_bytes(self, ms: int) -> float:
         return 0.0 if ms == self.last_ms else self.p.boundary
+
+    @cached_property
+    def unit_numels(self) -> list[float]:
+        """The parameters of each unit the stage gathers per block (Note [zero-3 units]), in layer order;
+        empty: none split. The planner plans no expert parallelism (ep = 1)."""
+        per_block = gathers_per_block(self.plan.schedule, self.s.zero, self.s.knobs.offload.to_spec(), 1)
+        head = self.p.model.layers + 1
+        out = []
+        for ms in self.s.ministages:
+            first, stop, _ = self.plan.ministages[ms]
+            for u in ministage_units(self.p.model, range(first, stop), per_block):
+                out.append(self.numel((int(u.first == 0), int(0 < u.first < head), int(u.first == head))))
+        return out
 
     @cached_property
     def ms_numel(self) -> list[float]:
@@ -120,7 +138,7 @@ class StageCosts:
         return list(self._lane_classes.values())
 
     @cached_property
-    def _lane_classes(self) -> dict[_LaneClassKey, list[int]]:
+    def _lane_classes(self) -> dict[tuple[object, ...], list[int]]:
         return _lane_classes(self)
 
     def count(self, lane: int) -> int:
@@ -143,7 +161,7 @@ class StageCosts:
     def memory_classes(self, limit: int | None) -> list[tuple[RankMemory, tuple[int, ...]]]:
         """One entry per device kind, microbatch count and node share, with its GPU ids."""
         self.in_flight_limit = limit
-        seen: dict[tuple[str, int, int | None], tuple[RankMemory, list[int]]] = {}
+        seen: dict[tuple[object, ...], tuple[RankMemory, list[int]]] = {}
         for lane, gpus in enumerate(self.s.lanes):
             for gpu in gpus:
                 key = (gpu.device.name, self.s.counts[lane], self.s.node_share(lane))
@@ -181,20 +199,23 @@ class StageCosts:
         return lambda nbytes: self.p.copy(gpu, nbytes)
 
     def shares(self) -> tuple[float, float]:
-        """The fractions of the stage's parameters in its first and in its largest ministage."""
+        """The fractions of the stage's parameters in its first and in its largest ministage (unit)."""
         whole = max(self.numel(), 1.0)
-        return self.ms_numel[0] / whole, max(self.ms_numel) / whole
+        each = self.unit_numels or self.ms_numel   # units reduce on their own (Note [zero-3 units])
+        return each[0] / whole, max(each) / whole
 
     def collectives(self, lane: int) -> tuple[float, float, float]:
         return zero_collectives(self.plan.schedule, self.s.zero, self.s.knobs.offload.params,
                                self.numel() * self.p.delta, self.rings(lane), self._copier(lane),
-                               self.shard(lane).params)
+                               self.shard(lane).params, [n * self.p.delta for n in self.unit_numels])
 
     def sync(self, lane: int, per_ministage: bool = False) -> float:
-        return sync_time(self.s.zero, self.numel() * self.p.delta, self.rings(lane), per_ministage)
+        return sync_time(self.s.zero, self.numel() * self.p.delta, self.rings(lane), per_ministage,
+                         [n * self.p.delta for n in self.unit_numels])
 
     def first_gather(self) -> float:
-        return first_gather_time(self.s.zero, self.ms_numel[0] * self.p.delta, self.rings(0))
+        first = self.unit_numels[0] if self.unit_numels else self.ms_numel[0]
+        return first_gather_time(self.s.zero, first * self.p.delta, self.rings(0))
 
     def fetch(self, ms: int) -> float:
         """Zorse brings ministage `ms` in once per step."""
@@ -269,7 +290,8 @@ class StageCosts:
                               sum(n * p.states.optimizer for n in self.ms_numel) *
                               self.shard_of(node_share).optimizer, self.shard_of(node_share),
                               st.zero.resolved_level >= 3 and len(st.lanes) > 1, len(st.lanes),
-                              self._borders[1] if st.ministages else 0.0, p.states.grads)
+                              self._borders[1] if st.ministages else 0.0, p.states.grads,
+                              [n * p.states.params for n in self.unit_numels])
             got = self._statics[node_share] = state_memory(held, st.knobs.offload.to_spec(), self.plan.schedule,
                                                            p.train.grad_clip, self.plan.prefetch)
         return got
@@ -288,10 +310,11 @@ class StageCosts:
                                  held, largest, self.plan.prefetch)
 
 
-def _lane_classes(sc: StageCosts) -> dict[_LaneClassKey, list[int]]:
+def _lane_classes(sc: StageCosts) -> dict[tuple[object, ...], list[int]]:
     """Lanes the cost model times alike: the stage's lane class, microbatch count and border peers' groups."""
-    out: dict[_LaneClassKey, list[int]] = {}
+    out: dict[tuple[object, ...], list[int]] = {}
     plan, st = sc.plan, sc.s
+    assert isinstance(plan, PlanView)   # lanes are told apart by their peers in a whole plan only
     neighbours = sorted({o for o, _ in stage_borders(st.ministages, st.index, plan.stage_of_ministage,
                                                      sc.last_ms + 1)})
     hosts = st.res.lane_hosts

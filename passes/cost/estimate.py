@@ -13,7 +13,7 @@ from hetc.passes.cost.experts import ep_comm_time, ep_group, expert_group
 from hetc.passes.cost.classes import PlanTime, throughput, tokens_per_step
 from hetc.passes.cost.memory import RankMemory
 from hetc.passes.cost.pipeline_stage import pipeline_stages
-from hetc.passes.cost.plan_time import border_time, stage_sync_time, zorse_unit
+from hetc.passes.cost.plan_time import border_time, stage_sync_time, unit_numels, zorse_unit
 from hetc.passes.cost.provenance import Provenance, provenance
 from hetc.passes.cost.schedule import LaneTiming
 from hetc.passes.cost.shapes import LayerKind, layer_kind
@@ -126,6 +126,8 @@ def _traffic(cm: CostModel, timing: PlanTime) -> list[GroupTraffic]:
             else:
                 seconds = stage_sync_time(cm, stage, rank) + n_mb * lanes[(stage.index, 0)].overlapped
             over = f"{len(stage.lanes)} lanes" + (f" x cp {stage.cp}" if stage.cp > 1 else "")
+            units = len(unit_numels(cm, stage, rank))    # Note [zero-3 units]
+            over += f", gathered per layer ({units} units)" if units else ""
             out.append(GroupTraffic("dp", f"stage {stage.name}: ZeRO-{level} over {over}",
                                     cm.zero_group(rank), sent, seconds))
         if stage.tp > 1 and blocks:

@@ -174,6 +174,9 @@ class StatesHeld:
     lanes: int                # lanes of the stage (a gradient bucket when more than one)
     held_boundary: float      # the largest activation this rank holds at a border
     grad_bytes_per_param: float
+    # the parameters of each unit ZeRO-3 gathers at once (Note [zero-3 units] in zero_units.py): a layer's
+    # where it gathers per block; empty: the ministages are the units
+    unit_params: Sequence[float] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,12 +194,13 @@ def state_memory(held: StatesHeld, offload: OffloadSpec, schedule: ScheduleKind,
                  prefetch: int) -> StateMemory:
     """Where a rank's states sit at its peak: resident parameters (Note [parameter residency]), gradients
     (one ministage's when each is stepped right after its backward), optimizer state unless offloaded,
-    and buffers: transfers plus ZeRO-3's gathered parameters (the current ministage and `prefetch` more)."""
+    and buffers: transfers plus ZeRO-3's gathered parameters (the current unit and `prefetch` more: a
+    ministage each, or one layer each where the stage gathers per block)."""
     off_params, off_opt = offloaded(offload)
     params, largest = sum(held.params), max(held.params)
     resident = resident_params(schedule, grad_clip, params, largest, prefetch) if off_params else params
     grads = max(held.grads) if interleaved_update(schedule, grad_clip) else held.grads_kept
-    gather = (1 + prefetch) * largest if held.gathers else 0.0
+    gather = (1 + prefetch) * max(held.unit_params or held.params) if held.gathers else 0.0
     sharded_grads = sum(held.grads) * held.shard.grads
     buffers = transfer_buffers(held.held_boundary, sharded_grads, held.lanes, held.grad_bytes_per_param) + gather
     host = (params * held.shard.params if off_params else 0.0) + (held.optimizer_kept if off_opt else 0.0)

@@ -30,7 +30,7 @@ from hetc.passes.cost.params import expert_params
 from hetc.passes.cost.shapes import (LayerFlops, LayerKind, activation_elements, layer_flops, layer_kind,
                                     params_per_rank)
 from hetc.pipeline import Ministage, Pipeline, Stage
-from hetc.program import Collective, Phase
+from hetc.program import Collective, Phase, Unit
 from hetc.spec import (DTYPE_BYTES, Checkpointing, CPKind, DeviceSpec, ModelSpec, OffloadTarget, Spec, ZeroShard)
 from hetc.topology import Gpu, Topology
 
@@ -67,8 +67,8 @@ class CostModel:
         self._ring_kinds: dict[tuple[Collective, tuple[int, ...]],
                                tuple[tuple[tuple[Gpu, Gpu, int], ...], _PairSignature]] = {}
         self._p2p: dict[tuple[str, str, bool, float, int], float] = {}
-        self._compute_times: dict[tuple[int, int, Phase], float] = {}
-        self._numels: dict[tuple[int, int, int], float] = {}
+        self._compute_times: dict[tuple[int, int, Phase, Unit | None], float] = {}
+        self._numels: dict[tuple[int, int, int, int], float] = {}
         self._fits: dict[tuple[str, str, bool, int, int], Bandwidth | None] = {}
         # Note [shared cores]: the plan's ranks on a node with fewer cores than ranks compute slower
         cluster = spec.cluster
@@ -141,13 +141,24 @@ class CostModel:
 
     def numel(self, ms: int, rank: int) -> float:
         """Parameters of ministage `ms` one rank of its TP and EP groups holds (before ZeRO sharding)."""
+        return self.layers_numel(self.ministage(ms).layers, rank)
+
+    def layers_numel(self, layers: range, rank: int) -> float:
+        """`numel` of some layers of the rank's stage: a ministage's, or a ZeRO-3 unit's."""
         stage = self.stage_of(rank)
-        key = (ms, stage.tp, stage.ep)   # memoised: lowering and the verifier ask for every rank
+        key = (layers.start, layers.stop, stage.tp, stage.ep)   # memoised: lowering and the verifier ask per rank
         got = self._numels.get(key)
         if got is None:
-            got = self._numels[key] = sum(params_per_rank(self.model, i, stage.tp, stage.ep)
-                                          for i in self.ministage(ms).layers)
+            got = self._numels[key] = sum(params_per_rank(self.model, i, stage.tp, stage.ep) for i in layers)
         return got
+
+    def unit_param_bytes(self, unit: Unit, rank: int) -> float:
+        """The full parameters of one ZeRO-3 unit (Note [units] in hetc/program.py)."""
+        return self.layers_numel(unit.layers, rank) * self.states.params
+
+    def unit_activation_bytes(self, unit: Unit, rank: int) -> float:
+        """What a forward of one unit stashes for one microbatch."""
+        return self.layers_activation_bytes(unit.layers, rank)
 
     def expert_fraction(self, ms: int, rank: int) -> float:
         """The share of `numel` that is expert parameters in their own buffer (expert parallelism), else 0."""
@@ -167,9 +178,12 @@ class CostModel:
         return self.numel(ms, rank) * self.states.optimizer
 
     def activation_bytes(self, ms: int, rank: int) -> float:
+        return self.layers_activation_bytes(self.ministage(ms).layers, rank)
+
+    def layers_activation_bytes(self, layers: range, rank: int) -> float:
         stage = self.stage_of(rank)
         total = 0.0
-        for i in self.ministage(ms).layers:
+        for i in layers:
             elems, extra = activation_elements(self.model, i, self.pipeline.micro_batch, tp=stage.tp,
                                                cp=stage.cp, sequence_parallel=stage.sequence_parallel)
             total += elems * self.delta + extra
@@ -201,15 +215,16 @@ class CostModel:
 
     # ------------------------------------------------------------ time (seconds)
 
-    def compute_time(self, rank: int, ms: int, phase: Phase) -> float:
-        """One microbatch through ministage `ms` on `rank`: F, B = I + W, I (input-grad), W (weight-grad)."""
-        key = (rank, ms, phase)
+    def compute_time(self, rank: int, ms: int, phase: Phase, unit: Unit | None = None) -> float:
+        """One microbatch through ministage `ms` on `rank` (through its layers `unit` only, when given: a
+        ZeRO-3 unit, Note [units] in hetc/program.py): F, B = I + W, I (input-grad), W (weight-grad)."""
+        key = (rank, ms, phase, unit)
         got = self._compute_times.get(key)
         if got is None:
             if phase not in PHASES:
                 raise ValueError(f"phase must be one of {', '.join(PHASES)}, not {phase!r}")
-            got = sum(self._layer_cost(rank, i).phase(phase) for i in self.ministage(ms).layers) * \
-                self.slowdown(rank)
+            layers = self.ministage(ms).layers if unit is None else unit.layers
+            got = sum(self._layer_cost(rank, i).phase(phase) for i in layers) * self.slowdown(rank)
             self._compute_times[key] = got
         return got
 

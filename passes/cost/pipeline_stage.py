@@ -103,7 +103,8 @@ def rank_memory_of(cm: CostModel, rank: int, limit: int) -> RankMemory:
                       sum(sharded_numel(cm, ms, rank, "grads") for ms in mss) * cm.states.grads,
                       sum(sharded_numel(cm, ms, rank, "optimizer") for ms in mss) * cm.states.optimizer,
                       cm.shard(rank), stage.zero.resolved_level >= 3 and len(cm.zero_group(rank)) > 1,
-                      len(stage.lanes), cm.largest_held_boundary(stage), cm.states.grads)
+                      len(stage.lanes), cm.largest_held_boundary(stage), cm.states.grads,
+                      [n * cm.states.params for n in pt.unit_numels(cm, stage, rank)])
     p = cm.pipeline
     states = state_memory(held, stage.offload, p.schedule, cm.train.grad_clip, p.prefetch)
     lane = p.lane_of_rank[rank]

@@ -19,8 +19,10 @@ from hetc.passes.cost.memory import offloaded
 from hetc.passes.cost.schedule import Unit, UnitLane
 from hetc.passes.cost.zero_time import (ZeroRings, across_nodes, fetch_time, first_gather_time, flush_time,
                                        optimizer_step_time, sync_time, zero_collectives)
+from hetc.passes.cost.zero_units import gathers_per_block, ministage_units
 from hetc.pipeline import Lane, Stage
 from hetc.program import Phase
+from hetc.program import Unit as GatherUnit
 from hetc.spec import OffloadTarget, ZeroShard
 
 if TYPE_CHECKING:     # the cost model imports this module
@@ -28,8 +30,8 @@ if TYPE_CHECKING:     # the cost model imports this module
 
 __all__ = ["border_time", "collectives", "first_gather", "kind_reps", "ministage_borders", "p2p_per_microbatch",
            "peer_lanes",
-           "shares", "stage_borders", "stage_flush", "stage_sync_time", "step_end_time", "unit_lane", "zero_rings",
-           "zorse_unit"]
+           "shares", "stage_borders", "stage_flush", "stage_sync_time", "stage_units", "step_end_time", "unit_lane",
+           "unit_numels", "zero_rings", "zorse_unit"]
 
 
 # what the all-reduces of the step's loss and squared gradient norm carry (one float64 each)
@@ -143,10 +145,22 @@ def _copier(cm: CostModel, rank: int) -> Callable[[float], float]:
 
 
 def shares(cm: CostModel, stage: Stage, rank: int) -> tuple[float, float]:
-    """The fractions of the stage's parameters in its first and in its largest ministage."""
+    """The fractions of the stage's parameters in its first and in its largest ministage (unit, where
+    it gathers per block: each unit reduces on its own, Note [zero-3 units])."""
     whole = max(_stage_numel(cm, stage, rank), 1.0)
-    each = [cm.numel(ms, rank) for ms in stage.ministages]
+    each = unit_numels(cm, stage, rank) or [cm.numel(ms, rank) for ms in stage.ministages]
     return each[0] / whole, max(each) / whole
+
+
+def stage_units(cm: CostModel, stage: Stage, ms: int) -> tuple[GatherUnit, ...]:
+    """The units lowering splits ministage `ms` into (Note [zero-3 units]); none: the ministage whole."""
+    per_block = gathers_per_block(cm.pipeline.schedule, stage.zero, stage.offload, stage.ep)
+    return ministage_units(cm.model, cm.ministage(ms).layers, per_block)
+
+
+def unit_numels(cm: CostModel, stage: Stage, rank: int) -> list[float]:
+    """The parameters of each unit the stage gathers per block, in layer order; empty: none split."""
+    return [cm.layers_numel(u.layers, rank) for ms in stage.ministages for u in stage_units(cm, stage, ms)]
 
 
 def collectives(cm: CostModel, stage: Stage, lane: Lane) -> tuple[float, float, float]:
@@ -154,17 +168,22 @@ def collectives(cm: CostModel, stage: Stage, lane: Lane) -> tuple[float, float, 
     rank = lane.ranks[0]
     return zero_collectives(cm.pipeline.schedule, stage.zero, stage.offload.params is not OffloadTarget.NONE,
                            _stage_numel(cm, stage, rank) * cm.delta, zero_rings(cm, rank),
-                           _copier(cm, rank), cm.shard(rank).params)
+                           _copier(cm, rank), cm.shard(rank).params,
+                           [n * cm.delta for n in unit_numels(cm, stage, rank)])
 
 
 def first_gather(cm: CostModel, stage: Stage) -> float:
+    """The first unit's gather: the first ministage's, or its first layer's where it gathers per block."""
     rank = stage.lanes[0].ranks[0]
-    return first_gather_time(stage.zero, cm.numel(stage.ministages[0], rank) * cm.delta, zero_rings(cm, rank))
+    units = unit_numels(cm, stage, rank)
+    first = units[0] if units else cm.numel(stage.ministages[0], rank)
+    return first_gather_time(stage.zero, first * cm.delta, zero_rings(cm, rank))
 
 
 def stage_sync_time(cm: CostModel, stage: Stage, rank: int, per_ministage: bool = False) -> float:
     """`zero_time.sync_time` for `rank` of `stage`."""
-    return sync_time(stage.zero, _stage_numel(cm, stage, rank) * cm.delta, zero_rings(cm, rank), per_ministage)
+    return sync_time(stage.zero, _stage_numel(cm, stage, rank) * cm.delta, zero_rings(cm, rank), per_ministage,
+                     [n * cm.delta for n in unit_numels(cm, stage, rank)])
 
 
 def _opt_time(cm: CostModel, stage: Stage, rank: int) -> float:

@@ -120,7 +120,8 @@ def zero_cycle(schedule: ScheduleKind, ops: Sequence[float], p2p: float, reduce:
     whole `reduce`, when the cycle does not already hold it). Every number
     is the stage's (all its ministages); `shares` are the fractions of its
     parameters in its first ministage (whose gradient op comes last) and in
-    its largest, which the per-ministage reductions scale by.
+    its largest, which the per-ministage reductions scale by (units instead
+    of ministages where ZeRO-3 gathers per block, Note [zero-3 units]).
     """
     if reduce <= 0 and gather <= 0 and copies <= 0:
         return ZeroCycle(0.0, 0.0)

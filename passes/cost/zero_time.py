@@ -63,26 +63,31 @@ def gathers_per_microbatch(schedule: ScheduleKind) -> int:
 
 
 def zero_collectives(schedule: ScheduleKind, zero: ZeroSpec, offload_params: bool, nbytes: float,
-                     rings: ZeroRings, copy: Callable[[float], float], param_shard: float
-                     ) -> tuple[float, float, float]:
+                     rings: ZeroRings, copy: Callable[[float], float], param_shard: float,
+                     units: Sequence[float] = ()) -> tuple[float, float, float]:
     """Per-microbatch work beside the compute for a stage of `nbytes` parameters (δΦ on this rank):
     (ZeRO-2/3 reduce-scatter, one ZeRO-3 gather, parameter copies from the host (`copy(bytes)`)), each in
-    seconds; Note [zero cycle] in schedule.py says how the compute waits for them."""
+    seconds; Note [zero cycle] in schedule.py says how the compute waits for them. `units`: the bytes of
+    each unit a ZeRO-3 stage gathering per block gathers and reduces on its own (Note [zero-3 units]), one
+    collective each; empty, the stage's at once."""
     level = zero.resolved_level
     if schedule is ScheduleKind.ZORSE:
         return 0.0, 0.0, 0.0  # Zorse gathers and reduces once per ministage (fetch_time, sync_time)
     if level < 2 and not offload_params:
         return 0.0, 0.0, 0.0
     ring = rings.sharded(zero)
-    reduce = rings.time(Collective.REDUCE_SCATTER, ring, nbytes) if level >= 2 else 0.0
-    gather = rings.time(Collective.ALL_GATHER, ring, nbytes) if level >= 3 else 0.0
+    pieces = units if units and level >= 3 else (nbytes,)
+    reduce = sum(rings.time(Collective.REDUCE_SCATTER, ring, b) for b in pieces) if level >= 2 else 0.0
+    gather = sum(rings.time(Collective.ALL_GATHER, ring, b) for b in pieces) if level >= 3 else 0.0
     copies = 2 * copy(nbytes * param_shard) if offload_params else 0.0
     return reduce, gather, copies
 
 
-def sync_time(zero: ZeroSpec, nbytes: float, rings: ZeroRings, per_ministage: bool = False) -> float:
+def sync_time(zero: ZeroSpec, nbytes: float, rings: ZeroRings, per_ministage: bool = False,
+              units: Sequence[float] = ()) -> float:
     """Gradient reduction after the last backward (and ZeRO-1/2's parameter all-gather) for a stage of
-    `nbytes` parameters.
+    `nbytes` parameters; `units` as in `zero_collectives` (hierarchical ZeRO-3 reduces across nodes
+    unit by unit).
 
     Under per-microbatch schedules ZeRO-2/3 reduce-scatter after every
     gradient op; the lane's cycle and trail count those (Note [zero cycle]).
@@ -91,7 +96,9 @@ def sync_time(zero: ZeroSpec, nbytes: float, rings: ZeroRings, per_ministage: bo
     if zero.shard is ZeroShard.NODE:
         inner = (rings.time(Collective.REDUCE_SCATTER, rings.node, nbytes) if level < 2 or per_ministage else 0.0) + \
             (rings.time(Collective.ALL_GATHER, rings.node, nbytes) if level <= 2 else 0.0)
-        return inner + rings.time(Collective.ALL_REDUCE, rings.across, nbytes / max(len(rings.node), 1))
+        node = max(len(rings.node), 1)
+        pieces = units if units and level >= 3 else (nbytes,)
+        return inner + sum(rings.time(Collective.ALL_REDUCE, rings.across, b / node) for b in pieces)
     if level <= 1:
         return rings.time(Collective.ALL_REDUCE, rings.group, nbytes)
     gather = rings.time(Collective.ALL_GATHER, rings.group, nbytes) if level == 2 else 0.0

@@ -12,7 +12,11 @@ single lane: nothing to reduce) and level L:
     L3  parameters stay sharded: all_gather before use and free after; under
         per-microbatch schedules around every compute op, under Zorse once per
         ministage sweep ("gather once per ministage"); gradients
-        reduce-scattered like L2; no gather after the step.
+        reduced like L2; no gather after the step. Under per-microbatch
+        schedules each compute op runs unit by unit (Note [zero-3 units] in
+        passes/cost/zero_units.py): forward in layer order, backward in
+        reverse, each unit gathered one op ahead, freed after use, and its
+        gradients reduce-scattered as soon as its backward is done.
 
 Gathers are posted one compute run ahead (prefetch) and waited right before
 use. Per-microbatch collectives run on G.f / G.b so that each group sees its
@@ -25,13 +29,16 @@ over the outer group after the inner one, and a gather back after the step.
 
 from __future__ import annotations
 
+import dataclasses
+
 from hetc.errors import InternalError
 from hetc.groups import WORLD, Direction, GroupId, with_direction
+from hetc.passes.cost.zero_units import gathers_per_block, ministage_units
 from hetc.passes.lower.context import LowerContext, RankPlace, next_handle
 from hetc.passes.lower.edits import Edits, Handles
 from hetc.passes.lower.schedule import lockstep_groups
 from hetc.program import (COMPUTE_TYPES, AllGather, AllReduce, Backward, BackwardWeight, ComputeInstr, Forward, Free, Instr,
-                          Program, RankProgram, ReduceScatter, Shard, Step, Tensor, Wait)
+                          Program, RankProgram, ReduceScatter, Shard, Step, Tensor, Unit, Wait)
 from hetc.spec import OffloadTarget, ScheduleKind
 
 __all__ = ["insert_zero"]
@@ -50,11 +57,13 @@ def _shards(place: RankPlace, ctx: LowerContext) -> tuple[Shard, ...]:
     stage, zero = place.stage, place.stage.zero
     group = _name(ctx.zero_group(place))
     off = stage.offload
+    per_block = group is not None and gathers_per_block(ctx.pipeline.schedule, zero, off, stage.ep)
     return tuple(
         Shard(ms, zero.resolved_level if group else 0, group, _name(ctx.outer_group(place)),
               zero.across if group else 0, off.params is not OffloadTarget.NONE,
               off.optimizer is not OffloadTarget.NONE, off.activations is not OffloadTarget.NONE,
-              _name(ctx.tp_group(place)), _name(ctx.cp_group(place)), *_expert_groups(place, ms, ctx))
+              _name(ctx.tp_group(place)), _name(ctx.cp_group(place)), *_expert_groups(place, ms, ctx),
+              units=ministage_units(ctx.model, ctx.pipeline.ministages[ms].layers, per_block))
         for ms in stage.ministages)
 
 
@@ -69,14 +78,30 @@ def _expert_groups(place: RankPlace, ms: int, ctx: LowerContext) -> tuple[str | 
     return _name(ep), _name(ctx.expert_group(place)) if ep else None
 
 
+def _split_units(instrs: tuple[Instr, ...], shards: tuple[Shard, ...]) -> tuple[Instr, ...]:
+    """Each compute op of a ministage split into units becomes one op per unit: forward in layer order,
+    backward in reverse (Note [units] in hetc/program.py)."""
+    units = {sh.ms: sh.units for sh in shards if sh.units}
+    out: list[Instr] = []
+    for instr in instrs:
+        if not isinstance(instr, COMPUTE_TYPES) or instr.ms not in units:
+            out.append(instr)
+            continue
+        order = units[instr.ms] if isinstance(instr, Forward) else reversed(units[instr.ms])
+        out += [dataclasses.replace(instr, unit=u) for u in order]
+    return tuple(out)
+
+
 def _rank(rp: RankProgram, place: RankPlace, ctx: LowerContext) -> RankProgram:
     shards = _shards(place, ctx)
     edits = Edits()
     handles = Handles(next_handle(rp.instrs))
+    rp = dataclasses.replace(rp, instrs=_split_units(rp.instrs, shards))
     compute = [(i, instr) for i, instr in enumerate(rp.instrs) if isinstance(instr, COMPUTE_TYPES)]
     _gathers({sh.ms: sh for sh in shards if sh.group is not None}, compute, edits, handles, ctx)
     interleaved_update = ctx.pipeline.schedule is ScheduleKind.ZORSE and not ctx.grad_clip
-    finals = [[_reduce(part, compute, edits, handles, ctx) for part in _parts(shard)] for shard in shards]
+    finals = [[_reduce(part, unit, compute, edits, handles, ctx) for part in _parts(shard) for unit in _units(part)]
+              for shard in shards]
     gather_waits: list[Wait] = []
     if interleaved_update:
         for shard, reductions in zip(shards, finals):
@@ -101,6 +126,11 @@ def _rank(rp: RankProgram, place: RankPlace, ctx: LowerContext) -> RankProgram:
     return RankProgram(rp.rank, rp.stage, rp.lane, rp.tp_rank, rp.cp_rank, shards, instrs)
 
 
+def _units(shard: Shard) -> tuple[Unit | None, ...]:
+    """The units of a ministage's buffers (None: the ministage whole)."""
+    return shard.units or (None,)
+
+
 def _parts(shard: Shard) -> list[Shard]:
     """The flat buffers of a ministage: one, or its dense and its expert parameters (expert parallelism)."""
     return [shard] if shard.experts is None else [shard, shard.experts]
@@ -123,8 +153,9 @@ def _regathers(shard: Shard, handles: Handles) -> tuple[list[Instr], list[Wait]]
 def _runs(compute: list[tuple[int, ComputeInstr]], per_mb: bool) -> list[tuple[int, list[int]]]:
     """The rank's compute ops grouped into runs that share one gather: (ms, op indices), in order.
 
-    Per-microbatch schedules gather around every op; Zorse around every sweep
-    of one ministage in one direction.
+    Per-microbatch schedules gather around every op (of one unit, where the
+    ministage is split); Zorse around every sweep of one ministage in one
+    direction.
     """
     runs: list[tuple[int, list[int]]] = []
     prev = None
@@ -156,15 +187,17 @@ def _gathers(shards: dict[int, Shard], compute: list[tuple[int, ComputeInstr]], 
             group = with_direction(shard.group, direction) if per_mb else shard.group
             h = handles.take()
             post_at = compute[runs[g - 1][1][0]][0] if g > 0 else compute[first][0]
-            edits.add_before(post_at, AllGather(Tensor.PARAMS, ms, group, h))
+            unit = compute[first][1].unit
+            edits.add_before(post_at, AllGather(Tensor.PARAMS, ms, group, h, unit))
             edits.add_before(compute[first][0], Wait(h))
         if not continued:
-            edits.add_after(compute[last][0], Free(Tensor.PARAMS, ms))
+            edits.add_after(compute[last][0], Free(Tensor.PARAMS, ms, compute[last][1].unit))
 
 
-def _reduce(shard: Shard, compute: list[tuple[int, ComputeInstr]], edits: Edits, handles: Handles,
-            ctx: LowerContext) -> tuple[int, list[Wait], bool]:
-    """Post the gradient reductions; return (where the step goes, waits still due, step goes first there).
+def _reduce(shard: Shard, unit: Unit | None, compute: list[tuple[int, ComputeInstr]], edits: Edits,
+            handles: Handles, ctx: LowerContext) -> tuple[int, list[Wait], bool]:
+    """Post the gradient reductions of one buffer (a unit's, or the ministage's); return (where the step
+    goes, waits still due, step goes first there).
 
     The step waits one compute op longer, so the reduction overlaps that op;
     when that op is another ministage's last backward, the step (and the
@@ -173,7 +206,7 @@ def _reduce(shard: Shard, compute: list[tuple[int, ComputeInstr]], edits: Edits,
     microbatches it runs (Note [zero placement]).
     """
     grad_ops = [k for k, (_, i) in enumerate(compute)
-                if i.ms == shard.ms and isinstance(i, (Backward, BackwardWeight))]
+                if i.ms == shard.ms and i.unit == unit and isinstance(i, (Backward, BackwardWeight))]
     last_pos = compute[min(grad_ops[-1] + 1, len(compute) - 1)][0]
     first = last_pos != compute[grad_ops[-1]][0]
     if shard.group is None:
@@ -186,7 +219,7 @@ def _reduce(shard: Shard, compute: list[tuple[int, ComputeInstr]], edits: Edits,
             for w in pending:
                 edits.add_before(pos, w)
             h = handles.take()
-            edits.add_after(pos, ReduceScatter(Tensor.GRADS, shard.ms, with_direction(shard.group, Direction.BACKWARD), h))
+            edits.add_after(pos, ReduceScatter(Tensor.GRADS, shard.ms, with_direction(shard.group, Direction.BACKWARD), h, unit))
             pending = [Wait(h)]
         return last_pos, pending, first
     h = handles.take()
@@ -200,8 +233,8 @@ def _outer_reduce(shard: Shard) -> list[Instr]:
     if shard.outer is None:
         return []
     if shard.outer_level == 0:
-        return [AllReduce(Tensor.GRADS, shard.outer, shard.ms)]
-    return [ReduceScatter(Tensor.GRADS, shard.ms, shard.outer)]
+        return [AllReduce(Tensor.GRADS, shard.outer, shard.ms, unit=u) for u in _units(shard)]
+    return [ReduceScatter(Tensor.GRADS, shard.ms, shard.outer, unit=u) for u in _units(shard)]
 
 
 def _regather(shard: Shard, handles: Handles) -> tuple[list[Instr], list[Wait]]:
@@ -209,7 +242,7 @@ def _regather(shard: Shard, handles: Handles) -> tuple[list[Instr], list[Wait]]:
     posts: list[Instr] = []
     waits: list[Wait] = []
     if shard.outer is not None and shard.outer_level == 1:
-        posts.append(AllGather(Tensor.PARAMS, shard.ms, shard.outer))
+        posts += [AllGather(Tensor.PARAMS, shard.ms, shard.outer, unit=u) for u in _units(shard)]
     if shard.group is not None and shard.level in (1, 2):
         h = handles.take()
         posts.append(AllGather(Tensor.PARAMS, shard.ms, shard.group, h))

@@ -27,9 +27,9 @@ from hetc.groups import split_direction
 from hetc.layout import Range, boundary_ranges, describe, local_slice, tiling_problem
 from hetc.passes.verify.errors import Finding, at
 from hetc.pipeline import Pipeline
-from hetc.program import (AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight, Forward,
+from hetc.program import (AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight, ComputeInstr, Forward,
                           Free, Instr, Load, Offload, Prefetch, Program, RankProgram, Recv, ReduceScatter,
-                          Send, Shard, Step, Tensor, Wait)
+                          Send, Shard, Step, Tensor, Unit, Wait)
 
 __all__ = ["check_dataflow"]
 
@@ -59,11 +59,14 @@ class _State:
     # (tensor, ms, mb) -> its posted receives not yet waited: an index of `pending`, so that checking a
     # receive against the ones in flight does not scan every posted op (64 ranks: 10^8 comparisons)
     receiving: dict[_Message, list[Recv]] = field(default_factory=dict)
-    gathered: dict[int, int] = field(default_factory=dict)    # ms -> completed gathers not yet freed
+    gathered: dict[tuple[int, Unit | None], int] = field(default_factory=dict)   # completed gathers not yet freed
+    # (op kind, ms, mb, unit) a unit's op ran; ("F" | "B", ms, mb, layer): a unit's output is here
+    reached: set[tuple[str, int, int, Unit | int | None]] = field(default_factory=set)
     on_host: set[int] = field(default_factory=set)       # offloaded ministages' parameters now on the host
-    moving: set[_Moving] = field(default_factory=set)    # in flight
+    moving: set[_Moving] = field(default_factory=set)    # ("params", ms) / ("act", ms, mb) in flight
     act_host: set[_Key] = field(default_factory=set)     # (ms, mb) stashes on the host
-    reduced: dict[int, list[str]] = field(default_factory=dict)   # ms -> completed reductions after the last backward
+    # (ms, unit) -> completed reductions after its last backward
+    reduced: dict[tuple[int | None, Unit | None], list[str]] = field(default_factory=dict)
     stepped: set[int] = field(default_factory=set)
     norm_done: bool = False
 
@@ -122,12 +125,13 @@ class _Rank:
         if hasattr(instr, "mb") and instr.mb is not None and instr.mb not in self.mbs:
             raise _Fault(f"microbatch {instr.mb} is not routed to this rank's lane")
 
-    def _params_ready(self, ms: int) -> None:
+    def _params_ready(self, ms: int, unit: Unit | None) -> None:
         shard = self.shards.get(ms)
         if shard is None:
             return
-        if shard.level == 3 and shard.group is not None and self.s.gathered.get(ms, 0) <= 0:
-            raise _Fault(f"the parameters of ministage {ms} are sharded (ZeRO-3) and not gathered here")
+        if shard.level == 3 and shard.group is not None and self.s.gathered.get((ms, unit), 0) <= 0:
+            what = f"unit {unit} of ministage {ms} are" if unit else f"ministage {ms} are"
+            raise _Fault(f"the parameters of {what} sharded (ZeRO-3) and not gathered here")
         if shard.level != 3 or shard.group is None:
             self._on_device(ms)
 
@@ -142,24 +146,49 @@ class _Rank:
             raise _Fault(f"microbatch {instr.mb} is loaded twice")
         self.s.loaded.add(instr.mb)
 
+    def _span(self, instr: ComputeInstr) -> tuple[int, int]:
+        """The layers [first, stop) an op runs: its unit's, or its ministage's (Note [units])."""
+        m = self.pipeline.ministages[instr.ms]
+        unit = instr.unit
+        if unit is None:
+            return m.first_layer, m.stop_layer
+        if unit not in self.shards[instr.ms].units:
+            raise _Fault(f"unit {unit} is not one of ministage {instr.ms}'s units")
+        return unit.first, unit.stop
+
+    def _unit_once(self, instr: ComputeInstr) -> None:
+        key = (type(instr).__name__, instr.ms, instr.mb, instr.unit)
+        if instr.unit is not None and key in self.s.reached:
+            raise _Fault(f"microbatch {instr.mb} passes unit {instr.unit} of ministage {instr.ms} twice")
+        self.s.reached.add(key)
+
     def forward(self, i: int, instr: Forward) -> None:
         self._owned(instr)
         key = (instr.ms, instr.mb)
+        first, stop = self._span(instr)
+        m = self.pipeline.ministages[instr.ms]
         if key in self.s.fwd:
             raise _Fault(f"microbatch {instr.mb} passes ministage {instr.ms} forward twice")
-        if (self.starts(instr.ms) or self.ends(instr.ms)) and instr.mb not in self.s.loaded:
+        self._unit_once(instr)
+        if (first == 0 or stop == self.num_layers) and instr.mb not in self.s.loaded:
             raise _Fault(f"microbatch {instr.mb}'s data is used before it is loaded")
-        if not self.starts(instr.ms) and (instr.ms - 1, instr.mb) not in self.s.fwd and \
-                not self._arrived(Tensor.ACT, instr.ms - 1, instr.mb):
+        if first != m.first_layer and ("F", instr.ms, instr.mb, first) not in self.s.reached:
+            raise _Fault(f"unit {instr.unit} of ministage {instr.ms} runs before the unit ending at layer {first}")
+        if first == m.first_layer and not self.starts(instr.ms) and (instr.ms - 1, instr.mb) not in self.s.fwd \
+                and not self._arrived(Tensor.ACT, instr.ms - 1, instr.mb):
             raise _Fault(f"the input activation (act ms={instr.ms - 1} mb={instr.mb}) has not arrived: "
                          "no completed receive or local forward provides it")
-        self._params_ready(instr.ms)
-        self.s.fwd.add(key)
+        self._params_ready(instr.ms, instr.unit)
+        self.s.reached.add(("F", instr.ms, instr.mb, stop))
+        if stop == m.stop_layer:
+            self.s.fwd.add(key)
 
     def backward(self, i: int, instr: Backward | BackwardInput | BackwardWeight) -> None:
         self._learning(instr)
         self._owned(instr)
         key = (instr.ms, instr.mb)
+        first, stop = self._span(instr)
+        m = self.pipeline.ministages[instr.ms]
         if isinstance(instr, BackwardWeight):
             if key not in self.s.bwd:
                 raise _Fault("the weight gradient comes before its input gradient (bwd_i)")
@@ -168,19 +197,27 @@ class _Rank:
                 raise _Fault(f"backward of microbatch {instr.mb} before its forward on ministage {instr.ms}")
             if key in self.s.bwd:
                 raise _Fault(f"microbatch {instr.mb} passes ministage {instr.ms} backward twice")
+            self._unit_once(instr)
             nxt = (instr.ms + 1, instr.mb)
-            if not self.ends(instr.ms) and nxt not in self.s.bwd and not self._arrived(Tensor.GRAD, *nxt):
+            if stop != m.stop_layer and ("B", instr.ms, instr.mb, stop) not in self.s.reached:
+                raise _Fault(f"unit {instr.unit} of ministage {instr.ms} runs backward before the unit starting "
+                             f"at layer {stop}")
+            if stop == m.stop_layer and not self.ends(instr.ms) and nxt not in self.s.bwd and \
+                    not self._arrived(Tensor.GRAD, *nxt):
                 raise _Fault(f"the output gradient (grad ms={nxt[0]} mb={nxt[1]}) has not arrived")
             if key in self.s.act_host or ("act", *key) in self.s.moving:
                 raise _Fault(f"the stashed input of ministage {instr.ms} for microbatch {instr.mb} is on the host")
         if key in self.s.wgrad and not isinstance(instr, BackwardInput):
             raise _Fault(f"microbatch {instr.mb}'s weight gradient of ministage {instr.ms} is computed twice")
-        self._params_ready(instr.ms)
-        if not isinstance(instr, BackwardWeight):
+        self._params_ready(instr.ms, instr.unit)
+        self.s.reached.add(("B", instr.ms, instr.mb, first))
+        done = first == m.first_layer
+        if not isinstance(instr, BackwardWeight) and done:
             self.s.bwd.add(key)
         if not isinstance(instr, BackwardInput):
-            self.s.wgrad.add(key)
-            self.s.reduced.pop(instr.ms, None)   # reductions must follow the last backward
+            self.s.reduced.pop((instr.ms, instr.unit), None)   # reductions must follow the last backward
+            if done:
+                self.s.wgrad.add(key)
 
     def send(self, i: int, instr: Send) -> None:
         key = (instr.ms, instr.mb)
@@ -225,6 +262,9 @@ class _Rank:
                          f"({describe(held)})") from None
 
     def collective(self, i: int, instr: _Collective) -> None:
+        if isinstance(instr, (AllGather, ReduceScatter, AllReduce)) and instr.what is not Tensor.LOSS and \
+                instr.what is not Tensor.NORM:
+            self._unit_of_buffer(instr)
         if isinstance(instr, AllGather):
             shard = self.shards.get(instr.ms)
             if shard is None:
@@ -234,9 +274,23 @@ class _Rank:
         self._post(i, instr)
 
     def free(self, i: int, instr: Free) -> None:
-        if self.s.gathered.get(instr.ms, 0) <= 0:
-            raise _Fault(f"frees the parameters of ministage {instr.ms}, which are not gathered")
-        self.s.gathered[instr.ms] -= 1
+        key = (instr.ms, instr.unit)
+        if self.s.gathered.get(key, 0) <= 0:
+            raise _Fault(f"frees the parameters of ministage {instr.ms}{_of_unit(instr.unit)}, which are not "
+                         "gathered")
+        self.s.gathered[key] -= 1
+
+    def _unit_of_buffer(self, instr: AllGather | ReduceScatter | AllReduce) -> None:
+        """A collective on a ministage split into units names one of them (Note [units]); else none."""
+        shard = self.shards.get(instr.ms) if instr.ms is not None else None
+        if shard is None:
+            raise _Fault(f"ministage {instr.ms} does not belong to this rank's stage")
+        units = shard.part(instr.group).units
+        if units and instr.unit not in units:
+            raise _Fault(f"ministage {instr.ms}'s buffers are its units {', '.join(map(str, units))}: a collective "
+                         "on it names one of them")
+        if not units and instr.unit is not None:
+            raise _Fault(f"ministage {instr.ms} is not split into units, but the collective names unit {instr.unit}")
 
     def copy(self, i: int, instr: Offload | Prefetch) -> None:
         if instr.what is Tensor.PARAMS:
@@ -270,10 +324,11 @@ class _Rank:
         shard = self.shards[instr.ms]
         for part in filter(None, (shard, shard.experts)):    # each flat buffer: inner group, then outer
             need = self._reductions_needed(part)
-            have = [g for g in self.s.reduced.get(instr.ms, []) if shard.part(g) == part]
-            if have[:len(need)] != need[:len(have)] or len(have) < len(need):
-                raise _Fault(f"steps ministage {instr.ms} before its gradients are reduced over "
-                             f"{', '.join(need[len(have):] or need)}")
+            for unit in part.units or (None,):
+                have = [g for g in self.s.reduced.get((instr.ms, unit), []) if shard.part(g) == part]
+                if have[:len(need)] != need[:len(have)] or len(have) < len(need):
+                    raise _Fault(f"steps ministage {instr.ms} before its gradients{_of_unit(unit)} are reduced "
+                                 f"over {', '.join(need[len(have):] or need)}")
         if self.clip and not self.s.norm_done:
             raise _Fault("steps before the global gradient norm is known (all_reduce norm)")
         if not self.shards[instr.ms].opt_offload:
@@ -311,12 +366,13 @@ class _Rank:
         elif isinstance(instr, AllGather):
             shard = self.shards[instr.ms]
             full = shard.level == 3 and instr.group != shard.outer   # the outer gather rebuilds the shard
-            s.gathered[instr.ms] = s.gathered.get(instr.ms, 0) + full
-        elif isinstance(instr, (ReduceScatter, AllReduce)) and instr.what is Tensor.GRADS and instr.ms is not None:
+            key = (instr.ms, instr.unit)
+            s.gathered[key] = s.gathered.get(key, 0) + full
+        elif isinstance(instr, (ReduceScatter, AllReduce)) and instr.what is Tensor.GRADS:
             group, _ = split_direction(instr.group)
-            s.reduced.setdefault(instr.ms, [])
-            if group not in s.reduced[instr.ms]:
-                s.reduced[instr.ms].append(group)
+            reduced = s.reduced.setdefault((instr.ms, instr.unit), [])
+            if group not in reduced:
+                reduced.append(group)
         elif isinstance(instr, AllReduce) and instr.what is Tensor.NORM:
             s.norm_done = True
         elif isinstance(instr, (Offload, Prefetch)):
@@ -344,12 +400,17 @@ class _Rank:
                     out.append(f"microbatch {mb} never passes ministage {ms} backward")
             if ms not in self.s.stepped and not self.forward_only:
                 out.append(f"ministage {ms} never steps its optimizer")
-            if self.s.gathered.get(ms, 0):
-                out.append(f"the gathered parameters of ministage {ms} are never freed")
+            for (gathered_ms, unit), count in self.s.gathered.items():
+                if gathered_ms == ms and count:
+                    out.append(f"the gathered parameters of ministage {ms}{_of_unit(unit)} are never freed")
             if self.shards.get(ms) and self.shards[ms].param_offload and ms not in self.s.on_host:
                 out.append(f"the parameters of ministage {ms} end the step on the device, but the next step "
                            "expects them on the host")
         return out
+
+
+def _of_unit(unit: Unit | None) -> str:
+    return "" if unit is None else f" (unit {unit})"
 
 
 def _message(recv: Recv) -> _Message:

@@ -359,6 +359,6 @@ def _mismatch(send: Send, recv: Recv) -> str:
     return ""
 
 
-def _collective_key(instr: Instr, any_mb: bool = False) -> tuple[str, object, object, object]:
+def _collective_key(instr: Instr, any_mb: bool = False) -> tuple[str, object, object, object, object]:
     return (type(instr).__name__, getattr(instr, "what", None), getattr(instr, "ms", None),
-            None if any_mb else getattr(instr, "mb", None))
+            None if any_mb else getattr(instr, "mb", None), getattr(instr, "unit", None))

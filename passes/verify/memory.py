@@ -11,9 +11,12 @@ from the cost model (`CostModel.param_bytes`, `grad_bytes`,
   `offload` (completed at its wait);
 - gradients from the ministage's first weight-gradient op to its `step`;
 - gathered full parameters (ZeRO-3) from the `all_gather` that takes the
-  holder count from 0 to 1 to the `free` that takes it back to 0;
+  holder count from 0 to 1 to the `free` that takes it back to 0, per unit
+  where the ministage is split into units (Note [units] in hetc/program.py:
+  the unit's parameters, `unit_param_bytes`);
 - stashed activations from `fwd` to the backward that consumes them (`bwd`,
-  or `bwd_w` under zero-bubble); with `act_offload` only the boundary input
+  or `bwd_w` under zero-bubble), unit by unit where ops run per unit
+  (`unit_activation_bytes`); with `act_offload` only the boundary input
   is stashed, none while it is on the host, and the ministage's activations
   exist during its forward and its recomputing backward;
 - receive buffers (each piece, by its shape) from the post to the compute op
@@ -35,8 +38,8 @@ from typing import Protocol
 
 from hetc.passes.verify.errors import Finding, at
 from hetc.pipeline import Pipeline
-from hetc.program import (AllGather, Backward, BackwardInput, BackwardWeight, Forward, Free, Instr, Offload,
-                          Prefetch, Program, RankProgram, Recv, Shard, Step, Tensor, Wait)
+from hetc.program import (AllGather, Backward, BackwardInput, BackwardWeight, ComputeInstr, Forward, Free, Instr, Offload,
+                          Prefetch, Program, RankProgram, Recv, Shard, Step, Tensor, Unit, Wait)
 
 __all__ = ["Peak", "Sizes", "check_memory", "format_bytes", "rank_levels", "rank_peaks"]
 
@@ -55,6 +58,8 @@ class Sizes(Protocol):
 
 
     def param_bytes(self, ms: int, rank: int) -> float: ...
+    def unit_param_bytes(self, unit: Unit, rank: int) -> float: ...
+    def unit_activation_bytes(self, unit: Unit, rank: int) -> float: ...
     def grad_bytes(self, ms: int, rank: int) -> float: ...
     def optimizer_bytes(self, ms: int, rank: int) -> float: ...
     def activation_bytes(self, ms: int, rank: int) -> float: ...
@@ -114,8 +119,8 @@ class _Walk:
     capacity: float
     used: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
     live: dict[_Key, tuple[str, float]] = field(default_factory=dict)   # key -> (part, bytes)
-    gathers: dict[int, int] = field(default_factory=dict)               # ms -> holders of its full params
-    pending: dict[int, _Key] = field(default_factory=dict)              # handle -> key released on completion
+    gathers: dict[tuple[int, Unit | None], int] = field(default_factory=dict)  # (ms, unit) -> holders
+    pending: dict[int, _Key] = field(default_factory=dict)             # handle -> key released on completion
     total: float = 0.0
     peak: Peak | None = None
     first_over: int | None = None
@@ -174,6 +179,7 @@ class _Rank:
         cp = self.pipeline.stages[self.rp.stage].cp
         self.stash_input = {ms: sizes.boundary_bytes(ms - 1) / cp if ms > 0 else 0.0 for ms in own}
         self.delta = sizes.delta
+        self.sizes = sizes
         self.pieces: dict[tuple[Tensor, int, int], list[_Key]] = {}   # (what, ms, mb) -> live receive buffers
         self.act_offload = {ms for ms, shard in self.shards.items() if shard.act_offload}
         self.full_gather = {ms for ms, shard in self.shards.items() if shard.level == 3}
@@ -183,6 +189,17 @@ class _Rank:
         if ms not in self.act_offload:
             return self.activations.get(ms, 0.0)
         return self.stash_input.get(ms, 0.0)
+
+    @staticmethod
+    def _stash_key(instr: ComputeInstr) -> _Key:
+        """A stash's key: one per ministage and microbatch, or per unit where ops run per unit."""
+        base = ("stash", instr.ms, instr.mb)
+        return base if instr.unit is None else (*base, instr.unit)
+
+    def _unit_stash(self, instr: Forward) -> float:
+        if instr.unit is None:
+            return self._stash_bytes(instr.ms)
+        return self.sizes.unit_activation_bytes(instr.unit, self.rp.rank)
 
     def run(self, i: int, instr: Instr) -> None:
         handler = _HANDLERS.get(type(instr))
@@ -198,7 +215,7 @@ class _Rank:
         return self.activations.get(ms, 0.0) if ms in self.act_offload else 0.0
 
     def forward(self, i: int, instr: Forward) -> None:
-        self.walk.take(("stash", instr.ms, instr.mb), "activations", self._stash_bytes(instr.ms))
+        self.walk.take(self._stash_key(instr), "activations", self._unit_stash(instr))
         self.walk.observe(i, self._transient(instr.ms))
         self._consumed(Tensor.ACT, instr.ms - 1, instr.mb)
 
@@ -209,12 +226,12 @@ class _Rank:
         self.walk.observe(i, self._transient(instr.ms))
         self._consumed(Tensor.GRAD, instr.ms + 1, instr.mb)
         if weights:
-            self.walk.give(("stash", instr.ms, instr.mb))
+            self.walk.give(self._stash_key(instr))
 
     def backward_weight(self, i: int, instr: BackwardWeight) -> None:
         self.walk.take(("grads", instr.ms), "grads", self.grads.get(instr.ms, 0.0))
         self.walk.observe(i)
-        self.walk.give(("stash", instr.ms, instr.mb))
+        self.walk.give(self._stash_key(instr))
 
     def recv(self, i: int, instr: Recv) -> None:
         key = ("recv", instr.what, instr.ms, instr.mb, instr.seq)
@@ -229,17 +246,21 @@ class _Rank:
     def all_gather(self, i: int, instr: AllGather) -> None:
         w = self.walk
         if instr.ms in self.full_gather and instr.group != self.outer[instr.ms]:
-            w.gathers[instr.ms] = w.gathers.get(instr.ms, 0) + 1
-            w.take(("gathered", instr.ms), "gathered", self.full_params.get(instr.ms, 0.0))
+            key = (instr.ms, instr.unit)
+            w.gathers[key] = w.gathers.get(key, 0) + 1
+            full = self.full_params.get(instr.ms, 0.0) if instr.unit is None else \
+                self.sizes.unit_param_bytes(instr.unit, self.rp.rank)
+            w.take(("gathered", *key), "gathered", full)
         w.observe(i)
 
     def free(self, i: int, instr: Free) -> None:
         w = self.walk
         w.observe(i)
-        if w.gathers.get(instr.ms, 0) > 0:
-            w.gathers[instr.ms] -= 1
-            if w.gathers[instr.ms] == 0:
-                w.give(("gathered", instr.ms))
+        key = (instr.ms, instr.unit)
+        if w.gathers.get(key, 0) > 0:
+            w.gathers[key] -= 1
+            if w.gathers[key] == 0:
+                w.give(("gathered", *key))
 
     def prefetch(self, i: int, instr: Prefetch) -> None:
         if instr.what is Tensor.PARAMS:
