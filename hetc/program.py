@@ -69,17 +69,22 @@ from typing import Any, ClassVar, NamedTuple
 
 from hetc.jsontypes import JsonObject, RawJson
 
+from hetc.groups import split_direction
+
 __all__ = [
+    "COLLECTIVE_OF",
     "COLLECTIVE_TYPES",
     "COMM_TYPES",
     "COMPUTE_TYPES",
     "INSTR_TYPES",
+    "PHASE_OF",
     "AllGather",
     "AllReduce",
     "AllToAll",
     "Backward",
     "BackwardInput",
     "BackwardWeight",
+    "Collective",
     "ComputeInstr",
     "Forward",
     "Free",
@@ -87,6 +92,7 @@ __all__ = [
     "Instr",
     "Load",
     "Offload",
+    "Phase",
     "Prefetch",
     "Program",
     "ProgramFormatError",
@@ -377,6 +383,32 @@ COMPUTE_TYPES = (Forward, Backward, BackwardInput, BackwardWeight)
 ComputeInstr = Forward | Backward | BackwardInput | BackwardWeight
 COLLECTIVE_TYPES = (AllGather, ReduceScatter, AllReduce, AllToAll)
 COMM_TYPES = (Send, Recv, *COLLECTIVE_TYPES)
+
+
+class Phase(StrEnum):
+    """What a compute op does to a microbatch: forward, backward, or backward's two halves (zero bubble:
+    the gradient of the input, then of the weights). The letters are torch's action codes (`0F1`)."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+    INPUT_GRAD = "I"
+    WEIGHT_GRAD = "W"
+
+
+class Collective(StrEnum):
+    """The collective operations, by the name the cost model, the profiles and the listings use."""
+
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
+    ALL_TO_ALL = "all_to_all"
+
+
+PHASE_OF: dict[type[ComputeInstr], Phase] = {Forward: Phase.FORWARD, Backward: Phase.BACKWARD,
+                                             BackwardInput: Phase.INPUT_GRAD, BackwardWeight: Phase.WEIGHT_GRAD}
+COLLECTIVE_OF: dict[type[AllGather | ReduceScatter | AllReduce | AllToAll], Collective] = {
+    AllGather: Collective.ALL_GATHER, ReduceScatter: Collective.REDUCE_SCATTER, AllReduce: Collective.ALL_REDUCE,
+    AllToAll: Collective.ALL_TO_ALL}
 _FIELD_OF_KEY = {v: k for k, v in _KEYS.items()}
 
 
@@ -517,7 +549,7 @@ class Shard:
     def part(self, group: str) -> Shard:
         """The buffer a collective on `group` acts on: the experts' or the dense parameters' (Note above)."""
         experts = self.experts
-        base = group[:-2] if group.endswith((".f", ".b")) else group
+        base, _ = split_direction(group)
         return experts if experts is not None and base == self.expert_group else self
 
     def __str__(self) -> str:

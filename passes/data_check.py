@@ -30,7 +30,7 @@ def check_data(spec: Spec, base_dir: Path | None, errors: list[Diagnostic]) -> N
     _check_eval(t, errors)
 
 
-def _check_source(data: DataSpec, model: ModelSpec | None, base_dir: Path | None, errors) -> None:
+def _check_source(data: DataSpec, model: ModelSpec | None, base_dir: Path | None, errors: list[Diagnostic]) -> None:
     if data.kind is DataKind.SYNTHETIC:
         return
     if not data.path:
@@ -49,7 +49,7 @@ def _check_source(data: DataSpec, model: ModelSpec | None, base_dir: Path | None
         _check_tokens(data, path, model, base_dir, errors)
 
 
-def _check_text(data: DataSpec, path: Path, errors) -> None:
+def _check_text(data: DataSpec, path: Path, errors: list[Diagnostic]) -> None:
     if not path.is_file():
         errors.append(Diagnostic(data.span_of("path"), f"cannot find the text file '{data.path}'"))
         return
@@ -59,7 +59,7 @@ def _check_text(data: DataSpec, path: Path, errors) -> None:
                                  "ids with data tokens { path = ..., dtype = uint16 | uint32 }"))
 
 
-def _check_tokens(data: DataSpec, path: Path, model: ModelSpec | None, base_dir: Path, errors) -> None:
+def _check_tokens(data: DataSpec, path: Path, model: ModelSpec | None, base_dir: Path, errors: list[Diagnostic]) -> None:
     try:
         tf = inspect_tokens(path, data.dtype)
     except TokenFileError as err:
@@ -80,7 +80,7 @@ def _check_tokens(data: DataSpec, path: Path, model: ModelSpec | None, base_dir:
                                  f"of seq = {model.seq} needs {model.seq + 1}"))
 
 
-def _check_tokenizer(data: DataSpec, tf: TokenFile, base_dir: Path, errors) -> None:
+def _check_tokenizer(data: DataSpec, tf: TokenFile, base_dir: Path, errors: list[Diagnostic]) -> None:
     """The tokenizer the spec names must be the one a hetc header says wrote the file."""
     where = data.span_of("tokenizer")
     try:
@@ -96,7 +96,7 @@ def _check_tokenizer(data: DataSpec, tf: TokenFile, base_dir: Path, errors) -> N
                                  f"'{data.tokenizer}' (their tokenizer.json differ)"))
 
 
-def _check_eval(t: TrainSpec, errors) -> None:
+def _check_eval(t: TrainSpec, errors: list[Diagnostic]) -> None:
     if t.eval is not None and t.eval_share > 0:
         errors.append(Diagnostic(t.span_of("eval_share"), "give validation data either as an eval block or as "
                                  "eval_share of the training data, not both"))

@@ -12,8 +12,11 @@ block there), a send where it is posted. Plans whose lanes do not line up
 
 from __future__ import annotations
 
-from hetc.pipeline import Pipeline
-from hetc.program import Backward, BackwardInput, BackwardWeight, Forward, Program, Recv, Send, Tensor, Wait
+from collections.abc import Sequence
+
+from hetc.pipeline import Pipeline, Stage
+from hetc.program import (PHASE_OF, Backward, BackwardInput, BackwardWeight, Forward, Instr, Program, Recv, Send,
+                          Tensor, Wait)
 
 __all__ = ["TorchPipeline", "lanes_aligned", "torch_pipelines", "why_not_exported"]
 
@@ -46,7 +49,7 @@ def why_not_exported(pipeline: Pipeline) -> str | None:
     first = pipeline.stages[0]
     odd = next(s for s in pipeline.stages
                if [lane.microbatches for lane in s.lanes] != [lane.microbatches for lane in first.lanes])
-    def lanes(stage) -> str:
+    def lanes(stage: Stage) -> str:
         return f"{len(stage.lanes)} lane{'s' if len(stage.lanes) > 1 else ''}"
 
     why = (f"stage '{first.name}' has {lanes(first)} and stage '{odd.name}' {lanes(odd)}"
@@ -77,7 +80,7 @@ def _completes(instr: Forward | Backward | BackwardInput | BackwardWeight, pipel
     return instr.unit.stop == m.stop_layer if isinstance(instr, Forward) else instr.unit.first == m.first_layer
 
 
-def _actions(instrs, local: dict[int, int], pipeline: Pipeline) -> list[str]:
+def _actions(instrs: Sequence[Instr], local: dict[int, int], pipeline: Pipeline) -> list[str]:
     pending: dict[int, Recv] = {}
     actions = []
     for instr in instrs:
@@ -92,8 +95,7 @@ def _actions(instrs, local: dict[int, int], pipeline: Pipeline) -> list[str]:
             kind = "SEND_F" if instr.what is Tensor.ACT else "SEND_B"
             actions.append(f"{instr.ms}{kind}{local[instr.mb]}")
         elif isinstance(instr, (Forward, Backward, BackwardInput, BackwardWeight)) and _completes(instr, pipeline):
-            code = {Forward: "F", Backward: "B", BackwardInput: "I", BackwardWeight: "W"}[type(instr)]
-            actions.append(f"{instr.ms}{code}{local[instr.mb]}")
+            actions.append(f"{instr.ms}{PHASE_OF[type(instr)]}{local[instr.mb]}")
     return actions
 
 

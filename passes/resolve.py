@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from hetc.errors import Diagnostic, Span, did_you_mean
 from hetc.pipeline import Lane, Ministage, Pipeline, Stage, route_microbatches
-from hetc.spec import AUTO, Auto, RankSlice, RoutingKind, Spec, StageSpec
+from hetc.spec import AUTO, Auto, DType, ModelSpec, RankSlice, RoutingKind, Spec, StageSpec
 from hetc.topology import Gpu, Topology
 
 __all__ = ["Diagnostics", "layer_index", "plan_has_auto", "proportional_counts", "resolve_pipeline",
@@ -40,11 +40,13 @@ def _one_slice(s: RankSlice, topo: Topology, errors: Diagnostics) -> list[Gpu]:
     return [topo.gpu_at(s.group, n, g) for n in nodes for g in gpus]
 
 
-def _indices(start, stop, is_slice, size, what, s: RankSlice, errors) -> range | None:
+def _indices(start: int | None, stop: int | None, is_slice: bool, size: int, what: str, s: RankSlice,
+             errors: Diagnostics) -> range | None:
     where = f"'{s.group}' has {size} {what}{'s' if size != 1 else ''}"
     if what == "GPU":
         where = f"nodes of '{s.group}' have {size} GPU{'s' if size != 1 else ''}"
     if not is_slice:
+        assert start is not None   # a single index (`group[n]`) has its start
         if start >= size:
             errors.append(Diagnostic(s.span, f"{what} {start} is outside its node group: {where}"))
             return None
@@ -147,7 +149,7 @@ def layer_index(spec: Spec, name: str, span: Span, errors: Diagnostics) -> int |
     return idx
 
 
-def _layer_hint(model, name: str) -> str:
+def _layer_hint(model: ModelSpec, name: str) -> str:
     """Suggest `block7` for `blok7` or `Block7`; `embed` / `head` for their misspellings."""
     stem = name.rstrip("0123456789")
     digits = name[len(stem):]
@@ -210,7 +212,7 @@ def _split(lo: int, hi: int, st: StageSpec, errors: Diagnostics) -> list[tuple[i
     return [(bounds[i], bounds[i + 1]) for i in range(k)]
 
 
-def _check_coverage(spec: Spec, chunks, errors: Diagnostics) -> None:
+def _check_coverage(spec: Spec, chunks: list[tuple[int, int, int, Span]], errors: Diagnostics) -> None:
     model = spec.model
     assert model is not None and spec.parallel is not None and spec.parallel.stages is not AUTO
     names = spec.parallel.stages
@@ -248,7 +250,7 @@ def _check_stage_order(spec: Spec, ministages: list[Ministage], errors: Diagnost
             return
 
 
-def _layers_phrase(model, lo: int, hi: int, verb: tuple[str, str] = ("belongs", "belong")) -> str:
+def _layers_phrase(model: ModelSpec, lo: int, hi: int, verb: tuple[str, str] = ("belongs", "belong")) -> str:
     """'layer head belongs' or 'layers block2..block5 belong': layers lo..hi-1 and a verb."""
     a, b = model.layer_name(lo), model.layer_name(hi - 1)
     return f"layer {a} {verb[0]}" if a == b else f"layers {a}..{b} {verb[1]}"
@@ -310,7 +312,7 @@ def _lane_counts(st: StageSpec, lane_gpus: list[list[Gpu]], num_mb: int, spec: S
     return proportional_counts(lane_gpus, num_mb, spec.model.dtype)
 
 
-def proportional_counts(lane_gpus: list[list[Gpu]], num_mb: int, dtype) -> list[int]:
+def proportional_counts(lane_gpus: list[list[Gpu]], num_mb: int, dtype: DType) -> list[int]:
     """Counts proportional to each lane's effective FLOP/s (largest remainder), at least 1 each."""
     lanes = len(lane_gpus)
     speeds = [min(g.device.peak.for_dtype(dtype) * g.device.efficiency for g in gpus) or 1.0

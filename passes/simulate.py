@@ -27,33 +27,28 @@ function whose maximum is the verifier's peak.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import cast
 
+from hetc.passes.cost.model import CostModel
 from hetc.passes.verify.machine import Machine, Op
 from hetc.passes.verify.memory import Sizes, rank_levels
 from hetc.pipeline import Pipeline
-from hetc.program import (COLLECTIVE_TYPES, AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight,
-                          ComputeInstr, Forward, Free, Instr, Load, Program, ReduceScatter, Send, Step, Tensor)
+from hetc.program import (COLLECTIVE_OF, COLLECTIVE_TYPES, PHASE_OF, AllGather, AllReduce, AllToAll, ComputeInstr,
+                          Free, Instr, Load, Offload, Prefetch, Program, ReduceScatter, Send, Shard, Step, Tensor)
 from hetc.spec import DTYPE_BYTES, Spec
 from hetc.timeline import Event, Flow, MemorySample, RankInfo, Timeline, class_times, classify
 
 __all__ = ["SimulationError", "simulate"]
 
-_PHASE = {Forward: "F", Backward: "B", BackwardInput: "I", BackwardWeight: "W"}
-
-
 class SimulationError(RuntimeError):
     """The programs cannot be run to the end (they should have failed verification)."""
-
-
-_COLLECTIVE_NAMES = {AllGather: "all_gather", ReduceScatter: "reduce_scatter", AllReduce: "all_reduce",
-                     AllToAll: "all_to_all"}
 
 
 class _Costs:
     """The cost model as the blocking machine's `Clock` (Note [timeline model])."""
 
-    def __init__(self, program: Program, spec: Spec, costs):
+    def __init__(self, program: Program, spec: Spec, costs: CostModel):
         self.costs = costs
         assert spec.model is not None   # a checked spec
         self.delta = DTYPE_BYTES[spec.model.dtype]
@@ -68,7 +63,7 @@ class _Costs:
         if isinstance(instr, (Load, Free)):
             return 0.0
         op = cast(ComputeInstr, instr)
-        return self.costs.compute_time(rank, op.ms, _PHASE[type(instr)], op.unit)
+        return self.costs.compute_time(rank, op.ms, PHASE_OF[type(op)], op.unit)
 
     def copy(self, rank: int, instr: Instr) -> float:
         return self.costs.copy_time(rank, self._copy_bytes(rank, instr))
@@ -80,7 +75,7 @@ class _Costs:
         op = ops[0]
         assert isinstance(op.instr, COLLECTIVE_TYPES)
         members = self.members[op.instr.group]
-        return self.costs.collective_time(_COLLECTIVE_NAMES[type(op.instr)], members,
+        return self.costs.collective_time(COLLECTIVE_OF[type(op.instr)], members,
                                           self._collective_bytes(op.rank, op.instr))
 
     # ------------------------------------------------------------ sizes
@@ -94,7 +89,7 @@ class _Costs:
         return sum(self._part_share(rank, shard, part) * self.costs.numel(ms, rank) / self._opt_parts(part)
                    for part in (shard, shard.experts) if part is not None)
 
-    def _opt_parts(self, part) -> int:
+    def _opt_parts(self, part: Shard) -> int:
         if part.group is None or part.level == 0:
             return 1
         parts = len(self.members[part.group])
@@ -102,28 +97,31 @@ class _Costs:
             parts *= len(self.members[part.outer])
         return parts
 
-    def _part_share(self, rank: int, shard, part) -> float:
+    def _part_share(self, rank: int, shard: Shard, part: Shard) -> float:
         """The share of a ministage's parameters in buffer `part` (its expert or dense ones, or all)."""
         if shard.experts is None:
             return 1.0
         experts = self.costs.expert_fraction(shard.ms, rank)
         return experts if part is not shard else 1.0 - experts
 
-    def _collective_bytes(self, rank: int, instr) -> float:
+    def _collective_bytes(self, rank: int, instr: AllGather | ReduceScatter | AllReduce | AllToAll) -> float:
         if isinstance(instr, AllReduce) and instr.what in (Tensor.LOSS, Tensor.NORM):
             return 8.0
         if isinstance(instr, AllToAll):
             return self.costs.boundary_bytes(instr.ms)
-        whole = self.shards[rank][instr.ms]
+        ms = instr.ms
+        assert ms is not None   # a gradient or parameter collective names its ministage
+        whole = self.shards[rank][ms]
         shard = whole.part(instr.group)
-        full = self.costs.param_bytes(instr.ms, rank) * self._part_share(rank, whole, shard) if instr.unit is None \
+        full = self.costs.param_bytes(ms, rank) * self._part_share(rank, whole, shard) if instr.unit is None \
             else self.costs.unit_param_bytes(instr.unit, rank)
         if instr.group == shard.outer:
             assert shard.group is not None   # an outer group is one across shard groups
             return full / len(self.members[shard.group])
         return full
 
-    def _copy_bytes(self, rank: int, instr) -> float:
+    def _copy_bytes(self, rank: int, instr: Instr) -> float:
+        assert isinstance(instr, (Offload, Prefetch))   # the machine times only copies on the copy stream
         if instr.what is Tensor.ACT:
             return self.costs.boundary_bytes(instr.ms)
         shard = self.shards[rank][instr.ms]
@@ -168,7 +166,8 @@ def _memory_samples(machine: Machine, pipeline: Pipeline, sizes: Sizes) -> list[
     return samples
 
 
-def simulate(program: Program, pipeline: Pipeline, spec: Spec, costs, plan_facts=()) -> Timeline:
+def simulate(program: Program, pipeline: Pipeline, spec: Spec, costs: CostModel,
+             plan_facts: Iterable[tuple[str, str]] = ()) -> Timeline:
     """The predicted Timeline of one step (source "predicted"), with each rank's memory curve."""
     clock = _Costs(program, spec, costs)
     machine = _run(program, clock)

@@ -8,19 +8,21 @@ is checked for what it has.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from hetc.errors import Diagnostic, InternalError, SpecError, did_you_mean
 from hetc.layout import layout_problem
+from hetc.passes.cost.intra_lane import LaneLayout
 from hetc.passes.cost.memory import state_bytes_per_param
 from hetc.passes.data_check import check_data
 from hetc.passes.cost.params import model_params
 from hetc.passes.resolve import resolve_pipeline
 from hetc.passes.validate_plan import check_plan
 from hetc.pipeline import Pipeline
-from hetc.spec import AUTO, CPKind, ModelSpec, OffloadTarget, ParallelSpec, Spec, TrainSpec, ZeroShard
+from hetc.spec import (AUTO, CPKind, DeviceSpec, LinkSpec, ModelSpec, NodeSpec, OffloadTarget, ParallelSpec, Spec,
+                       StageSpec, TrainSpec, ZeroShard, ZeroSpec)
 from hetc.topology import MAX_GPUS, Topology
 
 # Every rank's program lists each of its microbatches; beyond this a step is
@@ -77,7 +79,7 @@ def check_spec(spec: Spec, base_dir: Path | None = None) -> Checked:
     return Checked(spec, topo, pipeline)
 
 
-def _check(spec: Spec, base_dir: Path | None, errors: list[Diagnostic]):
+def _check(spec: Spec, base_dir: Path | None, errors: list[Diagnostic]) -> tuple[Topology | None, Pipeline | None]:
     _unique(spec.devices, "device kind", errors)
     if spec.model is not None:
         _check_model(spec, errors)
@@ -99,8 +101,11 @@ def _check(spec: Spec, base_dir: Path | None, errors: list[Diagnostic]):
     return topo, pipeline
 
 
-def _unique(nodes, what: str, errors) -> None:
-    seen: dict[str, Any] = {}
+_Named = DeviceSpec | NodeSpec | StageSpec
+
+
+def _unique(nodes: Sequence[_Named], what: str, errors: list[Diagnostic]) -> None:
+    seen: dict[str, _Named] = {}
     for n in nodes:
         if n.name in seen:
             errors.append(Diagnostic(n.span_of("name"), f"duplicate {what} '{n.name}'",
@@ -109,7 +114,7 @@ def _unique(nodes, what: str, errors) -> None:
             seen[n.name] = n
 
 
-def _check_model(spec: Spec, errors) -> None:
+def _check_model(spec: Spec, errors: list[Diagnostic]) -> None:
     m = spec.model
     assert m is not None   # _check calls it only then
     if m.hidden % m.heads and m.head_dim is None:
@@ -129,7 +134,7 @@ def _check_model(spec: Spec, errors) -> None:
                                  f"experts ({m.moe.experts})"))
 
 
-def _check_init(m, errors) -> None:
+def _check_init(m: ModelSpec, errors: list[Diagnostic]) -> None:
     """Pretrained weights need an hf directory whose safetensors are exactly the model's (headers only)."""
     from hetc.hf.weights import hf_has_weights, model_weight_problems, wants_pretrained
     from hetc.spec import InitKind
@@ -138,13 +143,15 @@ def _check_init(m, errors) -> None:
         why = "the model has no hf directory" if not m.hf else f"'{m.hf}' holds no safetensors"
         errors.append(Diagnostic(m.span_of("init"), f"init = pretrained, but {why}"))
     elif wants_pretrained(m):
-        problems = model_weight_problems(m, m.hf_dir())
+        directory = m.hf_dir()
+        assert directory is not None   # wants_pretrained: an hf directory with weights
+        problems = model_weight_problems(m, directory)
         if problems:
             errors.append(Diagnostic(m.span_of("hf"), f"the safetensors in '{m.hf}' do not fit the model: "
                                      + "; ".join(problems[:4]) + (" ..." if len(problems) > 4 else "")))
 
 
-def _check_train(spec: Spec, base_dir: Path | None, errors) -> None:
+def _check_train(spec: Spec, base_dir: Path | None, errors: list[Diagnostic]) -> None:
     t = spec.train
     assert t is not None   # _check calls it only then
     if t.global_batch % t.micro_batch:
@@ -157,7 +164,7 @@ def _check_train(spec: Spec, base_dir: Path | None, errors) -> None:
     check_data(spec, base_dir, errors)
 
 
-def _check_cluster(spec: Spec, errors) -> Topology | None:
+def _check_cluster(spec: Spec, errors: list[Diagnostic]) -> Topology | None:
     c = spec.cluster
     assert c is not None   # _check calls it only then
     _unique(c.nodes, "node group", errors)
@@ -176,7 +183,7 @@ def _check_cluster(spec: Spec, errors) -> Topology | None:
         return None
     topo = Topology(spec)
     ends = topo.endpoints()
-    seen: dict[frozenset[str], Any] = {}
+    seen: dict[frozenset[str], LinkSpec] = {}
     for link in c.links:
         for field_name, end in (("a", link.a), ("b", link.b)):
             if end not in ends:
@@ -191,7 +198,7 @@ def _check_cluster(spec: Spec, errors) -> Topology | None:
     return topo
 
 
-def _check_parallel(spec: Spec, errors) -> None:
+def _check_parallel(spec: Spec, errors: list[Diagnostic]) -> None:
     par, m = spec.parallel, spec.model
     assert par is not None and m is not None   # a complete spec
     _check_zero(par.zero, errors)
@@ -214,33 +221,34 @@ def _check_parallel(spec: Spec, errors) -> None:
             errors.append(Diagnostic(st.span_of("cp"), f"seq ({m.seq}) is not divisible by cp ({st.cp}) "
                                      f"in stage '{st.name}'"))
         elif st.tp is not AUTO and st.cp is not AUTO:
-            _check_layout(m, st, errors)
+            _check_layout(m, st, LaneLayout(st.tp, st.cp, st.cp_kind, st.sequence_parallel), errors)
         if st.ep != 1:
             _check_experts(m, st, st.zero or par.zero, errors)
         _check_grad_accum(spec, st, errors)
 
 
-def _check_layout(m, st, errors) -> None:
+def _check_layout(m: ModelSpec, st: StageSpec, layout: LaneLayout, errors: list[Diagnostic]) -> None:
     """The stage's block layout must cut the sequence (and Ulysses the heads) into whole parts.
 
     Every border of the stage carries its layout (hetc/layout.py); a layout
     the sequence cannot take leaves no transform to the other side.
     """
-    problem = layout_problem(st, m.seq)
+    problem = layout_problem(layout, m.seq)
     if problem is not None:
         field, why = problem
         errors.append(Diagnostic(st.span_of(field), f"{why}, but seq ({m.seq}) does not split so: stage "
                                  f"'{st.name}' has no block layout for its borders"))
-    if st.tp > 1 and m.moe is not None:
-        errors.append(Diagnostic(st.span_of("tp"), f"stage '{st.name}' splits MoE blocks over tp ({st.tp}), which "
+    tp, cp = layout.tp, layout.cp
+    if tp > 1 and m.moe is not None:
+        errors.append(Diagnostic(st.span_of("tp"), f"stage '{st.name}' splits MoE blocks over tp ({tp}), which "
                                  "hetc does not implement; use tp = 1 with cp, lanes or ep (expert parallelism)"))
-    if st.cp > 1 and st.cp_kind is CPKind.ULYSSES and m.heads % st.tp == 0 and (m.heads // st.tp) % st.cp:
-        errors.append(Diagnostic(st.span_of("cp"), f"Ulysses spreads the {m.heads // st.tp} query heads of each "
-                                 f"tp rank over cp ({st.cp}) ranks in stage '{st.name}'; use ring attention "
+    if cp > 1 and layout.cp_kind is CPKind.ULYSSES and m.heads % tp == 0 and (m.heads // tp) % cp:
+        errors.append(Diagnostic(st.span_of("cp"), f"Ulysses spreads the {m.heads // tp} query heads of each "
+                                 f"tp rank over cp ({cp}) ranks in stage '{st.name}'; use ring attention "
                                  "or a cp that divides them"))
 
 
-def _check_experts(m, st, zero, errors) -> None:
+def _check_experts(m: ModelSpec, st: StageSpec, zero: ZeroSpec, errors: list[Diagnostic]) -> None:
     """Expert parallelism groups ep lanes of the stage; each holds experts / ep of every MoE block."""
     where = st.span_of("ep")
     if m.moe is None:
@@ -259,12 +267,12 @@ def _check_experts(m, st, zero, errors) -> None:
                                  f"'{st.name}'); use ZeRO ≤ 2 over all lanes"))
 
 
-def _check_zero(z, errors) -> None:
+def _check_zero(z: ZeroSpec, errors: list[Diagnostic]) -> None:
     if z.across and z.shard is not ZeroShard.NODE:
         errors.append(Diagnostic(z.span_of("across"), "across applies between shard groups: set shard = node"))
 
 
-def _check_grad_accum(spec: Spec, st, errors) -> None:
+def _check_grad_accum(spec: Spec, st: StageSpec, errors: list[Diagnostic]) -> None:
     t = spec.train
     assert t is not None   # a complete spec
     if t.grad_accum is None or st.lanes is AUTO or st.microbatches is AUTO:
@@ -278,7 +286,7 @@ def _check_grad_accum(spec: Spec, st, errors) -> None:
                                  f"'{st.name}' = {total}"))
 
 
-def _check_fit(spec: Spec, topo: Topology, errors) -> None:
+def _check_fit(spec: Spec, topo: Topology, errors: list[Diagnostic]) -> None:
     """Model states must fit in the cluster's memory even fully sharded (ZeRO-3 over all GPUs)."""
     m = spec.model
     assert m is not None and spec.parallel is not None and spec.cluster is not None   # a complete spec

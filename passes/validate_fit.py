@@ -12,12 +12,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from hetc.errors import Diagnostic
 from hetc.passes.verify.memory import Peak, format_bytes
 from hetc.passes.validate_plan import plan_blocks
 from hetc.pipeline import Pipeline, Stage
 from hetc.spec import Checkpointing, OffloadTarget, Spec
+
+if TYPE_CHECKING:     # both import this module's callers' modules at run time
+    from hetc.passes.cost import CostError
+    from hetc.passes.validate import Checked
 
 __all__ = ["RankUse", "cost_error", "estimate_overflows", "peak_overflows", "stage_overflows"]
 
@@ -39,23 +44,24 @@ class RankUse:
         return self.total > self.capacity
 
 
-def estimate_overflows(checked) -> list[Diagnostic]:
+def estimate_overflows(checked: Checked) -> list[Diagnostic]:
     """The stages of `checked`'s plan (a `passes.validate.Checked`) that the cost model's estimate puts over
     their devices' memory."""
     from hetc.passes.cost import CostError, CostModel
 
-    spec = checked.spec
+    spec, pipeline, topology = checked.spec, checked.pipeline, checked.topology
+    assert pipeline is not None and topology is not None   # the caller checks an explicit plan
     try:
-        estimate = CostModel(spec, checked.pipeline, checked.topology).estimate()
+        estimate = CostModel(spec, pipeline, topology).estimate()
     except CostError as err:   # a device the cost model cannot time: compile would stop there too
         return [cost_error(spec, err)]
     uses = [RankUse(m.rank, {"params": m.params, "grads": m.grads, "optimizer": m.optimizer,
                              "activations": m.activations, "buffers": m.buffers, "reserve": m.reserve},
                     m.capacity) for m in estimate.memory]
-    return stage_overflows(spec, checked.pipeline, uses, "the cost model estimates")
+    return stage_overflows(spec, pipeline, uses, "the cost model estimates")
 
 
-def cost_error(spec: Spec, err) -> Diagnostic:
+def cost_error(spec: Spec, err: CostError) -> Diagnostic:
     """A `passes.cost.CostError`, located at the device kind it blames (else at the plan)."""
     device = spec.device(err.device) if err.device is not None else None
     return Diagnostic(device.span if device is not None else plan_blocks(spec)[2].span, str(err))

@@ -14,7 +14,7 @@ here, beside the validation pass, and lowering only asserts them:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from hetc.errors import Diagnostic, InternalError
 from hetc.passes.lower.schedule import LockstepReason, lane_queues, lockstep_groups, queue_shape
@@ -50,7 +50,7 @@ def _check_rank_order(st: StageSpec, stage: Stage, errors: list[Diagnostic]) -> 
     """torch numbers a group's members by global rank; where the order of concatenation matters, the lane's
     ranks must follow it (one error per stage and rule)."""
     tp, cp = stage.tp, stage.cp
-    rules = []
+    rules: list[tuple[str, str, Callable[[Lane], list[tuple[int, ...]]]]] = []
     if stage.sequence_parallel and tp > 1:
         rules.append(("tp", "sequence parallelism", lambda lane: [lane.ranks[c * tp:(c + 1) * tp] for c in range(cp)]))
     if cp > 1 and stage.cp_kind is CPKind.ULYSSES:

@@ -93,7 +93,7 @@ class MinistageBuffers:
         self.opt_state: OptimizerState = init_state(optimizer, self.master)
         if self.level == 3:      # compute and grad: allocated, bound, then released below
             self.compute = torch.empty(self.layout.padded_numel, dtype=dtype, device=device)
-            self.param_shard = full[self.inner_range].to(dtype, copy=True) if full is not None else \
+            self.param_shard: Tensor | None = full[self.inner_range].to(dtype, copy=True) if full is not None else \
                 self._zeros(self.inner_range, dtype)
         else:
             self.compute = full.to(dtype) if full is not None else self._zeros(slice(0, self.layout.padded_numel),
@@ -101,8 +101,8 @@ class MinistageBuffers:
             self.param_shard = None
         del full
         self.grad = torch.empty_like(self.compute) if self.level == 3 else torch.zeros_like(self.compute)
-        self.acc = torch.zeros(self.inner_numel, dtype=torch.float32, device=device) if self.level else None
-        self.opt_grad = torch.zeros(self.master.numel(), dtype=torch.float32, device=device) \
+        self.acc: Tensor | None = torch.zeros(self.inner_numel, dtype=torch.float32, device=device) if self.level else None
+        self.opt_grad: Tensor | None = torch.zeros(self.master.numel(), dtype=torch.float32, device=device) \
             if across > 1 else None
         self.holders = 0           # ZeRO-3: gathers not yet freed
         self.infos: dict[str, ShardInfo] = shard_infos(module)
@@ -131,6 +131,28 @@ class MinistageBuffers:
 
     def _zeros(self, rng: slice, dtype: torch.dtype = torch.float32) -> Tensor:
         return torch.zeros(rng.stop - rng.start, dtype=dtype, device=self.device)
+
+    # ------------------------------------------------------------ the buffers a level has
+
+    @property
+    def inner_grad(self) -> Tensor:
+        """`acc`: the fp32 reduced gradients of the inner shard, which ZeRO levels 1-3 accumulate."""
+        return _present(self.acc, "a gradient accumulator (ZeRO 1-3)")
+
+    @property
+    def across_grad(self) -> Tensor:
+        """`opt_grad`: the optimizer shard's gradients reduced across shard groups (outer ZeRO-1)."""
+        return _present(self.opt_grad, "gradients reduced across shard groups")
+
+    @property
+    def own_params(self) -> Tensor:
+        """`param_shard`: the inner shard of the parameters a ZeRO-3 rank keeps between gathers."""
+        return _present(self.param_shard, "a parameter shard (ZeRO-3)")
+
+    @property
+    def host_params(self) -> Tensor:
+        """`host`: the host copy of offloaded parameters (made by the first `to_host`)."""
+        return _present(self.host, "a host copy of its parameters")
 
     def parts(self) -> tuple[MinistageBuffers, ...]:
         """This buffer and, under expert parallelism, the experts' buffer."""
@@ -172,7 +194,7 @@ class MinistageBuffers:
         """fp32 gradients of the optimizer shard, fully reduced."""
         if self.level == 0:
             return self.grad.float()
-        return self.opt_grad if self.opt_grad is not None else self.acc
+        return self.opt_grad if self.opt_grad is not None else self.inner_grad
 
     @property
     def unique_range(self) -> slice:
@@ -199,7 +221,7 @@ class MinistageBuffers:
             grad = self.opt_grad
         else:
             base = self.inner_range.start
-            grad = self.acc[rng.start - base:rng.stop - base]
+            grad = self.inner_grad[rng.start - base:rng.stop - base]
         if self.writes_replicated:
             return grad
         grad = grad.clone()
@@ -212,7 +234,7 @@ class MinistageBuffers:
     def publish(self) -> None:
         """Put the stepped master weights where the next gathers read them."""
         if self.level == 3:
-            self.param_shard[self.opt_range_in_inner()].copy_(self.master)
+            self.own_params[self.opt_range_in_inner()].copy_(self.master)
         else:
             self.compute[self.opt_range].copy_(self.master)
 
@@ -238,7 +260,7 @@ class MinistageBuffers:
             raise InternalError(f"{rng} does not cover {keep}")
         self.master.copy_(values[opt.start - rng.start:opt.stop - rng.start])
         kept = values[keep.start - rng.start:keep.stop - rng.start].to(self.dtype)
-        target = self.host if self.shard.param_offload else self.resident()
+        target = self.host_params if self.shard.param_offload else self.resident()
         target.copy_(kept)
 
     def zero_grads(self) -> None:
@@ -281,7 +303,7 @@ class MinistageBuffers:
 
     def resident(self) -> Tensor:
         """The parameter storage that offload moves: the inner shard at ZeRO-3, else everything."""
-        return self.param_shard if self.level == 3 else self.compute
+        return self.own_params if self.level == 3 else self.compute
 
     def to_host(self) -> None:
         src = self.resident()
@@ -298,4 +320,10 @@ class MinistageBuffers:
         storage = dst.untyped_storage()
         if storage.size() == 0:
             storage.resize_(dst.numel() * dst.element_size())
-        dst.copy_(self.host, non_blocking=dst.device.type == "cuda")
+        dst.copy_(self.host_params, non_blocking=dst.device.type == "cuda")
+
+
+def _present(tensor: Tensor | None, what: str) -> Tensor:
+    if tensor is None:
+        raise InternalError(f"this ministage buffer has no {what}")
+    return tensor

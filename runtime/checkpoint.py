@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from hetc.runtime.nn import collectives
@@ -192,7 +193,10 @@ def read_checkpoint(buffers: dict[int, Buffers], path: Path, group) -> int:
     for ms, buf in buffers.items():
         for i, part in enumerate(buf.parts()):
             part.load_params(kept[(ms, i)], part.param_range)
-    return int(state[STEP_KEY])
+    step = state[STEP_KEY]
+    if not isinstance(step, int):
+        raise CheckpointError(f"cannot load {path}: its {STEP_KEY} is {step!r}, not a step number")
+    return step
 
 
 def latest_checkpoint(directory: Path) -> Path | None:
@@ -210,7 +214,7 @@ def read_params(path: Path) -> dict[str, Tensor]:
     """The fp32 parameters of checkpoint `path` (a step-N directory), flattened, by name; no process group."""
     reader = dcp.FileSystemReader(path)
     sizes = {k: md.size for k, md in reader.read_metadata().state_dict_metadata.items()
-             if k.startswith(MODEL_PREFIX)}
+             if k.startswith(MODEL_PREFIX) and isinstance(md, TensorStorageMetadata)}   # parameters: tensors
     state = {k: torch.empty(size, dtype=torch.float32) for k, size in sizes.items()}
     with warnings.catch_warnings():     # one process on purpose: DCP warns that it assumes so
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

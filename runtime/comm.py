@@ -10,6 +10,7 @@ runtime/nn/collectives.py). On CUDA, host<->device copies run on their own strea
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -20,7 +21,7 @@ from hetc.runtime.nn import collectives
 from hetc.runtime.nn.collectives import CommWork
 from hetc.program import Tensor as Kind
 
-__all__ = ["Comm", "make_groups"]
+__all__ = ["Comm", "Waitable", "make_groups"]
 
 def make_groups(groups: tuple[Group, ...], timeout=None) -> dict[str, object]:
     """Create every group of the program, in table order, on every rank (torch requires all to call).
@@ -30,6 +31,12 @@ def make_groups(groups: tuple[Group, ...], timeout=None) -> dict[str, object]:
     """
     return {g.name: dist.group.WORLD if g.name == "world" else dist.new_group(list(g.ranks), timeout=timeout)
             for g in groups}
+
+
+class Waitable(Protocol):
+    """What an asynchronous operation returns: a torch Work, or a copy's event (`_EventWork`)."""
+
+    def wait(self) -> object: ...
 
 
 class _EventWork:
@@ -81,7 +88,8 @@ class Comm:
     def all_reduce(self, t: Tensor, group) -> CommWork:
         return CommWork(collectives.all_reduce(t, group=group, async_op=True))
 
-    def copy(self, move: Callable[[], None], done: Callable[[], None] | None):
+    def copy(self, move: Callable[[], None],
+             done: Callable[[], None] | None) -> tuple[Waitable | None, Callable[[], None] | None]:
         """(work, on_done) for a host<->device copy."""
         if self.copy_stream is None:
             move()

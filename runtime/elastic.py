@@ -73,18 +73,20 @@ def present_spec(spec: Spec, procs: list[Process]) -> tuple[Spec, list[Process]]
     cut = dataclasses.replace(spec, cluster=dataclasses.replace(cluster, nodes=nodes, links=links))
     relabelled = []
     for proc in procs:
-        host = placement.nodes.get(proc.agent)
-        label = node_label(host[0], renumber[host]) if host is not None else ""
+        node = placement.nodes.get(proc.agent)
+        label = node_label(node[0], renumber[node]) if node is not None else ""
         relabelled.append(dataclasses.replace(proc, label=label))
     return cut, relabelled
 
 
 def run_elastic(spec_path: Path, opts: RunOptions) -> int:
+    checkpoint = opts.checkpoint
+    assert checkpoint is not None, "`hetc run --elastic` requires --checkpoint"
     entered = time.time()
     launch = launch_env()
     store = rendezvous_store(launch, opts.timeout_s)
     procs = discover(store, launch.process(discovery_device()), launch.world)
-    plan_dir, timings = _plan(spec_path, opts, launch, store, procs)
+    plan_dir, timings = _plan(spec_path, checkpoint, launch, store, procs)
     _, checked = read_plan(plan_dir)
     program = read_program(plan_dir)
     verify_start = time.perf_counter()
@@ -100,7 +102,7 @@ def run_elastic(spec_path: Path, opts: RunOptions) -> int:
               file=sys.stderr, flush=True)
         store.wait([FINISHED_KEY], _forever())
         return 0
-    report = _Report(opts.checkpoint, plan_dir, checked, timings, entered) if rank == 0 else None
+    report = _Report(checkpoint, plan_dir, checked, timings, entered) if rank == 0 else None
     status = run_placed(plan_dir, checked, program, rank, launch, store, opts,
                         on_resumed=report.resumed if report else None,
                         on_first_step=report.first_step if report else None)
@@ -115,11 +117,11 @@ def _load(spec_path: Path) -> Spec:
     return load_spec(spec_path).spec
 
 
-def _plan(spec_path: Path, opts: RunOptions, launch: Launch, store, procs: list[Process]) -> tuple[Path, dict]:
+def _plan(spec_path: Path, checkpoint: Path, launch: Launch, store, procs: list[Process]) -> tuple[Path, dict]:
     """Launch rank 0 plans and compiles; everyone gets (plan directory, its timings) from the store."""
     if launch.rank == 0:
         try:
-            message = json.dumps(_plan_here(spec_path, opts.checkpoint, procs))
+            message = json.dumps(_plan_here(spec_path, checkpoint, procs))
         except (SpecError, ReconfigError) as err:
             message = json.dumps({"error": _describe(err)})
         store.set(PLAN_KEY, message)

@@ -14,7 +14,7 @@ Padding is zero in parameters and gradients; AdamW and SGD keep it zero.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -89,7 +89,7 @@ class FlatLayout:
                 out.append((e.name, start - e.offset, stop - e.offset, start - rng.start))
         return out
 
-    def flatten(self, tensors: dict[str, Tensor], dtype: torch.dtype = torch.float32,
+    def flatten(self, tensors: Mapping[str, Tensor], dtype: torch.dtype = torch.float32,
                 device: torch.device | str | None = None) -> Tensor:
         """A new padded flat buffer holding `tensors` (by name), zero padding."""
         first = next(iter(tensors.values()))

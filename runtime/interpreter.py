@@ -30,11 +30,11 @@ from hetc.program import (AllGather, AllReduce, AllToAll, Backward, BackwardInpu
                           Step, Unit, Wait)
 from hetc.program import Tensor as Kind
 from hetc.runtime.buffers import MinistageBuffers
-from hetc.runtime.comm import Comm
+from hetc.runtime.comm import Comm, Waitable
 from hetc.runtime.data import DataSource
 from hetc.runtime.lane import Arrivals, LanePlace, take_tokens
 from hetc.runtime.optim import clip_coefficient, grad_sq_sum, lr_at, optimizer_step
-from hetc.runtime.nn.split_backward import backward_input, backward_weight
+from hetc.runtime.nn.split_backward import DeferredWeightGrad, backward_input, backward_weight
 from hetc.runtime.unit_buffers import Buffers, UnitBuffers
 from hetc.spec import Spec
 from hetc.timeline import class_times
@@ -59,7 +59,7 @@ class StepResult:
 @dataclass
 class _Pending:
     instr: Instr
-    work: object | None                      # a torch Work, or None when already complete
+    work: Waitable | None                    # a torch Work, or None when already complete
     on_done: Callable[[], None] | None
     posted: float
 
@@ -70,12 +70,15 @@ class Interpreter:
                  first_layer: dict[int, int], stop_layer: dict[int, int], place: LanePlace):
         self.spec, self.program, self.buffers, self.comm = spec, program, buffers, comm
         self.data, self.m, self.device, self.place = data, num_microbatches, device, place
+        assert spec.model is not None and spec.train is not None   # a checked spec
+        self.model, self.train = spec.model, spec.train
         self.starts = {ms: first_layer[ms] == 0 for ms in buffers}
         self.first_layer, self.stop_layer = first_layer, stop_layer
         self.ends = {ms: stop_layer[ms] == spec.model.num_model_layers for ms in buffers}
         self.counts_loss = place.counts_loss
         self.training = True
-        self._handlers = {
+        # one handler per instruction class, each taking its own class (so the table's value type is loose)
+        self._handlers: dict[type[Instr], Callable[..., None]] = {
             Load: self._load, Forward: self._forward, Backward: self._backward,
             BackwardInput: self._backward_input, BackwardWeight: self._backward_weight, Send: self._send,
             Recv: self._recv, AllGather: self._all_gather, ReduceScatter: self._reduce_scatter,
@@ -133,7 +136,7 @@ class Interpreter:
         self.outputs: dict[tuple[int, int], Tensor] = {}     # (ms, mb) -> forward output / loss
         self.in_grads: dict[tuple[int, int], Tensor] = {}    # (ms, mb) -> gradient of the forward input
         self.arrived = Arrivals(self.place.ranges)
-        self.param_groups: dict[tuple[int, int], list] = {}  # zero-bubble: saved for bwd_w
+        self.param_groups: dict[tuple[int, int], DeferredWeightGrad] = {}  # zero-bubble: saved for bwd_w
         self.on_host: dict[tuple[int, int], Tensor] = {}     # offloaded stashes
         # ZeRO-3 units (Note [units]): (ms, mb, unit) -> (input, output with graph); (ms, mb, layer) -> the
         # output of the unit ending there (forward) / the gradient of the input of the unit starting there
@@ -159,7 +162,7 @@ class Interpreter:
 
     # ------------------------------------------------------------ async plumbing
 
-    def _post(self, instr: Instr, work, on_done: Callable[[], None] | None = None) -> None:
+    def _post(self, instr: Instr, work: Waitable | None, on_done: Callable[[], None] | None = None) -> None:
         handle = getattr(instr, "handle", None)
         if handle is None:
             if work is not None:
@@ -275,7 +278,7 @@ class Interpreter:
             raise ProtocolError(f"the output gradient grad ms={ms + 1} mb={mb} has not arrived")
         return got
 
-    def _seed(self, ms: int, mb: int):
+    def _seed(self, ms: int, mb: int) -> tuple[Tensor, Tensor, Tensor | None]:
         x, out = self._graph_of(ms, mb)
         grad = self._output_grad(ms, mb)
         if grad is None:
@@ -383,14 +386,14 @@ class Interpreter:
         buf = self._buffer(instr.ms, instr.unit).part(instr.group)
         group = self.comm.group(instr.group)
         if instr.group == buf.shard.outer:
-            target = buf.param_shard if buf.level == 3 else buf.compute[buf.inner_range]
+            target = buf.own_params if buf.level == 3 else buf.compute[buf.inner_range]
             mine = target[buf.opt_range_in_inner()].clone()
             self._post(instr, self.comm.all_gather(target, mine, group))
             return
         if buf.level == 3:
             buf.holders += 1
             buf.materialize()
-            self._post(instr, self.comm.all_gather(buf.compute, buf.param_shard, group))
+            self._post(instr, self.comm.all_gather(buf.compute, buf.own_params, group))
             return
         mine = buf.compute[buf.inner_range].clone()
         self._post(instr, self.comm.all_gather(buf.compute, mine, group))
@@ -407,12 +410,12 @@ class Interpreter:
         buf = self._buffer(instr.ms, instr.unit).part(instr.group)
         group = self.comm.group(instr.group)
         if instr.group == buf.shard.outer:
-            self._post(instr, self.comm.reduce_scatter(buf.opt_grad, buf.acc, group))
+            self._post(instr, self.comm.reduce_scatter(buf.across_grad, buf.inner_grad, group))
             return
         out = torch.empty(buf.inner_numel, dtype=buf.grad.dtype, device=self.device)
 
         def done() -> None:
-            buf.acc.add_(out.float())
+            buf.inner_grad.add_(out.float())
             buf.reduced()   # the next microbatch accumulates afresh
         self._post(instr, self.comm.reduce_scatter(out, buf.grad, group), done)
 
@@ -422,9 +425,11 @@ class Interpreter:
             self._reduce_loss(instr, group)
         elif instr.what is Kind.NORM:
             self._reduce_norm(instr, group)
+        elif instr.ms is None:
+            raise ProtocolError(f"`{instr}` reduces gradients but names no ministage")
         else:
             buf = self._buffer(instr.ms, instr.unit).part(instr.group)
-            target = buf.acc if instr.group == buf.shard.outer else buf.grad
+            target = buf.inner_grad if instr.group == buf.shard.outer else buf.grad
             self._post(instr, self.comm.all_reduce(target, group))
 
     def _reduce_loss(self, instr: AllReduce, group) -> None:
@@ -438,7 +443,7 @@ class Interpreter:
         total = torch.tensor([local], dtype=torch.float64, device=self.device)
 
         def done() -> None:
-            self.clip = clip_coefficient(float(total.item()), self.spec.train.grad_clip)
+            self.clip = clip_coefficient(float(total.item()), self.train.grad_clip)
         self._post(instr, self.comm.all_reduce(total, group), done)
 
     def _all_to_all(self, instr: AllToAll) -> None:
@@ -453,8 +458,8 @@ class Interpreter:
             grad = buf.step_grad()
             if self.clip != 1.0:
                 grad = grad * self.clip
-            optimizer_step(self.spec.model.optimizer, buf.master, grad, buf.opt_state,
-                           lr=lr_at(self.spec.train, self.step_idx), step=self.step_idx)
+            optimizer_step(self.model.optimizer, buf.master, grad, buf.opt_state,
+                           lr=lr_at(self.train, self.step_idx), step=self.step_idx)
             buf.publish()
 
     # ------------------------------------------------------------ host offload
@@ -462,10 +467,17 @@ class Interpreter:
     def _offload(self, instr: Offload) -> None:
         if instr.what is Kind.PARAMS:
             parts = self._buffers(instr.ms).parts()
-            self._post(instr, *self.comm.copy(lambda: [p.to_host() for p in parts],
-                                              lambda: [p.drop_device_copy() for p in parts]))
+
+            def to_host() -> None:
+                for p in parts:
+                    p.to_host()
+
+            def drop() -> None:
+                for p in parts:
+                    p.drop_device_copy()
+            self._post(instr, *self.comm.copy(to_host, drop))
             return
-        key = (instr.ms, instr.mb)
+        key = _stash_key(instr)
         x = self.inputs[key]
         host = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=x.device.type == "cuda")
 
@@ -480,9 +492,13 @@ class Interpreter:
     def _prefetch(self, instr: Prefetch) -> None:
         if instr.what is Kind.PARAMS:
             parts = self._buffers(instr.ms).parts()
-            self._post(instr, *self.comm.copy(lambda: [p.to_device() for p in parts], None))
+
+            def to_device() -> None:
+                for p in parts:
+                    p.to_device()
+            self._post(instr, *self.comm.copy(to_device, None))
             return
-        key = (instr.ms, instr.mb)
+        key = _stash_key(instr)
         host = self.on_host.pop(key, None)
         if host is None:
             raise ProtocolError(f"the stash of ms={instr.ms} mb={instr.mb} is not on the host")
@@ -494,3 +510,10 @@ class Interpreter:
         def done() -> None:
             self.inputs[key] = back.requires_grad_(not self.starts[instr.ms])
         self._post(instr, *self.comm.copy(move, done))
+
+
+def _stash_key(instr: Offload | Prefetch) -> tuple[int, int]:
+    """(ms, mb) of an activation offload or prefetch: those name their microbatch."""
+    if instr.mb is None:
+        raise ProtocolError(f"`{instr}` moves an activation but names no microbatch")
+    return instr.ms, instr.mb

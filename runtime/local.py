@@ -72,7 +72,7 @@ def spawn_local(world: int, argv: list[str], places: list[tuple[str, int]] | Non
         del store
 
 
-def _supervise(procs: list[subprocess.Popen]) -> int:
+def _supervise(procs: list[subprocess.Popen[bytes]]) -> int:
     """Wait for all ranks; report each failed one; stop the rest GRACE_S after the first failure."""
     failed_at, status, reported = None, 0, set()
     while True:
@@ -91,9 +91,9 @@ def _supervise(procs: list[subprocess.Popen]) -> int:
             _stop(procs)
             break
         time.sleep(0.2)
-    codes = [p.wait() for p in procs]
+    exit_codes = [p.wait() for p in procs]
     if status == 0:
-        status = next((c if c > 0 else 128 - c for c in codes if c != 0), 0)
+        status = next((c if c > 0 else 128 - c for c in exit_codes if c != 0), 0)
     return status
 
 
@@ -106,7 +106,7 @@ def _describe(code: int) -> str:
     return str(code)
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
     for p in procs:
         if p.poll() is None:
             p.terminate()

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hetc.program import Collective
 from hetc.runtime.nn.model import build_ministage, compute_dtype
 from hetc.spec import ModelSpec
 
@@ -38,7 +39,7 @@ __all__ = [
     "time_layers_at_once",
 ]
 
-COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+COLLECTIVE_KINDS = (Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.REDUCE_SCATTER)   # what `_collectives` times
 # torch renamed the flat-tensor collectives; use whichever this torch has
 _GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -61,7 +62,7 @@ def local_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _clock(device: torch.device, fn: Callable[[], None], repeats: int,
+def _clock(device: torch.device, fn: Callable[[], object], repeats: int,
            setup: Callable[[], None] | None = None, pick: Callable[[list[float]], float] = min) -> float:
     """Fastest of `repeats` timed runs of `fn` after one warm-up (`setup` runs untimed before each).
 
@@ -189,6 +190,7 @@ def copy_rates(sizes: list[int], repeats: int) -> list[dict]:
     rows = []
     for n in sizes:
         host = torch.empty(n, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        pairs: tuple[tuple[str, torch.Tensor, torch.Tensor], ...]
         if device.type == "cuda":
             dev = torch.empty(n, dtype=torch.uint8, device=device)
             pairs = (("h2d", dev, host), ("d2h", host, dev))
@@ -249,9 +251,9 @@ def _collectives(device, n: int, count: int, group, repeats: int, pick) -> list[
     elems = max(n // 4 // count * count, count)
     full = torch.ones(elems, device=device)
     part = torch.ones(elems // count, device=device)
-    ops = {"all_reduce": partial(dist.all_reduce, full, group=group),
-           "all_gather": partial(_GATHER, full, part, group=group),
-           "reduce_scatter": partial(_SCATTER, part, full, group=group)}
+    ops = {Collective.ALL_REDUCE: partial(dist.all_reduce, full, group=group),
+           Collective.ALL_GATHER: partial(_GATHER, full, part, group=group),
+           Collective.REDUCE_SCATTER: partial(_SCATTER, part, full, group=group)}
     rows = []
     for kind, op in ops.items():
         try:

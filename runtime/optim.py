@@ -84,12 +84,14 @@ def _adam(opt: OptimizerSpec, param: Tensor, grad: Tensor, state: OptimizerState
             param.mul_(1 - lr * opt.weight_decay)
         else:
             grad = grad.add(param, alpha=opt.weight_decay)
-    state.exp_avg.lerp_(grad, 1 - opt.beta1)
-    state.exp_avg_sq.mul_(opt.beta2).addcmul_(grad, grad, value=1 - opt.beta2)
+    exp_avg, exp_avg_sq = state.exp_avg, state.exp_avg_sq
+    assert exp_avg is not None and exp_avg_sq is not None   # an Adam shard's state holds both
+    exp_avg.lerp_(grad, 1 - opt.beta1)
+    exp_avg_sq.mul_(opt.beta2).addcmul_(grad, grad, value=1 - opt.beta2)
     step_size = lr / (1 - opt.beta1 ** t)
     bias_correction2_sqrt = (1 - opt.beta2 ** t) ** 0.5
-    denom = (state.exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(opt.eps)
-    param.addcdiv_(state.exp_avg, denom, value=-step_size)
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(opt.eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)
 
 
 def _sgd(opt: OptimizerSpec, param: Tensor, grad: Tensor, state: OptimizerState, lr: float, step: int) -> None:
@@ -97,6 +99,7 @@ def _sgd(opt: OptimizerSpec, param: Tensor, grad: Tensor, state: OptimizerState,
         grad = grad.add(param, alpha=opt.weight_decay)
     if opt.momentum:
         buf = state.momentum_buffer
+        assert buf is not None   # an SGD shard with momentum holds its buffer
         if step == 0:
             buf.copy_(grad)
         else:

@@ -63,13 +63,21 @@ class FlatPieces:
         return [_chunk(offset, view) for offset, view in self.chunks]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> Tensor:
+        wanted = _offset(index)
         if index.index is not None and index.index < len(self.chunks) \
-                and (self.chunks[index.index][0],) == tuple(index.offset):
+                and (self.chunks[index.index][0],) == wanted:
             return self.chunks[index.index][1]
         for offset, view in self.chunks:
-            if (offset,) == tuple(index.offset):
+            if (offset,) == wanted:
                 return view
-        raise ValueError(f"{index.fqn}: no piece at offset {tuple(index.offset)}")
+        raise ValueError(f"{index.fqn}: no piece at offset {wanted}")
+
+
+def _offset(index: MetadataIndex) -> tuple[int, ...]:
+    """The offset a shard's index names (DCP gives one for every SHARD item)."""
+    if index.offset is None:
+        raise ValueError(f"{index.fqn}: a piece's index names no offset")
+    return tuple(index.offset)
 
 
 def _chunk(offset: int, view: Tensor) -> ChunkStorageMetadata:
@@ -132,7 +140,7 @@ class PieceSavePlanner(DefaultSavePlanner):
             for item in plan.items:
                 if item.type is WriteItemType.SHARD and owners.setdefault(item.index, rank) != rank:
                     raise ValueError(f"ranks {owners[item.index]} and {rank} both write {item.index.fqn} at "
-                                     f"offset {tuple(item.index.offset)}: replicas must split their shard")
+                                     f"offset {_offset(item.index)}: replicas must split their shard")
         return super()._dedup_save_plans(all_plans)
 
     def lookup_object(self, index: MetadataIndex) -> object:

@@ -57,7 +57,9 @@ def train_reference(model: ModelSpec, train: TrainSpec, *, base_dir: Path | str 
     module = build_ministage(model, range(model.num_model_layers), seed=train.seed, device=device)
     flat = FlatParams(module, dtype=compute_dtype(model.dtype))
     if wants_pretrained(model):       # the same initial weights as every plan's ranks (runtime/hf_load.py)
-        flat.load(load_whole(flat.layout, shard_infos(module), model.hf_dir()))
+        hf_dir = model.hf_dir()
+        assert hf_dir is not None     # pretrained weights come from an hf directory
+        flat.load(load_whole(flat.layout, shard_infos(module), hf_dir))
     state = init_state(model.optimizer, flat.master)
     data = data if data is not None else make_data_source(model, train, base_dir)
     held_out = make_eval_source(model, train, base_dir)

@@ -51,8 +51,9 @@ def lane_place(spec: Spec, pipeline: Pipeline, program: Program, rank: int,
     pos = lane.ranks.index(rank)
     shards = program.ranks[rank].shards      # every ministage of a rank names the same tp/cp groups
     ep = next((sh.ep_group for sh in shards if sh.ep_group), None)    # those with MoE blocks the same ep group
+    assert spec.model is not None   # a checked spec
 
-    def group(name: str | None):
+    def group(name: str | None) -> object | None:
         return None if name is None or groups is None else groups[name]
     return LanePlace(stage, pos, spec.model.seq, group(shards[0].tp_group if shards else None),
                      group(shards[0].cp_group if shards else None), lane.ranks[pos % stage.tp::stage.tp],
@@ -65,6 +66,7 @@ def build_buffers(spec: Spec, pipeline: Pipeline, program: Program, rank: int, d
     fill (Note [Ranks that load their weights] in runtime/buffers.py)."""
     rp = program.ranks[rank]
     place = place or lane_place(spec, pipeline, program, rank)
+    assert spec.model is not None   # a checked spec
     dtype = compute_dtype(spec.model.dtype)
     out = {}
     for shard in rp.shards:
@@ -84,6 +86,7 @@ def _ministage(spec: Spec, pipeline: Pipeline, program: Program, rank: int, shar
 def _buffers(spec: Spec, program: Program, rank: int, shard: Shard, place: LanePlace, layers: range,
              dtype: torch.dtype, device: torch.device, initialise: bool) -> MinistageBuffers:
     """The module of `layers` (a ministage's, or a unit's) and its flat buffers."""
+    assert spec.model is not None and spec.train is not None   # a checked spec
     module = build_ministage(spec.model, layers, seed=spec.train.seed, shard=place.shard, device=device,
                              experts=place.experts, initialise=initialise)
     place_ministage(module, place, device)
@@ -105,6 +108,7 @@ def build_rank(spec: Spec, pipeline: Pipeline, program: Program, rank: int, grou
     rank gives its parameters no values of their own; see Note [Ranks that load their weights]."""
     place = lane_place(spec, pipeline, program, rank, groups)
     buffers = build_rank_buffers(spec, pipeline, program, rank, device, place, resumes)
+    assert spec.model is not None   # a checked spec
     comm = Comm(groups, pipeline.num_microbatches, compute_dtype(spec.model.dtype), device)
     firsts = {m.index: m.first_layer for m in pipeline.ministages}
     stops = {m.index: m.stop_layer for m in pipeline.ministages}
@@ -117,9 +121,12 @@ def build_rank_buffers(spec: Spec, pipeline: Pipeline, program: Program, rank: i
                        place: LanePlace | None = None, resumes: bool = False) -> dict[int, Buffers]:
     """The buffers a rank starts from: random, or its share of the Hugging Face weights; none given values
     when a checkpoint will fill them (`resumes`)."""
+    assert spec.model is not None   # a checked spec
     pretrained = wants_pretrained(spec.model) and not resumes
     buffers = build_buffers(spec, pipeline, program, rank, device, place,
                             initialise=not (pretrained or resumes))
     if pretrained:     # the validator checked the tensors against the model
-        load_hf_weights(buffers, spec.model.hf_dir())
+        hf_dir = spec.model.hf_dir()
+        assert hf_dir is not None   # pretrained weights come from an hf directory
+        load_hf_weights(buffers, hf_dir)
     return buffers

@@ -138,7 +138,7 @@ def run_placed(plan_dir: Path, checked, program, rank: int, launch: Launch, stor
     timeout = datetime.timedelta(seconds=opts.timeout_s)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.PrefixStore("hetc/pg", store),
                             rank=rank, world_size=world, timeout=timeout,
-                            **({"device_id": device} if device.type == "cuda" else {}))
+                            device_id=device if device.type == "cuda" else None)
     watchdog = Watchdog(store_client(), rank, world,
                         timeout=opts.heartbeat_timeout_s)
     watchdog.start()

@@ -167,16 +167,16 @@ def _cells(result: PlanResult, b: Baseline, cost: bool) -> str:
     return f"{cells} {f'{ratio:.2f}×':>11s}{oom}"
 
 
-def plan_json(path: str, result: PlanResult, text: str, prov: Provenance) -> dict[str, object]:
+def plan_json(path: str, result: PlanResult, text: str, prov: Provenance) -> JsonObject:
     """`hetc plan --json`: the estimate's (or score's) figures, memory per rank, the plan, the baselines."""
     plan = _explicit(result)
     p = plan.pipeline
     head = result.estimate.to_json() if result.estimate is not None else _score_json(_score(result), result)
-    memory = [{"rank": m.rank, "gpu": m.gpu, "device": m.device, "stage": m.stage, "params": m.params,
+    memory: list[JsonObject] = [{"rank": m.rank, "gpu": m.gpu, "device": m.device, "stage": m.stage, "params": m.params,
                "grads": m.grads, "optimizer": m.optimizer, "activations": m.activations, "buffers": m.buffers,
                "reserve": m.reserve, "host": m.host, "total": m.total, "capacity": m.capacity, "fits": m.fits}
               for m in _memory(result)]
-    out = {"spec": path, **head, "memory": memory, "planned": result.planned, "chosen": result.chosen,
+    out: JsonObject = {"spec": path, **head, "memory": memory, "planned": result.planned, "chosen": result.chosen,
            "estimated_by": "cost model" if result.estimate is not None else "planner (class by class)",
            "objective": {"goal": result.goal.kind.value, "budget_per_hour": result.goal.budget,
                          "min_throughput": result.goal.min_throughput},
@@ -193,7 +193,7 @@ def plan_json(path: str, result: PlanResult, text: str, prov: Provenance) -> dic
     return out
 
 
-def _score_json(score: Score, result: PlanResult) -> dict[str, object]:
+def _score_json(score: Score, result: PlanResult) -> JsonObject:
     """The headline numbers from the planner's score, where no full estimate was made."""
     return {"step_time_s": score.step_time_s, "tokens_per_step": score.tokens_per_step,
             "tokens_per_s": score.tokens_per_s, "fits": score.fits, **_utilization(result).to_json()}

@@ -2,7 +2,7 @@
 
     from hetc.passes.cost import CostModel, load_profiles
     cm = CostModel(spec, pipeline, topology, load_profiles(["../shared/data/sailor"]))
-    cm.compute_time(rank, ms, "F"); cm.param_bytes(ms, rank); cm.estimate().step_time_s
+    cm.compute_time(rank, ms, Phase.FORWARD); cm.param_bytes(ms, rank); cm.estimate().step_time_s
 """
 
 from hetc.passes.cost.compute import CostError

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from hetc.passes.cost.model import CostModel
 from hetc.passes.cost.zero_time import across_nodes
 from hetc.pipeline import Lane, Stage
-from hetc.program import COMPUTE_TYPES, Backward, BackwardWeight, Forward, Program
+from hetc.program import COMPUTE_TYPES, Backward, BackwardWeight, Collective, Forward, Phase, Program
 from hetc.spec import ScheduleKind, ZeroShard
 
 __all__ = ["StepBound", "programs_in_flight", "step_bound"]
@@ -123,7 +123,7 @@ class _Chains:
         self.p, self.kind = p, p.schedule
         self.lane_of = {(s.index, mb): lane for s in p.stages for lane in s.lanes for mb in lane.microbatches}
         self.world = tuple(range(p.world_size))
-        self.end = cm.collective_time("all_reduce", self.world, SCALAR_BYTES)
+        self.end = cm.collective_time(Collective.ALL_REDUCE, self.world, SCALAR_BYTES)
         assert cm.spec.train is not None   # a checked spec
         self.clips = cm.spec.train.grad_clip > 0
         self.tails = {r: self._tail(r) for s in p.stages for r in s.ranks}
@@ -133,7 +133,7 @@ class _Chains:
 
     def of_rank(self, stage: Stage, lane: Lane, rank: int) -> StepBound:
         cm, n = self.cm, len(lane.microbatches)
-        f, i, w = (sum(cm.compute_time(rank, ms, ph) for ms in stage.ministages) for ph in ("F", "I", "W"))
+        f, i, w = (sum(cm.compute_time(rank, ms, ph) for ms in stage.ministages) for ph in (Phase.FORWARD, Phase.INPUT_GRAD, Phase.WEIGHT_GRAD))
         first = stage.ministages[0]
         fill = max(min(self._arrival(mb, first) for mb in lane.microbatches), self._first_gather(rank))
         busy = max(n * (f + i + w) + self._other_steps(rank), self._zero_span(stage, rank, n, (f, i, w)))
@@ -162,9 +162,9 @@ class _Chains:
         """Every microbatch goes down through every ministage and back, then the first stage's tail."""
         best: StepBound | None = None
         last = len(self.p.ministages) - 1
-        back = "I" if self.kind is ScheduleKind.ZB else "B"
+        back = Phase.INPUT_GRAD if self.kind is ScheduleKind.ZB else Phase.BACKWARD
         for mb in range(self.p.num_microbatches):
-            path = self._arrival(mb, last) + self._fastest(mb, last, "F") + self._fastest(mb, last, back) + \
+            path = self._arrival(mb, last) + self._fastest(mb, last, Phase.FORWARD) + self._fastest(mb, last, back) + \
                 self._drain(mb, last, 0)
             lane = self.lane_of[(self.p.ministages[0].stage, mb)]
             rank = min(lane.ranks, key=lambda r: self.tails[r])
@@ -183,10 +183,10 @@ class _Chains:
         ops = [f, i, w] if self.kind is ScheduleKind.ZB else [f, i + w]
         span = 0.0
         if level >= 3:
-            gather = min(self._collective("all_gather", group, rank, ms) for ms in stage.ministages)
+            gather = min(self._collective(Collective.ALL_GATHER, group, rank, ms) for ms in stage.ministages)
             span = n * sum(max(d, gather) for d in ops) - max(ops[-1], gather) + ops[-1]
         grad = ops[-1]
-        reduce = min(self._collective("reduce_scatter", group, rank, ms) for ms in stage.ministages)
+        reduce = min(self._collective(Collective.REDUCE_SCATTER, group, rank, ms) for ms in stage.ministages)
         return max(span, f + n * grad + (n - 1) * reduce)
 
     def _other_steps(self, rank: int) -> float:
@@ -199,26 +199,26 @@ class _Chains:
 
     def _arrival(self, mb: int, ms: int) -> float:
         """The earliest start of microbatch `mb`'s forward on ministage `ms`."""
-        return sum(self._fastest(mb, m, "F") + self._transfer(mb, m) for m in range(ms))
+        return sum(self._fastest(mb, m, Phase.FORWARD) + self._transfer(mb, m) for m in range(ms))
 
     def _drain(self, mb: int, start: int, stop: int) -> float:
         """After `mb`'s gradient op on ministage `start`: its gradient back to ministage `stop`, done there
         (under ZB with the weight gradients of the ministages of `stop`'s stage it passed)."""
-        back = "I" if self.kind is ScheduleKind.ZB else "B"
+        back = Phase.INPUT_GRAD if self.kind is ScheduleKind.ZB else Phase.BACKWARD
         out = sum(self._transfer(mb, m) + self._fastest(mb, m, back) for m in range(stop, start))
         if self.kind is not ScheduleKind.ZB:
             return out
         owner = self.p.ministages[stop].stage
-        return out + sum(self._fastest(mb, m, "W") for m in range(stop, start) if self.p.ministages[m].stage == owner)
+        return out + sum(self._fastest(mb, m, Phase.WEIGHT_GRAD) for m in range(stop, start) if self.p.ministages[m].stage == owner)
 
     def _round_trip(self, mb: int, last: int) -> float:
         """From `mb`'s forward leaving ministage `last` until its gradient comes back to it."""
-        back = "I" if self.kind is ScheduleKind.ZB else "B"
+        back = Phase.INPUT_GRAD if self.kind is ScheduleKind.ZB else Phase.BACKWARD
         later = range(last + 1, len(self.p.ministages))
-        return sum(self._fastest(mb, m, "F") + self._fastest(mb, m, back) for m in later) + \
+        return sum(self._fastest(mb, m, Phase.FORWARD) + self._fastest(mb, m, back) for m in later) + \
             sum(2 * self._transfer(mb, m) for m in range(last, len(self.p.ministages) - 1))
 
-    def _fastest(self, mb: int, ms: int, phase: str) -> float:
+    def _fastest(self, mb: int, ms: int, phase: Phase) -> float:
         lane = self.lane_of[(self.p.ministages[ms].stage, mb)]
         return min(self.cm.compute_time(r, ms, phase) for r in lane.ranks)
 
@@ -242,14 +242,14 @@ class _Chains:
         level = stage.zero.resolved_level
         tail = self.end
         if len(group) > 1:
-            kind = "all_reduce" if level == 0 else "reduce_scatter"
+            kind = Collective.ALL_REDUCE if level == 0 else Collective.REDUCE_SCATTER
             tail += self._collective(kind, group, rank, first)
             tail += self._outer(stage, rank, first)
             stepped = first if self._interleaved_update() else last
             if level in (1, 2):
-                tail += self._collective("all_gather", group, rank, stepped)
+                tail += self._collective(Collective.ALL_GATHER, group, rank, stepped)
         if self.clips and not self._interleaved_update():
-            tail += self.cm.collective_time("all_reduce", self.world, SCALAR_BYTES)
+            tail += self.cm.collective_time(Collective.ALL_REDUCE, self.world, SCALAR_BYTES)
         steps = [first] if self._interleaved_update() else stage.ministages
         return tail + sum(self._step(rank, ms) for ms in steps)
 
@@ -262,9 +262,9 @@ class _Chains:
             return 0.0
         nbytes = self._dense_bytes(rank, ms) / len(self._group(rank))
         if stage.zero.across == 0:
-            return self.cm.collective_time("all_reduce", outer, nbytes)
-        return self.cm.collective_time("reduce_scatter", outer, nbytes) + \
-            self.cm.collective_time("all_gather", outer, nbytes)
+            return self.cm.collective_time(Collective.ALL_REDUCE, outer, nbytes)
+        return self.cm.collective_time(Collective.REDUCE_SCATTER, outer, nbytes) + \
+            self.cm.collective_time(Collective.ALL_GATHER, outer, nbytes)
 
     def _group(self, rank: int) -> tuple[int, ...]:
         """The group sharding the rank's ministages: its node's share of the ZeRO group when hierarchical."""
@@ -275,7 +275,7 @@ class _Chains:
     def _across(self, rank: int) -> tuple[int, ...]:
         return across_nodes(self.cm.zero_group(rank), lambda r: self.cm.gpu(r).host, rank)
 
-    def _collective(self, kind: str, group: Sequence[int], rank: int, ms: int) -> float:
+    def _collective(self, kind: Collective, group: Sequence[int], rank: int, ms: int) -> float:
         return self.cm.collective_time(kind, tuple(group), self._dense_bytes(rank, ms))
 
     def _dense_bytes(self, rank: int, ms: int) -> float:
@@ -286,7 +286,7 @@ class _Chains:
         group = self._group(rank)
         if stage.zero.resolved_level < 3 or len(group) < 2 or stage.ep > 1:
             return 0.0
-        return self._collective("all_gather", group, rank, stage.ministages[0])
+        return self._collective(Collective.ALL_GATHER, group, rank, stage.ministages[0])
 
     def _step(self, rank: int, ms: int) -> float:
         """The optimizer step of the rank's shard of ministage `ms` (dense parameters)."""

@@ -20,6 +20,7 @@ from hetc.passes.cost.probe import Primitives
 from hetc.passes.cost.egress import egress_per_step
 from hetc.passes.cost.candidate_stage import StageCosts
 from hetc.passes.cost.candidate_view import PlanView
+from hetc.program import Collective
 
 __all__ = ["Score", "evaluate"]
 
@@ -60,7 +61,7 @@ def evaluate(prims: Primitives, plan: PlanView) -> Score:
     """The cost model's composition (passes/cost/classes.py) over the candidate's stages, class by class."""
     costs = [StageCosts(prims, plan, s) for s in plan.stages]
     world = tuple(sorted(g.id for g in plan.gpus))   # the "world" group: ranks in GPU order
-    end = step_end_time(prims.train.grad_clip > 0, lambda nbytes: prims.ring("all_reduce", world, nbytes))
+    end = step_end_time(prims.train.grad_clip > 0, lambda nbytes: prims.ring(Collective.ALL_REDUCE, world, nbytes))
     shape = PlanShape(plan.schedule, plan.num_microbatches, prims.train.grad_clip,
                       tuple(s for _, _, s in plan.ministages), max(len(s.ministages) for s in plan.stages))
     got = evaluate_classes(shape, costs, end)

@@ -31,6 +31,8 @@ from hetc.topology import Gpu
 __all__ = ["StageCosts", "unit_lane_times"]
 
 _KINDS = (LayerKind.EMBED, LayerKind.BLOCK, LayerKind.HEAD)
+# lanes timed alike: (lane class, microbatch count, then per neighbouring stage (peer's node group, same host))
+_LaneClassKey = tuple[int | tuple[str, bool], ...]
 
 
 class StageCosts:
@@ -316,10 +318,13 @@ def _lane_classes(sc: StageCosts) -> dict[tuple[object, ...], list[int]]:
     neighbours = sorted({o for o, _ in stage_borders(st.ministages, st.index, plan.stage_of_ministage,
                                                      sc.last_ms + 1)})
     hosts = st.res.lane_hosts
-    peer_keys = [_peer_keys(plan, st.index, o, hosts) for o in neighbours]
+    peer_keys: list[list[tuple[str, bool]]] = []
+    if neighbours:
+        assert isinstance(plan, PlanView)   # a stage with borders is timed inside its plan
+        peer_keys = [_peer_keys(plan, st.index, o, hosts) for o in neighbours]
     for c, lanes in enumerate(st.res.classes):
         for lane in lanes:
-            key = (c, st.counts[lane], *(keys[lane] for keys in peer_keys))
+            key: _LaneClassKey = (c, st.counts[lane], *(keys[lane] for keys in peer_keys))
             out.setdefault(key, []).append(lane)
     return out
 

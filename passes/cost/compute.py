@@ -25,6 +25,7 @@ from functools import lru_cache
 from hetc.passes.cost.profiles import ComputeTable, Profiles, dtype_class
 from hetc.passes.cost.shapes import LayerKind, layer_flops
 from hetc.passes.cost.params import block_params
+from hetc.program import Phase
 from hetc.spec import DTYPE_BYTES, DeviceSpec, ModelSpec
 
 __all__ = ["ComputeModel", "CostError", "LayerCost", "LayerTime", "dtype_class"]
@@ -58,11 +59,11 @@ class LayerCost:
     input_grad: float
     weight_grad: float
 
-    def phase(self, phase: str) -> float:
+    def phase(self, phase: Phase) -> float:
         """F, I, W, or B = I + W."""
-        if phase == "B":
+        if phase == Phase.BACKWARD:
             return self.input_grad + self.weight_grad
-        return {"F": self.forward, "I": self.input_grad, "W": self.weight_grad}[phase]
+        return {Phase.FORWARD: self.forward, Phase.INPUT_GRAD: self.input_grad, Phase.WEIGHT_GRAD: self.weight_grad}[phase]
 
 
 class ComputeModel:
@@ -78,7 +79,7 @@ class ComputeModel:
 
     # ------------------------------------------------------------ lookup
 
-    def _layer(self, device: str, kind: str, micro_batch: int, tp: int) -> LayerTime:
+    def _layer(self, device: str, kind: LayerKind, micro_batch: int, tp: int) -> LayerTime:
         for table in self._tables_of(device):
             got = self._from_table(table, kind, micro_batch, tp)
             if got is not None:
@@ -94,14 +95,14 @@ class ComputeModel:
                   if t.matches(self.model.hidden, self._block_params, self._dtype)]
         return sorted(tables, key=lambda t: (abs(math.log(t.seq / self.model.seq)), t.source))
 
-    def _seq_scale(self, table: ComputeTable, kind: str) -> float:
+    def _seq_scale(self, table: ComputeTable, kind: LayerKind) -> float:
         if table.seq == self.model.seq:
             return 1.0
         idx = _index_of(self.model, kind)
         there = layer_flops(self.model, idx, 1, table.seq).forward
         return layer_flops(self.model, idx, 1).forward / there if there else 1.0
 
-    def _from_table(self, table: ComputeTable, kind: str, micro_batch: int, tp: int) -> LayerTime | None:
+    def _from_table(self, table: ComputeTable, kind: LayerKind, micro_batch: int, tp: int) -> LayerTime | None:
         has_kind = any(k[0] == kind for k in table.fits)
         if kind != LayerKind.BLOCK and (not has_kind or table.vocab not in (None, self.model.vocab)):
             return self._at_block_rate(table, kind, micro_batch, tp)
@@ -109,20 +110,20 @@ class ComputeModel:
             return None
         scale = self._seq_scale(table, kind)
         if tp in table.tps:
-            f, b = table.time(kind, tp, "F", micro_batch), table.time(kind, tp, "B", micro_batch)
+            f, b = table.time(kind, tp, Phase.FORWARD, micro_batch), table.time(kind, tp, Phase.BACKWARD, micro_batch)
             if f is not None and b is not None:
                 return LayerTime(f * scale, b * scale, False, table.source)
         # tp = 1 divided by tp, the caller adding the all-reduces; else the nearest measured degree,
         # whose time already holds all-reduces of about the same size
         base = 1 if 1 in table.tps else min(table.tps, key=lambda t: (abs(math.log(t / tp)), t))
-        f, b = table.time(kind, base, "F", micro_batch), table.time(kind, base, "B", micro_batch)
+        f, b = table.time(kind, base, Phase.FORWARD, micro_batch), table.time(kind, base, Phase.BACKWARD, micro_batch)
         if f is None or b is None:
             return None
         ratio = scale * base / tp
         return LayerTime(f * ratio, b * ratio, kind == LayerKind.BLOCK and base == 1 and tp > 1,
                          f"{table.source} (tp {base} scaled to {tp})")
 
-    def _at_block_rate(self, table: ComputeTable, kind: str, micro_batch: int, tp: int) -> LayerTime | None:
+    def _at_block_rate(self, table: ComputeTable, kind: LayerKind, micro_batch: int, tp: int) -> LayerTime | None:
         """Time a layer the table lacks at the FLOP rate its block reached."""
         block = self._from_table(table, LayerKind.BLOCK, micro_batch, 1)
         if block is None:
@@ -137,7 +138,7 @@ class ComputeModel:
         return LayerTime(own.forward / rate_f / tp, own.backward / rate_b / tp, False,
                          f"{table.source} (block FLOP rate)")
 
-    def _transferred(self, device: str, kind: str, micro_batch: int, tp: int) -> LayerTime | None:
+    def _transferred(self, device: str, kind: LayerKind, micro_batch: int, tp: int) -> LayerTime | None:
         target = self.devices.get(device)
         if target is None:
             return None
@@ -169,13 +170,13 @@ class ComputeModel:
                 if (theirs.hidden, theirs.block_params, theirs.seq, dtype_class(theirs.dtype)) != \
                         (mine.hidden, mine.block_params, mine.seq, dtype_class(mine.dtype)) or tp not in theirs.tps:
                     continue
-                fa, ba = (mine.time("block", tp, p, micro_batch) for p in ("F", "B"))
-                fb, bb = (theirs.time("block", tp, p, micro_batch) for p in ("F", "B"))
+                fa, ba = (mine.time(LayerKind.BLOCK, tp, p, micro_batch) for p in (Phase.FORWARD, Phase.BACKWARD))
+                fb, bb = (theirs.time(LayerKind.BLOCK, tp, p, micro_batch) for p in (Phase.FORWARD, Phase.BACKWARD))
                 if fa and ba and fb and bb:
                     return fa / fb, ba / bb
         return None
 
-    def _analytic(self, device: str, kind: str, micro_batch: int, tp: int) -> LayerTime:
+    def _analytic(self, device: str, kind: LayerKind, micro_batch: int, tp: int) -> LayerTime:
         spec = self.devices[device]
         flops = layer_flops(self.model, _index_of(self.model, kind), micro_batch)
         share = tp  # blocks are sharded, the head vocabulary-parallel
@@ -200,6 +201,6 @@ def _catalog() -> dict[str, DeviceSpec]:
     return {d.name: d for d in load_spec(BUNDLED_SPECS / "catalog.het").spec.devices}
 
 
-def _index_of(model: ModelSpec, kind: str) -> int:
+def _index_of(model: ModelSpec, kind: LayerKind) -> int:
     return {LayerKind.EMBED: 0, LayerKind.BLOCK: 1, LayerKind.HEAD: model.layers + 1}[kind]
 

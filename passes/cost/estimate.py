@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dataclasses import asdict, dataclass
 
+from hetc.jsontypes import JsonObject
 from hetc.layout import replication
 from hetc.passes.cost import traffic
 from hetc.passes.cost.experts import ep_comm_time, ep_group, expert_group
@@ -12,10 +15,15 @@ from hetc.passes.cost.memory import RankMemory
 from hetc.passes.cost.pipeline_stage import pipeline_stages
 from hetc.passes.cost.plan_time import border_time, stage_sync_time, unit_numels, zorse_unit
 from hetc.passes.cost.provenance import Provenance, provenance
+from hetc.passes.cost.schedule import LaneTiming
 from hetc.passes.cost.shapes import LayerKind, layer_kind
 from hetc.passes.cost.utilization import Utilization, flop_counts, utilization
 from hetc.pipeline import Stage
+from hetc.program import Collective
 from hetc.spec import ScheduleKind
+
+if TYPE_CHECKING:     # the cost model imports this module
+    from hetc.passes.cost.model import CostModel
 
 __all__ = ["Estimate", "GroupTraffic", "RankMemory", "build_estimate"]
 
@@ -65,7 +73,7 @@ class Estimate:
     def fits(self) -> bool:
         return all(m.fits for m in self.memory)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> JsonObject:
         t = self.time
         return {
             "step_time_s": self.step_time_s, "tokens_per_step": self.tokens_per_step,
@@ -84,7 +92,7 @@ class Estimate:
         }
 
 
-def build_estimate(cm) -> Estimate:
+def build_estimate(cm: CostModel) -> Estimate:
     p, m = cm.pipeline, cm.model
     timing = cm.evaluation.time
     tokens = tokens_per_step(p.num_microbatches, p.micro_batch, m.seq)
@@ -98,7 +106,7 @@ def build_estimate(cm) -> Estimate:
 # ------------------------------------------------------------------ traffic
 
 
-def _traffic(cm, timing: PlanTime) -> list[GroupTraffic]:
+def _traffic(cm: CostModel, timing: PlanTime) -> list[GroupTraffic]:
     out: list[GroupTraffic] = []
     p, m = cm.pipeline, cm.model
     lanes = {(t.stage, t.lane): t for t in timing.lanes}
@@ -141,9 +149,10 @@ def _traffic(cm, timing: PlanTime) -> list[GroupTraffic]:
     return out
 
 
-def _expert_traffic(cm, stage: Stage, rank: int, blocks: int, n_mb: int) -> list[GroupTraffic]:
+def _expert_traffic(cm: CostModel, stage: Stage, rank: int, blocks: int, n_mb: int) -> list[GroupTraffic]:
     """The MoE blocks' dispatch and combine (EP), and the experts' own gradient reduction."""
     m, b = cm.model, cm.pipeline.micro_batch
+    assert m.moe is not None   # ep > 1: the model has experts (the validator checks)
     sent = traffic.ep_bytes(stage.ep, m.moe.top_k, b, m.seq // stage.cp, m.hidden, cm.delta)
     out = [GroupTraffic("ep", f"stage {stage.name}: ep {stage.ep}", ep_group(cm, rank), sent * blocks * n_mb,
                         2 * ep_comm_time(cm, rank) * blocks * n_mb)]
@@ -152,16 +161,16 @@ def _expert_traffic(cm, stage: Stage, rank: int, blocks: int, n_mb: int) -> list
         nbytes = sum(cm.numel(ms, rank) * cm.expert_fraction(ms, rank) for ms in stage.ministages) * cm.delta
         level = stage.zero.resolved_level
         per_mb = level == 2 and cm.pipeline.schedule is not ScheduleKind.ZORSE
-        seconds = cm.collective_time("all_reduce", replicas, nbytes) if level < 2 else \
-            cm.collective_time("reduce_scatter", replicas, nbytes) * (n_mb if per_mb else 1) + \
-            cm.collective_time("all_gather", replicas, nbytes)
+        seconds = cm.collective_time(Collective.ALL_REDUCE, replicas, nbytes) if level < 2 else \
+            cm.collective_time(Collective.REDUCE_SCATTER, replicas, nbytes) * (n_mb if per_mb else 1) + \
+            cm.collective_time(Collective.ALL_GATHER, replicas, nbytes)
         out.append(GroupTraffic("dp", f"stage {stage.name}: experts' ZeRO-{level} over {len(replicas)} ranks",
                                 replicas, traffic.zero_bytes(level, cm.pipeline.schedule, nbytes, len(replicas),
                                                              n_mb), seconds))
     return out
 
 
-def _cp_bytes(cm, stage: Stage) -> float:
+def _cp_bytes(cm: CostModel, stage: Stage) -> float:
     m, b = cm.model, cm.pipeline.micro_batch
     args = (m.num_kv_heads, m.heads, b, m.seq, m.hidden // stage.tp, cm.delta)
     if stage.cp_kind.value == "ulysses":
@@ -169,7 +178,7 @@ def _cp_bytes(cm, stage: Stage) -> float:
     return traffic.ring_attention_bytes(stage.cp, *args)
 
 
-def _borders(cm, lanes) -> list[GroupTraffic]:
+def _borders(cm: CostModel, lanes: dict[tuple[int, int], LaneTiming]) -> list[GroupTraffic]:
     p, m = cm.pipeline, cm.model
     out = []
     for a, b in zip(p.ministages, p.ministages[1:]):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 from hetc.layout import held_fraction
 from hetc.passes.cost.compute import DEFAULT_MEMORY_BANDWIDTH, ComputeModel, LayerCost
@@ -25,27 +26,34 @@ from hetc.passes.cost.memory import (
 )
 from hetc.passes.cost.network import Bandwidth, ring_chunk, ring_steps
 from hetc.passes.cost.profiles import Profiles
-from hetc.passes.cost.shapes import LayerKind, activation_elements, layer_flops, layer_kind, params_per_rank
 from hetc.passes.cost.params import expert_params
+from hetc.passes.cost.shapes import (LayerFlops, LayerKind, activation_elements, layer_flops, layer_kind,
+                                    params_per_rank)
 from hetc.pipeline import Ministage, Pipeline, Stage
-from hetc.program import Unit
+from hetc.program import Collective, Phase, Unit
 from hetc.spec import (DTYPE_BYTES, Checkpointing, CPKind, DeviceSpec, ModelSpec, OffloadTarget, Spec, ZeroShard)
 from hetc.topology import Gpu, Topology
 
+if TYPE_CHECKING:     # they import this module
+    from hetc.passes.cost.classes import ClassEstimate
+    from hetc.passes.cost.estimate import Estimate
+
 __all__ = ["CPU_OPTIMIZER_BYTES_PER_S", "PHASES", "CostModel", "optimizer_seconds", "ring_pair_kinds"]
 
-PHASES = ("F", "B", "I", "W")
+PHASES = tuple(Phase)
 # Host-side Adam (DeepSpeed's CPUAdam) streams the states through the CPU's memory.
 CPU_OPTIMIZER_BYTES_PER_S = 10e9
 # all-to-all over more ranks than this uses the ring's neighbours to find the slowest link.
 ALL_PAIRS_LIMIT = 64
+# a ring's kinds of pair as its time depends on them: (node group, node group, same host, GPUs of the node)
+_PairSignature = tuple[tuple[str, str, bool, int], ...]
 
 
 class CostModel:
     def __init__(self, spec: Spec, pipeline: Pipeline, topology: Topology, profiles: Profiles | None = None):
         assert spec.model is not None and spec.train is not None
         self.spec, self.pipeline, self.topology = spec, pipeline, topology
-        self.model = spec.model
+        self.model, self.train = spec.model, spec.train
         self.profiles = profiles or Profiles()
         self.devices = {d.name: d for d in spec.devices}
         self.compute = ComputeModel(self.model, self.profiles, self.devices)
@@ -54,12 +62,14 @@ class CostModel:
         self._zero_groups: dict[int, tuple[int, ...]] = {}
         self._routes: dict[int, dict[int, int]] = {}
         self._peers: dict[tuple[int, int], tuple[int, ...]] = {}
-        self._collectives: dict[tuple, float] = {}
-        self._ring_kinds: dict[tuple, tuple[tuple[tuple[Gpu, Gpu, int], ...], tuple[object, ...]]] = {}
-        self._p2p: dict[tuple, float] = {}
-        self._compute_times: dict[tuple[int, int, str, Unit | None], float] = {}
+        # memo keys: what the time depends on (kinds of pair: node groups, same host, GPUs of the node)
+        self._collectives: dict[tuple[Collective, int, float, int, _PairSignature], float] = {}
+        self._ring_kinds: dict[tuple[Collective, tuple[int, ...]],
+                               tuple[tuple[tuple[Gpu, Gpu, int], ...], _PairSignature]] = {}
+        self._p2p: dict[tuple[str, str, bool, float, int], float] = {}
+        self._compute_times: dict[tuple[int, int, Phase, Unit | None], float] = {}
         self._numels: dict[tuple[int, int, int, int], float] = {}
-        self._fits: dict[tuple, Bandwidth | None] = {}
+        self._fits: dict[tuple[str, str, bool, int, int], Bandwidth | None] = {}
         # Note [shared cores]: the plan's ranks on a node with fewer cores than ranks compute slower
         cluster = spec.cluster
         self._slowdown = host_slowdowns(pipeline.world, {n.name: n.cores for n in cluster.nodes},
@@ -205,7 +215,7 @@ class CostModel:
 
     # ------------------------------------------------------------ time (seconds)
 
-    def compute_time(self, rank: int, ms: int, phase: str, unit: Unit | None = None) -> float:
+    def compute_time(self, rank: int, ms: int, phase: Phase, unit: Unit | None = None) -> float:
         """One microbatch through ministage `ms` on `rank` (through its layers `unit` only, when given: a
         ZeRO-3 unit, Note [units] in hetc/program.py): F, B = I + W, I (input-grad), W (weight-grad)."""
         key = (rank, ms, phase, unit)
@@ -249,7 +259,7 @@ class CostModel:
                          self._recompute(kind, forward, flops, rerun),
                          measured.backward / cp * (1.0 - share_i))
 
-    def _recompute(self, kind: str, forward: float, flops, rerun: bool) -> float:
+    def _recompute(self, kind: str, forward: float, flops: LayerFlops, rerun: bool) -> float:
         """Forward work the backward repeats: activation checkpointing, and with activations offloaded
         the whole ministage once more (only its boundary input was kept; the runtime reruns it)."""
         ministage = forward if rerun else 0.0
@@ -268,7 +278,7 @@ class CostModel:
         Megatron-SP's reduce-scatter + all-gather pairs move the same bytes."""
         if len(group) < 2:
             return 0.0
-        return 2 * self.collective_time("all_reduce", group, self.hidden_bytes / cp)
+        return 2 * self.collective_time(Collective.ALL_REDUCE, group, self.hidden_bytes / cp)
 
     def cp_comm_time(self, rank: int) -> tuple[float, float]:
         """(forward, backward) exposed context-parallel communication per block."""
@@ -280,8 +290,8 @@ class CostModel:
         full = self.hidden_bytes
         if stage.cp_kind is CPKind.ULYSSES:
             # two all-to-alls each way (q/k/v in, output back), blocking; 4(N_kv/N_q + 1)·δbSH/N_SP per rank
-            fwd = self.collective_time("all_to_all", group, (2 * kv + 1) * full / stage.tp) + \
-                self.collective_time("all_to_all", group, full / stage.tp)
+            fwd = self.collective_time(Collective.ALL_TO_ALL, group, (2 * kv + 1) * full / stage.tp) + \
+                self.collective_time(Collective.ALL_TO_ALL, group, full / stage.tp)
             return fwd, fwd
         # ring attention: K and V go around forward, K, V, dK, dV backward; overlapped with attention
         ring = self.p2p_time(group[0], group[1 % len(group)], 2 * kv * full / stage.cp / stage.tp)
@@ -313,7 +323,7 @@ class CostModel:
             got = self._p2p[key] = latency + nbytes / rate
         return got
 
-    def collective_time(self, kind: str, ranks: Sequence[int], nbytes: float, concurrent: int = 1) -> float:
+    def collective_time(self, kind: Collective, ranks: Sequence[int], nbytes: float, concurrent: int = 1) -> float:
         """A ring collective over `ranks` (in ring order) of the full buffer `nbytes`.
 
         A ring runs as fast as its slowest pair, and pairs alike in kind
@@ -335,7 +345,8 @@ class CostModel:
             got = self._collectives[key] = steps * worst
         return got
 
-    def _pair_kinds(self, kind: str, ranks: tuple[int, ...]) -> tuple[tuple[tuple[Gpu, Gpu, int], ...], tuple[object, ...]]:
+    def _pair_kinds(self, kind: Collective,
+                    ranks: tuple[int, ...]) -> tuple[tuple[tuple[Gpu, Gpu, int], ...], _PairSignature]:
         """The ring's kinds of pair, and what of them its time depends on (the memo's key)."""
         key = (kind, ranks)
         got = self._ring_kinds.get(key)
@@ -380,7 +391,7 @@ class CostModel:
     # ------------------------------------------------------------ the whole plan
 
     @cached_property
-    def evaluation(self):
+    def evaluation(self) -> ClassEstimate:
         """The step's composition over this pipeline (classes.py), its memory left to `estimate`."""
         from hetc.passes.cost.pipeline_stage import evaluate_pipeline
         return evaluate_pipeline(self, memory=False)
@@ -391,7 +402,7 @@ class CostModel:
         schedule holds each lane to and the estimate counts activations with."""
         return self.evaluation.limits
 
-    def estimate(self):
+    def estimate(self) -> Estimate:
         from hetc.passes.cost.estimate import build_estimate
         return build_estimate(self)
 
@@ -407,7 +418,7 @@ def optimizer_seconds(model: ModelSpec, device: DeviceSpec, numel: float, on_hos
     return moved / (device.memory_bandwidth or DEFAULT_MEMORY_BANDWIDTH)
 
 
-def ring_pair_kinds(kind: str, gpus: tuple[Gpu, ...]) -> list[tuple[Gpu, Gpu, int]]:
+def ring_pair_kinds(kind: Collective, gpus: tuple[Gpu, ...]) -> list[tuple[Gpu, Gpu, int]]:
     """One (sender, receiver, GPUs of the ring on the sender's node) per kind of link a ring uses.
 
     A ring runs as fast as its slowest pair, and pairs of the same node
@@ -418,11 +429,11 @@ def ring_pair_kinds(kind: str, gpus: tuple[Gpu, ...]) -> list[tuple[Gpu, Gpu, in
     per_node: dict[tuple[str, int], int] = {}
     for g in gpus:
         per_node[g.host] = per_node.get(g.host, 0) + 1
-    if kind == "all_to_all" and n <= ALL_PAIRS_LIMIT:
+    if kind == Collective.ALL_TO_ALL and n <= ALL_PAIRS_LIMIT:
         pairs = [(a, b) for a in gpus for b in gpus if a.id != b.id]
     else:
         pairs = [(gpus[i], gpus[(i + 1) % n]) for i in range(n)]
-    kinds: dict[tuple, tuple[Gpu, Gpu, int]] = {}
+    kinds: dict[tuple[str, str, bool, int], tuple[Gpu, Gpu, int]] = {}
     for a, b in pairs:
         kinds.setdefault((a.group, b.group, a.host == b.host, per_node[a.host]), (a, b, per_node[a.host]))
     return list(kinds.values())

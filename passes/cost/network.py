@@ -20,6 +20,8 @@ from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Protocol
 
+from hetc.program import Collective
+
 __all__ = [
     "COLLECTIVES",
     "Bandwidth",
@@ -30,7 +32,7 @@ __all__ = [
     "ring_steps",
 ]
 
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+COLLECTIVES = tuple(Collective)
 # A fit never drops below this fraction of its cap: guards against a quadratic
 # that turns negative far outside the sizes it was measured on.
 MIN_FIT_FRACTION = 0.01
@@ -92,7 +94,7 @@ def ring_steps(kind: str, n: int) -> int:
     """Sequential ring steps of one chunk (X/n bytes) each."""
     if n <= 1:
         return 0
-    if kind == "all_reduce":
+    if kind == Collective.ALL_REDUCE:
         return 2 * (n - 1)
     if kind in COLLECTIVES:
         return n - 1

@@ -9,6 +9,8 @@ rank's own states and groups.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from collections.abc import Sequence
 from functools import cached_property
 
@@ -19,13 +21,17 @@ from hetc.passes.cost.memory import (RankMemory, StatesHeld, activation_memory, 
                                     zorse_backward_peak)
 from hetc.passes.cost.schedule import Unit
 from hetc.pipeline import Stage
+from hetc.program import Collective, Phase
 from hetc.spec import OffloadTarget, ZeroSpec
+
+if TYPE_CHECKING:     # the cost model imports this module
+    from hetc.passes.cost.model import CostModel
 
 __all__ = ["PipelineStage", "evaluate_pipeline", "pipeline_stages"]
 
 
 class PipelineStage:
-    def __init__(self, cm, stage: Stage):
+    def __init__(self, cm: CostModel, stage: Stage):
         self.cm, self.stage = cm, stage
         self.index: int = stage.index
         self.num_lanes: int = len(stage.lanes)
@@ -40,7 +46,7 @@ class PipelineStage:
     def compute(self, lane: int) -> tuple[float, float, float]:
         cm, mss = self.cm, self.stage.ministages
         reps = self._reps(lane)
-        f, i, w = (max(sum(cm.compute_time(r, ms, ph) for ms in mss) for r in reps) for ph in ("F", "I", "W"))
+        f, i, w = (max(sum(cm.compute_time(r, ms, ph) for ms in mss) for r in reps) for ph in (Phase.FORWARD, Phase.INPUT_GRAD, Phase.WEIGHT_GRAD))
         return f, i, w
 
     def overhead(self, lane: int) -> float:
@@ -75,21 +81,21 @@ class PipelineStage:
         return [pt.kind_reps(self.cm, lane.ranks) for lane in self.stage.lanes]
 
 
-def pipeline_stages(cm) -> list[PipelineStage]:
+def pipeline_stages(cm: CostModel) -> list[PipelineStage]:
     return [PipelineStage(cm, s) for s in cm.pipeline.stages]
 
 
-def evaluate_pipeline(cm, memory: bool) -> ClassEstimate:
+def evaluate_pipeline(cm: CostModel, memory: bool) -> ClassEstimate:
     """The composition over `cm`'s pipeline, rank by rank."""
     p = cm.pipeline
-    shape = PlanShape(p.schedule, p.num_microbatches, cm.spec.train.grad_clip,
+    shape = PlanShape(p.schedule, p.num_microbatches, cm.train.grad_clip,
                       tuple(ms.stage for ms in p.ministages), max(len(s.ministages) for s in p.stages))
-    end = pt.step_end_time(cm.spec.train.grad_clip > 0,
-                           lambda nbytes: cm.collective_time("all_reduce", tuple(range(p.world_size)), nbytes))
+    end = pt.step_end_time(cm.train.grad_clip > 0,
+                           lambda nbytes: cm.collective_time(Collective.ALL_REDUCE, tuple(range(p.world_size)), nbytes))
     return evaluate_classes(shape, pipeline_stages(cm), end, memory)
 
 
-def rank_memory_of(cm, rank: int, limit: int) -> RankMemory:
+def rank_memory_of(cm: CostModel, rank: int, limit: int) -> RankMemory:
     """One rank's memory at its peak, its lane holding `limit` microbatches in flight."""
     stage = cm.stage_of(rank)
     mss = stage.ministages
@@ -100,13 +106,13 @@ def rank_memory_of(cm, rank: int, limit: int) -> RankMemory:
                       len(stage.lanes), cm.largest_held_boundary(stage), cm.states.grads,
                       [n * cm.states.params for n in pt.unit_numels(cm, stage, rank)])
     p = cm.pipeline
-    states = state_memory(held, stage.offload, p.schedule, cm.spec.train.grad_clip, p.prefetch)
+    states = state_memory(held, stage.offload, p.schedule, cm.train.grad_clip, p.prefetch)
     lane = p.lane_of_rank[rank]
     per_microbatch = [cm.activation_bytes(ms, rank) for ms in mss]
     offload_activations = stage.offload.activations is not OffloadTarget.NONE
     acts = activation_memory(p.schedule, stage.index, len(p.stages), len(lane.microbatches), per_microbatch, limit,
                              offload_activations, sum(cm.held_boundary_bytes(ms - 1, stage) for ms in mss if ms > 0),
                              cm.largest_held_boundary(stage), p.prefetch)
-    zorse = zorse_backward_peak(p.schedule, cm.spec.train.grad_clip, offload_activations, len(lane.microbatches),
+    zorse = zorse_backward_peak(p.schedule, cm.train.grad_clip, offload_activations, len(lane.microbatches),
                                 per_microbatch, held.grads, held.grads_kept)
     return rank_memory(rank, cm.gpu(rank), stage.index, states, acts, zorse)

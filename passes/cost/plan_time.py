@@ -10,8 +10,10 @@ candidate feeds (passes/cost/candidate_stage.py).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from hetc.passes.cost.memory import offloaded
 from hetc.passes.cost.schedule import Unit, UnitLane
@@ -19,8 +21,12 @@ from hetc.passes.cost.zero_time import (ZeroRings, across_nodes, fetch_time, fir
                                        optimizer_step_time, sync_time, zero_collectives)
 from hetc.passes.cost.zero_units import gathers_per_block, ministage_units
 from hetc.pipeline import Lane, Stage
+from hetc.program import Phase
 from hetc.program import Unit as GatherUnit
 from hetc.spec import OffloadTarget, ZeroShard
+
+if TYPE_CHECKING:     # the cost model imports this module
+    from hetc.passes.cost.model import CostModel
 
 __all__ = ["border_time", "collectives", "first_gather", "kind_reps", "ministage_borders", "p2p_per_microbatch",
            "peer_lanes",
@@ -32,7 +38,7 @@ __all__ = ["border_time", "collectives", "first_gather", "kind_reps", "ministage
 SCALAR_BYTES = 8.0
 
 
-def step_end_time(clips: bool, all_reduce) -> float:
+def step_end_time(clips: bool, all_reduce: Callable[[float], float]) -> float:
     """The step's last collectives over every rank: the loss report, and the norm when clipping.
 
     They are latency-bound (8 bytes), so on slow links or many ranks they
@@ -41,7 +47,7 @@ def step_end_time(clips: bool, all_reduce) -> float:
     return all_reduce(SCALAR_BYTES) * (2 if clips else 1)
 
 
-def kind_reps(cm, ranks) -> list[int]:
+def kind_reps(cm: CostModel, ranks: Iterable[int]) -> list[int]:
     """One rank per device kind and core share among `ranks`: such ranks time alike."""
     seen: dict[tuple[str, float], int] = {}
     for r in sorted(ranks):
@@ -49,7 +55,7 @@ def kind_reps(cm, ranks) -> list[int]:
     return list(seen.values())
 
 
-def _concurrent(cm, rank: int) -> int:
+def _concurrent(cm: CostModel, rank: int) -> int:
     """Ranks of this rank's lane on its node: they send their shares over the node's link at once."""
     lane = cm.pipeline.lane_of_rank[rank]
     return sum(1 for r in lane.ranks if cm.gpu(r).host == cm.gpu(rank).host)
@@ -67,12 +73,12 @@ def peer_lanes(mine: Sequence[int], theirs: Sequence[int], num_lanes: int) -> tu
     return tuple(best.get(la, (0, 0))[1] for la in range(num_lanes))
 
 
-def _peer_lane(cm, stage: Stage, lane: Lane) -> Lane:
+def _peer_lane(cm: CostModel, stage: Stage, lane: Lane) -> Lane:
     """The lane of `stage` that serves most of `lane`'s microbatches."""
     return stage.lanes[cm.peer_lanes(cm.stage_of(lane.ranks[0]).index, stage.index)[lane.index]]
 
 
-def border_time(cm, stage: Stage, lane: Lane, other: Stage, ms: int) -> float:
+def border_time(cm: CostModel, stage: Stage, lane: Lane, other: Stage, ms: int) -> float:
     """One transfer (each rank its share of the activation) between `lane` and its peer in `other`.
 
     The share is 1/(tp·cp) as in Megatron, whose tp ranks each send a slice
@@ -108,21 +114,21 @@ def stage_borders(ministages: Sequence[int], stage: int, stage_of: Callable[[int
             yield out, ms
 
 
-def p2p_per_microbatch(cm, stage: Stage, lane: Lane) -> float:
+def p2p_per_microbatch(cm: CostModel, stage: Stage, lane: Lane) -> float:
     p = cm.pipeline
     return sum(border_time(cm, stage, lane, p.stages[other], ms)
                for other, ms in stage_borders(stage.ministages, stage.index, _stage_of(cm), len(p.ministages)))
 
 
-def _stage_of(cm) -> Callable[[int], int]:
+def _stage_of(cm: CostModel) -> Callable[[int], int]:
     return lambda ms: cm.pipeline.ministages[ms].stage
 
 
-def _stage_numel(cm, stage: Stage, rank: int) -> float:
+def _stage_numel(cm: CostModel, stage: Stage, rank: int) -> float:
     return sum(cm.numel(ms, rank) for ms in stage.ministages)
 
 
-def zero_rings(cm, rank: int) -> ZeroRings:
+def zero_rings(cm: CostModel, rank: int) -> ZeroRings:
     """This rank's ZeRO groups, its lane's ranks on its node sharing the node's link."""
     k = _concurrent(cm, rank)
     group = cm.zero_group(rank)
@@ -133,12 +139,12 @@ def zero_rings(cm, rank: int) -> ZeroRings:
                      cm.node_group(rank), across_nodes(group, lambda r: cm.gpu(r).host, rank))
 
 
-def _copier(cm, rank: int) -> Callable[[float], float]:
+def _copier(cm: CostModel, rank: int) -> Callable[[float], float]:
     """Seconds to copy bytes between this rank's device and its host."""
     return lambda nbytes: cm.copy_time(rank, nbytes)
 
 
-def shares(cm, stage: Stage, rank: int) -> tuple[float, float]:
+def shares(cm: CostModel, stage: Stage, rank: int) -> tuple[float, float]:
     """The fractions of the stage's parameters in its first and in its largest ministage (unit, where
     it gathers per block: each unit reduces on its own, Note [zero-3 units])."""
     whole = max(_stage_numel(cm, stage, rank), 1.0)
@@ -146,18 +152,18 @@ def shares(cm, stage: Stage, rank: int) -> tuple[float, float]:
     return each[0] / whole, max(each) / whole
 
 
-def stage_units(cm, stage: Stage, ms: int) -> tuple[GatherUnit, ...]:
+def stage_units(cm: CostModel, stage: Stage, ms: int) -> tuple[GatherUnit, ...]:
     """The units lowering splits ministage `ms` into (Note [zero-3 units]); none: the ministage whole."""
     per_block = gathers_per_block(cm.pipeline.schedule, stage.zero, stage.offload, stage.ep)
     return ministage_units(cm.model, cm.ministage(ms).layers, per_block)
 
 
-def unit_numels(cm, stage: Stage, rank: int) -> list[float]:
+def unit_numels(cm: CostModel, stage: Stage, rank: int) -> list[float]:
     """The parameters of each unit the stage gathers per block, in layer order; empty: none split."""
     return [cm.layers_numel(u.layers, rank) for ms in stage.ministages for u in stage_units(cm, stage, ms)]
 
 
-def collectives(cm, stage: Stage, lane: Lane) -> tuple[float, float, float]:
+def collectives(cm: CostModel, stage: Stage, lane: Lane) -> tuple[float, float, float]:
     """`zero_time.zero_collectives` for the lane's first rank."""
     rank = lane.ranks[0]
     return zero_collectives(cm.pipeline.schedule, stage.zero, stage.offload.params is not OffloadTarget.NONE,
@@ -166,7 +172,7 @@ def collectives(cm, stage: Stage, lane: Lane) -> tuple[float, float, float]:
                            [n * cm.delta for n in unit_numels(cm, stage, rank)])
 
 
-def first_gather(cm, stage: Stage) -> float:
+def first_gather(cm: CostModel, stage: Stage) -> float:
     """The first unit's gather: the first ministage's, or its first layer's where it gathers per block."""
     rank = stage.lanes[0].ranks[0]
     units = unit_numels(cm, stage, rank)
@@ -174,19 +180,19 @@ def first_gather(cm, stage: Stage) -> float:
     return first_gather_time(stage.zero, first * cm.delta, zero_rings(cm, rank))
 
 
-def stage_sync_time(cm, stage: Stage, rank: int, per_ministage: bool = False) -> float:
+def stage_sync_time(cm: CostModel, stage: Stage, rank: int, per_ministage: bool = False) -> float:
     """`zero_time.sync_time` for `rank` of `stage`."""
     return sync_time(stage.zero, _stage_numel(cm, stage, rank) * cm.delta, zero_rings(cm, rank), per_ministage,
                      [n * cm.delta for n in unit_numels(cm, stage, rank)])
 
 
-def _opt_time(cm, stage: Stage, rank: int) -> float:
+def _opt_time(cm: CostModel, stage: Stage, rank: int) -> float:
     return optimizer_step_time(lambda numel: cm.optimizer_time(rank, numel), _copier(cm, rank),
                                _stage_numel(cm, stage, rank) * cm.shard(rank).optimizer,
                                offloaded(stage.offload)[1], cm.states)
 
 
-def stage_flush(cm, stage: Stage) -> float:
+def stage_flush(cm: CostModel, stage: Stage) -> float:
     """`zero_time.flush_time`: lane 0's ranks stand for the positions, one rank of each device kind."""
     return flush_time((stage_sync_time(cm, stage, r) for r in stage.lanes[0].ranks),
                       (_opt_time(cm, stage, r) for r in kind_reps(cm, stage.ranks)))
@@ -195,7 +201,7 @@ def stage_flush(cm, stage: Stage) -> float:
 # ------------------------------------------------------------------ Zorse units
 
 
-def zorse_unit(cm, stage: Stage, ms: int) -> Unit:
+def zorse_unit(cm: CostModel, stage: Stage, ms: int) -> Unit:
     """Ministage `ms` of `stage` over every lane, and what it costs once per step."""
     rank = stage.lanes[0].ranks[0]
     lanes = tuple(unit_lane(cm, stage, lane, ms) for lane in stage.lanes)
@@ -207,13 +213,13 @@ def zorse_unit(cm, stage: Stage, ms: int) -> Unit:
                    offloaded(stage.offload)[1])
 
 
-def unit_lane(cm, stage: Stage, lane: Lane, ms: int) -> UnitLane:
+def unit_lane(cm: CostModel, stage: Stage, lane: Lane, ms: int) -> UnitLane:
     p = cm.pipeline
     rank = lane.ranks[0]
     reps = kind_reps(cm, lane.ranks)
     share = 1 / len(stage.ministages)   # the engine's per-microbatch cost, spread over the stage's units
-    f = max(cm.compute_time(r, ms, "F") + cm.microbatch_overhead(r) * share for r in reps)
-    b = max(cm.compute_time(r, ms, "B") for r in reps)
+    f = max(cm.compute_time(r, ms, Phase.FORWARD) + cm.microbatch_overhead(r) * share for r in reps)
+    b = max(cm.compute_time(r, ms, Phase.BACKWARD) for r in reps)
     copy = cm.copy_time(rank, cm.held_boundary_bytes(ms, stage)) \
         if stage.offload.activations is not OffloadTarget.NONE else 0.0
     after, before = ministage_borders(ms, stage.index, _stage_of(cm), len(p.ministages))

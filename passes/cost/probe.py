@@ -21,6 +21,7 @@ from hetc.passes.cost.memory import context_reserve, state_bytes_per_param
 from hetc.passes.cost.model import optimizer_seconds
 from hetc.passes.cost.shapes import LayerKind, activation_elements, params_per_rank
 from hetc.pipeline import Pipeline
+from hetc.program import Collective
 from hetc.spec import DTYPE_BYTES, ModelSpec, ScheduleKind, Spec, TrainSpec
 from hetc.topology import Gpu, Topology
 
@@ -56,15 +57,15 @@ class Primitives:
 
     # ------------------------------------------------------------ per layer
 
-    def _params(self, idx_kind: str, tp: int) -> float:
+    def _params(self, idx_kind: LayerKind, tp: int) -> float:
         return params_per_rank(self.model, _index(self.model, idx_kind), tp)
 
-    def _activations(self, idx_kind: str, tp: int) -> float:
+    def _activations(self, idx_kind: LayerKind, tp: int) -> float:
         """Bytes one microbatch leaves stashed in this layer on one rank (cp = 1)."""
         elems, extra = activation_elements(self.model, _index(self.model, idx_kind), self.micro_batch, tp=tp)
         return elems * self.delta + extra
 
-    def _layer_cost(self, device: str, idx_kind: str, tp: int, tp_group: tuple[int, ...],
+    def _layer_cost(self, device: str, idx_kind: LayerKind, tp: int, tp_group: tuple[int, ...],
                     rerun: bool) -> LayerCost:
         """`CostModel.layer_cost` for a lane with cp = 1, memoised on the layer's kind."""
         return self.probe.layer_cost(device, _index(self.model, idx_kind), tp, 1, tp_group, rerun)
@@ -83,7 +84,7 @@ class Primitives:
 
     # ------------------------------------------------------------ links
 
-    def ring(self, kind: str, ranks: tuple[int, ...], nbytes: float, concurrent: int = 1) -> float:
+    def ring(self, kind: Collective, ranks: tuple[int, ...], nbytes: float, concurrent: int = 1) -> float:
         """`CostModel.collective_time` over GPU ids `ranks`."""
         return self.probe.collective_time(kind, ranks, nbytes, concurrent)
 
@@ -119,5 +120,5 @@ class Primitives:
 _KINDS = (LayerKind.EMBED, LayerKind.BLOCK, LayerKind.HEAD)
 
 
-def _index(m, kind: str) -> int:
+def _index(m: ModelSpec, kind: LayerKind) -> int:
     return {LayerKind.EMBED: 0, LayerKind.BLOCK: 1, LayerKind.HEAD: m.layers + 1}[kind]

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from hetc.passes.cost.network import Bandwidth
+from hetc.program import Phase
 from hetc.spec import DTYPE_BYTES, DType
 
 __all__ = [
@@ -103,7 +104,7 @@ class ComputeTable:
     block_params: int
     seq: int
     dtype: str          # a DType name: what it was measured in (compared by `dtype_class`)
-    fits: dict[tuple[str, int, str], LinearFit]
+    fits: dict[tuple[str, int, Phase], LinearFit]
     vocab: int | None = None
     layers: int | None = None
     model_name: str = ""
@@ -112,7 +113,7 @@ class ComputeTable:
     def tps(self) -> tuple[int, ...]:
         return tuple(sorted({tp for _, tp, _ in self.fits}))
 
-    def time(self, slot: str, tp: int, phase: str, micro_batch: float) -> float | None:
+    def time(self, slot: str, tp: int, phase: Phase, micro_batch: float) -> float | None:
         fit = self.fits.get((slot, tp, phase))
         return None if fit is None else fit(micro_batch)
 

@@ -16,12 +16,15 @@ layer times the plan does not use is listed with the reason.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
-from hetc.passes.cost.model import ring_pair_kinds
+from hetc.jsontypes import JsonObject
+from hetc.passes.cost.model import CostModel, ring_pair_kinds
 from hetc.passes.cost.profiles import ComputeTable, dtype_class
 from hetc.passes.cost.shapes import layer_kind
 from hetc.passes.cost.params import block_params
+from hetc.program import Collective
 from hetc.spec import OffloadTarget
 from hetc.topology import Gpu
 
@@ -62,7 +65,7 @@ class Provenance:
     links: tuple[LinkSource, ...]
     unused: tuple[UnusedProfile, ...]
 
-    def to_json(self) -> dict:
+    def to_json(self) -> JsonObject:
         return {"sources": {str(k): list(v) for k, v in self.layers.items()},
                 "links": [{"used_by": x.used_by, "between": x.between, "source": x.source,
                            "overrides": x.overrides or None} for x in self.links],
@@ -70,7 +73,7 @@ class Provenance:
                 "rejected_profiles": [str(u) for u in self.unused]}
 
 
-def provenance(cm) -> Provenance:
+def provenance(cm: CostModel) -> Provenance:
     """Note [provenance] of the plan `cm` (a CostModel) costs."""
     layers = _layer_sources(cm)
     used = {s for sources in layers.values() for s in sources}
@@ -80,7 +83,7 @@ def provenance(cm) -> Provenance:
 # ------------------------------------------------------------------ layer times
 
 
-def _layer_sources(cm) -> dict[int, tuple[str, ...]]:
+def _layer_sources(cm: CostModel) -> dict[int, tuple[str, ...]]:
     out = {}
     for stage in cm.pipeline.stages:
         devices = {cm.gpu(r).device.name for r in stage.ranks}
@@ -96,9 +99,9 @@ def _layer_sources(cm) -> dict[int, tuple[str, ...]]:
 # ------------------------------------------------------------------ links
 
 
-def _links(cm) -> list[LinkSource]:
+def _links(cm: CostModel) -> list[LinkSource]:
     """One entry per kind of pair (node groups, same node) each kind of traffic crosses, then host copies."""
-    out: dict[tuple, LinkSource] = {}
+    out: dict[tuple[str, frozenset[str], bool], LinkSource] = {}
     for used_by, a, b, ring_size in _crossings(cm):
         key = (used_by, frozenset((a.group, b.group)), a.host == b.host)   # either direction alike
         if key not in out:
@@ -106,7 +109,7 @@ def _links(cm) -> list[LinkSource]:
     return list(out.values()) + _host_links(cm)
 
 
-def _host_links(cm) -> list[LinkSource]:
+def _host_links(cm: CostModel) -> list[LinkSource]:
     """The host <-> device copies of stages that offload anything (`CostModel.copy_time`'s rate)."""
     out = []
     for stage in cm.pipeline.stages:
@@ -121,18 +124,18 @@ def _host_links(cm) -> list[LinkSource]:
     return out
 
 
-def _crossings(cm):
+def _crossings(cm: CostModel) -> Iterator[tuple[str, Gpu, Gpu, int]]:
     """(traffic, sender, receiver, GPUs of the ring on the sender's node) for the plan's transfers."""
     p = cm.pipeline
     for stage in p.stages:
         for lane in stage.lanes:
             if len(lane.ranks) > 1:
-                for a, b, size in ring_pair_kinds("all_reduce", tuple(cm.gpu(r) for r in lane.ranks)):
+                for a, b, size in ring_pair_kinds(Collective.ALL_REDUCE, tuple(cm.gpu(r) for r in lane.ranks)):
                     yield f"stage {stage.name}: inside a lane (tp/cp)", a, b, size
         for group in {cm.zero_group(r) for r in stage.ranks}:
             if len(group) > 1:
-                for a, b, size in ring_pair_kinds("all_gather", tuple(cm.gpu(r) for r in group)):
-                    yield f"stage {stage.name}: ZeRO-{int(stage.zero.level)} group", a, b, size
+                for a, b, size in ring_pair_kinds(Collective.ALL_GATHER, tuple(cm.gpu(r) for r in group)):
+                    yield f"stage {stage.name}: ZeRO-{stage.zero.resolved_level} group", a, b, size
     for sa, sb in zip(p.stages, p.stages[1:]):
         seen = set()
         for la in sa.lanes:
@@ -143,7 +146,7 @@ def _crossings(cm):
                     yield f"pipeline {sa.name} -> {sb.name}", a, b, 2
 
 
-def _link_source(cm, used_by: str, a: Gpu, b: Gpu, ring_size: int) -> LinkSource:
+def _link_source(cm: CostModel, used_by: str, a: Gpu, b: Gpu, ring_size: int) -> LinkSource:
     between = f"{a.group} (same node)" if a.host == b.host else f"{a.group} <-> {b.group}"
     declared = cm.topology.link(a, b)
     fit = cm.measured_link(a, b, ring_size, 1)
@@ -156,7 +159,7 @@ def _link_source(cm, used_by: str, a: Gpu, b: Gpu, ring_size: int) -> LinkSource
 # ------------------------------------------------------------------ unused profiles
 
 
-def _unused(cm, used: set[str]) -> list[UnusedProfile]:
+def _unused(cm: CostModel, used: set[str]) -> list[UnusedProfile]:
     groups: dict[tuple[str, str], list[tuple[ComputeTable, str]]] = defaultdict(list)
     for table in cm.profiles.compute:
         if any(s == table.source or s.startswith(table.source + " ") for s in used):
@@ -175,12 +178,12 @@ def _unused(cm, used: set[str]) -> list[UnusedProfile]:
     return out
 
 
-def _offered(cm, table: ComputeTable) -> str:
+def _offered(cm: CostModel, table: ComputeTable) -> str:
     """The path given on the command line that the table was read from."""
     return next((s for s in cm.profiles.sources if table.source.startswith(s)), table.source)
 
 
-def _why_unused(cm, table: ComputeTable) -> tuple[str, str]:
+def _why_unused(cm: CostModel, table: ComputeTable) -> tuple[str, str]:
     """(a short kind for grouping, the full reason) a measured table times none of the plan's layers."""
     m = cm.model
     devices = sorted({g.device.name for g in cm.pipeline.world})

@@ -22,7 +22,7 @@ microbatch by microbatch in `sequential_time`.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from hetc.spec import ScheduleKind
@@ -160,7 +160,8 @@ def step_lower_bound(schedule: ScheduleKind, lanes: Sequence[LaneTiming], chunks
     bound = worst.work
     for s in {t.stage for t in lanes if t.stage < worst.stage}:
         mine = [t for t in lanes if t.stage == s]
-        back = (lambda t: t.input_grad) if schedule is ScheduleKind.ZB else (lambda t: t.backward)
+        back: Callable[[LaneTiming], float] = \
+            (lambda t: t.input_grad) if schedule is ScheduleKind.ZB else (lambda t: t.backward)
         share = 1 / chunks if schedule is ScheduleKind.INTERLEAVED else 1.0
         bound += (min(t.forward + t.p2p for t in mine) + min(back(t) for t in mine)) * share
     return bound

@@ -17,6 +17,7 @@ adapted to flash attention (no S×S score matrices are stored) and no dropout.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from hetc.passes.cost.params import block_params, expert_params, layer_params
 from hetc.spec import Arch, Checkpointing, ModelSpec
@@ -35,13 +36,15 @@ __all__ = [
 LOGIT_BYTES = 4
 
 
-class LayerKind:
+class LayerKind(StrEnum):
+    """The kinds of layer a model is made of (the profiles' slots)."""
+
     EMBED = "embed"
     BLOCK = "block"
     HEAD = "head"
 
 
-def layer_kind(m: ModelSpec, idx: int) -> str:
+def layer_kind(m: ModelSpec, idx: int) -> LayerKind:
     if idx == 0:
         return LayerKind.EMBED
     if idx == m.layers + 1:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hetc.jsontypes import JsonObject
 from hetc.passes.cost.shapes import LayerKind, layer_flops, layer_kind, model_flops_per_token
 from hetc.pipeline import Pipeline
 from hetc.spec import Checkpointing, ModelSpec, OffloadTarget
@@ -46,7 +47,7 @@ class Utilization:
     used_gpus: int
     cluster_gpus: int
 
-    def to_json(self) -> dict:
+    def to_json(self) -> JsonObject:
         return {"mfu": self.mfu, "hfu": self.hfu, "cluster_mfu": self.cluster_mfu, "cluster_hfu": self.cluster_hfu,
                 "peak_flops": self.used_peak_flops, "cluster_peak_flops": self.cluster_peak_flops,
                 "used_gpus": self.used_gpus, "cluster_gpus": self.cluster_gpus}

@@ -23,20 +23,21 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from hetc.passes.cost.memory import StateBytes
+from hetc.program import Collective
 from hetc.spec import ScheduleKind, ZeroShard, ZeroSpec
 
 __all__ = ["ZeroRings", "across_nodes", "fetch_time", "first_gather_time", "flush_time", "gathers_per_microbatch",
            "optimizer_step_time", "sync_time", "zero_collectives"]
 
 # (kind, ranks, bytes) -> seconds of a ring collective, the rank's node link shared by its lane's ranks
-Collective = Callable[[str, tuple[int, ...], float], float]
+RingTime = Callable[[Collective, tuple[int, ...], float], float]
 
 
 @dataclass(frozen=True)
 class ZeroRings:
     """The groups one rank's ZeRO collectives run over, and how long one takes."""
 
-    time: Collective
+    time: RingTime
     group: tuple[int, ...]            # the whole ZeRO group (DP × CP)
     node: tuple[int, ...] = ()        # hierarchical ZeRO: the group's ranks on this rank's node
     across: tuple[int, ...] = ()      # hierarchical ZeRO: the ranks at its position on every node
@@ -76,8 +77,8 @@ def zero_collectives(schedule: ScheduleKind, zero: ZeroSpec, offload_params: boo
         return 0.0, 0.0, 0.0
     ring = rings.sharded(zero)
     pieces = units if units and level >= 3 else (nbytes,)
-    reduce = sum(rings.time("reduce_scatter", ring, b) for b in pieces) if level >= 2 else 0.0
-    gather = sum(rings.time("all_gather", ring, b) for b in pieces) if level >= 3 else 0.0
+    reduce = sum(rings.time(Collective.REDUCE_SCATTER, ring, b) for b in pieces) if level >= 2 else 0.0
+    gather = sum(rings.time(Collective.ALL_GATHER, ring, b) for b in pieces) if level >= 3 else 0.0
     copies = 2 * copy(nbytes * param_shard) if offload_params else 0.0
     return reduce, gather, copies
 
@@ -93,16 +94,16 @@ def sync_time(zero: ZeroSpec, nbytes: float, rings: ZeroRings, per_ministage: bo
     """
     level = zero.resolved_level
     if zero.shard is ZeroShard.NODE:
-        inner = (rings.time("reduce_scatter", rings.node, nbytes) if level < 2 or per_ministage else 0.0) + \
-            (rings.time("all_gather", rings.node, nbytes) if level <= 2 else 0.0)
+        inner = (rings.time(Collective.REDUCE_SCATTER, rings.node, nbytes) if level < 2 or per_ministage else 0.0) + \
+            (rings.time(Collective.ALL_GATHER, rings.node, nbytes) if level <= 2 else 0.0)
         node = max(len(rings.node), 1)
         pieces = units if units and level >= 3 else (nbytes,)
-        return inner + sum(rings.time("all_reduce", rings.across, b / node) for b in pieces)
+        return inner + sum(rings.time(Collective.ALL_REDUCE, rings.across, b / node) for b in pieces)
     if level <= 1:
-        return rings.time("all_reduce", rings.group, nbytes)
-    gather = rings.time("all_gather", rings.group, nbytes) if level == 2 else 0.0
+        return rings.time(Collective.ALL_REDUCE, rings.group, nbytes)
+    gather = rings.time(Collective.ALL_GATHER, rings.group, nbytes) if level == 2 else 0.0
     if per_ministage:  # Zorse: one reduce-scatter per ministage, then (ZeRO-2) one gather
-        return rings.time("reduce_scatter", rings.group, nbytes) + gather
+        return rings.time(Collective.REDUCE_SCATTER, rings.group, nbytes) + gather
     return gather
 
 
@@ -110,13 +111,13 @@ def first_gather_time(zero: ZeroSpec, first_bytes: float, rings: ZeroRings) -> f
     """ZeRO-3: the first stage waits for its first ministage's gather before anything runs."""
     if zero.resolved_level < 3 or len(rings.group) < 2:
         return 0.0
-    return rings.time("all_gather", rings.sharded(zero), first_bytes)
+    return rings.time(Collective.ALL_GATHER, rings.sharded(zero), first_bytes)
 
 
 def fetch_time(zero: ZeroSpec, offload_params: bool, nbytes: float, rings: ZeroRings,
                copy: Callable[[float], float], param_shard: float) -> float:
     """Zorse brings one ministage's `nbytes` parameters in once per step: ZeRO-3 gather, host copy."""
-    fetch = rings.time("all_gather", rings.group, nbytes) if zero.resolved_level >= 3 else 0.0
+    fetch = rings.time(Collective.ALL_GATHER, rings.group, nbytes) if zero.resolved_level >= 3 else 0.0
     if offload_params:
         fetch += copy(nbytes * param_shard)
     return fetch

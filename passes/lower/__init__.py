@@ -23,7 +23,8 @@ from hetc.spec import Spec
 __all__ = ["PASSES", "PASS_NAMES", "lower"]
 
 # (name, what it does) in order; `schedule` builds the program, the rest rewrite it
-PASSES: list[tuple[str, str, Callable]] = [
+# (the first takes the context, the others the program so far and the context)
+PASSES: list[tuple[str, str, Callable[..., Program]]] = [
     ("schedule", "compute order per rank for the schedule kind", order_compute),
     ("p2p", "sends and receives around compute, asynchronous", insert_p2p),
     ("zero", "ZeRO gathers, reductions, optimizer steps, clipping", insert_zero),

@@ -4,23 +4,10 @@
 runs ministage k for microbatch j, which group a ministage's ZeRO
 collectives use, which messages carry a boundary tensor between two lanes
 (pieces of the sequence where their block layouts differ, hetc/layout.py).
-Group names follow one scheme (Note [group names]):
-
-    dp.s{stage}.p{pos}         the stage's lanes at lane position pos (ZeRO)
-    dp.s{stage}.t{t}           with cp > 1: tp rank t of every lane and cp rank
-                               (Megatron's dp × cp group: cp ranks replicate
-                               the parameters and see different tokens)
-    {dp group}.f|.b            per-microbatch forward / backward collectives
-    {dp group}.n{k}            hierarchical ZeRO: the replicas on node k
-    dpx.s{stage}.p{pos}.i{i}   hierarchical ZeRO: shard i of every node
-                               (dpx.s{stage}.t{t}.i{i} with cp > 1)
-    tp.s{stage}.l{lane}.c{c}   the tp ranks of cp rank c of a lane
-    cp.s{stage}.l{lane}.t{t}   the cp ranks of tp rank t of a lane
-    ep.s{stage}.g{g}.p{pos}    expert parallelism: lane position pos of lanes
-                               g·ep .. (g+1)·ep − 1 (EP group g)
-    dpe.s{stage}.e{r}          the replicas of EP rank r's experts: every
-                               lane at EP rank r, every position (ZeRO)
-    world                      every rank (loss, gradient norm)
+Groups are `hetc.groups.GroupId` values, named in the program by their
+text (Note [group names] in hetc/groups.py). With cp > 1 the ZeRO group
+`dp.s{stage}.t{t}` is Megatron's dp × cp group: cp ranks replicate the
+parameters and see different tokens.
 """
 
 from __future__ import annotations
@@ -29,6 +16,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from hetc.errors import InternalError
+from hetc.groups import WORLD, Axis, Direction, GroupId, GroupKind
 from hetc.layout import Range, boundary_ranges, held_length, transfers
 from hetc.passes.cost import CostModel
 from hetc.pipeline import Lane, Pipeline, Stage
@@ -149,26 +137,26 @@ class LowerContext:
         stage = place.stage
         return [lane.ranks[c * stage.tp + place.tp_rank] for lane in stage.lanes for c in range(stage.cp)]
 
-    def _dp_name(self, place: RankPlace) -> str:
-        stage = place.stage
-        return f"dp.s{stage.index}.t{place.tp_rank}" if stage.cp > 1 else f"dp.s{stage.index}.p{place.pos}"
+    def _dp_id(self, place: RankPlace) -> GroupId:
+        dp = GroupId(GroupKind.DP, place.stage.index)
+        return dp.at(Axis.TP_RANK, place.tp_rank) if place.stage.cp > 1 else dp.at(Axis.POS, place.pos)
 
-    def zero_group(self, place: RankPlace) -> str | None:
+    def zero_group(self, place: RankPlace) -> GroupId | None:
         """The group sharding this rank's ministages, or None when nothing replicates them."""
         if len(self.replicas(place)) == 1:
             return None
         if _hierarchical(place.stage):
-            return f"{self._dp_name(place)}.n{self._node_index(place)}"
-        return self._dp_name(place)
+            return self._dp_id(place).at(Axis.NODE, self._node_index(place))
+        return self._dp_id(place)
 
-    def outer_group(self, place: RankPlace) -> str | None:
+    def outer_group(self, place: RankPlace) -> GroupId | None:
         if len(self.replicas(place)) == 1 or not _hierarchical(place.stage):
             return None
         inner = self._inner_members(place)
-        return f"dpx{self._dp_name(place)[2:]}.i{inner.index(place.rank)}"
+        return self._dp_id(place).of_kind(GroupKind.DPX).at(Axis.SHARD, inner.index(place.rank))
 
     def _node_index(self, place: RankPlace) -> int:
-        nodes: list = []
+        nodes: list[tuple[str, int]] = []
         for r in self.replicas(place):
             if self.pipeline.world[r].host not in nodes:
                 nodes.append(self.pipeline.world[r].host)
@@ -178,30 +166,31 @@ class LowerContext:
         host = self.pipeline.world[place.rank].host
         return [r for r in self.replicas(place) if self.pipeline.world[r].host == host]
 
-    def tp_group(self, place: RankPlace) -> str | None:
+    def tp_group(self, place: RankPlace) -> GroupId | None:
         """The group this rank's tensor-parallel collectives run on (None for tp = 1)."""
         if place.stage.tp == 1:
             return None
-        return f"tp.s{place.stage.index}.l{place.lane.index}.c{place.cp_rank}"
+        return GroupId(GroupKind.TP, place.stage.index).at(Axis.LANE, place.lane.index).at(Axis.CP_RANK, place.cp_rank)
 
-    def cp_group(self, place: RankPlace) -> str | None:
+    def cp_group(self, place: RankPlace) -> GroupId | None:
         """The group this rank's context-parallel collectives run on (None for cp = 1)."""
         if place.stage.cp == 1:
             return None
-        return f"cp.s{place.stage.index}.l{place.lane.index}.t{place.tp_rank}"
+        return GroupId(GroupKind.CP, place.stage.index).at(Axis.LANE, place.lane.index).at(Axis.TP_RANK, place.tp_rank)
 
-    def ep_group(self, place: RankPlace, ms: int) -> str | None:
+    def ep_group(self, place: RankPlace, ms: int) -> GroupId | None:
         """The expert-parallel group of ministage `ms`'s MoE blocks on this rank (None: ep = 1, or no block)."""
         if place.stage.ep == 1 or not self._has_block(ms):
             return None
-        return f"ep.s{place.stage.index}.g{place.lane.index // place.stage.ep}.p{place.pos}"
+        group = place.lane.index // place.stage.ep
+        return GroupId(GroupKind.EP, place.stage.index).at(Axis.EP_GROUP, group).at(Axis.POS, place.pos)
 
-    def expert_group(self, place: RankPlace) -> str | None:
+    def expert_group(self, place: RankPlace) -> GroupId | None:
         """The group replicating this rank's experts (None when no other rank holds them)."""
         stage = place.stage
         if stage.ep == 1 or len(stage.lanes) // stage.ep * stage.lane_size == 1:
             return None
-        return f"dpe.s{stage.index}.e{place.lane.index % stage.ep}"
+        return GroupId(GroupKind.DPE, stage.index).at(Axis.EP_RANK, place.lane.index % stage.ep)
 
     def _has_block(self, ms: int) -> bool:
         m = self.pipeline.ministages[ms]
@@ -210,13 +199,13 @@ class LowerContext:
     @cached_property
     def groups(self) -> tuple[Group, ...]:
         """Every group any pass may name, in a stable order."""
-        named: dict[str, list[int]] = {"world": list(range(self.pipeline.world_size))}
+        named: dict[GroupId, list[int]] = {WORLD: list(range(self.pipeline.world_size))}
         for place in self.places:
-            for name in self._groups_of(place):
-                named.setdefault(name, []).append(place.rank)
+            for group in self._groups_of(place):
+                named.setdefault(group, []).append(place.rank)
         for place in self.places:
             self._check_lane_order(place)
-        return tuple(Group(n, tuple(sorted(r))) for n, r in named.items())
+        return tuple(Group(str(g), tuple(sorted(r))) for g, r in named.items())   # named in the program
 
     def _check_lane_order(self, place: RankPlace) -> None:
         """torch numbers a group's members by global rank; where the order of concatenation matters the lane's
@@ -233,17 +222,21 @@ class LowerContext:
             if list(members) != sorted(members):
                 raise InternalError(f"rank {place.rank}: group members {members} are not in rank order")
 
-    def _groups_of(self, place: RankPlace) -> list[str]:
+    def _groups_of(self, place: RankPlace) -> list[GroupId]:
         lane = [g for g in (self.tp_group(place), self.cp_group(place)) if g]
-        experts = sorted({g for ms in place.stage.ministages if (g := self.ep_group(place, ms))})
+        experts = sorted({g for ms in place.stage.ministages if (g := self.ep_group(place, ms))}, key=str)
         if experts and (replicas := self.expert_group(place)):
-            experts += [replicas, f"{replicas}.f", f"{replicas}.b"]
+            experts += _with_copies(replicas)
         inner = self.zero_group(place)
         if inner is None:
             return lane + experts
-        names = [inner, f"{inner}.f", f"{inner}.b"]
         outer = self.outer_group(place)
-        return names + ([outer] if outer else []) + lane + experts
+        return _with_copies(inner) + ([outer] if outer else []) + lane + experts
+
+
+def _with_copies(group: GroupId) -> list[GroupId]:
+    """A group and its per-microbatch forward and backward copies (Note [group names])."""
+    return [group, *(group.per_microbatch(d) for d in Direction)]
 
 
 def _hierarchical(stage: Stage) -> bool:

@@ -7,6 +7,7 @@ loss, with ranks that computed none contributing zero.
 
 from __future__ import annotations
 
+from hetc.groups import WORLD
 from hetc.passes.lower.context import LowerContext
 from hetc.program import AllReduce, Program, RankProgram, Tensor
 
@@ -18,5 +19,5 @@ def report_loss(program: Program, ctx: LowerContext) -> Program:
 
 
 def _rank(rp: RankProgram) -> RankProgram:
-    instrs = rp.instrs + (AllReduce(Tensor.LOSS, "world"),)
+    instrs = rp.instrs + (AllReduce(Tensor.LOSS, str(WORLD)),)
     return RankProgram(rp.rank, rp.stage, rp.lane, rp.tp_rank, rp.cp_rank, rp.shards, instrs)

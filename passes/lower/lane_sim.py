@@ -122,8 +122,8 @@ class _Simulation:
         self.orders: dict[LaneKey, list[Op]] = {key: [] for key in policies}
         self.clock = {key: 0.0 for key in policies}
         self.version = {key: 0 for key in policies}
-        self.parked: dict[Op, list] = {}
-        self.lockstep: dict[tuple[int, int], list] = {}   # (group, k) -> [lanes done, latest end]
+        self.parked: dict[Op, list[tuple[LaneKey, int]]] = {}      # op -> (lane, its version) waiting on it
+        self.lockstep: dict[tuple[int, int], list[float]] = {}   # (group, k) -> [lanes done, latest end]
         self.lead: dict[tuple[int, int], str] = {}        # (group, k) -> kind of op the first lane ran
         self.heap = [(0.0, i, key, 0) for i, key in enumerate(sorted(policies))]
         self.seq = len(self.heap)
@@ -180,7 +180,7 @@ class _Simulation:
                 shared.append(op)
         return shared, waiting
 
-    def _pick(self, key: LaneKey, now: float):
+    def _pick(self, key: LaneKey, now: float) -> tuple[Op | None, float | None, list[Op]]:
         """(op to run now | None, earliest time something may be ready, unscheduled dependencies)."""
         candidates, missing = self._candidates(key)
         wake = None

@@ -93,7 +93,7 @@ def _residency_runs(instrs: tuple[Instr, ...], params: set[int]) -> list[list[in
     return runs
 
 
-def _param_windows(instrs, params: set[int], depth: int, edits: Edits, handles: Handles) -> None:
+def _param_windows(instrs: tuple[Instr, ...], params: set[int], depth: int, edits: Edits, handles: Handles) -> None:
     runs = _residency_runs(instrs, params)
     # a ministage needed again before its prefetch could be posted simply stays resident
     spans: list[list[int]] = []          # [ms, prefetch position, start, end]
@@ -128,7 +128,7 @@ def _param_windows(instrs, params: set[int], depth: int, edits: Edits, handles: 
             edits.add_before(wait_at, Wait(h_off))
 
 
-def _activations(instrs, acts: set[int], edits: Edits, handles: Handles) -> None:
+def _activations(instrs: tuple[Instr, ...], acts: set[int], edits: Edits, handles: Handles) -> None:
     compute = [(i, op) for i, op in enumerate(instrs) if isinstance(op, COMPUTE_TYPES)]
     where = {(type(op), op.ms, op.mb): k for k, (_, op) in enumerate(compute)}
     for k, (pos, op) in enumerate(compute):

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 
 from hetc.passes.lower.context import LowerContext, RankPlace, next_handle
-from hetc.passes.lower.units import split_units
+from hetc.passes.lower.units import Unit, split_units
 from hetc.program import (COMPUTE_TYPES, Backward, BackwardInput, Forward, Instr, Program, RankProgram, Recv, Send, Tensor,
                           Wait)
 
@@ -59,29 +59,37 @@ def _send_orders(program: Program, ctx: LowerContext) -> dict[tuple[int, int], d
     return orders
 
 
-def _post_slots(units, place: RankPlace, ctx: LowerContext, send_order) -> list[list[Recv]]:
+def _post_slots(units: list[Unit], place: RankPlace, ctx: LowerContext,
+                send_order: dict[tuple[int, int], dict[_Msg, int]]) -> list[list[Recv]]:
     """The receives to post before each unit's compute (slot k: one unit ahead of unit k), in channel order."""
-    wanted: list[tuple[int, int, Recv]] = []      # (slot, position on its channel, receive)
+    by_channel: dict[int, list[_Post]] = {}
     for k, unit in enumerate(units):
         for op in unit.compute:
             for recv in _recvs_for(op, place, ctx):
                 seq = send_order[(recv.peer_from, place.rank)][_key(recv)]
-                wanted.append((k, seq, recv))
-    by_channel: dict[int, list[list]] = {}
-    for item in wanted:
-        by_channel.setdefault(item[2].peer_from, []).append(list(item))
+                by_channel.setdefault(recv.peer_from, []).append(_Post(k, seq, recv))
     for items in by_channel.values():
-        items.sort(key=lambda it: it[1])
+        items.sort(key=lambda it: it.position)
         for earlier, later in zip(reversed(items[:-1]), reversed(items[1:])):
-            earlier[0] = min(earlier[0], later[0])   # never post after a message the peer sends later
+            earlier.slot = min(earlier.slot, later.slot)   # never post after a message the peer sends later
     slots: list[list[Recv]] = [[] for _ in units]
-    for slot, _, recv in sorted((tuple(it) for items in by_channel.values() for it in items),
-                                key=lambda it: (it[0], it[1], it[2].peer_from)):
-        slots[slot].append(recv)
+    for post in sorted((it for items in by_channel.values() for it in items),
+                       key=lambda it: (it.slot, it.position, it.recv.peer_from)):
+        slots[post.slot].append(post.recv)
     return slots
 
 
-def _rank(rp: RankProgram, place: RankPlace, ctx: LowerContext, send_order) -> RankProgram:
+@dataclasses.dataclass
+class _Post:
+    """A receive to post before unit `slot`'s compute (`_post_slots` moves it earlier), `position` on its channel."""
+
+    slot: int
+    position: int
+    recv: Recv
+
+
+def _rank(rp: RankProgram, place: RankPlace, ctx: LowerContext,
+          send_order: dict[tuple[int, int], dict[_Msg, int]]) -> RankProgram:
     handle = next_handle(rp.instrs)
     units = split_units(rp.instrs)
     # give every receive its handle up front, in posting order, so posts and waits agree

@@ -25,7 +25,8 @@ from hetc.passes.cost.memory import interleaved_warmup
 from hetc.passes.lower.context import LowerContext, rank_shell
 from hetc.passes.lower.lane_sim import Op, Policy, simulate
 from hetc.pipeline import Lane, Pipeline, Stage
-from hetc.program import Backward, BackwardInput, BackwardWeight, ComputeInstr, Forward, Instr, Load, Program
+from hetc.program import (Backward, BackwardInput, BackwardWeight, ComputeInstr, Forward, Instr, Load, Phase, Program,
+                          RankProgram)
 from hetc.spec import ModelSpec, ScheduleKind
 
 __all__ = ["Lockstep", "LockstepReason", "Op", "lane_queues", "lockstep_groups", "order_compute", "queue_shape"]
@@ -115,7 +116,7 @@ def _interleaved_orders(pipeline: Pipeline, own: list[int], mbs: list[int], grou
     return f, b
 
 
-def _coupled_lanes(ctx: LowerContext, policies: dict) -> list[tuple[tuple[int, int], ...]]:
+def _coupled_lanes(ctx: LowerContext, policies: dict[tuple[int, int], Policy]) -> list[tuple[tuple[int, int], ...]]:
     """The groups of lanes that move in lockstep (Note [coupled lanes]), as (stage, lane) keys.
 
     Lanes in lockstep must queue the same ops (kind and ministage) in the
@@ -162,7 +163,7 @@ def _has_moe_block(pipeline: Pipeline, model: ModelSpec, stage: Stage) -> bool:
                                          for layer in pipeline.ministages[ms].layers)
 
 
-def queue_shape(queues: tuple[list[Op], list[Op], list[Op]]) -> tuple:
+def queue_shape(queues: tuple[list[Op], list[Op], list[Op]]) -> tuple[tuple[tuple[str, int], ...], ...]:
     """The (kind, ministage) sequence of each of a lane's queues: what lanes in lockstep must share."""
     return tuple(tuple((kind, ms) for kind, ms, _ in queue) for queue in queues)
 
@@ -194,7 +195,8 @@ def _duration(ctx: LowerContext, op: Op) -> float:
     """
     kind, ms, mb = op
     lane = ctx.lane_for(ms, mb)
-    return max(ctx.costs.compute_time(r, ms, kind) for r in lane.ranks)
+    phase = Phase(kind)   # a compute op's kind is its phase's letter
+    return max(ctx.costs.compute_time(r, ms, phase) for r in lane.ranks)
 
 
 def _lag(ctx: LowerContext, dep: Op, op: Op) -> float:
@@ -209,7 +211,7 @@ def _lag(ctx: LowerContext, dep: Op, op: Op) -> float:
 _COMPUTE: dict[str, type[ComputeInstr]] = {"F": Forward, "B": Backward, "I": BackwardInput, "W": BackwardWeight}
 
 
-def _with_loads(ctx: LowerContext, shell, ops: list[Op]):
+def _with_loads(ctx: LowerContext, shell: RankProgram, ops: list[Op]) -> RankProgram:
     """The rank's compute ops, with a `load` before the first use of each microbatch's data."""
     instrs: list[Instr] = []
     loaded = set()

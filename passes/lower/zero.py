@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 
 from hetc.errors import InternalError
+from hetc.groups import WORLD, Direction, GroupId, with_direction
 from hetc.passes.cost.zero_units import gathers_per_block, ministage_units
 from hetc.passes.lower.context import LowerContext, RankPlace, next_handle
 from hetc.passes.lower.edits import Edits, Handles
@@ -54,22 +55,27 @@ def _per_microbatch(ctx: LowerContext) -> bool:
 
 def _shards(place: RankPlace, ctx: LowerContext) -> tuple[Shard, ...]:
     stage, zero = place.stage, place.stage.zero
-    group = ctx.zero_group(place)
+    group = _name(ctx.zero_group(place))
     off = stage.offload
     per_block = group is not None and gathers_per_block(ctx.pipeline.schedule, zero, off, stage.ep)
     return tuple(
-        Shard(ms, zero.resolved_level if group else 0, group, ctx.outer_group(place), zero.across if group else 0,
-              off.params is not OffloadTarget.NONE, off.optimizer is not OffloadTarget.NONE,
-              off.activations is not OffloadTarget.NONE, ctx.tp_group(place), ctx.cp_group(place),
-              *_expert_groups(place, ms, ctx),
+        Shard(ms, zero.resolved_level if group else 0, group, _name(ctx.outer_group(place)),
+              zero.across if group else 0, off.params is not OffloadTarget.NONE,
+              off.optimizer is not OffloadTarget.NONE, off.activations is not OffloadTarget.NONE,
+              _name(ctx.tp_group(place)), _name(ctx.cp_group(place)), *_expert_groups(place, ms, ctx),
               units=ministage_units(ctx.model, ctx.pipeline.ministages[ms].layers, per_block))
         for ms in stage.ministages)
+
+
+def _name(group: GroupId | None) -> str | None:
+    """A group as the program names it (Note [group names])."""
+    return None if group is None else str(group)
 
 
 def _expert_groups(place: RankPlace, ms: int, ctx: LowerContext) -> tuple[str | None, str | None]:
     """(ep_group, expert_group) of a ministage: its MoE blocks' all-to-alls and its experts' replicas."""
     ep = ctx.ep_group(place, ms)
-    return ep, ctx.expert_group(place) if ep else None
+    return _name(ep), _name(ctx.expert_group(place)) if ep else None
 
 
 def _split_units(instrs: tuple[Instr, ...], shards: tuple[Shard, ...]) -> tuple[Instr, ...]:
@@ -110,7 +116,7 @@ def _rank(rp: RankProgram, place: RankPlace, ctx: LowerContext) -> RankProgram:
         for shard in shards:
             edits.end += _outer_reduce(shard)
         if ctx.grad_clip:
-            edits.end.append(AllReduce(Tensor.NORM, "world"))
+            edits.end.append(AllReduce(Tensor.NORM, str(WORLD)))
         for shard in shards:
             posts, later = _regathers(shard, handles)
             edits.end += [Step(shard.ms), *posts]
@@ -163,7 +169,7 @@ def _runs(compute: list[tuple[int, ComputeInstr]], per_mb: bool) -> list[tuple[i
     return runs
 
 
-def _gathers(shards: dict[int, Shard], compute, edits: Edits, handles: Handles, ctx: LowerContext) -> None:
+def _gathers(shards: dict[int, Shard], compute: list[tuple[int, ComputeInstr]], edits: Edits, handles: Handles, ctx: LowerContext) -> None:
     """ZeRO-3: gather each run's parameters while the previous run computes; free them after."""
     per_mb = _per_microbatch(ctx)
     runs = _runs(compute, per_mb)
@@ -177,7 +183,8 @@ def _gathers(shards: dict[int, Shard], compute, edits: Edits, handles: Handles, 
         continued = not per_mb and g + 1 < len(runs) and runs[g + 1][0] == ms
         if not continues:
             is_forward = isinstance(compute[first][1], Forward)
-            group = shard.group + ((".f" if is_forward else ".b") if per_mb else "")
+            direction = Direction.FORWARD if is_forward else Direction.BACKWARD
+            group = with_direction(shard.group, direction) if per_mb else shard.group
             h = handles.take()
             post_at = compute[runs[g - 1][1][0]][0] if g > 0 else compute[first][0]
             unit = compute[first][1].unit
@@ -187,7 +194,8 @@ def _gathers(shards: dict[int, Shard], compute, edits: Edits, handles: Handles, 
             edits.add_after(compute[last][0], Free(Tensor.PARAMS, ms, compute[last][1].unit))
 
 
-def _reduce(shard: Shard, unit: Unit | None, compute, edits: Edits, handles: Handles, ctx: LowerContext):
+def _reduce(shard: Shard, unit: Unit | None, compute: list[tuple[int, ComputeInstr]], edits: Edits,
+            handles: Handles, ctx: LowerContext) -> tuple[int, list[Wait], bool]:
     """Post the gradient reductions of one buffer (a unit's, or the ministage's); return (where the step
     goes, waits still due, step goes first there).
 
@@ -211,7 +219,7 @@ def _reduce(shard: Shard, unit: Unit | None, compute, edits: Edits, handles: Han
             for w in pending:
                 edits.add_before(pos, w)
             h = handles.take()
-            edits.add_after(pos, ReduceScatter(Tensor.GRADS, shard.ms, shard.group + ".b", h, unit))
+            edits.add_after(pos, ReduceScatter(Tensor.GRADS, shard.ms, with_direction(shard.group, Direction.BACKWARD), h, unit))
             pending = [Wait(h)]
         return last_pos, pending, first
     h = handles.take()

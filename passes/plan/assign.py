@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from ortools.sat.python import cp_model
 
+from hetc.passes.plan.candidate import Knobs
 from hetc.passes.plan.routing import spread
 from hetc.passes.plan.tables import Option, StageTable
 
@@ -52,7 +54,7 @@ class Assignment:
 @dataclass(frozen=True)
 class _Entry:
     work: float          # rounded: float noise does not decide
-    rank: tuple
+    rank: tuple[float, Knobs]
     option: Option
 
 
@@ -95,7 +97,7 @@ def _like(choices: list[Option], was: Option) -> Option | None:
     return next((o for o in choices if o.knobs == was.knobs), choices[0] if choices else None)
 
 
-def _moves(options: list[Option], by_n: list[dict[int, list[Option]]]):
+def _moves(options: list[Option], by_n: list[dict[int, list[Option]]]) -> Iterator[list[Option]]:
     n = len(options)
     for a in range(n):
         for b in range(n):
@@ -182,7 +184,7 @@ def _split(per_stage: list[list[_Entry]], units: int, bound: float) -> list[Opti
     return list(got[1]) if got else None
 
 
-def _rank(o: Option) -> tuple:
+def _rank(o: Option) -> tuple[float, Knobs]:
     """Least fill + tail; within float noise of each other, the plainer configuration."""
     return (_rounded(o.fill + o.tail), o.knobs)
 
@@ -281,7 +283,8 @@ def _hint(model: cp_model.CpModel, hint: Assignment, per_stage: list[list[tuple[
                 model.add_hint(c, max(row))
 
 
-def _lanes(model: cp_model.CpModel, s: int, opts, x, bound, m: int, ticks) -> list[Any]:
+def _lanes(model: cp_model.CpModel, s: int, opts: list[tuple[float, Option]], x: list[cp_model.IntVar],
+           bound: cp_model.IntVar, m: int, ticks: Callable[[float], int]) -> list[Any]:
     """Microbatch counts per lane class of stage s, tied to the option its x picks."""
     shapes = {tuple(len(c.lanes) for c in o.classes) for _, o in opts}
     (sizes,) = shapes  # every option of a stage has the same lane classes

@@ -17,11 +17,13 @@ in memory keeps its score with `fits` false.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hetc.passes.plan.candidate import Candidate, GpuBlock, Knobs, Offload, StageGpus, split_evenly
 from hetc.passes.cost.candidate_score import Score
 from hetc.passes.plan.layouts import gpu_run, group_speed, whole_group
+from hetc.passes.plan.structures import Structures
 from hetc.spec import ScheduleKind
 from hetc.topology import Topology
 
@@ -40,7 +42,7 @@ class Baseline:
     note: str = ""
 
 
-def baselines(search) -> list[Baseline]:
+def baselines(search: Structures) -> list[Baseline]:
     """Every baseline for `search`'s spec and cluster, scored with its primitives."""
     out = [_grid_baseline(search, "megatron", "Megatron grid, ZeRO-1", list(search.topo.groups))]
     fastest = _fastest_groups(search)
@@ -54,8 +56,8 @@ def _kind(topo: Topology, group: str) -> str:
     return topo.gpu_at(group, 0, 0).device.name
 
 
-def _fastest_groups(search) -> list[str]:
-    topo, dtype = search.topo, search.spec.model.dtype
+def _fastest_groups(search: Structures) -> list[str]:
+    topo, dtype = search.topo, search.model.dtype
 
     def per_gpu(g: str) -> float:
         device = topo.gpu_at(g, 0, 0).device
@@ -70,7 +72,7 @@ def _even(m: int, lanes: int) -> tuple[int, ...] | None:
     return tuple([m // lanes] * lanes) if m % lanes == 0 else None
 
 
-def _builds(search, stages: list[StageGpus], knobs: Knobs, idle: tuple[str, ...]) -> list[Candidate] | str:
+def _builds(search: Structures, stages: list[StageGpus], knobs: Knobs, idle: tuple[str, ...]) -> list[Candidate] | str:
     """The plan at every micro-batch size the spec allows whose microbatches split evenly over the lanes."""
     units = search.units
     if len(stages) > units:
@@ -88,26 +90,26 @@ def _builds(search, stages: list[StageGpus], knobs: Knobs, idle: tuple[str, ...]
     return out or why
 
 
-def _best(search, name: str, title, candidates: list[Candidate]) -> Baseline:
+def _best(search: Structures, name: str, title: Callable[[Candidate], str], candidates: list[Candidate]) -> Baseline:
     scored = [(search.score(c), c) for c in candidates]
     score, best = min(scored, key=lambda sc: (not sc[0].fits, search.goal.value(sc[0])))
     return Baseline(name, title(best), best, score)
 
 
-def _single(search, name: str, title: str, stages: list[StageGpus], zero: int) -> Baseline:
+def _single(search: Structures, name: str, title: str, stages: list[StageGpus], zero: int) -> Baseline:
     built = _builds(search, stages, Knobs(zero, Offload(), 1), ())
     if isinstance(built, str):
         return Baseline(name, title, None, None, built)
     return _best(search, name, lambda c: f"{title}, b {c.micro_batch}", built)
 
 
-def _hexiscale(search) -> list[StageGpus]:
-    topo, dtype = search.topo, search.spec.model.dtype
+def _hexiscale(search: Structures) -> list[StageGpus]:
+    topo, dtype = search.topo, search.model.dtype
     groups = sorted(topo.groups, key=lambda g: -group_speed(topo, g, dtype) / _size(topo, g))
     return [StageGpus(whole_group(topo, g)) for g in groups]
 
 
-def _cephalo(search) -> list[StageGpus]:
+def _cephalo(search: Structures) -> list[StageGpus]:
     return [StageGpus(tuple(GpuBlock(g, 0, n.count, 0, n.gpus) for g, n in search.topo.groups.items()))]
 
 
@@ -116,9 +118,9 @@ def _size(topo: Topology, group: str) -> int:
     return g.count * g.gpus
 
 
-def _grid_baseline(search, name: str, title: str, groups: list[str]) -> Baseline:
+def _grid_baseline(search: Structures, name: str, title: str, groups: list[str]) -> Baseline:
     """The best-scoring DP × PP × TP grid over `groups` (the others idle)."""
-    topo, model = search.topo, search.spec.model
+    topo, model = search.topo, search.model
     per_node = min(topo.groups[g].gpus for g in groups)
     total = sum(_size(topo, g) for g in groups)
     idle = tuple(g for g in topo.groups if g not in groups)
@@ -127,7 +129,7 @@ def _grid_baseline(search, name: str, title: str, groups: list[str]) -> Baseline
         if per_node % tp or model.heads % tp or model.num_kv_heads % tp or total % tp:
             continue
         grids += [(pp, tp) for pp in range(1, min(search.units, total // tp) + 1) if (total // tp) % pp == 0]
-    scored: list[tuple[tuple, list[Candidate]]] = []
+    scored: list[tuple[tuple[bool, float], list[Candidate]]] = []
     for pp, tp in grids:
         built = _builds(search, _grid_stages(topo, groups, pp, tp), Knobs(1, Offload(), 1), idle)
         if isinstance(built, str):

@@ -113,7 +113,7 @@ class Candidate:
         chunks = self.knobs[0].ministages if self.schedule is ScheduleKind.INTERLEAVED else 0
         return ministage_ranges(self.layers, tuple(k.ministages for k in self.knobs), chunks)
 
-    def key(self) -> tuple:
+    def key(self) -> tuple[object, ...]:
         """A total order for ties, plainer plans first: fewer stages, the simpler schedule, less TP,
         less offload, fewer ministages, lower ZeRO; then the plain fields."""
         offloads = sum(k.offload.params + k.offload.optimizer + k.offload.activations for k in self.knobs)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from hetc.passes.plan.candidate import Candidate, GpuBlock, Offload
+from hetc.passes.plan.candidate import Candidate, GpuBlock, Knobs, Offload
 from hetc.spec import (AUTO, LayerRange, ParallelSpec, RankSlice, Routing, RoutingKind, Spec, StageSpec,
                        ZeroSpec)
 from hetc.topology import Topology
@@ -77,7 +77,7 @@ def emit_parallel(spec: Spec, c: Candidate, topo: Topology,
                    stages=tuple(stages), idle=idle)
 
 
-def _filled(old: StageSpec, fields: dict, knobs) -> StageSpec:
+def _filled(old: StageSpec, fields: dict[str, Any], knobs: Knobs) -> StageSpec:   # fields: for `replace`
     """A written stage with its `auto` fields filled (written values stay as written)."""
     keep = {name: getattr(old, name) for name in ("layers", "ranks", "lanes", "tp", "cp", "ministages",
                                                  "microbatches") if getattr(old, name) is not AUTO}

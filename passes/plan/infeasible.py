@@ -20,27 +20,33 @@ from hetc.errors import Diagnostic, SpecError
 from hetc.passes.plan.candidate import Knobs, Offload, StageGpus
 from hetc.passes.plan.layouts import whole_group
 from hetc.passes.plan.tables import stage_costs
+from hetc.passes.cost.candidate_score import Score
+from hetc.passes.plan.baselines import Baseline
+from hetc.passes.plan.candidate import Candidate
+from hetc.passes.plan.structures import Found, Structures
 from hetc.spec import ScheduleKind
+from hetc.topology import Topology
 
 __all__ = ["no_plan_error"]
 
 
-def no_plan_error(search, found, baselines) -> SpecError:
+def no_plan_error(search: Structures, found: list[Found], baselines: list[Baseline]) -> SpecError:
     """`found`: the search's plans (fitting or not); `baselines`: the baselines, scored."""
     spec = search.spec
+    assert spec.parallel is not None   # the planner plans a spec with a parallel block
     layer = _layer_that_cannot_fit(search)
     if layer is not None:
-        return SpecError([Diagnostic(spec.model.span, layer)])
+        return SpecError([Diagnostic(search.model.span, layer)])
     fitting = [f for f in found if f.score.fits]
     if not fitting:
         tried = [(f.candidate, f.score) for f in found] + [(b.candidate, b.score) for b in baselines
-                                                           if b.score is not None]
+                                                           if b.score is not None and b.candidate is not None]
         closest = min(tried, key=lambda cs: _overflow(cs[1]), default=None)
         return SpecError([Diagnostic(spec.parallel.span, _closest(search, closest))])
     return SpecError([Diagnostic(spec.parallel.objective.span, _objective_miss(search, fitting))])
 
 
-def _frugal(search, lanes: int) -> Knobs:
+def _frugal(search: Structures, lanes: int) -> Knobs:
     space = search.space
     offloads = [o for o in space.offloads if o.params or o.optimizer] or list(space.offloads)
     offload = max(offloads, key=lambda o: (o.params, o.optimizer))
@@ -48,8 +54,8 @@ def _frugal(search, lanes: int) -> Knobs:
     return Knobs(level, offload, 1)
 
 
-def _layer_that_cannot_fit(search) -> str | None:
-    topo, model = search.topo, search.spec.model
+def _layer_that_cannot_fit(search: Structures) -> str | None:
+    topo, model = search.topo, search.model
     group = max(topo.groups, key=lambda g: (topo.gpu_at(g, 0, 0).device.memory, _size(topo, g)))
     stage = StageGpus(whole_group(topo, group))
     res = search.resolve(stage)
@@ -83,33 +89,34 @@ def _offloaded(off: Offload) -> str:
     return "" if off == Offload() else f", {off} offloaded to the host"
 
 
-def _size(topo, group: str) -> int:
+def _size(topo: Topology, group: str) -> int:
     g = topo.groups[group]
     return g.count * g.gpus
 
 
-def _overflow(score) -> float:
+def _overflow(score: Score) -> float:
     return max(m.total / m.capacity for m in score.memory)
 
 
-def _closest(search, closest) -> str:
+def _closest(search: Structures, closest: tuple[Candidate, Score] | None) -> str:
     if closest is None:
-        m = search.prims[min(search.space.micro_batches)].num_microbatches
-        return (f"no plan places {m} microbatches (global_batch {search.spec.train.global_batch}) in "
+        prims = search.prims[min(search.space.micro_batches)]
+        m = prims.num_microbatches
+        return (f"no plan places {m} microbatches (global_batch {prims.train.global_batch}) in "
                 "memory on this cluster: every stage layout the planner tried overflows some GPU even at one "
                 "microbatch per lane; add GPUs, or leave ZeRO and offload to the planner where the spec "
                 "fixes them")
     c, score = closest
     mem = max(score.memory, key=lambda r: r.total / r.capacity)
     first, stop = c.ranges[mem.stage][0][0], c.ranges[mem.stage][-1][1]
-    model = search.spec.model
+    model = search.model
     layers = f"{model.layer_name(first)}..{model.layer_name(stop - 1)}"
     return (f"no plan fits in memory: the closest ({len(c.stages)} stages, {c.schedule.value}) still needs "
             f"{human_bytes(mem.total)} on {mem.gpu} ({mem.device}, {human_bytes(mem.capacity)}) for layers "
             f"{layers}; add GPUs, or leave ZeRO and offload to the planner where the spec fixes them")
 
 
-def _objective_miss(search, fitting) -> str:
+def _objective_miss(search: Structures, fitting: list[Found]) -> str:
     goal = search.goal
     if goal.budget > 0 and not any(goal.within_budget(f.score) for f in fitting):
         cheapest = min(fitting, key=lambda f: f.score.dollars_per_hour)

@@ -20,6 +20,7 @@ otherwise fastest first and slowest first.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 from hetc.passes.plan.candidate import GpuBlock, StageGpus, split_evenly
 from hetc.passes.plan.partition import Domains
@@ -130,8 +131,9 @@ def layouts(topo: Topology, partitions: list[Domains], max_stages: int, dtype: D
             if per_domain is None:
                 continue
             for cut in (_mixed, _by_kind):
-                parts = [_cut(cut, topo, d, p, dtype) for d, p in zip(domains, per_domain)]
-                if any(p is None for p in parts):
+                cuts = [_cut(cut, topo, d, p, dtype) for d, p in zip(domains, per_domain)]
+                parts = [p for p in cuts if p is not None]
+                if len(parts) < len(cuts):
                     continue
                 for order in orders:
                     seen.setdefault(tuple(st for i in order for st in parts[i]), None)
@@ -147,7 +149,8 @@ def stage_counts(least: int, most: int) -> list[int]:
     return [d for d in depths if d >= least] or ([least] if least <= most else [])
 
 
-def _cut(cut, topo: Topology, domain: tuple[str, ...], parts: int, dtype: DType):
+def _cut(cut: Callable[..., list[StageGpus] | None], topo: Topology, domain: tuple[str, ...], parts: int,
+         dtype: DType) -> list[StageGpus] | None:   # `_mixed` takes no dtype, the other cuts do
     return cut(topo, domain, parts) if cut is _mixed else cut(topo, domain, parts, dtype)
 
 

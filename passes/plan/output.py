@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 from pathlib import Path
+from typing import TypeGuard
 
 from hetc.frontend import syntax
 from hetc.errors import NO_SPAN, Diagnostic, InternalError, SpecError
@@ -34,7 +35,7 @@ def planned_text(loaded: LoadedSpec, planned: Spec | None, out: Path | None = No
     return format_items(items)
 
 
-def _replaced(loaded: LoadedSpec, items: list, planned: Spec, note: str) -> list:
+def _replaced(loaded: LoadedSpec, items: list[syntax.Item], planned: Spec, note: str) -> list[syntax.Item]:
     assert loaded.spec.parallel is not None and loaded.spec.train is not None and planned.train is not None
     where = next((i for i, item in enumerate(items) if _is_block(item, "parallel")), None)
     if where is None:
@@ -53,7 +54,7 @@ def _replaced(loaded: LoadedSpec, items: list, planned: Spec, note: str) -> list
     return items
 
 
-def _is_block(item, kind: str) -> bool:
+def _is_block(item: syntax.Item, kind: str) -> TypeGuard[syntax.Block]:
     return isinstance(item, syntax.Block) and item.kind == kind
 
 

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hetc.errors import InternalError
 from hetc.passes.cost import CostModel, Estimate, Profiles
@@ -74,7 +75,7 @@ class PlanResult:
 
 def plan_spec(spec: Spec, profiles: Profiles | None = None, base_dir: Path | None = None,
               progress: Callable[[str], None] | None = None, limits: SearchLimits | None = None,
-              **space_overrides) -> PlanResult:
+              **space_overrides: Any) -> PlanResult:   # `space_from_spec`'s
     """The explicit plan for `spec` (returned as is, estimated, when it has no `auto`)."""
     checked = check_spec(spec, base_dir)
     assert spec.parallel is not None   # check_spec refuses a spec that is not complete

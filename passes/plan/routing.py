@@ -12,7 +12,7 @@ lane runs in lockstep with the others and must serve the same number.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 __all__ = ["bottleneck", "spread"]
 
@@ -79,7 +79,8 @@ def _bound(m: int, classes: Sequence[tuple[int, float, int]], equal: bool) -> tu
     return max(c * cycle for c, (_, cycle, _) in zip(per_class, classes)), per_class
 
 
-def _between_breakpoints(m: int, classes, placed, lo: float) -> tuple[float, list[int]] | None:
+def _between_breakpoints(m: int, classes: Sequence[tuple[int, float, int]], placed: Callable[[float], int],
+                         lo: float) -> tuple[float, list[int]] | None:
     """The least bound when no cap binds: it lies within one slowest cycle above the fluid bound
     m / Σ(lanes / cycle), where every class has only a few count steps (breakpoints c · cycle) to try."""
     fluid = max(lo, m / sum(n / cycle for n, cycle, _ in classes if cycle > 0))

@@ -22,12 +22,13 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Hashable, Iterable, Iterator
+from typing import Any, TypeVar
 
 from hetc.passes.cost import Profiles
 from hetc.passes.plan.assign import Assignment, assign_cpsat, model_objective
 from hetc.passes.plan.improve import improve
+from hetc.passes.plan.layouts import Layout
 from hetc.passes.plan.objective import Goal
 from hetc.passes.plan.space import SearchSpace
 from hetc.passes.plan.structures import Found, SearchLimits, Structure, Structures, base_knobs
@@ -38,6 +39,8 @@ from hetc.topology import Topology
 __all__ = ["Found", "Search", "SearchLimits", "Structure"]
 
 log = logging.getLogger(__name__)
+
+_K = TypeVar("_K", bound=Hashable)
 
 
 class Search(Structures):
@@ -89,7 +92,7 @@ class Search(Structures):
         tell("refinement")
         return sorted(found, key=self.rank)
 
-    def _quick(self, st: Structure) -> tuple:
+    def _quick(self, st: Structure) -> tuple[bool, float]:
         """A first look at a structure: layers split by speed, each stage's lightest or most frugal option."""
         options = []
         for s, n in enumerate(self._speed_split(st)):
@@ -101,7 +104,7 @@ class Search(Structures):
             options.append(min(placeable, key=lambda o: (o.placed_work + o.fill + o.tail, o.knobs)))
         return (False, model_objective(options) * self._price_factor(st))
 
-    def _every_variant(self, idle: tuple[str, ...], layout):
+    def _every_variant(self, idle: tuple[str, ...], layout: Layout) -> Iterator[Structure]:
         space = self.space
         return self.variants(idle, layout, space.schedules, space.micro_batches, space.tp)
 
@@ -116,7 +119,7 @@ class Search(Structures):
     def exact_screen(self) -> bool:
         return self.limits.exact_screen
 
-    def _screen(self, structures) -> list[tuple[tuple, Structure]]:
+    def _screen(self, structures: Iterable[Structure]) -> list[tuple[tuple[object, ...], Structure]]:
         out = []
         for st in structures:
             self.visited += 1
@@ -132,7 +135,7 @@ class Search(Structures):
                 out.append(((False, False, value), st))
         return out
 
-    def _rescore(self, structures: list[Structure]) -> list[tuple[tuple, Structure]]:
+    def _rescore(self, structures: list[Structure]) -> list[tuple[tuple[object, ...], Structure]]:
         out = []
         for st in structures:
             got = self.assign(st, full=False)
@@ -166,7 +169,7 @@ class Search(Structures):
         return [f for start in starts for f in (improve(self, st, start, self.limits.local_evaluations),)
                 if f is not None]
 
-    def rank(self, f: Found) -> tuple:
+    def rank(self, f: Found) -> tuple[object, ...]:
         return (not self.goal.admits(f.score), not f.score.fits, self.goal.value(f.score), f.candidate.key())
 
 
@@ -181,8 +184,8 @@ def _to_refine(found: list[Found], k: int) -> list[Structure]:
     return picks
 
 
-def _top_distinct(ranked: list[tuple[Any, Structure]], k: int, key) -> list:
-    out: dict = {}
+def _top_distinct(ranked: list[tuple[Any, Structure]], k: int, key: Callable[[Structure], _K]) -> list[_K]:
+    out: dict[_K, None] = {}
     for _, st in sorted(ranked, key=lambda r: (r[0], len(r[1].layout))):
         out.setdefault(key(st), None)
         if len(out) == k:

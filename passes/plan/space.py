@@ -22,7 +22,7 @@ from hetc.errors import Diagnostic, SpecError
 from hetc.passes.plan.candidate import Candidate, Knobs, Offload
 from hetc.passes.plan.partition import bandwidth_domains
 from hetc.passes.plan.stages import StageRule, stage_rules
-from hetc.spec import AUTO, ScheduleKind, Spec, ZeroSpec
+from hetc.spec import AUTO, Node, ScheduleKind, Spec, ZeroSpec
 from hetc.topology import Topology
 
 __all__ = [
@@ -88,17 +88,17 @@ class SearchSpace:
     fixed: Fixed = field(default_factory=lambda: Fixed())
 
 
-def written(node, name: str) -> bool:
+def written(node: Node, name: str) -> bool:
     return any(key == name for key, _ in node.spans)
 
 
-def space_from_spec(spec: Spec, topo: Topology, **overrides) -> SearchSpace:
+def space_from_spec(spec: Spec, topo: Topology, **overrides: Any) -> SearchSpace:   # SearchSpace's fields
     """The space the spec leaves open (`overrides` narrow it further, e.g. in tests)."""
     par = spec.parallel
     assert par is not None   # a checked spec
     designing = par.stages is AUTO
 
-    def free(name: str, value=None) -> bool:
+    def free(name: str, value: object = None) -> bool:
         return value is AUTO or (designing and not written(par, name))
 
     _whole_groups_idle(spec)

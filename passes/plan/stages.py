@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from hetc.errors import Diagnostic, SpecError
 from hetc.passes.plan.candidate import GpuBlock, Offload, StageGpus
 from hetc.passes.resolve import layer_index, proportional_counts
-from hetc.spec import AUTO, RankSlice, Routing, RoutingKind, Spec, StageSpec
-from hetc.topology import Topology
+from hetc.spec import AUTO, DType, RankSlice, Routing, RoutingKind, Spec, StageSpec
+from hetc.topology import Gpu, Topology
 
 __all__ = ["StageRule", "stage_rules", "written_counts"]
 
@@ -91,13 +91,14 @@ def _block(topo: Topology, r: RankSlice) -> GpuBlock:
     return GpuBlock(r.group, n0, n1, g0, g1)
 
 
-def _range(start, stop, is_slice: bool, size: int) -> tuple[int, int]:
+def _range(start: int | None, stop: int | None, is_slice: bool, size: int) -> tuple[int, int]:
     if not is_slice:
+        assert start is not None   # a single index (`group[n]`) has its start
         return start, start + 1
     return (0 if start is None else start), (size if stop is None else stop)
 
 
-def written_counts(routing: Routing, lanes: list[list], num_microbatches: int, dtype) -> tuple[int, ...]:
+def written_counts(routing: Routing, lanes: list[list[Gpu]], num_microbatches: int, dtype: DType) -> tuple[int, ...]:
     """Microbatches per lane as `resolve` derives them from a written routing."""
     n = len(lanes)
     if routing.kind is RoutingKind.COUNTS:

@@ -10,7 +10,7 @@ and scores candidates exactly (`evaluate`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 
 from hetc.passes.cost import Profiles
@@ -24,11 +24,12 @@ from hetc.passes.plan.objective import Goal
 from hetc.passes.plan.partition import bandwidth_domains
 from hetc.passes.plan.routing import spread
 from hetc.passes.plan.space import SearchSpace, knob_options
-from hetc.passes.plan.stages import written_counts
+from hetc.passes.cost.candidate_view import ResolvedStage
+from hetc.passes.plan.stages import StageRule, written_counts
 from hetc.passes.plan.tables import Option, StageTable, stage_table
 from hetc.passes.plan.views import Resolver, view_of
 from hetc.spec import ModelSpec, Objective, ScheduleKind, Spec
-from hetc.topology import Topology
+from hetc.topology import Gpu, Topology
 
 __all__ = ["Found", "SearchLimits", "Structure", "Structures", "base_knobs"]
 
@@ -86,7 +87,8 @@ class Structures:
         self.resolve = Resolver(topo)
         self.prims = {b: Primitives(spec, topo, profiles, b) for b in space.micro_batches}
         self.units = spec.model.num_model_layers
-        self._options: dict[tuple, Option | None] = {}
+        # an option's memo key: what it depends on (`_option`)
+        self._options: dict[tuple[object, ...], Option | None] = {}
 
     def layouts(self) -> Iterator[tuple[tuple[str, ...], Layout]]:
         rules = self.space.stages
@@ -102,10 +104,11 @@ class Structures:
                     if rules is None or len(layout) == len(rules):
                         yield idle, layout
 
-    def rule(self, s: int):
+    def rule(self, s: int) -> StageRule | None:
         return None if self.space.stages is None else self.space.stages[s]
 
-    def variants(self, idle: tuple[str, ...], layout: Layout, schedules, micro_batches,
+    def variants(self, idle: tuple[str, ...], layout: Layout, schedules: Iterable[ScheduleKind],
+                 micro_batches: Iterable[int],
                  tps: tuple[int, ...] = (1,)) -> Iterator[Structure]:
         for tp in tps:
             shaped = self._with_tp(layout, tp)
@@ -121,8 +124,7 @@ class Structures:
 
     def _with_tp(self, layout: Layout, tp: int) -> Layout | None:
         """The layout with lanes of `tp` GPUs, if every TP group fits in one node and splits the heads."""
-        tps = [self.rule(s).tp if self.rule(s) is not None and self.rule(s).tp else tp
-               for s in range(len(layout))]
+        tps = [r.tp if (r := self.rule(s)) is not None and r.tp else tp for s in range(len(layout))]
         if all(st.tp == t for st, t in zip(layout, tps)):
             return layout
         for st, t in zip(layout, tps):
@@ -173,7 +175,8 @@ class Structures:
             table.options += [o for o in got if o is not None]
         return table
 
-    def _option(self, st: Structure, s: int, n: int, knobs: Knobs, res, neighbours) -> Option | None:
+    def _option(self, st: Structure, s: int, n: int, knobs: Knobs, res: ResolvedStage,
+                neighbours: dict[int, Gpu]) -> Option | None:
         # what the option depends on: this stage, its place, its neighbours' first GPUs (the border peers)
         peers = tuple(sorted((o, g.group, g.host) for o, g in neighbours.items()))
         key = (st.layout[s], s, len(st.layout), peers, st.schedule, st.micro_batch, st.interleave, n, knobs)
@@ -295,7 +298,7 @@ class Structures:
 def base_knobs(options: list[Knobs]) -> list[Knobs]:
     """A few configurations for the coarse steps: the lightest, ZeRO's most sharded without offload, the
     most frugal."""
-    def weight(k: Knobs) -> tuple:
+    def weight(k: Knobs) -> tuple[int, int, int]:
         return (k.offload.params + k.offload.optimizer + k.offload.activations, k.zero, k.ministages)
 
     by_weight = sorted(options, key=weight)

@@ -69,7 +69,7 @@ class StageTable:
 
 
 def _context(prims: Primitives, index: int, num_stages: int, n: int, ministages: int, interleave: int,
-             neighbours: dict[int, Gpu], schedule: ScheduleKind, prefetch: int) -> tuple[StageContext, tuple]:
+             neighbours: dict[int, Gpu], schedule: ScheduleKind, prefetch: int) -> tuple[StageContext, tuple[int, ...]]:
     """Stand-in ministages: this stage's own, at their true layer kinds, between neighbour stand-ins.
 
     Only the kinds of a ministage's layers matter (blocks are alike), so a

@@ -15,6 +15,8 @@ findings with a steps × ranks grid of the ranks involved:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from hetc.passes.lower.forward_only import forward_only
 from hetc.passes.verify.dataflow import check_dataflow
 from hetc.passes.verify.errors import Finding, VerifyError
@@ -40,7 +42,7 @@ def verify(program: Program, pipeline: Pipeline, spec: Spec, sizes: Sizes | None
     _check_shape(program, pipeline)
     model, train = spec.model, spec.train
     assert model is not None and train is not None   # a checked spec
-    checks = [("dataflow", lambda: check_dataflow(program, pipeline, model.num_model_layers,
+    checks: list[tuple[str, Callable[[], list[Finding]]]] = [("dataflow", lambda: check_dataflow(program, pipeline, model.num_model_layers,
                                                   train.grad_clip > 0, model.seq, forward_only)),
               ("protocol", lambda: check_protocol(program))]
     if sizes is not None:

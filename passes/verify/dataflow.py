@@ -22,16 +22,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
+from hetc.groups import split_direction
 from hetc.layout import Range, boundary_ranges, describe, local_slice, tiling_problem
 from hetc.passes.verify.errors import Finding, at
 from hetc.pipeline import Pipeline
-from hetc.program import (AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight, Forward,
+from hetc.program import (AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight, ComputeInstr, Forward,
                           Free, Instr, Load, Offload, Prefetch, Program, RankProgram, Recv, ReduceScatter,
                           Send, Shard, Step, Tensor, Unit, Wait)
 
 __all__ = ["check_dataflow"]
+
+_Key = tuple[int, int]                  # (ms, mb)
+_Message = tuple[Tensor, int, int]      # (tensor, ms, mb) of a boundary tensor
+_Moving = tuple[str, int] | tuple[str, int, int]    # ("params", ms) / ("act", ms, mb)
+_Owned = Forward | Backward | BackwardInput | BackwardWeight | Step | Offload | Prefetch
+_Learning = Backward | BackwardInput | BackwardWeight | Step
+_Collective = AllGather | ReduceScatter | AllReduce | AllToAll
+_Posted = Send | Recv | _Collective | Offload | Prefetch    # what may carry a handle
 
 
 class _Fault(Exception):
@@ -42,22 +50,24 @@ class _Fault(Exception):
 
 @dataclass
 class _State:
-    loaded: set = field(default_factory=set)
-    fwd: set = field(default_factory=set)           # (ms, mb) forwarded here
-    bwd: set = field(default_factory=set)           # (ms, mb) input-gradient done here (bwd or bwd_i)
-    wgrad: set = field(default_factory=set)         # (ms, mb) weight-gradient done here (bwd or bwd_w)
-    arrived: dict = field(default_factory=dict)     # (tensor, ms, mb) -> token ranges received and waited
-    pending: dict = field(default_factory=dict)     # handle -> instruction
+    loaded: set[int] = field(default_factory=set)
+    fwd: set[_Key] = field(default_factory=set)           # (ms, mb) forwarded here
+    bwd: set[_Key] = field(default_factory=set)           # (ms, mb) input-gradient done here (bwd or bwd_i)
+    wgrad: set[_Key] = field(default_factory=set)         # (ms, mb) weight-gradient done here (bwd or bwd_w)
+    arrived: dict[_Message, list[Range]] = field(default_factory=dict)   # token ranges received and waited
+    pending: dict[int, _Posted] = field(default_factory=dict)     # handle -> instruction
     # (tensor, ms, mb) -> its posted receives not yet waited: an index of `pending`, so that checking a
     # receive against the ones in flight does not scan every posted op (64 ranks: 10^8 comparisons)
-    receiving: dict = field(default_factory=dict)
-    gathered: dict = field(default_factory=dict)    # (ms, unit) -> completed gathers not yet freed
-    reached: set = field(default_factory=set)       # ("F" | "B", ms, mb, layer): a unit's output is here
-    on_host: set = field(default_factory=set)       # offloaded ministages' parameters now on the host
-    moving: set = field(default_factory=set)        # ("params", ms) / ("act", ms, mb) in flight
-    act_host: set = field(default_factory=set)      # (ms, mb) stashes on the host
-    reduced: dict = field(default_factory=dict)     # (ms, unit) -> completed reductions after its last backward
-    stepped: set = field(default_factory=set)
+    receiving: dict[_Message, list[Recv]] = field(default_factory=dict)
+    gathered: dict[tuple[int, Unit | None], int] = field(default_factory=dict)   # completed gathers not yet freed
+    # (op kind, ms, mb, unit) a unit's op ran; ("F" | "B", ms, mb, layer): a unit's output is here
+    reached: set[tuple[str, int, int, Unit | int | None]] = field(default_factory=set)
+    on_host: set[int] = field(default_factory=set)       # offloaded ministages' parameters now on the host
+    moving: set[_Moving] = field(default_factory=set)    # ("params", ms) / ("act", ms, mb) in flight
+    act_host: set[_Key] = field(default_factory=set)     # (ms, mb) stashes on the host
+    # (ms, unit) -> completed reductions after its last backward
+    reduced: dict[tuple[int | None, Unit | None], list[str]] = field(default_factory=dict)
+    stepped: set[int] = field(default_factory=set)
     norm_done: bool = False
 
 
@@ -109,7 +119,7 @@ class _Rank:
     def run(self, i: int, instr: Instr) -> None:
         _HANDLERS[type(instr)](self, i, instr)
 
-    def _owned(self, instr) -> None:
+    def _owned(self, instr: _Owned) -> None:
         if instr.ms not in self.own:
             raise _Fault(f"ministage {instr.ms} does not belong to this rank's stage")
         if hasattr(instr, "mb") and instr.mb is not None and instr.mb not in self.mbs:
@@ -129,14 +139,14 @@ class _Rank:
         if ms in self.s.on_host or ("params", ms) in self.s.moving:
             raise _Fault(f"the parameters of ministage {ms} are not on the device (prefetch and wait first)")
 
-    def load(self, i, instr: Load) -> None:
+    def load(self, i: int, instr: Load) -> None:
         if instr.mb not in self.mbs:
             raise _Fault(f"microbatch {instr.mb} is not routed to this rank's lane")
         if instr.mb in self.s.loaded:
             raise _Fault(f"microbatch {instr.mb} is loaded twice")
         self.s.loaded.add(instr.mb)
 
-    def _span(self, instr) -> tuple[int, int]:
+    def _span(self, instr: ComputeInstr) -> tuple[int, int]:
         """The layers [first, stop) an op runs: its unit's, or its ministage's (Note [units])."""
         m = self.pipeline.ministages[instr.ms]
         unit = instr.unit
@@ -146,13 +156,13 @@ class _Rank:
             raise _Fault(f"unit {unit} is not one of ministage {instr.ms}'s units")
         return unit.first, unit.stop
 
-    def _unit_once(self, instr) -> None:
+    def _unit_once(self, instr: ComputeInstr) -> None:
         key = (type(instr).__name__, instr.ms, instr.mb, instr.unit)
         if instr.unit is not None and key in self.s.reached:
             raise _Fault(f"microbatch {instr.mb} passes unit {instr.unit} of ministage {instr.ms} twice")
         self.s.reached.add(key)
 
-    def forward(self, i, instr: Forward) -> None:
+    def forward(self, i: int, instr: Forward) -> None:
         self._owned(instr)
         key = (instr.ms, instr.mb)
         first, stop = self._span(instr)
@@ -173,7 +183,7 @@ class _Rank:
         if stop == m.stop_layer:
             self.s.fwd.add(key)
 
-    def backward(self, i, instr) -> None:
+    def backward(self, i: int, instr: Backward | BackwardInput | BackwardWeight) -> None:
         self._learning(instr)
         self._owned(instr)
         key = (instr.ms, instr.mb)
@@ -209,7 +219,7 @@ class _Rank:
             if done:
                 self.s.wgrad.add(key)
 
-    def send(self, i, instr: Send) -> None:
+    def send(self, i: int, instr: Send) -> None:
         key = (instr.ms, instr.mb)
         done = self.s.fwd if instr.what is Tensor.ACT else self.s.bwd
         if key not in done:
@@ -220,7 +230,7 @@ class _Rank:
             self._inside(instr.seq, self.held, "this rank holds")
         self._post(i, instr)
 
-    def recv(self, i, instr: Recv) -> None:
+    def recv(self, i: int, instr: Recv) -> None:
         key = _message(instr)
         pending = self.s.receiving.get(key, [])
         if instr.seq is None and (key in self.s.arrived or pending) or \
@@ -251,7 +261,7 @@ class _Rank:
             raise _Fault(f"tokens {describe([piece])} are not inside one range of the tokens {whose} "
                          f"({describe(held)})") from None
 
-    def collective(self, i, instr) -> None:
+    def collective(self, i: int, instr: _Collective) -> None:
         if isinstance(instr, (AllGather, ReduceScatter, AllReduce)) and instr.what is not Tensor.LOSS and \
                 instr.what is not Tensor.NORM:
             self._unit_of_buffer(instr)
@@ -263,16 +273,16 @@ class _Rank:
                 raise _Fault(f"gathers ministage {instr.ms} while its shard is on the host")
         self._post(i, instr)
 
-    def free(self, i, instr: Free) -> None:
+    def free(self, i: int, instr: Free) -> None:
         key = (instr.ms, instr.unit)
         if self.s.gathered.get(key, 0) <= 0:
             raise _Fault(f"frees the parameters of ministage {instr.ms}{_of_unit(instr.unit)}, which are not "
                          "gathered")
         self.s.gathered[key] -= 1
 
-    def _unit_of_buffer(self, instr) -> None:
+    def _unit_of_buffer(self, instr: AllGather | ReduceScatter | AllReduce) -> None:
         """A collective on a ministage split into units names one of them (Note [units]); else none."""
-        shard = self.shards.get(instr.ms)
+        shard = self.shards.get(instr.ms) if instr.ms is not None else None
         if shard is None:
             raise _Fault(f"ministage {instr.ms} does not belong to this rank's stage")
         units = shard.part(instr.group).units
@@ -282,7 +292,7 @@ class _Rank:
         if not units and instr.unit is not None:
             raise _Fault(f"ministage {instr.ms} is not split into units, but the collective names unit {instr.unit}")
 
-    def copy(self, i, instr) -> None:
+    def copy(self, i: int, instr: Offload | Prefetch) -> None:
         if instr.what is Tensor.PARAMS:
             self._owned(instr)
             if ("params", instr.ms) in self.s.moving:
@@ -299,11 +309,11 @@ class _Rank:
             self.s.moving.add(("act", *key))
         self._post(i, instr)
 
-    def _learning(self, instr) -> None:
+    def _learning(self, instr: _Learning) -> None:
         if self.forward_only:
             raise _Fault(f"an evaluation program runs forward only, but `{instr}` learns")
 
-    def step(self, i, instr: Step) -> None:
+    def step(self, i: int, instr: Step) -> None:
         self._learning(instr)
         self._owned(instr)
         if instr.ms in self.s.stepped:
@@ -331,7 +341,7 @@ class _Rank:
             return []
         return [shard.group] + ([shard.outer] if shard.outer else [])
 
-    def _post(self, i, instr) -> None:
+    def _post(self, i: int, instr: _Posted) -> None:
         if instr.handle is None:
             self._complete(instr)
         else:
@@ -339,14 +349,14 @@ class _Rank:
             if isinstance(instr, Recv):
                 self.s.receiving.setdefault(_message(instr), []).append(instr)
 
-    def wait(self, i, instr: Wait) -> None:
+    def wait(self, i: int, instr: Wait) -> None:
         done = self.s.pending.pop(instr.handle, None)
         if done is not None:
             if isinstance(done, Recv):
                 self.s.receiving[_message(done)].remove(done)
             self._complete(done)
 
-    def _complete(self, instr) -> None:
+    def _complete(self, instr: _Posted) -> None:
         s = self.s
         if isinstance(instr, Recv):
             # a whole tensor brings every token this rank holds (`recv` checked the sender holds the same)
@@ -359,7 +369,7 @@ class _Rank:
             key = (instr.ms, instr.unit)
             s.gathered[key] = s.gathered.get(key, 0) + full
         elif isinstance(instr, (ReduceScatter, AllReduce)) and instr.what is Tensor.GRADS:
-            group = instr.group[:-2] if instr.group.endswith((".b", ".f")) else instr.group
+            group, _ = split_direction(instr.group)
             reduced = s.reduced.setdefault((instr.ms, instr.unit), [])
             if group not in reduced:
                 reduced.append(group)
@@ -368,12 +378,13 @@ class _Rank:
         elif isinstance(instr, (Offload, Prefetch)):
             self._copied(instr)
 
-    def _copied(self, instr) -> None:
+    def _copied(self, instr: Offload | Prefetch) -> None:
         s = self.s
         if instr.what is Tensor.PARAMS:
             s.moving.discard(("params", instr.ms))
             (s.on_host.add if isinstance(instr, Offload) else s.on_host.discard)(instr.ms)
         else:
+            assert instr.mb is not None   # `copy` let only a live stash, (ms, mb), move
             s.moving.discard(("act", instr.ms, instr.mb))
             (s.act_host.add if isinstance(instr, Offload) else s.act_host.discard)((instr.ms, instr.mb))
 
@@ -402,11 +413,12 @@ def _of_unit(unit: Unit | None) -> str:
     return "" if unit is None else f" (unit {unit})"
 
 
-def _message(recv: Recv) -> tuple:
+def _message(recv: Recv) -> _Message:
     return recv.what, recv.ms, recv.mb
 
 
-_HANDLERS: dict[type, Callable[[_Rank, int, Any], None]] = {
+# one handler per instruction class, each taking its own class (so the table's value type is loose)
+_HANDLERS: dict[type[Instr], Callable[..., None]] = {
     Load: _Rank.load, Forward: _Rank.forward, Backward: _Rank.backward, BackwardInput: _Rank.backward,
     BackwardWeight: _Rank.backward, Send: _Rank.send, Recv: _Rank.recv, AllGather: _Rank.collective,
     ReduceScatter: _Rank.collective, AllReduce: _Rank.collective, AllToAll: _Rank.collective,

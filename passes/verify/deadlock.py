@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from hetc.passes.verify.errors import Finding, at
 from hetc.passes.verify.machine import collective_groups, compute_groups
-from hetc.program import Instr, Program, Recv, Send
+from hetc.program import Instr, Program, Recv, Send, Tensor
 
 __all__ = ["Stuck", "explain_deadlock"]
 
@@ -41,9 +41,9 @@ class _Partners:
 
     def __init__(self, program: Program):
         self.program = program
-        self.sends: Counter = Counter()
-        self.recvs: Counter = Counter()
-        self.calls: Counter = Counter()
+        self.sends: Counter[tuple[int, int, Tensor, int, int]] = Counter()
+        self.recvs: Counter[tuple[int, int, Tensor, int, int]] = Counter()
+        self.calls: Counter[tuple[str, int]] = Counter()
         groups = compute_groups(program)
         for rp in program.ranks:
             for instr in rp.instrs:

@@ -196,7 +196,8 @@ class Machine:
                 return problem
         return None
 
-    def _post_p2p(self, op: Op, channel, mine, theirs) -> Finding | None:
+    def _post_p2p(self, op: Op, channel: tuple[int, int], mine: dict[tuple[int, int], deque[Op]],
+                  theirs: dict[tuple[int, int], deque[Op]]) -> Finding | None:
         peer = channel[1] if isinstance(op.instr, Send) else channel[0]
         if not 0 <= peer < len(self.ranks) or peer == op.rank:
             return at(self.program, op.rank, op.index, f"peer {peer} is not another rank of this "
@@ -358,6 +359,6 @@ def _mismatch(send: Send, recv: Recv) -> str:
     return ""
 
 
-def _collective_key(instr, any_mb: bool = False) -> tuple:
+def _collective_key(instr: Instr, any_mb: bool = False) -> tuple[str, object, object, object, object]:
     return (type(instr).__name__, getattr(instr, "what", None), getattr(instr, "ms", None),
             None if any_mb else getattr(instr, "mb", None), getattr(instr, "unit", None))

@@ -32,15 +32,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from hetc.passes.verify.errors import Finding, at
 from hetc.pipeline import Pipeline
-from hetc.program import (AllGather, Backward, BackwardInput, BackwardWeight, Forward, Free, Instr, Offload,
+from hetc.program import (AllGather, Backward, BackwardInput, BackwardWeight, ComputeInstr, Forward, Free, Instr, Offload,
                           Prefetch, Program, RankProgram, Recv, Shard, Step, Tensor, Unit, Wait)
 
 __all__ = ["Peak", "Sizes", "check_memory", "format_bytes", "rank_levels", "rank_peaks"]
+
+# What holds memory, by kind: ("reserve",), ("params" | "optimizer" | "grads" | "gathered", ms),
+# ("stash", ms, mb) or ("recv", what, ms, mb, seq)
+_Key = tuple[object, ...]
 
 PARTS = ("params", "grads", "optimizer", "gathered", "activations", "buffers", "reserve")
 
@@ -50,7 +55,6 @@ class Sizes(Protocol):
 
     @property
     def delta(self) -> float: ...   # bytes per element of the training dtype (activations and their gradients)
-
 
 
     def param_bytes(self, ms: int, rank: int) -> float: ...
@@ -114,21 +118,21 @@ class _Walk:
     rank: int
     capacity: float
     used: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
-    live: dict[tuple, tuple[str, float]] = field(default_factory=dict)   # key -> (part, bytes)
+    live: dict[_Key, tuple[str, float]] = field(default_factory=dict)   # key -> (part, bytes)
     gathers: dict[tuple[int, Unit | None], int] = field(default_factory=dict)  # (ms, unit) -> holders
-    pending: dict[int, tuple] = field(default_factory=dict)             # handle -> key released on completion
+    pending: dict[int, _Key] = field(default_factory=dict)             # handle -> key released on completion
     total: float = 0.0
     peak: Peak | None = None
     first_over: int | None = None
     levels: list[float] | None = None   # when recording: the use at each observation, in order
 
-    def take(self, key: tuple, part: str, nbytes: float) -> None:
+    def take(self, key: _Key, part: str, nbytes: float) -> None:
         if key not in self.live and nbytes > 0:
             self.live[key] = (part, nbytes)
             self.used[part] += nbytes
             self.total += nbytes
 
-    def give(self, key: tuple) -> None:
+    def give(self, key: _Key) -> None:
         part, nbytes = self.live.pop(key, (None, 0.0))
         if part is not None:
             self.used[part] -= nbytes
@@ -176,7 +180,7 @@ class _Rank:
         self.stash_input = {ms: sizes.boundary_bytes(ms - 1) / cp if ms > 0 else 0.0 for ms in own}
         self.delta = sizes.delta
         self.sizes = sizes
-        self.pieces: dict[tuple, list[tuple]] = {}   # (what, ms, mb) -> live receive buffers (pieces)
+        self.pieces: dict[tuple[Tensor, int, int], list[_Key]] = {}   # (what, ms, mb) -> live receive buffers
         self.act_offload = {ms for ms, shard in self.shards.items() if shard.act_offload}
         self.full_gather = {ms for ms, shard in self.shards.items() if shard.level == 3}
         self.outer = {ms: shard.outer for ms, shard in self.shards.items()}
@@ -187,7 +191,7 @@ class _Rank:
         return self.stash_input.get(ms, 0.0)
 
     @staticmethod
-    def _stash_key(instr) -> tuple:
+    def _stash_key(instr: ComputeInstr) -> _Key:
         """A stash's key: one per ministage and microbatch, or per unit where ops run per unit."""
         base = ("stash", instr.ms, instr.mb)
         return base if instr.unit is None else (*base, instr.unit)
@@ -215,7 +219,7 @@ class _Rank:
         self.walk.observe(i, self._transient(instr.ms))
         self._consumed(Tensor.ACT, instr.ms - 1, instr.mb)
 
-    def backward(self, i: int, instr) -> None:
+    def backward(self, i: int, instr: Backward | BackwardInput) -> None:
         weights = not isinstance(instr, BackwardInput) or not self.split
         if weights:
             self.walk.take(("grads", instr.ms), "grads", self.grads.get(instr.ms, 0.0))
@@ -283,7 +287,8 @@ class _Rank:
         self.walk.give(("grads", instr.ms))
 
 
-_HANDLERS = {
+# one handler per instruction class, each taking its own class (so the table's value type is loose)
+_HANDLERS: dict[type[Instr], Callable[..., None]] = {
     Forward: _Rank.forward, Backward: _Rank.backward, BackwardInput: _Rank.backward,
     BackwardWeight: _Rank.backward_weight, Recv: _Rank.recv, AllGather: _Rank.all_gather, Free: _Rank.free,
     Prefetch: _Rank.prefetch, Offload: _Rank.offload, Wait: _Rank.wait, Step: _Rank.step,

@@ -60,6 +60,8 @@ def scaled_frequencies(inv_freq: Tensor, scaling: RopeScalingSpec) -> Tensor:
 class Rotary(torch.nn.Module):
     """RoPE angles for given token positions (no parameters)."""
 
+    inv_freq: Tensor     # a buffer (register_buffer below)
+
     def __init__(self, head_dim: int, theta: float, device=None, scaling: RopeScalingSpec | None = None) -> None:
         super().__init__()
         exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim
@@ -113,7 +115,7 @@ class Attention(TPRegion):
         q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:     # both or neither (model.qk_norm)
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)

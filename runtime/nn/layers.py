@@ -88,7 +88,11 @@ class Head(TPAware, nn.Module):
                 loss_tokens: int | None = None) -> Tensor:
         """The loss (a scalar, fp32) given labels [b, s]; the logits [b, s, V] without."""
         x = self.norm(x)
-        logits = self.output(x) if self.output is not None else F.linear(x, self.tp.replicated(output_weight))
+        if self.output is None:
+            assert output_weight is not None, "a tied head is given the embedding's weight"
+            logits = F.linear(x, self.tp.replicated(output_weight))
+        else:
+            logits = self.output(x)
         if labels is None:
             return logits
         if loss_tokens is None:

@@ -130,7 +130,7 @@ class _RingAttention(torch.autograd.Function):
         for kv, theirs in _visits(ring, [k, v]):
             for qi, kj, causal in _pairs(mine, theirs):
                 _block_grads(_chunk(q, qi, n), _chunk(kv[0], kj, n), _chunk(kv[1], kj, n),
-                             *(_chunk(t, qi, n) for t in (dout, lse, delta)), causal, scale,
+                             _chunk(dout, qi, n), _chunk(lse, qi, n), _chunk(delta, qi, n), causal, scale,
                              _chunk(dq, qi, n), _chunk(dkv[0], kj, n), _chunk(dkv[1], kj, n))
             if ring.size > 1:        # the accumulators follow their K/V; after a full turn they are home
                 dkv, works = ring.shift(dkv)

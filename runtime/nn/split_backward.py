@@ -44,6 +44,7 @@ def backward_weight(module: nn.Module, deferred: DeferredWeightGrad) -> None:
     through a view, which no-grad mode would not record.
     """
     if deferred.param_groups is None:
+        assert deferred.output is not None   # backward_input kept the graph when it saved no groups
         torch.autograd.backward(deferred.output, deferred.output_grad)
         return
     stage_backward_weight(iter(module.parameters()), deferred.param_groups)

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from hetc.passes.cost.network import Bandwidth, MeasuredPoints, ring_chunk, ring_steps
+from hetc.program import Phase
 from hetc.spec import DType
 from hetc.passes.cost.profiles import LAYER_SLOTS, ComputeTable, NetworkFits, ProfileError, Profiles, fit_line
 
@@ -73,7 +74,7 @@ def profile_from_dict(data: Any, source: str) -> Profiles:
                     {kind: overhead} if overhead is not None else {}, sources=(source,), shared=shared)
 
 
-def _shared(data: dict, kind: str) -> dict[str, tuple[int, float]]:
+def _shared(data: dict[str, Any], kind: str) -> dict[str, tuple[int, float]]:
     shared = data.get("concurrency")
     if shared is None:
         return {}
@@ -83,22 +84,22 @@ def _shared(data: dict, kind: str) -> dict[str, tuple[int, float]]:
     return {kind: (ranks, slowdown)}
 
 
-def _tables(data: dict, kind: str, source: str) -> list[ComputeTable]:
+def _tables(data: dict[str, Any], kind: str, source: str) -> list[ComputeTable]:
     model = data["model"]
-    by_seq: dict[int, dict] = defaultdict(lambda: defaultdict(list))
+    by_seq: dict[int, dict[tuple[str, int, Phase], list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
     for row in data.get("layers", []):
         if row["layer"] not in LAYER_SLOTS:
             raise ValueError(f"layer '{row['layer']}' is not one of {', '.join(LAYER_SLOTS)}")
         seq, key = int(row["seq"]), (str(row["layer"]), int(row.get("tp", 1)))
-        by_seq[seq][key + ("F",)].append((int(row["micro_batch"]), float(row["forward_s"])))
-        by_seq[seq][key + ("B",)].append((int(row["micro_batch"]), float(row["backward_s"])))
+        by_seq[seq][key + (Phase.FORWARD,)].append((int(row["micro_batch"]), float(row["forward_s"])))
+        by_seq[seq][key + (Phase.BACKWARD,)].append((int(row["micro_batch"]), float(row["backward_s"])))
     return [ComputeTable(source, kind, int(model["hidden"]), int(model["block_params"]), seq,
                          DType(str(data.get("dtype", "fp32"))).value, {k: fit_line(v) for k, v in points.items()},
                          int(model["vocab"]) if "vocab" in model else None, None, str(model.get("name", "")))
             for seq, points in sorted(by_seq.items())]
 
 
-def _network(data: dict, kind: str, source: str) -> NetworkFits:
+def _network(data: dict[str, Any], kind: str, source: str) -> NetworkFits:
     """One ring step's rate between two local processes, by ring size, from p2p and collectives."""
     points: dict[int, list[tuple[float, float]]] = defaultdict(list)
     for row in data.get("p2p", []):
@@ -120,7 +121,7 @@ def _network(data: dict, kind: str, source: str) -> NetworkFits:
     return NetworkFits(intra=intra)
 
 
-def _copy_rate(data: dict) -> float | None:
+def _copy_rate(data: dict[str, Any]) -> float | None:
     rows = data.get("copy", [])
     if not rows:
         return None
@@ -129,7 +130,7 @@ def _copy_rate(data: dict) -> float | None:
     return sum(rates) / len(rates)
 
 
-def _overhead(data: dict) -> float | None:
+def _overhead(data: dict[str, Any]) -> float | None:
     if "microbatch_overhead_s" not in data:
         return None
     seconds = float(data["microbatch_overhead_s"])

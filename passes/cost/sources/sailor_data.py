@@ -24,6 +24,7 @@ from typing import Any
 from hetc.passes.cost.sources.devices import catalog_name
 from hetc.passes.cost.network import Bandwidth, QuadraticLogFit
 from hetc.passes.cost.profiles import ComputeTable, NetworkFits, ProfileError, Profiles, Rejected, fit_line
+from hetc.program import Phase
 from hetc.spec import Arch
 
 __all__ = ["SailorModel", "looks_like", "read_json", "read_models", "read_sailor"]
@@ -77,7 +78,7 @@ def read_models(folder: Path) -> dict[str, SailorModel]:
     return out
 
 
-def _model(cfg: dict, layers_info: dict | None) -> SailorModel:
+def _model(cfg: dict[str, Any], layers_info: dict[str, Any] | None) -> SailorModel:
     kind = str(cfg.get("type", "gpt2")).lower()
     arch = Arch.GPT if kind in _GPT_TYPES else Arch.LLAMA
     hidden, seq = int(cfg["hidden_size"]), int(cfg["sequence_length"])
@@ -119,7 +120,7 @@ def read_sailor(folder: Path) -> Profiles:
 
 def _table(path: Path, model: SailorModel, device: str) -> tuple[ComputeTable | None, str]:
     data = read_json(path)
-    points: dict[tuple[str, int, str], list[tuple[float, float]]] = {}
+    points: dict[tuple[str, int, Phase], list[tuple[float, float]]] = {}
     try:
         for mb, per_tp in data.items():
             for tp, per_layer in per_tp.items():
@@ -128,7 +129,7 @@ def _table(path: Path, model: SailorModel, device: str) -> tuple[ComputeTable | 
                     return None, (f"it has {n} layers but {model.name} has {model.layers} blocks "
                                   f"(expected {model.layers + 2} entries)")
                 for slot, entries in _slots(per_layer, n, model.layers).items():
-                    for phase, col in (("F", 0), ("B", 1)):
+                    for phase, col in ((Phase.FORWARD, 0), (Phase.BACKWARD, 1)):
                         t = sum(e[col] for e in entries) if slot == "head" else \
                             sum(e[col] for e in entries) / len(entries)
                         points.setdefault((slot, int(tp), phase), []).append((int(mb), t))
@@ -141,7 +142,7 @@ def _table(path: Path, model: SailorModel, device: str) -> tuple[ComputeTable | 
                         model.layers, model.name), ""
 
 
-def _slots(per_layer: dict, n: int, blocks: int) -> dict[str, list[list[float]]]:
+def _slots(per_layer: dict[str, Any], n: int, blocks: int) -> dict[str, list[list[float]]]:
     """Embedding, the blocks (averaged: they are identical) and the head (final norm + LM head)."""
     entries = [per_layer[str(i)] for i in range(n)]
     return {"embed": entries[:1], "block": entries[1:1 + blocks], "head": entries[1 + blocks:]}
@@ -173,7 +174,7 @@ def _network(folder: Path) -> NetworkFits:
     return NetworkFits(intra, inter, inter_any)
 
 
-def _fit(raw, source: Path) -> QuadraticLogFit:
+def _fit(raw: Any, source: Path) -> QuadraticLogFit:    # raw: parsed JSON, ((a, b, c), cap)
     try:
         (a, b, c), cap = raw
         return QuadraticLogFit(float(a), float(b), float(c), float(cap), str(source))

@@ -12,10 +12,13 @@ measured (the cost model times them from FLOPs).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from hetc.passes.cost.sources.devices import catalog_name
 from hetc.passes.cost.profiles import ComputeTable, LinearFit, Profiles, Rejected
+from hetc.passes.cost.shapes import LayerKind
 from hetc.passes.cost.sources.sailor_data import read_json
+from hetc.program import Phase
 
 __all__ = ["DTYPES", "LATENCIES", "STATS", "looks_like", "read_zorse"]
 
@@ -51,11 +54,11 @@ def read_zorse(folder: Path) -> Profiles:
     return Profiles(tuple(tables), rejected=tuple(rejected), sources=(str(folder),))
 
 
-def _fits(entry) -> dict | None:
+def _fits(entry: Any) -> dict[tuple[str, int, Phase], LinearFit] | None:    # entry: parsed JSON
     try:
         (fs, fi), (bs, bi) = entry[0], entry[1]
         fwd, bwd = LinearFit(float(fi) / 1e3, float(fs) / 1e3), LinearFit(float(bi) / 1e3, float(bs) / 1e3)
     except (TypeError, ValueError, IndexError):
         return None
-    return {("block", 1, "F"): fwd, ("block", 1, "B"): bwd}
+    return {(LayerKind.BLOCK, 1, Phase.FORWARD): fwd, (LayerKind.BLOCK, 1, Phase.BACKWARD): bwd}
 
