@@ -97,7 +97,7 @@ def test_the_simulator_runs_an_ep_groups_compute_in_lockstep(monkeypatch):
     lowered = compile_plan(EP2)
     costs = CostModel(lowered.spec, lowered.pipeline, lowered.topology)
     alone = costs.compute_time
-    monkeypatch.setattr(costs, "compute_time", lambda r, ms, ph: alone(r, ms, ph) * (3 if r == 1 else 1))
+    monkeypatch.setattr(costs, "compute_time", lambda r, ms, ph, unit=None: alone(r, ms, ph, unit) * (3 if r == 1 else 1))
     timeline = simulate(lowered.program, lowered.pipeline, lowered.spec, costs)
     forwards = {e.rank: (e.start, e.end) for e in timeline.events if e.kind is EventKind.FORWARD}
     assert forwards[0] == forwards[1] and forwards[2] == forwards[3]
