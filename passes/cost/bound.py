@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 from hetc.passes.cost.model import CostModel
 from hetc.passes.cost.zero_time import across_nodes
+from hetc.passes.cost.zero_units import gathers_per_block, ministage_units
 from hetc.pipeline import Lane, Stage
 from hetc.program import COMPUTE_TYPES, Backward, BackwardWeight, Collective, Forward, Phase, Program
 from hetc.spec import ScheduleKind, ZeroShard
@@ -183,10 +184,10 @@ class _Chains:
         ops = [f, i, w] if self.kind is ScheduleKind.ZB else [f, i + w]
         span = 0.0
         if level >= 3:
-            gather = min(self._collective(Collective.ALL_GATHER, group, rank, ms) for ms in stage.ministages)
+            gather = min(self._unit_collective(Collective.ALL_GATHER, group, rank, ms) for ms in stage.ministages)
             span = n * sum(max(d, gather) for d in ops) - max(ops[-1], gather) + ops[-1]
         grad = ops[-1]
-        reduce = min(self._collective(Collective.REDUCE_SCATTER, group, rank, ms) for ms in stage.ministages)
+        reduce = min(self._unit_collective(Collective.REDUCE_SCATTER, group, rank, ms) for ms in stage.ministages)
         return max(span, f + n * grad + (n - 1) * reduce)
 
     def _other_steps(self, rank: int) -> float:
@@ -286,7 +287,17 @@ class _Chains:
         group = self._group(rank)
         if stage.zero.resolved_level < 3 or len(group) < 2 or stage.ep > 1:
             return 0.0
-        return self._collective(Collective.ALL_GATHER, group, rank, stage.ministages[0])
+        return self._unit_collective(Collective.ALL_GATHER, group, rank, stage.ministages[0])
+
+    def _unit_collective(self, kind: Collective, group: Sequence[int], rank: int, ms: int) -> float:
+        """The fastest of ministage `ms`'s ZeRO collectives: one per unit where the stage gathers per block
+        (Note [zero-3 units]), so a bound never counts a whole ministage where lowering moves one layer."""
+        stage = self.cm.stage_of(rank)
+        units = ministage_units(self.cm.model, self.cm.ministage(ms).layers,
+                                gathers_per_block(self.kind, stage.zero, stage.offload, stage.ep))
+        if not units:
+            return self._collective(kind, group, rank, ms)
+        return min(self.cm.collective_time(kind, tuple(group), self.cm.unit_param_bytes(u, rank)) for u in units)
 
     def _step(self, rank: int, ms: int) -> float:
         """The optimizer step of the rank's shard of ministage `ms` (dense parameters)."""
