@@ -69,6 +69,7 @@ class CostModel:
         self._p2p: dict[tuple[str, str, bool, float, int], float] = {}
         self._compute_times: dict[tuple[int, int, Phase, Unit | None], float] = {}
         self._numels: dict[tuple[int, int, int, int], float] = {}
+        self._layer_costs: dict[tuple[int, int], LayerCost] = {}   # (rank, layer): every phase asks
         self._fits: dict[tuple[str, str, bool, int, int], Bandwidth | None] = {}
         # Note [shared cores]: the plan's ranks on a node with fewer cores than ranks compute slower
         cluster = spec.cluster
@@ -233,6 +234,12 @@ class CostModel:
         return self._slowdown.get(self.gpu(rank).host, 1.0)
 
     def _layer_cost(self, rank: int, idx: int) -> LayerCost:
+        got = self._layer_costs.get((rank, idx))
+        if got is None:
+            got = self._layer_costs[(rank, idx)] = self._rank_layer_cost(rank, idx)
+        return got
+
+    def _rank_layer_cost(self, rank: int, idx: int) -> LayerCost:
         stage = self.stage_of(rank)
         block = layer_kind(self.model, idx) == LayerKind.BLOCK
         return self.layer_cost(self.gpu(rank).device.name, idx, stage.tp, stage.cp, self.tp_group(rank),
