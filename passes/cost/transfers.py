@@ -1,0 +1,71 @@
+"""How much of a lane's border transfers its thread waits for, per engine (Note [async sends]).
+
+Note [async sends]: hetc's lowering (passes/lower/p2p.py, Note [p2p
+placement]) posts every send as an `isend` right after the op that made
+its tensor and waits for it only at the end of the step, and posts every
+receive one compute op before its consumer, waiting right before the
+consumer. The transfer runs beside that op, so a lane waits only for what
+of a transfer outlasts the op before its consumer, in the lane's steady
+order: under GPipe a forward follows a forward and a backward a backward;
+under 1F1B and interleaved 1F1B a forward follows a backward and a
+backward a forward; under ZB-H1 a forward follows a weight gradient and
+an input gradient a forward. With several ministages on a stage each
+receive overlaps one op, a ministage's share of the stage's compute.
+Megatron-LM and DeepSpeed block on their sends and receives: the lane
+waits for every transfer, each border once per microbatch and cycle (the
+activation of one microbatch and the gradient of another cross it at the
+same time), which Sailor's measured runs validate (docs/costmodel.md,
+"Validation"). Either way the transfers are on the path of a microbatch
+through the pipeline: the fill and drain, the round trip of the in-flight
+limit and the lower bound count them whole (`Borders.total`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from hetc.spec import ScheduleKind
+
+__all__ = ["Borders", "Engine", "transfer_waits"]
+
+
+class Engine(StrEnum):
+    """The training engine whose point-to-point traffic the cost model times (Note [async sends])."""
+
+    HETC = "hetc"            # hetc's programs: asynchronous sends, receives posted one op ahead
+    MEGATRON = "megatron"    # Megatron-LM / DeepSpeed: blocking sends and receives
+
+
+@dataclass(frozen=True, slots=True)
+class Borders:
+    """One microbatch's border transfers on a lane, seconds each: the activations it receives (one per
+    border before one of its ministages, whose gradient goes back over it) and the gradients it receives
+    (one per border after one, whose activation goes out over it)."""
+
+    activations: tuple[float, ...] = ()
+    gradients: tuple[float, ...] = ()
+    ministages: int = 1     # the stage's ministages: each receive overlaps one ministage's op
+    later: float = 0.0      # of all, the borders with later stages (a round trip through them crosses each twice)
+
+    @property
+    def total(self) -> float:
+        """Every border once (one transfer per border, microbatch and direction)."""
+        return sum(self.activations) + sum(self.gradients)
+
+
+def transfer_waits(engine: Engine, schedule: ScheduleKind, borders: Borders,
+                   compute: tuple[float, float, float]) -> float:
+    """Seconds per microbatch the lane's thread waits for its border transfers (Note [async sends]);
+    `compute`: the stage's (F, I, W) of one microbatch."""
+    if engine is Engine.MEGATRON:
+        return borders.total
+    f, i, w = (x / max(borders.ministages, 1) for x in compute)
+    if schedule is ScheduleKind.GPIPE:
+        before_forward, before_backward = f, i + w
+    elif schedule is ScheduleKind.ZB:
+        before_forward, before_backward = w, f
+    else:
+        before_forward, before_backward = i + w, f
+    return sum(max(0.0, t - before_forward) for t in borders.activations) + \
+        sum(max(0.0, t - before_backward) for t in borders.gradients)
