@@ -7,11 +7,16 @@ receive one compute op before its consumer, waiting right before the
 consumer. The transfer runs beside that op, so a lane waits only for what
 of a transfer outlasts the op before its consumer, in the lane's steady
 order: under GPipe a forward follows a forward and a backward a backward;
-under 1F1B and interleaved 1F1B a forward follows a backward and a
-backward a forward; under ZB-H1 a forward follows a weight gradient and
-an input gradient a forward. With several ministages on a stage each
-receive overlaps one op, a ministage's share of the stage's compute.
-Megatron-LM and DeepSpeed block on their sends and receives: the lane
+under 1F1B a forward follows a backward and a backward a forward. With
+several ministages on a stage each receive overlaps one op, a ministage's
+share of the stage's compute. Two schedules count every transfer, as a
+blocking engine waits for it: under interleaved 1F1B a microbatch comes
+back to the lane for its next chunk only after crossing the borders in
+between, so its transfers lie between the lane's own ops of it; ZB-H1 runs
+what is ready, so the op a receive overlaps is not fixed (the agreement
+family's interleaved and ZB plans, tests/test_plan_agreement.py, ran up to
+30 % longer than the overlapped count). Megatron-LM and DeepSpeed block on
+their sends and receives: the lane
 waits for every transfer, each border once per microbatch and cycle (the
 activation of one microbatch and the gradient of another cross it at the
 same time), which Sailor's measured runs validate (docs/costmodel.md,
@@ -22,6 +27,7 @@ limit and the lower bound count them whole (`Borders.total`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -58,14 +64,18 @@ def transfer_waits(engine: Engine, schedule: ScheduleKind, borders: Borders,
                    compute: tuple[float, float, float]) -> float:
     """Seconds per microbatch the lane's thread waits for its border transfers (Note [async sends]);
     `compute`: the stage's (F, I, W) of one microbatch."""
-    if engine is Engine.MEGATRON:
+    order = _STEADY_ORDER.get(schedule)
+    if engine is Engine.MEGATRON or order is None:
         return borders.total
     f, i, w = (x / max(borders.ministages, 1) for x in compute)
-    if schedule is ScheduleKind.GPIPE:
-        before_forward, before_backward = f, i + w
-    elif schedule is ScheduleKind.ZB:
-        before_forward, before_backward = w, f
-    else:
-        before_forward, before_backward = i + w, f
+    before_forward, before_backward = order(f, i + w)
     return sum(max(0.0, t - before_forward) for t in borders.activations) + \
         sum(max(0.0, t - before_backward) for t in borders.gradients)
+
+
+# (the op before a forward, the op before a backward) in a lane's steady order, from its (F, B): the schedules
+# whose order is fixed (Megatron's strict 1F1B, GPipe's sweeps); the others count every transfer
+_STEADY_ORDER: dict[ScheduleKind, Callable[[float, float], tuple[float, float]]] = {
+    ScheduleKind.GPIPE: lambda f, b: (f, b),
+    ScheduleKind.ONE_F_ONE_B: lambda f, b: (b, f),
+}
