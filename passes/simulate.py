@@ -82,7 +82,8 @@ class _Costs:
         """Note [shared node links]: a ZeRO collective runs at once with its lane-mates' (each tp/cp position
         reduces or gathers over its own group), so they share their node's link (`CostModel.node_streams`)."""
         instr = ops[0].instr
-        if isinstance(instr, AllToAll) or instr.what not in (Tensor.GRADS, Tensor.PARAMS):
+        if not isinstance(instr, (AllGather, ReduceScatter, AllReduce)) or instr.what not in (Tensor.GRADS,
+                                                                                           Tensor.PARAMS):
             return 1
         return max(self.costs.node_streams(o.rank) for o in ops)
 
