@@ -171,9 +171,9 @@ def step_lower_bound(schedule: ScheduleKind, lanes: Sequence[LaneTiming], chunks
     still goes back through them (input-gradient backward under ZB); under
     interleaved 1F1B only through their first of `chunks` chunks. Nor is
     the pipeline shorter than its busiest lane's last microbatch: the lane
-    runs its forwards in order, each at the earliest a forward and the
-    lane's waits for its transfers after the one before (under interleaved
-    1F1B a chunk's share of that), and the last one still goes the whole
+    runs its forwards in order, each at the earliest a forward after the
+    one before (under interleaved 1F1B a chunk's), and the last one still
+    goes the whole
     way down through every stage and back, with every border's transfer
     both ways (the fastest lane of each stage). That sets a step of few
     microbatches over latency-bound borders, whose transfers lie on the way
@@ -192,7 +192,7 @@ def step_lower_bound(schedule: ScheduleKind, lanes: Sequence[LaneTiming], chunks
         share = 1 / chunks if schedule is ScheduleKind.INTERLEAVED else 1.0
         bound += (min(t.forward + t.p2p for t in mine) + min(back(t) for t in mine)) * share
     way = sum(min(t.forward + back(t) + t.p2p for t in lanes if t.stage == s) for s in {t.stage for t in lanes})
-    pace = (worst.forward + worst.p2p_wait) / (chunks if schedule is ScheduleKind.INTERLEAVED else 1)
+    pace = worst.forward / (chunks if schedule is ScheduleKind.INTERLEAVED else 1)
     return max(bound, way + (worst.microbatches - 1) * pace)
 
 
@@ -205,7 +205,8 @@ def _busiest_span(schedule: ScheduleKind, lanes: Sequence[LaneTiming], worst: La
     trip = worst.p2p_after + sum(min(_round_trip_share(schedule, t) for t in lanes if t.stage == d) for d in later)
     n = worst.microbatches
     held = n if schedule is ScheduleKind.GPIPE else min(limits.get(worst.stage, n), n)
-    return max(worst.work, round_trip_span(n, held, worst.forward, worst.cycle - worst.forward, trip))
+    f = worst.forward + worst.p2p_wait / 2   # the lane's waits, half before its forwards, half its backwards
+    return max(worst.work, round_trip_span(n, held, f, worst.cycle - f, trip))
 
 
 def round_trip_span(n: int, held: int, f: float, b: float, trip: float) -> float:
