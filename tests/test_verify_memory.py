@@ -53,15 +53,12 @@ def test_gpipe_stashes_every_microbatch_and_1f1b_only_the_ones_in_flight():
         lowered, costs, peaks = _peaks(DEMO / "gpipe.het", kind)
         limits = costs.in_flight_limits
         assert all(limits[s] >= 4 - s for s in range(4))
-
-        def expect(n: int, stage: int) -> int:
-            return n if kind is ScheduleKind.GPIPE else min(n, limits[stage])
-
         for peak in peaks:
             rp = lowered.program.ranks[peak.rank]
             ms = lowered.pipeline.stages[rp.stage].ministages[0]
             n = len(lowered.pipeline.stages[rp.stage].lanes[0].microbatches)
-            assert peak.parts["activations"] == pytest.approx(expect(n, rp.stage) * costs.activation_bytes(ms, rp.rank))
+            held = n if kind is ScheduleKind.GPIPE else min(n, limits[rp.stage])
+            assert peak.parts["activations"] == pytest.approx(held * costs.activation_bytes(ms, rp.rank))
 
 
 def test_activation_offload_keeps_less_than_every_microbatch_on_the_device():
