@@ -43,6 +43,7 @@ class Primitives:
         probe_world = Pipeline((), (), topo.gpus, self.num_microbatches, micro_batch,
                                ScheduleKind.ONE_F_ONE_B, 1)
         self.probe = CostModel(self.spec, probe_world, topo, profiles)
+        self.engine = self.probe.engine   # the planner plans for hetc's own programs
         self.delta = DTYPE_BYTES[self.model.dtype]
         self.states = state_bytes_per_param(self.model)
         # b·S·H·δ: the activation at a border (every tp rank holds it all: no sequence parallelism) and
