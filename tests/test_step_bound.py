@@ -23,16 +23,7 @@ TOLERANCE = 0.10
 COVERAGE = 0.90
 LISTED = "#### Plans far from the bound"
 
-
-# Compiled steps that end 0.4-6 ms (under 1 %) sooner than the bound: their tail after the last op is shorter
-# than the bound's since ZeRO-3 gathers per layer and its reductions changed with it (Note [zero-3 units]);
-# the bound's tail (`_tail` in passes/cost/bound.py) has not followed yet. When it does, these xfails fail.
-BELOW = ("the compiled tail after the last op is shorter than the bound's since the per-layer ZeRO-3 change "
-         "moved the reductions; passes/cost/bound.py's _tail has not followed yet")
-BELOW_JOBS = (1, 34, 67)
-PLANS = [pytest.param(("job", seed), id=f"job{seed}",
-                      marks=[pytest.mark.xfail(strict=True, reason=BELOW)] if seed in BELOW_JOBS else [])
-         for seed in range(JOBS)] + \
+PLANS = [pytest.param(("job", seed), id=f"job{seed}") for seed in range(JOBS)] + \
     [pytest.param(("spec", path), id=spec_name(path)) for path in SPECS]
 # the whole family, planned once per session (tests/planned.py); the per-plan tests before warm the cache
 WHOLE = pytest.mark.timeout(3600)
