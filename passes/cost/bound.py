@@ -15,25 +15,36 @@ of stage s with n microbatches:
   rank of the lane serving it there, and each border's transfer); under
   ZeRO-3 it also waits for its first gather, posted when r starts;
 - *busy*: r's thread runs n forwards and backwards (F + I + W under ZB),
-  each its own duration; under per-microbatch ZeRO-3 an op starts no sooner
-  than the gather posted when the op before it started (Note [zero cycle]),
-  and under per-microbatch ZeRO-2/3 a gradient op waits for the reduction
-  its predecessor posted;
+  each its own duration; under per-microbatch ZeRO the ops are lowering's
+  (one per unit where the stage gathers per block, Note [zero-3 units]):
+  under ZeRO-3 each starts no sooner than its gather, posted when the op
+  before it started (Note [zero cycle]), and under ZeRO-2/3 the gradient op
+  of a buffer (unit or ministage) waits for the reduction of that buffer's
+  previous one, the rest of a microbatch's work before the first and after
+  the last (all n forwards before, where r runs its forwards first);
 - *tail* (what lowering cannot overlap after r's last op, Note [zero
   placement]): the reduction of its first ministage's gradients (the last
   to be produced; of that ministage's first layer alone where the stage
   gathers per block, Note [zero-3 units]: a backward runs the units in
   reverse, each other unit's reduction beside the next one's compute),
-  the hierarchical outer reduction, the norm when clipping, every
-  optimizer step (only the first ministage's under Zorse's
-  interleaved update: the others ran inside the step), the last parameter
-  gather after a step, and the loss all-reduce over every rank;
+  the hierarchical outer reductions and gathers back (each unit's, one
+  after another), the norm when clipping, every optimizer step (only the
+  first ministage's, and its outer reduction, under Zorse's interleaved
+  update: the others ran inside the step), the last parameter gather
+  after a step, and the loss all-reduce over every rank;
 - *drain*: after r's last gradient op the gradient still goes back through
   the ministages before r's first, and the stage s' < s it reaches then
   runs its own tail (the fastest of its ranks);
 - *round trip*: r's first backward waits for one microbatch to go down and
   back through the stages after it, and after its last forward that
   microbatch's round trip comes before its backward;
+- *first backward* (one backward op per ministage: not ZB, not
+  interleaved): r's first backward starts no sooner than the gradient of
+  one of its microbatches comes back from the lane serving it in the next
+  stage, which starts its own backwards no sooner than its first backward
+  (recursively); where r's program runs every forward before its first
+  backward (GPipe, Zorse: `programs_forwards_first`), no sooner than its n
+  forwards; its n backwards (and their ZeRO waits) follow;
 - *one microbatch*: each microbatch goes down through every ministage and
   back (what bounds a step of few microbatches), then the first stage's
   tail.
