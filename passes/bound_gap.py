@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetc.passes.agreement import Built
-from hetc.passes.cost.bound import StepBound, programs_in_flight, step_bound
+from hetc.passes.cost.bound import StepBound, programs_forwards_first, programs_in_flight, step_bound
 from hetc.timeline import Event, EventKind, Stream, Timeline
 
 __all__ = ["BoundGap", "bound_gap"]
@@ -57,7 +57,7 @@ def bound_gap(built: Built) -> BoundGap:
     """The compiled step of `built` (simulated) beside its plan's lower bound."""
     timeline = built.timeline
     assert timeline is not None, "bound_gap() needs a simulated step"
-    bound = step_bound(built.costs, programs_in_flight(built.program))
+    bound = step_bound(built.costs, programs_in_flight(built.program), programs_forwards_first(built.program))
     work = sorted((e for e in timeline.events if e.rank == bound.rank and e.kind in _WORK), key=lambda e: e.start)
     first, last = work[0].start, max(e.end for e in work)
     idle = _idle_gaps(work)

@@ -15,22 +15,36 @@ of stage s with n microbatches:
   rank of the lane serving it there, and each border's transfer); under
   ZeRO-3 it also waits for its first gather, posted when r starts;
 - *busy*: r's thread runs n forwards and backwards (F + I + W under ZB),
-  each its own duration; under per-microbatch ZeRO-3 an op starts no sooner
-  than the gather posted when the op before it started (Note [zero cycle]),
-  and under per-microbatch ZeRO-2/3 a gradient op waits for the reduction
-  its predecessor posted;
+  each its own duration; under per-microbatch ZeRO the ops are lowering's
+  (one per unit where the stage gathers per block, Note [zero-3 units]):
+  under ZeRO-3 each starts no sooner than its gather, posted when the op
+  before it started (Note [zero cycle]), and under ZeRO-2/3 the gradient op
+  of a buffer (unit or ministage) waits for the reduction of that buffer's
+  previous one, the rest of a microbatch's work before the first and after
+  the last (all n forwards before, where r runs its forwards first);
 - *tail* (what lowering cannot overlap after r's last op, Note [zero
   placement]): the reduction of its first ministage's gradients (the last
-  to be produced), the hierarchical outer reduction, the norm when
-  clipping, every optimizer step (only the first ministage's under Zorse's
-  interleaved update: the others ran inside the step), the last parameter
-  gather after a step, and the loss all-reduce over every rank;
+  to be produced; of that ministage's first layer alone where the stage
+  gathers per block, Note [zero-3 units]: a backward runs the units in
+  reverse, each other unit's reduction beside the next one's compute),
+  the hierarchical outer reductions and gathers back (each unit's, one
+  after another), the norm when clipping, every optimizer step (only the
+  first ministage's, and its outer reduction, under Zorse's interleaved
+  update: the others ran inside the step), the last parameter gather
+  after a step, and the loss all-reduce over every rank;
 - *drain*: after r's last gradient op the gradient still goes back through
   the ministages before r's first, and the stage s' < s it reaches then
   runs its own tail (the fastest of its ranks);
 - *round trip*: r's first backward waits for one microbatch to go down and
   back through the stages after it, and after its last forward that
   microbatch's round trip comes before its backward;
+- *first backward* (one backward op per ministage: not ZB, not
+  interleaved): r's first backward starts no sooner than the gradient of
+  one of its microbatches comes back from the lane serving it in the next
+  stage, which starts its own backwards no sooner than its first backward
+  (recursively); where r's program runs every forward before its first
+  backward (GPipe, Zorse: `programs_forwards_first`), no sooner than its n
+  forwards; its n backwards (and their ZeRO waits) follow;
 - *one microbatch*: each microbatch goes down through every ministage and
   back (what bounds a step of few microbatches), then the first stage's
   tail.
@@ -51,14 +65,26 @@ from dataclasses import dataclass
 from hetc.passes.cost.model import CostModel
 from hetc.passes.cost.schedule import round_trip_span
 from hetc.passes.cost.zero_time import across_nodes
-from hetc.passes.cost.zero_units import gathers_per_block, ministage_units
+from hetc.passes.cost.plan_time import stage_units
+from hetc.passes.cost.zero_units import in_run_order
 from hetc.pipeline import Lane, Stage
-from hetc.program import COMPUTE_TYPES, Backward, BackwardWeight, Collective, Forward, Phase, Program
+from hetc.program import COMPUTE_TYPES, Backward, BackwardWeight, Collective, Forward, Phase, Program, Unit
 from hetc.spec import ScheduleKind, ZeroShard
 
-__all__ = ["StepBound", "programs_in_flight", "step_bound"]
+__all__ = ["StepBound", "programs_forwards_first", "programs_in_flight", "step_bound"]
 
 SCALAR_BYTES = 8.0   # the loss and the norm: one float64 each (passes/lower/finish.py, zero.py)
+_GRAD_PHASES = frozenset({Phase.BACKWARD, Phase.WEIGHT_GRAD})   # the ops after which lowering reduces
+
+
+@dataclass(frozen=True)
+class _Op:
+    """One compute op of a microbatch as lowering emits it: ministage `ms`'s `phase`, of one unit or whole."""
+
+    ms: int
+    unit: Unit | None
+    phase: Phase
+    time: float
 
 
 @dataclass(frozen=True)
@@ -73,10 +99,13 @@ class StepBound:
     tail: float     # what cannot overlap after the last backward (its own, or the drained stage's)
 
 
-def step_bound(cm: CostModel, in_flight: Mapping[int, int] | None = None) -> StepBound:
+def step_bound(cm: CostModel, in_flight: Mapping[int, int] | None = None,
+               forwards_first: frozenset[int] = frozenset()) -> StepBound:
     """The lower bound of one step of `cm`'s plan (Note [step lower bound]); `in_flight`: per rank, the most
-    microbatches its program keeps in flight (`programs_in_flight`), else as many as it serves."""
-    chains = _Chains(cm, in_flight or {})
+    microbatches its program keeps in flight (`programs_in_flight`), else as many as it serves;
+    `forwards_first`: the ranks whose program runs every forward before its first backward op
+    (`programs_forwards_first`; GPipe, Zorse), else none."""
+    chains = _Chains(cm, in_flight or {}, forwards_first)
     best: StepBound | None = chains.of_microbatches()
     for stage in cm.pipeline.stages:
         for lane in (lane for lane in stage.lanes if lane.microbatches):   # a lane with none only steps
@@ -109,9 +138,21 @@ def programs_in_flight(program: Program) -> dict[int, int]:
     return out
 
 
+def programs_forwards_first(program: Program) -> frozenset[int]:
+    """The ranks whose compute order runs every forward before its first backward op (B, I or W)."""
+    out = set()
+    for rp in program.ranks:
+        ops = [i for i in rp.instrs if isinstance(i, COMPUTE_TYPES)]
+        backward = [k for k, i in enumerate(ops) if not isinstance(i, Forward)]
+        if not backward or all(not isinstance(i, Forward) for i in ops[backward[0]:]):
+            out.add(rp.rank)
+    return frozenset(out)
+
+
 class _Chains:
-    def __init__(self, cm: CostModel, in_flight: Mapping[int, int]) -> None:
-        self.cm, self.in_flight = cm, in_flight
+    def __init__(self, cm: CostModel, in_flight: Mapping[int, int], forwards_first: frozenset[int]) -> None:
+        self.cm, self.in_flight, self.forwards_first = cm, in_flight, forwards_first
+        self._first_grads: dict[int, float] = {}
         p = cm.pipeline
         self.p, self.kind = p, p.schedule
         self.lane_of = {(s.index, mb): lane for s in p.stages for lane in s.lanes for mb in lane.microbatches}
@@ -128,14 +169,22 @@ class _Chains:
         cm, n = self.cm, len(lane.microbatches)
         f, i, w = (sum(cm.compute_time(rank, ms, ph) for ms in stage.ministages) for ph in (Phase.FORWARD, Phase.INPUT_GRAD, Phase.WEIGHT_GRAD))
         first = stage.ministages[0]
-        fill = max(min(self._arrival(mb, first) for mb in lane.microbatches), self._first_gather(rank))
-        busy = max(n * (f + i + w) + self._other_steps(rank), self._zero_span(stage, rank, n, (f, i, w)))
-        tail = self.tails[rank]
-        best = StepBound(fill + busy + tail, rank, fill, busy, 0.0, tail)
+        fill = self._fill(stage, lane, rank)
         held = min(self.in_flight.get(rank, n), n)
+        forwards_first = rank in self.forwards_first
+        span = max(n * (f + i + w) + self._other_steps(rank), self._zero_span(stage, rank, n, forwards_first))
+        if self.kind is not ScheduleKind.INTERLEAVED:   # its ministages are contiguous
+            trip = min(self._round_trip(mb, stage.ministages[-1]) for mb in lane.microbatches)
+            span = max(span, round_trip_span(n, held, f, i + w, trip))
+        if self._times_first_grad():   # from its first backward on, every backward (and no forward when first)
+            backs = max(n * (i + w), self._zero_span(stage, rank, n, False, backward_only=True)) \
+                if forwards_first else n * (i + w)
+            span = max(span, self._first_grad(rank) + backs - fill)
+        tail = self.tails[rank]
+        best = StepBound(fill + span + tail, rank, fill, span, 0.0, tail)
         # ZB: when its last input gradient is done, the rank still owes at most the weight gradients of the
         # microbatches it holds in flight (a stash lives until its W)
-        grads_done = fill + busy - (held * w if self.kind is ScheduleKind.ZB else 0.0)
+        grads_done = fill + span - (held * w if self.kind is ScheduleKind.ZB else 0.0)
         for ms in range(first):   # the gradient back to ministage ms, then its stage's tail
             other = self.p.ministages[ms].stage
             if other == stage.index:
@@ -144,12 +193,36 @@ class _Chains:
             total = grads_done + drain + self.stage_tail[other]
             if total > best.total:
                 best = StepBound(total, rank, fill, grads_done - fill, drain, self.stage_tail[other])
-        if self.kind is not ScheduleKind.INTERLEAVED:   # its ministages are contiguous
-            trip = min(self._round_trip(mb, stage.ministages[-1]) for mb in lane.microbatches)
-            span = max(busy, round_trip_span(n, held, f, i + w, trip))
-            if fill + span + tail > best.total:
-                best = StepBound(fill + span + tail, rank, fill, span, 0.0, tail)
         return best
+
+    def _fill(self, stage: Stage, lane: Lane, rank: int) -> float:
+        return max(min(self._arrival(mb, stage.ministages[0]) for mb in lane.microbatches), self._first_gather(rank))
+
+    def _times_first_grad(self) -> bool:
+        """Whether the first-backward chain applies: every stage a contiguous range of ministages, and one
+        backward op per ministage (not ZB's two halves)."""
+        return self.kind not in (ScheduleKind.INTERLEAVED, ScheduleKind.ZB)
+
+    def _first_grad(self, rank: int) -> float:
+        """The earliest start of the rank's first backward: no sooner than one of its microbatches' gradient
+        comes back from the next stage (whose lane starts its own backwards no sooner than its first one), and
+        where the rank runs every forward first, after all of them."""
+        got = self._first_grads.get(rank)
+        if got is not None:
+            return got
+        cm, stage = self.cm, self.cm.stage_of(rank)
+        lane = next(lane for lane in stage.lanes if rank in lane.ranks)
+        n, fill = len(lane.microbatches), self._fill(stage, lane, rank)
+        f = sum(cm.compute_time(rank, ms, Phase.FORWARD) for ms in stage.ministages)
+        got = fill + (n if rank in self.forwards_first else 1) * f
+        last = stage.ministages[-1]
+        if last + 1 < len(self.p.ministages):
+            after = self.p.stages[self.p.ministages[last + 1].stage]
+            got = max(got, min(self._first_grad(d) + self._transfer(mb, last) +
+                               sum(cm.compute_time(d, ms, Phase.BACKWARD) for ms in after.ministages)
+                               for mb in lane.microbatches for d in self.lane_of[(after.index, mb)].ranks))
+        self._first_grads[rank] = got
+        return got
 
     def of_microbatches(self) -> StepBound:
         """Every microbatch goes down through every ministage and back, then the first stage's tail."""
@@ -166,21 +239,39 @@ class _Chains:
         assert best is not None   # a plan has a microbatch
         return best
 
-    def _zero_span(self, stage: Stage, rank: int, n: int, fiw: tuple[float, float, float]) -> float:
-        """The span per-microbatch ZeRO collectives allow (Note [zero cycle]): every op no sooner than the
-        gather posted when the op before it started; every gradient op after its predecessor's reduction."""
+    def _zero_span(self, stage: Stage, rank: int, n: int, forwards_first: bool, backward_only: bool = False) -> float:
+        """The span per-microbatch ZeRO collectives allow (Note [zero cycle]), op by op as lowering emits them
+        (one per unit where the stage gathers per block, Note [zero-3 units]): every op no sooner than its
+        gather, posted when the op before it started; every gradient op of a buffer after the reduction of
+        that buffer's previous one, with no forward beside the reduction when `forwards_first` (GPipe).
+        `backward_only`: the span of the backward ops alone, from the first (the rank runs its forwards first)."""
         level, group = stage.zero.resolved_level, self._group(rank)
         if self.kind is ScheduleKind.ZORSE or level < 2 or len(group) < 2 or stage.ep > 1:
             return 0.0
-        f, i, w = fiw
-        ops = [f, i, w] if self.kind is ScheduleKind.ZB else [f, i + w]
+        ops = [op for op in self._ops(stage, rank) if not backward_only or op.phase is not Phase.FORWARD]
         span = 0.0
         if level >= 3:
             gather = min(self._unit_collective(Collective.ALL_GATHER, group, rank, ms) for ms in stage.ministages)
-            span = n * sum(max(d, gather) for d in ops) - max(ops[-1], gather) + ops[-1]
-        grad = ops[-1]
-        reduce = min(self._unit_collective(Collective.REDUCE_SCATTER, group, rank, ms) for ms in stage.ministages)
-        return max(span, f + n * grad + (n - 1) * reduce)
+            slots = [max(op.time, gather) for op in ops]
+            span = n * sum(slots) - max(slot - op.time for slot, op in zip(slots, ops))   # the last waits for none
+        f = sum(op.time for op in ops if op.phase is Phase.FORWARD)
+        grads = [op for op in ops if op.phase in _GRAD_PHASES]
+        for op in grads:   # op's buffer: the rest of a microbatch's work lies before its first or after its last
+            lead = (n if forwards_first else 1) * f + \
+                (sum(g.time for g in grads) - op.time if self.kind is not ScheduleKind.ZB else 0.0)
+            reduce = self._buffer_collective(Collective.REDUCE_SCATTER, group, rank, op.ms, op.unit)
+            span = max(span, lead + n * op.time + (n - 1) * reduce)
+        return span
+
+    def _ops(self, stage: Stage, rank: int) -> list[_Op]:
+        """One microbatch's compute ops on `rank`, one per unit where the stage gathers per block."""
+        phases = (Phase.FORWARD, Phase.INPUT_GRAD, Phase.WEIGHT_GRAD) if self.kind is ScheduleKind.ZB \
+            else (Phase.FORWARD, Phase.BACKWARD)
+        out = []
+        for ms in stage.ministages:
+            units: tuple[Unit | None, ...] = stage_units(self.cm, stage, ms) or (None,)
+            out += [_Op(ms, u, ph, self.cm.compute_time(rank, ms, ph, u)) for ph in phases for u in units]
+        return out
 
     def _other_steps(self, rank: int) -> float:
         """Zorse's interleaved update steps every ministage but the first inside the step."""
@@ -228,36 +319,39 @@ class _Chains:
     # ------------------------------------------------------------ collectives and steps
 
     def _tail(self, rank: int) -> float:
-        """What follows a rank's last op (Note [zero placement]), none of it beside its compute."""
+        """What follows a rank's last op (Note [zero placement]), none of it beside its compute: lowering puts
+        every ministage's outer reduction and step there, but under Zorse's interleaved update only the first's
+        (the others ran inside the step)."""
         stage = self.cm.stage_of(rank)
         first, last = stage.ministages[0], stage.ministages[-1]
+        finals = [first] if self._interleaved_update() else list(stage.ministages)
         group = self._group(rank)
         level = stage.zero.resolved_level
         tail = self.end
         if len(group) > 1:
             kind = Collective.ALL_REDUCE if level == 0 else Collective.REDUCE_SCATTER
-            tail += self._collective(kind, group, rank, first)
-            tail += self._outer(stage, rank, first)
+            tail += self._last_reduction(kind, group, rank, first)
+            tail += sum(self._outer(stage, rank, ms) for ms in finals)
             stepped = first if self._interleaved_update() else last
             if level in (1, 2):
                 tail += self._collective(Collective.ALL_GATHER, group, rank, stepped)
         if self.clips and not self._interleaved_update():
             tail += self.cm.collective_time(Collective.ALL_REDUCE, self.world, SCALAR_BYTES)
-        steps = [first] if self._interleaved_update() else stage.ministages
-        return tail + sum(self._step(rank, ms) for ms in steps)
+        return tail + sum(self._step(rank, ms) for ms in finals)
 
     def _outer(self, stage: Stage, rank: int, ms: int) -> float:
-        """Hierarchical ZeRO: the reduction across nodes (and the gather back) of one ministage."""
+        """Hierarchical ZeRO: the reductions across nodes (and the gathers back) of one ministage, one per
+        unit where the stage gathers per block (each of the rank's shard of its buffer, one after another)."""
         if stage.zero.shard is not ZeroShard.NODE:
             return 0.0
         outer = self._across(rank)
         if len(outer) < 2:
             return 0.0
-        nbytes = self._dense_bytes(rank, ms) / len(self._group(rank))
-        if stage.zero.across == 0:
-            return self._ring(Collective.ALL_REDUCE, outer, rank, nbytes)
-        return self._ring(Collective.REDUCE_SCATTER, outer, rank, nbytes) + \
-            self._ring(Collective.ALL_GATHER, outer, rank, nbytes)
+        kinds = [Collective.ALL_REDUCE] if stage.zero.across == 0 else [Collective.REDUCE_SCATTER, Collective.ALL_GATHER]
+        buffers = [self.cm.unit_param_bytes(u, rank) for u in stage_units(self.cm, stage, ms)] or \
+            [self._dense_bytes(rank, ms)]
+        inner = len(self._group(rank))
+        return sum(self._ring(kind, outer, rank, nbytes / inner) for kind in kinds for nbytes in buffers)
 
     def _group(self, rank: int) -> tuple[int, ...]:
         """The group sharding the rank's ministages: its node's share of the ZeRO group when hierarchical."""
@@ -289,12 +383,20 @@ class _Chains:
     def _unit_collective(self, kind: Collective, group: Sequence[int], rank: int, ms: int) -> float:
         """The fastest of ministage `ms`'s ZeRO collectives: one per unit where the stage gathers per block
         (Note [zero-3 units]), so a bound never counts a whole ministage where lowering moves one layer."""
-        stage = self.cm.stage_of(rank)
-        units = ministage_units(self.cm.model, self.cm.ministage(ms).layers,
-                                gathers_per_block(self.kind, stage.zero, stage.offload, stage.ep))
-        if not units:
+        units: tuple[Unit | None, ...] = stage_units(self.cm, self.cm.stage_of(rank), ms) or (None,)
+        return min(self._buffer_collective(kind, group, rank, ms, u) for u in units)
+
+    def _buffer_collective(self, kind: Collective, group: Sequence[int], rank: int, ms: int, unit: Unit | None) -> float:
+        """A ZeRO collective of one buffer: unit `unit` of ministage `ms`, or the ministage whole."""
+        if unit is None:
             return self._collective(kind, group, rank, ms)
-        return min(self._ring(kind, group, rank, self.cm.unit_param_bytes(u, rank)) for u in units)
+        return self._ring(kind, group, rank, self.cm.unit_param_bytes(unit, rank))
+
+    def _last_reduction(self, kind: Collective, group: Sequence[int], rank: int, ms: int) -> float:
+        """The gradient reduction ministage `ms`'s last backward posts: its last unit's where the stage
+        gathers per block (the others were posted beside the compute of the units after them)."""
+        units = stage_units(self.cm, self.cm.stage_of(rank), ms)
+        return self._buffer_collective(kind, group, rank, ms, in_run_order(units, forward=False)[-1] if units else None)
 
     def _step(self, rank: int, ms: int) -> float:
         """The optimizer step of the rank's shard of ministage `ms` (dense parameters)."""

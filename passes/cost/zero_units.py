@@ -26,7 +26,7 @@ from __future__ import annotations
 from hetc.program import Unit
 from hetc.spec import ModelSpec, OffloadSpec, OffloadTarget, ScheduleKind, ZeroSpec
 
-__all__ = ["gathers_per_block", "ministage_units"]
+__all__ = ["gathers_per_block", "in_run_order", "ministage_units"]
 
 
 def gathers_per_block(schedule: ScheduleKind, zero: ZeroSpec, offload: OffloadSpec, ep: int) -> bool:
@@ -43,3 +43,9 @@ def ministage_units(model: ModelSpec, layers: range, per_block: bool) -> tuple[U
     if not per_block or len(layers) < 2 or tied:
         return ()
     return tuple(Unit(i, i + 1) for i in layers)
+
+
+def in_run_order(units: tuple[Unit, ...], forward: bool) -> tuple[Unit, ...]:
+    """The order one compute op runs a ministage's units: forward in layer order, backward in reverse (so
+    its first unit is the last a backward finishes and reduces)."""
+    return units if forward else units[::-1]

@@ -33,7 +33,7 @@ import dataclasses
 
 from hetc.errors import InternalError
 from hetc.groups import WORLD, Direction, GroupId, with_direction
-from hetc.passes.cost.zero_units import gathers_per_block, ministage_units
+from hetc.passes.cost.zero_units import gathers_per_block, in_run_order, ministage_units
 from hetc.passes.lower.context import LowerContext, RankPlace, next_handle
 from hetc.passes.lower.edits import Edits, Handles
 from hetc.passes.lower.schedule import lockstep_groups
@@ -87,8 +87,7 @@ def _split_units(instrs: tuple[Instr, ...], shards: tuple[Shard, ...]) -> tuple[
         if not isinstance(instr, COMPUTE_TYPES) or instr.ms not in units:
             out.append(instr)
             continue
-        order = units[instr.ms] if isinstance(instr, Forward) else reversed(units[instr.ms])
-        out += [dataclasses.replace(instr, unit=u) for u in order]
+        out += [dataclasses.replace(instr, unit=u) for u in in_run_order(units[instr.ms], isinstance(instr, Forward))]
     return tuple(out)
 
 
