@@ -85,6 +85,11 @@ def plans(demo: Path, only: list[str]) -> list[Path]:
     return [p for p in found if not only or p.stem in only]
 
 
+def jobs_used(selected: list[Path]) -> list[str]:
+    """The jobs the plans import: only those are profiled (a profile takes minutes on a loaded machine)."""
+    return [job for job in JOBS if any(f'use "{job}"' in plan.read_text() for plan in selected)]
+
+
 def profile(job: Path, out: Path) -> None:
     done = _hetc("profile", str(job), "-o", str(out), "--repeats", "5", timeout=900)
     if done.returncode != 0:
@@ -174,14 +179,15 @@ def main() -> int:
         work = Path(tmp)
         demo = copy_demo(work, cores)
         profiles = []
-        for job in JOBS:
+        selected = plans(demo, args.only)
+        for job in jobs_used(selected):
             profiles.append(work / f"{Path(job).stem}.profile.json")
             print(f"profiling {job} ...", file=sys.stderr, flush=True)
             profile(demo / job, profiles[-1])
             if (wait := core_waits(profiles[-1])) is not None:
                 waits[Path(job).stem] = wait
         rows = []
-        for plan in plans(demo, args.only):
+        for plan in selected:
             rows.append(measure(plan, work, profiles, args.steps))
             r = rows[-1]
             print(f"{r.plan}: predicted {r.predicted_s * 1e3:.1f} ms, measured "
