@@ -107,3 +107,14 @@ def test_explain_and_compile_agree_with_the_wait(plan, tmp_path, capsys):
     alone.write_text(json.dumps(_profile(None)))
     assert main(["explain", path, "--json", "--profile", str(alone)]) == 0
     assert steps[1] > json.loads(capsys.readouterr().out)["step_time_s"]     # the waits lengthen the step
+
+
+@pytest.mark.parametrize("plan, forward, backward", [
+    ("ulysses2", 2 * COLLECTIVE_WAIT, 2 * COLLECTIVE_WAIT),   # two all-to-alls a block, each way
+    ("ring2", P2P_WAIT, 3 * P2P_WAIT),                       # cp − 1 shifts forward, (cp − 1) + cp backward
+])
+def test_context_parallel_calls_inside_a_layer_wait_each(plan, forward, backward, tmp_path):
+    waits, alone = _model(tmp_path, plan, MEASURED), _model(tmp_path, plan, None)
+    blocks = waits.model.layers
+    for phase, per_block in ((Phase.FORWARD, forward), (Phase.BACKWARD, backward)):
+        assert waits.compute_time(0, 0, phase) == pytest.approx(alone.compute_time(0, 0, phase) + blocks * per_block)
