@@ -53,3 +53,13 @@ def test_bad_flags(capsys):
     assert main(["profile", "--micro-batches", "x"]) == 2
     assert "comma-separated integers" in capsys.readouterr().err
     assert main(["profile", "--hidden", "30", "--heads", "4"]) == 2
+
+
+def test_a_loaded_machine_is_named_in_a_warning(monkeypatch, capsys):
+    from hetc.commands import profile
+
+    monkeypatch.setattr(profile.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    profile._warn_if_loaded(0.0)
+    assert capsys.readouterr().err == ""
+    profile._warn_if_loaded(1e6)
+    assert "load average reached 1000000.0" in capsys.readouterr().err

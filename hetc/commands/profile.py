@@ -138,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--ranks-at-once must be at least 1, got {args.ranks_at_once}")
     progress = _Progress()
     progress("starting")
+    load_before = os.getloadavg()[0]
     import torch
 
     from hetc.passes.cost.sources.devices import catalog_name
@@ -184,4 +185,15 @@ def run(args: argparse.Namespace) -> int:
         **concurrency, **core_wait,
     })
     progress.done(out)
+    _warn_if_loaded(load_before)
     return 0
+
+
+def _warn_if_loaded(load_before: float) -> None:
+    """Other work on the machine while it was measured is in the slowdown and the waits (Note [core wait])."""
+    cores = len(os.sched_getaffinity(0))
+    load = max(load_before, os.getloadavg()[0])
+    if load > cores:
+        print(f"hetc profile: warning: the machine's load average reached {load:.1f} on {cores} cores while it "
+              "was measured; other work is in the measured slowdown and waits: profile again when the machine "
+              "is as loaded as when it will run", file=sys.stderr)
