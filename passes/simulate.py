@@ -76,7 +76,16 @@ class _Costs:
         assert isinstance(op.instr, COLLECTIVE_TYPES)
         members = self.members[op.instr.group]
         return self.costs.collective_time(COLLECTIVE_OF[type(op.instr)], members,
-                                          self._collective_bytes(op.rank, op.instr))
+                                          self._collective_bytes(op.rank, op.instr), self._streams(ops))
+
+    def _streams(self, ops: list[Op]) -> int:
+        """Note [shared node links]: a ZeRO collective runs at once with its lane-mates' (each tp/cp position
+        reduces or gathers over its own group), so they share their node's link (`CostModel.node_streams`)."""
+        instr = ops[0].instr
+        if not isinstance(instr, (AllGather, ReduceScatter, AllReduce)) or instr.what not in (Tensor.GRADS,
+                                                                                           Tensor.PARAMS):
+            return 1
+        return max(self.costs.node_streams(o.rank) for o in ops)
 
     # ------------------------------------------------------------ sizes
 

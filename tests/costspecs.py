@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hetc.compiler import load_checked
-from hetc.passes.cost import CostModel, Profiles
+from hetc.passes.cost import CostModel, Engine, Profiles
 
 __all__ = ["MODEL", "cluster", "cost_model", "plan_text", "write_spec"]
 
@@ -55,7 +55,7 @@ def write_spec(tmp: Path, text: str, name: str = "plan.het") -> Path:
     return path
 
 
-def cost_model(tmp: Path, text: str, profiles: Profiles | None = None) -> CostModel:
+def cost_model(tmp: Path, text: str, profiles: Profiles | None = None, engine: Engine = Engine.HETC) -> CostModel:
     _, checked = load_checked(write_spec(tmp, text))
     assert checked.pipeline is not None, "the test plan must be explicit"
-    return CostModel(checked.spec, checked.pipeline, checked.topology, profiles)
+    return CostModel(checked.spec, checked.pipeline, checked.topology, profiles, engine)

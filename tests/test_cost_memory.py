@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from hetc.passes.cost import Engine
 from hetc.passes.cost.memory import in_flight
 from hetc.passes.cost.shapes import activation_elements, params_per_rank
 from hetc.passes.cost.params import block_params, layer_params, stage_params
@@ -115,11 +116,22 @@ PIPE = """
 def test_gpipe_stashes_every_microbatch_1f1b_the_stages_ahead(tmp_path):
     text = plan_text(PIPE.format(schedule="gpipe"), global_batch=32)
     gpipe = cost_model(tmp_path, text).estimate().memory[0]
-    ofob = cost_model(tmp_path, text.replace("gpipe", "1f1b")).estimate().memory[0]
+    ofob = cost_model(tmp_path, text.replace("gpipe", "1f1b"), engine=Engine.MEGATRON).estimate().memory[0]
     cm = cost_model(tmp_path, text)
     per_mb = cm.activation_bytes(0, 0)
     assert gpipe.activations == pytest.approx(8 * per_mb)   # 32 sequences / 4 lanes
     assert ofob.activations == pytest.approx(2 * per_mb)    # stage 0 of 2
+
+
+def test_hetcs_1f1b_keeps_one_more_where_transfers_no_longer_pace_the_pipeline(tmp_path):
+    """With asynchronous sends the busiest lane's cycle holds no transfer, yet a microbatch's round trip still
+    crosses the border twice: stage 0 keeps a third microbatch in flight not to wait (Note [in-flight limit])."""
+    text = plan_text(PIPE.format(schedule="1f1b"), global_batch=32)
+    cm = cost_model(tmp_path, text)
+    lanes = {t.stage: t for t in cm.estimate().time.lanes}
+    assert lanes[0].p2p > lanes[0].p2p_wait and lanes[1].p2p_wait == 0.0
+    assert cm.in_flight_limits[0] == 3
+    assert cm.estimate().memory[0].activations == pytest.approx(3 * cm.activation_bytes(0, 0))
 
 
 def test_full_checkpointing_keeps_block_inputs_only(tmp_path):

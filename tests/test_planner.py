@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import itertools
 import math
 import random
 
@@ -217,6 +218,18 @@ def test_bandwidth_domains_cut_the_slow_link_first():
     assert levels[0] == (tuple(topo.groups),)
     assert levels[1] == (("a10g", "t4_east"), ("v100", "t4_west"))   # the two regions
     assert all(len(level) == k + 1 for k, level in enumerate(levels))
+
+
+def test_bandwidth_domains_of_two_groups_are_the_gomory_hu_cut():
+    """Two node groups skip networkx: the same levels as the tree's one edge gives."""
+    import networkx as nx
+
+    from hetc.passes.plan.partition import _cut_levels, _graph
+
+    topo = Topology(load_spec(SPECS / "zorse" / "cluster_c.het").spec)
+    for pair in itertools.permutations(topo.groups, 2):
+        groups = list(pair)
+        assert bandwidth_domains(topo, groups) == _cut_levels(nx.gomory_hu_tree(_graph(topo, groups)), groups)
 
 
 def test_bottleneck_routing_is_the_least_busiest_lane():

@@ -102,6 +102,7 @@ def explain_plan(data: str, plan: str, profiles: Profiles | None, model: str | N
 
     from hetc.compiler import load_checked
     from hetc.passes.cost import CostModel
+    from hetc.passes.cost.transfers import Engine
 
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp) / "plan.het"
@@ -110,7 +111,8 @@ def explain_plan(data: str, plan: str, profiles: Profiles | None, model: str | N
     explicit = checked.explicit()
     if explicit is None:   # _plan writes every stage of the Sailor plan
         raise InternalError("a Sailor plan imported with `auto` left in it")
-    return CostModel(explicit.spec, explicit.pipeline, explicit.topology, profiles).estimate()
+    # the runs are Megatron-DeepSpeed's, whose sends and receives block (Note [async sends])
+    return CostModel(explicit.spec, explicit.pipeline, explicit.topology, profiles, Engine.MEGATRON).estimate()
 
 
 

@@ -9,12 +9,15 @@ from hetc.passes.cost.compute import CostError
 from hetc.passes.cost.estimate import Estimate, GroupTraffic, RankMemory
 from hetc.passes.cost.model import PHASES, CostModel
 from hetc.passes.cost.profiles import ComputeTable, NetworkFits, ProfileError, Profiles, load_profiles
+from hetc.passes.cost.transfers import Borders, Engine
 
 __all__ = [
     "PHASES",
+    "Borders",
     "ComputeTable",
     "CostError",
     "CostModel",
+    "Engine",
     "Estimate",
     "GroupTraffic",
     "NetworkFits",

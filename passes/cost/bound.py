@@ -49,6 +49,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from hetc.passes.cost.model import CostModel
+from hetc.passes.cost.schedule import round_trip_span
 from hetc.passes.cost.zero_time import across_nodes
 from hetc.passes.cost.zero_units import gathers_per_block, ministage_units
 from hetc.pipeline import Lane, Stage
@@ -85,15 +86,6 @@ def step_bound(cm: CostModel, in_flight: Mapping[int, int] | None = None) -> Ste
                     best = got
     assert best is not None   # a plan has a rank
     return best
-
-
-def _round_trip_span(n: int, held: int, f: float, b: float, trip: float) -> float:
-    """A lane's span with a round trip of `trip` after it and at most `held` microbatches in flight: before its
-    first backward it runs at most `held` forwards while the first one goes round; after its last forward at
-    most `held` − 1 other backwards while that one goes round (disjoint waits when it serves more)."""
-    before = max(0.0, f + trip - held * f)
-    after = max(0.0, trip - (held - 1) * b)
-    return n * (f + b) + (before + after if n > held else max(before, after))
 
 
 def programs_in_flight(program: Program) -> dict[int, int]:
@@ -154,7 +146,7 @@ class _Chains:
                 best = StepBound(total, rank, fill, grads_done - fill, drain, self.stage_tail[other])
         if self.kind is not ScheduleKind.INTERLEAVED:   # its ministages are contiguous
             trip = min(self._round_trip(mb, stage.ministages[-1]) for mb in lane.microbatches)
-            span = max(busy, _round_trip_span(n, held, f, i + w, trip))
+            span = max(busy, round_trip_span(n, held, f, i + w, trip))
             if fill + span + tail > best.total:
                 best = StepBound(fill + span + tail, rank, fill, span, 0.0, tail)
         return best
@@ -263,9 +255,9 @@ class _Chains:
             return 0.0
         nbytes = self._dense_bytes(rank, ms) / len(self._group(rank))
         if stage.zero.across == 0:
-            return self.cm.collective_time(Collective.ALL_REDUCE, outer, nbytes)
-        return self.cm.collective_time(Collective.REDUCE_SCATTER, outer, nbytes) + \
-            self.cm.collective_time(Collective.ALL_GATHER, outer, nbytes)
+            return self._ring(Collective.ALL_REDUCE, outer, rank, nbytes)
+        return self._ring(Collective.REDUCE_SCATTER, outer, rank, nbytes) + \
+            self._ring(Collective.ALL_GATHER, outer, rank, nbytes)
 
     def _group(self, rank: int) -> tuple[int, ...]:
         """The group sharding the rank's ministages: its node's share of the ZeRO group when hierarchical."""
@@ -277,7 +269,12 @@ class _Chains:
         return across_nodes(self.cm.zero_group(rank), lambda r: self.cm.gpu(r).host, rank)
 
     def _collective(self, kind: Collective, group: Sequence[int], rank: int, ms: int) -> float:
-        return self.cm.collective_time(kind, tuple(group), self._dense_bytes(rank, ms))
+        return self._ring(kind, group, rank, self._dense_bytes(rank, ms))
+
+    def _ring(self, kind: Collective, group: Sequence[int], rank: int, nbytes: float) -> float:
+        """A ZeRO collective of `rank`'s, its lane-mates on the node running theirs at once as the simulation
+        has them (`CostModel.node_streams`)."""
+        return self.cm.collective_time(kind, tuple(group), nbytes, self.cm.node_streams(rank))
 
     def _dense_bytes(self, rank: int, ms: int) -> float:
         return self.cm.param_bytes(ms, rank) * (1.0 - self.cm.expert_fraction(ms, rank))
@@ -297,7 +294,7 @@ class _Chains:
                                 gathers_per_block(self.kind, stage.zero, stage.offload, stage.ep))
         if not units:
             return self._collective(kind, group, rank, ms)
-        return min(self.cm.collective_time(kind, tuple(group), self.cm.unit_param_bytes(u, rank)) for u in units)
+        return min(self._ring(kind, group, rank, self.cm.unit_param_bytes(u, rank)) for u in units)
 
     def _step(self, rank: int, ms: int) -> float:
         """The optimizer step of the rank's shard of ministage `ms` (dense parameters)."""

@@ -62,7 +62,7 @@ def evaluate(prims: Primitives, plan: PlanView) -> Score:
     costs = [StageCosts(prims, plan, s) for s in plan.stages]
     world = tuple(sorted(g.id for g in plan.gpus))   # the "world" group: ranks in GPU order
     end = step_end_time(prims.train.grad_clip > 0, lambda nbytes: prims.ring(Collective.ALL_REDUCE, world, nbytes))
-    shape = PlanShape(plan.schedule, plan.num_microbatches, prims.train.grad_clip,
+    shape = PlanShape(prims.engine, plan.schedule, plan.num_microbatches, prims.train.grad_clip,
                       tuple(s for _, _, s in plan.ministages), max(len(s.ministages) for s in plan.stages))
     got = evaluate_classes(shape, costs, end)
     t = got.time

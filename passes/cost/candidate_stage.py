@@ -18,12 +18,13 @@ from functools import cached_property
 from hetc.passes.cost.candidate_view import PlanView, StageContext, StageView
 from hetc.passes.cost.memory import (RankMemory, ShardFactors, StateMemory, StatesHeld, activation_memory,
                                     rank_memory, shard_factors, state_memory, zorse_backward_peak)
-from hetc.passes.cost.plan_time import ministage_borders, stage_borders
+from hetc.passes.cost.plan_time import lane_borders, ministage_borders, stage_borders
 from hetc.passes.cost.schedule import Unit, UnitLane
 from hetc.passes.cost.zero_time import (ZeroRings, across_nodes, fetch_time, first_gather_time, flush_time,
                                        optimizer_step_time, sync_time, zero_collectives)
 from hetc.passes.cost.zero_units import gathers_per_block, ministage_units
 from hetc.passes.cost.shapes import LayerKind
+from hetc.passes.cost.transfers import Borders
 from hetc.passes.cost.probe import Primitives
 from hetc.spec import ScheduleKind, ZeroShard, ZeroSpec
 from hetc.topology import Gpu
@@ -128,9 +129,9 @@ class StageCosts:
         share = self.boundary_bytes(ms) / self.s.tp
         return self.p.p2p(self.s.lanes[lane][0], peer, share, self.s.concurrent(lane))
 
-    def p2p(self, lane: int) -> float:
-        return sum(self.border(lane, other, ms) for other, ms in
-                   stage_borders(self.s.ministages, self.s.index, self.plan.stage_of_ministage, self.last_ms + 1))
+    def p2p(self, lane: int) -> Borders:
+        return lane_borders(self.s.ministages, self.s.index, self.plan.stage_of_ministage, self.last_ms + 1,
+                            lambda other, ms: self.border(lane, other, ms))
 
     def lane_classes(self) -> list[list[int]]:
         return list(self._lane_classes.values())

@@ -23,6 +23,7 @@ from typing import Protocol
 from hetc.passes.cost.memory import RankMemory, interleaved_update
 from hetc.passes.cost.schedule import (LaneTiming, Unit, in_flight_limits, lockstep_fill, pipeline_time,
                                       sequential_time, step_lower_bound, zero_cycle)
+from hetc.passes.cost.transfers import Borders, Engine, transfer_waits
 from hetc.passes.cost.zero_time import gathers_per_microbatch
 from hetc.spec import ScheduleKind, ZeroSpec
 
@@ -61,7 +62,9 @@ class StageSource(Protocol):
 
     def overhead(self, lane: int) -> float: ...
 
-    def p2p(self, lane: int) -> float: ...
+    def p2p(self, lane: int) -> Borders:
+        """The lane's border transfers of one microbatch."""
+        ...
 
     def collectives(self, lane: int) -> tuple[float, float, float]:
         """(reduce-scatter, one ZeRO-3 gather, host copies) seconds per microbatch beside the compute."""
@@ -89,6 +92,7 @@ class StageSource(Protocol):
 
 @dataclass(frozen=True)
 class PlanShape:
+    engine: Engine                      # whose point-to-point behaviour is timed (Note [async sends])
     schedule: ScheduleKind
     num_microbatches: int
     grad_clip: float
@@ -119,7 +123,7 @@ def coupled_stages(schedule: ScheduleKind, stages: Sequence[StageSource]) -> dic
     return {s.index: s.num_lanes for s in stages if per_mb and s.num_lanes > 1 and s.zero.resolved_level >= 2}
 
 
-def lane_timings(schedule: ScheduleKind, stages: Sequence[StageSource]) -> list[LaneTiming]:
+def lane_timings(engine: Engine, schedule: ScheduleKind, stages: Sequence[StageSource]) -> list[LaneTiming]:
     """One timing per class of lanes, led by its first lane."""
     out = []
     for st in stages:
@@ -127,33 +131,36 @@ def lane_timings(schedule: ScheduleKind, stages: Sequence[StageSource]) -> list[
             lane = lanes[0]
             f, i, w = st.compute(lane)
             f += st.overhead(lane)
-            out.append(lane_timing(schedule, st.index, lane, st.count(lane), (f, i, w), st.p2p(lane),
+            out.append(lane_timing(engine, schedule, st.index, lane, st.count(lane), (f, i, w), st.p2p(lane),
                                    st.collectives(lane), st.shares()))
     return out
 
 
-def lane_timing(schedule: ScheduleKind, stage: int, lane: int, microbatches: int,
-                compute: tuple[float, float, float], p2p: float, collectives: tuple[float, float, float],
+def lane_timing(engine: Engine, schedule: ScheduleKind, stage: int, lane: int, microbatches: int,
+                compute: tuple[float, float, float], borders: Borders, collectives: tuple[float, float, float],
                 shares: tuple[float, float]) -> LaneTiming:
-    """A lane's per-microbatch timing: its (F, I, W), border transfers, and the cycle and trail its ZeRO
-    collectives (reduce-scatter, gather, host copies) allow (`zero_cycle`, Note [zero cycle])."""
+    """A lane's per-microbatch timing: its (F, I, W), border transfers and what of them it waits for
+    (Note [async sends]), and the cycle and trail its ZeRO collectives (reduce-scatter, gather, host
+    copies) allow (`zero_cycle`, Note [zero cycle])."""
     f, i, w = compute
     reduce, gather, copies = collectives
     ops = (f, i, w) if schedule is ScheduleKind.ZB else (f, i + w)
-    zc = zero_cycle(schedule, ops, p2p, reduce, gather, copies, shares)
-    return LaneTiming(stage, lane, microbatches, f, i, w, p2p,
-                      reduce + gathers_per_microbatch(schedule) * gather + copies, zc.bound, zc.trail)
+    waits = transfer_waits(engine, schedule, borders, compute)
+    zc = zero_cycle(schedule, ops, waits, reduce, gather, copies, shares)
+    return LaneTiming(stage, lane, microbatches, f, i, w, borders.total,
+                      reduce + gathers_per_microbatch(schedule) * gather + copies, zc.bound, zc.trail, waits,
+                      borders.later)
 
 
 def evaluate_classes(shape: PlanShape, stages: Sequence[StageSource], end: float,
                      memory: bool = True) -> ClassEstimate:
     """The step (`end`: the step's last all-reduces) and, with `memory`, every class's memory."""
-    lanes = lane_timings(shape.schedule, stages)
+    lanes = lane_timings(shape.engine, shape.schedule, stages)
     coupled = coupled_stages(shape.schedule, stages)
     widths = {s.index: s.num_lanes for s in stages}
     limits = in_flight_limits(shape.schedule, lanes, len(stages), coupled, widths)
     step = StepShape(shape.schedule, len(stages), shape.chunks, shape.num_microbatches, shape.grad_clip,
-                     coupled, widths)
+                     coupled, widths, limits)
     time = compose_step(step, lanes, end, lambda: [_trail(lanes, s.index) + s.flush() for s in stages],
                         stages[0].first_gather, lambda: zorse_units(shape, stages))
     if not memory:
@@ -183,6 +190,7 @@ class StepShape:
     grad_clip: float
     coupled: dict[int, int]          # lockstep stages -> their lanes (`coupled_stages`)
     widths: dict[int, int]           # stage -> its lanes
+    limits: dict[int, int]           # stage -> the microbatches a lane keeps in flight (Note [in-flight limit])
 
 
 def compose_step(shape: StepShape, lanes: list[LaneTiming], end: float, flush: Callable[[], list[float]],
@@ -198,7 +206,7 @@ def compose_step(shape: StepShape, lanes: list[LaneTiming], end: float, flush: C
         busy = max(t.work for t in lanes)
         return PlanTime(total + end, total, max(0.0, total - busy), end, tuple(lanes), None)
     pipe = pipeline_time(shape.schedule, lanes, shape.chunks)
-    extra = max(0.0, step_lower_bound(shape.schedule, lanes, shape.chunks) - pipe.total) + \
+    extra = max(0.0, step_lower_bound(shape.schedule, lanes, shape.chunks, shape.limits) - pipe.total) + \
         lockstep_fill(shape.schedule, lanes, shape.num_stages, shape.coupled, shape.widths)
     # the first stage's first compute op waits for its ZeRO-3 gather: nothing runs beside it yet
     tail = flush_tail(lanes, flush()) + end + first_gather()

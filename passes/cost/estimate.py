@@ -17,6 +17,7 @@ from hetc.passes.cost.plan_time import border_time, stage_sync_time, unit_numels
 from hetc.passes.cost.provenance import Provenance, provenance
 from hetc.passes.cost.schedule import LaneTiming
 from hetc.passes.cost.shapes import LayerKind, layer_kind
+from hetc.passes.cost.transfers import Engine
 from hetc.passes.cost.utilization import Utilization, flop_counts, utilization
 from hetc.pipeline import Stage
 from hetc.program import Collective
@@ -49,6 +50,7 @@ class Estimate:
     memory: tuple[RankMemory, ...]
     traffic: tuple[GroupTraffic, ...]
     schedule: str
+    engine: Engine            # whose point-to-point behaviour was timed (Note [async sends])
     provenance: Provenance   # where the layer times and link rates came from; profiles left unused
 
     @property
@@ -80,6 +82,7 @@ class Estimate:
             "tokens_per_s": self.tokens_per_s, **self.utilization.to_json(),
             "model_flops_per_step": self.model_flops_per_step,
             "hardware_flops_per_step": self.hardware_flops_per_step, "schedule": self.schedule,
+            "engine": self.engine,
             "time": {"pipeline_s": t.pipeline, "bubble_s": t.bubble, "tail_s": t.tail,
                      "bottleneck": list(t.bottleneck) if t.bottleneck else None},
             "fits": self.fits,
@@ -87,7 +90,7 @@ class Estimate:
             "traffic": [{**asdict(g), "ranks": list(g.ranks)} for g in self.traffic],
             "lanes": [{"stage": x.stage, "lane": x.lane, "microbatches": x.microbatches,
                        "forward_s": x.forward, "backward_s": x.backward, "p2p_s": x.p2p,
-                       "overlapped_s": x.overlapped} for x in t.lanes],
+                       "p2p_wait_s": x.p2p_wait, "overlapped_s": x.overlapped} for x in t.lanes],
             **self.provenance.to_json(),
         }
 
@@ -100,7 +103,8 @@ def build_estimate(cm: CostModel) -> Estimate:
     memory = sorted((mem for s in pipeline_stages(cm) for mem, _ in s.memory_classes(cm.in_flight_limits[s.index])),
                     key=lambda mem: mem.rank)
     return Estimate(timing.step, tokens, flops.model, flops.hardware, utilization(m, p, cm.topology, timing.step),
-                    timing, tuple(memory), tuple(_traffic(cm, timing)), p.schedule.value, provenance(cm))
+                    timing, tuple(memory), tuple(_traffic(cm, timing)), p.schedule.value, cm.engine,
+                    provenance(cm))
 
 
 # ------------------------------------------------------------------ traffic

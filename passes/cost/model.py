@@ -29,6 +29,7 @@ from hetc.passes.cost.profiles import Profiles
 from hetc.passes.cost.params import expert_params
 from hetc.passes.cost.shapes import (LayerFlops, LayerKind, activation_elements, layer_flops, layer_kind,
                                     params_per_rank)
+from hetc.passes.cost.transfers import Engine
 from hetc.pipeline import Ministage, Pipeline, Stage
 from hetc.program import Collective, Phase, Unit
 from hetc.spec import (DTYPE_BYTES, Checkpointing, CPKind, DeviceSpec, ModelSpec, OffloadTarget, Spec, ZeroShard)
@@ -50,9 +51,13 @@ _PairSignature = tuple[tuple[str, str, bool, int], ...]
 
 
 class CostModel:
-    def __init__(self, spec: Spec, pipeline: Pipeline, topology: Topology, profiles: Profiles | None = None):
+    def __init__(self, spec: Spec, pipeline: Pipeline, topology: Topology, profiles: Profiles | None = None,
+                 engine: Engine = Engine.HETC):
+        """`engine`: whose programs are timed, hetc's own (what `hetc compile` builds) unless the plan is
+        one another engine ran (Sailor's measured Megatron-DeepSpeed runs, Note [async sends])."""
         assert spec.model is not None and spec.train is not None
         self.spec, self.pipeline, self.topology = spec, pipeline, topology
+        self.engine = engine
         self.model, self.train = spec.model, spec.train
         self.profiles = profiles or Profiles()
         self.devices = {d.name: d for d in spec.devices}
@@ -69,6 +74,7 @@ class CostModel:
         self._p2p: dict[tuple[str, str, bool, float, int], float] = {}
         self._compute_times: dict[tuple[int, int, Phase, Unit | None], float] = {}
         self._numels: dict[tuple[int, int, int, int], float] = {}
+        self._layer_costs: dict[tuple[int, int], LayerCost] = {}   # (rank, layer): every phase asks
         self._fits: dict[tuple[str, str, bool, int, int], Bandwidth | None] = {}
         # Note [shared cores]: the plan's ranks on a node with fewer cores than ranks compute slower
         cluster = spec.cluster
@@ -119,6 +125,14 @@ class CostModel:
         lane, tp = self.pipeline.lane_of_rank[rank], self.stage_of(rank).tp
         rep = lane.ranks.index(rank) % tp
         return lane.ranks[rep::tp]
+
+    def node_streams(self, rank: int) -> int:
+        """Ranks of this rank's lane on its node. They run the same traffic at once (their border pieces,
+        each its position's ZeRO collectives), so they share the node's link: the estimate and the simulator
+        time such traffic at this concurrency."""
+        lane = self.pipeline.lane_of_rank[rank]
+        host = self.gpu(rank).host
+        return sum(1 for r in lane.ranks if self.gpu(r).host == host)
 
     def zero_group(self, rank: int) -> tuple[int, ...]:
         """Ranks holding the same parameters: this rank's tp slice in every lane and cp rank of the stage
@@ -238,6 +252,12 @@ class CostModel:
         return self._slowdown.get(self.gpu(rank).host, 1.0)
 
     def _layer_cost(self, rank: int, idx: int) -> LayerCost:
+        got = self._layer_costs.get((rank, idx))
+        if got is None:
+            got = self._layer_costs[(rank, idx)] = self._rank_layer_cost(rank, idx)
+        return got
+
+    def _rank_layer_cost(self, rank: int, idx: int) -> LayerCost:
         stage = self.stage_of(rank)
         block = layer_kind(self.model, idx) == LayerKind.BLOCK
         return self.layer_cost(self.gpu(rank).device.name, idx, stage.tp, stage.cp, self.tp_group(rank),

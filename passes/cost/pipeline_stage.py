@@ -20,6 +20,7 @@ from hetc.passes.cost.experts import sharded_numel
 from hetc.passes.cost.memory import (RankMemory, StatesHeld, activation_memory, rank_memory, state_memory,
                                     zorse_backward_peak)
 from hetc.passes.cost.schedule import Unit
+from hetc.passes.cost.transfers import Borders
 from hetc.pipeline import Stage
 from hetc.program import Collective, Phase
 from hetc.spec import OffloadTarget, ZeroSpec
@@ -52,7 +53,7 @@ class PipelineStage:
     def overhead(self, lane: int) -> float:
         return max(self.cm.microbatch_overhead(r) for r in self._reps(lane))
 
-    def p2p(self, lane: int) -> float:
+    def p2p(self, lane: int) -> Borders:
         return pt.p2p_per_microbatch(self.cm, self.stage, self.stage.lanes[lane])
 
     def collectives(self, lane: int) -> tuple[float, float, float]:
@@ -88,7 +89,7 @@ def pipeline_stages(cm: CostModel) -> list[PipelineStage]:
 def evaluate_pipeline(cm: CostModel, memory: bool) -> ClassEstimate:
     """The composition over `cm`'s pipeline, rank by rank."""
     p = cm.pipeline
-    shape = PlanShape(p.schedule, p.num_microbatches, cm.train.grad_clip,
+    shape = PlanShape(cm.engine, p.schedule, p.num_microbatches, cm.train.grad_clip,
                       tuple(ms.stage for ms in p.ministages), max(len(s.ministages) for s in p.stages))
     end = pt.step_end_time(cm.train.grad_clip > 0,
                            lambda nbytes: cm.collective_time(Collective.ALL_REDUCE, tuple(range(p.world_size)), nbytes))

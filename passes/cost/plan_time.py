@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from hetc.passes.cost.memory import offloaded
 from hetc.passes.cost.schedule import Unit, UnitLane
+from hetc.passes.cost.transfers import Borders
 from hetc.passes.cost.zero_time import (ZeroRings, across_nodes, fetch_time, first_gather_time, flush_time,
                                        optimizer_step_time, sync_time, zero_collectives)
 from hetc.passes.cost.zero_units import gathers_per_block, ministage_units
@@ -28,10 +29,9 @@ from hetc.spec import OffloadTarget, ZeroShard
 if TYPE_CHECKING:     # the cost model imports this module
     from hetc.passes.cost.model import CostModel
 
-__all__ = ["border_time", "collectives", "first_gather", "kind_reps", "ministage_borders", "p2p_per_microbatch",
-           "peer_lanes",
-           "shares", "stage_borders", "stage_flush", "stage_sync_time", "stage_units", "step_end_time", "unit_lane",
-           "unit_numels", "zero_rings", "zorse_unit"]
+__all__ = ["border_time", "collectives", "first_gather", "kind_reps", "lane_borders", "ministage_borders",
+           "p2p_per_microbatch", "peer_lanes", "shares", "stage_borders", "stage_flush", "stage_sync_time",
+           "stage_units", "step_end_time", "unit_lane", "unit_numels", "zero_rings", "zorse_unit"]
 
 
 # what the all-reduces of the step's loss and squared gradient norm carry (one float64 each)
@@ -53,12 +53,6 @@ def kind_reps(cm: CostModel, ranks: Iterable[int]) -> list[int]:
     for r in sorted(ranks):
         seen.setdefault((cm.gpu(r).device.name, cm.slowdown(r)), r)
     return list(seen.values())
-
-
-def _concurrent(cm: CostModel, rank: int) -> int:
-    """Ranks of this rank's lane on its node: they send their shares over the node's link at once."""
-    lane = cm.pipeline.lane_of_rank[rank]
-    return sum(1 for r in lane.ranks if cm.gpu(r).host == cm.gpu(rank).host)
 
 
 def peer_lanes(mine: Sequence[int], theirs: Sequence[int], num_lanes: int) -> tuple[int, ...]:
@@ -90,7 +84,7 @@ def border_time(cm: CostModel, stage: Stage, lane: Lane, other: Stage, ms: int) 
     peer = _peer_lane(cm, other, lane)
     src, dst = lane.ranks[0], peer.ranks[0]
     share = cm.boundary_bytes(ms) / (stage.tp * stage.cp)
-    return cm.p2p_time(src, dst, share, _concurrent(cm, src))
+    return cm.p2p_time(src, dst, share, cm.node_streams(src))
 
 
 def ministage_borders(ms: int, stage: int, stage_of: Callable[[int], int], count: int
@@ -114,10 +108,26 @@ def stage_borders(ministages: Sequence[int], stage: int, stage_of: Callable[[int
             yield out, ms
 
 
-def p2p_per_microbatch(cm: CostModel, stage: Stage, lane: Lane) -> float:
+def lane_borders(ministages: Sequence[int], stage: int, stage_of: Callable[[int], int], count: int,
+                 time: Callable[[int, int], float]) -> Borders:
+    """A lane's border transfers (`time(other stage, ministage whose activation crosses)`), the activations
+    it receives apart from the gradients (Note [async sends])."""
+    activations, gradients, later = [], [], 0.0
+    for ms in ministages:
+        out, back = ministage_borders(ms, stage, stage_of, count)
+        if back is not None:
+            activations.append(time(back, ms - 1))
+            later += activations[-1] if back > stage else 0.0
+        if out is not None:
+            gradients.append(time(out, ms))
+            later += gradients[-1] if out > stage else 0.0
+    return Borders(tuple(activations), tuple(gradients), len(ministages), later)
+
+
+def p2p_per_microbatch(cm: CostModel, stage: Stage, lane: Lane) -> Borders:
     p = cm.pipeline
-    return sum(border_time(cm, stage, lane, p.stages[other], ms)
-               for other, ms in stage_borders(stage.ministages, stage.index, _stage_of(cm), len(p.ministages)))
+    return lane_borders(stage.ministages, stage.index, _stage_of(cm), len(p.ministages),
+                        lambda other, ms: border_time(cm, stage, lane, p.stages[other], ms))
 
 
 def _stage_of(cm: CostModel) -> Callable[[int], int]:
@@ -130,7 +140,7 @@ def _stage_numel(cm: CostModel, stage: Stage, rank: int) -> float:
 
 def zero_rings(cm: CostModel, rank: int) -> ZeroRings:
     """This rank's ZeRO groups, its lane's ranks on its node sharing the node's link."""
-    k = _concurrent(cm, rank)
+    k = cm.node_streams(rank)
     group = cm.zero_group(rank)
     hierarchical = cm.stage_of(rank).zero.shard is ZeroShard.NODE
     if not hierarchical:

@@ -43,6 +43,7 @@ class Primitives:
         probe_world = Pipeline((), (), topo.gpus, self.num_microbatches, micro_batch,
                                ScheduleKind.ONE_F_ONE_B, 1)
         self.probe = CostModel(self.spec, probe_world, topo, profiles)
+        self.engine = self.probe.engine   # the planner plans for hetc's own programs
         self.delta = DTYPE_BYTES[self.model.dtype]
         self.states = state_bytes_per_param(self.model)
         # b·S·H·δ: the activation at a border (every tp rank holds it all: no sequence parallelism) and
@@ -54,6 +55,8 @@ class Primitives:
         self.params = lru_cache(maxsize=None)(self._params)
         self.activations = lru_cache(maxsize=None)(self._activations)
         self._slowdowns: dict[int, tuple[tuple[Gpu, ...], dict[tuple[str, int], float]]] = {}
+        cluster = topo.cluster
+        self._cores_shared = cluster.cores > 0 or any(n.cores > 0 for n in cluster.nodes)
 
     # ------------------------------------------------------------ per layer
 
@@ -104,6 +107,8 @@ class Primitives:
     def host_slowdowns(self, gpus: tuple[Gpu, ...]) -> dict[tuple[str, int], float]:
         """`cores.host_slowdowns` of a plan's GPUs (empty when none is slowed), memoised per tuple (a stage's GPUs are resolved once
         and read by every option of it; the tuple is held so that its id stays its own)."""
+        if not self._cores_shared:   # no node and not the cluster share cores: nobody is slowed
+            return {}
         got = self._slowdowns.get(id(gpus))
         if got is None or got[0] is not gpus:
             cluster = self.topo.cluster

@@ -2,11 +2,14 @@
 
 What overlaps with what (docs/costmodel.md):
 
-- point-to-point activations and gradients block the sending and the
-  receiving rank (Megatron's and DeepSpeed's 1F1B wait for them); the
-  activation of one microbatch and the gradient of another cross a border
-  in opposite directions at the same time, so each border costs one
-  transfer per microbatch and cycle;
+- point-to-point activations and gradients: each border costs one
+  transfer per microbatch on the path of a microbatch through the
+  pipeline (the activation of one microbatch and the gradient of another
+  cross it in opposite directions at the same time); of those, a lane's
+  cycle holds what its thread waits for (`LaneTiming.p2p_wait`): all of
+  them where the engine blocks on them (Megatron's and DeepSpeed's 1F1B),
+  what outlasts the op before their consumer where its sends are
+  asynchronous (hetc's programs; Note [async sends] in transfers.py);
 - per-microbatch ZeRO collectives (ZeRO-3 gathers, ZeRO-2/3
   reduce-scatters under gradient accumulation) run beside the compute, but
   the compute waits for them where lowering put the waits (`zero_cycle`,
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 from hetc.spec import ScheduleKind
 
 __all__ = ["LaneTiming", "PipelineTime", "Unit", "UnitLane", "ZeroCycle", "in_flight_limits", "lockstep_fill",
-           "pipeline_time", "sequential_time", "step_lower_bound", "zero_cycle"]
+           "pipeline_time", "round_trip_span", "sequential_time", "step_lower_bound", "zero_cycle"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,10 +44,12 @@ class LaneTiming:
     forward: float
     input_grad: float
     weight_grad: float
-    p2p: float = 0.0          # blocking transfers on this stage's borders
+    p2p: float = 0.0          # transfers on this stage's borders, each once (a microbatch's path through it)
     overlapped: float = 0.0   # seconds of collectives beside the compute, per microbatch (traffic)
     bound: float = 0.0        # the cycle those collectives allow (`zero_cycle`); 0: none
     trail: float = 0.0        # the last microbatch's reduce-scatter past the lane's last cycle
+    p2p_wait: float = 0.0     # of `p2p`, what the lane's thread waits for per microbatch (Note [async sends])
+    p2p_after: float = 0.0    # of `p2p`, over the borders with later stages (a round trip crosses them twice)
 
     @property
     def backward(self) -> float:
@@ -52,12 +57,18 @@ class LaneTiming:
 
     @property
     def one(self) -> float:
-        """One microbatch through this lane, forward and backward."""
+        """One microbatch through this lane, forward and backward, with its border transfers."""
         return self.forward + self.backward + self.p2p
 
     @property
+    def on_thread(self) -> float:
+        """One microbatch on this lane's thread: its compute and what it waits for its transfers."""
+        return self.forward + self.backward + self.p2p_wait
+
+    @property
     def cycle(self) -> float:
-        return max(self.one, self.bound)
+        """The lane's seconds per microbatch: its thread's, or what its collectives allow."""
+        return max(self.on_thread, self.bound)
 
     @property
     def work(self) -> float:
@@ -97,7 +108,7 @@ class ZeroCycle:
     trail: float   # seconds after the lane's last cycle until its last reduce-scatter is done
 
 
-def zero_cycle(schedule: ScheduleKind, ops: Sequence[float], p2p: float, reduce: float, gather: float,
+def zero_cycle(schedule: ScheduleKind, ops: Sequence[float], p2p_wait: float, reduce: float, gather: float,
                copies: float, shares: tuple[float, float] = (1.0, 1.0)) -> ZeroCycle:
     """A lane's per-microbatch cycle with ZeRO collectives placed as lowering places them.
 
@@ -109,9 +120,11 @@ def zero_cycle(schedule: ScheduleKind, ops: Sequence[float], p2p: float, reduce:
     posts a reduce-scatter (`reduce` s) after each gradient op and waits for
     it before the next gradient op of the ministage. Under 1F1B-like
     schedules the next gradient op comes one cycle later, with the other ops
-    running beside the reduction: cycle = max(Σ max(op, gather) + p2p,
-    gradient op + reduce), per ministage. GPipe runs the gradient ops back to back: its
-    backward slot is gradient op + reduce. Host copies of offloaded
+    running beside the reduction: cycle = max(Σ max(op, gather) + p2p_wait,
+    gradient op + reduce), per ministage (`p2p_wait`: what the lane waits
+    for its border transfers, Note [async sends] in transfers.py). GPipe
+    runs the gradient ops back to back: its backward slot is gradient op +
+    reduce. Host copies of offloaded
     parameters (`copies` s) come before their gathers: with them, the
     collectives and copies are counted as one stream beside the compute
     (the model before this note; it fits lowering's offload windows less
@@ -134,37 +147,75 @@ def zero_cycle(schedule: ScheduleKind, ops: Sequence[float], p2p: float, reduce:
     slots = [max(d, gather) for d in ops]
     grad = ops[-1]
     if schedule is ScheduleKind.GPIPE:
-        bound = sum(slots[:-1]) + max(slots[-1], grad + reduce) + p2p
+        bound = sum(slots[:-1]) + max(slots[-1], grad + reduce) + p2p_wait
     else:
-        bound = max(sum(slots) + p2p, largest * (grad + reduce))
+        bound = max(sum(slots) + p2p_wait, largest * (grad + reduce))
     # the last microbatch's cycle, to the end of its first ministage's reduction
-    last = sum(slots) - first * (slots[-1] - grad) + first * reduce + p2p
-    return ZeroCycle(bound, max(0.0, last - max(bound, sum(ops) + p2p)))
+    last = sum(slots) - first * (slots[-1] - grad) + first * reduce + p2p_wait
+    return ZeroCycle(bound, max(0.0, last - max(bound, sum(ops) + p2p_wait)))
 
 
-def step_lower_bound(schedule: ScheduleKind, lanes: Sequence[LaneTiming], chunks: int = 1) -> float:
+def step_lower_bound(schedule: ScheduleKind, lanes: Sequence[LaneTiming], chunks: int = 1,
+                     limits: Mapping[int, int] | None = None) -> float:
     """No schedule of these lanes runs its pipeline faster, in the estimate's terms: its floor for the pipeline
     (`classes.compose_step`). The whole step's lower bound, which the compiled program is held to, is
     `bound.step_bound` (docs/costmodel.md, "The lower bound of a step").
 
-    The busiest lane (stage b) is busy `work`; it cannot start before the
+    The busiest lane (stage b) is busy `work`, and more where the round
+    trip of a microbatch through the stages after it outlasts what the
+    microbatches it keeps in flight (`limits`) give it to do meanwhile
+    (`round_trip_span`; not under interleaved 1F1B, whose chunks go round
+    apart); it cannot start before the
     first microbatch has come through every stage before it (their fastest
     lane's forward and transfers), and after its last op the last gradient
     still goes back through them (input-gradient backward under ZB); under
-    interleaved 1F1B only through their first of `chunks` chunks. Zorse
-    runs stage by stage, so only the busy time bounds it.
+    interleaved 1F1B only through their first of `chunks` chunks. Nor is
+    the pipeline shorter than its busiest lane's last microbatch: the lane
+    runs its forwards in order, each at the earliest a forward after the
+    one before (under interleaved 1F1B a chunk's), and the last one still
+    goes the whole
+    way down through every stage and back, with every border's transfer
+    both ways (the fastest lane of each stage). That sets a step of few
+    microbatches over latency-bound borders, whose transfers lie on the way
+    even where the sends overlap the compute (Note [async sends] in
+    transfers.py).
+    Zorse runs stage by stage, so only the busy time bounds it.
     """
     worst = max(lanes, key=lambda t: t.work)
     if schedule is ScheduleKind.ZORSE:
         return worst.work
-    bound = worst.work
+    back: Callable[[LaneTiming], float] = \
+        (lambda t: t.input_grad) if schedule is ScheduleKind.ZB else (lambda t: t.backward)
+    bound = _busiest_span(schedule, lanes, worst, limits or {})
     for s in {t.stage for t in lanes if t.stage < worst.stage}:
         mine = [t for t in lanes if t.stage == s]
-        back: Callable[[LaneTiming], float] = \
-            (lambda t: t.input_grad) if schedule is ScheduleKind.ZB else (lambda t: t.backward)
         share = 1 / chunks if schedule is ScheduleKind.INTERLEAVED else 1.0
         bound += (min(t.forward + t.p2p for t in mine) + min(back(t) for t in mine)) * share
-    return bound
+    way = sum(min(t.forward + back(t) + t.p2p for t in lanes if t.stage == s) for s in {t.stage for t in lanes})
+    pace = worst.forward / (chunks if schedule is ScheduleKind.INTERLEAVED else 1)
+    return max(bound, way + (worst.microbatches - 1) * pace)
+
+
+def _busiest_span(schedule: ScheduleKind, lanes: Sequence[LaneTiming], worst: LaneTiming,
+                  limits: Mapping[int, int]) -> float:
+    """The busiest lane's span: its work, and the round trips it cannot fill (`round_trip_span`)."""
+    if schedule is ScheduleKind.INTERLEAVED:
+        return worst.work
+    later = {t.stage for t in lanes if t.stage > worst.stage}
+    trip = worst.p2p_after + sum(min(_round_trip_share(schedule, t) for t in lanes if t.stage == d) for d in later)
+    n = worst.microbatches
+    held = n if schedule is ScheduleKind.GPIPE else min(limits.get(worst.stage, n), n)
+    f = worst.forward + worst.p2p_wait / 2   # the lane's waits, half before its forwards, half its backwards
+    return max(worst.work, round_trip_span(n, held, f, worst.cycle - f, trip))
+
+
+def round_trip_span(n: int, held: int, f: float, b: float, trip: float) -> float:
+    """A lane's span with a round trip of `trip` after it and at most `held` microbatches in flight: before its
+    first backward it runs at most `held` forwards while the first one goes round; after its last forward at
+    most `held` − 1 other backwards while that one goes round (disjoint waits when it serves more)."""
+    before = max(0.0, f + trip - held * f)
+    after = max(0.0, trip - (held - 1) * b)
+    return n * (f + b) + (before + after if n > held else max(before, after))
 
 
 # ------------------------------------------------------------------ in-flight limit
@@ -181,7 +232,9 @@ def in_flight_limits(schedule: ScheduleKind, lanes: Sequence[LaneTiming], num_st
     on a lane from its forward to its last backward op: the lane's own
     forward and backward plus the round trip R through every stage after it
     (the forward and input-gradient backward of one microbatch on that
-    stage's slowest lane, with its border transfers). The pipeline runs at
+    stage's slowest lane, and every border after the lane crossed both ways;
+    the transfers lie on that way even where the sends overlap the compute,
+    Note [async sends]). The pipeline runs at
     its busiest lane's pace: over the step (T* busy seconds) a lane serving
     n microbatches starts one every T*/n, so by Little's law it keeps
     ⌈(own + R) / (T*/n)⌉ in flight not to wait. With equal lanes that is
@@ -222,7 +275,8 @@ def in_flight_limits(schedule: ScheduleKind, lanes: Sequence[LaneTiming], num_st
     for s in stages:
         after = sum(trip[d] for d in range(s + 1, num_stages))
         mine = [t for t in lanes if t.stage == s]
-        needed = max(math.ceil((t.one + after) * t.microbatches / busiest * (1 - 1e-9)) if busiest > 0 else 1
+        needed = max(math.ceil((_in_flight_own(t) + after) * t.microbatches / busiest * (1 - 1e-9))
+                     if busiest > 0 else 1
                      for t in mine)
         most = max(t.microbatches for t in mine)
         out[s] = max(num_stages - s, min(needed, most))
@@ -253,6 +307,12 @@ def _slot_wait(lanes: Sequence[LaneTiming], lane_counts: Mapping[int, int] | Non
         return 0.0
     period = busiest / max(t.microbatches for t in mine)
     return (width / lane_counts[other] - 1) * period
+
+
+def _in_flight_own(t: LaneTiming) -> float:
+    """A microbatch's own time in flight on the lane: its forward, backward, and the crossing of the borders after
+    it that the later stages' shares of the round trip do not count (`_round_trip_share` counts one each)."""
+    return t.forward + t.backward + t.p2p_after
 
 
 def _round_trip_share(schedule: ScheduleKind, t: LaneTiming) -> float:

@@ -29,7 +29,7 @@ __all__ = ["LaneClass", "StageOptionCosts", "lane_cap", "option_costs", "seriali
 @dataclass(frozen=True, slots=True)
 class LaneClass:
     lanes: tuple[int, ...]      # lane indices of the stage
-    cycle: float                # seconds per microbatch (compute + p2p, or the collectives beside it)
+    cycle: float                # seconds per microbatch (compute + p2p waits, or the collectives beside it)
     cap: int                    # most microbatches per lane that fit in memory (0: none fit)
 
 
@@ -60,14 +60,16 @@ def option_costs(sc: StageCosts, classes: Sequence[tuple[int, ...]], m: int) -> 
     for lanes in classes:
         lane = lanes[0]
         f, i, w = sc.compute(lane)
-        p2p = sc.p2p(lane)
+        borders = sc.p2p(lane)
+        p2p = borders.total
         if schedule is ScheduleKind.ZORSE:
             # a lane sends a microbatch on and goes on with the next: transfers delay the next stage, not it
             per_ms = [unit_lane_times(sc, lane, ms) for ms in sc.s.ministages]
             cycle = sum(u.forward + u.backward for u in per_ms)
             one = cycle + sum(u.p2p_out + u.p2p_back for u in per_ms)
         else:
-            timing = lane_timing(schedule, sc.s.index, lane, 0, (f, i, w), p2p, sc.collectives(lane), sc.shares())
+            timing = lane_timing(sc.p.engine, schedule, sc.s.index, lane, 0, (f, i, w), borders, sc.collectives(lane),
+                                 sc.shares())
             one, cycle, trail = timing.one, timing.cycle, timing.trail
         fill = max(fill, max(0.0, f + i + p2p - w) if schedule is ScheduleKind.ZB else one)
         tail = max(tail, trail + sc.sync(lane, per_ministage=schedule is ScheduleKind.ZORSE) + sc.optimizer(lane))

@@ -64,6 +64,8 @@ class LowerContext:
         self.parallel = spec.parallel
         self.grad_clip = spec.train.grad_clip
         self._messages: dict[tuple[Tensor, int, int], tuple[Message, ...]] = {}
+        self._replicas: dict[tuple[int, int], tuple[int, ...]] = {}
+        self._held: dict[tuple[int, int], tuple[Range, ...]] = {}
 
     @cached_property
     def costs(self) -> CostModel:
@@ -92,8 +94,12 @@ class LowerContext:
         return self._lane_by_stage_mb[(self.pipeline.ministages[ms].stage, mb)]
 
     def held(self, stage: Stage, pos: int) -> tuple[Range, ...]:
-        """The tokens lane position `pos` of `stage` holds at its ministages' borders."""
-        return boundary_ranges(stage, pos, self.model.seq)
+        """The tokens lane position `pos` of `stage` holds at its ministages' borders (the same in every
+        lane of the stage: memoised)."""
+        got = self._held.get((stage.index, pos))
+        if got is None:
+            got = self._held[(stage.index, pos)] = boundary_ranges(stage, pos, self.model.seq)
+        return got
 
     def messages(self, what: Tensor, ms: int, mb: int) -> tuple[Message, ...]:
         """The transfers of `what` leaving ministage `ms` for microbatch `mb` (activation forward to ms+1,
@@ -132,10 +138,16 @@ class LowerContext:
 
     # ---------------------------------------------------------------- groups
 
-    def replicas(self, place: RankPlace) -> list[int]:
-        """The ranks holding the same parameters as this one: its tp rank in every lane and cp rank."""
+    def replicas(self, place: RankPlace) -> tuple[int, ...]:
+        """The ranks holding the same parameters as this one: its tp rank in every lane and cp rank
+        (memoised: every rank of a stage with the same tp rank has the same replicas)."""
         stage = place.stage
-        return [lane.ranks[c * stage.tp + place.tp_rank] for lane in stage.lanes for c in range(stage.cp)]
+        key = (stage.index, place.tp_rank)
+        got = self._replicas.get(key)
+        if got is None:
+            got = self._replicas[key] = tuple(lane.ranks[c * stage.tp + place.tp_rank]
+                                              for lane in stage.lanes for c in range(stage.cp))
+        return got
 
     def _dp_id(self, place: RankPlace) -> GroupId:
         dp = GroupId(GroupKind.DP, place.stage.index)

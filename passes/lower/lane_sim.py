@@ -81,7 +81,12 @@ class Policy:
 
     def head(self, kind: str) -> list[Op]:
         """The next op of one kind (F, B or I, W) whatever the limit, for a lane following its stage's lead."""
-        queue, i = {"F": (self.f_order, self.fi), "W": (self.w_order, self.wi)}.get(kind, (self.b_order, self.bi))
+        if kind == "F":
+            queue, i = self.f_order, self.fi
+        elif kind == "W":
+            queue, i = self.w_order, self.wi
+        else:
+            queue, i = self.b_order, self.bi
         return [queue[i]] if i < len(queue) else []
 
     def held_back(self) -> bool:

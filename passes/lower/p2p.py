@@ -98,7 +98,7 @@ def _rank(rp: RankProgram, place: RankPlace, ctx: LowerContext,
     for slot in _post_slots(units, place, ctx, send_order):
         posted.append([])
         for r in slot:
-            posted[-1].append(dataclasses.replace(r, handle=handle))
+            posted[-1].append(Recv(r.what, r.ms, r.mb, r.peer_from, r.shape, handle, r.seq))
             wait_for[_key(r)] = handle
             handle += 1
     out: list[Instr] = []
@@ -112,7 +112,7 @@ def _rank(rp: RankProgram, place: RankPlace, ctx: LowerContext,
         for instr in unit.instrs:
             out.append(instr)
             for send in _sends_after(instr, place, ctx):
-                out.append(dataclasses.replace(send, handle=handle))
+                out.append(Send(send.what, send.ms, send.mb, send.peer_to, send.shape, handle, send.seq))
                 send_waits.append(Wait(handle))
                 handle += 1
     out += send_waits

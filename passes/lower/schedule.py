@@ -17,8 +17,9 @@ result is deterministic. The engine is in `lane_sim.py` (with Note
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from enum import StrEnum
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from hetc.errors import InternalError
 from hetc.passes.cost.memory import interleaved_warmup
@@ -57,13 +58,29 @@ def _order(ctx: LowerContext, strict: bool) -> Program:
         # it holds fills the wait (Note [timed schedule])
         policy.forward_first = strict and kind in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED)
     split = kind is ScheduleKind.ZB
-    orders = simulate(policies, lambda op: _deps(ctx, op, split), lambda op: _duration(ctx, op),
+    orders = simulate(policies, _memo(lambda op: _deps(ctx, op, split)), _memo(lambda op: _duration(ctx, op)),
                       _coupled_lanes(ctx, policies), lift_limits=not strict, lag=lambda dep, op: _lag(ctx, dep, op))
     programs = []
     for place in ctx.places:
         ops = orders[(place.stage.index, place.lane.index)]
         programs.append(_with_loads(ctx, rank_shell(place), ops))
     return Program(tuple(programs), ctx.groups)
+
+
+_T = TypeVar("_T")
+
+
+def _memo(fn: Callable[[Op], _T]) -> Callable[[Op], _T]:
+    """`fn` remembered per op: the simulation asks for an op's dependencies and duration many times (the
+    lanes of a lockstep group look at each other's next ops); callers never change what it returns."""
+    seen: dict[Op, _T] = {}
+
+    def remembered(op: Op) -> _T:
+        got = seen.get(op)
+        if got is None:
+            got = seen[op] = fn(op)
+        return got
+    return remembered
 
 
 def lane_queues(pipeline: Pipeline, stage: Stage, lane: Lane) -> tuple[list[Op], list[Op], list[Op]]:

@@ -25,10 +25,12 @@ Two choices make the cut mean what the planner needs and scale:
 from __future__ import annotations
 
 import itertools
-
-import networkx as nx
+from typing import TYPE_CHECKING
 
 from hetc.topology import Topology
+
+if TYPE_CHECKING:   # imported where a cut is computed: networkx takes a third of a second to import
+    import networkx as nx
 
 __all__ = ["TIER_RATIO", "Domains", "bandwidth_domains", "group_bandwidth"]
 
@@ -54,6 +56,8 @@ def _tiers(values: list[float]) -> dict[float, int]:
 
 
 def _graph(topo: Topology, groups: list[str]) -> nx.Graph:
+    import networkx as nx
+
     pairs = {}
     for a, b in itertools.combinations(groups, 2):
         pairs[(a, b)] = (topo.groups[a].count * topo.groups[b].count, group_bandwidth(topo, a, b))
@@ -68,10 +72,20 @@ def _graph(topo: Topology, groups: list[str]) -> nx.Graph:
 
 def bandwidth_domains(topo: Topology, groups: list[str]) -> list[Domains]:
     """Nested partitions of `groups` into k = 1..len(groups) domains, by Gomory–Hu min k-cuts."""
-    order = {g: i for i, g in enumerate(groups)}
     if len(groups) == 1:
         return [(tuple(groups),)]
-    tree = nx.gomory_hu_tree(_graph(topo, groups))
+    if len(groups) == 2:   # the tree is the one edge (every capacity is positive): both, then each alone
+        return [(tuple(groups),), tuple((g,) for g in groups)]
+    import networkx as nx
+
+    return _cut_levels(nx.gomory_hu_tree(_graph(topo, groups)), groups)
+
+
+def _cut_levels(tree: nx.Graph, groups: list[str]) -> list[Domains]:
+    """The k = 1..len(groups) domains of a Gomory–Hu tree: its k−1 lightest edges removed."""
+    import networkx as nx
+
+    order = {g: i for i, g in enumerate(groups)}
     edges = sorted(tree.edges(data="weight"), key=lambda e: (e[2], sorted((order[e[0]], order[e[1]]))))
     out = []
     for k in range(1, len(groups) + 1):

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hetc.errors import InternalError
+from hetc.gc_pause import paused_collector
 from hetc.passes.cost import CostModel, Estimate, Profiles
 from hetc.passes.plan.baselines import Baseline, baselines
 from hetc.passes.plan.candidate import Candidate
@@ -77,6 +78,13 @@ def plan_spec(spec: Spec, profiles: Profiles | None = None, base_dir: Path | Non
               progress: Callable[[str], None] | None = None, limits: SearchLimits | None = None,
               **space_overrides: Any) -> PlanResult:   # `space_from_spec`'s
     """The explicit plan for `spec` (returned as is, estimated, when it has no `auto`)."""
+    with paused_collector():   # Note [pausing the collector]
+        return _plan_spec(spec, profiles, base_dir, progress, limits, **space_overrides)
+
+
+def _plan_spec(spec: Spec, profiles: Profiles | None, base_dir: Path | None,
+               progress: Callable[[str], None] | None, limits: SearchLimits | None,
+               **space_overrides: Any) -> PlanResult:
     checked = check_spec(spec, base_dir)
     assert spec.parallel is not None   # check_spec refuses a spec that is not complete
     goal = Goal.of(spec.parallel.objective)

@@ -102,11 +102,18 @@ def stage_costs(prims: Primitives, res: ResolvedStage, index: int, num_stages: i
                 zero_base: ZeroSpec | None = None) -> StageCosts:
     """The cost model's view of stage `index` owning n layer units under `knobs`, between stand-ins."""
     m = prims.num_microbatches
-    nominal = tuple(split_evenly(m, len(res.lanes))) if len(res.lanes) <= m else (1,) * len(res.lanes)
+    nominal = _nominal_counts(m, len(res.lanes))
     ctx, own = _context(prims, index, num_stages, n, knobs.ministages, interleave, neighbours, schedule,
                         prefetch)
     view = StageView(index, res, knobs, _zero_at(zero_base or ZeroSpec(), knobs.zero), own, nominal)
     return StageCosts(prims, ctx, view)
+
+
+@lru_cache(maxsize=256)
+def _nominal_counts(m: int, num_lanes: int) -> tuple[int, ...]:
+    """The microbatches per lane an option table reads its stage with: `m` split evenly (one each when
+    there are more lanes than microbatches); memoised, as every option of a stage asks."""
+    return tuple(split_evenly(m, num_lanes)) if num_lanes <= m else (1,) * num_lanes
 
 
 @lru_cache(maxsize=256)

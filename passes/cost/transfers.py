@@ -1,0 +1,81 @@
+"""How much of a lane's border transfers its thread waits for, per engine (Note [async sends]).
+
+Note [async sends]: hetc's lowering (passes/lower/p2p.py, Note [p2p
+placement]) posts every send as an `isend` right after the op that made
+its tensor and waits for it only at the end of the step, and posts every
+receive one compute op before its consumer, waiting right before the
+consumer. The transfer runs beside that op, so a lane waits only for what
+of a transfer outlasts the op before its consumer, in the lane's steady
+order: under GPipe a forward follows a forward and a backward a backward;
+under 1F1B a forward follows a backward and a backward a forward. With
+several ministages on a stage each receive overlaps one op, a ministage's
+share of the stage's compute. Two schedules count every transfer, as a
+blocking engine waits for it: under interleaved 1F1B a microbatch comes
+back to the lane for its next chunk only after crossing the borders in
+between, so its transfers lie between the lane's own ops of it; ZB-H1 runs
+what is ready, so the op a receive overlaps is not fixed (the agreement
+family's interleaved and ZB plans, tests/test_plan_agreement.py, ran up to
+30 % longer than the overlapped count). Megatron-LM and DeepSpeed block on
+their sends and receives: the lane
+waits for every transfer, each border once per microbatch and cycle (the
+activation of one microbatch and the gradient of another cross it at the
+same time), which Sailor's measured runs validate (docs/costmodel.md,
+"Validation"). Either way the transfers are on the path of a microbatch
+through the pipeline: the fill and drain, the round trip of the in-flight
+limit and the lower bound count them whole (`Borders.total`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+
+from hetc.spec import ScheduleKind
+
+__all__ = ["Borders", "Engine", "transfer_waits"]
+
+
+class Engine(StrEnum):
+    """The training engine whose point-to-point traffic the cost model times (Note [async sends])."""
+
+    HETC = "hetc"            # hetc's programs: asynchronous sends, receives posted one op ahead
+    MEGATRON = "megatron"    # Megatron-LM / DeepSpeed: blocking sends and receives
+
+
+@dataclass(frozen=True, slots=True)
+class Borders:
+    """One microbatch's border transfers on a lane, seconds each: the activations it receives (one per
+    border before one of its ministages, whose gradient goes back over it) and the gradients it receives
+    (one per border after one, whose activation goes out over it)."""
+
+    activations: tuple[float, ...] = ()
+    gradients: tuple[float, ...] = ()
+    ministages: int = 1     # the stage's ministages: each receive overlaps one ministage's op
+    later: float = 0.0      # of all, the borders with later stages (a round trip through them crosses each twice)
+
+    @property
+    def total(self) -> float:
+        """Every border once (one transfer per border, microbatch and direction)."""
+        return sum(self.activations) + sum(self.gradients)
+
+
+def transfer_waits(engine: Engine, schedule: ScheduleKind, borders: Borders,
+                   compute: tuple[float, float, float]) -> float:
+    """Seconds per microbatch the lane's thread waits for its border transfers (Note [async sends]);
+    `compute`: the stage's (F, I, W) of one microbatch."""
+    order = _STEADY_ORDER.get(schedule)
+    if engine is Engine.MEGATRON or order is None:
+        return borders.total
+    f, i, w = (x / max(borders.ministages, 1) for x in compute)
+    before_forward, before_backward = order(f, i + w)
+    return sum(max(0.0, t - before_forward) for t in borders.activations) + \
+        sum(max(0.0, t - before_backward) for t in borders.gradients)
+
+
+# (the op before a forward, the op before a backward) in a lane's steady order, from its (F, B): the schedules
+# whose order is fixed (Megatron's strict 1F1B, GPipe's sweeps); the others count every transfer
+_STEADY_ORDER: dict[ScheduleKind, Callable[[float, float], tuple[float, float]]] = {
+    ScheduleKind.GPIPE: lambda f, b: (f, b),
+    ScheduleKind.ONE_F_ONE_B: lambda f, b: (b, f),
+}
