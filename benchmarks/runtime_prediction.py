@@ -8,7 +8,8 @@ local run puts all the spec's "nodes" on this machine, whose cores all the
 plan's ranks share: Note [shared cores] in passes/cost/cores.py). One
 `hetc profile` per model of the folder (the demo job's and the MoE job's;
 each measures its layers with as many processes at once as the cluster runs
-here), then per plan: `hetc compile --profile` (summary.json's
+here, and a blocking call's wait for a core with as many processes computing
+beside the calls: Note [core wait]), then per plan: `hetc compile --profile` (summary.json's
 step_time_s is the prediction), `hetc run --local --steps K --metrics`, and
 the median of steps 3..K. A plan agrees when measured/predicted is within
 15 %; for the others the table names the time class most off (hetc/viz/classgap.py,
@@ -27,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,6 +85,11 @@ def plans(demo: Path, only: list[str]) -> list[Path]:
     return [p for p in found if not only or p.stem in only]
 
 
+def jobs_used(selected: list[Path]) -> list[str]:
+    """The jobs the plans import: only those are profiled (a profile takes minutes on a loaded machine)."""
+    return [job for job in JOBS if any(f'use "{job}"' in plan.read_text() for plan in selected)]
+
+
 def profile(job: Path, out: Path) -> None:
     done = _hetc("profile", str(job), "-o", str(out), "--repeats", "5", timeout=900)
     if done.returncode != 0:
@@ -111,14 +118,42 @@ def measure(plan: Path, work: Path, profiles: list[Path], steps: int) -> Row:
     return Row(plan.stem, predicted, measured, why)
 
 
-def render(rows: list[Row], cores: int, load: tuple[float, float, float], steps: int) -> str:
+@dataclass(frozen=True)
+class Conditions:
+    """What the figures were taken under: the machine's load, the profiles' measured core waits, the time."""
+
+    cores: int
+    load: tuple[float, float, float]            # when the run began
+    load_after: tuple[float, float, float]
+    waits: dict[str, tuple[float, float]]      # job -> (collective, message) wait for a core, seconds
+    minutes: float
+
+
+def core_waits(profile_file: Path) -> tuple[float, float] | None:
+    """The (collective, message) wait for a core `hetc profile` measured into the file (Note [core wait])."""
+    wait = json.loads(profile_file.read_text()).get("core_wait")
+    return None if wait is None else (wait["collective_s"], wait["p2p_s"])
+
+
+def _conditions(c: Conditions) -> str:
+    waits = "; ".join(f"{job}: {a * 1e3:.1f} ms a collective, {b * 1e3:.1f} ms a message"
+                      for job, (a, b) in c.waits.items()) or "none measured"
+    return (f"The machine is shared with other work: load average {_load(c.load)} (1 / 5 / 15 min) when the "
+            f"run began, {_load(c.load_after)} when it ended. The profiles measured a blocking call's wait for a "
+            f"core (Note [core wait]) of {waits}. The whole run took {c.minutes:.0f} min.")
+
+
+def _load(load: tuple[float, float, float]) -> str:
+    return " / ".join(f"{x:.2f}" for x in load)
+
+
+def render(rows: list[Row], c: Conditions, steps: int) -> str:
     agree = sum(r.agrees for r in rows)
     intro = (f"`benchmarks/runtime_prediction.py`, {datetime.date.today().isoformat()}: each plan of specs/demo/ "
              f"compiled with one `hetc profile` per model (taken first, layers timed as many processes at once "
              f"as the cluster runs here), then `hetc run --local --steps {steps}`; measured is the median step "
-             f"of steps {SKIP + 1}..{steps}. The demo cluster gets `cores = {cores}` (this machine's; all its "
-             f"ranks share them). The machine is shared with other work: load average "
-             f"{load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1 / 5 / 15 min) when the run began.")
+             f"of steps {SKIP + 1}..{steps}. The demo cluster gets `cores = {c.cores}` (this machine's; all its "
+             f"ranks share them). " + _conditions(c))
     lines = [HEADING, "", intro,
              "", f"**{agree} of {len(rows)} plans within {TOLERANCE:.0%}.**", "",
              "| plan | predicted ms | measured ms | measured/predicted | within 15 %? | most off (misses) |",
@@ -138,22 +173,27 @@ def main() -> int:
     ap.add_argument("--no-write", action="store_true", help="print, do not update docs/benchmarks.md")
     args = ap.parse_args()
     cores = len(os.sched_getaffinity(0))
-    load = os.getloadavg()
+    load, start = os.getloadavg(), time.monotonic()
+    waits = {}
     with tempfile.TemporaryDirectory(prefix="hetc-prediction-") as tmp:
         work = Path(tmp)
         demo = copy_demo(work, cores)
         profiles = []
-        for job in JOBS:
+        selected = plans(demo, args.only)
+        for job in jobs_used(selected):
             profiles.append(work / f"{Path(job).stem}.profile.json")
             print(f"profiling {job} ...", file=sys.stderr, flush=True)
             profile(demo / job, profiles[-1])
+            if (wait := core_waits(profiles[-1])) is not None:
+                waits[Path(job).stem] = wait
         rows = []
-        for plan in plans(demo, args.only):
+        for plan in selected:
             rows.append(measure(plan, work, profiles, args.steps))
             r = rows[-1]
             print(f"{r.plan}: predicted {r.predicted_s * 1e3:.1f} ms, measured "
                   f"{(r.measured_s or 0) * 1e3:.1f} ms {r.why}", file=sys.stderr, flush=True)
-    return publish(HEADING, render(rows, cores, load, args.steps), not args.no_write and not args.only)
+    conditions = Conditions(cores, load, os.getloadavg(), waits, (time.monotonic() - start) / 60)
+    return publish(HEADING, render(rows, conditions, args.steps), not args.no_write and not args.only)
 
 
 if __name__ == "__main__":

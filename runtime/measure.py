@@ -33,6 +33,7 @@ __all__ = [
     "LayersAtOnce",
     "comm_rates",
     "copy_rates",
+    "free_port",
     "local_device",
     "slowdown",
     "time_layers",
@@ -202,7 +203,7 @@ def copy_rates(sizes: list[int], repeats: int) -> list[dict]:
     return rows
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -216,7 +217,7 @@ def comm_rates(ranks: int, sizes: list[int], repeats: int, at_once: int = 1) -> 
     kept (the load is part of the measurement); the collectives over all of them are measured too.
     """
     world = max(ranks, at_once // ranks * ranks)   # whole blocks of `ranks`
-    port = _free_port()
+    port = free_port()
     queue = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(_comm_worker, args=(ranks, world, port, sizes, repeats, queue), nprocs=world, join=True,
                        start_method="spawn")

@@ -29,9 +29,13 @@ def test_short_cpu_run_feeds_explain(tmp_path, capsys):
     # the demo cluster's four cpu ranks run here at once: the layers were timed four at a time too
     assert data["concurrency"]["ranks"] == 4 and data["concurrency"]["cores"] >= 1
     assert data["concurrency"]["slowdown"] > 0
+    # and timed a blocking call's wait for a core with four processes computing beside the calls
+    wait = data["core_wait"]
+    assert wait["ranks"] == 4 and wait["calls"] == 8 * 2 and wait["collective_s"] >= 0 and wait["p2p_s"] >= 0
 
     profiles = load_profiles([out])
     assert profiles.network.intra_rate("cpu", 2) is not None and profiles.copy["cpu"] > 0
+    assert profiles.core_wait["cpu"].ranks == 4
     assert main(["explain", str(DEMO / "pp.het"), "--json", "--profile", str(out)]) == 0
     explained = json.loads(capsys.readouterr().out)
     assert explained["sources"]
@@ -49,3 +53,13 @@ def test_bad_flags(capsys):
     assert main(["profile", "--micro-batches", "x"]) == 2
     assert "comma-separated integers" in capsys.readouterr().err
     assert main(["profile", "--hidden", "30", "--heads", "4"]) == 2
+
+
+def test_a_loaded_machine_is_named_in_a_warning(monkeypatch, capsys):
+    from hetc.commands import profile
+
+    monkeypatch.setattr(profile.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    profile._warn_if_loaded(0.0)
+    assert capsys.readouterr().err == ""
+    profile._warn_if_loaded(1e6)
+    assert "load average reached 1000000.0" in capsys.readouterr().err

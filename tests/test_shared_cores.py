@@ -44,7 +44,7 @@ def test_each_node_counts_the_plan_ranks_on_it():
                                                                   ("big", 0): 2.0}
 
 
-def _demo_with_cores(tmp_path, cores: int, plan: str = "dp", where: str = "    gpus = 2\n") -> str:
+def demo_with_cores(tmp_path, cores: int, plan: str = "dp", where: str = "    gpus = 2\n") -> str:
     """A demo plan over a copy of the demo job whose nodes (or cluster: `where`) say how many cores their
     ranks share."""
     job = (DEMO / "job.het").read_text()
@@ -69,7 +69,7 @@ def _forward(path) -> float:
 
 def test_cores_lengthen_explains_step_and_compile_agrees(tmp_path, capsys):
     own = _step(capsys, "explain", str(DEMO / "dp.het"), "--json")
-    path = _demo_with_cores(tmp_path, 1)              # two ranks per node on one core
+    path = demo_with_cores(tmp_path, 1)              # two ranks per node on one core
     shared = _step(capsys, "explain", path, "--json")
     assert _forward(path) == pytest.approx(2 * _forward(DEMO / "dp.het"))
     assert shared > own          # the step's messages and collectives do not slow down
@@ -78,34 +78,32 @@ def test_cores_lengthen_explains_step_and_compile_agrees(tmp_path, capsys):
     capsys.readouterr()
     assert json.loads((out / "summary.json").read_text())["step_time_s"] == pytest.approx(shared, rel=0.01)
     assert _step(capsys, "plan", path, "--json") == pytest.approx(shared, rel=0.01)
-    assert _step(capsys, "explain", _demo_with_cores(tmp_path, 2), "--json") == pytest.approx(own)
+    assert _step(capsys, "explain", demo_with_cores(tmp_path, 2), "--json") == pytest.approx(own)
 
 
 def test_the_clusters_cores_are_shared_by_all_the_plans_ranks(tmp_path):
     cluster = "  inter_latency = 500 us\n"
-    assert _forward(_demo_with_cores(tmp_path, 2, "dp", cluster)) == pytest.approx(2 * _forward(DEMO / "dp.het"))
-    assert _forward(_demo_with_cores(tmp_path, 2, "single", cluster)) == pytest.approx(_forward(DEMO / "single.het"))
+    assert _forward(demo_with_cores(tmp_path, 2, "dp", cluster)) == pytest.approx(2 * _forward(DEMO / "dp.het"))
+    assert _forward(demo_with_cores(tmp_path, 2, "single", cluster)) == pytest.approx(_forward(DEMO / "single.het"))
 
 
-def _profile(concurrency: dict | None) -> dict:
-    data = {"format": FORMAT, "version": VERSION, "device": {"kind": "cpu"}, "dtype": "fp32",
+def cpu_profile(**measured: object) -> dict:
+    """A profile file's contents for the demo model's layers on `cpu`, with the `measured` fields added."""
+    return {"format": FORMAT, "version": VERSION, "device": {"kind": "cpu"}, "dtype": "fp32",
             "model": {"hidden": 64, "block_params": 46208},
             "layers": [{"layer": name, "seq": 32, "micro_batch": b, "forward_s": 1e-3 * b, "backward_s": 2e-3 * b}
-                       for name in ("embed", "block", "head") for b in (1, 2)]}
-    if concurrency:
-        data["concurrency"] = concurrency
-    return data
+                       for name in ("embed", "block", "head") for b in (1, 2)], **measured}
 
 
 def test_a_measured_slowdown_replaces_the_rule_for_as_many_ranks(tmp_path):
-    measured = profile_from_dict(_profile({"ranks": 4, "cores": 2, "slowdown": 1.6}), "p.json")
+    measured = profile_from_dict(cpu_profile(concurrency={"ranks": 4, "cores": 2, "slowdown": 1.6}), "p.json")
     assert measured.shared == {"cpu": (4, 1.6)}
     assert measured.compute[0].fits[("block", 1, "F")](1) == pytest.approx(1e-3)   # the layers alone
-    alone = profile_from_dict(_profile(None), "p.json")
+    alone = profile_from_dict(cpu_profile(), "p.json")
     cluster = "  inter_latency = 500 us\n"
 
     def forward(plan: str, profiles) -> float:
-        _, checked = load_checked(_demo_with_cores(tmp_path, 2, plan, cluster))
+        _, checked = load_checked(demo_with_cores(tmp_path, 2, plan, cluster))
         return CostModel(checked.spec, checked.pipeline, checked.topology, profiles).compute_time(0, 0, "F")
 
     assert forward("dp", measured) == pytest.approx(1.6 * forward("single", alone))   # 4 ranks: as measured

@@ -2,7 +2,9 @@
 
 Per-layer forward/backward times of a model (from SPEC, or from flags) over
 a few micro-batch sizes and sequence lengths, collective and point-to-point
-rates between local processes, host<->device copy rates. The format is
+rates between local processes, host<->device copy rates, and (CPU ranks
+that run several at once) the wait of a blocking call for a core while the
+others compute (Note [core wait] in passes/cost/cores.py). The format is
 hetc.passes.cost.sources.hetc_profile; `hetc explain SPEC --profile FILE` uses it
 for GPUs of the measured device kind.
 """
@@ -25,6 +27,8 @@ __all__ = ["ranks_at_once", "register", "run"]
 
 DEFAULT_SIZES = "65536,1048576"
 COPY_SIZES = [1 << 20, 16 << 20]
+# blocking calls per --repeats timed for their wait for a core (Note [core wait] in passes/cost/cores.py)
+CORE_WAIT_CALLS = 8
 
 
 def register(sub: Subparsers) -> None:
@@ -134,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--ranks-at-once must be at least 1, got {args.ranks_at_once}")
     progress = _Progress()
     progress("starting")
+    load_before = os.getloadavg()[0]
     import torch
 
     from hetc.passes.cost.sources.devices import catalog_name
@@ -158,6 +163,13 @@ def run(args: argparse.Namespace) -> int:
         collectives, p2p = measure.comm_rates(args.ranks, sizes, args.repeats, at_once)
     else:
         collectives, p2p = [], []
+    core_wait = {}
+    if not args.no_comm and at_once > 1 and device.type == "cpu":
+        from hetc.runtime.core_wait import measure_core_wait
+
+        progress(f"blocking calls between {at_once} processes computing beside them")
+        sample = measure_core_wait(model, micro_batches[0], at_once, CORE_WAIT_CALLS * args.repeats)
+        core_wait = {"core_wait": sample.to_json()}
     memory = torch.cuda.get_device_properties(0).total_memory if device.type == "cuda" else 0
     out = Path(args.output)
     write_profile(out, {
@@ -170,7 +182,18 @@ def run(args: argparse.Namespace) -> int:
         "layers": [{"layer": s.layer, "tp": 1, "seq": s.seq, "micro_batch": s.micro_batch,
                     "forward_s": s.forward_s, "backward_s": s.backward_s} for s in layers],
         "collectives": collectives, "p2p": p2p, "copy": copies,
-        **concurrency,
+        **concurrency, **core_wait,
     })
     progress.done(out)
+    _warn_if_loaded(load_before)
     return 0
+
+
+def _warn_if_loaded(load_before: float) -> None:
+    """Other work on the machine while it was measured is in the slowdown and the waits (Note [core wait])."""
+    cores = len(os.sched_getaffinity(0))
+    load = max(load_before, os.getloadavg()[0])
+    if load > cores:
+        print(f"hetc profile: warning: the machine's load average reached {load:.1f} on {cores} cores while it "
+              "was measured; other work is in the measured slowdown and waits: profile again when the machine "
+              "is as loaded as when it will run", file=sys.stderr)

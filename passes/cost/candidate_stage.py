@@ -104,10 +104,8 @@ class StageCosts:
     def compute(self, lane: int, units: tuple[int, int, int] | None = None) -> tuple[float, float, float]:
         """(F, I, W) seconds of one microbatch through `units` (default: the stage) on a lane."""
         devices, ids = self.s.res.lane_devices[lane]
-        f, i, w = self.p.lane_compute(devices, self.s.tp, ids, self.s.knobs.offload.activations,
-                                      units or self.layer_counts)
-        slow = self.slowdown(lane)
-        return f * slow, i * slow, w * slow
+        return self.p.lane_compute(devices, self.s.tp, ids, self.s.knobs.offload.activations,
+                                   units or self.layer_counts, self.slowdown(lane))
 
     @cached_property
     def _slowdowns(self) -> dict[tuple[str, int], float]:

@@ -53,17 +53,26 @@ class LayerTime:
 @dataclass(frozen=True, slots=True)
 class LayerCost:
     """One layer on one rank for one microbatch: forward, input-grad, weight-grad seconds, its
-    communication and recomputation included (`CostModel.layer_cost`)."""
+    communication and recomputation included (`CostModel.layer_cost`); `forward_comm` and
+    `input_grad_comm` are the communication inside forward and input-grad (the weight-grad has none)."""
 
     forward: float
     input_grad: float
     weight_grad: float
+    forward_comm: float = 0.0
+    input_grad_comm: float = 0.0
 
-    def phase(self, phase: Phase) -> float:
-        """F, I, W, or B = I + W."""
-        if phase == Phase.BACKWARD:
-            return self.input_grad + self.weight_grad
-        return {Phase.FORWARD: self.forward, Phase.INPUT_GRAD: self.input_grad, Phase.WEIGHT_GRAD: self.weight_grad}[phase]
+    def phase(self, phase: Phase, slowdown: float = 1.0) -> float:
+        """F, I, W, or B = I + W, on a rank that computes `slowdown` times slower for sharing its cores
+        (Note [shared cores]): the work stretches; the communication, timed at the link's rate and with its
+        wait for a core already under that load (Note [core wait]), does not."""
+        whole = self.input_grad + self.weight_grad if phase == Phase.BACKWARD else \
+            {Phase.FORWARD: self.forward, Phase.INPUT_GRAD: self.input_grad, Phase.WEIGHT_GRAD: self.weight_grad}[phase]
+        if slowdown == 1.0:
+            return whole
+        comm = {Phase.FORWARD: self.forward_comm, Phase.INPUT_GRAD: self.input_grad_comm,
+                Phase.WEIGHT_GRAD: 0.0, Phase.BACKWARD: self.input_grad_comm}[phase]
+        return (whole - comm) * slowdown + comm
 
 
 class ComputeModel:

@@ -19,40 +19,101 @@ as the spec's cluster runs on the machine, measures how many times slower
 each ran (`Profiles.shared`). Where the plan runs that many ranks at once on
 shared cores of that device kind, the measured slowdown replaces the rule:
 measured, not assumed; elsewhere the rule transfers it.
+
+Note [core wait]: sharing cores also costs every blocking call between
+ranks (a collective, a message) a wait of its own. A rank blocked in a
+collective sleeps; when its peer's data arrives it must be scheduled again,
+and while the node's other ranks compute on every core that takes a
+scheduler slot, once per call, whatever its size (a tp2 step's all-reduces
+inside the layers took about 9 ms each on two shared cores, against 2 ms
+back to back). The profile's collectives and messages, timed back to back,
+do not see it. `hetc profile` measures it (runtime/core_wait.py): as many
+processes as the cluster runs here, in pairs that compute a layer and then
+synchronise, so some compute while others wait; the wait is how much longer
+a call takes from its last member's arrival than the same call back to back
+(`CoreWait`). The cost model adds it once to every collective and message
+whose ranks' node shares its cores among more ranks than it has (either
+pool above), wherever that call's time is formed (`CostModel.collective_time`,
+`p2p_time`): also the tp, cp and ep collectives inside a layer. Nothing is
+assumed where nothing was measured, and nodes that do not share cores (GPU
+clusters, which declare none) pay nothing.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 from hetc.topology import Gpu
 
-__all__ = ["core_slowdown", "host_slowdowns"]
+__all__ = ["CoreWait", "core_slowdown", "host_slowdowns", "host_waits", "oversubscribed"]
+
+_Host = tuple[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class CoreWait:
+    """What `hetc profile` measured of one blocking call's wait for a core (Note [core wait]): with `ranks`
+    processes on `cores` cores, a collective waited `collective_s` and a message `p2p_s` more than back to
+    back."""
+
+    ranks: int
+    cores: int
+    collective_s: float
+    p2p_s: float
+
+    def __post_init__(self) -> None:
+        if self.ranks < 1 or not (self.collective_s >= 0 and self.p2p_s >= 0):   # also rejects NaN
+            raise ValueError(f"a core wait needs at least 1 rank and waits of at least 0 s, not {self.ranks}, "
+                             f"{self.collective_s} and {self.p2p_s}")
+
+    def seconds(self, p2p: bool) -> float:
+        """The wait of one collective, or of one message (`p2p`)."""
+        return self.p2p_s if p2p else self.collective_s
 
 
 def core_slowdown(running: int, cores: int) -> float:
     """How many times slower each of `running` ranks computes on `cores` shared cores (0 cores: not shared)."""
-    if cores <= 0 or running <= cores:
-        return 1.0
-    return running / cores
+    return running / cores if oversubscribed(running, cores) else 1.0
+
+
+def oversubscribed(running: int, cores: int) -> bool:
+    """Whether `running` ranks outnumber the `cores` they share (0 cores: each rank has its own)."""
+    return 0 < cores < running
 
 
 def host_slowdowns(gpus: Iterable[Gpu], cores_by_group: Mapping[str, int], cluster_cores: int = 0,
-                   measured: Mapping[str, tuple[int, float]] | None = None) -> dict[tuple[str, int], float]:
+                   measured: Mapping[str, tuple[int, float]] | None = None) -> dict[_Host, float]:
     """Per node (host) of the plan's `gpus` (one per rank): its ranks' slowdown (Note [shared cores]).
 
     `measured`: device kind -> (ranks at once, their measured slowdown), used where the plan shares cores
     among exactly that many ranks.
     """
     gpus = list(gpus)
-    running = Counter(g.host for g in gpus)
     kinds = {g.host: g.device.name for g in gpus}
-    out = {}
-    for host, n in running.items():
-        pools = [(n, cores_by_group.get(host[0], 0)), (len(gpus), cluster_cores)]
-        out[host] = max(_pool_slowdown(at_once, cores, (measured or {}).get(kinds[host])) for at_once, cores in pools)
-    return out
+    return {host: max(_pool_slowdown(at_once, cores, (measured or {}).get(kinds[host])) for at_once, cores in pools)
+            for host, pools in _pools(gpus, cores_by_group, cluster_cores).items()}
+
+
+def host_waits(gpus: Iterable[Gpu], cores_by_group: Mapping[str, int], cluster_cores: int,
+               measured: Mapping[str, CoreWait]) -> dict[_Host, CoreWait]:
+    """The nodes of the plan's `gpus` whose ranks outnumber the cores they share (either pool), each with
+    the wait measured for its device kind (Note [core wait]); the others, and kinds never measured, are
+    left out: they pay none."""
+    gpus = list(gpus)
+    if not measured:
+        return {}
+    kinds = {g.host: g.device.name for g in gpus}
+    return {host: measured[kinds[host]] for host, pools in _pools(gpus, cores_by_group, cluster_cores).items()
+            if kinds[host] in measured and any(oversubscribed(at_once, cores) for at_once, cores in pools)}
+
+
+def _pools(gpus: list[Gpu], cores_by_group: Mapping[str, int], cluster_cores: int) -> dict[_Host, list[tuple[int, int]]]:
+    """Per node of the plan: the (ranks at once, cores) of each pool its ranks share, the node's and the
+    cluster's (Note [shared cores]; 0 cores: not shared)."""
+    running = Counter(g.host for g in gpus)
+    return {host: [(n, cores_by_group.get(host[0], 0)), (len(gpus), cluster_cores)] for host, n in running.items()}
 
 
 def _pool_slowdown(at_once: int, cores: int, measured: tuple[int, float] | None) -> float:

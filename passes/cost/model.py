@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from hetc.layout import held_fraction
 from hetc.passes.cost.compute import DEFAULT_MEMORY_BANDWIDTH, ComputeModel, LayerCost
-from hetc.passes.cost.cores import host_slowdowns
+from hetc.passes.cost.cores import host_slowdowns, host_waits
 from hetc.passes.cost.experts import ep_comm_time
 from hetc.passes.cost.memory import (
     ShardFactors,
@@ -78,8 +78,12 @@ class CostModel:
         self._fits: dict[tuple[str, str, bool, int, int], Bandwidth | None] = {}
         # Note [shared cores]: the plan's ranks on a node with fewer cores than ranks compute slower
         cluster = spec.cluster
-        self._slowdown = host_slowdowns(pipeline.world, {n.name: n.cores for n in cluster.nodes},
-                                        cluster.cores, self.profiles.shared) if cluster else {}
+        node_cores = {n.name: n.cores for n in cluster.nodes} if cluster else {}
+        self._slowdown = host_slowdowns(pipeline.world, node_cores, cluster.cores,
+                                        self.profiles.shared) if cluster else {}
+        # Note [core wait]: every blocking call between ranks of such a node waits for a core once
+        self._waits = host_waits(pipeline.world, node_cores, cluster.cores,
+                                 self.profiles.core_wait) if cluster else {}
 
     # ------------------------------------------------------------ structure
 
@@ -238,7 +242,8 @@ class CostModel:
             if phase not in PHASES:
                 raise ValueError(f"phase must be one of {', '.join(PHASES)}, not {phase!r}")
             layers = self.ministage(ms).layers if unit is None else unit.layers
-            got = sum(self._layer_cost(rank, i).phase(phase) for i in layers) * self.slowdown(rank)
+            slowdown = self.slowdown(rank)
+            got = sum(self._layer_cost(rank, i).phase(phase, slowdown) for i in layers)
             self._compute_times[key] = got
         return got
 
@@ -274,10 +279,12 @@ class CostModel:
         comm = self.tp_all_reduce_time(tp_group, cp) if (measured.needs_tp_comm and block) else 0.0
         comm += expert_comm
         forward = measured.forward / cp + comm + cp_comm[0]
+        # the recomputed forward repeats its communication too (`_recompute` is linear in the forward)
+        input_grad_comm = comm + cp_comm[1] + self._recompute(kind, comm + cp_comm[0], flops, rerun)
         return LayerCost(forward,
                          measured.backward / cp * share_i + comm + cp_comm[1] +
                          self._recompute(kind, forward, flops, rerun),
-                         measured.backward / cp * (1.0 - share_i))
+                         measured.backward / cp * (1.0 - share_i), comm + cp_comm[0], input_grad_comm)
 
     def _recompute(self, kind: str, forward: float, flops: LayerFlops, rerun: bool) -> float:
         """Forward work the backward repeats: activation checkpointing, and with activations offloaded
@@ -313,22 +320,32 @@ class CostModel:
             fwd = self.collective_time(Collective.ALL_TO_ALL, group, (2 * kv + 1) * full / stage.tp) + \
                 self.collective_time(Collective.ALL_TO_ALL, group, full / stage.tp)
             return fwd, fwd
-        # ring attention: K and V go around forward, K, V, dK, dV backward; overlapped with attention
-        ring = self.p2p_time(group[0], group[1 % len(group)], 2 * kv * full / stage.cp / stage.tp)
+        # ring attention: K and V go around forward, K, V, dK, dV backward; overlapped with attention, but
+        # for each shift's wait for a core (Note [core wait]): cp − 1 forward, (cp − 1) + cp backward
+        ring = self.p2p_transfer_time(group[0], group[1 % len(group)], 2 * kv * full / stage.cp / stage.tp)
+        wait = self.call_wait(group, p2p=True)
         steps = len(group) - 1
         attn = layer_flops(self.model, 1, self.pipeline.micro_batch).attention
         core = attn / max(layer_flops(self.model, 1, self.pipeline.micro_batch).forward, 1.0)
         measured = self.compute.layer(self.gpu(rank).device.name, LayerKind.BLOCK,
                                       self.pipeline.micro_batch, stage.tp)
         overlap = measured.forward / stage.cp * core
-        return max(0.0, steps * ring - overlap), max(0.0, 2 * steps * ring - 2 * overlap)
+        return (max(0.0, steps * ring - overlap) + steps * wait,
+                max(0.0, 2 * steps * ring - 2 * overlap) + (2 * steps + 1) * wait)
 
     def optimizer_time(self, rank: int, numel: float) -> float:
         on_host = self.stage_of(rank).offload.optimizer is not OffloadTarget.NONE
         return optimizer_seconds(self.model, self.gpu(rank).device, numel, on_host) * self.slowdown(rank)
 
     def p2p_time(self, src: int, dst: int, nbytes: float, concurrent: int = 1) -> float:
-        """Send `nbytes` from `src` to `dst` while `concurrent` such transfers share each node's link.
+        """Send `nbytes` from `src` to `dst` while `concurrent` such transfers share each node's link: the
+        transfer, and the message's wait for a core where the ranks share cores (Note [core wait])."""
+        if nbytes <= 0 or src == dst:
+            return 0.0
+        return self.p2p_transfer_time(src, dst, nbytes, concurrent) + self.call_wait((src, dst), p2p=True)
+
+    def p2p_transfer_time(self, src: int, dst: int, nbytes: float, concurrent: int = 1) -> float:
+        """`p2p_time` without the wait for a core: latency and bytes over the link.
 
         A link depends on the two node groups and whether they share a host
         (`link`), so the time is memoised on those, not on the ranks.
@@ -350,6 +367,7 @@ class CostModel:
         (`ring_pair_kinds`) time alike, so the time is memoised on the
         ring's size and kinds of pair: rings of other ranks over the same
         kinds of link (other lanes, other candidate plans) cost a lookup.
+        Where the ranks share cores the call waits for one once (Note [core wait]).
         """
         n = len(ranks)
         steps = ring_steps(kind, n)
@@ -363,7 +381,15 @@ class CostModel:
             worst = max(chunk / rate + latency for rate, latency in
                         (self.link(a, b, chunk, size, concurrent) for a, b, size in kinds))
             got = self._collectives[key] = steps * worst
-        return got
+        return got + self.call_wait(ranks)
+
+    def call_wait(self, ranks: Sequence[int], p2p: bool = False) -> float:
+        """One blocking collective's (or message's, `p2p`) wait for a core over `ranks`: the largest measured
+        at a node of theirs whose ranks outnumber its cores; 0 elsewhere (Note [core wait])."""
+        if not self._waits:
+            return 0.0
+        waits = [w for w in (self._waits.get(self.gpu(r).host) for r in ranks) if w is not None]
+        return max((w.seconds(p2p) for w in waits), default=0.0)
 
     def _pair_kinds(self, kind: Collective,
                     ranks: tuple[int, ...]) -> tuple[tuple[tuple[Gpu, Gpu, int], ...], _PairSignature]:

@@ -21,7 +21,7 @@ from hetc.passes.cost.memory import context_reserve, state_bytes_per_param
 from hetc.passes.cost.model import optimizer_seconds
 from hetc.passes.cost.shapes import LayerKind, activation_elements, params_per_rank
 from hetc.pipeline import Pipeline
-from hetc.program import Collective
+from hetc.program import Collective, Phase
 from hetc.spec import DTYPE_BYTES, ModelSpec, ScheduleKind, Spec, TrainSpec
 from hetc.topology import Gpu, Topology
 
@@ -74,15 +74,15 @@ class Primitives:
         return self.probe.layer_cost(device, _index(self.model, idx_kind), tp, 1, tp_group, rerun)
 
     def _lane_compute(self, devices: tuple[str, ...], tp: int, tp_group: tuple[int, ...], rerun: bool,
-                      units: tuple[int, int, int]) -> tuple[float, float, float]:
-        """(F, I, W) of one microbatch through (embed, blocks, head) units on a lane: its slowest kind
-        per phase."""
+                      units: tuple[int, int, int], slowdown: float = 1.0) -> tuple[float, float, float]:
+        """(F, I, W) of one microbatch through (embed, blocks, head) units on a lane whose ranks compute
+        `slowdown` times slower (`LayerCost.phase`): its slowest kind per phase."""
         best = (0.0, 0.0, 0.0)
         for device in dict.fromkeys(devices):
             costs = [self.layer_cost(device, k, tp, tp_group, rerun) for k in _KINDS]
-            mine = tuple(sum(n * getattr(c, a) for n, c in zip(units, costs) if n)
-                         for a in ("forward", "input_grad", "weight_grad"))
-            best = tuple(max(a, b) for a, b in zip(best, mine))
+            f, i, w = (sum((n * c.phase(phase, slowdown) for n, c in zip(units, costs) if n), 0.0)
+                       for phase in (Phase.FORWARD, Phase.INPUT_GRAD, Phase.WEIGHT_GRAD))
+            best = (max(best[0], f), max(best[1], i), max(best[2], w))
         return best
 
     # ------------------------------------------------------------ links

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hetc.passes.cost.cores import CoreWait
 from hetc.passes.cost.network import Bandwidth
 from hetc.program import Phase
 from hetc.spec import DTYPE_BYTES, DType
@@ -187,6 +188,8 @@ class Profiles:
     sources: tuple[str, ...] = ()
     # device kind -> (ranks timed at once, how many times slower each ran than alone): Note [shared cores]
     shared: dict[str, tuple[int, float]] = field(default_factory=dict)
+    # device kind -> a blocking call's measured wait for a core where ranks outnumber cores: Note [core wait]
+    core_wait: dict[str, CoreWait] = field(default_factory=dict)
 
     def rejected_for(self, model: str) -> tuple[Rejected, ...]:
         return tuple(r for r in self.rejected if r.model == model)
@@ -198,7 +201,8 @@ class Profiles:
         return Profiles(self.compute + other.compute, self.network.merged(other.network),
                         {**self.copy, **other.copy}, {**self.copy_sources, **other.copy_sources},
                         {**self.overhead, **other.overhead}, self.rejected + other.rejected,
-                        self.sources + other.sources, {**self.shared, **other.shared})
+                        self.sources + other.sources, {**self.shared, **other.shared},
+                        {**self.core_wait, **other.core_wait})
 
     @property
     def empty(self) -> bool:

@@ -98,13 +98,22 @@ def sync_time(zero: ZeroSpec, nbytes: float, rings: ZeroRings, per_ministage: bo
             (rings.time(Collective.ALL_GATHER, rings.node, nbytes) if level <= 2 else 0.0)
         node = max(len(rings.node), 1)
         pieces = units if units and level >= 3 else (nbytes,)
-        return inner + sum(rings.time(Collective.ALL_REDUCE, rings.across, b / node) for b in pieces)
+        return inner + sum(_reduced(zero.across, rings.across, b / node, rings) for b in pieces)
     if level <= 1:
-        return rings.time(Collective.ALL_REDUCE, rings.group, nbytes)
+        return _reduced(level, rings.group, nbytes, rings)
     gather = rings.time(Collective.ALL_GATHER, rings.group, nbytes) if level == 2 else 0.0
     if per_ministage:  # Zorse: one reduce-scatter per ministage, then (ZeRO-2) one gather
         return rings.time(Collective.REDUCE_SCATTER, rings.group, nbytes) + gather
     return gather
+
+
+def _reduced(level: int, group: tuple[int, ...], nbytes: float, rings: ZeroRings) -> float:
+    """Gradients reduced over `group` and, sharded (level 1 and up), the parameters gathered back after the
+    step, as lowering issues them (Note [zero placement]): one all-reduce at level 0, else a reduce-scatter
+    and an all-gather. The ring model times both alike; each is a call of its own (Note [core wait])."""
+    if level == 0:
+        return rings.time(Collective.ALL_REDUCE, group, nbytes)
+    return rings.time(Collective.REDUCE_SCATTER, group, nbytes) + rings.time(Collective.ALL_GATHER, group, nbytes)
 
 
 def first_gather_time(zero: ZeroSpec, first_bytes: float, rings: ZeroRings) -> float:

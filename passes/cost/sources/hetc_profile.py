@@ -12,6 +12,7 @@
       "copy": [{"direction": "h2d" | "d2h", "bytes": X, "seconds": t}, ...],
       "microbatch_overhead_s": t            (optional)
       "concurrency": {"ranks": n, "cores": c, "slowdown": s}   (optional)
+      "core_wait": {"ranks": n, "cores": c, "collective_s": t, "p2p_s": t, "calls": k}   (optional)
     }
 
 `device.kind` is the catalog name the measurements apply to (GPUs of that
@@ -20,7 +21,11 @@ kind in a spec). Collective times are for the full buffer (`bytes`) over
 The layer times are one process's alone; `concurrency` says the same
 layers timed in n processes at once on this machine's c cores ran s times
 slower (Note [shared cores] in cores.py: the cost model uses s where a plan
-runs n ranks at once on shared cores). `microbatch_overhead_s` is what a stage of the executing engine spends per
+runs n ranks at once on shared cores). `core_wait` says how much longer
+than back to back one blocking collective and one message took, from
+their last member's arrival, with n processes on c cores computing between
+them (k calls each; Note [core wait]: the cost model adds it to every
+blocking call where ranks outnumber the cores they share). `microbatch_overhead_s` is what a stage of the executing engine spends per
 microbatch outside its layers (dispatch, device synchronizations, loss
 glue): a measured run's step time less its layers, per microbatch and stage.
 """
@@ -32,6 +37,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from hetc.passes.cost.cores import CoreWait
 from hetc.passes.cost.network import Bandwidth, MeasuredPoints, ring_chunk, ring_steps
 from hetc.program import Phase
 from hetc.spec import DType
@@ -68,10 +74,12 @@ def profile_from_dict(data: Any, source: str) -> Profiles:
         copy = _copy_rate(data)
         overhead = _overhead(data)
         shared = _shared(data, kind)
+        core_wait = _core_wait(data, kind)
     except (KeyError, TypeError, ValueError) as err:
         raise ProfileError(f"'{source}': malformed hetc profile ({type(err).__name__}: {err})") from None
     return Profiles(tuple(tables), network, {kind: copy} if copy else {}, {kind: source} if copy else {},
-                    {kind: overhead} if overhead is not None else {}, sources=(source,), shared=shared)
+                    {kind: overhead} if overhead is not None else {}, sources=(source,), shared=shared,
+                    core_wait=core_wait)
 
 
 def _shared(data: dict[str, Any], kind: str) -> dict[str, tuple[int, float]]:
@@ -82,6 +90,14 @@ def _shared(data: dict[str, Any], kind: str) -> dict[str, tuple[int, float]]:
     if ranks < 1 or not slowdown > 0:   # also rejects NaN
         raise ValueError(f"concurrency needs at least 1 rank and a positive slowdown, not {ranks} and {slowdown}")
     return {kind: (ranks, slowdown)}
+
+
+def _core_wait(data: dict[str, Any], kind: str) -> dict[str, CoreWait]:
+    wait = data.get("core_wait")
+    if wait is None:
+        return {}
+    return {kind: CoreWait(int(wait["ranks"]), int(wait["cores"]), float(wait["collective_s"]),
+                           float(wait["p2p_s"]))}
 
 
 def _tables(data: dict[str, Any], kind: str, source: str) -> list[ComputeTable]:
