@@ -16,12 +16,12 @@ result is deterministic. The engine is in `lane_sim.py` (with Note
 
 from __future__ import annotations
 
-import itertools
 from enum import StrEnum
 from typing import NamedTuple
 
 from hetc.errors import InternalError
 from hetc.passes.cost.memory import interleaved_warmup
+from hetc.passes.cost.pipeline_stage import lane_group
 from hetc.passes.lower.context import LowerContext, rank_shell
 from hetc.passes.lower.lane_sim import Op, Policy, simulate
 from hetc.pipeline import Lane, Pipeline, Stage
@@ -74,7 +74,7 @@ def lane_queues(pipeline: Pipeline, stage: Stage, lane: Lane) -> tuple[list[Op],
     if kind is ScheduleKind.ZORSE:
         return [("F", ms, mb) for ms in own for mb in mbs], [("B", ms, mb) for ms in reversed(own) for mb in mbs], []
     if kind is ScheduleKind.INTERLEAVED:
-        f, b = _interleaved_orders(pipeline, own, mbs, len(pipeline.stages))
+        f, b = _interleaved_orders(pipeline, own, mbs, lane_group(pipeline, lane))
         return f, b, []
     bkind = "I" if kind is ScheduleKind.ZB else "B"
     f = [("F", ms, mb) for mb in mbs for ms in own]
@@ -91,7 +91,7 @@ def _policy(ctx: LowerContext, stage: Stage, lane: Lane) -> Policy:
         return Policy(f, b)
     if kind is ScheduleKind.INTERLEAVED:
         return Policy(f, b, limit=interleaved_warmup(stage.index, num_stages, len(stage.ministages),
-                                                     ctx.in_flight_limit(stage.index)))
+                                                     lane_group(ctx.pipeline, lane)))
     return Policy(f, b, w, limit=ctx.in_flight_limit(stage.index), per_unit=len(stage.ministages))
 
 
@@ -99,18 +99,38 @@ def _interleaved_orders(pipeline: Pipeline, own: list[int], mbs: list[int], grou
                         ) -> tuple[list[Op], list[Op]]:
     """Megatron's interleaved order: microbatches in groups of `group`, chunk by chunk.
 
-    Note [interleaved groups]: a microbatch's group is its position in its
-    lane of the *first* stage, divided by `group`, whichever stage asks. With
-    lane-aligned plans that is Megatron's grouping of every lane's own
-    microbatches; with many-to-many routing it gives all lanes one order of
-    (group, ministage, microbatch), so no lane waits for a forward its
-    upstream lane has queued behind one that waits for it.
+    Note [interleaved groups]: the lane's microbatches are taken in the
+    order of their positions in their lanes of the *first* stage, whichever
+    stage asks, and cut into groups of the lane's share of p microbatches of
+    every first-stage lane (`lane_group`). With lane-aligned plans that is
+    Megatron's grouping of every lane's own microbatches; with many-to-many
+    routing it gives all lanes one order of microbatches, so no lane waits
+    for a forward its upstream lane has queued behind one that waits for it,
+    and a lane of a narrow stage fed by a wide one (16 microbatches of every
+    group of 4 first-stage positions over 8 lanes) has its whole share of a
+    group in one group.
+
+    Note [interleaved warm-up]: Megatron's strict order keeps a lane
+    2(p−s−1) + (v−1)·g + 1 chunk-steps ahead (`memory.interleaved_warmup`,
+    g the lane's group): (v−1)·g to reach its last chunk of the first group,
+    2(p−s−1) for the round trip through the stages ahead. Megatron has g = p.
+    With Megatron's p where g > p the lane cannot reach its last chunk of the
+    first group before it needs that chunk's backward; a lane of a wide stage
+    fed by a narrow one (g < p) takes the round trip g/p times: further ahead
+    of its group than its upstream lane runs, it waits for a forward that
+    lane holds behind a backward it waits for. Either way the strict order
+    was stuck and lifting limits (Note [lifting a limit]) stashed more and
+    ran longer (specs/zorse/a_auto.het: 188.8 s and 8 GiB of activations on
+    an H100 against 173.4 s and 8.5 GiB now; random job 81). The timed
+    in-flight limit of 1F1B (Note [in-flight limit]) is not added: a lane
+    kept further ahead than the stages after it allow waits for them in the
+    same way (random job 39: 5.76 s against 5.31 s without).
     """
     first = {mb: i for lane in pipeline.stages[0].lanes for i, mb in enumerate(lane.microbatches)}
+    ordered = sorted(mbs, key=lambda mb: (first[mb], mb))
     f, b = [], []
-    for _, chunk in itertools.groupby(sorted(mbs, key=lambda mb: (first[mb] // group, mb)),
-                                      key=lambda mb: first[mb] // group):
-        chunk_mbs = list(chunk)
+    for start in range(0, len(ordered), group):
+        chunk_mbs = ordered[start:start + group]
         f += [("F", ms, mb) for ms in own for mb in chunk_mbs]
         b += [("B", ms, mb) for ms in reversed(own) for mb in chunk_mbs]
     return f, b
