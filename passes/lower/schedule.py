@@ -16,6 +16,7 @@ result is deterministic. The engine is in `lane_sim.py` (with Note
 
 from __future__ import annotations
 
+import itertools
 from enum import StrEnum
 from typing import NamedTuple
 
@@ -74,7 +75,7 @@ def lane_queues(pipeline: Pipeline, stage: Stage, lane: Lane) -> tuple[list[Op],
     if kind is ScheduleKind.ZORSE:
         return [("F", ms, mb) for ms in own for mb in mbs], [("B", ms, mb) for ms in reversed(own) for mb in mbs], []
     if kind is ScheduleKind.INTERLEAVED:
-        f, b = _interleaved_orders(pipeline, own, mbs, lane_group(pipeline, lane))
+        f, b = _interleaved_orders(pipeline, own, mbs, len(pipeline.stages))
         return f, b, []
     bkind = "I" if kind is ScheduleKind.ZB else "B"
     f = [("F", ms, mb) for mb in mbs for ms in own]
@@ -99,16 +100,16 @@ def _interleaved_orders(pipeline: Pipeline, own: list[int], mbs: list[int], grou
                         ) -> tuple[list[Op], list[Op]]:
     """Megatron's interleaved order: microbatches in groups of `group`, chunk by chunk.
 
-    Note [interleaved groups]: the lane's microbatches are taken in the
-    order of their positions in their lanes of the *first* stage, whichever
-    stage asks, and cut into groups of the lane's share of p microbatches of
-    every first-stage lane (`lane_group`). With lane-aligned plans that is
-    Megatron's grouping of every lane's own microbatches; with many-to-many
-    routing it gives all lanes one order of microbatches, so no lane waits
-    for a forward its upstream lane has queued behind one that waits for it,
-    and a lane of a narrow stage fed by a wide one (16 microbatches of every
-    group of 4 first-stage positions over 8 lanes) has its whole share of a
-    group in one group.
+    Note [interleaved groups]: a microbatch's group is its position in its
+    lane of the *first* stage, divided by `group` (p), whichever stage asks.
+    With lane-aligned plans that is Megatron's grouping of every lane's own
+    microbatches; with many-to-many routing it gives all lanes one order of
+    (group, ministage, microbatch), so no lane waits for a forward its
+    upstream lane has queued behind one that waits for it. A lane's share
+    of a group (`lane_group`: p where lanes line up, 16 on a lane of a
+    stage of 2 behind 8 lanes, 3 on a lane of 2 behind one lane) is what its
+    warm-up counts. Groups cut per lane at its share instead fall out of step
+    across stages where the shares do not divide evenly (random job 27).
 
     Note [interleaved warm-up]: Megatron's strict order keeps a lane
     2(p−s−1) + (v−1)·g + 1 chunk-steps ahead (`memory.interleaved_warmup`,
@@ -127,10 +128,10 @@ def _interleaved_orders(pipeline: Pipeline, own: list[int], mbs: list[int], grou
     same way (random job 39: 5.76 s against 5.31 s without).
     """
     first = {mb: i for lane in pipeline.stages[0].lanes for i, mb in enumerate(lane.microbatches)}
-    ordered = sorted(mbs, key=lambda mb: (first[mb], mb))
     f, b = [], []
-    for start in range(0, len(ordered), group):
-        chunk_mbs = ordered[start:start + group]
+    for _, chunk in itertools.groupby(sorted(mbs, key=lambda mb: (first[mb] // group, mb)),
+                                      key=lambda mb: first[mb] // group):
+        chunk_mbs = list(chunk)
         f += [("F", ms, mb) for ms in own for mb in chunk_mbs]
         b += [("B", ms, mb) for ms in reversed(own) for mb in chunk_mbs]
     return f, b
