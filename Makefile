@@ -26,7 +26,7 @@ demo: install
 	$(BIN)/hetc demo
 
 test: install browser
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadgroup
 
 # The visualizer's page tests want headless Chromium; tests never install software,
 # so this does, best effort: only where none is on PATH and we are root with apt-get.

@@ -38,6 +38,20 @@ def pytest_unconfigure(config) -> None:
     shutil.rmtree(_HYPOTHESIS_HOME, ignore_errors=True)
 
 
+# Note [parallel suite]: `make test` runs the suite on two worker processes (pytest-xdist, `-n 2 --dist
+# loadgroup`), one per core: most tests are one CPU-bound process. Each module is one xdist group, so a
+# module's fixtures are built once, on one worker; the modules that read tests/planned.py's session-wide
+# plans share a group, so the agreement family is planned once. Plain `pytest FILE` runs in one process.
+_SHARED_PLANS = frozenset({"test_plan_agreement", "test_step_bound"})
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else item.nodeid
+        item.add_marker(pytest.mark.xdist_group("planned" if module in _SHARED_PLANS else module))
+
+
 def all_spec_files() -> list[Path]:
     return sorted(SPECS.rglob("*.het"))
 
