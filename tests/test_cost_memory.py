@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from hetc.passes.cost import Engine
-from hetc.passes.cost.memory import in_flight
+from hetc.passes.cost.memory import in_flight, interleaved_group, interleaved_peak, interleaved_warmup
 from hetc.passes.cost.shapes import activation_elements, params_per_rank
 from hetc.passes.cost.params import block_params, layer_params, stage_params
 from hetc.spec import Arch, Checkpointing, ScheduleKind
@@ -96,6 +96,24 @@ def test_activations_in_flight_per_schedule():
     assert in_flight(ScheduleKind.ZB, 1, 4, 16) == 3              # ZB-H1 keeps the 1F1B peak
     # interleaved, 2 chunks, 4 stages: Megatron's warm-up 2(p-s-1) + (v-1)p + 1 chunk-steps of half a stage
     assert in_flight(ScheduleKind.INTERLEAVED, 0, 4, 16, 2) == (2 * 3 + 4 + 1) / 2
+
+
+def test_interleaved_groups_follow_the_lanes_share():
+    """A lane's group is its share of p microbatches of every first-stage lane (Note [interleaved groups])."""
+    assert interleaved_group(4, 4, 16, 64) == 4                  # lanes line up: Megatron's p
+    assert interleaved_group(4, 8, 128, 256) == 16               # a narrow stage behind 8 lanes
+    assert interleaved_group(6, 1, 8, 16) == 3                   # a wide stage behind one lane
+    # Megatron's warm-up with the lane's group; a lane of g < p takes the round trip g/p times
+    assert interleaved_warmup(2, 4, 2, 4) == 2 + 4 + 1
+    assert interleaved_warmup(2, 4, 2, 16) == 2 + 16 + 1
+    assert interleaved_warmup(2, 6, 2, 3) == 3 + 3 + 1
+
+
+def test_interleaved_stash_is_counted_chunk_by_chunk():
+    """Alike chunks: the warm-up over v chunks of the stage; unlike ones: what the strict order holds."""
+    assert interleaved_peak((1.0, 1.0), 16, 4, 11) == 11.0
+    assert interleaved_peak((1.0, 3.0), 128, 16, 17) == 16 * 1.0 + 3.0   # last stage: 16 of chunk 0, 1 of 1
+    assert interleaved_peak((1.0, 1.0), 3, 4, 11) == 6.0                 # never more than there are
 
 
 PIPE = """

@@ -18,6 +18,7 @@ from hetc.cli import main
 from hetc.errors import NO_SPAN, SpecError
 from hetc.compiler import load_checked
 from hetc.passes.cost import CostModel
+from hetc.passes.cost.pipeline_stage import lane_group
 from hetc.passes.lower import PASS_NAMES, lower
 from hetc.passes.lower.context import LowerContext
 from hetc.passes.verify import verify
@@ -153,6 +154,22 @@ def test_timed_limits_keep_a_fan_out_from_getting_stuck(caplog):
         lowered = compile_plan(TEST_SPECS / "zero3_fan_out.het")
     assert "beyond its in-flight limit" not in caplog.text
     verify(lowered.program, lowered.pipeline, lowered.spec)
+
+
+def test_an_interleaved_fan_in_runs_its_strict_order(caplog):
+    """A lane taking 8 microbatches of every interleaved group warms up over its whole group (Note
+    [interleaved warm-up]): its strict order runs with no limit lifted, and it stashes what the estimate
+    counts for it."""
+    compile_plan.cache_clear()
+    with caplog.at_level(logging.DEBUG, logger="hetc.passes.lower.lane_sim"):
+        lowered = compile_plan(TEST_SPECS / "interleaved_fan_in.het")
+    assert "beyond its in-flight limit" not in caplog.text
+    verify(lowered.program, lowered.pipeline, lowered.spec)
+    narrow = lowered.pipeline.stages[1].lanes[0]
+    assert lane_group(lowered.pipeline, narrow) == 8     # p = 2 positions of 4 first-stage lanes
+    ops = _compute(lowered.program.ranks[narrow.ranks[0]])
+    first_backward = next(i for i, op in enumerate(ops) if isinstance(op, Backward))
+    assert first_backward == 8 + 1, "8 forwards of its first chunk and one of its second before a backward"
 
 
 def test_coupled_lanes_run_the_same_ops():

@@ -17,7 +17,7 @@ from functools import cached_property
 
 from hetc.passes.cost.candidate_view import PlanView, StageContext, StageView
 from hetc.passes.cost.memory import (RankMemory, ShardFactors, StateMemory, StatesHeld, activation_memory,
-                                    rank_memory, shard_factors, state_memory, zorse_backward_peak)
+                                    interleaved_group, rank_memory, shard_factors, state_memory, zorse_backward_peak)
 from hetc.passes.cost.plan_time import lane_borders, ministage_borders, stage_borders
 from hetc.passes.cost.schedule import Unit, UnitLane
 from hetc.passes.cost.zero_time import (ZeroRings, across_nodes, fetch_time, first_gather_time, flush_time,
@@ -306,7 +306,15 @@ class StageCosts:
         held, largest = self._borders
         return activation_memory(self.plan.schedule, st.index, self.plan.num_stages, count,
                                  self._per_mb_activations, self.in_flight_limit, st.knobs.offload.activations,
-                                 held, largest, self.plan.prefetch)
+                                 held, largest, self.plan.prefetch, self._group(count))
+
+    def _group(self, count: int) -> int | None:
+        """A lane's microbatches per group of interleaved 1F1B (`memory.interleaved_group`); None around one
+        stage (the option tables), where the first stage is not known: p, as in a grid."""
+        if not isinstance(self.plan, PlanView):
+            return None
+        return interleaved_group(self.plan.num_stages, len(self.plan.stages[0].counts), count,
+                                 self.plan.num_microbatches)
 
 
 def _lane_classes(sc: StageCosts) -> dict[tuple[object, ...], list[int]]:

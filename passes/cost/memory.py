@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from hetc.spec import DTYPE_BYTES, ModelSpec, OffloadSpec, OffloadTarget, ScheduleKind, ZeroSpec
 from hetc.topology import Gpu
@@ -35,6 +36,8 @@ __all__ = [
     "activation_memory",
     "context_reserve",
     "in_flight",
+    "interleaved_group",
+    "interleaved_peak",
     "interleaved_update",
     "interleaved_warmup",
     "offloaded",
@@ -122,31 +125,63 @@ def resident_params(schedule: ScheduleKind, grad_clip: float, params: float, lar
 
 
 def in_flight(schedule: ScheduleKind, stage: int, num_stages: int, microbatches: int,
-              chunks: int = 1, limit: int | None = None) -> float:
+              chunks: int = 1, limit: int | None = None, group: int | None = None) -> float:
     """Microbatches' worth of one stage's activations a rank holds at its peak.
 
     GPipe keeps every microbatch until the backward; 1F1B (and ZB-H1, which
     keeps the 1F1B peak) at most its in-flight `limit` (`schedule.in_flight_limits`,
     Note [in-flight limit]; by default the stages ahead of it, itself included);
-    interleaved 1F1B with v chunks warms up 2(p−s−1) + (v−1)·p chunk-steps
-    (Megatron) and each chunk holds 1/v of the stage. Zorse runs one
-    ministage at a time (handled by the caller).
+    interleaved 1F1B with v chunks warms up `interleaved_warmup` chunk-steps
+    (the lane's `group`, `interleaved_group`; p by default) and each chunk
+    holds 1/v of the stage. Zorse runs one ministage at a time (handled by
+    the caller).
     """
     if schedule is ScheduleKind.GPIPE:
         return float(microbatches)
     ahead = num_stages - stage
     if schedule is ScheduleKind.INTERLEAVED and chunks > 1:
-        warmup = interleaved_warmup(stage, num_stages, chunks, limit)
+        warmup = interleaved_warmup(stage, num_stages, chunks, num_stages if group is None else group)
         return min(float(microbatches * chunks), float(warmup)) / chunks
     return float(min(microbatches, ahead if limit is None else limit))
 
 
-def interleaved_warmup(stage: int, num_stages: int, chunks: int, limit: int | None = None) -> int:
-    """Chunk-steps a lane of interleaved 1F1B runs ahead: Megatron's 2(p−s−1) + (v−1)·p + 1, and v more for each
-    microbatch its timed in-flight `limit` (Note [in-flight limit]) keeps beyond the p − s stages ahead of it."""
-    ahead = num_stages - stage
-    extra = max(0, limit - ahead) if limit is not None else 0
-    return 2 * (ahead - 1) + (chunks - 1) * num_stages + 1 + extra * chunks
+def interleaved_group(num_stages: int, first_lanes: int, microbatches: int, num_microbatches: int) -> int:
+    """Microbatches of a lane serving `microbatches` of `num_microbatches` in each group of interleaved 1F1B
+    (Note [interleaved groups]): a group is p microbatches of every lane of the first stage (of
+    `first_lanes`), so p on every lane where the lanes line up, more on a lane of a narrower stage."""
+    return max(1, round(num_stages * first_lanes * microbatches / max(num_microbatches, 1)))
+
+
+def interleaved_warmup(stage: int, num_stages: int, chunks: int, group: int) -> int:
+    """Chunk-steps a lane of interleaved 1F1B runs ahead: Megatron's 2(p−s−1) + (v−1)·g + 1 for a lane with g
+    microbatches in each group (`interleaved_group`; g = p in a grid), the round trip 2(p−s−1) taken
+    g/p times where g < p (Note [interleaved warm-up], passes/lower/schedule.py)."""
+    trip = 2 * (num_stages - stage - 1)
+    if group < num_stages:
+        trip = -(-trip * group // num_stages)
+    return trip + (chunks - 1) * group + 1
+
+
+@lru_cache(maxsize=4096)
+def interleaved_peak(per_chunk: tuple[float, ...], microbatches: int, group: int, warmup: int) -> float:
+    """Most activation bytes a lane of interleaved 1F1B stashes: chunk c stashes `per_chunk[c]` per microbatch,
+    and Megatron's strict order (passes/lower/schedule.py: groups of `group` microbatches, chunk by chunk,
+    backwards in reverse chunk order) runs a forward while fewer than `warmup` chunk-steps are in flight,
+    else a backward. The chunks need not stash alike (the last stage's holds the head), so the peak is
+    counted chunk by chunk along that order, not as `warmup` / v microbatches of the whole stage."""
+    chunks = range(len(per_chunk))
+    sizes = [min(group, microbatches - start) for start in range(0, microbatches, group)]
+    forwards = [c for n in sizes for c in chunks for _ in range(n)]
+    backwards = [c for n in sizes for c in reversed(chunks) for _ in range(n)]
+    held = peak = 0.0
+    done = 0
+    for i, c in enumerate(forwards):
+        while i - done >= warmup:
+            held -= per_chunk[backwards[done]]
+            done += 1
+        held += per_chunk[c]
+        peak = max(peak, held)
+    return peak
 
 
 def context_reserve(memory: float, is_cpu: bool) -> float:
@@ -209,18 +244,25 @@ def state_memory(held: StatesHeld, offload: OffloadSpec, schedule: ScheduleKind,
 
 def activation_memory(schedule: ScheduleKind, stage: int, num_stages: int, microbatches: int,
                       per_microbatch: Sequence[float], limit: int | None, offload_activations: bool,
-                      boundary_inputs: float, largest_boundary: float, prefetch: int) -> tuple[float, float]:
+                      boundary_inputs: float, largest_boundary: float, prefetch: int,
+                      group: int | None = None) -> tuple[float, float]:
     """(on the device, on the host) activation bytes at the peak of a rank of `stage` serving
-    `microbatches`, whose ministages stash `per_microbatch` bytes each per microbatch.
+    `microbatches`, whose ministages stash `per_microbatch` bytes each per microbatch (`group`: its
+    microbatches per group under interleaved 1F1B, `interleaved_group`).
 
     Per-microbatch schedules keep `in_flight` microbatches of every
-    ministage; Zorse runs one ministage over every microbatch, so it keeps
-    them all, or with activations offloaded only each microbatch's boundary
-    inputs (`boundary_inputs`, on the host) and one ministage recomputed at a
-    time, beside `prefetch` + 1 boundary buffers on the device.
+    ministage, interleaved 1F1B what its strict order holds at most
+    (`interleaved_peak`); Zorse runs one ministage over every microbatch, so
+    it keeps them all, or with activations offloaded only each microbatch's
+    boundary inputs (`boundary_inputs`, on the host) and one ministage
+    recomputed at a time, beside `prefetch` + 1 boundary buffers on the device.
     """
+    if schedule is ScheduleKind.INTERLEAVED and len(per_microbatch) > 1:
+        g = num_stages if group is None else group
+        warmup = interleaved_warmup(stage, num_stages, len(per_microbatch), g)
+        return interleaved_peak(tuple(per_microbatch), microbatches, g, warmup), 0.0
     if schedule is not ScheduleKind.ZORSE:
-        held = in_flight(schedule, stage, num_stages, microbatches, len(per_microbatch), limit)
+        held = in_flight(schedule, stage, num_stages, microbatches, len(per_microbatch), limit, group)
         return held * sum(per_microbatch), 0.0
     if not offload_activations:
         return microbatches * sum(per_microbatch), 0.0

@@ -17,18 +17,18 @@ from functools import cached_property
 from hetc.passes.cost import plan_time as pt
 from hetc.passes.cost.classes import ClassEstimate, PlanShape, evaluate_classes
 from hetc.passes.cost.experts import sharded_numel
-from hetc.passes.cost.memory import (RankMemory, StatesHeld, activation_memory, rank_memory, state_memory,
-                                    zorse_backward_peak)
+from hetc.passes.cost.memory import (RankMemory, StatesHeld, activation_memory, interleaved_group, rank_memory,
+                                    state_memory, zorse_backward_peak)
 from hetc.passes.cost.schedule import Unit
 from hetc.passes.cost.transfers import Borders
-from hetc.pipeline import Stage
+from hetc.pipeline import Lane, Pipeline, Stage
 from hetc.program import Collective, Phase
 from hetc.spec import OffloadTarget, ZeroSpec
 
 if TYPE_CHECKING:     # the cost model imports this module
     from hetc.passes.cost.model import CostModel
 
-__all__ = ["PipelineStage", "evaluate_pipeline", "pipeline_stages"]
+__all__ = ["PipelineStage", "evaluate_pipeline", "lane_group", "pipeline_stages"]
 
 
 class PipelineStage:
@@ -96,6 +96,13 @@ def evaluate_pipeline(cm: CostModel, memory: bool) -> ClassEstimate:
     return evaluate_classes(shape, pipeline_stages(cm), end, memory)
 
 
+def lane_group(pipeline: Pipeline, lane: Lane) -> int:
+    """The lane's microbatches per group of interleaved 1F1B (`memory.interleaved_group`): what lowering's
+    schedule cuts its queues by and the estimate counts its stash with (Note [interleaved groups])."""
+    return interleaved_group(len(pipeline.stages), len(pipeline.stages[0].lanes), len(lane.microbatches),
+                             pipeline.num_microbatches)
+
+
 def rank_memory_of(cm: CostModel, rank: int, limit: int) -> RankMemory:
     """One rank's memory at its peak, its lane holding `limit` microbatches in flight."""
     stage = cm.stage_of(rank)
@@ -113,7 +120,7 @@ def rank_memory_of(cm: CostModel, rank: int, limit: int) -> RankMemory:
     offload_activations = stage.offload.activations is not OffloadTarget.NONE
     acts = activation_memory(p.schedule, stage.index, len(p.stages), len(lane.microbatches), per_microbatch, limit,
                              offload_activations, sum(cm.held_boundary_bytes(ms - 1, stage) for ms in mss if ms > 0),
-                             cm.largest_held_boundary(stage), p.prefetch)
+                             cm.largest_held_boundary(stage), p.prefetch, lane_group(p, lane))
     zorse = zorse_backward_peak(p.schedule, cm.train.grad_clip, offload_activations, len(lane.microbatches),
                                 per_microbatch, held.grads, held.grads_kept)
     return rank_memory(rank, cm.gpu(rank), stage.index, states, acts, zorse)

@@ -224,7 +224,7 @@ def round_trip_span(n: int, held: int, f: float, b: float, trip: float) -> float
 def in_flight_limits(schedule: ScheduleKind, lanes: Sequence[LaneTiming], num_stages: int,
                      coupled: Mapping[int, int] | None = None,
                      lane_counts: Mapping[int, int] | None = None) -> dict[int, int]:
-    """Per stage: how many microbatches each lane keeps in flight under 1F1B, ZB-H1 and interleaved 1F1B.
+    """Per stage: how many microbatches each lane keeps in flight under 1F1B and ZB-H1 (S − s otherwise).
 
     Note [in-flight limit]: the one number lowering's schedule
     (passes/lower/schedule.py) holds every lane of the stage to and the
@@ -242,14 +242,23 @@ def in_flight_limits(schedule: ScheduleKind, lanes: Sequence[LaneTiming], num_st
     slower ones (uneven lanes, Zorse's heterogeneous pipelines) needs more,
     and held to S − s it would idle most of the step. Lanes of a stage keep
     one limit (ZeRO-2/3 couples them), the largest any of them needs.
-    Interleaved 1F1B runs Megatron's warm-up and v chunk-steps more for
-    each microbatch beyond S − s (`memory.interleaved_warmup`). Under ZB-H1
+    Interleaved 1F1B keeps Megatron's S − s: its warm-up is counted per
+    group (`memory.interleaved_warmup`, Note [interleaved warm-up] in
+    passes/lower/schedule.py), and a lane held further ahead waits for the
+    stages after it in its strict order. Under ZB-H1
     a stage with stages after it, its lanes not in lockstep, keeps one more:
     Little's law gives the mean, and a weight gradient in the lane's cycle
     or a lockstep slot's late microbatch makes a round trip run long; with
     the one more stash the lane runs a forward or a weight gradient
     meanwhile instead of idling (measured on the agreement family:
-    tests/test_step_bound.py). Lanes in lockstep run what their slot allows
+    tests/test_step_bound.py). So does a last stage of fewer lanes than the
+    stage before it: each of its lanes takes the microbatches of several
+    upstream lanes, which arrive together, and held to one in flight it ran
+    each one's weight gradient before the next one's forward and input
+    gradient, so the gradients the upstream lanes drain with came back one
+    whole cycle apart (random job 48: 1.051 s, 1.015 s with the one more;
+    with equal lane counts the one more stash bought nothing and ran
+    longer on jobs 56 and 84). Lanes in lockstep run what their slot allows
     and seldom reach it, so the estimate's memory would count a stash
     they never hold.
 
@@ -262,7 +271,7 @@ def in_flight_limits(schedule: ScheduleKind, lanes: Sequence[LaneTiming], num_st
     in the same way.
     """
     stages = range(num_stages)
-    if schedule not in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZB, ScheduleKind.INTERLEAVED) or not lanes:
+    if schedule not in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZB) or not lanes:
         return {s: num_stages - s for s in stages}
     trip = {s: max((_round_trip_share(schedule, t) for t in lanes if t.stage == s), default=0.0)
             for s in stages}
@@ -280,9 +289,15 @@ def in_flight_limits(schedule: ScheduleKind, lanes: Sequence[LaneTiming], num_st
                      for t in mine)
         most = max(t.microbatches for t in mine)
         out[s] = max(num_stages - s, min(needed, most))
-        if schedule is ScheduleKind.ZB and s + 1 < num_stages and s not in (coupled or {}):   # Note [in-flight limit]
+        if schedule is ScheduleKind.ZB and s not in (coupled or {}) and \
+                (s + 1 < num_stages or _fans_in(lane_counts, s)):   # Note [in-flight limit]
             out[s] = min(out[s] + 1, most)
     return out
+
+
+def _fans_in(lane_counts: Mapping[int, int] | None, stage: int) -> bool:
+    """The stage has fewer lanes than the one before it: each of its lanes serves several upstream lanes."""
+    return lane_counts is not None and stage > 0 and lane_counts[stage] < lane_counts[stage - 1]
 
 
 def lockstep_fill(schedule: ScheduleKind, lanes: Sequence[LaneTiming], num_stages: int,

@@ -23,6 +23,7 @@ from typing import NamedTuple, TypeVar
 
 from hetc.errors import InternalError
 from hetc.passes.cost.memory import interleaved_warmup
+from hetc.passes.cost.pipeline_stage import lane_group
 from hetc.passes.lower.context import LowerContext, rank_shell
 from hetc.passes.lower.lane_sim import Op, Policy, simulate
 from hetc.pipeline import Lane, Pipeline, Stage
@@ -108,7 +109,7 @@ def _policy(ctx: LowerContext, stage: Stage, lane: Lane) -> Policy:
         return Policy(f, b)
     if kind is ScheduleKind.INTERLEAVED:
         return Policy(f, b, limit=interleaved_warmup(stage.index, num_stages, len(stage.ministages),
-                                                     ctx.in_flight_limit(stage.index)))
+                                                     lane_group(ctx.pipeline, lane)))
     return Policy(f, b, w, limit=ctx.in_flight_limit(stage.index), per_unit=len(stage.ministages))
 
 
@@ -117,11 +118,31 @@ def _interleaved_orders(pipeline: Pipeline, own: list[int], mbs: list[int], grou
     """Megatron's interleaved order: microbatches in groups of `group`, chunk by chunk.
 
     Note [interleaved groups]: a microbatch's group is its position in its
-    lane of the *first* stage, divided by `group`, whichever stage asks. With
-    lane-aligned plans that is Megatron's grouping of every lane's own
+    lane of the *first* stage, divided by `group` (p), whichever stage asks.
+    With lane-aligned plans that is Megatron's grouping of every lane's own
     microbatches; with many-to-many routing it gives all lanes one order of
     (group, ministage, microbatch), so no lane waits for a forward its
-    upstream lane has queued behind one that waits for it.
+    upstream lane has queued behind one that waits for it. A lane's share
+    of a group (`lane_group`: p where lanes line up, 16 on a lane of a
+    stage of 2 behind 8 lanes, 3 on a lane of 2 behind one lane) is what its
+    warm-up counts. Groups cut per lane at its share instead fall out of step
+    across stages where the shares do not divide evenly (random job 27).
+
+    Note [interleaved warm-up]: Megatron's strict order keeps a lane
+    2(p−s−1) + (v−1)·g + 1 chunk-steps ahead (`memory.interleaved_warmup`,
+    g the lane's group): (v−1)·g to reach its last chunk of the first group,
+    2(p−s−1) for the round trip through the stages ahead. Megatron has g = p.
+    With Megatron's p where g > p the lane cannot reach its last chunk of the
+    first group before it needs that chunk's backward; a lane of a wide stage
+    fed by a narrow one (g < p) takes the round trip g/p times: further ahead
+    of its group than its upstream lane runs, it waits for a forward that
+    lane holds behind a backward it waits for. Either way the strict order
+    was stuck and lifting limits (Note [lifting a limit]) stashed more and
+    ran longer (specs/zorse/a_auto.het: 188.8 s and 8 GiB of activations on
+    an H100 against 173.4 s and 8.5 GiB now; random job 81). The timed
+    in-flight limit of 1F1B (Note [in-flight limit]) is not added: a lane
+    kept further ahead than the stages after it allow waits for them in the
+    same way (random job 39: 5.76 s against 5.31 s without).
     """
     first = {mb: i for lane in pipeline.stages[0].lanes for i, mb in enumerate(lane.microbatches)}
     f, b = [], []
