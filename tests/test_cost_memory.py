@@ -116,6 +116,33 @@ def test_interleaved_stash_is_counted_chunk_by_chunk():
     assert interleaved_peak((1.0, 1.0), 3, 4, 11) == 6.0                 # never more than there are
 
 
+
+def _walked_peak(per_chunk: tuple[float, ...], microbatches: int, group: int, warmup: int) -> float:
+    """The strict order step by step: groups chunk by chunk, a backward whenever `warmup` are in flight."""
+    sizes = [min(group, microbatches - start) for start in range(0, microbatches, group)]
+    forwards = [c for n in sizes for c in range(len(per_chunk)) for _ in range(n)]
+    backwards = [c for n in sizes for c in reversed(range(len(per_chunk))) for _ in range(n)]
+    held = peak = 0.0
+    done = 0
+    for i, c in enumerate(forwards):
+        while i - done >= warmup:
+            held -= per_chunk[backwards[done]]
+            done += 1
+        held += per_chunk[c]
+        peak = max(peak, held)
+    return peak
+
+
+def test_interleaved_peak_over_many_groups_is_the_walked_one():
+    """Note [interleaved peak is periodic]: counting one period of whole groups finds the walk's peak,
+    partial last groups and a warm-up longer than a group included."""
+    for per_chunk in ((3.0, 1.0), (1.0, 5.0, 2.0), (4.0, 0.0, 1.0, 7.0)):
+        for microbatches in (1, 7, 40, 131, 512):
+            for group in (1, 3, 4, 16):
+                for warmup in (1, 5, 2 * group + 3, 60):
+                    assert interleaved_peak(per_chunk, microbatches, group, warmup) == pytest.approx(
+                        _walked_peak(per_chunk, microbatches, group, warmup), rel=1e-12)
+
 PIPE = """
   schedule = {schedule}
   stage a {{

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from itertools import accumulate
 
 from hetc.spec import DTYPE_BYTES, ModelSpec, OffloadSpec, OffloadTarget, ScheduleKind, ZeroSpec
 from hetc.topology import Gpu
@@ -168,20 +169,33 @@ def interleaved_peak(per_chunk: tuple[float, ...], microbatches: int, group: int
     and Megatron's strict order (passes/lower/schedule.py: groups of `group` microbatches, chunk by chunk,
     backwards in reverse chunk order) runs a forward while fewer than `warmup` chunk-steps are in flight,
     else a backward. The chunks need not stash alike (the last stage's holds the head), so the peak is
-    counted chunk by chunk along that order, not as `warmup` / v microbatches of the whole stage."""
-    chunks = range(len(per_chunk))
-    sizes = [min(group, microbatches - start) for start in range(0, microbatches, group)]
-    forwards = [c for n in sizes for c in chunks for _ in range(n)]
-    backwards = [c for n in sizes for c in reversed(chunks) for _ in range(n)]
-    held = peak = 0.0
-    done = 0
-    for i, c in enumerate(forwards):
-        while i - done >= warmup:
-            held -= per_chunk[backwards[done]]
-            done += 1
-        held += per_chunk[c]
-        peak = max(peak, held)
-    return peak
+    counted chunk by chunk along that order, not as `warmup` / v microbatches of the whole stage.
+
+    Forward i runs once backwards 0..i−warmup are done, so what is held after it is the first i + 1
+    forwards' stash less the first i − warmup + 1 backwards' (prefix sums; every stash is ≥ 0, so the
+    peak is at or after the warm-up's last forward). Note [interleaved peak is periodic]: over whole
+    groups both sums grow by a group's stash every group, so what is held repeats with the group's
+    period; the peak needs only enough whole groups for the warm-up and one period, then the last,
+    partial group.
+    """
+    full, rest = divmod(microbatches, group)
+    period = group * len(per_chunk)
+    full = min(full, -(-(warmup - 1) // period) + 1)   # dropping the groups in between keeps every value
+    forwards = _chunk_steps(per_chunk, group) * full + _chunk_steps(per_chunk, rest)
+    steps = len(forwards)
+    if steps == 0:
+        return 0.0
+    stashed = list(accumulate(forwards))
+    if warmup >= steps:
+        return stashed[-1]
+    backwards = _chunk_steps(per_chunk[::-1], group) * full + _chunk_steps(per_chunk[::-1], rest)
+    freed = [0.0, *accumulate(backwards[:steps - warmup])]
+    return max(map(float.__sub__, stashed[warmup - 1:], freed))
+
+
+def _chunk_steps(per_chunk: tuple[float, ...], microbatches: int) -> list[float]:
+    """The stash of each chunk-step of one group of `microbatches`, chunk by chunk."""
+    return [bytes_ for bytes_ in per_chunk for _ in range(microbatches)]
 
 
 def context_reserve(memory: float, is_cpu: bool) -> float:
