@@ -17,7 +17,7 @@ from hetc.topology import Gpu
 from tests.conftest import DEMO
 from tests.test_shared_cores import cpu_profile, demo_with_cores
 
-COLLECTIVE_WAIT, P2P_WAIT = 7e-3, 3e-3
+COLLECTIVE_WAIT, P2P_WAIT, EXCHANGE_WAIT = 7e-3, 3e-3, 5e-3
 CLUSTER = "  inter_latency = 500 us\n"      # the line `cores` goes after: the cluster's, shared by all ranks
 
 
@@ -33,6 +33,8 @@ def test_the_profile_file_carries_the_wait():
     assert profiles.core_wait == {"cpu": CoreWait(4, 2, COLLECTIVE_WAIT, P2P_WAIT)}
     assert profiles.merged(profile_from_dict(_profile(None), "q.json")).core_wait == profiles.core_wait
     assert profile_from_dict(_profile(None), "p.json").core_wait == {}
+    shifts = profile_from_dict(_profile({**MEASURED, "exchange_s": EXCHANGE_WAIT}), "p.json")
+    assert shifts.core_wait == {"cpu": CoreWait(4, 2, COLLECTIVE_WAIT, P2P_WAIT, EXCHANGE_WAIT)}
     with pytest.raises(ProfileError, match="malformed"):
         profile_from_dict(_profile({**MEASURED, "p2p_s": -1.0}), "p.json")
     with pytest.raises(ProfileError, match="malformed"):
@@ -109,12 +111,14 @@ def test_explain_and_compile_agree_with_the_wait(plan, tmp_path, capsys):
     assert steps[1] > json.loads(capsys.readouterr().out)["step_time_s"]     # the waits lengthen the step
 
 
-@pytest.mark.parametrize("plan, forward, backward", [
-    ("ulysses2", 2 * COLLECTIVE_WAIT, 2 * COLLECTIVE_WAIT),   # two all-to-alls a block, each way
-    ("ring2", P2P_WAIT, 3 * P2P_WAIT),                       # cp − 1 shifts forward, (cp − 1) + cp backward
+@pytest.mark.parametrize("plan, measured, forward, backward", [
+    ("ulysses2", MEASURED, 2 * COLLECTIVE_WAIT, 2 * COLLECTIVE_WAIT),   # two all-to-alls a block, each way
+    # cp − 1 shifts forward, (cp − 1) + cp backward, each waiting as a shift (Note [exchange wait]) ...
+    ("ring2", {**MEASURED, "exchange_s": EXCHANGE_WAIT}, EXCHANGE_WAIT, 3 * EXCHANGE_WAIT),
+    ("ring2", MEASURED, P2P_WAIT, 3 * P2P_WAIT),             # ... or as a message where no shift was measured
 ])
-def test_context_parallel_calls_inside_a_layer_wait_each(plan, forward, backward, tmp_path):
-    waits, alone = _model(tmp_path, plan, MEASURED), _model(tmp_path, plan, None)
+def test_context_parallel_calls_inside_a_layer_wait_each(plan, measured, forward, backward, tmp_path):
+    waits, alone = _model(tmp_path, plan, measured), _model(tmp_path, plan, None)
     blocks = waits.model.layers
     for phase, per_block in ((Phase.FORWARD, forward), (Phase.BACKWARD, backward)):
         assert waits.compute_time(0, 0, phase) == pytest.approx(alone.compute_time(0, 0, phase) + blocks * per_block)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from hetc.layout import held_fraction
 from hetc.passes.cost.compute import DEFAULT_MEMORY_BANDWIDTH, ComputeModel, LayerCost
-from hetc.passes.cost.cores import host_slowdowns, host_waits
+from hetc.passes.cost.cores import BlockingCall, host_slowdowns, host_waits
 from hetc.passes.cost.experts import ep_comm_time
 from hetc.passes.cost.memory import (
     ShardFactors,
@@ -323,7 +323,7 @@ class CostModel:
         # ring attention: K and V go around forward, K, V, dK, dV backward; overlapped with attention, but
         # for each shift's wait for a core (Note [core wait]): cp − 1 forward, (cp − 1) + cp backward
         ring = self.p2p_transfer_time(group[0], group[1 % len(group)], 2 * kv * full / stage.cp / stage.tp)
-        wait = self.call_wait(group, p2p=True)
+        wait = self.call_wait(group, BlockingCall.EXCHANGE)   # Note [exchange wait]: per shift
         steps = len(group) - 1
         attn = layer_flops(self.model, 1, self.pipeline.micro_batch).attention
         core = attn / max(layer_flops(self.model, 1, self.pipeline.micro_batch).forward, 1.0)
@@ -342,7 +342,7 @@ class CostModel:
         transfer, and the message's wait for a core where the ranks share cores (Note [core wait])."""
         if nbytes <= 0 or src == dst:
             return 0.0
-        return self.p2p_transfer_time(src, dst, nbytes, concurrent) + self.call_wait((src, dst), p2p=True)
+        return self.p2p_transfer_time(src, dst, nbytes, concurrent) + self.call_wait((src, dst), BlockingCall.MESSAGE)
 
     def p2p_transfer_time(self, src: int, dst: int, nbytes: float, concurrent: int = 1) -> float:
         """`p2p_time` without the wait for a core: latency and bytes over the link.
@@ -383,13 +383,13 @@ class CostModel:
             got = self._collectives[key] = steps * worst
         return got + self.call_wait(ranks)
 
-    def call_wait(self, ranks: Sequence[int], p2p: bool = False) -> float:
-        """One blocking collective's (or message's, `p2p`) wait for a core over `ranks`: the largest measured
+    def call_wait(self, ranks: Sequence[int], call: BlockingCall = BlockingCall.COLLECTIVE) -> float:
+        """One blocking call's wait for a core over `ranks`: the largest measured
         at a node of theirs whose ranks outnumber its cores; 0 elsewhere (Note [core wait])."""
         if not self._waits:
             return 0.0
         waits = [w for w in (self._waits.get(self.gpu(r).host) for r in ranks) if w is not None]
-        return max((w.seconds(p2p) for w in waits), default=0.0)
+        return max((w.seconds(call) for w in waits), default=0.0)
 
     def _pair_kinds(self, kind: Collective,
                     ranks: tuple[int, ...]) -> tuple[tuple[tuple[Gpu, Gpu, int], ...], _PairSignature]:
