@@ -20,7 +20,7 @@ from hetc.passes.cost import CostError, CostModel, Profiles
 from hetc.passes.cost.provenance import provenance
 from hetc.passes.export_torch import torch_pipelines
 from hetc.passes.lower import lower
-from hetc.passes.simulate import simulate
+from hetc.passes.simulate import simulate, timed_machine
 from hetc.passes.validate import Checked, ExplicitPlan, check_spec
 from hetc.passes.validate_fit import cost_error, estimate_overflows, peak_overflows
 from hetc.passes.verify import VerifyError, verified_evaluation, verify
@@ -112,8 +112,9 @@ def predict(program: Program, plan: ExplicitPlan, profiles: Profiles | None = No
             costs: CostModel | None = None) -> tuple[CostModel, Timeline]:
     """(the CostModel, the predicted Timeline) of verified-to-be `program`: `compile` and `viz --profile`."""
     costs = costs or CostModel(plan.spec, plan.pipeline, plan.topology, profiles)
-    verify(program, plan.pipeline, plan.spec, costs)
-    return costs, simulate(program, plan.pipeline, plan.spec, costs, plan_facts(plan))
+    machine = timed_machine(program, plan.spec, costs)     # run once: verified, then read (Note [one run])
+    verify(program, plan.pipeline, plan.spec, costs, machine=machine)
+    return costs, simulate(program, plan.pipeline, plan.spec, costs, plan_facts(plan), ran=machine)
 
 
 def plan_facts(plan: ExplicitPlan) -> list[tuple[str, str]]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from hetc.passes.cost import CostModel, Estimate, Profiles
 from hetc.passes.lower import lower
-from hetc.passes.simulate import simulate
+from hetc.passes.simulate import simulate, timed_machine
 from hetc.passes.validate import Checked
 from hetc.passes.verify import verify
 from hetc.passes.verify.memory import Peak, rank_peaks
@@ -47,8 +47,9 @@ def build(checked: Checked, profiles: Profiles | None = None, simulated: bool = 
     spec, pipeline = plan.spec, plan.pipeline
     costs = CostModel(spec, pipeline, plan.topology, profiles)
     program = lower(spec, pipeline, costs=costs)
-    verify(program, pipeline, spec, costs)
-    timeline = simulate(program, pipeline, spec, costs) if simulated else None
+    machine = timed_machine(program, spec, costs) if simulated else None   # run once (Note [one run])
+    verify(program, pipeline, spec, costs, machine=machine)
+    timeline = simulate(program, pipeline, spec, costs, ran=machine) if machine is not None else None
     step = timeline.step_time if timeline is not None else None
     return Built(checked, program, costs, step, tuple(rank_peaks(program, pipeline, costs)), timeline)
 

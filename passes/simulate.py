@@ -39,7 +39,7 @@ from hetc.program import (COLLECTIVE_OF, COLLECTIVE_TYPES, PHASE_OF, AllGather, 
 from hetc.spec import DTYPE_BYTES, Spec
 from hetc.timeline import Event, Flow, MemorySample, RankInfo, Timeline, class_times, classify
 
-__all__ = ["SimulationError", "simulate"]
+__all__ = ["SimulationError", "simulate", "timed_machine"]
 
 class SimulationError(RuntimeError):
     """The programs cannot be run to the end (they should have failed verification)."""
@@ -138,9 +138,14 @@ class _Costs:
         return full / len(self.members[shard.group]) if shard.level == 3 and shard.group else full
 
 
-def _run(program: Program, clock: _Costs) -> Machine:
-    machine = Machine(program, clock, record=True)
-    problem = machine.run()
+def timed_machine(program: Program, spec: Spec, costs: CostModel) -> Machine:
+    """The programs' blocking machine timed by the cost model, not yet run: `verify(..., machine=)` runs it and
+    `simulate(..., ran=)` reads its times (Note [one run] in passes/verify/protocol.py)."""
+    return Machine(program, _Costs(program, spec, costs), record=True)
+
+
+def _finished(machine: Machine) -> Machine:
+    problem = machine.problem
     if problem is not None:
         raise SimulationError(f"rank {problem.rank}, instruction {problem.index}: {problem.message} "
                               "(unverified programs?)")
@@ -176,10 +181,15 @@ def _memory_samples(machine: Machine, pipeline: Pipeline, sizes: Sizes) -> list[
 
 
 def simulate(program: Program, pipeline: Pipeline, spec: Spec, costs: CostModel,
-             plan_facts: Iterable[tuple[str, str]] = ()) -> Timeline:
-    """The predicted Timeline of one step (source "predicted"), with each rank's memory curve."""
-    clock = _Costs(program, spec, costs)
-    machine = _run(program, clock)
+             plan_facts: Iterable[tuple[str, str]] = (), ran: Machine | None = None) -> Timeline:
+    """The predicted Timeline of one step (source "predicted"), with each rank's memory curve.
+
+    `ran`: `timed_machine(program, spec, costs)` after `verify` ran it; by default the programs are run here."""
+    if ran is None:
+        ran = timed_machine(program, spec, costs)
+        ran.run()
+    machine = _finished(ran)
+    clock = cast(_Costs, machine.clock)
     flows = tuple(Flow(send.rank, send.index, recv.rank, recv.index, clock.message_bytes(send))
                   for send, recv in machine.messages)
     infos = []

@@ -51,10 +51,8 @@ def spawn_local(world: int, argv: list[str], places: list[tuple[str, int]] | Non
     Like torchrun's agent, this process hosts the rendezvous store, so the
     store (and the heartbeats that name a dead rank) outlive any one rank.
     """
-    import torch.distributed as dist
-
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, world_size=world, is_master=True, wait_for_workers=False)
+    reserved = _reserve_port()
+    port = reserved.getsockname()[1]
     procs = []
     for rank in range(world):
         label, local = places[rank] if places is not None else ("", rank)
@@ -64,12 +62,32 @@ def spawn_local(world: int, argv: list[str], places: list[tuple[str, int]] | Non
         env.setdefault("OMP_NUM_THREADS", "1")
         procs.append(subprocess.Popen([sys.executable, "-m", "hetc", *argv], env=env))
     try:
+        _store = _host_store(reserved, world)   # alive while the ranks run
         return _supervise(procs)
     except KeyboardInterrupt:
         _stop(procs)
         return 130
     finally:
-        del store
+        reserved.close()
+
+
+# Note [store after spawn]: `import torch` takes seconds, in the launcher as in every rank. The ranks are
+# started first and the launcher imports torch while they do; meanwhile the store's port is bound but not
+# listening, so no other process takes it and a rank that is quicker to connect is refused and retries
+# (TCPStore's clients retry until their timeout), never served by anything but the store.
+def _reserve_port() -> socket.socket:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+def _host_store(reserved: socket.socket, world: int) -> object:
+    """The rendezvous store on `reserved`'s port (Note [store after spawn]); kept alive by the caller."""
+    import torch.distributed as dist
+
+    port = reserved.getsockname()[1]
+    reserved.close()
+    return dist.TCPStore("127.0.0.1", port, world_size=world, is_master=True, wait_for_workers=False)
 
 
 def _supervise(procs: list[subprocess.Popen[bytes]]) -> int:

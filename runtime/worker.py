@@ -261,9 +261,11 @@ def _device(kind: DeviceSpec, local_rank: int) -> torch.device:
 
 def _resumes(opts: RunOptions) -> bool:
     """Whether `_resume` will load a checkpoint (not start at step 0 because none was saved yet)."""
+    if not opts.resume or opts.checkpoint is None:
+        return False    # no import of the checkpoint module (torch.distributed.checkpoint takes a second)
     from hetc.runtime.checkpoint import latest_checkpoint
 
-    return opts.resume and opts.checkpoint is not None and latest_checkpoint(opts.checkpoint) is not None
+    return latest_checkpoint(opts.checkpoint) is not None
 
 
 def _resume(rt, opts: RunOptions) -> int:

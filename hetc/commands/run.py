@@ -106,7 +106,6 @@ def _check_elastic(args: argparse.Namespace) -> None:
 
 
 def _rank(args: argparse.Namespace) -> int:
-    from hetc.runtime.checkpoint import CheckpointError
     from hetc.runtime.data import DataError
     from hetc.runtime.placement import ClusterMismatch
     from hetc.runtime.worker import EnvError, PeerFailure, RunOptions, describe_latest, run_worker
@@ -123,13 +122,19 @@ def _rank(args: argparse.Namespace) -> int:
         return run_worker(args.dir, opts)
     except (EnvError, ClusterMismatch, DataError) as err:
         raise UsageError(str(err)) from None
-    except (PeerFailure, CheckpointError) as err:
-        print(f"hetc run: error: {err}", file=sys.stderr, flush=True)
-        return 1
     except KeyboardInterrupt:
         if os.environ.get("RANK") == "0" and LAUNCHER_ENV not in os.environ:
             print(f"hetc run: interrupted; {describe_latest(args.checkpoint)}", file=sys.stderr, flush=True)
         return 130
+    except RuntimeError as err:
+        # a rank that never checkpoints never imports the checkpoint module (torch.distributed.checkpoint
+        # takes a second to import); one that raised CheckpointError already has it
+        from hetc.runtime.checkpoint import CheckpointError
+
+        if not isinstance(err, (PeerFailure, CheckpointError)):
+            raise
+        print(f"hetc run: error: {err}", file=sys.stderr, flush=True)
+        return 1
 
 
 def _local(args: argparse.Namespace) -> int:

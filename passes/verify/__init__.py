@@ -20,6 +20,7 @@ from collections.abc import Callable
 from hetc.passes.lower.forward_only import forward_only
 from hetc.passes.verify.dataflow import check_dataflow
 from hetc.passes.verify.errors import Finding, VerifyError
+from hetc.passes.verify.machine import Machine
 from hetc.passes.verify.memory import Sizes, check_memory
 from hetc.passes.verify.protocol import check_protocol
 from hetc.pipeline import Pipeline
@@ -31,20 +32,22 @@ __all__ = ["Finding", "Sizes", "VerifyError", "verified_evaluation", "verify"]
 
 
 def verify(program: Program, pipeline: Pipeline, spec: Spec, sizes: Sizes | None = None,
-           forward_only: bool = False) -> None:
+           forward_only: bool = False, machine: Machine | None = None) -> None:
     """Raise VerifyError naming rank and instruction if the programs are unsafe.
 
     `sizes` (a `CostModel`) turns on the memory check; `VerifyError.check`
     says which check failed ("memory" is a plan that does not fit, not a
     lowering bug). `forward_only` checks an evaluation program
     (passes/lower/forward_only.py) for completeness forward only.
+    `machine`: the blocking machine the protocol check runs (a timed one the
+    simulator reads after, Note [one run] in protocol.py); by default an untimed one.
     """
     _check_shape(program, pipeline)
     model, train = spec.model, spec.train
     assert model is not None and train is not None   # a checked spec
     checks: list[tuple[str, Callable[[], list[Finding]]]] = [("dataflow", lambda: check_dataflow(program, pipeline, model.num_model_layers,
                                                   train.grad_clip > 0, model.seq, forward_only)),
-              ("protocol", lambda: check_protocol(program))]
+              ("protocol", lambda: check_protocol(program, machine))]
     if sizes is not None:
         checks.append(("memory", lambda: check_memory(program, pipeline, sizes)))
     for name, check in checks:

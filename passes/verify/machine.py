@@ -142,6 +142,7 @@ class Machine:
         self.runnable: deque[int] = deque(range(len(program.ranks)))
         self.queued = set(self.runnable)
         self.ran: list[Op] = []                   # completed ops that did work (the timeline's events)
+        self.problem: Finding | None = None       # the first protocol error `run` met
         self.messages: list[tuple[Op, Op]] = []   # (send, receive) pairs, in matching order
 
     # -------------------------------------------------------------- completion
@@ -322,13 +323,15 @@ class Machine:
         return problem
 
     def run(self) -> Finding | None:
-        """Advance ranks until none can move (Note [event-driven]); the first protocol error, if any."""
+        """Advance ranks until none can move (Note [event-driven]); the first protocol error, if any.
+
+        The outcome is also kept as `problem`, so whoever reads a machine that already ran sees it."""
         while self.runnable:
             r = self.runnable.popleft()
             self.queued.discard(r)
-            problem = self.advance(r)
-            if problem:
-                return problem
+            self.problem = self.advance(r)
+            if self.problem:
+                return self.problem
         return None
 
     def unfinished(self) -> list[int]:

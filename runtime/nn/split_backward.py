@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 __all__ = ["DeferredWeightGrad", "backward_input", "backward_weight"]
 
@@ -31,6 +30,10 @@ def backward_input(out: Tensor, grad: Tensor | None, x: Tensor, module: nn.Modul
     """Fill `x.grad` (when x requires grad); return what `backward_weight` needs."""
     if not x.requires_grad:
         return DeferredWeightGrad(output=out, output_grad=grad)
+    # imported here: torch.distributed.pipelining costs every rank about a second to import, and only
+    # zero-bubble schedules split a backward
+    from torch.distributed.pipelining._backward import stage_backward_input
+
     grads, param_groups = stage_backward_input([out], None if grad is None else [grad], [x],
                                                iter(module.parameters()))
     x.grad = grads[0]
@@ -47,4 +50,6 @@ def backward_weight(module: nn.Module, deferred: DeferredWeightGrad) -> None:
         assert deferred.output is not None   # backward_input kept the graph when it saved no groups
         torch.autograd.backward(deferred.output, deferred.output_grad)
         return
+    from torch.distributed.pipelining._backward import stage_backward_weight
+
     stage_backward_weight(iter(module.parameters()), deferred.param_groups)
