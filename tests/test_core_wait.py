@@ -116,6 +116,9 @@ def test_explain_and_compile_agree_with_the_wait(plan, tmp_path, capsys):
     # cp − 1 shifts forward, (cp − 1) + cp backward, each waiting as a shift (Note [exchange wait]) ...
     ("ring2", {**MEASURED, "exchange_s": EXCHANGE_WAIT}, EXCHANGE_WAIT, 3 * EXCHANGE_WAIT),
     ("ring2", MEASURED, P2P_WAIT, 3 * P2P_WAIT),             # ... or as a message where no shift was measured
+    # Megatron-SP: an all-gather in and a reduce-scatter out of attention and FFN, each way; backward also
+    # all-reduces the two norm weights' gradients; with the ring's shifts beside them
+    ("tp2_cp2", MEASURED, 4 * COLLECTIVE_WAIT + P2P_WAIT, 6 * COLLECTIVE_WAIT + 3 * P2P_WAIT),
 ])
 def test_context_parallel_calls_inside_a_layer_wait_each(plan, measured, forward, backward, tmp_path):
     waits, alone = _model(tmp_path, plan, measured), _model(tmp_path, plan, None)
