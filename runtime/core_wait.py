@@ -18,7 +18,10 @@ own `Ring.shift`, then `wait_all`: K and V of a cp rank's tokens to the
 partner and the partner's back, four operations) from each member's entry
 to its return, and keeps the mean over the calls, not the median: a layer's
 many shifts pay the long tail of turns a process waits for a core too
-(Note [exchange wait] in passes/cost/cores.py).
+(Note [exchange wait] in passes/cost/cores.py). With more than two
+processes a fourth round all-reduces over all of them (a ZeRO group of all
+the node's ranks needs every one of them scheduled, not two): the mean
+extra from the last arrival, `world_collective_s`.
 """
 
 from __future__ import annotations
@@ -54,11 +57,14 @@ class CoreWaitSample:
     collective_s: float
     p2p_s: float
     exchange_s: float
+    world_collective_s: float | None     # None: only two processes, the pairs' round is the world's
     calls: int
 
     def to_json(self) -> dict[str, float | int]:
         return {"ranks": self.ranks, "cores": self.cores, "collective_s": self.collective_s,
-                "p2p_s": self.p2p_s, "exchange_s": self.exchange_s, "calls": self.calls}
+                "p2p_s": self.p2p_s, "exchange_s": self.exchange_s,
+                "calls": self.calls, **({} if self.world_collective_s is None else
+                                        {"world_collective_s": self.world_collective_s})}
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,7 @@ class _Rounds:
     sends: tuple[list[_Stamp], list[_Stamp]]      # as sender, then receiver, per exchange
     recvs: tuple[list[_Stamp], list[_Stamp]]
     exchanges: tuple[list[_Stamp], list[_Stamp]]
+    world: tuple[list[_Stamp], list[_Stamp]]     # all-reduces over every process (none with two)
 
 
 def measure_core_wait(model: ModelSpec, micro_batch: int, ranks: int, calls: int) -> CoreWaitSample:
@@ -85,8 +92,12 @@ def measure_core_wait(model: ModelSpec, micro_batch: int, ranks: int, calls: int
     p2p = [_median([_message_times(stamps[a], stamps[b], k) for a, b in pairs]) for k in (0, 1)]
     exchange = [statistics.fmean(out - entry for r in range(2 * len(pairs)) for entry, out in stamps[r].exchanges[k])
                 for k in (0, 1)]
+    world = [statistics.fmean(max(out for _, out in call) - max(entry for entry, _ in call)
+                              for call in zip(*(stamps[r].world[k] for r in range(ranks)), strict=True))
+             for k in (0, 1)] if ranks > 2 else None
     return CoreWaitSample(ranks, len(os.sched_getaffinity(0)), max(0.0, collective[1] - collective[0]),
-                          max(0.0, p2p[1] - p2p[0]), max(0.0, exchange[1] - exchange[0]), calls)
+                          max(0.0, p2p[1] - p2p[0]), max(0.0, exchange[1] - exchange[0]),
+                          None if world is None else max(0.0, world[1] - world[0]), calls)
 
 
 def _median(per_pair: list[list[float]]) -> float:
@@ -131,9 +142,11 @@ def _worker(rank: int, model: ModelSpec, micro_batch: int, ranks: int, calls: in
     for work in (None, compute):
         dist.barrier()
         rounds.append((_collectives(calls, buf, group, work), _messages(rank, partner, calls, buf, work),
-                       _exchanges(calls, ring, kv, work)))
+                       _exchanges(calls, ring, kv, work),
+                       _collectives(calls, buf, dist.group.WORLD, work) if ranks > 2 else []))
     queue.put((rank, _Rounds((rounds[0][0], rounds[1][0]), (rounds[0][1][0], rounds[1][1][0]),
-                             (rounds[0][1][1], rounds[1][1][1]), (rounds[0][2], rounds[1][2]))))
+                             (rounds[0][1][1], rounds[1][1][1]), (rounds[0][2], rounds[1][2]),
+                             (rounds[0][3], rounds[1][3]))))
     dist.barrier()
     dist.destroy_process_group()
 

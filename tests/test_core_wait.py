@@ -125,3 +125,18 @@ def test_context_parallel_calls_inside_a_layer_wait_each(plan, measured, forward
     blocks = waits.model.layers
     for phase, per_block in ((Phase.FORWARD, forward), (Phase.BACKWARD, backward)):
         assert waits.compute_time(0, 0, phase) == pytest.approx(alone.compute_time(0, 0, phase) + blocks * per_block)
+
+
+WORLD_WAIT = 11e-3
+
+
+def test_a_collective_over_every_rank_measured_at_once_waits_the_world_wait(tmp_path):
+    world = {**MEASURED, "world_collective_s": WORLD_WAIT}
+    waits, pairs, alone = _model(tmp_path, "zero3", world), _model(tmp_path, "zero3", MEASURED), \
+        _model(tmp_path, "zero3", None)
+    for group, wait in (((0, 1, 2, 3), WORLD_WAIT), ((0, 1), COLLECTIVE_WAIT)):   # four ranks were measured
+        assert waits.collective_time(Collective.ALL_GATHER, group, 1e6) == \
+            pytest.approx(alone.collective_time(Collective.ALL_GATHER, group, 1e6) + wait)
+    assert pairs.collective_time(Collective.ALL_GATHER, (0, 1, 2, 3), 1e6) == \
+        pytest.approx(alone.collective_time(Collective.ALL_GATHER, (0, 1, 2, 3), 1e6) + COLLECTIVE_WAIT)
+    assert profile_from_dict(_profile(world), "p").core_wait["cpu"].world_collective_s == WORLD_WAIT

@@ -51,6 +51,13 @@ times that very shift (runtime/core_wait.py, the same `Ring.shift`) beside
 computing processes and records the mean extra over back to back as
 `exchange_s`; the cost model charges it per shift. A profile without it
 charges the message wait, as before it was measured.
+
+A collective over every rank the node runs (a ZeRO-3 group of all four
+local ranks) needs each of them scheduled in turn, not two: its wait is
+measured apart, an all-reduce over all the profile's processes
+(`world_collective_s`, the mean). Collectives over as many ranks as were
+measured at once wait that; smaller groups the pairs' `collective_s`; a
+profile without it charges the pairs' wait to all.
 """
 
 from __future__ import annotations
@@ -86,17 +93,21 @@ class CoreWait:
     collective_s: float
     p2p_s: float
     exchange_s: float | None = None    # a ring-attention shift's (Note [exchange wait]); None: not measured
+    world_collective_s: float | None = None   # a collective's over all `ranks` (Note [exchange wait])
 
     def __post_init__(self) -> None:
-        exchange = 0.0 if self.exchange_s is None else self.exchange_s
-        if self.ranks < 1 or not (self.collective_s >= 0 and self.p2p_s >= 0 and exchange >= 0):   # rejects NaN
+        optional = [0.0 if x is None else x for x in (self.exchange_s, self.world_collective_s)]
+        if self.ranks < 1 or not all(x >= 0 for x in (self.collective_s, self.p2p_s, *optional)):   # rejects NaN
             raise ValueError(f"a core wait needs at least 1 rank and waits of at least 0 s, not {self.ranks}, "
                              f"{self.collective_s}, {self.p2p_s} and {self.exchange_s}")
 
-    def seconds(self, call: BlockingCall) -> float:
-        """The wait of one blocking call of the kind (a shift not measured waits as a message)."""
+    def seconds(self, call: BlockingCall, size: int = 2) -> float:
+        """The wait of one blocking call of the kind over `size` ranks (a shift not measured waits as a
+        message; a collective over fewer ranks than were measured at once, or not measured so, as a pair's)."""
         if call is BlockingCall.EXCHANGE and self.exchange_s is not None:
             return self.exchange_s
+        if call is BlockingCall.COLLECTIVE and size >= self.ranks and self.world_collective_s is not None:
+            return self.world_collective_s
         return self.collective_s if call is BlockingCall.COLLECTIVE else self.p2p_s
 
 

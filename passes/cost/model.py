@@ -407,7 +407,7 @@ class CostModel:
         if not self._waits:
             return 0.0
         waits = [w for w in (self._waits.get(self.gpu(r).host) for r in ranks) if w is not None]
-        return max((w.seconds(call) for w in waits), default=0.0)
+        return max((w.seconds(call, len(ranks)) for w in waits), default=0.0)
 
     def _pair_kinds(self, kind: Collective,
                     ranks: tuple[int, ...]) -> tuple[tuple[tuple[Gpu, Gpu, int], ...], _PairSignature]:
