@@ -35,11 +35,13 @@ import socket
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from hetc.spec import DeviceSpec
 from hetc.topology import Gpu
+
+if TYPE_CHECKING:   # torch is imported where a rank needs it: `hetc launch` and `run --local` only label nodes
+    import torch
 
 __all__ = ["MEMORY_SLACK", "ClusterMismatch", "Placement", "Process", "discover", "local_process", "node_label",
            "parse_node_label", "place"]
@@ -93,6 +95,8 @@ def parse_node_label(text: str) -> tuple[str, int] | None:
 def local_process(launch_rank: int, local_rank: int, agent: str, label: str, device: torch.device) -> Process:
     host = socket.gethostname()
     if device.type == "cuda":
+        import torch
+
         props = torch.cuda.get_device_properties(device)
         return Process(launch_rank, host, agent, label, local_rank, props.name, float(props.total_memory))
     return Process(launch_rank, host, agent, label, local_rank, "cpu", 0.0)
@@ -100,6 +104,8 @@ def local_process(launch_rank: int, local_rank: int, agent: str, label: str, dev
 
 def discover(store, mine: Process, world: int) -> list[Process]:
     """Every launched process's report, by launch rank (through the rendezvous store)."""
+    import torch.distributed as dist
+
     store.set(f"{PROC_KEY}{mine.launch_rank}", json.dumps(asdict(mine)))
     keys = [f"{PROC_KEY}{r}" for r in range(world)]
     try:

@@ -156,6 +156,9 @@ class _Chains:
         p = cm.pipeline
         self.p, self.kind = p, p.schedule
         self.lane_of = {(s.index, mb): lane for s in p.stages for lane in s.lanes for mb in lane.microbatches}
+        # a chain depends on a microbatch only through the lanes it passes: memoised per (ministage, lanes)
+        self._transfers: dict[tuple[int, int, int], float] = {}
+        self._fastests: dict[tuple[int, int, Phase], float] = {}
         self.world = tuple(range(p.world_size))
         self.end = cm.collective_time(Collective.ALL_REDUCE, self.world, SCALAR_BYTES)
         assert cm.spec.train is not None   # a checked spec
@@ -304,7 +307,11 @@ class _Chains:
 
     def _fastest(self, mb: int, ms: int, phase: Phase) -> float:
         lane = self.lane_of[(self.p.ministages[ms].stage, mb)]
-        return min(self.cm.compute_time(r, ms, phase) for r in lane.ranks)
+        key = (ms, lane.index, phase)
+        got = self._fastests.get(key)
+        if got is None:
+            got = self._fastests[key] = min(self.cm.compute_time(r, ms, phase) for r in lane.ranks)
+        return got
 
     def _transfer(self, mb: int, ms: int) -> float:
         """The quickest piece of `mb`'s activation (or gradient) crossing the border after ministage `ms`."""
@@ -312,9 +319,13 @@ class _Chains:
         if ms + 1 >= len(p.ministages) or p.ministages[ms].stage == p.ministages[ms + 1].stage:
             return 0.0
         a, b = p.stages[p.ministages[ms].stage], p.stages[p.ministages[ms + 1].stage]
-        piece = self.cm.boundary_bytes(ms) / (a.tp * a.cp * b.tp * b.cp)
         src, dst = self.lane_of[(a.index, mb)], self.lane_of[(b.index, mb)]
-        return min(self.cm.p2p_time(x, y, piece) for x in src.ranks for y in dst.ranks)
+        key = (ms, src.index, dst.index)
+        got = self._transfers.get(key)
+        if got is None:
+            piece = self.cm.boundary_bytes(ms) / (a.tp * a.cp * b.tp * b.cp)
+            got = self._transfers[key] = min(self.cm.p2p_time(x, y, piece) for x in src.ranks for y in dst.ranks)
+        return got
 
     # ------------------------------------------------------------ collectives and steps
 
