@@ -12,6 +12,16 @@ entry and on return; a call's time is from its last member's arrival (its
 partner's entry, or the send) to its return. The wait is how much longer
 the median call took with compute between the calls than back to back
 (never below 0): what the back-to-back rates of the profile do not hold.
+
+A third round times the exchange ring attention makes inside a layer (its
+own `Ring.shift`, then `wait_all`: K and V of a cp rank's tokens to the
+partner and the partner's back, four operations) from each member's entry
+to its return, and keeps the mean over the calls, not the median: a layer's
+many shifts pay the long tail of turns a process waits for a core too
+(Note [exchange wait] in passes/cost/cores.py). With more than two
+processes a fourth round all-reduces over all of them (a ZeRO group of all
+the node's ranks needs every one of them scheduled, not two): the mean
+extra from the last arrival, `world_collective_s`.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import torch.multiprocessing as mp
 
 from hetc.runtime.measure import free_port
 from hetc.runtime.nn.model import build_ministage
+from hetc.runtime.nn.ring_attention import Ring, wait_all
 from hetc.spec import ModelSpec
 
 __all__ = ["CoreWaitSample", "measure_core_wait"]
@@ -45,11 +56,15 @@ class CoreWaitSample:
     cores: int
     collective_s: float
     p2p_s: float
+    exchange_s: float
+    world_collective_s: float | None     # None: only two processes, the pairs' round is the world's
     calls: int
 
     def to_json(self) -> dict[str, float | int]:
         return {"ranks": self.ranks, "cores": self.cores, "collective_s": self.collective_s,
-                "p2p_s": self.p2p_s, "calls": self.calls}
+                "p2p_s": self.p2p_s, "exchange_s": self.exchange_s,
+                "calls": self.calls, **({} if self.world_collective_s is None else
+                                        {"world_collective_s": self.world_collective_s})}
 
 
 @dataclass(frozen=True)
@@ -59,6 +74,8 @@ class _Rounds:
     collective: tuple[list[_Stamp], list[_Stamp]]
     sends: tuple[list[_Stamp], list[_Stamp]]      # as sender, then receiver, per exchange
     recvs: tuple[list[_Stamp], list[_Stamp]]
+    exchanges: tuple[list[_Stamp], list[_Stamp]]
+    world: tuple[list[_Stamp], list[_Stamp]]     # all-reduces over every process (none with two)
 
 
 def measure_core_wait(model: ModelSpec, micro_batch: int, ranks: int, calls: int) -> CoreWaitSample:
@@ -73,8 +90,14 @@ def measure_core_wait(model: ModelSpec, micro_batch: int, ranks: int, calls: int
     collective = [_median([_call_times(stamps[a].collective[k], stamps[b].collective[k]) for a, b in pairs])
                   for k in (0, 1)]
     p2p = [_median([_message_times(stamps[a], stamps[b], k) for a, b in pairs]) for k in (0, 1)]
+    exchange = [statistics.fmean(out - entry for r in range(2 * len(pairs)) for entry, out in stamps[r].exchanges[k])
+                for k in (0, 1)]
+    world = [statistics.fmean(max(out for _, out in call) - max(entry for entry, _ in call)
+                              for call in zip(*(stamps[r].world[k] for r in range(ranks)), strict=True))
+             for k in (0, 1)] if ranks > 2 else None
     return CoreWaitSample(ranks, len(os.sched_getaffinity(0)), max(0.0, collective[1] - collective[0]),
-                          max(0.0, p2p[1] - p2p[0]), calls)
+                          max(0.0, p2p[1] - p2p[0]), max(0.0, exchange[1] - exchange[0]),
+                          None if world is None else max(0.0, world[1] - world[0]), calls)
 
 
 def _median(per_pair: list[list[float]]) -> float:
@@ -112,12 +135,18 @@ def _worker(rank: int, model: ModelSpec, micro_batch: int, ranks: int, calls: in
         with torch.no_grad():
             block(hidden, None)
 
+    ring = None if partner is None else Ring(group, (rank & ~1, rank | 1), rank & 1)
+    kv = [torch.zeros(micro_batch, model.num_kv_heads, max(1, model.seq // 2), model.hidden // model.heads)
+          for _ in range(2)]   # K and V of a cp rank's half of the tokens (cp = 2)
     rounds = []
     for work in (None, compute):
         dist.barrier()
-        rounds.append((_collectives(calls, buf, group, work), _messages(rank, partner, calls, buf, work)))
+        rounds.append((_collectives(calls, buf, group, work), _messages(rank, partner, calls, buf, work),
+                       _exchanges(calls, ring, kv, work),
+                       _collectives(calls, buf, dist.group.WORLD, work) if ranks > 2 else []))
     queue.put((rank, _Rounds((rounds[0][0], rounds[1][0]), (rounds[0][1][0], rounds[1][1][0]),
-                             (rounds[0][1][1], rounds[1][1][1]))))
+                             (rounds[0][1][1], rounds[1][1][1]), (rounds[0][2], rounds[1][2]),
+                             (rounds[0][3], rounds[1][3]))))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -132,6 +161,22 @@ def _collectives(calls: int, buf: torch.Tensor, group: dist.ProcessGroup | None,
             continue
         start = time.monotonic()
         dist.all_reduce(buf, group=group)
+        out.append((start, time.monotonic()))
+    return out
+
+
+def _exchanges(calls: int, ring: Ring | None, kv: list[torch.Tensor],
+               work: Callable[[], None] | None) -> list[_Stamp]:
+    """Per call, one ring-attention shift of `kv` with the partner, waited (the odd one out computes only)."""
+    out = []
+    for _ in range(calls):
+        if work:
+            work()
+        if ring is None:
+            continue
+        start = time.monotonic()
+        _, works = ring.shift(kv)
+        wait_all(works)
         out.append((start, time.monotonic()))
     return out
 

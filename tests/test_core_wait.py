@@ -17,7 +17,7 @@ from hetc.topology import Gpu
 from tests.conftest import DEMO
 from tests.test_shared_cores import cpu_profile, demo_with_cores
 
-COLLECTIVE_WAIT, P2P_WAIT = 7e-3, 3e-3
+COLLECTIVE_WAIT, P2P_WAIT, EXCHANGE_WAIT = 7e-3, 3e-3, 5e-3
 CLUSTER = "  inter_latency = 500 us\n"      # the line `cores` goes after: the cluster's, shared by all ranks
 
 
@@ -33,6 +33,8 @@ def test_the_profile_file_carries_the_wait():
     assert profiles.core_wait == {"cpu": CoreWait(4, 2, COLLECTIVE_WAIT, P2P_WAIT)}
     assert profiles.merged(profile_from_dict(_profile(None), "q.json")).core_wait == profiles.core_wait
     assert profile_from_dict(_profile(None), "p.json").core_wait == {}
+    shifts = profile_from_dict(_profile({**MEASURED, "exchange_s": EXCHANGE_WAIT}), "p.json")
+    assert shifts.core_wait == {"cpu": CoreWait(4, 2, COLLECTIVE_WAIT, P2P_WAIT, EXCHANGE_WAIT)}
     with pytest.raises(ProfileError, match="malformed"):
         profile_from_dict(_profile({**MEASURED, "p2p_s": -1.0}), "p.json")
     with pytest.raises(ProfileError, match="malformed"):
@@ -109,12 +111,32 @@ def test_explain_and_compile_agree_with_the_wait(plan, tmp_path, capsys):
     assert steps[1] > json.loads(capsys.readouterr().out)["step_time_s"]     # the waits lengthen the step
 
 
-@pytest.mark.parametrize("plan, forward, backward", [
-    ("ulysses2", 2 * COLLECTIVE_WAIT, 2 * COLLECTIVE_WAIT),   # two all-to-alls a block, each way
-    ("ring2", P2P_WAIT, 3 * P2P_WAIT),                       # cp − 1 shifts forward, (cp − 1) + cp backward
+@pytest.mark.parametrize("plan, measured, forward, backward", [
+    ("ulysses2", MEASURED, 2 * COLLECTIVE_WAIT, 2 * COLLECTIVE_WAIT),   # two all-to-alls a block, each way
+    # cp − 1 shifts forward, (cp − 1) + cp backward, each waiting as a shift (Note [exchange wait]) ...
+    ("ring2", {**MEASURED, "exchange_s": EXCHANGE_WAIT}, EXCHANGE_WAIT, 3 * EXCHANGE_WAIT),
+    ("ring2", MEASURED, P2P_WAIT, 3 * P2P_WAIT),             # ... or as a message where no shift was measured
+    # Megatron-SP: an all-gather in and a reduce-scatter out of attention and FFN, each way; backward also
+    # all-reduces the two norm weights' gradients; with the ring's shifts beside them
+    ("tp2_cp2", MEASURED, 4 * COLLECTIVE_WAIT + P2P_WAIT, 6 * COLLECTIVE_WAIT + 3 * P2P_WAIT),
 ])
-def test_context_parallel_calls_inside_a_layer_wait_each(plan, forward, backward, tmp_path):
-    waits, alone = _model(tmp_path, plan, MEASURED), _model(tmp_path, plan, None)
+def test_context_parallel_calls_inside_a_layer_wait_each(plan, measured, forward, backward, tmp_path):
+    waits, alone = _model(tmp_path, plan, measured), _model(tmp_path, plan, None)
     blocks = waits.model.layers
     for phase, per_block in ((Phase.FORWARD, forward), (Phase.BACKWARD, backward)):
         assert waits.compute_time(0, 0, phase) == pytest.approx(alone.compute_time(0, 0, phase) + blocks * per_block)
+
+
+WORLD_WAIT = 11e-3
+
+
+def test_a_collective_over_every_rank_measured_at_once_waits_the_world_wait(tmp_path):
+    world = {**MEASURED, "world_collective_s": WORLD_WAIT}
+    waits, pairs, alone = _model(tmp_path, "zero3", world), _model(tmp_path, "zero3", MEASURED), \
+        _model(tmp_path, "zero3", None)
+    for group, wait in (((0, 1, 2, 3), WORLD_WAIT), ((0, 1), COLLECTIVE_WAIT)):   # four ranks were measured
+        assert waits.collective_time(Collective.ALL_GATHER, group, 1e6) == \
+            pytest.approx(alone.collective_time(Collective.ALL_GATHER, group, 1e6) + wait)
+    assert pairs.collective_time(Collective.ALL_GATHER, (0, 1, 2, 3), 1e6) == \
+        pytest.approx(alone.collective_time(Collective.ALL_GATHER, (0, 1, 2, 3), 1e6) + COLLECTIVE_WAIT)
+    assert profile_from_dict(_profile(world), "p").core_wait["cpu"].world_collective_s == WORLD_WAIT

@@ -31,7 +31,8 @@ def test_short_cpu_run_feeds_explain(tmp_path, capsys):
     assert data["concurrency"]["slowdown"] > 0
     # and timed a blocking call's wait for a core with four processes computing beside the calls
     wait = data["core_wait"]
-    assert wait["ranks"] == 4 and wait["calls"] == 8 * 2 and wait["collective_s"] >= 0 and wait["p2p_s"] >= 0
+    assert wait["ranks"] == 4 and wait["calls"] == 8 * 2 and wait["collective_s"] >= 0 and wait["p2p_s"] >= 0 \
+        and wait["exchange_s"] >= 0 and wait["world_collective_s"] >= 0
 
     profiles = load_profiles([out])
     assert profiles.network.intra_rate("cpu", 2) is not None and profiles.copy["cpu"] > 0

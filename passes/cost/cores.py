@@ -37,6 +37,27 @@ pool above), wherever that call's time is formed (`CostModel.collective_time`,
 `p2p_time`): also the tp, cp and ep collectives inside a layer. Nothing is
 assumed where nothing was measured, and nodes that do not share cores (GPU
 clusters, which declare none) pay nothing.
+
+Note [exchange wait]: ring attention's shifts inside a layer wait longer
+than a message. A shift posts four operations at once (K and V to the next
+rank, the previous rank's back: `Ring.shift` in runtime/nn/ring_attention.py)
+and waits for all four, and a layer makes several (cp − 1 forward, 2cp − 1
+backward), so a step makes many; what they cost is the mean of their
+waits, long tail and all, not the median call. Measured inside
+`hetc run --local` of ring2 on two shared cores (load about 2): 32 shifts a
+rank and step, 2.6 ms posting and 2.3 ms waiting each, about 150 ms of a
+300 ms step, against a message's measured wait of 0.5 ms. `hetc profile`
+times that very shift (runtime/core_wait.py, the same `Ring.shift`) beside
+computing processes and records the mean extra over back to back as
+`exchange_s`; the cost model charges it per shift. A profile without it
+charges the message wait, as before it was measured.
+
+A collective over every rank the node runs (a ZeRO-3 group of all four
+local ranks) needs each of them scheduled in turn, not two: its wait is
+measured apart, an all-reduce over all the profile's processes
+(`world_collective_s`, the mean). Collectives over as many ranks as were
+measured at once wait that; smaller groups the pairs' `collective_s`; a
+profile without it charges the pairs' wait to all.
 """
 
 from __future__ import annotations
@@ -44,12 +65,21 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from enum import Enum
 
 from hetc.topology import Gpu
 
-__all__ = ["CoreWait", "core_slowdown", "host_slowdowns", "host_waits", "oversubscribed"]
+__all__ = ["BlockingCall", "CoreWait", "core_slowdown", "host_slowdowns", "host_waits", "oversubscribed"]
 
 _Host = tuple[str, int]
+
+
+class BlockingCall(Enum):
+    """The kinds of blocking call whose wait for a core the profile measures."""
+
+    COLLECTIVE = "collective"
+    MESSAGE = "message"              # one send and its receive
+    EXCHANGE = "exchange"            # a ring-attention shift: sends and receives both ways, all waited
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,15 +92,23 @@ class CoreWait:
     cores: int
     collective_s: float
     p2p_s: float
+    exchange_s: float | None = None    # a ring-attention shift's (Note [exchange wait]); None: not measured
+    world_collective_s: float | None = None   # a collective's over all `ranks` (Note [exchange wait])
 
     def __post_init__(self) -> None:
-        if self.ranks < 1 or not (self.collective_s >= 0 and self.p2p_s >= 0):   # also rejects NaN
+        optional = [0.0 if x is None else x for x in (self.exchange_s, self.world_collective_s)]
+        if self.ranks < 1 or not all(x >= 0 for x in (self.collective_s, self.p2p_s, *optional)):   # rejects NaN
             raise ValueError(f"a core wait needs at least 1 rank and waits of at least 0 s, not {self.ranks}, "
-                             f"{self.collective_s} and {self.p2p_s}")
+                             f"{self.collective_s}, {self.p2p_s} and {self.exchange_s}")
 
-    def seconds(self, p2p: bool) -> float:
-        """The wait of one collective, or of one message (`p2p`)."""
-        return self.p2p_s if p2p else self.collective_s
+    def seconds(self, call: BlockingCall, size: int = 2) -> float:
+        """The wait of one blocking call of the kind over `size` ranks (a shift not measured waits as a
+        message; a collective over fewer ranks than were measured at once, or not measured so, as a pair's)."""
+        if call is BlockingCall.EXCHANGE and self.exchange_s is not None:
+            return self.exchange_s
+        if call is BlockingCall.COLLECTIVE and size >= self.ranks and self.world_collective_s is not None:
+            return self.world_collective_s
+        return self.collective_s if call is BlockingCall.COLLECTIVE else self.p2p_s
 
 
 def core_slowdown(running: int, cores: int) -> float:

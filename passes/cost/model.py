@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from hetc.layout import held_fraction
 from hetc.passes.cost.compute import DEFAULT_MEMORY_BANDWIDTH, ComputeModel, LayerCost
-from hetc.passes.cost.cores import host_slowdowns, host_waits
+from hetc.passes.cost.cores import BlockingCall, host_slowdowns, host_waits
 from hetc.passes.cost.experts import ep_comm_time
 from hetc.passes.cost.memory import (
     ShardFactors,
@@ -32,7 +32,7 @@ from hetc.passes.cost.shapes import (LayerFlops, LayerKind, activation_elements,
 from hetc.passes.cost.transfers import Engine
 from hetc.pipeline import Ministage, Pipeline, Stage
 from hetc.program import Collective, Phase, Unit
-from hetc.spec import (DTYPE_BYTES, Checkpointing, CPKind, DeviceSpec, ModelSpec, OffloadTarget, Spec, ZeroShard)
+from hetc.spec import (DTYPE_BYTES, Arch, Checkpointing, CPKind, DeviceSpec, ModelSpec, OffloadTarget, Spec, ZeroShard)
 from hetc.topology import Gpu, Topology
 
 if TYPE_CHECKING:     # they import this module
@@ -263,26 +263,31 @@ class CostModel:
         return self.layer_cost(self.gpu(rank).device.name, idx, stage.tp, stage.cp, self.tp_group(rank),
                                stage.offload.activations is not OffloadTarget.NONE,
                                ep_comm_time(self, rank) if block else 0.0,
-                               self.cp_comm_time(rank) if block else (0.0, 0.0))
+                               self.cp_comm_time(rank) if block else (0.0, 0.0), stage.sequence_parallel)
 
     def layer_cost(self, device: str, idx: int, tp: int, cp: int, tp_group: tuple[int, ...], rerun: bool,
-                   expert_comm: float = 0.0, cp_comm: tuple[float, float] = (0.0, 0.0)) -> LayerCost:
+                   expert_comm: float = 0.0, cp_comm: tuple[float, float] = (0.0, 0.0),
+                   sequence_parallel: bool = False) -> LayerCost:
         """Layer `idx` on a rank of `device` for one microbatch, its lane split tp × cp: the measured (or
         arithmetic) time, the exposed TP all-reduces over `tp_group`, a block's expert and (forward,
         backward) context-parallel communication, and the forward work the backward repeats (`rerun`:
-        activations offloaded, so the ministage runs again)."""
+        activations offloaded, so the ministage runs again). With `sequence_parallel` the TP calls are
+        Megatron-SP's (`tp_all_reduce_time`, `sp_norm_grad_time`)."""
         kind = layer_kind(self.model, idx)
         measured = self.compute.layer(device, kind, self.pipeline.micro_batch, tp)
         flops = layer_flops(self.model, idx, self.pipeline.micro_batch)
         share_i = flops.input_grad / flops.backward if flops.backward else 0.0
         block = kind == LayerKind.BLOCK
-        comm = self.tp_all_reduce_time(tp_group, cp) if (measured.needs_tp_comm and block) else 0.0
+        tp_comm = measured.needs_tp_comm and block
+        comm = self.tp_all_reduce_time(tp_group, cp, sequence_parallel) if tp_comm else 0.0
         comm += expert_comm
+        # the replicated norm weights' gradients, summed over the TP group in backward only
+        backward_comm = comm + (self.sp_norm_grad_time(tp_group) if tp_comm and sequence_parallel else 0.0)
         forward = measured.forward / cp + comm + cp_comm[0]
         # the recomputed forward repeats its communication too (`_recompute` is linear in the forward)
-        input_grad_comm = comm + cp_comm[1] + self._recompute(kind, comm + cp_comm[0], flops, rerun)
+        input_grad_comm = backward_comm + cp_comm[1] + self._recompute(kind, comm + cp_comm[0], flops, rerun)
         return LayerCost(forward,
-                         measured.backward / cp * share_i + comm + cp_comm[1] +
+                         measured.backward / cp * share_i + backward_comm + cp_comm[1] +
                          self._recompute(kind, forward, flops, rerun),
                          measured.backward / cp * (1.0 - share_i), comm + cp_comm[0], input_grad_comm)
 
@@ -298,14 +303,27 @@ class CostModel:
         return ministage
 
     def tp_comm_time(self, rank: int) -> float:
-        return self.tp_all_reduce_time(self.tp_group(rank), self.stage_of(rank).cp)
+        stage = self.stage_of(rank)
+        return self.tp_all_reduce_time(self.tp_group(rank), stage.cp, stage.sequence_parallel)
 
-    def tp_all_reduce_time(self, group: tuple[int, ...], cp: int) -> float:
-        """Two all-reduces (attention out, FFN out) of b·S·H/cp per block and pass over `group`;
-        Megatron-SP's reduce-scatter + all-gather pairs move the same bytes."""
+    def tp_all_reduce_time(self, group: tuple[int, ...], cp: int, sequence_parallel: bool = False) -> float:
+        """Two all-reduces (attention out, FFN out) of b·S·H/cp per block and pass over `group`; under
+        Megatron-SP an all-gather in and a reduce-scatter out of each instead: the same bytes in twice the
+        calls, each blocking on its own (runtime/nn/tensor_parallel.py `GroupTP`; Note [core wait])."""
         if len(group) < 2:
             return 0.0
-        return 2 * self.collective_time(Collective.ALL_REDUCE, group, self.hidden_bytes / cp)
+        nbytes = self.hidden_bytes / cp
+        if sequence_parallel:
+            return 2 * (self.collective_time(Collective.ALL_GATHER, group, nbytes) +
+                        self.collective_time(Collective.REDUCE_SCATTER, group, nbytes))
+        return 2 * self.collective_time(Collective.ALL_REDUCE, group, nbytes)
+
+    def sp_norm_grad_time(self, group: tuple[int, ...]) -> float:
+        """Under Megatron-SP, a block's backward all-reduces each replicated norm parameter's gradient over
+        `group` (`GroupTP.replicated`): two norms a block, a weight each (llama's RMSNorm) or a weight and a
+        bias (gpt's LayerNorm)."""
+        tensors = 2 * (1 if self.model.arch is Arch.LLAMA else 2)
+        return tensors * self.collective_time(Collective.ALL_REDUCE, group, self.model.hidden * self.delta)
 
     def cp_comm_time(self, rank: int) -> tuple[float, float]:
         """(forward, backward) exposed context-parallel communication per block."""
@@ -323,7 +341,7 @@ class CostModel:
         # ring attention: K and V go around forward, K, V, dK, dV backward; overlapped with attention, but
         # for each shift's wait for a core (Note [core wait]): cp − 1 forward, (cp − 1) + cp backward
         ring = self.p2p_transfer_time(group[0], group[1 % len(group)], 2 * kv * full / stage.cp / stage.tp)
-        wait = self.call_wait(group, p2p=True)
+        wait = self.call_wait(group, BlockingCall.EXCHANGE)   # Note [exchange wait]: per shift
         steps = len(group) - 1
         attn = layer_flops(self.model, 1, self.pipeline.micro_batch).attention
         core = attn / max(layer_flops(self.model, 1, self.pipeline.micro_batch).forward, 1.0)
@@ -342,7 +360,7 @@ class CostModel:
         transfer, and the message's wait for a core where the ranks share cores (Note [core wait])."""
         if nbytes <= 0 or src == dst:
             return 0.0
-        return self.p2p_transfer_time(src, dst, nbytes, concurrent) + self.call_wait((src, dst), p2p=True)
+        return self.p2p_transfer_time(src, dst, nbytes, concurrent) + self.call_wait((src, dst), BlockingCall.MESSAGE)
 
     def p2p_transfer_time(self, src: int, dst: int, nbytes: float, concurrent: int = 1) -> float:
         """`p2p_time` without the wait for a core: latency and bytes over the link.
@@ -383,13 +401,13 @@ class CostModel:
             got = self._collectives[key] = steps * worst
         return got + self.call_wait(ranks)
 
-    def call_wait(self, ranks: Sequence[int], p2p: bool = False) -> float:
-        """One blocking collective's (or message's, `p2p`) wait for a core over `ranks`: the largest measured
+    def call_wait(self, ranks: Sequence[int], call: BlockingCall = BlockingCall.COLLECTIVE) -> float:
+        """One blocking call's wait for a core over `ranks`: the largest measured
         at a node of theirs whose ranks outnumber its cores; 0 elsewhere (Note [core wait])."""
         if not self._waits:
             return 0.0
         waits = [w for w in (self._waits.get(self.gpu(r).host) for r in ranks) if w is not None]
-        return max((w.seconds(p2p) for w in waits), default=0.0)
+        return max((w.seconds(call, len(ranks)) for w in waits), default=0.0)
 
     def _pair_kinds(self, kind: Collective,
                     ranks: tuple[int, ...]) -> tuple[tuple[tuple[Gpu, Gpu, int], ...], _PairSignature]:

@@ -127,6 +127,11 @@ def _interleaved_orders(pipeline: Pipeline, own: list[int], mbs: list[int], grou
     stage of 2 behind 8 lanes, 3 on a lane of 2 behind one lane) is what its
     warm-up counts. Groups cut per lane at its share instead fall out of step
     across stages where the shares do not divide evenly (random job 27).
+    Groups of p are short where a lane's share is below p and slow borders
+    lie on the chunks' loop (random job 81: one group of every microbatch
+    runs 15 % faster), but wider groups put a chunk's gradient ops back to
+    back, each waiting for the ZeRO-2 reduce-scatter before it (random job
+    39: 7 % slower at twice p); docs/costmodel.md, "Plans far from the bound".
 
     Note [interleaved warm-up]: Megatron's strict order keeps a lane
     2(p−s−1) + (v−1)·g + 1 chunk-steps ahead (`memory.interleaved_warmup`,

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from hetc.runtime.nn import collectives
 
-__all__ = ["RingAttention", "zigzag_chunks"]
+__all__ = ["Ring", "RingAttention", "wait_all", "zigzag_chunks"]
 
 
 def zigzag_chunks(cp_rank: int, cp: int) -> tuple[int, ...]:
@@ -36,7 +36,7 @@ def zigzag_chunks(cp_rank: int, cp: int) -> tuple[int, ...]:
     return (0,) if cp == 1 else (cp_rank, 2 * cp - 1 - cp_rank)
 
 
-class _Ring:
+class Ring:
     """Point-to-point neighbours of one rank in its cp group (global ranks, ring order)."""
 
     def __init__(self, group, ranks: tuple[int, ...], cp_rank: int) -> None:
@@ -57,12 +57,12 @@ class _Ring:
         return got, collectives.batch_isend_irecv(ops)
 
 
-def _wait(works) -> None:
+def wait_all(works) -> None:
     for w in works:
         w.wait()
 
 
-def _visits(ring: _Ring, kv: list[Tensor]):
+def _visits(ring: Ring, kv: list[Tensor]):
     """One turn: yield (the K/V this rank holds, their chunk indices) per step, the next K/V moving meanwhile."""
     for step in range(ring.size):
         works = []
@@ -70,7 +70,7 @@ def _visits(ring: _Ring, kv: list[Tensor]):
             nxt, works = ring.shift(kv)
         yield kv, zigzag_chunks(ring.source(step), ring.size)
         if works:
-            _wait(works)
+            wait_all(works)
             kv = nxt
 
 
@@ -102,7 +102,7 @@ def _chunk(x: Tensor, slot: int, n: int) -> Tensor:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, ring: _Ring) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, ring: Ring) -> Tensor:
         scale = 1.0 / math.sqrt(q.shape[-1])
         mine = zigzag_chunks(ring.cp_rank, ring.size)
         n = len(mine)
@@ -134,7 +134,7 @@ class _RingAttention(torch.autograd.Function):
                              _chunk(dq, qi, n), _chunk(dkv[0], kj, n), _chunk(dkv[1], kj, n))
             if ring.size > 1:        # the accumulators follow their K/V; after a full turn they are home
                 dkv, works = ring.shift(dkv)
-                _wait(works)
+                wait_all(works)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
 
 
@@ -166,7 +166,7 @@ class RingAttention:
     """An `AttentionCore` for one cp group (global `ranks` in cp order; this rank is `cp_rank`)."""
 
     def __init__(self, group, ranks: tuple[int, ...], cp_rank: int) -> None:
-        self.ring = _Ring(group, tuple(ranks), cp_rank)
+        self.ring = Ring(group, tuple(ranks), cp_rank)
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         return _RingAttention.apply(q, k, v, self.ring)

@@ -12,7 +12,8 @@
       "copy": [{"direction": "h2d" | "d2h", "bytes": X, "seconds": t}, ...],
       "microbatch_overhead_s": t            (optional)
       "concurrency": {"ranks": n, "cores": c, "slowdown": s}   (optional)
-      "core_wait": {"ranks": n, "cores": c, "collective_s": t, "p2p_s": t, "calls": k}   (optional)
+      "core_wait": {"ranks": n, "cores": c, "collective_s": t, "p2p_s": t, "exchange_s": t,
+                    "world_collective_s": t, "calls": k}   (optional; exchange_s, world_collective_s optional)
     }
 
 `device.kind` is the catalog name the measurements apply to (GPUs of that
@@ -25,7 +26,11 @@ runs n ranks at once on shared cores). `core_wait` says how much longer
 than back to back one blocking collective and one message took, from
 their last member's arrival, with n processes on c cores computing between
 them (k calls each; Note [core wait]: the cost model adds it to every
-blocking call where ranks outnumber the cores they share). `microbatch_overhead_s` is what a stage of the executing engine spends per
+blocking call where ranks outnumber the cores they share); `exchange_s`
+the mean extra of a ring-attention shift, from each member's own entry
+(Note [exchange wait]; without it a shift waits as a message);
+`world_collective_s` the mean extra of an all-reduce over all n processes,
+which collectives over n ranks or more wait (without it: `collective_s`). `microbatch_overhead_s` is what a stage of the executing engine spends per
 microbatch outside its layers (dispatch, device synchronizations, loss
 glue): a measured run's step time less its layers, per microbatch and stage.
 """
@@ -96,8 +101,10 @@ def _core_wait(data: dict[str, Any], kind: str) -> dict[str, CoreWait]:
     wait = data.get("core_wait")
     if wait is None:
         return {}
+    exchange, world = wait.get("exchange_s"), wait.get("world_collective_s")
     return {kind: CoreWait(int(wait["ranks"]), int(wait["cores"]), float(wait["collective_s"]),
-                           float(wait["p2p_s"]))}
+                           float(wait["p2p_s"]), None if exchange is None else float(exchange),
+                           None if world is None else float(world))}
 
 
 def _tables(data: dict[str, Any], kind: str, source: str) -> list[ComputeTable]:
