@@ -141,9 +141,11 @@ def _worker(rank: int, model: ModelSpec, micro_batch: int, ranks: int, calls: in
     rounds = []
     for work in (None, compute):
         dist.barrier()
-        rounds.append((_collectives(calls, buf, group, work), _messages(rank, partner, calls, buf, work),
-                       _exchanges(calls, ring, kv, work),
-                       _collectives(calls, buf, dist.group.WORLD, work) if ranks > 2 else []))
+        rounds.append((_timed_calls(calls, None if group is None else lambda: dist.all_reduce(buf, group=group),
+                                    work),
+                       _messages(rank, partner, calls, buf, work),
+                       _timed_calls(calls, None if ring is None else lambda: wait_all(ring.shift(kv)[1]), work),
+                       _timed_calls(calls, lambda: dist.all_reduce(buf), work) if ranks > 2 else []))
     queue.put((rank, _Rounds((rounds[0][0], rounds[1][0]), (rounds[0][1][0], rounds[1][1][0]),
                              (rounds[0][1][1], rounds[1][1][1]), (rounds[0][2], rounds[1][2]),
                              (rounds[0][3], rounds[1][3]))))
@@ -151,32 +153,17 @@ def _worker(rank: int, model: ModelSpec, micro_batch: int, ranks: int, calls: in
     dist.destroy_process_group()
 
 
-def _collectives(calls: int, buf: torch.Tensor, group: dist.ProcessGroup | None,
-                 work: Callable[[], None] | None) -> list[_Stamp]:
+def _timed_calls(calls: int, call: Callable[[], object] | None, work: Callable[[], None] | None) -> list[_Stamp]:
+    """Per round, `work` then one blocking `call` (an all-reduce, a ring-attention shift waited), stamped;
+    without a call (the odd one out of a pairing) the rank computes only."""
     out = []
     for _ in range(calls):
         if work:
             work()
-        if group is None:    # the odd one out: compute only
+        if call is None:
             continue
         start = time.monotonic()
-        dist.all_reduce(buf, group=group)
-        out.append((start, time.monotonic()))
-    return out
-
-
-def _exchanges(calls: int, ring: Ring | None, kv: list[torch.Tensor],
-               work: Callable[[], None] | None) -> list[_Stamp]:
-    """Per call, one ring-attention shift of `kv` with the partner, waited (the odd one out computes only)."""
-    out = []
-    for _ in range(calls):
-        if work:
-            work()
-        if ring is None:
-            continue
-        start = time.monotonic()
-        _, works = ring.shift(kv)
-        wait_all(works)
+        call()
         out.append((start, time.monotonic()))
     return out
 
