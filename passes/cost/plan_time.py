@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import dataclasses
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
+from hetc.passes.cost.experts import expert_group, sharded_numel
 from hetc.passes.cost.memory import offloaded
 from hetc.passes.cost.schedule import Unit, UnitLane
 from hetc.passes.cost.transfers import Borders
@@ -191,14 +193,23 @@ def first_gather(cm: CostModel, stage: Stage) -> float:
 
 
 def stage_sync_time(cm: CostModel, stage: Stage, rank: int, per_ministage: bool = False) -> float:
-    """`zero_time.sync_time` for `rank` of `stage`."""
-    return sync_time(stage.zero, _stage_numel(cm, stage, rank) * cm.delta, zero_rings(cm, rank), per_ministage,
-                     [n * cm.delta for n in unit_numels(cm, stage, rank)])
+    """`zero_time.sync_time` for `rank` of `stage`. Under expert parallelism lowering keeps the experts in a
+    buffer of their own, synced over their expert group beside the dense parameters' sync over the ZeRO
+    group (both posted, then both waited: passes/lower/zero.py `_parts`): the longer of the two."""
+    experts = sum(cm.numel(ms, rank) * cm.expert_fraction(ms, rank) for ms in stage.ministages)
+    dense = sync_time(stage.zero, (_stage_numel(cm, stage, rank) - experts) * cm.delta, zero_rings(cm, rank),
+                      per_ministage, [n * cm.delta for n in unit_numels(cm, stage, rank)])
+    if not experts:
+        return dense
+    k = cm.node_streams(rank)
+    rings = ZeroRings(lambda kind, ranks, nbytes: cm.collective_time(kind, ranks, nbytes, k), expert_group(cm, rank))
+    flat = dataclasses.replace(stage.zero, shard=ZeroShard.ALL)   # the experts' shard has no outer group
+    return max(dense, sync_time(flat, experts * cm.delta, rings, per_ministage))
 
 
 def _opt_time(cm: CostModel, stage: Stage, rank: int) -> float:
     return optimizer_step_time(lambda numel: cm.optimizer_time(rank, numel), _copier(cm, rank),
-                               _stage_numel(cm, stage, rank) * cm.shard(rank).optimizer,
+                               sum(sharded_numel(cm, ms, rank, "optimizer") for ms in stage.ministages),
                                offloaded(stage.offload)[1], cm.states)
 
 

@@ -90,7 +90,10 @@ def pipeline_time(schedule: ScheduleKind, lanes: list[LaneTiming], chunks: int =
     for t in lanes:
         if t.stage != worst.stage:
             others[t.stage] = max(others.get(t.stage, 0.0), _fill(schedule, t))
-    bubble = sum(others.values())
+    # Note [fill transfers]: each stage's `one` holds the transfers it receives, so the others' fills miss the
+    # bottleneck's own: its first activation in and its last gradient back lie on the fill and drain even where
+    # its steady cycle hides them (the part of them its cycle does not already wait for)
+    bubble = sum(others.values()) + worst.p2p - worst.p2p_wait
     if schedule is ScheduleKind.INTERLEAVED:
         bubble /= max(chunks, 1)
     return PipelineTime(worst.work + bubble, worst.work, bubble, (worst.stage, worst.lane))
