@@ -19,9 +19,9 @@ from hetc.passes.cost.candidate_view import PlanView, StageContext, StageView
 from hetc.passes.cost.memory import (RankMemory, ShardFactors, StateMemory, StatesHeld, activation_memory,
                                     interleaved_group, rank_memory, shard_factors, state_memory, zorse_backward_peak)
 from hetc.passes.cost.plan_time import lane_borders, ministage_borders, stage_borders
-from hetc.passes.cost.schedule import Unit, UnitLane
+from hetc.passes.cost.schedule import Unit, UnitLane, UnitOp, unit_ops
 from hetc.passes.cost.zero_time import (ZeroRings, across_nodes, fetch_time, first_gather_time, flush_time,
-                                       optimizer_step_time, sync_time, zero_collectives)
+                                       optimizer_step_time, piece_collectives, sync_time, zero_collectives)
 from hetc.passes.cost.zero_units import gathers_per_block, ministage_units
 from hetc.passes.cost.shapes import LayerKind
 from hetc.passes.cost.transfers import Borders
@@ -88,14 +88,24 @@ class StageCosts:
     def unit_numels(self) -> list[float]:
         """The parameters of each unit the stage gathers per block (Note [zero-3 units]), in layer order;
         empty: none split. The planner plans no expert parallelism (ep = 1)."""
+        return [self.numel(u) for u in self._unit_layers]
+
+    @cached_property
+    def _unit_layers(self) -> list[tuple[int, int, int]]:
+        """The (embed, blocks, head) counts of each unit the stage gathers per block, in layer order."""
         per_block = gathers_per_block(self.plan.schedule, self.s.zero, self.s.knobs.offload.to_spec(), 1)
         head = self.p.model.layers + 1
-        out = []
-        for ms in self.s.ministages:
-            first, stop, _ = self.plan.ministages[ms]
-            for u in ministage_units(self.p.model, range(first, stop), per_block):
-                out.append(self.numel((int(u.first == 0), int(0 < u.first < head), int(u.first == head))))
-        return out
+        return [(int(u.first == 0), int(0 < u.first < head), int(u.first == head)) for ms in self.s.ministages
+                for u in ministage_units(self.p.model, range(*self.plan.ministages[ms][:2]), per_block)]
+
+    def unit_ops(self, lane: int) -> tuple[UnitOp, ...]:
+        """`schedule.unit_ops` of the lane (as `plan_time.lane_unit_ops`); empty where it gathers none per block."""
+        if not self._unit_layers:
+            return ()
+        computes = [(f, i + w) for f, i, w in (self.compute(lane, u) for u in self._unit_layers)]
+        computes[0] = (computes[0][0] + self.overhead(lane), computes[0][1])
+        return unit_ops(computes, piece_collectives(self.s.zero, self.rings(lane),
+                                                    [n * self.p.delta for n in self.unit_numels]))
 
     @cached_property
     def ms_numel(self) -> list[float]:

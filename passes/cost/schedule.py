@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 from hetc.spec import ScheduleKind
 
-__all__ = ["LaneTiming", "PipelineTime", "Unit", "UnitLane", "ZeroCycle", "in_flight_limits", "lockstep_fill",
-           "pipeline_time", "round_trip_span", "sequential_time", "step_lower_bound", "zero_cycle"]
+__all__ = ["LaneTiming", "PipelineTime", "Unit", "UnitLane", "UnitOp", "ZeroCycle", "in_flight_limits", "lockstep_fill",
+           "pipeline_time", "round_trip_span", "sequential_time", "step_lower_bound", "unit_ops", "zero_cycle"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,13 +106,42 @@ def _fill(schedule: ScheduleKind, t: LaneTiming) -> float:
 
 
 @dataclass(frozen=True, slots=True)
+class UnitOp:
+    """One compute op of one ZeRO-3 unit as lowering emits it (Note [zero-3 units]): its seconds, its
+    parameters' gather (posted when the op before it starts) and the reduce-scatter posted after it (a
+    gradient op's; 0 for a forward)."""
+
+    compute: float
+    gather: float
+    reduce: float = 0.0
+
+
+def unit_ops(computes: Sequence[tuple[float, float]], collectives: Sequence[tuple[float, float]]) -> tuple[UnitOp, ...]:
+    """One microbatch's unit ops in run order (`zero_units.in_run_order`): the forwards in layer order, then
+    the backwards in reverse; `computes`: each unit's (F, B) seconds, `collectives`: its (gather, reduce)."""
+    pairs = list(zip(computes, collectives, strict=True))
+    return (*(UnitOp(f, g) for (f, _), (g, _) in pairs), *(UnitOp(b, g, r) for (_, b), (g, r) in reversed(pairs)))
+
+
+def _unit_slots(schedule: ScheduleKind, units: Sequence[UnitOp]) -> tuple[list[float], int]:
+    """Each unit op's slot on the rank's thread: from its start to the next op's, that op's gather posted when it
+    starts (Note [zero cycle]); and how many of them are forwards. In the lane's steady order a microbatch's
+    last backward is followed by another's first forward (GPipe: a forward by a forward, a backward by a
+    backward)."""
+    forwards = len(units) // 2
+    seqs = [units[:forwards], units[forwards:]] if schedule is ScheduleKind.GPIPE else [units]
+    slots = [max(u.compute, seq[(k + 1) % len(seq)].gather) for seq in seqs for k, u in enumerate(seq)]
+    return slots, forwards
+
+
+@dataclass(frozen=True, slots=True)
 class ZeroCycle:
     bound: float   # seconds per microbatch the collectives' waits allow (0: no collectives)
     trail: float   # seconds after the lane's last cycle until its last reduce-scatter is done
 
 
 def zero_cycle(schedule: ScheduleKind, ops: Sequence[float], p2p_wait: float, reduce: float, gather: float,
-               copies: float, shares: tuple[float, float] = (1.0, 1.0)) -> ZeroCycle:
+               copies: float, shares: tuple[float, float] = (1.0, 1.0), units: Sequence[UnitOp] = ()) -> ZeroCycle:
     """A lane's per-microbatch cycle with ZeRO collectives placed as lowering places them.
 
     Note [zero cycle]: `ops` are one microbatch's compute ops in order (F, B
@@ -138,6 +167,12 @@ def zero_cycle(schedule: ScheduleKind, ops: Sequence[float], p2p_wait: float, re
     parameters in its first ministage (whose gradient op comes last) and in
     its largest, which the per-ministage reductions scale by (units instead
     of ministages where ZeRO-3 gathers per block, Note [zero-3 units]).
+    Where it gathers per block, lowering posts and waits each unit's gather
+    around that unit's op (`units`, one microbatch's in run order): a unit
+    op then takes max(its compute, the next unit's gather), and a small
+    unit (the embedding, the head) cannot hide a block's gather; the last
+    microbatch's last op waits for no next gather, and its unit's
+    reduction ends the trail.
     """
     if reduce <= 0 and gather <= 0 and copies <= 0:
         return ZeroCycle(0.0, 0.0)
@@ -147,6 +182,8 @@ def zero_cycle(schedule: ScheduleKind, ops: Sequence[float], p2p_wait: float, re
         n_gathers = len(ops) if gather > 0 else 0
         return ZeroCycle(reduce + n_gathers * gather + copies, reduce)
     first, largest = shares
+    if units and gather > 0:
+        return _unit_cycle(schedule, ops, p2p_wait, reduce, largest, units)
     slots = [max(d, gather) for d in ops]
     grad = ops[-1]
     if schedule is ScheduleKind.GPIPE:
@@ -155,6 +192,19 @@ def zero_cycle(schedule: ScheduleKind, ops: Sequence[float], p2p_wait: float, re
         bound = max(sum(slots) + p2p_wait, largest * (grad + reduce))
     # the last microbatch's cycle, to the end of its first ministage's reduction
     last = sum(slots) - first * (slots[-1] - grad) + first * reduce + p2p_wait
+    return ZeroCycle(bound, max(0.0, last - max(bound, sum(ops) + p2p_wait)))
+
+
+def _unit_cycle(schedule: ScheduleKind, ops: Sequence[float], p2p_wait: float, reduce: float, largest: float,
+                units: Sequence[UnitOp]) -> ZeroCycle:
+    """`zero_cycle` of a stage gathering per block: its unit ops' slots (`_unit_slots`)."""
+    slots, forwards = _unit_slots(schedule, units)
+    grad = ops[-1]
+    if schedule is ScheduleKind.GPIPE:
+        bound = sum(slots[:forwards]) + max(sum(slots[forwards:]), grad + reduce) + p2p_wait
+    else:
+        bound = max(sum(slots) + p2p_wait, largest * (grad + reduce))
+    last = sum(slots) - (slots[-1] - units[-1].compute) + units[-1].reduce + p2p_wait
     return ZeroCycle(bound, max(0.0, last - max(bound, sum(ops) + p2p_wait)))
 
 
