@@ -210,7 +210,7 @@ def compose_step(shape: StepShape, lanes: list[LaneTiming], end: float, flush: C
                                 not interleaved_update(shape.schedule, shape.grad_clip))
         busy = max(t.work for t in lanes)
         return PlanTime(total + end, total, max(0.0, total - busy), end, tuple(lanes), None)
-    pipe = pipeline_time(shape.schedule, lanes, shape.chunks)
+    pipe = pipeline_time(shape.schedule, lanes, shape.chunks, shape.limits)
     extra = max(0.0, step_lower_bound(shape.schedule, lanes, shape.chunks, shape.limits) - pipe.total) + \
         lockstep_fill(shape.schedule, lanes, shape.num_stages, shape.coupled, shape.widths)
     # the first stage's first compute op waits for its ZeRO-3 gather: nothing runs beside it yet

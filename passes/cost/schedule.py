@@ -83,9 +83,12 @@ class PipelineTime:
     bottleneck: tuple[int, int]   # (stage, lane)
 
 
-def pipeline_time(schedule: ScheduleKind, lanes: list[LaneTiming], chunks: int = 1) -> PipelineTime:
+def pipeline_time(schedule: ScheduleKind, lanes: list[LaneTiming], chunks: int = 1,
+                  limits: Mapping[int, int] | None = None) -> PipelineTime:
     """Forward and backward of every microbatch, for 1F1B-like schedules and GPipe."""
     worst = max(lanes, key=lambda t: t.work)
+    if schedule is ScheduleKind.ONE_F_ONE_B and limits is not None:
+        return _one_f_one_b_time(lanes, limits)
     others: dict[int, float] = {}
     for t in lanes:
         if t.stage != worst.stage:
@@ -97,6 +100,27 @@ def pipeline_time(schedule: ScheduleKind, lanes: list[LaneTiming], chunks: int =
     if schedule is ScheduleKind.INTERLEAVED:
         bubble /= max(chunks, 1)
     return PipelineTime(worst.work + bubble, worst.work, bubble, (worst.stage, worst.lane))
+
+
+def _one_f_one_b_time(lanes: list[LaneTiming], limits: Mapping[int, int]) -> PipelineTime:
+    """1F1B, paced by the lane whose chain is longest. Note [paced pipeline]: a lane's chain is the fill and
+    drain of the stages before it (each its slowest lane's `one`, and its own activation coming in: Note
+    [fill transfers]) around its own span, where the stages after it are a round trip that the microbatches it
+    keeps in flight hide but for what `round_trip_span` leaves (`_busiest_span`). With equal lanes the busiest
+    lane paces; a lane of a later stage serving the microbatches of several earlier lanes can pace instead,
+    busy all along while the busiest one waits for it (demo hetero: the last stage's one lane serves the two
+    middle lanes' microbatches)."""
+    one: dict[int, float] = {}
+    for t in lanes:
+        one[t.stage] = max(one.get(t.stage, 0.0), t.one)
+
+    def chain(t: LaneTiming) -> float:
+        fill = sum(v for s, v in one.items() if s < t.stage) + max(0.0, t.p2p - t.p2p_after - t.p2p_wait)
+        return fill + _busiest_span(ScheduleKind.ONE_F_ONE_B, lanes, t, limits)
+
+    pace = max(lanes, key=lambda t: (chain(t), t.work))
+    total = chain(pace)
+    return PipelineTime(total, pace.work, total - pace.work, (pace.stage, pace.lane))
 
 
 def _fill(schedule: ScheduleKind, t: LaneTiming) -> float:
