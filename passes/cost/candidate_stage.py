@@ -16,6 +16,7 @@ from dataclasses import replace
 from functools import cached_property
 
 from hetc.passes.cost.candidate_view import PlanView, StageContext, StageView
+from hetc.passes.cost.cores import Computing, busy_share
 from hetc.passes.cost.memory import (RankMemory, ShardFactors, StateMemory, StatesHeld, activation_memory,
                                     interleaved_group, rank_memory, shard_factors, state_memory, zorse_backward_peak)
 from hetc.passes.cost.plan_time import lane_borders, ministage_borders, stage_borders
@@ -118,15 +119,26 @@ class StageCosts:
                                    units or self.layer_counts, self.slowdown(lane))
 
     @cached_property
-    def _slowdowns(self) -> dict[tuple[str, int], float]:
-        return self.p.host_slowdowns(self.plan.gpus or self.s.res.gpus)
+    def _slowdowns(self) -> dict[int, float]:
+        """Per GPU id of the plan (around one stage: the stage's own), `cores.rank_slowdowns` of its ranks read
+        as `model.computing_ranks` reads a pipeline; empty when nobody is slowed."""
+        if not self.p.cores_shared:
+            return {}
+        stages = self.plan.stages if isinstance(self.plan, PlanView) else (self.s,)
+        most = max(max(s.counts) for s in stages)
+        chunks = max(len(s.ministages) for s in stages)
+        ranks = {g.id: Computing(g.host, g.device.name, s.index,
+                                 busy_share(self.plan.schedule, self.plan.num_stages, count, most, chunks))
+                 for s in stages for lane, count in zip(s.lanes, s.counts) for g in lane}
+        slow = dict(zip(ranks, self.p.rank_slowdowns(tuple(ranks.values()))))
+        return slow if any(v != 1.0 for v in slow.values()) else {}
 
     def slowdown(self, lane: int) -> float:
         """Mirrors CostModel.slowdown: the lane's slowest rank for sharing its node's cores."""
         slow = self._slowdowns
         if not slow:   # no node of the plan shares its cores
             return 1.0
-        return max(slow.get(g.host, 1.0) for g in self.s.lanes[lane])
+        return max(slow.get(g.id, 1.0) for g in self.s.lanes[lane])
 
     def overhead(self, lane: int) -> float:
         """The engine's seconds per microbatch outside the layers (`CostModel.microbatch_overhead`)."""
@@ -155,7 +167,7 @@ class StageCosts:
 
     def flush(self) -> float:
         """`zero_time.flush_time`: lane 0's first rank stands for the positions (the tp ranks of a lane
-        sit on one node), the first lane holding each device kind for its kind."""
+        sit on one node), the first lane holding each device kind and core share for them."""
         return flush_time((self.sync(0),), (self.optimizer(lane) for lane in _kind_reps(self)))
 
     def unit(self, ms: int) -> Unit:
@@ -347,11 +359,11 @@ def _lane_classes(sc: StageCosts) -> dict[tuple[object, ...], list[int]]:
 
 
 def _kind_reps(sc: StageCosts) -> list[int]:
-    """The first lane holding each device kind of the stage (its lowest rank of the kind)."""
-    seen: dict[str, int] = {}
+    """The first lane holding each device kind and core share of the stage (`plan_time.kind_reps`)."""
+    seen: dict[tuple[str, float], int] = {}
     for lane, gpus in enumerate(sc.s.lanes):
         for g in gpus:
-            seen.setdefault(g.device.name, lane)
+            seen.setdefault((g.device.name, sc.slowdown(lane)), lane)
     return list(seen.values())
 
 
