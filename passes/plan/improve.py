@@ -54,11 +54,13 @@ def _neighbours(search: Search, st: Structure, current: list[Option]) -> Iterato
             if a == b or current[a].layers <= 1 or current[b].layers >= limits[b] or \
                     search._fixed_layers(a) is not None or search._fixed_layers(b) is not None:
                 continue
-            moved: list[Option | None] = list(current)
-            moved[a] = _like(search, st, a, current[a], current[a].layers - 1)
-            moved[b] = _like(search, st, b, current[b], current[b].layers + 1)
-            if moved[a] is not None and moved[b] is not None:
-                yield [o for o in moved if o is not None]
+            # a move keeps each stage's configuration where it can; with the lightest one too, since a
+            # move can pay only once the stage that grew (or shrank) is configured for its new size
+            for oa in _like(search, st, a, current[a], current[a].layers - 1):
+                for ob in _like(search, st, b, current[b], current[b].layers + 1):
+                    moved = list(current)
+                    moved[a], moved[b] = oa, ob
+                    yield moved
     for s in range(n_stages):
         for o in _options(search, st, s, current[s].layers):
             if o is not current[s]:
@@ -70,10 +72,9 @@ def _options(search: Search, st: Structure, s: int, n: int) -> list[Option]:
     return [o for o in table.options if o.work is not None]
 
 
-def _like(search: Search, st: Structure, s: int, was: Option, n: int) -> Option | None:
-    """Stage s's option for n units: the same configuration if it can take them, else the best-ranked."""
+def _like(search: Search, st: Structure, s: int, was: Option, n: int) -> list[Option]:
+    """Stage s's options for n units: the same configuration if it can take them, then the best-ranked."""
     options = _options(search, st, s, n)
     same = [o for o in options if o.knobs == was.knobs]
-    if same:
-        return same[0]
-    return min(options, key=lambda o: (o.placed_work + o.fill + o.tail, o.knobs), default=None)
+    lightest = min(options, key=lambda o: (o.placed_work + o.fill + o.tail, o.knobs), default=None)
+    return list(dict.fromkeys(same[:1] + ([lightest] if lightest is not None else [])))

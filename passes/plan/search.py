@@ -87,7 +87,7 @@ class Search(Structures):
             shortlist = _top_distinct(ranked, self.limits.structures, key=lambda st: st)
         found = sorted((f for st in shortlist for f in self._configure(st)), key=self.rank)
         tell("configurations")
-        for st in _to_refine(found, self.limits.refine):
+        for st in _to_refine(found, self.limits.refine, by_depth=self.exact_screen):
             found += self._refine(st)
         tell("refinement")
         return sorted(found, key=self.rank)
@@ -173,12 +173,16 @@ class Search(Structures):
         return (not self.goal.admits(f.score), not f.score.fits, self.goal.value(f.score), f.candidate.key())
 
 
-def _to_refine(found: list[Found], k: int) -> list[Structure]:
-    """The k best structures, and the best of every schedule kind (the model times them differently)."""
+def _to_refine(found: list[Found], k: int, by_depth: bool = False) -> list[Structure]:
+    """The k best structures, and the best of every schedule kind (the model times them differently);
+    `by_depth` (small searches): of every schedule kind and pipeline depth, since the fast assignment's
+    model paces a pipeline by its busiest lane where the exact score paces it by its longest chain
+    (Note [paced pipeline]), and misjudges uneven depths most."""
     structures = [f.structure for f in found if f.structure is not None]   # the search's (not baselines)
     picks = _top_distinct(list(enumerate(structures)), k, key=lambda st: st)
-    for kind in dict.fromkeys(st.schedule for st in structures):
-        best = next(st for st in structures if st.schedule is kind)
+    kinds = dict.fromkeys((st.schedule, len(st.layout) if by_depth else 0) for st in structures)
+    for kind, depth in kinds:
+        best = next(st for st in structures if st.schedule is kind and (not by_depth or len(st.layout) == depth))
         if best not in picks:
             picks.append(best)
     return picks
