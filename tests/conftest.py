@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -42,6 +43,9 @@ def pytest_unconfigure(config) -> None:
 # loadgroup`), one per core: most tests are one CPU-bound process. Each module is one xdist group, so a
 # module's fixtures are built once, on one worker; the modules that read tests/planned.py's session-wide
 # plans share a group, so the agreement family is planned once. Plain `pytest FILE` runs in one process.
+# xdist groups a test by appending `@group` to its node id; where it cannot (pytest 9.2 with xdist 3.8),
+# every test goes to whichever worker is free and each worker plans the family again, minutes of CPU
+# lost without a word, so a worker that finds a test ungrouped stops the run.
 _SHARED_PLANS = frozenset({"test_plan_agreement", "test_step_bound"})
 
 
@@ -50,6 +54,18 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1] if item.module else item.nodeid
         item.add_marker(pytest.mark.xdist_group("planned" if module in _SHARED_PLANS else module))
+
+
+def pytest_collection_finish(session) -> None:
+    if not getattr(session.config.option, "loadgroup", False):   # set in xdist's workers only
+        return
+    ungrouped = [item.nodeid for item in session.items if "@" not in item.nodeid]
+    if ungrouped:   # Note [parallel suite]
+        message = (f"pytest-xdist's --dist loadgroup did not group {ungrouped[0]} (and {len(ungrouped) - 1} "
+                   f"more): this pytest ({pytest.__version__}) and pytest-xdist do not work together; "
+                   f"install the versions pyproject.toml's `test` extra allows")
+        sys.stderr.write(f"tests/conftest.py: {message}\n")   # a worker's UsageError alone is not shown
+        raise pytest.UsageError(message)
 
 
 def all_spec_files() -> list[Path]:
