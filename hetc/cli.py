@@ -56,14 +56,16 @@ def main(argv: list[str] | None = None) -> int:
 # and changes nothing: the process is about to end. A verb that writes nothing after its output and
 # starts no threads or child processes sets `quick_exit`: as a program (`hetc ...`, `python -m hetc`),
 # it runs with the cyclic collector off, and once its output and logs are flushed the process ends
-# without tearing the interpreter down (`os._exit`). In-process callers (`main`) keep the usual ending.
+# without tearing the interpreter down (`os._exit`). In-process callers (`main`) keep the usual ending,
+# and so does a process run under a profiler or tracer, which writes its findings at the end.
 
 
 def program() -> NoReturn:
     """`hetc` as a process (Note [ending a one-shot process at once])."""
     gc.disable()   # while the verbs import; back on below unless the verb ends at once
     args = build_parser().parse_args()
-    quick = bool(getattr(args, "quick_exit", False))
+    # a profiler or tracer (cProfile, coverage) writes its findings as the interpreter ends: let it
+    quick = bool(getattr(args, "quick_exit", False)) and sys.getprofile() is None and sys.gettrace() is None
     if not quick:
         gc.enable()
     status = _run(args)

@@ -33,3 +33,11 @@ def test_plan_as_a_process_keeps_the_status_of_a_user_error(tmp_path: Path) -> N
     done = _hetc("plan", str(bad))
     assert done.returncode == 2
     assert f"{bad}:" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_plan_under_a_profiler_ends_the_usual_way_so_the_profile_is_written(tmp_path: Path) -> None:
+    stats = tmp_path / "plan.prof"
+    done = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(stats), "-m", "hetc", "plan", str(DEMO)],
+                          check=False, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert stats.stat().st_size > 0
