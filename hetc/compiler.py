@@ -73,10 +73,12 @@ def compile_spec(spec_path: Path, dump_after: str | None = None,
                  profiles: Profiles | None = None) -> Compiled:
     """Lower, verify and simulate `spec_path`'s plan, timed with `profiles` (a Profiles, or none)."""
     loaded, checked = load_checked(spec_path, require_complete=True)
-    plan = checked.explicit() or _planned(loaded, profiles)
+    explicit = checked.explicit()
+    plan, program = (explicit, None) if explicit is not None else _planned(loaded, profiles)
     # the schedule is timed with the cost model that predicts and verifies it (Note [in-flight limit])
     costs = CostModel(plan.spec, plan.pipeline, plan.topology, profiles)
-    program = lower(plan.spec, plan.pipeline, dump_after, on_dump, costs)
+    if program is None or dump_after is not None:   # else the planner lowered it, from the same inputs
+        program = lower(plan.spec, plan.pipeline, dump_after, on_dump, costs)
     try:
         costs, timeline = predict(program, plan, profiles, costs)
         evaluation = verified_evaluation(program, plan.pipeline, plan.spec)
@@ -90,14 +92,16 @@ def compile_spec(spec_path: Path, dump_after: str | None = None,
     return Compiled(loaded, plan, program, costs, timeline, eval_timeline)
 
 
-def _planned(loaded: LoadedSpec, profiles: Profiles | None) -> ExplicitPlan:
-    """`auto` left: plan first (`hetc plan SPEC -o OUT.het` shows the plan)."""
+def _planned(loaded: LoadedSpec, profiles: Profiles | None) -> tuple[ExplicitPlan, Program | None]:
+    """`auto` left: plan first (`hetc plan SPEC -o OUT.het` shows the plan); with the program the planner
+    checked its winner with (Note [the planner checks its winner]), if it did."""
     from hetc.passes.plan.planner import plan_checked
 
-    plan = plan_checked(loaded.spec, loaded.path.parent, profiles).explicit()
+    result = plan_checked(loaded.spec, loaded.path.parent, profiles)
+    plan = result.checked.explicit()
     if plan is None:
         raise InternalError("the planner returned a plan with `auto` left in it")
-    return plan
+    return plan, result.program
 
 
 def _memory_overflows(program: Program, plan: ExplicitPlan, costs: CostModel,

@@ -39,17 +39,24 @@ class Built:
     timeline: Timeline | None = None   # the simulated step (None: not simulated)
 
 
-def build(checked: Checked, profiles: Profiles | None = None, simulated: bool = True) -> Built:
-    """Lower and verify `checked`'s plan (VerifyError if it is unsafe or does not fit), then simulate it."""
+def build(checked: Checked, profiles: Profiles | None = None, simulated: bool = True,
+          verified: Program | None = None) -> Built:
+    """Lower and verify `checked`'s plan (VerifyError if it is unsafe or does not fit), then simulate it.
+
+    `verified`: the plan's program, lowered and verified already with these `profiles` (the planner's
+    check of its winner, `PlanResult.program`); it is simulated only."""
     plan = checked.explicit()
     if plan is None:
         raise ValueError("build() needs an explicit plan; this one still has `auto` (plan it first)")
     spec, pipeline = plan.spec, plan.pipeline
     costs = CostModel(spec, pipeline, plan.topology, profiles)
-    program = lower(spec, pipeline, costs=costs)
-    machine = timed_machine(program, spec, costs) if simulated else None   # run once (Note [one run])
-    verify(program, pipeline, spec, costs, machine=machine)
-    timeline = simulate(program, pipeline, spec, costs, ran=machine) if machine is not None else None
+    if verified is None:
+        program = lower(spec, pipeline, costs=costs)
+        machine = timed_machine(program, spec, costs) if simulated else None   # run once (Note [one run])
+        verify(program, pipeline, spec, costs, machine=machine)
+    else:
+        program, machine = verified, None
+    timeline = simulate(program, pipeline, spec, costs, ran=machine) if simulated else None
     step = timeline.step_time if timeline is not None else None
     return Built(checked, program, costs, step, tuple(rank_peaks(program, pipeline, costs)), timeline)
 

@@ -55,18 +55,35 @@ def test_run_metrics_record_time_per_class_each_step(single, tmp_path):
 
 
 @pytest.mark.slow
-def test_calibrate_lists_each_class_against_the_prediction(single, capsys):
-    assert main(["calibrate", str(single), "--steps", "2", "--json"]) == 0
+def test_calibrate_lists_each_class_against_the_prediction(single, tmp_path, capsys):
+    metrics = tmp_path / "m.jsonl"
+    assert main(["calibrate", str(single), "--steps", "2", "--json", "--metrics", str(metrics)]) == 0
     got = json.loads(capsys.readouterr().out)
     assert [c["class"] for c in got["classes"]] == [c.value for c in TimeClass]
     predicted = json.loads((single / "summary.json").read_text())["step_time_s"]
     assert got["predicted_step_s"] == pytest.approx(predicted)
     assert all(c["measured_s"] >= 0 and c["predicted_s"] >= 0 for c in got["classes"])
     assert got["most_off"] in CLASSES
-    assert main(["calibrate", str(single), "--steps", "2"]) == 0
+    # the run's metrics, compared again without running: the same figures, as a table
+    assert main(["calibrate", str(single), "--measured", str(metrics), "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["classes"] == got["classes"] and again["measured"] == f"the run of {metrics}"
+    assert main(["calibrate", str(single), "--measured", str(metrics)]) == 0
     table = capsys.readouterr().out.splitlines()
+    assert table[0].startswith(f"{single}: the run of {metrics}; ")
     assert [line.split()[0] for line in table[2:7]] == [c.value for c in TimeClass] + ["step"]
     assert table[7].startswith("most off: ")
+
+
+def test_calibrate_measured_refuses_what_is_not_a_metrics_file(single, tmp_path, capsys):
+    bad = tmp_path / "m.jsonl"
+    bad.write_text('{"step": 1}\n')
+    assert main(["calibrate", str(single), "--measured", str(bad)]) == 2
+    assert f"{bad}: no step with class_times_s" in capsys.readouterr().err
+    assert main(["calibrate", str(single), "--measured", str(tmp_path / "none.jsonl")]) == 2
+    assert "none.jsonl" in capsys.readouterr().err
+    assert main(["calibrate", str(single), "--measured", str(bad), "--metrics", str(bad)]) == 2
+    assert "--measured names the metrics of a run made before" in capsys.readouterr().err
 
 
 def test_calibrate_refuses_what_is_not_a_plan_directory(tmp_path, capsys):

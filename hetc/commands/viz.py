@@ -7,7 +7,7 @@ import json
 import logging
 from pathlib import Path
 
-from hetc.viz.classgap import ClassGap, class_gaps, gap_table, measured_from_metrics
+from hetc.viz.classgap import ClassGap, class_gaps, gap_table, read_measured
 from hetc.commands import Subparsers
 from hetc.errors import UsageError
 from hetc.plandir import TIMELINE_FILE, read_program
@@ -81,10 +81,7 @@ def read_timeline(path: Path) -> Timeline:
 def _gaps(args: argparse.Namespace, predicted: Timeline, measured: Timeline) -> tuple[list[ClassGap], float]:
     """The per-class gaps of --compare and the measured step they go with."""
     if args.metrics:
-        try:
-            classes, step = measured_from_metrics(Path(args.metrics))
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise UsageError(f"{args.metrics}: {err}") from None
+        classes, step = read_measured(Path(args.metrics))
     else:
         classes, step = mean_class_times(list(measured.classes)), measured.step_time
     return class_gaps(mean_class_times(list(predicted.classes)), classes), step

@@ -13,10 +13,11 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from hetc.errors import UsageError
 from hetc.jsontypes import JsonObject
 from hetc.timeline import TimeClass, mean_class_times
 
-__all__ = ["ClassGap", "class_gaps", "gap_table", "measured_from_metrics", "worst_gap"]
+__all__ = ["ClassGap", "class_gaps", "gap_table", "measured_from_metrics", "read_measured", "worst_gap"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,3 +87,11 @@ def measured_from_metrics(path: Path, skip: int = 1) -> tuple[dict[str, float], 
     per_step = [mean_class_times(r["class_times_s"]) for r in kept]
     classes = {c.value: statistics.median(s[c.value] for s in per_step) for c in TimeClass}
     return classes, statistics.median(r["step_time_s"] for r in kept)
+
+
+def read_measured(path: Path) -> tuple[dict[str, float], float]:
+    """`measured_from_metrics` of a file the user named: a file that is not one is a UsageError."""
+    try:
+        return measured_from_metrics(path)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UsageError(f"{path}: {err}") from None

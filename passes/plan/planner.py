@@ -30,6 +30,7 @@ from hetc.passes.plan.search import Found, Search, SearchLimits
 from hetc.passes.plan.space import space_from_spec
 from hetc.passes.resolve import plan_has_auto as needs_plan   # one rule for what is left to plan
 from hetc.passes.validate import Checked, check_spec
+from hetc.program import Program
 from hetc.spec import Spec
 
 __all__ = ["FULL_ESTIMATE_RANKS", "PlanResult", "needs_plan", "plan_checked", "plan_spec"]
@@ -54,6 +55,9 @@ class PlanResult:
     chosen: str = "planner"            # or the name of the baseline that won
     seconds: float = 0.0
     structures: int = 0
+    # the winner as Note [the planner checks its winner] lowered and verified it (with the `profiles` the
+    # plan was made with), for whoever builds the plan next; None where it was not checked
+    program: Program | None = None
 
     @property
     def planned(self) -> bool:
@@ -103,17 +107,17 @@ def _plan_spec(spec: Spec, profiles: Profiles | None, base_dir: Path | None,
     planned = check_spec(explicit, base_dir)
     estimate = _estimate(planned, profiles)
     _cross_check(best.score, estimate)
-    _check_winner(planned, profiles, chosen)
+    program = _check_winner(planned, profiles, chosen)
     return PlanResult(explicit, planned, goal, best.score, estimate, best.candidate, tuple(scored), chosen,
-                      time.perf_counter() - start, search.visited)
+                      time.perf_counter() - start, search.visited, program)
 
 
-def plan_checked(spec: Spec, base_dir: Path | None = None, profiles: Profiles | None = None) -> Checked:
-    """The validated explicit spec (planned first if it has `auto`): what `hetc compile` builds on."""
+def plan_checked(spec: Spec, base_dir: Path | None = None, profiles: Profiles | None = None) -> PlanResult:
+    """The plan of `spec` (planned first if it has `auto`): what `hetc compile` builds on."""
     result = plan_spec(spec, profiles, base_dir)
     if result.planned:
         log.info("planned %s: %.4g s/step, %s", result.chosen, result.step_time_s, result.goal.describe())
-    return result.checked
+    return result
 
 
 def _choose(search: Search, found: list[Found], scored: list[Baseline]) -> tuple[Found | None, str]:
@@ -146,23 +150,25 @@ def _estimate(checked: Checked, profiles: Profiles | None, always: bool = False)
 CHECK_OPS = 8192
 
 
-def _check_winner(checked: Checked, profiles: Profiles | None, chosen: str) -> None:
+def _check_winner(checked: Checked, profiles: Profiles | None, chosen: str) -> Program | None:
     from hetc.passes.lower import lower
     from hetc.passes.verify import VerifyError, verify
 
     p = checked.pipeline
     if p is None or p.num_microbatches * len(p.ministages) > CHECK_OPS:
-        return
+        return None
     assert checked.topology is not None   # a pipeline runs on a cluster
     costs = CostModel(checked.spec, p, checked.topology, profiles)
+    program = lower(checked.spec, p, costs=costs)
     try:   # what `hetc compile` runs, without the timeline and the per-rank report it writes beside
-        verify(lower(checked.spec, p, costs=costs), p, checked.spec, costs)
+        verify(program, p, checked.spec, costs)
     except VerifyError as err:
         what = "does not fit in device memory" if err.check == "memory" else f"fails the {err.check} check"
         raise InternalError(f"the plan hetc plan chose ({chosen}) {what} once compiled, though its cost model "
                             f"said it fits; this is a bug in hetc's cost model or lowering:\n" +
                             "\n".join(f"  {f}" for f in err.findings[:4])
                             ) from None
+    return program
 
 
 def _cross_check(score: Score, estimate: Estimate | None) -> None:
