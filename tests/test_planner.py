@@ -179,6 +179,8 @@ def test_a_layer_that_fits_nowhere_is_named_with_the_gpu(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"{spec}:2:1: error: layer" in err
     assert "layer head does not fit on any GPU" in err and "a[0, 0] (A100-40" in err
+    assert ("; no plan fits with activation_checkpoint = selective in the model block or with "
+            "activation_checkpoint = full in the model block either: add GPUs, or GPUs with more memory") in err
 
 
 def test_a_model_that_fits_layer_by_layer_but_not_whole_names_the_fullest_gpu(tmp_path, capsys):
@@ -192,6 +194,24 @@ def test_a_model_that_fits_layer_by_layer_but_not_whole_names_the_fullest_gpu(tm
     err = capsys.readouterr().err
     assert f"{spec}:30:1: error: no plan fits in memory: the closest" in err
     assert "A100-40, 40.00 GiB) for layers" in err
+    # what the spec fixes is what keeps it from fitting, and the error says so (passes/plan/would_fit.py) ...
+    assert "; with `zero = auto` and no `offload` block in `parallel`, a plan fits (" in err
+    # ... truly: the spec so changed plans
+    freed = _write(tmp_path, text.replace("  zero = 0\n  offload {\n    params = none\n  }\n", ""), "freed.het")
+    assert main(["plan", str(freed)]) == 0
+
+
+def test_activations_that_fit_nowhere_name_the_checkpointing_that_would_fit(tmp_path, capsys):
+    text = (SMALL % "").replace("seq = 1024", "seq = 262144").replace("hidden = 1024", "hidden = 2048").replace(
+        "ffn = 2816", "ffn = 5632")
+    spec = _write(tmp_path, text)
+    assert main(["plan", str(spec)]) == 2
+    err = capsys.readouterr().err
+    assert f"{spec}:30:1: error: no plan fits in memory" in err
+    assert "; with activation_checkpoint = full in the model block, a plan fits (" in err   # selective: not
+    full = _write(tmp_path, text.replace("  dtype = bf16\n", "  dtype = bf16\n  activation_checkpoint = full\n"),
+                  "full.het")
+    assert main(["plan", str(full)]) == 0
 
 
 def test_part_of_a_node_group_cannot_be_left_idle(tmp_path, capsys):

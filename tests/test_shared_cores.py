@@ -8,11 +8,12 @@ import pytest
 
 from hetc.cli import main
 from hetc.compiler import load_checked
+from hetc.frontend.load import load_spec
+from hetc.passes.plan.planner import plan_spec
 from hetc.passes.cost import CostModel
-from hetc.passes.cost.cores import core_slowdown, host_slowdowns
+from hetc.passes.cost.cores import Computing, busy_share, core_slowdown, rank_slowdowns
 from hetc.passes.cost.sources.hetc_profile import FORMAT, VERSION, profile_from_dict
-from hetc.spec import DeviceSpec
-from hetc.topology import Gpu
+from hetc.spec import ScheduleKind
 from tests.conftest import DEMO
 
 
@@ -34,14 +35,35 @@ def test_a_cpu_profile_measures_the_slowdown_by_each_processs_share_of_the_wall_
 
 
 def test_each_node_counts_the_plan_ranks_on_it():
-    cpu = DeviceSpec(name="cpu", memory=2**30)
-    gpus = [Gpu(i, "host", i // 2, i % 2, cpu, "default", "") for i in range(3)] + \
-        [Gpu(3, "big", 0, 0, cpu, "default", "")]
-    slow = host_slowdowns(gpus, {"host": 1, "big": 0})
-    assert slow == {("host", 0): 2.0, ("host", 1): 1.0, ("big", 0): 1.0}
+    ranks = [Computing(("host", i // 2), "cpu", 0, 1.0) for i in range(3)] + [Computing(("big", 0), "cpu", 0, 1.0)]
+    assert rank_slowdowns(ranks, {"host": 1, "big": 0}) == [2.0, 2.0, 1.0, 1.0]
     # the cluster's cores, shared by all four ranks (one machine), slow every node; the node's rule if larger
-    assert host_slowdowns(gpus, {"host": 1}, cluster_cores=2) == {("host", 0): 2.0, ("host", 1): 2.0,
-                                                                  ("big", 0): 2.0}
+    assert rank_slowdowns(ranks, {"host": 1}, cluster_cores=2) == [2.0] * 4
+
+
+def test_a_pipeline_stage_computes_for_its_share_of_the_step():
+    """Note [ranks computing at once]: the fill and drain, P − 1 slots of the M + P − 1, are not computed."""
+    assert busy_share(ScheduleKind.GPIPE, 1, 4, 4) == 1.0                     # data parallel: always
+    assert busy_share(ScheduleKind.GPIPE, 4, 4, 4) == pytest.approx(4 / 7)
+    assert busy_share(ScheduleKind.ONE_F_ONE_B, 3, 1, 4) == pytest.approx(1 / 6)   # a lane of few microbatches
+    assert busy_share(ScheduleKind.INTERLEAVED, 2, 2, 2, chunks=2) == pytest.approx(4 / 5)
+    assert busy_share(ScheduleKind.ZB, 4, 4, 4) > busy_share(ScheduleKind.ONE_F_ONE_B, 4, 4, 4)
+
+
+def test_a_rank_is_slowed_by_the_ranks_computing_beside_it_not_by_all():
+    """Four one-rank stages on two cores compute beside 1 + 3 · 4/7 ranks; four data-parallel ranks beside 4."""
+    def ranks(stages: int) -> list[Computing]:
+        busy = busy_share(ScheduleKind.GPIPE, stages, 4, 4)
+        return [Computing(("host", 0), "cpu", i if stages > 1 else 0, busy) for i in range(4)]
+
+    assert rank_slowdowns(ranks(1), {}, cluster_cores=2) == [2.0] * 4
+    assert rank_slowdowns(ranks(4), {}, cluster_cores=2) == pytest.approx([(1 + 3 * 4 / 7) / 2] * 4)
+    # a measured slowdown of 4 ranks at once gives the pool its effective cores, 4 / 2.5
+    assert rank_slowdowns(ranks(1), {}, 2, {"cpu": (4, 2.5)}) == pytest.approx([2.5] * 4)
+    assert rank_slowdowns(ranks(4), {}, 2, {"cpu": (4, 2.5)}) == pytest.approx([(1 + 3 * 4 / 7) / 1.6] * 4)
+    # a stage's lane-mates compute together; one with fewer microbatches for its share of them
+    mates = [Computing(("host", 0), "cpu", 0, 0.5), Computing(("host", 0), "cpu", 0, 0.25)]
+    assert rank_slowdowns(mates, {}, cluster_cores=1) == pytest.approx([1.5, 2.0])
 
 
 def demo_with_cores(tmp_path, cores: int, plan: str = "dp", where: str = "    gpus = 2\n") -> str:
@@ -109,3 +131,34 @@ def test_a_measured_slowdown_replaces_the_rule_for_as_many_ranks(tmp_path):
     assert forward("dp", measured) == pytest.approx(1.6 * forward("single", alone))   # 4 ranks: as measured
     assert forward("single", measured) == pytest.approx(forward("single", alone))  # 1 rank on 2 cores
     assert forward("dp", alone) == pytest.approx(2 * forward("single", alone))     # no measurement: the rule
+
+
+def test_a_pipelines_compute_ops_are_charged_fewer_ranks_at_once_than_data_parallels(tmp_path):
+    """Note [ranks computing at once]: GPipe's one-rank stages compute beside 1 + 3 · 4/7 ranks of the four on
+    the cluster's two cores, data parallelism's beside all four; the simulator charges each op that too."""
+    cluster = "  inter_latency = 500 us\n"
+    _, dp = load_checked(demo_with_cores(tmp_path, 2, "dp", cluster))
+    _, gpipe = load_checked(demo_with_cores(tmp_path, 2, "gpipe", cluster))
+    dp_costs = CostModel(dp.spec, dp.pipeline, dp.topology)
+    costs = CostModel(gpipe.spec, gpipe.pipeline, gpipe.topology)
+    assert dp_costs.slowdown(0) == pytest.approx(2.0)
+    assert [costs.slowdown(r) for r in range(4)] == pytest.approx([(1 + 3 * 4 / 7) / 2] * 4)
+    out = tmp_path / "gpipe"
+    assert main(["compile", str(tmp_path / "gpipe.het"), "-o", str(out)]) == 0
+    events = json.loads((out / "timeline.json").read_text())["events"]
+    forward = next(e for e in events if e[0] == 0 and e[2] == "fwd ms=0 mb=0")
+    assert forward[6] - forward[5] == pytest.approx(costs.compute_time(0, 0, "F"))
+
+
+def test_the_planners_score_reads_the_ranks_at_once_as_the_estimate_does(tmp_path):
+    """Heterogeneous lanes (3 and 1 microbatches) on shared cores: the planner's class-by-class score and the
+    cost model's estimate of the plan it chose part by nothing (candidate_stage.py `_slowdowns`)."""
+    demo_with_cores(tmp_path, 2, "dp", "  inter_latency = 500 us\n")
+    (tmp_path / "auto.het").write_text('use "job.het"\n\nparallel {\n  schedule = 1f1b\n'
+                                       "  stage first {\n    ranks = host[0, 0]\n    layers = auto\n  }\n"
+                                       "  stage middle {\n    ranks = [host[0, 1], host[1, 0]]\n    layers = auto\n"
+                                       "    lanes = 2\n    microbatches = [3, 1]\n  }\n"
+                                       "  stage last {\n    ranks = host[1, 1]\n    layers = auto\n  }\n}\n")
+    result = plan_spec(load_spec(tmp_path / "auto.het").spec)
+    assert result.score is not None and result.estimate is not None
+    assert result.estimate.step_time_s == pytest.approx(result.score.step_time_s, rel=1e-6)

@@ -16,12 +16,13 @@ from dataclasses import replace
 from functools import cached_property
 
 from hetc.passes.cost.candidate_view import PlanView, StageContext, StageView
+from hetc.passes.cost.cores import Computing, busy_share
 from hetc.passes.cost.memory import (RankMemory, ShardFactors, StateMemory, StatesHeld, activation_memory,
                                     interleaved_group, rank_memory, shard_factors, state_memory, zorse_backward_peak)
 from hetc.passes.cost.plan_time import lane_borders, ministage_borders, stage_borders
-from hetc.passes.cost.schedule import Unit, UnitLane
+from hetc.passes.cost.schedule import Unit, UnitLane, UnitOp, unit_ops
 from hetc.passes.cost.zero_time import (ZeroRings, across_nodes, fetch_time, first_gather_time, flush_time,
-                                       optimizer_step_time, sync_time, zero_collectives)
+                                       optimizer_step_time, piece_collectives, sync_time, zero_collectives)
 from hetc.passes.cost.zero_units import gathers_per_block, ministage_units
 from hetc.passes.cost.shapes import LayerKind
 from hetc.passes.cost.transfers import Borders
@@ -88,14 +89,24 @@ class StageCosts:
     def unit_numels(self) -> list[float]:
         """The parameters of each unit the stage gathers per block (Note [zero-3 units]), in layer order;
         empty: none split. The planner plans no expert parallelism (ep = 1)."""
+        return [self.numel(u) for u in self._unit_layers]
+
+    @cached_property
+    def _unit_layers(self) -> list[tuple[int, int, int]]:
+        """The (embed, blocks, head) counts of each unit the stage gathers per block, in layer order."""
         per_block = gathers_per_block(self.plan.schedule, self.s.zero, self.s.knobs.offload.to_spec(), 1)
         head = self.p.model.layers + 1
-        out = []
-        for ms in self.s.ministages:
-            first, stop, _ = self.plan.ministages[ms]
-            for u in ministage_units(self.p.model, range(first, stop), per_block):
-                out.append(self.numel((int(u.first == 0), int(0 < u.first < head), int(u.first == head))))
-        return out
+        return [(int(u.first == 0), int(0 < u.first < head), int(u.first == head)) for ms in self.s.ministages
+                for u in ministage_units(self.p.model, range(*self.plan.ministages[ms][:2]), per_block)]
+
+    def unit_ops(self, lane: int) -> tuple[UnitOp, ...]:
+        """`schedule.unit_ops` of the lane (as `plan_time.lane_unit_ops`); empty where it gathers none per block."""
+        if not self._unit_layers:
+            return ()
+        computes = [(f, i + w) for f, i, w in (self.compute(lane, u) for u in self._unit_layers)]
+        computes[0] = (computes[0][0] + self.overhead(lane), computes[0][1])
+        return unit_ops(computes, piece_collectives(self.s.zero, self.rings(lane),
+                                                    [n * self.p.delta for n in self.unit_numels]))
 
     @cached_property
     def ms_numel(self) -> list[float]:
@@ -108,15 +119,26 @@ class StageCosts:
                                    units or self.layer_counts, self.slowdown(lane))
 
     @cached_property
-    def _slowdowns(self) -> dict[tuple[str, int], float]:
-        return self.p.host_slowdowns(self.plan.gpus or self.s.res.gpus)
+    def _slowdowns(self) -> dict[int, float]:
+        """Per GPU id of the plan (around one stage: the stage's own), `cores.rank_slowdowns` of its ranks read
+        as `model.computing_ranks` reads a pipeline; empty when nobody is slowed."""
+        if not self.p.cores_shared:
+            return {}
+        stages = self.plan.stages if isinstance(self.plan, PlanView) else (self.s,)
+        most = max(max(s.counts) for s in stages)
+        chunks = max(len(s.ministages) for s in stages)
+        ranks = {g.id: Computing(g.host, g.device.name, s.index,
+                                 busy_share(self.plan.schedule, self.plan.num_stages, count, most, chunks))
+                 for s in stages for lane, count in zip(s.lanes, s.counts) for g in lane}
+        slow = dict(zip(ranks, self.p.rank_slowdowns(tuple(ranks.values()))))
+        return slow if any(v != 1.0 for v in slow.values()) else {}
 
     def slowdown(self, lane: int) -> float:
         """Mirrors CostModel.slowdown: the lane's slowest rank for sharing its node's cores."""
         slow = self._slowdowns
         if not slow:   # no node of the plan shares its cores
             return 1.0
-        return max(slow.get(g.host, 1.0) for g in self.s.lanes[lane])
+        return max(slow.get(g.id, 1.0) for g in self.s.lanes[lane])
 
     def overhead(self, lane: int) -> float:
         """The engine's seconds per microbatch outside the layers (`CostModel.microbatch_overhead`)."""
@@ -145,7 +167,7 @@ class StageCosts:
 
     def flush(self) -> float:
         """`zero_time.flush_time`: lane 0's first rank stands for the positions (the tp ranks of a lane
-        sit on one node), the first lane holding each device kind for its kind."""
+        sit on one node), the first lane holding each device kind and core share for them."""
         return flush_time((self.sync(0),), (self.optimizer(lane) for lane in _kind_reps(self)))
 
     def unit(self, ms: int) -> Unit:
@@ -337,11 +359,11 @@ def _lane_classes(sc: StageCosts) -> dict[tuple[object, ...], list[int]]:
 
 
 def _kind_reps(sc: StageCosts) -> list[int]:
-    """The first lane holding each device kind of the stage (its lowest rank of the kind)."""
-    seen: dict[str, int] = {}
+    """The first lane holding each device kind and core share of the stage (`plan_time.kind_reps`)."""
+    seen: dict[tuple[str, float], int] = {}
     for lane, gpus in enumerate(sc.s.lanes):
         for g in gpus:
-            seen.setdefault(g.device.name, lane)
+            seen.setdefault((g.device.name, sc.slowdown(lane)), lane)
     return list(seen.values())
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from hetc.passes.cost.memory import RankMemory, interleaved_update
-from hetc.passes.cost.schedule import (LaneTiming, Unit, in_flight_limits, lockstep_fill, pipeline_time,
+from hetc.passes.cost.schedule import (LaneTiming, Unit, UnitOp, in_flight_limits, lockstep_fill, pipeline_time,
                                       sequential_time, step_lower_bound, zero_cycle)
 from hetc.passes.cost.transfers import Borders, Engine, transfer_waits
 from hetc.passes.cost.zero_time import gathers_per_microbatch
@@ -72,6 +72,11 @@ class StageSource(Protocol):
 
     def shares(self) -> tuple[float, float]:
         """The fractions of the stage's parameters in its first and in its largest ministage."""
+        ...
+
+    def unit_ops(self, lane: int) -> Sequence[UnitOp]:
+        """One microbatch's ops of the units the stage gathers per block, in run order (`schedule.unit_ops`);
+        empty where it gathers none (Note [zero-3 units])."""
         ...
 
     def flush(self) -> float:
@@ -132,21 +137,21 @@ def lane_timings(engine: Engine, schedule: ScheduleKind, stages: Sequence[StageS
             f, i, w = st.compute(lane)
             f += st.overhead(lane)
             out.append(lane_timing(engine, schedule, st.index, lane, st.count(lane), (f, i, w), st.p2p(lane),
-                                   st.collectives(lane), st.shares()))
+                                   st.collectives(lane), st.shares(), st.unit_ops(lane)))
     return out
 
 
 def lane_timing(engine: Engine, schedule: ScheduleKind, stage: int, lane: int, microbatches: int,
                 compute: tuple[float, float, float], borders: Borders, collectives: tuple[float, float, float],
-                shares: tuple[float, float]) -> LaneTiming:
+                shares: tuple[float, float], units: Sequence[UnitOp] = ()) -> LaneTiming:
     """A lane's per-microbatch timing: its (F, I, W), border transfers and what of them it waits for
     (Note [async sends]), and the cycle and trail its ZeRO collectives (reduce-scatter, gather, host
-    copies) allow (`zero_cycle`, Note [zero cycle])."""
+    copies) allow (`zero_cycle`, Note [zero cycle]; `units`: its unit ops where it gathers per block)."""
     f, i, w = compute
     reduce, gather, copies = collectives
     ops = (f, i, w) if schedule is ScheduleKind.ZB else (f, i + w)
     waits = transfer_waits(engine, schedule, borders, compute)
-    zc = zero_cycle(schedule, ops, waits, reduce, gather, copies, shares)
+    zc = zero_cycle(schedule, ops, waits, reduce, gather, copies, shares, units)
     return LaneTiming(stage, lane, microbatches, f, i, w, borders.total,
                       reduce + gathers_per_microbatch(schedule) * gather + copies, zc.bound, zc.trail, waits,
                       borders.later)
@@ -205,7 +210,7 @@ def compose_step(shape: StepShape, lanes: list[LaneTiming], end: float, flush: C
                                 not interleaved_update(shape.schedule, shape.grad_clip))
         busy = max(t.work for t in lanes)
         return PlanTime(total + end, total, max(0.0, total - busy), end, tuple(lanes), None)
-    pipe = pipeline_time(shape.schedule, lanes, shape.chunks)
+    pipe = pipeline_time(shape.schedule, lanes, shape.chunks, shape.limits)
     extra = max(0.0, step_lower_bound(shape.schedule, lanes, shape.chunks, shape.limits) - pipe.total) + \
         lockstep_fill(shape.schedule, lanes, shape.num_stages, shape.coupled, shape.widths)
     # the first stage's first compute op waits for its ZeRO-3 gather: nothing runs beside it yet

@@ -6,19 +6,40 @@ compute (forward, backward, the optimizer step on the host) is CPU work
 when the ranks are CPU processes, and the host side of every launch when
 they are GPUs; when more ranks compute at once than there are cores, the
 operating system shares the cores out evenly, so each rank runs at
-cores / running of its own speed. The ranks running at once on a node are
-the plan's ranks placed on it: under a pipeline every stage works beside
-the others in the steady state, so all of them count (the bubble, where
-fewer run, is the small part of a step). A cluster may say the same of all
-its ranks (`cluster { cores = N }`): a local run puts every "node" of the
-spec on one machine, whose cores all the plan's ranks share; a rank then
-slows by the larger of the two rules.
+cores / running of its own speed. Which ranks run at once is Note [ranks
+computing at once]. A cluster may say the same of all its ranks
+(`cluster { cores = N }`): a local run puts every "node" of the spec on one
+machine, whose cores all the plan's ranks share; a rank then slows by the
+larger of the two rules.
 
 `hetc profile` times the layers alone and, with as many processes at once
 as the spec's cluster runs on the machine, measures how many times slower
-each ran (`Profiles.shared`). Where the plan runs that many ranks at once on
-shared cores of that device kind, the measured slowdown replaces the rule:
-measured, not assumed; elsewhere the rule transfers it.
+each ran (`Profiles.shared`): n processes s times slower ran as if on n / s
+cores of their own, the machine's effective cores (its other load and its
+shared caches and memory included). Where the plan shares cores of that
+device kind among that many ranks, k ranks computing at once run
+k / (n / s) times slower (s itself when all n compute): measured, not
+assumed; elsewhere the node's declared cores stand in for the effective ones.
+
+Note [ranks computing at once]: a rank's compute is slowed by the ranks of
+its pool that compute while it does, not by all the pool's ranks. In data
+parallelism all of them compute together. In a pipeline a stage waits for
+its neighbours in the fill and the drain, so only part of the step it
+computes: with P stages and a lane of m of the plan's most M microbatches
+per lane (v chunks each under interleaved 1F1B), m·v of the pipeline's
+M·v + P − 1 slots (a third of the P − 1 under ZB, whose weight-gradients
+fill most of the bubble): its busy share (`busy_share`). While a rank
+computes, the ranks of its own stage compute too (they run the same
+microbatch cycle; one with fewer microbatches than it for its share of
+them), and each rank of another stage for its busy share (the stages'
+phases taken as independent), so it computes beside
+1 + Σ those shares ranks (`rank_slowdowns`). The share is the schedule's,
+not the timeline's, so that the estimate, the planner's score and the
+simulator, which all read `CostModel.slowdown` (the planner its mirror in
+candidate_stage.py), charge every compute op alike: one number per rank,
+derived from the plan's shape before anything is timed. GPipe over four
+one-rank stages with four microbatches: each rank computes beside
+1 + 3 · 4/7 ≈ 2.7 ranks, not 4.
 
 Note [core wait]: sharing cores also costs every blocking call between
 ranks (a collective, a message) a wait of its own. A rank blocked in a
@@ -62,14 +83,16 @@ profile without it charges the pairs' wait to all.
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+from hetc.spec import ScheduleKind
 from hetc.topology import Gpu
 
-__all__ = ["BlockingCall", "CoreWait", "core_slowdown", "host_slowdowns", "host_waits", "oversubscribed"]
+__all__ = ["BlockingCall", "Computing", "CoreWait", "busy_share", "core_slowdown", "host_waits", "oversubscribed",
+           "rank_slowdowns"]
 
 _Host = tuple[str, int]
 
@@ -111,27 +134,74 @@ class CoreWait:
         return self.collective_s if call is BlockingCall.COLLECTIVE else self.p2p_s
 
 
-def core_slowdown(running: int, cores: int) -> float:
+def core_slowdown(running: float, cores: float) -> float:
     """How many times slower each of `running` ranks computes on `cores` shared cores (0 cores: not shared)."""
     return running / cores if oversubscribed(running, cores) else 1.0
 
 
-def oversubscribed(running: int, cores: int) -> bool:
+def oversubscribed(running: float, cores: float) -> bool:
     """Whether `running` ranks outnumber the `cores` they share (0 cores: each rank has its own)."""
     return 0 < cores < running
 
 
-def host_slowdowns(gpus: Iterable[Gpu], cores_by_group: Mapping[str, int], cluster_cores: int = 0,
-                   measured: Mapping[str, tuple[int, float]] | None = None) -> dict[_Host, float]:
-    """Per node (host) of the plan's `gpus` (one per rank): its ranks' slowdown (Note [shared cores]).
+@dataclass(frozen=True, slots=True)
+class Computing:
+    """One rank as Note [ranks computing at once] reads it: its node, device kind, stage, and the share of
+    the step its lane computes (`busy_share`)."""
 
-    `measured`: device kind -> (ranks at once, their measured slowdown), used where the plan shares cores
-    among exactly that many ranks.
+    host: _Host
+    kind: str
+    stage: int
+    busy: float
+
+
+def busy_share(schedule: ScheduleKind, num_stages: int, microbatches: int, most: int, chunks: int = 1) -> float:
+    """The share of the step a lane of `microbatches` computes in a pipeline of `num_stages` stages whose
+    lanes take at most `most` microbatches (`chunks` per stage under interleaved 1F1B): Note [ranks
+    computing at once]."""
+    v = chunks if schedule is ScheduleKind.INTERLEAVED else 1
+    bubble = (num_stages - 1) / (3 if schedule is ScheduleKind.ZB else 1)
+    slots = most * v + bubble
+    return min(1.0, microbatches * v / slots) if slots > 0 else 1.0
+
+
+def rank_slowdowns(ranks: Sequence[Computing], cores_by_group: Mapping[str, int], cluster_cores: int = 0,
+                   measured: Mapping[str, tuple[int, float]] | None = None) -> list[float]:
+    """Per rank of `ranks` (a plan's, in order): how many times slower it computes for the ranks of its
+    pools that compute beside it (Notes [shared cores], [ranks computing at once]), the larger of its
+    node's and the cluster's.
+
+    `measured`: device kind -> (ranks at once, their measured slowdown), the effective cores of a pool
+    that shares cores among exactly that many ranks.
     """
-    gpus = list(gpus)
-    kinds = {g.host: g.device.name for g in gpus}
-    return {host: max(_pool_slowdown(at_once, cores, (measured or {}).get(kinds[host])) for at_once, cores in pools)
-            for host, pools in _pools(gpus, cores_by_group, cluster_cores).items()}
+    pools: dict[tuple[str, int] | None, list[int]] = defaultdict(list)
+    for i, r in enumerate(ranks):
+        if cores_by_group.get(r.host[0], 0) > 0:
+            pools[r.host].append(i)
+        if cluster_cores > 0:
+            pools[None].append(i)
+    out = [1.0] * len(ranks)
+    for key, members in pools.items():
+        cores = cluster_cores if key is None else cores_by_group[key[0]]
+        for i, seen in _beside(ranks, members).items():
+            slow = _pool_slowdown(seen, len(members), cores, (measured or {}).get(ranks[i].kind))
+            out[i] = max(out[i], slow)
+    return out
+
+
+def _beside(ranks: Sequence[Computing], members: list[int]) -> dict[int, float]:
+    """Per member of one pool: the ranks of the pool computing while it computes, itself included (Note
+    [ranks computing at once]); members alike in stage and share are counted once."""
+    shares: dict[int, Counter[float]] = defaultdict(Counter)
+    for i in members:
+        shares[ranks[i].stage][ranks[i].busy] += 1
+    busy_total = sum(b * n for per_stage in shares.values() for b, n in per_stage.items())
+    seen: dict[tuple[int, float], float] = {}
+    for stage, per_stage in shares.items():
+        others = busy_total - sum(b * n for b, n in per_stage.items())
+        for mine in per_stage:
+            seen[(stage, mine)] = others + sum(n * (1.0 if b >= mine else b / mine) for b, n in per_stage.items())
+    return {i: seen[(ranks[i].stage, ranks[i].busy)] for i in members}
 
 
 def host_waits(gpus: Iterable[Gpu], cores_by_group: Mapping[str, int], cluster_cores: int,
@@ -154,10 +224,10 @@ def _pools(gpus: list[Gpu], cores_by_group: Mapping[str, int], cluster_cores: in
     return {host: [(n, cores_by_group.get(host[0], 0)), (len(gpus), cluster_cores)] for host, n in running.items()}
 
 
-def _pool_slowdown(at_once: int, cores: int, measured: tuple[int, float] | None) -> float:
-    """`at_once` ranks sharing `cores` (0: not shared): the measured slowdown of as many ranks, else the rule."""
+def _pool_slowdown(beside: float, ranks: int, cores: int, measured: tuple[int, float] | None) -> float:
+    """A rank computing beside `beside` ranks (itself included) of a pool of `ranks` sharing `cores`: its
+    slowdown on the pool's effective cores, measured for as many ranks, else its cores (Note [shared cores])."""
     if cores <= 0:
         return 1.0
-    if measured is not None and measured[0] == at_once:
-        return measured[1]
-    return core_slowdown(at_once, cores)
+    effective = measured[0] / measured[1] if measured is not None and measured[0] == ranks else cores
+    return core_slowdown(beside, effective)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from hetc.layout import held_fraction
 from hetc.passes.cost.compute import DEFAULT_MEMORY_BANDWIDTH, ComputeModel, LayerCost
-from hetc.passes.cost.cores import BlockingCall, host_slowdowns, host_waits
+from hetc.passes.cost.cores import BlockingCall, Computing, busy_share, host_waits, rank_slowdowns
 from hetc.passes.cost.experts import ep_comm_time
 from hetc.passes.cost.memory import (
     ShardFactors,
@@ -39,7 +39,8 @@ if TYPE_CHECKING:     # they import this module
     from hetc.passes.cost.classes import ClassEstimate
     from hetc.passes.cost.estimate import Estimate
 
-__all__ = ["CPU_OPTIMIZER_BYTES_PER_S", "PHASES", "CostModel", "optimizer_seconds", "ring_pair_kinds"]
+__all__ = ["CPU_OPTIMIZER_BYTES_PER_S", "PHASES", "CostModel", "computing_ranks", "optimizer_seconds",
+           "ring_pair_kinds"]
 
 PHASES = tuple(Phase)
 # Host-side Adam (DeepSpeed's CPUAdam) streams the states through the CPU's memory.
@@ -79,8 +80,9 @@ class CostModel:
         # Note [shared cores]: the plan's ranks on a node with fewer cores than ranks compute slower
         cluster = spec.cluster
         node_cores = {n.name: n.cores for n in cluster.nodes} if cluster else {}
-        self._slowdown = host_slowdowns(pipeline.world, node_cores, cluster.cores,
-                                        self.profiles.shared) if cluster else {}
+        ranks = computing_ranks(pipeline)
+        self._slowdown = dict(zip(ranks, rank_slowdowns(list(ranks.values()), node_cores, cluster.cores,
+                                                        self.profiles.shared))) if cluster else {}
         # Note [core wait]: every blocking call between ranks of such a node waits for a core once
         self._waits = host_waits(pipeline.world, node_cores, cluster.cores,
                                  self.profiles.core_wait) if cluster else {}
@@ -248,8 +250,9 @@ class CostModel:
         return got
 
     def slowdown(self, rank: int) -> float:
-        """How many times slower this rank computes for sharing its node's cores (Note [shared cores])."""
-        return self._slowdown.get(self.gpu(rank).host, 1.0)
+        """How many times slower this rank computes for sharing its node's cores with the ranks computing
+        beside it (Notes [shared cores], [ranks computing at once])."""
+        return self._slowdown.get(rank, 1.0)
 
     def _layer_cost(self, rank: int, idx: int) -> LayerCost:
         got = self._layer_costs.get((rank, idx))
@@ -469,6 +472,18 @@ class CostModel:
     def estimate(self) -> Estimate:
         from hetc.passes.cost.estimate import build_estimate
         return build_estimate(self)
+
+
+def computing_ranks(pipeline: Pipeline) -> dict[int, Computing]:
+    """The pipeline's ranks as Note [ranks computing at once] reads them (passes/cost/cores.py); the planner
+    reads a candidate alike (candidate_stage.py `StageCosts._slowdowns`). None without stages (a probe)."""
+    if not pipeline.stages:
+        return {}
+    most = max(len(lane.microbatches) for s in pipeline.stages for lane in s.lanes)
+    chunks = max(len(s.ministages) for s in pipeline.stages)
+    return {r: Computing(pipeline.world[r].host, pipeline.world[r].device.name, s.index,
+                         busy_share(pipeline.schedule, len(pipeline.stages), len(lane.microbatches), most, chunks))
+            for s in pipeline.stages for lane in s.lanes for r in lane.ranks}
 
 
 def optimizer_seconds(model: ModelSpec, device: DeviceSpec, numel: float, on_host: bool) -> float:

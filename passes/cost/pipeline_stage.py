@@ -19,7 +19,7 @@ from hetc.passes.cost.classes import ClassEstimate, PlanShape, evaluate_classes
 from hetc.passes.cost.experts import sharded_numel
 from hetc.passes.cost.memory import (RankMemory, StatesHeld, activation_memory, interleaved_group, rank_memory,
                                     state_memory, zorse_backward_peak)
-from hetc.passes.cost.schedule import Unit
+from hetc.passes.cost.schedule import Unit, UnitOp
 from hetc.passes.cost.transfers import Borders
 from hetc.pipeline import Lane, Pipeline, Stage
 from hetc.program import Collective, Phase
@@ -61,6 +61,9 @@ class PipelineStage:
 
     def shares(self) -> tuple[float, float]:
         return pt.shares(self.cm, self.stage, self.stage.lanes[0].ranks[0])
+
+    def unit_ops(self, lane: int) -> Sequence[UnitOp]:
+        return pt.lane_unit_ops(self.cm, self.stage, self.stage.lanes[lane])
 
     def flush(self) -> float:
         return pt.stage_flush(self.cm, self.stage)

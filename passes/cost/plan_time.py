@@ -12,14 +12,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import dataclasses
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
+from hetc.passes.cost.experts import expert_group, sharded_numel
 from hetc.passes.cost.memory import offloaded
-from hetc.passes.cost.schedule import Unit, UnitLane
+from hetc.passes.cost.schedule import Unit, UnitLane, UnitOp, unit_ops
 from hetc.passes.cost.transfers import Borders
 from hetc.passes.cost.zero_time import (ZeroRings, across_nodes, fetch_time, first_gather_time, flush_time,
-                                       optimizer_step_time, sync_time, zero_collectives)
+                                       optimizer_step_time, piece_collectives, sync_time, zero_collectives)
 from hetc.passes.cost.zero_units import gathers_per_block, ministage_units
 from hetc.pipeline import Lane, Stage
 from hetc.program import Phase
@@ -29,7 +31,7 @@ from hetc.spec import OffloadTarget, ZeroShard
 if TYPE_CHECKING:     # the cost model imports this module
     from hetc.passes.cost.model import CostModel
 
-__all__ = ["border_time", "collectives", "first_gather", "kind_reps", "lane_borders", "ministage_borders",
+__all__ = ["border_time", "collectives", "first_gather", "kind_reps", "lane_borders", "lane_unit_ops", "ministage_borders",
            "p2p_per_microbatch", "peer_lanes", "shares", "stage_borders", "stage_flush", "stage_sync_time",
            "stage_units", "step_end_time", "unit_lane", "unit_numels", "zero_rings", "zorse_unit"]
 
@@ -173,6 +175,22 @@ def unit_numels(cm: CostModel, stage: Stage, rank: int) -> list[float]:
     return [cm.layers_numel(u.layers, rank) for ms in stage.ministages for u in stage_units(cm, stage, ms)]
 
 
+def lane_unit_ops(cm: CostModel, stage: Stage, lane: Lane) -> tuple[UnitOp, ...]:
+    """`schedule.unit_ops` of the lane (its slowest device kind's compute, its first rank's collectives); empty
+    where the stage gathers none per block."""
+    rank = lane.ranks[0]
+    units = [(ms, u) for ms in stage.ministages for u in stage_units(cm, stage, ms)]
+    if not units:
+        return ()
+    reps = kind_reps(cm, lane.ranks)
+    computes = [tuple(max(cm.compute_time(r, ms, ph, u) for r in reps) for ph in (Phase.FORWARD, Phase.BACKWARD))
+                for ms, u in units]
+    computes[0] = (computes[0][0] + max(cm.microbatch_overhead(r) for r in reps), computes[0][1])
+    pieces = piece_collectives(stage.zero, zero_rings(cm, rank), [cm.layers_numel(u.layers, rank) * cm.delta
+                                                                   for _, u in units])
+    return unit_ops([(f, b) for f, b in computes], pieces)
+
+
 def collectives(cm: CostModel, stage: Stage, lane: Lane) -> tuple[float, float, float]:
     """`zero_time.zero_collectives` for the lane's first rank."""
     rank = lane.ranks[0]
@@ -191,14 +209,23 @@ def first_gather(cm: CostModel, stage: Stage) -> float:
 
 
 def stage_sync_time(cm: CostModel, stage: Stage, rank: int, per_ministage: bool = False) -> float:
-    """`zero_time.sync_time` for `rank` of `stage`."""
-    return sync_time(stage.zero, _stage_numel(cm, stage, rank) * cm.delta, zero_rings(cm, rank), per_ministage,
-                     [n * cm.delta for n in unit_numels(cm, stage, rank)])
+    """`zero_time.sync_time` for `rank` of `stage`. Under expert parallelism lowering keeps the experts in a
+    buffer of their own, synced over their expert group beside the dense parameters' sync over the ZeRO
+    group (both posted, then both waited: passes/lower/zero.py `_parts`): the longer of the two."""
+    experts = sum(cm.numel(ms, rank) * cm.expert_fraction(ms, rank) for ms in stage.ministages)
+    dense = sync_time(stage.zero, (_stage_numel(cm, stage, rank) - experts) * cm.delta, zero_rings(cm, rank),
+                      per_ministage, [n * cm.delta for n in unit_numels(cm, stage, rank)])
+    if not experts:
+        return dense
+    k = cm.node_streams(rank)
+    rings = ZeroRings(lambda kind, ranks, nbytes: cm.collective_time(kind, ranks, nbytes, k), expert_group(cm, rank))
+    flat = dataclasses.replace(stage.zero, shard=ZeroShard.ALL)   # the experts' shard has no outer group
+    return max(dense, sync_time(flat, experts * cm.delta, rings, per_ministage))
 
 
 def _opt_time(cm: CostModel, stage: Stage, rank: int) -> float:
     return optimizer_step_time(lambda numel: cm.optimizer_time(rank, numel), _copier(cm, rank),
-                               _stage_numel(cm, stage, rank) * cm.shard(rank).optimizer,
+                               sum(sharded_numel(cm, ms, rank, "optimizer") for ms in stage.ministages),
                                offloaded(stage.offload)[1], cm.states)
 
 

@@ -16,7 +16,7 @@ from functools import lru_cache
 
 from hetc.passes.cost import CostModel, Profiles
 from hetc.passes.cost.compute import LayerCost
-from hetc.passes.cost.cores import host_slowdowns
+from hetc.passes.cost.cores import Computing, rank_slowdowns
 from hetc.passes.cost.memory import context_reserve, state_bytes_per_param
 from hetc.passes.cost.model import optimizer_seconds
 from hetc.passes.cost.shapes import LayerKind, activation_elements, params_per_rank
@@ -54,9 +54,9 @@ class Primitives:
         self.lane_compute = lru_cache(maxsize=None)(self._lane_compute)
         self.params = lru_cache(maxsize=None)(self._params)
         self.activations = lru_cache(maxsize=None)(self._activations)
-        self._slowdowns: dict[int, tuple[tuple[Gpu, ...], dict[tuple[str, int], float]]] = {}
+        self._slowdowns: dict[tuple[Computing, ...], tuple[float, ...]] = {}
         cluster = topo.cluster
-        self._cores_shared = cluster.cores > 0 or any(n.cores > 0 for n in cluster.nodes)
+        self.cores_shared = cluster.cores > 0 or any(n.cores > 0 for n in cluster.nodes)
 
     # ------------------------------------------------------------ per layer
 
@@ -104,19 +104,17 @@ class Primitives:
     def optimizer(self, gpu: Gpu, numel: float, on_host: bool) -> float:
         return optimizer_seconds(self.model, gpu.device, numel, on_host)
 
-    def host_slowdowns(self, gpus: tuple[Gpu, ...]) -> dict[tuple[str, int], float]:
-        """`cores.host_slowdowns` of a plan's GPUs (empty when none is slowed), memoised per tuple (a stage's GPUs are resolved once
-        and read by every option of it; the tuple is held so that its id stays its own)."""
-        if not self._cores_shared:   # no node and not the cluster share cores: nobody is slowed
-            return {}
-        got = self._slowdowns.get(id(gpus))
-        if got is None or got[0] is not gpus:
+    def rank_slowdowns(self, ranks: tuple[Computing, ...]) -> tuple[float, ...]:
+        """`cores.rank_slowdowns` of a plan's ranks (all 1 when no node and not the cluster shares cores),
+        memoised on them (every stage of a candidate asks for its plan's)."""
+        if not self.cores_shared:   # no node and not the cluster share cores: nobody is slowed
+            return (1.0,) * len(ranks)
+        got = self._slowdowns.get(ranks)
+        if got is None:
             cluster = self.topo.cluster
-            slow = host_slowdowns(gpus, {n.name: n.cores for n in cluster.nodes}, cluster.cores,
-                                  self.probe.profiles.shared)
-            # no host slowed: an empty table, so that a lane's slowdown is 1 without a look at its GPUs
-            got = self._slowdowns[id(gpus)] = (gpus, slow if any(v != 1.0 for v in slow.values()) else {})
-        return got[1]
+            got = self._slowdowns[ranks] = tuple(rank_slowdowns(ranks, {n.name: n.cores for n in cluster.nodes},
+                                                                cluster.cores, self.probe.profiles.shared))
+        return got
 
     def context(self, gpu: Gpu) -> float:
         return context_reserve(gpu.device.memory, gpu.device.is_cpu)

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 from hetc.spec import ScheduleKind
 
-__all__ = ["LaneTiming", "PipelineTime", "Unit", "UnitLane", "ZeroCycle", "in_flight_limits", "lockstep_fill",
-           "pipeline_time", "round_trip_span", "sequential_time", "step_lower_bound", "zero_cycle"]
+__all__ = ["LaneTiming", "PipelineTime", "Unit", "UnitLane", "UnitOp", "ZeroCycle", "in_flight_limits", "lockstep_fill",
+           "pipeline_time", "round_trip_span", "sequential_time", "step_lower_bound", "unit_ops", "zero_cycle"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,17 +83,44 @@ class PipelineTime:
     bottleneck: tuple[int, int]   # (stage, lane)
 
 
-def pipeline_time(schedule: ScheduleKind, lanes: list[LaneTiming], chunks: int = 1) -> PipelineTime:
+def pipeline_time(schedule: ScheduleKind, lanes: list[LaneTiming], chunks: int = 1,
+                  limits: Mapping[int, int] | None = None) -> PipelineTime:
     """Forward and backward of every microbatch, for 1F1B-like schedules and GPipe."""
     worst = max(lanes, key=lambda t: t.work)
+    if schedule is ScheduleKind.ONE_F_ONE_B and limits is not None:
+        return _one_f_one_b_time(lanes, limits)
     others: dict[int, float] = {}
     for t in lanes:
         if t.stage != worst.stage:
             others[t.stage] = max(others.get(t.stage, 0.0), _fill(schedule, t))
-    bubble = sum(others.values())
+    # Note [fill transfers]: each stage's `one` holds the transfers it receives, so the others' fills miss the
+    # bottleneck's own: its first activation in and its last gradient back lie on the fill and drain even where
+    # its steady cycle hides them (the part of them its cycle does not already wait for)
+    bubble = sum(others.values()) + worst.p2p - worst.p2p_wait
     if schedule is ScheduleKind.INTERLEAVED:
         bubble /= max(chunks, 1)
     return PipelineTime(worst.work + bubble, worst.work, bubble, (worst.stage, worst.lane))
+
+
+def _one_f_one_b_time(lanes: list[LaneTiming], limits: Mapping[int, int]) -> PipelineTime:
+    """1F1B, paced by the lane whose chain is longest. Note [paced pipeline]: a lane's chain is the fill and
+    drain of the stages before it (each its slowest lane's `one`, and its own activation coming in: Note
+    [fill transfers]) around its own span, where the stages after it are a round trip that the microbatches it
+    keeps in flight hide but for what `round_trip_span` leaves (`_busiest_span`). With equal lanes the busiest
+    lane paces; a lane of a later stage serving the microbatches of several earlier lanes can pace instead,
+    busy all along while the busiest one waits for it (demo hetero: the last stage's one lane serves the two
+    middle lanes' microbatches)."""
+    one: dict[int, float] = {}
+    for t in lanes:
+        one[t.stage] = max(one.get(t.stage, 0.0), t.one)
+
+    def chain(t: LaneTiming) -> float:
+        fill = sum(v for s, v in one.items() if s < t.stage) + max(0.0, t.p2p - t.p2p_after - t.p2p_wait)
+        return fill + _busiest_span(ScheduleKind.ONE_F_ONE_B, lanes, t, limits)
+
+    pace = max(lanes, key=lambda t: (chain(t), t.work))
+    total = chain(pace)
+    return PipelineTime(total, pace.work, total - pace.work, (pace.stage, pace.lane))
 
 
 def _fill(schedule: ScheduleKind, t: LaneTiming) -> float:
@@ -103,13 +130,42 @@ def _fill(schedule: ScheduleKind, t: LaneTiming) -> float:
 
 
 @dataclass(frozen=True, slots=True)
+class UnitOp:
+    """One compute op of one ZeRO-3 unit as lowering emits it (Note [zero-3 units]): its seconds, its
+    parameters' gather (posted when the op before it starts) and the reduce-scatter posted after it (a
+    gradient op's; 0 for a forward)."""
+
+    compute: float
+    gather: float
+    reduce: float = 0.0
+
+
+def unit_ops(computes: Sequence[tuple[float, float]], collectives: Sequence[tuple[float, float]]) -> tuple[UnitOp, ...]:
+    """One microbatch's unit ops in run order (`zero_units.in_run_order`): the forwards in layer order, then
+    the backwards in reverse; `computes`: each unit's (F, B) seconds, `collectives`: its (gather, reduce)."""
+    pairs = list(zip(computes, collectives, strict=True))
+    return (*(UnitOp(f, g) for (f, _), (g, _) in pairs), *(UnitOp(b, g, r) for (_, b), (g, r) in reversed(pairs)))
+
+
+def _unit_slots(schedule: ScheduleKind, units: Sequence[UnitOp]) -> tuple[list[float], int]:
+    """Each unit op's slot on the rank's thread: from its start to the next op's, that op's gather posted when it
+    starts (Note [zero cycle]); and how many of them are forwards. In the lane's steady order a microbatch's
+    last backward is followed by another's first forward (GPipe: a forward by a forward, a backward by a
+    backward)."""
+    forwards = len(units) // 2
+    seqs = [units[:forwards], units[forwards:]] if schedule is ScheduleKind.GPIPE else [units]
+    slots = [max(u.compute, seq[(k + 1) % len(seq)].gather) for seq in seqs for k, u in enumerate(seq)]
+    return slots, forwards
+
+
+@dataclass(frozen=True, slots=True)
 class ZeroCycle:
     bound: float   # seconds per microbatch the collectives' waits allow (0: no collectives)
     trail: float   # seconds after the lane's last cycle until its last reduce-scatter is done
 
 
 def zero_cycle(schedule: ScheduleKind, ops: Sequence[float], p2p_wait: float, reduce: float, gather: float,
-               copies: float, shares: tuple[float, float] = (1.0, 1.0)) -> ZeroCycle:
+               copies: float, shares: tuple[float, float] = (1.0, 1.0), units: Sequence[UnitOp] = ()) -> ZeroCycle:
     """A lane's per-microbatch cycle with ZeRO collectives placed as lowering places them.
 
     Note [zero cycle]: `ops` are one microbatch's compute ops in order (F, B
@@ -135,6 +191,12 @@ def zero_cycle(schedule: ScheduleKind, ops: Sequence[float], p2p_wait: float, re
     parameters in its first ministage (whose gradient op comes last) and in
     its largest, which the per-ministage reductions scale by (units instead
     of ministages where ZeRO-3 gathers per block, Note [zero-3 units]).
+    Where it gathers per block, lowering posts and waits each unit's gather
+    around that unit's op (`units`, one microbatch's in run order): a unit
+    op then takes max(its compute, the next unit's gather), and a small
+    unit (the embedding, the head) cannot hide a block's gather; the last
+    microbatch's last op waits for no next gather, and its unit's
+    reduction ends the trail.
     """
     if reduce <= 0 and gather <= 0 and copies <= 0:
         return ZeroCycle(0.0, 0.0)
@@ -144,6 +206,8 @@ def zero_cycle(schedule: ScheduleKind, ops: Sequence[float], p2p_wait: float, re
         n_gathers = len(ops) if gather > 0 else 0
         return ZeroCycle(reduce + n_gathers * gather + copies, reduce)
     first, largest = shares
+    if units and gather > 0:
+        return _unit_cycle(schedule, ops, p2p_wait, reduce, largest, units)
     slots = [max(d, gather) for d in ops]
     grad = ops[-1]
     if schedule is ScheduleKind.GPIPE:
@@ -152,6 +216,19 @@ def zero_cycle(schedule: ScheduleKind, ops: Sequence[float], p2p_wait: float, re
         bound = max(sum(slots) + p2p_wait, largest * (grad + reduce))
     # the last microbatch's cycle, to the end of its first ministage's reduction
     last = sum(slots) - first * (slots[-1] - grad) + first * reduce + p2p_wait
+    return ZeroCycle(bound, max(0.0, last - max(bound, sum(ops) + p2p_wait)))
+
+
+def _unit_cycle(schedule: ScheduleKind, ops: Sequence[float], p2p_wait: float, reduce: float, largest: float,
+                units: Sequence[UnitOp]) -> ZeroCycle:
+    """`zero_cycle` of a stage gathering per block: its unit ops' slots (`_unit_slots`)."""
+    slots, forwards = _unit_slots(schedule, units)
+    grad = ops[-1]
+    if schedule is ScheduleKind.GPIPE:
+        bound = sum(slots[:forwards]) + max(sum(slots[forwards:]), grad + reduce) + p2p_wait
+    else:
+        bound = max(sum(slots) + p2p_wait, largest * (grad + reduce))
+    last = sum(slots) - (slots[-1] - units[-1].compute) + units[-1].reduce + p2p_wait
     return ZeroCycle(bound, max(0.0, last - max(bound, sum(ops) + p2p_wait)))
 
 

@@ -69,7 +69,7 @@ def option_costs(sc: StageCosts, classes: Sequence[tuple[int, ...]], m: int) -> 
             one = cycle + sum(u.p2p_out + u.p2p_back for u in per_ms)
         else:
             timing = lane_timing(sc.p.engine, schedule, sc.s.index, lane, 0, (f, i, w), borders, sc.collectives(lane),
-                                 sc.shares())
+                                 sc.shares(), sc.unit_ops(lane))
             one, cycle, trail = timing.one, timing.cycle, timing.trail
         fill = max(fill, max(0.0, f + i + p2p - w) if schedule is ScheduleKind.ZB else one)
         tail = max(tail, trail + sc.sync(lane, per_ministage=schedule is ScheduleKind.ZORSE) + sc.optimizer(lane))

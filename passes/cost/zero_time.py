@@ -27,7 +27,7 @@ from hetc.program import Collective
 from hetc.spec import ScheduleKind, ZeroShard, ZeroSpec
 
 __all__ = ["ZeroRings", "across_nodes", "fetch_time", "first_gather_time", "flush_time", "gathers_per_microbatch",
-           "optimizer_step_time", "sync_time", "zero_collectives"]
+           "optimizer_step_time", "piece_collectives", "sync_time", "zero_collectives"]
 
 # (kind, ranks, bytes) -> seconds of a ring collective, the rank's node link shared by its lane's ranks
 RingTime = Callable[[Collective, tuple[int, ...], float], float]
@@ -75,12 +75,17 @@ def zero_collectives(schedule: ScheduleKind, zero: ZeroSpec, offload_params: boo
         return 0.0, 0.0, 0.0  # Zorse gathers and reduces once per ministage (fetch_time, sync_time)
     if level < 2 and not offload_params:
         return 0.0, 0.0, 0.0
-    ring = rings.sharded(zero)
-    pieces = units if units and level >= 3 else (nbytes,)
-    reduce = sum(rings.time(Collective.REDUCE_SCATTER, ring, b) for b in pieces) if level >= 2 else 0.0
-    gather = sum(rings.time(Collective.ALL_GATHER, ring, b) for b in pieces) if level >= 3 else 0.0
+    each = piece_collectives(zero, rings, units if units and level >= 3 else (nbytes,))
     copies = 2 * copy(nbytes * param_shard) if offload_params else 0.0
-    return reduce, gather, copies
+    return sum(r for _, r in each), sum(g for g, _ in each), copies
+
+
+def piece_collectives(zero: ZeroSpec, rings: ZeroRings, pieces: Sequence[float]) -> list[tuple[float, float]]:
+    """Per buffer of `pieces` bytes (a unit, or the stage whole) that a per-microbatch ZeRO stage gathers and
+    reduces on its own: (its ZeRO-3 gather, its ZeRO-2/3 reduce-scatter) seconds over the shard's ring."""
+    level, ring = zero.resolved_level, rings.sharded(zero)
+    return [(rings.time(Collective.ALL_GATHER, ring, b) if level >= 3 else 0.0,
+             rings.time(Collective.REDUCE_SCATTER, ring, b) if level >= 2 else 0.0) for b in pieces]
 
 
 def sync_time(zero: ZeroSpec, nbytes: float, rings: ZeroRings, per_ministage: bool = False,

@@ -11,9 +11,14 @@ Three reasons, checked in this order:
    fullest GPU and the layers on it, at the parallel block;
 3. plans fit but none within the objective's budget or minimum
    throughput: the nearest miss, at the objective.
+
+The first two end with `advice` (passes/plan/would_fit.py): which change to
+what the spec fixes would let a plan fit, or that none would.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from hetc.units import human_bytes
 from hetc.errors import Diagnostic, SpecError
@@ -30,19 +35,21 @@ from hetc.topology import Topology
 __all__ = ["no_plan_error"]
 
 
-def no_plan_error(search: Structures, found: list[Found], baselines: list[Baseline]) -> SpecError:
-    """`found`: the search's plans (fitting or not); `baselines`: the baselines, scored."""
+def no_plan_error(search: Structures, found: list[Found], baselines: list[Baseline],
+                  advice: Callable[[], str]) -> SpecError:
+    """`found`: the search's plans (fitting or not); `baselines`: the baselines, scored; `advice`: what to
+    change when nothing fits in memory (asked only then)."""
     spec = search.spec
     assert spec.parallel is not None   # the planner plans a spec with a parallel block
     layer = _layer_that_cannot_fit(search)
     if layer is not None:
-        return SpecError([Diagnostic(search.model.span, layer)])
+        return SpecError([Diagnostic(search.model.span, f"{layer}; {advice()}")])
     fitting = [f for f in found if f.score.fits]
     if not fitting:
         tried = [(f.candidate, f.score) for f in found] + [(b.candidate, b.score) for b in baselines
                                                            if b.score is not None and b.candidate is not None]
         closest = min(tried, key=lambda cs: _overflow(cs[1]), default=None)
-        return SpecError([Diagnostic(spec.parallel.span, _closest(search, closest))])
+        return SpecError([Diagnostic(spec.parallel.span, f"{_closest(search, closest)}; {advice()}")])
     return SpecError([Diagnostic(spec.parallel.objective.span, _objective_miss(search, fitting))])
 
 
@@ -104,8 +111,7 @@ def _closest(search: Structures, closest: tuple[Candidate, Score] | None) -> str
         m = prims.num_microbatches
         return (f"no plan places {m} microbatches (global_batch {prims.train.global_batch}) in "
                 "memory on this cluster: every stage layout the planner tried overflows some GPU even at one "
-                "microbatch per lane; add GPUs, or leave ZeRO and offload to the planner where the spec "
-                "fixes them")
+                "microbatch per lane")
     c, score = closest
     mem = max(score.memory, key=lambda r: r.total / r.capacity)
     first, stop = c.ranges[mem.stage][0][0], c.ranges[mem.stage][-1][1]
@@ -113,7 +119,7 @@ def _closest(search: Structures, closest: tuple[Candidate, Score] | None) -> str
     layers = f"{model.layer_name(first)}..{model.layer_name(stop - 1)}"
     return (f"no plan fits in memory: the closest ({len(c.stages)} stages, {c.schedule.value}) still needs "
             f"{human_bytes(mem.total)} on {mem.gpu} ({mem.device}, {human_bytes(mem.capacity)}) for layers "
-            f"{layers}; add GPUs, or leave ZeRO and offload to the planner where the spec fixes them")
+            f"{layers}")
 
 
 def _objective_miss(search: Structures, fitting: list[Found]) -> str:

@@ -28,6 +28,7 @@ from hetc.passes.plan.infeasible import no_plan_error
 from hetc.passes.plan.objective import Goal
 from hetc.passes.plan.search import Found, Search, SearchLimits
 from hetc.passes.plan.space import space_from_spec
+from hetc.passes.plan.would_fit import would_fit
 from hetc.passes.resolve import plan_has_auto as needs_plan   # one rule for what is left to plan
 from hetc.passes.validate import Checked, check_spec
 from hetc.program import Program
@@ -102,7 +103,8 @@ def _plan_spec(spec: Spec, profiles: Profiles | None, base_dir: Path | None,
     scored = baselines(search)
     best, chosen = _choose(search, found, scored)
     if best is None or not goal.admits(best.score):
-        raise no_plan_error(search, found, scored)
+        raise no_plan_error(search, found, scored,
+                            lambda: would_fit(spec, topo, profiles, search.space, goal))
     explicit = emit_spec(spec, best.candidate, topo, search.space.zero_base)
     planned = check_spec(explicit, base_dir)
     estimate = _estimate(planned, profiles)

@@ -21,8 +21,9 @@ kind in a spec). Collective times are for the full buffer (`bytes`) over
 `ranks` local processes; the link rate is recovered with the ring model.
 The layer times are one process's alone; `concurrency` says the same
 layers timed in n processes at once on this machine's c cores ran s times
-slower (Note [shared cores] in cores.py: the cost model uses s where a plan
-runs n ranks at once on shared cores). `core_wait` says how much longer
+slower (Note [shared cores] in cores.py: where a plan shares cores among n
+ranks, the cost model takes n / s as their effective cores, which the ranks
+computing at once share). `core_wait` says how much longer
 than back to back one blocking collective and one message took, from
 their last member's arrival, with n processes on c cores computing between
 them (k calls each; Note [core wait]: the cost model adds it to every

@@ -1,0 +1,95 @@
+"""When no plan fits in memory: which change to what the spec fixes would let one fit.
+
+The planner searches what the spec leaves open. A spec that fixes a memory
+knob (its ZeRO level or offload, or the model's activation checkpointing)
+can leave nothing that fits where a freer spec would. So before saying
+"nothing fits", the planner searches again, narrowly, with one change at a
+time, least intrusive first:
+
+1. ZeRO and offload left to the planner, where the spec fixes them;
+2. stronger activation checkpointing (`selective`, then `full`) with the
+   spec's ZeRO and offload;
+3. both.
+
+It names the first change that fits, with the plan it found, or says that
+none does (then only more, or larger, GPUs help). This runs only on the
+error path; the narrow search may miss a plan that a full one would find,
+so "none does" is a statement about the changes tried at that width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+from hetc.passes.cost import Profiles
+from hetc.passes.plan.objective import Goal
+from hetc.passes.plan.search import Search, SearchLimits
+from hetc.passes.plan.space import PLAIN_OFFLOADS, ZORSE_OFFLOADS, SearchSpace
+from hetc.spec import Checkpointing, Spec
+from hetc.topology import Topology
+
+__all__ = ["QUICK", "would_fit"]
+
+# a look, not a search: seconds on the largest clusters, and only when nothing fits
+QUICK = SearchLimits(exhaustive=0, quick_layouts=8, layouts=2, structures=3, refine=1, local_evaluations=4,
+                     exact_screen=False, window=2, cpsat_work=0.1)
+
+_STRONGER = {Checkpointing.NONE: (Checkpointing.SELECTIVE, Checkpointing.FULL),
+             Checkpointing.SELECTIVE: (Checkpointing.FULL,), Checkpointing.FULL: ()}
+
+
+@dataclass(frozen=True)
+class _Change:
+    says: str            # what the user would write
+    spec: Spec
+    space: SearchSpace
+
+
+def would_fit(spec: Spec, topo: Topology, profiles: Profiles | None, space: SearchSpace, goal: Goal) -> str:
+    """Advice that ends the "nothing fits" error: the first change that fits, or that none of them does."""
+    tried = []
+    for change in _changes(spec, space):
+        found = Search(change.spec, topo, profiles, change.space, goal, QUICK).run()
+        fitting = [f for f in found if f.score.fits]
+        if fitting:
+            best = fitting[0]
+            fullest = max(m.total / m.capacity for m in best.score.memory)
+            return (f"with {change.says}, a plan fits ({len(best.candidate.stages)} stages, "
+                    f"{best.candidate.schedule.value}, {best.score.step_time_s:.4g} s/step, fullest GPU at "
+                    f"{100 * fullest:.0f} %)")
+        tried.append(change.says)
+    if not tried:
+        return "add GPUs, or GPUs with more memory"
+    return f"no plan fits with {' or with '.join(tried)} either: add GPUs, or GPUs with more memory"
+
+
+def _changes(spec: Spec, space: SearchSpace) -> Iterator[_Change]:
+    freed, frees = _freed(space)
+    if freed is not None:
+        yield _Change(frees, spec, freed)
+    assert spec.model is not None   # a checked spec
+    for level in _STRONGER[spec.model.activation_checkpoint]:
+        stronger = replace(spec, model=replace(spec.model, activation_checkpoint=level))
+        says = f"activation_checkpoint = {level.value} in the model block"
+        yield _Change(says, stronger, space)
+        if freed is not None:
+            yield _Change(f"{says} and {frees}", stronger, freed)
+
+
+def _freed(space: SearchSpace) -> tuple[SearchSpace | None, str]:
+    """The space with the ZeRO level and offload the spec fixes left open, and what the user writes for it.
+
+    Offload is the planner's only where it designs the stages (the spec writes no stages)."""
+    fixed = space.fixed
+    zero, offload = fixed.zero is not None, fixed.offload is not None and not fixed.stages
+    if not (zero or offload):
+        return None, ""
+    freed = replace(space, zero_levels=(0, 1, 2, 3) if zero else space.zero_levels,
+                    offloads=PLAIN_OFFLOADS if offload else space.offloads,
+                    zorse_offloads=ZORSE_OFFLOADS if offload else space.zorse_offloads,
+                    fixed=replace(fixed, zero=None if zero else fixed.zero,
+                                  offload=None if offload else fixed.offload))
+    says = " and ".join(([] if not zero else ["`zero = auto`"]) +
+                        ([] if not offload else ["no `offload` block in `parallel`"]))
+    return freed, says
