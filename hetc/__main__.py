@@ -1,5 +1,3 @@
-import sys
+from hetc.cli import program
 
-from hetc.cli import main
-
-sys.exit(main())
+program()

@@ -9,15 +9,17 @@ print located messages and exit 2; anything else is a bug in hetc and says so
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import logging
 import os
 import sys
+from typing import NoReturn
 
 from hetc import __version__
 from hetc.errors import Sources, SpecError, UsageError
 
-__all__ = ["BROKEN_PIPE_STATUS", "VERBS", "main"]
+__all__ = ["BROKEN_PIPE_STATUS", "VERBS", "main", "program"]
 
 # `hetc explain X | head`: the reader went away. A shell reports a program killed by
 # SIGPIPE as 128 + 13; Python ignores the signal, so hetc says the same in its status.
@@ -44,8 +46,41 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Run one verb in this process and return its exit status (what tests call)."""
+    return _run(build_parser().parse_args(argv))
+
+
+# Note [ending a one-shot process at once]: `hetc plan` builds hundreds of thousands of small objects
+# (option tables, the winner's per-rank programs and the verifier's posted ops), some in cycles. Once the
+# answer is printed, collecting and freeing them takes about a second at 2048 GPUs (benchmarks/planner.py)
+# and changes nothing: the process is about to end. A verb that writes nothing after its output and
+# starts no threads or child processes sets `quick_exit`: as a program (`hetc ...`, `python -m hetc`),
+# it runs with the cyclic collector off, and once its output and logs are flushed the process ends
+# without tearing the interpreter down (`os._exit`). In-process callers (`main`) keep the usual ending,
+# and so does a process run under a profiler or tracer, which writes its findings at the end.
+
+
+def program() -> NoReturn:
+    """`hetc` as a process (Note [ending a one-shot process at once])."""
+    gc.disable()   # while the verbs import; back on below unless the verb ends at once
+    args = build_parser().parse_args()
+    # a profiler or tracer (cProfile, coverage) writes its findings as the interpreter ends: let it
+    quick = bool(getattr(args, "quick_exit", False)) and sys.getprofile() is None and sys.gettrace() is None
+    if not quick:
+        gc.enable()
+    status = _run(args)
+    if not quick:
+        sys.exit(status)
+    logging.shutdown()   # flushes every handler
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        status = BROKEN_PIPE_STATUS
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(name)s: %(message)s")
     try:
@@ -86,4 +121,4 @@ def _silence_stdout() -> None:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    program()

@@ -4,6 +4,7 @@ keeps the model's optimum (Note [dominated options] in passes/plan/assign.py).""
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from typing import cast
 
@@ -11,7 +12,7 @@ import pytest
 
 from hetc.passes.cost.candidate_view import ResolvedStage
 from hetc.passes.cost.stage_option import LaneClass
-from hetc.passes.plan.assign import _undominated, assign_cpsat, assign_fast, model_objective
+from hetc.passes.plan.assign import _undominated, assign_cpsat, assign_fast, cpsat_model, model_objective
 from hetc.passes.plan.candidate import Knobs
 from hetc.passes.plan.routing import bottleneck
 from hetc.passes.plan.tables import Option, StageTable
@@ -66,3 +67,26 @@ def test_a_dominated_option_leaves_the_model_but_the_hints_stay():
     assert [o for _, o in _undominated(opts, {id(worse)})] == [good, worse, other]
     twin = Option(3, Knobs(zero=2), good.classes, good.fill, good.tail, good.drain, False, good.work)
     assert [o for _, o in _undominated([(0.0, good), (0.0, twin)], set())] == [good]   # the first of equals
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_model_is_the_one_ortools_python_front_builds(seed):
+    """Note [CP-SAT without cp_model.py]: passes/plan/cpsat.py builds, from the same calls, the very proto
+    cp_model.CpModel builds (lockstep options included), so CP-SAT gives the same answer."""
+    cp_model = pytest.importorskip("ortools.sat.python.cp_model")
+    tables = _tables(seed)
+    lockstep = tables[1].options[0]
+    tables[1].options[0] = Option(lockstep.layers, lockstep.knobs, lockstep.classes, lockstep.fill, lockstep.tail,
+                                  lockstep.drain, True, lockstep.work)
+    hint = assign_fast(tables, UNITS, MICROBATCHES)
+    assert hint is not None
+    per_stage = [[(o.placed_work, o) for o in t.options if o.work is not None] for t in tables]
+
+    def ticks(seconds: float) -> int:
+        return math.ceil(seconds * 1000)
+
+    ours, _ = cpsat_model(per_stage, UNITS, MICROBATCHES, hint, ticks)
+    theirs, _ = cpsat_model(per_stage, UNITS, MICROBATCHES, hint, ticks, new_model=cp_model.CpModel)
+    text = str(ours.model_proto)
+    assert "enforcement_literal" in text and "solution_hint" in text and "objective" in text
+    assert text == str(theirs.proto)

@@ -32,7 +32,7 @@ def register(sub: Subparsers) -> None:
     p.add_argument("-o", "--out", type=Path, metavar="OUT.het", help="write the explicit spec here")
     p.add_argument("--json", action="store_true", help="print one JSON object (the spec's text in \"text\")")
     add_profile_option(p)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, quick_exit=True)   # Note [ending a one-shot process at once]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 
 from hetc.passes.lower.context import LowerContext, RankPlace, next_handle
-from hetc.passes.lower.units import Unit, split_units
+from hetc.passes.lower.units import split_units
 from hetc.program import (COMPUTE_TYPES, Backward, BackwardInput, Forward, Instr, Program, RankProgram, Recv, Send, Tensor,
                           Wait)
 
@@ -42,37 +42,39 @@ def _key(instr: Send | Recv) -> _Msg:
 
 
 def insert_p2p(program: Program, ctx: LowerContext) -> Program:
-    send_order = _send_orders(program, ctx)
-    return Program(tuple(_rank(rp, ctx.places[rp.rank], ctx, send_order) for rp in program.ranks),
-                   program.groups)
+    # each instruction's sends, found once: the send orders and the rank's own program both read them
+    sends = [[_sends_after(instr, ctx.places[rp.rank], ctx) for instr in rp.instrs] for rp in program.ranks]
+    send_order = _send_orders(program, sends)
+    return Program(tuple(_rank(rp, ctx.places[rp.rank], ctx, send_order, own)
+                         for rp, own in zip(program.ranks, sends)), program.groups)
 
 
-def _send_orders(program: Program, ctx: LowerContext) -> dict[tuple[int, int], dict[_Msg, int]]:
-    """(src, dst) -> message -> its position among the sends src posts to dst."""
+def _send_orders(program: Program, sends: list[list[list[Send]]]) -> dict[tuple[int, int], dict[_Msg, int]]:
+    """(src, dst) -> message -> its position among the sends src posts to dst (`sends`: per rank, per
+    instruction, the sends after it)."""
     orders: dict[tuple[int, int], dict[_Msg, int]] = {}
-    for rp in program.ranks:
-        place = ctx.places[rp.rank]
-        for instr in rp.instrs:
-            for send in _sends_after(instr, place, ctx):
+    for rp, own in zip(program.ranks, sends):
+        for after in own:
+            for send in after:
                 channel = orders.setdefault((rp.rank, send.peer_to), {})
                 channel[_key(send)] = len(channel)
     return orders
 
 
-def _post_slots(units: list[Unit], place: RankPlace, ctx: LowerContext,
+def _post_slots(needs: list[list[Recv]], place: RankPlace,
                 send_order: dict[tuple[int, int], dict[_Msg, int]]) -> list[list[Recv]]:
-    """The receives to post before each unit's compute (slot k: one unit ahead of unit k), in channel order."""
+    """The receives to post before each unit's compute (slot k: one unit ahead of unit k), in channel order;
+    `needs[k]`: the receives unit k's compute needs."""
     by_channel: dict[int, list[_Post]] = {}
-    for k, unit in enumerate(units):
-        for op in unit.compute:
-            for recv in _recvs_for(op, place, ctx):
-                seq = send_order[(recv.peer_from, place.rank)][_key(recv)]
-                by_channel.setdefault(recv.peer_from, []).append(_Post(k, seq, recv))
+    for k, recvs in enumerate(needs):
+        for recv in recvs:
+            seq = send_order[(recv.peer_from, place.rank)][_key(recv)]
+            by_channel.setdefault(recv.peer_from, []).append(_Post(k, seq, recv))
     for items in by_channel.values():
         items.sort(key=lambda it: it.position)
         for earlier, later in zip(reversed(items[:-1]), reversed(items[1:])):
             earlier.slot = min(earlier.slot, later.slot)   # never post after a message the peer sends later
-    slots: list[list[Recv]] = [[] for _ in units]
+    slots: list[list[Recv]] = [[] for _ in needs]
     for post in sorted((it for items in by_channel.values() for it in items),
                        key=lambda it: (it.slot, it.position, it.recv.peer_from)):
         slots[post.slot].append(post.recv)
@@ -89,13 +91,15 @@ class _Post:
 
 
 def _rank(rp: RankProgram, place: RankPlace, ctx: LowerContext,
-          send_order: dict[tuple[int, int], dict[_Msg, int]]) -> RankProgram:
+          send_order: dict[tuple[int, int], dict[_Msg, int]], sends: list[list[Send]]) -> RankProgram:
+    """`sends`: the sends after each of the rank's instructions (`_sends_after`)."""
     handle = next_handle(rp.instrs)
     units = split_units(rp.instrs)
+    needs = [[r for op in unit.compute for r in _recvs_for(op, place, ctx)] for unit in units]
     # give every receive its handle up front, in posting order, so posts and waits agree
     posted: list[list[Recv]] = []
     wait_for: dict[_Msg, int] = {}
-    for slot in _post_slots(units, place, ctx, send_order):
+    for slot in _post_slots(needs, place, send_order):
         posted.append([])
         for r in slot:
             posted[-1].append(Recv(r.what, r.ms, r.mb, r.peer_from, r.shape, handle, r.seq))
@@ -105,13 +109,14 @@ def _rank(rp: RankProgram, place: RankPlace, ctx: LowerContext,
     send_waits: list[Wait] = []
     if posted:
         out += posted[0]
+    after = iter(sends)   # the units split the instructions in order
     for k, unit in enumerate(units):
-        out += [Wait(wait_for[_key(r)]) for op in unit.compute for r in _recvs_for(op, place, ctx)]
+        out += [Wait(wait_for[_key(r)]) for r in needs[k]]
         if k + 1 < len(units):
             out += posted[k + 1]
         for instr in unit.instrs:
             out.append(instr)
-            for send in _sends_after(instr, place, ctx):
+            for send in next(after):
                 out.append(Send(send.what, send.ms, send.mb, send.peer_to, send.shape, handle, send.seq))
                 send_waits.append(Wait(handle))
                 handle += 1

@@ -29,13 +29,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ortools.sat.python import cp_model
-
+from hetc.passes.plan import cpsat
 from hetc.passes.plan.candidate import Knobs
 from hetc.passes.plan.routing import spread
 from hetc.passes.plan.tables import Option, StageTable
 
-__all__ = ["Assignment", "assign_cpsat", "assign_fast", "model_objective"]
+__all__ = ["Assignment", "assign_cpsat", "assign_fast", "cpsat_model", "model_objective"]
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +204,20 @@ def assign_cpsat(tables: list[StageTable], units: int, m: int, hint: Assignment 
     def ticks(seconds: float) -> int:
         return math.ceil(seconds * scale)
 
-    model = cp_model.CpModel()
+    model, picks = cpsat_model(per_stage, units, m, hint, ticks)
+    solved = cpsat.solve(model, work_limit)   # deterministic time, not wall time: the same answer on a busy machine
+    if not solved.found:
+        log.debug("CP-SAT: %s", solved.status_name)
+        return None
+    picked = [next(o for (_, o), xi in zip(opts, x) if solved.value(xi)) for opts, x in zip(per_stage, picks)]
+    return Assignment(tuple(picked), model_objective(picked))
+
+
+def cpsat_model(per_stage: list[list[tuple[float, Option]]], units: int, m: int, hint: Assignment | None,
+                ticks: Callable[[float], int], new_model: Callable[[], Any] = cpsat.Model) -> tuple[Any, list[list[Any]]]:
+    """The joint model over the stages' undominated options, and each stage's option literals; `new_model`
+    makes an empty model (cp_model.CpModel has the same methods: tests/test_plan_assign.py)."""
+    model = new_model()
     horizon = ticks(max(t for opts in per_stage for t, _ in opts)) + 1
     bound = model.new_int_var(0, horizon, "T")
     tail = model.new_int_var(0, ticks(max(o.tail for opts in per_stage for _, o in opts)) + 1, "tail")
@@ -228,16 +240,7 @@ def assign_cpsat(tables: list[StageTable], units: int, m: int, hint: Assignment 
     model.minimize(bound + sum(fill_terms) + tail)
     if hint is not None:
         _hint(model, hint, per_stage, picks, count_vars, m)
-    solver = cp_model.CpSolver()
-    solver.parameters.max_deterministic_time = work_limit   # not wall time: the same answer on a busy machine
-    solver.parameters.num_workers = 1
-    solver.parameters.random_seed = 0
-    status = solver.solve(model)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        log.debug("CP-SAT: %s", solver.status_name(status))
-        return None
-    picked = [next(o for (_, o), xi in zip(opts, x) if solver.value(xi)) for opts, x in zip(per_stage, picks)]
-    return Assignment(tuple(picked), model_objective(picked))
+    return model, picks
 
 
 # Note [dominated options]: an option enters the model only through its layer count, fill, tail, drain,
@@ -270,7 +273,7 @@ def _dominates(a: Option, b: Option, earlier: bool) -> bool:
     return earlier or ours != theirs or a.equal_counts != b.equal_counts
 
 
-def _hint(model: cp_model.CpModel, hint: Assignment, per_stage: list[list[tuple[float, Option]]],
+def _hint(model: cpsat.Model, hint: Assignment, per_stage: list[list[tuple[float, Option]]],
           picks: list[list[Any]], count_vars: list[list[Any]], m: int) -> None:
     """The whole hint: its options and, per lane class, the most microbatches `spread` gives a lane (a
     complete feasible start, so that CP-SAT's answer is never worse than the hint's)."""
@@ -283,8 +286,8 @@ def _hint(model: cp_model.CpModel, hint: Assignment, per_stage: list[list[tuple[
                 model.add_hint(c, max(row))
 
 
-def _lanes(model: cp_model.CpModel, s: int, opts: list[tuple[float, Option]], x: list[cp_model.IntVar],
-           bound: cp_model.IntVar, m: int, ticks: Callable[[float], int]) -> list[Any]:
+def _lanes(model: cpsat.Model, s: int, opts: list[tuple[float, Option]], x: list[cpsat.IntVar],
+           bound: cpsat.IntVar, m: int, ticks: Callable[[float], int]) -> list[Any]:
     """Microbatch counts per lane class of stage s, tied to the option its x picks."""
     shapes = {tuple(len(c.lanes) for c in o.classes) for _, o in opts}
     (sizes,) = shapes  # every option of a stage has the same lane classes
