@@ -19,6 +19,7 @@ from hetc.errors import SpecError
 from hetc.frontend.load import load_spec
 from hetc.passes.plan.planner import PlanResult, plan_spec
 from hetc.passes.plan.structures import SearchLimits
+from hetc.passes.plan.would_fit import QUICK
 from tests.conftest import all_spec_files
 from tests.random_jobs import random_job
 
@@ -27,8 +28,7 @@ __all__ = ["JOBS", "NARROW", "SPECS", "PlanCache", "Planned", "spec_name"]
 JOBS = 100
 # The planner searches narrowly here (the agreement of what it prints is under test, not how well it searches),
 # so the family stays within a minute or two of CPU.
-NARROW = SearchLimits(exhaustive=0, quick_layouts=8, layouts=2, structures=3, refine=1, local_evaluations=4,
-                      exact_screen=False, window=2, cpsat_work=0.1)
+NARROW = QUICK   # the look `hetc plan` takes when nothing fits (passes/plan/would_fit.py)
 SPECS = [p for p in all_spec_files()
          if p.name not in ("job.het", "moe_job.het", "catalog.het") and "cluster" not in p.name]
 

@@ -180,11 +180,10 @@ def _to_refine(found: list[Found], k: int, by_depth: bool = False) -> list[Struc
     (Note [paced pipeline]), and misjudges uneven depths most."""
     structures = [f.structure for f in found if f.structure is not None]   # the search's (not baselines)
     picks = _top_distinct(list(enumerate(structures)), k, key=lambda st: st)
-    kinds = dict.fromkeys((st.schedule, len(st.layout) if by_depth else 0) for st in structures)
-    for kind, depth in kinds:
-        best = next(st for st in structures if st.schedule is kind and (not by_depth or len(st.layout) == depth))
-        if best not in picks:
-            picks.append(best)
+    firsts: dict[object, Structure] = {}   # `structures` is best first: a group's first is its best
+    for st in structures:
+        firsts.setdefault((st.schedule, len(st.layout)) if by_depth else st.schedule, st)
+    picks += [st for st in firsts.values() if st not in picks]
     return picks
 
 
