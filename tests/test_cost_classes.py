@@ -6,7 +6,7 @@ import pytest
 
 from hetc.passes.cost.classes import flush_tail, throughput
 from hetc.passes.cost.plan_time import ministage_borders, peer_lanes, stage_borders
-from hetc.passes.cost.schedule import LaneTiming, Unit, UnitLane
+from hetc.passes.cost.schedule import LaneTiming, Unit, UnitLane, sequential_time
 from hetc.passes.cost.zero_time import ZeroRings, across_nodes, flush_time, sync_time
 from hetc.spec import ZeroShard, ZeroSpec
 
@@ -33,11 +33,23 @@ def test_a_later_stages_tail_hides_behind_the_drain_of_the_stages_before_it():
     assert flush_tail(lanes, [0.2, 3.0]) == pytest.approx(0.5)
 
 
-def test_a_zorse_unit_takes_its_share_of_the_stages_sync_and_step():
+def test_a_zorse_unit_syncs_on_its_own_and_takes_its_share_of_the_stages_step():
     lane = UnitLane.of((0, 1), 1.0, 2.0, 3.0, 0.0, 0.0)   # the boundary copy outlasts the compute
     assert (lane.forward, lane.backward) == (3.0, 3.0)
+    # its sync is a collective of its own (latency and core wait included), its step a share of the stage's
     unit = Unit.of(0, (lane,), 0.1, 25.0, 100.0, 4.0, 8.0, False)
-    assert (unit.sync, unit.step) == (1.0, 2.0)
+    assert (unit.sync, unit.step) == (4.0, 2.0)
+
+
+def test_zorse_steps_a_unit_one_op_after_its_sync_and_keeps_the_last_units_gather():
+    """Two units on one stage, one lane of two microbatches (F 1 s, B 2 s), each fetched in 5 s and synced
+    in 3 s, stepped in 0.5 s: forward sweeps 5..7 and 10..12 (unit 1 fetched from 5, when unit 0's first op
+    started); unit 1's backward keeps its gather (12..16); unit 0's backward, fetched from 12, starts at 17;
+    unit 1's step waits for its sync (16 + 3) after unit 0's first op (17..19): 19.5, then 21.5, and unit 0
+    steps after its own sync ends at 24.5: 25 s."""
+    lane = UnitLane((0, 1), 1.0, 2.0)
+    units = [Unit(0, (lane,), fetch=5.0, sync=3.0, step=0.5) for _ in range(2)]
+    assert sequential_time(units, 2) == pytest.approx(25.0)
 
 
 def test_hierarchical_zero_syncs_inside_the_node_then_across_at_its_position():

@@ -177,7 +177,7 @@ class StageCosts:
         lanes = tuple(replace(per_class[rep[lane]], microbatches=self.s.routes[lane])
                       for lane in range(len(self.s.lanes)))
         return Unit.of(self.s.index, lanes, self.fetch(ms), self.numel(self.ministage_units(ms)), self.numel(),
-                       self.sync(0, per_ministage=True), self.optimizer(0), self.s.knobs.offload.optimizer)
+                       self.sync(0, ms), self.optimizer(0), self.s.knobs.offload.optimizer)
 
     def memory_classes(self, limit: int | None) -> list[tuple[RankMemory, tuple[int, ...]]]:
         """One entry per device kind, microbatch count and node share, with its GPU ids."""
@@ -230,8 +230,10 @@ class StageCosts:
                                self.numel() * self.p.delta, self.rings(lane), self._copier(lane),
                                self.shard(lane).params, [n * self.p.delta for n in self.unit_numels])
 
-    def sync(self, lane: int, per_ministage: bool = False) -> float:
-        return sync_time(self.s.zero, self.numel() * self.p.delta, self.rings(lane), per_ministage,
+    def sync(self, lane: int, ms: int | None = None) -> float:
+        """The stage's gradient sync, or (`ms`) ministage `ms`'s alone (`plan_time.stage_sync_time`)."""
+        numel = self.numel() if ms is None else self.numel(self.ministage_units(ms))
+        return sync_time(self.s.zero, numel * self.p.delta, self.rings(lane), ms is not None,
                          [n * self.p.delta for n in self.unit_numels])
 
     def first_gather(self) -> float:

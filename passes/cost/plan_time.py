@@ -208,12 +208,17 @@ def first_gather(cm: CostModel, stage: Stage) -> float:
     return first_gather_time(stage.zero, first * cm.delta, zero_rings(cm, rank))
 
 
-def stage_sync_time(cm: CostModel, stage: Stage, rank: int, per_ministage: bool = False) -> float:
-    """`zero_time.sync_time` for `rank` of `stage`. Under expert parallelism lowering keeps the experts in a
-    buffer of their own, synced over their expert group beside the dense parameters' sync over the ZeRO
-    group (both posted, then both waited: passes/lower/zero.py `_parts`): the longer of the two."""
-    experts = sum(cm.numel(ms, rank) * cm.expert_fraction(ms, rank) for ms in stage.ministages)
-    dense = sync_time(stage.zero, (_stage_numel(cm, stage, rank) - experts) * cm.delta, zero_rings(cm, rank),
+def stage_sync_time(cm: CostModel, stage: Stage, rank: int, ms: int | None = None) -> float:
+    """`zero_time.sync_time` for `rank` of `stage`, or (`ms`) of its ministage `ms` alone, as Zorse syncs
+    each ministage after its backward (a call of its own: its latency and core wait are its own). Under
+    expert parallelism lowering keeps the experts in a buffer of their own, synced over their expert group
+    beside the dense parameters' sync over the ZeRO group (both posted, then both waited:
+    passes/lower/zero.py `_parts`): the longer of the two."""
+    ministages = stage.ministages if ms is None else (ms,)
+    per_ministage = ms is not None
+    numel = sum(cm.numel(m, rank) for m in ministages)
+    experts = sum(cm.numel(m, rank) * cm.expert_fraction(m, rank) for m in ministages)
+    dense = sync_time(stage.zero, (numel - experts) * cm.delta, zero_rings(cm, rank),
                       per_ministage, [n * cm.delta for n in unit_numels(cm, stage, rank)])
     if not experts:
         return dense
@@ -246,7 +251,7 @@ def zorse_unit(cm: CostModel, stage: Stage, ms: int) -> Unit:
     fetch = fetch_time(stage.zero, stage.offload.params is not OffloadTarget.NONE, numel * cm.delta,
                        zero_rings(cm, rank), _copier(cm, rank), cm.shard(rank).params)
     return Unit.of(stage.index, lanes, fetch, numel, _stage_numel(cm, stage, rank),
-                   stage_sync_time(cm, stage, rank, per_ministage=True), _opt_time(cm, stage, rank),
+                   stage_sync_time(cm, stage, rank, ms), _opt_time(cm, stage, rank),
                    offloaded(stage.offload)[1])
 
 

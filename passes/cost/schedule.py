@@ -447,29 +447,37 @@ class Unit:
     @classmethod
     def of(cls, stage: int, lanes: tuple[UnitLane, ...], fetch: float, numel: float, stage_numel: float,
            sync: float, step: float, step_on_host: bool) -> Unit:
-        """A ministage of `numel` parameters of its stage's `stage_numel`: its share of the stage's
-        per-ministage gradient sync (`sync`) and of its optimizer step (`step`)."""
+        """A ministage of `numel` parameters of its stage's `stage_numel`: its own gradient sync (`sync`, a
+        collective of its own) and its share of the stage's optimizer step (`step`)."""
         ratio = numel / max(stage_numel, 1.0)
-        return cls(stage, lanes, fetch, sync * ratio, step * ratio, step_on_host)
+        return cls(stage, lanes, fetch, sync, step * ratio, step_on_host)
 
 
 def sequential_time(units: list[Unit], num_microbatches: int, steps_at_end: bool = False) -> float:
     """Zorse: each unit runs all its microbatches forward, then the next; backward in reverse.
 
     A stage starts fetching a unit's parameters when it starts the unit
-    before it (one unit of prefetch), syncs a unit's gradients on its
-    communication stream and steps its optimizer right after its backward
-    (`steps_at_end`: after every unit's sync, as with gradient clipping).
+    before it (one unit of prefetch) and syncs a unit's gradients on its
+    communication stream after its backward. Its optimizer step waits for
+    that sync one compute op longer, as lowering places it (Note [zero
+    placement] in passes/lower/zero.py): after each lane's first op of the
+    stage's next unit, so the sync overlaps that op; the stage's last unit
+    steps right after its sync (`steps_at_end`: every step after every
+    unit's sync, as with gradient clipping; an optimizer on the host steps
+    beside the compute).
     """
     stage_free: dict[int, float] = {}
     stage_started: dict[int, float] = {}
     comm_free: dict[int, float] = {}
+    pending: dict[int, tuple[float, float]] = {}   # stage -> (its last unit's sync done, that unit's step)
     done = 0.0
     arrive = [0.0] * num_microbatches
     for unit in units:
         arrive = _run(unit, arrive, stage_free, stage_started, forward=True)
+    last = {unit.stage: unit for unit in units}   # each stage's last unit: its backward sweep keeps the gather
     for unit in reversed(units):
-        arrive = _run(unit, arrive, stage_free, stage_started, forward=False)
+        arrive = _run(unit, arrive, stage_free, stage_started, forward=False, step=pending.pop(unit.stage, None),
+                      kept=last.pop(unit.stage, None) is unit)
         end = stage_free[unit.stage]
         comm_free[unit.stage] = max(comm_free.get(unit.stage, 0.0), end) + unit.sync
         if steps_at_end:
@@ -477,26 +485,37 @@ def sequential_time(units: list[Unit], num_microbatches: int, steps_at_end: bool
         if unit.step_on_host:
             done = max(done, comm_free[unit.stage] + unit.step)
         else:
-            stage_free[unit.stage] = max(end, comm_free[unit.stage]) + unit.step
+            pending[unit.stage] = (comm_free[unit.stage], unit.step)
+    for stage, (synced, step) in pending.items():
+        stage_free[stage] = max(stage_free[stage], synced) + step
     if steps_at_end:   # every stage's steps after the last sync of the step (the global norm)
-        synced = max([*stage_free.values(), *comm_free.values()])
-        return synced + max(sum(u.step for u in units if u.stage == s) for s in stage_free)
+        synced_all = max([*stage_free.values(), *comm_free.values()])
+        return synced_all + max(sum(u.step for u in units if u.stage == s) for s in stage_free)
     return max([done, *stage_free.values(), *comm_free.values()])
 
 
 def _run(unit: Unit, arrive: list[float], stage_free: dict[int, float], stage_started: dict[int, float],
-         forward: bool) -> list[float]:
+         forward: bool, step: tuple[float, float] | None = None, kept: bool = False) -> list[float]:
+    """One sweep of `unit` over its lanes' microbatches. Its parameters come in (`fetch`) from when the
+    stage's previous sweep started its first op on every lane (lowering posts the gather there; `kept`:
+    the sweep before was this unit's own, whose gather it keeps). `step`: (when the stage's previous
+    unit's sync is done, its optimizer step), taken after each lane's first op."""
     free = stage_free.get(unit.stage, 0.0)
-    start = max(free, stage_started.get(unit.stage, 0.0) + unit.fetch)
-    stage_started[unit.stage] = start
+    start = free if kept else max(free, stage_started.get(unit.stage, 0.0) + unit.fetch)
     out = list(arrive)
-    end_all = start
+    end_all, first_op = start, start
     for lane in unit.lanes:
         per = lane.forward if forward else lane.backward
         t = start
-        for j in lane.microbatches:
-            t = max(t, arrive[j]) + per
+        for k, j in enumerate(lane.microbatches):
+            t = max(t, arrive[j])
+            if k == 0:
+                first_op = max(first_op, t)
+            t += per
             out[j] = t + (lane.p2p_out if forward else lane.p2p_back)
+            if k == 0 and step is not None:
+                t = max(t, step[0]) + step[1]
         end_all = max(end_all, t)
+    stage_started[unit.stage] = first_op
     stage_free[unit.stage] = end_all
     return out

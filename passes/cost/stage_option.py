@@ -72,7 +72,8 @@ def option_costs(sc: StageCosts, classes: Sequence[tuple[int, ...]], m: int) -> 
                                  sc.shares(), sc.unit_ops(lane))
             one, cycle, trail = timing.one, timing.cycle, timing.trail
         fill = max(fill, max(0.0, f + i + p2p - w) if schedule is ScheduleKind.ZB else one)
-        tail = max(tail, trail + sc.sync(lane, per_ministage=schedule is ScheduleKind.ZORSE) + sc.optimizer(lane))
+        sync = sum(sc.sync(lane, ms) for ms in sc.s.ministages) if schedule is ScheduleKind.ZORSE else sc.sync(lane)
+        tail = max(tail, trail + sync + sc.optimizer(lane))
         drain = max(drain, i + w + p2p)
         lane_classes.append(LaneClass(lanes, cycle, lane_cap(sc, lane, m)))
     if schedule is ScheduleKind.ZORSE:

@@ -19,7 +19,9 @@ single lane: nothing to reduce) and level L:
         gradients reduce-scattered as soon as its backward is done.
 
 Gathers are posted one compute run ahead (prefetch) and waited right before
-use. Per-microbatch collectives run on G.f / G.b so that each group sees its
+use; a rank's first gather at the very start of its program, ahead of the
+receives its first op waits for, so a later stage gathers while the
+pipeline fills (the estimate exposes the first stage's first gather alone). Per-microbatch collectives run on G.f / G.b so that each group sees its
 collectives in the same order on every lane. Under Zorse without gradient
 clipping each ministage steps as soon as its gradients are reduced
 (interleaved optimizer update); otherwise all steps come at the end, after
@@ -185,7 +187,7 @@ def _gathers(shards: dict[int, Shard], compute: list[tuple[int, ComputeInstr]], 
             direction = Direction.FORWARD if is_forward else Direction.BACKWARD
             group = with_direction(shard.group, direction) if per_mb else shard.group
             h = handles.take()
-            post_at = compute[runs[g - 1][1][0]][0] if g > 0 else compute[first][0]
+            post_at = compute[runs[g - 1][1][0]][0] if g > 0 else 0
             unit = compute[first][1].unit
             edits.add_before(post_at, AllGather(Tensor.PARAMS, ms, group, h, unit))
             edits.add_before(compute[first][0], Wait(h))
