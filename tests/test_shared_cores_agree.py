@@ -1,11 +1,12 @@
 """explain, compile and plan agree on ranks that share their cores (issue 16, Done-when 2).
 
 The demo specs get `cores = 2` on their cluster (benchmarks/runtime_prediction.py's `copy_demo`: this
-machine's four local ranks on two cores), and the profiles are hand-written in `hetc profile`'s format with
-what a real profile on such a machine holds beside the layer times: the slowdown of the layers run four at
-once (`concurrency`) and the wait of every blocking call beside computing processes (`core_wait`: a pair's
-collective, a message, a ring-attention shift, a collective over all four; Note [core wait] in
-passes/cost/cores.py). The numbers are of the order `hetc profile` measured here; no profiling runs.
+machine's four local ranks on two cores). Two sets of profiles: hand-written ones in `hetc profile`'s format
+with what a real profile on such a machine holds beside the layer times: the slowdown of the layers run four
+at once (`concurrency`) and the wait of every blocking call beside computing processes (`core_wait`: a
+pair's collective, a message, a ring-attention shift, a collective over all four; Note [core wait] in
+passes/cost/cores.py), with and without those; and the profiles `hetc profile` measured here
+(tests/profiles/), for every demo plan. No profiling runs.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.runtime_prediction import copy_demo
+from tests.conftest import ROOT
+from tests.plans import DEMO_PLANS
 from hetc.cli import main
 from hetc.passes.cost.sources.hetc_profile import FORMAT, VERSION
 
@@ -28,6 +31,16 @@ CORE_WAIT = {"ranks": 4, "cores": 2, "collective_s": 9e-4, "p2p_s": 1.3e-3, "exc
 # transfers waiting for a core (1F1B, GPipe, uneven lanes, tp and cp stages), ZeRO-3 gathering per block
 # beside small units, activations offloaded, experts synced over their own group
 PLANS = ["pp", "gpipe", "hetero", "hetero_tp", "tp_to_cp", "hsdp", "offload_act", "moe_ep2"]
+MEASURED = [ROOT / "tests" / "profiles" / name for name in ("cpu2-demo.json", "cpu2-moe.json")]
+# Known gaps of the estimate with the measured profiles, by cause; strict: when a fix closes one, drop it
+MEASURED_GAPS = {
+    "hetero": "1F1B on lanes of 3 and 1 microbatches: the paced chain fills and drains through each earlier "
+              "stage's slowest lane, the microbatches go through the lanes serving them (explain +3.4 %)",
+    "interleaved": "every border transfer counted as waited; lowering posts each receive one op early, so "
+                   "a lane waits for part of it (explain +5.7 %)",
+    "zb": "as interleaved: border transfers counted as wholly waited (explain +6.8 %)",
+    "moe_pp_ep2": "as zb (explain +1.3 %)",
+}
 
 
 def _profile(block_params: int, block_s: float, core_wait: bool = True) -> dict:
@@ -45,6 +58,11 @@ def _profile(block_params: int, block_s: float, core_wait: bool = True) -> dict:
     if core_wait:
         out |= {"concurrency": {"ranks": 4, "cores": 2, "slowdown": 2.05}, "core_wait": CORE_WAIT}
     return out
+
+
+def _measured_params() -> list:
+    return [pytest.param(path.stem, marks=[pytest.mark.xfail(strict=True, reason=MEASURED_GAPS[path.stem])]
+                         if path.stem in MEASURED_GAPS else []) for path in DEMO_PLANS]
 
 
 @pytest.fixture(scope="module")
@@ -66,16 +84,28 @@ def _step(capsys, *argv: str) -> float:
     return float(json.loads(capsys.readouterr().out)["step_time_s"])
 
 
-@pytest.mark.parametrize("plan", PLANS)
-def test_explain_compile_and_plan_agree_on_shared_cores(plan, shared, tmp_path, capsys):
-    demo, profiles, alone = shared
-    spec = str(demo / f"{plan}.het")
+def _assert_verbs_agree(spec: str, profiles: list[str], tmp_path: Path, capsys) -> float:
+    """explain, plan and compile predict the same step (to 1 %) with these profiles; explain's step."""
     explained = _step(capsys, "explain", spec, "--json", *profiles)
     planned = _step(capsys, "plan", spec, "--json", *profiles)
     assert main(["compile", spec, "-o", str(tmp_path / "out"), *profiles]) == 0
     capsys.readouterr()
     compiled = json.loads((tmp_path / "out" / "summary.json").read_text())["step_time_s"]
-    # what sharing the cores costs is in the prediction: the same profiles without it predict less
-    assert _step(capsys, "explain", spec, "--json", *alone) < explained
     assert planned == pytest.approx(explained, rel=0.01)
     assert compiled == pytest.approx(explained, rel=0.01)
+    return explained
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_explain_compile_and_plan_agree_on_shared_cores(plan, shared, tmp_path, capsys):
+    demo, profiles, alone = shared
+    spec = str(demo / f"{plan}.het")
+    explained = _assert_verbs_agree(spec, profiles, tmp_path, capsys)
+    # what sharing the cores costs is in the prediction: the same profiles without it predict less
+    assert _step(capsys, "explain", spec, "--json", *alone) < explained
+
+
+@pytest.mark.parametrize("plan", _measured_params())
+def test_explain_compile_and_plan_agree_with_measured_profiles(plan, shared, tmp_path, capsys):
+    profiles = [flag for path in MEASURED for flag in ("--profile", str(path))]
+    _assert_verbs_agree(str(shared[0] / f"{plan}.het"), profiles, tmp_path, capsys)
