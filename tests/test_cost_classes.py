@@ -6,9 +6,9 @@ import pytest
 
 from hetc.passes.cost.classes import flush_tail, throughput
 from hetc.passes.cost.plan_time import ministage_borders, peer_lanes, stage_borders
-from hetc.passes.cost.schedule import LaneTiming, Unit, UnitLane
+from hetc.passes.cost.schedule import LaneTiming, Unit, UnitLane, in_flight_limits
 from hetc.passes.cost.zero_time import ZeroRings, across_nodes, flush_time, sync_time
-from hetc.spec import ZeroShard, ZeroSpec
+from hetc.spec import ScheduleKind, ZeroShard, ZeroSpec
 
 
 def test_a_lanes_peer_serves_most_of_its_microbatches_the_lowest_on_ties():
@@ -51,3 +51,12 @@ def test_hierarchical_zero_syncs_inside_the_node_then_across_at_its_position():
     assert seen == [("reduce_scatter", (0, 1), 8.0), ("all_gather", (0, 1), 8.0), ("all_reduce", (0, 2), 4.0)]
     assert flush_time([1.0, 2.0], [0.5, 0.25]) == 2.5
     assert throughput(100, 0.0) == 0.0 and throughput(100, 4.0) == 25.0
+
+
+def test_a_zb_lane_keeps_one_microbatch_of_margin_per_lane_it_feeds():
+    """Note [in-flight limit]: one lane in front of three keeps three more than Little's law asks, one for each
+    lane its microbatches spread over, where one more was the margin for them all."""
+    lanes = [LaneTiming(0, 0, 12, 0.1, 0.1, 0.1), *(LaneTiming(1, k, 4, 0.3, 0.3, 0.3) for k in range(3))]
+    spread = in_flight_limits(ScheduleKind.ZB, lanes, 2, lane_counts={0: 1, 1: 3})
+    one_more = in_flight_limits(ScheduleKind.ZB, lanes, 2)   # lane counts unknown: one microbatch of margin
+    assert spread[0] == one_more[0] + 2 and spread[1] == one_more[1] == 1

@@ -81,13 +81,7 @@ def test_random_job_plans_compile_and_agree(seed, plan_cache):
     assert problem is None, f"{got and got.path.read_text()}\n{problem}"
 
 
-SPEC_GAPS: dict[str, str] = {
-    "zorse/c_auto.het": (
-        "ZB with many-to-many routing over stages of 8, 8, 24, 24, 16, 16, 16, 5, 5 and 6 lanes: the bottleneck "
-        "stage s2 is busy 35.0 s of a 42.7 s compute span, its lanes waiting for inputs that arrive staggered from "
-        "several upstream lanes (6.8 s of bubbles beyond the bound; compiled 62.0 s, explain 55.1 s: -11.1 %); "
-        "the estimate assumes lanes that flow freely"),
-}
+SPEC_GAPS: dict[str, str] = {}
 
 
 def _specs() -> list:

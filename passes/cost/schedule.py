@@ -335,8 +335,18 @@ def in_flight_limits(schedule: ScheduleKind, lanes: Sequence[LaneTiming], num_st
     gradient, so the gradients the upstream lanes drain with came back one
     whole cycle apart (random job 48: 1.051 s, 1.015 s with the one more;
     with equal lane counts the one more stash bought nothing and ran
-    longer on jobs 56 and 84). Lanes in lockstep run what their slot allows
-    and seldom reach it, so the estimate's memory would count a stash
+    longer on jobs 56 and 84). The margin is one microbatch for each lane
+    a lane's microbatches spread over at the widest stage after it
+    (`_fan_out`: k = ⌈L_d / L_s⌉): a lane feeding k lanes of a later stage
+    keeps one queued for each, not one for them all. Held to one, the fast
+    stages in front of a wider bottleneck starved it: in
+    specs/zorse/c_auto.het 8 A10G lanes feed 24 T4 lanes, every A10G lane
+    sat at its limit waiting for a gradient while the T4 lane it fed next
+    waited for its input (62.0 s, 58.1 s with k = 3; explain says 55.1 s).
+    Keeping 5 more there runs 55.0 s: a saturated lane answers a returning
+    gradient only at its next slot, so a round trip is longer than the trips
+    Little's law sums; not counted. Lanes in lockstep run what their slot
+    allows and seldom reach it, so the estimate's memory would count a stash
     they never hold.
 
     `coupled`: stage -> its lanes, for stages whose lanes run in lockstep
@@ -368,8 +378,16 @@ def in_flight_limits(schedule: ScheduleKind, lanes: Sequence[LaneTiming], num_st
         out[s] = max(num_stages - s, min(needed, most))
         if schedule is ScheduleKind.ZB and s not in (coupled or {}) and \
                 (s + 1 < num_stages or _fans_in(lane_counts, s)):   # Note [in-flight limit]
-            out[s] = min(out[s] + 1, most)
+            out[s] = min(out[s] + _fan_out(lane_counts, s, num_stages), most)
     return out
+
+
+def _fan_out(lane_counts: Mapping[int, int] | None, stage: int, num_stages: int) -> int:
+    """The most lanes of one later stage that one lane of `stage` feeds (at least 1): a later stage of k times
+    its lanes spreads each lane's microbatches over k of them (Note [in-flight limit])."""
+    if lane_counts is None:
+        return 1
+    return max([1] + [-(-lane_counts[d] // lane_counts[stage]) for d in range(stage + 1, num_stages)])
 
 
 def _fans_in(lane_counts: Mapping[int, int] | None, stage: int) -> bool:
