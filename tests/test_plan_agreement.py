@@ -26,12 +26,7 @@ TOLERANCE = 0.10
 
 # Causes of the gaps that remain, each measured on the seeds or specs listed with it (docs/costmodel.md,
 # "Known limits"). When a fix closes one, its xfail fails: drop the entry.
-INTERLEAVED_LOCKSTEP = ("interleaved 1F1B from two single-lane stages to four ZeRO-3 lockstep stages of 2 lanes across "
-                        "two cross-region borders: with Megatron's groups of p = 6 (3 microbatches a lane, Note "
-                        "[interleaved groups]) each lane's next chunk waits for its inputs' round trip (compiled "
-                        "1.462 s, explain 1.214 s: -17.0 %); one group of all 16 microbatches runs 1.244 s (-2.4 %), "
-                        "groups of 8-14 run 1.38-1.46 s, and larger groups slow job39 (5.35 s -> 5.74 s)")
-GAPS: dict[int, str] = {81: INTERLEAVED_LOCKSTEP}
+GAPS: dict[int, str] = {}
 
 
 def _outcome(got: Planned | None) -> str | None:

@@ -27,11 +27,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 
 from hetc.spec import ScheduleKind
 
-__all__ = ["LaneTiming", "PipelineTime", "Unit", "UnitLane", "UnitOp", "ZeroCycle", "in_flight_limits", "lockstep_fill",
-           "pipeline_time", "round_trip_span", "sequential_time", "step_lower_bound", "unit_ops", "zero_cycle"]
+__all__ = ["Grouping", "LaneTiming", "PipelineTime", "Unit", "UnitLane", "UnitOp", "ZeroCycle", "in_flight_limits",
+           "interleaved_grouping", "lockstep_fill", "pipeline_time", "round_trip_span", "sequential_time",
+           "step_lower_bound", "unit_ops", "zero_cycle"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -429,6 +431,37 @@ def _round_trip_share(schedule: ScheduleKind, t: LaneTiming) -> float:
     """What one microbatch spends in this lane on its way down and back (the gradient leaves after I)."""
     back = t.input_grad if schedule is ScheduleKind.ZB else t.backward
     return t.forward + back + t.p2p
+
+
+# ------------------------------------------------------------------ interleaved groups
+
+
+class Grouping(StrEnum):
+    """How interleaved 1F1B groups a lane's microbatches (Note [interleaved groups] in passes/lower/schedule.py)."""
+
+    DEPTH_FIRST = "depth-first"       # Megatron's: p microbatches of every first-stage lane in a group
+    BREADTH_FIRST = "breadth-first"   # one group of every microbatch: each chunk of all of them, then the next
+
+
+def interleaved_grouping(schedule: ScheduleKind, lanes: Sequence[LaneTiming], num_stages: int, chunks: int,
+                         first_microbatches: int) -> Grouping:
+    """Breadth-first where a group of p does not last a chunk's loop, else Megatron's depth-first groups
+    (Note [interleaved groups]); `first_microbatches`: the most microbatches of a first-stage lane.
+
+    A group is p chunk-steps of every lane at the busiest lane's pace, p·T*/(n₀·v) (each lane's share of
+    it takes the same time); a chunk's loop from a lane back to it is one chunk of every other stage's
+    slowest lane, forward or backward, and every border once (Σ P / v)."""
+    if schedule is not ScheduleKind.INTERLEAVED or chunks < 2 or not lanes:
+        return Grouping.DEPTH_FIRST
+    slowest: dict[int, LaneTiming] = {}
+    for t in lanes:
+        if t.stage not in slowest or t.forward + t.backward > slowest[t.stage].forward + slowest[t.stage].backward:
+            slowest[t.stage] = t
+    borders = sum(max(t.p2p for t in lanes if t.stage == s) for s in slowest)
+    loop = max(max(sum(t.forward for d, t in slowest.items() if d != s),
+                   sum(t.backward for d, t in slowest.items() if d != s)) for s in slowest)
+    group = num_stages * max(t.work for t in lanes) / max(first_microbatches, 1)
+    return Grouping.BREADTH_FIRST if loop + borders > group else Grouping.DEPTH_FIRST
 
 
 # ------------------------------------------------------------------ Zorse
