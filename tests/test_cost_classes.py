@@ -6,9 +6,10 @@ import pytest
 
 from hetc.passes.cost.classes import flush_tail, throughput
 from hetc.passes.cost.plan_time import ministage_borders, peer_lanes, stage_borders
-from hetc.passes.cost.schedule import LaneTiming, Unit, UnitLane, sequential_time
+from hetc.passes.cost.schedule import (Grouping, LaneTiming, Unit, UnitLane, in_flight_limits, interleaved_grouping,
+                                      sequential_time)
 from hetc.passes.cost.zero_time import ZeroRings, across_nodes, flush_time, sync_time
-from hetc.spec import ZeroShard, ZeroSpec
+from hetc.spec import ScheduleKind, ZeroShard, ZeroSpec
 
 
 def test_a_lanes_peer_serves_most_of_its_microbatches_the_lowest_on_ties():
@@ -63,3 +64,23 @@ def test_hierarchical_zero_syncs_inside_the_node_then_across_at_its_position():
     assert seen == [("reduce_scatter", (0, 1), 8.0), ("all_gather", (0, 1), 8.0), ("all_reduce", (0, 2), 4.0)]
     assert flush_time([1.0, 2.0], [0.5, 0.25]) == 2.5
     assert throughput(100, 0.0) == 0.0 and throughput(100, 4.0) == 25.0
+
+
+def test_a_zb_lane_keeps_one_microbatch_of_margin_per_lane_it_feeds():
+    """Note [in-flight limit]: one lane in front of three keeps three more than Little's law asks, one for each
+    lane its microbatches spread over, where one more was the margin for them all."""
+    lanes = [LaneTiming(0, 0, 12, 0.1, 0.1, 0.1), *(LaneTiming(1, k, 4, 0.3, 0.3, 0.3) for k in range(3))]
+    spread = in_flight_limits(ScheduleKind.ZB, lanes, 2, lane_counts={0: 1, 1: 3})
+    one_more = in_flight_limits(ScheduleKind.ZB, lanes, 2)   # lane counts unknown: one microbatch of margin
+    assert spread[0] == one_more[0] + 2 and spread[1] == one_more[1] == 1
+
+
+def test_interleaved_runs_breadth_first_where_a_group_of_p_is_shorter_than_a_chunks_loop():
+    """Note [interleaved groups]: two stages of 8 microbatches, 0.3 s of compute each: a group of p = 2 lasts
+    2·2.4/8 = 0.6 s at the pace of the busiest lane; a chunk's loop is the other stage's backward (0.2 s)
+    and the borders, 0.5 s each way over a slow link."""
+    def grouping(p2p: float) -> Grouping:
+        lanes = [LaneTiming(s, 0, 8, 0.1, 0.1, 0.1, p2p) for s in range(2)]
+        return interleaved_grouping(ScheduleKind.INTERLEAVED, lanes, 2, 2, 8)
+    assert grouping(0.01) is Grouping.DEPTH_FIRST
+    assert grouping(0.5) is Grouping.BREADTH_FIRST

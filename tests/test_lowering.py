@@ -19,6 +19,7 @@ from hetc.errors import NO_SPAN, SpecError
 from hetc.compiler import load_checked
 from hetc.passes.cost import CostModel
 from hetc.passes.cost.pipeline_stage import lane_group
+from hetc.passes.cost.schedule import Grouping
 from hetc.passes.lower import PASS_NAMES, lower
 from hetc.passes.lower.context import LowerContext
 from hetc.passes.verify import verify
@@ -166,7 +167,7 @@ def test_an_interleaved_fan_in_runs_its_strict_order(caplog):
     assert "beyond its in-flight limit" not in caplog.text
     verify(lowered.program, lowered.pipeline, lowered.spec)
     narrow = lowered.pipeline.stages[1].lanes[0]
-    assert lane_group(lowered.pipeline, narrow) == 8     # p = 2 positions of 4 first-stage lanes
+    assert lane_group(lowered.pipeline, narrow, Grouping.DEPTH_FIRST) == 8     # p = 2 positions of 4 first-stage lanes
     ops = _compute(lowered.program.ranks[narrow.ranks[0]])
     first_backward = next(i for i, op in enumerate(ops) if isinstance(op, Backward))
     assert first_backward == 8 + 1, "8 forwards of its first chunk and one of its second before a backward"

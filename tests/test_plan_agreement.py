@@ -26,12 +26,7 @@ TOLERANCE = 0.10
 
 # Causes of the gaps that remain, each measured on the seeds or specs listed with it (docs/costmodel.md,
 # "Known limits"). When a fix closes one, its xfail fails: drop the entry.
-INTERLEAVED_LOCKSTEP = ("interleaved 1F1B from two single-lane stages to four ZeRO-3 lockstep stages of 2 lanes across "
-                        "two cross-region borders: with Megatron's groups of p = 6 (3 microbatches a lane, Note "
-                        "[interleaved groups]) each lane's next chunk waits for its inputs' round trip (compiled "
-                        "1.462 s, explain 1.214 s: -17.0 %); one group of all 16 microbatches runs 1.244 s (-2.4 %), "
-                        "groups of 8-14 run 1.38-1.46 s, and larger groups slow job39 (5.35 s -> 5.74 s)")
-GAPS: dict[int, str] = {81: INTERLEAVED_LOCKSTEP}
+GAPS: dict[int, str] = {}
 
 
 def _outcome(got: Planned | None) -> str | None:
@@ -81,13 +76,7 @@ def test_random_job_plans_compile_and_agree(seed, plan_cache):
     assert problem is None, f"{got and got.path.read_text()}\n{problem}"
 
 
-SPEC_GAPS: dict[str, str] = {
-    "zorse/c_auto.het": (
-        "ZB with many-to-many routing over stages of 8, 8, 24, 24, 16, 16, 16, 5, 5 and 6 lanes: the bottleneck "
-        "stage s2 is busy 35.0 s of a 42.7 s compute span, its lanes waiting for inputs that arrive staggered from "
-        "several upstream lanes (6.8 s of bubbles beyond the bound; compiled 62.0 s, explain 55.1 s: -11.1 %); "
-        "the estimate assumes lanes that flow freely"),
-}
+SPEC_GAPS: dict[str, str] = {}
 
 
 def _specs() -> list:

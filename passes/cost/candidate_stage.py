@@ -20,7 +20,7 @@ from hetc.passes.cost.cores import Computing, busy_share
 from hetc.passes.cost.memory import (RankMemory, ShardFactors, StateMemory, StatesHeld, activation_memory,
                                     interleaved_group, rank_memory, shard_factors, state_memory, zorse_backward_peak)
 from hetc.passes.cost.plan_time import lane_borders, ministage_borders, stage_borders
-from hetc.passes.cost.schedule import Unit, UnitLane, UnitOp, unit_ops
+from hetc.passes.cost.schedule import Grouping, Unit, UnitLane, UnitOp, unit_ops
 from hetc.passes.cost.zero_time import (ZeroRings, across_nodes, fetch_time, first_gather_time, flush_time,
                                        optimizer_step_time, piece_collectives, sync_time, zero_collectives)
 from hetc.passes.cost.zero_units import gathers_per_block, ministage_units
@@ -48,8 +48,9 @@ class StageCosts:
         self.last_ms = len(plan.ministages) - 1
         # microbatches a lane keeps in flight (Note [in-flight limit]); None: the stages ahead (option tables)
         self.in_flight_limit: int | None = None
+        self.grouping = Grouping.DEPTH_FIRST   # interleaved 1F1B's, as the last `memory_classes` asked
         self._statics: dict[int | None, StateMemory] = {}
-        self._rooms: dict[tuple[str, int | None, int, int | None], float] = {}
+        self._rooms: dict[tuple[str, int | None, int, int | None, Grouping], float] = {}
         self._numels: dict[tuple[int, int, int], float] = {}
         self._shards: dict[int | None, ShardFactors] = {}
         self._rings: dict[int, ZeroRings] = {}
@@ -179,9 +180,10 @@ class StageCosts:
         return Unit.of(self.s.index, lanes, self.fetch(ms), self.numel(self.ministage_units(ms)), self.numel(),
                        self.sync(0, ms), self.optimizer(0), self.s.knobs.offload.optimizer)
 
-    def memory_classes(self, limit: int | None) -> list[tuple[RankMemory, tuple[int, ...]]]:
+    def memory_classes(self, limit: int | None, grouping: Grouping = Grouping.DEPTH_FIRST
+                       ) -> list[tuple[RankMemory, tuple[int, ...]]]:
         """One entry per device kind, microbatch count and node share, with its GPU ids."""
-        self.in_flight_limit = limit
+        self.in_flight_limit, self.grouping = limit, grouping
         seen: dict[tuple[object, ...], tuple[RankMemory, list[int]]] = {}
         for lane, gpus in enumerate(self.s.lanes):
             for gpu in gpus:
@@ -272,7 +274,7 @@ class StageCosts:
 
     def _room(self, gpu: Gpu, node_share: int | None, count: int) -> float:
         """Bytes left on a rank of `gpu`'s kind; memoised (the option tables search counts)."""
-        key = (gpu.device.name, node_share, count, self.in_flight_limit)
+        key = (gpu.device.name, node_share, count, self.in_flight_limit, self.grouping)
         got = self._rooms.get(key)
         if got is None:
             m = rank_memory(gpu.id, gpu, self.s.index, self._static(node_share), self._activations(count),
@@ -338,7 +340,7 @@ class StageCosts:
         if not isinstance(self.plan, PlanView):
             return None
         return interleaved_group(self.plan.num_stages, len(self.plan.stages[0].counts), count,
-                                 self.plan.num_microbatches)
+                                 self.plan.num_microbatches, self.grouping)
 
 
 def _lane_classes(sc: StageCosts) -> dict[tuple[object, ...], list[int]]:

@@ -10,8 +10,9 @@ lanes' per-microbatch times, its ZeRO collectives, its memory per class
 of ranks) with the formulas of passes/cost (`CostModel.layer_cost`,
 `zero_time`, `memory.state_memory`, ...); `evaluate_classes` composes them:
 the lanes' timings, the in-flight limits lowering's schedule holds them to
-(Note [in-flight limit]), the schedule's pipeline (`compose_step`)
-and every class's memory at its peak.
+(Note [in-flight limit]) and interleaved 1F1B's grouping (Note [interleaved
+groups]), the schedule's pipeline (`compose_step`) and every class's memory
+at its peak.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from hetc.passes.cost.memory import RankMemory, interleaved_update
-from hetc.passes.cost.schedule import (LaneTiming, Unit, UnitOp, in_flight_limits, lockstep_fill, pipeline_time,
-                                      sequential_time, step_lower_bound, zero_cycle)
+from hetc.passes.cost.schedule import (Grouping, LaneTiming, Unit, UnitOp, in_flight_limits, interleaved_grouping,
+                                      lockstep_fill, pipeline_time, sequential_time, step_lower_bound, zero_cycle)
 from hetc.passes.cost.transfers import Borders, Engine, transfer_waits
 from hetc.passes.cost.zero_time import gathers_per_microbatch
 from hetc.spec import ScheduleKind, ZeroSpec
@@ -89,9 +90,9 @@ class StageSource(Protocol):
         """Zorse: ministage `ms` of this stage over every lane."""
         ...
 
-    def memory_classes(self, limit: int) -> Sequence[tuple[RankMemory, tuple[int, ...]]]:
-        """Per class of alike ranks: one's memory at its peak, with `limit` microbatches in flight, and
-        the ids of the ranks it stands for."""
+    def memory_classes(self, limit: int, grouping: Grouping) -> Sequence[tuple[RankMemory, tuple[int, ...]]]:
+        """Per class of alike ranks: one's memory at its peak, with `limit` microbatches in flight (under
+        interleaved 1F1B, its groups), and the ids of the ranks it stands for."""
         ...
 
 
@@ -109,6 +110,7 @@ class PlanShape:
 class ClassEstimate:
     time: PlanTime                       # its lanes: one timing per class of lanes
     limits: dict[int, int]               # per stage, the microbatches a lane keeps in flight
+    grouping: Grouping                   # interleaved 1F1B's groups (Note [interleaved groups])
     memory: tuple[RankMemory, ...]       # one per class of alike ranks
     classes: tuple[tuple[int, ...], ...]  # the ranks each memory entry stands for
 
@@ -168,10 +170,26 @@ def evaluate_classes(shape: PlanShape, stages: Sequence[StageSource], end: float
                      coupled, widths, limits)
     time = compose_step(step, lanes, end, lambda: [_trail(lanes, s.index) + s.flush() for s in stages],
                         stages[0].first_gather, lambda: zorse_units(shape, stages))
+    grouping, entries = _grouping(shape, stages, lanes, limits)
     if not memory:
-        return ClassEstimate(time, limits, (), ())
-    entries = [entry for s in stages for entry in s.memory_classes(limits[s.index])]
-    return ClassEstimate(time, limits, tuple(m for m, _ in entries), tuple(ids for _, ids in entries))
+        return ClassEstimate(time, limits, grouping, (), ())
+    if entries is None:
+        entries = [entry for s in stages for entry in s.memory_classes(limits[s.index], grouping)]
+    return ClassEstimate(time, limits, grouping, tuple(m for m, _ in entries), tuple(ids for _, ids in entries))
+
+
+def _grouping(shape: PlanShape, stages: Sequence[StageSource], lanes: Sequence[LaneTiming], limits: dict[int, int]
+              ) -> tuple[Grouping, list[tuple[RankMemory, tuple[int, ...]]] | None]:
+    """Interleaved 1F1B's grouping (`schedule.interleaved_grouping`), breadth-first only where every rank's
+    stash of it fits (it holds more than Megatron's groups); and the memory it was checked with, if any."""
+    first = max(stages[0].count(lane) for lane in range(stages[0].num_lanes))
+    grouping = interleaved_grouping(shape.schedule, lanes, len(stages), shape.chunks, first)
+    if grouping is Grouping.DEPTH_FIRST:
+        return grouping, None
+    entries = [entry for s in stages for entry in s.memory_classes(limits[s.index], grouping)]
+    if all(mem.fits for mem, _ in entries):
+        return grouping, entries
+    return Grouping.DEPTH_FIRST, None
 
 
 def _trail(lanes: Sequence[LaneTiming], stage: int) -> float:

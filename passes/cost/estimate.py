@@ -100,7 +100,8 @@ def build_estimate(cm: CostModel) -> Estimate:
     timing = cm.evaluation.time
     tokens = tokens_per_step(p.num_microbatches, p.micro_batch, m.seq)
     flops = flop_counts(m, p)
-    memory = sorted((mem for s in pipeline_stages(cm) for mem, _ in s.memory_classes(cm.in_flight_limits[s.index])),
+    memory = sorted((mem for s in pipeline_stages(cm)
+                     for mem, _ in s.memory_classes(cm.in_flight_limits[s.index], cm.interleaved_grouping)),
                     key=lambda mem: mem.rank)
     return Estimate(timing.step, tokens, flops.model, flops.hardware, utilization(m, p, cm.topology, timing.step),
                     timing, tuple(memory), tuple(_traffic(cm, timing)), p.schedule.value, cm.engine,

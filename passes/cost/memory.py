@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from itertools import accumulate
 
+from hetc.passes.cost.schedule import Grouping
 from hetc.spec import DTYPE_BYTES, ModelSpec, OffloadSpec, OffloadTarget, ScheduleKind, ZeroSpec
 from hetc.topology import Gpu
 
@@ -146,10 +147,14 @@ def in_flight(schedule: ScheduleKind, stage: int, num_stages: int, microbatches:
     return float(min(microbatches, ahead if limit is None else limit))
 
 
-def interleaved_group(num_stages: int, first_lanes: int, microbatches: int, num_microbatches: int) -> int:
+def interleaved_group(num_stages: int, first_lanes: int, microbatches: int, num_microbatches: int,
+                      grouping: Grouping = Grouping.DEPTH_FIRST) -> int:
     """Microbatches of a lane serving `microbatches` of `num_microbatches` in each group of interleaved 1F1B
     (Note [interleaved groups]): a group is p microbatches of every lane of the first stage (of
-    `first_lanes`), so p on every lane where the lanes line up, more on a lane of a narrower stage."""
+    `first_lanes`), so p on every lane where the lanes line up, more on a lane of a narrower stage; all of
+    them breadth-first (`schedule.interleaved_grouping`)."""
+    if grouping is Grouping.BREADTH_FIRST:
+        return microbatches
     return max(1, round(num_stages * first_lanes * microbatches / max(num_microbatches, 1)))
 
 

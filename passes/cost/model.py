@@ -29,6 +29,7 @@ from hetc.passes.cost.profiles import Profiles
 from hetc.passes.cost.params import expert_params
 from hetc.passes.cost.shapes import (LayerFlops, LayerKind, activation_elements, layer_flops, layer_kind,
                                     params_per_rank)
+from hetc.passes.cost.schedule import Grouping
 from hetc.passes.cost.transfers import Engine
 from hetc.pipeline import Ministage, Pipeline, Stage
 from hetc.program import Collective, Phase, Unit
@@ -468,6 +469,12 @@ class CostModel:
         """Per stage, the microbatches a lane keeps in flight (Note [in-flight limit]): what lowering's
         schedule holds each lane to and the estimate counts activations with."""
         return self.evaluation.limits
+
+    @property
+    def interleaved_grouping(self) -> Grouping:
+        """Interleaved 1F1B's groups (Note [interleaved groups]): what lowering's schedule cuts each lane's
+        queues by and the estimate counts its stash with."""
+        return self.evaluation.grouping
 
     def estimate(self) -> Estimate:
         from hetc.passes.cost.estimate import build_estimate

@@ -19,7 +19,7 @@ from hetc.passes.cost.classes import ClassEstimate, PlanShape, evaluate_classes
 from hetc.passes.cost.experts import sharded_numel
 from hetc.passes.cost.memory import (RankMemory, StatesHeld, activation_memory, interleaved_group, rank_memory,
                                     state_memory, zorse_backward_peak)
-from hetc.passes.cost.schedule import Unit, UnitOp
+from hetc.passes.cost.schedule import Grouping, Unit, UnitOp
 from hetc.passes.cost.transfers import Borders
 from hetc.pipeline import Lane, Pipeline, Stage
 from hetc.program import Collective, Phase
@@ -74,8 +74,8 @@ class PipelineStage:
     def unit(self, ms: int) -> Unit:
         return pt.zorse_unit(self.cm, self.stage, ms)
 
-    def memory_classes(self, limit: int) -> Sequence[tuple[RankMemory, tuple[int, ...]]]:
-        return [(rank_memory_of(self.cm, r, limit), (r,)) for r in sorted(self.stage.ranks)]
+    def memory_classes(self, limit: int, grouping: Grouping) -> Sequence[tuple[RankMemory, tuple[int, ...]]]:
+        return [(rank_memory_of(self.cm, r, limit, grouping), (r,)) for r in sorted(self.stage.ranks)]
 
     def _reps(self, lane: int) -> list[int]:
         return self._lane_reps[lane]
@@ -99,15 +99,16 @@ def evaluate_pipeline(cm: CostModel, memory: bool) -> ClassEstimate:
     return evaluate_classes(shape, pipeline_stages(cm), end, memory)
 
 
-def lane_group(pipeline: Pipeline, lane: Lane) -> int:
+def lane_group(pipeline: Pipeline, lane: Lane, grouping: Grouping) -> int:
     """The lane's microbatches per group of interleaved 1F1B (`memory.interleaved_group`): what lowering's
     schedule cuts its queues by and the estimate counts its stash with (Note [interleaved groups])."""
     return interleaved_group(len(pipeline.stages), len(pipeline.stages[0].lanes), len(lane.microbatches),
-                             pipeline.num_microbatches)
+                             pipeline.num_microbatches, grouping)
 
 
-def rank_memory_of(cm: CostModel, rank: int, limit: int) -> RankMemory:
-    """One rank's memory at its peak, its lane holding `limit` microbatches in flight."""
+def rank_memory_of(cm: CostModel, rank: int, limit: int, grouping: Grouping) -> RankMemory:
+    """One rank's memory at its peak, its lane holding `limit` microbatches in flight (interleaved 1F1B: its
+    groups)."""
     stage = cm.stage_of(rank)
     mss = stage.ministages
     held = StatesHeld([cm.param_bytes(ms, rank) for ms in mss], [cm.grad_bytes(ms, rank) for ms in mss],
@@ -123,7 +124,7 @@ def rank_memory_of(cm: CostModel, rank: int, limit: int) -> RankMemory:
     offload_activations = stage.offload.activations is not OffloadTarget.NONE
     acts = activation_memory(p.schedule, stage.index, len(p.stages), len(lane.microbatches), per_microbatch, limit,
                              offload_activations, sum(cm.held_boundary_bytes(ms - 1, stage) for ms in mss if ms > 0),
-                             cm.largest_held_boundary(stage), p.prefetch, lane_group(p, lane))
+                             cm.largest_held_boundary(stage), p.prefetch, lane_group(p, lane, grouping))
     zorse = zorse_backward_peak(p.schedule, cm.train.grad_clip, offload_activations, len(lane.microbatches),
                                 per_microbatch, held.grads, held.grads_kept)
     return rank_memory(rank, cm.gpu(rank), stage.index, states, acts, zorse)

@@ -27,11 +27,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 
 from hetc.spec import ScheduleKind
 
-__all__ = ["LaneTiming", "PipelineTime", "Unit", "UnitLane", "UnitOp", "ZeroCycle", "in_flight_limits", "lockstep_fill",
-           "pipeline_time", "round_trip_span", "sequential_time", "step_lower_bound", "unit_ops", "zero_cycle"]
+__all__ = ["Grouping", "LaneTiming", "PipelineTime", "Unit", "UnitLane", "UnitOp", "ZeroCycle", "in_flight_limits",
+           "interleaved_grouping", "lockstep_fill", "pipeline_time", "round_trip_span", "sequential_time",
+           "step_lower_bound", "unit_ops", "zero_cycle"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,8 +337,18 @@ def in_flight_limits(schedule: ScheduleKind, lanes: Sequence[LaneTiming], num_st
     gradient, so the gradients the upstream lanes drain with came back one
     whole cycle apart (random job 48: 1.051 s, 1.015 s with the one more;
     with equal lane counts the one more stash bought nothing and ran
-    longer on jobs 56 and 84). Lanes in lockstep run what their slot allows
-    and seldom reach it, so the estimate's memory would count a stash
+    longer on jobs 56 and 84). The margin is one microbatch for each lane
+    a lane's microbatches spread over at the widest stage after it
+    (`_fan_out`: k = ⌈L_d / L_s⌉): a lane feeding k lanes of a later stage
+    keeps one queued for each, not one for them all. Held to one, the fast
+    stages in front of a wider bottleneck starved it: in
+    specs/zorse/c_auto.het 8 A10G lanes feed 24 T4 lanes, every A10G lane
+    sat at its limit waiting for a gradient while the T4 lane it fed next
+    waited for its input (62.0 s, 58.1 s with k = 3; explain says 55.1 s).
+    Keeping 5 more there runs 55.0 s: a saturated lane answers a returning
+    gradient only at its next slot, so a round trip is longer than the trips
+    Little's law sums; not counted. Lanes in lockstep run what their slot
+    allows and seldom reach it, so the estimate's memory would count a stash
     they never hold.
 
     `coupled`: stage -> its lanes, for stages whose lanes run in lockstep
@@ -368,8 +380,16 @@ def in_flight_limits(schedule: ScheduleKind, lanes: Sequence[LaneTiming], num_st
         out[s] = max(num_stages - s, min(needed, most))
         if schedule is ScheduleKind.ZB and s not in (coupled or {}) and \
                 (s + 1 < num_stages or _fans_in(lane_counts, s)):   # Note [in-flight limit]
-            out[s] = min(out[s] + 1, most)
+            out[s] = min(out[s] + _fan_out(lane_counts, s, num_stages), most)
     return out
+
+
+def _fan_out(lane_counts: Mapping[int, int] | None, stage: int, num_stages: int) -> int:
+    """The most lanes of one later stage that one lane of `stage` feeds (at least 1): a later stage of k times
+    its lanes spreads each lane's microbatches over k of them (Note [in-flight limit])."""
+    if lane_counts is None:
+        return 1
+    return max([1] + [-(-lane_counts[d] // lane_counts[stage]) for d in range(stage + 1, num_stages)])
 
 
 def _fans_in(lane_counts: Mapping[int, int] | None, stage: int) -> bool:
@@ -411,6 +431,37 @@ def _round_trip_share(schedule: ScheduleKind, t: LaneTiming) -> float:
     """What one microbatch spends in this lane on its way down and back (the gradient leaves after I)."""
     back = t.input_grad if schedule is ScheduleKind.ZB else t.backward
     return t.forward + back + t.p2p
+
+
+# ------------------------------------------------------------------ interleaved groups
+
+
+class Grouping(StrEnum):
+    """How interleaved 1F1B groups a lane's microbatches (Note [interleaved groups] in passes/lower/schedule.py)."""
+
+    DEPTH_FIRST = "depth-first"       # Megatron's: p microbatches of every first-stage lane in a group
+    BREADTH_FIRST = "breadth-first"   # one group of every microbatch: each chunk of all of them, then the next
+
+
+def interleaved_grouping(schedule: ScheduleKind, lanes: Sequence[LaneTiming], num_stages: int, chunks: int,
+                         first_microbatches: int) -> Grouping:
+    """Breadth-first where a group of p does not last a chunk's loop, else Megatron's depth-first groups
+    (Note [interleaved groups]); `first_microbatches`: the most microbatches of a first-stage lane.
+
+    A group is p chunk-steps of every lane at the busiest lane's pace, p·T*/(n₀·v) (each lane's share of
+    it takes the same time); a chunk's loop from a lane back to it is one chunk of every other stage's
+    slowest lane, forward or backward, and every border once (Σ P / v)."""
+    if schedule is not ScheduleKind.INTERLEAVED or chunks < 2 or not lanes:
+        return Grouping.DEPTH_FIRST
+    slowest: dict[int, LaneTiming] = {}
+    for t in lanes:
+        if t.stage not in slowest or t.forward + t.backward > slowest[t.stage].forward + slowest[t.stage].backward:
+            slowest[t.stage] = t
+    borders = sum(max(t.p2p for t in lanes if t.stage == s) for s in slowest)
+    loop = max(max(sum(t.forward for d, t in slowest.items() if d != s),
+                   sum(t.backward for d, t in slowest.items() if d != s)) for s in slowest)
+    group = num_stages * max(t.work for t in lanes) / max(first_microbatches, 1)
+    return Grouping.BREADTH_FIRST if loop + borders > group else Grouping.DEPTH_FIRST
 
 
 # ------------------------------------------------------------------ Zorse

@@ -24,6 +24,7 @@ from typing import NamedTuple, TypeVar
 from hetc.errors import InternalError
 from hetc.passes.cost.memory import interleaved_warmup
 from hetc.passes.cost.pipeline_stage import lane_group
+from hetc.passes.cost.schedule import Grouping
 from hetc.passes.lower.context import LowerContext, rank_shell
 from hetc.passes.lower.lane_sim import Op, Policy, simulate
 from hetc.pipeline import Lane, Pipeline, Stage
@@ -84,15 +85,17 @@ def _memo(fn: Callable[[Op], _T]) -> Callable[[Op], _T]:
     return remembered
 
 
-def lane_queues(pipeline: Pipeline, stage: Stage, lane: Lane) -> tuple[list[Op], list[Op], list[Op]]:
-    """The forward, backward and weight-gradient queues `lane` of `stage` runs under the pipeline's schedule."""
+def lane_queues(pipeline: Pipeline, stage: Stage, lane: Lane, grouping: Grouping = Grouping.DEPTH_FIRST
+                ) -> tuple[list[Op], list[Op], list[Op]]:
+    """The forward, backward and weight-gradient queues `lane` of `stage` runs under the pipeline's schedule
+    (under interleaved 1F1B, in groups cut by `grouping`)."""
     kind = pipeline.schedule
     own = list(stage.ministages)
     mbs = list(lane.microbatches)
     if kind is ScheduleKind.ZORSE:
         return [("F", ms, mb) for ms in own for mb in mbs], [("B", ms, mb) for ms in reversed(own) for mb in mbs], []
     if kind is ScheduleKind.INTERLEAVED:
-        f, b = _interleaved_orders(pipeline, own, mbs, len(pipeline.stages))
+        f, b = _interleaved_orders(pipeline, own, mbs, _group_width(pipeline, grouping))
         return f, b, []
     bkind = "I" if kind is ScheduleKind.ZB else "B"
     f = [("F", ms, mb) for mb in mbs for ms in own]
@@ -104,13 +107,21 @@ def lane_queues(pipeline: Pipeline, stage: Stage, lane: Lane) -> tuple[list[Op],
 def _policy(ctx: LowerContext, stage: Stage, lane: Lane) -> Policy:
     """The lane's queues with the schedule's in-flight limit."""
     kind, num_stages = ctx.pipeline.schedule, len(ctx.pipeline.stages)
-    f, b, w = lane_queues(ctx.pipeline, stage, lane)
+    grouping = ctx.costs.interleaved_grouping
+    f, b, w = lane_queues(ctx.pipeline, stage, lane, grouping)
     if kind in (ScheduleKind.ZORSE, ScheduleKind.GPIPE):
         return Policy(f, b)
     if kind is ScheduleKind.INTERLEAVED:
         return Policy(f, b, limit=interleaved_warmup(stage.index, num_stages, len(stage.ministages),
-                                                     lane_group(ctx.pipeline, lane)))
+                                                     lane_group(ctx.pipeline, lane, grouping)))
     return Policy(f, b, w, limit=ctx.in_flight_limit(stage.index), per_unit=len(stage.ministages))
+
+
+def _group_width(pipeline: Pipeline, grouping: Grouping) -> int:
+    """Microbatches of each first-stage lane in a group (Note [interleaved groups]): Megatron's p, or all."""
+    if grouping is Grouping.BREADTH_FIRST:
+        return max(len(lane.microbatches) for lane in pipeline.stages[0].lanes)
+    return len(pipeline.stages)
 
 
 def _interleaved_orders(pipeline: Pipeline, own: list[int], mbs: list[int], group: int
@@ -127,11 +138,26 @@ def _interleaved_orders(pipeline: Pipeline, own: list[int], mbs: list[int], grou
     stage of 2 behind 8 lanes, 3 on a lane of 2 behind one lane) is what its
     warm-up counts. Groups cut per lane at its share instead fall out of step
     across stages where the shares do not divide evenly (random job 27).
-    Groups of p are short where a lane's share is below p and slow borders
-    lie on the chunks' loop (random job 81: one group of every microbatch
-    runs 15 % faster), but wider groups put a chunk's gradient ops back to
-    back, each waiting for the ZeRO-2 reduce-scatter before it (random job
-    39: 7 % slower at twice p); docs/costmodel.md, "Plans far from the bound".
+    Megatron's p is what a group needs where every stage takes one chunk-step
+    per microbatch: the first microbatch of a group comes back for its next
+    chunk as the lane finishes the group's p. Where slow borders or slow
+    stages lie on the chunks' loop, a group of p chunk-steps at the busiest
+    lane's pace (p·T*/(n₀·v)) ends before the loop (one chunk of every other
+    stage and every border, forward or backward) brings its first
+    microbatch back, and every group waits for the rest of the loop: random
+    job 81, whose single-lane stages fan out to lockstep stages of 2 lanes
+    over two cross-region borders, ran 1.462 s against its estimate's
+    1.214 s. Then the plan runs breadth-first (`Grouping.BREADTH_FIRST`,
+    `schedule.interleaved_grouping` in passes/cost): one group of every
+    microbatch, so the loop is waited for once per chunk (job 81: 1.244 s).
+    Groups of 8 to 14 of its 16 microbatches ran 1.38-1.46 s: each group
+    still pays it. Breadth-first stashes a whole chunk of every microbatch,
+    so a plan where that does not fit keeps Megatron's groups, and so does
+    one whose groups cover the loop: wider groups put a chunk's gradient ops
+    back to back, each waiting for the ZeRO-2 reduce-scatter before it
+    (random job 39: 7 % slower at twice p). Validation reads the groups of
+    p (`validate_plan`): lanes in lockstep with one queue shape there serve
+    as many microbatches, so they share it breadth-first too.
 
     Note [interleaved warm-up]: Megatron's strict order keeps a lane
     2(p−s−1) + (v−1)·g + 1 chunk-steps ahead (`memory.interleaved_warmup`,
