@@ -50,14 +50,15 @@ class Result:
 
 
 def measured_plans(folder: Path) -> list[Path]:
-    """Plan files under `folder` with a measured iteration time."""
+    """Plan files under `folder` with a measured iteration time (a `real` of 0 is a run never measured)."""
     found = []
     for path in sorted(folder.rglob("*.json")):
         try:
             raw = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if isinstance(raw, dict) and "pipeline_list" in raw and isinstance(raw.get("real"), (int, float)):
+        real = raw.get("real") if isinstance(raw, dict) else None
+        if "pipeline_list" in raw and isinstance(real, (int, float)) and real > 0:
             found.append(path)
     return found
 
