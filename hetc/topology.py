@@ -9,7 +9,7 @@ between their zones, then their regions, then the cluster default.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from hetc.memo import cached_property
 
 from hetc.spec import ClusterSpec, DeviceSpec, Spec
 

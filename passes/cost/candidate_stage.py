@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from functools import cached_property
+from hetc.memo import cached_property
 
 from hetc.passes.cost.candidate_view import PlanView, StageContext, StageView
 from hetc.passes.cost.cores import Computing, busy_share

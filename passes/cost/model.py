@@ -10,7 +10,7 @@ microbatch is involved.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import cached_property
+from hetc.memo import cached_property
 from typing import TYPE_CHECKING
 
 from hetc.layout import held_fraction

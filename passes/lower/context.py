@@ -13,7 +13,7 @@ parameters and see different tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from hetc.memo import cached_property
 
 from hetc.errors import InternalError
 from hetc.groups import WORLD, Axis, Direction, GroupId, GroupKind
