@@ -11,14 +11,15 @@ groups (candidate_view.py). The planner's option tables read it too
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from hetc.memo import cached_property
 
 from hetc.passes.cost.candidate_view import PlanView, StageContext, StageView
 from hetc.passes.cost.cores import Computing, busy_share
 from hetc.passes.cost.memory import (RankMemory, ShardFactors, StateMemory, StatesHeld, activation_memory,
-                                    interleaved_group, rank_memory, shard_factors, state_memory, zorse_backward_peak)
+                                    interleaved_group, rank_headroom, rank_memory, shard_factors, state_memory,
+                                    zorse_backward_peak)
 from hetc.passes.cost.plan_time import lane_borders, ministage_borders, stage_borders
 from hetc.passes.cost.schedule import Unit, UnitLane, UnitOp, unit_ops
 from hetc.passes.cost.zero_time import (ZeroRings, across_nodes, fetch_time, first_gather_time, flush_time,
@@ -265,17 +266,19 @@ class StageCosts:
     def headroom(self, lane: int, count: int) -> float:
         """Bytes left on the fullest rank of `lane` serving `count` microbatches."""
         share = self.s.node_share(lane)
-        kinds = {g.device.name: g for g in self.s.lanes[lane]}.values()   # a kind's ranks hold alike
-        return min(self._room(g, share, count) for g in kinds)
+        return min(self._room(g, share, count) for g in self._kinds(lane))
+
+    def _kinds(self, lane: int) -> Iterable[Gpu]:
+        """One GPU of each device kind in `lane` (a kind's ranks hold alike)."""
+        return {g.device.name: g for g in self.s.lanes[lane]}.values()
 
     def _room(self, gpu: Gpu, node_share: int | None, count: int) -> float:
         """Bytes left on a rank of `gpu`'s kind; memoised (the option tables search counts)."""
         key = (gpu.device.name, node_share, count, self.in_flight_limit)
         got = self._rooms.get(key)
         if got is None:
-            m = rank_memory(gpu.id, gpu, self.s.index, self._static(node_share), self._activations(count),
-                            self._zorse_peak(node_share, count))
-            got = self._rooms[key] = m.capacity - m.total
+            got = self._rooms[key] = rank_headroom(gpu, self._static(node_share), self._activations(count),
+                                                   self._zorse_peak(node_share, count))
         return got
 
     @cached_property
@@ -296,6 +299,8 @@ class StageCosts:
 
     def _zorse_peak(self, node_share: int | None, count: int) -> tuple[float, float] | None:
         """Activations and gradients at once at a Zorse rank's peak (`memory.zorse_backward_peak`)."""
+        if self.plan.schedule is not ScheduleKind.ZORSE:   # (the only schedule it applies to)
+            return None
         grads = [n * self.p.states.grads for n in self.ms_numel]
         return zorse_backward_peak(self.plan.schedule, self.p.train.grad_clip, bool(self.s.knobs.offload.activations),
                                    count, self._per_mb_activations, grads, sum(grads) * self.shard_of(node_share).grads)
