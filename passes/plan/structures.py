@@ -164,15 +164,20 @@ class Structures:
         """Stage s's options for these layer counts; `fallback` only where none of `knobs` fits in memory."""
         res = self.resolve(st.layout[s])
         table = StageTable(s, res)
-        n_stages = len(st.layout)
-        neighbours = {o % n_stages: self.resolve(st.layout[o % n_stages]).lanes[0][0]
-                      for o in (s - 1, s + 1) if n_stages > 1}
+        neighbours = self.neighbours(st, s)
         for n in layers:
             got = [self._option(st, s, n, k, res, neighbours) for k in knobs]
             if fallback is not None and not self._roomy(st, s, n, knobs, got, res, neighbours):
                 got.append(self._option(st, s, n, fallback, res, neighbours))
             table.options += [o for o in got if o is not None]
         return table
+
+    def neighbours(self, st: Structure, s: int) -> dict[int, Gpu]:
+        """The stages beside stage s (pipeline order wraps around), each by its first GPU: the border peers
+        its option tables are read with."""
+        n_stages = len(st.layout)
+        return {o % n_stages: self.resolve(st.layout[o % n_stages]).lanes[0][0] for o in (s - 1, s + 1)
+                if n_stages > 1}
 
     def _roomy(self, st: Structure, s: int, n: int, knobs: list[Knobs], got: list[Option | None],
                res: ResolvedStage, neighbours: dict[int, Gpu]) -> bool:
