@@ -82,18 +82,16 @@ def _stage_bounds(search: Structures, st: Structure, s: int, counts: range
     sc = stage_costs(prims, res, s, n_stages, most, Knobs(knobs[0].zero, knobs[0].offload, 1), schedule,
                      neighbours, st.interleave, search.space.prefetch, search.space.zero_base)
     embed, _, head = sc.layer_counts
-    lane_costs = [_LaneCosts(prims, schedule, res.lane_devices[lanes[0]], res.tp, reruns, sc.p2p(lanes[0]),
-                             len(lanes)) for lanes in res.classes]
+    units = [(n, (embed, n - embed - head, head)) for n in counts if n >= embed + head]
+    per_class = [_LaneCosts(prims, schedule, res.lane_devices[lanes[0]], res.tp, reruns, sc.p2p(lanes[0])
+                            ).over([u for _, u in units]) for lanes in res.classes]
     m = prims.num_microbatches
+    sizes = [len(lanes) for lanes in res.classes]
     works: dict[int, float] = {}
     fills: dict[int, float] = {}
-    for n in counts:
-        if n - embed - head < 0:
-            continue
-        units = (embed, n - embed - head, head)
-        bounds = [c.at(units) for c in lane_costs]
-        works[n] = _least_work(m, [(c.lanes, cycle) for c, (cycle, _) in zip(lane_costs, bounds)])
-        fills[n] = max(fill for _, fill in bounds)
+    for k, (n, _) in enumerate(units):
+        works[n] = _least_work(m, sizes, [cycles[k] for cycles, _ in per_class])
+        fills[n] = max(fill[k] for _, fill in per_class)
     return works, fills
 
 
@@ -102,35 +100,37 @@ class _LaneCosts:
     and device kind of the lane, and its border transfers."""
 
     def __init__(self, prims: Primitives, schedule: ScheduleKind, lane: tuple[tuple[str, ...], tuple[int, ...]],
-                 tp: int, reruns: list[bool], borders: Borders, lanes: int):
+                 tp: int, reruns: list[bool], borders: Borders):
         devices, ids = lane
-        self.prims, self.schedule, self.borders, self.lanes = prims, schedule, borders, lanes
+        self.prims, self.schedule, self.borders = prims, schedule, borders
         self.total = borders.total
         kinds = ((1, 0, 0), (0, 1, 0), (0, 0, 1))
-        # per recompute setting and device kind: (embed, block, head) seconds of each phase
+        # per recompute setting and device kind: per phase, (embed, block, head) seconds
         self.per_kind = [[tuple(zip(*(prims.lane_compute((d,), tp, ids, rerun, k, 1.0) for k in kinds)))
                           for d in dict.fromkeys(devices)] for rerun in reruns]
 
-    def at(self, units: tuple[int, int, int]) -> tuple[float, float]:
-        """Bounds on the class's cycle and fill with these (embed, blocks, head) units."""
-        e, b, h = units
-        cycle = fill = math.inf
+    def over(self, units: list[tuple[int, int, int]]) -> tuple[list[float], list[float]]:
+        """Bounds on the class's cycle and fill with each of these (embed, blocks, head) units."""
+        cycles, fills = [math.inf] * len(units), [math.inf] * len(units)
         for per_device in self.per_kind:
-            # each phase on each device kind of the lane; the lane's is its slowest kind's
-            phases = [[e * x[0] + b * x[1] + h * x[2] for x in costs] for costs in per_device]
-            least = [min(p) for p in zip(*phases)] if len(phases) > 1 else phases[0]
-            most = [max(p) for p in zip(*phases)] if len(phases) > 1 else phases[0]
-            c, f = _cycle_and_fill(self.prims, self.schedule, least, most, self.borders, self.total)
-            cycle, fill = min(cycle, c), min(fill, f)
-        return cycle, fill
+            for k, (e, b, h) in enumerate(units):
+                # each phase on each device kind of the lane; the lane's is its slowest kind's
+                phases = [[e * x[0] + b * x[1] + h * x[2] for x in costs] for costs in per_device]
+                least = phases[0] if len(phases) == 1 else [min(p) for p in zip(*phases)]
+                most = phases[0] if len(phases) == 1 else [max(p) for p in zip(*phases)]
+                c, f = _cycle_and_fill(self.prims, self.schedule, least, most, self.borders, self.total)
+                cycles[k], fills[k] = min(cycles[k], c), min(fills[k], f)
+        return cycles, fills
 
 
-def _least_work(m: int, classes: list[tuple[int, float]]) -> float:
-    """At most `routing.bottleneck(m, classes)` without caps: its least max count × cycle is a count step
-    c × cycle of some class at or above the fluid bound m / Σ lanes / cycle, and each lane serves one at
-    least."""
-    fluid = m / sum(lanes / cycle for lanes, cycle in classes)
-    return max(max(cycle for _, cycle in classes), min(math.ceil(fluid / cycle) * cycle for _, cycle in classes))
+def _least_work(m: int, sizes: list[int], cycles: list[float]) -> float:
+    """At most `routing.bottleneck` of lane classes of `sizes` lanes and these cycles without caps: its least
+    max count × cycle is a count step c × cycle of some class at or above the fluid bound m / Σ lanes /
+    cycle, and each lane serves one at least."""
+    if len(sizes) == 1:
+        return math.ceil(m / sizes[0]) * cycles[0]
+    fluid = m / sum(n / c for n, c in zip(sizes, cycles))
+    return max(max(cycles), min(math.ceil(fluid / c) * c for c in cycles))
 
 
 def _cycle_and_fill(prims: Primitives, schedule: ScheduleKind, least: list[float], most: list[float],
@@ -175,12 +175,13 @@ def _reachable(works: Sequence[dict[int, float]], units: int, bound: float) -> b
 
 def _least_fill(fills: Sequence[dict[int, float]], units: int) -> float:
     """The least Σ fill over counts summing to `units`."""
-    best = {0: 0.0}
+    best = [0.0] + [math.inf] * units   # by the units the stages so far own
     for fill in fills:
-        nxt: dict[int, float] = {}
-        for u, total in best.items():
-            for n, f in fill.items():
-                if u + n <= units and total + f < nxt.get(u + n, math.inf):
-                    nxt[u + n] = total + f
+        nxt = [math.inf] * (units + 1)
+        for u, total in enumerate(best):
+            if total < math.inf:
+                for n, f in fill.items():
+                    if u + n <= units and total + f < nxt[u + n]:
+                        nxt[u + n] = total + f
         best = nxt
-    return best.get(units, math.inf)
+    return best[units]
