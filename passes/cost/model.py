@@ -76,6 +76,7 @@ class CostModel:
         self._compute_times: dict[tuple[int, int, Phase, Unit | None], float] = {}
         self._numels: dict[tuple[int, int, int, int], float] = {}
         self._layer_costs: dict[tuple[int, int], LayerCost] = {}   # (rank, layer): every phase asks
+        self._layer_costs_of: dict[tuple[object, ...], LayerCost] = {}   # by `layer_cost`'s arguments
         self._fits: dict[tuple[str, str, bool, int, int], Bandwidth | None] = {}
         # Note [shared cores]: the plan's ranks on a node with fewer cores than ranks compute slower
         cluster = spec.cluster
@@ -263,10 +264,13 @@ class CostModel:
     def _rank_layer_cost(self, rank: int, idx: int) -> LayerCost:
         stage = self.stage_of(rank)
         block = layer_kind(self.model, idx) == LayerKind.BLOCK
-        return self.layer_cost(self.gpu(rank).device.name, idx, stage.tp, stage.cp, self.tp_group(rank),
-                               stage.offload.activations is not OffloadTarget.NONE,
-                               ep_comm_time(self, rank) if block else 0.0,
-                               self.cp_comm_time(rank) if block else (0.0, 0.0), stage.sequence_parallel)
+        args = (self.gpu(rank).device.name, idx, stage.tp, stage.cp, self.tp_group(rank),
+                stage.offload.activations is not OffloadTarget.NONE, ep_comm_time(self, rank) if block else 0.0,
+                self.cp_comm_time(rank) if block else (0.0, 0.0), stage.sequence_parallel)
+        got = self._layer_costs_of.get(args)   # the ranks of a lane ask alike
+        if got is None:
+            got = self._layer_costs_of[args] = self.layer_cost(*args)
+        return got
 
     def layer_cost(self, device: str, idx: int, tp: int, cp: int, tp_group: tuple[int, ...], rerun: bool,
                    expert_comm: float = 0.0, cp_comm: tuple[float, float] = (0.0, 0.0),
