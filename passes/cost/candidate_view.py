@@ -16,10 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-
-from hetc.memo import cached_property
 from typing import Protocol
 
+from hetc.memo import cached_property
 from hetc.passes.cost.plan_time import peer_lanes
 from hetc.pipeline import route_microbatches
 from hetc.spec import OffloadSpec, ScheduleKind, ZeroShard, ZeroSpec

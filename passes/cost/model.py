@@ -10,9 +10,9 @@ microbatch is involved.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from hetc.memo import cached_property
 from typing import TYPE_CHECKING
 
+from hetc.memo import cached_property
 from hetc.layout import held_fraction
 from hetc.passes.cost.compute import DEFAULT_MEMORY_BANDWIDTH, ComputeModel, LayerCost
 from hetc.passes.cost.cores import BlockingCall, Computing, busy_share, host_waits, rank_slowdowns
@@ -70,7 +70,7 @@ class CostModel:
         self._peers: dict[tuple[int, int], tuple[int, ...]] = {}
         # memo keys: what the time depends on (kinds of pair: node groups, same host, GPUs of the node)
         self._collectives: dict[tuple[Collective, int, float, int, _PairSignature], float] = {}
-        self._ring_kinds: dict[tuple[Collective, tuple[int, ...]],
+        self._ring_kinds: dict[tuple[bool, tuple[int, ...]],
                                tuple[tuple[tuple[Gpu, Gpu, int], ...], _PairSignature]] = {}
         self._p2p: dict[tuple[str, str, bool, float, int], float] = {}
         self._compute_times: dict[tuple[int, int, Phase, Unit | None], float] = {}
@@ -419,7 +419,7 @@ class CostModel:
     def _pair_kinds(self, kind: Collective,
                     ranks: tuple[int, ...]) -> tuple[tuple[tuple[Gpu, Gpu, int], ...], _PairSignature]:
         """The ring's kinds of pair, and what of them its time depends on (the memo's key)."""
-        key = (kind, ranks)
+        key = (kind is Collective.ALL_TO_ALL, ranks)   # the ring collectives use the same pairs
         got = self._ring_kinds.get(key)
         if got is None:
             kinds = tuple(ring_pair_kinds(kind, tuple(self.gpu(r) for r in ranks)))
