@@ -9,8 +9,8 @@ Layers are indexed over [embed, block0, ..., block{L-1}, head].
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
+from hetc.memo import cached_property
 from hetc.spec import CPKind, OffloadSpec, ScheduleKind, ZeroSpec
 from hetc.topology import Gpu
 

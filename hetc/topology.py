@@ -8,9 +8,9 @@ between their zones, then their regions, then the cluster default.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 
+from hetc.memo import cached_property
 from hetc.spec import ClusterSpec, DeviceSpec, Spec
 
 __all__ = ["DEFAULT_INTRA_BANDWIDTH", "MAX_GPUS", "Gpu", "Link", "Topology"]
@@ -30,10 +30,11 @@ class Gpu:
     device: DeviceSpec
     region: str
     zone: str
+    # (group, node): the machine it sits on, made once (the planner and lowering ask it of every GPU often)
+    host: tuple[str, int] = field(init=False, repr=False, compare=False)
 
-    @property
-    def host(self) -> tuple[str, int]:
-        return (self.group, self.node)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "host", (self.group, self.node))
 
     def __str__(self) -> str:
         return f"{self.group}[{self.node}, {self.local}]"

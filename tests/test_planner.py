@@ -14,8 +14,12 @@ from hetc.compiler import compile_spec
 from hetc.compiler import load_checked
 from hetc.frontend.load import load_spec
 from hetc.passes.plan.partition import bandwidth_domains
+from hetc.passes.plan.objective import Goal
 from hetc.passes.plan.planner import plan_spec
 from hetc.passes.plan.routing import bottleneck, spread
+from hetc.passes.plan.screen_bound import screen_bound
+from hetc.passes.plan.search import Search
+from hetc.passes.plan.space import space_from_spec
 from hetc.commands.planreport import plan_summary
 from hetc.spec import AUTO
 from hetc.topology import Topology
@@ -292,3 +296,23 @@ def test_an_unknown_layer_in_a_partly_auto_plan_is_a_located_error(tmp_path, cap
     err = capsys.readouterr().err
     assert f"{path}:4:14: error: 'block9' does not exist: the model has 4 blocks, block0..block3" in err
     assert "internal error" not in err
+
+
+def test_the_screen_bound_is_below_the_objective_of_every_structure_it_bounds():
+    # Note [bounding a screen]: the screen leaves out a structure whose bound exceeds the best it keeps; that
+    # keeps what screening every one keeps only if no bound exceeds its structure's assignment objective
+    path = ZORSE[1]   # 64 GPUs of two kinds in two zones: a large cluster's screen (by the assignment model)
+    spec = load_spec(path).spec
+    topo = Topology(spec)
+    search = Search(spec, topo, None, space_from_spec(spec, topo), Goal.of(spec.parallel.objective))
+    assert not search.exact_screen
+    idle, layout = next(pair for pair in search.layouts() if len(pair[1]) > 1)
+    structures = list(search.variants(idle, layout, search.space.schedules, search.space.micro_batches,
+                                      search.space.tp))
+    assigned = 0
+    for st in structures:
+        got = search.assign(st, full=False)
+        if got is not None:
+            assigned += 1
+            assert screen_bound(search, st) <= got[0].objective, st
+    assert assigned >= 12

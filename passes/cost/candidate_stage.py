@@ -11,14 +11,14 @@ groups (candidate_view.py). The planner's option tables read it too
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import replace
-from functools import cached_property
+from collections.abc import Callable, Iterable
 
+from hetc.memo import cached_property
 from hetc.passes.cost.candidate_view import PlanView, StageContext, StageView
 from hetc.passes.cost.cores import Computing, busy_share
 from hetc.passes.cost.memory import (RankMemory, ShardFactors, StateMemory, StatesHeld, activation_memory,
-                                    interleaved_group, rank_memory, shard_factors, state_memory, zorse_backward_peak)
+                                    interleaved_group, rank_headroom, rank_memory, shard_factors, state_memory,
+                                    zorse_backward_peak)
 from hetc.passes.cost.plan_time import lane_borders, ministage_borders, stage_borders
 from hetc.passes.cost.schedule import Grouping, Unit, UnitLane, UnitOp, unit_ops
 from hetc.passes.cost.zero_time import (ZeroRings, across_nodes, fetch_time, first_gather_time, flush_time,
@@ -175,8 +175,8 @@ class StageCosts:
         """Zorse: ministage `ms` over every lane (one timing per class of lanes)."""
         rep = {lane: lanes[0] for lanes in self.lane_classes() for lane in lanes}
         per_class = {r: unit_lane_times(self, r, ms) for r in set(rep.values())}
-        lanes = tuple(replace(per_class[rep[lane]], microbatches=self.s.routes[lane])
-                      for lane in range(len(self.s.lanes)))
+        routes = self.s.routes   # (looked up by the lanes' counts: once, not per lane)
+        lanes = tuple(per_class[rep[lane]].serving(routes[lane]) for lane in range(len(self.s.lanes)))
         return Unit.of(self.s.index, lanes, self.fetch(ms), self.numel(self.ministage_units(ms)), self.numel(),
                        self.sync(0, ms), self.optimizer(0), self.s.knobs.offload.optimizer)
 
@@ -185,12 +185,23 @@ class StageCosts:
         """One entry per device kind, microbatch count and node share, with its GPU ids."""
         self.in_flight_limit, self.grouping = limit, grouping
         seen: dict[tuple[object, ...], tuple[RankMemory, list[int]]] = {}
-        for lane, gpus in enumerate(self.s.lanes):
+        lane_devices = self.s.res.lane_devices
+        for lane, (gpus, count) in enumerate(zip(self.s.lanes, self.s.counts)):
+            share = self.s.node_share(lane)
+            devices, ids = lane_devices[lane]
+            if len(set(devices)) == 1:   # (a lane of one device kind, as a lane inside a node is: at once)
+                key = (devices[0], count, share)
+                got = seen.get(key)
+                if got is None:
+                    got = seen[key] = (self.memory(lane, gpus[0], count), [])
+                got[1].extend(ids)
+                continue
             for gpu in gpus:
-                key = (gpu.device.name, self.s.counts[lane], self.s.node_share(lane))
-                if key not in seen:
-                    seen[key] = (self.memory(lane, gpu, self.s.counts[lane]), [])
-                seen[key][1].append(gpu.id)
+                key = (gpu.device.name, count, share)
+                got = seen.get(key)
+                if got is None:
+                    got = seen[key] = (self.memory(lane, gpu, count), [])
+                got[1].append(gpu.id)
         return [(mem, tuple(ids)) for mem, ids in seen.values()]
 
     def shard(self, lane: int) -> ShardFactors:
@@ -269,17 +280,19 @@ class StageCosts:
     def headroom(self, lane: int, count: int) -> float:
         """Bytes left on the fullest rank of `lane` serving `count` microbatches."""
         share = self.s.node_share(lane)
-        kinds = {g.device.name: g for g in self.s.lanes[lane]}.values()   # a kind's ranks hold alike
-        return min(self._room(g, share, count) for g in kinds)
+        return min(self._room(g, share, count) for g in self._kinds(lane))
+
+    def _kinds(self, lane: int) -> Iterable[Gpu]:
+        """One GPU of each device kind in `lane` (a kind's ranks hold alike)."""
+        return {g.device.name: g for g in self.s.lanes[lane]}.values()
 
     def _room(self, gpu: Gpu, node_share: int | None, count: int) -> float:
         """Bytes left on a rank of `gpu`'s kind; memoised (the option tables search counts)."""
         key = (gpu.device.name, node_share, count, self.in_flight_limit, self.grouping)
         got = self._rooms.get(key)
         if got is None:
-            m = rank_memory(gpu.id, gpu, self.s.index, self._static(node_share), self._activations(count),
-                            self._zorse_peak(node_share, count))
-            got = self._rooms[key] = m.capacity - m.total
+            got = self._rooms[key] = rank_headroom(gpu, self._static(node_share), self._activations(count),
+                                                   self._zorse_peak(node_share, count))
         return got
 
     @cached_property
@@ -300,6 +313,8 @@ class StageCosts:
 
     def _zorse_peak(self, node_share: int | None, count: int) -> tuple[float, float] | None:
         """Activations and gradients at once at a Zorse rank's peak (`memory.zorse_backward_peak`)."""
+        if self.plan.schedule is not ScheduleKind.ZORSE:   # (the only schedule it applies to)
+            return None
         grads = [n * self.p.states.grads for n in self.ms_numel]
         return zorse_backward_peak(self.plan.schedule, self.p.train.grad_clip, bool(self.s.knobs.offload.activations),
                                    count, self._per_mb_activations, grads, sum(grads) * self.shard_of(node_share).grads)
@@ -355,19 +370,26 @@ def _lane_classes(sc: StageCosts) -> dict[tuple[object, ...], list[int]]:
     if neighbours:
         assert isinstance(plan, PlanView)   # a stage with borders is timed inside its plan
         peer_keys = [_peer_keys(plan, st.index, o, hosts) for o in neighbours]
+    peers_of = list(zip(*peer_keys)) if peer_keys else [()] * len(st.lanes)   # per lane, its peers' keys
+    counts = st.counts
     for c, lanes in enumerate(st.res.classes):
         for lane in lanes:
-            key: _LaneClassKey = (c, st.counts[lane], *(keys[lane] for keys in peer_keys))
-            out.setdefault(key, []).append(lane)
+            key: _LaneClassKey = (c, counts[lane], *peers_of[lane])
+            got = out.get(key)
+            if got is None:
+                out[key] = [lane]
+            else:
+                got.append(lane)
     return out
 
 
 def _kind_reps(sc: StageCosts) -> list[int]:
     """The first lane holding each device kind and core share of the stage (`plan_time.kind_reps`)."""
     seen: dict[tuple[str, float], int] = {}
-    for lane, gpus in enumerate(sc.s.lanes):
-        for g in gpus:
-            seen.setdefault((g.device.name, sc.slowdown(lane)), lane)
+    for lane, (devices, _) in enumerate(sc.s.res.lane_devices):
+        slowdown = sc.slowdown(lane)
+        for name in devices:
+            seen.setdefault((name, slowdown), lane)
     return list(seen.values())
 
 

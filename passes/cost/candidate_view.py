@@ -15,9 +15,10 @@ many candidates are cheap. The planner turns its candidates into views
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import lru_cache
 from typing import Protocol
 
+from hetc.memo import cached_property
 from hetc.passes.cost.plan_time import peer_lanes
 from hetc.pipeline import route_microbatches
 from hetc.spec import OffloadSpec, ScheduleKind, ZeroShard, ZeroSpec

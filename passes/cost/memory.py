@@ -20,7 +20,7 @@ Activations in flight per rank depend on the schedule (see `in_flight`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 from itertools import accumulate
 
@@ -43,6 +43,7 @@ __all__ = [
     "interleaved_update",
     "interleaved_warmup",
     "offloaded",
+    "rank_headroom",
     "rank_memory",
     "resident_params",
     "shard_factors",
@@ -335,7 +336,7 @@ class RankMemory:
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.buffers + self.reserve
+        return _total(self.params, self.grads, self.optimizer, self.activations, self.buffers, self.reserve)
 
     @property
     def fits(self) -> bool:
@@ -346,9 +347,30 @@ def rank_memory(rank: int, gpu: Gpu, stage: int, states: StateMemory, activation
                 zorse_peak: tuple[float, float] | None = None) -> RankMemory:
     """The breakdown of one rank: `state_memory` and `activation_memory` on its device, or with
     `zorse_peak` (`zorse_backward_peak`) the activations and gradients held at once."""
-    if zorse_peak is not None:
-        states = replace(states, grads=zorse_peak[1])
-        activations = (zorse_peak[0], activations[1])
+    grads, held = _at_peak(states, activations, zorse_peak)
     context = context_reserve(gpu.device.memory, gpu.device.is_cpu)
-    return RankMemory(rank, str(gpu), gpu.device.name, stage, states.params, states.grads, states.optimizer,
-                      activations[0], states.buffers, context, gpu.device.memory, states.host + activations[1])
+    return RankMemory(rank, str(gpu), gpu.device.name, stage, states.params, grads, states.optimizer,
+                      held, states.buffers, context, gpu.device.memory, states.host + activations[1])
+
+
+def rank_headroom(gpu: Gpu, states: StateMemory, activations: tuple[float, float],
+                  zorse_peak: tuple[float, float] | None = None) -> float:
+    """`rank_memory(...)`'s capacity less its total, without building the breakdown (the planner asks
+    this of thousands of stage options, for several microbatch counts each)."""
+    grads, held = _at_peak(states, activations, zorse_peak)
+    device = gpu.device
+    return device.memory - _total(states.params, grads, states.optimizer, held, states.buffers,
+                                  context_reserve(device.memory, device.is_cpu))
+
+
+def _at_peak(states: StateMemory, activations: tuple[float, float],
+             zorse_peak: tuple[float, float] | None) -> tuple[float, float]:
+    """(gradients, activations) on the device at the rank's peak."""
+    if zorse_peak is None:
+        return states.grads, activations[0]
+    return zorse_peak[1], zorse_peak[0]
+
+
+def _total(params: float, grads: float, optimizer: float, activations: float, buffers: float,
+           reserve: float) -> float:
+    return params + grads + optimizer + activations + buffers + reserve

@@ -10,9 +10,9 @@ microbatch is involved.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import cached_property
 from typing import TYPE_CHECKING
 
+from hetc.memo import cached_property
 from hetc.layout import held_fraction
 from hetc.passes.cost.compute import DEFAULT_MEMORY_BANDWIDTH, ComputeModel, LayerCost
 from hetc.passes.cost.cores import BlockingCall, Computing, busy_share, host_waits, rank_slowdowns
@@ -71,12 +71,13 @@ class CostModel:
         self._peers: dict[tuple[int, int], tuple[int, ...]] = {}
         # memo keys: what the time depends on (kinds of pair: node groups, same host, GPUs of the node)
         self._collectives: dict[tuple[Collective, int, float, int, _PairSignature], float] = {}
-        self._ring_kinds: dict[tuple[Collective, tuple[int, ...]],
+        self._ring_kinds: dict[tuple[bool, tuple[int, ...]],
                                tuple[tuple[tuple[Gpu, Gpu, int], ...], _PairSignature]] = {}
         self._p2p: dict[tuple[str, str, bool, float, int], float] = {}
         self._compute_times: dict[tuple[int, int, Phase, Unit | None], float] = {}
         self._numels: dict[tuple[int, int, int, int], float] = {}
         self._layer_costs: dict[tuple[int, int], LayerCost] = {}   # (rank, layer): every phase asks
+        self._layer_costs_of: dict[tuple[object, ...], LayerCost] = {}   # by `layer_cost`'s arguments
         self._fits: dict[tuple[str, str, bool, int, int], Bandwidth | None] = {}
         # Note [shared cores]: the plan's ranks on a node with fewer cores than ranks compute slower
         cluster = spec.cluster
@@ -264,10 +265,13 @@ class CostModel:
     def _rank_layer_cost(self, rank: int, idx: int) -> LayerCost:
         stage = self.stage_of(rank)
         block = layer_kind(self.model, idx) == LayerKind.BLOCK
-        return self.layer_cost(self.gpu(rank).device.name, idx, stage.tp, stage.cp, self.tp_group(rank),
-                               stage.offload.activations is not OffloadTarget.NONE,
-                               ep_comm_time(self, rank) if block else 0.0,
-                               self.cp_comm_time(rank) if block else (0.0, 0.0), stage.sequence_parallel)
+        args = (self.gpu(rank).device.name, idx, stage.tp, stage.cp, self.tp_group(rank),
+                stage.offload.activations is not OffloadTarget.NONE, ep_comm_time(self, rank) if block else 0.0,
+                self.cp_comm_time(rank) if block else (0.0, 0.0), stage.sequence_parallel)
+        got = self._layer_costs_of.get(args)   # the ranks of a lane ask alike
+        if got is None:
+            got = self._layer_costs_of[args] = self.layer_cost(*args)
+        return got
 
     def layer_cost(self, device: str, idx: int, tp: int, cp: int, tp_group: tuple[int, ...], rerun: bool,
                    expert_comm: float = 0.0, cp_comm: tuple[float, float] = (0.0, 0.0),
@@ -416,7 +420,7 @@ class CostModel:
     def _pair_kinds(self, kind: Collective,
                     ranks: tuple[int, ...]) -> tuple[tuple[tuple[Gpu, Gpu, int], ...], _PairSignature]:
         """The ring's kinds of pair, and what of them its time depends on (the memo's key)."""
-        key = (kind, ranks)
+        key = (kind is Collective.ALL_TO_ALL, ranks)   # the ring collectives use the same pairs
         got = self._ring_kinds.get(key)
         if got is None:
             kinds = tuple(ring_pair_kinds(kind, tuple(self.gpu(r) for r in ranks)))

@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from collections.abc import Sequence
-from functools import cached_property
 
+from hetc.memo import cached_property
 from hetc.passes.cost import plan_time as pt
 from hetc.passes.cost.classes import ClassEstimate, PlanShape, evaluate_classes
 from hetc.passes.cost.experts import sharded_numel

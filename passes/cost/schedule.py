@@ -483,6 +483,11 @@ class UnitLane:
         backward's rerun of the ministage is in its compute time."""
         return cls(microbatches, max(forward, boundary_copy), max(backward, boundary_copy), p2p_out, p2p_back)
 
+    def serving(self, microbatches: tuple[int, ...]) -> UnitLane:
+        """The same lane timing for another lane of its class, which serves `microbatches` (`replace`, without
+        its cost: a stage asks it of every lane)."""
+        return UnitLane(microbatches, self.forward, self.backward, self.p2p_out, self.p2p_back)
+
 
 @dataclass(frozen=True)
 class Unit:

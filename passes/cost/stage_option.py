@@ -23,7 +23,7 @@ from hetc.passes.cost.candidate_stage import StageCosts, unit_lane_times
 from hetc.passes.cost.classes import lane_timing
 from hetc.spec import ScheduleKind, ZeroShard
 
-__all__ = ["LaneClass", "StageOptionCosts", "lane_cap", "option_costs", "serialised_fill"]
+__all__ = ["LaneClass", "StageOptionCosts", "lane_cap", "lockstep", "option_costs", "serialised_fill"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +50,7 @@ def option_costs(sc: StageCosts, classes: Sequence[tuple[int, ...]], m: int) -> 
     fits) and its times are not: infinite cycles and no fill, tail or drain.
     """
     schedule = sc.plan.schedule
-    per_mb = schedule is not ScheduleKind.ZORSE and sc.s.knobs.zero >= 2 and sc.s.zero.shard is ZeroShard.ALL
-    equal = per_mb and len(sc.s.lanes) > 1
+    equal = lockstep(schedule, sc.s.knobs.zero, sc.s.zero.shard, len(sc.s.lanes))
     if equal and m % len(sc.s.lanes):
         caps = tuple(LaneClass(lanes, math.inf, lane_cap(sc, lanes[0], m)) for lanes in classes)
         return StageOptionCosts(caps, 0.0, 0.0, 0.0, equal)
@@ -81,6 +80,12 @@ def option_costs(sc: StageCosts, classes: Sequence[tuple[int, ...]], m: int) -> 
     return StageOptionCosts(tuple(lane_classes), fill, tail, drain, equal)
 
 
+def lockstep(schedule: ScheduleKind, level: int, shard: ZeroShard, num_lanes: int) -> bool:
+    """Whether a stage's lanes run in lockstep, each serving as many microbatches: ZeRO-2/3 over all of them,
+    collectives per microbatch (every schedule but Zorse's)."""
+    return schedule is not ScheduleKind.ZORSE and level >= 2 and shard is ZeroShard.ALL and num_lanes > 1
+
+
 def serialised_fill(sc: StageCosts, work: float | None) -> float:
     """Note [Zorse serialises a stage's ministages]: the next stage starts on a microbatch only once this
     stage runs its last ministage, so all but 1/k of the stage's `work` (its busiest lane's seconds over
@@ -92,21 +97,38 @@ def serialised_fill(sc: StageCosts, work: float | None) -> float:
 
 
 def lane_cap(sc: StageCosts, lane: int, m: int) -> int:
-    """The most microbatches a lane of this class can serve within memory (memory grows with the count)."""
+    """The most microbatches a lane of this class can serve within memory (at most `m`; 0: not one).
+
+    Found with as few probes of the lane's memory as its schedule allows (Note [memory caps]).
+    """
+    per_microbatch = sc.activations_per_count()
+    if per_microbatch:   # linear in the count: the closed form, checked
+        room = sc.headroom(lane, 1)
+        if room < 0:
+            return 0
+        guess = min(1 + int(room / per_microbatch), m)
+        if not sc.fits(lane, guess):
+            return _last_fitting(sc, lane, 1, guess)
+        if guess == m or not sc.fits(lane, guess + 1):
+            return guess
+        return _last_fitting(sc, lane, guess + 1, m + 1)
     if sc.fits(lane, m):
         return m
-    if not sc.fits(lane, 1):
-        return 0
-    lo, hi = 1, m   # fits(lo), not fits(hi)
-    per_microbatch = sc.activations_per_count()
-    if per_microbatch:  # linear in the count: the closed form, checked
-        guess = min(max(1 + int(sc.headroom(lane, 1) / per_microbatch), 1), m - 1)
-        if sc.fits(lane, guess):
-            lo = guess
-            hi = guess + 1 if not sc.fits(lane, guess + 1) else m
-        else:
-            hi = guess
+    return _last_fitting(sc, lane, 1, m) if sc.fits(lane, 1) else 0
+
+
+def _last_fitting(sc: StageCosts, lane: int, lo: int, hi: int) -> int:
+    """The last count in [lo, hi) that fits, given that `lo` fits and `hi` does not (m + 1 never does)."""
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if sc.fits(lane, mid) else (lo, mid)
     return lo
+
+
+# Note [memory caps]: each probe of a lane's memory builds the rank's breakdown at that count, so the cap
+# is found with few. Where the activations grow linearly with the count (GPipe, Zorse without offloaded
+# activations) the memory is non-decreasing in it and the headroom at one microbatch gives the cap in
+# closed form, checked at it and one past it (a Zorse peak can grow by less than a whole microbatch's
+# activations, never more). Elsewhere the memory stops growing at the in-flight limit, but not always
+# monotonically (interleaved 1F1B's last, partial group of microbatches can hold less than a whole one), so
+# the cap is bisected between one microbatch and `m` as it always was.

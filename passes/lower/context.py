@@ -13,8 +13,8 @@ parameters and see different tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
+from hetc.memo import cached_property
 from hetc.errors import InternalError
 from hetc.groups import WORLD, Axis, Direction, GroupId, GroupKind
 from hetc.layout import Range, boundary_ranges, held_length, transfers

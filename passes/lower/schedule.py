@@ -28,8 +28,7 @@ from hetc.passes.cost.schedule import Grouping
 from hetc.passes.lower.context import LowerContext, rank_shell
 from hetc.passes.lower.lane_sim import Op, Policy, simulate
 from hetc.pipeline import Lane, Pipeline, Stage
-from hetc.program import (Backward, BackwardInput, BackwardWeight, ComputeInstr, Forward, Instr, Load, Phase, Program,
-                          RankProgram)
+from hetc.program import Backward, BackwardInput, BackwardWeight, ComputeInstr, Forward, Instr, Load, Phase, Program
 from hetc.spec import ModelSpec, ScheduleKind
 
 __all__ = ["Lockstep", "LockstepReason", "Op", "lane_queues", "lockstep_groups", "order_compute", "queue_shape"]
@@ -63,9 +62,14 @@ def _order(ctx: LowerContext, strict: bool) -> Program:
     orders = simulate(policies, _memo(lambda op: _deps(ctx, op, split)), _memo(lambda op: _duration(ctx, op)),
                       _coupled_lanes(ctx, policies), lift_limits=not strict, lag=lambda dep, op: _lag(ctx, dep, op))
     programs = []
+    instrs: dict[tuple[int, int], tuple[Instr, ...]] = {}   # a lane's ranks run the same ops: made once
     for place in ctx.places:
-        ops = orders[(place.stage.index, place.lane.index)]
-        programs.append(_with_loads(ctx, rank_shell(place), ops))
+        key = (place.stage.index, place.lane.index)
+        if key not in instrs:
+            instrs[key] = _with_loads(ctx, orders[key])
+        shell = rank_shell(place)
+        programs.append(type(shell)(shell.rank, shell.stage, shell.lane, shell.tp_rank, shell.cp_rank, shell.shards,
+                                    instrs[key]))
     return Program(tuple(programs), ctx.groups)
 
 
@@ -280,8 +284,8 @@ def _lag(ctx: LowerContext, dep: Op, op: Op) -> float:
 _COMPUTE: dict[str, type[ComputeInstr]] = {"F": Forward, "B": Backward, "I": BackwardInput, "W": BackwardWeight}
 
 
-def _with_loads(ctx: LowerContext, shell: RankProgram, ops: list[Op]) -> RankProgram:
-    """The rank's compute ops, with a `load` before the first use of each microbatch's data."""
+def _with_loads(ctx: LowerContext, ops: list[Op]) -> tuple[Instr, ...]:
+    """A lane's compute ops, with a `load` before the first use of each microbatch's data."""
     instrs: list[Instr] = []
     loaded = set()
     for kind, ms, mb in ops:
@@ -290,5 +294,4 @@ def _with_loads(ctx: LowerContext, shell: RankProgram, ops: list[Op]) -> RankPro
             instrs.append(Load(mb))
             loaded.add(mb)
         instrs.append(_COMPUTE[kind](ms, mb))
-    return type(shell)(shell.rank, shell.stage, shell.lane, shell.tp_rank, shell.cp_rank, shell.shards,
-                       tuple(instrs))
+    return tuple(instrs)

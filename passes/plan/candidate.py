@@ -13,8 +13,8 @@ every stage owns `v` chunks taken round-robin (Megatron's virtual stages).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
+from hetc.memo import cached_property
 from hetc.spec import OffloadSpec, OffloadTarget, ScheduleKind
 from hetc.topology import Gpu, Topology
 

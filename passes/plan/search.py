@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any, TypeVar
 
 from hetc.passes.cost import Profiles
@@ -30,6 +30,7 @@ from hetc.passes.plan.assign import Assignment, assign_cpsat, model_objective
 from hetc.passes.plan.improve import improve
 from hetc.passes.plan.layouts import Layout
 from hetc.passes.plan.objective import Goal
+from hetc.passes.plan.screen_bound import screen_bound
 from hetc.passes.plan.space import SearchSpace
 from hetc.passes.plan.structures import Found, SearchLimits, Structure, Structures, base_knobs
 from hetc.passes.plan.tables import StageTable
@@ -75,16 +76,18 @@ class Search(Structures):
                 tell("quick look")
             every_size = len(pairs) * len(first) * len(self.space.micro_batches) <= self.limits.exhaustive
             sizes = self.space.micro_batches if every_size else smallest
-            ranked = self._screen(st for idle, layout in pairs
-                                  for st in self.variants(idle, layout, first, sizes))
+            ranked = self._screen([st for idle, layout in pairs for st in self.variants(idle, layout, first, sizes)],
+                                  self.limits.layouts, _layout_of)
             tell("layouts")
-            best = _top_distinct(ranked, self.limits.layouts, key=lambda st: (st.idle, st.layout))
-            ranked = self._screen(st for idle, layout in best for st in self._every_variant(idle, layout))
+            best = _top_distinct(ranked, self.limits.layouts, key=_layout_of)
+            # the model ranks roughly on large clusters: a wider shortlist is scored exactly
+            wide = self.limits.structures if self.exact_screen else 3 * self.limits.structures
+            ranked = self._screen([st for idle, layout in best for st in self._every_variant(idle, layout)],
+                                  wide, _itself)
             tell("schedules")
-            if not self.exact_screen:  # the model ranks roughly: score a wider shortlist exactly
-                wide = _top_distinct(ranked, 3 * self.limits.structures, key=lambda st: st)
-                ranked = self._rescore(wide)
-            shortlist = _top_distinct(ranked, self.limits.structures, key=lambda st: st)
+            if not self.exact_screen:
+                ranked = self._rescore(_top_distinct(ranked, wide, key=_itself))
+            shortlist = _top_distinct(ranked, self.limits.structures, key=_itself)
         found = sorted((f for st in shortlist for f in self._configure(st)), key=self.rank)
         tell("configurations")
         for st in _to_refine(found, self.limits.refine, by_depth=self.exact_screen):
@@ -119,21 +122,33 @@ class Search(Structures):
     def exact_screen(self) -> bool:
         return self.limits.exact_screen
 
-    def _screen(self, structures: Iterable[Structure]) -> list[tuple[tuple[object, ...], Structure]]:
-        out = []
-        for st in structures:
-            self.visited += 1
-            got = self.assign(st, full=False)
-            if got is None:
-                continue
-            if self.exact_screen:
-                f = self.found(st, got[0])
+    def _screen(self, structures: list[Structure], keep: int, key: Callable[[Structure], Hashable]
+                ) -> list[tuple[tuple[object, ...], Structure]]:
+        """Each structure's rank by its assignment (by its exact score where the screen is exact), for the
+        best `keep` of distinct `key` (`_top_distinct`): on large clusters only those that can be among
+        them are assigned (Note [bounding a screen]); the others are left out."""
+        self.visited += len(structures)
+        if self.exact_screen:
+            out = []
+            for st in structures:
+                got = self.assign(st, full=False)
+                f = None if got is None else self.found(st, got[0])
                 if f is not None:
                     out.append((self.rank(f)[:3], st))
-            else:
+            return out
+        bounds = [screen_bound(self, st) for st in structures]
+        kept: list[tuple[int, tuple[object, ...]]] = []
+        best: dict[Hashable, float] = {}   # the least objective of each key so far
+        for i in sorted(range(len(structures)), key=lambda i: bounds[i]):
+            if len(best) >= keep and bounds[i] > sorted(best.values())[keep - 1]:
+                break   # this bound and every later one exceed the keep-th best: none of them can be kept
+            st = structures[i]
+            got = self.assign(st, full=False)
+            if got is not None:
                 value = got[0].objective * self._price_factor(st)
-                out.append(((False, False, value), st))
-        return out
+                kept.append((i, (False, False, value)))
+                best[key(st)] = min(value, best.get(key(st), math.inf))
+        return [(rank, structures[i]) for i, rank in sorted(kept, key=lambda ir: ir[0])]
 
     def _rescore(self, structures: list[Structure]) -> list[tuple[tuple[object, ...], Structure]]:
         out = []
@@ -185,6 +200,14 @@ def _to_refine(found: list[Found], k: int, by_depth: bool = False) -> list[Struc
         firsts.setdefault((st.schedule, len(st.layout)) if by_depth else st.schedule, st)
     picks += [st for st in firsts.values() if st not in picks]
     return picks
+
+
+def _layout_of(st: Structure) -> tuple[tuple[str, ...], Layout]:
+    return (st.idle, st.layout)
+
+
+def _itself(st: Structure) -> Structure:
+    return st
 
 
 def _top_distinct(ranked: list[tuple[Any, Structure]], k: int, key: Callable[[Structure], _K]) -> list[_K]:

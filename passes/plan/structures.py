@@ -26,7 +26,7 @@ from hetc.passes.plan.routing import spread
 from hetc.passes.plan.space import SearchSpace, knob_options
 from hetc.passes.cost.candidate_view import ResolvedStage
 from hetc.passes.plan.stages import StageRule, written_counts
-from hetc.passes.plan.tables import Option, StageTable, stage_table
+from hetc.passes.plan.tables import Option, StageTable, holds_all, placeable, stage_costs, stage_option
 from hetc.passes.plan.views import Resolver, view_of
 from hetc.spec import ModelSpec, Objective, ScheduleKind, Spec
 from hetc.topology import Gpu, Topology
@@ -87,8 +87,9 @@ class Structures:
         self.resolve = Resolver(topo)
         self.prims = {b: Primitives(spec, topo, profiles, b) for b in space.micro_batches}
         self.units = spec.model.num_model_layers
-        # an option's memo key: what it depends on (`_option`)
+        # options by what they depend on (`_key`)
         self._options: dict[tuple[object, ...], Option | None] = {}
+        self._holds: dict[tuple[object, ...], bool] = {}   # the same key: `_holds_all`
 
     def layouts(self) -> Iterator[tuple[tuple[str, ...], Layout]]:
         rules = self.space.stages
@@ -163,30 +164,56 @@ class Structures:
         """Stage s's options for these layer counts; `fallback` only where none of `knobs` fits in memory."""
         res = self.resolve(st.layout[s])
         table = StageTable(s, res)
-        n_stages = len(st.layout)
-        neighbours = {o % n_stages: self.resolve(st.layout[o % n_stages]).lanes[0][0]
-                      for o in (s - 1, s + 1) if n_stages > 1}
-        m = self.prims[st.micro_batch].num_microbatches
+        neighbours = self.neighbours(st, s)
         for n in layers:
             got = [self._option(st, s, n, k, res, neighbours) for k in knobs]
-            roomy = any(o is not None and all(c.cap >= m for c in o.classes) for o in got)
-            if fallback is not None and not roomy:
+            if fallback is not None and not self._roomy(st, s, n, knobs, got, res, neighbours):
                 got.append(self._option(st, s, n, fallback, res, neighbours))
             table.options += [o for o in got if o is not None]
         return table
 
+    def neighbours(self, st: Structure, s: int) -> dict[int, Gpu]:
+        """The stages beside stage s (pipeline order wraps around), each by its first GPU: the border peers
+        its option tables are read with."""
+        n_stages = len(st.layout)
+        return {o % n_stages: self.resolve(st.layout[o % n_stages]).lanes[0][0] for o in (s - 1, s + 1)
+                if n_stages > 1}
+
+    def _roomy(self, st: Structure, s: int, n: int, knobs: list[Knobs], got: list[Option | None],
+               res: ResolvedStage, neighbours: dict[int, Gpu]) -> bool:
+        """Whether one of `knobs` holds every microbatch on every lane at n units: an option's caps, or for one
+        that cannot be place them (not built) its memory at m (Note [options that cannot be placed])."""
+        m = self.prims[st.micro_batch].num_microbatches
+        if any(o is not None and all(c.cap >= m for c in o.classes) for o in got):
+            return True
+        return any(self._holds_all(st, s, n, k, res, neighbours) for k in knobs
+                   if not placeable(m, res, k, st.schedule, self.space.zero_base))
+
+    def _key(self, st: Structure, s: int, n: int, knobs: Knobs, neighbours: dict[int, Gpu]) -> tuple[object, ...]:
+        """What an option depends on: this stage, its place, its neighbours' first GPUs (the border peers)."""
+        peers = tuple(sorted((o, g.group, g.host) for o, g in neighbours.items()))
+        return (st.layout[s], s, len(st.layout), peers, st.schedule, st.micro_batch, st.interleave, n, knobs)
+
     def _option(self, st: Structure, s: int, n: int, knobs: Knobs, res: ResolvedStage,
                 neighbours: dict[int, Gpu]) -> Option | None:
-        # what the option depends on: this stage, its place, its neighbours' first GPUs (the border peers)
-        peers = tuple(sorted((o, g.group, g.host) for o, g in neighbours.items()))
-        key = (st.layout[s], s, len(st.layout), peers, st.schedule, st.micro_batch, st.interleave, n, knobs)
+        key = self._key(st, s, n, knobs, neighbours)
         if key not in self._options:
-            options = stage_table(self.prims[st.micro_batch], res, s, len(st.layout), range(n, n + 1),
-                                  [knobs],
-                                  st.schedule, neighbours, st.interleave, self.space.prefetch,
-                                  self.space.zero_base).options
-            self._options[key] = options[0] if options else None
+            self._options[key] = stage_option(self.prims[st.micro_batch], res, s, len(st.layout), n, knobs,
+                                              st.schedule, neighbours, st.interleave, self.space.prefetch,
+                                              self.space.zero_base)
         return self._options[key]
+
+    def _holds_all(self, st: Structure, s: int, n: int, knobs: Knobs, res: ResolvedStage,
+                   neighbours: dict[int, Gpu]) -> bool:
+        if knobs.ministages > n or (st.interleave and st.interleave > n):
+            return False   # no such option
+        key = self._key(st, s, n, knobs, neighbours)
+        if key not in self._holds:
+            prims = self.prims[st.micro_batch]
+            sc = stage_costs(prims, res, s, len(st.layout), n, knobs, st.schedule, neighbours, st.interleave,
+                             self.space.prefetch, self.space.zero_base)
+            self._holds[key] = holds_all(sc, res.classes, prims.num_microbatches)
+        return self._holds[key]
 
     def knobs(self, st: Structure, s: int, full: bool) -> list[Knobs]:
         options = knob_options(self.space, st.schedule, st.interleave, len(self.resolve(st.layout[s]).lanes),

@@ -24,13 +24,13 @@ from hetc.errors import InternalError
 from hetc.passes.cost.candidate_stage import StageCosts
 from hetc.passes.cost.candidate_view import ResolvedStage, StageContext, StageView
 from hetc.passes.cost.probe import Primitives
-from hetc.passes.cost.stage_option import LaneClass, option_costs, serialised_fill
+from hetc.passes.cost.stage_option import LaneClass, lockstep, option_costs, serialised_fill
 from hetc.passes.plan.candidate import Knobs, split_evenly
 from hetc.passes.plan.routing import bottleneck
 from hetc.spec import ScheduleKind, ZeroSpec
 from hetc.topology import Gpu
 
-__all__ = ["Option", "StageTable", "stage_costs", "stage_table"]
+__all__ = ["Option", "StageTable", "holds_all", "placeable", "stage_costs", "stage_option"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,18 +121,39 @@ def _zero_at(base: ZeroSpec, level: int) -> ZeroSpec:
     return replace(base, level=level)
 
 
-def stage_table(prims: Primitives, res: ResolvedStage, index: int, num_stages: int, layer_range: range,
-                knob_options: list[Knobs], schedule: ScheduleKind, neighbours: dict[int, Gpu],
-                interleave: int = 0, prefetch: int = 1, zero_base: ZeroSpec | None = None) -> StageTable:
-    table = StageTable(index, res)
-    for n in layer_range:
-        for knobs in knob_options:
-            if knobs.ministages > n or (interleave and interleave > n):
-                continue
-            sc = stage_costs(prims, res, index, num_stages, n, knobs, schedule, neighbours, interleave,
-                             prefetch, zero_base)
-            table.options.append(_option(sc, n, knobs, res.classes, prims.num_microbatches))
-    return table
+def stage_option(prims: Primitives, res: ResolvedStage, index: int, num_stages: int, n: int, knobs: Knobs,
+                 schedule: ScheduleKind, neighbours: dict[int, Gpu], interleave: int = 0, prefetch: int = 1,
+                 zero_base: ZeroSpec | None = None) -> Option | None:
+    """Stage `index`'s option of n layer units under `knobs`; None where its ministages or chunks do not fit
+    in n units, or where it cannot place the microbatches (Note [options that cannot be placed])."""
+    if knobs.ministages > n or (interleave and interleave > n) or \
+            not placeable(prims.num_microbatches, res, knobs, schedule, zero_base):
+        return None
+    sc = stage_costs(prims, res, index, num_stages, n, knobs, schedule, neighbours, interleave, prefetch,
+                     zero_base)
+    return _option(sc, n, knobs, res.classes, prims.num_microbatches)
+
+
+# Note [options that cannot be placed]: lanes in lockstep (ZeRO-2/3 collectives per microbatch, `lockstep`)
+# serve equal counts, so where the m microbatches do not split evenly over a stage's lanes no assignment can
+# use the option, whatever it costs (its work would be None; at 128 GPUs that is most ZeRO-2/3 options, as
+# 512 microbatches do not split over 20 lanes). It is not built. The one thing the search asks of it is
+# whether it would hold all m microbatches on every lane (a stage takes its fallback configuration at a
+# layer count only where none of its configurations does, `Structures._table`): `holds_all`, the stage's
+# memory at m alone, asked only where no option that can be placed holds them.
+
+
+def placeable(m: int, res: ResolvedStage, knobs: Knobs, schedule: ScheduleKind,
+              zero_base: ZeroSpec | None = None) -> bool:
+    """Whether the stage's lanes can share the m microbatches under `knobs` (Note [options that cannot be
+    placed])."""
+    lanes = len(res.lanes)
+    return not (lockstep(schedule, knobs.zero, (zero_base or ZeroSpec()).shard, lanes) and m % lanes)
+
+
+def holds_all(sc: StageCosts, classes: list[tuple[int, ...]], m: int) -> bool:
+    """Whether every lane of the stage holds all m microbatches in memory."""
+    return all(sc.fits(lanes[0], m) for lanes in classes)
 
 
 def _option(sc: StageCosts, n: int, knobs: Knobs, classes: list[tuple[int, ...]], m: int) -> Option:
