@@ -43,7 +43,7 @@ def measure(seed: int, size: int, folder: Path) -> dict:
     loaded = load_spec(path)
     start = time.perf_counter()
     try:
-        result = plan_spec(loaded.spec, None, loaded.path.parent)
+        result = plan_spec(loaded.spec, None, loaded.path.parent, keep_program=True)
     except SpecError:
         return {"outcome": "nothing fits"}
     except InternalError as err:   # the planner's own check refused its plan

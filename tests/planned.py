@@ -69,7 +69,7 @@ class PlanCache:
 def _planned(path: Path, limits: SearchLimits | None) -> Planned | None:
     loaded = load_spec(path)
     try:
-        result = plan_spec(loaded.spec, None, loaded.path.parent, limits=limits)
+        result = plan_spec(loaded.spec, None, loaded.path.parent, limits=limits, keep_program=True)
     except SpecError as err:
         message = err.diagnostics[0].message
         assert err.diagnostics[0].span.file, f"the 'nothing fits' error has no location: {message}"

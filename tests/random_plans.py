@@ -2,7 +2,7 @@
 
 `random_plan(rng)` writes the `parallel` block of a plan that the front-end
 may accept or reject: 1–4 stages over contiguous layers, any lane count that
-divides the stage's GPUs (tp 1 or 2), 1–3 ministages, uneven microbatch
+divides the stage's GPUs (tp 1 or 2, or one given), 1–3 ministages, uneven microbatch
 routing, every schedule kind, ZeRO 0–3 (flat or hierarchical), parameter
 and activation offload, prefetch depth, and gradient clipping.
 """
@@ -31,8 +31,10 @@ def _zero(rng: random.Random, level: int) -> list[str]:
     return ["  zero {", f"    level = {level}", "    shard = node", f"    across = {rng.choice([0, 1])}", "  }"]
 
 
-def _stage(rng: random.Random, s: int, gpus: list[int], first: int, stop: int, idle: list[int]) -> list[str]:
-    tp = rng.choice([1, 1, 2]) if len(gpus) % 2 == 0 else 1
+def _stage(rng: random.Random, s: int, gpus: list[int], first: int, stop: int, idle: list[int],
+           tp: int | None) -> list[str]:
+    if tp is None:
+        tp = rng.choice([1, 1, 2]) if len(gpus) % 2 == 0 else 1
     lanes = rng.choice([d for d in (1, 2, 4, 8, 16) if d <= len(gpus) // tp and (len(gpus) // tp) % d == 0])
     used = lanes * tp
     idle += gpus[used:]
@@ -47,8 +49,9 @@ def _stage(rng: random.Random, s: int, gpus: list[int], first: int, stop: int, i
     return lines + ["  }"]
 
 
-def random_plan(rng: random.Random) -> str:
-    """The text of a whole plan importing tests/specs/job16.het (global batch 16, micro-batch 1)."""
+def random_plan(rng: random.Random, tp: int | None = None) -> str:
+    """The text of a whole plan importing tests/specs/job16.het (global batch 16, micro-batch 1); `tp`: every
+    stage's (else 1 or 2 at random)."""
     num_stages = rng.choice([1, 2, 3, 4])
     bounds = [0, *sorted(rng.sample(range(1, len(LAYERS)), num_stages - 1)), len(LAYERS)]
     job = "job16_clip.het" if rng.random() < 0.3 else "job16.het"
@@ -59,7 +62,7 @@ def random_plan(rng: random.Random) -> str:
                   f"    activations = {rng.choice(['cpu', 'none'])}", "  }"]
     start, idle = 0, []
     for s, size in enumerate(STAGE_GPUS[num_stages]):
-        lines += _stage(rng, s, list(range(start, start + size)), bounds[s], bounds[s + 1], idle)
+        lines += _stage(rng, s, list(range(start, start + size)), bounds[s], bounds[s + 1], idle, tp)
         start += size
     if idle:
         lines.append(f"  idle = [{', '.join(_gpu(g) for g in idle)}]")

@@ -21,6 +21,7 @@ import pytest
 from hetc.passes.agreement import Agreement, compare
 from hetc.passes.plan.planner import PlanResult
 from tests.planned import JOBS, SPECS, Planned, spec_name
+from tests.test_check_positions import assert_copies_position_0
 
 TOLERANCE = 0.10
 
@@ -94,3 +95,13 @@ def test_every_spec_compiles_and_agrees(path, plan_cache):
     problem = _outcome(plan_cache.spec(path))
     assert problem is None, problem
 
+
+
+def test_plans_of_copied_lane_positions_are_checked_as_in_full(plan_cache):
+    """Where a planned program's lane positions copy position 0, it is those copies and the check of position 0
+    (what `hetc plan` runs, Note [checking one lane position]) passes it as `verify` did
+    (tests/test_check_positions.py)."""
+    planned = [plan_cache.job(seed) for seed in range(JOBS)] + [plan_cache.spec(path) for path in SPECS]
+    built = [got.built for got in planned if got is not None]
+    copied = [b for b in built if assert_copies_position_0(b.program, b.checked.pipeline, b.checked.spec, b.costs)]
+    assert copied

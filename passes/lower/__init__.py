@@ -7,7 +7,7 @@ program after pass NAME to a callback (`hetc compile --dump-after NAME`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from hetc.passes.cost import CostModel
 from hetc.passes.lower.context import LowerContext
@@ -35,12 +35,21 @@ PASS_NAMES = [name for name, _, _ in PASSES]
 
 
 def lower(spec: Spec, pipeline: Pipeline, dump_after: str | None = None,
-          on_dump: Callable[[str, Program], None] | None = None, costs: CostModel | None = None) -> Program:
-    """`costs`: the cost model that times the schedule (Note [in-flight limit]); the catalog's by default."""
+          on_dump: Callable[[str, Program], None] | None = None, costs: CostModel | None = None,
+          ranks: Sequence[int] | None = None) -> Program:
+    """`costs`: the cost model that times the schedule (Note [in-flight limit]); the catalog's by default.
+
+    `ranks`: build only these ranks' programs, in this order (`Program.ranks` then holds them alone, not
+    indexed by rank: the verifier's check by lane position reads it, Note [checking one lane position] in
+    passes/verify/positions.py). Each pass builds a rank's program from its own place in the plan and, for
+    its receives, from the programs of the ranks sending to it, so `ranks` must hold every rank that sends
+    to one of them; the schedule pass is made for every lane (the lanes' timing couples them)."""
     ctx = LowerContext(spec, pipeline, costs)
     program: Program | None = None
     for name, _, fn in PASSES:
         program = fn(ctx) if program is None else fn(program, ctx)
+        if ranks is not None and name == PASS_NAMES[0]:
+            program = Program(tuple(program.ranks[r] for r in ranks), program.groups)
         if on_dump is not None and dump_after in (name, "all"):
             on_dump(name, program)
     assert program is not None

@@ -24,7 +24,7 @@ from hetc.program import Group, Instr, RankProgram, Tensor
 from hetc.spec import CPKind, Spec, ZeroShard
 from hetc.topology import Topology
 
-__all__ = ["LowerContext", "Message", "RankPlace", "next_handle"]
+__all__ = ["LowerContext", "Message", "RankPlace", "hierarchical_zero", "next_handle"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,12 +157,12 @@ class LowerContext:
         """The group sharding this rank's ministages, or None when nothing replicates them."""
         if len(self.replicas(place)) == 1:
             return None
-        if _hierarchical(place.stage):
+        if hierarchical_zero(place.stage):
             return self._dp_id(place).at(Axis.NODE, self._node_index(place))
         return self._dp_id(place)
 
     def outer_group(self, place: RankPlace) -> GroupId | None:
-        if len(self.replicas(place)) == 1 or not _hierarchical(place.stage):
+        if len(self.replicas(place)) == 1 or not hierarchical_zero(place.stage):
             return None
         inner = self._inner_members(place)
         return self._dp_id(place).of_kind(GroupKind.DPX).at(Axis.SHARD, inner.index(place.rank))
@@ -251,7 +251,7 @@ def _with_copies(group: GroupId) -> list[GroupId]:
     return [group, *(group.per_microbatch(d) for d in Direction)]
 
 
-def _hierarchical(stage: Stage) -> bool:
+def hierarchical_zero(stage: Stage) -> bool:
     """Shard inside nodes and replicate across them (HSDP); level 0 has nothing to shard."""
     return stage.zero.shard is ZeroShard.NODE and stage.zero.resolved_level > 0
 

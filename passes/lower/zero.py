@@ -254,9 +254,10 @@ def _regather(shard: Shard, handles: Handles) -> tuple[list[Instr], list[Wait]]:
 def _check_lane_patterns(program: Program, ctx: LowerContext) -> None:
     """Lanes in lockstep (Note [coupled lanes]) run the same compute ops in the same order; validation refused
     plans whose lanes cannot (hetc.passes.validate_plan), so a difference here is a bug in pass `schedule`."""
+    by_rank = {rp.rank: rp for rp in program.ranks}   # every rank, or those `lower(ranks=...)` builds
     for group in lockstep_groups(ctx.pipeline, ctx.model):
-        patterns = {tuple((type(i).__name__, i.ms) for i in program.ranks[lane.ranks[0]].instrs
-                          if isinstance(i, COMPUTE_TYPES)) for lane in group.lanes}
+        patterns = {tuple((type(i).__name__, i.ms) for i in by_rank[lane.ranks[0]].instrs
+                          if isinstance(i, COMPUTE_TYPES)) for lane in group.lanes if lane.ranks[0] in by_rank}
         if len(patterns) > 1:
             raise InternalError(f"the lanes of stage {group.stage.index} in lockstep ({group.reason.value}) run "
                                 "different compute sequences")

@@ -57,7 +57,8 @@ class PlanResult:
     seconds: float = 0.0
     structures: int = 0
     # the winner as Note [the planner checks its winner] lowered and verified it (with the `profiles` the
-    # plan was made with), for whoever builds the plan next; None where it was not checked
+    # plan was made with), for whoever builds the plan next; None where it was not checked, or checked by
+    # lane position (no `keep_program`)
     program: Program | None = None
 
     @property
@@ -81,14 +82,18 @@ class PlanResult:
 
 def plan_spec(spec: Spec, profiles: Profiles | None = None, base_dir: Path | None = None,
               progress: Callable[[str], None] | None = None, limits: SearchLimits | None = None,
-              **space_overrides: Any) -> PlanResult:   # `space_from_spec`'s
-    """The explicit plan for `spec` (returned as is, estimated, when it has no `auto`)."""
+              keep_program: bool = False, **space_overrides: Any) -> PlanResult:   # `space_from_spec`'s
+    """The explicit plan for `spec` (returned as is, estimated, when it has no `auto`).
+
+    `keep_program`: check the winner on every rank's program and return it (`PlanResult.program`, which
+    `hetc compile` builds on); else the check may read one lane position (Note [the planner checks its
+    winner])."""
     with paused_collector():   # Note [pausing the collector]
-        return _plan_spec(spec, profiles, base_dir, progress, limits, **space_overrides)
+        return _plan_spec(spec, profiles, base_dir, progress, limits, keep_program, **space_overrides)
 
 
 def _plan_spec(spec: Spec, profiles: Profiles | None, base_dir: Path | None,
-               progress: Callable[[str], None] | None, limits: SearchLimits | None,
+               progress: Callable[[str], None] | None, limits: SearchLimits | None, keep_program: bool,
                **space_overrides: Any) -> PlanResult:
     checked = check_spec(spec, base_dir)
     assert spec.parallel is not None   # check_spec refuses a spec that is not complete
@@ -109,14 +114,14 @@ def _plan_spec(spec: Spec, profiles: Profiles | None, base_dir: Path | None,
     planned = check_spec(explicit, base_dir)
     estimate = _estimate(planned, profiles)
     _cross_check(best.score, estimate)
-    program = _check_winner(planned, profiles, chosen)
+    program = _check_winner(planned, profiles, chosen, keep_program)
     return PlanResult(explicit, planned, goal, best.score, estimate, best.candidate, tuple(scored), chosen,
                       time.perf_counter() - start, search.visited, program)
 
 
 def plan_checked(spec: Spec, base_dir: Path | None = None, profiles: Profiles | None = None) -> PlanResult:
     """The plan of `spec` (planned first if it has `auto`): what `hetc compile` builds on."""
-    result = plan_spec(spec, profiles, base_dir)
+    result = plan_spec(spec, profiles, base_dir, keep_program=True)
     if result.planned:
         log.info("planned %s: %.4g s/step, %s", result.chosen, result.step_time_s, result.goal.describe())
     return result
@@ -149,18 +154,25 @@ def _estimate(checked: Checked, profiles: Profiles | None, always: bool = False)
 # Lowering and verifying costs about 0.3 ms of CPU per compute op of one lane (a microbatch through a
 # ministage); above CHECK_OPS of them (specs/zorse/c_auto.het: 14k, 4 s) the check would take longer than
 # the search itself, and the agreement test and benchmark (benchmarks/plan_agreement.py) check such plans.
+# Where nobody keeps the program (`hetc plan`), a plan whose lane positions copy each other is checked on
+# its ranks at lane position 0 (Note [checking one lane position] in passes/verify/positions.py, the same
+# check): at 2048 GPUs in lanes of 4, a quarter of the ranks. Where that check fails the full one runs, so
+# the error names what it always named.
 CHECK_OPS = 8192
 
 
-def _check_winner(checked: Checked, profiles: Profiles | None, chosen: str) -> Program | None:
+def _check_winner(checked: Checked, profiles: Profiles | None, chosen: str, keep_program: bool) -> Program | None:
     from hetc.passes.lower import lower
     from hetc.passes.verify import VerifyError, verify
+    from hetc.passes.verify.positions import passes_by_position
 
     p = checked.pipeline
     if p is None or p.num_microbatches * len(p.ministages) > CHECK_OPS:
         return None
     assert checked.topology is not None   # a pipeline runs on a cluster
     costs = CostModel(checked.spec, p, checked.topology, profiles)
+    if not keep_program and passes_by_position(checked.spec, p, costs):
+        return None
     program = lower(checked.spec, p, costs=costs)
     try:   # what `hetc compile` runs, without the timeline and the per-rank report it writes beside
         verify(program, p, checked.spec, costs)

@@ -24,11 +24,11 @@ from hetc.passes.verify.machine import Machine
 from hetc.passes.verify.memory import Sizes, check_memory
 from hetc.passes.verify.protocol import check_protocol
 from hetc.pipeline import Pipeline
-from hetc.program import Program
+from hetc.program import Program, RankProgram
 from hetc.spec import Spec
 from hetc.grid import render_grid
 
-__all__ = ["Finding", "Sizes", "VerifyError", "verified_evaluation", "verify"]
+__all__ = ["Finding", "Sizes", "VerifyError", "shape_problem", "verified_evaluation", "verify"]
 
 
 def verify(program: Program, pipeline: Pipeline, spec: Spec, sizes: Sizes | None = None,
@@ -77,9 +77,16 @@ def _check_shape(program: Program, pipeline: Pipeline) -> None:
         raise VerifyError([Finding(0, -1, "", f"the program has {program.world_size} ranks but the plan has "
                                    f"{pipeline.world_size}")])
     for r, rp in enumerate(program.ranks):
-        place = pipeline.stage_of_rank.get(r)
-        lane = pipeline.lane_of_rank.get(r)
-        if rp.rank != r or place is None or lane is None or (rp.stage, rp.lane) != (place.index, lane.index):
-            raise VerifyError([Finding(r, -1, "", f"the header says rank {rp.rank} stage {rp.stage} lane "
-                                       f"{rp.lane}, but in the plan rank {r} is stage "
-                                       f"{place.index if place else '?'} lane {lane.index if lane else '?'}")])
+        problem = shape_problem(rp, r, pipeline)
+        if problem:
+            raise VerifyError([Finding(r, -1, "", problem)])
+
+
+def shape_problem(rp: RankProgram, r: int, pipeline: Pipeline) -> str:
+    """What is wrong with the header of rank r's program against the plan ('' where nothing is)."""
+    place = pipeline.stage_of_rank.get(r)
+    lane = pipeline.lane_of_rank.get(r)
+    if rp.rank != r or place is None or lane is None or (rp.stage, rp.lane) != (place.index, lane.index):
+        return (f"the header says rank {rp.rank} stage {rp.stage} lane {rp.lane}, but in the plan rank {r} is "
+                f"stage {place.index if place else '?'} lane {lane.index if lane else '?'}")
+    return ""

@@ -31,7 +31,7 @@ from hetc.program import (AllGather, AllReduce, AllToAll, Backward, BackwardInpu
                           Free, Instr, Load, Offload, Prefetch, Program, RankProgram, Recv, ReduceScatter,
                           Send, Shard, Step, Tensor, Unit, Wait)
 
-__all__ = ["check_dataflow"]
+__all__ = ["check_dataflow", "rank_dataflow"]
 
 _Key = tuple[int, int]                  # (ms, mb)
 _Message = tuple[Tensor, int, int]      # (tensor, ms, mb) of a boundary tensor
@@ -43,9 +43,7 @@ _Posted = Send | Recv | _Collective | Offload | Prefetch    # what may carry a h
 
 
 class _Fault(Exception):
-    def __init__(self, message: str, index: int | None = None):
-        super().__init__(message)
-        self.index = index
+    """What is wrong with the instruction a handler checks."""
 
 
 @dataclass
@@ -433,18 +431,17 @@ def check_dataflow(program: Program, pipeline: Pipeline, num_layers: int, clip: 
     `forward_only`: an evaluation program (Note [Evaluation programs] in passes/lower/forward_only.py):
     every microbatch passes each ministage forward once, and nothing runs backward or steps.
     """
-    findings = []
-    for rp in program.ranks:
-        rank = _Rank(rp, pipeline, num_layers, clip and not forward_only, seq, forward_only)
+    return [at(program, rp.rank, index, message) for rp in program.ranks
+            for index, message in rank_dataflow(rp, pipeline, num_layers, clip, seq, forward_only)]
+
+
+def rank_dataflow(rp: RankProgram, pipeline: Pipeline, num_layers: int, clip: bool, seq: int | None = None,
+                  forward_only: bool = False) -> list[tuple[int, str]]:
+    """`check_dataflow` of one rank, which reads no other rank's program: (instruction index, message)."""
+    rank = _Rank(rp, pipeline, num_layers, clip and not forward_only, seq, forward_only)
+    for i, instr in enumerate(rp.instrs):
         try:
-            for i, instr in enumerate(rp.instrs):
-                try:
-                    rank.run(i, instr)
-                except _Fault as fault:
-                    raise _Fault(str(fault), i) from None
+            rank.run(i, instr)
         except _Fault as fault:
-            assert fault.index is not None   # the inner handler re-raised it with the index
-            findings.append(at(program, rp.rank, fault.index, str(fault)))
-            continue
-        findings += [at(program, rp.rank, len(rp.instrs) - 1, msg) for msg in rank.finish()]
-    return findings
+            return [(i, str(fault))]
+    return [(len(rp.instrs) - 1, msg) for msg in rank.finish()]

@@ -38,10 +38,10 @@ from typing import Protocol
 
 from hetc.passes.verify.errors import Finding, at
 from hetc.pipeline import Pipeline
-from hetc.program import (AllGather, Backward, BackwardInput, BackwardWeight, ComputeInstr, Forward, Free, Instr, Offload,
-                          Prefetch, Program, RankProgram, Recv, Shard, Step, Tensor, Unit, Wait)
+from hetc.program import (AllGather, Backward, BackwardInput, BackwardWeight, ComputeInstr, Forward, Free, Group, Instr,
+                          Offload, Prefetch, Program, RankProgram, Recv, Shard, Step, Tensor, Unit, Wait)
 
-__all__ = ["Peak", "Sizes", "check_memory", "format_bytes", "rank_levels", "rank_peaks"]
+__all__ = ["Peak", "Sizes", "check_memory", "format_bytes", "group_sizes", "rank_levels", "rank_peak", "rank_peaks"]
 
 # What holds memory, by kind: ("reserve",), ("params" | "optimizer" | "grads" | "gathered", ms),
 # ("stash", ms, mb) or ("recv", what, ms, mb, seq)
@@ -306,20 +306,23 @@ def _walk(rp: RankProgram, pipeline: Pipeline, sizes: Sizes, group_size: dict[st
     return rank.walk
 
 
-def _group_sizes(program: Program) -> dict[str, int]:
-    return {g.name: len(g.ranks) for g in program.groups}
+def group_sizes(groups: tuple[Group, ...]) -> dict[str, int]:
+    """Each group's number of members, by name (what a rank's shards are sharded over)."""
+    return {g.name: len(g.ranks) for g in groups}
 
 
 def rank_peaks(program: Program, pipeline: Pipeline, sizes: Sizes) -> list[Peak]:
     """Every rank's memory peak (Note [memory timeline])."""
-    group_size = _group_sizes(program)
-    peaks = []
-    for rp in program.ranks:
-        walk = _walk(rp, pipeline, sizes, group_size, record=False)
-        peak = walk.peak
-        assert peak is not None   # observe(0) set it
-        peaks.append(Peak(peak.rank, peak.index, peak.total, peak.parts, peak.capacity, walk.first_over))
-    return peaks
+    group_size = group_sizes(program.groups)
+    return [rank_peak(rp, pipeline, sizes, group_size) for rp in program.ranks]
+
+
+def rank_peak(rp: RankProgram, pipeline: Pipeline, sizes: Sizes, group_size: dict[str, int]) -> Peak:
+    """One rank's memory peak, which reads no other rank's program (`group_size`: `group_sizes`)."""
+    walk = _walk(rp, pipeline, sizes, group_size, record=False)
+    peak = walk.peak
+    assert peak is not None   # observe(0) set it
+    return Peak(peak.rank, peak.index, peak.total, peak.parts, peak.capacity, walk.first_over)
 
 
 def rank_levels(program: Program, pipeline: Pipeline, sizes: Sizes) -> list[list[float]]:
@@ -329,7 +332,7 @@ def rank_levels(program: Program, pipeline: Pipeline, sizes: Sizes) -> list[list
     i (its buffers taken, none yet given back); the final entry is the use once
     the program has ended. Their maximum is the rank's `Peak.total`.
     """
-    group_size = _group_sizes(program)
+    group_size = group_sizes(program.groups)
     levels = []
     for rp in program.ranks:
         walk = _walk(rp, pipeline, sizes, group_size, record=True)
