@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import itertools
 import math
@@ -19,6 +20,7 @@ from hetc.passes.plan.planner import plan_spec
 from hetc.passes.plan.routing import bottleneck, spread
 from hetc.passes.plan.screen_bound import screen_bound
 from hetc.passes.plan.search import Search
+from hetc.passes.plan.structures import SearchLimits
 from hetc.passes.plan.space import space_from_spec
 from hetc.commands.planreport import plan_summary
 from hetc.spec import AUTO
@@ -316,3 +318,42 @@ def test_the_screen_bound_is_below_the_objective_of_every_structure_it_bounds():
             assigned += 1
             assert screen_bound(search, st) <= got[0].objective, st
     assert assigned >= 12
+
+
+MIDDLE = SMALL.replace("count = 2\n    gpus = 2\n    intra", "count = 4\n    gpus = 4\n    intra").replace(
+    "device = T4\n    count = 2\n    gpus = 2", "device = T4\n    count = 5\n    gpus = 4").replace(
+    "global_batch = 16", "global_batch = 32")
+
+
+def _says_no(search, candidate, base_dir) -> bool:
+    return False
+
+
+def test_a_forked_worker_plans_what_one_process_plans(tmp_path, monkeypatch):
+    """Note [a forked worker]: on a large cluster (36 GPUs) the search shares each step with a worker; the
+    plan, its score, the baselines and the structures counted are those one process finds. Note [the check
+    beside the refinement]: the planner checks its winner itself only where the worker did not pass it."""
+    from hetc.passes.plan import planner
+    from hetc.worker import Worker, can_fork
+
+    if not can_fork():
+        pytest.skip("no fork, or one core: hetc runs without a worker")
+    spec = load_spec(_write(tmp_path, MIDDLE % "")).spec
+    limits = SearchLimits.for_cluster(Topology(spec).num_gpus, spec.model.num_model_layers)
+    assert limits.workers == 2 and not limits.exact_screen
+    answered, checked, searches = [], [], []
+    collect, check, run = Worker.collect, planner._check_winner, Search.run
+    monkeypatch.setattr(Worker, "collect", lambda self: answered.append(1) or collect(self))
+    monkeypatch.setattr(planner, "_check_winner", lambda *a, **k: checked.append(1) or check(*a, **k))
+    monkeypatch.setattr(Search, "run", lambda self, *a, **k: searches.append(self) or run(self, *a, **k))
+    shared = plan_spec(spec, limits=limits)
+    assert len(answered) >= 10
+    assert searches[0].aside is not None and searches[0].aside[1] is True   # it passes
+    assert len(checked) == (0 if searches[0].aside[0] == shared.candidate else 1)
+    alone = plan_spec(spec, limits=dataclasses.replace(limits, workers=1))
+    assert (shared.candidate, shared.score, shared.structures) == (alone.candidate, alone.score, alone.structures)
+    assert [(b.name, b.score) for b in shared.baselines] == [(b.name, b.score) for b in alone.baselines]
+    monkeypatch.setattr(planner, "_checks_out", _says_no)
+    checked.clear()
+    assert plan_spec(spec, limits=limits).candidate == shared.candidate
+    assert len(checked) == 1

@@ -20,7 +20,7 @@ from typing import Any
 from hetc.errors import InternalError
 from hetc.gc_pause import paused_collector
 from hetc.passes.cost import CostModel, Estimate, Profiles
-from hetc.passes.plan.baselines import Baseline, baselines
+from hetc.passes.plan.baselines import Baseline
 from hetc.passes.plan.candidate import Candidate
 from hetc.passes.plan.emit import emit_spec
 from hetc.passes.cost.candidate_score import Score
@@ -104,8 +104,8 @@ def _plan_spec(spec: Spec, profiles: Profiles | None, base_dir: Path | None,
     topo = checked.topology
     assert topo is not None   # a complete spec has a cluster
     search = Search(spec, topo, profiles, space_from_spec(spec, topo, **space_overrides), goal, limits)
-    found = search.run(progress)
-    scored = baselines(search)
+    found = search.run(progress, aside=None if keep_program else (_checks_out, base_dir))
+    scored = search.baselines()
     best, chosen = _choose(search, found, scored)
     if best is None or not goal.admits(best.score):
         raise no_plan_error(search, found, scored,
@@ -114,7 +114,8 @@ def _plan_spec(spec: Spec, profiles: Profiles | None, base_dir: Path | None,
     planned = check_spec(explicit, base_dir)
     estimate = _estimate(planned, profiles)
     _cross_check(best.score, estimate)
-    program = _check_winner(planned, profiles, chosen, keep_program)
+    checked_aside = search.aside == (best.candidate, True)   # Note [the check beside the refinement]
+    program = None if checked_aside else _check_winner(planned, profiles, chosen, keep_program)
     return PlanResult(explicit, planned, goal, best.score, estimate, best.candidate, tuple(scored), chosen,
                       time.perf_counter() - start, search.visited, program)
 
@@ -183,6 +184,26 @@ def _check_winner(checked: Checked, profiles: Profiles | None, chosen: str, keep
                             "\n".join(f"  {f}" for f in err.findings[:4])
                             ) from None
     return program
+
+
+# Note [the check beside the refinement]: on large clusters the search's last step (CP-SAT and local search
+# from the best structures) rarely changes the winner: on Sailor's 128-2048-GPU clusters of two and four
+# kinds it kept the best configured plan every time. So while this process refines, the search's worker
+# (Note [a forked worker]) runs the check of that plan, `_checks_out`, which emits and checks it as
+# `plan_spec` does and runs `_check_winner`; where that plan is the one chosen and it passed, the planner
+# does not check it again. Where another plan wins, or the check failed there, the planner runs the check
+# itself, so what it prints, and every error, is what checking after choosing gives.
+
+
+def _checks_out(search: Search, candidate: Candidate, base_dir: Path | None) -> bool:
+    """Whether `candidate` passes the winner's check (Note [the check beside the refinement]); False where it
+    fails, or anything else goes wrong, so that the planner checks it itself."""
+    try:
+        explicit = emit_spec(search.spec, candidate, search.topo, search.space.zero_base)
+        _check_winner(check_spec(explicit, base_dir), search.profiles, "planner", keep_program=False)
+    except Exception:   # noqa: BLE001 - the planner's own check runs and says what is wrong
+        return False
+    return True
 
 
 def _cross_check(score: Score, estimate: Estimate | None) -> None:

@@ -19,6 +19,7 @@ while the assignment presses against the window's edge.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -27,15 +28,19 @@ from typing import Any, TypeVar
 
 from hetc.passes.cost import Profiles
 from hetc.passes.plan.assign import Assignment, assign_cpsat, model_objective
+from hetc.passes.plan.baselines import Baseline, baselines
+from hetc.passes.plan.candidate import Candidate
 from hetc.passes.plan.improve import improve
 from hetc.passes.plan.layouts import Layout
 from hetc.passes.plan.objective import Goal
 from hetc.passes.plan.screen_bound import screen_bound
+from hetc.passes.plan.shares import Shares
 from hetc.passes.plan.space import SearchSpace
 from hetc.passes.plan.structures import Found, SearchLimits, Structure, Structures, base_knobs
 from hetc.passes.plan.tables import StageTable
 from hetc.spec import ScheduleKind, Spec
 from hetc.topology import Topology
+from hetc.worker import forked_worker
 
 __all__ = ["Found", "Search", "SearchLimits", "Structure"]
 
@@ -52,9 +57,26 @@ class Search(Structures):
         super().__init__(spec, topo, profiles, space, goal, limits)
         self.visited = 0
         self._assigned: dict[Structure, tuple[Assignment, list[StageTable]]] = {}
+        self._shares = Shares(self, None)
+        self._baselines: list[Baseline] | None = None
+        # what `run`'s `aside` said of the best configured plan (Note [the check beside the refinement])
+        self.aside: tuple[Candidate, Any] | None = None
 
-    def run(self, progress: Callable[[str], None] | None = None) -> list[Found]:
-        """Plans found, best first."""
+    def run(self, progress: Callable[[str], None] | None = None,
+            aside: tuple[Callable[[Search, Candidate, Any], Any], Any] | None = None) -> list[Found]:
+        """Plans found, best first; on large clusters with a second process (Note [a forked worker]) that takes
+        about half of each step (passes/plan/shares.py), scores the baselines and, with `aside` = (fn, arg), runs
+        `fn(self, best, arg)` on the best plan the configurations found while this process refines (module
+        level `fn`, so that it pickles); its answer is `self.aside` then (the planner's check of its winner)."""
+        with forked_worker(self, wanted=self.limits.workers > 1) as worker:
+            self._shares = Shares(self, worker)
+            try:
+                return self._run(progress, aside)
+            finally:
+                self._shares = Shares(self, None)
+
+    def _run(self, progress: Callable[[str], None] | None,
+             aside: tuple[Callable[[Search, Candidate, Any], Any], Any] | None) -> list[Found]:
         start = time.perf_counter()
 
         def tell(step: str) -> None:
@@ -70,8 +92,8 @@ class Search(Structures):
             first = self._first_schedules()
             smallest = (min(self.space.micro_batches),)
             if len(pairs) > self.limits.quick_layouts:
-                quick = [(self._quick(st), st) for idle, layout in pairs
-                         for st in self.variants(idle, layout, first[:1], smallest)]
+                looks = [st for idle, layout in pairs for st in self.variants(idle, layout, first[:1], smallest)]
+                quick = list(zip(self._shares.each("_quick", looks), looks))
                 pairs = _top_distinct(quick, self.limits.quick_layouts, key=lambda st: (st.idle, st.layout))
                 tell("quick look")
             every_size = len(pairs) * len(first) * len(self.space.micro_batches) <= self.limits.exhaustive
@@ -88,12 +110,46 @@ class Search(Structures):
             if not self.exact_screen:
                 ranked = self._rescore(_top_distinct(ranked, wide, key=_itself))
             shortlist = _top_distinct(ranked, self.limits.structures, key=_itself)
-        found = sorted((f for st in shortlist for f in self._configure(st)), key=self.rank)
+        self.visited += len(shortlist)
+        found = []
+        for st, (got, assigned) in zip(shortlist, self._shares.each("_configure", shortlist)):
+            found += got
+            if assigned is not None:
+                self._assigned[st] = assigned
+        found.sort(key=self.rank)
         tell("configurations")
-        for st in _to_refine(found, self.limits.refine, by_depth=self.exact_screen):
-            found += self._refine(st)
+        picks = _to_refine(found, self.limits.refine, by_depth=self.exact_screen)
+        found += [f for got in self._last_step(picks, found[0].candidate if aside and found else None, aside)
+                  for f in got]
         tell("refinement")
         return sorted(found, key=self.rank)
+
+    def _last_step(self, picks: list[Structure], best: Candidate | None,
+                   aside: tuple[Callable[[Search, Candidate, Any], Any], Any] | None) -> list[list[Found]]:
+        """The refinement of `picks`; with a worker, beside it the baselines and `aside` of `best`, which
+        the worker takes alone where there is one (the planner's check is the longest of these)."""
+        jobs: list[tuple[str, Any]] = [("_refine", (st, self._assigned[st])) for st in picks]
+        if self._shares.worker is None:
+            return self._shares.calls(jobs, key=_job_key)
+        jobs.append(("baselines", None))
+        if aside is not None and best is not None:
+            jobs.append(("_aside", (aside[0], best, aside[1])))
+        sides = [0] * (len(jobs) - 1) + [1] if jobs[-1][0] == "_aside" else None
+        answers = self._shares.calls(jobs, key=_job_key, sides=sides)
+        if aside is not None and best is not None:
+            self.aside = (best, answers.pop())
+        self._baselines = answers.pop()
+        return answers
+
+    def _aside(self, job: tuple[Callable[[Search, Candidate, Any], Any], Candidate, Any]) -> Any:
+        fn, best, arg = job
+        return fn(self, best, arg)
+
+    def baselines(self, _: None = None) -> list[Baseline]:
+        """The baselines (baselines.py), under the search's cost model."""
+        if self._baselines is None:
+            self._baselines = baselines(self)
+        return self._baselines
 
     def _quick(self, st: Structure) -> tuple[bool, float]:
         """A first look at a structure: layers split by speed, each stage's lightest or most frugal option."""
@@ -126,53 +182,59 @@ class Search(Structures):
                 ) -> list[tuple[tuple[object, ...], Structure]]:
         """Each structure's rank by its assignment (by its exact score where the screen is exact), for the
         best `keep` of distinct `key` (`_top_distinct`): on large clusters only those that can be among
-        them are assigned (Note [bounding a screen]); the others are left out."""
+        them are assigned (Note [bounding a screen]); the others are left out. With a worker two are assigned
+        at a time, each against the best found before both: the second may be one a screen of one at a time
+        leaves out, whose objective is then above the keep-th best, so the best `keep` are the same."""
         self.visited += len(structures)
         if self.exact_screen:
-            out = []
-            for st in structures:
-                got = self.assign(st, full=False)
-                f = None if got is None else self.found(st, got[0])
-                if f is not None:
-                    out.append((self.rank(f)[:3], st))
-            return out
-        bounds = [screen_bound(self, st) for st in structures]
+            return self._rescore(structures)
+        bounds = self._shares.each("_bound", structures)
         kept: list[tuple[int, tuple[object, ...]]] = []
         best: dict[Hashable, float] = {}   # the least objective of each key so far
-        for i in sorted(range(len(structures)), key=lambda i: bounds[i]):
-            if len(best) >= keep and bounds[i] > sorted(best.values())[keep - 1]:
-                break   # this bound and every later one exceed the keep-th best: none of them can be kept
-            st = structures[i]
-            got = self.assign(st, full=False)
-            if got is not None:
-                value = got[0].objective * self._price_factor(st)
-                kept.append((i, (False, False, value)))
-                best[key(st)] = min(value, best.get(key(st), math.inf))
+        order = iter(sorted(range(len(structures)), key=lambda i: bounds[i]))
+        while batch := list(itertools.islice(order, self._shares.width)):
+            if len(best) >= keep:   # a bound above the keep-th best: so is every later one, none can be kept
+                batch = [i for i in batch if bounds[i] <= sorted(best.values())[keep - 1]]
+            for i, value in zip(batch, self._shares.each("_screen_value", [structures[i] for i in batch])):
+                if value is not None:
+                    kept.append((i, (False, False, value)))
+                    best[key(structures[i])] = min(value, best.get(key(structures[i]), math.inf))
+            if len(batch) < self._shares.width:
+                break
         return [(rank, structures[i]) for i, rank in sorted(kept, key=lambda ir: ir[0])]
 
-    def _rescore(self, structures: list[Structure]) -> list[tuple[tuple[object, ...], Structure]]:
-        out = []
-        for st in structures:
-            got = self.assign(st, full=False)
-            f = None if got is None else self.found(st, got[0])
-            if f is not None:
-                out.append((self.rank(f)[:3], st))
-        return out
+    def _bound(self, st: Structure) -> float:
+        return screen_bound(self, st)
 
-    def _configure(self, st: Structure) -> list[Found]:
-        """The structure with every stage configuration: the fast assignment, scored exactly."""
-        self.visited += 1
+    def _screen_value(self, st: Structure) -> float | None:
+        """The structure's assignment objective (priced under a cost objective; None: nothing fits)."""
+        got = self.assign(st, full=False)
+        return None if got is None else got[0].objective * self._price_factor(st)
+
+    def _rescore(self, structures: list[Structure]) -> list[tuple[tuple[object, ...], Structure]]:
+        ranks = self._shares.each("_exact_rank", structures)
+        return [(rank, st) for rank, st in zip(ranks, structures) if rank is not None]
+
+    def _exact_rank(self, st: Structure) -> tuple[object, ...] | None:
+        """The structure's rank by the exact score of its fast assignment (None: nothing fits)."""
+        got = self.assign(st, full=False)
+        f = None if got is None else self.found(st, got[0])
+        return None if f is None else self.rank(f)[:3]
+
+    def _configure(self, st: Structure) -> tuple[list[Found], tuple[Assignment, list[StageTable]] | None]:
+        """The structure with every stage configuration: the fast assignment, scored exactly; and the
+        assignment with its tables, for `_refine`."""
         coarse = self.assign(st, full=False)
         around = tuple(o.layers for o in coarse[0].options) if coarse else None
         got = self.assign(st, full=True, around=around)
         if got is None:
-            return []
-        self._assigned[st] = got
-        return [f for f in (self.found(st, got[0]),) if f is not None]
+            return [], None
+        return [f for f in (self.found(st, got[0]),) if f is not None], got
 
-    def _refine(self, st: Structure) -> list[Found]:
-        """CP-SAT's joint assignment, then a local search over both, scored exactly."""
-        a, tables = self._assigned[st]
+    def _refine(self, job: tuple[Structure, tuple[Assignment, list[StageTable]]]) -> list[Found]:
+        """CP-SAT's joint assignment, then a local search over both, scored exactly (`job`: a structure and its
+        configured assignment with its tables)."""
+        st, (a, tables) = job
         m = self.prims[st.micro_batch].num_microbatches
         starts = [a]
         refined = assign_cpsat(tables, self.units, m, a, self.limits.cpsat_work)
@@ -200,6 +262,12 @@ def _to_refine(found: list[Found], k: int, by_depth: bool = False) -> list[Struc
         firsts.setdefault((st.schedule, len(st.layout)) if by_depth else st.schedule, st)
     picks += [st for st in firsts.values() if st not in picks]
     return picks
+
+
+def _job_key(job: tuple[str, Any]) -> Hashable:
+    """A job's structure, where it has one (the shares send it where its tables are), else its method."""
+    method, arg = job
+    return arg[0] if method == "_refine" else method
 
 
 def _layout_of(st: Structure) -> tuple[tuple[str, ...], Layout]:

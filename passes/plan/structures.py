@@ -47,13 +47,14 @@ class SearchLimits:
     exact_screen: bool = True     # rank steps 1 and 2 by exact scores (else by the assignment model)
     window: int = 4           # layer counts tried each side of a stage's share, at first (half when coarse)
     cpsat_work: float = 0.5     # CP-SAT's deterministic time per model
+    workers: int = 1            # processes scoring structures: 2 forks a worker (Note [a forked worker])
 
     @classmethod
     def for_cluster(cls, num_gpus: int, units: int) -> SearchLimits:
         if num_gpus <= SMALL_CLUSTER and units <= SMALL_MODEL:
             return cls()
         return cls(exhaustive=0, quick_layouts=16, layouts=4, structures=6, refine=3, local_evaluations=12,
-                   exact_screen=False, window=2, cpsat_work=0.25)
+                   exact_screen=False, window=2, cpsat_work=0.25, workers=2)
 
 
 # Beyond either, exact scores cost more than the assignment model's: rank by the model, score the best.
@@ -81,7 +82,7 @@ class Structures:
     def __init__(self, spec: Spec, topo: Topology, profiles: Profiles | None, space: SearchSpace, goal: Goal,
                  limits: SearchLimits | None = None):
         assert spec.model is not None   # a checked spec
-        self.spec, self.topo, self.space, self.goal = spec, topo, space, goal
+        self.spec, self.topo, self.space, self.goal, self.profiles = spec, topo, space, goal, profiles
         self.model: ModelSpec = spec.model
         self.limits = limits or SearchLimits.for_cluster(topo.num_gpus, spec.model.num_model_layers)
         self.resolve = Resolver(topo)

@@ -1,0 +1,148 @@
+"""A forked worker: a copy of this process that runs method calls on its copy of one object.
+
+Note [a forked worker]: `hetc plan` is held to wall time, and most of its work on a large cluster is
+scoring structures one independent of another. Where this process may run on two cores and can fork,
+`forked_worker(target)` forks it once; the child waits on a pipe for calls (a module-level function and
+its arguments), runs each on its copy of `target` and sends the pickled result back while the caller
+works on its own share. Both copies start equal and each keeps its own memo caches, so a call
+must answer from its arguments and what `target` held at the fork alone (a cache may make it faster,
+never different): then an answer is the same whichever process gives it, the caller merges answers in
+a fixed order, and what hetc prints does not depend on timing or on whether a worker ran. Where the
+child fails (an exception, or it died), `Worker.collect` raises `WorkerLost` and the caller does that
+share itself, so a worker only ever saves time. The child ends with `os._exit` (it must not flush the
+parent's buffered output or run its exit handlers) when the parent closes the pipe, or dies with it.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import struct
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, NoReturn
+
+__all__ = ["Worker", "WorkerLost", "can_fork", "forked_worker"]
+
+_LENGTH = struct.Struct("<Q")
+
+
+class WorkerLost(Exception):
+    """The worker could not answer a call; the caller computes it itself."""
+
+
+def can_fork() -> bool:
+    """Whether a worker can run beside this process: fork exists and this process may use two cores."""
+    if not hasattr(os, "fork"):
+        return False
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cores >= 2
+
+
+class Worker:
+    """The parent's end of a forked copy of `target` (Note [a forked worker])."""
+
+    def __init__(self, target: object):
+        calls_r, calls_w = os.pipe()
+        answers_r, answers_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:   # the child: serve calls until the parent closes its end
+            os.close(calls_w)
+            os.close(answers_r)
+            _serve(target, calls_r, answers_w)
+        os.close(calls_r)
+        os.close(answers_w)
+        self.pid = pid
+        self._calls = os.fdopen(calls_w, "wb")
+        self._answers = os.fdopen(answers_r, "rb")
+        self._pending = 0
+        self._lost = False
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Ask the worker to run `fn(target, *args)` (`fn` defined at a module's top level, so that it pickles);
+        `collect` returns its answer. One call at a time: with two in flight, each end could block writing a
+        long message the other is not reading."""
+        assert self._pending == 0   # the previous answer was collected
+        self._pending = 1
+        if self._lost:
+            return
+        try:
+            _send(self._calls, (fn, args))
+        except (OSError, pickle.PicklingError):
+            self._lost = True
+
+    def collect(self) -> Any:
+        """The answer to the call submitted (WorkerLost: compute it here)."""
+        assert self._pending == 1   # a call was submitted
+        self._pending = 0
+        if self._lost:
+            raise WorkerLost()
+        try:
+            ok, value = _receive(self._answers)
+        except (OSError, EOFError, pickle.UnpicklingError):
+            self._lost = True
+            raise WorkerLost() from None
+        if not ok:
+            raise WorkerLost()
+        return value
+
+    def close(self) -> None:
+        """End the worker: close the pipe it reads; kill it if it is still busy; reap it."""
+        for f in (self._calls, self._answers):
+            try:
+                f.close()
+            except OSError:
+                pass
+        if self._pending and not self._lost:
+            os.kill(self.pid, signal.SIGKILL)
+        os.waitpid(self.pid, 0)
+
+
+@contextmanager
+def forked_worker(target: object, wanted: bool = True) -> Iterator[Worker | None]:
+    """A worker for `target` where one is `wanted` and `can_fork`; else None (the caller does all the work)."""
+    worker = Worker(target) if wanted and can_fork() else None
+    try:
+        yield worker
+    finally:
+        if worker is not None:
+            worker.close()
+
+
+def _serve(target: object, calls: int, answers: int) -> NoReturn:
+    status = 0
+    try:
+        with os.fdopen(calls, "rb") as reader, os.fdopen(answers, "wb") as writer:
+            while True:
+                try:
+                    fn, args = _receive(reader)
+                except EOFError:
+                    break
+                try:
+                    answer: tuple[bool, Any] = (True, fn(target, *args))
+                except Exception:   # noqa: BLE001 - the parent computes this call itself (WorkerLost)
+                    answer = (False, None)
+                _send(writer, answer)
+    except BaseException:   # noqa: BLE001 - a broken pipe or an interrupt: the parent copes (WorkerLost)
+        status = 1
+    finally:
+        os._exit(status)
+
+
+def _send(f: Any, obj: object) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    f.write(_LENGTH.pack(len(data)))
+    f.write(data)
+    f.flush()
+
+
+def _receive(f: Any) -> Any:
+    head = f.read(_LENGTH.size)
+    if len(head) < _LENGTH.size:
+        raise EOFError
+    (size,) = _LENGTH.unpack(head)
+    data = f.read(size)
+    if len(data) < size:
+        raise EOFError
+    return pickle.loads(data)
