@@ -1,4 +1,4 @@
-"""A forked worker: a copy of this process that runs method calls on its copy of one object.
+"""A forked worker: a copy of this process that runs calls on its copy of one object.
 
 Note [a forked worker]: `hetc plan` is held to wall time, and most of its work on a large cluster is
 scoring structures one independent of another. Where this process may run on two cores and can fork,
@@ -9,7 +9,8 @@ must answer from its arguments and what `target` held at the fork alone (a cache
 never different): then an answer is the same whichever process gives it, the caller merges answers in
 a fixed order, and what hetc prints does not depend on timing or on whether a worker ran. Where the
 child fails (an exception, or it died), `Worker.collect` raises `WorkerLost` and the caller does that
-share itself, so a worker only ever saves time. The child ends with `os._exit` (it must not flush the
+share itself, so a worker only ever saves wall time (the two spend a few per cent more CPU than one,
+and on a busy machine take a larger share of its cores). The child ends with `os._exit` (it must not flush the
 parent's buffered output or run its exit handlers) when the parent closes the pipe, or dies with it.
 """
 
@@ -69,7 +70,7 @@ class Worker:
             return
         try:
             _send(self._calls, (fn, args))
-        except (OSError, pickle.PicklingError):
+        except Exception:   # noqa: BLE001 - it does not pickle, or the pipe broke: computed here (WorkerLost)
             self._lost = True
 
     def collect(self) -> Any:

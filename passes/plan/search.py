@@ -131,7 +131,7 @@ class Search(Structures):
         jobs: list[tuple[str, Any]] = [("_refine", (st, self._assigned[st])) for st in picks]
         if self._shares.worker is None:
             return self._shares.calls(jobs, key=_job_key)
-        jobs.append(("baselines", None))
+        jobs.append(("_score_baselines", None))
         if aside is not None and best is not None:
             jobs.append(("_aside", (aside[0], best, aside[1])))
         sides = [0] * (len(jobs) - 1) + [1] if jobs[-1][0] == "_aside" else None
@@ -145,11 +145,14 @@ class Search(Structures):
         fn, best, arg = job
         return fn(self, best, arg)
 
-    def baselines(self, _: None = None) -> list[Baseline]:
+    def baselines(self) -> list[Baseline]:
         """The baselines (baselines.py), under the search's cost model."""
         if self._baselines is None:
             self._baselines = baselines(self)
         return self._baselines
+
+    def _score_baselines(self, _: None) -> list[Baseline]:
+        return baselines(self)
 
     def _quick(self, st: Structure) -> tuple[bool, float]:
         """A first look at a structure: layers split by speed, each stage's lightest or most frugal option."""
