@@ -9,9 +9,14 @@ must answer from its arguments and what `target` held at the fork alone (a cache
 never different): then an answer is the same whichever process gives it, the caller merges answers in
 a fixed order, and what hetc prints does not depend on timing or on whether a worker ran. Where the
 child fails (an exception, or it died), `Worker.collect` raises `WorkerLost` and the caller does that
-share itself, so a worker only ever saves wall time (the two spend a few per cent more CPU than one,
-and on a busy machine take a larger share of its cores). The child ends with `os._exit` (it must not flush the
-parent's buffered output or run its exit handlers) when the parent closes the pipe, or dies with it.
+share itself. The two spend a few per cent more CPU than one, and a second process gains nothing where
+the other cores are busy: Linux shares the machine's CPU between sessions (autogroups), not processes,
+so another session's test run on one core of two leaves `hetc plan` one core however many processes it
+runs (two processes of hetc then take the wall time of one, plus their overhead). So a worker is
+forked only where the machine left about a core idle while this process got ready (`spare_core`: the
+machine's idle time since hetc.worker was imported, as `hetc plan` starts planning). The child ends
+with `os._exit` (it must not flush the parent's buffered output or run its exit handlers) when the
+parent closes the pipe, or dies with it.
 """
 
 from __future__ import annotations
@@ -24,9 +29,22 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NoReturn
 
-__all__ = ["Worker", "WorkerLost", "can_fork", "forked_worker"]
+__all__ = ["Worker", "WorkerLost", "can_fork", "forked_worker", "spare_core"]
 
 _LENGTH = struct.Struct("<Q")
+
+
+def _machine_idle() -> tuple[float, float] | None:
+    """(idle, all) time of the machine's cores so far, in clock ticks (/proc/stat; None where there is none)."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [float(x) for x in f.readline().split()[1:9]]   # user .. steal (guest time is inside user)
+    except (OSError, ValueError):
+        return None
+    return (ticks[3] + ticks[4], sum(ticks)) if len(ticks) == 8 else None
+
+
+_SINCE = _machine_idle()   # spare_core's window opens as hetc.worker is imported
 
 
 class WorkerLost(Exception):
@@ -35,10 +53,21 @@ class WorkerLost(Exception):
 
 def can_fork() -> bool:
     """Whether a worker can run beside this process: fork exists and this process may use two cores."""
-    if not hasattr(os, "fork"):
-        return False
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return cores >= 2
+    return hasattr(os, "fork") and _cores() >= 2
+
+
+def spare_core() -> bool:
+    """Whether about one core of the machine sat idle since hetc.worker was imported (Note [a forked worker]);
+    True where the machine does not say (no /proc/stat, or no tick has passed)."""
+    now = _machine_idle()
+    if now is None or _SINCE is None or now[1] <= _SINCE[1]:
+        return True
+    idle = (now[0] - _SINCE[0]) / (now[1] - _SINCE[1]) * (os.cpu_count() or 1)
+    return idle >= 0.5
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 class Worker:
@@ -102,8 +131,9 @@ class Worker:
 
 @contextmanager
 def forked_worker(target: object, wanted: bool = True) -> Iterator[Worker | None]:
-    """A worker for `target` where one is `wanted` and `can_fork`; else None (the caller does all the work)."""
-    worker = Worker(target) if wanted and can_fork() else None
+    """A worker for `target` where one is `wanted`, `can_fork` and there is a `spare_core`; else None (the
+    caller does all the work)."""
+    worker = Worker(target) if wanted and can_fork() and spare_core() else None
     try:
         yield worker
     finally:

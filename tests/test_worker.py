@@ -5,11 +5,14 @@ worker fails to answer the caller computes itself."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
+import hetc.worker
 from hetc.passes.plan.shares import Shares
-from hetc.worker import WorkerLost, can_fork, forked_worker
+from hetc.worker import Worker, WorkerLost, can_fork, forked_worker
 
 pytestmark = pytest.mark.skipif(not can_fork(), reason="no fork, or one core: hetc runs without a worker")
 
@@ -26,6 +29,16 @@ class Box:
         return self.value + n, os.getpid()
 
 
+@contextmanager
+def worker_of(target: object) -> Iterator[Worker]:
+    """A worker whether or not the machine has a core to spare now (`forked_worker` asks)."""
+    worker = Worker(target)
+    try:
+        yield worker
+    finally:
+        worker.close()
+
+
 def read(box: Box, add: int) -> int:
     return box.value + add
 
@@ -40,8 +53,7 @@ def die(box: Box) -> None:
 
 def test_the_worker_answers_from_its_copy_of_the_target():
     box = Box()
-    with forked_worker(box) as worker:
-        assert worker is not None
+    with worker_of(box) as worker:
         box.value = 100   # after the fork: the worker's copy still holds 1
         worker.submit(read, 2)
         assert worker.collect() == 3
@@ -50,8 +62,7 @@ def test_the_worker_answers_from_its_copy_of_the_target():
 
 
 def test_a_failing_call_is_lost_and_the_worker_answers_the_next():
-    with forked_worker(Box()) as worker:
-        assert worker is not None
+    with worker_of(Box()) as worker:
         worker.submit(fail)
         with pytest.raises(WorkerLost):
             worker.collect()
@@ -60,8 +71,7 @@ def test_a_failing_call_is_lost_and_the_worker_answers_the_next():
 
 
 def test_a_worker_that_dies_is_lost_for_good():
-    with forked_worker(Box()) as worker:
-        assert worker is not None
+    with worker_of(Box()) as worker:
         worker.submit(die)
         with pytest.raises(WorkerLost):
             worker.collect()
@@ -70,14 +80,20 @@ def test_a_worker_that_dies_is_lost_for_good():
             worker.collect()
 
 
-def test_no_worker_where_none_is_wanted():
+def test_no_worker_where_none_is_wanted_or_no_core_is_spare(monkeypatch):
     with forked_worker(Box(), wanted=False) as worker:
         assert worker is None
+    monkeypatch.setattr(hetc.worker, "spare_core", lambda: False)
+    with forked_worker(Box()) as worker:
+        assert worker is None
+    monkeypatch.setattr(hetc.worker, "spare_core", lambda: True)
+    with forked_worker(Box()) as worker:
+        assert worker is not None
 
 
 def test_shares_answer_in_order_half_on_the_worker():
     box = Box()
-    with forked_worker(box) as worker:
+    with worker_of(box) as worker:
         shares = Shares(box, worker)
         got = shares.each("plus", list(range(10)))
         assert [value for value, _ in got] == [n + 1 for n in range(10)]
@@ -89,7 +105,7 @@ def test_shares_answer_in_order_half_on_the_worker():
 
 def test_shares_keep_no_more_than_half_on_one_process():
     box = Box()
-    with forked_worker(box) as worker:
+    with worker_of(box) as worker:
         shares = Shares(box, worker)
         before = shares.each("plus", list(range(6)))
         there = [n for n, (_, pid) in enumerate(before) if pid != box.pid]
@@ -100,7 +116,7 @@ def test_shares_keep_no_more_than_half_on_one_process():
 
 def test_what_the_worker_cannot_answer_is_answered_here():
     box = Box()
-    with forked_worker(box) as worker:
+    with worker_of(box) as worker:
         shares = Shares(box, worker)
         with pytest.raises(ValueError):
             shares.each("plus", [0, -1])   # the worker's call fails; computed here, it raises here
