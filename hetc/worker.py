@@ -13,8 +13,9 @@ share itself. The two spend a few per cent more CPU than one, and a second proce
 the other cores are busy: Linux shares the machine's CPU between sessions (autogroups), not processes,
 so another session's test run on one core of two leaves `hetc plan` one core however many processes it
 runs (two processes of hetc then take the wall time of one, plus their overhead). So a worker is
-forked only where the machine left about a core idle while this process got ready (`spare_core`: the
-machine's idle time since hetc.worker was imported, as `hetc plan` starts planning). The child ends
+forked only where other processes left about a core and a half free while this process got ready
+(`spare_core`: the machine's busy time, less this process's and its reaped workers', since hetc.worker
+was imported as `hetc plan` starts planning, or since the previous look). The child ends
 with `os._exit` (it must not flush the parent's buffered output or run its exit handlers) when the
 parent closes the pipe, or dies with it.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import resource
 import signal
 import struct
 from collections.abc import Callable, Iterator
@@ -34,17 +36,40 @@ __all__ = ["Worker", "WorkerLost", "can_fork", "forked_worker", "spare_core"]
 _LENGTH = struct.Struct("<Q")
 
 
-def _machine_idle() -> tuple[float, float] | None:
-    """(idle, all) time of the machine's cores so far, in clock ticks (/proc/stat; None where there is none)."""
+class _Window:
+    """What the machine's cores did since the last look: how much of them went to other processes."""
+
+    def __init__(self) -> None:
+        self.last = _ticks()
+
+    def others(self) -> float | None:
+        """Cores other processes kept busy, on average, since the last call (or since hetc.worker was imported);
+        None where the machine does not say (no /proc/stat, or no tick passed)."""
+        now, last = _ticks(), self.last
+        self.last = now
+        if now is None or last is None or now[1] <= last[1]:
+            return None
+        cores = os.cpu_count() or 1
+        seconds = (now[1] - last[1]) / cores / os.sysconf("SC_CLK_TCK")
+        busy = (1 - (now[0] - last[0]) / (now[1] - last[1])) * cores
+        return busy - (now[2] - last[2]) / seconds
+
+
+def _ticks() -> tuple[float, float, float] | None:
+    """(idle, all) time of the machine's cores so far in clock ticks (/proc/stat), and the CPU seconds of this
+    process and of the children it reaped; None where there is no /proc/stat."""
     try:
         with open("/proc/stat") as f:
             ticks = [float(x) for x in f.readline().split()[1:9]]   # user .. steal (guest time is inside user)
     except (OSError, ValueError):
         return None
-    return (ticks[3] + ticks[4], sum(ticks)) if len(ticks) == 8 else None
+    if len(ticks) != 8:
+        return None
+    own = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    return ticks[3] + ticks[4], sum(ticks), sum(r.ru_utime + r.ru_stime for r in own)
 
 
-_SINCE = _machine_idle()   # spare_core's window opens as hetc.worker is imported
+_WINDOW = _Window()   # spare_core's window opens as hetc.worker is imported, and again at each look
 
 
 class WorkerLost(Exception):
@@ -57,13 +82,10 @@ def can_fork() -> bool:
 
 
 def spare_core() -> bool:
-    """Whether about one core of the machine sat idle since hetc.worker was imported (Note [a forked worker]);
-    True where the machine does not say (no /proc/stat, or no tick has passed)."""
-    now = _machine_idle()
-    if now is None or _SINCE is None or now[1] <= _SINCE[1]:
-        return True
-    idle = (now[0] - _SINCE[0]) / (now[1] - _SINCE[1]) * (os.cpu_count() or 1)
-    return idle >= 0.5
+    """Whether other processes left this one and a worker about a core and a half, on average, since the last
+    look (Note [a forked worker]); True where the machine does not say."""
+    others = _WINDOW.others()
+    return others is None or (os.cpu_count() or 1) - others >= 1.5
 
 
 def _cores() -> int:
