@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import resource
 import signal
 import struct
 from collections.abc import Callable, Iterator
@@ -65,6 +64,8 @@ def _ticks() -> tuple[float, float, float] | None:
         return None
     if len(ticks) != 8:
         return None
+    import resource   # POSIX (as /proc/stat is): imported here, so that hetc.worker imports everywhere
+
     own = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
     return ticks[3] + ticks[4], sum(ticks), sum(r.ru_utime + r.ru_stime for r in own)
 
