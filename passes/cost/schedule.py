@@ -31,8 +31,8 @@ from enum import StrEnum
 
 from hetc.spec import ScheduleKind
 
-__all__ = ["Grouping", "LaneTiming", "PipelineTime", "Unit", "UnitLane", "UnitOp", "ZeroCycle", "in_flight_limits",
-           "interleaved_grouping", "lockstep_fill", "pipeline_time", "round_trip_span", "sequential_time",
+__all__ = ["Grouping", "LaneTiming", "PipelineTime", "Unit", "UnitLane", "UnitOp", "ZeroCycle", "chunk_loop_wait",
+           "in_flight_limits", "interleaved_grouping", "lockstep_fill", "pipeline_time", "round_trip_span", "sequential_time",
            "step_lower_bound", "unit_ops", "zero_cycle"]
 
 
@@ -86,8 +86,10 @@ class PipelineTime:
 
 
 def pipeline_time(schedule: ScheduleKind, lanes: list[LaneTiming], chunks: int = 1,
-                  limits: Mapping[int, int] | None = None) -> PipelineTime:
-    """Forward and backward of every microbatch, for 1F1B-like schedules and GPipe."""
+                  limits: Mapping[int, int] | None = None,
+                  group: Callable[[LaneTiming], int] | None = None) -> PipelineTime:
+    """Forward and backward of every microbatch, for 1F1B-like schedules and GPipe; `group`: under interleaved
+    1F1B, a lane's microbatches in its first group (Note [chunk loop])."""
     worst = max(lanes, key=lambda t: t.work)
     if schedule is ScheduleKind.ONE_F_ONE_B and limits is not None:
         return _one_f_one_b_time(lanes, limits)
@@ -101,28 +103,86 @@ def pipeline_time(schedule: ScheduleKind, lanes: list[LaneTiming], chunks: int =
     bubble = sum(others.values()) + worst.p2p - worst.p2p_wait
     if schedule is ScheduleKind.INTERLEAVED:
         bubble /= max(chunks, 1)
+        bubble += chunk_loop_wait(lanes, worst, chunks, group(worst) if group else worst.microbatches)
+    if schedule is ScheduleKind.ZB and limits is not None:
+        paced = _paced_time(schedule, lanes, limits)
+        if paced.total > worst.work + bubble:
+            return paced
     return PipelineTime(worst.work + bubble, worst.work, bubble, (worst.stage, worst.lane))
 
 
+def chunk_loop_wait(lanes: Sequence[LaneTiming], lane: LaneTiming, chunks: int, group: int) -> float:
+    """What `lane` of interleaved 1F1B waits at its chunks' turns for a chunk's loop (`group`: its microbatches in
+    its first group).
+
+    Note [chunk loop]: a microbatch comes back to a lane for its next chunk
+    only after one chunk of every other stage and a border per stage, the
+    loop L (its slowest lane per stage; its border transfers, which the
+    lane's thread waits for under interleaved 1F1B, Note [async sends],
+    half of them activations and half gradients). Meanwhile the lane runs
+    the chunk for the other microbatches of its group, g chunk-ops of c
+    seconds in all, so at the turn to the next chunk it waits
+    max(0, c + L − g·c): at each of the v − 1 turns of its first group's
+    forwards and of its last group's backwards (between groups the lane
+    runs the other direction's ops meanwhile). Megatron's grid has g = p
+    and L = (p − 1)·c: no wait, the schedule's premise. Where a lane serves
+    fewer microbatches than there are stages, or the others are slower,
+    the loop shows: random jobs 64/3 (8 stages, 4 microbatches on the
+    slowest lanes) and 256/2 (12 stages, 8 and 6 microbatches) ran 17 % and
+    27 % longer than the bubble of (p − 1) chunks alone
+    (benchmarks/plan_agreement.py --jobs 6)."""
+    if chunks < 2:
+        return 0.0
+    forward: dict[int, float] = {}
+    backward: dict[int, float] = {}
+    for t in lanes:
+        forward[t.stage] = max(forward.get(t.stage, 0.0), t.forward + t.p2p / 2)
+        backward[t.stage] = max(backward.get(t.stage, 0.0), t.backward + t.p2p / 2)
+    f = lane.forward + lane.p2p_wait / 2   # the lane's own chunk-ops, its waits half before each direction
+    b = lane.cycle - f
+    g = min(group, lane.microbatches)
+    wait = 0.0
+    for own, loop in ((f, forward), (b, backward)):
+        others = sum(v for s, v in loop.items() if s != lane.stage)
+        wait += max(0.0, own + others - g * own) / chunks
+    return (chunks - 1) * wait
+
+
 def _one_f_one_b_time(lanes: list[LaneTiming], limits: Mapping[int, int]) -> PipelineTime:
-    """1F1B, paced by the lane whose chain is longest. Note [paced pipeline]: a lane's chain is the fill and
-    drain of the stages before it (each its slowest lane's `one`, and its own activation coming in: Note
-    [fill transfers]) around its own span, where the stages after it are a round trip that the microbatches it
-    keeps in flight hide but for what `round_trip_span` leaves (`_busiest_span`). With equal lanes the busiest
-    lane paces; a lane of a later stage serving the microbatches of several earlier lanes can pace instead,
-    busy all along while the busiest one waits for it (demo hetero: the last stage's one lane serves the two
-    middle lanes' microbatches)."""
+    """1F1B, paced by the lane whose chain is longest (`_paced_time`)."""
+    return _paced_time(ScheduleKind.ONE_F_ONE_B, lanes, limits)
+
+
+def _paced_time(schedule: ScheduleKind, lanes: list[LaneTiming], limits: Mapping[int, int]) -> PipelineTime:
+    """1F1B or ZB-H1, paced by the lane whose chain is longest. Note [paced pipeline]: a lane's chain is the
+    fill and drain of the stages before it (each its slowest lane's `one`, and its own activation coming in:
+    Note [fill transfers]) around its own span, where the stages after it are a round trip that the
+    microbatches it keeps in flight hide but for what `round_trip_span` leaves (`_busiest_span`). With equal
+    lanes the busiest lane paces; a lane of a later stage serving the microbatches of several earlier lanes
+    can pace instead, busy all along while the busiest one waits for it (demo hetero: the last stage's one
+    lane serves the two middle lanes' microbatches). Under ZB-H1 a stage before the lane holds its first
+    forward and last input gradient on that way (`_zb_way`): a weight gradient, left for later, is not on
+    it; ZB-H1's bubble of (F + I − W) per stage, weight gradients filling it, needs more microbatches on a
+    lane than stages after it, and where lanes serve few (random job 256/3: 5 stages, 2 microbatches a
+    lane) the chain is the longer."""
     one: dict[int, float] = {}
     for t in lanes:
-        one[t.stage] = max(one.get(t.stage, 0.0), t.one)
+        one[t.stage] = max(one.get(t.stage, 0.0), _zb_way(t) if schedule is ScheduleKind.ZB else t.one)
 
     def chain(t: LaneTiming) -> float:
         fill = sum(v for s, v in one.items() if s < t.stage) + max(0.0, t.p2p - t.p2p_after - t.p2p_wait)
-        return fill + _busiest_span(ScheduleKind.ONE_F_ONE_B, lanes, t, limits)
+        return fill + _busiest_span(schedule, lanes, t, limits)
 
     pace = max(lanes, key=lambda t: (chain(t), t.work))
     total = chain(pace)
     return PipelineTime(total, pace.work, total - pace.work, (pace.stage, pace.lane))
+
+
+def _zb_way(t: LaneTiming) -> float:
+    """A ZB-H1 lane's forward, input gradient and transfers of one microbatch, at the pace its ZeRO collectives
+    allow it (`bound` over its thread's cycle: gathers its ops wait for, Note [zero cycle])."""
+    pace = t.cycle / t.on_thread if t.on_thread > 0 else 1.0
+    return (t.forward + t.input_grad) * pace + t.p2p
 
 
 def _fill(schedule: ScheduleKind, t: LaneTiming) -> float:
