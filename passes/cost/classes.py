@@ -176,8 +176,8 @@ def evaluate_classes(shape: PlanShape, stages: Sequence[StageSource], end: float
     grouping, entries = _grouping(shape, stages, lanes, limits)
     step = StepShape(shape.schedule, len(stages), shape.chunks, shape.num_microbatches, shape.grad_clip,
                      coupled, widths, limits, grouping)
-    if shape.schedule is ScheduleKind.INTERLEAVED:   # with its groups known, the lanes that sweep each chunk
-        lanes = lane_timings(shape.engine, shape.schedule, stages, step.sweeps)
+    if shape.schedule is ScheduleKind.INTERLEAVED and any(step.sweeps(t.microbatches) for t in lanes):
+        lanes = lane_timings(shape.engine, shape.schedule, stages, step.sweeps)   # their groups known now
     time = compose_step(step, lanes, end, lambda: [_trail(lanes, s.index) + s.flush() for s in stages],
                         stages[0].first_gather, lambda: zorse_units(shape, stages))
     if not memory:
