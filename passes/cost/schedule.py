@@ -128,9 +128,12 @@ def chunk_loop_wait(lanes: Sequence[LaneTiming], lane: LaneTiming, chunks: int, 
     and L = (p − 1)·c: no wait, the schedule's premise. Where a lane serves
     fewer microbatches than there are stages, or the others are slower,
     the loop shows: random jobs 64/3 (8 stages, 4 microbatches on the
-    slowest lanes) and 256/2 (12 stages, 8 and 6 microbatches) ran 17 % and
-    27 % longer than the bubble of (p − 1) chunks alone
-    (benchmarks/plan_agreement.py --jobs 6)."""
+    slowest lanes) and 256/2 (12 stages, 8 and 6 microbatches) ran 21 % and
+    36 % longer than the bubble of (p − 1) chunks alone; with the loop
+    counted, and their one group's gradient ops back to back behind ZeRO-2's
+    reduce-scatters (`classes.lane_timing`'s sweeps), explain is −4.9 % and
+    −3.3 % of their compiled steps (benchmarks/plan_agreement.py --jobs 6;
+    the planner then gives both ZB-H1 plans that run faster)."""
     if chunks < 2:
         return 0.0
     forward: dict[int, float] = {}
