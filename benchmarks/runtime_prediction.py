@@ -171,12 +171,14 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--only", nargs="*", default=[], metavar="NAME", help="these plans only (file stems)")
     ap.add_argument("--no-write", action="store_true", help="print, do not update docs/benchmarks.md")
+    ap.add_argument("--keep", type=Path, metavar="DIR", help="work in DIR and keep it (profiles, plans, metrics)")
     args = ap.parse_args()
     cores = len(os.sched_getaffinity(0))
     load, start = os.getloadavg(), time.monotonic()
     waits = {}
     with tempfile.TemporaryDirectory(prefix="hetc-prediction-") as tmp:
-        work = Path(tmp)
+        work = args.keep or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
         demo = copy_demo(work, cores)
         profiles = []
         selected = plans(demo, args.only)

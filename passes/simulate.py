@@ -63,7 +63,7 @@ class _Costs:
         if isinstance(instr, (Load, Free)):
             return 0.0
         op = cast(ComputeInstr, instr)
-        return self.costs.compute_time(rank, op.ms, PHASE_OF[type(op)], op.unit)
+        return self.costs.op_time(rank, op.ms, PHASE_OF[type(op)], op.unit)
 
     def copy(self, rank: int, instr: Instr) -> float:
         return self.costs.copy_time(rank, self._copy_bytes(rank, instr))

@@ -109,3 +109,16 @@ def test_explain_compile_and_plan_agree_on_shared_cores(plan, shared, tmp_path, 
 def test_explain_compile_and_plan_agree_with_measured_profiles(plan, shared, tmp_path, capsys):
     profiles = [flag for path in MEASURED for flag in ("--profile", str(path))]
     _assert_verbs_agree(str(shared[0] / f"{plan}.het"), profiles, tmp_path, capsys)
+
+
+@pytest.mark.parametrize("plan", ["single", "pp", "gpipe", "tp2", "offload_act", "zero3_offload"])
+def test_the_engines_microbatch_overhead_is_in_every_verb(plan, shared, tmp_path, capsys):
+    """A profile's `microbatch_overhead_s` (what the engine spends per microbatch outside the layers) is
+    charged by the compiled program's forwards as by the estimate: `CostModel.op_time`."""
+    demo = shared[0]
+    path = tmp_path / "overhead.json"
+    path.write_text(json.dumps(_profile(DEMO_BLOCK_PARAMS, 1.2e-3) | {"microbatch_overhead_s": 2e-3}))
+    with_overhead = _assert_verbs_agree(str(demo / f"{plan}.het"), ["--profile", str(path)], tmp_path, capsys)
+    without = tmp_path / "none.json"
+    without.write_text(json.dumps(_profile(DEMO_BLOCK_PARAMS, 1.2e-3)))
+    assert _step(capsys, "explain", str(demo / f"{plan}.het"), "--json", "--profile", str(without)) < with_overhead

@@ -5,7 +5,7 @@ chains of work every program of the plan must run, whatever order its
 schedule gives the ops; it reads the plan's choices (stages, lanes and
 their microbatches, ZeRO levels and groups, the schedule's kind) and times
 them with the cost model's primitives at the grain the compiled program's
-simulation uses (`CostModel.compute_time`, `p2p_time`, `collective_time`,
+simulation uses (`CostModel.op_time`, `p2p_time`, `collective_time`,
 `optimizer_time`, every collective over the program's own group of ranks,
 one transfer at the concurrency the simulation gives it). For each rank r
 of stage s with n microbatches:
@@ -170,7 +170,7 @@ class _Chains:
 
     def of_rank(self, stage: Stage, lane: Lane, rank: int) -> StepBound:
         cm, n = self.cm, len(lane.microbatches)
-        f, i, w = (sum(cm.compute_time(rank, ms, ph) for ms in stage.ministages) for ph in (Phase.FORWARD, Phase.INPUT_GRAD, Phase.WEIGHT_GRAD))
+        f, i, w = (sum(cm.op_time(rank, ms, ph) for ms in stage.ministages) for ph in (Phase.FORWARD, Phase.INPUT_GRAD, Phase.WEIGHT_GRAD))
         first = stage.ministages[0]
         fill = self._fill(stage, lane, rank)
         held = min(self.in_flight.get(rank, n), n)
@@ -216,13 +216,13 @@ class _Chains:
         cm, stage = self.cm, self.cm.stage_of(rank)
         lane = next(lane for lane in stage.lanes if rank in lane.ranks)
         n, fill = len(lane.microbatches), self._fill(stage, lane, rank)
-        f = sum(cm.compute_time(rank, ms, Phase.FORWARD) for ms in stage.ministages)
+        f = sum(cm.op_time(rank, ms, Phase.FORWARD) for ms in stage.ministages)
         got = fill + (n if rank in self.forwards_first else 1) * f
         last = stage.ministages[-1]
         if last + 1 < len(self.p.ministages):
             after = self.p.stages[self.p.ministages[last + 1].stage]
             got = max(got, min(self._first_grad(d) + self._transfer(mb, last) +
-                               sum(cm.compute_time(d, ms, Phase.BACKWARD) for ms in after.ministages)
+                               sum(cm.op_time(d, ms, Phase.BACKWARD) for ms in after.ministages)
                                for mb in lane.microbatches for d in self.lane_of[(after.index, mb)].ranks))
         self._first_grads[rank] = got
         return got
@@ -273,7 +273,7 @@ class _Chains:
         out = []
         for ms in stage.ministages:
             units: tuple[Unit | None, ...] = stage_units(self.cm, stage, ms) or (None,)
-            out += [_Op(ms, u, ph, self.cm.compute_time(rank, ms, ph, u)) for ph in phases for u in units]
+            out += [_Op(ms, u, ph, self.cm.op_time(rank, ms, ph, u)) for ph in phases for u in units]
         return out
 
     def _other_steps(self, rank: int) -> float:
@@ -310,7 +310,7 @@ class _Chains:
         key = (ms, lane.index, phase)
         got = self._fastests.get(key)
         if got is None:
-            got = self._fastests[key] = min(self.cm.compute_time(r, ms, phase) for r in lane.ranks)
+            got = self._fastests[key] = min(self.cm.op_time(r, ms, phase) for r in lane.ranks)
         return got
 
     def _transfer(self, mb: int, ms: int) -> float:

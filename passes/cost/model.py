@@ -251,6 +251,25 @@ class CostModel:
             self._compute_times[key] = got
         return got
 
+    def op_time(self, rank: int, ms: int, phase: Phase, unit: Unit | None = None) -> float:
+        """A compute op's time: `compute_time`, and on a forward the share of the engine's per-microbatch
+        overhead it carries (`forward_overhead`). What the simulator and lowering's timed schedule charge."""
+        got = self.compute_time(rank, ms, phase, unit)
+        return got + self.forward_overhead(rank, ms, unit) if phase is Phase.FORWARD else got
+
+    def forward_overhead(self, rank: int, ms: int, unit: Unit | None = None) -> float:
+        """The engine's per-microbatch seconds outside the layers (`microbatch_overhead`) that a forward
+        through ministage `ms` (through its `unit`) carries: spread evenly over the stage's ministages, or all
+        on the stage's first unit where the stage gathers per block, as the estimate places it
+        (plan_time.unit_lane, lane_unit_ops)."""
+        overhead = self.microbatch_overhead(rank)
+        if overhead == 0.0:
+            return 0.0
+        stage = self.stage_of(rank)
+        if unit is None:
+            return overhead / len(stage.ministages)
+        return overhead if unit.first == self.ministage(stage.ministages[0]).layers[0] else 0.0
+
     def slowdown(self, rank: int) -> float:
         """How many times slower this rank computes for sharing its node's cores with the ranks computing
         beside it (Notes [shared cores], [ranks computing at once])."""

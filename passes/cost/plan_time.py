@@ -183,9 +183,8 @@ def lane_unit_ops(cm: CostModel, stage: Stage, lane: Lane) -> tuple[UnitOp, ...]
     if not units:
         return ()
     reps = kind_reps(cm, lane.ranks)
-    computes = [tuple(max(cm.compute_time(r, ms, ph, u) for r in reps) for ph in (Phase.FORWARD, Phase.BACKWARD))
+    computes = [tuple(max(cm.op_time(r, ms, ph, u) for r in reps) for ph in (Phase.FORWARD, Phase.BACKWARD))
                 for ms, u in units]
-    computes[0] = (computes[0][0] + max(cm.microbatch_overhead(r) for r in reps), computes[0][1])
     pieces = piece_collectives(stage.zero, zero_rings(cm, rank), [cm.layers_numel(u.layers, rank) * cm.delta
                                                                    for _, u in units])
     return unit_ops([(f, b) for f, b in computes], pieces)
@@ -259,8 +258,7 @@ def unit_lane(cm: CostModel, stage: Stage, lane: Lane, ms: int) -> UnitLane:
     p = cm.pipeline
     rank = lane.ranks[0]
     reps = kind_reps(cm, lane.ranks)
-    share = 1 / len(stage.ministages)   # the engine's per-microbatch cost, spread over the stage's units
-    f = max(cm.compute_time(r, ms, Phase.FORWARD) + cm.microbatch_overhead(r) * share for r in reps)
+    f = max(cm.op_time(r, ms, Phase.FORWARD) for r in reps)
     b = max(cm.compute_time(r, ms, Phase.BACKWARD) for r in reps)
     copy = cm.copy_time(rank, cm.held_boundary_bytes(ms, stage)) \
         if stage.offload.activations is not OffloadTarget.NONE else 0.0

@@ -269,7 +269,7 @@ def _duration(ctx: LowerContext, op: Op) -> float:
     kind, ms, mb = op
     lane = ctx.lane_for(ms, mb)
     phase = Phase(kind)   # a compute op's kind is its phase's letter
-    return max(ctx.costs.compute_time(r, ms, phase) for r in lane.ranks)
+    return max(ctx.costs.op_time(r, ms, phase) for r in lane.ranks)
 
 
 def _lag(ctx: LowerContext, dep: Op, op: Op) -> float:
