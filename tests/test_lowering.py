@@ -109,7 +109,7 @@ def test_zorse_posts_each_receive_as_far_ahead_as_its_transfer_takes():
             elif isinstance(instr, Wait) and instr.handle in posted:
                 start, recv = posted.pop(instr.handle)
                 ops = [i for i in rp.instrs[start:k] if isinstance(i, COMPUTE_TYPES)]
-                ahead = sum(costs.compute_time(rp.rank, i.ms, PHASE_OF[type(i)]) for i in ops)
+                ahead = sum(costs.op_time(rp.rank, i.ms, PHASE_OF[type(i)]) for i in ops)
                 transfer = costs.p2p_time(recv.peer_from, rp.rank, math.prod(recv.shape) * costs.delta)
                 first = not any(isinstance(i, COMPUTE_TYPES) for i in rp.instrs[:start])
                 assert ahead >= transfer or first, (rp.rank, recv)

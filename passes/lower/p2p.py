@@ -14,9 +14,9 @@ microbatch (random job 1024/0, benchmarks/plan_agreement.py: 10.7 %
 longer than Zorse's estimate, which puts the transfers on the way of the
 first microbatch alone). The other schedules keep one op: their order
 interleaves microbatches that come back over the borders (Note [async
-sends] in passes/cost/transfers.py). With compute orders that come from one feasible execution (see
-Note [schedules by simulation]) no cycle of waits can form; the verifier
-proves it for the concrete programs.
+sends] in passes/cost/transfers.py). With compute orders that come from
+one feasible execution (see Note [schedules by simulation]) no cycle of
+waits can form; the verifier proves it for the concrete programs.
 
 Note [channel order]: messages between a pair of ranks match in posting
 order (NCCL and gloo both need it), so a rank posts the receives from one
@@ -143,7 +143,7 @@ def _leads(units: list[Unit], needs: list[list[Recv]], place: RankPlace, ctx: Lo
     if ctx.pipeline.schedule is not ScheduleKind.ZORSE:
         return leads
     costs, rank = ctx.costs, place.rank
-    ops = [sum(costs.compute_time(rank, op.ms, PHASE_OF[type(op)]) for op in unit.compute
+    ops = [sum(costs.op_time(rank, op.ms, PHASE_OF[type(op)]) for op in unit.compute
                if isinstance(op, COMPUTE_TYPES)) for unit in units]
     for k, recvs in enumerate(needs):
         transfer = max((costs.p2p_time(r.peer_from, rank, math.prod(r.shape) * costs.delta) for r in recvs),
