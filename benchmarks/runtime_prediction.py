@@ -155,7 +155,9 @@ def render(rows: list[Row], c: Conditions, steps: int) -> str:
              f"of steps {SKIP + 1}..{steps}. The demo cluster gets `cores = {c.cores}` (this machine's; all its "
              f"ranks share them). " + _conditions(c))
     lines = [HEADING, "", intro,
-             "", f"**{agree} of {len(rows)} plans within {TOLERANCE:.0%}.**", "",
+             "", (f"**{agree} of {len(rows)} plans within {TOLERANCE:.0%}.** Why the others miss, and what a "
+                  f"best fit of the measured waits would reach: docs/costmodel.md, Known limits (`hetc run "
+                  f"--local` on this 2-core machine)."), "",
              "| plan | predicted ms | measured ms | measured/predicted | within 15 %? | most off (misses) |",
              "|---|---:|---:|---:|---|---|"]
     for r in rows:
