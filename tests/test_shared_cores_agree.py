@@ -34,8 +34,6 @@ PLANS = ["pp", "gpipe", "hetero", "hetero_tp", "tp_to_cp", "hsdp", "offload_act"
 MEASURED = [ROOT / "tests" / "profiles" / name for name in ("cpu2-demo.json", "cpu2-moe.json")]
 # Known gaps of the estimate with the measured profiles, by cause; strict: when a fix closes one, drop it
 MEASURED_GAPS = {
-    "hetero": "1F1B on lanes of 3 and 1 microbatches: the paced chain fills and drains through each earlier "
-              "stage's slowest lane, the microbatches go through the lanes serving them (explain +3.4 %)",
     "interleaved": "every border transfer counted as waited; lowering posts each receive one op early, so "
                    "a lane waits for part of it (explain +5.7 %)",
     "zb": "as interleaved: border transfers counted as wholly waited (explain +6.8 %)",

@@ -111,10 +111,16 @@ def _one_f_one_b_time(lanes: list[LaneTiming], limits: Mapping[int, int]) -> Pip
     keeps in flight hide but for what `round_trip_span` leaves (`_busiest_span`). With equal lanes the busiest
     lane paces; a lane of a later stage serving the microbatches of several earlier lanes can pace instead,
     busy all along while the busiest one waits for it (demo hetero: the last stage's one lane serves the two
-    middle lanes' microbatches)."""
+    middle lanes' microbatches). The first microbatch fills, and the last drains, through a lane of its stage
+    with the most microbatches (`hetc.pipeline.route_microbatches` gives both to such a lane), not through a
+    slower lane of fewer (demo hetero: the middle stage's lane of one microbatch)."""
+    most: dict[int, int] = {}
+    for t in lanes:
+        most[t.stage] = max(most.get(t.stage, 0), t.microbatches)
     one: dict[int, float] = {}
     for t in lanes:
-        one[t.stage] = max(one.get(t.stage, 0.0), t.one)
+        if t.microbatches == most[t.stage]:
+            one[t.stage] = max(one.get(t.stage, 0.0), t.one)
 
     def chain(t: LaneTiming) -> float:
         fill = sum(v for s, v in one.items() if s < t.stage) + max(0.0, t.p2p - t.p2p_after - t.p2p_wait)
