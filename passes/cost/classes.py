@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from hetc.passes.cost.memory import RankMemory, interleaved_update
-from hetc.passes.cost.schedule import (Grouping, LaneTiming, Unit, UnitOp, in_flight_limits, interleaved_grouping,
-                                      lockstep_fill, pipeline_time, sequential_time, step_lower_bound, zero_cycle)
+from hetc.passes.cost.schedule import (Grouping, LaneTiming, Unit, UnitOp, even_zero_bubble, in_flight_limits,
+                                      interleaved_grouping, lockstep_fill, pipeline_time, sequential_time,
+                                      step_lower_bound, zero_cycle)
 from hetc.passes.cost.transfers import Borders, Engine, transfer_waits
 from hetc.passes.cost.zero_time import gathers_per_microbatch
 from hetc.spec import ScheduleKind, ZeroSpec
@@ -133,26 +134,27 @@ def coupled_stages(schedule: ScheduleKind, stages: Sequence[StageSource]) -> dic
 def lane_timings(engine: Engine, schedule: ScheduleKind, stages: Sequence[StageSource]) -> list[LaneTiming]:
     """One timing per class of lanes, led by its first lane."""
     out = []
-    for st in stages:
-        for lanes in st.lane_classes():
-            lane = lanes[0]
-            f, i, w = st.compute(lane)
-            f += st.overhead(lane)
-            out.append(lane_timing(engine, schedule, st.index, lane, st.count(lane), (f, i, w), st.p2p(lane),
-                                   st.collectives(lane), st.shares(), st.unit_ops(lane)))
+    leads = [(st, lanes[0]) for st in stages for lanes in st.lane_classes()]
+    in_order = even_zero_bubble(schedule, (st.count(lane) for st, lane in leads))
+    for st, lane in leads:
+        f, i, w = st.compute(lane)
+        f += st.overhead(lane)
+        out.append(lane_timing(engine, schedule, st.index, lane, st.count(lane), (f, i, w), st.p2p(lane),
+                               st.collectives(lane), st.shares(), st.unit_ops(lane), in_order))
     return out
 
 
 def lane_timing(engine: Engine, schedule: ScheduleKind, stage: int, lane: int, microbatches: int,
                 compute: tuple[float, float, float], borders: Borders, collectives: tuple[float, float, float],
-                shares: tuple[float, float], units: Sequence[UnitOp] = ()) -> LaneTiming:
+                shares: tuple[float, float], units: Sequence[UnitOp] = (), in_order: bool = False) -> LaneTiming:
     """A lane's per-microbatch timing: its (F, I, W), border transfers and what of them it waits for
-    (Note [async sends]), and the cycle and trail its ZeRO collectives (reduce-scatter, gather, host
-    copies) allow (`zero_cycle`, Note [zero cycle]; `units`: its unit ops where it gathers per block)."""
+    (Note [async sends]; `in_order`: ZB-H1 in its steady order, `schedule.even_zero_bubble`), and the cycle and trail its ZeRO collectives
+    (reduce-scatter, gather, host copies) allow (`zero_cycle`, Note [zero cycle]; `units`: its unit ops where
+    it gathers per block)."""
     f, i, w = compute
     reduce, gather, copies = collectives
     ops = (f, i, w) if schedule is ScheduleKind.ZB else (f, i + w)
-    waits = transfer_waits(engine, schedule, borders, compute)
+    waits = transfer_waits(engine, schedule, borders, compute, in_order)
     zc = zero_cycle(schedule, ops, waits, reduce, gather, copies, shares, units)
     return LaneTiming(stage, lane, microbatches, f, i, w, borders.total,
                       reduce + gathers_per_microbatch(schedule) * gather + copies, zc.bound, zc.trail, waits,

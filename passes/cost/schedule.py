@@ -25,13 +25,14 @@ microbatch by microbatch in `sequential_time`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
 from hetc.spec import ScheduleKind
 
-__all__ = ["Grouping", "LaneTiming", "PipelineTime", "Unit", "UnitLane", "UnitOp", "ZeroCycle", "in_flight_limits",
+__all__ = ["Grouping", "LaneTiming", "PipelineTime", "Unit", "UnitLane", "UnitOp", "ZeroCycle", "even_zero_bubble",
+           "in_flight_limits",
            "interleaved_grouping", "lockstep_fill", "pipeline_time", "round_trip_span", "sequential_time",
            "step_lower_bound", "unit_ops", "zero_cycle"]
 
@@ -89,8 +90,9 @@ def pipeline_time(schedule: ScheduleKind, lanes: list[LaneTiming], chunks: int =
                   limits: Mapping[int, int] | None = None) -> PipelineTime:
     """Forward and backward of every microbatch, for 1F1B-like schedules and GPipe."""
     worst = max(lanes, key=lambda t: t.work)
-    if schedule is ScheduleKind.ONE_F_ONE_B and limits is not None:
-        return _one_f_one_b_time(lanes, limits)
+    paced = schedule is ScheduleKind.ONE_F_ONE_B or even_zero_bubble(schedule, (t.microbatches for t in lanes))
+    if paced and limits is not None:
+        return _paced_time(schedule, lanes, limits)
     others: dict[int, float] = {}
     for t in lanes:
         if t.stage != worst.stage:
@@ -104,27 +106,54 @@ def pipeline_time(schedule: ScheduleKind, lanes: list[LaneTiming], chunks: int =
     return PipelineTime(worst.work + bubble, worst.work, bubble, (worst.stage, worst.lane))
 
 
-def _one_f_one_b_time(lanes: list[LaneTiming], limits: Mapping[int, int]) -> PipelineTime:
-    """1F1B, paced by the lane whose chain is longest. Note [paced pipeline]: a lane's chain is the fill and
-    drain of the stages before it (each its slowest lane's `one`, and its own activation coming in: Note
-    [fill transfers]) around its own span, where the stages after it are a round trip that the microbatches it
-    keeps in flight hide but for what `round_trip_span` leaves (`_busiest_span`). With equal lanes the busiest
+def even_zero_bubble(schedule: ScheduleKind, microbatches: Iterable[int]) -> bool:
+    """ZB-H1 with every lane serving as many microbatches (`microbatches`: each lane's): its lanes run F, I, W of
+    each microbatch in turn and it is paced as 1F1B is (Note [even zero bubble]; Note [async sends] in
+    transfers.py)."""
+    return schedule is ScheduleKind.ZB and len(set(microbatches)) == 1
+
+
+def _paced_time(schedule: ScheduleKind, lanes: list[LaneTiming], limits: Mapping[int, int]) -> PipelineTime:
+    """1F1B and ZB-H1, paced by the lane whose chain is longest. Note [paced pipeline]: a lane's chain is the
+    fill and drain of the stages before it (each its slowest lane's round-trip share, F + B + P, under ZB-H1
+    F + I + P; and its own activation coming in: Note [fill transfers]) around its own span, where the stages
+    after it are a round trip that the microbatches it keeps in flight hide but for what `round_trip_span`
+    leaves (`_busiest_span`). With equal lanes the busiest
     lane paces; a lane of a later stage serving the microbatches of several earlier lanes can pace instead,
     busy all along while the busiest one waits for it (demo hetero: the last stage's one lane serves the two
     middle lanes' microbatches). The first microbatch fills, and the last drains, through a lane of its stage
     with the most microbatches (`hetc.pipeline.route_microbatches` gives both to such a lane), not through a
-    slower lane of fewer (demo hetero: the middle stage's lane of one microbatch)."""
+    slower lane of fewer (demo hetero: the middle stage's lane of one microbatch).
+
+    Note [even zero bubble]: ZB-H1 with every lane serving as many
+    microbatches is paced the same way, its chain draining with input
+    gradients only (F + I + P a stage before the pacing lane): the pacing
+    lane's last weight gradient runs beside the drain, and the first stage's
+    last one ends the pipeline after it. Lowering's ZB-H1 runs each stage's
+    W right after its I where nothing else is ready, so the weight gradients
+    do not fill the drain as ZB-H1's (F + I + P − W) a stage assumes: with
+    that bubble and every border transfer counted whole, demo zb and
+    moe_pp_ep2 on two shared cores were estimated 6.8 % and 1.3 % over their
+    compiled programs (tests/test_shared_cores_agree.py), now equal. With
+    uneven lanes the old count stays: there lowering's ZB-H1 starves its
+    fast lanes far beyond what either count holds (zorse/b_auto.het's ZB-H1
+    plan, 4 to 12 lanes a stage: 25.99 s compiled, 21.51 s estimated;
+    c_auto.het's 65.4 s against 56.1 s), and counting ZB-H1 cheaper there
+    lets the planner choose those plans (docs/costmodel.md, "Known limits")."""
     most: dict[int, int] = {}
     for t in lanes:
         most[t.stage] = max(most.get(t.stage, 0), t.microbatches)
     one: dict[int, float] = {}
     for t in lanes:
         if t.microbatches == most[t.stage]:
-            one[t.stage] = max(one.get(t.stage, 0.0), t.one)
+            one[t.stage] = max(one.get(t.stage, 0.0), _round_trip_share(schedule, t))
+    zb = schedule is ScheduleKind.ZB
+    last_weight_grad = max(t.weight_grad for t in lanes if t.stage == 0) if zb else 0.0
 
     def chain(t: LaneTiming) -> float:
         fill = sum(v for s, v in one.items() if s < t.stage) + max(0.0, t.p2p - t.p2p_after - t.p2p_wait)
-        return fill + _busiest_span(ScheduleKind.ONE_F_ONE_B, lanes, t, limits)
+        end = last_weight_grad - t.weight_grad if zb and t.stage > 0 else 0.0
+        return fill + _busiest_span(schedule, lanes, t, limits) + end
 
     pace = max(lanes, key=lambda t: (chain(t), t.work))
     total = chain(pace)
