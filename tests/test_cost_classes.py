@@ -6,8 +6,8 @@ import pytest
 
 from hetc.passes.cost.classes import flush_tail, throughput
 from hetc.passes.cost.plan_time import ministage_borders, peer_lanes, stage_borders
-from hetc.passes.cost.schedule import (Grouping, LaneTiming, Unit, UnitLane, in_flight_limits, interleaved_grouping,
-                                      sequential_time)
+from hetc.passes.cost.schedule import (Grouping, LaneTiming, Unit, UnitLane, chunk_loop_wait, in_flight_limits,
+                                      interleaved_grouping, pipeline_time, sequential_time)
 from hetc.passes.cost.zero_time import ZeroRings, across_nodes, flush_time, sync_time
 from hetc.spec import ScheduleKind, ZeroShard, ZeroSpec
 
@@ -32,6 +32,35 @@ def test_a_later_stages_tail_hides_behind_the_drain_of_the_stages_before_it():
     # stage 0 drains 2.5 s: stage 1's 3 s tail shows 0.5 s, stage 0's own 1 s tail shows whole
     assert flush_tail(lanes, [1.0, 3.0]) == pytest.approx(1.0)
     assert flush_tail(lanes, [0.2, 3.0]) == pytest.approx(0.5)
+
+
+def test_under_zb_a_later_stages_tail_hides_behind_the_input_gradients_of_the_stages_before_it():
+    """Under ZB-H1 the gradient leaves stage 0 after its input gradient (1 s, and 0.5 s of transfer): stage 1's
+    last backward ends 1.5 s before stage 0's, less its own weight gradient (1 s) plus stage 0's (1 s)."""
+    lanes = [LaneTiming(0, 0, 4, 1.0, 1.0, 1.0, 0.5), LaneTiming(1, 0, 4, 1.0, 2.0, 1.0)]
+    assert flush_tail(lanes, [0.2, 3.0], ScheduleKind.ZB) == pytest.approx(1.5)
+
+
+def test_an_interleaved_lane_waits_for_a_chunks_loop_its_group_does_not_cover():
+    """Note [chunk loop]: 4 stages of 1 s forward and 2 s backward per microbatch over 2 chunks (0.5 s and 1 s
+    a chunk-op). With p = 4 microbatches in the group the other three stages' chunks are covered; with 2,
+    each turn waits 0.5 + 1.5 − 2·0.5 = 1 s forward and 2 s backward."""
+    lanes = [LaneTiming(s, 0, 4, 1.0, 2.0, 0.0) for s in range(4)]
+    assert chunk_loop_wait(lanes, lanes[0], 2, 4) == 0.0
+    assert chunk_loop_wait(lanes, lanes[0], 2, 2) == pytest.approx(3.0)
+    grid = pipeline_time(ScheduleKind.INTERLEAVED, lanes, 2, group=lambda t: 4)
+    few = pipeline_time(ScheduleKind.INTERLEAVED, lanes, 2, group=lambda t: 2)
+    assert few.total == pytest.approx(grid.total + 3.0)
+
+
+def test_zb_with_few_microbatches_a_lane_is_paced_by_its_chain():
+    """Note [paced pipeline]: 5 stages, 2 microbatches a lane; the weight gradients cannot fill ZB-H1's bubble,
+    so the last stage's chain (every earlier stage's F + I, then its own span) sets the pipeline."""
+    lanes = [LaneTiming(s, 0, 2, 1.0, 1.0, 1.0) for s in range(5)]
+    limits = in_flight_limits(ScheduleKind.ZB, lanes, 5)
+    paced = pipeline_time(ScheduleKind.ZB, lanes, 1, limits)
+    assert paced.total >= 4 * 2.0 + 2 * 3.0
+    assert paced.total > 2 * 3.0 + 4 * (1.0 + 1.0 - 1.0)   # ZB-H1's bubble alone
 
 
 def test_a_zorse_unit_syncs_on_its_own_and_takes_its_share_of_the_stages_step():

@@ -8,6 +8,7 @@ exit codes of `hetc verify` on hand-edited listings.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import re
 from collections import Counter
@@ -23,8 +24,8 @@ from hetc.passes.cost.schedule import Grouping
 from hetc.passes.lower import PASS_NAMES, lower
 from hetc.passes.lower.context import LowerContext
 from hetc.passes.verify import verify
-from hetc.program import (COMPUTE_TYPES, AllGather, Backward, BackwardInput, BackwardWeight, Forward, Load,
-                          Recv, ReduceScatter, Send, Step)
+from hetc.program import (COMPUTE_TYPES, PHASE_OF, AllGather, Backward, BackwardInput, BackwardWeight, Forward, Load,
+                          Recv, ReduceScatter, Send, Step, Wait)
 from hetc.spec import ScheduleKind
 from tests.conftest import DEMO
 from tests.plans import DEMO_PLANS, TEST_PLANS, TEST_SPECS, compile_plan, plan_id
@@ -92,6 +93,28 @@ def test_zorse_sweeps_ministages_and_steps_each_right_after_its_backward():
     assert steps[0] < backwards[-1], "the interleaved optimizer step comes before the last backward"
     gathers = Counter(i.ms for i in rp.instrs if isinstance(i, AllGather))
     assert gathers == {0: 2, 1: 2, 2: 1}, "gather once per ministage sweep (forward, then backward)"
+
+
+def test_zorse_posts_each_receive_as_far_ahead_as_its_transfer_takes():
+    """Note [p2p placement]: under Zorse the compute ops between a receive's post and its wait last at least its
+    transfer, unless it was posted before the rank's first op; one op ahead would leave the consumer waiting."""
+    lowered = compile_plan(TEST_SPECS / "zorse16.het")
+    costs = CostModel(lowered.spec, lowered.pipeline, lowered.topology)
+    further = 0
+    for rp in lowered.program.ranks:
+        posted: dict[int, tuple[int, Recv]] = {}
+        for k, instr in enumerate(rp.instrs):
+            if isinstance(instr, Recv):
+                posted[instr.handle] = (k, instr)
+            elif isinstance(instr, Wait) and instr.handle in posted:
+                start, recv = posted.pop(instr.handle)
+                ops = [i for i in rp.instrs[start:k] if isinstance(i, COMPUTE_TYPES)]
+                ahead = sum(costs.op_time(rp.rank, i.ms, PHASE_OF[type(i)]) for i in ops)
+                transfer = costs.p2p_time(recv.peer_from, rp.rank, math.prod(recv.shape) * costs.delta)
+                first = not any(isinstance(i, COMPUTE_TYPES) for i in rp.instrs[:start])
+                assert ahead >= transfer or first, (rp.rank, recv)
+                further += len(ops) > 1
+    assert further, "some transfer outlasts the op before its consumer"
 
 
 def test_zero3_under_1f1b_gathers_every_microbatch():

@@ -296,11 +296,12 @@ class StageCosts:
         return got
 
     @cached_property
-    def _borders(self) -> tuple[float, float]:
-        """(the boundary activations held from the stage's earlier ministages, the largest one it holds)."""
+    def _borders(self) -> tuple[float, float, float]:
+        """(the boundary activations its ministages take in, the largest one it holds at a border, the largest
+        one a ministage takes in)."""
         st = self.s
-        return (sum(self.boundary_bytes(ms - 1) for ms in st.ministages if ms > 0),
-                max(self.boundary_bytes(ms) for ms in st.ministages))
+        inputs = [self.boundary_bytes(ms - 1) for ms in st.ministages if ms > 0]
+        return sum(inputs), max(self.boundary_bytes(ms) for ms in st.ministages), max(inputs, default=0.0)
 
     def activations_per_count(self) -> float:
         """Activation bytes each further microbatch adds when that is linear in the count (GPipe, Zorse
@@ -344,10 +345,10 @@ class StageCosts:
     def _activations(self, count: int) -> tuple[float, float]:
         # every rank of a tp group holds the whole boundary activation (no sequence parallelism)
         st = self.s
-        held, largest = self._borders
+        held, _, largest_input = self._borders
         return activation_memory(self.plan.schedule, st.index, self.plan.num_stages, count,
                                  self._per_mb_activations, self.in_flight_limit, st.knobs.offload.activations,
-                                 held, largest, self.plan.prefetch, self._group(count))
+                                 held, largest_input, self.plan.prefetch, self._group(count))
 
     def _group(self, count: int) -> int | None:
         """A lane's microbatches per group of interleaved 1F1B (`memory.interleaved_group`); None around one

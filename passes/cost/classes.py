@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from hetc.passes.cost.memory import RankMemory, interleaved_update
+from hetc.passes.cost.memory import RankMemory, interleaved_group, interleaved_update
 from hetc.passes.cost.schedule import (Grouping, LaneTiming, Unit, UnitOp, even_zero_bubble, in_flight_limits,
                                       interleaved_grouping, lockstep_fill, pipeline_time, sequential_time,
                                       step_lower_bound, zero_cycle)
@@ -131,31 +131,41 @@ def coupled_stages(schedule: ScheduleKind, stages: Sequence[StageSource]) -> dic
     return {s.index: s.num_lanes for s in stages if per_mb and s.num_lanes > 1 and s.zero.resolved_level >= 2}
 
 
-def lane_timings(engine: Engine, schedule: ScheduleKind, stages: Sequence[StageSource]) -> list[LaneTiming]:
-    """One timing per class of lanes, led by its first lane."""
+def lane_timings(engine: Engine, schedule: ScheduleKind, stages: Sequence[StageSource],
+                 sweeps: Callable[[int], bool] | None = None) -> list[LaneTiming]:
+    """One timing per class of lanes, led by its first lane; `sweeps(n)`: under interleaved 1F1B, whether a
+    lane of n microbatches holds them all in one group (`lane_timing`)."""
     out = []
     leads = [(st, lanes[0]) for st in stages for lanes in st.lane_classes()]
-    in_order = even_zero_bubble(schedule, (st.count(lane) for st, lane in leads))
+    # ZB-H1's steady order (Note [async sends]), but for lanes in lockstep behind their per-microbatch ZeRO
+    # collectives, whose gathers and reduce-scatters hold the ops a receive would run beside
+    even = even_zero_bubble(schedule, (st.count(lane) for st, lane in leads))
+    coupled = coupled_stages(schedule, stages)
     for st, lane in leads:
         f, i, w = st.compute(lane)
         f += st.overhead(lane)
-        out.append(lane_timing(engine, schedule, st.index, lane, st.count(lane), (f, i, w), st.p2p(lane),
-                               st.collectives(lane), st.shares(), st.unit_ops(lane), in_order))
+        n = st.count(lane)
+        out.append(lane_timing(engine, schedule, st.index, lane, n, (f, i, w), st.p2p(lane),
+                               st.collectives(lane), st.shares(), st.unit_ops(lane),
+                               sweeps is not None and sweeps(n), even and st.index not in coupled))
     return out
 
 
 def lane_timing(engine: Engine, schedule: ScheduleKind, stage: int, lane: int, microbatches: int,
                 compute: tuple[float, float, float], borders: Borders, collectives: tuple[float, float, float],
-                shares: tuple[float, float], units: Sequence[UnitOp] = (), in_order: bool = False) -> LaneTiming:
+                shares: tuple[float, float], units: Sequence[UnitOp] = (), sweeps: bool = False,
+                in_order: bool = False) -> LaneTiming:
     """A lane's per-microbatch timing: its (F, I, W), border transfers and what of them it waits for
-    (Note [async sends]; `in_order`: ZB-H1 in its steady order, `schedule.even_zero_bubble`), and the cycle and trail its ZeRO collectives
-    (reduce-scatter, gather, host copies) allow (`zero_cycle`, Note [zero cycle]; `units`: its unit ops where
-    it gathers per block)."""
+    (Note [async sends]; `in_order`: ZB-H1 in its steady order, `schedule.even_zero_bubble`), and the cycle and trail its ZeRO collectives (reduce-scatter, gather, host
+    copies) allow (`zero_cycle`, Note [zero cycle]; `units`: its unit ops where it gathers per block).
+    `sweeps`: an interleaved 1F1B lane whose one group holds all its microbatches runs each chunk's
+    forwards, then its gradient ops, back to back, as GPipe does (Note [chunk loop]): each gradient op
+    waits for the reduce-scatter of the one before it."""
     f, i, w = compute
     reduce, gather, copies = collectives
     ops = (f, i, w) if schedule is ScheduleKind.ZB else (f, i + w)
     waits = transfer_waits(engine, schedule, borders, compute, in_order)
-    zc = zero_cycle(schedule, ops, waits, reduce, gather, copies, shares, units)
+    zc = zero_cycle(ScheduleKind.GPIPE if sweeps else schedule, ops, waits, reduce, gather, copies, shares, units)
     return LaneTiming(stage, lane, microbatches, f, i, w, borders.total,
                       reduce + gathers_per_microbatch(schedule) * gather + copies, zc.bound, zc.trail, waits,
                       borders.later)
@@ -168,11 +178,13 @@ def evaluate_classes(shape: PlanShape, stages: Sequence[StageSource], end: float
     coupled = coupled_stages(shape.schedule, stages)
     widths = {s.index: s.num_lanes for s in stages}
     limits = in_flight_limits(shape.schedule, lanes, len(stages), coupled, widths)
+    grouping, entries = _grouping(shape, stages, lanes, limits)
     step = StepShape(shape.schedule, len(stages), shape.chunks, shape.num_microbatches, shape.grad_clip,
-                     coupled, widths, limits)
+                     coupled, widths, limits, grouping)
+    if shape.schedule is ScheduleKind.INTERLEAVED and any(step.sweeps(t.microbatches) for t in lanes):
+        lanes = lane_timings(shape.engine, shape.schedule, stages, step.sweeps)   # their groups known now
     time = compose_step(step, lanes, end, lambda: [_trail(lanes, s.index) + s.flush() for s in stages],
                         stages[0].first_gather, lambda: zorse_units(shape, stages))
-    grouping, entries = _grouping(shape, stages, lanes, limits)
     if not memory:
         return ClassEstimate(time, limits, grouping, (), ())
     if entries is None:
@@ -216,6 +228,17 @@ class StepShape:
     coupled: dict[int, int]          # lockstep stages -> their lanes (`coupled_stages`)
     widths: dict[int, int]           # stage -> its lanes
     limits: dict[int, int]           # stage -> the microbatches a lane keeps in flight (Note [in-flight limit])
+    grouping: Grouping = Grouping.DEPTH_FIRST   # interleaved 1F1B's groups (Note [interleaved groups])
+
+    def group(self, lane: LaneTiming) -> int:
+        """Under interleaved 1F1B, the lane's microbatches in each group (`memory.interleaved_group`)."""
+        return interleaved_group(self.num_stages, self.widths[0], lane.microbatches, self.num_microbatches,
+                                 self.grouping)
+
+    def sweeps(self, microbatches: int) -> bool:
+        """Under interleaved 1F1B, a lane of `microbatches` holds them all in one group (`lane_timing`)."""
+        return interleaved_group(self.num_stages, self.widths[0], microbatches, self.num_microbatches,
+                                 self.grouping) >= microbatches
 
 
 def compose_step(shape: StepShape, lanes: list[LaneTiming], end: float, flush: Callable[[], list[float]],
@@ -230,23 +253,30 @@ def compose_step(shape: StepShape, lanes: list[LaneTiming], end: float, flush: C
                                 not interleaved_update(shape.schedule, shape.grad_clip))
         busy = max(t.work for t in lanes)
         return PlanTime(total + end, total, max(0.0, total - busy), end, tuple(lanes), None)
-    pipe = pipeline_time(shape.schedule, lanes, shape.chunks, shape.limits)
+    pipe = pipeline_time(shape.schedule, lanes, shape.chunks, shape.limits, shape.group)
     extra = max(0.0, step_lower_bound(shape.schedule, lanes, shape.chunks, shape.limits) - pipe.total) + \
         lockstep_fill(shape.schedule, lanes, shape.num_stages, shape.coupled, shape.widths)
     # the first stage's first compute op waits for its ZeRO-3 gather: nothing runs beside it yet
-    tail = flush_tail(lanes, flush()) + end + first_gather()
+    tail = flush_tail(lanes, flush(), shape.schedule) + end + first_gather()
     return PlanTime(pipe.total + extra + tail, pipe.total + extra, pipe.bubble + extra, tail, tuple(lanes),
                     pipe.bottleneck)
 
 
-def flush_tail(lanes: list[LaneTiming], worst: list[float]) -> float:
+def flush_tail(lanes: list[LaneTiming], worst: list[float], schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B
+               ) -> float:
     """The exposed tail: stage s syncs and steps (`worst[s]` seconds) after its own last backward, which
-    comes earlier than stage 0's by the drain (backward and transfers) of the stages before it."""
+    comes earlier than stage 0's by the drain (backward and transfers) of the stages before it. Under ZB-H1
+    the gradient leaves a stage after its input gradient, so the drain is the input gradients and transfers
+    of the stages before it, and the stage's own last weight gradient and stage 0's fall on either end
+    (random job 64/1: a last stage of 8 lanes syncing over them ended 6.3 ms before stage 0, not 8.7)."""
+    zb = schedule is ScheduleKind.ZB
     drain: dict[int, float] = {}
+    last: dict[int, float] = {}   # under ZB-H1, the stage's last weight gradient
     for t in lanes:
-        drain[t.stage] = max(drain.get(t.stage, 0.0), t.backward + t.p2p)
+        drain[t.stage] = max(drain.get(t.stage, 0.0), (t.input_grad if zb else t.backward) + t.p2p)
+        last[t.stage] = max(last.get(t.stage, 0.0), t.weight_grad if zb else 0.0)
     tail, lead = 0.0, 0.0
     for s, mine in enumerate(worst):
-        tail = max(tail, mine - lead)
+        tail = max(tail, mine - lead - last[0] + last[s])
         lead += drain[s]
     return max(tail, 0.0)

@@ -234,6 +234,13 @@ class StatesHeld:
     unit_params: Sequence[float] = ()
 
 
+def gathered_at_once(units: Sequence[float], prefetch: int) -> float:
+    """ZeRO-3's full parameters on the device at once: a unit and the `prefetch` after it in the order it
+    runs them (forward, or backward in reverse: the same windows of neighbours), the heaviest such window."""
+    ahead = 1 + prefetch
+    return max(sum(units[i:i + ahead]) for i in range(len(units)))
+
+
 @dataclass(frozen=True, slots=True)
 class StateMemory:
     """Model states and buffers on a rank's device, and what is offloaded to its host."""
@@ -250,12 +257,12 @@ def state_memory(held: StatesHeld, offload: OffloadSpec, schedule: ScheduleKind,
     """Where a rank's states sit at its peak: resident parameters (Note [parameter residency]), gradients
     (one ministage's when each is stepped right after its backward), optimizer state unless offloaded,
     and buffers: transfers plus ZeRO-3's gathered parameters (the current unit and `prefetch` more: a
-    ministage each, or one layer each where the stage gathers per block)."""
+    ministage each, or one layer each where the stage gathers per block; `gathered_at_once`)."""
     off_params, off_opt = offloaded(offload)
     params, largest = sum(held.params), max(held.params)
     resident = resident_params(schedule, grad_clip, params, largest, prefetch) if off_params else params
     grads = max(held.grads) if interleaved_update(schedule, grad_clip) else held.grads_kept
-    gather = (1 + prefetch) * max(held.unit_params or held.params) if held.gathers else 0.0
+    gather = gathered_at_once(held.unit_params or held.params, prefetch) if held.gathers else 0.0
     sharded_grads = sum(held.grads) * held.shard.grads
     buffers = transfer_buffers(held.held_boundary, sharded_grads, held.lanes, held.grad_bytes_per_param) + gather
     host = (params * held.shard.params if off_params else 0.0) + (held.optimizer_kept if off_opt else 0.0)
@@ -264,7 +271,7 @@ def state_memory(held: StatesHeld, offload: OffloadSpec, schedule: ScheduleKind,
 
 def activation_memory(schedule: ScheduleKind, stage: int, num_stages: int, microbatches: int,
                       per_microbatch: Sequence[float], limit: int | None, offload_activations: bool,
-                      boundary_inputs: float, largest_boundary: float, prefetch: int,
+                      boundary_inputs: float, largest_input: float, prefetch: int,
                       group: int | None = None) -> tuple[float, float]:
     """(on the device, on the host) activation bytes at the peak of a rank of `stage` serving
     `microbatches`, whose ministages stash `per_microbatch` bytes each per microbatch (`group`: its
@@ -275,7 +282,11 @@ def activation_memory(schedule: ScheduleKind, stage: int, num_stages: int, micro
     (`interleaved_peak`); Zorse runs one ministage over every microbatch, so
     it keeps them all, or with activations offloaded only each microbatch's
     boundary inputs (`boundary_inputs`, on the host) and one ministage
-    recomputed at a time, beside `prefetch` + 1 boundary buffers on the device.
+    recomputed at a time, beside `prefetch` + 2 stashed inputs on the device
+    (`largest_input`, the largest input of one of its ministages): the one it
+    recomputes, those fetched ahead, and the last forward's, whose copy to the
+    host is still in flight as the first backward runs (passes/lower/offload.py
+    waits for it after that backward).
     """
     if schedule is ScheduleKind.INTERLEAVED and len(per_microbatch) > 1:
         g = num_stages if group is None else group
@@ -286,7 +297,7 @@ def activation_memory(schedule: ScheduleKind, stage: int, num_stages: int, micro
         return held * sum(per_microbatch), 0.0
     if not offload_activations:
         return microbatches * sum(per_microbatch), 0.0
-    return max(per_microbatch) + (1 + prefetch) * largest_boundary, microbatches * boundary_inputs
+    return max(per_microbatch) + (2 + prefetch) * largest_input, microbatches * boundary_inputs
 
 
 def zorse_backward_peak(schedule: ScheduleKind, grad_clip: float, offload_activations: bool, microbatches: int,

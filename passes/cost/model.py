@@ -229,11 +229,15 @@ class CostModel:
         return max((self.held_boundary_bytes(ms, stage) for ms in stage.ministages), default=0.0)
 
     def reserve_bytes(self, rank: int) -> float:
+        """What the verifier reserves beside the allocations it follows: the runtime's context and a gradient
+        bucket being reduced. Not the border buffers of `transfer_buffers`: it follows each receive's buffer
+        from its `recv` to its use (a send sends the output it was given, no copy), where the estimate, which
+        counts no instructions, takes a send and a receive buffer."""
         device = self.gpu(rank).device
         stage = self.stage_of(rank)
         grads = sum(self.grad_bytes(ms, rank) for ms in stage.ministages) * self.shard(rank).grads
         return context_reserve(device.memory, device.is_cpu) + \
-            transfer_buffers(self.largest_held_boundary(stage), grads, len(stage.lanes), self.states.grads)
+            transfer_buffers(0.0, grads, len(stage.lanes), self.states.grads)
 
     # ------------------------------------------------------------ time (seconds)
 

@@ -31,9 +31,8 @@ from enum import StrEnum
 
 from hetc.spec import ScheduleKind
 
-__all__ = ["Grouping", "LaneTiming", "PipelineTime", "Unit", "UnitLane", "UnitOp", "ZeroCycle", "even_zero_bubble",
-           "in_flight_limits",
-           "interleaved_grouping", "lockstep_fill", "pipeline_time", "round_trip_span", "sequential_time",
+__all__ = ["Grouping", "LaneTiming", "PipelineTime", "Unit", "UnitLane", "UnitOp", "ZeroCycle", "chunk_loop_wait",
+           "even_zero_bubble", "in_flight_limits", "interleaved_grouping", "lockstep_fill", "pipeline_time", "round_trip_span", "sequential_time",
            "step_lower_bound", "unit_ops", "zero_cycle"]
 
 
@@ -87,12 +86,13 @@ class PipelineTime:
 
 
 def pipeline_time(schedule: ScheduleKind, lanes: list[LaneTiming], chunks: int = 1,
-                  limits: Mapping[int, int] | None = None) -> PipelineTime:
-    """Forward and backward of every microbatch, for 1F1B-like schedules and GPipe."""
+                  limits: Mapping[int, int] | None = None,
+                  group: Callable[[LaneTiming], int] | None = None) -> PipelineTime:
+    """Forward and backward of every microbatch, for 1F1B-like schedules and GPipe; `group`: under interleaved
+    1F1B, a lane's microbatches in its first group (Note [chunk loop])."""
     worst = max(lanes, key=lambda t: t.work)
-    paced = schedule is ScheduleKind.ONE_F_ONE_B or even_zero_bubble(schedule, (t.microbatches for t in lanes))
-    if paced and limits is not None:
-        return _paced_time(schedule, lanes, limits)
+    if schedule is ScheduleKind.ONE_F_ONE_B and limits is not None:
+        return _one_f_one_b_time(lanes, limits)
     others: dict[int, float] = {}
     for t in lanes:
         if t.stage != worst.stage:
@@ -103,61 +103,102 @@ def pipeline_time(schedule: ScheduleKind, lanes: list[LaneTiming], chunks: int =
     bubble = sum(others.values()) + worst.p2p - worst.p2p_wait
     if schedule is ScheduleKind.INTERLEAVED:
         bubble /= max(chunks, 1)
+        bubble += chunk_loop_wait(lanes, worst, chunks, group(worst) if group else worst.microbatches)
+    if schedule is ScheduleKind.ZB and limits is not None:
+        paced = _paced_time(schedule, lanes, limits)
+        if paced.total > worst.work + bubble:
+            return paced
     return PipelineTime(worst.work + bubble, worst.work, bubble, (worst.stage, worst.lane))
 
 
-def even_zero_bubble(schedule: ScheduleKind, microbatches: Iterable[int]) -> bool:
-    """ZB-H1 with every lane serving as many microbatches (`microbatches`: each lane's): its lanes run F, I, W of
-    each microbatch in turn and it is paced as 1F1B is (Note [even zero bubble]; Note [async sends] in
-    transfers.py)."""
-    return schedule is ScheduleKind.ZB and len(set(microbatches)) == 1
+def chunk_loop_wait(lanes: Sequence[LaneTiming], lane: LaneTiming, chunks: int, group: int) -> float:
+    """What `lane` of interleaved 1F1B waits at its chunks' turns for a chunk's loop (`group`: its microbatches in
+    its first group).
+
+    Note [chunk loop]: a microbatch comes back to a lane for its next chunk
+    only after one chunk of every other stage and a border per stage, the
+    loop L (its slowest lane per stage; its border transfers, which the
+    lane's thread waits for under interleaved 1F1B, Note [async sends],
+    half of them activations and half gradients). Meanwhile the lane runs
+    the chunk for the other microbatches of its group, g chunk-ops of c
+    seconds in all, so at the turn to the next chunk it waits
+    max(0, c + L − g·c): at each of the v − 1 turns of its first group's
+    forwards and of its last group's backwards (between groups the lane
+    runs the other direction's ops meanwhile). Megatron's grid has g = p
+    and L = (p − 1)·c: no wait, the schedule's premise. Where a lane serves
+    fewer microbatches than there are stages, or the others are slower,
+    the loop shows: random jobs 64/3 (8 stages, 4 microbatches on the
+    slowest lanes) and 256/2 (12 stages, 8 and 6 microbatches) ran 21 % and
+    36 % longer than the bubble of (p − 1) chunks alone; with the loop
+    counted, and their one group's gradient ops back to back behind ZeRO-2's
+    reduce-scatters (`classes.lane_timing`'s sweeps), explain is −4.9 % and
+    −3.3 % of their compiled steps (benchmarks/plan_agreement.py --jobs 6;
+    the planner then gives both ZB-H1 plans that run faster)."""
+    if chunks < 2:
+        return 0.0
+    forward: dict[int, float] = {}
+    backward: dict[int, float] = {}
+    for t in lanes:
+        forward[t.stage] = max(forward.get(t.stage, 0.0), t.forward + t.p2p / 2)
+        backward[t.stage] = max(backward.get(t.stage, 0.0), t.backward + t.p2p / 2)
+    f = lane.forward + lane.p2p_wait / 2   # the lane's own chunk-ops, its waits half before each direction
+    b = lane.cycle - f
+    g = min(group, lane.microbatches)
+    wait = 0.0
+    for own, loop in ((f, forward), (b, backward)):
+        others = sum(v for s, v in loop.items() if s != lane.stage)
+        wait += max(0.0, own + others - g * own) / chunks
+    return (chunks - 1) * wait
+
+
+def _one_f_one_b_time(lanes: list[LaneTiming], limits: Mapping[int, int]) -> PipelineTime:
+    """1F1B, paced by the lane whose chain is longest (`_paced_time`)."""
+    return _paced_time(ScheduleKind.ONE_F_ONE_B, lanes, limits)
 
 
 def _paced_time(schedule: ScheduleKind, lanes: list[LaneTiming], limits: Mapping[int, int]) -> PipelineTime:
-    """1F1B and ZB-H1, paced by the lane whose chain is longest. Note [paced pipeline]: a lane's chain is the
-    fill and drain of the stages before it (each its slowest lane's round-trip share, F + B + P, under ZB-H1
-    F + I + P; and its own activation coming in: Note [fill transfers]) around its own span, where the stages
-    after it are a round trip that the microbatches it keeps in flight hide but for what `round_trip_span`
-    leaves (`_busiest_span`). With equal lanes the busiest
-    lane paces; a lane of a later stage serving the microbatches of several earlier lanes can pace instead,
-    busy all along while the busiest one waits for it (demo hetero: the last stage's one lane serves the two
-    middle lanes' microbatches). The first microbatch fills, and the last drains, through a lane of its stage
+    """1F1B or ZB-H1, paced by the lane whose chain is longest. Note [paced pipeline]: a lane's chain is the
+    fill and drain of the stages before it (each its slowest lane's `one`, and its own activation coming in:
+    Note [fill transfers]) around its own span, where the stages after it are a round trip that the
+    microbatches it keeps in flight hide but for what `round_trip_span` leaves (`_busiest_span`). With equal
+    lanes the busiest lane paces; a lane of a later stage serving the microbatches of several earlier lanes
+    can pace instead, busy all along while the busiest one waits for it (demo hetero: the last stage's one
+    lane serves the two middle lanes' microbatches). Under ZB-H1 a stage before the lane holds its first
+    forward and last input gradient on that way (`_zb_way`): a weight gradient, left for later, is not on
+    it; ZB-H1's bubble of (F + I − W) per stage, weight gradients filling it, needs more microbatches on a
+    lane than stages after it, and where lanes serve few (random job 256/3: 5 stages, 2 microbatches a
+    lane) the chain is the longer. The first microbatch fills, and the last drains, through a lane of its stage
     with the most microbatches (`hetc.pipeline.route_microbatches` gives both to such a lane), not through a
-    slower lane of fewer (demo hetero: the middle stage's lane of one microbatch).
-
-    Note [even zero bubble]: ZB-H1 with every lane serving as many
-    microbatches is paced the same way, its chain draining with input
-    gradients only (F + I + P a stage before the pacing lane): the pacing
-    lane's last weight gradient runs beside the drain, and the first stage's
-    last one ends the pipeline after it. Lowering's ZB-H1 runs each stage's
-    W right after its I where nothing else is ready, so the weight gradients
-    do not fill the drain as ZB-H1's (F + I + P − W) a stage assumes: with
-    that bubble and every border transfer counted whole, demo zb and
-    moe_pp_ep2 on two shared cores were estimated 6.8 % and 1.3 % over their
-    compiled programs (tests/test_shared_cores_agree.py), now equal. With
-    uneven lanes the old count stays: there lowering's ZB-H1 starves its
-    fast lanes far beyond what either count holds (zorse/b_auto.het's ZB-H1
-    plan, 4 to 12 lanes a stage: 25.99 s compiled, 21.51 s estimated;
-    c_auto.het's 65.4 s against 56.1 s), and counting ZB-H1 cheaper there
-    lets the planner choose those plans (docs/costmodel.md, "Known limits")."""
+    slower lane of fewer (demo hetero: the middle stage's lane of one microbatch, +3.4 % on two shared
+    cores)."""
     most: dict[int, int] = {}
     for t in lanes:
         most[t.stage] = max(most.get(t.stage, 0), t.microbatches)
     one: dict[int, float] = {}
     for t in lanes:
-        if t.microbatches == most[t.stage]:
-            one[t.stage] = max(one.get(t.stage, 0.0), _round_trip_share(schedule, t))
-    zb = schedule is ScheduleKind.ZB
-    last_weight_grad = max(t.weight_grad for t in lanes if t.stage == 0) if zb else 0.0
+        if t.microbatches == most[t.stage]:   # the lanes the first and the last microbatch go through
+            one[t.stage] = max(one.get(t.stage, 0.0), _zb_way(t) if schedule is ScheduleKind.ZB else t.one)
 
     def chain(t: LaneTiming) -> float:
         fill = sum(v for s, v in one.items() if s < t.stage) + max(0.0, t.p2p - t.p2p_after - t.p2p_wait)
-        end = last_weight_grad - t.weight_grad if zb and t.stage > 0 else 0.0
-        return fill + _busiest_span(schedule, lanes, t, limits) + end
+        return fill + _busiest_span(schedule, lanes, t, limits)
 
     pace = max(lanes, key=lambda t: (chain(t), t.work))
     total = chain(pace)
     return PipelineTime(total, pace.work, total - pace.work, (pace.stage, pace.lane))
+
+
+def even_zero_bubble(schedule: ScheduleKind, microbatches: Iterable[int]) -> bool:
+    """ZB-H1 with every lane serving as many microbatches (`microbatches`: each lane's): its lanes run F, I, W of
+    each microbatch in turn (Note [async sends] in transfers.py)."""
+    return schedule is ScheduleKind.ZB and len(set(microbatches)) == 1
+
+
+def _zb_way(t: LaneTiming) -> float:
+    """A ZB-H1 lane's forward, input gradient and transfers of one microbatch, at the pace its ZeRO collectives
+    allow it (`bound` over its thread's cycle: gathers its ops wait for, Note [zero cycle])."""
+    pace = t.cycle / t.on_thread if t.on_thread > 0 else 1.0
+    return (t.forward + t.input_grad) * pace + t.p2p
 
 
 def _fill(schedule: ScheduleKind, t: LaneTiming) -> float:

@@ -17,13 +17,17 @@ what is ready, so the op a receive overlaps is not fixed (the agreement
 family's interleaved and ZB plans, tests/test_plan_agreement.py, ran up to
 30 % longer than the overlapped count). But ZB-H1 with every lane serving
 as many microbatches runs each microbatch's F, I, W in turn in its steady
-order (`in_order`, `schedule.even_zero_bubble`): an activation's receive runs beside
-the W before its forward, a gradient's beside the F before its input
-gradient (demo moe_pp_ep2 on two shared cores: the last stage's 1.9 ms
-receive under a 3.1 ms W, none of it waited; its step is paced as 1F1B's,
-Note [even zero bubble] in schedule.py). With uneven lanes a lane serves
-the microbatches of several upstream lanes as they arrive, and the
-count stays whole (the agreement family's uneven ZB-H1 plans). Megatron-LM and DeepSpeed block on
+order (`in_order`, `schedule.even_zero_bubble`): an activation's receive
+runs beside the W before its forward, a gradient's beside the F before its
+input gradient (demo moe_pp_ep2 on two shared cores: the last stage's
+1.9 ms receive under a 3.1 ms W, none of it waited; demo zb and
+moe_pp_ep2 came within 0.2 % of compile from +7.7 % and +1.3 %). With
+uneven lanes a lane serves the microbatches of several upstream lanes as
+they arrive, and on lanes in lockstep behind per-microbatch ZeRO-2/3
+collectives each op waits for its gather: there the count stays whole
+(counted overlapped, the planner chose ZB-H1 plans explained +10.8 % and
+−16.6 % of their compiled steps: random job 42, examples/auto_demo.het;
+docs/costmodel.md "Known limits"). Megatron-LM and DeepSpeed block on
 their sends and receives: the lane
 waits for every transfer, each border once per microbatch and cycle (the
 activation of one microbatch and the gradient of another cross it at the

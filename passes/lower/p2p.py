@@ -4,9 +4,19 @@ Note [p2p placement]: every send is an `isend` posted right after the op
 that produced its tensor and waited only at the end of the step, so a rank
 never blocks on a send; every receive is posted one compute op before its
 consumer (the transfer overlaps that op) and waited right before the
-consumer. With compute orders that come from one feasible execution (see
-Note [schedules by simulation]) no cycle of waits can form; the verifier
-proves it for the concrete programs.
+consumer. Under Zorse's schedule a receive is posted as many compute ops
+ahead as its transfer takes (`_leads`): a stage sweeps one ministage over
+all its lanes' microbatches, so where a stage of one lane takes the
+microbatches of two upstream lanes, each activation of a lane's sweep was
+sent long before and only the posting held it back; one op ahead, a 0.37
+ms border transfer against 0.25 ms ops left the consumer waiting on every
+microbatch (random job 1024/0, benchmarks/plan_agreement.py: 10.7 %
+longer than Zorse's estimate, which puts the transfers on the way of the
+first microbatch alone). The other schedules keep one op: their order
+interleaves microbatches that come back over the borders (Note [async
+sends] in passes/cost/transfers.py). With compute orders that come from
+one feasible execution (see Note [schedules by simulation]) no cycle of
+waits can form; the verifier proves it for the concrete programs.
 
 Note [channel order]: messages between a pair of ranks match in posting
 order (NCCL and gloo both need it), so a rank posts the receives from one
@@ -25,11 +35,13 @@ replicated side (tensor parallelism) gets every token on every rank.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from hetc.passes.lower.context import LowerContext, RankPlace, next_handle
-from hetc.passes.lower.units import split_units
-from hetc.program import (COMPUTE_TYPES, Backward, BackwardInput, Forward, Instr, Program, RankProgram, Recv, Send, Tensor,
-                          Wait)
+from hetc.passes.lower.units import Unit, split_units
+from hetc.program import (COMPUTE_TYPES, PHASE_OF, Backward, BackwardInput, Forward, Instr, Program, RankProgram, Recv,
+                          Send, Tensor, Wait)
+from hetc.spec import ScheduleKind
 
 __all__ = ["insert_p2p"]
 
@@ -62,14 +74,14 @@ def _send_orders(program: Program, sends: list[list[list[Send]]]) -> dict[tuple[
 
 
 def _post_slots(needs: list[list[Recv]], place: RankPlace,
-                send_order: dict[tuple[int, int], dict[_Msg, int]]) -> list[list[Recv]]:
+                send_order: dict[tuple[int, int], dict[_Msg, int]], leads: list[int]) -> list[list[Recv]]:
     """The receives to post before each unit's compute (slot k: one unit ahead of unit k), in channel order;
-    `needs[k]`: the receives unit k's compute needs."""
+    `needs[k]`: the receives unit k's compute needs, `leads[k]`: the slot they are posted in at the latest."""
     by_channel: dict[int, list[_Post]] = {}
     for k, recvs in enumerate(needs):
         for recv in recvs:
             seq = send_order[(recv.peer_from, place.rank)][_key(recv)]
-            by_channel.setdefault(recv.peer_from, []).append(_Post(k, seq, recv))
+            by_channel.setdefault(recv.peer_from, []).append(_Post(leads[k], seq, recv))
     for items in by_channel.values():
         items.sort(key=lambda it: it.position)
         for earlier, later in zip(reversed(items[:-1]), reversed(items[1:])):
@@ -99,7 +111,7 @@ def _rank(rp: RankProgram, place: RankPlace, ctx: LowerContext,
     # give every receive its handle up front, in posting order, so posts and waits agree
     posted: list[list[Recv]] = []
     wait_for: dict[_Msg, int] = {}
-    for slot in _post_slots(needs, place, send_order):
+    for slot in _post_slots(needs, place, send_order, _leads(units, needs, place, ctx)):
         posted.append([])
         for r in slot:
             posted[-1].append(Recv(r.what, r.ms, r.mb, r.peer_from, r.shape, handle, r.seq))
@@ -122,6 +134,26 @@ def _rank(rp: RankProgram, place: RankPlace, ctx: LowerContext,
                 handle += 1
     out += send_waits
     return RankProgram(rp.rank, rp.stage, rp.lane, rp.tp_rank, rp.cp_rank, rp.shards, tuple(out))
+
+
+def _leads(units: list[Unit], needs: list[list[Recv]], place: RankPlace, ctx: LowerContext) -> list[int]:
+    """Per unit k, the slot its receives are posted in (Note [p2p placement]): k, one compute op ahead; under
+    Zorse's schedule the slot whose ops from there to unit k take as long as the longest of its transfers."""
+    leads = list(range(len(units)))
+    if ctx.pipeline.schedule is not ScheduleKind.ZORSE:
+        return leads
+    costs, rank = ctx.costs, place.rank
+    ops = [sum(costs.op_time(rank, op.ms, PHASE_OF[type(op)]) for op in unit.compute
+               if isinstance(op, COMPUTE_TYPES)) for unit in units]
+    for k, recvs in enumerate(needs):
+        transfer = max((costs.p2p_time(r.peer_from, rank, math.prod(r.shape) * costs.delta) for r in recvs),
+                       default=0.0)
+        slot, ahead = k, ops[k - 1] if k > 0 else 0.0
+        while slot > 1 and ahead < transfer:   # slot j posts before unit j − 1's compute
+            slot -= 1
+            ahead += ops[slot - 1]
+        leads[k] = slot
+    return leads
 
 
 def _input_message(op: Instr, ctx: LowerContext) -> tuple[Tensor, int] | None:
