@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from hetc.passes.cost.memory import RankMemory, interleaved_group, interleaved_update
-from hetc.passes.cost.schedule import (Grouping, LaneTiming, Unit, UnitOp, in_flight_limits, interleaved_grouping,
-                                      lockstep_fill, pipeline_time, sequential_time, step_lower_bound, zero_cycle)
+from hetc.passes.cost.schedule import (Grouping, LaneTiming, Unit, UnitOp, even_zero_bubble, in_flight_limits,
+                                      interleaved_grouping, lockstep_fill, pipeline_time, sequential_time,
+                                      step_lower_bound, zero_cycle)
 from hetc.passes.cost.transfers import Borders, Engine, transfer_waits
 from hetc.passes.cost.zero_time import gathers_per_microbatch
 from hetc.spec import ScheduleKind, ZeroSpec
@@ -135,23 +136,27 @@ def lane_timings(engine: Engine, schedule: ScheduleKind, stages: Sequence[StageS
     """One timing per class of lanes, led by its first lane; `sweeps(n)`: under interleaved 1F1B, whether a
     lane of n microbatches holds them all in one group (`lane_timing`)."""
     out = []
-    for st in stages:
-        for lanes in st.lane_classes():
-            lane = lanes[0]
-            f, i, w = st.compute(lane)
-            f += st.overhead(lane)
-            n = st.count(lane)
-            out.append(lane_timing(engine, schedule, st.index, lane, n, (f, i, w), st.p2p(lane),
-                                   st.collectives(lane), st.shares(), st.unit_ops(lane),
-                                   sweeps is not None and sweeps(n)))
+    leads = [(st, lanes[0]) for st in stages for lanes in st.lane_classes()]
+    # ZB-H1's steady order (Note [async sends]), but for lanes in lockstep behind their per-microbatch ZeRO
+    # collectives, whose gathers and reduce-scatters hold the ops a receive would run beside
+    even = even_zero_bubble(schedule, (st.count(lane) for st, lane in leads))
+    coupled = coupled_stages(schedule, stages)
+    for st, lane in leads:
+        f, i, w = st.compute(lane)
+        f += st.overhead(lane)
+        n = st.count(lane)
+        out.append(lane_timing(engine, schedule, st.index, lane, n, (f, i, w), st.p2p(lane),
+                               st.collectives(lane), st.shares(), st.unit_ops(lane),
+                               sweeps is not None and sweeps(n), even and st.index not in coupled))
     return out
 
 
 def lane_timing(engine: Engine, schedule: ScheduleKind, stage: int, lane: int, microbatches: int,
                 compute: tuple[float, float, float], borders: Borders, collectives: tuple[float, float, float],
-                shares: tuple[float, float], units: Sequence[UnitOp] = (), sweeps: bool = False) -> LaneTiming:
+                shares: tuple[float, float], units: Sequence[UnitOp] = (), sweeps: bool = False,
+                in_order: bool = False) -> LaneTiming:
     """A lane's per-microbatch timing: its (F, I, W), border transfers and what of them it waits for
-    (Note [async sends]), and the cycle and trail its ZeRO collectives (reduce-scatter, gather, host
+    (Note [async sends]; `in_order`: ZB-H1 in its steady order, `schedule.even_zero_bubble`), and the cycle and trail its ZeRO collectives (reduce-scatter, gather, host
     copies) allow (`zero_cycle`, Note [zero cycle]; `units`: its unit ops where it gathers per block).
     `sweeps`: an interleaved 1F1B lane whose one group holds all its microbatches runs each chunk's
     forwards, then its gradient ops, back to back, as GPipe does (Note [chunk loop]): each gradient op
@@ -159,7 +164,7 @@ def lane_timing(engine: Engine, schedule: ScheduleKind, stage: int, lane: int, m
     f, i, w = compute
     reduce, gather, copies = collectives
     ops = (f, i, w) if schedule is ScheduleKind.ZB else (f, i + w)
-    waits = transfer_waits(engine, schedule, borders, compute)
+    waits = transfer_waits(engine, schedule, borders, compute, in_order)
     zc = zero_cycle(ScheduleKind.GPIPE if sweeps else schedule, ops, waits, reduce, gather, copies, shares, units)
     return LaneTiming(stage, lane, microbatches, f, i, w, borders.total,
                       reduce + gathers_per_microbatch(schedule) * gather + copies, zc.bound, zc.trail, waits,

@@ -15,7 +15,19 @@ back to the lane for its next chunk only after crossing the borders in
 between, so its transfers lie between the lane's own ops of it; ZB-H1 runs
 what is ready, so the op a receive overlaps is not fixed (the agreement
 family's interleaved and ZB plans, tests/test_plan_agreement.py, ran up to
-30 % longer than the overlapped count). Megatron-LM and DeepSpeed block on
+30 % longer than the overlapped count). But ZB-H1 with every lane serving
+as many microbatches runs each microbatch's F, I, W in turn in its steady
+order (`in_order`, `schedule.even_zero_bubble`): an activation's receive
+runs beside the W before its forward, a gradient's beside the F before its
+input gradient (demo moe_pp_ep2 on two shared cores: the last stage's
+1.9 ms receive under a 3.1 ms W, none of it waited; demo zb and
+moe_pp_ep2 came within 0.2 % of compile from +7.7 % and +1.3 %). With
+uneven lanes a lane serves the microbatches of several upstream lanes as
+they arrive, and on lanes in lockstep behind per-microbatch ZeRO-2/3
+collectives each op waits for its gather: there the count stays whole
+(counted overlapped, the planner chose ZB-H1 plans explained +10.8 % and
+−16.6 % of their compiled steps: random job 42, examples/auto_demo.het;
+docs/costmodel.md "Known limits"). Megatron-LM and DeepSpeed block on
 their sends and receives: the lane
 waits for every transfer, each border once per microbatch and cycle (the
 activation of one microbatch and the gradient of another cross it at the
@@ -61,21 +73,24 @@ class Borders:
 
 
 def transfer_waits(engine: Engine, schedule: ScheduleKind, borders: Borders,
-                   compute: tuple[float, float, float]) -> float:
+                   compute: tuple[float, float, float], in_order: bool = False) -> float:
     """Seconds per microbatch the lane's thread waits for its border transfers (Note [async sends]);
-    `compute`: the stage's (F, I, W) of one microbatch."""
-    order = _STEADY_ORDER.get(schedule)
+    `compute`: the stage's (F, I, W) of one microbatch; `in_order`: ZB-H1 lanes in their steady order
+    (`schedule.even_zero_bubble`)."""
+    order = _ZB_IN_ORDER if schedule is ScheduleKind.ZB and in_order else _STEADY_ORDER.get(schedule)
     if engine is Engine.MEGATRON or order is None:
         return borders.total
     f, i, w = (x / max(borders.ministages, 1) for x in compute)
-    before_forward, before_backward = order(f, i + w)
+    before_forward, before_backward = order(f, i, w)
     return sum(max(0.0, t - before_forward) for t in borders.activations) + \
         sum(max(0.0, t - before_backward) for t in borders.gradients)
 
 
-# (the op before a forward, the op before a backward) in a lane's steady order, from its (F, B): the schedules
+# (the op before a forward, the op before a backward) in a lane's steady order, from its (F, I, W): the schedules
 # whose order is fixed (Megatron's strict 1F1B, GPipe's sweeps); the others count every transfer
-_STEADY_ORDER: dict[ScheduleKind, Callable[[float, float], tuple[float, float]]] = {
-    ScheduleKind.GPIPE: lambda f, b: (f, b),
-    ScheduleKind.ONE_F_ONE_B: lambda f, b: (b, f),
+_Order = Callable[[float, float, float], tuple[float, float]]
+_STEADY_ORDER: dict[ScheduleKind, _Order] = {
+    ScheduleKind.GPIPE: lambda f, i, w: (f, i + w),
+    ScheduleKind.ONE_F_ONE_B: lambda f, i, w: (i + w, f),
 }
+_ZB_IN_ORDER: _Order = lambda f, i, w: (w, f)   # F, I, W in turn: W before a forward, F before an input gradient
