@@ -92,15 +92,9 @@ def _clock(device: torch.device, fn: Callable[[], object], repeats: int,
 
 
 def time_layers(model: ModelSpec, micro_batches: list[int], seqs: list[int], repeats: int,
-                progress: Callable[[str], None], pick: Callable[[list[float]], float] = statistics.median,
+                progress: Callable[[str], None], pick: Callable[[list[float]], float] = min,
                 device: torch.device | None = None) -> list[LayerSample]:
-    """Forward and backward seconds of the embedding, one block and the head at each (b, S): the median run.
-
-    Note [a step's layer time]: a layer is timed for the steps it will run in, whose time `hetc run` reports
-    as a median; so the median run, not timeit's fastest. On this 2-core machine, quiet, the demo model's
-    layers summed to 4.5 ms a microbatch by their fastest runs, while the whole model forward and backward
-    took 3.8 ms at its fastest and 4.3-6.5 ms at the median, and the one-rank demo plan's compute ran 25 %
-    over a prediction from the fastest runs. On a GPU, timed by CUDA events, the two hardly differ."""
+    """Forward and backward seconds of the embedding, one block and the head at each (b, S)."""
     device = device or local_device()
     dtype = compute_dtype(model.dtype) if device.type == "cuda" else torch.float32
     out = []
