@@ -1,8 +1,12 @@
 """Measurements for `hetc profile`: layer times, copy bandwidth, collectives between local processes.
 
 Layers are hetc's own (runtime/nn/model.py), built one at a time as a
-ministage and timed forward and backward on random inputs; the median of
-`repeats` runs after one warm-up. On CUDA the clock is CUDA events around
+ministage and timed forward and backward on random inputs; the fastest of
+`repeats` runs after one warm-up (timed alone: interference only adds time,
+and with few runs the first ones are slow, so on this machine the median of
+five came out 2-3x the fastest, above what the layers take inside a step),
+the median where several processes run at once (the load is then part of
+the measurement). On CUDA the clock is CUDA events around
 the work; on CPU the wall clock. `time_layers_at_once` times them in
 several processes at once, as the ranks of a node run (Note [shared cores]
 in passes/cost/cores.py). Collectives run in `ranks` spawned
