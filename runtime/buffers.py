@@ -11,8 +11,8 @@ sub-slice when sharded across.
     compute      full parameters in the compute dtype; module parameters are
                  views into it. ZeRO-3 releases it between uses and keeps
                  `param_shard` (the inner shard) instead.
-    grad         full gradient buffer; backward accumulates here. ZeRO-3
-                 allocates it before a backward (`ready_grads`) and releases
+    grad         full gradient buffer; backward accumulates here. ZeRO-2
+                 and 3 allocate it before a backward (`ready_grads`) and release
                  it once reduce-scattered (`reduced`), so a rank holds only
                  its shards outside the backward of its ministage (its unit).
     acc          fp32 reduced gradients of the inner shard (levels 1-3).
@@ -115,6 +115,7 @@ class MinistageBuffers:
         bind_grads(module, self.layout, self.grad)
         if self.level == 3:
             self.release()
+        if self.level >= 2:
             self.grad.untyped_storage().resize_(0)      # until a backward: see `ready_grads`
         if shard.param_offload:     # offloaded parameters start (and end) every step on the host
             self.to_host()
@@ -285,16 +286,17 @@ class MinistageBuffers:
             storage.resize_(self.compute.numel() * self.compute.element_size())
 
     def ready_grads(self) -> None:
-        """ZeRO-3: allocate the released grad buffer, zeroed, before a backward accumulates into it."""
+        """ZeRO-2/3: allocate the released grad buffer, zeroed, before a backward accumulates into it."""
         grad = self.grad.untyped_storage()
         if grad.size() == 0:
             grad.resize_(self.grad.numel() * self.grad.element_size())
             self.grad.zero_()
 
     def reduced(self) -> None:
-        """The gradients were reduced into `acc`: start the next accumulation afresh. ZeRO-3 releases the
-        full grad buffer (its shard lives on in `acc`) until the next backward (`ready_grads`)."""
-        if self.level == 3:
+        """The gradients were reduced into `acc`: start the next accumulation afresh. ZeRO-2 and 3 release the
+        full grad buffer (the shard lives on in `acc`) until the next backward (`ready_grads`), as DeepSpeed's
+        ZeRO-2 keeps only its partition: what the memory model counts (docs/costmodel.md)."""
+        if self.level >= 2:
             self.grad.untyped_storage().resize_(0)
         else:
             self.grad.zero_()
