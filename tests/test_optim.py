@@ -9,9 +9,12 @@ import pytest
 import torch
 from torch import nn
 
+from hetc.program import Shard
+from hetc.runtime.buffers import GroupPos, MinistageBuffers
 from hetc.runtime.flat import FlatLayout, FlatParams, bind_grads, bind_params
+from hetc.runtime.nn.model import build_ministage
 from hetc.runtime.optim import clip_coefficient, grad_sq_sum, init_state, lr_at, optimizer_step
-from hetc.spec import LrScheduleKind, LrScheduleSpec, OptimizerKind, OptimizerSpec, TrainSpec
+from hetc.spec import LrScheduleKind, LrScheduleSpec, ModelSpec, OptimizerKind, OptimizerSpec, TrainSpec
 
 
 def small_module(seed: int = 0) -> nn.Module:
@@ -168,3 +171,17 @@ def test_clipping_matches_torch_and_is_shard_invariant():
     flat_grad.mul_(clip_coefficient(total, 0.5))
     torch.testing.assert_close(flat_grad, layout.flatten({n: p.grad for n, p in module.named_parameters()}))
     assert clip_coefficient(total, 1e9) == 1.0
+
+
+@pytest.mark.parametrize("level, kept", [(1, True), (2, False), (3, False)])
+def test_sharded_gradients_release_the_full_buffer_once_reduced(level, kept):
+    """ZeRO-2 and 3 hold the full gradient buffer only from a backward to its reduce-scatter (`ready_grads`,
+    `reduced`), as the memory model counts them: the shard, not the buffer (docs/costmodel.md)."""
+    module = build_ministage(ModelSpec(layers=1, hidden=8, heads=2, ffn=8, vocab=64, seq=4), range(1, 2), seed=0)
+    buf = MinistageBuffers(module, Shard(ms=1, level=level, group="dp"), GroupPos(0, 2), GroupPos(),
+                           OptimizerSpec(kind=OptimizerKind.ADAMW), torch.float32, torch.device("cpu"))
+    full = buf.grad.numel() * buf.grad.element_size()
+    buf.ready_grads()
+    assert buf.grad.untyped_storage().size() == full
+    buf.reduced()
+    assert (buf.grad.untyped_storage().size() == full) is kept
