@@ -232,13 +232,15 @@ class StepShape:
 
     def group(self, lane: LaneTiming) -> int:
         """Under interleaved 1F1B, the lane's microbatches in each group (`memory.interleaved_group`)."""
-        return interleaved_group(self.num_stages, self.widths[0], lane.microbatches, self.num_microbatches,
-                                 self.grouping)
+        return self._group_of(lane.microbatches)
 
     def sweeps(self, microbatches: int) -> bool:
         """Under interleaved 1F1B, a lane of `microbatches` holds them all in one group (`lane_timing`)."""
+        return self._group_of(microbatches) >= microbatches
+
+    def _group_of(self, microbatches: int) -> int:
         return interleaved_group(self.num_stages, self.widths[0], microbatches, self.num_microbatches,
-                                 self.grouping) >= microbatches
+                                 self.grouping)
 
 
 def compose_step(shape: StepShape, lanes: list[LaneTiming], end: float, flush: Callable[[], list[float]],

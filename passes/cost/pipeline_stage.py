@@ -122,10 +122,10 @@ def rank_memory_of(cm: CostModel, rank: int, limit: int, grouping: Grouping) -> 
     lane = p.lane_of_rank[rank]
     per_microbatch = [cm.activation_bytes(ms, rank) for ms in mss]
     offload_activations = stage.offload.activations is not OffloadTarget.NONE
+    inputs = [cm.held_boundary_bytes(ms - 1, stage) for ms in mss if ms > 0]   # the boundaries it takes in
     acts = activation_memory(p.schedule, stage.index, len(p.stages), len(lane.microbatches), per_microbatch, limit,
-                             offload_activations, sum(cm.held_boundary_bytes(ms - 1, stage) for ms in mss if ms > 0),
-                             max((cm.held_boundary_bytes(ms - 1, stage) for ms in mss if ms > 0), default=0.0),
-                             p.prefetch, lane_group(p, lane, grouping))
+                             offload_activations, sum(inputs), max(inputs, default=0.0), p.prefetch,
+                             lane_group(p, lane, grouping))
     zorse = zorse_backward_peak(p.schedule, cm.train.grad_clip, offload_activations, len(lane.microbatches),
                                 per_microbatch, held.grads, held.grads_kept)
     return rank_memory(rank, cm.gpu(rank), stage.index, states, acts, zorse)

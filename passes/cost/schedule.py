@@ -92,7 +92,7 @@ def pipeline_time(schedule: ScheduleKind, lanes: list[LaneTiming], chunks: int =
     1F1B, a lane's microbatches in its first group (Note [chunk loop])."""
     worst = max(lanes, key=lambda t: t.work)
     if schedule is ScheduleKind.ONE_F_ONE_B and limits is not None:
-        return _one_f_one_b_time(lanes, limits)
+        return _paced_time(schedule, lanes, limits)
     others: dict[int, float] = {}
     for t in lanes:
         if t.stage != worst.stage:
@@ -149,11 +149,6 @@ def chunk_loop_wait(lanes: Sequence[LaneTiming], lane: LaneTiming, chunks: int, 
         others = sum(v for s, v in loop.items() if s != lane.stage)
         wait += max(0.0, own + others - g * own) / chunks
     return (chunks - 1) * wait
-
-
-def _one_f_one_b_time(lanes: list[LaneTiming], limits: Mapping[int, int]) -> PipelineTime:
-    """1F1B, paced by the lane whose chain is longest (`_paced_time`)."""
-    return _paced_time(ScheduleKind.ONE_F_ONE_B, lanes, limits)
 
 
 def _paced_time(schedule: ScheduleKind, lanes: list[LaneTiming], limits: Mapping[int, int]) -> PipelineTime:
