@@ -82,8 +82,8 @@ class Agreement:
 
     def describe(self) -> str:
         rank, gap = self.worst_memory_gap
-        return (f"step: explain {self.estimate.step_time_s:.4g} s vs compiled {self.simulated_s:.4g} s "
-                f"({100 * self.step_gap:+.1f}%); worst memory: rank {rank} explain "
+        return (f"step: estimate {self.estimate.step_time_s:.4g} s vs compiled {self.simulated_s:.4g} s "
+                f"({100 * self.step_gap:+.1f}%); worst memory: rank {rank} estimate "
                 f"{self.estimate.memory[rank].total / 2**30:.2f} GiB vs compiled "
                 f"{self.peaks[rank] / 2**30:.2f} GiB ({100 * gap:+.1f}%)")
 

@@ -33,7 +33,26 @@ def test_json_fields(capsys, name):
     for g in out["traffic"]:
         assert g["kind"] in {"dp", "pp", "tp", "cp"}
         assert g["bytes_per_step"] >= 0 and g["seconds_per_step"] >= 0
-    assert out["time"]["pipeline_s"] <= out["step_time_s"] + 1e-12
+    assert out["time"]["pipeline_s"] <= out["estimate_step_s"] + 1e-12     # the closed form's parts
+
+
+def test_the_step_is_the_compiled_programs_and_the_estimate_is_beside_it(capsys, tmp_path, monkeypatch):
+    """Note [one step time]: explain prints the step `hetc compile` simulates, the closed form beside it; where
+    the programs are too many to build in a moment it prints the closed form, and says so."""
+    spec = str(DEMO / "interleaved.het")
+    assert main(["compile", spec, "-o", str(tmp_path / "out")]) == 0
+    capsys.readouterr()
+    compiled = json.loads((tmp_path / "out" / "summary.json").read_text())["step_time_s"]
+    out = _json(capsys, spec)
+    assert out["step_source"] == "simulated" and out["step_time_s"] == pytest.approx(compiled, rel=1e-9)
+    assert out["estimate_step_s"] == pytest.approx(compiled, rel=0.10)
+    assert main(["explain", spec]) == 0
+    assert "(the compiled programs, simulated; the closed-form estimate" in capsys.readouterr().out
+    monkeypatch.setattr("hetc.passes.simulated_step.SIMULATED_OPS", 0)
+    out = _json(capsys, spec)
+    assert out["step_source"] == "estimate" and out["step_time_s"] == out["estimate_step_s"]
+    assert main(["explain", spec]) == 0
+    assert "simulated" not in capsys.readouterr().out
 
 
 def test_text_report(capsys):

@@ -77,7 +77,7 @@ def test_zorse_clusters_plan_and_beat_the_baselines(path):
     spec = load_spec(path).spec
     result = plan_spec(spec, base_dir=path.parent)
     assert result.planned and result.estimate is not None and result.estimate.fits
-    assert result.estimate.step_time_s == pytest.approx(result.score.step_time_s, rel=1e-6)
+    assert result.estimate.closed_form_step_s == pytest.approx(result.score.step_time_s, rel=1e-6)
     assert {b.name for b in result.baselines} == set(BASELINES)
     assert any(b.score is not None and b.score.fits for b in result.baselines), "no baseline to beat"
     for b in result.baselines:  # never worse than a baseline that fits

@@ -161,4 +161,4 @@ def test_the_planners_score_reads_the_ranks_at_once_as_the_estimate_does(tmp_pat
                                        "  stage last {\n    ranks = host[1, 1]\n    layers = auto\n  }\n}\n")
     result = plan_spec(load_spec(tmp_path / "auto.het").spec)
     assert result.score is not None and result.estimate is not None
-    assert result.estimate.step_time_s == pytest.approx(result.score.step_time_s, rel=1e-6)
+    assert result.estimate.closed_form_step_s == pytest.approx(result.score.step_time_s, rel=1e-6)

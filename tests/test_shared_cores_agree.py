@@ -32,14 +32,12 @@ CORE_WAIT = {"ranks": 4, "cores": 2, "collective_s": 9e-4, "p2p_s": 1.3e-3, "exc
 # beside small units, activations offloaded, experts synced over their own group
 PLANS = ["pp", "gpipe", "hetero", "hetero_tp", "tp_to_cp", "hsdp", "offload_act", "moe_ep2"]
 MEASURED = [ROOT / "tests" / "profiles" / name for name in ("cpu2-demo.json", "cpu2-moe.json")]
-# Known gaps of the estimate with the measured profiles, by cause; strict: when a fix closes one, drop it
-MEASURED_GAPS = {
-    "interleaved": "2 microbatches a lane over 2 chunks: explain's bottleneck lane waits for all three receives "
-                   "of a microbatch (5.6 ms of a 13.4 ms cycle) and its bubble adds the other stage's "
-                   "(F + B + P) / 2, a pipeline of 33.3 ms; compiled, each receive posted one op ahead runs "
-                   "beside the lane's other microbatch, and the last backward ends at 30.7 ms (explain +5.7 %; "
-                   "the ZeRO-1 and loss tail, 15.8 ms, agrees)",
-}
+# How close the closed-form estimate (what the planner searches with) is held to the compiled step: to the
+# percent with the hand-written profiles; within what tests/test_plan_agreement.py holds every plan to with the
+# measured ones (interleaved 1F1B, whose border transfers take as long as its ops, is +5.7 %: Note [one step
+# time] in passes/simulated_step.py)
+HAND_CLOSED_FORM = 0.01
+MEASURED_CLOSED_FORM = 0.10
 
 
 def _profile(block_params: int, block_s: float, core_wait: bool = True) -> dict:
@@ -57,11 +55,6 @@ def _profile(block_params: int, block_s: float, core_wait: bool = True) -> dict:
     if core_wait:
         out |= {"concurrency": {"ranks": 4, "cores": 2, "slowdown": 2.05}, "core_wait": CORE_WAIT}
     return out
-
-
-def _measured_params() -> list:
-    return [pytest.param(path.stem, marks=[pytest.mark.xfail(strict=True, reason=MEASURED_GAPS[path.stem])]
-                         if path.stem in MEASURED_GAPS else []) for path in DEMO_PLANS]
 
 
 @pytest.fixture(scope="module")
@@ -83,16 +76,20 @@ def _step(capsys, *argv: str) -> float:
     return float(json.loads(capsys.readouterr().out)["step_time_s"])
 
 
-def _assert_verbs_agree(spec: str, profiles: list[str], tmp_path: Path, capsys) -> float:
-    """explain, plan and compile predict the same step (to 1 %) with these profiles; explain's step."""
-    explained = _step(capsys, "explain", spec, "--json", *profiles)
+def _assert_verbs_agree(spec: str, profiles: list[str], tmp_path: Path, capsys,
+                        closed_form: float = HAND_CLOSED_FORM) -> float:
+    """explain, plan and compile predict the same step (to 1 %) with these profiles, and the closed-form
+    estimate beside it is within `closed_form` of the compiled step; explain's step."""
+    assert main(["explain", spec, "--json", *profiles]) == 0
+    explained = json.loads(capsys.readouterr().out)
     planned = _step(capsys, "plan", spec, "--json", *profiles)
     assert main(["compile", spec, "-o", str(tmp_path / "out"), *profiles]) == 0
     capsys.readouterr()
     compiled = json.loads((tmp_path / "out" / "summary.json").read_text())["step_time_s"]
-    assert planned == pytest.approx(explained, rel=0.01)
-    assert compiled == pytest.approx(explained, rel=0.01)
-    return explained
+    assert planned == pytest.approx(explained["step_time_s"], rel=0.01)
+    assert compiled == pytest.approx(explained["step_time_s"], rel=0.01)
+    assert explained["estimate_step_s"] == pytest.approx(compiled, rel=closed_form)
+    return explained["step_time_s"]
 
 
 @pytest.mark.parametrize("plan", PLANS)
@@ -104,10 +101,10 @@ def test_explain_compile_and_plan_agree_on_shared_cores(plan, shared, tmp_path, 
     assert _step(capsys, "explain", spec, "--json", *alone) < explained
 
 
-@pytest.mark.parametrize("plan", _measured_params())
+@pytest.mark.parametrize("plan", [path.stem for path in DEMO_PLANS])
 def test_explain_compile_and_plan_agree_with_measured_profiles(plan, shared, tmp_path, capsys):
     profiles = [flag for path in MEASURED for flag in ("--profile", str(path))]
-    _assert_verbs_agree(str(shared[0] / f"{plan}.het"), profiles, tmp_path, capsys)
+    _assert_verbs_agree(str(shared[0] / f"{plan}.het"), profiles, tmp_path, capsys, MEASURED_CLOSED_FORM)
 
 
 @pytest.mark.parametrize("plan", ["single", "pp", "gpipe", "tp2", "offload_act", "zero3_offload"])

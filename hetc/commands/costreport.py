@@ -14,13 +14,11 @@ _COLUMNS = ("params", "grads", "optimizer", "activations", "buffers", "reserve")
 
 
 def report(path: str, pipeline: Pipeline, e: Estimate) -> str:
-    t = e.time
     lines = [
         (f"{path}: {_n(pipeline.world_size, 'rank')}, {_n(len(pipeline.stages), 'stage')}, "
          f"{_n(len(pipeline.ministages), 'ministage')}, {_n(pipeline.num_microbatches, 'microbatch')} of "
          f"{pipeline.micro_batch}, schedule {e.schedule}"),
-        (f"step time   {e.step_time_s:.4g} s  (pipeline {t.pipeline:.4g} s incl. bubble {t.bubble:.4g} s; "
-         f"after the flush {t.tail:.4g} s)"),
+        f"step time   {e.step_time_s:.4g} s  {_step_source(e)}",
         f"throughput  {e.tokens_per_s:,.0f} tokens/s   {utilization_text(e.utilization)}",
         "",
         "memory per rank" + ("" if e.fits else "   ** DOES NOT FIT **"),
@@ -35,6 +33,15 @@ def report(path: str, pipeline: Pipeline, e: Estimate) -> str:
         lines.append("  none")
     lines += ["", *provenance_lines(pipeline, e.provenance)]
     return "\n".join(lines)
+
+
+def _step_source(e: Estimate) -> str:
+    """Where the step time comes from, and the closed form's parts (Note [one step time])."""
+    t = e.time
+    parts = f"pipeline {t.pipeline:.4g} s incl. bubble {t.bubble:.4g} s; after the flush {t.tail:.4g} s"
+    if e.closed_form_s is None:
+        return f"({parts})"
+    return f"(the compiled programs, simulated; the closed-form estimate {e.closed_form_s:.4g} s: {parts})"
 
 
 def provenance_lines(pipeline: Pipeline, prov: Provenance) -> list[str]:

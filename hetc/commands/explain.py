@@ -30,6 +30,7 @@ def register(sub: Subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from hetc.passes.cost import CostError, CostModel
+    from hetc.passes.simulated_step import simulated_estimate
 
     _, checked = load_checked(args.spec, require_complete=True)
     plan = checked.explicit()
@@ -38,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
                          "OUT.het` first and explain OUT.het")
     profiles = load_profile_args(args.profile)
     try:
-        estimate = CostModel(plan.spec, plan.pipeline, plan.topology, profiles).estimate()
+        costs = CostModel(plan.spec, plan.pipeline, plan.topology, profiles)
+        estimate = simulated_estimate(plan.spec, costs, costs.estimate())   # Note [one step time]
     except CostError as err:   # located at the device kind, as check and compile say it
         raise SpecError(cost_error(plan.spec, err)) from None
     if args.json:

@@ -83,6 +83,9 @@ def plan_summary(path: str, result: PlanResult, prov: Provenance | None = None) 
     memory = _memory(result)
     fullest = max(memory, key=lambda m: m.total / m.capacity)
     source = "the cost model's estimate" if result.estimate is not None else "the planner's score"
+    if result.estimate is not None and result.estimate.closed_form_s is not None:   # Note [one step time]
+        source = (f"the step of the compiled programs, simulated (closed form {result.estimate.closed_form_s:.4g} "
+                  f"s); memory: {source}")
     lines.append(f"  predicted {result.step_time_s:.4g} s/step, {result.tokens_per_s:,.0f} tokens/s; "
                  f"fullest GPU {fullest.gpu} at {fullest.total / fullest.capacity:.0%} of "
                  f"{human_bytes(fullest.capacity)} ({source})")

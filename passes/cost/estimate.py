@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from hetc.jsontypes import JsonObject
 from hetc.layout import replication
@@ -26,7 +26,7 @@ from hetc.spec import ScheduleKind
 if TYPE_CHECKING:     # the cost model imports this module
     from hetc.passes.cost.model import CostModel
 
-__all__ = ["Estimate", "GroupTraffic", "RankMemory", "build_estimate"]
+__all__ = ["Estimate", "GroupTraffic", "RankMemory", "build_estimate", "with_simulated_step"]
 
 
 @dataclass(frozen=True)
@@ -52,10 +52,18 @@ class Estimate:
     schedule: str
     engine: Engine            # whose point-to-point behaviour was timed (Note [async sends])
     provenance: Provenance   # where the layer times and link rates came from; profiles left unused
+    # the closed form's own step where `step_time_s` is the compiled program's simulated one (Note [one step
+    # time] in passes/simulated_step.py); None: `step_time_s` is the closed form's
+    closed_form_s: float | None = None
 
     @property
     def tokens_per_s(self) -> float:
         return throughput(self.tokens_per_step, self.step_time_s)
+
+    @property
+    def closed_form_step_s(self) -> float:
+        """The closed form's step, whichever step `step_time_s` is (what the planner's score mirrors)."""
+        return self.step_time_s if self.closed_form_s is None else self.closed_form_s
 
     @property
     def mfu(self) -> float:
@@ -78,7 +86,9 @@ class Estimate:
     def to_json(self) -> JsonObject:
         t = self.time
         return {
-            "step_time_s": self.step_time_s, "tokens_per_step": self.tokens_per_step,
+            "step_time_s": self.step_time_s, "step_source": "estimate" if self.closed_form_s is None else "simulated",
+            "estimate_step_s": self.closed_form_step_s,
+            "tokens_per_step": self.tokens_per_step,
             "tokens_per_s": self.tokens_per_s, **self.utilization.to_json(),
             "model_flops_per_step": self.model_flops_per_step,
             "hardware_flops_per_step": self.hardware_flops_per_step, "schedule": self.schedule,
@@ -106,6 +116,13 @@ def build_estimate(cm: CostModel) -> Estimate:
     return Estimate(timing.step, tokens, flops.model, flops.hardware, utilization(m, p, cm.topology, timing.step),
                     timing, tuple(memory), tuple(_traffic(cm, timing)), p.schedule.value, cm.engine,
                     provenance(cm))
+
+
+def with_simulated_step(estimate: Estimate, cm: CostModel, step: float) -> Estimate:
+    """`estimate` with the compiled program's simulated `step` as its step time (throughput and utilization
+    follow), its own kept as `closed_form_s` (Note [one step time] in passes/simulated_step.py)."""
+    return replace(estimate, step_time_s=step, utilization=utilization(cm.model, cm.pipeline, cm.topology, step),
+                   closed_form_s=estimate.closed_form_step_s)
 
 
 # ------------------------------------------------------------------ traffic

@@ -30,6 +30,7 @@ from hetc.passes.plan.search import Found, Search, SearchLimits
 from hetc.passes.plan.space import space_from_spec
 from hetc.passes.plan.would_fit import would_fit
 from hetc.passes.resolve import plan_has_auto as needs_plan   # one rule for what is left to plan
+from hetc.passes.simulated_step import simulated_estimate
 from hetc.passes.validate import Checked, check_spec
 from hetc.program import Program
 from hetc.spec import Spec
@@ -141,11 +142,14 @@ def _choose(search: Search, found: list[Found], scored: list[Baseline]) -> tuple
 
 
 def _estimate(checked: Checked, profiles: Profiles | None, always: bool = False) -> Estimate | None:
+    """The cost model's estimate, with the compiled programs' simulated step where they are quick to build,
+    as explain prints it (Note [one step time] in passes/simulated_step.py)."""
     p = checked.pipeline
     if p is None or (p.world_size > FULL_ESTIMATE_RANKS and not always):
         return None
     assert checked.topology is not None   # a pipeline runs on a cluster
-    return CostModel(checked.spec, p, checked.topology, profiles).estimate()
+    costs = CostModel(checked.spec, p, checked.topology, profiles)
+    return simulated_estimate(checked.spec, costs, costs.estimate())
 
 
 # Note [the planner checks its winner]: the chosen plan is lowered and verified (deadlock-freedom,
@@ -211,9 +215,9 @@ def _cross_check(score: Score, estimate: Estimate | None) -> None:
     readings of the plan (passes/cost/classes.py); say so loudly if they part."""
     if estimate is None:
         return
-    drift = abs(score.step_time_s - estimate.step_time_s) / max(estimate.step_time_s, 1e-30)
+    closed = estimate.closed_form_step_s
+    drift = abs(score.step_time_s - closed) / max(closed, 1e-30)
     if drift > 1e-6:
         log.warning("the planner scored this plan %.6g s/step but the cost model estimates %.6g s "
                     "(%.2g%% apart): passes/cost/candidate_stage.py reads the candidate otherwise than "
-                    "passes/cost/pipeline_stage.py reads its pipeline",
-                    score.step_time_s, estimate.step_time_s, 100 * drift)
+                    "passes/cost/pipeline_stage.py reads its pipeline", score.step_time_s, closed, 100 * drift)
