@@ -7,7 +7,7 @@ import json
 import pytest
 
 from hetc.cli import main
-from tests.conftest import DEMO
+from tests.conftest import DEMO, ROOT
 from tests.costspecs import plan_text, write_spec
 
 EXPLICIT_DEMOS = ["single.het", "dp.het", "pp.het", "hetero.het", "zero3_offload.het", "interleaved.het",
@@ -53,6 +53,20 @@ def test_the_step_is_the_compiled_programs_and_the_estimate_is_beside_it(capsys,
     assert out["step_source"] == "estimate" and out["step_time_s"] == out["estimate_step_s"]
     assert main(["explain", spec]) == 0
     assert "simulated" not in capsys.readouterr().out
+
+
+def test_plan_of_an_auto_spec_prints_the_step_compile_builds(capsys, tmp_path):
+    """The planner's winner, as `hetc plan` prints it and `hetc compile` builds it: one step (Note [one step
+    time]); the planner's own score stays the closed form's."""
+    spec = str(ROOT / "specs" / "examples" / "auto_demo.het")
+    assert main(["plan", spec, "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert main(["compile", spec, "-o", str(tmp_path / "out")]) == 0
+    capsys.readouterr()
+    compiled = json.loads((tmp_path / "out" / "summary.json").read_text())["step_time_s"]
+    assert planned["step_source"] == "simulated"
+    assert planned["step_time_s"] == pytest.approx(compiled, rel=1e-9)
+    assert planned["estimate_step_s"] == pytest.approx(compiled, rel=0.10)
 
 
 def test_text_report(capsys):
