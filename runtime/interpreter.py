@@ -315,8 +315,7 @@ class Interpreter:
             self.unit_grads[(instr.ms, instr.mb, instr.unit.first)] = x.grad
 
     def _backward_input(self, instr: BackwardInput) -> None:
-        buf = self._buffer(instr.ms, None)
-        self._ready_grads(buf)
+        buf = self._buffer(instr.ms, None)   # no gradient buffer yet: `bwd_w` fills it (Note [gradient buffer release])
         x, out, grad = self._seed(instr.ms, instr.mb)
         self.param_groups[(instr.ms, instr.mb)] = backward_input(out, grad, x, buf.module)
         self._done_backward(instr.ms, instr.mb, x)

@@ -80,7 +80,7 @@ def test_parameter_offload_keeps_few_ministages_resident():
         largest = max(costs.param_bytes(ms, peak.rank) for ms in mss)
         assert 0 < peak.parts["gathered"] <= 2 * largest
         assert 0 < peak.parts["params"] <= 4 * largest / 4     # ZeRO-3 shards over four lanes
-        assert peak.parts["params"] < sum(costs.param_bytes(ms, peak.rank) for ms in mss) / 4 / 2
+        assert peak.parts["params"] < sum(costs.param_bytes(ms, peak.rank) for ms in mss) / 4   # not all eight
 
 
 def test_memory_error_points_at_the_first_overflow():

@@ -317,8 +317,10 @@ class StageCosts:
         if self.plan.schedule is not ScheduleKind.ZORSE:   # (the only schedule it applies to)
             return None
         grads = [n * self.p.states.grads for n in self.ms_numel]
+        share = self.shard_of(node_share).grads
         return zorse_backward_peak(self.plan.schedule, self.p.train.grad_clip, bool(self.s.knobs.offload.activations),
-                                   count, self._per_mb_activations, grads, sum(grads) * self.shard_of(node_share).grads)
+                                   count, self._per_mb_activations, grads, sum(grads) * share, share < 1.0,
+                                   (2 + self.plan.prefetch) * self._borders[2])
 
     def _static(self, node_share: int | None) -> StateMemory:
         """What a rank holds but activations and its reserve (`passes.cost.memory.state_memory`)."""

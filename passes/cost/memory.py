@@ -234,6 +234,19 @@ class StatesHeld:
     unit_params: Sequence[float] = ()
 
 
+def reduced_at_once(held: StatesHeld) -> float:
+    """ZeRO-2/3's full gradient buffers on the device at once (Note [gradient buffer release] in
+    passes/lower/zero.py): the buffer being filled and the one before it, whose reduce-scatter the rank waits
+    for after the next op; per unit where the stage gathers per block, else per ministage (0 where the
+    gradients are not sharded)."""
+    if held.shard.grads >= 1.0:
+        return 0.0
+    if not held.unit_params:
+        return gathered_at_once(held.grads, 1)
+    per_param = sum(held.grads) / sum(held.params) if sum(held.params) else 1.0
+    return gathered_at_once([u * per_param for u in held.unit_params], 1)
+
+
 def gathered_at_once(units: Sequence[float], prefetch: int) -> float:
     """ZeRO-3's full parameters on the device at once: a unit and the `prefetch` after it in the order it
     runs them (forward, or backward in reverse: the same windows of neighbours), the heaviest such window."""
@@ -261,7 +274,8 @@ def state_memory(held: StatesHeld, offload: OffloadSpec, schedule: ScheduleKind,
     off_params, off_opt = offloaded(offload)
     params, largest = sum(held.params), max(held.params)
     resident = resident_params(schedule, grad_clip, params, largest, prefetch) if off_params else params
-    grads = max(held.grads) if interleaved_update(schedule, grad_clip) else held.grads_kept
+    reduced = reduced_at_once(held)
+    grads = max(max(held.grads), reduced) if interleaved_update(schedule, grad_clip) else held.grads_kept + reduced
     gather = gathered_at_once(held.unit_params or held.params, prefetch) if held.gathers else 0.0
     sharded_grads = sum(held.grads) * held.shard.grads
     buffers = transfer_buffers(held.held_boundary, sharded_grads, held.lanes, held.grad_bytes_per_param) + gather
@@ -301,8 +315,8 @@ def activation_memory(schedule: ScheduleKind, stage: int, num_stages: int, micro
 
 
 def zorse_backward_peak(schedule: ScheduleKind, grad_clip: float, offload_activations: bool, microbatches: int,
-                        per_microbatch: Sequence[float], grads: Sequence[float], grads_kept: float
-                        ) -> tuple[float, float] | None:
+                        per_microbatch: Sequence[float], grads: Sequence[float], grads_kept: float,
+                        released: bool = False, stashed_inputs: float = 0.0) -> tuple[float, float] | None:
     """(activations, gradients) on the device at a Zorse rank's peak, when the two are not at their
     largest at once; None for the other schedules.
 
@@ -314,17 +328,24 @@ def zorse_backward_peak(schedule: ScheduleKind, grad_clip: float, offload_activa
     global norm) or none (without, each ministage steps right after its
     backward). The peak is the largest of these sums, not the most
     activations plus every gradient: the first backward holds the whole
-    stash beside one ministage's gradients. With activations offloaded only
-    one ministage is on the device at a time, and the sums do not apply.
+    stash beside one ministage's gradients. Under ZeRO-2/3 (`released`) the
+    full buffer of k + 1 is there too while k's first backward runs, its
+    reduce-scatter waited after that op (Note [gradient buffer release] in
+    passes/lower/zero.py). With activations offloaded only ministage k's
+    recomputed microbatch is on the device beside the stashed inputs
+    (`stashed_inputs`, `activation_memory`'s) as its backward runs; without
+    ZeRO-2/3 the largest of them with the most gradients is the estimate's
+    sum already, and None is returned.
     """
-    if schedule is not ScheduleKind.ZORSE or offload_activations or not per_microbatch:
+    if schedule is not ScheduleKind.ZORSE or not per_microbatch or (offload_activations and not released):
         return None
     kept_share = grads_kept / sum(grads) if sum(grads) else 0.0
     keeps = not interleaved_update(schedule, grad_clip)
     best: tuple[float, float] = (0.0, 0.0)
     for k in range(len(per_microbatch)):
-        at_k = (microbatches * sum(per_microbatch[:k + 1]),
-                grads[k] + (kept_share * sum(grads[k + 1:]) if keeps else 0.0))
+        pending = grads[k + 1] if released and k + 1 < len(grads) else 0.0   # Note [gradient buffer release]
+        stash = per_microbatch[k] + stashed_inputs if offload_activations else microbatches * sum(per_microbatch[:k + 1])
+        at_k = (stash, grads[k] + pending + (kept_share * sum(grads[k + 1:]) if keeps else 0.0))
         if sum(at_k) > sum(best):
             best = at_k
     return best

@@ -127,5 +127,6 @@ def rank_memory_of(cm: CostModel, rank: int, limit: int, grouping: Grouping) -> 
                              offload_activations, sum(inputs), max(inputs, default=0.0), p.prefetch,
                              lane_group(p, lane, grouping))
     zorse = zorse_backward_peak(p.schedule, cm.train.grad_clip, offload_activations, len(lane.microbatches),
-                                per_microbatch, held.grads, held.grads_kept)
+                                per_microbatch, held.grads, held.grads_kept, held.shard.grads < 1.0,
+                                (2 + p.prefetch) * max(inputs, default=0.0))
     return rank_memory(rank, cm.gpu(rank), stage.index, states, acts, zorse)

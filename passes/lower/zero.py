@@ -18,6 +18,23 @@ single lane: nothing to reduce) and level L:
         reverse, each unit gathered one op ahead, freed after use, and its
         gradients reduce-scattered as soon as its backward is done.
 
+Note [gradient buffer release]: under ZeRO-2 and 3 the runtime allocates
+a buffer's full gradients (a ministage's, or a ZeRO-3 unit's) for its
+weight-gradient op (`bwd`, `bwd_w`; runtime/buffers.py `ready_grads`) and
+frees them when the wait of the reduce-scatter after that op completes
+(`reduced`), keeping only the reduced shard. So that wait comes once the next
+compute op has run beside the reduction, or right before that op where it
+fills the same buffer again, never later: a rank holds the buffer being
+filled and the one being reduced, not every buffer it filled since its
+first backward (with gradient clipping every wait used to sit at the step,
+and specs/zorse/a_llama65b.het would have needed 88 GiB on its 80 GiB
+A100s). Only the rank's last gradient op leaves its wait to the step. The
+verifier follows each buffer from its gradient op to that wait
+(passes/verify/memory.py), the estimate counts the heaviest two
+neighbouring buffers (`memory.reduced_at_once`). Zorse without clipping
+keeps its own placement: each ministage's waits and step right after the
+next op.
+
 Gathers are posted one compute run ahead (prefetch) and waited right before
 use; a rank's first gather at the very start of its program, ahead of the
 receives its first op waits for, so a later stage gathers while the
@@ -100,7 +117,7 @@ def _rank(rp: RankProgram, place: RankPlace, ctx: LowerContext) -> RankProgram:
     rp = dataclasses.replace(rp, instrs=_split_units(rp.instrs, shards))
     compute = [(i, instr) for i, instr in enumerate(rp.instrs) if isinstance(instr, COMPUTE_TYPES)]
     _gathers({sh.ms: sh for sh in shards if sh.group is not None}, compute, edits, handles, ctx)
-    interleaved_update = ctx.pipeline.schedule is ScheduleKind.ZORSE and not ctx.grad_clip
+    interleaved_update = _interleaved_update(ctx)
     finals = [[_reduce(part, unit, compute, edits, handles, ctx) for part in _parts(shard) for unit in _units(part)]
               for shard in shards]
     gather_waits: list[Wait] = []
@@ -213,21 +230,39 @@ def _reduce(shard: Shard, unit: Unit | None, compute: list[tuple[int, ComputeIns
     if shard.group is None:
         return last_pos, [], first
     per_mb = _per_microbatch(ctx) and shard.level >= 2
+    released = shard.level >= 2 and not _interleaved_update(ctx)   # Note [gradient buffer release]
     if per_mb:
         pending: list[Wait] = []
         for k in grad_ops:
-            pos = compute[k][0]
-            for w in pending:
-                edits.add_before(pos, w)
             h = handles.take()
-            edits.add_after(pos, ReduceScatter(Tensor.GRADS, shard.ms, with_direction(shard.group, Direction.BACKWARD), h, unit))
-            pending = [Wait(h)]
+            edits.add_after(compute[k][0], ReduceScatter(Tensor.GRADS, shard.ms,
+                                                         with_direction(shard.group, Direction.BACKWARD), h, unit))
+            pending += _wait_after_next(compute, k, h, edits, grad_ops)
         return last_pos, pending, first
     h = handles.take()
     op = (AllReduce(Tensor.GRADS, shard.group, shard.ms, h) if shard.level == 0
           else ReduceScatter(Tensor.GRADS, shard.ms, shard.group, h))
     edits.add_after(compute[grad_ops[-1]][0], op)
-    return last_pos, [Wait(h)], first
+    return last_pos, _wait_after_next(compute, grad_ops[-1], h, edits, grad_ops) if released else [Wait(h)], first
+
+
+def _wait_after_next(compute: list[tuple[int, ComputeInstr]], k: int, handle: int, edits: Edits,
+                     grad_ops: list[int]) -> list[Wait]:
+    """Wait for the reduction posted after compute op k once the next compute op has run beside it, or before
+    that op where it fills the same buffer (`grad_ops`: the buffer's gradient ops; Note [gradient buffer
+    release]); after the rank's last compute op, the wait is left to the step (returned)."""
+    if k + 1 >= len(compute):
+        return [Wait(handle)]
+    if k + 1 in grad_ops:
+        edits.add_before(compute[k + 1][0], Wait(handle))
+    else:
+        edits.add_after(compute[k + 1][0], Wait(handle))
+    return []
+
+
+def _interleaved_update(ctx: LowerContext) -> bool:
+    """Zorse without clipping steps each ministage right after its reduction (Note [zero placement])."""
+    return ctx.pipeline.schedule is ScheduleKind.ZORSE and not ctx.grad_clip
 
 
 def _outer_reduce(shard: Shard) -> list[Instr]:

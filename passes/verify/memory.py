@@ -10,6 +10,11 @@ from the cost model (`CostModel.param_bytes`, `grad_bytes`,
 - parameters of an offloaded ministage from its `prefetch` to the end of its
   `offload` (completed at its wait);
 - gradients from the ministage's first weight-gradient op to its `step`;
+- under ZeRO-2 and 3, also the full gradient buffer (compute dtype) of a
+  ministage, or of a ZeRO-3 unit, from each weight-gradient op (`bwd`,
+  `bwd_w`: the runtime's `ready_grads`) to the wait of the reduce-scatter
+  that follows it over the shard group (runtime/buffers.py `reduced`), per
+  buffer: the dense and the expert parameters' apart;
 - gathered full parameters (ZeRO-3) from the `all_gather` that takes the
   holder count from 0 to 1 to the `free` that takes it back to 0, per unit
   where the ministage is split into units (Note [units] in hetc/program.py:
@@ -36,10 +41,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from hetc.groups import split_direction
 from hetc.passes.verify.errors import Finding, at
 from hetc.pipeline import Pipeline
 from hetc.program import (AllGather, Backward, BackwardInput, BackwardWeight, ComputeInstr, Forward, Free, Group, Instr,
-                          Offload, Prefetch, Program, RankProgram, Recv, Shard, Step, Tensor, Unit, Wait)
+                          Offload, Prefetch, Program, RankProgram, Recv, ReduceScatter, Shard, Step, Tensor, Unit,
+                          Wait)
 
 __all__ = ["Peak", "Sizes", "check_memory", "format_bytes", "group_sizes", "rank_levels", "rank_peak", "rank_peaks"]
 
@@ -173,8 +180,14 @@ class _Rank:
         self.full_params = {ms: sizes.param_bytes(ms, r) for ms in own}
         self.shard_params = {ms: self.full_params[ms] * factors[ms].params for ms in own}
         self.grads = {ms: sizes.grad_bytes(ms, r) * factors[ms].grads for ms in own}
+        self.grads_full = {ms: sizes.grad_bytes(ms, r) for ms in own}
+        # a unit's gradients from its parameters' bytes (the sizes give a unit's parameters only)
+        self.grad_per_param_byte = next((sizes.grad_bytes(ms, r) / sizes.param_bytes(ms, r) for ms in own
+                                         if sizes.param_bytes(ms, r) > 0), 1.0)
         self.optimizer = {ms: sizes.optimizer_bytes(ms, r) * factors[ms].optimizer for ms in own}
         self.activations = {ms: sizes.activation_bytes(ms, r) for ms in own}
+        self.reduced = {ms: _reduced_buffers(self.shards[ms], sizes.expert_fraction(ms, r)) for ms in own
+                        if ms in self.shards}
         # the boundary input of each own ministage, as this rank holds it (its share of the tokens)
         cp = self.pipeline.stages[self.rp.stage].cp
         self.stash_input = {ms: sizes.boundary_bytes(ms - 1) / cp if ms > 0 else 0.0 for ms in own}
@@ -223,6 +236,7 @@ class _Rank:
         weights = not isinstance(instr, BackwardInput) or not self.split
         if weights:
             self.walk.take(("grads", instr.ms), "grads", self.grads.get(instr.ms, 0.0))
+            self._ready_grads(instr)
         self.walk.observe(i, self._transient(instr.ms))
         self._consumed(Tensor.GRAD, instr.ms + 1, instr.mb)
         if weights:
@@ -230,8 +244,25 @@ class _Rank:
 
     def backward_weight(self, i: int, instr: BackwardWeight) -> None:
         self.walk.take(("grads", instr.ms), "grads", self.grads.get(instr.ms, 0.0))
+        self._ready_grads(instr)
         self.walk.observe(i)
         self.walk.give(self._stash_key(instr))
+
+    def _ready_grads(self, instr: ComputeInstr) -> None:
+        """A gradient op's full gradient buffers under ZeRO-2/3, until their reduce-scatters complete."""
+        for group, share in self.reduced.get(instr.ms, {}).items():
+            full = self.grads_full[instr.ms] if instr.unit is None else \
+                self.sizes.unit_param_bytes(instr.unit, self.rp.rank) * self.grad_per_param_byte
+            self.walk.take(("full grads", instr.ms, instr.unit, group), "grads", full * share)
+
+    def reduce_scatter(self, i: int, instr: ReduceScatter) -> None:
+        key = ("full grads", instr.ms, instr.unit, split_direction(instr.group)[0])
+        self.walk.observe(i)
+        if key in self.walk.live:
+            if instr.handle is None:
+                self.walk.give(key)
+            else:
+                self.walk.pending[instr.handle] = key
 
     def recv(self, i: int, instr: Recv) -> None:
         key = ("recv", instr.what, instr.ms, instr.mb, instr.seq)
@@ -292,7 +323,17 @@ _HANDLERS: dict[type[Instr], Callable[..., None]] = {
     Forward: _Rank.forward, Backward: _Rank.backward, BackwardInput: _Rank.backward,
     BackwardWeight: _Rank.backward_weight, Recv: _Rank.recv, AllGather: _Rank.all_gather, Free: _Rank.free,
     Prefetch: _Rank.prefetch, Offload: _Rank.offload, Wait: _Rank.wait, Step: _Rank.step,
+    ReduceScatter: _Rank.reduce_scatter,
 }
+
+
+def _reduced_buffers(shard: Shard, expert_fraction: float) -> dict[str, float]:
+    """The ministage's buffers whose full gradients the runtime allocates for a backward and frees once
+    reduce-scattered (ZeRO-2 and 3 over a group): shard group -> its share of the ministage's gradients."""
+    parts = [(shard, 1.0 - expert_fraction if shard.experts is not None else 1.0)]
+    if shard.experts is not None:
+        parts.append((shard.experts, expert_fraction))
+    return {part.group: share for part, share in parts if part.group is not None and part.level >= 2 and share > 0}
 
 
 def _walk(rp: RankProgram, pipeline: Pipeline, sizes: Sizes, group_size: dict[str, int], record: bool) -> _Walk:
