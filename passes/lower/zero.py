@@ -22,18 +22,21 @@ Note [gradient buffer release]: under ZeRO-2 and 3 the runtime allocates
 a buffer's full gradients (a ministage's, or a ZeRO-3 unit's) for its
 weight-gradient op (`bwd`, `bwd_w`; runtime/buffers.py `ready_grads`) and
 frees them when the wait of the reduce-scatter after that op completes
-(`reduced`), keeping only the reduced shard. So that wait comes once the next
-compute op has run beside the reduction, or right before that op where it
-fills the same buffer again, never later: a rank holds the buffer being
-filled and the one being reduced, not every buffer it filled since its
-first backward (with gradient clipping every wait used to sit at the step,
-and specs/zorse/a_llama65b.het would have needed 88 GiB on its 80 GiB
-A100s). Only the rank's last gradient op leaves its wait to the step. The
-verifier follows each buffer from its gradient op to that wait
-(passes/verify/memory.py), the estimate counts the heaviest two
-neighbouring buffers (`memory.reduced_at_once`). Zorse without clipping
-keeps its own placement: each ministage's waits and step right after the
-next op.
+(`reduced`), keeping only the reduced shard. So that wait comes right
+before the rank's second gradient op after it, or before the buffer's own
+next one if that comes first: a rank holds the buffer being filled and the
+one being reduced, not every buffer it filled since its first backward
+(with gradient clipping every wait used to sit at the step, and
+specs/zorse/a_llama65b.het would have needed 88 GiB on its 80 GiB A100s),
+while each reduction still runs beside every op up to the next gradient op
+but one (the forwards and input-gradient ops between them included: a ZB
+lane whose one ministage reduces its whole gradients after each bwd_w waits
+for it only before its next bwd_w, as before). The last two gradient ops
+leave their waits to the step. The verifier follows each buffer from its
+gradient op to that wait (passes/verify/memory.py), the estimate counts the
+heaviest two neighbouring buffers (`memory.reduced_at_once`). Zorse without
+clipping keeps its own placement: each ministage's waits and step right
+after the next op.
 
 Gathers are posted one compute run ahead (prefetch) and waited right before
 use; a rank's first gather at the very start of its program, ahead of the
@@ -49,6 +52,7 @@ over the outer group after the inner one, and a gather back after the step.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 from hetc.errors import InternalError
 from hetc.groups import WORLD, Direction, GroupId, with_direction
@@ -248,15 +252,16 @@ def _reduce(shard: Shard, unit: Unit | None, compute: list[tuple[int, ComputeIns
 
 def _wait_after_next(compute: list[tuple[int, ComputeInstr]], k: int, handle: int, edits: Edits,
                      grad_ops: list[int]) -> list[Wait]:
-    """Wait for the reduction posted after compute op k once the next compute op has run beside it, or before
-    that op where it fills the same buffer (`grad_ops`: the buffer's gradient ops; Note [gradient buffer
-    release]); after the rank's last compute op, the wait is left to the step (returned)."""
-    if k + 1 >= len(compute):
+    """Wait for the reduction posted after gradient op k right before the rank's second gradient op after k,
+    or before the next one of the same buffer (`grad_ops`) if that comes first (Note [gradient buffer
+    release]); where neither comes, the wait is left to the step (returned)."""
+    later = list(itertools.islice((j for j in range(k + 1, len(compute))
+                                   if isinstance(compute[j][1], (Backward, BackwardWeight))), 2))
+    same = next((j for j in grad_ops if j > k), None)
+    ends = ([later[1]] if len(later) == 2 else []) + ([same] if same is not None else [])
+    if not ends:
         return [Wait(handle)]
-    if k + 1 in grad_ops:
-        edits.add_before(compute[k + 1][0], Wait(handle))
-    else:
-        edits.add_after(compute[k + 1][0], Wait(handle))
+    edits.add_before(compute[min(ends)][0], Wait(handle))
     return []
 
 
