@@ -64,11 +64,12 @@ def section(rows: dict[int, list[dict]], jobs: int) -> str:
              "(tests/random_jobs.py: 2-4 catalog device kinds, nodes of 2-8 GPUs, slow links between some "
              "groups, dense Llama models of 125 M to 70 B parameters, sequence 1k-8k, `schedule = auto`), "
              "each planned with the planner's own limits, then compiled, verified and simulated. "
-             "`agrees`: explain's step within 10 % of the compiled simulation and every rank's memory within "
+             "`agrees`: the closed-form estimate's step (what the planner searches with; explain prints it "
+             "beside the simulated step) within 10 % of the compiled simulation and every rank's memory within "
              "10 % of the compiled peak. `bound`: compiled steps within 10 % of the lower bound of "
              "docs/costmodel.md (\"The lower bound of a step\": fill, busy, round trips, drain and the tail "
              "that cannot overlap), and the worst ratio with the part of the difference that holds most of it "
-             "(passes/bound_gap.py). Gaps are explain / compiled − 1."), "",
+             "(passes/bound_gap.py). Gaps are estimate / compiled − 1."), "",
              ("| GPUs (at most) | planned | agree | nothing fits | refused by the check | worst step gap | "
              "worst memory gap | within 10 % of the bound | worst compiled / bound |"),
              "|---|---|---|---|---|---|---|---|---|"]
