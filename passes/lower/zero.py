@@ -51,8 +51,8 @@ over the outer group after the inner one, and a gather back after the step.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
-import itertools
 
 from hetc.errors import InternalError
 from hetc.groups import WORLD, Direction, GroupId, with_direction
@@ -122,8 +122,9 @@ def _rank(rp: RankProgram, place: RankPlace, ctx: LowerContext) -> RankProgram:
     compute = [(i, instr) for i, instr in enumerate(rp.instrs) if isinstance(instr, COMPUTE_TYPES)]
     _gathers({sh.ms: sh for sh in shards if sh.group is not None}, compute, edits, handles, ctx)
     interleaved_update = _interleaved_update(ctx)
-    finals = [[_reduce(part, unit, compute, edits, handles, ctx) for part in _parts(shard) for unit in _units(part)]
-              for shard in shards]
+    gradient_ops = [k for k, (_, instr) in enumerate(compute) if isinstance(instr, (Backward, BackwardWeight))]
+    finals = [[_reduce(part, unit, compute, gradient_ops, edits, handles, ctx) for part in _parts(shard)
+               for unit in _units(part)] for shard in shards]
     gather_waits: list[Wait] = []
     if interleaved_update:
         for shard, reductions in zip(shards, finals):
@@ -216,8 +217,8 @@ def _gathers(shards: dict[int, Shard], compute: list[tuple[int, ComputeInstr]], 
             edits.add_after(compute[last][0], Free(Tensor.PARAMS, ms, compute[last][1].unit))
 
 
-def _reduce(shard: Shard, unit: Unit | None, compute: list[tuple[int, ComputeInstr]], edits: Edits,
-            handles: Handles, ctx: LowerContext) -> tuple[int, list[Wait], bool]:
+def _reduce(shard: Shard, unit: Unit | None, compute: list[tuple[int, ComputeInstr]], gradient_ops: list[int],
+            edits: Edits, handles: Handles, ctx: LowerContext) -> tuple[int, list[Wait], bool]:
     """Post the gradient reductions of one buffer (a unit's, or the ministage's); return (where the step
     goes, waits still due, step goes first there).
 
@@ -227,42 +228,49 @@ def _reduce(shard: Shard, unit: Unit | None, compute: list[tuple[int, ComputeIns
     issues the group's collectives in the same order however many
     microbatches it runs (Note [zero placement]).
     """
-    grad_ops = [k for k, (_, i) in enumerate(compute)
-                if i.ms == shard.ms and i.unit == unit and isinstance(i, (Backward, BackwardWeight))]
+    grad_ops = [k for k in gradient_ops if compute[k][1].ms == shard.ms and compute[k][1].unit == unit]
     last_pos = compute[min(grad_ops[-1] + 1, len(compute) - 1)][0]
     first = last_pos != compute[grad_ops[-1]][0]
     if shard.group is None:
         return last_pos, [], first
     per_mb = _per_microbatch(ctx) and shard.level >= 2
     released = shard.level >= 2 and not _interleaved_update(ctx)   # Note [gradient buffer release]
+    pending: list[Wait] = []
+
+    def wait(n: int, h: int) -> None:
+        """The wait of the reduction posted after the buffer's n-th gradient op: where it frees the buffer
+        (Note [gradient buffer release]), else left to the step."""
+        end = _release_point(gradient_ops, grad_ops[n], grad_ops[n + 1] if n + 1 < len(grad_ops) else None)
+        if end is None:
+            pending.append(Wait(h))
+        else:
+            edits.add_before(compute[end][0], Wait(h))
+
     if per_mb:
-        pending: list[Wait] = []
-        for k in grad_ops:
+        for n, k in enumerate(grad_ops):
             h = handles.take()
             edits.add_after(compute[k][0], ReduceScatter(Tensor.GRADS, shard.ms,
                                                          with_direction(shard.group, Direction.BACKWARD), h, unit))
-            pending += _wait_after_next(compute, k, h, edits, grad_ops)
+            wait(n, h)
         return last_pos, pending, first
     h = handles.take()
     op = (AllReduce(Tensor.GRADS, shard.group, shard.ms, h) if shard.level == 0
           else ReduceScatter(Tensor.GRADS, shard.ms, shard.group, h))
     edits.add_after(compute[grad_ops[-1]][0], op)
-    return last_pos, _wait_after_next(compute, grad_ops[-1], h, edits, grad_ops) if released else [Wait(h)], first
+    if released:
+        wait(len(grad_ops) - 1, h)
+    else:
+        pending.append(Wait(h))
+    return last_pos, pending, first
 
 
-def _wait_after_next(compute: list[tuple[int, ComputeInstr]], k: int, handle: int, edits: Edits,
-                     grad_ops: list[int]) -> list[Wait]:
-    """Wait for the reduction posted after gradient op k right before the rank's second gradient op after k,
-    or before the next one of the same buffer (`grad_ops`) if that comes first (Note [gradient buffer
-    release]); where neither comes, the wait is left to the step (returned)."""
-    later = list(itertools.islice((j for j in range(k + 1, len(compute))
-                                   if isinstance(compute[j][1], (Backward, BackwardWeight))), 2))
-    same = next((j for j in grad_ops if j > k), None)
-    ends = ([later[1]] if len(later) == 2 else []) + ([same] if same is not None else [])
-    if not ends:
-        return [Wait(handle)]
-    edits.add_before(compute[min(ends)][0], Wait(handle))
-    return []
+def _release_point(gradient_ops: list[int], k: int, own_next: int | None) -> int | None:
+    """The compute op before which the reduction posted after gradient op k is waited (Note [gradient buffer
+    release]): the rank's second gradient op after k (`gradient_ops`: all of them, in order), or the buffer's
+    own next one (`own_next`) if sooner; None: neither comes, the step waits for it."""
+    after = bisect.bisect_right(gradient_ops, k)
+    ends = gradient_ops[after + 1:after + 2] + ([] if own_next is None else [own_next])
+    return min(ends) if ends else None
 
 
 def _interleaved_update(ctx: LowerContext) -> bool:
