@@ -25,6 +25,7 @@ from hetc.passes.cost import CostModel
 from hetc.passes.cost.estimate import Estimate, with_simulated_step
 from hetc.passes.simulate import timed_machine
 from hetc.pipeline import Pipeline
+from hetc.program import Program
 from hetc.spec import Spec
 
 __all__ = ["SIMULATED_OPS", "compute_ops", "simulated_estimate"]
@@ -38,15 +39,17 @@ def compute_ops(pipeline: Pipeline) -> int:
                for stage in pipeline.stages for lane in stage.lanes)
 
 
-def simulated_estimate(spec: Spec, costs: CostModel, estimate: Estimate) -> Estimate:
+def simulated_estimate(spec: Spec, costs: CostModel, estimate: Estimate, program: Program | None = None) -> Estimate:
     """`estimate` with the step of the programs `hetc compile` builds from `spec`'s plan (`costs`'), simulated
-    (Note [one step time]); the estimate as it is where the programs are too many to build in a moment."""
+    (Note [one step time]); the estimate as it is where the programs are too many to build in a moment.
+    `program`: those programs, lowered already (the planner's check of its winner)."""
     pipeline = costs.pipeline
     if compute_ops(pipeline) > SIMULATED_OPS:
         return estimate
-    from hetc.passes.lower import lower   # lowering imports the cost model: not at this module's import
+    if program is None:
+        from hetc.passes.lower import lower   # lowering imports the cost model: not at this module's import
 
-    program = lower(spec, pipeline, costs=costs)
+        program = lower(spec, pipeline, costs=costs)
     machine = timed_machine(program, spec, costs)
     if machine.run() is not None or machine.unfinished():
         return estimate   # programs compile would refuse (and name why): the estimate is all there is

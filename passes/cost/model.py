@@ -178,6 +178,11 @@ class CostModel:
         """The full parameters of one ZeRO-3 unit (Note [units] in hetc/program.py)."""
         return self.layers_numel(unit.layers, rank) * self.states.params
 
+    def unit_grad_bytes(self, unit: Unit, rank: int) -> float:
+        """The full gradients of one ZeRO-3 unit (its buffer while it is reduced, Note [gradient buffer
+        release] in passes/lower/zero.py)."""
+        return self.layers_numel(unit.layers, rank) * self.states.grads
+
     def unit_activation_bytes(self, unit: Unit, rank: int) -> float:
         """What a forward of one unit stashes for one microbatch."""
         return self.layers_activation_bytes(unit.layers, rank)

@@ -113,10 +113,10 @@ def _plan_spec(spec: Spec, profiles: Profiles | None, base_dir: Path | None,
                             lambda: would_fit(spec, topo, profiles, search.space, goal))
     explicit = emit_spec(spec, best.candidate, topo, search.space.zero_base)
     planned = check_spec(explicit, base_dir)
-    estimate = _estimate(planned, profiles)
-    _cross_check(best.score, estimate)
     checked_aside = search.aside == (best.candidate, True)   # Note [the check beside the refinement]
     program = None if checked_aside else _check_winner(planned, profiles, chosen, keep_program)
+    estimate = _estimate(planned, profiles, program=program)   # simulated on the checked programs if kept
+    _cross_check(best.score, estimate)
     return PlanResult(explicit, planned, goal, best.score, estimate, best.candidate, tuple(scored), chosen,
                       time.perf_counter() - start, search.visited, program)
 
@@ -141,15 +141,17 @@ def _choose(search: Search, found: list[Found], scored: list[Baseline]) -> tuple
     return best, name
 
 
-def _estimate(checked: Checked, profiles: Profiles | None, always: bool = False) -> Estimate | None:
+def _estimate(checked: Checked, profiles: Profiles | None, always: bool = False,
+              program: Program | None = None) -> Estimate | None:
     """The cost model's estimate, with the compiled programs' simulated step where they are quick to build,
-    as explain prints it (Note [one step time] in passes/simulated_step.py)."""
+    as explain prints it (Note [one step time] in passes/simulated_step.py); `program`: those programs, if
+    the winner's check kept them."""
     p = checked.pipeline
     if p is None or (p.world_size > FULL_ESTIMATE_RANKS and not always):
         return None
     assert checked.topology is not None   # a pipeline runs on a cluster
     costs = CostModel(checked.spec, p, checked.topology, profiles)
-    return simulated_estimate(checked.spec, costs, costs.estimate())
+    return simulated_estimate(checked.spec, costs, costs.estimate(), program)
 
 
 # Note [the planner checks its winner]: the chosen plan is lowered and verified (deadlock-freedom,

@@ -66,6 +66,7 @@ class Sizes(Protocol):
 
     def param_bytes(self, ms: int, rank: int) -> float: ...
     def unit_param_bytes(self, unit: Unit, rank: int) -> float: ...
+    def unit_grad_bytes(self, unit: Unit, rank: int) -> float: ...
     def unit_activation_bytes(self, unit: Unit, rank: int) -> float: ...
     def grad_bytes(self, ms: int, rank: int) -> float: ...
     def optimizer_bytes(self, ms: int, rank: int) -> float: ...
@@ -181,9 +182,6 @@ class _Rank:
         self.shard_params = {ms: self.full_params[ms] * factors[ms].params for ms in own}
         self.grads = {ms: sizes.grad_bytes(ms, r) * factors[ms].grads for ms in own}
         self.grads_full = {ms: sizes.grad_bytes(ms, r) for ms in own}
-        # a unit's gradients from its parameters' bytes (the sizes give a unit's parameters only)
-        self.grad_per_param_byte = next((sizes.grad_bytes(ms, r) / sizes.param_bytes(ms, r) for ms in own
-                                         if sizes.param_bytes(ms, r) > 0), 1.0)
         self.optimizer = {ms: sizes.optimizer_bytes(ms, r) * factors[ms].optimizer for ms in own}
         self.activations = {ms: sizes.activation_bytes(ms, r) for ms in own}
         self.reduced = {ms: _reduced_buffers(self.shards[ms], sizes.expert_fraction(ms, r)) for ms in own
@@ -252,7 +250,7 @@ class _Rank:
         """A gradient op's full gradient buffers under ZeRO-2/3, until their reduce-scatters complete."""
         for group, share in self.reduced.get(instr.ms, {}).items():
             full = self.grads_full[instr.ms] if instr.unit is None else \
-                self.sizes.unit_param_bytes(instr.unit, self.rp.rank) * self.grad_per_param_byte
+                self.sizes.unit_grad_bytes(instr.unit, self.rp.rank)
             self.walk.take(("full grads", instr.ms, instr.unit, group), "grads", full * share)
 
     def reduce_scatter(self, i: int, instr: ReduceScatter) -> None:
