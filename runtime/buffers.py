@@ -15,10 +15,24 @@ sub-slice when sharded across.
                  and 3 allocate it before a backward (`ready_grads`) and release
                  it once reduce-scattered (`reduced`), so a rank holds only
                  its shards outside the backward of its ministage (its unit).
-    acc          fp32 reduced gradients of the inner shard (levels 1-3).
-    opt_grad     fp32 gradients of the optimizer shard when sharded across.
+    acc          the reduced gradients of the inner shard (levels 1-3, compute
+                 dtype), from the step's first reduction to its optimizer
+                 step (Note [reduced shard]).
+    opt_grad     gradients of the optimizer shard when sharded across (in
+                 `acc`'s dtype), from their reduction to the step.
     master       fp32 master weights of the optimizer shard, and its
-                 optimizer state.
+                 optimizer state. An fp32 model's master is a view of its
+                 parameters (`_master`): no copy, as the memory model counts.
+
+Note [reduced shard]: a reduction's output is the rank's shard of the
+summed gradients. The first of a step becomes `acc` as it is; a buffer
+reduced again in the step (ZeRO-2/3 under per-microbatch schedules: one
+reduce-scatter per microbatch) adds the others to it. The shard stays in the
+compute dtype, as the full buffer of ZeRO-0/1 sums its microbatches and as
+the memory model counts it (δΦ/N); the optimizer reads it in fp32 (a cast
+for the step). The step drops it (`drop_reduced`), so it is held from the
+step's first reduction to its step only: what the verifier counts
+(passes/verify/memory.py, Note [memory timeline]).
 
 All sums are plain sums: the loss of each microbatch is already divided by
 the number of microbatches (Note [Loss normalisation] in reference.py).
@@ -89,8 +103,6 @@ class MinistageBuffers:
         self.experts: MinistageBuffers | None = None     # the expert parameters' own buffer, if any
         self.device, self.dtype = device, dtype
         full = self._initial_values(module)
-        self.master = full[self.opt_range].clone() if full is not None else self._zeros(self.opt_range)
-        self.opt_state: OptimizerState = init_state(optimizer, self.master)
         if self.level == 3:      # compute and grad: allocated, bound, then released below
             self.compute = torch.empty(self.layout.padded_numel, dtype=dtype, device=device)
             self.param_shard: Tensor | None = full[self.inner_range].to(dtype, copy=True) if full is not None else \
@@ -99,11 +111,13 @@ class MinistageBuffers:
             self.compute = full.to(dtype) if full is not None else self._zeros(slice(0, self.layout.padded_numel),
                                                                                dtype)
             self.param_shard = None
+        self.master = self._master(full)
+        self.opt_state: OptimizerState = init_state(optimizer, self.master)
         del full
         self.grad = torch.empty_like(self.compute) if self.level == 3 else torch.zeros_like(self.compute)
-        self.acc: Tensor | None = torch.zeros(self.inner_numel, dtype=torch.float32, device=device) if self.level else None
-        self.opt_grad: Tensor | None = torch.zeros(self.master.numel(), dtype=torch.float32, device=device) \
-            if across > 1 else None
+        self.across = across
+        self.acc: Tensor | None = None         # Note [reduced shard]
+        self.opt_grad: Tensor | None = None
         self.holders = 0           # ZeRO-3: gathers not yet freed
         self.infos: dict[str, ShardInfo] = shard_infos(module)
         # from the rank's place, not the module's split parameters: a ZeRO-3 unit of the embedding or the
@@ -130,6 +144,23 @@ class MinistageBuffers:
             raise InternalError("a ministage with some parameters on the meta device and some not")
         return None if all(meta) else self.layout.flatten(params, torch.float32, self.device)
 
+    def _master(self, full: Tensor | None) -> Tensor:
+        """The fp32 master weights of the optimizer shard: a view of the parameters where `master_is_params`,
+        else a copy."""
+        if self.master_is_params:
+            return self.resident()[self._opt_range_in_resident()]
+        return full[self.opt_range].clone() if full is not None else self._zeros(self.opt_range)
+
+    @property
+    def master_is_params(self) -> bool:
+        """Whether the master weights are the parameters themselves: an fp32 model's, as the memory model
+        counts (no master copy when the compute dtype is the optimizer's). Offloaded parameters leave the
+        device between uses, so theirs is a copy."""
+        return self.dtype == torch.float32 and not self.shard.param_offload
+
+    def _opt_range_in_resident(self) -> slice:
+        return self.opt_range_in_inner() if self.level == 3 else self.opt_range
+
     def _zeros(self, rng: slice, dtype: torch.dtype = torch.float32) -> Tensor:
         return torch.zeros(rng.stop - rng.start, dtype=dtype, device=self.device)
 
@@ -137,13 +168,30 @@ class MinistageBuffers:
 
     @property
     def inner_grad(self) -> Tensor:
-        """`acc`: the fp32 reduced gradients of the inner shard, which ZeRO levels 1-3 accumulate."""
-        return _present(self.acc, "a gradient accumulator (ZeRO 1-3)")
+        """`acc`: the reduced gradients of the inner shard (ZeRO levels 1-3; zeros before the step's first
+        reduction: Note [reduced shard])."""
+        if not self.level:
+            raise InternalError("this ministage buffer has no reduced gradient shard (ZeRO 1-3)")
+        if self.acc is None:
+            self.acc = torch.zeros(self.inner_numel, dtype=self.dtype, device=self.device)
+        return self.acc
+
+    def accumulate(self, reduced: Tensor) -> None:
+        """Add one reduction's output (the inner shard, compute dtype) to `acc` (Note [reduced shard])."""
+        if self.acc is None:
+            self.acc = reduced
+        else:
+            self.acc.add_(reduced)
 
     @property
     def across_grad(self) -> Tensor:
-        """`opt_grad`: the optimizer shard's gradients reduced across shard groups (outer ZeRO-1)."""
-        return _present(self.opt_grad, "gradients reduced across shard groups")
+        """`opt_grad`: the optimizer shard's gradients reduced across shard groups (outer ZeRO-1), allocated
+        for that reduction to write."""
+        if self.across <= 1:
+            raise InternalError("this ministage buffer has no gradients reduced across shard groups")
+        if self.opt_grad is None:
+            self.opt_grad = torch.zeros(self.master.numel(), dtype=self.inner_grad.dtype, device=self.device)
+        return self.opt_grad
 
     @property
     def own_params(self) -> Tensor:
@@ -195,7 +243,11 @@ class MinistageBuffers:
         """fp32 gradients of the optimizer shard, fully reduced."""
         if self.level == 0:
             return self.grad.float()
-        return self.opt_grad if self.opt_grad is not None else self.inner_grad
+        return (self.across_grad if self.across > 1 else self.inner_grad).float()
+
+    def drop_reduced(self) -> None:
+        """The step is done: the reduced shards go until the next step's reductions (Note [reduced shard])."""
+        self.acc = self.opt_grad = None
 
     @property
     def unique_range(self) -> slice:
@@ -218,11 +270,11 @@ class MinistageBuffers:
         rng = self.unique_range
         if self.level == 0:
             grad = self.grad[rng].float()
-        elif self.opt_grad is not None:
-            grad = self.opt_grad
+        elif self.across > 1:
+            grad = self.across_grad.float()
         else:
             base = self.inner_range.start
-            grad = self.inner_grad[rng.start - base:rng.stop - base]
+            grad = self.inner_grad[rng.start - base:rng.stop - base].float()
         if self.writes_replicated:
             return grad
         grad = grad.clone()
@@ -233,11 +285,10 @@ class MinistageBuffers:
         return grad
 
     def publish(self) -> None:
-        """Put the stepped master weights where the next gathers read them."""
-        if self.level == 3:
-            self.own_params[self.opt_range_in_inner()].copy_(self.master)
-        else:
-            self.compute[self.opt_range].copy_(self.master)
+        """Put the stepped master weights where the next gathers read them (already there when they are the
+        parameters themselves)."""
+        if not self.master_is_params:
+            self.resident()[self._opt_range_in_resident()].copy_(self.master)
 
     @property
     def param_range(self) -> slice:
@@ -259,20 +310,18 @@ class MinistageBuffers:
         keep, opt = self.param_range, self.opt_range
         if not (rng.start <= keep.start and keep.stop <= rng.stop):
             raise InternalError(f"{rng} does not cover {keep}")
-        self.master.copy_(values[opt.start - rng.start:opt.stop - rng.start])
         kept = values[keep.start - rng.start:keep.stop - rng.start].to(self.dtype)
         target = self.host_params if self.shard.param_offload else self.resident()
         target.copy_(kept)
+        if not self.master_is_params:
+            self.master.copy_(values[opt.start - rng.start:opt.stop - rng.start])
 
     def zero_grads(self) -> None:
         if self.experts is not None:
             self.experts.zero_grads()
         if self.grad.untyped_storage().size():       # ZeRO-3 before its first gather has none
             self.grad.zero_()
-        if self.acc is not None:
-            self.acc.zero_()
-        if self.opt_grad is not None:
-            self.opt_grad.zero_()
+        self.drop_reduced()
 
     # ------------------------------------------------------------ ZeRO-3 residency
 

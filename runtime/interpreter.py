@@ -414,7 +414,7 @@ class Interpreter:
         out = torch.empty(buf.inner_numel, dtype=buf.grad.dtype, device=self.device)
 
         def done() -> None:
-            buf.inner_grad.add_(out.float())
+            buf.accumulate(out)
             buf.reduced()   # the next microbatch accumulates afresh
         self._post(instr, self.comm.reduce_scatter(out, buf.grad, group), done)
 
@@ -460,6 +460,7 @@ class Interpreter:
             optimizer_step(self.model.optimizer, buf.master, grad, buf.opt_state,
                            lr=lr_at(self.train, self.step_idx), step=self.step_idx)
             buf.publish()
+            buf.drop_reduced()
 
     # ------------------------------------------------------------ host offload
 

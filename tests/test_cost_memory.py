@@ -30,15 +30,17 @@ def _static(cm, rank: int = 0) -> tuple[float, float, float]:
     return m.params, m.grads, m.optimizer
 
 
-def _reduced_at_once(cm, level: int, d: float) -> float:
+def _reduced_at_once(cm, level: int, d: float, shard: int = 8) -> float:
     """The full gradient buffers a ZeRO-2/3 rank holds at once beside its shard (Note [gradient buffer
-    release]): its one ministage's at level 2; at level 3, gathering per layer, the two heaviest neighbours'."""
+    release]), each with its reduce-scatter's output (1/`shard` of it, the rank's shard) until the wait: its
+    one ministage's at level 2; at level 3, gathering per layer, the two heaviest neighbours'."""
     if level < 2:
         return 0.0
     layers = [layer_params(cm.model, i) for i in range(cm.model.num_model_layers)]
+    output = 1 + 1 / shard
     if level == 2:
-        return d * sum(layers)
-    return d * max(a + b for a, b in itertools.pairwise(layers))
+        return d * sum(layers) * output
+    return d * max(a + b for a, b in itertools.pairwise(layers)) * output
 
 
 @pytest.mark.parametrize("level", [0, 1, 2, 3])
@@ -73,7 +75,7 @@ def test_hierarchical_zero_shards_inside_the_node(tmp_path):
     inner = cost_model(tmp_path, plan_text(ONE_STAGE.format(level=3, extra="; shard = node")))
     across = cost_model(tmp_path, plan_text(ONE_STAGE.format(level=3, extra="; shard = node; across = 1")))
     phi, d = stage_params(inner.model, range(inner.model.num_model_layers)), 4
-    reduced = _reduced_at_once(inner, 3, d)     # the buffers being reduced, whatever the shard group
+    reduced = _reduced_at_once(inner, 3, d, shard=4)     # the buffers being reduced over the node
     assert _static(inner) == pytest.approx((d * phi / 4, d * phi / 4 + reduced, 2 * d * phi / 4), rel=1e-12)
     assert _static(across) == pytest.approx((d * phi / 4, d * phi / 4 + reduced, 2 * d * phi / 8), rel=1e-12)
     assert len(inner.node_group(0)) == 4 and len(inner.zero_group(0)) == 8

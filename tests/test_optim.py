@@ -185,3 +185,46 @@ def test_sharded_gradients_release_the_full_buffer_once_reduced(level, kept):
     assert buf.grad.untyped_storage().size() == full
     buf.reduced()
     assert (buf.grad.untyped_storage().size() == full) is kept
+
+
+def _buffers(level: int, dtype: torch.dtype, shard: Shard | None = None) -> MinistageBuffers:
+    module = build_ministage(ModelSpec(layers=1, hidden=8, heads=2, ffn=8, vocab=64, seq=4), range(1, 2), seed=0)
+    return MinistageBuffers(module, shard or Shard(ms=1, level=level, group="dp"), GroupPos(0, 2), GroupPos(),
+                            OptimizerSpec(kind=OptimizerKind.ADAMW), dtype, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_the_reduced_shard_is_held_from_the_first_reduction_to_the_step(level):
+    """Note [reduced shard]: no shard before the step's first reduction; that reduction's output is the
+    shard, in the compute dtype, and later ones add to it; the optimizer reads it in fp32; the step drops it."""
+    buf = _buffers(level, torch.bfloat16)
+    assert buf.acc is None
+    first = torch.full((buf.inner_numel,), 0.5, dtype=torch.bfloat16)
+    buf.accumulate(first)
+    assert buf.acc is first
+    buf.accumulate(torch.full((buf.inner_numel,), 0.25, dtype=torch.bfloat16))
+    assert buf.inner_grad is first and first.dtype == torch.bfloat16
+    grad = buf.step_grad()
+    assert grad.dtype == torch.float32
+    torch.testing.assert_close(grad, torch.full((buf.inner_numel,), 0.75))
+    buf.drop_reduced()
+    assert buf.acc is None
+
+
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
+def test_an_fp32_models_master_weights_are_its_parameters(level):
+    """The memory model counts no master copy when the compute dtype is fp32 (docs/costmodel.md): the
+    runtime steps the parameters in place; a bf16 model's master is a copy, published after the step."""
+    buf = _buffers(level, torch.float32)
+    assert buf.master_is_params
+    buf.master.add_(1.0)
+    mine = buf.own_params[buf.opt_range_in_inner()] if level == 3 else buf.compute[buf.opt_range]
+    torch.testing.assert_close(mine, buf.master)
+    half = _buffers(level, torch.bfloat16)
+    assert not half.master_is_params
+    half.master.fill_(2.0)
+    half.publish()
+    mine = half.own_params[half.opt_range_in_inner()] if level == 3 else half.compute[half.opt_range]
+    assert bool((mine == 2.0).all())
+    offloaded = _buffers(level, torch.float32, Shard(ms=1, level=level, group="dp", param_offload=True))
+    assert not offloaded.master_is_params and offloaded.master.data_ptr() != offloaded.host_params.data_ptr()

@@ -8,11 +8,14 @@ import re
 import pytest
 
 from hetc.cli import main
+from hetc.compiler import load_checked
 from hetc.passes.cost import CostModel
+from hetc.passes.lower import lower
+from hetc.passes.validate import check_spec
 from hetc.passes.verify import VerifyError, verify
-from hetc.passes.verify.memory import check_memory, format_bytes, rank_peaks
-from hetc.program import Forward, Load, Recv, Tensor, Wait
-from hetc.spec import ScheduleKind
+from hetc.passes.verify.memory import _Rank, check_memory, format_bytes, group_sizes, rank_peaks
+from hetc.program import Forward, Load, Recv, Step, Tensor, Wait
+from hetc.spec import DType, ScheduleKind
 from tests.conftest import DEMO
 from tests.plans import DEMO_PLANS, TEST_PLANS, TEST_SPECS, compile_plan, plan_id
 
@@ -143,3 +146,57 @@ def test_receive_pieces_are_sized_by_their_shape_and_freed_by_their_consumer():
     smaller = Recv(Tensor.ACT, 0, 2, 0, (2, 31, 64), handle=2)
     later = rank_peaks(lowered.program.replace_rank(2, instrs + (smaller,)), lowered.pipeline, costs)[2]
     assert later.index == peak.index, "the consumed pieces were given back, so a smaller buffer is no new peak"
+
+
+def _bf16(path, schedule=None):
+    """The plan lowered with a bf16 model (the demo's is fp32: the shard's dtype shows apart from the
+    optimizer's), and microbatches of one sample (two a lane where four lanes share the demo's batch of 8)."""
+    loaded, checked = load_checked(path, require_complete=True)
+    spec = checked.spec
+    parallel = spec.parallel if schedule is None else dataclasses.replace(spec.parallel, schedule=schedule)
+    spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, dtype=DType.BF16), parallel=parallel,
+                               train=dataclasses.replace(spec.train, micro_batch=1))
+    checked = check_spec(spec, loaded.path.parent)
+    program = lower(checked.spec, checked.pipeline)
+    return program, checked.pipeline, CostModel(checked.spec, checked.pipeline, checked.topology)
+
+
+def _held_before_step(program, pipeline, costs, rank=0):
+    """What rank `rank` holds as its first `step` runs, by key."""
+    rp = program.ranks[rank]
+    walker = _Rank(rp, pipeline, costs, group_sizes(program.groups))
+    for i, instr in enumerate(rp.instrs):
+        if isinstance(instr, Step):
+            return walker.walk.live
+        walker.run(i, instr)
+    raise AssertionError("no step")
+
+
+@pytest.mark.parametrize("name, schedule", [("zero2", ScheduleKind.GPIPE), ("zero3", ScheduleKind.ONE_F_ONE_B),
+                                            ("zero2", ScheduleKind.ZORSE), ("zero1", None)])
+def test_the_reduced_gradient_shard_is_what_a_rank_holds_at_its_step(name, schedule):
+    """Note [reduced shard] in runtime/buffers.py: what the step's reduce-scatters leave the rank, its 1/N of
+    the ministage's gradients in the compute dtype, is held to the step however many reductions summed it;
+    ZeRO-2/3 hold no full gradients then, ZeRO-1 holds both."""
+    program, pipeline, costs = _bf16(DEMO / f"{name}.het", schedule)
+    assert len(pipeline.lane_of_rank[0].microbatches) == 2
+    live = _held_before_step(program, pipeline, costs)
+    ms = next(i.ms for i in program.ranks[0].instrs if isinstance(i, Step))
+    lanes = len(pipeline.stages[0].lanes)
+    shards = sum(nbytes for key, (part, nbytes) in live.items() if key[0] == "reduced" and key[1] == ms)
+    assert shards == pytest.approx(costs.grad_bytes(ms, 0) / lanes, rel=1e-6)
+    assert (("grads", ms) in live) is (name == "zero1")
+    assert not any(key[0] in ("full grads", "reduced out") for key in live)
+
+
+def test_each_further_reduction_holds_its_output_until_its_wait():
+    """A reduce-scatter after the first of the step writes a shard-sized output of its own, added to the
+    rank's shard when the wait completes: counted from its post to its wait."""
+    program, pipeline, costs = _bf16(DEMO / "zero2.het", ScheduleKind.GPIPE)
+    rp = program.ranks[0]
+    walker = _Rank(rp, pipeline, costs, group_sizes(program.groups))
+    outputs = []
+    for i, instr in enumerate(rp.instrs):
+        walker.run(i, instr)
+        outputs.append(sum(1 for key in walker.walk.live if key[0] == "reduced out"))
+    assert max(outputs) >= 1 and outputs[-1] == 0

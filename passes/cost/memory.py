@@ -86,6 +86,7 @@ class ShardFactors:
     params: float
     grads: float
     optimizer: float
+    reduced: float = 0.0     # the reduced gradient shard ZeRO-1 to 3 hold until the step (Note [reduced shard])
 
 
 def shard_factors(zero: ZeroSpec, group: int, node_group: int | None = None) -> ShardFactors:
@@ -101,6 +102,7 @@ def shard_factors(zero: ZeroSpec, group: int, node_group: int | None = None) -> 
         params=1.0 / shard if level >= 3 else 1.0,
         grads=1.0 / shard if level >= 2 else 1.0,
         optimizer=1.0 / opt_shard if level >= 1 else 1.0,
+        reduced=1.0 / shard if level >= 1 and shard > 1 else 0.0,    # a group of one reduces nothing
     )
 
 
@@ -237,14 +239,15 @@ class StatesHeld:
 def reduced_at_once(held: StatesHeld) -> float:
     """ZeRO-2/3's full gradient buffers on the device at once (Note [gradient buffer release] in
     passes/lower/zero.py): the buffer being filled and the one before it, whose reduce-scatter the rank waits
-    for after the next op; per unit where the stage gathers per block, else per ministage (0 where the
-    gradients are not sharded)."""
+    for after the next op, each with its reduce-scatter's output (its shard, 1/N of it) until that wait; per
+    unit where the stage gathers per block, else per ministage (0 where the gradients are not sharded)."""
     if held.shard.grads >= 1.0:
         return 0.0
+    with_output = 1.0 + held.shard.grads
     if not held.unit_params:
-        return gathered_at_once(held.grads, 1)
+        return gathered_at_once(held.grads, 1) * with_output
     per_param = sum(held.grads) / sum(held.params) if sum(held.params) else 1.0
-    return gathered_at_once([u * per_param for u in held.unit_params], 1)
+    return gathered_at_once([u * per_param for u in held.unit_params], 1) * with_output
 
 
 def gathered_at_once(units: Sequence[float], prefetch: int) -> float:
@@ -263,6 +266,7 @@ class StateMemory:
     optimizer: float
     buffers: float
     host: float
+    after_backward: float = 0.0   # held only once the backward is done: ZeRO-1's reduced gradient shard
 
 
 def state_memory(held: StatesHeld, offload: OffloadSpec, schedule: ScheduleKind, grad_clip: float,
@@ -280,7 +284,11 @@ def state_memory(held: StatesHeld, offload: OffloadSpec, schedule: ScheduleKind,
     sharded_grads = sum(held.grads) * held.shard.grads
     buffers = transfer_buffers(held.held_boundary, sharded_grads, held.lanes, held.grad_bytes_per_param) + gather
     host = (params * held.shard.params if off_params else 0.0) + (held.optimizer_kept if off_opt else 0.0)
-    return StateMemory(resident * held.shard.params, grads, 0.0 if off_opt else held.optimizer_kept, buffers, host)
+    # ZeRO-1 reduces once, after the last backward: its shard (in the compute dtype) comes when no activations
+    # are held, and beside the full gradients it was reduced from (Note [reduced shard] in runtime/buffers.py)
+    after = sum(held.grads) * held.shard.reduced if held.shard.grads >= 1.0 else 0.0
+    return StateMemory(resident * held.shard.params, grads, 0.0 if off_opt else held.optimizer_kept, buffers, host,
+                       after)
 
 
 def activation_memory(schedule: ScheduleKind, stage: int, num_stages: int, microbatches: int,
@@ -397,10 +405,12 @@ def rank_headroom(gpu: Gpu, states: StateMemory, activations: tuple[float, float
 
 def _at_peak(states: StateMemory, activations: tuple[float, float],
              zorse_peak: tuple[float, float] | None) -> tuple[float, float]:
-    """(gradients, activations) on the device at the rank's peak."""
-    if zorse_peak is None:
-        return states.grads, activations[0]
-    return zorse_peak[1], zorse_peak[0]
+    """(gradients, activations) on the device at the rank's peak: in its backward, or after it where ZeRO-1's
+    reduced shard outweighs the activations held in it."""
+    grads, held = (states.grads, activations[0]) if zorse_peak is None else (zorse_peak[1], zorse_peak[0])
+    if states.after_backward > held:
+        return grads + states.after_backward, 0.0
+    return grads, held
 
 
 def _total(params: float, grads: float, optimizer: float, activations: float, buffers: float,

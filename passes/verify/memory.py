@@ -9,7 +9,13 @@ from the cost model (`CostModel.param_bytes`, `grad_bytes`,
   `param_offload` / `opt_offload`), and the rank's reserve;
 - parameters of an offloaded ministage from its `prefetch` to the end of its
   `offload` (completed at its wait);
-- gradients from the ministage's first weight-gradient op to its `step`;
+- at ZeRO-0 and 1, the full gradients from the ministage's first
+  weight-gradient op to its `step`;
+- at ZeRO-1 to 3, the reduced shard of each buffer (1/N of it) from the
+  step's first reduce-scatter over its shard group to the `step`, each
+  further reduction's output from its post to its wait (runtime/buffers.py,
+  Note [reduced shard]); and the optimizer shard's gradients reduced across
+  shard groups (`across = 1`) from that reduce-scatter to the `step`;
 - under ZeRO-2 and 3, also the full gradient buffer (compute dtype) of a
   ministage, or of a ZeRO-3 unit, from each weight-gradient op (`bwd`,
   `bwd_w`: the runtime's `ready_grads`) to the wait of the reduce-scatter
@@ -106,7 +112,8 @@ def _factors(shard: Shard, group_size: dict[str, int]) -> _Factors:
     inner = group_size.get(shard.group, 1) if shard.group else 1
     everyone = inner * (group_size.get(shard.outer, 1) if shard.outer else 1)
     optimizer = (1 / everyone if shard.outer_level >= 1 else 1 / inner) if shard.level >= 1 else 1.0
-    return _Factors(1 / inner if shard.level >= 3 else 1.0, 1 / inner if shard.level >= 2 else 1.0, optimizer)
+    # grads: the full buffer a rank keeps through the step (ZeRO-2/3 keep only reduced shards, counted apart)
+    return _Factors(1 / inner if shard.level >= 3 else 1.0, 1.0 if shard.level < 2 else 0.0, optimizer)
 
 
 def _ministage_factors(shard: Shard, group_size: dict[str, int], sizes: Sizes, rank: int) -> _Factors:
@@ -128,7 +135,7 @@ class _Walk:
     used: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
     live: dict[_Key, tuple[str, float]] = field(default_factory=dict)   # key -> (part, bytes)
     gathers: dict[tuple[int, Unit | None], int] = field(default_factory=dict)  # (ms, unit) -> holders
-    pending: dict[int, _Key] = field(default_factory=dict)             # handle -> key released on completion
+    pending: dict[int, list[_Key]] = field(default_factory=dict)       # handle -> keys released on completion
     total: float = 0.0
     peak: Peak | None = None
     first_over: int | None = None
@@ -184,8 +191,12 @@ class _Rank:
         self.grads_full = {ms: sizes.grad_bytes(ms, r) for ms in own}
         self.optimizer = {ms: sizes.optimizer_bytes(ms, r) * factors[ms].optimizer for ms in own}
         self.activations = {ms: sizes.activation_bytes(ms, r) for ms in own}
-        self.reduced = {ms: _reduced_buffers(self.shards[ms], sizes.expert_fraction(ms, r)) for ms in own
+        self.sharded = {ms: _sharded_parts(self.shards[ms], sizes.expert_fraction(ms, r)) for ms in own
                         if ms in self.shards}
+        # the buffers whose full gradients exist from a backward to their reduce-scatter (ZeRO-2/3)
+        self.reduced = {ms: {group: share for group, (share, part) in parts.items() if part.level >= 2}
+                        for ms, parts in self.sharded.items()}
+        self.group_size = group_size
         # the boundary input of each own ministage, as this rank holds it (its share of the tokens)
         cp = self.pipeline.stages[self.rp.stage].cp
         self.stash_input = {ms: sizes.boundary_bytes(ms - 1) / cp if ms > 0 else 0.0 for ms in own}
@@ -254,13 +265,38 @@ class _Rank:
             self.walk.take(("full grads", instr.ms, instr.unit, group), "grads", full * share)
 
     def reduce_scatter(self, i: int, instr: ReduceScatter) -> None:
-        key = ("full grads", instr.ms, instr.unit, split_direction(instr.group)[0])
+        group = split_direction(instr.group)[0]
+        full_grads: _Key = ("full grads", instr.ms, instr.unit, group)
+        released = [full_grads] if full_grads in self.walk.live else []
+        released += self._reduced_shard(i, instr, group)
         self.walk.observe(i)
-        if key in self.walk.live:
-            if instr.handle is None:
+        if instr.handle is None:
+            for key in released:
                 self.walk.give(key)
-            else:
-                self.walk.pending[instr.handle] = key
+        elif released:
+            self.walk.pending[instr.handle] = released
+
+    def _reduced_shard(self, i: int, instr: ReduceScatter, group: str) -> list[_Key]:
+        """Take what a reduce-scatter's output holds until the step (Note [reduced shard] in
+        runtime/buffers.py); the keys to give back when it completes (a further reduction's output)."""
+        parts = self.sharded.get(instr.ms, {})
+        full = self.grads_full.get(instr.ms, 0.0) if instr.unit is None else \
+            self.sizes.unit_grad_bytes(instr.unit, self.rp.rank)
+        if group in parts:                       # over the shard group: into `acc`
+            shard = full * parts[group][0] / self.group_size.get(group, 1)
+            key: _Key = ("reduced", instr.ms, instr.unit, group)
+            if key not in self.walk.live:
+                self.walk.take(key, "grads", shard)
+                return []
+            out = ("reduced out", instr.ms, instr.unit, group, i)    # a further one's output, until added
+            self.walk.take(out, "grads", shard)
+            return [out]
+        for share, part in parts.values():       # across shard groups: the optimizer's slice of `acc`
+            if part.outer == group and part.outer_level == 1:
+                inner = self.group_size.get(part.group or "", 1)
+                self.walk.take(("reduced", instr.ms, instr.unit, group), "grads",
+                               full * share / (inner * self.group_size.get(group, 1)))
+        return []
 
     def recv(self, i: int, instr: Recv) -> None:
         key = ("recv", instr.what, instr.ms, instr.mb, instr.seq)
@@ -303,17 +339,19 @@ class _Rank:
         if instr.handle is None:
             self.walk.give(key)
         else:
-            self.walk.pending[instr.handle] = key
+            self.walk.pending[instr.handle] = [key]
         self.walk.observe(i)
 
     def wait(self, i: int, instr: Wait) -> None:
         self.walk.observe(i)
-        if instr.handle in self.walk.pending:
-            self.walk.give(self.walk.pending.pop(instr.handle))
+        for key in self.walk.pending.pop(instr.handle, []):
+            self.walk.give(key)
 
     def step(self, i: int, instr: Step) -> None:
         self.walk.observe(i)
         self.walk.give(("grads", instr.ms))
+        for key in [k for k in self.walk.live if k[0] == "reduced" and k[1] == instr.ms]:
+            self.walk.give(key)
 
 
 # one handler per instruction class, each taking its own class (so the table's value type is loose)
@@ -325,13 +363,14 @@ _HANDLERS: dict[type[Instr], Callable[..., None]] = {
 }
 
 
-def _reduced_buffers(shard: Shard, expert_fraction: float) -> dict[str, float]:
-    """The ministage's buffers whose full gradients the runtime allocates for a backward and frees once
-    reduce-scattered (ZeRO-2 and 3 over a group): shard group -> its share of the ministage's gradients."""
+def _sharded_parts(shard: Shard, expert_fraction: float) -> dict[str, tuple[float, Shard]]:
+    """The ministage's buffers sharded at ZeRO-1 to 3 over a group: shard group -> (its share of the
+    ministage's gradients, its shard line)."""
     parts = [(shard, 1.0 - expert_fraction if shard.experts is not None else 1.0)]
     if shard.experts is not None:
         parts.append((shard.experts, expert_fraction))
-    return {part.group: share for part, share in parts if part.group is not None and part.level >= 2 and share > 0}
+    return {part.group: (share, part) for part, share in parts
+            if part.group is not None and part.level >= 1 and share > 0}
 
 
 def _walk(rp: RankProgram, pipeline: Pipeline, sizes: Sizes, group_size: dict[str, int], record: bool) -> _Walk:
