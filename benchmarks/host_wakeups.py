@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.markdown import publish
-from benchmarks.runtime_prediction import cpu_times, steal_share
+from hetc.runtime.host_load import cpu_times, steal_share
 
 HEADING = "## Host wake-ups"
 RANKS = 4

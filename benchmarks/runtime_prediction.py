@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.markdown import publish
 from hetc.viz.classgap import class_gaps, measured_from_metrics, worst_gap
+from hetc.runtime.host_load import cpu_times, steal_share
 from hetc.timeline import Timeline, mean_class_times
 
 DEMO = ROOT / "specs" / "demo"
@@ -190,23 +191,6 @@ class Conditions:
     waits: dict[str, tuple[float, float]]      # job -> (collective, message) wait for a core, seconds
     minutes: float
     steal: float | None = None                 # the share of the run's CPU time the hypervisor took (None: unknown)
-
-
-def cpu_times() -> list[int] | None:
-    """The machine's CPU time so far by state (/proc/stat's `cpu` line, in ticks); None where there is none."""
-    try:
-        return [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def steal_share(before: list[int] | None, after: list[int] | None) -> float | None:
-    """The share of the CPUs' time between two `cpu_times` that a hypervisor gave to other machines (steal,
-    the 8th field): the machine's virtual cores waiting for real ones, which no profile taken before can know."""
-    if before is None or after is None or len(before) < 8 or len(after) < 8:
-        return None
-    total = sum(after[:8]) - sum(before[:8])
-    return (after[7] - before[7]) / total if total > 0 else None
 
 
 def core_waits(profile_file: Path) -> tuple[float, float] | None:

@@ -64,3 +64,19 @@ def test_a_loaded_machine_is_named_in_a_warning(monkeypatch, capsys):
     assert capsys.readouterr().err == ""
     profile._warn_if_loaded(1e6)
     assert "load average reached 1000000.0" in capsys.readouterr().err
+
+
+def test_a_host_that_took_the_cpus_is_named_in_a_warning(capsys):
+    """Steal time (runtime/host_load.py): the share of the CPUs' time between two /proc/stat samples that
+    the hypervisor gave to other machines, and `hetc profile` warns above 5 %."""
+    from hetc.commands import profile
+    from hetc.runtime.host_load import steal_share
+
+    before = [100, 0, 50, 800, 0, 0, 0, 50, 0, 0]
+    after = [300, 0, 100, 900, 0, 0, 0, 150, 0, 0]    # 450 ticks passed, 100 of them stolen
+    assert steal_share(before, after) == pytest.approx(100 / 450)
+    assert steal_share(None, after) is None and steal_share(before, before) is None
+    profile._warn_if_stolen(0.01)
+    assert capsys.readouterr().err == ""
+    profile._warn_if_stolen(steal_share(before, after))
+    assert "the host took 22% of this virtual machine's CPU time" in capsys.readouterr().err

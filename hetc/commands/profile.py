@@ -21,6 +21,7 @@ from pathlib import Path
 from hetc.commands import Subparsers
 from hetc.errors import UsageError
 from hetc.passes.cost.params import block_params
+from hetc.runtime.host_load import cpu_times, steal_share
 from hetc.spec import Arch, DType, ModelSpec, Spec
 
 __all__ = ["ranks_at_once", "register", "run"]
@@ -138,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--ranks-at-once must be at least 1, got {args.ranks_at_once}")
     progress = _Progress()
     progress("starting")
-    load_before = os.getloadavg()[0]
+    load_before, ticks_before = os.getloadavg()[0], cpu_times()
     import torch
 
     from hetc.passes.cost.sources.devices import catalog_name
@@ -186,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
     })
     progress.done(out)
     _warn_if_loaded(load_before)
+    _warn_if_stolen(steal_share(ticks_before, cpu_times()))
     return 0
 
 
@@ -197,3 +199,16 @@ def _warn_if_loaded(load_before: float) -> None:
         print(f"hetc profile: warning: the machine's load average reached {load:.1f} on {cores} cores while it "
               "was measured; other work is in the measured slowdown and waits: profile again when the machine "
               "is as loaded as when it will run", file=sys.stderr)
+
+
+# Above this share of the CPU time taken by the hypervisor (runtime/host_load.py), measurements on a virtual
+# machine moved by more than the cost model's tolerances from one run to the next (docs/costmodel.md).
+STEAL_WARNING = 0.05
+
+
+def _warn_if_stolen(steal: float | None) -> None:
+    """The host ran other machines on this one's cores while it was measured: what it timed varies with them."""
+    if steal is not None and steal > STEAL_WARNING:
+        print(f"hetc profile: warning: the host took {steal:.0%} of this virtual machine's CPU time while it was "
+              "measured (steal time); the times include other machines' work and change with it: profile again "
+              "when the host is quieter, or on a machine of its own", file=sys.stderr)
