@@ -193,10 +193,8 @@ class _Rank:
         self.activations = {ms: sizes.activation_bytes(ms, r) for ms in own}
         self.sharded = {ms: _sharded_parts(self.shards[ms], sizes.expert_fraction(ms, r)) for ms in own
                         if ms in self.shards}
-        # the buffers whose full gradients exist from a backward to their reduce-scatter (ZeRO-2/3)
-        self.reduced = {ms: {group: share for group, (share, part) in parts.items() if part.level >= 2}
-                        for ms, parts in self.sharded.items()}
         self.group_size = group_size
+        self.shards_held: dict[int, list[_Key]] = {}     # ms -> its reduced shards, given back at its step
         # the boundary input of each own ministage, as this rank holds it (its share of the tokens)
         cp = self.pipeline.stages[self.rp.stage].cp
         self.stash_input = {ms: sizes.boundary_bytes(ms - 1) / cp if ms > 0 else 0.0 for ms in own}
@@ -259,10 +257,15 @@ class _Rank:
 
     def _ready_grads(self, instr: ComputeInstr) -> None:
         """A gradient op's full gradient buffers under ZeRO-2/3, until their reduce-scatters complete."""
-        for group, share in self.reduced.get(instr.ms, {}).items():
-            full = self.grads_full[instr.ms] if instr.unit is None else \
-                self.sizes.unit_grad_bytes(instr.unit, self.rp.rank)
-            self.walk.take(("full grads", instr.ms, instr.unit, group), "grads", full * share)
+        for group, (share, part) in self.sharded.get(instr.ms, {}).items():
+            if part.level < 2:      # ZeRO-1 keeps its full gradients: counted as "grads"
+                continue
+            self.walk.take(("full grads", instr.ms, instr.unit, group), "grads",
+                           self._buffer_grads(instr.ms, instr.unit) * share)
+
+    def _buffer_grads(self, ms: int, unit: Unit | None) -> float:
+        """The full gradients of a ministage's buffer, or of one of its ZeRO-3 units'."""
+        return self.grads_full[ms] if unit is None else self.sizes.unit_grad_bytes(unit, self.rp.rank)
 
     def reduce_scatter(self, i: int, instr: ReduceScatter) -> None:
         group = split_direction(instr.group)[0]
@@ -280,13 +283,14 @@ class _Rank:
         """Take what a reduce-scatter's output holds until the step (Note [reduced shard] in
         runtime/buffers.py); the keys to give back when it completes (a further reduction's output)."""
         parts = self.sharded.get(instr.ms, {})
-        full = self.grads_full.get(instr.ms, 0.0) if instr.unit is None else \
-            self.sizes.unit_grad_bytes(instr.unit, self.rp.rank)
+        if not parts:
+            return []
+        full = self._buffer_grads(instr.ms, instr.unit)
         if group in parts:                       # over the shard group: into `acc`
             shard = full * parts[group][0] / self.group_size.get(group, 1)
             key: _Key = ("reduced", instr.ms, instr.unit, group)
             if key not in self.walk.live:
-                self.walk.take(key, "grads", shard)
+                self._hold_shard(instr.ms, key, shard)
                 return []
             out = ("reduced out", instr.ms, instr.unit, group, i)    # a further one's output, until added
             self.walk.take(out, "grads", shard)
@@ -294,9 +298,13 @@ class _Rank:
         for share, part in parts.values():       # across shard groups: the optimizer's slice of `acc`
             if part.outer == group and part.outer_level == 1:
                 inner = self.group_size.get(part.group or "", 1)
-                self.walk.take(("reduced", instr.ms, instr.unit, group), "grads",
-                               full * share / (inner * self.group_size.get(group, 1)))
+                self._hold_shard(instr.ms, ("reduced", instr.ms, instr.unit, group),
+                                 full * share / (inner * self.group_size.get(group, 1)))
         return []
+
+    def _hold_shard(self, ms: int, key: _Key, nbytes: float) -> None:
+        self.walk.take(key, "grads", nbytes)
+        self.shards_held.setdefault(ms, []).append(key)
 
     def recv(self, i: int, instr: Recv) -> None:
         key = ("recv", instr.what, instr.ms, instr.mb, instr.seq)
@@ -350,7 +358,7 @@ class _Rank:
     def step(self, i: int, instr: Step) -> None:
         self.walk.observe(i)
         self.walk.give(("grads", instr.ms))
-        for key in [k for k in self.walk.live if k[0] == "reduced" and k[1] == instr.ms]:
+        for key in self.shards_held.pop(instr.ms, []):
             self.walk.give(key)
 
 
