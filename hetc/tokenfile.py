@@ -1,12 +1,16 @@
 """Token files: the layouts `data tokens` reads and `hetc data prepare` writes (torch-free).
 
 Note [Token file layouts]
-Every layout is, to hetc, one stream of token ids read through a numpy
-memmap (never whole in memory); sequence windows are cut from the stream
+Every layout is, to hetc, one stream of token ids read a window at a time
+(never whole in memory; Note [reading a file that may shrink] in
+hetc/tokenstream.py); sequence windows are cut from the stream
 (runtime/data.py).
 
 - raw (nanoGPT): the file is nothing but the ids, little-endian uint16 or
-  uint32; `dtype` in the spec says which.
+  uint32; `dtype` in the spec says which, or a sidecar FILE.json beside it
+  (the hetc header's JSON object, see below) does; where both do, they must
+  agree. Without a sidecar the ids are checked against the dtype
+  (Note [raw ids that contradict their dtype]).
 - hetc (`hetc data prepare`): the raw ids after a header. The file starts
   with the magic b"HETCTOK\\x00", a little-endian uint32 giving the byte
   offset of the first id (4096 as written), then a UTF-8 JSON object padded
@@ -25,7 +29,21 @@ memmap (never whole in memory); sequence windows are cut from the stream
   reads codes 8 and 4 (Megatron writes int32 once the vocabulary passes
   65500; it is `dtype = uint32` here) and concatenates the sequences in file
   order, so the stream is the .bin itself; sequences that do not lie back to
-  back are an error.
+  back are an error. `hetc data prepare --megatron` also writes the sidecar
+  PREFIX.bin.json, which records the vocabulary and tokenizer (as a hetc
+  header does).
+
+Note [raw ids that contradict their dtype]
+A raw file says nothing of its width, and a wrong `dtype` reads without
+error: uint32 ids read as uint16 give a stream in which every other id is 0
+(finding 8 of issue 28); uint16 ids read as uint32 give ids far beyond any
+vocabulary. So a raw file without a sidecar must have a size that is a
+whole number of ids; read as uint16, its first ids must not be 0 at every
+odd position while the even ones are not (how small little-endian uint32
+ids look as uint16: no real text has id 0 every other token); and a
+sample of its ids (the first, middle and last `SAMPLE_IDS`, so a file of
+any size is checked in milliseconds) must lie below the model's vocabulary
+(`check_vocab`, also applied to files with a header).
 """
 
 from __future__ import annotations
@@ -33,6 +51,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -40,24 +59,29 @@ from typing import BinaryIO
 
 import numpy as np
 
-from hetc.jsontypes import JsonObject
+from hetc.jsontypes import JsonObject, RawJson
 from hetc.spec import TokenDType
+from hetc.tokenstream import TokenStream
 
 __all__ = [
     "HETC_MAGIC",
     "HETC_OFFSET",
     "MEGATRON_MAGIC",
+    "SAMPLE_IDS",
     "Layout",
     "TokenFile",
     "TokenFileError",
+    "check_vocab",
     "dtype_for_vocab",
     "fits",
     "inspect_tokens",
     "looks_binary",
     "open_tokens",
+    "sidecar_path",
     "tokenizer_digest",
     "write_hetc_header",
     "write_megatron_index",
+    "write_sidecar",
 ]
 
 HETC_MAGIC = b"HETCTOK\x00"
@@ -67,10 +91,19 @@ _MEGATRON_CODES = {8: "uint16", 4: "int32"}
 _CODE_NAMES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 6: "float64", 7: "float32",
                8: "uint16"}
 _WIDTH = {TokenDType.UINT16: "uint16", TokenDType.UINT32: "uint32"}
+SAMPLE_IDS = 1 << 16        # ids read from each of the start, middle and end (Note [raw ids that contradict ...])
+_MIN_PAIRS = 16             # uint16 pairs needed before "every odd id is 0" says anything
 
 
 class TokenFileError(ValueError):
-    """A token file hetc cannot read as its spec says; the message is for the user."""
+    """A token file hetc cannot read as its spec says; the message is for the user.
+
+    `field`: the key of the data block the message is about (`dtype` or `path`), where it is located.
+    """
+
+    def __init__(self, message: str, field: str = "path") -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class Layout(StrEnum):
@@ -138,23 +171,102 @@ def inspect_tokens(path: Path, dtype: TokenDType | None) -> TokenFile:
         head = f.read(len(HETC_MAGIC))
     if head == HETC_MAGIC:
         return _inspect_hetc(path, dtype)
+    return _inspect_raw(path, dtype)
+
+
+def open_tokens(tf: TokenFile) -> TokenStream:
+    """The file's ids, read a window at a time (Note [reading a file that may shrink])."""
+    return TokenStream.of_file(tf.data, tf.dtype, tf.offset, tf.num_tokens)
+
+
+def check_vocab(tf: TokenFile, vocab: int) -> None:
+    """TokenFileError when a sample of the file's ids (Note [raw ids that contradict their dtype]) holds one
+    that is not below `vocab`."""
+    for first, ids in _samples(tf):
+        beyond = np.flatnonzero(ids >= vocab)
+        if beyond.size == 0:
+            continue
+        at, value = first + int(beyond[0]), int(ids[beyond[0]])
+        message = f"'{tf.data}' holds the id {value} at token {at}, outside the model's vocab = {vocab}"
+        if tf.layout is Layout.RAW and tf.dtype == "uint32" and value > 0xFFFF:
+            raise TokenFileError(f"{message}; uint16 ids read as uint32 look like this: is it dtype = uint16?",
+                                 field="dtype")
+        raise TokenFileError(message)
+
+
+def _samples(tf: TokenFile) -> Iterator[tuple[int, np.ndarray]]:
+    """(index of the first, ids) of the start, the middle and the end of the file, at most SAMPLE_IDS each."""
+    ids = open_tokens(tf)
+    starts = sorted({0, max(0, (tf.num_tokens - SAMPLE_IDS) // 2), max(0, tf.num_tokens - SAMPLE_IDS)})
+    for start in starts:
+        yield start, np.asarray(ids[start:start + SAMPLE_IDS])
+
+
+# ---------------------------------------------------------------- raw ids and their sidecar
+
+
+def sidecar_path(data: Path) -> Path:
+    """Where the sidecar of the ids in `data` is: FILE.json beside it."""
+    return data.with_name(data.name + ".json")
+
+
+def write_sidecar(data: Path, header: JsonObject) -> None:
+    """What a hetc header records, for a file of ids without one (a Megatron .bin, raw ids)."""
+    sidecar_path(data).write_text(json.dumps({"format": "hetc-tokens", "version": 1, **header},
+                                             sort_keys=True, indent=1) + "\n")
+
+
+def _read_sidecar(data: Path) -> dict[str, RawJson] | None:
+    """The sidecar of `data` (None: it has none); TokenFileError when it is not one."""
+    path = sidecar_path(data)
+    if not path.is_file():
+        return None
+    try:
+        header: dict[str, RawJson] = json.loads(path.read_text())
+        TokenDType(header["dtype"])
+        int(header["vocab"]), int(header["tokens"])
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
+        raise TokenFileError(f"'{path}' is not the sidecar of a token file ({type(err).__name__}: {err})") from None
+    return header
+
+
+def _inspect_raw(path: Path, dtype: TokenDType | None) -> TokenFile:
+    sidecar = _read_sidecar(path)
+    if sidecar is None:
+        return _inspect_bare(path, dtype)
+    stored = TokenDType(sidecar["dtype"])
+    if dtype is not None and dtype is not stored:
+        raise TokenFileError(f"dtype = {dtype.value}, but '{sidecar_path(path)}' says the ids of '{path}' are "
+                             f"{stored.value}", field="dtype")
+    count, width = int(sidecar["tokens"]), np.dtype(_WIDTH[stored]).itemsize
+    if path.stat().st_size != count * width:
+        raise TokenFileError(f"'{sidecar_path(path)}' says '{path}' holds {count} {stored.value} ids "
+                             f"({count * width} bytes), but it has {path.stat().st_size} bytes")
+    return TokenFile(Layout.RAW, path, 0, _WIDTH[stored], count, int(sidecar["vocab"]), sidecar.get("tokenizer"),
+                     tokenizer_sha256=sidecar.get("tokenizer_sha256"))
+
+
+def _inspect_bare(path: Path, dtype: TokenDType | None) -> TokenFile:
+    """Raw ids with nothing to say their width but the spec (Note [raw ids that contradict their dtype])."""
     if dtype is None:
         raise TokenFileError(f"'{path}' has no header, so it is read as raw ids (nanoGPT's layout): "
                              "say how wide they are with dtype = uint16 or uint32")
     width = np.dtype(_WIDTH[dtype]).itemsize
     size = path.stat().st_size
     if size % width:
-        raise TokenFileError(f"'{path}' has {size} bytes, not a whole number of {dtype.value} ids")
-    return TokenFile(Layout.RAW, path, 0, _WIDTH[dtype], size // width)
+        raise TokenFileError(f"'{path}' has {size} bytes, not a whole number of {dtype.value} ids", field="dtype")
+    tf = TokenFile(Layout.RAW, path, 0, _WIDTH[dtype], size // width)
+    if dtype is TokenDType.UINT16 and _looks_like_uint32(np.asarray(open_tokens(tf)[:SAMPLE_IDS])):
+        raise TokenFileError(f"'{path}' read as uint16 has the id 0 at every odd position of its first ids and "
+                             "others between them: that is how uint32 ids look as uint16; is it dtype = uint32?",
+                             field="dtype")
+    return tf
 
 
-def open_tokens(tf: TokenFile) -> np.ndarray:
-    """The file's ids as a read-only memmap (the OS pages them in as windows are read)."""
-    if tf.num_tokens == 0:
-        return np.zeros(0, dtype=tf.dtype)
-    if tf.layout is Layout.MEGATRON:
-        _check_contiguous(tf)
-    return np.memmap(tf.data, dtype=tf.dtype, mode="r", offset=tf.offset, shape=(tf.num_tokens,))
+def _looks_like_uint32(ids: np.ndarray) -> bool:
+    """Whether uint16 `ids` are little-endian uint32 ids below 65536: every high half 0, the low ones not."""
+    pairs = ids[:len(ids) // 2 * 2].reshape(-1, 2)
+    return len(pairs) >= _MIN_PAIRS and not pairs[:, 1].any() and bool(pairs[:, 0].any())
 
 
 # ---------------------------------------------------------------- hetc header
@@ -183,7 +295,7 @@ def _inspect_hetc(path: Path, dtype: TokenDType | None) -> TokenFile:
         raise TokenFileError(f"'{path}' has a broken hetc token header ({err})") from None
     if dtype is not None and dtype is not stored:
         raise TokenFileError(f"dtype = {dtype.value}, but the header of '{path}' says its ids are "
-                             f"{stored.value}")
+                             f"{stored.value}", field="dtype")
     width = np.dtype(_WIDTH[stored]).itemsize
     if path.stat().st_size != offset + count * width:
         raise TokenFileError(f"'{path}' should hold {count} {stored.value} ids after its header "
@@ -223,40 +335,58 @@ def _inspect_megatron(prefix: Path, dtype: TokenDType | None) -> TokenFile:
         raise TokenFileError(f"'{idx}' stores {_CODE_NAMES.get(code, f'code {code}')} ids; hetc reads uint16 "
                              "(code 8) and int32 (code 4)")
     if dtype is not None and _WIDTH[dtype] != stored.replace("int32", "uint32"):
-        raise TokenFileError(f"dtype = {dtype.value}, but '{idx}' says its ids are {stored}")
-    width = np.dtype(stored).itemsize
-    size = bin_.stat().st_size
-    if size % width:
-        raise TokenFileError(f"'{bin_}' has {size} bytes, not a whole number of {stored} ids")
+        raise TokenFileError(f"dtype = {dtype.value}, but '{idx}' says its ids are {stored}", field="dtype")
     need = len(head) + sequences * (4 + 8) + documents * 8
     if idx.stat().st_size < need:
         raise TokenFileError(f"'{idx}' lists {sequences} sequences and {documents} document indices "
                              f"({need} bytes) but has {idx.stat().st_size} bytes")
-    return TokenFile(Layout.MEGATRON, bin_, 0, stored, size // width, index=idx)
+    width = np.dtype(stored).itemsize
+    size = bin_.stat().st_size
+    if size % width:
+        raise TokenFileError(f"'{bin_}' has {size} bytes, not a whole number of {stored} ids")
+    _check_contiguous(idx, bin_, width, sequences)
+    sidecar = _read_sidecar(bin_) or {}
+    if sidecar and sidecar["dtype"] != stored.replace("int32", "uint32"):
+        raise TokenFileError(f"'{sidecar_path(bin_)}' says the ids of '{bin_}' are {sidecar['dtype']}, but "
+                             f"'{idx}' says {stored}: are they of two different datasets?")
+    vocab = int(sidecar["vocab"]) if sidecar else None
+    return TokenFile(Layout.MEGATRON, bin_, 0, stored, size // width, vocab, sidecar.get("tokenizer"), index=idx,
+                     tokenizer_sha256=sidecar.get("tokenizer_sha256"))
 
 
 def _megatron_arrays(idx: Path, sequences: int) -> tuple[np.ndarray, np.ndarray]:
     start = len(MEGATRON_MAGIC) + 25
-    lengths = np.memmap(idx, dtype="<i4", mode="r", offset=start, shape=(sequences,))
-    pointers = np.memmap(idx, dtype="<i8", mode="r", offset=start + 4 * sequences, shape=(sequences,))
+    lengths = np.fromfile(idx, dtype="<i4", offset=start, count=sequences)
+    pointers = np.fromfile(idx, dtype="<i8", offset=start + 4 * sequences, count=sequences)
     return lengths, pointers
 
 
-def _check_contiguous(tf: TokenFile) -> None:
-    """The sequences must lie back to back from byte 0 and fill the .bin (Note [Token file layouts])."""
-    assert tf.index is not None, "a Megatron TokenFile names its index"
-    with open(tf.index, "rb") as f:
-        f.seek(len(MEGATRON_MAGIC) + 9)
-        (sequences,) = struct.unpack("<Q", f.read(8))
+def _check_contiguous(idx: Path, bin_: Path, width: int, sequences: int) -> None:
+    """The sequences must lie back to back from byte 0 and fill the .bin (Note [Token file layouts]); the
+    message says where they first do not."""
+    lengths, pointers = _megatron_arrays(idx, sequences)
+    if (lengths < 0).any():
+        first = int(np.flatnonzero(lengths < 0)[0])
+        raise TokenFileError(f"sequence {first} of '{idx}' has the length {int(lengths[first])}: is the index "
+                             "broken?")
+    ends = np.cumsum(lengths, dtype=np.int64) * width
+    total = int(ends[-1]) if sequences else 0
+    size = bin_.stat().st_size
+    if total != size:
+        why = "was it cut short?" if size < total else "is the index of another .bin?"
+        raise TokenFileError(f"'{idx}' says its {sequences} sequences hold {total // width} ids ({total} "
+                             f"bytes), but '{bin_}' has {size} bytes: {why}")
     if sequences == 0:
         return
-    lengths, pointers = _megatron_arrays(tf.index, sequences)
-    width = np.dtype(tf.dtype).itemsize
-    ends = np.cumsum(lengths, dtype=np.int64) * width
-    starts_ok = pointers[0] == 0 and np.array_equal(pointers[1:], ends[:-1])
-    if not starts_ok or int(ends[-1]) != tf.num_tokens * width:
-        raise TokenFileError(f"the sequences of '{tf.index}' do not lie back to back in '{tf.data}'; hetc "
-                             "reads a Megatron dataset as one stream of ids")
+    starts = np.concatenate([np.zeros(1, dtype=np.int64), ends[:-1]])
+    moved = np.flatnonzero(pointers != starts)
+    if moved.size:
+        i = int(moved[0])
+        after = f"sequence {i - 1} ends at byte {int(starts[i])}" if i else "the file starts at byte 0"
+        raise TokenFileError(f"sequence {i} of '{idx}' starts at byte {int(pointers[i])} of '{bin_}', but {after}: "
+                             "the sequences do not lie back to back, and hetc reads a Megatron dataset as one "
+                             "stream of ids (Megatron's preprocess_data.py and `hetc data prepare --megatron` "
+                             "write them so)")
 
 
 def write_megatron_index(idx: Path, dtype: TokenDType, doc_lengths: list[int]) -> None:

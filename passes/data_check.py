@@ -3,8 +3,11 @@
 Part of the validation pass (passes/validate.py). A text file must be text,
 a token file must be readable as its block says (hetc/tokenfile.py), its
 ids must fit the model's vocabulary, and evaluation must have data to read.
-Files are looked at only when the spec's directory is known (`base_dir`),
-and only their headers are read.
+Files are looked at only when the spec's directory is known (`base_dir`):
+their headers (a Megatron index whole), and a bounded sample of the ids of
+a token file, which must fit both its `dtype` and the model's vocabulary
+(Note [raw ids that contradict their dtype] in hetc/tokenfile.py). The run
+checks the same again when it starts (runtime/data.py).
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from pathlib import Path
 from hetc.errors import Diagnostic
 from hetc.passes.validate_runtime import check_text_vocab
 from hetc.spec import DataKind, DataSpec, ModelSpec, Spec, TokenDType, TrainSpec
-from hetc.tokenfile import TokenFile, TokenFileError, fits, inspect_tokens, looks_binary, tokenizer_digest
+from hetc.tokenfile import (TokenFile, TokenFileError, check_vocab, fits, inspect_tokens, looks_binary,
+                            tokenizer_digest)
 
 __all__ = ["check_data"]
 
@@ -62,9 +66,10 @@ def _check_text(data: DataSpec, path: Path, errors: list[Diagnostic]) -> None:
 def _check_tokens(data: DataSpec, path: Path, model: ModelSpec | None, base_dir: Path, errors: list[Diagnostic]) -> None:
     try:
         tf = inspect_tokens(path, data.dtype)
+        if model is not None and (tf.vocab is None or tf.vocab <= model.vocab):   # else: said below
+            check_vocab(tf, model.vocab)
     except TokenFileError as err:
-        field = "dtype" if str(err).startswith("dtype =") else "path"
-        errors.append(Diagnostic(data.span_of(field), str(err)))
+        errors.append(Diagnostic(data.span_of(err.field), str(err)))
         return
     except OSError as err:
         errors.append(Diagnostic(data.span_of("path"), f"cannot read the token file '{data.path}': {err.strerror}"))

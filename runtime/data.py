@@ -14,7 +14,8 @@ predicts the last seq (tokens[t + 1] is the label of position t).
 
 Note [Windows]
 A text file (one token per byte) and a token file (hetc/tokenfile.py) are
-both a stream of N ids, memory-mapped, cut into W = (N - 1) // seq windows
+both a stream of N ids, read a window at a time (Note [reading a file that
+may shrink] in hetc/tokenstream.py), cut into W = (N - 1) // seq windows
 of seq + 1 ids with stride seq (neighbours share one id: the last label of
 one is the first input of the next). With `shuffle = false` global
 sequence g is window g mod W: ids [g·seq, (g+1)·seq] in the first epoch,
@@ -40,10 +41,15 @@ from hetc.errors import InternalError, Span, SpecError
 from hetc.passes.validate_runtime import check_text_vocab
 from hetc.runtime.nn.seeding import generator
 from hetc.spec import DataKind, DataSpec, ModelSpec, TrainSpec
-from hetc.tokenfile import TokenFileError, inspect_tokens, open_tokens
+from hetc.tokenfile import TokenFileError, check_vocab, inspect_tokens, open_tokens
+from hetc.tokenstream import TokenStream, TruncatedError
 
 __all__ = ["DataError", "DataSource", "SyntheticData", "TextData", "Windows", "make_data_source", "make_eval_source",
            "split_held_out"]
+
+
+# A stream of ids: an array in memory, or a file's read as windows are (hetc/tokenstream.py).
+Ids = np.ndarray | TokenStream
 
 
 class DataError(ValueError):
@@ -95,7 +101,7 @@ class SyntheticData(_Sequences):
 class Windows(_Sequences):
     """Windows of seq + 1 ids cut from a stream of ids (Note [Windows])."""
 
-    def __init__(self, *, tokens: np.ndarray, shuffle: bool = True, vocab: int | None = None,
+    def __init__(self, *, tokens: Ids, shuffle: bool = True, vocab: int | None = None,
                  where: str = "the data", **kw) -> None:
         super().__init__(**kw)
         self.tokens, self.shuffle, self.vocab, self.where = tokens, shuffle, vocab, where
@@ -111,10 +117,13 @@ class Windows(_Sequences):
 
     def sequence(self, g: int) -> Tensor:
         start = self.window_start(g)
-        ids = torch.from_numpy(np.asarray(self.tokens[start:start + self.seq + 1]).astype(np.int64))
+        try:
+            ids = torch.from_numpy(np.asarray(self.tokens[start:start + self.seq + 1]).astype(np.int64))
+        except TruncatedError as err:
+            raise DataError(str(err)) from None
         if self.vocab is not None and int(ids.max()) >= self.vocab:
             at = start + int((ids >= self.vocab).nonzero()[0])
-            raise DataError(f"{self.where} holds the id {int(self.tokens[at])} at token {at}, outside the "
+            raise DataError(f"{self.where} holds the id {int(ids[at - start])} at token {at}, outside the "
                              f"model's vocab = {self.vocab}")
         return ids
 
@@ -128,12 +137,12 @@ class Windows(_Sequences):
 class TextData(Windows):
     """Byte-level text: one token per byte, windows shuffled per epoch."""
 
-    def __init__(self, *, text: bytes | np.ndarray, **kw) -> None:
+    def __init__(self, *, text: bytes | Ids, **kw) -> None:
         tokens = np.frombuffer(text, dtype=np.uint8) if isinstance(text, bytes) else text
         super().__init__(tokens=tokens, **kw)
 
 
-def split_held_out(tokens: np.ndarray, seq: int, share: float) -> tuple[np.ndarray, np.ndarray]:
+def split_held_out(tokens: Ids, seq: int, share: float) -> tuple[Ids, Ids]:
     """(training ids, held-out ids): the last ceil(W · share) windows are held out (Note [Windows])."""
     windows = (len(tokens) - 1) // seq
     held = max(1, math.ceil(windows * share))
@@ -171,7 +180,7 @@ def _source(model: ModelSpec, train: TrainSpec, data: DataSpec, base_dir: Path |
     if (problem := check_text_vocab(model, train)) is not None:
         raise SpecError.at(model.span_of("vocab"), problem)
     path = data.resolve(base_dir)
-    tokens = _stream(data, path)
+    tokens: Ids = _stream(data, path, model.vocab)
     where = data.span_of("path")
     if train.eval_share > 0 and data is train.data:
         try:
@@ -186,20 +195,22 @@ def _source(model: ModelSpec, train: TrainSpec, data: DataSpec, base_dir: Path |
     return Windows(tokens=tokens, shuffle=shuffle, vocab=model.vocab, where=f"'{path}'", **common)
 
 
-def _stream(data: DataSpec, path: Path) -> np.ndarray:
-    """The file's ids, memory-mapped."""
+def _stream(data: DataSpec, path: Path, vocab: int) -> TokenStream:
+    """The file's ids, checked as `hetc check` checks them (passes/data_check.py), read as windows are."""
     try:
         if data.kind is DataKind.TEXT:
-            return np.memmap(path, dtype=np.uint8, mode="r")
-        return open_tokens(inspect_tokens(path, data.dtype))
+            return TokenStream.of_file(path, "uint8", 0, path.stat().st_size)
+        tf = inspect_tokens(path, data.dtype)
+        check_vocab(tf, vocab)
+        return open_tokens(tf)
     except TokenFileError as err:
-        raise SpecError.at(data.span_of("path"), str(err)) from None
+        raise SpecError.at(data.span_of(err.field), str(err)) from None
     except (OSError, ValueError) as err:
         why = getattr(err, "strerror", None) or str(err)
         raise SpecError.at(data.span_of("path"), f"cannot read the {data.kind.value} file '{path}': {why}") from None
 
 
-def _check_length(tokens: np.ndarray, seq: int, path: Path, where: Span) -> None:
+def _check_length(tokens: Ids, seq: int, path: Path, where: Span) -> None:
     if len(tokens) < seq + 1:
         unit = "bytes" if tokens.dtype == np.uint8 else "tokens"
         raise SpecError.at(where, f"the file '{path}' has {len(tokens)} {unit}; a sequence of seq = {seq} "

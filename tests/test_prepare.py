@@ -19,7 +19,7 @@ import torch
 
 from hetc.cli import main
 from hetc.errors import SpecError
-from hetc.runtime.data import DataError, make_data_source, make_eval_source
+from hetc.runtime.data import DataError, Windows, make_data_source, make_eval_source
 from hetc.spec import DataKind, DataSpec, ModelSpec, TokenDType, TrainSpec
 from hetc.tokenfile import HETC_OFFSET, Layout, inspect_tokens
 from tests.conftest import DEMO
@@ -229,11 +229,15 @@ def test_ids_beyond_the_model_are_refused(prepared, tokenizer_dir, tmp_path):
     assert [e.message for e in errors] == [(f"'{prepared['hetc']}' was written by the tokenizer "
                                             f"'{tokenizer_dir.name}' with a vocabulary of {VOCAB}, larger than "
                                             "the model's vocab = 256")]
-    raw = tmp_path / "big.u16"   # a raw file says nothing of its vocabulary: the windows check their ids
+    raw = tmp_path / "big.u16"   # a raw file says nothing of its vocabulary: a sample is checked at the start
     np.asarray([1, 2, 300, 4] * 10, dtype="<u2").tofile(raw)
     data = DataSpec(kind=DataKind.TOKENS, path=str(raw), dtype=TokenDType.UINT16, shuffle=False)
-    windows = make_data_source(model, TrainSpec(global_batch=2, micro_batch=2, data=data))
-    with pytest.raises(DataError, match="holds the id 300 at token 2, outside the model's vocab = 256"):
+    beyond = "holds the id 300 at token 2, outside the model's vocab = 256"
+    with pytest.raises(SpecError, match=beyond):
+        make_data_source(model, TrainSpec(global_batch=2, micro_batch=2, data=data))
+    windows = Windows(tokens=np.fromfile(raw, dtype="<u2"), vocab=256, where=f"'{raw}'", shuffle=False, seed=0,
+                      seq=SEQ, micro_batch=2, global_batch=2)   # and every window its ids, beyond the sample
+    with pytest.raises(DataError, match=beyond):
         windows.get_microbatch(0, 0)
 
 

@@ -36,7 +36,8 @@ def register(sub: Subparsers) -> None:
     q.add_argument("--dtype", choices=[d.value for d in TokenDType],
                    help="id width (default: uint16 when the vocabulary fits, else uint32)")
     q.add_argument("--megatron", action="store_true",
-                   help="write Megatron's indexed dataset (OUT.bin + OUT.idx, one sequence per document)")
+                   help="write Megatron's indexed dataset (OUT.bin + OUT.idx, one sequence per document) and "
+                        "OUT.bin.json, which records the vocabulary and tokenizer for `hetc check`")
     q.set_defaults(func=_prepare)
 
 

@@ -8,7 +8,9 @@ memory. Each document's ids are the tokenizer's encoding without special
 tokens (the pre-training convention of nanoGPT and Megatron), then EOS.
 Out comes the hetc layout (Note [Token file layouts] in hetc/tokenfile.py)
 or, with `megatron`, a Megatron PREFIX.bin / PREFIX.idx pair, one sequence
-per document.
+per document, and the sidecar PREFIX.bin.json recording what a hetc header
+would (dtype, vocabulary, tokenizer, token count), which `hetc check` holds
+the model and the spec's `dtype` to.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import numpy as np
 
 from hetc.jsontypes import JsonObject, RawJson
 from hetc.spec import TokenDType
-from hetc.tokenfile import dtype_for_vocab, fits, tokenizer_digest, write_hetc_header, write_megatron_index
+from hetc.tokenfile import (dtype_for_vocab, fits, sidecar_path, tokenizer_digest, write_hetc_header,
+                            write_megatron_index, write_sidecar)
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer as HFTokenizer
@@ -220,10 +223,11 @@ def prepare(inputs: Iterable[Path], tok: Tokenizer, out: Path, *, field: str = "
                 write_hetc_header(f, _header(tok, dtype, len(lengths), tokens))
         if megatron:
             write_megatron_index(out.with_name(out.name + ".idx"), dtype, lengths)
+            write_sidecar(data_path, _header(tok, dtype, len(lengths), tokens))
         os.replace(tmp, data_path)
     finally:
         tmp.unlink(missing_ok=True)
-    paths = (data_path, out.with_name(out.name + ".idx")) if megatron else (data_path,)
+    paths = (data_path, out.with_name(out.name + ".idx"), sidecar_path(data_path)) if megatron else (data_path,)
     return Prepared(paths, len(lengths), tokens, dtype)
 
 

@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hetc.errors import UsageError
+from hetc.errors import Span, SpecError, UsageError
 from hetc.plandir import PROFILE_ENV, PROFILES_FILE, RecordedProfile, fingerprint, profile_paths
 
 if TYPE_CHECKING:
@@ -36,13 +36,16 @@ def add_profile_option(p: argparse.ArgumentParser) -> None:
 
 
 def load_profile_args(paths: list[str]) -> Profiles:
-    """The Profiles of `profile_paths(paths)`, or a UsageError naming the file that cannot be read."""
+    """The Profiles of `profile_paths(paths)`; a SpecError located at the file whose content is wrong, or a
+    UsageError naming the file or folder that cannot be read."""
     from hetc.passes.cost import ProfileError, load_profiles
 
     try:
         wanted: list[str | Path] = [*profile_paths(paths)]
         return load_profiles(wanted)
     except ProfileError as err:
+        if err.file is not None:
+            raise SpecError.at(Span.file_start(err.file), err.message) from None
         raise UsageError(str(err)) from None
 
 

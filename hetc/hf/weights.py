@@ -134,7 +134,21 @@ def _header(path: Path) -> dict[str, Any]:
     if not isinstance(table, dict):
         raise HfError(f"{path} is not a safetensors file")
     table.pop("__metadata__", None)
+    _check_complete(path, table, 8 + size)
     return table
+
+
+def _check_complete(path: Path, table: dict[str, Any], data_start: int) -> None:
+    """A file cut short (a copy or download that stopped) is found here, by its size, not by the first read of
+    a tensor past its end (safetensors then fails without naming the file)."""
+    try:
+        need = data_start + max((int(e["data_offsets"][1]) for e in table.values()), default=0)
+    except (KeyError, TypeError, ValueError, IndexError):
+        raise HfError(f"{path} is not a safetensors file (a tensor without data_offsets)") from None
+    have = path.stat().st_size
+    if have < need:
+        raise HfError(f"{path} is cut short: its header places tensor data up to byte {need}, but it has {have} "
+                      "bytes (copy or download it again)")
 
 
 class WeightReader:
@@ -155,6 +169,10 @@ class WeightReader:
         import torch
         from safetensors import safe_open
 
-        with safe_open(str(self.files[name]), framework="pt") as handle:
-            piece: torch.Tensor = handle.get_slice(name)[tuple(index)]   # safetensors' slice is untyped
-            return piece.to(torch.float32)
+        path = self.files[name]
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                piece: torch.Tensor = handle.get_slice(name)[tuple(index)]   # safetensors' slice is untyped
+        except Exception as err:  # noqa: BLE001 - SafetensorError has no importable base across versions
+            raise HfError(f"cannot read {name} from {path}: {err}") from None
+        return piece.to(torch.float32)

@@ -47,7 +47,15 @@ SHAPE_TOLERANCE = 0.01
 
 
 class ProfileError(ValueError):
-    """A profile file or data directory that cannot be read."""
+    """A profile file or data directory that cannot be read.
+
+    `file`: the file the problem is in, when it is one file's (the CLI
+    locates the message there); `message` is then the message without it.
+    """
+
+    def __init__(self, message: str, file: str | None = None) -> None:
+        super().__init__(message if file is None else f"{file}: {message}")
+        self.message, self.file = message, file
 
 
 def dtype_class(dtype: DType | str) -> str:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -195,14 +196,14 @@ class _Simulation:
             if unscheduled:
                 missing += unscheduled
                 continue
-            ready = max((self.end[d] + self.lag(d, op) for d in deps), default=0.0)
+            ready = max((self.end[d] + _finite(self.lag(d, op), "lag", (d, op)) for d in deps), default=0.0)
             if ready <= now:
                 return op, None, []
             wake = ready if wake is None else min(wake, ready)
         return None, wake, missing
 
     def _run_op(self, key: LaneKey, op: Op, now: float) -> None:
-        finish = now + self.duration(op)
+        finish = now + _finite(self.duration(op), "duration", op)
         k = self.policies[key].done
         self.orders[key].append(op)
         self.policies[key].advance(op)
@@ -255,6 +256,15 @@ class _Simulation:
         log.debug("schedule: lane %s runs a forward beyond its in-flight limit (now %d)", key,
                   self.policies[key].limit)
         return True
+
+
+def _finite(seconds: float, what: str, of: object) -> float:
+    """`seconds`, checked: a NaN or infinite time would leave an event the clock never reaches, and the
+    simulation would spin for ever (Note [finite measurements] in passes/cost/sources/measured_json.py
+    keeps such times out of profiles; this catches any other way in)."""
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise InternalError(f"schedule simulation: the {what} of {of} is {seconds} s, not a finite time")
+    return seconds
 
 
 def simulate(policies: dict[LaneKey, Policy], deps: Callable[[Op], list[Op]], duration: Callable[[Op], float],

@@ -48,6 +48,7 @@ from hetc.passes.cost.network import Bandwidth, MeasuredPoints, ring_chunk, ring
 from hetc.program import Phase
 from hetc.spec import DType
 from hetc.passes.cost.profiles import LAYER_SLOTS, ComputeTable, NetworkFits, ProfileError, Profiles, fit_line
+from hetc.passes.cost.sources.measured_json import positive, read_measurements
 
 __all__ = ["FORMAT", "VERSION", "profile_from_dict", "read_profile", "write_profile"]
 
@@ -61,8 +62,10 @@ def write_profile(path: Path, data: dict[str, Any]) -> None:
 
 def read_profile(path: Path) -> Profiles:
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        data = read_measurements(path)   # Note [finite measurements]
+    except ProfileError as err:
+        if err.file is not None:
+            raise
         raise ProfileError(f"'{path}' is not a hetc profile: {err}") from None
     return profile_from_dict(data, str(path))
 
@@ -77,10 +80,12 @@ def profile_from_dict(data: Any, source: str) -> Profiles:
         kind = str(data["device"]["kind"])
         tables = _tables(data, kind, source)
         network = _network(data, kind, source)
-        copy = _copy_rate(data)
+        copy = _copy_rate(data, source)
         overhead = _overhead(data)
         shared = _shared(data, kind)
         core_wait = _core_wait(data, kind)
+    except ProfileError:
+        raise
     except (KeyError, TypeError, ValueError) as err:
         raise ProfileError(f"'{source}': malformed hetc profile ({type(err).__name__}: {err})") from None
     return Profiles(tuple(tables), network, {kind: copy} if copy else {}, {kind: source} if copy else {},
@@ -111,12 +116,12 @@ def _core_wait(data: dict[str, Any], kind: str) -> dict[str, CoreWait]:
 def _tables(data: dict[str, Any], kind: str, source: str) -> list[ComputeTable]:
     model = data["model"]
     by_seq: dict[int, dict[tuple[str, int, Phase], list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
-    for row in data.get("layers", []):
+    for i, row in enumerate(data.get("layers", [])):
         if row["layer"] not in LAYER_SLOTS:
             raise ValueError(f"layer '{row['layer']}' is not one of {', '.join(LAYER_SLOTS)}")
-        seq, key = int(row["seq"]), (str(row["layer"]), int(row.get("tp", 1)))
-        by_seq[seq][key + (Phase.FORWARD,)].append((int(row["micro_batch"]), float(row["forward_s"])))
-        by_seq[seq][key + (Phase.BACKWARD,)].append((int(row["micro_batch"]), float(row["backward_s"])))
+        seq, key, mb = int(row["seq"]), (str(row["layer"]), int(row.get("tp", 1))), int(row["micro_batch"])
+        for phase, field in ((Phase.FORWARD, "forward_s"), (Phase.BACKWARD, "backward_s")):
+            by_seq[seq][key + (phase,)].append((mb, positive(float(row[field]), f"layers[{i}].{field}", source)))
     return [ComputeTable(source, kind, int(model["hidden"]), int(model["block_params"]), seq,
                          DType(str(data.get("dtype", "fp32"))).value, {k: fit_line(v) for k, v in points.items()},
                          int(model["vocab"]) if "vocab" in model else None, None, str(model.get("name", "")))
@@ -126,12 +131,13 @@ def _tables(data: dict[str, Any], kind: str, source: str) -> list[ComputeTable]:
 def _network(data: dict[str, Any], kind: str, source: str) -> NetworkFits:
     """One ring step's rate between two local processes, by ring size, from p2p and collectives."""
     points: dict[int, list[tuple[float, float]]] = defaultdict(list)
-    for row in data.get("p2p", []):
-        points[2].append((float(row["bytes"]), float(row["bytes"]) / float(row["seconds"])))
-    for row in data.get("collectives", []):
-        n, nbytes, seconds = int(row["ranks"]), float(row["bytes"]), float(row["seconds"])
+    for i, row in enumerate(data.get("p2p", [])):
+        nbytes, seconds = _transfer(row, f"p2p[{i}]", source)
+        points[2].append((nbytes, nbytes / seconds))
+    for i, row in enumerate(data.get("collectives", [])):
+        n, (nbytes, seconds) = int(row["ranks"]), _transfer(row, f"collectives[{i}]", source)
         steps = ring_steps(str(row["kind"]), n)
-        if steps and seconds > 0:
+        if steps:
             chunk = ring_chunk(nbytes, n)
             points[n].append((chunk, steps * chunk / seconds))
     intra: dict[tuple[str, int], Bandwidth] = {}
@@ -145,12 +151,18 @@ def _network(data: dict[str, Any], kind: str, source: str) -> NetworkFits:
     return NetworkFits(intra=intra)
 
 
-def _copy_rate(data: dict[str, Any]) -> float | None:
-    rows = data.get("copy", [])
+def _transfer(row: dict[str, Any], where: str, source: str) -> tuple[float, float]:
+    """(bytes, seconds) of one timed transfer, both positive."""
+    return (positive(float(row["bytes"]), f"{where}.bytes", source),
+            positive(float(row["seconds"]), f"{where}.seconds", source))
+
+
+def _copy_rate(data: dict[str, Any], source: str) -> float | None:
+    rows = [_transfer(r, f"copy[{i}]", source) for i, r in enumerate(data.get("copy", []))]
     if not rows:
         return None
-    largest = max(float(r["bytes"]) for r in rows)
-    rates = [float(r["bytes"]) / float(r["seconds"]) for r in rows if float(r["bytes"]) == largest]
+    largest = max(nbytes for nbytes, _ in rows)
+    rates = [nbytes / seconds for nbytes, seconds in rows if nbytes == largest]
     return sum(rates) / len(rates)
 
 

@@ -16,7 +16,6 @@ of another shape would silently time the wrong model.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 from hetc.passes.cost.sources.devices import catalog_name
 from hetc.passes.cost.network import Bandwidth, QuadraticLogFit
 from hetc.passes.cost.profiles import ComputeTable, NetworkFits, ProfileError, Profiles, Rejected, fit_line
+from hetc.passes.cost.sources.measured_json import read_measurements
 from hetc.program import Phase
 from hetc.spec import Arch
 
@@ -33,12 +33,8 @@ _GPT_TYPES = {"gpt", "gpt2", "opt", "gpt_neo", "gptneo", "gpt-neo"}
 
 
 def read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ProfileError(f"cannot find '{path}'") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ProfileError(f"'{path}' is not valid JSON: {err}") from None
+    """A file of the folder; every number in it finite (Note [finite measurements])."""
+    return read_measurements(path)
 
 
 def looks_like(path: Path) -> bool:
@@ -120,6 +116,7 @@ def read_sailor(folder: Path) -> Profiles:
 
 def _table(path: Path, model: SailorModel, device: str) -> tuple[ComputeTable | None, str]:
     data = read_json(path)
+    _check_times(data, str(path))
     points: dict[tuple[str, int, Phase], list[tuple[float, float]]] = {}
     try:
         for mb, per_tp in data.items():
@@ -140,6 +137,19 @@ def _table(path: Path, model: SailorModel, device: str) -> tuple[ComputeTable | 
     block = model.block_params if model.block_params is not None else 0
     return ComputeTable(str(path), device, model.hidden, block, model.seq, dtype, fits, model.vocab,
                         model.layers, model.name), ""
+
+
+def _check_times(data: Any, source: str) -> None:
+    """Refuse a negative time (Sailor records 0 for work a layer does not do: no update of a norm)."""
+    if not isinstance(data, dict):
+        return   # not a Sailor profile: `_table` says so
+    for mb, per_tp in data.items():
+        for tp, per_layer in per_tp.items() if isinstance(per_tp, dict) else ():
+            for layer, entry in per_layer.items() if isinstance(per_layer, dict) else ():
+                for col, value in enumerate(entry if isinstance(entry, list) else []):
+                    if isinstance(value, (int, float)) and value < 0:
+                        raise ProfileError(f"{mb}.{tp}.{layer}[{col}] is {value}; layer times cannot be "
+                                           "negative", file=source)
 
 
 def _slots(per_layer: dict[str, Any], n: int, blocks: int) -> dict[str, list[list[float]]]:
