@@ -8,9 +8,15 @@
     DIR/summary.json             headline numbers (ranks, step time, tokens/s)
     DIR/profiles.json            the profiles the prediction used, with their sha256 (Note [recorded profiles]
                                  in hetc/commands/profileargs.py)
+    DIR/.hetc-output.json        hetc's marker: the sha256 of every file above (Note [output directories]
+                                 in hetc/outdir.py: only such a directory is ever replaced)
 
 Listings are the source of truth: a person may edit them by hand and
-`hetc verify DIR` / `hetc run DIR` read the text, not the JSON.
+`hetc verify DIR` / `hetc run DIR` read the text, not the JSON. plan.het may
+be edited too (a smaller device, another learning rate); the verifier checks
+the programs against it (Note [transfers against the plan] in
+passes/verify/transfers.py), so a plan the programs no longer fit is refused
+before any rank starts.
 """
 
 from __future__ import annotations
@@ -19,14 +25,13 @@ import dataclasses
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hetc.errors import Span, SpecError
 from hetc.frontend.printer import format_spec
 from hetc.jsontypes import JsonObject
+from hetc.outdir import Legacy, OutputKind, Protected, check_output_dir, write_output_dir
 from hetc.program import Program, ProgramFormatError, RankProgram
 from hetc.spec import DataKind, DataSpec, Spec
 
@@ -37,8 +42,8 @@ if TYPE_CHECKING:
     from hetc.passes.cost.provenance import UnusedProfile
     from hetc.passes.validate import ExplicitPlan
 
-__all__ = ["PLAN_FILE", "PROFILES_FILE", "PROFILE_ENV", "TIMELINE_FILE", "RecordedProfile", "fingerprint", "listing_name",
-           "profile_paths", "read_plan", "read_program", "record_profiles", "write_plan_dir"]
+__all__ = ["LEGACY_PLAN", "PLAN_FILE", "PROFILES_FILE", "PROFILE_ENV", "TIMELINE_FILE", "RecordedProfile", "check_plan_out",
+           "fingerprint", "listing_name", "profile_paths", "read_plan", "read_program", "record_profiles", "write_plan_dir"]
 
 PLAN_FILE = "plan.het"
 TIMELINE_FILE = "timeline.json"
@@ -77,14 +82,29 @@ def portable_spec(spec: Spec, spec_dir: Path, out_dir: Path) -> Spec:
     return dataclasses.replace(spec, train=train)
 
 
+# What `hetc compile` wrote before plan directories carried a marker (Note [output directories]).
+LEGACY_PLAN = Legacy(patterns=(PLAN_FILE, "groups.txt", TIMELINE_FILE, SUMMARY_FILE, PROFILES_FILE,
+                               "programs/rank-*.txt", "programs/rank-*.json", "torch/*.csv"),
+                     required=(PLAN_FILE, "programs/rank-*.txt"))
+
+
+def check_plan_out(out: Path, spec_dir: Path) -> None:
+    """Raise UsageError unless `out` may become the plan directory of a spec in `spec_dir` (Note [output
+    directories] in hetc/outdir.py): never the spec's folder or one above it."""
+    check_output_dir(out, OutputKind.PLAN, _guards(spec_dir), LEGACY_PLAN)
+
+
+def _guards(spec_dir: Path) -> list[Protected]:
+    return [Protected(spec_dir, "the spec's folder")]
+
+
 def write_plan_dir(out: Path, spec: Spec, spec_dir: Path, program: Program, torch_csv: dict[str, str],
                    timeline_json: str | None, summary: JsonObject,
                    profiles: JsonObject | None = None) -> None:
-    """Write everything at once into a fresh directory that then replaces `out` (never half a plan)."""
-    out = out.resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    """Write everything at once into a fresh directory that then replaces `out` (never half a plan), where
+    hetc may replace `out` (`check_plan_out`); the marker records every file's sha256."""
+
+    def fill(tmp: Path) -> None:
         (tmp / PLAN_FILE).write_text(format_spec(portable_spec(spec, spec_dir, out)))
         progs = tmp / "programs"
         progs.mkdir()
@@ -101,17 +121,8 @@ def write_plan_dir(out: Path, spec: Spec, spec_dir: Path, program: Program, torc
         (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
         if profiles is not None:
             (tmp / PROFILES_FILE).write_text(json.dumps(profiles, indent=2) + "\n")
-        if out.exists():
-            old = out.with_name(f".{out.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    write_output_dir(out, OutputKind.PLAN, fill, _guards(spec_dir), LEGACY_PLAN)
 
 
 def read_program(plan_dir: Path) -> Program:

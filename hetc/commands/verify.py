@@ -8,6 +8,7 @@ from pathlib import Path
 
 from hetc.commands import Subparsers
 from hetc.errors import UsageError
+from hetc.outdir import edited_files
 from hetc.passes.cost import CostModel
 from hetc.passes.verify import VerifyError, verified_evaluation, verify
 from hetc.plandir import read_plan, read_program
@@ -22,7 +23,9 @@ def register(sub: Subparsers) -> None:
         description="Read DIR/plan.het and DIR/programs/rank-*.txt (possibly edited by hand) and run the "
                     "verifier: every send meets its receive, collectives match, no rank blocks forever, every "
                     "microbatch passes every ministage forward and backward once, every step follows its "
-                    "gradients, every rank's memory (cost model) fits its device. Exit 0, or name the rank and instruction and exit 2.",
+                    "gradients, every send and receive moves the tensor plan.het gives it, every rank's memory (cost model) "
+                    "fits its device. Exit 0, or name the rank and instruction (and the files changed since "
+                    "`hetc compile`) and exit 2.",
     )
     p.add_argument("dir", type=Path, metavar="DIR")
     p.set_defaults(func=run)
@@ -44,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
         verified_evaluation(program, checked.pipeline, checked.spec)   # the forward-only programs derived
     except VerifyError as err:
         print(err.render(), file=sys.stderr)
+        if edited := edited_files(args.dir):   # the sha256 compile recorded (hetc/outdir.py)
+            print(f"note: changed since `hetc compile` wrote them: {', '.join(edited)}", file=sys.stderr)
         return 2
     print(f"{args.dir}: ok: {program.world_size} ranks, {sum(len(r.instrs) for r in program.ranks)} "
           "instructions verified")

@@ -1,6 +1,6 @@
 """The verifier: prove a compiled program safe before anything runs.
 
-`verify` runs three independent checks and reports the first failing one's
+`verify` runs four independent checks and reports the first failing one's
 findings with a steps × ranks grid of the ranks involved:
 
 - `protocol`: all ranks together under the runtime's blocking rules — sends
@@ -9,6 +9,9 @@ findings with a steps × ranks grid of the ranks involved:
 - `dataflow`: each rank uses only what it has, every microbatch passes every
   ministage forward and backward exactly once, every step follows all
   gradient contributions to its shard;
+- `transfers`: every send and receive moves the tensor the plan gives that
+  transfer (peer, shape, tokens), so a plan.het edited since compile cannot
+  crash the job after launch (Note [transfers against the plan]);
 - `memory` (when sizes are given): each rank's memory timeline stays within
   its device.
 """
@@ -23,6 +26,7 @@ from hetc.passes.verify.errors import Finding, VerifyError
 from hetc.passes.verify.machine import Machine
 from hetc.passes.verify.memory import Sizes, check_memory
 from hetc.passes.verify.protocol import check_protocol
+from hetc.passes.verify.transfers import check_transfers
 from hetc.pipeline import Pipeline
 from hetc.program import Program, RankProgram
 from hetc.spec import Spec
@@ -47,7 +51,8 @@ def verify(program: Program, pipeline: Pipeline, spec: Spec, sizes: Sizes | None
     assert model is not None and train is not None   # a checked spec
     checks: list[tuple[str, Callable[[], list[Finding]]]] = [("dataflow", lambda: check_dataflow(program, pipeline, model.num_model_layers,
                                                   train.grad_clip > 0, model.seq, forward_only)),
-              ("protocol", lambda: check_protocol(program, machine))]
+              ("protocol", lambda: check_protocol(program, machine)),
+              ("transfers", lambda: check_transfers(program, pipeline, spec))]   # Note [transfers against the plan]
     if sizes is not None:
         checks.append(("memory", lambda: check_memory(program, pipeline, sizes)))
     for name, check in checks:

@@ -25,7 +25,7 @@ class VerifyError(Exception):
     def __init__(self, findings: list[Finding], grid: str = "", check: str = ""):
         self.findings = findings
         self.grid = grid
-        self.check = check          # the failing check: dataflow, protocol, memory (or "" for the plan's shape)
+        self.check = check          # the failing check: dataflow, protocol, transfers, memory (or "" for the plan's shape)
         super().__init__("\n".join(str(f) for f in findings))
 
     @property

@@ -1,0 +1,224 @@
+"""hetc never deletes what it did not write, and a plan directory is checked against its plan.het before any
+rank starts (issue 28, findings 1 and 13; Note [output directories] in hetc/outdir.py, Note [transfers against
+the plan] in passes/verify/transfers.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from hetc.cli import main
+from hetc.errors import UsageError
+from hetc.outdir import MARKER, OutputKind, check_output_dir, write_marker, write_output_dir
+from tests.conftest import DEMO, SPECS
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def user_folder(tmp_path: Path) -> Path:
+    """A user's project: the demo specs (with the catalog they import), a corpus and a script."""
+    project = tmp_path / "project"
+    shutil.copytree(DEMO, project / "demo")
+    shutil.copy(SPECS / "catalog.het", project / "catalog.het")
+    (project / "demo" / "train.py").write_text("print('mine')\n")
+    (project / "demo" / "model").mkdir()
+    (project / "demo" / "model" / "config.json").write_text("{}\n")
+    return project / "demo"
+
+
+def test_compile_into_the_current_directory_is_refused_and_every_file_stays(user_folder, monkeypatch, capsys):
+    """Finding 1: `-o .` deleted the spec, the model directory, the corpus and the script."""
+    monkeypatch.chdir(user_folder)
+    before = _snapshot(user_folder)
+    assert main(["compile", "single.het", "-o", "."]) == 2
+    assert "refusing to write a plan directory to '.': it is the current directory" in capsys.readouterr().err
+    assert _snapshot(user_folder) == before
+    assert main(["compile", "single.het", "-o", ".."]) == 2
+    assert "it holds the current directory" in capsys.readouterr().err
+    assert _snapshot(user_folder) == before
+
+
+def test_compile_into_a_directory_with_an_unrelated_file_keeps_it(user_folder, tmp_path, capsys):
+    """Finding 1: `-o precious` removed an unrelated file."""
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep me\n")
+    assert main(["compile", str(user_folder / "single.het"), "-o", str(precious)]) == 2
+    err = capsys.readouterr().err
+    assert f"hetc compile: error: refusing to replace '{precious}': it holds notes.txt, which hetc did not write" in err
+    assert _snapshot(precious) == {"notes.txt": b"keep me\n"}
+
+
+def test_the_spec_folder_and_the_folders_above_it_are_refused(user_folder, capsys):
+    before = _snapshot(user_folder.parent)
+    for out, held in ((user_folder, "is the spec's folder"), (user_folder.parent, "holds the spec's folder")):
+        assert main(["compile", str(user_folder / "single.het"), "-o", str(out)]) == 2
+        assert f"to '{out}': it {held}" in capsys.readouterr().err
+    assert _snapshot(user_folder.parent) == before
+
+
+def test_a_regular_file_is_refused(user_folder, capsys):
+    script = user_folder / "train.py"
+    assert main(["compile", str(user_folder / "single.het"), "-o", str(script)]) == 2
+    assert f"'{script}' is a file; a plan directory is a directory" in capsys.readouterr().err
+    assert script.read_text() == "print('mine')\n"
+
+
+def test_recompiling_over_a_plan_directory_hetc_wrote_replaces_it(tmp_path, capsys):
+    out = tmp_path / "plan"
+    assert main(["compile", str(DEMO / "single.het"), "-o", str(out)]) == 0
+    marker = json.loads((out / MARKER).read_text())
+    assert marker["kind"] == "plan" and re.fullmatch(r"[0-9a-f]{64}", marker["files"]["plan.het"])
+    assert set(marker["files"]) == set(_snapshot(out)) - {MARKER}
+    (out / "programs" / "rank-0000.txt").write_text("edited by hand\n")   # hetc's file: replaced
+    assert main(["compile", str(DEMO / "pp.het"), "-o", str(out)]) == 0
+    assert "rank 0 stage=0" in (out / "programs" / "rank-0000.txt").read_text()
+    assert (out / "programs" / "rank-0003.txt").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["plan"]   # no temporary sibling left behind
+    (out / "mine.txt").write_text("a note\n")                  # a file hetc did not write: refused
+    capsys.readouterr()
+    assert main(["compile", str(DEMO / "single.het"), "-o", str(out)]) == 2
+    assert "it holds mine.txt, which hetc did not write" in capsys.readouterr().err
+    assert (out / "mine.txt").read_text() == "a note\n" and (out / "programs" / "rank-0003.txt").is_file()
+
+
+def test_a_plan_directory_from_before_the_marker_is_replaced_but_not_with_extra_files(tmp_path, capsys):
+    out = tmp_path / "plan"
+    assert main(["compile", str(DEMO / "pp.het"), "-o", str(out)]) == 0
+    (out / MARKER).unlink()   # what an older hetc wrote
+    assert main(["compile", str(DEMO / "single.het"), "-o", str(out)]) == 0
+    assert not (out / "programs" / "rank-0003.txt").exists()
+    (out / MARKER).unlink()
+    (out / "programs" / "notes.md").write_text("mine\n")
+    capsys.readouterr()
+    assert main(["compile", str(DEMO / "single.het"), "-o", str(out)]) == 2
+    assert "it holds programs/notes.md, which hetc did not write" in \
+        capsys.readouterr().err
+    assert (out / "programs" / "notes.md").read_text() == "mine\n"
+
+
+def test_an_empty_directory_may_be_used(tmp_path):
+    out = tmp_path / "empty"
+    out.mkdir()
+    assert main(["compile", str(DEMO / "single.het"), "-o", str(out)]) == 0
+    assert (out / "plan.het").is_file()
+
+
+def test_one_kind_of_output_never_replaces_another(tmp_path):
+    out = tmp_path / "out"
+    write_output_dir(out, OutputKind.HF_EXPORT, lambda tmp: (tmp / "config.json").write_text("{}"))
+    write_output_dir(out, OutputKind.HF_EXPORT, lambda tmp: (tmp / "config.json").write_text("{ }"))
+    assert (out / "config.json").read_text() == "{ }"
+    with pytest.raises(UsageError, match="it holds a Hugging Face export, not a plan directory"):
+        check_output_dir(out, OutputKind.PLAN)
+
+
+def test_a_marked_directory_answers_for_the_marked_one_inside_it(tmp_path):
+    """The demo's OUT holds plan/, a plan directory with its own marker: a stray file in plan/ is named."""
+    out = tmp_path / "demo"
+    out.mkdir()
+    write_marker(out, OutputKind.DEMO, planned=["metrics.jsonl", "plan/"])
+    write_output_dir(out / "plan", OutputKind.PLAN, lambda tmp: (tmp / "plan.het").write_text("# plan\n"))
+    (out / "metrics.jsonl").write_text("{}\n")
+    check_output_dir(out, OutputKind.DEMO)     # its own files, planned or written, and a marked plan/
+    (out / "plan" / "draft.het").write_text("# mine\n")
+    with pytest.raises(UsageError, match="it holds plan/draft.het, which hetc did not write"):
+        check_output_dir(out, OutputKind.DEMO)
+    write_output_dir(out / "old-plan", OutputKind.PLAN, lambda tmp: (tmp / "plan.het").write_text("# plan\n"))
+    with pytest.raises(UsageError, match="it holds old-plan/, plan/draft.het, which"):   # not the demo's
+        check_output_dir(out, OutputKind.DEMO)
+
+
+def test_the_demo_outputs_of_an_older_hetc_are_replaced_but_not_with_extra_files(tmp_path):
+    from hetc.commands.demo import LEGACY_DEMO
+
+    out = tmp_path / "demo"
+    assert main(["compile", str(DEMO / "single.het"), "-o", str(out / "plan")]) == 0
+    (out / "plan" / MARKER).unlink()
+    (out / "metrics.jsonl").write_text("{}\n")
+    check_output_dir(out, OutputKind.DEMO, legacy=LEGACY_DEMO)
+    (out / "plan" / "notes.txt").write_text("mine\n")
+    with pytest.raises(UsageError, match="it holds plan/notes.txt, which hetc did not write"):
+        check_output_dir(out, OutputKind.DEMO, legacy=LEGACY_DEMO)
+
+
+def test_export_hf_over_a_directory_hetc_did_not_write_is_refused(tmp_path, capsys):
+    downloaded = tmp_path / "my-llama"
+    downloaded.mkdir()
+    (downloaded / "tokenizer.json").write_text("{}\n")
+    assert main(["export", "hf", str(tmp_path / "ckpt" / "step-2"), "-o", str(downloaded)]) == 2
+    assert f"refusing to replace '{downloaded}': it holds tokenizer.json" in capsys.readouterr().err
+    assert _snapshot(downloaded) == {"tokenizer.json": b"{}\n"}
+    checkpoint = tmp_path / "ckpt"
+    assert main(["export", "hf", str(checkpoint / "step-2"), "-o", str(checkpoint)]) == 2
+    assert "it holds the checkpoint" in capsys.readouterr().err
+
+
+def test_demo_into_a_directory_with_user_files_is_refused(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.csv").write_text("1,2\n")
+    assert main(["demo", "-o", str(out)]) == 2
+    assert f"refusing to replace '{out}': it holds results.csv" in capsys.readouterr().err
+    assert _snapshot(out) == {"results.csv": b"1,2\n"}
+
+
+@pytest.fixture(scope="module")
+def pp_plan(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("plan") / "pp"
+    assert main(["compile", str(DEMO / "pp.het"), "-o", str(out)]) == 0
+    return out
+
+
+def _edited(plan: Path, tmp_path: Path, old: str, new: str, file: str = "plan.het") -> Path:
+    copy = tmp_path / "edited"
+    shutil.copytree(plan, copy)
+    text = (copy / file).read_text()
+    assert old in text
+    (copy / file).write_text(text.replace(old, new))
+    return copy
+
+
+def test_an_edited_hidden_size_is_refused_before_any_rank_starts(pp_plan, tmp_path, capsys):
+    """Finding 13: a `hidden` edited in plan.het passed the pre-run check, then gloo aborted (exit 134)."""
+    edited = _edited(pp_plan, tmp_path, "hidden = 64", "hidden = 48")
+    assert main(["run", str(edited), "--local", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "starting" not in err
+    assert ("rank 0, instruction 2 `send act ms=0 mb=0 to=2 shape=2x32x64 h=2`: the plan moves this tensor as "
+            "2x32x48 (micro_batch x tokens x hidden), not 2x32x64: plan.het and the programs disagree (was "
+            "plan.het edited since `hetc compile`? compile the spec again); 15 more sends and receives disagree") in err
+    assert main(["verify", str(edited)]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == "note: changed since `hetc compile` wrote them: plan.het"
+
+
+def test_a_shape_edited_in_both_listings_is_refused(pp_plan, tmp_path, capsys):
+    """A send and its receive edited alike still match each other; the plan says what goes on the wire."""
+    edited = _edited(pp_plan, tmp_path, "to=2 shape=2x32x64 h=2", "to=2 shape=2x32x32 h=2",
+                     "programs/rank-0000.txt")
+    listing = edited / "programs" / "rank-0002.txt"
+    listing.write_text(listing.read_text().replace("recv act ms=0 mb=0 from=0 shape=2x32x64",
+                                                   "recv act ms=0 mb=0 from=0 shape=2x32x32"))
+    assert main(["verify", str(edited)]) == 2
+    err = capsys.readouterr().err
+    assert "the plan moves this tensor as 2x32x64 (micro_batch x tokens x hidden), not 2x32x32" in err
+    assert "; 1 more sends and receives disagree" in err
+    assert err.splitlines()[-1] == ("note: changed since `hetc compile` wrote them: programs/rank-0000.txt, "
+                                    "programs/rank-0002.txt")
+
+
+def test_an_edit_of_plan_het_the_programs_still_fit_is_accepted(pp_plan, tmp_path, capsys):
+    """plan.het may be edited where the programs stay right (a learning rate): verified, not refused."""
+    text = (pp_plan / "plan.het").read_text()
+    lr = re.search(r"lr = [^\n]+", text)
+    assert lr is not None
+    edited = _edited(pp_plan, tmp_path, lr.group(0), "lr = 0.5")
+    assert main(["verify", str(edited)]) == 0
+    assert "ok: 4 ranks" in capsys.readouterr().out
