@@ -10,7 +10,7 @@ from hetc.commands import Subparsers
 from hetc.errors import UsageError
 from hetc.outdir import edited_files
 from hetc.passes.cost import CostModel
-from hetc.passes.verify import VerifyError, verified_evaluation, verify
+from hetc.passes.verify import Backend, VerifyError, verified_evaluation, verify
 from hetc.plandir import read_plan, read_program
 from hetc.program import ProgramFormatError
 
@@ -28,6 +28,12 @@ def register(sub: Subparsers) -> None:
                     "`hetc compile`) and exit 2.",
     )
     p.add_argument("dir", type=Path, metavar="DIR")
+    p.add_argument("--backend", choices=[b.value for b in Backend], default=Backend.GLOO.value,
+                   help="whose blocking rule to prove the programs deadlock-free under: gloo (a posted send, "
+                        "receive or collective completes once its partners are posted) or nccl (also, a rank's "
+                        "operations on one communicator -- the rank pair of a send or receive, the group of a "
+                        "collective -- start in posting order, one at a time, as they do on a GPU); "
+                        "default: %(default)s")
     p.set_defaults(func=run)
 
 
@@ -43,13 +49,15 @@ def run(args: argparse.Namespace) -> int:
     except FileNotFoundError as err:
         raise UsageError(str(err)) from None
     try:
-        verify(program, checked.pipeline, checked.spec, CostModel(checked.spec, checked.pipeline, checked.topology))
-        verified_evaluation(program, checked.pipeline, checked.spec)   # the forward-only programs derived
+        backend = Backend(args.backend)
+        verify(program, checked.pipeline, checked.spec, CostModel(checked.spec, checked.pipeline, checked.topology),
+               backend=backend)
+        verified_evaluation(program, checked.pipeline, checked.spec, backend)   # the forward-only programs derived
     except VerifyError as err:
         print(err.render(), file=sys.stderr)
         if edited := edited_files(args.dir):   # the sha256 compile recorded (hetc/outdir.py)
             print(f"note: changed since `hetc compile` wrote them: {', '.join(edited)}", file=sys.stderr)
         return 2
     print(f"{args.dir}: ok: {program.world_size} ranks, {sum(len(r.instrs) for r in program.ranks)} "
-          "instructions verified")
+          f"instructions verified ({args.backend} rules)")
     return 0

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from hetc.passes.lower.forward_only import forward_only
 from hetc.passes.verify.dataflow import check_dataflow
 from hetc.passes.verify.errors import Finding, VerifyError
-from hetc.passes.verify.machine import Machine
+from hetc.passes.verify.machine import Backend, Machine
 from hetc.passes.verify.memory import Sizes, check_memory
 from hetc.passes.verify.protocol import check_protocol
 from hetc.passes.verify.transfers import check_transfers
@@ -32,11 +32,11 @@ from hetc.program import Program, RankProgram
 from hetc.spec import Spec
 from hetc.grid import render_grid
 
-__all__ = ["Finding", "Sizes", "VerifyError", "shape_problem", "verified_evaluation", "verify"]
+__all__ = ["Backend", "Finding", "Sizes", "VerifyError", "shape_problem", "verified_evaluation", "verify"]
 
 
 def verify(program: Program, pipeline: Pipeline, spec: Spec, sizes: Sizes | None = None,
-           forward_only: bool = False, machine: Machine | None = None) -> None:
+           forward_only: bool = False, machine: Machine | None = None, backend: Backend = Backend.GLOO) -> None:
     """Raise VerifyError naming rank and instruction if the programs are unsafe.
 
     `sizes` (a `CostModel`) turns on the memory check; `VerifyError.check`
@@ -45,13 +45,15 @@ def verify(program: Program, pipeline: Pipeline, spec: Spec, sizes: Sizes | None
     (passes/lower/forward_only.py) for completeness forward only.
     `machine`: the blocking machine the protocol check runs (a timed one the
     simulator reads after, Note [one run] in protocol.py); by default an untimed one.
+    `backend`: whose blocking rule the protocol check proves the programs under (Note [NCCL order] in
+    machine.py); gloo by default until the lowering satisfies NCCL's (issue 29).
     """
     _check_shape(program, pipeline)
     model, train = spec.model, spec.train
     assert model is not None and train is not None   # a checked spec
     checks: list[tuple[str, Callable[[], list[Finding]]]] = [("dataflow", lambda: check_dataflow(program, pipeline, model.num_model_layers,
                                                   train.grad_clip > 0, model.seq, forward_only)),
-              ("protocol", lambda: check_protocol(program, machine)),
+              ("protocol", lambda: check_protocol(program, machine, backend)),
               ("transfers", lambda: check_transfers(program, pipeline, spec))]   # Note [transfers against the plan]
     if sizes is not None:
         checks.append(("memory", lambda: check_memory(program, pipeline, sizes)))
@@ -64,7 +66,8 @@ def verify(program: Program, pipeline: Pipeline, spec: Spec, sizes: Sizes | None
             raise VerifyError(findings, render_grid(program, dict(list(focus.items())[:6])), check=name)
 
 
-def verified_evaluation(program: Program, pipeline: Pipeline, spec: Spec) -> Program | None:
+def verified_evaluation(program: Program, pipeline: Pipeline, spec: Spec,
+                        backend: Backend = Backend.GLOO) -> Program | None:
     """The evaluation programs of a job that evaluates (`train { eval_every }`), verified; else None.
 
     Note [Evaluation programs] in passes/lower/forward_only.py says why the memory check is not rerun.
@@ -73,7 +76,7 @@ def verified_evaluation(program: Program, pipeline: Pipeline, spec: Spec) -> Pro
     if spec.train.eval_every == 0:
         return None
     evaluation = forward_only(program)
-    verify(evaluation, pipeline, spec, forward_only=True)
+    verify(evaluation, pipeline, spec, forward_only=True, backend=backend)
     return evaluation
 
 

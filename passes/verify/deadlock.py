@@ -7,6 +7,11 @@ matching operation is the fault (a dropped receive, a wrong peer, a missing
 collective call); a partner that has one but is blocked before it only
 passes the wait along. Findings list the first kind before the second, so
 the error leads with the rank whose program is wrong, not with rank 0.
+Under NCCL's rule (Note [NCCL order] in machine.py) a partner may also have
+posted its op but queued it behind another on the same communicator; the
+finding then names that communicator and the op ahead (`held_by_order`),
+and comes after the partners that never act but before those that only
+pass a wait along.
 """
 
 from __future__ import annotations
@@ -15,10 +20,10 @@ from collections import Counter
 from dataclasses import dataclass
 
 from hetc.passes.verify.errors import Finding, at
-from hetc.passes.verify.machine import collective_groups, compute_groups
+from hetc.passes.verify.machine import Machine, Op, collective_groups, communicator_name, compute_groups
 from hetc.program import Instr, Program, Recv, Send, Tensor
 
-__all__ = ["Stuck", "explain_deadlock"]
+__all__ = ["Stuck", "explain_deadlock", "held_by_order"]
 
 MAX_FINDINGS = 8
 
@@ -26,7 +31,8 @@ MAX_FINDINGS = 8
 @dataclass(frozen=True, slots=True)
 class Stuck:
     """Rank `rank` is blocked at instruction `index` on `op` (posted at `op_index`; `call`: its collective
-    number on `group`, which a compute op with tp/cp collectives names)."""
+    number on `group`, which a compute op with tp/cp collectives names; `held`: why NCCL's order keeps it
+    from starting, `held_by_order`)."""
 
     rank: int
     index: int
@@ -34,6 +40,7 @@ class Stuck:
     op_index: int
     call: int | None = None
     group: str | None = None
+    held: str = ""
 
 
 class _Partners:
@@ -79,6 +86,22 @@ class _Partners:
         return False, ""
 
 
+def held_by_order(machine: Machine, op: Op) -> str:
+    """Why NCCL's order keeps `op` from starting ('' where it does not): what is queued ahead, and where."""
+    held = machine.held(op)
+    if held is None:
+        return ""
+    queued, ahead = held
+    assert queued.comm is not None   # a held op is on a line
+    where = communicator_name(queued.comm)
+    if queued.rank == op.rank:
+        return (f"on {where} it is queued behind this rank's `{ahead.instr}` (instruction {ahead.index}), "
+                "which never completes (NCCL starts a communicator's operations in posting order)")
+    return (f"on {where}, rank {queued.rank}'s matching `{queued.instr}` (instruction {queued.index}) is queued "
+            f"behind its `{ahead.instr}` (instruction {ahead.index}) (NCCL starts a communicator's operations "
+            "in posting order)")
+
+
 def _ranks(ranks: list[int]) -> str:
     shown = ", ".join(map(str, ranks[:6])) + (", ..." if len(ranks) > 6 else "")
     return f"rank{'s' if len(ranks) > 1 else ''} {shown}"
@@ -89,9 +112,10 @@ def explain_deadlock(program: Program, stuck: list[Stuck], posted: dict[tuple[st
     partners = _Partners(program)
     ranked = []
     for s in stuck:
-        never, why = partners.blame(s, posted)
+        never, why = partners.blame(s, posted) if not s.held else (False, s.held)
+        order = 0 if never else 1 if s.held else 2
         waits = f"waits for `{s.op}` (instruction {s.op_index}), which never completes" \
             if s.op_index != s.index else "blocks forever"
-        ranked.append((not never, s.rank, at(program, s.rank, s.index,
-                                             f"deadlock: {waits}" + (f": {why}" if why else ""))))
+        ranked.append((order, s.rank, at(program, s.rank, s.index,
+                                         f"deadlock: {waits}" + (f": {why}" if why else ""))))
     return [finding for _, _, finding in sorted(ranked, key=lambda x: x[:2])[:MAX_FINDINGS]]

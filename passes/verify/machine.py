@@ -6,7 +6,8 @@ posts and waits at once. A send and a receive complete together, when both
 are posted (gloo's rendezvous, the conservative model); messages between
 two ranks match in posting order (what NCCL requires), and must agree on
 tensor, ministage, microbatch and shape. A collective completes when every
-member of its group has posted it; the k-th collective of a group must be
+member of its group has posted it (under NCCL's rule, Note [NCCL order],
+"posted" reads "started" throughout); the k-th collective of a group must be
 the same on every member. Copies to and from the host queue on the rank's
 copy stream and complete on their own. A compute op of a ministage whose
 shard names tp/cp/ep groups is a collective on each of them (Note [compute
@@ -27,12 +28,36 @@ Note [event-driven]: a rank is advanced again only when one of its posted
 ops completes, so a run costs about one visit per instruction. Matching
 goes by posting order per channel and per group, never by time, so the
 times do not depend on the order ranks are visited in.
+
+Note [NCCL order]: gloo completes a posted op as soon as its partners are
+posted. NCCL does not: torch's ProcessGroupNCCL runs all point-to-point
+traffic between two ranks, both directions, on one communicator and one
+stream (`pointToPoint` keys it by `getKeySendRecv(rank, peer)`), and a
+process group's collectives on the group's communicator and stream. On a
+stream the kernels run in posting order, one at a time, and a receive (or
+send) kernel holds the stream until its partner arrives: "send(x1) is
+allowed to block until the corresponding recv() is called" (NVIDIA/nccl
+#783); send-then-recv posted on both ranks hangs (NVIDIA/nccl #479). So
+under `Backend.NCCL` each rank keeps one queue (a *line*) per communicator
+-- the unordered pair for a send or receive, the group for a collective and
+for a compute op's part on a tp/cp/ep group -- and an op *starts* only at
+the head of its line, once every earlier op the rank posted there has
+completed. Matching is unchanged (FIFO per channel, k-th call per group),
+so mismatches are found as under gloo; a matched message or full call runs
+when every one of its ops has started, at the latest start. Each op enters
+and leaves its line once, and a completion looks only at the next op of
+each line it frees, so the rule keeps a run linear. With collectives alone
+the rule never blocks more than gloo's (a member's (k+1)-th call on a group
+is posted after its k-th, so when the (k+1)-th call is full, the k-th is
+too); what it adds is the pair's shared line, and the serialized timing of
+a group's calls.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Protocol, cast
 
 from hetc.passes.verify.errors import Finding, at
@@ -43,7 +68,23 @@ from hetc.program import (COLLECTIVE_TYPES, COMPUTE_TYPES, ComputeInstr, Free, I
 _LOCAL = frozenset({Load, Free, Step})
 _COMPUTE = frozenset(COMPUTE_TYPES)
 
-__all__ = ["NO_TIME", "Clock", "Machine", "Op", "RankState", "collective_groups", "compute_groups"]
+__all__ = ["NO_TIME", "Backend", "Clock", "Communicator", "Machine", "Op", "RankState", "collective_groups",
+           "communicator_name", "compute_groups"]
+
+
+class Backend(StrEnum):
+    """Whose blocking rule the machine runs (Note [NCCL order])."""
+
+    GLOO = "gloo"   # a posted op completes as soon as its partners are posted
+    NCCL = "nccl"   # ... and only once every earlier op its rank posted on the same communicator has completed
+
+
+# A communicator, as NCCL sees it: the (lower, higher) rank pair of a send or receive, or a group's name.
+Communicator = tuple[int, int] | str
+
+
+def communicator_name(comm: Communicator) -> str:
+    return f"the pair {comm}" if isinstance(comm, tuple) else f"group '{comm}'"
 
 
 def compute_groups(program: Program) -> dict[tuple[int, int], tuple[str, ...]]:
@@ -76,10 +117,21 @@ class Op:
     parts: list[Op] | None = None     # a compute op's parts, one per group
     matched: list[Op] | None = None   # a part: every member's part of the same call
     waiting: int = 0             # a compute op's parts not yet complete
+    comm: Communicator | None = None  # the communicator a send, receive, collective or part runs on
+    ready: float | None = None   # when it could start: posted, and (NCCL) at the head of its line
+    meeting: _Meeting | None = None   # once matched: the message's two ends, or every member's op of a call
 
     @property
     def done(self) -> bool:
         return self.end is not None
+
+
+@dataclass(eq=False, slots=True)
+class _Meeting:
+    """A matched message or a full call: it runs once none of its ops is `unready` (Note [NCCL order])."""
+
+    ops: list[Op]
+    unready: int
 
 
 class Clock(Protocol):
@@ -127,9 +179,12 @@ class RankState:
 class Machine:
     """All ranks' programs run together under Note [blocking rules], timed by `clock`."""
 
-    def __init__(self, program: Program, clock: Clock = NO_TIME, record: bool = False):
-        """`record`: keep every completed op with its times (`ran`) and the matched messages."""
-        self.program, self.clock, self.record = program, clock, record
+    def __init__(self, program: Program, clock: Clock = NO_TIME, record: bool = False,
+                 backend: Backend = Backend.GLOO):
+        """`record`: keep every completed op with its times (`ran`) and the matched messages;
+        `backend`: whose blocking rule to run (Note [NCCL order])."""
+        self.program, self.clock, self.record, self.backend = program, clock, record, backend
+        self.lines: dict[tuple[int, Communicator], deque[Op]] = {}   # NCCL: (rank, comm) -> ops not yet complete
         self.ranks = [RankState() for _ in program.ranks]
         self.sends: dict[tuple[int, int], deque[Op]] = {}
         self.recvs: dict[tuple[int, int], deque[Op]] = {}
@@ -203,6 +258,7 @@ class Machine:
         if not 0 <= peer < len(self.ranks) or peer == op.rank:
             return at(self.program, op.rank, op.index, f"peer {peer} is not another rank of this "
                       f"{len(self.ranks)}-rank program")
+        self._enter_line(op, (min(channel), max(channel)))
         waiting = theirs.get(channel)
         if not waiting:
             mine.setdefault(channel, deque()).append(op)
@@ -214,11 +270,9 @@ class Machine:
         if problem:
             return at(self.program, recv.rank, recv.index, f"{problem}; the next message from rank "
                       f"{send.rank} is `{send.instr}` (its instruction {send.index})")
-        start, duration = max(send.post, recv.post), self.clock.p2p(send, recv)
-        self._finish(send, start, duration)
-        self._finish(recv, start, duration)
         if self.record:
             self.messages.append((send, recv))
+        self._meet([send, recv])
         return None
 
     def _post_collective(self, op: Op) -> Finding | None:
@@ -231,6 +285,7 @@ class Machine:
             return at(self.program, op.rank, op.index, f"unknown group '{group}'")
         if op.rank not in members:
             return at(self.program, op.rank, op.index, f"rank {op.rank} is not a member of group '{group}'")
+        self._enter_line(op, group)
         k = self.count.get((group, op.rank), 0)
         self.count[(group, op.rank)] = k + 1
         op.call = k
@@ -248,12 +303,71 @@ class Machine:
                           f"{other.rank} calls `{other.instr}` (its instruction {other.index})")
         entry[op.rank] = op
         if len(entry) == len(members):
-            self._complete_call(list(entry.values()))
-            calls[k] = {}   # done: keep no references
+            self._meet(list(entry.values()))
+            calls[k] = {}   # matched: keep no references
         return None
 
+    # -------------------------------------------------------------- starting (Note [NCCL order])
+
+    def _enter_line(self, op: Op, comm: Communicator) -> None:
+        """Under NCCL, queue `op` on its rank's line for `comm`; it is ready once at the head (gloo: at once)."""
+        op.comm = comm
+        if self.backend is Backend.GLOO:
+            op.ready = op.post
+            return
+        line = self.lines.setdefault((op.rank, comm), deque())
+        line.append(op)
+        if len(line) == 1:
+            op.ready = op.post
+
+    def _meet(self, ops: list[Op]) -> None:
+        """A matched message or full call: run it now if all its ops have started, else when the last one does."""
+        unready = sum(o.ready is None for o in ops)
+        if unready == 0:
+            self._run_met(ops)
+            return
+        meeting = _Meeting(ops, unready)
+        for o in ops:
+            o.meeting = meeting
+
+    def _run_met(self, first: list[Op]) -> None:
+        """Complete `first`, then whatever the ops it frees from their lines can now run (a worklist, not
+        recursion: one completion may free a long chain)."""
+        due = [first]
+        while due:
+            ops = due.pop()
+            self._complete(ops)
+            if self.backend is Backend.NCCL:
+                due.extend(m.ops for o in ops if (m := self._leave_line(o)) is not None)
+
+    def _leave_line(self, op: Op) -> _Meeting | None:
+        """`op` completed: the next op of its line starts; its meeting, if that can now run."""
+        assert op.comm is not None and op.end is not None   # a completed op on a line
+        op.meeting = None   # done: no op -> meeting -> op cycle left for the collector
+        line = self.lines[(op.rank, op.comm)]
+        assert line[0] is op   # only the head of a line runs
+        line.popleft()
+        if not line:
+            return None
+        nxt = line[0]
+        nxt.ready = max(nxt.post, op.end)
+        meeting = nxt.meeting
+        if meeting is None:
+            return None
+        meeting.unready -= 1
+        return meeting if meeting.unready == 0 else None
+
+    def _complete(self, ops: list[Op]) -> None:
+        if isinstance(ops[0].instr, (Send, Recv)):
+            send, recv = ops
+            start, duration = max(_started(send), _started(recv)), self.clock.p2p(send, recv)
+            self._finish(send, start, duration)
+            self._finish(recv, start, duration)
+        else:
+            self._complete_call(ops)
+
     def _complete_call(self, ops: list[Op]) -> None:
-        start = max(o.post for o in ops)
+        start = max(_started(o) for o in ops)
         if ops[0].parent is not None:        # parts of compute ops: the compute itself is timed once all are in
             for o in ops:
                 o.start, o.end, o.matched = start, start, ops
@@ -345,12 +459,27 @@ class Machine:
         assert op is not None   # an unfinished rank waits on something
         return op
 
+    def held(self, op: Op) -> tuple[Op, Op] | None:
+        """Under NCCL, why `op` cannot start (Note [NCCL order]): (an op of it, or of its partners, that is not
+        at the head of its line; the op ahead of it there). None where NCCL's order is not what holds it."""
+        for own in op.parts or [op]:
+            for o in own.meeting.ops if own.meeting is not None else [own]:
+                if o.ready is None:
+                    assert o.comm is not None   # only ops on a line wait to start
+                    return o, self.lines[(o.rank, o.comm)][0]
+        return None
+
     def unwaited(self) -> list[tuple[int, Op]]:
         """(handle, op) of posted ops whose handle no wait completes before the step ends."""
         return [(h, op) for state in self.ranks for h, op in state.posted.items() if h not in state.waited]
 
     def end_time(self) -> float:
         return max([s.t for s in self.ranks] + [op.end for op in self.ran if op.end is not None], default=0.0)
+
+
+def _started(op: Op) -> float:
+    assert op.ready is not None   # only ops that started complete
+    return op.ready
 
 
 def _mismatch(send: Send, recv: Recv) -> str:

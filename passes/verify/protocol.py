@@ -14,20 +14,22 @@ a 64-rank, 512-microbatch plan.
 
 from __future__ import annotations
 
-from hetc.passes.verify.deadlock import Stuck, explain_deadlock
+from hetc.passes.verify.deadlock import Stuck, explain_deadlock, held_by_order
 from hetc.passes.verify.errors import Finding, at
-from hetc.passes.verify.machine import Machine
+from hetc.passes.verify.machine import Backend, Machine
 from hetc.program import Program
 
 __all__ = ["check_protocol"]
 
 
-def check_protocol(program: Program, machine: Machine | None = None) -> list[Finding]:
+def check_protocol(program: Program, machine: Machine | None = None,
+                   backend: Backend = Backend.GLOO) -> list[Finding]:
     """Every finding of running all ranks together (empty: deadlock-free and matched).
 
     `machine`: a machine of `program` not yet run, with the clock of whoever reads it after (Note [one run]);
-    by default an untimed one."""
-    machine = Machine(program) if machine is None else machine
+    by default an untimed one. `backend`: whose blocking rule (Note [NCCL order] in machine.py)."""
+    machine = Machine(program, backend=backend) if machine is None else machine
+    assert machine.backend is backend   # a machine given is of the backend asked for
     problem = machine.run()
     if problem:
         return [problem]
@@ -42,5 +44,5 @@ def _deadlock(machine: Machine, active: list[int]) -> list[Finding]:
     stuck = []
     for r in active:
         op = machine.blocked_on(r)
-        stuck.append(Stuck(r, machine.ranks[r].pc, op.instr, op.index, op.call, op.group))
+        stuck.append(Stuck(r, machine.ranks[r].pc, op.instr, op.index, op.call, op.group, held_by_order(machine, op)))
     return explain_deadlock(machine.program, stuck, dict(machine.count))
