@@ -11,7 +11,11 @@ and stored flattened (1-D, the parameter's numel), whatever plan wrote it.
 Beside DCP's files rank 0 writes model.het, the model block the weights
 belong to (explicit: every field written, no hf directory), and, for a
 model read from a Hugging Face directory, its config.json as hf_config.json:
-what `hetc export hf` needs to name and shape the tensors (runtime/hf_export.py).
+what `hetc export hf` needs to name and shape the tensors (runtime/hf_export.py);
+data.json, the data the run trained on (Note [What a checkpoint is of] in
+runtime/checkpoint_identity.py, which a resume compares); and, last,
+checksums.json over every other file (Note [Checkpoint checksums] in
+runtime/checkpoint_files.py).
 
 The data source is stateless ((step, microbatch) -> tokens) and the
 learning rate a function of the step, so the step is all the trainer state.
@@ -32,11 +36,12 @@ loads into a TP=1 plan and back.
 
 Note [Atomic saves]
 All ranks write into DIR/step-N.tmp; once DCP has written the metadata
-(the last act of a save, after every rank's data), rank 0 renames the
-directory to DIR/step-N and then replaces DIR/latest (a one-line file
-naming it) with os.replace. A save that fails or is killed half-way leaves
-at most a stale *.tmp, which the next save removes: `latest` only ever
-names a complete checkpoint.
+(after every rank's data), rank 0 writes model.het, data.json and then the
+checksums of every file, renames the directory to DIR/step-N and then
+replaces DIR/latest (a one-line file naming it) with os.replace. A save
+that fails or is killed half-way leaves at most a stale *.tmp (a failed
+one is removed at once, giving back the space of a full disk), which the
+next save removes: `latest` only ever names a complete checkpoint.
 """
 
 from __future__ import annotations
@@ -46,7 +51,9 @@ import logging
 import os
 import shutil
 import warnings
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -56,6 +63,9 @@ from torch import Tensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import AsyncStager
 
+from hetc.runtime.checkpoint_identity import write_data_identity
+from hetc.runtime.checkpoint_files import (LATEST, CheckpointError, complete_steps, has_checkpoint, verify_manifest,
+                                           write_manifest)
 from hetc.runtime.nn import collectives
 from hetc.frontend.printer import format_spec
 from hetc.runtime.pieces import FlatPieces, PieceLoadPlanner, PieceSavePlanner, layout_pieces
@@ -69,7 +79,11 @@ __all__ = [
     "STEP_KEY",
     "CheckpointError",
     "Checkpointer",
+    "NonFiniteState",
+    "ResumePoint",
     "complete_steps",
+    "find_resumable",
+    "has_checkpoint",
     "latest_checkpoint",
     "load_checkpoint",
     "read_checkpoint",
@@ -79,7 +93,6 @@ __all__ = [
 
 log = logging.getLogger("hetc.runtime")
 
-LATEST = "latest"
 MODEL_FILE = "model.het"
 HF_CONFIG_FILE = "hf_config.json"
 STEP_KEY = "train.step"
@@ -87,8 +100,8 @@ MODEL_PREFIX = "model."
 OPTIM_PREFIX = "optimizer.state."
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be read: missing, incomplete or of another model."""
+class NonFiniteState(CheckpointError):
+    """A save refused: the state holds a NaN or an infinity (Note [finite saves])."""
 
 
 class Checkpointer:
@@ -117,6 +130,9 @@ class Checkpointer:
                 shutil.rmtree(stale, ignore_errors=True)
         collectives.barrier(group=self.group)
         state = _save_state(self.rt.buffers, step)
+        if not _finite_everywhere(state, self.group):
+            raise NonFiniteState(f"step {step}'s weights or optimizer state are not finite: not saved, so that "
+                                 f"{self.directory / LATEST} keeps naming a usable checkpoint")
         writer = dcp.FileSystemWriter(tmp)
         future: Future
         if self.asynchronous:
@@ -131,6 +147,8 @@ class Checkpointer:
                                            process_group=self.group))
             except dcp.CheckpointException as err:
                 future.set_exception(err)
+        if self.leader:     # model.het, data.json, checksums.json: in the background writer's thread, if any
+            future = _then(future, lambda: _describe(self.rt.interpreter.spec, tmp))
         self._pending = (step, tmp, future)
 
     def poll(self) -> None:
@@ -147,11 +165,11 @@ class Checkpointer:
         try:
             future.result()
         except dcp.CheckpointException as err:
-            raise CheckpointError(f"saving step {step} into {tmp} failed: {_cause(err)}; "
-                                  f"{self.directory / LATEST} still names the last complete checkpoint") from None
+            raise _save_failed(step, tmp, _cause(err), self.leader) from None
+        except OSError as err:      # the leader's files beside DCP's
+            raise _save_failed(step, tmp, f"{type(err).__name__}: {err}", self.leader) from None
         final = tmp.with_name(tmp.name.removesuffix(".tmp"))
         if self.leader:
-            _write_model(self.rt.interpreter.spec.model, tmp)
             _publish(self.directory, tmp, final)
             if self.keep is not None:
                 _prune(self.directory, self.keep)
@@ -172,8 +190,9 @@ def save_checkpoint(rt, directory: Path, step: int) -> Path:
 
 
 def load_checkpoint(rt, directory: Path) -> int:
-    """Load the latest checkpoint in `directory` into `rt`; return the next step (0 when there is none)."""
-    path = latest_checkpoint(directory)
+    """Load the checkpoint `find_resumable` picks in `directory` into `rt` (every rank picks it itself);
+    return the next step (0 when there is none)."""
+    path = find_resumable(directory).path
     if path is None:
         log.warning("no checkpoint in %s yet: starting at step 0", directory)
         return 0
@@ -182,10 +201,13 @@ def load_checkpoint(rt, directory: Path) -> int:
     return step
 
 
-def read_checkpoint(buffers: dict[int, Buffers], path: Path, group) -> int:
+def read_checkpoint(buffers: dict[int, Buffers], path: Path, group, weights_only: bool = False) -> int:
     """Fill `buffers` from checkpoint `path` (a step-N directory), each rank its own share (collective over
-    `group`, the plan's ranks); return the next step."""
+    `group`, the plan's ranks); return the next step. `weights_only`: the parameters alone (the optimizer
+    state stays as built, fresh), and the next step is 0. The caller checked the files (`verify_manifest`)."""
     state, kept = _load_state(buffers)
+    if weights_only:
+        state = {k: v for k, v in state.items() if k.startswith(MODEL_PREFIX)}
     try:
         dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=PieceLoadPlanner(), process_group=group)
     except dcp.CheckpointException as err:
@@ -193,10 +215,63 @@ def read_checkpoint(buffers: dict[int, Buffers], path: Path, group) -> int:
     for ms, buf in buffers.items():
         for i, part in enumerate(buf.parts()):
             part.load_params(kept[(ms, i)], part.param_range)
-    step = state[STEP_KEY]
+    step = state.get(STEP_KEY, 0)
     if not isinstance(step, int):
         raise CheckpointError(f"cannot load {path}: its {STEP_KEY} is {step!r}, not a step number")
     return step
+
+
+# Note [Which checkpoint --resume loads]
+# The one DIR/latest names, if it is complete and its files match their checksums (Note [Checkpoint
+# checksums]); otherwise the newest complete step-N that does, with a message naming what was passed over
+# and why: `latest` deleted, naming a missing or incomplete folder, or a corrupt file. `latest` comes first
+# because it is what the run published last (a step-N beside it may be one whose publishing was cut short).
+# A directory with neither `latest` nor a complete step-N holds nothing to resume: `--resume` refuses it,
+# `--resume-if-present` (and --elastic) starts at step 0. One that holds checkpoints but no intact one is an
+# error either way: starting afresh would overwrite them.
+@dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint to resume from (None: the directory holds none) and what was passed over to find it."""
+
+    path: Path | None
+    passed_over: tuple[str, ...] = ()
+
+
+def find_resumable(directory: Path) -> ResumePoint:
+    """The checkpoint in `directory` that --resume loads; see Note [Which checkpoint --resume loads]."""
+    directory = Path(directory)
+    passed: list[str] = []
+    named = _named_by_latest(directory, passed)
+    newest_first = [directory / f"step-{s}" for s in reversed(complete_steps(directory))]
+    candidates = ([named] if named is not None else []) + [p for p in newest_first if p != named]
+    for path in candidates:
+        try:
+            verify_manifest(path)
+        except CheckpointError as err:
+            passed.append(f"skipped {path.name} ({_located(err)})")
+            continue
+        return ResumePoint(path, tuple(passed))
+    if has_checkpoint(directory):
+        raise CheckpointError(f"{directory} holds no intact checkpoint to resume from: passed over "
+                              f"{'; '.join(passed)}", directory / LATEST if not newest_first else None)
+    return ResumePoint(None)
+
+
+def _named_by_latest(directory: Path, passed: list[str]) -> Path | None:
+    """The checkpoint DIR/latest names if it is complete; else None, with the reason in `passed`."""
+    if not (directory / LATEST).is_file():
+        if complete_steps(directory):
+            passed.append(f"{directory / LATEST} is missing")
+        return None
+    try:
+        return latest_checkpoint(directory)
+    except CheckpointError as err:
+        passed.append(str(err))
+        return None
+
+
+def _located(err: CheckpointError) -> str:
+    return f"{err.path}: {err}" if err.path is not None else str(err)
 
 
 def latest_checkpoint(directory: Path) -> Path | None:
@@ -211,14 +286,23 @@ def latest_checkpoint(directory: Path) -> Path | None:
 
 
 def read_params(path: Path) -> dict[str, Tensor]:
-    """The fp32 parameters of checkpoint `path` (a step-N directory), flattened, by name; no process group."""
+    """The fp32 parameters of checkpoint `path` (a step-N directory), flattened, by name; no process group.
+
+    The files are checked against their checksums first (Note [Checkpoint checksums])."""
+    if not (Path(path) / ".metadata").is_file():
+        raise CheckpointError(f"'{path}' is not a complete checkpoint (a step-N folder of `hetc run --checkpoint "
+                              "DIR`)")
+    verify_manifest(Path(path))
     reader = dcp.FileSystemReader(path)
-    sizes = {k: md.size for k, md in reader.read_metadata().state_dict_metadata.items()
-             if k.startswith(MODEL_PREFIX) and isinstance(md, TensorStorageMetadata)}   # parameters: tensors
-    state = {k: torch.empty(size, dtype=torch.float32) for k, size in sizes.items()}
-    with warnings.catch_warnings():     # one process on purpose: DCP warns that it assumes so
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=reader, no_dist=True)
+    try:
+        sizes = {k: md.size for k, md in reader.read_metadata().state_dict_metadata.items()
+                 if k.startswith(MODEL_PREFIX) and isinstance(md, TensorStorageMetadata)}   # parameters: tensors
+        state = {k: torch.empty(size, dtype=torch.float32) for k, size in sizes.items()}
+        with warnings.catch_warnings():     # one process on purpose: DCP warns that it assumes so
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=reader, no_dist=True)
+    except dcp.CheckpointException as err:
+        raise CheckpointError(f"cannot read {path}: {_cause(err)}") from None
     return {k.removeprefix(MODEL_PREFIX): t for k, t in state.items()}
 
 
@@ -257,6 +341,29 @@ def _load_state(buffers: dict[int, Buffers]) -> tuple[dict[str, object], dict[tu
                 for name, pieces in layout_pieces(buf.layout, buf.opt_range, tensor, buf.infos).items():
                     state[f"{OPTIM_PREFIX}{name}.{n}"] = pieces
     return state, kept
+
+
+# Note [finite saves]
+# A checkpoint is for resuming, and weights with a NaN or an infinity cannot be resumed from; a save that
+# would hold any is refused on every rank (one all-reduce of a flag over the saver's group, before DCP
+# writes), so neither `latest` nor retention ever trades a finite checkpoint for a poisoned one. The run
+# normally stops before such a save (Note [non-finite steps] in runtime/worker.py); this is the rule the
+# directory keeps whatever the caller.
+def _finite_everywhere(state: dict[str, object], group) -> bool:
+    """Whether every rank's pieces of `state` are finite (collective over `group`)."""
+    mine = all(bool(torch.isfinite(t).all()) for t in _tensors(state))
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    flag = torch.tensor([1 if mine else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def _tensors(state: dict[str, object]) -> Iterator[Tensor]:
+    for value in state.values():
+        if isinstance(value, Tensor):
+            yield value
+        elif isinstance(value, FlatPieces):
+            yield from (view for _, view in value.chunks)
 
 
 class _HostStager(AsyncStager):
@@ -304,16 +411,6 @@ def _publish(directory: Path, tmp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def complete_steps(directory: Path) -> list[int]:
-    """The steps of the complete checkpoints in `directory` (their metadata written), oldest first."""
-    steps = []
-    for path in Path(directory).glob("step-*"):
-        number = path.name.removeprefix("step-")
-        if number.isdigit() and (path / ".metadata").is_file():
-            steps.append(int(number))
-    return sorted(steps)
-
-
 def _prune(directory: Path, keep: int) -> None:
     """Remove complete checkpoints but the newest `keep` (and never the one `latest` names)."""
     latest = (directory / LATEST).read_text().strip()
@@ -336,6 +433,55 @@ def _fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _then(future: Future, finish: Callable[[], None]) -> Future:
+    """A future done once `future` succeeded and then `finish` ran, in the thread that completed `future`
+    (an async save's writer: off the training loop), or failed with the first error."""
+    done: Future = Future()
+
+    def chain(first: Future) -> None:
+        try:
+            first.result()
+            finish()
+        except BaseException as err:  # noqa: BLE001 - handed over to whoever waits on `done`
+            done.set_exception(err)
+        else:
+            done.set_result(None)
+
+    future.add_done_callback(chain)
+    return done
+
+
+def _describe(spec: Spec, tmp: Path) -> None:
+    """What the checkpoint is of, then the checksums of every file: the last writes before publishing
+    (Notes [What a checkpoint is of], [Checkpoint checksums])."""
+    _write_model(spec.model, tmp)
+    write_data_identity(spec, tmp)
+    write_manifest(tmp)
+
+
+def _save_failed(step: int, tmp: Path, cause: str, leader: bool) -> CheckpointError:
+    """The error of a save that failed: which folder, why (a full disk says so: the zip writer of a DCP
+    shard reports it as "unexpected pos"), and that `latest` is untouched. The leader removes the partial
+    step-N.tmp, giving the space back (Note [Atomic saves])."""
+    free = _free_bytes(tmp.parent)
+    if leader:
+        shutil.rmtree(tmp, ignore_errors=True)
+    why = f"the disk is full ({free} bytes free on the file system of {tmp.parent}): {cause}" \
+        if free is not None and free < _FULL_BELOW else f"a write failed: {cause}"
+    return CheckpointError(f"saving step {step} into {tmp} failed: {why}; {tmp.parent / LATEST} still names "
+                           "the last complete checkpoint, if any", tmp.parent)
+
+
+_FULL_BELOW = 1 << 20    # bytes: less than this left after a failed write is a full disk
+
+
+def _free_bytes(directory: Path) -> int | None:
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return None
 
 
 def _cause(err: dcp.CheckpointException) -> str:

@@ -14,9 +14,10 @@ flight, Note [Preemption]). Each start of the workers is one pass here:
   3. launch rank 0 plans it (`plan_checked`), compiles and verifies it into
      CHECKPOINT/elastic/plan-R (R counts the starts), and names the folder in the
      store; the rest wait for the name and verify the programs themselves;
-  4. processes the plan uses run it, resuming from the latest complete
-     checkpoint (plan-free, so resharded on load); the others idle until
-     the run ends;
+  4. processes the plan uses run it, resuming as --resume-if-present does
+     (the newest intact checkpoint, or step 0 on the first start: Note
+     [Which checkpoint --resume loads]; plan-free, so resharded on load);
+     the others idle until the run ends;
   5. plan rank 0 prints what changed and the reconfiguration time split into
      re-plan, compile+verify and checkpoint load, and appends it to
      CHECKPOINT/elastic/reconfig.jsonl (benchmarks/elastic.py reads it).

@@ -21,6 +21,7 @@ from hetc.errors import SpecError
 from hetc.hf.config import CONFIG_FILE, HfError
 from hetc.hf.names import hf_name
 from hetc.hf.weights import INDEX_FILE
+from hetc.outdir import OutputKind, Protected, check_output_dir, write_output_dir
 from hetc.spec import Arch, DType, ModelSpec
 
 if TYPE_CHECKING:
@@ -86,15 +87,18 @@ def _architecture(model: ModelSpec) -> tuple[str, str]:
 
 def export_hf(checkpoint: Path, out: Path, *, dtype: DType = DType.FP32,
               max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[Path]:
-    """Write `out`/config.json, the shards and the index; return the shard paths."""
+    """Write `out`/config.json, the shards and the index (a new directory, or one hetc exported to before);
+    return the shard paths."""
     from safetensors.torch import save_file
 
     from hetc.runtime.checkpoint import read_params
     from hetc.runtime.nn.model import compute_dtype, full_shapes
 
+    guards = [Protected(Path(checkpoint), "the checkpoint")]
+    check_output_dir(Path(out), OutputKind.HF_EXPORT, guards)    # before the work: the write checks again
+    params = read_params(Path(checkpoint))     # first: it checks every file's checksum (model.het's too)
     model, base = read_checkpoint_model(Path(checkpoint))
     config = hf_config(model, dtype, base)
-    params = read_params(Path(checkpoint))
     shapes = full_shapes(model)
     if set(params) != set(shapes):
         raise HfError(f"{checkpoint} does not hold the parameters of its {Path(checkpoint) / 'model.het'}: "
@@ -102,20 +106,20 @@ def export_hf(checkpoint: Path, out: Path, *, dtype: DType = DType.FP32,
     torch_dtype = compute_dtype(dtype)
     tensors = {hf_name(n): params[n].view(shapes[n]).to(torch_dtype).contiguous() for n in shapes}
     shards = _shards(tensors, max_shard_bytes)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    weight_map: dict[str, str] = {}
-    paths: list[Path] = []
-    for i, names in enumerate(shards, 1):
-        path = out / f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file({n: tensors[n] for n in names}, str(path), metadata={"format": "pt"})
-        weight_map.update((n, path.name) for n in names)
-        paths.append(path)
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                             indent=2) + "\n")
-    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    return paths
+    names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+
+    def fill(tmp: Path) -> None:   # a whole directory at once, replacing only an export (hetc/outdir.py)
+        weight_map: dict[str, str] = {}
+        for name, shard in zip(names, shards):
+            save_file({n: tensors[n] for n in shard}, str(tmp / name), metadata={"format": "pt"})
+            weight_map.update((n, name) for n in shard)
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                 indent=2) + "\n")
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+
+    write_output_dir(Path(out), OutputKind.HF_EXPORT, fill, guards)
+    return [Path(out) / name for name in names]
 
 
 def read_checkpoint_model(checkpoint: Path) -> tuple[ModelSpec, dict[str, Any] | None]:

@@ -18,6 +18,7 @@ gradient of its input to the unit before it.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -54,6 +55,8 @@ class StepResult:
     seconds: float
     events: list[tuple[int, float, float]] = field(default_factory=list)   # (instr index, start, end)
     classes: dict[str, float] = field(default_factory=dict)   # seconds per TimeClass (Note [time classes])
+    grad_norm: float | None = None     # the global gradient norm before clipping, where the step computes it
+    skipped: bool = False              # the update was skipped: a non-finite gradient norm (Note [non-finite steps])
 
 
 @dataclass
@@ -77,6 +80,7 @@ class Interpreter:
         self.ends = {ms: stop_layer[ms] == spec.model.num_model_layers for ms in buffers}
         self.counts_loss = place.counts_loss
         self.training = True
+        self.skip_nonfinite = False    # set by `hetc run --on-nonfinite skip`: Note [non-finite steps]
         # one handler per instruction class, each taking its own class (so the table's value type is loose)
         self._handlers: dict[type[Instr], Callable[..., None]] = {
             Load: self._load, Forward: self._forward, Backward: self._backward,
@@ -127,7 +131,7 @@ class Interpreter:
         loop_end = time.perf_counter() - t0
         self._end(step)
         split = {c.value: s for c, s in class_times(self.program.instrs, reached, loop_end).items()} if classes else {}
-        return StepResult(self.loss_total, time.perf_counter() - t0, events, split)
+        return StepResult(self.loss_total, time.perf_counter() - t0, events, split, self.grad_norm, self.skip_update)
 
     def _begin(self, step: int) -> None:
         self.step_idx = step
@@ -147,6 +151,8 @@ class Interpreter:
         self.losses: list[float] = []
         self.loss_total = float("nan")
         self.clip = 1.0
+        self.grad_norm: float | None = None
+        self.skip_update = False
         if self.training:
             for buf in self.buffers.values():
                 buf.zero_grads()
@@ -442,7 +448,9 @@ class Interpreter:
         total = torch.tensor([local], dtype=torch.float64, device=self.device)
 
         def done() -> None:
-            self.clip = clip_coefficient(float(total.item()), self.train.grad_clip)
+            self.grad_norm = math.sqrt(float(total.item()))
+            self.skip_update = self.skip_nonfinite and not math.isfinite(self.grad_norm)
+            self.clip = 1.0 if self.skip_update else clip_coefficient(float(total.item()), self.train.grad_clip)
         self._post(instr, self.comm.all_reduce(total, group), done)
 
     def _all_to_all(self, instr: AllToAll) -> None:
@@ -457,8 +465,9 @@ class Interpreter:
             grad = buf.step_grad()
             if self.clip != 1.0:
                 grad = grad * self.clip
-            optimizer_step(self.model.optimizer, buf.master, grad, buf.opt_state,
-                           lr=lr_at(self.train, self.step_idx), step=self.step_idx)
+            if not self.skip_update:
+                optimizer_step(self.model.optimizer, buf.master, grad, buf.opt_state,
+                               lr=lr_at(self.train, self.step_idx), step=self.step_idx)
             buf.publish()
             buf.drop_reduced()
 

@@ -4,8 +4,10 @@ Rank 0 prints `step 3/30  loss 4.9485  2,310 tokens/s  0.041 s/step` (with
 `val_loss 5.0012` after the loss on steps that evaluate) and, with
 `--metrics FILE`, writes one JSON object per step (step, loss,
 step_time_s, tokens_per_s, peak_memory_bytes per rank, class_times_s: per
-rank, the step's seconds per TimeClass, Note [time classes], and val_loss on
-steps that evaluate). Per-rank peak
+rank, the step's seconds per TimeClass, Note [time classes], val_loss on
+steps that evaluate, grad_norm where the step computes it (under clipping)
+and `"skipped": true` on a step whose update was skipped, Note [non-finite
+steps] in runtime/worker.py). Per-rank peak
 memory travels through the rendezvous store, outside the program's
 collectives. With `--trace FILE` the last step is timed per instruction on
 every rank and rank 0 writes a measured `Timeline` (the format of the
@@ -65,13 +67,18 @@ class Reporter:
         done = step + 1   # Note [step numbers]
         if not self.opts.quiet:
             val = "" if val_loss is None else f"  val_loss {val_loss:.4f}"
+            skipped = f"  update skipped (gradient norm {result.grad_norm})" if result.skipped else ""
             print(f"step {done}/{total}  loss {result.loss:.4f}{val}  {tps:,.0f} tokens/s  "
-                  f"{result.seconds:.3f} s/step", flush=True)
+                  f"{result.seconds:.3f} s/step{skipped}", flush=True)
         if self.metrics is not None:
             record = {"step": done, "loss": result.loss, "step_time_s": result.seconds, "tokens_per_s": tps,
                       "peak_memory_bytes": memories, "class_times_s": classes}
             if val_loss is not None:
                 record["val_loss"] = val_loss
+            if result.grad_norm is not None:
+                record["grad_norm"] = result.grad_norm
+            if result.skipped:
+                record["skipped"] = True
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()
 

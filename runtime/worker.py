@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import os
 import socket
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 
 import torch
@@ -39,8 +41,8 @@ from hetc.runtime.setup import build_rank
 from hetc.runtime.watchdog import Watchdog, attempt_prefix, store_client
 from hetc.spec import DeviceSpec
 
-__all__ = ["EnvError", "Launch", "PeerFailure", "RunOptions", "describe_latest", "launch_env",
-           "rendezvous_store", "run_placed", "run_worker"]
+__all__ = ["DIVERGED_STATUS", "EnvError", "Launch", "NonFinite", "PeerFailure", "RunOptions", "describe_latest",
+           "launch_env", "rendezvous_store", "run_placed", "run_worker"]
 
 log = logging.getLogger("hetc.runtime")
 
@@ -53,6 +55,26 @@ class PeerFailure(RuntimeError):
     """Another rank died or stopped answering; the message names it."""
 
 
+# Note [non-finite steps]
+# A step whose loss or global gradient norm is not finite (a diverged run: lr too high, an overflow) has
+# already poisoned the weights it updated. By default (`stop`) every rank sees the same all-reduced loss and
+# norm, so all stop together after that step, before it is saved, and the run exits DIVERGED_STATUS naming
+# the step: every checkpoint it left has the finite weights of an earlier step, and `latest` names one of
+# them (a save also refuses non-finite weights: Note [finite saves] in runtime/checkpoint.py). `skip` does
+# what Megatron's and DeepSpeed's loss scalers do on an overflow: the optimizer update of that step is not
+# applied (the learning-rate schedule still advances), counted, and reported. Deciding before the update
+# needs the global gradient norm before any ministage steps, which hetc computes only under clipping
+# (passes/lower/zero.py: grad_clip turns off Zorse's interleaved update), so `skip` needs train.grad_clip.
+class NonFinite(StrEnum):
+    """What `hetc run` does after a step whose loss or gradient norm is not finite."""
+
+    STOP = "stop"
+    SKIP = "skip"
+
+
+DIVERGED_STATUS = 3   # a run stopped by a non-finite step (1 is a failure, 2 bad input, 143 preempted)
+
+
 @dataclass(frozen=True)
 class RunOptions:
     steps: int | None = None
@@ -61,12 +83,15 @@ class RunOptions:
     checkpoint: Path | None = None
     every: int = 0
     keep: int | None = None
-    resume: bool = False
+    resume: bool = False                # resume from --checkpoint; a directory holding none is an error
+    resume_if_present: bool = False     # resume when there is a checkpoint, else start at step 0 (--elastic)
+    weights_from: Path | None = None    # --load-weights-only: a checkpoint's weights, when nothing is resumed
     timeout_s: float = 120.0
     heartbeat_timeout_s: float = 10.0
     grace_s: float = 30.0
     elastic: bool = False
     quiet: bool = False
+    on_nonfinite: NonFinite = NonFinite.STOP
 
 
 @dataclass(frozen=True)
@@ -171,17 +196,33 @@ def _train(plan_dir: Path, opts: RunOptions, rank: int, spec, pipeline, program,
            timeout: datetime.timedelta, preemption: Preemption, hooks: _Hooks) -> int:
     groups = make_groups(program.groups, timeout)
     data = make_data_source(spec.model, spec.train, plan_dir)
-    rt = build_rank(spec, pipeline, program, rank, groups, data, device, resumes=_resumes(opts))
+    start_from = _start_point(opts, spec, rank)
+    rt = build_rank(spec, pipeline, program, rank, groups, data, device, resumes=start_from is not None)
     evaluator = make_evaluator(spec, pipeline, program, rank, plan_dir)
-    saver = _checkpointer(rt, opts, timeout)
+    if opts.on_nonfinite is NonFinite.SKIP and not spec.train.grad_clip:
+        raise EnvError("--on-nonfinite skip needs train.grad_clip in the spec: the global gradient norm it "
+                       "checks before the update is computed only under clipping (Note [non-finite steps])")
+    rt.interpreter.skip_nonfinite = opts.on_nonfinite is NonFinite.SKIP
+    saver, lock = _checkpointer(rt, opts, timeout, rank)
+    try:
+        return _steps(rt, opts, rank, spec, pipeline, program, device, saver, evaluator, preemption, hooks,
+                      start_from)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _steps(rt, opts: RunOptions, rank: int, spec, pipeline, program, device: torch.device, saver, evaluator,
+           preemption: Preemption, hooks: _Hooks, start_from: _Start | None) -> int:
     if opts.elastic:        # every rank: the load time below is the load's, not the wait for the last rank to start
         collectives.barrier()
     loading = time.perf_counter()
-    start = _resume(rt, opts) if opts.resume else 0
+    start = _load(rt, start_from) if start_from is not None else 0
     if hooks.on_resumed is not None:
         hooks.on_resumed(start, time.perf_counter() - loading)
     reporter = Reporter(rank, spec, pipeline, program, opts, device, append=start > 0)
     steps = spec.train.steps if opts.steps is None else opts.steps
+    skipped = 0
     for step in range(start, steps):
         traced = opts.trace is not None and step == steps - 1
         result = rt.interpreter.run_step(step, trace=traced, classes=opts.metrics is not None)
@@ -189,16 +230,60 @@ def _train(plan_dir: Path, opts: RunOptions, rank: int, spec, pipeline, program,
         reporter.step(step, steps, result, val_loss)
         if step == start and hooks.on_first_step is not None:
             hooks.on_first_step()
+        what = _nonfinite(result)
+        if what and not result.skipped:
+            return _diverged(saver, rank, step + 1, what, opts)
+        skipped += result.skipped
         if preemption.should_stop(step + 1) and step + 1 < steps:
             return _preempted(saver, rank, step + 1)
         if saver is not None and _saves_after(opts, step + 1, steps):
-            saver.save(step + 1)
+            if not _saved(saver, step + 1):
+                return _diverged(saver, rank, step + 1, "its weights or optimizer state are not finite", opts)
         elif saver is not None:
             saver.poll()
     if saver is not None:
         saver.wait()
     reporter.finish()
+    if skipped and rank == 0:
+        print(f"hetc run: {skipped} of {steps - start} steps skipped their update: a non-finite gradient norm "
+              "(--on-nonfinite skip)", file=sys.stderr, flush=True)
     return 0
+
+
+def _saved(saver, done: int) -> bool:
+    """Start saving step `done`; False when the state is not finite (the loss can still be, when an
+    optimizer state overflowed first), which is a diverged step too."""
+    from hetc.runtime.checkpoint import NonFiniteState
+
+    try:
+        saver.save(done)
+    except NonFiniteState:
+        return False
+    return True
+
+
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+def _nonfinite(result) -> str:
+    """What was not finite in a step (the same on every rank: both values are all-reduced), or ''."""
+    parts = [f"the loss is {result.loss}" if not math.isfinite(result.loss) else "",
+             f"the gradient norm is {result.grad_norm}"
+             if result.grad_norm is not None and not math.isfinite(result.grad_norm) else ""]
+    return " and ".join(p for p in parts if p)
+
+
+def _diverged(saver, rank: int, done: int, what: str, opts: RunOptions) -> int:
+    """Every rank stops after step `done`, unsaved: Note [non-finite steps]."""
+    if saver is not None:
+        saver.wait()        # a save of an earlier, finite step still in flight completes
+    if rank == 0:
+        hint = "lower the learning rate, set train.grad_clip" + (
+            "" if opts.on_nonfinite is NonFinite.SKIP else ", or skip such steps with --on-nonfinite skip")
+        print(f"hetc run: error: step {done}: {what}; stopped without saving it. "
+              f"{_sentence(describe_latest(opts.checkpoint))}. To go on: {hint}", file=sys.stderr, flush=True)
+    return DIVERGED_STATUS
 
 
 @dataclass(frozen=True)
@@ -207,14 +292,26 @@ class _Hooks:
     on_first_step: Callable[[], None] | None = None
 
 
-def _checkpointer(rt, opts: RunOptions, timeout: datetime.timedelta):
+def _checkpointer(rt, opts: RunOptions, timeout: datetime.timedelta, rank: int):
+    """The run's saver and, on plan rank 0, the directory's lock (Note [Checkpoint directory lock]);
+    every rank raises CheckpointBusy when another run holds it."""
     if opts.checkpoint is None:
-        return None
+        return None, None
     from hetc.runtime.checkpoint import Checkpointer
+    from hetc.runtime.checkpoint_lock import CheckpointBusy, lock_checkpoint_dir
 
     # a gloo group of its own for the background writer: see Note [Async saves]
     group = dist.new_group(list(range(dist.get_world_size())), timeout=timeout, backend="gloo")
-    return Checkpointer(rt, opts.checkpoint, opts.keep, group, asynchronous=True)
+    lock, refusal = None, [""]
+    if rank == 0:
+        try:
+            lock = lock_checkpoint_dir(opts.checkpoint)
+        except CheckpointBusy as err:
+            refusal = [str(err)]
+    dist.broadcast_object_list(refusal, src=0, group=group)
+    if refusal[0]:
+        raise CheckpointBusy(refusal[0])
+    return Checkpointer(rt, opts.checkpoint, opts.keep, group, asynchronous=True), lock
 
 
 def _preempted(saver, rank: int, done: int) -> int:
@@ -233,12 +330,15 @@ def describe_latest(directory: Path | None) -> str:
     """Which checkpoint a rerun with --resume would start from (for messages after an interruption)."""
     if directory is None:
         return "no checkpoint was being saved (no --checkpoint)"
-    from hetc.runtime.checkpoint import CheckpointError, latest_checkpoint
+    from hetc.runtime.checkpoint import CheckpointError, complete_steps, latest_checkpoint
 
     try:
         path = latest_checkpoint(directory)
-    except CheckpointError as err:
-        return str(err)
+    except CheckpointError:
+        path = None     # --resume passes over it: Note [Which checkpoint --resume loads]
+    steps = complete_steps(directory)
+    if path is None and steps:
+        path = Path(directory) / f"step-{steps[-1]}"
     if path is None:
         return f"no complete checkpoint in {directory} yet"
     return f"the latest complete checkpoint is {path} (continue with --resume)"
@@ -259,18 +359,77 @@ def _device(kind: DeviceSpec, local_rank: int) -> torch.device:
     return device
 
 
-def _resumes(opts: RunOptions) -> bool:
-    """Whether `_resume` will load a checkpoint (not start at step 0 because none was saved yet)."""
-    if not opts.resume or opts.checkpoint is None:
-        return False    # no import of the checkpoint module (torch.distributed.checkpoint takes a second)
-    from hetc.runtime.checkpoint import latest_checkpoint
+@dataclass(frozen=True)
+class _Start:
+    """The checkpoint a run starts from, and whether it takes only its weights (--load-weights-only)."""
 
-    return latest_checkpoint(opts.checkpoint) is not None
+    path: Path
+    weights_only: bool
 
 
-def _resume(rt, opts: RunOptions) -> int:
-    from hetc.runtime.checkpoint import load_checkpoint
-
-    if opts.checkpoint is None:
+def _start_point(opts: RunOptions, spec, rank: int) -> _Start | None:
+    """The checkpoint this run loads, if any. Plan rank 0 chooses it (it alone reads the checksums and
+    compares the checkpoint with the spec) and broadcasts the choice or the error, so that every rank loads
+    the same one or raises the same error: Notes [Which checkpoint --resume loads], [What a checkpoint is of]."""
+    if not (opts.resume or opts.resume_if_present or opts.weights_from is not None):
+        return None     # no import of the checkpoint module (torch.distributed.checkpoint takes a second)
+    if (opts.resume or opts.resume_if_present) and opts.checkpoint is None:
         raise EnvError("--resume needs --checkpoint DIR")
-    return load_checkpoint(rt, opts.checkpoint)
+    from hetc.runtime.checkpoint import CheckpointError
+
+    answer: list[object] = [None, False, "", None]     # path, weights only, error, the error's file
+    if rank == 0:
+        try:
+            start = _choose_start(opts, spec)
+            answer = [str(start.path) if start else None, start.weights_only if start else False, "", None]
+        except CheckpointError as err:
+            answer = [None, False, str(err), str(err.path) if err.path is not None else None]
+    dist.broadcast_object_list(answer, src=0)
+    path, weights_only, error, where = answer
+    if error:
+        raise CheckpointError(str(error), Path(str(where)) if where else None)
+    return _Start(Path(str(path)), bool(weights_only)) if path else None
+
+
+def _choose_start(opts: RunOptions, spec) -> _Start | None:
+    from hetc.runtime.checkpoint import CheckpointError, find_resumable
+    from hetc.runtime.checkpoint_files import nothing_to_resume
+    from hetc.runtime.checkpoint_identity import check_resumable
+
+    start = None
+    if (opts.resume or opts.resume_if_present) and opts.checkpoint is not None:
+        point = find_resumable(opts.checkpoint)
+        if point.path is not None and point.passed_over:
+            log.warning("--resume: %s; resuming from %s", "; ".join(point.passed_over), point.path)
+        if point.path is None and opts.resume:
+            raise CheckpointError(nothing_to_resume(opts.checkpoint))
+        start = _Start(point.path, weights_only=False) if point.path is not None else None
+    if start is None and opts.weights_from is not None:
+        start = _Start(_weights_checkpoint(opts.weights_from), weights_only=True)
+    if start is not None:
+        check_resumable(start.path, spec, start.weights_only)
+    return start
+
+
+def _weights_checkpoint(path: Path) -> Path:
+    """--load-weights-only's checkpoint: a step-N folder, or the one --resume would pick in a directory."""
+    from hetc.runtime.checkpoint import CheckpointError, find_resumable
+    from hetc.runtime.checkpoint_files import verify_manifest
+
+    if (path / ".metadata").is_file():
+        verify_manifest(path)
+        return path
+    found = find_resumable(path).path if path.is_dir() else None
+    if found is None:
+        raise CheckpointError(f"--load-weights-only: {path} is neither a checkpoint (a step-N folder) nor a "
+                              "directory holding one")
+    return found
+
+
+def _load(rt, start: _Start) -> int:
+    """Load `start` into `rt`; the next step (0 after --load-weights-only)."""
+    from hetc.runtime.checkpoint import read_checkpoint
+
+    step = read_checkpoint(rt.buffers, start.path, rt.interpreter.comm.group("world"), start.weights_only)
+    log.info("%s %s at step %d", "weights from" if start.weights_only else "resumed from", start.path, step)
+    return 0 if start.weights_only else step

@@ -16,6 +16,7 @@ import torch
 
 from hetc.cli import main as hetc_main
 from hetc.runtime.checkpoint import LATEST, CheckpointError, latest_checkpoint, read_params
+from hetc.runtime.checkpoint_lock import LOCK_FILE
 from tests.conftest import REFERENCE_STEPS, ROOT
 from tests.rank_pool import PlanJob, agreed_losses, assert_losses_close, assert_params_close
 
@@ -97,7 +98,7 @@ def test_hetc_run_saves_every_k_steps_and_resumes(demo_plan_dirs, demo_reference
     plan, ckpt, metrics = demo_plan_dirs["single"], tmp_path / "ckpt", tmp_path / "m.jsonl"
     first = _hetc_run(plan, "--steps", 3, "--checkpoint", ckpt, "--every", 2)
     assert first.returncode == 0, first.stderr
-    assert sorted(p.name for p in ckpt.iterdir()) == [LATEST, "step-2", "step-3"]
+    assert sorted(p.name for p in ckpt.iterdir() if p.name != LOCK_FILE) == [LATEST, "step-2", "step-3"]
     second = _hetc_run(plan, "--steps", REFERENCE_STEPS, "--checkpoint", ckpt, "--resume", "--metrics", metrics)
     assert second.returncode == 0, second.stderr
     records = [json.loads(line) for line in metrics.read_text().splitlines()]

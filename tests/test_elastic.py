@@ -100,7 +100,7 @@ def test_launched_nodes_of_different_sizes_train_to_the_reference(mixed_plan, mi
 def test_sigterm_to_one_node_saves_the_step_and_the_restart_loses_none(mixed_plan, mixed_reference, tmp_path):
     port, metrics, ckpt = free_port(), tmp_path / "m.jsonl", tmp_path / "ckpt"
     args = ["run", str(mixed_plan), "--steps", str(ELASTIC_STEPS), "--metrics", str(metrics), *PATIENT,
-            "--checkpoint", str(ckpt), "--resume"]
+            "--checkpoint", str(ckpt), "--resume-if-present"]   # the first start finds no checkpoint
     with _agents() as agents:
         small = start_agent("small", 1, port, args, tmp_path, max_restarts=1)
         agents.append(small)

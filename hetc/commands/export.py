@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from hetc.commands import Subparsers
@@ -20,7 +21,9 @@ def register(sub: Subparsers) -> None:
                                        "DIR/model.safetensors.index.json, which transformers' "
                                        "from_pretrained loads.")
     h.add_argument("checkpoint", metavar="CHECKPOINT", help="a step-N checkpoint folder")
-    h.add_argument("-o", "--output", required=True, metavar="DIR", help="the Hugging Face directory to write")
+    h.add_argument("-o", "--output", required=True, metavar="DIR",
+                   help="the Hugging Face directory to write: a new or empty directory, or an earlier export "
+                        "(replaced whole); never one holding a file hetc did not write, such as a downloaded model")
     h.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
                    help="dtype of the written tensors (default fp32, the master weights)")
     h.add_argument("--max-shard-size", type=float, default=2.0, metavar="GB",
@@ -31,6 +34,7 @@ def register(sub: Subparsers) -> None:
 def _hf(args: argparse.Namespace) -> int:
     from hetc.errors import UsageError
     from hetc.hf.config import HfError
+    from hetc.runtime.checkpoint_files import CheckpointError
     from hetc.runtime.hf_export import export_hf
     from hetc.spec import DType
 
@@ -41,5 +45,8 @@ def _hf(args: argparse.Namespace) -> int:
                           max_shard_bytes=int(args.max_shard_size * (1 << 30)))
     except HfError as err:
         raise UsageError(str(err)) from None
+    except CheckpointError as err:      # a corrupt or truncated file: located, Note [Checkpoint checksums]
+        print(err.render(), file=sys.stderr)
+        return 2
     print(f"wrote {args.output}: config.json and {len(paths)} safetensors shard(s)")
     return 0

@@ -47,7 +47,18 @@ def register(sub: Subparsers) -> None:
                    help="save every K steps (and always after the last step)")
     p.add_argument("--keep", type=int, metavar="N",
                    help="keep only the newest N complete checkpoints (older ones go once a newer one is complete)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the checkpoint DIR/latest names in --checkpoint DIR (if it is missing or "
+                        "corrupt, from the newest intact step-N, saying which it passed over); the model, "
+                        "optimizer and data must be the checkpoint's; a DIR holding no checkpoint is an error")
+    p.add_argument("--resume-if-present", action="store_true",
+                   help="like --resume, but start at step 0 when --checkpoint DIR holds no checkpoint yet "
+                        "(for a job script that is rerun after every interruption)")
+    p.add_argument("--load-weights-only", type=Path, metavar="CHECKPOINT",
+                   help="fine-tuning: start at step 0 from the weights of CHECKPOINT (a step-N folder, or the "
+                        "checkpoint --resume would pick in a directory) with fresh optimizer state; the model "
+                        "must match it, the optimizer and data may differ; with --resume-if-present, a "
+                        "checkpoint in --checkpoint DIR wins")
     p.add_argument("--elastic", action="store_true",
                    help="under torchrun --nnodes MIN:MAX: on every (re)start re-plan SPEC on the nodes present, "
                         "compile, verify and resume from the latest complete checkpoint")
@@ -57,6 +68,11 @@ def register(sub: Subparsers) -> None:
     p.add_argument("--heartbeat-timeout", type=float, default=10.0, metavar="S",
                    help="a rank whose heartbeat stops for S seconds is taken for dead and every rank exits "
                         "(raise it where ranks share starved CPUs)")
+    p.add_argument("--on-nonfinite", choices=("stop", "skip"), default="stop",
+                   help="after a step whose loss or gradient norm is NaN or infinite: stop before saving it "
+                        "(exit 3; every checkpoint keeps finite weights), or skip its update and go on, "
+                        "counted and reported, as Megatron's and DeepSpeed's loss scalers do (needs "
+                        "train.grad_clip)")
     p.add_argument("-q", "--quiet", action="store_true", help="print no line per step")
     p.add_argument("--timeout", type=float, default=120.0, metavar="S", help="collective timeout in seconds")
     p.set_defaults(func=run)
@@ -77,9 +93,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--stop-timeout must be positive")
     if args.heartbeat_timeout <= 0:
         raise UsageError("--heartbeat-timeout must be positive")
-    for flag in ("resume", "every", "keep"):
+    for flag in ("resume", "resume_if_present", "every", "keep"):
         if getattr(args, flag) and args.checkpoint is None:
-            raise UsageError(f"--{flag} needs --checkpoint DIR")
+            raise UsageError(f"--{flag.replace('_', '-')} needs --checkpoint DIR")
+    _check_checkpoint_flags(args)
     try:
         if args.local is not None:
             return _local(args)
@@ -90,6 +107,34 @@ def run(args: argparse.Namespace) -> int:
     except ProgramFormatError as err:
         print(f"{err.source or args.dir}:{err.line}: error: {str(err).split(': ', 1)[-1]}", file=sys.stderr)
         return 2
+
+
+def _check_checkpoint_flags(args: argparse.Namespace) -> None:
+    """What the checkpoint flags need, checked before any rank starts: Note [Which checkpoint --resume loads]
+    in runtime/checkpoint.py."""
+    from hetc.runtime.checkpoint_files import CheckpointError, check_writable, has_checkpoint, nothing_to_resume
+
+    if args.resume and args.resume_if_present:
+        raise UsageError("--resume and --resume-if-present exclude each other: pick one")
+    if args.resume and args.load_weights_only is not None:
+        raise UsageError("--load-weights-only starts from its CHECKPOINT only when there is nothing to resume: "
+                         "use it with --resume-if-present, not --resume")
+    if args.load_weights_only is not None and not args.load_weights_only.exists():
+        raise UsageError(f"--load-weights-only: {args.load_weights_only} does not exist")
+    if args.resume and not args.elastic and not has_checkpoint(args.checkpoint):
+        raise UsageError(nothing_to_resume(args.checkpoint))
+    if args.local is not None and args.checkpoint is not None and args.checkpoint.is_dir():
+        _refuse_busy_checkpoint(args.checkpoint)     # first: a run in progress is the likelier story
+    continues = args.resume or args.resume_if_present or args.elastic
+    if args.checkpoint is not None and not continues and has_checkpoint(args.checkpoint):
+        raise UsageError(f"{args.checkpoint} holds the checkpoints of an earlier run; starting at step 0 would "
+                         "overwrite them: add --resume to continue that run, or give this one another "
+                         "--checkpoint DIR")
+    if args.checkpoint is not None:
+        try:
+            check_writable(args.checkpoint)
+        except CheckpointError as err:
+            raise UsageError(str(err)) from None
 
 
 def _check_elastic(args: argparse.Namespace) -> None:
@@ -108,30 +153,34 @@ def _check_elastic(args: argparse.Namespace) -> None:
 def _rank(args: argparse.Namespace) -> int:
     from hetc.runtime.data import DataError
     from hetc.runtime.placement import ClusterMismatch
-    from hetc.runtime.worker import EnvError, PeerFailure, RunOptions, describe_latest, run_worker
+    from hetc.runtime.checkpoint_lock import CheckpointBusy
+    from hetc.runtime.worker import EnvError, NonFinite, PeerFailure, RunOptions, describe_latest, run_worker
 
     opts = RunOptions(steps=args.steps, metrics=args.metrics, trace=args.trace, checkpoint=args.checkpoint,
-                      every=args.every, keep=args.keep, resume=args.resume or args.elastic, timeout_s=args.timeout,
+                      every=args.every, keep=args.keep, resume=args.resume,
+                      resume_if_present=args.resume_if_present or args.elastic,
+                      weights_from=args.load_weights_only, timeout_s=args.timeout,
                       grace_s=args.stop_timeout, heartbeat_timeout_s=args.heartbeat_timeout,
-                      elastic=args.elastic, quiet=args.quiet)
+                      elastic=args.elastic, quiet=args.quiet, on_nonfinite=NonFinite(args.on_nonfinite))
     try:
         if args.elastic:
             from hetc.runtime.elastic import run_elastic
 
             return run_elastic(args.dir, opts)
         return run_worker(args.dir, opts)
-    except (EnvError, ClusterMismatch, DataError) as err:
+    except (EnvError, ClusterMismatch, DataError, CheckpointBusy) as err:
         raise UsageError(str(err)) from None
     except KeyboardInterrupt:
         if os.environ.get("RANK") == "0" and LAUNCHER_ENV not in os.environ:
             print(f"hetc run: interrupted; {describe_latest(args.checkpoint)}", file=sys.stderr, flush=True)
         return 130
     except RuntimeError as err:
-        # a rank that never checkpoints never imports the checkpoint module (torch.distributed.checkpoint
-        # takes a second to import); one that raised CheckpointError already has it
-        from hetc.runtime.checkpoint import CheckpointError
+        from hetc.runtime.checkpoint_files import CheckpointError
 
-        if not isinstance(err, (PeerFailure, CheckpointError)):
+        if isinstance(err, CheckpointError):    # a checkpoint that cannot be read or saved: bad input, exit 2
+            print(err.render() if err.path is not None else f"hetc run: error: {err}", file=sys.stderr, flush=True)
+            return 2
+        if not isinstance(err, PeerFailure):
             raise
         print(f"hetc run: error: {err}", file=sys.stderr, flush=True)
         return 1
@@ -149,16 +198,38 @@ def _local(args: argparse.Namespace) -> int:
     world = checked.pipeline.world_size
     if args.local not in (-1, world):
         raise UsageError(f"the plan has {world} ranks; --local {args.local} cannot run it")
-    argv = ["run", str(args.dir)]
-    for flag in ("steps", "metrics", "trace", "checkpoint", "every", "keep", "timeout", "stop_timeout"):
-        value = getattr(args, flag)
-        if value is not None and not (flag == "every" and value == 0):
-            argv += [f"--{flag.replace('_', '-')}", str(value)]
-    argv += [f"--{flag}" for flag in ("resume", "quiet") if getattr(args, flag)]
     print(f"hetc run: starting {world} local rank{'s' if world > 1 else ''}", file=sys.stderr, flush=True)
-    status = spawn_local(world, argv, [(node_label(*gpu.host), gpu.local) for gpu in checked.pipeline.world])
+    places = [(node_label(*gpu.host), gpu.local) for gpu in checked.pipeline.world]
+    status = spawn_local(world, _rank_argv(args), places, stop_timeout_s=args.stop_timeout)
     if status == 130:
         from hetc.runtime.worker import describe_latest
 
         print(f"hetc run: interrupted; {describe_latest(args.checkpoint)}", file=sys.stderr, flush=True)
     return status
+
+
+def _rank_argv(args: argparse.Namespace) -> list[str]:
+    """The `hetc run` arguments of the ranks `--local` starts: the launcher's own but --local, read back
+    through the parser, so that every flag of `hetc run` reaches them without a list to keep in step."""
+    sub = argparse.ArgumentParser().add_subparsers()
+    register(sub)
+    argv = [*(["--debug"] if getattr(args, "debug", False) else []), "run", str(args.dir)]
+    for action in sub.choices["run"]._actions:   # argparse lists a parser's options nowhere public
+        value = getattr(args, action.dest, action.default)
+        if not action.option_strings or action.dest in ("help", "local") or value == action.default:
+            continue
+        flag = max(action.option_strings, key=len)    # the long form: --quiet, not -q
+        argv += [flag] if action.nargs == 0 else [flag, str(value)]
+    return argv
+
+
+def _refuse_busy_checkpoint(directory: Path) -> None:
+    """Fail before `--local` starts any rank when another run holds `directory` (plan rank 0 takes the lock
+    itself once started: Note [Checkpoint directory lock]): one message instead of one per rank. Not under
+    torchrun, where this check on every rank could hold the lock just when rank 0 takes it."""
+    from hetc.runtime.checkpoint_lock import CheckpointBusy, lock_checkpoint_dir
+
+    try:
+        lock_checkpoint_dir(directory).release()
+    except CheckpointBusy as err:
+        raise UsageError(str(err)) from None
