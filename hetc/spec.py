@@ -67,6 +67,7 @@ __all__ = [
     "ZeroShard",
     "ZeroSpec",
     "declared_path",
+    "executed_dtype",
     "param",
 ]
 
@@ -174,7 +175,19 @@ class DType(StrEnum):
     FP8 = "fp8"
 
 
-DTYPE_BYTES = {DType.FP32: 4, DType.TF32: 4, DType.BF16: 2, DType.FP16: 2, DType.FP8: 1}
+def executed_dtype(dtype: DType) -> DType:
+    """The dtype hetc's runtime computes and stores a model of `dtype` in: Note [Precision that runs].
+
+    fp8 computes in bf16 (runtime/nn/model.py `compute_dtype`) until fp8
+    execution exists, so it is costed as bf16: the bf16 peak and bf16's bytes.
+    """
+    return DType.BF16 if dtype is DType.FP8 else dtype
+
+
+_STORAGE_BYTES = {DType.FP32: 4, DType.TF32: 4, DType.BF16: 2, DType.FP16: 2, DType.FP8: 1}
+
+# Bytes per value of each model dtype in hetc's buffers (δ): those of the dtype it executes as.
+DTYPE_BYTES = {dtype: _STORAGE_BYTES[executed_dtype(dtype)] for dtype in DType}
 
 
 class Checkpointing(StrEnum):
@@ -400,19 +413,44 @@ class PeakSpec(Node):
     fp16: float = param(0.0, unit=Dim.COMPUTE, lo=0, doc="dense fp16 peak")
     fp8: float = param(0.0, unit=Dim.COMPUTE, lo=0, doc="dense fp8 peak")
 
+    def lists(self, dtype: DType) -> bool:
+        """Whether this peak block gives `dtype` a rate: the kind runs `dtype` natively (Note [Precision that runs])."""
+        return self._rates()[dtype] > 0
+
+    def listed(self) -> tuple[DType, ...]:
+        """The dtypes this kind runs natively, fp32 first."""
+        return tuple(dtype for dtype in DType if self.lists(dtype))
+
     def for_dtype(self, dtype: DType) -> float:
-        """Peak FLOP/s for `dtype`, falling back to the nearest wider format."""
-        order = {DType.FP8: (DType.FP8, DType.FP16, DType.BF16),
-                 DType.FP16: (DType.FP16, DType.BF16, DType.FP32),
-                 DType.BF16: (DType.BF16, DType.FP16, DType.FP32),
-                 DType.TF32: (DType.TF32, DType.FP32),
-                 DType.FP32: (DType.FP32,)}[dtype]
-        peak = {DType.FP32: self.fp32, DType.TF32: self.tf32, DType.BF16: self.bf16, DType.FP16: self.fp16,
+        """FLOP/s this kind computes a model of `dtype` at: Note [Precision that runs].
+
+        The peak of the dtype the runtime executes it as (fp8 runs as bf16) where
+        the kind lists it; else the fp32 peak, the rate torch reaches without
+        tensor cores for that format (bf16 on a V100, tf32 on a T4).
+        """
+        executed = executed_dtype(dtype)
+        return self._rates()[executed] if self.lists(executed) else self.fp32
+
+    def _rates(self) -> dict[DType, float]:
+        return {DType.FP32: self.fp32, DType.TF32: self.tf32, DType.BF16: self.bf16, DType.FP16: self.fp16,
                 DType.FP8: self.fp8}
-        for candidate in order:
-            if peak[candidate] > 0:
-                return peak[candidate]
-        return self.fp32
+
+
+# Note [Precision that runs]
+# A kind runs natively the dtypes its `peak` block lists (one fact: specs/catalog.het gives each kind the
+# rates of its datasheet, and no rate where it has no such unit). The cost model charges a model dtype at
+# the rate the runtime really reaches, never at another format's peak:
+# - A dtype the kind does not list runs at its fp32 peak. torch computes a bf16 matmul on a GPU without
+#   bf16 tensor cores (V100, T4, P100: compute capability < 8.0) with fp32 arithmetic, and TF32 is a mode of
+#   Ampere's tensor cores, so on older kinds a tf32 model computes plain fp32. Costing at that rate, rather
+#   than refusing the spec, lets the planner still mix such kinds with newer ones: it gives them less work.
+#   (Before, a bf16 model on a V100 was charged at its fp16 tensor-core peak, 8x too fast.)
+# - fp8 runs as bf16 (runtime/nn/model.py `compute_dtype`) until fp8 execution (torchao's float8
+#   training) exists: `executed_dtype` maps it, so its peak and its bytes (`DTYPE_BYTES`) are bf16's. A spec
+#   asking fp8 of a kind that lists no fp8 (A100) is refused (passes/validate_precision.py): no fp8 path
+#   would ever run there.
+# - tf32 is charged the tf32 peak, and the runtime turns TF32 matmuls on for tf32 models only
+#   (runtime/nn/model.py `float32_matmul_precision`); fp32 models keep full-precision matmuls.
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -428,6 +466,10 @@ class DeviceSpec(Node):
                                         "such as the optimizer step")
     efficiency: float = param(0.5, lo=0.01, hi=1, aliases=("mfu",),
                               doc="fraction of peak reached by matmul-heavy layers (no profile)")
+
+    def runs(self, dtype: DType) -> bool:
+        """Whether this kind runs `dtype` natively: its peak block lists it (Note [Precision that runs])."""
+        return self.peak.lists(dtype)
 
     @property
     def is_cpu(self) -> bool:

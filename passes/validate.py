@@ -1,7 +1,8 @@
 """The validation pass: every rule a Spec must satisfy, as located errors.
 
-Runs the independent checks (names, model shape, cluster, batch arithmetic,
-plan resolution, memory fit) and reports all their diagnostics together.
+Runs the independent checks (names, model shape, cluster, the model's dtype
+on its device kinds, batch arithmetic, plan resolution, memory fit) and
+reports all their diagnostics together.
 A spec file that defines only some sections (a catalog, a shared cluster)
 is checked for what it has.
 """
@@ -20,6 +21,7 @@ from hetc.passes.data_check import check_data
 from hetc.passes.cost.params import model_params
 from hetc.passes.resolve import resolve_pipeline
 from hetc.passes.validate_plan import check_plan
+from hetc.passes.validate_precision import check_precision
 from hetc.pipeline import Pipeline
 from hetc.spec import (AUTO, CPKind, DeviceSpec, LinkSpec, ModelSpec, NodeSpec, OffloadTarget, ParallelSpec, Spec,
                        StageSpec, TrainSpec, ZeroShard, ZeroSpec)
@@ -88,6 +90,7 @@ def _check(spec: Spec, base_dir: Path | None, errors: list[Diagnostic]) -> tuple
     topo = None
     if spec.cluster is not None:
         topo = _check_cluster(spec, errors)
+        check_precision(spec, errors)
     if spec.parallel is not None and spec.cluster is None:
         errors.append(Diagnostic(spec.parallel.span, "a parallel plan needs a cluster block"))
     pipeline = None

@@ -6,10 +6,11 @@ Each returns None when the spec is fine, else a message for a located error.
 
 from __future__ import annotations
 
+from hetc.errors import SpecError
 from hetc.pipeline import Pipeline
-from hetc.spec import DataKind, ModelSpec, TrainSpec
+from hetc.spec import DataKind, DType, ModelSpec, Spec, TrainSpec
 
-__all__ = ["BYTE_VOCAB", "check_text_vocab", "check_tied_embeddings"]
+__all__ = ["BYTE_VOCAB", "check_loss_scaling", "check_text_vocab", "check_tied_embeddings", "require_trainable_dtype"]
 
 BYTE_VOCAB = 256  # byte-level text: one token per byte
 
@@ -38,3 +39,27 @@ def check_text_vocab(model: ModelSpec, train: TrainSpec) -> str | None:
         return f"byte-level text needs vocab >= {BYTE_VOCAB}, not {model.vocab}"
     return None
 
+
+
+def check_loss_scaling(model: ModelSpec) -> str | None:
+    """Why hetc's runtime cannot train `model`'s dtype (report at model.span_of("dtype")).
+
+    fp16 training needs a dynamic loss scale (torch's GradScaler, DeepSpeed's
+    and Megatron's loss scalers), which the runtime does not have: gradients
+    below fp16's range would flush to zero. `--on-nonfinite skip` skips an
+    overflowing step but scales nothing. The cost model times fp16 right, so
+    compile, plan and explain accept it; only `hetc run` refuses it.
+    """
+    if model.dtype is not DType.FP16:
+        return None
+    return ("dtype = fp16 needs loss scaling, which hetc's runtime does not do (small gradients would flush to "
+            "zero); train with dtype = bf16 (a kind without bf16 units, such as a V100 or T4, runs it at its fp32 "
+            "rate) or fp32, and recompile")
+
+
+def require_trainable_dtype(spec: Spec) -> None:
+    """Raise a located SpecError when `hetc run` cannot train the plan's dtype (`check_loss_scaling`)."""
+    model = spec.model
+    problem = None if model is None else check_loss_scaling(model)
+    if model is not None and problem is not None:
+        raise SpecError.at(model.span_of("dtype"), problem)

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hetc.passes.validate_runtime import require_trainable_dtype
 from hetc.passes.verify import verify
 from hetc.plandir import read_plan, read_program
 from hetc.runtime.comm import make_groups
@@ -157,6 +158,7 @@ def run_placed(plan_dir: Path, checked, program, rank: int, launch: Launch, stor
     `on_resumed(step, seconds)` hears where the run resumed and how long the load took,
     `on_first_step()` when the first step is done (elastic reports)."""
     spec, pipeline = checked.spec, checked.pipeline
+    require_trainable_dtype(spec)   # fp16 has no loss scaling (torchrun and elastic ranks get here)
     world = program.world_size
     device = _device(pipeline.world[rank].device, launch.local_rank)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from hetc.commands import Subparsers
 from hetc.errors import UsageError
+from hetc.passes.validate_runtime import require_trainable_dtype
 from hetc.passes.verify import VerifyError, verified_evaluation, verify
 from hetc.program import ProgramFormatError
 from hetc.runtime.local import LAUNCHER_ENV
@@ -192,6 +193,7 @@ def _local(args: argparse.Namespace) -> int:
     from hetc.runtime.placement import node_label
 
     _, checked = read_plan(args.dir)
+    require_trainable_dtype(checked.spec)    # fp16 has no loss scaling: refused once, before any rank starts
     program = read_program(args.dir)
     verify(program, checked.pipeline, checked.spec)   # before starting any rank
     verified_evaluation(program, checked.pipeline, checked.spec)

@@ -196,7 +196,10 @@ class ComputeModel:
             bw = spec.memory_bandwidth or DEFAULT_MEMORY_BANDWIDTH
             return LayerTime(moved / bw, moved / bw, False, "arithmetic")
         if rate <= 0:
-            raise CostError(f"device kind '{device}' declares no peak FLOP/s for {self.model.dtype.value} "
+            # a peak for other dtypes does not time this one (Note [Precision that runs] in hetc/spec.py)
+            others = " (a dtype it does not list runs at its fp32 peak, which it lacks too)" \
+                if spec.peak.listed() else ""
+            raise CostError(f"device kind '{device}' declares no peak FLOP/s for {self.model.dtype.value}{others} "
                             "and no profile times it; add a peak { ... } block or a profile (hetc profile)", device)
         return LayerTime(flops.forward / rate / share, flops.backward / rate / share,
                          kind == LayerKind.BLOCK and tp > 1, "arithmetic")

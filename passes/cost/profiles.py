@@ -62,11 +62,12 @@ def dtype_class(dtype: DType | str) -> str:
     """The speed class a measurement applies to: 16-bit formats (bf16, fp16) run at the same speed.
 
     Profiles keep the dtype they were measured in (`ComputeTable.dtype`) and
-    are matched to a model by class, so a bf16 profile times a bf16 or an
-    fp16 model, never an fp32 one.
+    are matched to a model by class, so a bf16 profile times a bf16, fp16 or
+    fp8 model (fp8 runs as bf16: Note [Precision that runs] in hetc/spec.py),
+    never an fp32 one. fp32 and tf32 are apart: the runtime runs a tf32
+    model's matmuls on TF32 tensor cores and an fp32 model's without them.
     """
-    width = DTYPE_BYTES[DType(dtype)]
-    return "fp32" if width == 4 else "fp16" if width == 2 else "fp8"
+    return DType(dtype).value if DTYPE_BYTES[DType(dtype)] == 4 else "fp16"
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,8 @@ Layers are built and initialised in fp32. The runtime keeps fp32 master
 weights in the flat buffers (runtime/flat.py) and binds the module's
 parameters to a buffer of `compute_dtype(model.dtype)` (bf16/fp16 on GPU;
 the demo's fp32 on CPU, where master and compute buffer are one tensor).
+On CUDA a tf32 model's fp32 matmuls run on TF32 tensor cores, the rate it is
+costed at (`float32_matmul_precision`; Note [Precision that runs] in hetc/spec.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -37,7 +40,7 @@ from hetc.runtime.nn.layers import NORMS, Block, Embedding, Head
 from hetc.runtime.nn.moe import ALL_EXPERTS, ExpertShard
 from hetc.runtime.nn.seeding import generator
 from hetc.runtime.nn.tensor_parallel import NO_SHARD, ParallelLinear, TPShard, shard_infos
-from hetc.spec import Arch, Checkpointing, DType, ModelSpec
+from hetc.spec import Arch, Checkpointing, DType, ModelSpec, executed_dtype
 
 __all__ = [
     "INIT_STD",
@@ -46,8 +49,10 @@ __all__ = [
     "build_layer",
     "build_ministage",
     "compute_dtype",
+    "float32_matmul_precision",
     "full_shapes",
     "init_layer",
+    "use_matmul_precision",
 ]
 
 log = logging.getLogger(__name__)
@@ -56,19 +61,43 @@ INIT_STD = 0.02  # GPT-2 / Megatron `init_method_std`; residual outputs get INIT
 
 _TORCH_DTYPES = {DType.FP32: torch.float32, DType.TF32: torch.float32, DType.BF16: torch.bfloat16,
                  DType.FP16: torch.float16}
+MatmulPrecision = Literal["highest", "high"]
 
 
 def compute_dtype(dtype: DType) -> torch.dtype:
     """The dtype of a ministage's compute parameters and activations for ModelSpec.dtype.
 
-    tf32 stores fp32 (TF32 is a matmul mode, not a storage format). fp8 has
-    no native training path here and computes in bf16. fp16 has no loss
-    scaling yet: prefer bf16.
+    tf32 stores fp32 (TF32 is a matmul mode, not a storage format:
+    `float32_matmul_precision`). fp8 has no native training path here and
+    computes in bf16 (`executed_dtype`, which the cost model shares). fp16 has
+    no loss scaling, so `hetc run` refuses it (passes/validate_runtime.py).
     """
-    if dtype is DType.FP8:
-        log.warning("fp8 training is not implemented; computing in bf16")
-        return torch.bfloat16
-    return _TORCH_DTYPES[dtype]
+    executed = executed_dtype(dtype)
+    if executed is not dtype:
+        log.warning("%s training is not implemented; computing in %s", dtype.value, executed.value)
+    return _TORCH_DTYPES[executed]
+
+
+def float32_matmul_precision(dtype: DType) -> MatmulPrecision:
+    """torch's float32 matmul precision (`torch.set_float32_matmul_precision`) for a model of `dtype`.
+
+    "high" lets fp32 matmuls use TF32 tensor cores: a tf32 model is costed at
+    the tf32 peak. Every other model keeps torch's default "highest", so an
+    fp32 model computes the precision it asked for and is costed at, and the
+    fp32 parts of a 16-bit model stay exact.
+    """
+    return "high" if dtype is DType.TF32 else "highest"
+
+
+def use_matmul_precision(dtype: DType, device: torch.device) -> None:
+    """Set this process's float32 matmul precision for a model of `dtype`, on a CUDA device only.
+
+    Process-wide, like torchtitan's TF32 switch: a rank trains one model. CPU
+    ranks are left alone (TF32 is a tensor-core mode), and hetc has no
+    convolutions, so cuDNN's TF32 flag does not matter.
+    """
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision(float32_matmul_precision(dtype))
 
 
 def _construct(model: ModelSpec, idx: int, shard: TPShard, experts: ExpertShard) -> nn.Module:
@@ -246,5 +275,8 @@ def build_ministage(model: ModelSpec, layers: range, *, seed: int, shard: TPShar
     `initialise=False` they stay on the meta device (the rotary tables are
     real): MinistageBuffers then allocates only the rank's share, which a
     loader fills (Note [Ranks that load their weights] in runtime/buffers.py).
+    Every rank, profile and reference builds its compute here, so this is
+    where the model's matmul precision is set (`use_matmul_precision`).
     """
+    use_matmul_precision(model.dtype, torch.device(device))
     return Ministage(model, layers, seed=seed, shard=shard, device=device, experts=experts, initialise=initialise)

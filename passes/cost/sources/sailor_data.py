@@ -55,7 +55,7 @@ class SailorModel:
     vocab: int
     ffn: int
     global_batch: int
-    dtype_bytes: int            # 4: the profiles and runs are fp32
+    dtype_bytes: int            # 4: fp32 weights, TF32 matmuls in the profiles and runs
     block_params: int | None    # from llm_info.json
     head_has_matrix: bool       # the last layer holds a V×H matrix (untied, or a tied copy)
 
@@ -133,7 +133,8 @@ def _table(path: Path, model: SailorModel, device: str) -> tuple[ComputeTable | 
     except (AttributeError, KeyError, TypeError, ValueError, IndexError) as err:
         return None, f"not a Sailor profile ({err})"
     fits = {key: fit_line(pts) for key, pts in points.items()}
-    dtype = "fp32" if model.dtype_bytes == 4 else "fp16"
+    # 4-byte runs were measured with TF32 matmuls (their layers beat the fp32 peak: hetc/importers/sailor.py)
+    dtype = "tf32" if model.dtype_bytes == 4 else "fp16"
     block = model.block_params if model.block_params is not None else 0
     return ComputeTable(str(path), device, model.hidden, block, model.seq, dtype, fits, model.vocab,
                         model.layers, model.name), ""
