@@ -1,3 +1,6 @@
-from hetc.cli import program
+try:
+    from hetc.cli import program
+except KeyboardInterrupt:   # Ctrl-C while Python loads hetc, before `program` can catch it
+    raise SystemExit(130) from None
 
 program()

@@ -18,12 +18,14 @@ from typing import NoReturn
 
 from hetc import __version__
 from hetc.errors import Sources, SpecError, UsageError
+from hetc.runtime.local import take_signals_as_rank
 
-__all__ = ["BROKEN_PIPE_STATUS", "VERBS", "main", "program"]
+__all__ = ["BROKEN_PIPE_STATUS", "INTERRUPTED_STATUS", "VERBS", "main", "program"]
 
 # `hetc explain X | head`: the reader went away. A shell reports a program killed by
 # SIGPIPE as 128 + 13; Python ignores the signal, so hetc says the same in its status.
 BROKEN_PIPE_STATUS = 128 + 13
+INTERRUPTED_STATUS = 128 + 2    # Ctrl-C: what a shell reports for a program SIGINT ended
 
 # verb modules, in the order `hetc --help` lists them
 VERBS = ["demo", "check", "fmt", "plan", "compile", "verify", "run", "launch", "viz", "explain", "profile",
@@ -62,6 +64,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def program() -> NoReturn:
     """`hetc` as a process (Note [ending a one-shot process at once])."""
+    take_signals_as_rank()   # a rank `hetc run --local` started: Note [signals under --local]
+    try:
+        _program()
+    except KeyboardInterrupt:   # Ctrl-C where `_run` does not catch it: while the verbs import, say
+        print("interrupted", file=sys.stderr)
+        sys.exit(INTERRUPTED_STATUS)
+
+
+def _program() -> NoReturn:
     gc.disable()   # while the verbs import; back on below unless the verb ends at once
     args = build_parser().parse_args()
     # a profiler or tracer (cProfile, coverage) writes its findings as the interpreter ends: let it
@@ -103,7 +114,7 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED_STATUS
     except Exception as err:  # noqa: BLE001 - the last line of defence
         if args.debug:
             raise

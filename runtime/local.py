@@ -5,7 +5,8 @@ give it (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), one thread
 each unless OMP_NUM_THREADS says otherwise. If a rank fails, the others are
 given time to notice (they name the dead rank themselves) and are then
 stopped; the launcher reports every rank that fails and exits with the first
-failure's status.
+failure's status. SIGTERM and Ctrl-C are the launcher's to handle: it passes
+them on to the ranks (Note [signals under --local]).
 """
 
 from __future__ import annotations
@@ -16,13 +17,38 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 
-__all__ = ["LAUNCHER_ENV", "NODE_ENV", "free_port", "process_start_time", "spawn_local"]
+__all__ = ["LAUNCHER_ENV", "NODE_ENV", "free_port", "process_start_time", "spawn_local", "take_signals_as_rank"]
 
 GRACE_S = 45.0
+STOP_MARGIN_S = 30.0       # after SIGTERM: a rank's --stop-timeout starts once it handles SIGTERM; this covers its start
+INTERRUPT_GRACE_S = 5.0    # after Ctrl-C: a rank still starting up holds SIGINT until hetc.cli runs
 LAUNCHER_ENV = "HETC_LOCAL_LAUNCHER"   # set in the ranks `--local` starts: the launcher speaks for them
 NODE_ENV = "HETC_NODE"   # the plan node a process was launched for (`hetc launch --node`, `hetc run --local`)
+HELD_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})   # until a rank can take them
+STOP_NOW = frozenset({signal.SIGINT, signal.SIGHUP})         # Ctrl-C, the terminal closed: no save
+
+# Note [signals under --local]
+# The launcher stands where torchrun's agent stands: it hosts the rendezvous store, and SIGTERM and Ctrl-C
+# are its to handle. The ranks run in a process group of their own, so that a Ctrl-C at the terminal
+# reaches the launcher alone, which passes each signal on to every rank, once:
+# - SIGTERM: every rank stops after the same step, saves it and exits 143 (Note [Preemption]); the store
+#   they agree through stays up until the last one exits (the launcher's death took it down, and the ranks
+#   printed c10d's C++ frames and blamed rank 0). The launcher waits --stop-timeout plus STOP_MARGIN_S,
+#   kills what still runs, and exits 143.
+# - SIGINT (and SIGHUP, the terminal closed): a rank ends at once, by the signal's default action: no
+#   rank is left blocked in a collective with a peer that has gone, so none reports a failure that is not
+#   one. The launcher exits 130 and names the latest complete checkpoint (saves are atomic: Note [Atomic
+#   saves]); a second Ctrl-C kills what still runs.
+# A rank starts with both signals blocked (the mask survives exec), so one that comes while it still
+# imports is held, neither lost nor half-handled: it takes SIGINT when hetc.cli starts
+# (`take_signals_as_rank`) and SIGTERM once Preemption's handler is in place. The launcher's own handlers
+# only record and forward: a KeyboardInterrupt raised inside `import torch` (the store's) left torch half
+# initialised, and the next import of it (the Ctrl-C message's) crashed the interpreter with SIGSEGV.
 
 
 def free_port() -> int:
@@ -41,34 +67,106 @@ def process_start_time() -> float | None:
     return time.time() - (since_boot - ticks / os.sysconf("SC_CLK_TCK"))
 
 
-def spawn_local(world: int, argv: list[str], places: list[tuple[str, int]] | None = None) -> int:
+def take_signals_as_rank() -> None:
+    """In a rank `--local` started: end at once on SIGINT, and take it from now on (Note [signals under
+    --local]); SIGTERM stays held until Preemption handles it. Elsewhere: nothing."""
+    if LAUNCHER_ENV in os.environ:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def spawn_local(world: int, argv: list[str], places: list[tuple[str, int]] | None = None,
+                stop_timeout_s: float = 30.0) -> int:
     """Run `hetc <argv>` as `world` local ranks; return the exit status.
 
     `places[r]` (plan node label, local GPU index) says which GPU of the
     plan rank r is, so that placement by discovery (runtime/placement.py)
-    finds the launch order the plan's.
+    finds the launch order the plan's. `stop_timeout_s` is the ranks'
+    --stop-timeout: how long they may take to save after SIGTERM.
 
     Like torchrun's agent, this process hosts the rendezvous store, so the
     store (and the heartbeats that name a dead rank) outlive any one rank.
     """
-    reserved = _reserve_port()
-    port = reserved.getsockname()[1]
-    procs = []
-    for rank in range(world):
-        label, local = places[rank] if places is not None else ("", rank)
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local),
-                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   TORCHELASTIC_USE_AGENT_STORE="True", **{NODE_ENV: label, LAUNCHER_ENV: "1"})
-        env.setdefault("OMP_NUM_THREADS", "1")
-        procs.append(subprocess.Popen([sys.executable, "-m", "hetc", *argv], env=env))
+    with _forwarding_signals() as signals:
+        reserved = _reserve_port()
+        port = reserved.getsockname()[1]
+        try:
+            for rank in range(world):
+                label, local = places[rank] if places is not None else ("", rank)
+                env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local),
+                           LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                           TORCHELASTIC_USE_AGENT_STORE="True", **{NODE_ENV: label, LAUNCHER_ENV: "1"})
+                env.setdefault("OMP_NUM_THREADS", "1")
+                signals.ranks.append(_start_rank([sys.executable, "-m", "hetc", *argv], env))
+            _store = _host_store(reserved, world) if signals.signum not in STOP_NOW else None   # kept alive
+            return _supervise(signals, stop_timeout_s)
+        finally:
+            reserved.close()
+
+
+def _start_rank(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """A rank in its own process group, with SIGINT and SIGTERM held (Note [signals under --local])."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
     try:
-        _store = _host_store(reserved, world)   # alive while the ranks run
-        return _supervise(procs)
-    except KeyboardInterrupt:
-        _stop(procs)
-        return 130
+        return subprocess.Popen(cmd, env=env, process_group=0)
     finally:
-        reserved.close()
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+class _Signals:
+    """The signal the launcher was sent, passed on to every rank (Note [signals under --local])."""
+
+    def __init__(self) -> None:
+        self.ranks: list[subprocess.Popen[bytes]] = []
+        self.signum: int | None = None
+        self.since = 0.0
+        self._told: set[int] = set()       # ranks already sent `signum`
+
+    def receive(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum in STOP_NOW:
+            if signum in STOP_NOW:      # a second Ctrl-C: no more waiting
+                _kill(self.ranks)
+            return
+        if signum == self.signum:
+            return
+        self.signum, self.since = signum, time.monotonic()   # SIGTERM, or Ctrl-C during SIGTERM's save
+        self._told.clear()
+        self.forward()
+
+    def forward(self) -> None:
+        """Send the signal to every rank not yet sent it (one may have started after it came)."""
+        if self.signum is None:
+            return
+        for idx, proc in enumerate(self.ranks):
+            if idx not in self._told and proc.poll() is None:
+                proc.send_signal(self.signum)
+            self._told.add(idx)
+
+    def explains(self, code: int) -> bool:
+        """Whether a rank's exit status is its answer to the signal rather than a failure."""
+        if self.signum is None:
+            return False
+        answers = {128 + signal.SIGTERM, -signal.SIGTERM}      # Note [Preemption]: also before a Ctrl-C
+        if self.signum in STOP_NOW:
+            answers |= {128 + self.signum, -self.signum, -signal.SIGKILL}
+        return code in answers
+
+    def overdue(self, stop_timeout_s: float) -> bool:
+        if self.signum is None:
+            return False
+        wait_s = INTERRUPT_GRACE_S if self.signum in STOP_NOW else stop_timeout_s + STOP_MARGIN_S
+        return time.monotonic() - self.since > wait_s
+
+
+@contextmanager
+def _forwarding_signals() -> Iterator[_Signals]:
+    signals = _Signals()
+    previous = {signum: signal.signal(signum, signals.receive) for signum in HELD_SIGNALS | STOP_NOW}
+    try:
+        yield signals
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 # Note [store after spawn]: `import torch` takes seconds, in the launcher as in every rank. The ranks are
@@ -90,29 +188,53 @@ def _host_store(reserved: socket.socket, world: int) -> object:
     return dist.TCPStore("127.0.0.1", port, world_size=world, is_master=True, wait_for_workers=False)
 
 
-def _supervise(procs: list[subprocess.Popen[bytes]]) -> int:
-    """Wait for all ranks; report each failed one; stop the rest GRACE_S after the first failure."""
-    failed_at, status, reported = None, 0, set()
+def _supervise(signals: _Signals, stop_timeout_s: float) -> int:
+    """Wait for all ranks; report each failed one; stop the rest GRACE_S after the first failure, or
+    once the ranks had their time to answer a signal."""
+    procs = signals.ranks
+    failure: tuple[int, float] | None = None     # the first failure's status, and when it was seen
+    reported: set[int] = set()
     while True:
+        signals.forward()
         codes = [p.poll() for p in procs]
         for rank, code in enumerate(codes):
-            if code not in (None, 0) and rank not in reported:
-                reported.add(rank)
-                print(f"hetc run: rank {rank} exited with status {_describe(code)}", file=sys.stderr, flush=True)
-                if failed_at is None:
-                    status, failed_at = (code if code > 0 else 128 - code), time.monotonic()
+            if code in (None, 0) or rank in reported or signals.explains(code):
+                continue
+            reported.add(rank)
+            print(f"hetc run: rank {rank} exited with status {_describe(code)}", file=sys.stderr, flush=True)
+            failure = failure or (_status(code), time.monotonic())
         if all(c is not None for c in codes):
             break
-        if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
+        if signals.overdue(stop_timeout_s):
+            _report_overdue(signals, codes, stop_timeout_s)
+            _kill(procs)
+            break
+        if failure is not None and time.monotonic() - failure[1] > GRACE_S:
             print(f"hetc run: stopping the ranks still running {GRACE_S:.0f} s after the first failure",
                   file=sys.stderr, flush=True)
             _stop(procs)
             break
         time.sleep(0.2)
     exit_codes = [p.wait() for p in procs]
-    if status == 0:
-        status = next((c if c > 0 else 128 - c for c in exit_codes if c != 0), 0)
-    return status
+    if failure is not None:
+        return failure[0]
+    if signals.signum is not None and any(code != 0 for code in exit_codes):
+        return 128 + signals.signum
+    return next((_status(code) for code in exit_codes if code != 0), 0)
+
+
+def _report_overdue(signals: _Signals, codes: list[int | None], stop_timeout_s: float) -> None:
+    if signals.signum in STOP_NOW:
+        return      # after Ctrl-C only a rank still starting up is left: nothing of it to report
+    running = ", ".join(str(rank) for rank, code in enumerate(codes) if code is None)
+    print(f"hetc run: rank(s) {running} still running {stop_timeout_s + STOP_MARGIN_S:.0f} s after SIGTERM "
+          f"(--stop-timeout {stop_timeout_s:g} s and {STOP_MARGIN_S:.0f} s to start); killing them",
+          file=sys.stderr, flush=True)
+
+
+def _status(code: int) -> int:
+    """A process's exit status as a shell reports it (128 + N for one killed by signal N)."""
+    return code if code >= 0 else 128 - code
 
 
 def _describe(code: int) -> str:
@@ -133,4 +255,10 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
         try:
             p.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
             p.kill()

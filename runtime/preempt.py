@@ -37,6 +37,8 @@ class Preemption:
         self._announced = False
         self._stop_after: int | None = None
         self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+        # held since `hetc run --local` started this rank (Note [signals under --local]); a no-op elsewhere
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
     def _on_signal(self, signum, frame) -> None:
         if self.requested.is_set():

@@ -32,7 +32,7 @@ from hetc.plandir import read_plan, read_program
 from hetc.runtime.comm import make_groups
 from hetc.runtime.data import make_data_source
 from hetc.runtime.evaluate import make_evaluator
-from hetc.runtime.local import NODE_ENV
+from hetc.runtime.local import LAUNCHER_ENV, NODE_ENV
 from hetc.runtime.nn import collectives
 from hetc.runtime.nn.collectives import is_comm_failure
 from hetc.runtime.placement import ClusterMismatch, discover, local_process, place
@@ -323,8 +323,9 @@ def _preempted(saver, rank: int, done: int) -> int:
         saver.wait()
     if rank == 0:
         where = f"checkpoint {saver.directory / f'step-{done}'} is complete" if saver else "no --checkpoint"
-        print(f"hetc run: SIGTERM: stopped after step {done}; {where}; exiting with status {PREEMPTED_STATUS} "
-              "so that torchrun restarts", file=sys.stderr, flush=True)
+        why = "" if LAUNCHER_ENV in os.environ else " so that torchrun restarts"    # --local restarts nothing
+        print(f"hetc run: SIGTERM: stopped after step {done}; {where}; exiting with status {PREEMPTED_STATUS}{why}",
+              file=sys.stderr, flush=True)
     return PREEMPTED_STATUS
 
 

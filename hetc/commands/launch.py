@@ -60,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
         print(" ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), "torchrun",
                         *(shlex.quote(a) for a in argv)]))
         return 0
+    _refuse_a_taken_port(args.rdzv)
     sys.stdout.flush()
     os.execvpe(sys.executable, [sys.executable, "-m", "torch.distributed.run", *argv], {**os.environ, **env})
     return 1   # not reached
@@ -72,8 +73,7 @@ def torchrun_command(args: argparse.Namespace) -> tuple[dict[str, str], list[str
     node = parse_node_label(args.node)
     if node is None:
         raise UsageError(f"--node wants GROUP[i], such as big[0]; got '{args.node}'")
-    if ":" not in args.rdzv:
-        raise UsageError(f"--rdzv wants HOST:PORT; got '{args.rdzv}'")
+    _rdzv_endpoint(args.rdzv)
     elastic = args.target.is_file()
     nproc, nodes = _spec_node(args.target, node) if elastic else _plan_node(args.target, node)
     if elastic and not {"--checkpoint", "--every"} <= set(args.run_args):
@@ -87,6 +87,27 @@ def torchrun_command(args: argparse.Namespace) -> tuple[dict[str, str], list[str
         argv += ["--local-addr", args.local_addr]
     argv += ["-m", "hetc", "run", str(args.target), *(["--elastic"] if elastic else []), *args.run_args]
     return {NODE_ENV: args.node, **ENV_FIXED}, argv
+
+
+def _rdzv_endpoint(text: str) -> tuple[str, int]:
+    """(host, port) of `--rdzv HOST:PORT` (an IPv6 host in brackets: [::1]:29500)."""
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"--rdzv wants HOST:PORT, such as head:29500; got '{text}'")
+    return host.strip("[]"), int(port)
+
+
+def _refuse_a_taken_port(rdzv: str) -> None:
+    """A UsageError at once where torchrun would wait minutes on a taken port (Note [probing the
+    rendezvous port])."""
+    from hetc.runtime.local import free_port
+    from hetc.runtime.rdzv_port import rendezvous_port_problem
+
+    host, port = _rdzv_endpoint(rdzv)
+    problem = rendezvous_port_problem(host, port)
+    if problem is not None:
+        raise UsageError(f"--rdzv {rdzv}: {problem}; choose a free port, the same for every node, "
+                         f"e.g. --rdzv {host}:{free_port()}")
 
 
 def _plan_node(plan_dir: Path, node: tuple[str, int]) -> tuple[int, int]:

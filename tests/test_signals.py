@@ -1,0 +1,185 @@
+"""Signals under `hetc run --local`, and a taken rendezvous port (issue 28, findings 5 and 12).
+
+The launcher passes SIGTERM and Ctrl-C on to its ranks (Note [signals under --local]); `hetc launch`
+refuses a port torchrun would wait minutes on (Note [probing the rendezvous port]).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hetc.cli import build_parser
+from hetc.cli import main as hetc_main
+from hetc.commands.run import _rank_argv
+from hetc.runtime.checkpoint import latest_checkpoint
+from tests.conftest import DEMO, ROOT
+
+STEPS = 120             # enough that the run is still going when SIGTERM comes after its second step
+NOISE = ("Traceback", "frame #", "Segmentation", "bug in hetc", "exited with status")
+
+# the demo job on two CPU ranks of one node: the smallest multi-rank plan
+DP2 = f"""use "{DEMO / 'job.het'}"
+
+parallel {{
+  stage all {{
+    layers = embed..head
+    ranks = host[0]
+    lanes = 2
+  }}
+  idle = [host[1]]
+}}
+"""
+
+
+@pytest.fixture(scope="module")
+def dp2_plan(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("signals")
+    (folder / "dp2.het").write_text(DP2)
+    assert hetc_main(["compile", str(folder / "dp2.het"), "-o", str(folder / "dp2")]) == 0
+    return folder / "dp2"
+
+
+def _launch(plan: Path, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "hetc", "run", str(plan), "--local", "--quiet", *args],
+                            cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _steps(metrics: Path) -> list[int]:
+    if not metrics.is_file():
+        return []
+    return [json.loads(line)["step"] for line in metrics.read_text().splitlines() if line.strip()]
+
+
+def _shell_status(code: int) -> int:
+    """What a shell reports: 128 + N for a process signal N ended."""
+    return 128 - code if code < 0 else code
+
+
+def _processes_naming(marker: str) -> list[int]:
+    """Live processes whose command line holds `marker` (a rank left running by its launcher)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and marker in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def _assert_quiet(err: str) -> None:
+    assert not [word for word in NOISE if word in err], err
+
+
+# ---------------------------------------------------------------- finding 5: SIGTERM and Ctrl-C
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sigterm_saves_the_step_in_flight_and_the_resume_runs_every_step_once(dp2_plan, tmp_path):
+    ckpt, first, second = tmp_path / "ckpt", tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    launcher = _launch(dp2_plan, "--steps", str(STEPS), "--checkpoint", str(ckpt), "--metrics", str(first))
+    try:
+        deadline = time.monotonic() + 300
+        while len(_steps(first)) < 2 and launcher.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        launcher.send_signal(signal.SIGTERM)
+        _, err = launcher.communicate(timeout=240)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 143, err
+    _assert_quiet(err)
+    done = _steps(first)
+    assert done == list(range(1, len(done) + 1)) and len(done) < STEPS, done
+    assert latest_checkpoint(ckpt) == ckpt / f"step-{len(done)}", err
+    assert not _processes_naming(str(first))
+
+    resumed = subprocess.run([sys.executable, "-m", "hetc", "run", str(dp2_plan), "--local", "--quiet", "--steps",
+                              str(STEPS), "--checkpoint", str(ckpt), "--resume", "--metrics", str(second)],
+                             cwd=ROOT, capture_output=True, text=True, timeout=400, check=False)
+    assert resumed.returncode == 0, resumed.stderr
+    assert sorted(done + _steps(second)) == list(range(1, STEPS + 1))
+
+
+# Python started, about to run `python -m hetc ...`: the first second counts from here. A Ctrl-C while the
+# interpreter itself starts (its `site` import, some tens of ms) ends any Python program with CPython's
+# "Fatal Python error: init_import_site" before a line of it runs.
+AS_HETC = ("import os, runpy, sys; os.write(1, b'ready'); sys.argv[0] = 'hetc'; "
+           "runpy.run_module('hetc', run_name='__main__', alter_sys=True)")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_ctrl_c_in_the_first_second_exits_130_every_time(dp2_plan, tmp_path):
+    metrics = tmp_path / "m.jsonl"      # names this test's ranks, to find any left running
+    for tenth in range(1, 11):
+        launcher = subprocess.Popen(
+            [sys.executable, "-c", AS_HETC, "run", str(dp2_plan), "--local", "--quiet", "--steps", "100000",
+             "--metrics", str(metrics)], cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert launcher.stdout is not None and launcher.stdout.read(5) == "ready"
+            time.sleep(tenth / 10)
+            launcher.send_signal(signal.SIGINT)
+            _, err = launcher.communicate(timeout=120)
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+        assert _shell_status(launcher.returncode) == 130, f"Ctrl-C after {tenth / 10:.1f} s: {err}"
+        _assert_quiet(err)
+        assert not _processes_naming(str(metrics)), f"Ctrl-C after {tenth / 10:.1f} s left ranks running"
+
+
+def test_the_ranks_get_every_flag_of_the_launcher_but_local():
+    args = build_parser().parse_args(
+        ["run", "plan", "--local", "2", "--steps", "5", "-q", "--every", "3", "--checkpoint", "ck", "--resume",
+         "--heartbeat-timeout", "20", "--stop-timeout", "7"])
+    argv = _rank_argv(args)
+    assert "--local" not in argv and "--heartbeat-timeout" in argv    # issue 30: it was left out
+    again = build_parser().parse_args(argv)
+    assert {k: v for k, v in vars(again).items() if k != "local"} == {k: v for k, v in vars(args).items()
+                                                                        if k != "local"}
+
+
+# ---------------------------------------------------------------- finding 12: a taken rendezvous port
+
+
+@pytest.mark.parametrize("listens", [False, True], ids=["bound", "listening"])
+def test_launch_on_a_taken_port_is_an_error_at_once(dp2_plan, listens):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        if listens:
+            taken.listen()      # accepts connections and never answers, as a stranger's server would
+        port = taken.getsockname()[1]
+        launch = subprocess.run([sys.executable, "-m", "hetc", "launch", str(dp2_plan), "--node", "host[0]",
+                                 "--rdzv", f"127.0.0.1:{port}"], cwd=ROOT, capture_output=True, text=True,
+                                timeout=60, check=False)
+    assert launch.returncode == 2, launch.stderr
+    assert f"--rdzv 127.0.0.1:{port}: port {port} is in use on this machine" in launch.stderr
+    assert "choose a free port, the same for every node, e.g. --rdzv 127.0.0.1:" in launch.stderr
+
+
+def test_a_port_held_by_a_rendezvous_store_is_joined_not_refused():
+    """A second `hetc launch` on the host of the first one's store: torch's TCPStore answers the probe."""
+    import torch.distributed as dist
+
+    from hetc.runtime.rdzv_port import rendezvous_port_problem
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    assert rendezvous_port_problem("127.0.0.1", store.port) is None
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    assert rendezvous_port_problem("127.0.0.1", port) is None
+    assert rendezvous_port_problem("192.0.2.1", port) is None    # another machine's port: not probed
