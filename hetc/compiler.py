@@ -20,6 +20,7 @@ from hetc.passes.cost import CostError, CostModel, Profiles
 from hetc.passes.cost.provenance import provenance
 from hetc.passes.export_torch import torch_pipelines
 from hetc.passes.lower import lower
+from hetc.passes.plan.deadline import DEFAULT_TIME_LIMIT_S
 from hetc.passes.simulate import simulate, timed_machine
 from hetc.passes.validate import Checked, ExplicitPlan, check_spec
 from hetc.passes.validate_fit import cost_error, estimate_overflows, peak_overflows
@@ -70,11 +71,12 @@ class Compiled:
 
 def compile_spec(spec_path: Path, dump_after: str | None = None,
                  on_dump: Callable[[str, Program], None] | None = None,
-                 profiles: Profiles | None = None) -> Compiled:
-    """Lower, verify and simulate `spec_path`'s plan, timed with `profiles` (a Profiles, or none)."""
+                 profiles: Profiles | None = None, time_limit_s: float | None = DEFAULT_TIME_LIMIT_S) -> Compiled:
+    """Lower, verify and simulate `spec_path`'s plan, timed with `profiles` (a Profiles, or none); a plan with
+    `auto` is planned first, its search held to `time_limit_s` (Note [an anytime search])."""
     loaded, checked = load_checked(spec_path, require_complete=True)
     explicit = checked.explicit()
-    plan, program = (explicit, None) if explicit is not None else _planned(loaded, profiles)
+    plan, program = (explicit, None) if explicit is not None else _planned(loaded, profiles, time_limit_s)
     # the schedule is timed with the cost model that predicts and verifies it (Note [in-flight limit])
     costs = CostModel(plan.spec, plan.pipeline, plan.topology, profiles)
     if program is None or dump_after is not None:   # else the planner lowered it, from the same inputs
@@ -92,12 +94,13 @@ def compile_spec(spec_path: Path, dump_after: str | None = None,
     return Compiled(loaded, plan, program, costs, timeline, eval_timeline)
 
 
-def _planned(loaded: LoadedSpec, profiles: Profiles | None) -> tuple[ExplicitPlan, Program | None]:
+def _planned(loaded: LoadedSpec, profiles: Profiles | None,
+             time_limit_s: float | None) -> tuple[ExplicitPlan, Program | None]:
     """`auto` left: plan first (`hetc plan SPEC -o OUT.het` shows the plan); with the program the planner
     checked its winner with (Note [the planner checks its winner]), if it did."""
     from hetc.passes.plan.planner import plan_checked
 
-    result = plan_checked(loaded.spec, loaded.path.parent, profiles)
+    result = plan_checked(loaded.spec, loaded.path.parent, profiles, time_limit_s)
     plan = result.checked.explicit()
     if plan is None:
         raise InternalError("the planner returned a plan with `auto` left in it")

@@ -15,7 +15,8 @@ from hetc.passes.cost.provenance import Provenance, provenance
 from hetc.passes.export_torch import why_not_exported
 from hetc.passes.lower import PASS_NAMES, PASSES
 from hetc.passes.verify import VerifyError
-from hetc.plandir import PROFILE_ENV
+from hetc.plandir import PROFILE_ENV, check_plan_out
+from hetc.commands.planargs import add_time_limit_option
 from hetc.commands.profileargs import add_profile_option, load_profile_args
 from hetc.program import Program
 
@@ -37,10 +38,14 @@ def register(sub: Subparsers) -> None:
         epilog="passes: " + "; ".join(f"{n} ({d})" for n, d, _ in PASSES),
     )
     p.add_argument("spec", metavar="SPEC")
-    p.add_argument("-o", "--out", type=Path, required=True, metavar="DIR", help="the plan directory to write")
+    p.add_argument("-o", "--out", type=Path, required=True, metavar="DIR",
+                   help="the plan directory to write: a new or empty directory, or one `hetc compile` wrote "
+                        "(replaced whole); never the spec's folder or the current directory, and never one "
+                        "holding a file hetc did not write")
     p.add_argument("--dump-after", choices=PASS_NAMES + ["all"], metavar="PASS",
                    help=f"print every rank's program after PASS ({', '.join(PASS_NAMES)} or all)")
     add_profile_option(p)
+    add_time_limit_option(p)
     p.set_defaults(func=run)
 
 
@@ -52,9 +57,11 @@ def run(args: argparse.Namespace) -> int:
         for rp in program.ranks:
             sys.stdout.write(rp.to_text() + "\n")
 
+    check_plan_out(args.out, Path(args.spec).parent)   # before the work: the write checks again
     profiles = load_profile_args(args.profile)
     try:
-        compiled = compile_spec(Path(args.spec), args.dump_after, dump if args.dump_after else None, profiles)
+        compiled = compile_spec(Path(args.spec), args.dump_after, dump if args.dump_after else None, profiles,
+                                args.time_limit)
     except VerifyError as err:
         print(f"hetc compile: the lowered programs are unsafe (a bug in hetc's lowering):\n{err.render()}",
               file=sys.stderr)

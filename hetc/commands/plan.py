@@ -9,9 +9,11 @@ import time
 from pathlib import Path
 
 from hetc.commands import Subparsers
+from hetc.commands.planargs import add_time_limit_option
 from hetc.commands.profileargs import add_profile_option, load_profile_args
 from hetc.plandir import PROFILE_ENV
 from hetc.compiler import load_checked
+from hetc.jsontypes import JsonObject, JsonValue
 
 __all__ = ["register"]
 
@@ -32,6 +34,7 @@ def register(sub: Subparsers) -> None:
     p.add_argument("-o", "--out", type=Path, metavar="OUT.het", help="write the explicit spec here")
     p.add_argument("--json", action="store_true", help="print one JSON object (the spec's text in \"text\")")
     add_profile_option(p)
+    add_time_limit_option(p)
     p.set_defaults(func=run, quick_exit=True)   # Note [ending a one-shot process at once]
 
 
@@ -48,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         if time.perf_counter() - start > PROGRESS_AFTER_S:
             print(f"hetc plan: {message}", file=sys.stderr, flush=True)
 
-    result = plan_spec(loaded.spec, profiles, loaded.path.parent, progress)
+    result = plan_spec(loaded.spec, profiles, loaded.path.parent, progress, time_limit_s=args.time_limit)
     note = "" if not result.planned else (f"planned by hetc plan: {result.step_time_s:.4g} s/step, "
                                           f"{result.tokens_per_s:,.0f} tokens/s predicted")
     text = planned_text(loaded, result.spec if result.planned else None, args.out, note)
@@ -56,11 +59,22 @@ def run(args: argparse.Namespace) -> int:
         args.out.write_text(text)
     prov = plan_provenance(result, profiles)
     summary = plan_summary(args.spec, result, prov)
+    if result.time_limit_note is not None:   # Note [an anytime search]
+        print(f"hetc plan: note: {result.time_limit_note}; the plan is the best found by then "
+              "(--time-limit S allows more)", file=sys.stderr)
     if args.json:
-        print(json.dumps(plan_json(args.spec, result, text, prov), indent=1))
+        obj = plan_json(args.spec, result, text, prov)
+        obj["planning"] = {**_object(obj["planning"]), "time_limit_s": args.time_limit,
+                           "time_limit_reached": result.time_limit_note}
+        print(json.dumps(obj, indent=1))
     elif args.out is not None:
         print(summary)
     else:
         sys.stdout.write(text)
         print(summary, file=sys.stderr)
     return 0
+
+
+def _object(value: JsonValue) -> JsonObject:
+    assert isinstance(value, dict)   # plan_json's "planning" is an object
+    return value

@@ -79,16 +79,16 @@ def model_objective(options: list[Option] | tuple[Option, ...]) -> float:
     return work + fill + tail
 
 
-def _polish(options: list[Option], per_stage: list[list[_Entry]], rounds: int = 64) -> list[Option]:
-    """Local moves under the objective: a unit from one stage to another (each keeping its configuration
-    where it can), or another configuration at a stage's count."""
+def _polish(options: list[Option], per_stage: list[list[_Entry]], grain: int, rounds: int = 64) -> list[Option]:
+    """Local moves under the objective: `grain` units from one stage to another (each keeping its
+    configuration where it can), or another configuration at a stage's count."""
     by_n: list[dict[int, list[Option]]] = [{} for _ in per_stage]
     for table, entries in zip(by_n, per_stage):
         for e in sorted(entries, key=lambda e: e.rank):
             table.setdefault(e.option.layers, []).append(e.option)
     best, value = list(options), model_objective(options)
     for _ in range(rounds):
-        for moved in _moves(best, by_n):
+        for moved in _moves(best, by_n, grain):
             v = model_objective(moved)
             if v < value * (1 - 1e-12):
                 best, value = moved, v
@@ -102,13 +102,13 @@ def _like(choices: list[Option], was: Option) -> Option | None:
     return next((o for o in choices if o.knobs == was.knobs), choices[0] if choices else None)
 
 
-def _moves(options: list[Option], by_n: list[dict[int, list[Option]]]) -> Iterator[list[Option]]:
+def _moves(options: list[Option], by_n: list[dict[int, list[Option]]], grain: int) -> Iterator[list[Option]]:
     n = len(options)
     for a in range(n):
         for b in range(n):
             if a != b:
-                oa = _like(by_n[a].get(options[a].layers - 1, []), options[a])
-                ob = _like(by_n[b].get(options[b].layers + 1, []), options[b])
+                oa = _like(by_n[a].get(options[a].layers - grain, []), options[a])
+                ob = _like(by_n[b].get(options[b].layers + grain, []), options[b])
                 if oa is not None and ob is not None:
                     yield [oa if i == a else ob if i == b else o for i, o in enumerate(options)]
     for s in range(n):
@@ -117,9 +117,10 @@ def _moves(options: list[Option], by_n: list[dict[int, list[Option]]]) -> Iterat
                 yield options[:s] + [o] + options[s + 1:]
 
 
-def assign_fast(tables: list[StageTable], units: int, m: int) -> Assignment | None:
+def assign_fast(tables: list[StageTable], units: int, m: int, grain: int = 1) -> Assignment | None:
     """Least bottleneck exactly; among the layer splits that reach it (and a few looser bounds), least
-    bubble and tail, polished by local moves."""
+    bubble and tail, polished by local moves (of `grain` units: the tables' counts are that far apart, Note
+    [a grid of layer counts] in grid.py)."""
     per_stage = _entries(tables)
     if any(not entries for entries in per_stage):
         return None
@@ -140,7 +141,7 @@ def assign_fast(tables: list[StageTable], units: int, m: int) -> Assignment | No
                 best = got
     if best is None:
         return None
-    polished = _polish(list(best.options), per_stage)
+    polished = _polish(list(best.options), per_stage, grain)
     return Assignment(tuple(polished), model_objective(polished))
 
 

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hetc.errors import InternalError
+from hetc.errors import InternalError, SpecError
 from hetc.gc_pause import paused_collector
 from hetc.passes.cost import CostModel, Estimate, Profiles
 from hetc.passes.plan.baselines import Baseline
 from hetc.passes.plan.candidate import Candidate
+from hetc.passes.plan.deadline import DEFAULT_TIME_LIMIT_S, SCREEN_SHARE, Deadline
 from hetc.passes.plan.emit import emit_spec
 from hetc.passes.cost.candidate_score import Score
 from hetc.passes.plan.infeasible import no_plan_error
@@ -61,6 +62,8 @@ class PlanResult:
     # plan was made with), for whoever builds the plan next; None where it was not checked, or checked by
     # lane position (no `keep_program`)
     program: Program | None = None
+    # what the time limit left unsearched, where the search met it (Note [an anytime search])
+    time_limit_note: str | None = None
 
     @property
     def planned(self) -> bool:
@@ -83,19 +86,22 @@ class PlanResult:
 
 def plan_spec(spec: Spec, profiles: Profiles | None = None, base_dir: Path | None = None,
               progress: Callable[[str], None] | None = None, limits: SearchLimits | None = None,
-              keep_program: bool = False, **space_overrides: Any) -> PlanResult:   # `space_from_spec`'s
+              keep_program: bool = False, time_limit_s: float | None = DEFAULT_TIME_LIMIT_S,
+              **space_overrides: Any) -> PlanResult:   # `space_from_spec`'s
     """The explicit plan for `spec` (returned as is, estimated, when it has no `auto`).
 
     `keep_program`: check the winner on every rank's program and return it (`PlanResult.program`, which
     `hetc compile` builds on); else the check may read one lane position (Note [the planner checks its
-    winner])."""
+    winner]). `time_limit_s`: the search's time (None: no limit), after which it returns the best plan it
+    found so far (Note [an anytime search])."""
+    deadline = Deadline.after(time_limit_s)
     with paused_collector():   # Note [pausing the collector]
-        return _plan_spec(spec, profiles, base_dir, progress, limits, keep_program, **space_overrides)
+        return _plan_spec(spec, profiles, base_dir, progress, limits, keep_program, deadline, **space_overrides)
 
 
 def _plan_spec(spec: Spec, profiles: Profiles | None, base_dir: Path | None,
                progress: Callable[[str], None] | None, limits: SearchLimits | None, keep_program: bool,
-               **space_overrides: Any) -> PlanResult:
+               deadline: Deadline, **space_overrides: Any) -> PlanResult:
     checked = check_spec(spec, base_dir)
     assert spec.parallel is not None   # check_spec refuses a spec that is not complete
     goal = Goal.of(spec.parallel.objective)
@@ -104,13 +110,17 @@ def _plan_spec(spec: Spec, profiles: Profiles | None, base_dir: Path | None,
     start = time.perf_counter()
     topo = checked.topology
     assert topo is not None   # a complete spec has a cluster
-    search = Search(spec, topo, profiles, space_from_spec(spec, topo, **space_overrides), goal, limits)
+    search = Search(spec, topo, profiles, space_from_spec(spec, topo, **space_overrides), goal, limits, deadline)
     found = search.run(progress, aside=None if keep_program else (_checks_out, base_dir))
     scored = search.baselines()
     best, chosen = _choose(search, found, scored)
+    note = _time_limit_note(search, found)
+    if note is not None and (best is None or not goal.admits(best.score)):   # Note [an anytime search]
+        raise SpecError.at(spec.parallel.span, f"no plan found within the planner's time limit: {note}; "
+                                               "allow it more time (--time-limit S)")
     if best is None or not goal.admits(best.score):
         raise no_plan_error(search, found, scored,
-                            lambda: would_fit(spec, topo, profiles, search.space, goal))
+                            lambda: would_fit(spec, topo, profiles, search.space, goal, deadline))
     explicit = emit_spec(spec, best.candidate, topo, search.space.zero_base)
     planned = check_spec(explicit, base_dir)
     checked_aside = search.aside == (best.candidate, True)   # Note [the check beside the refinement]
@@ -118,14 +128,27 @@ def _plan_spec(spec: Spec, profiles: Profiles | None, base_dir: Path | None,
     estimate = _estimate(planned, profiles, program=program)   # simulated on the checked programs if kept
     _cross_check(best.score, estimate)
     return PlanResult(explicit, planned, goal, best.score, estimate, best.candidate, tuple(scored), chosen,
-                      time.perf_counter() - start, search.visited, program)
+                      time.perf_counter() - start, search.visited, program, note)
 
 
-def plan_checked(spec: Spec, base_dir: Path | None = None, profiles: Profiles | None = None) -> PlanResult:
-    """The plan of `spec` (planned first if it has `auto`): what `hetc compile` builds on."""
-    result = plan_spec(spec, profiles, base_dir, keep_program=True)
+def _time_limit_note(search: Search, found: list[Found]) -> str | None:
+    """What the time limit left unsearched (Note [an anytime search]); None where the search ended before it."""
+    if not search.cut_short:
+        return None
+    scored = f"{len(found)} plan{'s' if len(found) != 1 else ''} scored"
+    return (f"the time limit of {search.deadline.limit_s:g} s (the screens have {SCREEN_SHARE:.0%} of it) cut "
+            f"short or skipped the search's {', '.join(search.cut_short)} ({scored})")
+
+
+def plan_checked(spec: Spec, base_dir: Path | None = None, profiles: Profiles | None = None,
+                 time_limit_s: float | None = DEFAULT_TIME_LIMIT_S) -> PlanResult:
+    """The plan of `spec` (planned first if it has `auto`, within `time_limit_s`): what `hetc compile` builds
+    on."""
+    result = plan_spec(spec, profiles, base_dir, keep_program=True, time_limit_s=time_limit_s)
     if result.planned:
         log.info("planned %s: %.4g s/step, %s", result.chosen, result.step_time_s, result.goal.describe())
+    if result.time_limit_note is not None:   # Note [an anytime search]
+        log.warning("%s; the plan is the best found by then (--time-limit S allows more)", result.time_limit_note)
     return result
 
 

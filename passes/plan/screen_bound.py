@@ -68,7 +68,7 @@ def screen_bound(search: Structures, st: Structure) -> float:
     works, fills = [], []
     for s in range(len(st.layout)):
         fixed = search._fixed_layers(s)
-        counts = range(fixed, fixed + 1) if fixed is not None else range(1, limits[s] + 1)
+        counts = range(fixed, fixed + 1) if fixed is not None else search.counts(st, s, 1, limits[s])
         work, fill = _stage_bounds(search, st, s, counts)
         works.append(work)
         fills.append(fill)
@@ -219,14 +219,14 @@ def _reachable(works: Sequence[dict[int, float]], units: int, bound: float) -> b
 
 
 def _least_fill(fills: Sequence[dict[int, float]], units: int) -> float:
-    """The least Σ fill over counts summing to `units`."""
-    best = [0.0] + [math.inf] * units   # by the units the stages so far own
+    """The least Σ fill over counts summing to `units`: a DP over the sums the stages so far can own, kept
+    sparse, since on a grid of counts (Note [a grid of layer counts] in grid.py) few of the sums occur."""
+    best = {0: 0.0}   # by the units the stages so far own
     for fill in fills:
-        nxt = [math.inf] * (units + 1)
-        for u, total in enumerate(best):
-            if total < math.inf:
-                for n, f in fill.items():
-                    if u + n <= units and total + f < nxt[u + n]:
-                        nxt[u + n] = total + f
+        nxt: dict[int, float] = {}
+        for u, total in best.items():
+            for n, f in fill.items():
+                if u + n <= units and total + f < nxt.get(u + n, math.inf):
+                    nxt[u + n] = total + f
         best = nxt
-    return best[units]
+    return best.get(units, math.inf)

@@ -30,6 +30,7 @@ from hetc.passes.cost import Profiles
 from hetc.passes.plan.assign import Assignment, assign_cpsat, model_objective
 from hetc.passes.plan.baselines import Baseline, baselines
 from hetc.passes.plan.candidate import Candidate
+from hetc.passes.plan.deadline import SCREEN_SHARE, Deadline
 from hetc.passes.plan.improve import improve
 from hetc.passes.plan.layouts import Layout
 from hetc.passes.plan.objective import Goal
@@ -53,8 +54,11 @@ class Search(Structures):
     """The coarse-to-fine search over structures (module docstring)."""
 
     def __init__(self, spec: Spec, topo: Topology, profiles: Profiles | None, space: SearchSpace, goal: Goal,
-                 limits: SearchLimits | None = None):
-        super().__init__(spec, topo, profiles, space, goal, limits)
+                 limits: SearchLimits | None = None, deadline: Deadline | None = None):
+        super().__init__(spec, topo, profiles, space, goal, limits, deadline)
+        self.screens_until = self.deadline.share(SCREEN_SHARE)   # Note [an anytime search] in deadline.py
+        # the steps that ended after their share of the time limit: cut short, or skipped (empty: none)
+        self.cut_short: list[str] = []
         self.visited = 0
         self._assigned: dict[Structure, tuple[Assignment, list[StageTable]]] = {}
         self._shares = Shares(self, None)
@@ -80,6 +84,9 @@ class Search(Structures):
         start = time.perf_counter()
 
         def tell(step: str) -> None:
+            until = self.deadline if step in ("configurations", "refinement") else self.screens_until
+            if until.passed():
+                self.cut_short.append(step)
             if progress:
                 progress(f"{step}: {self.visited} structures, {time.perf_counter() - start:.1f} s")
 
@@ -104,11 +111,12 @@ class Search(Structures):
             best = _top_distinct(ranked, self.limits.layouts, key=_layout_of)
             # the model ranks roughly on large clusters: a wider shortlist is scored exactly
             wide = self.limits.structures if self.exact_screen else 3 * self.limits.structures
-            ranked = self._screen([st for idle, layout in best for st in self._every_variant(idle, layout)],
-                                  wide, _itself)
-            tell("schedules")
+            kept = self._screen([st for idle, layout in best for st in self._every_variant(idle, layout)],
+                                wide, _itself)
+            ranked = kept or ranked   # the time limit stopped the screen before its first structure
             if not self.exact_screen:
                 ranked = self._rescore(_top_distinct(ranked, wide, key=_itself))
+            tell("schedules")
             shortlist = _top_distinct(ranked, self.limits.structures, key=_itself)
         self.visited += len(shortlist)
         found = []
@@ -156,6 +164,8 @@ class Search(Structures):
 
     def _quick(self, st: Structure) -> tuple[bool, float]:
         """A first look at a structure: layers split by speed, each stage's lightest or most frugal option."""
+        if self._out_of_time(self.screens_until):
+            return (True, math.inf)
         options = []
         for s, n in enumerate(self._speed_split(st)):
             knobs = base_knobs(self.knobs(st, s, full=False))
@@ -207,11 +217,12 @@ class Search(Structures):
         return [(rank, structures[i]) for i, rank in sorted(kept, key=lambda ir: ir[0])]
 
     def _bound(self, st: Structure) -> float:
-        return screen_bound(self, st)
+        return math.inf if self._out_of_time(self.screens_until) else screen_bound(self, st)
 
     def _screen_value(self, st: Structure) -> float | None:
-        """The structure's assignment objective (priced under a cost objective; None: nothing fits)."""
-        got = self.assign(st, full=False)
+        """The structure's assignment objective (priced under a cost objective; None: nothing fits, or the
+        deadline has passed)."""
+        got = None if self._out_of_time(self.screens_until) else self.assign(st, full=False)
         return None if got is None else got[0].objective * self._price_factor(st)
 
     def _rescore(self, structures: list[Structure]) -> list[tuple[tuple[object, ...], Structure]]:
@@ -219,14 +230,17 @@ class Search(Structures):
         return [(rank, st) for rank, st in zip(ranks, structures) if rank is not None]
 
     def _exact_rank(self, st: Structure) -> tuple[object, ...] | None:
-        """The structure's rank by the exact score of its fast assignment (None: nothing fits)."""
-        got = self.assign(st, full=False)
+        """The structure's rank by the exact score of its fast assignment (None: nothing fits, or the deadline
+        has passed); the screens' share of the time does not stop it, as the screen built its tables."""
+        got = None if self._out_of_time(self.deadline) else self.assign(st, full=False)
         f = None if got is None else self.found(st, got[0])
         return None if f is None else self.rank(f)[:3]
 
     def _configure(self, st: Structure) -> tuple[list[Found], tuple[Assignment, list[StageTable]] | None]:
         """The structure with every stage configuration: the fast assignment, scored exactly; and the
         assignment with its tables, for `_refine`."""
+        if self._out_of_time(self.deadline):
+            return [], None
         coarse = self.assign(st, full=False)
         around = tuple(o.layers for o in coarse[0].options) if coarse else None
         got = self.assign(st, full=True, around=around)
@@ -238,6 +252,8 @@ class Search(Structures):
         """CP-SAT's joint assignment, then a local search over both, scored exactly (`job`: a structure and its
         configured assignment with its tables)."""
         st, (a, tables) = job
+        if self._out_of_time(self.deadline):
+            return []
         m = self.prims[st.micro_batch].num_microbatches
         starts = [a]
         refined = assign_cpsat(tables, self.units, m, a, self.limits.cpsat_work)
@@ -248,6 +264,12 @@ class Search(Structures):
             starts = [min(zip(scored, starts), key=lambda fs: self.rank(fs[0]))[1]] if scored else []
         return [f for start in starts for f in (improve(self, st, start, self.limits.local_evaluations),)
                 if f is not None]
+
+    def _out_of_time(self, until: Deadline) -> bool:
+        """Whether `until` has passed; else the structure's work starts, and its option tables stop there
+        (Note [an anytime search])."""
+        self.until = until
+        return until.passed()
 
     def rank(self, f: Found) -> tuple[object, ...]:
         return (not self.goal.admits(f.score), not f.score.fits, self.goal.value(f.score), f.candidate.key())

@@ -17,6 +17,8 @@ from hetc.passes.cost import Profiles
 from hetc.passes.cost.intra_lane import tp_degrees
 from hetc.passes.plan.assign import Assignment, assign_fast
 from hetc.passes.plan.candidate import Candidate, Knobs, StageGpus
+from hetc.passes.plan.deadline import Deadline
+from hetc.passes.plan.grid import grid_counts, layer_grain, residues
 from hetc.passes.cost.probe import Primitives
 from hetc.passes.cost.candidate_score import Score, evaluate
 from hetc.passes.plan.layouts import Layout, group_speed, layouts
@@ -80,14 +82,17 @@ class Found:
 
 class Structures:
     def __init__(self, spec: Spec, topo: Topology, profiles: Profiles | None, space: SearchSpace, goal: Goal,
-                 limits: SearchLimits | None = None):
+                 limits: SearchLimits | None = None, deadline: Deadline | None = None):
         assert spec.model is not None   # a checked spec
         self.spec, self.topo, self.space, self.goal, self.profiles = spec, topo, space, goal, profiles
+        self.deadline = deadline or Deadline.after(None)   # Note [an anytime search] in deadline.py
+        self.until = self.deadline   # where the option tables of the work in hand stop (that step's share)
         self.model: ModelSpec = spec.model
         self.limits = limits or SearchLimits.for_cluster(topo.num_gpus, spec.model.num_model_layers)
         self.resolve = Resolver(topo)
         self.prims = {b: Primitives(spec, topo, profiles, b) for b in space.micro_batches}
         self.units = spec.model.num_model_layers
+        self.grain = layer_grain(spec.model.layers)   # Note [a grid of layer counts] in grid.py
         # options by what they depend on (`_key`)
         self._options: dict[tuple[object, ...], Option | None] = {}
         self._holds: dict[tuple[object, ...], bool] = {}   # the same key: `_holds_all`
@@ -149,6 +154,13 @@ class Structures:
         rule = self.rule(s)
         return None if rule is None else rule.layers
 
+    def counts(self, st: Structure, s: int, lo: int, hi: int) -> range:
+        """Stage s's layer counts in [lo, hi] that the search weighs (Note [a grid of layer counts])."""
+        if self.grain == 1 or self._fixed_layers(s) is not None:
+            return range(lo, hi + 1)
+        fixed = [self._fixed_layers(i) for i in range(len(st.layout))]
+        return grid_counts(lo, hi, self.grain, residues(fixed, self.units, self.grain)[s])
+
     def _speeds(self, st: Structure) -> list[float]:
         dtype = self.model.dtype
         return [sum(group_speed(self.topo, b.group, dtype) * b.size /
@@ -160,13 +172,15 @@ class Structures:
         speeds = self._speeds(st)
         return [max(1, round(self.units * v / sum(speeds))) for v in speeds]
 
-    def _table(self, st: Structure, s: int, layers: range, knobs: list[Knobs],
+    def _table(self, st: Structure, s: int, layers: Iterable[int], knobs: list[Knobs],
                fallback: Knobs | None = None) -> StageTable:
         """Stage s's options for these layer counts; `fallback` only where none of `knobs` fits in memory."""
         res = self.resolve(st.layout[s])
         table = StageTable(s, res)
         neighbours = self.neighbours(st, s)
         for n in layers:
+            if self.until.passed():   # Note [an anytime search]: a table as far as it got
+                break
             got = [self._option(st, s, n, k, res, neighbours) for k in knobs]
             if fallback is not None and not self._roomy(st, s, n, knobs, got, res, neighbours):
                 got.append(self._option(st, s, n, fallback, res, neighbours))
@@ -231,22 +245,30 @@ class Structures:
         fallbacks = [None if full or len(k) < 2 else k[-1] for k in knobs]
         knobs = [k if full or len(k) < 2 else k[:-1] for k in knobs]
         m = self.prims[st.micro_batch].num_microbatches
-        width = self.limits.window if full else max(1, self.limits.window // 2)
+        width = (self.limits.window if full else max(1, self.limits.window // 2)) * self.grain
         lows = [max(1, min(c, most) - width) for c, most in zip(centres, limits)]
         highs = [min(most, max(c, 1) + width) for c, most in zip(centres, limits)]
-        for s in range(len(st.layout)):   # written layer ranges stay
-            if (fixed := self._fixed_layers(s)) is not None:
+        written = [self._fixed_layers(s) for s in range(len(st.layout))]
+        for s, fixed in enumerate(written):   # written layer ranges stay
+            if fixed is not None:
                 lows[s] = highs[s] = limits[s] = fixed
+        # the fewest units a stage can own when the others own their most: a lone stage owns them all, so its
+        # window never grows (where nothing fits, it used to widen to every count)
+        floors = [max(1, self.units - sum(limits) + most) if fixed is None else fixed
+                  for most, fixed in zip(limits, written)]
+        lows = [max(lo, floor) for lo, floor in zip(lows, floors)]
         while True:
-            tables = [self._table(st, s, range(lo, hi + 1), knobs[s], fallbacks[s])
+            tables = [self._table(st, s, self.counts(st, s, lo, hi), knobs[s], fallbacks[s])
                       for s, (lo, hi) in enumerate(zip(lows, highs))]
-            a = assign_fast(tables, self.units, m)
+            if self.until.passed():   # the tables may be cut short: no assignment (Note [an anytime search])
+                return None
+            a = assign_fast(tables, self.units, m, self.grain)
             grown = False
-            for s, most in enumerate(limits):
-                pressed_low = a is None or a.options[s].layers == lows[s]
-                pressed_high = a is None or a.options[s].layers == highs[s]
-                if pressed_low and lows[s] > 1:
-                    lows[s], grown = max(1, lows[s] - width), True
+            for s, most in enumerate(limits):   # at the window's first or last count on the grid
+                pressed_low = a is None or a.options[s].layers - self.grain < lows[s]
+                pressed_high = a is None or a.options[s].layers + self.grain > highs[s]
+                if pressed_low and lows[s] > floors[s]:
+                    lows[s], grown = max(floors[s], lows[s] - width), True
                 if pressed_high and highs[s] < most:
                     highs[s], grown = min(most, highs[s] + width), True
             if not grown:

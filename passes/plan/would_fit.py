@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from hetc.passes.cost import Profiles
+from hetc.passes.plan.deadline import Deadline
 from hetc.passes.plan.objective import Goal
 from hetc.passes.plan.search import Search, SearchLimits
 from hetc.passes.plan.space import PLAIN_OFFLOADS, ZORSE_OFFLOADS, SearchSpace
@@ -46,12 +47,16 @@ class _Change:
     space: SearchSpace
 
 
-def would_fit(spec: Spec, topo: Topology, profiles: Profiles | None, space: SearchSpace, goal: Goal) -> str:
-    """Advice that ends the "nothing fits" error: the first change that fits, or that none of them does."""
+def would_fit(spec: Spec, topo: Topology, profiles: Profiles | None, space: SearchSpace, goal: Goal,
+              deadline: Deadline | None = None) -> str:
+    """Advice that ends the "nothing fits" error: the first change that fits, or that none of them does; the
+    looks stop at the planner's `deadline` (Note [an anytime search] in deadline.py)."""
     tried = []
     for change in _changes(spec, space):
-        found = Search(change.spec, topo, profiles, change.space, goal, QUICK).run()
+        found = Search(change.spec, topo, profiles, change.space, goal, QUICK, deadline).run()
         fitting = [f for f in found if f.score.fits]
+        if not fitting and deadline is not None and deadline.passed():
+            return "the planner's time limit left no time to look for a change to the spec that would fit"
         if fitting:
             best = fitting[0]
             fullest = max(m.total / m.capacity for m in best.score.memory)
