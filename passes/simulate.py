@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from typing import cast
 
 from hetc.passes.cost.model import CostModel
+from hetc.passes.verify import plan_backend
 from hetc.passes.verify.machine import Machine, Op
 from hetc.passes.verify.memory import Sizes, rank_levels
 from hetc.pipeline import Pipeline
@@ -140,8 +141,9 @@ class _Costs:
 
 def timed_machine(program: Program, spec: Spec, costs: CostModel) -> Machine:
     """The programs' blocking machine timed by the cost model, not yet run: `verify(..., machine=)` runs it and
-    `simulate(..., ran=)` reads its times (Note [one run] in passes/verify/protocol.py)."""
-    return Machine(program, _Costs(program, spec, costs), record=True)
+    `simulate(..., ran=)` reads its times (Note [one run] in passes/verify/protocol.py). It runs the blocking
+    rule of the backend the plan's ranks use (`plan_backend`: NCCL's order on GPUs), as `verify` proves."""
+    return Machine(program, _Costs(program, spec, costs), record=True, backend=plan_backend(costs.pipeline))
 
 
 def _finished(machine: Machine) -> Machine:

@@ -4,7 +4,9 @@ Every collective and point-to-point call is asynchronous (`async_op=True`)
 and returns a `CommWork`; the interpreter waits on it where the program
 says (a failure is a `CommFailure`: Note [communication failures] in
 runtime/nn/collectives.py). On CUDA, host<->device copies run on their own stream and their
-"work" is an event; on CPU the same code path copies at once.
+"work" is an event; on CPU the same code path copies at once. With an `NcclOrder`
+(`HETC_EMULATE_NCCL=1` on gloo) every op waits on its communicator's line
+before it starts, as under NCCL (Note [NCCL order on gloo] in runtime/nccl_order.py).
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from torch import Tensor
 from hetc.program import Group, Recv, Send
 from hetc.runtime.nn import collectives
 from hetc.runtime.nn.collectives import CommWork
+from hetc.runtime.nccl_order import NcclEmulation, NcclOrder, pair
 from hetc.program import Tensor as Kind
 
-__all__ = ["Comm", "Waitable", "make_groups"]
+__all__ = ["Comm", "Waitable", "make_groups", "nccl_order"]
 
 def make_groups(groups: tuple[Group, ...], timeout=None) -> dict[str, object]:
     """Create every group of the program, in table order, on every rank (torch requires all to call).
@@ -49,14 +52,24 @@ class _EventWork:
         self.event.synchronize()
 
 
+def nccl_order(rank: int, emulation: NcclEmulation | None) -> NcclOrder | None:
+    """The lines that hold this rank's gloo ops to NCCL's order, when `emulation` asks; none under NCCL,
+    which orders them itself (and whose streams are the launching thread's)."""
+    if emulation is None or dist.get_backend() != dist.Backend.GLOO:
+        return None
+    return NcclOrder(rank, emulation)
+
+
 class Comm:
     def __init__(self, groups: dict[str, object], num_microbatches: int, act_dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, order: NcclOrder | None = None):
         self.groups = groups
         self.m = num_microbatches
         self.act_dtype = act_dtype
         self.device = device
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.order = order      # Note [NCCL order on gloo]; None: every op starts when posted
+        self._group_names = {id(g): name for name, g in groups.items()}
 
     def group(self, name: str):
         try:
@@ -73,20 +86,37 @@ class Comm:
         tag = (instr.ms * self.m + instr.mb) * 2 + (instr.what is Kind.GRAD)
         return tag if instr.seq is None else tag * 1024 + 1 + instr.seq[0] % 1023
 
-    def isend(self, t: Tensor, peer: int, tag: int) -> CommWork:
-        return collectives.isend(t, peer, tag=tag)
+    def isend(self, t: Tensor, peer: int, tag: int, label: str = "") -> Waitable:
+        """`label`: the instruction, named by the emulation's messages."""
+        return self._p2p(peer, label or f"isend to {peer}", lambda: collectives.isend(t, peer, tag=tag))
 
-    def irecv(self, t: Tensor, peer: int, tag: int) -> CommWork:
-        return collectives.irecv(t, peer, tag=tag)
+    def irecv(self, t: Tensor, peer: int, tag: int, label: str = "") -> Waitable:
+        return self._p2p(peer, label or f"irecv from {peer}", lambda: collectives.irecv(t, peer, tag=tag))
 
-    def all_gather(self, out: Tensor, mine: Tensor, group) -> CommWork:
-        return CommWork(collectives.all_gather_into_tensor(out, mine, group=group, async_op=True))
+    def all_gather(self, out: Tensor, mine: Tensor, group) -> Waitable:
+        return self._collective(group, "all_gather", lambda: CommWork(
+            collectives.all_gather_into_tensor(out, mine, group=group, async_op=True)))
 
-    def reduce_scatter(self, out: Tensor, full: Tensor, group) -> CommWork:
-        return CommWork(collectives.reduce_scatter_tensor(out, full, group=group, async_op=True))
+    def reduce_scatter(self, out: Tensor, full: Tensor, group) -> Waitable:
+        return self._collective(group, "reduce_scatter", lambda: CommWork(
+            collectives.reduce_scatter_tensor(out, full, group=group, async_op=True)))
 
-    def all_reduce(self, t: Tensor, group) -> CommWork:
-        return CommWork(collectives.all_reduce(t, group=group, async_op=True))
+    def all_reduce(self, t: Tensor, group) -> Waitable:
+        return self._collective(group, "all_reduce", lambda: CommWork(
+            collectives.all_reduce(t, group=group, async_op=True)))
+
+    # Under the emulation an op is queued on its communicator's line and started when the line reaches it.
+
+    def _p2p(self, peer: int, label: str, start: Callable[[], CommWork]) -> Waitable:
+        if self.order is None:
+            return start()
+        return self.order.post(pair(self.order.rank, peer), label, start)
+
+    def _collective(self, group, kind: str, start: Callable[[], CommWork]) -> Waitable:
+        if self.order is None:
+            return start()
+        name = self._group_names.get(id(group), "?")
+        return self.order.post(name, f"{kind} on group '{name}'", start)
 
     def copy(self, move: Callable[[], None],
              done: Callable[[], None] | None) -> tuple[Waitable | None, Callable[[], None] | None]:

@@ -375,14 +375,14 @@ class Interpreter:
         if tensor is None:
             raise ProtocolError(f"nothing to send: {instr.what.value} ms={instr.ms} mb={instr.mb} is not computed")
         payload = self.arrived.local(tensor.detach(), instr.seq).contiguous()
-        self._post(instr, self.comm.isend(payload, instr.peer_to, self.comm.tag(instr)))
+        self._post(instr, self.comm.isend(payload, instr.peer_to, self.comm.tag(instr), str(instr)))
 
     def _recv(self, instr: Recv) -> None:
         key = (instr.what, instr.ms, instr.mb)
         if instr.seq is None and key in self.arrived:
             raise ProtocolError(f"{instr.what.value} ms={instr.ms} mb={instr.mb} is received twice")
         buf = torch.empty(instr.shape, dtype=self.comm.act_dtype, device=self.device)
-        work = self.comm.irecv(buf, instr.peer_from, self.comm.tag(instr))
+        work = self.comm.irecv(buf, instr.peer_from, self.comm.tag(instr), str(instr))
         self._post(instr, work, lambda: self.arrived.put(key, buf, instr.seq))
 
     # ------------------------------------------------------------ collectives

@@ -17,11 +17,12 @@ from hetc.hf.weights import wants_pretrained
 from hetc.pipeline import Pipeline
 from hetc.program import Program, Shard
 from hetc.runtime.buffers import GroupPos, MinistageBuffers
-from hetc.runtime.comm import Comm
+from hetc.runtime.comm import Comm, nccl_order
 from hetc.runtime.data import DataSource
 from hetc.runtime.hf_load import load_hf_weights
 from hetc.runtime.interpreter import Interpreter
 from hetc.runtime.lane import LanePlace, place_ministage
+from hetc.runtime.nccl_order import NcclEmulation
 from hetc.runtime.nn.model import build_ministage, compute_dtype
 from hetc.runtime.nn.moe import ExpertShard, is_expert_param
 from hetc.runtime.unit_buffers import Buffers, UnitBuffers
@@ -103,13 +104,16 @@ def _buffers(spec: Spec, program: Program, rank: int, shard: Shard, place: LaneP
 
 
 def build_rank(spec: Spec, pipeline: Pipeline, program: Program, rank: int, groups: dict[str, object],
-               data: DataSource, device: torch.device, resumes: bool = False) -> RankRuntime:
+               data: DataSource, device: torch.device, resumes: bool = False,
+               emulation: NcclEmulation | None = None) -> RankRuntime:
     """One rank's runtime state. `resumes`: a checkpoint will be loaded (runtime/checkpoint.py), so the
-    rank gives its parameters no values of their own; see Note [Ranks that load their weights]."""
+    rank gives its parameters no values of their own; see Note [Ranks that load their weights].
+    `emulation`: hold gloo's communication to NCCL's order (Note [NCCL order on gloo])."""
     place = lane_place(spec, pipeline, program, rank, groups)
     buffers = build_rank_buffers(spec, pipeline, program, rank, device, place, resumes)
     assert spec.model is not None   # a checked spec
-    comm = Comm(groups, pipeline.num_microbatches, compute_dtype(spec.model.dtype), device)
+    comm = Comm(groups, pipeline.num_microbatches, compute_dtype(spec.model.dtype), device,
+                nccl_order(rank, emulation))
     firsts = {m.index: m.first_layer for m in pipeline.ministages}
     stops = {m.index: m.stop_layer for m in pipeline.ministages}
     interp = Interpreter(spec, program.ranks[rank], buffers, comm, data, pipeline.num_microbatches, device,

@@ -8,6 +8,10 @@ no special case for the pool; they create the plan's groups, build their
 rank runtime, run the steps, optionally resume from / save a checkpoint,
 destroy every group and report. The other workers sit the job out.
 
+A job may hold gloo to NCCL's order (`PlanJob.emulation`, per job, since the
+workers outlive it; `COMM_ORDERS` names the two ways to run a plan for a
+parametrized test: Note [NCCL order on gloo] in runtime/nccl_order.py).
+
 A job that does not answer in time (a hang, a dead worker) fails with
 TimeoutError, and the pool starts its workers afresh, so the jobs after it
 run on clean processes rather than on ranks still stuck in the old one.
@@ -27,8 +31,10 @@ from pathlib import Path
 import torch.multiprocessing as mp
 
 from hetc.cli import main as hetc_main
+from hetc.runtime.nccl_order import NcclEmulation
 
 __all__ = [
+    "COMM_ORDERS",
     "LOSS_RTOL",
     "PARAM_ATOL",
     "PARAM_RTOL",
@@ -58,6 +64,11 @@ LOSS_RTOL = 1e-5      # the issue's bound: per-step losses within 1e-5 relative 
 # twice, or not at all), which moves weights by ~lr.
 PARAM_RTOL, PARAM_ATOL = 1e-5, 5e-5
 
+# The orders a job's ranks may run their communication in: gloo's own (each op starts when posted), or
+# NCCL's (each rank's ops on one communicator start one after another: Note [NCCL order on gloo]). For
+# `@pytest.mark.parametrize("order", COMM_ORDERS)` and `PlanJob(..., emulation=COMM_ORDERS[order])`.
+COMM_ORDERS: dict[str, NcclEmulation | None] = {"gloo": None, "nccl": NcclEmulation()}
+
 
 @dataclass(frozen=True)
 class PlanJob:
@@ -67,6 +78,7 @@ class PlanJob:
     save_to: Path | None = None       # save a checkpoint after the last step
     fail_save_on: int | None = None   # test hook: this rank's storage writer fails during the save
     hang_on: int | None = None        # test hook: this rank never answers
+    emulation: NcclEmulation | None = None   # hold gloo to NCCL's order (HETC_EMULATE_NCCL=1 of `hetc run`)
 
 
 @dataclass(frozen=True)
@@ -219,7 +231,8 @@ def _run_job(job: PlanJob, rank: int, port: int) -> RankReport | None:
         spec, pipeline = checked.spec, checked.pipeline
         data = make_data_source(spec.model, spec.train, job.plan_dir)
         resumes = job.resume_from is not None and latest_checkpoint(job.resume_from) is not None
-        rt = build_rank(spec, pipeline, program, rank, groups, data, torch.device("cpu"), resumes=resumes)
+        rt = build_rank(spec, pipeline, program, rank, groups, data, torch.device("cpu"), resumes=resumes,
+                        emulation=job.emulation)
         return _train(rt, job, rank, make_evaluator(spec, pipeline, program, rank, job.plan_dir))
     finally:
         dist.destroy_process_group()   # the default group and every group made from it

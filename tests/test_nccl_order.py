@@ -2,10 +2,10 @@
 
 Under gloo a posted op completes as soon as its partners are posted; under NCCL a rank's ops on one
 communicator (the rank pair of a send or receive, the group of a collective or of a compute op's tp/cp/ep
-part) also start in posting order, one at a time. The lowering of today posts receives ahead, so its
-pipeline programs verify under gloo and hang under NCCL in their first step: the saved listing
-tests/listings/pp_receives_ahead.txt keeps that old order, so these tests still refuse it once the
-lowering is fixed (issue 29, item 2).
+part) also start in posting order, one at a time. The lowering before the `nccl_order` pass posted
+receives ahead, so its pipeline programs verified under gloo and hung under NCCL in their first step:
+tests/listings/pp_receives_ahead.txt keeps that old order, which these tests still refuse; the lowering
+now posts each pair's messages in one order (Note [NCCL channel order] in passes/lower/channel_order.py).
 """
 
 from __future__ import annotations
@@ -26,11 +26,6 @@ from tests.plans import DEMO_PLANS, compile_plan, plan_id
 OLD_PP = ROOT / "tests" / "listings" / "pp_receives_ahead.txt"
 SHAPE = (1, 4, 8)
 PLAIN = Shard(0, 0)   # a ministage without tp/cp/ep groups: its compute is local
-
-# Demo plans whose pipeline listings post receives ahead: refused under NCCL until issue 29 item 2.
-POSTS_RECEIVES_AHEAD = {"demo/gpipe", "demo/hetero", "demo/hetero_tp", "demo/interleaved", "demo/offload_act",
-                        "demo/pp", "demo/tp_to_cp", "demo/zb", "demo/zero3_offload"}
-
 
 def _old_pp() -> Program:
     groups_text, *rank_texts = OLD_PP.read_text().split("\nrank ")
@@ -188,11 +183,17 @@ def test_a_one_rank_plan_passes_under_both():
         verify(lowered.program, lowered.pipeline, lowered.spec, backend=backend)
 
 
-@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.xfail(
-    strict=True, raises=VerifyError, reason="lowering posts receives ahead; issue 29 item 2"))
-    if plan_id(p) in POSTS_RECEIVES_AHEAD else p for p in DEMO_PLANS], ids=plan_id)
+@pytest.mark.parametrize("path", DEMO_PLANS, ids=plan_id)
 def test_demo_plan_verifies_under_nccl(path):
-    """An informative record: which demo plans today's lowering already emits in an order NCCL runs."""
+    """Every demo plan is lowered in an order NCCL runs (Note [NCCL channel order] in
+    passes/lower/channel_order.py), though on CPU it runs on gloo; the specs under specs/ are held to it in
+    tests/test_plan_agreement.py `test_every_spec_compiles_and_agrees`."""
     lowered = compile_plan(path)
     verify(lowered.program, lowered.pipeline, lowered.spec, backend=Backend.NCCL)
 
+
+def test_compile_verifies_a_gpu_plan_under_nccl_and_a_cpu_plan_under_gloo():
+    from hetc.passes.verify import plan_backend
+
+    assert plan_backend(compile_plan(DEMO / "pp.het").pipeline) is Backend.GLOO
+    assert plan_backend(compile_plan(ROOT / "specs" / "zorse" / "b_llama7b.het").pipeline) is Backend.NCCL

@@ -20,6 +20,7 @@ import pytest
 
 from hetc.passes.agreement import Agreement, compare
 from hetc.passes.plan.planner import PlanResult
+from hetc.passes.verify import Backend, verify
 from tests.planned import JOBS, SPECS, Planned, spec_name
 from tests.test_check_positions import assert_copies_position_0
 
@@ -92,8 +93,11 @@ def _specs() -> list:
 
 @pytest.mark.parametrize("path", _specs())
 def test_every_spec_compiles_and_agrees(path, plan_cache):
-    problem = _outcome(plan_cache.spec(path))
+    got = plan_cache.spec(path)
+    problem = _outcome(got)
     assert problem is None, problem
+    if got is not None:     # CPU plans too: what a GPU cluster runs must be what the CPU suite proves
+        verify(got.built.program, got.built.checked.pipeline, got.built.checked.spec, backend=Backend.NCCL)
 
 
 

@@ -19,7 +19,7 @@ from hetc.runtime.checkpoint import latest_checkpoint
 from hetc.runtime.reference import train_reference
 from tests.conftest import DEMO, REFERENCE_STEPS
 from tests.plans import DEMO_PLANS
-from tests.rank_pool import PlanJob, agreed_losses, assert_losses_close, assert_params_close, compile_plans
+from tests.rank_pool import COMM_ORDERS, PlanJob, agreed_losses, assert_losses_close, assert_params_close, compile_plans
 from tests.test_checkpoint import SAVED_AT, _save_then_resume
 
 MOE = "moe_"   # plans of the MoE demo job
@@ -39,9 +39,13 @@ def test_demo_folder_has_every_required_plan():
     assert REQUIRED <= names, f"missing demo plans: {sorted(REQUIRED - names)}"
 
 
+@pytest.mark.parametrize("order", COMM_ORDERS)
 @pytest.mark.parametrize("plan", DENSE_PLANS)
-def test_plan_matches_reference(plan, rank_pool, demo_plan_dirs, demo_reference, tmp_path):
-    reports = rank_pool.run(PlanJob(demo_plan_dirs[plan], REFERENCE_STEPS, save_to=tmp_path))
+def test_plan_matches_reference(plan, order, rank_pool, demo_plan_dirs, demo_reference, tmp_path):
+    """Each plan trains to the reference on gloo, and with gloo held to NCCL's order (`order` nccl:
+    HETC_EMULATE_NCCL, runtime/nccl_order.py), as its programs would run on GPUs."""
+    reports = rank_pool.run(PlanJob(demo_plan_dirs[plan], REFERENCE_STEPS, save_to=tmp_path,
+                                    emulation=COMM_ORDERS[order]))
     assert_losses_close(agreed_losses(reports), demo_reference.losses)
     assert_params_close(latest_checkpoint(tmp_path), demo_reference.params)
 

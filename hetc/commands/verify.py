@@ -10,7 +10,7 @@ from hetc.commands import Subparsers
 from hetc.errors import UsageError
 from hetc.outdir import edited_files
 from hetc.passes.cost import CostModel
-from hetc.passes.verify import Backend, VerifyError, verified_evaluation, verify
+from hetc.passes.verify import Backend, VerifyError, plan_backend, verified_evaluation, verify
 from hetc.plandir import read_plan, read_program
 from hetc.program import ProgramFormatError
 
@@ -28,12 +28,12 @@ def register(sub: Subparsers) -> None:
                     "`hetc compile`) and exit 2.",
     )
     p.add_argument("dir", type=Path, metavar="DIR")
-    p.add_argument("--backend", choices=[b.value for b in Backend], default=Backend.GLOO.value,
+    p.add_argument("--backend", choices=[b.value for b in Backend], default=None,
                    help="whose blocking rule to prove the programs deadlock-free under: gloo (a posted send, "
                         "receive or collective completes once its partners are posted) or nccl (also, a rank's "
                         "operations on one communicator -- the rank pair of a send or receive, the group of a "
                         "collective -- start in posting order, one at a time, as they do on a GPU); "
-                        "default: %(default)s")
+                        "default: the backend the plan's ranks run (nccl where they have GPUs, gloo on CPU)")
     p.set_defaults(func=run)
 
 
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     except FileNotFoundError as err:
         raise UsageError(str(err)) from None
     try:
-        backend = Backend(args.backend)
+        backend = Backend(args.backend) if args.backend else plan_backend(checked.pipeline)
         verify(program, checked.pipeline, checked.spec, CostModel(checked.spec, checked.pipeline, checked.topology),
                backend=backend)
         verified_evaluation(program, checked.pipeline, checked.spec, backend)   # the forward-only programs derived
@@ -59,5 +59,5 @@ def run(args: argparse.Namespace) -> int:
             print(f"note: changed since `hetc compile` wrote them: {', '.join(edited)}", file=sys.stderr)
         return 2
     print(f"{args.dir}: ok: {program.world_size} ranks, {sum(len(r.instrs) for r in program.ranks)} "
-          f"instructions verified ({args.backend} rules)")
+          f"instructions verified ({backend} rules)")
     return 0

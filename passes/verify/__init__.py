@@ -32,11 +32,18 @@ from hetc.program import Program, RankProgram
 from hetc.spec import Spec
 from hetc.grid import render_grid
 
-__all__ = ["Backend", "Finding", "Sizes", "VerifyError", "shape_problem", "verified_evaluation", "verify"]
+__all__ = ["Backend", "Finding", "Sizes", "VerifyError", "plan_backend", "shape_problem", "verified_evaluation",
+           "verify"]
+
+
+def plan_backend(pipeline: Pipeline) -> Backend:
+    """The backend the plan's ranks run: NCCL where any rank has a GPU (the runtime's rule in
+    runtime/worker.py: nccl on CUDA devices, gloo on CPU), so its programs are proven under NCCL's order."""
+    return Backend.NCCL if any(not gpu.device.is_cpu for gpu in pipeline.world) else Backend.GLOO
 
 
 def verify(program: Program, pipeline: Pipeline, spec: Spec, sizes: Sizes | None = None,
-           forward_only: bool = False, machine: Machine | None = None, backend: Backend = Backend.GLOO) -> None:
+           forward_only: bool = False, machine: Machine | None = None, backend: Backend | None = None) -> None:
     """Raise VerifyError naming rank and instruction if the programs are unsafe.
 
     `sizes` (a `CostModel`) turns on the memory check; `VerifyError.check`
@@ -46,9 +53,10 @@ def verify(program: Program, pipeline: Pipeline, spec: Spec, sizes: Sizes | None
     `machine`: the blocking machine the protocol check runs (a timed one the
     simulator reads after, Note [one run] in protocol.py); by default an untimed one.
     `backend`: whose blocking rule the protocol check proves the programs under (Note [NCCL order] in
-    machine.py); gloo by default until the lowering satisfies NCCL's (issue 29).
+    machine.py); by default the one the plan's ranks run (`plan_backend`).
     """
     _check_shape(program, pipeline)
+    backend = backend or plan_backend(pipeline)
     model, train = spec.model, spec.train
     assert model is not None and train is not None   # a checked spec
     checks: list[tuple[str, Callable[[], list[Finding]]]] = [("dataflow", lambda: check_dataflow(program, pipeline, model.num_model_layers,
@@ -67,7 +75,7 @@ def verify(program: Program, pipeline: Pipeline, spec: Spec, sizes: Sizes | None
 
 
 def verified_evaluation(program: Program, pipeline: Pipeline, spec: Spec,
-                        backend: Backend = Backend.GLOO) -> Program | None:
+                        backend: Backend | None = None) -> Program | None:
     """The evaluation programs of a job that evaluates (`train { eval_every }`), verified; else None.
 
     Note [Evaluation programs] in passes/lower/forward_only.py says why the memory check is not rerun.
