@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hetc.errors import Diagnostic, InternalError, SpecError
-from hetc.frontend.load import LoadedSpec, load_spec
+from hetc.frontend.load import LoadedSpec, load_spec, with_plan_to_fill
 from hetc.jsontypes import JsonObject
 from hetc.passes.cost import CostError, CostModel, Profiles
 from hetc.passes.cost.provenance import provenance
@@ -35,14 +35,15 @@ __all__ = ["Compiled", "compile_spec", "load_checked", "plan_facts", "predict", 
 
 
 def load_checked(path: str | Path, require_complete: bool = False,
-                 require_fit: bool = False) -> tuple[LoadedSpec, Checked]:
+                 require_fit: bool = False, plan_missing: bool = False) -> tuple[LoadedSpec, Checked]:
     """Parse, import, convert and validate `path`; raise one SpecError with every problem.
 
     `require_fit` also asks the cost model whether an explicit plan fits in
     device memory (`hetc check`); explain leaves it out, to show the numbers
     of a plan that does not fit, and compile asks the verifier instead.
+    `plan_missing`: a spec without a parallel block is planned (`with_plan_to_fill`: plan and compile).
     """
-    loaded = load_spec(path)
+    loaded = with_plan_to_fill(load_spec(path)) if plan_missing else load_spec(path)
     checked = check_spec(loaded.spec, loaded.path.parent)
     if require_fit and checked.pipeline is not None and (overflows := estimate_overflows(checked)):
         raise SpecError(overflows)
@@ -74,7 +75,7 @@ def compile_spec(spec_path: Path, dump_after: str | None = None,
                  profiles: Profiles | None = None, time_limit_s: float | None = DEFAULT_TIME_LIMIT_S) -> Compiled:
     """Lower, verify and simulate `spec_path`'s plan, timed with `profiles` (a Profiles, or none); a plan with
     `auto` is planned first, its search held to `time_limit_s` (Note [an anytime search])."""
-    loaded, checked = load_checked(spec_path, require_complete=True)
+    loaded, checked = load_checked(spec_path, require_complete=True, plan_missing=True)
     explicit = checked.explicit()
     plan, program = (explicit, None) if explicit is not None else _planned(loaded, profiles, time_limit_s)
     # the schedule is timed with the cost model that predicts and verifies it (Note [in-flight limit])

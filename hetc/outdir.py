@@ -124,6 +124,7 @@ def write_output_dir(out: Path, kind: OutputKind, fill: Callable[[Path], None],
     try:
         fill(tmp)
         write_marker(tmp, kind)
+        _follow_umask(tmp)
         check_output_dir(out, kind, protect, legacy)   # again: something may have appeared while `fill` ran
         _swap_in(tmp, target)
     except BaseException:
@@ -165,6 +166,26 @@ def _swap_in(tmp: Path, target: Path) -> None:
     target.rename(graveyard / target.name)
     tmp.rename(target)
     shutil.rmtree(graveyard, ignore_errors=True)
+
+
+def _follow_umask(directory: Path) -> None:
+    """Give `directory` and everything in it the modes a plain `mkdir` and `open` would have.
+
+    mkdtemp makes the directory 0700 and some writers (safetensors) make their files 0600, which would
+    keep an export or a plan directory from the rest of a team whose umask shares them.
+    """
+    umask = os.umask(0)      # the only portable way to read it; set back at once
+    os.umask(umask)
+    for root, dirs, names in os.walk(directory):
+        for d in dirs:
+            if not (Path(root) / d).is_symlink():
+                os.chmod(Path(root) / d, 0o777 & ~umask)
+        for n in names:
+            path = Path(root) / n
+            if not path.is_symlink():
+                executable = path.stat().st_mode & 0o111
+                os.chmod(path, (0o777 if executable else 0o666) & ~umask)
+    os.chmod(directory, 0o777 & ~umask)
 
 
 def _always_protected() -> list[Protected]:

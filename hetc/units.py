@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 from enum import StrEnum
 
-__all__ = ["DISPLAY", "UNITS", "Dim", "format_quantity", "human_bytes", "human_rate", "to_base", "units_of"]
+__all__ = ["DISPLAY", "UNITS", "Dim", "format_quantity", "human_bytes", "human_rate", "human_seconds", "to_base",
+           "units_of"]
 
 
 class Dim(StrEnum):
@@ -98,6 +99,17 @@ def human_bytes(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n:.0f} B"
+
+
+def human_seconds(seconds: float, digits: int = 3) -> str:
+    """A duration in the unit that reads, to `digits` significant digits: '25.1 s' (not '25095.02 ms'),
+    '41.3 ms', '1,204 s'. Every step time hetc prints goes through here."""
+    if abs(seconds) >= 10 ** (digits - 1):
+        return f"{seconds:,.0f} s"
+    for unit, size in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if abs(seconds) >= size:
+            return f"{seconds / size:.{digits}g} {unit}"
+    return f"{seconds:.{digits}g} s"
 
 
 def human_rate(flops: float) -> str:

@@ -9,11 +9,13 @@ is checked for what it has.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from hetc.errors import Diagnostic, InternalError, SpecError, did_you_mean
+from hetc.frontend.values import words
 from hetc.layout import layout_problem
 from hetc.passes.cost.intra_lane import LaneLayout
 from hetc.passes.cost.memory import state_bytes_per_param
@@ -216,10 +218,7 @@ def _check_parallel(spec: Spec, errors: list[Diagnostic]) -> None:
         if st.zero is not None:
             _check_zero(st.zero, errors)
         if st.tp is not AUTO:
-            for what, n in (("heads", m.heads), ("kv_heads", m.num_kv_heads)):
-                if n % st.tp:
-                    errors.append(Diagnostic(st.span_of("tp"), f"{what} ({n}) is not divisible by tp ({st.tp}) "
-                                             f"in stage '{st.name}'"))
+            _check_tp_heads(m, st, errors)
         if st.cp is not AUTO and m.seq % st.cp:
             errors.append(Diagnostic(st.span_of("cp"), f"seq ({m.seq}) is not divisible by cp ({st.cp}) "
                                      f"in stage '{st.name}'"))
@@ -268,6 +267,20 @@ def _check_experts(m: ModelSpec, st: StageSpec, zero: ZeroSpec, errors: list[Dia
         what = "ZeRO-3" if zero.level is not AUTO and zero.level >= 3 else "hierarchical ZeRO (shard = node)"
         errors.append(Diagnostic(where, f"{what} with expert parallelism is not implemented (stage "
                                  f"'{st.name}'); use ZeRO ≤ 2 over all lanes"))
+
+
+def _check_tp_heads(m: ModelSpec, st: StageSpec, errors: list[Diagnostic]) -> None:
+    """tp splits the query and the key/value heads: one error naming the counts it does not divide and the
+    degrees that would."""
+    assert isinstance(st.tp, int)
+    undivided = [f"{what} ({n})" for what, n in (("heads", m.heads), ("kv_heads", m.num_kv_heads)) if n % st.tp]
+    if not undivided:
+        return
+    common = math.gcd(m.heads, m.num_kv_heads)
+    degrees = [d for d in range(1, common + 1) if common % d == 0]
+    verb = "is" if len(undivided) == 1 else "are"
+    errors.append(Diagnostic(st.span_of("tp"), f"{' and '.join(undivided)} {verb} not divisible by tp ({st.tp}) "
+                                               f"in stage '{st.name}'; tp can be {words(degrees)}"))
 
 
 def _check_zero(z: ZeroSpec, errors: list[Diagnostic]) -> None:

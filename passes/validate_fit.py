@@ -10,7 +10,7 @@ not one line per rank.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,9 +22,17 @@ from hetc.spec import Checkpointing, OffloadTarget, Spec
 
 if TYPE_CHECKING:     # both import this module's callers' modules at run time
     from hetc.passes.cost import CostError
+    from hetc.passes.cost.memory import RankMemory
     from hetc.passes.validate import Checked
 
-__all__ = ["RankUse", "cost_error", "estimate_overflows", "peak_overflows", "stage_overflows"]
+__all__ = ["NEAR_CAPACITY", "RankUse", "cost_error", "estimate_overflows", "estimate_uses", "near_capacity_warning",
+           "peak_overflows", "peak_uses", "stage_overflows"]
+
+# Note [Near capacity]: a rank the estimate puts above this share of its device's memory fits on paper,
+# but no estimate sees everything (fragmentation beyond the reserve it keeps, NCCL's buffers grown on
+# demand, a library's workspace); a few percent of those is an out-of-memory error at step 1. Such plans are accepted (the
+# estimate may be right) with a warning naming the ranks, so the first OOM is not a surprise.
+NEAR_CAPACITY = 0.95
 
 
 @dataclass(frozen=True)
@@ -55,10 +63,30 @@ def estimate_overflows(checked: Checked) -> list[Diagnostic]:
         estimate = CostModel(spec, pipeline, topology).estimate()
     except CostError as err:   # a device the cost model cannot time: compile would stop there too
         return [cost_error(spec, err)]
-    uses = [RankUse(m.rank, {"params": m.params, "grads": m.grads, "optimizer": m.optimizer,
+    return stage_overflows(spec, pipeline, estimate_uses(estimate.memory), "the cost model estimates")
+
+
+def estimate_uses(memory: Iterable[RankMemory]) -> list[RankUse]:
+    """The cost model's per-rank breakdown (`Estimate.memory`) as RankUses, by rank."""
+    return [RankUse(m.rank, {"params": m.params, "grads": m.grads, "optimizer": m.optimizer,
                              "activations": m.activations, "buffers": m.buffers, "reserve": m.reserve},
-                    m.capacity) for m in estimate.memory]
-    return stage_overflows(spec, pipeline, uses, "the cost model estimates")
+                    m.capacity) for m in sorted(memory, key=lambda m: m.rank)]
+
+
+def near_capacity_warning(pipeline: Pipeline, uses: list[RankUse], source: str) -> str | None:
+    """One line naming the ranks that fit but above NEAR_CAPACITY of their device (Note [Near capacity]);
+    None when there are none. `source` says where the numbers come from."""
+    near = [u for u in uses if not u.over and u.total > NEAR_CAPACITY * u.capacity]
+    if not near:
+        return None
+    worst = max(near, key=lambda u: u.total / u.capacity)
+    ranks = ", ".join(str(u.rank) for u in near[:8]) + (f" and {len(near) - 8} more" if len(near) > 8 else "")
+    return (f"rank{'s' if len(near) > 1 else ''} {ranks} fill{'s' if len(near) == 1 else ''} more than "
+            f"{NEAR_CAPACITY:.0%} of {'its' if len(near) == 1 else 'their'} device memory: {source} that rank "
+            f"{worst.rank} needs {format_bytes(worst.total)} of the {format_bytes(worst.capacity)} its "
+            f"{pipeline.world[worst.rank].device.name} holds ({worst.total / worst.capacity:.1%}), which leaves "
+            "little room for what no estimate sees (fragmentation beyond its reserve, library workspaces, "
+            "buffers grown on demand): the run may still run out of memory")
 
 
 def cost_error(spec: Spec, err: CostError) -> Diagnostic:
@@ -69,8 +97,12 @@ def cost_error(spec: Spec, err: CostError) -> Diagnostic:
 
 def peak_overflows(spec: Spec, pipeline: Pipeline, peaks: list[Peak]) -> list[Diagnostic]:
     """The stages whose ranks' verified peaks (`passes.verify.memory.rank_peaks`) exceed their devices."""
-    uses = [RankUse(p.rank, p.parts, p.capacity) for p in sorted(peaks, key=lambda p: p.rank)]
-    return stage_overflows(spec, pipeline, uses, "the verifier finds")
+    return stage_overflows(spec, pipeline, peak_uses(peaks), "the verifier finds")
+
+
+def peak_uses(peaks: Iterable[Peak]) -> list[RankUse]:
+    """The verifier's per-rank peaks (`passes.verify.memory.rank_peaks`) as RankUses, by rank."""
+    return [RankUse(p.rank, p.parts, p.capacity) for p in sorted(peaks, key=lambda p: p.rank)]
 
 
 def stage_overflows(spec: Spec, pipeline: Pipeline, uses: list[RankUse], source: str) -> list[Diagnostic]:

@@ -11,7 +11,8 @@ and stored flattened (1-D, the parameter's numel), whatever plan wrote it.
 Beside DCP's files rank 0 writes model.het, the model block the weights
 belong to (explicit: every field written, no hf directory), and, for a
 model read from a Hugging Face directory, its config.json as hf_config.json:
-what `hetc export hf` needs to name and shape the tensors (runtime/hf_export.py);
+what `hetc export hf` needs to name and shape the tensors (runtime/hf_export.py),
+with its tokenizer files and generation_config.json (Note [A complete export]);
 data.json, the data the run trained on (Note [What a checkpoint is of] in
 runtime/checkpoint_identity.py, which a resume compares); and, last,
 checksums.json over every other file (Note [Checkpoint checksums] in
@@ -173,7 +174,7 @@ class Checkpointer:
             _publish(self.directory, tmp, final)
             if self.keep is not None:
                 _prune(self.directory, self.keep)
-            log.info("checkpoint of step %d: %s", step, final)
+            print(f"saved step {step} to {final}", flush=True)   # once: the leader, after `latest` names it
         return final
 
 
@@ -420,9 +421,12 @@ def _prune(directory: Path, keep: int) -> None:
 
 
 def _write_model(model, directory: Path) -> None:
-    """model.het (and hf_config.json) beside the tensors; see Note [Checkpoint layout]."""
+    """model.het (and hf_config.json, the tokenizer files) beside the tensors; see Note [Checkpoint layout]."""
+    from hetc.runtime.hf_export import copy_hf_files
+
     if model.hf and (model.hf_dir() / "config.json").is_file():
         shutil.copyfile(model.hf_dir() / "config.json", directory / HF_CONFIG_FILE)
+        copy_hf_files(model.hf_dir(), directory)    # Note [A complete export] in runtime/hf_export.py
     explicit = dataclasses.replace(model, hf="", init=None)
     (directory / MODEL_FILE).write_text(format_spec(Spec(model=explicit)))
 

@@ -9,11 +9,25 @@ model.safetensors.index.json, the layout `save_pretrained` writes. The
 config is the one the model came from (hf_config.json) when there is one,
 with every architecture key rewritten from the model, so a model trained
 from a Hugging Face directory goes back with its tokenizer ids and the rest.
+
+Note [A complete export]
+A Hugging Face model directory is more than weights and config.json:
+`AutoTokenizer.from_pretrained` and `generate` read the tokenizer files and
+generation_config.json beside them. A save copies those of the model's hf
+directory into the checkpoint (`copy_hf_files`: the checkpoint stays whole
+when the directory moves or is deleted, and its checksums cover them), and
+export copies them out. generation_config.json comes from the source when it
+had one, else it is made from config.json as transformers' `save_pretrained`
+does (`GenerationConfig.from_model_config`: the token ids, and
+`_from_model_config`). A model with no hf directory has no tokenizer to
+copy, and export says so in one line.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,10 +41,28 @@ from hetc.spec import Arch, DType, ModelSpec
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DEFAULT_SHARD_BYTES", "export_hf", "hf_config", "read_checkpoint_model"]
+__all__ = ["DEFAULT_SHARD_BYTES", "GENERATION_CONFIG_FILE", "TOKENIZER_FILES", "Exported", "copy_hf_files",
+           "export_hf", "generation_config", "hf_config", "read_checkpoint_model"]
 
 DEFAULT_SHARD_BYTES = 2 << 30
 _TORCH_NAMES = {DType.FP32: "float32", DType.BF16: "bfloat16", DType.FP16: "float16"}
+
+GENERATION_CONFIG_FILE = "generation_config.json"
+# What transformers' tokenizers save (save_pretrained of a fast or slow tokenizer, sentencepiece or BPE)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja",
+                   "chat_template.json")
+# config.json keys that GenerationConfig.from_model_config carries over (the rest are generation defaults)
+_GENERATION_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
+@dataclass(frozen=True, slots=True)
+class Exported:
+    """What `export_hf` wrote: the shards, and the tokenizer files it copied (none: the model had no hf
+    directory)."""
+
+    shards: list[Path]
+    tokenizer_files: list[str]
 
 
 def hf_config(model: ModelSpec, dtype: DType = DType.FP32, base: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -86,9 +118,9 @@ def _architecture(model: ModelSpec) -> tuple[str, str]:
 
 
 def export_hf(checkpoint: Path, out: Path, *, dtype: DType = DType.FP32,
-              max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[Path]:
-    """Write `out`/config.json, the shards and the index (a new directory, or one hetc exported to before);
-    return the shard paths."""
+              max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Exported:
+    """Write `out`/config.json, the shards, the index, generation_config.json and the tokenizer files (a new
+    directory, or one hetc exported to before)."""
     from safetensors.torch import save_file
 
     from hetc.runtime.checkpoint import read_params
@@ -117,9 +149,30 @@ def export_hf(checkpoint: Path, out: Path, *, dtype: DType = DType.FP32,
         (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                  indent=2) + "\n")
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        copy_hf_files(Path(checkpoint), tmp)       # Note [A complete export]
+        if not (tmp / GENERATION_CONFIG_FILE).is_file():
+            (tmp / GENERATION_CONFIG_FILE).write_text(json.dumps(generation_config(config), indent=2) + "\n")
 
     write_output_dir(Path(out), OutputKind.HF_EXPORT, fill, guards)
-    return [Path(out) / name for name in names]
+    tokenizer = [name for name in TOKENIZER_FILES if (Path(out) / name).is_file()]
+    return Exported([Path(out) / name for name in names], tokenizer)
+
+
+def copy_hf_files(source: Path, destination: Path) -> list[str]:
+    """Copy the tokenizer files and generation_config.json that `source` holds into `destination`; return
+    their names (Note [A complete export])."""
+    copied = []
+    for name in (*TOKENIZER_FILES, GENERATION_CONFIG_FILE):
+        if (source / name).is_file():
+            shutil.copyfile(source / name, destination / name)
+            copied.append(name)
+    return copied
+
+
+def generation_config(config: dict[str, Any]) -> dict[str, Any]:
+    """generation_config.json as transformers makes it from `config` (GenerationConfig.from_model_config)."""
+    ids = {key: config[key] for key in _GENERATION_KEYS if config.get(key) is not None}
+    return {"_from_model_config": True, **ids}
 
 
 def read_checkpoint_model(checkpoint: Path) -> tuple[ModelSpec, dict[str, Any] | None]:

@@ -1,9 +1,11 @@
 """What `hetc run` tells the user: a line per step, metrics, a measured trace.
 
-Rank 0 prints `step 3/30  loss 4.9485  2,310 tokens/s  0.041 s/step` (with
-`val_loss 5.0012` after the loss on steps that evaluate) and, with
-`--metrics FILE`, writes one JSON object per step (step, loss,
-step_time_s, tokens_per_s, peak_memory_bytes per rank, class_times_s: per
+Rank 0 prints `step 3/30  loss 4.9485  lr 3.00e-03  2,310 tokens/s  MFU 2.1%
+41.2 ms/step` (with `val_loss 5.0012` after the loss on steps that evaluate)
+and, with `--metrics FILE`, writes one JSON object per step (step, loss, lr,
+step_time_s, tokens_per_s, mfu and hfu (Note [utilization] in
+passes/cost/utilization.py: over the peak of the GPUs the plan uses, at the
+model's dtype), peak_memory_bytes per rank, class_times_s: per
 rank, the step's seconds per TimeClass, Note [time classes], val_loss on
 steps that evaluate, grad_norm where the step computes it (under clipping)
 and `"skipped": true` on a step whose update was skipped, Note [non-finite
@@ -28,9 +30,12 @@ import sys
 import torch
 import torch.distributed as dist
 
+from hetc.passes.cost.utilization import flop_counts, used_peak_flops
 from hetc.program import Recv, Send
 from hetc.runtime.nn import collectives
+from hetc.runtime.optim import lr_at
 from hetc.timeline import Event, Flow, MemorySample, RankInfo, Timeline, class_times, classify
+from hetc.units import human_seconds
 
 __all__ = ["Reporter", "peak_memory"]
 
@@ -48,6 +53,8 @@ class Reporter:
         self.rank, self.spec, self.pipeline, self.program = rank, spec, pipeline, program
         self.opts, self.device = opts, device
         self.tokens_per_step = spec.train.global_batch * spec.model.seq
+        self.flops = flop_counts(spec.model, pipeline)
+        self.peak_flops = used_peak_flops(spec.model, pipeline)
         self.store = dist.distributed_c10d._get_default_store()
         writes = opts.metrics is not None and rank == 0
         # open for the whole run, closed by finish()
@@ -64,15 +71,18 @@ class Reporter:
         if self.rank != 0:
             return
         tps = self.tokens_per_step / result.seconds if result.seconds > 0 else 0.0
+        mfu, hfu = self._utilization(result.seconds)
+        lr = lr_at(self.spec.train, step)   # the rate this step's update used (runtime/optim.py)
         done = step + 1   # Note [step numbers]
         if not self.opts.quiet:
             val = "" if val_loss is None else f"  val_loss {val_loss:.4f}"
             skipped = f"  update skipped (gradient norm {result.grad_norm})" if result.skipped else ""
-            print(f"step {done}/{total}  loss {result.loss:.4f}{val}  {tps:,.0f} tokens/s  "
-                  f"{result.seconds:.3f} s/step{skipped}", flush=True)
+            print(f"step {done}/{total}  loss {result.loss:.4f}{val}  lr {lr:.2e}  {tps:,.0f} tokens/s  "
+                  f"MFU {mfu:.1%}  {human_seconds(result.seconds)}/step{skipped}", flush=True)
         if self.metrics is not None:
-            record = {"step": done, "loss": result.loss, "step_time_s": result.seconds, "tokens_per_s": tps,
-                      "peak_memory_bytes": memories, "class_times_s": classes}
+            record = {"step": done, "loss": result.loss, "lr": lr, "step_time_s": result.seconds,
+                      "tokens_per_s": tps, "mfu": mfu, "hfu": hfu, "peak_memory_bytes": memories,
+                      "class_times_s": classes}
             if val_loss is not None:
                 record["val_loss"] = val_loss
             if result.grad_norm is not None:
@@ -81,6 +91,12 @@ class Reporter:
                 record["skipped"] = True
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()
+
+    def _utilization(self, seconds: float) -> tuple[float, float]:
+        """(MFU, HFU) of a step that took `seconds`; 0 where the devices declare no peak."""
+        if seconds <= 0 or self.peak_flops <= 0:
+            return 0.0, 0.0
+        return self.flops.model / (seconds * self.peak_flops), self.flops.hardware / (seconds * self.peak_flops)
 
     def _memories(self, step: int) -> list[float] | None:
         self.store.set(f"hetc/mem/{step}/{self.rank}", str(peak_memory(self.device)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -146,11 +147,13 @@ def test_a_plan_directory_whose_plan_was_edited_back_to_auto_is_a_located_error(
         "(write one with `hetc compile SPEC -o DIR`)")
 
 
-def test_compile_says_when_it_skips_torch_csv_and_why(tmp_path, capsys):
-    assert main(["compile", str(DEMO / "hetero.het"), "-o", str(tmp_path / "hetero")]) == 0
-    out = capsys.readouterr().out.splitlines()
-    assert out[0] == ("torch/*.csv not written: stage 'head_end' has 1 lane and stage 'middle' 2 lanes: a "
-                      "many-to-many pipeline, which torch's action format cannot describe")
+def test_compile_logs_when_it_skips_torch_csv_and_why(tmp_path, capsys, caplog):
+    """Issue 33, finding 5: a heterogeneous compile prints no line about torch's files unless asked (-v)."""
+    with caplog.at_level(logging.INFO, logger="hetc.compile"):
+        assert main(["compile", str(DEMO / "hetero.het"), "-o", str(tmp_path / "hetero")]) == 0
+    assert "torch" not in capsys.readouterr().out
+    assert caplog.messages == [("torch/*.csv not written: stage 'head_end' has 1 lane and stage 'middle' 2 lanes: "
+                                "a many-to-many pipeline, which torch's action format cannot describe")]
     assert not (tmp_path / "hetero" / "torch").exists()
     assert main(["compile", str(DEMO / "pp.het"), "-o", str(tmp_path / "pp")]) == 0
     assert "not written" not in capsys.readouterr().out
@@ -162,7 +165,7 @@ def test_compile_help_says_which_plans_get_torch_csv(capsys):
         main(["compile", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert "torch/*.csv" in help_text and "for plans whose lanes line up across stages" in help_text
-    assert "compile says that it skipped torch/" in help_text
+    assert "compile skips torch/ (`hetc -v compile` says why)" in help_text
 
 
 def test_no_grammar_terminal_name_reaches_a_syntax_message():

@@ -18,6 +18,7 @@ from hetc.cli import main
 from hetc.passes.cost.sources.hetc_profile import FORMAT, VERSION
 from hetc.plandir import PROFILE_ENV, PROFILES_FILE, fingerprint
 from hetc.timeline import Timeline
+from hetc.units import to_base
 from hetc.viz.page import _format_seconds
 from tests.conftest import DEMO
 
@@ -129,7 +130,8 @@ def test_viz_predicts_again_with_other_profiles_and_says_so(profiles, tmp_path, 
     err = capsys.readouterr().err
     assert f"predicted again with {good}, {other}" in err and f"layer times from: {good}" in err
     assert f"unused profile {other}: measures another model shape" in err
-    again = float(re.search(r"\(([0-9.]+) ms/step\)", err).group(1)) / 1e3
+    value, unit = re.search(r"\(([0-9.]+) (s|ms|us)/step\)", err).groups()
+    again = to_base(float(value), unit)[1]
     assert again != pytest.approx(recorded, rel=0.01)                  # the page draws the new prediction
     assert _format_seconds(again)[:-4] in page.read_text() and _format_seconds(recorded) not in page.read_text()
 

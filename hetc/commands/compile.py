@@ -10,15 +10,18 @@ from pathlib import Path
 from typing import TextIO
 
 from hetc.commands import Subparsers
-from hetc.compiler import compile_spec, write_compiled
+from hetc.compiler import Compiled, compile_spec, write_compiled
 from hetc.passes.cost.provenance import Provenance, provenance
 from hetc.passes.export_torch import why_not_exported
 from hetc.passes.lower import PASS_NAMES, PASSES
+from hetc.passes.validate_fit import near_capacity_warning, peak_uses
 from hetc.passes.verify import VerifyError
+from hetc.passes.verify.memory import rank_peaks
 from hetc.plandir import PROFILE_ENV, check_plan_out
 from hetc.commands.planargs import add_time_limit_option
 from hetc.commands.profileargs import add_profile_option, load_profile_args
 from hetc.program import Program
+from hetc.units import human_seconds
 
 __all__ = ["print_profile_use", "register"]
 
@@ -33,7 +36,7 @@ def register(sub: Subparsers) -> None:
                     "programs/rank-NNNN.txt (+ .json), groups.txt, summary.json, profiles.json, and torch/*.csv "
                     "(each lane's pipeline in torch.distributed.pipelining's action format) for plans whose lanes "
                     "line up across stages; for many-to-many pipelines (e.g. Zorse's) torch's format has no "
-                    "equivalent, and compile says that it skipped torch/. "
+                    "equivalent, and compile skips torch/ (`hetc -v compile` says why). "
                     f"Measured profiles come from --profile and ${PROFILE_ENV}.",
         epilog="passes: " + "; ".join(f"{n} ({d})" for n, d, _ in PASSES),
     )
@@ -66,16 +69,25 @@ def run(args: argparse.Namespace) -> int:
         print(f"hetc compile: the lowered programs are unsafe (a bug in hetc's lowering):\n{err.render()}",
               file=sys.stderr)
         return 1
+    _warn_near_capacity(compiled)
     summary = write_compiled(compiled, args.out, args.profile)
     program, step = compiled.program, compiled.timeline.step_time
     took = time.perf_counter() - start
-    if (why := why_not_exported(compiled.pipeline)) is not None:
-        print(f"torch/*.csv not written: {why}")
+    if (why := why_not_exported(compiled.pipeline)) is not None:   # by design for many-to-many: not news
+        log.info("torch/*.csv not written: %s", why)
     print(f"compiled {args.spec}: {program.world_size} ranks, {summary['instructions']} instructions, "
-          f"verified; predicted {step * 1e3:.2f} ms/step ({summary['tokens_per_s']:,.0f} tokens/s) "
+          f"verified; predicted {human_seconds(step)}/step ({summary['tokens_per_s']:,.0f} tokens/s) "
           f"[{took:.2f}s] -> {args.out}/")
     print_profile_use(provenance(compiled.costs), bool(compiled.costs.profiles.sources))
     return 0
+
+
+def _warn_near_capacity(compiled: Compiled) -> None:
+    """The verifier's peaks, as its overflow errors read them: a warning for ranks near capacity."""
+    peaks = rank_peaks(compiled.program, compiled.pipeline, compiled.costs)
+    warning = near_capacity_warning(compiled.pipeline, peak_uses(peaks), "the verifier finds")
+    if warning is not None:
+        print(f"hetc compile: warning: {warning}", file=sys.stderr)
 
 
 def print_profile_use(prov: Provenance, offered: bool, file: TextIO | None = None) -> None:

@@ -6,7 +6,7 @@ from hetc.passes.cost.estimate import Estimate, RankMemory
 from hetc.passes.cost.provenance import Provenance
 from hetc.passes.cost.utilization import Utilization
 from hetc.pipeline import Pipeline
-from hetc.units import human_bytes, human_rate
+from hetc.units import human_bytes, human_rate, human_seconds
 
 __all__ = ["provenance_lines", "report", "utilization_text"]
 
@@ -18,7 +18,7 @@ def report(path: str, pipeline: Pipeline, e: Estimate) -> str:
         (f"{path}: {_n(pipeline.world_size, 'rank')}, {_n(len(pipeline.stages), 'stage')}, "
          f"{_n(len(pipeline.ministages), 'ministage')}, {_n(pipeline.num_microbatches, 'microbatch')} of "
          f"{pipeline.micro_batch}, schedule {e.schedule}"),
-        f"step time   {e.step_time_s:.4g} s  {_step_source(e)}",
+        f"step time   {human_seconds(e.step_time_s)}  {_step_source(e)}",
         f"throughput  {e.tokens_per_s:,.0f} tokens/s   {utilization_text(e.utilization)}",
         "",
         "memory per rank" + ("" if e.fits else "   ** DOES NOT FIT **"),
@@ -38,10 +38,11 @@ def report(path: str, pipeline: Pipeline, e: Estimate) -> str:
 def _step_source(e: Estimate) -> str:
     """Where the step time comes from, and the closed form's parts (Note [one step time])."""
     t = e.time
-    parts = f"pipeline {t.pipeline:.4g} s incl. bubble {t.bubble:.4g} s; after the flush {t.tail:.4g} s"
+    parts = (f"pipeline {human_seconds(t.pipeline)} incl. bubble {human_seconds(t.bubble)}; after the flush "
+             f"{human_seconds(t.tail)}")
     if e.closed_form_s is None:
         return f"({parts})"
-    return f"(the compiled programs, simulated; the closed-form estimate {e.closed_form_s:.4g} s: {parts})"
+    return f"(the compiled programs, simulated; the closed-form estimate {human_seconds(e.closed_form_s)}: {parts})"
 
 
 def provenance_lines(pipeline: Pipeline, prov: Provenance) -> list[str]:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from hetc.commands import Subparsers
+from hetc.commands.fitreport import enforce_fit
 from hetc.errors import UsageError
 from hetc.errors import SpecError
 from hetc.compiler import load_checked
-from hetc.passes.validate_fit import cost_error
+from hetc.passes.validate_fit import cost_error, estimate_uses
 from hetc.plandir import PROFILE_ENV
 from hetc.commands.profileargs import add_profile_option, load_profile_args
 
@@ -20,7 +22,8 @@ def register(sub: Subparsers) -> None:
     p = sub.add_parser(
         "explain", help="predict memory, traffic and step time of a plan",
         description="Per-rank memory (parameters, gradients, optimizer, activations, buffers, reserve), "
-                    "traffic per group and the predicted step time, tokens/s, MFU and HFU of SPEC's plan. "
+                    "traffic per group and the predicted step time, tokens/s, MFU and HFU of SPEC's plan; exits 2 "
+                    "after them when a stage does not fit, and warns about ranks above 95% of their memory. "
                     f"Measured profiles come from --profile and ${PROFILE_ENV}.")
     p.add_argument("spec", metavar="SPEC", help="a .het spec with an explicit plan")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -49,4 +52,6 @@ def run(args: argparse.Namespace) -> int:
         from hetc.commands.costreport import report
 
         print(report(args.spec, plan.pipeline, estimate))
+    sys.stdout.flush()   # the breakdown before the verdict on it
+    enforce_fit("explain", plan.spec, plan.pipeline, estimate_uses(estimate.memory), "the cost model estimates")
     return 0

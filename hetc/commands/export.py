@@ -17,9 +17,11 @@ def register(sub: Subparsers) -> None:
                                    "saved under any plan) in another system's format.")
     formats = p.add_subparsers(dest="format", metavar="FORMAT", required=True)
     h = formats.add_parser("hf", help="config.json and sharded safetensors with Hugging Face names",
-                           description="Write DIR/config.json, DIR/model-NNNNN-of-NNNNN.safetensors and "
-                                       "DIR/model.safetensors.index.json, which transformers' "
-                                       "from_pretrained loads.")
+                           description="Write DIR/config.json, DIR/model-NNNNN-of-NNNNN.safetensors, "
+                                       "DIR/model.safetensors.index.json, DIR/generation_config.json and the "
+                                       "tokenizer files of the Hugging Face directory the model was trained "
+                                       "from, which transformers' from_pretrained and "
+                                       "AutoTokenizer.from_pretrained load.")
     h.add_argument("checkpoint", metavar="CHECKPOINT", help="a step-N checkpoint folder")
     h.add_argument("-o", "--output", required=True, metavar="DIR",
                    help="the Hugging Face directory to write: a new or empty directory, or an earlier export "
@@ -41,12 +43,17 @@ def _hf(args: argparse.Namespace) -> int:
     if args.max_shard_size <= 0:
         raise UsageError("--max-shard-size must be positive")
     try:
-        paths = export_hf(Path(args.checkpoint), Path(args.output), dtype=DType(args.dtype),
-                          max_shard_bytes=int(args.max_shard_size * (1 << 30)))
+        exported = export_hf(Path(args.checkpoint), Path(args.output), dtype=DType(args.dtype),
+                             max_shard_bytes=int(args.max_shard_size * (1 << 30)))
     except HfError as err:
         raise UsageError(str(err)) from None
     except CheckpointError as err:      # a corrupt or truncated file: located, Note [Checkpoint checksums]
         print(err.render(), file=sys.stderr)
         return 2
-    print(f"wrote {args.output}: config.json and {len(paths)} safetensors shard(s)")
+    print(f"wrote {args.output}: config.json, generation_config.json, {len(exported.shards)} safetensors "
+          f"shard(s)" + (f" and the tokenizer ({', '.join(exported.tokenizer_files)})" if exported.tokenizer_files
+                         else ""))
+    if not exported.tokenizer_files:   # Note [A complete export]
+        print(f"note: no tokenizer: the checkpoint holds no tokenizer files (its model was not read from a "
+              f"Hugging Face directory that had them); copy those it was trained with into {args.output}")
     return 0

@@ -9,11 +9,16 @@ import time
 from pathlib import Path
 
 from hetc.commands import Subparsers
+from hetc.commands.fitreport import enforce_fit
 from hetc.commands.planargs import add_time_limit_option
 from hetc.commands.profileargs import add_profile_option, load_profile_args
 from hetc.plandir import PROFILE_ENV
 from hetc.compiler import load_checked
 from hetc.jsontypes import JsonObject, JsonValue
+from hetc.passes.validate import Checked
+from hetc.passes.validate_fit import estimate_uses
+from hetc.pipeline import Pipeline
+from hetc.units import human_seconds
 
 __all__ = ["register"]
 
@@ -43,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     from hetc.passes.plan.planner import plan_spec
     from hetc.commands.planreport import plan_json, plan_provenance, plan_summary
 
-    loaded, _ = load_checked(args.spec, require_complete=True)
+    loaded, _ = load_checked(args.spec, require_complete=True, plan_missing=True)
     profiles = load_profile_args(args.profile)
     start = time.perf_counter()
 
@@ -52,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"hetc plan: {message}", file=sys.stderr, flush=True)
 
     result = plan_spec(loaded.spec, profiles, loaded.path.parent, progress, time_limit_s=args.time_limit)
-    note = "" if not result.planned else (f"planned by hetc plan: {result.step_time_s:.4g} s/step, "
+    note = "" if not result.planned else (f"planned by hetc plan: {human_seconds(result.step_time_s)}/step, "
                                           f"{result.tokens_per_s:,.0f} tokens/s predicted")
     text = planned_text(loaded, result.spec if result.planned else None, args.out, note)
     if args.out is not None:
@@ -72,7 +77,16 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(text)
         print(summary, file=sys.stderr)
+    if result.estimate is not None:   # None above FULL_ESTIMATE_RANKS: the planner's own fit check stands
+        sys.stdout.flush()
+        enforce_fit("plan", result.spec, _pipeline(result.checked), estimate_uses(result.estimate.memory),
+                    "the cost model estimates")
     return 0
+
+
+def _pipeline(checked: Checked) -> Pipeline:
+    assert checked.pipeline is not None   # the planner returns an explicit plan
+    return checked.pipeline
 
 
 def _object(value: JsonValue) -> JsonObject:

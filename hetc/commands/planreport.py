@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hetc.commands.costreport import provenance_lines, utilization_text
-from hetc.units import human_bytes
+from hetc.units import human_bytes, human_seconds
 from hetc.passes.cost import CostModel, Profiles, RankMemory
 from hetc.passes.cost.provenance import Provenance, provenance
 from hetc.passes.cost.utilization import Utilization, utilization
@@ -84,9 +84,9 @@ def plan_summary(path: str, result: PlanResult, prov: Provenance | None = None) 
     fullest = max(memory, key=lambda m: m.total / m.capacity)
     source = "the cost model's estimate" if result.estimate is not None else "the planner's score"
     if result.estimate is not None and result.estimate.closed_form_s is not None:   # Note [one step time]
-        source = (f"the step of the compiled programs, simulated (closed form {result.estimate.closed_form_s:.4g} "
-                  f"s); memory: {source}")
-    lines.append(f"  predicted {result.step_time_s:.4g} s/step, {result.tokens_per_s:,.0f} tokens/s; "
+        source = (f"the step of the compiled programs, simulated (closed form "
+                  f"{human_seconds(result.estimate.closed_form_s)}); memory: {source}")
+    lines.append(f"  predicted {human_seconds(result.step_time_s)}/step, {result.tokens_per_s:,.0f} tokens/s; "
                  f"fullest GPU {fullest.gpu} at {fullest.total / fullest.capacity:.0%} of "
                  f"{human_bytes(fullest.capacity)} ({source})")
     lines.append(f"  {utilization_text(_utilization(result))}")

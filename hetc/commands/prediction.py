@@ -17,6 +17,7 @@ from hetc.commands.profileargs import load_profile_args, read_recorded, same_as_
 from hetc.plandir import TIMELINE_FILE, profile_paths, read_program
 from hetc.program import ProgramFormatError
 from hetc.timeline import Timeline
+from hetc.units import human_seconds
 
 __all__ = ["plan_prediction"]
 
@@ -57,6 +58,6 @@ def _predict_again(path: Path, profile_args: list[str], verb: str) -> Timeline:
         raise UsageError(str(err)) from None
     costs, timeline = predict(program, checked, profiles)
     print(f"hetc {verb}: predicted again with {', '.join(profile_paths(profile_args))} "
-          f"({timeline.step_time * 1e3:.2f} ms/step)", file=sys.stderr)
+          f"({human_seconds(timeline.step_time, digits=4)}/step)", file=sys.stderr)
     print_profile_use(provenance(costs), True, file=sys.stderr)
     return timeline

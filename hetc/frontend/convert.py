@@ -9,6 +9,7 @@ value rules are in `hetc.frontend.values`, the schema in `hetc.frontend.schema`.
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -165,10 +166,9 @@ class Converter(ValueConverter):
                     return False
             values[name], spans[name] = value, preset.span
             written.add(name)
-        for name, limit in preset.limits.items():
+        for name, (limit, why) in preset.limits.items():
             if values.get(name, 0) > limit:
-                self.error(spans[name], f"{name} ({values[name]}) exceeds the sliding window ({limit}) of "
-                                        f"{preset.source}; hetc attends to the whole sequence")
+                self.error(spans[name], f"{name} ({values[name]}) exceeds {why}")
                 ok = False
         return ok
 
@@ -194,9 +194,16 @@ class Converter(ValueConverter):
 
 
 def _claimed_fields(infos: Infos, item: Statement) -> list[str]:
-    """The field an item names by its key or block kind, however it is written."""
+    """The field an item names by its key or block kind, however it is written; for an unknown one, the
+    fields it is a misspelling of (`hiden`: hidden). Its own error says "did you mean 'hidden'?", and a
+    "missing 'hidden'" beside it would only echo that (issue 33)."""
     key = normalize_key(item.kind if isinstance(item, syntax.Block) else item.key)
-    return [i.name for i in infos if key in i.keys or key == i.meta.block]
+    named = [i.name for i in infos if key in i.keys or key == i.meta.block]
+    if named:
+        return named
+    spellings = {k: i.name for i in infos if not i.meta.label for k in (*i.keys, *filter(None, [i.meta.block]))}
+    return [spellings[guess] for guess in re.findall(r"'([^']+)'", did_you_mean(key, list(spellings)))
+            if guess in spellings]
 
 
 

@@ -7,19 +7,22 @@ twice along different paths is read once; a cycle is a located error.
 
 from __future__ import annotations
 
+import dataclasses
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hetc.frontend import syntax
 from hetc.frontend.convert import to_spec
-from hetc.errors import MAX_SOURCE_BYTES, Diagnostic, Sources, Span, SpecError
-from hetc.spec import Spec
+from hetc.errors import MAX_SOURCE_BYTES, Diagnostic, Sources, Span, SpecError, did_you_mean
+from hetc.spec import ParallelSpec, Spec
 
-__all__ = ["BUNDLED_SPECS", "MAX_FILE_BYTES", "LoadedSpec", "load_spec", "parse_file", "read_spec_bytes"]
+__all__ = ["BUNDLED_SPECS", "MAX_FILE_BYTES", "LoadedSpec", "load_spec", "parse_file", "read_spec_bytes",
+           "with_plan_to_fill"]
 
 BUNDLED_SPECS = Path(__file__).resolve().parents[2] / "specs"
 MAX_FILE_BYTES = MAX_SOURCE_BYTES
+NEAR_MISS = 0.8     # spelling similarity (difflib's ratio) of a file name suggested for a missing one
 
 
 @dataclass
@@ -59,7 +62,7 @@ def read_spec_bytes(path: Path, where: Span) -> bytes:
     try:
         info = path.stat()
     except FileNotFoundError:
-        raise SpecError.at(where, f"cannot find '{path}'") from None
+        raise SpecError.at(where, f"cannot find '{path}'{_nearby_spec(path)}") from None
     except OSError as err:
         raise SpecError.at(where, f"cannot read '{path}': {err.strerror}") from None
     if stat.S_ISDIR(info.st_mode):
@@ -78,6 +81,23 @@ def read_spec_bytes(path: Path, where: Span) -> bytes:
     if len(data) > MAX_FILE_BYTES:
         raise too_big
     return data
+
+
+def _nearby_spec(missing: Path) -> str:
+    """' (did you mean 'catalog.het'?)': the closest spec file beside `missing` or among the bundled specs
+    (where `use` looks next). Only a near miss: names in one folder share words (`_missing.het`), and a
+    suggestion that merely shares them misleads."""
+    import difflib
+
+    names: set[str] = set()
+    for folder in (missing.parent, BUNDLED_SPECS):
+        try:
+            names.update(p.name for p in folder.glob("*.het"))
+        except OSError:
+            continue
+    near = {n for n in names if n != missing.name   # the same name: the folder is what is wrong
+            and difflib.SequenceMatcher(None, missing.stem, Path(n).stem).ratio() >= NEAR_MISS}
+    return did_you_mean(missing.name, near)
 
 
 def _file_kind(mode: int) -> str:
@@ -126,6 +146,21 @@ class _Collector:
             if isinstance(item, syntax.Use):
                 items += self.collect(_resolve(item, path), (*stack, key), item.span)
         return items + [i for i in tree.items if not isinstance(i, syntax.Use)]
+
+
+def with_plan_to_fill(loaded: LoadedSpec) -> LoadedSpec:
+    """`loaded`, planned as `parallel {}` (every choice `auto`) when it has a model, a cluster and a training
+    job but no parallel block.
+
+    `hetc check` accepts such a spec (a job meant to be imported, or planned), so `hetc plan` and
+    `hetc compile` plan it rather than refuse it: writing the plan is their job. The block is located at
+    the file's start, where `hetc plan` appends the plan it chose (passes/plan/output.py).
+    """
+    spec = loaded.spec
+    if spec.parallel is not None or spec.model is None or spec.cluster is None or spec.train is None:
+        return loaded
+    return dataclasses.replace(loaded, spec=dataclasses.replace(spec, parallel=ParallelSpec(
+        span=Span.file_start(loaded.path))))
 
 
 def load_spec(path: str | Path) -> LoadedSpec:

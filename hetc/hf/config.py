@@ -53,7 +53,8 @@ class Preset:
     locked: frozenset[str]
     span: Span
     source: str                                # "DIR/config.json", for messages
-    limits: dict[str, int] = field(default_factory=dict)   # field -> largest value the weights allow
+    # field -> (largest value the weights allow, what sets it: "the sliding window (32) of DIR/config.json")
+    limits: dict[str, tuple[int, str]] = field(default_factory=dict)
 
 
 def read_config(directory: Path) -> dict[str, Any]:
@@ -102,10 +103,20 @@ def model_preset(config: dict[str, Any], source: str, span: Span) -> Preset:
         values["dtype"] = _DTYPES[dtype]
     _check_unsupported(config)
     locked = frozenset(values) - TRAINING_FIELDS
+    return Preset(values, locked, span, source, {"seq": _seq_limit(values, config, source)})
+
+
+def _seq_limit(values: dict[str, Any], config: dict[str, Any], source: str) -> tuple[int, str]:
+    """The longest sequence the weights allow, and why: the sliding window (hetc attends to the whole
+    sequence), else max_position_embeddings (RoPE positions beyond it were never trained); `values["seq"]`,
+    the default, becomes it."""
+    longest = values["seq"]
     window = _sliding_window(config)
-    if window:
-        values["seq"] = min(values["seq"], window)
-    return Preset(values, locked, span, source, {"seq": window} if window else {})
+    if window and window < longest:
+        values["seq"] = window
+        return window, f"the sliding window ({window}) of {source}; hetc attends to the whole sequence"
+    return longest, (f"max_position_embeddings ({longest}) of {source}, the longest sequence the model was "
+                     "trained for; set seq to at most that")
 
 
 def _architecture(config: dict[str, Any]) -> str:

@@ -23,7 +23,7 @@ from hetc.pipeline import Pipeline
 from hetc.spec import Checkpointing, ModelSpec, OffloadTarget
 from hetc.topology import Topology
 
-__all__ = ["FlopCounts", "Utilization", "flop_counts", "utilization"]
+__all__ = ["FlopCounts", "Utilization", "flop_counts", "used_peak_flops", "utilization"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +51,11 @@ class Utilization:
         return {"mfu": self.mfu, "hfu": self.hfu, "cluster_mfu": self.cluster_mfu, "cluster_hfu": self.cluster_hfu,
                 "peak_flops": self.used_peak_flops, "cluster_peak_flops": self.cluster_peak_flops,
                 "used_gpus": self.used_gpus, "cluster_gpus": self.cluster_gpus}
+
+
+def used_peak_flops(model: ModelSpec, pipeline: Pipeline) -> float:
+    """FLOP/s of the GPUs that hold a rank, at the dtype the model runs (MFU's denominator, per second)."""
+    return sum(g.device.peak.for_dtype(model.dtype) for g in pipeline.world)
 
 
 def flop_counts(model: ModelSpec, pipeline: Pipeline) -> FlopCounts:
@@ -82,7 +87,7 @@ def _checkpoint_extra(model: ModelSpec, idx: int, micro_batch: int) -> float:
 def utilization(model: ModelSpec, pipeline: Pipeline, topology: Topology, step_time_s: float) -> Utilization:
     """Note [utilization] for a plan whose step takes `step_time_s`."""
     flops = flop_counts(model, pipeline)
-    used = sum(g.device.peak.for_dtype(model.dtype) for g in pipeline.world)
+    used = used_peak_flops(model, pipeline)
     everyone = sum(g.device.peak.for_dtype(model.dtype) for g in topology.gpus)
 
     def share(work: float, peak: float) -> float:

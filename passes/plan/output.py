@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TypeGuard
 
 from hetc.frontend import syntax
-from hetc.errors import NO_SPAN, Diagnostic, InternalError, SpecError
+from hetc.errors import NO_SPAN, Diagnostic, InternalError, Span, SpecError
 from hetc.frontend.load import BUNDLED_SPECS, LoadedSpec
 from hetc.frontend.printer import format_items, spec_to_items
 from hetc.spec import Spec
@@ -38,6 +38,10 @@ def planned_text(loaded: LoadedSpec, planned: Spec | None, out: Path | None = No
 def _replaced(loaded: LoadedSpec, items: list[syntax.Item], planned: Spec, note: str) -> list[syntax.Item]:
     assert loaded.spec.parallel is not None and loaded.spec.train is not None and planned.train is not None
     where = next((i for i, item in enumerate(items) if _is_block(item, "parallel")), None)
+    if where is None and loaded.spec.parallel.span == Span.file_start(loaded.path):
+        # the file has no parallel block (hetc/frontend/load.py, with_plan_to_fill): the plan goes last
+        where = len(items)
+        items.append(syntax.Comment("", False, NO_SPAN))    # a slot, the block below takes it
     if where is None:
         span = loaded.spec.parallel.span
         raise SpecError([Diagnostic(span, f"the plan is written in {span.file}, not in {loaded.path}: "

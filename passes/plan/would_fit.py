@@ -29,6 +29,7 @@ from hetc.passes.plan.search import Search, SearchLimits
 from hetc.passes.plan.space import PLAIN_OFFLOADS, ZORSE_OFFLOADS, SearchSpace
 from hetc.spec import Checkpointing, Spec
 from hetc.topology import Topology
+from hetc.units import human_seconds
 
 __all__ = ["QUICK", "would_fit"]
 
@@ -61,7 +62,7 @@ def would_fit(spec: Spec, topo: Topology, profiles: Profiles | None, space: Sear
             best = fitting[0]
             fullest = max(m.total / m.capacity for m in best.score.memory)
             return (f"with {change.says}, a plan fits ({len(best.candidate.stages)} stages, "
-                    f"{best.candidate.schedule.value}, {best.score.step_time_s:.4g} s/step, fullest GPU at "
+                    f"{best.candidate.schedule.value}, {human_seconds(best.score.step_time_s)}/step, fullest GPU at "
                     f"{100 * fullest:.0f} %)")
         tried.append(change.says)
     if not tried:
