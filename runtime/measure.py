@@ -10,7 +10,18 @@ the measurement). On CUDA the clock is CUDA events around
 the work; on CPU the wall clock. `time_layers_at_once` times them in
 several processes at once, as the ranks of a node run (Note [shared cores]
 in passes/cost/cores.py). Collectives run in `ranks` spawned
-processes (gloo on CPU, NCCL when there is a GPU per rank).
+processes (gloo on CPU, NCCL on GPUs, one per process).
+
+Note [Only what was measured]
+A profile's rates describe the device kind it names, and the cost model
+prefers them to the catalog. So nothing is timed on another device than
+the one it describes: on a machine with GPUs, collectives and messages run
+with NCCL between processes that have a GPU each, and the layers "at once"
+run one process per GPU. What that needs more GPUs than the machine has is
+not measured (`measurable` says what and why) and left out of the file, so
+the cost model takes those rates from the catalog; gloo between CPU tensors
+would have recorded loopback TCP as the GPU's NVLink, and processes sharing
+one GPU its time-slicing as a node's ranks at once.
 """
 
 from __future__ import annotations
@@ -35,10 +46,12 @@ __all__ = [
     "COLLECTIVE_KINDS",
     "LayerSample",
     "LayersAtOnce",
+    "Measurable",
     "comm_rates",
     "copy_rates",
     "free_port",
     "local_device",
+    "measurable",
     "slowdown",
     "time_layers",
     "time_layers_at_once",
@@ -65,6 +78,43 @@ def local_device() -> torch.device:
         return torch.device("cuda")
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     return torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class Measurable:
+    """What `hetc profile` can time on this machine (Note [Only what was measured])."""
+
+    layers_at_once: int          # processes timing the layers at once (1: only alone)
+    comm_at_once: int | None     # processes of the collectives' run (`comm_rates`' at_once); None: not timed
+    skipped: tuple[str, ...]     # one line for each thing not measured, and why
+
+
+def comm_world(ranks: int, at_once: int) -> int:
+    """The processes `comm_rates(ranks, ..., at_once)` starts: whole blocks of `ranks`."""
+    return max(ranks, at_once // ranks * ranks)
+
+
+def measurable(gpus: int, ranks: int, at_once: int, comm: bool = True) -> Measurable:
+    """What can be timed with `gpus` GPUs (0: a CPU machine, where processes share its cores as a local
+    run's ranks do) for `ranks`-process collectives and `at_once` ranks of a node."""
+    if gpus == 0:
+        return Measurable(at_once, at_once if comm else None, ())
+    skipped = []
+    layers_at_once = at_once
+    if at_once > gpus:
+        layers_at_once = 1
+        skipped.append(f"the layers in {at_once} processes at once: that needs a GPU each, and this machine "
+                       f"has {gpus} (no slowdown recorded)")
+    comm_at_once: int | None = None
+    if comm and ranks > gpus:
+        skipped.append(f"collectives and point-to-point between {ranks} processes: NCCL needs a GPU each, and "
+                       f"this machine has {gpus} (the cost model takes these rates from the catalog)")
+    elif comm:
+        comm_at_once = at_once if comm_world(ranks, at_once) <= gpus else 1
+        if comm_at_once != at_once:
+            skipped.append(f"collectives in {comm_world(ranks, at_once)} processes at once: that needs a GPU "
+                           f"each, and this machine has {gpus} (timed between {ranks} alone)")
+    return Measurable(layers_at_once, comm_at_once, tuple(skipped))
 
 
 def _clock(device: torch.device, fn: Callable[[], object], repeats: int,
@@ -150,6 +200,7 @@ def time_layers_at_once(model: ModelSpec, micro_batches: list[int], seqs: list[i
                         ranks: int) -> LayersAtOnce:
     """`time_layers` in `ranks` processes at once (each with a rank's one thread, or its own GPU while there
     are GPUs to go round): per point, the median over the processes of each one's median run."""
+    _need_gpus(ranks)
     ctx = mp.get_context("spawn")
     queue, start = ctx.SimpleQueue(), ctx.Barrier(ranks)
     mp.start_processes(_layers_worker, args=(model, micro_batches, seqs, repeats, start, queue), nprocs=ranks,
@@ -181,7 +232,7 @@ def _layers_worker(rank: int, model: ModelSpec, micro_batches: list[int], seqs: 
                    start, queue) -> None:
     device = local_device()
     if device.type == "cuda":
-        device = torch.device("cuda", rank % torch.cuda.device_count())
+        device = torch.device("cuda", rank)     # a GPU each: Note [Only what was measured]
     start.wait()   # every process times its layers over the same stretch of wall time
     wall, cpu = time.perf_counter(), time.process_time()
     samples = time_layers(model, micro_batches, seqs, repeats, lambda _: None, statistics.median, device)
@@ -220,7 +271,8 @@ def comm_rates(ranks: int, sizes: list[int], repeats: int, at_once: int = 1) -> 
     `ranks` of them runs the same collectives and messages at the same time, and the median run is
     kept (the load is part of the measurement); the collectives over all of them are measured too.
     """
-    world = max(ranks, at_once // ranks * ranks)   # whole blocks of `ranks`
+    world = comm_world(ranks, at_once)
+    _need_gpus(world)
     port = free_port()
     queue = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(_comm_worker, args=(ranks, world, port, sizes, repeats, queue), nprocs=world, join=True,
@@ -228,8 +280,15 @@ def comm_rates(ranks: int, sizes: list[int], repeats: int, at_once: int = 1) -> 
     return queue.get()
 
 
+def _need_gpus(processes: int) -> None:
+    """On a GPU machine, one GPU per measuring process (Note [Only what was measured]; `measurable`)."""
+    if torch.cuda.is_available() and torch.cuda.device_count() < processes:
+        raise ValueError(f"{processes} measuring processes need a GPU each; this machine has "
+                         f"{torch.cuda.device_count()} (see measurable())")
+
+
 def _comm_worker(rank: int, ranks: int, world: int, port: int, sizes: list[int], repeats: int, queue) -> None:
-    use_nccl = torch.cuda.is_available() and torch.cuda.device_count() >= world
+    use_nccl = torch.cuda.is_available()    # with a GPU per process: _need_gpus
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("nccl" if use_nccl else "gloo", rank=rank, world_size=world)
     device = torch.device("cuda", rank) if use_nccl else torch.device("cpu")
@@ -245,7 +304,8 @@ def _comm_worker(rank: int, ranks: int, world: int, port: int, sizes: list[int],
         if world > ranks:
             collectives += _collectives(device, n, world, None, repeats, pick)
         buf = torch.ones(max(n // 4 // ranks * ranks, ranks), device=device)
-        p2p.append({"bytes": buf.numel() * 4, "seconds": _ping(rank, block[:2], device, buf, repeats, pick)})
+        p2p.append({"bytes": buf.numel() * 4, "seconds": _ping(rank, block[:2], device, buf, repeats, pick),
+                    "backend": dist.get_backend()})
     if rank == 0:
         queue.put((collectives, p2p))
     dist.barrier()
@@ -266,7 +326,8 @@ def _collectives(device, n: int, count: int, group, repeats: int, pick) -> list[
         except (RuntimeError, NotImplementedError):  # gloo lacks some collectives in some builds
             dist.barrier()
             continue
-        rows.append({"kind": kind, "ranks": count, "bytes": elems * 4, "seconds": seconds})
+        rows.append({"kind": kind, "ranks": count, "bytes": elems * 4, "seconds": seconds,
+                     "backend": dist.get_backend()})
     return rows
 
 

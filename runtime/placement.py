@@ -26,6 +26,19 @@ order. A process that matches no plan GPU, or a plan GPU no process
 matches, is an error every rank raises with the same text, except in an
 elastic run, where the plan is made for the nodes present and processes it
 leaves out stay idle.
+
+Note [One GPU per rank]
+A process that does not know its plan GPU yet takes `cuda:(LOCAL_RANK mod
+the devices it sees)` (`local_gpu`): right where each process sees every
+GPU of its node (torchrun) and where a launcher shows each process only its
+own (CUDA_VISIBLE_DEVICES per task, as SLURM's --gpus-per-task does, where
+every process sees one device). Where a node starts more processes than it
+has GPUs, two of them land on one GPU; NCCL refuses that deep inside
+`init_process_group` ("Duplicate GPU detected"), a traceback naming
+neither node nor cause. So every process reports which physical GPU it
+took (its UUID) and how many it sees, and `place` refuses, with the ranks,
+the node and the device count, any two placed processes of one host that
+report the same GPU, before any process group exists.
 """
 
 from __future__ import annotations
@@ -43,8 +56,8 @@ from hetc.topology import Gpu
 if TYPE_CHECKING:   # torch is imported where a rank needs it: `hetc launch` and `run --local` only label nodes
     import torch
 
-__all__ = ["MEMORY_SLACK", "ClusterMismatch", "Placement", "Process", "discover", "local_process", "node_label",
-           "parse_node_label", "place"]
+__all__ = ["MEMORY_SLACK", "ClusterMismatch", "Placement", "Process", "discover", "local_gpu", "local_process",
+           "node_label", "parse_node_label", "place", "shared_gpu_problems"]
 
 MEMORY_SLACK = 0.9   # a "80 GiB" device reports a little less
 PROC_KEY = "hetc/proc/"
@@ -65,6 +78,8 @@ class Process:
     local_rank: int
     device: str          # "cpu" or the CUDA device name
     memory: float        # bytes of device memory (0 for CPU)
+    gpu: str = ""        # the physical GPU's UUID ("" for CPU): Note [One GPU per rank]
+    visible: int = 0     # how many CUDA devices this process sees
 
     def describe(self) -> str:
         return f"launch rank {self.launch_rank} ({self.host}, local rank {self.local_rank}, {self.device})"
@@ -92,13 +107,21 @@ def parse_node_label(text: str) -> tuple[str, int] | None:
     return name, int(rest[:-1])
 
 
+def local_gpu(local_rank: int, visible: int) -> int:
+    """The CUDA device index a process of `local_rank` takes among the `visible` devices it sees (Note [One
+    GPU per rank]: one each where the node has enough, or the one a per-process CUDA_VISIBLE_DEVICES shows)."""
+    return local_rank % visible
+
+
 def local_process(launch_rank: int, local_rank: int, agent: str, label: str, device: torch.device) -> Process:
     host = socket.gethostname()
     if device.type == "cuda":
         import torch
 
         props = torch.cuda.get_device_properties(device)
-        return Process(launch_rank, host, agent, label, local_rank, props.name, float(props.total_memory))
+        uuid = getattr(props, "uuid", None)    # absent from old torch: no check then
+        return Process(launch_rank, host, agent, label, local_rank, props.name, float(props.total_memory),
+                       str(uuid) if uuid is not None else "", torch.cuda.device_count())
     return Process(launch_rank, host, agent, label, local_rank, "cpu", 0.0)
 
 
@@ -169,9 +192,34 @@ def place(world: Sequence[Gpu], procs: Sequence[Process], elastic: bool = False,
     if idle and not elastic:
         by_rank = {p.launch_rank: p for p in procs}
         problems += [f"{by_rank[r].describe()} matches no GPU of the plan" for r in idle]
+    problems += shared_gpu_problems([p for p in procs if p.launch_rank in plan_rank])
     if problems:
         raise ClusterMismatch("the processes do not match the compiled cluster:\n  " + "\n  ".join(problems))
     return Placement(plan_rank, idle, chosen)
+
+
+def shared_gpu_problems(procs: Sequence[Process]) -> list[str]:
+    """One paragraph for each GPU that two or more of `procs` (the placed ones) would share: Note [One GPU
+    per rank]. Processes of a host that report the same GPU UUID are on one device."""
+    on_gpu: dict[tuple[str, str], list[Process]] = {}
+    for proc in procs:
+        if proc.gpu:
+            on_gpu.setdefault((proc.host, proc.gpu), []).append(proc)
+    problems = []
+    for (host, _), sharing in sorted(on_gpu.items(), key=lambda item: item[1][0].launch_rank):
+        if len(sharing) < 2:
+            continue
+        sharing.sort(key=lambda p: p.launch_rank)
+        ranks = ", ".join(str(p.launch_rank) for p in sharing)
+        local = ", ".join(str(p.local_rank) for p in sharing)
+        seen = max(p.visible for p in sharing)
+        problems.append(
+            f"launch ranks {ranks} (local ranks {local} on {host}) would share one GPU ({sharing[0].device} "
+            f"{sharing[0].gpu}): each sees {seen} CUDA device{'s' if seen != 1 else ''}, and NCCL runs one rank "
+            f"per GPU. Start at most {seen} process{'es' if seen != 1 else ''} on {host} (torchrun "
+            f"--nproc-per-node {seen}), compile for the GPUs it has, or give each process its own GPU "
+            "(CUDA_VISIBLE_DEVICES)")
+    return problems
 
 
 def _match_labelled(plan_nodes, launched, problems: list[str], elastic: bool) -> dict[str, tuple[str, int]]:

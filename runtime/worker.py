@@ -32,18 +32,20 @@ from hetc.plandir import read_plan, read_program
 from hetc.runtime.comm import make_groups
 from hetc.runtime.data import make_data_source
 from hetc.runtime.evaluate import make_evaluator
+from hetc.runtime.gpu_failures import (DeviceOutOfMemory, creation_timeout, estimate_line, nccl_environment,
+                                       out_of_memory_in, out_of_memory_message, use_step_timeout)
 from hetc.runtime.local import LAUNCHER_ENV, NODE_ENV
 from hetc.runtime.nn import collectives
 from hetc.runtime.nn.collectives import is_comm_failure
-from hetc.runtime.placement import ClusterMismatch, discover, local_process, place
+from hetc.runtime.placement import ClusterMismatch, discover, local_gpu, local_process, place
 from hetc.runtime.preempt import PREEMPTED_STATUS, Preemption
 from hetc.runtime.report import Reporter
 from hetc.runtime.setup import build_rank
 from hetc.runtime.watchdog import Watchdog, attempt_prefix, store_client
 from hetc.spec import DeviceSpec
 
-__all__ = ["DIVERGED_STATUS", "EnvError", "Launch", "NonFinite", "PeerFailure", "RunOptions", "describe_latest",
-           "launch_env", "rendezvous_store", "run_placed", "run_worker"]
+__all__ = ["DIVERGED_STATUS", "DeviceOutOfMemory", "EnvError", "Launch", "NonFinite", "PeerFailure", "RunOptions",
+           "describe_latest", "launch_env", "rendezvous_store", "run_placed", "run_worker"]
 
 log = logging.getLogger("hetc.runtime")
 
@@ -87,7 +89,8 @@ class RunOptions:
     resume: bool = False                # resume from --checkpoint; a directory holding none is an error
     resume_if_present: bool = False     # resume when there is a checkpoint, else start at step 0 (--elastic)
     weights_from: Path | None = None    # --load-weights-only: a checkpoint's weights, when nothing is resumed
-    timeout_s: float = 120.0
+    timeout_s: float = 120.0            # a step's collectives and messages (Note [Init and step timeouts])
+    init_timeout_s: float = 300.0       # the rendezvous and creating the process groups
     heartbeat_timeout_s: float = 10.0
     grace_s: float = 30.0
     elastic: bool = False
@@ -134,7 +137,7 @@ def discovery_device() -> torch.device:
     """The device a process reports before it knows its plan GPU: its local CUDA device, if any."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.device("cuda", local_gpu(int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()))
 
 
 def run_worker(plan_dir: Path, opts: RunOptions) -> int:
@@ -144,7 +147,7 @@ def run_worker(plan_dir: Path, opts: RunOptions) -> int:
     verify(program, checked.pipeline, checked.spec)
     if launch.world != program.world_size:
         raise EnvError(f"the plan has {program.world_size} ranks but WORLD_SIZE is {launch.world}")
-    store = rendezvous_store(launch, opts.timeout_s)
+    store = rendezvous_store(launch, opts.init_timeout_s)
     procs = discover(store, launch.process(discovery_device()), launch.world)
     placement = place(checked.pipeline.world, procs)
     return run_placed(plan_dir, checked, program, placement.plan_rank[launch.rank], launch, store, opts)
@@ -162,10 +165,13 @@ def run_placed(plan_dir: Path, checked, program, rank: int, launch: Launch, stor
     world = program.world_size
     device = _device(pipeline.world[rank].device, launch.local_rank)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    timeout = datetime.timedelta(seconds=opts.timeout_s)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.PrefixStore("hetc/pg", store),
-                            rank=rank, world_size=world, timeout=timeout,
-                            device_id=device if device.type == "cuda" else None)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl":
+        nccl_environment()
+    init_timeout = creation_timeout(backend, datetime.timedelta(seconds=opts.init_timeout_s),
+                                    datetime.timedelta(seconds=opts.timeout_s))    # Note [Init and step timeouts]
+    dist.init_process_group(backend, store=dist.PrefixStore("hetc/pg", store), rank=rank, world_size=world,
+                            timeout=init_timeout, device_id=device if backend == "nccl" else None)
     watchdog = Watchdog(store_client(), rank, world,
                         timeout=opts.heartbeat_timeout_s)
     watchdog.start()
@@ -173,9 +179,11 @@ def run_placed(plan_dir: Path, checked, program, rank: int, launch: Launch, stor
     preemption = Preemption(store, rank, opts.grace_s)
     try:
         hooks = _Hooks(on_resumed, on_first_step)
-        status = _train(plan_dir, opts, rank, spec, pipeline, program, device, timeout, preemption, hooks)
+        status = _train(plan_dir, opts, rank, spec, pipeline, program, device, init_timeout, preemption, hooks)
         completed = True
     except (RuntimeError, dist.DistError) as err:
+        if (oom := out_of_memory_in(err)) is not None:
+            raise _out_of_memory(checked, program, rank, device, err, oom) from None
         if isinstance(err, ClusterMismatch) or not is_comm_failure(err):
             raise
         dead = watchdog.silent_ranks()
@@ -194,18 +202,36 @@ def run_placed(plan_dir: Path, checked, program, rank: int, launch: Launch, stor
     return status
 
 
+def _out_of_memory(plan, program, rank: int, device: torch.device, err: BaseException,
+                   oom: BaseException) -> DeviceOutOfMemory:
+    """The paragraph for a CUDA out-of-memory anywhere in the run (`err` holds it, maybe as a cause)."""
+    notes = [*getattr(err, "__notes__", ()), *(getattr(oom, "__notes__", ()) if oom is not err else ())]
+    where = next((note for note in notes if note.startswith(f"[rank {rank}]")), "")
+    # torch's first line: what was asked, what was free, what this process held; not the link to its docs
+    detail = (str(oom).splitlines() or ["CUDA out of memory"])[0].split("  See documentation")[0]
+    rp = program.ranks[rank]
+    kind = plan.pipeline.world[rank].device.name
+    return DeviceOutOfMemory(out_of_memory_message(rank, rp.stage, rp.lane, f"on {device}, planned as a {kind}",
+                                                   where, detail, estimate_line(plan, program, rank)))
+
+
 def _train(plan_dir: Path, opts: RunOptions, rank: int, spec, pipeline, program, device: torch.device,
            timeout: datetime.timedelta, preemption: Preemption, hooks: _Hooks) -> int:
+    """`timeout` is what the groups are created with (`creation_timeout`); then the step timeout holds."""
     groups = make_groups(program.groups, timeout)
     data = make_data_source(spec.model, spec.train, plan_dir)
     start_from = _start_point(opts, spec, rank)
-    rt = build_rank(spec, pipeline, program, rank, groups, data, device, resumes=start_from is not None)
+    from hetc.runtime.nccl_order import emulation_from_env    # HETC_EMULATE_NCCL, read once as the rank starts
+
+    rt = build_rank(spec, pipeline, program, rank, groups, data, device, resumes=start_from is not None,
+                    emulation=emulation_from_env())
     evaluator = make_evaluator(spec, pipeline, program, rank, plan_dir)
     if opts.on_nonfinite is NonFinite.SKIP and not spec.train.grad_clip:
         raise EnvError("--on-nonfinite skip needs train.grad_clip in the spec: the global gradient norm it "
                        "checks before the update is computed only under clipping (Note [non-finite steps])")
     rt.interpreter.skip_nonfinite = opts.on_nonfinite is NonFinite.SKIP
     saver, lock = _checkpointer(rt, opts, timeout, rank)
+    use_step_timeout(datetime.timedelta(seconds=opts.timeout_s))    # every group exists now
     try:
         return _steps(rt, opts, rank, spec, pipeline, program, device, saver, evaluator, preemption, hooks,
                       start_from)
@@ -357,7 +383,7 @@ def _device(kind: DeviceSpec, local_rank: int) -> torch.device:
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ClusterMismatch(f"the plan puts a {kind.name} on this rank but CUDA is not available here")
-    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    device = torch.device("cuda", local_gpu(local_rank, torch.cuda.device_count()))
     torch.cuda.set_device(device)
     return device
 

@@ -80,3 +80,72 @@ def test_a_host_that_took_the_cpus_is_named_in_a_warning(capsys):
     assert capsys.readouterr().err == ""
     profile._warn_if_stolen(steal_share(before, after))
     assert "the host took 22% of this virtual machine's CPU time" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- issue 29, finding 7: only what was measured
+
+
+def test_a_machine_measures_only_what_it_has_a_gpu_for():
+    """Note [Only what was measured] in runtime/measure.py: NCCL between processes with a GPU each, layers at
+    once one process per GPU; the rest is skipped with a reason. A CPU machine measures everything."""
+    from hetc.runtime.measure import measurable
+
+    one_gpu = measurable(gpus=1, ranks=2, at_once=8)
+    assert (one_gpu.layers_at_once, one_gpu.comm_at_once) == (1, None)
+    assert [line.split(":")[0] for line in one_gpu.skipped] == [
+        "the layers in 8 processes at once", "collectives and point-to-point between 2 processes"]
+    assert "this machine has 1" in one_gpu.skipped[1] and "from the catalog" in one_gpu.skipped[1]
+    four = measurable(gpus=4, ranks=2, at_once=8)     # pairs fit, eight at once do not
+    assert (four.layers_at_once, four.comm_at_once) == (1, 1) and len(four.skipped) == 2
+    assert measurable(gpus=8, ranks=2, at_once=8) == measurable(gpus=0, ranks=2, at_once=8)
+    assert measurable(gpus=8, ranks=2, at_once=8).skipped == ()
+    assert measurable(gpus=1, ranks=2, at_once=1, comm=False).skipped == ()     # --no-comm asks for nothing
+
+
+def test_a_one_gpu_profile_leaves_out_what_it_could_not_measure(tmp_path, monkeypatch, capsys):
+    """`hetc profile --ranks 2` on a machine with one H200 (its measurements stubbed): no gloo rate on CPU
+    tensors recorded as the H200's interconnect, no time-slicing as a node's ranks at once; the file says
+    what it left out, and the cost model takes those rates from the catalog."""
+    import types
+
+    import torch
+
+    from hetc.runtime import measure
+
+    def never(*_args, **_kwargs):
+        raise AssertionError("measured what one GPU cannot")
+
+    samples = [measure.LayerSample(name, b, 128, 1e-3, 2e-3) for name in ("embed", "block", "head") for b in (1, 2)]
+    monkeypatch.setattr(measure, "local_device", lambda: torch.device("cuda"))
+    monkeypatch.setattr(measure, "time_layers", lambda *_args, **_kwargs: samples)
+    monkeypatch.setattr(measure, "copy_rates", lambda *_args: [{"direction": "h2d", "bytes": 1 << 20, "seconds": 2e-5}])
+    monkeypatch.setattr(measure, "comm_rates", never)
+    monkeypatch.setattr(measure, "time_layers_at_once", never)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_args: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *_args: types.SimpleNamespace(total_memory=141e9))
+    out = tmp_path / "h200.json"
+    assert main(["profile", "-o", str(out), "--ranks", "2", "--ranks-at-once", "8"]) == 0
+    err = capsys.readouterr().err
+    assert "hetc profile: not measured: collectives and point-to-point between 2 processes" in err
+    assert "hetc profile: not measured: the layers in 8 processes at once" in err
+    data = json.loads(out.read_text())
+    assert data["device"]["kind"] == "H200"
+    assert not {"collectives", "p2p", "concurrency", "core_wait"} & data.keys()     # absent, not 0
+    assert len(data["not_measured"]) == 2
+    profiles = load_profiles([out])
+    assert profiles.compute and profiles.copy["H200"] > 0
+    assert profiles.network.intra_rate("H200", 2) is None and profiles.shared == {}
+
+
+def test_a_profile_without_network_rates_times_the_layers_and_takes_links_from_the_spec(tmp_path, capsys):
+    layers = [{"layer": name, "tp": 1, "seq": 32, "micro_batch": b, "forward_s": f * b, "backward_s": 2 * f * b}
+              for name, f in (("embed", 1e-4), ("block", 1e-3), ("head", 3e-4)) for b in (1, 2)]
+    profile = tmp_path / "layers_only.json"
+    profile.write_text(json.dumps({"format": FORMAT, "version": VERSION, "device": {"kind": "cpu"},
+                                   "dtype": "fp32", "model": {"hidden": 64, "block_params": 46208},
+                                   "layers": layers, "not_measured": ["collectives: no GPU each"]}))
+    assert main(["explain", str(DEMO / "pp.het"), "--json", "--profile", str(profile)]) == 0
+    explained = json.loads(capsys.readouterr().out)
+    assert all(str(profile) in s for srcs in explained["sources"].values() for s in srcs)     # layers: measured
+    assert explained["links"] and all(str(profile) not in link["source"] for link in explained["links"])

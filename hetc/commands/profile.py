@@ -6,7 +6,9 @@ rates between local processes, host<->device copy rates, and (CPU ranks
 that run several at once) the wait of a blocking call for a core while the
 others compute (Note [core wait] in passes/cost/cores.py). The format is
 hetc.passes.cost.sources.hetc_profile; `hetc explain SPEC --profile FILE` uses it
-for GPUs of the measured device kind.
+for GPUs of the measured device kind. On a machine with fewer GPUs than
+the processes a measurement needs, it is skipped, said so, and left out of
+the file (Note [Only what was measured] in runtime/measure.py).
 """
 
 from __future__ import annotations
@@ -147,25 +149,30 @@ def run(args: argparse.Namespace) -> int:
     from hetc.runtime import measure
 
     device = measure.local_device()
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu"
     kind = args.device_kind or (catalog_name(name) if device.type == "cuda" else "cpu")
     at_once = args.ranks_at_once or ranks_at_once(spec, kind)
+    can = measure.measurable(gpus, args.ranks, at_once, comm=not args.no_comm)
+    for line in can.skipped:
+        print(f"hetc profile: not measured: {line}", file=sys.stderr, flush=True)
     layers = measure.time_layers(model, micro_batches, seqs, args.repeats, progress)
     concurrency = {}
-    if at_once > 1:
+    if can.layers_at_once > 1:
         progress(f"layers in {at_once} processes at once")
         loaded = measure.time_layers_at_once(model, micro_batches, seqs, args.repeats, at_once)
         concurrency = {"concurrency": {"ranks": at_once, "cores": len(os.sched_getaffinity(0)),
                                        "slowdown": measure.slowdown(layers, loaded)}}
     progress("host<->device copies")
     copies = measure.copy_rates(COPY_SIZES, args.repeats)
-    if not args.no_comm:
-        progress(f"collectives and p2p between {args.ranks} processes, {max(at_once, args.ranks)} at once")
-        collectives, p2p = measure.comm_rates(args.ranks, sizes, args.repeats, at_once)
-    else:
-        collectives, p2p = [], []
+    comm = {}
+    if can.comm_at_once is not None:
+        progress(f"collectives and p2p between {args.ranks} processes, "
+                 f"{measure.comm_world(args.ranks, can.comm_at_once)} at once")
+        collectives, p2p = measure.comm_rates(args.ranks, sizes, args.repeats, can.comm_at_once)
+        comm = {"collectives": collectives, "p2p": p2p}
     core_wait = {}
-    if not args.no_comm and at_once > 1 and device.type == "cpu":
+    if can.comm_at_once is not None and at_once > 1 and device.type == "cpu":
         from hetc.runtime.core_wait import measure_core_wait
 
         progress(f"blocking calls between {at_once} processes computing beside them")
@@ -182,8 +189,9 @@ def run(args: argparse.Namespace) -> int:
                   "block_params": block_params(model)},
         "layers": [{"layer": s.layer, "tp": 1, "seq": s.seq, "micro_batch": s.micro_batch,
                     "forward_s": s.forward_s, "backward_s": s.backward_s} for s in layers],
-        "collectives": collectives, "p2p": p2p, "copy": copies,
+        **comm, "copy": copies,
         **concurrency, **core_wait,
+        **({"not_measured": list(can.skipped)} if can.skipped else {}),
     })
     progress.done(out)
     _warn_if_loaded(load_before)

@@ -75,7 +75,12 @@ def register(sub: Subparsers) -> None:
                         "counted and reported, as Megatron's and DeepSpeed's loss scalers do (needs "
                         "train.grad_clip)")
     p.add_argument("-q", "--quiet", action="store_true", help="print no line per step")
-    p.add_argument("--timeout", type=float, default=120.0, metavar="S", help="collective timeout in seconds")
+    p.add_argument("--timeout", type=float, default=120.0, metavar="S",
+                   help="a step's collective or message that waits S seconds fails the run (raise it for steps "
+                        "that take minutes)")
+    p.add_argument("--init-timeout", type=float, default=300.0, metavar="S",
+                   help="how long the ranks wait for each other to start and form their process groups "
+                        "(raise it for a large or slowly starting cluster); --timeout holds from the first step")
     p.set_defaults(func=run)
 
 
@@ -94,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--stop-timeout must be positive")
     if args.heartbeat_timeout <= 0:
         raise UsageError("--heartbeat-timeout must be positive")
+    if args.timeout <= 0 or args.init_timeout <= 0:
+        raise UsageError("--timeout and --init-timeout must be positive")
     for flag in ("resume", "resume_if_present", "every", "keep"):
         if getattr(args, flag) and args.checkpoint is None:
             raise UsageError(f"--{flag.replace('_', '-')} needs --checkpoint DIR")
@@ -155,12 +162,13 @@ def _rank(args: argparse.Namespace) -> int:
     from hetc.runtime.data import DataError
     from hetc.runtime.placement import ClusterMismatch
     from hetc.runtime.checkpoint_lock import CheckpointBusy
-    from hetc.runtime.worker import EnvError, NonFinite, PeerFailure, RunOptions, describe_latest, run_worker
+    from hetc.runtime.worker import (DeviceOutOfMemory, EnvError, NonFinite, PeerFailure, RunOptions, describe_latest,
+                                     run_worker)
 
     opts = RunOptions(steps=args.steps, metrics=args.metrics, trace=args.trace, checkpoint=args.checkpoint,
                       every=args.every, keep=args.keep, resume=args.resume,
                       resume_if_present=args.resume_if_present or args.elastic,
-                      weights_from=args.load_weights_only, timeout_s=args.timeout,
+                      weights_from=args.load_weights_only, timeout_s=args.timeout, init_timeout_s=args.init_timeout,
                       grace_s=args.stop_timeout, heartbeat_timeout_s=args.heartbeat_timeout,
                       elastic=args.elastic, quiet=args.quiet, on_nonfinite=NonFinite(args.on_nonfinite))
     try:
@@ -181,7 +189,7 @@ def _rank(args: argparse.Namespace) -> int:
         if isinstance(err, CheckpointError):    # a checkpoint that cannot be read or saved: bad input, exit 2
             print(err.render() if err.path is not None else f"hetc run: error: {err}", file=sys.stderr, flush=True)
             return 2
-        if not isinstance(err, PeerFailure):
+        if not isinstance(err, PeerFailure | DeviceOutOfMemory):
             raise
         print(f"hetc run: error: {err}", file=sys.stderr, flush=True)
         return 1
