@@ -85,7 +85,7 @@ def run_elastic(spec_path: Path, opts: RunOptions) -> int:
     assert checkpoint is not None, "`hetc run --elastic` requires --checkpoint"
     entered = time.time()
     launch = launch_env()
-    store = rendezvous_store(launch, opts.timeout_s)
+    store = rendezvous_store(launch, opts.init_timeout_s)
     procs = discover(store, launch.process(discovery_device()), launch.world)
     plan_dir, timings = _plan(spec_path, checkpoint, launch, store, procs)
     _, checked = read_plan(plan_dir)

@@ -460,5 +460,7 @@ def _load(rt, start: _Start) -> int:
     from hetc.runtime.checkpoint import read_checkpoint
 
     step = read_checkpoint(rt.buffers, start.path, rt.interpreter.comm.group("world"), start.weights_only)
-    log.info("%s %s at step %d", "weights from" if start.weights_only else "resumed from", start.path, step)
+    if rt.interpreter.program.rank == 0:   # once, as a save says `saved step N to DIR`
+        print(f"loaded the weights of {start.path}; starting at step 0" if start.weights_only
+              else f"resumed from {start.path} at step {step}", flush=True)
     return 0 if start.weights_only else step

@@ -189,7 +189,9 @@ def _rank(args: argparse.Namespace) -> int:
         if isinstance(err, CheckpointError):    # a checkpoint that cannot be read or saved: bad input, exit 2
             print(err.render() if err.path is not None else f"hetc run: error: {err}", file=sys.stderr, flush=True)
             return 2
-        if not isinstance(err, PeerFailure | DeviceOutOfMemory):
+        from hetc.runtime.nccl_order import NcclOrderDeadlock
+
+        if not isinstance(err, PeerFailure | DeviceOutOfMemory | NcclOrderDeadlock):
             raise
         print(f"hetc run: error: {err}", file=sys.stderr, flush=True)
         return 1
