@@ -1,0 +1,104 @@
+"""benchmarks/gpu_check.py, the one-GPU check (issue 29, item 8): its CPU dry run, its overlap arithmetic,
+and the CUDA path it exists for (`gpu`-marked: runs where torch.cuda is available, skips elsewhere)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.gpu_check import CHECKS, RUN_CPU, Job, write_plans
+from benchmarks.gpu_check_rank import copy_overlap, hidden_share, union
+
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+STATUSES = {"ok", "fail", "n/a", "unsupported", "skipped", "error", "timeout"}
+# the rows the dry run writes, in order: a check may write more than one row (the 1-rank run: two)
+ROWS = ["versions", "verify 1B single (nccl)", "verify 1B zorse_offload (nccl)", "verify 1B pp2 (nccl)", "profile",
+        "step time, 1 rank", "peak memory, 1 rank", "offload overlap", "checkpoint + resume",
+        "2-stage, one device, gloo", "loss falls"]
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available())")
+
+
+@pytest.mark.slow
+def test_cpu_quick_dry_run_records_every_check(tmp_path: Path) -> None:
+    """`gpu_check.py --cpu --quick` runs the whole sequence here and exits 0, and its JSON and table have a
+    row with a status for every check: what a GPU session will run once must not break on its first run."""
+    done = subprocess.run([sys.executable, str(SCRIPT), "--cpu", "--quick", "--out", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["mode"] == "cpu"
+    rows = {row["check"]: row for row in report["checks"]}
+    assert list(rows) == ROWS
+    assert all(row["status"] in STATUSES for row in rows.values()), rows
+    assert not [row for row in rows.values() if row["status"] in ("error", "timeout", "skipped")], rows
+    assert rows["checkpoint + resume"]["status"] == "ok"   # fp32 on CPU: the resumed losses are the same
+    assert rows["loss falls"]["status"] == "ok"
+    table = (tmp_path / "gpu_check.md").read_text()
+    assert all(f"| {name} |" in table for name in ROWS)
+    assert table in done.stdout
+
+
+def test_every_check_has_a_limit_and_a_unique_name() -> None:
+    names = [name for name, _, _ in CHECKS]
+    assert len(set(names)) == len(names)
+    assert all(limit > 0 for _, limit, _ in CHECKS)
+    assert sum(limit for _, limit, _ in CHECKS) >= 480   # the budget, not the sum of limits, ends the run
+
+
+def test_hidden_share_counts_copy_time_under_compute_once() -> None:
+    copies = [(0.0, 10.0), (5.0, 15.0), (30.0, 40.0)]         # 25 us of copies, two of them overlapping
+    compute = [(0.0, 4.0), (2.0, 12.0), (35.0, 50.0)]         # covers 0..12 and 35..40: 17 us of the copies
+    assert union(copies) == [(0.0, 15.0), (30.0, 40.0)]
+    assert hidden_share(copies, compute) == pytest.approx(17 / 25)
+    assert hidden_share(copies, []) == 0.0
+    assert hidden_share([], compute) is None
+
+
+def test_copy_overlap_reads_a_profiler_chrome_trace() -> None:
+    trace = {"traceEvents": [
+        {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 100, "dur": 50},
+        {"cat": "kernel", "name": "ampere_bf16_gemm", "ts": 120, "dur": 100},
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 1000},          # host work hides nothing
+        {"cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 300, "dur": 10},
+    ]}
+    found = copy_overlap(trace)
+    assert found["hidden_share"] == pytest.approx(30 / 60)
+    assert found["copy_s"] == pytest.approx(60e-6)
+    assert found["kernel_s"] == pytest.approx(100e-6)
+
+
+@gpu
+@needs_cuda
+def test_one_rank_bf16_training_step_on_cuda(tmp_path: Path) -> None:
+    """A 1-rank bf16 plan of the demo model on this GPU's catalog kind trains through `hetc run --local`:
+    finite, falling losses and a CUDA peak in the metrics."""
+    from benchmarks.gpu_check import local_kind
+
+    kind = local_kind()
+    assert kind is not None
+    specs = write_plans(Job(RUN_CPU, kind, global_batch=8, micro_batch=2, text_data=True), tmp_path / "specs")
+    plan, metrics = tmp_path / "plan", tmp_path / "metrics.jsonl"
+    hetc = [sys.executable, "-m", "hetc"]
+    compiled = subprocess.run([*hetc, "compile", str(specs / "single.het"), "-o", str(plan)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300, check=False)
+    if compiled.returncode != 0 and "unknown device kind" in compiled.stderr:
+        pytest.skip(f"this GPU ({torch.cuda.get_device_name(0)}) has no kind in specs/catalog.het")
+    assert compiled.returncode == 0, compiled.stderr
+    done = subprocess.run([*hetc, "run", str(plan), "--local", "1", "--steps", "4", "--metrics", str(metrics),
+                           "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    losses = [r["loss"] for r in records]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
+    assert records[-1]["peak_memory_bytes"][0] > 0     # torch.cuda.max_memory_allocated on the rank
