@@ -7,7 +7,7 @@ from pathlib import Path
 from hetc.compiler import load_checked
 from hetc.passes.cost import CostModel, Engine, Profiles
 
-__all__ = ["MODEL", "cluster", "cost_model", "plan_text", "write_spec"]
+__all__ = ["MODEL", "ONE_LANE", "cluster", "cost_model", "plan_text", "write_spec"]
 
 # A small Llama; fp32 everywhere unless a test says otherwise.
 MODEL = """
@@ -23,6 +23,16 @@ model m {
   optimizer adamw { master_dtype = MASTER }
   activation_checkpoint = CKPT
 }
+"""
+
+# One stage of two lanes on node 0's first two GPUs, the rest idle: a plan for `plan_text`.
+ONE_LANE = """
+  stage all {
+    layers = embed..head
+    ranks = n[0, 0:2]
+    lanes = 2
+  }
+  idle = [n[0, 2:4], n[1]]
 """
 
 

@@ -22,18 +22,9 @@ from hetc.runtime.nn import model as nn_model
 from hetc.runtime.nn.model import build_ministage, compute_dtype, float32_matmul_precision, use_matmul_precision
 from hetc.spec import DType, DeviceSpec, ModelSpec
 from tests.conftest import DEMO, SPECS
-from tests.costspecs import cluster, cost_model, plan_text, write_spec
+from tests.costspecs import ONE_LANE, cluster, cost_model, plan_text, write_spec
 
 CATALOG = Path(__file__).resolve().parent.parent / "specs" / "catalog.het"
-
-ONE_LANE = """
-  stage all {
-    layers = embed..head
-    ranks = n[0, 0:2]
-    lanes = 2
-  }
-  idle = [n[0, 2:4], n[1]]
-"""
 
 # Datasheet facts: which tensor-core formats each catalog kind has (dense; fp32 is every kind's).
 # Volta/Turing: fp16 only; Pascal: no tensor cores (P100 has 2x fp16, P40 none); Ampere: tf32, bf16, fp16;

@@ -11,17 +11,7 @@ from hetc.passes.cost import ProfileError, load_profiles
 from hetc.passes.cost.sources.hetc_profile import FORMAT, VERSION, profile_from_dict
 from hetc.passes.cost.shapes import LayerKind
 from hetc.passes.cost.params import block_params
-from tests.costspecs import cost_model, plan_text, write_spec
-
-ONE_LANE = """
-  stage all {
-    layers = embed..head
-    ranks = n[0, 0:2]
-    lanes = 2
-  }
-  idle = [n[0, 2:4], n[1]]
-"""
-
+from tests.costspecs import ONE_LANE, cost_model, plan_text, write_spec
 
 # the parameters of one block of costspecs.MODEL (hidden 256, ffn 704, 4 heads of which 2 kv)
 BLOCK = 4 * 256 * 256 - 2 * 256 * 128 + 3 * 256 * 704 + 2 * 256
