@@ -5,13 +5,17 @@ Rank 0 prints `step 3/30  loss 4.9485  lr 3.00e-03  2,310 tokens/s  MFU 2.1%
 and, with `--metrics FILE`, writes one JSON object per step (step, loss, lr,
 step_time_s, tokens_per_s, mfu and hfu (Note [utilization] in
 passes/cost/utilization.py: over the peak of the GPUs the plan uses, at the
-model's dtype), peak_memory_bytes per rank, class_times_s: per
+model's dtype), peak_memory_bytes and peak_memory_reserved_bytes per rank
+(`peak_memory`), class_times_s: per
 rank, the step's seconds per TimeClass, Note [time classes], val_loss on
 steps that evaluate, grad_norm where the step computes it (under clipping)
 and `"skipped": true` on a step whose update was skipped, Note [non-finite
-steps] in runtime/worker.py). Per-rank peak
-memory travels through the rendezvous store, outside the program's
-collectives. With `--trace FILE` the last step is timed per instruction on
+steps] in runtime/worker.py); docs/metrics.md is the schema. With
+`--tensorboard DIR` and `--wandb PROJECT` the record's per-step numbers
+(`step_scalars`) go to TensorBoard and Weights & Biases too
+(runtime/scalars.py). Per-rank peak memory travels through the rendezvous
+store, outside the program's collectives. Before step 1, `StartupProgress`
+says which start-up phase is done and how long it took. With `--trace FILE` the last step is timed per instruction on
 every rank and rank 0 writes a measured `Timeline` (the format of the
 compiler's prediction, so `hetc viz` draws either).
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 import json
 import resource
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -34,17 +39,59 @@ from hetc.passes.cost.utilization import flop_counts, used_peak_flops
 from hetc.program import Recv, Send
 from hetc.runtime.nn import collectives
 from hetc.runtime.optim import lr_at
+from hetc.runtime.scalars import ScalarSink, TensorBoardSink, WandbSink
 from hetc.timeline import Event, Flow, MemorySample, RankInfo, Timeline, class_times, classify
 from hetc.units import human_seconds
 
-__all__ = ["Reporter", "peak_memory"]
+__all__ = ["Reporter", "StartupProgress", "peak_memory", "peak_memory_reserved", "step_scalars"]
 
 
 def peak_memory(device: torch.device) -> float:
     """Peak bytes this process has used: CUDA allocations, or the CPU process's peak RSS."""
     if device.type == "cuda":
         return float(torch.cuda.max_memory_allocated(device))
-    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    return _peak_rss()
+
+
+def peak_memory_reserved(device: torch.device) -> float:
+    """Peak bytes the CUDA caching allocator has held (allocated plus its cached, free blocks: what
+    `nvidia-smi` sees of the tensors, and what an out-of-memory runs into). On CPU there is no cache
+    beside the allocations, so it is the process's peak RSS, equal to `peak_memory`: the field is
+    present on every rank of every run."""
+    if device.type == "cuda":
+        return float(torch.cuda.max_memory_reserved(device))
+    return _peak_rss()
+
+
+def _peak_rss() -> float:
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024   # Linux reports KiB
+
+
+def step_scalars(record: dict) -> dict[str, float]:
+    """The numbers of a metrics record that TensorBoard and W&B plot, under the record's names: each
+    scalar field, and the per-rank peak memories as their maximum over ranks (the rank that runs out)."""
+    scalars = {name: float(value) for name, value in record.items()
+               if isinstance(value, int | float) and not isinstance(value, bool) and name != "step"}
+    for name in ("peak_memory_bytes", "peak_memory_reserved_bytes"):
+        if record.get(name):
+            scalars[name] = max(record[name])
+    return scalars
+
+
+class StartupProgress:
+    """Rank 0's line per start-up phase done before step 1 (`hetc run: model built (1.2 s)`), with
+    the phase's own time, so that the seconds between launching and the first step line are accounted
+    for; silent on other ranks and under `-q`."""
+
+    def __init__(self, shows: bool, since: float | None = None) -> None:
+        self.shows = shows
+        self.last = time.perf_counter() if since is None else since
+
+    def done(self, phase: str) -> None:
+        now = time.perf_counter()
+        if self.shows:
+            print(f"hetc run: {phase} ({human_seconds(now - self.last)})", file=sys.stderr, flush=True)
+        self.last = now
 
 
 class Reporter:
@@ -59,6 +106,9 @@ class Reporter:
         writes = opts.metrics is not None and rank == 0
         # open for the whole run, closed by finish()
         self.metrics = open(opts.metrics, "a" if append else "w") if writes else None  # noqa: SIM115
+        self.sinks = self._sinks() if rank == 0 else []
+        # every rank takes part in gathering the peak memories that a record holds
+        self.records = opts.metrics is not None or opts.tensorboard is not None or opts.wandb is not None
         self.traced: list | None = None
         self.step_time = 0.0
 
@@ -66,7 +116,7 @@ class Reporter:
         """Report a finished step; `val_loss` when the step was followed by an evaluation."""
         if result.events:
             self.traced, self.step_time = result.events, result.seconds
-        memories = self._memories(step) if self.opts.metrics is not None else None
+        memories = self._memories(step) if self.records else None
         classes = self._classes(step, result.classes) if self.opts.metrics is not None else None
         if self.rank != 0:
             return
@@ -79,18 +129,34 @@ class Reporter:
             skipped = f"  update skipped (gradient norm {result.grad_norm})" if result.skipped else ""
             print(f"step {done}/{total}  loss {result.loss:.4f}{val}  lr {lr:.2e}  {tps:,.0f} tokens/s  "
                   f"MFU {mfu:.1%}  {human_seconds(result.seconds)}/step{skipped}", flush=True)
+        if not self.records:
+            return
+        memories = memories or []
+        record = {"step": done, "loss": result.loss, "lr": lr, "step_time_s": result.seconds,
+                  "tokens_per_s": tps, "mfu": mfu, "hfu": hfu,
+                  "peak_memory_bytes": [allocated for allocated, _ in memories],
+                  "peak_memory_reserved_bytes": [reserved for _, reserved in memories], "class_times_s": classes}
+        if val_loss is not None:
+            record["val_loss"] = val_loss
+        if result.grad_norm is not None:
+            record["grad_norm"] = result.grad_norm
+        if result.skipped:
+            record["skipped"] = True
         if self.metrics is not None:
-            record = {"step": done, "loss": result.loss, "lr": lr, "step_time_s": result.seconds,
-                      "tokens_per_s": tps, "mfu": mfu, "hfu": hfu, "peak_memory_bytes": memories,
-                      "class_times_s": classes}
-            if val_loss is not None:
-                record["val_loss"] = val_loss
-            if result.grad_norm is not None:
-                record["grad_norm"] = result.grad_norm
-            if result.skipped:
-                record["skipped"] = True
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()
+        for sink in self.sinks:
+            sink.add(done, step_scalars(record))
+
+    def _sinks(self) -> list[ScalarSink]:
+        sinks: list[ScalarSink] = []
+        if self.opts.tensorboard is not None:
+            sinks.append(TensorBoardSink(self.opts.tensorboard))
+        if self.opts.wandb is not None:
+            config = {"world_size": self.program.world_size, "global_batch": self.spec.train.global_batch,
+                      "seq": self.spec.model.seq, "lr": self.spec.train.lr}
+            sinks.append(WandbSink(self.opts.wandb, config))
+        return sinks
 
     def _utilization(self, seconds: float) -> tuple[float, float]:
         """(MFU, HFU) of a step that took `seconds`; 0 where the devices declare no peak."""
@@ -98,12 +164,14 @@ class Reporter:
             return 0.0, 0.0
         return self.flops.model / (seconds * self.peak_flops), self.flops.hardware / (seconds * self.peak_flops)
 
-    def _memories(self, step: int) -> list[float] | None:
-        self.store.set(f"hetc/mem/{step}/{self.rank}", str(peak_memory(self.device)))
+    def _memories(self, step: int) -> list[tuple[float, float]] | None:
+        """Each rank's (peak allocated, peak reserved) bytes, on rank 0."""
+        mine = [peak_memory(self.device), peak_memory_reserved(self.device)]
+        self.store.set(f"hetc/mem/{step}/{self.rank}", json.dumps(mine))
         if self.rank != 0:
             return None
         keys = [f"hetc/mem/{step}/{r}" for r in range(self.program.world_size)]
-        return [float(v) for v in self.store.multi_get(keys)]   # one round trip, not one per rank
+        return [tuple(json.loads(v)) for v in self.store.multi_get(keys)]   # one round trip, not one per rank
 
     def _classes(self, step: int, mine: dict[str, float]) -> list[dict[str, float]] | None:
         self.store.set(f"hetc/classes/{step}/{self.rank}", json.dumps(mine))
@@ -117,6 +185,8 @@ class Reporter:
             self._write_trace()
         if self.metrics is not None:
             self.metrics.close()
+        for sink in self.sinks:
+            sink.close()
 
     def _write_trace(self) -> None:
         mine = (self.traced or [], peak_memory(self.device), self.step_time)

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hetc.hf.weights import wants_pretrained
 from hetc.passes.validate_runtime import require_trainable_dtype
 from hetc.passes.verify import verify
 from hetc.plandir import read_plan, read_program
@@ -39,7 +40,7 @@ from hetc.runtime.nn import collectives
 from hetc.runtime.nn.collectives import is_comm_failure
 from hetc.runtime.placement import ClusterMismatch, discover, local_gpu, local_process, place
 from hetc.runtime.preempt import PREEMPTED_STATUS, Preemption
-from hetc.runtime.report import Reporter
+from hetc.runtime.report import Reporter, StartupProgress
 from hetc.runtime.setup import build_rank
 from hetc.runtime.watchdog import Watchdog, attempt_prefix, store_client
 from hetc.spec import DeviceSpec
@@ -82,6 +83,8 @@ DIVERGED_STATUS = 3   # a run stopped by a non-finite step (1 is a failure, 2 ba
 class RunOptions:
     steps: int | None = None
     metrics: Path | None = None
+    tensorboard: Path | None = None     # rank 0 writes TensorBoard event files here
+    wandb: str | None = None            # rank 0 logs to this Weights & Biases project
     trace: Path | None = None
     checkpoint: Path | None = None
     every: int = 0
@@ -141,6 +144,7 @@ def discovery_device() -> torch.device:
 
 
 def run_worker(plan_dir: Path, opts: RunOptions) -> int:
+    started = time.perf_counter()
     launch = launch_env()
     _, checked = read_plan(plan_dir)
     program = read_program(plan_dir)
@@ -150,16 +154,20 @@ def run_worker(plan_dir: Path, opts: RunOptions) -> int:
     store = rendezvous_store(launch, opts.init_timeout_s)
     procs = discover(store, launch.process(discovery_device()), launch.world)
     placement = place(checked.pipeline.world, procs)
-    return run_placed(plan_dir, checked, program, placement.plan_rank[launch.rank], launch, store, opts)
+    rank = placement.plan_rank[launch.rank]
+    progress = StartupProgress(rank == 0 and not opts.quiet, since=started)
+    progress.done(f"placed {launch.world} rank{'s' if launch.world > 1 else ''}")
+    return run_placed(plan_dir, checked, program, rank, launch, store, opts, progress=progress)
 
 
 def run_placed(plan_dir: Path, checked, program, rank: int, launch: Launch, store, opts: RunOptions,
                on_resumed: Callable[[int, float], None] | None = None,
-               on_first_step: Callable[[], None] | None = None) -> int:
+               on_first_step: Callable[[], None] | None = None, progress: StartupProgress | None = None) -> int:
     """Train as plan rank `rank` (placed by discovery): the process group, the watchdog, the steps.
 
     `on_resumed(step, seconds)` hears where the run resumed and how long the load took,
-    `on_first_step()` when the first step is done (elastic reports)."""
+    `on_first_step()` when the first step is done (elastic reports); `progress` tells the start-up
+    phases on rank 0 (its clock running since placement)."""
     spec, pipeline = checked.spec, checked.pipeline
     require_trainable_dtype(spec)   # fp16 has no loss scaling (torchrun and elastic ranks get here)
     world = program.world_size
@@ -178,7 +186,7 @@ def run_placed(plan_dir: Path, checked, program, rank: int, launch: Launch, stor
     completed = False
     preemption = Preemption(store, rank, opts.grace_s)
     try:
-        hooks = _Hooks(on_resumed, on_first_step)
+        hooks = _Hooks(progress or StartupProgress(rank == 0 and not opts.quiet), on_resumed, on_first_step)
         status = _train(plan_dir, opts, rank, spec, pipeline, program, device, init_timeout, preemption, hooks)
         completed = True
     except (RuntimeError, dist.DistError) as err:
@@ -219,12 +227,14 @@ def _train(plan_dir: Path, opts: RunOptions, rank: int, spec, pipeline, program,
            timeout: datetime.timedelta, preemption: Preemption, hooks: _Hooks) -> int:
     """`timeout` is what the groups are created with (`creation_timeout`); then the step timeout holds."""
     groups = make_groups(program.groups, timeout)
+    hooks.progress.done("process groups up")
     data = make_data_source(spec.model, spec.train, plan_dir)
     start_from = _start_point(opts, spec, rank)
     from hetc.runtime.nccl_order import emulation_from_env    # HETC_EMULATE_NCCL, read once as the rank starts
 
     rt = build_rank(spec, pipeline, program, rank, groups, data, device, resumes=start_from is not None,
                     emulation=emulation_from_env())
+    hooks.progress.done(_built(spec, resumes=start_from is not None))
     evaluator = make_evaluator(spec, pipeline, program, rank, plan_dir)
     if opts.on_nonfinite is NonFinite.SKIP and not spec.train.grad_clip:
         raise EnvError("--on-nonfinite skip needs train.grad_clip in the spec: the global gradient norm it "
@@ -314,8 +324,18 @@ def _diverged(saver, rank: int, done: int, what: str, opts: RunOptions) -> int:
     return DIVERGED_STATUS
 
 
+def _built(spec, resumes: bool) -> str:
+    """The start-up line once the model is built; a checkpoint's load says `resumed from` itself."""
+    if resumes:
+        return "model built"
+    if wants_pretrained(spec.model):
+        return "model built with its pretrained weights"
+    return f"model built; weights initialised from seed {spec.train.seed}"
+
+
 @dataclass(frozen=True)
 class _Hooks:
+    progress: StartupProgress       # rank 0's start-up lines
     on_resumed: Callable[[int, float], None] | None = None
     on_first_step: Callable[[], None] | None = None
 

@@ -40,7 +40,15 @@ def register(sub: Subparsers) -> None:
     p.add_argument("--local", nargs="?", const=-1, type=int, metavar="N",
                    help="start the plan's ranks on this machine (N must equal the plan's world size)")
     p.add_argument("--steps", type=int, help="optimizer steps (default: the spec's train.steps)")
-    p.add_argument("--metrics", type=Path, metavar="FILE", help="one JSON line per step (rank 0)")
+    p.add_argument("--metrics", type=Path, metavar="FILE",
+                   help="one JSON line per step (rank 0); its fields: docs/metrics.md")
+    p.add_argument("--tensorboard", type=Path, metavar="DIR",
+                   help="rank 0 writes TensorBoard event files of each step's numbers here (loss, lr, grad_norm, "
+                        "tokens_per_s, mfu, step_time_s, peak memory over ranks); view with `tensorboard "
+                        "--logdir DIR`; needs the tensorboard package")
+    p.add_argument("--wandb", metavar="PROJECT",
+                   help="rank 0 logs the same numbers to this Weights & Biases project (needs `pip install wandb` "
+                        "and a login; WANDB_MODE=offline keeps the run on disk)")
     p.add_argument("--trace", type=Path, metavar="FILE", help="measured timeline of the last step")
     p.add_argument("--checkpoint", type=Path, metavar="DIR",
                    help="save DCP checkpoints here (DIR/step-N, DIR/latest); any plan of the model can resume")
@@ -105,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, flag) and args.checkpoint is None:
             raise UsageError(f"--{flag.replace('_', '-')} needs --checkpoint DIR")
     _check_checkpoint_flags(args)
+    _check_telemetry_flags(args)
     try:
         if args.local is not None:
             return _local(args)
@@ -145,6 +154,16 @@ def _check_checkpoint_flags(args: argparse.Namespace) -> None:
             raise UsageError(str(err)) from None
 
 
+def _check_telemetry_flags(args: argparse.Namespace) -> None:
+    """--tensorboard and --wandb write through packages hetc does not need otherwise: refuse a flag whose
+    package is missing before any rank starts."""
+    from hetc.runtime.scalars import missing_package
+
+    for flag, value in (("--tensorboard", args.tensorboard), ("--wandb", args.wandb)):
+        if value is not None and (error := missing_package(flag)) is not None:
+            raise UsageError(error)
+
+
 def _check_elastic(args: argparse.Namespace) -> None:
     if args.local is not None:
         raise UsageError("--elastic runs under torchrun --nnodes MIN:MAX, not --local")
@@ -165,7 +184,8 @@ def _rank(args: argparse.Namespace) -> int:
     from hetc.runtime.worker import (DeviceOutOfMemory, EnvError, NonFinite, PeerFailure, RunOptions, describe_latest,
                                      run_worker)
 
-    opts = RunOptions(steps=args.steps, metrics=args.metrics, trace=args.trace, checkpoint=args.checkpoint,
+    opts = RunOptions(steps=args.steps, metrics=args.metrics, tensorboard=args.tensorboard, wandb=args.wandb,
+                      trace=args.trace, checkpoint=args.checkpoint,
                       every=args.every, keep=args.keep, resume=args.resume,
                       resume_if_present=args.resume_if_present or args.elastic,
                       weights_from=args.load_weights_only, timeout_s=args.timeout, init_timeout_s=args.init_timeout,
