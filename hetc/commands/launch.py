@@ -6,6 +6,9 @@ discovery, runtime/placement.py, maps them onto the plan). The node's name
 travels to its processes as HETC_NODE, so placement puts them on that plan
 node. A plan directory runs as compiled; a spec runs elastically (`hetc run
 SPEC --elastic`), re-planned on the nodes present at every start.
+
+`--emit slurm|jobset|skypilot` writes the file that starts every node of the
+plan instead, one scheduler component per node group (hetc/launchfiles.py).
 """
 
 from __future__ import annotations
@@ -18,12 +21,14 @@ from pathlib import Path
 
 from hetc.commands import Subparsers
 from hetc.errors import UsageError
+from hetc.launchfiles import EMITS, IMAGE_PLACEHOLDER, Component, LaunchJob, emitted
 from hetc.runtime.local import NODE_ENV
 
-__all__ = ["register", "torchrun_command"]
+__all__ = ["launch_job", "register", "torchrun_command"]
 
 # torch 2.13 + gloo: restarted workers cannot re-initialise on the agents' shared store (stale keys)
 ENV_FIXED = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+DEFAULT_RDZV = "127.0.0.1:29500"
 
 
 def register(sub: Subparsers) -> None:
@@ -34,27 +39,42 @@ def register(sub: Subparsers) -> None:
         epilog="examples:\n"
                "  hetc launch out/plan --node big[0] --rdzv head:29500      # on the 8-GPU node\n"
                "  hetc launch out/plan --node small[0] --rdzv head:29500    # on the 4-GPU node, any order\n"
-               "  hetc launch job.het --node big[0] --rdzv head:29500 --run-args --checkpoint ckpt --every 50",
+               "  hetc launch job.het --node big[0] --rdzv head:29500 --run-args --checkpoint ckpt --every 50\n"
+               "  hetc launch out/plan --emit slurm -o job.sbatch               # every node: a SLURM hetjob\n"
+               "  hetc launch out/plan --emit jobset --image reg/hetc:1 -o js.yaml   # a Kubernetes JobSet",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("target", type=Path, metavar="PLAN_OR_SPEC",
                    help="a plan directory (runs as compiled) or a spec (runs with --elastic)")
-    p.add_argument("--node", required=True, metavar="GROUP[i]", help="the node this machine is, e.g. big[0]")
-    p.add_argument("--rdzv", default="127.0.0.1:29500", metavar="HOST:PORT",
-                   help="the rendezvous endpoint every node uses, on one of the nodes (default 127.0.0.1:29500: "
-                        "every node on this machine)")
+    p.add_argument("--node", metavar="GROUP[i]",
+                   help="the node this machine is, e.g. big[0] (required unless --emit)")
+    p.add_argument("--rdzv", metavar="HOST:PORT",
+                   help=f"the rendezvous endpoint every node uses, on one of the nodes (default {DEFAULT_RDZV}: "
+                        "every node on this machine; with --emit, the first node of the first node group, "
+                        "port 29500)")
     p.add_argument("--rdzv-id", default="hetc", metavar="ID", help="the job's rendezvous id (the same on every node)")
     p.add_argument("--nnodes", metavar="N|MIN:MAX",
                    help="nodes in the job (default: the plan's nodes; for a spec 1:all of the cluster's)")
     p.add_argument("--max-restarts", type=int, metavar="K", help="worker restarts (default 0; 3 for a spec)")
     p.add_argument("--local-addr", metavar="ADDR", help="this node's address as the others reach it")
     p.add_argument("--print", action="store_true", help="print the torchrun command instead of running it")
+    p.add_argument("--emit", choices=EMITS,
+                   help="write the launch file for every node instead: a SLURM heterogeneous job script "
+                        "(`#SBATCH hetjob` components), a Kubernetes JobSet (a replicated job per node group) or "
+                        "SkyPilot tasks (one per node group); each node runs `hetc launch --node GROUP[i]`")
+    p.add_argument("-o", "--output", type=Path, metavar="FILE", help="with --emit: write to FILE (default stdout)")
+    p.add_argument("--image", default=IMAGE_PLACEHOLDER, metavar="IMAGE",
+                   help="with --emit jobset: the container image with hetc and the plan (default: a placeholder "
+                        "to replace)")
+    p.add_argument("--partition", metavar="NAME", help="with --emit slurm: the partition of every component")
     p.add_argument("--run-args", nargs=argparse.REMAINDER, default=[], metavar="ARG",
                    help="the rest of the line goes to `hetc run` (last)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.emit:
+        return _emit(args)
     env, argv = torchrun_command(args)
     if args.print:
         print(" ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), "torchrun",
@@ -70,15 +90,17 @@ def torchrun_command(args: argparse.Namespace) -> tuple[dict[str, str], list[str
     """(environment, torchrun arguments) for `args`; a UsageError for a node the plan has not."""
     from hetc.runtime.placement import parse_node_label
 
+    if args.node is None:
+        raise UsageError("--node GROUP[i] is required: the node this machine is (or --emit a launch file)")
+    args.rdzv = args.rdzv or DEFAULT_RDZV
     node = parse_node_label(args.node)
     if node is None:
         raise UsageError(f"--node wants GROUP[i], such as big[0]; got '{args.node}'")
     _rdzv_endpoint(args.rdzv)
     elastic = args.target.is_file()
     nproc, nodes = _spec_node(args.target, node) if elastic else _plan_node(args.target, node)
-    if elastic and not {"--checkpoint", "--every"} <= set(args.run_args):
-        raise UsageError("a spec runs elastically and resumes from checkpoints: add "
-                         "`--run-args --checkpoint DIR --every N`")
+    if elastic:
+        _require_checkpoints(args.run_args)
     restarts = args.max_restarts if args.max_restarts is not None else (3 if elastic else 0)
     argv = ["--nnodes", args.nnodes or (f"1:{nodes}" if elastic else str(nodes)), "--nproc-per-node", str(nproc),
             "--max-restarts", str(restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv,
@@ -87,6 +109,77 @@ def torchrun_command(args: argparse.Namespace) -> tuple[dict[str, str], list[str
         argv += ["--local-addr", args.local_addr]
     argv += ["-m", "hetc", "run", str(args.target), *(["--elastic"] if elastic else []), *args.run_args]
     return {NODE_ENV: args.node, **ENV_FIXED}, argv
+
+
+def _require_checkpoints(run_args: list[str]) -> None:
+    if not {"--checkpoint", "--every"} <= set(run_args):
+        raise UsageError("a spec runs elastically and resumes from checkpoints: add "
+                         "`--run-args --checkpoint DIR --every N`")
+
+
+def _emit(args: argparse.Namespace) -> int:
+    if args.node is not None or args.print or args.local_addr:
+        raise UsageError("--emit writes the file for every node: leave out --node, --print and --local-addr")
+    text = emitted(args.emit, launch_job(args), args.image, args.partition)
+    if args.output is None:
+        sys.stdout.write(text)
+        return 0
+    args.output.write_text(text)
+    if args.emit == "slurm":
+        args.output.chmod(args.output.stat().st_mode | 0o111)
+    print(f"wrote {args.output}: {_SUBMIT[args.emit].format(args.output)}")
+    return 0
+
+
+_SUBMIT = {"slurm": "submit it with `sbatch {}`", "jobset": "apply it with `kubectl apply -f {}`",
+           "skypilot": "`sky launch` each of its tasks, the first one first (docs/launch.md)"}
+
+
+def launch_job(args: argparse.Namespace) -> LaunchJob:
+    """The launch file's job: a component per node group the plan (or the spec's cluster) has."""
+    elastic = args.target.is_file()
+    if elastic:
+        _require_checkpoints(args.run_args)
+    components = _spec_components(args.target) if elastic else _plan_components(args.target)
+    head, port = _rdzv_endpoint(args.rdzv) if args.rdzv else (None, 29500)
+    options = ["--rdzv-id", args.rdzv_id]
+    if args.nnodes:
+        options += ["--nnodes", args.nnodes]
+    if args.max_restarts is not None:
+        options += ["--max-restarts", str(args.max_restarts)]
+    if args.run_args:
+        options += ["--run-args", *args.run_args]
+    return LaunchJob(str(args.target), components, args.rdzv_id, head, port, tuple(options))
+
+
+def _plan_components(plan_dir: Path) -> tuple[Component, ...]:
+    from hetc.plandir import read_plan
+
+    if not (plan_dir / "plan.het").is_file():
+        raise UsageError(f"{plan_dir} is neither a spec file nor a plan directory (`hetc compile SPEC -o DIR`)")
+    _, checked = read_plan(plan_dir)
+    used = {g.host for g in checked.pipeline.world}
+    cluster = checked.spec.cluster
+    assert cluster is not None, "a compiled plan has a cluster"
+    components = []
+    for group in cluster.nodes:
+        nodes = sorted(i for name, i in used if name == group.name)
+        if nodes and nodes != list(range(len(nodes))):
+            raise UsageError(f"the plan runs on {', '.join(f'{group.name}[{i}]' for i in nodes)}; a launch file "
+                             f"numbers a group's nodes from 0: give the plan {group.name}[0] first")
+        if nodes:
+            components.append(Component(group.name, group.device, len(nodes), group.gpus))
+    return tuple(components)
+
+
+def _spec_components(spec_path: Path) -> tuple[Component, ...]:
+    from hetc.compiler import load_checked
+
+    loaded, _ = load_checked(spec_path)
+    cluster = loaded.spec.cluster
+    if cluster is None:
+        raise UsageError(f"{spec_path} has no cluster block")
+    return tuple(Component(n.name, n.device, n.count, n.gpus) for n in cluster.nodes)
 
 
 def _rdzv_endpoint(text: str) -> tuple[str, int]:
