@@ -3,9 +3,10 @@
 The optimizer is functional: `optimizer_step(opt, param, grad, state, lr=,
 step=)` updates one contiguous fp32 shard (a ZeRO shard of one ministage's
 flat buffer, runtime/flat.py) in place, element for element as
-`torch.optim.AdamW` / `Adam` / `SGD` (single-tensor implementation, one
-parameter group) would. Because the update is elementwise, how the model is
-cut into ministages and shards cannot change the numbers.
+`torch.optim.AdamW` / `Adam` / `SGD` (one parameter group) would. AdamW and
+Adam run torch's own kernels (see Note [torch's Adam kernels]). Because the
+update is elementwise, how the model is cut into ministages and shards cannot
+change the numbers.
 
 Weight decay applies to every element, as in torchtitan (one parameter
 group). Steps are 0-based indices of the optimizer step everywhere in hetc;
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.optim.adam import adam as torch_adam
 
 from hetc.errors import InternalError
 from hetc.spec import LrScheduleKind, OptimizerKind, OptimizerSpec, TrainSpec
@@ -64,7 +66,8 @@ def optimizer_step(opt: OptimizerSpec, param: Tensor, grad: Tensor, state: Optim
     """Update the fp32 shard `param` in place from `grad` (any float dtype, same size).
 
     `step` is the 0-based optimizer step. Matches torch.optim.AdamW (Adam,
-    SGD) with foreach=False on the same elements.
+    SGD) on the same elements: bitwise on CPU (foreach or not), to the fused
+    kernel's rounding on CUDA.
     """
     if param.dtype != torch.float32:
         raise InternalError("master shards are fp32")
@@ -74,24 +77,31 @@ def optimizer_step(opt: OptimizerSpec, param: Tensor, grad: Tensor, state: Optim
     if opt.kind is OptimizerKind.SGD:
         _sgd(opt, param, grad, state, lr, step)
     else:
-        _adam(opt, param, grad, state, lr, step + 1)
+        _adam(opt, param, grad, state, lr, step)
 
 
-def _adam(opt: OptimizerSpec, param: Tensor, grad: Tensor, state: OptimizerState, lr: float, t: int) -> None:
-    # The operation order of torch.optim.adam._single_tensor_adam: keep it, the test compares bits.
-    if opt.weight_decay:
-        if opt.kind is OptimizerKind.ADAMW:
-            param.mul_(1 - lr * opt.weight_decay)
-        else:
-            grad = grad.add(param, alpha=opt.weight_decay)
+# Note [torch's Adam kernels]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The update goes through torch.optim's functional Adam, the code torch.optim.AdamW.step runs: on
+# CUDA its fused kernel (torch._fused_adamw_: one launch reads param, grad and both moments once),
+# elsewhere its foreach implementation (_multi_tensor_adam). Hand-written, the same update is ~10
+# elementwise ops, each a kernel launch and a pass over the shard's memory. Decoupled weight decay
+# (AdamW) or L2 (Adam) is torch's decoupled_weight_decay flag; the bias corrections use torch's
+# step count, a tensor that the call increments first, so it starts at hetc's 0-based `step` and
+# the kernel sees the 1-based count step + 1. On CPU the foreach path performs the single-tensor
+# path's operations in the same order, so the result is bitwise torch.optim.AdamW(foreach=False).
+
+
+def _adam(opt: OptimizerSpec, param: Tensor, grad: Tensor, state: OptimizerState, lr: float, step: int) -> None:
     exp_avg, exp_avg_sq = state.exp_avg, state.exp_avg_sq
     assert exp_avg is not None and exp_avg_sq is not None   # an Adam shard's state holds both
-    exp_avg.lerp_(grad, 1 - opt.beta1)
-    exp_avg_sq.mul_(opt.beta2).addcmul_(grad, grad, value=1 - opt.beta2)
-    step_size = lr / (1 - opt.beta1 ** t)
-    bias_correction2_sqrt = (1 - opt.beta2 ** t) ** 0.5
-    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(opt.eps)
-    param.addcdiv_(exp_avg, denom, value=-step_size)
+    fused = param.is_cuda
+    # The fused kernel reads the step count on the device (as torch.optim.Adam keeps it, fused=True).
+    count = torch.full((), float(step), dtype=torch.float32, device=param.device if fused else "cpu")
+    torch_adam([param], [grad], [exp_avg], [exp_avg_sq], [], [count],
+               foreach=not fused, fused=fused, decoupled_weight_decay=opt.kind is OptimizerKind.ADAMW,
+               amsgrad=False, beta1=opt.beta1, beta2=opt.beta2, lr=lr,
+               weight_decay=opt.weight_decay, eps=opt.eps, maximize=False)
 
 
 def _sgd(opt: OptimizerSpec, param: Tensor, grad: Tensor, state: OptimizerState, lr: float, step: int) -> None:

@@ -37,12 +37,12 @@ class AttentionCore(Protocol):
 
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """Causal softmax attention; K/V heads are repeated to the query heads (GQA)."""
-    repeat = q.shape[1] // k.shape[1]
-    if repeat > 1:
-        k = k.repeat_interleave(repeat, dim=1)
-        v = v.repeat_interleave(repeat, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    """Causal softmax attention; each K/V head serves its group of query heads (GQA)."""
+    # enable_gqa lets SDPA read each K/V head for its whole query group instead of our copying K/V
+    # to every query head first (repeat_interleave: n_q/n_kv times the K/V memory, and its backward
+    # a separate reduction). The forward is bitwise the same; K/V gradients sum the group in the
+    # kernel's order, so they may differ from the copy's in the last bits.
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
 def scaled_frequencies(inv_freq: Tensor, scaling: RopeScalingSpec) -> Tensor:

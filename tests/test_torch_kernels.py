@@ -1,0 +1,105 @@
+"""The runtime's hot loops run torch's own kernels: SDPA's GQA instead of copying K/V, and torch.optim's
+foreach / fused Adam instead of hand-written elementwise ops, with the numbers of the plain versions."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from hetc.runtime.nn.attention import causal_attention
+from hetc.runtime.optim import init_state, optimizer_step
+from hetc.spec import OptimizerKind, OptimizerSpec
+
+TORCH_ADAM = importlib.import_module("torch.optim.adam")   # the module; torch.optim's `adam` name is not it
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available())")
+
+
+def qkv(n_q: int, n_kv: int, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(n_q * 10 + n_kv)
+    return tuple(torch.randn(2, n, 12, 8, generator=gen, dtype=dtype).requires_grad_()  # type: ignore[return-value]
+                 for n in (n_q, n_kv, n_kv))
+
+
+def repeated_kv_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """GQA written out: every query head gets its own copy of its group's K/V."""
+    repeat = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1),
+                                          is_causal=True)
+
+
+def test_causal_attention_hands_sdpa_the_compact_kv(monkeypatch):
+    seen: list[int] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Tensor:
+        seen.append(k.shape[1])
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)   # the name attention.py calls
+    causal_attention(*qkv(8, 2))
+    assert seen == [2], "K/V reach SDPA with their own 2 heads, not copied to the 8 query heads"
+
+
+@pytest.mark.parametrize("n_q, n_kv", [(4, 2), (8, 1), (4, 4)], ids=["gqa", "mqa", "mha"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gqa_attention_equals_repeating_kv(n_q, n_kv, dtype):
+    ours, plain = qkv(n_q, n_kv, dtype), qkv(n_q, n_kv, dtype)
+    out, ref = causal_attention(*ours), repeated_kv_attention(*plain)
+    assert torch.equal(out, ref), "the forward is the same computation"
+    (out.float() ** 2).sum().backward()
+    (ref.float() ** 2).sum().backward()
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype is torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    for a, b in zip(ours, plain, strict=True):   # K/V gradients sum each group in another order
+        assert a.grad is not None and b.grad is not None
+        torch.testing.assert_close(a.grad, b.grad, **tol)
+
+
+ADAMS = [OptimizerSpec(kind=OptimizerKind.ADAMW, weight_decay=0.1, beta2=0.95),
+         OptimizerSpec(kind=OptimizerKind.ADAM, weight_decay=0.01)]
+
+
+def torch_adam(opt: OptimizerSpec, param: Tensor, **impl: bool) -> torch.optim.Optimizer:
+    cls = torch.optim.AdamW if opt.kind is OptimizerKind.ADAMW else torch.optim.Adam
+    return cls([param], lr=1.0, betas=(opt.beta1, opt.beta2), eps=opt.eps, weight_decay=opt.weight_decay, **impl)
+
+
+def run_both(opt: OptimizerSpec, device: str, **impl: bool) -> tuple[Tensor, Tensor]:
+    """Four steps of hetc's shard step and of torch.optim on the same shard; the two final params."""
+    gen = torch.Generator().manual_seed(3)
+    init = torch.randn(1000, generator=gen)
+    ours, ref = init.clone().to(device), torch.nn.Parameter(init.clone().to(device))
+    state, torch_opt = init_state(opt, ours), torch_adam(opt, ref, **impl)
+    for step, lr in enumerate([1e-2, 3e-3, 5e-3, 1e-3]):
+        grad = torch.randn(1000, generator=gen).to(device)
+        optimizer_step(opt, ours, grad, state, lr=lr, step=step)
+        ref.grad = grad.clone()
+        torch_opt.param_groups[0]["lr"] = lr
+        torch_opt.step()
+    return ours, ref.detach()
+
+
+@pytest.mark.parametrize("opt", ADAMS, ids=lambda o: o.kind.value)
+def test_shard_step_is_one_foreach_adam_call_on_cpu(opt, monkeypatch):
+    calls: list[int] = []
+    multi_tensor = TORCH_ADAM._multi_tensor_adam
+
+    def spy(params: list[Tensor], *args, **kwargs) -> None:
+        calls.append(len(params))
+        multi_tensor(params, *args, **kwargs)
+
+    monkeypatch.setattr(TORCH_ADAM, "_multi_tensor_adam", spy)
+    ours, ref = run_both(opt, "cpu", foreach=True)
+    assert calls == [1, 1, 1, 1, 1, 1, 1, 1], "each step of hetc and of torch.optim is one foreach call"
+    assert torch.equal(ours, ref), "bitwise torch.optim.Adam(W)(foreach=True)"
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("opt", ADAMS, ids=lambda o: o.kind.value)
+def test_shard_step_is_torch_fused_adam_on_cuda(opt):
+    ours, ref = run_both(opt, "cuda", fused=True)
+    assert torch.equal(ours, ref), "bitwise torch.optim.Adam(W)(fused=True)"
