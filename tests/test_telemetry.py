@@ -16,8 +16,8 @@ import pytest
 from hetc.cli import main
 from tests.conftest import DEMO, ROOT
 
-STEPS = 3
-EVAL_EVERY = 2
+STEPS = 30   # the demo job's own length (issue 33: "a 30-step demo run")
+EVAL_EVERY = 10
 STARTUP = ["placed 4 ranks", "process groups up", "model built; weights initialised from seed 1234"]
 
 
