@@ -1,3 +1,6 @@
+from hetc.interrupt import watch
+
+watch()     # first: a Ctrl-C from here on is remembered (Note [a Ctrl-C an import swallows])
 try:
     from hetc.cli import program
 except KeyboardInterrupt:   # Ctrl-C while Python loads hetc, before `program` can catch it

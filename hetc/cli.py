@@ -18,6 +18,7 @@ from typing import NoReturn
 
 from hetc import __version__
 from hetc.errors import Sources, SpecError, UsageError
+from hetc.interrupt import watch
 from hetc.runtime.local import take_signals_as_rank
 
 __all__ = ["BROKEN_PIPE_STATUS", "INTERRUPTED_STATUS", "VERBS", "main", "program"]
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def program() -> NoReturn:
     """`hetc` as a process (Note [ending a one-shot process at once])."""
+    watch()                  # as `python -m hetc` does first: Note [a Ctrl-C an import swallows]
     take_signals_as_rank()   # a rank `hetc run --local` started: Note [signals under --local]
     try:
         _program()

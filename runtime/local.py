@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
 
+from hetc import interrupt
+
 __all__ = ["LAUNCHER_ENV", "NODE_ENV", "free_port", "process_start_time", "spawn_local", "take_signals_as_rank"]
 
 GRACE_S = 45.0
@@ -88,6 +90,8 @@ def spawn_local(world: int, argv: list[str], places: list[tuple[str, int]] | Non
     store (and the heartbeats that name a dead rank) outlive any one rank.
     """
     with _forwarding_signals() as signals:
+        if interrupt.seen():     # a Ctrl-C an import swallowed: start nothing (Note [a Ctrl-C an import swallows])
+            return 128 + signal.SIGINT
         reserved = _reserve_port()
         port = reserved.getsockname()[1]
         try:
