@@ -33,7 +33,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hetc.errors import InternalError
 from hetc.passes.lower.context import LowerContext
@@ -82,7 +82,7 @@ class _Cursor:
     index: int = 0
     time: float = 0.0
     count: int = 0                                  # Lamport count: strictly increases along every edge
-    recvs: dict[int, tuple[int, float]] | None = None   # handle -> (index among the peer's messages, bytes)
+    recvs: dict[int, tuple[int, float]] = field(default_factory=dict)   # handle -> (index among the peer's messages, bytes)
     received: int = 0
 
     @property
@@ -92,7 +92,7 @@ class _Cursor:
 
 def _send_keys(a: RankProgram, b: RankProgram, ctx: LowerContext) -> dict[tuple[int, int], list[_Key]]:
     """The keys of the messages between ranks a and b, per direction, from their programs run together."""
-    cursors = {a.rank: _Cursor(a, recvs={}), b.rank: _Cursor(b, recvs={})}
+    cursors = {a.rank: _Cursor(a), b.rank: _Cursor(b)}
     sent: dict[int, list[tuple[float, int]]] = {a.rank: [], b.rank: []}   # sender -> (time, count) per send
     while not all(c.done for c in cursors.values()):
         moved = False
@@ -108,7 +108,6 @@ def _send_keys(a: RankProgram, b: RankProgram, ctx: LowerContext) -> dict[tuple[
 
 def _advance(cursor: _Cursor, peer: int, sent: dict[int, list[tuple[float, int]]], ctx: LowerContext) -> bool:
     """Run `cursor` until it waits for a message `peer` has not sent yet; whether it moved."""
-    assert cursor.recvs is not None
     start = cursor.index
     costs, rank = ctx.costs, cursor.rp.rank
     while not cursor.done:
