@@ -25,8 +25,8 @@ from hetc.passes.resolve import resolve_pipeline
 from hetc.passes.validate_plan import check_plan
 from hetc.passes.validate_precision import check_precision
 from hetc.pipeline import Pipeline
-from hetc.spec import (AUTO, CPKind, DeviceSpec, LinkSpec, ModelSpec, NodeSpec, OffloadTarget, ParallelSpec, Spec,
-                       StageSpec, TrainSpec, ZeroShard, ZeroSpec)
+from hetc.spec import (AUTO, CPKind, DeviceSpec, LinkSpec, ModelSpec, NodeSpec, OffloadSpec, OffloadTarget, ParallelSpec,
+                       Spec, StageSpec, TrainSpec, ZeroShard, ZeroSpec)
 from hetc.topology import MAX_GPUS, Topology
 
 # Every rank's program lists each of its microbatches; beyond this a step is
@@ -203,10 +203,21 @@ def _check_cluster(spec: Spec, errors: list[Diagnostic]) -> Topology | None:
     return topo
 
 
+def _check_offload_targets(off: OffloadSpec, errors: list[Diagnostic]) -> None:
+    """`nvme` is DeepSpeed's word, but hetc's runtime keeps offloaded state in host memory and the cost
+    model charges the host link: a plan that says nvme would run and be costed as cpu, so it is refused."""
+    for key in ("params", "optimizer", "activations"):
+        if getattr(off, key) is OffloadTarget.NVME:
+            errors.append(Diagnostic(off.span_of(key), f"{key} = nvme: hetc offloads to host memory only (the "
+                                     f"runtime and the cost model have no NVMe path); write {key} = cpu"))
+
+
 def _check_parallel(spec: Spec, errors: list[Diagnostic]) -> None:
     par, m = spec.parallel, spec.model
     assert par is not None and m is not None   # a complete spec
     _check_zero(par.zero, errors)
+    for off in (par.offload, *(st.offload for st in (() if par.stages is AUTO else par.stages) if st.offload)):
+        _check_offload_targets(off, errors)
     if par.stages is AUTO:
         return
     _unique(par.stages, "stage", errors)

@@ -22,7 +22,8 @@ sub-slice when sharded across.
                  `acc`'s dtype), from their reduction to the step.
     master       fp32 master weights of the optimizer shard, and its
                  optimizer state. An fp32 model's master is a view of its
-                 parameters (`_master`): no copy, as the memory model counts.
+                 parameters (`_master`): no copy, as the memory model counts
+                 (with parameter offload too: Note [optimizer offload]).
 
 Note [reduced shard]: a reduction's output is the rank's shard of the
 summed gradients. The first of a step becomes `acc` as it is; a buffer
@@ -45,6 +46,25 @@ Under expert parallelism a ministage's expert parameters live in a buffer
 of their own, `experts` (sharded over the shard line's `expert_group`,
 hetc/program.py), and the ministage's buffer holds the rest; `parts` lists
 both for whatever acts on all of a ministage's state.
+
+Note [optimizer offload]
+A shard with `opt_offload` keeps its master weights and optimizer state in
+host memory and steps there, as ZeRO-Offload and FSDP2's CPUOffloadPolicy
+do: at its `step` the reduced gradient shard comes down in the compute
+dtype (δ bytes a parameter), torch's foreach Adam updates the host master,
+and the master goes back up cast to the compute dtype (δ again) into the
+parameters the next gathers read. That is what the cost model charges
+(`optimizer_step_time`: the host step plus both copies, not overlapped with
+compute) and what the memory verifier leaves off the device (the
+optimizer part). The step's two copies are host synchronisations the
+program names: the host cannot update what has not arrived.
+
+An fp32 model's master is its parameters, also when they are offloaded
+(`param_offload`): a view of the resident parameters, which the program
+brings to the device for the step (a step is inside its ministage's
+residency window, Note [parameter residency] in passes/lower/offload.py);
+between steps the host copy holds the same values (`master_values`). With
+the optimizer on the host as well, the master is a host tensor of its own.
 
 Note [Ranks that load their weights]
 A rank whose initial weights come from a file (Hugging Face safetensors,
@@ -111,7 +131,7 @@ class MinistageBuffers:
             self.compute = full.to(dtype) if full is not None else self._zeros(slice(0, self.layout.padded_numel),
                                                                                dtype)
             self.param_shard = None
-        self.master = self._master(full)
+        self.master = self._master(full)     # on the host under optimizer offload (Note [optimizer offload])
         self.opt_state: OptimizerState = init_state(optimizer, self.master)
         del full
         self.grad = torch.empty_like(self.compute) if self.level == 3 else torch.zeros_like(self.compute)
@@ -146,23 +166,37 @@ class MinistageBuffers:
 
     def _master(self, full: Tensor | None) -> Tensor:
         """The fp32 master weights of the optimizer shard: a view of the parameters where `master_is_params`,
-        else a copy."""
+        else a copy, on the host under optimizer offload."""
         if self.master_is_params:
             return self.resident()[self._opt_range_in_resident()]
-        return full[self.opt_range].clone() if full is not None else self._zeros(self.opt_range)
+        if full is None:
+            return self._zeros(self.opt_range, device=self.state_device)
+        return full[self.opt_range].to(self.state_device, copy=True)
+
+    @property
+    def state_device(self) -> torch.device:
+        """Where the master weights and optimizer state live and the step runs (Note [optimizer offload])."""
+        return torch.device("cpu") if self.shard.opt_offload else self.device
 
     @property
     def master_is_params(self) -> bool:
         """Whether the master weights are the parameters themselves: an fp32 model's, as the memory model
-        counts (no master copy when the compute dtype is the optimizer's). Offloaded parameters leave the
-        device between uses, so theirs is a copy."""
-        return self.dtype == torch.float32 and not self.shard.param_offload
+        counts (no master copy when the compute dtype is the optimizer's), unless the optimizer steps on
+        the host (Note [optimizer offload])."""
+        return self.dtype == torch.float32 and not self.shard.opt_offload
+
+    def master_values(self) -> Tensor:
+        """The master weights between steps (checkpoints): offloaded parameters that are their own master
+        are then on the host only."""
+        if self.master_is_params and self.shard.param_offload:
+            return self.host_params[self._opt_range_in_resident()]
+        return self.master
 
     def _opt_range_in_resident(self) -> slice:
         return self.opt_range_in_inner() if self.level == 3 else self.opt_range
 
-    def _zeros(self, rng: slice, dtype: torch.dtype = torch.float32) -> Tensor:
-        return torch.zeros(rng.stop - rng.start, dtype=dtype, device=self.device)
+    def _zeros(self, rng: slice, dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> Tensor:
+        return torch.zeros(rng.stop - rng.start, dtype=dtype, device=device or self.device)
 
     # ------------------------------------------------------------ the buffers a level has
 
@@ -240,10 +274,13 @@ class MinistageBuffers:
     # ------------------------------------------------------------ step
 
     def step_grad(self) -> Tensor:
-        """fp32 gradients of the optimizer shard, fully reduced."""
+        """fp32 gradients of the optimizer shard, fully reduced, where the step runs (brought to the host in
+        the compute dtype under optimizer offload: Note [optimizer offload])."""
         if self.level == 0:
-            return self.grad.float()
-        return (self.across_grad if self.across > 1 else self.inner_grad).float()
+            grad = self.grad
+        else:
+            grad = self.across_grad if self.across > 1 else self.inner_grad
+        return grad.to(self.state_device).float()
 
     def drop_reduced(self) -> None:
         """The step is done: the reduced shards go until the next step's reductions (Note [reduced shard])."""
@@ -288,7 +325,9 @@ class MinistageBuffers:
         """Put the stepped master weights where the next gathers read them (already there when they are the
         parameters themselves)."""
         if not self.master_is_params:
-            self.resident()[self._opt_range_in_resident()].copy_(self.master)
+            target = self.resident()[self._opt_range_in_resident()]
+            # cast where the master is, so that δ bytes a parameter cross to the device (Note [optimizer offload])
+            target.copy_(self.master if self.master.device == target.device else self.master.to(self.dtype))
 
     @property
     def param_range(self) -> slice:

@@ -316,7 +316,7 @@ def _save_state(buffers: dict[int, Buffers], step: int) -> dict[str, object]:
     for buf in (part for whole in buffers.values() for part in whole.parts()):
         rng, base = buf.unique_range, buf.opt_range.start
         local = slice(rng.start - base, rng.stop - base)
-        named = {"": buf.master, **{f".{n}": t for n, t in buf.opt_state.tensors().items()}}
+        named = {"": buf.master_values(), **{f".{n}": t for n, t in buf.opt_state.tensors().items()}}
         for suffix, tensor in named.items():
             for name, pieces in layout_pieces(buf.layout, rng, tensor[local], buf.infos).items():
                 if buf.infos[name].dim is None and not buf.writes_replicated:
@@ -335,7 +335,7 @@ def _load_state(buffers: dict[int, Buffers]) -> tuple[dict[str, object], dict[tu
         for i, buf in enumerate(whole.parts()):
             rng = buf.param_range
             kept[(ms, i)] = values = torch.zeros(rng.stop - rng.start, dtype=torch.float32,
-                                                 device=buf.master.device)
+                                                 device=buf.state_device)
             for name, pieces in layout_pieces(buf.layout, rng, values, buf.infos).items():
                 state[f"{MODEL_PREFIX}{name}"] = pieces
             for n, tensor in buf.opt_state.tensors().items():
