@@ -95,11 +95,11 @@ def test_shares_answer_in_order_half_on_the_worker():
     box = Box()
     with worker_of(box) as worker:
         shares = Shares(box, worker)
-        got = shares.each("plus", list(range(10)))
+        got = shares.each(Box.plus, list(range(10)))
         assert [value for value, _ in got] == [n + 1 for n in range(10)]
         pids = [pid for _, pid in got]
         assert pids.count(box.pid) == 5   # half here, half on the worker
-        again = shares.each("plus", list(range(10)))
+        again = shares.each(Box.plus, list(range(10)))
         assert [pid for _, pid in again] == pids   # each item goes where it went before
 
 
@@ -107,10 +107,10 @@ def test_shares_keep_no_more_than_half_on_one_process():
     box = Box()
     with worker_of(box) as worker:
         shares = Shares(box, worker)
-        before = shares.each("plus", list(range(6)))
+        before = shares.each(Box.plus, list(range(6)))
         there = [n for n, (_, pid) in enumerate(before) if pid != box.pid]
         assert len(there) == 3
-        got = shares.each("plus", there)   # all three went to the worker before: one comes here
+        got = shares.each(Box.plus, there)   # all three went to the worker before: one comes here
         assert [pid == box.pid for _, pid in got] == [False, False, True]
 
 
@@ -119,6 +119,6 @@ def test_what_the_worker_cannot_answer_is_answered_here():
     with worker_of(box) as worker:
         shares = Shares(box, worker)
         with pytest.raises(ValueError):
-            shares.each("plus", [0, -1])   # the worker's call fails; computed here, it raises here
-        got = shares.each("plus", [0, 1, 2, 3])
+            shares.each(Box.plus, [0, -1])   # the worker's call fails; computed here, it raises here
+        got = shares.each(Box.plus, [0, 1, 2, 3])
         assert [value for value, _ in got] == [1, 2, 3, 4]

@@ -35,7 +35,7 @@ from hetc.passes.plan.improve import improve
 from hetc.passes.plan.layouts import Layout
 from hetc.passes.plan.objective import Goal
 from hetc.passes.plan.screen_bound import screen_bound
-from hetc.passes.plan.shares import Shares
+from hetc.passes.plan.shares import Job, Shares
 from hetc.passes.plan.space import SearchSpace
 from hetc.passes.plan.structures import Found, SearchLimits, Structure, Structures, base_knobs
 from hetc.passes.plan.tables import StageTable
@@ -100,7 +100,7 @@ class Search(Structures):
             smallest = (min(self.space.micro_batches),)
             if len(pairs) > self.limits.quick_layouts:
                 looks = [st for idle, layout in pairs for st in self.variants(idle, layout, first[:1], smallest)]
-                quick = list(zip(self._shares.each("_quick", looks), looks))
+                quick = list(zip(self._shares.each(Search._quick, looks), looks))
                 pairs = _top_distinct(quick, self.limits.quick_layouts, key=lambda st: (st.idle, st.layout))
                 tell("quick look")
             every_size = len(pairs) * len(first) * len(self.space.micro_batches) <= self.limits.exhaustive
@@ -120,7 +120,7 @@ class Search(Structures):
             shortlist = _top_distinct(ranked, self.limits.structures, key=_itself)
         self.visited += len(shortlist)
         found = []
-        for st, (got, assigned) in zip(shortlist, self._shares.each("_configure", shortlist)):
+        for st, (got, assigned) in zip(shortlist, self._shares.each(Search._configure, shortlist)):
             found += got
             if assigned is not None:
                 self._assigned[st] = assigned
@@ -136,13 +136,13 @@ class Search(Structures):
                    aside: tuple[Callable[[Search, Candidate, Any], Any], Any] | None) -> list[list[Found]]:
         """The refinement of `picks`; with a worker, beside it the baselines and `aside` of `best`, which
         the worker takes alone where there is one (the planner's check is the longest of these)."""
-        jobs: list[tuple[str, Any]] = [("_refine", (st, self._assigned[st])) for st in picks]
+        jobs: list[Job[Search]] = [(Search._refine, (st, self._assigned[st])) for st in picks]
         if self._shares.worker is None:
             return self._shares.calls(jobs, key=_job_key)
-        jobs.append(("_score_baselines", None))
+        jobs.append((Search._score_baselines, None))
         if aside is not None and best is not None:
-            jobs.append(("_aside", (aside[0], best, aside[1])))
-        sides = [0] * (len(jobs) - 1) + [1] if jobs[-1][0] == "_aside" else None
+            jobs.append((Search._aside, (aside[0], best, aside[1])))
+        sides = [0] * (len(jobs) - 1) + [1] if jobs[-1][0] is Search._aside else None
         answers = self._shares.calls(jobs, key=_job_key, sides=sides)
         if aside is not None and best is not None:
             self.aside = (best, answers.pop())
@@ -201,14 +201,14 @@ class Search(Structures):
         self.visited += len(structures)
         if self.exact_screen:
             return self._rescore(structures)
-        bounds = self._shares.each("_bound", structures)
+        bounds = self._shares.each(Search._bound, structures)
         kept: list[tuple[int, tuple[object, ...]]] = []
         best: dict[Hashable, float] = {}   # the least objective of each key so far
         order = iter(sorted(range(len(structures)), key=lambda i: bounds[i]))
         while batch := list(itertools.islice(order, self._shares.width)):
             if len(best) >= keep:   # a bound above the keep-th best: so is every later one, none can be kept
                 batch = [i for i in batch if bounds[i] <= sorted(best.values())[keep - 1]]
-            for i, value in zip(batch, self._shares.each("_screen_value", [structures[i] for i in batch])):
+            for i, value in zip(batch, self._shares.each(Search._screen_value, [structures[i] for i in batch])):
                 if value is not None:
                     kept.append((i, (False, False, value)))
                     best[key(structures[i])] = min(value, best.get(key(structures[i]), math.inf))
@@ -226,7 +226,7 @@ class Search(Structures):
         return None if got is None else got[0].objective * self._price_factor(st)
 
     def _rescore(self, structures: list[Structure]) -> list[tuple[tuple[object, ...], Structure]]:
-        ranks = self._shares.each("_exact_rank", structures)
+        ranks = self._shares.each(Search._exact_rank, structures)
         return [(rank, st) for rank, st in zip(ranks, structures) if rank is not None]
 
     def _exact_rank(self, st: Structure) -> tuple[object, ...] | None:
@@ -289,10 +289,10 @@ def _to_refine(found: list[Found], k: int, by_depth: bool = False) -> list[Struc
     return picks
 
 
-def _job_key(job: tuple[str, Any]) -> Hashable:
-    """A job's structure, where it has one (the shares send it where its tables are), else its method."""
-    method, arg = job
-    return arg[0] if method == "_refine" else method
+def _job_key(job: Job[Search]) -> Hashable:
+    """A job's structure, where it has one (the shares send it where its tables are), else its function."""
+    fn, arg = job
+    return arg[0] if fn is Search._refine else fn
 
 
 def _layout_of(st: Structure) -> tuple[tuple[str, ...], Layout]:

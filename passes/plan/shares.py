@@ -12,17 +12,25 @@ single process computes.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from hetc.worker import Worker, WorkerLost
 
-__all__ = ["Shares"]
+__all__ = ["Job", "Shares"]
+
+T = TypeVar("T")
+A = TypeVar("A")
+R = TypeVar("R")
+
+# One call: a function of the target (a method named as `Search._quick`: pickled by its qualified name, so the
+# worker calls the same function on its copy of the target) and its argument.
+Job = tuple[Callable[[T, Any], Any], Any]
 
 
-class Shares:
-    """Calls of `target`'s methods, each on one of two processes."""
+class Shares(Generic[T]):
+    """Calls of functions of `target`, each on one of two processes."""
 
-    def __init__(self, target: object, worker: Worker | None):
+    def __init__(self, target: T, worker: Worker | None):
         self.target, self.worker = target, worker
         self._side: dict[Hashable, int] = {}   # a job's key -> the process that took it last (1: the worker)
 
@@ -31,15 +39,16 @@ class Shares:
         """How many processes share the work."""
         return 1 if self.worker is None else 2
 
-    def each(self, method: str, items: list[Any], key: Callable[[Any], Hashable] = lambda item: item) -> list[Any]:
-        """`[getattr(target, method)(item) for item in items]`."""
-        return self.calls([(method, item) for item in items], lambda job: key(job[1]))
+    def each(self, fn: Callable[[T, A], R], items: list[A],
+             key: Callable[[A], Hashable] = lambda item: item) -> list[R]:
+        """`[fn(target, item) for item in items]`."""
+        return self.calls([(fn, item) for item in items], lambda job: key(job[1]))
 
-    def calls(self, jobs: list[tuple[str, Any]], key: Callable[[tuple[str, Any]], Hashable],
+    def calls(self, jobs: list[Job[T]], key: Callable[[Job[T]], Hashable],
               sides: list[int] | None = None) -> list[Any]:
-        """`[getattr(target, method)(arg) for method, arg in jobs]`: the worker's share on the worker if there is
-        one and it answers, else here. `sides`: each job's process (1: the worker), where the caller knows
-        better than an even count."""
+        """`[fn(target, arg) for fn, arg in jobs]`: the worker's share on the worker if there is one and it
+        answers, else here. `sides`: each job's process (1: the worker), where the caller knows better than
+        an even count."""
         if self.worker is None:
             sides = [0] * len(jobs)
         elif sides is None:
@@ -81,5 +90,5 @@ class Shares:
         return sides
 
 
-def _call(target: Any, jobs: list[tuple[str, Any]]) -> list[Any]:
-    return [getattr(target, method)(arg) for method, arg in jobs]
+def _call(target: T, jobs: list[Job[T]]) -> list[Any]:
+    return [fn(target, arg) for fn, arg in jobs]
