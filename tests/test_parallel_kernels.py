@@ -23,6 +23,7 @@ from hetc.spec import Arch, Checkpointing, CPKind, DType, ModelSpec
 
 WORLD = 4
 TIMEOUT_S = 120
+RING_BF16 = "ring4-bf16"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,12 +84,18 @@ def outcomes() -> dict[str, str | None]:
         results.append(pipe.recv())
     for proc in procs:
         proc.join(10)
-    return {case.name: next((r[case.name] for r in results if r[case.name]), None) for case in CASES}
+    names = [case.name for case in CASES] + [RING_BF16]
+    return {name: next((r[name] for r in results if r[name]), None) for name in names}
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_lane_matches_the_unsharded_model(outcomes, case):
     assert outcomes[case.name] is None, outcomes[case.name]
+
+
+def test_bf16_ring_attention_matches_full_sdpa(outcomes):
+    """Ring blocks run through SDPA in bf16 (Note [ring blocks through SDPA]); merged, they are full attention."""
+    assert outcomes[RING_BF16] is None, outcomes[RING_BF16]
 
 
 # ---------------------------------------------------------------- inside a worker
@@ -111,6 +118,11 @@ def _worker(rank: int, port: int, conn) -> None:
         except Exception:  # noqa: BLE001 - report to the test
             out[case.name] = f"rank {rank}:\n{traceback.format_exc()}"
         dist.barrier()
+    try:
+        _check_ring_bf16(rank, groups[tuple(range(WORLD))])
+        out[RING_BF16] = None
+    except Exception:  # noqa: BLE001 - report to the test
+        out[RING_BF16] = f"rank {rank}:\n{traceback.format_exc()}"
     conn.send(out)
     dist.destroy_process_group()
 
@@ -166,3 +178,30 @@ def _check(case: Case, rank: int, groups) -> None:
             dist.all_reduce(grad, group=groups[cp_ranks])
         expected = infos[name].slice_of(full[name].grad)
         torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _check_ring_bf16(rank: int, group) -> None:
+    """A bf16 GQA ring over all ranks, forward and backward, against SDPA on the whole sequence."""
+    import torch
+    import torch.nn.functional as F
+
+    from hetc.runtime.nn.ring_attention import RingAttention, zigzag_chunks
+
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, heads, 32, 16, generator=gen).bfloat16().requires_grad_() for heads in (4, 2, 2))
+    dout = torch.randn(2, 4, 32, 16, generator=gen).bfloat16()
+    full = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    full.backward(dout)
+
+    def mine(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x.chunk(2 * WORLD, dim=2)[c] for c in zigzag_chunks(rank, WORLD)], dim=2)
+
+    local = [mine(t.detach()).requires_grad_() for t in (q, k, v)]
+    out = RingAttention(group, tuple(range(WORLD)), rank)(*local)
+    out.backward(mine(dout))
+    assert out.dtype is torch.bfloat16
+    tol = {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(out, mine(full.detach()), **tol)
+    for name, got, ref in zip("qkv", local, (q, k, v), strict=True):
+        assert got.grad is not None and ref.grad is not None
+        torch.testing.assert_close(got.grad, mine(ref.grad), **tol, msg=lambda m, n=name: f"d{n}: {m}")

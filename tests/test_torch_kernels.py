@@ -1,4 +1,5 @@
-"""The runtime's hot loops run torch's own kernels: SDPA's GQA instead of copying K/V, and torch.optim's
+"""The runtime's hot loops run torch's own kernels: SDPA's GQA instead of copying K/V, ring-attention blocks
+through SDPA in the compute dtype, MoE experts as grouped matmuls without host syncs, and torch.optim's
 foreach / fused Adam instead of hand-written elementwise ops, with the numbers of the plain versions."""
 
 from __future__ import annotations
@@ -10,9 +11,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from hetc.runtime.nn import sdpa_blocks
 from hetc.runtime.nn.attention import causal_attention
+from hetc.runtime.nn.model import build_layer
+from hetc.runtime.nn.moe import MoE
+from hetc.runtime.nn.ring_attention import RingAttention
 from hetc.runtime.optim import init_state, optimizer_step
-from hetc.spec import OptimizerKind, OptimizerSpec
+from hetc.spec import Arch, MoESpec, OptimizerKind, OptimizerSpec
+from tests.test_model import tiny
 
 TORCH_ADAM = importlib.import_module("torch.optim.adam")   # the module; torch.optim's `adam` name is not it
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available())")
@@ -56,6 +62,93 @@ def test_gqa_attention_equals_repeating_kv(n_q, n_kv, dtype):
     for a, b in zip(ours, plain, strict=True):   # K/V gradients sum each group in another order
         assert a.grad is not None and b.grad is not None
         torch.testing.assert_close(a.grad, b.grad, **tol)
+
+
+# ---------------------------------------------------------------- ring attention blocks
+
+
+def test_a_ring_block_runs_sdpa_in_the_compute_dtype(monkeypatch):
+    """A one-rank ring is one causal block: SDPA's own bf16 kernel, forward and backward, bit for bit."""
+    seen: list[torch.dtype] = []
+    forward = sdpa_blocks.CpuFlash.forward
+
+    def spy(self, q: Tensor, *args) -> tuple[Tensor, Tensor]:
+        seen.append(q.dtype)
+        return forward(self, q, *args)
+
+    monkeypatch.setattr(sdpa_blocks.CpuFlash, "forward", spy)
+    ours, plain = qkv(4, 2, torch.bfloat16), qkv(4, 2, torch.bfloat16)
+    out = RingAttention(None, (0,), 0)(*ours)
+    ref = F.scaled_dot_product_attention(*plain, is_causal=True, enable_gqa=True)
+    assert seen == [torch.bfloat16], "the block's scores are bf16, not an fp32 copy"
+    assert torch.equal(out, ref)
+    out.sum().backward()
+    ref.sum().backward()
+    for a, b in zip(ours, plain, strict=True):
+        assert a.grad is not None and b.grad is not None
+        assert torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_grouped_math_block_is_the_sdpa_block(causal, dtype):
+    """The fallback (fp32 on CUDA, odd head sizes) shares K/V heads by reshaping Q and agrees with the kernel."""
+    q, k, v = (t.detach() for t in qkv(4, 2, dtype))
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    flash, math_ = sdpa_blocks.CpuFlash(), sdpa_blocks.GroupedMath()
+    out, lse = flash.forward(q, k, v, causal, 0.5)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype is torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    for got, want in zip(math_.forward(q, k, v, causal, 0.5), (out, lse), strict=True):
+        torch.testing.assert_close(got, want, **tol)
+    for got, want in zip(math_.backward(dout, q, k, v, out, lse, causal, 0.5),
+                         flash.backward(dout, q, k, v, out, lse, causal, 0.5), strict=True):
+        torch.testing.assert_close(got, want, **tol)
+
+
+# ---------------------------------------------------------------- MoE experts
+
+
+HOST_SYNCS = ("tolist", "item", "nonzero", "__bool__", "__int__", "__float__")
+
+
+def moe_layer(arch: Arch) -> MoE:
+    model = tiny(arch, moe=MoESpec(experts=4, top_k=2, capacity_factor=0.5))    # drops: the masked rows too
+    moe = build_layer(model, 1, seed=3).feed_forward
+    assert isinstance(moe, MoE)
+    return moe
+
+
+@pytest.mark.parametrize("arch", list(Arch))
+def test_moe_layer_reads_nothing_back_to_the_host(arch, monkeypatch):
+    """Note [static routing shapes]: without expert parallelism no count reaches the host."""
+    moe = moe_layer(arch)
+    x = torch.randn(2, 12, 32, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    calls: list[str] = []
+    for name in HOST_SYNCS:
+        method = getattr(Tensor, name)
+        monkeypatch.setattr(Tensor, name, lambda self, *a, _m=method, _n=name, **k: calls.append(_n) or _m(self, *a, **k))
+    monkeypatch.setattr(torch, "nonzero", lambda *a, **k: calls.append("torch.nonzero") or pytest.fail("nonzero"))
+    moe(x).square().sum().backward()
+    monkeypatch.undo()
+    assert calls == []
+
+
+@pytest.mark.parametrize("arch", list(Arch))
+def test_moe_experts_run_as_one_grouped_matmul_per_projection(arch, monkeypatch):
+    moe = moe_layer(arch)
+    products: list[int] = []
+    grouped_mm = torch._grouped_mm
+
+    def spy(a: Tensor, b: Tensor, **kwargs) -> Tensor:
+        products.append(b.shape[0] if b.dim() == 3 else -1)
+        return grouped_mm(a, b, **kwargs)
+
+    monkeypatch.setattr(torch, "_grouped_mm", spy)
+    for expert in moe.experts.values():
+        monkeypatch.setattr(expert, "forward", lambda *_: pytest.fail("an expert ran on its own"))
+    moe(torch.randn(2, 12, 32, generator=torch.Generator().manual_seed(0)))
+    projections = 3 if arch is Arch.LLAMA else 2
+    assert products == [4] * projections, "each projection: one call over all 4 experts' weights"
 
 
 ADAMS = [OptimizerSpec(kind=OptimizerKind.ADAMW, weight_decay=0.1, beta2=0.95),

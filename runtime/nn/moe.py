@@ -29,6 +29,21 @@ gradient holds every token routed to it from the whole group, and its
 replicas are only the ranks with the same EP rank in other EP groups.
 Every member runs these collectives in the same order, which the compute
 ops of an EP group guarantee (Note [compute collectives], hetc/program.py).
+
+Note [static routing shapes]
+Routing keeps every shape a function of the microbatch's size, never of
+the routing, so a layer reads nothing back to the host: all T·K
+assignments are sorted by expert with the dropped ones given expert E (so
+they sort last, the kept ones in the same stable order as before), the
+per-expert counts are a scatter-add (bincount reads its maximum back on
+CUDA), and the local experts run as grouped matmuls that take the counts
+on the device (Note [grouped experts], runtime/nn/grouped_experts.py) and
+give the dropped rows zero. One synchronisation stays, under expert
+parallelism only: `all_to_all_single` takes its split sizes as host
+integers, so the exchanged counts are read back once per MoE layer and
+microbatch (`send, recv = ....tolist()`), as in Megatron's and
+torchtitan's token-choice dispatch. Dropping it needs a static capacity
+per (source, expert) pair, i.e. padded all-to-alls.
 """
 
 from __future__ import annotations
@@ -42,6 +57,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hetc.runtime.nn import collectives
+from hetc.runtime.nn.grouped_experts import grouped_mlp
 from hetc.runtime.nn.tensor_parallel import ParallelLinear, all_gather_into
 from hetc.spec import ModelSpec
 
@@ -137,7 +153,8 @@ class ExpertExchange:
         self.group, self.size = group, size
 
     def __call__(self, sent: Tensor, counts: Tensor, run: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
-        """sent: kept assignments' tokens sorted by expert; counts [E] per expert -> outputs, same order.
+        """sent: assignments' tokens sorted by expert, the kept ones (`counts` [E] per expert) first -> outputs in
+        the same order, for the kept ones at least (Note [static routing shapes]).
 
         `run(received, counts)` runs the local experts; `counts` [sources, local experts].
         """
@@ -148,8 +165,8 @@ class ExpertExchange:
         mine = counts.view(self.size, -1)                 # what goes to each owner, per expert
         theirs = torch.empty_like(mine)
         collectives.all_to_all_single(theirs, mine.contiguous(), group=self.group)
-        send, recv = mine.sum(1).tolist(), theirs.sum(1).tolist()
-        received = _AllToAll.apply(sent, self.group, recv, send)
+        send, recv = mine.sum(1).tolist(), theirs.sum(1).tolist()    # the one host sync (Note [static routing shapes])
+        received = _AllToAll.apply(sent[:sum(send)], self.group, recv, send)
         return _AllToAll.apply(run(received, theirs), self.group, send, recv)
 
     def __repr__(self) -> str:
@@ -173,15 +190,15 @@ class MoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         tokens = x.reshape(-1, x.shape[-1])
         top_logits, chosen = self.router(tokens).float().topk(self.top_k, dim=-1)
-        gates = torch.softmax(top_logits, dim=-1).to(x.dtype)
-        rows, slots = self._kept(chosen.view(*x.shape[:2], self.top_k)).reshape(-1, self.top_k).nonzero(
-            as_tuple=True)
-        experts = chosen[rows, slots]
+        gates = torch.softmax(top_logits, dim=-1).to(x.dtype).reshape(-1)
+        kept = self._kept(chosen.view(*x.shape[:2], self.top_k)).reshape(-1)
+        experts = torch.where(kept, chosen.reshape(-1), self.num_experts)     # dropped ones sort last
         order = torch.argsort(experts, stable=True)
-        rows, slots, experts = rows[order], slots[order], experts[order]
-        counts = torch.bincount(experts, minlength=self.num_experts)
-        y = self.exchange(tokens[rows], counts, self._run_experts)
-        return torch.zeros_like(tokens).index_add(0, rows, y * gates[rows, slots, None]).view_as(x)
+        counts = experts.new_zeros(self.num_experts + 1).scatter_add_(0, experts, torch.ones_like(experts))
+        rows = order // self.top_k
+        y = self.exchange(tokens[rows], counts[:-1], self._run_experts)
+        served = y.shape[0]                  # all T·K rows locally, the kept ones after an exchange
+        return torch.zeros_like(tokens).index_add(0, rows[:served], y * gates[order[:served], None]).view_as(x)
 
     def _kept(self, chosen: Tensor) -> Tensor:
         b, s, _ = chosen.shape
@@ -193,13 +210,18 @@ class MoE(nn.Module):
         return keep_mask(whole, self.num_experts, cap)[:, self.routing.positions]
 
     def _run_experts(self, received: Tensor, counts: Tensor) -> Tensor:
-        """Each local expert once on all its rows; rows come by source, then by expert."""
-        sources, local = counts.shape
-        sizes = counts.flatten().tolist()
-        pieces = list(received.split(sizes))
-        for j, expert in enumerate(self.experts.values()):
-            mine = [i * local + j for i in range(sources)]
-            out = expert(torch.cat([pieces[k] for k in mine]))
-            for k, part in zip(mine, out.split([sizes[k] for k in mine])):
-                pieces[k] = part
-        return torch.cat(pieces) if pieces else received
+        """The local experts on all their rows at once; rows come by source, then by expert."""
+        experts = list(self.experts.values())
+        if counts.shape[0] == 1:
+            return grouped_mlp(experts, received, counts[0].cumsum(0).to(torch.int32))
+        by_expert = _expert_major(counts, received.shape[0])
+        y = grouped_mlp(experts, received[by_expert], counts.sum(0).cumsum(0).to(torch.int32))
+        return y[torch.argsort(by_expert)]
+
+
+def _expert_major(counts: Tensor, rows: int) -> Tensor:
+    """The permutation that takes `rows` rows ordered (source, expert) to (expert, source); on the device."""
+    sources, local = counts.shape
+    block = torch.arange(sources * local, device=counts.device)
+    block_of_row = torch.repeat_interleave(block, counts.flatten(), output_size=rows)   # output_size: no sync
+    return torch.argsort(block_of_row % local, stable=True)

@@ -5,6 +5,9 @@ its tp shard's heads). In forward the compact K/V (not expanded to the
 query heads) go around the ring once; each rank attends its queries to each
 visiting block and merges the partial results with a running log-sum-exp
 (flash attention's online softmax), keeping only the output and the LSE.
+Each block runs through torch's SDPA kernel in the compute dtype; the merge
+and the accumulators are fp32 (Note [ring blocks through SDPA],
+runtime/nn/sdpa_blocks.py).
 Backward recomputes the probabilities block by block from the LSE; K/V go
 around again and their gradient accumulators travel with them, arriving
 home after a full turn. Per rank and layer that moves 2 (forward) + 4
@@ -27,6 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from hetc.runtime.nn import collectives
+from hetc.runtime.nn.sdpa_blocks import block_kernel
 
 __all__ = ["Ring", "RingAttention", "wait_all", "zigzag_chunks"]
 
@@ -74,18 +78,6 @@ def _visits(ring: Ring, kv: list[Tensor]):
             kv = nxt
 
 
-def _expand(kv: Tensor, heads: int) -> Tensor:
-    return kv.repeat_interleave(heads // kv.shape[1], dim=1) if kv.shape[1] != heads else kv
-
-
-def _scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
-    s = torch.matmul(q.float(), _expand(k, q.shape[1]).float().transpose(-1, -2)) * scale
-    if causal:
-        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
-        s = s.masked_fill(mask, float("-inf"))
-    return s
-
-
 def _pairs(mine: tuple[int, ...], theirs: tuple[int, ...]):
     """(query chunk slot, key chunk slot, causal) for every block that is not fully masked."""
     for qi, qc in enumerate(mine):
@@ -100,66 +92,61 @@ def _chunk(x: Tensor, slot: int, n: int) -> Tensor:
     return x[:, :, slot * size:(slot + 1) * size]
 
 
+def _chunks(x: Tensor, n: int) -> list[Tensor]:
+    """All `n` chunks, each contiguous: a kernel's input, reused by every block of that chunk."""
+    return [_chunk(x, slot, n).contiguous() for slot in range(n)]
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, ring: Ring) -> Tensor:
         scale = 1.0 / math.sqrt(q.shape[-1])
+        kernel = block_kernel(q)
         mine = zigzag_chunks(ring.cp_rank, ring.size)
         n = len(mine)
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        qs = _chunks(q, n)
         for kv, theirs in _visits(ring, [k, v]):
+            ks, vs = _chunks(kv[0], n), _chunks(kv[1], n)
             for qi, kj, causal in _pairs(mine, theirs):
-                _merge_block(_chunk(q, qi, n), _chunk(kv[0], kj, n), _chunk(kv[1], kj, n), causal, scale,
-                             _chunk(out, qi, n), _chunk(lse, qi, n))
-        ctx.ring, ctx.scale = ring, scale
+                block_out, block_lse = kernel.forward(qs[qi], ks[kj], vs[kj], causal, scale)
+                _merge(_chunk(out, qi, n), _chunk(lse, qi, n), block_out, block_lse)
+        out = out.to(q.dtype)
+        ctx.ring, ctx.scale, ctx.kernel = ring, scale, kernel
         ctx.save_for_backward(q, k, v, out, lse)
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         q, k, v, out, lse = ctx.saved_tensors
-        ring, scale = ctx.ring, ctx.scale
+        ring, scale, kernel = ctx.ring, ctx.scale, ctx.kernel
         mine = zigzag_chunks(ring.cp_rank, ring.size)
         n = len(mine)
-        dout = grad_out.float()
-        delta = (dout * out).sum(-1)                                  # D = rowsum(dO ∘ O)
+        dout = grad_out.to(q.dtype)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv = [torch.zeros(k.shape, dtype=torch.float32, device=k.device),
                torch.zeros(v.shape, dtype=torch.float32, device=v.device)]
+        qs, douts, outs, lses = _chunks(q, n), _chunks(dout, n), _chunks(out, n), _chunks(lse, n)
         for kv, theirs in _visits(ring, [k, v]):
+            ks, vs = _chunks(kv[0], n), _chunks(kv[1], n)
             for qi, kj, causal in _pairs(mine, theirs):
-                _block_grads(_chunk(q, qi, n), _chunk(kv[0], kj, n), _chunk(kv[1], kj, n),
-                             _chunk(dout, qi, n), _chunk(lse, qi, n), _chunk(delta, qi, n), causal, scale,
-                             _chunk(dq, qi, n), _chunk(dkv[0], kj, n), _chunk(dkv[1], kj, n))
+                grads = kernel.backward(douts[qi], qs[qi], ks[kj], vs[kj], outs[qi], lses[qi], causal, scale)
+                for acc, grad in zip((_chunk(dq, qi, n), _chunk(dkv[0], kj, n), _chunk(dkv[1], kj, n)), grads,
+                                     strict=True):
+                    acc.add_(grad)
             if ring.size > 1:        # the accumulators follow their K/V; after a full turn they are home
                 dkv, works = ring.shift(dkv)
                 wait_all(works)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
 
 
-def _merge_block(q, k, v, causal: bool, scale: float, out: Tensor, lse: Tensor) -> None:
-    """Attend q to one K/V block and merge it into the running (out, lse) (the online softmax)."""
-    s = _scores(q, k, causal, scale)
-    block_lse = torch.logsumexp(s, dim=-1)
-    block_out = torch.matmul(torch.exp(s - block_lse[..., None]), _expand(v, q.shape[1]).float())
+def _merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
+    """Merge one block's (output, LSE) into the running fp32 (out, lse) in place (the online softmax)."""
+    block_lse = block_lse.float()
     merged = torch.logaddexp(lse, block_lse)
-    out.copy_(out * torch.exp(lse - merged)[..., None] + block_out * torch.exp(block_lse - merged)[..., None])
+    out.copy_(out * torch.exp(lse - merged)[..., None] + block_out.float() * torch.exp(block_lse - merged)[..., None])
     lse.copy_(merged)
-
-
-def _block_grads(q, k, v, dout, lse, delta, causal: bool, scale: float, dq, dk, dv) -> None:
-    """Accumulate one block's dQ, dK, dV (flash attention's backward for a block)."""
-    heads, kv_heads = q.shape[1], k.shape[1]
-    p = torch.exp(_scores(q, k, causal, scale) - lse[..., None])
-    dv_full = torch.matmul(p.transpose(-1, -2), dout)
-    dp = torch.matmul(dout, _expand(v, heads).float().transpose(-1, -2))
-    ds = p * (dp - delta[..., None]) * scale
-    dq.add_(torch.matmul(ds, _expand(k, heads).float()))
-    dk_full = torch.matmul(ds.transpose(-1, -2), q.float())
-    group = heads // kv_heads
-    dk.add_(dk_full.unflatten(1, (kv_heads, group)).sum(2))
-    dv.add_(dv_full.unflatten(1, (kv_heads, group)).sum(2))
 
 
 class RingAttention:
