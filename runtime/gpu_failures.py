@@ -17,6 +17,23 @@ the step timeout (`creation_timeout`); their processes have all met in the store
 not block the host), so `nccl_environment` sets torchtitan's settings unless the user set them:
 TORCH_NCCL_ASYNC_ERROR_HANDLING=3 (the watchdog ends the rank on a timeout or error instead of leaving it
 hung) and a flight-recorder buffer dumped on a timeout (which collective each rank was in).
+
+Note [A timeout or a dead peer]
+A collective or message of a step fails for one of two reasons: a peer is gone, or the call waited out
+its timeout while the peer lives on (stalled in a kernel, a slow file system, a hung data loader, a
+program whose ranks disagree). torch 2.13 types neither: gloo raises the same RuntimeError for a closed
+connection and for "Timed out waiting Nms", NCCL's `Work.wait()` a DistBackendError whose words change
+between versions (Note [communication failures] in runtime/nn/collectives.py). The heartbeats tell them
+apart on both backends (runtime/watchdog.py): a peer that stopped beating is dead (`PeerFailure`, as
+before); when every other rank still beats, nobody died, so the call timed out (`CommTimeout`). Its
+paragraph names the rank, the step, the instruction it waited in and the op that instruction waits for
+(a `wait h=N` is resolved to the send, receive or collective that posted handle N, and so to the peer or
+group), the timeout that expired and what to do; torch's own first line is quoted, so that a failure of
+another kind still shows its words. The exit status is a failure's, 1 (2 is bad input, 3 a diverged run).
+Under NCCL with TORCH_NCCL_ASYNC_ERROR_HANDLING=3 a timeout often never reaches Python (a `Work.wait()`
+does not block the host): NCCL's watchdog dumps the flight recorder and ends the process (SIGABRT, status
+134), and the peers that reach theirs say so here; on NCCL the paragraph therefore points at the dump
+(TORCH_NCCL_DEBUG_INFO_TEMP_FILE), which says which collective each rank was in.
 """
 
 from __future__ import annotations
@@ -24,13 +41,18 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from hetc.passes.verify.memory import format_bytes
+from hetc.program import COLLECTIVE_TYPES, Group, Instr, Recv, Send, Wait
 
-__all__ = ["NCCL_DEFAULTS", "DeviceOutOfMemory", "creation_timeout", "estimate_line", "nccl_environment", "out_of_memory_in",
-           "out_of_memory_message", "use_step_timeout"]
+__all__ = ["NCCL_DEFAULTS", "CommTimeout", "DeviceOutOfMemory", "Waited", "creation_timeout", "estimate_line",
+           "nccl_environment", "out_of_memory_in", "out_of_memory_message", "timeout_message", "use_step_timeout",
+           "waited_for"]
 
 log = logging.getLogger("hetc.runtime")
 
@@ -44,6 +66,11 @@ NCCL_DEFAULTS = {
 
 class DeviceOutOfMemory(RuntimeError):
     """A rank ran out of device memory; the message is the whole paragraph (`out_of_memory_message`)."""
+
+
+class CommTimeout(RuntimeError):
+    """A collective or message waited out its timeout while every other rank was alive (Note [A timeout or a
+    dead peer]); the message is the whole paragraph (`timeout_message`)."""
 
 
 def nccl_environment() -> None:
@@ -123,3 +150,85 @@ def _allocated() -> str:
     return (f"; this process had {format_bytes(torch.cuda.max_memory_allocated())} allocated at most, "
             f"{format_bytes(torch.cuda.max_memory_reserved())} reserved")
 
+
+# the interpreter's note on a failed instruction (runtime/interpreter.py `_run`)
+_STEP_NOTE = re.compile(r"\[rank (?P<rank>\d+)\] step (?P<step>\d+): instruction (?P<index>\d+) `(?P<instr>.*)`$")
+
+
+@dataclass(frozen=True)
+class Waited:
+    """Where a rank's timed-out call was: the instruction it waited in and the op that instruction waits for."""
+
+    step: int
+    index: int
+    instr: str                  # the instruction, as the listing prints it
+    op: Instr | None            # the send, receive or collective it waits for; None when the note is not the program's
+    peers: tuple[int, ...]      # the ranks that op waits on
+
+
+def waited_for(notes: Sequence[str], rank: int, instrs: Sequence[Instr], groups: Sequence[Group]) -> Waited | None:
+    """The instruction of `instrs` (this rank's training program) that the interpreter's note names, or None
+    outside a step. A `wait h=N` stands for the op that posted handle N. An evaluation's note numbers the
+    instructions of its own program: its text then differs from the training program's and `op` is None."""
+    found = next((m for note in notes if (m := _STEP_NOTE.match(note)) and int(m["rank"]) == rank), None)
+    if found is None:
+        return None
+    index = int(found["index"])
+    op = instrs[index] if index < len(instrs) and str(instrs[index]) == found["instr"] else None
+    if isinstance(op, Wait):
+        handle = op.handle
+        op = next((i for i in reversed(instrs[:index]) if getattr(i, "handle", None) == handle), None)
+    return Waited(int(found["step"]), index, found["instr"], op, _peers(op, rank, groups))
+
+
+def _peers(op: Instr | None, rank: int, groups: Sequence[Group]) -> tuple[int, ...]:
+    if isinstance(op, Send):
+        return (op.peer_to,)
+    if isinstance(op, Recv):
+        return (op.peer_from,)
+    if isinstance(op, COLLECTIVE_TYPES):
+        members = next((g.ranks for g in groups if g.name == op.group), ())
+        return tuple(r for r in members if r != rank)
+    return ()
+
+
+def timeout_message(rank: int, waited: Waited | None, timeout_s: float, init_timeout_s: float, backend: str,
+                    detail: str) -> str:
+    """One paragraph: which rank timed out where, waiting for what and on whom, which timeout, what to do.
+
+    `detail` is torch's first line (quoted: a failure of another kind still shows its words)."""
+    peers = waited.peers if waited is not None else ()
+    ranks = _ranks(peers) if peers else "the other ranks"
+    if waited is not None:
+        place = f"in step {waited.step}, instruction {waited.index} `{waited.instr}`"
+        if waited.op is not None and str(waited.op) != waited.instr:
+            place += f", waiting for `{waited.op}`"
+        place += _on_whom(waited.op, peers)
+        limit = f"--timeout {timeout_s:g} s"
+    else:
+        place = "outside a step (setting up or saving)"
+        limit = f"its timeout (--timeout {timeout_s:g} s; --init-timeout {init_timeout_s:g} s while the groups form)"
+    whose = f"{ranks}'s own message for where it" if len(peers) == 1 else f"the messages of {ranks} for where they"
+    advice = [f"raise --timeout if a step's communication can take longer than {timeout_s:g} s",
+              f"read {whose} stalled"]
+    if backend == "nccl":
+        advice.append("read the flight recorder NCCL dumped on the timeout (TORCH_NCCL_DEBUG_INFO_TEMP_FILE, "
+                      "/tmp/nccl_trace_rank_N by default): the collective each rank was in")
+    subject = f"{_ranks(peers).capitalize()} {'is' if len(peers) == 1 else 'are'}" if peers else "The other ranks are"
+    alive = f"{subject} alive (heartbeats go on): stalled or slower than the timeout allows, not dead"
+    return (f"rank {rank} timed out {place}: it did not complete within {limit} ({backend}: "
+            f"{detail.rstrip('. ')}). {alive}. To go on: {'; '.join(advice)}")
+
+
+def _on_whom(op: Instr | None, peers: tuple[int, ...]) -> str:
+    if isinstance(op, Send):
+        return f" to rank {op.peer_to}"
+    if isinstance(op, Recv):
+        return f" from rank {op.peer_from}"
+    if isinstance(op, COLLECTIVE_TYPES):
+        return f" on group '{op.group}' (with {_ranks(peers)})"
+    return ""
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"

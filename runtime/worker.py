@@ -15,6 +15,7 @@ import datetime
 import logging
 import math
 import os
+import re
 import socket
 import sys
 import time
@@ -33,8 +34,9 @@ from hetc.plandir import read_plan, read_program
 from hetc.runtime.comm import make_groups
 from hetc.runtime.data import make_data_source
 from hetc.runtime.evaluate import make_evaluator
-from hetc.runtime.gpu_failures import (DeviceOutOfMemory, creation_timeout, estimate_line, nccl_environment,
-                                       out_of_memory_in, out_of_memory_message, use_step_timeout)
+from hetc.runtime.gpu_failures import (CommTimeout, DeviceOutOfMemory, creation_timeout, estimate_line,
+                                       nccl_environment, out_of_memory_in, out_of_memory_message, timeout_message,
+                                       use_step_timeout, waited_for)
 from hetc.runtime.local import LAUNCHER_ENV, NODE_ENV
 from hetc.runtime.nn import collectives
 from hetc.runtime.nn.collectives import is_comm_failure
@@ -45,8 +47,8 @@ from hetc.runtime.setup import build_rank
 from hetc.runtime.watchdog import Watchdog, attempt_prefix, store_client
 from hetc.spec import DeviceSpec
 
-__all__ = ["DIVERGED_STATUS", "DeviceOutOfMemory", "EnvError", "Launch", "NonFinite", "PeerFailure", "RunOptions",
-           "describe_latest", "launch_env", "rendezvous_store", "run_placed", "run_worker"]
+__all__ = ["DIVERGED_STATUS", "CommTimeout", "DeviceOutOfMemory", "EnvError", "Launch", "NonFinite", "PeerFailure",
+           "RunOptions", "describe_latest", "launch_env", "rendezvous_store", "run_placed", "run_worker"]
 
 log = logging.getLogger("hetc.runtime")
 
@@ -194,13 +196,7 @@ def run_placed(plan_dir: Path, checked, program, rank: int, launch: Launch, stor
             raise _out_of_memory(checked, program, rank, device, err, oom) from None
         if isinstance(err, ClusterMismatch) or not is_comm_failure(err):
             raise
-        dead = watchdog.silent_ranks()
-        if len(dead) == 1:
-            watchdog.declare_dead(dead[0])
-        who = f"rank {dead[0]}" if len(dead) == 1 else f"ranks {dead}" if dead else "another rank"
-        detail = str(err).splitlines()[0].split(" This is typically")[0]
-        where = "".join(f"{note}: " for note in getattr(err, "__notes__", ()))   # the interpreter's instruction
-        raise PeerFailure(f"{who} stopped responding (noticed by rank {rank}: {where}{detail[:300]})") from None
+        raise _communication_failure(err, watchdog, rank, program, opts, backend) from None
     finally:
         watchdog.finish(completed)
         preemption.close()
@@ -208,6 +204,28 @@ def run_placed(plan_dir: Path, checked, program, rank: int, launch: Launch, stor
         dist.barrier()
     dist.destroy_process_group()
     return status
+
+
+def _communication_failure(err: BaseException, watchdog: Watchdog, rank: int, program, opts: RunOptions,
+                           backend: str) -> PeerFailure | CommTimeout:
+    """A dead peer, named, or a timeout while every peer lives: Note [A timeout or a dead peer]."""
+    dead = watchdog.silent_ranks()
+    notes = getattr(err, "__notes__", ())       # the interpreter's instruction
+    if not dead:
+        waited = waited_for(notes, rank, program.ranks[rank].instrs, program.groups)
+        return CommTimeout(timeout_message(rank, waited, opts.timeout_s, opts.init_timeout_s, backend,
+                                           _first_line(err)))
+    if len(dead) == 1:
+        watchdog.declare_dead(dead[0])
+    who = f"rank {dead[0]}" if len(dead) == 1 else f"ranks {dead}"
+    where = "".join(f"{note}: " for note in notes)
+    return PeerFailure(f"{who} stopped responding (noticed by rank {rank}: {where}{_first_line(err)[:300]})")
+
+
+def _first_line(err: BaseException) -> str:
+    """A backend's message without its advice and the C++ source it was raised at (`[.../pair.cc:589] `)."""
+    line = (str(err).splitlines() or [type(err).__name__])[0].split(" This is typically")[0]
+    return re.sub(r"^\[[^\]\s]+:\d+\] ", "", line)
 
 
 def _out_of_memory(plan, program, rank: int, device: torch.device, err: BaseException,

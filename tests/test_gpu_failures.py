@@ -262,3 +262,142 @@ def test_a_step_waits_the_step_timeout_not_the_init_timeout(tmp_path):
         p.join(120)
     lines = out.read_text().splitlines()                      # gloo names the timeout it waited
     assert len(lines) == 2 and all("Timed out waiting 1000ms" in line for line in lines)
+
+
+# ---------------------------------------------------------------- a step's timeout (Note [A timeout or a dead peer])
+
+
+# A 2-stage pipeline of the demo job on two of its CPU ranks: the stalled rank's receive has a peer.
+PIPELINE_OF_TWO = """use "{job}"
+
+parallel {{
+  schedule = 1f1b
+  idle = [host[1]]
+  stage first {{
+    layers = embed..block1
+    ranks = host[0, 0]
+  }}
+  stage second {{
+    layers = block2..head
+    ranks = host[0, 1]
+  }}
+}}
+"""
+
+# Loaded by every Python process whose path starts with its folder (sitecustomize): rank 1 sleeps in its
+# first backward of step 1, alive (its heartbeat thread beats on) but sending nothing.
+STALL_RANK_1 = """import os, time
+if os.environ.get("RANK") == "1":
+    from hetc.runtime.interpreter import Interpreter
+    backward = Interpreter._backward
+    def stalled(self, instr):
+        if self.step_idx == 1:
+            time.sleep(60)
+        return backward(self, instr)
+    Interpreter._backward = stalled
+"""
+
+
+@pytest.fixture(scope="module")
+def pipeline_of_two(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("pp2")
+    spec = folder / "pp2.het"
+    spec.write_text(PIPELINE_OF_TWO.format(job=DEMO / "job.het"))
+    assert hetc_main(["compile", str(spec), "-o", str(folder / "plan")]) == 0
+    return folder / "plan"
+
+
+@pytest.mark.slow
+def test_a_stalled_peer_is_a_timeout_in_one_paragraph(pipeline_of_two, tmp_path):
+    """Rank 1 stalls mid-step; rank 0's receive waits out --timeout 3 and rank 0 says so: its step, the
+    instruction, the receive it waits for and from whom, the timeout, what to do; it exits 1, no traceback.
+    (The launcher exits with the status of the first rank it sees fail: rank 1's watchdog may end it, status
+    3, before rank 0's process has finished exiting.)"""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    (tmp_path / "sitecustomize.py").write_text(STALL_RANK_1)
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
+    run = subprocess.run([sys.executable, "-m", "hetc", "run", str(pipeline_of_two), "--local", "--steps", "3", "-q",
+                          "--timeout", "3", "--heartbeat-timeout", "2"], cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=path), timeout=180, check=False)
+    assert run.returncode != 0 and "hetc run: rank 0 exited with status 1\n" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr
+    line = next(x for x in run.stderr.splitlines() if "timed out" in x)
+    assert line.startswith("hetc run: error: rank 0 timed out in step 1, instruction 10 `wait h=0`, waiting for "
+                           "`recv grad ms=1 mb=0 from=1 shape=2x32x64 h=0` from rank 1: it did not complete within "
+                           "--timeout 3 s (gloo: Timed out waiting 3000ms"), line
+    assert "Rank 1 is alive (heartbeats go on): stalled or slower than the timeout allows, not dead" in line
+    assert "raise --timeout" in line and "read rank 1's own message" in line
+    assert "stopped responding (noticed by rank 0" not in run.stderr      # not taken for a dead peer
+
+
+class _Heartbeats:
+    """A watchdog's answer to `silent_ranks`, without a store."""
+
+    def __init__(self, silent: list[int]) -> None:
+        self.silent, self.declared = silent, []
+
+    def silent_ranks(self) -> list[int]:
+        return self.silent
+
+    def declare_dead(self, rank: int) -> None:
+        self.declared.append(rank)
+
+
+def _failed_in(note: str) -> CommFailure:
+    err = CommFailure("[/gloo/transport/tcp/pair.cc:589] Timed out waiting 120000ms for recv operation to complete")
+    err.add_note(note)
+    return err
+
+
+def test_a_failed_call_is_a_dead_peer_when_one_stops_beating_and_a_timeout_when_none_does(pipeline_of_two):
+    from hetc.plandir import read_program
+
+    program = read_program(pipeline_of_two)
+    err = _failed_in("[rank 0] step 4: instruction 10 `wait h=0`")
+    dead = _Heartbeats([1])
+    failure = worker._communication_failure(err, dead, 0, program, worker.RunOptions(), "gloo")
+    assert isinstance(failure, worker.PeerFailure) and dead.declared == [1]
+    assert str(failure).startswith("rank 1 stopped responding (noticed by rank 0: [rank 0] step 4: instruction 10")
+    timeout = worker._communication_failure(err, _Heartbeats([]), 0, program, worker.RunOptions(), "nccl")
+    assert isinstance(timeout, gpu_failures.CommTimeout)
+    text = str(timeout)
+    assert text.startswith("rank 0 timed out in step 4, instruction 10 `wait h=0`, waiting for `recv grad ms=1 mb=0 "
+                           "from=1 shape=2x32x64 h=0` from rank 1: it did not complete within --timeout 120 s (nccl: "
+                           "Timed out waiting 120000ms for recv operation to complete). Rank 1 is alive")
+    assert "flight recorder" in text and "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" in text     # on NCCL only
+    assert "pair.cc" not in text
+
+
+def test_a_timed_out_collective_names_its_group_and_the_ranks_in_it(pipeline_of_two):
+    from hetc.plandir import read_program
+
+    program = read_program(pipeline_of_two)
+    last = len(program.ranks[1].instrs) - 1      # the loss's all-reduce on the world group
+    waited = gpu_failures.waited_for([f"[rank 1] step 0: instruction {last} `all_reduce loss group=world`"], 1,
+                                     program.ranks[1].instrs, program.groups)
+    assert waited is not None and waited.peers == (0,)
+    text = gpu_failures.timeout_message(1, waited, 9, 300, "gloo", "Timed out")
+    assert text.startswith(f"rank 1 timed out in step 0, instruction {last} `all_reduce loss group=world` on group "
+                           "'world' (with rank 0): it did not complete within --timeout 9 s (gloo: Timed out). ")
+    assert "flight recorder" not in text       # gloo keeps none
+
+
+def test_a_timeout_outside_a_step_names_both_timeouts():
+    text = gpu_failures.timeout_message(2, None, 120, 300, "gloo", "Timed out waiting 120000ms")
+    assert text.startswith("rank 2 timed out outside a step (setting up or saving): it did not complete "
+                           "within its timeout (--timeout 120 s; --init-timeout 300 s while the groups form)")
+    assert "The other ranks are alive" in text and "read the messages of the other ranks" in text
+
+
+def test_an_evaluation_note_is_not_taken_for_the_training_program(pipeline_of_two):
+    """An evaluation numbers the instructions of its own program: the note's text differs, no op is guessed."""
+    from hetc.plandir import read_program
+
+    program = read_program(pipeline_of_two)
+    waited = gpu_failures.waited_for(["[rank 0] step 2: instruction 3 `recv act ms=0 mb=0 from=7 shape=1 h=9`"], 0,
+                                     program.ranks[0].instrs, program.groups)
+    assert waited is not None and waited.op is None and waited.peers == ()

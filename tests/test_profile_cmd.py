@@ -149,3 +149,24 @@ def test_a_profile_without_network_rates_times_the_layers_and_takes_links_from_t
     explained = json.loads(capsys.readouterr().out)
     assert all(str(profile) in s for srcs in explained["sources"].values() for s in srcs)     # layers: measured
     assert explained["links"] and all(str(profile) not in link["source"] for link in explained["links"])
+
+
+def test_a_gpu_kind_is_not_measured_on_a_cpu_nor_a_cpu_kind_on_a_gpu(tmp_path, monkeypatch, capsys):
+    """--device-kind names the device measured: on a machine without a GPU, `--device-kind H100` would record
+    the CPU's layers, memory copies and loopback gloo as an H100's compute, host link and NVLink."""
+    import torch
+
+    from hetc.runtime import measure
+
+    out = tmp_path / "h100.json"
+    monkeypatch.setattr(measure, "local_device", lambda: torch.device("cpu"))
+    assert main(["profile", "--device-kind", "H100", "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--device-kind H100: this machine has no GPU" in err and "records only what it measured" in err
+    assert not out.exists()
+    monkeypatch.setattr(measure, "local_device", lambda: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_args: "NVIDIA H200")
+    assert main(["profile", "--device-kind", "cpu", "-o", str(out)]) == 2
+    assert "--device-kind cpu: this machine measures its GPU (NVIDIA H200)" in capsys.readouterr().err
+    assert not out.exists()

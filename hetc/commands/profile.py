@@ -24,7 +24,7 @@ from hetc.commands import Subparsers
 from hetc.errors import UsageError
 from hetc.passes.cost.params import block_params
 from hetc.runtime.host_load import cpu_times, steal_share
-from hetc.spec import Arch, DType, ModelSpec, Spec
+from hetc.spec import Arch, DeviceSpec, DType, ModelSpec, Spec
 
 __all__ = ["ranks_at_once", "register", "run"]
 
@@ -43,7 +43,8 @@ def register(sub: Subparsers) -> None:
     p.add_argument("-o", "--output", default="profile.json", metavar="FILE",
                    help="where to write (profile.json)")
     p.add_argument("--device-kind", metavar="NAME",
-                   help="the catalog device kind measured (default: from the CUDA device name, or cpu)")
+                   help="the catalog device kind measured (default: from the CUDA device name, or cpu); it "
+                        "must be this machine's: a GPU kind needs a GPU here, and `cpu` none")
     p.add_argument("--micro-batches", default="1,2", metavar="B,B", help="micro-batch sizes (1,2)")
     p.add_argument("--seqs", metavar="S,S", help="sequence lengths (default: the model's)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per point, after one warm-up (3)")
@@ -100,6 +101,21 @@ def ranks_at_once(spec: Spec | None, kind: str) -> int:
     return max(n.gpus for n in nodes)
 
 
+def _check_kind(kind: str, backend: str, name: str) -> None:
+    """--device-kind names the device measured: a GPU kind only with a GPU, a `cpu...` kind only without one
+    (Note [Only what was measured] in runtime/measure.py); else the CPU's layers, memory copies and loopback
+    gloo would be recorded as a GPU's compute, host link and interconnect, or a GPU's as a CPU rank's."""
+    is_cpu = DeviceSpec(name=kind, memory=1).is_cpu
+    if backend == "cuda" and is_cpu:
+        raise UsageError(f"--device-kind {kind}: this machine measures its GPU ({name}); a `cpu` kind stands for "
+                         "a CPU rank of a local run: profile it on a machine without a GPU (or with "
+                         "CUDA_VISIBLE_DEVICES= to hide them)")
+    if backend != "cuda" and not is_cpu:
+        raise UsageError(f"--device-kind {kind}: this machine has no GPU, and hetc profile records only what it "
+                         f"measured on the device it describes: run it on a machine with a {kind}, or leave "
+                         "--device-kind out (this machine's profile is kind cpu)")
+
+
 def _model(args: argparse.Namespace, spec: Spec | None) -> ModelSpec:
     if spec is not None:
         assert spec.model is not None   # _spec checked it
@@ -152,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu"
     kind = args.device_kind or (catalog_name(name) if device.type == "cuda" else "cpu")
+    _check_kind(kind, device.type, name)
     at_once = args.ranks_at_once or ranks_at_once(spec, kind)
     can = measure.measurable(gpus, args.ranks, at_once, comm=not args.no_comm)
     for line in can.skipped:

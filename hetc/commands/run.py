@@ -19,7 +19,7 @@ from hetc.passes.verify import VerifyError, verified_evaluation, verify
 from hetc.program import ProgramFormatError
 from hetc.runtime.local import LAUNCHER_ENV
 
-__all__ = ["register"]
+__all__ = ["LAUNCHER_ONLY", "register", "run_options"]
 
 
 def register(sub: Subparsers) -> None:
@@ -181,8 +181,8 @@ def _rank(args: argparse.Namespace) -> int:
     from hetc.runtime.data import DataError
     from hetc.runtime.placement import ClusterMismatch
     from hetc.runtime.checkpoint_lock import CheckpointBusy
-    from hetc.runtime.worker import (DeviceOutOfMemory, EnvError, NonFinite, PeerFailure, RunOptions, describe_latest,
-                                     run_worker)
+    from hetc.runtime.worker import (CommTimeout, DeviceOutOfMemory, EnvError, NonFinite, PeerFailure, RunOptions,
+                                     describe_latest, run_worker)
 
     opts = RunOptions(steps=args.steps, metrics=args.metrics, tensorboard=args.tensorboard, wandb=args.wandb,
                       trace=args.trace, checkpoint=args.checkpoint,
@@ -211,7 +211,7 @@ def _rank(args: argparse.Namespace) -> int:
             return 2
         from hetc.runtime.nccl_order import NcclOrderDeadlock
 
-        if not isinstance(err, PeerFailure | DeviceOutOfMemory | NcclOrderDeadlock):
+        if not isinstance(err, PeerFailure | CommTimeout | DeviceOutOfMemory | NcclOrderDeadlock):
             raise
         print(f"hetc run: error: {err}", file=sys.stderr, flush=True)
         return 1
@@ -240,15 +240,25 @@ def _local(args: argparse.Namespace) -> int:
     return status
 
 
-def _rank_argv(args: argparse.Namespace) -> list[str]:
-    """The `hetc run` arguments of the ranks `--local` starts: the launcher's own but --local, read back
-    through the parser, so that every flag of `hetc run` reaches them without a list to keep in step."""
+# The options of `hetc run` that the ranks `--local` starts are not given: --local is the launcher's own (a
+# rank runs one plan rank), and --help never reaches a run. Every other option is passed on (`_rank_argv`).
+LAUNCHER_ONLY = frozenset({"local", "help"})
+
+
+def run_options() -> list[argparse.Action]:
+    """Every option `hetc run` declares, read from its parser (argparse lists them nowhere public)."""
     sub = argparse.ArgumentParser().add_subparsers()
     register(sub)
+    return [action for action in sub.choices["run"]._actions if action.option_strings]
+
+
+def _rank_argv(args: argparse.Namespace) -> list[str]:
+    """The `hetc run` arguments of the ranks `--local` starts: the launcher's own but LAUNCHER_ONLY, read
+    back through the parser, so that every flag of `hetc run` reaches them without a list to keep in step."""
     argv = [*(["--debug"] if getattr(args, "debug", False) else []), "run", str(args.dir)]
-    for action in sub.choices["run"]._actions:   # argparse lists a parser's options nowhere public
+    for action in run_options():
         value = getattr(args, action.dest, action.default)
-        if not action.option_strings or action.dest in ("help", "local") or value == action.default:
+        if action.dest in LAUNCHER_ONLY or value == action.default:
             continue
         flag = max(action.option_strings, key=len)    # the long form: --quiet, not -q
         argv += [flag] if action.nargs == 0 else [flag, str(value)]
