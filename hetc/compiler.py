@@ -64,6 +64,7 @@ class Compiled:
     costs: CostModel
     timeline: Timeline               # the predicted step
     eval_timeline: Timeline | None = None   # one validation batch, when the job evaluates
+    evaluation: Program | None = None       # the evaluation programs (verified), when the job evaluates
 
     @property
     def pipeline(self) -> Pipeline:
@@ -92,7 +93,7 @@ def compile_spec(spec_path: Path, dump_after: str | None = None,
         if err.check != "memory":
             raise
         raise SpecError(_memory_overflows(program, plan, costs, err)) from None
-    return Compiled(loaded, plan, program, costs, timeline, eval_timeline)
+    return Compiled(loaded, plan, program, costs, timeline, eval_timeline, evaluation)
 
 
 def _planned(loaded: LoadedSpec, profiles: Profiles | None,
@@ -164,5 +165,6 @@ def write_compiled(compiled: Compiled, out: Path, profile_args: list[str] | None
                        eval_every=train.eval_every)
     prov = provenance(compiled.costs)
     write_plan_dir(out, compiled.checked.spec, compiled.loaded.path.parent, program, exports,
-                   compiled.timeline.to_json(), summary, record_profiles(profile_args or [], prov.unused))
+                   compiled.timeline.to_json(), summary, record_profiles(profile_args or [], prov.unused),
+                   compiled.evaluation)
     return summary

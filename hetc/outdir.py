@@ -44,7 +44,7 @@ from pathlib import Path
 from hetc.errors import UsageError
 
 __all__ = ["MARKER", "Legacy", "OutputKind", "Protected", "check_output_dir", "edited_files", "file_hashes",
-           "write_marker", "write_output_dir"]
+           "restamp", "unmarked_or_edited", "write_marker", "write_output_dir"]
 
 MARKER = ".hetc-output.json"
 MAX_NAMED = 5       # foreign entries a message names before "and N more"
@@ -145,6 +145,29 @@ def write_marker(directory: Path, kind: OutputKind, planned: Iterable[str] = ())
 def file_hashes(directory: Path) -> dict[str, str]:
     """Relative POSIX path -> sha256 of each file under `directory`, outside any nested marked directory."""
     return {rel: _sha256(directory / rel) for rel in _files(directory) if not rel.endswith("/")}
+
+
+def unmarked_or_edited(directory: Path, names: Iterable[str]) -> list[str] | None:
+    """Which of `names` (relative paths) hetc did not write as they are now: edited, gone, or never listed
+    by the marker; None when `directory` carries no marker (a plan from before markers)."""
+    marked = _read_marker(directory)
+    if marked is None:
+        return None
+    _, files = marked
+    return [rel for rel in names if (digest := files.get(rel)) is None or not (directory / rel).is_file()
+            or _sha256(directory / rel) != digest]
+
+
+def restamp(directory: Path, names: Iterable[str]) -> bool:
+    """Record the present contents of `names` (relative paths of files hetc owns there) in `directory`'s
+    marker, leaving its other entries as they are; False (nothing written) when it carries none."""
+    marked = _read_marker(directory)
+    if marked is None:
+        return False
+    kind, files = marked
+    files.update((rel, _sha256(directory / rel)) for rel in names if (directory / rel).is_file())
+    (directory / MARKER).write_text(json.dumps({"kind": kind, "files": files}, indent=1) + "\n")
+    return True
 
 
 def edited_files(directory: Path) -> list[str]:

@@ -2,6 +2,7 @@
 
     DIR/plan.het                 the explicit spec (self-contained: devices inline)
     DIR/programs/rank-NNNN.txt   each rank's listing; rank-NNNN.json beside it
+    DIR/programs/eval-rank-NNNN.txt  each rank's evaluation program, when the job evaluates
     DIR/groups.txt               the group table
     DIR/timeline.json            the predicted timeline of one step
     DIR/torch/laneL.csv          lane-aligned pipelines in torch's compute_comms format
@@ -15,8 +16,8 @@ Listings are the source of truth: a person may edit them by hand and
 `hetc verify DIR` / `hetc run DIR` read the text, not the JSON. plan.het may
 be edited too (a smaller device, another learning rate); the verifier checks
 the programs against it (Note [transfers against the plan] in
-passes/verify/transfers.py), so a plan the programs no longer fit is refused
-before any rank starts.
+passes/verify/transfers.py). `hetc run` refuses files edited since they were
+verified until `hetc verify DIR` passes (Note [verified once]).
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hetc.errors import Span, SpecError
+from hetc.errors import Span, SpecError, UsageError
 from hetc.frontend.printer import format_spec
 from hetc.jsontypes import JsonObject
-from hetc.outdir import Legacy, OutputKind, Protected, check_output_dir, write_output_dir
+from hetc.outdir import Legacy, OutputKind, Protected, check_output_dir, restamp, unmarked_or_edited, write_output_dir
 from hetc.program import Program, ProgramFormatError, RankProgram
 from hetc.spec import DataKind, DataSpec, Spec
 
@@ -41,9 +42,12 @@ if TYPE_CHECKING:
     from hetc.frontend.load import LoadedSpec
     from hetc.passes.cost.provenance import UnusedProfile
     from hetc.passes.validate import ExplicitPlan
+    from hetc.passes.verify.machine import Backend
 
 __all__ = ["LEGACY_PLAN", "PLAN_FILE", "PROFILES_FILE", "PROFILE_ENV", "TIMELINE_FILE", "RecordedProfile", "check_plan_out",
-           "fingerprint", "listing_name", "profile_paths", "read_plan", "read_program", "record_profiles", "write_plan_dir"]
+           "eval_listing_name", "fingerprint", "listing_name", "plan_files", "profile_paths", "read_eval_rank",
+           "read_plan", "read_program", "record_profiles", "record_verified", "require_verified", "unverified_files",
+           "verify_and_record", "write_plan_dir"]
 
 PLAN_FILE = "plan.het"
 TIMELINE_FILE = "timeline.json"
@@ -54,6 +58,84 @@ PROFILE_ENV = "HETC_PROFILES"   # os.pathsep-separated profile files / data fold
 
 def listing_name(rank: int) -> str:
     return f"rank-{rank:04d}.txt"
+
+
+def eval_listing_name(rank: int) -> str:
+    """A rank's evaluation program (Note [Evaluation programs] in passes/lower/forward_only.py)."""
+    return f"eval-rank-{rank:04d}.txt"
+
+
+# Note [verified once]
+# `hetc compile` verifies every program (and the evaluation programs it writes beside them) and records
+# each file's sha256 in the directory's marker (hetc/outdir.py). A rank of `hetc run` therefore neither
+# verifies nor lowers: it checks that the files it reads — plan.het, groups.txt, its own listing and its
+# own evaluation listing — are still the ones recorded (`unverified_files`), a few hashes instead of a
+# verification of the whole job on each of thousands of ranks. A file edited since is refused with the
+# command that checks it: `hetc verify DIR` verifies the whole directory and, when it passes, records
+# the files as they now are. A plan directory from before markers has no record: its ranks verify, as
+# they always did.
+def plan_files(plan_dir: Path, ranks: Iterable[int]) -> list[str]:
+    """The files ranks `ranks` read from `plan_dir`: the plan, the groups, their listings (and evaluation
+    listings, where compile wrote them)."""
+    files = [PLAN_FILE, "groups.txt"]
+    for rank in ranks:
+        files.append(f"programs/{listing_name(rank)}")
+        if (plan_dir / "programs" / eval_listing_name(rank)).is_file():
+            files.append(f"programs/{eval_listing_name(rank)}")
+    return files
+
+
+def unverified_files(plan_dir: Path, ranks: Iterable[int]) -> list[str] | None:
+    """The files of `ranks` changed since they were verified (Note [verified once]); None for a plan
+    directory that records nothing (its programs must be verified before they run)."""
+    return unmarked_or_edited(plan_dir, plan_files(plan_dir, ranks))
+
+
+def require_verified(plan_dir: Path, ranks: Iterable[int], program: Program, plan: ExplicitPlan) -> None:
+    """Refuse to run files of `ranks` edited since they were verified; verify the programs of a directory
+    that records nothing (Note [verified once])."""
+    changed = unverified_files(plan_dir, ranks)
+    if changed is None:
+        from hetc.passes.verify import verify    # the passes: only for plan directories from before markers
+
+        verify(program, plan.pipeline, plan.spec)
+    elif changed:
+        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        raise UsageError(f"{plan_dir}: {', '.join(changed[:3])}{more} changed since `hetc compile` verified "
+                         f"{'them' if len(changed) > 1 else 'it'}; run `hetc verify {plan_dir}` to check the "
+                         "edits (it records them as verified when they pass)")
+
+
+def verify_and_record(plan_dir: Path, program: Program, plan: ExplicitPlan, backend: Backend | None = None) -> bool:
+    """Verify `program` and the evaluation programs derived from it under `backend`'s rules (default: the
+    plan's), raising VerifyError; when they pass under the plan's own rules, record them (`record_verified`).
+    Whether anything was recorded."""
+    from hetc.passes.cost import CostModel
+    from hetc.passes.verify import plan_backend, verified_evaluation, verify
+
+    own = plan_backend(plan.pipeline)
+    backend = backend or own
+    verify(program, plan.pipeline, plan.spec, CostModel(plan.spec, plan.pipeline, plan.topology), backend=backend)
+    evaluation = verified_evaluation(program, plan.pipeline, plan.spec, backend)
+    return backend == own and record_verified(plan_dir, program, evaluation)
+
+
+def record_verified(plan_dir: Path, program: Program, evaluation: Program | None) -> bool:
+    """After `hetc verify DIR` passed: write the evaluation programs derived from the listings as they are
+    now, and record every file the ranks read as verified; False (nothing written) for a directory without
+    a marker (Note [verified once])."""
+    if unmarked_or_edited(plan_dir, ()) is None:
+        return False
+    for rp in evaluation.ranks if evaluation is not None else ():
+        (plan_dir / "programs" / eval_listing_name(rp.rank)).write_text(rp.to_text())
+    return restamp(plan_dir, plan_files(plan_dir, range(program.world_size)))
+
+
+def read_eval_rank(plan_dir: Path, rank: int) -> RankProgram | None:
+    """Rank `rank`'s evaluation program as compile wrote it; None where it did not (no evaluation, or a plan
+    directory from before compile wrote them)."""
+    path = plan_dir / "programs" / eval_listing_name(rank)
+    return RankProgram.from_text(path.read_text(), source=str(path)) if path.is_file() else None
 
 
 def portable_spec(spec: Spec, spec_dir: Path, out_dir: Path) -> Spec:
@@ -100,7 +182,7 @@ def _guards(spec_dir: Path) -> list[Protected]:
 
 def write_plan_dir(out: Path, spec: Spec, spec_dir: Path, program: Program, torch_csv: dict[str, str],
                    timeline_json: str | None, summary: JsonObject,
-                   profiles: JsonObject | None = None) -> None:
+                   profiles: JsonObject | None = None, evaluation: Program | None = None) -> None:
     """Write everything at once into a fresh directory that then replaces `out` (never half a plan), where
     hetc may replace `out` (`check_plan_out`); the marker records every file's sha256."""
 
@@ -111,6 +193,8 @@ def write_plan_dir(out: Path, spec: Spec, spec_dir: Path, program: Program, torc
         for rp in program.ranks:
             (progs / listing_name(rp.rank)).write_text(rp.to_text())
             (progs / listing_name(rp.rank).replace(".txt", ".json")).write_text(json.dumps(rp.to_json()))
+        for rp in evaluation.ranks if evaluation is not None else ():
+            (progs / eval_listing_name(rp.rank)).write_text(rp.to_text())
         (tmp / "groups.txt").write_text(program.groups_text())
         if torch_csv:
             (tmp / "torch").mkdir()

@@ -13,7 +13,8 @@ flight, Note [Preemption]). Each start of the workers is one pass here:
      as many nodes as were launched for it, Note [Placement by discovery]);
   3. launch rank 0 plans it (`plan_checked`), compiles and verifies it into
      CHECKPOINT/elastic/plan-R (R counts the starts), and names the folder in the
-     store; the rest wait for the name and verify the programs themselves;
+     store; the rest wait for the name and check their files against what
+     compile verified (Note [verified once] in hetc/plandir.py);
   4. processes the plan uses run it, resuming as --resume-if-present does
      (the newest intact checkpoint, or step 0 on the first start: Note
      [Which checkpoint --resume loads]; plan-free, so resharded on load);
@@ -36,7 +37,7 @@ import time
 from pathlib import Path
 
 from hetc.errors import SpecError
-from hetc.plandir import read_plan, read_program
+from hetc.plandir import read_plan, read_program, require_verified
 from hetc.runtime.placement import Process, discover, node_label, place
 from hetc.runtime.local import process_start_time
 from hetc.runtime.worker import Launch, RunOptions, discovery_device, launch_env, rendezvous_store, run_placed
@@ -90,11 +91,6 @@ def run_elastic(spec_path: Path, opts: RunOptions) -> int:
     plan_dir, timings = _plan(spec_path, checkpoint, launch, store, procs)
     _, checked = read_plan(plan_dir)
     program = read_program(plan_dir)
-    verify_start = time.perf_counter()
-    from hetc.passes.verify import verify
-
-    verify(program, checked.pipeline, checked.spec)
-    timings["compile_verify_s"] += time.perf_counter() - verify_start
     _, labelled = present_spec(_load(spec_path), procs)
     placement = place(checked.pipeline.world, labelled, elastic=True)
     rank = placement.rank_of(launch.rank)
@@ -103,6 +99,9 @@ def run_elastic(spec_path: Path, opts: RunOptions) -> int:
               file=sys.stderr, flush=True)
         store.wait([FINISHED_KEY], _forever())
         return 0
+    check_start = time.perf_counter()
+    require_verified(plan_dir, [rank], program, checked)    # compiled on launch rank 0 (Note [verified once])
+    timings["compile_verify_s"] += time.perf_counter() - check_start
     report = _Report(checkpoint, plan_dir, checked, timings, entered) if rank == 0 else None
     status = run_placed(plan_dir, checked, program, rank, launch, store, opts,
                         on_resumed=report.resumed if report else None,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from hetc.passes.verify import verified_evaluation
 from hetc.pipeline import Pipeline
+from hetc.plandir import read_eval_rank
 from hetc.program import Program, RankProgram
 from hetc.runtime.data import DataSource, make_eval_source
 from hetc.runtime.interpreter import Interpreter
@@ -40,13 +41,17 @@ class Evaluator:
 
 
 def make_evaluator(spec: Spec, pipeline: Pipeline, program: Program, rank: int,
-                   base_dir: Path | str) -> Evaluator | None:
-    """This rank's evaluator, its program verified; None when the job does not evaluate."""
+                   plan_dir: Path) -> Evaluator | None:
+    """This rank's evaluator, with the evaluation program compile verified and wrote beside its listing
+    (Note [verified once] in hetc/plandir.py); None when the job does not evaluate."""
     model, train = spec.model, spec.train
     assert model is not None and train is not None, "a plan's spec is complete"
-    data = make_eval_source(model, train, base_dir)
+    data = make_eval_source(model, train, plan_dir)
     if data is None:
         return None
-    programs = verified_evaluation(program, pipeline, spec)
-    assert programs is not None, "make_eval_source gave data, so the job evaluates"
-    return Evaluator(programs.ranks[rank], data, train.eval_every, train.eval_batches)
+    own = read_eval_rank(plan_dir, rank)
+    if own is None:     # a plan directory from before compile wrote them: derived and verified here
+        programs = verified_evaluation(program, pipeline, spec)
+        assert programs is not None, "make_eval_source gave data, so the job evaluates"
+        own = programs.ranks[rank]
+    return Evaluator(own, data, train.eval_every, train.eval_batches)

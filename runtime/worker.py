@@ -29,8 +29,7 @@ import torch.distributed as dist
 
 from hetc.hf.weights import wants_pretrained
 from hetc.passes.validate_runtime import require_trainable_dtype
-from hetc.passes.verify import verify
-from hetc.plandir import read_plan, read_program
+from hetc.plandir import read_plan, read_program, require_verified
 from hetc.runtime.comm import make_groups
 from hetc.runtime.data import make_data_source
 from hetc.runtime.evaluate import make_evaluator
@@ -150,13 +149,13 @@ def run_worker(plan_dir: Path, opts: RunOptions) -> int:
     launch = launch_env()
     _, checked = read_plan(plan_dir)
     program = read_program(plan_dir)
-    verify(program, checked.pipeline, checked.spec)
     if launch.world != program.world_size:
         raise EnvError(f"the plan has {program.world_size} ranks but WORLD_SIZE is {launch.world}")
     store = rendezvous_store(launch, opts.init_timeout_s)
     procs = discover(store, launch.process(discovery_device()), launch.world)
     placement = place(checked.pipeline.world, procs)
     rank = placement.plan_rank[launch.rank]
+    require_verified(plan_dir, [rank], program, checked)    # Note [verified once] in hetc/plandir.py
     progress = StartupProgress(rank == 0 and not opts.quiet, since=started)
     progress.done(f"placed {launch.world} rank{'s' if launch.world > 1 else ''}")
     return run_placed(plan_dir, checked, program, rank, launch, store, opts, progress=progress)

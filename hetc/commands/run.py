@@ -15,7 +15,7 @@ from pathlib import Path
 from hetc.commands import Subparsers
 from hetc.errors import UsageError
 from hetc.passes.validate_runtime import require_trainable_dtype
-from hetc.passes.verify import VerifyError, verified_evaluation, verify
+from hetc.passes.verify import VerifyError
 from hetc.program import ProgramFormatError
 from hetc.runtime.local import LAUNCHER_ENV
 
@@ -218,16 +218,21 @@ def _rank(args: argparse.Namespace) -> int:
 
 
 def _local(args: argparse.Namespace) -> int:
-    from hetc.plandir import read_plan, read_program
+    from hetc.plandir import read_plan, read_program, unverified_files, verify_and_record
+    from hetc.passes.verify import verify
     from hetc.runtime.local import spawn_local
     from hetc.runtime.placement import node_label
 
     _, checked = read_plan(args.dir)
     require_trainable_dtype(checked.spec)    # fp16 has no loss scaling: refused once, before any rank starts
     program = read_program(args.dir)
-    verify(program, checked.pipeline, checked.spec)   # before starting any rank
-    verified_evaluation(program, checked.pipeline, checked.spec)
     world = checked.pipeline.world_size
+    # the launcher checks edits once, before any rank starts, and records them for its ranks (Note [verified once])
+    edited = unverified_files(args.dir, range(world))
+    if edited is None:
+        verify(program, checked.pipeline, checked.spec)     # a plan directory from before markers
+    elif edited:
+        verify_and_record(args.dir, program, checked)
     if args.local not in (-1, world):
         raise UsageError(f"the plan has {world} ranks; --local {args.local} cannot run it")
     print(f"hetc run: starting {world} local rank{'s' if world > 1 else ''}", file=sys.stderr, flush=True)

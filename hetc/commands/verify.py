@@ -9,9 +9,8 @@ from pathlib import Path
 from hetc.commands import Subparsers
 from hetc.errors import UsageError
 from hetc.outdir import edited_files
-from hetc.passes.cost import CostModel
-from hetc.passes.verify import Backend, VerifyError, plan_backend, verified_evaluation, verify
-from hetc.plandir import read_plan, read_program
+from hetc.passes.verify import Backend, VerifyError, plan_backend
+from hetc.plandir import read_plan, read_program, verify_and_record
 from hetc.program import ProgramFormatError
 
 __all__ = ["register"]
@@ -48,16 +47,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     except FileNotFoundError as err:
         raise UsageError(str(err)) from None
-    try:
-        backend = Backend(args.backend) if args.backend else plan_backend(checked.pipeline)
-        verify(program, checked.pipeline, checked.spec, CostModel(checked.spec, checked.pipeline, checked.topology),
-               backend=backend)
-        verified_evaluation(program, checked.pipeline, checked.spec, backend)   # the forward-only programs derived
+    backend = Backend(args.backend) if args.backend else plan_backend(checked.pipeline)
+    try:   # recorded as verified when it passes under the plan's own rules: what `hetc run` reads
+        recorded = verify_and_record(args.dir, program, checked, backend)
     except VerifyError as err:
         print(err.render(), file=sys.stderr)
         if edited := edited_files(args.dir):   # the sha256 compile recorded (hetc/outdir.py)
             print(f"note: changed since `hetc compile` wrote them: {', '.join(edited)}", file=sys.stderr)
         return 2
     print(f"{args.dir}: ok: {program.world_size} ranks, {sum(len(r.instrs) for r in program.ranks)} "
-          f"instructions verified ({backend} rules)")
+          f"instructions verified ({backend} rules){'; recorded as verified' if recorded else ''}")
     return 0
