@@ -94,6 +94,7 @@ from torch import Tensor
 from hetc.errors import InternalError
 from hetc.program import Shard
 from hetc.runtime.flat import FlatLayout, bind_grads, bind_params
+from hetc.runtime.host_copy import host_buffer
 from hetc.runtime.nn.model import Ministage
 from hetc.runtime.optim import OptimizerState, init_state
 from hetc.runtime.nn.tensor_parallel import NO_SHARD, ShardInfo, TPShard, shard_infos
@@ -111,6 +112,8 @@ class GroupPos:
 
 
 class MinistageBuffers:
+    pin_host = True     # the host copy of offloaded parameters is page-locked on a GPU (`pin_host_copy`)
+
     def __init__(self, module: Ministage, shard: Shard, inner: GroupPos, outer: GroupPos,
                  optimizer: OptimizerSpec, dtype: torch.dtype, device: torch.device,
                  names: Collection[str] | None = None, *, tp: TPShard = NO_SHARD):
@@ -153,6 +156,8 @@ class MinistageBuffers:
             self.grad.untyped_storage().resize_(0)      # until a backward: see `ready_grads`
         if shard.param_offload:     # offloaded parameters start (and end) every step on the host
             self.to_host()
+            if device.type == "cuda":   # set up, not a step: the host copy is whole before a loader writes it
+                torch.cuda.current_stream(device).synchronize()
             self.drop_device_copy()
 
     def _initial_values(self, module: Ministage) -> Tensor | None:
@@ -303,15 +308,17 @@ class MinistageBuffers:
         return slice(start, start + part)
 
     def unique_grad(self) -> Tensor:
-        """The reduced gradient of `unique_range`, in fp32 (tp replicas of whole parameters zeroed)."""
+        """The reduced gradient of `unique_range` (tp replicas of whole parameters zeroed), in the dtype it was
+        reduced in: a view where nothing is zeroed, for `grad_sq_sum`, which widens a chunk at a time (no fp32
+        copy of the shard)."""
         rng = self.unique_range
         if self.level == 0:
-            grad = self.grad[rng].float()
+            grad = self.grad[rng]
         elif self.across > 1:
-            grad = self.across_grad.float()
+            grad = self.across_grad
         else:
             base = self.inner_range.start
-            grad = self.inner_grad[rng.start - base:rng.stop - base].float()
+            grad = self.inner_grad[rng.start - base:rng.stop - base]
         if self.writes_replicated:
             return grad
         grad = grad.clone()
@@ -395,21 +402,36 @@ class MinistageBuffers:
         """The parameter storage that offload moves: the inner shard at ZeRO-3, else everything."""
         return self.own_params if self.level == 3 else self.compute
 
+    def pin_host_copy(self, pinned: bool) -> None:
+        """Keep the host copy of offloaded parameters page-locked or pageable (the spec's `offload {
+        pin_memory }`; it matters on a GPU only: Note [stream-ordered copies] in runtime/host_copy.py)."""
+        self.pin_host = pinned
+        if self.host is None or self.host.is_pinned() == (pinned and self.device.type == "cuda"):
+            return
+        if self.device.type == "cuda":    # set up, not in a step: the first `to_host` may be in flight
+            torch.cuda.current_stream(self.device).synchronize()
+        self.host = host_buffer(self.host, pinned, self.device).copy_(self.host)
+
     def to_host(self) -> None:
         src = self.resident()
         if self.host is None:
-            self.host = torch.empty(src.shape, dtype=src.dtype, device="cpu",
-                                    pin_memory=src.device.type == "cuda")
+            self.host = host_buffer(src, self.pin_host, src.device)
         self.host.copy_(src, non_blocking=src.device.type == "cuda")
 
     def drop_device_copy(self) -> None:
         self.resident().untyped_storage().resize_(0)
 
-    def to_device(self) -> None:
+    def allocate_device_copy(self) -> None:
+        """Give the dropped parameters device memory again, on the current stream: the compute stream's, which
+        uses them (Note [stream-ordered copies]); `to_device` fills it."""
         dst = self.resident()
         storage = dst.untyped_storage()
         if storage.size() == 0:
             storage.resize_(dst.numel() * dst.element_size())
+
+    def to_device(self) -> None:
+        self.allocate_device_copy()
+        dst = self.resident()
         dst.copy_(self.host_params, non_blocking=dst.device.type == "cuda")
 
 

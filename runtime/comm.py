@@ -4,14 +4,15 @@ Every collective and point-to-point call is asynchronous (`async_op=True`)
 and returns a `CommWork`; the interpreter waits on it where the program
 says (a failure is a `CommFailure`: Note [communication failures] in
 runtime/nn/collectives.py). On CUDA, host<->device copies run on their own stream and their
-"work" is an event; on CPU the same code path copies at once. With an `NcclOrder`
+"work" is an event that the compute stream waits for (Note [stream-ordered copies] in
+runtime/host_copy.py); on CPU the same code path copies at once. With an `NcclOrder`
 (`HETC_EMULATE_NCCL=1` on gloo) every op waits on its communicator's line
 before it starts, as under NCCL (Note [NCCL order on gloo] in runtime/nccl_order.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Protocol
 
 import torch
@@ -43,12 +44,16 @@ class Waitable(Protocol):
 
 
 class _EventWork:
-    """A copy on a side stream, as a Work: `wait` makes the current stream wait for it."""
+    """A copy on a side stream, as a Work: `wait` makes the current stream wait for it, not the host (Note
+    [stream-ordered copies] in runtime/host_copy.py); `synchronize` is for a host that reads what it wrote."""
 
-    def __init__(self, event: torch.cuda.Event):
-        self.event = event
+    def __init__(self, event: torch.cuda.Event, device: torch.device):
+        self.event, self.device = event, device
 
     def wait(self) -> None:
+        torch.cuda.current_stream(self.device).wait_event(self.event)
+
+    def synchronize(self) -> None:
         self.event.synchronize()
 
 
@@ -118,15 +123,24 @@ class Comm:
         name = self._group_names.get(id(group), "?")
         return self.order.post(name, f"{kind} on group '{name}'", start)
 
-    def copy(self, move: Callable[[], None],
-             done: Callable[[], None] | None) -> tuple[Waitable | None, Callable[[], None] | None]:
-        """(work, on_done) for a host<->device copy."""
+    def copy(self, move: Callable[[], None], done: Callable[[], None] | None,
+             touches: Collection[Tensor] = ()) -> tuple[Waitable | None, Callable[[], None] | None]:
+        """(work, on_done) for a host<->device copy; `touches`: the device tensors `move` reads or writes,
+        allocated on the compute stream (Note [stream-ordered copies] in runtime/host_copy.py).
+
+        On CUDA the copy runs on the copy stream after the compute stream's work so far (the activations
+        it reads, the blocks it writes may be the compute stream's until then), and `touches` are recorded
+        on the copy stream, so that freeing them after the wait does not hand their memory to the compute
+        stream while the copy may still use it.
+        """
         if self.copy_stream is None:
             move()
             return None, done
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream):
             move()
+            for t in touches:
+                t.record_stream(self.copy_stream)
             event = torch.cuda.Event()
             event.record(self.copy_stream)
-        return _EventWork(event), done
+        return _EventWork(event, self.device), done

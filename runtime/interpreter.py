@@ -33,9 +33,11 @@ from hetc.program import Tensor as Kind
 from hetc.runtime.buffers import MinistageBuffers
 from hetc.runtime.comm import Comm, Waitable
 from hetc.runtime.data import DataSource
+from hetc.runtime.host_copy import host_buffer, upload
 from hetc.runtime.lane import Arrivals, LanePlace, take_tokens
 from hetc.runtime.optim import clip_coefficient, grad_sq_sum, lr_at, optimizer_step
 from hetc.runtime.nn.split_backward import DeferredWeightGrad, backward_input, backward_weight
+from hetc.runtime.step_clock import StepClock
 from hetc.runtime.unit_buffers import Buffers, UnitBuffers
 from hetc.spec import Spec
 from hetc.timeline import class_times
@@ -70,7 +72,9 @@ class _Pending:
 class Interpreter:
     def __init__(self, spec: Spec, program: RankProgram, buffers: dict[int, Buffers], comm: Comm,
                  data: DataSource, num_microbatches: int, device: torch.device,
-                 first_layer: dict[int, int], stop_layer: dict[int, int], place: LanePlace):
+                 first_layer: dict[int, int], stop_layer: dict[int, int], place: LanePlace, *,
+                 pin_memory: bool = True):
+        """`pin_memory`: the rank's stage's `offload { pin_memory }`, for the host buffers of its offloads."""
         self.spec, self.program, self.buffers, self.comm = spec, program, buffers, comm
         self.data, self.m, self.device, self.place = data, num_microbatches, device, place
         assert spec.model is not None and spec.train is not None   # a checked spec
@@ -81,6 +85,10 @@ class Interpreter:
         self.counts_loss = place.counts_loss
         self.training = True
         self.skip_nonfinite = False    # set by `hetc run --on-nonfinite skip`: Note [non-finite steps]
+        self.pin_memory = pin_memory
+        for buf in buffers.values():
+            for part in buf.parts():
+                part.pin_host_copy(pin_memory)
         # one handler per instruction class, each taking its own class (so the table's value type is loose)
         self._handlers: dict[type[Instr], Callable[..., None]] = {
             Load: self._load, Forward: self._forward, Backward: self._backward,
@@ -95,7 +103,8 @@ class Interpreter:
     def run_step(self, step: int, trace: bool = False, classes: bool = False) -> StepResult:
         """One step; `trace` times each instruction, `classes` the step's time per TimeClass.
 
-        Both synchronize the GPU after each instruction, so its time is the instruction's own.
+        On a GPU both time the compute stream by CUDA events, read once at the step's end (Note [timing
+        with CUDA events] in runtime/step_clock.py): measuring adds no host wait inside the step.
         """
         self.training = True
         return self._run(step, trace, classes)
@@ -114,23 +123,23 @@ class Interpreter:
     def _run(self, step: int, trace: bool, classes: bool = False) -> StepResult:
         self._begin(step)
         t0 = time.perf_counter()
-        events, reached = [], []
+        clock = StepClock(self.device) if trace or classes else None
         for index, instr in enumerate(self.program.instrs):
-            start = time.perf_counter() - t0
-            reached.append(start)
+            if clock is not None:
+                clock.mark()
             try:
                 self._handlers[type(instr)](instr)
             except Exception as err:
                 # a note, not a new exception of type(err): not every exception's constructor takes a message
                 err.add_note(f"[rank {self.program.rank}] step {step}: instruction {index} `{instr}`")
                 raise
-            if (trace or classes) and self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            if trace:
-                events.append((index, start, time.perf_counter() - t0))
-        loop_end = time.perf_counter() - t0
+        if clock is not None:
+            clock.mark()
         self._end(step)
-        split = {c.value: s for c, s in class_times(self.program.instrs, reached, loop_end).items()} if classes else {}
+        marks = clock.seconds() if clock is not None else []   # marks[i]: instruction i reached; last: loop end
+        events = [(i, marks[i], marks[i + 1]) for i in range(len(marks) - 1)] if trace else []
+        split = {c.value: s for c, s in class_times(self.program.instrs, marks[:-1], marks[-1]).items()} \
+            if classes else {}
         return StepResult(self.loss_total, time.perf_counter() - t0, events, split, self.grad_norm, self.skip_update)
 
     def _begin(self, step: int) -> None:
@@ -148,7 +157,8 @@ class Interpreter:
         self.unit_outs: dict[tuple[int, int, int], Tensor] = {}
         self.unit_grads: dict[tuple[int, int, int], Tensor] = {}
         self.pending: dict[int, _Pending] = {}
-        self.losses: list[float] = []
+        self.loss_sum: Tensor | None = None                  # Note [the loss on the device]
+        self.staged: list[Tensor] = []                       # page-locked token copies in flight (`upload`)
         self.loss_total = float("nan")
         self.clip = 1.0
         self.grad_norm: float | None = None
@@ -158,6 +168,11 @@ class Interpreter:
                 buf.zero_grads()
 
     def _end(self, step: int) -> None:
+        if self.device.type == "cuda":
+            # the step's one host wait besides the loss and the norm: the compute stream has waited for every
+            # copy, so host memory they wrote is whole for whatever reads it next (checkpoints); Note
+            # [stream-ordered copies] in runtime/host_copy.py
+            torch.cuda.current_stream(self.device).synchronize()
         if self.pending:
             h, p = next(iter(self.pending.items()))
             raise ProtocolError(f"[rank {self.program.rank}] step {step}: handle {h} of `{p.instr}` is never waited")
@@ -193,8 +208,8 @@ class Interpreter:
 
     def _load(self, instr: Load) -> None:
         tokens, labels = self.data.get_microbatch(self.step_idx, instr.mb)
-        self.tokens[instr.mb] = (take_tokens(tokens, self.place).to(self.device),
-                                 take_tokens(labels, self.place).to(self.device))
+        self.tokens[instr.mb] = (upload(take_tokens(tokens, self.place), self.device, self.staged),
+                                 upload(take_tokens(labels, self.place), self.device, self.staged))
 
     def _input_of(self, ms: int, mb: int) -> Tensor:
         if self.starts[ms]:
@@ -239,7 +254,7 @@ class Interpreter:
             return
         self.outputs[(ms, mb)] = out
         if self.ends[ms]:
-            self.losses.append(out.detach().float().item())
+            self._add_loss(out)
 
     def _forward(self, instr: Forward) -> None:
         if instr.unit is not None:
@@ -258,7 +273,19 @@ class Interpreter:
             self.inputs[(ms, mb)] = x
         self.outputs[(ms, mb)] = out
         if self.ends[ms]:
-            self.losses.append(out.detach().float().item())
+            self._add_loss(out)
+
+    # Note [the loss on the device]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # Reading each microbatch's loss on the host (`.item()`) would make the host wait for the GPU after
+    # every last-stage forward. The losses are summed on the device instead, in float64 and in microbatch
+    # order, and read once, where the program waits for the loss's all-reduce: the same IEEE float64 adds, in
+    # the same order, as the Python sum of floats that the runtime and the 1-rank reference (runtime/
+    # reference.py) make, so the loss is bitwise what it was (a loss widened to float64 is exact).
+
+    def _add_loss(self, out: Tensor) -> None:
+        loss = out.detach().to(torch.float64)
+        self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
 
     def _graph_of(self, ms: int, mb: int) -> tuple[Tensor, Tensor]:
         """(input, output-with-graph) of a forward, recomputing it if only the input was stashed."""
@@ -438,19 +465,27 @@ class Interpreter:
             self._post(instr, self.comm.all_reduce(target, group))
 
     def _reduce_loss(self, instr: AllReduce, group) -> None:
-        mine = sum(self.losses) / self.m if self.counts_loss else 0.0
-        total = torch.tensor([mine], dtype=torch.float64, device=self.device)
+        """All-reduce the mean of this rank's microbatch losses; its wait is where the host reads the loss."""
+        if self.counts_loss and self.loss_sum is not None:
+            total = (self.loss_sum / self.m).reshape(1)      # Note [the loss on the device]
+        else:
+            total = torch.zeros(1, dtype=torch.float64, device=self.device)
         self._post(instr, self.comm.all_reduce(total, group),
                    lambda: setattr(self, "loss_total", float(total.item())))
 
     def _reduce_norm(self, instr: AllReduce, group) -> None:
-        local = sum(float(grad_sq_sum(part.unique_grad())) for buf in self.buffers.values() for part in buf.parts())
-        total = torch.tensor([local], dtype=torch.float64, device=self.device)
+        """All-reduce the sum of squares of this rank's unique gradients, added on the device in part order;
+        its wait is where the host reads the norm, once."""
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for buf in self.buffers.values():
+            for part in buf.parts():
+                total += grad_sq_sum(part.unique_grad())
 
         def done() -> None:
-            self.grad_norm = math.sqrt(float(total.item()))
+            total_sq = float(total.item())
+            self.grad_norm = math.sqrt(total_sq)
             self.skip_update = self.skip_nonfinite and not math.isfinite(self.grad_norm)
-            self.clip = 1.0 if self.skip_update else clip_coefficient(float(total.item()), self.train.grad_clip)
+            self.clip = 1.0 if self.skip_update else clip_coefficient(total_sq, self.train.grad_clip)
         self._post(instr, self.comm.all_reduce(total, group), done)
 
     def _all_to_all(self, instr: AllToAll) -> None:
@@ -484,11 +519,11 @@ class Interpreter:
             def drop() -> None:
                 for p in parts:
                     p.drop_device_copy()
-            self._post(instr, *self.comm.copy(to_host, drop))
+            self._post(instr, *self.comm.copy(to_host, drop, [p.resident() for p in parts]))
             return
         key = _stash_key(instr)
         x = self.inputs[key]
-        host = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=x.device.type == "cuda")
+        host = host_buffer(x, self.pin_memory, x.device)
 
         def move() -> None:
             host.copy_(x.detach(), non_blocking=x.device.type == "cuda")
@@ -496,16 +531,18 @@ class Interpreter:
         def done() -> None:
             self.on_host[key] = host
             self.inputs[key] = x.detach().new_empty(0)   # the device copy is gone
-        self._post(instr, *self.comm.copy(move, done))
+        self._post(instr, *self.comm.copy(move, done, [x]))
 
     def _prefetch(self, instr: Prefetch) -> None:
         if instr.what is Kind.PARAMS:
             parts = self._buffers(instr.ms).parts()
+            for p in parts:    # on the compute stream, which uses them (Note [stream-ordered copies])
+                p.allocate_device_copy()
 
             def to_device() -> None:
                 for p in parts:
                     p.to_device()
-            self._post(instr, *self.comm.copy(to_device, None))
+            self._post(instr, *self.comm.copy(to_device, None, [p.resident() for p in parts]))
             return
         key = _stash_key(instr)
         host = self.on_host.pop(key, None)
@@ -518,7 +555,7 @@ class Interpreter:
 
         def done() -> None:
             self.inputs[key] = back.requires_grad_(not self.starts[instr.ms])
-        self._post(instr, *self.comm.copy(move, done))
+        self._post(instr, *self.comm.copy(move, done, [back]))
 
 
 def _stash_key(instr: Offload | Prefetch) -> tuple[int, int]:

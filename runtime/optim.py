@@ -139,14 +139,26 @@ def lr_at(train: TrainSpec, step: int) -> float:
     return sched.min_lr + (peak - sched.min_lr) * factor
 
 
+# Elements of a gradient shard squared in float64 at once: a bounded transient (32 MiB), inside the memory
+# model's reserve however large the shard (an fp64 copy of a whole shard is 8 bytes a parameter, uncounted).
+SQ_SUM_CHUNK = 1 << 22
+
+
 def grad_sq_sum(grad_shard: Tensor) -> Tensor:
-    """Sum of squares of one gradient shard, as a float64 scalar (all-reduce it with SUM).
+    """Sum of squares of one gradient shard, as a float64 scalar on the shard's device (all-reduce it with SUM).
 
     float64 so that summing per-shard partials in any order (any plan) gives
-    the same total to far below fp32 resolution.
+    the same total to far below fp32 resolution. The shard is squared a
+    chunk of SQ_SUM_CHUNK elements at a time, each chunk in float64, and the
+    chunks' sums are added in float64: no fp64 copy of the shard, and no
+    host read (the caller reads the all-reduced total once).
     """
-    g = grad_shard.detach().to(torch.float64)
-    return torch.dot(g, g) if g.dim() == 1 else (g * g).sum()
+    g = grad_shard.detach().reshape(-1)
+    total = torch.zeros((), dtype=torch.float64, device=g.device)
+    for chunk in g.split(SQ_SUM_CHUNK):
+        c = chunk.to(torch.float64)
+        total += torch.dot(c, c)
+    return total
 
 
 def clip_coefficient(total_sq: float | Tensor, max_norm: float) -> float:

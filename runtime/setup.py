@@ -117,7 +117,7 @@ def build_rank(spec: Spec, pipeline: Pipeline, program: Program, rank: int, grou
     firsts = {m.index: m.first_layer for m in pipeline.ministages}
     stops = {m.index: m.stop_layer for m in pipeline.ministages}
     interp = Interpreter(spec, program.ranks[rank], buffers, comm, data, pipeline.num_microbatches, device,
-                         firsts, stops, place)
+                         firsts, stops, place, pin_memory=pipeline.stage_of_rank[rank].offload.pin_memory)
     return RankRuntime(rank, interp, buffers)
 
 

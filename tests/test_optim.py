@@ -226,5 +226,11 @@ def test_an_fp32_models_master_weights_are_its_parameters(level):
     half.publish()
     mine = half.own_params[half.opt_range_in_inner()] if level == 3 else half.compute[half.opt_range]
     assert bool((mine == 2.0).all())
+    # offloaded fp32 parameters are their own master too; between steps the host copy holds it
     offloaded = _buffers(level, torch.float32, Shard(ms=1, level=level, group="dp", param_offload=True))
-    assert not offloaded.master_is_params and offloaded.master.data_ptr() != offloaded.host_params.data_ptr()
+    assert offloaded.master_is_params
+    on_host = offloaded.host_params[offloaded.opt_range_in_inner() if level == 3 else offloaded.opt_range]
+    assert offloaded.master_values().data_ptr() == on_host.data_ptr()
+    # an optimizer stepped on the host keeps its own fp32 master there (Note [optimizer offload])
+    stepped_on_host = _buffers(level, torch.float32, Shard(ms=1, level=level, group="dp", opt_offload=True))
+    assert not stepped_on_host.master_is_params and stepped_on_host.master.device.type == "cpu"
