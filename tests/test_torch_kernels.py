@@ -151,6 +151,40 @@ def test_moe_experts_run_as_one_grouped_matmul_per_projection(arch, monkeypatch)
     assert products == [4] * projections, "each projection: one call over all 4 experts' weights"
 
 
+@pytest.mark.gpu
+@needs_cuda
+def test_a_bf16_ring_block_on_cuda_is_sdpa():
+    """The CUDA flash path of a ring block (compact GQA K/V, its own backward) against torch's SDPA."""
+    ours = [t.detach().cuda().requires_grad_() for t in qkv(4, 2, torch.bfloat16)]
+    plain = [t.detach().clone().requires_grad_() for t in ours]
+    out = RingAttention(None, (0,), 0)(*ours)
+    ref = F.scaled_dot_product_attention(*plain, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    out.float().square().sum().backward()
+    ref.float().square().sum().backward()
+    for a, b in zip(ours, plain, strict=True):
+        assert a.grad is not None and b.grad is not None
+        torch.testing.assert_close(a.grad, b.grad, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("arch", list(Arch))
+def test_moe_grouped_experts_on_cuda_match_cpu(arch):
+    """torch._grouped_mm on CUDA (fp32 here) gives the CPU layer's output and gradients."""
+    x = torch.randn(2, 12, 32, generator=torch.Generator().manual_seed(0))
+    results = []
+    for device in ("cpu", "cuda"):
+        moe = moe_layer(arch).to(device)
+        xin = x.clone().to(device).requires_grad_()
+        out = moe(xin)
+        out.square().sum().backward()
+        assert xin.grad is not None
+        results.append((out.detach().cpu(), xin.grad.cpu()))
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 ADAMS = [OptimizerSpec(kind=OptimizerKind.ADAMW, weight_decay=0.1, beta2=0.95),
          OptimizerSpec(kind=OptimizerKind.ADAM, weight_decay=0.01)]
 
