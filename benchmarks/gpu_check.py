@@ -441,6 +441,19 @@ def check_two_stage(ctx: Context) -> list[Row]:
     return [Row(name, "ok", f"{ctx.steps} steps, loss {ctx.losses['2-stage'][-1]:.4f}")]
 
 
+def check_gpu_tests(ctx: Context) -> list[Row]:
+    """The suite's `gpu`-marked tests: the CUDA paths CPU CI skips (fused Adam, CUDA-event timing, stream-waited
+    offload, ring blocks through flash attention, grouped experts)."""
+    if not ctx.gpu:
+        return [Row("gpu-marked tests", "skipped", detail="no GPU: they skip on CPU")]
+    done = ctx.call([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
+                     "tests/"])
+    lines = done.stdout.strip().splitlines()
+    summary = lines[-1][:400] if lines else done.last_line()      # pytest's "N passed, M skipped" line
+    status = "ok" if done.returncode == 0 else "fail"
+    return [Row("gpu-marked tests", status, summary, "all pass", data={"output_tail": done.stdout[-3000:]})]
+
+
 def check_loss_falls(ctx: Context) -> list[Row]:
     if not ctx.losses:
         return [Row("loss falls", "skipped", detail="no run finished")]
@@ -461,6 +474,7 @@ CHECKS: list[tuple[str, float, Callable[[Context], list[Row]]]] = [
     ("offload overlap", 120, check_overlap),
     ("checkpoint + resume", 150, check_resume),
     ("2-stage", 90, check_two_stage),
+    ("gpu-marked tests", 120, check_gpu_tests),
     ("loss falls", 10, check_loss_falls),
 ]
 
