@@ -26,14 +26,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from hetc.program import (AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight, ComputeInstr,
-                          Forward, Free, Instr, Load, Offload, Prefetch, RankProgram, Recv, ReduceScatter, Send,
-                          Step, Unit, Wait)
+from hetc.program import (COMPUTE_TYPES, AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight,
+                          ComputeInstr, Forward, Free, Instr, Load, Offload, Prefetch, RankProgram, Recv, ReduceScatter,
+                          Send, Step, Unit, Wait)
 from hetc.program import Tensor as Kind
 from hetc.runtime.buffers import MinistageBuffers
 from hetc.runtime.comm import Comm, Waitable
 from hetc.runtime.data import DataSource
 from hetc.runtime.host_copy import host_buffer, upload
+from hetc.runtime.inject import Slowdown, compute_factor, stretch, synchronize
 from hetc.runtime.lane import Arrivals, LanePlace, take_tokens
 from hetc.runtime.optim import clip_coefficient, grad_sq_sum, lr_at, optimizer_step
 from hetc.runtime.nn.split_backward import DeferredWeightGrad, backward_input, backward_weight
@@ -85,6 +86,7 @@ class Interpreter:
         self.counts_loss = place.counts_loss
         self.training = True
         self.skip_nonfinite = False    # set by `hetc run --on-nonfinite skip`: Note [non-finite steps]
+        self.injected: tuple[Slowdown, ...] = ()   # `hetc run --inject`: this rank's slowdowns (runtime/inject.py)
         self.pin_memory = pin_memory
         for buf in buffers.values():
             for part in buf.parts():
@@ -124,11 +126,15 @@ class Interpreter:
         self._begin(step)
         t0 = time.perf_counter()
         clock = StepClock(self.device) if trace or classes else None
+        slower = compute_factor(self.injected, self.program.rank, step) if self.training else 1.0
         for index, instr in enumerate(self.program.instrs):
             if clock is not None:
                 clock.mark()
             try:
-                self._handlers[type(instr)](instr)
+                if slower > 1 and isinstance(instr, COMPUTE_TYPES):
+                    self._slowed(instr, slower)
+                else:
+                    self._handlers[type(instr)](instr)
             except Exception as err:
                 # a note, not a new exception of type(err): not every exception's constructor takes a message
                 err.add_note(f"[rank {self.program.rank}] step {step}: instruction {index} `{instr}`")
@@ -141,6 +147,14 @@ class Interpreter:
         split = {c.value: s for c, s in class_times(self.program.instrs, marks[:-1], marks[-1]).items()} \
             if classes else {}
         return StepResult(self.loss_total, time.perf_counter() - t0, events, split, self.grad_norm, self.skip_update)
+
+    def _slowed(self, instr: Instr, factor: float) -> None:
+        """A compute instruction of an injected slow rank: run, then wait (factor - 1) times its time."""
+        synchronize(self.device)
+        start = time.perf_counter()
+        self._handlers[type(instr)](instr)
+        synchronize(self.device)
+        stretch(time.perf_counter() - start, factor)
 
     def _begin(self, step: int) -> None:
         self.step_idx = step

@@ -148,6 +148,12 @@ class Reporter:
         for sink in self.sinks:
             sink.add(done, step_scalars(record))
 
+    def event(self, record: dict) -> None:
+        """A --metrics record that is not a step's (live rebalancing's detections and changes), on rank 0."""
+        if self.metrics is not None:
+            self.metrics.write(json.dumps(record) + "\n")
+            self.metrics.flush()
+
     def _sinks(self) -> list[ScalarSink]:
         sinks: list[ScalarSink] = []
         if self.opts.tensorboard is not None:

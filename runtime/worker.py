@@ -11,6 +11,7 @@ with a checkpoint (runtime/preempt.py); saves are asynchronous
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import math
@@ -41,6 +42,8 @@ from hetc.runtime.nn import collectives
 from hetc.runtime.nn.collectives import is_comm_failure
 from hetc.runtime.placement import ClusterMismatch, discover, local_gpu, local_process, place
 from hetc.runtime.preempt import PREEMPTED_STATUS, Preemption
+from hetc.runtime.inject import Slowdown
+from hetc.runtime.rebalance import Rebalancer, RebalanceOptions
 from hetc.runtime.report import Reporter, StartupProgress
 from hetc.runtime.setup import build_rank
 from hetc.runtime.watchdog import Watchdog, attempt_prefix, store_client
@@ -100,6 +103,8 @@ class RunOptions:
     elastic: bool = False
     quiet: bool = False
     on_nonfinite: NonFinite = NonFinite.STOP
+    rebalance: RebalanceOptions | None = None     # --rebalance: Note [live rebalancing] in runtime/rebalance.py
+    inject: tuple[Slowdown, ...] = ()             # --inject: runtime/inject.py
 
 
 @dataclass(frozen=True)
@@ -257,18 +262,19 @@ def _train(plan_dir: Path, opts: RunOptions, rank: int, spec, pipeline, program,
         raise EnvError("--on-nonfinite skip needs train.grad_clip in the spec: the global gradient norm it "
                        "checks before the update is computed only under clipping (Note [non-finite steps])")
     rt.interpreter.skip_nonfinite = opts.on_nonfinite is NonFinite.SKIP
+    rt.interpreter.injected = opts.inject
     saver, lock = _checkpointer(rt, opts, timeout, rank)
     use_step_timeout(datetime.timedelta(seconds=opts.timeout_s))    # every group exists now
     try:
         return _steps(rt, opts, rank, spec, pipeline, program, device, saver, evaluator, preemption, hooks,
-                      start_from)
+                      start_from, plan_dir)
     finally:
         if lock is not None:
             lock.release()
 
 
 def _steps(rt, opts: RunOptions, rank: int, spec, pipeline, program, device: torch.device, saver, evaluator,
-           preemption: Preemption, hooks: _Hooks, start_from: _Start | None) -> int:
+           preemption: Preemption, hooks: _Hooks, start_from: _Start | None, plan_dir: Path) -> int:
     if opts.elastic:        # every rank: the load time below is the load's, not the wait for the last rank to start
         collectives.barrier()
     loading = time.perf_counter()
@@ -276,13 +282,17 @@ def _steps(rt, opts: RunOptions, rank: int, spec, pipeline, program, device: tor
     if hooks.on_resumed is not None:
         hooks.on_resumed(start, time.perf_counter() - loading)
     reporter = Reporter(rank, spec, pipeline, program, opts, device, append=start > 0)
+    rebalancer = None if opts.rebalance is None else \
+        Rebalancer(plan_dir, spec, pipeline, rank, opts.rebalance, reporter.store, reporter.event)
     steps = spec.train.steps if opts.steps is None else opts.steps
     skipped = 0
     for step in range(start, steps):
         traced = opts.trace is not None and step == steps - 1
-        result = rt.interpreter.run_step(step, trace=traced, classes=opts.metrics is not None)
+        result = rt.interpreter.run_step(step, trace=traced, classes=opts.metrics is not None or rebalancer is not None)
         val_loss = evaluator.run(rt.interpreter) if evaluator is not None and evaluator.due(step + 1) else None
         reporter.step(step, steps, result, val_loss)
+        if rebalancer is not None:
+            evaluator = _rebalanced(rebalancer, step, result, rt, reporter, evaluator)
         if step == start and hooks.on_first_step is not None:
             hooks.on_first_step()
         what = _nonfinite(result)
@@ -303,6 +313,20 @@ def _steps(rt, opts: RunOptions, rank: int, spec, pipeline, program, device: tor
         print(f"hetc run: {skipped} of {steps - start} steps skipped their update: a non-finite gradient norm "
               "(--on-nonfinite skip)", file=sys.stderr, flush=True)
     return 0
+
+
+def _rebalanced(rebalancer: Rebalancer, step: int, result, rt, reporter: Reporter, evaluator):
+    """After `step`: run the programs live rebalancing switched to, if it did (Note [live rebalancing]); the
+    evaluator that goes with them."""
+    switch = rebalancer.after_step(step, result.classes.get("compute", 0.0), result.seconds)
+    if switch is None:
+        return evaluator
+    rt.interpreter.program = switch.program
+    if switch.full is not None and switch.pipeline is not None:     # rank 0: a trace reads every rank's
+        reporter.program, reporter.pipeline = switch.full, switch.pipeline
+    if evaluator is not None and switch.evaluation is not None:
+        return dataclasses.replace(evaluator, program=switch.evaluation)
+    return evaluator
 
 
 def _saved(saver, done: int) -> bool:

@@ -73,8 +73,8 @@ def _other_than_default(action) -> list[str]:
         return [flag]
     if action.choices:
         return [flag, next(str(c) for c in action.choices if c != action.default)]
-    value = {float: "7.5", int: "5"}.get(action.type, f"x-{action.dest}")     # Path and str: a name
-    assert str(value) != str(action.default), flag
+    value = next(v for v in ({float: "7.5", int: "5"}.get(action.type, f"x-{action.dest}"), "8.5" if action.type is
+                             float else "6") if str(v) != str(action.default))     # Path and str: a name
     return [flag, value]
 
 

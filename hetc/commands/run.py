@@ -17,7 +17,9 @@ from hetc.errors import UsageError
 from hetc.passes.validate_runtime import require_trainable_dtype
 from hetc.passes.verify import VerifyError
 from hetc.program import ProgramFormatError
+from hetc.runtime.inject import parse_injection
 from hetc.runtime.local import LAUNCHER_ENV
+from hetc.runtime.rebalance import RebalanceOptions
 
 __all__ = ["LAUNCHER_ONLY", "register", "run_options"]
 
@@ -82,6 +84,25 @@ def register(sub: Subparsers) -> None:
                         "(exit 3; every checkpoint keeps finite weights), or skip its update and go on, "
                         "counted and reported, as Megatron's and DeepSpeed's loss scalers do (needs "
                         "train.grad_clip)")
+    p.add_argument("--rebalance", action="store_true",
+                   help="live rebalancing: measure every lane's compute rate each step and, when a lane becomes "
+                        "slower than it was (a throttled GPU, a noisy neighbour), re-route its stage's microbatches "
+                        "around it from the next step, without a restart, and give them back when it recovers; a "
+                        "line and a --metrics record (\"event\": \"rebalance\") for each detection and change")
+    p.add_argument("--rebalance-window", type=int, default=RebalanceOptions.window, metavar="N",
+                   help="steps whose median is a lane's rate; the N steps after the first are its reference "
+                        f"(default {RebalanceOptions.window})")
+    p.add_argument("--rebalance-threshold", type=float, default=RebalanceOptions.threshold, metavar="X",
+                   help="a lane X times slower than its reference is slow; it recovers below halfway back "
+                        f"(default {RebalanceOptions.threshold}: above the step-to-step noise, docs/benchmarks.md)")
+    p.add_argument("--rebalance-cooldown", type=int, default=RebalanceOptions.cooldown, metavar="N",
+                   help=f"steps between two changes of routing (default {RebalanceOptions.cooldown})")
+    p.add_argument("--rebalance-min-gain", type=float, default=RebalanceOptions.min_gain, metavar="F",
+                   help="take a new routing only where the simulation predicts F more throughput "
+                        f"(default {RebalanceOptions.min_gain}: 5 %%)")
+    p.add_argument("--inject", action="append", default=[], metavar="SPEC",
+                   help="fault injection for tests and demos: 'slow rank=R factor=F from=S [until=U]' makes plan "
+                        "rank R compute F times slower over steps S..U-1 (0-based; repeatable)")
     p.add_argument("-q", "--quiet", action="store_true", help="print no line per step")
     p.add_argument("--timeout", type=float, default=120.0, metavar="S",
                    help="a step's collective or message that waits S seconds fails the run (raise it for steps "
@@ -107,6 +128,12 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--stop-timeout must be positive")
     if args.heartbeat_timeout <= 0:
         raise UsageError("--heartbeat-timeout must be positive")
+    if args.rebalance_window < 1 or args.rebalance_threshold <= 1 or args.rebalance_cooldown < 0 \
+            or args.rebalance_min_gain < 0:
+        raise UsageError("--rebalance-window must be at least 1, --rebalance-threshold above 1, "
+                         "--rebalance-cooldown and --rebalance-min-gain not negative")
+    for text in args.inject:
+        parse_injection(text)       # a UsageError quoting it, before any rank starts
     if args.timeout <= 0 or args.init_timeout <= 0:
         raise UsageError("--timeout and --init-timeout must be positive")
     for flag in ("resume", "resume_if_present", "every", "keep"):
@@ -190,7 +217,11 @@ def _rank(args: argparse.Namespace) -> int:
                       resume_if_present=args.resume_if_present or args.elastic,
                       weights_from=args.load_weights_only, timeout_s=args.timeout, init_timeout_s=args.init_timeout,
                       grace_s=args.stop_timeout, heartbeat_timeout_s=args.heartbeat_timeout,
-                      elastic=args.elastic, quiet=args.quiet, on_nonfinite=NonFinite(args.on_nonfinite))
+                      elastic=args.elastic, quiet=args.quiet, on_nonfinite=NonFinite(args.on_nonfinite),
+                      rebalance=RebalanceOptions(args.rebalance_window, args.rebalance_threshold,
+                                                 args.rebalance_cooldown, args.rebalance_min_gain)
+                      if args.rebalance else None,
+                      inject=tuple(parse_injection(text) for text in args.inject))
     try:
         if args.elastic:
             from hetc.runtime.elastic import run_elastic
@@ -266,7 +297,10 @@ def _rank_argv(args: argparse.Namespace) -> list[str]:
         if action.dest in LAUNCHER_ONLY or value == action.default:
             continue
         flag = max(action.option_strings, key=len)    # the long form: --quiet, not -q
-        argv += [flag] if action.nargs == 0 else [flag, str(value)]
+        if isinstance(value, list):     # a repeatable option: once per value
+            argv += [word for item in value for word in (flag, str(item))]
+        else:
+            argv += [flag] if action.nargs == 0 else [flag, str(value)]
     return argv
 
 

@@ -9,7 +9,7 @@ microbatch is involved.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from hetc.memo import cached_property
@@ -54,9 +54,11 @@ _PairSignature = tuple[tuple[str, str, bool, int], ...]
 
 class CostModel:
     def __init__(self, spec: Spec, pipeline: Pipeline, topology: Topology, profiles: Profiles | None = None,
-                 engine: Engine = Engine.HETC):
+                 engine: Engine = Engine.HETC, measured_slowdown: Mapping[int, float] | None = None):
         """`engine`: whose programs are timed, hetc's own (what `hetc compile` builds) unless the plan is
-        one another engine ran (Sailor's measured Megatron-DeepSpeed runs, Note [async sends])."""
+        one another engine ran (Sailor's measured Megatron-DeepSpeed runs, Note [async sends]).
+        `measured_slowdown`: rank -> how many times slower it computes than it did (a running job's
+        measurement, Note [live rebalancing] in runtime/rebalance.py), on top of `slowdown`'s own."""
         assert spec.model is not None and spec.train is not None
         self.spec, self.pipeline, self.topology = spec, pipeline, topology
         self.engine = engine
@@ -85,6 +87,8 @@ class CostModel:
         ranks = computing_ranks(pipeline)
         self._slowdown = dict(zip(ranks, rank_slowdowns(list(ranks.values()), node_cores, cluster.cores,
                                                         self.profiles.shared))) if cluster else {}
+        for rank, factor in (measured_slowdown or {}).items():
+            self._slowdown[rank] = self._slowdown.get(rank, 1.0) * factor
         # Note [core wait]: every blocking call between ranks of such a node waits for a core once
         self._waits = host_waits(pipeline.world, node_cores, cluster.cores,
                                  self.profiles.core_wait) if cluster else {}

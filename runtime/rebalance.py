@@ -1,0 +1,334 @@
+"""Live rebalancing: a running job notices a lane that has become slow and re-routes microbatches around it
+(`hetc run --rebalance`).
+
+Note [live rebalancing]
+Slow-but-alive GPUs (thermal throttling, a degraded link, a noisy neighbour) cost a job more than failures
+do, and a heterogeneous plan already knows the remedy: give a slower lane fewer microbatches. So with
+`--rebalance` every rank reports its compute time per step (what the runtime measures for --metrics), and
+plan rank 0 keeps, per lane, its compute seconds per microbatch (the slowest of the lane's ranks):
+
+- *calibration*: after the first step (start-up), the median of the next `window` steps is the lane's
+  reference rate: what the lane does when healthy, on this machine, under this plan. (The plan's own
+  prediction differs from the machine by a factor per device and per node, which would read as a
+  slowdown of some lane from step one; the reference removes it.)
+- *detection*: a lane is slow when the median of its last `window` steps is `threshold` times its
+  reference or more, and healthy again when that ratio falls below halfway back
+  (1 + (threshold − 1)/2). A median of a window ignores one noisy step, and the band between the two
+  bounds keeps a lane near the threshold from flapping.
+- *decision*: when the set of slow lanes changes, and `cooldown` steps have passed since the last
+  change, each stage with more than one lane gets the routing that water-fills its microbatches over its
+  lanes' current rates (passes/plan/routing.py, the planner's own); with no lane slow, the plan's own
+  routing comes back. The new plan is compiled, verified and simulated on rank 0 with the measured
+  slowdowns as part of the cost model (`CostModel(measured_slowdown=)`); it is taken only when the
+  simulation says it gains `min_gain` at least (a return to the plan's routing once every lane is
+  healthy is always taken: the cause of the change is gone), and the step it predicts is the measured
+  step scaled by the simulation's ratio.
+- *switch*: rank 0 puts every rank's new listing (and evaluation listing) in the store before its
+  decision for the step; every rank reads the decision after each step and, on a switch, runs its new
+  program from the next step. A change of routing moves no weights: each stage keeps its ministages, its
+  ZeRO shards and its process groups, and a global microbatch reads the same samples whichever lane
+  serves it (Note [Plan-independent data] in runtime/data.py), so the losses are those of the run
+  without the slowdown.
+
+Every detection and switch is a line on rank 0 and a `--metrics` record with `"event": "rebalance"`.
+A change of layer split (when re-routing cannot help: a slow lane alone in its stage) is not made live:
+the detection line says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hetc.pipeline import Pipeline
+from hetc.program import Program, RankProgram
+from hetc.errors import SpecError
+from hetc.passes.verify import VerifyError
+from hetc.spec import Auto, Routing, RoutingKind, Spec
+
+__all__ = ["LaneWatch", "RebalanceOptions", "Rebalancer", "Switch", "target_routing"]
+
+LaneId = tuple[int, int]      # (stage, lane)
+DECISION_KEY = "hetc/rebalance/step/{step}"
+LISTING_KEY = "hetc/rebalance/v{version}/{kind}-{rank}"
+
+
+@dataclass(frozen=True)
+class RebalanceOptions:
+    """`hetc run --rebalance` and its knobs (Note [live rebalancing])."""
+
+    window: int = 5
+    threshold: float = 2.0     # above the step-to-step noise measured by benchmarks/rebalance.py
+    cooldown: int = 5
+    min_gain: float = 0.05
+
+    @property
+    def recovered(self) -> float:
+        """The ratio under which a slow lane is healthy again."""
+        return 1 + (self.threshold - 1) / 2
+
+
+@dataclass
+class LaneWatch:
+    """Per lane, its compute seconds per microbatch: the reference, the recent window, and the lanes slow."""
+
+    lanes: list[LaneId]
+    opts: RebalanceOptions
+    seen: int = 0
+    reference: dict[LaneId, float] = field(default_factory=dict)
+    recent: dict[LaneId, deque[float]] = field(default_factory=dict)
+    slow: dict[LaneId, float] = field(default_factory=dict)     # lane -> its current slowdown
+
+    def observe(self, per_microbatch: Mapping[LaneId, float]) -> None:
+        """One step's seconds per microbatch of every lane."""
+        self.seen += 1
+        if self.seen == 1:
+            return      # the first step also starts the run up
+        for lane in self.lanes:
+            self.recent.setdefault(lane, deque(maxlen=self.opts.window)).append(per_microbatch[lane])
+        if not self.reference and self.seen - 1 == self.opts.window:    # the first whole window: calibration
+            self.reference = {lane: statistics.median(self.recent[lane]) for lane in self.lanes}
+
+    def ratios(self) -> dict[LaneId, float]:
+        """Each lane's median over its last `window` steps, over its reference (none before calibration)."""
+        if not self.reference:
+            return {}
+        return {lane: statistics.median(self.recent[lane]) / self.reference[lane] for lane in self.lanes}
+
+    def update(self) -> tuple[list[LaneId], list[LaneId]]:
+        """Update the slow lanes from the ratios: (lanes that became slow, lanes that recovered)."""
+        ratios = self.ratios()
+        became = [lane for lane, r in ratios.items() if r >= self.opts.threshold and lane not in self.slow]
+        recovered = [lane for lane, r in ratios.items() if lane in self.slow and r < self.opts.recovered]
+        for lane in recovered:
+            del self.slow[lane]
+        for lane, r in ratios.items():
+            if lane in self.slow or lane in became:
+                self.slow[lane] = r
+        return became, recovered
+
+
+def target_routing(pipeline: Pipeline, planned: Mapping[int, tuple[int, ...]], reference: Mapping[LaneId, float],
+                   slow: Mapping[LaneId, float], equal: Mapping[int, bool]) -> dict[int, tuple[int, ...]]:
+    """Microbatches per lane of every stage: the plan's own where no lane of the stage is slow, else
+    water-filled over the lanes' current rates (reference × slowdown)."""
+    from hetc.passes.plan.routing import spread
+
+    out = {}
+    for stage in pipeline.stages:
+        lanes = [(stage.index, lane.index) for lane in stage.lanes]
+        if len(lanes) < 2 or not any(lane in slow for lane in lanes):
+            out[stage.index] = planned[stage.index]
+            continue
+        m = sum(len(lane.microbatches) for lane in stage.lanes)
+        classes = [(1, reference[lane] * slow.get(lane, 1.0), m) for lane in lanes]
+        got = spread(m, classes, equal=equal[stage.index])
+        out[stage.index] = planned[stage.index] if got is None else tuple(c for counts in got for c in counts)
+    return out
+
+
+def routing_of(pipeline: Pipeline) -> dict[int, tuple[int, ...]]:
+    return {st.index: tuple(len(lane.microbatches) for lane in st.lanes) for st in pipeline.stages}
+
+
+def with_routing(spec: Spec, routing: Mapping[int, tuple[int, ...]]) -> Spec:
+    """`spec` with explicit microbatch counts per lane for every stage whose lanes are more than one."""
+    parallel = spec.parallel
+    assert parallel is not None and not isinstance(parallel.stages, Auto)   # an explicit plan
+    stages = tuple(st if len(routing[i]) < 2 else
+                   dataclasses.replace(st, microbatches=Routing(kind=RoutingKind.COUNTS, counts=routing[i]))
+                   for i, st in enumerate(parallel.stages))
+    return dataclasses.replace(spec, parallel=dataclasses.replace(parallel, stages=stages))
+
+
+@dataclass(frozen=True)
+class Switch:
+    """What a rank runs from the next step on."""
+
+    program: RankProgram
+    evaluation: RankProgram | None
+    full: Program | None = None          # rank 0: every rank's programs (the trace of a step needs them)
+    pipeline: Pipeline | None = None
+
+
+@dataclass
+class _Compiled:
+    spec: Spec
+    pipeline: Pipeline
+    program: Program
+    evaluation: Program | None
+    simulated_s: float
+
+
+class Rebalancer:
+    """One rank's part of live rebalancing (Note [live rebalancing]); rank 0 decides."""
+
+    def __init__(self, plan_dir: Path, spec: Spec, pipeline: Pipeline, rank: int, opts: RebalanceOptions,
+                 store, log) -> None:
+        self.plan_dir, self.spec, self.pipeline, self.rank, self.opts = plan_dir, spec, pipeline, rank, opts
+        self.store, self.log = store, log      # `log(record)`: a --metrics record (rank 0)
+        self.planned = routing_of(pipeline)
+        lanes = [(st.index, lane.index) for st in pipeline.stages for lane in st.lanes]
+        self.watch = LaneWatch(lanes, opts)
+        self.version = 0
+        self.last_change: int | None = None
+        self.steps: deque[float] = deque(maxlen=opts.window)
+        self.check: tuple[int, float, float] | None = None     # (switch step, step before, predicted step)
+        self._program: Program | None = None
+
+    # ------------------------------------------------------------ every rank
+
+    def after_step(self, step: int, compute_s: float, step_s: float) -> Switch | None:
+        """Report this rank's compute time of `step`; the switch every rank makes after it, if any."""
+        self.store.set(f"hetc/rebalance/compute/{step}/{self.rank}", repr(compute_s))
+        if self.rank == 0:
+            decision = self._decide(step, step_s)
+            self.store.set(DECISION_KEY.format(step=step), json.dumps(decision))
+        else:
+            decision = json.loads(self.store.get(DECISION_KEY.format(step=step)))
+        if decision is None:
+            return None
+        return self._switch_to(decision["version"])
+
+    def _switch_to(self, version: int) -> Switch:
+        program = RankProgram.from_text(self.store.get(LISTING_KEY.format(version=version, kind="rank",
+                                                                          rank=self.rank)).decode())
+        text = self.store.get(LISTING_KEY.format(version=version, kind="eval", rank=self.rank)).decode()
+        evaluation = RankProgram.from_text(text) if text else None
+        if self.rank != 0:
+            return Switch(program, evaluation)
+        assert self._program is not None
+        return Switch(program, evaluation, self._program, self.pipeline)
+
+    # ------------------------------------------------------------ rank 0
+
+    def _decide(self, step: int, step_s: float) -> dict | None:
+        world = self.pipeline.world_size
+        keys = [f"hetc/rebalance/compute/{step}/{r}" for r in range(world)]
+        compute = [float(v) for v in self.store.multi_get(keys)]
+        self.watch.observe(self._per_microbatch(compute))
+        self.steps.append(step_s)
+        self._check_gain(step)
+        became, recovered = self.watch.update()
+        for lane in became:
+            self._tell_slow(step, lane)
+        for lane in recovered:
+            self._say(step, f"{self._lane_name(lane)} is back to its reference rate", {"recovered": list(lane)})
+        if not (became or recovered):
+            return None
+        if self.last_change is not None and step - self.last_change < self.opts.cooldown:
+            return None
+        return self._replan(step)
+
+    def _per_microbatch(self, compute: list[float]) -> dict[LaneId, float]:
+        return {(st.index, lane.index): max(compute[r] for r in lane.ranks) / max(1, len(lane.microbatches))
+                for st in self.pipeline.stages for lane in st.lanes}
+
+    def _replan(self, step: int) -> dict | None:
+        from hetc.passes.lower.schedule import lockstep_groups
+
+        assert self.spec.model is not None   # a plan's spec
+        coupled = {group.stage.index for group in lockstep_groups(self.pipeline, self.spec.model)}
+        equal = {st.index: st.index in coupled for st in self.pipeline.stages}
+        target = target_routing(self.pipeline, self.planned, self.watch.reference, self.watch.slow, equal)
+        current = routing_of(self.pipeline)
+        if target == current:
+            alone = [lane for lane in self.watch.slow if len(self.pipeline.stages[lane[0]].lanes) == 1]
+            if alone:
+                self._say(step, "re-routing cannot help a lane alone in its stage; a new layer split needs a "
+                          "restart (hetc run --elastic re-plans on restart)", {"change": None})
+            return None
+        slow = self._rank_slowdowns()
+        start = time.perf_counter()
+        try:
+            before, after = self._compile(current, slow), self._compile(target, slow)
+        except (SpecError, VerifyError) as err:     # a routing the plan's rules refuse: keep the one that runs
+            self._say(step, f"re-routing refused: {str(err).splitlines()[0]}", {"change": None, "taken": False})
+            return None
+        gain = before.simulated_s / after.simulated_s - 1 if after.simulated_s > 0 else 0.0
+        measured = statistics.median(self.steps)
+        predicted = measured * after.simulated_s / before.simulated_s if before.simulated_s > 0 else measured
+        change = {str(s): [list(current[s]), list(target[s])] for s in target if target[s] != current[s]}
+        restores = target == self.planned     # every lane healthy again: the plan as compiled, gain or not
+        if gain < self.opts.min_gain and not restores:
+            self._say(step, f"re-routing {self._describe(change)} would gain {gain:.0%} (< {self.opts.min_gain:.0%}): "
+                      "kept", {"change": change, "predicted_gain": gain, "taken": False})
+            return None
+        self.version += 1
+        self._publish(after)
+        compile_s = time.perf_counter() - start
+        self.spec, self.pipeline, self._program = after.spec, after.pipeline, after.program
+        self.last_change = step
+        self.check = (step, measured, predicted)
+        why = "back to the plan's routing" if restores else f"+{gain:.0%} throughput"
+        self._say(step, f"re-routing {self._describe(change)}: predicted step {measured:.3f} s -> {predicted:.3f} s "
+                  f"({why}); compiled and verified in {compile_s:.2f} s",
+                  {"change": change, "predicted_gain": gain, "measured_step_s": measured,
+                   "predicted_step_s": predicted, "compile_s": compile_s, "taken": True})
+        return {"version": self.version}
+
+    def _rank_slowdowns(self) -> dict[int, float]:
+        return {r: factor for (s, l), factor in self.watch.slow.items()
+                for r in self.pipeline.stages[s].lanes[l].ranks}
+
+    def _compile(self, routing: Mapping[int, tuple[int, ...]], slow: Mapping[int, float]) -> _Compiled:
+        """Lower, verify and simulate the plan with `routing`, its compute slowed by `slow`."""
+        from hetc.compiler import predict
+        from hetc.passes.cost import CostModel
+        from hetc.passes.lower import lower
+        from hetc.passes.validate import check_spec
+        from hetc.passes.verify import verified_evaluation
+
+        spec = with_routing(self.spec, routing)
+        plan = check_spec(spec, self.plan_dir).explicit()
+        assert plan is not None   # the running plan with other counts: explicit
+        costs = CostModel(plan.spec, plan.pipeline, plan.topology, measured_slowdown=slow)
+        program = lower(plan.spec, plan.pipeline, costs=costs)
+        _, timeline = predict(program, plan, None, costs)
+        evaluation = verified_evaluation(program, plan.pipeline, plan.spec)
+        return _Compiled(spec, plan.pipeline, program, evaluation, timeline.step_time)
+
+    def _publish(self, compiled: _Compiled) -> None:
+        for rp in compiled.program.ranks:
+            self.store.set(LISTING_KEY.format(version=self.version, kind="rank", rank=rp.rank), rp.to_text())
+            ev = compiled.evaluation.ranks[rp.rank].to_text() if compiled.evaluation is not None else ""
+            self.store.set(LISTING_KEY.format(version=self.version, kind="eval", rank=rp.rank), ev)
+
+    def _check_gain(self, step: int) -> None:
+        """`window` steps after a switch: the measured step beside the predicted one."""
+        if self.check is None or step - self.check[0] < self.opts.window:
+            return
+        switched, before, predicted = self.check
+        measured = statistics.median(self.steps)
+        self.check = None
+        self._say(step, f"after re-routing at step {switched + 1}: step {before:.3f} s -> {measured:.3f} s "
+                  f"(predicted {predicted:.3f} s)",
+                  {"measured_step_s": measured, "predicted_step_s": predicted, "before_step_s": before})
+
+    def _tell_slow(self, step: int, lane: LaneId) -> None:
+        ratio = self.watch.slow[lane]
+        ref = self.watch.reference[lane]
+        self._say(step, f"{self._lane_name(lane)} computes {ratio:.2f}x slower than it did "
+                  f"({ref * ratio * 1e3:.1f} ms per microbatch, {ref * 1e3:.1f} ms at the start)",
+                  {"slow": list(lane), "ratio": ratio, "measured_s": ref * ratio, "reference_s": ref})
+
+    def _lane_name(self, lane: LaneId) -> str:
+        stage = self.pipeline.stages[lane[0]]
+        ranks = stage.lanes[lane[1]].ranks
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
+        return f"lane {lane[1]} of stage '{stage.name}' ({who})"
+
+    def _describe(self, change: Mapping[str, list[list[int]]]) -> str:
+        return "; ".join(f"stage '{self.pipeline.stages[int(s)].name}' microbatches {old} -> {new}"
+                         for s, (old, new) in change.items())
+
+    def _say(self, step: int, text: str, record: dict) -> None:
+        print(f"hetc run: step {step + 1}: {text}", file=sys.stderr, flush=True)
+        self.log({"event": "rebalance", "step": step + 1, **record})
