@@ -11,8 +11,10 @@ plan rank 0 keeps, per lane, its compute seconds per microbatch (the slowest of 
   reference rate: what the lane does when healthy, on this machine, under this plan. (The plan's own
   prediction differs from the machine by a factor per device and per node, which would read as a
   slowdown of some lane from step one; the reference removes it.)
-- *detection*: a lane is slow when the median of its last `window` steps is `threshold` times its
-  reference or more, and healthy again when that ratio falls below halfway back
+- *detection*: a lane's slowdown is the median of its last `window` steps over its reference, divided
+  by the median of that ratio over all lanes: what slows every lane alike (a busy host, a longer
+  sequence of steps that all ranks share) is no lane's fault, and no routing could help it. A lane is
+  slow when its slowdown is `threshold` or more, and healthy again when it falls below halfway back
   (1 + (threshold − 1)/2). A median of a window ignores one noisy step, and the band between the two
   bounds keeps a lane near the threshold from flapping.
 - *decision*: when the set of slow lanes changes, and `cooldown` steps have passed since the last
@@ -97,10 +99,13 @@ class LaneWatch:
             self.reference = {lane: statistics.median(self.recent[lane]) for lane in self.lanes}
 
     def ratios(self) -> dict[LaneId, float]:
-        """Each lane's median over its last `window` steps, over its reference (none before calibration)."""
+        """Each lane's slowdown: its median over its last `window` steps, over its reference, over the median
+        of that ratio over all lanes (none before calibration)."""
         if not self.reference:
             return {}
-        return {lane: statistics.median(self.recent[lane]) / self.reference[lane] for lane in self.lanes}
+        own = {lane: statistics.median(self.recent[lane]) / self.reference[lane] for lane in self.lanes}
+        common = statistics.median(own.values())
+        return {lane: r / common for lane, r in own.items()}
 
     def update(self) -> tuple[list[LaneId], list[LaneId]]:
         """Update the slow lanes from the ratios: (lanes that became slow, lanes that recovered)."""
