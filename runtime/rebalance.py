@@ -33,14 +33,23 @@ plan rank 0 keeps, per lane, its compute seconds per microbatch (the slowest of 
   without the slowdown.
 
 Every detection and switch is a line on rank 0 and a `--metrics` record with `"event": "rebalance"`.
-A change of layer split (when re-routing cannot help: a slow lane alone in its stage) is not made live:
-the detection line says so.
+Note [a new layer split]
+Re-routing cannot help a slow lane alone in its stage. There rank 0 tries moving each border between
+stages of one layer range by one or two layers, compiles and simulates each split with the measured
+slowdowns, and takes the best when it gains `split_gain` (a bigger bar than routing's: the change
+costs a checkpoint). Every rank then saves the step just done to --checkpoint (DCP, the run's own
+saver), creates the new plan's process groups, builds its new ministages with no values, and loads
+the checkpoint into them, resharded as any resume is (runtime/checkpoint.py); the next step runs the
+new programs. No process restarts and no step is repeated or lost; without --checkpoint the line
+says that a new split needs one. The new plan travels through the store as one pickled value (spec,
+programs), as a plan directory would on a shared file system.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import pickle
 import statistics
 import sys
 import time
@@ -52,14 +61,16 @@ from pathlib import Path
 from hetc.pipeline import Pipeline
 from hetc.program import Program, RankProgram
 from hetc.errors import SpecError
+from hetc.passes.validate import ExplicitPlan
 from hetc.passes.verify import VerifyError
-from hetc.spec import Auto, Routing, RoutingKind, Spec
+from hetc.spec import Auto, LayerRange, Routing, RoutingKind, Spec
 
 __all__ = ["LaneWatch", "RebalanceOptions", "Rebalancer", "Switch", "target_routing"]
 
 LaneId = tuple[int, int]      # (stage, lane)
 DECISION_KEY = "hetc/rebalance/step/{step}"
 LISTING_KEY = "hetc/rebalance/v{version}/{kind}-{rank}"
+SPLIT_KEY = "hetc/rebalance/v{version}/split"
 
 
 @dataclass(frozen=True)
@@ -70,6 +81,7 @@ class RebalanceOptions:
     threshold: float = 2.0     # above the step-to-step noise measured by benchmarks/rebalance.py
     cooldown: int = 5
     min_gain: float = 0.05
+    split_gain: float = 0.2    # a new layer split (through a checkpoint) must gain this much
 
     @property
     def recovered(self) -> float:
@@ -153,6 +165,38 @@ def with_routing(spec: Spec, routing: Mapping[int, tuple[int, ...]]) -> Spec:
     return dataclasses.replace(spec, parallel=dataclasses.replace(parallel, stages=stages))
 
 
+def layer_splits(spec: Spec, pipeline: Pipeline, stage: int) -> list[Spec]:
+    """`spec` with each border of stage `stage` (to the stage before it and after it) moved by one or two
+    layers, where both stages have one layer range and keep a layer (Note [a new layer split])."""
+    model, parallel = spec.model, spec.parallel
+    assert model is not None and parallel is not None and not isinstance(parallel.stages, Auto)
+    stages = parallel.stages
+    out = []
+    for left in (stage - 1, stage):
+        if left < 0 or left + 1 >= len(stages):
+            continue
+        a, b = stages[left], stages[left + 1]
+        if isinstance(a.layers, Auto) or isinstance(b.layers, Auto) or len(a.layers) != 1 or len(b.layers) != 1:
+            continue
+        (first, border), (_, last) = _layers(pipeline, left), _layers(pipeline, left + 1)
+        for shift in (-2, -1, 1, 2):
+            moved = border + shift
+            if not first < moved < last:
+                continue
+            name = model.layer_name
+            new = list(stages)
+            new[left] = dataclasses.replace(a, layers=(LayerRange(first=name(first), last=name(moved - 1)),))
+            new[left + 1] = dataclasses.replace(b, layers=(LayerRange(first=name(moved), last=name(last - 1)),))
+            out.append(dataclasses.replace(spec, parallel=dataclasses.replace(parallel, stages=tuple(new))))
+    return out
+
+
+def _layers(pipeline: Pipeline, stage: int) -> tuple[int, int]:
+    """(first layer, stop layer) of a stage."""
+    ms = pipeline.stages[stage].ministages
+    return pipeline.ministages[ms[0]].first_layer, pipeline.ministages[ms[-1]].stop_layer
+
+
 @dataclass(frozen=True)
 class Switch:
     """What a rank runs from the next step on."""
@@ -161,6 +205,8 @@ class Switch:
     evaluation: RankProgram | None
     full: Program | None = None          # rank 0: every rank's programs (the trace of a step needs them)
     pipeline: Pipeline | None = None
+    resplit: ExplicitPlan | None = None  # a new layer split: the rank reshards (Note [a new layer split])
+    whole: Program | None = None         # with it, the new programs (groups and every rank's listing)
 
 
 @dataclass
@@ -176,13 +222,16 @@ class Rebalancer:
     """One rank's part of live rebalancing (Note [live rebalancing]); rank 0 decides."""
 
     def __init__(self, plan_dir: Path, spec: Spec, pipeline: Pipeline, rank: int, opts: RebalanceOptions,
-                 store, log) -> None:
+                 store, log, can_reshard: bool = False, version: int = 0) -> None:
+        """`can_reshard`: the run saves checkpoints, so a new layer split can go through one; `version`: the
+        last plan version published (a rebalancer after a new split goes on counting)."""
         self.plan_dir, self.spec, self.pipeline, self.rank, self.opts = plan_dir, spec, pipeline, rank, opts
         self.store, self.log = store, log      # `log(record)`: a --metrics record (rank 0)
+        self.can_reshard = can_reshard
         self.planned = routing_of(pipeline)
         lanes = [(st.index, lane.index) for st in pipeline.stages for lane in st.lanes]
         self.watch = LaneWatch(lanes, opts)
-        self.version = 0
+        self.version = version
         self.last_change: int | None = None
         self.steps: deque[float] = deque(maxlen=opts.window)
         self.check: tuple[int, float, float] | None = None     # (switch step, step before, predicted step)
@@ -200,7 +249,19 @@ class Rebalancer:
             decision = json.loads(self.store.get(DECISION_KEY.format(step=step)))
         if decision is None:
             return None
+        if decision.get("split"):
+            return self._resplit_to(decision["version"])
         return self._switch_to(decision["version"])
+
+    def _resplit_to(self, version: int) -> Switch:
+        from hetc.passes.validate import check_spec
+
+        spec, program, evaluation = pickle.loads(self.store.get(SPLIT_KEY.format(version=version)))
+        plan = check_spec(spec, self.plan_dir).explicit()
+        assert plan is not None   # compiled on rank 0 from this spec
+        self.version = version
+        return Switch(program.ranks[self.rank], evaluation.ranks[self.rank] if evaluation is not None else None,
+                      program if self.rank == 0 else None, plan.pipeline, plan, program)
 
     def _switch_to(self, version: int) -> Switch:
         program = RankProgram.from_text(self.store.get(LISTING_KEY.format(version=version, kind="rank",
@@ -246,10 +307,7 @@ class Rebalancer:
         current = routing_of(self.pipeline)
         if target == current:
             alone = [lane for lane in self.watch.slow if len(self.pipeline.stages[lane[0]].lanes) == 1]
-            if alone:
-                self._say(step, "re-routing cannot help a lane alone in its stage; a new layer split needs a "
-                          "restart (hetc run --elastic re-plans on restart)", {"change": None})
-            return None
+            return self._resplit(step, alone[0][0]) if alone else None
         slow = self._rank_slowdowns()
         start = time.perf_counter()
         try:
@@ -279,19 +337,64 @@ class Rebalancer:
                    "predicted_step_s": predicted, "compile_s": compile_s, "taken": True})
         return {"version": self.version}
 
+    def _resplit(self, step: int, stage: int) -> dict | None:
+        """Re-routing cannot help a slow lane alone in `stage`: a new layer split (Note [a new layer split])."""
+        name = self.pipeline.stages[stage].name
+        if not self.can_reshard:
+            self._say(step, f"re-routing cannot help stage '{name}' (one lane); a new layer split goes through "
+                      "a checkpoint: run with --checkpoint DIR", {"change": None, "taken": False})
+            return None
+        slow, start = self._rank_slowdowns(), time.perf_counter()
+        before = self._compile_spec(self.spec, slow)
+        best: _Compiled | None = None
+        for spec in layer_splits(self.spec, self.pipeline, stage):
+            try:
+                got = self._compile_spec(spec, slow)
+            except (SpecError, VerifyError):      # a split that does not fit or that the plan's rules refuse
+                continue
+            if best is None or got.simulated_s < best.simulated_s:
+                best = got
+        gain = before.simulated_s / best.simulated_s - 1 if best is not None and best.simulated_s > 0 else 0.0
+        split = "" if best is None else self._describe_split(best.pipeline)
+        if best is None or gain < self.opts.split_gain:
+            self._say(step, f"re-routing cannot help stage '{name}' (one lane); the best new layer split "
+                      f"{split or '(none fits)'} would gain {gain:.0%} (< {self.opts.split_gain:.0%}): kept",
+                      {"change": None, "split": split or None, "predicted_gain": gain, "taken": False})
+            return None
+        self.version += 1
+        self.store.set(SPLIT_KEY.format(version=self.version), pickle.dumps((best.spec, best.program,
+                                                                             best.evaluation)))
+        measured = statistics.median(self.steps)
+        predicted = measured * best.simulated_s / before.simulated_s
+        self.last_change, self.check = step, (step, measured, predicted)
+        self._say(step, f"new layer split {split}: predicted step {measured:.3f} s -> {predicted:.3f} s "
+                  f"(+{gain:.0%} throughput); compiled in {time.perf_counter() - start:.2f} s; through a checkpoint "
+                  f"of step {step + 1}", {"split": split, "predicted_gain": gain, "measured_step_s": measured,
+                                          "predicted_step_s": predicted, "taken": True})
+        return {"version": self.version, "split": True}
+
+    def _describe_split(self, pipeline: Pipeline) -> str:
+        model = self.spec.model
+        assert model is not None   # a plan's spec
+        spans = [(st.name, *_layers(pipeline, st.index)) for st in pipeline.stages]
+        return ", ".join(f"{name} {model.layer_name(a)}..{model.layer_name(b - 1)}" for name, a, b in spans)
+
     def _rank_slowdowns(self) -> dict[int, float]:
         return {r: factor for (s, l), factor in self.watch.slow.items()
                 for r in self.pipeline.stages[s].lanes[l].ranks}
 
     def _compile(self, routing: Mapping[int, tuple[int, ...]], slow: Mapping[int, float]) -> _Compiled:
         """Lower, verify and simulate the plan with `routing`, its compute slowed by `slow`."""
+        return self._compile_spec(with_routing(self.spec, routing), slow)
+
+    def _compile_spec(self, spec: Spec, slow: Mapping[int, float]) -> _Compiled:
+        """Lower, verify and simulate the plan of `spec`, its compute slowed by `slow`."""
         from hetc.compiler import predict
         from hetc.passes.cost import CostModel
         from hetc.passes.lower import lower
         from hetc.passes.validate import check_spec
         from hetc.passes.verify import verified_evaluation
 
-        spec = with_routing(self.spec, routing)
         plan = check_spec(spec, self.plan_dir).explicit()
         assert plan is not None   # the running plan with other counts: explicit
         costs = CostModel(plan.spec, plan.pipeline, plan.topology, measured_slowdown=slow)

@@ -43,7 +43,7 @@ from hetc.runtime.nn.collectives import is_comm_failure
 from hetc.runtime.placement import ClusterMismatch, discover, local_gpu, local_process, place
 from hetc.runtime.preempt import PREEMPTED_STATUS, Preemption
 from hetc.runtime.inject import Slowdown
-from hetc.runtime.rebalance import Rebalancer, RebalanceOptions
+from hetc.runtime.rebalance import RebalanceOptions, Rebalancer, Switch
 from hetc.runtime.report import Reporter, StartupProgress
 from hetc.runtime.setup import build_rank
 from hetc.runtime.watchdog import Watchdog, attempt_prefix, store_client
@@ -283,7 +283,8 @@ def _steps(rt, opts: RunOptions, rank: int, spec, pipeline, program, device: tor
         hooks.on_resumed(start, time.perf_counter() - loading)
     reporter = Reporter(rank, spec, pipeline, program, opts, device, append=start > 0)
     rebalancer = None if opts.rebalance is None else \
-        Rebalancer(plan_dir, spec, pipeline, rank, opts.rebalance, reporter.store, reporter.event)
+        Rebalancer(plan_dir, spec, pipeline, rank, opts.rebalance, reporter.store, reporter.event,
+                   can_reshard=saver is not None)
     steps = spec.train.steps if opts.steps is None else opts.steps
     skipped = 0
     for step in range(start, steps):
@@ -291,8 +292,6 @@ def _steps(rt, opts: RunOptions, rank: int, spec, pipeline, program, device: tor
         result = rt.interpreter.run_step(step, trace=traced, classes=opts.metrics is not None or rebalancer is not None)
         val_loss = evaluator.run(rt.interpreter) if evaluator is not None and evaluator.due(step + 1) else None
         reporter.step(step, steps, result, val_loss)
-        if rebalancer is not None:
-            evaluator = _rebalanced(rebalancer, step, result, rt, reporter, evaluator)
         if step == start and hooks.on_first_step is not None:
             hooks.on_first_step()
         what = _nonfinite(result)
@@ -301,11 +300,17 @@ def _steps(rt, opts: RunOptions, rank: int, spec, pipeline, program, device: tor
         skipped += result.skipped
         if preemption.should_stop(step + 1) and step + 1 < steps:
             return _preempted(saver, rank, step + 1)
-        if saver is not None and _saves_after(opts, step + 1, steps):
-            if not _saved(saver, step + 1):
-                return _diverged(saver, rank, step + 1, "its weights or optimizer state are not finite", opts)
-        elif saver is not None:
+        saving = saver is not None and _saves_after(opts, step + 1, steps)
+        if saving and not _saved(saver, step + 1):
+            return _diverged(saver, rank, step + 1, "its weights or optimizer state are not finite", opts)
+        if saver is not None and not saving:
             saver.poll()
+        if rebalancer is not None and step + 1 < steps:
+            switch = rebalancer.after_step(step, result.classes.get("compute", 0.0), result.seconds)
+            if switch is not None:
+                rt, rebalancer = _switched(switch, step, rt, rebalancer, saver, saving, reporter, opts, plan_dir)
+                evaluator = evaluator if evaluator is None or switch.evaluation is None else \
+                    dataclasses.replace(evaluator, program=switch.evaluation)
     if saver is not None:
         saver.wait()
     reporter.finish()
@@ -315,18 +320,34 @@ def _steps(rt, opts: RunOptions, rank: int, spec, pipeline, program, device: tor
     return 0
 
 
-def _rebalanced(rebalancer: Rebalancer, step: int, result, rt, reporter: Reporter, evaluator):
-    """After `step`: run the programs live rebalancing switched to, if it did (Note [live rebalancing]); the
-    evaluator that goes with them."""
-    switch = rebalancer.after_step(step, result.classes.get("compute", 0.0), result.seconds)
-    if switch is None:
-        return evaluator
-    rt.interpreter.program = switch.program
+def _switched(switch: Switch, step: int, rt, rebalancer: Rebalancer, saver, saved: bool, reporter: Reporter,
+              opts: RunOptions, plan_dir: Path):
+    """After `step`: the runtime (and rebalancer) that run the programs live rebalancing switched to
+    (Note [live rebalancing]): the same with new programs after a new routing, a new one resharded from a
+    checkpoint of this step after a new layer split (Note [a new layer split])."""
     if switch.full is not None and switch.pipeline is not None:     # rank 0: a trace reads every rank's
         reporter.program, reporter.pipeline = switch.full, switch.pipeline
-    if evaluator is not None and switch.evaluation is not None:
-        return dataclasses.replace(evaluator, program=switch.evaluation)
-    return evaluator
+    if switch.resplit is None or switch.whole is None:
+        rt.interpreter.program = switch.program
+        return rt, rebalancer
+    from hetc.runtime.nccl_order import emulation_from_env
+
+    done, plan = step + 1, switch.resplit
+    if not saved:
+        saver.save(done)
+    saver.wait()
+    collectives.barrier(group=saver.group)     # the leader has published step-N when every rank goes on
+    old = rt.interpreter
+    rt.buffers.clear()      # the checkpoint holds this state now; free it before the new split's is built
+    groups = make_groups(switch.whole.groups, datetime.timedelta(seconds=opts.timeout_s))
+    rt = build_rank(plan.spec, plan.pipeline, switch.whole, old.program.rank, groups, old.data, old.device,
+                    resumes=True, emulation=emulation_from_env())
+    rt.interpreter.skip_nonfinite, rt.interpreter.injected = old.skip_nonfinite, old.injected
+    _load(rt, _Start(saver.directory / f"step-{done}", False))
+    saver.rt = rt
+    assert opts.rebalance is not None   # it switched
+    return rt, Rebalancer(plan_dir, plan.spec, plan.pipeline, rt.rank, opts.rebalance, reporter.store,
+                          reporter.event, can_reshard=True, version=rebalancer.version)
 
 
 def _saved(saver, done: int) -> bool:

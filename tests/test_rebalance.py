@@ -135,3 +135,27 @@ def test_a_slowed_lane_is_routed_around_without_a_restart_and_gets_its_microbatc
     assert len(losses) == steps
     for got, want in zip(losses, reference.losses, strict=True):
         assert abs(got - want) <= 1e-5 * abs(want)
+
+
+@pytest.mark.slow
+def test_a_slow_lane_alone_in_its_stage_gets_a_new_layer_split_through_a_checkpoint_losing_no_step(tmp_path):
+    """Rank 3 holds the hetero plan's last stage alone (block3..head): no routing helps it, so the run moves
+    a layer off it, through a checkpoint of the step just done, in the same processes (Note [a new layer
+    split]); every step runs once and its loss is the 1-rank reference's."""
+    plan, metrics, steps = tmp_path / "hetero", tmp_path / "m.jsonl", 20
+    assert hetc_main(["compile", str(DEMO / "hetero.het"), "-o", str(plan)]) == 0
+    done = subprocess.run([sys.executable, "-m", "hetc", "run", str(plan), "--local", "--steps", str(steps), "-q",
+                           "--rebalance", "--rebalance-threshold", "3", "--inject", "slow rank=3 factor=6 from=5",
+                           "--checkpoint", str(tmp_path / "ck"), "--metrics", str(metrics)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    split = next(r for r in records if r.get("event") == "rebalance" and r.get("split") and r.get("taken"))
+    assert "tail head..head" in split["split"] and split["predicted_gain"] >= RebalanceOptions().split_gain
+    assert f"resumed from {tmp_path / 'ck'}/step-{split['step']} at step {split['step']}" in done.stdout
+    assert done.stderr.count("starting 4 local ranks") == 1
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, steps + 1))    # none lost, none twice
+    _, checked = read_plan(plan)
+    reference = train_reference(checked.spec.model, checked.spec.train, base_dir=plan, steps=steps)
+    for got, want in zip((r["loss"] for r in records if "loss" in r), reference.losses, strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want)

@@ -100,6 +100,10 @@ def register(sub: Subparsers) -> None:
     p.add_argument("--rebalance-min-gain", type=float, default=RebalanceOptions.min_gain, metavar="F",
                    help="take a new routing only where the simulation predicts F more throughput "
                         f"(default {RebalanceOptions.min_gain}: 5 %%)")
+    p.add_argument("--rebalance-split-gain", type=float, default=RebalanceOptions.split_gain, metavar="F",
+                   help="where no routing helps (a slow lane alone in its stage), move layers off it when the "
+                        f"simulation predicts F more throughput (default {RebalanceOptions.split_gain}); goes "
+                        "through a checkpoint of the step, in the same processes: needs --checkpoint")
     p.add_argument("--inject", action="append", default=[], metavar="SPEC",
                    help="fault injection for tests and demos: 'slow rank=R factor=F from=S [until=U]' makes plan "
                         "rank R compute F times slower over steps S..U-1 (0-based; repeatable)")
@@ -129,9 +133,9 @@ def run(args: argparse.Namespace) -> int:
     if args.heartbeat_timeout <= 0:
         raise UsageError("--heartbeat-timeout must be positive")
     if args.rebalance_window < 1 or args.rebalance_threshold <= 1 or args.rebalance_cooldown < 0 \
-            or args.rebalance_min_gain < 0:
+            or args.rebalance_min_gain < 0 or args.rebalance_split_gain < 0:
         raise UsageError("--rebalance-window must be at least 1, --rebalance-threshold above 1, "
-                         "--rebalance-cooldown and --rebalance-min-gain not negative")
+                         "--rebalance-cooldown and the gains not negative")
     for text in args.inject:
         parse_injection(text)       # a UsageError quoting it, before any rank starts
     if args.timeout <= 0 or args.init_timeout <= 0:
@@ -219,7 +223,8 @@ def _rank(args: argparse.Namespace) -> int:
                       grace_s=args.stop_timeout, heartbeat_timeout_s=args.heartbeat_timeout,
                       elastic=args.elastic, quiet=args.quiet, on_nonfinite=NonFinite(args.on_nonfinite),
                       rebalance=RebalanceOptions(args.rebalance_window, args.rebalance_threshold,
-                                                 args.rebalance_cooldown, args.rebalance_min_gain)
+                                                 args.rebalance_cooldown, args.rebalance_min_gain,
+                                                 args.rebalance_split_gain)
                       if args.rebalance else None,
                       inject=tuple(parse_injection(text) for text in args.inject))
     try:
