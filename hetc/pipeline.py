@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetc.memo import cached_property
-from hetc.spec import CPKind, OffloadSpec, ScheduleKind, ZeroSpec
+from hetc.spec import Checkpointing, CPKind, OffloadSpec, ScheduleKind, ZeroSpec
 from hetc.topology import Gpu
 
 __all__ = ["Lane", "Ministage", "Pipeline", "Stage", "route_microbatches"]
@@ -54,6 +54,7 @@ class Stage:
     zero: ZeroSpec
     offload: OffloadSpec
     ep: int = 1        # expert parallelism: lanes i·ep..(i+1)·ep−1 share the experts of MoE blocks
+    checkpoint: Checkpointing = Checkpointing.NONE   # activation checkpointing of the stage's blocks
 
     @property
     def ranks(self) -> tuple[int, ...]:

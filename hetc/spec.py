@@ -344,9 +344,10 @@ class ModelSpec(Node):
                      aliases=("seq_length", "seq_len", "max_seq_len", "sequence_length"))
     dtype: DType = param(DType.BF16, aliases=("params_dtype", "precision"),
                          doc="training dtype δ of parameters, gradients and activations")
-    activation_checkpoint: Checkpointing = param(
+    activation_checkpoint: Checkpointing | Auto = param(
         Checkpointing.NONE, aliases=("recompute", "activation_checkpointing", "recompute_granularity"),
-        doc="activation checkpointing: none, selective or full")
+        doc="activation checkpointing: none, selective or full; auto: the planner chooses per stage "
+            "(a stage's own key overrides it)")
     tied_embeddings: bool = param(False, aliases=("tie_word_embeddings", "tie_embeddings"),
                                   doc="share the embedding and output matrices")
     norm_eps: float = param(1e-5, lo=0, hi=1, doc="RMSNorm/LayerNorm epsilon")
@@ -681,6 +682,14 @@ class StageSpec(Node):
         Routing(), doc="even, proportional (to lane speed) or explicit counts per lane")
     zero: ZeroSpec | None = param(None, block="zero", doc="this stage's ZeRO (overrides parallel's)")
     offload: OffloadSpec | None = param(None, block="offload", doc="this stage's offload policy")
+    activation_checkpoint: Checkpointing | Auto | None = param(
+        None, aliases=("recompute", "activation_checkpointing", "recompute_granularity"),
+        doc="this stage's activation checkpointing: none, selective, full or auto (the planner chooses); "
+            "default: the model's")
+
+    def checkpoint_under(self, model: ModelSpec) -> Checkpointing | Auto:
+        """The stage's activation checkpointing: its own key, else the model's."""
+        return model.activation_checkpoint if self.activation_checkpoint is None else self.activation_checkpoint
 
     @property
     def resolved_ranks(self) -> tuple[RankSlice, ...]:

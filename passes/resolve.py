@@ -95,12 +95,13 @@ def plan_has_auto(spec: Spec) -> bool:
     """Whether the parallel plan leaves anything to the planner (then no Pipeline is resolved)."""
     par = spec.parallel
     return par is not None and (par.stages is AUTO or par.schedule is AUTO or par.zero.level is AUTO
-                                or par.prefetch is AUTO or any(_stage_auto(st) for st in par.stages))
+                                or par.prefetch is AUTO or any(_stage_auto(st, spec.model) for st in par.stages))
 
 
-def _stage_auto(st: StageSpec) -> bool:
+def _stage_auto(st: StageSpec, model: ModelSpec | None) -> bool:
     return AUTO in (st.layers, st.ranks, st.lanes, st.tp, st.cp, st.ministages, st.microbatches) or \
-        (st.zero is not None and st.zero.level is AUTO)
+        (st.zero is not None and st.zero.level is AUTO) or \
+        (model is not None and st.checkpoint_under(model) is AUTO)
 
 
 def _rank_owners(spec: Spec, topo: Topology, errors: Diagnostics) -> dict[int, str]:
@@ -276,9 +277,11 @@ def _stage(idx: int, st: StageSpec, ranks: list[int], ministages: list[Ministage
                       for i in range(lanes))
     own = tuple(m.index for m in ministages if m.stage == idx)
     par = spec.parallel
-    assert par is not None
+    assert par is not None and spec.model is not None
+    checkpoint = st.checkpoint_under(spec.model)
+    assert not isinstance(checkpoint, Auto)   # plan_has_auto
     return Stage(idx, st.name, own, lane_objs, st.tp, st.cp, st.cp_kind, st.sequence_parallel,
-                 st.zero or par.zero, st.offload or par.offload, st.ep)
+                 st.zero or par.zero, st.offload or par.offload, st.ep, checkpoint)
 
 
 def _lane_counts(st: StageSpec, lane_gpus: list[list[Gpu]], num_mb: int, spec: Spec,

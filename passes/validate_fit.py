@@ -131,7 +131,7 @@ def _stage_overflow(spec: Spec, pipeline: Pipeline, stage: Stage, uses: list[Ran
 
 def _knobs(spec: Spec, pipeline: Pipeline, stage: Stage) -> list[str]:
     """What would lower the stage's memory, among what it does not use yet."""
-    (model, train, _), knobs = plan_blocks(spec), []
+    (model, train, par), knobs = plan_blocks(spec), []
     replicas = len(stage.lanes) * stage.cp
     level = stage.zero.resolved_level
     if level < 3:
@@ -141,8 +141,9 @@ def _knobs(spec: Spec, pipeline: Pipeline, stage: Stage) -> list[str]:
            if target is OffloadTarget.NONE]
     if off:
         knobs.append("offload { " + ", ".join(f"{name} = cpu" for name in off) + " }")
-    if model.activation_checkpoint is not Checkpointing.FULL:
-        knobs.append("activation_checkpoint = full in the model")
+    if stage.checkpoint is not Checkpointing.FULL:
+        where = "the model" if par.resolved_stages[stage.index].activation_checkpoint is None else "the stage"
+        knobs.append(f"activation_checkpoint = full in {where}")
     if model.heads % (2 * stage.tp) == 0 and model.num_kv_heads % (2 * stage.tp) == 0:
         knobs.append(f"more tensor parallelism (tp = {2 * stage.tp})")
     if sum(len(pipeline.ministages[ms].layers) for ms in stage.ministages) > 1:

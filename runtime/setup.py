@@ -26,7 +26,7 @@ from hetc.runtime.nccl_order import NcclEmulation
 from hetc.runtime.nn.model import build_ministage, compute_dtype
 from hetc.runtime.nn.moe import ExpertShard, is_expert_param
 from hetc.runtime.unit_buffers import Buffers, UnitBuffers
-from hetc.spec import Spec
+from hetc.spec import Checkpointing, Spec
 
 __all__ = ["RankRuntime", "build_buffers", "build_rank", "build_rank_buffers", "lane_place"]
 
@@ -77,19 +77,20 @@ def build_buffers(spec: Spec, pipeline: Pipeline, program: Program, rank: int, d
 
 def _ministage(spec: Spec, pipeline: Pipeline, program: Program, rank: int, shard: Shard, place: LanePlace,
                dtype: torch.dtype, device: torch.device, initialise: bool) -> Buffers:
+    ministage = pipeline.ministages[shard.ms]
+    ckpt = pipeline.stages[ministage.stage].checkpoint   # the stage's activation checkpointing
     if shard.units:     # one module and one set of buffers per unit (runtime/unit_buffers.py)
-        return UnitBuffers(shard, {u: _buffers(spec, program, rank, shard, place, u.layers, dtype, device, initialise)
-                                   for u in shard.units})
-    return _buffers(spec, program, rank, shard, place, pipeline.ministages[shard.ms].layers, dtype, device,
-                    initialise)
+        return UnitBuffers(shard, {u: _buffers(spec, program, rank, shard, place, u.layers, ckpt, dtype, device,
+                                               initialise) for u in shard.units})
+    return _buffers(spec, program, rank, shard, place, ministage.layers, ckpt, dtype, device, initialise)
 
 
 def _buffers(spec: Spec, program: Program, rank: int, shard: Shard, place: LanePlace, layers: range,
-             dtype: torch.dtype, device: torch.device, initialise: bool) -> MinistageBuffers:
-    """The module of `layers` (a ministage's, or a unit's) and its flat buffers."""
+             ckpt: Checkpointing, dtype: torch.dtype, device: torch.device, initialise: bool) -> MinistageBuffers:
+    """The module of `layers` (a ministage's, or a unit's) under its stage's checkpointing, and its flat buffers."""
     assert spec.model is not None and spec.train is not None   # a checked spec
     module = build_ministage(spec.model, layers, seed=spec.train.seed, shard=place.shard, device=device,
-                             experts=place.experts, initialise=initialise)
+                             experts=place.experts, initialise=initialise, checkpoint=ckpt)
     place_ministage(module, place, device)
     opt = spec.model.optimizer
     if shard.experts is None:

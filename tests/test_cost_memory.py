@@ -199,7 +199,7 @@ def test_hetcs_1f1b_keeps_one_more_where_transfers_no_longer_pace_the_pipeline(t
 def test_full_checkpointing_keeps_block_inputs_only(tmp_path):
     cm = cost_model(tmp_path, plan_text(PIPE.format(schedule="1f1b"), ckpt="full", global_batch=32))
     m = cm.model
-    assert activation_elements(m, 2, 1) == (m.seq * m.hidden, 0.0)
+    assert activation_elements(m, 2, 1, checkpoint=Checkpointing.FULL) == (m.seq * m.hidden, 0.0)
     none = activation_elements(m, 2, 1, checkpoint=Checkpointing.NONE)[0]
     selective = activation_elements(m, 2, 1, checkpoint=Checkpointing.SELECTIVE)[0]
     assert m.seq * m.hidden < selective < none

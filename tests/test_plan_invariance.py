@@ -29,7 +29,7 @@ MOE_PLANS = sorted(p.stem for p in DEMO_PLANS if p.stem.startswith(MOE))
 # What the issues ask the demo folder to cover (hetero: lanes 1, 2, 1 with microbatches [3, 1]; the
 # block layouts: TP, Ulysses, ring attention, TP x CP in one lane, a TP -> CP border, TP in a hetero pipeline).
 REQUIRED = {"single", "dp", "zero1", "zero2", "zero3", "hsdp", "gpipe", "pp", "interleaved", "zb",
-            "zero3_offload", "offload_opt", "hetero", "offload_act",
+            "zero3_offload", "offload_opt", "hetero", "offload_act", "recompute",
             "tp2", "ulysses2", "ring2", "tp2_cp2", "tp_to_cp", "hetero_tp",
             "moe_single", "moe_ep2", "moe_ep2_cp2", "moe_pp_ep2"}
 

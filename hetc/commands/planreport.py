@@ -14,7 +14,7 @@ from hetc.passes.cost.candidate_score import Score
 from hetc.passes.plan.planner import PlanResult
 from hetc.passes.validate import ExplicitPlan
 from hetc.pipeline import Pipeline, Stage
-from hetc.spec import ModelSpec, Objective, OffloadSpec, OffloadTarget, RankSlice, StageSpec
+from hetc.spec import Checkpointing, ModelSpec, Objective, OffloadSpec, OffloadTarget, RankSlice, StageSpec
 
 __all__ = ["plan_json", "plan_provenance", "plan_summary"]
 
@@ -71,6 +71,7 @@ def plan_summary(path: str, result: PlanResult, prov: Provenance | None = None) 
     lines.append(f"  schedule {p.schedule.value}, micro_batch {p.micro_batch}, "
                  f"{p.num_microbatches} microbatches, "
                  f"{_n(len(p.stages), 'stage')} on {_n(p.world_size, 'rank')} (idle: {idle})")
+    lines += [f"    idle {reason.group}: {reason.text}" for reason in result.idle]
     width = max(4, *(len(st.name) for st in p.stages))
     for st, sp in zip(p.stages, plan.parallel.resolved_stages):
         layers = _layers(plan.model, p, st)
@@ -79,7 +80,7 @@ def plan_summary(path: str, result: PlanResult, prov: Provenance | None = None) 
         lanes = _n(len(st.lanes), "lane")
         lines.append(f"    {st.name:{width}s} {_ranks(sp):28s} {layers:18s} {lanes:>9s} × tp {st.tp}  "
                      f"ZeRO-{st.zero.level}  {_n(len(st.ministages), 'ministage')}  {mbs} microbatches/lane"
-                     + _offload(st.offload))
+                     + _offload(st.offload) + _recompute(st.checkpoint))
     memory = _memory(result)
     fullest = max(memory, key=lambda m: m.total / m.capacity)
     source = "the cost model's estimate" if result.estimate is not None else "the planner's score"
@@ -134,6 +135,10 @@ def _offload(off: OffloadSpec) -> str:
     return f"  offload {'+'.join(parts)}" if parts else ""
 
 
+def _recompute(level: Checkpointing) -> str:
+    return "" if level is Checkpointing.NONE else f"  recompute {level.value}"
+
+
 def _utilization(result: PlanResult) -> Utilization:
     """The estimate's, or (planned class by class) the same figures from the planner's step time."""
     if result.estimate is not None:
@@ -186,6 +191,7 @@ def plan_json(path: str, result: PlanResult, text: str, prov: Provenance) -> Jso
            "plan": {"schedule": p.schedule.value, "micro_batch": p.micro_batch,
                     "microbatches": p.num_microbatches,
                     "idle": [s.group for s in plan.parallel.idle],
+                    "idle_reasons": [reason.to_json() for reason in result.idle],
                     "stages": [_stage_json(plan.model, p, st) for st in p.stages]},
            "baselines": [_baseline_json(b) for b in result.baselines],
            "planning": {"seconds": result.seconds, "structures": result.structures},
@@ -209,7 +215,8 @@ def _stage_json(model: ModelSpec, p: Pipeline, st: Stage) -> JsonObject:
             "lanes": len(st.lanes), "tp": st.tp, "zero": st.zero.resolved_level,
             "ministages": len(st.ministages),
             "microbatches": [len(lane.microbatches) for lane in st.lanes],
-            "offload": {k: target.value for k, target in _offload_targets(st.offload).items()}}
+            "offload": {k: target.value for k, target in _offload_targets(st.offload).items()},
+            "activation_checkpoint": st.checkpoint.value}
 
 
 def _baseline_json(b: Baseline) -> JsonObject:

@@ -116,7 +116,8 @@ class StageCosts:
     def compute(self, lane: int, units: tuple[int, int, int] | None = None) -> tuple[float, float, float]:
         """(F, I, W) seconds of one microbatch through `units` (default: the stage) on a lane."""
         devices, ids = self.s.res.lane_devices[lane]
-        return self.p.lane_compute(devices, self.s.tp, ids, self.s.knobs.offload.activations,
+        knobs = self.s.knobs
+        return self.p.lane_compute(devices, self.s.tp, ids, knobs.offload.activations, knobs.checkpoint,
                                    units or self.layer_counts, self.slowdown(lane))
 
     @cached_property
@@ -341,7 +342,8 @@ class StageCosts:
 
     @cached_property
     def _per_mb_activations(self) -> list[float]:
-        return [self._sum(self.ministage_units(ms), lambda k: self.p.activations(k, self.s.tp))
+        checkpoint = self.s.knobs.checkpoint
+        return [self._sum(self.ministage_units(ms), lambda k: self.p.activations(k, self.s.tp, checkpoint))
                 for ms in self.s.ministages]
 
     def _activations(self, count: int) -> tuple[float, float]:

@@ -21,7 +21,7 @@ from typing import Protocol
 from hetc.memo import cached_property
 from hetc.passes.cost.plan_time import peer_lanes
 from hetc.pipeline import route_microbatches
-from hetc.spec import OffloadSpec, ScheduleKind, ZeroShard, ZeroSpec
+from hetc.spec import Checkpointing, OffloadSpec, ScheduleKind, ZeroShard, ZeroSpec
 from hetc.topology import Gpu
 
 __all__ = ["OffloadChoice", "PlanView", "ResolvedStage", "StageConfig", "StageContext", "StageView"]
@@ -53,6 +53,9 @@ class StageConfig(Protocol):
 
     @property
     def ministages(self) -> int: ...
+
+    @property
+    def checkpoint(self) -> Checkpointing: ...
 
 
 class ResolvedStage:

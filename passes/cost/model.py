@@ -215,8 +215,9 @@ class CostModel:
         stage = self.stage_of(rank)
         total = 0.0
         for i in layers:
-            elems, extra = activation_elements(self.model, i, self.pipeline.micro_batch, tp=stage.tp,
-                                               cp=stage.cp, sequence_parallel=stage.sequence_parallel)
+            elems, extra = activation_elements(self.model, i, self.pipeline.micro_batch,
+                                               checkpoint=stage.checkpoint, tp=stage.tp, cp=stage.cp,
+                                               sequence_parallel=stage.sequence_parallel)
             total += elems * self.delta + extra
         return total
 
@@ -298,7 +299,8 @@ class CostModel:
         stage = self.stage_of(rank)
         block = layer_kind(self.model, idx) == LayerKind.BLOCK
         args = (self.gpu(rank).device.name, idx, stage.tp, stage.cp, self.tp_group(rank),
-                stage.offload.activations is not OffloadTarget.NONE, ep_comm_time(self, rank) if block else 0.0,
+                stage.offload.activations is not OffloadTarget.NONE, stage.checkpoint,
+                ep_comm_time(self, rank) if block else 0.0,
                 self.cp_comm_time(rank) if block else (0.0, 0.0), stage.sequence_parallel)
         got = self._layer_costs_of.get(args)   # the ranks of a lane ask alike
         if got is None:
@@ -306,12 +308,13 @@ class CostModel:
         return got
 
     def layer_cost(self, device: str, idx: int, tp: int, cp: int, tp_group: tuple[int, ...], rerun: bool,
-                   expert_comm: float = 0.0, cp_comm: tuple[float, float] = (0.0, 0.0),
+                   checkpoint: Checkpointing, expert_comm: float = 0.0, cp_comm: tuple[float, float] = (0.0, 0.0),
                    sequence_parallel: bool = False) -> LayerCost:
         """Layer `idx` on a rank of `device` for one microbatch, its lane split tp × cp: the measured (or
         arithmetic) time, the exposed TP all-reduces over `tp_group`, a block's expert and (forward,
         backward) context-parallel communication, and the forward work the backward repeats (`rerun`:
-        activations offloaded, so the ministage runs again). With `sequence_parallel` the TP calls are
+        activations offloaded, so the ministage runs again; `checkpoint`: the stage's activation
+        checkpointing). With `sequence_parallel` the TP calls are
         Megatron-SP's (`tp_all_reduce_time`, `sp_norm_grad_time`)."""
         kind = layer_kind(self.model, idx)
         measured = self.compute.layer(device, kind, self.pipeline.micro_batch, tp)
@@ -325,17 +328,19 @@ class CostModel:
         backward_comm = comm + (self.sp_norm_grad_time(tp_group) if tp_comm and sequence_parallel else 0.0)
         forward = measured.forward / cp + comm + cp_comm[0]
         # the recomputed forward repeats its communication too (`_recompute` is linear in the forward)
-        input_grad_comm = backward_comm + cp_comm[1] + self._recompute(kind, comm + cp_comm[0], flops, rerun)
+        input_grad_comm = backward_comm + cp_comm[1] + \
+            self._recompute(kind, comm + cp_comm[0], flops, rerun, checkpoint)
         return LayerCost(forward,
                          measured.backward / cp * share_i + backward_comm + cp_comm[1] +
-                         self._recompute(kind, forward, flops, rerun),
+                         self._recompute(kind, forward, flops, rerun, checkpoint),
                          measured.backward / cp * (1.0 - share_i), comm + cp_comm[0], input_grad_comm)
 
-    def _recompute(self, kind: str, forward: float, flops: LayerFlops, rerun: bool) -> float:
-        """Forward work the backward repeats: activation checkpointing, and with activations offloaded
-        the whole ministage once more (only its boundary input was kept; the runtime reruns it)."""
+    @staticmethod
+    def _recompute(kind: str, forward: float, flops: LayerFlops, rerun: bool, ckpt: Checkpointing) -> float:
+        """Forward work the backward repeats: activation checkpointing (`ckpt`, the stage's), and with
+        activations offloaded the whole ministage once more (only its boundary input was kept; the runtime
+        reruns it)."""
         ministage = forward if rerun else 0.0
-        ckpt = self.model.activation_checkpoint
         if ckpt is Checkpointing.FULL and kind == LayerKind.BLOCK:
             return ministage + forward
         if ckpt is Checkpointing.SELECTIVE and flops.forward:

@@ -22,7 +22,7 @@ from hetc.passes.cost.model import optimizer_seconds
 from hetc.passes.cost.shapes import LayerKind, activation_elements, params_per_rank
 from hetc.pipeline import Pipeline
 from hetc.program import Collective, Phase
-from hetc.spec import DTYPE_BYTES, ModelSpec, ScheduleKind, Spec, TrainSpec
+from hetc.spec import DTYPE_BYTES, Checkpointing, ModelSpec, ScheduleKind, Spec, TrainSpec
 from hetc.topology import Gpu, Topology
 
 __all__ = ["Primitives"]
@@ -63,23 +63,25 @@ class Primitives:
     def _params(self, idx_kind: LayerKind, tp: int) -> float:
         return params_per_rank(self.model, _index(self.model, idx_kind), tp)
 
-    def _activations(self, idx_kind: LayerKind, tp: int) -> float:
-        """Bytes one microbatch leaves stashed in this layer on one rank (cp = 1)."""
-        elems, extra = activation_elements(self.model, _index(self.model, idx_kind), self.micro_batch, tp=tp)
+    def _activations(self, idx_kind: LayerKind, tp: int, checkpoint: Checkpointing) -> float:
+        """Bytes one microbatch leaves stashed in this layer on one rank (cp = 1) under `checkpoint`."""
+        elems, extra = activation_elements(self.model, _index(self.model, idx_kind), self.micro_batch,
+                                           checkpoint=checkpoint, tp=tp)
         return elems * self.delta + extra
 
     def _layer_cost(self, device: str, idx_kind: LayerKind, tp: int, tp_group: tuple[int, ...],
-                    rerun: bool) -> LayerCost:
+                    rerun: bool, checkpoint: Checkpointing) -> LayerCost:
         """`CostModel.layer_cost` for a lane with cp = 1, memoised on the layer's kind."""
-        return self.probe.layer_cost(device, _index(self.model, idx_kind), tp, 1, tp_group, rerun)
+        return self.probe.layer_cost(device, _index(self.model, idx_kind), tp, 1, tp_group, rerun, checkpoint)
 
     def _lane_compute(self, devices: tuple[str, ...], tp: int, tp_group: tuple[int, ...], rerun: bool,
-                      units: tuple[int, int, int], slowdown: float = 1.0) -> tuple[float, float, float]:
+                      checkpoint: Checkpointing, units: tuple[int, int, int],
+                      slowdown: float = 1.0) -> tuple[float, float, float]:
         """(F, I, W) of one microbatch through (embed, blocks, head) units on a lane whose ranks compute
         `slowdown` times slower (`LayerCost.phase`): its slowest kind per phase."""
         best = (0.0, 0.0, 0.0)
         for device in dict.fromkeys(devices):
-            costs = [self.layer_cost(device, k, tp, tp_group, rerun) for k in _KINDS]
+            costs = [self.layer_cost(device, k, tp, tp_group, rerun, checkpoint) for k in _KINDS]
             f, i, w = (sum((n * c.phase(phase, slowdown) for n, c in zip(units, costs) if n), 0.0)
                        for phase in (Phase.FORWARD, Phase.INPUT_GRAD, Phase.WEIGHT_GRAD))
             best = (max(best[0], f), max(best[1], i), max(best[2], w))

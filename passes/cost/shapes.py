@@ -133,16 +133,15 @@ def model_flops_per_token(m: ModelSpec) -> float:
     return 3.0 * total / m.seq
 
 
-def activation_elements(m: ModelSpec, idx: int, micro_batch: int, *, tp: int = 1, cp: int = 1,
-                        sequence_parallel: bool = False,
-                        checkpoint: Checkpointing | None = None) -> tuple[float, float]:
+def activation_elements(m: ModelSpec, idx: int, micro_batch: int, *, checkpoint: Checkpointing, tp: int = 1,
+                        cp: int = 1, sequence_parallel: bool = False) -> tuple[float, float]:
     """(elements kept in the training dtype, extra bytes) stashed by layer `idx` for one microbatch.
 
-    Per rank of a lane with `tp` × `cp` ranks. A block under `full`
-    checkpointing keeps only its input; `selective` keeps the inputs of its
-    matmuls and recomputes norms, activations and the attention core.
+    Per rank of a lane with `tp` × `cp` ranks, under its stage's activation
+    checkpointing `checkpoint`. A block under `full` checkpointing keeps only its
+    input; `selective` keeps the inputs of its matmuls and recomputes norms,
+    activations and the attention core.
     """
-    ckpt = m.activation_checkpoint if checkpoint is None else checkpoint
     tokens = micro_batch * m.seq / cp
     h, f = m.hidden, m.ffn
     kind = layer_kind(m, idx)
@@ -152,11 +151,11 @@ def activation_elements(m: ModelSpec, idx: int, micro_batch: int, *, tp: int = 1
         # norm input, this rank's vocabulary slice of the logits for the loss
         return tokens * h / (tp if sequence_parallel else 1), tokens * m.vocab / tp * LOGIT_BYTES
     replicated_div = tp if sequence_parallel else 1
-    if ckpt is Checkpointing.FULL:
+    if checkpoint is Checkpointing.FULL:
         return tokens * h / replicated_div, 0.0
     kv = 2 * h * m.num_kv_heads // m.heads
     ffn_inner = 3 * f if m.arch is Arch.LLAMA else 2 * f  # (gate, up, product) or (fc1 out, act out)
-    if ckpt is Checkpointing.SELECTIVE:
+    if checkpoint is Checkpointing.SELECTIVE:
         # block input, q/k/v input, out-proj input, FFN input, FFN-out input
         replicated = 3 * h
         sharded = h + f
@@ -164,7 +163,7 @@ def activation_elements(m: ModelSpec, idx: int, micro_batch: int, *, tp: int = 1
         # norm inputs, normed q/k/v and FFN inputs (replicated); q, k, v, attention output, FFN inner
         replicated = 4 * h
         sharded = h + kv + h + ffn_inner
-    if m.moe is not None and ckpt is not Checkpointing.SELECTIVE:
+    if m.moe is not None and checkpoint is not Checkpointing.SELECTIVE:
         sharded += (m.moe.top_k - 1) * ffn_inner  # each token's inner activations in every visited expert
     stats = tokens * (m.heads / tp) * 4  # flash attention's log-sum-exp, fp32 per head
     return tokens * (replicated / replicated_div + sharded / tp), stats

@@ -73,15 +73,16 @@ def _recompute(model: ModelSpec, pipeline: Pipeline) -> float:
         layers = [i for ms in stage.ministages for i in pipeline.ministages[ms].layers]
         if stage.offload.activations is not OffloadTarget.NONE:   # every layer's forward again
             per_mb += sum(layer_flops(model, i, b).forward for i in layers)
-        per_mb += sum(_checkpoint_extra(model, i, b) for i in layers)
+        per_mb += sum(_checkpoint_extra(model, i, b, stage.checkpoint) for i in layers)
     return per_mb * pipeline.num_microbatches
 
 
-def _checkpoint_extra(model: ModelSpec, idx: int, micro_batch: int) -> float:
-    if model.activation_checkpoint is Checkpointing.NONE or layer_kind(model, idx) != LayerKind.BLOCK:
+def _checkpoint_extra(model: ModelSpec, idx: int, micro_batch: int, checkpoint: Checkpointing) -> float:
+    """The forward FLOPs a block's backward repeats under its stage's activation checkpointing."""
+    if checkpoint is Checkpointing.NONE or layer_kind(model, idx) != LayerKind.BLOCK:
         return 0.0
     block = layer_flops(model, idx, micro_batch)
-    return block.forward if model.activation_checkpoint is Checkpointing.FULL else block.attention
+    return block.forward if checkpoint is Checkpointing.FULL else block.attention
 
 
 def utilization(model: ModelSpec, pipeline: Pipeline, topology: Topology, step_time_s: float) -> Utilization:

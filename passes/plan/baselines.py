@@ -24,7 +24,7 @@ from hetc.passes.plan.candidate import Candidate, GpuBlock, Knobs, Offload, Stag
 from hetc.passes.cost.candidate_score import Score
 from hetc.passes.plan.layouts import gpu_run, group_speed, whole_group
 from hetc.passes.plan.structures import Structures
-from hetc.spec import ScheduleKind
+from hetc.spec import Checkpointing, ScheduleKind
 from hetc.topology import Topology
 
 __all__ = ["Baseline", "baselines"]
@@ -96,8 +96,13 @@ def _best(search: Structures, name: str, title: Callable[[Candidate], str], cand
     return Baseline(name, title(best), best, score)
 
 
+def _plain_checkpoint(search: Structures) -> Checkpointing:
+    """A baseline's activation checkpointing: the model's, or none where the planner chooses it."""
+    return search.space.checkpoints[0]
+
+
 def _single(search: Structures, name: str, title: str, stages: list[StageGpus], zero: int) -> Baseline:
-    built = _builds(search, stages, Knobs(zero, Offload(), 1), ())
+    built = _builds(search, stages, Knobs(zero, Offload(), 1, _plain_checkpoint(search)), ())
     if isinstance(built, str):
         return Baseline(name, title, None, None, built)
     return _best(search, name, lambda c: f"{title}, b {c.micro_batch}", built)
@@ -131,7 +136,8 @@ def _grid_baseline(search: Structures, name: str, title: str, groups: list[str])
         grids += [(pp, tp) for pp in range(1, min(search.units, total // tp) + 1) if (total // tp) % pp == 0]
     scored: list[tuple[tuple[bool, float], list[Candidate]]] = []
     for pp, tp in grids:
-        built = _builds(search, _grid_stages(topo, groups, pp, tp), Knobs(1, Offload(), 1), idle)
+        built = _builds(search, _grid_stages(topo, groups, pp, tp), Knobs(1, Offload(), 1, _plain_checkpoint(search)),
+                        idle)
         if isinstance(built, str):
             why = built
             continue

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetc.memo import cached_property
-from hetc.spec import OffloadSpec, OffloadTarget, ScheduleKind
+from hetc.spec import Checkpointing, OffloadSpec, OffloadTarget, ScheduleKind
 from hetc.topology import Gpu, Topology
 
 __all__ = ["Candidate", "GpuBlock", "Knobs", "Offload", "StageGpus", "ministage_ranges", "split_evenly"]
@@ -90,6 +90,7 @@ class Knobs:
     zero: int = 0
     offload: Offload = Offload()
     ministages: int = 1
+    checkpoint: Checkpointing = Checkpointing.NONE   # activation checkpointing of the stage's blocks
 
 
 @dataclass(frozen=True)
@@ -115,13 +116,15 @@ class Candidate:
 
     def key(self) -> tuple[object, ...]:
         """A total order for ties, plainer plans first: fewer stages, the simpler schedule, less TP,
-        less offload, fewer ministages, lower ZeRO; then the plain fields."""
+        less offload, less recomputation, fewer ministages, lower ZeRO; then the plain fields."""
         offloads = sum(k.offload.params + k.offload.optimizer + k.offload.activations for k in self.knobs)
-        return (len(self.stages), _PLAINER[self.schedule], max(s.tp for s in self.stages), offloads,
+        recompute = sum(_RECOMPUTE[k.checkpoint] for k in self.knobs)
+        return (len(self.stages), _PLAINER[self.schedule], max(s.tp for s in self.stages), offloads, recompute,
                 sum(k.ministages for k in self.knobs), sum(k.zero for k in self.knobs), self.micro_batch,
                 self.layers, self.knobs, tuple(s.blocks for s in self.stages), self.counts)
 
 
+_RECOMPUTE = {Checkpointing.NONE: 0, Checkpointing.SELECTIVE: 1, Checkpointing.FULL: 2}
 _PLAINER = {ScheduleKind.ONE_F_ONE_B: 0, ScheduleKind.ZB: 1, ScheduleKind.GPIPE: 2,
             ScheduleKind.INTERLEAVED: 3, ScheduleKind.ZORSE: 4}
 

@@ -1,7 +1,9 @@
 """Turn a chosen candidate into the explicit `parallel` block (and micro-batch size) of a Spec.
 
 Stage-level ZeRO and offload blocks are written only where a stage differs
-from the plan-wide setting, which is the most common one among the stages.
+from the plan-wide setting, which is the most common one among the stages;
+a stage's `activation_checkpoint` only where it differs from the model's
+(on every stage where the model says `auto`).
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ def emit_parallel(spec: Spec, c: Candidate, topo: Topology,
                   "lanes": st.num_lanes, "tp": st.tp, "cp": 1, "ministages": knobs.ministages,
                   "microbatches": _routing(counts),
                   "zero": None if knobs.zero == zero_level else replace(base, level=knobs.zero),
-                  "offload": None if knobs.offload == common_off else knobs.offload.to_spec()}
+                  "offload": None if knobs.offload == common_off else knobs.offload.to_spec(),
+                  "activation_checkpoint": None if knobs.checkpoint == model.activation_checkpoint else knobs.checkpoint}
         if old is None:
             stages.append(StageSpec(name=f"s{i}", **fields))
         else:
@@ -80,7 +83,8 @@ def emit_parallel(spec: Spec, c: Candidate, topo: Topology,
 def _filled(old: StageSpec, fields: dict[str, Any], knobs: Knobs) -> StageSpec:   # fields: for `replace`
     """A written stage with its `auto` fields filled (written values stay as written)."""
     keep = {name: getattr(old, name) for name in ("layers", "ranks", "lanes", "tp", "cp", "ministages",
-                                                 "microbatches") if getattr(old, name) is not AUTO}
+                                                 "microbatches", "activation_checkpoint")
+            if getattr(old, name) not in (AUTO, None)}
     out = replace(old, **{**fields, **keep})
     if old.zero is not None:
         out = replace(out, zero=replace(old.zero, level=knobs.zero))

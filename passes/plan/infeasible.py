@@ -58,7 +58,7 @@ def _frugal(search: Structures, lanes: int) -> Knobs:
     offloads = [o for o in space.offloads if o.params or o.optimizer] or list(space.offloads)
     offload = max(offloads, key=lambda o: (o.params, o.optimizer))
     level = max(space.zero_levels) if lanes > 1 else min(space.zero_levels)
-    return Knobs(level, offload, 1)
+    return Knobs(level, offload, 1, space.checkpoints[-1])   # the strongest checkpointing allowed
 
 
 def _layer_that_cannot_fit(search: Structures) -> str | None:

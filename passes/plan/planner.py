@@ -24,6 +24,7 @@ from hetc.passes.plan.baselines import Baseline
 from hetc.passes.plan.candidate import Candidate
 from hetc.passes.plan.deadline import DEFAULT_TIME_LIMIT_S, SCREEN_SHARE, Deadline
 from hetc.passes.plan.emit import emit_spec
+from hetc.passes.plan.idle import IdleReason, idle_reasons
 from hetc.passes.cost.candidate_score import Score
 from hetc.passes.plan.infeasible import no_plan_error
 from hetc.passes.plan.objective import Goal
@@ -64,6 +65,7 @@ class PlanResult:
     program: Program | None = None
     # what the time limit left unsearched, where the search met it (Note [an anytime search])
     time_limit_note: str | None = None
+    idle: tuple[IdleReason, ...] = ()  # why each node group the plan leaves idle is idle (passes/plan/idle.py)
 
     @property
     def planned(self) -> bool:
@@ -127,8 +129,9 @@ def _plan_spec(spec: Spec, profiles: Profiles | None, base_dir: Path | None,
     program = None if checked_aside else _check_winner(planned, profiles, chosen, keep_program)
     estimate = _estimate(planned, profiles, program=program)   # simulated on the checked programs if kept
     _cross_check(best.score, estimate)
+    idle = idle_reasons(search, found, scored, best, written=search.space.fixed.idle is not None)
     return PlanResult(explicit, planned, goal, best.score, estimate, best.candidate, tuple(scored), chosen,
-                      time.perf_counter() - start, search.visited, program, note)
+                      time.perf_counter() - start, search.visited, program, note, idle)
 
 
 def _time_limit_note(search: Search, found: list[Found]) -> str | None:

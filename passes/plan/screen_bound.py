@@ -45,15 +45,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 from hetc.passes.cost.candidate_view import ResolvedStage
 from hetc.passes.cost.probe import Primitives
 from hetc.passes.cost.shapes import LayerKind
 from hetc.passes.cost.transfers import Borders, transfer_waits
-from hetc.passes.plan.candidate import Knobs
 from hetc.passes.plan.structures import Structure, Structures
 from hetc.passes.plan.tables import stage_costs
-from hetc.spec import ScheduleKind
+from hetc.spec import Checkpointing, ScheduleKind
 
 __all__ = ["screen_bound"]
 
@@ -83,32 +83,34 @@ def _stage_bounds(search: Structures, st: Structure, s: int, counts: range
     n_stages, schedule = len(st.layout), st.schedule
     res = search.resolve(st.layout[s])
     knobs = search.knobs(st, s, full=False)   # what assign(full=False) may choose from, its fallback included
-    reruns = sorted({k.offload.activations for k in knobs})
+    # the recompute settings to bound: (activations offloaded, so the ministage reruns; activation checkpointing)
+    recomputes = sorted({(k.offload.activations, k.checkpoint) for k in knobs})
     neighbours = search.neighbours(st, s)
     # the borders, with one ministage (interleaved: its chunks), and whether the stage holds the embedding
     # and the head (read at its most units: a lone stage holds both only with all of them); the same at
     # every layer count
     most = max(counts[-1], st.interleave)
-    sc = stage_costs(prims, res, s, n_stages, most, Knobs(knobs[0].zero, knobs[0].offload, 1), schedule,
+    sc = stage_costs(prims, res, s, n_stages, most, replace(knobs[0], ministages=1), schedule,
                      neighbours, st.interleave, search.space.prefetch, search.space.zero_base)
     embed, _, head = sc.layer_counts
     units = [(n, (embed, n - embed - head, head)) for n in counts if n >= embed + head]
-    per_class = [_LaneCosts(prims, schedule, res.lane_devices[lanes[0]], res.tp, reruns, sc.p2p(lanes[0]),
+    per_class = [_LaneCosts(prims, schedule, res.lane_devices[lanes[0]], res.tp, recomputes, sc.p2p(lanes[0]),
                             sc.overhead(lanes[0])).over([u for _, u in units]) for lanes in res.classes]
     m = prims.num_microbatches
     sizes = [len(lanes) for lanes in res.classes]
     holds = _Holds(prims, res, m, sizes) if schedule is ScheduleKind.ZORSE else None
     serialised = schedule is ScheduleKind.ZORSE and n_stages > 1
-    choices = dict.fromkeys((k.offload.activations, k.ministages) for k in knobs)
+    choices = dict.fromkeys(((k.offload.activations, k.checkpoint), k.ministages) for k in knobs)
     works: dict[int, float] = {}
     fills: dict[int, float] = {}
     for i, (n, u) in enumerate(units):
         got = []   # (work, fill) of each configuration that may place the microbatches
-        for rerun, ministages in choices:
-            if holds is not None and not rerun and not holds.all(u):
+        for recompute, ministages in choices:
+            rerun, checkpoint = recompute
+            if holds is not None and not rerun and not holds.all(u, checkpoint):
                 continue
-            work = _least_work(m, sizes, [by_rerun[rerun][0][i] for by_rerun in per_class])
-            fill = max(by_rerun[rerun][1][i] for by_rerun in per_class)
+            work = _least_work(m, sizes, [by_setting[recompute][0][i] for by_setting in per_class])
+            fill = max(by_setting[recompute][1][i] for by_setting in per_class)
             got.append((work, fill + ((ministages - 1) / ministages * work if serialised else 0.0)))
         if got:
             works[n], fills[n] = min(w for w, _ in got), min(f for _, f in got)
@@ -123,11 +125,13 @@ class _Holds:
     def __init__(self, prims: Primitives, res: ResolvedStage, m: int, sizes: list[int]):
         self.m, self.sizes = m, sizes
         self.rooms = [min(g.device.memory - prims.context(g) for g in res.lanes[lanes[0]]) for lanes in res.classes]
-        self.per_kind = [prims.activations(kind, res.tp) for kind in (LayerKind.EMBED, LayerKind.BLOCK, LayerKind.HEAD)]
+        self.prims, self.tp = prims, res.tp
 
-    def all(self, units: tuple[int, int, int]) -> bool:
+    def all(self, units: tuple[int, int, int], checkpoint: Checkpointing) -> bool:
         """Whether the lanes may hold the m microbatches between them, one each at least."""
-        per_microbatch = sum(n * a for n, a in zip(units, self.per_kind))
+        per_kind = [self.prims.activations(kind, self.tp, checkpoint)
+                    for kind in (LayerKind.EMBED, LayerKind.BLOCK, LayerKind.HEAD)]
+        per_microbatch = sum(n * a for n, a in zip(units, per_kind))
         if per_microbatch <= 0:
             return True
         caps = [min(self.m, math.floor(room / per_microbatch * (1 + _SLACK))) for room in self.rooms]
@@ -139,21 +143,22 @@ class _LaneCosts:
     and device kind of the lane, and its border transfers."""
 
     def __init__(self, prims: Primitives, schedule: ScheduleKind, lane: tuple[tuple[str, ...], tuple[int, ...]],
-                 tp: int, reruns: list[bool], borders: Borders, overhead: float):
+                 tp: int, recomputes: list[tuple[bool, Checkpointing]], borders: Borders, overhead: float):
         devices, ids = lane
         self.prims, self.schedule, self.borders, self.overhead = prims, schedule, borders, overhead
         self.total = borders.total
-        self.reruns = reruns
+        self.recomputes = recomputes
         kinds = ((1, 0, 0), (0, 1, 0), (0, 0, 1))
         # per recompute setting and device kind: per phase, (embed, block, head) seconds
-        self.per_kind = [[tuple(zip(*(prims.lane_compute((d,), tp, ids, rerun, k, 1.0) for k in kinds)))
-                          for d in dict.fromkeys(devices)] for rerun in reruns]
+        self.per_kind = [[tuple(zip(*(prims.lane_compute((d,), tp, ids, rerun, checkpoint, k, 1.0) for k in kinds)))
+                          for d in dict.fromkeys(devices)] for rerun, checkpoint in recomputes]
 
-    def over(self, units: list[tuple[int, int, int]]) -> dict[bool, tuple[list[float], list[float]]]:
+    def over(self, units: list[tuple[int, int, int]]
+             ) -> dict[tuple[bool, Checkpointing], tuple[list[float], list[float]]]:
         """Per recompute setting, bounds on the class's cycle and fill with each of these (embed, blocks, head)
         units."""
         out = {}
-        for rerun, per_device in zip(self.reruns, self.per_kind):
+        for recompute, per_device in zip(self.recomputes, self.per_kind):
             cycles, fills = [], []
             for e, b, h in units:
                 # each phase on each device kind of the lane; the lane's is its slowest kind's
@@ -163,7 +168,7 @@ class _LaneCosts:
                 c, f = _cycle_and_fill(self.prims, self.schedule, least, most, self.borders, self.total, self.overhead)
                 cycles.append(c)
                 fills.append(f)
-            out[rerun] = (cycles, fills)
+            out[recompute] = (cycles, fills)
         return out
 
 

@@ -2,7 +2,8 @@
 
 What the spec fixes stays fixed; what it leaves to the planner is searched:
 
-- `auto` anywhere (schedule, ZeRO level, prefetch, a stage's fields);
+- `auto` anywhere (schedule, ZeRO level, prefetch, a stage's fields, the model's or a stage's
+  activation checkpointing: none, selective or full per stage);
 - when the spec writes no stage at all (`stages` auto, the usual case), also
   the plan-wide settings it does not write: schedule, ZeRO level, offload
   and idle GPUs; and the micro-batch size when the main file's `train`
@@ -22,10 +23,11 @@ from hetc.errors import Diagnostic, SpecError
 from hetc.passes.plan.candidate import Candidate, Knobs, Offload
 from hetc.passes.plan.partition import bandwidth_domains
 from hetc.passes.plan.stages import StageRule, stage_rules
-from hetc.spec import AUTO, Node, ScheduleKind, Spec, ZeroSpec
+from hetc.spec import AUTO, Auto, Checkpointing, Node, ScheduleKind, Spec, ZeroSpec
 from hetc.topology import Topology
 
 __all__ = [
+    "CHECKPOINTS",
     "DEFAULT_SCHEDULES",
     "MAX_IDLE_GROUPS",
     "Fixed",
@@ -43,6 +45,7 @@ PLAIN_OFFLOADS = (Offload(), Offload(optimizer=True), Offload(params=True, optim
 ZORSE_OFFLOADS = (Offload(), Offload(activations=True), Offload(params=True, activations=True),
                   Offload(params=True, optimizer=True, activations=True))
 MINISTAGES = (1, 2, 4)
+CHECKPOINTS = (Checkpointing.NONE, Checkpointing.SELECTIVE, Checkpointing.FULL)   # weakest first
 INTERLEAVE = (2,)
 MICRO_BATCHES = (1, 2, 4, 8)
 TP_DEGREES = (1, 2, 4, 8)
@@ -61,12 +64,14 @@ class Fixed:
     micro_batch: int | None = None
     idle: tuple[str, ...] | None = None
     stages: bool = False              # the spec writes its stages: no other layout is admitted
+    checkpoint: Checkpointing | None = None
 
     def admits(self, c: Candidate) -> bool:
         return (not self.stages and (self.schedule is None or c.schedule is self.schedule)
                 and (self.zero is None or all(k.zero == self.zero for k in c.knobs))
                 and (self.offload is None or all(k.offload == self.offload for k in c.knobs))
                 and (self.micro_batch is None or c.micro_batch == self.micro_batch)
+                and (self.checkpoint is None or all(k.checkpoint is self.checkpoint for k in c.knobs))
                 and (self.idle is None or set(c.idle) == set(self.idle)))
 
 
@@ -77,6 +82,7 @@ class SearchSpace:
     offloads: tuple[Offload, ...] = PLAIN_OFFLOADS
     zorse_offloads: tuple[Offload, ...] = ZORSE_OFFLOADS
     ministages: tuple[int, ...] = MINISTAGES
+    checkpoints: tuple[Checkpointing, ...] = (Checkpointing.NONE,)   # the model's level, or CHECKPOINTS (auto)
     interleave: tuple[int, ...] = INTERLEAVE
     micro_batches: tuple[int, ...] = (1,)
     tp: tuple[int, ...] = (1,)
@@ -103,6 +109,8 @@ def space_from_spec(spec: Spec, topo: Topology, **overrides: Any) -> SearchSpace
 
     _whole_groups_idle(spec)
     micro_batches = _micro_batches(spec, designing)
+    assert spec.model is not None   # a checked spec
+    checkpoint = spec.model.activation_checkpoint
     rules = None if designing else stage_rules(spec, topo)
     fixed = Fixed(
         schedule=None if par.schedule is AUTO or free("schedule") else par.schedule,
@@ -111,6 +119,7 @@ def space_from_spec(spec: Spec, topo: Topology, **overrides: Any) -> SearchSpace
         micro_batch=micro_batches[0] if len(micro_batches) == 1 else None,
         idle=None if free("idle") else tuple(s.group for s in par.idle),
         stages=not designing,
+        checkpoint=None if isinstance(checkpoint, Auto) else checkpoint,
     )
     out: dict[str, Any] = {
         "schedules": DEFAULT_SCHEDULES if fixed.schedule is None else (fixed.schedule,),
@@ -118,6 +127,7 @@ def space_from_spec(spec: Spec, topo: Topology, **overrides: Any) -> SearchSpace
         "offloads": PLAIN_OFFLOADS if fixed.offload is None else (fixed.offload,),
         "zorse_offloads": ZORSE_OFFLOADS if fixed.offload is None else (fixed.offload,),
         "micro_batches": micro_batches,
+        "checkpoints": CHECKPOINTS if isinstance(checkpoint, Auto) else (checkpoint,),
         "tp": TP_DEGREES if rules is None or any(r.tp is None for r in rules) else (1,),   # None: designing
         "idle_sets": _idle_sets(spec, topo) if fixed.idle is None else (fixed.idle,),
         "prefetch": 1 if par.prefetch is AUTO else par.prefetch,
@@ -180,6 +190,14 @@ def _idle_sets(spec: Spec, topo: Topology) -> tuple[tuple[str, ...], ...]:
     return tuple(dict.fromkeys(tuple(sorted(o, key=groups.index)) for o in out if len(o) < len(groups)))
 
 
+def _stage_checkpoints(written: Checkpointing | Auto | None, model: tuple[Checkpointing, ...]
+                       ) -> tuple[Checkpointing, ...]:
+    """The levels a written stage may take: what it writes (`auto`: every level), else the model's."""
+    if written is None:
+        return model
+    return CHECKPOINTS if isinstance(written, Auto) else (written,)
+
+
 def knob_options(space: SearchSpace, schedule: ScheduleKind, interleave: int, lanes: int,
                  rule: StageRule | None = None) -> list[Knobs]:
     """Stage configurations to try under `schedule` for a stage of `lanes` lanes (what `rule` fixes, fixed).
@@ -194,15 +212,16 @@ def knob_options(space: SearchSpace, schedule: ScheduleKind, interleave: int, la
         levels = (min(levels),)
     elif 0 in levels and 1 in levels:
         levels = tuple(z for z in levels if z != 0)
-    plain, zorse, ministages = space.offloads, space.zorse_offloads, space.ministages
+    plain, zorse, ministages, checkpoints = space.offloads, space.zorse_offloads, space.ministages, space.checkpoints
     if rule is not None:
         levels = levels if rule.zero is None else (rule.zero,)
         plain, zorse = (plain, zorse) if rule.offload is None else ((rule.offload,), (rule.offload,))
         ministages = ministages if rule.ministages is None else (rule.ministages,)
+        checkpoints = _stage_checkpoints(rule.checkpoint, checkpoints)
     if schedule is ScheduleKind.ZORSE:
-        return [Knobs(z, off, k) for z in levels for off in zorse for k in ministages]
+        return [Knobs(z, off, k, c) for z in levels for off in zorse for k in ministages for c in checkpoints]
     if schedule is ScheduleKind.INTERLEAVED:
-        return [Knobs(z, off, interleave) for z in levels for off in plain]
+        return [Knobs(z, off, interleave, c) for z in levels for off in plain for c in checkpoints]
     fixed = rule is not None and rule.ministages is not None
-    return [Knobs(z, off, k) for z in levels for off in plain
-            for k in (ministages if (off.params or z >= 3 or fixed) else (1,))]
+    return [Knobs(z, off, k, c) for z in levels for off in plain
+            for k in (ministages if (off.params or z >= 3 or fixed) else (1,)) for c in checkpoints]

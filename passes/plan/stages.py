@@ -1,8 +1,8 @@
 """Written stage blocks: what each fixes, and what its `auto` fields leave to the planner.
 
 A spec may write its stages and leave some of their fields `auto`:
-`layers`, `ranks`, `lanes`, `tp`, `ministages`, `microbatches`, or a stage's
-`zero { level = auto }`. The planner keeps everything written — the
+`layers`, `ranks`, `lanes`, `tp`, `ministages`, `microbatches`,
+`activation_checkpoint`, or a stage's `zero { level = auto }`. The planner keeps everything written — the
 number of stages, their names and order, their GPUs, their layer ranges,
 their routing — and chooses the rest. Either every stage writes its `ranks`
 (the layout is fixed) or none does (the planner picks layouts with that
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from hetc.errors import Diagnostic, SpecError
 from hetc.passes.plan.candidate import GpuBlock, Offload, StageGpus
 from hetc.passes.resolve import layer_index, proportional_counts
-from hetc.spec import AUTO, DType, RankSlice, Routing, RoutingKind, Spec, StageSpec
+from hetc.spec import AUTO, Auto, Checkpointing, DType, RankSlice, Routing, RoutingKind, Spec, StageSpec
 from hetc.topology import Gpu, Topology
 
 __all__ = ["StageRule", "stage_rules", "written_counts"]
@@ -34,6 +34,7 @@ class StageRule:
     zero: int | None
     offload: Offload | None
     routing: Routing | None
+    checkpoint: Checkpointing | Auto | None = None   # the stage's own key (None: the model's, the space's)
 
 
 def stage_rules(spec: Spec, topo: Topology) -> tuple[StageRule, ...]:
@@ -67,7 +68,8 @@ def _rule(spec: Spec, topo: Topology, st: StageSpec) -> StageRule:
         name=st.name, gpus=gpus, layers=_layers(spec, st), tp=tp,
         ministages=None if st.ministages is AUTO else st.ministages, zero=zero,
         offload=None if st.offload is None else Offload.from_spec(st.offload),
-        routing=None if st.microbatches is AUTO else st.microbatches)
+        routing=None if st.microbatches is AUTO else st.microbatches,
+        checkpoint=st.activation_checkpoint)
 
 
 def _layers(spec: Spec, st: StageSpec) -> int | None:

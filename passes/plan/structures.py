@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from hetc.passes.cost import Profiles
 from hetc.passes.cost.intra_lane import tp_degrees
 from hetc.passes.plan.assign import Assignment, assign_fast
-from hetc.passes.plan.candidate import Candidate, Knobs, StageGpus
+from hetc.passes.plan.candidate import Candidate, Knobs, Offload, StageGpus
 from hetc.passes.plan.deadline import Deadline
 from hetc.passes.plan.grid import grid_counts, layer_grain, residues
 from hetc.passes.cost.probe import Primitives
@@ -25,12 +25,12 @@ from hetc.passes.plan.layouts import Layout, group_speed, layouts
 from hetc.passes.plan.objective import Goal
 from hetc.passes.plan.partition import bandwidth_domains
 from hetc.passes.plan.routing import spread
-from hetc.passes.plan.space import SearchSpace, knob_options
+from hetc.passes.plan.space import CHECKPOINTS, SearchSpace, knob_options
 from hetc.passes.cost.candidate_view import ResolvedStage
 from hetc.passes.plan.stages import StageRule, written_counts
 from hetc.passes.plan.tables import Option, StageTable, holds_all, placeable, stage_costs, stage_option
 from hetc.passes.plan.views import Resolver, view_of
-from hetc.spec import ModelSpec, Objective, ScheduleKind, Spec
+from hetc.spec import Checkpointing, ModelSpec, Objective, ScheduleKind, Spec
 from hetc.topology import Gpu, Topology
 
 __all__ = ["Found", "SearchLimits", "Structure", "Structures", "base_knobs"]
@@ -98,18 +98,22 @@ class Structures:
         self._holds: dict[tuple[object, ...], bool] = {}   # the same key: `_holds_all`
 
     def layouts(self) -> Iterator[tuple[tuple[str, ...], Layout]]:
-        rules = self.space.stages
         for idle in self.space.idle_sets:
-            if rules is not None and rules[0].gpus is not None:
-                yield idle, tuple(r.gpus for r in rules if r.gpus is not None)   # all or none: stage_rules
-                continue
-            used = [g for g in self.topo.groups if g not in idle]
-            if used:
-                max_stages = min(self.space.max_stages, self.units)
-                for layout in layouts(self.topo, bandwidth_domains(self.topo, used), max_stages,
-                                      self.model.dtype):
-                    if rules is None or len(layout) == len(rules):
-                        yield idle, layout
+            for layout in self.layouts_of(idle):
+                yield idle, layout
+
+    def layouts_of(self, idle: tuple[str, ...]) -> Iterator[Layout]:
+        """The stage layouts of the node groups `idle` leaves (the written stages' where they write ranks)."""
+        rules = self.space.stages
+        if rules is not None and rules[0].gpus is not None:
+            yield tuple(r.gpus for r in rules if r.gpus is not None)   # all or none: stage_rules
+            return
+        used = [g for g in self.topo.groups if g not in idle]
+        if used:
+            max_stages = min(self.space.max_stages, self.units)
+            for layout in layouts(self.topo, bandwidth_domains(self.topo, used), max_stages, self.model.dtype):
+                if rules is None or len(layout) == len(rules):
+                    yield layout
 
     def rule(self, s: int) -> StageRule | None:
         return None if self.space.stages is None else self.space.stages[s]
@@ -181,11 +185,40 @@ class Structures:
         for n in layers:
             if self.until.passed():   # Note [an anytime search]: a table as far as it got
                 break
-            got = [self._option(st, s, n, k, res, neighbours) for k in knobs]
+            got = self._options_at(st, s, n, knobs, res, neighbours)
             if fallback is not None and not self._roomy(st, s, n, knobs, got, res, neighbours):
                 got.append(self._option(st, s, n, fallback, res, neighbours))
             table.options += [o for o in got if o is not None]
         return table
+
+    def _options_at(self, st: Structure, s: int, n: int, knobs: list[Knobs], res: ResolvedStage,
+                    neighbours: dict[int, Gpu]) -> list[Option | None]:
+        """Stage s's option of each of `knobs` at n units (in their order), but none for a level of activation
+        checkpointing stronger than one that already holds every microbatch on every lane with the same other
+        knobs (Note [recomputing only where memory binds])."""
+        m = self.prims[st.micro_batch].num_microbatches
+        roomy: set[tuple[int, Offload, int]] = set()   # (zero, offload, ministages) held at a weaker level
+        got: dict[int, Option | None] = {}
+        for i in sorted(range(len(knobs)), key=lambda i: CHECKPOINTS.index(knobs[i].checkpoint)):
+            k = knobs[i]
+            rest = (k.zero, k.offload, k.ministages)
+            if rest in roomy:
+                got[i] = None
+                continue
+            got[i] = o = self._option(st, s, n, k, res, neighbours)
+            if o is not None and all(c.cap >= m for c in o.classes):
+                roomy.add(rest)
+        return [got[i] for i in range(len(knobs))]
+
+    # Note [recomputing only where memory binds]: activation checkpointing only adds compute (the
+    # recomputed forward) and only lowers activation memory, which the assignment sees through one term, the
+    # microbatches a lane can hold (`LaneClass.cap`). Where a weaker level's option already holds all m
+    # microbatches on every lane, a stronger level with the same ZeRO level, offload and ministages has the
+    # same fill, tail and drain or longer ones and more work, and the same caps: it is dominated in every term
+    # of the assignment model (Note [dominated options] in assign.py) and of the exact score, so it is not
+    # built. Where memory binds, every level is built and the assignment weighs the time recomputation costs
+    # against the microbatches it lets a lane hold. So `activation_checkpoint = auto` costs about one table
+    # per configuration where memory is plentiful.
 
     def neighbours(self, st: Structure, s: int) -> dict[int, Gpu]:
         """The stages beside stage s (pipeline order wraps around), each by its first GPU: the border peers
@@ -346,12 +379,15 @@ class Structures:
 
 
 def base_knobs(options: list[Knobs]) -> list[Knobs]:
-    """A few configurations for the coarse steps: the lightest, ZeRO's most sharded without offload, the
-    most frugal."""
-    def weight(k: Knobs) -> tuple[int, int, int]:
-        return (k.offload.params + k.offload.optimizer + k.offload.activations, k.zero, k.ministages)
+    """A few configurations for the coarse steps: the lightest, ZeRO's most sharded without offload (and,
+    where checkpointing is searched, the same with selective recomputation), the most frugal."""
+    def weight(k: Knobs) -> tuple[int, int, int, int]:
+        return (k.offload.params + k.offload.optimizer + k.offload.activations, CHECKPOINTS.index(k.checkpoint),
+                k.zero, k.ministages)
 
     by_weight = sorted(options, key=weight)
     lightest = by_weight[0]
     plain = [k for k in by_weight if k.offload == lightest.offload and k.ministages == lightest.ministages]
-    return list(dict.fromkeys([by_weight[0], plain[-1], by_weight[-1]]))
+    unchecked = [k for k in plain if k.checkpoint is lightest.checkpoint]
+    selective = [k for k in plain if k.checkpoint is Checkpointing.SELECTIVE][-1:]
+    return list(dict.fromkeys([by_weight[0], unchecked[-1], *selective, by_weight[-1]]))

@@ -27,7 +27,7 @@ from hetc.passes.plan.deadline import Deadline
 from hetc.passes.plan.objective import Goal
 from hetc.passes.plan.search import Search, SearchLimits
 from hetc.passes.plan.space import PLAIN_OFFLOADS, ZORSE_OFFLOADS, SearchSpace
-from hetc.spec import Checkpointing, Spec
+from hetc.spec import Auto, Checkpointing, Spec
 from hetc.topology import Topology
 from hetc.units import human_seconds
 
@@ -75,12 +75,18 @@ def _changes(spec: Spec, space: SearchSpace) -> Iterator[_Change]:
     if freed is not None:
         yield _Change(frees, spec, freed)
     assert spec.model is not None   # a checked spec
-    for level in _STRONGER[spec.model.activation_checkpoint]:
+    written = spec.model.activation_checkpoint   # `auto`: the search already tried every level
+    for level in () if isinstance(written, Auto) else _STRONGER[written]:
         stronger = replace(spec, model=replace(spec.model, activation_checkpoint=level))
         says = f"activation_checkpoint = {level.value} in the model block"
-        yield _Change(says, stronger, space)
+        yield _Change(says, stronger, _with_checkpoint(space, level))
         if freed is not None:
-            yield _Change(f"{says} and {frees}", stronger, freed)
+            yield _Change(f"{says} and {frees}", stronger, _with_checkpoint(freed, level))
+
+
+def _with_checkpoint(space: SearchSpace, level: Checkpointing) -> SearchSpace:
+    """The space of a spec whose model says `level` (`space_from_spec`'s reading of it)."""
+    return replace(space, checkpoints=(level,), fixed=replace(space.fixed, checkpoint=level))
 
 
 def _freed(space: SearchSpace) -> tuple[SearchSpace | None, str]:

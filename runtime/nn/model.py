@@ -40,7 +40,7 @@ from hetc.runtime.nn.layers import NORMS, Block, Embedding, Head
 from hetc.runtime.nn.moe import ALL_EXPERTS, ExpertShard
 from hetc.runtime.nn.seeding import generator
 from hetc.runtime.nn.tensor_parallel import NO_SHARD, ParallelLinear, TPShard, shard_infos
-from hetc.spec import Arch, Checkpointing, DType, ModelSpec, executed_dtype
+from hetc.spec import Arch, Auto, Checkpointing, DType, ModelSpec, executed_dtype
 
 __all__ = [
     "INIT_STD",
@@ -192,7 +192,7 @@ class Ministage(nn.Module):
 
     def __init__(self, model: ModelSpec, layers: range, *, seed: int, shard: TPShard = NO_SHARD,
                  device: torch.device | str = "cpu", experts: ExpertShard = ALL_EXPERTS,
-                 initialise: bool = True) -> None:
+                 initialise: bool = True, checkpoint: Checkpointing | None = None) -> None:
         super().__init__()
         if not (layers.step == 1 and len(layers) > 0):
             raise InternalError(f"a ministage is a non-empty run of layers: {layers}")
@@ -204,10 +204,11 @@ class Ministage(nn.Module):
         has_block = any(isinstance(layer, Block) for layer in self.layers.values())
         self.rotary = Rotary(model.head_size, model.rope_theta, device, model.rope_scaling) \
             if model.arch is Arch.LLAMA and has_block else None
-        self.full_checkpoint = model.activation_checkpoint is Checkpointing.FULL
+        level = _model_checkpoint(model) if checkpoint is None else checkpoint
+        self.full_checkpoint = level is Checkpointing.FULL
         for attention in self.modules():
             if isinstance(attention, Attention):
-                attention.recompute_core = model.activation_checkpoint is Checkpointing.SELECTIVE
+                attention.recompute_core = level is Checkpointing.SELECTIVE
         self.token_layout = TokenLayout()
         self._check_tied(model)
 
@@ -266,7 +267,7 @@ class Ministage(nn.Module):
 
 def build_ministage(model: ModelSpec, layers: range, *, seed: int, shard: TPShard = NO_SHARD,
                     device: torch.device | str = "cpu", experts: ExpertShard = ALL_EXPERTS,
-                    initialise: bool = True) -> Ministage:
+                    initialise: bool = True, checkpoint: Checkpointing | None = None) -> Ministage:
     """The module of one ministage: what the interpreter builds for each ministage its rank owns.
 
     Parameters are fp32 and initialised identically under every plan (Note
@@ -277,6 +278,16 @@ def build_ministage(model: ModelSpec, layers: range, *, seed: int, shard: TPShar
     loader fills (Note [Ranks that load their weights] in runtime/buffers.py).
     Every rank, profile and reference builds its compute here, so this is
     where the model's matmul precision is set (`use_matmul_precision`).
+    `checkpoint`: the activation checkpointing of the ministage's stage
+    (None: the model's, `_model_checkpoint`).
     """
     use_matmul_precision(model.dtype, torch.device(device))
-    return Ministage(model, layers, seed=seed, shard=shard, device=device, experts=experts, initialise=initialise)
+    return Ministage(model, layers, seed=seed, shard=shard, device=device, experts=experts, initialise=initialise,
+                     checkpoint=checkpoint)
+
+
+def _model_checkpoint(model: ModelSpec) -> Checkpointing:
+    """The model's own activation checkpointing; none where it leaves the level to the planner (`auto`): a
+    module built outside a plan (the 1-rank reference, a profile) computes the same either way."""
+    level = model.activation_checkpoint
+    return Checkpointing.NONE if isinstance(level, Auto) else level

@@ -1,0 +1,89 @@
+"""`hetc plan` says why it leaves a node group idle (passes/plan/idle.py), in its text and its JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hetc.cli import main
+from hetc.frontend.load import load_spec
+from hetc.passes.plan.planner import plan_spec
+
+# Four H100s in one node and one T4 in another: the T4 is far too slow to be worth a stage of its own.
+JOB = """use "catalog.het"
+
+model m {{
+  arch = llama
+  layers = {layers}
+  hidden = {hidden}
+  heads = {heads}
+  ffn = {ffn}
+  vocab = {vocab}
+  seq = 1024
+}}
+
+cluster c {{
+  node h100 {{
+    device = H100
+    count = 1
+    gpus = 4
+  }}
+  node slow {{
+    device = {slow}
+    count = 1
+    gpus = 1
+  }}
+}}
+
+train {{
+  global_batch = 16
+  micro_batch = 1
+  steps = 10
+}}
+
+parallel {{
+  schedule = zb
+{extra}}}
+"""
+SMALL = {"layers": 8, "hidden": 2048, "heads": 16, "ffn": 5504, "vocab": 32000}
+# a layer of this model needs about 16 GiB of states: nothing of it fits on a V100-16 without offload
+LARGE = {"layers": 4, "hidden": 8192, "heads": 64, "ffn": 28672, "vocab": 128000}
+
+
+def _write(tmp_path: Path, slow: str, model: dict[str, int], extra: str = "") -> Path:
+    path = tmp_path / "job.het"
+    path.write_text(JOB.format(slow=slow, extra=extra, **model))
+    return path
+
+
+def test_a_slow_group_gets_its_line_in_text_and_json(tmp_path, capsys):
+    path = _write(tmp_path, "T4", SMALL)
+    result = plan_spec(load_spec(path).spec, base_dir=tmp_path)
+    assert result.candidate is not None and result.candidate.idle == ("slow",)
+    (reason,) = result.idle
+    assert reason.group == "slow" and reason.kind in ("slow", "link", "overall")
+    # the search's own numbers: the best plan that uses the T4 is slower than the chosen one
+    assert result.score is not None and reason.step_time_s is not None
+    assert reason.step_time_s > result.score.step_time_s
+    assert main(["plan", str(path)]) == 0
+    text = capsys.readouterr().err   # the summary; the planned spec is stdout
+    assert f"    idle slow: {reason.text}\n" in text
+    assert "stage s0 on slow" in reason.text or "slower overall" in reason.text
+    assert main(["plan", str(path), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["plan"]["idle_reasons"]
+    assert got == [{"group": "slow", "kind": reason.kind, "why": reason.text, "step_time_s": reason.step_time_s}]
+
+
+def test_a_group_nothing_fits_on_is_named_with_memory(tmp_path):
+    path = _write(tmp_path, "V100-16", LARGE, "  offload {\n  }\n")
+    result = plan_spec(load_spec(path).spec, base_dir=tmp_path)
+    (reason,) = result.idle
+    assert reason.group == "slow" and reason.kind == "memory"
+    assert "on slow[0, 0] (V100-16, 16.00 GiB)" in reason.text
+
+
+def test_a_written_idle_group_says_so(tmp_path):
+    path = _write(tmp_path, "T4", SMALL, "  idle = [slow]\n")
+    result = plan_spec(load_spec(path).spec, base_dir=tmp_path)
+    assert [(r.group, r.kind) for r in result.idle] == [("slow", "written")]
+
