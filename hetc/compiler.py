@@ -18,13 +18,12 @@ from hetc.frontend.load import LoadedSpec, load_spec, with_plan_to_fill
 from hetc.jsontypes import JsonObject
 from hetc.passes.cost import CostError, CostModel, Profiles
 from hetc.passes.cost.provenance import provenance
+from hetc.passes.build import build
 from hetc.passes.export_torch import torch_pipelines
-from hetc.passes.lower import lower
 from hetc.passes.plan.deadline import DEFAULT_TIME_LIMIT_S
-from hetc.passes.simulate import simulate, timed_machine
 from hetc.passes.validate import Checked, ExplicitPlan, check_spec
 from hetc.passes.validate_fit import cost_error, estimate_overflows, peak_overflows
-from hetc.passes.verify import VerifyError, verified_evaluation, verify
+from hetc.passes.verify import VerifyError
 from hetc.passes.verify.memory import rank_peaks
 from hetc.pipeline import Pipeline
 from hetc.plandir import record_profiles, write_plan_dir
@@ -81,19 +80,19 @@ def compile_spec(spec_path: Path, dump_after: str | None = None,
     plan, program = (explicit, None) if explicit is not None else _planned(loaded, profiles, time_limit_s)
     # the schedule is timed with the cost model that predicts and verifies it (Note [in-flight limit])
     costs = CostModel(plan.spec, plan.pipeline, plan.topology, profiles)
-    if program is None or dump_after is not None:   # else the planner lowered it, from the same inputs
-        program = lower(plan.spec, plan.pipeline, dump_after, on_dump, costs)
+    reuse = program if dump_after is None else None   # the planner lowered it, from the same inputs
     try:
-        costs, timeline = predict(program, plan, profiles, costs)
-        evaluation = verified_evaluation(program, plan.pipeline, plan.spec)
-        eval_timeline = None if evaluation is None else simulate(evaluation, plan.pipeline, plan.spec, costs)
+        got = build(plan, costs=costs, program=reuse, evaluation=True, facts=plan_facts(plan),
+                    dump_after=dump_after, on_dump=on_dump)
     except CostError as err:
         raise SpecError(cost_error(plan.spec, err)) from None
     except VerifyError as err:
         if err.check != "memory":
             raise
-        raise SpecError(_memory_overflows(program, plan, costs, err)) from None
-    return Compiled(loaded, plan, program, costs, timeline, eval_timeline, evaluation)
+        lowered = build(plan, costs=costs, program=reuse, verified=True, simulated=False).program
+        raise SpecError(_memory_overflows(lowered, plan, costs, err)) from None
+    assert got.timeline is not None   # simulated
+    return Compiled(loaded, plan, got.program, costs, got.timeline, got.eval_timeline, got.evaluation)
 
 
 def _planned(loaded: LoadedSpec, profiles: Profiles | None,
@@ -120,10 +119,9 @@ def _memory_overflows(program: Program, plan: ExplicitPlan, costs: CostModel,
 def predict(program: Program, plan: ExplicitPlan, profiles: Profiles | None = None,
             costs: CostModel | None = None) -> tuple[CostModel, Timeline]:
     """(the CostModel, the predicted Timeline) of verified-to-be `program`: `compile` and `viz --profile`."""
-    costs = costs or CostModel(plan.spec, plan.pipeline, plan.topology, profiles)
-    machine = timed_machine(program, plan.spec, costs)     # run once: verified, then read (Note [one run])
-    verify(program, plan.pipeline, plan.spec, costs, machine=machine)
-    return costs, simulate(program, plan.pipeline, plan.spec, costs, plan_facts(plan), ran=machine)
+    got = build(plan, profiles, costs=costs, program=program, facts=plan_facts(plan))
+    assert got.timeline is not None   # simulated
+    return got.costs, got.timeline
 
 
 def plan_facts(plan: ExplicitPlan) -> list[tuple[str, str]]:

@@ -15,11 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hetc.passes.build import build as build_plan
 from hetc.passes.cost import CostModel, Estimate, Profiles
-from hetc.passes.lower import lower
-from hetc.passes.simulate import simulate, timed_machine
 from hetc.passes.validate import Checked
-from hetc.passes.verify import verify
 from hetc.passes.verify.memory import Peak, rank_peaks
 from hetc.program import Program
 from hetc.timeline import Timeline
@@ -41,24 +39,17 @@ class Built:
 
 def build(checked: Checked, profiles: Profiles | None = None, simulated: bool = True,
           verified: Program | None = None) -> Built:
-    """Lower and verify `checked`'s plan (VerifyError if it is unsafe or does not fit), then simulate it.
+    """Lower and verify `checked`'s plan (VerifyError if it is unsafe or does not fit), then simulate it
+    (passes/build.py), with every rank's memory peak.
 
     `verified`: the plan's program, lowered and verified already with these `profiles` (the planner's
     check of its winner, `PlanResult.program`); it is simulated only."""
     plan = checked.explicit()
     if plan is None:
         raise ValueError("build() needs an explicit plan; this one still has `auto` (plan it first)")
-    spec, pipeline = plan.spec, plan.pipeline
-    costs = CostModel(spec, pipeline, plan.topology, profiles)
-    if verified is None:
-        program = lower(spec, pipeline, costs=costs)
-        machine = timed_machine(program, spec, costs) if simulated else None   # run once (Note [one run])
-        verify(program, pipeline, spec, costs, machine=machine)
-    else:
-        program, machine = verified, None
-    timeline = simulate(program, pipeline, spec, costs, ran=machine) if simulated else None
-    step = timeline.step_time if timeline is not None else None
-    return Built(checked, program, costs, step, tuple(rank_peaks(program, pipeline, costs)), timeline)
+    got = build_plan(plan, profiles, program=verified, verified=verified is not None, simulated=simulated)
+    return Built(checked, got.program, got.costs, got.step_time_s,
+                 tuple(rank_peaks(got.program, plan.pipeline, got.costs)), got.timeline)
 
 
 @dataclass(frozen=True)

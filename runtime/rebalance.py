@@ -389,19 +389,16 @@ class Rebalancer:
 
     def _compile_spec(self, spec: Spec, slow: Mapping[int, float]) -> _Compiled:
         """Lower, verify and simulate the plan of `spec`, its compute slowed by `slow`."""
-        from hetc.compiler import predict
+        from hetc.passes.build import build
         from hetc.passes.cost import CostModel
-        from hetc.passes.lower import lower
         from hetc.passes.validate import check_spec
-        from hetc.passes.verify import verified_evaluation
 
         plan = check_spec(spec, self.plan_dir).explicit()
         assert plan is not None   # the running plan with other counts: explicit
-        costs = CostModel(plan.spec, plan.pipeline, plan.topology, measured_slowdown=slow)
-        program = lower(plan.spec, plan.pipeline, costs=costs)
-        _, timeline = predict(program, plan, None, costs)
-        evaluation = verified_evaluation(program, plan.pipeline, plan.spec)
-        return _Compiled(spec, plan.pipeline, program, evaluation, timeline.step_time)
+        got = build(plan, costs=CostModel(plan.spec, plan.pipeline, plan.topology, measured_slowdown=slow),
+                    evaluation=True)
+        assert got.step_time_s is not None   # simulated
+        return _Compiled(spec, plan.pipeline, got.program, got.evaluation, got.step_time_s)
 
     def _publish(self, compiled: _Compiled) -> None:
         for rp in compiled.program.ranks:

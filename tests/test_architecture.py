@@ -185,3 +185,21 @@ def test_the_checker_reports_an_upward_import_and_a_cycle():
 def test_the_top_level_folders_are_hetc_packages_by_relative_links(name):
     link = ROOT / "hetc" / name          # Note [layout] in pyproject.toml
     assert link.is_symlink() and Path(link.readlink()) == Path("..") / name
+
+
+def _called(path: Path) -> set[str]:
+    """The names of the functions a module calls by name (`lower(...)`, `x.verify(...)`)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call):
+            func = node.func
+            names.add(func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else "")
+    return names
+
+
+def test_one_build_sequences_lower_verify_and_simulate():
+    """Issue 30: cost → lower → verify → simulate was written out by hand in five places; passes/build.py is the
+    one that runs it, and every other module asks it."""
+    sequencing = [path.relative_to(ROOT).as_posix() for path in source_files()
+                  if "verify" in (called := _called(path)) and {"lower", "simulate"} & called]
+    assert sequencing == ["passes/build.py"]

@@ -195,20 +195,18 @@ CHECK_OPS = 8192
 
 
 def _check_winner(checked: Checked, profiles: Profiles | None, chosen: str, keep_program: bool) -> Program | None:
-    from hetc.passes.lower import lower
-    from hetc.passes.verify import VerifyError, verify
+    from hetc.passes.build import build
+    from hetc.passes.verify import VerifyError
     from hetc.passes.verify.positions import passes_by_position
 
-    p = checked.pipeline
-    if p is None or p.num_microbatches * len(p.ministages) > CHECK_OPS:
+    plan = checked.explicit()
+    if plan is None or plan.pipeline.num_microbatches * len(plan.pipeline.ministages) > CHECK_OPS:
         return None
-    assert checked.topology is not None   # a pipeline runs on a cluster
-    costs = CostModel(checked.spec, p, checked.topology, profiles)
-    if not keep_program and passes_by_position(checked.spec, p, costs):
+    costs = CostModel(plan.spec, plan.pipeline, plan.topology, profiles)
+    if not keep_program and passes_by_position(plan.spec, plan.pipeline, costs):
         return None
-    program = lower(checked.spec, p, costs=costs)
     try:   # what `hetc compile` runs, without the timeline and the per-rank report it writes beside
-        verify(program, p, checked.spec, costs)
+        program = build(plan, costs=costs, simulated=False).program
     except VerifyError as err:
         what = "does not fit in device memory" if err.check == "memory" else f"fails the {err.check} check"
         raise InternalError(f"the plan hetc plan chose ({chosen}) {what} once compiled, though its cost model "

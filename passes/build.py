@@ -1,0 +1,65 @@
+"""One sequence from an explicit plan to its checked programs: cost model → lower → verify → simulate.
+
+`build` is the only place that runs it: `hetc compile` and its re-prediction with other profiles
+(hetc/compiler.py), the planner's check of its winner (passes/plan/planner.py), the agreement test and
+benchmark (passes/agreement.py) and live rebalancing (runtime/rebalance.py). Each asks for what it needs:
+programs lowered here or given, verified here or already, simulated or not, and the evaluation programs.
+The programs are run once against the cost model, verified from that run and timed from it (Note [one
+run] in passes/verify/protocol.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from hetc.passes.cost import CostModel, Profiles
+from hetc.passes.lower import lower
+from hetc.passes.simulate import simulate, timed_machine
+from hetc.passes.validate import ExplicitPlan
+from hetc.passes.verify import verified_evaluation, verify
+from hetc.program import Program
+from hetc.timeline import Timeline
+
+__all__ = ["PlanBuild", "build"]
+
+
+@dataclass(frozen=True)
+class PlanBuild:
+    """A plan's programs, the cost model that timed them, and what the caller asked for."""
+
+    plan: ExplicitPlan
+    program: Program
+    costs: CostModel
+    timeline: Timeline | None = None         # the simulated step (None: not simulated)
+    evaluation: Program | None = None        # the verified evaluation programs (asked for, and the job evaluates)
+    eval_timeline: Timeline | None = None    # one validation batch, simulated
+
+    @property
+    def step_time_s(self) -> float | None:
+        return None if self.timeline is None else self.timeline.step_time
+
+
+def build(plan: ExplicitPlan, profiles: Profiles | None = None, *, costs: CostModel | None = None,
+          program: Program | None = None, verified: bool = False, simulated: bool = True,
+          evaluation: bool = False, facts: Iterable[tuple[str, str]] = (), dump_after: str | None = None,
+          on_dump: Callable[[str, Program], None] | None = None) -> PlanBuild:
+    """`plan`'s programs, timed with `costs` (default: the cost model of `profiles`).
+
+    `program`: the plan's programs, lowered already (else lowered here, `dump_after` / `on_dump` as
+    `hetc compile --dump-after`); `verified`: they were verified with these costs (the planner's check),
+    else they are here (VerifyError when unsafe or over memory); `simulated`: time one step (`facts`:
+    the side panel of its timeline); `evaluation`: derive and verify the evaluation programs too.
+    """
+    costs = costs or CostModel(plan.spec, plan.pipeline, plan.topology, profiles)
+    if program is None:
+        program = lower(plan.spec, plan.pipeline, dump_after, on_dump, costs)
+    machine = None
+    if not verified:
+        machine = timed_machine(program, plan.spec, costs) if simulated else None   # run once (Note [one run])
+        verify(program, plan.pipeline, plan.spec, costs, machine=machine)
+    timeline = simulate(program, plan.pipeline, plan.spec, costs, facts, ran=machine) if simulated else None
+    evaluated = verified_evaluation(program, plan.pipeline, plan.spec) if evaluation else None
+    eval_timeline = simulate(evaluated, plan.pipeline, plan.spec, costs) \
+        if evaluated is not None and simulated else None
+    return PlanBuild(plan, program, costs, timeline, evaluated, eval_timeline)
