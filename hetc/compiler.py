@@ -72,18 +72,23 @@ class Compiled:
 
 def compile_spec(spec_path: Path, dump_after: str | None = None,
                  on_dump: Callable[[str, Program], None] | None = None,
-                 profiles: Profiles | None = None, time_limit_s: float | None = DEFAULT_TIME_LIMIT_S) -> Compiled:
+                 profiles: Profiles | None = None, time_limit_s: float | None = DEFAULT_TIME_LIMIT_S,
+                 progress: Callable[[str], None] | None = None) -> Compiled:
     """Lower, verify and simulate `spec_path`'s plan, timed with `profiles` (a Profiles, or none); a plan with
-    `auto` is planned first, its search held to `time_limit_s` (Note [an anytime search])."""
+    `auto` is planned first, its search held to `time_limit_s` (Note [an anytime search]); `progress(line)`
+    hears each phase done."""
+    say = progress or (lambda _: None)
     loaded, checked = load_checked(spec_path, require_complete=True, plan_missing=True)
     explicit = checked.explicit()
     plan, program = (explicit, None) if explicit is not None else _planned(loaded, profiles, time_limit_s)
+    say(f"{'checked' if explicit is not None else 'planned'}: {plan.pipeline.world_size:,} ranks, "
+        f"{len(plan.pipeline.stages)} stages, {plan.pipeline.num_microbatches} microbatches")
     # the schedule is timed with the cost model that predicts and verifies it (Note [in-flight limit])
     costs = CostModel(plan.spec, plan.pipeline, plan.topology, profiles)
     reuse = program if dump_after is None else None   # the planner lowered it, from the same inputs
     try:
         got = build(plan, costs=costs, program=reuse, evaluation=True, facts=plan_facts(plan),
-                    dump_after=dump_after, on_dump=on_dump)
+                    dump_after=dump_after, on_dump=on_dump, progress=progress)
     except CostError as err:
         raise SpecError(cost_error(plan.spec, err)) from None
     except VerifyError as err:

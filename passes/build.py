@@ -43,22 +43,29 @@ class PlanBuild:
 def build(plan: ExplicitPlan, profiles: Profiles | None = None, *, costs: CostModel | None = None,
           program: Program | None = None, verified: bool = False, simulated: bool = True,
           evaluation: bool = False, facts: Iterable[tuple[str, str]] = (), dump_after: str | None = None,
-          on_dump: Callable[[str, Program], None] | None = None) -> PlanBuild:
+          on_dump: Callable[[str, Program], None] | None = None,
+          progress: Callable[[str], None] | None = None) -> PlanBuild:
     """`plan`'s programs, timed with `costs` (default: the cost model of `profiles`).
 
     `program`: the plan's programs, lowered already (else lowered here, `dump_after` / `on_dump` as
     `hetc compile --dump-after`); `verified`: they were verified with these costs (the planner's check),
     else they are here (VerifyError when unsafe or over memory); `simulated`: time one step (`facts`:
-    the side panel of its timeline); `evaluation`: derive and verify the evaluation programs too.
+    the side panel of its timeline); `evaluation`: derive and verify the evaluation programs too;
+    `progress(line)` hears each phase done.
     """
+    say = progress or (lambda _: None)
     costs = costs or CostModel(plan.spec, plan.pipeline, plan.topology, profiles)
     if program is None:
         program = lower(plan.spec, plan.pipeline, dump_after, on_dump, costs)
+        say(f"lowered {program.world_size:,} ranks: {sum(len(rp.instrs) for rp in program.ranks):,} instructions")
     machine = None
     if not verified:
         machine = timed_machine(program, plan.spec, costs) if simulated else None   # run once (Note [one run])
         verify(program, plan.pipeline, plan.spec, costs, machine=machine)
+        say(f"verified ({len(program.groups):,} groups)")
     timeline = simulate(program, plan.pipeline, plan.spec, costs, facts, ran=machine) if simulated else None
+    if timeline is not None:
+        say("simulated one step")
     evaluated = verified_evaluation(program, plan.pipeline, plan.spec) if evaluation else None
     eval_timeline = simulate(evaluated, plan.pipeline, plan.spec, costs) \
         if evaluated is not None and simulated else None

@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import TextIO
 
 from hetc.commands import Subparsers
+from hetc.commands.progress import progress_printer
 from hetc.compiler import Compiled, compile_spec, write_compiled
+from hetc.membudget import MemoryBudgetExceeded, memory_budget, parse_memory
 from hetc.passes.cost.provenance import Provenance, provenance
 from hetc.passes.export_torch import why_not_exported
 from hetc.passes.lower import PASS_NAMES, PASSES
@@ -47,6 +49,9 @@ def register(sub: Subparsers) -> None:
                         "holding a file hetc did not write")
     p.add_argument("--dump-after", choices=PASS_NAMES + ["all"], metavar="PASS",
                    help=f"print every rank's program after PASS ({', '.join(PASS_NAMES)} or all)")
+    p.add_argument("--max-memory", type=parse_memory, metavar="SIZE",
+                   help="stop with a message, exit 2, when compile's resident memory passes SIZE (8GiB, 512MB), "
+                        "instead of being killed by the kernel with no word of what ran out")
     add_profile_option(p)
     add_time_limit_option(p)
     p.set_defaults(func=run)
@@ -62,15 +67,26 @@ def run(args: argparse.Namespace) -> int:
 
     check_plan_out(args.out, Path(args.spec).parent)   # before the work: the write checks again
     profiles = load_profile_args(args.profile)
+    progress = progress_printer("compile", start)
+    phase = ["checking"]
+
+    def tell(line: str) -> None:
+        phase[0] = f"after: {line}"
+        progress(line)
     try:
-        compiled = compile_spec(Path(args.spec), args.dump_after, dump if args.dump_after else None, profiles,
-                                args.time_limit)
+        with memory_budget(args.max_memory):
+            compiled = compile_spec(Path(args.spec), args.dump_after, dump if args.dump_after else None, profiles,
+                                    args.time_limit, tell)
+            _warn_near_capacity(compiled)
+            summary = write_compiled(compiled, args.out, args.profile)
     except VerifyError as err:
         print(f"hetc compile: the lowered programs are unsafe (a bug in hetc's lowering):\n{err.render()}",
               file=sys.stderr)
         return 1
-    _warn_near_capacity(compiled)
-    summary = write_compiled(compiled, args.out, args.profile)
+    except MemoryBudgetExceeded as err:
+        print(f"hetc compile: error: stopped ({phase[0]}): {err}; nothing was written to {args.out}. Raise "
+              "--max-memory, or compile a smaller plan (fewer ranks or microbatches per lane)", file=sys.stderr)
+        return 2
     program, step = compiled.program, compiled.timeline.step_time
     took = time.perf_counter() - start
     if (why := why_not_exported(compiled.pipeline)) is not None:   # by design for many-to-many: not news

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from hetc.commands import Subparsers
+from hetc.commands.progress import progress_printer
 from hetc.commands.fitreport import enforce_fit
 from hetc.commands.planargs import add_time_limit_option
 from hetc.commands.profileargs import add_profile_option, load_profile_args
@@ -21,9 +22,6 @@ from hetc.pipeline import Pipeline
 from hetc.units import human_seconds
 
 __all__ = ["register"]
-
-# Searches that take longer than this report their progress on stderr.
-PROGRESS_AFTER_S = 1.0
 
 
 def register(sub: Subparsers) -> None:
@@ -52,10 +50,7 @@ def run(args: argparse.Namespace) -> int:
     profiles = load_profile_args(args.profile)
     start = time.perf_counter()
 
-    def progress(message: str) -> None:
-        if time.perf_counter() - start > PROGRESS_AFTER_S:
-            print(f"hetc plan: {message}", file=sys.stderr, flush=True)
-
+    progress = progress_printer("plan", start, elapsed=False)    # the search's lines say their time
     result = plan_spec(loaded.spec, profiles, loaded.path.parent, progress, time_limit_s=args.time_limit)
     note = "" if not result.planned else (f"planned by hetc plan: {human_seconds(result.step_time_s)}/step, "
                                           f"{result.tokens_per_s:,.0f} tokens/s predicted")
