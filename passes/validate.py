@@ -181,7 +181,9 @@ def _check_cluster(spec: Spec, errors: list[Diagnostic]) -> Topology | None:
             errors.append(Diagnostic(n.span_of("device"), f"unknown device kind '{n.device}'{hint}"))
     total = sum(n.count * n.gpus for n in c.nodes)
     if total > MAX_GPUS:
-        errors.append(Diagnostic(c.span, f"the cluster has {total} GPUs; hetc plans at most {MAX_GPUS}"))
+        errors.append(Diagnostic(c.span, f"the cluster has {total} GPUs; hetc plans at most {MAX_GPUS} (a bound "
+                                 "of time and memory: planning and compiling grow with every GPU); split the "
+                                 "job, or plan a part of the cluster"))
         return None
     if not c.nodes:
         errors.append(Diagnostic(c.span, "the cluster has no nodes"))
