@@ -18,7 +18,7 @@ from typing import NoReturn
 
 from hetc import __version__
 from hetc.errors import Sources, SpecError, UsageError
-from hetc.interrupt import watch
+from hetc.interrupt import seen, watch
 from hetc.runtime.local import take_signals_as_rank
 
 __all__ = ["BROKEN_PIPE_STATUS", "INTERRUPTED_STATUS", "VERBS", "main", "program"]
@@ -70,6 +70,13 @@ def program() -> NoReturn:
     try:
         _program()
     except KeyboardInterrupt:   # Ctrl-C where `_run` does not catch it: while the verbs import, say
+        print("interrupted", file=sys.stderr)
+        sys.exit(INTERRUPTED_STATUS)
+    except Exception:
+        # a Ctrl-C that surfaced as another error: Python re-raises an exception in a class body's
+        # __set_name__ (lark's, while a verb imports) as a RuntimeError
+        if not seen():
+            raise
         print("interrupted", file=sys.stderr)
         sys.exit(INTERRUPTED_STATUS)
 

@@ -16,10 +16,12 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from hetc.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Slowdown", "compute_factor", "parse_injection", "stretch", "synchronize"]
 
@@ -81,4 +83,6 @@ def stretch(seconds: float, factor: float) -> None:
 def synchronize(device: torch.device) -> None:
     """Finish the device's queued work (a slowed GPU rank times its compute on the device)."""
     if device.type == "cuda":
+        import torch     # here: `hetc run --help` and the CLI's parser read this module without torch
+
         torch.cuda.synchronize(device)

@@ -39,6 +39,7 @@ from hetc.runtime.lane import Arrivals, LanePlace, take_tokens
 from hetc.runtime.optim import clip_coefficient, grad_sq_sum, lr_at, optimizer_step
 from hetc.runtime.nn.split_backward import DeferredWeightGrad, backward_input, backward_weight
 from hetc.runtime.step_clock import StepClock
+from hetc.runtime.tied import put_tied_sum, tied_copy, tied_share
 from hetc.runtime.unit_buffers import Buffers, UnitBuffers
 from hetc.spec import Spec
 from hetc.timeline import class_times
@@ -71,6 +72,8 @@ class _Pending:
 
 
 class Interpreter:
+    injected: tuple[Slowdown, ...] = ()    # `hetc run --inject`: this run's slowdowns (runtime/inject.py)
+
     def __init__(self, spec: Spec, program: RankProgram, buffers: dict[int, Buffers], comm: Comm,
                  data: DataSource, num_microbatches: int, device: torch.device,
                  first_layer: dict[int, int], stop_layer: dict[int, int], place: LanePlace, *,
@@ -86,7 +89,6 @@ class Interpreter:
         self.counts_loss = place.counts_loss
         self.training = True
         self.skip_nonfinite = False    # set by `hetc run --on-nonfinite skip`: Note [non-finite steps]
-        self.injected: tuple[Slowdown, ...] = ()   # `hetc run --inject`: this rank's slowdowns (runtime/inject.py)
         self.pin_memory = pin_memory
         for buf in buffers.values():
             for part in buf.parts():
@@ -473,10 +475,18 @@ class Interpreter:
             self._reduce_norm(instr, group)
         elif instr.ms is None:
             raise ProtocolError(f"`{instr}` reduces gradients but names no ministage")
+        elif instr.what is Kind.TIED:
+            self._reduce_tied(instr.ms, instr, group)
         else:
             buf = self._buffer(instr.ms, instr.unit).part(instr.group)
             target = buf.inner_grad if instr.group == buf.shard.outer else buf.grad
             self._post(instr, self.comm.all_reduce(target, group))
+
+    def _reduce_tied(self, ms: int, instr: AllReduce, group) -> None:
+        """Sum the tied embedding's copies' gradients into ministage `ms`'s copy (runtime/tied.py)."""
+        copy = tied_copy(self._buffers(ms))
+        total = tied_share(copy)
+        self._post(instr, self.comm.all_reduce(total, group), lambda: put_tied_sum(copy, total))
 
     def _reduce_loss(self, instr: AllReduce, group) -> None:
         """All-reduce the mean of this rank's microbatch losses; its wait is where the host reads the loss."""
