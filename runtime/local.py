@@ -78,13 +78,14 @@ def take_signals_as_rank() -> None:
 
 
 def spawn_local(world: int, argv: list[str], places: list[tuple[str, int]] | None = None,
-                stop_timeout_s: float = 30.0) -> int:
+                stop_timeout_s: float = 30.0, env: dict[str, str] | None = None) -> int:
     """Run `hetc <argv>` as `world` local ranks; return the exit status.
 
     `places[r]` (plan node label, local GPU index) says which GPU of the
     plan rank r is, so that placement by discovery (runtime/placement.py)
     finds the launch order the plan's. `stop_timeout_s` is the ranks'
-    --stop-timeout: how long they may take to save after SIGTERM.
+    --stop-timeout: how long they may take to save after SIGTERM; `env`
+    goes into every rank's environment (their options: runtime/options.py).
 
     Like torchrun's agent, this process hosts the rendezvous store, so the
     store (and the heartbeats that name a dead rank) outlive any one rank.
@@ -97,11 +98,12 @@ def spawn_local(world: int, argv: list[str], places: list[tuple[str, int]] | Non
         try:
             for rank in range(world):
                 label, local = places[rank] if places is not None else ("", rank)
-                env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local),
-                           LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                           TORCHELASTIC_USE_AGENT_STORE="True", **{NODE_ENV: label, LAUNCHER_ENV: "1"})
-                env.setdefault("OMP_NUM_THREADS", "1")
-                signals.ranks.append(_start_rank([sys.executable, "-m", "hetc", *argv], env))
+                rank_env = dict(os.environ, **(env or {}), RANK=str(rank), WORLD_SIZE=str(world),
+                                LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                                MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
+                                **{NODE_ENV: label, LAUNCHER_ENV: "1"})
+                rank_env.setdefault("OMP_NUM_THREADS", "1")
+                signals.ranks.append(_start_rank([sys.executable, "-m", "hetc", *argv], rank_env))
             _store = _host_store(reserved, world) if signals.signum not in STOP_NOW else None   # kept alive
             return _supervise(signals, stop_timeout_s)
         finally:

@@ -22,7 +22,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 
 import torch
@@ -42,8 +41,8 @@ from hetc.runtime.nn import collectives
 from hetc.runtime.nn.collectives import is_comm_failure
 from hetc.runtime.placement import ClusterMismatch, discover, local_gpu, local_process, place
 from hetc.runtime.preempt import PREEMPTED_STATUS, Preemption
-from hetc.runtime.inject import Slowdown
-from hetc.runtime.rebalance import RebalanceOptions, Rebalancer, Switch
+from hetc.runtime.options import DIVERGED_STATUS, NonFinite, RunOptions
+from hetc.runtime.rebalance import Rebalancer, Switch
 from hetc.runtime.report import Reporter, StartupProgress
 from hetc.runtime.setup import build_rank
 from hetc.runtime.watchdog import Watchdog, attempt_prefix, store_client
@@ -73,38 +72,6 @@ class PeerFailure(RuntimeError):
 # applied (the learning-rate schedule still advances), counted, and reported. Deciding before the update
 # needs the global gradient norm before any ministage steps, which hetc computes only under clipping
 # (passes/lower/zero.py: grad_clip turns off Zorse's interleaved update), so `skip` needs train.grad_clip.
-class NonFinite(StrEnum):
-    """What `hetc run` does after a step whose loss or gradient norm is not finite."""
-
-    STOP = "stop"
-    SKIP = "skip"
-
-
-DIVERGED_STATUS = 3   # a run stopped by a non-finite step (1 is a failure, 2 bad input, 143 preempted)
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    steps: int | None = None
-    metrics: Path | None = None
-    tensorboard: Path | None = None     # rank 0 writes TensorBoard event files here
-    wandb: str | None = None            # rank 0 logs to this Weights & Biases project
-    trace: Path | None = None
-    checkpoint: Path | None = None
-    every: int = 0
-    keep: int | None = None
-    resume: bool = False                # resume from --checkpoint; a directory holding none is an error
-    resume_if_present: bool = False     # resume when there is a checkpoint, else start at step 0 (--elastic)
-    weights_from: Path | None = None    # --load-weights-only: a checkpoint's weights, when nothing is resumed
-    timeout_s: float = 120.0            # a step's collectives and messages (Note [Init and step timeouts])
-    init_timeout_s: float = 300.0       # the rendezvous and creating the process groups
-    heartbeat_timeout_s: float = 10.0
-    grace_s: float = 30.0
-    elastic: bool = False
-    quiet: bool = False
-    on_nonfinite: NonFinite = NonFinite.STOP
-    rebalance: RebalanceOptions | None = None     # --rebalance: Note [live rebalancing] in runtime/rebalance.py
-    inject: tuple[Slowdown, ...] = ()             # --inject: runtime/inject.py
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import shutil
 
 import pytest
@@ -78,18 +79,24 @@ def _other_than_default(action) -> list[str]:
     return [flag, value]
 
 
-def test_every_option_of_hetc_run_reaches_the_ranks_of_local_but_the_launchers_own():
-    """Issue 30: `--local` built the ranks' options from a hand-kept list and left --heartbeat-timeout out.
-    Every option the parser declares, set to a value that is not its default, comes back from the ranks'
-    argv, except LAUNCHER_ONLY (named in one place, hetc/commands/run.py)."""
-    from hetc.cli import build_parser
-    from hetc.commands.run import LAUNCHER_ONLY, _rank_argv, run_options
+def test_the_ranks_of_local_take_every_option_of_the_launcher_as_one_value():
+    """Issue 30: `--local` built the ranks' options from a hand-kept argv list and left --heartbeat-timeout
+    out. Now the launcher hands its RunOptions to its ranks as one value (runtime/options.py): every option
+    of `hetc run` but --local, set to a value that is not its default, lands in it and comes back equal."""
+    import dataclasses
 
-    passed = [a for a in run_options() if a.dest not in LAUNCHER_ONLY]
-    assert {"heartbeat_timeout", "timeout", "init_timeout", "on_nonfinite"} <= {a.dest for a in passed}
-    argv = ["run", "plan", "--local", "2", *(word for a in passed for word in _other_than_default(a))]
-    args = build_parser().parse_args(argv)
-    assert all(getattr(args, a.dest) != a.default for a in passed)     # each one was set
-    again = build_parser().parse_args(_rank_argv(args))
-    assert again.local is None
-    assert {a.dest: getattr(again, a.dest) for a in passed} == {a.dest: getattr(args, a.dest) for a in passed}
+    from hetc.cli import build_parser
+    from hetc.commands.run import run_options
+    from hetc.runtime.options import RunOptions
+
+    parser = build_parser()
+    run = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["run"]
+    options = [a for a in run._actions if a.option_strings and a.dest not in ("local", "help")]
+    assert {"heartbeat_timeout", "timeout", "init_timeout", "on_nonfinite", "rebalance"} <= {a.dest for a in options}
+    argv = ["run", "plan", "--local", *(word for a in options for word in _other_than_default(a))]
+    argv = [w if not w.startswith("x-inject") else "slow rank=1 factor=2" for w in argv]
+    opts = run_options(parser.parse_args(argv))
+    unset = [f.name for f in dataclasses.fields(RunOptions) if getattr(opts, f.name) == getattr(RunOptions(), f.name)]
+    assert unset == [], f"options that never reach RunOptions: {unset}"
+    assert RunOptions.from_json(opts.to_json()) == opts
+    assert opts.heartbeat_timeout_s == 7.5

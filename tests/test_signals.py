@@ -19,8 +19,9 @@ import pytest
 
 from hetc.cli import build_parser
 from hetc.cli import main as hetc_main
-from hetc.commands.run import _rank_argv
+from hetc.commands.run import run_options
 from hetc.runtime.checkpoint import latest_checkpoint
+from hetc.runtime.options import RUN_OPTIONS_ENV
 from tests.conftest import DEMO, ROOT
 
 STEPS = 120             # enough that the run is still going when SIGTERM comes after its second step
@@ -141,15 +142,19 @@ def test_ctrl_c_in_the_first_second_exits_130_every_time(dp2_plan, tmp_path):
         assert not _processes_naming(str(metrics)), f"Ctrl-C after {tenth / 10:.1f} s left ranks running"
 
 
-def test_the_ranks_get_every_flag_of_the_launcher_but_local():
-    args = build_parser().parse_args(
-        ["run", "plan", "--local", "2", "--steps", "5", "-q", "--every", "3", "--checkpoint", "ck", "--resume",
-         "--heartbeat-timeout", "20", "--stop-timeout", "7"])
-    argv = _rank_argv(args)
-    assert "--local" not in argv and "--heartbeat-timeout" in argv    # issue 30: it was left out
-    again = build_parser().parse_args(argv)
-    assert {k: v for k, v in vars(again).items() if k != "local"} == {k: v for k, v in vars(args).items()
-                                                                        if k != "local"}
+def test_a_rank_of_local_runs_with_its_launchers_options(dp2_plan, monkeypatch):
+    """Issue 30: the ranks took a rebuilt command line, which left --heartbeat-timeout out; now they take
+    the launcher's RunOptions from their environment (runtime/options.py), whatever their own argv says."""
+    from hetc.runtime import worker
+
+    launcher = run_options(build_parser().parse_args(
+        ["run", str(dp2_plan), "--local", "2", "--steps", "5", "-q", "--every", "3", "--checkpoint", "ck",
+         "--resume", "--heartbeat-timeout", "20", "--stop-timeout", "7"]))
+    seen: list = []
+    monkeypatch.setattr(worker, "run_worker", lambda plan_dir, opts: seen.append(opts) or 0)
+    monkeypatch.setenv(RUN_OPTIONS_ENV, launcher.to_json())
+    assert hetc_main(["run", str(dp2_plan)]) == 0
+    assert seen == [launcher] and seen[0].heartbeat_timeout_s == 20 and seen[0].grace_s == 7
 
 
 # ---------------------------------------------------------------- finding 12: a taken rendezvous port

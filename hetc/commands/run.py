@@ -19,9 +19,10 @@ from hetc.passes.verify import VerifyError
 from hetc.program import ProgramFormatError
 from hetc.runtime.inject import parse_injection
 from hetc.runtime.local import LAUNCHER_ENV
+from hetc.runtime.options import RUN_OPTIONS_ENV, NonFinite, RunOptions
 from hetc.runtime.rebalance import RebalanceOptions
 
-__all__ = ["LAUNCHER_ONLY", "register", "run_options"]
+__all__ = ["register", "run_options"]
 
 
 def register(sub: Subparsers) -> None:
@@ -212,21 +213,10 @@ def _rank(args: argparse.Namespace) -> int:
     from hetc.runtime.data import DataError
     from hetc.runtime.placement import ClusterMismatch
     from hetc.runtime.checkpoint_lock import CheckpointBusy
-    from hetc.runtime.worker import (CommTimeout, DeviceOutOfMemory, EnvError, NonFinite, PeerFailure, RunOptions,
-                                     describe_latest, run_worker)
+    from hetc.runtime.worker import CommTimeout, DeviceOutOfMemory, EnvError, PeerFailure, describe_latest, run_worker
 
-    opts = RunOptions(steps=args.steps, metrics=args.metrics, tensorboard=args.tensorboard, wandb=args.wandb,
-                      trace=args.trace, checkpoint=args.checkpoint,
-                      every=args.every, keep=args.keep, resume=args.resume,
-                      resume_if_present=args.resume_if_present or args.elastic,
-                      weights_from=args.load_weights_only, timeout_s=args.timeout, init_timeout_s=args.init_timeout,
-                      grace_s=args.stop_timeout, heartbeat_timeout_s=args.heartbeat_timeout,
-                      elastic=args.elastic, quiet=args.quiet, on_nonfinite=NonFinite(args.on_nonfinite),
-                      rebalance=RebalanceOptions(args.rebalance_window, args.rebalance_threshold,
-                                                 args.rebalance_cooldown, args.rebalance_min_gain,
-                                                 args.rebalance_split_gain)
-                      if args.rebalance else None,
-                      inject=tuple(parse_injection(text) for text in args.inject))
+    # a rank of `--local` runs with its launcher's options (runtime/options.py), not with its own command line
+    opts = RunOptions.from_json(os.environ[RUN_OPTIONS_ENV]) if RUN_OPTIONS_ENV in os.environ else run_options(args)
     try:
         if args.elastic:
             from hetc.runtime.elastic import run_elastic
@@ -253,6 +243,22 @@ def _rank(args: argparse.Namespace) -> int:
         return 1
 
 
+def run_options(args: argparse.Namespace) -> RunOptions:
+    """The options of `hetc run` as the ranks take them."""
+    return RunOptions(steps=args.steps, metrics=args.metrics, tensorboard=args.tensorboard, wandb=args.wandb,
+                      trace=args.trace, checkpoint=args.checkpoint,
+                      every=args.every, keep=args.keep, resume=args.resume,
+                      resume_if_present=args.resume_if_present or args.elastic,
+                      weights_from=args.load_weights_only, timeout_s=args.timeout, init_timeout_s=args.init_timeout,
+                      grace_s=args.stop_timeout, heartbeat_timeout_s=args.heartbeat_timeout,
+                      elastic=args.elastic, quiet=args.quiet, on_nonfinite=NonFinite(args.on_nonfinite),
+                      rebalance=RebalanceOptions(args.rebalance_window, args.rebalance_threshold,
+                                                 args.rebalance_cooldown, args.rebalance_min_gain,
+                                                 args.rebalance_split_gain)
+                      if args.rebalance else None,
+                      inject=tuple(parse_injection(text) for text in args.inject))
+
+
 def _local(args: argparse.Namespace) -> int:
     from hetc.plandir import read_plan, read_program, unverified_files, verify_and_record
     from hetc.passes.verify import verify
@@ -273,40 +279,14 @@ def _local(args: argparse.Namespace) -> int:
         raise UsageError(f"the plan has {world} ranks; --local {args.local} cannot run it")
     print(f"hetc run: starting {world} local rank{'s' if world > 1 else ''}", file=sys.stderr, flush=True)
     places = [(node_label(*gpu.host), gpu.local) for gpu in checked.pipeline.world]
-    status = spawn_local(world, _rank_argv(args), places, stop_timeout_s=args.stop_timeout)
+    argv = [*(["--debug"] if getattr(args, "debug", False) else []), "run", str(args.dir)]
+    status = spawn_local(world, argv, places, stop_timeout_s=args.stop_timeout,
+                         env={RUN_OPTIONS_ENV: run_options(args).to_json()})
     if status == 130:
         from hetc.runtime.worker import describe_latest
 
         print(f"hetc run: interrupted; {describe_latest(args.checkpoint)}", file=sys.stderr, flush=True)
     return status
-
-
-# The options of `hetc run` that the ranks `--local` starts are not given: --local is the launcher's own (a
-# rank runs one plan rank), and --help never reaches a run. Every other option is passed on (`_rank_argv`).
-LAUNCHER_ONLY = frozenset({"local", "help"})
-
-
-def run_options() -> list[argparse.Action]:
-    """Every option `hetc run` declares, read from its parser (argparse lists them nowhere public)."""
-    sub = argparse.ArgumentParser().add_subparsers()
-    register(sub)
-    return [action for action in sub.choices["run"]._actions if action.option_strings]
-
-
-def _rank_argv(args: argparse.Namespace) -> list[str]:
-    """The `hetc run` arguments of the ranks `--local` starts: the launcher's own but LAUNCHER_ONLY, read
-    back through the parser, so that every flag of `hetc run` reaches them without a list to keep in step."""
-    argv = [*(["--debug"] if getattr(args, "debug", False) else []), "run", str(args.dir)]
-    for action in run_options():
-        value = getattr(args, action.dest, action.default)
-        if action.dest in LAUNCHER_ONLY or value == action.default:
-            continue
-        flag = max(action.option_strings, key=len)    # the long form: --quiet, not -q
-        if isinstance(value, list):     # a repeatable option: once per value
-            argv += [word for item in value for word in (flag, str(item))]
-        else:
-            argv += [flag] if action.nargs == 0 else [flag, str(value)]
-    return argv
 
 
 def _refuse_busy_checkpoint(directory: Path) -> None:
