@@ -15,6 +15,8 @@ only where a name is written into the program:
     cp.s{stage}.l{lane}.t{t}   the cp ranks of tp rank t of a lane
     ep.s{stage}.g{g}.p{pos}    expert parallelism: lane position pos of EP group g
     dpe.s{stage}.e{r}          the replicas of EP rank r's experts
+    tied                       every rank holding a copy of a tied embedding (Note [tied gradients] in
+                               hetc/program.py)
     world                      every rank (loss, gradient norm)
 
 Any group may have per-microbatch copies `{group}.f` / `{group}.b` (the
@@ -28,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
-__all__ = ["WORLD", "Axis", "Direction", "GroupId", "GroupKind", "split_direction", "with_direction"]
+__all__ = ["TIED", "WORLD", "Axis", "Direction", "GroupId", "GroupKind", "split_direction", "with_direction"]
 
 
 class GroupKind(StrEnum):
@@ -41,6 +43,7 @@ class GroupKind(StrEnum):
     CP = "cp"
     EP = "ep"
     DPE = "dpe"      # the replicas of an EP rank's experts
+    TIED = "tied"    # the holders of a tied embedding's copies
 
 
 class Axis(StrEnum):
@@ -68,7 +71,7 @@ class GroupId:
     """One group of the compiler's scheme; `str()` is its name in the program."""
 
     kind: GroupKind
-    stage: int | None = None                        # None only for `world`
+    stage: int | None = None                        # None only for `world` and `tied`
     coords: tuple[tuple[Axis, int], ...] = ()
     direction: Direction | None = None
 
@@ -94,6 +97,7 @@ class GroupId:
 
 
 WORLD = GroupId(GroupKind.WORLD)
+TIED = GroupId(GroupKind.TIED)
 
 
 def split_direction(name: str) -> tuple[str, Direction | None]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetc.memo import cached_property
-from hetc.spec import Checkpointing, CPKind, OffloadSpec, ScheduleKind, ZeroSpec
+from hetc.spec import Checkpointing, CPKind, ModelSpec, OffloadSpec, ScheduleKind, ZeroSpec
 from hetc.topology import Gpu
 
 __all__ = ["Lane", "Ministage", "Pipeline", "Stage", "route_microbatches"]
@@ -98,6 +98,19 @@ class Pipeline:
             if m.first_layer <= layer < m.stop_layer:
                 return m
         raise KeyError(layer)
+
+    def tied_ministages(self, model: ModelSpec) -> tuple[int, ...]:
+        """The ministages holding a copy of `model`'s tied embedding, whose gradients `all_reduce tied` sums
+        (Note [tied gradients] in hetc/program.py): the embedding's and the head's where they differ."""
+        if not model.tied_embeddings:
+            return ()
+        first, last = (self.ministage_of_layer(i).index for i in (0, model.layers + 1))
+        return () if first == last else (first, last)
+
+    def tied_ranks(self, model: ModelSpec) -> tuple[int, ...]:
+        """Every rank of the stages holding the tied copies: the group `all_reduce tied` runs on."""
+        stages = {self.ministages[ms].stage for ms in self.tied_ministages(model)}
+        return tuple(sorted(r for s in stages for r in self.stages[s].ranks))
 
 
 def route_microbatches(counts: list[int]) -> list[list[int]]:

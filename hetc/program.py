@@ -56,6 +56,14 @@ Semantics the runtime and the verifier share (Note [dataflow]):
   ministage's forward (backward) is done, for sends and the next ministage,
   when its last (first) unit is. A collective without a unit on a ministage
   split into units is refused (each unit is a buffer of its own).
+- Note [tied gradients]: with tied embeddings on different stages, the
+  embedding's ministage and the head's each hold a copy of the matrix (Note
+  [tied copies] in runtime/nn/model.py). `all_reduce tied ms=k` on the group
+  of every rank holding a copy sums the copies' reduced gradients (after
+  ministage k's ZeRO reductions, each element counted by one replica) and
+  puts the sum back in each copy's reduced gradient; ministage k's `step`
+  comes after it. It names no unit: it finds the copy in whichever unit of
+  ministage k holds it.
 """
 
 from __future__ import annotations
@@ -117,6 +125,7 @@ class Tensor(StrEnum):
     GRADS = "grads"      # a ministage's parameter gradients (flat buffer)
     LOSS = "loss"        # the step's summed loss (for reporting)
     NORM = "norm"        # the squared gradient norm (for clipping)
+    TIED = "tied"        # the gradient of a tied embedding's copies (Note [tied copies] in runtime/nn/model.py)
 
 
 class ProgramFormatError(ValueError):
@@ -303,10 +312,11 @@ class ReduceScatter(_Base):
 
 @dataclass(frozen=True, slots=True)
 class AllReduce(_Base):
-    """Sum over the group: a ministage's gradients (or its shard of them), the loss, or the norm."""
+    """Sum over the group: a ministage's gradients (or its shard of them), the loss, the norm, or (`tied`) the
+    gradient of the tied embedding's copy that ministage `ms` holds (Note [tied gradients])."""
 
     OP: ClassVar[str] = "all_reduce"
-    WHAT: ClassVar[tuple[Tensor, ...]] = (Tensor.GRADS, Tensor.LOSS, Tensor.NORM)
+    WHAT: ClassVar[tuple[Tensor, ...]] = (Tensor.GRADS, Tensor.LOSS, Tensor.NORM, Tensor.TIED)
     what: Tensor
     group: str
     ms: int | None = None

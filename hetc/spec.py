@@ -349,7 +349,8 @@ class ModelSpec(Node):
         doc="activation checkpointing: none, selective or full; auto: the planner chooses per stage "
             "(a stage's own key overrides it)")
     tied_embeddings: bool = param(False, aliases=("tie_word_embeddings", "tie_embeddings"),
-                                  doc="share the embedding and output matrices")
+                                  doc="share the embedding and output matrices (on different stages: a copy "
+                                      "on the head's, its gradient summed with the embedding's each step)")
     norm_eps: float = param(1e-5, lo=0, hi=1, doc="RMSNorm/LayerNorm epsilon")
     rope_theta: float = param(10000.0, lo=1, hi=1e12, doc="RoPE base (llama)")
     head_dim: int | None = param(None, lo=1, hi=1 << 14, aliases=("head_size", "kv_channels"),
@@ -382,6 +383,11 @@ class ModelSpec(Node):
     def num_model_layers(self) -> int:
         """embed + blocks + head: the units stages own."""
         return self.layers + 2
+
+    def holds_tied_copy(self, layers: range) -> bool:
+        """Whether a module of `layers` (a ministage's, or a ZeRO-3 unit's) holds the head's copy of a tied
+        embedding: the head without the embedding (Note [tied copies] in runtime/nn/model.py)."""
+        return self.tied_embeddings and self.layers + 1 in layers and 0 not in layers
 
     def layer_name(self, idx: int) -> str:
         if idx == 0:

@@ -117,6 +117,8 @@ class _Costs:
     def _collective_bytes(self, rank: int, instr: AllGather | ReduceScatter | AllReduce | AllToAll) -> float:
         if isinstance(instr, AllReduce) and instr.what in (Tensor.LOSS, Tensor.NORM):
             return 8.0
+        if isinstance(instr, AllReduce) and instr.what is Tensor.TIED:
+            return self.costs.tied_bytes
         if isinstance(instr, AllToAll):
             return self.costs.boundary_bytes(instr.ms)
         ms = instr.ms

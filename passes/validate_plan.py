@@ -4,8 +4,8 @@
 meet, so the rules that need the resolved ranks, lanes and ministages live
 here, beside the validation pass, and lowering only asserts them:
 
-- tied embeddings need the embedding and the head in one ministage
-  (`hetc.passes.validate_runtime`, which the runtime shares);
+- tied embeddings need the embedding and the head in one ministage or on
+  different stages (`hetc.passes.validate_runtime`, which the runtime shares);
 - a lane's ranks must ascend where torch's group numbering matters
   (sequence-parallel gathers, Ulysses' all-to-alls, expert groups);
 - lanes that move in lockstep (Note [coupled lanes] in passes/lower/lane_sim.py)

@@ -18,18 +18,20 @@ BYTE_VOCAB = 256  # byte-level text: one token per byte
 def check_tied_embeddings(model: ModelSpec, pipeline: Pipeline) -> str | None:
     """Why `pipeline` cannot run `model`'s tied embeddings (report at model.span_of("tied_embeddings")).
 
-    Tying shares one matrix between the embedding and the head, which the
-    runtime supports only inside one ministage (a matrix used by two
-    ministages would need its own gradient all-reduce between them).
+    Tying shares one matrix between the embedding and the head: one
+    parameter inside one ministage, or a copy in each of two stages whose
+    gradients are summed every step (Note [tied copies] in
+    runtime/nn/model.py). Two ministages of one stage would put both copies
+    on every rank of it, which checkpoints and the sum do not handle.
     """
     if not model.tied_embeddings:
         return None
     embed, head = pipeline.ministage_of_layer(0), pipeline.ministage_of_layer(model.layers + 1)
-    if embed.index == head.index:
+    if embed.index == head.index or embed.stage != head.stage:
         return None
-    return (f"tied_embeddings needs the embedding and the head in one ministage, but embed is in "
-            f"ministage {embed.index} (stage {embed.stage}) and head in ministage {head.index} "
-            f"(stage {head.stage}); set tied_embeddings = false or give one ministage all layers")
+    return (f"tied_embeddings needs the embedding and the head in one ministage or on different stages, but "
+            f"stage {embed.stage} holds embed in ministage {embed.index} and head in ministage {head.index}; "
+            "set tied_embeddings = false, give one ministage all layers, or put the head on another stage")
 
 
 def check_text_vocab(model: ModelSpec, train: TrainSpec) -> str | None:

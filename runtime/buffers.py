@@ -95,7 +95,7 @@ from hetc.errors import InternalError
 from hetc.program import Shard
 from hetc.runtime.flat import FlatLayout, bind_grads, bind_params
 from hetc.runtime.host_copy import host_buffer
-from hetc.runtime.nn.model import Ministage
+from hetc.runtime.nn.model import TIED_COPY, TIED_WEIGHT, Ministage
 from hetc.runtime.optim import OptimizerState, init_state
 from hetc.runtime.nn.tensor_parallel import NO_SHARD, ShardInfo, TPShard, shard_infos
 from hetc.spec import OptimizerSpec
@@ -147,6 +147,9 @@ class MinistageBuffers:
         # head has none, and would have every tp rank write them (Note [units] in hetc/program.py)
         self.tp_size = tp.size
         self.writes_replicated = tp.rank == 0
+        # the head's copy of a tied embedding: summed with the embedding's each step, never counted or saved
+        # as a parameter of its own (Note [tied copies] in runtime/nn/model.py)
+        self.tied_copy = TIED_COPY if module.tied_copy and TIED_COPY in self.infos else None
         self.host: Tensor | None = None
         bind_params(module, self.layout, self.compute)
         bind_grads(module, self.layout, self.grad)
@@ -242,6 +245,11 @@ class MinistageBuffers:
         """`host`: the host copy of offloaded parameters (made by the first `to_host`)."""
         return _present(self.host, "a host copy of its parameters")
 
+    def stored_name(self, name: str) -> str:
+        """The name parameter `name` of this buffer is saved and loaded under (checkpoints, Hugging Face
+        weights): the tied copy's is the embedding's (`stored_name` in runtime/nn/model.py)."""
+        return TIED_WEIGHT if name == self.tied_copy else name
+
     def parts(self) -> tuple[MinistageBuffers, ...]:
         """This buffer and, under expert parallelism, the experts' buffer."""
         return (self,) if self.experts is None else (self, self.experts)
@@ -278,14 +286,17 @@ class MinistageBuffers:
 
     # ------------------------------------------------------------ step
 
+    def reduced_grad(self) -> Tensor:
+        """The fully reduced gradients of the optimizer shard (`opt_range`), in the dtype they were reduced in:
+        what the step reads."""
+        if self.level == 0:
+            return self.grad
+        return self.across_grad if self.across > 1 else self.inner_grad
+
     def step_grad(self) -> Tensor:
         """fp32 gradients of the optimizer shard, fully reduced, where the step runs (brought to the host in
         the compute dtype under optimizer offload: Note [optimizer offload])."""
-        if self.level == 0:
-            grad = self.grad
-        else:
-            grad = self.across_grad if self.across > 1 else self.inner_grad
-        return grad.to(self.state_device).float()
+        return self.reduced_grad().to(self.state_device).float()
 
     def drop_reduced(self) -> None:
         """The step is done: the reduced shards go until the next step's reductions (Note [reduced shard])."""
@@ -308,9 +319,9 @@ class MinistageBuffers:
         return slice(start, start + part)
 
     def unique_grad(self) -> Tensor:
-        """The reduced gradient of `unique_range` (tp replicas of whole parameters zeroed), in the dtype it was
-        reduced in: a view where nothing is zeroed, for `grad_sq_sum`, which widens a chunk at a time (no fp32
-        copy of the shard)."""
+        """The reduced gradient of `unique_range` (tp replicas of whole parameters and a tied copy zeroed: the
+        embedding's counts it), in the dtype it was reduced in: a view where nothing is zeroed, for
+        `grad_sq_sum`, which widens a chunk at a time (no fp32 copy of the shard)."""
         rng = self.unique_range
         if self.level == 0:
             grad = self.grad[rng]
@@ -319,12 +330,13 @@ class MinistageBuffers:
         else:
             base = self.inner_range.start
             grad = self.inner_grad[rng.start - base:rng.stop - base]
-        if self.writes_replicated:
+        if self.writes_replicated and self.tied_copy is None:
             return grad
         grad = grad.clone()
         for e in self.layout.entries:
             start, stop = max(e.offset, rng.start), min(e.offset + e.numel, rng.stop)
-            if start < stop and self.infos[e.name].dim is None:
+            replica = self.infos[e.name].dim is None and not self.writes_replicated
+            if start < stop and (replica or e.name == self.tied_copy):
                 grad[start - rng.start:stop - rng.start] = 0
         return grad
 

@@ -319,8 +319,8 @@ def _save_state(buffers: dict[int, Buffers], step: int) -> dict[str, object]:
         named = {"": buf.master_values(), **{f".{n}": t for n, t in buf.opt_state.tensors().items()}}
         for suffix, tensor in named.items():
             for name, pieces in layout_pieces(buf.layout, rng, tensor[local], buf.infos).items():
-                if buf.infos[name].dim is None and not buf.writes_replicated:
-                    continue          # a tp replica: tp rank 0 writes it
+                if buf.infos[name].dim is None and not buf.writes_replicated or name == buf.tied_copy:
+                    continue          # a tp replica: tp rank 0 writes it; a tied copy: the embedding's holder
                 key = f"{MODEL_PREFIX}{name}" if not suffix else f"{OPTIM_PREFIX}{name}{suffix}"
                 state[key] = pieces
     return state
@@ -337,10 +337,10 @@ def _load_state(buffers: dict[int, Buffers]) -> tuple[dict[str, object], dict[tu
             kept[(ms, i)] = values = torch.zeros(rng.stop - rng.start, dtype=torch.float32,
                                                  device=buf.state_device)
             for name, pieces in layout_pieces(buf.layout, rng, values, buf.infos).items():
-                state[f"{MODEL_PREFIX}{name}"] = pieces
+                state[f"{MODEL_PREFIX}{buf.stored_name(name)}"] = pieces
             for n, tensor in buf.opt_state.tensors().items():
                 for name, pieces in layout_pieces(buf.layout, buf.opt_range, tensor, buf.infos).items():
-                    state[f"{OPTIM_PREFIX}{name}.{n}"] = pieces
+                    state[f"{OPTIM_PREFIX}{buf.stored_name(name)}.{n}"] = pieces
     return state, kept
 
 

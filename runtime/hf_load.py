@@ -21,6 +21,7 @@ the range and one read (tests/test_hf.py measures it).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,7 +53,7 @@ def load_hf_weights(buffers: dict[int, Buffers], directory: Path) -> LoadStats:
     for whole in buffers.values():
         for buf in whole.parts():
             rng = buf.param_range
-            values = read_flat(reader, buf.layout, buf.infos, rng, stats)
+            values = read_flat(reader, buf.layout, buf.infos, rng, stats, buf.stored_name)
             buf.load_params(values, rng)
             del values
     return stats
@@ -64,8 +65,9 @@ def load_whole(layout: FlatLayout, infos: dict[str, ShardInfo], directory: Path)
 
 
 def read_flat(reader: WeightReader, layout: FlatLayout, infos: dict[str, ShardInfo], rng: slice,
-              stats: LoadStats | None = None) -> Tensor:
-    """Elements `rng` of the fp32 flat buffer `layout` describes, from the Hugging Face tensors."""
+              stats: LoadStats | None = None, stored_name: Callable[[str], str] = str) -> Tensor:
+    """Elements `rng` of the fp32 flat buffer `layout` describes, from the Hugging Face tensors; each
+    parameter read under `stored_name(name)` (a tied copy under the embedding's name)."""
     stats = stats if stats is not None else LoadStats()
     out = torch.zeros(rng.stop - rng.start, dtype=torch.float32)     # padding stays zero
     own = out.numel() * out.element_size()
@@ -77,7 +79,7 @@ def read_flat(reader: WeightReader, layout: FlatLayout, infos: dict[str, ShardIn
         a, b = start - e.offset, stop - e.offset            # within the local parameter, flattened
         row = math.prod(e.shape[1:])
         first, last = a // row, -(-b // row)
-        piece = reader.read(hf_name(e.name), _full_index(infos[e.name], e.shape, first, last)).reshape(-1)
+        piece = reader.read(hf_name(stored_name(e.name)), _full_index(infos[e.name], e.shape, first, last)).reshape(-1)
         nbytes = piece.numel() * piece.element_size()
         stats.peak, stats.read = max(stats.peak, own + nbytes), stats.read + nbytes
         out[start - rng.start:stop - rng.start] = piece[a - first * row:b - first * row]

@@ -30,7 +30,7 @@ JOBS = 100
 # so the family stays within a minute or two of CPU.
 NARROW = QUICK   # the look `hetc plan` takes when nothing fits (passes/plan/would_fit.py)
 SPECS = [p for p in all_spec_files()
-         if p.name not in ("job.het", "moe_job.het", "catalog.het") and "cluster" not in p.name]
+         if p.name not in ("job.het", "moe_job.het", "tied_job.het", "catalog.het") and "cluster" not in p.name]
 
 
 def spec_name(path: Path) -> str:

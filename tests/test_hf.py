@@ -39,6 +39,10 @@ ARCHS = {
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 8}}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True, "rms_norm_eps": 1e-6}),
+    # Llama 3.2 (1B, 3B): llama3 RoPE scaling and tied embeddings
+    "llama32": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True, "rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8}}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 4096}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
@@ -178,10 +182,11 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     return {arch: save_tiny(arch, root / arch) for arch in ARCHS}
 
 
-# (arch, plan): every architecture on one rank, each plan kind with one or two of them
+# (arch, plan): every architecture on one rank, each plan kind with one or two of them; the tied models
+# (qwen2, llama32) across stages, the head's copy of the embedding read from the embedding's tensor
 CASES = [(arch, "single") for arch in ARCHS] + [
     ("llama", "pp"), ("qwen2", "zero3"), ("qwen3", "tp2"), ("mistral", "cp2"), ("qwen3", "ulysses2"), ("llama", "hetero"),
-    ("mixtral", "ep2"), ("mixtral", "pp"),
+    ("mixtral", "ep2"), ("mixtral", "pp"), ("qwen2", "pp"), ("llama32", "hetero"),
 ]
 
 
@@ -224,9 +229,10 @@ def test_init_random_ignores_the_weights(hf_dirs, plan_dirs, rank_pool):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch, plan", [("llama", "single"), ("qwen3", "tp2sgd"), ("qwen2", "zero3"),
-                                        ("mixtral", "ep2")])
+                                        ("mixtral", "ep2"), ("qwen2", "pp")])
 def test_exported_weights_give_the_next_loss(arch, plan, plan_dirs, rank_pool, tmp_path):
-    """Three steps under `plan`, export: transformers on the export gives the loss hetc logs at step 4."""
+    """Three steps under `plan`, export: transformers on the export gives the loss hetc logs at step 4. A tied
+    model trained with the head's copy on another stage exports one tensor (tie_word_embeddings)."""
     plan_dir = plan_dirs[arch, plan]
     agreed_losses(rank_pool.run(PlanJob(plan_dir, 3, save_to=tmp_path / "ckpt")))
     (step4,) = agreed_losses(rank_pool.run(PlanJob(plan_dir, 4, resume_from=tmp_path / "ckpt")))
@@ -235,9 +241,33 @@ def test_exported_weights_give_the_next_loss(arch, plan, plan_dirs, rank_pool, t
                       "--max-shard-size", "0.00002"]) == 0
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1          # sharded: ~21 KB shards
+    tied = json.loads((out / "config.json").read_text())["tie_word_embeddings"]
+    assert tied == (arch == "qwen2") and ("lm_head.weight" in index["weight_map"]) != tied
     _, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert_close(step4, transformers_loss(out, plan_dir, 3))
+
+
+def test_a_tied_model_is_planned_on_two_stages(hf_dirs, tmp_path, capsys):
+    """Llama 3.2's shape (tied embeddings) imported and planned on two stages: the planner splits the layers
+    with the head's copy of the embedding on the second (Note [tied copies] in runtime/nn/model.py)."""
+    spec = write_job(tmp_path / "tied.het", hf_dirs["llama32"], "single")
+    spec.write_text(spec.read_text().replace(_SINGLE, """schedule = 1f1b
+  stage first {
+    layers = auto
+    ranks = host[0, 0]
+    lanes = 1
+  }
+  stage second {
+    layers = auto
+    ranks = host[0, 1]
+    lanes = 1
+  }""").replace("gpus = 1", "gpus = 2"))
+    assert hetc_main(["plan", str(spec), "-o", str(tmp_path / "planned.het")]) == 0
+    assert hetc_main(["compile", str(tmp_path / "planned.het"), "-o", str(tmp_path / "plan")]) == 0
+    listing = (tmp_path / "plan" / "programs" / "rank-0001.txt").read_text()
+    assert "all_reduce tied group=tied ms=1" in listing, listing
+    capsys.readouterr()
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from hetc.passes.cost.params import layer_params
+from hetc.passes.cost.params import layer_params, stage_params
 from hetc.pipeline import Ministage as PlanMinistage
 from hetc.pipeline import Pipeline
 from hetc.passes.validate_runtime import check_tied_embeddings
@@ -210,8 +210,16 @@ def test_tied_embeddings_share_one_matrix():
     assert "head.output.weight" not in names and "embed.tok_embeddings.weight" in names
     _, grads = loss_and_grads(stage, tokens(model))
     assert grads["embed.tok_embeddings.weight"].abs().sum() > 0
-    with pytest.raises(ValueError, match="one ministage"):
-        build_ministage(model, range(3, 5), seed=SEED)
+
+
+def test_a_head_apart_from_a_tied_embedding_holds_an_equal_copy():
+    """Note [tied copies]: the last stage's head holds its own copy, drawn from the embedding's seed."""
+    model = tiny(tied_embeddings=True)
+    first, last = build_ministage(model, range(2), seed=SEED), build_ministage(model, range(3, 5), seed=SEED)
+    assert last.tied_copy and not first.tied_copy and not whole(model).tied_copy
+    assert torch.equal(last.head.output.weight, first.embed.tok_embeddings.weight)
+    for module, layers in ((first, range(2)), (last, range(3, 5)), (whole(model), range(5))):
+        assert sum(p.numel() for p in module.parameters()) == stage_params(model, layers)   # the copy counts
 
 
 def plan(*cuts: tuple[int, int, int]) -> Pipeline:
@@ -221,12 +229,13 @@ def plan(*cuts: tuple[int, int, int]) -> Pipeline:
                     schedule=ScheduleKind.ONE_F_ONE_B, prefetch=0)
 
 
-def test_check_tied_embeddings_names_both_ministages():
+def test_check_tied_embeddings_refuses_two_ministages_of_one_stage():
     tied = tiny(tied_embeddings=True)
     assert check_tied_embeddings(tied, plan((0, 0, 5))) is None
-    assert check_tied_embeddings(tiny(), plan((0, 0, 2), (1, 2, 5))) is None
-    message = check_tied_embeddings(tied, plan((0, 0, 2), (1, 2, 5)))
-    assert "ministage 0 (stage 0)" in message and "ministage 1 (stage 1)" in message
+    assert check_tied_embeddings(tied, plan((0, 0, 2), (1, 2, 5))) is None    # a copy on each stage
+    assert check_tied_embeddings(tiny(), plan((0, 0, 2), (0, 2, 5))) is None
+    message = check_tied_embeddings(tied, plan((0, 0, 2), (0, 2, 5)))
+    assert "stage 0 holds embed in ministage 0 and head in ministage 1" in message
 
 
 def test_compute_dtypes():

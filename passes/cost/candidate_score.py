@@ -57,11 +57,23 @@ class Score:
         return self.price_per_hour + egress
 
 
+def _tied_time(prims: Primitives, plan: PlanView) -> float:
+    """`CostModel.tied_time` of the candidate: the embedding's stage (the first) and the head's (the last)
+    sum their tied copies when they differ."""
+    m = prims.model
+    first, last = plan.ministages[0][2], plan.ministages[-1][2]
+    if not m.tied_embeddings or first == last:
+        return 0.0
+    ranks = tuple(sorted(g.id for s in (first, last) for g in plan.stages[s].res.gpus))
+    return prims.ring(Collective.ALL_REDUCE, ranks, m.vocab * m.hidden * prims.delta)
+
+
 def evaluate(prims: Primitives, plan: PlanView) -> Score:
     """The cost model's composition (passes/cost/classes.py) over the candidate's stages, class by class."""
     costs = [StageCosts(prims, plan, s) for s in plan.stages]
     world = tuple(sorted(g.id for g in plan.gpus))   # the "world" group: ranks in GPU order
-    end = step_end_time(prims.train.grad_clip > 0, lambda nbytes: prims.ring(Collective.ALL_REDUCE, world, nbytes))
+    end = step_end_time(prims.train.grad_clip > 0, lambda nbytes: prims.ring(Collective.ALL_REDUCE, world, nbytes),
+                        _tied_time(prims, plan))
     shape = PlanShape(prims.engine, plan.schedule, plan.num_microbatches, prims.train.grad_clip,
                       tuple(s for _, _, s in plan.ministages), max(len(s.ministages) for s in plan.stages))
     got = evaluate_classes(shape, costs, end)

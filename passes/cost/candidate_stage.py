@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from hetc.memo import cached_property
 from hetc.passes.cost.candidate_view import PlanView, StageContext, StageView
 from hetc.passes.cost.cores import Computing, busy_share
+from hetc.passes.cost.params import tied_copy_params
 from hetc.passes.cost.memory import (RankMemory, ShardFactors, StateMemory, StatesHeld, activation_memory,
                                     interleaved_group, rank_headroom, rank_memory, shard_factors, state_memory,
                                     zorse_backward_peak)
@@ -80,8 +81,16 @@ class StageCosts:
         units = units or self.layer_counts
         got = self._numels.get(units)
         if got is None:
-            got = self._numels[units] = self._sum(units, lambda k: self.p.params(k, self.s.tp))
+            got = self._numels[units] = self._sum(units, lambda k: self.p.params(k, self.s.tp)) + \
+                self._tied_copy(units)
         return got
+
+    def _tied_copy(self, units: tuple[int, int, int]) -> float:
+        """The head's copy of a tied embedding in layers with these (embed, blocks, head) counts (as
+        `CostModel.layers_numel`: split like the untied head's matrix)."""
+        embed, _, head = units
+        m = self.p.model
+        return tied_copy_params(m, range(1 - embed, m.layers + 1 + head)) / self.s.tp
 
     def boundary_bytes(self, ms: int) -> float:
         return 0.0 if ms == self.last_ms else self.p.boundary

@@ -26,7 +26,7 @@ from hetc.passes.cost.memory import (
 )
 from hetc.passes.cost.network import Bandwidth, ring_chunk, ring_steps
 from hetc.passes.cost.profiles import Profiles
-from hetc.passes.cost.params import expert_params
+from hetc.passes.cost.params import expert_params, tied_copy_params
 from hetc.passes.cost.shapes import (LayerFlops, LayerKind, activation_elements, layer_flops, layer_kind,
                                     params_per_rank)
 from hetc.passes.cost.schedule import Grouping
@@ -175,7 +175,8 @@ class CostModel:
         key = (layers.start, layers.stop, stage.tp, stage.ep)   # memoised: lowering and the verifier ask per rank
         got = self._numels.get(key)
         if got is None:
-            got = self._numels[key] = sum(params_per_rank(self.model, i, stage.tp, stage.ep) for i in layers)
+            got = self._numels[key] = sum(params_per_rank(self.model, i, stage.tp, stage.ep) for i in layers) + \
+                tied_copy_params(self.model, layers) / stage.tp     # split like the untied head's matrix
         return got
 
     def unit_param_bytes(self, unit: Unit, rank: int) -> float:
@@ -220,6 +221,19 @@ class CostModel:
                                                sequence_parallel=stage.sequence_parallel)
             total += elems * self.delta + extra
         return total
+
+    @cached_property
+    def tied_bytes(self) -> float:
+        """The gradient of a tied embedding's copy, V·H·δ: what `all_reduce tied` sums (Note [tied gradients]
+        in hetc/program.py); every rank holding a copy reduces it whole."""
+        return float(self.model.vocab * self.model.hidden * self.delta)
+
+    @cached_property
+    def tied_time(self) -> float:
+        """The step's sum of the tied embedding's copies over the ranks holding them (0 without copies): after
+        their last backward, before the steps, beside the step's other closing collectives."""
+        ranks = self.pipeline.tied_ranks(self.model)
+        return self.collective_time(Collective.ALL_REDUCE, ranks, self.tied_bytes) if ranks else 0.0
 
     @cached_property
     def hidden_bytes(self) -> float:

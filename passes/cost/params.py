@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from hetc.spec import Arch, ModelSpec
 
-__all__ = ["block_params", "expert_params", "layer_params", "model_params", "stage_params"]
+__all__ = ["block_params", "expert_params", "layer_params", "model_params", "stage_params", "tied_copy_params"]
 
 
 def _mlp_params(m: ModelSpec) -> int:
@@ -49,11 +49,18 @@ def layer_params(m: ModelSpec, idx: int) -> int:
     return block_params(m)
 
 
+def tied_copy_params(m: ModelSpec, layers: range) -> int:
+    """The head's copy of a tied embedding, held by a module of `layers` apart from the embedding (Note [tied
+    copies] in runtime/nn/model.py): the embedding's V×H matrix again; else 0."""
+    return m.vocab * m.hidden if m.holds_tied_copy(layers) else 0
+
+
 def stage_params(m: ModelSpec, layers: range) -> int:
-    """A contiguous run of layers, in O(1): blocks all have the same size."""
+    """A contiguous run of layers (a module the runtime builds, with a tied copy where it holds one), in O(1):
+    blocks all have the same size."""
     blocks = len(range(max(layers.start, 1), min(layers.stop, m.layers + 1)))
     ends = sum(layer_params(m, i) for i in (0, m.layers + 1) if i in layers)
-    return blocks * block_params(m) + ends
+    return blocks * block_params(m) + ends + tied_copy_params(m, layers)
 
 
 def model_params(m: ModelSpec) -> int:

@@ -95,7 +95,8 @@ def evaluate_pipeline(cm: CostModel, memory: bool) -> ClassEstimate:
     shape = PlanShape(cm.engine, p.schedule, p.num_microbatches, cm.train.grad_clip,
                       tuple(ms.stage for ms in p.ministages), max(len(s.ministages) for s in p.stages))
     end = pt.step_end_time(cm.train.grad_clip > 0,
-                           lambda nbytes: cm.collective_time(Collective.ALL_REDUCE, tuple(range(p.world_size)), nbytes))
+                           lambda nbytes: cm.collective_time(Collective.ALL_REDUCE, tuple(range(p.world_size)), nbytes),
+                           cm.tied_time)
     return evaluate_classes(shape, pipeline_stages(cm), end, memory)
 
 

@@ -40,13 +40,15 @@ __all__ = ["border_time", "collectives", "first_gather", "kind_reps", "lane_bord
 SCALAR_BYTES = 8.0
 
 
-def step_end_time(clips: bool, all_reduce: Callable[[float], float]) -> float:
-    """The step's last collectives over every rank: the loss report, and the norm when clipping.
+def step_end_time(clips: bool, all_reduce: Callable[[float], float], tied: float = 0.0) -> float:
+    """The step's last collectives: the loss report, and the norm when clipping, over every rank; before them
+    the sum of a tied embedding's copies (`tied`: its seconds, `CostModel.tied_time`), which waits for both
+    copies' last backward.
 
-    They are latency-bound (8 bytes), so on slow links or many ranks they
-    show; `all_reduce(nbytes)` times one over the whole world.
+    The world's are latency-bound (8 bytes), so on slow links or many ranks
+    they show; `all_reduce(nbytes)` times one over the whole world.
     """
-    return all_reduce(SCALAR_BYTES) * (2 if clips else 1)
+    return all_reduce(SCALAR_BYTES) * (2 if clips else 1) + tied
 
 
 def kind_reps(cm: CostModel, ranks: Iterable[int]) -> list[int]:

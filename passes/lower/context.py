@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from hetc.memo import cached_property
 from hetc.errors import InternalError
-from hetc.groups import WORLD, Axis, Direction, GroupId, GroupKind
+from hetc.groups import TIED, WORLD, Axis, Direction, GroupId, GroupKind
 from hetc.layout import Range, boundary_ranges, held_length, transfers
 from hetc.passes.cost import CostModel
 from hetc.pipeline import Lane, Pipeline, Stage
@@ -204,6 +204,12 @@ class LowerContext:
             return None
         return GroupId(GroupKind.DPE, stage.index).at(Axis.EP_RANK, place.lane.index % stage.ep)
 
+    @cached_property
+    def tied_ministages(self) -> tuple[int, ...]:
+        """The ministages holding a copy of a tied embedding (`Pipeline.tied_ministages`); each rank holds at
+        most one (hetc.passes.validate_runtime)."""
+        return self.pipeline.tied_ministages(self.model)
+
     def _has_block(self, ms: int) -> bool:
         m = self.pipeline.ministages[ms]
         return any(1 <= i <= self.model.layers for i in m.layers)
@@ -215,6 +221,8 @@ class LowerContext:
         for place in self.places:
             for group in self._groups_of(place):
                 named.setdefault(group, []).append(place.rank)
+        if self.tied_ministages:
+            named[TIED] = list(self.pipeline.tied_ranks(self.model))
         for place in self.places:
             self._check_lane_order(place)
         return tuple(Group(str(g), tuple(sorted(r))) for g, r in named.items())   # named in the program

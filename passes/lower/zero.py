@@ -47,6 +47,10 @@ clipping each ministage steps as soon as its gradients are reduced
 (interleaved optimizer update); otherwise all steps come at the end, after
 the global gradient norm when clipping. Hierarchical ZeRO adds a reduction
 over the outer group after the inner one, and a gather back after the step.
+A ministage holding a copy of a tied embedding (Note [tied gradients] in
+hetc/program.py) sums it with the other copy after those reductions, before
+the norm and its step: at the end of the step, also under Zorse's
+interleaved update (the sum waits for the other stage's last backward).
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ import bisect
 import dataclasses
 
 from hetc.errors import InternalError
-from hetc.groups import WORLD, Direction, GroupId, with_direction
+from hetc.groups import TIED, WORLD, Direction, GroupId, with_direction
 from hetc.passes.cost.zero_units import gathers_per_block, in_run_order, ministage_units
 from hetc.passes.lower.context import LowerContext, RankPlace, next_handle
 from hetc.passes.lower.edits import Edits, Handles
@@ -130,14 +134,18 @@ def _rank(rp: RankProgram, place: RankPlace, ctx: LowerContext) -> RankProgram:
         for shard, reductions in zip(shards, finals):
             pos, _, first = reductions[0]
             posts, later = _regathers(shard, handles)
-            for instr in _waits(reductions) + _outer_reduce(shard) + [Step(shard.ms)] + posts:
-                edits.add_after(pos, instr, first)
+            update = _waits(reductions) + _outer_reduce(shard) + _tied_reduce(shard, ctx) + [Step(shard.ms)] + posts
+            if shard.ms in ctx.tied_ministages:     # the sum waits for the other copy's backward: at the end
+                edits.end += update
+            else:
+                for instr in update:
+                    edits.add_after(pos, instr, first)
             gather_waits += later
     else:
         for reductions in finals:
             edits.end += _waits(reductions)
         for shard in shards:
-            edits.end += _outer_reduce(shard)
+            edits.end += _outer_reduce(shard) + _tied_reduce(shard, ctx)
         if ctx.grad_clip:
             edits.end.append(AllReduce(Tensor.NORM, str(WORLD)))
         for shard in shards:
@@ -284,6 +292,12 @@ def _outer_reduce(shard: Shard) -> list[Instr]:
     if shard.outer_level == 0:
         return [AllReduce(Tensor.GRADS, shard.outer, shard.ms, unit=u) for u in _units(shard)]
     return [ReduceScatter(Tensor.GRADS, shard.ms, shard.outer, unit=u) for u in _units(shard)]
+
+
+def _tied_reduce(shard: Shard, ctx: LowerContext) -> list[Instr]:
+    """The sum of the tied embedding's copies, where this ministage holds one: after its own reductions, before
+    the gradient norm and its step (Note [tied gradients] in hetc/program.py)."""
+    return [AllReduce(Tensor.TIED, str(TIED), shard.ms)] if shard.ms in ctx.tied_ministages else []
 
 
 def _regather(shard: Shard, handles: Handles) -> tuple[list[Instr], list[Wait]]:

@@ -260,9 +260,10 @@ class _Rank:
                          f"({describe(held)})") from None
 
     def collective(self, i: int, instr: _Collective) -> None:
-        if isinstance(instr, (AllGather, ReduceScatter, AllReduce)) and instr.what is not Tensor.LOSS and \
-                instr.what is not Tensor.NORM:
+        if isinstance(instr, (AllGather, ReduceScatter, AllReduce)) and instr.what in (Tensor.GRADS, Tensor.PARAMS):
             self._unit_of_buffer(instr)
+        if isinstance(instr, AllReduce) and instr.what is Tensor.TIED:
+            self._tied_ready(instr)
         if isinstance(instr, AllGather):
             shard = self.shards.get(instr.ms)
             if shard is None:
@@ -270,6 +271,28 @@ class _Rank:
             if shard.param_offload and (instr.ms in self.s.on_host or ("params", instr.ms) in self.s.moving):
                 raise _Fault(f"gathers ministage {instr.ms} while its shard is on the host")
         self._post(i, instr)
+
+    def _reduced(self, ms: int, doing: str) -> None:
+        """Every flat buffer of ministage `ms` is reduced over its groups, inner then outer, since its last
+        backward: what its step and its tied sum read."""
+        shard = self.shards[ms]
+        for part in filter(None, (shard, shard.experts)):    # each flat buffer: inner group, then outer
+            need = self._reductions_needed(part)
+            for unit in part.units or (None,):
+                have = [g for g in self.s.reduced.get((ms, unit), []) if shard.part(g) == part]
+                if have[:len(need)] != need[:len(have)] or len(have) < len(need):
+                    raise _Fault(f"{doing} ministage {ms} before its gradients{_of_unit(unit)} are reduced "
+                                 f"over {', '.join(need[len(have):] or need)}")
+
+    def _tied_ready(self, instr: AllReduce) -> None:
+        """`all_reduce tied` sums the reduced gradient of the tied copy its ministage holds (Note [tied
+        gradients] in hetc/program.py): after every backward of it and its reductions."""
+        if instr.ms is None or instr.ms not in self.shards:
+            raise _Fault(f"sums a tied embedding's gradient of ministage {instr.ms}, which is not on this rank")
+        missing = [mb for mb in sorted(self.mbs) if (instr.ms, mb) not in self.s.wgrad]
+        if missing:
+            raise _Fault(f"sums ministage {instr.ms}'s tied gradient before microbatches {missing} are through")
+        self._reduced(instr.ms, "sums the tied gradient of")
 
     def free(self, i: int, instr: Free) -> None:
         key = (instr.ms, instr.unit)
@@ -319,14 +342,7 @@ class _Rank:
         missing = [mb for mb in sorted(self.mbs) if (instr.ms, mb) not in self.s.wgrad]
         if missing:
             raise _Fault(f"steps ministage {instr.ms} before the gradients of microbatches {missing} exist")
-        shard = self.shards[instr.ms]
-        for part in filter(None, (shard, shard.experts)):    # each flat buffer: inner group, then outer
-            need = self._reductions_needed(part)
-            for unit in part.units or (None,):
-                have = [g for g in self.s.reduced.get((instr.ms, unit), []) if shard.part(g) == part]
-                if have[:len(need)] != need[:len(have)] or len(have) < len(need):
-                    raise _Fault(f"steps ministage {instr.ms} before its gradients{_of_unit(unit)} are reduced "
-                                 f"over {', '.join(need[len(have):] or need)}")
+        self._reduced(instr.ms, "steps")
         if self.clip and not self.s.norm_done:
             raise _Fault("steps before the global gradient norm is known (all_reduce norm)")
         if not self.shards[instr.ms].opt_offload:

@@ -62,7 +62,7 @@ from typing import Protocol, cast
 
 from hetc.passes.verify.errors import Finding, at
 from hetc.program import (COLLECTIVE_TYPES, COMPUTE_TYPES, ComputeInstr, Free, Instr, Load, Offload, Prefetch, Program,
-                          Recv, Send, Step, Wait)
+                          Recv, Send, Step, Tensor, Wait)
 
 # Instructions that only take the rank's own time; so does a compute op unless its ministage has collectives.
 _LOCAL = frozenset({Load, Free, Step})
@@ -492,5 +492,9 @@ def _mismatch(send: Send, recv: Recv) -> str:
 
 
 def _collective_key(instr: Instr, any_mb: bool = False) -> tuple[str, object, object, object, object]:
-    return (type(instr).__name__, getattr(instr, "what", None), getattr(instr, "ms", None),
-            None if any_mb else getattr(instr, "mb", None), getattr(instr, "unit", None))
+    """What every member of a collective must agree on. The sum of a tied embedding's copies names each
+    member's own ministage holding one (Note [tied gradients] in hetc/program.py): its ms may differ."""
+    what = getattr(instr, "what", None)
+    ms = None if what is Tensor.TIED else getattr(instr, "ms", None)
+    mb = None if any_mb else getattr(instr, "mb", None)
+    return type(instr).__name__, what, ms, mb, getattr(instr, "unit", None)

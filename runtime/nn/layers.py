@@ -9,7 +9,7 @@ checkpoints and plan-invariance tests compare parameters by
 |---|---|---|
 | embed | tok_embeddings | tok_embeddings, pos_embeddings |
 | block | attention_norm, attention.{wq,wk,wv,wo} (biases with qkv_bias / out_bias; attention.{q_norm,k_norm} with qk_norm), ffn_norm, feed_forward.{w1,w2,w3} | ... LayerNorm, feed_forward.{fc1,fc2}, biases |
-| head | norm, output (absent when tied) | norm (LayerNorm), output |
+| head | norm, output (absent when tied, but for a tied copy) | norm (LayerNorm), output |
 
 An MoE block's feed_forward is `router` and `experts.{e}.{w1,w2,w3 | fc1,fc2}`
 with e the expert's global index, whichever rank holds it (runtime/nn/moe.py).
@@ -72,16 +72,18 @@ class Head(TPAware, nn.Module):
     """Final norm and LM head; returns the mean token cross-entropy given labels.
 
     With tied embeddings there is no `output`: the caller passes the
-    embedding matrix as `output_weight`. When this rank holds only part of
+    embedding matrix as `output_weight` — unless the head is a ministage
+    apart from the embedding (`tied_copy`, Note [tied copies] in
+    runtime/nn/model.py): then `output` holds its own copy of that matrix. When this rank holds only part of
     the sequence (context or sequence parallelism), `loss_tokens` is the
     microbatch's whole token count: the loss is this rank's cross-entropy sum
     over it, so the parts' losses add up to the mean.
     """
 
-    def __init__(self, model: ModelSpec, device=None) -> None:
+    def __init__(self, model: ModelSpec, device=None, tied_copy: bool = False) -> None:
         super().__init__()
         self.norm = make_norm(model, device)
-        self.output = None if model.tied_embeddings else \
+        self.output = None if model.tied_embeddings and not tied_copy else \
             ParallelLinear(model.hidden, model.vocab, bias=False, device=device)
 
     def forward(self, x: Tensor, labels: Tensor | None = None, output_weight: Tensor | None = None,

@@ -21,6 +21,18 @@ parameters to a buffer of `compute_dtype(model.dtype)` (bf16/fp16 on GPU;
 the demo's fp32 on CPU, where master and compute buffer are one tensor).
 On CUDA a tf32 model's fp32 matmuls run on TF32 tensor cores, the rate it is
 costed at (`float32_matmul_precision`; Note [Precision that runs] in hetc/spec.py).
+
+Note [tied copies]
+With `tied_embeddings` the embedding matrix is also the head's output
+matrix. A ministage holding both uses the one parameter twice. A head in a
+ministage of its own (the last pipeline stage, as Megatron places it) holds
+a *copy*: `head.output.weight`, initialised from the embedding's seed, so
+both start equal. Each step the two gradients are summed between the ranks
+holding them (`all_reduce tied`, runtime/tied.py) before either steps, so
+both take the same update and stay equal. The copy is not a parameter of
+the model: checkpoints and Hugging Face exports hold the embedding's alone,
+and a loader fills the copy from it (`stored_name`); the gradient norm
+counts the embedding's only.
 """
 
 from __future__ import annotations
@@ -44,6 +56,8 @@ from hetc.spec import Arch, Auto, Checkpointing, DType, ModelSpec, executed_dtyp
 
 __all__ = [
     "INIT_STD",
+    "TIED_COPY",
+    "TIED_WEIGHT",
     "Ministage",
     "TokenLayout",
     "build_layer",
@@ -52,6 +66,7 @@ __all__ = [
     "float32_matmul_precision",
     "full_shapes",
     "init_layer",
+    "stored_name",
     "use_matmul_precision",
 ]
 
@@ -100,11 +115,21 @@ def use_matmul_precision(dtype: DType, device: torch.device) -> None:
         torch.set_float32_matmul_precision(float32_matmul_precision(dtype))
 
 
-def _construct(model: ModelSpec, idx: int, shard: TPShard, experts: ExpertShard) -> nn.Module:
+TIED_WEIGHT = "embed.tok_embeddings.weight"   # the tied matrix, as checkpoints and exports name it
+TIED_COPY = "head.output.weight"              # the head's copy of it (Note [tied copies])
+
+
+def stored_name(model: ModelSpec, name: str) -> str:
+    """The name parameter `name` is saved and loaded under: the tied copy's is the embedding's."""
+    return TIED_WEIGHT if model.tied_embeddings and name == TIED_COPY else name
+
+
+def _construct(model: ModelSpec, idx: int, shard: TPShard, experts: ExpertShard,
+               tied_copy: bool = False) -> nn.Module:
     if idx == 0:
         return Embedding(model)
     if idx == model.layers + 1:
-        return Head(model)
+        return Head(model, tied_copy=tied_copy)
     if not 0 < idx <= model.layers:
         raise InternalError(f"layer {idx} outside [0, {model.layers + 1}]")
     return Block(model, shard, experts=experts)
@@ -112,15 +137,16 @@ def _construct(model: ModelSpec, idx: int, shard: TPShard, experts: ExpertShard)
 
 def build_layer(model: ModelSpec, idx: int, *, seed: int, shard: TPShard = NO_SHARD,
                 device: torch.device | str = "cpu", experts: ExpertShard = ALL_EXPERTS,
-                initialise: bool = True) -> nn.Module:
+                initialise: bool = True, tied_copy: bool = False) -> nn.Module:
     """Layer `idx` (0 embed, 1..L blocks, L+1 head) in fp32 on `device`, initialised.
 
     `experts`: which experts of an MoE block this rank holds (expert parallelism).
+    `tied_copy`: a head apart from the embedding of a tied model holds its copy (Note [tied copies]).
     `initialise=False` leaves the parameters on the meta device, without
     values: a rank whose weights come from a file (Note [Ranks that load their weights]).
     """
     with torch.device("meta"):
-        layer = _construct(model, idx, shard, experts)
+        layer = _construct(model, idx, shard, experts, tied_copy)
     if list(layer.buffers()):
         raise InternalError("layers hold no buffers: to_empty would leave them garbage")
     if not initialise:
@@ -163,8 +189,17 @@ def init_layer(layer: nn.Module, model: ModelSpec, idx: int, seed: int) -> None:
     with torch.no_grad():
         for name, param in layer.named_parameters():
             owner, local = owners[name]
-            full = _initial_value(owner, local, infos[name].full_shape, model, generator(seed, idx, name))
+            full = _initial_value(owner, local, infos[name].full_shape, model,
+                                  generator(seed, *_drawn_as(model, idx, name)))
             param.copy_(infos[name].slice_of(full))
+
+
+def _drawn_as(model: ModelSpec, idx: int, name: str) -> tuple[int, str]:
+    """(layer index, name) that seed parameter `name` of layer `idx`: the tied copy draws the embedding's
+    values (Note [tied copies]; both are N(0, INIT_STD) matrices of shape [V, H])."""
+    if stored_name(model, f"{model.layer_name(idx)}.{name}") == TIED_WEIGHT:
+        return 0, TIED_WEIGHT.removeprefix("embed.")
+    return idx, name
 
 
 @dataclass(frozen=True)
@@ -198,9 +233,10 @@ class Ministage(nn.Module):
             raise InternalError(f"a ministage is a non-empty run of layers: {layers}")
         self.first_layer, self.stop_layer = layers.start, layers.stop
         self.layer_names = tuple(model.layer_name(i) for i in layers)
+        self.tied_copy = model.holds_tied_copy(layers)
         for i, name in zip(layers, self.layer_names):
             self.add_module(name, build_layer(model, i, seed=seed, shard=shard, device=device, experts=experts,
-                                              initialise=initialise))
+                                              initialise=initialise, tied_copy=self.tied_copy))
         has_block = any(isinstance(layer, Block) for layer in self.layers.values())
         self.rotary = Rotary(model.head_size, model.rope_theta, device, model.rope_scaling) \
             if model.arch is Arch.LLAMA and has_block else None
@@ -210,12 +246,6 @@ class Ministage(nn.Module):
             if isinstance(attention, Attention):
                 attention.recompute_core = level is Checkpointing.SELECTIVE
         self.token_layout = TokenLayout()
-        self._check_tied(model)
-
-    def _check_tied(self, model: ModelSpec) -> None:
-        if model.tied_embeddings and self.computes_loss and not self.takes_tokens:
-            raise ValueError("tied embeddings need the embedding and the head in one ministage "
-                             "(the validator reports this through hetc.passes.validate_runtime)")
 
     @property
     def layers(self) -> dict[str, nn.Module]:

@@ -30,6 +30,7 @@ CASES: dict[str, tuple[Path, ScheduleKind | None]] = {
     "hsdp": (DEMO / "hsdp.het", None),
     "offload_zorse_zero3": (DEMO / "zero3_offload.het", None),
     "offload_act_gpipe": (DEMO / "offload_act.het", None),
+    "tied_1f1b": (DEMO / "tied_pp.het", None),       # the tied embedding's copies summed across stages
 }
 
 
