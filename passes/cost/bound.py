@@ -163,6 +163,8 @@ class _Chains:
         self.end = cm.collective_time(Collective.ALL_REDUCE, self.world, SCALAR_BYTES)
         assert cm.spec.train is not None   # a checked spec
         self.clips = cm.spec.train.grad_clip > 0
+        # the sum of a tied embedding's copies waits for both copies' last backward (Note [tied gradients])
+        self.tied = frozenset(p.tied_ranks(cm.model))
         self.tails = {r: self._tail(r) for s in p.stages for r in s.ranks}
         self.stage_tail = {s.index: min(self.tails[r] for r in s.ranks) for s in p.stages}
 
@@ -348,6 +350,8 @@ class _Chains:
                 tail += self._collective(Collective.ALL_GATHER, group, rank, stepped)
         if self.clips and not self._interleaved_update():
             tail += self.cm.collective_time(Collective.ALL_REDUCE, self.world, SCALAR_BYTES)
+        if rank in self.tied:
+            tail += self.cm.tied_time
         return tail + sum(self._step(rank, ms) for ms in finals)
 
     def _outer(self, stage: Stage, rank: int, ms: int) -> float:
