@@ -74,11 +74,10 @@ def run(args: argparse.Namespace) -> int:
         phase[0] = f"after: {line}"
         progress(line)
     try:
-        with memory_budget(args.max_memory):
+        with memory_budget(args.max_memory):   # the budget is checked once more as it ends: before the write
             compiled = compile_spec(Path(args.spec), args.dump_after, dump if args.dump_after else None, profiles,
                                     args.time_limit, tell)
             _warn_near_capacity(compiled)
-            summary = write_compiled(compiled, args.out, args.profile)
     except VerifyError as err:
         print(f"hetc compile: the lowered programs are unsafe (a bug in hetc's lowering):\n{err.render()}",
               file=sys.stderr)
@@ -87,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"hetc compile: error: stopped ({phase[0]}): {err}; nothing was written to {args.out}. Raise "
               "--max-memory, or compile a smaller plan (fewer ranks or microbatches per lane)", file=sys.stderr)
         return 2
+    summary = write_compiled(compiled, args.out, args.profile)
     program, step = compiled.program, compiled.timeline.step_time
     took = time.perf_counter() - start
     if (why := why_not_exported(compiled.pipeline)) is not None:   # by design for many-to-many: not news
