@@ -114,15 +114,22 @@ file per rank. The issue's bound: compile+verify of 1024 ranks under 10 s.
 """
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_sizes(doc: str, ranks: list[int]) -> argparse.Namespace:
+    """--runs, --ranks (multiples of a node per stage; default `ranks`) and --no-write, of a benchmark of
+    these plans."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--ranks", type=int, nargs="+", default=ranks)
     parser.add_argument("--no-write", action="store_true", help="print, do not update docs/benchmarks.md")
     args = parser.parse_args()
     bad = [r for r in args.ranks if r % (NUM_STAGES * GPUS_PER_NODE)]
     if bad:
         parser.error(f"ranks must be multiples of {NUM_STAGES * GPUS_PER_NODE}: {bad}")
+    return args
+
+
+def main() -> int:
+    args = parse_sizes(__doc__, [64, 256, 1024])
     results = [measure(ranks, policy, args.runs) for ranks in args.ranks for policy in POLICIES]
     text = section(results, args.runs)
     return publish(HEADING, text, write=not args.no_write)

@@ -17,7 +17,6 @@ Best of `--runs` (2 shared CPU cores: the minimum is the least disturbed run).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import sys
@@ -28,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.compile import GPUS_PER_NODE, NUM_STAGES, POLICIES, plan_text
+from benchmarks.compile import POLICIES, parse_sizes, plan_text
 from benchmarks.markdown import publish
 from hetc.cli import main as hetc_main
 from hetc.passes.verify import verify
@@ -89,14 +88,7 @@ its own.
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--ranks", type=int, nargs="+", default=[256, 1024])
-    parser.add_argument("--no-write", action="store_true", help="print, do not update docs/benchmarks.md")
-    args = parser.parse_args()
-    bad = [r for r in args.ranks if r % (NUM_STAGES * GPUS_PER_NODE)]
-    if bad:
-        parser.error(f"ranks must be multiples of {NUM_STAGES * GPUS_PER_NODE}: {bad}")
+    args = parse_sizes(__doc__, [256, 1024])
     results = [measure(ranks, policy, args.runs) for ranks in args.ranks for policy in POLICIES]
     return publish(HEADING, section(results, args.runs), write=not args.no_write)
 

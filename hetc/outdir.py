@@ -44,7 +44,7 @@ from pathlib import Path
 from hetc.errors import UsageError
 
 __all__ = ["MARKER", "Legacy", "OutputKind", "Protected", "check_output_dir", "edited_files", "file_hashes",
-           "restamp", "unmarked_or_edited", "write_marker", "write_output_dir"]
+           "is_marked", "restamp", "unmarked_or_edited", "write_marker", "write_output_dir"]
 
 MARKER = ".hetc-output.json"
 MAX_NAMED = 5       # foreign entries a message names before "and N more"
@@ -156,6 +156,11 @@ def unmarked_or_edited(directory: Path, names: Iterable[str]) -> list[str] | Non
     _, files = marked
     return [rel for rel in names if (digest := files.get(rel)) is None or not (directory / rel).is_file()
             or _sha256(directory / rel) != digest]
+
+
+def is_marked(directory: Path) -> bool:
+    """Whether `directory` carries a marker hetc can read."""
+    return _read_marker(directory) is not None
 
 
 def restamp(directory: Path, names: Iterable[str]) -> bool:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from hetc.errors import Span, SpecError, UsageError
 from hetc.frontend.printer import format_spec
 from hetc.jsontypes import JsonObject
-from hetc.outdir import Legacy, OutputKind, Protected, check_output_dir, restamp, unmarked_or_edited, write_output_dir
+from hetc.outdir import Legacy, OutputKind, Protected, check_output_dir, is_marked, restamp, unmarked_or_edited, write_output_dir
 from hetc.program import Program, ProgramFormatError, RankProgram
 from hetc.spec import DataKind, DataSpec, Spec
 
@@ -124,7 +124,7 @@ def record_verified(plan_dir: Path, program: Program, evaluation: Program | None
     """After `hetc verify DIR` passed: write the evaluation programs derived from the listings as they are
     now, and record every file the ranks read as verified; False (nothing written) for a directory without
     a marker (Note [verified once])."""
-    if unmarked_or_edited(plan_dir, ()) is None:
+    if not is_marked(plan_dir):
         return False
     for rp in evaluation.ranks if evaluation is not None else ():
         (plan_dir / "programs" / eval_listing_name(rp.rank)).write_text(rp.to_text())
