@@ -1,4 +1,5 @@
-"""Fault injection for tests and demos: `hetc run ... --inject 'slow rank=R factor=F from=S [until=U]'`.
+"""Fault injection for tests and demos: `hetc run ... --inject 'slow rank=R factor=F from=S [until=U]'` and
+`--inject 'slow link=A-B factor=F from=S [until=U]'`.
 
 A slowed rank computes `factor` times slower from step S (0-based, the step index the run prints as S+1)
 until step U (exclusive; for good when absent): after each of its compute instructions it waits
@@ -9,6 +10,20 @@ time changes (what live rebalancing, runtime/rebalance.py, must notice).
 On a GPU the host times a kernel launch, not the kernel, so an injected rank synchronizes its device
 around each compute instruction to measure it: an injected run is a test of the job's reaction, not a
 measurement of its speed.
+
+Note [a slowed link]
+A slowed link delivers every point-to-point message between ranks A and B, either way, `factor` times
+as late: once the receive completes, the receiving rank waits (factor - 1) times the message's time
+before the message counts as arrived. Two choices differ from a slowed rank's:
+- *the receiving side only*: a message is one transfer, late where it arrives. The sender's side
+  cannot be stretched too without counting it twice (gloo and NCCL both hand a message over when the
+  receiver has posted for it, so the sender's completion already waits for the receiver's).
+- *the message's time is the plan's*: the cost model's time of the message on that link (latency and
+  bytes over bandwidth, `CostModel.p2p_transfer_time`), not a measured one. A host cannot time a
+  transfer apart from the wait for its peer: from post to completion a receive also waits for the
+  sender to compute what it sends. So an F-times link reads as F times slower (runtime/links.py
+  measures it) where the plan's link model matches the machine's, as the demo's latency is set to
+  gloo's on loopback, and as 1 + (F - 1) x planned / machine time elsewhere.
 """
 
 from __future__ import annotations
@@ -23,53 +38,106 @@ from hetc.errors import UsageError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Slowdown", "compute_factor", "parse_injection", "stretch", "synchronize"]
+__all__ = ["Injection", "LinkSlowdown", "Slowdown", "compute_factor", "injection_from_dict", "link_factor",
+           "parse_injection", "stretch", "synchronize"]
 
-_KEYS = {"rank", "factor", "from", "until"}
+_KEYS = {"rank", "link", "factor", "from", "until"}
+_FORM = "`slow rank=R factor=F [from=S] [until=U]` or `slow link=A-B factor=F [from=S] [until=U]`"
+
+
+class _Steps:
+    """The steps [start, until) an injection holds over (`until` None: for good)."""
+
+    start: int
+    until: int | None
+
+    def active(self, step: int) -> bool:
+        return self.start <= step and (self.until is None or step < self.until)
 
 
 @dataclass(frozen=True)
-class Slowdown:
-    """One `slow` injection: `rank` computes `factor` times slower over steps [start, until)."""
+class Slowdown(_Steps):
+    """One `slow rank=` injection: `rank` computes `factor` times slower over steps [start, until)."""
 
     rank: int
     factor: float
     start: int = 0
     until: int | None = None
 
-    def active(self, step: int) -> bool:
-        return self.start <= step and (self.until is None or step < self.until)
+
+@dataclass(frozen=True)
+class LinkSlowdown(_Steps):
+    """One `slow link=` injection: messages between the two ranks of `link` (lower first), either way,
+    arrive `factor` times as late over steps [start, until) (Note [a slowed link])."""
+
+    link: tuple[int, int]
+    factor: float
+    start: int = 0
+    until: int | None = None
 
 
-def parse_injection(text: str) -> Slowdown:
-    """`slow rank=R factor=F [from=S] [until=U]`, or a UsageError that quotes it and says what is wrong."""
+Injection = Slowdown | LinkSlowdown
+
+
+def injection_from_dict(fields: dict) -> Injection:
+    """The injection `dataclasses.asdict` wrote (the options travel to the ranks as JSON)."""
+    if "link" in fields:
+        return LinkSlowdown(**{**fields, "link": tuple(fields["link"])})
+    return Slowdown(**fields)
+
+
+def parse_injection(text: str) -> Injection:
+    """`slow rank=R ...` or `slow link=A-B ...` (`_FORM`), or a UsageError that quotes it and says what is wrong."""
     words = text.split()
     if not words or words[0] != "slow":
-        raise UsageError(f"--inject '{text}': expected `slow rank=R factor=F [from=S] [until=U]`")
+        raise UsageError(f"--inject '{text}': expected {_FORM}")
     fields: dict[str, str] = {}
     for word in words[1:]:
         m = re.fullmatch(r"([a-z]+)=(\S+)", word)
         if m is None or m[1] not in _KEYS:
             raise UsageError(f"--inject '{text}': '{word}' is not one of {', '.join(sorted(k + '=' for k in _KEYS))}")
         fields[m[1]] = m[2]
-    missing = [k for k in ("rank", "factor") if k not in fields]
-    if missing:
-        raise UsageError(f"--inject '{text}': {' and '.join(missing)} missing")
+    if ("rank" in fields) == ("link" in fields):
+        both = "both" if "rank" in fields else "neither"
+        raise UsageError(f"--inject '{text}': name one rank= or one link=, not {both}")
+    if "factor" not in fields:
+        raise UsageError(f"--inject '{text}': factor missing")
     try:
-        got = Slowdown(int(fields["rank"]), float(fields["factor"]), int(fields.get("from", 0)),
-                       int(fields["until"]) if "until" in fields else None)
+        factor, start = float(fields["factor"]), int(fields.get("from", 0))
+        until = int(fields["until"]) if "until" in fields else None
+        got: Injection = Slowdown(int(fields["rank"]), factor, start, until) if "rank" in fields else \
+            LinkSlowdown(_link(fields["link"]), factor, start, until)
     except ValueError as err:
         raise UsageError(f"--inject '{text}': {err}") from None
-    if got.rank < 0 or got.factor < 1 or got.start < 0 or (got.until is not None and got.until <= got.start):
-        raise UsageError(f"--inject '{text}': needs rank >= 0, factor >= 1 and 0 <= from < until")
+    who = got.rank if isinstance(got, Slowdown) else min(got.link)
+    if who < 0 or got.factor < 1 or got.start < 0 or (got.until is not None and got.until <= got.start):
+        raise UsageError(f"--inject '{text}': needs ranks >= 0, factor >= 1 and 0 <= from < until")
     return got
 
 
-def compute_factor(injections: tuple[Slowdown, ...], rank: int, step: int) -> float:
+def _link(text: str) -> tuple[int, int]:
+    """`A-B`: two different ranks, lower first."""
+    m = re.fullmatch(r"(\d+)-(\d+)", text)
+    if m is None or m[1] == m[2]:
+        raise ValueError(f"link={text} is not two different ranks A-B")
+    a, b = int(m[1]), int(m[2])
+    return (min(a, b), max(a, b))
+
+
+def compute_factor(injections: tuple[Injection, ...], rank: int, step: int) -> float:
     """How many times slower `rank` computes in `step`."""
     factor = 1.0
     for inj in injections:
-        if inj.rank == rank and inj.active(step):
+        if isinstance(inj, Slowdown) and inj.rank == rank and inj.active(step):
+            factor *= inj.factor
+    return factor
+
+
+def link_factor(injections: tuple[Injection, ...], a: int, b: int, step: int) -> float:
+    """How many times as late messages between ranks `a` and `b` arrive in `step` (Note [a slowed link])."""
+    factor, link = 1.0, (min(a, b), max(a, b))
+    for inj in injections:
+        if isinstance(inj, LinkSlowdown) and inj.link == link and inj.active(step):
             factor *= inj.factor
     return factor
 

@@ -34,8 +34,9 @@ from hetc.runtime.buffers import MinistageBuffers
 from hetc.runtime.comm import Comm, Waitable
 from hetc.runtime.data import DataSource
 from hetc.runtime.host_copy import host_buffer, upload
-from hetc.runtime.inject import Slowdown, compute_factor, stretch, synchronize
+from hetc.runtime.inject import Injection, compute_factor, link_factor, stretch, synchronize
 from hetc.runtime.lane import Arrivals, LanePlace, take_tokens
+from hetc.runtime.links import MessageLog
 from hetc.runtime.optim import clip_coefficient, grad_sq_sum, lr_at, optimizer_step
 from hetc.runtime.nn.split_backward import DeferredWeightGrad, backward_input, backward_weight
 from hetc.runtime.step_clock import StepClock
@@ -72,7 +73,10 @@ class _Pending:
 
 
 class Interpreter:
-    injected: tuple[Slowdown, ...] = ()    # `hetc run --inject`: this run's slowdowns (runtime/inject.py)
+    injected: tuple[Injection, ...] = ()    # `hetc run --inject`: this run's slowdowns (runtime/inject.py)
+    # the plan's time of a message (src, dst, bytes): what a slowed link stretches (Note [a slowed link])
+    message_time: Callable[[int, int, float], float] | None = None
+    messages: MessageLog | None = None      # `--rebalance`: when each message was posted and arrived
 
     def __init__(self, spec: Spec, program: RankProgram, buffers: dict[int, Buffers], comm: Comm,
                  data: DataSource, num_microbatches: int, device: torch.device,
@@ -182,6 +186,8 @@ class Interpreter:
         if self.training:
             for buf in self.buffers.values():
                 buf.zero_grads()
+            if self.messages is not None:
+                self.messages.clear()
 
     def _end(self, step: int) -> None:
         if self.device.type == "cuda":
@@ -418,15 +424,34 @@ class Interpreter:
         if tensor is None:
             raise ProtocolError(f"nothing to send: {instr.what.value} ms={instr.ms} mb={instr.mb} is not computed")
         payload = self.arrived.local(tensor.detach(), instr.seq).contiguous()
-        self._post(instr, self.comm.isend(payload, instr.peer_to, self.comm.tag(instr), str(instr)))
+        tag = self.comm.tag(instr)
+        if self.messages is not None and self.training:
+            self.messages.posted_send(instr.peer_to, tag)
+        self._post(instr, self.comm.isend(payload, instr.peer_to, tag, str(instr)))
 
     def _recv(self, instr: Recv) -> None:
         key = (instr.what, instr.ms, instr.mb)
         if instr.seq is None and key in self.arrived:
             raise ProtocolError(f"{instr.what.value} ms={instr.ms} mb={instr.mb} is received twice")
         buf = torch.empty(instr.shape, dtype=self.comm.act_dtype, device=self.device)
-        work = self.comm.irecv(buf, instr.peer_from, self.comm.tag(instr), str(instr))
-        self._post(instr, work, lambda: self.arrived.put(key, buf, instr.seq))
+        tag = self.comm.tag(instr)
+        posted = time.time()
+        work = self.comm.irecv(buf, instr.peer_from, tag, str(instr))
+
+        def arrived() -> None:
+            self._late_on_slow_link(instr.peer_from, buf)
+            self.arrived.put(key, buf, instr.seq)
+            if self.messages is not None and self.training:
+                self.messages.arrived(instr.peer_from, tag, posted, buf.numel() * buf.element_size())
+        self._post(instr, work, arrived)
+
+    def _late_on_slow_link(self, peer: int, buf: Tensor) -> None:
+        """A message from `peer` over an injected slow link arrives (factor - 1) x its planned time late
+        (Note [a slowed link] in runtime/inject.py)."""
+        factor = link_factor(self.injected, peer, self.program.rank, self.step_idx) if self.training else 1.0
+        if factor > 1:
+            assert self.message_time is not None, "a slowed link needs the plan's message times"
+            stretch(self.message_time(peer, self.program.rank, buf.numel() * buf.element_size()), factor)
 
     # ------------------------------------------------------------ collectives
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from hetc.runtime.inject import Slowdown
+from hetc.runtime.inject import Injection, injection_from_dict
 from hetc.runtime.rebalance import RebalanceOptions
 
 __all__ = ["DIVERGED_STATUS", "RUN_OPTIONS_ENV", "NonFinite", "RunOptions"]
@@ -52,7 +52,7 @@ class RunOptions:
     quiet: bool = False
     on_nonfinite: NonFinite = NonFinite.STOP
     rebalance: RebalanceOptions | None = None     # --rebalance: Note [live rebalancing] in runtime/rebalance.py
-    inject: tuple[Slowdown, ...] = ()             # --inject: runtime/inject.py
+    inject: tuple[Injection, ...] = ()            # --inject: runtime/inject.py
 
     def to_json(self) -> str:
         """These options as JSON (`from_json` reads them back equal)."""
@@ -69,5 +69,5 @@ class RunOptions:
         fields.update({k: Path(v) for k, v in fields.items() if k in paths and v is not None})
         fields["on_nonfinite"] = NonFinite(fields["on_nonfinite"])
         fields["rebalance"] = None if fields["rebalance"] is None else RebalanceOptions(**fields["rebalance"])
-        fields["inject"] = tuple(Slowdown(**s) for s in fields["inject"])
+        fields["inject"] = tuple(injection_from_dict(s) for s in fields["inject"])
         return cls(**fields)

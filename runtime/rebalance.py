@@ -1,5 +1,5 @@
-"""Live rebalancing: a running job notices a lane that has become slow and re-routes microbatches around it
-(`hetc run --rebalance`).
+"""Live rebalancing: a running job notices a lane or a link that has become slow and re-routes microbatches
+around it (`hetc run --rebalance`).
 
 Note [live rebalancing]
 Slow-but-alive GPUs (thermal throttling, a degraded link, a noisy neighbour) cost a job more than failures
@@ -35,7 +35,12 @@ plan rank 0 keeps, per lane, its compute seconds per microbatch (the slowest of 
   serves it (Note [Plan-independent data] in runtime/data.py), so the losses are those of the run
   without the slowdown.
 
-Every detection and switch is a line on rank 0 and a `--metrics` record with `"event": "rebalance"`.
+A link is watched the same way, on the fastest transit of its messages (Note [link transit] in
+runtime/links.py): a slow link makes both lanes it joins slower by its extra time per microbatch in the
+water-filling, and the re-plan's cost model learns its slowdown (`CostModel(measured_link_slowdown=)`).
+
+Every detection and switch is a line on rank 0 and a `--metrics` record with `"event": "rebalance"`
+(`"slow": [stage, lane]` or `"link": [rank, rank]`).
 Note [a new layer split]
 Re-routing cannot help a slow lane alone in its stage. There rank 0 tries moving each border between
 stages of one layer range by one or two layers, compiles and simulates each split with the measured
@@ -60,17 +65,23 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from hetc.pipeline import Pipeline
 from hetc.program import Program, RankProgram
 from hetc.errors import SpecError
 from hetc.passes.validate import ExplicitPlan
 from hetc.passes.verify import VerifyError
+from hetc.runtime.links import LinkId, MessageLog, border_rates, border_seconds, link_transits, model_link_factor
 from hetc.spec import Auto, LayerRange, Routing, RoutingKind, Spec
 
-__all__ = ["LaneWatch", "RebalanceOptions", "Rebalancer", "Switch", "target_routing"]
+if TYPE_CHECKING:
+    from hetc.passes.cost import CostModel
+
+__all__ = ["LaneWatch", "LinkWatch", "RateWatch", "RebalanceOptions", "Rebalancer", "Switch", "target_routing"]
 
 LaneId = tuple[int, int]      # (stage, lane)
+K = TypeVar("K", LaneId, LinkId)
 DECISION_KEY = "hetc/rebalance/step/{step}"
 LISTING_KEY = "hetc/rebalance/v{version}/{kind}-{rank}"
 SPLIT_KEY = "hetc/rebalance/v{version}/split"
@@ -85,6 +96,13 @@ class RebalanceOptions:
     cooldown: int = 5
     min_gain: float = 0.05
     split_gain: float = 0.2    # a new layer split (through a checkpoint) must gain this much
+    # A link's transit is noisier than a lane's compute: a rank waiting for a core reads as slow links,
+    # up to 1.9x at a load average near 2 on the demo (Note [link transit] in runtime/links.py).
+    link_threshold: float = 4.0
+
+    def for_links(self) -> RebalanceOptions:
+        """These options with the links' threshold as the threshold (a link is watched as a lane is)."""
+        return dataclasses.replace(self, threshold=self.link_threshold)
 
     @property
     def recovered(self) -> float:
@@ -93,36 +111,39 @@ class RebalanceOptions:
 
 
 @dataclass
-class LaneWatch:
-    """Per lane, its compute seconds per microbatch: the reference, the recent window, and the lanes slow."""
+class RateWatch(Generic[K]):
+    """Per lane, its compute seconds per microbatch (or per link, its seconds per message, Note [link
+    transit] in runtime/links.py): the reference, the recent window, and the lanes (links) slow."""
 
-    lanes: list[LaneId]
+    keys: list[K]          # the lanes (links) watched
     opts: RebalanceOptions
     seen: int = 0
-    reference: dict[LaneId, float] = field(default_factory=dict)
-    recent: dict[LaneId, deque[float]] = field(default_factory=dict)
-    slow: dict[LaneId, float] = field(default_factory=dict)     # lane -> its current slowdown
+    reference: dict[K, float] = field(default_factory=dict)
+    recent: dict[K, deque[float]] = field(default_factory=dict)
+    slow: dict[K, float] = field(default_factory=dict)     # lane -> its current slowdown
 
-    def observe(self, per_microbatch: Mapping[LaneId, float]) -> None:
-        """One step's seconds per microbatch of every lane."""
+    def observe(self, per_microbatch: Mapping[K, float]) -> None:
+        """One step's seconds per microbatch of every lane (a lane missing from it, as a link that carried
+        no message this step, keeps its window)."""
         self.seen += 1
         if self.seen == 1:
             return      # the first step also starts the run up
-        for lane in self.lanes:
-            self.recent.setdefault(lane, deque(maxlen=self.opts.window)).append(per_microbatch[lane])
+        for key in self.keys:
+            if key in per_microbatch:
+                self.recent.setdefault(key, deque(maxlen=self.opts.window)).append(per_microbatch[key])
         if not self.reference and self.seen - 1 == self.opts.window:    # the first whole window: calibration
-            self.reference = {lane: min(self.recent[lane]) for lane in self.lanes}
+            self.reference = {lane: min(got) for lane, got in self.recent.items() if min(got) > 0}
 
-    def ratios(self) -> dict[LaneId, float]:
+    def ratios(self) -> dict[K, float]:
         """Each lane's slowdown: its fastest of its last `window` steps, over its reference, over the median
         of that ratio over all lanes (none before calibration)."""
         if not self.reference:
             return {}
-        own = {lane: min(self.recent[lane]) / self.reference[lane] for lane in self.lanes}
+        own = {lane: min(self.recent[lane]) / ref for lane, ref in self.reference.items()}
         common = statistics.median(own.values())
         return {lane: r / common for lane, r in own.items()}
 
-    def update(self) -> tuple[list[LaneId], list[LaneId]]:
+    def update(self) -> tuple[list[K], list[K]]:
         """Update the slow lanes from the ratios: (lanes that became slow, lanes that recovered)."""
         ratios = self.ratios()
         became = [lane for lane, r in ratios.items() if r >= self.opts.threshold and lane not in self.slow]
@@ -135,20 +156,27 @@ class LaneWatch:
         return became, recovered
 
 
+LaneWatch = RateWatch[LaneId]
+LinkWatch = RateWatch[LinkId]
+
+
 def target_routing(pipeline: Pipeline, planned: Mapping[int, tuple[int, ...]], reference: Mapping[LaneId, float],
-                   slow: Mapping[LaneId, float], equal: Mapping[int, bool]) -> dict[int, tuple[int, ...]]:
+                   slow: Mapping[LaneId, float], equal: Mapping[int, bool],
+                   borders: Mapping[LaneId, float] | None = None) -> dict[int, tuple[int, ...]]:
     """Microbatches per lane of every stage: the plan's own where no lane of the stage is slow, else
-    water-filled over the lanes' current rates (reference × slowdown)."""
+    water-filled over the lanes' current rates (reference × slowdown, plus `borders`: the seconds per
+    microbatch a lane loses to its slow links, `border_seconds` in runtime/links.py)."""
     from hetc.passes.plan.routing import spread
 
+    borders = borders or {}
     out = {}
     for stage in pipeline.stages:
         lanes = [(stage.index, lane.index) for lane in stage.lanes]
-        if len(lanes) < 2 or not any(lane in slow for lane in lanes):
+        if len(lanes) < 2 or not any(lane in slow or borders.get(lane, 0.0) > 0 for lane in lanes):
             out[stage.index] = planned[stage.index]
             continue
         m = sum(len(lane.microbatches) for lane in stage.lanes)
-        classes = [(1, reference[lane] * slow.get(lane, 1.0), m) for lane in lanes]
+        classes = [(1, reference[lane] * slow.get(lane, 1.0) + borders.get(lane, 0.0), m) for lane in lanes]
         got = spread(m, classes, equal=equal[stage.index])
         out[stage.index] = planned[stage.index] if got is None else tuple(c for counts in got for c in counts)
     return out
@@ -234,6 +262,9 @@ class Rebalancer:
         self.planned = routing_of(pipeline)
         lanes = [(st.index, lane.index) for st in pipeline.stages for lane in st.lanes]
         self.watch = LaneWatch(lanes, opts)
+        self.links: LinkWatch | None = None     # from the first step's messages (Note [link transit])
+        self.border_rates: dict[tuple[LinkId, LaneId], float] = {}   # messages per microbatch, as last seen
+        self.link_bytes: dict[LinkId, int] = {}         # the size of each link's fastest message, as last seen
         self.version = version
         self.last_change: int | None = None
         self.steps: deque[float] = deque(maxlen=opts.window)
@@ -242,9 +273,11 @@ class Rebalancer:
 
     # ------------------------------------------------------------ every rank
 
-    def after_step(self, step: int, compute_s: float, step_s: float) -> Switch | None:
-        """Report this rank's compute time of `step`; the switch every rank makes after it, if any."""
+    def after_step(self, step: int, compute_s: float, step_s: float, messages: MessageLog) -> Switch | None:
+        """Report this rank's compute time and `messages` of `step`; the switch every rank makes after it,
+        if any."""
         self.store.set(f"hetc/rebalance/compute/{step}/{self.rank}", repr(compute_s))
+        self.store.set(f"hetc/rebalance/messages/{step}/{self.rank}", messages.to_json())
         if self.rank == 0:
             decision = self._decide(step, step_s)
             self.store.set(DECISION_KEY.format(step=step), json.dumps(decision))
@@ -290,11 +323,30 @@ class Rebalancer:
             self._tell_slow(step, lane)
         for lane in recovered:
             self._say(step, f"{self._lane_name(lane)} is back to its reference rate", {"recovered": list(lane)})
-        if not (became or recovered):
+        links_changed = self._watch_links(step)
+        if not (became or recovered or links_changed):
             return None
         if self.last_change is not None and step - self.last_change < self.opts.cooldown:
             return None
         return self._replan(step)
+
+    def _watch_links(self, step: int) -> bool:
+        """Observe every link's transit in `step` (Note [link transit]); whether a link became slow or
+        recovered."""
+        world = self.pipeline.world_size
+        logs = self.store.multi_get([f"hetc/rebalance/messages/{step}/{r}" for r in range(world)])
+        transits = link_transits({r: MessageLog.from_json(text.decode()) for r, text in enumerate(logs)})
+        if self.links is None:
+            self.links = LinkWatch(sorted(transits.fastest), self.opts.for_links())
+        self.links.observe(transits.fastest)
+        self.border_rates.update(border_rates(self.pipeline, transits.messages))
+        self.link_bytes.update(transits.nbytes)
+        became, recovered = self.links.update()
+        for link in became:
+            self._tell_slow_link(step, link)
+        for link in recovered:
+            self._say(step, f"{self._link_name(link)} is back to its reference rate", {"recovered_link": list(link)})
+        return bool(became or recovered)
 
     def _per_microbatch(self, compute: list[float]) -> dict[LaneId, float]:
         return {(st.index, lane.index): max(compute[r] for r in lane.ranks) / max(1, len(lane.microbatches))
@@ -306,7 +358,8 @@ class Rebalancer:
         assert self.spec.model is not None   # a plan's spec
         coupled = {group.stage.index for group in lockstep_groups(self.pipeline, self.spec.model)}
         equal = {st.index: st.index in coupled for st in self.pipeline.stages}
-        target = target_routing(self.pipeline, self.planned, self.watch.reference, self.watch.slow, equal)
+        target = target_routing(self.pipeline, self.planned, self.watch.reference, self.watch.slow, equal,
+                                self._border_seconds())
         current = routing_of(self.pipeline)
         if target == current:
             alone = [lane for lane in self.watch.slow if len(self.pipeline.stages[lane[0]].lanes) == 1]
@@ -382,6 +435,21 @@ class Rebalancer:
         spans = [(st.name, *_layers(pipeline, st.index)) for st in pipeline.stages]
         return ", ".join(f"{name} {model.layer_name(a)}..{model.layer_name(b - 1)}" for name, a, b in spans)
 
+    def _link_extra_s(self) -> dict[LinkId, float]:
+        """Each slow link's seconds per message more than at its reference."""
+        if self.links is None:
+            return {}
+        return {link: self.links.reference[link] * (ratio - 1) for link, ratio in self.links.slow.items()}
+
+    def _border_seconds(self) -> dict[LaneId, float]:
+        """Seconds per microbatch each lane loses to its slow links (Note [link transit])."""
+        return border_seconds(self.border_rates, self._link_extra_s())
+
+    def _link_slowdowns(self, healthy: CostModel) -> dict[LinkId, float]:
+        """The slow links' factors on `healthy`'s (a CostModel without them) time of their messages."""
+        return {(a, b): model_link_factor(extra, healthy.p2p_transfer_time(a, b, self.link_bytes[(a, b)]))
+                for (a, b), extra in self._link_extra_s().items()}
+
     def _rank_slowdowns(self) -> dict[int, float]:
         return {r: factor for (s, l), factor in self.watch.slow.items()
                 for r in self.pipeline.stages[s].lanes[l].ranks}
@@ -391,15 +459,18 @@ class Rebalancer:
         return self._compile_spec(with_routing(self.spec, routing), slow)
 
     def _compile_spec(self, spec: Spec, slow: Mapping[int, float]) -> _Compiled:
-        """Lower, verify and simulate the plan of `spec`, its compute slowed by `slow`."""
+        """Lower, verify and simulate the plan of `spec`, its compute slowed by `slow`, its slow links by
+        theirs (Note [link transit] in runtime/links.py)."""
         from hetc.passes.build import build
         from hetc.passes.cost import CostModel
         from hetc.passes.validate import check_spec
 
         plan = check_spec(spec, self.plan_dir).explicit()
         assert plan is not None   # the running plan with other counts: explicit
-        got = build(plan, costs=CostModel(plan.spec, plan.pipeline, plan.topology, measured_slowdown=slow),
-                    evaluation=True)
+        healthy = CostModel(plan.spec, plan.pipeline, plan.topology)
+        costs = CostModel(plan.spec, plan.pipeline, plan.topology, measured_slowdown=slow,
+                          measured_link_slowdown=self._link_slowdowns(healthy))
+        got = build(plan, costs=costs, evaluation=True)
         assert got.step_time_s is not None   # simulated
         return _Compiled(spec, plan.pipeline, got.program, got.evaluation, got.step_time_s)
 
@@ -426,6 +497,16 @@ class Rebalancer:
         self._say(step, f"{self._lane_name(lane)} computes {ratio:.2f}x slower than it did "
                   f"({ref * ratio * 1e3:.1f} ms per microbatch, {ref * 1e3:.1f} ms at the start)",
                   {"slow": list(lane), "ratio": ratio, "measured_s": ref * ratio, "reference_s": ref})
+
+    def _tell_slow_link(self, step: int, link: LinkId) -> None:
+        assert self.links is not None   # it watched the link
+        ratio, ref = self.links.slow[link], self.links.reference[link]
+        self._say(step, f"{self._link_name(link)} carries messages {ratio:.2f}x slower than it did "
+                  f"({ref * ratio * 1e3:.2f} ms the fastest, {ref * 1e3:.2f} ms at the start)",
+                  {"link": list(link), "ratio": ratio, "measured_s": ref * ratio, "reference_s": ref})
+
+    def _link_name(self, link: LinkId) -> str:
+        return f"the link between ranks {link[0]} and {link[1]}"
 
     def _lane_name(self, lane: LaneId) -> str:
         stage = self.pipeline.stages[lane[0]]

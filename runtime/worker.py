@@ -36,6 +36,8 @@ from hetc.runtime.evaluate import make_evaluator
 from hetc.runtime.gpu_failures import (CommTimeout, DeviceOutOfMemory, creation_timeout, estimate_line,
                                        nccl_environment, out_of_memory_in, out_of_memory_message, timeout_message,
                                        use_step_timeout, waited_for)
+from hetc.runtime.inject import LinkSlowdown
+from hetc.runtime.links import MessageLog
 from hetc.runtime.local import LAUNCHER_ENV, NODE_ENV
 from hetc.runtime.nn import collectives
 from hetc.runtime.nn.collectives import is_comm_failure
@@ -230,6 +232,10 @@ def _train(plan_dir: Path, opts: RunOptions, rank: int, spec, pipeline, program,
                        "checks before the update is computed only under clipping (Note [non-finite steps])")
     rt.interpreter.skip_nonfinite = opts.on_nonfinite is NonFinite.SKIP
     rt.interpreter.injected = opts.inject
+    if any(isinstance(inj, LinkSlowdown) for inj in opts.inject):     # Note [a slowed link]
+        rt.interpreter.message_time = _message_time(plan_dir, spec)
+    if opts.rebalance is not None:
+        rt.interpreter.messages = MessageLog()      # Note [link transit]
     saver, lock = _checkpointer(rt, opts, timeout, rank)
     use_step_timeout(datetime.timedelta(seconds=opts.timeout_s))    # every group exists now
     try:
@@ -273,7 +279,9 @@ def _steps(rt, opts: RunOptions, rank: int, spec, pipeline, program, device: tor
         if saver is not None and not saving:
             saver.poll()
         if rebalancer is not None and step + 1 < steps:
-            switch = rebalancer.after_step(step, result.classes.get("compute", 0.0), result.seconds)
+            assert rt.interpreter.messages is not None   # set with --rebalance
+            switch = rebalancer.after_step(step, result.classes.get("compute", 0.0), result.seconds,
+                                           rt.interpreter.messages)
             if switch is not None:
                 rt, rebalancer = _switched(switch, step, rt, rebalancer, saver, saving, reporter, opts, plan_dir)
                 evaluator = evaluator if evaluator is None or switch.evaluation is None else \
@@ -310,11 +318,22 @@ def _switched(switch: Switch, step: int, rt, rebalancer: Rebalancer, saver, save
     rt = build_rank(plan.spec, plan.pipeline, switch.whole, old.program.rank, groups, old.data, old.device,
                     resumes=True, emulation=emulation_from_env())
     rt.interpreter.skip_nonfinite, rt.interpreter.injected = old.skip_nonfinite, old.injected
+    rt.interpreter.message_time, rt.interpreter.messages = old.message_time, old.messages
     _load(rt, _Start(saver.directory / f"step-{done}", False))
     saver.rt = rt
     assert opts.rebalance is not None   # it switched
     return rt, Rebalancer(plan_dir, plan.spec, plan.pipeline, rt.rank, opts.rebalance, reporter.store,
                           reporter.event, can_reshard=True, version=rebalancer.version)
+
+
+def _message_time(plan_dir: Path, spec) -> Callable[[int, int, float], float]:
+    """The plan's time of a message (src, dst, bytes) on its link: what a slowed link stretches."""
+    from hetc.passes.cost import CostModel
+    from hetc.passes.validate import check_spec
+
+    plan = check_spec(spec, plan_dir).explicit()
+    assert plan is not None     # a plan directory's spec
+    return CostModel(plan.spec, plan.pipeline, plan.topology).p2p_transfer_time
 
 
 def _saved(saver, done: int) -> bool:

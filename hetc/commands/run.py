@@ -96,6 +96,9 @@ def register(sub: Subparsers) -> None:
     p.add_argument("--rebalance-threshold", type=float, default=RebalanceOptions.threshold, metavar="X",
                    help="a lane X times slower than its reference is slow; it recovers below halfway back "
                         f"(default {RebalanceOptions.threshold}: above the step-to-step noise, docs/benchmarks.md)")
+    p.add_argument("--rebalance-link-threshold", type=float, default=RebalanceOptions.link_threshold, metavar="X",
+                   help="a link whose messages take X times as long as at its reference is slow (default "
+                        f"{RebalanceOptions.link_threshold}: a starved host reads as slow links, docs/metrics.md)")
     p.add_argument("--rebalance-cooldown", type=int, default=RebalanceOptions.cooldown, metavar="N",
                    help=f"steps between two changes of routing (default {RebalanceOptions.cooldown})")
     p.add_argument("--rebalance-min-gain", type=float, default=RebalanceOptions.min_gain, metavar="F",
@@ -107,7 +110,9 @@ def register(sub: Subparsers) -> None:
                         "through a checkpoint of the step, in the same processes: needs --checkpoint")
     p.add_argument("--inject", action="append", default=[], metavar="SPEC",
                    help="fault injection for tests and demos: 'slow rank=R factor=F from=S [until=U]' makes plan "
-                        "rank R compute F times slower over steps S..U-1 (0-based; repeatable)")
+                        "rank R compute F times slower over steps S..U-1 (0-based; repeatable); 'slow link=A-B "
+                        "factor=F from=S [until=U]' makes every message between plan ranks A and B arrive F times "
+                        "as late (the plan's time of the message, stretched on the receiving rank)")
     p.add_argument("-q", "--quiet", action="store_true", help="print no line per step")
     p.add_argument("--timeout", type=float, default=120.0, metavar="S",
                    help="a step's collective or message that waits S seconds fails the run (raise it for steps "
@@ -133,9 +138,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--stop-timeout must be positive")
     if args.heartbeat_timeout <= 0:
         raise UsageError("--heartbeat-timeout must be positive")
-    if args.rebalance_window < 1 or args.rebalance_threshold <= 1 or args.rebalance_cooldown < 0 \
+    if args.rebalance_window < 1 or min(args.rebalance_threshold, args.rebalance_link_threshold) <= 1 \
+            or args.rebalance_cooldown < 0 \
             or args.rebalance_min_gain < 0 or args.rebalance_split_gain < 0:
-        raise UsageError("--rebalance-window must be at least 1, --rebalance-threshold above 1, "
+        raise UsageError("--rebalance-window must be at least 1, both thresholds above 1, "
                          "--rebalance-cooldown and the gains not negative")
     for text in args.inject:
         parse_injection(text)       # a UsageError quoting it, before any rank starts
@@ -254,7 +260,7 @@ def run_options(args: argparse.Namespace) -> RunOptions:
                       elastic=args.elastic, quiet=args.quiet, on_nonfinite=NonFinite(args.on_nonfinite),
                       rebalance=RebalanceOptions(args.rebalance_window, args.rebalance_threshold,
                                                  args.rebalance_cooldown, args.rebalance_min_gain,
-                                                 args.rebalance_split_gain)
+                                                 args.rebalance_split_gain, args.rebalance_link_threshold)
                       if args.rebalance else None,
                       inject=tuple(parse_injection(text) for text in args.inject))
 

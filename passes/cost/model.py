@@ -54,11 +54,14 @@ _PairSignature = tuple[tuple[str, str, bool, int], ...]
 
 class CostModel:
     def __init__(self, spec: Spec, pipeline: Pipeline, topology: Topology, profiles: Profiles | None = None,
-                 engine: Engine = Engine.HETC, measured_slowdown: Mapping[int, float] | None = None):
+                 engine: Engine = Engine.HETC, measured_slowdown: Mapping[int, float] | None = None,
+                 measured_link_slowdown: Mapping[tuple[int, int], float] | None = None):
         """`engine`: whose programs are timed, hetc's own (what `hetc compile` builds) unless the plan is
         one another engine ran (Sailor's measured Megatron-DeepSpeed runs, Note [async sends]).
         `measured_slowdown`: rank -> how many times slower it computes than it did (a running job's
-        measurement, Note [live rebalancing] in runtime/rebalance.py), on top of `slowdown`'s own."""
+        measurement, Note [live rebalancing] in runtime/rebalance.py), on top of `slowdown`'s own;
+        `measured_link_slowdown`: (rank, rank), lower first -> how many times slower messages between the
+        two cross their link than they did (Note [link transit] in runtime/links.py)."""
         assert spec.model is not None and spec.train is not None
         self.spec, self.pipeline, self.topology = spec, pipeline, topology
         self.engine = engine
@@ -89,6 +92,7 @@ class CostModel:
                                                         self.profiles.shared))) if cluster else {}
         for rank, factor in (measured_slowdown or {}).items():
             self._slowdown[rank] = self._slowdown.get(rank, 1.0) * factor
+        self._link_slowdown = dict(measured_link_slowdown or {})
         # Note [core wait]: every blocking call between ranks of such a node waits for a core once
         self._waits = host_waits(pipeline.world, node_cores, cluster.cores,
                                  self.profiles.core_wait) if cluster else {}
@@ -435,7 +439,7 @@ class CostModel:
         if got is None:
             rate, latency = self.link(a, b, nbytes, 2, concurrent)
             got = self._p2p[key] = latency + nbytes / rate
-        return got
+        return got * self._link_slowdown.get((min(src, dst), max(src, dst)), 1.0)    # memoised per kind of link
 
     def collective_time(self, kind: Collective, ranks: Sequence[int], nbytes: float, concurrent: int = 1) -> float:
         """A ring collective over `ranks` (in ring order) of the full buffer `nbytes`.
