@@ -3,7 +3,8 @@
 tests/test_plan_agreement.py (the estimate against the compiled program) and
 tests/test_step_bound.py (the compiled program against its lower bound)
 read the same plans: `PlanCache` plans a random job (tests/random_jobs.py,
-small clusters) or a spec under specs/ once, lowers, verifies and
+small clusters), a deep pipeline (`deep_job`, planned already) or a spec
+under specs/ once, lowers, verifies and
 simulates it (`hetc.passes.agreement.build`) and keeps the result for the other
 module. The job specs are written under the session's pytest tmp dir.
 """
@@ -21,11 +22,13 @@ from hetc.passes.plan.planner import PlanResult, plan_spec
 from hetc.passes.plan.structures import SearchLimits
 from hetc.passes.plan.would_fit import QUICK
 from tests.conftest import all_spec_files
-from tests.random_jobs import random_job
+from tests.random_jobs import deep_job, random_job
 
-__all__ = ["JOBS", "NARROW", "SPECS", "PlanCache", "Planned", "spec_name"]
+__all__ = ["DEEP_JOBS", "JOBS", "NARROW", "SPECS", "PlanCache", "Planned", "spec_name"]
 
 JOBS = 100
+# deep TP pipelines of many microbatches (issue 32, 2): a few, each built in seconds
+DEEP_JOBS = 14
 # The planner searches narrowly here (the agreement of what it prints is under test, not how well it searches),
 # so the family stays within a minute or two of CPU.
 NARROW = QUICK   # the look `hetc plan` takes when nothing fits (passes/plan/would_fit.py)
@@ -51,6 +54,7 @@ class PlanCache:
     def __init__(self, folder: Path):
         self.folder = folder
         self._jobs: dict[int, Planned | None] = {}
+        self._deep: dict[int, Planned | None] = {}
         self._specs: dict[Path, Planned | None] = {}
 
     def job(self, seed: int) -> Planned | None:
@@ -59,6 +63,13 @@ class PlanCache:
             path.write_text(random_job(random.Random(seed), max_gpus=8))
             self._jobs[seed] = _planned(path, NARROW)
         return self._jobs[seed]
+
+    def deep(self, seed: int) -> Planned | None:
+        if seed not in self._deep:
+            path = self.folder / f"deep{seed}.het"
+            path.write_text(deep_job(random.Random(seed)))
+            self._deep[seed] = _planned(path, None)
+        return self._deep[seed]
 
     def spec(self, path: Path) -> Planned | None:
         if path not in self._specs:

@@ -5,6 +5,12 @@ catalog, node groups of 1-2 nodes with 2-8 GPUs each, slow links between
 some groups, a dense Llama-style model of 125 M to 70 B parameters,
 sequence 1k-8k, activation checkpointing, and `schedule = auto` (sometimes
 a fixed schedule or ZeRO level) so the planner chooses the rest.
+
+`deep_job(rng)` writes a whole plan instead, of the shape Sailor's measured
+Megatron-DeepSpeed runs have and the planner seldom picks on small clusters
+(issue 32, 2): 4-16 stages, 32-256 microbatches a lane, TP 2-8 inside a
+node, one or two lanes, on one or two device kinds; a small model, so that
+its programs (one a rank, two compute ops a microbatch) build in seconds.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import random
 
 from tests.conftest import SPECS
 
-__all__ = ["DEVICE_KINDS", "MODELS", "random_job"]
+__all__ = ["DEEP_OPS", "DEEP_RANKS", "DEVICE_KINDS", "MODELS", "deep_job", "random_job"]
 
 # catalog kinds; the ones without bf16 force fp16
 DEVICE_KINDS = ("H100", "A100-80", "A100-40", "L40S", "L4", "A10G", "V100-32", "V100-16", "T4", "RTX3090")
@@ -90,3 +96,70 @@ def random_job(rng: random.Random, max_gpus: int = 16) -> str:
              "train {", f"  global_batch = {batch}", "  steps = 10", "  lr = 3e-4",
              f"  grad_clip = {rng.choice([0, 1])}", "}", "", *_parallel(rng)]
     return "\n".join(lines) + "\n"
+
+
+# deep_job: at most this many ranks, and compute ops over all ranks where 32 microbatches a lane allow (lowering,
+# verifying and simulating take about a second a 10k)
+DEEP_RANKS = 64
+DEEP_OPS = 4_096
+DEEP_KINDS = ("H100", "A100-80", "A100-40", "L40S", "L4")   # bf16 kinds with 8-GPU nodes in common use
+GPUS_PER_NODE = 8
+
+
+def deep_job(rng: random.Random) -> str:
+    """The text of a whole spec with an explicit deep TP pipeline (imports the catalog by absolute path)."""
+    num_stages, tp, lanes = rng.randint(4, 16), rng.choice([2, 4, 8]), rng.choice([1, 1, 2])
+    while num_stages * lanes * tp > DEEP_RANKS:   # one lane, then less TP
+        lanes, tp = (1, tp) if lanes > 1 else (lanes, tp // 2)
+    schedule = rng.choice(["1f1b", "1f1b", "zb", "interleaved"])
+    ops = {"1f1b": 2, "zb": 3, "interleaved": 4}[schedule]   # compute ops of a microbatch on one rank
+    per_lane = max(32, min(rng.choice([32, 64, 128, 256]), DEEP_OPS // (ops * num_stages * lanes * tp)))
+    blocks, hidden = rng.choice([1, 2]), rng.choice([256, 512, 1024])
+    kinds = rng.sample(DEEP_KINDS, rng.choice([1, 2]))
+    per_kind = -(-num_stages // len(kinds))   # stages on each kind, the first kind's first
+    chunks = 2 if schedule == "interleaved" else 1
+    stage_lines: list[str] = []
+    for s in range(num_stages):
+        group, at = divmod(s, per_kind)
+        stage_lines += _deep_stage(s, num_stages, chunks, blocks, f"g{group}", at, lanes, tp)
+    cluster, idle = ["cluster deep {"], []
+    for g, kind in enumerate(kinds):
+        used = min(per_kind, num_stages - g * per_kind) * lanes * tp
+        nodes = -(-used // GPUS_PER_NODE)
+        cluster += _node(f"g{g}", kind, nodes, GPUS_PER_NODE, "east")
+        if used % GPUS_PER_NODE:   # the last node's GPUs after the group's last stage
+            idle.append(f"g{g}[{nodes - 1}, {used % GPUS_PER_NODE}:{GPUS_PER_NODE}]")
+    cluster += [f"  inter_bandwidth = {rng.choice([100, 200, 400])} Gb/s", "  inter_latency = 10 us", "}"]
+    model = ["model deep {", "  arch = llama", f"  layers = {num_stages * chunks * blocks}", f"  hidden = {hidden}",
+             "  heads = 16", "  kv_heads = 16", f"  ffn = {4 * hidden}", "  vocab = 32000",
+             f"  seq = {rng.choice([512, 1024, 2048])}", "  dtype = bf16", "}"]
+    lines = [f'use "{(SPECS / "catalog.het").as_posix()}"', "", *model, "", *cluster, "",
+             "train {", f"  global_batch = {per_lane * lanes}", "  micro_batch = 1", "  steps = 10", "  lr = 3e-4",
+             "}", "", "parallel {", f"  schedule = {schedule}", *stage_lines,
+             *([f"  idle = [{', '.join(idle)}]"] if idle else []), "}"]
+    return "\n".join(lines) + "\n"
+
+
+def _deep_stage(s: int, num_stages: int, chunks: int, blocks: int, group: str, at: int, lanes: int, tp: int
+                ) -> list[str]:
+    """Stage `s` of a deep pipeline: `blocks` blocks in each of its `chunks` ministages (chunk c the (c·S + s)-th
+    of the model's, as interleaved 1F1B places them; the embedding before the first, the head after the last)
+    on the `at`-th run of lanes × tp GPUs of node group `group`, whole nodes where it needs more than one."""
+    last_chunk = chunks * num_stages - 1
+    ranges = []
+    for c in range(chunks):
+        v = c * num_stages + s
+        first = "embed" if v == 0 else f"block{v * blocks}"
+        last = "head" if v == last_chunk else f"block{(v + 1) * blocks - 1}"
+        ranges.append(f"{first}..{last}")
+    width = lanes * tp
+    if width > GPUS_PER_NODE:
+        nodes = width // GPUS_PER_NODE
+        ranks = f"{group}[{at * nodes}:{(at + 1) * nodes}, :]"
+    else:
+        node, slot = divmod(at * width, GPUS_PER_NODE)
+        ranks = f"{group}[{node}, {slot}:{slot + width}]"
+    layers = ranges[0] if chunks == 1 else f"[{', '.join(ranges)}]"
+    lines = [f"  stage s{s} {{", f"    layers = {layers}", f"    ranks = {ranks}", f"    lanes = {lanes}",
+             f"    tp = {tp}"]
+    return lines + ([f"    ministages = {chunks}"] if chunks > 1 else []) + ["  }"]

@@ -1,7 +1,7 @@
 """What `hetc plan` and `hetc explain` promise is what `hetc compile` builds (issue 11, Done-when 1).
 
-For 100 random heterogeneous jobs (tests/random_jobs.py) and every spec
-under specs/: the planner either prints a plan or says, located, that
+For 100 random heterogeneous jobs (tests/random_jobs.py), a few deep TP
+pipelines of many microbatches (`deep_job`) and every spec under specs/: the planner either prints a plan or says, located, that
 nothing fits; the plan compiles and verifies (deadlock, dataflow, memory);
 explain's step time is within 10 % of the compiled program's simulated
 step; every rank's memory by explain is within 10 % of the compiled
@@ -21,7 +21,7 @@ import pytest
 from hetc.passes.agreement import Agreement, compare
 from hetc.passes.plan.planner import PlanResult
 from hetc.passes.verify import Backend, verify
-from tests.planned import JOBS, SPECS, Planned, spec_name
+from tests.planned import DEEP_JOBS, JOBS, SPECS, Planned, spec_name
 from tests.test_check_positions import assert_copies_position_0
 
 TOLERANCE = 0.10
@@ -74,6 +74,42 @@ def _jobs() -> list:
 @pytest.mark.parametrize("seed", _jobs())
 def test_random_job_plans_compile_and_agree(seed, plan_cache):
     got = plan_cache.job(seed)
+    problem = _outcome(got)
+    assert problem is None, f"{got and got.path.read_text()}\n{problem}"
+
+
+# Deep TP pipelines of many microbatches (tests/random_jobs.py `deep_job`; issue 32, 2), measured as above; the
+# steps under gloo's rule are the same programs simulated without NCCL's one stream per rank pair
+_PAIR_ORDER = ("1F1B, 8 stages of 2 lanes, tp 4: the compiled step is longer by NCCL's order of each rank pair's "
+               "messages (Note [NCCL channel order]): a lane's receive of its next activation is ordered before the "
+               "gradient it sends the same peer, as the pair's timed run lets the upstream rank run ahead of its own "
+               "inputs, and holds the pair's one stream until that activation comes, the gradient waiting behind "
+               "it: -16.6 %; under gloo's rule -2.9 %")
+_INTERLEAVED_WAITS = ("interleaved 1F1B of short ops (0.1-0.3 ms a chunk) over 7-11 stages: the estimate waits for "
+                      "every border transfer (Note [async sends]), the compiled lanes overlap most of them "
+                      "(deep4 +11.2 %, deep11 +21.7 %); counted overlapped as under 1F1B, deep11 is +4.2 % but "
+                      "deep4 and deep10 fall to -15.6 % and -18.5 % (the chunks' loop at every group's turn, Note "
+                      "[chunk loop])")
+DEEP_GAPS: dict[int, str] = {
+    4: _INTERLEAVED_WAITS,
+    10: "interleaved 1F1B over 13 stages of 32 microbatches: the last stage's memory (rank 24) is explained "
+        "6.26 GiB, compiled 5.64 GiB (+11.0 %): the estimate's warm-up stash is more than the program holds",
+    11: _INTERLEAVED_WAITS,
+    13: _PAIR_ORDER,
+}
+
+
+def _deep() -> list:
+    return [pytest.param(seed, id=f"deep{seed}",
+                         marks=[pytest.mark.xfail(strict=True, reason=DEEP_GAPS[seed])] if seed in DEEP_GAPS else [])
+            for seed in range(DEEP_JOBS)]
+
+
+@pytest.mark.parametrize("seed", _deep())
+def test_deep_tp_pipelines_compile_and_agree(seed, plan_cache):
+    """4-16 stages, 32-256 microbatches a lane, tp 2-8 (the shapes of Sailor's measured runs): explain's closed
+    form and memory against the compiled programs, as for the random jobs."""
+    got = plan_cache.deep(seed)
     problem = _outcome(got)
     assert problem is None, f"{got and got.path.read_text()}\n{problem}"
 

@@ -12,6 +12,7 @@ from hetc.jsontypes import JsonObject
 from hetc.passes.plan.baselines import Baseline
 from hetc.passes.cost.candidate_score import Score
 from hetc.passes.plan.planner import PlanResult
+from hetc.passes.simulated_step import AGREEMENT
 from hetc.passes.validate import ExplicitPlan
 from hetc.pipeline import Pipeline, Stage
 from hetc.spec import Checkpointing, ModelSpec, Objective, OffloadSpec, OffloadTarget, RankSlice, StageSpec
@@ -32,6 +33,14 @@ def _score(result: PlanResult) -> Score:
     if result.score is None:
         raise InternalError("a plan result with neither an estimate nor a score")
     return result.score
+
+
+def _printed_score(result: PlanResult) -> Score:
+    """The planner's score at the printed step (Note [one number] in passes/plan/final.py)."""
+    score = result.printed_score
+    if score is None:
+        raise InternalError("a plan result with neither an estimate nor a score")
+    return score
 
 
 def _memory(result: PlanResult) -> list[RankMemory]:
@@ -91,8 +100,8 @@ def plan_summary(path: str, result: PlanResult, prov: Provenance | None = None) 
                  f"fullest GPU {fullest.gpu} at {fullest.total / fullest.capacity:.0%} of "
                  f"{human_bytes(fullest.capacity)} ({source})")
     lines.append(f"  {utilization_text(_utilization(result))}")
-    if result.score is not None and result.goal.kind is Objective.COST:
-        score = result.score
+    if result.printed_score is not None and result.goal.kind is Objective.COST:
+        score = result.printed_score   # at the printed step (Note [one number])
         lines.append(f"  cost {score.dollars_per_hour:,.2f} $/h, {score.dollars_per_token * 1e6:.4g} $ per "
                      "million tokens")
     if result.baselines:
@@ -154,7 +163,16 @@ def _table(result: PlanResult) -> str:
     rows = [head + f" {'plan vs it':>11s}"]
     for b in result.baselines:
         rows.append(f"  {_title(b):62s} " + _cells(result, b, cost))
+    if any(_closed_form_only(result, b) for b in result.baselines):
+        rows.append(f"  * the closed form: slower than the plan by more than the {AGREEMENT:.0%} it may differ from "
+                    "the simulation, so not simulated")
     return "baselines\n" + "\n".join(rows)
+
+
+def _closed_form_only(result: PlanResult, b: Baseline) -> bool:
+    """Whether `b` fits and prints its closed form beside a plan that prints its simulated step (Note [one
+    number] in passes/plan/final.py: it could not win)."""
+    return result.simulated and b.allowed and b.score is not None and b.score.fits and b.closed_form_s is None
 
 
 def _title(b: Baseline) -> str:
@@ -165,14 +183,16 @@ def _cells(result: PlanResult, b: Baseline, cost: bool) -> str:
     if b.score is None:
         blank = f"{'—':>10s} {'—':>12s}" + (f" {'—':>11s}" if cost else "")
         return f"{blank}   not built: {b.note}"
-    cells = f"{b.score.step_time_s:10.4g} {b.score.tokens_per_s:12,.0f}"
+    mark = "*" if _closed_form_only(result, b) else " "
+    cells = f"{b.score.step_time_s:9.4g}{mark} {b.score.tokens_per_s:12,.0f}"
     if cost:
         cells += f" {b.score.dollars_per_token * 1e6:11.4g}"
-        ratio = b.score.dollars_per_token / _score(result).dollars_per_token
+        ratio = b.score.dollars_per_token / _printed_score(result).dollars_per_token
     else:
         ratio = b.score.step_time_s / result.step_time_s
     oom = "" if b.score.fits else "   does not fit in memory"
-    return f"{cells} {f'{ratio:.2f}×':>11s}{oom}"
+    fixed = "" if b.allowed else "   outside what the spec fixes"
+    return f"{cells} {f'{ratio:.2f}×':>11s}{oom}{fixed}"
 
 
 def plan_json(path: str, result: PlanResult, text: str, prov: Provenance) -> JsonObject:
@@ -196,9 +216,9 @@ def plan_json(path: str, result: PlanResult, text: str, prov: Provenance) -> Jso
            "baselines": [_baseline_json(b) for b in result.baselines],
            "planning": {"seconds": result.seconds, "structures": result.structures},
            "text": text, **prov.to_json()}
-    if result.score is not None:
-        out["dollars_per_hour"] = result.score.dollars_per_hour
-        out["dollars_per_token"] = result.score.dollars_per_token
+    if result.printed_score is not None:
+        out["dollars_per_hour"] = result.printed_score.dollars_per_hour
+        out["dollars_per_token"] = result.printed_score.dollars_per_token
     return out
 
 
@@ -222,7 +242,10 @@ def _stage_json(model: ModelSpec, p: Pipeline, st: Stage) -> JsonObject:
 def _baseline_json(b: Baseline) -> JsonObject:
     if b.score is None:
         return {"name": b.name, "title": b.title, "built": False, "note": b.note}
+    closed = b.score.step_time_s if b.closed_form_s is None else b.closed_form_s
     return {"name": b.name, "title": b.title, "built": True, "step_time_s": b.score.step_time_s,
+            "step_source": "estimate" if b.closed_form_s is None else "simulated", "estimate_step_s": closed,
+            "allowed": b.allowed,
             "tokens_per_s": b.score.tokens_per_s, "fits": b.score.fits,
             "dollars_per_token": b.score.dollars_per_token}
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hetc.errors import InternalError, UsageError
 from hetc.importers.common import (NodeBook, catalog_devices, gpu_slice, layer_range, read_input_json, render,
@@ -30,7 +31,10 @@ from hetc.passes.cost.sources.sailor_data import SailorModel, read_json, read_mo
 from hetc.spec import (AUTO, ClusterSpec, DType, IntraLinkSpec, LinkSpec, ModelSpec, OptimizerSpec,
                        ParallelSpec, RankSlice, Routing, ScheduleKind, Spec, StageSpec, TrainSpec, ZeroSpec)
 
-__all__ = ["explain_plan", "import_sailor", "plan_model"]
+if TYPE_CHECKING:   # the loader and validator are imported where a plan is loaded, as hetc.compiler is
+    from hetc.passes.validate import ExplicitPlan
+
+__all__ = ["explain_plan", "import_sailor", "imported_plan", "plan_model"]
 
 log = logging.getLogger(__name__)
 
@@ -94,15 +98,23 @@ def plan_model(data: str, plan: str) -> str:
 
 
 def explain_plan(data: str, plan: str, profiles: Profiles | None, model: str | None = None) -> Estimate:
-    """`hetc import sailor` then `hetc explain --profile`: the cost model's estimate for a Sailor plan.
+    """`hetc import sailor` then `hetc explain --profile`: the cost model's estimate for a Sailor plan, timed as
+    Megatron-DeepSpeed runs it (its sends and receives block: Note [async sends]).
 
     `model` is Sailor's model name; by default the one the plan's layer count names (`plan_model`).
     """
+    from hetc.passes.cost import CostModel
+    from hetc.passes.cost.transfers import Engine
+
+    explicit = imported_plan(data, plan, model)
+    return CostModel(explicit.spec, explicit.pipeline, explicit.topology, profiles, Engine.MEGATRON).estimate()
+
+
+def imported_plan(data: str, plan: str, model: str | None = None) -> ExplicitPlan:
+    """A Sailor plan as `hetc import sailor` writes it, loaded and checked (`model` as in `explain_plan`)."""
     import tempfile
 
     from hetc.compiler import load_checked
-    from hetc.passes.cost import CostModel
-    from hetc.passes.cost.transfers import Engine
 
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp) / "plan.het"
@@ -111,9 +123,7 @@ def explain_plan(data: str, plan: str, profiles: Profiles | None, model: str | N
     explicit = checked.explicit()
     if explicit is None:   # _plan writes every stage of the Sailor plan
         raise InternalError("a Sailor plan imported with `auto` left in it")
-    # the runs are Megatron-DeepSpeed's, whose sends and receives block (Note [async sends])
-    return CostModel(explicit.spec, explicit.pipeline, explicit.topology, profiles, Engine.MEGATRON).estimate()
-
+    return explicit
 
 
 def _model_spec(m: SailorModel) -> ModelSpec:

@@ -13,7 +13,10 @@ of stage s with n microbatches:
 - *fill*: r's first forward waits for one of its microbatches to come
   through every ministage before its first (the forward of the fastest
   rank of the lane serving it there, and each border's transfer); under
-  ZeRO-3 it also waits for its first gather, posted when r starts;
+  ZeRO-3 it also waits for its first gather, posted when r starts; on lanes
+  in lockstep behind ZeRO-3 gathers r's second op waits for the group's
+  latest lane to be fed (the lane before serving it runs its forwards in
+  order) and a gather (`_lockstep_second_op`);
 - *busy*: r's thread runs n forwards and backwards (F + I + W under ZB),
   each its own duration; under per-microbatch ZeRO the ops are lowering's
   (one per unit where the stage gathers per block, Note [zero-3 units]):
@@ -177,7 +180,8 @@ class _Chains:
         fill = self._fill(stage, lane, rank)
         held = min(self.in_flight.get(rank, n), n)
         forwards_first = rank in self.forwards_first
-        span = max(n * (f + i + w) + self._other_steps(rank), self._zero_span(stage, rank, n, forwards_first))
+        work, zero = n * (f + i + w) + self._other_steps(rank), self._zero_span(stage, rank, n, forwards_first)
+        span = max(work, zero)
         if self.kind is not ScheduleKind.INTERLEAVED:   # its ministages are contiguous
             trip = min(self._round_trip(mb, stage.ministages[-1]) for mb in lane.microbatches)
             span = max(span, round_trip_span(n, held, f, i + w, trip))
@@ -185,6 +189,12 @@ class _Chains:
             backs = max(n * (i + w), self._zero_span(stage, rank, n, False, backward_only=True)) \
                 if forwards_first else n * (i + w)
             span = max(span, self._first_grad(rank) + backs - fill)
+        lockstep = self._lockstep_second_op(stage, rank)
+        if lockstep is not None:   # from its second op on, the rest of its work, or of its slots (`_zero_span`)
+            start, first_op, first_slot = lockstep
+            rest = max(work - first_op, zero - first_slot)
+            if start + rest > fill + span:
+                fill, span = start - first_op, rest + first_op
         tail = self.tails[rank]
         best = StepBound(fill + span + tail, rank, fill, span, 0.0, tail)
         # ZB: when its last input gradient is done, the rank still owes at most the weight gradients of the
@@ -202,6 +212,38 @@ class _Chains:
 
     def _fill(self, stage: Stage, lane: Lane, rank: int) -> float:
         return max(min(self._arrival(mb, stage.ministages[0]) for mb in lane.microbatches), self._first_gather(rank))
+
+    def _lockstep_second_op(self, stage: Stage, rank: int) -> tuple[float, float, float] | None:
+        """ZeRO-3 lanes in lockstep: the earliest start of the rank's second op, its first op's time and slot (as
+        `_zero_span` counts it: no shorter than the least gather). The
+        second op waits for its gather, which every rank of the group posts when it starts its first op (Note
+        [zero cycle]): no sooner than the latest of their fills and a gather (the least of the stage's). Random
+        jobs 22 and 58 (a 1-lane stage feeding a ZeRO-3 stage of 2 lanes, its second lane fed one upstream
+        forward later) waited there 2.4 ms and more, past each lane's own fill. None: not in lockstep."""
+        group = self._group(rank)
+        if stage.zero.resolved_level < 3 or len(group) < 2 or stage.ep > 1 or self.kind is ScheduleKind.ZORSE:
+            return None
+        lanes = {r: lane for lane in stage.lanes for r in lane.ranks}
+        latest = max(max(self._fill(stage, lanes[r], r), self._queued_arrival(stage, lanes[r])) for r in group)
+        gather = min(self._unit_collective(Collective.ALL_GATHER, group, rank, ms) for ms in stage.ministages)
+        first_op = self._ops(stage, rank)[0].time
+        return latest + gather, first_op, max(first_op, gather)
+
+    def _queued_arrival(self, stage: Stage, lane: Lane) -> float:
+        """The earliest a microbatch of `lane` comes from the stage before, whose lane serving it runs its
+        forwards in its microbatches' order, each no shorter than its fastest rank's (not under interleaved 1F1B,
+        whose chunks come round, nor Zorse's sweeps, bounded by its busy time alone)."""
+        first = stage.ministages[0]
+        if first == 0 or self.kind in (ScheduleKind.INTERLEAVED, ScheduleKind.ZORSE):
+            return 0.0
+        before = self.p.stages[self.p.ministages[first - 1].stage]
+
+        def arrival(mb: int) -> float:
+            up = self.lane_of[(before.index, mb)]
+            forward = sum(self._fastest(mb, ms, Phase.FORWARD) for ms in before.ministages)
+            start = self._fill(before, up, min(up.ranks, key=lambda r: self._fill(before, up, r)))
+            return start + (up.microbatches.index(mb) + 1) * forward + self._transfer(mb, first - 1)
+        return min(arrival(mb) for mb in lane.microbatches)
 
     def _times_first_grad(self) -> bool:
         """Whether the first-backward chain applies: every stage a contiguous range of ministages, and one

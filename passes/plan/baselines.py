@@ -40,6 +40,10 @@ class Baseline:
     candidate: Candidate | None
     score: Score | None
     note: str = ""
+    # the closed form, where `score` is at the compiled programs' simulated step, as `hetc plan` prints it
+    # (Note [one number] in passes/plan/final.py); None: `score` is the closed form
+    closed_form_s: float | None = None
+    allowed: bool = True   # agrees with what the spec fixes: only such a baseline can be chosen
 
 
 def baselines(search: Structures) -> list[Baseline]:

@@ -19,8 +19,9 @@ plan is a located error saying so (exit 2), never a plan nobody checked.
 Nothing is killed from outside. The deadline is a point on the monotonic clock, which a forked worker
 (Note [a forked worker] in hetc/worker.py) shares with its parent, so the worker stops its share at the
 same moment; the overshoot is about one option table entry or exact score (tens of ms on a 10,000-block
-model), then the checks after the search (baselines, the winner's lowering and verification, the
-estimate), each bounded in size (Note [the planner checks its winner], Note [one step time]). Within the
+model), then the checks after the search (baselines, the re-timing of its best few plans and the
+baselines on their compiled programs, the winner's lowering and verification, the estimate), each bounded
+in size (Note [one number] in final.py, Note [the planner checks its winner], Note [one step time]). Within the
 limit the search is what it was without one: the printed plan depends on timing only where the note says
 the limit was reached.
 """

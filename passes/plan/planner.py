@@ -1,11 +1,13 @@
 """`plan_spec`: fill every `auto` of a spec's parallel plan and say what the plan costs.
 
 The search (`search.Search`) proposes plans; the baselines (`baselines`)
-are scored beside them and one that beats the search's best, and agrees
-with what the spec fixes, is chosen instead. The chosen plan is written
-back into the Spec (`emit`), validated, and estimated by the cost model
-itself (`CostModel.estimate()`) up to `FULL_ESTIMATE_RANKS` ranks; beyond
-that the planner's class-by-class score, the same composition, is reported.
+are scored beside them, and the search's best few and the baselines that
+agree with what the spec fixes are compared on the step `hetc plan` prints
+(`final`, Note [one number]): one that beats the others is chosen. The
+chosen plan is written back into the Spec (`emit`), validated, and
+estimated by the cost model itself (`CostModel.estimate()`) up to
+`FULL_ESTIMATE_RANKS` ranks; beyond that the planner's class-by-class
+score, the same composition, is reported.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ from hetc.passes.plan.baselines import Baseline
 from hetc.passes.plan.candidate import Candidate
 from hetc.passes.plan.deadline import DEFAULT_TIME_LIMIT_S, SCREEN_SHARE, Deadline
 from hetc.passes.plan.emit import emit_spec
+from hetc.passes.plan.final import FULL_ESTIMATE_RANKS, FinalChoice, Printed, choose_printed, contenders
 from hetc.passes.plan.idle import IdleReason, idle_reasons
 from hetc.passes.cost.candidate_score import Score
 from hetc.passes.plan.infeasible import no_plan_error
@@ -40,11 +43,6 @@ from hetc.spec import Spec
 __all__ = ["FULL_ESTIMATE_RANKS", "PlanResult", "needs_plan", "plan_checked", "plan_spec"]
 
 log = logging.getLogger(__name__)
-
-# Above this many ranks the full estimate takes most of a second (it looks up measured network fits
-# pair by pair); the planner's own score, the same composition class by class (passes/cost/classes.py),
-# stands in.
-FULL_ESTIMATE_RANKS = 1024
 
 
 @dataclass(frozen=True)
@@ -79,6 +77,19 @@ class PlanResult:
         return self.score.step_time_s
 
     @property
+    def printed_score(self) -> Score | None:
+        """The planner's score at the printed step (`step_time_s`): its $ per token is the one compared with
+        the baselines' (Note [one number] in passes/plan/final.py)."""
+        if self.score is None:
+            return None
+        return replace(self.score, step_time_s=self.step_time_s)
+
+    @property
+    def simulated(self) -> bool:
+        """Whether the printed step is the compiled programs', simulated (Note [one step time])."""
+        return self.estimate is not None and self.estimate.closed_form_s is not None
+
+    @property
     def tokens_per_s(self) -> float:
         if self.estimate is not None:
             return self.estimate.tokens_per_s
@@ -108,14 +119,15 @@ def _plan_spec(spec: Spec, profiles: Profiles | None, base_dir: Path | None,
     assert spec.parallel is not None   # check_spec refuses a spec that is not complete
     goal = Goal.of(spec.parallel.objective)
     if not needs_plan(spec):  # nothing searched: the cost model's estimate at any size
-        return PlanResult(spec, checked, goal, None, _estimate(checked, profiles, always=True))
+        return PlanResult(spec, checked, goal, None, _estimate(checked, profiles))
     start = time.perf_counter()
     topo = checked.topology
     assert topo is not None   # a complete spec has a cluster
     search = Search(spec, topo, profiles, space_from_spec(spec, topo, **space_overrides), goal, limits, deadline)
     found = search.run(progress, aside=None if keep_program else (_checks_out, base_dir))
     scored = search.baselines()
-    best, chosen = _choose(search, found, scored)
+    pool = contenders(search, found, scored)
+    best = pool[0][0] if pool else None   # by the closed form: what a plan that does not fit is told of
     note = _time_limit_note(search, found)
     if note is not None and (best is None or not goal.admits(best.score)):   # Note [an anytime search]
         raise SpecError.at(spec.parallel.span, f"no plan found within the planner's time limit: {note}; "
@@ -123,15 +135,14 @@ def _plan_spec(spec: Spec, profiles: Profiles | None, base_dir: Path | None,
     if best is None or not goal.admits(best.score):
         raise no_plan_error(search, found, scored,
                             lambda: would_fit(spec, topo, profiles, search.space, goal, deadline))
-    explicit = emit_spec(spec, best.candidate, topo, search.space.zero_base)
-    planned = check_spec(explicit, base_dir)
-    checked_aside = search.aside == (best.candidate, True)   # Note [the check beside the refinement]
-    program = None if checked_aside else _check_winner(planned, profiles, chosen, keep_program)
-    estimate = _estimate(planned, profiles, program=program)   # simulated on the checked programs if kept
+    final, program = _checked_choice(search, pool, scored, base_dir, keep_program)   # Note [one number]
+    note = _time_limit_note(search, found)   # the limit may have cut the re-timing short
+    winner, best = final.chosen, final.chosen.found
+    estimate = winner.estimate()   # at the printed step, simulated on the programs checked if they were kept
     _cross_check(best.score, estimate)
     idle = idle_reasons(search, found, scored, best, written=search.space.fixed.idle is not None)
-    return PlanResult(explicit, planned, goal, best.score, estimate, best.candidate, tuple(scored), chosen,
-                      time.perf_counter() - start, search.visited, program, note, idle)
+    return PlanResult(winner.explicit, winner.checked, goal, best.score, estimate, best.candidate, final.baselines,
+                      winner.name, time.perf_counter() - start, search.visited, program, note, idle)
 
 
 def _time_limit_note(search: Search, found: list[Found]) -> str | None:
@@ -155,29 +166,15 @@ def plan_checked(spec: Spec, base_dir: Path | None = None, profiles: Profiles | 
     return result
 
 
-def _choose(search: Search, found: list[Found], scored: list[Baseline]) -> tuple[Found | None, str]:
-    """The search's best, unless a baseline the spec allows does better."""
-    pool = [(f, "planner") for f in found[:1]]
-    pool += [(Found(b.candidate, b.score, None), b.name) for b in scored
-             if b.candidate is not None and b.score is not None and search.space.fixed.admits(b.candidate)]
-    if not pool:
-        return None, "planner"
-    # on a tie the search's own plan stays (it comes first)
-    best, name = min(pool, key=lambda fn: (search.rank(fn[0])[:3], fn[1] != "planner"))
-    return best, name
-
-
-def _estimate(checked: Checked, profiles: Profiles | None, always: bool = False,
-              program: Program | None = None) -> Estimate | None:
-    """The cost model's estimate, with the compiled programs' simulated step where they are quick to build,
-    as explain prints it (Note [one step time] in passes/simulated_step.py); `program`: those programs, if
-    the winner's check kept them."""
+def _estimate(checked: Checked, profiles: Profiles | None) -> Estimate | None:
+    """The cost model's estimate of a plan with nothing to plan, with the compiled programs' simulated step
+    where they are quick to build, as explain prints it (Note [one step time] in passes/simulated_step.py)."""
     p = checked.pipeline
-    if p is None or (p.world_size > FULL_ESTIMATE_RANKS and not always):
+    if p is None:
         return None
     assert checked.topology is not None   # a pipeline runs on a cluster
     costs = CostModel(checked.spec, p, checked.topology, profiles)
-    return simulated_estimate(checked.spec, costs, costs.estimate(), program)
+    return simulated_estimate(checked.spec, costs, costs.estimate())
 
 
 # Note [the planner checks its winner]: the chosen plan is lowered and verified (deadlock-freedom,
@@ -194,7 +191,35 @@ def _estimate(checked: Checked, profiles: Profiles | None, always: bool = False,
 CHECK_OPS = 8192
 
 
-def _check_winner(checked: Checked, profiles: Profiles | None, chosen: str, keep_program: bool) -> Program | None:
+class _Refused(InternalError):
+    """The verifier refused the programs of a plan the cost model said fit (Note [the planner checks its winner])."""
+
+
+def _checked_choice(search: Search, pool: list[tuple[Found, str]], scored: list[Baseline], base_dir: Path | None,
+                    keep_program: bool) -> tuple[FinalChoice, Program | None]:
+    """The choice on the printed step (Note [one number]) whose programs pass the winner's check, and those
+    programs where the check kept them. A refusal of the closed form's own choice (`pool[0]`) is the bug it
+    always was; where another plan won by the printed step and is refused, the planner says so and chooses
+    again without it, so that re-timing never fails a plan that choosing on the closed form printed."""
+    refused: list[tuple[Found, str]] = []
+    retimed: dict[tuple[object, ...], Printed | None] = {}
+    while True:
+        final = choose_printed(search, [c for c in pool if c not in refused], scored, base_dir, retimed)
+        winner = final.chosen
+        if search.aside == (winner.found.candidate, True):   # Note [the check beside the refinement]
+            return final, None
+        try:
+            return final, _check_winner(winner.checked, search.profiles, winner.name, keep_program, winner.program)
+        except _Refused as err:
+            if (winner.found, winner.name) == pool[0]:
+                raise
+            log.warning("%s\nhetc plan chooses again without that plan", err)
+            refused.append((winner.found, winner.name))
+
+
+def _check_winner(checked: Checked, profiles: Profiles | None, chosen: str, keep_program: bool,
+                  lowered: Program | None = None) -> Program | None:
+    """Note [the planner checks its winner]; `lowered`: its programs, lowered already (Note [one number])."""
     from hetc.passes.build import build
     from hetc.passes.verify import VerifyError
     from hetc.passes.verify.positions import passes_by_position
@@ -206,13 +231,13 @@ def _check_winner(checked: Checked, profiles: Profiles | None, chosen: str, keep
     if not keep_program and passes_by_position(plan.spec, plan.pipeline, costs):
         return None
     try:   # what `hetc compile` runs, without the timeline and the per-rank report it writes beside
-        program = build(plan, costs=costs, simulated=False).program
+        program = build(plan, costs=costs, program=lowered, simulated=False).program
     except VerifyError as err:
         what = "does not fit in device memory" if err.check == "memory" else f"fails the {err.check} check"
-        raise InternalError(f"the plan hetc plan chose ({chosen}) {what} once compiled, though its cost model "
-                            f"said it fits; this is a bug in hetc's cost model or lowering:\n" +
-                            "\n".join(f"  {f}" for f in err.findings[:4])
-                            ) from None
+        raise _Refused(f"the plan hetc plan chose ({chosen}) {what} once compiled, though its cost model "
+                       f"said it fits; this is a bug in hetc's cost model or lowering:\n" +
+                       "\n".join(f"  {f}" for f in err.findings[:4])
+                       ) from None
     return program
 
 

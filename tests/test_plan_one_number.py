@@ -1,0 +1,192 @@
+"""One number from plan to print (issue 32, item 1): `hetc plan` chooses, reports and compares its baselines on
+the step it prints (Note [one number] in passes/plan/final.py), so the chosen plan is never slower than a
+fitting baseline by the printed number: over the random family and on a large two-region job where choosing on
+the closed form picked a plan the "only H100" grid beat."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from hetc.commands.planreport import plan_json, plan_provenance, plan_summary
+from hetc.frontend.load import load_spec
+from hetc.passes.plan.final import choose_printed, contenders
+from hetc.passes.plan.objective import Goal
+from hetc.passes.plan.planner import PlanResult, plan_spec
+from hetc.passes.plan.search import Search
+from hetc.passes.plan.space import space_from_spec
+from hetc.spec import Spec
+from hetc.errors import SpecError
+from hetc.topology import Topology
+from tests.conftest import SPECS
+from tests.planned import JOBS, NARROW
+from tests.random_jobs import random_job
+
+# the random family as tests/planned.py plans it (at most 8 GPUs, a narrow search): about 0.4 s a job. Choosing on
+# the closed form, job 50 printed 4.313 s against the Megatron grid's 4.306 s.
+FAMILY = range(JOBS)
+
+# The issue's job: Llama-3-8B on 256 H100 and 32 A100-40 in one region, 256 L4 in another.
+LLAMA_8B_TWO_REGIONS = f'''use "{(SPECS / "catalog.het").as_posix()}"
+
+model llama3_8b {{
+  arch = llama
+  layers = 32
+  hidden = 4096
+  heads = 32
+  kv_heads = 8
+  ffn = 14336
+  vocab = 128256
+  seq = 4096
+  dtype = bf16
+}}
+
+cluster two_regions {{
+  node h100 {{
+    device = H100
+    count = 32
+    gpus = 8
+    region = east
+    intra {{
+      bandwidth = 450 GB/s
+      latency = 3 us
+    }}
+  }}
+  node a100 {{
+    device = A100-40
+    count = 4
+    gpus = 8
+    region = east
+    intra {{
+      bandwidth = 300 GB/s
+      latency = 3 us
+    }}
+  }}
+  node l4 {{
+    device = L4
+    count = 32
+    gpus = 8
+    region = west
+    intra {{
+      bandwidth = 32 GB/s
+      latency = 5 us
+    }}
+  }}
+  link east <-> west {{
+    bandwidth = 2 GB/s
+    latency = 20 ms
+  }}
+  inter_bandwidth = 400 Gb/s
+  inter_latency = 10 us
+}}
+
+train {{
+  global_batch = 1024
+}}
+
+parallel {{
+  schedule = auto
+}}
+'''
+
+
+def _slower_fitting_baselines(spec: Spec, result: PlanResult) -> list[str]:
+    """The baselines the spec allows that fit and print a shorter step than the chosen plan."""
+    fixed = space_from_spec(spec, Topology(spec)).fixed
+    return [f"{b.name}: {b.score.step_time_s:.4g} s against the plan's {result.step_time_s:.4g} s"
+            for b in result.baselines
+            if b.candidate is not None and b.score is not None and b.score.fits and fixed.admits(b.candidate)
+            and b.score.step_time_s < result.step_time_s * (1 - 1e-9)]
+
+
+@pytest.mark.parametrize("seed", FAMILY)
+def test_the_plan_printed_is_never_slower_than_a_fitting_baseline_printed(tmp_path, seed):
+    path = tmp_path / f"job{seed}.het"
+    path.write_text(random_job(random.Random(seed), max_gpus=8))
+    spec = load_spec(path).spec
+    try:
+        result = plan_spec(spec, None, tmp_path, limits=NARROW)
+    except SpecError:
+        return   # nothing fits: nothing printed
+    assert _slower_fitting_baselines(spec, result) == []
+
+
+@pytest.fixture(scope="module")
+def two_regions(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Spec, PlanResult]:
+    path = tmp_path_factory.mktemp("one_number") / "llama8b.het"
+    path.write_text(LLAMA_8B_TWO_REGIONS)
+    spec = load_spec(path).spec
+    return path, spec, plan_spec(spec, None, path.parent)
+
+
+def test_the_closed_forms_choice_on_a_large_two_region_job_printed_slower_than_a_baseline(two_regions):
+    """What the planner did before: it chose the closed form's best, whose compiled programs simulate slower
+    than the "only H100" grid."""
+    path, spec, _ = two_regions
+    topo = Topology(spec)
+    assert spec.parallel is not None
+    search = Search(spec, topo, None, space_from_spec(spec, topo), Goal.of(spec.parallel.objective))
+    baselines = search.baselines()
+    pool = contenders(search, search.run(), baselines)
+    old = choose_printed(search, pool[:1], baselines, path.parent)   # the closed form's choice, as printed
+    assert old.chosen.name == "planner" and old.chosen.simulated is not None
+    fastest = next(b for b in baselines if b.name == "fastest")
+    assert fastest.score is not None and fastest.score.fits
+    assert old.chosen.score.step_time_s > fastest.score.step_time_s, (
+        "the closed form's choice no longer prints slower than the H100 grid here (closed form and simulation "
+        "agree better?): this job stopped showing the case the next test guards; find one that does")
+
+
+def test_a_large_two_region_job_prints_a_plan_no_fitting_baseline_beats(two_regions):
+    path, spec, result = two_regions
+    assert result.planned and result.simulated and result.estimate is not None
+    assert _slower_fitting_baselines(spec, result) == []
+    assert any(b.closed_form_s is not None for b in result.baselines)   # re-timed on their compiled programs
+    got = plan_json(str(path), result, "", plan_provenance(result, None))
+    printed = [b for b in got["baselines"] if b["built"] and b["fits"]]
+    assert printed and all(b["step_time_s"] >= got["step_time_s"] for b in printed)
+    assert {b["step_source"] for b in printed} <= {"simulated", "estimate"}
+    table = plan_summary(str(path), result).split("baselines\n", 1)[1]
+    ratios = [float(line.split("×")[0].split()[-1]) for line in table.splitlines() if "×" in line and "fit" not in line]
+    assert ratios and min(ratios) >= 1.0
+
+
+def _refusing_after_first(monkeypatch: pytest.MonkeyPatch, refuse_first: bool) -> list[int]:
+    """final.py's `check_spec` refusing every plan written out after the first (or the first alone), as the
+    validator refuses a plan the search's space should not have admitted; the calls, counted."""
+    from hetc.passes.plan import final
+
+    calls: list[int] = []
+    checked = final.check_spec
+
+    def check(spec, base_dir):
+        calls.append(len(calls))
+        if (len(calls) == 1) == refuse_first:
+            raise SpecError.at(spec.parallel.span, "refused for the test")
+        return checked(spec, base_dir)
+
+    monkeypatch.setattr(final, "check_spec", check)
+    return calls
+
+
+def test_a_contender_the_validator_refuses_is_no_contender(tmp_path, monkeypatch, caplog):
+    """Random job 18's third plan, interleaved ZeRO-3 lanes serving different microbatch patterns, failed the whole
+    plan as "nothing fits" once re-timed (Note [one number]); the planner now warns and chooses without it."""
+    path = tmp_path / "job0.het"
+    path.write_text(random_job(random.Random(0), max_gpus=8))
+    spec = load_spec(path).spec
+    calls = _refusing_after_first(monkeypatch, refuse_first=False)
+    result = plan_spec(spec, None, tmp_path, limits=NARROW)
+    assert result.planned and len(calls) > 1
+    assert "is refused as written out, so it is no contender" in caplog.text
+
+
+def test_the_closed_forms_own_choice_refused_is_raised(tmp_path, monkeypatch):
+    path = tmp_path / "job0.het"
+    path.write_text(random_job(random.Random(0), max_gpus=8))
+    spec = load_spec(path).spec
+    _refusing_after_first(monkeypatch, refuse_first=True)
+    with pytest.raises(SpecError, match="refused for the test"):
+        plan_spec(spec, None, tmp_path, limits=NARROW)
