@@ -120,11 +120,18 @@ def measure(gpus: int, budget: str) -> dict:
         if comp.returncode == 0:
             summary = json.loads((out / "summary.json").read_text())
             row.update(instructions=summary["instructions"], ranks=summary["ranks"],
-                       microbatches=summary["microbatches"])
+                       microbatches=summary["microbatches"], classes=_classes(comp.stderr))
         else:
             stopped = re.search(r"stopped \(([^)]*)\)", comp.stderr)
             row["stopped"] = stopped[1] if stopped else comp.stderr.strip().splitlines()[-1][:200]
         return row
+
+
+def _classes(progress: str) -> int:
+    """The classes compile lowered the ranks in (its progress line `lowered N ranks in K classes`, Note
+    [lowering by class] in passes/lower/classes.py)."""
+    got = re.search(r"lowered [\d,]+ ranks in ([\d,]+) classes", progress)
+    return int(got[1].replace(",", "")) if got else 0
 
 
 def render(rows: list[dict], budget: str) -> str:
@@ -133,7 +140,8 @@ def render(rows: list[dict], budget: str) -> str:
         if "plan_s" not in r:
             lines.append(f"| {r['gpus']:,} | {r['plan']} | | | |")
             continue
-        got = f"{r['instructions']:,} instructions, {r['ranks']:,} ranks" if "instructions" in r else \
+        got = f"{r['instructions']:,} instructions, {r['ranks']:,} ranks in {r['classes']:,} classes" \
+            if "instructions" in r else \
             f"**stopped at --max-memory {budget}** ({r['stopped']})"
         lines.append(f"| {r['gpus']:,} | {r['plan_s']:.1f} s, {r['plan_rss'] / 2**30:.2f} GiB | "
                      f"{r['compile_s']:.1f} s, {r['compile_rss'] / 2**30:.2f} GiB | {got} |")

@@ -4,8 +4,10 @@
 (hetc/compiler.py), the planner's check of its winner (passes/plan/planner.py), the agreement test and
 benchmark (passes/agreement.py) and live rebalancing (runtime/rebalance.py). Each asks for what it needs:
 programs lowered here or given, verified here or already, simulated or not, and the evaluation programs.
-The programs are run once against the cost model, verified from that run and timed from it (Note [one
-run] in passes/verify/protocol.py).
+Lowering here goes by class (one representative per class of alike ranks, the others renamed:
+passes/lower/by_class.py), which gives the programs `lower` gives rank by rank. The programs are run
+once against the cost model, verified from that run and timed from it (Note [one run] in
+passes/verify/protocol.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 
 from hetc.passes.cost import CostModel, Profiles
 from hetc.passes.lower import lower
+from hetc.passes.lower.by_class import lower_by_class
 from hetc.passes.simulate import simulate, timed_machine
 from hetc.passes.validate import ExplicitPlan
 from hetc.passes.verify import verified_evaluation, verify
@@ -56,8 +59,9 @@ def build(plan: ExplicitPlan, profiles: Profiles | None = None, *, costs: CostMo
     say = progress or (lambda _: None)
     costs = costs or CostModel(plan.spec, plan.pipeline, plan.topology, profiles)
     if program is None:
-        program = lower(plan.spec, plan.pipeline, dump_after, on_dump, costs)
-        say(f"lowered {program.world_size:,} ranks: {sum(len(rp.instrs) for rp in program.ranks):,} instructions")
+        program, classes = _lowered(plan, costs, dump_after, on_dump)
+        say(f"lowered {program.world_size:,} ranks{classes}: "
+            f"{sum(len(rp.instrs) for rp in program.ranks):,} instructions")
     machine = None
     if not verified:
         machine = timed_machine(program, plan.spec, costs) if simulated else None   # run once (Note [one run])
@@ -70,3 +74,14 @@ def build(plan: ExplicitPlan, profiles: Profiles | None = None, *, costs: CostMo
     eval_timeline = simulate(evaluated, plan.pipeline, plan.spec, costs) \
         if evaluated is not None and simulated else None
     return PlanBuild(plan, program, costs, timeline, evaluated, eval_timeline)
+
+
+def _lowered(plan: ExplicitPlan, costs: CostModel, dump_after: str | None,
+             on_dump: Callable[[str, Program], None] | None) -> tuple[Program, str]:
+    """Every rank's program, and how many classes it was lowered in (for the progress line): by class
+    (passes/lower/by_class.py, the same programs), but rank by rank where every rank's program is dumped
+    after a pass (`hetc compile --dump-after`)."""
+    if on_dump is not None and dump_after is not None:
+        return lower(plan.spec, plan.pipeline, dump_after, on_dump, costs), ""
+    got = lower_by_class(plan.spec, plan.pipeline, costs)
+    return got.program, f" in {len(got.classes):,} classes"

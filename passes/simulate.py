@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from typing import cast
 
 from hetc.passes.cost.model import CostModel
-from hetc.passes.verify import plan_backend
+from hetc.passes.verify import Backend, plan_backend
 from hetc.passes.verify.machine import Machine, Op
 from hetc.passes.verify.memory import Sizes, rank_levels
 from hetc.pipeline import Pipeline
@@ -141,11 +141,13 @@ class _Costs:
         return full / len(self.members[shard.group]) if shard.level == 3 and shard.group else full
 
 
-def timed_machine(program: Program, spec: Spec, costs: CostModel) -> Machine:
+def timed_machine(program: Program, spec: Spec, costs: CostModel, backend: Backend | None = None) -> Machine:
     """The programs' blocking machine timed by the cost model, not yet run: `verify(..., machine=)` runs it and
     `simulate(..., ran=)` reads its times (Note [one run] in passes/verify/protocol.py). It runs the blocking
-    rule of the backend the plan's ranks use (`plan_backend`: NCCL's order on GPUs), as `verify` proves."""
-    return Machine(program, _Costs(program, spec, costs), record=True, backend=plan_backend(costs.pipeline))
+    rule of the backend the plan's ranks use (`plan_backend`: NCCL's order on GPUs), as `verify` proves, or
+    of `backend` (what another backend's rule would make of the same programs)."""
+    return Machine(program, _Costs(program, spec, costs), record=True,
+                   backend=backend or plan_backend(costs.pipeline))
 
 
 def _finished(machine: Machine) -> Machine:

@@ -302,6 +302,12 @@ class CostModel:
             return overhead / len(stage.ministages)
         return overhead if unit.first == self.ministage(stage.ministages[0]).layers[0] else 0.0
 
+    def compute_key(self, rank: int) -> tuple[object, ...]:
+        """What every `op_time` of `rank` follows from (any ministage, phase or unit of its stage): two ranks
+        of one stage with equal keys compute alike (lowering by class, passes/lower/classes.py)."""
+        layers = [i for ms in self.stage_of(rank).ministages for i in self.ministage(ms).layers]
+        return (self.slowdown(rank), self.microbatch_overhead(rank), *(self._layer_cost(rank, i) for i in layers))
+
     def slowdown(self, rank: int) -> float:
         """How many times slower this rank computes for sharing its node's cores with the ranks computing
         beside it (Notes [shared cores], [ranks computing at once])."""

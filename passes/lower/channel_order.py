@@ -16,16 +16,31 @@ receive's overlap where the order allows it.
 The pair's order is the order its messages are *sent* in a timed run of the
 two ranks' programs together (`_send_keys`): program order, compute for the
 cost model's time, a receive's wait for its matching send plus the link's
-time; waits on third ranks cost nothing (the order only has to be one the
-two programs agree on, and the timing only chooses among such orders).
+time, and each compute op no sooner than it started in the schedule pass's
+timed run of every lane (`LowerContext.schedule`, Note [schedules by
+simulation]); other waits on third ranks cost nothing (the order only has to
+be one the two programs agree on, and the timing only chooses among such
+orders). The floor keeps the order the one the step meets: without it the
+upstream rank of a pair ran ahead of its own inputs, so under 1F1B a lane's
+receive of its next activation was ordered before the gradient it sends the
+same peer, and in the step, where that activation comes only once the
+upstream lane has its own input, the receive held the pair's one stream with
+the gradient, and the upstream lane's backward, waiting behind it. 8 stages
+of 2 lanes with tp 4 (tests/random_jobs.py `deep_job`, seed 13) simulated
+18.9 ms so, 16.2 ms under gloo's rule, and 16.3 ms with the floor (its
+closed form: 15.7 ms). The floors come from one run of all lanes, made once
+and read by lowering by class as well (Note [lowering by class] in
+passes/lower/classes.py).
+
 Sends stay where p2p put them, right after the op producing their tensor;
 each receive moves (`_place`) to the nearest position between the pair's
 sends that precede and follow it in that order, and before its own wait.
 Such a position always exists: if rank a waited for message n before it
 posts m, n was sent before m was in the timed run (a wait follows its send
-by the transfer's time), so n comes first. Posting in the agreed order on
-both sides is what NCCL needs; the verifier proves the whole program under
-the nccl rules (`verify(..., backend=Backend.NCCL)` in hetc/compiler.py).
+by the transfer's time, and a rank's clock, floors and all, never runs
+back), so n comes first. Posting in the agreed order on both sides is what
+NCCL needs; the verifier proves the whole program under the nccl rules
+(`verify(..., backend=Backend.NCCL)` in hetc/compiler.py).
 """
 
 from __future__ import annotations
@@ -33,6 +48,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from hetc.errors import InternalError
@@ -46,13 +62,17 @@ __all__ = ["order_channels"]
 _Key = tuple[float, int, int, int]
 
 
-def order_channels(program: Program, ctx: LowerContext) -> Program:
+def order_channels(program: Program, ctx: LowerContext, ranks: Collection[int] | None = None) -> Program:
+    """`ranks`: reorder only these ranks' programs and keep them alone (lowering by class, Note [lowering by
+    class] in passes/lower/classes.py); `program` then holds each of their peers too."""
     by_rank = {rp.rank: rp for rp in program.ranks}
+    wanted = None if ranks is None else set(ranks)
     keys: dict[tuple[int, int], list[_Key]] = {}      # (src, dst) -> the keys of its sends, in posting order
     for a, b in sorted(_pairs(program)):
-        if a in by_rank and b in by_rank:
+        if a in by_rank and b in by_rank and (wanted is None or a in wanted or b in wanted):
             keys.update(_send_keys(by_rank[a], by_rank[b], ctx))
-    return Program(tuple(_reorder(rp, keys) for rp in program.ranks), program.groups)
+    chosen = program.ranks if ranks is None else tuple(by_rank[r] for r in ranks)
+    return Program(tuple(_reorder(rp, keys) for rp in chosen), program.groups)
 
 
 def _pairs(program: Program) -> set[tuple[int, int]]:
@@ -109,7 +129,7 @@ def _send_keys(a: RankProgram, b: RankProgram, ctx: LowerContext) -> dict[tuple[
 def _advance(cursor: _Cursor, peer: int, sent: dict[int, list[tuple[float, int]]], ctx: LowerContext) -> bool:
     """Run `cursor` until it waits for a message `peer` has not sent yet; whether it moved."""
     start = cursor.index
-    costs, rank = ctx.costs, cursor.rp.rank
+    costs, rank, starts = ctx.costs, cursor.rp.rank, ctx.schedule.starts
     while not cursor.done:
         instr = cursor.rp.instrs[cursor.index]
         if isinstance(instr, Wait) and instr.handle in cursor.recvs:
@@ -127,7 +147,9 @@ def _advance(cursor: _Cursor, peer: int, sent: dict[int, list[tuple[float, int]]
             cursor.recvs[instr.handle] = (cursor.received, math.prod(instr.shape) * costs.delta)
             cursor.received += 1
         elif isinstance(instr, COMPUTE_TYPES):
-            cursor.time += costs.op_time(rank, instr.ms, PHASE_OF[type(instr)], instr.unit)
+            phase = PHASE_OF[type(instr)]   # no sooner than the timed run of every lane started it
+            cursor.time = max(cursor.time, starts[(phase, instr.ms, instr.mb)]) + \
+                costs.op_time(rank, instr.ms, phase, instr.unit)
         cursor.count += 1
         cursor.index += 1
     return cursor.index > start

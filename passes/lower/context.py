@@ -19,6 +19,7 @@ from hetc.errors import InternalError
 from hetc.groups import TIED, WORLD, Axis, Direction, GroupId, GroupKind
 from hetc.layout import Range, boundary_ranges, held_length, transfers
 from hetc.passes.cost import CostModel
+from hetc.passes.lower.lane_sim import Run
 from hetc.pipeline import Lane, Pipeline, Stage
 from hetc.program import Group, Instr, RankProgram, Tensor
 from hetc.spec import CPKind, Spec, ZeroShard
@@ -71,6 +72,13 @@ class LowerContext:
     def costs(self) -> CostModel:
         """The cost model the schedule is timed with (the catalog's arithmetic unless one is given)."""
         return self._costs or CostModel(self.spec, self.pipeline, Topology(self.spec))
+
+    @cached_property
+    def schedule(self) -> Run:
+        """The timed run of every lane (Note [schedules by simulation]), made once: pass `schedule` takes
+        each lane's compute order from it, pass `nccl_order` when each op ran (Note [NCCL channel order])."""
+        from hetc.passes.lower.schedule import timed_schedule   # that module reads this context: not at import
+        return timed_schedule(self)
 
     def in_flight_limit(self, stage: int) -> int:
         """Microbatches each lane of `stage` keeps in flight (Note [in-flight limit], passes/cost)."""

@@ -2,9 +2,10 @@
 
 Each lane has a `Policy` naming the ops it would run next; `simulate` runs
 all lanes together with the caller's durations and returns the order in which
-each lane ran its ops. Dependencies between ops (a forward needs the
-previous ministage's forward of the same microbatch, ...) come from the
-caller, so this module knows nothing about schedules or ministages.
+each lane ran its ops, and when each op started (`Run`). Dependencies
+between ops (a forward needs the previous ministage's forward of the same
+microbatch, ...) come from the caller, so this module knows nothing about
+schedules or ministages.
 
 Note [coupled lanes]: where lanes issue a collective together around every
 compute op (the lanes of a stage under ZeRO-2/3 with a per-microbatch
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 
 from hetc.errors import InternalError
 
-__all__ = ["Op", "Policy", "simulate"]
+__all__ = ["Op", "Policy", "Run", "simulate"]
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,14 @@ class Policy:
         return self.fi == len(self.f_order) and self.bi == len(self.b_order) and self.wi == len(self.w_order)
 
 
+@dataclass(frozen=True)
+class Run:
+    """What the lanes did: each lane's ops in the order it ran them, and when each op started."""
+
+    orders: dict[LaneKey, list[Op]]
+    starts: dict[Op, float]
+
+
 class _Simulation:
     def __init__(self, policies: dict[LaneKey, Policy], deps: Callable[[Op], list[Op]],
                  duration: Callable[[Op], float], coupled: list[tuple[LaneKey, ...]], lift_limits: bool = True,
@@ -125,6 +134,7 @@ class _Simulation:
         self.group_of = {key: g for g, lanes in enumerate(coupled) for key in lanes}   # lane -> lockstep group
         self.siblings = {g: sorted(lanes) for g, lanes in enumerate(coupled)}
         self.end: dict[Op, float] = {}
+        self.starts: dict[Op, float] = {}
         self.orders: dict[LaneKey, list[Op]] = {key: [] for key in policies}
         self.clock = {key: 0.0 for key in policies}
         self.version = {key: 0 for key in policies}
@@ -138,7 +148,7 @@ class _Simulation:
         self.seq += 1
         heapq.heappush(self.heap, (t, self.seq, key, ver))
 
-    def run(self) -> dict[LaneKey, list[Op]]:
+    def run(self) -> Run:
         heapq.heapify(self.heap)
         while self.heap or (self.lift_limits and self._lift_limit()):
             t, _, key, ver = heapq.heappop(self.heap)
@@ -157,7 +167,7 @@ class _Simulation:
         stuck = [key for key, p in self.policies.items() if not p.finished]
         if stuck:
             raise InternalError(f"schedule generation is stuck: lanes {stuck} cannot proceed")
-        return self.orders
+        return Run(self.orders, self.starts)
 
     def _deps_of(self, key: LaneKey, op: Op) -> list[Op]:
         deps = self.deps(op)
@@ -206,6 +216,7 @@ class _Simulation:
         finish = now + _finite(self.duration(op), "duration", op)
         k = self.policies[key].done
         self.orders[key].append(op)
+        self.starts[op] = now
         self.policies[key].advance(op)
         self.clock[key] = finish
         self.version[key] += 1
@@ -269,8 +280,8 @@ def _finite(seconds: float, what: str, of: object) -> float:
 
 def simulate(policies: dict[LaneKey, Policy], deps: Callable[[Op], list[Op]], duration: Callable[[Op], float],
              coupled: list[tuple[LaneKey, ...]] | None = None, lift_limits: bool = True,
-             lag: Callable[[Op, Op], float] | None = None) -> dict[LaneKey, list[Op]]:
-    """Run every lane's policy against the others; return each lane's op order.
+             lag: Callable[[Op, Op], float] | None = None) -> Run:
+    """Run every lane's policy against the others; return each lane's op order and each op's start.
 
     `lag(dep, op)`: seconds after `dep` ends before `op` may use it (a transfer; 0 by default).
     InternalError when the policies wait on each other for good (with

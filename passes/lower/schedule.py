@@ -26,12 +26,13 @@ from hetc.passes.cost.memory import interleaved_warmup
 from hetc.passes.cost.pipeline_stage import lane_group
 from hetc.passes.cost.schedule import Grouping
 from hetc.passes.lower.context import LowerContext, rank_shell
-from hetc.passes.lower.lane_sim import Op, Policy, simulate
+from hetc.passes.lower.lane_sim import Op, Policy, Run, simulate
 from hetc.pipeline import Lane, Pipeline, Stage
 from hetc.program import Backward, BackwardInput, BackwardWeight, ComputeInstr, Forward, Instr, Load, Phase, Program
 from hetc.spec import ModelSpec, ScheduleKind
 
-__all__ = ["Lockstep", "LockstepReason", "Op", "lane_queues", "lockstep_groups", "order_compute", "queue_shape"]
+__all__ = ["Lockstep", "LockstepReason", "Op", "lane_queues", "lockstep_groups", "order_compute", "queue_shape",
+           "timed_schedule"]
 
 
 def order_compute(ctx: LowerContext) -> Program:
@@ -42,25 +43,9 @@ def order_compute(ctx: LowerContext) -> Program:
     depend on how long ops take; ZB-H1 runs what is ready in its order of
     preference; only where many-to-many routing makes the strict order wait
     on itself does the pass fall back to "a backward whenever one is ready"
-    (Note [schedules by simulation]).
+    (Note [schedules by simulation]). The timed run is `ctx.schedule`, made once.
     """
-    try:
-        return _order(ctx, strict=True)
-    except InternalError:
-        return _order(ctx, strict=False)
-
-
-def _order(ctx: LowerContext, strict: bool) -> Program:
-    kind = ctx.pipeline.schedule
-    lanes = [(stage, lane) for stage in ctx.pipeline.stages for lane in stage.lanes]
-    policies = {(s.index, lane.index): _policy(ctx, s, lane) for s, lane in lanes}
-    for policy in policies.values():
-        # ZB-H1 keeps its own preferences without waiting for a forward whose input is late: a weight gradient
-        # it holds fills the wait (Note [timed schedule])
-        policy.forward_first = strict and kind in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED)
-    split = kind is ScheduleKind.ZB
-    orders = simulate(policies, _memo(lambda op: _deps(ctx, op, split)), _memo(lambda op: _duration(ctx, op)),
-                      _coupled_lanes(ctx, policies), lift_limits=not strict, lag=lambda dep, op: _lag(ctx, dep, op))
+    orders = ctx.schedule.orders
     programs = []
     instrs: dict[tuple[int, int], tuple[Instr, ...]] = {}   # a lane's ranks run the same ops: made once
     for place in ctx.places:
@@ -71,6 +56,28 @@ def _order(ctx: LowerContext, strict: bool) -> Program:
         programs.append(type(shell)(shell.rank, shell.stage, shell.lane, shell.tp_rank, shell.cp_rank, shell.shards,
                                     instrs[key]))
     return Program(tuple(programs), ctx.groups)
+
+
+def timed_schedule(ctx: LowerContext) -> Run:
+    """The timed run of every lane that pass `schedule` takes its orders from (`LowerContext.schedule` keeps
+    it): pass `nccl_order` reads when each op ran in it too (Note [NCCL channel order])."""
+    try:
+        return _run(ctx, strict=True)
+    except InternalError:
+        return _run(ctx, strict=False)
+
+
+def _run(ctx: LowerContext, strict: bool) -> Run:
+    kind = ctx.pipeline.schedule
+    lanes = [(stage, lane) for stage in ctx.pipeline.stages for lane in stage.lanes]
+    policies = {(s.index, lane.index): _policy(ctx, s, lane) for s, lane in lanes}
+    for policy in policies.values():
+        # ZB-H1 keeps its own preferences without waiting for a forward whose input is late: a weight gradient
+        # it holds fills the wait (Note [timed schedule])
+        policy.forward_first = strict and kind in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED)
+    split = kind is ScheduleKind.ZB
+    return simulate(policies, _memo(lambda op: _deps(ctx, op, split)), _memo(lambda op: _duration(ctx, op)),
+                    _coupled_lanes(ctx, policies), lift_limits=not strict, lag=lambda dep, op: _lag(ctx, dep, op))
 
 
 _T = TypeVar("_T")

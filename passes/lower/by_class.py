@@ -1,0 +1,82 @@
+"""Lowering by class: every rank's program as `lower` builds it, from one lowered representative per class.
+
+The `schedule` pass runs for every lane (the lanes' timing couples them;
+its timed run, `LowerContext.schedule`, also gives `nccl_order` its floors);
+the ranks then fall into classes (passes/lower/classes.py, Note [lowering
+by class]); the representatives go through the other passes, beside the
+ranks those passes read (below), and every other member's program is its
+representative's, renamed (passes/lower/substitute.py). The result is the
+Program `lower` gives, instruction for instruction: `hetc compile` lowers
+through here (passes/build.py), `lower` stays the reference that builds
+every rank (and dumps after a pass).
+
+Note [what a representative is lowered beside]: a pass after `schedule`
+builds a rank's program from its own, but for two: `p2p` orders a rank's
+receives by its senders' schedule programs, and `nccl_order` runs a rank
+beside each of its peers as `finish` left them. So the passes run on the
+representatives, their peers and their peers' peers (every sender of a
+peer among them) up to `p2p`, which makes the peers' programs right; on
+the representatives and their peers up to `finish`; and `nccl_order`
+orders the representatives alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetc.errors import InternalError
+from hetc.passes.cost import CostModel
+from hetc.passes.lower import PASSES
+from hetc.passes.lower.channel_order import order_channels
+from hetc.passes.lower.classes import LaneGraph, RankClass, lane_graph, rank_classes
+from hetc.passes.lower.context import LowerContext
+from hetc.passes.lower.substitute import substitute
+from hetc.pipeline import Pipeline
+from hetc.program import Program, RankProgram
+from hetc.spec import Spec
+
+__all__ = ["ClassLowering", "lower_by_class"]
+
+
+@dataclass(frozen=True)
+class ClassLowering:
+    """Every rank's program (what `lower` gives), and the classes it was built from."""
+
+    program: Program
+    classes: tuple[RankClass, ...]
+
+
+def lower_by_class(spec: Spec, pipeline: Pipeline, costs: CostModel | None = None) -> ClassLowering:
+    """`lower(spec, pipeline, costs=costs)`, one representative per class lowered (Note [lowering by class])."""
+    ctx = LowerContext(spec, pipeline, costs)
+    scheduled = PASSES[0][2](ctx)   # `schedule`: every lane at once
+    graph = lane_graph(ctx, scheduled)
+    classes = tuple(rank_classes(ctx, graph))
+    lowered = _representatives(ctx, scheduled, graph, [c.rep for c in classes])
+    ranks: list[RankProgram | None] = [None] * pipeline.world_size
+    for cls in classes:
+        rep = ranks[cls.rep] = lowered[cls.rep]
+        for rank, sub in cls.members:
+            ranks[rank] = substitute(rep, sub, ctx.places[rank])
+    built = tuple(rp for rp in ranks if rp is not None)
+    if len(built) != pipeline.world_size:
+        raise InternalError(f"lowering by class built {len(built)} of {pipeline.world_size} ranks' programs")
+    return ClassLowering(Program(built, scheduled.groups), classes)
+
+
+def _representatives(ctx: LowerContext, scheduled: Program, graph: LaneGraph, reps: list[int]
+                     ) -> dict[int, RankProgram]:
+    """The representatives' programs, each pass run on the ranks it reads (Note [what a representative is
+    lowered beside])."""
+    peers = set(reps) | graph.neighbour_ranks(ctx.places[r] for r in reps)
+    senders = peers | graph.neighbour_ranks(ctx.places[r] for r in peers)
+    program = _only(scheduled, senders)
+    for name, _, fn in PASSES[1:]:
+        program = order_channels(program, ctx, sorted(reps)) if fn is order_channels else fn(program, ctx)
+        if name == "p2p":
+            program = _only(program, peers)
+    return {rp.rank: rp for rp in program.ranks}
+
+
+def _only(program: Program, ranks: set[int]) -> Program:
+    return Program(tuple(rp for rp in program.ranks if rp.rank in ranks), program.groups)
