@@ -77,9 +77,9 @@ def simulated_step(spec: Spec, costs: CostModel, program: Program | None = None)
     if not quick_to_simulate(pipeline, costs.model):
         return None
     if program is None:
-        from hetc.passes.lower import lower   # lowering imports the cost model: not at this module's import
+        from hetc.passes.lower.by_class import lower_by_class   # lowering imports the cost model: not at import
 
-        program = lower(spec, pipeline, costs=costs)
+        program = lower_by_class(spec, pipeline, costs).program     # compile's programs, as compile lowers them
     machine = timed_machine(program, spec, costs)
     if machine.run() is not None or machine.unfinished():
         return None   # programs compile would refuse (and name why)
