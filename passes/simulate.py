@@ -80,13 +80,15 @@ class _Costs:
                                           self._collective_bytes(op.rank, op.instr), self._streams(ops))
 
     def _streams(self, ops: list[Op]) -> int:
-        """Note [shared node links]: a ZeRO collective runs at once with its lane-mates' (each tp/cp position
-        reduces or gathers over its own group), so they share their node's link (`CostModel.node_streams`)."""
+        """Note [node links] in passes/cost/links.py: a ZeRO collective runs at once with the stage's alike
+        groups' (each tp/cp position reduces or gathers over its own group), so they share their node's link
+        (`CostModel.groups_at_once`)."""
         instr = ops[0].instr
         if not isinstance(instr, (AllGather, ReduceScatter, AllReduce)) or instr.what not in (Tensor.GRADS,
                                                                                            Tensor.PARAMS):
             return 1
-        return max(self.costs.node_streams(o.rank) for o in ops)
+        members = self.members[instr.group]
+        return max(self.costs.groups_at_once(o.rank, members) for o in ops)
 
     # ------------------------------------------------------------ sizes
 

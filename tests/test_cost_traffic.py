@@ -58,8 +58,12 @@ def test_ring_time_uses_the_slowest_link(tmp_path):
     x, intra_lat, inter_lat = 8e8, 5e-6, 20e-6
     inside = cm.collective_time("all_reduce", [0, 1, 2, 3], x)
     assert inside == pytest.approx(2 * 3 * (x / 4 / 100e9 + intra_lat))
+    # over two nodes of four: node by node (Note [hierarchical collectives]), the four positions' pieces
+    # across nodes at once, each on a quarter of the link
     across = cm.collective_time("all_reduce", list(range(8)), x)
-    assert across == pytest.approx(2 * 7 * (x / 8 / 10e9 + inter_lat))
+    node = 3 * (x / 4 / 100e9 + intra_lat)
+    assert across == pytest.approx(2 * node + 2 * (x / 4 / 2 / (10e9 / 4) + inter_lat))
+    assert across < 2 * 7 * (x / 8 / 10e9 + inter_lat)   # below even a flat ring with the whole link
     assert cm.collective_time("all_gather", list(range(8)), x) == pytest.approx(across / 2)
     assert cm.collective_time("all_reduce", [3], x) == 0.0
     with pytest.raises(ValueError, match="unknown collective"):

@@ -231,12 +231,15 @@ class StageCosts:
         return got
 
     def _zero_rings(self, lane: int) -> ZeroRings:
-        k, res = self.s.concurrent(lane), self.s.res
-        timer = lambda kind, ranks, nbytes: self.p.ring(kind, ranks, nbytes, k)
+        res = self.s.res
+        k = res.at_once(lane)
         if self.s.zero.shard is not ZeroShard.NODE:
-            return ZeroRings(timer, self.s.ring)
-        return ZeroRings(timer, self.s.ring, res.node_ring(lane),
-                         across_nodes(self.s.ring, lambda r: res.host_of_ring[r], self.s.ring[lane]))
+            return ZeroRings(lambda kind, ranks, nbytes: self.p.ring(kind, ranks, nbytes, k), self.s.ring)
+        across = across_nodes(self.s.ring, lambda r: res.host_of_ring[r], self.s.ring[lane])
+        k_across = res.at_once(lane, across=True)   # (the node's ring is inside the node: no link shared)
+        return ZeroRings(lambda kind, ranks, nbytes: self.p.ring(kind, ranks, nbytes,
+                                                                 k_across if ranks == across else k),
+                         self.s.ring, res.node_ring(lane), across)
 
     def _copier(self, lane: int) -> Callable[[float], float]:
         gpu = self.s.lanes[lane][0]

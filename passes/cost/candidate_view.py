@@ -14,11 +14,13 @@ many candidates are cheap. The planner turns its candidates into views
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Protocol
 
 from hetc.memo import cached_property
+from hetc.passes.cost.links import groups_at_once
 from hetc.passes.cost.plan_time import peer_lanes
 from hetc.pipeline import route_microbatches
 from hetc.spec import Checkpointing, OffloadSpec, ScheduleKind, ZeroShard, ZeroSpec
@@ -77,12 +79,21 @@ class ResolvedStage:
         return tuple(self._ring_by_host[self.lane_hosts[lane]])
 
     def concurrent(self, lane: int) -> int:
-        """Ranks of a lane on its first rank's node: they share the node's link."""
+        """Ranks of a lane on its first rank's node: they share the node's link with its border transfers."""
         return self._concurrent[lane]
 
     @cached_property
     def _concurrent(self) -> list[int]:
         return [sum(1 for g in lane if g.host == lane[0].host) for lane in self.lanes]
+
+    def at_once(self, lane: int, across: bool = False) -> int:
+        """ZeRO groups like the lane's crossing its node's link at once (`links.groups_at_once`): the stage's
+        GPUs on the node over the ring's members there (`across`: one per node, hierarchical ZeRO's)."""
+        return groups_at_once(self._on_host[self.lane_hosts[lane]], 1 if across else len(self.node_ring(lane)))
+
+    @cached_property
+    def _on_host(self) -> Counter[tuple[str, int]]:
+        return Counter(g.host for g in self.gpus)
 
     @cached_property
     def lane_devices(self) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
@@ -95,7 +106,7 @@ class ResolvedStage:
         out: dict[tuple[object, ...], list[int]] = {}
         for lane, gpus in enumerate(self.lanes):
             key = (tuple(g.device.name for g in gpus), tuple(g.group for g in gpus), self.concurrent(lane),
-                   len(self._ring_by_host[self.lane_hosts[lane]]))
+                   self._on_host[self.lane_hosts[lane]], len(self._ring_by_host[self.lane_hosts[lane]]))
             out.setdefault(key, []).append(lane)
         return [tuple(v) for v in out.values()]
 

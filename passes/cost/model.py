@@ -9,6 +9,7 @@ microbatch is involved.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,7 @@ from hetc.passes.cost.memory import (
     state_bytes_per_param,
     transfer_buffers,
 )
+from hetc.passes.cost.links import NodeSplit, groups_at_once, hierarchical_time, node_split
 from hetc.passes.cost.network import Bandwidth, ring_chunk, ring_steps
 from hetc.passes.cost.profiles import Profiles
 from hetc.passes.cost.params import expert_params, tied_copy_params
@@ -84,6 +86,9 @@ class CostModel:
         self._layer_costs: dict[tuple[int, int], LayerCost] = {}   # (rank, layer): every phase asks
         self._layer_costs_of: dict[tuple[object, ...], LayerCost] = {}   # by `layer_cost`'s arguments
         self._fits: dict[tuple[str, str, bool, int, int], Bandwidth | None] = {}
+        self._splits: dict[tuple[int, ...], NodeSplit | None] = {}
+        self._at_once: dict[tuple[tuple[int, ...], tuple[str, int]], int] = {}
+        self._on_host: dict[int, dict[tuple[str, int], int]] = {}
         # Note [shared cores]: the plan's ranks on a node with fewer cores than ranks compute slower
         cluster = spec.cluster
         node_cores = {n.name: n.cores for n in cluster.nodes} if cluster else {}
@@ -139,12 +144,29 @@ class CostModel:
         return lane.ranks[rep::tp]
 
     def node_streams(self, rank: int) -> int:
-        """Ranks of this rank's lane on its node. They run the same traffic at once (their border pieces,
-        each its position's ZeRO collectives), so they share the node's link: the estimate and the simulator
-        time such traffic at this concurrency."""
+        """Ranks of this rank's lane on its node. They send their border pieces at once, so they share the
+        node's link: the estimate times a border at this concurrency."""
         lane = self.pipeline.lane_of_rank[rank]
         host = self.gpu(rank).host
         return sum(1 for r in lane.ranks if self.gpu(r).host == host)
+
+    def groups_at_once(self, rank: int, members: Sequence[int]) -> int:
+        """Groups like `members` (a group of this rank's stage) crossing this rank's node link at once: every
+        lane position's runs beside it (`links.groups_at_once`, Note [node links]). The estimate and the
+        simulator time a stage's collectives at this concurrency."""
+        host = self.gpu(rank).host
+        key = (tuple(members), host)
+        got = self._at_once.get(key)
+        if got is None:
+            on_node = self._stage_on_host(self.stage_of(rank).index).get(host, 0)
+            got = self._at_once[key] = groups_at_once(on_node, sum(1 for r in members if self.gpu(r).host == host))
+        return got
+
+    def _stage_on_host(self, stage: int) -> dict[tuple[str, int], int]:
+        got = self._on_host.get(stage)
+        if got is None:
+            got = self._on_host[stage] = dict(Counter(self.gpu(r).host for r in self.pipeline.stages[stage].ranks))
+        return got
 
     def zero_group(self, rank: int) -> tuple[int, ...]:
         """Ranks holding the same parameters: this rank's tp slice in every lane and cp rank of the stage
@@ -448,19 +470,42 @@ class CostModel:
         return got * self._link_slowdown.get((min(src, dst), max(src, dst)), 1.0)    # memoised per kind of link
 
     def collective_time(self, kind: Collective, ranks: Sequence[int], nbytes: float, concurrent: int = 1) -> float:
-        """A ring collective over `ranks` (in ring order) of the full buffer `nbytes`.
+        """A collective over `ranks` (in ring order) of the full buffer `nbytes`, while `concurrent` groups
+        like it cross each node's link (`groups_at_once`): the flat ring, or over several nodes the faster
+        of it and the node-by-node form (Note [hierarchical collectives] in links.py).
+        Where the ranks share cores the call waits for one once (Note [core wait])."""
+        if ring_steps(kind, len(ranks)) == 0 or nbytes <= 0:
+            return 0.0
+        ranks = tuple(ranks)
+        got = self._flat_time(kind, ranks, nbytes, concurrent)
+        split = self._split(kind, ranks)
+        if split is not None:
+            got = min(got, hierarchical_time(
+                kind, nbytes, split,
+                lambda k, b, _: max(self._flat_time(k, node, b, 1) for node in split.nodes),
+                lambda k, b, g: self._flat_time(k, split.across, b, concurrent * g)))
+        return got + self.call_wait(ranks)
+
+    def _split(self, kind: Collective, ranks: tuple[int, ...]) -> NodeSplit | None:
+        if kind == Collective.ALL_TO_ALL:
+            return None
+        if ranks not in self._splits:
+            self._splits[ranks] = node_split(ranks, lambda r: self.gpu(r).host)
+        return self._splits[ranks]
+
+    def _flat_time(self, kind: Collective, ranks: tuple[int, ...], nbytes: float, concurrent: int) -> float:
+        """One ring over all of `ranks`.
 
         A ring runs as fast as its slowest pair, and pairs alike in kind
         (`ring_pair_kinds`) time alike, so the time is memoised on the
         ring's size and kinds of pair: rings of other ranks over the same
         kinds of link (other lanes, other candidate plans) cost a lookup.
-        Where the ranks share cores the call waits for one once (Note [core wait]).
         """
         n = len(ranks)
         steps = ring_steps(kind, n)
         if steps == 0 or nbytes <= 0:
             return 0.0
-        kinds, signature = self._pair_kinds(kind, tuple(ranks))
+        kinds, signature = self._pair_kinds(kind, ranks)
         key = (kind, n, nbytes, concurrent, signature)
         got = self._collectives.get(key)
         if got is None:
@@ -468,7 +513,7 @@ class CostModel:
             worst = max(chunk / rate + latency for rate, latency in
                         (self.link(a, b, chunk, size, concurrent) for a, b, size in kinds))
             got = self._collectives[key] = steps * worst
-        return got + self.call_wait(ranks)
+        return got
 
     def call_wait(self, ranks: Sequence[int], call: BlockingCall = BlockingCall.COLLECTIVE) -> float:
         """One blocking call's wait for a core over `ranks`: the largest measured
@@ -499,7 +544,8 @@ class CostModel:
         return nbytes / rate if nbytes > 0 else 0.0
 
     def link(self, a: Gpu, b: Gpu, nbytes: float, ring_size: int, concurrent: int) -> tuple[float, float]:
-        """(bytes/s for one stream, latency) between two GPUs for messages of `nbytes`.
+        """(bytes/s for one stream, latency) between two GPUs for messages of `nbytes`, `concurrent` streams
+        sharing the node link (Note [node links] in links.py): each gets 1/concurrent of the node pair's rate.
 
         The measured fit (if any) is looked up once per kind of pair: node
         groups, same host, ring size on the node, streams sharing the link.

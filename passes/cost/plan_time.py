@@ -143,14 +143,13 @@ def _stage_numel(cm: CostModel, stage: Stage, rank: int) -> float:
 
 
 def zero_rings(cm: CostModel, rank: int) -> ZeroRings:
-    """This rank's ZeRO groups, its lane's ranks on its node sharing the node's link."""
-    k = cm.node_streams(rank)
+    """This rank's ZeRO groups, the stage's alike groups on its node sharing the node's link
+    (`CostModel.groups_at_once`)."""
     group = cm.zero_group(rank)
-    hierarchical = cm.stage_of(rank).zero.shard is ZeroShard.NODE
-    if not hierarchical:
-        return ZeroRings(lambda kind, ranks, nbytes: cm.collective_time(kind, ranks, nbytes, k), group)
-    return ZeroRings(lambda kind, ranks, nbytes: cm.collective_time(kind, ranks, nbytes, k), group,
-                     cm.node_group(rank), across_nodes(group, lambda r: cm.gpu(r).host, rank))
+    timer = lambda kind, ranks, nbytes: cm.collective_time(kind, ranks, nbytes, cm.groups_at_once(rank, ranks))
+    if cm.stage_of(rank).zero.shard is not ZeroShard.NODE:
+        return ZeroRings(timer, group)
+    return ZeroRings(timer, group, cm.node_group(rank), across_nodes(group, lambda r: cm.gpu(r).host, rank))
 
 
 def _copier(cm: CostModel, rank: int) -> Callable[[float], float]:
@@ -223,8 +222,8 @@ def stage_sync_time(cm: CostModel, stage: Stage, rank: int, ms: int | None = Non
                       per_ministage, [n * cm.delta for n in unit_numels(cm, stage, rank)])
     if not experts:
         return dense
-    k = cm.node_streams(rank)
-    rings = ZeroRings(lambda kind, ranks, nbytes: cm.collective_time(kind, ranks, nbytes, k), expert_group(cm, rank))
+    rings = ZeroRings(lambda kind, ranks, nbytes: cm.collective_time(kind, ranks, nbytes, cm.groups_at_once(rank, ranks)),
+                      expert_group(cm, rank))
     flat = dataclasses.replace(stage.zero, shard=ZeroShard.ALL)   # the experts' shard has no outer group
     return max(dense, sync_time(flat, experts * cm.delta, rings, per_ministage))
 

@@ -1,0 +1,104 @@
+"""Which collectives share a node's link to other nodes at once, and collectives over several nodes.
+
+Note [node links]: a `link` (or the cluster's `inter_bandwidth`) is the
+bandwidth of a node pair; k streams crossing it at once each get 1/k of it
+(`CostModel.link`). What runs at once is counted the same way for the
+estimate, the simulator and the planner:
+
+- the ZeRO collectives of a stage (`groups_at_once`): every lane position's
+  group reduces (or gathers) at once, so alike groups of the stage cross each
+  node's link together: the stage's ranks on the node, over the ones of this
+  group there (which the collective counts itself: its node-local members
+  send their pieces over the link at once, `hierarchical_time`). Eight tp
+  ranks of a node, each in its own data-parallel group, share the node's
+  link eight ways;
+- a pipeline border still counts only its own lane's ranks on the node
+  (`CostModel.node_streams`), each sending a 1/tp slice in the estimate and
+  the simulator sending each tp replica the whole activation with the link
+  to itself. Counting every lane's ranks as sharing the link (the simulator
+  timing hetc's whole-activation messages so) makes tp pipelines whose
+  borders cross nodes transfer-bound, and the closed form's overlap of
+  border transfers (Note [async sends] in transfers.py) then reads them
+  14-35 % short of the compiled programs (the deep TP family): not built
+  until the closed form follows NCCL's one stream per rank pair there.
+  The same holds for a node's NICs (one stream reaching 1/nics of the pair's
+  rate, as on 8-NIC DGX boards): the estimate's border is a 1/tp slice at the
+  lane's tp streams, the simulator's the whole activation as one stream, and
+  the two agree only while every stream gets 1/streams of the link, so NICs
+  wait for borders counted alike on both sides.
+
+Measured network fits (Sailor's) are the aggregate rate of `count` GPUs of
+a node sending at once; they are looked up at the same stream count.
+
+Note [hierarchical collectives]: a ring collective over ranks of several
+nodes, with g > 1 ranks on every node, is timed as NCCL's topology-aware
+algorithms move it: a reduce-scatter inside each node over NVLink (X over g
+ranks), then the g node-local positions each reduce their X/g piece with the
+same position on the other m nodes at once (g streams per node over the
+link), then an all-gather inside the node; a reduce-scatter is the first two
+steps, an all-gather the last two. The flat ring over all n ranks is kept
+as the other candidate and the faster is taken (a collective over one node,
+or with one rank per node, is flat). Across nodes every collective is a
+ring: NCCL's double binary tree for small all-reduces over many nodes is not
+modelled (with it, the random job 81's planner picks a plan whose closed form
+is 10 % short of its compiled programs: lanes in ZeRO-3 lockstep fed by a stage
+of fewer lanes, as job 22 in docs/costmodel.md "Plans far from the bound").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from hetc.program import Collective
+
+__all__ = ["NodeSplit", "groups_at_once", "hierarchical_time", "node_split"]
+
+# (kind, bytes, streams of this kind at once on each node) -> seconds of a collective over one part of a split
+PartTime = Callable[[Collective, float, int], float]
+
+
+def groups_at_once(stage_on_node: int, members_on_node: int) -> int:
+    """Alike groups of a stage crossing one node's link at once: the stage's ranks on the node, over this
+    group's own members there (Note [node links])."""
+    return max(1, stage_on_node // max(members_on_node, 1))
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSplit:
+    """A group over several nodes with the same number of ranks on each (Note [hierarchical collectives])."""
+
+    per_node: int                            # g: the group's ranks on every node
+    nodes: tuple[tuple[int, ...], ...]       # one node's members per kind of node (node group), in group order
+    across: tuple[int, ...]                  # the first member of every node: one position's ring across nodes
+
+
+def node_split(ranks: Sequence[int], host_of: Callable[[int], tuple[str, int]]) -> NodeSplit | None:
+    """How `ranks` split by node, or None where the collective stays flat: one node, one rank per node,
+    or nodes holding different numbers of the group's ranks."""
+    by_host: dict[tuple[str, int], list[int]] = {}
+    for r in ranks:
+        by_host.setdefault(host_of(r), []).append(r)
+    sizes = {len(members) for members in by_host.values()}
+    if len(by_host) < 2 or len(sizes) != 1 or sizes == {1}:
+        return None
+    kinds: dict[str, tuple[int, ...]] = {}
+    for host, members in by_host.items():
+        kinds.setdefault(host[0], tuple(members))
+    return NodeSplit(sizes.pop(), tuple(kinds.values()), tuple(members[0] for members in by_host.values()))
+
+
+def hierarchical_time(kind: Collective, nbytes: float, split: NodeSplit, intra: PartTime, inter: PartTime) -> float:
+    """A collective of the full buffer `nbytes` as node-local and cross-node steps (Note [hierarchical
+    collectives]): `intra(kind, bytes, 1)` over a node's members, `inter(kind, bytes, g)` over one position's
+    ranks across nodes while the node's g positions run theirs."""
+    g = split.per_node
+    piece = nbytes / g
+    if kind == Collective.ALL_REDUCE:
+        return intra(Collective.REDUCE_SCATTER, nbytes, 1) + inter(Collective.ALL_REDUCE, piece, g) + \
+            intra(Collective.ALL_GATHER, nbytes, 1)
+    if kind == Collective.REDUCE_SCATTER:
+        return intra(Collective.REDUCE_SCATTER, nbytes, 1) + inter(Collective.REDUCE_SCATTER, piece, g)
+    if kind == Collective.ALL_GATHER:
+        return inter(Collective.ALL_GATHER, piece, g) + intra(Collective.ALL_GATHER, nbytes, 1)
+    raise ValueError(f"no node-by-node form of '{kind}'")

@@ -1,0 +1,97 @@
+"""Collectives and links at scale (Notes [node links] and [hierarchical collectives] in passes/cost/links.py).
+
+The ZeRO groups of a stage's lane positions share their node's link; a data-parallel collective
+over several nodes runs node by node (reduce-scatter over NVLink, the node's
+pieces across nodes at once, all-gather); a group inside one node keeps the
+flat ring.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hetc.passes.cost.links import node_split
+from hetc.passes.cost.network import ring_steps
+from hetc.program import Collective
+from tests.costspecs import cost_model, plan_text
+
+GB = 1e9
+INTER, INTER_LATENCY = 10 * GB, 20e-6      # the cluster's default link between nodes
+NVLINK, NVLINK_LATENCY = 100 * GB, 5e-6    # the node's intra link
+
+
+def _cluster(nodes: int, gpus: int) -> str:
+    return f"""
+cluster c {{
+  node n {{
+    device = A100-40
+    count = {nodes}
+    gpus = {gpus}
+    intra {{ bandwidth = 100 GB/s }}
+  }}
+  inter_bandwidth = 10 GB/s
+}}
+"""
+
+
+DATA_PARALLEL = """
+  stage all {
+    layers = embed..head
+    ranks = [n[0], n[1]]
+    lanes = 16
+  }
+"""
+
+
+def _ring(kind: Collective, n: int, nbytes: float, rate: float, latency: float) -> float:
+    return ring_steps(kind, n) * (nbytes / n / rate + latency)
+
+
+def test_a_data_parallel_all_reduce_over_two_nodes_runs_node_by_node(tmp_path):
+    """16 GPUs on 2 nodes: reduce-scatter over NVLink, the 8 pieces across nodes at once, all-gather."""
+    cm = cost_model(tmp_path, plan_text(DATA_PARALLEL, clusters=_cluster(2, 8)))
+    ranks = tuple(range(16))
+    split = node_split(ranks, lambda r: cm.gpu(r).host)
+    assert split is not None and split.per_node == 8 and split.across == (0, 8)
+    x = 64e6
+    intra = _ring(Collective.REDUCE_SCATTER, 8, x, NVLINK, NVLINK_LATENCY)
+    across = _ring(Collective.ALL_REDUCE, 2, x / 8, INTER / 8, INTER_LATENCY)
+    expected = 2 * intra + across
+    got = cm.collective_time(Collective.ALL_REDUCE, ranks, x)
+    assert got == pytest.approx(expected)
+    flat = _ring(Collective.ALL_REDUCE, 16, x, INTER, INTER_LATENCY)   # one ring through both nodes
+    assert got < flat
+    # reduce-scatter and all-gather are its halves
+    half = intra + _ring(Collective.REDUCE_SCATTER, 2, x / 8, INTER / 8, INTER_LATENCY)
+    assert cm.collective_time(Collective.REDUCE_SCATTER, ranks, x) == pytest.approx(half)
+    assert cm.collective_time(Collective.ALL_GATHER, ranks, x) == pytest.approx(half)
+
+
+def test_a_group_inside_one_node_keeps_the_flat_ring(tmp_path):
+    cm = cost_model(tmp_path, plan_text(DATA_PARALLEL, clusters=_cluster(2, 8)))
+    ranks = tuple(range(8))
+    assert node_split(ranks, lambda r: cm.gpu(r).host) is None
+    for kind in (Collective.ALL_REDUCE, Collective.REDUCE_SCATTER, Collective.ALL_GATHER):
+        assert cm.collective_time(kind, ranks, 64e6) == pytest.approx(_ring(kind, 8, 64e6, NVLINK, NVLINK_LATENCY))
+
+
+def test_groups_of_different_positions_share_the_node_link(tmp_path):
+    """tp = 2 lanes, one per node of two GPUs: each of a node's ranks reduces over its own group (one member
+    per node) at once, so the two groups share the link; a group with every rank of its node counts its own
+    pieces (`hierarchical_time`), not other groups."""
+    tp2 = """
+  stage all {
+    layers = embed..head
+    ranks = [n[0], n[1]]
+    lanes = 2
+    tp = 2
+  }
+"""
+    cm = cost_model(tmp_path, plan_text(tp2, clusters=_cluster(2, 2)))
+    group = cm.zero_group(1)
+    assert group == (1, 3) and cm.groups_at_once(1, group) == 2
+    cm16 = cost_model(tmp_path, plan_text(DATA_PARALLEL, clusters=_cluster(2, 8)))
+    assert cm16.groups_at_once(0, cm16.zero_group(0)) == 1
+    x = 64e6
+    shared = cm.collective_time(Collective.ALL_REDUCE, group, x, 2)
+    assert shared == pytest.approx(_ring(Collective.ALL_REDUCE, 2, x, INTER / 2, INTER_LATENCY))
