@@ -21,6 +21,7 @@ import pytest
 
 from hetc.cli import main
 from hetc.runtime.checkpoint_lock import LOCK_FILE, CheckpointBusy, lock_checkpoint_dir
+from hetc.runtime.checkpoint_files import complete_steps
 from tests.conftest import DEMO, ROOT, SPECS
 
 HANG_GUARD_S = 300
@@ -146,8 +147,8 @@ def test_a_second_run_on_a_checkpoint_directory_exits_2_at_once(demo_plan_dirs, 
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + HANG_GUARD_S / 2
-        while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
-            assert first.poll() is None and time.monotonic() < deadline, "the first run never trained"
+        while not complete_steps(ck):    # a whole checkpoint (saves are asynchronous): the resume below reads it
+            assert first.poll() is None and time.monotonic() < deadline, "the first run never saved"
             time.sleep(0.2)
         second = _run(demo_plan_dirs["single"], "--steps", "1", "--checkpoint", str(ck))
         assert second.returncode == 2, second.stderr
