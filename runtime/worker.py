@@ -233,7 +233,7 @@ def _train(plan_dir: Path, opts: RunOptions, rank: int, spec, pipeline, program,
     rt.interpreter.skip_nonfinite = opts.on_nonfinite is NonFinite.SKIP
     rt.interpreter.injected = opts.inject
     if any(isinstance(inj, LinkSlowdown) for inj in opts.inject):     # Note [a slowed link]
-        rt.interpreter.message_time = _message_time(plan_dir, spec)
+        rt.interpreter.message_time = _message_time(spec, pipeline)
     if opts.rebalance is not None:
         rt.interpreter.messages = MessageLog()      # Note [link transit]
     saver, lock = _checkpointer(rt, opts, timeout, rank)
@@ -326,14 +326,12 @@ def _switched(switch: Switch, step: int, rt, rebalancer: Rebalancer, saver, save
                           reporter.event, can_reshard=True, version=rebalancer.version)
 
 
-def _message_time(plan_dir: Path, spec) -> Callable[[int, int, float], float]:
+def _message_time(spec, pipeline) -> Callable[[int, int, float], float]:
     """The plan's time of a message (src, dst, bytes) on its link: what a slowed link stretches."""
     from hetc.passes.cost import CostModel
-    from hetc.passes.validate import check_spec
+    from hetc.topology import Topology
 
-    plan = check_spec(spec, plan_dir).explicit()
-    assert plan is not None     # a plan directory's spec
-    return CostModel(plan.spec, plan.pipeline, plan.topology).p2p_transfer_time
+    return CostModel(spec, pipeline, Topology(spec)).p2p_transfer_time
 
 
 def _saved(saver, done: int) -> bool:
