@@ -17,7 +17,8 @@ Listings are the source of truth: a person may edit them by hand and
 be edited too (a smaller device, another learning rate); the verifier checks
 the programs against it (Note [transfers against the plan] in
 passes/verify/transfers.py). `hetc run` refuses files edited since they were
-verified until `hetc verify DIR` passes (Note [verified once]).
+verified until `hetc verify DIR` passes (Note [verified once]). A rank of `hetc run` reads the
+plan, the group table and its own listings only (Note [a rank reads its own]).
 """
 
 from __future__ import annotations
@@ -26,14 +27,15 @@ import dataclasses
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 from hetc.errors import Span, SpecError, UsageError
 from hetc.frontend.printer import format_spec
 from hetc.jsontypes import JsonObject
 from hetc.outdir import Legacy, OutputKind, Protected, check_output_dir, is_marked, restamp, unmarked_or_edited, write_output_dir
-from hetc.program import Program, ProgramFormatError, RankProgram
+from hetc.program import Group, Program, ProgramFormatError, RankProgram
 from hetc.spec import DataKind, DataSpec, Spec
 
 if TYPE_CHECKING:
@@ -44,10 +46,10 @@ if TYPE_CHECKING:
     from hetc.passes.validate import ExplicitPlan
     from hetc.passes.verify.machine import Backend
 
-__all__ = ["LEGACY_PLAN", "PLAN_FILE", "PROFILES_FILE", "PROFILE_ENV", "TIMELINE_FILE", "RecordedProfile", "check_plan_out",
-           "eval_listing_name", "fingerprint", "listing_name", "plan_files", "profile_paths", "read_eval_rank",
-           "read_plan", "read_program", "record_profiles", "record_verified", "require_verified", "unverified_files",
-           "verify_and_record", "write_plan_dir"]
+__all__ = ["LEGACY_PLAN", "PLAN_FILE", "PROFILES_FILE", "PROFILE_ENV", "TIMELINE_FILE", "Listings", "RecordedProfile",
+           "check_plan_out", "eval_listing_name", "fingerprint", "listing_name", "open_program", "plan_files",
+           "profile_paths", "read_eval_rank", "read_plan", "read_program", "record_profiles", "record_verified",
+           "require_verified", "unverified_files", "verify_and_record", "write_plan_dir"]
 
 PLAN_FILE = "plan.het"
 TIMELINE_FILE = "timeline.json"
@@ -219,9 +221,61 @@ def read_program(plan_dir: Path) -> Program:
         if rp.rank != expect:
             raise ProgramFormatError(f"expected the program of rank {expect}, found rank {rp.rank}", 1,
                                      str(plan_dir / "programs" / listing_name(expect)))
+    return Program(tuple(ranks), _read_groups(plan_dir))
+
+
+# Note [a rank reads its own]
+# At 16,384 ranks the plan directory holds 12,288 listings of 40 instructions or more each; a rank that
+# read them all to run its own read the whole job, thousands of times over across the cluster. A rank of
+# `hetc run` opens the programs instead (`open_program`): the plan's world size, the group table (every
+# rank creates every process group, in one order: torch.distributed's new_group is collective over the
+# default group), and listings read and parsed the first time something asks for that rank — its own at
+# start; the others only where rank 0 builds a measured trace of every rank. Together with the hashes of
+# Note [verified once] a rank's start-up reads plan.het, groups.txt, the marker and its own listings.
+class Listings(Sequence[RankProgram]):
+    """The listings of a plan directory's `world` ranks, each read when it is first asked for."""
+
+    def __init__(self, plan_dir: Path, world: int):
+        self._dir, self._world = plan_dir / "programs", world
+        self._read: dict[int, RankProgram] = {}
+
+    def __len__(self) -> int:
+        return self._world
+
+    @overload
+    def __getitem__(self, index: int) -> RankProgram: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[RankProgram]: ...
+
+    def __getitem__(self, index: int | slice) -> RankProgram | Sequence[RankProgram]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(self._world)[index]]
+        rank = range(self._world)[index]    # an IndexError past the world, as a tuple's
+        if rank not in self._read:
+            self._read[rank] = self._listing(rank)
+        return self._read[rank]
+
+    def _listing(self, rank: int) -> RankProgram:
+        path = self._dir / listing_name(rank)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: the plan has {self._world} ranks but rank {rank} has no listing "
+                                    "(is it a `hetc compile` directory?)")
+        rp = RankProgram.from_text(path.read_text(), source=str(path))
+        if rp.rank != rank:
+            raise ProgramFormatError(f"expected the program of rank {rank}, found rank {rp.rank}", 1, str(path))
+        return rp
+
+
+def open_program(plan_dir: Path, world: int) -> Program:
+    """The plan directory's programs for a rank that runs one of them: the group table now, each listing
+    when asked for (Note [a rank reads its own])."""
+    return Program(Listings(plan_dir, world), _read_groups(plan_dir))
+
+
+def _read_groups(plan_dir: Path) -> tuple[Group, ...]:
     groups_file = plan_dir / "groups.txt"
-    groups = Program.parse_groups(groups_file.read_text(), str(groups_file)) if groups_file.is_file() else ()
-    return Program(tuple(ranks), groups)
+    return Program.parse_groups(groups_file.read_text(), str(groups_file)) if groups_file.is_file() else ()
 
 
 def read_plan(plan_dir: Path) -> tuple[LoadedSpec, ExplicitPlan]:

@@ -71,6 +71,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, ClassVar, NamedTuple
@@ -682,9 +683,10 @@ def _parse_header(line: str) -> _Header:
 
 @dataclass(frozen=True, slots=True)
 class Program:
-    """All ranks' programs with the group table."""
+    """All ranks' programs with the group table. `ranks` is indexed by rank; a plan directory's ranks may
+    be read on demand (Note [a rank reads its own] in hetc/plandir.py)."""
 
-    ranks: tuple[RankProgram, ...]
+    ranks: Sequence[RankProgram]
     groups: tuple[Group, ...]
 
     @property

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 from hetc.errors import SpecError
-from hetc.plandir import read_plan, read_program, require_verified
+from hetc.plandir import open_program, read_plan, require_verified
 from hetc.runtime.placement import Process, discover, node_label, place
 from hetc.runtime.local import process_start_time
 from hetc.runtime.worker import Launch, RunOptions, discovery_device, launch_env, rendezvous_store, run_placed
@@ -90,7 +90,7 @@ def run_elastic(spec_path: Path, opts: RunOptions) -> int:
     procs = discover(store, launch.process(discovery_device()), launch.world)
     plan_dir, timings = _plan(spec_path, checkpoint, launch, store, procs)
     _, checked = read_plan(plan_dir)
-    program = read_program(plan_dir)
+    program = open_program(plan_dir, len(checked.pipeline.world))    # Note [a rank reads its own]
     _, labelled = present_spec(_load(spec_path), procs)
     placement = place(checked.pipeline.world, labelled, elastic=True)
     rank = placement.rank_of(launch.rank)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from hetc.hf.weights import wants_pretrained
 from hetc.passes.validate_runtime import require_trainable_dtype
-from hetc.plandir import read_plan, read_program, require_verified
+from hetc.plandir import open_program, read_plan, require_verified
 from hetc.runtime.comm import make_groups
 from hetc.runtime.data import make_data_source
 from hetc.runtime.evaluate import make_evaluator
@@ -122,7 +122,7 @@ def run_worker(plan_dir: Path, opts: RunOptions) -> int:
     started = time.perf_counter()
     launch = launch_env()
     _, checked = read_plan(plan_dir)
-    program = read_program(plan_dir)
+    program = open_program(plan_dir, len(checked.pipeline.world))    # Note [a rank reads its own]
     if launch.world != program.world_size:
         raise EnvError(f"the plan has {program.world_size} ranks but WORLD_SIZE is {launch.world}")
     store = rendezvous_store(launch, opts.init_timeout_s)

@@ -6,12 +6,15 @@ from __future__ import annotations
 import cProfile
 import json
 import pstats
+import shutil
 from pathlib import Path
 
 import pytest
 
 from hetc.cli import main as hetc_main
 from hetc.outdir import MARKER
+from hetc.plandir import open_program, read_plan, read_program, require_verified
+from hetc.program import ProgramFormatError
 from tests.test_eval import EVAL_KEYS, eval_job
 from tests import test_gpu_failures
 
@@ -99,3 +102,36 @@ def test_verify_under_other_rules_than_the_plans_records_nothing(eval_plan, as_r
     assert hetc_main(["verify", str(plan), "--backend", "nccl"]) == 0     # a CPU plan runs on gloo
     assert "recorded" not in capsys.readouterr().out
     assert hetc_main(["run", str(plan), "-q", "--steps", "1"]) == 2
+
+
+@pytest.fixture(scope="module")
+def four_ranks(demo_plan_dirs) -> Path:
+    """The 4-rank heterogeneous demo plan, compiled."""
+    return demo_plan_dirs["hetero"]
+
+
+def test_a_rank_starts_from_its_own_listing_alone(four_ranks, tmp_path):
+    """Note [a rank reads its own]: with every other rank's listing gone, rank 2 still checks its files
+    against the marker and gets its program; a listing nobody asked for is never read."""
+    plan = tmp_path / "plan"
+    shutil.copytree(four_ranks, plan)
+    for listing in (plan / "programs").glob("rank-*.txt"):
+        if listing.name != "rank-0002.txt":
+            listing.unlink()
+    _, checked = read_plan(plan)
+    program = open_program(plan, len(checked.pipeline.world))
+    require_verified(plan, [2], program, checked)
+    assert program.world_size == 4 and program.groups == read_program(four_ranks).groups
+    assert program.ranks[2] == read_program(four_ranks).ranks[2]
+    with pytest.raises(FileNotFoundError, match="rank 1 has no listing"):
+        program.ranks[1]
+
+
+def test_a_listing_of_another_rank_is_refused_where_it_is_read(four_ranks, tmp_path):
+    plan = tmp_path / "plan"
+    shutil.copytree(four_ranks, plan)
+    shutil.copy(plan / "programs" / "rank-0003.txt", plan / "programs" / "rank-0001.txt")
+    program = open_program(plan, 4)
+    assert program.ranks[3].rank == 3
+    with pytest.raises(ProgramFormatError, match="expected the program of rank 1, found rank 3"):
+        program.ranks[1]
