@@ -18,15 +18,17 @@ import re
 import pytest
 
 from hetc.passes.cost import CostModel
+from hetc.passes.lower.by_class import lower_by_class
 from hetc.passes.verify import VerifyError, verify
 from hetc.passes.verify.memory import format_bytes, rank_peaks
 from hetc.pipeline import Pipeline
 from hetc.program import COLLECTIVE_TYPES, Forward, Program, Recv, Send, Step, Wait
-from tests.conftest import DEMO
+from tests.conftest import DEMO, ROOT
 from tests.golden.cases import GOLDEN_DIR
 from tests.plans import DEMO_PLANS, TEST_PLANS, compile_plan, plan_id
 
 EXAMPLES = DEMO_PLANS + TEST_PLANS + [GOLDEN_DIR / "zorse.het", GOLDEN_DIR / "zero3_1f1b.het"]
+ALIKE_LANES = ROOT / "tests" / "specs" / "offload8.het"    # 8 ranks in two classes of four
 FAULTS_PER_EXAMPLE = 50
 
 
@@ -38,16 +40,20 @@ class Mutant:
     pipeline: Pipeline
 
 
-def _positions(program: Program, kind) -> list[tuple[int, int]]:
-    return [(rp.rank, i) for rp in program.ranks for i, instr in enumerate(rp.instrs) if isinstance(instr, kind)]
+def _positions(program: Program, kind, on: int | None = None) -> list[tuple[int, int]]:
+    """(rank, index) of every instruction of `kind`, on rank `on` only where it is given."""
+    ranks = program.ranks if on is None else [program.ranks[on]]
+    return [(rp.rank, i) for rp in ranks for i, instr in enumerate(rp.instrs) if isinstance(instr, kind)]
 
 
 def _edit(program: Program, rank: int, instrs: list) -> Program:
     return program.replace_rank(rank, tuple(instrs))
 
 
-def drop_recv(rng, program, pipeline):
-    rank, i = rng.choice(_positions(program, Recv))
+# Each fault takes (rng, program, pipeline) and, optionally, the rank to put it into (`on`; else a random
+# one); it returns (that rank, the faulty program, the pipeline).
+def drop_recv(rng, program, pipeline, on=None):
+    rank, i = rng.choice(_positions(program, Recv, on))
     instrs = list(program.ranks[rank].instrs)
     handle = instrs.pop(i).handle
     if handle is not None and rng.random() < 0.5:   # and its wait, so only the data is missing
@@ -59,11 +65,11 @@ def _collective_key(instr) -> tuple:
     return (type(instr), instr.what, getattr(instr, "ms", None), getattr(instr, "mb", None))
 
 
-def swap_collectives(rng, program, pipeline):
+def swap_collectives(rng, program, pipeline, on=None):
     """Two collectives of one group with different content, on one rank of a group of two or more."""
     sizes = {g.name: len(g.ranks) for g in program.groups}
     pairs = []
-    for rp in program.ranks:
+    for rp in program.ranks if on is None else [program.ranks[on]]:
         calls = [(i, x) for i, x in enumerate(rp.instrs) if isinstance(x, COLLECTIVE_TYPES) and sizes[x.group] > 1]
         pairs += [(rp.rank, i, j) for a, (i, x) in enumerate(calls) for j, y in calls[a + 1:]
                   if x.group == y.group and _collective_key(x) != _collective_key(y)]
@@ -73,8 +79,8 @@ def swap_collectives(rng, program, pipeline):
     return rank, _edit(program, rank, instrs), pipeline
 
 
-def change_peer(rng, program, pipeline):
-    rank, i = rng.choice(_positions(program, (Send, Recv)))
+def change_peer(rng, program, pipeline, on=None):
+    rank, i = rng.choice(_positions(program, (Send, Recv), on))
     instrs = list(program.ranks[rank].instrs)
     instr = instrs[i]
     old = instr.peer_to if isinstance(instr, Send) else instr.peer_from
@@ -85,8 +91,8 @@ def change_peer(rng, program, pipeline):
 
 
 def _remove_one(kind):
-    def remove(rng, program, pipeline):
-        rank, i = rng.choice(_positions(program, kind))
+    def remove(rng, program, pipeline, on=None):
+        rank, i = rng.choice(_positions(program, kind, on))
         instrs = list(program.ranks[rank].instrs)
         del instrs[i]
         return rank, _edit(program, rank, instrs), pipeline
@@ -97,18 +103,16 @@ drop_wait = _remove_one(Wait)
 remove_step = _remove_one(Step)
 
 
-def duplicate_forward(rng, program, pipeline):
-    rank, i = rng.choice(_positions(program, Forward))
+def duplicate_forward(rng, program, pipeline, on=None):
+    rank, i = rng.choice(_positions(program, Forward, on))
     instrs = list(program.ranks[rank].instrs)
     instrs.insert(rng.randrange(i + 1, len(instrs) + 1), instrs[i])
     return rank, _edit(program, rank, instrs), pipeline
 
 
-
-
-def shrink_memory(rng, program, pipeline, peaks):
+def shrink_memory(rng, program, pipeline, peaks, on=None):
     """The rank's device now holds a little (or a lot) less than the rank's peak use."""
-    rank = rng.randrange(program.world_size)
+    rank = rng.randrange(program.world_size) if on is None else on
     gpu = pipeline.world[rank]
     smaller = dataclasses.replace(gpu.device, memory=peaks[rank].total * rng.uniform(0.5, 0.9999))
     world = tuple(dataclasses.replace(g, device=smaller) if r == rank else g for r, g in enumerate(pipeline.world))
@@ -120,17 +124,31 @@ FAULTS = {"drop_recv": drop_recv, "swap_collectives": swap_collectives, "change_
           "shrink_memory": shrink_memory}
 
 
-def _applicable(program: Program) -> list[str]:
-    out = ["duplicate_forward", "remove_step", "shrink_memory"]
-    if _positions(program, Wait):
-        out.append("drop_wait")
-    if _positions(program, Recv):
+def _applicable(program: Program, on: int | None = None) -> list[str]:
+    """The faults that can be put into `program` (into rank `on`, where it is given)."""
+    out = ["shrink_memory"]
+    out += [fault for fault, kind in (("duplicate_forward", Forward), ("remove_step", Step), ("drop_wait", Wait))
+            if _positions(program, kind, on)]
+    if _positions(program, Recv, on):
         out += ["drop_recv", "change_peer"]
     sizes = {g.name: len(g.ranks) for g in program.groups}
+    ranks = program.ranks if on is None else [program.ranks[on]]
     if any(len({_collective_key(x) for x in rp.instrs if isinstance(x, COLLECTIVE_TYPES) and x.group == g}) > 1
-           for rp in program.ranks for g, n in sizes.items() if n > 1):
+           for rp in ranks for g, n in sizes.items() if n > 1):
         out.append("swap_collectives")
     return sorted(out)
+
+
+def faults_on(rank: int, program: Program, pipeline: Pipeline, peaks, seed: str) -> list[Mutant]:
+    """One fault of every kind that applies, each put into rank `rank` (issue 31: a fault in one member of
+    a class of alike ranks is found, as one in its representative)."""
+    rng = random.Random(seed)
+    out = []
+    for fault in _applicable(program, rank):
+        extra = (peaks,) if fault == "shrink_memory" else ()
+        _, faulty, faulty_pipeline = FAULTS[fault](rng, program, pipeline, *extra, on=rank)
+        out.append(Mutant(fault, rank, faulty, faulty_pipeline))
+    return out
 
 
 @functools.cache
@@ -164,28 +182,49 @@ def test_the_unmutated_example_verifies(path):
     verify(lowered.program, lowered.pipeline, lowered.spec, costs)
 
 
-def _named(err: VerifyError, rank: int) -> bool:
+def names_rank(err: VerifyError, rank: int) -> bool:
+    """Whether a finding of `err` is on rank `rank` or names it."""
     return any(f.rank == rank or re.search(rf"\brank {rank}\b", f.message) for f in err.findings)
+
+
+def assert_rejected(mutant: Mutant, spec, costs: CostModel, case: str) -> VerifyError:
+    """The verifier rejects `mutant`, naming its rank and pointing at real instructions."""
+    with pytest.raises(VerifyError) as caught:
+        verify(mutant.program, mutant.pipeline, spec, costs)
+    err = caught.value
+    assert err.findings, case
+    for f in err.findings:
+        instrs = mutant.program.ranks[f.rank].instrs
+        assert 0 <= f.index < len(instrs), f"{case}: {f}"
+        assert f.text == str(instrs[f.index]), f"{case}: {f}"
+        assert f"rank {f.rank}, instruction {f.index} `{f.text}`" in str(err), case
+    assert names_rank(err, mutant.rank), f"{case}: the error does not name rank {mutant.rank}:\n{err}"
+    if mutant.fault == "shrink_memory":
+        assert err.check == "memory", case
+        assert format_bytes(mutant.pipeline.world[mutant.rank].device.memory) in str(err), case
+    return err
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=plan_id)
 def test_every_fault_is_rejected_naming_rank_and_instruction(path):
     lowered, costs, _ = _example(path)
     for n, mutant in enumerate(mutants(path)):
-        case = f"{plan_id(path)} fault #{n} ({mutant.fault} on rank {mutant.rank})"
-        with pytest.raises(VerifyError) as caught:
-            verify(mutant.program, mutant.pipeline, lowered.spec, costs)
-        err = caught.value
-        assert err.findings, case
-        for f in err.findings:
-            instrs = mutant.program.ranks[f.rank].instrs
-            assert 0 <= f.index < len(instrs), f"{case}: {f}"
-            assert f.text == str(instrs[f.index]), f"{case}: {f}"
-            assert f"rank {f.rank}, instruction {f.index} `{f.text}`" in str(err), case
-        assert _named(err, mutant.rank), f"{case}: the error does not name rank {mutant.rank}:\n{err}"
-        if mutant.fault == "shrink_memory":
-            assert err.check == "memory", case
-            assert format_bytes(mutant.pipeline.world[mutant.rank].device.memory) in str(err), case
+        assert_rejected(mutant, lowered.spec, costs, f"{plan_id(path)} fault #{n} ({mutant.fault} on rank {mutant.rank})")
+
+
+def test_a_fault_in_one_member_of_a_class_is_found():
+    """Compile lowers one representative of each class of alike ranks and renames it for the members (Note
+    [lowering by class]); every fault kind put into the last member of the largest class is found, as in
+    any rank. (benchmarks/verify_scale.py does the same at 16,384 GPUs.)"""
+    lowered, costs, peaks = _example(ALIKE_LANES)
+    classes = lower_by_class(lowered.spec, lowered.pipeline, costs).classes
+    largest = max(classes, key=lambda c: len(c.members))
+    member = largest.members[-1][0]
+    assert len(largest.members) >= 3 and member != largest.rep
+    faults = faults_on(member, lowered.program, lowered.pipeline, peaks, "member")
+    assert {m.fault for m in faults} == set(FAULTS)
+    for mutant in faults:
+        assert_rejected(mutant, lowered.spec, costs, f"{mutant.fault} on rank {member}, a member of {largest.rep}'s class")
 
 
 def test_every_fault_kind_is_exercised():
