@@ -75,9 +75,9 @@ def _timed(fn):
 
 def measure_once(path: Path, out_dir: Path) -> dict:
     (_, checked), check_s = _timed(lambda: load_checked(path, require_complete=True))
-    program, lower_s = _timed(lambda: lower(checked.spec, checked.pipeline))
-    costs = CostModel(checked.spec, checked.pipeline, checked.topology)
-    _, verify_s = _timed(lambda: verify(program, checked.pipeline, checked.spec, costs))
+    program, lower_s = _timed(lambda: lower(checked.explicit()))
+    costs = CostModel(checked.explicit())
+    _, verify_s = _timed(lambda: verify(program, checked.explicit(), costs))
     with contextlib.redirect_stdout(io.StringIO()):
         code, cli_s = _timed(lambda: hetc_main(["compile", str(path), "-o", str(out_dir)]))
     if code != 0:

@@ -46,7 +46,7 @@ from hetc.runtime.worker import run_worker
 from hetc.passes.verify import verify
 from hetc.plandir import read_plan, read_program
 _, checked = read_plan(plan_dir)
-verify(read_program(plan_dir), checked.pipeline, checked.spec)
+verify(read_program(plan_dir), checked)
 """,
     "read_all": """
 from hetc.runtime.worker import run_worker

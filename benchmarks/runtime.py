@@ -178,9 +178,9 @@ def bench_rank(rank: int, world: int, port: int, plan_dir: Path, turns: int, res
     spec, pipeline, program = checked.spec, checked.pipeline, read_program(plan_dir)
     data = make_data_source(spec.model, spec.train, plan_dir)
     cpu = torch.device("cpu")
-    rt = build_rank(spec, pipeline, program, rank, make_groups(program.groups), data, cpu)
+    rt = build_rank(program, checked, rank, make_groups(program.groups), data, cpu)
     ours = TorchPipeline(spec, pipeline, rank, data)
-    alone = build_buffers(spec, pipeline, program, rank, cpu)
+    alone = build_buffers(program, checked, rank, cpu)
     stand_in = torch.randn(spec.train.micro_batch, spec.model.seq, spec.model.hidden)
     times: dict[str, list[float]] = {k: [] for k in ("hetc", "comm", "in_compute", "torch", "compute")}
     losses: dict[str, list[float]] = {"hetc": [], "torch": []}

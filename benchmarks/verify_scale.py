@@ -16,6 +16,7 @@ that rank. Wall time of each verification on this 2-core machine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import contextlib
 import io
 import sys
@@ -59,10 +60,10 @@ def measure(gpus: int) -> dict:
         _, checked = load_checked(_planned(Path(tmp), gpus), require_complete=True)
     plan = checked.explicit()
     assert plan is not None, "hetc plan writes an explicit plan"
-    costs = CostModel(plan.spec, plan.pipeline, plan.topology)
-    lowered = lower_by_class(plan.spec, plan.pipeline, costs)
+    costs = CostModel(plan)
+    lowered = lower_by_class(plan, costs)
     program = lowered.program
-    _, clean_s = _timed(lambda: verify(program, plan.pipeline, plan.spec, costs))
+    _, clean_s = _timed(lambda: verify(program, plan, costs))
     largest = max(lowered.classes, key=lambda c: len(c.members))
     member = largest.members[-1][0]
     peaks = rank_peaks(program, plan.pipeline, costs)
@@ -78,7 +79,7 @@ def measure(gpus: int) -> dict:
 def _finding(mutant, plan, costs: CostModel, member: int) -> str:
     """What the verifier says of `mutant`: its check and first finding, or that it missed the fault."""
     try:
-        verify(mutant.program, mutant.pipeline, plan.spec, costs)
+        verify(mutant.program, dataclasses.replace(plan, pipeline=mutant.pipeline), costs)
     except VerifyError as err:
         if not names_rank(err, member):
             return f"**rejected without naming rank {member}**"

@@ -21,7 +21,8 @@ from hetc.passes.cost.provenance import provenance
 from hetc.passes.build import build
 from hetc.passes.export_torch import torch_pipelines
 from hetc.passes.plan.deadline import DEFAULT_TIME_LIMIT_S
-from hetc.passes.validate import Checked, ExplicitPlan, check_spec
+from hetc.passes.validate import Checked, check_spec
+from hetc.plan import Plan
 from hetc.passes.validate_fit import cost_error, estimate_overflows, peak_overflows
 from hetc.passes.verify import VerifyError
 from hetc.passes.verify.memory import rank_peaks
@@ -44,7 +45,7 @@ def load_checked(path: str | Path, require_complete: bool = False,
     """
     loaded = with_plan_to_fill(load_spec(path)) if plan_missing else load_spec(path)
     checked = check_spec(loaded.spec, loaded.path.parent)
-    if require_fit and checked.pipeline is not None and (overflows := estimate_overflows(checked)):
+    if require_fit and (plan := checked.explicit()) is not None and (overflows := estimate_overflows(plan)):
         raise SpecError(overflows)
     if require_complete and not loaded.spec.is_complete:
         missing = [k for k in ("model", "cluster", "train", "parallel") if getattr(loaded.spec, k) is None]
@@ -58,7 +59,7 @@ class Compiled:
     """Everything compile produced, for the CLI and for tests."""
 
     loaded: LoadedSpec
-    checked: ExplicitPlan            # the plan compiled (planned first where the spec had `auto`)
+    plan: Plan               # the plan compiled (planned first where the spec had `auto`)
     program: Program
     costs: CostModel
     timeline: Timeline               # the predicted step
@@ -67,7 +68,7 @@ class Compiled:
 
     @property
     def pipeline(self) -> Pipeline:
-        return self.checked.pipeline
+        return self.plan.pipeline
 
 
 def compile_spec(spec_path: Path, dump_after: str | None = None,
@@ -84,7 +85,7 @@ def compile_spec(spec_path: Path, dump_after: str | None = None,
     say(f"{'checked' if explicit is not None else 'planned'}: {plan.pipeline.world_size:,} ranks, "
         f"{len(plan.pipeline.stages)} stages, {plan.pipeline.num_microbatches} microbatches")
     # the schedule is timed with the cost model that predicts and verifies it (Note [in-flight limit])
-    costs = CostModel(plan.spec, plan.pipeline, plan.topology, profiles)
+    costs = CostModel(plan, profiles)
     reuse = program if dump_after is None else None   # the planner lowered it, from the same inputs
     try:
         got = build(plan, costs=costs, program=reuse, evaluation=True, facts=plan_facts(plan),
@@ -101,7 +102,7 @@ def compile_spec(spec_path: Path, dump_after: str | None = None,
 
 
 def _planned(loaded: LoadedSpec, profiles: Profiles | None,
-             time_limit_s: float | None) -> tuple[ExplicitPlan, Program | None]:
+             time_limit_s: float | None) -> tuple[Plan, Program | None]:
     """`auto` left: plan first (`hetc plan SPEC -o OUT.het` shows the plan); with the program the planner
     checked its winner with (Note [the planner checks its winner]), if it did."""
     from hetc.passes.plan.planner import plan_checked
@@ -113,7 +114,7 @@ def _planned(loaded: LoadedSpec, profiles: Profiles | None,
     return plan, result.program
 
 
-def _memory_overflows(program: Program, plan: ExplicitPlan, costs: CostModel,
+def _memory_overflows(program: Program, plan: Plan, costs: CostModel,
                       err: VerifyError) -> list[Diagnostic]:
     """The plan's fault, not lowering's: one located summary per stage (passes/validate_fit.py)."""
     peaks = rank_peaks(program, plan.pipeline, costs)
@@ -121,7 +122,7 @@ def _memory_overflows(program: Program, plan: ExplicitPlan, costs: CostModel,
         Diagnostic(plan.parallel.span, f"the plan does not fit in device memory:\n{err.render()}")]
 
 
-def predict(program: Program, plan: ExplicitPlan, profiles: Profiles | None = None,
+def predict(program: Program, plan: Plan, profiles: Profiles | None = None,
             costs: CostModel | None = None) -> tuple[CostModel, Timeline]:
     """(the CostModel, the predicted Timeline) of verified-to-be `program`: `compile` and `viz --profile`."""
     got = build(plan, profiles, costs=costs, program=program, facts=plan_facts(plan))
@@ -129,7 +130,7 @@ def predict(program: Program, plan: ExplicitPlan, profiles: Profiles | None = No
     return got.costs, got.timeline
 
 
-def plan_facts(plan: ExplicitPlan) -> list[tuple[str, str]]:
+def plan_facts(plan: Plan) -> list[tuple[str, str]]:
     """The plan at a glance, for the visualizer's side panel."""
 
     def count(n: int, noun: str) -> str:
@@ -160,14 +161,14 @@ def write_compiled(compiled: Compiled, out: Path, profile_args: list[str] | None
                "schedule": pipeline.schedule.value,
                "instructions": sum(len(r.instrs) for r in program.ranks)}
     step = compiled.timeline.step_time
-    train = compiled.checked.train
-    tokens = train.global_batch * compiled.checked.model.seq
+    train = compiled.plan.train
+    tokens = train.global_batch * compiled.plan.model.seq
     summary.update(step_time_s=step, tokens_per_s=tokens / step if step > 0 else 0.0)
     if compiled.eval_timeline is not None:
         summary.update(eval_time_s=compiled.eval_timeline.step_time * train.eval_batches,
                        eval_every=train.eval_every)
     prov = provenance(compiled.costs)
-    write_plan_dir(out, compiled.checked.spec, compiled.loaded.path.parent, program, exports,
+    write_plan_dir(out, compiled.plan.spec, compiled.loaded.path.parent, program, exports,
                    compiled.timeline.to_json(), summary, record_profiles(profile_args or [], prov.unused),
                    compiled.evaluation)
     return summary

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
     from hetc.frontend.load import LoadedSpec
     from hetc.passes.cost.provenance import UnusedProfile
-    from hetc.passes.validate import ExplicitPlan
+    from hetc.plan import Plan
     from hetc.passes.verify.machine import Backend
 
 __all__ = ["LEGACY_PLAN", "PLAN_FILE", "PROFILES_FILE", "PROFILE_ENV", "TIMELINE_FILE", "Listings", "RecordedProfile",
@@ -93,14 +93,14 @@ def unverified_files(plan_dir: Path, ranks: Iterable[int]) -> list[str] | None:
     return unmarked_or_edited(plan_dir, plan_files(plan_dir, ranks))
 
 
-def require_verified(plan_dir: Path, ranks: Iterable[int], program: Program, plan: ExplicitPlan) -> None:
+def require_verified(plan_dir: Path, ranks: Iterable[int], program: Program, plan: Plan) -> None:
     """Refuse to run files of `ranks` edited since they were verified; verify the programs of a directory
     that records nothing (Note [verified once])."""
     changed = unverified_files(plan_dir, ranks)
     if changed is None:
         from hetc.passes.verify import verify    # the passes: only for plan directories from before markers
 
-        verify(program, plan.pipeline, plan.spec)
+        verify(program, plan)
     elif changed:
         more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
         raise UsageError(f"{plan_dir}: {', '.join(changed[:3])}{more} changed since `hetc compile` verified "
@@ -108,7 +108,7 @@ def require_verified(plan_dir: Path, ranks: Iterable[int], program: Program, pla
                          "edits (it records them as verified when they pass)")
 
 
-def verify_and_record(plan_dir: Path, program: Program, plan: ExplicitPlan, backend: Backend | None = None) -> bool:
+def verify_and_record(plan_dir: Path, program: Program, plan: Plan, backend: Backend | None = None) -> bool:
     """Verify `program` and the evaluation programs derived from it under `backend`'s rules (default: the
     plan's), raising VerifyError; when they pass under the plan's own rules, record them (`record_verified`).
     Whether anything was recorded."""
@@ -117,8 +117,8 @@ def verify_and_record(plan_dir: Path, program: Program, plan: ExplicitPlan, back
 
     own = plan_backend(plan.pipeline)
     backend = backend or own
-    verify(program, plan.pipeline, plan.spec, CostModel(plan.spec, plan.pipeline, plan.topology), backend=backend)
-    evaluation = verified_evaluation(program, plan.pipeline, plan.spec, backend)
+    verify(program, plan, CostModel(plan), backend=backend)
+    evaluation = verified_evaluation(program, plan, backend)
     return backend == own and record_verified(plan_dir, program, evaluation)
 
 
@@ -278,8 +278,8 @@ def _read_groups(plan_dir: Path) -> tuple[Group, ...]:
     return Program.parse_groups(groups_file.read_text(), str(groups_file)) if groups_file.is_file() else ()
 
 
-def read_plan(plan_dir: Path) -> tuple[LoadedSpec, ExplicitPlan]:
-    """(LoadedSpec, ExplicitPlan) of DIR/plan.het; a SpecError if it is missing, broken or not explicit."""
+def read_plan(plan_dir: Path) -> tuple[LoadedSpec, Plan]:
+    """(LoadedSpec, Plan) of DIR/plan.het; a SpecError if it is missing, broken or not explicit."""
     from hetc.compiler import load_checked
 
     path = plan_dir / PLAN_FILE

@@ -19,7 +19,7 @@ from hetc.passes.cost import CostModel, Profiles
 from hetc.passes.lower import lower
 from hetc.passes.lower.by_class import lower_by_class
 from hetc.passes.simulate import simulate, timed_machine
-from hetc.passes.validate import ExplicitPlan
+from hetc.plan import Plan
 from hetc.passes.verify import verified_evaluation, verify
 from hetc.program import Program
 from hetc.timeline import Timeline
@@ -31,7 +31,7 @@ __all__ = ["PlanBuild", "build"]
 class PlanBuild:
     """A plan's programs, the cost model that timed them, and what the caller asked for."""
 
-    plan: ExplicitPlan
+    plan: Plan
     program: Program
     costs: CostModel
     timeline: Timeline | None = None         # the simulated step (None: not simulated)
@@ -43,7 +43,7 @@ class PlanBuild:
         return None if self.timeline is None else self.timeline.step_time
 
 
-def build(plan: ExplicitPlan, profiles: Profiles | None = None, *, costs: CostModel | None = None,
+def build(plan: Plan, profiles: Profiles | None = None, *, costs: CostModel | None = None,
           program: Program | None = None, verified: bool = False, simulated: bool = True,
           evaluation: bool = False, facts: Iterable[tuple[str, str]] = (), dump_after: str | None = None,
           on_dump: Callable[[str, Program], None] | None = None,
@@ -57,31 +57,31 @@ def build(plan: ExplicitPlan, profiles: Profiles | None = None, *, costs: CostMo
     `progress(line)` hears each phase done.
     """
     say = progress or (lambda _: None)
-    costs = costs or CostModel(plan.spec, plan.pipeline, plan.topology, profiles)
+    costs = costs or CostModel(plan, profiles)
     if program is None:
         program, classes = _lowered(plan, costs, dump_after, on_dump)
         say(f"lowered {program.world_size:,} ranks{classes}: "
             f"{sum(len(rp.instrs) for rp in program.ranks):,} instructions")
     machine = None
     if not verified:
-        machine = timed_machine(program, plan.spec, costs) if simulated else None   # run once (Note [one run])
-        verify(program, plan.pipeline, plan.spec, costs, machine=machine)
+        machine = timed_machine(program, costs) if simulated else None   # run once (Note [one run])
+        verify(program, plan, costs, machine=machine)
         say(f"verified ({len(program.groups):,} groups)")
-    timeline = simulate(program, plan.pipeline, plan.spec, costs, facts, ran=machine) if simulated else None
+    timeline = simulate(program, plan, costs, facts, ran=machine) if simulated else None
     if timeline is not None:
         say("simulated one step")
-    evaluated = verified_evaluation(program, plan.pipeline, plan.spec) if evaluation else None
-    eval_timeline = simulate(evaluated, plan.pipeline, plan.spec, costs) \
+    evaluated = verified_evaluation(program, plan) if evaluation else None
+    eval_timeline = simulate(evaluated, plan, costs) \
         if evaluated is not None and simulated else None
     return PlanBuild(plan, program, costs, timeline, evaluated, eval_timeline)
 
 
-def _lowered(plan: ExplicitPlan, costs: CostModel, dump_after: str | None,
+def _lowered(plan: Plan, costs: CostModel, dump_after: str | None,
              on_dump: Callable[[str, Program], None] | None) -> tuple[Program, str]:
     """Every rank's program, and how many classes it was lowered in (for the progress line): by class
     (passes/lower/by_class.py, the same programs), but rank by rank where every rank's program is dumped
     after a pass (`hetc compile --dump-after`)."""
     if on_dump is not None and dump_after is not None:
-        return lower(plan.spec, plan.pipeline, dump_after, on_dump, costs), ""
-    got = lower_by_class(plan.spec, plan.pipeline, costs)
+        return lower(plan, dump_after, on_dump, costs), ""
+    got = lower_by_class(plan, costs)
     return got.program, f" in {len(got.classes):,} classes"

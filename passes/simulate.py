@@ -35,9 +35,10 @@ from hetc.passes.verify import Backend, plan_backend
 from hetc.passes.verify.machine import Machine, Op
 from hetc.passes.verify.memory import Sizes, rank_levels
 from hetc.pipeline import Pipeline
+from hetc.plan import Plan
 from hetc.program import (COLLECTIVE_OF, COLLECTIVE_TYPES, PHASE_OF, AllGather, AllReduce, AllToAll, ComputeInstr,
                           Free, Instr, Load, Offload, Prefetch, Program, ReduceScatter, Send, Shard, Step, Tensor)
-from hetc.spec import DTYPE_BYTES, Spec
+from hetc.spec import DTYPE_BYTES
 from hetc.timeline import Event, Flow, MemorySample, RankInfo, Timeline, class_times, classify
 
 __all__ = ["SimulationError", "simulate", "timed_machine"]
@@ -49,10 +50,9 @@ class SimulationError(RuntimeError):
 class _Costs:
     """The cost model as the blocking machine's `Clock` (Note [timeline model])."""
 
-    def __init__(self, program: Program, spec: Spec, costs: CostModel):
+    def __init__(self, program: Program, costs: CostModel):
         self.costs = costs
-        assert spec.model is not None   # a checked spec
-        self.delta = DTYPE_BYTES[spec.model.dtype]
+        self.delta = DTYPE_BYTES[costs.model.dtype]
         self.members = {g.name: g.ranks for g in program.groups}
         self.shards = {rp.rank: {s.ms: s for s in rp.shards} for rp in program.ranks}
 
@@ -143,12 +143,12 @@ class _Costs:
         return full / len(self.members[shard.group]) if shard.level == 3 and shard.group else full
 
 
-def timed_machine(program: Program, spec: Spec, costs: CostModel, backend: Backend | None = None) -> Machine:
+def timed_machine(program: Program, costs: CostModel, backend: Backend | None = None) -> Machine:
     """The programs' blocking machine timed by the cost model, not yet run: `verify(..., machine=)` runs it and
     `simulate(..., ran=)` reads its times (Note [one run] in passes/verify/protocol.py). It runs the blocking
     rule of the backend the plan's ranks use (`plan_backend`: NCCL's order on GPUs), as `verify` proves, or
     of `backend` (what another backend's rule would make of the same programs)."""
-    return Machine(program, _Costs(program, spec, costs), record=True,
+    return Machine(program, _Costs(program, costs), record=True,
                    backend=backend or plan_backend(costs.pipeline))
 
 
@@ -188,13 +188,13 @@ def _memory_samples(machine: Machine, pipeline: Pipeline, sizes: Sizes) -> list[
     return samples
 
 
-def simulate(program: Program, pipeline: Pipeline, spec: Spec, costs: CostModel,
+def simulate(program: Program, plan: Plan, costs: CostModel,
              plan_facts: Iterable[tuple[str, str]] = (), ran: Machine | None = None) -> Timeline:
     """The predicted Timeline of one step (source "predicted"), with each rank's memory curve.
 
-    `ran`: `timed_machine(program, spec, costs)` after `verify` ran it; by default the programs are run here."""
+    `ran`: `timed_machine(program, costs)` after `verify` ran it; by default the programs are run here."""
     if ran is None:
-        ran = timed_machine(program, spec, costs)
+        ran = timed_machine(program, costs)
         ran.run()
     machine = _finished(ran)
     clock = cast(_Costs, machine.clock)
@@ -202,11 +202,11 @@ def simulate(program: Program, pipeline: Pipeline, spec: Spec, costs: CostModel,
                   for send, recv in machine.messages)
     infos = []
     for rp in program.ranks:
-        gpu = pipeline.world[rp.rank]
+        gpu = plan.pipeline.world[rp.rank]
         infos.append(RankInfo(rp.rank, rp.stage, rp.lane, gpu.device.name, str(gpu), gpu.device.memory))
     classes = tuple({c.value: s for c, s in class_times(rp.instrs, machine.ranks[rp.rank].issued,
                                                          machine.ranks[rp.rank].t).items()}
                     for rp in program.ranks)
     return Timeline("predicted", tuple(infos), tuple(_events(machine)), flows,
-                    tuple(_memory_samples(machine, pipeline, costs)), machine.end_time(), tuple(plan_facts),
+                    tuple(_memory_samples(machine, plan.pipeline, costs)), machine.end_time(), tuple(plan_facts),
                     classes)

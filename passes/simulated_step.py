@@ -33,7 +33,7 @@ from hetc.passes.cost.estimate import Estimate, with_simulated_step
 from hetc.passes.simulate import timed_machine
 from hetc.pipeline import Pipeline
 from hetc.program import Program
-from hetc.spec import ModelSpec, Spec
+from hetc.spec import ModelSpec
 
 __all__ = ["AGREEMENT", "SIMULATED_LOCKSTEP_LANES", "SIMULATED_OPS", "Simulated", "compute_ops", "quick_to_simulate",
            "simulated_estimate", "simulated_step"]
@@ -69,8 +69,8 @@ def quick_to_simulate(pipeline: Pipeline, model: ModelSpec) -> bool:
         all(len(group.lanes) <= SIMULATED_LOCKSTEP_LANES for group in lockstep_groups(pipeline, model))
 
 
-def simulated_step(spec: Spec, costs: CostModel, program: Program | None = None) -> Simulated | None:
-    """The programs `hetc compile` builds from `spec`'s plan (`costs`'), simulated (Note [one step time]); None
+def simulated_step(costs: CostModel, program: Program | None = None) -> Simulated | None:
+    """The programs `hetc compile` builds from `costs`' plan, simulated (Note [one step time]); None
     where they are too many to build in a moment, or compile would refuse them. `program`: those programs,
     lowered already."""
     pipeline = costs.pipeline
@@ -79,16 +79,16 @@ def simulated_step(spec: Spec, costs: CostModel, program: Program | None = None)
     if program is None:
         from hetc.passes.lower.by_class import lower_by_class   # lowering imports the cost model: not at import
 
-        program = lower_by_class(spec, pipeline, costs).program     # compile's programs, as compile lowers them
-    machine = timed_machine(program, spec, costs)
+        program = lower_by_class(costs.plan, costs).program     # compile's programs, as compile lowers them
+    machine = timed_machine(program, costs)
     if machine.run() is not None or machine.unfinished():
         return None   # programs compile would refuse (and name why)
     return Simulated(machine.end_time(), program)
 
 
-def simulated_estimate(spec: Spec, costs: CostModel, estimate: Estimate, program: Program | None = None) -> Estimate:
-    """`estimate` with the step of the programs `hetc compile` builds from `spec`'s plan (`costs`'), simulated
+def simulated_estimate(costs: CostModel, estimate: Estimate, program: Program | None = None) -> Estimate:
+    """`estimate` with the step of the programs `hetc compile` builds from `costs`' plan, simulated
     (Note [one step time]); the estimate as it is where the programs are too many to build in a moment, or
     compile would refuse them (the estimate is all there is). `program`: those programs, lowered already."""
-    got = simulated_step(spec, costs, program)
+    got = simulated_step(costs, program)
     return estimate if got is None else with_simulated_step(estimate, costs, got.step_s)

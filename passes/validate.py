@@ -25,15 +25,15 @@ from hetc.passes.resolve import resolve_pipeline
 from hetc.passes.validate_plan import check_plan
 from hetc.passes.validate_precision import check_precision
 from hetc.pipeline import Pipeline
-from hetc.spec import (AUTO, CPKind, DeviceSpec, LinkSpec, ModelSpec, NodeSpec, OffloadSpec, OffloadTarget, ParallelSpec,
-                       Spec, StageSpec, TrainSpec, ZeroShard, ZeroSpec)
+from hetc.plan import Plan
+from hetc.spec import (AUTO, CPKind, DeviceSpec, LinkSpec, ModelSpec, NodeSpec, OffloadSpec, OffloadTarget, Spec, StageSpec, ZeroShard, ZeroSpec)
 from hetc.topology import MAX_GPUS, Topology
 
 # Every rank's program lists each of its microbatches; beyond this a step is
 # not a plan anyone runs, and resolving it would take seconds.
 MAX_MICROBATCHES = 65536
 
-__all__ = ["Checked", "ExplicitPlan", "check_spec", "validate"]
+__all__ = ["Checked", "check_spec", "validate"]
 
 
 @dataclass(frozen=True)
@@ -44,28 +44,13 @@ class Checked:
     topology: Topology | None
     pipeline: Pipeline | None   # None while the plan still has `auto`
 
-    def explicit(self) -> ExplicitPlan | None:
+    def explicit(self) -> Plan | None:
         """The plan with its blocks and pipeline typed as present; None while it still has `auto`."""
-        spec = self.spec
         if self.pipeline is None:
             return None
-        # validation resolves a pipeline only for a complete spec, on its cluster
-        if self.topology is None or spec.model is None or spec.train is None or spec.parallel is None:
-            raise InternalError("a resolved pipeline without a cluster, model, train or parallel block")
-        return ExplicitPlan(spec, self.topology, self.pipeline, spec.model, spec.train, spec.parallel)
-
-
-@dataclass(frozen=True)
-class ExplicitPlan:
-    """A checked spec with no `auto` left: what the back end (cost model, lowering, verifier, simulator)
-    builds on. Its blocks are the spec's own, typed as present, so code holding one checks nothing."""
-
-    spec: Spec
-    topology: Topology
-    pipeline: Pipeline
-    model: ModelSpec
-    train: TrainSpec
-    parallel: ParallelSpec
+        if self.topology is None:   # validation resolves a pipeline only for a complete spec, on its cluster
+            raise InternalError("a resolved pipeline without a cluster")
+        return Plan.of(self.spec, self.topology, self.pipeline)
 
 
 def validate(spec: Spec, base_dir: Path | None = None) -> list[Diagnostic]:

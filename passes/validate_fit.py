@@ -23,7 +23,7 @@ from hetc.spec import Checkpointing, OffloadTarget, Spec
 if TYPE_CHECKING:     # both import this module's callers' modules at run time
     from hetc.passes.cost import CostError
     from hetc.passes.cost.memory import RankMemory
-    from hetc.passes.validate import Checked
+    from hetc.plan import Plan
 
 __all__ = ["NEAR_CAPACITY", "RankUse", "cost_error", "estimate_overflows", "estimate_uses", "near_capacity_warning",
            "peak_overflows", "peak_uses", "stage_overflows"]
@@ -52,18 +52,15 @@ class RankUse:
         return self.total > self.capacity
 
 
-def estimate_overflows(checked: Checked) -> list[Diagnostic]:
-    """The stages of `checked`'s plan (a `passes.validate.Checked`) that the cost model's estimate puts over
-    their devices' memory."""
+def estimate_overflows(plan: Plan) -> list[Diagnostic]:
+    """The stages of `plan` that the cost model's estimate puts over their devices' memory."""
     from hetc.passes.cost import CostError, CostModel
 
-    spec, pipeline, topology = checked.spec, checked.pipeline, checked.topology
-    assert pipeline is not None and topology is not None   # the caller checks an explicit plan
     try:
-        estimate = CostModel(spec, pipeline, topology).estimate()
+        estimate = CostModel(plan).estimate()
     except CostError as err:   # a device the cost model cannot time: compile would stop there too
-        return [cost_error(spec, err)]
-    return stage_overflows(spec, pipeline, estimate_uses(estimate.memory), "the cost model estimates")
+        return [cost_error(plan.spec, err)]
+    return stage_overflows(plan.spec, plan.pipeline, estimate_uses(estimate.memory), "the cost model estimates")
 
 
 def estimate_uses(memory: Iterable[RankMemory]) -> list[RankUse]:

@@ -13,12 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hetc.passes.verify import verified_evaluation
-from hetc.pipeline import Pipeline
+from hetc.plan import Plan
 from hetc.plandir import read_eval_rank
 from hetc.program import Program, RankProgram
 from hetc.runtime.data import DataSource, make_eval_source
 from hetc.runtime.interpreter import Interpreter
-from hetc.spec import Spec
 
 __all__ = ["Evaluator", "make_evaluator"]
 
@@ -40,18 +39,16 @@ class Evaluator:
         return total / self.batches
 
 
-def make_evaluator(spec: Spec, pipeline: Pipeline, program: Program, rank: int,
-                   plan_dir: Path) -> Evaluator | None:
+def make_evaluator(program: Program, plan: Plan, rank: int, plan_dir: Path) -> Evaluator | None:
     """This rank's evaluator, with the evaluation program compile verified and wrote beside its listing
     (Note [verified once] in hetc/plandir.py); None when the job does not evaluate."""
-    model, train = spec.model, spec.train
-    assert model is not None and train is not None, "a plan's spec is complete"
-    data = make_eval_source(model, train, plan_dir)
+    train = plan.train
+    data = make_eval_source(plan.model, train, plan_dir)
     if data is None:
         return None
     own = read_eval_rank(plan_dir, rank)
     if own is None:     # a plan directory from before compile wrote them: derived and verified here
-        programs = verified_evaluation(program, pipeline, spec)
+        programs = verified_evaluation(program, plan)
         assert programs is not None, "make_eval_source gave data, so the job evaluates"
         own = programs.ranks[rank]
     return Evaluator(own, data, train.eval_every, train.eval_batches)

@@ -140,7 +140,7 @@ def _peak(plan, program, rank: int):
     from hetc.passes.cost import CostModel
     from hetc.passes.verify.memory import group_sizes, rank_peak
 
-    costs = CostModel(plan.spec, plan.pipeline, plan.topology, None)
+    costs = CostModel(plan)
     return rank_peak(program.ranks[rank], plan.pipeline, costs, group_sizes(program.groups))
 
 

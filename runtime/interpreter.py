@@ -42,7 +42,7 @@ from hetc.runtime.nn.split_backward import DeferredWeightGrad, backward_input, b
 from hetc.runtime.step_clock import StepClock
 from hetc.runtime.tied import put_tied_sum, tied_copy, tied_share
 from hetc.runtime.unit_buffers import Buffers, UnitBuffers
-from hetc.spec import Spec
+from hetc.plan import Plan
 from hetc.timeline import class_times
 
 __all__ = ["Interpreter", "ProtocolError", "StepResult"]
@@ -78,22 +78,21 @@ class Interpreter:
     message_time: Callable[[int, int, float], float] | None = None
     messages: MessageLog | None = None      # `--rebalance`: when each message was posted and arrived
 
-    def __init__(self, spec: Spec, program: RankProgram, buffers: dict[int, Buffers], comm: Comm,
-                 data: DataSource, num_microbatches: int, device: torch.device,
-                 first_layer: dict[int, int], stop_layer: dict[int, int], place: LanePlace, *,
-                 pin_memory: bool = True):
-        """`pin_memory`: the rank's stage's `offload { pin_memory }`, for the host buffers of its offloads."""
-        self.spec, self.program, self.buffers, self.comm = spec, program, buffers, comm
-        self.data, self.m, self.device, self.place = data, num_microbatches, device, place
-        assert spec.model is not None and spec.train is not None   # a checked spec
-        self.model, self.train = spec.model, spec.train
-        self.starts = {ms: first_layer[ms] == 0 for ms in buffers}
-        self.first_layer, self.stop_layer = first_layer, stop_layer
-        self.ends = {ms: stop_layer[ms] == spec.model.num_model_layers for ms in buffers}
+    def __init__(self, program: RankProgram, plan: Plan, buffers: dict[int, Buffers], comm: Comm,
+                 data: DataSource, device: torch.device, place: LanePlace):
+        self.spec, self.program, self.buffers, self.comm = plan.spec, program, buffers, comm
+        self.data, self.m, self.device, self.place = data, plan.pipeline.num_microbatches, device, place
+        self.model, self.train = plan.model, plan.train
+        ministages = plan.pipeline.ministages
+        self.first_layer = {m.index: m.first_layer for m in ministages}
+        self.stop_layer = {m.index: m.stop_layer for m in ministages}
+        self.starts = {ms: self.first_layer[ms] == 0 for ms in buffers}
+        self.ends = {ms: self.stop_layer[ms] == plan.model.num_model_layers for ms in buffers}
         self.counts_loss = place.counts_loss
         self.training = True
         self.skip_nonfinite = False    # set by `hetc run --on-nonfinite skip`: Note [non-finite steps]
-        self.pin_memory = pin_memory
+        # the host buffers of the rank's offloads: its stage's `offload { pin_memory }`
+        self.pin_memory = pin_memory = plan.pipeline.stage_of_rank[program.rank].offload.pin_memory
         for buf in buffers.values():
             for part in buf.parts():
                 part.pin_host_copy(pin_memory)

@@ -69,8 +69,8 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 from hetc.pipeline import Pipeline
 from hetc.program import Program, RankProgram
-from hetc.errors import SpecError
-from hetc.passes.validate import ExplicitPlan
+from hetc.errors import InternalError, SpecError
+from hetc.plan import Plan
 from hetc.passes.verify import VerifyError
 from hetc.runtime.links import LinkId, MessageLog, border_rates, border_seconds, link_transits, model_link_factor
 from hetc.spec import Auto, LayerRange, Routing, RoutingKind, Spec
@@ -186,22 +186,18 @@ def routing_of(pipeline: Pipeline) -> dict[int, tuple[int, ...]]:
     return {st.index: tuple(len(lane.microbatches) for lane in st.lanes) for st in pipeline.stages}
 
 
-def with_routing(spec: Spec, routing: Mapping[int, tuple[int, ...]]) -> Spec:
-    """`spec` with explicit microbatch counts per lane for every stage whose lanes are more than one."""
-    parallel = spec.parallel
-    assert parallel is not None and not isinstance(parallel.stages, Auto)   # an explicit plan
+def with_routing(plan: Plan, routing: Mapping[int, tuple[int, ...]]) -> Spec:
+    """`plan`'s spec with explicit microbatch counts per lane for every stage whose lanes are more than one."""
     stages = tuple(st if len(routing[i]) < 2 else
                    dataclasses.replace(st, microbatches=Routing(kind=RoutingKind.COUNTS, counts=routing[i]))
-                   for i, st in enumerate(parallel.stages))
-    return dataclasses.replace(spec, parallel=dataclasses.replace(parallel, stages=stages))
+                   for i, st in enumerate(plan.stages))
+    return dataclasses.replace(plan.spec, parallel=dataclasses.replace(plan.parallel, stages=stages))
 
 
-def layer_splits(spec: Spec, pipeline: Pipeline, stage: int) -> list[Spec]:
-    """`spec` with each border of stage `stage` (to the stage before it and after it) moved by one or two
-    layers, where both stages have one layer range and keep a layer (Note [a new layer split])."""
-    model, parallel = spec.model, spec.parallel
-    assert model is not None and parallel is not None and not isinstance(parallel.stages, Auto)
-    stages = parallel.stages
+def layer_splits(plan: Plan, stage: int) -> list[Spec]:
+    """`plan`'s spec with each border of stage `stage` (to the stage before it and after it) moved by one or
+    two layers, where both stages have one layer range and keep a layer (Note [a new layer split])."""
+    model, parallel, pipeline, stages = plan.model, plan.parallel, plan.pipeline, plan.stages
     out = []
     for left in (stage - 1, stage):
         if left < 0 or left + 1 >= len(stages):
@@ -218,7 +214,7 @@ def layer_splits(spec: Spec, pipeline: Pipeline, stage: int) -> list[Spec]:
             new = list(stages)
             new[left] = dataclasses.replace(a, layers=(LayerRange(first=name(first), last=name(moved - 1)),))
             new[left + 1] = dataclasses.replace(b, layers=(LayerRange(first=name(moved), last=name(last - 1)),))
-            out.append(dataclasses.replace(spec, parallel=dataclasses.replace(parallel, stages=tuple(new))))
+            out.append(dataclasses.replace(plan.spec, parallel=dataclasses.replace(parallel, stages=tuple(new))))
     return out
 
 
@@ -228,6 +224,16 @@ def _layers(pipeline: Pipeline, stage: int) -> tuple[int, int]:
     return pipeline.ministages[ms[0]].first_layer, pipeline.ministages[ms[-1]].stop_layer
 
 
+def _plan_of(spec: Spec, plan_dir: Path) -> Plan:
+    """The plan of `spec`: the running plan with other microbatch counts or layers, so explicit."""
+    from hetc.passes.validate import check_spec
+
+    plan = check_spec(spec, plan_dir).explicit()
+    if plan is None:
+        raise InternalError("a re-plan of an explicit plan left `auto` in it")
+    return plan
+
+
 @dataclass(frozen=True)
 class Switch:
     """What a rank runs from the next step on."""
@@ -235,15 +241,14 @@ class Switch:
     program: RankProgram
     evaluation: RankProgram | None
     full: Program | None = None          # rank 0: every rank's programs (the trace of a step needs them)
-    pipeline: Pipeline | None = None
-    resplit: ExplicitPlan | None = None  # a new layer split: the rank reshards (Note [a new layer split])
+    plan: Plan | None = None             # with them, their plan
+    resplit: Plan | None = None  # a new layer split: the rank reshards (Note [a new layer split])
     whole: Program | None = None         # with it, the new programs (groups and every rank's listing)
 
 
 @dataclass
 class _Compiled:
-    spec: Spec
-    pipeline: Pipeline
+    plan: Plan
     program: Program
     evaluation: Program | None
     simulated_s: float
@@ -252,11 +257,12 @@ class _Compiled:
 class Rebalancer:
     """One rank's part of live rebalancing (Note [live rebalancing]); rank 0 decides."""
 
-    def __init__(self, plan_dir: Path, spec: Spec, pipeline: Pipeline, rank: int, opts: RebalanceOptions,
+    def __init__(self, plan_dir: Path, plan: Plan, rank: int, opts: RebalanceOptions,
                  store, log, can_reshard: bool = False, version: int = 0) -> None:
         """`can_reshard`: the run saves checkpoints, so a new layer split can go through one; `version`: the
         last plan version published (a rebalancer after a new split goes on counting)."""
-        self.plan_dir, self.spec, self.pipeline, self.rank, self.opts = plan_dir, spec, pipeline, rank, opts
+        self.plan_dir, self.plan, self.rank, self.opts = plan_dir, plan, rank, opts
+        pipeline = plan.pipeline
         self.store, self.log = store, log      # `log(record)`: a --metrics record (rank 0)
         self.can_reshard = can_reshard
         self.planned = routing_of(pipeline)
@@ -290,14 +296,12 @@ class Rebalancer:
         return self._switch_to(decision["version"])
 
     def _resplit_to(self, version: int) -> Switch:
-        from hetc.passes.validate import check_spec
 
         spec, program, evaluation = pickle.loads(self.store.get(SPLIT_KEY.format(version=version)))
-        plan = check_spec(spec, self.plan_dir).explicit()
-        assert plan is not None   # compiled on rank 0 from this spec
+        plan = _plan_of(spec, self.plan_dir)
         self.version = version
         return Switch(program.ranks[self.rank], evaluation.ranks[self.rank] if evaluation is not None else None,
-                      program if self.rank == 0 else None, plan.pipeline, plan, program)
+                      program if self.rank == 0 else None, plan, plan, program)
 
     def _switch_to(self, version: int) -> Switch:
         program = RankProgram.from_text(self.store.get(LISTING_KEY.format(version=version, kind="rank",
@@ -307,12 +311,12 @@ class Rebalancer:
         if self.rank != 0:
             return Switch(program, evaluation)
         assert self._program is not None
-        return Switch(program, evaluation, self._program, self.pipeline)
+        return Switch(program, evaluation, self._program, self.plan)
 
     # ------------------------------------------------------------ rank 0
 
     def _decide(self, step: int, step_s: float) -> dict | None:
-        world = self.pipeline.world_size
+        world = self.plan.pipeline.world_size
         keys = [f"hetc/rebalance/compute/{step}/{r}" for r in range(world)]
         compute = [float(v) for v in self.store.multi_get(keys)]
         self.watch.observe(self._per_microbatch(compute))
@@ -333,13 +337,13 @@ class Rebalancer:
     def _watch_links(self, step: int) -> bool:
         """Observe every link's transit in `step` (Note [link transit]); whether a link became slow or
         recovered."""
-        world = self.pipeline.world_size
+        world = self.plan.pipeline.world_size
         logs = self.store.multi_get([f"hetc/rebalance/messages/{step}/{r}" for r in range(world)])
         transits = link_transits({r: MessageLog.from_json(text.decode()) for r, text in enumerate(logs)})
         if self.links is None:
             self.links = LinkWatch(sorted(transits.fastest), self.opts.for_links())
         self.links.observe(transits.fastest)
-        self.border_rates.update(border_rates(self.pipeline, transits.messages))
+        self.border_rates.update(border_rates(self.plan.pipeline, transits.messages))
         self.link_bytes.update(transits.nbytes)
         became, recovered = self.links.update()
         for link in became:
@@ -350,19 +354,18 @@ class Rebalancer:
 
     def _per_microbatch(self, compute: list[float]) -> dict[LaneId, float]:
         return {(st.index, lane.index): max(compute[r] for r in lane.ranks) / max(1, len(lane.microbatches))
-                for st in self.pipeline.stages for lane in st.lanes}
+                for st in self.plan.pipeline.stages for lane in st.lanes}
 
     def _replan(self, step: int) -> dict | None:
         from hetc.passes.lower.schedule import lockstep_groups
 
-        assert self.spec.model is not None   # a plan's spec
-        coupled = {group.stage.index for group in lockstep_groups(self.pipeline, self.spec.model)}
-        equal = {st.index: st.index in coupled for st in self.pipeline.stages}
-        target = target_routing(self.pipeline, self.planned, self.watch.reference, self.watch.slow, equal,
+        coupled = {group.stage.index for group in lockstep_groups(self.plan.pipeline, self.plan.model)}
+        equal = {st.index: st.index in coupled for st in self.plan.pipeline.stages}
+        target = target_routing(self.plan.pipeline, self.planned, self.watch.reference, self.watch.slow, equal,
                                 self._border_seconds())
-        current = routing_of(self.pipeline)
+        current = routing_of(self.plan.pipeline)
         if target == current:
-            alone = [lane for lane in self.watch.slow if len(self.pipeline.stages[lane[0]].lanes) == 1]
+            alone = [lane for lane in self.watch.slow if len(self.plan.pipeline.stages[lane[0]].lanes) == 1]
             return self._resplit(step, alone[0][0]) if alone else None
         slow = self._rank_slowdowns()
         start = time.perf_counter()
@@ -383,7 +386,7 @@ class Rebalancer:
         self.version += 1
         self._publish(after)
         compile_s = time.perf_counter() - start
-        self.spec, self.pipeline, self._program = after.spec, after.pipeline, after.program
+        self.plan, self._program = after.plan, after.program
         self.last_change = step
         self.check = (step, measured, predicted)
         why = "back to the plan's routing" if restores else f"+{gain:.0%} throughput"
@@ -395,15 +398,15 @@ class Rebalancer:
 
     def _resplit(self, step: int, stage: int) -> dict | None:
         """Re-routing cannot help a slow lane alone in `stage`: a new layer split (Note [a new layer split])."""
-        name = self.pipeline.stages[stage].name
+        name = self.plan.pipeline.stages[stage].name
         if not self.can_reshard:
             self._say(step, f"re-routing cannot help stage '{name}' (one lane); a new layer split goes through "
                       "a checkpoint: run with --checkpoint DIR", {"change": None, "taken": False})
             return None
         slow, start = self._rank_slowdowns(), time.perf_counter()
-        before = self._compile_spec(self.spec, slow)
+        before = self._compile_spec(self.plan.spec, slow)
         best: _Compiled | None = None
-        for spec in layer_splits(self.spec, self.pipeline, stage):
+        for spec in layer_splits(self.plan, stage):
             try:
                 got = self._compile_spec(spec, slow)
             except (SpecError, VerifyError):      # a split that does not fit or that the plan's rules refuse
@@ -411,14 +414,14 @@ class Rebalancer:
             if best is None or got.simulated_s < best.simulated_s:
                 best = got
         gain = before.simulated_s / best.simulated_s - 1 if best is not None and best.simulated_s > 0 else 0.0
-        split = "" if best is None else self._describe_split(best.pipeline)
+        split = "" if best is None else self._describe_split(best.plan.pipeline)
         if best is None or gain < self.opts.split_gain:
             self._say(step, f"re-routing cannot help stage '{name}' (one lane); the best new layer split "
                       f"{split or '(none fits)'} would gain {gain:.0%} (< {self.opts.split_gain:.0%}): kept",
                       {"change": None, "split": split or None, "predicted_gain": gain, "taken": False})
             return None
         self.version += 1
-        self.store.set(SPLIT_KEY.format(version=self.version), pickle.dumps((best.spec, best.program,
+        self.store.set(SPLIT_KEY.format(version=self.version), pickle.dumps((best.plan.spec, best.program,
                                                                              best.evaluation)))
         measured = statistics.median(self.steps)
         predicted = measured * best.simulated_s / before.simulated_s
@@ -430,8 +433,7 @@ class Rebalancer:
         return {"version": self.version, "split": True}
 
     def _describe_split(self, pipeline: Pipeline) -> str:
-        model = self.spec.model
-        assert model is not None   # a plan's spec
+        model = self.plan.model
         spans = [(st.name, *_layers(pipeline, st.index)) for st in pipeline.stages]
         return ", ".join(f"{name} {model.layer_name(a)}..{model.layer_name(b - 1)}" for name, a, b in spans)
 
@@ -452,27 +454,24 @@ class Rebalancer:
 
     def _rank_slowdowns(self) -> dict[int, float]:
         return {r: factor for (s, l), factor in self.watch.slow.items()
-                for r in self.pipeline.stages[s].lanes[l].ranks}
+                for r in self.plan.pipeline.stages[s].lanes[l].ranks}
 
     def _compile(self, routing: Mapping[int, tuple[int, ...]], slow: Mapping[int, float]) -> _Compiled:
         """Lower, verify and simulate the plan with `routing`, its compute slowed by `slow`."""
-        return self._compile_spec(with_routing(self.spec, routing), slow)
+        return self._compile_spec(with_routing(self.plan, routing), slow)
 
     def _compile_spec(self, spec: Spec, slow: Mapping[int, float]) -> _Compiled:
         """Lower, verify and simulate the plan of `spec`, its compute slowed by `slow`, its slow links by
         theirs (Note [link transit] in runtime/links.py)."""
         from hetc.passes.build import build
         from hetc.passes.cost import CostModel
-        from hetc.passes.validate import check_spec
-
-        plan = check_spec(spec, self.plan_dir).explicit()
-        assert plan is not None   # the running plan with other counts: explicit
-        healthy = CostModel(plan.spec, plan.pipeline, plan.topology)
-        costs = CostModel(plan.spec, plan.pipeline, plan.topology, measured_slowdown=slow,
+        plan = _plan_of(spec, self.plan_dir)
+        healthy = CostModel(plan)
+        costs = CostModel(plan, measured_slowdown=slow,
                           measured_link_slowdown=self._link_slowdowns(healthy))
         got = build(plan, costs=costs, evaluation=True)
         assert got.step_time_s is not None   # simulated
-        return _Compiled(spec, plan.pipeline, got.program, got.evaluation, got.step_time_s)
+        return _Compiled(plan, got.program, got.evaluation, got.step_time_s)
 
     def _publish(self, compiled: _Compiled) -> None:
         for rp in compiled.program.ranks:
@@ -509,13 +508,13 @@ class Rebalancer:
         return f"the link between ranks {link[0]} and {link[1]}"
 
     def _lane_name(self, lane: LaneId) -> str:
-        stage = self.pipeline.stages[lane[0]]
+        stage = self.plan.pipeline.stages[lane[0]]
         ranks = stage.lanes[lane[1]].ranks
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
         return f"lane {lane[1]} of stage '{stage.name}' ({who})"
 
     def _describe(self, change: Mapping[str, list[list[int]]]) -> str:
-        return "; ".join(f"stage '{self.pipeline.stages[int(s)].name}' microbatches {old} -> {new}"
+        return "; ".join(f"stage '{self.plan.pipeline.stages[int(s)].name}' microbatches {old} -> {new}"
                          for s, (old, new) in change.items())
 
     def _say(self, step: int, text: str, record: dict) -> None:

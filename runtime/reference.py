@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from hetc.hf.weights import wants_pretrained
+from hetc.hf.weights import pretrained_dir
 from hetc.runtime.data import DataSource, make_data_source, make_eval_source
 from hetc.runtime.flat import FlatParams
 from hetc.runtime.hf_load import load_whole
@@ -56,9 +56,7 @@ def train_reference(model: ModelSpec, train: TrainSpec, *, base_dir: Path | str 
     """
     module = build_ministage(model, range(model.num_model_layers), seed=train.seed, device=device)
     flat = FlatParams(module, dtype=compute_dtype(model.dtype))
-    if wants_pretrained(model):       # the same initial weights as every plan's ranks (runtime/hf_load.py)
-        hf_dir = model.hf_dir()
-        assert hf_dir is not None     # pretrained weights come from an hf directory
+    if (hf_dir := pretrained_dir(model)) is not None:   # every plan's ranks' initial weights (runtime/hf_load.py)
         flat.load(load_whole(flat.layout, shard_infos(module), hf_dir))
     state = init_state(model.optimizer, flat.master)
     data = data if data is not None else make_data_source(model, train, base_dir)

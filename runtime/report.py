@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 from hetc.passes.cost.utilization import flop_counts, used_peak_flops
-from hetc.program import Recv, Send
+from hetc.plan import Plan
+from hetc.program import Program, Recv, Send
 from hetc.runtime.nn import collectives
 from hetc.runtime.optim import lr_at
 from hetc.runtime.scalars import ScalarSink, TensorBoardSink, WandbSink
@@ -95,13 +96,13 @@ class StartupProgress:
 
 
 class Reporter:
-    def __init__(self, rank, spec, pipeline, program, opts, device, append: bool = False):
+    def __init__(self, rank: int, plan: Plan, program: Program, opts, device, append: bool = False):
         """`append`: a resumed run adds its steps to the metrics file instead of starting it afresh."""
-        self.rank, self.spec, self.pipeline, self.program = rank, spec, pipeline, program
+        self.rank, self.plan, self.program = rank, plan, program
         self.opts, self.device = opts, device
-        self.tokens_per_step = spec.train.global_batch * spec.model.seq
-        self.flops = flop_counts(spec.model, pipeline)
-        self.peak_flops = used_peak_flops(spec.model, pipeline)
+        self.tokens_per_step = plan.train.global_batch * plan.model.seq
+        self.flops = flop_counts(plan.model, plan.pipeline)
+        self.peak_flops = used_peak_flops(plan.model, plan.pipeline)
         self.store = dist.distributed_c10d._get_default_store()
         writes = opts.metrics is not None and rank == 0
         # open for the whole run, closed by finish()
@@ -122,7 +123,7 @@ class Reporter:
             return
         tps = self.tokens_per_step / result.seconds if result.seconds > 0 else 0.0
         mfu, hfu = self._utilization(result.seconds)
-        lr = lr_at(self.spec.train, step)   # the rate this step's update used (runtime/optim.py)
+        lr = lr_at(self.plan.train, step)   # the rate this step's update used (runtime/optim.py)
         done = step + 1   # Note [step numbers]
         if not self.opts.quiet:
             val = "" if val_loss is None else f"  val_loss {val_loss:.4f}"
@@ -159,8 +160,8 @@ class Reporter:
         if self.opts.tensorboard is not None:
             sinks.append(TensorBoardSink(self.opts.tensorboard))
         if self.opts.wandb is not None:
-            config = {"world_size": self.program.world_size, "global_batch": self.spec.train.global_batch,
-                      "seq": self.spec.model.seq, "lr": self.spec.train.lr}
+            config = {"world_size": self.program.world_size, "global_batch": self.plan.train.global_batch,
+                      "seq": self.plan.model.seq, "lr": self.plan.train.lr}
             sinks.append(WandbSink(self.opts.wandb, config))
         return sinks
 
@@ -200,7 +201,7 @@ class Reporter:
         collectives.all_gather_object(gathered, mine)
         if self.rank != 0:
             return
-        timeline = build_measured_timeline(self.program, self.pipeline, gathered)
+        timeline = build_measured_timeline(self.program, self.plan.pipeline, gathered)
         self.opts.trace.write_text(timeline.to_json())
         print(f"trace of the last step: {self.opts.trace}", file=sys.stderr)
 

@@ -29,7 +29,9 @@ import torch.distributed as dist
 
 from hetc.hf.weights import wants_pretrained
 from hetc.passes.validate_runtime import require_trainable_dtype
+from hetc.plan import Plan
 from hetc.plandir import open_program, read_plan, require_verified
+from hetc.program import Program
 from hetc.runtime.comm import make_groups
 from hetc.runtime.data import make_data_source
 from hetc.runtime.evaluate import make_evaluator
@@ -121,21 +123,21 @@ def discovery_device() -> torch.device:
 def run_worker(plan_dir: Path, opts: RunOptions) -> int:
     started = time.perf_counter()
     launch = launch_env()
-    _, checked = read_plan(plan_dir)
-    program = open_program(plan_dir, len(checked.pipeline.world))    # Note [a rank reads its own]
+    _, plan = read_plan(plan_dir)
+    program = open_program(plan_dir, len(plan.pipeline.world))    # Note [a rank reads its own]
     if launch.world != program.world_size:
         raise EnvError(f"the plan has {program.world_size} ranks but WORLD_SIZE is {launch.world}")
     store = rendezvous_store(launch, opts.init_timeout_s)
     procs = discover(store, launch.process(discovery_device()), launch.world)
-    placement = place(checked.pipeline.world, procs)
+    placement = place(plan.pipeline.world, procs)
     rank = placement.plan_rank[launch.rank]
-    require_verified(plan_dir, [rank], program, checked)    # Note [verified once] in hetc/plandir.py
+    require_verified(plan_dir, [rank], program, plan)    # Note [verified once] in hetc/plandir.py
     progress = StartupProgress(rank == 0 and not opts.quiet, since=started)
     progress.done(f"placed {launch.world} rank{'s' if launch.world > 1 else ''}")
-    return run_placed(plan_dir, checked, program, rank, launch, store, opts, progress=progress)
+    return run_placed(plan_dir, plan, program, rank, launch, store, opts, progress=progress)
 
 
-def run_placed(plan_dir: Path, checked, program, rank: int, launch: Launch, store, opts: RunOptions,
+def run_placed(plan_dir: Path, plan: Plan, program: Program, rank: int, launch: Launch, store, opts: RunOptions,
                on_resumed: Callable[[int, float], None] | None = None,
                on_first_step: Callable[[], None] | None = None, progress: StartupProgress | None = None) -> int:
     """Train as plan rank `rank` (placed by discovery): the process group, the watchdog, the steps.
@@ -143,10 +145,9 @@ def run_placed(plan_dir: Path, checked, program, rank: int, launch: Launch, stor
     `on_resumed(step, seconds)` hears where the run resumed and how long the load took,
     `on_first_step()` when the first step is done (elastic reports); `progress` tells the start-up
     phases on rank 0 (its clock running since placement)."""
-    spec, pipeline = checked.spec, checked.pipeline
-    require_trainable_dtype(spec)   # fp16 has no loss scaling (torchrun and elastic ranks get here)
+    require_trainable_dtype(plan.spec)   # fp16 has no loss scaling (torchrun and elastic ranks get here)
     world = program.world_size
-    device = _device(pipeline.world[rank].device, launch.local_rank)
+    device = _device(plan.pipeline.world[rank].device, launch.local_rank)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     backend = "nccl" if device.type == "cuda" else "gloo"
     if backend == "nccl":
@@ -162,11 +163,11 @@ def run_placed(plan_dir: Path, checked, program, rank: int, launch: Launch, stor
     preemption = Preemption(store, rank, opts.grace_s)
     try:
         hooks = _Hooks(progress or StartupProgress(rank == 0 and not opts.quiet), on_resumed, on_first_step)
-        status = _train(plan_dir, opts, rank, spec, pipeline, program, device, init_timeout, preemption, hooks)
+        status = _train(plan_dir, opts, rank, plan, program, device, init_timeout, preemption, hooks)
         completed = True
     except (RuntimeError, dist.DistError) as err:
         if (oom := out_of_memory_in(err)) is not None:
-            raise _out_of_memory(checked, program, rank, device, err, oom) from None
+            raise _out_of_memory(plan, program, rank, device, err, oom) from None
         if isinstance(err, ClusterMismatch) or not is_comm_failure(err):
             raise
         raise _communication_failure(err, watchdog, rank, program, opts, backend) from None
@@ -214,39 +215,39 @@ def _out_of_memory(plan, program, rank: int, device: torch.device, err: BaseExce
                                                    where, detail, estimate_line(plan, program, rank)))
 
 
-def _train(plan_dir: Path, opts: RunOptions, rank: int, spec, pipeline, program, device: torch.device,
+def _train(plan_dir: Path, opts: RunOptions, rank: int, plan: Plan, program: Program, device: torch.device,
            timeout: datetime.timedelta, preemption: Preemption, hooks: _Hooks) -> int:
     """`timeout` is what the groups are created with (`creation_timeout`); then the step timeout holds."""
     groups = make_groups(program.groups, timeout)
     hooks.progress.done("process groups up")
-    data = make_data_source(spec.model, spec.train, plan_dir)
-    start_from = _start_point(opts, spec, rank)
+    data = make_data_source(plan.model, plan.train, plan_dir)
+    start_from = _start_point(opts, plan.spec, rank)
     from hetc.runtime.nccl_order import emulation_from_env    # HETC_EMULATE_NCCL, read once as the rank starts
 
-    rt = build_rank(spec, pipeline, program, rank, groups, data, device, resumes=start_from is not None,
+    rt = build_rank(program, plan, rank, groups, data, device, resumes=start_from is not None,
                     emulation=emulation_from_env())
-    hooks.progress.done(_built(spec, resumes=start_from is not None))
-    evaluator = make_evaluator(spec, pipeline, program, rank, plan_dir)
-    if opts.on_nonfinite is NonFinite.SKIP and not spec.train.grad_clip:
+    hooks.progress.done(_built(plan, resumes=start_from is not None))
+    evaluator = make_evaluator(program, plan, rank, plan_dir)
+    if opts.on_nonfinite is NonFinite.SKIP and not plan.train.grad_clip:
         raise EnvError("--on-nonfinite skip needs train.grad_clip in the spec: the global gradient norm it "
                        "checks before the update is computed only under clipping (Note [non-finite steps])")
     rt.interpreter.skip_nonfinite = opts.on_nonfinite is NonFinite.SKIP
     rt.interpreter.injected = opts.inject
     if any(isinstance(inj, LinkSlowdown) for inj in opts.inject):     # Note [a slowed link]
-        rt.interpreter.message_time = _message_time(spec, pipeline)
+        rt.interpreter.message_time = _message_time(plan)
     if opts.rebalance is not None:
         rt.interpreter.messages = MessageLog()      # Note [link transit]
     saver, lock = _checkpointer(rt, opts, timeout, rank)
     use_step_timeout(datetime.timedelta(seconds=opts.timeout_s))    # every group exists now
     try:
-        return _steps(rt, opts, rank, spec, pipeline, program, device, saver, evaluator, preemption, hooks,
-                      start_from, plan_dir)
+        return _steps(rt, opts, rank, plan, program, device, saver, evaluator, preemption, hooks, start_from,
+                      plan_dir)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _steps(rt, opts: RunOptions, rank: int, spec, pipeline, program, device: torch.device, saver, evaluator,
+def _steps(rt, opts: RunOptions, rank: int, plan: Plan, program: Program, device: torch.device, saver, evaluator,
            preemption: Preemption, hooks: _Hooks, start_from: _Start | None, plan_dir: Path) -> int:
     if opts.elastic:        # every rank: the load time below is the load's, not the wait for the last rank to start
         collectives.barrier()
@@ -254,11 +255,11 @@ def _steps(rt, opts: RunOptions, rank: int, spec, pipeline, program, device: tor
     start = _load(rt, start_from) if start_from is not None else 0
     if hooks.on_resumed is not None:
         hooks.on_resumed(start, time.perf_counter() - loading)
-    reporter = Reporter(rank, spec, pipeline, program, opts, device, append=start > 0)
+    reporter = Reporter(rank, plan, program, opts, device, append=start > 0)
     rebalancer = None if opts.rebalance is None else \
-        Rebalancer(plan_dir, spec, pipeline, rank, opts.rebalance, reporter.store, reporter.event,
+        Rebalancer(plan_dir, plan, rank, opts.rebalance, reporter.store, reporter.event,
                    can_reshard=saver is not None)
-    steps = spec.train.steps if opts.steps is None else opts.steps
+    steps = plan.train.steps if opts.steps is None else opts.steps
     skipped = 0
     for step in range(start, steps):
         traced = opts.trace is not None and step == steps - 1
@@ -300,8 +301,8 @@ def _switched(switch: Switch, step: int, rt, rebalancer: Rebalancer, saver, save
     """After `step`: the runtime (and rebalancer) that run the programs live rebalancing switched to
     (Note [live rebalancing]): the same with new programs after a new routing, a new one resharded from a
     checkpoint of this step after a new layer split (Note [a new layer split])."""
-    if switch.full is not None and switch.pipeline is not None:     # rank 0: a trace reads every rank's
-        reporter.program, reporter.pipeline = switch.full, switch.pipeline
+    if switch.full is not None and switch.plan is not None:     # rank 0: a trace reads every rank's
+        reporter.program, reporter.plan = switch.full, switch.plan
     if switch.resplit is None or switch.whole is None:
         rt.interpreter.program = switch.program
         return rt, rebalancer
@@ -315,23 +316,22 @@ def _switched(switch: Switch, step: int, rt, rebalancer: Rebalancer, saver, save
     old = rt.interpreter
     rt.buffers.clear()      # the checkpoint holds this state now; free it before the new split's is built
     groups = make_groups(switch.whole.groups, datetime.timedelta(seconds=opts.timeout_s))
-    rt = build_rank(plan.spec, plan.pipeline, switch.whole, old.program.rank, groups, old.data, old.device,
-                    resumes=True, emulation=emulation_from_env())
+    rt = build_rank(switch.whole, plan, old.program.rank, groups, old.data, old.device, resumes=True,
+                    emulation=emulation_from_env())
     rt.interpreter.skip_nonfinite, rt.interpreter.injected = old.skip_nonfinite, old.injected
     rt.interpreter.message_time, rt.interpreter.messages = old.message_time, old.messages
     _load(rt, _Start(saver.directory / f"step-{done}", False))
     saver.rt = rt
     assert opts.rebalance is not None   # it switched
-    return rt, Rebalancer(plan_dir, plan.spec, plan.pipeline, rt.rank, opts.rebalance, reporter.store,
-                          reporter.event, can_reshard=True, version=rebalancer.version)
+    return rt, Rebalancer(plan_dir, plan, rt.rank, opts.rebalance, reporter.store, reporter.event,
+                          can_reshard=True, version=rebalancer.version)
 
 
-def _message_time(spec, pipeline) -> Callable[[int, int, float], float]:
+def _message_time(plan: Plan) -> Callable[[int, int, float], float]:
     """The plan's time of a message (src, dst, bytes) on its link: what a slowed link stretches."""
     from hetc.passes.cost import CostModel
-    from hetc.topology import Topology
 
-    return CostModel(spec, pipeline, Topology(spec)).p2p_transfer_time
+    return CostModel(plan).p2p_transfer_time
 
 
 def _saved(saver, done: int) -> bool:
@@ -370,13 +370,13 @@ def _diverged(saver, rank: int, done: int, what: str, opts: RunOptions) -> int:
     return DIVERGED_STATUS
 
 
-def _built(spec, resumes: bool) -> str:
+def _built(plan: Plan, resumes: bool) -> str:
     """The start-up line once the model is built; a checkpoint's load says `resumed from` itself."""
     if resumes:
         return "model built"
-    if wants_pretrained(spec.model):
+    if wants_pretrained(plan.model):
         return "model built with its pretrained weights"
-    return f"model built; weights initialised from seed {spec.train.seed}"
+    return f"model built; weights initialised from seed {plan.train.seed}"
 
 
 @dataclass(frozen=True)

@@ -68,4 +68,4 @@ def write_spec(tmp: Path, text: str, name: str = "plan.het") -> Path:
 def cost_model(tmp: Path, text: str, profiles: Profiles | None = None, engine: Engine = Engine.HETC) -> CostModel:
     _, checked = load_checked(write_spec(tmp, text))
     assert checked.pipeline is not None, "the test plan must be explicit"
-    return CostModel(checked.spec, checked.pipeline, checked.topology, profiles, engine)
+    return CostModel(checked.explicit(), profiles, engine)

@@ -15,6 +15,7 @@ from hetc.compiler import load_checked
 from hetc.passes.lower import lower
 from hetc.passes.validate import check_spec
 from hetc.pipeline import Pipeline
+from hetc.plan import Plan
 from hetc.program import Program
 from hetc.spec import ScheduleKind, Spec
 from hetc.topology import Topology
@@ -29,10 +30,20 @@ TEST_PLANS = sorted(p for p in TEST_SPECS.glob("*.het") if not p.name.startswith
 
 @dataclasses.dataclass(frozen=True)
 class Lowered:
-    spec: Spec
-    pipeline: Pipeline
+    plan: Plan
     program: Program
-    topology: Topology
+
+    @property
+    def spec(self) -> Spec:
+        return self.plan.spec
+
+    @property
+    def pipeline(self) -> Pipeline:
+        return self.plan.pipeline
+
+    @property
+    def topology(self) -> Topology:
+        return self.plan.topology
 
 
 def plan_id(path: Path) -> str:
@@ -45,4 +56,5 @@ def compile_plan(path: Path, schedule: ScheduleKind | None = None) -> Lowered:
     if schedule is not None and schedule is not checked.spec.parallel.schedule:
         parallel = dataclasses.replace(checked.spec.parallel, schedule=schedule)
         checked = check_spec(dataclasses.replace(checked.spec, parallel=parallel), loaded.path.parent)
-    return Lowered(checked.spec, checked.pipeline, lower(checked.spec, checked.pipeline), checked.topology)
+    plan = checked.explicit()
+    return Lowered(plan, lower(plan))

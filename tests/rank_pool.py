@@ -228,12 +228,12 @@ def _run_job(job: PlanJob, rank: int, port: int) -> RankReport | None:
                             world_size=program.world_size, timeout=timeout)
     try:
         groups = make_groups(program.groups, timeout)
-        spec, pipeline = checked.spec, checked.pipeline
+        spec = checked.spec
         data = make_data_source(spec.model, spec.train, job.plan_dir)
         resumes = job.resume_from is not None and latest_checkpoint(job.resume_from) is not None
-        rt = build_rank(spec, pipeline, program, rank, groups, data, torch.device("cpu"), resumes=resumes,
+        rt = build_rank(program, checked, rank, groups, data, torch.device("cpu"), resumes=resumes,
                         emulation=job.emulation)
-        return _train(rt, job, rank, make_evaluator(spec, pipeline, program, rank, job.plan_dir))
+        return _train(rt, job, rank, make_evaluator(program, checked, rank, job.plan_dir))
     finally:
         dist.destroy_process_group()   # the default group and every group made from it
 

@@ -42,8 +42,9 @@ def _plan(seed: int, folder: str):
         _, checked = load_checked(path, require_complete=True)
     except SpecError:
         return None
-    costs = CostModel(checked.spec, checked.pipeline, checked.topology)
-    return checked.spec, checked.pipeline, costs, lower(checked.spec, checked.pipeline, costs=costs)
+    plan = checked.explicit()
+    costs = CostModel(plan)
+    return plan, costs, lower(plan, costs=costs)
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +52,9 @@ def folder(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("positions"))
 
 
-def _verifies(program: Program, pipeline: Pipeline, spec, costs) -> bool:
+def _verifies(program: Program, plan, costs) -> bool:
     try:
-        verify(program, pipeline, spec, costs)
+        verify(program, plan, costs)
     except VerifyError:
         return False
     return True
@@ -112,15 +113,15 @@ def copies(part: Program, positions: LanePositions, pipeline: Pipeline, groups: 
     return Program(tuple(ranks[r] for r in range(len(ranks))), groups)
 
 
-def assert_copies_position_0(program: Program, pipeline: Pipeline, spec, costs) -> bool:
+def assert_copies_position_0(program: Program, plan, costs) -> bool:
     """Where the plan's lane positions copy position 0 (`lane_positions`), assert that `program` (every rank's,
     verified) is those copies and that the check of position 0 passes it; False where they do not."""
-    positions = lane_positions(pipeline, spec.model.seq)
+    positions = lane_positions(plan.pipeline, plan.model.seq)
     if positions is None:
         return False
     part = Program(tuple(program.ranks[r] for r in positions.firsts), program.groups)
-    assert copies(part, positions, pipeline, program.groups) == program
-    assert part_passes(part, positions, pipeline, spec, costs)
+    assert copies(part, positions, plan.pipeline, program.groups) == program
+    assert part_passes(part, positions, plan, costs)
     return True
 
 
@@ -130,16 +131,17 @@ def test_random_tp_plans_lower_as_copies_of_position_0(folder):
         got = _plan(seed, folder)
         if got is None:
             continue
-        spec, pipeline, costs, program = got
-        positions = lane_positions(pipeline, spec.model.seq)
+        plan, costs, program = got
+        pipeline = plan.pipeline
+        positions = lane_positions(pipeline, plan.model.seq)
         if positions is None:   # hierarchical ZeRO: not of the Note's shape
             assert any(s.zero.shard.value == "node" for s in pipeline.stages), seed
             continue
-        assert copies(lower(spec, pipeline, costs=costs, ranks=positions.firsts), positions, pipeline,
+        assert copies(lower(plan, costs=costs, ranks=positions.firsts), positions, pipeline,
                       program.groups) == program, seed
-        fits = _verifies(program, pipeline, spec, costs)
+        fits = _verifies(program, plan, costs)
         part = Program(tuple(program.ranks[r] for r in positions.firsts), program.groups)
-        assert part_passes(part, positions, pipeline, spec, costs) == fits, seed
+        assert part_passes(part, positions, plan, costs) == fits, seed
         checked += 1
     assert checked >= len(SEEDS) // 3
 
@@ -176,10 +178,11 @@ def test_faults_copied_to_every_position_are_rejected_by_the_check_of_position_0
     seen = {"rejected": 0, "accepted": 0}
     for seed in SEEDS[:8]:
         got = _plan(seed, folder)
-        positions = got and lane_positions(got[1], got[0].model.seq)
+        positions = got and lane_positions(got[0].pipeline, got[0].model.seq)
         if not positions:
             continue
-        spec, pipeline, costs, program = got
+        plan, costs, program = got
+        pipeline = plan.pipeline
         part = Program(tuple(program.ranks[r] for r in positions.firsts), program.groups)
         reduced = position_program(part, positions)
         for k in range(MUTANTS_PER_PLAN):
@@ -194,7 +197,8 @@ def test_faults_copied_to_every_position_are_rejected_by_the_check_of_position_0
                     continue
                 mutant = _back(changed, positions, program.groups)
             whole = copies(mutant, positions, mutant_pipeline, program.groups)
-            fits = _verifies(whole, mutant_pipeline, spec, costs)
-            assert part_passes(mutant, positions, mutant_pipeline, spec, costs) == fits, (seed, fault)
+            mutant_plan = dataclasses.replace(plan, pipeline=mutant_pipeline)
+            fits = _verifies(whole, mutant_plan, costs)
+            assert part_passes(mutant, positions, mutant_plan, costs) == fits, (seed, fault)
             seen["accepted" if fits else "rejected"] += 1
     assert seen["rejected"] >= 30, seen

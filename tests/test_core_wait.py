@@ -54,7 +54,7 @@ def test_only_nodes_whose_ranks_outnumber_their_cores_wait():
 def _model(tmp_path, plan: str, core_wait: dict | None, cores: int | None = 2) -> CostModel:
     path = demo_with_cores(tmp_path, cores, plan, CLUSTER) if cores is not None else DEMO / f"{plan}.het"
     _, checked = load_checked(path)
-    return CostModel(checked.spec, checked.pipeline, checked.topology, profile_from_dict(_profile(core_wait), "p"))
+    return CostModel(checked.explicit(), profile_from_dict(_profile(core_wait), "p"))
 
 
 def test_every_blocking_call_pays_the_wait_once_where_ranks_share_cores(tmp_path):

@@ -253,7 +253,7 @@ def test_zorse_with_offloaded_activations_is_estimated_as_compiled(tmp_path, glo
 
     text = plan_text(ZORSE_OFFLOADED.format(params="", zero="", ministages=1), global_batch=global_batch)
     cm = cost_model(tmp_path, text)
-    program = lower(cm.spec, cm.pipeline, costs=cm)
+    program = lower(cm.plan, costs=cm)
     for estimated, compiled in zip(cm.estimate().memory, rank_peaks(program, cm.pipeline, cm), strict=True):
         context = context_reserve(estimated.capacity, False)
         assert compiled.total - context == pytest.approx(estimated.total - context)

@@ -92,7 +92,7 @@ def test_eval_program_is_forward_only_and_verified(tmp_path):
     assert compiled.eval_timeline is not None
     assert 0 < compiled.eval_timeline.step_time < compiled.timeline.step_time
     with pytest.raises(VerifyError, match="forward only"):   # the training program is not an eval program
-        verify(compiled.program, compiled.pipeline, compiled.checked.spec, forward_only=True)
+        verify(compiled.program, compiled.plan, forward_only=True)
 
 
 def test_the_verifier_blames_a_broken_eval_program(tmp_path):
@@ -105,7 +105,7 @@ def test_the_verifier_blames_a_broken_eval_program(tmp_path):
     instrs = tuple(i for i in rank.instrs if not (isinstance(i, Recv) and i.mb == mb))
     broken = evaluation.replace_rank(rank.rank, tuple(i for i in instrs if not _waits_for(i, rank, mb)))
     with pytest.raises(VerifyError, match=f"rank {rank.rank}, instruction .*has not arrived"):
-        verify(broken, compiled.pipeline, compiled.checked.spec, forward_only=True)
+        verify(broken, compiled.plan, forward_only=True)
 
 
 def _waits_for(instr, rp, mb: int) -> bool:

@@ -62,7 +62,7 @@ def _compile_text(tmp_path, stage: str, after: str = ""):
     path = tmp_path / "plan.het"
     path.write_text(f'use "{DEMO / "moe_job.het"}"\nparallel {{\n  stage all {{\n{stage}  }}\n{after}}}\n')
     _, checked = load_checked(path, require_complete=True)
-    return checked, lower(checked.spec, checked.pipeline)
+    return checked, lower(checked.explicit())
 
 
 def test_only_ministages_with_moe_blocks_name_the_ep_group(tmp_path):
@@ -70,7 +70,7 @@ def test_only_ministages_with_moe_blocks_name_the_ep_group(tmp_path):
                                                "    ranks = host\n    lanes = 4\n    ep = 2\n")
     first, second = program.ranks[0].shards
     assert first.ep_group is None and second.ep_group == "ep.s0.g0.p0"
-    verify(program, checked.pipeline, checked.spec)
+    verify(program, checked.explicit())
 
 
 def test_lanes_of_an_ep_group_with_unequal_microbatches_are_a_located_error(tmp_path):
@@ -88,17 +88,16 @@ def test_the_verifier_rejects_ep_lanes_that_run_different_ops():
     ranks = list(one_f_one_b.program.ranks)
     ranks[2], ranks[3] = gpipe.program.ranks[2], gpipe.program.ranks[3]     # lane 1 runs F F B B, lane 0 F B F B
     with pytest.raises(VerifyError, match="collective #1 on group 'ep.s0.g0.p0' differs"):
-        verify(dataclasses.replace(one_f_one_b.program, ranks=tuple(ranks)), one_f_one_b.pipeline,
-               one_f_one_b.spec)
+        verify(dataclasses.replace(one_f_one_b.program, ranks=tuple(ranks)), one_f_one_b.plan)
 
 
 def test_the_simulator_runs_an_ep_groups_compute_in_lockstep(monkeypatch):
     """Rank 1 computes three times slower: its EP partner, rank 0, waits for it; the other group does not."""
     lowered = compile_plan(EP2)
-    costs = CostModel(lowered.spec, lowered.pipeline, lowered.topology)
+    costs = CostModel(lowered.plan)
     alone = costs.compute_time
     monkeypatch.setattr(costs, "compute_time", lambda r, ms, ph, unit=None: alone(r, ms, ph, unit) * (3 if r == 1 else 1))
-    timeline = simulate(lowered.program, lowered.pipeline, lowered.spec, costs)
+    timeline = simulate(lowered.program, lowered.plan, costs)
     forwards = {e.rank: (e.start, e.end) for e in timeline.events if e.kind is EventKind.FORWARD}
     assert forwards[0] == forwards[1] and forwards[2] == forwards[3]
     assert forwards[0][1] - forwards[0][0] == pytest.approx(3 * (forwards[2][1] - forwards[2][0]))
@@ -106,7 +105,7 @@ def test_the_simulator_runs_an_ep_groups_compute_in_lockstep(monkeypatch):
 
 def _costs(path) -> CostModel:
     lowered = compile_plan(path)
-    return CostModel(lowered.spec, lowered.pipeline, lowered.topology)
+    return CostModel(lowered.plan)
 
 
 def test_ep_traffic_is_four_k_delta_bsh_per_block_and_microbatch():

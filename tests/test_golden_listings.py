@@ -48,4 +48,4 @@ def test_golden_listing_reads_back_and_verifies(name):
     ranks = tuple(RankProgram.from_text("rank " + text) for text in rank_texts)
     program = Program(ranks, groups)
     assert program == lowered.program
-    verify(program, lowered.pipeline, lowered.spec)
+    verify(program, lowered.plan)

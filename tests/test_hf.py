@@ -456,8 +456,7 @@ except OSError as err:
     print(json.dumps({"skip": f"cannot reset the peak RSS: {err}"}))
     sys.exit(0)
 baseline = status("VmRSS")
-buffers = build_rank_buffers(checked.spec, checked.pipeline, program, rank, torch.device("cpu"),
-                             resumes=checkpoint is not None)
+buffers = build_rank_buffers(program, checked, rank, torch.device("cpu"), resumes=checkpoint is not None)
 if checkpoint is not None:
     read_checkpoint(buffers, checkpoint, dist.group.WORLD)
 peak = status("VmHWM")

@@ -98,9 +98,8 @@ def one_rank(plan: Path, device: str = "cpu") -> Iterator:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                             timeout=timeout)
     try:
-        spec, pipeline = checked.spec, checked.pipeline
-        data = make_data_source(spec.model, spec.train, plan)
-        yield build_rank(spec, pipeline, program, 0, make_groups(program.groups, timeout), data, torch.device(device))
+        data = make_data_source(checked.model, checked.train, plan)
+        yield build_rank(program, checked, 0, make_groups(program.groups, timeout), data, torch.device(device))
     finally:
         dist.destroy_process_group()
 

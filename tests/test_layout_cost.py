@@ -26,7 +26,7 @@ BLOCKS, KV, Q = 4, 2, 4
 
 def _cost(plan: str) -> CostModel:
     lowered = compile_plan(DEMO / f"{plan}.het")
-    return CostModel(lowered.spec, lowered.pipeline, lowered.topology)
+    return CostModel(lowered.plan)
 
 
 def _traffic(plan: str) -> dict[str, list]:

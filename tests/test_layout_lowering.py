@@ -50,7 +50,7 @@ def test_shard_lines_name_the_compute_groups_and_dp_spans_cp():
 def _verify(plan: str, program: Program) -> VerifyError:
     lowered = compile_plan(DEMO / f"{plan}.het")
     with pytest.raises(VerifyError) as caught:
-        verify(program, lowered.pipeline, lowered.spec)
+        verify(program, lowered.plan)
     return caught.value
 
 
@@ -123,8 +123,8 @@ def test_a_lane_runs_tp_cp_compute_in_lockstep_in_the_timeline(plan):
     from hetc.passes.simulate import simulate
 
     lowered = compile_plan(DEMO / f"{plan}.het")
-    timeline = simulate(lowered.program, lowered.pipeline, lowered.spec,
-                        CostModel(lowered.spec, lowered.pipeline, lowered.topology))
+    timeline = simulate(lowered.program, lowered.plan,
+                        CostModel(lowered.plan))
     starts: dict[tuple, set[float]] = {}
     for e in timeline.events:
         stage = lowered.pipeline.stage_of_rank[e.rank]
@@ -146,7 +146,7 @@ def test_a_lane_out_of_rank_order_is_a_located_error_where_the_order_matters(tmp
                         f'    ranks = [host[1, 1], host[1, 0]]\n    lanes = 1\n    tp = 2\n{extra}  }}\n'
                         '  idle = [host[0]]\n}\n')
         _, checked = load_checked(spec, require_complete=True)
-        return lower(checked.spec, checked.pipeline)
+        return lower(checked.explicit())
 
     assert compile_text("")            # plain TP all-reduces do not care in which order torch numbers the ranks
     with pytest.raises(SpecError) as caught:

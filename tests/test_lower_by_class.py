@@ -26,7 +26,7 @@ from hetc.passes.lower import lower
 from hetc.passes.lower.by_class import ClassLowering, lower_by_class
 from hetc.passes.lower.substitute import RENAMED_FIELDS, SHARD_GROUPS
 from hetc.passes.plan.planner import plan_spec
-from hetc.passes.validate import ExplicitPlan
+from hetc.plan import Plan
 from hetc.program import Instr, Program, Shard
 from tests.conftest import DEMO, ROOT, all_spec_files
 from tests.planned import NARROW
@@ -40,7 +40,7 @@ JOB_SEEDS = (0, 1, 7, 27, 39, 64, 69, 81, 97)
 DEEP_SEEDS = (0, 4, 13, 18, 21, 26)
 
 
-def _plan(path: Path) -> ExplicitPlan | None:
+def _plan(path: Path) -> Plan | None:
     """`path`'s whole plan (planned narrowly where it has `auto`); None for a file that is no whole job."""
     try:
         loaded, checked = load_checked(path, require_complete=True)
@@ -55,9 +55,9 @@ def _plan(path: Path) -> ExplicitPlan | None:
         return None    # nothing fits: the planner says so (tests/test_plan_agreement.py)
 
 
-def _both_ways(plan: ExplicitPlan) -> tuple[Program, ClassLowering]:
-    per_rank = lower(plan.spec, plan.pipeline, costs=CostModel(plan.spec, plan.pipeline, plan.topology))
-    by_class = lower_by_class(plan.spec, plan.pipeline, CostModel(plan.spec, plan.pipeline, plan.topology))
+def _both_ways(plan: Plan) -> tuple[Program, ClassLowering]:
+    per_rank = lower(plan, costs=CostModel(plan))
+    by_class = lower_by_class(plan, CostModel(plan))
     return per_rank, by_class
 
 
@@ -93,7 +93,7 @@ def test_random_and_deep_jobs_lower_by_class_as_rank_by_rank(family: str, seed: 
     _assert_same(*_both_ways(plan))
 
 
-def _tp_lanes(tmp_path: Path, counts: str) -> ExplicitPlan:
+def _tp_lanes(tmp_path: Path, counts: str) -> Plan:
     """The demo job on one stage of two lanes of two tensor-parallel ranks, `counts` microbatches each."""
     path = tmp_path / "lanes.het"
     path.write_text(f'use "{(DEMO / "job.het").as_posix()}"\n\nparallel {{\n  stage all {{\n'
@@ -111,7 +111,7 @@ def _classes(lowered: ClassLowering) -> list[tuple[int, ...]]:
 def test_lanes_alike_share_a_class_and_lanes_of_other_counts_do_not(tmp_path: Path):
     """Two lanes of two microbatches each: a rank and its namesake in the other lane share a class; with
     three and one microbatches (what the class key must tell apart) every rank is a class of its own."""
-    assert _classes(lower_by_class(_tp_lanes(tmp_path, "2, 2").spec, _tp_lanes(tmp_path, "2, 2").pipeline)) == \
+    assert _classes(lower_by_class(_tp_lanes(tmp_path, "2, 2"))) == \
         [(0, 2), (1, 3)]
     per_rank, uneven = _both_ways(_tp_lanes(tmp_path, "3, 1"))
     assert _classes(uneven) == [(0,), (1,), (2,), (3,)]

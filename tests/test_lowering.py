@@ -44,7 +44,7 @@ def test_every_plan_lowers_and_verifies_under_every_schedule(path, kind):
             compile_plan(path, kind)
         return
     lowered = compile_plan(path, kind)
-    verify(lowered.program, lowered.pipeline, lowered.spec)
+    verify(lowered.program, lowered.plan)
     assert lowered.pipeline.schedule is kind
 
 
@@ -71,7 +71,7 @@ def test_schedule_shapes():
     kinds = [type(i) for i in gpipe]
     assert kinds == sorted(kinds, key=lambda t: t is not Forward)
     lowered = compile_plan(DEMO / "gpipe.het", ScheduleKind.ONE_F_ONE_B)
-    limits = CostModel(lowered.spec, lowered.pipeline, lowered.topology).in_flight_limits
+    limits = CostModel(lowered.plan).in_flight_limits
     peaks = []
     for rp in lowered.program.ranks:
         in_flight, peak = 0, 0
@@ -101,7 +101,7 @@ def test_zorse_posts_each_receive_as_far_ahead_as_its_transfer_takes():
     same peer (Note [NCCL channel order]: the transfer cannot start before that send's anyway); one op ahead
     would leave the consumer waiting."""
     lowered = compile_plan(TEST_SPECS / "zorse16.het")
-    costs = CostModel(lowered.spec, lowered.pipeline, lowered.topology)
+    costs = CostModel(lowered.plan)
     further = 0
     for rp in lowered.program.ranks:
         posted: dict[int, tuple[int, Recv]] = {}
@@ -135,7 +135,7 @@ def test_heterogeneous_lanes_route_many_to_many():
         rp = lowered.program.ranks[rank]
         senders = {i.peer_from for i in rp.instrs if isinstance(i, Recv) and i.what.value == "act"}
         assert len(senders) > 1, "one middle lane takes activations from several front lanes"
-    verify(lowered.program, lowered.pipeline, lowered.spec)
+    verify(lowered.program, lowered.plan)
 
 
 def test_hierarchical_zero_groups():
@@ -171,7 +171,7 @@ def test_stuck_lanes_lift_a_limit_instead_of_failing(caplog, monkeypatch):
     finally:
         compile_plan.cache_clear()
     assert "beyond its in-flight limit" in caplog.text
-    verify(lowered.program, lowered.pipeline, lowered.spec)
+    verify(lowered.program, lowered.plan)
 
 
 def test_timed_limits_keep_a_fan_out_from_getting_stuck(caplog):
@@ -181,7 +181,7 @@ def test_timed_limits_keep_a_fan_out_from_getting_stuck(caplog):
     with caplog.at_level(logging.DEBUG, logger="hetc.passes.lower.lane_sim"):
         lowered = compile_plan(TEST_SPECS / "zero3_fan_out.het")
     assert "beyond its in-flight limit" not in caplog.text
-    verify(lowered.program, lowered.pipeline, lowered.spec)
+    verify(lowered.program, lowered.plan)
 
 
 def test_an_interleaved_fan_in_runs_its_strict_order(caplog):
@@ -192,7 +192,7 @@ def test_an_interleaved_fan_in_runs_its_strict_order(caplog):
     with caplog.at_level(logging.DEBUG, logger="hetc.passes.lower.lane_sim"):
         lowered = compile_plan(TEST_SPECS / "interleaved_fan_in.het")
     assert "beyond its in-flight limit" not in caplog.text
-    verify(lowered.program, lowered.pipeline, lowered.spec)
+    verify(lowered.program, lowered.plan)
     narrow = lowered.pipeline.stages[1].lanes[0]
     assert lane_group(lowered.pipeline, narrow, Grouping.DEPTH_FIRST) == 8     # p = 2 positions of 4 first-stage lanes
     ops = _compute(lowered.program.ranks[narrow.ranks[0]])
@@ -207,7 +207,7 @@ def test_coupled_lanes_run_the_same_ops():
     patterns = {tuple((type(i), i.ms) for i in _compute(lowered.program.ranks[lane.ranks[0]]))
                 for lane in middle.lanes}
     assert len(patterns) == 1
-    verify(lowered.program, lowered.pipeline, lowered.spec)
+    verify(lowered.program, lowered.plan)
 
 
 def test_a_smaller_lane_serves_every_rank_of_a_larger_one():
@@ -228,13 +228,13 @@ def test_random_plans_lower_and_verify(seed, tmp_path):
     path.write_text(random_plan(random.Random(seed)))
     try:
         _, checked = load_checked(path, require_complete=True)
-        program = lower(checked.spec, checked.pipeline)
+        program = lower(checked.explicit())
     except SpecError as err:
         assert err.diagnostics
         for d in err.diagnostics:   # located in the user's files, never the placeholder
             assert d.span != NO_SPAN and d.span.line >= 1, d
         return
-    verify(program, checked.pipeline, checked.spec)
+    verify(program, checked.explicit())
 
 
 def test_random_plans_mostly_compile(tmp_path):

@@ -77,9 +77,9 @@ def _times(program: Program, backend: Backend) -> dict[tuple[int, int], tuple[fl
 def test_old_pp_verifies_under_gloo_and_deadlocks_under_nccl_naming_ranks_instructions_and_pair():
     lowered = compile_plan(DEMO / "pp.het")
     program = _old_pp()
-    verify(program, lowered.pipeline, lowered.spec)                       # gloo: proved safe
+    verify(program, lowered.plan)                       # gloo: proved safe
     with pytest.raises(VerifyError) as caught:
-        verify(program, lowered.pipeline, lowered.spec, backend=Backend.NCCL)
+        verify(program, lowered.plan, backend=Backend.NCCL)
     assert caught.value.check == "protocol"
     text = _messages(*caught.value.findings)
     # rank 0 waits for its `recv grad mb=0`; rank 2's send of it sits behind rank 2's `recv act mb=2`, whose
@@ -188,7 +188,7 @@ def test_a_tensor_parallel_compute_op_waits_for_the_groups_earlier_collective_un
 def test_a_one_rank_plan_passes_under_both():
     lowered = compile_plan(DEMO / "single.het")
     for backend in Backend:
-        verify(lowered.program, lowered.pipeline, lowered.spec, backend=backend)
+        verify(lowered.program, lowered.plan, backend=backend)
 
 
 @pytest.mark.parametrize("path", DEMO_PLANS, ids=plan_id)
@@ -197,7 +197,7 @@ def test_demo_plan_verifies_under_nccl(path):
     passes/lower/channel_order.py), though on CPU it runs on gloo; the specs under specs/ are held to it in
     tests/test_plan_agreement.py `test_every_spec_compiles_and_agrees`."""
     lowered = compile_plan(path)
-    verify(lowered.program, lowered.pipeline, lowered.spec, backend=Backend.NCCL)
+    verify(lowered.program, lowered.plan, backend=Backend.NCCL)
 
 
 def test_compile_verifies_a_gpu_plan_under_nccl_and_a_cpu_plan_under_gloo():
@@ -241,13 +241,13 @@ def test_each_pair_posts_its_messages_in_the_order_the_step_sends_them(tmp_path)
     step is within 5 % of gloo's (from each pair's run alone, where the upstream rank ran ahead of its own
     inputs, 448 of 3,528 neighbours came out of order and NCCL's step was 16 % longer)."""
     plan = _deep_1f1b(tmp_path)
-    costs = CostModel(plan.spec, plan.pipeline, plan.topology)
-    program = lower(plan.spec, plan.pipeline, costs=costs)
+    costs = CostModel(plan)
+    program = lower(plan, costs=costs)
     steps = {}
     for backend in Backend:
-        machine = timed_machine(program, plan.spec, costs, backend)
+        machine = timed_machine(program, costs, backend)
         assert machine.run() is None and not machine.unfinished()
-        steps[backend] = simulate(program, plan.pipeline, plan.spec, costs, ran=machine).step_time
+        steps[backend] = simulate(program, plan, costs, ran=machine).step_time
         if backend is Backend.GLOO:
             assert _out_of_order_sends(program, machine) == []
     assert steps[Backend.NCCL] <= 1.05 * steps[Backend.GLOO], steps

@@ -32,7 +32,7 @@ def _optimizer_parts(buf: MinistageBuffers) -> list[torch.Tensor]:
 
 def _rank_parts(plan: str, rank: int) -> list[MinistageBuffers]:
     lowered = compile_plan(DEMO / f"{plan}.het")
-    buffers = build_buffers(lowered.spec, lowered.pipeline, lowered.program, rank, META, initialise=False)
+    buffers = build_buffers(lowered.program, lowered.plan, rank, META, initialise=False)
     return [part for buf in buffers.values() for part in buf.parts()]
 
 
@@ -40,7 +40,7 @@ def _rank_parts(plan: str, rank: int) -> list[MinistageBuffers]:
 def test_the_device_holds_the_optimizer_state_the_verifier_counts(plan):
     lowered = compile_plan(DEMO / f"{plan}.het")
     peaks = rank_peaks(lowered.program, lowered.pipeline,
-                       CostModel(lowered.spec, lowered.pipeline, lowered.topology))
+                       CostModel(lowered.plan))
     for rank, peak in enumerate(peaks):
         tensors = [t for part in _rank_parts(plan, rank) for t in _optimizer_parts(part)]
         on_device = sum(_nbytes(t) for t in tensors if t.device == META)
@@ -59,7 +59,7 @@ def test_offloaded_fp32_parameters_are_their_own_master_as_counted():
     """Parameter offload of an fp32 model keeps no master copy on the device: the master is a view of the
     parameters (the memory model counts none), and between steps their host copy holds it."""
     lowered = compile_plan(DEMO / "zero3_offload.het")
-    buffers = build_buffers(lowered.spec, lowered.pipeline, lowered.program, 0, torch.device("cpu"))
+    buffers = build_buffers(lowered.program, lowered.plan, 0, torch.device("cpu"))
     for buf in buffers.values():
         for part in buf.parts():
             assert part.master_is_params

@@ -126,7 +126,7 @@ def test_every_spec_compiles_and_agrees(path, plan_cache):
     problem = _outcome(got)
     assert problem is None, problem
     if got is not None:     # CPU plans too: what a GPU cluster runs must be what the CPU suite proves
-        verify(got.built.program, got.built.checked.pipeline, got.built.checked.spec, backend=Backend.NCCL)
+        verify(got.built.program, got.built.checked.explicit(), backend=Backend.NCCL)
 
 
 
@@ -136,5 +136,5 @@ def test_plans_of_copied_lane_positions_are_checked_as_in_full(plan_cache):
     (tests/test_check_positions.py)."""
     planned = [plan_cache.job(seed) for seed in range(JOBS)] + [plan_cache.spec(path) for path in SPECS]
     built = [got.built for got in planned if got is not None]
-    copied = [b for b in built if assert_copies_position_0(b.program, b.checked.pipeline, b.checked.spec, b.costs)]
+    copied = [b for b in built if assert_copies_position_0(b.program, b.checked.explicit(), b.costs)]
     assert copied

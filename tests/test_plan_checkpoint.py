@@ -98,8 +98,8 @@ def test_a_stage_overrides_the_models_level(tmp_path):
     _, none = load_checked(plain)
     assert none.pipeline is not None and none.topology is not None
     assert [st.checkpoint for st in none.pipeline.stages] == [Checkpointing.SELECTIVE, Checkpointing.NONE]
-    full_cm = CostModel(checked.spec, p, checked.topology)
-    none_cm = CostModel(none.spec, none.pipeline, none.topology)
+    full_cm = CostModel(checked.explicit())
+    none_cm = CostModel(none.explicit())
     last = p.stages[1].ranks[0]
     ms = p.stages[1].ministages[0]
     assert full_cm.activation_bytes(ms, last) < none_cm.activation_bytes(ms, last)
@@ -134,7 +134,7 @@ def test_each_ministage_is_built_with_its_stages_level():
     assert p is not None
     program = compile_spec(DEMO / "recompute.het").program
     for stage, (full, selective) in zip(p.stages, [(False, True), (True, False)]):
-        for ms, buffers in build_buffers(checked.spec, p, program, stage.ranks[0], torch.device("cpu")).items():
+        for ms, buffers in build_buffers(program, checked.explicit(), stage.ranks[0], torch.device("cpu")).items():
             module = buffers.module
             assert module.full_checkpoint is full, (stage.name, ms)
             cores = [m.recompute_core for m in module.modules() if isinstance(m, Attention)]

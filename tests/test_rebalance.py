@@ -172,8 +172,8 @@ def test_the_cost_model_times_a_slow_links_messages_longer_and_no_others():
     _, checked = load_checked(DEMO / "hetero.het", require_complete=True)
     plan = checked.explicit()
     assert plan is not None
-    healthy = CostModel(plan.spec, plan.pipeline, plan.topology)
-    slowed = CostModel(plan.spec, plan.pipeline, plan.topology, measured_link_slowdown={(0, 1): 3.0})
+    healthy = CostModel(plan)
+    slowed = CostModel(plan, measured_link_slowdown={(0, 1): 3.0})
     nbytes = 2 * 32 * 64 * 4
     # the time the simulator gives a message: its link's part three times as long, either way
     assert slowed.p2p_time(1, 0, nbytes) - healthy.p2p_time(1, 0, nbytes) \

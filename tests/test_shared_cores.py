@@ -86,7 +86,7 @@ def _step(capsys, *argv: str) -> float:
 
 def _forward(path) -> float:
     _, checked = load_checked(path)
-    return CostModel(checked.spec, checked.pipeline, checked.topology).compute_time(0, 0, "F")
+    return CostModel(checked.explicit()).compute_time(0, 0, "F")
 
 
 def test_cores_lengthen_explains_step_and_compile_agrees(tmp_path, capsys):
@@ -126,7 +126,7 @@ def test_a_measured_slowdown_replaces_the_rule_for_as_many_ranks(tmp_path):
 
     def forward(plan: str, profiles) -> float:
         _, checked = load_checked(demo_with_cores(tmp_path, 2, plan, cluster))
-        return CostModel(checked.spec, checked.pipeline, checked.topology, profiles).compute_time(0, 0, "F")
+        return CostModel(checked.explicit(), profiles).compute_time(0, 0, "F")
 
     assert forward("dp", measured) == pytest.approx(1.6 * forward("single", alone))   # 4 ranks: as measured
     assert forward("single", measured) == pytest.approx(forward("single", alone))  # 1 rank on 2 cores
@@ -139,8 +139,8 @@ def test_a_pipelines_compute_ops_are_charged_fewer_ranks_at_once_than_data_paral
     cluster = "  inter_latency = 500 us\n"
     _, dp = load_checked(demo_with_cores(tmp_path, 2, "dp", cluster))
     _, gpipe = load_checked(demo_with_cores(tmp_path, 2, "gpipe", cluster))
-    dp_costs = CostModel(dp.spec, dp.pipeline, dp.topology)
-    costs = CostModel(gpipe.spec, gpipe.pipeline, gpipe.topology)
+    dp_costs = CostModel(dp.explicit())
+    costs = CostModel(gpipe.explicit())
     assert dp_costs.slowdown(0) == pytest.approx(2.0)
     assert [costs.slowdown(r) for r in range(4)] == pytest.approx([(1 + 3 * 4 / 7) / 2] * 4)
     out = tmp_path / "gpipe"

@@ -68,8 +68,8 @@ def _models(tmp_path, body: str, inter: str) -> tuple[CostModel, CostModel]:
     """The plan's cost model for hetc's programs and for Megatron-DeepSpeed's."""
     _, checked = load_checked(write_spec(tmp_path, plan_text(body, clusters=cluster(inter=inter))))
     assert checked.pipeline is not None
-    return (CostModel(checked.spec, checked.pipeline, checked.topology, None, Engine.HETC),
-            CostModel(checked.spec, checked.pipeline, checked.topology, None, Engine.MEGATRON))
+    return (CostModel(checked.explicit(), None, Engine.HETC),
+            CostModel(checked.explicit(), None, Engine.MEGATRON))
 
 
 def test_the_engines_differ_by_the_transfers_hetc_overlaps(tmp_path):

@@ -22,6 +22,7 @@ from hetc.passes.lower.by_class import lower_by_class
 from hetc.passes.verify import VerifyError, verify
 from hetc.passes.verify.memory import format_bytes, rank_peaks
 from hetc.pipeline import Pipeline
+from hetc.plan import Plan
 from hetc.program import COLLECTIVE_TYPES, Forward, Program, Recv, Send, Step, Wait
 from tests.conftest import DEMO, ROOT
 from tests.golden.cases import GOLDEN_DIR
@@ -154,7 +155,7 @@ def faults_on(rank: int, program: Program, pipeline: Pipeline, peaks, seed: str)
 @functools.cache
 def _example(path):
     lowered = compile_plan(path)
-    costs = CostModel(lowered.spec, lowered.pipeline, lowered.topology)
+    costs = CostModel(lowered.plan)
     return lowered, costs, rank_peaks(lowered.program, lowered.pipeline, costs)
 
 
@@ -179,7 +180,7 @@ def test_enough_examples():
 @pytest.mark.parametrize("path", EXAMPLES, ids=plan_id)
 def test_the_unmutated_example_verifies(path):
     lowered, costs, _ = _example(path)
-    verify(lowered.program, lowered.pipeline, lowered.spec, costs)
+    verify(lowered.program, lowered.plan, costs)
 
 
 def names_rank(err: VerifyError, rank: int) -> bool:
@@ -187,10 +188,10 @@ def names_rank(err: VerifyError, rank: int) -> bool:
     return any(f.rank == rank or re.search(rf"\brank {rank}\b", f.message) for f in err.findings)
 
 
-def assert_rejected(mutant: Mutant, spec, costs: CostModel, case: str) -> VerifyError:
+def assert_rejected(mutant: Mutant, plan: Plan, costs: CostModel, case: str) -> VerifyError:
     """The verifier rejects `mutant`, naming its rank and pointing at real instructions."""
     with pytest.raises(VerifyError) as caught:
-        verify(mutant.program, mutant.pipeline, spec, costs)
+        verify(mutant.program, dataclasses.replace(plan, pipeline=mutant.pipeline), costs)
     err = caught.value
     assert err.findings, case
     for f in err.findings:
@@ -209,7 +210,7 @@ def assert_rejected(mutant: Mutant, spec, costs: CostModel, case: str) -> Verify
 def test_every_fault_is_rejected_naming_rank_and_instruction(path):
     lowered, costs, _ = _example(path)
     for n, mutant in enumerate(mutants(path)):
-        assert_rejected(mutant, lowered.spec, costs, f"{plan_id(path)} fault #{n} ({mutant.fault} on rank {mutant.rank})")
+        assert_rejected(mutant, lowered.plan, costs, f"{plan_id(path)} fault #{n} ({mutant.fault} on rank {mutant.rank})")
 
 
 def test_a_fault_in_one_member_of_a_class_is_found():
@@ -217,14 +218,14 @@ def test_a_fault_in_one_member_of_a_class_is_found():
     [lowering by class]); every fault kind put into the last member of the largest class is found, as in
     any rank. (benchmarks/verify_scale.py does the same at 16,384 GPUs.)"""
     lowered, costs, peaks = _example(ALIKE_LANES)
-    classes = lower_by_class(lowered.spec, lowered.pipeline, costs).classes
+    classes = lower_by_class(lowered.plan, costs).classes
     largest = max(classes, key=lambda c: len(c.members))
     member = largest.members[-1][0]
     assert len(largest.members) >= 3 and member != largest.rep
     faults = faults_on(member, lowered.program, lowered.pipeline, peaks, "member")
     assert {m.fault for m in faults} == set(FAULTS)
     for mutant in faults:
-        assert_rejected(mutant, lowered.spec, costs, f"{mutant.fault} on rank {member}, a member of {largest.rep}'s class")
+        assert_rejected(mutant, lowered.plan, costs, f"{mutant.fault} on rank {member}, a member of {largest.rep}'s class")
 
 
 def test_every_fault_kind_is_exercised():
@@ -239,7 +240,7 @@ def test_memory_error_names_the_peak_and_the_capacity():
     world = tuple(dataclasses.replace(g, device=dataclasses.replace(g.device, memory=peaks[rank].total - 1))
                   if r == rank else g for r, g in enumerate(lowered.pipeline.world))
     with pytest.raises(VerifyError) as caught:
-        verify(lowered.program, dataclasses.replace(pipeline, world=world), lowered.spec, costs)
+        verify(lowered.program, dataclasses.replace(lowered.plan, pipeline=dataclasses.replace(pipeline, world=world)), costs)
     finding = next(f for f in caught.value.findings if f.rank == rank)
     assert finding.index == peaks[rank].index, "just below the peak, the peak is the first overflow"
     assert f"needs {format_bytes(peaks[rank].total)} at its peak (instruction {peaks[rank].index}:" in \

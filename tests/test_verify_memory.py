@@ -22,7 +22,7 @@ from tests.plans import DEMO_PLANS, TEST_PLANS, TEST_SPECS, compile_plan, plan_i
 
 def _peaks(path, kind=None):
     lowered = compile_plan(path, kind)
-    costs = CostModel(lowered.spec, lowered.pipeline, lowered.topology)
+    costs = CostModel(lowered.plan)
     return lowered, costs, rank_peaks(lowered.program, lowered.pipeline, costs)
 
 
@@ -96,7 +96,7 @@ def test_memory_error_points_at_the_first_overflow():
     world = tuple(dataclasses.replace(g, device=dataclasses.replace(g.device, memory=capacity)) if r == rank else g
                   for r, g in enumerate(lowered.pipeline.world))
     with pytest.raises(VerifyError) as caught:
-        verify(lowered.program, dataclasses.replace(lowered.pipeline, world=world), lowered.spec, costs)
+        verify(lowered.program, dataclasses.replace(lowered.plan, pipeline=dataclasses.replace(lowered.pipeline, world=world)), costs)
     err = caught.value
     assert err.check == "memory" and [f.rank for f in err.findings] == [rank]
     assert err.findings[0].index >= first_fwd
@@ -157,8 +157,8 @@ def _bf16(path, schedule=None):
     spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, dtype=DType.BF16), parallel=parallel,
                                train=dataclasses.replace(spec.train, micro_batch=1))
     checked = check_spec(spec, loaded.path.parent)
-    program = lower(checked.spec, checked.pipeline)
-    return program, checked.pipeline, CostModel(checked.spec, checked.pipeline, checked.topology)
+    program = lower(checked.explicit())
+    return program, checked.pipeline, CostModel(checked.explicit())
 
 
 def _held_before_step(program, pipeline, costs, rank=0):

@@ -37,9 +37,9 @@ def _spec(tmp_path, level: int):
 def _compiled(tmp_path, level: int):
     """(explain's per-rank totals, the verified program's per-rank peaks, the program, the cost model)."""
     _, checked = load_checked(_spec(tmp_path, level))
-    costs = CostModel(checked.spec, checked.pipeline, checked.topology)
-    program = lower(checked.spec, checked.pipeline, costs=costs)
-    verify(program, checked.pipeline, checked.spec, costs)
+    costs = CostModel(checked.explicit())
+    program = lower(checked.explicit(), costs=costs)
+    verify(program, checked.explicit(), costs)
     peaks = rank_peaks(program, checked.pipeline, costs)
     return [m.total for m in costs.estimate().memory], peaks, program, costs
 

@@ -42,8 +42,8 @@ def run(args: argparse.Namespace) -> int:
                          "OUT.het` first and explain OUT.het")
     profiles = load_profile_args(args.profile)
     try:
-        costs = CostModel(plan.spec, plan.pipeline, plan.topology, profiles)
-        estimate = simulated_estimate(plan.spec, costs, costs.estimate())   # Note [one step time]
+        costs = CostModel(plan, profiles)
+        estimate = simulated_estimate(costs, costs.estimate())   # Note [one step time]
     except CostError as err:   # located at the device kind, as check and compile say it
         raise SpecError(cost_error(plan.spec, err)) from None
     if args.json:

@@ -13,14 +13,14 @@ from hetc.passes.plan.baselines import Baseline
 from hetc.passes.cost.candidate_score import Score
 from hetc.passes.plan.planner import PlanResult
 from hetc.passes.simulated_step import AGREEMENT
-from hetc.passes.validate import ExplicitPlan
+from hetc.plan import Plan
 from hetc.pipeline import Pipeline, Stage
 from hetc.spec import Checkpointing, ModelSpec, Objective, OffloadSpec, OffloadTarget, RankSlice, StageSpec
 
 __all__ = ["plan_json", "plan_provenance", "plan_summary"]
 
 
-def _explicit(result: PlanResult) -> ExplicitPlan:
+def _explicit(result: PlanResult) -> Plan:
     """The plan `result` holds: explicit whether the planner wrote it or the spec had no `auto`."""
     plan = result.checked.explicit()
     if plan is None:
@@ -62,7 +62,7 @@ def plan_provenance(result: PlanResult, profiles: Profiles) -> Provenance:
     if result.estimate is not None:
         return result.estimate.provenance
     plan = _explicit(result)
-    return provenance(CostModel(plan.spec, plan.pipeline, plan.topology, profiles))
+    return provenance(CostModel(plan, profiles))
 
 
 def plan_summary(path: str, result: PlanResult, prov: Provenance | None = None) -> str:

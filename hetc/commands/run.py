@@ -278,7 +278,7 @@ def _local(args: argparse.Namespace) -> int:
     # the launcher checks edits once, before any rank starts, and records them for its ranks (Note [verified once])
     edited = unverified_files(args.dir, range(world))
     if edited is None:
-        verify(program, checked.pipeline, checked.spec)     # a plan directory from before markers
+        verify(program, checked)     # a plan directory from before markers
     elif edited:
         verify_and_record(args.dir, program, checked)
     if args.local not in (-1, world):

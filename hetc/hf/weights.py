@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from hetc.spec import ModelSpec
 
 __all__ = ["INDEX_FILE", "SINGLE_FILE", "WeightReader", "expected_shapes", "has_weights", "header_shapes",
-           "hf_has_weights", "model_weight_problems", "wants_pretrained", "weight_map", "weight_problems"]
+           "hf_has_weights", "model_weight_problems", "pretrained_dir", "wants_pretrained", "weight_map", "weight_problems"]
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -49,6 +49,11 @@ def hf_has_weights(model: ModelSpec) -> bool:
 def wants_pretrained(model: ModelSpec) -> bool:
     """Whether initial weights come from the hf directory (`init`, or its default)."""
     return model.init is InitKind.PRETRAINED or (model.init is None and hf_has_weights(model))
+
+
+def pretrained_dir(model: ModelSpec) -> Path | None:
+    """The hf directory initial weights come from (`wants_pretrained`); None where they are random."""
+    return model.hf_dir() if wants_pretrained(model) else None
 
 
 def weight_map(directory: Path) -> dict[str, Path]:

@@ -32,7 +32,7 @@ from hetc.spec import (AUTO, ClusterSpec, DType, IntraLinkSpec, LinkSpec, ModelS
                        ParallelSpec, RankSlice, Routing, ScheduleKind, Spec, StageSpec, TrainSpec, ZeroSpec)
 
 if TYPE_CHECKING:   # the loader and validator are imported where a plan is loaded, as hetc.compiler is
-    from hetc.passes.validate import ExplicitPlan
+    from hetc.plan import Plan
 
 __all__ = ["explain_plan", "import_sailor", "imported_plan", "plan_model"]
 
@@ -107,10 +107,10 @@ def explain_plan(data: str, plan: str, profiles: Profiles | None, model: str | N
     from hetc.passes.cost.transfers import Engine
 
     explicit = imported_plan(data, plan, model)
-    return CostModel(explicit.spec, explicit.pipeline, explicit.topology, profiles, Engine.MEGATRON).estimate()
+    return CostModel(explicit, profiles, Engine.MEGATRON).estimate()
 
 
-def imported_plan(data: str, plan: str, model: str | None = None) -> ExplicitPlan:
+def imported_plan(data: str, plan: str, model: str | None = None) -> Plan:
     """A Sailor plan as `hetc import sailor` writes it, loaded and checked (`model` as in `explain_plan`)."""
     import tempfile
 

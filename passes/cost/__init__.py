@@ -1,7 +1,7 @@
 """The cost model: memory, time and traffic of a resolved plan (DESIGN.md §3, docs/costmodel.md).
 
     from hetc.passes.cost import CostModel, load_profiles
-    cm = CostModel(spec, pipeline, topology, load_profiles(["../shared/data/sailor"]))
+    cm = CostModel(plan, load_profiles(["../shared/data/sailor"]))
     cm.compute_time(rank, ms, Phase.FORWARD); cm.param_bytes(ms, rank); cm.estimate().step_time_s
 """
 

@@ -34,9 +34,10 @@ from hetc.passes.cost.shapes import (LayerFlops, LayerKind, activation_elements,
 from hetc.passes.cost.schedule import Grouping
 from hetc.passes.cost.transfers import Engine
 from hetc.pipeline import Ministage, Pipeline, Stage
+from hetc.plan import Plan
 from hetc.program import Collective, Phase, Unit
-from hetc.spec import (DTYPE_BYTES, Arch, Checkpointing, CPKind, DeviceSpec, ModelSpec, OffloadTarget, Spec, ZeroShard)
-from hetc.topology import Gpu, Topology
+from hetc.spec import (DTYPE_BYTES, Arch, Checkpointing, CPKind, DeviceSpec, ModelSpec, OffloadTarget, ZeroShard)
+from hetc.topology import Gpu
 
 if TYPE_CHECKING:     # they import this module
     from hetc.passes.cost.classes import ClassEstimate
@@ -55,7 +56,7 @@ _PairSignature = tuple[tuple[str, str, bool, int], ...]
 
 
 class CostModel:
-    def __init__(self, spec: Spec, pipeline: Pipeline, topology: Topology, profiles: Profiles | None = None,
+    def __init__(self, plan: Plan, profiles: Profiles | None = None,
                  engine: Engine = Engine.HETC, measured_slowdown: Mapping[int, float] | None = None,
                  measured_link_slowdown: Mapping[tuple[int, int], float] | None = None):
         """`engine`: whose programs are timed, hetc's own (what `hetc compile` builds) unless the plan is
@@ -64,16 +65,17 @@ class CostModel:
         measurement, Note [live rebalancing] in runtime/rebalance.py), on top of `slowdown`'s own;
         `measured_link_slowdown`: (rank, rank), lower first -> how many times slower messages between the
         two cross their link than they did (Note [link transit] in runtime/links.py)."""
-        assert spec.model is not None and spec.train is not None
-        self.spec, self.pipeline, self.topology = spec, pipeline, topology
+        self.plan = plan
+        spec, pipeline = plan.spec, plan.pipeline
+        self.spec, self.pipeline, self.topology = spec, pipeline, plan.topology
         self.engine = engine
-        self.model, self.train = spec.model, spec.train
+        self.model, self.train = plan.model, plan.train
         self.profiles = profiles or Profiles()
         self.devices = {d.name: d for d in spec.devices}
         self.compute = ComputeModel(self.model, self.profiles, self.devices)
         self.delta = DTYPE_BYTES[self.model.dtype]
         self.states = state_bytes_per_param(self.model)
-        self._zero_groups: dict[int, tuple[int, ...]] = {}
+        self.geometry = plan.geometry
         self._routes: dict[int, dict[int, int]] = {}
         self._peers: dict[tuple[int, int], tuple[int, ...]] = {}
         # memo keys: what the time depends on (kinds of pair: node groups, same host, GPUs of the node)
@@ -134,14 +136,10 @@ class CostModel:
 
     def tp_group(self, rank: int) -> tuple[int, ...]:
         """The ranks of this rank's lane that share its sequence part (its TP group)."""
-        lane, tp = self.pipeline.lane_of_rank[rank], self.stage_of(rank).tp
-        part = lane.ranks.index(rank) // tp
-        return lane.ranks[part * tp:(part + 1) * tp]
+        return self.geometry.tp_members(self.geometry.place(rank))
 
     def cp_group(self, rank: int) -> tuple[int, ...]:
-        lane, tp = self.pipeline.lane_of_rank[rank], self.stage_of(rank).tp
-        rep = lane.ranks.index(rank) % tp
-        return lane.ranks[rep::tp]
+        return self.geometry.cp_members(self.geometry.place(rank))
 
     def node_streams(self, rank: int) -> int:
         """Ranks of this rank's lane on its node. They send their border pieces at once, so they share the
@@ -170,18 +168,11 @@ class CostModel:
 
     def zero_group(self, rank: int) -> tuple[int, ...]:
         """Ranks holding the same parameters: this rank's tp slice in every lane and cp rank of the stage
-        (the DP/ZeRO group; Megatron's dp × cp group, as passes/lower/context.py builds it)."""
-        group = self._zero_groups.get(rank)
-        if group is None:
-            stage = self.stage_of(rank)
-            t = self.pipeline.lane_of_rank[rank].ranks.index(rank) % stage.tp
-            group = tuple(lane.ranks[c * stage.tp + t] for lane in stage.lanes for c in range(stage.cp))
-            self._zero_groups.update((r, group) for r in group)
-        return group
+        (the DP/ZeRO group; Megatron's dp × cp group, Note [rank geometry] in hetc/geometry.py)."""
+        return self.geometry.replicas(self.geometry.place(rank))
 
     def node_group(self, rank: int) -> tuple[int, ...]:
-        host = self.gpu(rank).host
-        return tuple(r for r in self.zero_group(rank) if self.gpu(r).host == host)
+        return self.geometry.node_replicas(self.geometry.place(rank))
 
     def shard(self, rank: int) -> ShardFactors:
         """The fraction of each model state this rank keeps under its stage's ZeRO."""

@@ -21,6 +21,7 @@ from hetc.passes.cost.memory import context_reserve, state_bytes_per_param
 from hetc.passes.cost.model import optimizer_seconds
 from hetc.passes.cost.shapes import LayerKind, activation_elements, params_per_rank
 from hetc.pipeline import Pipeline
+from hetc.plan import Plan
 from hetc.program import Collective, Phase
 from hetc.spec import DTYPE_BYTES, Checkpointing, ModelSpec, ScheduleKind, Spec, TrainSpec
 from hetc.topology import Gpu, Topology
@@ -42,7 +43,7 @@ class Primitives:
         self.num_microbatches = train.global_batch // micro_batch
         probe_world = Pipeline((), (), topo.gpus, self.num_microbatches, micro_batch,
                                ScheduleKind.ONE_F_ONE_B, 1)
-        self.probe = CostModel(self.spec, probe_world, topo, profiles)
+        self.probe = CostModel(Plan.of(self.spec, topo, probe_world), profiles)
         self.engine = self.probe.engine   # the planner plans for hetc's own programs
         self.delta = DTYPE_BYTES[self.model.dtype]
         self.states = state_bytes_per_param(self.model)

@@ -17,9 +17,8 @@ from hetc.passes.lower.offload import insert_offload
 from hetc.passes.lower.p2p import insert_p2p
 from hetc.passes.lower.schedule import order_compute
 from hetc.passes.lower.zero import insert_zero
-from hetc.pipeline import Pipeline
+from hetc.plan import Plan
 from hetc.program import Program
-from hetc.spec import Spec
 
 __all__ = ["PASSES", "PASS_NAMES", "lower"]
 
@@ -37,7 +36,7 @@ PASSES: list[tuple[str, str, Callable[..., Program]]] = [
 PASS_NAMES = [name for name, _, _ in PASSES]
 
 
-def lower(spec: Spec, pipeline: Pipeline, dump_after: str | None = None,
+def lower(plan: Plan, dump_after: str | None = None,
           on_dump: Callable[[str, Program], None] | None = None, costs: CostModel | None = None,
           ranks: Sequence[int] | None = None) -> Program:
     """`costs`: the cost model that times the schedule (Note [in-flight limit]); the catalog's by default.
@@ -47,7 +46,7 @@ def lower(spec: Spec, pipeline: Pipeline, dump_after: str | None = None,
     passes/verify/positions.py). Each pass builds a rank's program from its own place in the plan and, for
     its receives, from the programs of the ranks sending to it, so `ranks` must hold every rank that sends
     to one of them; the schedule pass is made for every lane (the lanes' timing couples them)."""
-    ctx = LowerContext(spec, pipeline, costs)
+    ctx = LowerContext(plan, costs)
     program: Program | None = None
     for name, _, fn in PASSES:
         program = fn(ctx) if program is None else fn(program, ctx)

@@ -31,9 +31,8 @@ from hetc.passes.lower.channel_order import order_channels
 from hetc.passes.lower.classes import LaneGraph, RankClass, lane_graph, rank_classes
 from hetc.passes.lower.context import LowerContext
 from hetc.passes.lower.substitute import substitute
-from hetc.pipeline import Pipeline
+from hetc.plan import Plan
 from hetc.program import Program, RankProgram
-from hetc.spec import Spec
 
 __all__ = ["ClassLowering", "lower_by_class"]
 
@@ -46,21 +45,22 @@ class ClassLowering:
     classes: tuple[RankClass, ...]
 
 
-def lower_by_class(spec: Spec, pipeline: Pipeline, costs: CostModel | None = None) -> ClassLowering:
-    """`lower(spec, pipeline, costs=costs)`, one representative per class lowered (Note [lowering by class])."""
-    ctx = LowerContext(spec, pipeline, costs)
+def lower_by_class(plan: Plan, costs: CostModel | None = None) -> ClassLowering:
+    """`lower(plan, costs=costs)`, one representative per class lowered (Note [lowering by class])."""
+    ctx = LowerContext(plan, costs)
     scheduled = PASSES[0][2](ctx)   # `schedule`: every lane at once
     graph = lane_graph(ctx, scheduled)
     classes = tuple(rank_classes(ctx, graph))
     lowered = _representatives(ctx, scheduled, graph, [c.rep for c in classes])
-    ranks: list[RankProgram | None] = [None] * pipeline.world_size
+    world = plan.pipeline.world_size
+    ranks: list[RankProgram | None] = [None] * world
     for cls in classes:
         rep = ranks[cls.rep] = lowered[cls.rep]
         for rank, sub in cls.members:
-            ranks[rank] = substitute(rep, sub, ctx.places[rank])
+            ranks[rank] = substitute(rep, sub, ctx.geometry.places[rank])
     built = tuple(rp for rp in ranks if rp is not None)
-    if len(built) != pipeline.world_size:
-        raise InternalError(f"lowering by class built {len(built)} of {pipeline.world_size} ranks' programs")
+    if len(built) != world:
+        raise InternalError(f"lowering by class built {len(built)} of {world} ranks' programs")
     return ClassLowering(Program(built, scheduled.groups), classes)
 
 
@@ -68,8 +68,8 @@ def _representatives(ctx: LowerContext, scheduled: Program, graph: LaneGraph, re
                      ) -> dict[int, RankProgram]:
     """The representatives' programs, each pass run on the ranks it reads (Note [what a representative is
     lowered beside])."""
-    peers = set(reps) | graph.neighbour_ranks(ctx.places[r] for r in reps)
-    senders = peers | graph.neighbour_ranks(ctx.places[r] for r in peers)
+    peers = set(reps) | graph.neighbour_ranks(ctx.geometry.places[r] for r in reps)
+    senders = peers | graph.neighbour_ranks(ctx.geometry.places[r] for r in peers)
     program = _only(scheduled, senders)
     for name, _, fn in PASSES[1:]:
         program = order_channels(program, ctx, sorted(reps)) if fn is order_channels else fn(program, ctx)

@@ -45,7 +45,8 @@ from dataclasses import dataclass
 
 from hetc.errors import InternalError
 from hetc.groups import GroupId
-from hetc.passes.lower.context import LowerContext, RankPlace
+from hetc.geometry import RankPlace
+from hetc.passes.lower.context import LowerContext
 from hetc.passes.lower.substitute import Substitution
 from hetc.pipeline import Lane, Stage
 from hetc.program import (COMPUTE_TYPES, PHASE_OF, Backward, BackwardInput, ComputeInstr, Forward, Instr, Load,
@@ -168,7 +169,7 @@ class _Links:
         got = self.seen.get(key)
         if got is None:
             ctx, costs = self.ctx, self.ctx.costs
-            pieces = tuple((ctx.places[m.src].pos, ctx.places[m.dst].pos, m.shape, m.seq,
+            pieces = tuple((ctx.geometry.places[m.src].pos, ctx.geometry.places[m.dst].pos, m.shape, m.seq,
                             costs.p2p_time(m.src, m.dst, math.prod(m.shape) * costs.delta))
                            for m in ctx.messages(what, border, mb))
             got = self.seen[key] = self.intern(pieces)
@@ -191,7 +192,7 @@ def rank_classes(ctx: LowerContext, graph: LaneGraph) -> list[RankClass]:
     """The plan's ranks in classes (Note [lowering by class]), each led by its lowest rank."""
     colour = _refined(graph)
     by_key: dict[tuple[int, int], list[RankPlace]] = {}
-    for place in ctx.places:
+    for place in ctx.geometry.places:
         by_key.setdefault((colour[graph.lane_of(place)], place.pos), []).append(place)
     maps = _LaneMaps(graph)
     out = []
@@ -275,5 +276,5 @@ def _group_names(ctx: LowerContext, rep: RankPlace, member: RankPlace) -> dict[s
 
 def _groups(ctx: LowerContext, place: RankPlace) -> list[GroupId | None]:
     """Every group of a rank's own that a pass may name (`LowerContext`'s group questions)."""
-    return [ctx.tp_group(place), ctx.cp_group(place), ctx.zero_group(place), ctx.outer_group(place),
-            ctx.expert_group(place), *(ctx.ep_group(place, ms) for ms in place.stage.ministages)]
+    return [ctx.geometry.tp_group(place), ctx.geometry.cp_group(place), ctx.geometry.zero_group(place), ctx.geometry.outer_group(place),
+            ctx.geometry.expert_group(place), *(ctx.geometry.ep_group(place, ms) for ms in place.stage.ministages)]

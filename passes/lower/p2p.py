@@ -40,7 +40,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from hetc.passes.lower.context import LowerContext, RankPlace, next_handle
+from hetc.geometry import RankPlace
+from hetc.passes.lower.context import LowerContext, next_handle
 from hetc.passes.lower.units import Unit, split_units
 from hetc.program import (COMPUTE_TYPES, PHASE_OF, Backward, BackwardInput, Forward, Instr, Program, RankProgram, Recv,
                           Send, Tensor, Wait)
@@ -58,9 +59,9 @@ def _key(instr: Send | Recv) -> _Msg:
 
 def insert_p2p(program: Program, ctx: LowerContext) -> Program:
     # each instruction's sends, found once: the send orders and the rank's own program both read them
-    sends = [[_sends_after(instr, ctx.places[rp.rank], ctx) for instr in rp.instrs] for rp in program.ranks]
+    sends = [[_sends_after(instr, ctx.geometry.places[rp.rank], ctx) for instr in rp.instrs] for rp in program.ranks]
     send_order = _send_orders(program, sends)
-    return Program(tuple(_rank(rp, ctx.places[rp.rank], ctx, send_order, own)
+    return Program(tuple(_rank(rp, ctx.geometry.places[rp.rank], ctx, send_order, own)
                          for rp, own in zip(program.ranks, sends)), program.groups)
 
 

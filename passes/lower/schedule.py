@@ -48,14 +48,14 @@ def order_compute(ctx: LowerContext) -> Program:
     orders = ctx.schedule.orders
     programs = []
     instrs: dict[tuple[int, int], tuple[Instr, ...]] = {}   # a lane's ranks run the same ops: made once
-    for place in ctx.places:
+    for place in ctx.geometry.places:
         key = (place.stage.index, place.lane.index)
         if key not in instrs:
             instrs[key] = _with_loads(ctx, orders[key])
         shell = rank_shell(place)
         programs.append(type(shell)(shell.rank, shell.stage, shell.lane, shell.tp_rank, shell.cp_rank, shell.shards,
                                     instrs[key]))
-    return Program(tuple(programs), ctx.groups)
+    return Program(tuple(programs), ctx.geometry.groups)
 
 
 def timed_schedule(ctx: LowerContext) -> Run:

@@ -17,7 +17,7 @@ from typing import Any
 
 from hetc.errors import InternalError
 from hetc.groups import TIED, WORLD, split_direction, with_direction
-from hetc.passes.lower.context import RankPlace
+from hetc.geometry import RankPlace
 from hetc.program import (AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight, Forward, Free, Instr,
                           Load, Offload, Prefetch, RankProgram, Recv, ReduceScatter, Send, Shard, Step, Wait)
 

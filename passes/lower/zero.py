@@ -61,7 +61,8 @@ import dataclasses
 from hetc.errors import InternalError
 from hetc.groups import TIED, WORLD, Direction, GroupId, with_direction
 from hetc.passes.cost.zero_units import gathers_per_block, in_run_order, ministage_units
-from hetc.passes.lower.context import LowerContext, RankPlace, next_handle
+from hetc.geometry import RankPlace
+from hetc.passes.lower.context import LowerContext, next_handle
 from hetc.passes.lower.edits import Edits, Handles
 from hetc.passes.lower.schedule import lockstep_groups
 from hetc.program import (COMPUTE_TYPES, AllGather, AllReduce, Backward, BackwardWeight, ComputeInstr, Forward, Free, Instr,
@@ -73,7 +74,7 @@ __all__ = ["insert_zero"]
 
 def insert_zero(program: Program, ctx: LowerContext) -> Program:
     _check_lane_patterns(program, ctx)
-    return Program(tuple(_rank(rp, ctx.places[rp.rank], ctx) for rp in program.ranks), program.groups)
+    return Program(tuple(_rank(rp, ctx.geometry.places[rp.rank], ctx) for rp in program.ranks), program.groups)
 
 
 def _per_microbatch(ctx: LowerContext) -> bool:
@@ -82,14 +83,14 @@ def _per_microbatch(ctx: LowerContext) -> bool:
 
 def _shards(place: RankPlace, ctx: LowerContext) -> tuple[Shard, ...]:
     stage, zero = place.stage, place.stage.zero
-    group = _name(ctx.zero_group(place))
+    group = _name(ctx.geometry.zero_group(place))
     off = stage.offload
     per_block = group is not None and gathers_per_block(ctx.pipeline.schedule, zero, off, stage.ep)
     return tuple(
-        Shard(ms, zero.resolved_level if group else 0, group, _name(ctx.outer_group(place)),
+        Shard(ms, zero.resolved_level if group else 0, group, _name(ctx.geometry.outer_group(place)),
               zero.across if group else 0, off.params is not OffloadTarget.NONE,
               off.optimizer is not OffloadTarget.NONE, off.activations is not OffloadTarget.NONE,
-              _name(ctx.tp_group(place)), _name(ctx.cp_group(place)), *_expert_groups(place, ms, ctx),
+              _name(ctx.geometry.tp_group(place)), _name(ctx.geometry.cp_group(place)), *_expert_groups(place, ms, ctx),
               units=ministage_units(ctx.model, ctx.pipeline.ministages[ms].layers, per_block))
         for ms in stage.ministages)
 
@@ -101,8 +102,8 @@ def _name(group: GroupId | None) -> str | None:
 
 def _expert_groups(place: RankPlace, ms: int, ctx: LowerContext) -> tuple[str | None, str | None]:
     """(ep_group, expert_group) of a ministage: its MoE blocks' all-to-alls and its experts' replicas."""
-    ep = ctx.ep_group(place, ms)
-    return _name(ep), _name(ctx.expert_group(place)) if ep else None
+    ep = ctx.geometry.ep_group(place, ms)
+    return _name(ep), _name(ctx.geometry.expert_group(place)) if ep else None
 
 
 def _split_units(instrs: tuple[Instr, ...], shards: tuple[Shard, ...]) -> tuple[Instr, ...]:
@@ -135,7 +136,7 @@ def _rank(rp: RankProgram, place: RankPlace, ctx: LowerContext) -> RankProgram:
             pos, _, first = reductions[0]
             posts, later = _regathers(shard, handles)
             update = _waits(reductions) + _outer_reduce(shard) + _tied_reduce(shard, ctx) + [Step(shard.ms)] + posts
-            if shard.ms in ctx.tied_ministages:     # the sum waits for the other copy's backward: at the end
+            if shard.ms in ctx.geometry.tied_ministages:     # the sum waits for the other copy's backward: at the end
                 edits.end += update
             else:
                 for instr in update:
@@ -297,7 +298,7 @@ def _outer_reduce(shard: Shard) -> list[Instr]:
 def _tied_reduce(shard: Shard, ctx: LowerContext) -> list[Instr]:
     """The sum of the tied embedding's copies, where this ministage holds one: after its own reductions, before
     the gradient norm and its step (Note [tied gradients] in hetc/program.py)."""
-    return [AllReduce(Tensor.TIED, str(TIED), shard.ms)] if shard.ms in ctx.tied_ministages else []
+    return [AllReduce(Tensor.TIED, str(TIED), shard.ms)] if shard.ms in ctx.geometry.tied_ministages else []
 
 
 def _regather(shard: Shard, handles: Handles) -> tuple[list[Instr], list[Wait]]:

@@ -210,14 +210,14 @@ def _printed(search: Search, f: Found, name: str, base_dir: Path | None, ops_lef
     would build but have more than `ops_left` compute ops."""
     explicit = emit_spec(search.spec, f.candidate, search.topo, search.space.zero_base)
     checked = check_spec(explicit, base_dir)
-    p = checked.pipeline
-    if p is None or p.world_size > FULL_ESTIMATE_RANKS:
+    plan = checked.explicit()
+    if plan is None or plan.pipeline.world_size > FULL_ESTIMATE_RANKS:
         return Printed(f, name, explicit, checked, None, None)
-    assert checked.topology is not None   # a pipeline runs on a cluster
-    costs = CostModel(checked.spec, p, checked.topology, search.profiles)
+    costs = CostModel(plan, search.profiles)
+    p = plan.pipeline
     if quick_to_simulate(p, costs.model) and compute_ops(p) > ops_left:
         return None
-    return Printed(f, name, explicit, checked, costs, simulated_step(checked.spec, costs))
+    return Printed(f, name, explicit, checked, costs, simulated_step(costs))
 
 
 def _at_printed(b: Baseline, printed: Printed | None, allowed: bool) -> Baseline:

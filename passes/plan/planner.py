@@ -169,12 +169,11 @@ def plan_checked(spec: Spec, base_dir: Path | None = None, profiles: Profiles | 
 def _estimate(checked: Checked, profiles: Profiles | None) -> Estimate | None:
     """The cost model's estimate of a plan with nothing to plan, with the compiled programs' simulated step
     where they are quick to build, as explain prints it (Note [one step time] in passes/simulated_step.py)."""
-    p = checked.pipeline
-    if p is None:
+    plan = checked.explicit()
+    if plan is None:
         return None
-    assert checked.topology is not None   # a pipeline runs on a cluster
-    costs = CostModel(checked.spec, p, checked.topology, profiles)
-    return simulated_estimate(checked.spec, costs, costs.estimate())
+    costs = CostModel(plan, profiles)
+    return simulated_estimate(costs, costs.estimate())
 
 
 # Note [the planner checks its winner]: the chosen plan is lowered and verified (deadlock-freedom,
@@ -227,8 +226,8 @@ def _check_winner(checked: Checked, profiles: Profiles | None, chosen: str, keep
     plan = checked.explicit()
     if plan is None or plan.pipeline.num_microbatches * len(plan.pipeline.ministages) > CHECK_OPS:
         return None
-    costs = CostModel(plan.spec, plan.pipeline, plan.topology, profiles)
-    if not keep_program and passes_by_position(plan.spec, plan.pipeline, costs):
+    costs = CostModel(plan, profiles)
+    if not keep_program and passes_by_position(plan, costs):
         return None
     try:   # what `hetc compile` runs, without the timeline and the per-rank report it writes beside
         program = build(plan, costs=costs, program=lowered, simulated=False).program

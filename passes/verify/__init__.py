@@ -28,8 +28,8 @@ from hetc.passes.verify.memory import Sizes, check_memory
 from hetc.passes.verify.protocol import check_protocol
 from hetc.passes.verify.transfers import check_transfers
 from hetc.pipeline import Pipeline
+from hetc.plan import Plan
 from hetc.program import Program, RankProgram
-from hetc.spec import Spec
 from hetc.grid import render_grid
 
 __all__ = ["Backend", "Finding", "Sizes", "VerifyError", "plan_backend", "shape_problem", "verified_evaluation",
@@ -42,7 +42,7 @@ def plan_backend(pipeline: Pipeline) -> Backend:
     return Backend.NCCL if any(not gpu.device.is_cpu for gpu in pipeline.world) else Backend.GLOO
 
 
-def verify(program: Program, pipeline: Pipeline, spec: Spec, sizes: Sizes | None = None,
+def verify(program: Program, plan: Plan, sizes: Sizes | None = None,
            forward_only: bool = False, machine: Machine | None = None, backend: Backend | None = None) -> None:
     """Raise VerifyError naming rank and instruction if the programs are unsafe.
 
@@ -55,14 +55,13 @@ def verify(program: Program, pipeline: Pipeline, spec: Spec, sizes: Sizes | None
     `backend`: whose blocking rule the protocol check proves the programs under (Note [NCCL order] in
     machine.py); by default the one the plan's ranks run (`plan_backend`).
     """
+    pipeline, model, train = plan.pipeline, plan.model, plan.train
     _check_shape(program, pipeline)
     backend = backend or plan_backend(pipeline)
-    model, train = spec.model, spec.train
-    assert model is not None and train is not None   # a checked spec
     checks: list[tuple[str, Callable[[], list[Finding]]]] = [("dataflow", lambda: check_dataflow(program, pipeline, model.num_model_layers,
                                                   train.grad_clip > 0, model.seq, forward_only)),
               ("protocol", lambda: check_protocol(program, machine, backend)),
-              ("transfers", lambda: check_transfers(program, pipeline, spec))]   # Note [transfers against the plan]
+              ("transfers", lambda: check_transfers(program, plan))]   # Note [transfers against the plan]
     if sizes is not None:
         checks.append(("memory", lambda: check_memory(program, pipeline, sizes)))
     for name, check in checks:
@@ -74,17 +73,15 @@ def verify(program: Program, pipeline: Pipeline, spec: Spec, sizes: Sizes | None
             raise VerifyError(findings, render_grid(program, dict(list(focus.items())[:6])), check=name)
 
 
-def verified_evaluation(program: Program, pipeline: Pipeline, spec: Spec,
-                        backend: Backend | None = None) -> Program | None:
+def verified_evaluation(program: Program, plan: Plan, backend: Backend | None = None) -> Program | None:
     """The evaluation programs of a job that evaluates (`train { eval_every }`), verified; else None.
 
     Note [Evaluation programs] in passes/lower/forward_only.py says why the memory check is not rerun.
     """
-    assert spec.train is not None   # a checked spec
-    if spec.train.eval_every == 0:
+    if plan.train.eval_every == 0:
         return None
     evaluation = forward_only(program)
-    verify(evaluation, pipeline, spec, forward_only=True, backend=backend)
+    verify(evaluation, plan, forward_only=True, backend=backend)
     return evaluation
 
 

@@ -55,14 +55,14 @@ from dataclasses import dataclass
 from hetc.layout import boundary_ranges
 from hetc.passes.cost import CostModel
 from hetc.passes.lower import lower
-from hetc.passes.lower.context import hierarchical_zero
+from hetc.geometry import hierarchical_zero
 from hetc.passes.verify.dataflow import rank_dataflow
 from hetc.passes.verify.memory import Sizes, group_sizes, rank_peak
 from hetc.passes.verify.protocol import check_protocol
 from hetc.passes.verify import shape_problem
 from hetc.pipeline import Pipeline
+from hetc.plan import Plan
 from hetc.program import Group, Instr, Program, RankProgram, Recv, Send
-from hetc.spec import Spec
 
 __all__ = ["LanePositions", "lane_positions", "part_passes", "passes_by_position", "position_program"]
 
@@ -96,26 +96,25 @@ def lane_positions(pipeline: Pipeline, seq: int) -> LanePositions | None:
     return LanePositions(width, tuple(lane.ranks[0] for lane in lanes))
 
 
-def passes_by_position(spec: Spec, pipeline: Pipeline, costs: CostModel) -> bool:
-    """True where `verify(lower(spec, pipeline, costs=costs), pipeline, spec, costs)` passes, known from lane
+def passes_by_position(plan: Plan, costs: CostModel) -> bool:
+    """True where `verify(lower(plan, costs=costs), plan, costs)` passes, known from lane
     position 0 alone (Note [checking one lane position]); False where that check fails or the plan is not of
     its shape: the full check says why, or that it passes after all."""
-    assert spec.model is not None and spec.train is not None   # a checked spec
-    positions = lane_positions(pipeline, spec.model.seq)
+    positions = lane_positions(plan.pipeline, plan.model.seq)
     if positions is None:
         return False
-    return part_passes(lower(spec, pipeline, costs=costs, ranks=positions.firsts), positions, pipeline, spec, costs)
+    return part_passes(lower(plan, costs=costs, ranks=positions.firsts), positions, plan, costs)
 
 
-def part_passes(part: Program, positions: LanePositions, pipeline: Pipeline, spec: Spec, sizes: Sizes) -> bool:
+def part_passes(part: Program, positions: LanePositions, plan: Plan, sizes: Sizes) -> bool:
     """Whether position 0's programs (`part`, in the order of `positions.firsts`, with every group) pass
     `verify`'s checks, read as Note [checking one lane position] says."""
-    assert spec.model is not None and spec.train is not None   # a checked spec
+    pipeline, model = plan.pipeline, plan.model
     if len(part.ranks) != len(positions.firsts) or \
             any(shape_problem(rp, r, pipeline) for r, rp in zip(positions.firsts, part.ranks)):
         return False
-    layers, clip = spec.model.num_model_layers, spec.train.grad_clip > 0
-    if any(rank_dataflow(rp, pipeline, layers, clip, spec.model.seq) for rp in part.ranks):
+    layers, clip = model.num_model_layers, plan.train.grad_clip > 0
+    if any(rank_dataflow(rp, pipeline, layers, clip, model.seq) for rp in part.ranks):
         return False
     if check_protocol(position_program(part, positions)):
         return False

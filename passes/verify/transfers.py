@@ -33,23 +33,24 @@ from hetc.passes.lower.context import LowerContext
 from hetc.passes.verify.errors import Finding, at
 from hetc.pipeline import Pipeline
 from hetc.program import Program, Recv, Send, Tensor
-from hetc.spec import Spec
+from hetc.plan import Plan
 
 __all__ = ["check_transfers"]
 
 Transfer = tuple[int, int, tuple[int, ...], tuple[int, int] | None]   # src, dst, shape, seq
 
-def check_transfers(program: Program, pipeline: Pipeline, spec: Spec) -> list[Finding]:
+def check_transfers(program: Program, plan: Plan) -> list[Finding]:
     """The first send or receive whose peer, shape or tokens are not a transfer of the plan, with a count
     of the others (one edit of plan.het makes most of them wrong at once); empty when all agree."""
-    plan = _PlannedTransfers(LowerContext(spec, pipeline))
+    pipeline = plan.pipeline
+    transfers = _PlannedTransfers(LowerContext(plan))
     wrong: list[tuple[int, int, str]] = []
     for rp in program.ranks:
         for index, instr in enumerate(rp.instrs):
             if not isinstance(instr, (Send, Recv)) or not _known(instr, pipeline):
                 continue   # the dataflow check reports a ministage or microbatch out of range
             src, dst = (rp.rank, instr.peer_to) if isinstance(instr, Send) else (instr.peer_from, rp.rank)
-            planned = plan.between(instr.what, instr.ms, instr.mb)
+            planned = transfers.between(instr.what, instr.ms, instr.mb)
             if (src, dst, instr.shape, instr.seq) not in planned:
                 shapes = [shape for (s, d, shape, _) in planned if (s, d) == (src, dst)]
                 wrong.append((rp.rank, index, _mismatch(instr.shape, shapes)))
