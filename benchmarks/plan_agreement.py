@@ -49,13 +49,13 @@ def measure(seed: int, size: int, folder: Path) -> dict:
     except InternalError as err:   # the planner's own check refused its plan
         return {"outcome": "refused", "why": str(err).splitlines()[0]}
     planned = time.perf_counter() - start
-    built = build(result.checked, verified=result.program)
+    built = build(result.plan, verified=result.program)
     agreement = compare(built)
     gap = bound_gap(built)
     return {"outcome": "agrees" if agreement.within(TOLERANCE) else "gap", "step_gap": agreement.step_gap,
-            "memory_gap": agreement.worst_memory_gap[1], "ranks": result.checked.pipeline.world_size,
+            "memory_gap": agreement.worst_memory_gap[1], "ranks": result.plan.pipeline.world_size,
             "bound_ratio": gap.ratio, "bound_reason": gap.reason, "plan_s": planned,
-            "schedule": result.checked.pipeline.schedule.value}
+            "schedule": result.plan.pipeline.schedule.value}
 
 
 def section(rows: dict[int, list[dict]], jobs: int) -> str:

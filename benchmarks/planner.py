@@ -120,7 +120,7 @@ def measure(counts: dict[str, int], runs: int, profiles) -> dict:
                 best = took
         if sum(counts.values()) in COMMAND_SIZES:
             best = {**best, **command_time(path, runs)}
-    p = result.checked.pipeline
+    p = result.plan.pipeline
     fitting = [b for b in result.baselines if b.score is not None and b.score.fits]
     baseline = max(fitting, key=lambda b: b.score.tokens_per_s, default=None)
     return {**best, "gpus": sum(counts.values()), "tokens_per_s": result.tokens_per_s,

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from hetc.errors import Diagnostic, InternalError, SpecError
+from hetc.errors import Diagnostic, SpecError
 from hetc.frontend.load import LoadedSpec, load_spec, with_plan_to_fill
 from hetc.jsontypes import JsonObject
 from hetc.passes.cost import CostError, CostModel, Profiles
@@ -91,7 +91,7 @@ def compile_spec(spec_path: Path, dump_after: str | None = None,
         got = build(plan, costs=costs, program=reuse, evaluation=True, facts=plan_facts(plan),
                     dump_after=dump_after, on_dump=on_dump, progress=progress)
     except CostError as err:
-        raise SpecError(cost_error(plan.spec, err)) from None
+        raise SpecError(cost_error(plan, err)) from None
     except VerifyError as err:
         if err.check != "memory":
             raise
@@ -108,17 +108,14 @@ def _planned(loaded: LoadedSpec, profiles: Profiles | None,
     from hetc.passes.plan.planner import plan_checked
 
     result = plan_checked(loaded.spec, loaded.path.parent, profiles, time_limit_s)
-    plan = result.checked.explicit()
-    if plan is None:
-        raise InternalError("the planner returned a plan with `auto` left in it")
-    return plan, result.program
+    return result.plan, result.program
 
 
 def _memory_overflows(program: Program, plan: Plan, costs: CostModel,
                       err: VerifyError) -> list[Diagnostic]:
     """The plan's fault, not lowering's: one located summary per stage (passes/validate_fit.py)."""
     peaks = rank_peaks(program, plan.pipeline, costs)
-    return peak_overflows(plan.spec, plan.pipeline, peaks) or [
+    return peak_overflows(plan, peaks) or [
         Diagnostic(plan.parallel.span, f"the plan does not fit in device memory:\n{err.render()}")]
 
 

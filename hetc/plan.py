@@ -1,23 +1,47 @@
-"""The plan: a checked spec with no `auto` left, the one value every back-end pass and the runtime take.
+"""The plan: a checked spec with no `auto` left, the one value every back-end pass and the runtime take;
+and the job: a checked whole spec whose plan may still say `auto`, what the planner searches.
 
-Validation makes it (`Checked.explicit()` in passes/validate.py) after resolving the spec's parallel block
-into a pipeline on its cluster. Its blocks are the spec's own, typed as present, so code holding one
-checks nothing; its rank geometry (each rank's place and groups, Note [rank geometry] in
-hetc/geometry.py) is derived once, on first use.
+Validation makes both (`Checked.explicit()` and `Checked.job()` in passes/validate.py), the plan after
+resolving the spec's parallel block into a pipeline on its cluster. Their blocks are the spec's own,
+typed as present, so code holding one checks nothing; a plan's rank geometry (each rank's place and
+groups, Note [rank geometry] in hetc/geometry.py) is derived once, on first use.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hetc.errors import InternalError
 from hetc.geometry import Geometry
 from hetc.memo import cached_property
 from hetc.pipeline import Pipeline
-from hetc.spec import Auto, ModelSpec, ParallelSpec, Spec, StageSpec, TrainSpec
+from hetc.spec import ClusterSpec, ModelSpec, ParallelSpec, Spec, TrainSpec
 from hetc.topology import Topology
 
-__all__ = ["Plan"]
+__all__ = ["Job", "Plan"]
+
+
+@dataclass(frozen=True)
+class Job:
+    """A checked whole spec (model, cluster, train and parallel blocks), its plan perhaps still `auto`."""
+
+    spec: Spec
+    topology: Topology
+    model: ModelSpec
+    train: TrainSpec
+    parallel: ParallelSpec
+    cluster: ClusterSpec
+
+    @classmethod
+    def of(cls, spec: Spec, topology: Topology) -> Job | None:
+        """The job of a checked spec on its cluster's `topology`; None for a part of a spec (a catalog)."""
+        if spec.model is None or spec.train is None or spec.parallel is None or spec.cluster is None:
+            return None
+        return cls(spec, topology, spec.model, spec.train, spec.parallel, spec.cluster)
+
+    def with_model(self, model: ModelSpec) -> Job:
+        """The job with another model block (a stronger activation checkpointing, say)."""
+        return replace(self, spec=replace(self.spec, model=model), model=model)
 
 
 @dataclass(frozen=True)
@@ -30,15 +54,13 @@ class Plan:
     model: ModelSpec
     train: TrainSpec
     parallel: ParallelSpec
-    stages: tuple[StageSpec, ...]    # the parallel block's; none while `auto` (the planner probing per-GPU times)
 
     @classmethod
     def of(cls, spec: Spec, topology: Topology, pipeline: Pipeline) -> Plan:
         """The plan of a spec validation resolved `pipeline` for (so its blocks are all there)."""
         if spec.model is None or spec.train is None or spec.parallel is None:
             raise InternalError("a resolved pipeline without a model, train or parallel block")
-        stages = () if isinstance(spec.parallel.stages, Auto) else spec.parallel.stages
-        return cls(spec, topology, pipeline, spec.model, spec.train, spec.parallel, stages)
+        return cls(spec, topology, pipeline, spec.model, spec.train, spec.parallel)
 
     @cached_property
     def geometry(self) -> Geometry:

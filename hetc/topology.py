@@ -8,6 +8,7 @@ between their zones, then their regions, then the cluster default.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hetc.memo import cached_property
@@ -55,14 +56,13 @@ class Link:
 class Topology:
     """Resolved cluster: GPUs, node groups and links."""
 
-    def __init__(self, spec: Spec):
-        assert spec.cluster is not None
-        self.cluster: ClusterSpec = spec.cluster
+    def __init__(self, cluster: ClusterSpec, devices: Sequence[DeviceSpec]):
+        self.cluster = cluster
         self.groups = {n.name: n for n in self.cluster.nodes}
-        devices = {d.name: d for d in spec.devices}
+        kinds = {d.name: d for d in devices}
         gpus: list[Gpu] = []
         for group in self.cluster.nodes:
-            device = devices.get(group.device)
+            device = kinds.get(group.device)
             if device is None:
                 continue  # reported by validation
             zone = group.zone or group.region
@@ -81,6 +81,11 @@ class Topology:
                                    "the default intra-node link (PCIe class; the node group declares none)")
         self._default_inter = Link(self.cluster.inter_bandwidth, self.cluster.inter_latency, 0.0, False,
                                    "the cluster's inter_bandwidth (no link declared between these nodes)")
+
+    @classmethod
+    def of(cls, spec: Spec) -> Topology | None:
+        """The topology of `spec`'s cluster; None for a spec without one (a catalog, a model)."""
+        return None if spec.cluster is None else cls(spec.cluster, spec.devices)
 
     @property
     def num_gpus(self) -> int:

@@ -1,6 +1,6 @@
 """Build a checked plan as `hetc compile` does and compare it with the cost model's estimate.
 
-`build(checked, profiles)` lowers the plan, verifies it (deadlock, dataflow,
+`build(plan, profiles)` lowers the plan, verifies it (deadlock, dataflow,
 memory) and simulates its step: what `hetc plan` checks its winner with
 before printing it (Note [the planner checks its winner]) and what the
 agreement test (tests/test_plan_agreement.py) and benchmark
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from hetc.passes.build import build as build_plan
 from hetc.passes.cost import CostModel, Estimate, Profiles
-from hetc.passes.validate import Checked
 from hetc.passes.verify.memory import Peak, rank_peaks
+from hetc.plan import Plan
 from hetc.program import Program
 from hetc.timeline import Timeline
 
@@ -29,7 +29,7 @@ __all__ = ["Agreement", "Built", "build", "compare"]
 class Built:
     """A plan lowered, verified and simulated."""
 
-    checked: Checked
+    plan: Plan
     program: Program
     costs: CostModel
     step_time_s: float | None          # None: not simulated
@@ -37,18 +37,15 @@ class Built:
     timeline: Timeline | None = None   # the simulated step (None: not simulated)
 
 
-def build(checked: Checked, profiles: Profiles | None = None, simulated: bool = True,
+def build(plan: Plan, profiles: Profiles | None = None, simulated: bool = True,
           verified: Program | None = None) -> Built:
-    """Lower and verify `checked`'s plan (VerifyError if it is unsafe or does not fit), then simulate it
+    """Lower and verify `plan` (VerifyError if it is unsafe or does not fit), then simulate it
     (passes/build.py), with every rank's memory peak.
 
     `verified`: the plan's program, lowered and verified already with these `profiles` (the planner's
     check of its winner, `PlanResult.program`); it is simulated only."""
-    plan = checked.explicit()
-    if plan is None:
-        raise ValueError("build() needs an explicit plan; this one still has `auto` (plan it first)")
     got = build_plan(plan, profiles, program=verified, verified=verified is not None, simulated=simulated)
-    return Built(checked, got.program, got.costs, got.step_time_s,
+    return Built(plan, got.program, got.costs, got.step_time_s,
                  tuple(rank_peaks(got.program, plan.pipeline, got.costs)), got.timeline)
 
 

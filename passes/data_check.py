@@ -16,21 +16,19 @@ from pathlib import Path
 
 from hetc.errors import Diagnostic
 from hetc.passes.validate_runtime import check_text_vocab
-from hetc.spec import DataKind, DataSpec, ModelSpec, Spec, TokenDType, TrainSpec
+from hetc.spec import DataKind, DataSpec, ModelSpec, TokenDType, TrainSpec
 from hetc.tokenfile import (TokenFile, TokenFileError, check_vocab, fits, inspect_tokens, looks_binary,
                             tokenizer_digest)
 
 __all__ = ["check_data"]
 
 
-def check_data(spec: Spec, base_dir: Path | None, errors: list[Diagnostic]) -> None:
-    """Diagnostics of the train block's data and eval data (a spec that has a train block)."""
-    t = spec.train
-    assert t is not None, "the validator checks data only of a spec with a train block"
+def check_data(model: ModelSpec | None, t: TrainSpec, base_dir: Path | None, errors: list[Diagnostic]) -> None:
+    """Diagnostics of the train block `t`'s data and eval data (for `model`, where the spec has one)."""
     for data in filter(None, (t.data, t.eval)):
-        _check_source(data, spec.model, base_dir, errors)
-    if spec.model is not None and (problem := check_text_vocab(spec.model, t)) is not None:
-        errors.append(Diagnostic(spec.model.span_of("vocab"), problem))
+        _check_source(data, model, base_dir, errors)
+    if model is not None and (problem := check_text_vocab(model, t)) is not None:
+        errors.append(Diagnostic(model.span_of("vocab"), problem))
     _check_eval(t, errors)
 
 

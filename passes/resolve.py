@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from hetc.errors import Diagnostic, Span, did_you_mean
 from hetc.pipeline import Lane, Ministage, Pipeline, Stage, route_microbatches
-from hetc.spec import AUTO, Auto, DType, ModelSpec, RankSlice, RoutingKind, Spec, StageSpec
+from hetc.plan import Job
+from hetc.spec import AUTO, Auto, DType, ModelSpec, ParallelSpec, RankSlice, RoutingKind, Spec, StageSpec
 from hetc.topology import Gpu, Topology
 
 __all__ = ["Diagnostics", "layer_index", "plan_has_auto", "proportional_counts", "resolve_pipeline",
@@ -62,17 +63,16 @@ def _indices(start: int | None, stop: int | None, is_slice: bool, size: int, wha
     return range(lo, hi)
 
 
-def resolve_pipeline(spec: Spec, topo: Topology, errors: Diagnostics) -> Pipeline | None:
-    par, model, train = spec.parallel, spec.model, spec.train
-    assert par is not None and model is not None and train is not None
+def resolve_pipeline(job: Job, errors: Diagnostics) -> Pipeline | None:
+    par, model, train, topo = job.parallel, job.model, job.train, job.topology
     schedule, prefetch = par.schedule, par.prefetch
-    if plan_has_auto(spec) or isinstance(schedule, Auto) or isinstance(prefetch, Auto):   # (the types' sake)
+    if plan_has_auto(job.spec) or isinstance(schedule, Auto) or isinstance(prefetch, Auto):   # (the types' sake)
         return None
     before = len(errors)
-    used = _rank_owners(spec, topo, errors)
+    used = _rank_owners(par, topo, errors)
     world = tuple(g for g in topo.gpus if g.id in used)
     rank_of = {g.id: r for r, g in enumerate(world)}
-    ministages = _ministages(spec, errors)
+    ministages = _ministages(model, par, errors)
     num_mb = train.global_batch // train.micro_batch
     stages: list[Stage | None] = []
     for idx, st in enumerate(par.resolved_stages):
@@ -83,7 +83,7 @@ def resolve_pipeline(spec: Spec, topo: Topology, errors: Diagnostics) -> Pipelin
             stages.append(None)
             continue
         stage = _stage(idx, st, [rank_of[g.id] for g in gpus if g.id in rank_of], ministages,
-                       spec, num_mb, world, errors)
+                       job, num_mb, world, errors)
         stages.append(stage)
     if len(errors) > before or None in stages:
         return None
@@ -104,13 +104,11 @@ def _stage_auto(st: StageSpec, model: ModelSpec | None) -> bool:
         (model is not None and st.checkpoint_under(model) is AUTO)
 
 
-def _rank_owners(spec: Spec, topo: Topology, errors: Diagnostics) -> dict[int, str]:
+def _rank_owners(par: ParallelSpec, topo: Topology, errors: Diagnostics) -> dict[int, str]:
     """GPU id -> owning stage; GPUs used twice or by nobody are errors."""
-    par = spec.parallel
-    assert par is not None and par.stages is not AUTO   # resolve_pipeline's caller checked
     owner: dict[int, tuple[str, Span]] = {}
     before = len(errors)
-    for label, slices in [(f"stage '{st.name}'", st.ranks) for st in par.stages] + [("idle", par.idle)]:
+    for label, slices in [(f"stage '{st.name}'", st.ranks) for st in par.resolved_stages] + [("idle", par.idle)]:
         assert slices is not AUTO
         for s in slices:
             twice: dict[tuple[str, Span], list[Gpu]] = {}   # one error per pair of rank sets, not per GPU
@@ -136,9 +134,7 @@ def _some(gpus: list[Gpu]) -> str:
     return ", ".join(str(g) for g in gpus[:4]) + (f" and {len(gpus) - 4} more" if len(gpus) > 4 else "")
 
 
-def layer_index(spec: Spec, name: str, span: Span, errors: Diagnostics) -> int | None:
-    model = spec.model
-    assert model is not None   # a complete spec
+def layer_index(model: ModelSpec, name: str, span: Span, errors: Diagnostics) -> int | None:
     idx = model.layer_index(name)
     if idx is None:
         last = f"block{model.layers - 1}"
@@ -159,34 +155,33 @@ def _layer_hint(model: ModelSpec, name: str) -> str:
     return did_you_mean(name, ["embed", "head"])
 
 
-def _ministages(spec: Spec, errors: Diagnostics) -> list[Ministage]:
+def _ministages(model: ModelSpec, par: ParallelSpec, errors: Diagnostics) -> list[Ministage]:
     """Split every stage's layer ranges into ministages; check coverage and order."""
     chunks: list[tuple[int, int, int, Span]] = []  # (first, stop, stage, span)
     before = len(errors)
-    assert spec.parallel is not None and spec.parallel.stages is not AUTO   # a complete plan
-    for s_idx, st in enumerate(spec.parallel.stages):
-        for r in _stage_ranges(spec, st, errors):
+    for s_idx, st in enumerate(par.resolved_stages):
+        for r in _stage_ranges(model, st, errors):
             chunks.append((*r, s_idx, st.span_of("layers")))
     if len(errors) > before:  # an unknown or reversed range would show up as gaps and overlaps too
         return []
     chunks.sort()
-    _check_coverage(spec, chunks, errors)
+    _check_coverage(model, par.resolved_stages, chunks, errors)
     out: list[Ministage] = []
     per_stage: dict[int, int] = {}
     for first, stop, stage, _ in chunks:
         chunk = per_stage.get(stage, 0)
         per_stage[stage] = chunk + 1
         out.append(Ministage(len(out), stage, chunk, first, stop))
-    _check_stage_order(spec, out, errors)
+    _check_stage_order(par.resolved_stages, out, errors)
     return out
 
 
-def _stage_ranges(spec: Spec, st: StageSpec, errors: Diagnostics) -> list[tuple[int, int]]:
+def _stage_ranges(model: ModelSpec, st: StageSpec, errors: Diagnostics) -> list[tuple[int, int]]:
     assert st.layers is not AUTO and st.ministages is not AUTO   # an explicit stage
     ranges = []
     for r in st.layers:
-        lo = layer_index(spec, r.first, r.span, errors)
-        hi = layer_index(spec, r.last, r.span, errors)
+        lo = layer_index(model, r.first, r.span, errors)
+        hi = layer_index(model, r.last, r.span, errors)
         if lo is None or hi is None:
             continue
         if hi < lo:
@@ -213,10 +208,8 @@ def _split(lo: int, hi: int, st: StageSpec, errors: Diagnostics) -> list[tuple[i
     return [(bounds[i], bounds[i + 1]) for i in range(k)]
 
 
-def _check_coverage(spec: Spec, chunks: list[tuple[int, int, int, Span]], errors: Diagnostics) -> None:
-    model = spec.model
-    assert model is not None and spec.parallel is not None and spec.parallel.stages is not AUTO
-    names = spec.parallel.stages
+def _check_coverage(model: ModelSpec, names: tuple[StageSpec, ...], chunks: list[tuple[int, int, int, Span]],
+                    errors: Diagnostics) -> None:
     expect = 0
     last_owner: tuple[int, Span] | None = None
     for first, stop, stage, span in chunks:
@@ -235,13 +228,11 @@ def _check_coverage(spec: Spec, chunks: list[tuple[int, int, int, Span]], errors
                                  "to no stage"))
 
 
-def _check_stage_order(spec: Spec, ministages: list[Ministage], errors: Diagnostics) -> None:
+def _check_stage_order(stages: tuple[StageSpec, ...], ministages: list[Ministage], errors: Diagnostics) -> None:
     first_seen: list[int] = []
     for m in ministages:
         if m.stage not in first_seen:
             first_seen.append(m.stage)
-    assert spec.parallel is not None and spec.parallel.stages is not AUTO
-    stages = spec.parallel.stages
     for pos, s_idx in enumerate(first_seen):
         if s_idx != pos:
             st = stages[s_idx]
@@ -257,7 +248,7 @@ def _layers_phrase(model: ModelSpec, lo: int, hi: int, verb: tuple[str, str] = (
     return f"layer {a} {verb[0]}" if a == b else f"layers {a}..{b} {verb[1]}"
 
 
-def _stage(idx: int, st: StageSpec, ranks: list[int], ministages: list[Ministage], spec: Spec,
+def _stage(idx: int, st: StageSpec, ranks: list[int], ministages: list[Ministage], job: Job,
            num_mb: int, world: tuple[Gpu, ...], errors: Diagnostics) -> Stage | None:
     assert st.tp is not AUTO and st.cp is not AUTO and st.lanes is not AUTO   # an explicit stage
     lane_size = st.tp * st.cp
@@ -269,27 +260,26 @@ def _stage(idx: int, st: StageSpec, ranks: list[int], ministages: list[Ministage
                                  f" × cp = {lanes} × {st.tp} × {st.cp} = {lanes * lane_size}"))
         return None
     lane_gpus = [[world[r] for r in ranks[i * lane_size:(i + 1) * lane_size]] for i in range(lanes)]
-    counts = _lane_counts(st, lane_gpus, num_mb, spec, errors)
+    counts = _lane_counts(st, lane_gpus, num_mb, job, errors)
     if counts is None:
         return None
     routes = route_microbatches(counts)
     lane_objs = tuple(Lane(i, tuple(ranks[i * lane_size:(i + 1) * lane_size]), tuple(routes[i]))
                       for i in range(lanes))
     own = tuple(m.index for m in ministages if m.stage == idx)
-    par = spec.parallel
-    assert par is not None and spec.model is not None
-    checkpoint = st.checkpoint_under(spec.model)
+    par = job.parallel
+    checkpoint = st.checkpoint_under(job.model)
     assert not isinstance(checkpoint, Auto)   # plan_has_auto
     return Stage(idx, st.name, own, lane_objs, st.tp, st.cp, st.cp_kind, st.sequence_parallel,
                  st.zero or par.zero, st.offload or par.offload, st.ep, checkpoint)
 
 
-def _lane_counts(st: StageSpec, lane_gpus: list[list[Gpu]], num_mb: int, spec: Spec,
+def _lane_counts(st: StageSpec, lane_gpus: list[list[Gpu]], num_mb: int, job: Job,
                  errors: Diagnostics) -> list[int] | None:
     r = st.microbatches
     lanes = len(lane_gpus)
-    train = spec.train
-    assert r is not AUTO and train is not None and spec.model is not None   # an explicit stage
+    train = job.train
+    assert r is not AUTO   # an explicit stage
     if r.kind is RoutingKind.COUNTS:
         if len(r.counts) != lanes:
             errors.append(Diagnostic(r.span, f"stage '{st.name}' has {lanes} lanes but {len(r.counts)} "
@@ -312,7 +302,7 @@ def _lane_counts(st: StageSpec, lane_gpus: list[list[Gpu]], num_mb: int, spec: S
         return None
     if r.kind is RoutingKind.EVEN:
         return [num_mb // lanes + (1 if i < num_mb % lanes else 0) for i in range(lanes)]
-    return proportional_counts(lane_gpus, num_mb, spec.model.dtype)
+    return proportional_counts(lane_gpus, num_mb, job.model.dtype)
 
 
 def proportional_counts(lane_gpus: list[list[Gpu]], num_mb: int, dtype: DType) -> list[int]:

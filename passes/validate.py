@@ -25,8 +25,9 @@ from hetc.passes.resolve import resolve_pipeline
 from hetc.passes.validate_plan import check_plan
 from hetc.passes.validate_precision import check_precision
 from hetc.pipeline import Pipeline
-from hetc.plan import Plan
-from hetc.spec import (AUTO, CPKind, DeviceSpec, LinkSpec, ModelSpec, NodeSpec, OffloadSpec, OffloadTarget, Spec, StageSpec, ZeroShard, ZeroSpec)
+from hetc.plan import Job, Plan
+from hetc.spec import (AUTO, CPKind, DeviceSpec, LinkSpec, ModelSpec, NodeSpec, OffloadSpec, OffloadTarget, Spec, StageSpec,
+                       TrainSpec, ZeroShard, ZeroSpec, ClusterSpec)
 from hetc.topology import MAX_GPUS, Topology
 
 # Every rank's program lists each of its microbatches; beyond this a step is
@@ -52,6 +53,17 @@ class Checked:
             raise InternalError("a resolved pipeline without a cluster")
         return Plan.of(self.spec, self.topology, self.pipeline)
 
+    def job(self) -> Job | None:
+        """The whole spec's blocks typed as present, its plan perhaps `auto`; None for a part of a spec."""
+        return None if self.topology is None else Job.of(self.spec, self.topology)
+
+    def plan(self) -> Plan:
+        """`explicit()` of a spec that has no `auto` left (one the planner wrote, or a plan directory's)."""
+        plan = self.explicit()
+        if plan is None:
+            raise InternalError("a written-out plan with `auto` left in it")
+        return plan
+
 
 def validate(spec: Spec, base_dir: Path | None = None) -> list[Diagnostic]:
     errors: list[Diagnostic] = []
@@ -71,23 +83,23 @@ def check_spec(spec: Spec, base_dir: Path | None = None) -> Checked:
 def _check(spec: Spec, base_dir: Path | None, errors: list[Diagnostic]) -> tuple[Topology | None, Pipeline | None]:
     _unique(spec.devices, "device kind", errors)
     if spec.model is not None:
-        _check_model(spec, errors)
+        _check_model(spec.model, errors)
     if spec.train is not None:
-        _check_train(spec, base_dir, errors)
+        _check_train(spec, spec.train, base_dir, errors)
     topo = None
     if spec.cluster is not None:
-        topo = _check_cluster(spec, errors)
+        topo = _check_cluster(spec, spec.cluster, errors)
         check_precision(spec, errors)
     if spec.parallel is not None and spec.cluster is None:
         errors.append(Diagnostic(spec.parallel.span, "a parallel plan needs a cluster block"))
     pipeline = None
-    if spec.is_complete and topo is not None and not errors:
-        _check_parallel(spec, errors)
+    if topo is not None and (job := Job.of(spec, topo)) is not None and not errors:
+        _check_parallel(job, errors)
         if not errors:
-            pipeline = resolve_pipeline(spec, topo, errors)
+            pipeline = resolve_pipeline(job, errors)
         if pipeline is not None:
-            check_plan(spec, pipeline, errors)
-        _check_fit(spec, topo, errors)
+            check_plan(Plan.of(spec, topo, pipeline), errors)
+        _check_fit(job, errors)
     return topo, pipeline
 
 
@@ -104,9 +116,7 @@ def _unique(nodes: Sequence[_Named], what: str, errors: list[Diagnostic]) -> Non
             seen[n.name] = n
 
 
-def _check_model(spec: Spec, errors: list[Diagnostic]) -> None:
-    m = spec.model
-    assert m is not None   # _check calls it only then
+def _check_model(m: ModelSpec, errors: list[Diagnostic]) -> None:
     if m.hidden % m.heads and m.head_dim is None:
         errors.append(Diagnostic(m.span_of("hidden"), f"hidden ({m.hidden}) is not divisible by heads ({m.heads})"))
     if m.heads % m.num_kv_heads:
@@ -126,24 +136,20 @@ def _check_model(spec: Spec, errors: list[Diagnostic]) -> None:
 
 def _check_init(m: ModelSpec, errors: list[Diagnostic]) -> None:
     """Pretrained weights need an hf directory whose safetensors are exactly the model's (headers only)."""
-    from hetc.hf.weights import hf_has_weights, model_weight_problems, wants_pretrained
+    from hetc.hf.weights import hf_has_weights, model_weight_problems, pretrained_dir
     from hetc.spec import InitKind
 
     if m.init is InitKind.PRETRAINED and not hf_has_weights(m):
         why = "the model has no hf directory" if not m.hf else f"'{m.hf}' holds no safetensors"
         errors.append(Diagnostic(m.span_of("init"), f"init = pretrained, but {why}"))
-    elif wants_pretrained(m):
-        directory = m.hf_dir()
-        assert directory is not None   # wants_pretrained: an hf directory with weights
+    elif (directory := pretrained_dir(m)) is not None:
         problems = model_weight_problems(m, directory)
         if problems:
             errors.append(Diagnostic(m.span_of("hf"), f"the safetensors in '{m.hf}' do not fit the model: "
                                      + "; ".join(problems[:4]) + (" ..." if len(problems) > 4 else "")))
 
 
-def _check_train(spec: Spec, base_dir: Path | None, errors: list[Diagnostic]) -> None:
-    t = spec.train
-    assert t is not None   # _check calls it only then
+def _check_train(spec: Spec, t: TrainSpec, base_dir: Path | None, errors: list[Diagnostic]) -> None:
     if t.global_batch % t.micro_batch:
         errors.append(Diagnostic(t.span_of("global_batch"), f"global_batch ({t.global_batch}) is not a multiple "
                                  f"of micro_batch ({t.micro_batch})"))
@@ -151,12 +157,10 @@ def _check_train(spec: Spec, base_dir: Path | None, errors: list[Diagnostic]) ->
         errors.append(Diagnostic(t.span_of("global_batch"), f"global_batch / micro_batch = {t.global_batch} / "
                                  f"{t.micro_batch} = {t.global_batch // t.micro_batch} microbatches a step; hetc "
                                  f"schedules at most {MAX_MICROBATCHES}: raise micro_batch"))
-    check_data(spec, base_dir, errors)
+    check_data(spec.model, t, base_dir, errors)
 
 
-def _check_cluster(spec: Spec, errors: list[Diagnostic]) -> Topology | None:
-    c = spec.cluster
-    assert c is not None   # _check calls it only then
+def _check_cluster(spec: Spec, c: ClusterSpec, errors: list[Diagnostic]) -> Topology | None:
     _unique(c.nodes, "node group", errors)
     names = [d.name for d in spec.devices]
     for n in c.nodes:
@@ -173,7 +177,7 @@ def _check_cluster(spec: Spec, errors: list[Diagnostic]) -> Topology | None:
     if not c.nodes:
         errors.append(Diagnostic(c.span, "the cluster has no nodes"))
         return None
-    topo = Topology(spec)
+    topo = Topology(c, spec.devices)
     ends = topo.endpoints()
     seen: dict[frozenset[str], LinkSpec] = {}
     for link in c.links:
@@ -199,9 +203,8 @@ def _check_offload_targets(off: OffloadSpec, errors: list[Diagnostic]) -> None:
                                      f"runtime and the cost model have no NVMe path); write {key} = cpu"))
 
 
-def _check_parallel(spec: Spec, errors: list[Diagnostic]) -> None:
-    par, m = spec.parallel, spec.model
-    assert par is not None and m is not None   # a complete spec
+def _check_parallel(job: Job, errors: list[Diagnostic]) -> None:
+    par, m = job.parallel, job.model
     _check_zero(par.zero, errors)
     for off in (par.offload, *(st.offload for st in (() if par.stages is AUTO else par.stages) if st.offload)):
         _check_offload_targets(off, errors)
@@ -224,7 +227,7 @@ def _check_parallel(spec: Spec, errors: list[Diagnostic]) -> None:
             _check_layout(m, st, LaneLayout(st.tp, st.cp, st.cp_kind, st.sequence_parallel), errors)
         if st.ep != 1:
             _check_experts(m, st, st.zero or par.zero, errors)
-        _check_grad_accum(spec, st, errors)
+        _check_grad_accum(job.train, st, errors)
 
 
 def _check_layout(m: ModelSpec, st: StageSpec, layout: LaneLayout, errors: list[Diagnostic]) -> None:
@@ -286,9 +289,7 @@ def _check_zero(z: ZeroSpec, errors: list[Diagnostic]) -> None:
         errors.append(Diagnostic(z.span_of("across"), "across applies between shard groups: set shard = node"))
 
 
-def _check_grad_accum(spec: Spec, st: StageSpec, errors: list[Diagnostic]) -> None:
-    t = spec.train
-    assert t is not None   # a complete spec
+def _check_grad_accum(t: TrainSpec, st: StageSpec, errors: list[Diagnostic]) -> None:
     if t.grad_accum is None or st.lanes is AUTO or st.microbatches is AUTO:
         return
     if st.microbatches.kind.value == "counts":
@@ -300,18 +301,17 @@ def _check_grad_accum(spec: Spec, st: StageSpec, errors: list[Diagnostic]) -> No
                                  f"'{st.name}' = {total}"))
 
 
-def _check_fit(spec: Spec, topo: Topology, errors: list[Diagnostic]) -> None:
+def _check_fit(job: Job, errors: list[Diagnostic]) -> None:
     """Model states must fit in the cluster's memory even fully sharded (ZeRO-3 over all GPUs)."""
-    m = spec.model
-    assert m is not None and spec.parallel is not None and spec.cluster is not None   # a complete spec
+    m, topo = job.model, job.topology
     phi = model_params(m)
     per_param = state_bytes_per_param(m)   # the cost model's bytes per parameter (DESIGN.md §3)
     need = phi * (per_param.params + per_param.grads + per_param.optimizer)
     gpu_memory = sum(g.device.memory for g in topo.gpus)
     host_memory = 0.0
-    off = spec.parallel.offload
+    off = job.parallel.offload
     if off.params is not OffloadTarget.NONE or off.optimizer is not OffloadTarget.NONE:
-        host_memory = sum(n.host_memory * n.count for n in spec.cluster.nodes)
+        host_memory = sum(n.host_memory * n.count for n in job.cluster.nodes)
     if need > gpu_memory + host_memory:
         host = f" and {host_memory / 2**30:.1f} GiB of host memory for offload" if host_memory else ""
         errors.append(Diagnostic(m.span, f"the model's parameters, gradients and optimizer state need "

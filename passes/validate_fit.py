@@ -16,9 +16,8 @@ from typing import TYPE_CHECKING
 
 from hetc.errors import Diagnostic
 from hetc.passes.verify.memory import Peak, format_bytes
-from hetc.passes.validate_plan import plan_blocks
 from hetc.pipeline import Pipeline, Stage
-from hetc.spec import Checkpointing, OffloadTarget, Spec
+from hetc.spec import Checkpointing, OffloadTarget
 
 if TYPE_CHECKING:     # both import this module's callers' modules at run time
     from hetc.passes.cost import CostError
@@ -59,8 +58,8 @@ def estimate_overflows(plan: Plan) -> list[Diagnostic]:
     try:
         estimate = CostModel(plan).estimate()
     except CostError as err:   # a device the cost model cannot time: compile would stop there too
-        return [cost_error(plan.spec, err)]
-    return stage_overflows(plan.spec, plan.pipeline, estimate_uses(estimate.memory), "the cost model estimates")
+        return [cost_error(plan, err)]
+    return stage_overflows(plan, estimate_uses(estimate.memory), "the cost model estimates")
 
 
 def estimate_uses(memory: Iterable[RankMemory]) -> list[RankUse]:
@@ -86,15 +85,15 @@ def near_capacity_warning(pipeline: Pipeline, uses: list[RankUse], source: str) 
             "buffers grown on demand): the run may still run out of memory")
 
 
-def cost_error(spec: Spec, err: CostError) -> Diagnostic:
+def cost_error(plan: Plan, err: CostError) -> Diagnostic:
     """A `passes.cost.CostError`, located at the device kind it blames (else at the plan)."""
-    device = spec.device(err.device) if err.device is not None else None
-    return Diagnostic(device.span if device is not None else plan_blocks(spec)[2].span, str(err))
+    device = plan.spec.device(err.device) if err.device is not None else None
+    return Diagnostic(device.span if device is not None else plan.parallel.span, str(err))
 
 
-def peak_overflows(spec: Spec, pipeline: Pipeline, peaks: list[Peak]) -> list[Diagnostic]:
+def peak_overflows(plan: Plan, peaks: list[Peak]) -> list[Diagnostic]:
     """The stages whose ranks' verified peaks (`passes.verify.memory.rank_peaks`) exceed their devices."""
-    return stage_overflows(spec, pipeline, peak_uses(peaks), "the verifier finds")
+    return stage_overflows(plan, peak_uses(peaks), "the verifier finds")
 
 
 def peak_uses(peaks: Iterable[Peak]) -> list[RankUse]:
@@ -102,33 +101,33 @@ def peak_uses(peaks: Iterable[Peak]) -> list[RankUse]:
     return [RankUse(p.rank, p.parts, p.capacity) for p in sorted(peaks, key=lambda p: p.rank)]
 
 
-def stage_overflows(spec: Spec, pipeline: Pipeline, uses: list[RankUse], source: str) -> list[Diagnostic]:
+def stage_overflows(plan: Plan, uses: list[RankUse], source: str) -> list[Diagnostic]:
     """One error per stage with a rank over its capacity; `source` says where the numbers come from."""
     out = []
-    for stage in pipeline.stages:
+    for stage in plan.pipeline.stages:
         mine = [uses[r] for r in stage.ranks]
         if any(u.over for u in mine):
-            out.append(_stage_overflow(spec, pipeline, stage, mine, source))
+            out.append(_stage_overflow(plan, stage, mine, source))
     return out
 
 
-def _stage_overflow(spec: Spec, pipeline: Pipeline, stage: Stage, uses: list[RankUse], source: str) -> Diagnostic:
+def _stage_overflow(plan: Plan, stage: Stage, uses: list[RankUse], source: str) -> Diagnostic:
     over = [u for u in uses if u.over]
     worst = max(over, key=lambda u: u.total / u.capacity)
-    gpu = pipeline.world[worst.rank]
+    gpu = plan.pipeline.world[worst.rank]
     parts = ", ".join(f"{name} {format_bytes(b)}" for name, b in worst.parts.items() if b > 0)
     count = "" if len(uses) == 1 else (f"; all {len(uses)} of its ranks overflow" if len(over) == len(uses)
                                        else f"; {len(over)} of its {len(uses)} ranks overflow")
-    st = plan_blocks(spec)[2].resolved_stages[stage.index]
+    st = plan.parallel.resolved_stages[stage.index]
     return Diagnostic(st.span, f"stage '{stage.name}' does not fit in device memory: {source} that rank "
                                f"{worst.rank} needs {format_bytes(worst.total)} ({parts}) but its "
                                f"{gpu.device.name} {gpu} holds {format_bytes(worst.capacity)}{count}; to fit, try "
-                               + ", ".join(_knobs(spec, pipeline, stage)))
+                               + ", ".join(_knobs(plan, stage)))
 
 
-def _knobs(spec: Spec, pipeline: Pipeline, stage: Stage) -> list[str]:
+def _knobs(plan: Plan, stage: Stage) -> list[str]:
     """What would lower the stage's memory, among what it does not use yet."""
-    (model, train, par), knobs = plan_blocks(spec), []
+    model, train, par, pipeline, knobs = plan.model, plan.train, plan.parallel, plan.pipeline, []
     replicas = len(stage.lanes) * stage.cp
     level = stage.zero.resolved_level
     if level < 3:

@@ -16,30 +16,24 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from hetc.errors import Diagnostic, InternalError
+from hetc.errors import Diagnostic
 from hetc.passes.lower.schedule import LockstepReason, lane_queues, lockstep_groups, queue_shape
-from hetc.pipeline import Lane, Pipeline, Stage
+from hetc.pipeline import Lane, Stage
+from hetc.plan import Plan
 from hetc.passes.validate_runtime import check_tied_embeddings
-from hetc.spec import CPKind, ModelSpec, ParallelSpec, Spec, StageSpec, TrainSpec
+from hetc.spec import CPKind, StageSpec
 
-__all__ = ["check_plan", "plan_blocks"]
-
-
-def plan_blocks(spec: Spec) -> tuple[ModelSpec, TrainSpec, ParallelSpec]:
-    """The model, train and parallel blocks of a spec whose plan resolved (so it has all three)."""
-    if spec.model is None or spec.train is None or spec.parallel is None:
-        raise InternalError("a resolved plan without its model, train or parallel block")
-    return spec.model, spec.train, spec.parallel
+__all__ = ["check_plan"]
 
 
-def check_plan(spec: Spec, pipeline: Pipeline, errors: list[Diagnostic]) -> None:
-    """Append a located error for every rule of the module docstring that `pipeline` breaks."""
-    model, _, par = plan_blocks(spec)
+def check_plan(plan: Plan, errors: list[Diagnostic]) -> None:
+    """Append a located error for every rule of the module docstring that `plan`'s pipeline breaks."""
+    model, pipeline = plan.model, plan.pipeline
     if (problem := check_tied_embeddings(model, pipeline)) is not None:
         errors.append(Diagnostic(model.span_of("tied_embeddings"), problem))
     for stage in pipeline.stages:
-        _check_rank_order(par.resolved_stages[stage.index], stage, errors)
-    _check_lockstep(spec, pipeline, errors)
+        _check_rank_order(plan.parallel.resolved_stages[stage.index], stage, errors)
+    _check_lockstep(plan, errors)
 
 
 def _ascending(ranks: Sequence[int]) -> bool:
@@ -71,19 +65,19 @@ def _check_rank_order(st: StageSpec, stage: Stage, errors: list[Diagnostic]) -> 
             return
 
 
-def _check_lockstep(spec: Spec, pipeline: Pipeline, errors: list[Diagnostic]) -> None:
-    for group in lockstep_groups(pipeline, plan_blocks(spec)[0]):
+def _check_lockstep(plan: Plan, errors: list[Diagnostic]) -> None:
+    pipeline = plan.pipeline
+    for group in lockstep_groups(pipeline, plan.model):
         shapes = [queue_shape(lane_queues(pipeline, group.stage, lane)) for lane in group.lanes]
         odd = next((lane for lane, shape in zip(group.lanes, shapes) if shape != shapes[0]), None)
         if odd is not None:
-            errors.append(_lockstep_error(spec, pipeline, group.stage, group.reason, (group.lanes[0], odd)))
+            errors.append(_lockstep_error(plan, group.stage, group.reason, (group.lanes[0], odd)))
 
 
-def _lockstep_error(spec: Spec, pipeline: Pipeline, stage: Stage, reason: LockstepReason,
-                    lanes: tuple[Lane, Lane]) -> Diagnostic:
-    st = plan_blocks(spec)[2].resolved_stages[stage.index]
+def _lockstep_error(plan: Plan, stage: Stage, reason: LockstepReason, lanes: tuple[Lane, Lane]) -> Diagnostic:
+    st = plan.parallel.resolved_stages[stage.index]
     if reason is LockstepReason.ZERO:
-        return Diagnostic(st.span, f"ZeRO-{stage.zero.resolved_level} under {pipeline.schedule.value} reduces every "
+        return Diagnostic(st.span, f"ZeRO-{stage.zero.resolved_level} under {plan.pipeline.schedule.value} reduces every "
                                    f"microbatch, so every lane of stage '{stage.name}' must run the same sequence "
                                    "of ops, but its lanes serve different microbatch patterns; use the zorse "
                                    "schedule, ZeRO ≤ 1, or equal lanes")

@@ -149,7 +149,7 @@ class Checkpointer:
             except dcp.CheckpointException as err:
                 future.set_exception(err)
         if self.leader:     # model.het, data.json, checksums.json: in the background writer's thread, if any
-            future = _then(future, lambda: _describe(self.rt.interpreter.spec, tmp))
+            future = _then(future, lambda: _describe(self.rt.interpreter, tmp))
         self._pending = (step, tmp, future)
 
     def poll(self) -> None:
@@ -457,11 +457,11 @@ def _then(future: Future, finish: Callable[[], None]) -> Future:
     return done
 
 
-def _describe(spec: Spec, tmp: Path) -> None:
-    """What the checkpoint is of, then the checksums of every file: the last writes before publishing
-    (Notes [What a checkpoint is of], [Checkpoint checksums])."""
-    _write_model(spec.model, tmp)
-    write_data_identity(spec, tmp)
+def _describe(interpreter, tmp: Path) -> None:
+    """What the checkpoint is of (the interpreter's model and train blocks), then the checksums of every
+    file: the last writes before publishing (Notes [What a checkpoint is of], [Checkpoint checksums])."""
+    _write_model(interpreter.model, tmp)
+    write_data_identity(interpreter.model, interpreter.train, tmp)
     write_manifest(tmp)
 
 

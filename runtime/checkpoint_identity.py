@@ -34,7 +34,7 @@ from typing import Any
 
 from hetc.hf.config import TRAINING_FIELDS
 from hetc.runtime.checkpoint_files import CheckpointError
-from hetc.spec import DataKind, ModelSpec, Node, OptimizerKind, Spec
+from hetc.spec import DataKind, ModelSpec, Node, OptimizerKind, TrainSpec
 
 __all__ = ["DATA_FILE", "check_resumable", "data_identity", "model_differences", "write_data_identity"]
 
@@ -43,38 +43,36 @@ DATA_FILE = "data.json"
 _DERIVED = {"kv_heads": "num_kv_heads", "head_dim": "head_size"}
 
 
-def data_identity(spec: Spec) -> dict[str, Any]:
+def data_identity(model: ModelSpec, train: TrainSpec) -> dict[str, Any]:
     """What decides the token stream: data kind, file (path and size), dtype, seq, seed, shuffle."""
-    assert spec.model is not None and spec.train is not None
-    data = spec.train.data
+    data = train.data
     path = data.resolve() if data.kind is not DataKind.SYNTHETIC else None
     size = path.stat().st_size if path is not None and path.is_file() else None
     return {"kind": data.kind.value, "path": str(path.resolve()) if path is not None else "",
             "bytes": size, "dtype": data.dtype.value if data.dtype is not None else None,
-            "seq": spec.model.seq, "seed": spec.train.seed, "shuffle": data.shuffle}
+            "seq": model.seq, "seed": train.seed, "shuffle": data.shuffle}
 
 
-def write_data_identity(spec: Spec, directory: Path) -> None:
-    (directory / DATA_FILE).write_text(json.dumps(data_identity(spec), indent=1) + "\n")
+def write_data_identity(model: ModelSpec, train: TrainSpec, directory: Path) -> None:
+    (directory / DATA_FILE).write_text(json.dumps(data_identity(model, train), indent=1) + "\n")
 
 
-def check_resumable(checkpoint: Path, spec: Spec, weights_only: bool = False) -> None:
+def check_resumable(checkpoint: Path, model: ModelSpec, train: TrainSpec, weights_only: bool = False) -> None:
     """Raise CheckpointError when `checkpoint` is not of `spec`'s model (and, unless `weights_only`, its
     optimizer and data); see Note [What a checkpoint is of]."""
     from hetc.runtime.checkpoint import MODEL_FILE
 
-    assert spec.model is not None
     card = checkpoint / MODEL_FILE
     if card.is_file():
         saved = _saved_model(card)
-        _refuse(card, "another model", model_differences(saved, spec.model),
+        _refuse(card, "another model", model_differences(saved, model),
                 "resume a checkpoint of this model, or save this run into another --checkpoint directory")
         if not weights_only:
-            _refuse(card, "another optimizer", _optimizer_differences(saved, spec.model),
+            _refuse(card, "another optimizer", _optimizer_differences(saved, model),
                     f"to keep only its weights, start with --load-weights-only {checkpoint}")
     data_file = checkpoint / DATA_FILE
     if data_file.is_file() and not weights_only:
-        _refuse(data_file, "other data", _data_differences(_saved_data(data_file), data_identity(spec)),
+        _refuse(data_file, "other data", _data_differences(_saved_data(data_file), data_identity(model, train)),
                 f"to train its weights on this data, start with --load-weights-only {checkpoint}")
 
 

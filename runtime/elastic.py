@@ -60,7 +60,10 @@ class ReconfigError(RuntimeError):
 
 def present_spec(spec: Spec, procs: list[Process]) -> tuple[Spec, list[Process]]:
     """The spec on the nodes `procs` were launched on, and `procs` labelled with their nodes in it."""
-    full = Topology(spec).gpus
+    topo = Topology.of(spec)
+    if topo is None:
+        raise ReconfigError("the spec has no cluster block: an elastic run places its ranks on the cluster's nodes")
+    full = topo.gpus
     placement = place(full, procs, elastic=True, partial=True)
     present: dict[str, list[int]] = {}
     for host in sorted(set(placement.nodes.values()), key=lambda h: (h[0], h[1])):

@@ -190,14 +190,15 @@ def with_routing(plan: Plan, routing: Mapping[int, tuple[int, ...]]) -> Spec:
     """`plan`'s spec with explicit microbatch counts per lane for every stage whose lanes are more than one."""
     stages = tuple(st if len(routing[i]) < 2 else
                    dataclasses.replace(st, microbatches=Routing(kind=RoutingKind.COUNTS, counts=routing[i]))
-                   for i, st in enumerate(plan.stages))
+                   for i, st in enumerate(plan.parallel.resolved_stages))
     return dataclasses.replace(plan.spec, parallel=dataclasses.replace(plan.parallel, stages=stages))
 
 
 def layer_splits(plan: Plan, stage: int) -> list[Spec]:
     """`plan`'s spec with each border of stage `stage` (to the stage before it and after it) moved by one or
     two layers, where both stages have one layer range and keep a layer (Note [a new layer split])."""
-    model, parallel, pipeline, stages = plan.model, plan.parallel, plan.pipeline, plan.stages
+    model, parallel, pipeline = plan.model, plan.parallel, plan.pipeline
+    stages = parallel.resolved_stages
     out = []
     for left in (stage - 1, stage):
         if left < 0 or left + 1 >= len(stages):

@@ -221,7 +221,7 @@ def _train(plan_dir: Path, opts: RunOptions, rank: int, plan: Plan, program: Pro
     groups = make_groups(program.groups, timeout)
     hooks.progress.done("process groups up")
     data = make_data_source(plan.model, plan.train, plan_dir)
-    start_from = _start_point(opts, plan.spec, rank)
+    start_from = _start_point(opts, plan, rank)
     from hetc.runtime.nccl_order import emulation_from_env    # HETC_EMULATE_NCCL, read once as the rank starts
 
     rt = build_rank(program, plan, rank, groups, data, device, resumes=start_from is not None,
@@ -462,7 +462,7 @@ class _Start:
     weights_only: bool
 
 
-def _start_point(opts: RunOptions, spec, rank: int) -> _Start | None:
+def _start_point(opts: RunOptions, plan: Plan, rank: int) -> _Start | None:
     """The checkpoint this run loads, if any. Plan rank 0 chooses it (it alone reads the checksums and
     compares the checkpoint with the spec) and broadcasts the choice or the error, so that every rank loads
     the same one or raises the same error: Notes [Which checkpoint --resume loads], [What a checkpoint is of]."""
@@ -475,7 +475,7 @@ def _start_point(opts: RunOptions, spec, rank: int) -> _Start | None:
     answer: list[object] = [None, False, "", None]     # path, weights only, error, the error's file
     if rank == 0:
         try:
-            start = _choose_start(opts, spec)
+            start = _choose_start(opts, plan)
             answer = [str(start.path) if start else None, start.weights_only if start else False, "", None]
         except CheckpointError as err:
             answer = [None, False, str(err), str(err.path) if err.path is not None else None]
@@ -486,7 +486,7 @@ def _start_point(opts: RunOptions, spec, rank: int) -> _Start | None:
     return _Start(Path(str(path)), bool(weights_only)) if path else None
 
 
-def _choose_start(opts: RunOptions, spec) -> _Start | None:
+def _choose_start(opts: RunOptions, plan: Plan) -> _Start | None:
     from hetc.runtime.checkpoint import CheckpointError, find_resumable
     from hetc.runtime.checkpoint_files import nothing_to_resume
     from hetc.runtime.checkpoint_identity import check_resumable
@@ -502,7 +502,7 @@ def _choose_start(opts: RunOptions, spec) -> _Start | None:
     if start is None and opts.weights_from is not None:
         start = _Start(_weights_checkpoint(opts.weights_from), weights_only=True)
     if start is not None:
-        check_resumable(start.path, spec, start.weights_only)
+        check_resumable(start.path, plan.model, plan.train, start.weights_only)
     return start
 
 

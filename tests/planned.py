@@ -85,4 +85,4 @@ def _planned(path: Path, limits: SearchLimits | None) -> Planned | None:
         message = err.diagnostics[0].message
         assert err.diagnostics[0].span.file, f"the 'nothing fits' error has no location: {message}"
         return None
-    return Planned(path, result, build(result.checked, verified=result.program))
+    return Planned(path, result, build(result.plan, verified=result.program))

@@ -246,7 +246,6 @@ def test_finding_8_prepare_megatron_writes_a_sidecar_that_check_holds_the_model_
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     from hetc.passes.data_check import check_data
-    from hetc.spec import Spec
     from hetc.tokenfile import inspect_tokens, sidecar_path
 
     words = {"<eos>": 0, **{f"w{i}": i + 1 for i in range(299)}}
@@ -264,7 +263,7 @@ def test_finding_8_prepare_megatron_writes_a_sidecar_that_check_holds_the_model_
     assert (tf.vocab, tf.num_tokens, tf.dtype) == (300, 205, "uint16")
     data = DataSpec(kind=DataKind.TOKENS, path=str(tmp_path / "m"))
     errors: list = []
-    check_data(Spec(model=MODEL, train=TrainSpec(global_batch=8, data=data)), tmp_path, errors)
+    check_data(MODEL, TrainSpec(global_batch=8, data=data), tmp_path, errors)
     larger = (f"'{tmp_path / 'm'}' was written by the tokenizer 'tok' with a vocabulary of 300, larger than the "
               "model's vocab = 256")
     assert [e.message for e in errors] == [larger]

@@ -50,7 +50,7 @@ def _plan(path: Path) -> Plan | None:
     if explicit is not None:
         return explicit
     try:
-        return plan_spec(loaded.spec, None, loaded.path.parent, limits=NARROW).checked.explicit()
+        return plan_spec(loaded.spec, None, loaded.path.parent, limits=NARROW).plan
     except SpecError:
         return None    # nothing fits: the planner says so (tests/test_plan_agreement.py)
 

@@ -51,7 +51,7 @@ def _score_problems(result: PlanResult, agreement: Agreement) -> list[str]:
     if abs(gap) > TOLERANCE:
         out.append(f"step: plan {score.step_time_s:.4g} s vs compiled {agreement.simulated_s:.4g} s "
                    f"({100 * gap:+.1f}%)")
-    rank_of = {g.id: r for r, g in enumerate(result.checked.pipeline.world)}
+    rank_of = {g.id: r for r, g in enumerate(result.plan.pipeline.world)}
     for mem, gpus in zip(score.memory, score.classes, strict=True):
         for gpu in gpus:
             peak = agreement.peaks[rank_of[gpu]]
@@ -126,7 +126,7 @@ def test_every_spec_compiles_and_agrees(path, plan_cache):
     problem = _outcome(got)
     assert problem is None, problem
     if got is not None:     # CPU plans too: what a GPU cluster runs must be what the CPU suite proves
-        verify(got.built.program, got.built.checked.explicit(), backend=Backend.NCCL)
+        verify(got.built.program, got.built.plan, backend=Backend.NCCL)
 
 
 
@@ -136,5 +136,5 @@ def test_plans_of_copied_lane_positions_are_checked_as_in_full(plan_cache):
     (tests/test_check_positions.py)."""
     planned = [plan_cache.job(seed) for seed in range(JOBS)] + [plan_cache.spec(path) for path in SPECS]
     built = [got.built for got in planned if got is not None]
-    copied = [b for b in built if assert_copies_position_0(b.program, b.checked.explicit(), b.costs)]
+    copied = [b for b in built if assert_copies_position_0(b.program, b.plan, b.costs)]
     assert copied

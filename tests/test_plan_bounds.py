@@ -203,11 +203,9 @@ def test_the_search_weighs_a_bounded_number_of_layer_counts(tmp_path):
     """Finding 11's cause: the screen's bound took every layer count of every stage and summed fills over
     pairs of them (quadratic in the layers), and the windows of counts grew with the model. On the grid a
     stage weighs at most about GRID_BLOCKS counts, whatever the model's length."""
-    loaded, checked = load_checked(_long_model(tmp_path, 4000), require_complete=True)
-    topo = checked.topology
-    assert topo is not None and loaded.spec.parallel is not None
-    search = Search(loaded.spec, topo, None, space_from_spec(loaded.spec, topo),
-                    Goal.of(loaded.spec.parallel.objective))
+    _, checked = load_checked(_long_model(tmp_path, 4000), require_complete=True)
+    job = checked.job()
+    search = Search(job, None, space_from_spec(job), Goal.of(job.parallel.objective))
     assert search.grain == 16
     for idle, layout in itertools.islice(search.layouts(), 3):
         st = next(search.variants(idle, layout, search.space.schedules[:1], search.space.micro_batches[:1]))

@@ -58,7 +58,7 @@ def _plan(tmp_path: Path, level: str, device: str, micro_batch: int) -> PlanResu
 
 
 def _levels(result: PlanResult) -> list[Checkpointing]:
-    pipeline = result.checked.pipeline
+    pipeline = result.plan.pipeline
     assert pipeline is not None
     return [st.checkpoint for st in pipeline.stages]
 

@@ -21,6 +21,7 @@ from hetc.passes.plan.space import space_from_spec
 from hetc.spec import Spec
 from hetc.errors import SpecError
 from hetc.topology import Topology
+from hetc.plan import Job
 from tests.conftest import SPECS
 from tests.planned import JOBS, NARROW
 from tests.random_jobs import random_job
@@ -95,7 +96,7 @@ parallel {{
 
 def _slower_fitting_baselines(spec: Spec, result: PlanResult) -> list[str]:
     """The baselines the spec allows that fit and print a shorter step than the chosen plan."""
-    fixed = space_from_spec(spec, Topology(spec)).fixed
+    fixed = space_from_spec(Job.of(spec, Topology.of(spec))).fixed
     return [f"{b.name}: {b.score.step_time_s:.4g} s against the plan's {result.step_time_s:.4g} s"
             for b in result.baselines
             if b.candidate is not None and b.score is not None and b.score.fits and fixed.admits(b.candidate)
@@ -140,9 +141,8 @@ def test_plans_whose_programs_simulate_slower_than_their_closed_form_lose_to_the
 
     monkeypatch.setattr(final, "_printed", slower_plans)
     path, spec, _ = two_regions
-    topo = Topology(spec)
-    assert spec.parallel is not None
-    search = Search(spec, topo, None, space_from_spec(spec, topo), Goal.of(spec.parallel.objective))
+    job = Job.of(spec, Topology.of(spec))
+    search = Search(job, None, space_from_spec(job), Goal.of(job.parallel.objective))
     baselines = search.baselines()
     pool = contenders(search, search.run(), baselines)
     old = choose_printed(search, pool[:1], baselines, path.parent)   # the closed form's choice, as printed

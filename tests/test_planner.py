@@ -25,6 +25,7 @@ from hetc.passes.plan.space import space_from_spec
 from hetc.commands.planreport import plan_summary
 from hetc.spec import AUTO
 from hetc.topology import Topology
+from hetc.plan import Job
 from tests.conftest import DEMO, SPECS
 
 ZORSE = [SPECS / "zorse" / f"{c}_auto.het" for c in "abc"]
@@ -239,7 +240,7 @@ def test_cost_objective_respects_the_budget(tmp_path, capsys):
 
 def test_bandwidth_domains_cut_the_slow_link_first():
     spec = load_spec(SPECS / "zorse" / "cluster_c.het").spec
-    topo = Topology(spec)
+    topo = Topology.of(spec)
     levels = bandwidth_domains(topo, list(topo.groups))
     assert levels[0] == (tuple(topo.groups),)
     assert levels[1] == (("a10g", "t4_east"), ("v100", "t4_west"))   # the two regions
@@ -252,7 +253,7 @@ def test_bandwidth_domains_of_two_groups_are_the_gomory_hu_cut():
 
     from hetc.passes.plan.partition import _cut_levels, _graph
 
-    topo = Topology(load_spec(SPECS / "zorse" / "cluster_c.het").spec)
+    topo = Topology.of(load_spec(SPECS / "zorse" / "cluster_c.het").spec)
     for pair in itertools.permutations(topo.groups, 2):
         groups = list(pair)
         assert bandwidth_domains(topo, groups) == _cut_levels(nx.gomory_hu_tree(_graph(topo, groups)), groups)
@@ -305,8 +306,8 @@ def test_the_screen_bound_is_below_the_objective_of_every_structure_it_bounds():
     # keeps what screening every one keeps only if no bound exceeds its structure's assignment objective
     path = ZORSE[1]   # 64 GPUs of two kinds in two zones: a large cluster's screen (by the assignment model)
     spec = load_spec(path).spec
-    topo = Topology(spec)
-    search = Search(spec, topo, None, space_from_spec(spec, topo), Goal.of(spec.parallel.objective))
+    job = Job.of(spec, Topology.of(spec))
+    search = Search(job, None, space_from_spec(job), Goal.of(spec.parallel.objective))
     assert not search.exact_screen
     idle, layout = next(pair for pair in search.layouts() if len(pair[1]) > 1)
     structures = list(search.variants(idle, layout, search.space.schedules, search.space.micro_batches,
@@ -341,7 +342,7 @@ def test_a_forked_worker_plans_what_one_process_plans(tmp_path, monkeypatch):
         pytest.skip("no fork, or one core: hetc runs without a worker")
     monkeypatch.setattr(hetc.worker, "spare_core", lambda: True)   # however busy the machine is now
     spec = load_spec(_write(tmp_path, MIDDLE % "")).spec
-    limits = SearchLimits.for_cluster(Topology(spec).num_gpus, spec.model.num_model_layers)
+    limits = SearchLimits.for_cluster(Topology.of(spec).num_gpus, spec.model.num_model_layers)
     assert limits.workers == 2 and not limits.exact_screen
     answered, checked, searches = [], [], []
     collect, check, run = Worker.collect, planner._check_winner, Search.run

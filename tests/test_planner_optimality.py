@@ -22,6 +22,7 @@ from hetc.passes.plan.search import Search
 from hetc.passes.plan.space import space_from_spec
 from hetc.spec import ScheduleKind
 from hetc.topology import Topology
+from hetc.plan import Job
 from tests.plan_oracle import Exhaustive
 
 SPACE = {"schedules": (ScheduleKind.ZB, ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZORSE),
@@ -77,10 +78,10 @@ def test_planner_is_within_one_percent_of_exhaustive_search(tmp_path, seed):
     path = tmp_path / "cluster.het"
     path.write_text(cluster_spec(seed))
     spec = load_checked(path, require_complete=True)[0].spec
-    topo = Topology(spec)
+    job = Job.of(spec, Topology.of(spec))
     goal = Goal.of(spec.parallel.objective)
-    planner = Search(spec, topo, None, space_from_spec(spec, topo, **SPACE), goal).run()
-    oracle = Exhaustive(Search(spec, topo, None, space_from_spec(spec, topo, **SPACE), goal))
+    planner = Search(job, None, space_from_spec(job, **SPACE), goal).run()
+    oracle = Exhaustive(Search(job, None, space_from_spec(job, **SPACE), goal))
     best = oracle.run()
     assert best is not None and best.score.fits
     assert oracle.evaluated > 50  # the space is not trivial

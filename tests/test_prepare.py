@@ -220,12 +220,11 @@ parallel {{
 
 def test_ids_beyond_the_model_are_refused(prepared, tokenizer_dir, tmp_path):
     from hetc.passes.data_check import check_data
-    from hetc.spec import Spec
 
     model = ModelSpec(layers=1, hidden=8, heads=2, ffn=8, vocab=256, seq=SEQ)
     train = TrainSpec(global_batch=8, micro_batch=2, data=DataSpec(kind=DataKind.TOKENS, path=str(prepared["hetc"])))
     errors = []
-    check_data(Spec(model=model, train=train), tmp_path, errors)
+    check_data(model, train, tmp_path, errors)
     assert [e.message for e in errors] == [(f"'{prepared['hetc']}' was written by the tokenizer "
                                             f"'{tokenizer_dir.name}' with a vocabulary of {VOCAB}, larger than "
                                             "the model's vocab = 256")]
@@ -243,7 +242,6 @@ def test_ids_beyond_the_model_are_refused(prepared, tokenizer_dir, tmp_path):
 
 def test_a_file_of_another_tokenizer_is_refused(prepared, tokenizer_dir, tmp_path):
     from hetc.passes.data_check import check_data
-    from hetc.spec import Spec
 
     other = tmp_path / "other"
     other.mkdir()
@@ -254,7 +252,7 @@ def test_a_file_of_another_tokenizer_is_refused(prepared, tokenizer_dir, tmp_pat
     for directory, want in [(tokenizer_dir, []), (other, [refused])]:
         data = DataSpec(kind=DataKind.TOKENS, path=str(prepared["hetc"]), tokenizer=str(directory))
         errors = []
-        check_data(Spec(model=model, train=TrainSpec(global_batch=8, data=data)), tmp_path, errors)
+        check_data(model, TrainSpec(global_batch=8, data=data), tmp_path, errors)
         assert [e.message for e in errors] == want
 
 

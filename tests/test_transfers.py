@@ -98,7 +98,7 @@ CROSS_NODE_ZERO = """
 def test_a_zero_collective_shares_the_node_link_with_its_lane_mates(tmp_path):
     """Each tp position of a lane reduces over its own group at the same time, over the same node link."""
     _, checked = load_checked(write_spec(tmp_path, plan_text(CROSS_NODE_ZERO, clusters=cluster(inter="1 GB/s"))))
-    built = build(checked)
+    built = build(checked.explicit())
     cm, timeline = built.costs, built.timeline
     assert timeline is not None
     events = [e for e in timeline.events if e.rank == 0 and e.text.startswith(ReduceScatter.OP)]

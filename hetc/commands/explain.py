@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         costs = CostModel(plan, profiles)
         estimate = simulated_estimate(costs, costs.estimate())   # Note [one step time]
     except CostError as err:   # located at the device kind, as check and compile say it
-        raise SpecError(cost_error(plan.spec, err)) from None
+        raise SpecError(cost_error(plan, err)) from None
     if args.json:
         print(json.dumps({"spec": args.spec, **estimate.to_json()}, indent=1))
     else:
@@ -53,5 +53,5 @@ def run(args: argparse.Namespace) -> int:
 
         print(report(args.spec, plan.pipeline, estimate))
     sys.stdout.flush()   # the breakdown before the verdict on it
-    enforce_fit("explain", plan.spec, plan.pipeline, estimate_uses(estimate.memory), "the cost model estimates")
+    enforce_fit("explain", plan, estimate_uses(estimate.memory), "the cost model estimates")
     return 0

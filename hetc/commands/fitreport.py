@@ -12,18 +12,17 @@ import sys
 
 from hetc.errors import SpecError
 from hetc.passes.validate_fit import RankUse, near_capacity_warning, stage_overflows
-from hetc.pipeline import Pipeline
-from hetc.spec import Spec
+from hetc.plan import Plan
 
 __all__ = ["enforce_fit"]
 
 
-def enforce_fit(verb: str, spec: Spec, pipeline: Pipeline, uses: list[RankUse], source: str) -> None:
+def enforce_fit(verb: str, plan: Plan, uses: list[RankUse], source: str) -> None:
     """Warn about ranks near capacity; raise SpecError for the stages over it. `source`: where `uses` come
     from ("the cost model estimates", "the verifier finds")."""
-    warning = near_capacity_warning(pipeline, uses, source)
+    warning = near_capacity_warning(plan.pipeline, uses, source)
     if warning is not None:
         print(f"hetc {verb}: warning: {warning}", file=sys.stderr)
-    overflows = stage_overflows(spec, pipeline, uses, source)
+    overflows = stage_overflows(plan, uses, source)
     if overflows:
         raise SpecError(overflows)

@@ -159,8 +159,7 @@ def _plan_components(plan_dir: Path) -> tuple[Component, ...]:
         raise UsageError(f"{plan_dir} is neither a spec file nor a plan directory (`hetc compile SPEC -o DIR`)")
     _, checked = read_plan(plan_dir)
     used = {g.host for g in checked.pipeline.world}
-    cluster = checked.spec.cluster
-    assert cluster is not None, "a compiled plan has a cluster"
+    cluster = checked.topology.cluster
     components = []
     for group in cluster.nodes:
         nodes = sorted(i for name, i in used if name == group.name)

@@ -16,9 +16,7 @@ from hetc.commands.profileargs import add_profile_option, load_profile_args
 from hetc.plandir import PROFILE_ENV
 from hetc.compiler import load_checked
 from hetc.jsontypes import JsonObject, JsonValue
-from hetc.passes.validate import Checked
 from hetc.passes.validate_fit import estimate_uses
-from hetc.pipeline import Pipeline
 from hetc.units import human_seconds
 
 __all__ = ["register"]
@@ -54,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     result = plan_spec(loaded.spec, profiles, loaded.path.parent, progress, time_limit_s=args.time_limit)
     note = "" if not result.planned else (f"planned by hetc plan: {human_seconds(result.step_time_s)}/step, "
                                           f"{result.tokens_per_s:,.0f} tokens/s predicted")
-    text = planned_text(loaded, result.spec if result.planned else None, args.out, note)
+    text = planned_text(loaded, result.plan if result.planned else None, args.out, note)
     if args.out is not None:
         args.out.write_text(text)
     prov = plan_provenance(result, profiles)
@@ -74,14 +72,8 @@ def run(args: argparse.Namespace) -> int:
         print(summary, file=sys.stderr)
     if result.estimate is not None:   # None above FULL_ESTIMATE_RANKS: the planner's own fit check stands
         sys.stdout.flush()
-        enforce_fit("plan", result.spec, _pipeline(result.checked), estimate_uses(result.estimate.memory),
-                    "the cost model estimates")
+        enforce_fit("plan", result.plan, estimate_uses(result.estimate.memory), "the cost model estimates")
     return 0
-
-
-def _pipeline(checked: Checked) -> Pipeline:
-    assert checked.pipeline is not None   # the planner returns an explicit plan
-    return checked.pipeline
 
 
 def _object(value: JsonValue) -> JsonObject:

@@ -13,19 +13,10 @@ from hetc.passes.plan.baselines import Baseline
 from hetc.passes.cost.candidate_score import Score
 from hetc.passes.plan.planner import PlanResult
 from hetc.passes.simulated_step import AGREEMENT
-from hetc.plan import Plan
 from hetc.pipeline import Pipeline, Stage
 from hetc.spec import Checkpointing, ModelSpec, Objective, OffloadSpec, OffloadTarget, RankSlice, StageSpec
 
 __all__ = ["plan_json", "plan_provenance", "plan_summary"]
-
-
-def _explicit(result: PlanResult) -> Plan:
-    """The plan `result` holds: explicit whether the planner wrote it or the spec had no `auto`."""
-    plan = result.checked.explicit()
-    if plan is None:
-        raise InternalError("a plan result with `auto` left in its plan")
-    return plan
 
 
 def _score(result: PlanResult) -> Score:
@@ -47,7 +38,7 @@ def _memory(result: PlanResult) -> list[RankMemory]:
     """One entry per rank, from the full estimate or the planner's classes of alike ranks."""
     if result.estimate is not None:
         return list(result.estimate.memory)
-    plan, score = _explicit(result), _score(result)
+    plan, score = result.plan, _score(result)
     rank_of = {g.id: r for r, g in enumerate(plan.pipeline.world)}
     out = []
     for m, ids in zip(score.memory, score.classes):
@@ -61,13 +52,13 @@ def plan_provenance(result: PlanResult, profiles: Profiles) -> Provenance:
     """Note [provenance] of the printed plan: the estimate's, or read off a cost model of it."""
     if result.estimate is not None:
         return result.estimate.provenance
-    plan = _explicit(result)
+    plan = result.plan
     return provenance(CostModel(plan, profiles))
 
 
 def plan_summary(path: str, result: PlanResult, prov: Provenance | None = None) -> str:
     """The summary; with `prov` (`plan_provenance`), where its numbers came from (Note [provenance])."""
-    plan = _explicit(result)
+    plan = result.plan
     p = plan.pipeline
     lines = []
     if result.planned:
@@ -152,7 +143,7 @@ def _utilization(result: PlanResult) -> Utilization:
     """The estimate's, or (planned class by class) the same figures from the planner's step time."""
     if result.estimate is not None:
         return result.estimate.utilization
-    plan = _explicit(result)
+    plan = result.plan
     return utilization(plan.model, plan.pipeline, plan.topology, result.step_time_s)
 
 
@@ -197,7 +188,7 @@ def _cells(result: PlanResult, b: Baseline, cost: bool) -> str:
 
 def plan_json(path: str, result: PlanResult, text: str, prov: Provenance) -> JsonObject:
     """`hetc plan --json`: the estimate's (or score's) figures, memory per rank, the plan, the baselines."""
-    plan = _explicit(result)
+    plan = result.plan
     p = plan.pipeline
     head = result.estimate.to_json() if result.estimate is not None else _score_json(_score(result), result)
     memory: list[JsonObject] = [{"rank": m.rank, "gpu": m.gpu, "device": m.device, "stage": m.stage, "params": m.params,

@@ -117,8 +117,7 @@ def _check_kind(kind: str, backend: str, name: str) -> None:
 
 
 def _model(args: argparse.Namespace, spec: Spec | None) -> ModelSpec:
-    if spec is not None:
-        assert spec.model is not None   # _spec checked it
+    if spec is not None and spec.model is not None:   # _spec refuses a spec without a model
         return spec.model
     if args.hidden % args.heads or (args.hidden // args.heads) % 2:
         raise UsageError(f"--hidden ({args.hidden}) must be --heads ({args.heads}) × an even head size")

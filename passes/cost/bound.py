@@ -164,8 +164,7 @@ class _Chains:
         self._fastests: dict[tuple[int, int, Phase], float] = {}
         self.world = tuple(range(p.world_size))
         self.end = cm.collective_time(Collective.ALL_REDUCE, self.world, SCALAR_BYTES)
-        assert cm.spec.train is not None   # a checked spec
-        self.clips = cm.spec.train.grad_clip > 0
+        self.clips = cm.train.grad_clip > 0
         # the sum of a tied embedding's copies waits for both copies' last backward (Note [tied gradients])
         self.tied = frozenset(p.tied_ranks(cm.model))
         self.tails = {r: self._tail(r) for s in p.stages for r in s.ranks}

@@ -21,7 +21,7 @@ from hetc.passes.cost.transfers import Engine
 from hetc.passes.cost.utilization import Utilization, flop_counts, utilization
 from hetc.pipeline import Stage
 from hetc.program import Collective
-from hetc.spec import ScheduleKind
+from hetc.spec import MoESpec, ScheduleKind
 
 if TYPE_CHECKING:     # the cost model imports this module
     from hetc.passes.cost.model import CostModel
@@ -160,8 +160,8 @@ def _traffic(cm: CostModel, timing: PlanTime) -> list[GroupTraffic]:
             out.append(GroupTraffic("tp", f"stage {stage.name}: tp {stage.tp}", cm.tp_group(rank),
                                     sent * blocks * n_mb, seconds * blocks * n_mb,
                                     "inside the measured layer times" if measured else ""))
-        if stage.ep > 1 and blocks:
-            out += _expert_traffic(cm, stage, rank, blocks, n_mb)
+        if stage.ep > 1 and blocks and m.moe is not None:   # ep > 1: the model has experts (validated)
+            out += _expert_traffic(cm, m.moe, stage, rank, blocks, n_mb)
         if stage.cp > 1 and blocks:
             sent = _cp_bytes(cm, stage)
             f, b = cm.cp_comm_time(rank)
@@ -171,11 +171,11 @@ def _traffic(cm: CostModel, timing: PlanTime) -> list[GroupTraffic]:
     return out
 
 
-def _expert_traffic(cm: CostModel, stage: Stage, rank: int, blocks: int, n_mb: int) -> list[GroupTraffic]:
+def _expert_traffic(cm: CostModel, moe: MoESpec, stage: Stage, rank: int, blocks: int,
+                    n_mb: int) -> list[GroupTraffic]:
     """The MoE blocks' dispatch and combine (EP), and the experts' own gradient reduction."""
     m, b = cm.model, cm.pipeline.micro_batch
-    assert m.moe is not None   # ep > 1: the model has experts (the validator checks)
-    sent = traffic.ep_bytes(stage.ep, m.moe.top_k, b, m.seq // stage.cp, m.hidden, cm.delta)
+    sent = traffic.ep_bytes(stage.ep, moe.top_k, b, m.seq // stage.cp, m.hidden, cm.delta)
     out = [GroupTraffic("ep", f"stage {stage.name}: ep {stage.ep}", ep_group(cm, rank), sent * blocks * n_mb,
                         2 * ep_comm_time(cm, rank) * blocks * n_mb)]
     replicas = expert_group(cm, rank)

@@ -23,8 +23,9 @@ from hetc.passes.cost.shapes import LayerKind, activation_elements, params_per_r
 from hetc.pipeline import Pipeline
 from hetc.plan import Plan
 from hetc.program import Collective, Phase
-from hetc.spec import DTYPE_BYTES, Checkpointing, ModelSpec, ScheduleKind, Spec, TrainSpec
-from hetc.topology import Gpu, Topology
+from hetc.spec import DTYPE_BYTES, Checkpointing, ModelSpec, ScheduleKind, TrainSpec
+from hetc.topology import Gpu
+from hetc.plan import Job
 
 __all__ = ["Primitives"]
 
@@ -32,12 +33,11 @@ __all__ = ["Primitives"]
 class Primitives:
     """Cost-model arithmetic for one spec, cluster and micro-batch size."""
 
-    def __init__(self, spec: Spec, topo: Topology, profiles: Profiles | None, micro_batch: int):
-        assert spec.model is not None and spec.train is not None   # a checked spec
-        train = replace(spec.train, micro_batch=micro_batch)
-        self.spec = replace(spec, train=train)
-        self.topo = topo
-        self.model: ModelSpec = spec.model
+    def __init__(self, job: Job, profiles: Profiles | None, micro_batch: int):
+        train = replace(job.train, micro_batch=micro_batch)
+        self.spec = replace(job.spec, train=train)
+        self.topo = topo = job.topology
+        self.model: ModelSpec = job.model
         self.train: TrainSpec = train
         self.micro_batch = micro_batch
         self.num_microbatches = train.global_batch // micro_batch

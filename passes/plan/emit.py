@@ -18,6 +18,7 @@ from hetc.passes.plan.candidate import Candidate, GpuBlock, Knobs, Offload
 from hetc.spec import (AUTO, LayerRange, ParallelSpec, RankSlice, Routing, RoutingKind, Spec, StageSpec,
                        ZeroSpec)
 from hetc.topology import Topology
+from hetc.plan import Job
 
 __all__ = ["emit_parallel", "emit_spec", "rank_slice"]
 
@@ -44,12 +45,10 @@ def _routing(counts: tuple[int, ...]) -> Routing:
     return Routing(kind=RoutingKind.COUNTS, counts=counts)
 
 
-def emit_parallel(spec: Spec, c: Candidate, topo: Topology,
-                  zero_base: ZeroSpec | None = None) -> ParallelSpec:
+def emit_parallel(job: Job, c: Candidate, zero_base: ZeroSpec | None = None) -> ParallelSpec:
     """The explicit parallel block of `c`; the spec's objective, fixed ZeRO hierarchy and written stages
     are kept."""
-    par, model = spec.parallel, spec.model
-    assert par is not None and model is not None   # a checked spec
+    par, model, topo = job.parallel, job.model, job.topology
     base = zero_base or ZeroSpec()
     levels = Counter(k.zero for k in c.knobs)
     offloads = Counter(k.offload for k in c.knobs)
@@ -93,9 +92,9 @@ def _filled(old: StageSpec, fields: dict[str, Any], knobs: Knobs) -> StageSpec: 
     return out
 
 
-def emit_spec(spec: Spec, c: Candidate, topo: Topology, zero_base: ZeroSpec | None = None) -> Spec:
-    train = spec.train
-    assert train is not None   # a checked spec
+def emit_spec(job: Job, c: Candidate, zero_base: ZeroSpec | None = None) -> Spec:
+    """The job's spec with `c` as its explicit plan (and `c`'s micro-batch size)."""
+    train = job.train
     if train.micro_batch != c.micro_batch:
         train = replace(train, micro_batch=c.micro_batch)
-    return replace(spec, parallel=emit_parallel(spec, c, topo, zero_base), train=train)
+    return replace(job.spec, parallel=emit_parallel(job, c, zero_base), train=train)

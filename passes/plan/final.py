@@ -59,7 +59,8 @@ from hetc.passes.plan.emit import emit_spec
 from hetc.passes.plan.search import Found, Search
 from hetc.passes.simulated_step import AGREEMENT, Simulated, compute_ops, quick_to_simulate, simulated_step
 from hetc.errors import SpecError
-from hetc.passes.validate import Checked, check_spec
+from hetc.passes.validate import check_spec
+from hetc.plan import Plan
 from hetc.program import Program
 from hetc.spec import Spec
 
@@ -89,7 +90,7 @@ class Printed:
     found: Found                       # the plan, with the search's closed-form score
     name: str                          # "planner", or the baseline's name
     explicit: Spec
-    checked: Checked
+    plan: Plan                         # ... checked
     costs: CostModel | None            # None above FULL_ESTIMATE_RANKS ranks
     simulated: Simulated | None        # None: the closed form is printed
 
@@ -208,16 +209,15 @@ def _valid_printed(search: Search, f: Found, name: str, base_dir: Path | None, o
 def _printed(search: Search, f: Found, name: str, base_dir: Path | None, ops_left: float) -> Printed | None:
     """`f`'s plan written out, checked and, where its programs build in a moment, simulated; None where they
     would build but have more than `ops_left` compute ops."""
-    explicit = emit_spec(search.spec, f.candidate, search.topo, search.space.zero_base)
-    checked = check_spec(explicit, base_dir)
-    plan = checked.explicit()
-    if plan is None or plan.pipeline.world_size > FULL_ESTIMATE_RANKS:
-        return Printed(f, name, explicit, checked, None, None)
+    explicit = emit_spec(search.job, f.candidate, search.space.zero_base)
+    plan = check_spec(explicit, base_dir).plan()
+    if plan.pipeline.world_size > FULL_ESTIMATE_RANKS:
+        return Printed(f, name, explicit, plan, None, None)
     costs = CostModel(plan, search.profiles)
     p = plan.pipeline
     if quick_to_simulate(p, costs.model) and compute_ops(p) > ops_left:
         return None
-    return Printed(f, name, explicit, checked, costs, simulated_step(costs))
+    return Printed(f, name, explicit, plan, costs, simulated_step(costs))
 
 
 def _at_printed(b: Baseline, printed: Printed | None, allowed: bool) -> Baseline:

@@ -39,8 +39,7 @@ def no_plan_error(search: Structures, found: list[Found], baselines: list[Baseli
                   advice: Callable[[], str]) -> SpecError:
     """`found`: the search's plans (fitting or not); `baselines`: the baselines, scored; `advice`: what to
     change when nothing fits in memory (asked only then)."""
-    spec = search.spec
-    assert spec.parallel is not None   # the planner plans a spec with a parallel block
+    par = search.job.parallel
     layer = _layer_that_cannot_fit(search)
     if layer is not None:
         return SpecError([Diagnostic(search.model.span, f"{layer}; {advice()}")])
@@ -49,8 +48,8 @@ def no_plan_error(search: Structures, found: list[Found], baselines: list[Baseli
         tried = [(f.candidate, f.score) for f in found] + [(b.candidate, b.score) for b in baselines
                                                            if b.score is not None and b.candidate is not None]
         closest = min(tried, key=lambda cs: _overflow(cs[1]), default=None)
-        return SpecError([Diagnostic(spec.parallel.span, f"{_closest(search, closest)}; {advice()}")])
-    return SpecError([Diagnostic(spec.parallel.objective.span, _objective_miss(search, fitting))])
+        return SpecError([Diagnostic(par.span, f"{_closest(search, closest)}; {advice()}")])
+    return SpecError([Diagnostic(par.objective.span, _objective_miss(search, fitting))])
 
 
 def _frugal(search: Structures, lanes: int) -> Knobs:

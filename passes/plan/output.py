@@ -17,12 +17,13 @@ from hetc.frontend import syntax
 from hetc.errors import NO_SPAN, Diagnostic, InternalError, Span, SpecError
 from hetc.frontend.load import BUNDLED_SPECS, LoadedSpec
 from hetc.frontend.printer import format_items, spec_to_items
+from hetc.plan import Plan
 from hetc.spec import Spec
 
 __all__ = ["planned_text"]
 
 
-def planned_text(loaded: LoadedSpec, planned: Spec | None, out: Path | None = None, note: str = "") -> str:
+def planned_text(loaded: LoadedSpec, planned: Plan | None, out: Path | None = None, note: str = "") -> str:
     """The main file of `loaded`, with `planned`'s parallel plan (and micro-batch size), as .het text.
 
     `planned` None: the main file as it is (canonically formatted), for a plan with nothing to fill.
@@ -35,15 +36,14 @@ def planned_text(loaded: LoadedSpec, planned: Spec | None, out: Path | None = No
     return format_items(items)
 
 
-def _replaced(loaded: LoadedSpec, items: list[syntax.Item], planned: Spec, note: str) -> list[syntax.Item]:
-    assert loaded.spec.parallel is not None and loaded.spec.train is not None and planned.train is not None
+def _replaced(loaded: LoadedSpec, items: list[syntax.Item], planned: Plan, note: str) -> list[syntax.Item]:
     where = next((i for i, item in enumerate(items) if _is_block(item, "parallel")), None)
-    if where is None and loaded.spec.parallel.span == Span.file_start(loaded.path):
+    span = planned.parallel.span    # the planner fills the parallel block the spec wrote, where it wrote it
+    if where is None and span == Span.file_start(loaded.path):
         # the file has no parallel block (hetc/frontend/load.py, with_plan_to_fill): the plan goes last
         where = len(items)
         items.append(syntax.Comment("", False, NO_SPAN))    # a slot, the block below takes it
     if where is None:
-        span = loaded.spec.parallel.span
         raise SpecError([Diagnostic(span, f"the plan is written in {span.file}, not in {loaded.path}: "
                                     "plan that file")])
     (block,) = spec_to_items(Spec(parallel=planned.parallel))
@@ -52,7 +52,8 @@ def _replaced(loaded: LoadedSpec, items: list[syntax.Item], planned: Spec, note:
     if note:
         block = replace(block, items=(syntax.Comment(f"# {note}", False, NO_SPAN), *block.items))
     items[where] = block
-    if planned.train.micro_batch != loaded.spec.train.micro_batch:
+    written = loaded.spec.train.micro_batch if loaded.spec.train is not None else None
+    if planned.train.micro_batch != written:
         items = [_with_micro_batch(item, planned.train.micro_batch) if _is_block(item, "train") else item
                  for item in items]
     return items

@@ -36,7 +36,8 @@ from hetc.passes.plan.space import space_from_spec
 from hetc.passes.plan.would_fit import would_fit
 from hetc.passes.resolve import plan_has_auto as needs_plan   # one rule for what is left to plan
 from hetc.passes.simulated_step import simulated_estimate
-from hetc.passes.validate import Checked, check_spec
+from hetc.passes.validate import check_spec
+from hetc.plan import Plan
 from hetc.program import Program
 from hetc.spec import Spec
 
@@ -48,7 +49,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class PlanResult:
     spec: Spec                         # the explicit spec
-    checked: Checked                   # ... validated and resolved
+    plan: Plan                         # ... validated and resolved
     goal: Goal
     score: Score | None                # the planner's score of the plan (None: nothing was planned)
     estimate: Estimate | None          # the cost model's estimate (None above FULL_ESTIMATE_RANKS)
@@ -116,32 +117,34 @@ def _plan_spec(spec: Spec, profiles: Profiles | None, base_dir: Path | None,
                progress: Callable[[str], None] | None, limits: SearchLimits | None, keep_program: bool,
                deadline: Deadline, **space_overrides: Any) -> PlanResult:
     checked = check_spec(spec, base_dir)
-    assert spec.parallel is not None   # check_spec refuses a spec that is not complete
-    goal = Goal.of(spec.parallel.objective)
+    job = checked.job()
+    if job is None:
+        raise SpecError.at(spec.span, "the planner needs a whole spec: a model, a cluster, a train and a "
+                                      "parallel block (`parallel { auto }` to plan everything)")
+    goal = Goal.of(job.parallel.objective)
     if not needs_plan(spec):  # nothing searched: the cost model's estimate at any size
-        return PlanResult(spec, checked, goal, None, _estimate(checked, profiles))
+        plan = checked.plan()
+        return PlanResult(spec, plan, goal, None, _estimate(plan, profiles))
     start = time.perf_counter()
-    topo = checked.topology
-    assert topo is not None   # a complete spec has a cluster
-    search = Search(spec, topo, profiles, space_from_spec(spec, topo, **space_overrides), goal, limits, deadline)
+    search = Search(job, profiles, space_from_spec(job, **space_overrides), goal, limits, deadline)
     found = search.run(progress, aside=None if keep_program else (_checks_out, base_dir))
     scored = search.baselines()
     pool = contenders(search, found, scored)
     best = pool[0][0] if pool else None   # by the closed form: what a plan that does not fit is told of
     note = _time_limit_note(search, found)
     if note is not None and (best is None or not goal.admits(best.score)):   # Note [an anytime search]
-        raise SpecError.at(spec.parallel.span, f"no plan found within the planner's time limit: {note}; "
+        raise SpecError.at(job.parallel.span, f"no plan found within the planner's time limit: {note}; "
                                                "allow it more time (--time-limit S)")
     if best is None or not goal.admits(best.score):
         raise no_plan_error(search, found, scored,
-                            lambda: would_fit(spec, topo, profiles, search.space, goal, deadline))
+                            lambda: would_fit(job, profiles, search.space, goal, deadline))
     final, program = _checked_choice(search, pool, scored, base_dir, keep_program)   # Note [one number]
     note = _time_limit_note(search, found)   # the limit may have cut the re-timing short
     winner, best = final.chosen, final.chosen.found
     estimate = winner.estimate()   # at the printed step, simulated on the programs checked if they were kept
     _cross_check(best.score, estimate)
     idle = idle_reasons(search, found, scored, best, written=search.space.fixed.idle is not None)
-    return PlanResult(winner.explicit, winner.checked, goal, best.score, estimate, best.candidate, final.baselines,
+    return PlanResult(winner.explicit, winner.plan, goal, best.score, estimate, best.candidate, final.baselines,
                       winner.name, time.perf_counter() - start, search.visited, program, note, idle)
 
 
@@ -166,12 +169,9 @@ def plan_checked(spec: Spec, base_dir: Path | None = None, profiles: Profiles | 
     return result
 
 
-def _estimate(checked: Checked, profiles: Profiles | None) -> Estimate | None:
+def _estimate(plan: Plan, profiles: Profiles | None) -> Estimate:
     """The cost model's estimate of a plan with nothing to plan, with the compiled programs' simulated step
     where they are quick to build, as explain prints it (Note [one step time] in passes/simulated_step.py)."""
-    plan = checked.explicit()
-    if plan is None:
-        return None
     costs = CostModel(plan, profiles)
     return simulated_estimate(costs, costs.estimate())
 
@@ -208,7 +208,7 @@ def _checked_choice(search: Search, pool: list[tuple[Found, str]], scored: list[
         if search.aside == (winner.found.candidate, True):   # Note [the check beside the refinement]
             return final, None
         try:
-            return final, _check_winner(winner.checked, search.profiles, winner.name, keep_program, winner.program)
+            return final, _check_winner(winner.plan, search.profiles, winner.name, keep_program, winner.program)
         except _Refused as err:
             if (winner.found, winner.name) == pool[0]:
                 raise
@@ -216,15 +216,14 @@ def _checked_choice(search: Search, pool: list[tuple[Found, str]], scored: list[
             refused.append((winner.found, winner.name))
 
 
-def _check_winner(checked: Checked, profiles: Profiles | None, chosen: str, keep_program: bool,
+def _check_winner(plan: Plan, profiles: Profiles | None, chosen: str, keep_program: bool,
                   lowered: Program | None = None) -> Program | None:
     """Note [the planner checks its winner]; `lowered`: its programs, lowered already (Note [one number])."""
     from hetc.passes.build import build
     from hetc.passes.verify import VerifyError
     from hetc.passes.verify.positions import passes_by_position
 
-    plan = checked.explicit()
-    if plan is None or plan.pipeline.num_microbatches * len(plan.pipeline.ministages) > CHECK_OPS:
+    if plan.pipeline.num_microbatches * len(plan.pipeline.ministages) > CHECK_OPS:
         return None
     costs = CostModel(plan, profiles)
     if not keep_program and passes_by_position(plan, costs):
@@ -253,8 +252,8 @@ def _checks_out(search: Search, candidate: Candidate, base_dir: Path | None) -> 
     """Whether `candidate` passes the winner's check (Note [the check beside the refinement]); False where it
     fails, or anything else goes wrong, so that the planner checks it itself."""
     try:
-        explicit = emit_spec(search.spec, candidate, search.topo, search.space.zero_base)
-        _check_winner(check_spec(explicit, base_dir), search.profiles, "planner", keep_program=False)
+        explicit = emit_spec(search.job, candidate, search.space.zero_base)
+        _check_winner(check_spec(explicit, base_dir).plan(), search.profiles, "planner", keep_program=False)
     except Exception:   # noqa: BLE001 - the planner's own check runs and says what is wrong
         return False
     return True

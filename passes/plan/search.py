@@ -35,13 +35,13 @@ from hetc.passes.plan.improve import improve
 from hetc.passes.plan.layouts import Layout
 from hetc.passes.plan.objective import Goal
 from hetc.passes.plan.screen_bound import screen_bound
-from hetc.passes.plan.shares import Job, Shares
+from hetc.passes.plan.shares import Call, Shares
 from hetc.passes.plan.space import SearchSpace
 from hetc.passes.plan.structures import Found, SearchLimits, Structure, Structures, base_knobs
 from hetc.passes.plan.tables import StageTable
-from hetc.spec import ScheduleKind, Spec
-from hetc.topology import Topology
+from hetc.spec import ScheduleKind
 from hetc.worker import forked_worker
+from hetc.plan import Job
 
 __all__ = ["Found", "Search", "SearchLimits", "Structure"]
 
@@ -53,9 +53,9 @@ _K = TypeVar("_K", bound=Hashable)
 class Search(Structures):
     """The coarse-to-fine search over structures (module docstring)."""
 
-    def __init__(self, spec: Spec, topo: Topology, profiles: Profiles | None, space: SearchSpace, goal: Goal,
+    def __init__(self, job: Job, profiles: Profiles | None, space: SearchSpace, goal: Goal,
                  limits: SearchLimits | None = None, deadline: Deadline | None = None):
-        super().__init__(spec, topo, profiles, space, goal, limits, deadline)
+        super().__init__(job, profiles, space, goal, limits, deadline)
         self.screens_until = self.deadline.share(SCREEN_SHARE)   # Note [an anytime search] in deadline.py
         # the steps that ended after their share of the time limit: cut short, or skipped (empty: none)
         self.cut_short: list[str] = []
@@ -136,7 +136,7 @@ class Search(Structures):
                    aside: tuple[Callable[[Search, Candidate, Any], Any], Any] | None) -> list[list[Found]]:
         """The refinement of `picks`; with a worker, beside it the baselines and `aside` of `best`, which
         the worker takes alone where there is one (the planner's check is the longest of these)."""
-        jobs: list[Job[Search]] = [(Search._refine, (st, self._assigned[st])) for st in picks]
+        jobs: list[Call[Search]] = [(Search._refine, (st, self._assigned[st])) for st in picks]
         if self._shares.worker is None:
             return self._shares.calls(jobs, key=_job_key)
         jobs.append((Search._score_baselines, None))
@@ -289,7 +289,7 @@ def _to_refine(found: list[Found], k: int, by_depth: bool = False) -> list[Struc
     return picks
 
 
-def _job_key(job: Job[Search]) -> Hashable:
+def _job_key(job: Call[Search]) -> Hashable:
     """A job's structure, where it has one (the shares send it where its tables are), else its function."""
     fn, arg = job
     return arg[0] if fn is Search._refine else fn

@@ -16,7 +16,7 @@ from typing import Any, Generic, TypeVar
 
 from hetc.worker import Worker, WorkerLost
 
-__all__ = ["Job", "Shares"]
+__all__ = ["Call", "Shares"]
 
 T = TypeVar("T")
 A = TypeVar("A")
@@ -24,7 +24,7 @@ R = TypeVar("R")
 
 # One call: a function of the target (a method named as `Search._quick`: pickled by its qualified name, so the
 # worker calls the same function on its copy of the target) and its argument.
-Job = tuple[Callable[[T, Any], Any], Any]
+Call = tuple[Callable[[T, Any], Any], Any]
 
 
 class Shares(Generic[T]):
@@ -44,7 +44,7 @@ class Shares(Generic[T]):
         """`[fn(target, item) for item in items]`."""
         return self.calls([(fn, item) for item in items], lambda job: key(job[1]))
 
-    def calls(self, jobs: list[Job[T]], key: Callable[[Job[T]], Hashable],
+    def calls(self, jobs: list[Call[T]], key: Callable[[Call[T]], Hashable],
               sides: list[int] | None = None) -> list[Any]:
         """`[fn(target, arg) for fn, arg in jobs]`: the worker's share on the worker if there is one and it
         answers, else here. `sides`: each job's process (1: the worker), where the caller knows better than
@@ -90,5 +90,5 @@ class Shares(Generic[T]):
         return sides
 
 
-def _call(target: T, jobs: list[Job[T]]) -> list[Any]:
+def _call(target: T, jobs: list[Call[T]]) -> list[Any]:
     return [fn(target, arg) for fn, arg in jobs]

@@ -23,8 +23,8 @@ from hetc.errors import Diagnostic, SpecError
 from hetc.passes.plan.candidate import Candidate, Knobs, Offload
 from hetc.passes.plan.partition import bandwidth_domains
 from hetc.passes.plan.stages import StageRule, stage_rules
-from hetc.spec import AUTO, Auto, Checkpointing, Node, ScheduleKind, Spec, ZeroSpec
-from hetc.topology import Topology
+from hetc.spec import AUTO, Auto, Checkpointing, Node, ParallelSpec, ScheduleKind, ZeroSpec
+from hetc.plan import Job
 
 __all__ = [
     "CHECKPOINTS",
@@ -98,20 +98,18 @@ def written(node: Node, name: str) -> bool:
     return any(key == name for key, _ in node.spans)
 
 
-def space_from_spec(spec: Spec, topo: Topology, **overrides: Any) -> SearchSpace:   # SearchSpace's fields
-    """The space the spec leaves open (`overrides` narrow it further, e.g. in tests)."""
-    par = spec.parallel
-    assert par is not None   # a checked spec
+def space_from_spec(job: Job, **overrides: Any) -> SearchSpace:   # SearchSpace's fields
+    """The space the job's spec leaves open (`overrides` narrow it further, e.g. in tests)."""
+    par = job.parallel
     designing = par.stages is AUTO
 
     def free(name: str, value: object = None) -> bool:
         return value is AUTO or (designing and not written(par, name))
 
-    _whole_groups_idle(spec)
-    micro_batches = _micro_batches(spec, designing)
-    assert spec.model is not None   # a checked spec
-    checkpoint = spec.model.activation_checkpoint
-    rules = None if designing else stage_rules(spec, topo)
+    _whole_groups_idle(par)
+    micro_batches = _micro_batches(job, designing)
+    checkpoint = job.model.activation_checkpoint
+    rules = None if designing else stage_rules(job)
     fixed = Fixed(
         schedule=None if par.schedule is AUTO or free("schedule") else par.schedule,
         zero=None if free("zero", par.zero.level) else par.zero.resolved_level,
@@ -129,7 +127,7 @@ def space_from_spec(spec: Spec, topo: Topology, **overrides: Any) -> SearchSpace
         "micro_batches": micro_batches,
         "checkpoints": CHECKPOINTS if isinstance(checkpoint, Auto) else (checkpoint,),
         "tp": TP_DEGREES if rules is None or any(r.tp is None for r in rules) else (1,),   # None: designing
-        "idle_sets": _idle_sets(spec, topo) if fixed.idle is None else (fixed.idle,),
+        "idle_sets": _idle_sets(job) if fixed.idle is None else (fixed.idle,),
         "prefetch": 1 if par.prefetch is AUTO else par.prefetch,
         "zero_base": par.zero if par.zero.level is not AUTO else ZeroSpec(shard=par.zero.shard,
                                                                            across=par.zero.across),
@@ -140,40 +138,38 @@ def space_from_spec(spec: Spec, topo: Topology, **overrides: Any) -> SearchSpace
     return SearchSpace(**out)
 
 
-def _whole_groups_idle(spec: Spec) -> None:
+def _whole_groups_idle(par: ParallelSpec) -> None:
     """The planner idles whole node groups, so a written idle slice of part of one cannot be kept."""
-    assert spec.parallel is not None
-    if spec.parallel.stages is not AUTO:
+    if par.stages is not AUTO:
         return
-    for r in spec.parallel.idle:
+    for r in par.idle:
         bounds = (r.node_start, r.node_stop, r.gpu_start, r.gpu_stop)
         if not (r.node_is_slice and r.gpu_is_slice and bounds == (None, None, None, None)):
             raise SpecError([Diagnostic(r.span, f"the planner leaves whole node groups idle: write idle = "
                                         f"[{r.group}], or leave `idle` out to let it choose")])
 
 
-def _micro_batches(spec: Spec, designing: bool) -> tuple[int, ...]:
-    train = spec.train
-    assert train is not None   # a checked spec
-    main_file = spec.span.file
+def _micro_batches(job: Job, designing: bool) -> tuple[int, ...]:
+    train = job.train
+    main_file = job.spec.span.file
     if not designing or written(train, "micro_batch") or train.span.file != main_file or \
             train.grad_accum is not None:
         return (train.micro_batch,)
     return tuple(b for b in MICRO_BATCHES if train.global_batch % b == 0)
 
 
-def _idle_sets(spec: Spec, topo: Topology) -> tuple[tuple[str, ...], ...]:
+def _idle_sets(job: Job) -> tuple[tuple[str, ...], ...]:
     """Node groups to leave idle.
 
     With at most `MAX_IDLE_GROUPS` node groups, every proper subset. With
     more: none; each group alone; each bandwidth domain of the two-way cut
     (a region behind a slow link); and whole device kinds, slowest first.
     """
+    topo = job.topology
     groups = list(topo.groups)
     if len(groups) <= MAX_IDLE_GROUPS:
         return tuple(c for k in range(len(groups)) for c in itertools.combinations(groups, k))
-    assert spec.model is not None
-    dtype = spec.model.dtype
+    dtype = job.model.dtype
 
     def speed(name: str) -> float:
         device = topo.gpu_at(name, 0, 0).device

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from hetc.errors import Diagnostic, SpecError
 from hetc.passes.plan.candidate import GpuBlock, Offload, StageGpus
 from hetc.passes.resolve import layer_index, proportional_counts
-from hetc.spec import AUTO, Auto, Checkpointing, DType, RankSlice, Routing, RoutingKind, Spec, StageSpec
+from hetc.spec import AUTO, Auto, Checkpointing, DType, ModelSpec, RankSlice, Routing, RoutingKind, StageSpec
 from hetc.topology import Gpu, Topology
+from hetc.plan import Job
 
 __all__ = ["StageRule", "stage_rules", "written_counts"]
 
@@ -37,18 +38,19 @@ class StageRule:
     checkpoint: Checkpointing | Auto | None = None   # the stage's own key (None: the model's, the space's)
 
 
-def stage_rules(spec: Spec, topo: Topology) -> tuple[StageRule, ...]:
-    assert spec.parallel is not None and spec.parallel.stages is not AUTO   # written stages
-    rules = tuple(_rule(spec, topo, st) for st in spec.parallel.stages)
+def stage_rules(job: Job) -> tuple[StageRule, ...]:
+    """The rules of the job's written stages."""
+    stages = job.parallel.resolved_stages
+    rules = tuple(_rule(job, st) for st in stages)
     with_ranks = [r for r in rules if r.gpus is not None]
     if with_ranks and len(with_ranks) != len(rules):
-        st = next(s for s, r in zip(spec.parallel.stages, rules) if r.gpus is None)
+        st = next(s for s, r in zip(stages, rules) if r.gpus is None)
         raise SpecError([Diagnostic(st.span, f"stage '{st.name}' leaves its ranks to the planner but other "
                                     "stages write theirs; write every stage's ranks, or none")])
     return rules
 
 
-def _rule(spec: Spec, topo: Topology, st: StageSpec) -> StageRule:
+def _rule(job: Job, st: StageSpec) -> StageRule:
     if st.cp is not AUTO and st.cp != 1:
         raise SpecError([Diagnostic(st.span_of("cp"), f"stage '{st.name}' fixes cp = {st.cp}; the planner "
                                     "plans cp = 1: plan without context parallelism, or write the whole "
@@ -56,7 +58,7 @@ def _rule(spec: Spec, topo: Topology, st: StageSpec) -> StageRule:
     tp = None if st.tp is AUTO else st.tp
     gpus = None
     if st.ranks is not AUTO:
-        blocks = tuple(_block(topo, r) for r in st.ranks)
+        blocks = tuple(_block(job.topology, r) for r in st.ranks)
         size = sum(b.size for b in blocks)
         if tp is None and st.lanes is not AUTO and size % st.lanes == 0:
             tp = size // st.lanes
@@ -65,14 +67,14 @@ def _rule(spec: Spec, topo: Topology, st: StageSpec) -> StageRule:
     if st.zero is not None and st.zero.level is not AUTO:
         zero = int(st.zero.level)
     return StageRule(
-        name=st.name, gpus=gpus, layers=_layers(spec, st), tp=tp,
+        name=st.name, gpus=gpus, layers=_layers(job.model, st), tp=tp,
         ministages=None if st.ministages is AUTO else st.ministages, zero=zero,
         offload=None if st.offload is None else Offload.from_spec(st.offload),
         routing=None if st.microbatches is AUTO else st.microbatches,
         checkpoint=st.activation_checkpoint)
 
 
-def _layers(spec: Spec, st: StageSpec) -> int | None:
+def _layers(model: ModelSpec, st: StageSpec) -> int | None:
     if st.layers is AUTO:
         return None
     if len(st.layers) != 1:
@@ -80,7 +82,7 @@ def _layers(spec: Spec, st: StageSpec) -> int | None:
                                     "ranges; the planner keeps written layers only as one range a stage")])
     r = st.layers[0]
     errors: list[Diagnostic] = []
-    first, last = layer_index(spec, r.first, r.span, errors), layer_index(spec, r.last, r.span, errors)
+    first, last = layer_index(model, r.first, r.span, errors), layer_index(model, r.last, r.span, errors)
     if first is None or last is None:   # a layer the model does not have
         raise SpecError(errors)
     return last - first + 1

@@ -30,8 +30,9 @@ from hetc.passes.cost.candidate_view import ResolvedStage
 from hetc.passes.plan.stages import StageRule, written_counts
 from hetc.passes.plan.tables import Option, StageTable, holds_all, placeable, stage_costs, stage_option
 from hetc.passes.plan.views import Resolver, view_of
-from hetc.spec import Checkpointing, ModelSpec, Objective, ScheduleKind, Spec
-from hetc.topology import Gpu, Topology
+from hetc.spec import Checkpointing, ModelSpec, Objective, ScheduleKind
+from hetc.topology import Gpu
+from hetc.plan import Job
 
 __all__ = ["Found", "SearchLimits", "Structure", "Structures", "base_knobs"]
 
@@ -81,18 +82,19 @@ class Found:
 
 
 class Structures:
-    def __init__(self, spec: Spec, topo: Topology, profiles: Profiles | None, space: SearchSpace, goal: Goal,
+    def __init__(self, job: Job, profiles: Profiles | None, space: SearchSpace, goal: Goal,
                  limits: SearchLimits | None = None, deadline: Deadline | None = None):
-        assert spec.model is not None   # a checked spec
-        self.spec, self.topo, self.space, self.goal, self.profiles = spec, topo, space, goal, profiles
+        self.job, self.spec, self.topo = job, job.spec, job.topology
+        self.space, self.goal, self.profiles = space, goal, profiles
+        topo = job.topology
         self.deadline = deadline or Deadline.after(None)   # Note [an anytime search] in deadline.py
         self.until = self.deadline   # where the option tables of the work in hand stop (that step's share)
-        self.model: ModelSpec = spec.model
-        self.limits = limits or SearchLimits.for_cluster(topo.num_gpus, spec.model.num_model_layers)
+        self.model: ModelSpec = job.model
+        self.limits = limits or SearchLimits.for_cluster(topo.num_gpus, job.model.num_model_layers)
         self.resolve = Resolver(topo)
-        self.prims = {b: Primitives(spec, topo, profiles, b) for b in space.micro_batches}
-        self.units = spec.model.num_model_layers
-        self.grain = layer_grain(spec.model.layers)   # Note [a grid of layer counts] in grid.py
+        self.prims = {b: Primitives(job, profiles, b) for b in space.micro_batches}
+        self.units = job.model.num_model_layers
+        self.grain = layer_grain(job.model.layers)   # Note [a grid of layer counts] in grid.py
         # options by what they depend on (`_key`)
         self._options: dict[tuple[object, ...], Option | None] = {}
         self._holds: dict[tuple[object, ...], bool] = {}   # the same key: `_holds_all`

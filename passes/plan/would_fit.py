@@ -27,9 +27,9 @@ from hetc.passes.plan.deadline import Deadline
 from hetc.passes.plan.objective import Goal
 from hetc.passes.plan.search import Search, SearchLimits
 from hetc.passes.plan.space import PLAIN_OFFLOADS, ZORSE_OFFLOADS, SearchSpace
-from hetc.spec import Auto, Checkpointing, Spec
-from hetc.topology import Topology
+from hetc.spec import Auto, Checkpointing
 from hetc.units import human_seconds
+from hetc.plan import Job
 
 __all__ = ["QUICK", "would_fit"]
 
@@ -44,17 +44,17 @@ _STRONGER = {Checkpointing.NONE: (Checkpointing.SELECTIVE, Checkpointing.FULL),
 @dataclass(frozen=True)
 class _Change:
     says: str            # what the user would write
-    spec: Spec
+    job: Job
     space: SearchSpace
 
 
-def would_fit(spec: Spec, topo: Topology, profiles: Profiles | None, space: SearchSpace, goal: Goal,
+def would_fit(job: Job, profiles: Profiles | None, space: SearchSpace, goal: Goal,
               deadline: Deadline | None = None) -> str:
     """Advice that ends the "nothing fits" error: the first change that fits, or that none of them does; the
     looks stop at the planner's `deadline` (Note [an anytime search] in deadline.py)."""
     tried = []
-    for change in _changes(spec, space):
-        found = Search(change.spec, topo, profiles, change.space, goal, QUICK, deadline).run()
+    for change in _changes(job, space):
+        found = Search(change.job, profiles, change.space, goal, QUICK, deadline).run()
         fitting = [f for f in found if f.score.fits]
         if not fitting and deadline is not None and deadline.passed():
             return "the planner's time limit left no time to look for a change to the spec that would fit"
@@ -70,14 +70,13 @@ def would_fit(spec: Spec, topo: Topology, profiles: Profiles | None, space: Sear
     return f"no plan fits with {' or with '.join(tried)} either: add GPUs, or GPUs with more memory"
 
 
-def _changes(spec: Spec, space: SearchSpace) -> Iterator[_Change]:
+def _changes(job: Job, space: SearchSpace) -> Iterator[_Change]:
     freed, frees = _freed(space)
     if freed is not None:
-        yield _Change(frees, spec, freed)
-    assert spec.model is not None   # a checked spec
-    written = spec.model.activation_checkpoint   # `auto`: the search already tried every level
+        yield _Change(frees, job, freed)
+    written = job.model.activation_checkpoint   # `auto`: the search already tried every level
     for level in () if isinstance(written, Auto) else _STRONGER[written]:
-        stronger = replace(spec, model=replace(spec.model, activation_checkpoint=level))
+        stronger = job.with_model(replace(job.model, activation_checkpoint=level))
         says = f"activation_checkpoint = {level.value} in the model block"
         yield _Change(says, stronger, _with_checkpoint(space, level))
         if freed is not None:

@@ -60,4 +60,4 @@ def make_mlp(model: ModelSpec, shard: TPShard = NO_SHARD, device=None,
         return _dense(model, shard, device)
     if shard.size > 1:
         raise ValueError("tensor parallelism of MoE blocks is not supported (use expert parallelism)")
-    return MoE(model, lambda: _dense(model, NO_SHARD, device), experts, device)
+    return MoE(model.hidden, model.moe, lambda: _dense(model, NO_SHARD, device), experts, device)

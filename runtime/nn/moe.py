@@ -59,7 +59,7 @@ from torch import Tensor, nn
 from hetc.runtime.nn import collectives
 from hetc.runtime.nn.grouped_experts import grouped_mlp
 from hetc.runtime.nn.tensor_parallel import ParallelLinear, all_gather_into
-from hetc.spec import ModelSpec
+from hetc.spec import MoESpec
 
 __all__ = [
     "ALL_EXPERTS",
@@ -176,14 +176,13 @@ class ExpertExchange:
 class MoE(nn.Module):
     """Top-k routed experts with a capacity; each token's output is the gate-weighted sum of its kept experts."""
 
-    def __init__(self, model: ModelSpec, make_expert: Callable[[], nn.Module], shard: ExpertShard = ALL_EXPERTS,
-                 device=None) -> None:
+    def __init__(self, hidden: int, moe: MoESpec, make_expert: Callable[[], nn.Module],
+                 shard: ExpertShard = ALL_EXPERTS, device=None) -> None:
         super().__init__()
-        assert model.moe is not None
-        self.num_experts, self.top_k = model.moe.experts, model.moe.top_k
-        self.capacity_factor = model.moe.capacity_factor
-        self.router = ParallelLinear(model.hidden, model.moe.experts, bias=False, device=device)
-        self.experts = nn.ModuleDict({str(e): make_expert() for e in shard.local(model.moe.experts)})
+        self.num_experts, self.top_k = moe.experts, moe.top_k
+        self.capacity_factor = moe.capacity_factor
+        self.router = ParallelLinear(hidden, moe.experts, bias=False, device=device)
+        self.experts = nn.ModuleDict({str(e): make_expert() for e in shard.local(moe.experts)})
         self.exchange = ExpertExchange()
         self.routing: SequenceRouting | None = None
 
