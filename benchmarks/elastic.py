@@ -7,7 +7,7 @@ started first (it hosts the rendezvous), and "small" with one. Once the job
 trains on all three ranks, the small node is killed (agent and workers,
 SIGKILL) and the clock runs until the survivors have done their first step
 again. `hetc run tests/specs/mixed/auto.het --elastic` appends what each
-start did to CHECKPOINT/elastic/reconfig.jsonl (runtime/elastic.py); from
+start did to CHECKPOINT/elastic/reconfig.jsonl (hetc/elastic.py); from
 it and the kill time:
 
     detection + restart   kill -> the new worker process exists (peers notice, agent restarts, rendezvous)

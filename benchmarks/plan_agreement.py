@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.markdown import publish
 from hetc.passes.agreement import build, compare
-from hetc.errors import InternalError, SpecError
+from hetc.ir.errors import InternalError, SpecError
 from hetc.frontend.load import load_spec
 from hetc.passes.bound_gap import bound_gap
 from hetc.passes.plan.planner import plan_spec

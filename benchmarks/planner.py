@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.markdown import publish
 from hetc.importers.sailor import import_sailor
 from hetc.frontend.load import load_spec
-from hetc.passes.cost import load_profiles
+from hetc.passes.cost.sources import load_profiles
 from hetc.passes.plan.planner import plan_spec
 
 HEADING = "## Planner"

@@ -42,21 +42,21 @@ HEADING = "## Rank start-up"
 # what a rank runs, after `import torch`, in each way; argv: plan directory, rank
 _START = {
     "verify_all": """
-from hetc.runtime.worker import run_worker
+from hetc.rank import run_worker
 from hetc.passes.verify import verify
 from hetc.plandir import read_plan, read_program
 _, checked = read_plan(plan_dir)
 verify(read_program(plan_dir), checked)
 """,
     "read_all": """
-from hetc.runtime.worker import run_worker
+from hetc.rank import run_worker
 from hetc.plandir import read_plan, read_program, require_verified
 _, checked = read_plan(plan_dir)
 program = read_program(plan_dir)
 require_verified(plan_dir, [rank], program, checked)
 """,
     "own": """
-from hetc.runtime.worker import run_worker
+from hetc.rank import run_worker
 from hetc.plandir import open_program, read_eval_rank, read_plan, require_verified
 _, checked = read_plan(plan_dir)
 program = open_program(plan_dir, len(checked.pipeline.world))

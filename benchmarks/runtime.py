@@ -113,7 +113,7 @@ def compute_alone(buffers, spec, program, pipeline, data, step: int, stand_in) -
     """
     import torch
 
-    from hetc.program import Backward, Forward, Load, Step
+    from hetc.ir.program import Backward, Forward, Load, Step
     from hetc.runtime.optim import lr_at, optimizer_step
 
     m, last_layer = pipeline.num_microbatches, spec.model.num_model_layers
@@ -145,7 +145,7 @@ def compute_alone(buffers, spec, program, pipeline, data, step: int, stand_in) -
 
 def _comm_and_compute(program, events) -> tuple[float, float]:
     """Seconds in communication instructions (posting, waiting) and in compute ones, from a traced step."""
-    from hetc.program import (AllGather, AllReduce, Backward, BackwardInput, BackwardWeight, Forward, Load,
+    from hetc.ir.program import (AllGather, AllReduce, Backward, BackwardInput, BackwardWeight, Forward, Load,
                               Recv, ReduceScatter, Send, Step, Wait)
 
     comm_kinds = (Send, Recv, Wait, AllReduce, AllGather, ReduceScatter)

@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.markdown import publish
 from hetc.viz.classgap import class_gaps, measured_from_metrics, worst_gap
 from hetc.runtime.host_load import cpu_times, steal_share
-from hetc.timeline import Timeline, mean_class_times
+from hetc.ir.timeline import Timeline, mean_class_times
 
 DEMO = ROOT / "specs" / "demo"
 JOBS = ("job.het", "moe_job.het")       # imported by the plans: the model, cluster and data

@@ -29,9 +29,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.markdown import publish
-from hetc.errors import UsageError
+from hetc.ir.errors import UsageError
 from hetc.importers.sailor import explain_plan, plan_model
-from hetc.passes.cost import load_profiles
+from hetc.passes.cost.sources import load_profiles
 
 HEADING = "## Cost model"
 SAILOR = ROOT.parent / "shared" / "data" / "sailor"

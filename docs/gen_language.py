@@ -2,7 +2,7 @@
 
 The prose of language.md is written by hand; every region between
 `<!-- generated: WHAT -->` and `<!-- end generated -->` is rebuilt from the
-schema (hetc/spec.py), the unit table (hetc/units.py) and the enum aliases,
+schema (hetc/ir/spec.py), the unit table (hetc/ir/units.py) and the enum aliases,
 so the key tables cannot drift from what the parser accepts.
 
     python docs/gen_language.py          # rewrite docs/language.md
@@ -19,10 +19,10 @@ import sys
 from enum import StrEnum
 from pathlib import Path
 
-from hetc import spec as spec_module
+from hetc.ir import spec as spec_module
 from hetc.frontend.schema import FieldInfo, fields_of
-from hetc.spec import AUTO, ENUM_ALIASES, LayerRange, RankSlice, Routing
-from hetc.units import DISPLAY, UNITS, Dim, format_quantity
+from hetc.ir.spec import AUTO, ENUM_ALIASES, LayerRange, RankSlice, Routing
+from hetc.ir.units import DISPLAY, UNITS, Dim, format_quantity
 
 __all__ = ["LANGUAGE_MD", "main", "render", "write_or_check"]
 

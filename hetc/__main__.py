@@ -1,4 +1,4 @@
-from hetc.interrupt import watch
+from hetc.ir.interrupt import watch
 
 watch()     # first: a Ctrl-C from here on is remembered (Note [a Ctrl-C an import swallows])
 try:

@@ -17,8 +17,8 @@ import sys
 from typing import NoReturn
 
 from hetc import __version__
-from hetc.errors import Sources, SpecError, UsageError
-from hetc.interrupt import seen, watch
+from hetc.ir.errors import Sources, SpecError, UsageError
+from hetc.ir.interrupt import seen, watch
 from hetc.runtime.local import take_signals_as_rank
 
 __all__ = ["BROKEN_PIPE_STATUS", "INTERRUPTED_STATUS", "VERBS", "main", "program"]

@@ -13,23 +13,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from hetc.errors import Diagnostic, SpecError
+from hetc.ir.errors import Diagnostic, SpecError
 from hetc.frontend.load import LoadedSpec, load_spec, with_plan_to_fill
-from hetc.jsontypes import JsonObject
+from hetc.ir.jsontypes import JsonObject
 from hetc.passes.cost import CostError, CostModel, Profiles
 from hetc.passes.cost.provenance import provenance
 from hetc.passes.build import build
 from hetc.passes.export_torch import torch_pipelines
 from hetc.passes.plan.deadline import DEFAULT_TIME_LIMIT_S
 from hetc.passes.validate import Checked, check_spec
-from hetc.plan import Plan
+from hetc.ir.plan import Plan
 from hetc.passes.validate_fit import cost_error, estimate_overflows, peak_overflows
 from hetc.passes.verify import VerifyError
 from hetc.passes.verify.memory import rank_peaks
-from hetc.pipeline import Pipeline
+from hetc.ir.pipeline import Pipeline
 from hetc.plandir import record_profiles, write_plan_dir
-from hetc.program import Program
-from hetc.timeline import Timeline
+from hetc.ir.program import Program
+from hetc.ir.timeline import Timeline
 
 __all__ = ["Compiled", "compile_spec", "load_checked", "plan_facts", "predict", "write_compiled"]
 

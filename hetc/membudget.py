@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
 
-from hetc.units import UNITS, Dim, human_bytes
+from hetc.ir.units import UNITS, Dim, human_bytes
 
 __all__ = ["MemoryBudgetExceeded", "memory_budget", "parse_memory", "resident_bytes"]
 

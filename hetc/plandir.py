@@ -10,7 +10,7 @@
     DIR/profiles.json            the profiles the prediction used, with their sha256 (Note [recorded profiles]
                                  in hetc/commands/profileargs.py)
     DIR/.hetc-output.json        hetc's marker: the sha256 of every file above (Note [output directories]
-                                 in hetc/outdir.py: only such a directory is ever replaced)
+                                 in hetc/ir/outdir.py: only such a directory is ever replaced)
 
 Listings are the source of truth: a person may edit them by hand and
 `hetc verify DIR` / `hetc run DIR` read the text, not the JSON. plan.het may
@@ -31,19 +31,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, overload
 
-from hetc.errors import Span, SpecError, UsageError
+from hetc.ir.errors import Span, SpecError, UsageError
 from hetc.frontend.printer import format_spec
-from hetc.jsontypes import JsonObject
-from hetc.outdir import Legacy, OutputKind, Protected, check_output_dir, is_marked, restamp, unmarked_or_edited, write_output_dir
-from hetc.program import Group, Program, ProgramFormatError, RankProgram
-from hetc.spec import DataKind, DataSpec, Spec
+from hetc.ir.jsontypes import JsonObject
+from hetc.ir.outdir import Legacy, OutputKind, Protected, check_output_dir, is_marked, restamp, unmarked_or_edited, write_output_dir
+from hetc.ir.program import Group, Program, ProgramFormatError, RankProgram
+from hetc.ir.spec import DataKind, DataSpec, Spec
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
     from hetc.frontend.load import LoadedSpec
     from hetc.passes.cost.provenance import UnusedProfile
-    from hetc.plan import Plan
+    from hetc.ir.plan import Plan
     from hetc.passes.verify.machine import Backend
 
 __all__ = ["LEGACY_PLAN", "PLAN_FILE", "PROFILES_FILE", "PROFILE_ENV", "TIMELINE_FILE", "Listings", "RecordedProfile",
@@ -69,7 +69,7 @@ def eval_listing_name(rank: int) -> str:
 
 # Note [verified once]
 # `hetc compile` verifies every program (and the evaluation programs it writes beside them) and records
-# each file's sha256 in the directory's marker (hetc/outdir.py). A rank of `hetc run` therefore neither
+# each file's sha256 in the directory's marker (hetc/ir/outdir.py). A rank of `hetc run` therefore neither
 # verifies nor lowers: it checks that the files it reads — plan.het, groups.txt, its own listing and its
 # own evaluation listing — are still the ones recorded (`unverified_files`), a few hashes instead of a
 # verification of the whole job on each of thousands of ranks. A file edited since is refused with the
@@ -174,7 +174,7 @@ LEGACY_PLAN = Legacy(patterns=(PLAN_FILE, "groups.txt", TIMELINE_FILE, SUMMARY_F
 
 def check_plan_out(out: Path, spec_dir: Path) -> None:
     """Raise UsageError unless `out` may become the plan directory of a spec in `spec_dir` (Note [output
-    directories] in hetc/outdir.py): never the spec's folder or one above it."""
+    directories] in hetc/ir/outdir.py): never the spec's folder or one above it."""
     check_output_dir(out, OutputKind.PLAN, _guards(spec_dir), LEGACY_PLAN)
 
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from hetc.passes.build import build as build_plan
 from hetc.passes.cost import CostModel, Estimate, Profiles
 from hetc.passes.verify.memory import Peak, rank_peaks
-from hetc.plan import Plan
-from hetc.program import Program
-from hetc.timeline import Timeline
+from hetc.ir.plan import Plan
+from hetc.ir.program import Program
+from hetc.ir.timeline import Timeline
 
 __all__ = ["Agreement", "Built", "build", "compare"]
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from hetc.passes.agreement import Built
 from hetc.passes.cost.bound import StepBound, programs_forwards_first, programs_in_flight, step_bound
-from hetc.timeline import Event, EventKind, Stream, Timeline
+from hetc.ir.timeline import Event, EventKind, Stream, Timeline
 
 __all__ = ["BoundGap", "bound_gap"]
 

@@ -19,10 +19,10 @@ from hetc.passes.cost import CostModel, Profiles
 from hetc.passes.lower import lower
 from hetc.passes.lower.by_class import lower_by_class
 from hetc.passes.simulate import simulate, timed_machine
-from hetc.plan import Plan
+from hetc.ir.plan import Plan
 from hetc.passes.verify import verified_evaluation, verify
-from hetc.program import Program
-from hetc.timeline import Timeline
+from hetc.ir.program import Program
+from hetc.ir.timeline import Timeline
 
 __all__ = ["PlanBuild", "build"]
 

@@ -1,12 +1,12 @@
 """Validation of the training and evaluation data: files that exist and fit the model.
 
 Part of the validation pass (passes/validate.py). A text file must be text,
-a token file must be readable as its block says (hetc/tokenfile.py), its
+a token file must be readable as its block says (hetc/ir/tokenfile.py), its
 ids must fit the model's vocabulary, and evaluation must have data to read.
 Files are looked at only when the spec's directory is known (`base_dir`):
 their headers (a Megatron index whole), and a bounded sample of the ids of
 a token file, which must fit both its `dtype` and the model's vocabulary
-(Note [raw ids that contradict their dtype] in hetc/tokenfile.py). The run
+(Note [raw ids that contradict their dtype] in hetc/ir/tokenfile.py). The run
 checks the same again when it starts (runtime/data.py).
 """
 
@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hetc.errors import Diagnostic
+from hetc.ir.errors import Diagnostic
 from hetc.passes.validate_runtime import check_text_vocab
-from hetc.spec import DataKind, DataSpec, ModelSpec, TokenDType, TrainSpec
-from hetc.tokenfile import (TokenFile, TokenFileError, check_vocab, fits, inspect_tokens, looks_binary,
+from hetc.ir.spec import DataKind, DataSpec, ModelSpec, TokenDType, TrainSpec
+from hetc.ir.tokenfile import (TokenFile, TokenFileError, check_vocab, fits, inspect_tokens, looks_binary,
                             tokenizer_digest)
 
 __all__ = ["check_data"]

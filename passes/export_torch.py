@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hetc.pipeline import Pipeline, Stage
-from hetc.program import (PHASE_OF, Backward, BackwardInput, BackwardWeight, Forward, Instr, Program, Recv, Send,
+from hetc.ir.pipeline import Pipeline, Stage
+from hetc.ir.program import (PHASE_OF, Backward, BackwardInput, BackwardWeight, Forward, Instr, Program, Recv, Send,
                           Tensor, Wait)
 
 __all__ = ["TorchPipeline", "lanes_aligned", "torch_pipelines", "why_not_exported"]
@@ -73,7 +73,7 @@ def torch_pipelines(program: Program, pipeline: Pipeline) -> list[TorchPipeline]
 
 def _completes(instr: Forward | Backward | BackwardInput | BackwardWeight, pipeline: Pipeline) -> bool:
     """Whether the op finishes its ministage's pass: torch's action is the ministage's, and a ZeRO-3
-    ministage split into units (Note [units] in hetc/program.py) runs it as one op per unit."""
+    ministage split into units (Note [units] in hetc/ir/program.py) runs it as one op per unit."""
     if instr.unit is None:
         return True
     m = pipeline.ministages[instr.ms]

@@ -7,11 +7,11 @@ are `auto` are the planner's to fill; resolving them is an error here.
 
 from __future__ import annotations
 
-from hetc.errors import Diagnostic, Span, did_you_mean
-from hetc.pipeline import Lane, Ministage, Pipeline, Stage, route_microbatches
-from hetc.plan import Job
-from hetc.spec import AUTO, Auto, DType, ModelSpec, ParallelSpec, RankSlice, RoutingKind, Spec, StageSpec
-from hetc.topology import Gpu, Topology
+from hetc.ir.errors import Diagnostic, Span, did_you_mean
+from hetc.ir.pipeline import Lane, Ministage, Pipeline, Stage, route_microbatches
+from hetc.ir.plan import Job
+from hetc.ir.spec import AUTO, Auto, DType, ModelSpec, ParallelSpec, RankSlice, RoutingKind, Spec, StageSpec
+from hetc.ir.topology import Gpu, Topology
 
 __all__ = ["Diagnostics", "layer_index", "plan_has_auto", "proportional_counts", "resolve_pipeline",
            "resolve_rank_slices"]

@@ -11,7 +11,7 @@ the last member posts it; host copies queue on the rank's copy stream.
 `wait` holds the issuing thread until the work is done, and a blocking
 instruction is its own wait. The step ends when the last rank finishes.
 The compute of a ministage with tensor/context/expert parallelism runs its
-collectives inside (Note [compute collectives] in hetc/program.py): it
+collectives inside (Note [compute collectives] in hetc/ir/program.py): it
 starts when the last rank of its groups reaches it and takes the slowest
 one's time, which the cost model's `compute_time` gives with the TP/CP
 communication included.
@@ -34,12 +34,12 @@ from hetc.passes.cost.model import CostModel
 from hetc.passes.verify import Backend, plan_backend
 from hetc.passes.verify.machine import Machine, Op
 from hetc.passes.verify.memory import Sizes, rank_levels
-from hetc.pipeline import Pipeline
-from hetc.plan import Plan
-from hetc.program import (COLLECTIVE_OF, COLLECTIVE_TYPES, PHASE_OF, AllGather, AllReduce, AllToAll, ComputeInstr,
+from hetc.ir.pipeline import Pipeline
+from hetc.ir.plan import Plan
+from hetc.ir.program import (COLLECTIVE_OF, COLLECTIVE_TYPES, PHASE_OF, AllGather, AllReduce, AllToAll, ComputeInstr,
                           Free, Instr, Load, Offload, Prefetch, Program, ReduceScatter, Send, Shard, Step, Tensor)
-from hetc.spec import DTYPE_BYTES
-from hetc.timeline import Event, Flow, MemorySample, RankInfo, Timeline, class_times, classify
+from hetc.ir.spec import DTYPE_BYTES
+from hetc.ir.timeline import Event, Flow, MemorySample, RankInfo, Timeline, class_times, classify
 
 __all__ = ["SimulationError", "simulate", "timed_machine"]
 

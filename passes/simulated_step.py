@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from hetc.passes.cost import CostModel
 from hetc.passes.cost.estimate import Estimate, with_simulated_step
 from hetc.passes.simulate import timed_machine
-from hetc.pipeline import Pipeline
-from hetc.program import Program
-from hetc.spec import ModelSpec
+from hetc.ir.pipeline import Pipeline
+from hetc.ir.program import Program
+from hetc.ir.spec import ModelSpec
 
 __all__ = ["AGREEMENT", "SIMULATED_LOCKSTEP_LANES", "SIMULATED_OPS", "Simulated", "compute_ops", "quick_to_simulate",
            "simulated_estimate", "simulated_step"]

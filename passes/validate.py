@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from hetc.errors import Diagnostic, InternalError, SpecError, did_you_mean
+from hetc.ir.errors import Diagnostic, InternalError, SpecError, did_you_mean
 from hetc.frontend.values import words
-from hetc.layout import layout_problem
+from hetc.ir.layout import layout_problem
 from hetc.passes.cost.intra_lane import LaneLayout
 from hetc.passes.cost.memory import state_bytes_per_param
 from hetc.passes.data_check import check_data
@@ -24,11 +24,11 @@ from hetc.passes.cost.params import model_params
 from hetc.passes.resolve import resolve_pipeline
 from hetc.passes.validate_plan import check_plan
 from hetc.passes.validate_precision import check_precision
-from hetc.pipeline import Pipeline
-from hetc.plan import Job, Plan
-from hetc.spec import (AUTO, CPKind, DeviceSpec, LinkSpec, ModelSpec, NodeSpec, OffloadSpec, OffloadTarget, Spec, StageSpec,
+from hetc.ir.pipeline import Pipeline
+from hetc.ir.plan import Job, Plan
+from hetc.ir.spec import (AUTO, CPKind, DeviceSpec, LinkSpec, ModelSpec, NodeSpec, OffloadSpec, OffloadTarget, Spec, StageSpec,
                        TrainSpec, ZeroShard, ZeroSpec, ClusterSpec)
-from hetc.topology import MAX_GPUS, Topology
+from hetc.ir.topology import MAX_GPUS, Topology
 
 # Every rank's program lists each of its microbatches; beyond this a step is
 # not a plan anyone runs, and resolving it would take seconds.
@@ -137,7 +137,7 @@ def _check_model(m: ModelSpec, errors: list[Diagnostic]) -> None:
 def _check_init(m: ModelSpec, errors: list[Diagnostic]) -> None:
     """Pretrained weights need an hf directory whose safetensors are exactly the model's (headers only)."""
     from hetc.hf.weights import hf_has_weights, model_weight_problems, pretrained_dir
-    from hetc.spec import InitKind
+    from hetc.ir.spec import InitKind
 
     if m.init is InitKind.PRETRAINED and not hf_has_weights(m):
         why = "the model has no hf directory" if not m.hf else f"'{m.hf}' holds no safetensors"
@@ -233,7 +233,7 @@ def _check_parallel(job: Job, errors: list[Diagnostic]) -> None:
 def _check_layout(m: ModelSpec, st: StageSpec, layout: LaneLayout, errors: list[Diagnostic]) -> None:
     """The stage's block layout must cut the sequence (and Ulysses the heads) into whole parts.
 
-    Every border of the stage carries its layout (hetc/layout.py); a layout
+    Every border of the stage carries its layout (hetc/ir/layout.py); a layout
     the sequence cannot take leaves no transform to the other side.
     """
     problem = layout_problem(layout, m.seq)

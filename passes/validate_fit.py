@@ -14,15 +14,15 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hetc.errors import Diagnostic
+from hetc.ir.errors import Diagnostic
 from hetc.passes.verify.memory import Peak, format_bytes
-from hetc.pipeline import Pipeline, Stage
-from hetc.spec import Checkpointing, OffloadTarget
+from hetc.ir.pipeline import Pipeline, Stage
+from hetc.ir.spec import Checkpointing, OffloadTarget
 
 if TYPE_CHECKING:     # both import this module's callers' modules at run time
     from hetc.passes.cost import CostError
     from hetc.passes.cost.memory import RankMemory
-    from hetc.plan import Plan
+    from hetc.ir.plan import Plan
 
 __all__ = ["NEAR_CAPACITY", "RankUse", "cost_error", "estimate_overflows", "estimate_uses", "near_capacity_warning",
            "peak_overflows", "peak_uses", "stage_overflows"]

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from hetc.errors import Diagnostic
+from hetc.ir.errors import Diagnostic
 from hetc.passes.lower.schedule import LockstepReason, lane_queues, lockstep_groups, queue_shape
-from hetc.pipeline import Lane, Stage
-from hetc.plan import Plan
+from hetc.ir.pipeline import Lane, Stage
+from hetc.ir.plan import Plan
 from hetc.passes.validate_runtime import check_tied_embeddings
-from hetc.spec import CPKind, StageSpec
+from hetc.ir.spec import CPKind, StageSpec
 
 __all__ = ["check_plan"]
 

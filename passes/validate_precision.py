@@ -1,4 +1,4 @@
-"""The model's dtype against the device kinds of its cluster: Note [Precision that runs] in hetc/spec.py.
+"""The model's dtype against the device kinds of its cluster: Note [Precision that runs] in hetc/ir/spec.py.
 
 A dtype a kind does not list in its peak block is costed at that kind's
 fp32 rate (the planner can still mix kinds), except fp8: a spec asking for
@@ -8,8 +8,8 @@ could ever run there.
 
 from __future__ import annotations
 
-from hetc.errors import Diagnostic
-from hetc.spec import DType, NodeSpec, Spec
+from hetc.ir.errors import Diagnostic
+from hetc.ir.spec import DType, NodeSpec, Spec
 
 __all__ = ["check_precision"]
 

@@ -6,9 +6,9 @@ Each returns None when the spec is fine, else a message for a located error.
 
 from __future__ import annotations
 
-from hetc.errors import SpecError
-from hetc.pipeline import Pipeline
-from hetc.spec import DataKind, DType, ModelSpec, Spec, TrainSpec
+from hetc.ir.errors import SpecError
+from hetc.ir.pipeline import Pipeline
+from hetc.ir.spec import DataKind, DType, ModelSpec, Spec, TrainSpec
 
 __all__ = ["BYTE_VOCAB", "check_loss_scaling", "check_text_vocab", "check_tied_embeddings", "require_trainable_dtype"]
 

@@ -44,7 +44,7 @@ in the gradient norm and written to checkpoints by tp rank 0 only.
 
 Under expert parallelism a ministage's expert parameters live in a buffer
 of their own, `experts` (sharded over the shard line's `expert_group`,
-hetc/program.py), and the ministage's buffer holds the rest; `parts` lists
+hetc/ir/program.py), and the ministage's buffer holds the rest; `parts` lists
 both for whatever acts on all of a ministage's state.
 
 Note [optimizer offload]
@@ -91,14 +91,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from hetc.errors import InternalError
-from hetc.program import Shard
+from hetc.ir.errors import InternalError
+from hetc.ir.program import Shard
 from hetc.runtime.flat import FlatLayout, bind_grads, bind_params
 from hetc.runtime.host_copy import host_buffer
 from hetc.runtime.nn.model import TIED_COPY, TIED_WEIGHT, Ministage
 from hetc.runtime.optim import OptimizerState, init_state
 from hetc.runtime.nn.tensor_parallel import NO_SHARD, ShardInfo, TPShard, shard_infos
-from hetc.spec import OptimizerSpec
+from hetc.ir.spec import OptimizerSpec
 
 __all__ = ["GroupPos", "MinistageBuffers"]
 
@@ -144,7 +144,7 @@ class MinistageBuffers:
         self.holders = 0           # ZeRO-3: gathers not yet freed
         self.infos: dict[str, ShardInfo] = shard_infos(module)
         # from the rank's place, not the module's split parameters: a ZeRO-3 unit of the embedding or the
-        # head has none, and would have every tp rank write them (Note [units] in hetc/program.py)
+        # head has none, and would have every tp rank write them (Note [units] in hetc/ir/program.py)
         self.tp_size = tp.size
         self.writes_replicated = tp.rank == 0
         # the head's copy of a tied embedding: summed with the embedding's each step, never counted or saved

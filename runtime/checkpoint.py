@@ -71,7 +71,7 @@ from hetc.runtime.nn import collectives
 from hetc.frontend.printer import format_spec
 from hetc.runtime.pieces import FlatPieces, PieceLoadPlanner, PieceSavePlanner, layout_pieces
 from hetc.runtime.unit_buffers import Buffers
-from hetc.spec import Spec
+from hetc.ir.spec import Spec
 
 __all__ = [
     "HF_CONFIG_FILE",

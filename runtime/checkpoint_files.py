@@ -27,7 +27,7 @@ import logging
 import os
 from pathlib import Path
 
-from hetc.errors import Span
+from hetc.ir.errors import Span
 
 __all__ = ["LATEST", "MANIFEST_FILE", "CheckpointError", "check_writable", "complete_steps", "has_checkpoint",
            "nothing_to_resume", "verify_manifest", "write_manifest"]

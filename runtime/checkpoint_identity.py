@@ -34,7 +34,7 @@ from typing import Any
 
 from hetc.hf.config import TRAINING_FIELDS
 from hetc.runtime.checkpoint_files import CheckpointError
-from hetc.spec import DataKind, ModelSpec, Node, OptimizerKind, TrainSpec
+from hetc.ir.spec import DataKind, ModelSpec, Node, OptimizerKind, TrainSpec
 
 __all__ = ["DATA_FILE", "check_resumable", "data_identity", "model_differences", "write_data_identity"]
 

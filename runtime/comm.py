@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from hetc.program import Group, Recv, Send
+from hetc.ir.program import Group, Recv, Send
 from hetc.runtime.nn import collectives
 from hetc.runtime.nn.collectives import CommWork
 from hetc.runtime.nccl_order import NcclEmulation, NcclOrder, pair
-from hetc.program import Tensor as Kind
+from hetc.ir.program import Tensor as Kind
 
 __all__ = ["Comm", "Waitable", "make_groups", "nccl_order"]
 

@@ -40,7 +40,7 @@ import torch.multiprocessing as mp
 from hetc.runtime.measure import free_port
 from hetc.runtime.nn.model import build_ministage
 from hetc.runtime.nn.ring_attention import Ring, wait_all
-from hetc.spec import ModelSpec
+from hetc.ir.spec import ModelSpec
 
 __all__ = ["CoreWaitSample", "measure_core_wait"]
 

@@ -13,9 +13,9 @@ Each sequence has seq + 1 tokens; the model reads the first seq and
 predicts the last seq (tokens[t + 1] is the label of position t).
 
 Note [Windows]
-A text file (one token per byte) and a token file (hetc/tokenfile.py) are
+A text file (one token per byte) and a token file (hetc/ir/tokenfile.py) are
 both a stream of N ids, read a window at a time (Note [reading a file that
-may shrink] in hetc/tokenstream.py), cut into W = (N - 1) // seq windows
+may shrink] in hetc/ir/tokenstream.py), cut into W = (N - 1) // seq windows
 of seq + 1 ids with stride seq (neighbours share one id: the last label of
 one is the first input of the next). With `shuffle = false` global
 sequence g is window g mod W: ids [g·seq, (g+1)·seq] in the first epoch,
@@ -37,18 +37,18 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hetc.errors import InternalError, Span, SpecError
+from hetc.ir.errors import InternalError, Span, SpecError
 from hetc.passes.validate_runtime import check_text_vocab
 from hetc.runtime.nn.seeding import generator
-from hetc.spec import DataKind, DataSpec, ModelSpec, TrainSpec
-from hetc.tokenfile import TokenFileError, check_vocab, inspect_tokens, open_tokens
-from hetc.tokenstream import TokenStream, TruncatedError
+from hetc.ir.spec import DataKind, DataSpec, ModelSpec, TrainSpec
+from hetc.ir.tokenfile import TokenFileError, check_vocab, inspect_tokens, open_tokens
+from hetc.ir.tokenstream import TokenStream, TruncatedError
 
 __all__ = ["DataError", "DataSource", "SyntheticData", "TextData", "Windows", "make_data_source", "make_eval_source",
            "split_held_out"]
 
 
-# A stream of ids: an array in memory, or a file's read as windows are (hetc/tokenstream.py).
+# A stream of ids: an array in memory, or a file's read as windows are (hetc/ir/tokenstream.py).
 Ids = np.ndarray | TokenStream
 
 

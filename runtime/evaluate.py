@@ -13,9 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hetc.passes.verify import verified_evaluation
-from hetc.plan import Plan
-from hetc.plandir import read_eval_rank
-from hetc.program import Program, RankProgram
+from hetc.ir.plan import Plan
+from hetc.ir.program import Program, RankProgram
 from hetc.runtime.data import DataSource, make_eval_source
 from hetc.runtime.interpreter import Interpreter
 
@@ -39,14 +38,15 @@ class Evaluator:
         return total / self.batches
 
 
-def make_evaluator(program: Program, plan: Plan, rank: int, plan_dir: Path) -> Evaluator | None:
-    """This rank's evaluator, with the evaluation program compile verified and wrote beside its listing
+def make_evaluator(program: Program, plan: Plan, rank: int, plan_dir: Path,
+                   evaluation: RankProgram | None) -> Evaluator | None:
+    """This rank's evaluator, with `evaluation`, the program compile verified and wrote beside its listing
     (Note [verified once] in hetc/plandir.py); None when the job does not evaluate."""
     train = plan.train
     data = make_eval_source(plan.model, train, plan_dir)
     if data is None:
         return None
-    own = read_eval_rank(plan_dir, rank)
+    own = evaluation
     if own is None:     # a plan directory from before compile wrote them: derived and verified here
         programs = verified_evaluation(program, plan)
         assert programs is not None, "make_eval_source gave data, so the job evaluates"

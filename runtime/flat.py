@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from hetc.errors import InternalError
+from hetc.ir.errors import InternalError
 
 __all__ = ["FlatEntry", "FlatLayout", "FlatParams", "bind_grads", "bind_params"]
 

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from hetc.passes.verify.memory import format_bytes
-from hetc.program import COLLECTIVE_TYPES, Group, Instr, Recv, Send, Wait
+from hetc.ir.program import COLLECTIVE_TYPES, Group, Instr, Recv, Send, Wait
 
 __all__ = ["NCCL_DEFAULTS", "CommTimeout", "DeviceOutOfMemory", "Waited", "creation_timeout", "estimate_line",
            "nccl_environment", "out_of_memory_in", "out_of_memory_message", "timeout_message", "use_step_timeout",

@@ -31,12 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hetc.errors import SpecError
+from hetc.ir.errors import SpecError
 from hetc.hf.config import CONFIG_FILE, HfError
 from hetc.hf.names import hf_name
 from hetc.hf.weights import INDEX_FILE
-from hetc.outdir import OutputKind, Protected, check_output_dir, write_output_dir
-from hetc.spec import Arch, DType, ModelSpec
+from hetc.ir.outdir import OutputKind, Protected, check_output_dir, write_output_dir
+from hetc.ir.spec import Arch, DType, ModelSpec
 
 if TYPE_CHECKING:
     import torch
@@ -140,7 +140,7 @@ def export_hf(checkpoint: Path, out: Path, *, dtype: DType = DType.FP32,
     shards = _shards(tensors, max_shard_bytes)
     names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
 
-    def fill(tmp: Path) -> None:   # a whole directory at once, replacing only an export (hetc/outdir.py)
+    def fill(tmp: Path) -> None:   # a whole directory at once, replacing only an export (hetc/ir/outdir.py)
         weight_map: dict[str, str] = {}
         for name, shard in zip(names, shards):
             save_file({n: tensors[n] for n in shard}, str(tmp / name), metadata={"format": "pt"})

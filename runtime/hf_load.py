@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from hetc.errors import InternalError
+from hetc.ir.errors import InternalError
 from hetc.hf.names import hf_name
 from hetc.hf.weights import WeightReader
 from hetc.runtime.flat import FlatLayout

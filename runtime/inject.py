@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hetc.errors import UsageError
+from hetc.ir.errors import UsageError
 
 if TYPE_CHECKING:
     import torch

@@ -10,7 +10,7 @@ Every ministage is an autograd island: its forward input is a detached
 tensor that requires grad, so its backward yields the gradient to send (or
 to hand to the previous ministage on this rank) without one graph spanning
 ministages. A ministage split into ZeRO-3 units (Note [units] in
-hetc/program.py) is an island per unit the same way: each unit's forward
+hetc/ir/program.py) is an island per unit the same way: each unit's forward
 takes the previous unit's output detached, and its backward hands the
 gradient of its input to the unit before it.
 """
@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from hetc.program import (COMPUTE_TYPES, AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight,
+from hetc.ir.program import (COMPUTE_TYPES, AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight,
                           ComputeInstr, Forward, Free, Instr, Load, Offload, Prefetch, RankProgram, Recv, ReduceScatter,
                           Send, Step, Unit, Wait)
-from hetc.program import Tensor as Kind
+from hetc.ir.program import Tensor as Kind
 from hetc.runtime.buffers import MinistageBuffers
 from hetc.runtime.comm import Comm, Waitable
 from hetc.runtime.data import DataSource
@@ -42,8 +42,8 @@ from hetc.runtime.nn.split_backward import DeferredWeightGrad, backward_input, b
 from hetc.runtime.step_clock import StepClock
 from hetc.runtime.tied import put_tied_sum, tied_copy, tied_share
 from hetc.runtime.unit_buffers import Buffers, UnitBuffers
-from hetc.plan import Plan
-from hetc.timeline import class_times
+from hetc.ir.plan import Plan
+from hetc.ir.timeline import class_times
 
 __all__ = ["Interpreter", "ProtocolError", "StepResult"]
 

@@ -1,9 +1,9 @@
 """A rank's place inside its lane: its TP shard, its TP/CP/EP collectives, its tokens.
 
-A lane of tp × cp ranks serves one microbatch together (hetc/pipeline.py);
+A lane of tp × cp ranks serves one microbatch together (hetc/ir/pipeline.py);
 `LanePlace` is what one of them needs to run its ministages: which slice of
 the weights it holds (`TPShard`), the groups its compute talks over, and the
-tokens it holds at the borders (hetc/layout.py). `place_ministage` wires a
+tokens it holds at the borders (hetc/ir/layout.py). `place_ministage` wires a
 built ministage for it: the TP comm (runtime/nn/tensor_parallel.py), the
 attention core (Ulysses or ring attention for cp > 1), the token layout
 (positions for RoPE and learned embeddings, the loss's share of the mean)
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from hetc.layout import SeqLayout, attention_ranges, boundary_ranges, held_length, local_slice, positions
+from hetc.ir.layout import SeqLayout, attention_ranges, boundary_ranges, held_length, local_slice, positions
 from hetc.runtime.nn.attention import Attention
 from hetc.runtime.nn.model import Ministage, TokenLayout
 from hetc.runtime.nn.moe import ALL_EXPERTS, ExpertExchange, ExpertShard, MoE, SequenceRouting
@@ -26,7 +26,7 @@ from hetc.runtime.nn.ring_attention import RingAttention
 from hetc.runtime.nn.tensor_parallel import GroupTP
 from hetc.runtime.nn.tensor_parallel import NO_SHARD, TPShard, set_tp_comm
 from hetc.runtime.nn.ulysses import UlyssesAttention
-from hetc.spec import CPKind
+from hetc.ir.spec import CPKind
 
 __all__ = ["Arrivals", "LanePlace", "place_ministage", "take_tokens"]
 
@@ -119,7 +119,7 @@ class Arrivals:
     A piece (`recv ... seq=a:b`, Note [border pieces] in passes/lower/p2p.py)
     is copied into place in a tensor holding this rank's tokens; the tensor
     can be taken once every token has arrived (the verifier proved that the
-    pieces tile them, `hetc.layout.tiling_problem`; here they are counted).
+    pieces tile them, `hetc.ir.layout.tiling_problem`; here they are counted).
     """
 
     def __init__(self, held: tuple[tuple[int, int], ...]) -> None:

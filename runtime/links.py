@@ -37,7 +37,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from hetc.pipeline import Pipeline
+from hetc.ir.pipeline import Pipeline
 
 __all__ = ["LinkId", "LinkTransits", "MessageLog", "border_rates", "border_seconds", "link_transits",
            "model_link_factor"]

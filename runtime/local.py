@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
 
-from hetc import interrupt
+from hetc.ir import interrupt
 
 __all__ = ["LAUNCHER_ENV", "NODE_ENV", "free_port", "process_start_time", "spawn_local", "take_signals_as_rank"]
 

@@ -38,9 +38,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hetc.program import Collective
+from hetc.ir.program import Collective
 from hetc.runtime.nn.model import build_ministage, compute_dtype
-from hetc.spec import ModelSpec
+from hetc.ir.spec import ModelSpec
 
 __all__ = [
     "COLLECTIVE_KINDS",

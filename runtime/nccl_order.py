@@ -50,7 +50,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hetc.errors import UsageError
+from hetc.ir.errors import UsageError
 from hetc.passes.verify.machine import Communicator, communicator_name
 
 if TYPE_CHECKING:

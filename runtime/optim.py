@@ -27,8 +27,8 @@ import torch
 from torch import Tensor
 from torch.optim.adam import adam as torch_adam
 
-from hetc.errors import InternalError
-from hetc.spec import LrScheduleKind, OptimizerKind, OptimizerSpec, TrainSpec
+from hetc.ir.errors import InternalError
+from hetc.ir.spec import LrScheduleKind, OptimizerKind, OptimizerSpec, TrainSpec
 
 __all__ = ["OptimizerState", "clip_coefficient", "grad_sq_sum", "init_state", "lr_at", "optimizer_step"]
 

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from hetc.errors import InternalError
+from hetc.ir.errors import InternalError
 from hetc.runtime.flat import FlatLayout
 from hetc.runtime.nn.tensor_parallel import ShardInfo
 

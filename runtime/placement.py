@@ -50,8 +50,8 @@ from dataclasses import asdict, dataclass
 
 from typing import TYPE_CHECKING
 
-from hetc.spec import DeviceSpec
-from hetc.topology import Gpu
+from hetc.ir.spec import DeviceSpec
+from hetc.ir.topology import Gpu
 
 if TYPE_CHECKING:   # torch is imported where a rank needs it: `hetc launch` and `run --local` only label nodes
     import torch

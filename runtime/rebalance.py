@@ -67,13 +67,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Generic, TypeVar
 
-from hetc.pipeline import Pipeline
-from hetc.program import Program, RankProgram
-from hetc.errors import InternalError, SpecError
-from hetc.plan import Plan
+from hetc.ir.pipeline import Pipeline
+from hetc.ir.program import Program, RankProgram
+from hetc.ir.errors import InternalError, SpecError
+from hetc.ir.plan import Plan
 from hetc.passes.verify import VerifyError
 from hetc.runtime.links import LinkId, MessageLog, border_rates, border_seconds, link_transits, model_link_factor
-from hetc.spec import Auto, LayerRange, Routing, RoutingKind, Spec
+from hetc.ir.spec import Auto, LayerRange, Routing, RoutingKind, Spec
 
 if TYPE_CHECKING:
     from hetc.passes.cost import CostModel

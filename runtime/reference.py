@@ -31,7 +31,7 @@ from hetc.runtime.hf_load import load_whole
 from hetc.runtime.nn.model import build_ministage, compute_dtype
 from hetc.runtime.optim import clip_coefficient, grad_sq_sum, init_state, lr_at, optimizer_step
 from hetc.runtime.nn.tensor_parallel import shard_infos
-from hetc.spec import ModelSpec, TrainSpec
+from hetc.ir.spec import ModelSpec, TrainSpec
 
 __all__ = ["ReferenceResult", "train_reference"]
 

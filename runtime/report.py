@@ -36,13 +36,13 @@ import torch
 import torch.distributed as dist
 
 from hetc.passes.cost.utilization import flop_counts, used_peak_flops
-from hetc.plan import Plan
-from hetc.program import Program, Recv, Send
+from hetc.ir.plan import Plan
+from hetc.ir.program import Program, Recv, Send
 from hetc.runtime.nn import collectives
 from hetc.runtime.optim import lr_at
 from hetc.runtime.scalars import ScalarSink, TensorBoardSink, WandbSink
-from hetc.timeline import Event, Flow, MemorySample, RankInfo, Timeline, class_times, classify
-from hetc.units import human_seconds
+from hetc.ir.timeline import Event, Flow, MemorySample, RankInfo, Timeline, class_times, classify
+from hetc.ir.units import human_seconds
 
 __all__ = ["Reporter", "StartupProgress", "peak_memory", "peak_memory_reserved", "step_scalars"]
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from hetc.hf.weights import pretrained_dir
-from hetc.plan import Plan
-from hetc.program import Program, Shard
+from hetc.ir.plan import Plan
+from hetc.ir.program import Program, Shard
 from hetc.runtime.buffers import GroupPos, MinistageBuffers
 from hetc.runtime.comm import Comm, nccl_order
 from hetc.runtime.data import DataSource
@@ -26,7 +26,7 @@ from hetc.runtime.nccl_order import NcclEmulation
 from hetc.runtime.nn.model import build_ministage, compute_dtype
 from hetc.runtime.nn.moe import ExpertShard, is_expert_param
 from hetc.runtime.unit_buffers import Buffers, UnitBuffers
-from hetc.spec import Checkpointing
+from hetc.ir.spec import Checkpointing
 
 __all__ = ["RankRuntime", "build_buffers", "build_rank", "build_rank_buffers", "lane_place"]
 

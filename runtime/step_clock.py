@@ -5,7 +5,7 @@ last; `seconds` gives the marks as seconds since the first, once the step has
 ended. On CPU a mark is the host's clock. On CUDA it is an event recorded on
 the current (compute) stream, and the marks are read once, at the step's end
 (Note [timing with CUDA events]). The same marks feed the trace's events and
-the time classes (hetc/timeline.py `class_times`), on either device.
+the time classes (hetc/ir/timeline.py `class_times`), on either device.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The sum of a tied embedding's copies: the handler of `all_reduce tied`.
 
-Note [tied gradients] in hetc/program.py says when it runs, Note [tied
+Note [tied gradients] in hetc/ir/program.py says when it runs, Note [tied
 copies] in runtime/nn/model.py why there are copies. Megatron sums the
 embedding's and the head's gradients after its data-parallel reduction
 (`_allreduce_embedding_grads`); so does hetc, on what the ZeRO reductions
@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from hetc.errors import InternalError
+from hetc.ir.errors import InternalError
 from hetc.runtime.buffers import MinistageBuffers
 from hetc.runtime.flat import FlatEntry
 from hetc.runtime.nn.model import TIED_WEIGHT

@@ -1,6 +1,6 @@
 """The buffers of a ZeRO-3 ministage split into units: one flat buffer per unit.
 
-A ministage whose shard line lists `units` (Note [units] in hetc/program.py;
+A ministage whose shard line lists `units` (Note [units] in hetc/ir/program.py;
 Note [zero-3 units] in passes/cost/zero_units.py says which) is built as one
 module per unit, each holding that unit's layers, each with buffers of its
 own (`MinistageBuffers`, sharded over the ministage's group like a
@@ -12,8 +12,8 @@ computes, not of the ministage. Whatever acts on all of a ministage's state
 
 from __future__ import annotations
 
-from hetc.errors import InternalError
-from hetc.program import Shard, Unit
+from hetc.ir.errors import InternalError
+from hetc.ir.program import Shard, Unit
 from hetc.runtime.buffers import MinistageBuffers
 
 __all__ = ["Buffers", "UnitBuffers"]

@@ -29,9 +29,8 @@ import torch.distributed as dist
 
 from hetc.hf.weights import wants_pretrained
 from hetc.passes.validate_runtime import require_trainable_dtype
-from hetc.plan import Plan
-from hetc.plandir import open_program, read_plan, require_verified
-from hetc.program import Program
+from hetc.ir.plan import Plan
+from hetc.ir.program import Program, RankProgram
 from hetc.runtime.comm import make_groups
 from hetc.runtime.data import make_data_source
 from hetc.runtime.evaluate import make_evaluator
@@ -43,17 +42,17 @@ from hetc.runtime.links import MessageLog
 from hetc.runtime.local import LAUNCHER_ENV, NODE_ENV
 from hetc.runtime.nn import collectives
 from hetc.runtime.nn.collectives import is_comm_failure
-from hetc.runtime.placement import ClusterMismatch, discover, local_gpu, local_process, place
+from hetc.runtime.placement import ClusterMismatch, local_gpu, local_process
 from hetc.runtime.preempt import PREEMPTED_STATUS, Preemption
 from hetc.runtime.options import DIVERGED_STATUS, NonFinite, RunOptions
 from hetc.runtime.rebalance import Rebalancer, Switch
 from hetc.runtime.report import Reporter, StartupProgress
 from hetc.runtime.setup import build_rank
 from hetc.runtime.watchdog import Watchdog, attempt_prefix, store_client
-from hetc.spec import DeviceSpec
+from hetc.ir.spec import DeviceSpec
 
 __all__ = ["DIVERGED_STATUS", "CommTimeout", "DeviceOutOfMemory", "EnvError", "Launch", "NonFinite", "PeerFailure",
-           "RunOptions", "describe_latest", "launch_env", "rendezvous_store", "run_placed", "run_worker"]
+           "RunOptions", "describe_latest", "launch_env", "rendezvous_store", "run_placed"]
 
 log = logging.getLogger("hetc.runtime")
 
@@ -120,27 +119,11 @@ def discovery_device() -> torch.device:
     return torch.device("cuda", local_gpu(int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()))
 
 
-def run_worker(plan_dir: Path, opts: RunOptions) -> int:
-    started = time.perf_counter()
-    launch = launch_env()
-    _, plan = read_plan(plan_dir)
-    program = open_program(plan_dir, len(plan.pipeline.world))    # Note [a rank reads its own]
-    if launch.world != program.world_size:
-        raise EnvError(f"the plan has {program.world_size} ranks but WORLD_SIZE is {launch.world}")
-    store = rendezvous_store(launch, opts.init_timeout_s)
-    procs = discover(store, launch.process(discovery_device()), launch.world)
-    placement = place(plan.pipeline.world, procs)
-    rank = placement.plan_rank[launch.rank]
-    require_verified(plan_dir, [rank], program, plan)    # Note [verified once] in hetc/plandir.py
-    progress = StartupProgress(rank == 0 and not opts.quiet, since=started)
-    progress.done(f"placed {launch.world} rank{'s' if launch.world > 1 else ''}")
-    return run_placed(plan_dir, plan, program, rank, launch, store, opts, progress=progress)
-
-
 def run_placed(plan_dir: Path, plan: Plan, program: Program, rank: int, launch: Launch, store, opts: RunOptions,
-               on_resumed: Callable[[int, float], None] | None = None,
+               evaluation: RankProgram | None = None, on_resumed: Callable[[int, float], None] | None = None,
                on_first_step: Callable[[], None] | None = None, progress: StartupProgress | None = None) -> int:
     """Train as plan rank `rank` (placed by discovery): the process group, the watchdog, the steps.
+    `evaluation`: the rank's evaluation program as compile wrote it (None: none written).
 
     `on_resumed(step, seconds)` hears where the run resumed and how long the load took,
     `on_first_step()` when the first step is done (elastic reports); `progress` tells the start-up
@@ -163,7 +146,7 @@ def run_placed(plan_dir: Path, plan: Plan, program: Program, rank: int, launch: 
     preemption = Preemption(store, rank, opts.grace_s)
     try:
         hooks = _Hooks(progress or StartupProgress(rank == 0 and not opts.quiet), on_resumed, on_first_step)
-        status = _train(plan_dir, opts, rank, plan, program, device, init_timeout, preemption, hooks)
+        status = _train(plan_dir, opts, rank, plan, program, evaluation, device, init_timeout, preemption, hooks)
         completed = True
     except (RuntimeError, dist.DistError) as err:
         if (oom := out_of_memory_in(err)) is not None:
@@ -215,8 +198,8 @@ def _out_of_memory(plan, program, rank: int, device: torch.device, err: BaseExce
                                                    where, detail, estimate_line(plan, program, rank)))
 
 
-def _train(plan_dir: Path, opts: RunOptions, rank: int, plan: Plan, program: Program, device: torch.device,
-           timeout: datetime.timedelta, preemption: Preemption, hooks: _Hooks) -> int:
+def _train(plan_dir: Path, opts: RunOptions, rank: int, plan: Plan, program: Program, evaluation: RankProgram | None,
+           device: torch.device, timeout: datetime.timedelta, preemption: Preemption, hooks: _Hooks) -> int:
     """`timeout` is what the groups are created with (`creation_timeout`); then the step timeout holds."""
     groups = make_groups(program.groups, timeout)
     hooks.progress.done("process groups up")
@@ -227,7 +210,7 @@ def _train(plan_dir: Path, opts: RunOptions, rank: int, plan: Plan, program: Pro
     rt = build_rank(program, plan, rank, groups, data, device, resumes=start_from is not None,
                     emulation=emulation_from_env())
     hooks.progress.done(_built(plan, resumes=start_from is not None))
-    evaluator = make_evaluator(program, plan, rank, plan_dir)
+    evaluator = make_evaluator(program, plan, rank, plan_dir, evaluation)
     if opts.on_nonfinite is NonFinite.SKIP and not plan.train.grad_clip:
         raise EnvError("--on-nonfinite skip needs train.grad_clip in the spec: the global gradient norm it "
                        "checks before the update is computed only under clipping (Note [non-finite steps])")

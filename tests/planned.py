@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hetc.passes.agreement import Built, build
-from hetc.errors import SpecError
+from hetc.ir.errors import SpecError
 from hetc.frontend.load import load_spec
 from hetc.passes.plan.planner import PlanResult, plan_spec
 from hetc.passes.plan.structures import SearchLimits

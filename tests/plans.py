@@ -14,11 +14,11 @@ from pathlib import Path
 from hetc.compiler import load_checked
 from hetc.passes.lower import lower
 from hetc.passes.validate import check_spec
-from hetc.pipeline import Pipeline
-from hetc.plan import Plan
-from hetc.program import Program
-from hetc.spec import ScheduleKind, Spec
-from hetc.topology import Topology
+from hetc.ir.pipeline import Pipeline
+from hetc.ir.plan import Plan
+from hetc.ir.program import Program
+from hetc.ir.spec import ScheduleKind, Spec
+from hetc.ir.topology import Topology
 from tests.conftest import DEMO, ROOT
 
 __all__ = ["DEMO_PLANS", "TEST_PLANS", "Lowered", "compile_plan", "plan_id"]

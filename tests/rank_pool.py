@@ -210,7 +210,7 @@ def _run_job(job: PlanJob, rank: int, port: int) -> RankReport | None:
     import torch
     import torch.distributed as dist
 
-    from hetc.plandir import read_plan, read_program
+    from hetc.plandir import read_eval_rank, read_plan, read_program
     from hetc.runtime.checkpoint import latest_checkpoint
     from hetc.runtime.comm import make_groups
     from hetc.runtime.data import make_data_source
@@ -233,7 +233,8 @@ def _run_job(job: PlanJob, rank: int, port: int) -> RankReport | None:
         resumes = job.resume_from is not None and latest_checkpoint(job.resume_from) is not None
         rt = build_rank(program, checked, rank, groups, data, torch.device("cpu"), resumes=resumes,
                         emulation=job.emulation)
-        return _train(rt, job, rank, make_evaluator(program, checked, rank, job.plan_dir))
+        evaluation = read_eval_rank(job.plan_dir, rank)
+        return _train(rt, job, rank, make_evaluator(program, checked, rank, job.plan_dir, evaluation))
     finally:
         dist.destroy_process_group()   # the default group and every group made from it
 

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from hetc.cli import main
-from hetc.program import AllReduce, Backward, Forward, Recv, Send, Step, Tensor, Wait
-from hetc.timeline import TimeClass, Timeline, class_times
+from hetc.ir.program import AllReduce, Backward, Forward, Recv, Send, Step, Tensor, Wait
+from hetc.ir.timeline import TimeClass, Timeline, class_times
 from tests.conftest import DEMO
 
 CLASSES = {c.value for c in TimeClass}

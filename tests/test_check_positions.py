@@ -17,15 +17,15 @@ import random
 import pytest
 
 from hetc.compiler import load_checked
-from hetc.errors import SpecError
-from hetc.groups import split_direction, with_direction
+from hetc.ir.errors import SpecError
+from hetc.ir.groups import split_direction, with_direction
 from hetc.passes.cost import CostModel
 from hetc.passes.lower import lower
 from hetc.passes.verify import VerifyError, verify
 from hetc.passes.verify.memory import rank_peaks
 from hetc.passes.verify.positions import LanePositions, lane_positions, part_passes, position_program
-from hetc.pipeline import Pipeline
-from hetc.program import Instr, Program, RankProgram, Recv, Send, Shard
+from hetc.ir.pipeline import Pipeline
+from hetc.ir.program import Instr, Program, RankProgram, Recv, Send, Shard
 from tests.random_plans import random_plan
 from tests.test_verifier_mutations import FAULTS
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from hetc.cli import BROKEN_PIPE_STATUS, main
-from hetc.errors import MAX_SOURCE_BYTES, MAX_WORD, QUOTE_WIDTH
+from hetc.ir.errors import MAX_SOURCE_BYTES, MAX_WORD, QUOTE_WIDTH
 from tests.conftest import DEMO, ROOT
 
 JOB = DEMO / "job.het"

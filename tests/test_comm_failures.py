@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hetc.program import Forward, RankProgram, Wait, parse_instr
+from hetc.ir.program import Forward, RankProgram, Wait, parse_instr
 from hetc.runtime.interpreter import Interpreter, ProtocolError
 from hetc.runtime.nn import collectives
 from hetc.runtime.nn.collectives import CommFailure, comm_call, is_comm_failure

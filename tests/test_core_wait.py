@@ -11,9 +11,9 @@ from hetc.compiler import load_checked
 from hetc.passes.cost import CostModel, ProfileError
 from hetc.passes.cost.cores import CoreWait, host_waits
 from hetc.passes.cost.sources.hetc_profile import profile_from_dict
-from hetc.program import Collective, Phase
-from hetc.spec import DeviceSpec
-from hetc.topology import Gpu
+from hetc.ir.program import Collective, Phase
+from hetc.ir.spec import DeviceSpec
+from hetc.ir.topology import Gpu
 from tests.conftest import DEMO
 from tests.test_shared_cores import cpu_profile, demo_with_cores
 

@@ -9,7 +9,7 @@ from hetc.passes.cost.plan_time import ministage_borders, peer_lanes, stage_bord
 from hetc.passes.cost.schedule import (Grouping, LaneTiming, Unit, UnitLane, chunk_loop_wait, in_flight_limits,
                                       interleaved_grouping, pipeline_time, sequential_time)
 from hetc.passes.cost.zero_time import ZeroRings, across_nodes, flush_time, sync_time
-from hetc.spec import ScheduleKind, ZeroShard, ZeroSpec
+from hetc.ir.spec import ScheduleKind, ZeroShard, ZeroSpec
 
 
 def test_a_lanes_peer_serves_most_of_its_microbatches_the_lowest_on_ties():

@@ -11,7 +11,7 @@ from hetc.passes.cost import Engine
 from hetc.passes.cost.memory import in_flight, interleaved_group, interleaved_peak, interleaved_warmup
 from hetc.passes.cost.shapes import activation_elements, params_per_rank
 from hetc.passes.cost.params import block_params, layer_params, stage_params
-from hetc.spec import Arch, Checkpointing, ScheduleKind
+from hetc.ir.spec import Arch, Checkpointing, ScheduleKind
 from tests.costspecs import cost_model, plan_text
 
 ONE_STAGE = """

@@ -8,7 +8,7 @@ import pytest
 
 from hetc.passes.cost import traffic
 from hetc.passes.cost.network import MeasuredPoints, QuadraticLogFit, collective_bytes_per_rank
-from hetc.spec import ScheduleKind
+from hetc.ir.spec import ScheduleKind
 from tests.costspecs import cluster, cost_model, plan_text
 
 PHI_BYTES = 1e9   # δΦ of a stage

@@ -7,11 +7,11 @@ import dataclasses
 import pytest
 import torch
 
-from hetc.errors import SpecError
+from hetc.ir.errors import SpecError
 from hetc.compiler import load_checked
 from hetc.passes.validate_runtime import check_text_vocab
 from hetc.runtime.data import SyntheticData, TextData, make_data_source
-from hetc.spec import DataKind, DataSpec, ModelSpec, TrainSpec
+from hetc.ir.spec import DataKind, DataSpec, ModelSpec, TrainSpec
 from tests.conftest import DEMO
 
 MODEL = ModelSpec(layers=1, hidden=8, heads=2, ffn=8, vocab=256, seq=16)

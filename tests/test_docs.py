@@ -11,8 +11,8 @@ import pytest
 
 from hetc.frontend import syntax
 from hetc.frontend.convert import fields_of, to_spec
-from hetc.errors import Span
-from hetc.spec import Spec
+from hetc.ir.errors import Span
+from hetc.ir.spec import Spec
 from tests.conftest import ROOT
 
 DOCS = ROOT / "docs"

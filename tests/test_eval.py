@@ -19,7 +19,7 @@ from hetc.compiler import compile_spec
 from hetc.passes.lower.forward_only import forward_only
 from hetc.passes.verify import VerifyError, verify
 from hetc.plandir import read_plan
-from hetc.program import Backward, Forward, Recv, Step, Wait
+from hetc.ir.program import Backward, Forward, Recv, Step, Wait
 from hetc.runtime.reference import train_reference
 from tests.conftest import DEMO
 from tests.rank_pool import PlanJob, agreed_losses, assert_losses_close, compile_plans

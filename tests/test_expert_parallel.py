@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 
-from hetc.errors import SpecError
+from hetc.ir.errors import SpecError
 from hetc.compiler import load_checked
 from hetc.passes.cost import CostModel, traffic
 from hetc.passes.lower import lower
@@ -19,9 +19,9 @@ from hetc.passes.cost.params import expert_params, model_params
 from hetc.passes.simulate import simulate
 from hetc.passes.verify import VerifyError, verify
 from hetc.passes.verify.memory import rank_peaks
-from hetc.program import RankProgram, Shard
-from hetc.spec import ScheduleKind
-from hetc.timeline import EventKind
+from hetc.ir.program import RankProgram, Shard
+from hetc.ir.spec import ScheduleKind
+from hetc.ir.timeline import EventKind
 from tests.conftest import DEMO
 from tests.plans import compile_plan
 

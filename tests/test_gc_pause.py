@@ -1,4 +1,4 @@
-"""hetc.gc_pause: the collector is off inside the block and as it was after it, even on an error."""
+"""hetc.ir.gc_pause: the collector is off inside the block and as it was after it, even on an error."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import gc
 
 import pytest
 
-from hetc.gc_pause import paused_collector
+from hetc.ir.gc_pause import paused_collector
 
 
 @pytest.mark.parametrize("enabled", [True, False])

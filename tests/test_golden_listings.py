@@ -11,8 +11,8 @@ import difflib
 import pytest
 
 from hetc.passes.verify import verify
-from hetc.program import Program, RankProgram
-from hetc.spec import ScheduleKind
+from hetc.ir.program import Program, RankProgram
+from hetc.ir.spec import ScheduleKind
 from tests.golden.cases import CASES, GOLDEN_DIR, golden_path, render
 from tests.plans import compile_plan
 

@@ -25,8 +25,8 @@ from hetc.runtime.interpreter import Interpreter
 from hetc.runtime.local import free_port
 from hetc.runtime.nn.collectives import CommFailure
 from hetc.runtime.placement import ClusterMismatch, Process, local_gpu, place
-from hetc.spec import DeviceSpec
-from hetc.topology import Gpu
+from hetc.ir.spec import DeviceSpec
+from hetc.ir.topology import Gpu
 from tests.conftest import DEMO
 
 H100 = DeviceSpec(name="H100", memory=80 * 2**30)
@@ -164,6 +164,8 @@ def test_the_rendezvous_waits_the_init_timeout_and_steps_the_step_timeout(single
     every group has --timeout when the first step starts."""
     from torch.distributed.distributed_c10d import _world
 
+    from hetc import rank as rank_entry
+
     seen: dict[str, object] = {}
     real_store, real_init, real_step = worker.rendezvous_store, dist.init_process_group, gpu_failures.use_step_timeout
 
@@ -180,7 +182,7 @@ def test_the_rendezvous_waits_the_init_timeout_and_steps_the_step_timeout(single
         real_step(timeout)
         seen["groups after"] = {_gloo_timeout(g) for g in _world.pg_map}
 
-    monkeypatch.setattr(worker, "rendezvous_store", store)
+    monkeypatch.setattr(rank_entry, "rendezvous_store", store)     # a rank's entry (hetc/rank.py) calls it
     monkeypatch.setattr(worker.dist, "init_process_group", init)
     monkeypatch.setattr(worker, "use_step_timeout", step_timeout)
     assert hetc_main(["run", str(single_plan), "-q", "--steps", "1", "--timeout", "7", "--init-timeout", "11"]) == 0

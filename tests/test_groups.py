@@ -1,7 +1,7 @@
-"""Group identity (hetc/groups.py) and the program's closed sets of phases and collectives."""
+"""Group identity (hetc/ir/groups.py) and the program's closed sets of phases and collectives."""
 
-from hetc.groups import WORLD, Axis, Direction, GroupId, GroupKind, split_direction, with_direction
-from hetc.program import COLLECTIVE_OF, COLLECTIVE_TYPES, PHASE_OF, Collective, Phase
+from hetc.ir.groups import WORLD, Axis, Direction, GroupId, GroupKind, split_direction, with_direction
+from hetc.ir.program import COLLECTIVE_OF, COLLECTIVE_TYPES, PHASE_OF, Collective, Phase
 
 
 def test_group_ids_render_the_names_of_note_group_names():

@@ -532,7 +532,7 @@ def _assert_peak_within_own_shard(got: dict, shapes: dict[str, tuple[int, ...]],
     # Its own shard: what the rank keeps, three fp32 copies of its quarter (master, reduced gradients,
     # parameter shard; plain SGD has no optimizer state; the full compute and grad buffers released),
     # and while loading, the range the loader fills (`fill`: one buffer's, a ZeRO-3 unit's where the
-    # ministage is split into units, Note [units] in hetc/program.py); one tensor: the one being read
+    # ministage is split into units, Note [units] in hetc/ir/program.py); one tensor: the one being read
     # (`largest`). Slack: one more `largest` for the bytes of that read on their way in (safetensors'
     # mapped file pages, counted in RSS until WeightReader unmaps them after the read; DCP's record
     # of the stored tensor before its slice is copied out), and 16 MB for the allocator's and
@@ -616,7 +616,7 @@ def _config_dir(tmp_path: Path, **config) -> Path:
 
 def test_a_transformers_4_llama_3_1_config(tmp_path):
     from hetc.frontend.convert import import_model
-    from hetc.spec import DType, RopeScalingKind
+    from hetc.ir.spec import DType, RopeScalingKind
 
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}

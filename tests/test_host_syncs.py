@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hetc.cli import main as hetc_main
-from hetc.program import Offload, Prefetch
+from hetc.ir.program import Offload, Prefetch
 from hetc.runtime.comm import Comm
 from hetc.runtime import interpreter
 from hetc.runtime.interpreter import Interpreter

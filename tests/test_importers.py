@@ -8,7 +8,7 @@ import pytest
 
 from hetc.cli import main
 from hetc.compiler import load_checked
-from hetc.spec import AUTO, RoutingKind, ScheduleKind
+from hetc.ir.spec import AUTO, RoutingKind, ScheduleKind
 
 GPU_KINDS = {"GH-96": "GH200", "RTX-3090": "RTX3090", "RTX-2080": "RTX2080Ti", "Titan-RTX": "TitanRTX"}
 

@@ -21,11 +21,12 @@ import numpy as np
 import pytest
 
 from hetc.cli import main
-from hetc.errors import SpecError
-from hetc.passes.cost import ProfileError, load_profiles
+from hetc.ir.errors import SpecError
+from hetc.passes.cost import ProfileError
+from hetc.passes.cost.sources import load_profiles
 from hetc.runtime.data import DataError, make_data_source
-from hetc.spec import DataKind, DataSpec, ModelSpec, TokenDType, TrainSpec
-from hetc.tokenfile import write_megatron_index, write_sidecar
+from hetc.ir.spec import DataKind, DataSpec, ModelSpec, TokenDType, TrainSpec
+from hetc.ir.tokenfile import write_megatron_index, write_sidecar
 from tests.conftest import DEMO, ROOT
 
 MEASURED = ROOT / "tests" / "profiles" / "cpu2-demo.json"
@@ -71,7 +72,7 @@ def test_finding_10_a_profile_with_infinity_is_refused_not_a_hang(tmp_path):
 def test_finding_10_the_schedule_simulation_refuses_a_time_it_can_never_reach():
     # in a subprocess: were the guard gone, the simulation would spin for ever
     code = """
-from hetc.errors import InternalError
+from hetc.ir.errors import InternalError
 from hetc.passes.lower.lane_sim import Policy, simulate
 ops = [("F", 0, 0), ("F", 0, 1)]
 try:
@@ -246,7 +247,7 @@ def test_finding_8_prepare_megatron_writes_a_sidecar_that_check_holds_the_model_
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     from hetc.passes.data_check import check_data
-    from hetc.tokenfile import inspect_tokens, sidecar_path
+    from hetc.ir.tokenfile import inspect_tokens, sidecar_path
 
     words = {"<eos>": 0, **{f"w{i}": i + 1 for i in range(299)}}
     tok = Tokenizer(models.WordLevel(words, unk_token="<eos>"))

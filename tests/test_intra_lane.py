@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hetc.passes.cost.intra_lane import LaneLayout, lane_layouts, tp_degrees
-from hetc.spec import CPKind
+from hetc.ir.spec import CPKind
 from tests.conftest import DEMO
 from tests.plans import compile_plan
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from hetc.cli import main
-from hetc.errors import SpecError
+from hetc.ir.errors import SpecError
 from hetc.compiler import load_checked
 
 INVALID = Path(__file__).resolve().parent / "invalid"

@@ -12,7 +12,7 @@ from tests.conftest import ROOT
 _BROKEN = """
 import torch
 from torch import nn
-from hetc.errors import InternalError
+from hetc.ir.errors import InternalError
 from hetc.runtime.flat import FlatLayout
 layout = FlatLayout.of(nn.Linear(3, 2), num_shards=2)
 for broken in (lambda: layout.shard_range(2), lambda: layout.views(torch.zeros(1)),

@@ -1,4 +1,4 @@
-"""Block layout contracts (hetc/layout.py): held ranges per layout and the pieces of a border."""
+"""Block layout contracts (hetc/ir/layout.py): held ranges per layout and the pieces of a border."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hetc.layout import (Piece, attention_ranges, boundary_ranges, layout_problem, local_slice, positions,
+from hetc.ir.layout import (Piece, attention_ranges, boundary_ranges, layout_problem, local_slice, positions,
                          seq_chunks, transfers)
-from hetc.spec import CPKind
+from hetc.ir.spec import CPKind
 
 
 @dataclass(frozen=True)

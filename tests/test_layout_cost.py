@@ -13,9 +13,9 @@ import math
 
 import pytest
 
-from hetc.layout import held_fraction
+from hetc.ir.layout import held_fraction
 from hetc.passes.cost import CostModel, traffic
-from hetc.program import Send
+from hetc.ir.program import Send
 from tests.conftest import DEMO
 from tests.plans import compile_plan
 

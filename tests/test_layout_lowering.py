@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from hetc.passes.verify import VerifyError, verify
-from hetc.program import Forward, Program, Recv, Send, Wait
+from hetc.ir.program import Forward, Program, Recv, Send, Wait
 from tests.conftest import DEMO
 from tests.plans import compile_plan
 
@@ -136,7 +136,7 @@ def test_a_lane_runs_tp_cp_compute_in_lockstep_in_the_timeline(plan):
 
 
 def test_a_lane_out_of_rank_order_is_a_located_error_where_the_order_matters(tmp_path):
-    from hetc.errors import SpecError
+    from hetc.ir.errors import SpecError
     from hetc.compiler import load_checked
     from hetc.passes.lower import lower
 

@@ -20,14 +20,14 @@ from typing import get_args
 import pytest
 
 from hetc.compiler import load_checked
-from hetc.errors import SpecError
+from hetc.ir.errors import SpecError
 from hetc.passes.cost import CostModel
 from hetc.passes.lower import lower
 from hetc.passes.lower.by_class import ClassLowering, lower_by_class
 from hetc.passes.lower.substitute import RENAMED_FIELDS, SHARD_GROUPS
 from hetc.passes.plan.planner import plan_spec
-from hetc.plan import Plan
-from hetc.program import Instr, Program, Shard
+from hetc.ir.plan import Plan
+from hetc.ir.program import Instr, Program, Shard
 from tests.conftest import DEMO, ROOT, all_spec_files
 from tests.planned import NARROW
 from tests.random_jobs import deep_job, random_job

@@ -16,7 +16,7 @@ from collections import Counter
 import pytest
 
 from hetc.cli import main
-from hetc.errors import NO_SPAN, SpecError
+from hetc.ir.errors import NO_SPAN, SpecError
 from hetc.compiler import load_checked
 from hetc.passes.cost import CostModel
 from hetc.passes.cost.pipeline_stage import lane_group
@@ -24,9 +24,9 @@ from hetc.passes.cost.schedule import Grouping
 from hetc.passes.lower import PASS_NAMES, lower
 from hetc.passes.lower.context import LowerContext
 from hetc.passes.verify import verify
-from hetc.program import (COMPUTE_TYPES, PHASE_OF, AllGather, Backward, BackwardInput, BackwardWeight, Forward, Load,
+from hetc.ir.program import (COMPUTE_TYPES, PHASE_OF, AllGather, Backward, BackwardInput, BackwardWeight, Forward, Load,
                           Recv, ReduceScatter, Send, Step, Wait)
-from hetc.spec import ScheduleKind
+from hetc.ir.spec import ScheduleKind
 from tests.conftest import DEMO
 from tests.plans import DEMO_PLANS, TEST_PLANS, TEST_SPECS, compile_plan, plan_id
 from tests.random_plans import random_plan

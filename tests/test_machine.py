@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from hetc.passes.verify.machine import NO_TIME, Machine
 from hetc.passes.verify.protocol import check_protocol
-from hetc.program import (AllReduce, Forward, Group, Offload, Program, RankProgram, Recv, Send, Shard, Step,
+from hetc.ir.program import (AllReduce, Forward, Group, Offload, Program, RankProgram, Recv, Send, Shard, Step,
                           Tensor, Wait)
 
 

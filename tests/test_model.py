@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from hetc.passes.cost.params import layer_params, stage_params
-from hetc.pipeline import Ministage as PlanMinistage
-from hetc.pipeline import Pipeline
+from hetc.ir.pipeline import Ministage as PlanMinistage
+from hetc.ir.pipeline import Pipeline
 from hetc.passes.validate_runtime import check_tied_embeddings
 from hetc.runtime.flat import FlatParams
 from hetc.runtime.nn.mlp import GeluMLP, SwiGLU
 from hetc.runtime.nn.model import build_layer, build_ministage, compute_dtype
 from hetc.runtime.nn.tensor_parallel import ParallelLinear, Split, TPShard, set_tp_comm
-from hetc.spec import Arch, Checkpointing, DType, ModelSpec, MoESpec, ScheduleKind
+from hetc.ir.spec import Arch, Checkpointing, DType, ModelSpec, MoESpec, ScheduleKind
 
 SEED = 7
 

@@ -7,7 +7,7 @@ import torch
 
 from hetc.runtime.nn.model import build_layer
 from hetc.runtime.nn.moe import ALL_EXPERTS, ExpertShard, MoE, capacity, is_expert_param, keep_mask
-from hetc.spec import MoESpec
+from hetc.ir.spec import MoESpec
 from tests.test_model import tiny
 
 SEED = 3

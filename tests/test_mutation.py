@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 import hetc.frontend.syntax
-from hetc.errors import Sources, SpecError
+from hetc.ir.errors import Sources, SpecError
 from hetc.compiler import load_checked
 from tests.conftest import SPECS
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from hetc.cli import main
-from hetc.errors import UsageError
+from hetc.ir.errors import UsageError
 from hetc.plandir import listing_name
 from hetc.runtime.nccl_order import (EMULATE_ENV, STALL_ENV, NcclEmulation, NcclOrder, NcclOrderDeadlock,
                                      emulation_from_env, pair)

@@ -25,8 +25,8 @@ from hetc.passes.verify import Backend, VerifyError, verify
 from hetc.passes.verify.machine import Machine
 from hetc.passes.verify.protocol import check_protocol
 from hetc.plandir import listing_name
-from hetc.program import AllReduce, Forward, Group, Program, RankProgram, Recv, Send, Shard, Tensor, Wait
-from hetc.spec import ScheduleKind
+from hetc.ir.program import AllReduce, Forward, Group, Program, RankProgram, Recv, Send, Shard, Tensor, Wait
+from hetc.ir.spec import ScheduleKind
 from tests.conftest import DEMO, ROOT
 from tests.plans import DEMO_PLANS, compile_plan, plan_id
 from tests.random_jobs import deep_job

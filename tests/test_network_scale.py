@@ -12,7 +12,7 @@ import pytest
 
 from hetc.passes.cost.links import node_split
 from hetc.passes.cost.network import ring_steps
-from hetc.program import Collective
+from hetc.ir.program import Collective
 from tests.costspecs import cost_model, plan_text
 
 GB = 1e9

@@ -246,7 +246,7 @@ def test_explain_of_a_spec_without_a_parallel_block_still_asks_for_a_plan(tmp_pa
     (1234.5, "1,234 s"), (0.0, "0 s"),
 ])
 def test_durations_read_in_their_unit(seconds, shown):
-    from hetc.units import human_seconds
+    from hetc.ir.units import human_seconds
 
     assert human_seconds(seconds) == shown
 

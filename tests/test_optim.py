@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from hetc.program import Shard
+from hetc.ir.program import Shard
 from hetc.runtime.buffers import GroupPos, MinistageBuffers
 from hetc.runtime.flat import FlatLayout, FlatParams, bind_grads, bind_params
 from hetc.runtime.nn.model import build_ministage
 from hetc.runtime.optim import clip_coefficient, grad_sq_sum, init_state, lr_at, optimizer_step
-from hetc.spec import LrScheduleKind, LrScheduleSpec, ModelSpec, OptimizerKind, OptimizerSpec, TrainSpec
+from hetc.ir.spec import LrScheduleKind, LrScheduleSpec, ModelSpec, OptimizerKind, OptimizerSpec, TrainSpec
 
 
 def small_module(seed: int = 0) -> nn.Module:

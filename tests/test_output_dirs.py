@@ -1,5 +1,5 @@
 """hetc never deletes what it did not write, and a plan directory is checked against its plan.het before any
-rank starts (issue 28, findings 1 and 13; Note [output directories] in hetc/outdir.py, Note [transfers against
+rank starts (issue 28, findings 1 and 13; Note [output directories] in hetc/ir/outdir.py, Note [transfers against
 the plan] in passes/verify/transfers.py)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from hetc.cli import main
-from hetc.errors import UsageError
-from hetc.outdir import MARKER, OutputKind, check_output_dir, write_marker, write_output_dir
+from hetc.ir.errors import UsageError
+from hetc.ir.outdir import MARKER, OutputKind, check_output_dir, write_marker, write_output_dir
 from tests.conftest import DEMO, SPECS
 
 

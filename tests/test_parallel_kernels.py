@@ -19,7 +19,7 @@ import traceback
 import pytest
 import torch.multiprocessing as mp
 
-from hetc.spec import Arch, Checkpointing, CPKind, DType, ModelSpec
+from hetc.ir.spec import Arch, Checkpointing, CPKind, DType, ModelSpec
 
 WORLD = 4
 TIMEOUT_S = 120
@@ -139,11 +139,11 @@ def _check(case: Case, rank: int, groups) -> None:
     import torch
     import torch.distributed as dist
 
-    from hetc.pipeline import Stage
+    from hetc.ir.pipeline import Stage
     from hetc.runtime.lane import LanePlace, place_ministage, take_tokens
     from hetc.runtime.nn.model import build_ministage
     from hetc.runtime.nn.tensor_parallel import shard_infos
-    from hetc.spec import OffloadSpec, ZeroSpec
+    from hetc.ir.spec import OffloadSpec, ZeroSpec
 
     lane = tuple(range(case.tp * case.cp))
     if rank not in lane:

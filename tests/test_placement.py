@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from hetc.runtime.placement import ClusterMismatch, Process, place
-from hetc.spec import DeviceSpec
-from hetc.topology import Gpu
+from hetc.ir.spec import DeviceSpec
+from hetc.ir.topology import Gpu
 
 CPU = DeviceSpec(name="cpu", memory=4 * 2**30)
 A100 = DeviceSpec(name="A100-80", memory=80 * 2**30)

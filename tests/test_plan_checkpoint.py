@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from hetc.compiler import compile_spec, load_checked
-from hetc.errors import SpecError
+from hetc.ir.errors import SpecError
 from hetc.frontend.load import load_spec
 from hetc.passes.cost import CostModel
 from hetc.passes.plan.planner import PlanResult, plan_spec
-from hetc.program import Phase
+from hetc.ir.program import Phase
 from hetc.runtime.nn.attention import Attention
 from hetc.runtime.setup import build_buffers
-from hetc.spec import Checkpointing
+from hetc.ir.spec import Checkpointing
 from tests.conftest import DEMO
 
 # A 0.9B llama on one A100-40: at the written micro-batch of 16 its activations (about 36 GiB without

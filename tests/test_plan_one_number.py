@@ -18,10 +18,10 @@ from hetc.passes.plan.objective import Goal
 from hetc.passes.plan.planner import PlanResult, plan_spec
 from hetc.passes.plan.search import Search
 from hetc.passes.plan.space import space_from_spec
-from hetc.spec import Spec
-from hetc.errors import SpecError
-from hetc.topology import Topology
-from hetc.plan import Job
+from hetc.ir.spec import Spec
+from hetc.ir.errors import SpecError
+from hetc.ir.topology import Topology
+from hetc.ir.plan import Job
 from tests.conftest import SPECS
 from tests.planned import JOBS, NARROW
 from tests.random_jobs import random_job

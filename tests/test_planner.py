@@ -23,9 +23,9 @@ from hetc.passes.plan.search import Search
 from hetc.passes.plan.structures import SearchLimits
 from hetc.passes.plan.space import space_from_spec
 from hetc.commands.planreport import plan_summary
-from hetc.spec import AUTO
-from hetc.topology import Topology
-from hetc.plan import Job
+from hetc.ir.spec import AUTO
+from hetc.ir.topology import Topology
+from hetc.ir.plan import Job
 from tests.conftest import DEMO, SPECS
 
 ZORSE = [SPECS / "zorse" / f"{c}_auto.het" for c in "abc"]
@@ -334,13 +334,13 @@ def test_a_forked_worker_plans_what_one_process_plans(tmp_path, monkeypatch):
     """Note [a forked worker]: on a large cluster (36 GPUs) the search shares each step with a worker; the
     plan, its score, the baselines and the structures counted are those one process finds. Note [the check
     beside the refinement]: the planner checks its winner itself only where the worker did not pass it."""
-    import hetc.worker
+    import hetc.ir.worker
     from hetc.passes.plan import planner
-    from hetc.worker import Worker, can_fork
+    from hetc.ir.worker import Worker, can_fork
 
     if not can_fork():
         pytest.skip("no fork, or one core: hetc runs without a worker")
-    monkeypatch.setattr(hetc.worker, "spare_core", lambda: True)   # however busy the machine is now
+    monkeypatch.setattr(hetc.ir.worker, "spare_core", lambda: True)   # however busy the machine is now
     spec = load_spec(_write(tmp_path, MIDDLE % "")).spec
     limits = SearchLimits.for_cluster(Topology.of(spec).num_gpus, spec.model.num_model_layers)
     assert limits.workers == 2 and not limits.exact_screen

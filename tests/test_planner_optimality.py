@@ -20,9 +20,9 @@ from hetc.passes.plan.candidate import Offload
 from hetc.passes.plan.objective import Goal
 from hetc.passes.plan.search import Search
 from hetc.passes.plan.space import space_from_spec
-from hetc.spec import ScheduleKind
-from hetc.topology import Topology
-from hetc.plan import Job
+from hetc.ir.spec import ScheduleKind
+from hetc.ir.topology import Topology
+from hetc.ir.plan import Job
 from tests.plan_oracle import Exhaustive
 
 SPACE = {"schedules": (ScheduleKind.ZB, ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZORSE),

@@ -20,7 +20,7 @@ from hetc.passes.cost.profiles import dtype_class
 from hetc.passes.cost.shapes import LayerKind
 from hetc.runtime.nn import model as nn_model
 from hetc.runtime.nn.model import build_ministage, compute_dtype, float32_matmul_precision, use_matmul_precision
-from hetc.spec import DType, DeviceSpec, ModelSpec
+from hetc.ir.spec import DType, DeviceSpec, ModelSpec
 from tests.conftest import DEMO, SPECS
 from tests.costspecs import ONE_LANE, cluster, cost_model, plan_text, write_spec
 

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from hetc.cli import main
-from hetc.errors import SpecError
+from hetc.ir.errors import SpecError
 from hetc.runtime.data import DataError, Windows, make_data_source, make_eval_source
-from hetc.spec import DataKind, DataSpec, ModelSpec, TokenDType, TrainSpec
-from hetc.tokenfile import HETC_OFFSET, Layout, inspect_tokens
+from hetc.ir.spec import DataKind, DataSpec, ModelSpec, TokenDType, TrainSpec
+from hetc.ir.tokenfile import HETC_OFFSET, Layout, inspect_tokens
 from tests.conftest import DEMO
 
 EOS = "<|endoftext|>"
@@ -321,7 +321,7 @@ def test_parquet_without_pyarrow_says_what_to_install(tokenizer_dir, tmp_path, c
 
 
 def test_megatron_files_hetc_cannot_read_as_one_stream_are_refused(prepared, tmp_path):
-    from hetc.tokenfile import TokenFileError
+    from hetc.ir.tokenfile import TokenFileError
 
     idx = prepared["megatron"].with_name("c.idx").read_bytes()
     shutil.copy(prepared["megatron"].with_name("c.bin"), tmp_path / "m.bin")

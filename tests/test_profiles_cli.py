@@ -17,8 +17,8 @@ import pytest
 from hetc.cli import main
 from hetc.passes.cost.sources.hetc_profile import FORMAT, VERSION
 from hetc.plandir import PROFILE_ENV, PROFILES_FILE, fingerprint
-from hetc.timeline import Timeline
-from hetc.units import to_base
+from hetc.ir.timeline import Timeline
+from hetc.ir.units import to_base
 from hetc.viz.page import _format_seconds
 from tests.conftest import DEMO
 

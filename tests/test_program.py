@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hetc.program import (INSTR_TYPES, AllGather, AllReduce, AllToAll, Backward, BackwardInput,
+from hetc.ir.program import (INSTR_TYPES, AllGather, AllReduce, AllToAll, Backward, BackwardInput,
                           BackwardWeight, Forward, Free, Group, Load, Offload, Prefetch, Program,
                           ProgramFormatError, RankProgram, Recv, ReduceScatter, Send, Shard, Step, Tensor,
                           Unit, Wait, instr_from_json, parse_instr)

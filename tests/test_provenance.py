@@ -7,7 +7,8 @@ import json
 import pytest
 
 from hetc.cli import main
-from hetc.passes.cost import ProfileError, load_profiles
+from hetc.passes.cost import ProfileError
+from hetc.passes.cost.sources import load_profiles
 from hetc.passes.cost.sources.hetc_profile import FORMAT, VERSION, profile_from_dict
 from hetc.passes.cost.shapes import LayerKind
 from hetc.passes.cost.params import block_params

@@ -14,7 +14,7 @@ import pytest
 
 from hetc.cli import main as hetc_main
 from hetc.compiler import load_checked
-from hetc.errors import UsageError
+from hetc.ir.errors import UsageError
 from hetc.plandir import read_plan
 from hetc.runtime.inject import LinkSlowdown, Slowdown, compute_factor, link_factor, parse_injection
 from hetc.runtime.links import MessageLog, border_rates, border_seconds, link_transits

@@ -12,7 +12,7 @@ from hetc.runtime.data import make_data_source
 from hetc.runtime.nn.model import build_ministage
 from hetc.runtime.optim import lr_at
 from hetc.runtime.reference import train_reference
-from hetc.spec import DType, LrScheduleKind, LrScheduleSpec, ModelSpec, OptimizerSpec, TrainSpec
+from hetc.ir.spec import DType, LrScheduleKind, LrScheduleSpec, ModelSpec, OptimizerSpec, TrainSpec
 from tests.conftest import DEMO
 
 MODEL = ModelSpec(layers=2, hidden=32, heads=4, kv_heads=2, ffn=48, vocab=64, seq=16, dtype=DType.FP32,

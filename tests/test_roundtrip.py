@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hetc.frontend.convert import FieldInfo, fields_of, to_spec
-from hetc.errors import Span
+from hetc.ir.errors import Span
 from hetc.frontend.printer import format_file, format_spec
-from hetc.spec import AUTO, LayerRange, Node, RankSlice, Routing, RoutingKind, Spec
+from hetc.ir.spec import AUTO, LayerRange, Node, RankSlice, Routing, RoutingKind, Spec
 from hetc.frontend.syntax import parse_text
 
 _KEYWORDS = {"auto", "use"}

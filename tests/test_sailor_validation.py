@@ -14,7 +14,7 @@ import pytest
 
 from hetc.importers.sailor import explain_plan, imported_plan
 from hetc.passes.build import build
-from hetc.passes.cost import load_profiles
+from hetc.passes.cost.sources import load_profiles
 from tests.conftest import SHARED_DATA
 
 SAILOR = SHARED_DATA / "sailor"

@@ -13,7 +13,7 @@ from hetc.passes.plan.planner import plan_spec
 from hetc.passes.cost import CostModel
 from hetc.passes.cost.cores import Computing, busy_share, core_slowdown, rank_slowdowns
 from hetc.passes.cost.sources.hetc_profile import FORMAT, VERSION, profile_from_dict
-from hetc.spec import ScheduleKind
+from hetc.ir.spec import ScheduleKind
 from tests.conftest import DEMO
 
 

@@ -145,13 +145,13 @@ def test_ctrl_c_in_the_first_second_exits_130_every_time(dp2_plan, tmp_path):
 def test_a_rank_of_local_runs_with_its_launchers_options(dp2_plan, monkeypatch):
     """Issue 30: the ranks took a rebuilt command line, which left --heartbeat-timeout out; now they take
     the launcher's RunOptions from their environment (runtime/options.py), whatever their own argv says."""
-    from hetc.runtime import worker
+    from hetc import rank
 
     launcher = run_options(build_parser().parse_args(
         ["run", str(dp2_plan), "--local", "2", "--steps", "5", "-q", "--every", "3", "--checkpoint", "ck",
          "--resume", "--heartbeat-timeout", "20", "--stop-timeout", "7"]))
     seen: list = []
-    monkeypatch.setattr(worker, "run_worker", lambda plan_dir, opts: seen.append(opts) or 0)
+    monkeypatch.setattr(rank, "run_worker", lambda plan_dir, opts: seen.append(opts) or 0)
     monkeypatch.setenv(RUN_OPTIONS_ENV, launcher.to_json())
     assert hetc_main(["run", str(dp2_plan)]) == 0
     assert seen == [launcher] and seen[0].heartbeat_timeout_s == 20 and seen[0].grace_s == 7
@@ -193,7 +193,7 @@ def test_a_port_held_by_a_rendezvous_store_is_joined_not_refused():
 def test_a_ctrl_c_an_import_swallowed_still_stops_the_launcher_before_any_rank(monkeypatch):
     """Note [a Ctrl-C an import swallows]: the KeyboardInterrupt may die in importlib's callbacks; the launcher
     still knows, and starts no rank (the one time in ten CI's run caught it trained on for 120 s)."""
-    from hetc import interrupt
+    from hetc.ir import interrupt
     from hetc.runtime import local
 
     monkeypatch.setattr(interrupt, "_seen", False)

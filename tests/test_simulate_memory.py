@@ -10,7 +10,7 @@ import pytest
 
 from hetc.compiler import compile_spec
 from hetc.passes.verify.memory import rank_levels, rank_peaks
-from hetc.timeline import EventKind, MemorySample, Timeline
+from hetc.ir.timeline import EventKind, MemorySample, Timeline
 
 ROOT = Path(__file__).resolve().parent.parent
 PLANS = [ROOT / "specs" / "demo" / name for name in ("hetero.het", "zb.het", "zero3_offload.het", "offload_act.het")]

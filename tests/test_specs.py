@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from hetc.cli import main
-from hetc.errors import Sources
+from hetc.ir.errors import Sources
 from hetc.compiler import load_checked
 from hetc.frontend.load import parse_file
 from hetc.frontend.printer import format_file

@@ -19,7 +19,7 @@ import pytest
 
 from hetc.cli import main
 from hetc.passes.export_torch import TorchPipeline, lanes_aligned, torch_pipelines
-from hetc.spec import ScheduleKind
+from hetc.ir.spec import ScheduleKind
 from tests.conftest import DEMO
 from tests.plans import DEMO_PLANS, TEST_PLANS, compile_plan, plan_id
 

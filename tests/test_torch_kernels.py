@@ -17,7 +17,7 @@ from hetc.runtime.nn.model import build_layer
 from hetc.runtime.nn.moe import MoE
 from hetc.runtime.nn.ring_attention import RingAttention
 from hetc.runtime.optim import init_state, optimizer_step
-from hetc.spec import Arch, MoESpec, OptimizerKind, OptimizerSpec
+from hetc.ir.spec import Arch, MoESpec, OptimizerKind, OptimizerSpec
 from tests.test_model import tiny
 
 TORCH_ADAM = importlib.import_module("torch.optim.adam")   # the module; torch.optim's `adam` name is not it

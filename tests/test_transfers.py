@@ -15,8 +15,8 @@ from hetc.compiler import load_checked
 from hetc.passes.agreement import build, compare
 from hetc.passes.cost import Borders, CostModel, Engine
 from hetc.passes.cost.transfers import transfer_waits
-from hetc.program import Collective, ReduceScatter
-from hetc.spec import ScheduleKind
+from hetc.ir.program import Collective, ReduceScatter
+from hetc.ir.spec import ScheduleKind
 from tests.costspecs import cluster, plan_text, write_spec
 
 # (F, I, W) of one microbatch; a lane receiving an activation of 0.8 s and a gradient of 0.5 s

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from hetc.cli import main as hetc_main
-from hetc.outdir import MARKER
+from hetc.ir.outdir import MARKER
 from hetc.plandir import open_program, read_plan, read_program, require_verified
-from hetc.program import ProgramFormatError
+from hetc.ir.program import ProgramFormatError
 from tests.test_eval import EVAL_KEYS, eval_job
 from tests import test_gpu_failures
 

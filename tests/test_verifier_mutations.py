@@ -21,9 +21,9 @@ from hetc.passes.cost import CostModel
 from hetc.passes.lower.by_class import lower_by_class
 from hetc.passes.verify import VerifyError, verify
 from hetc.passes.verify.memory import format_bytes, rank_peaks
-from hetc.pipeline import Pipeline
-from hetc.plan import Plan
-from hetc.program import COLLECTIVE_TYPES, Forward, Program, Recv, Send, Step, Wait
+from hetc.ir.pipeline import Pipeline
+from hetc.ir.plan import Plan
+from hetc.ir.program import COLLECTIVE_TYPES, Forward, Program, Recv, Send, Step, Wait
 from tests.conftest import DEMO, ROOT
 from tests.golden.cases import GOLDEN_DIR
 from tests.plans import DEMO_PLANS, TEST_PLANS, compile_plan, plan_id

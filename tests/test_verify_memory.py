@@ -14,8 +14,8 @@ from hetc.passes.lower import lower
 from hetc.passes.validate import check_spec
 from hetc.passes.verify import VerifyError, verify
 from hetc.passes.verify.memory import _Rank, check_memory, format_bytes, group_sizes, rank_peaks
-from hetc.program import Forward, Load, Recv, Step, Tensor, Wait
-from hetc.spec import DType, ScheduleKind
+from hetc.ir.program import Forward, Load, Recv, Step, Tensor, Wait
+from hetc.ir.spec import DType, ScheduleKind
 from tests.conftest import DEMO
 from tests.plans import DEMO_PLANS, TEST_PLANS, TEST_SPECS, compile_plan, plan_id
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from hetc.program import Program, RankProgram, parse_instr
-from hetc.grid import render_grid, short_text
+from hetc.ir.program import Program, RankProgram, parse_instr
+from hetc.ir.grid import render_grid, short_text
 
 
 def _tiny_program() -> Program:
@@ -68,7 +68,7 @@ import pytest
 from hetc.cli import main as hetc_main
 from hetc.compiler import compile_spec
 from hetc.plandir import read_program
-from hetc.timeline import Event, EventKind, Flow, MemorySample, RankInfo, Stream, Timeline
+from hetc.ir.timeline import Event, EventKind, Flow, MemorySample, RankInfo, Stream, Timeline
 from hetc.viz.chrome import chrome_trace
 from hetc.viz.encode import KIND_ORDER, STREAM_ORDER, decode_text, encode_timeline, tokens_per_s
 from hetc.tools.headless import dump_dom, find_chromium, screenshot

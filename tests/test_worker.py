@@ -1,4 +1,4 @@
-"""The forked worker (Note [a forked worker] in hetc/worker.py) and the search's shares of work
+"""The forked worker (Note [a forked worker] in hetc/ir/worker.py) and the search's shares of work
 (passes/plan/shares.py): answers come from the worker's copy, in the caller's order, and whatever the
 worker fails to answer the caller computes itself."""
 
@@ -10,9 +10,9 @@ from contextlib import contextmanager
 
 import pytest
 
-import hetc.worker
+import hetc.ir.worker
 from hetc.passes.plan.shares import Shares
-from hetc.worker import Worker, WorkerLost, can_fork, forked_worker
+from hetc.ir.worker import Worker, WorkerLost, can_fork, forked_worker
 
 pytestmark = pytest.mark.skipif(not can_fork(), reason="no fork, or one core: hetc runs without a worker")
 
@@ -83,10 +83,10 @@ def test_a_worker_that_dies_is_lost_for_good():
 def test_no_worker_where_none_is_wanted_or_no_core_is_spare(monkeypatch):
     with forked_worker(Box(), wanted=False) as worker:
         assert worker is None
-    monkeypatch.setattr(hetc.worker, "spare_core", lambda: False)
+    monkeypatch.setattr(hetc.ir.worker, "spare_core", lambda: False)
     with forked_worker(Box()) as worker:
         assert worker is None
-    monkeypatch.setattr(hetc.worker, "spare_core", lambda: True)
+    monkeypatch.setattr(hetc.ir.worker, "spare_core", lambda: True)
     with forked_worker(Box()) as worker:
         assert worker is not None
 

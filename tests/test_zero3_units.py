@@ -12,7 +12,7 @@ from hetc.passes.cost import CostModel
 from hetc.passes.lower import lower
 from hetc.passes.verify import verify
 from hetc.passes.verify.memory import rank_peaks
-from hetc.program import AllGather, Free, Unit
+from hetc.ir.program import AllGather, Free, Unit
 from hetc.runtime.checkpoint import latest_checkpoint
 from tests.conftest import DEMO, REFERENCE_STEPS
 from tests.costspecs import plan_text, write_spec

@@ -3,7 +3,7 @@
 The plan's ranks run on this machine as `hetc run DIR --local --metrics`
 does (or `--measured FILE` names the metrics of a run made elsewhere, on the
 cluster itself); the median per TimeClass of the steps after the first
-(Note [time classes] in hetc/timeline.py) is set against DIR's prediction,
+(Note [time classes] in hetc/ir/timeline.py) is set against DIR's prediction,
 split the same way (hetc/viz/classgap.py).
 """
 
@@ -17,11 +17,11 @@ from pathlib import Path
 
 from hetc.viz.classgap import class_gaps, gap_table, measured_from_metrics, read_measured, worst_gap
 from hetc.commands import Subparsers
-from hetc.errors import UsageError
+from hetc.ir.errors import UsageError
 from hetc.commands.prediction import plan_prediction
 from hetc.plandir import PROFILE_ENV
 from hetc.commands.profileargs import add_profile_option
-from hetc.timeline import mean_class_times
+from hetc.ir.timeline import mean_class_times
 
 __all__ = ["register"]
 

@@ -8,7 +8,7 @@ from hetc.commands import Subparsers
 from hetc.compiler import load_checked
 from hetc.passes.cost.params import model_params
 from hetc.passes.validate import Checked
-from hetc.spec import AUTO
+from hetc.ir.spec import AUTO
 
 __all__ = ["register", "summary"]
 

@@ -22,8 +22,8 @@ from hetc.passes.verify.memory import rank_peaks
 from hetc.plandir import PROFILE_ENV, check_plan_out
 from hetc.commands.planargs import add_time_limit_option
 from hetc.commands.profileargs import add_profile_option, load_profile_args
-from hetc.program import Program
-from hetc.units import human_seconds
+from hetc.ir.program import Program
+from hetc.ir.units import human_seconds
 
 __all__ = ["print_profile_use", "register"]
 

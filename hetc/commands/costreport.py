@@ -5,8 +5,8 @@ from __future__ import annotations
 from hetc.passes.cost.estimate import Estimate, RankMemory
 from hetc.passes.cost.provenance import Provenance
 from hetc.passes.cost.utilization import Utilization
-from hetc.pipeline import Pipeline
-from hetc.units import human_bytes, human_rate, human_seconds
+from hetc.ir.pipeline import Pipeline
+from hetc.ir.units import human_bytes, human_rate, human_seconds
 
 __all__ = ["provenance_lines", "report", "utilization_text"]
 

@@ -6,8 +6,8 @@ import argparse
 from pathlib import Path
 
 from hetc.commands import Subparsers
-from hetc.errors import UsageError
-from hetc.spec import TokenDType
+from hetc.ir.errors import UsageError
+from hetc.ir.spec import TokenDType
 
 __all__ = ["register"]
 

@@ -15,11 +15,11 @@ import sys
 from pathlib import Path
 
 from hetc.commands import Subparsers
-from hetc.errors import UsageError
+from hetc.ir.errors import UsageError
 from hetc.commands.check import summary
 from hetc.compiler import load_checked
 from hetc.frontend.load import BUNDLED_SPECS
-from hetc.outdir import Legacy, OutputKind, check_output_dir, write_marker
+from hetc.ir.outdir import Legacy, OutputKind, check_output_dir, write_marker
 from hetc.plandir import LEGACY_PLAN
 
 __all__ = ["DEMO_DIR", "DEMO_PLAN", "register"]
@@ -27,7 +27,7 @@ __all__ = ["DEMO_DIR", "DEMO_PLAN", "register"]
 DEMO_DIR = BUNDLED_SPECS / "demo"
 DEMO_PLAN = "hetero"
 DEMO_FILES = ("metrics.jsonl", "trace.json", "schedule.html", "schedule.chrome.json")   # beside plan/
-# what `hetc demo` wrote before its OUT carried a marker (Note [output directories] in hetc/outdir.py)
+# what `hetc demo` wrote before its OUT carried a marker (Note [output directories] in hetc/ir/outdir.py)
 LEGACY_DEMO = Legacy(patterns=(*DEMO_FILES, *(f"plan/{p}" for p in LEGACY_PLAN.patterns)),
                      required=(*(f"plan/{r}" for r in LEGACY_PLAN.required), DEMO_FILES[0]))
 
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _claim(out: Path) -> None:
-    """Make `out` the demo's: refused unless new, empty or an earlier demo's (hetc/outdir.py); marked first,
+    """Make `out` the demo's: refused unless new, empty or an earlier demo's (hetc/ir/outdir.py); marked first,
     with the files still to come, so a demo stopped half-way can be run again into it."""
     check_output_dir(out, OutputKind.DEMO, legacy=LEGACY_DEMO)
     out.mkdir(parents=True, exist_ok=True)

@@ -34,11 +34,11 @@ def register(sub: Subparsers) -> None:
 
 
 def _hf(args: argparse.Namespace) -> int:
-    from hetc.errors import UsageError
+    from hetc.ir.errors import UsageError
     from hetc.hf.config import HfError
     from hetc.runtime.checkpoint_files import CheckpointError
     from hetc.runtime.hf_export import export_hf
-    from hetc.spec import DType
+    from hetc.ir.spec import DType
 
     if args.max_shard_size <= 0:
         raise UsageError("--max-shard-size must be positive")

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import sys
 
-from hetc.errors import SpecError
+from hetc.ir.errors import SpecError
 from hetc.passes.validate_fit import RankUse, near_capacity_warning, stage_overflows
-from hetc.plan import Plan
+from hetc.ir.plan import Plan
 
 __all__ = ["enforce_fit"]
 

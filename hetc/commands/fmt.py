@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from hetc.commands import Subparsers
-from hetc.errors import Sources
+from hetc.ir.errors import Sources
 from hetc.frontend.load import parse_file
 from hetc.frontend.printer import format_file
 

@@ -51,7 +51,7 @@ def register(sub: Subparsers) -> None:
 
 
 def _sailor(args: argparse.Namespace) -> int:
-    from hetc.errors import UsageError
+    from hetc.ir.errors import UsageError
     from hetc.importers.sailor import import_sailor, plan_model
 
     model = args.model
@@ -69,11 +69,11 @@ def _zorse(args: argparse.Namespace) -> int:
 
 
 def _hf(args: argparse.Namespace) -> int:
-    from hetc.errors import UsageError
+    from hetc.ir.errors import UsageError
     from hetc.frontend.convert import import_model
     from hetc.hf.config import HfError
     from hetc.frontend.printer import format_spec
-    from hetc.spec import Spec
+    from hetc.ir.spec import Spec
 
     directory = Path(args.directory)
     name = args.name or directory.resolve().name.replace(".", "_") or "model"

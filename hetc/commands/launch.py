@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from hetc.commands import Subparsers
-from hetc.errors import UsageError
+from hetc.ir.errors import UsageError
 from hetc.launchfiles import EMITS, IMAGE_PLACEHOLDER, Component, LaunchJob, emitted
 from hetc.runtime.local import NODE_ENV
 

@@ -15,9 +15,9 @@ from hetc.commands.planargs import add_time_limit_option
 from hetc.commands.profileargs import add_profile_option, load_profile_args
 from hetc.plandir import PROFILE_ENV
 from hetc.compiler import load_checked
-from hetc.jsontypes import JsonObject, JsonValue
+from hetc.ir.jsontypes import JsonObject, JsonValue
 from hetc.passes.validate_fit import estimate_uses
-from hetc.units import human_seconds
+from hetc.ir.units import human_seconds
 
 __all__ = ["register"]
 

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 from hetc.commands.costreport import provenance_lines, utilization_text
-from hetc.units import human_bytes, human_seconds
+from hetc.ir.units import human_bytes, human_seconds
 from hetc.passes.cost import CostModel, Profiles, RankMemory
 from hetc.passes.cost.provenance import Provenance, provenance
 from hetc.passes.cost.utilization import Utilization, utilization
-from hetc.errors import InternalError
-from hetc.jsontypes import JsonObject
+from hetc.ir.errors import InternalError
+from hetc.ir.jsontypes import JsonObject
 from hetc.passes.plan.baselines import Baseline
 from hetc.passes.cost.candidate_score import Score
 from hetc.passes.plan.planner import PlanResult
 from hetc.passes.simulated_step import AGREEMENT
-from hetc.pipeline import Pipeline, Stage
-from hetc.spec import Checkpointing, ModelSpec, Objective, OffloadSpec, OffloadTarget, RankSlice, StageSpec
+from hetc.ir.pipeline import Pipeline, Stage
+from hetc.ir.spec import Checkpointing, ModelSpec, Objective, OffloadSpec, OffloadTarget, RankSlice, StageSpec
 
 __all__ = ["plan_json", "plan_provenance", "plan_summary"]
 

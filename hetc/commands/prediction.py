@@ -12,12 +12,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from hetc.errors import UsageError
+from hetc.ir.errors import UsageError
 from hetc.commands.profileargs import load_profile_args, read_recorded, same_as_recorded, stale_profiles
 from hetc.plandir import TIMELINE_FILE, profile_paths, read_program
-from hetc.program import ProgramFormatError
-from hetc.timeline import Timeline
-from hetc.units import human_seconds
+from hetc.ir.program import ProgramFormatError
+from hetc.ir.timeline import Timeline
+from hetc.ir.units import human_seconds
 
 __all__ = ["plan_prediction"]
 
@@ -46,7 +46,7 @@ def plan_prediction(path: Path, profile_args: list[str], verb: str, note_recorde
 def _predict_again(path: Path, profile_args: list[str], verb: str) -> Timeline:
     from hetc.commands.compile import print_profile_use
     from hetc.compiler import predict
-    from hetc.errors import SpecError
+    from hetc.ir.errors import SpecError
     from hetc.passes.cost.provenance import provenance
     from hetc.plandir import read_plan
 

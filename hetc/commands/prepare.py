@@ -6,7 +6,7 @@ rows at a time (pyarrow), anything else is plain text, one document a file,
 tokenized a chunk of whole lines at a time so that no file sits whole in
 memory. Each document's ids are the tokenizer's encoding without special
 tokens (the pre-training convention of nanoGPT and Megatron), then EOS.
-Out comes the hetc layout (Note [Token file layouts] in hetc/tokenfile.py)
+Out comes the hetc layout (Note [Token file layouts] in hetc/ir/tokenfile.py)
 or, with `megatron`, a Megatron PREFIX.bin / PREFIX.idx pair, one sequence
 per document, and the sidecar PREFIX.bin.json recording what a hetc header
 would (dtype, vocabulary, tokenizer, token count), which `hetc check` holds
@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, TextIO
 
 import numpy as np
 
-from hetc.jsontypes import JsonObject, RawJson
-from hetc.spec import TokenDType
-from hetc.tokenfile import (dtype_for_vocab, fits, sidecar_path, tokenizer_digest, write_hetc_header,
+from hetc.ir.jsontypes import JsonObject, RawJson
+from hetc.ir.spec import TokenDType
+from hetc.ir.tokenfile import (dtype_for_vocab, fits, sidecar_path, tokenizer_digest, write_hetc_header,
                             write_megatron_index, write_sidecar)
 
 if TYPE_CHECKING:

@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 
 from hetc.commands import Subparsers
-from hetc.errors import UsageError
+from hetc.ir.errors import UsageError
 from hetc.passes.cost.params import block_params
 from hetc.runtime.host_load import cpu_times, steal_share
-from hetc.spec import Arch, DeviceSpec, DType, ModelSpec, Spec
+from hetc.ir.spec import Arch, DeviceSpec, DType, ModelSpec, Spec
 
 __all__ = ["ranks_at_once", "register", "run"]
 

@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hetc.errors import Span, SpecError, UsageError
+from hetc.ir.errors import Span, SpecError, UsageError
 from hetc.plandir import PROFILE_ENV, PROFILES_FILE, RecordedProfile, fingerprint, profile_paths
 
 if TYPE_CHECKING:
@@ -38,7 +38,8 @@ def add_profile_option(p: argparse.ArgumentParser) -> None:
 def load_profile_args(paths: list[str]) -> Profiles:
     """The Profiles of `profile_paths(paths)`; a SpecError located at the file whose content is wrong, or a
     UsageError naming the file or folder that cannot be read."""
-    from hetc.passes.cost import ProfileError, load_profiles
+    from hetc.passes.cost import ProfileError
+    from hetc.passes.cost.sources import load_profiles
 
     try:
         wanted: list[str | Path] = [*profile_paths(paths)]

@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 
 from hetc.commands import Subparsers
-from hetc.errors import UsageError
+from hetc.ir.errors import UsageError
 from hetc.passes.validate_runtime import require_trainable_dtype
 from hetc.passes.verify import VerifyError
-from hetc.program import ProgramFormatError
+from hetc.ir.program import ProgramFormatError
 from hetc.runtime.inject import parse_injection
 from hetc.runtime.local import LAUNCHER_ENV
 from hetc.runtime.options import RUN_OPTIONS_ENV, NonFinite, RunOptions
@@ -219,13 +219,14 @@ def _rank(args: argparse.Namespace) -> int:
     from hetc.runtime.data import DataError
     from hetc.runtime.placement import ClusterMismatch
     from hetc.runtime.checkpoint_lock import CheckpointBusy
-    from hetc.runtime.worker import CommTimeout, DeviceOutOfMemory, EnvError, PeerFailure, describe_latest, run_worker
+    from hetc.rank import run_worker
+    from hetc.runtime.worker import CommTimeout, DeviceOutOfMemory, EnvError, PeerFailure, describe_latest
 
     # a rank of `--local` runs with its launcher's options (runtime/options.py), not with its own command line
     opts = RunOptions.from_json(os.environ[RUN_OPTIONS_ENV]) if RUN_OPTIONS_ENV in os.environ else run_options(args)
     try:
         if args.elastic:
-            from hetc.runtime.elastic import run_elastic
+            from hetc.elastic import run_elastic
 
             return run_elastic(args.dir, opts)
         return run_worker(args.dir, opts)

@@ -7,11 +7,11 @@ import sys
 from pathlib import Path
 
 from hetc.commands import Subparsers
-from hetc.errors import UsageError
-from hetc.outdir import edited_files
+from hetc.ir.errors import UsageError
+from hetc.ir.outdir import edited_files
 from hetc.passes.verify import Backend, VerifyError, plan_backend
 from hetc.plandir import read_plan, read_program, verify_and_record
-from hetc.program import ProgramFormatError
+from hetc.ir.program import ProgramFormatError
 
 __all__ = ["register"]
 
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         recorded = verify_and_record(args.dir, program, checked, backend)
     except VerifyError as err:
         print(err.render(), file=sys.stderr)
-        if edited := edited_files(args.dir):   # the sha256 compile recorded (hetc/outdir.py)
+        if edited := edited_files(args.dir):   # the sha256 compile recorded (hetc/ir/outdir.py)
             print(f"note: changed since `hetc compile` wrote them: {', '.join(edited)}", file=sys.stderr)
         return 2
     print(f"{args.dir}: ok: {program.world_size} ranks, {sum(len(r.instrs) for r in program.ranks)} "

@@ -9,13 +9,13 @@ from pathlib import Path
 
 from hetc.viz.classgap import ClassGap, class_gaps, gap_table, read_measured
 from hetc.commands import Subparsers
-from hetc.errors import UsageError
+from hetc.ir.errors import UsageError
 from hetc.plandir import TIMELINE_FILE, read_program
 from hetc.commands.prediction import plan_prediction
 from hetc.plandir import PROFILE_ENV
 from hetc.commands.profileargs import add_profile_option
-from hetc.program import ProgramFormatError
-from hetc.timeline import Timeline, mean_class_times
+from hetc.ir.program import ProgramFormatError
+from hetc.ir.timeline import Timeline, mean_class_times
 
 __all__ = ["parse_ranks", "read_timeline", "register"]
 
@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_grid(path: Path, ranks: str | None) -> None:
-    from hetc.grid import render_grid
+    from hetc.ir.grid import render_grid
     try:
         program = read_program(path)
     except (ProgramFormatError, FileNotFoundError) as err:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from hetc.errors import Span
+from hetc.ir.errors import Span
 from hetc.frontend.tree import Block, Comment, Item
 
 __all__ = ["RawComment", "scan_comments", "weave_comments"]

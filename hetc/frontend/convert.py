@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from hetc.frontend import syntax
-from hetc.errors import NO_SPAN, Diagnostic, Span, SpecError, did_you_mean
+from hetc.ir.errors import NO_SPAN, Diagnostic, Span, SpecError, did_you_mean
 from hetc.frontend.schema import FieldInfo, fields_of, normalize_key
 from hetc.hf.config import CONFIG_FILE, TRAINING_FIELDS, HfError, Preset, model_preset, read_config
-from hetc.spec import ModelSpec, Node, Spec, declared_path
+from hetc.ir.spec import ModelSpec, Node, Spec, declared_path
 from hetc.frontend.values import ValueConverter, is_enum, words
 
 __all__ = ["Converter", "FieldInfo", "fields_of", "import_model", "normalize_key", "to_spec"]

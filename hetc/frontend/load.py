@@ -14,8 +14,8 @@ from pathlib import Path
 
 from hetc.frontend import syntax
 from hetc.frontend.convert import to_spec
-from hetc.errors import MAX_SOURCE_BYTES, Diagnostic, Sources, Span, SpecError, did_you_mean
-from hetc.spec import ParallelSpec, Spec
+from hetc.ir.errors import MAX_SOURCE_BYTES, Diagnostic, Sources, Span, SpecError, did_you_mean
+from hetc.ir.spec import ParallelSpec, Spec
 
 __all__ = ["BUNDLED_SPECS", "MAX_FILE_BYTES", "LoadedSpec", "load_spec", "parse_file", "read_spec_bytes",
            "with_plan_to_fill"]

@@ -16,10 +16,10 @@ from enum import StrEnum
 from typing import Any
 
 from hetc.frontend import syntax
-from hetc.errors import NO_SPAN
+from hetc.ir.errors import NO_SPAN
 from hetc.frontend.schema import FieldInfo, fields_of
-from hetc.spec import AUTO, LayerRange, Node, RankSlice, Routing, RoutingKind, Spec
-from hetc.units import format_quantity
+from hetc.ir.spec import AUTO, LayerRange, Node, RankSlice, Routing, RoutingKind, Spec
+from hetc.ir.units import format_quantity
 
 __all__ = ["format_file", "format_items", "format_spec", "spec_to_items"]
 

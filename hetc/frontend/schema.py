@@ -1,6 +1,6 @@
 """The language schema: each Spec field's type taken apart, with its metadata.
 
-`hetc.spec.param` attaches the metadata, a `FieldMeta` (key aliases, unit,
+`hetc.ir.spec.param` attaches the metadata, a `FieldMeta` (key aliases, unit,
 bounds, block kind, doc); this module reads it back per dataclass for the
 converter, the printer and the documentation generator.
 """
@@ -13,7 +13,7 @@ import types
 import typing
 from typing import Any
 
-from hetc.spec import SCHEMA_KEY, Auto, FieldMeta
+from hetc.ir.spec import SCHEMA_KEY, Auto, FieldMeta
 
 __all__ = ["FieldInfo", "fields_of", "normalize_key"]
 

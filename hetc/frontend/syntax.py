@@ -20,7 +20,7 @@ from lark.tree import Meta
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
 from hetc.frontend.comments import scan_comments, weave_comments
-from hetc.errors import Diagnostic, InternalError, Span, SpecError
+from hetc.ir.errors import Diagnostic, InternalError, Span, SpecError
 from hetc.grammar import GRAMMAR_PATH
 from hetc.frontend.tree import (Attr, Auto, Block, Comment, File, Index, Item, LayerRange, ListValue, Number,
                               RankRef, String, Use, Value, Word)

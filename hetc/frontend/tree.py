@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hetc.errors import Span
+from hetc.ir.errors import Span
 
 __all__ = [
     "Attr", "Auto", "Block", "Comment", "File", "Index", "Item", "LayerRange", "ListValue", "Number",

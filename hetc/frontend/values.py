@@ -14,10 +14,10 @@ from enum import StrEnum
 from typing import Any, TypeGuard, TypeVar
 
 from hetc.frontend import syntax
-from hetc.errors import Diagnostic, Span, did_you_mean
+from hetc.ir.errors import Diagnostic, Span, did_you_mean
 from hetc.frontend.schema import FieldInfo, fields_of
-from hetc.spec import AUTO, ENUM_ALIASES, Auto, FieldMeta, LayerRange, Node, RankSlice, Routing, RoutingKind
-from hetc.units import UNITS, Dim, to_base, units_of
+from hetc.ir.spec import AUTO, ENUM_ALIASES, Auto, FieldMeta, LayerRange, Node, RankSlice, Routing, RoutingKind
+from hetc.ir.units import UNITS, Dim, to_base, units_of
 
 __all__ = ["ValueConverter", "is_enum", "words"]
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hetc.errors import Span
-from hetc.spec import Arch, DType, RopeScalingKind, RopeScalingSpec
+from hetc.ir.errors import Span
+from hetc.ir.spec import Arch, DType, RopeScalingKind, RopeScalingSpec
 
 __all__ = ["CONFIG_FILE", "SUPPORTED", "TRAINING_FIELDS", "HfError", "Preset", "model_preset",
            "read_config"]

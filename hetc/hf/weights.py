@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hetc.hf.config import HfError
-from hetc.spec import InitKind, ModelSpec
+from hetc.ir.spec import InitKind, ModelSpec
 
 if TYPE_CHECKING:
     import torch
 
-    from hetc.spec import ModelSpec
+    from hetc.ir.spec import ModelSpec
 
 __all__ = ["INDEX_FILE", "SINGLE_FILE", "WeightReader", "expected_shapes", "has_weights", "header_shapes",
            "hf_has_weights", "model_weight_problems", "pretrained_dir", "wants_pretrained", "weight_map", "weight_problems"]

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hetc.errors import UsageError
+from hetc.ir.errors import UsageError
 from hetc.frontend.load import BUNDLED_SPECS, load_spec
 from hetc.frontend.printer import format_spec
-from hetc.spec import DeviceSpec, IntraLinkSpec, LayerRange, ModelSpec, NodeSpec, RankSlice, Spec
+from hetc.ir.spec import DeviceSpec, IntraLinkSpec, LayerRange, ModelSpec, NodeSpec, RankSlice, Spec
 
 __all__ = [
     "NodeBook",

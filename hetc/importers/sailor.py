@@ -20,19 +20,19 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hetc.errors import InternalError, UsageError
+from hetc.ir.errors import InternalError, UsageError
 from hetc.importers.common import (NodeBook, catalog_devices, gpu_slice, layer_range, read_input_json, render,
                                    require_dir)
-from hetc.jsontypes import RawJson
+from hetc.ir.jsontypes import RawJson
 from hetc.passes.cost import Estimate
 from hetc.passes.cost.profiles import NetworkFits, ProfileError, Profiles
 from hetc.passes.cost.sources.devices import catalog_name
 from hetc.passes.cost.sources.sailor_data import SailorModel, read_json, read_models, read_sailor
-from hetc.spec import (AUTO, ClusterSpec, DType, IntraLinkSpec, LinkSpec, ModelSpec, OptimizerSpec,
+from hetc.ir.spec import (AUTO, ClusterSpec, DType, IntraLinkSpec, LinkSpec, ModelSpec, OptimizerSpec,
                        ParallelSpec, RankSlice, Routing, ScheduleKind, Spec, StageSpec, TrainSpec, ZeroSpec)
 
 if TYPE_CHECKING:   # the loader and validator are imported where a plan is loaded, as hetc.compiler is
-    from hetc.plan import Plan
+    from hetc.ir.plan import Plan
 
 __all__ = ["explain_plan", "import_sailor", "imported_plan", "plan_model"]
 

@@ -24,12 +24,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-from hetc.errors import UsageError
+from hetc.ir.errors import UsageError
 from hetc.importers.common import catalog_devices, read_input_json, render, require_dir
-from hetc.jsontypes import RawJson
+from hetc.ir.jsontypes import RawJson
 from hetc.passes.cost.sources.devices import catalog_name
 from hetc.passes.cost.sources.zorse_data import DTYPES, STATS
-from hetc.spec import (AUTO, Arch, ClusterSpec, DType, IntraLinkSpec, LayerRange, LinkSpec, ModelSpec,
+from hetc.ir.spec import (AUTO, Arch, ClusterSpec, DType, IntraLinkSpec, LayerRange, LinkSpec, ModelSpec,
                        NodeSpec, OffloadSpec, OffloadTarget, ParallelSpec, RankSlice, Routing, RoutingKind,
                        ScheduleKind, Spec, StageSpec, TrainSpec, ZeroSpec)
 

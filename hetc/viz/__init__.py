@@ -4,7 +4,7 @@
 - `hetc.viz.chrome`: the Trace Event format for Perfetto / chrome://tracing.
 - `hetc.viz.classgap`: predicted against measured, one time class at a time.
 
-The terminal grid (`render_grid`) is `hetc.grid`, beside the program it
+The terminal grid (`render_grid`) is `hetc.ir.grid`, beside the program it
 draws: the verifier prints it around an error and must not import the
 visualizer (or pay for jinja2).
 """

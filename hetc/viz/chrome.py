@@ -15,8 +15,8 @@ import json
 from collections import defaultdict
 from collections.abc import Sequence
 
-from hetc.jsontypes import JsonObject
-from hetc.timeline import Event, Stream, Timeline
+from hetc.ir.jsontypes import JsonObject
+from hetc.ir.timeline import Event, Stream, Timeline
 
 __all__ = ["chrome_trace", "chrome_trace_json"]
 

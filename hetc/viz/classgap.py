@@ -1,6 +1,6 @@
 """Predicted against measured, one TimeClass at a time: `hetc viz --compare` and `hetc calibrate`.
 
-Both sides are split by Note [time classes] (hetc/timeline.py) and averaged
+Both sides are split by Note [time classes] (hetc/ir/timeline.py) and averaged
 over ranks, so a gap names the term of the cost model that is off: compute
 (layer times), communication wait (links, and the schedule's waits),
 optimizer or offload (host copies).
@@ -13,9 +13,9 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from hetc.errors import UsageError
-from hetc.jsontypes import JsonObject
-from hetc.timeline import TimeClass, mean_class_times
+from hetc.ir.errors import UsageError
+from hetc.ir.jsontypes import JsonObject
+from hetc.ir.timeline import TimeClass, mean_class_times
 
 __all__ = ["ClassGap", "class_gaps", "gap_table", "measured_from_metrics", "read_measured", "worst_gap"]
 

@@ -21,8 +21,8 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from hetc.jsontypes import JsonObject
-from hetc.timeline import EventKind, MemorySample, RankInfo, Stream, Timeline, Event
+from hetc.ir.jsontypes import JsonObject
+from hetc.ir.timeline import EventKind, MemorySample, RankInfo, Stream, Timeline, Event
 
 __all__ = [
     "KIND_ORDER",

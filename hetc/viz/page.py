@@ -16,9 +16,9 @@ from importlib import resources
 import jinja2
 import markupsafe
 
-from hetc.jsontypes import JsonObject
+from hetc.ir.jsontypes import JsonObject
 from hetc.viz.classgap import ClassGap
-from hetc.timeline import EventKind, Timeline
+from hetc.ir.timeline import EventKind, Timeline
 from hetc.viz.encode import KIND_ORDER, STREAM_ORDER, encode_timeline, stage_summaries, tokens_per_s
 
 __all__ = ["KIND_COLORS", "LEGEND", "render_page"]

@@ -70,9 +70,9 @@ from hetc.passes.cost.schedule import round_trip_span
 from hetc.passes.cost.zero_time import across_nodes
 from hetc.passes.cost.plan_time import stage_units
 from hetc.passes.cost.zero_units import in_run_order
-from hetc.pipeline import Lane, Stage
-from hetc.program import COMPUTE_TYPES, Backward, BackwardWeight, Collective, Forward, Phase, Program, Unit
-from hetc.spec import ScheduleKind, ZeroShard
+from hetc.ir.pipeline import Lane, Stage
+from hetc.ir.program import COMPUTE_TYPES, Backward, BackwardWeight, Collective, Forward, Phase, Program, Unit
+from hetc.ir.spec import ScheduleKind, ZeroShard
 
 __all__ = ["StepBound", "programs_forwards_first", "programs_in_flight", "step_bound"]
 

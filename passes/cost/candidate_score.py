@@ -20,7 +20,7 @@ from hetc.passes.cost.probe import Primitives
 from hetc.passes.cost.egress import egress_per_step
 from hetc.passes.cost.candidate_stage import StageCosts
 from hetc.passes.cost.candidate_view import PlanView
-from hetc.program import Collective
+from hetc.ir.program import Collective
 
 __all__ = ["Score", "evaluate"]
 

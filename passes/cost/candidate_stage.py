@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from hetc.memo import cached_property
+from hetc.ir.memo import cached_property
 from hetc.passes.cost.candidate_view import PlanView, StageContext, StageView
 from hetc.passes.cost.cores import Computing, busy_share
 from hetc.passes.cost.params import tied_copy_params
@@ -28,8 +28,8 @@ from hetc.passes.cost.zero_units import gathers_per_block, ministage_units
 from hetc.passes.cost.shapes import LayerKind
 from hetc.passes.cost.transfers import Borders
 from hetc.passes.cost.probe import Primitives
-from hetc.spec import ScheduleKind, ZeroShard, ZeroSpec
-from hetc.topology import Gpu
+from hetc.ir.spec import ScheduleKind, ZeroShard, ZeroSpec
+from hetc.ir.topology import Gpu
 
 __all__ = ["StageCosts", "unit_lane_times"]
 

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Protocol
 
-from hetc.memo import cached_property
+from hetc.ir.memo import cached_property
 from hetc.passes.cost.links import groups_at_once
 from hetc.passes.cost.plan_time import peer_lanes
-from hetc.pipeline import route_microbatches
-from hetc.spec import Checkpointing, OffloadSpec, ScheduleKind, ZeroShard, ZeroSpec
-from hetc.topology import Gpu
+from hetc.ir.pipeline import route_microbatches
+from hetc.ir.spec import Checkpointing, OffloadSpec, ScheduleKind, ZeroShard, ZeroSpec
+from hetc.ir.topology import Gpu
 
 __all__ = ["OffloadChoice", "PlanView", "ResolvedStage", "StageConfig", "StageContext", "StageView"]
 

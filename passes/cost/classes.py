@@ -27,7 +27,7 @@ from hetc.passes.cost.schedule import (Grouping, LaneTiming, Unit, UnitOp, even_
                                       step_lower_bound, zero_cycle)
 from hetc.passes.cost.transfers import Borders, Engine, transfer_waits
 from hetc.passes.cost.zero_time import gathers_per_microbatch
-from hetc.spec import ScheduleKind, ZeroSpec
+from hetc.ir.spec import ScheduleKind, ZeroSpec
 
 __all__ = ["ClassEstimate", "PlanShape", "PlanTime", "StageSource", "StepShape", "compose_step", "coupled_stages",
            "evaluate_classes", "flush_tail", "lane_timing", "lane_timings", "throughput", "tokens_per_step", "zorse_units"]

@@ -25,8 +25,8 @@ from functools import lru_cache
 from hetc.passes.cost.profiles import ComputeTable, Profiles, dtype_class
 from hetc.passes.cost.shapes import LayerKind, layer_flops
 from hetc.passes.cost.params import block_params
-from hetc.program import Phase
-from hetc.spec import DTYPE_BYTES, DeviceSpec, ModelSpec
+from hetc.ir.program import Phase
+from hetc.ir.spec import DTYPE_BYTES, DeviceSpec, ModelSpec
 
 __all__ = ["ComputeModel", "CostError", "LayerCost", "LayerTime", "dtype_class"]
 
@@ -196,7 +196,7 @@ class ComputeModel:
             bw = spec.memory_bandwidth or DEFAULT_MEMORY_BANDWIDTH
             return LayerTime(moved / bw, moved / bw, False, "arithmetic")
         if rate <= 0:
-            # a peak for other dtypes does not time this one (Note [Precision that runs] in hetc/spec.py)
+            # a peak for other dtypes does not time this one (Note [Precision that runs] in hetc/ir/spec.py)
             others = " (a dtype it does not list runs at its fp32 peak, which it lacks too)" \
                 if spec.peak.listed() else ""
             raise CostError(f"device kind '{device}' declares no peak FLOP/s for {self.model.dtype.value}{others} "

@@ -88,8 +88,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from hetc.spec import ScheduleKind
-from hetc.topology import Gpu
+from hetc.ir.spec import ScheduleKind
+from hetc.ir.topology import Gpu
 
 __all__ = ["BlockingCall", "Computing", "CoreWait", "busy_share", "core_slowdown", "host_waits", "oversubscribed",
            "rank_slowdowns"]

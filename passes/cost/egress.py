@@ -12,7 +12,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from hetc.passes.cost.traffic import zero_bytes
-from hetc.topology import Gpu
+from hetc.ir.topology import Gpu
 from hetc.passes.cost.probe import Primitives
 from hetc.passes.cost.candidate_view import PlanView
 

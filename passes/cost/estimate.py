@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING
 
 from dataclasses import asdict, dataclass, replace
 
-from hetc.jsontypes import JsonObject
-from hetc.layout import replication
+from hetc.ir.jsontypes import JsonObject
+from hetc.ir.layout import replication
 from hetc.passes.cost import traffic
 from hetc.passes.cost.experts import ep_comm_time, ep_group, expert_group
 from hetc.passes.cost.classes import PlanTime, throughput, tokens_per_step
@@ -19,9 +19,9 @@ from hetc.passes.cost.schedule import LaneTiming
 from hetc.passes.cost.shapes import LayerKind, layer_kind
 from hetc.passes.cost.transfers import Engine
 from hetc.passes.cost.utilization import Utilization, flop_counts, utilization
-from hetc.pipeline import Stage
-from hetc.program import Collective
-from hetc.spec import MoESpec, ScheduleKind
+from hetc.ir.pipeline import Stage
+from hetc.ir.program import Collective
+from hetc.ir.spec import MoESpec, ScheduleKind
 
 if TYPE_CHECKING:     # the cost model imports this module
     from hetc.passes.cost.model import CostModel

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hetc.passes.cost.memory import ShardFactors, shard_factors
-from hetc.program import Collective
+from hetc.ir.program import Collective
 
 if TYPE_CHECKING:     # the cost model imports this module
     from hetc.passes.cost.model import CostModel

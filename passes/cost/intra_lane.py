@@ -1,6 +1,6 @@
 """Which intra-lane layouts a lane of GPUs can take: the planner's hook for TP and CP degrees.
 
-A lane's tp × cp ranks are ordered cp-major (hetc/pipeline.py): each run of
+A lane's tp × cp ranks are ordered cp-major (hetc/ir/pipeline.py): each run of
 `tp` consecutive GPUs is one TP group. TP's all-reduces sit on the critical
 path of every block (4·δbSH per layer, survey II.II) and cannot be hidden,
 so TP pays only inside a fast domain (II.IV: "TP never leaves a node");
@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hetc.layout import layout_problem
-from hetc.spec import CPKind, ModelSpec
-from hetc.topology import Gpu, Topology
+from hetc.ir.layout import layout_problem
+from hetc.ir.spec import CPKind, ModelSpec
+from hetc.ir.topology import Gpu, Topology
 
 __all__ = ["LaneLayout", "lane_layouts", "tp_degrees"]
 

@@ -50,7 +50,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from hetc.program import Collective
+from hetc.ir.program import Collective
 
 __all__ = ["NodeSplit", "groups_at_once", "hierarchical_time", "node_split"]
 

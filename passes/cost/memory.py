@@ -25,8 +25,8 @@ from functools import lru_cache
 from itertools import accumulate
 
 from hetc.passes.cost.schedule import Grouping
-from hetc.spec import DTYPE_BYTES, ModelSpec, OffloadSpec, OffloadTarget, ScheduleKind, ZeroSpec
-from hetc.topology import Gpu
+from hetc.ir.spec import DTYPE_BYTES, ModelSpec, OffloadSpec, OffloadTarget, ScheduleKind, ZeroSpec
+from hetc.ir.topology import Gpu
 
 __all__ = [
     "GRAD_BUCKET_PARAMS",

@@ -13,8 +13,8 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from hetc.memo import cached_property
-from hetc.layout import held_fraction
+from hetc.ir.memo import cached_property
+from hetc.ir.layout import held_fraction
 from hetc.passes.cost.compute import DEFAULT_MEMORY_BANDWIDTH, ComputeModel, LayerCost
 from hetc.passes.cost.cores import BlockingCall, Computing, busy_share, host_waits, rank_slowdowns
 from hetc.passes.cost.experts import ep_comm_time
@@ -33,11 +33,11 @@ from hetc.passes.cost.shapes import (LayerFlops, LayerKind, activation_elements,
                                     params_per_rank)
 from hetc.passes.cost.schedule import Grouping
 from hetc.passes.cost.transfers import Engine
-from hetc.pipeline import Ministage, Pipeline, Stage
-from hetc.plan import Plan
-from hetc.program import Collective, Phase, Unit
-from hetc.spec import (DTYPE_BYTES, Arch, Checkpointing, CPKind, DeviceSpec, ModelSpec, OffloadTarget, ZeroShard)
-from hetc.topology import Gpu
+from hetc.ir.pipeline import Ministage, Pipeline, Stage
+from hetc.ir.plan import Plan
+from hetc.ir.program import Collective, Phase, Unit
+from hetc.ir.spec import (DTYPE_BYTES, Arch, Checkpointing, CPKind, DeviceSpec, ModelSpec, OffloadTarget, ZeroShard)
+from hetc.ir.topology import Gpu
 
 if TYPE_CHECKING:     # they import this module
     from hetc.passes.cost.classes import ClassEstimate
@@ -168,7 +168,7 @@ class CostModel:
 
     def zero_group(self, rank: int) -> tuple[int, ...]:
         """Ranks holding the same parameters: this rank's tp slice in every lane and cp rank of the stage
-        (the DP/ZeRO group; Megatron's dp × cp group, Note [rank geometry] in hetc/geometry.py)."""
+        (the DP/ZeRO group; Megatron's dp × cp group, Note [rank geometry] in hetc/ir/geometry.py)."""
         return self.geometry.replicas(self.geometry.place(rank))
 
     def node_group(self, rank: int) -> tuple[int, ...]:
@@ -197,7 +197,7 @@ class CostModel:
         return got
 
     def unit_param_bytes(self, unit: Unit, rank: int) -> float:
-        """The full parameters of one ZeRO-3 unit (Note [units] in hetc/program.py)."""
+        """The full parameters of one ZeRO-3 unit (Note [units] in hetc/ir/program.py)."""
         return self.layers_numel(unit.layers, rank) * self.states.params
 
     def unit_grad_bytes(self, unit: Unit, rank: int) -> float:
@@ -242,7 +242,7 @@ class CostModel:
     @cached_property
     def tied_bytes(self) -> float:
         """The gradient of a tied embedding's copy, V·H·δ: what `all_reduce tied` sums (Note [tied gradients]
-        in hetc/program.py); every rank holding a copy reduces it whole."""
+        in hetc/ir/program.py); every rank holding a copy reduces it whole."""
         return float(self.model.vocab * self.model.hidden * self.delta)
 
     @cached_property
@@ -258,7 +258,7 @@ class CostModel:
         return float(self.pipeline.micro_batch * self.model.seq * self.model.hidden * self.delta)
 
     def held_boundary_bytes(self, ms: int, stage: Stage) -> float:
-        """What one rank of `stage` holds of the activation leaving `ms` (its tokens, hetc/layout.py)."""
+        """What one rank of `stage` holds of the activation leaving `ms` (its tokens, hetc/ir/layout.py)."""
         return self.boundary_bytes(ms) * held_fraction(stage)
 
     def boundary_bytes(self, ms: int) -> float:
@@ -284,7 +284,7 @@ class CostModel:
 
     def compute_time(self, rank: int, ms: int, phase: Phase, unit: Unit | None = None) -> float:
         """One microbatch through ministage `ms` on `rank` (through its layers `unit` only, when given: a
-        ZeRO-3 unit, Note [units] in hetc/program.py): F, B = I + W, I (input-grad), W (weight-grad)."""
+        ZeRO-3 unit, Note [units] in hetc/ir/program.py): F, B = I + W, I (input-grad), W (weight-grad)."""
         key = (rank, ms, phase, unit)
         got = self._compute_times.get(key)
         if got is None:

@@ -20,7 +20,7 @@ from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Protocol
 
-from hetc.program import Collective
+from hetc.ir.program import Collective
 
 __all__ = [
     "COLLECTIVES",

@@ -6,7 +6,7 @@ checks it), so memory predictions and ZeRO shard sizes agree with what runs.
 
 from __future__ import annotations
 
-from hetc.spec import Arch, ModelSpec
+from hetc.ir.spec import Arch, ModelSpec
 
 __all__ = ["block_params", "expert_params", "layer_params", "model_params", "stage_params", "tied_copy_params"]
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from collections.abc import Sequence
 
-from hetc.memo import cached_property
+from hetc.ir.memo import cached_property
 from hetc.passes.cost import plan_time as pt
 from hetc.passes.cost.classes import ClassEstimate, PlanShape, evaluate_classes
 from hetc.passes.cost.experts import sharded_numel
@@ -21,9 +21,9 @@ from hetc.passes.cost.memory import (RankMemory, StatesHeld, activation_memory, 
                                     state_memory, zorse_backward_peak)
 from hetc.passes.cost.schedule import Grouping, Unit, UnitOp
 from hetc.passes.cost.transfers import Borders
-from hetc.pipeline import Lane, Pipeline, Stage
-from hetc.program import Collective, Phase
-from hetc.spec import OffloadTarget, ZeroSpec
+from hetc.ir.pipeline import Lane, Pipeline, Stage
+from hetc.ir.program import Collective, Phase
+from hetc.ir.spec import OffloadTarget, ZeroSpec
 
 if TYPE_CHECKING:     # the cost model imports this module
     from hetc.passes.cost.model import CostModel

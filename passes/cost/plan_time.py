@@ -23,10 +23,10 @@ from hetc.passes.cost.transfers import Borders
 from hetc.passes.cost.zero_time import (ZeroRings, across_nodes, fetch_time, first_gather_time, flush_time,
                                        optimizer_step_time, piece_collectives, sync_time, zero_collectives)
 from hetc.passes.cost.zero_units import gathers_per_block, ministage_units
-from hetc.pipeline import Lane, Stage
-from hetc.program import Phase
-from hetc.program import Unit as GatherUnit
-from hetc.spec import OffloadTarget, ZeroShard
+from hetc.ir.pipeline import Lane, Stage
+from hetc.ir.program import Phase
+from hetc.ir.program import Unit as GatherUnit
+from hetc.ir.spec import OffloadTarget, ZeroShard
 
 if TYPE_CHECKING:     # the cost model imports this module
     from hetc.passes.cost.model import CostModel

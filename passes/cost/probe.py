@@ -20,12 +20,12 @@ from hetc.passes.cost.cores import Computing, rank_slowdowns
 from hetc.passes.cost.memory import context_reserve, state_bytes_per_param
 from hetc.passes.cost.model import optimizer_seconds
 from hetc.passes.cost.shapes import LayerKind, activation_elements, params_per_rank
-from hetc.pipeline import Pipeline
-from hetc.plan import Plan
-from hetc.program import Collective, Phase
-from hetc.spec import DTYPE_BYTES, Checkpointing, ModelSpec, ScheduleKind, TrainSpec
-from hetc.topology import Gpu
-from hetc.plan import Job
+from hetc.ir.pipeline import Pipeline
+from hetc.ir.plan import Plan
+from hetc.ir.program import Collective, Phase
+from hetc.ir.spec import DTYPE_BYTES, Checkpointing, ModelSpec, ScheduleKind, TrainSpec
+from hetc.ir.topology import Gpu
+from hetc.ir.plan import Job
 
 __all__ = ["Primitives"]
 

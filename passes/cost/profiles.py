@@ -15,16 +15,14 @@ larger micro-batch is not physical).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
 from hetc.passes.cost.cores import CoreWait
 from hetc.passes.cost.network import Bandwidth
-from hetc.program import Phase
-from hetc.spec import DTYPE_BYTES, DType
+from hetc.ir.program import Phase
+from hetc.ir.spec import DTYPE_BYTES, DType
 
 __all__ = [
     "LAYER_SLOTS",
@@ -36,10 +34,8 @@ __all__ = [
     "Rejected",
     "dtype_class",
     "fit_line",
-    "load_profiles",
 ]
 
-log = logging.getLogger(__name__)
 
 LAYER_SLOTS = ("embed", "block", "head")
 # Two models' blocks are "the same shape" for timing when their parameter counts agree this well.
@@ -63,7 +59,7 @@ def dtype_class(dtype: DType | str) -> str:
 
     Profiles keep the dtype they were measured in (`ComputeTable.dtype`) and
     are matched to a model by class, so a bf16 profile times a bf16, fp16 or
-    fp8 model (fp8 runs as bf16: Note [Precision that runs] in hetc/spec.py),
+    fp8 model (fp8 runs as bf16: Note [Precision that runs] in hetc/ir/spec.py),
     never an fp32 one. fp32 and tf32 are apart: the runtime runs a tf32
     model's matmuls on TF32 tensor cores and an fp32 model's without them.
     """
@@ -216,26 +212,3 @@ class Profiles:
     @property
     def empty(self) -> bool:
         return not (self.compute or self.network.intra or self.network.inter or self.copy or self.overhead)
-
-
-def load_profiles(paths: list[str | Path]) -> Profiles:
-    """Read each path: a `hetc profile` JSON file, a Sailor data folder or a Zorse data folder."""
-    from hetc.passes.cost.sources import hetc_profile, sailor_data, zorse_data
-
-    out = Profiles()
-    for raw in paths:
-        path = Path(raw)
-        if path.is_file():
-            out = out.merged(hetc_profile.read_profile(path))
-        elif sailor_data.looks_like(path):
-            out = out.merged(sailor_data.read_sailor(path))
-        elif zorse_data.looks_like(path):
-            out = out.merged(zorse_data.read_zorse(path))
-        elif path.is_dir():
-            raise ProfileError(f"'{path}' is neither a Sailor data folder (profiles/<MODEL>/<GPU>/"
-                               "profile.json) nor a Zorse one (data/model_latencies.json)")
-        else:
-            raise ProfileError(f"cannot find the profile '{path}'")
-    for r in out.rejected:
-        log.info("%s: %s: %s", r.model, r.where, r.why)
-    return out

@@ -19,14 +19,14 @@ from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from hetc.jsontypes import JsonObject
+from hetc.ir.jsontypes import JsonObject
 from hetc.passes.cost.model import CostModel, ring_pair_kinds
 from hetc.passes.cost.profiles import ComputeTable, dtype_class
 from hetc.passes.cost.shapes import layer_kind
 from hetc.passes.cost.params import block_params
-from hetc.program import Collective
-from hetc.spec import OffloadTarget
-from hetc.topology import Gpu
+from hetc.ir.program import Collective
+from hetc.ir.spec import OffloadTarget
+from hetc.ir.topology import Gpu
 
 __all__ = ["LinkSource", "Provenance", "UnusedProfile", "provenance"]
 

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from hetc.spec import ScheduleKind
+from hetc.ir.spec import ScheduleKind
 
 __all__ = ["Grouping", "LaneTiming", "PipelineTime", "Unit", "UnitLane", "UnitOp", "ZeroCycle", "chunk_loop_wait",
            "even_zero_bubble", "in_flight_limits", "interleaved_grouping", "lockstep_fill", "pipeline_time", "round_trip_span", "sequential_time",
@@ -163,7 +163,7 @@ def _paced_time(schedule: ScheduleKind, lanes: list[LaneTiming], limits: Mapping
     it; ZB-H1's bubble of (F + I − W) per stage, weight gradients filling it, needs more microbatches on a
     lane than stages after it, and where lanes serve few (random job 256/3: 5 stages, 2 microbatches a
     lane) the chain is the longer. The first microbatch fills, and the last drains, through a lane of its stage
-    with the most microbatches (`hetc.pipeline.route_microbatches` gives both to such a lane), not through a
+    with the most microbatches (`hetc.ir.pipeline.route_microbatches` gives both to such a lane), not through a
     slower lane of fewer (demo hetero: the middle stage's lane of one microbatch, +3.4 % on two shared
     cores)."""
     most: dict[int, int] = {}

@@ -1,7 +1,7 @@
 """The model's arithmetic per layer: parameters per rank, FLOPs and stashed activations.
 
 Layers are indexed over [embed, block0, ..., block{L-1}, head] (see
-hetc.pipeline). Tensor parallelism follows Megatron: a block's projections
+hetc.ir.pipeline). Tensor parallelism follows Megatron: a block's projections
 are sharded (column-parallel q/k/v and FFN-in, row-parallel out and FFN-out)
 while its norms and row-parallel biases are replicated; the word embedding
 and the output matrix are vocabulary-parallel (sharded by tp, with a
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from hetc.passes.cost.params import block_params, expert_params, layer_params
-from hetc.spec import Arch, Checkpointing, ModelSpec
+from hetc.ir.spec import Arch, Checkpointing, ModelSpec
 
 __all__ = [
     "LayerFlops",

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from hetc.passes.cost.candidate_stage import StageCosts, unit_lane_times
 from hetc.passes.cost.classes import lane_timing
-from hetc.spec import ScheduleKind, ZeroShard
+from hetc.ir.spec import ScheduleKind, ZeroShard
 
 __all__ = ["LaneClass", "StageOptionCosts", "lane_cap", "lockstep", "option_costs", "serialised_fill"]
 

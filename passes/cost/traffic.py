@@ -19,7 +19,7 @@ its exact ring factor (n−1)/n, so a group of one sends nothing:
 
 from __future__ import annotations
 
-from hetc.spec import ScheduleKind
+from hetc.ir.spec import ScheduleKind
 
 __all__ = ["ep_bytes", "pp_bytes", "ring_attention_bytes", "tp_bytes", "ulysses_bytes", "zero_bytes"]
 
@@ -43,7 +43,7 @@ def zero_bytes(level: int, schedule: ScheduleKind, param_bytes: float, group: in
 def pp_bytes(micro_batch: int, seq: int, hidden: int, delta: int, microbatches: int,
              replicas: tuple[int, int] = (1, 1)) -> float:
     """Per border per step: one activation forward and one gradient back per microbatch, to each of
-    `replicas` = (N_rep after the border, N_rep before it) copies (hetc.layout.replication)."""
+    `replicas` = (N_rep after the border, N_rep before it) copies (hetc.ir.layout.replication)."""
     return float(sum(replicas)) * delta * micro_batch * seq * hidden * microbatches
 
 

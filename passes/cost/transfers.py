@@ -43,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
-from hetc.spec import ScheduleKind
+from hetc.ir.spec import ScheduleKind
 
 __all__ = ["Borders", "Engine", "transfer_waits"]
 

@@ -6,7 +6,7 @@ one step without any recomputation (forward + backward = 3 × forward,
 activation checkpointing (a `full` block reruns its forward, `selective`
 its attention core) and `offload activations` (the stage keeps only its
 ministages' boundary inputs and reruns each ministage's forward in
-backward, hetc/program.py's Shard). MFU = model FLOPs / (step time × peak),
+backward, hetc/ir/program.py's Shard). MFU = model FLOPs / (step time × peak),
 HFU = hardware FLOPs / (step time × peak). The peak is the sum of the
 datasheet peaks, in the training dtype, of the GPUs the plan gives a rank
 (`used`); idle GPUs do no work and would only dilute the figure, so the
@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hetc.jsontypes import JsonObject
+from hetc.ir.jsontypes import JsonObject
 from hetc.passes.cost.shapes import LayerKind, layer_flops, layer_kind, model_flops_per_token
-from hetc.pipeline import Pipeline
-from hetc.spec import Checkpointing, ModelSpec, OffloadTarget
-from hetc.topology import Topology
+from hetc.ir.pipeline import Pipeline
+from hetc.ir.spec import Checkpointing, ModelSpec, OffloadTarget
+from hetc.ir.topology import Topology
 
 __all__ = ["FlopCounts", "Utilization", "flop_counts", "used_peak_flops", "utilization"]
 

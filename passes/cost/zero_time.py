@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from hetc.passes.cost.memory import StateBytes
-from hetc.program import Collective
-from hetc.spec import ScheduleKind, ZeroShard, ZeroSpec
+from hetc.ir.program import Collective
+from hetc.ir.spec import ScheduleKind, ZeroShard, ZeroSpec
 
 __all__ = ["ZeroRings", "across_nodes", "fetch_time", "first_gather_time", "flush_time", "gathers_per_microbatch",
            "optimizer_step_time", "piece_collectives", "sync_time", "zero_collectives"]

@@ -23,8 +23,8 @@ flat buffer per unit, and the cost model's memory counts the same window.
 
 from __future__ import annotations
 
-from hetc.program import Unit
-from hetc.spec import ModelSpec, OffloadSpec, OffloadTarget, ScheduleKind, ZeroSpec
+from hetc.ir.program import Unit
+from hetc.ir.spec import ModelSpec, OffloadSpec, OffloadTarget, ScheduleKind, ZeroSpec
 
 __all__ = ["gathers_per_block", "in_run_order", "ministage_units"]
 

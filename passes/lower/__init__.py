@@ -17,8 +17,8 @@ from hetc.passes.lower.offload import insert_offload
 from hetc.passes.lower.p2p import insert_p2p
 from hetc.passes.lower.schedule import order_compute
 from hetc.passes.lower.zero import insert_zero
-from hetc.plan import Plan
-from hetc.program import Program
+from hetc.ir.plan import Plan
+from hetc.ir.program import Program
 
 __all__ = ["PASSES", "PASS_NAMES", "lower"]
 

@@ -24,15 +24,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hetc.errors import InternalError
+from hetc.ir.errors import InternalError
 from hetc.passes.cost import CostModel
 from hetc.passes.lower import PASSES
 from hetc.passes.lower.channel_order import order_channels
 from hetc.passes.lower.classes import LaneGraph, RankClass, lane_graph, rank_classes
 from hetc.passes.lower.context import LowerContext
 from hetc.passes.lower.substitute import substitute
-from hetc.plan import Plan
-from hetc.program import Program, RankProgram
+from hetc.ir.plan import Plan
+from hetc.ir.program import Program, RankProgram
 
 __all__ = ["ClassLowering", "lower_by_class"]
 

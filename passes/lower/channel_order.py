@@ -51,9 +51,9 @@ from collections import defaultdict
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from hetc.errors import InternalError
+from hetc.ir.errors import InternalError
 from hetc.passes.lower.context import LowerContext
-from hetc.program import COMPUTE_TYPES, PHASE_OF, Instr, Program, RankProgram, Recv, Send, Wait
+from hetc.ir.program import COMPUTE_TYPES, PHASE_OF, Instr, Program, RankProgram, Recv, Send, Wait
 
 __all__ = ["order_channels"]
 

@@ -43,13 +43,13 @@ import math
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
-from hetc.errors import InternalError
-from hetc.groups import GroupId
-from hetc.geometry import RankPlace
+from hetc.ir.errors import InternalError
+from hetc.ir.groups import GroupId
+from hetc.ir.geometry import RankPlace
 from hetc.passes.lower.context import LowerContext
 from hetc.passes.lower.substitute import Substitution
-from hetc.pipeline import Lane, Stage
-from hetc.program import (COMPUTE_TYPES, PHASE_OF, Backward, BackwardInput, ComputeInstr, Forward, Instr, Load,
+from hetc.ir.pipeline import Lane, Stage
+from hetc.ir.program import (COMPUTE_TYPES, PHASE_OF, Backward, BackwardInput, ComputeInstr, Forward, Instr, Load,
                           Program, Tensor)
 
 __all__ = ["LaneGraph", "RankClass", "lane_graph", "rank_classes"]

@@ -3,22 +3,22 @@
 `LowerContext` answers the questions passes ask over and over: which lane
 runs ministage k for microbatch j, which messages carry a boundary tensor
 between two lanes (pieces of the sequence where their block layouts
-differ, hetc/layout.py). Where each rank sits and which groups it is in
-come from the plan's geometry (Note [rank geometry] in hetc/geometry.py).
+differ, hetc/ir/layout.py). Where each rank sits and which groups it is in
+come from the plan's geometry (Note [rank geometry] in hetc/ir/geometry.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hetc.geometry import RankPlace
-from hetc.layout import Range, boundary_ranges, held_length, transfers
-from hetc.memo import cached_property
+from hetc.ir.geometry import RankPlace
+from hetc.ir.layout import Range, boundary_ranges, held_length, transfers
+from hetc.ir.memo import cached_property
 from hetc.passes.cost import CostModel
 from hetc.passes.lower.lane_sim import Run
-from hetc.pipeline import Lane, Stage
-from hetc.plan import Plan
-from hetc.program import Instr, RankProgram, Tensor
+from hetc.ir.pipeline import Lane, Stage
+from hetc.ir.plan import Plan
+from hetc.ir.program import Instr, RankProgram, Tensor
 
 __all__ = ["LowerContext", "Message", "next_handle", "rank_shell"]
 
@@ -38,7 +38,7 @@ class LowerContext:
         self.plan = plan
         self.spec, self.pipeline = plan.spec, plan.pipeline
         self.model, self.train, self.parallel = plan.model, plan.train, plan.parallel
-        self.geometry = plan.geometry   # places and groups (Note [rank geometry] in hetc/geometry.py)
+        self.geometry = plan.geometry   # places and groups (Note [rank geometry] in hetc/ir/geometry.py)
         self._costs = costs
         self.grad_clip = plan.train.grad_clip
         self._messages: dict[tuple[Tensor, int, int], tuple[Message, ...]] = {}
@@ -81,7 +81,7 @@ class LowerContext:
         gradient backward to ms−1) between different ranks.
 
         Each position of the consuming lane gets the tokens it holds from
-        the producing lane (`hetc.layout.transfers`); where the layouts agree
+        the producing lane (`hetc.ir.layout.transfers`); where the layouts agree
         that is one whole tensor per position, else pieces of the sequence.
         """
         key = (what, ms, mb)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hetc.program import Instr, Send
+from hetc.ir.program import Instr, Send
 
 __all__ = ["Edits", "Handles"]
 

@@ -7,9 +7,9 @@ loss, with ranks that computed none contributing zero.
 
 from __future__ import annotations
 
-from hetc.groups import WORLD
+from hetc.ir.groups import WORLD
 from hetc.passes.lower.context import LowerContext
-from hetc.program import AllReduce, Program, RankProgram, Tensor
+from hetc.ir.program import AllReduce, Program, RankProgram, Tensor
 
 __all__ = ["report_loss"]
 

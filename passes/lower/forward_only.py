@@ -24,7 +24,7 @@ why the memory check is not rerun on it.
 
 from __future__ import annotations
 
-from hetc.program import (AllGather, AllReduce, AllToAll, Forward, Free, Instr, Load, Offload, Prefetch,
+from hetc.ir.program import (AllGather, AllReduce, AllToAll, Forward, Free, Instr, Load, Offload, Prefetch,
                           Program, RankProgram, Recv, Send, Shard, Tensor, Wait)
 
 __all__ = ["forward_only"]

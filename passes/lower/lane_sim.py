@@ -28,7 +28,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from hetc.errors import InternalError
+from hetc.ir.errors import InternalError
 
 __all__ = ["Op", "Policy", "Run", "simulate"]
 

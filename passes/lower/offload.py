@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from hetc.passes.lower.context import LowerContext, next_handle
 from hetc.passes.lower.edits import Edits, Handles
-from hetc.program import (COMPUTE_TYPES, AllGather, Backward, BackwardInput, Forward, Free, Instr, Offload,
+from hetc.ir.program import (COMPUTE_TYPES, AllGather, Backward, BackwardInput, Forward, Free, Instr, Offload,
                           Prefetch, Program, RankProgram, Step, Tensor, Wait)
 
 __all__ = ["insert_offload"]

@@ -29,7 +29,7 @@ messages in one order; the `nccl_order` pass moves receives to give them
 one (Note [NCCL channel order] in passes/lower/channel_order.py).
 
 Note [border pieces]: where the block layouts of two bordering lanes differ
-(hetc/layout.py), a boundary tensor travels as pieces `seq=a:b` from the
+(hetc/ir/layout.py), a boundary tensor travels as pieces `seq=a:b` from the
 positions holding them (`LowerContext.messages`); a consumer waits for all
 of its pieces. Gradients go back the same way with the roles swapped, so a
 replicated side (tensor parallelism) gets every token on every rank.
@@ -40,12 +40,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from hetc.geometry import RankPlace
+from hetc.ir.geometry import RankPlace
 from hetc.passes.lower.context import LowerContext, next_handle
 from hetc.passes.lower.units import Unit, split_units
-from hetc.program import (COMPUTE_TYPES, PHASE_OF, Backward, BackwardInput, Forward, Instr, Program, RankProgram, Recv,
+from hetc.ir.program import (COMPUTE_TYPES, PHASE_OF, Backward, BackwardInput, Forward, Instr, Program, RankProgram, Recv,
                           Send, Tensor, Wait)
-from hetc.spec import ScheduleKind
+from hetc.ir.spec import ScheduleKind
 
 __all__ = ["insert_p2p"]
 

@@ -21,15 +21,15 @@ from collections.abc import Callable
 from enum import StrEnum
 from typing import NamedTuple, TypeVar
 
-from hetc.errors import InternalError
+from hetc.ir.errors import InternalError
 from hetc.passes.cost.memory import interleaved_warmup
 from hetc.passes.cost.pipeline_stage import lane_group
 from hetc.passes.cost.schedule import Grouping
 from hetc.passes.lower.context import LowerContext, rank_shell
 from hetc.passes.lower.lane_sim import Op, Policy, Run, simulate
-from hetc.pipeline import Lane, Pipeline, Stage
-from hetc.program import Backward, BackwardInput, BackwardWeight, ComputeInstr, Forward, Instr, Load, Phase, Program
-from hetc.spec import ModelSpec, ScheduleKind
+from hetc.ir.pipeline import Lane, Pipeline, Stage
+from hetc.ir.program import Backward, BackwardInput, BackwardWeight, ComputeInstr, Forward, Instr, Load, Phase, Program
+from hetc.ir.spec import ModelSpec, ScheduleKind
 
 __all__ = ["Lockstep", "LockstepReason", "Op", "lane_queues", "lockstep_groups", "order_compute", "queue_shape",
            "timed_schedule"]

@@ -15,10 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hetc.errors import InternalError
-from hetc.groups import TIED, WORLD, split_direction, with_direction
-from hetc.geometry import RankPlace
-from hetc.program import (AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight, Forward, Free, Instr,
+from hetc.ir.errors import InternalError
+from hetc.ir.groups import TIED, WORLD, split_direction, with_direction
+from hetc.ir.geometry import RankPlace
+from hetc.ir.program import (AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight, Forward, Free, Instr,
                           Load, Offload, Prefetch, RankProgram, Recv, ReduceScatter, Send, Shard, Step, Wait)
 
 __all__ = ["RENAMED_FIELDS", "SHARD_GROUPS", "Substitution", "substitute"]

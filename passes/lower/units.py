@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hetc.program import COMPUTE_TYPES, Instr
+from hetc.ir.program import COMPUTE_TYPES, Instr
 
 __all__ = ["Unit", "join_units", "split_units"]
 

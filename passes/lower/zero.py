@@ -48,7 +48,7 @@ clipping each ministage steps as soon as its gradients are reduced
 the global gradient norm when clipping. Hierarchical ZeRO adds a reduction
 over the outer group after the inner one, and a gather back after the step.
 A ministage holding a copy of a tied embedding (Note [tied gradients] in
-hetc/program.py) sums it with the other copy after those reductions, before
+hetc/ir/program.py) sums it with the other copy after those reductions, before
 the norm and its step: at the end of the step, also under Zorse's
 interleaved update (the sum waits for the other stage's last backward).
 """
@@ -58,16 +58,16 @@ from __future__ import annotations
 import bisect
 import dataclasses
 
-from hetc.errors import InternalError
-from hetc.groups import TIED, WORLD, Direction, GroupId, with_direction
+from hetc.ir.errors import InternalError
+from hetc.ir.groups import TIED, WORLD, Direction, GroupId, with_direction
 from hetc.passes.cost.zero_units import gathers_per_block, in_run_order, ministage_units
-from hetc.geometry import RankPlace
+from hetc.ir.geometry import RankPlace
 from hetc.passes.lower.context import LowerContext, next_handle
 from hetc.passes.lower.edits import Edits, Handles
 from hetc.passes.lower.schedule import lockstep_groups
-from hetc.program import (COMPUTE_TYPES, AllGather, AllReduce, Backward, BackwardWeight, ComputeInstr, Forward, Free, Instr,
+from hetc.ir.program import (COMPUTE_TYPES, AllGather, AllReduce, Backward, BackwardWeight, ComputeInstr, Forward, Free, Instr,
                           Program, RankProgram, ReduceScatter, Shard, Step, Tensor, Unit, Wait)
-from hetc.spec import OffloadTarget, ScheduleKind
+from hetc.ir.spec import OffloadTarget, ScheduleKind
 
 __all__ = ["insert_zero"]
 
@@ -108,7 +108,7 @@ def _expert_groups(place: RankPlace, ms: int, ctx: LowerContext) -> tuple[str | 
 
 def _split_units(instrs: tuple[Instr, ...], shards: tuple[Shard, ...]) -> tuple[Instr, ...]:
     """Each compute op of a ministage split into units becomes one op per unit: forward in layer order,
-    backward in reverse (Note [units] in hetc/program.py)."""
+    backward in reverse (Note [units] in hetc/ir/program.py)."""
     units = {sh.ms: sh.units for sh in shards if sh.units}
     out: list[Instr] = []
     for instr in instrs:
@@ -297,7 +297,7 @@ def _outer_reduce(shard: Shard) -> list[Instr]:
 
 def _tied_reduce(shard: Shard, ctx: LowerContext) -> list[Instr]:
     """The sum of the tied embedding's copies, where this ministage holds one: after its own reductions, before
-    the gradient norm and its step (Note [tied gradients] in hetc/program.py)."""
+    the gradient norm and its step (Note [tied gradients] in hetc/ir/program.py)."""
     return [AllReduce(Tensor.TIED, str(TIED), shard.ms)] if shard.ms in ctx.geometry.tied_ministages else []
 
 

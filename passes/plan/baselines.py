@@ -24,8 +24,8 @@ from hetc.passes.plan.candidate import Candidate, GpuBlock, Knobs, Offload, Stag
 from hetc.passes.cost.candidate_score import Score
 from hetc.passes.plan.layouts import gpu_run, group_speed, whole_group
 from hetc.passes.plan.structures import Structures
-from hetc.spec import Checkpointing, ScheduleKind
-from hetc.topology import Topology
+from hetc.ir.spec import Checkpointing, ScheduleKind
+from hetc.ir.topology import Topology
 
 __all__ = ["Baseline", "baselines"]
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hetc.memo import cached_property
-from hetc.spec import Checkpointing, OffloadSpec, OffloadTarget, ScheduleKind
-from hetc.topology import Gpu, Topology
+from hetc.ir.memo import cached_property
+from hetc.ir.spec import Checkpointing, OffloadSpec, OffloadTarget, ScheduleKind
+from hetc.ir.topology import Gpu, Topology
 
 __all__ = ["Candidate", "GpuBlock", "Knobs", "Offload", "StageGpus", "ministage_ranges", "split_evenly"]
 

@@ -17,7 +17,7 @@ before its first structure leaves the previous screen's ranking.) Where no plan 
 plan is a located error saying so (exit 2), never a plan nobody checked.
 
 Nothing is killed from outside. The deadline is a point on the monotonic clock, which a forked worker
-(Note [a forked worker] in hetc/worker.py) shares with its parent, so the worker stops its share at the
+(Note [a forked worker] in hetc/ir/worker.py) shares with its parent, so the worker stops its share at the
 same moment; the overshoot is about one option table entry or exact score (tens of ms on a 10,000-block
 model), then the checks after the search (baselines, the re-timing of its best few plans and the
 baselines on their compiled programs, the winner's lowering and verification, the estimate), each bounded

@@ -15,10 +15,10 @@ from dataclasses import replace
 from typing import Any
 
 from hetc.passes.plan.candidate import Candidate, GpuBlock, Knobs, Offload
-from hetc.spec import (AUTO, LayerRange, ParallelSpec, RankSlice, Routing, RoutingKind, Spec, StageSpec,
+from hetc.ir.spec import (AUTO, LayerRange, ParallelSpec, RankSlice, Routing, RoutingKind, Spec, StageSpec,
                        ZeroSpec)
-from hetc.topology import Topology
-from hetc.plan import Job
+from hetc.ir.topology import Topology
+from hetc.ir.plan import Job
 
 __all__ = ["emit_parallel", "emit_spec", "rank_slice"]
 

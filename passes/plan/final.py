@@ -58,11 +58,11 @@ from hetc.passes.plan.baselines import Baseline
 from hetc.passes.plan.emit import emit_spec
 from hetc.passes.plan.search import Found, Search
 from hetc.passes.simulated_step import AGREEMENT, Simulated, compute_ops, quick_to_simulate, simulated_step
-from hetc.errors import SpecError
+from hetc.ir.errors import SpecError
 from hetc.passes.validate import check_spec
-from hetc.plan import Plan
-from hetc.program import Program
-from hetc.spec import Spec
+from hetc.ir.plan import Plan
+from hetc.ir.program import Program
+from hetc.ir.spec import Spec
 
 __all__ = ["FINAL_OPS", "FINAL_PLANS", "FULL_ESTIMATE_RANKS", "FinalChoice", "Printed", "choose_printed", "contenders"]
 

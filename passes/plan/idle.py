@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from hetc.jsontypes import JsonObject
+from hetc.ir.jsontypes import JsonObject
 from hetc.passes.cost.candidate_score import Score
 from hetc.passes.cost.candidate_stage import StageCosts
 from hetc.passes.plan.baselines import Baseline
@@ -30,9 +30,9 @@ from hetc.passes.plan.candidate import Candidate
 from hetc.passes.plan.deadline import Deadline
 from hetc.passes.plan.structures import Found, Structures
 from hetc.passes.plan.views import view_of
-from hetc.spec import Objective
-from hetc.topology import Gpu
-from hetc.units import human_bytes, human_seconds
+from hetc.ir.spec import Objective
+from hetc.ir.topology import Gpu
+from hetc.ir.units import human_bytes, human_seconds
 
 __all__ = ["IdleReason", "idle_reasons"]
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from hetc.units import human_bytes
-from hetc.errors import Diagnostic, SpecError
+from hetc.ir.units import human_bytes
+from hetc.ir.errors import Diagnostic, SpecError
 from hetc.passes.plan.candidate import Knobs, Offload, StageGpus
 from hetc.passes.plan.layouts import whole_group
 from hetc.passes.plan.tables import stage_costs
@@ -29,8 +29,8 @@ from hetc.passes.cost.candidate_score import Score
 from hetc.passes.plan.baselines import Baseline
 from hetc.passes.plan.candidate import Candidate
 from hetc.passes.plan.structures import Found, Structures
-from hetc.spec import ScheduleKind
-from hetc.topology import Topology
+from hetc.ir.spec import ScheduleKind
+from hetc.ir.topology import Topology
 
 __all__ = ["no_plan_error"]
 

@@ -24,8 +24,8 @@ from collections.abc import Callable
 
 from hetc.passes.plan.candidate import GpuBlock, StageGpus, split_evenly
 from hetc.passes.plan.partition import Domains
-from hetc.spec import DType
-from hetc.topology import Topology
+from hetc.ir.spec import DType
+from hetc.ir.topology import Topology
 
 __all__ = ["MAX_PERMUTED", "Layout", "gpu_run", "group_speed", "layouts", "split_group", "stage_counts", "whole_group"]
 

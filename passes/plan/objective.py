@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetc.passes.cost.candidate_score import Score
-from hetc.spec import Objective, ObjectiveSpec
+from hetc.ir.spec import Objective, ObjectiveSpec
 
 __all__ = ["Goal"]
 

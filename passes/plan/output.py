@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import TypeGuard
 
 from hetc.frontend import syntax
-from hetc.errors import NO_SPAN, Diagnostic, InternalError, Span, SpecError
+from hetc.ir.errors import NO_SPAN, Diagnostic, InternalError, Span, SpecError
 from hetc.frontend.load import BUNDLED_SPECS, LoadedSpec
 from hetc.frontend.printer import format_items, spec_to_items
-from hetc.plan import Plan
-from hetc.spec import Spec
+from hetc.ir.plan import Plan
+from hetc.ir.spec import Spec
 
 __all__ = ["planned_text"]
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING
 
-from hetc.topology import Topology
+from hetc.ir.topology import Topology
 
 if TYPE_CHECKING:   # imported where a cut is computed: networkx takes a third of a second to import
     import networkx as nx

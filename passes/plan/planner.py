@@ -19,8 +19,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from hetc.errors import InternalError, SpecError
-from hetc.gc_pause import paused_collector
+from hetc.ir.errors import InternalError, SpecError
+from hetc.ir.gc_pause import paused_collector
 from hetc.passes.cost import CostModel, Estimate, Profiles
 from hetc.passes.plan.baselines import Baseline
 from hetc.passes.plan.candidate import Candidate
@@ -37,9 +37,9 @@ from hetc.passes.plan.would_fit import would_fit
 from hetc.passes.resolve import plan_has_auto as needs_plan   # one rule for what is left to plan
 from hetc.passes.simulated_step import simulated_estimate
 from hetc.passes.validate import check_spec
-from hetc.plan import Plan
-from hetc.program import Program
-from hetc.spec import Spec
+from hetc.ir.plan import Plan
+from hetc.ir.program import Program
+from hetc.ir.spec import Spec
 
 __all__ = ["FULL_ESTIMATE_RANKS", "PlanResult", "needs_plan", "plan_checked", "plan_spec"]
 

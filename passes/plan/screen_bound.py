@@ -53,7 +53,7 @@ from hetc.passes.cost.shapes import LayerKind
 from hetc.passes.cost.transfers import Borders, transfer_waits
 from hetc.passes.plan.structures import Structure, Structures
 from hetc.passes.plan.tables import stage_costs
-from hetc.spec import Checkpointing, ScheduleKind
+from hetc.ir.spec import Checkpointing, ScheduleKind
 
 __all__ = ["screen_bound"]
 

@@ -39,9 +39,9 @@ from hetc.passes.plan.shares import Call, Shares
 from hetc.passes.plan.space import SearchSpace
 from hetc.passes.plan.structures import Found, SearchLimits, Structure, Structures, base_knobs
 from hetc.passes.plan.tables import StageTable
-from hetc.spec import ScheduleKind
-from hetc.worker import forked_worker
-from hetc.plan import Job
+from hetc.ir.spec import ScheduleKind
+from hetc.ir.worker import forked_worker
+from hetc.ir.plan import Job
 
 __all__ = ["Found", "Search", "SearchLimits", "Structure"]
 

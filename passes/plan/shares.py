@@ -1,5 +1,5 @@
 """A search step's work split between this process and a forked worker (Note [a forked worker] in
-hetc/worker.py).
+hetc/ir/worker.py).
 
 Each step hands the worker about half of its structures. A structure goes back to the process that
 took it in an earlier step, where its option tables are cached (the tables of one structure serve it
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import Any, Generic, TypeVar
 
-from hetc.worker import Worker, WorkerLost
+from hetc.ir.worker import Worker, WorkerLost
 
 __all__ = ["Call", "Shares"]
 

@@ -19,12 +19,12 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from hetc.errors import Diagnostic, SpecError
+from hetc.ir.errors import Diagnostic, SpecError
 from hetc.passes.plan.candidate import Candidate, Knobs, Offload
 from hetc.passes.plan.partition import bandwidth_domains
 from hetc.passes.plan.stages import StageRule, stage_rules
-from hetc.spec import AUTO, Auto, Checkpointing, Node, ParallelSpec, ScheduleKind, ZeroSpec
-from hetc.plan import Job
+from hetc.ir.spec import AUTO, Auto, Checkpointing, Node, ParallelSpec, ScheduleKind, ZeroSpec
+from hetc.ir.plan import Job
 
 __all__ = [
     "CHECKPOINTS",

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hetc.errors import Diagnostic, SpecError
+from hetc.ir.errors import Diagnostic, SpecError
 from hetc.passes.plan.candidate import GpuBlock, Offload, StageGpus
 from hetc.passes.resolve import layer_index, proportional_counts
-from hetc.spec import AUTO, Auto, Checkpointing, DType, ModelSpec, RankSlice, Routing, RoutingKind, StageSpec
-from hetc.topology import Gpu, Topology
-from hetc.plan import Job
+from hetc.ir.spec import AUTO, Auto, Checkpointing, DType, ModelSpec, RankSlice, Routing, RoutingKind, StageSpec
+from hetc.ir.topology import Gpu, Topology
+from hetc.ir.plan import Job
 
 __all__ = ["StageRule", "stage_rules", "written_counts"]
 

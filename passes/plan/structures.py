@@ -30,9 +30,9 @@ from hetc.passes.cost.candidate_view import ResolvedStage
 from hetc.passes.plan.stages import StageRule, written_counts
 from hetc.passes.plan.tables import Option, StageTable, holds_all, placeable, stage_costs, stage_option
 from hetc.passes.plan.views import Resolver, view_of
-from hetc.spec import Checkpointing, ModelSpec, Objective, ScheduleKind
-from hetc.topology import Gpu
-from hetc.plan import Job
+from hetc.ir.spec import Checkpointing, ModelSpec, Objective, ScheduleKind
+from hetc.ir.topology import Gpu
+from hetc.ir.plan import Job
 
 __all__ = ["Found", "SearchLimits", "Structure", "Structures", "base_knobs"]
 

@@ -20,15 +20,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from hetc.errors import InternalError
+from hetc.ir.errors import InternalError
 from hetc.passes.cost.candidate_stage import StageCosts
 from hetc.passes.cost.candidate_view import ResolvedStage, StageContext, StageView
 from hetc.passes.cost.probe import Primitives
 from hetc.passes.cost.stage_option import LaneClass, lockstep, option_costs, serialised_fill
 from hetc.passes.plan.candidate import Knobs, split_evenly
 from hetc.passes.plan.routing import bottleneck
-from hetc.spec import ScheduleKind, ZeroSpec
-from hetc.topology import Gpu
+from hetc.ir.spec import ScheduleKind, ZeroSpec
+from hetc.ir.topology import Gpu
 
 __all__ = ["Option", "StageTable", "holds_all", "placeable", "stage_costs", "stage_option"]
 

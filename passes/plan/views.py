@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from hetc.passes.cost.candidate_view import PlanView, ResolvedStage, StageView
 from hetc.passes.plan.candidate import Candidate, StageGpus
-from hetc.spec import ZeroSpec
-from hetc.topology import Topology
+from hetc.ir.spec import ZeroSpec
+from hetc.ir.topology import Topology
 
 __all__ = ["Resolver", "view_of"]
 

@@ -27,9 +27,9 @@ from hetc.passes.plan.deadline import Deadline
 from hetc.passes.plan.objective import Goal
 from hetc.passes.plan.search import Search, SearchLimits
 from hetc.passes.plan.space import PLAIN_OFFLOADS, ZORSE_OFFLOADS, SearchSpace
-from hetc.spec import Auto, Checkpointing
-from hetc.units import human_seconds
-from hetc.plan import Job
+from hetc.ir.spec import Auto, Checkpointing
+from hetc.ir.units import human_seconds
+from hetc.ir.plan import Job
 
 __all__ = ["QUICK", "would_fit"]
 

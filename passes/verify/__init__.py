@@ -27,10 +27,10 @@ from hetc.passes.verify.machine import Backend, Machine
 from hetc.passes.verify.memory import Sizes, check_memory
 from hetc.passes.verify.protocol import check_protocol
 from hetc.passes.verify.transfers import check_transfers
-from hetc.pipeline import Pipeline
-from hetc.plan import Plan
-from hetc.program import Program, RankProgram
-from hetc.grid import render_grid
+from hetc.ir.pipeline import Pipeline
+from hetc.ir.plan import Plan
+from hetc.ir.program import Program, RankProgram
+from hetc.ir.grid import render_grid
 
 __all__ = ["Backend", "Finding", "Sizes", "VerifyError", "plan_backend", "shape_problem", "verified_evaluation",
            "verify"]

@@ -11,7 +11,7 @@ of the rank's lane has passed each of its ministages forward and backward
 exactly once, every ministage has stepped once, and nothing is left gathered
 or on the device that the next step expects on the host.
 
-Boundary tensors may arrive in pieces (`seq=a:b`, hetc/layout.py): a piece
+Boundary tensors may arrive in pieces (`seq=a:b`, hetc/ir/layout.py): a piece
 must lie inside what its sender holds and what this rank holds, and before
 a forward or backward uses a tensor its pieces must tile exactly the tokens
 this rank holds; a whole-tensor receive must come from a rank holding the
@@ -23,11 +23,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from hetc.groups import split_direction
-from hetc.layout import Range, boundary_ranges, describe, local_slice, tiling_problem
+from hetc.ir.groups import split_direction
+from hetc.ir.layout import Range, boundary_ranges, describe, local_slice, tiling_problem
 from hetc.passes.verify.errors import Finding, at
-from hetc.pipeline import Pipeline
-from hetc.program import (AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight, ComputeInstr, Forward,
+from hetc.ir.pipeline import Pipeline
+from hetc.ir.program import (AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight, ComputeInstr, Forward,
                           Free, Instr, Load, Offload, Prefetch, Program, RankProgram, Recv, ReduceScatter,
                           Send, Shard, Step, Tensor, Unit, Wait)
 
@@ -286,7 +286,7 @@ class _Rank:
 
     def _tied_ready(self, instr: AllReduce) -> None:
         """`all_reduce tied` sums the reduced gradient of the tied copy its ministage holds (Note [tied
-        gradients] in hetc/program.py): after every backward of it and its reductions."""
+        gradients] in hetc/ir/program.py): after every backward of it and its reductions."""
         if instr.ms is None or instr.ms not in self.shards:
             raise _Fault(f"sums a tied embedding's gradient of ministage {instr.ms}, which is not on this rank")
         missing = [mb for mb in sorted(self.mbs) if (instr.ms, mb) not in self.s.wgrad]

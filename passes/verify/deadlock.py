@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from hetc.passes.verify.errors import Finding, at
 from hetc.passes.verify.machine import Machine, Op, collective_groups, communicator_name, compute_groups
-from hetc.program import Instr, Program, Recv, Send, Tensor
+from hetc.ir.program import Instr, Program, Recv, Send, Tensor
 
 __all__ = ["Stuck", "explain_deadlock", "held_by_order"]
 

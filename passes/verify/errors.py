@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hetc.program import Program
+from hetc.ir.program import Program
 
 __all__ = ["Finding", "VerifyError"]
 

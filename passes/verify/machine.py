@@ -11,7 +11,7 @@ member of its group has posted it (under NCCL's rule, Note [NCCL order],
 the same on every member. Copies to and from the host queue on the rank's
 copy stream and complete on their own. A compute op of a ministage whose
 shard names tp/cp/ep groups is a collective on each of them (Note [compute
-collectives] in hetc/program.py): it completes when every member of each
+collectives] in hetc/ir/program.py): it completes when every member of each
 has posted the same op (on an ep group, whose members serve different
 microbatches: the same kind of op on the same ministage). If no rank can
 move and some have not finished, the programs deadlock.
@@ -61,7 +61,7 @@ from enum import StrEnum
 from typing import Protocol, cast
 
 from hetc.passes.verify.errors import Finding, at
-from hetc.program import (COLLECTIVE_TYPES, COMPUTE_TYPES, ComputeInstr, Free, Instr, Load, Offload, Prefetch, Program,
+from hetc.ir.program import (COLLECTIVE_TYPES, COMPUTE_TYPES, ComputeInstr, Free, Instr, Load, Offload, Prefetch, Program,
                           Recv, Send, Step, Tensor, Wait)
 
 # Instructions that only take the rank's own time; so does a compute op unless its ministage has collectives.
@@ -493,7 +493,7 @@ def _mismatch(send: Send, recv: Recv) -> str:
 
 def _collective_key(instr: Instr, any_mb: bool = False) -> tuple[str, object, object, object, object]:
     """What every member of a collective must agree on. The sum of a tied embedding's copies names each
-    member's own ministage holding one (Note [tied gradients] in hetc/program.py): its ms may differ."""
+    member's own ministage holding one (Note [tied gradients] in hetc/ir/program.py): its ms may differ."""
     what = getattr(instr, "what", None)
     ms = None if what is Tensor.TIED else getattr(instr, "ms", None)
     mb = None if any_mb else getattr(instr, "mb", None)

@@ -23,7 +23,7 @@ from the cost model (`CostModel.param_bytes`, `grad_bytes`,
   buffer: the dense and the expert parameters' apart;
 - gathered full parameters (ZeRO-3) from the `all_gather` that takes the
   holder count from 0 to 1 to the `free` that takes it back to 0, per unit
-  where the ministage is split into units (Note [units] in hetc/program.py:
+  where the ministage is split into units (Note [units] in hetc/ir/program.py:
   the unit's parameters, `unit_param_bytes`);
 - stashed activations from `fwd` to the backward that consumes them (`bwd`,
   or `bwd_w` under zero-bubble), unit by unit where ops run per unit
@@ -47,10 +47,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from hetc.groups import split_direction
+from hetc.ir.groups import split_direction
 from hetc.passes.verify.errors import Finding, at
-from hetc.pipeline import Pipeline
-from hetc.program import (AllGather, Backward, BackwardInput, BackwardWeight, ComputeInstr, Forward, Free, Group, Instr,
+from hetc.ir.pipeline import Pipeline
+from hetc.ir.program import (AllGather, Backward, BackwardInput, BackwardWeight, ComputeInstr, Forward, Free, Group, Instr,
                           Offload, Prefetch, Program, RankProgram, Recv, ReduceScatter, Shard, Step, Tensor, Unit,
                           Wait)
 

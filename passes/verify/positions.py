@@ -15,7 +15,7 @@ position 0 of each lane to its rank at position p.
    agreement family by tests/test_check_positions.py). `schedule` gives a
    lane's ranks one compute order. `p2p`: with equal holdings every border
    message goes from position q of one lane to position q of the other,
-   whole (`hetc.layout.transfers`, Piece(q, q)), with one shape; channels
+   whole (`hetc.ir.layout.transfers`, Piece(q, q)), with one shape; channels
    are ordered by posting order and, among receives posted together, by
    peer rank, which φ_p keeps. `zero`: a rank's shard group is its stage's
    `dp.s{s}.p{pos}` (a group of one position), its compute runs on its
@@ -52,17 +52,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hetc.layout import boundary_ranges
+from hetc.ir.layout import boundary_ranges
 from hetc.passes.cost import CostModel
 from hetc.passes.lower import lower
-from hetc.geometry import hierarchical_zero
+from hetc.ir.geometry import hierarchical_zero
 from hetc.passes.verify.dataflow import rank_dataflow
 from hetc.passes.verify.memory import Sizes, group_sizes, rank_peak
 from hetc.passes.verify.protocol import check_protocol
 from hetc.passes.verify import shape_problem
-from hetc.pipeline import Pipeline
-from hetc.plan import Plan
-from hetc.program import Group, Instr, Program, RankProgram, Recv, Send
+from hetc.ir.pipeline import Pipeline
+from hetc.ir.plan import Plan
+from hetc.ir.program import Group, Instr, Program, RankProgram, Recv, Send
 
 __all__ = ["LanePositions", "lane_positions", "part_passes", "passes_by_position", "position_program"]
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from hetc.passes.verify.deadlock import Stuck, explain_deadlock, held_by_order
 from hetc.passes.verify.errors import Finding, at
 from hetc.passes.verify.machine import Backend, Machine
-from hetc.program import Program
+from hetc.ir.program import Program
 
 __all__ = ["check_protocol"]
 

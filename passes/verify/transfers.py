@@ -23,7 +23,7 @@ go where, Note in passes/lower/context.py) names each transfer of
 receive whose (peer, shape, tokens) is not one of them is a finding at that
 instruction. Everything else plan.het decides is built from plan.het on
 every rank alike, so it cannot disagree with itself. The plan directory
-still records every file's sha256 (hetc/outdir.py), and `hetc verify` names
+still records every file's sha256 (hetc/ir/outdir.py), and `hetc verify` names
 the files changed since compile when a check fails.
 """
 
@@ -31,9 +31,9 @@ from __future__ import annotations
 
 from hetc.passes.lower.context import LowerContext
 from hetc.passes.verify.errors import Finding, at
-from hetc.pipeline import Pipeline
-from hetc.program import Program, Recv, Send, Tensor
-from hetc.plan import Plan
+from hetc.ir.pipeline import Pipeline
+from hetc.ir.program import Program, Recv, Send, Tensor
+from hetc.ir.plan import Plan
 
 __all__ = ["check_transfers"]
 

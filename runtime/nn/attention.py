@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hetc.runtime.nn.norms import HeadNorm
 from hetc.runtime.nn.tensor_parallel import NO_SHARD, ParallelLinear, Split, TPRegion, TPShard
-from hetc.spec import Arch, ModelSpec, RopeScalingSpec
+from hetc.ir.spec import Arch, ModelSpec, RopeScalingSpec
 
 __all__ = ["Attention", "AttentionCore", "Rope", "Rotary", "apply_rope", "causal_attention", "scaled_frequencies"]
 

@@ -25,7 +25,7 @@ from hetc.runtime.nn.mlp import make_mlp
 from hetc.runtime.nn.moe import ALL_EXPERTS, ExpertShard
 from hetc.runtime.nn.norms import NORMS, LayerNorm, RMSNorm
 from hetc.runtime.nn.tensor_parallel import NO_SHARD, ParallelLinear, TPAware, TPShard
-from hetc.spec import Arch, ModelSpec
+from hetc.ir.spec import Arch, ModelSpec
 
 __all__ = ["NORMS", "Block", "Embedding", "Head", "LayerNorm", "RMSNorm", "make_norm"]
 

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from hetc.runtime.nn.moe import ALL_EXPERTS, ExpertShard, MoE
 from hetc.runtime.nn.tensor_parallel import NO_SHARD, ParallelLinear, Split, TPRegion, TPShard
-from hetc.spec import Arch, ModelSpec
+from hetc.ir.spec import Arch, ModelSpec
 
 __all__ = ["GeluMLP", "SwiGLU", "make_mlp"]
 

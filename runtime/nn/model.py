@@ -1,7 +1,7 @@
 """Build the layers a rank owns from a ModelSpec, with plan-independent weights.
 
 Layers are indexed over [embed, block0, ..., block{L-1}, head] (index 0,
-1..L, L+1), as in hetc.pipeline. A `Ministage` is a contiguous run of them
+1..L, L+1), as in hetc.ir.pipeline. A `Ministage` is a contiguous run of them
 as one module: forward takes the boundary activation [b, s, H] (token ids
 [b, s] when it starts with the embedding) and returns the next boundary
 activation (the loss when it ends with the head).
@@ -20,7 +20,7 @@ weights in the flat buffers (runtime/flat.py) and binds the module's
 parameters to a buffer of `compute_dtype(model.dtype)` (bf16/fp16 on GPU;
 the demo's fp32 on CPU, where master and compute buffer are one tensor).
 On CUDA a tf32 model's fp32 matmuls run on TF32 tensor cores, the rate it is
-costed at (`float32_matmul_precision`; Note [Precision that runs] in hetc/spec.py).
+costed at (`float32_matmul_precision`; Note [Precision that runs] in hetc/ir/spec.py).
 
 Note [tied copies]
 With `tied_embeddings` the embedding matrix is also the head's output
@@ -46,13 +46,13 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from hetc.errors import InternalError
+from hetc.ir.errors import InternalError
 from hetc.runtime.nn.attention import Attention, Rotary
 from hetc.runtime.nn.layers import NORMS, Block, Embedding, Head
 from hetc.runtime.nn.moe import ALL_EXPERTS, ExpertShard
 from hetc.runtime.nn.seeding import generator
 from hetc.runtime.nn.tensor_parallel import NO_SHARD, ParallelLinear, TPShard, shard_infos
-from hetc.spec import Arch, Auto, Checkpointing, DType, ModelSpec, executed_dtype
+from hetc.ir.spec import Arch, Auto, Checkpointing, DType, ModelSpec, executed_dtype
 
 __all__ = [
     "INIT_STD",
@@ -204,7 +204,7 @@ def _drawn_as(model: ModelSpec, idx: int, name: str) -> tuple[int, str]:
 
 @dataclass(frozen=True)
 class TokenLayout:
-    """Which tokens of the sequence a rank holds, when not all of them (hetc/layout.py).
+    """Which tokens of the sequence a rank holds, when not all of them (hetc/ir/layout.py).
 
     positions: the rank's tokens at the ministage borders (its inputs,
     outputs and labels); attention_positions: the tokens its attention core

@@ -28,7 +28,7 @@ Backward mirrors the two token all-to-alls (autograd), so an expert's
 gradient holds every token routed to it from the whole group, and its
 replicas are only the ranks with the same EP rank in other EP groups.
 Every member runs these collectives in the same order, which the compute
-ops of an EP group guarantee (Note [compute collectives], hetc/program.py).
+ops of an EP group guarantee (Note [compute collectives], hetc/ir/program.py).
 
 Note [static routing shapes]
 Routing keeps every shape a function of the microbatch's size, never of
@@ -59,7 +59,7 @@ from torch import Tensor, nn
 from hetc.runtime.nn import collectives
 from hetc.runtime.nn.grouped_experts import grouped_mlp
 from hetc.runtime.nn.tensor_parallel import ParallelLinear, all_gather_into
-from hetc.spec import MoESpec
+from hetc.ir.spec import MoESpec
 
 __all__ = [
     "ALL_EXPERTS",

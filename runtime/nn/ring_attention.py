@@ -16,7 +16,7 @@ hops: the survey's 6·(N_kv/N_q)·δbSH.
 
 Note [zigzag]: with a causal mask the cost of a query block depends on how
 many keys precede it. The sequence is cut into 2·cp chunks and cp rank c
-holds chunks c and 2cp−1−c (hetc/layout.py), so every rank has the same
+holds chunks c and 2cp−1−c (hetc/ir/layout.py), so every rank has the same
 causal work. A query chunk i and a key chunk j meet fully (j < i), causally
 (j = i) or not at all (j > i); whole blocks are skipped, never half-masked.
 """

@@ -32,7 +32,7 @@ group; activations are [b, s, H], the sequence on dim 1:
 `GroupTP` is the `TPComm` the interpreter installs: without
 sequence parallelism a region enters with copy and exits with all-reduce;
 with it, the residual stream between regions holds this rank's part of the
-sequence (hetc/layout.py), a region enters with an all-gather and exits with
+sequence (hetc/ir/layout.py), a region enters with an all-gather and exits with
 a reduce-scatter, and parameters every tp rank holds whole (norms, biases
 after the reduction, embedding and head) see only this rank's tokens, so
 their gradients are summed over the group in backward (Megatron's
@@ -54,7 +54,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hetc.errors import InternalError
+from hetc.ir.errors import InternalError
 from hetc.runtime.nn import collectives
 
 __all__ = [

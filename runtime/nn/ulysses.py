@@ -1,7 +1,7 @@
 """DeepSpeed-Ulysses sequence parallelism: an attention core around two all-to-alls.
 
 Each cp rank holds a contiguous slice of the sequence with all of its (tp
-shard's) heads (hetc/layout.py). Around attention, an all-to-all trades
+shard's) heads (hetc/ir/layout.py). Around attention, an all-to-all trades
 that for all of the sequence with 1/cp of the heads, the local causal core
 runs head-wise, and a second all-to-all trades back (survey I.IV, III.III).
 The cp ranks' slices are in sequence order, so the gathered sequence is the

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hetc.spec import ScheduleKind
+from hetc.ir.spec import ScheduleKind
 from tests.conftest import DEMO, ROOT
 from tests.plans import compile_plan
 

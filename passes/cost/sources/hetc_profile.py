@@ -45,8 +45,8 @@ from typing import Any
 
 from hetc.passes.cost.cores import CoreWait
 from hetc.passes.cost.network import Bandwidth, MeasuredPoints, ring_chunk, ring_steps
-from hetc.program import Phase
-from hetc.spec import DType
+from hetc.ir.program import Phase
+from hetc.ir.spec import DType
 from hetc.passes.cost.profiles import LAYER_SLOTS, ComputeTable, NetworkFits, ProfileError, Profiles, fit_line
 from hetc.passes.cost.sources.measured_json import positive, read_measurements
 

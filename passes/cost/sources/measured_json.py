@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from hetc.jsontypes import RawJson
+from hetc.ir.jsontypes import RawJson
 from hetc.passes.cost.profiles import ProfileError
 
 __all__ = ["positive", "read_measurements"]

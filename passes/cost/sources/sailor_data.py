@@ -24,8 +24,8 @@ from hetc.passes.cost.sources.devices import catalog_name
 from hetc.passes.cost.network import Bandwidth, QuadraticLogFit
 from hetc.passes.cost.profiles import ComputeTable, NetworkFits, ProfileError, Profiles, Rejected, fit_line
 from hetc.passes.cost.sources.measured_json import read_measurements
-from hetc.program import Phase
-from hetc.spec import Arch
+from hetc.ir.program import Phase
+from hetc.ir.spec import Arch
 
 __all__ = ["SailorModel", "looks_like", "read_json", "read_models", "read_sailor"]
 

@@ -18,7 +18,7 @@ from hetc.passes.cost.sources.devices import catalog_name
 from hetc.passes.cost.profiles import ComputeTable, LinearFit, Profiles, Rejected
 from hetc.passes.cost.shapes import LayerKind
 from hetc.passes.cost.sources.sailor_data import read_json
-from hetc.program import Phase
+from hetc.ir.program import Phase
 
 __all__ = ["DTYPES", "LATENCIES", "STATS", "looks_like", "read_zorse"]
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from hetc.errors import UsageError
+from hetc.ir.errors import UsageError
 
 __all__ = ["MARKER", "Legacy", "OutputKind", "Protected", "check_output_dir", "edited_files", "file_hashes",
            "is_marked", "restamp", "unmarked_or_edited", "write_marker", "write_output_dir"]

@@ -3,7 +3,7 @@
 Note [Token file layouts]
 Every layout is, to hetc, one stream of token ids read a window at a time
 (never whole in memory; Note [reading a file that may shrink] in
-hetc/tokenstream.py); sequence windows are cut from the stream
+hetc/ir/tokenstream.py); sequence windows are cut from the stream
 (runtime/data.py).
 
 - raw (nanoGPT): the file is nothing but the ids, little-endian uint16 or
@@ -59,9 +59,9 @@ from typing import BinaryIO
 
 import numpy as np
 
-from hetc.jsontypes import JsonObject, RawJson
-from hetc.spec import TokenDType
-from hetc.tokenstream import TokenStream
+from hetc.ir.jsontypes import JsonObject, RawJson
+from hetc.ir.spec import TokenDType
+from hetc.ir.tokenstream import TokenStream
 
 __all__ = [
     "HETC_MAGIC",

@@ -24,7 +24,7 @@ Semantics the runtime and the verifier share (Note [dataflow]):
   a named group; every member must issue a group's collectives in the same
   order.
 - A `send`/`recv` with `seq=a:b` carries only tokens [a, b) of the sequence:
-  where the block layouts of two sides differ (hetc/layout.py), a boundary
+  where the block layouts of two sides differ (hetc/ir/layout.py), a boundary
   tensor travels as pieces, and a consumer waits until its received pieces
   tile exactly the tokens it holds.
 - Note [compute collectives]: the compute of a ministage whose shard line
@@ -76,9 +76,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, ClassVar, NamedTuple
 
-from hetc.jsontypes import JsonObject, RawJson
+from hetc.ir.jsontypes import JsonObject, RawJson
 
-from hetc.groups import split_direction
+from hetc.ir.groups import split_direction
 
 __all__ = [
     "COLLECTIVE_OF",

@@ -19,8 +19,8 @@ from enum import Enum, StrEnum
 from pathlib import Path
 from typing import Any, Final
 
-from hetc.errors import NO_SPAN, InternalError, Span
-from hetc.units import Dim
+from hetc.ir.errors import NO_SPAN, InternalError, Span
+from hetc.ir.units import Dim
 
 __all__ = [
     "AUTO",

@@ -16,7 +16,7 @@ only where a name is written into the program:
     ep.s{stage}.g{g}.p{pos}    expert parallelism: lane position pos of EP group g
     dpe.s{stage}.e{r}          the replicas of EP rank r's experts
     tied                       every rank holding a copy of a tied embedding (Note [tied gradients] in
-                               hetc/program.py)
+                               hetc/ir/program.py)
     world                      every rank (loss, gradient norm)
 
 Any group may have per-microbatch copies `{group}.f` / `{group}.b` (the

@@ -4,19 +4,19 @@ and the job: a checked whole spec whose plan may still say `auto`, what the plan
 Validation makes both (`Checked.explicit()` and `Checked.job()` in passes/validate.py), the plan after
 resolving the spec's parallel block into a pipeline on its cluster. Their blocks are the spec's own,
 typed as present, so code holding one checks nothing; a plan's rank geometry (each rank's place and
-groups, Note [rank geometry] in hetc/geometry.py) is derived once, on first use.
+groups, Note [rank geometry] in hetc/ir/geometry.py) is derived once, on first use.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from hetc.errors import InternalError
-from hetc.geometry import Geometry
-from hetc.memo import cached_property
-from hetc.pipeline import Pipeline
-from hetc.spec import ClusterSpec, ModelSpec, ParallelSpec, Spec, TrainSpec
-from hetc.topology import Topology
+from hetc.ir.errors import InternalError
+from hetc.ir.geometry import Geometry
+from hetc.ir.memo import cached_property
+from hetc.ir.pipeline import Pipeline
+from hetc.ir.spec import ClusterSpec, ModelSpec, ParallelSpec, Spec, TrainSpec
+from hetc.ir.topology import Topology
 
 __all__ = ["Job", "Plan"]
 

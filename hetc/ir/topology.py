@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from hetc.memo import cached_property
-from hetc.spec import ClusterSpec, DeviceSpec, Spec
+from hetc.ir.memo import cached_property
+from hetc.ir.spec import ClusterSpec, DeviceSpec, Spec
 
 __all__ = ["DEFAULT_INTRA_BANDWIDTH", "MAX_GPUS", "Gpu", "Link", "Topology"]
 

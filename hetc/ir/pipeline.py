@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hetc.memo import cached_property
-from hetc.spec import Checkpointing, CPKind, ModelSpec, OffloadSpec, ScheduleKind, ZeroSpec
-from hetc.topology import Gpu
+from hetc.ir.memo import cached_property
+from hetc.ir.spec import Checkpointing, CPKind, ModelSpec, OffloadSpec, ScheduleKind, ZeroSpec
+from hetc.ir.topology import Gpu
 
 __all__ = ["Lane", "Ministage", "Pipeline", "Stage", "route_microbatches"]
 
@@ -101,7 +101,7 @@ class Pipeline:
 
     def tied_ministages(self, model: ModelSpec) -> tuple[int, ...]:
         """The ministages holding a copy of `model`'s tied embedding, whose gradients `all_reduce tied` sums
-        (Note [tied gradients] in hetc/program.py): the embedding's and the head's where they differ."""
+        (Note [tied gradients] in hetc/ir/program.py): the embedding's and the head's where they differ."""
         if not model.tied_embeddings:
             return ()
         first, last = (self.ministage_of_layer(i).index for i in (0, model.layers + 1))

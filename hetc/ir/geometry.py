@@ -2,7 +2,7 @@
 
 Note [rank geometry]: a rank's place (its stage, lane, position in the lane, tp and cp rank) and the
 members of its tp, cp, ZeRO and node groups follow from the pipeline alone. Lowering names the groups
-in the program (Note [group names] in hetc/groups.py), the cost model times collectives over their
+in the program (Note [group names] in hetc/ir/groups.py), the cost model times collectives over their
 members; both read them here, so the ranks a collective is timed over are the ranks it runs on. A lane's
 ranks are cp-major: position p = cp_rank · tp + tp_rank. With cp > 1 the ZeRO group `dp.s{stage}.t{t}`
 is Megatron's dp × cp group: cp ranks replicate the parameters and see different tokens.
@@ -12,12 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hetc.errors import InternalError
-from hetc.groups import TIED, WORLD, Axis, Direction, GroupId, GroupKind
-from hetc.memo import cached_property
-from hetc.pipeline import Lane, Pipeline, Stage
-from hetc.program import Group
-from hetc.spec import CPKind, ModelSpec, ZeroShard
+from hetc.ir.groups import TIED, WORLD, Axis, Direction, GroupId, GroupKind
+from hetc.ir.memo import cached_property
+from hetc.ir.pipeline import Lane, Pipeline, Stage
+from hetc.ir.program import Group
+from hetc.ir.spec import ModelSpec, ZeroShard
 
 __all__ = ["Geometry", "RankPlace", "hierarchical_zero"]
 
@@ -155,31 +154,16 @@ class Geometry:
 
     @cached_property
     def groups(self) -> tuple[Group, ...]:
-        """Every group any pass may name, in a stable order: the program's group table."""
+        """Every group any pass may name, in a stable order: the program's group table. torch numbers a group's
+        members by global rank; where the order of concatenation matters, validation refused lanes whose
+        ranks break it (passes/validate_plan.py), so the members sorted are the members in lane order."""
         named: dict[GroupId, list[int]] = {WORLD: list(range(self.pipeline.world_size))}
         for place in self.places:
             for group in self.groups_of(place):
                 named.setdefault(group, []).append(place.rank)
         if self.tied_ministages:
             named[TIED] = list(self.pipeline.tied_ranks(self.model))
-        for place in self.places:
-            self._check_lane_order(place)
         return tuple(Group(str(g), tuple(sorted(r))) for g, r in named.items())   # named in the program
-
-    def _check_lane_order(self, place: RankPlace) -> None:
-        """torch numbers a group's members by global rank; where the order of concatenation matters the lane's
-        ranks follow it (validation refused plans that break this: hetc.passes.validate_plan)."""
-        stage, ranks = place.stage, place.lane.ranks
-        ordered = []
-        if stage.sequence_parallel and stage.tp > 1:
-            ordered.append(ranks[place.cp_rank * stage.tp:(place.cp_rank + 1) * stage.tp])
-        if stage.cp > 1 and stage.cp_kind is CPKind.ULYSSES:
-            ordered.append(ranks[place.tp_rank::stage.tp])
-        first = place.lane.index - place.lane.index % stage.ep
-        ordered.append(tuple(lane.ranks[place.pos] for lane in stage.lanes[first:first + stage.ep]))
-        for members in ordered:
-            if list(members) != sorted(members):
-                raise InternalError(f"rank {place.rank}: group members {members} are not in rank order")
 
     def groups_of(self, place: RankPlace) -> list[GroupId]:
         """The groups this rank belongs to, its ZeRO groups with their per-microbatch copies first."""

@@ -2,7 +2,7 @@
 
 The survey's contract (III.III) says the activation at every border is
 ((b, S/N_part, H) × N_part)^N_rep. Here that becomes, for the rank at lane
-position `pos` (= cp_rank · tp + tp_rank, `hetc.pipeline.Lane`), a list of
+position `pos` (= cp_rank · tp + tp_rank, `hetc.ir.pipeline.Lane`), a list of
 token ranges of the full sequence, its *held ranges* (Note [block layout]):
 
 - cp = 1 without sequence parallelism: the whole sequence, replicated over
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import Protocol
 
-from hetc.spec import CPKind
+from hetc.ir.spec import CPKind
 
 __all__ = [
     "Piece",
@@ -59,7 +59,7 @@ Range = tuple[int, int]   # [start, stop) of the full sequence
 
 
 class SeqLayout(Protocol):
-    """What decides a stage's border layout (`hetc.pipeline.Stage` has these)."""
+    """What decides a stage's border layout (`hetc.ir.pipeline.Stage` has these)."""
 
     @property
     def tp(self) -> int: ...

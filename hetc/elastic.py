@@ -30,19 +30,22 @@ of (step, microbatch), so the losses are those of an uninterrupted run.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import logging
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-from hetc.errors import SpecError
-from hetc.plandir import open_program, read_plan, require_verified
+from hetc.ir.errors import SpecError
+from hetc.ir.plan import Plan
+from hetc.plandir import open_program, read_eval_rank, read_plan, require_verified
 from hetc.runtime.placement import Process, discover, node_label, place
 from hetc.runtime.local import process_start_time
 from hetc.runtime.worker import Launch, RunOptions, discovery_device, launch_env, rendezvous_store, run_placed
-from hetc.spec import Spec
-from hetc.topology import Topology
+from hetc.ir.spec import Spec
+from hetc.ir.topology import Topology
 
 __all__ = ["ELASTIC_DIR", "ReconfigError", "present_spec", "run_elastic"]
 
@@ -106,7 +109,7 @@ def run_elastic(spec_path: Path, opts: RunOptions) -> int:
     require_verified(plan_dir, [rank], program, checked)    # compiled on launch rank 0 (Note [verified once])
     timings["compile_verify_s"] += time.perf_counter() - check_start
     report = _Report(checkpoint, plan_dir, checked, timings, entered) if rank == 0 else None
-    status = run_placed(plan_dir, checked, program, rank, launch, store, opts,
+    status = run_placed(plan_dir, checked, program, rank, launch, store, opts, read_eval_rank(plan_dir, rank),
                         on_resumed=report.resumed if report else None,
                         on_first_step=report.first_step if report else None)
     if rank == 0 and status == 0:
@@ -120,7 +123,7 @@ def _load(spec_path: Path) -> Spec:
     return load_spec(spec_path).spec
 
 
-def _plan(spec_path: Path, checkpoint: Path, launch: Launch, store, procs: list[Process]) -> tuple[Path, dict]:
+def _plan(spec_path: Path, checkpoint: Path, launch: Launch, store: Any, procs: list[Process]) -> tuple[Path, dict[str, float]]:
     """Launch rank 0 plans and compiles; everyone gets (plan directory, its timings) from the store."""
     if launch.rank == 0:
         try:
@@ -135,7 +138,7 @@ def _plan(spec_path: Path, checkpoint: Path, launch: Launch, store, procs: list[
     return Path(answer["plan_dir"]), {"replan_s": answer["replan_s"], "compile_verify_s": answer["compile_s"]}
 
 
-def _plan_here(spec_path: Path, checkpoint: Path, procs: list[Process]) -> dict:
+def _plan_here(spec_path: Path, checkpoint: Path, procs: list[Process]) -> dict[str, Any]:
     from hetc.compiler import compile_spec, write_compiled
     from hetc.passes.plan.planner import plan_checked
     from hetc.plandir import portable_spec
@@ -162,20 +165,18 @@ def _describe(err: Exception) -> str:
     return str(err)
 
 
-def _seconds(s: float):
-    import datetime
-
+def _seconds(s: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=s)
 
 
-def _forever():
+def _forever() -> datetime.timedelta:
     return _seconds(7 * 24 * 3600.0)
 
 
 class _Report:
     """What plan rank 0 says about a reconfiguration; see Note [Elastic runs]."""
 
-    def __init__(self, checkpoint: Path, plan_dir: Path, checked, timings: dict, entered: float):
+    def __init__(self, checkpoint: Path, plan_dir: Path, checked: Plan, timings: dict[str, float], entered: float):
         self.folder = Path(checkpoint) / ELASTIC_DIR
         self.plan_dir, self.checked, self.timings, self.entered = plan_dir, checked, timings, entered
 
@@ -200,7 +201,7 @@ class _Report:
             f.write(json.dumps({**self.record, "first_step_done": time.time()}) + "\n")
 
 
-def _layout(checked) -> dict:
+def _layout(checked: Plan) -> dict[str, Any]:
     p = checked.pipeline
     nodes = sorted({node_label(*gpu.host) for gpu in p.world})
     stages = "; ".join(f"{st.name}: {len(st.lanes)} lane{'s' if len(st.lanes) > 1 else ''}" for st in p.stages)

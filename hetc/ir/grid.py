@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from hetc.program import Instr, Program, RankProgram
+from hetc.ir.program import Instr, Program, RankProgram
 
 __all__ = ["MAX_CELL", "render_grid", "short_text"]
 

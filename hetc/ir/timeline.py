@@ -11,7 +11,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 
-from hetc.program import (AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight, Forward,
+from hetc.ir.program import (AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight, Forward,
                           Free, Instr, Load, Offload, Prefetch, Recv, ReduceScatter, Send, Step, Wait)
 
 __all__ = [

@@ -14,7 +14,7 @@ the other cores are busy: Linux shares the machine's CPU between sessions (autog
 so another session's test run on one core of two leaves `hetc plan` one core however many processes it
 runs (two processes of hetc then take the wall time of one, plus their overhead). So a worker is
 forked only where other processes left about a core and a half free while this process got ready
-(`spare_core`: the machine's busy time, less this process's and its reaped workers', since hetc.worker
+(`spare_core`: the machine's busy time, less this process's and its reaped workers', since hetc.ir.worker
 was imported as `hetc plan` starts planning, or since the previous look). The child ends
 with `os._exit` (it must not flush the parent's buffered output or run its exit handlers) when the
 parent closes the pipe, or dies with it.
@@ -42,7 +42,7 @@ class _Window:
         self.last = _ticks()
 
     def others(self) -> float | None:
-        """Cores other processes kept busy, on average, since the last call (or since hetc.worker was imported);
+        """Cores other processes kept busy, on average, since the last call (or since hetc.ir.worker was imported);
         None where the machine does not say (no /proc/stat, or no tick passed)."""
         now, last = _ticks(), self.last
         self.last = now
@@ -64,13 +64,13 @@ def _ticks() -> tuple[float, float, float] | None:
         return None
     if len(ticks) != 8:
         return None
-    import resource   # POSIX (as /proc/stat is): imported here, so that hetc.worker imports everywhere
+    import resource   # POSIX (as /proc/stat is): imported here, so that hetc.ir.worker imports everywhere
 
     own = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
     return ticks[3] + ticks[4], sum(ticks), sum(r.ru_utime + r.ru_stime for r in own)
 
 
-_WINDOW = _Window()   # spare_core's window opens as hetc.worker is imported, and again at each look
+_WINDOW = _Window()   # spare_core's window opens as hetc.ir.worker is imported, and again at each look
 
 
 class WorkerLost(Exception):
