@@ -49,9 +49,10 @@ class Checked:
         """The plan with its blocks and pipeline typed as present; None while it still has `auto`."""
         if self.pipeline is None:
             return None
-        if self.topology is None:   # validation resolves a pipeline only for a complete spec, on its cluster
-            raise InternalError("a resolved pipeline without a cluster")
-        return Plan.of(self.spec, self.topology, self.pipeline)
+        job = self.job()
+        if job is None:   # validation resolves a pipeline only for a whole spec, on its cluster
+            raise InternalError("a resolved pipeline without a cluster, model, train or parallel block")
+        return job.plan(self.pipeline)
 
     def job(self) -> Job | None:
         """The whole spec's blocks typed as present, its plan perhaps `auto`; None for a part of a spec."""
@@ -98,7 +99,7 @@ def _check(spec: Spec, base_dir: Path | None, errors: list[Diagnostic]) -> tuple
         if not errors:
             pipeline = resolve_pipeline(job, errors)
         if pipeline is not None:
-            check_plan(Plan.of(spec, topo, pipeline), errors)
+            check_plan(job.plan(pipeline), errors)
         _check_fit(job, errors)
     return topo, pipeline
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from hetc.ir.errors import InternalError
 from hetc.ir.geometry import Geometry
 from hetc.ir.memo import cached_property
 from hetc.ir.pipeline import Pipeline
@@ -43,24 +42,17 @@ class Job:
         """The job with another model block (a stronger activation checkpointing, say)."""
         return replace(self, spec=replace(self.spec, model=model), model=model)
 
+    def plan(self, pipeline: Pipeline) -> Plan:
+        """The job with its parallel block resolved into `pipeline` (by validation; or a probe of per-GPU times
+        by the planner, on a pipeline of every GPU and no stage)."""
+        return Plan(self.spec, self.topology, self.model, self.train, self.parallel, self.cluster, pipeline)
+
 
 @dataclass(frozen=True)
-class Plan:
-    """A checked, resolved plan: the spec, its cluster's topology and the pipeline."""
+class Plan(Job):
+    """A checked, resolved plan: the job and its pipeline."""
 
-    spec: Spec
-    topology: Topology
     pipeline: Pipeline
-    model: ModelSpec
-    train: TrainSpec
-    parallel: ParallelSpec
-
-    @classmethod
-    def of(cls, spec: Spec, topology: Topology, pipeline: Pipeline) -> Plan:
-        """The plan of a spec validation resolved `pipeline` for (so its blocks are all there)."""
-        if spec.model is None or spec.train is None or spec.parallel is None:
-            raise InternalError("a resolved pipeline without a model, train or parallel block")
-        return cls(spec, topology, pipeline, spec.model, spec.train, spec.parallel)
 
     @cached_property
     def geometry(self) -> Geometry:

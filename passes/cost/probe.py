@@ -21,7 +21,6 @@ from hetc.passes.cost.memory import context_reserve, state_bytes_per_param
 from hetc.passes.cost.model import optimizer_seconds
 from hetc.passes.cost.shapes import LayerKind, activation_elements, params_per_rank
 from hetc.ir.pipeline import Pipeline
-from hetc.ir.plan import Plan
 from hetc.ir.program import Collective, Phase
 from hetc.ir.spec import DTYPE_BYTES, Checkpointing, ModelSpec, ScheduleKind, TrainSpec
 from hetc.ir.topology import Gpu
@@ -43,7 +42,7 @@ class Primitives:
         self.num_microbatches = train.global_batch // micro_batch
         probe_world = Pipeline((), (), topo.gpus, self.num_microbatches, micro_batch,
                                ScheduleKind.ONE_F_ONE_B, 1)
-        self.probe = CostModel(Plan.of(self.spec, topo, probe_world), profiles)
+        self.probe = CostModel(replace(job, spec=self.spec, train=train).plan(probe_world), profiles)
         self.engine = self.probe.engine   # the planner plans for hetc's own programs
         self.delta = DTYPE_BYTES[self.model.dtype]
         self.states = state_bytes_per_param(self.model)
