@@ -28,7 +28,7 @@ from benchmarks.markdown import publish
 from hetc.passes.agreement import build, compare
 from hetc.ir.errors import InternalError, SpecError
 from hetc.frontend.load import load_spec
-from hetc.passes.bound_gap import bound_gap
+from hetc.passes.step_bound import bound_gap
 from hetc.passes.plan.planner import plan_spec
 from tests.random_jobs import random_job
 
@@ -69,7 +69,7 @@ def section(rows: dict[int, list[dict]], jobs: int) -> str:
              "10 % of the compiled peak. `bound`: compiled steps within 10 % of the lower bound of "
              "docs/costmodel.md (\"The lower bound of a step\": fill, busy, round trips, drain and the tail "
              "that cannot overlap), and the worst ratio with the part of the difference that holds most of it "
-             "(passes/bound_gap.py). Gaps are estimate / compiled − 1."), "",
+             "(passes/step_bound.py). Gaps are estimate / compiled − 1."), "",
              ("| GPUs (at most) | planned | agree | nothing fits | refused by the check | worst step gap | "
              "worst memory gap | within 10 % of the bound | worst compiled / bound |"),
              "|---|---|---|---|---|---|---|---|---|"]

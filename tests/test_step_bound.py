@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-from hetc.passes.bound_gap import BoundGap, bound_gap
+from hetc.passes.step_bound import BoundGap, bound_gap
 from tests.conftest import DEMO, ROOT
 from tests.planned import JOBS, SPECS, spec_name
 

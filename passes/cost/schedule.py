@@ -317,7 +317,7 @@ def step_lower_bound(schedule: ScheduleKind, lanes: Sequence[LaneTiming], chunks
                      limits: Mapping[int, int] | None = None) -> float:
     """No schedule of these lanes runs its pipeline faster, in the estimate's terms: its floor for the pipeline
     (`classes.compose_step`). The whole step's lower bound, which the compiled program is held to, is
-    `bound.step_bound` (docs/costmodel.md, "The lower bound of a step").
+    `step_bound` (docs/costmodel.md, "The lower bound of a step").
 
     The busiest lane (stage b) is busy `work`, and more where the round
     trip of a microbatch through the stages after it outlasts what the
