@@ -157,8 +157,21 @@ def test_a_second_run_on_a_checkpoint_directory_exits_2_at_once(demo_plan_dirs, 
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
+    _wait_released(ck)      # SIGKILL's exits are asynchronous: the ranks' flock goes with the last of them
     after = _run(demo_plan_dirs["single"], "--steps", "1", "--checkpoint", str(ck), "--resume")
     assert after.returncode == 0, after.stderr      # the killed run's lock died with it
+
+
+def _wait_released(ck: Path) -> None:
+    """Until the checkpoint directory's lock can be taken (the killed run's ranks have exited)."""
+    deadline = time.monotonic() + HANG_GUARD_S / 4
+    while True:
+        try:
+            lock_checkpoint_dir(ck).release()
+            return
+        except CheckpointBusy:
+            assert time.monotonic() < deadline, "the killed run's lock outlived its processes"
+            time.sleep(0.1)
 
 
 def test_a_fresh_run_never_overwrites_an_earlier_runs_checkpoints(demo_plan_dirs, tmp_path, capsys):

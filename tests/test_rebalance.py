@@ -254,16 +254,19 @@ def test_a_slow_lane_alone_in_its_stage_gets_a_new_layer_split_through_a_checkpo
 @pytest.mark.slow
 def test_a_slowed_link_is_routed_around_without_a_restart_and_the_losses_do_not_change(tmp_path):
     """The hetero demo plan, 4 ranks: the link between rank 0 (the head) and rank 1 (the middle stage's
-    lane of 3 microbatches) delivers 3x as late from step 5 (Note [a slowed link]); the run notices the link
+    lane of 3 microbatches) delivers 6x as late from step 5 (Note [a slowed link]); the run notices the link
     within 5 steps (Note [link transit]), gives the lane's microbatches to the other lane, and every loss is
     the 1-rank reference's.
 
-    A threshold of 3, as the test above: 4 ranks share 2 cores here, and a rank waiting for a core reads as
-    a slower link. The 3x link reads far above it (the plan's 0.5 ms a message added twice, against about
-    0.2 ms measured on loopback); no cool-down, so a change for another reason first does not hold it up."""
+    6x and a threshold of 3, as the lane test above: 4 ranks share 2 cores here, and a rank waiting for a
+    core reads as a slower link; a host loaded as a whole slows every link alike, and a link's slowdown is
+    relative to the median link's, so at 3x (the plan's 0.5 ms a message added twice, against about 0.2 ms
+    measured on loopback) a loaded clean-clone run once read the window below 3 and detected a step late.
+    The detector at 3x is the test of the numbers above. No cool-down, so a change for another reason
+    first does not hold it up."""
     steps = 13
     plan, done, records = _rebalanced_hetero(tmp_path, steps, "--rebalance-threshold", "3", "--rebalance-cooldown",
-                                             "0", "--inject", "slow link=0-1 factor=3 from=5")
+                                             "0", "--inject", "slow link=0-1 factor=6 from=5")
     events = [r for r in records if r.get("event") == "rebalance"]
     detected = next(r for r in events if r.get("link") == [0, 1])
     assert 5 < detected["step"] <= 10 and detected["ratio"] >= 3      # 1-based: the slowdown starts in step 6
