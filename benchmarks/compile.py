@@ -67,19 +67,20 @@ def plan_text(ranks: int, policy: str) -> str:
             f"parallel {{\n{POLICIES[policy]}{''.join(stages)}}}\n")
 
 
-def _timed(fn):
+def timed_call(fn):
+    """(what `fn()` returns, its wall seconds)."""
     start = time.perf_counter()
     out = fn()
     return out, time.perf_counter() - start
 
 
 def measure_once(path: Path, out_dir: Path) -> dict:
-    (_, checked), check_s = _timed(lambda: load_checked(path, require_complete=True))
-    program, lower_s = _timed(lambda: lower(checked.explicit()))
+    (_, checked), check_s = timed_call(lambda: load_checked(path, require_complete=True))
+    program, lower_s = timed_call(lambda: lower(checked.explicit()))
     costs = CostModel(checked.explicit())
-    _, verify_s = _timed(lambda: verify(program, checked.explicit(), costs))
+    _, verify_s = timed_call(lambda: verify(program, checked.explicit(), costs))
     with contextlib.redirect_stdout(io.StringIO()):
-        code, cli_s = _timed(lambda: hetc_main(["compile", str(path), "-o", str(out_dir)]))
+        code, cli_s = timed_call(lambda: hetc_main(["compile", str(path), "-o", str(out_dir)]))
     if code != 0:
         raise SystemExit(f"hetc compile {path} failed ({code})")
     return {"instructions": sum(len(r.instrs) for r in program.ranks), "check_s": check_s, "lower_s": lower_s,

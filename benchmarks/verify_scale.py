@@ -21,12 +21,12 @@ import contextlib
 import io
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.compile import timed_call
 from benchmarks.compile_scale import job_text
 from benchmarks.markdown import publish
 from hetc.cli import main as hetc_main
@@ -49,12 +49,6 @@ def _planned(tmp: Path, gpus: int) -> Path:
     return planned
 
 
-def _timed(fn):
-    start = time.perf_counter()
-    got = fn()
-    return got, time.perf_counter() - start
-
-
 def measure(gpus: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         _, checked = load_checked(_planned(Path(tmp), gpus), require_complete=True)
@@ -63,13 +57,13 @@ def measure(gpus: int) -> dict:
     costs = CostModel(plan)
     lowered = lower_by_class(plan, costs)
     program = lowered.program
-    _, clean_s = _timed(lambda: verify(program, plan, costs))
+    _, clean_s = timed_call(lambda: verify(program, plan, costs))
     largest = max(lowered.classes, key=lambda c: len(c.members))
     member = largest.members[-1][0]
     peaks = rank_peaks(program, plan.pipeline, costs)
     rows = []
     for mutant in faults_on(member, program, plan.pipeline, peaks, f"{gpus}"):
-        found, seconds = _timed(lambda m=mutant: _finding(m, plan, costs, member))
+        found, seconds = timed_call(lambda m=mutant: _finding(m, plan, costs, member))
         rows.append({"fault": mutant.fault, "found": found, "seconds": seconds})
         print(rows[-1], file=sys.stderr, flush=True)
     return {"gpus": gpus, "ranks": program.world_size, "classes": len(lowered.classes), "rep": largest.rep,

@@ -69,8 +69,9 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 
 from hetc.ir.pipeline import Pipeline
 from hetc.ir.program import Program, RankProgram
-from hetc.ir.errors import InternalError, SpecError
+from hetc.ir.errors import SpecError
 from hetc.ir.plan import Plan
+from hetc.passes.validate import check_spec
 from hetc.passes.verify import VerifyError
 from hetc.runtime.links import LinkId, MessageLog, border_rates, border_seconds, link_transits, model_link_factor
 from hetc.ir.spec import Auto, LayerRange, Routing, RoutingKind, Spec
@@ -225,16 +226,6 @@ def _layers(pipeline: Pipeline, stage: int) -> tuple[int, int]:
     return pipeline.ministages[ms[0]].first_layer, pipeline.ministages[ms[-1]].stop_layer
 
 
-def _plan_of(spec: Spec, plan_dir: Path) -> Plan:
-    """The plan of `spec`: the running plan with other microbatch counts or layers, so explicit."""
-    from hetc.passes.validate import check_spec
-
-    plan = check_spec(spec, plan_dir).explicit()
-    if plan is None:
-        raise InternalError("a re-plan of an explicit plan left `auto` in it")
-    return plan
-
-
 @dataclass(frozen=True)
 class Switch:
     """What a rank runs from the next step on."""
@@ -299,7 +290,7 @@ class Rebalancer:
     def _resplit_to(self, version: int) -> Switch:
 
         spec, program, evaluation = pickle.loads(self.store.get(SPLIT_KEY.format(version=version)))
-        plan = _plan_of(spec, self.plan_dir)
+        plan = check_spec(spec, self.plan_dir).plan()   # the running plan with other counts or layers
         self.version = version
         return Switch(program.ranks[self.rank], evaluation.ranks[self.rank] if evaluation is not None else None,
                       program if self.rank == 0 else None, plan, plan, program)
@@ -466,7 +457,7 @@ class Rebalancer:
         theirs (Note [link transit] in runtime/links.py)."""
         from hetc.passes.build import build
         from hetc.passes.cost import CostModel
-        plan = _plan_of(spec, self.plan_dir)
+        plan = check_spec(spec, self.plan_dir).plan()   # the running plan with other counts or layers
         healthy = CostModel(plan)
         costs = CostModel(plan, measured_slowdown=slow,
                           measured_link_slowdown=self._link_slowdowns(healthy))
