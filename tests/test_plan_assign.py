@@ -10,8 +10,8 @@ from typing import cast
 
 import pytest
 
-from hetc.passes.cost.candidate_view import ResolvedStage
-from hetc.passes.cost.stage_option import LaneClass
+from hetc.passes.plan.candidate_view import ResolvedStage
+from hetc.passes.plan.stage_option import LaneClass
 from hetc.passes.plan.assign import _undominated, assign_cpsat, assign_fast, cpsat_model, model_objective
 from hetc.passes.plan.candidate import Knobs
 from hetc.passes.plan.routing import bottleneck

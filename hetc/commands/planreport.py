@@ -10,7 +10,7 @@ from hetc.passes.cost.utilization import Utilization, utilization
 from hetc.ir.errors import InternalError
 from hetc.ir.jsontypes import JsonObject
 from hetc.passes.plan.baselines import Baseline
-from hetc.passes.cost.candidate_score import Score
+from hetc.passes.plan.candidate_score import Score
 from hetc.passes.plan.planner import PlanResult
 from hetc.passes.simulated_step import AGREEMENT
 from hetc.ir.pipeline import Pipeline, Stage

@@ -4,7 +4,7 @@ The one composition of the cost model for both of its readers:
 `CostModel.estimate()` (`hetc explain`, compile's reports), whose stages
 are read rank by rank from a resolved Pipeline (`pipeline_stage.PipelineStage`,
 every lane its own class), and the planner, whose stages are read from a
-candidate class by class (passes/cost/candidate_stage.py) so that 2048 ranks
+candidate class by class (passes/plan/candidate_stage.py) so that 2048 ranks
 score in milliseconds. A stage answers the `StageSource` questions (its
 lanes' per-microbatch times, its ZeRO collectives, its memory per class
 of ranks) with the formulas of passes/cost (`CostModel.layer_cost`,

@@ -5,7 +5,7 @@ with: a lane's per-microbatch compute and border transfers, its ZeRO
 collectives (`zero_time`) with the rank's own groups, the flush tail of a
 stage (Megatron-DeepSpeed: `ReduceGrads`, then `OptimizerStep`), Zorse's
 units. The composition is the same the planner's class-by-class view of a
-candidate feeds (passes/cost/candidate_stage.py).
+candidate feeds (passes/plan/candidate_stage.py).
 """
 
 from __future__ import annotations

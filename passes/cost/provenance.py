@@ -20,7 +20,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from hetc.ir.jsontypes import JsonObject
-from hetc.passes.cost.model import CostModel, ring_pair_kinds
+from hetc.passes.cost.hardware import ring_pair_kinds
+from hetc.passes.cost.model import CostModel
 from hetc.passes.cost.profiles import ComputeTable, dtype_class
 from hetc.passes.cost.shapes import layer_kind
 from hetc.passes.cost.params import block_params
@@ -119,7 +120,7 @@ def _host_links(cm: CostModel) -> list[LinkSource]:
         for device in sorted({cm.gpu(r).device.name for r in stage.ranks}):
             measured = cm.profiles.copy_sources.get(device) if device in cm.profiles.copy else None
             source = f"measured in {measured}" if measured else f"the host_link of device {device} at " \
-                f"{cm.devices[device].span}"
+                f"{cm.hardware.devices[device].span}"
             out.append(LinkSource(f"stage {stage.name}: offload", f"{device} <-> its host", source))
     return out
 
@@ -149,7 +150,7 @@ def _crossings(cm: CostModel) -> Iterator[tuple[str, Gpu, Gpu, int]]:
 def _link_source(cm: CostModel, used_by: str, a: Gpu, b: Gpu, ring_size: int) -> LinkSource:
     between = f"{a.group} (same node)" if a.host == b.host else f"{a.group} <-> {b.group}"
     declared = cm.topology.link(a, b)
-    fit = cm.measured_link(a, b, ring_size, 1)
+    fit = cm.hardware.measured_link(a, b, ring_size, 1)
     if fit is None:
         return LinkSource(used_by, between, declared.origin)
     return LinkSource(used_by, between, f"measured fit in {fit.source or 'a profile'}",

@@ -2,7 +2,7 @@
 
 One implementation for both readers of the cost model: `plan_time` (a
 resolved Pipeline, rank by rank) and the planner's class-by-class
-evaluation (passes/cost/candidate_stage.py). Each resolves the rank's groups
+evaluation (passes/plan/candidate_stage.py). Each resolves the rank's groups
 (`ZeroRings`) and its link times; the formulas are here.
 
 - beside the compute, per microbatch (`zero_collectives`): ZeRO-2/3

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hetc.passes.plan.candidate import Candidate, GpuBlock, Knobs, Offload, StageGpus, split_evenly
-from hetc.passes.cost.candidate_score import Score
+from hetc.passes.plan.candidate_score import Score
 from hetc.passes.plan.layouts import gpu_run, group_speed, whole_group
 from hetc.passes.plan.structures import Structures
 from hetc.ir.spec import Checkpointing, ScheduleKind

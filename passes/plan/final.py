@@ -52,7 +52,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hetc.passes.cost import CostModel, Estimate
-from hetc.passes.cost.candidate_score import Score
+from hetc.passes.plan.candidate_score import Score
 from hetc.passes.cost.estimate import with_simulated_step
 from hetc.passes.plan.baselines import Baseline
 from hetc.passes.plan.emit import emit_spec

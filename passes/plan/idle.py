@@ -23,8 +23,8 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from hetc.ir.jsontypes import JsonObject
-from hetc.passes.cost.candidate_score import Score
-from hetc.passes.cost.candidate_stage import StageCosts
+from hetc.passes.plan.candidate_score import Score
+from hetc.passes.plan.candidate_stage import StageCosts
 from hetc.passes.plan.baselines import Baseline
 from hetc.passes.plan.candidate import Candidate
 from hetc.passes.plan.deadline import Deadline

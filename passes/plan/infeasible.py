@@ -25,7 +25,7 @@ from hetc.ir.errors import Diagnostic, SpecError
 from hetc.passes.plan.candidate import Knobs, Offload, StageGpus
 from hetc.passes.plan.layouts import whole_group
 from hetc.passes.plan.tables import stage_costs
-from hetc.passes.cost.candidate_score import Score
+from hetc.passes.plan.candidate_score import Score
 from hetc.passes.plan.baselines import Baseline
 from hetc.passes.plan.candidate import Candidate
 from hetc.passes.plan.structures import Found, Structures

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hetc.passes.cost.candidate_score import Score
+from hetc.passes.plan.candidate_score import Score
 from hetc.ir.spec import Objective, ObjectiveSpec
 
 __all__ = ["Goal"]

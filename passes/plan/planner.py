@@ -28,7 +28,7 @@ from hetc.passes.plan.deadline import DEFAULT_TIME_LIMIT_S, SCREEN_SHARE, Deadli
 from hetc.passes.plan.emit import emit_spec
 from hetc.passes.plan.final import FULL_ESTIMATE_RANKS, FinalChoice, Printed, choose_printed, contenders
 from hetc.passes.plan.idle import IdleReason, idle_reasons
-from hetc.passes.cost.candidate_score import Score
+from hetc.passes.plan.candidate_score import Score
 from hetc.passes.plan.infeasible import no_plan_error
 from hetc.passes.plan.objective import Goal
 from hetc.passes.plan.search import Found, Search, SearchLimits
@@ -268,5 +268,5 @@ def _cross_check(score: Score, estimate: Estimate | None) -> None:
     drift = abs(score.step_time_s - closed) / max(closed, 1e-30)
     if drift > 1e-6:
         log.warning("the planner scored this plan %.6g s/step but the cost model estimates %.6g s "
-                    "(%.2g%% apart): passes/cost/candidate_stage.py reads the candidate otherwise than "
+                    "(%.2g%% apart): passes/plan/candidate_stage.py reads the candidate otherwise than "
                     "passes/cost/pipeline_stage.py reads its pipeline", score.step_time_s, closed, 100 * drift)

@@ -47,8 +47,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
-from hetc.passes.cost.candidate_view import ResolvedStage
-from hetc.passes.cost.probe import Primitives
+from hetc.passes.plan.candidate_view import ResolvedStage
+from hetc.passes.plan.primitives import Primitives
 from hetc.passes.cost.shapes import LayerKind
 from hetc.passes.cost.transfers import Borders, transfer_waits
 from hetc.passes.plan.structures import Structure, Structures

@@ -19,14 +19,14 @@ from hetc.passes.plan.assign import Assignment, assign_fast
 from hetc.passes.plan.candidate import Candidate, Knobs, Offload, StageGpus
 from hetc.passes.plan.deadline import Deadline
 from hetc.passes.plan.grid import grid_counts, layer_grain, residues
-from hetc.passes.cost.probe import Primitives
-from hetc.passes.cost.candidate_score import Score, evaluate
+from hetc.passes.plan.primitives import Primitives
+from hetc.passes.plan.candidate_score import Score, evaluate
 from hetc.passes.plan.layouts import Layout, group_speed, layouts
 from hetc.passes.plan.objective import Goal
 from hetc.passes.plan.partition import bandwidth_domains
 from hetc.passes.plan.routing import spread
 from hetc.passes.plan.space import CHECKPOINTS, SearchSpace, knob_options
-from hetc.passes.cost.candidate_view import ResolvedStage
+from hetc.passes.plan.candidate_view import ResolvedStage
 from hetc.passes.plan.stages import StageRule, written_counts
 from hetc.passes.plan.tables import Option, StageTable, holds_all, placeable, stage_costs, stage_option
 from hetc.passes.plan.views import Resolver, view_of

@@ -3,7 +3,7 @@
 For a fixed stage layout, schedule and micro-batch size, a stage's cost
 depends on how many layer units it owns (n) and on its `Knobs`. For each
 (n, knobs) an `Option` records the cost model's terms for it
-(passes/cost/stage_option.py: per class of alike lanes the seconds of one
+(passes/plan/stage_option.py: per class of alike lanes the seconds of one
 microbatch and the microbatches that still fit in memory; the stage's
 pipeline fill, gradient-sync-and-step tail and drain) and the least
 busiest-lane work of placing every microbatch (`routing.bottleneck`).
@@ -21,10 +21,10 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from hetc.ir.errors import InternalError
-from hetc.passes.cost.candidate_stage import StageCosts
-from hetc.passes.cost.candidate_view import ResolvedStage, StageContext, StageView
-from hetc.passes.cost.probe import Primitives
-from hetc.passes.cost.stage_option import LaneClass, lockstep, option_costs, serialised_fill
+from hetc.passes.plan.candidate_stage import StageCosts
+from hetc.passes.plan.candidate_view import ResolvedStage, StageContext, StageView
+from hetc.passes.plan.primitives import Primitives
+from hetc.passes.plan.stage_option import LaneClass, lockstep, option_costs, serialised_fill
 from hetc.passes.plan.candidate import Knobs, split_evenly
 from hetc.passes.plan.routing import bottleneck
 from hetc.ir.spec import ScheduleKind, ZeroSpec

@@ -1,14 +1,14 @@
 """A candidate as the cost model reads it: `view_of` resolves it as `resolve` would.
 
 The view types (`PlanView`, `StageView`, `ResolvedStage`) are the cost
-model's (passes/cost/candidate_view.py); this module only translates the
+model's (passes/plan/candidate_view.py); this module only translates the
 planner's `Candidate` into them. `Resolver` resolves each `StageGpus` once
 per planning run, so that building views for many candidates is cheap.
 """
 
 from __future__ import annotations
 
-from hetc.passes.cost.candidate_view import PlanView, ResolvedStage, StageView
+from hetc.passes.plan.candidate_view import PlanView, ResolvedStage, StageView
 from hetc.passes.plan.candidate import Candidate, StageGpus
 from hetc.ir.spec import ZeroSpec
 from hetc.ir.topology import Topology

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from hetc.passes.cost import RankMemory
 from hetc.passes.cost.classes import PlanShape, evaluate_classes, throughput, tokens_per_step
 from hetc.passes.cost.plan_time import step_end_time
-from hetc.passes.cost.probe import Primitives
-from hetc.passes.cost.egress import egress_per_step
-from hetc.passes.cost.candidate_stage import StageCosts
-from hetc.passes.cost.candidate_view import PlanView
+from hetc.passes.plan.primitives import Primitives
+from hetc.passes.plan.egress import egress_per_step
+from hetc.passes.plan.candidate_stage import StageCosts
+from hetc.passes.plan.candidate_view import PlanView
 from hetc.ir.program import Collective
 
 __all__ = ["Score", "evaluate"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from hetc.ir.memo import cached_property
-from hetc.passes.cost.candidate_view import PlanView, StageContext, StageView
+from hetc.passes.plan.candidate_view import PlanView, StageContext, StageView
 from hetc.passes.cost.cores import Computing, busy_share
 from hetc.passes.cost.params import tied_copy_params
 from hetc.passes.cost.memory import (RankMemory, ShardFactors, StateMemory, StatesHeld, activation_memory,
@@ -27,7 +27,7 @@ from hetc.passes.cost.zero_time import (ZeroRings, across_nodes, fetch_time, fir
 from hetc.passes.cost.zero_units import gathers_per_block, ministage_units
 from hetc.passes.cost.shapes import LayerKind
 from hetc.passes.cost.transfers import Borders
-from hetc.passes.cost.probe import Primitives
+from hetc.passes.plan.primitives import Primitives
 from hetc.ir.spec import ScheduleKind, ZeroShard, ZeroSpec
 from hetc.ir.topology import Gpu
 

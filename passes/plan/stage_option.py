@@ -19,7 +19,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hetc.passes.cost.candidate_stage import StageCosts, unit_lane_times
+from hetc.passes.plan.candidate_stage import StageCosts, unit_lane_times
 from hetc.passes.cost.classes import lane_timing
 from hetc.ir.spec import ScheduleKind, ZeroShard
 

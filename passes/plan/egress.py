@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING
 
 from hetc.passes.cost.traffic import zero_bytes
 from hetc.ir.topology import Gpu
-from hetc.passes.cost.probe import Primitives
-from hetc.passes.cost.candidate_view import PlanView
+from hetc.passes.plan.primitives import Primitives
+from hetc.passes.plan.candidate_view import PlanView
 
 if TYPE_CHECKING:
-    from hetc.passes.cost.candidate_stage import StageCosts
+    from hetc.passes.plan.candidate_stage import StageCosts
 
 __all__ = ["egress_per_step", "has_egress"]
 

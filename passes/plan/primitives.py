@@ -1,12 +1,11 @@
-"""The cost model's primitives for any GPU of a cluster: per-layer times, links, collectives, bytes.
+"""The cost model's primitives for any GPU of a cluster, as the planner reads them.
 
 The planner reads thousands of candidates class by class
-(passes/cost/candidate_stage.py) before any of them is a Pipeline.
-Every time and byte here comes from a *probe* `CostModel` whose world is
-every GPU of the cluster (world rank = GPU id), so that its layer-time,
-link, collective and copy methods answer for any GPU; this class only
-memoises them on what a candidate's classes of lanes share (a layer's
-kind, a lane's device kinds).
+(passes/plan/candidate_stage.py) before any of them is a Pipeline.
+Every time here is the cluster's `Hardware` (passes/cost/hardware.py,
+ranks = GPU ids), which needs no plan; this class memoises it on what a
+candidate's classes of lanes share (a layer's kind, a lane's device kinds)
+and adds the bytes a candidate's stages hold.
 """
 
 from __future__ import annotations
@@ -14,15 +13,15 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import lru_cache
 
-from hetc.passes.cost import CostModel, Profiles
+from hetc.passes.cost import Profiles
+from hetc.passes.cost.hardware import Hardware
+from hetc.passes.cost.transfers import Engine
 from hetc.passes.cost.compute import LayerCost
 from hetc.passes.cost.cores import Computing, rank_slowdowns
 from hetc.passes.cost.memory import context_reserve, state_bytes_per_param
-from hetc.passes.cost.model import optimizer_seconds
 from hetc.passes.cost.shapes import LayerKind, activation_elements, params_per_rank
-from hetc.ir.pipeline import Pipeline
 from hetc.ir.program import Collective, Phase
-from hetc.ir.spec import DTYPE_BYTES, Checkpointing, ModelSpec, ScheduleKind, TrainSpec
+from hetc.ir.spec import DTYPE_BYTES, Checkpointing, ModelSpec, TrainSpec
 from hetc.ir.topology import Gpu
 from hetc.ir.plan import Job
 
@@ -40,10 +39,8 @@ class Primitives:
         self.train: TrainSpec = train
         self.micro_batch = micro_batch
         self.num_microbatches = train.global_batch // micro_batch
-        probe_world = Pipeline((), (), topo.gpus, self.num_microbatches, micro_batch,
-                               ScheduleKind.ONE_F_ONE_B, 1)
-        self.probe = CostModel(replace(job, spec=self.spec, train=train).plan(probe_world), profiles)
-        self.engine = self.probe.engine   # the planner plans for hetc's own programs
+        self.hardware = Hardware(job, profiles, micro_batch)
+        self.engine = Engine.HETC   # the planner plans for hetc's own programs
         self.delta = DTYPE_BYTES[self.model.dtype]
         self.states = state_bytes_per_param(self.model)
         # b·S·H·δ: the activation at a border (every tp rank holds it all: no sequence parallelism) and
@@ -71,8 +68,8 @@ class Primitives:
 
     def _layer_cost(self, device: str, idx_kind: LayerKind, tp: int, tp_group: tuple[int, ...],
                     rerun: bool, checkpoint: Checkpointing) -> LayerCost:
-        """`CostModel.layer_cost` for a lane with cp = 1, memoised on the layer's kind."""
-        return self.probe.layer_cost(device, _index(self.model, idx_kind), tp, 1, tp_group, rerun, checkpoint)
+        """`Hardware.layer_cost` for a lane with cp = 1, memoised on the layer's kind."""
+        return self.hardware.layer_cost(device, _index(self.model, idx_kind), tp, 1, tp_group, rerun, checkpoint)
 
     def _lane_compute(self, devices: tuple[str, ...], tp: int, tp_group: tuple[int, ...], rerun: bool,
                       checkpoint: Checkpointing, units: tuple[int, int, int],
@@ -90,21 +87,21 @@ class Primitives:
     # ------------------------------------------------------------ links
 
     def ring(self, kind: Collective, ranks: tuple[int, ...], nbytes: float, concurrent: int = 1) -> float:
-        """`CostModel.collective_time` over GPU ids `ranks`."""
-        return self.probe.collective_time(kind, ranks, nbytes, concurrent)
+        """`Hardware.collective_time` over GPU ids `ranks`."""
+        return self.hardware.collective_time(kind, ranks, nbytes, concurrent)
 
     def p2p(self, src: Gpu, dst: Gpu, nbytes: float, concurrent: int = 1) -> float:
-        """`CostModel.p2p_time` between two GPUs."""
-        return self.probe.p2p_time(src.id, dst.id, nbytes, concurrent)
+        """`Hardware.p2p_time` between two GPUs."""
+        return self.hardware.p2p_time(src.id, dst.id, nbytes, concurrent)
 
     def copy(self, gpu: Gpu, nbytes: float) -> float:
-        return self.probe.copy_time(gpu.id, nbytes)
+        return self.hardware.copy_time(gpu.id, nbytes)
 
     def overhead(self, gpu: Gpu) -> float:
-        return self.probe.microbatch_overhead(gpu.id)
+        return self.hardware.microbatch_overhead(gpu.id)
 
     def optimizer(self, gpu: Gpu, numel: float, on_host: bool) -> float:
-        return optimizer_seconds(self.model, gpu.device, numel, on_host)
+        return self.hardware.optimizer_time(gpu.id, numel, on_host)
 
     def rank_slowdowns(self, ranks: tuple[Computing, ...]) -> tuple[float, ...]:
         """`cores.rank_slowdowns` of a plan's ranks (all 1 when no node and not the cluster shares cores),
@@ -115,7 +112,7 @@ class Primitives:
         if got is None:
             cluster = self.topo.cluster
             got = self._slowdowns[ranks] = tuple(rank_slowdowns(ranks, {n.name: n.cores for n in cluster.nodes},
-                                                                cluster.cores, self.probe.profiles.shared))
+                                                                cluster.cores, self.hardware.profiles.shared))
         return got
 
     def context(self, gpu: Gpu) -> float:
