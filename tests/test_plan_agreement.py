@@ -21,7 +21,7 @@ import pytest
 from hetc.passes.agreement import Agreement, compare
 from hetc.passes.plan.planner import PlanResult
 from hetc.passes.verify import Backend, verify
-from tests.planned import DEEP_JOBS, JOBS, SPECS, Planned, spec_name
+from tests.planned import DEEP_JOBS, JOBS, LLAMA_JOBS, SPECS, Planned, spec_name
 from tests.test_check_positions import assert_copies_position_0
 
 TOLERANCE = 0.10
@@ -108,6 +108,19 @@ def test_deep_tp_pipelines_compile_and_agree(seed, plan_cache):
     got = plan_cache.deep(seed)
     problem = _outcome(got)
     assert problem is None, f"{got and got.path.read_text()}\n{problem}"
+
+
+@pytest.mark.parametrize("name", sorted(LLAMA_JOBS))
+def test_three_kind_two_region_llama_jobs_compile_and_agree(name, plan_cache):
+    """Llama-3-8B and 70B on H100 + A100-40 + L4 in two regions, planned on all three kinds: explain's step and
+    every rank's memory against the compiled programs, as for the random jobs (issue 32: the memory parted by
+    30 % on such a job once)."""
+    got = plan_cache.llama(name)
+    assert got is not None, "nothing fits"
+    kinds = {g.device.name for g in got.result.plan.pipeline.world}
+    assert kinds == {"H100", "A100-40", "L4"}, kinds
+    problem = _outcome(got)
+    assert problem is None, problem
 
 
 SPEC_GAPS: dict[str, str] = {}

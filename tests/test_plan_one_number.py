@@ -22,76 +22,13 @@ from hetc.ir.spec import Spec
 from hetc.ir.errors import SpecError
 from hetc.ir.topology import Topology
 from hetc.ir.plan import Job
-from tests.conftest import SPECS
+from tests.llama_jobs import LLAMA_8B_TWO_REGIONS
 from tests.planned import JOBS, NARROW
 from tests.random_jobs import random_job
 
 # the random family as tests/planned.py plans it (at most 8 GPUs, a narrow search): about 0.4 s a job. Choosing on
 # the closed form, job 50 printed 4.313 s against the Megatron grid's 4.306 s.
 FAMILY = range(JOBS)
-
-# The issue's job: Llama-3-8B on 256 H100 and 32 A100-40 in one region, 256 L4 in another.
-LLAMA_8B_TWO_REGIONS = f'''use "{(SPECS / "catalog.het").as_posix()}"
-
-model llama3_8b {{
-  arch = llama
-  layers = 32
-  hidden = 4096
-  heads = 32
-  kv_heads = 8
-  ffn = 14336
-  vocab = 128256
-  seq = 4096
-  dtype = bf16
-}}
-
-cluster two_regions {{
-  node h100 {{
-    device = H100
-    count = 32
-    gpus = 8
-    region = east
-    intra {{
-      bandwidth = 450 GB/s
-      latency = 3 us
-    }}
-  }}
-  node a100 {{
-    device = A100-40
-    count = 4
-    gpus = 8
-    region = east
-    intra {{
-      bandwidth = 300 GB/s
-      latency = 3 us
-    }}
-  }}
-  node l4 {{
-    device = L4
-    count = 32
-    gpus = 8
-    region = west
-    intra {{
-      bandwidth = 32 GB/s
-      latency = 5 us
-    }}
-  }}
-  link east <-> west {{
-    bandwidth = 2 GB/s
-    latency = 20 ms
-  }}
-  inter_bandwidth = 400 Gb/s
-  inter_latency = 10 us
-}}
-
-train {{
-  global_batch = 1024
-}}
-
-parallel {{
-  schedule = auto
-}}
-'''
 
 
 def _slower_fitting_baselines(spec: Spec, result: PlanResult) -> list[str]:

@@ -30,7 +30,9 @@ from hetc.passes.plan.candidate_view import ResolvedStage
 from hetc.passes.plan.stages import StageRule, written_counts
 from hetc.passes.plan.tables import Option, StageTable, holds_all, placeable, stage_costs, stage_option
 from hetc.passes.plan.views import Resolver, view_of
+from hetc.ir.pipeline import route_microbatches
 from hetc.ir.spec import Checkpointing, ModelSpec, Objective, ScheduleKind
+from hetc.passes.lower.schedule import interleaved_groups
 from hetc.ir.topology import Gpu
 from hetc.ir.plan import Job
 
@@ -324,6 +326,8 @@ class Structures:
                 for lane, count in zip(cls.lanes, row):
                     lane_counts[lane] = count
             counts.append(self._routed(st, len(counts), m) or tuple(lane_counts))
+        if st.schedule is ScheduleKind.INTERLEAVED and not _lockstep_groups_alike(a, counts):
+            return None
         return Candidate(st.layout, tuple(o.layers for o in a.options), tuple(o.knobs for o in a.options),
                          tuple(counts), st.schedule, st.micro_batch, self.space.prefetch, st.idle)
 
@@ -378,6 +382,22 @@ class Structures:
         if self.goal.kind is not Objective.COST:
             return 1.0
         return sum(g.device.price for stage in st.layout for g in self.resolve(stage).gpus)
+
+
+def _lockstep_groups_alike(a: Assignment, counts: list[tuple[int, ...]]) -> bool:
+    """Whether under interleaved 1F1B the lanes of every stage in lockstep (ZeRO-2/3 reducing every
+    microbatch, `lockstep_groups` in passes/lower/schedule.py) get groups of the same sizes, so run the same
+    ops: equal counts are not enough where the first stage's lanes do not line up with theirs (a stage of 8
+    lanes behind one of 1 lane and groups of p = 10: lane 0 takes microbatches 0 and 8 in the first group,
+    lane 7 only 7). The validator refuses such a plan as written out."""
+    first = route_microbatches(list(counts[0]))
+    for option, lanes in zip(a.options, counts):
+        if option.knobs.zero >= 2 and len(lanes) > 1:
+            sizes = {tuple(map(len, interleaved_groups(first, mbs, len(counts))))
+                     for mbs in route_microbatches(list(lanes))}
+            if len(sizes) > 1:
+                return False
+    return True
 
 
 def base_knobs(options: list[Knobs]) -> list[Knobs]:

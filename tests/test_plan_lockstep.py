@@ -1,0 +1,50 @@
+"""The planner writes out no interleaved plan whose lanes in lockstep run different ops.
+
+ZeRO-2/3 reduces every microbatch, so the lanes of such a stage run the same
+ops in the same order (passes/lower/schedule.py `lockstep_groups`); under
+interleaved 1F1B a lane's ops follow its microbatches' groups, p microbatches
+of every first-stage lane each (Note [interleaved groups]). Equal counts are
+not enough: a 70B job on 4 H100 + 8 A100-40 + 48 L4 once had as its best
+plan a stage of 8 L4 lanes behind one H100 lane with p = 10, which the
+validator refused as written out, and `hetc plan` stopped with that error.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import cast
+
+from hetc.frontend.load import load_spec
+from hetc.passes.lower.schedule import interleaved_groups
+from hetc.passes.plan.assign import Assignment
+from hetc.passes.plan.candidate import Knobs
+from hetc.passes.plan.planner import plan_spec
+from hetc.passes.plan.structures import _lockstep_groups_alike
+from tests.llama_jobs import llama_two_regions
+
+
+def test_a_lanes_groups_are_its_microbatches_positions_in_the_first_stage_over_p():
+    first = [list(range(20))]                       # one first-stage lane: position = microbatch
+    assert interleaved_groups(first, [0, 8, 16], 10) == [[0, 8], [16]]
+    assert interleaved_groups(first, [7, 15], 10) == [[7], [15]]
+    two = [list(range(0, 20, 2)), list(range(1, 20, 2))]   # two lanes: microbatch 2k and 2k+1 at position k
+    assert interleaved_groups(two, [1, 4, 9, 10], 2) == [[1], [4], [9, 10]]   # positions 0, 2, 4, 5
+
+
+def _assignment(*zero: int) -> Assignment:
+    return cast(Assignment, SimpleNamespace(options=[SimpleNamespace(knobs=Knobs(zero=z)) for z in zero]))
+
+
+def test_a_candidate_whose_lockstep_lanes_get_unequal_groups_is_not_built():
+    """Lanes of unequal counts in the first stage move the groups' borders: the routes decide."""
+    assert _lockstep_groups_alike(_assignment(0, 3), [(16,), (8, 8)])
+    assert not _lockstep_groups_alike(_assignment(0, 3), [(10, 6), (8, 8)])   # groups of 3, 1, 3, 1 and 1, 3, 1, 1, 2
+    assert _lockstep_groups_alike(_assignment(0, 1), [(10, 6), (8, 8)])     # ZeRO-1: lanes not in lockstep
+
+
+def test_the_planner_writes_out_no_plan_the_validator_refuses(tmp_path):
+    path = tmp_path / "llama70b.het"
+    path.write_text(llama_two_regions("70b", 4, 8, 48, 128, activation_checkpoint="auto"))
+    loaded = load_spec(path)
+    result = plan_spec(loaded.spec, None, tmp_path)     # raised the validator's error on <generated> before
+    assert result.plan.pipeline.stages
