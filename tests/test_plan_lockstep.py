@@ -15,7 +15,7 @@ from types import SimpleNamespace
 from typing import cast
 
 from hetc.frontend.load import load_spec
-from hetc.passes.lower.schedule import interleaved_groups
+from hetc.passes.lower.schedule import first_positions, interleaved_groups
 from hetc.passes.plan.assign import Assignment
 from hetc.passes.plan.candidate import Knobs
 from hetc.passes.plan.planner import plan_spec
@@ -24,10 +24,10 @@ from tests.llama_jobs import llama_two_regions
 
 
 def test_a_lanes_groups_are_its_microbatches_positions_in_the_first_stage_over_p():
-    first = [list(range(20))]                       # one first-stage lane: position = microbatch
+    first = first_positions([list(range(20))])      # one first-stage lane: position = microbatch
     assert interleaved_groups(first, [0, 8, 16], 10) == [[0, 8], [16]]
     assert interleaved_groups(first, [7, 15], 10) == [[7], [15]]
-    two = [list(range(0, 20, 2)), list(range(1, 20, 2))]   # two lanes: microbatch 2k and 2k+1 at position k
+    two = first_positions([list(range(0, 20, 2)), list(range(1, 20, 2))])   # microbatches 2k and 2k+1 at k
     assert interleaved_groups(two, [1, 4, 9, 10], 2) == [[1], [4], [9, 10]]   # positions 0, 2, 4, 5
 
 
