@@ -9,6 +9,7 @@ import pytest
 
 from hetc.passes.cost import Engine
 from hetc.passes.cost.memory import in_flight, interleaved_group, interleaved_peak, interleaved_warmup
+from hetc.passes.cost.schedule import group_width
 from hetc.passes.cost.shapes import activation_elements, params_per_rank
 from hetc.passes.cost.params import block_params, layer_params, stage_params
 from hetc.ir.spec import Arch, Checkpointing, ScheduleKind
@@ -115,11 +116,23 @@ def test_activations_in_flight_per_schedule():
     assert in_flight(ScheduleKind.INTERLEAVED, 0, 4, 16, 2) == (2 * 3 + 4 + 1) / 2
 
 
+def test_a_group_is_p_or_the_equal_groups_that_leave_no_remainder():
+    """Megatron's p where it divides a first-stage lane's microbatches; else ⌊n₀/p⌋ ≥ 2 equal groups that
+    split them, as torch's flexible interleaved schedule does; else p and a partial last group."""
+    assert group_width(13, 26) == 13
+    assert group_width(13, 32) == 16            # deep TP job 10: groups of 13, 13, 6 waited on themselves
+    assert group_width(6, 16) == 8
+    assert group_width(13, 33) == 13            # two groups do not split 33: 13, 13, 7
+    assert group_width(3, 4) == 3               # fewer than 2p: one group of all is breadth-first's
+    assert group_width(4, 2) == 4
+
+
 def test_interleaved_groups_follow_the_lanes_share():
     """A lane's group is its share of p microbatches of every first-stage lane (Note [interleaved groups])."""
     assert interleaved_group(4, 4, 16, 64) == 4                  # lanes line up: Megatron's p
     assert interleaved_group(4, 8, 128, 256) == 16               # a narrow stage behind 8 lanes
-    assert interleaved_group(6, 1, 8, 16) == 3                   # a wide stage behind one lane
+    assert interleaved_group(4, 1, 8, 16) == 2                   # a wide stage behind one lane
+    assert interleaved_group(6, 1, 8, 16) == 4                   # groups of 8, not 6, 6 and 4 (`group_width`)
     # Megatron's warm-up with the lane's group; a lane of g < p takes the round trip g/p times
     assert interleaved_warmup(2, 4, 2, 4) == 2 + 4 + 1
     assert interleaved_warmup(2, 4, 2, 16) == 2 + 16 + 1

@@ -86,11 +86,6 @@ _INTERLEAVED_WAITS = ("interleaved 1F1B of short ops (0.1-0.3 ms a chunk) over 7
                       "[chunk loop])")
 DEEP_GAPS: dict[int, str] = {
     4: _INTERLEAVED_WAITS,
-    10: "interleaved 1F1B over 13 stages of 32 microbatches: the last stage's memory (rank 24) is explained "
-        "6.26 GiB, compiled 5.64 GiB (+11.0 %): Megatron's strict order gets stuck on the last, partial group "
-        "(32 = 2 x 13 + 6), so lowering falls back to 'a backward whenever one is ready' (timed_schedule), which "
-        "runs each head-chunk forward beside its backward; the estimate (`interleaved_peak`) keeps the strict "
-        "order, which stashes six head-chunk forwards (0.15 GiB each) at the end",
     11: _INTERLEAVED_WAITS,
 }
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from itertools import accumulate
 
-from hetc.passes.cost.schedule import Grouping
+from hetc.passes.cost.schedule import Grouping, group_width
 from hetc.ir.spec import DTYPE_BYTES, ModelSpec, OffloadSpec, OffloadTarget, ScheduleKind, ZeroSpec
 from hetc.ir.topology import Gpu
 
@@ -158,7 +158,8 @@ def interleaved_group(num_stages: int, first_lanes: int, microbatches: int, num_
     them breadth-first (`schedule.interleaved_grouping`)."""
     if grouping is Grouping.BREADTH_FIRST:
         return microbatches
-    return max(1, round(num_stages * first_lanes * microbatches / max(num_microbatches, 1)))
+    width = group_width(num_stages, -(-num_microbatches // max(first_lanes, 1)))
+    return max(1, round(width * first_lanes * microbatches / max(num_microbatches, 1)))
 
 
 def interleaved_warmup(stage: int, num_stages: int, chunks: int, group: int) -> int:

@@ -24,7 +24,7 @@ from typing import NamedTuple, TypeVar
 from hetc.ir.errors import InternalError
 from hetc.passes.cost.memory import interleaved_warmup
 from hetc.passes.cost.pipeline_stage import lane_group
-from hetc.passes.cost.schedule import Grouping
+from hetc.passes.cost.schedule import Grouping, group_width
 from hetc.passes.lower.context import LowerContext, rank_shell
 from hetc.passes.lower.lane_sim import Op, Policy, Run, simulate
 from hetc.ir.pipeline import Lane, Pipeline, Stage
@@ -129,10 +129,9 @@ def _policy(ctx: LowerContext, stage: Stage, lane: Lane) -> Policy:
 
 
 def _group_width(pipeline: Pipeline, grouping: Grouping) -> int:
-    """Microbatches of each first-stage lane in a group (Note [interleaved groups]): Megatron's p, or all."""
-    if grouping is Grouping.BREADTH_FIRST:
-        return max(len(lane.microbatches) for lane in pipeline.stages[0].lanes)
-    return len(pipeline.stages)
+    """Microbatches of each first-stage lane in a group (Note [interleaved groups]): `group_width`, or all."""
+    first = max(len(lane.microbatches) for lane in pipeline.stages[0].lanes)
+    return first if grouping is Grouping.BREADTH_FIRST else group_width(len(pipeline.stages), first)
 
 
 def _interleaved_orders(pipeline: Pipeline, own: list[int], mbs: list[int], group: int
@@ -140,7 +139,9 @@ def _interleaved_orders(pipeline: Pipeline, own: list[int], mbs: list[int], grou
     """Megatron's interleaved order: microbatches in groups of `group`, chunk by chunk.
 
     Note [interleaved groups]: a microbatch's group is its position in its
-    lane of the *first* stage, divided by `group` (p), whichever stage asks.
+    lane of the *first* stage, divided by `group` (p, or the equal groups
+    of `schedule.group_width` in passes/cost where p leaves a remainder),
+    whichever stage asks.
     With lane-aligned plans that is Megatron's grouping of every lane's own
     microbatches; with many-to-many routing it gives all lanes one order of
     (group, ministage, microbatch), so no lane waits for a forward its

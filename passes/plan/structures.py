@@ -32,6 +32,7 @@ from hetc.passes.plan.tables import Option, StageTable, holds_all, placeable, st
 from hetc.passes.plan.views import Resolver, view_of
 from hetc.ir.pipeline import route_microbatches
 from hetc.ir.spec import Checkpointing, ModelSpec, Objective, ScheduleKind
+from hetc.passes.cost.schedule import group_width
 from hetc.passes.lower.schedule import first_positions, interleaved_groups
 from hetc.ir.topology import Gpu
 from hetc.ir.plan import Job
@@ -391,9 +392,10 @@ def _lockstep_groups_alike(a: Assignment, counts: list[tuple[int, ...]]) -> bool
     lanes behind one of 1 lane and groups of p = 10: lane 0 takes microbatches 0 and 8 in the first group,
     lane 7 only 7). The validator refuses such a plan as written out."""
     first = first_positions(route_microbatches(list(counts[0])))
+    width = group_width(len(counts), max(counts[0]))
     for option, lanes in zip(a.options, counts):
         if option.knobs.zero >= 2 and len(lanes) > 1:
-            sizes = {tuple(map(len, interleaved_groups(first, mbs, len(counts))))
+            sizes = {tuple(map(len, interleaved_groups(first, mbs, width)))
                      for mbs in route_microbatches(list(lanes))}
             if len(sizes) > 1:
                 return False
