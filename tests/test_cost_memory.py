@@ -117,11 +117,12 @@ def test_activations_in_flight_per_schedule():
 
 
 def test_a_group_is_p_or_the_equal_groups_that_leave_no_remainder():
-    """Megatron's p where it divides a first-stage lane's microbatches; else ⌊n₀/p⌋ ≥ 2 equal groups that
-    split them, as torch's flexible interleaved schedule does; else p and a partial last group."""
+    """Megatron's p where it divides a first-stage lane's microbatches; else the fewest equal groups wider than
+    p that split them; else p and a partial last group."""
     assert group_width(13, 26) == 13
     assert group_width(13, 32) == 16            # deep TP job 10: groups of 13, 13, 6 waited on themselves
     assert group_width(6, 16) == 8
+    assert group_width(7, 36) == 9              # deep TP job 4: four of 9, not 7 x 5 and 1
     assert group_width(13, 33) == 13            # two groups do not split 33: 13, 13, 7
     assert group_width(3, 4) == 3               # fewer than 2p: one group of all is breadth-first's
     assert group_width(4, 2) == 4

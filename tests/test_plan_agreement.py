@@ -81,9 +81,9 @@ def test_random_job_plans_compile_and_agree(seed, plan_cache):
 # Deep TP pipelines of many microbatches (tests/random_jobs.py `deep_job`; issue 32, 2), measured as above
 _INTERLEAVED_WAITS = ("interleaved 1F1B of short ops (0.1-0.3 ms a chunk) over 7-11 stages: the estimate waits for "
                       "every border transfer (Note [async sends]), the compiled lanes overlap most of them "
-                      "(deep4 +11.0 %, deep11 +21.3 %); counted overlapped as under 1F1B, deep11 is +4.2 % but "
-                      "deep4 and deep10 fall to -15.6 % and -18.5 % (the chunks' loop at every group's turn, Note "
-                      "[chunk loop])")
+                      "(deep4 +22.1 %, deep11 +22.7 %); counted overlapped as under 1F1B they are -8.2 % and +4.7 %, "
+                      "but random jobs 27 and 81 and zorse/c_auto, whose lanes wait for theirs, fall to -11.8 %, "
+                      "-10.7 % and -14.8 %")
 DEEP_GAPS: dict[int, str] = {
     4: _INTERLEAVED_WAITS,
     11: _INTERLEAVED_WAITS,
