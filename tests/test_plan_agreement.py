@@ -79,15 +79,7 @@ def test_random_job_plans_compile_and_agree(seed, plan_cache):
 
 
 # Deep TP pipelines of many microbatches (tests/random_jobs.py `deep_job`; issue 32, 2), measured as above
-_INTERLEAVED_WAITS = ("interleaved 1F1B of short ops (0.1-0.3 ms a chunk) over 7-11 stages: the estimate waits for "
-                      "every border transfer (Note [async sends]), the compiled lanes overlap most of them "
-                      "(deep4 +22.1 %, deep11 +22.7 %); counted overlapped as under 1F1B they are -8.2 % and +4.7 %, "
-                      "but random jobs 27 and 81 and zorse/c_auto, whose lanes wait for theirs, fall to -11.8 %, "
-                      "-10.7 % and -14.8 %")
-DEEP_GAPS: dict[int, str] = {
-    4: _INTERLEAVED_WAITS,
-    11: _INTERLEAVED_WAITS,
-}
+DEEP_GAPS: dict[int, str] = {}
 
 
 def _deep() -> list:
@@ -116,18 +108,6 @@ def test_three_kind_two_region_llama_jobs_compile_and_agree(name, plan_cache):
     assert kinds == {"H100", "A100-40", "L4"}, kinds
     problem = _outcome(got)
     assert problem is None, problem
-
-
-@pytest.mark.parametrize("seed", sorted(DEEP_GAPS))
-def test_the_deep_pipelines_whose_step_is_a_known_gap_agree_in_memory(seed, plan_cache):
-    """Their xfails are the step's (`DEEP_GAPS`); every rank's memory by explain (and by the planner's score, where
-    the planner chose the plan) is still held to the compiled peak."""
-    got = plan_cache.deep(seed)
-    assert got is not None
-    agreement = compare(got.built)
-    assert all(abs(g) <= TOLERANCE for g in agreement.memory_gaps), agreement.describe()
-    if got.result.score is not None:
-        assert [p for p in _score_problems(got.result, agreement) if p.startswith("memory")] == []
 
 
 SPEC_GAPS: dict[str, str] = {}

@@ -137,9 +137,10 @@ def lane_timings(engine: Engine, schedule: ScheduleKind, stages: Sequence[StageS
     lane of n microbatches holds them all in one group (`lane_timing`)."""
     out = []
     leads = [(st, lanes[0]) for st in stages for lanes in st.lane_classes()]
-    # ZB-H1's steady order (Note [async sends]), but for lanes in lockstep behind their per-microbatch ZeRO
-    # collectives, whose gathers and reduce-scatters hold the ops a receive would run beside
-    even = even_zero_bubble(schedule, (st.count(lane) for st, lane in leads))
+    # ZB-H1's and interleaved 1F1B's steady orders (Note [async sends]), but for lanes in lockstep behind their
+    # per-microbatch ZeRO collectives, whose gathers and reduce-scatters hold the ops a receive would run beside
+    even = even_zero_bubble(schedule, (st.count(lane) for st, lane in leads)) or \
+        (schedule is ScheduleKind.INTERLEAVED and all(st.num_lanes == 1 for st in stages))
     coupled = coupled_stages(schedule, stages)
     for st, lane in leads:
         f, i, w = st.compute(lane)

@@ -15,7 +15,16 @@ back to the lane for its next chunk only after crossing the borders in
 between, so its transfers lie between the lane's own ops of it; ZB-H1 runs
 what is ready, so the op a receive overlaps is not fixed (the agreement
 family's interleaved and ZB plans, tests/test_plan_agreement.py, ran up to
-30 % longer than the overlapped count). But ZB-H1 with every lane serving
+30 % longer than the overlapped count). But interleaved 1F1B with one lane
+a stage alternates its chunk forwards and backwards as 1F1B does, each
+chunk's input arriving from the one lane before it in that order: its
+receives run beside the op before their consumer (deep TP jobs 4 and 11,
+7 and 11 stages of tp 4 and 0.1-0.3 ms chunks, were explained +22.1 % and
++22.7 % of their compiled steps counted whole, −8.2 % and +4.7 % so).
+Where a stage has several lanes, a lane's inputs come from lanes that
+serve other microbatches between them, and the count stays whole (random
+jobs 27 and 81 and zorse/c_auto.het fell to −11.8 %, −10.7 % and −14.8 %
+counted overlapped). And ZB-H1 with every lane serving
 as many microbatches runs each microbatch's F, I, W in turn in its steady
 order (`in_order`, `schedule.even_zero_bubble`): an activation's receive
 runs beside the W before its forward, a gradient's beside the F before its
@@ -75,9 +84,9 @@ class Borders:
 def transfer_waits(engine: Engine, schedule: ScheduleKind, borders: Borders,
                    compute: tuple[float, float, float], in_order: bool = False) -> float:
     """Seconds per microbatch the lane's thread waits for its border transfers (Note [async sends]);
-    `compute`: the stage's (F, I, W) of one microbatch; `in_order`: ZB-H1 lanes in their steady order
-    (`schedule.even_zero_bubble`)."""
-    order = _ZB_IN_ORDER if schedule is ScheduleKind.ZB and in_order else _STEADY_ORDER.get(schedule)
+    `compute`: the stage's (F, I, W) of one microbatch; `in_order`: lanes in their steady order (ZB-H1's with
+    equal lanes, `schedule.even_zero_bubble`; interleaved 1F1B's with one lane a stage)."""
+    order = _IN_ORDER[schedule] if in_order and schedule in _IN_ORDER else _STEADY_ORDER.get(schedule)
     if engine is Engine.MEGATRON or order is None:
         return borders.total
     f, i, w = (x / max(borders.ministages, 1) for x in compute)
@@ -93,4 +102,10 @@ _STEADY_ORDER: dict[ScheduleKind, _Order] = {
     ScheduleKind.GPIPE: lambda f, i, w: (f, i + w),
     ScheduleKind.ONE_F_ONE_B: lambda f, i, w: (i + w, f),
 }
-_ZB_IN_ORDER: _Order = lambda f, i, w: (w, f)   # F, I, W in turn: W before a forward, F before an input gradient
+# the orders lanes keep only where nothing upstream reorders their arrivals (`in_order`): ZB-H1 with every lane
+# serving as many microbatches runs F, I, W in turn (W before a forward, F before an input gradient);
+# interleaved 1F1B with one lane a stage alternates chunk forwards and backwards as 1F1B does
+_IN_ORDER: dict[ScheduleKind, _Order] = {
+    ScheduleKind.ZB: lambda f, i, w: (w, f),
+    ScheduleKind.INTERLEAVED: lambda f, i, w: (i + w, f),
+}
