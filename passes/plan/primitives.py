@@ -33,8 +33,7 @@ class Primitives:
 
     def __init__(self, job: Job, profiles: Profiles | None, micro_batch: int):
         train = replace(job.train, micro_batch=micro_batch)
-        self.spec = replace(job.spec, train=train)
-        self.topo = topo = job.topology
+        self.topo = job.topology
         self.model: ModelSpec = job.model
         self.train: TrainSpec = train
         self.micro_batch = micro_batch
@@ -52,7 +51,7 @@ class Primitives:
         self.params = lru_cache(maxsize=None)(self._params)
         self.activations = lru_cache(maxsize=None)(self._activations)
         self._slowdowns: dict[tuple[Computing, ...], tuple[float, ...]] = {}
-        cluster = topo.cluster
+        cluster = self.topo.cluster
         self.cores_shared = cluster.cores > 0 or any(n.cores > 0 for n in cluster.nodes)
 
     # ------------------------------------------------------------ per layer
