@@ -200,6 +200,7 @@ def _supervise(signals: _Signals, stop_timeout_s: float) -> int:
     procs = signals.ranks
     failure: tuple[int, float] | None = None     # the first failure's status, and when it was seen
     reported: set[int] = set()
+    statuses: list[int] = []                     # every failure's, in the order seen
     while True:
         signals.forward()
         codes = [p.poll() for p in procs]
@@ -209,6 +210,7 @@ def _supervise(signals: _Signals, stop_timeout_s: float) -> int:
             reported.add(rank)
             print(f"hetc run: rank {rank} exited with status {_describe(code)}", file=sys.stderr, flush=True)
             failure = failure or (_status(code), time.monotonic())
+            statuses.append(code)
         if all(c is not None for c in codes):
             break
         if signals.overdue(stop_timeout_s):
@@ -223,10 +225,19 @@ def _supervise(signals: _Signals, stop_timeout_s: float) -> int:
         time.sleep(0.2)
     exit_codes = [p.wait() for p in procs]
     if failure is not None:
-        return failure[0]
+        return _answer(statuses)
     if signals.signum is not None and any(code != 0 for code in exit_codes):
         return 128 + signals.signum
     return next((_status(code) for code in exit_codes if code != 0), 0)
+
+
+def _answer(statuses: list[int]) -> int:
+    """The launcher's status from its failed ranks' (in the order seen): the first a rank stopped with on its
+    own (2: bad input, 3: diverged, 1: an error it reported), else the first death by a signal. A rank that
+    stops on its own can take longer to go (it reports, waits for a save) than a peer that dies as they part:
+    a diverged run once had rank 1 abort in its teardown (SIGABRT) before rank 0 exited with 3."""
+    own = [code for code in statuses if code > 0]
+    return _status(own[0] if own else statuses[0])
 
 
 def _report_overdue(signals: _Signals, codes: list[int | None], stop_timeout_s: float) -> None:
