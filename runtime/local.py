@@ -5,7 +5,8 @@ give it (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), one thread
 each unless OMP_NUM_THREADS says otherwise. If a rank fails, the others are
 given time to notice (they name the dead rank themselves) and are then
 stopped; the launcher reports every rank that fails and exits with the first
-failure's status. SIGTERM and Ctrl-C are the launcher's to handle: it passes
+status a rank stopped with on its own, else the first death by a signal
+(`_answer`). SIGTERM and Ctrl-C are the launcher's to handle: it passes
 them on to the ranks (Note [signals under --local]).
 """
 
@@ -198,9 +199,9 @@ def _supervise(signals: _Signals, stop_timeout_s: float) -> int:
     """Wait for all ranks; report each failed one; stop the rest GRACE_S after the first failure, or
     once the ranks had their time to answer a signal."""
     procs = signals.ranks
-    failure: tuple[int, float] | None = None     # the first failure's status, and when it was seen
+    failed_at: float | None = None     # when the first failure was seen
     reported: set[int] = set()
-    statuses: list[int] = []                     # every failure's, in the order seen
+    statuses: list[int] = []           # every failure's exit code, in the order seen
     while True:
         signals.forward()
         codes = [p.poll() for p in procs]
@@ -209,7 +210,7 @@ def _supervise(signals: _Signals, stop_timeout_s: float) -> int:
                 continue
             reported.add(rank)
             print(f"hetc run: rank {rank} exited with status {_describe(code)}", file=sys.stderr, flush=True)
-            failure = failure or (_status(code), time.monotonic())
+            failed_at = failed_at or time.monotonic()
             statuses.append(code)
         if all(c is not None for c in codes):
             break
@@ -217,14 +218,14 @@ def _supervise(signals: _Signals, stop_timeout_s: float) -> int:
             _report_overdue(signals, codes, stop_timeout_s)
             _kill(procs)
             break
-        if failure is not None and time.monotonic() - failure[1] > GRACE_S:
+        if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
             print(f"hetc run: stopping the ranks still running {GRACE_S:.0f} s after the first failure",
                   file=sys.stderr, flush=True)
             _stop(procs)
             break
         time.sleep(0.2)
     exit_codes = [p.wait() for p in procs]
-    if failure is not None:
+    if statuses:
         return _answer(statuses)
     if signals.signum is not None and any(code != 0 for code in exit_codes):
         return 128 + signals.signum

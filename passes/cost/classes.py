@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from hetc.passes.cost.memory import RankMemory, interleaved_group, interleaved_update
-from hetc.passes.cost.schedule import (Grouping, LaneTiming, Unit, UnitOp, even_zero_bubble, in_flight_limits,
+from hetc.passes.cost.schedule import (Grouping, LaneTiming, Unit, UnitOp, in_flight_limits, in_steady_order,
                                       interleaved_grouping, lockstep_fill, pipeline_time, sequential_time,
                                       step_lower_bound, zero_cycle)
 from hetc.passes.cost.transfers import Borders, Engine, transfer_waits
@@ -139,8 +139,7 @@ def lane_timings(engine: Engine, schedule: ScheduleKind, stages: Sequence[StageS
     leads = [(st, lanes[0]) for st in stages for lanes in st.lane_classes()]
     # ZB-H1's and interleaved 1F1B's steady orders (Note [async sends]), but for lanes in lockstep behind their
     # per-microbatch ZeRO collectives, whose gathers and reduce-scatters hold the ops a receive would run beside
-    even = even_zero_bubble(schedule, (st.count(lane) for st, lane in leads)) or \
-        (schedule is ScheduleKind.INTERLEAVED and all(st.num_lanes == 1 for st in stages))
+    even = in_steady_order(schedule, (st.count(lane) for st, lane in leads), (st.num_lanes for st in stages))
     coupled = coupled_stages(schedule, stages)
     for st, lane in leads:
         f, i, w = st.compute(lane)
@@ -157,7 +156,7 @@ def lane_timing(engine: Engine, schedule: ScheduleKind, stage: int, lane: int, m
                 shares: tuple[float, float], units: Sequence[UnitOp] = (), sweeps: bool = False,
                 in_order: bool = False) -> LaneTiming:
     """A lane's per-microbatch timing: its (F, I, W), border transfers and what of them it waits for
-    (Note [async sends]; `in_order`: ZB-H1 in its steady order, `schedule.even_zero_bubble`), and the cycle and trail its ZeRO collectives (reduce-scatter, gather, host
+    (Note [async sends]; `in_order`: in its schedule's steady order, `schedule.in_steady_order`), and the cycle and trail its ZeRO collectives (reduce-scatter, gather, host
     copies) allow (`zero_cycle`, Note [zero cycle]; `units`: its unit ops where it gathers per block).
     `sweeps`: an interleaved 1F1B lane whose one group holds all its microbatches runs each chunk's
     forwards, then its gradient ops, back to back, as GPipe does (Note [chunk loop]): each gradient op

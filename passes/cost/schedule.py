@@ -32,7 +32,7 @@ from enum import StrEnum
 from hetc.ir.spec import ScheduleKind
 
 __all__ = ["Grouping", "LaneTiming", "PipelineTime", "Unit", "UnitLane", "UnitOp", "ZeroCycle", "chunk_loop_wait",
-           "even_zero_bubble", "group_width", "in_flight_limits", "interleaved_grouping", "lockstep_fill", "pipeline_time", "round_trip_span", "sequential_time",
+           "group_width", "in_flight_limits", "in_steady_order", "interleaved_grouping", "lockstep_fill", "pipeline_time", "round_trip_span", "sequential_time",
            "step_lower_bound", "unit_ops", "zero_cycle"]
 
 
@@ -183,10 +183,14 @@ def _paced_time(schedule: ScheduleKind, lanes: list[LaneTiming], limits: Mapping
     return PipelineTime(total, pace.work, total - pace.work, (pace.stage, pace.lane))
 
 
-def even_zero_bubble(schedule: ScheduleKind, microbatches: Iterable[int]) -> bool:
-    """ZB-H1 with every lane serving as many microbatches (`microbatches`: each lane's): its lanes run F, I, W of
-    each microbatch in turn (Note [async sends] in transfers.py)."""
-    return schedule is ScheduleKind.ZB and len(set(microbatches)) == 1
+def in_steady_order(schedule: ScheduleKind, microbatches: Iterable[int], lanes: Iterable[int]) -> bool:
+    """Whether the lanes keep their schedule's steady order, nothing upstream reordering their arrivals
+    (Note [async sends] in transfers.py; `microbatches`: each lane's, `lanes`: each stage's count): ZB-H1 with
+    every lane serving as many microbatches runs F, I, W of each in turn; interleaved 1F1B with one lane a
+    stage alternates chunk forwards and backwards as 1F1B does."""
+    if schedule is ScheduleKind.ZB:
+        return len(set(microbatches)) == 1
+    return schedule is ScheduleKind.INTERLEAVED and all(n == 1 for n in lanes)
 
 
 def _zb_way(t: LaneTiming) -> float:

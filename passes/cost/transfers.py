@@ -26,7 +26,7 @@ serve other microbatches between them, and the count stays whole (random
 jobs 27 and 81 and zorse/c_auto.het fell to −11.8 %, −10.7 % and −14.8 %
 counted overlapped). And ZB-H1 with every lane serving
 as many microbatches runs each microbatch's F, I, W in turn in its steady
-order (`in_order`, `schedule.even_zero_bubble`): an activation's receive
+order (`in_order`, `schedule.in_steady_order`): an activation's receive
 runs beside the W before its forward, a gradient's beside the F before its
 input gradient (demo moe_pp_ep2 on two shared cores: the last stage's
 1.9 ms receive under a 3.1 ms W, none of it waited; demo zb and
@@ -84,8 +84,8 @@ class Borders:
 def transfer_waits(engine: Engine, schedule: ScheduleKind, borders: Borders,
                    compute: tuple[float, float, float], in_order: bool = False) -> float:
     """Seconds per microbatch the lane's thread waits for its border transfers (Note [async sends]);
-    `compute`: the stage's (F, I, W) of one microbatch; `in_order`: lanes in their steady order (ZB-H1's with
-    equal lanes, `schedule.even_zero_bubble`; interleaved 1F1B's with one lane a stage)."""
+    `compute`: the stage's (F, I, W) of one microbatch; `in_order`: lanes in their steady order
+    (`schedule.in_steady_order`)."""
     order = _IN_ORDER[schedule] if in_order and schedule in _IN_ORDER else _STEADY_ORDER.get(schedule)
     if engine is Engine.MEGATRON or order is None:
         return borders.total

@@ -21,7 +21,7 @@ from hetc.passes.cost.cores import Computing, rank_slowdowns
 from hetc.passes.cost.memory import context_reserve, state_bytes_per_param
 from hetc.passes.cost.shapes import LayerKind, activation_elements, params_per_rank
 from hetc.ir.program import Collective, Phase
-from hetc.ir.spec import DTYPE_BYTES, Checkpointing, ModelSpec, TrainSpec
+from hetc.ir.spec import Checkpointing, ModelSpec, TrainSpec
 from hetc.ir.topology import Gpu
 from hetc.ir.plan import Job
 
@@ -40,11 +40,10 @@ class Primitives:
         self.num_microbatches = train.global_batch // micro_batch
         self.hardware = Hardware(job, profiles, micro_batch)
         self.engine = Engine.HETC   # the planner plans for hetc's own programs
-        self.delta = DTYPE_BYTES[self.model.dtype]
+        self.delta = self.hardware.delta
         self.states = state_bytes_per_param(self.model)
-        # b·S·H·δ: the activation at a border (every tp rank holds it all: no sequence parallelism) and
-        # the TP all-reduce's buffer
-        self.boundary = float(micro_batch * self.model.seq * self.model.hidden * self.delta)
+        # the activation at a border (every tp rank holds it all: no sequence parallelism)
+        self.boundary = self.hardware.hidden_bytes
         self.egress_prices: dict[tuple[str, str], float] = {}
         self.layer_cost = lru_cache(maxsize=None)(self._layer_cost)
         self.lane_compute = lru_cache(maxsize=None)(self._lane_compute)
