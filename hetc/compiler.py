@@ -30,6 +30,7 @@ from hetc.ir.pipeline import Pipeline
 from hetc.plandir import record_profiles, write_plan_dir
 from hetc.ir.program import Program
 from hetc.ir.timeline import Timeline
+from hetc.ir.units import counted
 
 __all__ = ["Compiled", "compile_spec", "load_checked", "plan_facts", "predict", "write_compiled"]
 
@@ -119,19 +120,15 @@ def _memory_overflows(program: Program, plan: Plan, costs: CostModel,
         Diagnostic(plan.parallel.span, f"the plan does not fit in device memory:\n{err.render()}")]
 
 
-def predict(program: Program, plan: Plan, profiles: Profiles | None = None,
-            costs: CostModel | None = None) -> tuple[CostModel, Timeline]:
+def predict(program: Program, plan: Plan, profiles: Profiles | None = None) -> tuple[CostModel, Timeline]:
     """(the CostModel, the predicted Timeline) of verified-to-be `program`: `compile` and `viz --profile`."""
-    got = build(plan, profiles, costs=costs, program=program, facts=plan_facts(plan))
+    got = build(plan, profiles, program=program, facts=plan_facts(plan))
     assert got.timeline is not None   # simulated
     return got.costs, got.timeline
 
 
 def plan_facts(plan: Plan) -> list[tuple[str, str]]:
     """The plan at a glance, for the visualizer's side panel."""
-
-    def count(n: int, noun: str) -> str:
-        return f"{n} {noun}{'' if n == 1 else 's'}"
 
     model, p = plan.model, plan.pipeline
     facts = [("schedule", p.schedule.value), ("ranks", str(p.world_size)), ("stages", str(len(p.stages))),
@@ -142,9 +139,9 @@ def plan_facts(plan: Plan) -> list[tuple[str, str]]:
         first = p.ministages[st.ministages[0]]
         last = p.ministages[st.ministages[-1]]
         layers = f"{model.layer_name(first.first_layer)}..{model.layer_name(last.stop_layer - 1)}"
-        facts.append((f"stage {st.name}", (f"{layers}, {count(len(st.lanes), 'lane')} × "
-                                           f"{count(st.lane_size, 'rank')}, ZeRO-{st.zero.level}, "
-                                           f"{count(len(st.ministages), 'ministage')}")))
+        facts.append((f"stage {st.name}", (f"{layers}, {counted(len(st.lanes), 'lane')} × "
+                                           f"{counted(st.lane_size, 'rank')}, ZeRO-{st.zero.level}, "
+                                           f"{counted(len(st.ministages), 'ministage')}")))
     return facts
 
 
@@ -153,19 +150,19 @@ def write_compiled(compiled: Compiled, out: Path, profile_args: list[str] | None
     summary."""
     pipeline, program = compiled.pipeline, compiled.program
     exports = {tp.name: tp.csv() for tp in torch_pipelines(program, pipeline)}
-    summary: JsonObject = {"ranks": program.world_size, "stages": len(pipeline.stages),
-               "ministages": len(pipeline.ministages), "microbatches": pipeline.num_microbatches,
-               "schedule": pipeline.schedule.value,
-               "instructions": sum(len(r.instrs) for r in program.ranks)}
     step = compiled.timeline.step_time
     train = compiled.plan.train
     tokens = train.global_batch * compiled.plan.model.seq
-    summary.update(step_time_s=step, tokens_per_s=tokens / step if step > 0 else 0.0)
+    summary: JsonObject = {"ranks": program.world_size, "stages": len(pipeline.stages),
+                           "ministages": len(pipeline.ministages), "microbatches": pipeline.num_microbatches,
+                           "schedule": pipeline.schedule.value,
+                           "instructions": sum(len(r.instrs) for r in program.ranks),
+                           "step_time_s": step, "tokens_per_s": tokens / step if step > 0 else 0.0}
     if compiled.eval_timeline is not None:
         summary.update(eval_time_s=compiled.eval_timeline.step_time * train.eval_batches,
                        eval_every=train.eval_every)
-    prov = provenance(compiled.costs)
+    unused = provenance(compiled.costs).unused
     write_plan_dir(out, compiled.plan.spec, compiled.loaded.path.parent, program, exports,
-                   compiled.timeline.to_json(), summary, record_profiles(profile_args or [], prov.unused),
+                   compiled.timeline.to_json(), summary, record_profiles(profile_args or [], unused),
                    compiled.evaluation)
     return summary

@@ -63,18 +63,14 @@ class ReconfigError(RuntimeError):
 
 def present_spec(spec: Spec, procs: list[Process]) -> tuple[Spec, list[Process]]:
     """The spec on the nodes `procs` were launched on, and `procs` labelled with their nodes in it."""
-    topo = Topology.of(spec)
-    if topo is None:
+    cluster = spec.cluster
+    if cluster is None:
         raise ReconfigError("the spec has no cluster block: an elastic run places its ranks on the cluster's nodes")
-    full = topo.gpus
-    placement = place(full, procs, elastic=True, partial=True)
+    placement = place(Topology(cluster, spec.devices).gpus, procs, elastic=True, partial=True)
     present: dict[str, list[int]] = {}
     for host in sorted(set(placement.nodes.values()), key=lambda h: (h[0], h[1])):
         present.setdefault(host[0], []).append(host[1])
     renumber = {(g, old): new for g, olds in present.items() for new, old in enumerate(olds)}
-    cluster = spec.cluster
-    if cluster is None:
-        raise ReconfigError("the spec has no cluster block to plan on")
     nodes = tuple(dataclasses.replace(n, count=len(present[n.name])) for n in cluster.nodes if n.name in present)
     gone = {n.name for n in cluster.nodes} - set(present)
     links = tuple(link for link in cluster.links if link.a not in gone and link.b not in gone)
@@ -144,8 +140,7 @@ def _plan_here(spec_path: Path, checkpoint: Path, procs: list[Process]) -> dict[
     from hetc.plandir import portable_spec
     from hetc.frontend.printer import format_spec
 
-    spec = _load(spec_path)
-    cut, _ = present_spec(spec, procs)
+    cut, _ = present_spec(_load(spec_path), procs)
     start = time.perf_counter()
     checked = plan_checked(cut, spec_path.parent)
     planned = time.perf_counter()

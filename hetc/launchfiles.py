@@ -151,8 +151,7 @@ def _k8s_name(group: str) -> str:
 
 def emit_skypilot(job: LaunchJob) -> str:
     """SkyPilot tasks, one YAML document per node group (`sky launch` each; the first hosts the rendezvous)."""
-    docs = [_sky_task(job, comp, first=i == 0) for i, comp in enumerate(job.components)]
-    return "---\n".join(docs)
+    return "---\n".join(_sky_task(job, comp, first=i == 0) for i, comp in enumerate(job.components))
 
 
 def _sky_task(job: LaunchJob, comp: Component, first: bool) -> str:

@@ -9,6 +9,7 @@ from hetc.compiler import load_checked
 from hetc.passes.cost.params import model_params
 from hetc.passes.validate import Checked
 from hetc.ir.spec import AUTO
+from hetc.ir.units import counted
 
 __all__ = ["register", "summary"]
 
@@ -48,9 +49,9 @@ def summary(checked: Checked) -> str:
         if checked.pipeline is not None:
             p = checked.pipeline
             lanes = "/".join(str(len(s.lanes)) for s in p.stages)
-            parts.append(f"{p.world_size} ranks in {_n(len(p.stages), 'stage')} (lanes {lanes}), "
-                         f"{_n(len(p.ministages), 'ministage')}, {_n(p.num_microbatches, 'microbatch')}, "
-                         f"schedule {p.schedule.value}")
+            parts.append(f"{p.world_size} ranks in {counted(len(p.stages), 'stage')} (lanes {lanes}), "
+                         f"{counted(len(p.ministages), 'ministage')}, "
+                         f"{counted(p.num_microbatches, 'microbatch')}, schedule {p.schedule.value}")
         elif par.stages is AUTO or par.schedule is AUTO:
             parts.append("plan: auto")
         else:
@@ -58,8 +59,3 @@ def summary(checked: Checked) -> str:
     if not parts:
         parts.append(f"{len(spec.devices)} device kinds")
     return "; ".join(parts)
-
-
-def _n(count: int, noun: str) -> str:
-    plural = noun + ("es" if noun.endswith("ch") else "s")
-    return f"{count} {noun if count == 1 else plural}"

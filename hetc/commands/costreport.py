@@ -6,7 +6,7 @@ from hetc.passes.cost.estimate import Estimate, RankMemory
 from hetc.passes.cost.provenance import Provenance
 from hetc.passes.cost.utilization import Utilization
 from hetc.ir.pipeline import Pipeline
-from hetc.ir.units import human_bytes, human_rate, human_seconds
+from hetc.ir.units import counted, human_bytes, human_rate, human_seconds
 
 __all__ = ["provenance_lines", "report", "utilization_text"]
 
@@ -15,9 +15,10 @@ _COLUMNS = ("params", "grads", "optimizer", "activations", "buffers", "reserve")
 
 def report(path: str, pipeline: Pipeline, e: Estimate) -> str:
     lines = [
-        (f"{path}: {_n(pipeline.world_size, 'rank')}, {_n(len(pipeline.stages), 'stage')}, "
-         f"{_n(len(pipeline.ministages), 'ministage')}, {_n(pipeline.num_microbatches, 'microbatch')} of "
-         f"{pipeline.micro_batch}, schedule {e.schedule}"),
+        (f"{path}: {counted(pipeline.world_size, 'rank')}, {counted(len(pipeline.stages), 'stage')}, "
+         f"{counted(len(pipeline.ministages), 'ministage')}, "
+         f"{counted(pipeline.num_microbatches, 'microbatch')} of {pipeline.micro_batch}, "
+         f"schedule {e.schedule}"),
         f"step time   {human_seconds(e.step_time_s)}  {_step_source(e)}",
         f"throughput  {e.tokens_per_s:,.0f} tokens/s   {utilization_text(e.utilization)}",
         "",
@@ -61,15 +62,12 @@ def provenance_lines(pipeline: Pipeline, prov: Provenance) -> list[str]:
 
 def utilization_text(u: Utilization) -> str:
     """MFU and HFU over the used GPUs, the cluster-wide figures beside them (Note [utilization])."""
-    used = f"MFU {u.mfu:.1%}   HFU {u.hfu:.1%} over {_n(u.used_gpus, 'used GPU')} ({human_rate(u.used_peak_flops)})"
+    used = (f"MFU {u.mfu:.1%}   HFU {u.hfu:.1%} over {counted(u.used_gpus, 'used GPU')} "
+            f"({human_rate(u.used_peak_flops)})")
     if u.used_gpus == u.cluster_gpus:
         return used + "; the whole cluster"
     return (used + f";   cluster-wide MFU {u.cluster_mfu:.1%}   HFU {u.cluster_hfu:.1%} over "
-            f"{_n(u.cluster_gpus, 'GPU')} ({human_rate(u.cluster_peak_flops)})")
-
-
-def _n(count: int, noun: str) -> str:
-    return f"{count} {noun}" if count == 1 else f"{count} {noun}{'es' if noun.endswith('ch') else 's'}"
+            f"{counted(u.cluster_gpus, 'GPU')} ({human_rate(u.cluster_peak_flops)})")
 
 
 def _memory_rows(memory: tuple[RankMemory, ...]) -> list[str]:

@@ -8,8 +8,7 @@ import sys
 
 from hetc.commands import Subparsers
 from hetc.commands.fitreport import enforce_fit
-from hetc.ir.errors import UsageError
-from hetc.ir.errors import SpecError
+from hetc.ir.errors import SpecError, UsageError
 from hetc.compiler import load_checked
 from hetc.passes.validate_fit import cost_error, estimate_uses
 from hetc.plandir import PROFILE_ENV

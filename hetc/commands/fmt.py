@@ -32,15 +32,15 @@ def run(args: argparse.Namespace) -> int:
     for name in args.specs:
         path = Path(name)
         text = format_file(parse_file(path, Sources()))
-        if args.in_place:
-            if path.read_text() != text:
-                tmp = path.with_name(path.name + ".fmt.tmp")
-                tmp.write_text(text)
-                tmp.replace(path)  # atomic: never a half-written spec
-        elif args.check:
-            if path.read_text() != text:
-                print(f"{path}: not formatted", file=sys.stderr)
-                status = 1
-        else:
+        if not (args.in_place or args.check):
             sys.stdout.write(text)
+        elif path.read_text() == text:
+            continue
+        elif args.in_place:
+            tmp = path.with_name(path.name + ".fmt.tmp")
+            tmp.write_text(text)
+            tmp.replace(path)  # atomic: never a half-written spec
+        else:
+            print(f"{path}: not formatted", file=sys.stderr)
+            status = 1
     return status

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hetc.commands.costreport import provenance_lines, utilization_text
-from hetc.ir.units import human_bytes, human_seconds
+from hetc.ir.units import counted, human_bytes, human_seconds
 from hetc.passes.cost import CostModel, Profiles, RankMemory
 from hetc.passes.cost.provenance import Provenance, provenance
 from hetc.passes.cost.utilization import Utilization, utilization
@@ -19,16 +19,9 @@ from hetc.ir.spec import Checkpointing, ModelSpec, Objective, OffloadSpec, Offlo
 __all__ = ["plan_json", "plan_provenance", "plan_summary"]
 
 
-def _score(result: PlanResult) -> Score:
-    """The planner's score, which a result without the cost model's estimate has."""
-    if result.score is None:
-        raise InternalError("a plan result with neither an estimate nor a score")
-    return result.score
-
-
-def _printed_score(result: PlanResult) -> Score:
-    """The planner's score at the printed step (Note [one number] in passes/plan/final.py)."""
-    score = result.printed_score
+def _known(score: Score | None) -> Score:
+    """A planner's score a result must have: `score`, which a result without the cost model's estimate has,
+    or `printed_score`, the score at the printed step (Note [one number] in passes/plan/final.py)."""
     if score is None:
         raise InternalError("a plan result with neither an estimate nor a score")
     return score
@@ -38,22 +31,18 @@ def _memory(result: PlanResult) -> list[RankMemory]:
     """One entry per rank, from the full estimate or the planner's classes of alike ranks."""
     if result.estimate is not None:
         return list(result.estimate.memory)
-    plan, score = result.plan, _score(result)
+    plan, score = result.plan, _known(result.score)
     rank_of = {g.id: r for r, g in enumerate(plan.pipeline.world)}
-    out = []
-    for m, ids in zip(score.memory, score.classes):
-        out += [RankMemory(rank_of[i], str(plan.topology.gpus[i]), m.device, m.stage, m.params,
-                           m.grads, m.optimizer, m.activations, m.buffers, m.reserve, m.capacity, m.host)
-                for i in ids]
-    return sorted(out, key=lambda m: m.rank)
+    return sorted((RankMemory(rank_of[i], str(plan.topology.gpus[i]), m.device, m.stage, m.params, m.grads,
+                              m.optimizer, m.activations, m.buffers, m.reserve, m.capacity, m.host)
+                   for m, ids in zip(score.memory, score.classes) for i in ids), key=lambda m: m.rank)
 
 
 def plan_provenance(result: PlanResult, profiles: Profiles) -> Provenance:
     """Note [provenance] of the printed plan: the estimate's, or read off a cost model of it."""
     if result.estimate is not None:
         return result.estimate.provenance
-    plan = result.plan
-    return provenance(CostModel(plan, profiles))
+    return provenance(CostModel(result.plan, profiles))
 
 
 def plan_summary(path: str, result: PlanResult, prov: Provenance | None = None) -> str:
@@ -70,17 +59,17 @@ def plan_summary(path: str, result: PlanResult, prov: Provenance | None = None) 
     idle = ", ".join(s.group for s in plan.parallel.idle) or "none"
     lines.append(f"  schedule {p.schedule.value}, micro_batch {p.micro_batch}, "
                  f"{p.num_microbatches} microbatches, "
-                 f"{_n(len(p.stages), 'stage')} on {_n(p.world_size, 'rank')} (idle: {idle})")
+                 f"{counted(len(p.stages), 'stage')} on {counted(p.world_size, 'rank')} (idle: {idle})")
     lines += [f"    idle {reason.group}: {reason.text}" for reason in result.idle]
     width = max(4, *(len(st.name) for st in p.stages))
     for st, sp in zip(p.stages, plan.parallel.resolved_stages):
         layers = _layers(plan.model, p, st)
         counts = sorted({len(lane.microbatches) for lane in st.lanes})
         mbs = str(counts[0]) if len(counts) == 1 else f"{counts[0]}..{counts[-1]}"
-        lanes = _n(len(st.lanes), "lane")
+        lanes = counted(len(st.lanes), "lane")
         lines.append(f"    {st.name:{width}s} {_ranks(sp):28s} {layers:18s} {lanes:>9s} × tp {st.tp}  "
-                     f"ZeRO-{st.zero.level}  {_n(len(st.ministages), 'ministage')}  {mbs} microbatches/lane"
-                     + _offload(st.offload) + _recompute(st.checkpoint))
+                     f"ZeRO-{st.zero.level}  {counted(len(st.ministages), 'ministage')}  "
+                     f"{mbs} microbatches/lane" + _offload(st.offload) + _recompute(st.checkpoint))
     memory = _memory(result)
     fullest = max(memory, key=lambda m: m.total / m.capacity)
     source = "the cost model's estimate" if result.estimate is not None else "the planner's score"
@@ -152,8 +141,7 @@ def _table(result: PlanResult) -> str:
     head = f"  {'baseline (same cost model)':62s} {'step (s)':>10s} {'tokens/s':>12s}"
     head += f" {'$/M tokens':>11s}" if cost else ""
     rows = [head + f" {'plan vs it':>11s}"]
-    for b in result.baselines:
-        rows.append(f"  {_title(b):62s} " + _cells(result, b, cost))
+    rows += [f"  {_title(b):62s} " + _cells(result, b, cost) for b in result.baselines]
     if any(_closed_form_only(result, b) for b in result.baselines):
         rows.append(f"  * the closed form: slower than the plan by more than the {AGREEMENT:.0%} it may differ from "
                     "the simulation, so not simulated")
@@ -178,7 +166,7 @@ def _cells(result: PlanResult, b: Baseline, cost: bool) -> str:
     cells = f"{b.score.step_time_s:9.4g}{mark} {b.score.tokens_per_s:12,.0f}"
     if cost:
         cells += f" {b.score.dollars_per_token * 1e6:11.4g}"
-        ratio = b.score.dollars_per_token / _printed_score(result).dollars_per_token
+        ratio = b.score.dollars_per_token / _known(result.printed_score).dollars_per_token
     else:
         ratio = b.score.step_time_s / result.step_time_s
     oom = "" if b.score.fits else "   does not fit in memory"
@@ -190,7 +178,8 @@ def plan_json(path: str, result: PlanResult, text: str, prov: Provenance) -> Jso
     """`hetc plan --json`: the estimate's (or score's) figures, memory per rank, the plan, the baselines."""
     plan = result.plan
     p = plan.pipeline
-    head = result.estimate.to_json() if result.estimate is not None else _score_json(_score(result), result)
+    head = (result.estimate.to_json() if result.estimate is not None
+            else _score_json(_known(result.score), result))
     memory: list[JsonObject] = [{"rank": m.rank, "gpu": m.gpu, "device": m.device, "stage": m.stage, "params": m.params,
                "grads": m.grads, "optimizer": m.optimizer, "activations": m.activations, "buffers": m.buffers,
                "reserve": m.reserve, "host": m.host, "total": m.total, "capacity": m.capacity, "fits": m.fits}
@@ -239,7 +228,3 @@ def _baseline_json(b: Baseline) -> JsonObject:
             "allowed": b.allowed,
             "tokens_per_s": b.score.tokens_per_s, "fits": b.score.fits,
             "dollars_per_token": b.score.dollars_per_token}
-
-
-def _n(count: int, noun: str) -> str:
-    return f"{count} {noun}" + ("" if count == 1 else "s")

@@ -42,8 +42,7 @@ def load_profile_args(paths: list[str]) -> Profiles:
     from hetc.passes.cost.sources import load_profiles
 
     try:
-        wanted: list[str | Path] = [*profile_paths(paths)]
-        return load_profiles(wanted)
+        return load_profiles([*profile_paths(paths)])
     except ProfileError as err:
         if err.file is not None:
             raise SpecError.at(Span.file_start(err.file), err.message) from None

@@ -10,9 +10,8 @@ from pathlib import Path
 from hetc.viz.classgap import ClassGap, class_gaps, gap_table, read_measured
 from hetc.commands import Subparsers
 from hetc.ir.errors import UsageError
-from hetc.plandir import TIMELINE_FILE, read_program
+from hetc.plandir import PROFILE_ENV, TIMELINE_FILE, read_program
 from hetc.commands.prediction import plan_prediction
-from hetc.plandir import PROFILE_ENV
 from hetc.commands.profileargs import add_profile_option
 from hetc.ir.program import ProgramFormatError
 from hetc.ir.timeline import Timeline, mean_class_times

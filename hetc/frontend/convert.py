@@ -206,8 +206,6 @@ def _claimed_fields(infos: Infos, item: Statement) -> list[str]:
             if guess in spellings]
 
 
-
-
 def _shown(value: Any) -> str:
     if isinstance(value, Node) or value is None:
         return "none" if value is None else f"another {type(value).__name__}"

@@ -17,11 +17,9 @@ from hetc.frontend.convert import to_spec
 from hetc.ir.errors import MAX_SOURCE_BYTES, Diagnostic, Sources, Span, SpecError, did_you_mean
 from hetc.ir.spec import ParallelSpec, Spec
 
-__all__ = ["BUNDLED_SPECS", "MAX_FILE_BYTES", "LoadedSpec", "load_spec", "parse_file", "read_spec_bytes",
-           "with_plan_to_fill"]
+__all__ = ["BUNDLED_SPECS", "LoadedSpec", "load_spec", "parse_file", "read_spec_bytes", "with_plan_to_fill"]
 
 BUNDLED_SPECS = Path(__file__).resolve().parents[2] / "specs"
-MAX_FILE_BYTES = MAX_SOURCE_BYTES
 NEAR_MISS = 0.8     # spelling similarity (difflib's ratio) of a file name suggested for a missing one
 
 
@@ -53,7 +51,7 @@ def parse_file(path: Path, sources: Sources, at: Span | None = None) -> syntax.F
 
 
 def read_spec_bytes(path: Path, where: Span) -> bytes:
-    """The bytes of a regular file of at most MAX_FILE_BYTES, or a SpecError located at `where`.
+    """The bytes of a regular file of at most MAX_SOURCE_BYTES, or a SpecError located at `where`.
 
     Note [untrusted paths]: `use "/dev/zero"` or a named pipe would block or
     stream for ever, so only regular files are opened, and a file that grows
@@ -70,15 +68,16 @@ def read_spec_bytes(path: Path, where: Span) -> bytes:
     if not stat.S_ISREG(info.st_mode):
         raise SpecError.at(where, f"'{path}' is {_file_kind(info.st_mode)}, not a regular file; "
                                   "a spec is read only from a regular file")
-    too_big = SpecError.at(where, f"'{path}' is larger than {MAX_FILE_BYTES >> 20} MiB, the limit for a spec file")
-    if info.st_size > MAX_FILE_BYTES:
+    too_big = SpecError.at(where, f"'{path}' is larger than {MAX_SOURCE_BYTES >> 20} MiB, the limit for a "
+                                  "spec file")
+    if info.st_size > MAX_SOURCE_BYTES:
         raise too_big
     try:
         with path.open("rb") as f:
-            data = f.read(MAX_FILE_BYTES + 1)
+            data = f.read(MAX_SOURCE_BYTES + 1)
     except OSError as err:
         raise SpecError.at(where, f"cannot read '{path}': {err.strerror}") from None
-    if len(data) > MAX_FILE_BYTES:
+    if len(data) > MAX_SOURCE_BYTES:
         raise too_big
     return data
 
@@ -166,10 +165,8 @@ def with_plan_to_fill(loaded: LoadedSpec) -> LoadedSpec:
 def load_spec(path: str | Path) -> LoadedSpec:
     """Parse, import and convert; raise one SpecError with every problem found."""
     path = Path(path)
-    sources = Sources()
-    collector = _Collector(sources)
+    collector = _Collector(Sources())
     items = collector.collect(path, (), None)
     if collector.errors:
         raise SpecError(collector.errors)
-    spec = to_spec(items, Span.file_start(path))
-    return LoadedSpec(spec, path, sources, collector.files)
+    return LoadedSpec(to_spec(items, Span.file_start(path)), path, collector.sources, collector.files)

@@ -66,11 +66,7 @@ def _blank_between(prev: syntax.Item, item: syntax.Item, top: bool) -> bool:
         if isinstance(prev, syntax.Use) and not isinstance(item, syntax.Use):
             return True
     start = item.span.line
-    return prev.span.line > 0 and start > 0 and start > _end_line(prev) + 1
-
-
-def _end_line(item: syntax.Item) -> int:
-    return item.span.end_line
+    return prev.span.line > 0 and start > 0 and start > prev.span.end_line + 1
 
 
 def _item(item: syntax.Item, depth: int, out: list[str]) -> None:
@@ -87,12 +83,11 @@ def _item(item: syntax.Item, depth: int, out: list[str]) -> None:
             head += " " + _label(item.label)
         if item.peer is not None:
             head += " <-> " + _label(item.peer)
-        body = [i for i in item.items]
-        if not body:
+        if not item.items:
             out.append(head + " {}")
             return
         out.append(head + " {")
-        _items(body, depth + 1, out)
+        _items(item.items, depth + 1, out)
         out.append(pad + "}")
 
 
@@ -193,10 +188,8 @@ def _blocks(info: FieldInfo, kind: str, value: Any) -> list[syntax.Item]:
 def _as_shorthand(node: Node) -> syntax.Value | None:
     infos = fields_of(type(node))
     short = [i for i in infos if i.meta.shorthand]
-    if not short:
-        return None
-    others = [i for i in infos if i is not short[0] and getattr(node, i.name) != _default(type(node), i.name)]
-    if others:
+    if not short or any(i is not short[0] and getattr(node, i.name) != _default(type(node), i.name)
+                        for i in infos):
         return None
     return _syntax(short[0], getattr(node, short[0].name))
 

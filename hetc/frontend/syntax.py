@@ -216,15 +216,12 @@ _VALUE_START = {"'['", "'auto'", "a name", "a number", "a string"}
 
 
 def _describe_expected(expected: set[str]) -> str:
+    from hetc.frontend.values import words   # values imports this module
+
     said = {_TOKEN_WORDS.get(t, _literal_word(t)) for t in expected}
     if _VALUE_START <= said:
         said = (said - _VALUE_START) | {"a value"}
-    words = sorted(said)
-    if not words:
-        return ""
-    if len(words) == 1:
-        return f"; expected {words[0]}"
-    return "; expected " + ", ".join(words[:-1]) + " or " + words[-1]
+    return f"; expected {words(sorted(said))}" if said else ""
 
 
 def _literal_word(term: str) -> str:

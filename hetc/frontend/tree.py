@@ -114,10 +114,6 @@ class Block:
     kind_span: Span = field(compare=False)
     label_spans: tuple[Span, ...] = field(default=(), compare=False)  # of label, then peer
 
-    @property
-    def head_span(self) -> Span:
-        return self.kind_span
-
 
 @dataclass(frozen=True, slots=True)
 class Use:

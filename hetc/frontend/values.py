@@ -107,8 +107,7 @@ class ValueConverter:
 
     def _int(self, node: syntax.Value, info: FieldInfo, what: str) -> int | None:
         if not isinstance(node, syntax.Number) or not node.is_int() or node.unit is not None:
-            shown = _shown(node)
-            self.error(node.span, f"{what} expects a whole number, got {shown}")
+            self.error(node.span, f"{what} expects a whole number, got {_shown(node)}")
             return None
         return self._bounded(int(node.text), info, node, what)
 
@@ -125,12 +124,10 @@ class ValueConverter:
         if unit_dim is None and node.unit is not None:
             self.error(node.span, f"{what} takes a plain number, without the unit '{node.unit}'")
             return None
-        if unit_dim is not None:
-            in_base = self._unit(node, unit_dim, value, what)
-            if in_base is None:
-                return None
-            value = in_base
-        return self._bounded(value, info, node, what)
+        if unit_dim is None:
+            return self._bounded(value, info, node, what)
+        in_base = self._unit(node, unit_dim, value, what)
+        return None if in_base is None else self._bounded(in_base, info, node, what)
 
     def _unit(self, node: syntax.Number, dim: Dim, value: float, what: str) -> float | None:
         choices = units_of(dim)
@@ -197,8 +194,7 @@ def _rank_slice(conv: ValueConverter, node: syntax.Value, what: str) -> RankSlic
     if not isinstance(node, syntax.RankRef):
         conv.error(node.span, f"{what} expects GPUs such as h100[0, 0:4], got {_shown(node)}")
         return None
-    gpu = node.gpu or syntax.Index(None, None, True)
-    n, g = node.node, gpu
+    n, g = node.node, node.gpu or syntax.Index(None, None, True)
     return RankSlice(group=node.group, node_start=n.start, node_stop=n.stop, gpu_start=g.start,
                      gpu_stop=g.stop, node_is_slice=n.is_slice, gpu_is_slice=g.is_slice, span=node.span)
 

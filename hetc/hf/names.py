@@ -1,4 +1,4 @@
-"""hetc parameter names <-> Hugging Face tensor names (Llama, Mistral, Qwen2, Qwen3, Mixtral).
+"""hetc parameter names -> Hugging Face tensor names (Llama, Mistral, Qwen2, Qwen3, Mixtral).
 
 hetc names a parameter by its layer (runtime/nn/layers.py: `block3.attention.wq.weight`);
 every supported architecture saves the same layout under Llama's names
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["hetc_name", "hf_name"]
+__all__ = ["hf_name"]
 
 _ENDS = {
     "embed.tok_embeddings.weight": "model.embed_tokens.weight",
@@ -33,11 +33,7 @@ _BLOCK = {
     "feed_forward.router.weight": "block_sparse_moe.gate.weight",
 }
 _EXPERT = re.compile(r"feed_forward\.experts\.(\d+)\.(w[123])\.weight")
-_HF_EXPERT = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
 _BLOCK_NAME = re.compile(r"block(\d+)\.(.+)")
-_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_HF_BLOCK = {v: k for k, v in _BLOCK.items()}
-_HF_ENDS = {v: k for k, v in _ENDS.items()}
 
 
 def hf_name(name: str) -> str:
@@ -53,17 +49,3 @@ def hf_name(name: str) -> str:
         if expert is not None:
             return f"model.layers.{i}.block_sparse_moe.experts.{expert[1]}.{expert[2]}.weight"
     raise ValueError(f"no Hugging Face name for hetc parameter '{name}' (a gpt-arch model has none)")
-
-
-def hetc_name(name: str) -> str | None:
-    """The hetc parameter a Hugging Face tensor `name` holds, or None for a name hetc does not know."""
-    if name in _HF_ENDS:
-        return _HF_ENDS[name]
-    layer = _HF_LAYER.fullmatch(name)
-    if layer is None:
-        return None
-    i, rest = layer.groups()
-    if rest in _HF_BLOCK:
-        return f"block{i}.{_HF_BLOCK[rest]}"
-    expert = _HF_EXPERT.fullmatch(rest)
-    return None if expert is None else f"block{i}.feed_forward.experts.{expert[1]}.{expert[2]}.weight"

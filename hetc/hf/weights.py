@@ -26,11 +26,10 @@ if TYPE_CHECKING:
 
     from hetc.ir.spec import ModelSpec
 
-__all__ = ["INDEX_FILE", "SINGLE_FILE", "WeightReader", "expected_shapes", "has_weights", "header_shapes",
-           "hf_has_weights", "model_weight_problems", "pretrained_dir", "wants_pretrained", "weight_map", "weight_problems"]
+__all__ = ["INDEX_FILE", "WeightReader", "expected_shapes", "has_weights", "header_shapes", "hf_has_weights",
+           "model_weight_problems", "pretrained_dir", "wants_pretrained", "weight_map", "weight_problems"]
 
 INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 _MAX_HEADER = 100 << 20      # safetensors' own bound on the JSON header
 _NOT_PARAMETERS = (".rotary_emb.inv_freq",)    # buffers some older checkpoints saved beside the weights
 
@@ -70,10 +69,7 @@ def weight_map(directory: Path) -> dict[str, Path]:
             if not path.is_file():
                 raise HfError(f"{index.name} names {path.name}, which is not in {directory}")
         return files
-    out: dict[str, Path] = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        out.update((name, path) for name in _header(path))
-    return out
+    return {name: path for path in sorted(directory.glob("*.safetensors")) for name in _header(path)}
 
 
 def header_shapes(directory: Path) -> dict[str, tuple[int, ...]]:

@@ -63,7 +63,6 @@ def _ident(text: str) -> str:
 class NodeBook:
     """Node groups keyed by (device kind, GPUs per node, zone); hands out nodes in order."""
 
-    groups: dict[tuple[str, int, str], list[str]] = field(default_factory=dict)  # key -> [name, ...]
     counts: dict[tuple[str, int, str], int] = field(default_factory=dict)
 
     def name_of(self, key: tuple[str, int, str]) -> str:
@@ -80,11 +79,9 @@ class NodeBook:
     def node_specs(self, region_of: Callable[[str], str],
                    intra_of: Callable[[str, int], IntraLinkSpec | None]) -> tuple[NodeSpec, ...]:
         """The node groups, named; `region_of(zone)` and `intra_of(kind, gpus)` fill in their links."""
-        out = []
-        for (kind, gpus, zone), count in sorted(self.counts.items()):
-            out.append(NodeSpec(name=self.name_of((kind, gpus, zone)), device=kind, count=count, gpus=gpus,
-                                region=region_of(zone), zone=zone, intra=intra_of(kind, gpus)))
-        return tuple(out)
+        return tuple(NodeSpec(name=self.name_of((kind, gpus, zone)), device=kind, count=count, gpus=gpus,
+                              region=region_of(zone), zone=zone, intra=intra_of(kind, gpus))
+                     for (kind, gpus, zone), count in sorted(self.counts.items()))
 
 
 def gpu_slice(group: str, node: int, first: int, stop: int) -> RankSlice:

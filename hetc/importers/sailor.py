@@ -106,8 +106,7 @@ def explain_plan(data: str, plan: str, profiles: Profiles | None, model: str | N
     from hetc.passes.cost import CostModel
     from hetc.passes.cost.transfers import Engine
 
-    explicit = imported_plan(data, plan, model)
-    return CostModel(explicit, profiles, Engine.MEGATRON).estimate()
+    return CostModel(imported_plan(data, plan, model), profiles, Engine.MEGATRON).estimate()
 
 
 def imported_plan(data: str, plan: str, model: str | None = None) -> Plan:

@@ -103,12 +103,10 @@ def _model(name: str, shape: RawJson, config: RawJson) -> ModelSpec:
         ffn = (per_block - 4 * hidden * hidden - 2 * hidden) // (3 * hidden)
     else:
         ffn = 4 * hidden
-    width = DTYPES.get(config.get("autocast_dtype", "float16"), "fp16")
-    dtype = DType(width)
     return ModelSpec(name=name, arch=arch, layers=layers, hidden=hidden, heads=max(hidden // head_dim, 1),
                      ffn=ffn,
                      vocab=int(config.get("vocab_size", 32000)), seq=int(config.get("sequence_length", 2048)),
-                     dtype=dtype)
+                     dtype=DType(DTYPES.get(config.get("autocast_dtype", "float16"), "fp16")))
 
 
 def _cluster(info: RawJson,

@@ -110,10 +110,7 @@ class Geometry:
         return self._dp_id(place).of_kind(GroupKind.DPX).at(Axis.SHARD, inner.index(place.rank))
 
     def _node_index(self, place: RankPlace) -> int:
-        nodes: list[tuple[str, int]] = []
-        for r in self.replicas(place):
-            if self.pipeline.world[r].host not in nodes:
-                nodes.append(self.pipeline.world[r].host)
+        nodes = list(dict.fromkeys(self.pipeline.world[r].host for r in self.replicas(place)))
         return nodes.index(self.pipeline.world[place.rank].host)
 
     def tp_group(self, place: RankPlace) -> GroupId | None:

@@ -289,11 +289,7 @@ def _read_marker(directory: Path) -> tuple[str, dict[str, str | None]] | None:
 
 def _top_level(paths: list[str]) -> list[str]:
     """'a/b/c' -> 'a/', once per top-level entry, in order."""
-    seen: dict[str, None] = {}
-    for p in paths:
-        head, sep, _ = p.partition("/")
-        seen.setdefault(head + sep, None)
-    return list(seen)
+    return list(dict.fromkeys(head + sep for head, sep, _ in (p.partition("/") for p in paths)))
 
 
 def _named(entries: list[str]) -> str:

@@ -83,7 +83,6 @@ from hetc.ir.groups import split_direction
 __all__ = [
     "COLLECTIVE_OF",
     "COLLECTIVE_TYPES",
-    "COMM_TYPES",
     "COMPUTE_TYPES",
     "INSTR_TYPES",
     "PHASE_OF",
@@ -220,39 +219,36 @@ class Load(_Base):
 
 
 @dataclass(frozen=True, slots=True)
-class Forward(_Base):
-    OP: ClassVar[str] = "fwd"
+class _Compute(_Base):
+    """The fields every compute op has: ministage `ms` on microbatch `mb`, all of it or one unit."""
+
     ms: int
     mb: int
     unit: Unit | None = None
 
 
 @dataclass(frozen=True, slots=True)
-class Backward(_Base):
+class Forward(_Compute):
+    OP: ClassVar[str] = "fwd"
+
+
+@dataclass(frozen=True, slots=True)
+class Backward(_Compute):
     """Input gradient and weight gradient together."""
 
     OP: ClassVar[str] = "bwd"
-    ms: int
-    mb: int
-    unit: Unit | None = None
 
 
 @dataclass(frozen=True, slots=True)
-class BackwardInput(_Base):
+class BackwardInput(_Compute):
     """Zero-bubble I: the input gradient only; weight gradient deferred to `bwd_w`."""
 
     OP: ClassVar[str] = "bwd_i"
-    ms: int
-    mb: int
-    unit: Unit | None = None
 
 
 @dataclass(frozen=True, slots=True)
-class BackwardWeight(_Base):
+class BackwardWeight(_Compute):
     OP: ClassVar[str] = "bwd_w"
-    ms: int
-    mb: int
-    unit: Unit | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -393,7 +389,6 @@ INSTR_TYPES: dict[str, type[Instr]] = {t.OP: t for t in Instr.__args__}
 COMPUTE_TYPES = (Forward, Backward, BackwardInput, BackwardWeight)
 ComputeInstr = Forward | Backward | BackwardInput | BackwardWeight
 COLLECTIVE_TYPES = (AllGather, ReduceScatter, AllReduce, AllToAll)
-COMM_TYPES = (Send, Recv, *COLLECTIVE_TYPES)
 
 
 class Phase(StrEnum):

@@ -99,10 +99,7 @@ class Node:
 
     def span_of(self, name: str) -> Span:
         """The span of attribute `name`'s value, or of the whole block."""
-        for key, span in self.spans:
-            if key == name:
-                return span
-        return self.span
+        return next((span for key, span in self.spans if key == name), self.span)
 
 
 @dataclass(frozen=True, slots=True)

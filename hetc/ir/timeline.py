@@ -172,13 +172,10 @@ class Timeline:
     def events_of(self, rank: int) -> list[Event]:
         return [e for e in self.events if e.rank == rank]
 
-    def busy_time(self, rank: int, stream: Stream = Stream.COMPUTE) -> float:
-        return sum(e.end - e.start for e in self.events if e.rank == rank and e.stream == stream
-                   and e.kind is not EventKind.WAIT)
-
     def bubble_fraction(self, rank: int) -> float:
         """Share of the step the rank's compute stream is idle."""
-        return self._idle_share(self.busy_time(rank))
+        return self._idle_share(sum(e.end - e.start for e in self.events_of(rank)
+                                    if e.stream == Stream.COMPUTE and e.kind is not EventKind.WAIT))
 
     def bubble_fractions(self) -> dict[int, float]:
         """`bubble_fraction` of every rank in one pass over the events (for plans of thousands of ranks)."""

@@ -126,11 +126,6 @@ class TokenFile:
     index: Path | None = None    # PREFIX.idx
     tokenizer_sha256: str | None = None
 
-    @property
-    def max_id(self) -> int:
-        """The largest id the dtype holds."""
-        return int(np.iinfo(self.dtype).max)
-
 
 def fits(dtype: TokenDType, vocab: int) -> bool:
     """Whether ids 0..vocab-1 fit in `dtype`."""
@@ -354,17 +349,12 @@ def _inspect_megatron(prefix: Path, dtype: TokenDType | None) -> TokenFile:
                      tokenizer_sha256=sidecar.get("tokenizer_sha256"))
 
 
-def _megatron_arrays(idx: Path, sequences: int) -> tuple[np.ndarray, np.ndarray]:
-    start = len(MEGATRON_MAGIC) + 25
-    lengths = np.fromfile(idx, dtype="<i4", offset=start, count=sequences)
-    pointers = np.fromfile(idx, dtype="<i8", offset=start + 4 * sequences, count=sequences)
-    return lengths, pointers
-
-
 def _check_contiguous(idx: Path, bin_: Path, width: int, sequences: int) -> None:
     """The sequences must lie back to back from byte 0 and fill the .bin (Note [Token file layouts]); the
     message says where they first do not."""
-    lengths, pointers = _megatron_arrays(idx, sequences)
+    start = len(MEGATRON_MAGIC) + 25
+    lengths = np.fromfile(idx, dtype="<i4", offset=start, count=sequences)
+    pointers = np.fromfile(idx, dtype="<i8", offset=start + 4 * sequences, count=sequences)
     if (lengths < 0).any():
         first = int(np.flatnonzero(lengths < 0)[0])
         raise TokenFileError(f"sequence {first} of '{idx}' has the length {int(lengths[first])}: is the index "

@@ -48,7 +48,6 @@ class Link:
     bandwidth: float   # bytes/s
     latency: float     # s
     egress: float = 0.0  # $/GB
-    intra_node: bool = False
     origin: str = ""     # what the spec declares this link by (or the default it falls back on)
     declared: bool = False   # a `link` or `intra` block of the spec, not a default
 
@@ -71,15 +70,15 @@ class Topology:
                     gpus.append(Gpu(len(gpus), group.name, node, local, device, group.region, zone))
         self.gpus: tuple[Gpu, ...] = tuple(gpus)
         # Links are built once, each with its origin (`hetc explain` lists where every rate came from).
-        self._links = {frozenset((spec.a, spec.b)): Link(spec.bandwidth, spec.latency, spec.egress, False,
+        self._links = {frozenset((spec.a, spec.b)): Link(spec.bandwidth, spec.latency, spec.egress,
                                                          f"link {spec.a} <-> {spec.b} at {spec.span}", True)
                        for spec in self.cluster.links}
-        self._intra = {g.name: Link(g.intra.bandwidth, g.intra.latency, 0.0, True,
+        self._intra = {g.name: Link(g.intra.bandwidth, g.intra.latency, 0.0,
                                     f"the intra link of node group {g.name} at {g.intra.span}", True)
                        for g in self.cluster.nodes if g.intra is not None}
-        self._default_intra = Link(DEFAULT_INTRA_BANDWIDTH, DEFAULT_INTRA_LATENCY, 0.0, True,
+        self._default_intra = Link(DEFAULT_INTRA_BANDWIDTH, DEFAULT_INTRA_LATENCY, 0.0,
                                    "the default intra-node link (PCIe class; the node group declares none)")
-        self._default_inter = Link(self.cluster.inter_bandwidth, self.cluster.inter_latency, 0.0, False,
+        self._default_inter = Link(self.cluster.inter_bandwidth, self.cluster.inter_latency, 0.0,
                                    "the cluster's inter_bandwidth (no link declared between these nodes)")
 
     @classmethod
@@ -113,8 +112,5 @@ class Topology:
 
     def endpoints(self) -> set[str]:
         """Names a `link` may join: node groups, zones and regions."""
-        names = set(self.groups)
-        for g in self.cluster.nodes:
-            names.add(g.region)
-            names.add(g.zone or g.region)
-        return names
+        nodes = self.cluster.nodes
+        return {*self.groups, *(g.region for g in nodes), *(g.zone or g.region for g in nodes)}

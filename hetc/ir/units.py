@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 from enum import StrEnum
 
-__all__ = ["DISPLAY", "UNITS", "Dim", "format_quantity", "human_bytes", "human_rate", "human_seconds", "to_base",
-           "units_of"]
+__all__ = ["DISPLAY", "UNITS", "Dim", "counted", "format_quantity", "human_bytes", "human_rate",
+           "human_seconds", "to_base", "units_of"]
 
 
 class Dim(StrEnum):
@@ -117,3 +117,8 @@ def human_rate(flops: float) -> str:
         if flops >= size:
             return f"{flops / size:.2f} {unit}"
     return f"{flops:.0f} FLOP/s"
+
+
+def counted(count: int, noun: str) -> str:
+    """'1 stage', '3 stages', '2 microbatches': a count and its noun, in the plural unless it is 1."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}{'es' if noun.endswith('ch') else 's'}"

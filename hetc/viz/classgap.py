@@ -58,9 +58,8 @@ def _ms(seconds: float) -> str:
 def gap_table(gaps: list[ClassGap], predicted_step: float, measured_step: float) -> str:
     """A short text table: a row per class and one for the step, then the term most off."""
     rows = [("class", "predicted ms", "measured ms", "gap ms", "measured/predicted")]
-    for g in gaps:
-        rows.append((g.time_class, _ms(g.predicted_s), _ms(g.measured_s), f"{g.gap_s * 1e3:+.3f}",
-                     f"×{g.ratio:.2f}" if g.ratio is not None else "-"))
+    rows += [(g.time_class, _ms(g.predicted_s), _ms(g.measured_s), f"{g.gap_s * 1e3:+.3f}",
+              f"×{g.ratio:.2f}" if g.ratio is not None else "-") for g in gaps]
     step_ratio = f"×{measured_step / predicted_step:.2f}" if predicted_step > 0 else "-"
     rows.append(("step", _ms(predicted_step), _ms(measured_step), f"{(measured_step - predicted_step) * 1e3:+.3f}",
                  step_ratio))
