@@ -13,6 +13,7 @@ block there), a send where it is posted. Plans whose lanes do not line up
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from hetc.ir.pipeline import Pipeline, Stage
 from hetc.ir.program import (PHASE_OF, Backward, BackwardInput, BackwardWeight, Forward, Instr, Program, Recv, Send,
@@ -21,16 +22,15 @@ from hetc.ir.program import (PHASE_OF, Backward, BackwardInput, BackwardWeight, 
 __all__ = ["TorchPipeline", "lanes_aligned", "torch_pipelines", "why_not_exported"]
 
 
+@dataclass
 class TorchPipeline:
     """One exported pipeline: rows of action strings, and what torch needs to check them."""
 
-    def __init__(self, name: str, rows: list[list[str]], num_stages: int, num_microbatches: int,
-                 stage_to_rank: dict[int, int]):
-        self.name = name
-        self.rows = rows
-        self.num_stages = num_stages
-        self.num_microbatches = num_microbatches
-        self.stage_to_rank = stage_to_rank
+    name: str
+    rows: list[list[str]]
+    num_stages: int
+    num_microbatches: int
+    stage_to_rank: dict[int, int]
 
     def csv(self) -> str:
         return "".join(",".join(row) + "\n" for row in self.rows)

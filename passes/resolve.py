@@ -20,10 +20,7 @@ Diagnostics = list[Diagnostic]
 
 
 def resolve_rank_slices(slices: tuple[RankSlice, ...], topo: Topology, errors: Diagnostics) -> list[Gpu]:
-    out: list[Gpu] = []
-    for s in slices:
-        out += _one_slice(s, topo, errors)
-    return out
+    return [gpu for s in slices for gpu in _one_slice(s, topo, errors)]
 
 
 def _one_slice(s: RankSlice, topo: Topology, errors: Diagnostics) -> list[Gpu]:
@@ -43,9 +40,8 @@ def _one_slice(s: RankSlice, topo: Topology, errors: Diagnostics) -> list[Gpu]:
 
 def _indices(start: int | None, stop: int | None, is_slice: bool, size: int, what: str, s: RankSlice,
              errors: Diagnostics) -> range | None:
-    where = f"'{s.group}' has {size} {what}{'s' if size != 1 else ''}"
-    if what == "GPU":
-        where = f"nodes of '{s.group}' have {size} GPU{'s' if size != 1 else ''}"
+    owner = f"nodes of '{s.group}' have" if what == "GPU" else f"'{s.group}' has"
+    where = f"{owner} {size} {what}{'s' if size != 1 else ''}"
     if not is_slice:
         assert start is not None   # a single index (`group[n]`) has its start
         if start >= size:
@@ -82,13 +78,12 @@ def resolve_pipeline(job: Job, errors: Diagnostics) -> Pipeline | None:
         if slice_errors:  # reported by _rank_owners; its lane arithmetic would only echo them
             stages.append(None)
             continue
-        stage = _stage(idx, st, [rank_of[g.id] for g in gpus if g.id in rank_of], ministages,
-                       job, num_mb, world, errors)
-        stages.append(stage)
+        stages.append(_stage(idx, st, [rank_of[g.id] for g in gpus if g.id in rank_of], ministages,
+                             job, num_mb, world, errors))
     if len(errors) > before or None in stages:
         return None
-    ms_objs = tuple(m for m in ministages)
-    return Pipeline(tuple(s for s in stages if s is not None), ms_objs, world, num_mb, train.micro_batch, schedule, prefetch)
+    return Pipeline(tuple(s for s in stages if s is not None), tuple(ministages), world, num_mb,
+                    train.micro_batch, schedule, prefetch)
 
 
 def plan_has_auto(spec: Spec) -> bool:
@@ -157,11 +152,10 @@ def _layer_hint(model: ModelSpec, name: str) -> str:
 
 def _ministages(model: ModelSpec, par: ParallelSpec, errors: Diagnostics) -> list[Ministage]:
     """Split every stage's layer ranges into ministages; check coverage and order."""
-    chunks: list[tuple[int, int, int, Span]] = []  # (first, stop, stage, span)
     before = len(errors)
-    for s_idx, st in enumerate(par.resolved_stages):
-        for r in _stage_ranges(model, st, errors):
-            chunks.append((*r, s_idx, st.span_of("layers")))
+    chunks = [(first, stop, s_idx, st.span_of("layers"))    # (first, stop, stage, span)
+              for s_idx, st in enumerate(par.resolved_stages)
+              for first, stop in _stage_ranges(model, st, errors)]
     if len(errors) > before:  # an unknown or reversed range would show up as gaps and overlaps too
         return []
     chunks.sort()
@@ -229,10 +223,7 @@ def _check_coverage(model: ModelSpec, names: tuple[StageSpec, ...], chunks: list
 
 
 def _check_stage_order(stages: tuple[StageSpec, ...], ministages: list[Ministage], errors: Diagnostics) -> None:
-    first_seen: list[int] = []
-    for m in ministages:
-        if m.stage not in first_seen:
-            first_seen.append(m.stage)
+    first_seen = dict.fromkeys(m.stage for m in ministages)    # stages in order of their first ministage
     for pos, s_idx in enumerate(first_seen):
         if s_idx != pos:
             st = stages[s_idx]

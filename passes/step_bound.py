@@ -83,7 +83,8 @@ from hetc.passes.cost.zero_time import across_nodes
 from hetc.passes.cost.plan_time import stage_units
 from hetc.passes.cost.zero_units import in_run_order
 from hetc.ir.pipeline import Lane, Stage
-from hetc.ir.program import COMPUTE_TYPES, Backward, BackwardWeight, Collective, Forward, Phase, Program, Unit
+from hetc.ir.program import (COMPUTE_TYPES, Backward, BackwardWeight, Collective, Forward, Phase, Program,
+                             RankProgram, Unit)
 from hetc.ir.spec import ScheduleKind, ZeroShard
 from hetc.ir.timeline import Event, EventKind, Stream, Timeline
 
@@ -156,13 +157,10 @@ def programs_in_flight(program: Program) -> dict[int, int]:
 
 def programs_forwards_first(program: Program) -> frozenset[int]:
     """The ranks whose compute order runs every forward before its first backward op (B, I or W)."""
-    out = set()
-    for rp in program.ranks:
-        ops = [i for i in rp.instrs if isinstance(i, COMPUTE_TYPES)]
-        backward = [k for k, i in enumerate(ops) if not isinstance(i, Forward)]
-        if not backward or all(not isinstance(i, Forward) for i in ops[backward[0]:]):
-            out.add(rp.rank)
-    return frozenset(out)
+    def forwards_first(rp: RankProgram) -> bool:
+        forward = [isinstance(i, Forward) for i in rp.instrs if isinstance(i, COMPUTE_TYPES)]
+        return forward == sorted(forward, reverse=True)   # no forward after a backward op
+    return frozenset(rp.rank for rp in program.ranks if forwards_first(rp))
 
 
 class _Chains:
@@ -171,6 +169,7 @@ class _Chains:
         self._first_grads: dict[int, float] = {}
         p = cm.pipeline
         self.p, self.kind = p, p.schedule
+        self.back = Phase.INPUT_GRAD if self.kind is ScheduleKind.ZB else Phase.BACKWARD   # the way back
         self.lane_of = {(s.index, mb): lane for s in p.stages for lane in s.lanes for mb in lane.microbatches}
         # a chain depends on a microbatch only through the lanes it passes: memoised per (ministage, lanes)
         self._transfers: dict[tuple[int, int, int], float] = {}
@@ -287,10 +286,9 @@ class _Chains:
         """Every microbatch goes down through every ministage and back, then the first stage's tail."""
         best: StepBound | None = None
         last = len(self.p.ministages) - 1
-        back = Phase.INPUT_GRAD if self.kind is ScheduleKind.ZB else Phase.BACKWARD
         for mb in range(self.p.num_microbatches):
-            path = self._arrival(mb, last) + self._fastest(mb, last, Phase.FORWARD) + self._fastest(mb, last, back) + \
-                self._drain(mb, last, 0)
+            path = self._arrival(mb, last) + self._fastest(mb, last, Phase.FORWARD) + \
+                self._fastest(mb, last, self.back) + self._drain(mb, last, 0)
             lane = self.lane_of[(self.p.ministages[0].stage, mb)]
             rank = min(lane.ranks, key=lambda r: self.tails[r])
             if best is None or path + self.tails[rank] > best.total:
@@ -347,8 +345,7 @@ class _Chains:
     def _drain(self, mb: int, start: int, stop: int) -> float:
         """After `mb`'s gradient op on ministage `start`: its gradient back to ministage `stop`, done there
         (under ZB with the weight gradients of the ministages of `stop`'s stage it passed)."""
-        back = Phase.INPUT_GRAD if self.kind is ScheduleKind.ZB else Phase.BACKWARD
-        out = sum(self._transfer(mb, m) + self._fastest(mb, m, back) for m in range(stop, start))
+        out = sum(self._transfer(mb, m) + self._fastest(mb, m, self.back) for m in range(stop, start))
         if self.kind is not ScheduleKind.ZB:
             return out
         owner = self.p.ministages[stop].stage
@@ -356,9 +353,8 @@ class _Chains:
 
     def _round_trip(self, mb: int, last: int) -> float:
         """From `mb`'s forward leaving ministage `last` until its gradient comes back to it."""
-        back = Phase.INPUT_GRAD if self.kind is ScheduleKind.ZB else Phase.BACKWARD
         later = range(last + 1, len(self.p.ministages))
-        return sum(self._fastest(mb, m, Phase.FORWARD) + self._fastest(mb, m, back) for m in later) + \
+        return sum(self._fastest(mb, m, Phase.FORWARD) + self._fastest(mb, m, self.back) for m in later) + \
             sum(2 * self._transfer(mb, m) for m in range(last, len(self.p.ministages) - 1))
 
     def _fastest(self, mb: int, ms: int, phase: Phase) -> float:

@@ -291,9 +291,8 @@ def _check_zero(z: ZeroSpec, errors: list[Diagnostic]) -> None:
 
 
 def _check_grad_accum(t: TrainSpec, st: StageSpec, errors: list[Diagnostic]) -> None:
-    if t.grad_accum is None or st.lanes is AUTO or st.microbatches is AUTO:
-        return
-    if st.microbatches.kind.value == "counts":
+    if t.grad_accum is None or st.lanes is AUTO or st.microbatches is AUTO or \
+            st.microbatches.kind.value == "counts":
         return
     total = t.micro_batch * t.grad_accum * st.lanes
     if total != t.global_batch:
@@ -309,10 +308,9 @@ def _check_fit(job: Job, errors: list[Diagnostic]) -> None:
     per_param = state_bytes_per_param(m)   # the cost model's bytes per parameter (DESIGN.md §3)
     need = phi * (per_param.params + per_param.grads + per_param.optimizer)
     gpu_memory = sum(g.device.memory for g in topo.gpus)
-    host_memory = 0.0
     off = job.parallel.offload
-    if off.params is not OffloadTarget.NONE or off.optimizer is not OffloadTarget.NONE:
-        host_memory = sum(n.host_memory * n.count for n in job.cluster.nodes)
+    offloads = off.params is not OffloadTarget.NONE or off.optimizer is not OffloadTarget.NONE
+    host_memory = sum(n.host_memory * n.count for n in job.cluster.nodes) if offloads else 0.0
     if need > gpu_memory + host_memory:
         host = f" and {host_memory / 2**30:.1f} GiB of host memory for offload" if host_memory else ""
         errors.append(Diagnostic(m.span, f"the model's parameters, gradients and optimizer state need "

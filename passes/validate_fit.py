@@ -103,12 +103,9 @@ def peak_uses(peaks: Iterable[Peak]) -> list[RankUse]:
 
 def stage_overflows(plan: Plan, uses: list[RankUse], source: str) -> list[Diagnostic]:
     """One error per stage with a rank over its capacity; `source` says where the numbers come from."""
-    out = []
-    for stage in plan.pipeline.stages:
-        mine = [uses[r] for r in stage.ranks]
-        if any(u.over for u in mine):
-            out.append(_stage_overflow(plan, stage, mine, source))
-    return out
+    per_stage = [(stage, [uses[r] for r in stage.ranks]) for stage in plan.pipeline.stages]
+    return [_stage_overflow(plan, stage, mine, source) for stage, mine in per_stage
+            if any(u.over for u in mine)]
 
 
 def _stage_overflow(plan: Plan, stage: Stage, uses: list[RankUse], source: str) -> Diagnostic:

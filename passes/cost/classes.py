@@ -24,7 +24,7 @@ from typing import Protocol
 from hetc.passes.cost.memory import RankMemory, interleaved_group, interleaved_update
 from hetc.passes.cost.schedule import (Grouping, LaneTiming, Unit, UnitOp, in_flight_limits, in_steady_order,
                                       interleaved_grouping, lockstep_fill, pipeline_time, sequential_time,
-                                      step_lower_bound, zero_cycle)
+                                      stage_max, step_lower_bound, zero_cycle)
 from hetc.passes.cost.transfers import Borders, Engine, transfer_waits
 from hetc.passes.cost.zero_time import gathers_per_microbatch
 from hetc.ir.spec import ScheduleKind, ZeroSpec
@@ -272,11 +272,8 @@ def flush_tail(lanes: list[LaneTiming], worst: list[float], schedule: ScheduleKi
     of the stages before it, and the stage's own last weight gradient and stage 0's fall on either end
     (random job 64/1: a last stage of 8 lanes syncing over them ended 6.3 ms before stage 0, not 8.7)."""
     zb = schedule is ScheduleKind.ZB
-    drain: dict[int, float] = {}
-    last: dict[int, float] = {}   # under ZB-H1, the stage's last weight gradient
-    for t in lanes:
-        drain[t.stage] = max(drain.get(t.stage, 0.0), (t.input_grad if zb else t.backward) + t.p2p)
-        last[t.stage] = max(last.get(t.stage, 0.0), t.weight_grad if zb else 0.0)
+    drain = stage_max(lanes, lambda t: (t.input_grad if zb else t.backward) + t.p2p)
+    last = stage_max(lanes, lambda t: t.weight_grad if zb else 0.0)   # under ZB-H1, its last weight gradient
     tail, lead = 0.0, 0.0
     for s, mine in enumerate(worst):
         tail = max(tail, mine - lead - last[0] + last[s])

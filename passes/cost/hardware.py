@@ -15,6 +15,7 @@ the plan decides: the stage's tp, cp and checkpointing, the ranks' shared cores,
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from hetc.ir.plan import Job
@@ -277,9 +278,7 @@ def ring_pair_kinds(kind: Collective, gpus: tuple[Gpu, ...]) -> list[tuple[Gpu, 
     enough (an all-to-all uses every pair; small ones are listed in full).
     """
     n = len(gpus)
-    per_node: dict[tuple[str, int], int] = {}
-    for g in gpus:
-        per_node[g.host] = per_node.get(g.host, 0) + 1
+    per_node = Counter(g.host for g in gpus)
     if kind == Collective.ALL_TO_ALL and n <= ALL_PAIRS_LIMIT:
         pairs = [(a, b) for a in gpus for b in gpus if a.id != b.id]
     else:

@@ -41,14 +41,9 @@ def _fast_group(topology: Topology, gpus: Sequence[Gpu], min_bandwidth: float) -
 def tp_degrees(model: ModelSpec, topology: Topology, lane: Sequence[Gpu], min_bandwidth: float = 0.0
                ) -> tuple[int, ...]:
     """The tp sizes for a lane on `lane` (its GPUs in lane order) that keep each TP group in one fast domain."""
-    out = []
-    for tp in _divisors(len(lane)):
-        if model.heads % tp or model.num_kv_heads % tp:
-            continue
-        groups = [lane[i:i + tp] for i in range(0, len(lane), tp)]
-        if all(_fast_group(topology, g, min_bandwidth) for g in groups):
-            out.append(tp)
-    return tuple(out)
+    n = len(lane)
+    return tuple(tp for tp in _divisors(n) if not (model.heads % tp or model.num_kv_heads % tp)
+                 and all(_fast_group(topology, lane[i:i + tp], min_bandwidth) for i in range(0, n, tp)))
 
 
 @dataclass(frozen=True)

@@ -138,13 +138,10 @@ def _crossings(cm: CostModel) -> Iterator[tuple[str, Gpu, Gpu, int]]:
                 for a, b, size in ring_pair_kinds(Collective.ALL_GATHER, tuple(cm.gpu(r) for r in group)):
                     yield f"stage {stage.name}: ZeRO-{stage.zero.resolved_level} group", a, b, size
     for sa, sb in zip(p.stages, p.stages[1:]):
-        seen = set()
+        used_by = f"pipeline {sa.name} -> {sb.name}"
         for la in sa.lanes:
-            for lb in sb.lanes:
-                a, b = cm.gpu(la.ranks[0]), cm.gpu(lb.ranks[0])
-                if (a.group, b.group, a.host == b.host) not in seen:
-                    seen.add((a.group, b.group, a.host == b.host))
-                    yield f"pipeline {sa.name} -> {sb.name}", a, b, 2
+            for lb in sb.lanes:   # alike pairs too: `_links` keeps the first of each kind
+                yield used_by, cm.gpu(la.ranks[0]), cm.gpu(lb.ranks[0]), 2
 
 
 def _link_source(cm: CostModel, used_by: str, a: Gpu, b: Gpu, ring_size: int) -> LinkSource:

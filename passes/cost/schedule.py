@@ -33,7 +33,7 @@ from hetc.ir.spec import ScheduleKind
 
 __all__ = ["Grouping", "LaneTiming", "PipelineTime", "Unit", "UnitLane", "UnitOp", "ZeroCycle", "chunk_loop_wait",
            "group_width", "in_flight_limits", "in_steady_order", "interleaved_grouping", "lockstep_fill", "pipeline_time", "round_trip_span", "sequential_time",
-           "step_lower_bound", "unit_ops", "zero_cycle"]
+           "stage_max", "step_lower_bound", "unit_ops", "zero_cycle"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,10 +93,7 @@ def pipeline_time(schedule: ScheduleKind, lanes: list[LaneTiming], chunks: int =
     worst = max(lanes, key=lambda t: t.work)
     if schedule is ScheduleKind.ONE_F_ONE_B and limits is not None:
         return _paced_time(schedule, lanes, limits)
-    others: dict[int, float] = {}
-    for t in lanes:
-        if t.stage != worst.stage:
-            others[t.stage] = max(others.get(t.stage, 0.0), _fill(schedule, t))
+    others = stage_max((t for t in lanes if t.stage != worst.stage), lambda t: _fill(schedule, t))
     # Note [fill transfers]: each stage's `one` holds the transfers it receives, so the others' fills miss the
     # bottleneck's own: its first activation in and its last gradient back lie on the fill and drain even where
     # its steady cycle hides them (the part of them its cycle does not already wait for)
@@ -136,11 +133,8 @@ def chunk_loop_wait(lanes: Sequence[LaneTiming], lane: LaneTiming, chunks: int, 
     the planner then gives both ZB-H1 plans that run faster)."""
     if chunks < 2:
         return 0.0
-    forward: dict[int, float] = {}
-    backward: dict[int, float] = {}
-    for t in lanes:
-        forward[t.stage] = max(forward.get(t.stage, 0.0), t.forward + t.p2p / 2)
-        backward[t.stage] = max(backward.get(t.stage, 0.0), t.backward + t.p2p / 2)
+    forward = stage_max(lanes, lambda t: t.forward + t.p2p / 2)
+    backward = stage_max(lanes, lambda t: t.backward + t.p2p / 2)
     f = lane.forward + lane.p2p_wait / 2   # the lane's own chunk-ops, its waits half before each direction
     b = lane.cycle - f
     g = min(group, lane.microbatches)
@@ -166,13 +160,10 @@ def _paced_time(schedule: ScheduleKind, lanes: list[LaneTiming], limits: Mapping
     with the most microbatches (`hetc.ir.pipeline.route_microbatches` gives both to such a lane), not through a
     slower lane of fewer (demo hetero: the middle stage's lane of one microbatch, +3.4 % on two shared
     cores)."""
-    most: dict[int, int] = {}
-    for t in lanes:
-        most[t.stage] = max(most.get(t.stage, 0), t.microbatches)
-    one: dict[int, float] = {}
-    for t in lanes:
-        if t.microbatches == most[t.stage]:   # the lanes the first and the last microbatch go through
-            one[t.stage] = max(one.get(t.stage, 0.0), _zb_way(t) if schedule is ScheduleKind.ZB else t.one)
+    most = stage_max(lanes, lambda t: t.microbatches)
+    # over the lanes the first and the last microbatch go through
+    one = stage_max((t for t in lanes if t.microbatches == most[t.stage]),
+                    lambda t: _zb_way(t) if schedule is ScheduleKind.ZB else t.one)
 
     def chain(t: LaneTiming) -> float:
         fill = sum(v for s, v in one.items() if s < t.stage) + max(0.0, t.p2p - t.p2p_after - t.p2p_wait)
@@ -181,6 +172,14 @@ def _paced_time(schedule: ScheduleKind, lanes: list[LaneTiming], limits: Mapping
     pace = max(lanes, key=lambda t: (chain(t), t.work))
     total = chain(pace)
     return PipelineTime(total, pace.work, total - pace.work, (pace.stage, pace.lane))
+
+
+def stage_max(lanes: Iterable[LaneTiming], value: Callable[[LaneTiming], float]) -> dict[int, float]:
+    """Per stage of `lanes`, the largest `value` of its lanes (at least 0)."""
+    out: dict[int, float] = {}
+    for t in lanes:
+        out[t.stage] = max(out.get(t.stage, 0.0), value(t))
+    return out
 
 
 def in_steady_order(schedule: ScheduleKind, microbatches: Iterable[int], lanes: Iterable[int]) -> bool:
@@ -572,10 +571,8 @@ def interleaved_grouping(schedule: ScheduleKind, lanes: Sequence[LaneTiming], nu
     slowest lane, forward or backward, and every border once (Σ P / v)."""
     if schedule is not ScheduleKind.INTERLEAVED or chunks < 2 or not lanes:
         return Grouping.DEPTH_FIRST
-    slowest: dict[int, LaneTiming] = {}
-    for t in lanes:
-        if t.stage not in slowest or t.forward + t.backward > slowest[t.stage].forward + slowest[t.stage].backward:
-            slowest[t.stage] = t
+    slowest = {s: max((t for t in lanes if t.stage == s), key=lambda t: t.forward + t.backward)
+               for s in dict.fromkeys(t.stage for t in lanes)}
     borders = sum(max(t.p2p for t in lanes if t.stage == s) for s in slowest)
     loop = max(max(sum(t.forward for d, t in slowest.items() if d != s),
                    sum(t.backward for d, t in slowest.items() if d != s)) for s in slowest)

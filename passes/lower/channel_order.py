@@ -46,6 +46,7 @@ NCCL needs; the verifier proves the whole program under the nccl rules
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Collection
@@ -77,13 +78,8 @@ def order_channels(program: Program, ctx: LowerContext, ranks: Collection[int] |
 
 def _pairs(program: Program) -> set[tuple[int, int]]:
     """Every unordered pair of ranks with a message between them, as (low, high)."""
-    pairs = set()
-    for rp in program.ranks:
-        for instr in rp.instrs:
-            peer = _peer(instr)
-            if peer is not None:
-                pairs.add((min(rp.rank, peer), max(rp.rank, peer)))
-    return pairs
+    ends = ((rp.rank, _peer(instr)) for rp in program.ranks for instr in rp.instrs)
+    return {(min(rank, peer), max(rank, peer)) for rank, peer in ends if peer is not None}
 
 
 def _peer(instr: Instr) -> int | None:
@@ -174,8 +170,7 @@ def _reorder(rp: RankProgram, keys: dict[tuple[int, int], list[_Key]]) -> RankPr
             assert isinstance(recv, Recv) and recv.handle is not None
             position[i] = last = _place(rp.rank, recv, i, keys[(peer, rp.rank)][k], sends, waits[recv.handle], last)
     order = sorted(range(len(rp.instrs)), key=lambda i: (position.get(i, float(i)), i))
-    return RankProgram(rp.rank, rp.stage, rp.lane, rp.tp_rank, rp.cp_rank, rp.shards,
-                       tuple(rp.instrs[i] for i in order))
+    return dataclasses.replace(rp, instrs=tuple(rp.instrs[i] for i in order))
 
 
 # a receive placed between two instructions sits this far after the earlier one; receives that share a gap

@@ -108,10 +108,6 @@ def _param_windows(instrs: tuple[Instr, ...], params: set[int], depth: int, edit
         spans.append(span)
         latest[ms] = span
     compute = [i for i, instr in enumerate(instrs) if isinstance(instr, COMPUTE_TYPES)]
-    next_post = {}                          # span index -> where the same ministage's next prefetch is posted
-    for k, span in enumerate(spans):
-        later = [s for s in spans[k + 1:] if s[0] == span[0]]
-        next_post[k] = later[0][1] if later else None
     for k, (ms, post_at, first, last) in enumerate(spans):
         h = handles.take()
         edits.add_before(post_at, Prefetch(Tensor.PARAMS, ms, None, h))
@@ -120,8 +116,8 @@ def _param_windows(instrs: tuple[Instr, ...], params: set[int], depth: int, edit
         edits.add_after(last, Offload(Tensor.PARAMS, ms, None, h_off))
         # the device copy is released when the offload completes: wait one compute op later
         after = [i for i in compute if i > last][1:2]
-        post = next_post[k]
-        wait_at = min([*after, *([post] if post is not None else [])], default=None)
+        next_post = [s[1] for s in spans[k + 1:] if s[0] == ms][:1]   # where its next prefetch is posted
+        wait_at = min([*after, *next_post], default=None)
         if wait_at is None:
             edits.end.append(Wait(h_off))
         else:

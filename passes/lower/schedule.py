@@ -16,6 +16,7 @@ result is deterministic. The engine is in `lane_sim.py` (with Note
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from enum import StrEnum
@@ -52,9 +53,7 @@ def order_compute(ctx: LowerContext) -> Program:
         key = (place.stage.index, place.lane.index)
         if key not in instrs:
             instrs[key] = _with_loads(ctx, orders[key])
-        shell = rank_shell(place)
-        programs.append(type(shell)(shell.rank, shell.stage, shell.lane, shell.tp_rank, shell.cp_rank, shell.shards,
-                                    instrs[key]))
+        programs.append(dataclasses.replace(rank_shell(place), instrs=instrs[key]))
     return Program(tuple(programs), ctx.geometry.groups)
 
 
@@ -263,15 +262,11 @@ def queue_shape(queues: tuple[list[Op], list[Op], list[Op]]) -> tuple[tuple[tupl
 
 def _deps(ctx: LowerContext, op: Op, split_backward: bool) -> list[Op]:
     kind, ms, mb = op
-    bkind = "I" if split_backward else "B"
     if kind == "F":
         return [] if ctx.starts_model(ms) else [("F", ms - 1, mb)]
     if kind == "W":
         return [("I", ms, mb)]
-    deps = [("F", ms, mb)]
-    if not ctx.ends_model(ms):
-        deps.append((bkind, ms + 1, mb))
-    return deps
+    return [("F", ms, mb)] + ([] if ctx.ends_model(ms) else [("I" if split_backward else "B", ms + 1, mb)])
 
 
 def _duration(ctx: LowerContext, op: Op) -> float:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from hetc.ir.program import COMPUTE_TYPES, Instr
 
-__all__ = ["Unit", "join_units", "split_units"]
+__all__ = ["Unit", "split_units"]
 
 
 @dataclass
@@ -34,7 +34,3 @@ def split_units(instrs: tuple[Instr, ...] | list[Instr]) -> list[Unit]:
     if current.instrs:
         units.append(current)
     return units
-
-
-def join_units(units: list[Unit]) -> tuple[Instr, ...]:
-    return tuple(i for u in units for i in u.instrs)

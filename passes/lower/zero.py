@@ -154,8 +154,7 @@ def _rank(rp: RankProgram, place: RankPlace, ctx: LowerContext) -> RankProgram:
             edits.end += [Step(shard.ms), *posts]
             gather_waits += later
     edits.end += gather_waits
-    instrs = edits.apply(rp.instrs)
-    return RankProgram(rp.rank, rp.stage, rp.lane, rp.tp_rank, rp.cp_rank, shards, instrs)
+    return dataclasses.replace(rp, shards=shards, instrs=edits.apply(rp.instrs))
 
 
 def _units(shard: Shard) -> tuple[Unit | None, ...]:
@@ -173,13 +172,8 @@ def _waits(reductions: list[tuple[int, list[Wait], bool]]) -> list[Wait]:
 
 
 def _regathers(shard: Shard, handles: Handles) -> tuple[list[Instr], list[Wait]]:
-    posts: list[Instr] = []
-    waits: list[Wait] = []
-    for part in _parts(shard):
-        more, later = _regather(part, handles)
-        posts += more
-        waits += later
-    return posts, waits
+    got = [_regather(part, handles) for part in _parts(shard)]   # in order: each takes its handles
+    return [i for posts, _ in got for i in posts], [w for _, waits in got for w in waits]
 
 
 def _runs(compute: list[tuple[int, ComputeInstr]], per_mb: bool) -> list[tuple[int, list[int]]]:
@@ -214,8 +208,7 @@ def _gathers(shards: dict[int, Shard], compute: list[tuple[int, ComputeInstr]], 
         continues = not per_mb and g > 0 and runs[g - 1][0] == ms
         continued = not per_mb and g + 1 < len(runs) and runs[g + 1][0] == ms
         if not continues:
-            is_forward = isinstance(compute[first][1], Forward)
-            direction = Direction.FORWARD if is_forward else Direction.BACKWARD
+            direction = Direction.FORWARD if isinstance(compute[first][1], Forward) else Direction.BACKWARD
             group = with_direction(shard.group, direction) if per_mb else shard.group
             h = handles.take()
             post_at = compute[runs[g - 1][1][0]][0] if g > 0 else 0

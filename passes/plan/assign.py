@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +34,7 @@ from hetc.passes.plan.candidate import Knobs
 from hetc.passes.plan.routing import spread
 from hetc.passes.plan.tables import Option, StageTable
 
-__all__ = ["Assignment", "assign_cpsat", "assign_fast", "cpsat_model", "model_objective"]
+__all__ = ["Assignment", "assign_cpsat", "assign_fast", "cpsat_model", "feasible_levels", "model_objective"]
 
 log = logging.getLogger(__name__)
 
@@ -124,16 +124,9 @@ def assign_fast(tables: list[StageTable], units: int, m: int, grain: int = 1) ->
     per_stage = _entries(tables)
     if any(not entries for entries in per_stage):
         return None
-    levels = sorted({e.work for entries in per_stage for e in entries})
-    lo, hi = 0, len(levels)
-    while lo < hi:  # least feasible level
-        mid = (lo + hi) // 2
-        if _reachable(per_stage, units, levels[mid]):
-            hi = mid
-        else:
-            lo = mid + 1
     best: Assignment | None = None
-    for bound in levels[lo:lo + FAST_THRESHOLDS]:
+    works = [[(e.option.layers, e.work) for e in entries] for entries in per_stage]
+    for bound in feasible_levels(works, units)[:FAST_THRESHOLDS]:
         chosen = _split(per_stage, units, bound)
         if chosen is not None:
             got = Assignment(tuple(chosen), model_objective(chosen))
@@ -145,14 +138,26 @@ def assign_fast(tables: list[StageTable], units: int, m: int, grain: int = 1) ->
     return Assignment(tuple(polished), model_objective(polished))
 
 
-def _reachable(per_stage: list[list[_Entry]], units: int, bound: float) -> bool:
+def feasible_levels(works: Sequence[Sequence[tuple[int, float]]], units: int) -> list[float]:
+    """The work levels at which layer counts summing to `units` keep every stage within the level, least
+    first (`works`: each stage's (layer count, work) options); empty where no counts reach `units`."""
+    levels = sorted({w for work in works for _, w in work})
+    lo, hi = 0, len(levels)
+    while lo < hi:  # the least feasible level: a higher one admits more options
+        mid = (lo + hi) // 2
+        if _reachable(works, units, levels[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return levels[lo:]
+
+
+def _reachable(works: Sequence[Sequence[tuple[int, float]]], units: int, bound: float) -> bool:
     """Whether layer counts of options within `bound` can sum to `units` (reachable sums as bits)."""
-    reach = 1
-    mask = (1 << (units + 1)) - 1
-    for entries in per_stage:
-        counts = {e.option.layers for e in entries if e.work <= bound}
+    reach, mask = 1, (1 << (units + 1)) - 1
+    for work in works:
         nxt = 0
-        for n in counts:
+        for n in {n for n, w in work if w <= bound}:
             nxt |= reach << n
         reach = nxt & mask
         if not reach:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from hetc.passes.plan.candidate import Candidate, GpuBlock, Knobs, Offload, StageGpus, split_evenly
 from hetc.passes.plan.candidate_score import Score
-from hetc.passes.plan.layouts import gpu_run, group_speed, whole_group
+from hetc.passes.plan.layouts import gpu_run, group_size, group_speed, whole_group
 from hetc.passes.plan.structures import Structures
 from hetc.ir.spec import Checkpointing, ScheduleKind
 from hetc.ir.topology import Topology
@@ -114,7 +114,7 @@ def _single(search: Structures, name: str, title: str, stages: list[StageGpus], 
 
 def _hexiscale(search: Structures) -> list[StageGpus]:
     topo, dtype = search.topo, search.model.dtype
-    groups = sorted(topo.groups, key=lambda g: -group_speed(topo, g, dtype) / _size(topo, g))
+    groups = sorted(topo.groups, key=lambda g: -group_speed(topo, g, dtype) / group_size(topo, g))
     return [StageGpus(whole_group(topo, g)) for g in groups]
 
 
@@ -122,16 +122,11 @@ def _cephalo(search: Structures) -> list[StageGpus]:
     return [StageGpus(tuple(GpuBlock(g, 0, n.count, 0, n.gpus) for g, n in search.topo.groups.items()))]
 
 
-def _size(topo: Topology, group: str) -> int:
-    g = topo.groups[group]
-    return g.count * g.gpus
-
-
 def _grid_baseline(search: Structures, name: str, title: str, groups: list[str]) -> Baseline:
     """The best-scoring DP × PP × TP grid over `groups` (the others idle)."""
     topo, model = search.topo, search.model
     per_node = min(topo.groups[g].gpus for g in groups)
-    total = sum(_size(topo, g) for g in groups)
+    total = sum(group_size(topo, g) for g in groups)
     idle = tuple(g for g in topo.groups if g not in groups)
     grids, why = [], "no grid divides the GPUs"
     for tp in TP_DEGREES:
@@ -161,7 +156,7 @@ def _grid_baseline(search: Structures, name: str, title: str, groups: list[str])
 
 def _grid_stages(topo: Topology, groups: list[str], pp: int, tp: int) -> list[StageGpus]:
     """Stage p takes the p-th run of GPUs in declaration order (runs are whole lanes of tp)."""
-    gpus = [(g, i) for g in groups for i in range(_size(topo, g))]
+    gpus = [(g, i) for g in groups for i in range(group_size(topo, g))]
     per_stage = len(gpus) // pp
     stages = []
     for p in range(pp):

@@ -23,14 +23,13 @@ from collections.abc import Callable
 from hetc.ir.units import human_bytes
 from hetc.ir.errors import Diagnostic, SpecError
 from hetc.passes.plan.candidate import Knobs, Offload, StageGpus
-from hetc.passes.plan.layouts import whole_group
+from hetc.passes.plan.layouts import group_size, whole_group
 from hetc.passes.plan.tables import stage_costs
 from hetc.passes.plan.candidate_score import Score
 from hetc.passes.plan.baselines import Baseline
 from hetc.passes.plan.candidate import Candidate
 from hetc.passes.plan.structures import Found, Structures
 from hetc.ir.spec import ScheduleKind
-from hetc.ir.topology import Topology
 
 __all__ = ["no_plan_error"]
 
@@ -62,26 +61,25 @@ def _frugal(search: Structures, lanes: int) -> Knobs:
 
 def _layer_that_cannot_fit(search: Structures) -> str | None:
     topo, model = search.topo, search.model
-    group = max(topo.groups, key=lambda g: (topo.gpu_at(g, 0, 0).device.memory, _size(topo, g)))
+    group = max(topo.groups, key=lambda g: (topo.gpu_at(g, 0, 0).device.memory, group_size(topo, g)))
     stage = StageGpus(whole_group(topo, group))
     res = search.resolve(stage)
     prims = search.prims[min(search.space.micro_batches)]
-    knobs = _frugal(search, len(res.lanes))
-    schedule = ScheduleKind.ONE_F_ONE_B
-    neighbours = {i: res.lanes[0][0] for i in range(3)}
+    gpu, lanes = res.lanes[0][0], len(res.lanes)
+    knobs = _frugal(search, lanes)
+    neighbours = {i: gpu for i in range(3)}
     worst = None
     for index, name in ((0, "embed"), (1, model.layer_name(1)), (2, "head")):
-        sc = stage_costs(prims, res, index, 3, 1, knobs, schedule, neighbours, 0, search.space.prefetch,
-                         search.space.zero_base)
-        gpu = res.lanes[0][0]
+        sc = stage_costs(prims, res, index, 3, 1, knobs, ScheduleKind.ONE_F_ONE_B, neighbours, 0,
+                         search.space.prefetch, search.space.zero_base)
         mem = sc.memory(0, gpu, 1)
         if not mem.fits and (worst is None or mem.total - mem.capacity > worst[1].total - worst[1].capacity):
-            worst = (name, mem, gpu, knobs, len(res.lanes))
+            worst = (name, mem)
     if worst is None:
         return None
-    name, mem, gpu, knobs, lanes = worst
+    name, mem = worst
     what = "block" if name.startswith("block") else name
-    return (f"layer {name} does not fit on any GPU: alone in a stage of all {_size(topo, group)} "
+    return (f"layer {name} does not fit on any GPU: alone in a stage of all {group_size(topo, group)} "
             f"{gpu.device.name} GPUs of '{group}' (the most memory per GPU), sharded over {lanes} "
             f"lane{'s' if lanes > 1 else ''} with ZeRO-{knobs.zero}{_offloaded(knobs.offload)}, micro_batch "
             f"{prims.micro_batch}, one microbatch in flight, the {what} needs {human_bytes(mem.total)} on "
@@ -93,11 +91,6 @@ def _layer_that_cannot_fit(search: Structures) -> str | None:
 
 def _offloaded(off: Offload) -> str:
     return "" if off == Offload() else f", {off} offloaded to the host"
-
-
-def _size(topo: Topology, group: str) -> int:
-    g = topo.groups[group]
-    return g.count * g.gpus
 
 
 def _overflow(score: Score) -> float:

@@ -27,17 +27,23 @@ from hetc.passes.plan.partition import Domains
 from hetc.ir.spec import DType
 from hetc.ir.topology import Topology
 
-__all__ = ["MAX_PERMUTED", "Layout", "gpu_run", "group_speed", "layouts", "split_group", "stage_counts", "whole_group"]
+__all__ = ["MAX_PERMUTED", "Layout", "gpu_run", "group_size", "group_speed", "layouts", "split_group",
+           "stage_counts", "whole_group"]
 
 Layout = tuple[StageGpus, ...]
 MAX_PERMUTED = 2
 
 
+def group_size(topo: Topology, group: str) -> int:
+    """The GPUs of a node group."""
+    g = topo.groups[group]
+    return g.count * g.gpus
+
+
 def group_speed(topo: Topology, group: str, dtype: DType) -> float:
     """Effective FLOP/s of a whole node group (datasheet peak × efficiency)."""
-    g = topo.groups[group]
     device = topo.gpu_at(group, 0, 0).device
-    return g.count * g.gpus * device.peak.for_dtype(dtype) * device.efficiency
+    return group_size(topo, group) * device.peak.for_dtype(dtype) * device.efficiency
 
 
 def whole_group(topo: Topology, group: str) -> tuple[GpuBlock, ...]:
@@ -50,7 +56,7 @@ def whole_group(topo: Topology, group: str) -> tuple[GpuBlock, ...]:
 def split_group(topo: Topology, group: str, parts: int) -> list[tuple[GpuBlock, ...]] | None:
     """Cut a node group into `parts` runs of GPUs: by whole nodes when it has enough, else inside nodes."""
     g = topo.groups[group]
-    if parts > g.count * g.gpus:
+    if parts > group_size(topo, group):
         return None
     out: list[tuple[GpuBlock, ...]] = []
     start = 0
@@ -59,7 +65,7 @@ def split_group(topo: Topology, group: str, parts: int) -> list[tuple[GpuBlock, 
             out.append((GpuBlock(group, start, start + size, 0, g.gpus),))
             start += size
         return out
-    for size in split_evenly(g.count * g.gpus, parts):
+    for size in split_evenly(group_size(topo, group), parts):
         out.append(gpu_run(group, g.gpus, start, start + size))
         start += size
     return out
@@ -102,7 +108,7 @@ def _mixed(topo: Topology, groups: tuple[str, ...], parts: int) -> list[StageGpu
 
 
 def _by_kind(topo: Topology, groups: tuple[str, ...], parts: int, dtype: DType) -> list[StageGpus] | None:
-    ordered = sorted(groups, key=lambda g: -group_speed(topo, g, dtype) / _size(topo, g))
+    ordered = sorted(groups, key=lambda g: -group_speed(topo, g, dtype) / group_size(topo, g))
     counts = _shares([group_speed(topo, g, dtype) for g in ordered], parts)
     if counts is None:
         return None
@@ -113,11 +119,6 @@ def _by_kind(topo: Topology, groups: tuple[str, ...], parts: int, dtype: DType) 
             return None
         out += [StageGpus(blocks) for blocks in split]
     return out
-
-
-def _size(topo: Topology, group: str) -> int:
-    g = topo.groups[group]
-    return g.count * g.gpus
 
 
 def layouts(topo: Topology, partitions: list[Domains], max_stages: int, dtype: DType) -> list[Layout]:

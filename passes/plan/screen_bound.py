@@ -47,6 +47,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
+from hetc.passes.plan.assign import feasible_levels
 from hetc.passes.plan.candidate_view import ResolvedStage
 from hetc.passes.plan.primitives import Primitives
 from hetc.passes.cost.shapes import LayerKind
@@ -72,7 +73,8 @@ def screen_bound(search: Structures, st: Structure) -> float:
         work, fill = _stage_bounds(search, st, s, counts)
         works.append(work)
         fills.append(fill)
-    least = _least_bottleneck(works, search.units) + _least_fill(fills, search.units)
+    levels = feasible_levels([list(work.items()) for work in works], search.units)
+    least = (levels[0] if levels else math.inf) + _least_fill(fills, search.units)
     return least * search._price_factor(st) * (1 - _SLACK)
 
 
@@ -195,32 +197,6 @@ def _cycle_and_fill(prims: Primitives, schedule: ScheduleKind, least: list[float
     cycle = compute + transfer_waits(prims.engine, schedule, border, (most[0], most[1], most[2]))
     fill = max(0.0, f + i + total - most[2]) if schedule is ScheduleKind.ZB else compute + total
     return cycle, fill
-
-
-def _least_bottleneck(works: Sequence[dict[int, float]], units: int) -> float:
-    """The least T such that counts summing to `units` keep every stage's work within T."""
-    levels = sorted({v for work in works for v in work.values()})
-    lo, hi = 0, len(levels)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if _reachable(works, units, levels[mid]):
-            hi = mid
-        else:
-            lo = mid + 1
-    return levels[lo] if lo < len(levels) else math.inf
-
-
-def _reachable(works: Sequence[dict[int, float]], units: int, bound: float) -> bool:
-    reach, mask = 1, (1 << (units + 1)) - 1
-    for work in works:
-        nxt = 0
-        for n, v in work.items():
-            if v <= bound:
-                nxt |= reach << n
-        reach = nxt & mask
-        if not reach:
-            return False
-    return bool(reach >> units & 1)
 
 
 def _least_fill(fills: Sequence[dict[int, float]], units: int) -> float:

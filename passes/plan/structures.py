@@ -21,7 +21,7 @@ from hetc.passes.plan.deadline import Deadline
 from hetc.passes.plan.grid import grid_counts, layer_grain, residues
 from hetc.passes.plan.primitives import Primitives
 from hetc.passes.plan.candidate_score import Score, evaluate
-from hetc.passes.plan.layouts import Layout, group_speed, layouts
+from hetc.passes.plan.layouts import Layout, group_size, group_speed, layouts
 from hetc.passes.plan.objective import Goal
 from hetc.passes.plan.partition import bandwidth_domains
 from hetc.passes.plan.routing import spread
@@ -172,9 +172,8 @@ class Structures:
 
     def _speeds(self, st: Structure) -> list[float]:
         dtype = self.model.dtype
-        return [sum(group_speed(self.topo, b.group, dtype) * b.size /
-                    (self.topo.groups[b.group].count * self.topo.groups[b.group].gpus) for b in stage.blocks)
-                for stage in st.layout]
+        return [sum(group_speed(self.topo, b.group, dtype) * b.size / group_size(self.topo, b.group)
+                    for b in stage.blocks) for stage in st.layout]
 
     def _centres(self, st: Structure) -> list[int]:
         """Each stage's share of the units by its GPUs' speed."""
@@ -393,13 +392,9 @@ def _lockstep_groups_alike(a: Assignment, counts: list[tuple[int, ...]]) -> bool
     lane 7 only 7). The validator refuses such a plan as written out."""
     first = first_positions(route_microbatches(list(counts[0])))
     width = group_width(len(counts), max(counts[0]))
-    for option, lanes in zip(a.options, counts):
-        if option.knobs.zero >= 2 and len(lanes) > 1:
-            sizes = {tuple(map(len, interleaved_groups(first, mbs, width)))
-                     for mbs in route_microbatches(list(lanes))}
-            if len(sizes) > 1:
-                return False
-    return True
+    return all(len({tuple(map(len, interleaved_groups(first, mbs, width)))
+                    for mbs in route_microbatches(list(lanes))}) <= 1
+               for option, lanes in zip(a.options, counts) if option.knobs.zero >= 2 and len(lanes) > 1)
 
 
 def base_knobs(options: list[Knobs]) -> list[Knobs]:

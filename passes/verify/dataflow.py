@@ -84,7 +84,6 @@ class _Rank:
         self.own = set(stage.ministages)
         self.mbs = set(lane.microbatches)
         self.shards: dict[int, Shard] = {s.ms: s for s in rp.shards}
-        self.split = any(isinstance(i, BackwardInput) for i in rp.instrs)
         self.s = _State(on_host={s.ms for s in rp.shards if s.param_offload})
 
     def _held_by(self, rank: int) -> tuple[Range, ...] | None:
@@ -113,9 +112,6 @@ class _Rank:
         return self.pipeline.ministages[ms].stop_layer == self.num_layers
 
     # ------------------------------------------------------------ instructions
-
-    def run(self, i: int, instr: Instr) -> None:
-        _HANDLERS[type(instr)](self, i, instr)
 
     def _owned(self, instr: _Owned) -> None:
         if instr.ms not in self.own:
@@ -289,8 +285,7 @@ class _Rank:
         gradients] in hetc/ir/program.py): after every backward of it and its reductions."""
         if instr.ms is None or instr.ms not in self.shards:
             raise _Fault(f"sums a tied embedding's gradient of ministage {instr.ms}, which is not on this rank")
-        missing = [mb for mb in sorted(self.mbs) if (instr.ms, mb) not in self.s.wgrad]
-        if missing:
+        if missing := [mb for mb in sorted(self.mbs) if (instr.ms, mb) not in self.s.wgrad]:
             raise _Fault(f"sums ministage {instr.ms}'s tied gradient before microbatches {missing} are through")
         self._reduced(instr.ms, "sums the tied gradient of")
 
@@ -339,8 +334,7 @@ class _Rank:
         self._owned(instr)
         if instr.ms in self.s.stepped:
             raise _Fault(f"ministage {instr.ms} steps twice")
-        missing = [mb for mb in sorted(self.mbs) if (instr.ms, mb) not in self.s.wgrad]
-        if missing:
+        if missing := [mb for mb in sorted(self.mbs) if (instr.ms, mb) not in self.s.wgrad]:
             raise _Fault(f"steps ministage {instr.ms} before the gradients of microbatches {missing} exist")
         self._reduced(instr.ms, "steps")
         if self.clip and not self.s.norm_done:
@@ -457,7 +451,7 @@ def rank_dataflow(rp: RankProgram, pipeline: Pipeline, num_layers: int, clip: bo
     rank = _Rank(rp, pipeline, num_layers, clip and not forward_only, seq, forward_only)
     for i, instr in enumerate(rp.instrs):
         try:
-            rank.run(i, instr)
+            _HANDLERS[type(instr)](rank, i, instr)
         except _Fault as fault:
             return [(i, str(fault))]
     return [(len(rp.instrs) - 1, msg) for msg in rank.finish()]

@@ -147,11 +147,12 @@ class _Walk:
             self.used[part] += nbytes
             self.total += nbytes
 
-    def give(self, key: _Key) -> None:
-        part, nbytes = self.live.pop(key, (None, 0.0))
-        if part is not None:
-            self.used[part] -= nbytes
-            self.total -= nbytes
+    def give(self, *keys: _Key) -> None:
+        for key in keys:
+            part, nbytes = self.live.pop(key, (None, 0.0))
+            if part is not None:
+                self.used[part] -= nbytes
+                self.total -= nbytes
 
     def observe(self, index: int, transient: float = 0.0) -> None:
         total = self.total + transient
@@ -274,8 +275,7 @@ class _Rank:
         released += self._reduced_shard(i, instr, group)
         self.walk.observe(i)
         if instr.handle is None:
-            for key in released:
-                self.walk.give(key)
+            self.walk.give(*released)
         elif released:
             self.walk.pending[instr.handle] = released
 
@@ -313,8 +313,7 @@ class _Rank:
         self.walk.observe(i)
 
     def _consumed(self, what: Tensor, ms: int, mb: int) -> None:
-        for key in self.pieces.pop((what, ms, mb), []):
-            self.walk.give(key)
+        self.walk.give(*self.pieces.pop((what, ms, mb), []))
 
     def all_gather(self, i: int, instr: AllGather) -> None:
         w = self.walk
@@ -352,14 +351,11 @@ class _Rank:
 
     def wait(self, i: int, instr: Wait) -> None:
         self.walk.observe(i)
-        for key in self.walk.pending.pop(instr.handle, []):
-            self.walk.give(key)
+        self.walk.give(*self.walk.pending.pop(instr.handle, []))
 
     def step(self, i: int, instr: Step) -> None:
         self.walk.observe(i)
-        self.walk.give(("grads", instr.ms))
-        for key in self.shards_held.pop(instr.ms, []):
-            self.walk.give(key)
+        self.walk.give(("grads", instr.ms), *self.shards_held.pop(instr.ms, []))
 
 
 # one handler per instruction class, each taking its own class (so the table's value type is loose)
