@@ -145,7 +145,6 @@ class MinistageBuffers:
         self.infos: dict[str, ShardInfo] = shard_infos(module)
         # from the rank's place, not the module's split parameters: a ZeRO-3 unit of the embedding or the
         # head has none, and would have every tp rank write them (Note [units] in hetc/ir/program.py)
-        self.tp_size = tp.size
         self.writes_replicated = tp.rank == 0
         # the head's copy of a tied embedding: summed with the embedding's each step, never counted or saved
         # as a parameter of its own (Note [tied copies] in runtime/nn/model.py)
@@ -220,10 +219,7 @@ class MinistageBuffers:
 
     def accumulate(self, reduced: Tensor) -> None:
         """Add one reduction's output (the inner shard, compute dtype) to `acc` (Note [reduced shard])."""
-        if self.acc is None:
-            self.acc = reduced
-        else:
-            self.acc.add_(reduced)
+        self.acc = reduced if self.acc is None else self.acc.add_(reduced)
 
     @property
     def across_grad(self) -> Tensor:
@@ -274,11 +270,13 @@ class MinistageBuffers:
         """The elements this rank steps, as a slice of the full flat buffer."""
         if self.level == 0:
             return slice(0, self.layout.padded_numel)
-        rng = self.inner_range
-        if self.shard.outer_level == 1:
-            n = self.inner_numel // self.outer.size
-            return slice(rng.start + self.outer.index * n, rng.start + (self.outer.index + 1) * n)
-        return rng
+        return self._outer_part() if self.shard.outer_level == 1 else self.inner_range
+
+    def _outer_part(self) -> slice:
+        """Part `outer.index` of `outer.size` of the inner shard."""
+        n = self.inner_numel // self.outer.size
+        start = self.inner_range.start + self.outer.index * n
+        return slice(start, start + n)
 
     def opt_range_in_inner(self) -> slice:
         rng, inner = self.opt_range, self.inner_range
@@ -309,14 +307,9 @@ class MinistageBuffers:
         Replicas hold equal copies of a shard; they split it so that each
         element belongs to exactly one of them. Always inside `opt_range`.
         """
-        if self.level == 0:
-            part = self.layout.padded_numel // self.inner.size
-            return slice(self.inner.index * part, (self.inner.index + 1) * part)
-        if self.shard.outer_level == 1 or self.outer.size == 1:
-            return self.opt_range
-        part = self.inner_numel // self.outer.size     # inner shards replicated across nodes
-        start = self.inner_range.start + self.outer.index * part
-        return slice(start, start + part)
+        if self.level == 0 or self.outer.size == 1:
+            return self.inner_range
+        return self._outer_part()      # sharded across, or inner shards replicated across nodes
 
     def unique_grad(self) -> Tensor:
         """The reduced gradient of `unique_range` (tp replicas of whole parameters and a tied copy zeroed: the
@@ -333,10 +326,9 @@ class MinistageBuffers:
         if self.writes_replicated and self.tied_copy is None:
             return grad
         grad = grad.clone()
-        for e in self.layout.entries:
-            start, stop = max(e.offset, rng.start), min(e.offset + e.numel, rng.stop)
+        for e, start, stop in self.layout.overlaps(rng):
             replica = self.infos[e.name].dim is None and not self.writes_replicated
-            if start < stop and (replica or e.name == self.tied_copy):
+            if replica or e.name == self.tied_copy:
                 grad[start - rng.start:stop - rng.start] = 0
         return grad
 

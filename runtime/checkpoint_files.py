@@ -56,12 +56,8 @@ class CheckpointError(RuntimeError):
 
 def complete_steps(directory: Path) -> list[int]:
     """The steps of the complete checkpoints in `directory` (their metadata written), oldest first."""
-    steps = []
-    for path in Path(directory).glob("step-*"):
-        number = path.name.removeprefix("step-")
-        if number.isdigit() and (path / ".metadata").is_file():
-            steps.append(int(number))
-    return sorted(steps)
+    return sorted(int(number) for path in Path(directory).glob("step-*")
+                  if (number := path.name.removeprefix("step-")).isdigit() and (path / ".metadata").is_file())
 
 
 def has_checkpoint(directory: Path) -> bool:

@@ -19,6 +19,7 @@ took over a stale lock and says whose.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import fcntl
 import logging
@@ -50,10 +51,9 @@ class CheckpointDirLock:
         """Empty the holder line (a clean end) and drop the lock; idempotent."""
         if self.fd < 0:
             return
-        try:
+        # a read-only or vanished directory: the kernel still drops the lock below
+        with contextlib.suppress(OSError):
             os.ftruncate(self.fd, 0)
-        except OSError:
-            pass        # a read-only or vanished directory: the kernel still drops the lock below
         os.close(self.fd)
         self.fd = -1
 

@@ -45,16 +45,13 @@ class Waitable(Protocol):
 
 class _EventWork:
     """A copy on a side stream, as a Work: `wait` makes the current stream wait for it, not the host (Note
-    [stream-ordered copies] in runtime/host_copy.py); `synchronize` is for a host that reads what it wrote."""
+    [stream-ordered copies] in runtime/host_copy.py)."""
 
     def __init__(self, event: torch.cuda.Event, device: torch.device):
         self.event, self.device = event, device
 
     def wait(self) -> None:
         torch.cuda.current_stream(self.device).wait_event(self.event)
-
-    def synchronize(self) -> None:
-        self.event.synchronize()
 
 
 def nccl_order(rank: int, emulation: NcclEmulation | None) -> NcclOrder | None:

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hetc.runtime.measure import free_port
+from hetc.runtime.local import free_port
 from hetc.runtime.nn.model import build_ministage
 from hetc.runtime.nn.ring_attention import Ring, wait_all
 from hetc.ir.spec import ModelSpec
@@ -112,11 +112,8 @@ def _call_times(a: list[_Stamp], b: list[_Stamp]) -> list[float]:
 
 def _message_times(a: _Rounds, b: _Rounds, k: int) -> list[float]:
     """Per message of a pair (a to b, then b to a): the receive's return less the later of send and receive."""
-    out = []
-    for sender, receiver in ((a, b), (b, a)):
-        for (send_in, _), (recv_in, recv_out) in zip(sender.sends[k], receiver.recvs[k], strict=True):
-            out.append(recv_out - max(send_in, recv_in))
-    return out
+    return [recv_out - max(send_in, recv_in) for sender, receiver in ((a, b), (b, a))
+            for (send_in, _), (recv_in, recv_out) in zip(sender.sends[k], receiver.recvs[k], strict=True)]
 
 
 def _worker(rank: int, model: ModelSpec, micro_batch: int, ranks: int, calls: int, port: int,

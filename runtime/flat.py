@@ -14,7 +14,7 @@ Padding is zero in parameters and gradients; AdamW and SGD keep it zero.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +33,10 @@ class FlatEntry:
     shape: tuple[int, ...]
     offset: int
     numel: int
+
+    def overlap(self, rng: slice) -> tuple[int, int]:
+        """The flat elements [a, b) of this parameter inside `rng` (a >= b: none)."""
+        return max(self.offset, rng.start), min(self.offset + self.numel, rng.stop)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +73,13 @@ class FlatLayout:
             raise InternalError(f"shard {shard} of {self.num_shards}")
         return slice(shard * self.shard_numel, (shard + 1) * self.shard_numel)
 
+    def overlaps(self, rng: slice) -> Iterator[tuple[FlatEntry, int, int]]:
+        """Each parameter with elements inside `rng`, and those elements [start, stop) of the flat buffer."""
+        for e in self.entries:
+            start, stop = e.overlap(rng)
+            if start < stop:
+                yield e, start, stop
+
     def views(self, flat: Tensor) -> dict[str, Tensor]:
         """Each parameter's view into a full flat buffer, by name."""
         if flat.numel() != self.padded_numel:
@@ -82,12 +93,8 @@ class FlatLayout:
         written under one sharding is read back under another.
         """
         rng = self.shard_range(shard)
-        out = []
-        for e in self.entries:
-            start, stop = max(e.offset, rng.start), min(e.offset + e.numel, rng.stop)
-            if start < stop:
-                out.append((e.name, start - e.offset, stop - e.offset, start - rng.start))
-        return out
+        return [(e.name, start - e.offset, stop - e.offset, start - rng.start)
+                for e, start, stop in self.overlaps(rng)]
 
     def flatten(self, tensors: Mapping[str, Tensor], dtype: torch.dtype = torch.float32,
                 device: torch.device | str | None = None) -> Tensor:
@@ -97,10 +104,6 @@ class FlatLayout:
         for e in self.entries:
             flat[e.offset:e.offset + e.numel].copy_(tensors[e.name].detach().reshape(-1))
         return flat
-
-
-def _params_by_name(module: nn.Module) -> dict[str, nn.Parameter]:
-    return dict(module.named_parameters())
 
 
 def bind_params(module: nn.Module, layout: FlatLayout, flat: Tensor) -> None:
@@ -113,7 +116,7 @@ def bind_params(module: nn.Module, layout: FlatLayout, flat: Tensor) -> None:
     counter: a view shares its buffer's, so a ZeRO-3 gather into the buffer
     between forward and backward would look to autograd like a modified input.
     """
-    params = _params_by_name(module)
+    params = dict(module.named_parameters())
     for name, view in layout.views(flat).items():
         param = params[name]
         if param.is_meta:
@@ -137,7 +140,7 @@ def bind_grads(module: nn.Module, layout: FlatLayout, flat_grad: Tensor) -> None
     Never call `module.zero_grad()` afterwards (it sets grads to None and
     unbinds them): zero `flat_grad` instead.
     """
-    params = _params_by_name(module)
+    params = dict(module.named_parameters())
     for name, view in layout.views(flat_grad).items():
         params[name].grad = view
 
@@ -160,7 +163,7 @@ class FlatParams:
         self.module = module
         self.layout = FlatLayout.of(module, num_shards)
         self.shard_index = shard_index
-        full = self.layout.flatten(_params_by_name(module), torch.float32)
+        full = self.layout.flatten(dict(module.named_parameters()), torch.float32)
         self.compute = full if dtype == torch.float32 else full.to(dtype)
         shard = full[self.layout.shard_range(shard_index)]
         shares = dtype == torch.float32 and not keep_master_apart
@@ -204,8 +207,7 @@ class FlatParams:
 
     def materialize(self) -> None:
         """Re-allocate a released compute buffer (contents undefined until gathered into)."""
-        storage = self.compute.untyped_storage()
-        storage.resize_(self.compute.numel() * self.compute.element_size())
+        self.compute.untyped_storage().resize_(self.compute.numel() * self.compute.element_size())
 
     def named_master(self) -> dict[str, Tensor]:
         """Full-precision parameters by name; needs num_shards == 1 (else gather first)."""

@@ -161,11 +161,9 @@ def export_hf(checkpoint: Path, out: Path, *, dtype: DType = DType.FP32,
 def copy_hf_files(source: Path, destination: Path) -> list[str]:
     """Copy the tokenizer files and generation_config.json that `source` holds into `destination`; return
     their names (Note [A complete export])."""
-    copied = []
-    for name in (*TOKENIZER_FILES, GENERATION_CONFIG_FILE):
-        if (source / name).is_file():
-            shutil.copyfile(source / name, destination / name)
-            copied.append(name)
+    copied = [name for name in (*TOKENIZER_FILES, GENERATION_CONFIG_FILE) if (source / name).is_file()]
+    for name in copied:
+        shutil.copyfile(source / name, destination / name)
     return copied
 
 
@@ -192,8 +190,7 @@ def read_checkpoint_model(checkpoint: Path) -> tuple[ModelSpec, dict[str, Any] |
     if model is None:
         raise HfError(f"{card} holds no model block")
     base_file = checkpoint / HF_CONFIG_FILE
-    base = json.loads(base_file.read_text()) if base_file.is_file() else None
-    return model, base
+    return model, (json.loads(base_file.read_text()) if base_file.is_file() else None)
 
 
 def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:

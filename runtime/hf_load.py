@@ -52,10 +52,8 @@ def load_hf_weights(buffers: dict[int, Buffers], directory: Path) -> LoadStats:
     stats, reader = LoadStats(), WeightReader(directory)
     for whole in buffers.values():
         for buf in whole.parts():
-            rng = buf.param_range
-            values = read_flat(reader, buf.layout, buf.infos, rng, stats, buf.stored_name)
-            buf.load_params(values, rng)
-            del values
+            rng = buf.param_range     # the values are freed once loaded: a rank holds one buffer's at a time
+            buf.load_params(read_flat(reader, buf.layout, buf.infos, rng, stats, buf.stored_name), rng)
     return stats
 
 
@@ -72,10 +70,7 @@ def read_flat(reader: WeightReader, layout: FlatLayout, infos: dict[str, ShardIn
     out = torch.zeros(rng.stop - rng.start, dtype=torch.float32)     # padding stays zero
     own = out.numel() * out.element_size()
     stats.kept = max(stats.kept, own)
-    for e in layout.entries:
-        start, stop = max(e.offset, rng.start), min(e.offset + e.numel, rng.stop)
-        if start >= stop:
-            continue
+    for e, start, stop in layout.overlaps(rng):
         a, b = start - e.offset, stop - e.offset            # within the local parameter, flattened
         row = math.prod(e.shape[1:])
         first, last = a // row, -(-b // row)

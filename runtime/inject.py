@@ -28,6 +28,7 @@ before the message counts as arrived. Two choices differ from a slowed rank's:
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from dataclasses import dataclass
@@ -126,20 +127,15 @@ def _link(text: str) -> tuple[int, int]:
 
 def compute_factor(injections: tuple[Injection, ...], rank: int, step: int) -> float:
     """How many times slower `rank` computes in `step`."""
-    factor = 1.0
-    for inj in injections:
-        if isinstance(inj, Slowdown) and inj.rank == rank and inj.active(step):
-            factor *= inj.factor
-    return factor
+    return math.prod((inj.factor for inj in injections
+                      if isinstance(inj, Slowdown) and inj.rank == rank and inj.active(step)), start=1.0)
 
 
 def link_factor(injections: tuple[Injection, ...], a: int, b: int, step: int) -> float:
     """How many times as late messages between ranks `a` and `b` arrive in `step` (Note [a slowed link])."""
-    factor, link = 1.0, (min(a, b), max(a, b))
-    for inj in injections:
-        if isinstance(inj, LinkSlowdown) and inj.link == link and inj.active(step):
-            factor *= inj.factor
-    return factor
+    link = (min(a, b), max(a, b))
+    return math.prod((inj.factor for inj in injections
+                      if isinstance(inj, LinkSlowdown) and inj.link == link and inj.active(step)), start=1.0)
 
 
 def stretch(seconds: float, factor: float) -> None:

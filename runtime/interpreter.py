@@ -17,6 +17,7 @@ gradient of its input to the unit before it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -69,7 +70,12 @@ class _Pending:
     instr: Instr
     work: Waitable | None                    # a torch Work, or None when already complete
     on_done: Callable[[], None] | None
-    posted: float
+
+    def complete(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        if self.on_done is not None:
+            self.on_done()
 
 
 class Interpreter:
@@ -207,23 +213,17 @@ class Interpreter:
     def _post(self, instr: Instr, work: Waitable | None, on_done: Callable[[], None] | None = None) -> None:
         handle = getattr(instr, "handle", None)
         if handle is None:
-            if work is not None:
-                work.wait()
-            if on_done is not None:
-                on_done()
+            _Pending(instr, work, on_done).complete()
             return
         if handle in self.pending:
             raise ProtocolError(f"handle {handle} is already in flight")
-        self.pending[handle] = _Pending(instr, work, on_done, time.perf_counter())
+        self.pending[handle] = _Pending(instr, work, on_done)
 
     def _wait(self, instr: Wait) -> None:
         p = self.pending.pop(instr.handle, None)
         if p is None:
             raise ProtocolError(f"handle {instr.handle} is not in flight")
-        if p.work is not None:
-            p.work.wait()
-        if p.on_done is not None:
-            p.on_done()
+        p.complete()
 
     # ------------------------------------------------------------ data and compute
 
@@ -285,10 +285,8 @@ class Interpreter:
         buf = self._buffer(ms, None)
         x = self._input_of(ms, mb)
         labels = self.tokens[mb][1] if self.ends[ms] else None
-        if buf.shard.act_offload:
-            with torch.no_grad():   # stash only the boundary input; recompute in backward
-                out = buf.module(x, labels)
-        else:
+        # under activation offload, stash only the boundary input and recompute in backward
+        with torch.no_grad() if buf.shard.act_offload else contextlib.nullcontext():
             out = buf.module(x, labels)
         if self.training:
             self.inputs[(ms, mb)] = x
@@ -335,9 +333,7 @@ class Interpreter:
     def _seed(self, ms: int, mb: int) -> tuple[Tensor, Tensor, Tensor | None]:
         x, out = self._graph_of(ms, mb)
         grad = self._output_grad(ms, mb)
-        if grad is None:
-            out = out / self.m   # Note [Loss normalisation]
-        return x, out, grad
+        return x, (out / self.m if grad is None else out), grad   # Note [Loss normalisation]
 
     def _unit_seed(self, instr: ComputeInstr) -> tuple[Tensor, Tensor, Tensor | None]:
         ms, mb, unit = instr.ms, instr.mb, instr.unit
@@ -415,11 +411,7 @@ class Interpreter:
     # ------------------------------------------------------------ point to point
 
     def _send(self, instr: Send) -> None:
-        key = (instr.ms, instr.mb)
-        if instr.what is Kind.ACT:
-            tensor = self.outputs.get(key)
-        else:
-            tensor = self.in_grads.get(key)
+        tensor = (self.outputs if instr.what is Kind.ACT else self.in_grads).get((instr.ms, instr.mb))
         if tensor is None:
             raise ProtocolError(f"nothing to send: {instr.what.value} ms={instr.ms} mb={instr.mb} is not computed")
         payload = self.arrived.local(tensor.detach(), instr.seq).contiguous()

@@ -55,8 +55,7 @@ STOP_NOW = frozenset({signal.SIGINT, signal.SIGHUP})         # Ctrl-C, the termi
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+    with _reserve_port() as s:
         return s.getsockname()[1]
 
 

@@ -27,7 +27,6 @@ one GPU its time-slicing as a node's ranks at once.
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -39,6 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hetc.ir.program import Collective
+from hetc.runtime.local import free_port
 from hetc.runtime.nn.model import build_ministage, compute_dtype
 from hetc.ir.spec import ModelSpec
 
@@ -49,7 +49,6 @@ __all__ = [
     "Measurable",
     "comm_rates",
     "copy_rates",
-    "free_port",
     "local_device",
     "measurable",
     "slowdown",
@@ -258,12 +257,6 @@ def copy_rates(sizes: list[int], repeats: int) -> list[dict]:
     return rows
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def comm_rates(ranks: int, sizes: list[int], repeats: int, at_once: int = 1) -> tuple[list[dict], list[dict]]:
     """(collectives, p2p) measured between `ranks` local processes; rows as in the profile file.
 
@@ -322,18 +315,14 @@ def _collectives(device, n: int, count: int, group, repeats: int, pick) -> list[
     rows = []
     for kind, op in ops.items():
         try:
-            seconds = _synced(device, op, repeats, pick)
+            dist.barrier()
+            seconds = _clock(device, op, repeats, pick=pick)
         except (RuntimeError, NotImplementedError):  # gloo lacks some collectives in some builds
             dist.barrier()
             continue
         rows.append({"kind": kind, "ranks": count, "bytes": elems * 4, "seconds": seconds,
                      "backend": dist.get_backend()})
     return rows
-
-
-def _synced(device: torch.device, op: Callable[[], None], repeats: int, pick=min) -> float:
-    dist.barrier()
-    return _clock(device, op, repeats, pick=pick)
 
 
 def _ping(rank: int, pair: list[int], device: torch.device, buf: torch.Tensor, repeats: int, pick=min) -> float:

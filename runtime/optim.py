@@ -74,10 +74,7 @@ def optimizer_step(opt: OptimizerSpec, param: Tensor, grad: Tensor, state: Optim
     if param.shape != grad.shape:
         raise InternalError(f"param shard {tuple(param.shape)} vs grad {tuple(grad.shape)}")
     grad = grad.to(torch.float32)
-    if opt.kind is OptimizerKind.SGD:
-        _sgd(opt, param, grad, state, lr, step)
-    else:
-        _adam(opt, param, grad, state, lr, step)
+    (_sgd if opt.kind is OptimizerKind.SGD else _adam)(opt, param, grad, state, lr, step)
 
 
 # Note [torch's Adam kernels]
@@ -132,10 +129,7 @@ def lr_at(train: TrainSpec, step: int) -> float:
         return peak
     span = train.steps - 1 - sched.warmup
     progress = min(1.0, (step - sched.warmup) / span) if span > 0 else 1.0
-    if sched.kind is LrScheduleKind.COSINE:
-        factor = 0.5 * (1 + math.cos(math.pi * progress))
-    else:
-        factor = 1 - progress
+    factor = 0.5 * (1 + math.cos(math.pi * progress)) if sched.kind is LrScheduleKind.COSINE else 1 - progress
     return sched.min_lr + (peak - sched.min_lr) * factor
 
 

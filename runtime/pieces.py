@@ -95,13 +95,9 @@ def layout_pieces(layout: FlatLayout, rng: slice, values: Tensor,
     """
     if values.numel() != rng.stop - rng.start:
         raise InternalError(f"{values.numel()} values for range {rng}")
-    out = {}
-    for e in layout.entries:
-        start, stop = max(e.offset, rng.start), min(e.offset + e.numel, rng.stop)
-        if start < stop:
-            view = values[start - rng.start:stop - rng.start]
-            out[e.name] = param_pieces(infos.get(e.name) if infos else None, e.shape, start - e.offset, view)
-    return out
+    return {e.name: param_pieces(infos.get(e.name) if infos else None, e.shape, start - e.offset,
+                                 values[start - rng.start:stop - rng.start])
+            for e, start, stop in layout.overlaps(rng)}
 
 
 def param_pieces(info: ShardInfo | None, shape: tuple[int, ...], start: int, view: Tensor) -> FlatPieces:

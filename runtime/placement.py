@@ -245,11 +245,10 @@ def _match_labelled(plan_nodes, launched, problems: list[str], elastic: bool) ->
 
 def _match_by_device(plan_nodes, launched, chosen: dict[str, tuple[str, int]]) -> None:
     """Unlabelled launched nodes onto the plan nodes left: see Note [Placement by discovery]."""
-    free_agents = [a for a, procs in launched.items() if not procs[0].label]
-    free_agents.sort(key=lambda a: (min(p.memory for p in launched[a]), a))
-    todo = [h for h in plan_nodes if h not in chosen.values()]
-    todo.sort(key=lambda h: -_memory_needed(plan_nodes[h]))
-    for host in todo:
+    free_agents = sorted((a for a, procs in launched.items() if not procs[0].label),
+                         key=lambda a: (min(p.memory for p in launched[a]), a))
+    todo = (h for h in plan_nodes if h not in chosen.values())
+    for host in sorted(todo, key=lambda h: -_memory_needed(plan_nodes[h])):
         gpus = plan_nodes[host]
         fits = [a for a in free_agents if _node_problem(gpus, launched[a]) is None]
         exact = [a for a in fits if len(launched[a]) == len(gpus)]
@@ -267,6 +266,5 @@ def _why_not(gpus: list[Gpu], launched, chosen) -> str:
     left = [a for a in launched if a not in chosen]
     if not left:
         return ": no launched node is left for it"
-    reasons = [f"{launched[a][0].host} ({len(launched[a])} processes) {_node_problem(gpus, launched[a])}"
-               for a in left]
-    return ": " + "; ".join(reasons)
+    return ": " + "; ".join(f"{launched[a][0].host} ({len(launched[a])} processes) "
+                            f"{_node_problem(gpus, launched[a])}" for a in left)

@@ -288,7 +288,6 @@ class Rebalancer:
         return self._switch_to(decision["version"])
 
     def _resplit_to(self, version: int) -> Switch:
-
         spec, program, evaluation = pickle.loads(self.store.get(SPLIT_KEY.format(version=version)))
         plan = check_spec(spec, self.plan_dir).plan()   # the running plan with other counts or layers
         self.version = version
@@ -353,8 +352,9 @@ class Rebalancer:
 
         coupled = {group.stage.index for group in lockstep_groups(self.plan.pipeline, self.plan.model)}
         equal = {st.index: st.index in coupled for st in self.plan.pipeline.stages}
+        # each lane's seconds per microbatch lost to its slow links (Note [link transit])
         target = target_routing(self.plan.pipeline, self.planned, self.watch.reference, self.watch.slow, equal,
-                                self._border_seconds())
+                                border_seconds(self.border_rates, self._link_extra_s()))
         current = routing_of(self.plan.pipeline)
         if target == current:
             alone = [lane for lane in self.watch.slow if len(self.plan.pipeline.stages[lane[0]].lanes) == 1]
@@ -362,7 +362,8 @@ class Rebalancer:
         slow = self._rank_slowdowns()
         start = time.perf_counter()
         try:
-            before, after = self._compile(current, slow), self._compile(target, slow)
+            before, after = (self._compile(with_routing(self.plan, routing), slow)
+                             for routing in (current, target))
         except (SpecError, VerifyError) as err:     # a routing the plan's rules refuse: keep the one that runs
             self._say(step, f"re-routing refused: {str(err).splitlines()[0]}", {"change": None, "taken": False})
             return None
@@ -379,8 +380,7 @@ class Rebalancer:
         self._publish(after)
         compile_s = time.perf_counter() - start
         self.plan, self._program = after.plan, after.program
-        self.last_change = step
-        self.check = (step, measured, predicted)
+        self.last_change, self.check = step, (step, measured, predicted)
         why = "back to the plan's routing" if restores else f"+{gain:.0%} throughput"
         self._say(step, f"re-routing {self._describe(change)}: predicted step {measured:.3f} s -> {predicted:.3f} s "
                   f"({why}); compiled and verified in {compile_s:.2f} s",
@@ -396,11 +396,11 @@ class Rebalancer:
                       "a checkpoint: run with --checkpoint DIR", {"change": None, "taken": False})
             return None
         slow, start = self._rank_slowdowns(), time.perf_counter()
-        before = self._compile_spec(self.plan.spec, slow)
+        before = self._compile(self.plan.spec, slow)
         best: _Compiled | None = None
         for spec in layer_splits(self.plan, stage):
             try:
-                got = self._compile_spec(spec, slow)
+                got = self._compile(spec, slow)
             except (SpecError, VerifyError):      # a split that does not fit or that the plan's rules refuse
                 continue
             if best is None or got.simulated_s < best.simulated_s:
@@ -435,10 +435,6 @@ class Rebalancer:
             return {}
         return {link: self.links.reference[link] * (ratio - 1) for link, ratio in self.links.slow.items()}
 
-    def _border_seconds(self) -> dict[LaneId, float]:
-        """Seconds per microbatch each lane loses to its slow links (Note [link transit])."""
-        return border_seconds(self.border_rates, self._link_extra_s())
-
     def _link_slowdowns(self, healthy: CostModel) -> dict[LinkId, float]:
         """The slow links' factors on `healthy`'s (a CostModel without them) time of their messages."""
         return {(a, b): model_link_factor(extra, healthy.p2p_transfer_time(a, b, self.link_bytes[(a, b)]))
@@ -448,11 +444,7 @@ class Rebalancer:
         return {r: factor for (s, l), factor in self.watch.slow.items()
                 for r in self.plan.pipeline.stages[s].lanes[l].ranks}
 
-    def _compile(self, routing: Mapping[int, tuple[int, ...]], slow: Mapping[int, float]) -> _Compiled:
-        """Lower, verify and simulate the plan with `routing`, its compute slowed by `slow`."""
-        return self._compile_spec(with_routing(self.plan, routing), slow)
-
-    def _compile_spec(self, spec: Spec, slow: Mapping[int, float]) -> _Compiled:
+    def _compile(self, spec: Spec, slow: Mapping[int, float]) -> _Compiled:
         """Lower, verify and simulate the plan of `spec`, its compute slowed by `slow`, its slow links by
         theirs (Note [link transit] in runtime/links.py)."""
         from hetc.passes.build import build
@@ -483,8 +475,7 @@ class Rebalancer:
                   {"measured_step_s": measured, "predicted_step_s": predicted, "before_step_s": before})
 
     def _tell_slow(self, step: int, lane: LaneId) -> None:
-        ratio = self.watch.slow[lane]
-        ref = self.watch.reference[lane]
+        ratio, ref = self.watch.slow[lane], self.watch.reference[lane]
         self._say(step, f"{self._lane_name(lane)} computes {ratio:.2f}x slower than it did "
                   f"({ref * ratio * 1e3:.1f} ms per microbatch, {ref * 1e3:.1f} ms at the start)",
                   {"slow": list(lane), "ratio": ratio, "measured_s": ref * ratio, "reference_s": ref})

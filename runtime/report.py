@@ -117,8 +117,9 @@ class Reporter:
         """Report a finished step; `val_loss` when the step was followed by an evaluation."""
         if result.events:
             self.traced, self.step_time = result.events, result.seconds
-        memories = self._memories(step) if self.records else None
-        classes = self._classes(step, result.classes) if self.opts.metrics is not None else None
+        peaks = [peak_memory(self.device), peak_memory_reserved(self.device)] if self.records else []
+        memories = self._gathered("mem", step, peaks) if self.records else None
+        classes = self._gathered("classes", step, result.classes) if self.opts.metrics is not None else None
         if self.rank != 0:
             return
         tps = self.tokens_per_step / result.seconds if result.seconds > 0 else 0.0
@@ -143,14 +144,12 @@ class Reporter:
             record["grad_norm"] = result.grad_norm
         if result.skipped:
             record["skipped"] = True
-        if self.metrics is not None:
-            self.metrics.write(json.dumps(record) + "\n")
-            self.metrics.flush()
+        self.event(record)
         for sink in self.sinks:
             sink.add(done, step_scalars(record))
 
     def event(self, record: dict) -> None:
-        """A --metrics record that is not a step's (live rebalancing's detections and changes), on rank 0."""
+        """A --metrics record on rank 0: a step's, or live rebalancing's detections and changes."""
         if self.metrics is not None:
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()
@@ -171,21 +170,13 @@ class Reporter:
             return 0.0, 0.0
         return self.flops.model / (seconds * self.peak_flops), self.flops.hardware / (seconds * self.peak_flops)
 
-    def _memories(self, step: int) -> list[tuple[float, float]] | None:
-        """Each rank's (peak allocated, peak reserved) bytes, on rank 0."""
-        mine = [peak_memory(self.device), peak_memory_reserved(self.device)]
-        self.store.set(f"hetc/mem/{step}/{self.rank}", json.dumps(mine))
+    def _gathered(self, kind: str, step: int, mine: list | dict) -> list | None:
+        """Every rank's `mine` of `step` (its peak memories, its class times), on rank 0."""
+        self.store.set(f"hetc/{kind}/{step}/{self.rank}", json.dumps(mine))
         if self.rank != 0:
             return None
-        keys = [f"hetc/mem/{step}/{r}" for r in range(self.program.world_size)]
-        return [tuple(json.loads(v)) for v in self.store.multi_get(keys)]   # one round trip, not one per rank
-
-    def _classes(self, step: int, mine: dict[str, float]) -> list[dict[str, float]] | None:
-        self.store.set(f"hetc/classes/{step}/{self.rank}", json.dumps(mine))
-        if self.rank != 0:
-            return None
-        keys = [f"hetc/classes/{step}/{r}" for r in range(self.program.world_size)]
-        return [json.loads(v) for v in self.store.multi_get(keys)]
+        keys = [f"hetc/{kind}/{step}/{r}" for r in range(self.program.world_size)]
+        return [json.loads(v) for v in self.store.multi_get(keys)]   # one round trip, not one per rank
 
     def finish(self) -> None:
         if self.opts.trace is not None:
@@ -224,11 +215,7 @@ def build_measured_timeline(program, pipeline, per_rank: list) -> Timeline:
             elif isinstance(instr, Recv):
                 recvs[(instr.peer_from, r, instr.what, instr.ms, instr.mb)] = index
         memory.append(MemorySample(r, 0.0, peak))
-    flows = []
-    for key, s_index in sends.items():
-        r_index = recvs.get(key)
-        if r_index is not None:
-            flows.append(Flow(key[0], s_index, key[1], r_index, 0.0))
+    flows = [Flow(key[0], s_index, key[1], recvs[key], 0.0) for key, s_index in sends.items() if key in recvs]
     step_time = max((t for _, _, t in per_rank), default=0.0)
     plan = (("schedule", pipeline.schedule.value), ("ranks", str(program.world_size)),
             ("stages", str(len(pipeline.stages))), ("microbatches", str(pipeline.num_microbatches)),

@@ -47,17 +47,12 @@ def tied_copy(buffers: Buffers) -> TiedCopy:
     raise InternalError("`all_reduce tied` on a ministage holding no copy of the tied embedding")
 
 
-def _overlap(entry: FlatEntry, rng: slice) -> tuple[int, int]:
-    """The flat elements [a, b) of `entry` inside `rng` (a >= b: none)."""
-    return max(entry.offset, rng.start), min(entry.offset + entry.numel, rng.stop)
-
-
 def tied_share(copy: TiedCopy) -> Tensor:
     """The V·H tensor holding this rank's count of its copy's reduced gradient, zero elsewhere."""
     part, entry = copy
     reduced, base = part.reduced_grad(), part.opt_range.start
     share = torch.zeros(entry.numel, dtype=reduced.dtype, device=reduced.device)
-    a, b = _overlap(entry, part.unique_range)
+    a, b = entry.overlap(part.unique_range)
     if a < b and part.writes_replicated:      # the matrix is whole on every tp rank: tp rank 0 counts it
         share[a - entry.offset:b - entry.offset] = reduced[a - base:b - base]
     return share
@@ -67,6 +62,6 @@ def put_tied_sum(copy: TiedCopy, total: Tensor) -> None:
     """Put the summed gradient of the tied matrix into the reduced gradient this rank's step reads."""
     part, entry = copy
     reduced, base = part.reduced_grad(), part.opt_range.start
-    a, b = _overlap(entry, part.opt_range)
+    a, b = entry.overlap(part.opt_range)
     if a < b:
         reduced[a - base:b - base] = total[a - entry.offset:b - entry.offset]

@@ -119,9 +119,7 @@ class Attention(TPRegion):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
-        if self.recompute_core and torch.is_grad_enabled():
-            out = checkpoint(self.core, q, k, v, use_reentrant=False)
-        else:
-            out = self.core(q, k, v)
+        recompute = self.recompute_core and torch.is_grad_enabled()    # selective activation checkpointing
+        out = checkpoint(self.core, q, k, v, use_reentrant=False) if recompute else self.core(q, k, v)
         out = out.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim)
         return self.wo(out, reduce=self.tp.exit)

@@ -49,8 +49,7 @@ class GeluMLP(TPRegion):
 
 
 def _dense(model: ModelSpec, shard: TPShard, device) -> nn.Module:
-    cls = SwiGLU if model.arch is Arch.LLAMA else GeluMLP
-    return cls(model.hidden, model.ffn, shard, device)
+    return (SwiGLU if model.arch is Arch.LLAMA else GeluMLP)(model.hidden, model.ffn, shard, device)
 
 
 def make_mlp(model: ModelSpec, shard: TPShard = NO_SHARD, device=None,

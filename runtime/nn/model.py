@@ -149,10 +149,9 @@ def build_layer(model: ModelSpec, idx: int, *, seed: int, shard: TPShard = NO_SH
         layer = _construct(model, idx, shard, experts, tied_copy)
     if list(layer.buffers()):
         raise InternalError("layers hold no buffers: to_empty would leave them garbage")
-    if not initialise:
-        return layer
-    layer.to_empty(device=device)
-    init_layer(layer, model, idx, seed)
+    if initialise:
+        layer.to_empty(device=device)
+        init_layer(layer, model, idx, seed)
     return layer
 
 
@@ -175,9 +174,8 @@ def _initial_value(owner: nn.Module, name: str, shape: tuple[int, ...], model: M
         return torch.zeros(shape)
     if not isinstance(owner, (ParallelLinear, nn.Embedding)):
         raise InternalError(f"no init rule for {type(owner).__name__}")
-    std = INIT_STD
-    if isinstance(owner, ParallelLinear) and owner.scaled_init:
-        std = INIT_STD / math.sqrt(2 * model.layers)
+    scaled = isinstance(owner, ParallelLinear) and owner.scaled_init
+    std = INIT_STD / math.sqrt(2 * model.layers) if scaled else INIT_STD
     return torch.randn(shape, generator=gen) * std
 
 

@@ -125,8 +125,7 @@ class _RingAttention(torch.autograd.Function):
         n = len(mine)
         dout = grad_out.to(q.dtype)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dkv = [torch.zeros(k.shape, dtype=torch.float32, device=k.device),
-               torch.zeros(v.shape, dtype=torch.float32, device=v.device)]
+        dkv = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v)]
         qs, douts, outs, lses = _chunks(q, n), _chunks(dout, n), _chunks(out, n), _chunks(lse, n)
         for kv, theirs in _visits(ring, [k, v]):
             ks, vs = _chunks(kv[0], n), _chunks(kv[1], n)

@@ -55,14 +55,12 @@ class CpuFlash:
     """torch's flash attention for CPU: (out, lse) forward, its matching backward."""
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-        return out, lse
+        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
 
     def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
                  scale: float) -> tuple[Tensor, Tensor, Tensor]:
-        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal,
-                                                                               scale=scale)
-        return dq, dk, dv
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal,
+                                                                         scale=scale)
 
 
 class CudaFlash:
@@ -84,9 +82,8 @@ class CudaFlash:
                  scale: float) -> tuple[Tensor, Tensor, Tensor]:
         assert self._rest is not None, "backward before forward"
         cum_q, cum_k, max_q, max_k, seed, offset = self._rest
-        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(dout, q, k, v, out, lse, cum_q, cum_k, max_q,
-                                                                       max_k, 0.0, causal, seed, offset, scale=scale)
-        return dq, dk, dv
+        return aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale)
 
 
 class GroupedMath:

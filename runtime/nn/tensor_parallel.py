@@ -215,12 +215,9 @@ def shard_infos(module: nn.Module) -> dict[str, ShardInfo]:
     for prefix, sub in module.named_modules():
         for name, p in sub.named_parameters(recurse=False):
             full = f"{prefix}.{name}" if prefix else name
-            if full in out:
-                continue
-            if isinstance(sub, ParallelLinear):
-                out[full] = sub.shard_info(name)
-            else:
-                out[full] = ShardInfo(tuple(p.shape), None, NO_SHARD)
+            if full not in out:
+                out[full] = sub.shard_info(name) if isinstance(sub, ParallelLinear) else \
+                    ShardInfo(tuple(p.shape), None, NO_SHARD)
     return out
 
 

@@ -52,17 +52,13 @@ def _heads_to_seq(x: Tensor, group) -> Tensor:
 
 
 _seq_to_heads_fn = conjugate("SeqToHeads", _seq_to_heads, _heads_to_seq)
-_heads_to_seq_fn = conjugate("HeadsToSeq", _heads_to_seq, _seq_to_heads)
+heads_to_seq = conjugate("HeadsToSeq", _heads_to_seq, _seq_to_heads)
 
 
 def seq_to_heads(x: Tensor, group) -> Tensor:
     if x.shape[1] % dist.get_world_size(group):
         raise ValueError(f"{x.shape[1]} heads do not split over {dist.get_world_size(group)} Ulysses ranks")
     return _seq_to_heads_fn(x, group)
-
-
-def heads_to_seq(x: Tensor, group) -> Tensor:
-    return _heads_to_seq_fn(x, group)
 
 
 def kv_repeats(q_heads: int, kv_heads: int, cp: int) -> int:
