@@ -224,3 +224,36 @@ def test_one_build_sequences_lower_verify_and_simulate():
     sequencing = [path.relative_to(ROOT).as_posix() for path in source_files()
                   if "verify" in (called := _called(path)) and {"lower", "simulate"} & called]
     assert sequencing == ["passes/build.py"]
+
+
+_BLOCKS = {"model", "train", "parallel", "cluster"}
+
+
+def _loose_plan_uses(path: Path) -> list[str]:
+    """Functions of `path` that take a spec and a pipeline apart, and asserts that a spec block is present:
+    what a Plan (hetc/ir/plan.py) carries checked and typed."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            params = {a.arg for a in (*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs)}
+            if {"spec", "pipeline"} <= params:
+                found.append(f"{path.name}:{node.lineno}: {node.name}(spec, pipeline)")
+        elif isinstance(node, ast.Assert):
+            for test in ast.walk(node.test):
+                if isinstance(test, ast.Compare) and isinstance(test.left, ast.Attribute) and \
+                        test.left.attr in _BLOCKS and any(isinstance(op, ast.IsNot) for op in test.ops):
+                    found.append(f"{path.name}:{node.lineno}: assert ...{test.left.attr} is not None")
+    return found
+
+
+def test_no_function_takes_a_spec_and_a_pipeline_and_no_assert_checks_a_block():
+    """Issue 30: every back-end and runtime entry takes the checked Plan, not a loose (spec, pipeline) pair
+    re-checking `spec.model is not None`."""
+    assert [hit for path in source_files() for hit in _loose_plan_uses(path)] == []
+
+
+def test_the_loose_plan_check_finds_both(tmp_path):
+    path = tmp_path / "loose.py"
+    path.write_text("def cost(spec, pipeline):\n    assert spec.model is not None\n")
+    assert _loose_plan_uses(path) == ["loose.py:1: cost(spec, pipeline)",
+                                      "loose.py:2: assert ...model is not None"]
