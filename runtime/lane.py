@@ -81,11 +81,12 @@ def place_ministage(module: Ministage, place: LanePlace, device: torch.device | 
     if layout.tp > 1:
         set_tp_comm(module, GroupTP(place.tp_group, layout.sequence_parallel))
     if layout.cp > 1:
-        core = UlyssesAttention(place.cp_group) if layout.cp_kind is CPKind.ULYSSES else \
-            RingAttention(place.cp_group, place.cp_ranks, place.cp_rank)
+        # Ulysses runs the model's own core (flash or unfused) on its heads; ring attention is blockwise
+        ring = None if layout.cp_kind is CPKind.ULYSSES else RingAttention(place.cp_group, place.cp_ranks,
+                                                                           place.cp_rank)
         for sub in module.modules():
             if isinstance(sub, Attention):
-                sub.core = core
+                sub.core = ring if ring is not None else UlyssesAttention(place.cp_group, sub.core)
     if place.splits_sequence:
         def tensor(ranges) -> Tensor:
             return torch.tensor(positions(ranges), dtype=torch.long, device=device)

@@ -35,8 +35,8 @@ SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen
              "MixtralForCausalLM")
 
 # fields a key beside `hf` may set (Note [hf presets]); MoE: only capacity_factor
-TRAINING_FIELDS = frozenset({"name", "hf", "init", "seq", "dtype", "activation_checkpoint", "optimizer",
-                             "capacity_factor"})
+TRAINING_FIELDS = frozenset({"name", "hf", "init", "seq", "dtype", "activation_checkpoint", "attention",
+                             "optimizer", "capacity_factor"})
 
 _DTYPES = {"float32": DType.FP32, "bfloat16": DType.BF16, "float16": DType.FP16}
 

@@ -27,6 +27,7 @@ __all__ = [
     "DTYPE_BYTES",
     "SCHEMA_KEY",
     "Arch",
+    "AttentionKind",
     "Auto",
     "CPKind",
     "Checkpointing",
@@ -193,6 +194,13 @@ class Checkpointing(StrEnum):
     FULL = "full"
 
 
+class AttentionKind(StrEnum):
+    """How the attention core runs (Note [GEMM curve] in passes/cost/gemm.py times each)."""
+
+    FLASH = "flash"        # fused and tiled: the S×S scores never reach memory (SDPA's flash kernel)
+    UNFUSED = "unfused"    # scores and probabilities materialised: QKᵀ, softmax, AV as separate kernels
+
+
 class OptimizerKind(StrEnum):
     ADAMW = "adamw"
     ADAM = "adam"
@@ -345,6 +353,10 @@ class ModelSpec(Node):
         Checkpointing.NONE, aliases=("recompute", "activation_checkpointing", "recompute_granularity"),
         doc="activation checkpointing: none, selective or full; auto: the planner chooses per stage "
             "(a stage's own key overrides it)")
+    attention: AttentionKind = param(AttentionKind.FLASH, aliases=("attention_kernel",),
+                                     doc="the attention core: flash (fused, no S×S scores in memory) or "
+                                         "unfused (scores and softmax materialised, as Megatron-LM ran before "
+                                         "flash attention); the same result, another speed")
     tied_embeddings: bool = param(False, aliases=("tie_word_embeddings", "tie_embeddings"),
                                   doc="share the embedding and output matrices (on different stages: a copy "
                                       "on the head's, its gradient summed with the embedding's each step)")
@@ -469,7 +481,12 @@ class DeviceSpec(Node):
                                     doc="device memory bandwidth (0: unknown); bounds memory-bound work "
                                         "such as the optimizer step")
     efficiency: float = param(0.5, lo=0.01, hi=1, aliases=("mfu",),
-                              doc="fraction of peak reached by matmul-heavy layers (no profile)")
+                              doc="fraction of peak reached without a profile: by the largest matrix "
+                                  "multiplies where `sms` is given (smaller ones by their shape), else by "
+                                  "matmul-heavy layers")
+    sms: int = param(0, lo=0, hi=100_000, aliases=("sm_count", "multiprocessors"),
+                     doc="streaming multiprocessors (0: unknown); with them, compute time without a profile "
+                         "follows each matrix multiply's shape (tiles, waves, memory-bound small ones)")
 
     def runs(self, dtype: DType) -> bool:
         """Whether this kind runs `dtype` natively: its peak block lists it (Note [Precision that runs])."""

@@ -11,7 +11,8 @@ For one layer kind (embed, block, head) on one device kind, in order:
    ratio of the two devices measured on a reference model profiled on both
    (same dtype, sequence, micro-batch and TP); the other device is the one
    whose datasheet peak is closest to this device's.
-3. FLOPs / (peak(dtype) × efficiency) from the DeviceSpec.
+3. arithmetic from the DeviceSpec: by each matrix multiply's shape where it gives its SM count (gemm.py,
+   Note [GEMM curve]), else FLOPs / (peak(dtype) × efficiency).
 
 Times are for one microbatch on one rank of a lane of tp × cp ranks.
 """
@@ -22,6 +23,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from hetc.passes.cost.gemm import DeviceFacts, layer_seconds
 from hetc.passes.cost.profiles import ComputeTable, Profiles, dtype_class
 from hetc.passes.cost.shapes import LayerKind, layer_flops
 from hetc.passes.cost.params import block_params
@@ -201,6 +203,11 @@ class ComputeModel:
                 if spec.peak.listed() else ""
             raise CostError(f"device kind '{device}' declares no peak FLOP/s for {self.model.dtype.value}{others} "
                             "and no profile times it; add a peak { ... } block or a profile (hetc profile)", device)
+        if spec.sms > 0:
+            # by each matrix multiply's shape on this many SMs (Note [GEMM curve] in gemm.py)
+            facts = DeviceFacts.of(spec, self.model, DEFAULT_MEMORY_BANDWIDTH)
+            forward, backward = layer_seconds(self.model, kind, micro_batch, tp, facts)
+            return LayerTime(forward, backward, kind == LayerKind.BLOCK and tp > 1, "arithmetic")
         return LayerTime(flops.forward / rate / share, flops.backward / rate / share,
                          kind == LayerKind.BLOCK and tp > 1, "arithmetic")
 

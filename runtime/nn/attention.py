@@ -25,9 +25,10 @@ from torch.utils.checkpoint import checkpoint
 
 from hetc.runtime.nn.norms import HeadNorm
 from hetc.runtime.nn.tensor_parallel import NO_SHARD, ParallelLinear, Split, TPRegion, TPShard
-from hetc.ir.spec import Arch, ModelSpec, RopeScalingSpec
+from hetc.ir.spec import Arch, AttentionKind, ModelSpec, RopeScalingSpec
 
-__all__ = ["Attention", "AttentionCore", "Rope", "Rotary", "apply_rope", "causal_attention", "scaled_frequencies"]
+__all__ = ["Attention", "AttentionCore", "Rope", "Rotary", "apply_rope", "causal_attention", "scaled_frequencies",
+           "unfused_causal_attention"]
 
 Rope = tuple[Tensor, Tensor]
 
@@ -43,6 +44,18 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     # a separate reduction). The forward is bitwise the same; K/V gradients sum the group in the
     # kernel's order, so they may differ from the copy's in the last bits.
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def unfused_causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """`causal_attention` with the scores and probabilities materialised (`attention = unfused`): QKᵀ, a masked
+    softmax and AV as separate kernels, as Megatron-LM ran attention before flash attention."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    s_q, s_k = scores.shape[-2:]
+    future = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).triu(1)
+    probs = torch.softmax(scores.masked_fill(future, float("-inf")).float(), dim=-1).to(q.dtype)
+    return probs @ v
 
 
 def scaled_frequencies(inv_freq: Tensor, scaling: RopeScalingSpec) -> Tensor:
@@ -106,7 +119,8 @@ class Attention(TPRegion):
                                  scaled_init=True, device=device)
         self.q_norm = HeadNorm(self.head_dim, model.norm_eps, device) if model.qk_norm else None
         self.k_norm = HeadNorm(self.head_dim, model.norm_eps, device) if model.qk_norm else None
-        self.core: AttentionCore = causal_attention
+        self.core: AttentionCore = unfused_causal_attention if model.attention is AttentionKind.UNFUSED \
+            else causal_attention
         self.recompute_core = False  # selective activation checkpointing
 
     def forward(self, x: Tensor, rope: Rope | None = None) -> Tensor:

@@ -1,0 +1,196 @@
+"""Compute time of a layer by its matrix shapes, for a device kind without a profile (Note [GEMM curve]).
+
+`layer_seconds` is what `compute.ComputeModel` times a layer with on the
+analytic path of a device kind that declares its SM count (`DeviceSpec.sms`);
+profiles override it there, and a kind without an SM count keeps the flat
+FLOPs / (peak × efficiency). Nothing else times compute: explain, the planner
+(through `passes/plan/primitives.py`'s Hardware) and the simulator all read `CostModel`'s layer
+times, which come from `ComputeModel`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hetc.passes.cost.shapes import LOGIT_BYTES, LayerKind, layer_flops
+from hetc.ir.spec import DTYPE_BYTES, Arch, AttentionKind, DeviceSpec, ModelSpec
+
+__all__ = ["DeviceFacts", "Gemm", "attention_efficiency", "block_gemms", "gemm_efficiency", "gemm_seconds",
+           "head_gemms", "layer_seconds"]
+
+# Note [GEMM curve]
+# A matrix multiply C[m, n] += A[m, k] · B[k, n] on a GPU runs as output tiles, one thread block each, in waves
+# of one tile per SM (cuBLAS and CUTLASS kernels; NVIDIA's "Matrix Multiplication Background" guide names
+# both effects). Its fraction of the dtype's peak is the product of
+#   - the device's asymptote (`DeviceSpec.efficiency`): what the best-shaped large GEMMs reach, read from
+#     public GEMM benchmarks (docs/costmodel.md "Compute time by shape" cites them);
+#   - tile quantisation: m·n over the area of the ⌈m/tm⌉·⌈n/tn⌉ tiles that cover it;
+#   - wave quantisation: tiles over ⌈tiles / SMs⌉·SMs, the last wave's idle SMs;
+#   - the tile's own rate: smaller tiles reuse each loaded element less (TILES' third column).
+# cuBLAS picks the tile per shape, so the curve takes the best of TILES. The result is capped by the
+# roofline: a GEMM whose operands take longer to stream from HBM than its FLOPs take is memory-bound
+# (small m: a micro-batch of a few tokens, or high TP). Attention's core (`ModelSpec.attention`) runs as flash
+# attention, whose rate rises with the sequence (more key blocks per query block to amortise each block's
+# softmax bookkeeping) and the head size (more FLOPs per element loaded): FlashAttention-2's published A100
+# curves (Dao 2023, fig. 4-5) give the constants below; or unfused, as batched multiplies through the curve
+# above and a softmax whose S² scores go through HBM. Norms, residual adds, RoPE and the FFN's activation are
+# memory-bound: their bytes at the HBM bandwidth. The constants here are physics or read off public
+# benchmarks, none fitted to a training run: docs/costmodel.md says which is which, and what the published
+# runs (benchmarks/published_runs.py) showed.
+
+# (tm, tn, rate relative to the largest tile): CUTLASS's SM80/SM90 tensor-op tile sizes, down to the skinny
+# tiles cuBLAS takes for a few rows; the rate of a tile falls with its arithmetic intensity, tm·tn / (tm + tn)
+# per k step (256×128: 85, 128×128: 64, 128×64: 43, 64×64: 32, 32×128: 26, 16×128: 14), taken as the square
+# root of its ratio to the largest tile's (a tile's loads overlap its math in part).
+TILES: tuple[tuple[int, int, float], ...] = (
+    (256, 128, 1.0), (128, 256, 1.0), (128, 128, 0.87), (128, 64, 0.71), (64, 128, 0.71), (64, 64, 0.61),
+    (32, 128, 0.55), (128, 32, 0.55), (16, 128, 0.41), (128, 16, 0.41))
+# Flash attention: its best fraction of the device's GEMM asymptote (FA2 forward, A100, head 128, long
+# sequence: ~230 of 312 TFLOP/s against cuBLAS's ~268), the sequence and head size at which it reaches half of
+# that, and its backward's rate relative to its forward (FA2: ~0.8).
+FLASH_FRACTION = 0.86
+FLASH_SEQ_HALF = 128
+FLASH_HEAD_HALF = 16
+FLASH_BACKWARD = 0.8
+# A causal mask: flash attention skips the key blocks above the diagonal, about half the QKᵀ and AV FLOPs
+# (shapes.layer_flops counts them unmasked).
+CAUSAL_WORK = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceFacts:
+    """What the curve needs of a device kind for one dtype."""
+
+    peak: float              # FLOP/s of the dtype that runs (PeakSpec.for_dtype)
+    asymptote: float         # fraction of `peak` the best-shaped large GEMMs reach
+    sms: int                 # streaming multiprocessors: one tile each per wave
+    memory_bandwidth: float  # bytes/s
+    dtype_bytes: int
+
+    @classmethod
+    def of(cls, device: DeviceSpec, model: ModelSpec, fallback_bandwidth: float) -> DeviceFacts:
+        return cls(device.peak.for_dtype(model.dtype), device.efficiency, device.sms,
+                   device.memory_bandwidth or fallback_bandwidth, DTYPE_BYTES[model.dtype])
+
+
+@dataclass(frozen=True, slots=True)
+class Gemm:
+    """`count` alike multiplies of an [m, k] by a [k, n] matrix, in one batched (or grouped) kernel."""
+
+    m: int
+    n: int
+    k: int
+    count: int = 1
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.n * self.k * self.count
+
+    def backward(self) -> tuple[Gemm, Gemm]:
+        """(input-gradient, weight-gradient) multiplies: dA = dC·Bᵀ [m, k] over n, dB = Aᵀ·dC [k, n] over m."""
+        return Gemm(self.m, self.k, self.n, self.count), Gemm(self.k, self.n, self.m, self.count)
+
+
+def _tiled_fraction(m: int, n: int, sms: int, count: int) -> float:
+    """The best tile's useful fraction of the SMs' time: tile and wave quantisation times the tile's rate. The
+    `count` multiplies of a batched (or grouped) kernel share its waves."""
+    best = 0.0
+    for tm, tn, rate in TILES:
+        tiles = math.ceil(m / tm) * math.ceil(n / tn) * count
+        waves = math.ceil(tiles / sms)
+        best = max(best, rate * (m * n * count) / (tiles * tm * tn) * tiles / (waves * sms))
+    return best
+
+
+def gemm_efficiency(m: int, n: int, k: int, facts: DeviceFacts, count: int = 1) -> float:
+    """Fraction of the peak `count` [m, k]·[k, n] multiplies in one kernel reach: the tiled compute rate, or the
+    memory roofline where streaming their matrices takes longer (Note [GEMM curve])."""
+    flops = 2.0 * m * n * k * count
+    compute = flops / (facts.peak * facts.asymptote * _tiled_fraction(m, n, facts.sms, count))
+    memory = (m * k + k * n + m * n) * count * facts.dtype_bytes / facts.memory_bandwidth
+    return flops / facts.peak / max(compute, memory)
+
+
+def gemm_seconds(gemm: Gemm, facts: DeviceFacts) -> float:
+    if gemm.flops == 0:
+        return 0.0
+    return gemm.flops / (facts.peak * gemm_efficiency(gemm.m, gemm.n, gemm.k, facts, gemm.count))
+
+
+def attention_efficiency(seq: int, head_dim: int, facts: DeviceFacts, backward: bool = False) -> float:
+    """Fraction of the peak flash attention's forward (or backward) reaches at this sequence and head size."""
+    rate = facts.asymptote * FLASH_FRACTION * seq / (seq + FLASH_SEQ_HALF) * head_dim / (head_dim + FLASH_HEAD_HALF)
+    return rate * (FLASH_BACKWARD if backward else 1.0)
+
+
+def block_gemms(model: ModelSpec, tokens: int, tp: int) -> list[Gemm]:
+    """The forward multiplies of one block on one rank of a TP group of `tp` (Megatron's sharding: q/k/v and
+    FFN-in by columns, out-proj and FFN-out by rows). MoE: each expert's share of the tokens' top-K visits."""
+    h, d = model.hidden, model.head_size
+    qkv = (model.heads + 2 * model.num_kv_heads) * d // tp
+    ffn = model.ffn // tp
+    ffn_in = 2 * ffn if model.arch is Arch.LLAMA else ffn    # SwiGLU's gate and up, fused
+    attention = [Gemm(tokens, qkv, h), Gemm(tokens, h, model.heads * d // tp)]
+    if model.moe is None:
+        return attention + [Gemm(tokens, ffn_in, h), Gemm(tokens, h, ffn)]
+    experts = model.moe.experts
+    routed = max(1, round(tokens * model.moe.top_k / experts))
+    return attention + [Gemm(tokens, experts, h), Gemm(routed, ffn_in, h, experts), Gemm(routed, h, ffn, experts)]
+
+
+def head_gemms(model: ModelSpec, tokens: int, tp: int) -> list[Gemm]:
+    """The output projection, vocabulary-parallel."""
+    return [Gemm(tokens, math.ceil(model.vocab / tp), model.hidden)]
+
+
+def _block_bytes(model: ModelSpec, tokens: int, tp: int) -> float:
+    """Bytes a block's memory-bound work moves forward on one rank: two norms (in, out) and two residual adds
+    (two in, one out) over the whole hidden state, RoPE on q and k (llama), the FFN's activation (SwiGLU: two
+    in, one out; GELU: one in, one out) on this rank's slice."""
+    h, ffn = model.hidden, model.ffn / tp
+    elements = float(2 * 2 * h + 2 * 3 * h)
+    if model.arch is Arch.LLAMA:
+        elements += 2 * (model.heads + model.num_kv_heads) * model.head_size / tp + 3 * ffn
+    else:
+        elements += 2 * ffn
+    return tokens * elements * DTYPE_BYTES[model.dtype]
+
+
+def _gemm_phases(gemms: list[Gemm], facts: DeviceFacts) -> tuple[float, float]:
+    forward = sum(gemm_seconds(g, facts) for g in gemms)
+    backward = sum(gemm_seconds(part, facts) for g in gemms for part in g.backward())
+    return forward, backward
+
+
+def layer_seconds(model: ModelSpec, kind: LayerKind, micro_batch: int, tp: int,
+                  facts: DeviceFacts) -> tuple[float, float]:
+    """(forward, backward) seconds of a block or the head on one rank of a TP group of `tp`, one microbatch."""
+    tokens = micro_batch * model.seq
+    if kind == LayerKind.HEAD:
+        forward, backward = _gemm_phases(head_gemms(model, tokens, tp), facts)
+        # the vocab-parallel cross-entropy over fp32 logits: written and read forward, read and its gradient
+        # written backward
+        logits = tokens * math.ceil(model.vocab / tp)
+        forward += 2 * logits * LOGIT_BYTES / facts.memory_bandwidth
+        backward += logits * (LOGIT_BYTES + facts.dtype_bytes) / facts.memory_bandwidth
+        return forward, backward
+    forward, backward = _gemm_phases(block_gemms(model, tokens, tp), facts)
+    core_f, core_b = _attention_core(model, micro_batch, tp, facts)
+    moved = _block_bytes(model, tokens, tp) / facts.memory_bandwidth
+    return forward + core_f + moved, backward + core_b + 2 * moved
+
+
+def _attention_core(model: ModelSpec, micro_batch: int, tp: int, facts: DeviceFacts) -> tuple[float, float]:
+    """(forward, backward) seconds of QKᵀ, softmax and AV on one rank (its heads / tp)."""
+    s, d = model.seq, model.head_size
+    if model.attention is AttentionKind.UNFUSED:
+        # QKᵀ [s, s] over d and AV [s, d] over s per head, all s² scores (no causal skip); the scaled, masked
+        # softmax reads and writes the scores forward, and its backward reads P and dP and writes dS
+        heads = micro_batch * model.heads // tp
+        forward, backward = _gemm_phases([Gemm(s, s, d, heads), Gemm(s, d, s, heads)], facts)
+        scores = heads * s * s * facts.dtype_bytes / facts.memory_bandwidth
+        return forward + 2 * scores, backward + 3 * scores
+    core = layer_flops(model, 1, micro_batch).attention / tp * CAUSAL_WORK
+    return (core / (facts.peak * attention_efficiency(s, d, facts)),
+            2 * core / (facts.peak * attention_efficiency(s, d, facts, backward=True)))

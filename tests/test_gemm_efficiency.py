@@ -1,0 +1,131 @@
+"""Compute time by matrix shape (passes/cost/gemm.py, Note [GEMM curve]) and the published-runs benchmark."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from benchmarks.published_runs import RUNS, SHAPED_A100, predict, spec_text
+from hetc.passes.cost import Profiles, gemm
+from hetc.passes.cost.compute import ComputeModel
+from hetc.passes.cost.gemm import DeviceFacts, Gemm, attention_efficiency, block_gemms, gemm_efficiency, \
+    gemm_seconds, head_gemms, layer_seconds
+from hetc.passes.cost.params import block_params
+from hetc.passes.cost.shapes import LayerKind, layer_flops
+from hetc.runtime.nn.attention import causal_attention, unfused_causal_attention
+from hetc.runtime.nn.model import build_layer
+from hetc.ir.spec import DTYPE_BYTES, Arch, AttentionKind, DType, MoESpec, ModelSpec
+from tests.costspecs import ONE_LANE, cluster, cost_model, plan_text
+from tests.test_estimate_sanity import _profile
+
+A100 = DeviceFacts(peak=312e12, asymptote=0.8, sms=108, memory_bandwidth=2.0e12, dtype_bytes=2)
+# the benchmark's A100 that names its SM count: its compute without a profile follows the curve (the
+# catalog's kinds do not yet, docs/costmodel.md "Compute time by shape")
+SHAPED = SHAPED_A100 + cluster(device="A100-80-sms")
+LLAMA = ModelSpec(layers=2, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, seq=4096, dtype=DType.BF16)
+
+
+def test_large_gemms_reach_the_asymptote_and_small_ones_less():
+    sizes = (256, 1024, 4096, 16384)
+    efficiency = [gemm_efficiency(n, n, n, A100) for n in sizes]
+    assert efficiency == sorted(efficiency)
+    assert efficiency[-1] == pytest.approx(A100.asymptote, rel=0.02)
+    assert efficiency[0] < 0.5 * A100.asymptote
+
+
+def test_a_partial_last_wave_costs_a_whole_wave():
+    # 108 tiles of 256x128 fill one wave on 108 SMs; one more row of tiles needs a second, almost idle wave
+    full, one_more = Gemm(256 * 108, 128, 8192), Gemm(256 * 109, 128, 8192)
+    per_flop = [gemm_seconds(g, A100) / g.flops for g in (full, one_more)]
+    assert per_flop[1] > 1.3 * per_flop[0]
+    # on 132 SMs both fit in one wave: no step
+    h100_like = dataclasses.replace(A100, sms=132)
+    assert gemm_seconds(one_more, h100_like) / one_more.flops == pytest.approx(
+        gemm_seconds(full, h100_like) / full.flops, rel=0.01)
+
+
+def test_small_gemms_are_memory_bound():
+    skinny = Gemm(16, 8192, 8192)   # a few tokens through a large weight
+    moved = (16 * 8192 + 8192 * 8192 + 16 * 8192) * A100.dtype_bytes
+    assert gemm_seconds(skinny, A100) == pytest.approx(moved / A100.memory_bandwidth)
+    assert gemm_efficiency(16, 8192, 8192, A100) < 0.2 * gemm_efficiency(4096, 8192, 8192, A100)
+
+
+def test_flash_attention_speeds_up_with_sequence_and_head_size():
+    assert attention_efficiency(512, 128, A100) < attention_efficiency(8192, 128, A100)
+    assert attention_efficiency(4096, 64, A100) < attention_efficiency(4096, 128, A100)
+    assert attention_efficiency(4096, 128, A100, backward=True) < attention_efficiency(4096, 128, A100)
+
+
+@pytest.mark.parametrize("model", [
+    LLAMA,
+    dataclasses.replace(LLAMA, arch=Arch.GPT, kv_heads=None, ffn=4 * 4096),
+    dataclasses.replace(LLAMA, moe=MoESpec(experts=8, top_k=2)),
+], ids=["llama", "gpt", "moe"])
+def test_the_gemms_are_the_layer_flops(model):
+    tokens, tp = model.seq, 4
+    block = sum(g.flops for g in block_gemms(model, tokens, tp)) * tp
+    assert block == pytest.approx(layer_flops(model, 1, 1).linear, rel=1e-3)
+    head = sum(g.flops for g in head_gemms(model, tokens, tp)) * tp
+    assert head == pytest.approx(layer_flops(model, model.layers + 1, 1).linear, rel=1e-3)
+
+
+def test_unfused_attention_is_slower_than_flash_and_computes_the_same():
+    flash = layer_seconds(LLAMA, LayerKind.BLOCK, 1, 1, A100)
+    unfused = layer_seconds(dataclasses.replace(LLAMA, attention=AttentionKind.UNFUSED), LayerKind.BLOCK, 1, 1,
+                            A100)
+    assert unfused[0] > flash[0] and unfused[1] > flash[1]
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(unfused_causal_attention(q, k, v), expected)
+
+
+def test_the_runtime_runs_the_attention_the_spec_names():
+    small = ModelSpec(layers=1, hidden=64, heads=4, ffn=128, vocab=32, seq=16)
+    for kind, core in ((AttentionKind.FLASH, causal_attention), (AttentionKind.UNFUSED, unfused_causal_attention)):
+        block = build_layer(dataclasses.replace(small, attention=kind), 1, seed=0, initialise=False)
+        assert block.attention.core is core
+
+
+def test_explain_reads_compute_time_through_the_curve(tmp_path, monkeypatch):
+    cm = cost_model(tmp_path, plan_text(ONE_LANE, dtype="bf16", clusters=SHAPED))
+    device = cm.hardware.devices["A100-80-sms"]
+    facts = DeviceFacts(device.peak.for_dtype(DType.BF16), device.efficiency, device.sms, device.memory_bandwidth,
+                        DTYPE_BYTES[DType.BF16])
+    assert cm.compute.layer("A100-80-sms", LayerKind.BLOCK, 1, 1).forward == \
+        pytest.approx(layer_seconds(cm.model, LayerKind.BLOCK, 1, 1, facts)[0])
+    before = cm.estimate().step_time_s
+    # the largest tile only: this small model's multiplies fill fewer SMs, and the step is slower
+    monkeypatch.setattr(gemm, "TILES", ((256, 128, 1.0),))
+    after = cost_model(tmp_path, plan_text(ONE_LANE, dtype="bf16", clusters=SHAPED)).estimate().step_time_s
+    assert after > before
+
+
+def test_a_profile_overrides_the_curve(tmp_path):
+    text = plan_text(ONE_LANE, dtype="fp32", clusters=SHAPED)
+    cm = cost_model(tmp_path, text)
+    measured = _profile("A100-80-sms", cm.model.hidden, block_params(cm.model), (1e-3, 2e-3), (2e-3, 4e-3), "p")
+    block = cost_model(tmp_path, text, measured).compute.layer("A100-80-sms", LayerKind.BLOCK, 1, 1)
+    assert block.forward == pytest.approx(3e-3) and block.source != "arithmetic"
+
+
+def test_a_device_without_sms_keeps_the_flat_efficiency(tmp_path):
+    cm = cost_model(tmp_path, plan_text(ONE_LANE, dtype="bf16", clusters=SHAPED))
+    flat = dataclasses.replace(cm.hardware.devices["A100-80-sms"], sms=0)
+    compute = ComputeModel(cm.model, Profiles(), {"A100-80-sms": flat})
+    rate = flat.peak.for_dtype(DType.BF16) * flat.efficiency
+    assert compute.layer("A100-80-sms", LayerKind.BLOCK, 1, 1).forward == \
+        pytest.approx(layer_flops(cm.model, 1, 1).forward / rate)
+
+
+def test_a_published_run_becomes_a_spec_and_is_timed(tmp_path):
+    run = next(r for r in RUNS if r.name.startswith("GPT 1T (N21)"))
+    # the paper's aggregate: 163 TFLOP/s on each of 3,072 GPUs, 502 PFLOP/s in all
+    assert run.model_flops(recompute=True) / run.measured_s() == pytest.approx(502e15, rel=0.01)
+    text = spec_text(run)
+    assert "attention = unfused" in text and "tp = 8" in text and text.count("stage pp") == 64
+    assert predict(run) > 0
