@@ -26,7 +26,7 @@ from hetc.passes.validate_plan import check_plan
 from hetc.passes.validate_precision import check_precision
 from hetc.ir.pipeline import Pipeline
 from hetc.ir.plan import Job, Plan
-from hetc.ir.spec import (AUTO, CPKind, DeviceSpec, LinkSpec, ModelSpec, NodeSpec, OffloadSpec, OffloadTarget, Spec, StageSpec,
+from hetc.ir.spec import (AUTO, AttentionKind, CPKind, DeviceSpec, LinkSpec, ModelSpec, NodeSpec, OffloadSpec, OffloadTarget, Spec, StageSpec,
                        TrainSpec, ZeroShard, ZeroSpec, ClusterSpec)
 from hetc.ir.topology import MAX_GPUS, Topology
 
@@ -250,6 +250,10 @@ def _check_layout(m: ModelSpec, st: StageSpec, layout: LaneLayout, errors: list[
         errors.append(Diagnostic(st.span_of("cp"), f"Ulysses spreads the {m.heads // tp} query heads of each "
                                  f"tp rank over cp ({cp}) ranks in stage '{st.name}'; use ring attention "
                                  "or a cp that divides them"))
+    if cp > 1 and layout.cp_kind is CPKind.RING and m.attention is AttentionKind.UNFUSED:
+        errors.append(Diagnostic(st.span_of("cp"), f"stage '{st.name}' runs ring attention (cp = {cp}), which "
+                                 "is blockwise flash attention, but the model says attention = unfused; use "
+                                 "attention = flash, or cp_kind = ulysses (which runs the model's own core)"))
 
 
 def _check_experts(m: ModelSpec, st: StageSpec, zero: ZeroSpec, errors: list[Diagnostic]) -> None:

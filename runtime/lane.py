@@ -81,9 +81,10 @@ def place_ministage(module: Ministage, place: LanePlace, device: torch.device | 
     if layout.tp > 1:
         set_tp_comm(module, GroupTP(place.tp_group, layout.sequence_parallel))
     if layout.cp > 1:
-        # Ulysses runs the model's own core (flash or unfused) on its heads; ring attention is blockwise
-        ring = None if layout.cp_kind is CPKind.ULYSSES else RingAttention(place.cp_group, place.cp_ranks,
-                                                                           place.cp_rank)
+        # Ulysses runs the model's own core (flash or unfused) on its heads; ring attention is blockwise flash
+        # (validation refuses it beside attention = unfused)
+        ring = RingAttention(place.cp_group, place.cp_ranks, place.cp_rank) if layout.cp_kind is CPKind.RING \
+            else None
         for sub in module.modules():
             if isinstance(sub, Attention):
                 sub.core = ring if ring is not None else UlyssesAttention(place.cp_group, sub.core)

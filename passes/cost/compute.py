@@ -189,8 +189,6 @@ class ComputeModel:
 
     def _analytic(self, device: str, kind: LayerKind, micro_batch: int, tp: int) -> LayerTime:
         spec = self.devices[device]
-        flops = layer_flops(self.model, _index_of(self.model, kind), micro_batch)
-        share = tp  # blocks are sharded, the head vocabulary-parallel
         rate = spec.peak.for_dtype(self.model.dtype) * spec.efficiency
         if kind == LayerKind.EMBED:
             # gather rows forward, scatter-add gradients backward: memory-bound
@@ -203,13 +201,15 @@ class ComputeModel:
                 if spec.peak.listed() else ""
             raise CostError(f"device kind '{device}' declares no peak FLOP/s for {self.model.dtype.value}{others} "
                             "and no profile times it; add a peak { ... } block or a profile (hetc profile)", device)
+        tp_comm = kind == LayerKind.BLOCK and tp > 1
         if spec.sms > 0:
             # by each matrix multiply's shape on this many SMs (Note [GEMM curve] in gemm.py)
             facts = DeviceFacts.of(spec, self.model, DEFAULT_MEMORY_BANDWIDTH)
             forward, backward = layer_seconds(self.model, kind, micro_batch, tp, facts)
-            return LayerTime(forward, backward, kind == LayerKind.BLOCK and tp > 1, "arithmetic")
-        return LayerTime(flops.forward / rate / share, flops.backward / rate / share,
-                         kind == LayerKind.BLOCK and tp > 1, "arithmetic")
+            return LayerTime(forward, backward, tp_comm, "arithmetic")
+        flops = layer_flops(self.model, _index_of(self.model, kind), micro_batch)
+        share = tp  # blocks are sharded, the head vocabulary-parallel
+        return LayerTime(flops.forward / rate / share, flops.backward / rate / share, tp_comm, "arithmetic")
 
 
 @lru_cache(maxsize=1)

@@ -97,25 +97,25 @@ def _tiled_fraction(m: int, n: int, sms: int, count: int) -> float:
     `count` multiplies of a batched (or grouped) kernel share its waves."""
     best = 0.0
     for tm, tn, rate in TILES:
-        tiles = math.ceil(m / tm) * math.ceil(n / tn) * count
-        waves = math.ceil(tiles / sms)
-        best = max(best, rate * (m * n * count) / (tiles * tm * tn) * tiles / (waves * sms))
+        waves = math.ceil(math.ceil(m / tm) * math.ceil(n / tn) * count / sms)
+        best = max(best, rate * (m * n * count) / (waves * sms * tm * tn))   # useful area over the waves' area
     return best
 
 
-def gemm_efficiency(m: int, n: int, k: int, facts: DeviceFacts, count: int = 1) -> float:
-    """Fraction of the peak `count` [m, k]·[k, n] multiplies in one kernel reach: the tiled compute rate, or the
-    memory roofline where streaming their matrices takes longer (Note [GEMM curve])."""
-    flops = 2.0 * m * n * k * count
-    compute = flops / (facts.peak * facts.asymptote * _tiled_fraction(m, n, facts.sms, count))
-    memory = (m * k + k * n + m * n) * count * facts.dtype_bytes / facts.memory_bandwidth
-    return flops / facts.peak / max(compute, memory)
-
-
 def gemm_seconds(gemm: Gemm, facts: DeviceFacts) -> float:
+    """The tiled compute time of `gemm`'s multiplies, or the memory roofline's where streaming their matrices
+    takes longer (Note [GEMM curve])."""
     if gemm.flops == 0:
         return 0.0
-    return gemm.flops / (facts.peak * gemm_efficiency(gemm.m, gemm.n, gemm.k, facts, gemm.count))
+    compute = gemm.flops / (facts.peak * facts.asymptote * _tiled_fraction(gemm.m, gemm.n, facts.sms, gemm.count))
+    moved = (gemm.m * gemm.k + gemm.k * gemm.n + gemm.m * gemm.n) * gemm.count * facts.dtype_bytes
+    return max(compute, moved / facts.memory_bandwidth)
+
+
+def gemm_efficiency(m: int, n: int, k: int, facts: DeviceFacts, count: int = 1) -> float:
+    """Fraction of the peak `count` [m, k]·[k, n] multiplies in one kernel reach."""
+    gemm = Gemm(m, n, k, count)
+    return gemm.flops / facts.peak / gemm_seconds(gemm, facts)
 
 
 def attention_efficiency(seq: int, head_dim: int, facts: DeviceFacts, backward: bool = False) -> float:
