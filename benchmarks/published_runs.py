@@ -144,7 +144,7 @@ def _stage_layers(run: Run, idx: int) -> str:
 
 def spec_text(run: Run, catalog: Path = CATALOG, shaped: bool = True) -> str:
     """The run as a .het spec: DGX A100 nodes (8 A100-80 on NVSwitch, 8 HDR InfiniBand rails a node), a GPT
-    model as the papers define it (LayerNorm, GELU, FFN 4h), Megatron's 1F1B with its TP, PP and DP, no
+    model as the papers define it (LayerNorm, GELU, FFN 4h, Megatron-LM's dropouts of 0.1), Megatron's 1F1B with its TP, PP and DP, no
     distributed optimizer. `shaped`: on an A100-80 that names its SM count (compute by shape), else on the
     catalog's (one flat efficiency)."""
     nodes_per_stage = run.dp * run.tp // 8
@@ -169,6 +169,8 @@ model gpt {{
   dtype = bf16
   activation_checkpoint = {run.recompute}
   attention = unfused
+  hidden_dropout = 0.1
+  attention_dropout = 0.1
 }}
 
 cluster selene {{
@@ -262,14 +264,15 @@ def section(results: list[Result]) -> str:
                      f"{r.predicted_s:.2f} | {r.error:+.1%} | {r.flat_s:.2f} | {run.source} |")
     lines += ["", "| group | ordered as measured |", "|---|---|"]
     lines += [f"| {name} | {'yes' if ok else 'no'} |" for name, ok in ranks.items()]
-    lines += ["", ("What the model leaves out: both papers' GPT configurations drop 10 % of the attention "
-                   "probabilities and of the hidden state, which hetc neither runs nor costs (with unfused "
-                   "attention that is S² more bytes each way, most of a small model's gap); and Narayanan's "
+    lines += ["", ("Both papers' GPT configurations drop 10 % of the attention probabilities and of the hidden "
+                   "state: the specs set `hidden_dropout` and `attention_dropout` to 0.1, which hetc runs and "
+                   "costs (memory-bound; with unfused attention S² more bytes each way per head, most of a small "
+                   "model's share). What the model leaves out: Narayanan's "
                    "2021 software is slower than Korthikanti's 2022 on the same pipeline (1T: 512 microbatches "
                    "of one sequence through 64 stages of TP 8 in both, 102.6 s at DP 6 against 94.4 s at DP 1), "
-                   "which no term of the plan explains; and the node links are not yet shared by the lanes and groups that use "
-                   "them at once (issue 32 item 4), so the data-parallel all-reduces of Narayanan's runs are "
-                   "optimistic. The attention is `unfused` in every spec: flash "
+                   "which no term of the plan explains; and pipeline borders do not yet share their node "
+                   "pair's link between the lanes that cross it at once (the data-parallel groups do: Note [node "
+                   "links] in passes/cost/links.py). The attention is `unfused` in every spec: flash "
                    "attention reached Megatron-LM after both papers.")]
     return "\n".join(lines) + "\n"
 

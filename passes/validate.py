@@ -254,6 +254,10 @@ def _check_layout(m: ModelSpec, st: StageSpec, layout: LaneLayout, errors: list[
         errors.append(Diagnostic(st.span_of("cp"), f"stage '{st.name}' runs ring attention (cp = {cp}), which "
                                  "is blockwise flash attention, but the model says attention = unfused; use "
                                  "attention = flash, or cp_kind = ulysses (which runs the model's own core)"))
+    if cp > 1 and layout.cp_kind is CPKind.RING and m.attention_dropout > 0:
+        errors.append(Diagnostic(st.span_of("cp"), f"stage '{st.name}' runs ring attention (cp = {cp}), which "
+                                 f"has no dropout, but the model sets attention_dropout ({m.attention_dropout:g}); "
+                                 "use attention_dropout = 0, or cp_kind = ulysses (whose core drops out)"))
 
 
 def _check_experts(m: ModelSpec, st: StageSpec, zero: ZeroSpec, errors: list[Diagnostic]) -> None:

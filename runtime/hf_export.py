@@ -86,7 +86,7 @@ def hf_config(model: ModelSpec, dtype: DType = DType.FP32, base: dict[str, Any] 
         "head_dim": model.head_size, "hidden_act": "silu", "rms_norm_eps": model.norm_eps,
         "tie_word_embeddings": model.tied_embeddings, "rope_parameters": rope, "rope_theta": model.rope_theta,
         "max_position_embeddings": max(int(config.get("max_position_embeddings", 0)), model.seq),
-        "dtype": _TORCH_NAMES[dtype],
+        "dtype": _TORCH_NAMES[dtype], "attention_dropout": model.attention_dropout,
     })
     if model_type in ("llama", "qwen3"):
         config["attention_bias"] = model.qkv_bias

@@ -23,8 +23,10 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from hetc.ir.program import (COMPUTE_TYPES, AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight,
@@ -39,6 +41,7 @@ from hetc.runtime.inject import Injection, compute_factor, link_factor, stretch,
 from hetc.runtime.lane import Arrivals, LanePlace, take_tokens
 from hetc.runtime.links import MessageLog
 from hetc.runtime.optim import clip_coefficient, grad_sq_sum, lr_at, optimizer_step
+from hetc.runtime.nn.dropout import RngState, replaying, rng_state, seed_step
 from hetc.runtime.nn.split_backward import DeferredWeightGrad, backward_input, backward_weight
 from hetc.runtime.step_clock import StepClock
 from hetc.runtime.tied import put_tied_sum, tied_copy, tied_share
@@ -96,6 +99,10 @@ class Interpreter:
         self.ends = {ms: self.stop_layer[ms] == plan.model.num_model_layers for ms in buffers}
         self.counts_loss = place.counts_loss
         self.training = True
+        # Note [dropout streams]: the tp ranks of a lane position draw from one stream, named by their first rank
+        self.dropout = plan.model.hidden_dropout > 0 or plan.model.attention_dropout > 0
+        self.dropout_stream = program.rank if place.tp_group is None else \
+            dist.get_process_group_ranks(cast(dist.ProcessGroup, place.tp_group))[0]
         self.skip_nonfinite = False    # set by `hetc run --on-nonfinite skip`: Note [non-finite steps]
         # the host buffers of the rank's offloads: its stage's `offload { pin_memory }`
         self.pin_memory = pin_memory = plan.pipeline.stage_of_rank[program.rank].offload.pin_memory
@@ -127,11 +134,18 @@ class Interpreter:
         (Note [Evaluation programs] in passes/lower/forward_only.py): no graph, no stash, no update."""
         saved = self.program, self.data
         self.program, self.data, self.training = program, data, False
+        self._train_modules(False)     # no dropout
         try:
             with torch.no_grad():
                 return self._run(batch, trace=False).loss
         finally:
             self.program, self.data = saved
+            self._train_modules(True)
+
+    def _train_modules(self, training: bool) -> None:
+        for buf in self.buffers.values():
+            for part in buf.parts():
+                part.module.train(training)
 
     def _run(self, step: int, trace: bool, classes: bool = False) -> StepResult:
         self._begin(step)
@@ -188,7 +202,10 @@ class Interpreter:
         self.clip = 1.0
         self.grad_norm: float | None = None
         self.skip_update = False
+        self.replay: dict[tuple[int, int], RngState] = {}   # activation offload's recomputations
         if self.training:
+            if self.dropout:
+                seed_step(self.train.seed, step, self.dropout_stream)
             for buf in self.buffers.values():
                 buf.zero_grads()
             if self.messages is not None:
@@ -286,6 +303,8 @@ class Interpreter:
         x = self._input_of(ms, mb)
         labels = self.tokens[mb][1] if self.ends[ms] else None
         # under activation offload, stash only the boundary input and recompute in backward
+        if buf.shard.act_offload and self.training and self.dropout:
+            self.replay[(ms, mb)] = rng_state(self.device)
         with torch.no_grad() if buf.shard.act_offload else contextlib.nullcontext():
             out = buf.module(x, labels)
         if self.training:
@@ -315,7 +334,8 @@ class Interpreter:
         buf = self._buffer(ms, None)
         if buf.shard.act_offload:
             labels = self.tokens[mb][1] if self.ends[ms] else None
-            with torch.enable_grad():
+            state = self.replay.pop(key, None)
+            with torch.enable_grad(), replaying(state, self.device) if state else contextlib.nullcontext():
                 out = buf.module(x, labels)
         return x, out
 

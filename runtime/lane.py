@@ -20,6 +20,7 @@ from torch import Tensor
 
 from hetc.ir.layout import SeqLayout, attention_ranges, boundary_ranges, held_length, local_slice, positions
 from hetc.runtime.nn.attention import Attention
+from hetc.runtime.nn.layers import Block, Embedding
 from hetc.runtime.nn.model import Ministage, TokenLayout
 from hetc.runtime.nn.moe import ALL_EXPERTS, ExpertExchange, ExpertShard, MoE, SequenceRouting
 from hetc.runtime.nn.ring_attention import RingAttention
@@ -80,6 +81,10 @@ def place_ministage(module: Ministage, place: LanePlace, device: torch.device | 
     layout = place.layout
     if layout.tp > 1:
         set_tp_comm(module, GroupTP(place.tp_group, layout.sequence_parallel))
+    if layout.tp > 1 and layout.sequence_parallel:
+        for sub in module.modules():     # each tp rank holds a part of the hidden state (Note [dropout streams])
+            if isinstance(sub, (Block, Embedding)):
+                sub.dropout_part = place.tp_rank
     if layout.cp > 1:
         # Ulysses runs the model's own core (flash or unfused) on its heads; ring attention is blockwise flash
         # (validation refuses it beside attention = unfused)

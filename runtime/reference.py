@@ -28,6 +28,7 @@ from hetc.hf.weights import pretrained_dir
 from hetc.runtime.data import DataSource, make_data_source, make_eval_source
 from hetc.runtime.flat import FlatParams
 from hetc.runtime.hf_load import load_whole
+from hetc.runtime.nn.dropout import seed_step
 from hetc.runtime.nn.model import build_ministage, compute_dtype
 from hetc.runtime.optim import clip_coefficient, grad_sq_sum, init_state, lr_at, optimizer_step
 from hetc.runtime.nn.tensor_parallel import shard_infos
@@ -65,6 +66,7 @@ def train_reference(model: ModelSpec, train: TrainSpec, *, base_dir: Path | str 
     losses, norms, times, vals = [], [], [], []
     for step in range(train.steps if steps is None else steps):
         start = time.perf_counter()
+        seed_step(train.seed, step, 0)     # one rank: the stream a 1-rank plan's rank 0 draws (Note [dropout streams])
         flat.zero_grad()
         total = 0.0
         for mb in range(num_mb):
@@ -90,7 +92,9 @@ def train_reference(model: ModelSpec, train: TrainSpec, *, base_dir: Path | str 
 def _validation_loss(module, data: DataSource, batches: int, num_mb: int, device) -> float:
     """The mean over `batches` validation batches of their mean microbatch loss (runtime/evaluate.py)."""
     total = 0.0
+    module.eval()    # no dropout
     for batch in range(batches):
         total += sum(module(*(t.to(device) for t in data.get_microbatch(batch, mb))).item()
                      for mb in range(num_mb)) / num_mb
+    module.train()
     return total / batches

@@ -626,6 +626,21 @@ def test_a_transformers_4_llama_3_1_config(tmp_path):
     assert model.rope_scaling.kind is RopeScalingKind.LLAMA3 and model.rope_scaling.original_seq == 64
 
 
+def test_attention_dropout_comes_from_the_config_and_goes_back(tmp_path):
+    """config.json's attention_dropout is the model's default (a training field: a key beside hf may change
+    it), and an export writes the model's."""
+    from hetc.frontend.convert import import_model
+    from hetc.runtime.hf_export import hf_config
+
+    model = import_model(_config_dir(tmp_path, attention_dropout=0.1), "llama")
+    assert (model.attention_dropout, model.hidden_dropout) == (0.1, 0.0)
+    (tmp_path / "job.het").write_text(f'model m {{\n  hf = "{tmp_path}"\n  attention_dropout = 0.2\n}}\n')
+    from hetc.frontend.load import load_spec
+
+    model = load_spec(tmp_path / "job.het").spec.model
+    assert model.attention_dropout == 0.2 and hf_config(model)["attention_dropout"] == 0.2
+
+
 @pytest.mark.parametrize("config, message", [
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "RoPE scaling 'yarn' is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),

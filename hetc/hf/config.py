@@ -36,7 +36,7 @@ SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen
 
 # fields a key beside `hf` may set (Note [hf presets]); MoE: only capacity_factor
 TRAINING_FIELDS = frozenset({"name", "hf", "init", "seq", "dtype", "activation_checkpoint", "attention",
-                             "optimizer", "capacity_factor"})
+                             "hidden_dropout", "attention_dropout", "optimizer", "capacity_factor"})
 
 _DTYPES = {"float32": DType.FP32, "bfloat16": DType.BF16, "float16": DType.FP16}
 
@@ -97,6 +97,7 @@ def model_preset(config: dict[str, Any], source: str, span: Span) -> Preset:
         "rope_scaling": _rope_scaling(config),
         "moe": _moe(config, span, source) if arch == "MixtralForCausalLM" else None,
         "seq": _int(config, "max_position_embeddings"),
+        "attention_dropout": float(config.get("attention_dropout", 0.0)),
     }
     dtype = config.get("dtype", config.get("torch_dtype"))
     if dtype in _DTYPES:

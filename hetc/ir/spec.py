@@ -357,6 +357,12 @@ class ModelSpec(Node):
                                      doc="the attention core: flash (fused, no S×S scores in memory) or "
                                          "unfused (scores and softmax materialised, as Megatron-LM ran before "
                                          "flash attention); the same result, another speed")
+    hidden_dropout: float = param(0.0, lo=0, hi=0.9, aliases=("resid_pdrop", "hidden_dropout_prob"),
+                                  doc="dropout on the embedding's output and on each attention and MLP output "
+                                      "before its residual add (Megatron-LM's --hidden-dropout; GPT-3 used 0.1)")
+    attention_dropout: float = param(0.0, lo=0, hi=0.9, aliases=("attn_pdrop", "attention_probs_dropout_prob"),
+                                     doc="dropout on the attention probabilities (Megatron-LM's "
+                                         "--attention-dropout); not with ring attention")
     tied_embeddings: bool = param(False, aliases=("tie_word_embeddings", "tie_embeddings"),
                                   doc="share the embedding and output matrices (on different stages: a copy "
                                       "on the head's, its gradient summed with the embedding's each step)")

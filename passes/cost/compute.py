@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from hetc.passes.cost.gemm import DeviceFacts, layer_seconds
+from hetc.passes.cost.gemm import DeviceFacts, hidden_dropout_bytes, layer_seconds
 from hetc.passes.cost.profiles import ComputeTable, Profiles, dtype_class
 from hetc.passes.cost.shapes import LayerKind, layer_flops
 from hetc.passes.cost.params import block_params
@@ -191,8 +191,10 @@ class ComputeModel:
         spec = self.devices[device]
         rate = spec.peak.for_dtype(self.model.dtype) * spec.efficiency
         if kind == LayerKind.EMBED:
-            # gather rows forward, scatter-add gradients backward: memory-bound
-            moved = 2.0 * micro_batch * self.model.seq * self.model.hidden * DTYPE_BYTES[self.model.dtype]
+            # gather rows forward, scatter-add gradients backward, and the hidden dropout on the output (as many
+            # bytes each pass): memory-bound, whether or not the kind names its SMs
+            hidden = micro_batch * self.model.seq * self.model.hidden
+            moved = 2.0 * hidden * DTYPE_BYTES[self.model.dtype] + hidden_dropout_bytes(self.model, hidden)
             bw = spec.memory_bandwidth or DEFAULT_MEMORY_BANDWIDTH
             return LayerTime(moved / bw, moved / bw, False, "arithmetic")
         if rate <= 0:

@@ -13,11 +13,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hetc.passes.cost.shapes import LOGIT_BYTES, LayerKind, layer_flops
+from hetc.passes.cost.shapes import LOGIT_BYTES, MASK_BYTES, LayerKind, layer_flops
 from hetc.ir.spec import DTYPE_BYTES, Arch, AttentionKind, DeviceSpec, ModelSpec
 
-__all__ = ["DeviceFacts", "Gemm", "attention_efficiency", "block_gemms", "gemm_efficiency", "gemm_seconds",
-           "head_gemms", "layer_seconds"]
+__all__ = ["DeviceFacts", "Gemm", "attention_efficiency", "block_gemms", "dropout_bytes", "gemm_efficiency",
+           "gemm_seconds", "head_gemms", "hidden_dropout_bytes", "layer_seconds"]
 
 # Note [GEMM curve]
 # A matrix multiply C[m, n] += A[m, k] · B[k, n] on a GPU runs as output tiles, one thread block each, in waves
@@ -34,10 +34,12 @@ __all__ = ["DeviceFacts", "Gemm", "attention_efficiency", "block_gemms", "gemm_e
 # attention, whose rate rises with the sequence (more key blocks per query block to amortise each block's
 # softmax bookkeeping) and the head size (more FLOPs per element loaded): FlashAttention-2's published A100
 # curves (Dao 2023, fig. 4-5) give the constants below; or unfused, as batched multiplies through the curve
-# above and a softmax whose S² scores go through HBM. Norms, residual adds, RoPE and the FFN's activation are
-# memory-bound: their bytes at the HBM bandwidth. The constants here are physics or read off public
-# benchmarks, none fitted to a training run: docs/costmodel.md says which is which, and what the published
-# runs (benchmarks/published_runs.py) showed.
+# above and a softmax whose S² scores go through HBM. Norms, residual adds, RoPE, the FFN's activation and
+# dropout (ModelSpec.hidden_dropout on the embedding's and each block's attention and MLP outputs; the unfused
+# core's attention dropout on its probabilities) are memory-bound: their bytes at the HBM bandwidth. Flash
+# attention's dropout runs inside its kernel, whose time here does not count it. The constants here are physics
+# or read off public benchmarks, none fitted to a training run: docs/costmodel.md says which is which, and what
+# the published runs (benchmarks/published_runs.py) showed.
 
 # (tm, tn, rate relative to the largest tile): CUTLASS's SM80/SM90 tensor-op tile sizes, down to the skinny
 # tiles cuBLAS takes for a few rows; the rate of a tile falls with its arithmetic intensity, tm·tn / (tm + tn)
@@ -157,6 +159,19 @@ def _block_bytes(model: ModelSpec, tokens: int, tp: int) -> float:
     return tokens * elements * DTYPE_BYTES[model.dtype]
 
 
+def dropout_bytes(elements: float, dtype_bytes: int) -> float:
+    """Bytes a dropout over `elements` values moves in each of its forward and backward (torch's native_dropout):
+    forward reads the input and writes the output and the bool mask, backward reads the gradient and the mask and
+    writes the input's gradient."""
+    return elements * (2 * dtype_bytes + MASK_BYTES)
+
+
+def hidden_dropout_bytes(model: ModelSpec, elements: float) -> float:
+    """`dropout_bytes` of the model's hidden dropout over `elements` of the hidden state; none at 0 (no dropout
+    runs)."""
+    return dropout_bytes(elements, DTYPE_BYTES[model.dtype]) if model.hidden_dropout > 0 else 0.0
+
+
 def _gemm_phases(gemms: list[Gemm], facts: DeviceFacts) -> tuple[float, float]:
     forward = sum(gemm_seconds(g, facts) for g in gemms)
     backward = sum(gemm_seconds(part, facts) for g in gemms for part in g.backward())
@@ -178,7 +193,10 @@ def layer_seconds(model: ModelSpec, kind: LayerKind, micro_batch: int, tp: int,
     forward, backward = _gemm_phases(block_gemms(model, tokens, tp), facts)
     core_f, core_b = _attention_core(model, micro_batch, tp, facts)
     moved = _block_bytes(model, tokens, tp) / facts.memory_bandwidth
-    return forward + core_f + moved, backward + core_b + 2 * moved
+    # the dropouts on the attention and MLP outputs, over the whole hidden state as `_block_bytes` counts it; a
+    # dropout's backward moves as many bytes as its forward
+    dropped = hidden_dropout_bytes(model, 2 * tokens * model.hidden) / facts.memory_bandwidth
+    return forward + core_f + moved + dropped, backward + core_b + 2 * moved + dropped
 
 
 def _attention_core(model: ModelSpec, micro_batch: int, tp: int, facts: DeviceFacts) -> tuple[float, float]:
@@ -189,8 +207,14 @@ def _attention_core(model: ModelSpec, micro_batch: int, tp: int, facts: DeviceFa
         # softmax reads and writes the scores forward, and its backward reads P and dP and writes dS
         heads = micro_batch * model.heads // tp
         forward, backward = _gemm_phases([Gemm(s, s, d, heads), Gemm(s, d, s, heads)], facts)
-        scores = heads * s * s * facts.dtype_bytes / facts.memory_bandwidth
-        return forward + 2 * scores, backward + 3 * scores
+        scores = heads * s * s
+        moved = scores * facts.dtype_bytes / facts.memory_bandwidth
+        # attention dropout on the probabilities before AV
+        dropped = dropout_bytes(scores, facts.dtype_bytes) / facts.memory_bandwidth \
+            if model.attention_dropout > 0 else 0.0
+        return forward + 2 * moved + dropped, backward + 3 * moved + dropped
+    # flash attention's dropout (SDPA's dropout_p) runs inside the kernel, its mask redrawn in backward from the
+    # RNG seed: what it costs there is not counted
     core = layer_flops(model, 1, micro_batch).attention / tp * CAUSAL_WORK
     return (core / (facts.peak * attention_efficiency(s, d, facts)),
             2 * core / (facts.peak * attention_efficiency(s, d, facts, backward=True)))

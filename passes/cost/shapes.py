@@ -11,7 +11,11 @@ replicated. Context parallelism (cp) splits the sequence, replicates weights.
 FLOPs are of the full layer for one microbatch of `b` sequences (divide by
 tp × cp for one rank). Activations use the Korthikanti et al. accounting
 ("Reducing Activation Recomputation in Large Transformer Models", 2022)
-adapted to flash attention (no S×S score matrices are stored) and no dropout.
+for the tensors hetc's runtime keeps: flash attention stores no S×S scores
+(its dropout regenerates the mask in backward), the unfused core its softmax
+output, the probabilities its AV multiply reads and, with attention dropout,
+their mask; hidden dropout keeps a bool mask of the embedding's output and of
+each block's attention and MLP outputs.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from hetc.passes.cost.params import block_params, expert_params, layer_params
-from hetc.ir.spec import Arch, Checkpointing, ModelSpec
+from hetc.ir.spec import DTYPE_BYTES, Arch, AttentionKind, Checkpointing, ModelSpec
 
 __all__ = [
     "LayerFlops",
@@ -34,6 +38,11 @@ __all__ = [
 
 # Bytes of the logits kept for the loss: cross-entropy runs in fp32.
 LOGIT_BYTES = 4
+# Bytes per value of what runs in fp32 inside the attention core: flash attention's log-sum-exp, the unfused
+# core's softmax (runtime/nn/attention.py `unfused_causal_attention`).
+SOFTMAX_BYTES = 4
+# Bytes per element of a dropout's mask: torch's native_dropout keeps a bool per element for its backward.
+MASK_BYTES = 1
 
 
 class LayerKind(StrEnum):
@@ -139,18 +148,21 @@ def activation_elements(m: ModelSpec, idx: int, micro_batch: int, *, checkpoint:
 
     Per rank of a lane with `tp` × `cp` ranks, under its stage's activation
     checkpointing `checkpoint`. A block under `full` checkpointing keeps only its
-    input; `selective` keeps the inputs of its matmuls and recomputes norms,
-    activations and the attention core.
+    input; `selective` keeps the inputs of its matmuls and its hidden dropout's
+    masks, and recomputes norms, activations and the attention core. The embed
+    layer is never checkpointed: it keeps its dropout's mask under every level.
     """
     tokens = micro_batch * m.seq / cp
     h, f = m.hidden, m.ffn
     kind = layer_kind(m, idx)
+    replicated_div = tp if sequence_parallel else 1
+    # one hidden dropout's mask over the hidden state as this rank holds it (a 1/tp part under SP)
+    mask = tokens * h / replicated_div * MASK_BYTES if m.hidden_dropout > 0 else 0.0
     if kind == LayerKind.EMBED:
-        return 0.0, 0.0  # token ids only
+        return 0.0, mask  # token ids, and the mask of the output's dropout
     if kind == LayerKind.HEAD:
         # norm input, this rank's vocabulary slice of the logits for the loss
-        return tokens * h / (tp if sequence_parallel else 1), tokens * m.vocab / tp * LOGIT_BYTES
-    replicated_div = tp if sequence_parallel else 1
+        return tokens * h / replicated_div, tokens * m.vocab / tp * LOGIT_BYTES
     if checkpoint is Checkpointing.FULL:
         return tokens * h / replicated_div, 0.0
     kv = 2 * h * m.num_kv_heads // m.heads
@@ -165,5 +177,25 @@ def activation_elements(m: ModelSpec, idx: int, micro_batch: int, *, checkpoint:
         sharded = h + kv + h + ffn_inner
     if m.moe is not None and checkpoint is not Checkpointing.SELECTIVE:
         sharded += (m.moe.top_k - 1) * ffn_inner  # each token's inner activations in every visited expert
-    stats = tokens * (m.heads / tp) * 4  # flash attention's log-sum-exp, fp32 per head
-    return tokens * (replicated / replicated_div + sharded / tp), stats
+    core, core_bytes = _attention_core_kept(m, tokens, tp, checkpoint)
+    # the masks of the dropouts on the attention and MLP outputs, before their residual adds
+    return tokens * (replicated / replicated_div + sharded / tp) + core, core_bytes + 2 * mask
+
+
+def _attention_core_kept(m: ModelSpec, tokens: float, tp: int, checkpoint: Checkpointing) -> tuple[float, float]:
+    """(elements, extra bytes) the attention core keeps for its backward on one rank beyond its q, k, v and
+    output, for `tokens` of this rank (those of its cp part) under `checkpoint` (`none` or `selective`)."""
+    if m.attention is AttentionKind.FLASH:
+        # its log-sum-exp per head; SDPA's dropout keeps no mask (the kernel redraws it from the RNG seed)
+        return 0.0, tokens * (m.heads / tp) * SOFTMAX_BYTES
+    if checkpoint is Checkpointing.SELECTIVE:
+        return 0.0, 0.0   # the core is recomputed
+    # heads/tp of s×s scores per sequence; under Ulysses (cp) heads/(tp·cp) of the whole sequence: the same count
+    # (ring attention, whose rank sees 1/cp of the keys, runs neither unfused nor with dropout: validation)
+    scores = tokens * m.seq * m.heads / tp
+    dropped = m.attention_dropout > 0
+    # the softmax keeps its fp32 output; AV keeps its input, the probabilities cast to the training dtype (the
+    # softmax's output itself where that is fp32) or, with dropout, their dropped copy and the mask (dropout
+    # keeps no input)
+    shared = DTYPE_BYTES[m.dtype] == SOFTMAX_BYTES and not dropped
+    return (0.0 if shared else scores), scores * (SOFTMAX_BYTES + (MASK_BYTES if dropped else 0))

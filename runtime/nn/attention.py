@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from hetc.runtime.nn.dropout import part_stream
 from hetc.runtime.nn.norms import HeadNorm
 from hetc.runtime.nn.tensor_parallel import NO_SHARD, ParallelLinear, Split, TPRegion, TPShard
 from hetc.ir.spec import Arch, AttentionKind, ModelSpec, RopeScalingSpec
@@ -34,19 +35,22 @@ Rope = tuple[Tensor, Tensor]
 
 
 class AttentionCore(Protocol):
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
+    """Causal attention of q over k, v ([b, heads, s, d]); `dropout_p`: the probabilities' dropout."""
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0) -> Tensor: ...
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0) -> Tensor:
     """Causal softmax attention; each K/V head serves its group of query heads (GQA)."""
     # enable_gqa lets SDPA read each K/V head for its whole query group instead of our copying K/V
     # to every query head first (repeat_interleave: n_q/n_kv times the K/V memory, and its backward
     # a separate reduction). The forward is bitwise the same; K/V gradients sum the group in the
     # kernel's order, so they may differ from the copy's in the last bits.
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                          enable_gqa=k.shape[1] != q.shape[1])
 
 
-def unfused_causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+def unfused_causal_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0) -> Tensor:
     """`causal_attention` with the scores and probabilities materialised (`attention = unfused`): QKᵀ, a masked
     softmax and AV as separate kernels, as Megatron-LM ran attention before flash attention."""
     groups = q.shape[1] // k.shape[1]
@@ -55,7 +59,7 @@ def unfused_causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     s_q, s_k = scores.shape[-2:]
     future = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).triu(1)
     probs = torch.softmax(scores.masked_fill(future, float("-inf")).float(), dim=-1).to(q.dtype)
-    return probs @ v
+    return F.dropout(probs, dropout_p) @ v if dropout_p > 0 else probs @ v
 
 
 def scaled_frequencies(inv_freq: Tensor, scaling: RopeScalingSpec) -> Tensor:
@@ -122,6 +126,9 @@ class Attention(TPRegion):
         self.core: AttentionCore = unfused_causal_attention if model.attention is AttentionKind.UNFUSED \
             else causal_attention
         self.recompute_core = False  # selective activation checkpointing
+        self.dropout_p = model.attention_dropout
+        # the probabilities of this rank's heads are one part of the lane's (Note [dropout streams])
+        self.dropout_part = shard.rank if shard.size > 1 else None
 
     def forward(self, x: Tensor, rope: Rope | None = None) -> Tensor:
         x = self.tp.enter(x)
@@ -134,6 +141,13 @@ class Attention(TPRegion):
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         recompute = self.recompute_core and torch.is_grad_enabled()    # selective activation checkpointing
-        out = checkpoint(self.core, q, k, v, use_reentrant=False) if recompute else self.core(q, k, v)
+        out = checkpoint(self._core, q, k, v, use_reentrant=False) if recompute else self._core(q, k, v)
         out = out.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim)
         return self.wo(out, reduce=self.tp.exit)
+
+    def _core(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        p = self.dropout_p if self.training else 0.0
+        if p == 0:
+            return self.core(q, k, v)
+        with part_stream(self.dropout_part, q.device):
+            return self.core(q, k, v, p)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hetc.runtime.nn.attention import Attention, Rope
+from hetc.runtime.nn.dropout import dropout
 from hetc.runtime.nn.mlp import make_mlp
 from hetc.runtime.nn.moe import ALL_EXPERTS, ExpertShard
 from hetc.runtime.nn.norms import NORMS, LayerNorm, RMSNorm
@@ -44,16 +45,19 @@ class Embedding(TPAware, nn.Module):
         self.tok_embeddings = nn.Embedding(model.vocab, model.hidden, device=device)
         self.pos_embeddings = nn.Embedding(model.seq, model.hidden, device=device) \
             if model.arch is Arch.GPT else None
+        self.dropout_p = model.hidden_dropout
+        self.dropout_part: int | None = None    # set where the lane holds the hidden state in parts (SP)
 
     def forward(self, tokens: Tensor, positions: Tensor) -> Tensor:
         x = F.embedding(tokens, self.tp.replicated(self.tok_embeddings.weight))
         if self.pos_embeddings is not None:
             x = x + F.embedding(positions, self.tp.replicated(self.pos_embeddings.weight))
-        return x
+        return dropout(x, self.dropout_p, self.training, self.dropout_part)
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(.))."""
+    """Pre-norm transformer block: x + drop(attn(norm(x))), then + drop(mlp(norm(.))), with the model's
+    hidden dropout (Megatron-LM's bias-dropout-add; Note [dropout streams] in runtime/nn/dropout.py)."""
 
     def __init__(self, model: ModelSpec, shard: TPShard = NO_SHARD, device=None,
                  experts: ExpertShard = ALL_EXPERTS) -> None:
@@ -62,10 +66,15 @@ class Block(nn.Module):
         self.attention = Attention(model, shard, device)
         self.ffn_norm = make_norm(model, device)
         self.feed_forward = make_mlp(model, shard, device, experts)
+        self.dropout_p = model.hidden_dropout
+        self.dropout_part: int | None = None    # set where the lane holds the hidden state in parts (SP)
 
     def forward(self, x: Tensor, rope: Rope | None = None) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h = x + self._dropout(self.attention(self.attention_norm(x), rope))
+        return h + self._dropout(self.feed_forward(self.ffn_norm(h)))
+
+    def _dropout(self, x: Tensor) -> Tensor:
+        return dropout(x, self.dropout_p, self.training, self.dropout_part)
 
 
 class Head(TPAware, nn.Module):

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from hetc.ir.errors import InternalError
 from hetc.runtime.nn import collectives
 from hetc.runtime.nn.sdpa_blocks import block_kernel
 
@@ -154,7 +155,9 @@ class RingAttention:
     def __init__(self, group, ranks: tuple[int, ...], cp_rank: int) -> None:
         self.ring = Ring(group, tuple(ranks), cp_rank)
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0) -> Tensor:
+        if dropout_p:   # validation refuses attention_dropout beside ring attention
+            raise InternalError("ring attention has no dropout")
         return _RingAttention.apply(q, k, v, self.ring)
 
     def __repr__(self) -> str:

@@ -77,12 +77,12 @@ class UlyssesAttention:
         self.group = group
         self.inner = inner
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0) -> Tensor:
         repeats = kv_repeats(q.shape[1], k.shape[1], dist.get_world_size(self.group))
         if repeats > 1:
             k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
         q, k, v = (seq_to_heads(t, self.group) for t in (q, k, v))
-        return heads_to_seq(self.inner(q, k, v), self.group)
+        return heads_to_seq(self.inner(q, k, v, dropout_p), self.group)
 
     def __repr__(self) -> str:
         return f"UlyssesAttention(cp={dist.get_world_size(self.group)})"
