@@ -1,4 +1,5 @@
-"""The planner writes out no interleaved plan whose lanes in lockstep run different ops.
+"""The planner writes out no interleaved plan whose lanes in lockstep run different ops, and none whose stages
+have different lane counts (Note [interleaved lanes] in passes/plan/structures.py).
 
 ZeRO-2/3 reduces every microbatch, so the lanes of such a stage run the same
 ops in the same order (passes/lower/schedule.py `lockstep_groups`); under
@@ -11,16 +12,22 @@ validator refused as written out, and `hetc plan` stopped with that error.
 
 from __future__ import annotations
 
+import random
 from types import SimpleNamespace
 from typing import cast
 
+from hetc.compiler import load_checked
 from hetc.frontend.load import load_spec
+from hetc.passes.agreement import build
 from hetc.passes.lower.schedule import first_positions, interleaved_groups
 from hetc.passes.plan.assign import Assignment
 from hetc.passes.plan.candidate import Knobs
 from hetc.passes.plan.planner import plan_spec
 from hetc.passes.plan.structures import _lockstep_groups_alike
+from hetc.passes.step_bound import bound_gap
 from tests.llama_jobs import llama_two_regions
+from tests.planned import NARROW
+from tests.random_jobs import random_job
 
 
 def test_a_lanes_groups_are_its_microbatches_positions_in_the_first_stage_over_p():
@@ -48,3 +55,50 @@ def test_the_planner_writes_out_no_plan_the_validator_refuses(tmp_path):
     loaded = load_spec(path)
     result = plan_spec(loaded.spec, None, tmp_path)     # raised the validator's error on <generated> before
     assert result.plan.pipeline.stages
+
+
+# what the planner wrote for random job 27 (interleaved written) before Note [interleaved lanes]: 2 A100-80 lanes
+# feeding 4 L4 lanes feeding 4 V100-16 lanes
+FAN_OUT = """parallel {
+  schedule = interleaved
+  zero = 3
+  stage s0 {
+    layers = [embed..block2, block5..block8]
+    ranks = g3
+    lanes = 2
+    ministages = 2
+    zero = 2
+  }
+  stage s1 {
+    layers = [block3, block9..block10]
+    ranks = g1
+    lanes = 4
+    ministages = 2
+  }
+  stage s2 {
+    layers = [block4, block11..head]
+    ranks = g0
+    lanes = 4
+    ministages = 2
+  }
+  idle = g2
+}
+"""
+
+
+def test_interleaved_plans_keep_one_lane_count_and_beat_the_fan_out_they_replace(tmp_path):
+    job = random_job(random.Random(27), max_gpus=8)
+    assert "schedule = interleaved" in job
+    path = tmp_path / "job27.het"
+    path.write_text(job)
+    result = plan_spec(load_spec(path).spec, None, tmp_path, limits=NARROW)
+    lanes = {len(stage.lanes) for stage in result.plan.pipeline.stages}
+    assert result.plan.spec.parallel.schedule.value == "interleaved" and len(lanes) == 1, lanes
+    planned = build(result.plan)
+    fan_out_path = tmp_path / "fan_out.het"
+    fan_out_path.write_text(job.split("parallel {", 1)[0] + FAN_OUT)
+    _, checked = load_checked(fan_out_path, require_complete=True)
+    fan_out = build(checked.explicit())
+    assert bound_gap(fan_out).ratio > 1.1   # its lanes wait for the loop through the stages
+    assert bound_gap(planned).ratio <= 1.1
+    assert planned.step_time_s < fan_out.step_time_s

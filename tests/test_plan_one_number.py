@@ -18,6 +18,7 @@ from hetc.passes.plan.objective import Goal
 from hetc.passes.plan.planner import PlanResult, plan_spec
 from hetc.passes.plan.search import Search
 from hetc.passes.plan.space import space_from_spec
+from hetc.passes.simulated_step import AGREEMENT
 from hetc.ir.spec import Spec
 from hetc.ir.errors import SpecError
 from hetc.ir.topology import Topology
@@ -62,19 +63,21 @@ def two_regions(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Spec, P
 
 def test_plans_whose_programs_simulate_slower_than_their_closed_form_lose_to_the_baseline_they_print_over(
         two_regions, monkeypatch: pytest.MonkeyPatch):
-    """The case Note [one number] is for, made certain: the search's plans' compiled programs simulate 30 %
-    over their closed form (Sailor's 1F1B plans once did, before NCCL's pair order followed the step), so
-    the closed form's choice prints slower than the "only H100" grid; chosen on the printed step, the grid
-    (or another baseline) wins and is what is printed."""
+    """The case Note [one number] is for, made certain: the search's plans' compiled programs simulate at twice
+    their closed form (Sailor's 1F1B plans once simulated 25-58 % over it, before NCCL's pair order followed the
+    step), so the closed form's choice prints slower than the "only H100" grid; chosen on the printed step, the
+    grid (or another baseline) wins and is what is printed."""
     from hetc.passes.plan import final
 
     printed = final._printed
 
     def slower_plans(search, f, name, base_dir, ops_left):
         got = printed(search, f, name, base_dir, ops_left)
-        if got is None or got.simulated is None or name != "planner":
+        if got is None or name != "planner":
             return got
-        return replace(got, simulated=replace(got.simulated, step_s=got.simulated.step_s * 1.3))
+        if got.simulated is None:
+            return None     # programs too large to simulate here (Note [one step time]): out of this case
+        return replace(got, simulated=replace(got.simulated, step_s=got.simulated.step_s * 2))
 
     monkeypatch.setattr(final, "_printed", slower_plans)
     path, spec, _ = two_regions
@@ -96,7 +99,9 @@ def test_a_large_two_region_job_prints_a_plan_no_fitting_baseline_beats(two_regi
     path, spec, result = two_regions
     assert result.planned and result.simulated and result.estimate is not None
     assert _slower_fitting_baselines(spec, result) == []
-    assert any(b.closed_form_s is not None for b in result.baselines)   # re-timed on their compiled programs
+    for b in result.baselines:   # each fitting baseline re-timed on its compiled programs, or too slow to matter
+        if b.score is not None and b.score.fits and b.closed_form_s is None:
+            assert b.score.step_time_s > result.step_time_s * (1 + AGREEMENT), b.name
     got = plan_json(str(path), result, "", plan_provenance(result, None))
     printed = [b for b in got["baselines"] if b["built"] and b["fits"]]
     assert printed and all(b["step_time_s"] >= got["step_time_s"] for b in printed)
