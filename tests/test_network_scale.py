@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from hetc.passes.cost.links import node_split
-from hetc.passes.cost.network import ring_steps
+from hetc.passes.cost.network import TREE_BANDWIDTH_FRACTION, ring_steps
 from hetc.ir.program import Collective
 from tests.costspecs import cost_model, plan_text
 
@@ -95,3 +95,27 @@ def test_groups_of_different_positions_share_the_node_link(tmp_path):
     x = 64e6
     shared = cm.collective_time(Collective.ALL_REDUCE, group, x, 2)
     assert shared == pytest.approx(_ring(Collective.ALL_REDUCE, 2, x, INTER / 2, INTER_LATENCY))
+
+
+def test_an_all_reduce_over_many_nodes_takes_nccls_tree_for_small_buffers_and_the_ring_for_large(tmp_path):
+    """16 nodes of one GPU: the ring pays 30 link latencies, the double binary tree 2·log2(16) = 8 and moves
+    2X at 0.9 of the link's rate; NCCL's tuner, and the cost model, take the faster (network.py)."""
+    one_each = """
+  stage all {
+    layers = embed..head
+    ranks = n
+    lanes = 16
+  }
+"""
+    cm = cost_model(tmp_path, plan_text(one_each, clusters=_cluster(16, 1)))
+    ranks = tuple(range(16))
+    small, large = 1e3, 1e9
+    tree = 8 * INTER_LATENCY + 2 * small / (TREE_BANDWIDTH_FRACTION * INTER)
+    assert tree < _ring(Collective.ALL_REDUCE, 16, small, INTER, INTER_LATENCY)
+    assert cm.collective_time(Collective.ALL_REDUCE, ranks, small) == pytest.approx(tree)
+    ring = _ring(Collective.ALL_REDUCE, 16, large, INTER, INTER_LATENCY)
+    assert ring < 8 * INTER_LATENCY + 2 * large / (TREE_BANDWIDTH_FRACTION * INTER)
+    assert cm.collective_time(Collective.ALL_REDUCE, ranks, large) == pytest.approx(ring)
+    # a reduce-scatter has no tree form in NCCL: always the ring
+    assert cm.collective_time(Collective.REDUCE_SCATTER, ranks, small) == pytest.approx(
+        _ring(Collective.REDUCE_SCATTER, 16, small, INTER, INTER_LATENCY))

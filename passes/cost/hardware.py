@@ -26,7 +26,7 @@ from hetc.passes.cost.compute import DEFAULT_MEMORY_BANDWIDTH, ComputeModel, Lay
 from hetc.passes.cost.memory import state_bytes_per_param
 from hetc.passes.cost.cores import BlockingCall, host_waits
 from hetc.passes.cost.links import NodeSplit, hierarchical_time, node_split
-from hetc.passes.cost.network import Bandwidth, ring_chunk, ring_steps
+from hetc.passes.cost.network import Bandwidth, ring_chunk, ring_steps, tree_all_reduce_time
 from hetc.passes.cost.profiles import Profiles
 from hetc.passes.cost.shapes import LayerFlops, LayerKind, layer_flops, layer_kind
 
@@ -171,7 +171,7 @@ class Hardware:
         return self._splits[ranks]
 
     def _flat_time(self, kind: Collective, ranks: tuple[int, ...], nbytes: float, concurrent: int) -> float:
-        """One ring over all of `ranks`.
+        """One ring over all of `ranks`; an all-reduce across nodes may run as NCCL's tree instead.
 
         A ring runs as fast as its slowest pair, and pairs alike in kind
         (`ring_pair_kinds`) time alike, so the time is memoised on the
@@ -189,7 +189,12 @@ class Hardware:
             chunk = ring_chunk(nbytes, n)
             worst = max(chunk / rate + latency for rate, latency in
                         (self.link(a, b, chunk, size, concurrent) for a, b, size in kinds))
-            got = self._collectives[key] = steps * worst
+            got = steps * worst
+            if kind == Collective.ALL_REDUCE and any(a.host != b.host for a, b, _ in kinds):
+                # or NCCL's double binary tree, whichever is faster (network.py)
+                links = [self.link(a, b, nbytes, size, concurrent) for a, b, size in kinds]
+                got = min(got, tree_all_reduce_time(n, nbytes, min(r for r, _ in links), max(t for _, t in links)))
+            self._collectives[key] = got
         return got
 
     def call_wait(self, ranks: Sequence[int], call: BlockingCall = BlockingCall.COLLECTIVE) -> float:

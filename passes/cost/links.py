@@ -38,11 +38,14 @@ same position on the other m nodes at once (g streams per node over the
 link), then an all-gather inside the node; a reduce-scatter is the first two
 steps, an all-gather the last two. The flat ring over all n ranks is kept
 as the other candidate and the faster is taken (a collective over one node,
-or with one rank per node, is flat). Across nodes every collective is a
-ring: NCCL's double binary tree for small all-reduces over many nodes is not
-modelled (with it, the random job 81's planner picks a plan whose closed form
-is 10 % short of its compiled programs: lanes in ZeRO-3 lockstep fed by a stage
-of fewer lanes, as job 22 in docs/costmodel.md "Plans far from the bound").
+or with one rank per node, is flat). Across nodes an all-reduce is a ring or
+NCCL's double binary tree, whichever is faster (`tree_all_reduce_time` in
+network.py: the tree for small buffers over many nodes, such as the gradient
+norm's and the loss's); reduce-scatters and all-gathers are rings. (The tree
+once made random job 81's planner pick an interleaved plan of ZeRO-3 lanes fed
+by a stage of fewer lanes, 10 % short of its compiled programs; the planner no
+longer proposes such plans, Note [interleaved lanes] in
+passes/plan/structures.py.)
 """
 
 from __future__ import annotations

@@ -11,6 +11,15 @@ reduce-scatter of an X-byte buffer over n ranks take n−1 steps of X/n each;
 all-reduce is a reduce-scatter then an all-gather (2(n−1) steps). The
 slowest link of the ring sets the pace. All-to-all sends (n−1)/n·X from
 every rank in n−1 pairwise exchanges.
+
+Tree model (NCCL's double binary tree, its other all-reduce algorithm across
+nodes): the buffer is reduced up two complementary binary trees and
+broadcast back down, pipelined, so it pays 2·⌈log2 n⌉ link latencies instead
+of the ring's 2(n−1), and moves 2X at TREE_BANDWIDTH_FRACTION of the link's
+rate (each rank both receives from its children and sends to its parent on
+one link). NCCL's tuner takes the faster of the two by size and rank count;
+so does `CostModel.collective_time` for an all-reduce whose ring crosses
+nodes: the tree for small buffers over many nodes, the ring for large ones.
 """
 
 from __future__ import annotations
@@ -30,12 +39,16 @@ __all__ = [
     "collective_bytes_per_rank",
     "ring_chunk",
     "ring_steps",
+    "tree_all_reduce_time",
 ]
 
 COLLECTIVES = tuple(Collective)
 # A fit never drops below this fraction of its cap: guards against a quadratic
 # that turns negative far outside the sizes it was measured on.
 MIN_FIT_FRACTION = 0.01
+# What of a link's rate NCCL's tree all-reduce reaches on large buffers: below the ring's (NCCL's tuning model
+# rates the tree's bus bandwidth under the ring's across nodes), so the ring keeps the bandwidth-bound case.
+TREE_BANDWIDTH_FRACTION = 0.9
 
 
 class Bandwidth(Protocol):
@@ -109,3 +122,10 @@ def collective_bytes_per_rank(kind: str, n: int, nbytes: float) -> float:
     """Bytes each rank sends for a collective over the full buffer `nbytes` (ring algorithms)."""
     return ring_steps(kind, n) * ring_chunk(nbytes, n)
 
+
+def tree_all_reduce_time(n: int, nbytes: float, rate: float, latency: float) -> float:
+    """An all-reduce of `nbytes` over `n` ranks on NCCL's double binary tree (module docstring), over links of
+    `rate` bytes/s and `latency` seconds."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * math.ceil(math.log2(n)) * latency + 2 * nbytes / (TREE_BANDWIDTH_FRACTION * rate)
