@@ -17,7 +17,7 @@ Megatron-LM keeps two generator states for this (its RNG tracker); hetc:
   (every other random tensor has its own, runtime/nn/seeding.py), and the
   ranks sharing a stream run the same ops in the same order, so a whole
   tensor's mask is the same on each;
-- a dropout over a part (`dropout(x, p, part=i)`) takes a seed from the
+- a dropout over a part (`dropout(..., part=i)`, `part_stream`) takes a seed from the
   shared stream, which leaves it in step on every rank, and draws the mask
   under `torch.random.fork_rng` from that seed plus the part's index.
 
@@ -66,9 +66,14 @@ def part_stream(part: int | None, device: torch.device) -> Iterator[None]:
         yield
         return
     seed = int(torch.randint(0, 1 << 62, (), dtype=torch.int64)) + part
-    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+    with _forked(device):
         torch.manual_seed(seed)
         yield
+
+
+def _forked(device: torch.device) -> contextlib.AbstractContextManager[None]:
+    """Generators drawn from inside are set back on leaving: the host's, and `device`'s on a GPU."""
+    return torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else [])
 
 
 def rng_state(device: torch.device) -> RngState:
@@ -80,7 +85,7 @@ def rng_state(device: torch.device) -> RngState:
 def replaying(state: RngState, device: torch.device) -> Iterator[None]:
     """Run a forward again from `state` (a recomputation outside torch.utils.checkpoint: activation
     offload's), leaving the generators where they were."""
-    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+    with _forked(device):
         torch.set_rng_state(state[0])
         if state[1] is not None:
             torch.cuda.set_rng_state(state[1], device)
