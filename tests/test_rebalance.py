@@ -219,13 +219,18 @@ def test_a_slowed_lane_is_routed_around_without_a_restart_and_gets_its_microbatc
     6x and a threshold of 3, not 3x and the default 2: 4 ranks share 2 cores here, beside whatever else runs.
     A rank that sleeps leaves its core to the others, so a 3x injection measured as little as 2.3x, and
     on a loaded machine another lane's median of 5 steps has read 2x for no reason (the detector at 3x
-    and the default threshold against noise are the tests above, on the numbers alone)."""
+    and the default threshold against noise are the tests above, on the numbers alone).
+
+    Detection is asked for while the slowdown lasts (steps 6..14), not at its earliest (step 10, the first
+    window of slow steps only): the slowdown is relative to the median lane's, and under CI's load the
+    other lanes' windows read slow too; a clean-clone run detected at step 12 so. 10x leaves that ratio
+    well above 3 even so."""
     steps = 26
     plan, done, records = _rebalanced_hetero(tmp_path, steps, "--rebalance-threshold", "3",
-                                             "--inject", "slow rank=1 factor=6 from=5 until=14")
+                                             "--inject", "slow rank=1 factor=10 from=5 until=14")
     events = [r for r in records if r.get("event") == "rebalance"]
     detected = next(r for r in events if r.get("slow") == [1, 0])
-    assert 5 < detected["step"] <= 10          # 1-based: the slowdown starts in step 6
+    assert 10 <= detected["step"] <= 14        # 1-based: slow in steps 6..14, a window of 5 to see it
     taken = [r for r in events if r.get("taken")]
     (before, after), = taken[0]["change"].values()
     assert before == [3, 1] and after[0] < 3 and taken[0]["step"] == detected["step"]
