@@ -70,7 +70,7 @@ class _Costs:
         return self.costs.copy_time(rank, self._copy_bytes(rank, instr))
 
     def p2p(self, send: Op, recv: Op) -> float:
-        return self.costs.p2p_time(send.rank, recv.rank, self.message_bytes(send))
+        return self.costs.message_time(send.rank, recv.rank, self.message_bytes(send))
 
     def collective(self, ops: list[Op]) -> float:
         op = ops[0]

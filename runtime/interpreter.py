@@ -38,7 +38,7 @@ from hetc.runtime.comm import Comm, Waitable
 from hetc.runtime.data import DataSource
 from hetc.runtime.host_copy import host_buffer, upload
 from hetc.runtime.inject import Injection, compute_factor, link_factor, stretch, synchronize
-from hetc.runtime.lane import Arrivals, LanePlace, take_tokens
+from hetc.runtime.lane import LanePlace, take_tokens
 from hetc.runtime.links import MessageLog
 from hetc.runtime.optim import clip_coefficient, grad_sq_sum, lr_at, optimizer_step
 from hetc.runtime.nn.dropout import RngState, replaying, rng_state, seed_step
@@ -187,7 +187,7 @@ class Interpreter:
         self.inputs: dict[tuple[int, int], Tensor] = {}      # (ms, mb) -> forward input (stash)
         self.outputs: dict[tuple[int, int], Tensor] = {}     # (ms, mb) -> forward output / loss
         self.in_grads: dict[tuple[int, int], Tensor] = {}    # (ms, mb) -> gradient of the forward input
-        self.arrived = Arrivals(self.place.ranges)
+        self.arrived = self.place.arrivals()
         self.param_groups: dict[tuple[int, int], DeferredWeightGrad] = {}  # zero-bubble: saved for bwd_w
         self.on_host: dict[tuple[int, int], Tensor] = {}     # offloaded stashes
         # ZeRO-3 units (Note [units]): (ms, mb, unit) -> (input, output with graph); (ms, mb, layer) -> the

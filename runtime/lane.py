@@ -18,13 +18,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from hetc.ir.layout import SeqLayout, attention_ranges, boundary_ranges, held_length, local_slice, positions
+from hetc.ir.layout import (SeqLayout, arrival_ranges, attention_ranges, boundary_ranges, held_length, local_slice,
+                            positions)
 from hetc.runtime.nn.attention import Attention
 from hetc.runtime.nn.layers import Block, Embedding
 from hetc.runtime.nn.model import Ministage, TokenLayout
 from hetc.runtime.nn.moe import ALL_EXPERTS, ExpertExchange, ExpertShard, MoE, SequenceRouting
 from hetc.runtime.nn.ring_attention import RingAttention
-from hetc.runtime.nn.tensor_parallel import GroupTP
+from hetc.runtime.nn.tensor_parallel import GroupTP, gather_parts
 from hetc.runtime.nn.tensor_parallel import NO_SHARD, TPShard, set_tp_comm
 from hetc.runtime.nn.ulysses import UlyssesAttention
 from hetc.ir.spec import CPKind
@@ -65,6 +66,16 @@ class LanePlace:
     @property
     def ranges(self) -> tuple[tuple[int, int], ...]:
         return boundary_ranges(self.layout, self.pos, self.seq)
+
+    @property
+    def arrives(self) -> tuple[tuple[int, int], ...]:
+        """The tokens this rank receives of a boundary tensor (Note [scatter-gather borders])."""
+        return arrival_ranges(self.layout, self.pos, self.seq)
+
+    def arrivals(self) -> Arrivals:
+        """An empty `Arrivals` for this rank: its parts gathered over its tp group where they are parts."""
+        gathers = self.arrives != self.ranges
+        return Arrivals(self.ranges, self.arrives, self.tp_group if gathers else None)
 
     @property
     def splits_sequence(self) -> bool:
@@ -124,14 +135,20 @@ class Arrivals:
     """Boundary tensors received from other ranks, whole or in pieces of the sequence.
 
     A piece (`recv ... seq=a:b`, Note [border pieces] in passes/lower/p2p.py)
-    is copied into place in a tensor holding this rank's tokens; the tensor
-    can be taken once every token has arrived (the verifier proved that the
-    pieces tile them, `hetc.ir.layout.tiling_problem`; here they are counted).
+    is copied into place in a tensor holding the tokens this rank receives
+    (`arrives`); the tensor can be taken once every token has arrived (the
+    verifier proved that the pieces tile them, `hetc.ir.layout.tiling_problem`;
+    here they are counted). With a `gather` group those are the rank's tp part
+    of the tokens it holds (`held`), all-gathered over the group when taken
+    (Note [scatter-gather borders] in hetc/ir/layout.py).
     """
 
-    def __init__(self, held: tuple[tuple[int, int], ...]) -> None:
+    def __init__(self, held: tuple[tuple[int, int], ...], arrives: tuple[tuple[int, int], ...] | None = None,
+                 gather: object | None = None) -> None:
         self.held = held
-        self.tokens = held_length(held)
+        self.arrives = held if arrives is None else arrives
+        self.gather = gather
+        self.tokens = held_length(self.arrives)
         self.ready: dict[tuple, Tensor] = {}
         self.partial: dict[tuple, tuple[Tensor, int]] = {}     # key -> (tensor being filled, tokens so far)
 
@@ -149,7 +166,7 @@ class Arrivals:
             if key in self.ready:
                 raise RuntimeError(f"a piece of {key} arrives after the whole tensor")
             target = tensor.new_empty((tensor.shape[0], self.tokens, *tensor.shape[2:]))
-        target[:, local_slice(self.held, seq)] = tensor
+        target[:, local_slice(self.arrives, seq)] = tensor
         filled += seq[1] - seq[0]
         if filled == self.tokens:
             self.ready[key] = target
@@ -160,7 +177,10 @@ class Arrivals:
         """The complete tensor (removed), None if nothing of it arrived; an error if only some pieces did."""
         if key in self.partial:
             raise RuntimeError(f"only {self.partial[key][1]} of the {self.tokens} tokens of {key} have arrived")
-        return self.ready.pop(key, None)
+        got = self.ready.pop(key, None)
+        if got is None or self.gather is None:
+            return got
+        return gather_parts(got, self.gather)
 
     def local(self, tensor: Tensor, seq: tuple[int, int] | None) -> Tensor:
         """What to send of this rank's boundary tensor: all of it, or the tokens of `seq`."""

@@ -82,11 +82,14 @@ def _group_images(program: Program, image: dict[int, int]) -> dict[str, str]:
     return out
 
 
-def _renamed(instr: Instr, image: dict[int, int], groups: dict[str, str]) -> Instr:
-    if isinstance(instr, Send):
-        return dataclasses.replace(instr, peer_to=image.get(instr.peer_to, -1))
-    if isinstance(instr, Recv):
-        return dataclasses.replace(instr, peer_from=image.get(instr.peer_from, -1))
+def _renamed(instr: Instr, image: dict[int, int], groups: dict[str, str], shift: int) -> Instr:
+    """`instr` at another position: peers and groups by their images, a border piece's tokens `shift` on (part
+    0 of the tp parts of Note [scatter-gather borders] becomes the position's part)."""
+    if isinstance(instr, (Send, Recv)):
+        seq = None if instr.seq is None else (instr.seq[0] + shift, instr.seq[1] + shift)
+        if isinstance(instr, Send):
+            return dataclasses.replace(instr, peer_to=image.get(instr.peer_to, -1), seq=seq)
+        return dataclasses.replace(instr, peer_from=image.get(instr.peer_from, -1), seq=seq)
     group = getattr(instr, "group", None)
     return instr if group is None else dataclasses.replace(instr, group=groups[group])
 
@@ -97,9 +100,9 @@ def _renamed_shard(shard: Shard, groups: dict[str, str]) -> Shard:
     return dataclasses.replace(shard, **names)
 
 
-def copies(part: Program, positions: LanePositions, pipeline: Pipeline, groups: tuple) -> Program:
+def copies(part: Program, positions: LanePositions, pipeline: Pipeline, groups: tuple, seq: int) -> Program:
     """Every rank's program, each position's a copy of position 0's (`part`, in the order of `positions.firsts`):
-    the program the Note's second claim speaks of."""
+    the program the Note's second claim speaks of (`seq`: the model's sequence length)."""
     lanes = {lane.ranks[0]: lane for stage in pipeline.stages for lane in stage.lanes}
     ranks: dict[int, RankProgram] = {}
     whole = Program(part.ranks, groups)
@@ -109,7 +112,7 @@ def copies(part: Program, positions: LanePositions, pipeline: Pipeline, groups: 
         for rp in part.ranks:
             ranks[image[rp.rank]] = RankProgram(image[rp.rank], rp.stage, rp.lane, pos, rp.cp_rank,
                                                 tuple(_renamed_shard(s, names) for s in rp.shards),
-                                                tuple(_renamed(i, image, names) for i in rp.instrs))
+                                                tuple(_renamed(i, image, names, pos * seq // positions.width) for i in rp.instrs))
     return Program(tuple(ranks[r] for r in range(len(ranks))), groups)
 
 
@@ -120,7 +123,7 @@ def assert_copies_position_0(program: Program, plan, costs) -> bool:
     if positions is None:
         return False
     part = Program(tuple(program.ranks[r] for r in positions.firsts), program.groups)
-    assert copies(part, positions, plan.pipeline, program.groups) == program
+    assert copies(part, positions, plan.pipeline, program.groups, plan.model.seq) == program
     assert part_passes(part, positions, plan, costs)
     return True
 
@@ -138,7 +141,7 @@ def test_random_tp_plans_lower_as_copies_of_position_0(folder):
             assert any(s.zero.shard.value == "node" for s in pipeline.stages), seed
             continue
         assert copies(lower(plan, costs=costs, ranks=positions.firsts), positions, pipeline,
-                      program.groups) == program, seed
+                      program.groups, plan.model.seq) == program, seed
         fits = _verifies(program, plan, costs)
         part = Program(tuple(program.ranks[r] for r in positions.firsts), program.groups)
         assert part_passes(part, positions, plan, costs) == fits, seed
@@ -196,7 +199,7 @@ def test_faults_copied_to_every_position_are_rejected_by_the_check_of_position_0
                 except IndexError:   # nothing of that kind at position 0
                     continue
                 mutant = _back(changed, positions, program.groups)
-            whole = copies(mutant, positions, mutant_pipeline, program.groups)
+            whole = copies(mutant, positions, mutant_pipeline, program.groups, plan.model.seq)
             mutant_plan = dataclasses.replace(plan, pipeline=mutant_pipeline)
             fits = _verifies(whole, mutant_plan, costs)
             assert part_passes(mutant, positions, mutant_plan, costs) == fits, (seed, fault)

@@ -113,8 +113,9 @@ def test_explained_traffic_lists_every_group(tmp_path):
     assert kinds == ["dp", "dp", "pp", "tp", "tp"]
     m, d = cm.model, 4
     pp = next(g for (k, _), g in groups.items() if k == "pp")
-    # both tp ranks of each side hold the whole sequence (no sequence parallelism): each gets it (N_rep = 2)
-    assert pp.bytes_per_step == 2 * 2 * 8 * d * m.seq * m.hidden
+    # both tp ranks of each side hold the whole sequence (no sequence parallelism), but each receives its half
+    # and the tp group gathers the halves (Note [scatter-gather borders]): the border carries each token once
+    assert pp.bytes_per_step == 2 * 1 * 8 * d * m.seq * m.hidden
     dp = next(g for (k, name), g in groups.items() if k == "dp" and "stage a" in name)
     phi = cm.numel(0, 0) * d
     assert dp.bytes_per_step == pytest.approx(traffic.zero_bytes(2, ScheduleKind.ONE_F_ONE_B, phi, 2, 4))

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hetc.ir.layout import (Piece, attention_ranges, boundary_ranges, layout_problem, local_slice, positions,
-                         seq_chunks, transfers)
+from hetc.ir.layout import (Piece, arrival_ranges, attention_ranges, border_copies, boundary_ranges,
+                            gathers_at_border, layout_problem, local_slice, positions, seq_chunks, transfers)
 from hetc.ir.spec import CPKind
 
 
@@ -45,6 +45,26 @@ def test_sequence_parallelism_splits_the_cp_ranks_tokens_over_tp():
     assert boundary_ranges(L(tp=4, cp=2, sequence_parallel=True), 1, 32) == ((4, 8),)
     # the attention still sees the whole cp rank's tokens
     assert attention_ranges(L(tp=2, cp=2, sequence_parallel=True), 1, 32) == ((0, 8), (24, 32))
+
+
+def test_a_replicated_lane_receives_its_tp_part_and_gathers_the_rest():
+    """Note [scatter-gather borders]: what each tp rank receives is the part sequence parallelism would hold;
+    the parts of a lane's tp group concatenate, in tp order, to the tokens each of them holds."""
+    replicated = L(tp=2, cp=2)
+    assert [arrival_ranges(replicated, pos, 32) for pos in range(4)] == [((0, 8),), ((24, 32),), ((8, 16),),
+                                                                         ((16, 24),)]
+    for cp_rank in range(2):
+        parts = [arrival_ranges(replicated, cp_rank * 2 + t, 32) for t in range(2)]
+        assert positions([r for part in parts for r in part]) == \
+            positions(boundary_ranges(replicated, cp_rank * 2, 32))
+    assert gathers_at_border(L(tp=4), 32) and border_copies(L(tp=4), 32) == 1
+    # whole where the tokens do not split over tp, or are not replicated: no gather
+    assert not gathers_at_border(L(tp=3), 32) and arrival_ranges(L(tp=3), 1, 32) == ((0, 32),)
+    assert border_copies(L(tp=3), 32) == 3
+    for held_once in (L(tp=2, sequence_parallel=True), L(cp=2), L()):
+        assert not gathers_at_border(held_once, 32)
+        width = range(held_once.tp * held_once.cp)
+        assert [arrival_ranges(held_once, p, 32) for p in width] == [boundary_ranges(held_once, p, 32) for p in width]
 
 
 def test_granularity_and_problems():

@@ -15,7 +15,7 @@ import pytest
 
 from hetc.ir.layout import held_fraction
 from hetc.passes.cost import CostModel, traffic
-from hetc.ir.program import Send
+from hetc.ir.program import Collective, Phase, Send
 from tests.conftest import DEMO
 from tests.plans import compile_plan
 
@@ -78,10 +78,11 @@ def test_dp_traffic_counts_cp_ranks_as_replicas():
     assert dp.bytes_per_step == pytest.approx(traffic.zero_bytes(2, cm.pipeline.schedule, phi, 4, M // 2))
 
 
-@pytest.mark.parametrize("plan, replicas", [("pp", 2), ("tp_to_cp", 3), ("hetero_tp", 2)])
+@pytest.mark.parametrize("plan, replicas", [("pp", 2), ("tp_to_cp", 2), ("hetero_tp", 2), ("tp2_pp2", 2)])
 def test_pipeline_borders_send_every_copy_the_receiving_side_holds(plan, replicas):
-    # pp: 1 + 1; tp_to_cp: the ring side holds each token once, both tp ranks get the gradient whole;
-    # hetero_tp: sequence parallelism holds each token once on both sides
+    # pp: 1 + 1; tp_to_cp: the ring side holds each token once, and the tp ranks receive the gradient in
+    # halves that their tp group gathers (Note [scatter-gather borders]); hetero_tp: sequence parallelism
+    # holds each token once on both sides; tp2_pp2: both sides gather halves
     border = _traffic(plan)["pp"][0]
     assert border.bytes_per_step == replicas * BSH * M
     lowered = compile_plan(DEMO / f"{plan}.het")
@@ -89,3 +90,32 @@ def test_pipeline_borders_send_every_copy_the_receiving_side_holds(plan, replica
     sent = sum(math.prod(i.shape) * DELTA for rp in lowered.program.ranks for i in rp.instrs
                if isinstance(i, Send) and (rp.rank in first) != (i.peer_to in first))
     assert sent == border.bytes_per_step, "the cost model and the programs disagree on the border bytes"
+
+
+def test_a_lane_that_gathers_its_border_tensors_pays_the_gather_in_the_consuming_compute():
+    """tp2_pp2 (Note [scatter-gather borders]): the second stage's forward gathers the activation it receives
+    in halves, the first stage's input-gradient the gradient; the gather is its tp group's all-gather of the
+    whole tensor, and nothing else gathers."""
+    cm = _cost("tp2_pp2")
+    gather = cm.collective_time(Collective.ALL_GATHER, (2, 3), cm.hidden_bytes)
+    assert gather > 0 and cm.border_gather_time(2) == gather
+    assert cm.border_gathers(2, 1, Phase.FORWARD) == gather and cm.border_gathers(2, 1, Phase.INPUT_GRAD) == 0
+    assert cm.border_gathers(0, 0, Phase.INPUT_GRAD) == cm.border_gathers(0, 0, Phase.BACKWARD) == \
+        cm.border_gather_time(0) > 0
+    assert cm.border_gathers(0, 0, Phase.FORWARD) == cm.border_gathers(0, 0, Phase.WEIGHT_GRAD) == 0
+    assert _cost("hetero_tp").border_gather_time(0) == 0      # sequence parallel: its share is what it holds
+
+
+def test_the_planners_score_counts_the_border_gathers_as_the_estimate_does(tmp_path):
+    """Two tp-2 stages whose layers the planner splits: its class-by-class score of the plan it chose and the
+    cost model's estimate of that plan part by nothing (candidate_stage.py `crossings`, `border_gather`)."""
+    from hetc.frontend.load import load_spec
+    from hetc.passes.plan.planner import plan_spec
+
+    (tmp_path / "auto.het").write_text(f'use "{DEMO / "job.het"}"\n\nparallel {{\n  schedule = 1f1b\n'
+                                       "  stage first {\n    ranks = host[0]\n    layers = auto\n    tp = 2\n  }\n"
+                                       "  stage second {\n    ranks = host[1]\n    layers = auto\n    tp = 2\n  }\n}\n")
+    result = plan_spec(load_spec(tmp_path / "auto.het").spec)
+    assert result.score is not None and result.estimate is not None and result.plan is not None
+    assert any(s.tp == 2 for s in result.plan.pipeline.stages)
+    assert result.estimate.closed_form_step_s == pytest.approx(result.score.step_time_s, rel=1e-6)

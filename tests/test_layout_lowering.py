@@ -18,16 +18,31 @@ def _listing(plan: str, rank: int) -> list[str]:
 
 def test_a_tp_to_cp_border_sends_each_ring_rank_its_zigzag_chunks():
     # first stage: ranks 0, 1 (TP=2, whole sequence each); second: ranks 2, 3 (ring CP=2)
-    sends = [s for s in _listing("tp_to_cp", 0) if s.startswith("send act ms=0 mb=0")]
-    assert sends == ["send act ms=0 mb=0 to=2 shape=2x8x64 seq=0:8 h=12",
-                     "send act ms=0 mb=0 to=2 shape=2x8x64 seq=24:32 h=13"]
-    assert [s for s in _listing("tp_to_cp", 1) if s.startswith("send act ms=0 mb=0")] == \
-        ["send act ms=0 mb=0 to=3 shape=2x16x64 seq=8:24 h=12"]
-    # gradients back: every tp rank receives every token, from the ring rank that holds it
-    grads = [s.rsplit(" h=", 1)[0] for s in _listing("tp_to_cp", 1) if s.startswith("recv grad ms=1 mb=0")]
-    assert grads == ["recv grad ms=1 mb=0 from=2 shape=2x8x64 seq=0:8",
-                     "recv grad ms=1 mb=0 from=3 shape=2x16x64 seq=8:24",
-                     "recv grad ms=1 mb=0 from=2 shape=2x8x64 seq=24:32"]
+    sends = [s.rsplit(" h=", 1)[0] for s in _listing("tp_to_cp", 0) if s.startswith("send act ms=0 mb=0")]
+    assert sends == ["send act ms=0 mb=0 to=2 shape=2x8x64 seq=0:8",
+                     "send act ms=0 mb=0 to=2 shape=2x8x64 seq=24:32"]
+    assert [s.rsplit(" h=", 1)[0] for s in _listing("tp_to_cp", 1) if s.startswith("send act ms=0 mb=0")] == \
+        ["send act ms=0 mb=0 to=3 shape=2x16x64 seq=8:24"]
+    # gradients back: each tp rank receives its half of the tokens (Note [scatter-gather borders]), from the
+    # ring ranks holding them, and its tp group gathers the halves
+    grads = {r: [s.rsplit(" h=", 1)[0] for s in _listing("tp_to_cp", r) if s.startswith("recv grad ms=1 mb=0")]
+             for r in (0, 1)}
+    assert grads == {0: ["recv grad ms=1 mb=0 from=2 shape=2x8x64 seq=0:8",
+                         "recv grad ms=1 mb=0 from=3 shape=2x8x64 seq=8:16"],
+                     1: ["recv grad ms=1 mb=0 from=2 shape=2x8x64 seq=24:32",
+                         "recv grad ms=1 mb=0 from=3 shape=2x8x64 seq=16:24"]}
+
+
+def test_a_tp_border_without_sequence_parallelism_carries_each_tensor_once_in_tp_parts():
+    """Megatron's scatter-gather: tp rank t of a lane sends part t of the activation to tp rank t of the
+    next lane (and the gradient back), not the whole tensor to each: the border carries it once."""
+    messages = {r: [s.rsplit(" h=", 1)[0] for s in _listing("tp2_pp2", r)
+                    if " mb=0 " in s and s.startswith(("send", "recv"))] for r in range(4)}
+    assert messages == {
+        0: ["send act ms=0 mb=0 to=2 shape=2x16x64 seq=0:16", "recv grad ms=1 mb=0 from=2 shape=2x16x64 seq=0:16"],
+        1: ["send act ms=0 mb=0 to=3 shape=2x16x64 seq=16:32", "recv grad ms=1 mb=0 from=3 shape=2x16x64 seq=16:32"],
+        2: ["recv act ms=0 mb=0 from=0 shape=2x16x64 seq=0:16", "send grad ms=1 mb=0 to=0 shape=2x16x64 seq=0:16"],
+        3: ["recv act ms=0 mb=0 from=1 shape=2x16x64 seq=16:32", "send grad ms=1 mb=0 to=1 shape=2x16x64 seq=16:32"]}
 
 
 def test_agreeing_layouts_send_whole_tensors():
@@ -87,7 +102,7 @@ def test_a_missing_piece_is_rejected_at_the_forward_that_needs_it():
 def test_a_piece_outside_the_receivers_tokens_is_rejected():
     shift = _replacing(lambda x: isinstance(x, Recv) and x.seq == (0, 8), seq=(4, 12))
     err = _verify("tp_to_cp", _edited("tp_to_cp", 2, shift))
-    assert err.rank == 2 and "tokens 4:12 are not inside one range of the tokens this rank holds (0:8,24:32)" \
+    assert err.rank == 2 and "tokens 4:12 are not inside one range of the tokens this rank receives (0:8,24:32)" \
         in str(err)
 
 
@@ -112,6 +127,21 @@ def test_a_send_and_a_receive_of_different_pieces_do_not_match():
     assert err.check == "protocol" and err.rank == 2
     assert "receives a different message than is sent; the next message from rank 0 is `send act ms=0 mb=0 to=2 " \
         "shape=2x8x64 seq=0:8" in str(err)
+
+
+def test_a_whole_tensor_sent_to_a_rank_that_gathers_parts_is_rejected():
+    """tp2_pp2: rank 2 receives tokens 0:16 and gathers the rest over its tp group (Note [scatter-gather
+    borders]); the whole activation sent to it, as before that Note, is a dataflow fault on both ends' terms."""
+    def whole(rank):
+        def edit(instrs):
+            return [dataclasses.replace(x, seq=None, shape=(2, 32, 64))
+                    if isinstance(x, (Send, Recv)) and x.what.value == "act" else x for x in instrs]
+        return edit
+    program = _edited("tp2_pp2", 0, whole(0))
+    program = program.replace_rank(2, tuple(whole(2)(list(program.ranks[2].instrs))))
+    err = _verify("tp2_pp2", program)
+    assert err.check == "dataflow" and err.rank == 2
+    assert "receives rank 0's whole act, tokens 0:32, but this rank receives 0:16" in str(err)
 
 
 # ---------------------------------------------------------------- the predicted timeline

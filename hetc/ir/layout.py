@@ -20,6 +20,25 @@ order, so a token range inside one held range is a contiguous slice of it
 sequence into point-to-point pieces: each receiving position gets every
 token it needs exactly once, from a position that holds it.
 
+Note [scatter-gather borders]: where a lane replicates its tokens over its
+tp ranks (tp > 1 without sequence parallelism), every tp rank would receive
+the whole boundary tensor: tp copies of it over the pipeline border, which
+is the node pair's slowest link. As Megatron-LM does by default
+(`--scatter-gather-tensors-in-pipeline`), each tp rank receives only the
+part sequence parallelism would hold (`arrival_ranges`: part tp_rank of
+the cp rank's tokens, from the sender's position holding them) and the tp
+group all-gathers the parts into the whole tensor when the consumer takes
+it (runtime/lane.py `Arrivals`). The border carries the tensor once, as
+1/tp pieces sent at once, and the gather runs over the lane's own tp group,
+which sits inside a node (NVLink). Where the sequence does not split into
+tp parts (`layout_problem` of the sequence-parallel layout) every rank
+receives the whole tensor, as before. The gather is a call on the lane's tp
+group inside the consumer's compute, where the tp all-reduces of its
+layers are: every tp rank of a lane runs the same compute order, so NCCL
+(one stream per communicator, calls matched in issue order) sees the same
+sequence of calls on the tp communicator on every member, and the verifier
+treats such compute as a call on that group (passes/verify/machine.py).
+
 Note [block layout]: the sequence-parallel split is over the cp rank's
 *concatenated* tokens, not over each held range: Megatron's all-gather at a
 tensor-parallel region's entry concatenates the tp ranks' parts along the
@@ -38,12 +57,16 @@ from typing import Protocol
 from hetc.ir.spec import CPKind
 
 __all__ = [
+    "BorderLayout",
     "Piece",
     "Range",
     "SeqLayout",
+    "arrival_ranges",
     "attention_ranges",
+    "border_copies",
     "boundary_ranges",
     "describe",
+    "gathers_at_border",
     "held_fraction",
     "held_length",
     "layout_problem",
@@ -130,6 +153,41 @@ def boundary_ranges(layout: SeqLayout, pos: int, seq: int) -> tuple[Range, ...]:
     part = held_length(local) // layout.tp
     start = (pos % layout.tp) * part
     return _global_ranges(local, start, start + part)
+
+
+@dataclass(frozen=True, slots=True)
+class BorderLayout:
+    """A `SeqLayout` by value (the planner's candidates, the parts of Note [scatter-gather borders])."""
+
+    tp: int
+    cp: int = 1
+    cp_kind: CPKind = CPKind.ULYSSES
+    sequence_parallel: bool = False
+
+
+def _scattered(layout: SeqLayout) -> BorderLayout:
+    """`layout` with sequence parallelism on: the parts a border's scatter-gather sends."""
+    return BorderLayout(layout.tp, layout.cp, layout.cp_kind, sequence_parallel=True)
+
+
+def gathers_at_border(layout: SeqLayout, seq: int) -> bool:
+    """Whether a rank of this layout receives a boundary tensor as its tp part and all-gathers it over its tp
+    group (Note [scatter-gather borders]): tokens replicated over tp > 1 ranks, and `seq` splits into parts."""
+    return replication(layout) > 1 and layout_problem(_scattered(layout), seq) is None
+
+
+def border_copies(layout: SeqLayout, seq: int) -> int:
+    """How many copies of each token a lane of this layout receives over a border: its replication, or one
+    where its tp group gathers the parts (Note [scatter-gather borders])."""
+    return 1 if gathers_at_border(layout, seq) else replication(layout)
+
+
+def arrival_ranges(layout: SeqLayout, pos: int, seq: int) -> tuple[Range, ...]:
+    """The tokens the rank at lane position `pos` receives of a boundary tensor from another stage: its
+    held ranges, or under Note [scatter-gather borders] its tp part of them."""
+    if gathers_at_border(layout, seq):
+        return boundary_ranges(_scattered(layout), pos, seq)
+    return boundary_ranges(layout, pos, seq)
 
 
 def _merged(ranges: Sequence[Range]) -> tuple[Range, ...]:

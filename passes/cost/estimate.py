@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from dataclasses import asdict, dataclass, replace
 
 from hetc.ir.jsontypes import JsonObject
-from hetc.ir.layout import replication
+from hetc.ir.layout import border_copies
 from hetc.passes.cost import traffic
 from hetc.passes.cost.experts import ep_comm_time, ep_group, expert_group
 from hetc.passes.cost.classes import PlanTime, throughput, tokens_per_step
@@ -208,7 +208,7 @@ def _borders(cm: CostModel, lanes: dict[tuple[int, int], LaneTiming]) -> list[Gr
             continue
         sa, sb = p.stages[a.stage], p.stages[b.stage]
         sent = traffic.pp_bytes(p.micro_batch, m.seq, m.hidden, cm.delta, p.num_microbatches,
-                                replicas=(replication(sb), replication(sa)))
+                                replicas=(border_copies(sb, m.seq), border_copies(sa, m.seq)))
         seconds = max(2 * len(lane.microbatches) * border_time(cm, sa, lane, sb, a.index)
                       for lane in sa.lanes)
         ranks = (sa.lanes[0].ranks[0], sb.lanes[0].ranks[0])

@@ -12,20 +12,19 @@ estimate, the simulator and the planner:
   send their pieces over the link at once, `hierarchical_time`). Eight tp
   ranks of a node, each in its own data-parallel group, share the node's
   link eight ways;
-- a pipeline border still counts only its own lane's ranks on the node
-  (`CostModel.node_streams`), each sending a 1/tp slice in the estimate and
-  the simulator sending each tp replica the whole activation with the link
-  to itself. Counting every lane's ranks as sharing the link (the simulator
-  timing hetc's whole-activation messages so) makes tp pipelines whose
-  borders cross nodes transfer-bound, and the closed form's overlap of
-  border transfers (Note [async sends] in transfers.py) then reads them
-  14-35 % short of the compiled programs (the deep TP family): not built
-  until the closed form follows NCCL's one stream per rank pair there.
-  The same holds for a node's NICs (one stream reaching 1/nics of the pair's
-  rate, as on 8-NIC DGX boards): the estimate's border is a 1/tp slice at the
-  lane's tp streams, the simulator's the whole activation as one stream, and
-  the two agree only while every stream gets 1/streams of the link, so NICs
-  wait for borders counted alike on both sides.
+- a pipeline border counts its own lane's ranks on the node
+  (`CostModel.node_streams`): each sends its 1/tp slice at once (Note
+  [scatter-gather borders] in hetc/ir/layout.py), in the estimate, the
+  planner and each message of the compiled programs (`message_time`). The
+  other lanes of the stage are not counted: counting every lane's ranks as
+  sharing the link makes tp pipelines whose borders cross nodes
+  transfer-bound, and the closed form's overlap of border transfers (Note
+  [async sends] in transfers.py) then reads them 14-35 % short of the
+  compiled programs (the deep TP family, measured when hetc's programs still
+  sent every tp rank the whole activation): not built until the closed form
+  follows NCCL's one stream per rank pair there. A node's NICs (one stream
+  reaching 1/nics of the pair's rate, as on 8-NIC DGX boards) wait for the
+  same.
 
 Measured network fits (Sailor's) are the aggregate rate of `count` GPUs of
 a node sending at once; they are looked up at the same stream count.

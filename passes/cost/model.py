@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from hetc.ir.memo import cached_property
-from hetc.ir.layout import held_fraction
+from hetc.ir.layout import gathers_at_border, held_fraction
 from hetc.passes.cost.compute import LayerCost
 from hetc.passes.cost.cores import BlockingCall, Computing, busy_share, rank_slowdowns
 from hetc.passes.cost.experts import ep_comm_time
@@ -130,6 +130,37 @@ class CostModel:
         lane = self.pipeline.lane_of_rank[rank]
         host = self.gpu(rank).host
         return sum(1 for r in lane.ranks if self.gpu(r).host == host)
+
+    def border_gather_time(self, rank: int) -> float:
+        """The all-gather over this rank's tp group that rebuilds a boundary tensor it received as its tp part
+        (Note [scatter-gather borders] in hetc/ir/layout.py); 0 where it receives the tensor whole."""
+        stage = self.stage_of(rank)
+        if not gathers_at_border(stage, self.model.seq):
+            return 0.0
+        return self.collective_time(Collective.ALL_GATHER, self.tp_group(rank), self.hidden_bytes / stage.cp)
+
+    def message_time(self, src: int, dst: int, nbytes: float) -> float:
+        """A border message of `nbytes` from `src` to `dst`: the transfer while the sender's lane ranks on its
+        node send theirs (`node_streams`). What the simulator and lowering charge a message."""
+        return self.p2p_time(src, dst, nbytes, self.node_streams(src))
+
+    def border_gathers(self, rank: int, ms: int, phase: Phase, unit: Unit | None = None) -> float:
+        """What a compute op spends gathering the boundary tensor it consumes from another stage
+        (`border_gather_time`): a forward of ministage `ms` (of its first unit) takes the activation, an
+        input-gradient or whole backward (of its last unit) the gradient. The gather runs where the runtime
+        runs it, inside the consumer's compute, so a receive posted one op ahead (Note [p2p placement])
+        does not hide it."""
+        pipeline, stage = self.pipeline, self.stage_of(rank).index
+        layers = self.ministage(ms).layers
+        if phase is Phase.FORWARD:
+            crosses = ms > 0 and pipeline.ministages[ms - 1].stage != stage and \
+                (unit is None or unit.first == layers[0])
+        elif phase in (Phase.INPUT_GRAD, Phase.BACKWARD):
+            crosses = ms + 1 < len(pipeline.ministages) and pipeline.ministages[ms + 1].stage != stage and \
+                (unit is None or unit.stop == layers[-1] + 1)
+        else:
+            crosses = False
+        return self.border_gather_time(rank) if crosses else 0.0
 
     def groups_at_once(self, rank: int, members: Sequence[int]) -> int:
         """Groups like `members` (a group of this rank's stage) crossing this rank's node link at once: every
@@ -270,7 +301,8 @@ class CostModel:
                 raise ValueError(f"phase must be one of {', '.join(PHASES)}, not {phase!r}")
             layers = self.ministage(ms).layers if unit is None else unit.layers
             slowdown = self.slowdown(rank)
-            got = sum(self._layer_cost(rank, i).phase(phase, slowdown) for i in layers)
+            got = sum(self._layer_cost(rank, i).phase(phase, slowdown) for i in layers) + \
+                self.border_gathers(rank, ms, phase, unit)
             self._compute_times[key] = got
         return got
 

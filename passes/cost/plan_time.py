@@ -79,16 +79,17 @@ def _peer_lane(cm: CostModel, stage: Stage, lane: Lane) -> Lane:
 def border_time(cm: CostModel, stage: Stage, lane: Lane, other: Stage, ms: int) -> float:
     """One transfer (each rank its share of the activation) between `lane` and its peer in `other`.
 
-    The share is 1/(tp·cp) as in Megatron, whose tp ranks each send a slice
-    and all-gather after the border (validated on Sailor's measured runs).
-    hetc's own lowering does so only with sequence parallelism; without it,
-    every tp replica receives the whole tensor (tp× the bytes, which the
-    traffic table counts), so this underestimates such borders.
+    The share is 1/(tp·cp), sent by the lane's ranks at once: with sequence
+    parallelism each holds that share; without it each sends its tp part and
+    the receiving tp group all-gathers the parts inside its compute
+    (Note [scatter-gather borders] in hetc/ir/layout.py;
+    `CostModel.border_gathers`), as Megatron does (validated on Sailor's
+    measured runs).
     """
     peer = _peer_lane(cm, other, lane)
     src, dst = lane.ranks[0], peer.ranks[0]
     share = cm.boundary_bytes(ms) / (stage.tp * stage.cp)
-    return cm.p2p_time(src, dst, share, cm.node_streams(src))
+    return cm.message_time(src, dst, share)
 
 
 def ministage_borders(ms: int, stage: int, stage_of: Callable[[int], int], count: int

@@ -133,7 +133,7 @@ def _advance(cursor: _Cursor, peer: int, sent: dict[int, list[tuple[float, int]]
             if k >= len(sent[peer]):
                 break
             t, n = sent[peer][k]
-            cursor.time = max(cursor.time, t + costs.p2p_time(peer, rank, nbytes))
+            cursor.time = max(cursor.time, t + costs.message_time(peer, rank, nbytes))
             cursor.count = max(cursor.count, n)
         elif isinstance(instr, Send) and instr.peer_to == peer:
             sent[rank].append((cursor.time, cursor.count))

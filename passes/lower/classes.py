@@ -170,7 +170,7 @@ class _Links:
         if got is None:
             ctx, costs = self.ctx, self.ctx.costs
             pieces = tuple((ctx.geometry.places[m.src].pos, ctx.geometry.places[m.dst].pos, m.shape, m.seq,
-                            costs.p2p_time(m.src, m.dst, math.prod(m.shape) * costs.delta))
+                            costs.message_time(m.src, m.dst, math.prod(m.shape) * costs.delta))
                            for m in ctx.messages(what, border, mb))
             got = self.seen[key] = self.intern(pieces)
         return got

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetc.ir.geometry import RankPlace
-from hetc.ir.layout import Range, boundary_ranges, held_length, transfers
+from hetc.ir.layout import Range, arrival_ranges, boundary_ranges, held_length, transfers
 from hetc.ir.memo import cached_property
 from hetc.passes.cost import CostModel
 from hetc.passes.lower.lane_sim import Run
@@ -43,6 +43,7 @@ class LowerContext:
         self.grad_clip = plan.train.grad_clip
         self._messages: dict[tuple[Tensor, int, int], tuple[Message, ...]] = {}
         self._held: dict[tuple[int, int], tuple[Range, ...]] = {}
+        self._arrives: dict[tuple[int, int], tuple[Range, ...]] = {}
 
     @cached_property
     def costs(self) -> CostModel:
@@ -76,13 +77,22 @@ class LowerContext:
             got = self._held[(stage.index, pos)] = boundary_ranges(stage, pos, self.model.seq)
         return got
 
+    def arrives(self, stage: Stage, pos: int) -> tuple[Range, ...]:
+        """The tokens lane position `pos` of `stage` receives of a boundary tensor from another stage: what
+        it holds, or its tp part (Note [scatter-gather borders] in hetc/ir/layout.py). Memoised."""
+        got = self._arrives.get((stage.index, pos))
+        if got is None:
+            got = self._arrives[(stage.index, pos)] = arrival_ranges(stage, pos, self.model.seq)
+        return got
+
     def messages(self, what: Tensor, ms: int, mb: int) -> tuple[Message, ...]:
         """The transfers of `what` leaving ministage `ms` for microbatch `mb` (activation forward to ms+1,
         gradient backward to ms−1) between different ranks.
 
-        Each position of the consuming lane gets the tokens it holds from
-        the producing lane (`hetc.ir.layout.transfers`); where the layouts agree
-        that is one whole tensor per position, else pieces of the sequence.
+        Each position of the consuming lane gets the tokens it receives
+        (`arrives`) from the producing lane (`hetc.ir.layout.transfers`); where
+        the layouts agree that is one whole tensor per position, else pieces of
+        the sequence.
         """
         key = (what, ms, mb)
         if key not in self._messages:
@@ -93,7 +103,7 @@ class LowerContext:
         (src_stage, src_lane), (dst_stage, dst_lane) = ((self.stage_of(m), self.lane_for(m, mb))
                                                         for m in (producer, consumer))
         giving = [self.held(src_stage, p) for p in range(len(src_lane.ranks))]
-        needing = [self.held(dst_stage, q) for q in range(len(dst_lane.ranks))]
+        needing = [self.arrives(dst_stage, q) for q in range(len(dst_lane.ranks))]
         out = []
         for piece in transfers(giving, needing):
             src, dst = src_lane.ranks[piece.giver], dst_lane.ranks[piece.needer]

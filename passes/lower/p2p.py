@@ -31,8 +31,10 @@ one (Note [NCCL channel order] in passes/lower/channel_order.py).
 Note [border pieces]: where the block layouts of two bordering lanes differ
 (hetc/ir/layout.py), a boundary tensor travels as pieces `seq=a:b` from the
 positions holding them (`LowerContext.messages`); a consumer waits for all
-of its pieces. Gradients go back the same way with the roles swapped, so a
-replicated side (tensor parallelism) gets every token on every rank.
+of its pieces. Gradients go back the same way with the roles swapped. A
+side that replicates its tokens over tp ranks receives each token once, as
+its ranks' tp parts, and its tp group gathers them (Note [scatter-gather
+borders] in hetc/ir/layout.py).
 """
 
 from __future__ import annotations
@@ -150,7 +152,7 @@ def _leads(units: list[Unit], needs: list[list[Recv]], place: RankPlace, ctx: Lo
     ops = [sum(costs.op_time(rank, op.ms, PHASE_OF[type(op)]) for op in unit.compute
                if isinstance(op, COMPUTE_TYPES)) for unit in units]
     for k, recvs in enumerate(needs):
-        transfer = max((costs.p2p_time(r.peer_from, rank, math.prod(r.shape) * costs.delta) for r in recvs),
+        transfer = max((costs.message_time(r.peer_from, rank, math.prod(r.shape) * costs.delta) for r in recvs),
                        default=0.0)
         slot, ahead = k, ops[k - 1] if k > 0 else 0.0
         while slot > 1 and ahead < transfer:   # slot j posts before unit j − 1's compute

@@ -293,7 +293,9 @@ def _lag(ctx: LowerContext, dep: Op, op: Op) -> float:
         return 0.0
     src, dst = ctx.lane_for(dep[1], dep[2]), ctx.lane_for(op[1], op[2])
     border = min(dep[1], op[1])
-    return ctx.costs.p2p_time(src.ranks[0], dst.ranks[0], ctx.costs.boundary_bytes(border))
+    # each rank of the lane sends its share at once (Note [scatter-gather borders] in hetc/ir/layout.py)
+    share = ctx.costs.boundary_bytes(border) / len(src.ranks)
+    return ctx.costs.message_time(src.ranks[0], dst.ranks[0], share)
 
 
 _COMPUTE: dict[str, type[ComputeInstr]] = {"F": Forward, "B": Backward, "I": BackwardInput, "W": BackwardWeight}

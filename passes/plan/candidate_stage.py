@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from hetc.ir.layout import BorderLayout, gathers_at_border
 from hetc.ir.memo import cached_property
+from hetc.ir.program import Collective, Unit as LayerUnit
 from hetc.passes.plan.candidate_view import PlanView, StageContext, StageView
 from hetc.passes.cost.cores import Computing, busy_share
 from hetc.passes.cost.params import tied_copy_params
@@ -106,14 +108,33 @@ class StageCosts:
         """The (embed, blocks, head) counts of each unit the stage gathers per block, in layer order."""
         per_block = gathers_per_block(self.plan.schedule, self.s.zero, self.s.knobs.offload.to_spec(), 1)
         head = self.p.model.layers + 1
-        return [(int(u.first == 0), int(0 < u.first < head), int(u.first == head)) for ms in self.s.ministages
+        return [(int(u.first == 0), int(0 < u.first < head), int(u.first == head)) for _, u in self._units(per_block)]
+
+    def _units(self, per_block: bool) -> list[tuple[int, LayerUnit]]:
+        """(ministage, unit) of every unit the stage gathers per block, in layer order."""
+        return [(ms, u) for ms in self.s.ministages
                 for u in ministage_units(self.p.model, range(*self.plan.ministages[ms][:2]), per_block)]
+
+    @cached_property
+    def _unit_gathers(self) -> list[tuple[int, int]]:
+        """Per unit of `_unit_layers`: the boundary tensors it gathers (a ministage's first unit its
+        activation, its last unit its gradient; `crossings`)."""
+        per_block = gathers_per_block(self.plan.schedule, self.s.zero, self.s.knobs.offload.to_spec(), 1)
+        units = self._units(per_block)
+        out = []
+        for k, (ms, _) in enumerate(units):
+            into, back = self.crossings(ms)
+            first = k == 0 or units[k - 1][0] != ms
+            last = k + 1 == len(units) or units[k + 1][0] != ms
+            out.append((into * first, back * last))
+        return out
 
     def unit_ops(self, lane: int) -> tuple[UnitOp, ...]:
         """`schedule.unit_ops` of the lane (as `plan_time.lane_unit_ops`); empty where it gathers none per block."""
         if not self._unit_layers:
             return ()
-        computes = [(f, i + w) for f, i, w in (self.compute(lane, u) for u in self._unit_layers)]
+        computes = [(f, i + w) for f, i, w in (self.compute(lane, u, g)
+                                               for u, g in zip(self._unit_layers, self._unit_gathers))]
         computes[0] = (computes[0][0] + self.overhead(lane), computes[0][1])
         return unit_ops(computes, piece_collectives(self.s.zero, self.rings(lane),
                                                     [n * self.p.delta for n in self.unit_numels]))
@@ -122,12 +143,21 @@ class StageCosts:
     def ms_numel(self) -> list[float]:
         return [self.numel(self.ministage_units(ms)) for ms in self.s.ministages]
 
-    def compute(self, lane: int, units: tuple[int, int, int] | None = None) -> tuple[float, float, float]:
-        """(F, I, W) seconds of one microbatch through `units` (default: the stage) on a lane."""
+    def compute(self, lane: int, units: tuple[int, int, int] | None = None,
+                gathers: tuple[int, int] | None = None) -> tuple[float, float, float]:
+        """(F, I, W) seconds of one microbatch through `units` (default: the stage) on a lane, with the
+        `gathers` (forward, input-gradient) of boundary tensors they consume (default: the stage's,
+        `crossings`), as `CostModel.compute_time` counts them."""
         devices, ids = self.s.res.lane_devices[lane]
         knobs = self.s.knobs
-        return self.p.lane_compute(devices, self.s.tp, ids, knobs.offload.activations, knobs.checkpoint,
-                                   units or self.layer_counts, self.slowdown(lane))
+        f, i, w = self.p.lane_compute(devices, self.s.tp, ids, knobs.offload.activations, knobs.checkpoint,
+                                      units or self.layer_counts, self.slowdown(lane))
+        if gathers is None:
+            gathers = self._stage_gathers if units is None else (0, 0)
+        if gathers != (0, 0):
+            g = self.border_gather(lane)
+            f, i = f + gathers[0] * g, i + gathers[1] * g
+        return f, i, w
 
     @cached_property
     def _slowdowns(self) -> dict[int, float]:
@@ -158,9 +188,30 @@ class StageCosts:
     # ------------------------------------------------------------ communication
 
     def border(self, lane: int, other: int, ms: int) -> float:
+        """`plan_time.border_time` for the candidate: the lane's tp shares sent at once, and its tp group's
+        gather of the parts it receives (Note [scatter-gather borders] in hetc/ir/layout.py)."""
         peer = self.plan.peer_gpu(self.s.index, lane, other)
         share = self.boundary_bytes(ms) / self.s.tp
         return self.p.p2p(self.s.lanes[lane][0], peer, share, self.s.concurrent(lane))
+
+    def border_gather(self, lane: int) -> float:
+        """`CostModel.border_gather_time` for the lane: its tp group's all-gather of a boundary tensor received
+        in tp parts (Note [scatter-gather borders] in hetc/ir/layout.py), inside the consuming compute."""
+        if not gathers_at_border(BorderLayout(self.s.tp), self.p.model.seq):
+            return 0.0
+        return self.p.ring(Collective.ALL_GATHER, tuple(g.id for g in self.s.lanes[lane]), self.p.boundary)
+
+    @cached_property
+    def _stage_gathers(self) -> tuple[int, int]:
+        """The boundary tensors one microbatch's forward and input-gradient through the stage gather."""
+        crossings = [self.crossings(ms) for ms in self.s.ministages]
+        return sum(c[0] for c in crossings), sum(c[1] for c in crossings)
+
+    def crossings(self, ms: int) -> tuple[int, int]:
+        """(1 if ministage `ms` takes its activation from another stage, 1 if its gradient): the boundary
+        tensors its forward and its input-gradient gather (`CostModel.border_gathers`)."""
+        after, before = ministage_borders(ms, self.s.index, self.plan.stage_of_ministage, self.last_ms + 1)
+        return int(before is not None), int(after is not None)
 
     def p2p(self, lane: int) -> Borders:
         return lane_borders(self.s.ministages, self.s.index, self.plan.stage_of_ministage, self.last_ms + 1,
@@ -420,7 +471,7 @@ def _peer_keys(plan: PlanView, stage: int, other: int, hosts: list[tuple[str, in
 def unit_lane_times(sc: StageCosts, lane: int, ms: int) -> UnitLane:
     """One microbatch through ministage `ms` on `lane` (`UnitLane.of`), with `lane`'s microbatches."""
     plan = sc.plan
-    f, i, w = sc.compute(lane, sc.ministage_units(ms))
+    f, i, w = sc.compute(lane, sc.ministage_units(ms), sc.crossings(ms))
     f += sc.overhead(lane) / len(sc.s.ministages)   # as plan_time.unit_lane spreads it
     copy = sc.p.copy(sc.s.lanes[lane][0], sc.boundary_bytes(ms)) if sc.s.knobs.offload.activations else 0.0
     after, before = ministage_borders(ms, sc.s.index, plan.stage_of_ministage, sc.last_ms + 1)

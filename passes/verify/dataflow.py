@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hetc.ir.groups import split_direction
-from hetc.ir.layout import Range, boundary_ranges, describe, local_slice, tiling_problem
+from hetc.ir.layout import Range, arrival_ranges, boundary_ranges, describe, local_slice, tiling_problem
 from hetc.passes.verify.errors import Finding, at
 from hetc.ir.pipeline import Pipeline
 from hetc.ir.program import (AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight, ComputeInstr, Forward,
@@ -81,6 +81,7 @@ class _Rank:
         stage = pipeline.stages[rp.stage]
         lane = stage.lanes[rp.lane]
         self.held = self._held_by(rp.rank)
+        self.arrives = self._arrives_at(rp.rank)     # what it receives: `held`, or its tp part of it
         self.own = set(stage.ministages)
         self.mbs = set(lane.microbatches)
         self.shards: dict[int, Shard] = {s.ms: s for s in rp.shards}
@@ -93,13 +94,21 @@ class _Rank:
         lane = self.pipeline.lane_of_rank[rank]
         return boundary_ranges(self.pipeline.stage_of_rank[rank], lane.ranks.index(rank), self.seq)
 
+    def _arrives_at(self, rank: int) -> tuple[Range, ...] | None:
+        """The tokens `rank` receives of a boundary tensor (Note [scatter-gather borders] in
+        hetc/ir/layout.py); None where not checked."""
+        if self.seq is None:
+            return None
+        lane = self.pipeline.lane_of_rank[rank]
+        return arrival_ranges(self.pipeline.stage_of_rank[rank], lane.ranks.index(rank), self.seq)
+
     def _arrived(self, what: Tensor, ms: int, mb: int) -> bool:
         """Whether the boundary tensor (what, ms, mb) is here: its received pieces tile this rank's tokens."""
         pieces = self.s.arrived.get((what, ms, mb))
         if not pieces:
             return False
-        if self.held is not None:
-            problem = tiling_problem(pieces, self.held)
+        if self.arrives is not None:
+            problem = tiling_problem(pieces, self.arrives)
             if problem:
                 raise _Fault(f"the received pieces of {what.value} ms={ms} mb={mb} do not tile this rank's "
                              f"tokens: {problem}")
@@ -231,20 +240,20 @@ class _Rank:
                 instr.seq in self.s.arrived.get(key, []) or any(p.seq == instr.seq for p in pending):
             raise _Fault(f"receives {instr.what.value} ms={instr.ms} mb={instr.mb}"
                          f"{'' if instr.seq is None else f' seq={describe([instr.seq])}'} twice")
-        if self.held is not None:
+        if self.arrives is not None:
             self._check_piece(instr)
         self._post(i, instr)
 
     def _check_piece(self, instr: Recv) -> None:
         sender = self._held_by(instr.peer_from)
-        assert sender is not None and self.held is not None   # both known once `seq` is
+        assert sender is not None and self.arrives is not None   # both known once `seq` is
         if instr.seq is None:
-            if sender != self.held:
+            if sender != self.arrives:
                 raise _Fault(f"receives rank {instr.peer_from}'s whole {instr.what.value}, tokens "
-                             f"{describe(sender)}, but this rank holds {describe(self.held)}: the layouts differ, "
-                             "so the tensor must come in pieces (seq=a:b)")
+                             f"{describe(sender)}, but this rank receives {describe(self.arrives)}: the layouts "
+                             "differ, so the tensor must come in pieces (seq=a:b)")
             return
-        self._inside(instr.seq, self.held, "this rank holds")
+        self._inside(instr.seq, self.arrives, "this rank receives")
         self._inside(instr.seq, sender, f"rank {instr.peer_from} holds")
 
     @staticmethod
@@ -367,8 +376,8 @@ class _Rank:
     def _complete(self, instr: _Posted) -> None:
         s = self.s
         if isinstance(instr, Recv):
-            # a whole tensor brings every token this rank holds (`recv` checked the sender holds the same)
-            whole = list(self.held) if self.held is not None else [(0, 0)]
+            # a whole tensor brings every token this rank receives (`recv` checked the sender holds the same)
+            whole = list(self.arrives) if self.arrives is not None else [(0, 0)]
             s.arrived.setdefault((instr.what, instr.ms, instr.mb), []).extend(
                 whole if instr.seq is None else [instr.seq])
         elif isinstance(instr, AllGather):

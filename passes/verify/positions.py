@@ -15,7 +15,8 @@ position 0 of each lane to its rank at position p.
    agreement family by tests/test_check_positions.py). `schedule` gives a
    lane's ranks one compute order. `p2p`: with equal holdings every border
    message goes from position q of one lane to position q of the other,
-   whole (`hetc.ir.layout.transfers`, Piece(q, q)), with one shape; channels
+   whole (`hetc.ir.layout.transfers`, Piece(q, q)) or as part q of t
+   (Note [scatter-gather borders] in hetc/ir/layout.py), with one shape; channels
    are ordered by posting order and, among receives posted together, by
    peer rank, which φ_p keeps. `zero`: a rank's shard group is its stage's
    `dp.s{s}.p{pos}` (a group of one position), its compute runs on its
@@ -23,7 +24,8 @@ position 0 of each lane to its rank at position p.
    `world`; sizes come from the stage and the device. So the program of
    φ_p(r) is r's with peers mapped by φ_p, `dp...p0` named `dp...p{p}` and
    the header's rank and tp rank changed; every group lies inside one
-   position or holds the same lanes at every position (tp groups, world).
+   position or holds the same lanes at every position (tp groups, world);
+   a border piece's tokens are part p's, part 0's shifted by p·seq/t.
 2. The check of the copies is the check of position 0. `dataflow` and
    `memory` read one rank's program, its place, its holdings, sizes and
    device, which the copies share (a renamed group has as many members).

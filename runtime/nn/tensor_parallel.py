@@ -71,6 +71,7 @@ __all__ = [
     "all_gather_into",
     "conjugate",
     "copy_to_region",
+    "gather_parts",
     "gather_sequence",
     "reduce_from_region",
     "reduce_scatter_into",
@@ -255,6 +256,13 @@ def _gather_seq(x: Tensor, group) -> Tensor:
     out = local.new_empty((n * local.shape[0], *local.shape[1:]))
     all_gather_into(out, local, group)
     return out.transpose(0, 1)
+
+
+def gather_parts(x: Tensor, group) -> Tensor:
+    """The tp ranks' parts of a boundary tensor (dim 1, the sequence) concatenated in rank order, outside
+    autograd: a received tensor's whole (Note [scatter-gather borders] in hetc/ir/layout.py)."""
+    with torch.no_grad():
+        return _gather_seq(x, group).contiguous()
 
 
 def _scatter_seq(x: Tensor, group) -> Tensor:
