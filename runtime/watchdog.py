@@ -40,7 +40,10 @@ def attempt_prefix() -> str:
     return f"hetc/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 
 
-def store_client(timeout_s: float = 30.0):
+STORE_TIMEOUT_S = 30.0      # how long a store call of the watchdog's connection may take
+
+
+def store_client(timeout_s: float = STORE_TIMEOUT_S):
     """A new client connection to the rendezvous store torchrun (or `hetc run --local`) hosts."""
     import datetime
 
@@ -114,5 +117,11 @@ class Watchdog(threading.Thread):
         if completed:
             with contextlib.suppress(Exception):  # the store is gone: nobody is left to mistake us for dead
                 self.store.set(f"hetc/done/{self.rank}", "1")
+        # Wait out a store call in flight (its own timeout bounds it): a daemon thread still inside one when
+        # the interpreter ends is stopped as it takes the GIL back (pthread_exit), and that unwinding through
+        # the store's C++ frames ends in std::terminate, "terminate called without an active exception", a
+        # SIGABRT after a finished run. A full test run on a loaded machine once saw that abort on a rank of
+        # tests/test_elastic.py that had trained every step; a join that gave up after 5 beats (as it did)
+        # is how this thread could still be in a store call then.
         if self.is_alive() and threading.current_thread() is not self:
-            self.join(timeout=5 * self.interval)
+            self.join(timeout=STORE_TIMEOUT_S + self.interval)
