@@ -110,12 +110,15 @@ def test_explained_traffic_lists_every_group(tmp_path):
     cm = cost_model(tmp_path, plan_text(body, global_batch=8))
     groups = {(g.kind, g.group): g for g in cm.estimate().traffic}
     kinds = sorted(k for k, _ in groups)
-    assert kinds == ["dp", "dp", "pp", "tp", "tp"]
+    assert kinds == ["dp", "dp", "pp", "tp", "tp", "tp", "tp"]
     m, d = cm.model, 4
     pp = next(g for (k, _), g in groups.items() if k == "pp")
     # both tp ranks of each side hold the whole sequence (no sequence parallelism), but each receives its half
     # and the tp group gathers the halves (Note [scatter-gather borders]): the border carries each token once
     assert pp.bytes_per_step == 2 * 1 * 8 * d * m.seq * m.hidden
+    # each rank gathers the other half of every tensor it receives: 4 microbatches a lane, one border each way
+    gathered = [g for (k, name), g in groups.items() if k == "tp" and "gathered" in name]
+    assert [g.bytes_per_step for g in gathered] == [4 * d * m.seq * m.hidden / 2] * 2
     dp = next(g for (k, name), g in groups.items() if k == "dp" and "stage a" in name)
     phi = cm.numel(0, 0) * d
     assert dp.bytes_per_step == pytest.approx(traffic.zero_bytes(2, ScheduleKind.ONE_F_ONE_B, phi, 2, 4))

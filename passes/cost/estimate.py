@@ -13,7 +13,7 @@ from hetc.passes.cost.experts import ep_comm_time, ep_group, expert_group
 from hetc.passes.cost.classes import PlanTime, throughput, tokens_per_step
 from hetc.passes.cost.memory import RankMemory
 from hetc.passes.cost.pipeline_stage import pipeline_stages
-from hetc.passes.cost.plan_time import border_time, stage_sync_time, unit_numels, zorse_unit
+from hetc.passes.cost.plan_time import border_time, ministage_borders, stage_sync_time, unit_numels, zorse_unit
 from hetc.passes.cost.provenance import Provenance, provenance
 from hetc.passes.cost.schedule import LaneTiming
 from hetc.passes.cost.shapes import LayerKind, layer_kind
@@ -160,6 +160,7 @@ def _traffic(cm: CostModel, timing: PlanTime) -> list[GroupTraffic]:
             out.append(GroupTraffic("tp", f"stage {stage.name}: tp {stage.tp}", cm.tp_group(rank),
                                     sent * blocks * n_mb, seconds * blocks * n_mb,
                                     "inside the measured layer times" if measured else ""))
+        out += _border_gathers(cm, stage, rank, n_mb)
         if stage.ep > 1 and blocks and m.moe is not None:   # ep > 1: the model has experts (validated)
             out += _expert_traffic(cm, m.moe, stage, rank, blocks, n_mb)
         if stage.cp > 1 and blocks:
@@ -190,6 +191,21 @@ def _expert_traffic(cm: CostModel, moe: MoESpec, stage: Stage, rank: int, blocks
                                 replicas, traffic.zero_bytes(level, cm.pipeline.schedule, nbytes, len(replicas),
                                                              n_mb), seconds))
     return out
+
+
+def _border_gathers(cm: CostModel, stage: Stage, rank: int, n_mb: int) -> list[GroupTraffic]:
+    """The tp group's all-gathers of the boundary tensors its ranks receive in parts (Note [scatter-gather
+    borders] in hetc/ir/layout.py): one per microbatch and border crossed each way."""
+    gather = cm.border_gather_time(rank)
+    if gather == 0.0:
+        return []
+    mss = cm.pipeline.ministages
+    count = n_mb * sum((out is not None) + (back is not None) for out, back in
+                       (ministage_borders(ms, stage.index, lambda k: mss[k].stage, len(mss))
+                        for ms in stage.ministages))
+    sent = traffic.gather_bytes(stage.tp, cm.hidden_bytes / stage.cp)
+    return [GroupTraffic("tp", f"stage {stage.name}: tp {stage.tp}, border tensors gathered", cm.tp_group(rank),
+                         sent * count, gather * count)]
 
 
 def _cp_bytes(cm: CostModel, stage: Stage) -> float:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from hetc.ir.spec import ScheduleKind
 
-__all__ = ["ep_bytes", "pp_bytes", "ring_attention_bytes", "tp_bytes", "ulysses_bytes", "zero_bytes"]
+__all__ = ["ep_bytes", "gather_bytes", "pp_bytes", "ring_attention_bytes", "tp_bytes", "ulysses_bytes", "zero_bytes"]
 
 
 def _ring(n: int) -> float:
@@ -45,6 +45,11 @@ def pp_bytes(micro_batch: int, seq: int, hidden: int, delta: int, microbatches: 
     """Per border per step: one activation forward and one gradient back per microbatch, to each of
     `replicas` = (N_rep after the border, N_rep before it) copies (hetc.ir.layout.replication)."""
     return float(sum(replicas)) * delta * micro_batch * seq * hidden * microbatches
+
+
+def gather_bytes(ranks: int, nbytes: float) -> float:
+    """Per rank: an all-gather of a tensor of `nbytes` over `ranks` (a ring: (N−1)/N of it)."""
+    return _ring(ranks) * nbytes
 
 
 def tp_bytes(tp: int, micro_batch: int, seq: int, hidden: int, delta: int) -> float:
