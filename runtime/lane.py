@@ -74,8 +74,8 @@ class LanePlace:
 
     def arrivals(self) -> Arrivals:
         """An empty `Arrivals` for this rank: its parts gathered over its tp group where they are parts."""
-        gathers = self.arrives != self.ranges
-        return Arrivals(self.ranges, self.arrives, self.tp_group if gathers else None)
+        held, arrives = self.ranges, self.arrives
+        return Arrivals(held, arrives, self.tp_group if arrives != held else None)
 
     @property
     def splits_sequence(self) -> bool:
@@ -143,11 +143,9 @@ class Arrivals:
     (Note [scatter-gather borders] in hetc/ir/layout.py).
     """
 
-    def __init__(self, held: tuple[tuple[int, int], ...], arrives: tuple[tuple[int, int], ...] | None = None,
-                 gather: object | None = None) -> None:
-        self.held = held
-        self.arrives = held if arrives is None else arrives
-        self.gather = gather
+    def __init__(self, held: tuple[tuple[int, int], ...], arrives: tuple[tuple[int, int], ...],
+                 gather: object | None) -> None:
+        self.held, self.arrives, self.gather = held, arrives, gather
         self.tokens = held_length(self.arrives)
         self.ready: dict[tuple, Tensor] = {}
         self.partial: dict[tuple, tuple[Tensor, int]] = {}     # key -> (tensor being filled, tokens so far)

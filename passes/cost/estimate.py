@@ -13,7 +13,7 @@ from hetc.passes.cost.experts import ep_comm_time, ep_group, expert_group
 from hetc.passes.cost.classes import PlanTime, throughput, tokens_per_step
 from hetc.passes.cost.memory import RankMemory
 from hetc.passes.cost.pipeline_stage import pipeline_stages
-from hetc.passes.cost.plan_time import border_time, ministage_borders, stage_sync_time, unit_numels, zorse_unit
+from hetc.passes.cost.plan_time import border_time, stage_sync_time, unit_numels, zorse_unit
 from hetc.passes.cost.provenance import Provenance, provenance
 from hetc.passes.cost.schedule import LaneTiming
 from hetc.passes.cost.shapes import LayerKind, layer_kind
@@ -199,10 +199,7 @@ def _border_gathers(cm: CostModel, stage: Stage, rank: int, n_mb: int) -> list[G
     gather = cm.border_gather_time(rank)
     if gather == 0.0:
         return []
-    mss = cm.pipeline.ministages
-    count = n_mb * sum((out is not None) + (back is not None) for out, back in
-                       (ministage_borders(ms, stage.index, lambda k: mss[k].stage, len(mss))
-                        for ms in stage.ministages))
+    count = n_mb * sum(sum(cm.border_crossings(ms)) for ms in stage.ministages)
     sent = traffic.gather_bytes(stage.tp, cm.hidden_bytes / stage.cp)
     return [GroupTraffic("tp", f"stage {stage.name}: tp {stage.tp}, border tensors gathered", cm.tp_group(rank),
                          sent * count, gather * count)]

@@ -31,6 +31,7 @@ from hetc.passes.cost.memory import (
 from hetc.passes.cost.links import groups_at_once
 from hetc.passes.cost.profiles import Profiles
 from hetc.passes.cost.params import expert_params, tied_copy_params
+from hetc.passes.cost.plan_time import border_crossings
 from hetc.passes.cost.shapes import (LayerKind, activation_elements, layer_flops, layer_kind,
                                     params_per_rank)
 from hetc.passes.cost.schedule import Grouping
@@ -150,17 +151,20 @@ class CostModel:
         input-gradient or whole backward (of its last unit) the gradient. The gather runs where the runtime
         runs it, inside the consumer's compute, so a receive posted one op ahead (Note [p2p placement])
         does not hide it."""
-        pipeline, stage = self.pipeline, self.stage_of(rank).index
+        into, back = self.border_crossings(ms)
         layers = self.ministage(ms).layers
         if phase is Phase.FORWARD:
-            crosses = ms > 0 and pipeline.ministages[ms - 1].stage != stage and \
-                (unit is None or unit.first == layers[0])
+            crosses = into and (unit is None or unit.first == layers[0])
         elif phase in (Phase.INPUT_GRAD, Phase.BACKWARD):
-            crosses = ms + 1 < len(pipeline.ministages) and pipeline.ministages[ms + 1].stage != stage and \
-                (unit is None or unit.stop == layers[-1] + 1)
+            crosses = back and (unit is None or unit.stop == layers[-1] + 1)
         else:
             crosses = False
         return self.border_gather_time(rank) if crosses else 0.0
+
+    def border_crossings(self, ms: int) -> tuple[int, int]:
+        """`plan_time.border_crossings` of ministage `ms` in this pipeline."""
+        mss = self.pipeline.ministages
+        return border_crossings(ms, mss[ms].stage, lambda k: mss[k].stage, len(mss))
 
     def groups_at_once(self, rank: int, members: Sequence[int]) -> int:
         """Groups like `members` (a group of this rank's stage) crossing this rank's node link at once: every

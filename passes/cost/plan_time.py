@@ -101,6 +101,14 @@ def ministage_borders(ms: int, stage: int, stage_of: Callable[[int], int], count
     return out, back
 
 
+def border_crossings(ms: int, stage: int, stage_of: Callable[[int], int], count: int) -> tuple[int, int]:
+    """(1 if ministage `ms` receives its activation from another stage, 1 if its gradient): the boundary
+    tensors its forward and its input-gradient take over a border (and gather, Note [scatter-gather borders]
+    in hetc/ir/layout.py)."""
+    out, back = ministage_borders(ms, stage, stage_of, count)
+    return int(back is not None), int(out is not None)
+
+
 def stage_borders(ministages: Sequence[int], stage: int, stage_of: Callable[[int], int], count: int
                   ) -> Iterator[tuple[int, int]]:
     """(other stage, ministage whose activation crosses) for every border a stage's microbatch crosses:

@@ -22,7 +22,7 @@ from hetc.passes.cost.params import tied_copy_params
 from hetc.passes.cost.memory import (RankMemory, ShardFactors, StateMemory, StatesHeld, activation_memory,
                                     interleaved_group, rank_headroom, rank_memory, shard_factors, state_memory,
                                     zorse_backward_peak)
-from hetc.passes.cost.plan_time import lane_borders, ministage_borders, stage_borders
+from hetc.passes.cost.plan_time import border_crossings, lane_borders, ministage_borders, stage_borders
 from hetc.passes.cost.schedule import Grouping, Unit, UnitLane, UnitOp, unit_ops
 from hetc.passes.cost.zero_time import (ZeroRings, across_nodes, fetch_time, first_gather_time, flush_time,
                                        optimizer_step_time, piece_collectives, sync_time, zero_collectives)
@@ -106,12 +106,13 @@ class StageCosts:
     @cached_property
     def _unit_layers(self) -> list[tuple[int, int, int]]:
         """The (embed, blocks, head) counts of each unit the stage gathers per block, in layer order."""
-        per_block = gathers_per_block(self.plan.schedule, self.s.zero, self.s.knobs.offload.to_spec(), 1)
         head = self.p.model.layers + 1
-        return [(int(u.first == 0), int(0 < u.first < head), int(u.first == head)) for _, u in self._units(per_block)]
+        return [(int(u.first == 0), int(0 < u.first < head), int(u.first == head)) for _, u in self._units]
 
-    def _units(self, per_block: bool) -> list[tuple[int, LayerUnit]]:
+    @cached_property
+    def _units(self) -> list[tuple[int, LayerUnit]]:
         """(ministage, unit) of every unit the stage gathers per block, in layer order."""
+        per_block = gathers_per_block(self.plan.schedule, self.s.zero, self.s.knobs.offload.to_spec(), 1)
         return [(ms, u) for ms in self.s.ministages
                 for u in ministage_units(self.p.model, range(*self.plan.ministages[ms][:2]), per_block)]
 
@@ -119,8 +120,7 @@ class StageCosts:
     def _unit_gathers(self) -> list[tuple[int, int]]:
         """Per unit of `_unit_layers`: the boundary tensors it gathers (a ministage's first unit its
         activation, its last unit its gradient; `crossings`)."""
-        per_block = gathers_per_block(self.plan.schedule, self.s.zero, self.s.knobs.offload.to_spec(), 1)
-        units = self._units(per_block)
+        units = self._units
         out = []
         for k, (ms, _) in enumerate(units):
             into, back = self.crossings(ms)
@@ -188,8 +188,8 @@ class StageCosts:
     # ------------------------------------------------------------ communication
 
     def border(self, lane: int, other: int, ms: int) -> float:
-        """`plan_time.border_time` for the candidate: the lane's tp shares sent at once, and its tp group's
-        gather of the parts it receives (Note [scatter-gather borders] in hetc/ir/layout.py)."""
+        """`plan_time.border_time` for the candidate: the lane's tp shares sent at once (Note [scatter-gather
+        borders] in hetc/ir/layout.py; the gather of the parts is the consumer's, `compute`)."""
         peer = self.plan.peer_gpu(self.s.index, lane, other)
         share = self.boundary_bytes(ms) / self.s.tp
         return self.p.p2p(self.s.lanes[lane][0], peer, share, self.s.concurrent(lane))
@@ -208,10 +208,8 @@ class StageCosts:
         return sum(c[0] for c in crossings), sum(c[1] for c in crossings)
 
     def crossings(self, ms: int) -> tuple[int, int]:
-        """(1 if ministage `ms` takes its activation from another stage, 1 if its gradient): the boundary
-        tensors its forward and its input-gradient gather (`CostModel.border_gathers`)."""
-        after, before = ministage_borders(ms, self.s.index, self.plan.stage_of_ministage, self.last_ms + 1)
-        return int(before is not None), int(after is not None)
+        """`plan_time.border_crossings` of ministage `ms` in the candidate."""
+        return border_crossings(ms, self.s.index, self.plan.stage_of_ministage, self.last_ms + 1)
 
     def p2p(self, lane: int) -> Borders:
         return lane_borders(self.s.ministages, self.s.index, self.plan.stage_of_ministage, self.last_ms + 1,
