@@ -15,6 +15,10 @@ timed out and the script goes on), all within `--budget` seconds (480: eight min
    the median step (steps 3..K) against summary.json's prediction (target within 15 %), and CUDA's
    peak allocated bytes against `hetc explain --json`'s estimate of what the rank allocates, its
    total less the reserve (target within 10 %; the reserved peak is recorded beside it).
+   Then the matmul asymptote: one bf16 matmul (8192³) back to back for 30 s, its first second's rate
+   and its last quarter's, against the catalog kind's bf16 peak, with the SM clock `nvidia-smi` reads
+   at the end: the burst rate is what published matmul maxima measure, the sustained one what a
+   training step gets once the device is at its power limit (docs/costmodel.md "Compute time by shape").
 6. offload overlap: a 1-rank plan sweeping two ministages with parameters and activations on the
    host, under torch.profiler: the share of the device's copy time hidden behind kernels.
 7. resume: `hetc run --local` of half the steps with --checkpoint, then --resume to the end; the
@@ -390,6 +394,56 @@ def _memory_row(result: dict[str, Any], metrics: Path, estimate: dict[str, float
                                                         "max_memory_reserved": reserved, "estimate_parts": estimate})
 
 
+def check_matmul(ctx: Context) -> list[Row]:
+    import torch
+
+    from hetc.frontend.load import BUNDLED_SPECS, load_spec
+    from hetc.ir.spec import DType
+
+    n, seconds, dtype = (8192, 30.0, torch.bfloat16) if ctx.gpu else (384, 2.0 if ctx.quick else 4.0, torch.float32)
+    device = "cuda" if ctx.gpu else "cpu"
+    rates = _matmul_rates(torch, n, dtype, device, seconds)
+    kinds = {d.name: d for d in load_spec(BUNDLED_SPECS / "catalog.het").spec.devices}
+    peak = kinds[ctx.kind].peak.for_dtype(DType.BF16 if ctx.gpu else DType.FP32) if ctx.kind in kinds else None
+    burst = statistics.median(r for t, r in rates if t <= 1.0)
+    sustained = statistics.median(r for t, r in rates if t >= 0.75 * seconds)
+    share = (lambda r: f" ({r / peak:.2f} of peak)") if peak else (lambda r: "")
+    clock = _sm_clock() if ctx.gpu else {}
+    value = (f"burst {burst / 1e12:.3g} TFLOP/s{share(burst)}, sustained {sustained / 1e12:.3g}{share(sustained)}"
+             + (f"; SM {clock['sm']} of {clock['max']} MHz at {clock['power']} W" if clock else ""))
+    return [Row("matmul asymptote", "ok", value, "recorded: the kind's `efficiency` (docs/costmodel.md)",
+                f"{n}³ {str(dtype).split('.')[-1]} for {seconds:.0f} s",
+                data={"rates": rates, "burst": burst, "sustained": sustained, "peak": peak, **clock})]
+
+
+def _matmul_rates(torch: ModuleType, n: int, dtype: Any, device: str, seconds: float) -> list[tuple[float, float]]:
+    """(seconds since the start, FLOP/s) of each batch of back-to-back n³ matmuls, for `seconds`."""
+    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    batch, flops = (20 if device == "cuda" else 2), 2.0 * n ** 3
+    for _ in range(2):   # warm up: cuBLAS's heuristics and the allocator
+        torch.mm(a, b)
+    sync()
+    rates, start = [], time.perf_counter()
+    while (now := time.perf_counter()) - start < seconds:
+        for _ in range(batch):
+            torch.mm(a, b)
+        sync()
+        rates.append((time.perf_counter() - start, batch * flops / (time.perf_counter() - now)))
+    return rates
+
+
+def _sm_clock() -> dict[str, str]:
+    """The SM clock, its maximum and the board's power draw as `nvidia-smi` reads them now."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return {}
+    done = subprocess.run([smi, "--query-gpu=clocks.sm,clocks.max.sm,power.draw", "--format=csv,noheader,nounits"],
+                          capture_output=True, text=True, timeout=30, check=False)
+    fields = done.stdout.strip().splitlines()[0].split(", ") if done.returncode == 0 and done.stdout.strip() else []
+    return dict(zip(("sm", "max", "power"), fields, strict=True)) if len(fields) == 3 else {}
+
+
 def check_overlap(ctx: Context) -> list[Row]:
     specs = ctx.run_plans()
     plan = ctx.work / "run" / "out_offload1"
@@ -471,6 +525,7 @@ CHECKS: list[tuple[str, float, Callable[[Context], list[Row]]]] = [
     ("verify 1B pp2", 60, check_verify("pp2")),
     ("profile", 150, check_profile),
     ("1-rank run", 150, check_one_rank),
+    ("matmul asymptote", 45, check_matmul),
     ("offload overlap", 120, check_overlap),
     ("checkpoint + resume", 150, check_resume),
     ("2-stage", 90, check_two_stage),

@@ -4,13 +4,15 @@
 
 Each row of RUNS is a published Megatron-LM run as facts (model shape, GPUs,
 plan, measured speed) with its source. The run's plan is written as a .het
-spec (`spec_text`: an A100-80 that names its SM count, on DGX A100 nodes, as the papers
-ran) and timed as `hetc explain` times it, in process, without a profile:
+spec (`spec_text`: the DGX nodes the paper ran on, A100 or H100, their GPU
+naming its SM count) and timed as `hetc explain` times it, in process, without a profile:
 the analytic path (passes/cost/gemm.py). Measured seconds per iteration come
 from the paper's own FLOP count and its per-GPU TFLOP/s or MFU (`measured_s`),
 or its table of iteration times. Reported: the signed error of each row,
 mean and max |error|, and for each group of one model on one GPU count
-whether the predicted order of its configurations is the measured one.
+whether the predicted order of its configurations is the measured one. Runs
+of another pipeline engine (Megatron-DeepSpeed) are reported beside, outside
+those figures.
 """
 
 from __future__ import annotations
@@ -29,28 +31,42 @@ from benchmarks.markdown import publish
 
 HEADING = "## Published runs"
 CATALOG = ROOT / "specs" / "catalog.het"
-A100_BF16 = 312e12
 NARAYANAN = "Narayanan et al. 2021, Efficient Large-Scale Language Model Training on GPU Clusters (arXiv 2104.04473), Table 1"
+NEMOTRON = "NVIDIA 2024, Nemotron-4 340B Technical Report (arXiv 2406.11704), Table 2"
+SMITH = ("Smith et al. 2022, Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B (arXiv 2201.11990), "
+         "§2.4's iteration times")
 KORTHIKANTI = "Korthikanti et al. 2022, Reducing Activation Recomputation in Large Transformer Models (arXiv 2205.05198)"
 
 
-# DGX A100's GPU with its SM count: compute by matrix shape (Note [GEMM curve]); `efficiency` is the
-# asymptote of docs/costmodel.md "Compute time by shape" (A100 SXM's published matmul maximum at its
-# sustained clock)
-SHAPED_A100 = """device A100-80-sms {
-  memory = 80 GiB
-  peak {
-    fp32 = 19.5 TFLOP/s
-    tf32 = 156 TFLOP/s
-    bf16 = 312 TFLOP/s
-    fp16 = 312 TFLOP/s
-  }
-  host_link = 32 GB/s
-  memory_bandwidth = 2.039 TB/s
-  efficiency = 0.8
-  sms = 108
-}
-"""
+# The GPUs with their SM counts: compute by matrix shape (Note [GEMM curve]); `efficiency` is the asymptote
+# of docs/costmodel.md "Compute time by shape" (the published bf16 matmul maxima: A100 SXM's at its sustained
+# clock, H100 SXM's)
+def _shaped(name: str, peaks: str, host_link: int, memory_bandwidth: float, sms: int) -> str:
+    """A device block with its SM count and the curve's asymptote (0.8 for both kinds here)."""
+    peak = "\n".join(f"    {p.split('=')[0]} = {p.split('=')[1]} TFLOP/s" for p in peaks.split())
+    return (f"device {name} {{\n  memory = 80 GiB\n  peak {{\n{peak}\n  }}\n  host_link = {host_link} GB/s\n"
+            f"  memory_bandwidth = {memory_bandwidth} TB/s\n  efficiency = 0.8\n  sms = {sms}\n}}\n")
+
+
+SHAPED_A100 = _shaped("A100-80-sms", "fp32=19.5 tf32=156 bf16=312 fp16=312", 32, 2.039, 108)
+SHAPED_H100 = _shaped("H100-sms", "fp32=67 tf32=494.7 bf16=989.4 fp16=989.4 fp8=1978.9", 64, 3.35, 132)
+
+
+@dataclass(frozen=True)
+class Machine:
+    """A DGX node as the papers ran it: its GPU (shaped and the catalog's), NVLink per direction, and the
+    node's InfiniBand (one NIC per GPU)."""
+
+    shaped_device: str
+    catalog_device: str
+    device_text: str
+    nvlink_gb_s: int
+    ib_gb_s: int
+    peak_bf16: float
+
+
+DGX_A100 = Machine("A100-80-sms", "A100-80", SHAPED_A100, 300, 200, 312e12)    # 8 HDR 200 Gb/s
+DGX_H100 = Machine("H100-sms", "H100", SHAPED_H100, 450, 400, 989.4e12)      # 8 NDR 400 Gb/s
 
 
 @dataclass(frozen=True)
@@ -72,6 +88,13 @@ class Run:
     micro_batch: int = 1
     seq: int = 2048
     vocab: int = 51200
+    kv_heads: int | None = None     # GQA; None: one per head
+    ffn: int | None = None          # None: 4 × hidden
+    virtual: int = 1                # virtual stages a stage runs (interleaved 1F1B when > 1)
+    dropout: float = 0.1
+    attention: str = "unfused"
+    machine: Machine = DGX_A100
+    engine: str = "Megatron-LM"     # whose pipeline engine ran it: the headline is Megatron-LM's own
     tflops: float | None = None
     mfu: float | None = None
     seconds: float | None = None
@@ -86,12 +109,18 @@ class Run:
         return f"{self.layers}x{self.hidden} on {self.gpus}"
 
     def model_flops(self, recompute: bool) -> float:
-        """The papers' FLOPs per iteration: 72·B·s·l·h²·(1 + s/6h + V/12lh) without recomputation (Korthikanti,
-        eq. for MFU), 96·B·s·l·h²·(1 + s/6h + V/16lh) with the full forward again (Narayanan, eq. 3)."""
-        b, s, l, h, v = self.global_batch, self.seq, self.layers, self.hidden, self.vocab
-        if recompute:
-            return 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
-        return 72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
+        """The papers' FLOPs per iteration, the papers' way: every multiply of a token's forward (q, k, v and
+        output projections, the MLP's two, the attention's two products over the whole sequence, the
+        logits), three times for forward and backward, and the layers' forward once more under full
+        recomputation. With GPT's shapes this is Narayanan's eq. 3, 96·B·s·l·h²·(1 + s/6h + V/16lh), and
+        without recomputation Korthikanti's 72·B·s·l·h²·(1 + s/6h + V/12lh)."""
+        h, s = self.hidden, self.seq
+        head = h // self.heads
+        kv = self.kv_heads or self.heads
+        layer = 2 * h * (h + 2 * kv * head) + 2 * h * h + 4 * h * (self.ffn or 4 * h) + 4 * s * h
+        passes = 4 if recompute else 3
+        per_token = passes * self.layers * layer + 3 * 2 * h * self.vocab
+        return self.global_batch * s * per_token
 
     def measured_s(self) -> float:
         if self.seconds is not None:
@@ -99,7 +128,7 @@ class Run:
         if self.tflops is not None:
             return self.model_flops(recompute=True) / (self.gpus * self.tflops * 1e12)
         assert self.mfu is not None, self.name
-        return self.model_flops(recompute=False) / (self.gpus * A100_BF16 * self.mfu)
+        return self.model_flops(recompute=False) / (self.gpus * self.machine.peak_bf16 * self.mfu)
 
 
 def _narayanan(params: str, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int, batch: int,
@@ -132,14 +161,27 @@ RUNS: tuple[Run, ...] = (
     *_korthikanti("175B", 96, 12288, 96, 8, 64, full_s=18.13, selective_mfu=0.514),
     *_korthikanti("530B", 128, 20480, 105, 35, 280, full_s=49.05, selective_mfu=0.560),
     *_korthikanti("1T", 160, 25600, 128, 64, 512, full_s=94.42, selective_mfu=0.563),
+    *(Run(f"Nemotron-4 340B DP {dp} (N24)", NEMOTRON, 96, 18432, 96, 8 * 12 * dp, 8, 12, batch, "none",
+          sequence_parallel=True, seq=4096, vocab=256000, kv_heads=8, virtual=8, dropout=0.0, attention="flash",
+          machine=DGX_H100, seconds=s)
+      for dp, batch, s in ((16, 768, 10.3), (32, 1536, 10.3), (64, 2304, 8.0))),
+    *(Run(f"MT-NLG 530B DP {dp} (S22)", SMITH, 105, 20480, 128, 8 * 35 * dp, 8, 35, 1920, "full",
+          engine="Megatron-DeepSpeed", seconds=s)
+      for dp, s in ((8, 60.1), (10, 50.2), (12, 44.4))),
 )
 
 
 def _stage_layers(run: Run, idx: int) -> str:
-    per = run.layers // run.pp
-    first = "embed" if idx == 0 else f"block{idx * per}"
-    last = "head" if idx == run.pp - 1 else f"block{(idx + 1) * per - 1}"
-    return f"{first}..{last}"
+    """Stage `idx`'s layers: one range per virtual stage, Megatron's round robin (virtual stage j of stage i
+    holds chunk j·pp + i), the embedding with the first chunk and the head with the last."""
+    per = run.layers // (run.pp * run.virtual)
+    ranges = []
+    for j in range(run.virtual):
+        chunk = j * run.pp + idx
+        first = "embed" if chunk == 0 else f"block{chunk * per}"
+        last = "head" if chunk == run.pp * run.virtual - 1 else f"block{(chunk + 1) * per - 1}"
+        ranges.append(f"{first}..{last}")
+    return ", ".join(ranges)
 
 
 def spec_text(run: Run, catalog: Path = CATALOG, shaped: bool = True) -> str:
@@ -148,42 +190,44 @@ def spec_text(run: Run, catalog: Path = CATALOG, shaped: bool = True) -> str:
     distributed optimizer. `shaped`: on an A100-80 that names its SM count (compute by shape), else on the
     catalog's (one flat efficiency)."""
     nodes_per_stage = run.dp * run.tp // 8
-    assert nodes_per_stage * 8 == run.dp * run.tp and run.layers % run.pp == 0, run.name
+    assert nodes_per_stage * 8 == run.dp * run.tp and run.layers % (run.pp * run.virtual) == 0, run.name
+    m = run.machine
     stages = "\n".join(
         f"  stage pp{i} {{\n    layers = [{_stage_layers(run, i)}]\n"
-        f"    ranks = a100[{i * nodes_per_stage}:{(i + 1) * nodes_per_stage}]\n"
+        f"    ranks = dgx[{i * nodes_per_stage}:{(i + 1) * nodes_per_stage}]\n"
         f"    lanes = {run.dp}\n    tp = {run.tp}\n"
         f"    sequence_parallel = {'true' if run.sequence_parallel else 'false'}\n  }}"
         for i in range(run.pp))
     return f"""use "{catalog}"
 
-{SHAPED_A100}
+{m.device_text}
 model gpt {{
   arch = gpt
   layers = {run.layers}
   hidden = {run.hidden}
   heads = {run.heads}
-  ffn = {4 * run.hidden}
+  kv_heads = {run.kv_heads or run.heads}
+  ffn = {run.ffn or 4 * run.hidden}
   vocab = {run.vocab}
   seq = {run.seq}
   dtype = bf16
   activation_checkpoint = {run.recompute}
-  attention = unfused
-  hidden_dropout = 0.1
-  attention_dropout = 0.1
+  attention = {run.attention}
+  hidden_dropout = {run.dropout}
+  attention_dropout = {run.dropout}
 }}
 
 cluster selene {{
-  node a100 {{
-    device = {'A100-80-sms' if shaped else 'A100-80'}
+  node dgx {{
+    device = {m.shaped_device if shaped else m.catalog_device}
     count = {run.gpus // 8}
     gpus = 8
     intra {{
-      bandwidth = 300 GB/s
+      bandwidth = {m.nvlink_gb_s} GB/s
       latency = 3 us
     }}
   }}
-  inter_bandwidth = 200 GB/s
+  inter_bandwidth = {m.ib_gb_s} GB/s
   inter_latency = 5 us
 }}
 
@@ -193,7 +237,7 @@ train {{
 }}
 
 parallel {{
-  schedule = 1f1b
+  schedule = {'interleaved' if run.virtual > 1 else '1f1b'}
   zero = 0
 {stages}
 }}
@@ -238,43 +282,70 @@ def ranked_as_measured(results: list[Result]) -> dict[str, bool]:
             for name, rs in groups.items() if len(rs) > 1}
 
 
-def section(results: list[Result]) -> str:
-    errors = [abs(r.error) for r in results]
-    flat = [abs(r.flat_s / r.measured_s - 1) for r in results]
-    ranks = ranked_as_measured(results)
-    lines = [HEADING, "",
-             ("`benchmarks/published_runs.py`: published Megatron-LM runs on DGX A100 (seq 2048, vocab 51,200, "
-              "GPT shapes), each written as a .het spec with the published plan and timed by `hetc explain`'s "
-              "path without a profile (compute by matrix shape, passes/cost/gemm.py). Measured seconds per "
-              "iteration are the papers' FLOPs per iteration over their per-GPU TFLOP/s or MFU (Narayanan's "
-              "count includes the recomputed forward, Korthikanti's MFU does not), or their iteration times. "
-              "Error = (predicted − measured) / measured. Micro-batch 1 and plain 1F1B where the paper does not "
-              "say otherwise."), "",
-             (f"**{len(results)} runs: mean |error| {statistics.fmean(errors):.1%}, max {max(errors):.1%}; "
-              f"{sum(ranks.values())} of {len(ranks)} groups of one model on one GPU count ordered as "
-              "measured.** On the catalog's A100-80 (no `sms`: one efficiency, 0.5, for every layer): "
-              f"mean |error| {statistics.fmean(flat):.1%}, max {max(flat):.1%}."), "",
-             ("| run | GPUs | TP × PP × DP | global batch | recompute | measured s | predicted s | error | flat s "
-              "| source |"),
-             "|---|---|---|---|---|---|---|---|---|---|"]
+def _table(results: list[Result]) -> list[str]:
+    lines = [("| run | GPUs | TP × PP × DP | VP | global batch | recompute | measured s | predicted s | error | "
+              "flat s | source |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         run = r.run
-        lines.append(f"| {run.name} | {run.gpus} | {run.tp} × {run.pp} × {run.dp} | {run.global_batch} | "
-                     f"{run.recompute}{' + SP' if run.sequence_parallel else ''} | {r.measured_s:.2f} | "
-                     f"{r.predicted_s:.2f} | {r.error:+.1%} | {r.flat_s:.2f} | {run.source} |")
+        lines.append(f"| {run.name} | {run.gpus} | {run.tp} × {run.pp} × {run.dp} | {run.virtual} | "
+                     f"{run.global_batch} | {run.recompute}{' + SP' if run.sequence_parallel else ''} | "
+                     f"{r.measured_s:.2f} | {r.predicted_s:.2f} | {r.error:+.1%} | {r.flat_s:.2f} | {run.source} |")
+    return lines
+
+
+def section(results: list[Result]) -> str:
+    own = [r for r in results if r.run.engine == "Megatron-LM"]
+    other = [r for r in results if r.run.engine != "Megatron-LM"]
+    errors = [abs(r.error) for r in own]
+    flat = [abs(r.flat_s / r.measured_s - 1) for r in own]
+    ranks = ranked_as_measured(own)
+    largest = max(r.run.gpus for r in own)
+    lines = [HEADING, "",
+             ("`benchmarks/published_runs.py`: published Megatron-LM runs on DGX A100 (GPT shapes, seq 2048, "
+              "vocab 51,200) and DGX H100 (Nemotron-4 340B), each written as a .het spec with the published plan "
+              "and timed by `hetc explain`'s path without a profile (compute by matrix shape, "
+              "passes/cost/gemm.py). Measured seconds per iteration are the papers' FLOPs per iteration over "
+              "their per-GPU TFLOP/s or MFU (Narayanan's count includes the recomputed forward, Korthikanti's "
+              "MFU does not), or their iteration times. Error = (predicted − measured) / measured. Micro-batch 1 "
+              "and plain 1F1B where the paper does not say otherwise."), "",
+             (f"**{len(own)} runs at {min(r.run.gpus for r in own)}-{largest:,} GPUs: mean |error| "
+              f"{statistics.fmean(errors):.1%}, max {max(errors):.1%}; {sum(ranks.values())} of {len(ranks)} "
+              "groups of one model on one GPU count ordered as measured.** On the catalogs' GPUs (no `sms`: one "
+              "efficiency for every layer, A100 0.5, H100 0.45): "
+              f"mean |error| {statistics.fmean(flat):.1%}, max {max(flat):.1%}."), "",
+             *_table(own)]
     lines += ["", "| group | ordered as measured |", "|---|---|"]
     lines += [f"| {name} | {'yes' if ok else 'no'} |" for name, ok in ranks.items()]
     lines += ["", ("Both papers' GPT configurations drop 10 % of the attention probabilities and of the hidden "
                    "state: the specs set `hidden_dropout` and `attention_dropout` to 0.1, which hetc runs and "
                    "costs (memory-bound; with unfused attention S² more bytes each way per head, most of a small "
-                   "model's share). What the model leaves out: Narayanan's "
-                   "2021 software is slower than Korthikanti's 2022 on the same pipeline (1T: 512 microbatches "
-                   "of one sequence through 64 stages of TP 8 in both, 102.6 s at DP 6 against 94.4 s at DP 1), "
-                   "which no term of the plan explains; and pipeline borders do not yet share their node "
-                   "pair's link between the lanes that cross it at once (the data-parallel groups do: Note [node "
-                   "links] in passes/cost/links.py). The attention is `unfused` in every spec: flash "
-                   "attention reached Megatron-LM after both papers.")]
+                   "model's share). The attention is `unfused` in those specs: flash attention reached "
+                   "Megatron-LM after both papers. Nemotron-4 340B (GQA with 8 key/value heads, FFN 4h, "
+                   "squared ReLU costed as GELU, no dropout, flash attention, sequence parallelism, no "
+                   "recomputation: Megatron-LM's default) names its interleaving but not its virtual stages: 8, "
+                   "one layer each, as NVIDIA's recipes run this model (PP 8 × VP 12 there); its measured MFU "
+                   "(41.0-42.4 %) is what this file's FLOP count gives its iteration times. What the model "
+                   "leaves out: Narayanan's 2021 software is slower than Korthikanti's 2022 on the same pipeline "
+                   "(1T: 512 microbatches of one sequence through 64 stages of TP 8 in both, 102.6 s at DP 6 "
+                   "against 94.4 s at DP 1), which no term of the plan explains; and pipeline borders do not yet "
+                   "share their node pair's link between the lanes that cross it at once (the data-parallel "
+                   "groups do: Note [node links] in passes/cost/links.py).")]
+    if other:
+        lines += ["", ("Runs of another pipeline engine, outside the figures above: Megatron-DeepSpeed (DeepSpeed's "
+                       "pipeline engine around Megatron-LM's layers). The same 530B shape and TP 8 × PP 35 on DGX "
+                       "A100 ran at 113-126 TFLOP/s a GPU there and 163 in Megatron-LM's own (Narayanan's 529.6B "
+                       "above, within its error); hetc times Megatron-LM's engine, and no term of the plan "
+                       "explains the difference. The scaling from 280 to 420 nodes at one batch is the plan's: "
+                       "measured 0.739 of the time, predicted "
+                       f"{_scaling(other):.3f}."), "", *_table(other)]
     return "\n".join(lines) + "\n"
+
+
+def _scaling(results: list[Result]) -> float:
+    """Predicted time of the largest over the smallest of one model's runs."""
+    by_gpus = sorted(results, key=lambda r: r.run.gpus)
+    return by_gpus[-1].predicted_s / by_gpus[0].predicted_s
 
 
 def main(argv: list[str] | None = None) -> int:

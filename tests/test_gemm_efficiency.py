@@ -129,3 +129,17 @@ def test_a_published_run_becomes_a_spec_and_is_timed(tmp_path):
     text = spec_text(run)
     assert "attention = unfused" in text and "tp = 8" in text and text.count("stage pp") == 64
     assert predict(run) > 0
+
+
+def test_an_interleaved_h100_run_becomes_a_spec_with_its_virtual_stages():
+    run = next(r for r in RUNS if r.name.startswith("Nemotron-4 340B DP 64"))
+    # the report's MFU at 6,144 GPUs (41.0 %) is the FLOP count (GQA, FFN 4h, logits) over its 8.0 s
+    assert run.model_flops(recompute=False) / (run.gpus * run.machine.peak_bf16 * run.measured_s()) == \
+        pytest.approx(0.410, abs=0.003)
+    text = spec_text(run)
+    assert "schedule = interleaved" in text and "device = H100-sms" in text and "kv_heads = 8" in text
+    # Megatron's round robin: stage 0 holds chunks 0, 12, 24, ...; the head ends the last stage's last chunk
+    assert "layers = [embed..block0, block12..block12, block24..block24" in text
+    assert text.rstrip().endswith("block95..head]\n    ranks = dgx[704:768]\n    lanes = 64\n    tp = 8\n"
+                                  "    sequence_parallel = true\n  }\n}")
+    assert predict(run) > 0
