@@ -94,6 +94,7 @@ class Run:
     dropout: float = 0.1
     attention: str = "unfused"
     machine: Machine = DGX_A100
+    zero: int = 0                   # 1: Megatron's distributed optimizer (optimizer state sharded over DP)
     engine: str = "Megatron-LM"     # whose pipeline engine ran it: the headline is Megatron-LM's own
     tflops: float | None = None
     mfu: float | None = None
@@ -163,7 +164,7 @@ RUNS: tuple[Run, ...] = (
     *_korthikanti("1T", 160, 25600, 128, 64, 512, full_s=94.42, selective_mfu=0.563),
     *(Run(f"Nemotron-4 340B DP {dp} (N24)", NEMOTRON, 96, 18432, 96, 8 * 12 * dp, 8, 12, batch, "none",
           sequence_parallel=True, seq=4096, vocab=256000, kv_heads=8, virtual=8, dropout=0.0, attention="flash",
-          machine=DGX_H100, seconds=s)
+          zero=1, machine=DGX_H100, seconds=s)
       for dp, batch, s in ((16, 768, 10.3), (32, 1536, 10.3), (64, 2304, 8.0))),
     *(Run(f"MT-NLG 530B DP {dp} (S22)", SMITH, 105, 20480, 128, 8 * 35 * dp, 8, 35, 1920, "full",
           engine="Megatron-DeepSpeed", seconds=s)
@@ -185,10 +186,11 @@ def _stage_layers(run: Run, idx: int) -> str:
 
 
 def spec_text(run: Run, catalog: Path = CATALOG, shaped: bool = True) -> str:
-    """The run as a .het spec: DGX A100 nodes (8 A100-80 on NVSwitch, 8 HDR InfiniBand rails a node), a GPT
-    model as the papers define it (LayerNorm, GELU, FFN 4h, Megatron-LM's dropouts of 0.1), Megatron's 1F1B with its TP, PP and DP, no
-    distributed optimizer. `shaped`: on an A100-80 that names its SM count (compute by shape), else on the
-    catalog's (one flat efficiency)."""
+    """The run as a .het spec: its DGX nodes (8 GPUs on NVSwitch, one InfiniBand rail per GPU), a GPT model
+    as the paper defines it (LayerNorm, GELU, its FFN, key/value heads and dropouts), Megatron's 1F1B, or
+    interleaved 1F1B over its virtual stages, with its TP, PP and DP, and the distributed optimizer where it
+    ran one. `shaped`: on a GPU that names its SM count (compute by shape), else on the catalog's kind (one
+    flat efficiency)."""
     nodes_per_stage = run.dp * run.tp // 8
     assert nodes_per_stage * 8 == run.dp * run.tp and run.layers % (run.pp * run.virtual) == 0, run.name
     m = run.machine
@@ -238,7 +240,7 @@ train {{
 
 parallel {{
   schedule = {'interleaved' if run.virtual > 1 else '1f1b'}
-  zero = 0
+  zero = {run.zero}
 {stages}
 }}
 """
@@ -322,8 +324,8 @@ def section(results: list[Result]) -> str:
                    "costs (memory-bound; with unfused attention S² more bytes each way per head, most of a small "
                    "model's share). The attention is `unfused` in those specs: flash attention reached "
                    "Megatron-LM after both papers. Nemotron-4 340B (GQA with 8 key/value heads, FFN 4h, "
-                   "squared ReLU costed as GELU, no dropout, flash attention, sequence parallelism, no "
-                   "recomputation: Megatron-LM's default) names its interleaving but not its virtual stages: 8, "
+                   "squared ReLU costed as GELU, no dropout, flash attention, sequence parallelism, the "
+                   "distributed optimizer, no recomputation: Megatron-LM's default) names its interleaving but not its virtual stages: 8, "
                    "one layer each, as NVIDIA's recipes run this model (PP 8 × VP 12 there); its measured MFU "
                    "(41.0-42.4 %) is what this file's FLOP count gives its iteration times. What the model "
                    "leaves out: Narayanan's 2021 software is slower than Korthikanti's 2022 on the same pipeline "
