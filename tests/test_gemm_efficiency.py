@@ -143,3 +143,21 @@ def test_an_interleaved_h100_run_becomes_a_spec_with_its_virtual_stages():
     assert text.rstrip().endswith("block95..head]\n    ranks = dgx[704:768]\n    lanes = 64\n    tp = 8\n"
                                   "    sequence_parallel = true\n  }\n}")
     assert predict(run) > 0
+
+
+def test_every_published_plan_fits_the_gpus_it_ran_on(tmp_path):
+    """A plan as published ran, so its spec must fit: a run whose facts are wrong (Nemotron-4 340B without
+    its distributed optimizer: 93 GiB on an 80 GiB H100) is caught here, not read as a time."""
+    from hetc.compiler import load_checked
+    from hetc.passes.cost import CostModel
+
+    over = []
+    for i, run in enumerate(RUNS):
+        path = tmp_path / f"run{i}.het"
+        path.write_text(spec_text(run))
+        _, checked = load_checked(path, require_complete=True)
+        plan = checked.explicit()
+        assert plan is not None, run.name
+        if not CostModel(plan, Profiles()).estimate().fits:
+            over.append(run.name)
+    assert not over
