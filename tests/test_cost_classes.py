@@ -7,7 +7,7 @@ import pytest
 from hetc.passes.cost.classes import flush_tail, throughput
 from hetc.passes.cost.plan_time import ministage_borders, peer_lanes, stage_borders
 from hetc.passes.cost.schedule import (Grouping, LaneTiming, Unit, UnitLane, chunk_loop_wait, in_flight_limits,
-                                      interleaved_grouping, pipeline_time, sequential_time)
+                                      interleaved_grouping, pipeline_time, sequential_time, in_steady_order)
 from hetc.passes.cost.zero_time import ZeroRings, across_nodes, flush_time, sync_time
 from hetc.ir.spec import ScheduleKind, ZeroShard, ZeroSpec
 
@@ -39,6 +39,15 @@ def test_under_zb_a_later_stages_tail_hides_behind_the_input_gradients_of_the_st
     last backward ends 1.5 s before stage 0's, less its own weight gradient (1 s) plus stage 0's (1 s)."""
     lanes = [LaneTiming(0, 0, 4, 1.0, 1.0, 1.0, 0.5), LaneTiming(1, 0, 4, 1.0, 2.0, 1.0)]
     assert flush_tail(lanes, [0.2, 3.0], ScheduleKind.ZB) == pytest.approx(1.5)
+
+
+def test_under_zb_the_bottlenecks_last_weight_gradient_is_inside_the_pipeline():
+    """A fast first stage (0.1 ms ops, 5 ms of transfer) before a bottleneck whose weight gradient takes 0.45 s
+    (random job 90 under the GEMM curve): the bottleneck's whole work, its last W with it, is the pipeline's
+    time, so only its own 30 ms sync and step follow; counted as a later stage's W, it added 0.45 s."""
+    lanes = [LaneTiming(0, 0, 8, 1e-4, 0.0, 1e-4, 5e-3), LaneTiming(1, 0, 2, 0.56, 0.87, 0.45, 5e-3)]
+    assert flush_tail(lanes, [4e-3, 0.03], ScheduleKind.ZB, bottleneck=1) == pytest.approx(0.03)
+    assert flush_tail(lanes, [4e-3, 0.03], ScheduleKind.ZB, bottleneck=0) == pytest.approx(0.03 - 5e-3 - 1e-4 + 0.45)
 
 
 def test_an_interleaved_lane_waits_for_a_chunks_loop_its_group_does_not_cover():
@@ -127,3 +136,15 @@ def test_a_stage_keeps_one_more_in_flight_than_the_lined_up_stage_after_it():
     wide = [lanes[0], LaneTiming(1, 0, 8, 1.0, 1.5, 0.0), LaneTiming(1, 1, 8, 1.0, 1.5, 0.0), lanes[2]]
     limits = in_flight_limits(ScheduleKind.ONE_F_ONE_B, wide, 3, lane_counts={0: 1, 1: 2, 2: 1})
     assert limits == {0: 3, 1: 2, 2: 1}
+
+
+def test_zb_lanes_keep_their_steady_order_where_each_border_trades_in_a_fixed_rotation():
+    """Note [async sends]: one lane of 8 microbatches feeding four of 2 takes their gradients back in the order it
+    sent the activations; 16 lanes feeding 12, or lanes of one stage serving 171 and 170, do not."""
+    assert in_steady_order(ScheduleKind.ZB, [[8], [2, 2, 2, 2]])
+    assert in_steady_order(ScheduleKind.ZB, [[16, 16], [4] * 8, [8] * 4])
+    assert not in_steady_order(ScheduleKind.ZB, [[3] * 16, [4] * 12])
+    assert not in_steady_order(ScheduleKind.ZB, [[2] * 8, [171, 171, 170]])
+    assert not in_steady_order(ScheduleKind.ONE_F_ONE_B, [[4], [4]])
+    assert in_steady_order(ScheduleKind.INTERLEAVED, [[4], [4]])
+    assert not in_steady_order(ScheduleKind.INTERLEAVED, [[4], [2, 2]])

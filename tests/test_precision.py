@@ -66,7 +66,8 @@ def test_a_bf16_model_on_v100_is_costed_at_the_fp32_rate(tmp_path):
         cm = cost_model(tmp_path, plan_text(ONE_LANE, dtype=dtype, clusters=cluster(device="V100-16")))
         return cm.compute.layer("V100-16", LayerKind.BLOCK, 1, 1).forward
 
-    assert block_forward("bf16") == pytest.approx(block_forward("fp32"))
+    # the fp32 rate's arithmetic; only the memory-bound ops move two bytes an element, not four
+    assert block_forward("fp32") * 0.95 < block_forward("bf16") <= block_forward("fp32")
     assert block_forward("bf16") > 5 * block_forward("fp16")   # 125 vs 15.7 TFLOP/s on the datasheet
 
 

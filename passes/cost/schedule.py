@@ -26,14 +26,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from itertools import pairwise
 from dataclasses import dataclass
 from enum import StrEnum
 
 from hetc.ir.spec import ScheduleKind
 
 __all__ = ["Grouping", "LaneTiming", "PipelineTime", "Unit", "UnitLane", "UnitOp", "ZeroCycle", "chunk_loop_wait",
-           "group_width", "in_flight_limits", "in_steady_order", "interleaved_grouping", "lockstep_fill", "pipeline_time", "round_trip_span", "sequential_time",
-           "stage_max", "step_lower_bound", "unit_ops", "zero_cycle"]
+           "group_width", "in_flight_limits", "in_steady_order", "interleaved_grouping", "lockstep_fill",
+           "pipeline_time", "round_trip_span", "sequential_time", "stage_max", "step_lower_bound", "unit_ops",
+           "zero_cycle"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,14 +184,20 @@ def stage_max(lanes: Iterable[LaneTiming], value: Callable[[LaneTiming], float])
     return out
 
 
-def in_steady_order(schedule: ScheduleKind, microbatches: Iterable[int], lanes: Iterable[int]) -> bool:
+def in_steady_order(schedule: ScheduleKind, counts: Sequence[Sequence[int]]) -> bool:
     """Whether the lanes keep their schedule's steady order, nothing upstream reordering their arrivals
-    (Note [async sends] in transfers.py; `microbatches`: each lane's, `lanes`: each stage's count): ZB-H1 with
-    every lane serving as many microbatches runs F, I, W of each in turn; interleaved 1F1B with one lane a
-    stage alternates chunk forwards and backwards as 1F1B does."""
-    if schedule is ScheduleKind.ZB:
-        return len(set(microbatches)) == 1
-    return schedule is ScheduleKind.INTERLEAVED and all(n == 1 for n in lanes)
+    (Note [async sends] in transfers.py; `counts`: per stage, each lane's microbatches). ZB-H1 runs F, I, W
+    of each microbatch in turn where every stage's lanes serve as many microbatches each and each border's
+    lane counts divide one another: a lane then trades with the lanes across a border in a fixed rotation
+    (one lane feeding four takes their gradients back in the order it sent the activations). Interleaved
+    1F1B with one lane a stage alternates chunk forwards and backwards as 1F1B does."""
+    if schedule is ScheduleKind.INTERLEAVED:
+        return all(len(c) == 1 for c in counts)
+    if schedule is not ScheduleKind.ZB:
+        return False
+    lanes = [len(c) for c in counts]
+    return all(len(set(c)) == 1 for c in counts) and \
+        all(max(a, b) % min(a, b) == 0 for a, b in pairwise(lanes))
 
 
 def _zb_way(t: LaneTiming) -> float:

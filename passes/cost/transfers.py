@@ -24,19 +24,25 @@ receives run beside the op before their consumer (deep TP jobs 4 and 11,
 Where a stage has several lanes, a lane's inputs come from lanes that
 serve other microbatches between them, and the count stays whole (random
 jobs 27 and 81 and zorse/c_auto.het fell to −11.8 %, −10.7 % and −14.8 %
-counted overlapped). And ZB-H1 with every lane serving
-as many microbatches runs each microbatch's F, I, W in turn in its steady
-order (`in_order`, `schedule.in_steady_order`): an activation's receive
-runs beside the W before its forward, a gradient's beside the F before its
+counted overlapped). And ZB-H1 runs each microbatch's F, I, W
+in turn in its steady order where every lane of each stage serves as many
+microbatches and each border's lane counts divide one another
+(`in_order`, `schedule.in_steady_order`): a lane trades with the lanes
+across a border in a fixed rotation, so an activation's receive runs
+beside the W before its forward, a gradient's beside the F before its
 input gradient (demo moe_pp_ep2 on two shared cores: the last stage's
 1.9 ms receive under a 3.1 ms W, none of it waited; demo zb and
-moe_pp_ep2 came within 0.2 % of compile from +7.7 % and +1.3 %). With
-uneven lanes a lane serves the microbatches of several upstream lanes as
-they arrive, and on lanes in lockstep behind per-microbatch ZeRO-2/3
-collectives each op waits for its gather: there the count stays whole
-(counted overlapped, the planner chose ZB-H1 plans explained +10.8 % and
-−16.6 % of their compiled steps: random job 42, examples/auto_demo.het;
-docs/costmodel.md "Known limits"). Megatron-LM and DeepSpeed block on
+moe_pp_ep2 came within 0.2 % of compile from +7.7 % and +1.3 %; under
+the GEMM curve random jobs 22 and 46, one and two lanes feeding four and
+eight, from +10.7 % and +12.6 % counted whole to −6.1 % and +3.1 %).
+Where lanes serve different counts or do not divide across a border, a
+lane serves the microbatches of several upstream lanes as they arrive,
+and on lanes in lockstep behind per-microbatch ZeRO-2/3 collectives each
+op waits for its gather: there the count stays whole (counted
+overlapped, the planner chose ZB-H1 plans explained +10.8 % and −16.6 %
+of their compiled steps: random job 42, examples/auto_demo.het; and
+zorse/c_auto.het's 16 lanes feeding 12, counted overlapped stage by
+stage, −21.6 %; docs/costmodel.md "Known limits"). Megatron-LM and DeepSpeed block on
 their sends and receives: the lane
 waits for every transfer, each border once per microbatch and cycle (the
 activation of one microbatch and the gradient of another cross it at the

@@ -21,7 +21,7 @@ from hetc.passes.cost.cores import Computing, busy_share
 from hetc.passes.cost.params import tied_copy_params
 from hetc.passes.cost.memory import (RankMemory, ShardFactors, StateMemory, StatesHeld, activation_memory,
                                     interleaved_group, rank_headroom, rank_memory, shard_factors, state_memory,
-                                    zorse_backward_peak)
+                                    gpipe_backward_peak, zorse_backward_peak)
 from hetc.passes.cost.plan_time import border_crossings, lane_borders, ministage_borders, stage_borders
 from hetc.passes.cost.schedule import Grouping, Unit, UnitLane, UnitOp, unit_ops
 from hetc.passes.cost.zero_time import (ZeroRings, across_nodes, fetch_time, first_gather_time, flush_time,
@@ -333,7 +333,7 @@ class StageCosts:
         """A rank of `lane` serving `count` microbatches (`passes.cost.memory.rank_memory`)."""
         share = self.s.node_share(lane)
         return rank_memory(gpu.id, gpu, self.s.index, self._static(share), self._activations(count),
-                           self._zorse_peak(share, count))
+                           self._backward_peak(share, count))
 
     def fits(self, lane: int, count: int) -> bool:
         """Whether every rank of `lane` fits serving `count` microbatches."""
@@ -354,7 +354,7 @@ class StageCosts:
         got = self._rooms.get(key)
         if got is None:
             got = self._rooms[key] = rank_headroom(gpu, self._static(node_share), self._activations(count),
-                                                   self._zorse_peak(node_share, count))
+                                                   self._backward_peak(node_share, count))
         return got
 
     @cached_property
@@ -374,15 +374,19 @@ class StageCosts:
             return sum(self._per_mb_activations)
         return 0.0
 
-    def _zorse_peak(self, node_share: int | None, count: int) -> tuple[float, float] | None:
-        """Activations and gradients at once at a Zorse rank's peak (`memory.zorse_backward_peak`)."""
-        if self.plan.schedule is not ScheduleKind.ZORSE:   # (the only schedule it applies to)
+    def _backward_peak(self, node_share: int | None, count: int) -> tuple[float, float] | None:
+        """Activations and gradients at once at a Zorse or GPipe rank's peak (`memory.zorse_backward_peak`,
+        `memory.gpipe_backward_peak`)."""
+        schedule, offloaded = self.plan.schedule, bool(self.s.knobs.offload.activations)
+        if schedule is ScheduleKind.GPIPE:
+            return gpipe_backward_peak(schedule, offloaded, self._activations(count)[0],
+                                       sum(self._per_mb_activations), self._static(node_share).grads)
+        if schedule is not ScheduleKind.ZORSE:
             return None
         grads = [n * self.p.states.grads for n in self.ms_numel]
         share = self.shard_of(node_share).grads
-        return zorse_backward_peak(self.plan.schedule, self.p.train.grad_clip, bool(self.s.knobs.offload.activations),
-                                   count, self._per_mb_activations, grads, sum(grads) * share, share < 1.0,
-                                   (2 + self.plan.prefetch) * self._borders[2])
+        return zorse_backward_peak(schedule, self.p.train.grad_clip, offloaded, count, self._per_mb_activations,
+                                   grads, sum(grads) * share, share < 1.0, (2 + self.plan.prefetch) * self._borders[2])
 
     def _static(self, node_share: int | None) -> StateMemory:
         """What a rank holds but activations and its reserve (`passes.cost.memory.state_memory`)."""
