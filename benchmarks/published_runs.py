@@ -21,6 +21,7 @@ import argparse
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -339,15 +340,15 @@ def section(results: list[Result]) -> str:
                        "A100 ran at 113-126 TFLOP/s a GPU there and 163 in Megatron-LM's own (Narayanan's 529.6B "
                        "above, within its error); hetc times Megatron-LM's engine, and no term of the plan "
                        "explains the difference. The scaling from 280 to 420 nodes at one batch is the plan's: "
-                       "measured 0.739 of the time, predicted "
-                       f"{_scaling(other):.3f}."), "", *_table(other)]
+                       f"measured {_scaling(other, lambda r: r.measured_s):.3f} of the time, predicted "
+                       f"{_scaling(other, lambda r: r.predicted_s):.3f}."), "", *_table(other)]
     return "\n".join(lines) + "\n"
 
 
-def _scaling(results: list[Result]) -> float:
-    """Predicted time of the largest over the smallest of one model's runs."""
+def _scaling(results: list[Result], seconds: Callable[[Result], float]) -> float:
+    """The time of the largest over the smallest of one model's runs (measured or predicted)."""
     by_gpus = sorted(results, key=lambda r: r.run.gpus)
-    return by_gpus[-1].predicted_s / by_gpus[0].predicted_s
+    return seconds(by_gpus[-1]) / seconds(by_gpus[0])
 
 
 def main(argv: list[str] | None = None) -> int:
