@@ -42,15 +42,16 @@ KORTHIKANTI = "Korthikanti et al. 2022, Reducing Activation Recomputation in Lar
 # The GPUs with their SM counts: compute by matrix shape (Note [GEMM curve]); `efficiency` is the asymptote
 # of docs/costmodel.md "Compute time by shape" (the published bf16 matmul maxima: A100 SXM's at its sustained
 # clock, H100 SXM's)
-def _shaped(name: str, peaks: str, host_link: int, memory_bandwidth: float, sms: int) -> str:
+def _shaped(name: str, peaks: dict[str, float], host_link: int, memory_bandwidth: float, sms: int) -> str:
     """A device block with its SM count and the curve's asymptote (0.8 for both kinds here)."""
-    peak = "\n".join(f"    {p.split('=')[0]} = {p.split('=')[1]} TFLOP/s" for p in peaks.split())
+    peak = "\n".join(f"    {dtype} = {tflops:g} TFLOP/s" for dtype, tflops in peaks.items())
     return (f"device {name} {{\n  memory = 80 GiB\n  peak {{\n{peak}\n  }}\n  host_link = {host_link} GB/s\n"
             f"  memory_bandwidth = {memory_bandwidth} TB/s\n  efficiency = 0.8\n  sms = {sms}\n}}\n")
 
 
-SHAPED_A100 = _shaped("A100-80-sms", "fp32=19.5 tf32=156 bf16=312 fp16=312", 32, 2.039, 108)
-SHAPED_H100 = _shaped("H100-sms", "fp32=67 tf32=494.7 bf16=989.4 fp16=989.4 fp8=1978.9", 64, 3.35, 132)
+SHAPED_A100 = _shaped("A100-80-sms", {"fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312}, 32, 2.039, 108)
+SHAPED_H100 = _shaped("H100-sms", {"fp32": 67, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9},
+                      64, 3.35, 132)
 
 
 @dataclass(frozen=True)

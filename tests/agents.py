@@ -27,6 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # Short rendezvous timeouts: a survivor's next round closes 2 s after the
 # last join instead of 30, and a dead node is dropped after 3 missed beats of 1 s.
 RDZV_CONF = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=120"
+# a rendezvous that waits 10 s for further nodes once the fewest it accepts are in: a node whose agent starts
+# seconds after the first, as a loaded machine starts it, joins the first plan instead of a restart
+PATIENT_RDZV_CONF = RDZV_CONF.replace("last_call_timeout=2", "last_call_timeout=10")
 
 
 @dataclass
@@ -65,12 +68,13 @@ class Agent:
 
 
 def start_agent(name: str, nproc: int, port: int, args: list[str], out: Path, nnodes: str = "2",
-                max_restarts: int = 0, env: dict | None = None, entry: tuple[str, ...] = ("-m", "hetc")) -> Agent:
+                max_restarts: int = 0, env: dict | None = None, entry: tuple[str, ...] = ("-m", "hetc"),
+                rdzv_conf: str = RDZV_CONF) -> Agent:
     """torchrun of `entry` (default `-m hetc`) with `args`, as node `name` of `nproc` processes."""
     log = out / f"{name}.log"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
            "--max-restarts", str(max_restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-           "--rdzv-conf", RDZV_CONF, "--local-addr", "127.0.0.1", "--monitor-interval", "0.5",
+           "--rdzv-conf", rdzv_conf, "--local-addr", "127.0.0.1", "--monitor-interval", "0.5",
            *entry, *args]
     full_env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **(env or {}))
     with open(log, "w") as f:

@@ -18,7 +18,7 @@ import pytest
 
 from hetc.cli import main as hetc_main
 from hetc.runtime.local import free_port
-from tests.agents import metrics_records, start_agent, start_launched, wait_for, wait_listening
+from tests.agents import PATIENT_RDZV_CONF, metrics_records, start_agent, start_launched, wait_for, wait_listening
 from tests.conftest import ROOT
 from tests.rank_pool import LOSS_RTOL
 
@@ -135,17 +135,22 @@ def test_elastic_run_replans_when_a_node_leaves_and_when_one_joins(mixed_referen
         return re.findall(r"hetc run --elastic: (\d+) ranks on ([^,]+(?:, small\[0\])?),", big.text())
 
     with _agents() as agents:
-        big = start_agent("big", 2, port, args, tmp_path, nnodes="1:2", max_restarts=3)
+        # the small node's agent may start seconds after the big one's on a loaded machine: the first
+        # rendezvous waits for it (PATIENT_RDZV_CONF); a full run once saw the big node train all its steps
+        # alone while the small one never got in
+        big = start_agent("big", 2, port, args, tmp_path, nnodes="1:2", max_restarts=3, rdzv_conf=PATIENT_RDZV_CONF)
         agents.append(big)
         wait_listening(port)
-        agents.append(start_agent("small", 1, port, args, tmp_path, nnodes="1:2", max_restarts=3))
+        agents.append(start_agent("small", 1, port, args, tmp_path, nnodes="1:2", max_restarts=3,
+                                  rdzv_conf=PATIENT_RDZV_CONF))
         wait_for(lambda: ("3", "big[0], small[0]") in replans() and len(metrics_records(metrics)) >= 3,
                  "3 steps on 3 ranks")
         agents[-1].kill_node()
         done_on_3 = len(metrics_records(metrics))
         wait_for(lambda: replans()[-1:] == [("2", "big[0]")], "a re-plan onto the 2 ranks left")
         wait_for(lambda: len(metrics_records(metrics)) > done_on_3, "training on 2 ranks")
-        agents.append(start_agent("small2", 1, port, args, tmp_path, nnodes="1:2", max_restarts=3))
+        agents.append(start_agent("small2", 1, port, args, tmp_path, nnodes="1:2", max_restarts=3,
+                                  rdzv_conf=PATIENT_RDZV_CONF))
         codes = [a.proc.wait(400) for a in (agents[0], agents[2])]
     logs = _logs(agents)
     assert codes == [0, 0], logs
