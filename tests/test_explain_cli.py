@@ -103,7 +103,7 @@ def test_sailor_profile_and_fits_are_used(capsys, shared_data, tmp_path):
     without = _json(capsys, str(out))
     assert with_data["sources"] and without["sources"]
     assert all("profile.json" in s for srcs in with_data["sources"].values() for s in srcs)
-    assert all(s == "arithmetic" for srcs in without["sources"].values() for s in srcs)
+    assert all(s.startswith("arithmetic, ") and "of peak" in s for srcs in without["sources"].values() for s in srcs)
     assert with_data["step_time_s"] != without["step_time_s"]
 
 

@@ -105,6 +105,16 @@ def test_explain_reads_compute_time_through_the_curve(tmp_path, monkeypatch):
     assert after > before
 
 
+def test_explain_says_which_way_the_arithmetic_timed_the_layers(tmp_path):
+    """Note [provenance]: by matrix shape on a kind that names its SMs, one flat fraction of peak elsewhere."""
+    shaped = cost_model(tmp_path, plan_text(ONE_LANE, dtype="bf16", clusters=SHAPED)).estimate()
+    flat = cost_model(tmp_path, plan_text(ONE_LANE, dtype="bf16", clusters=cluster(device="A100-40"))).estimate()
+    assert set(shaped.provenance.layers[0]) == \
+        {"arithmetic, A100-80-sms: each matrix multiply by its shape on 108 SMs, at most 0.8 of peak"}
+    assert set(flat.provenance.layers[0]) == \
+        {"arithmetic, A100-40: 0.5 of peak for every layer (name its `sms` to time them by shape)"}
+
+
 def test_a_profile_overrides_the_curve(tmp_path):
     text = plan_text(ONE_LANE, dtype="fp32", clusters=SHAPED)
     cm = cost_model(tmp_path, text)

@@ -2,7 +2,8 @@
 
 Note [provenance]: `hetc explain` and `hetc plan` say, for each stage, what
 timed its layers (a profile file, a measured fit scaled to this shape, or
-the catalog's arithmetic: FLOPs / (peak × efficiency)), and for each kind
+the catalog's arithmetic: each matrix multiply by its shape where the
+device kind names its SMs, else FLOPs / (peak × efficiency)), and for each kind
 of link the plan's traffic crosses, what gave its rate: a measured fit (a
 Sailor data folder's network fits, a `hetc profile` file's collectives) or
 the spec's declared link (its `link` / `intra` block, or the default it
@@ -89,12 +90,26 @@ def _layer_sources(cm: CostModel) -> dict[int, tuple[str, ...]]:
     for stage in cm.pipeline.stages:
         devices = {cm.gpu(r).device.name for r in stage.ranks}
         kinds = {layer_kind(cm.model, i) for ms in stage.ministages for i in cm.ministage(ms).layers}
-        layers = sorted({cm.compute.layer(d, k, cm.pipeline.micro_batch, stage.tp).source
+        layers = sorted({_described(cm, d, cm.compute.layer(d, k, cm.pipeline.micro_batch, stage.tp).source)
                          for d in devices for k in kinds})
         engine = [f"engine, {d}: {cm.profiles.overhead[d] * 1e3:.4g} ms a microbatch outside the layers"
                   for d in sorted(devices) if cm.profiles.overhead.get(d)]
         out[stage.index] = tuple(layers + engine)
     return out
+
+
+def _described(cm: CostModel, device: str, source: str) -> str:
+    """A layer time's source, and for the catalog's arithmetic which of its two ways timed it (docs/costmodel.md
+    "Compute time by shape"): each matrix multiply by its shape where the kind names its SMs, else one flat
+    fraction of the peak for every layer."""
+    if source != "arithmetic":
+        return source
+    spec = cm.compute.devices[device]
+    if spec.sms > 0:
+        return (f"arithmetic, {device}: each matrix multiply by its shape on {spec.sms} SMs, at most "
+                f"{spec.efficiency:g} of peak")
+    hint = "" if spec.is_cpu else " (name its `sms` to time them by shape)"
+    return f"arithmetic, {device}: {spec.efficiency:g} of peak for every layer{hint}"
 
 
 # ------------------------------------------------------------------ links
