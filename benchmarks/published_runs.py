@@ -39,36 +39,40 @@ SMITH = ("Smith et al. 2022, Using DeepSpeed and Megatron to Train Megatron-Turi
 KORTHIKANTI = "Korthikanti et al. 2022, Reducing Activation Recomputation in Large Transformer Models (arXiv 2205.05198)"
 
 
-# The GPUs with their SM counts: compute by matrix shape (Note [GEMM curve]); `efficiency` is the asymptote
-# of docs/costmodel.md "Compute time by shape" (the published bf16 matmul maxima: A100 SXM's at its sustained
-# clock, H100 SXM's)
-def _shaped(name: str, peaks: dict[str, float], host_link: int, memory_bandwidth: float, sms: int) -> str:
-    """A device block with its SM count and the curve's asymptote (0.8 for both kinds here)."""
-    peak = "\n".join(f"    {dtype} = {tflops:g} TFLOP/s" for dtype, tflops in peaks.items())
-    return (f"device {name} {{\n  memory = 80 GiB\n  peak {{\n{peak}\n  }}\n  host_link = {host_link} GB/s\n"
-            f"  memory_bandwidth = {memory_bandwidth} TB/s\n  efficiency = 0.8\n  sms = {sms}\n}}\n")
-
-
-SHAPED_A100 = _shaped("A100-80-sms", {"fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312}, 32, 2.039, 108)
-SHAPED_H100 = _shaped("H100-sms", {"fp32": 67, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9},
-                      64, 3.35, 132)
-
-
 @dataclass(frozen=True)
 class Machine:
-    """A DGX node as the papers ran it: its GPU (shaped and the catalog's), NVLink per direction, and the
-    node's InfiniBand (one NIC per GPU)."""
+    """A DGX node as the papers ran it: its GPU as a kind naming its SM count (compute by matrix shape, Note
+    [GEMM curve]; `efficiency` 0.8, the asymptote of docs/costmodel.md "Compute time by shape": the published
+    bf16 matmul maxima, A100 SXM's at its sustained clock, H100 SXM's) and the catalog's kind of the same GPU,
+    NVLink per direction, and the node's InfiniBand (one NIC per GPU)."""
 
     shaped_device: str
     catalog_device: str
-    device_text: str
+    peaks: dict[str, float]      # TFLOP/s per dtype
+    host_link_gb_s: int
+    memory_tb_s: float
+    sms: int
     nvlink_gb_s: int
     ib_gb_s: int
-    peak_bf16: float
+
+    @property
+    def peak_bf16(self) -> float:
+        return self.peaks["bf16"] * 1e12
+
+    @property
+    def device_text(self) -> str:
+        """The shaped kind's `device` block."""
+        peak = "\n".join(f"    {dtype} = {tflops:g} TFLOP/s" for dtype, tflops in self.peaks.items())
+        return (f"device {self.shaped_device} {{\n  memory = 80 GiB\n  peak {{\n{peak}\n  }}\n"
+                f"  host_link = {self.host_link_gb_s} GB/s\n  memory_bandwidth = {self.memory_tb_s} TB/s\n"
+                f"  efficiency = 0.8\n  sms = {self.sms}\n}}\n")
 
 
-DGX_A100 = Machine("A100-80-sms", "A100-80", SHAPED_A100, 300, 200, 312e12)    # 8 HDR 200 Gb/s
-DGX_H100 = Machine("H100-sms", "H100", SHAPED_H100, 450, 400, 989.4e12)      # 8 NDR 400 Gb/s
+DGX_A100 = Machine("A100-80-sms", "A100-80", {"fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312}, 32, 2.039,
+                   108, 300, 200)    # 8 HDR 200 Gb/s
+DGX_H100 = Machine("H100-sms", "H100", {"fp32": 67, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9},
+                   64, 3.35, 132, 450, 400)      # 8 NDR 400 Gb/s
+SHAPED_A100 = DGX_A100.device_text
 
 
 @dataclass(frozen=True)
