@@ -277,14 +277,18 @@ class Search(Structures):
 
 def _to_refine(found: list[Found], k: int, by_depth: bool = False) -> list[Structure]:
     """The k best structures, and the best of every schedule kind (the model times them differently);
-    `by_depth` (small searches): of every schedule kind and pipeline depth, since the fast assignment's
-    model paces a pipeline by its busiest lane where the exact score paces it by its longest chain
-    (Note [paced pipeline]), and misjudges uneven depths most."""
+    `by_depth` (small searches): of every schedule kind, pipeline depth and whether a stage has lanes to
+    shard over, since the fast assignment's model paces a pipeline by its busiest lane where the exact
+    score paces it by its longest chain (Note [paced pipeline]), and misjudges uneven depths most; and
+    it picks a stage's ZeRO level and ministages on that model too, which only matter beside other lanes
+    (tests/test_planner_optimality.py cluster 0: a tp-1 pipeline configured ZeRO-3 on both stages, 4 %
+    slower than with ZeRO-1 on its last, ranked below the tp-2 ones and left unrefined)."""
     structures = [f.structure for f in found if f.structure is not None]   # the search's (not baselines)
     picks = _top_distinct(list(enumerate(structures)), k, key=lambda st: st)
     firsts: dict[object, Structure] = {}   # `structures` is best first: a group's first is its best
     for st in structures:
-        firsts.setdefault((st.schedule, len(st.layout)) if by_depth else st.schedule, st)
+        lanes = any(s.num_lanes > 1 for s in st.layout)
+        firsts.setdefault((st.schedule, len(st.layout), lanes) if by_depth else st.schedule, st)
     picks += [st for st in firsts.values() if st not in picks]
     return picks
 
