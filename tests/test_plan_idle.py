@@ -87,3 +87,29 @@ def test_a_written_idle_group_says_so(tmp_path):
     result = plan_spec(load_spec(path).spec, base_dir=tmp_path)
     assert [(r.group, r.kind) for r in result.idle] == [("slow", "written")]
 
+
+
+def test_a_memory_reason_names_the_gpu_that_does_not_fit_where_the_groups_own_do(tmp_path):
+    """The closest plan that uses the group can fail on another kind's GPUs: the reason names that GPU, not the
+    group's own fullest one, which fits (the three-kind Llama-70B job left its H100s idle for an L4 over its
+    24 GB and said an H100 needed 73.98 of its 80 GiB)."""
+    from dataclasses import replace
+
+    from hetc.ir.topology import Topology
+    from hetc.passes.plan.idle import _memory
+    from hetc.passes.plan.structures import Found, Structures
+
+    path = _write(tmp_path, "T4", SMALL)
+    result = plan_spec(load_spec(path).spec, base_dir=tmp_path)
+    assert result.score is not None and result.candidate is not None
+    search = Structures.__new__(Structures)    # `_memory` reads only the cluster's GPUs
+    search.topo = Topology.of(load_spec(path).spec)
+    first = {g.group: i for i, g in reversed(list(enumerate(search.topo.gpus)))}
+    base = result.score.memory[0]
+    mem = (replace(base, params=base.params + 0.9 * base.capacity - base.total),   # the h100s: 90 % full, fit
+           replace(base, capacity=16 * 2**30, params=base.params + 20 * 2**30))   # slow: over its 16 GiB
+    closest = Found(result.candidate, replace(result.score, memory=mem,
+                                              classes=((first["h100"],), (first["slow"],))), None)
+    reason = _memory(search, "h100", closest)
+    assert reason.kind == "memory" and "on slow[0, 0]" in reason.text, reason.text
+

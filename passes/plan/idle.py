@@ -107,10 +107,12 @@ def _overflow(score: Score) -> float:
 
 
 def _memory(search: Structures, group: str, closest: Found) -> IdleReason:
-    """No plan that uses `group` fits: the closest one's fullest GPU, preferring one of the group's."""
+    """No plan that uses `group` fits: the closest one's fullest GPU, preferring one of the group's, of those
+    over their capacity (the group's GPUs may fit where another kind's do not: that one is named)."""
     gpus = search.topo.gpus
     entries = [(m, gpus[ids[0]]) for m, ids in zip(closest.score.memory, closest.score.classes) if ids]
-    own = [e for e in entries if e[1].group == group] or entries
+    over = [e for e in entries if e[0].total > e[0].capacity] or entries
+    own = [e for e in over if e[1].group == group] or over
     m, gpu = max(own, key=lambda e: e[0].total / e[0].capacity)
     return IdleReason(group, "memory", f"does not fit in memory: the closest plan that uses it "
                                        f"({_describe(closest.candidate)}) needs {human_bytes(m.total)} on {gpu} "
