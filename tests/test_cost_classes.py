@@ -148,3 +148,14 @@ def test_zb_lanes_keep_their_steady_order_where_each_border_trades_in_a_fixed_ro
     assert not in_steady_order(ScheduleKind.ONE_F_ONE_B, [[4], [4]])
     assert in_steady_order(ScheduleKind.INTERLEAVED, [[4], [4]])
     assert not in_steady_order(ScheduleKind.INTERLEAVED, [[4], [2, 2]])
+
+
+def test_a_zb_stage_wider_than_the_one_before_it_keeps_no_margin_of_its_own():
+    """Note [in-flight limit]: a middle stage of two lanes behind one takes every other microbatch of it, and
+    that lane keeps one queued for each already; with the stages' lane counts unknown it keeps the margin."""
+    lanes = [LaneTiming(0, 0, 16, 0.1, 0.1, 0.1), *(LaneTiming(1, k, 8, 0.2, 0.2, 0.2) for k in range(2)),
+             *(LaneTiming(2, k, 8, 0.2, 0.2, 0.2) for k in range(2))]
+    counted = in_flight_limits(ScheduleKind.ZB, lanes, 3, lane_counts={0: 1, 1: 2, 2: 2})
+    unknown = in_flight_limits(ScheduleKind.ZB, lanes, 3)
+    assert counted[1] == unknown[1] - 1
+    assert counted[0] == unknown[0] + 1   # the lane in front keeps one for each of the two it feeds
