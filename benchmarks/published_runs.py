@@ -22,13 +22,17 @@ import statistics
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.markdown import publish
+from hetc.frontend.printer import format_spec
+from hetc.importers.common import catalog_devices
+from hetc.ir.spec import DeviceSpec, Spec
 
 HEADING = "## Published runs"
 CATALOG = ROOT / "specs" / "catalog.het"
@@ -41,38 +45,38 @@ KORTHIKANTI = "Korthikanti et al. 2022, Reducing Activation Recomputation in Lar
 
 @dataclass(frozen=True)
 class Machine:
-    """A DGX node as the papers ran it: its GPU as a kind naming its SM count (compute by matrix shape, Note
-    [GEMM curve]; `efficiency` 0.8, the asymptote of docs/costmodel.md "Compute time by shape": the published
-    bf16 matmul maxima, A100 SXM's at its sustained clock, H100 SXM's) and the catalog's kind of the same GPU,
-    NVLink per direction, and the node's InfiniBand (one NIC per GPU)."""
+    """A DGX node as the papers ran it: its GPU as the catalog's kind, which names its SM count (compute by
+    matrix shape, Note [GEMM curve]; its `efficiency` the asymptote of docs/costmodel.md "Compute time by
+    shape"), NVLink per direction and the node's InfiniBand (one NIC per GPU); and, for the comparison, the
+    one efficiency for every layer the catalog gave the kind before it named its SMs (`flat_efficiency`)."""
 
-    shaped_device: str
-    catalog_device: str
-    peaks: dict[str, float]      # TFLOP/s per dtype
-    host_link_gb_s: int
-    memory_tb_s: float
-    sms: int
+    device: str
+    flat_efficiency: float
     nvlink_gb_s: int
     ib_gb_s: int
 
+    @cached_property
+    def kind(self) -> DeviceSpec:
+        (kind,) = catalog_devices({self.device})
+        return kind
+
     @property
     def peak_bf16(self) -> float:
-        return self.peaks["bf16"] * 1e12
+        return self.kind.peak.bf16
 
     @property
-    def device_text(self) -> str:
-        """The shaped kind's `device` block."""
-        peak = "\n".join(f"    {dtype} = {tflops:g} TFLOP/s" for dtype, tflops in self.peaks.items())
-        return (f"device {self.shaped_device} {{\n  memory = 80 GiB\n  peak {{\n{peak}\n  }}\n"
-                f"  host_link = {self.host_link_gb_s} GB/s\n  memory_bandwidth = {self.memory_tb_s} TB/s\n"
-                f"  efficiency = 0.8\n  sms = {self.sms}\n}}\n")
+    def flat_device(self) -> str:
+        return f"{self.device}-flat"
+
+    @property
+    def flat_text(self) -> str:
+        """A `device` block of the same GPU timing every layer at `flat_efficiency` of peak (no `sms`)."""
+        flat = replace(self.kind, name=self.flat_device, sms=0, efficiency=self.flat_efficiency)
+        return format_spec(Spec(devices=(flat,)))
 
 
-DGX_A100 = Machine("A100-80-sms", "A100-80", {"fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312}, 32, 2.039,
-                   108, 300, 200)    # 8 HDR 200 Gb/s
-DGX_H100 = Machine("H100-sms", "H100", {"fp32": 67, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9},
-                   64, 3.35, 132, 450, 400)      # 8 NDR 400 Gb/s
-SHAPED_A100 = DGX_A100.device_text
+DGX_A100 = Machine("A100-80", 0.5, 300, 200)    # 8 HDR 200 Gb/s
+DGX_H100 = Machine("H100", 0.45, 450, 400)      # 8 NDR 400 Gb/s
 
 
 @dataclass(frozen=True)
@@ -195,8 +199,8 @@ def spec_text(run: Run, catalog: Path = CATALOG, shaped: bool = True) -> str:
     """The run as a .het spec: its DGX nodes (8 GPUs on NVSwitch, one InfiniBand rail per GPU), a GPT model
     as the paper defines it (LayerNorm, GELU, its FFN, key/value heads and dropouts), Megatron's 1F1B, or
     interleaved 1F1B over its virtual stages, with its TP, PP and DP, and the distributed optimizer where it
-    ran one. `shaped`: on a GPU that names its SM count (compute by shape), else on the catalog's kind (one
-    flat efficiency)."""
+    ran one. `shaped`: on the catalog's kind, which names its SM count (compute by shape), else on the same
+    GPU with one flat efficiency for every layer (`Machine.flat_text`)."""
     nodes_per_stage = run.dp * run.tp // 8
     assert nodes_per_stage * 8 == run.dp * run.tp and run.layers % (run.pp * run.virtual) == 0, run.name
     m = run.machine
@@ -208,7 +212,7 @@ def spec_text(run: Run, catalog: Path = CATALOG, shaped: bool = True) -> str:
         for i in range(run.pp))
     return f"""use "{catalog}"
 
-{m.device_text}
+{"" if shaped else m.flat_text}
 model gpt {{
   arch = gpt
   layers = {run.layers}
@@ -227,7 +231,7 @@ model gpt {{
 
 cluster selene {{
   node dgx {{
-    device = {m.shaped_device if shaped else m.catalog_device}
+    device = {m.device if shaped else m.flat_device}
     count = {run.gpus // 8}
     gpus = 8
     intra {{
@@ -257,7 +261,7 @@ class Result:
     run: Run
     measured_s: float
     predicted_s: float
-    flat_s: float          # on the catalog's A100-80: one efficiency for every layer
+    flat_s: float          # on the same GPU, one efficiency for every layer (`Machine.flat_text`)
 
     @property
     def error(self) -> float:
@@ -319,8 +323,8 @@ def section(results: list[Result]) -> str:
               "and plain 1F1B where the paper does not say otherwise."), "",
              (f"**{len(own)} runs at {min(r.run.gpus for r in own)}-{largest:,} GPUs: mean |error| "
               f"{statistics.fmean(errors):.1%}, max {max(errors):.1%}; {sum(ranks.values())} of {len(ranks)} "
-              "groups of one model on one GPU count ordered as measured.** On the catalogs' GPUs (no `sms`: one "
-              "efficiency for every layer, A100 0.5, H100 0.45): "
+              "groups of one model on one GPU count ordered as measured.** With one efficiency for every layer "
+              "instead (no `sms`: A100 0.5, H100 0.45, the catalog's before it named its kinds' SMs): "
               f"mean |error| {statistics.fmean(flat):.1%}, max {max(flat):.1%}."), "",
              *_table(own)]
     lines += ["", "| group | ordered as measured |", "|---|---|"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks.published_runs import RUNS, SHAPED_A100, predict, spec_text
+from benchmarks.published_runs import RUNS, predict, spec_text
 from hetc.passes.cost import Profiles, gemm
 from hetc.passes.cost.compute import ComputeModel
 from hetc.passes.cost.gemm import DeviceFacts, Gemm, attention_efficiency, block_gemms, gemm_efficiency, \
@@ -22,9 +22,8 @@ from tests.costspecs import ONE_LANE, cluster, cost_model, plan_text
 from tests.test_estimate_sanity import _profile
 
 A100 = DeviceFacts(peak=312e12, asymptote=0.8, sms=108, memory_bandwidth=2.0e12, dtype_bytes=2)
-# the benchmark's A100 that names its SM count: its compute without a profile follows the curve (the
-# catalog's kinds do not yet, docs/costmodel.md "Compute time by shape")
-SHAPED = SHAPED_A100 + cluster(device="A100-80-sms")
+# the catalog's A100 names its SM count: its compute without a profile follows the curve
+SHAPED = cluster(device="A100-80")
 LLAMA = ModelSpec(layers=2, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, seq=4096, dtype=DType.BF16)
 
 
@@ -93,10 +92,10 @@ def test_the_runtime_runs_the_attention_the_spec_names():
 
 def test_explain_reads_compute_time_through_the_curve(tmp_path, monkeypatch):
     cm = cost_model(tmp_path, plan_text(ONE_LANE, dtype="bf16", clusters=SHAPED))
-    device = cm.hardware.devices["A100-80-sms"]
+    device = cm.hardware.devices["A100-80"]
     facts = DeviceFacts(device.peak.for_dtype(DType.BF16), device.efficiency, device.sms, device.memory_bandwidth,
                         DTYPE_BYTES[DType.BF16])
-    assert cm.compute.layer("A100-80-sms", LayerKind.BLOCK, 1, 1).forward == \
+    assert cm.compute.layer("A100-80", LayerKind.BLOCK, 1, 1).forward == \
         pytest.approx(layer_seconds(cm.model, LayerKind.BLOCK, 1, 1, facts)[0])
     before = cm.estimate().step_time_s
     # the largest tile only: this small model's multiplies fill fewer SMs, and the step is slower
@@ -108,27 +107,27 @@ def test_explain_reads_compute_time_through_the_curve(tmp_path, monkeypatch):
 def test_explain_says_which_way_the_arithmetic_timed_the_layers(tmp_path):
     """Note [provenance]: by matrix shape on a kind that names its SMs, one flat fraction of peak elsewhere."""
     shaped = cost_model(tmp_path, plan_text(ONE_LANE, dtype="bf16", clusters=SHAPED)).estimate()
-    flat = cost_model(tmp_path, plan_text(ONE_LANE, dtype="bf16", clusters=cluster(device="A100-40"))).estimate()
+    flat = cost_model(tmp_path, plan_text(ONE_LANE, dtype="bf16", clusters=cluster(device="P100"))).estimate()
     assert set(shaped.provenance.layers[0]) == \
-        {"arithmetic, A100-80-sms: each matrix multiply by its shape on 108 SMs, at most 0.8 of peak"}
+        {"arithmetic, A100-80: each matrix multiply by its shape on 108 SMs, at most 0.8 of peak"}
     assert set(flat.provenance.layers[0]) == \
-        {"arithmetic, A100-40: 0.5 of peak for every layer (name its `sms` to time them by shape)"}
+        {"arithmetic, P100: 0.35 of peak for every layer (name its `sms` to time them by shape)"}
 
 
 def test_a_profile_overrides_the_curve(tmp_path):
     text = plan_text(ONE_LANE, dtype="fp32", clusters=SHAPED)
     cm = cost_model(tmp_path, text)
-    measured = _profile("A100-80-sms", cm.model.hidden, block_params(cm.model), (1e-3, 2e-3), (2e-3, 4e-3), "p")
-    block = cost_model(tmp_path, text, measured).compute.layer("A100-80-sms", LayerKind.BLOCK, 1, 1)
+    measured = _profile("A100-80", cm.model.hidden, block_params(cm.model), (1e-3, 2e-3), (2e-3, 4e-3), "p")
+    block = cost_model(tmp_path, text, measured).compute.layer("A100-80", LayerKind.BLOCK, 1, 1)
     assert block.forward == pytest.approx(3e-3) and block.source != "arithmetic"
 
 
 def test_a_device_without_sms_keeps_the_flat_efficiency(tmp_path):
     cm = cost_model(tmp_path, plan_text(ONE_LANE, dtype="bf16", clusters=SHAPED))
-    flat = dataclasses.replace(cm.hardware.devices["A100-80-sms"], sms=0)
-    compute = ComputeModel(cm.model, Profiles(), {"A100-80-sms": flat})
+    flat = dataclasses.replace(cm.hardware.devices["A100-80"], sms=0)
+    compute = ComputeModel(cm.model, Profiles(), {"A100-80": flat})
     rate = flat.peak.for_dtype(DType.BF16) * flat.efficiency
-    assert compute.layer("A100-80-sms", LayerKind.BLOCK, 1, 1).forward == \
+    assert compute.layer("A100-80", LayerKind.BLOCK, 1, 1).forward == \
         pytest.approx(layer_flops(cm.model, 1, 1).forward / rate)
 
 
@@ -147,7 +146,7 @@ def test_an_interleaved_h100_run_becomes_a_spec_with_its_virtual_stages():
     assert run.model_flops(recompute=False) / (run.gpus * run.machine.peak_bf16 * run.measured_s()) == \
         pytest.approx(0.410, abs=0.003)
     text = spec_text(run)
-    assert "schedule = interleaved" in text and "device = H100-sms" in text and "kv_heads = 8" in text
+    assert "schedule = interleaved" in text and "device = H100\n" in text and "kv_heads = 8" in text
     # Megatron's round robin: stage 0 holds chunks 0, 12, 24, ...; the head ends the last stage's last chunk
     assert "layers = [embed..block0, block12..block12, block24..block24" in text
     assert text.rstrip().endswith("block95..head]\n    ranks = dgx[704:768]\n    lanes = 64\n    tp = 8\n"

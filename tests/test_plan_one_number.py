@@ -18,7 +18,7 @@ from hetc.passes.plan.objective import Goal
 from hetc.passes.plan.planner import PlanResult, plan_spec
 from hetc.passes.plan.search import Search
 from hetc.passes.plan.space import space_from_spec
-from hetc.passes.simulated_step import AGREEMENT
+from hetc.passes.simulated_step import AGREEMENT, quick_to_simulate
 from hetc.ir.spec import Spec
 from hetc.ir.errors import SpecError
 from hetc.ir.topology import Topology
@@ -97,7 +97,10 @@ def test_plans_whose_programs_simulate_slower_than_their_closed_form_lose_to_the
 
 def test_a_large_two_region_job_prints_a_plan_no_fitting_baseline_beats(two_regions):
     path, spec, result = two_regions
-    assert result.planned and result.simulated and result.estimate is not None
+    assert result.planned and result.estimate is not None
+    # printed on the compiled step where its programs are quick to build, else on the closed form, and says so
+    # (Note [one step time]: ZeRO-2/3 over more than SIMULATED_LOCKSTEP_LANES lanes in lockstep is not)
+    assert result.simulated or not quick_to_simulate(result.plan.pipeline, result.plan.model)
     assert _slower_fitting_baselines(spec, result) == []
     for b in result.baselines:   # each fitting baseline re-timed on its compiled programs, or too slow to matter
         if b.score is not None and b.score.fits and b.closed_form_s is None:
