@@ -440,14 +440,16 @@ def in_flight_limits(schedule: ScheduleKind, lanes: Sequence[LaneTiming], num_st
     gradient only at its next slot, so a round trip is longer than the trips
     Little's law sums; not counted. Lanes in lockstep run what their slot
     allows and seldom reach it, so the estimate's memory would count a stash
-    they never hold. Nor does a stage of more lanes than the one before it
-    keep the margin: each of its lanes takes every k-th microbatch of the
-    lane feeding it, which keeps that one queued for it already, and the
-    round trip it covers is spaced k forwards apart. Under the GEMM curve
-    random job 23's two lanes behind one held 4 and 3 with the margin (the
-    estimate counted 4 on both: +11.3 % on the second) and run the same
-    23.51 s step holding 3; specs/zorse/c_auto.het's 24 T4 lanes behind 8
-    A10G lanes the same 26.96 s holding 8 where they held 9.
+    they never hold. Nor does a stage of k times the lanes of the one before
+    it (every lane of both serving as many microbatches) keep the margin:
+    each of its lanes takes every k-th microbatch of the one lane feeding it,
+    which keeps one queued for it already. Under the GEMM curve random job
+    23's two lanes behind one held 4 and 3 with the margin (the estimate
+    counted 4 on both: +11.3 % on the second) and run the same 23.51 s step
+    holding 3. Where the counts do not divide,
+    a lane takes microbatches of several feeders, unevenly, and keeps its
+    own: benchmarks/planner.py's 1,024-GPU ZB plan (88 A100 lanes feeding
+    384 V100 lanes) compiled to 1.173 s without it, 0.944 s with it.
 
     `coupled`: stage -> its lanes, for stages whose lanes run in lockstep
     (Note [coupled lanes] in passes/lower/lane_sim.py): such a stage runs
@@ -479,7 +481,7 @@ def in_flight_limits(schedule: ScheduleKind, lanes: Sequence[LaneTiming], num_st
     _held_upstream(out, most, lanes, num_stages)
     if schedule is ScheduleKind.ZB:
         for s in stages:
-            if s not in (coupled or {}) and not _fed_in_rotation(lane_counts, s) and \
+            if s not in (coupled or {}) and not _fed_in_rotation(lanes, lane_counts, s) and \
                     (s + 1 < num_stages or _fans_in(lane_counts, s)):   # Note [in-flight limit]
                 out[s] = min(out[s] + _fan_out(lane_counts, s, num_stages), most[s])
     return out
@@ -514,10 +516,13 @@ def _fan_out(lane_counts: Mapping[int, int] | None, stage: int, num_stages: int)
     return max([1] + [-(-lane_counts[d] // lane_counts[stage]) for d in range(stage + 1, num_stages)])
 
 
-def _fed_in_rotation(lane_counts: Mapping[int, int] | None, stage: int) -> bool:
-    """The stage has more lanes than the one before it: each of those lanes feeds several of its lanes in turn,
-    and keeps the margin for them (`_fan_out`)."""
-    return lane_counts is not None and stage > 0 and lane_counts[stage] > lane_counts[stage - 1]
+def _fed_in_rotation(lanes: Sequence[LaneTiming], lane_counts: Mapping[int, int] | None, stage: int) -> bool:
+    """Each lane of the stage is fed by one lane of the stage before it, which feeds k of them in turn and
+    keeps the margin for them (`_fan_out`): k times its lanes, every lane of both serving as many."""
+    if lane_counts is None or stage == 0 or lane_counts[stage] <= lane_counts[stage - 1] or \
+            lane_counts[stage] % lane_counts[stage - 1]:
+        return False
+    return all(len({t.microbatches for t in lanes if t.stage == s}) == 1 for s in (stage - 1, stage))
 
 
 def _fans_in(lane_counts: Mapping[int, int] | None, stage: int) -> bool:
