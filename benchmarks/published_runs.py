@@ -195,7 +195,7 @@ def _stage_layers(run: Run, idx: int) -> str:
     return ", ".join(ranges)
 
 
-def spec_text(run: Run, catalog: Path = CATALOG, shaped: bool = True) -> str:
+def spec_text(run: Run, shaped: bool = True) -> str:
     """The run as a .het spec: its DGX nodes (8 GPUs on NVSwitch, one InfiniBand rail per GPU), a GPT model
     as the paper defines it (LayerNorm, GELU, its FFN, key/value heads and dropouts), Megatron's 1F1B, or
     interleaved 1F1B over its virtual stages, with its TP, PP and DP, and the distributed optimizer where it
@@ -210,7 +210,7 @@ def spec_text(run: Run, catalog: Path = CATALOG, shaped: bool = True) -> str:
         f"    lanes = {run.dp}\n    tp = {run.tp}\n"
         f"    sequence_parallel = {'true' if run.sequence_parallel else 'false'}\n  }}"
         for i in range(run.pp))
-    return f"""use "{catalog}"
+    return f"""use "{CATALOG}"
 
 {"" if shaped else m.flat_text}
 model gpt {{

@@ -446,10 +446,10 @@ def in_flight_limits(schedule: ScheduleKind, lanes: Sequence[LaneTiming], num_st
     which keeps one queued for it already. Under the GEMM curve random job
     23's two lanes behind one held 4 and 3 with the margin (the estimate
     counted 4 on both: +11.3 % on the second) and run the same 23.51 s step
-    holding 3. Where the counts do not divide,
-    a lane takes microbatches of several feeders, unevenly, and keeps its
-    own: benchmarks/planner.py's 1,024-GPU ZB plan (88 A100 lanes feeding
-    384 V100 lanes) compiled to 1.173 s without it, 0.944 s with it.
+    holding 3. Where the counts do not divide, a lane takes microbatches of
+    several feeders, unevenly, and keeps its own: benchmarks/planner.py's
+    1,024-GPU ZB plan (88 A100 lanes feeding 384 V100 lanes) compiled to
+    1.173 s without it, 0.944 s with it.
 
     `coupled`: stage -> its lanes, for stages whose lanes run in lockstep
     (Note [coupled lanes] in passes/lower/lane_sim.py): such a stage runs

@@ -105,8 +105,8 @@ class Search(Structures):
                 tell("quick look")
             every_size = len(pairs) * len(first) * len(self.space.micro_batches) <= self.limits.exhaustive
             sizes = self.space.micro_batches if every_size else smallest
-            by_layout = self._screen([st for idle, layout in pairs
-                                      for st in self.variants(idle, layout, first, sizes)], self.limits.layouts, _layout_of)
+            firsts = [st for idle, layout in pairs for st in self.variants(idle, layout, first, sizes)]
+            by_layout = self._screen(firsts, self.limits.layouts, _layout_of)
             tell("layouts")
             best = _top_distinct(by_layout, self.limits.layouts, key=_layout_of)
             # the model ranks roughly on large clusters: a wider shortlist is scored exactly
@@ -114,9 +114,8 @@ class Search(Structures):
             kept = self._screen([st for idle, layout in best for st in self._every_variant(idle, layout)],
                                 wide, _itself)
             ranked = kept or by_layout   # the time limit stopped the screen before its first structure
-            if not self.exact_screen:   # with the best structure of every idle set's best layout (Note [every idle set screened])
-                others = [st for idle, layout in _best_of_other_idle_sets(by_layout, best)
-                          for _, st in self._screen(list(self._every_variant(idle, layout)), 1, _itself)[:1]]
+            if not self.exact_screen:   # and each idle set's best (Note [every idle set screened])
+                others = self._other_idle_sets(by_layout, best)
                 ranked = self._rescore(_top_distinct(ranked, wide, key=_itself) + others)
             tell("schedules")
             shortlist = _top_distinct(ranked, self.limits.structures, key=_itself)
@@ -218,6 +217,29 @@ class Search(Structures):
                 break
         return [(rank, structures[i]) for i, rank in sorted(kept, key=lambda ir: ir[0])]
 
+    def _other_idle_sets(self, ranked: list[tuple[Any, Structure]], kept: list[tuple[tuple[str, ...], Layout]]
+                         ) -> list[Structure]:
+        """The best structure of the best-ranked layout of each idle set none of `kept` leaves idle (each
+        layout's variants screened alone, kept 1).
+
+        Note [every idle set screened]: on large clusters the layouts and
+        schedules steps rank by the assignment model, which times the borders
+        to a slow group and the knobs memory forces roughly; which node groups
+        run at all is the choice it misjudges most. Llama-3-70B on 8 H100 + 8
+        A100-40 + 96 L4 (tests/llama_jobs.py): the model ranked every layout
+        using all three kinds (46.7 s) above any leaving the H100s idle (71.4 s),
+        so the search printed 81.9 s where the plan it never scored, the H100s
+        idle, runs 73.1 s. So each idle set's best layout goes on to the exactly
+        scored shortlist with its best structure."""
+        have = {idle for idle, _ in kept}
+        out: list[Structure] = []
+        for _, st in sorted(ranked, key=lambda r: (r[0], len(r[1].layout))):
+            if st.idle not in have:
+                have.add(st.idle)
+                screened = self._screen(list(self._every_variant(st.idle, st.layout)), 1, _itself)
+                out += [best for _, best in screened[:1]]
+        return out
+
     def _bound(self, st: Structure) -> float:
         return math.inf if self._out_of_time(self.screens_until) else screen_bound(self, st)
 
@@ -293,28 +315,6 @@ def _to_refine(found: list[Found], k: int, by_depth: bool = False) -> list[Struc
         firsts.setdefault((st.schedule, len(st.layout), lanes) if by_depth else st.schedule, st)
     picks += [st for st in firsts.values() if st not in picks]
     return picks
-
-
-def _best_of_other_idle_sets(ranked: list[tuple[Any, Structure]], kept: list[tuple[tuple[str, ...], Layout]]
-                             ) -> list[tuple[tuple[str, ...], Layout]]:
-    """The best-ranked layout of each idle set none of `kept` leaves idle.
-
-    Note [every idle set screened]: on large clusters the layouts and
-    schedules steps rank by the assignment model, which times the borders
-    to a slow group and the knobs memory forces roughly; which node groups
-    run at all is the choice it misjudges most. Llama-3-70B on 8 H100 + 8
-    A100-40 + 96 L4 (tests/llama_jobs.py): the model ranked every layout
-    using all three kinds (46.7 s) above any leaving the H100s idle (71.4 s),
-    so the search printed 81.9 s where the plan it never scored, the H100s
-    idle, runs 73.1 s. So each idle set's best layout goes on to the exactly
-    scored shortlist with its best structure (one screen each, kept 1)."""
-    have = {idle for idle, _ in kept}
-    out: list[tuple[tuple[str, ...], Layout]] = []
-    for _, st in sorted(ranked, key=lambda r: (r[0], len(r[1].layout))):
-        if st.idle not in have:
-            have.add(st.idle)
-            out.append((st.idle, st.layout))
-    return out
 
 
 def _job_key(job: Call[Search]) -> Hashable:
