@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from hetc.passes.cost import schedule
 from hetc.passes.cost.classes import flush_tail, throughput
 from hetc.passes.cost.plan_time import ministage_borders, peer_lanes, stage_borders
-from hetc.passes.cost.schedule import (Grouping, LaneTiming, Unit, UnitLane, chunk_loop_wait, in_flight_limits,
-                                      interleaved_grouping, pipeline_time, sequential_time, in_steady_order)
+from hetc.passes.cost.schedule import (ChunkSweep, Grouping, LaneTiming, Unit, UnitLane, chunk_loop_wait,
+                                      in_flight_limits, interleaved_grouping, pipeline_time, sequential_time,
+                                      in_steady_order, zero_cycle)
 from hetc.passes.cost.zero_time import ZeroRings, across_nodes, flush_time, sync_time
 from hetc.ir.spec import ScheduleKind, ZeroShard, ZeroSpec
 
@@ -159,3 +161,32 @@ def test_a_zb_stage_wider_than_the_one_before_it_keeps_no_margin_of_its_own():
     unknown = in_flight_limits(ScheduleKind.ZB, lanes, 3)
     assert counted[1] == unknown[1] - 1
     assert counted[0] == unknown[0] + 1   # the lane in front keeps one for each of the two it feeds
+
+
+def test_lockstep_lanes_feeding_a_wider_lockstep_stage_keep_one_more(monkeypatch):
+    """Note [in-flight limit]: random job 4's shape, two ZeRO-3 lanes feeding four in lockstep, each of whose
+    slots takes two microbatches of every feeder at once; lanes in lockstep otherwise keep no margin."""
+    lanes = [*(LaneTiming(0, k, 16, 0.1, 0.1, 0.1) for k in range(2)),
+             *(LaneTiming(1, k, 8, 0.3, 0.3, 0.3) for k in range(4))]
+    as_wide = [*(LaneTiming(0, k, 8, 0.1, 0.1, 0.1) for k in range(4)), *lanes[2:]]
+    wider = in_flight_limits(ScheduleKind.ZB, lanes, 2, coupled={0: 2, 1: 4}, lane_counts={0: 2, 1: 4})
+    even = in_flight_limits(ScheduleKind.ZB, as_wide, 2, coupled={0: 4, 1: 4}, lane_counts={0: 4, 1: 4})
+    monkeypatch.setattr(schedule, "_feeds_wider_slots", lambda *_: False)
+    assert wider == {0: 1 + in_flight_limits(ScheduleKind.ZB, lanes, 2, coupled={0: 2, 1: 4},
+                                             lane_counts={0: 2, 1: 4})[0], 1: wider[1]}
+    assert even == in_flight_limits(ScheduleKind.ZB, as_wide, 2, coupled={0: 4, 1: 4}, lane_counts={0: 4, 1: 4})
+
+
+def test_a_sweeping_zero2_lane_waits_for_the_reduce_scatters_its_turns_do_not_hide():
+    """Note [sweep waits]: job 69's last stage, 2 chunks of 4 microbatches, warm-up 5: three steady gradient ops
+    wait what a forward does not hide, three of the cool-down the whole reduce-scatter, the chunk's first none
+    (GPipe's count: every one of the seven after the first)."""
+    f, i, w, reduce = 5.4, 6.9, 5.1, 6.0
+    sweep = ChunkSweep(microbatches=4, chunks=2, warmup=5)
+    got = zero_cycle(ScheduleKind.INTERLEAVED, (f, i + w), 0.0, reduce, 0.0, 0.0, (0.5, 0.5), (), sweep)
+    waits = 3 * max(0.0, reduce / 2 - f / 2) + 3 * reduce / 2
+    assert got.bound == pytest.approx(f + i + w + waits / 4)
+    assert got.bound < zero_cycle(ScheduleKind.GPIPE, (f, i + w), 0.0, reduce, 0.0, 0.0, (0.5, 0.5)).bound
+    held = ChunkSweep(microbatches=4, chunks=2, warmup=8)   # every gradient op in the cool-down
+    assert zero_cycle(ScheduleKind.INTERLEAVED, (f, i + w), 0.0, reduce, 0.0, 0.0, (0.5, 0.5), (), held).bound == \
+        pytest.approx(f + i + w + 6 * reduce / 2 / 4)

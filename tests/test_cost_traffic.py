@@ -7,12 +7,14 @@ import math
 import pytest
 
 from hetc.passes.cost import traffic
+from hetc.passes.cost.hardware import INTRA_NODE_NCCL_FRACTION
 from hetc.passes.cost.network import MeasuredPoints, QuadraticLogFit, collective_bytes_per_rank
 from hetc.ir.spec import ScheduleKind
 from tests.costspecs import cluster, cost_model, plan_text
 
 PHI_BYTES = 1e9   # δΦ of a stage
 N = 8
+NVLINK = 100e9 * INTRA_NODE_NCCL_FRACTION   # the 100 GB/s intra link as NCCL moves it (Note [NCCL inside a node])
 
 
 def test_zero_traffic_per_level():
@@ -57,11 +59,11 @@ def test_ring_time_uses_the_slowest_link(tmp_path):
     cm = cost_model(tmp_path, plan_text(PLAN, clusters=cluster(intra="100 GB/s", inter="10 GB/s")))
     x, intra_lat, inter_lat = 8e8, 5e-6, 20e-6
     inside = cm.collective_time("all_reduce", [0, 1, 2, 3], x)
-    assert inside == pytest.approx(2 * 3 * (x / 4 / 100e9 + intra_lat))
+    assert inside == pytest.approx(2 * 3 * (x / 4 / NVLINK + intra_lat))
     # over two nodes of four: node by node (Note [hierarchical collectives]), the four positions' pieces
     # across nodes at once, each on a quarter of the link
     across = cm.collective_time("all_reduce", list(range(8)), x)
-    node = 3 * (x / 4 / 100e9 + intra_lat)
+    node = 3 * (x / 4 / NVLINK + intra_lat)
     assert across == pytest.approx(2 * node + 2 * (x / 4 / 2 / (10e9 / 4) + inter_lat))
     assert across < 2 * 7 * (x / 8 / 10e9 + inter_lat)   # below even a flat ring with the whole link
     assert cm.collective_time("all_gather", list(range(8)), x) == pytest.approx(across / 2)
@@ -75,7 +77,7 @@ def test_concurrent_streams_share_a_node_link(tmp_path):
     one = cm.p2p_time(0, 4, 1e9)
     assert one == pytest.approx(20e-6 + 1e9 / 10e9)
     assert cm.p2p_time(0, 4, 1e9, concurrent=4) == pytest.approx(20e-6 + 4 * 1e9 / 10e9)
-    assert cm.p2p_time(0, 1, 1e9, concurrent=4) == pytest.approx(5e-6 + 1e9 / 100e9)   # NVLink is per GPU
+    assert cm.p2p_time(0, 1, 1e9, concurrent=4) == pytest.approx(5e-6 + 1e9 / NVLINK)   # NVLink is per GPU
     assert cm.p2p_time(0, 0, 1e9) == 0.0
 
 

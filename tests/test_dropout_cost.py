@@ -72,8 +72,9 @@ def test_the_embeddings_dropout_adds_its_bytes(sms):
         return got.forward, got.backward
 
     gather = 2 * tokens * BIG.hidden * delta    # rows gathered forward, gradients scattered backward
-    assert embed(BIG) == pytest.approx((gather / 2e12, gather / 2e12))
-    with_dropout = (gather + _moved(tokens * BIG.hidden, delta)) / 2e12
+    streamed = 0.9 * 2e12                       # Note [streaming bandwidth]
+    assert embed(BIG) == pytest.approx((gather / streamed, gather / streamed))
+    with_dropout = (gather + _moved(tokens * BIG.hidden, delta)) / streamed
     assert embed(_drop(BIG)) == pytest.approx((with_dropout, with_dropout))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from hetc.passes.cost.hardware import INTRA_NODE_NCCL_FRACTION
 from hetc.passes.cost.links import node_split
 from hetc.passes.cost.network import TREE_BANDWIDTH_FRACTION, ring_steps
 from hetc.ir.program import Collective
@@ -17,7 +18,7 @@ from tests.costspecs import cost_model, plan_text
 
 GB = 1e9
 INTER, INTER_LATENCY = 10 * GB, 20e-6      # the cluster's default link between nodes
-NVLINK, NVLINK_LATENCY = 100 * GB, 5e-6    # the node's intra link
+NVLINK, NVLINK_LATENCY = 100 * GB * INTRA_NODE_NCCL_FRACTION, 5e-6   # the node's intra link, as NCCL moves it
 
 
 def _cluster(nodes: int, gpus: int) -> str:
@@ -65,6 +66,14 @@ def test_a_data_parallel_all_reduce_over_two_nodes_runs_node_by_node(tmp_path):
     half = intra + _ring(Collective.REDUCE_SCATTER, 2, x / 8, INTER / 8, INTER_LATENCY)
     assert cm.collective_time(Collective.REDUCE_SCATTER, ranks, x) == pytest.approx(half)
     assert cm.collective_time(Collective.ALL_GATHER, ranks, x) == pytest.approx(half)
+
+
+def test_nccl_moves_0_8_of_a_declared_link_inside_a_node_and_all_of_one_between_nodes(tmp_path):
+    """Note [NCCL inside a node]: 360 of NVLink's 450 GB/s on H100; InfiniBand near its line rate."""
+    cm = cost_model(tmp_path, plan_text(DATA_PARALLEL, clusters=_cluster(2, 8)))
+    same, other = (cm.hardware.link(cm.gpu(0), cm.gpu(peer), 64e6, 2, 1) for peer in (1, 8))
+    assert same == pytest.approx((0.8 * 100 * GB, NVLINK_LATENCY))
+    assert other == pytest.approx((INTER, INTER_LATENCY))
 
 
 def test_a_group_inside_one_node_keeps_the_flat_ring(tmp_path):

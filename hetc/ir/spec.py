@@ -484,8 +484,8 @@ class DeviceSpec(Node):
                              doc="host<->device copy bandwidth")
     price: float = param(0.0, unit=Dim.PRICE_HOUR, lo=0, doc="price per device-hour")
     memory_bandwidth: float = param(0.0, unit=Dim.BANDWIDTH, lo=0, aliases=("hbm_bandwidth",),
-                                    doc="device memory bandwidth (0: unknown); bounds memory-bound work "
-                                        "such as the optimizer step")
+                                    doc="the datasheet's device memory bandwidth (0: unknown); memory-bound "
+                                        "work such as the optimizer step streams at 0.9 of it")
     efficiency: float = param(0.5, lo=0.01, hi=1, aliases=("mfu",),
                               doc="fraction of peak reached without a profile: by the largest matrix "
                                   "multiplies where `sms` is given (smaller ones by their shape), else by "

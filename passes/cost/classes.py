@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from hetc.passes.cost.memory import RankMemory, interleaved_group, interleaved_update
-from hetc.passes.cost.schedule import (Grouping, LaneTiming, Unit, UnitOp, in_flight_limits, in_steady_order,
+from hetc.passes.cost.memory import RankMemory, interleaved_group, interleaved_update, interleaved_warmup
+from hetc.passes.cost.schedule import (ChunkSweep, Grouping, LaneTiming, Unit, UnitOp, in_flight_limits, in_steady_order,
                                       interleaved_grouping, lockstep_fill, pipeline_time, sequential_time,
                                       stage_max, step_lower_bound, zero_cycle)
 from hetc.passes.cost.transfers import Borders, Engine, transfer_waits
@@ -132,9 +132,9 @@ def coupled_stages(schedule: ScheduleKind, stages: Sequence[StageSource]) -> dic
 
 
 def lane_timings(engine: Engine, schedule: ScheduleKind, stages: Sequence[StageSource],
-                 sweeps: Callable[[int], bool] | None = None) -> list[LaneTiming]:
-    """One timing per class of lanes, led by its first lane; `sweeps(n)`: under interleaved 1F1B, whether a
-    lane of n microbatches holds them all in one group (`lane_timing`)."""
+                 sweep: Callable[[int, int], ChunkSweep | None] | None = None) -> list[LaneTiming]:
+    """One timing per class of lanes, led by its first lane; `sweep(stage, n)`: under interleaved 1F1B, a lane
+    of n microbatches that holds them all in one group (`lane_timing`), else None."""
     out = []
     leads = [(st, lanes[0]) for st in stages for lanes in st.lane_classes()]
     # ZB-H1's and interleaved 1F1B's steady orders (Note [async sends]), but for lanes in lockstep behind their
@@ -147,25 +147,25 @@ def lane_timings(engine: Engine, schedule: ScheduleKind, stages: Sequence[StageS
         n = st.count(lane)
         out.append(lane_timing(engine, schedule, st.index, lane, n, (f, i, w), st.p2p(lane),
                                st.collectives(lane), st.shares(), st.unit_ops(lane),
-                               sweeps is not None and sweeps(n), even and st.index not in coupled))
+                               sweep(st.index, n) if sweep is not None else None, even and st.index not in coupled))
     return out
 
 
 def lane_timing(engine: Engine, schedule: ScheduleKind, stage: int, lane: int, microbatches: int,
                 compute: tuple[float, float, float], borders: Borders, collectives: tuple[float, float, float],
-                shares: tuple[float, float], units: Sequence[UnitOp] = (), sweeps: bool = False,
+                shares: tuple[float, float], units: Sequence[UnitOp] = (), sweep: ChunkSweep | None = None,
                 in_order: bool = False) -> LaneTiming:
     """A lane's per-microbatch timing: its (F, I, W), border transfers and what of them it waits for
     (Note [async sends]; `in_order`: in its schedule's steady order, `schedule.in_steady_order`), and the cycle and trail its ZeRO collectives (reduce-scatter, gather, host
     copies) allow (`zero_cycle`, Note [zero cycle]; `units`: its unit ops where it gathers per block).
-    `sweeps`: an interleaved 1F1B lane whose one group holds all its microbatches runs each chunk's
-    forwards, then its gradient ops, back to back, as GPipe does (Note [chunk loop]): each gradient op
-    waits for the reduce-scatter of the one before it."""
+    `sweep`: an interleaved 1F1B lane whose one group holds all its microbatches runs each chunk's
+    forwards, then its gradient ops, back to back, as GPipe does (Note [chunk loop]): a gradient op
+    waits for the reduce-scatter of the one before it (Note [sweep waits])."""
     f, i, w = compute
     reduce, gather, copies = collectives
     ops = (f, i, w) if schedule is ScheduleKind.ZB else (f, i + w)
     waits = transfer_waits(engine, schedule, borders, compute, in_order)
-    zc = zero_cycle(ScheduleKind.GPIPE if sweeps else schedule, ops, waits, reduce, gather, copies, shares, units)
+    zc = zero_cycle(schedule, ops, waits, reduce, gather, copies, shares, units, sweep)
     return LaneTiming(stage, lane, microbatches, f, i, w, borders.total,
                       reduce + gathers_per_microbatch(schedule) * gather + copies, zc.bound, zc.trail, waits,
                       borders.later)
@@ -182,7 +182,7 @@ def evaluate_classes(shape: PlanShape, stages: Sequence[StageSource], end: float
     step = StepShape(shape.schedule, len(stages), shape.chunks, shape.num_microbatches, shape.grad_clip,
                      coupled, widths, limits, grouping)
     if shape.schedule is ScheduleKind.INTERLEAVED and any(step.sweeps(t.microbatches) for t in lanes):
-        lanes = lane_timings(shape.engine, shape.schedule, stages, step.sweeps)   # their groups known now
+        lanes = lane_timings(shape.engine, shape.schedule, stages, step.sweep)   # their groups known now
     time = compose_step(step, lanes, end, lambda: [_trail(lanes, s.index) + s.flush() for s in stages],
                         stages[0].first_gather, lambda: zorse_units(shape, stages))
     if not memory:
@@ -237,6 +237,13 @@ class StepShape:
     def sweeps(self, microbatches: int) -> bool:
         """Under interleaved 1F1B, a lane of `microbatches` holds them all in one group (`lane_timing`)."""
         return self._group_of(microbatches) >= microbatches
+
+    def sweep(self, stage: int, microbatches: int) -> ChunkSweep | None:
+        """`sweeps`' lane of `stage` with its warm-up (`memory.interleaved_warmup`), or None."""
+        if not self.sweeps(microbatches):
+            return None
+        group = self._group_of(microbatches)
+        return ChunkSweep(microbatches, self.chunks, interleaved_warmup(stage, self.num_stages, self.chunks, group))
 
     def _group_of(self, microbatches: int) -> int:
         return interleaved_group(self.num_stages, self.widths[0], microbatches, self.num_microbatches,

@@ -36,8 +36,9 @@ __all__ = ["DeviceFacts", "Gemm", "attention_efficiency", "block_gemms", "dropou
 # curves (Dao 2023, fig. 4-5) give the constants below; or unfused, as batched multiplies through the curve
 # above and a softmax whose S² scores go through HBM. Norms, residual adds, RoPE, the FFN's activation and
 # dropout (ModelSpec.hidden_dropout on the embedding's and each block's attention and MLP outputs; the unfused
-# core's attention dropout on its probabilities) are memory-bound: their bytes at the HBM bandwidth. Flash
-# attention's dropout runs inside its kernel, whose time here does not count it. The constants here are physics
+# core's attention dropout on its probabilities) are memory-bound: their bytes at the streaming bandwidth
+# (Note [streaming bandwidth] in compute.py), as are the roofline's. Flash attention's dropout runs inside
+# its kernel, whose time here does not count it. The constants here are physics
 # or read off public benchmarks, none fitted to a training run: docs/costmodel.md says which is which, and what
 # the published runs (benchmarks/published_runs.py) showed.
 
@@ -67,13 +68,13 @@ class DeviceFacts:
     peak: float              # FLOP/s of the dtype that runs (PeakSpec.for_dtype)
     asymptote: float         # fraction of `peak` the best-shaped large GEMMs reach
     sms: int                 # streaming multiprocessors: one tile each per wave
-    memory_bandwidth: float  # bytes/s
+    memory_bandwidth: float  # bytes/s memory-bound work streams at (compute.streaming_bandwidth)
     dtype_bytes: int
 
     @classmethod
-    def of(cls, device: DeviceSpec, model: ModelSpec, fallback_bandwidth: float) -> DeviceFacts:
-        return cls(device.peak.for_dtype(model.dtype), device.efficiency, device.sms,
-                   device.memory_bandwidth or fallback_bandwidth, DTYPE_BYTES[model.dtype])
+    def of(cls, device: DeviceSpec, model: ModelSpec, memory_bandwidth: float) -> DeviceFacts:
+        return cls(device.peak.for_dtype(model.dtype), device.efficiency, device.sms, memory_bandwidth,
+                   DTYPE_BYTES[model.dtype])
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,7 @@ from hetc.ir.plan import Job
 from hetc.ir.program import Collective
 from hetc.ir.spec import DTYPE_BYTES, Arch, Checkpointing
 from hetc.ir.topology import Gpu
-from hetc.passes.cost.compute import DEFAULT_MEMORY_BANDWIDTH, ComputeModel, LayerCost
+from hetc.passes.cost.compute import ComputeModel, LayerCost, streaming_bandwidth
 from hetc.passes.cost.memory import state_bytes_per_param
 from hetc.passes.cost.cores import BlockingCall, host_waits
 from hetc.passes.cost.links import NodeSplit, hierarchical_time, node_split
@@ -30,12 +30,21 @@ from hetc.passes.cost.network import Bandwidth, ring_chunk, ring_steps, tree_all
 from hetc.passes.cost.profiles import Profiles
 from hetc.passes.cost.shapes import LayerFlops, LayerKind, layer_flops, layer_kind
 
-__all__ = ["ALL_PAIRS_LIMIT", "CPU_OPTIMIZER_BYTES_PER_S", "Hardware", "ring_pair_kinds"]
+__all__ = ["ALL_PAIRS_LIMIT", "CPU_OPTIMIZER_BYTES_PER_S", "INTRA_NODE_NCCL_FRACTION", "Hardware", "ring_pair_kinds"]
 
 # Host-side Adam (DeepSpeed's CPUAdam) streams the states through the CPU's memory.
 CPU_OPTIMIZER_BYTES_PER_S = 10e9
 # all-to-all over more ranks than this uses the ring's neighbours to find the slowest link.
 ALL_PAIRS_LIMIT = 64
+
+# Note [NCCL inside a node]
+# A node's `intra` bandwidth is its link's rate per direction (NVLink: H100 SXM 450 GB/s, A100 SXM 300 GB/s),
+# which NCCL's kernels do not reach: its all-gathers and all-reduces over 8 H100s on NVSwitch reach a bus
+# bandwidth of 360 GB/s at large sizes, "exactly what we'd expect on H100" by NCCL's maintainers
+# (NVIDIA/nccl-tests issue 326), and 8 A100s about 200-235 of 300 (nccl-tests issues 149 and 178). A declared
+# link inside a node moves INTRA_NODE_NCCL_FRACTION of its rate; a measured fit is what it measured, and
+# links between nodes keep their rate (NCCL over InfiniBand runs near the line rate).
+INTRA_NODE_NCCL_FRACTION = 0.8
 # a ring's kinds of pair as its time depends on them: (node group, node group, same host, GPUs of the node)
 _PairSignature = tuple[tuple[str, str, bool, int], ...]
 
@@ -236,7 +245,7 @@ class Hardware:
         moved = numel * (2 * self.delta + 2 * states * delta_opt + (0 if master else self.delta))
         if on_host:
             return moved / CPU_OPTIMIZER_BYTES_PER_S
-        return moved / (self.gpus[rank].device.memory_bandwidth or DEFAULT_MEMORY_BANDWIDTH)
+        return moved / streaming_bandwidth(self.gpus[rank].device)
 
     def link(self, a: Gpu, b: Gpu, nbytes: float, ring_size: int, concurrent: int) -> tuple[float, float]:
         """(bytes/s for one stream, latency) between two GPUs for messages of `nbytes`, `concurrent` streams
@@ -246,10 +255,13 @@ class Hardware:
         groups, same host, ring size on the node, streams sharing the link.
         """
         fit = self.measured_link(a, b, ring_size, concurrent)
-        share = 1 if a.host == b.host else concurrent
+        same_host = a.host == b.host
+        share = 1 if same_host else concurrent
         if fit is not None:
             return fit.rate(nbytes) / share, 0.0
         link = self.topology.link(a, b)
+        if same_host:   # Note [NCCL inside a node]
+            return link.bandwidth * INTRA_NODE_NCCL_FRACTION, link.latency
         return link.bandwidth / share, link.latency
 
     def measured_link(self, a: Gpu, b: Gpu, ring_size: int, concurrent: int) -> Bandwidth | None:
