@@ -69,11 +69,15 @@ def test_a_data_parallel_all_reduce_over_two_nodes_runs_node_by_node(tmp_path):
 
 
 def test_nccl_moves_0_8_of_a_declared_link_inside_a_node_and_all_of_one_between_nodes(tmp_path):
-    """Note [NCCL inside a node]: 360 of NVLink's 450 GB/s on H100; InfiniBand near its line rate."""
+    """Note [NCCL inside a node]: 360 of NVLink's 450 GB/s on H100; InfiniBand near its line rate; gloo's
+    shared memory on a node of `cpu` ranks at its own."""
     cm = cost_model(tmp_path, plan_text(DATA_PARALLEL, clusters=_cluster(2, 8)))
     same, other = (cm.hardware.link(cm.gpu(0), cm.gpu(peer), 64e6, 2, 1) for peer in (1, 8))
     assert same == pytest.approx((0.8 * 100 * GB, NVLINK_LATENCY))
     assert other == pytest.approx((INTER, INTER_LATENCY))
+    # `cpu` ranks run gloo: their node's link at its rate
+    cpus = cost_model(tmp_path, plan_text(DATA_PARALLEL, clusters=_cluster(2, 8).replace("A100-40", "cpu")))
+    assert cpus.hardware.link(cpus.gpu(0), cpus.gpu(1), 64e6, 2, 1)[0] == pytest.approx(100 * GB)
 
 
 def test_a_group_inside_one_node_keeps_the_flat_ring(tmp_path):

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from hetc.passes.cost.memory import RankMemory, interleaved_group, interleaved_update, interleaved_warmup
-from hetc.passes.cost.schedule import (ChunkSweep, Grouping, LaneTiming, Unit, UnitOp, in_flight_limits, in_steady_order,
-                                      interleaved_grouping, lockstep_fill, pipeline_time, sequential_time,
-                                      stage_max, step_lower_bound, zero_cycle)
+from hetc.passes.cost.schedule import (ChunkSweep, Grouping, LaneTiming, Unit, UnitOp, in_flight_limits,
+                                      in_steady_order, interleaved_grouping, lockstep_fill, pipeline_time,
+                                      sequential_time, stage_max, step_lower_bound, zero_cycle)
 from hetc.passes.cost.transfers import Borders, Engine, transfer_waits
 from hetc.passes.cost.zero_time import gathers_per_microbatch
 from hetc.ir.spec import ScheduleKind, ZeroSpec

@@ -42,8 +42,9 @@ ALL_PAIRS_LIMIT = 64
 # which NCCL's kernels do not reach: its all-gathers and all-reduces over 8 H100s on NVSwitch reach a bus
 # bandwidth of 360 GB/s at large sizes, "exactly what we'd expect on H100" by NCCL's maintainers
 # (NVIDIA/nccl-tests issue 326), and 8 A100s about 200-235 of 300 (nccl-tests issues 149 and 178). A declared
-# link inside a node moves INTRA_NODE_NCCL_FRACTION of its rate; a measured fit is what it measured, and
-# links between nodes keep their rate (NCCL over InfiniBand runs near the line rate).
+# link inside a node moves INTRA_NODE_NCCL_FRACTION of its rate; a measured fit is what it measured, links
+# between nodes keep their rate (NCCL over InfiniBand runs near the line rate), and so does a node of `cpu`
+# ranks (gloo over shared memory: its own rate, which `hetc profile` measures).
 INTRA_NODE_NCCL_FRACTION = 0.8
 # a ring's kinds of pair as its time depends on them: (node group, node group, same host, GPUs of the node)
 _PairSignature = tuple[tuple[str, str, bool, int], ...]
@@ -260,8 +261,8 @@ class Hardware:
         if fit is not None:
             return fit.rate(nbytes) / share, 0.0
         link = self.topology.link(a, b)
-        if same_host:   # Note [NCCL inside a node]
-            return link.bandwidth * INTRA_NODE_NCCL_FRACTION, link.latency
+        if same_host:   # Note [NCCL inside a node]; a `cpu` kind's ranks run gloo, not NCCL
+            return link.bandwidth * (1.0 if a.device.is_cpu else INTRA_NODE_NCCL_FRACTION), link.latency
         return link.bandwidth / share, link.latency
 
     def measured_link(self, a: Gpu, b: Gpu, ring_size: int, concurrent: int) -> Bandwidth | None:

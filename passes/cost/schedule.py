@@ -33,10 +33,9 @@ from enum import StrEnum
 from hetc.ir.spec import ScheduleKind
 
 __all__ = ["ChunkSweep", "Grouping", "LaneTiming", "PipelineTime", "Unit", "UnitLane", "UnitOp", "ZeroCycle",
-           "chunk_loop_wait",
-           "group_width", "in_flight_limits", "in_steady_order", "interleaved_grouping", "lockstep_fill",
-           "pipeline_time", "round_trip_span", "sequential_time", "stage_max", "step_lower_bound", "unit_ops",
-           "zero_cycle"]
+           "chunk_loop_wait", "group_width", "in_flight_limits", "in_steady_order", "interleaved_grouping",
+           "lockstep_fill", "pipeline_time", "round_trip_span", "sequential_time", "stage_max", "step_lower_bound",
+           "unit_ops", "zero_cycle"]
 
 
 @dataclass(frozen=True, slots=True)
