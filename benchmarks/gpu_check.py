@@ -19,6 +19,9 @@ timed out and the script goes on), all within `--budget` seconds (480: eight min
    and its last quarter's, against the catalog kind's bf16 peak, with the SM clock `nvidia-smi` reads
    at the end: the burst rate is what published matmul maxima measure, the sustained one what a
    training step gets once the device is at its power limit (docs/costmodel.md "Compute time by shape").
+   Then the streaming bandwidth: c = a + b over tensors of 512 MiB for 5 s (two read, one written), its
+   median rate against the kind's datasheet `memory_bandwidth`: the fraction the cost model times every
+   memory-bound byte at (0.9, Note [streaming bandwidth] in passes/cost/compute.py; target within 5 %).
 6. offload overlap: a 1-rank plan sweeping two ministages with parameters and activations on the
    host, under torch.profiler: the share of the device's copy time hidden behind kernels.
 7. resume: `hetc run --local` of half the steps with --checkpoint, then --resume to the end; the
@@ -65,6 +68,7 @@ RANK = [sys.executable, str(ROOT / "benchmarks" / "gpu_check_rank.py")]
 
 STEP_TOLERANCE = 0.15
 MEMORY_TOLERANCE = 0.10
+STREAMING_TOLERANCE = 0.05   # the streaming fraction measured, against Note [streaming bandwidth]'s 0.9
 RESUME_RTOL = 0.02       # bf16 kernels need not repeat bit for bit; a resume that lost state is far off
 SKIP = 2                 # steps 1 and 2 warm up: the measured step is the median of steps 3..K
 FAILING = ("error", "timeout")
@@ -433,6 +437,45 @@ def _matmul_rates(torch: ModuleType, n: int, dtype: Any, device: str, seconds: f
     return rates
 
 
+def check_streaming(ctx: Context) -> list[Row]:
+    import torch
+
+    from hetc.frontend.load import BUNDLED_SPECS, load_spec
+    from hetc.passes.cost.compute import STREAM_FRACTION
+
+    device, dtype = ("cuda", torch.bfloat16) if ctx.gpu else ("cpu", torch.float32)
+    numel = (256 << 20) if ctx.gpu else (8 << 20)   # 512 MiB of bf16 a tensor on a GPU, 32 MiB on the CPU
+    seconds = 5.0 if ctx.gpu else (1.0 if ctx.quick else 2.0)
+    rates = _streaming_rates(torch, numel, dtype, device, seconds)
+    kinds = {d.name: d for d in load_spec(BUNDLED_SPECS / "catalog.het").spec.devices}
+    datasheet = kinds[ctx.kind].memory_bandwidth if ctx.kind in kinds else 0.0
+    rate = statistics.median(rates)
+    if not datasheet:
+        return [Row("streaming bandwidth", "n/a", f"{rate / 1e9:.3g} GB/s", "no datasheet rate for this kind",
+                    data={"rates": rates})]
+    fraction = rate / datasheet
+    return [Row("streaming bandwidth", within(fraction / STREAM_FRACTION, STREAMING_TOLERANCE),
+                f"{rate / 1e9:.4g} GB/s of the datasheet's {datasheet / 1e9:.4g} = {fraction:.2f}",
+                f"{STREAM_FRACTION} within {STREAMING_TOLERANCE:.0%}", f"c = a + b, {numel:,} elements a tensor",
+                data={"rates": rates, "rate": rate, "datasheet": datasheet, "fraction": fraction})]
+
+
+def _streaming_rates(torch: ModuleType, numel: int, dtype: Any, device: str, seconds: float) -> list[float]:
+    """Bytes/s of each batch of back-to-back c = a + b (two tensors read, one written), for `seconds`."""
+    a, b, c = (torch.ones(numel, dtype=dtype, device=device) for _ in range(3))
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    batch, moved = 10, 3.0 * numel * a.element_size()
+    torch.add(a, b, out=c)   # warm up
+    sync()
+    rates, start = [], time.perf_counter()
+    while (now := time.perf_counter()) - start < seconds:
+        for _ in range(batch):
+            torch.add(a, b, out=c)
+        sync()
+        rates.append(batch * moved / (time.perf_counter() - now))
+    return rates
+
+
 def _sm_clock() -> dict[str, str]:
     """The SM clock, its maximum and the board's power draw as `nvidia-smi` reads them now."""
     smi = shutil.which("nvidia-smi")
@@ -526,6 +569,7 @@ CHECKS: list[tuple[str, float, Callable[[Context], list[Row]]]] = [
     ("profile", 150, check_profile),
     ("1-rank run", 150, check_one_rank),
     ("matmul asymptote", 45, check_matmul),
+    ("streaming bandwidth", 20, check_streaming),
     ("offload overlap", 120, check_overlap),
     ("checkpoint + resume", 150, check_resume),
     ("2-stage", 90, check_two_stage),

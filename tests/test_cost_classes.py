@@ -8,8 +8,8 @@ from hetc.passes.cost import schedule
 from hetc.passes.cost.classes import flush_tail, throughput
 from hetc.passes.cost.plan_time import ministage_borders, peer_lanes, stage_borders
 from hetc.passes.cost.schedule import (ChunkSweep, Grouping, LaneTiming, Unit, UnitLane, chunk_loop_wait,
-                                      in_flight_limits, interleaved_grouping, pipeline_time, sequential_time,
-                                      in_steady_order, zero_cycle)
+                                      in_flight_limits, interleaved_grouping, lockstep_fill, pipeline_time,
+                                      sequential_time, in_steady_order, zero_cycle)
 from hetc.passes.cost.zero_time import ZeroRings, across_nodes, flush_time, sync_time
 from hetc.ir.spec import ScheduleKind, ZeroShard, ZeroSpec
 
@@ -190,3 +190,14 @@ def test_a_sweeping_zero2_lane_waits_for_the_reduce_scatters_its_turns_do_not_hi
     held = ChunkSweep(microbatches=4, chunks=2, warmup=8)   # every gradient op in the cool-down
     assert zero_cycle(ScheduleKind.INTERLEAVED, (f, i + w), 0.0, reduce, 0.0, 0.0, (0.5, 0.5), (), held).bound == \
         pytest.approx(f + i + w + 6 * reduce / 2 / 4)
+
+
+def test_a_stage_feeding_a_wider_lockstep_stage_drains_the_last_slot_one_backward_after_another():
+    """`lockstep_fill`: two lanes feeding four in lockstep: the last slot's first waits for the feeders' second
+    forwards (one forward each), and its gradients leave the feeders a backward apart (one each, ZB's input
+    gradient); a stage in lockstep behind as many lanes waits for neither."""
+    lanes = [*(LaneTiming(0, k, 16, 0.1, 0.2, 0.05) for k in range(2)),
+             *(LaneTiming(1, k, 8, 0.3, 0.3, 0.3) for k in range(4))]
+    assert lockstep_fill(ScheduleKind.ZB, lanes, 2, {1: 4}, {0: 2, 1: 4}) == pytest.approx(0.1 + 0.2)
+    assert lockstep_fill(ScheduleKind.ONE_F_ONE_B, lanes, 2, {1: 4}, {0: 2, 1: 4}) == pytest.approx(0.1 + 0.25)
+    assert lockstep_fill(ScheduleKind.ZB, lanes, 2, {1: 4}, {0: 4, 1: 4}) == 0.0

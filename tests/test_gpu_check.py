@@ -22,8 +22,8 @@ SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 STATUSES = {"ok", "fail", "n/a", "unsupported", "skipped", "error", "timeout"}
 # the rows the dry run writes, in order: a check may write more than one row (the 1-rank run: two)
 ROWS = ["versions", "verify 1B single (nccl)", "verify 1B zorse_offload (nccl)", "verify 1B pp2 (nccl)", "profile",
-        "step time, 1 rank", "peak memory, 1 rank", "matmul asymptote", "offload overlap", "checkpoint + resume",
-        "2-stage, one device, gloo", "gpu-marked tests", "loss falls"]
+        "step time, 1 rank", "peak memory, 1 rank", "matmul asymptote", "streaming bandwidth", "offload overlap",
+        "checkpoint + resume", "2-stage, one device, gloo", "gpu-marked tests", "loss falls"]
 ONLY_ON_A_GPU = {"gpu-marked tests"}     # a CPU dry run records them as skipped
 
 gpu = pytest.mark.gpu
