@@ -56,7 +56,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hetc.ir.spec import DeviceSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -401,14 +404,15 @@ def _memory_row(result: dict[str, Any], metrics: Path, estimate: dict[str, float
 def check_matmul(ctx: Context) -> list[Row]:
     import torch
 
-    from hetc.frontend.load import BUNDLED_SPECS, load_spec
     from hetc.ir.spec import DType
 
     n, seconds, dtype = (8192, 30.0, torch.bfloat16) if ctx.gpu else (384, 2.0 if ctx.quick else 4.0, torch.float32)
     device = "cuda" if ctx.gpu else "cpu"
-    rates = _matmul_rates(torch, n, dtype, device, seconds)
-    kinds = {d.name: d for d in load_spec(BUNDLED_SPECS / "catalog.het").spec.devices}
-    peak = kinds[ctx.kind].peak.for_dtype(DType.BF16 if ctx.gpu else DType.FP32) if ctx.kind in kinds else None
+    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
+    rates = _timed_rates(torch, device, lambda: torch.mm(a, b), 2.0 * n ** 3, seconds,
+                         batch=20 if ctx.gpu else 2, warmup=2)   # cuBLAS's heuristics and the allocator
+    kind = _catalog_kind(ctx)
+    peak = kind.peak.for_dtype(DType.BF16 if ctx.gpu else DType.FP32) if kind else None
     burst = statistics.median(r for t, r in rates if t <= 1.0)
     sustained = statistics.median(r for t, r in rates if t >= 0.75 * seconds)
     share = (lambda r: f" ({r / peak:.2f} of peak)") if peak else (lambda r: "")
@@ -420,35 +424,20 @@ def check_matmul(ctx: Context) -> list[Row]:
                 data={"rates": rates, "burst": burst, "sustained": sustained, "peak": peak, **clock})]
 
 
-def _matmul_rates(torch: ModuleType, n: int, dtype: Any, device: str, seconds: float) -> list[tuple[float, float]]:
-    """(seconds since the start, FLOP/s) of each batch of back-to-back n³ matmuls, for `seconds`."""
-    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    batch, flops = (20 if device == "cuda" else 2), 2.0 * n ** 3
-    for _ in range(2):   # warm up: cuBLAS's heuristics and the allocator
-        torch.mm(a, b)
-    sync()
-    rates, start = [], time.perf_counter()
-    while (now := time.perf_counter()) - start < seconds:
-        for _ in range(batch):
-            torch.mm(a, b)
-        sync()
-        rates.append((time.perf_counter() - start, batch * flops / (time.perf_counter() - now)))
-    return rates
-
-
 def check_streaming(ctx: Context) -> list[Row]:
     import torch
 
-    from hetc.frontend.load import BUNDLED_SPECS, load_spec
     from hetc.passes.cost.compute import STREAM_FRACTION
 
     device, dtype = ("cuda", torch.bfloat16) if ctx.gpu else ("cpu", torch.float32)
     numel = (256 << 20) if ctx.gpu else (8 << 20)   # 512 MiB of bf16 a tensor on a GPU, 32 MiB on the CPU
     seconds = 5.0 if ctx.gpu else (1.0 if ctx.quick else 2.0)
-    rates = _streaming_rates(torch, numel, dtype, device, seconds)
-    kinds = {d.name: d for d in load_spec(BUNDLED_SPECS / "catalog.het").spec.devices}
-    datasheet = kinds[ctx.kind].memory_bandwidth if ctx.kind in kinds else 0.0
+    a, b, c = (torch.ones(numel, dtype=dtype, device=device) for _ in range(3))
+    # c = a + b: two tensors read, one written
+    rates = [r for _, r in _timed_rates(torch, device, lambda: torch.add(a, b, out=c), 3.0 * numel * a.element_size(),
+                                         seconds, batch=10, warmup=1)]
+    kind = _catalog_kind(ctx)
+    datasheet = kind.memory_bandwidth if kind else 0.0
     rate = statistics.median(rates)
     if not datasheet:
         return [Row("streaming bandwidth", "n/a", f"{rate / 1e9:.3g} GB/s", "no datasheet rate for this kind",
@@ -460,19 +449,27 @@ def check_streaming(ctx: Context) -> list[Row]:
                 data={"rates": rates, "rate": rate, "datasheet": datasheet, "fraction": fraction})]
 
 
-def _streaming_rates(torch: ModuleType, numel: int, dtype: Any, device: str, seconds: float) -> list[float]:
-    """Bytes/s of each batch of back-to-back c = a + b (two tensors read, one written), for `seconds`."""
-    a, b, c = (torch.ones(numel, dtype=dtype, device=device) for _ in range(3))
+def _catalog_kind(ctx: Context) -> DeviceSpec | None:
+    """The catalog's device kind of the device present, if the catalog has it."""
+    from hetc.frontend.load import load_spec
+
+    return next((d for d in load_spec(CATALOG).spec.devices if d.name == ctx.kind), None)
+
+
+def _timed_rates(torch: ModuleType, device: str, run: Callable[[], Any], work: float, seconds: float, *,
+                 batch: int, warmup: int) -> list[tuple[float, float]]:
+    """(seconds since the start, `work` per second) of each batch of `batch` back-to-back `run()`s on `device`,
+    for `seconds`, after `warmup` runs."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    batch, moved = 10, 3.0 * numel * a.element_size()
-    torch.add(a, b, out=c)   # warm up
+    for _ in range(warmup):
+        run()
     sync()
     rates, start = [], time.perf_counter()
     while (now := time.perf_counter()) - start < seconds:
         for _ in range(batch):
-            torch.add(a, b, out=c)
+            run()
         sync()
-        rates.append(batch * moved / (time.perf_counter() - now))
+        rates.append((time.perf_counter() - start, batch * work / (time.perf_counter() - now)))
     return rates
 
 

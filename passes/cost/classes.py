@@ -181,7 +181,7 @@ def evaluate_classes(shape: PlanShape, stages: Sequence[StageSource], end: float
     grouping, entries = _grouping(shape, stages, lanes, limits)
     step = StepShape(shape.schedule, len(stages), shape.chunks, shape.num_microbatches, shape.grad_clip,
                      coupled, widths, limits, grouping)
-    if shape.schedule is ScheduleKind.INTERLEAVED and any(step.sweeps(t.microbatches) for t in lanes):
+    if shape.schedule is ScheduleKind.INTERLEAVED and any(step.sweep(t.stage, t.microbatches) for t in lanes):
         lanes = lane_timings(shape.engine, shape.schedule, stages, step.sweep)   # their groups known now
     time = compose_step(step, lanes, end, lambda: [_trail(lanes, s.index) + s.flush() for s in stages],
                         stages[0].first_gather, lambda: zorse_units(shape, stages))
@@ -234,15 +234,12 @@ class StepShape:
         """Under interleaved 1F1B, the lane's microbatches in each group (`memory.interleaved_group`)."""
         return self._group_of(lane.microbatches)
 
-    def sweeps(self, microbatches: int) -> bool:
-        """Under interleaved 1F1B, a lane of `microbatches` holds them all in one group (`lane_timing`)."""
-        return self._group_of(microbatches) >= microbatches
-
     def sweep(self, stage: int, microbatches: int) -> ChunkSweep | None:
-        """`sweeps`' lane of `stage` with its warm-up (`memory.interleaved_warmup`), or None."""
-        if not self.sweeps(microbatches):
-            return None
+        """Under interleaved 1F1B, a lane of `stage` whose one group holds all its `microbatches` (`lane_timing`),
+        with its warm-up (`memory.interleaved_warmup`); else None."""
         group = self._group_of(microbatches)
+        if group < microbatches:
+            return None
         return ChunkSweep(microbatches, self.chunks, interleaved_warmup(stage, self.num_stages, self.chunks, group))
 
     def _group_of(self, microbatches: int) -> int:
