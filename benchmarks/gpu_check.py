@@ -22,6 +22,9 @@ timed out and the script goes on), all within `--budget` seconds (480: eight min
    Then the streaming bandwidth: c = a + b over tensors of 512 MiB for 5 s (two read, one written), its
    median rate against the kind's datasheet `memory_bandwidth`: the fraction the cost model times every
    memory-bound byte at (0.9, Note [streaming bandwidth] in passes/cost/compute.py; target within 5 %).
+   Then the GEMM curve: each published run's block GEMMs (benchmarks/published_runs.py) in nn.Linear's three
+   layouts, and causal flash attention where the run used it, timed here against Note [GEMM curve]'s time
+   for the same shape on this kind: what the published runs' compute rests on, shape by shape.
 6. offload overlap: a 1-rank plan sweeping two ministages with parameters and activations on the
    host, under torch.profiler: the share of the device's copy time hidden behind kernels.
 7. resume: `hetc run --local` of half the steps with --checkpoint, then --resume to the end; the
@@ -59,7 +62,8 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from hetc.ir.spec import DeviceSpec
+    from hetc.ir.spec import DeviceSpec, ModelSpec
+    from hetc.passes.cost.gemm import DeviceFacts, Gemm
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -449,6 +453,107 @@ def check_streaming(ctx: Context) -> list[Row]:
                 data={"rates": rates, "rate": rate, "datasheet": datasheet, "fraction": fraction})]
 
 
+def _published_blocks() -> list[tuple[str, ModelSpec, int, int]]:
+    """(run, model, micro-batch, tp) of each published run whose block shape differs (benchmarks/published_runs.py):
+    the GEMM shapes the published-runs benchmark times on the analytic path."""
+    from benchmarks.published_runs import RUNS, spec_text
+    from hetc.frontend.load import load_spec
+
+    found, seen = [], set()
+    with tempfile.TemporaryDirectory() as tmp:
+        for run in RUNS:
+            key = (run.hidden, run.heads, run.kv_heads, run.ffn, run.seq, run.micro_batch, run.tp)
+            if key in seen:
+                continue
+            seen.add(key)
+            path = Path(tmp) / "run.het"
+            path.write_text(spec_text(run))
+            model = load_spec(path).spec.model
+            assert model is not None, run.name
+            found.append((run.name, model, run.micro_batch, run.tp))
+    return found
+
+
+def check_gemm_curve(ctx: Context) -> list[Row]:
+    """Each published run's block GEMMs (forward, input-gradient and weight-gradient layouts, as nn.Linear runs
+    them) and flash attention, timed here, against what Note [GEMM curve] gives this kind for the same shape."""
+    import torch
+
+    from hetc.ir.spec import AttentionKind
+    from hetc.passes.cost.compute import streaming_bandwidth
+    from hetc.passes.cost.gemm import DeviceFacts, attention_efficiency, block_gemms
+
+    kind = _catalog_kind(ctx)
+    if kind is None or not kind.sms:
+        return [Row("GEMM curve", "n/a", detail="needs a device kind the catalog names with its SM count")]
+    device = "cuda" if ctx.gpu else "cpu"
+    seconds = 0.05 if ctx.quick else 0.2
+    runs, shapes, attention = [], [], []
+    for name, model, micro_batch, tp in _published_blocks():
+        facts = DeviceFacts.of(kind, model, streaming_bandwidth(kind))
+        timed = [t for g in block_gemms(model, micro_batch * model.seq, tp)
+                 for t in _time_linear(torch, device, g, facts, seconds)]
+        shapes += [{"run": name, **t} for t in timed]
+        ratio = sum(t["model_s"] for t in timed) / sum(t["measured_s"] for t in timed)
+        runs.append({"run": name, "block_gemms_model_over_measured": ratio})
+        if model.attention is AttentionKind.FLASH:
+            heads, d = micro_batch * model.heads // tp, model.head_size
+            forward, backward = _time_flash(torch, device, heads, model.seq, d, seconds)
+            attention.append({"run": name, "seq": model.seq, "head": d, "forward": forward / facts.peak,
+                              "backward": backward / facts.peak,
+                              "model_forward": attention_efficiency(model.seq, d, facts),
+                              "model_backward": attention_efficiency(model.seq, d, facts, backward=True)})
+    ratios = [r["block_gemms_model_over_measured"] for r in runs]
+    worst = max(runs, key=lambda r: abs(r["block_gemms_model_over_measured"] - 1))
+    value = (f"model / measured block GEMM time: mean {statistics.mean(ratios):.3f}, worst "
+             f"{worst['block_gemms_model_over_measured']:.3f} ({worst['run']}); {len(shapes)} shapes")
+    value += "".join(f"; {a['run']} attention fwd {a['forward']:.2f} (model {a['model_forward']:.2f}), bwd "
+                     f"{a['backward']:.2f} (model {a['model_backward']:.2f}) of peak" for a in attention)
+    return [Row("GEMM curve", "ok", value, "recorded: Note [GEMM curve] against this kind",
+                f"the published runs' block shapes, bf16, {seconds} s a shape",
+                data={"runs": runs, "shapes": shapes, "attention": attention})]
+
+
+def _time_linear(torch: ModuleType, device: str, g: Gemm, facts: DeviceFacts, seconds: float) -> list[dict[str, Any]]:
+    """One nn.Linear's three multiplies at `g`'s shape (y = x·wᵀ, dx = dy·w, dw = dyᵀ·x), each measured and as
+    Note [GEMM curve] times it."""
+    from hetc.passes.cost.gemm import gemm_seconds
+
+    x = torch.randn(g.m, g.k, dtype=torch.bfloat16, device=device)
+    w = torch.randn(g.n, g.k, dtype=torch.bfloat16, device=device)
+    dy = torch.randn(g.m, g.n, dtype=torch.bfloat16, device=device)
+    dgrad, wgrad = g.backward()
+    found = []
+    for layout, shape, run in (("fprop", g, lambda: x @ w.t()), ("dgrad", dgrad, lambda: dy @ w),
+                               ("wgrad", wgrad, lambda: dy.t() @ x)):
+        rate = statistics.median(r for _, r in _timed_rates(torch, device, run, shape.flops, seconds, batch=5,
+                                                             warmup=2))
+        model_s = gemm_seconds(shape, facts)
+        found.append({"layout": layout, "m": shape.m, "n": shape.n, "k": shape.k, "measured_s": shape.flops / rate,
+                      "model_s": model_s, "measured": rate / facts.peak, "model": shape.flops / model_s / facts.peak})
+    return found
+
+
+def _time_flash(torch: ModuleType, device: str, heads: int, seq: int, d: int, seconds: float) -> tuple[float, float]:
+    """FLOP/s of causal scaled-dot-product attention's forward and backward (half the square's work each)."""
+    import torch.nn.functional as F
+
+    from hetc.passes.cost.gemm import CAUSAL_WORK
+
+    q, k, v = (torch.randn(1, heads, seq, d, dtype=torch.bfloat16, device=device, requires_grad=True)
+               for _ in range(3))
+    work = 4.0 * heads * seq ** 2 * d * CAUSAL_WORK
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    grad = torch.randn_like(out)
+    forward = statistics.median(r for _, r in _timed_rates(
+        torch, device, lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), work, seconds, batch=5,
+        warmup=2))
+    backward = statistics.median(r for _, r in _timed_rates(
+        torch, device, lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), 2 * work, seconds,
+        batch=5, warmup=2))
+    return forward, backward
+
+
 def _catalog_kind(ctx: Context) -> DeviceSpec | None:
     """The catalog's device kind of the device present, if the catalog has it."""
     from hetc.frontend.load import load_spec
@@ -567,6 +672,7 @@ CHECKS: list[tuple[str, float, Callable[[Context], list[Row]]]] = [
     ("1-rank run", 150, check_one_rank),
     ("matmul asymptote", 45, check_matmul),
     ("streaming bandwidth", 20, check_streaming),
+    ("GEMM curve", 60, check_gemm_curve),
     ("offload overlap", 120, check_overlap),
     ("checkpoint + resume", 150, check_resume),
     ("2-stage", 90, check_two_stage),
@@ -575,7 +681,9 @@ CHECKS: list[tuple[str, float, Callable[[Context], list[Row]]]] = [
 ]
 
 
-def run_checks(ctx: Context, budget_s: float) -> list[Row]:
+def run_checks(ctx: Context, budget_s: float, record: Callable[[list[Row]], None] = lambda rows: None) -> list[Row]:
+    """Every check in order within `budget_s`; `record` gets the rows so far after each check, so that a run cut
+    off (a lent machine taken back, a command's time limit) still leaves its finished rows on disk."""
     end, rows = time.monotonic() + budget_s, []
     for name, limit, check in CHECKS:
         start = time.monotonic()
@@ -595,6 +703,7 @@ def run_checks(ctx: Context, budget_s: float) -> list[Row]:
             row.seconds = round(time.monotonic() - start, 1)
             print(f"    {row.check}: {row.status} {row.value}", file=sys.stderr, flush=True)
         rows += found
+        record(rows)
     return rows
 
 
@@ -635,16 +744,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = args.out or default_out()
     out.mkdir(parents=True, exist_ok=True)
+
+    def record(rows: list[Row]) -> None:
+        report = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                  "mode": "cpu" if args.cpu else "gpu", "quick": args.quick, "budget_s": args.budget,
+                  "load_average": os.getloadavg(), "checks": [asdict(r) for r in rows]}
+        (out / "gpu_check.json").write_text(json.dumps(report, indent=1) + "\n")
+        (out / "gpu_check.md").write_text(table(rows))
+
     with tempfile.TemporaryDirectory(prefix="hetc-gpu-check-work-") as work:   # checkpoints stay out of DIR
         ctx = Context(gpu=not args.cpu, quick=args.quick, work=Path(work), kind=kind)
-        rows = run_checks(ctx, args.budget)
-    report = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-              "mode": "cpu" if args.cpu else "gpu", "quick": args.quick, "budget_s": args.budget,
-              "load_average": os.getloadavg(), "checks": [asdict(r) for r in rows]}
-    (out / "gpu_check.json").write_text(json.dumps(report, indent=1) + "\n")
-    text = table(rows)
-    (out / "gpu_check.md").write_text(text)
-    sys.stdout.write(text)
+        rows = run_checks(ctx, args.budget, record)
+    sys.stdout.write(table(rows))
     print(f"wrote {out / 'gpu_check.json'} and gpu_check.md", file=sys.stderr)
     return 1 if any(r.status in FAILING for r in rows) else 0
 

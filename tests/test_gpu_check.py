@@ -15,14 +15,15 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu_check import CHECKS, RUN_CPU, Job, write_plans
+import benchmarks.gpu_check as gpu_check
+from benchmarks.gpu_check import CHECKS, RUN_CPU, Context, Job, Row, run_checks, write_plans
 from benchmarks.gpu_check_rank import copy_overlap, hidden_share, union
 
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 STATUSES = {"ok", "fail", "n/a", "unsupported", "skipped", "error", "timeout"}
 # the rows the dry run writes, in order: a check may write more than one row (the 1-rank run: two)
 ROWS = ["versions", "verify 1B single (nccl)", "verify 1B zorse_offload (nccl)", "verify 1B pp2 (nccl)", "profile",
-        "step time, 1 rank", "peak memory, 1 rank", "matmul asymptote", "streaming bandwidth", "offload overlap",
+        "step time, 1 rank", "peak memory, 1 rank", "matmul asymptote", "streaming bandwidth", "GEMM curve", "offload overlap",
         "checkpoint + resume", "2-stage, one device, gloo", "gpu-marked tests", "loss falls"]
 ONLY_ON_A_GPU = {"gpu-marked tests"}     # a CPU dry run records them as skipped
 
@@ -57,6 +58,23 @@ def test_every_check_has_a_limit_and_a_unique_name() -> None:
     assert len(set(names)) == len(names)
     assert all(limit > 0 for _, limit, _ in CHECKS)
     assert sum(limit for _, limit, _ in CHECKS) >= 480   # the budget, not the sum of limits, ends the run
+
+
+def test_rows_are_recorded_after_every_check_so_a_run_cut_off_keeps_them(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lent GPU machine can be taken back mid-run: each finished check's row must already be on disk, and a
+    check that breaks is a row of its own, not the end of the run."""
+    def broken(ctx: Context) -> list[Row]:
+        raise RuntimeError("the device went away")
+
+    checks = [("first", 10.0, lambda ctx: [Row("first", "ok")]), ("second", 10.0, broken),
+              ("third", 10.0, lambda ctx: [Row("third", "ok")])]
+    monkeypatch.setattr(gpu_check, "CHECKS", checks)
+    seen: list[list[str]] = []
+    rows = run_checks(Context(gpu=False, quick=True, work=tmp_path, kind="cpu"), 60,
+                      lambda rows: seen.append([r.check for r in rows]))
+    assert seen == [["first"], ["first", "second"], ["first", "second", "third"]]
+    assert [r.status for r in rows] == ["ok", "error", "ok"] and "went away" in rows[1].detail
 
 
 def test_hidden_share_counts_copy_time_under_compute_once() -> None:
