@@ -9,26 +9,27 @@ timed out and the script goes on), all within `--budget` seconds (480: eight min
 2. verify (three rows): `hetc compile`, then `hetc verify --backend nccl`, of a ~1B bf16 Llama on
    H200s in a 1-rank plan, a Zorse-offload plan and a 2-stage plan (benchmarks/specs/gpu_check/).
    A plan that does not verify under NCCL's rules is recorded (`fail`, with the verifier's first line).
-3. profile: `hetc profile` of the run model on this device (layers only: `--no-comm`, one GPU has
-   no link to measure).
-4. step time and 5. peak memory: a 1-rank bf16 run of the run model, compiled with that profile;
-   the median step (steps 3..K) against summary.json's prediction (target within 15 %), and CUDA's
-   peak allocated bytes against `hetc explain --json`'s estimate of what the rank allocates, its
-   total less the reserve (target within 10 %; the reserved peak is recorded beside it).
-   Then the matmul asymptote: one bf16 matmul (8192³) back to back for 30 s, its first second's rate
+3. the device against the cost model's constants (Issue 32's open figures, before the longer runs):
+   the matmul asymptote: one bf16 matmul (8192³) back to back for 30 s, its first second's rate
    and its last quarter's, against the catalog kind's bf16 peak, with the SM clock `nvidia-smi` reads
    at the end: the burst rate is what published matmul maxima measure, the sustained one what a
    training step gets once the device is at its power limit (docs/costmodel.md "Compute time by shape").
-   Then the streaming bandwidth: c = a + b over tensors of 512 MiB for 5 s (two read, one written), its
+   The streaming bandwidth: c = a + b over tensors of 512 MiB for 5 s (two read, one written), its
    median rate against the kind's datasheet `memory_bandwidth`: the fraction the cost model times every
    memory-bound byte at (0.9, Note [streaming bandwidth] in passes/cost/compute.py; target within 5 %).
-   Then the GEMM curve: each published run's block GEMMs (benchmarks/published_runs.py) in nn.Linear's three
+   The GEMM curve: each published run's block GEMMs (benchmarks/published_runs.py) in nn.Linear's three
    layouts, and causal flash attention where the run used it, timed here against Note [GEMM curve]'s time
    for the same shape on this kind: what the published runs' compute rests on, shape by shape.
+4. profile: `hetc profile` of the run model on this device (layers only: `--no-comm`, one GPU has
+   no link to measure).
+5. step time and peak memory: a 1-rank bf16 run of the run model, compiled with that profile;
+   the median step (steps 3..K) against summary.json's prediction (target within 15 %), and CUDA's
+   peak allocated bytes against `hetc explain --json`'s estimate of what the rank allocates, its
+   total less the reserve (target within 10 %; the reserved peak is recorded beside it).
 6. offload overlap: a 1-rank plan sweeping two ministages with parameters and activations on the
    host, under torch.profiler: the share of the device's copy time hidden behind kernels.
 7. resume: `hetc run --local` of half the steps with --checkpoint, then --resume to the end; the
-   resumed losses must continue the uninterrupted run's (check 4's).
+   resumed losses must continue the uninterrupted run's (check 5's).
 8. 2-stage: the 2-stage plan on this one GPU, both ranks on it, point-to-point through gloo with
    CUDA tensors (host-staged). The runtime starts CUDA ranks on NCCL (runtime/worker.py), so on a
    GPU this is recorded as `unsupported` with the error it gave, until the runtime has that path.
@@ -212,8 +213,8 @@ class Context:
     work: Path
     kind: str                                    # the catalog's name for this device ("cpu" for --cpu)
     deadline: float = 0.0                        # the running check's (time.monotonic)
-    profile: Path | None = None                  # check 3's
-    reference_losses: list[float] = field(default_factory=list)   # check 4's uninterrupted run
+    profile: Path | None = None                  # check 4's
+    reference_losses: list[float] = field(default_factory=list)   # check 5's uninterrupted run
     losses: dict[str, list[float]] = field(default_factory=dict)  # every run's, for check 9
 
     @property
@@ -610,7 +611,7 @@ def check_overlap(ctx: Context) -> list[Row]:
 
 def check_resume(ctx: Context) -> list[Row]:
     if not ctx.reference_losses:
-        return [Row("checkpoint + resume", "skipped", detail="needs the 1-rank run's losses (check 4)")]
+        return [Row("checkpoint + resume", "skipped", detail="needs the 1-rank run's losses (check 5)")]
     plan, ckpt = ctx.work / "run" / "out_single", ctx.work / "checkpoints"
     half, metrics = ctx.steps // 2, ctx.work / "run" / "resumed.jsonl"
     ctx.must("run", str(plan), "--local", "1", "--steps", str(half), "--checkpoint", str(ckpt), "--quiet")
@@ -668,11 +669,11 @@ CHECKS: list[tuple[str, float, Callable[[Context], list[Row]]]] = [
     ("verify 1B single", 60, check_verify("single")),
     ("verify 1B zorse_offload", 60, check_verify("zorse_offload")),
     ("verify 1B pp2", 60, check_verify("pp2")),
-    ("profile", 150, check_profile),
-    ("1-rank run", 150, check_one_rank),
     ("matmul asymptote", 45, check_matmul),
     ("streaming bandwidth", 20, check_streaming),
     ("GEMM curve", 60, check_gemm_curve),
+    ("profile", 150, check_profile),
+    ("1-rank run", 150, check_one_rank),
     ("offload overlap", 120, check_overlap),
     ("checkpoint + resume", 150, check_resume),
     ("2-stage", 90, check_two_stage),

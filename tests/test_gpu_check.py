@@ -15,15 +15,15 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import benchmarks.gpu_check as gpu_check
+from benchmarks import gpu_check
 from benchmarks.gpu_check import CHECKS, RUN_CPU, Context, Job, Row, run_checks, write_plans
 from benchmarks.gpu_check_rank import copy_overlap, hidden_share, union
 
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 STATUSES = {"ok", "fail", "n/a", "unsupported", "skipped", "error", "timeout"}
 # the rows the dry run writes, in order: a check may write more than one row (the 1-rank run: two)
-ROWS = ["versions", "verify 1B single (nccl)", "verify 1B zorse_offload (nccl)", "verify 1B pp2 (nccl)", "profile",
-        "step time, 1 rank", "peak memory, 1 rank", "matmul asymptote", "streaming bandwidth", "GEMM curve", "offload overlap",
+ROWS = ["versions", "verify 1B single (nccl)", "verify 1B zorse_offload (nccl)", "verify 1B pp2 (nccl)", "matmul asymptote",
+        "streaming bandwidth", "GEMM curve", "profile", "step time, 1 rank", "peak memory, 1 rank", "offload overlap",
         "checkpoint + resume", "2-stage, one device, gloo", "gpu-marked tests", "loss falls"]
 ONLY_ON_A_GPU = {"gpu-marked tests"}     # a CPU dry run records them as skipped
 
