@@ -16,13 +16,21 @@ estimate, the simulator and the planner:
   (`CostModel.node_streams`): each sends its 1/tp slice at once (Note
   [scatter-gather borders] in hetc/ir/layout.py), in the estimate, the
   planner and each message of the compiled programs (`message_time`). The
-  other lanes of the stage are not counted: counting every lane's ranks as
-  sharing the link makes tp pipelines whose borders cross nodes
-  transfer-bound, and the closed form's overlap of border transfers (Note
-  [async sends] in transfers.py) then reads them 14-35 % short of the
-  compiled programs (the deep TP family, measured when hetc's programs still
-  sent every tp rank the whole activation): not built until the closed form
-  follows NCCL's one stream per rank pair there. A node's NICs (one stream
+  other lanes of the stage are not counted. Counting every lane's ranks on
+  the node (the stage's ranks there, in `node_streams` and the planner's
+  `ResolvedStage.concurrent` alike) was tried twice. When hetc's programs
+  still sent every tp rank the whole activation, tp pipelines whose borders
+  cross nodes became transfer-bound and the closed form's overlap of border
+  transfers (Note [async sends] in transfers.py) read them 14-35 % short of
+  the compiled programs. With 1/tp parts (2026-12-05), 152 of the 158
+  agreement tests (tests/test_plan_agreement.py) still held; the planner's
+  new choices failed the rest: deep job 13 explained −11.5 % of its compiled
+  step (the same overlap), random jobs 22 and 65 explained +18.5 % and
+  +11.8 % of their compiled memory, and job 68's GPipe plan fitted by the
+  estimate but not once compiled (its last stage's first backward, Note
+  [GPipe backward peak] in memory.py: fixed since). Not built until the
+  closed form follows NCCL's one stream per rank pair there and those
+  memory counts agree. A node's NICs (one stream
   reaching 1/nics of the pair's rate, as on 8-NIC DGX boards) wait for the
   same.
 

@@ -269,6 +269,7 @@ class StateMemory:
     buffers: float
     host: float
     after_backward: float = 0.0   # held only once the backward is done: ZeRO-1's reduced gradient shard
+    first_backward: float = 0.0   # gradients on the device while the step's first gradient op runs
 
 
 def state_memory(held: StatesHeld, offload: OffloadSpec, schedule: ScheduleKind, grad_clip: float,
@@ -290,7 +291,19 @@ def state_memory(held: StatesHeld, offload: OffloadSpec, schedule: ScheduleKind,
     # are held, and beside the full gradients it was reduced from (Note [reduced shard] in runtime/buffers.py)
     after = sum(held.grads) * held.shard.reduced if held.shard.grads >= 1.0 else 0.0
     return StateMemory(resident * held.shard.params, grads, 0.0 if off_opt else held.optimizer_kept, buffers, host,
-                       after)
+                       after, min(grads, first_gradients(held)))
+
+
+def first_gradients(held: StatesHeld) -> float:
+    """Gradients on the device while a step's first gradient op runs: every full gradient where they are not
+    sharded (the runtime allocates them with the parameters), else the one buffer that op fills; the shards
+    ZeRO-2/3 keep come with the reduce-scatters after it (Note [GPipe backward peak])."""
+    if held.shard.grads >= 1.0:
+        return held.grads_kept
+    if not held.unit_params:
+        return max(held.grads)
+    per_param = sum(held.grads) / sum(held.params) if sum(held.params) else 1.0
+    return max(held.unit_params) * per_param
 
 
 def activation_memory(schedule: ScheduleKind, stage: int, num_stages: int, microbatches: int,
@@ -362,21 +375,29 @@ def zorse_backward_peak(schedule: ScheduleKind, grad_clip: float, offload_activa
 
 
 def gpipe_backward_peak(schedule: ScheduleKind, offload_activations: bool, held: float, stash: float,
-                        grads: float) -> tuple[float, float] | None:
+                        states: StateMemory) -> tuple[float, float] | None:
     """(activations, gradients) on the device at a GPipe rank's peak; None for the other schedules.
 
     Note [GPipe backward peak]: GPipe runs every forward before the first
-    backward, so the whole stash (`held`) is there before any gradient is,
-    and once the first backward made gradients (`grads`, `state_memory`'s)
-    it has freed its own microbatch's stash (`stash`, one microbatch's): the
+    backward, so the whole stash (`held`) is there as the first gradient op
+    runs, beside the gradients that op holds (`states.first_backward`: all
+    of them where they are not sharded, else the one buffer it fills); the
+    runtime allocates them before the op and autograd frees the op's stash
+    as it goes, and the verifier holds both while the op runs. By the next
+    gradient op that microbatch's stash (`stash`) is gone and the gradients
+    are at their most (`states.grads`: under ZeRO-2/3 the buffer filled,
+    the one before it awaiting its reduce-scatter, and their shards). The
     peak is the larger of the two sums, not the most of each (random job 68
     under the GEMM curve: a last stage of 4 microbatches under ZeRO-2,
-    explained +13.6 % of its compiled peak counting both at once). With
+    explained +13.6 % of its compiled peak counting both at once). Counting
+    no gradients at the first op, a hand plan of job 68's model whose last
+    stage holds 12 blocks and the head on one A100-80 (unsharded gradients)
+    was explained at 78.3 GiB and refused by compile at 80.3 GiB. With
     activations offloaded the device holds a few inputs, not the stash:
     None."""
     if schedule is not ScheduleKind.GPIPE or offload_activations:
         return None
-    return max((held, 0.0), (max(held - stash, 0.0), grads), key=sum)
+    return max((held, states.first_backward), (max(held - stash, 0.0), states.grads), key=sum)
 
 
 @dataclass(frozen=True)

@@ -130,5 +130,5 @@ def rank_memory_of(cm: CostModel, rank: int, limit: int, grouping: Grouping) -> 
     zorse = zorse_backward_peak(p.schedule, cm.train.grad_clip, offload_activations, len(lane.microbatches),
                                 per_microbatch, held.grads, held.grads_kept, held.shard.grads < 1.0,
                                 (2 + p.prefetch) * max(inputs, default=0.0))
-    gpipe = gpipe_backward_peak(p.schedule, offload_activations, acts[0], sum(per_microbatch), states.grads)
+    gpipe = gpipe_backward_peak(p.schedule, offload_activations, acts[0], sum(per_microbatch), states)
     return rank_memory(rank, cm.gpu(rank), stage.index, states, acts, zorse or gpipe)

@@ -380,7 +380,7 @@ class StageCosts:
         schedule, offloaded = self.plan.schedule, bool(self.s.knobs.offload.activations)
         if schedule is ScheduleKind.GPIPE:
             return gpipe_backward_peak(schedule, offloaded, self._activations(count)[0],
-                                       sum(self._per_mb_activations), self._static(node_share).grads)
+                                       sum(self._per_mb_activations), self._static(node_share))
         if schedule is not ScheduleKind.ZORSE:
             return None
         grads = [n * self.p.states.grads for n in self.ms_numel]
