@@ -170,6 +170,19 @@ def test_an_interleaved_h100_run_becomes_a_spec_with_its_virtual_stages():
     assert predict(run) > 0
 
 
+def test_a_published_run_times_at_another_asymptote_of_its_kind():
+    """benchmarks/published_runs.py's sensitivity table: the kind's own asymptote times the run as the catalog
+    does, and a lower one (a device held at its power limit) times it proportionally longer where compute
+    paces it, the SM count and everything else of the kind kept."""
+    run = next(r for r in RUNS if r.name.startswith("Nemotron-4 340B DP 16"))
+    kind = run.machine.kind
+    assert predict(run, asymptote=kind.efficiency) == pytest.approx(predict(run))
+    text = spec_text(run, asymptote=0.7)
+    assert "device = H100-at-70\n" in text and "efficiency = 0.7" in text and f"sms = {kind.sms}" in text
+    slower = predict(run, asymptote=0.7) / predict(run)
+    assert 1.0 < slower < kind.efficiency / 0.7
+
+
 def test_every_published_plan_fits_the_gpus_it_ran_on(tmp_path):
     """A plan as published ran, so its spec must fit: a run whose facts are wrong (Nemotron-4 340B without
     its distributed optimizer: 93 GiB on an 80 GiB H100) is caught here, not read as a time."""
