@@ -1,6 +1,6 @@
 """One GPU, one script: what a session that holds a GPU for minutes runs once. docs/benchmarks.md "GPU".
 
-    .venv/bin/python benchmarks/gpu_check.py [--out DIR] [--cpu] [--quick] [--budget S]
+    .venv/bin/python benchmarks/gpu_check.py [--out DIR] [--cpu] [--quick] [--budget S] [--only NAMES]
 
 The checks, most useful first, each under its own time limit (one that overruns is recorded as
 timed out and the script goes on), all within `--budget` seconds (480: eight minutes on one H200):
@@ -682,11 +682,15 @@ CHECKS: list[tuple[str, float, Callable[[Context], list[Row]]]] = [
 ]
 
 
-def run_checks(ctx: Context, budget_s: float, record: Callable[[list[Row]], None] = lambda rows: None) -> list[Row]:
-    """Every check in order within `budget_s`; `record` gets the rows so far after each check, so that a run cut
-    off (a lent machine taken back, a command's time limit) still leaves its finished rows on disk."""
+def run_checks(ctx: Context, budget_s: float, record: Callable[[list[Row]], None] = lambda rows: None,
+               only: frozenset[str] = frozenset()) -> list[Row]:
+    """Every check in order (`only`: those named) within `budget_s`; `record` gets the rows so far after each
+    check, so that a run cut off (a lent machine taken back, a command's time limit) still leaves its finished
+    rows on disk."""
     end, rows = time.monotonic() + budget_s, []
     for name, limit, check in CHECKS:
+        if only and name not in only:
+            continue
         start = time.monotonic()
         if start >= end:
             rows.append(Row(name, "skipped", detail=f"the {budget_s:.0f} s budget was spent"))
@@ -736,9 +740,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="where gpu_check.json and gpu_check.md go (default: $OUT/gpu_check, else under /tmp)")
     ap.add_argument("--cpu", action="store_true", help="dry run on this machine's CPU with the demo model")
     ap.add_argument("--quick", action="store_true", help="fewer steps and profile points (tests use it)")
+    ap.add_argument("--only", default="", metavar="NAMES",
+                    help="run only these checks, comma-separated by the names of the list above (\"matmul "
+                         "asymptote,GEMM curve\"): what a second, shorter lease reruns after a run was cut off; "
+                         "a check whose input an earlier one makes runs without it or records `skipped`")
     ap.add_argument("--budget", type=float, default=480, metavar="S",
                     help="seconds for all the checks (480); the checks it leaves out are recorded as skipped")
     args = ap.parse_args(argv)
+    only = frozenset(n.strip() for n in args.only.split(",") if n.strip())
+    unknown = sorted(only - {name for name, _, _ in CHECKS})
+    if unknown:
+        print(f"error: --only names no check {', '.join(map(repr, unknown))}; the checks: "
+              + ", ".join(name for name, _, _ in CHECKS), file=sys.stderr)
+        return 2
     kind = "cpu" if args.cpu else local_kind()
     if kind is None:
         print("error: no CUDA device here: `--cpu` runs the same checks on the CPU as a dry run", file=sys.stderr)
@@ -755,7 +769,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="hetc-gpu-check-work-") as work:   # checkpoints stay out of DIR
         ctx = Context(gpu=not args.cpu, quick=args.quick, work=Path(work), kind=kind)
-        rows = run_checks(ctx, args.budget, record)
+        rows = run_checks(ctx, args.budget, record, only)
     sys.stdout.write(table(rows))
     print(f"wrote {out / 'gpu_check.json'} and gpu_check.md", file=sys.stderr)
     return 1 if any(r.status in FAILING for r in rows) else 0

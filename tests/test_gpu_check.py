@@ -77,6 +77,19 @@ def test_rows_are_recorded_after_every_check_so_a_run_cut_off_keeps_them(tmp_pat
     assert [r.status for r in rows] == ["ok", "error", "ok"] and "went away" in rows[1].detail
 
 
+def test_only_runs_the_checks_it_names_and_refuses_a_name_it_does_not_know(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--only` reruns part of the sequence (a second lease after a run was cut off); a misspelt check is exit 2
+    with the names, before any device work."""
+    checks = [(name, 10.0, lambda ctx, name=name: [Row(name, "ok")]) for name in ("first", "second", "third")]
+    monkeypatch.setattr(gpu_check, "CHECKS", checks)
+    rows = run_checks(Context(gpu=False, quick=True, work=tmp_path, kind="cpu"), 60, only=frozenset({"third", "first"}))
+    assert [r.check for r in rows] == ["first", "third"]
+    done = subprocess.run([sys.executable, str(SCRIPT), "--cpu", "--only", "matmul asymptote,matmul asymptot"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2 and "'matmul asymptot'" in done.stderr and "GEMM curve" in done.stderr, done.stderr
+
+
 def test_hidden_share_counts_copy_time_under_compute_once() -> None:
     copies = [(0.0, 10.0), (5.0, 15.0), (30.0, 40.0)]         # 25 us of copies, two of them overlapping
     compute = [(0.0, 4.0), (2.0, 12.0), (35.0, 50.0)]         # covers 0..12 and 35..40: 17 us of the copies
