@@ -3,11 +3,13 @@ and the CUDA path it exists for (`gpu`-marked: runs where torch.cuda is availabl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -88,6 +90,26 @@ def test_only_runs_the_checks_it_names_and_refuses_a_name_it_does_not_know(tmp_p
     done = subprocess.run([sys.executable, str(SCRIPT), "--cpu", "--only", "matmul asymptote,matmul asymptot"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 2 and "'matmul asymptot'" in done.stderr and "GEMM curve" in done.stderr, done.stderr
+
+
+def test_gemm_curve_times_every_block_shape_and_flash_attention(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GEMM-curve row's own path, run here on CPU tensors against H100's curve at a tiny scale (the published
+    blocks shrunk 16-fold): four multiplies a block in three layouts each, and flash attention where the run
+    used it, each beside the model's figure; the first GPU session must not be where it first runs."""
+    blocks = gpu_check._published_blocks()
+    assert {name for name, *_ in blocks} >= {"GPT 1.7B (N21)", "Nemotron-4 340B DP 16 (N24)"}
+
+    def shrunk(model: Any) -> Any:
+        return dataclasses.replace(model, hidden=model.hidden // 16, ffn=model.ffn // 16, heads=model.heads // 8,
+                                   kv_heads=max(1, model.num_kv_heads // 8), seq=128)
+
+    small = [(name, shrunk(model), mb, tp) for name, model, mb, tp in (blocks[0], blocks[-1])]
+    monkeypatch.setattr(gpu_check, "_published_blocks", lambda: small)
+    (row,) = gpu_check.check_gemm_curve(Context(gpu=False, quick=True, work=tmp_path, kind="H100"))
+    assert row.status == "ok" and len(row.data["shapes"]) == 2 * 4 * 3
+    assert {s["layout"] for s in row.data["shapes"]} == {"fprop", "dgrad", "wgrad"}
+    assert all(s["measured_s"] > 0 and 0 < s["model"] <= 1 for s in row.data["shapes"])
+    assert [a["run"] for a in row.data["attention"]] == ["Nemotron-4 340B DP 16 (N24)"]
 
 
 def test_hidden_share_counts_copy_time_under_compute_once() -> None:
