@@ -46,8 +46,10 @@ Everything runs through hetc's CLI (`python -m hetc`, or hetc.cli.main in benchm
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
+import math
 import os
 import shutil
 import signal
@@ -506,13 +508,16 @@ def check_gemm_curve(ctx: Context) -> list[Row]:
                               "model_backward": attention_efficiency(model.seq, d, facts, backward=True)})
     ratios = [r["block_gemms_model_over_measured"] for r in runs]
     worst = max(runs, key=lambda r: abs(r["block_gemms_model_over_measured"] - 1))
+    implied = implied_asymptote(shapes, kind.efficiency)
     value = (f"model / measured block GEMM time: mean {statistics.mean(ratios):.3f}, worst "
-             f"{worst['block_gemms_model_over_measured']:.3f} ({worst['run']}); {len(shapes)} shapes")
+             f"{worst['block_gemms_model_over_measured']:.3f} ({worst['run']}); {len(shapes)} shapes"
+             + (f"; asymptote implied by the compute-bound ones {implied:.3f} (catalog {kind.efficiency})"
+                if implied is not None else ""))
     value += "".join(f"; {a['run']} attention fwd {a['forward']:.2f} (model {a['model_forward']:.2f}), bwd "
                      f"{a['backward']:.2f} (model {a['model_backward']:.2f}) of peak" for a in attention)
     return [Row("GEMM curve", "ok", value, "recorded: Note [GEMM curve] against this kind",
                 f"the published runs' block shapes, bf16, {seconds} s a shape",
-                data={"runs": runs, "shapes": shapes, "attention": attention})]
+                data={"runs": runs, "shapes": shapes, "attention": attention, "implied_asymptote": implied})]
 
 
 def _time_linear(torch: ModuleType, device: str, g: Gemm, facts: DeviceFacts, seconds: float) -> list[dict[str, Any]]:
@@ -530,9 +535,21 @@ def _time_linear(torch: ModuleType, device: str, g: Gemm, facts: DeviceFacts, se
         rate = statistics.median(r for _, r in _timed_rates(torch, device, run, shape.flops, seconds, batch=5,
                                                              warmup=2))
         model_s = gemm_seconds(shape, facts)
+        # compute-bound in the model where its time is the tiles' alone (the roofline's streaming not longer)
+        tiles_s = gemm_seconds(shape, dataclasses.replace(facts, memory_bandwidth=math.inf))
         found.append({"layout": layout, "m": shape.m, "n": shape.n, "k": shape.k, "measured_s": shape.flops / rate,
-                      "model_s": model_s, "measured": rate / facts.peak, "model": shape.flops / model_s / facts.peak})
+                      "model_s": model_s, "measured": rate / facts.peak, "model": shape.flops / model_s / facts.peak,
+                      "compute_bound": tiles_s >= model_s})
     return found
+
+
+def implied_asymptote(shapes: list[dict[str, Any]], asymptote: float) -> float | None:
+    """The asymptote at which the model's time of the compute-bound shapes (their time scales as 1/asymptote)
+    sums to what was measured: the `efficiency` the catalog's kind would take from this device."""
+    bound = [s for s in shapes if s["compute_bound"]]
+    if not bound:
+        return None
+    return asymptote * sum(s["model_s"] for s in bound) / sum(s["measured_s"] for s in bound)
 
 
 def _time_flash(torch: ModuleType, device: str, heads: int, seq: int, d: int, seconds: float) -> tuple[float, float]:

@@ -110,6 +110,17 @@ def test_gemm_curve_times_every_block_shape_and_flash_attention(tmp_path: Path, 
     assert {s["layout"] for s in row.data["shapes"]} == {"fprop", "dgrad", "wgrad"}
     assert all(s["measured_s"] > 0 and 0 < s["model"] <= 1 for s in row.data["shapes"])
     assert [a["run"] for a in row.data["attention"]] == ["Nemotron-4 340B DP 16 (N24)"]
+    assert all(isinstance(s["compute_bound"], bool) for s in row.data["shapes"]) and "implied_asymptote" in row.data
+
+
+def test_the_implied_asymptote_scales_the_catalogs_by_the_compute_bound_shapes_time() -> None:
+    """Compute-bound shapes take 1/asymptote of time in the model: measured 25 % slower than modelled at 0.8,
+    the device's asymptote is 0.64; memory-bound shapes (the roofline's time) say nothing about it."""
+    shapes = [{"model_s": 1.0, "measured_s": 1.25, "compute_bound": True},
+              {"model_s": 3.0, "measured_s": 3.75, "compute_bound": True},
+              {"model_s": 1.0, "measured_s": 9.0, "compute_bound": False}]
+    assert gpu_check.implied_asymptote(shapes, 0.8) == pytest.approx(0.64)
+    assert gpu_check.implied_asymptote(shapes[2:], 0.8) is None
 
 
 def test_hidden_share_counts_copy_time_under_compute_once() -> None:
