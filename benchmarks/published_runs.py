@@ -202,7 +202,7 @@ def _stage_layers(run: Run, idx: int) -> str:
 
 
 def spec_text(run: Run, shaped: bool = True, asymptote: float | None = None) -> str:
-    """The run as a .het spec: its DGX nodes (8 GPUs on NVSwitch, one InfiniBand rail per GPU), a GPT model
+    """The run as a .het spec: its DGX nodes (8 GPUs on NVSwitch, one InfiniBand rail per GPU: `nics = 8`), a GPT model
     as the paper defines it (LayerNorm, GELU, its FFN, key/value heads and dropouts), Megatron's 1F1B, or
     interleaved 1F1B over its virtual stages, with its TP, PP and DP, and the distributed optimizer where it
     ran one. `shaped`: on the catalog's kind, which names its SM count (compute by shape), else on the same
@@ -244,6 +244,7 @@ cluster selene {{
     device = {device}
     count = {run.gpus // 8}
     gpus = 8
+    nics = 8
     intra {{
       bandwidth = {m.nvlink_gb_s} GB/s
       latency = 3 us

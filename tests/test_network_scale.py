@@ -80,6 +80,25 @@ def test_nccl_moves_0_8_of_a_declared_link_inside_a_node_and_all_of_one_between_
     assert cpus.hardware.link(cpus.gpu(0), cpus.gpu(1), 64e6, 2, 1)[0] == pytest.approx(100 * GB)
 
 
+def test_one_stream_between_nodes_moves_through_one_of_its_nodes_nics(tmp_path):
+    """Note [node links]: with `nics = 8` (a DGX's eight rails) one GPU's stream to another node leaves through
+    its own NIC, 1/8 of the node pair's link, and so does each of up to eight at once; more than eight share
+    it. A node declaring no NICs keeps the whole link for one stream (one NIC), as before."""
+    cm = cost_model(tmp_path, plan_text(DATA_PARALLEL, clusters=_cluster(2, 8).replace("gpus = 8", "gpus = 8\n    nics = 8")))
+    a, b = cm.gpu(0), cm.gpu(8)
+    assert [cm.hardware.link(a, b, 64e6, 2, k)[0] for k in (1, 4, 8, 16)] == \
+        pytest.approx([INTER / 8, INTER / 8, INTER / 8, INTER / 16])
+    assert cm.hardware.link(a, cm.gpu(1), 64e6, 2, 1)[0] == pytest.approx(0.8 * 100 * GB)   # inside: NVLink
+    one = cost_model(tmp_path, plan_text(DATA_PARALLEL, clusters=_cluster(2, 8)))
+    assert [one.hardware.link(one.gpu(0), one.gpu(8), 64e6, 2, k)[0] for k in (1, 8)] == \
+        pytest.approx([INTER, INTER / 8])
+    # a data-parallel all-reduce over both nodes runs node by node: its eight node-local positions cross at once
+    # either way
+    ranks = tuple(range(16))
+    assert cm.collective_time(Collective.ALL_REDUCE, ranks, 64e6) == \
+        pytest.approx(one.collective_time(Collective.ALL_REDUCE, ranks, 64e6))
+
+
 def test_a_group_inside_one_node_keeps_the_flat_ring(tmp_path):
     cm = cost_model(tmp_path, plan_text(DATA_PARALLEL, clusters=_cluster(2, 8)))
     ranks = tuple(range(8))

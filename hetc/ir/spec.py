@@ -523,6 +523,10 @@ class NodeSpec(Node):
     cores: int = param(0, lo=0, hi=1_000_000, aliases=("cpu_cores",),
                        doc="CPU cores the node's ranks share (0: each rank has its own); with fewer cores "
                            "than ranks running, every rank's compute slows by ranks / cores")
+    nics: int = param(1, lo=1, hi=64, aliases=("nics_per_node",),
+                      doc="network interfaces each node reaches the others through: one GPU's stream to "
+                          "another node moves at most 1/nics of the node pair's link, as on rail-optimized "
+                          "boards where each GPU sends through its own NIC (DGX A100 and H100: 8)")
     intra: IntraLinkSpec | None = param(None, block="intra", shorthand=False,
                                         doc="the link between GPUs of one node")
 

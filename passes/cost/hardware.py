@@ -250,7 +250,8 @@ class Hardware:
 
     def link(self, a: Gpu, b: Gpu, nbytes: float, ring_size: int, concurrent: int) -> tuple[float, float]:
         """(bytes/s for one stream, latency) between two GPUs for messages of `nbytes`, `concurrent` streams
-        sharing the node link (Note [node links] in links.py): each gets 1/concurrent of the node pair's rate.
+        sharing the node link (Note [node links] in links.py): each gets 1/concurrent of the node pair's rate,
+        at most 1/nics of it (one stream goes through one NIC).
 
         The measured fit (if any) is looked up once per kind of pair: node
         groups, same host, ring size on the node, streams sharing the link.
@@ -263,7 +264,13 @@ class Hardware:
         link = self.topology.link(a, b)
         if same_host:   # Note [NCCL inside a node]; a `cpu` kind's ranks run gloo, not NCCL
             return link.bandwidth * (1.0 if a.device.is_cpu else INTRA_NODE_NCCL_FRACTION), link.latency
-        return link.bandwidth / share, link.latency
+        return link.bandwidth / max(share, self._nics(a, b)), link.latency
+
+    def _nics(self, a: Gpu, b: Gpu) -> int:
+        """Note [node links]: a stream between two nodes leaves through one NIC and arrives through one, so it
+        moves at most 1/nics of the node pair's link, the more NICs of the two ends."""
+        groups = self.topology.groups
+        return max(groups[a.group].nics, groups[b.group].nics)
 
     def measured_link(self, a: Gpu, b: Gpu, ring_size: int, concurrent: int) -> Bandwidth | None:
         """The profiles' fit for this kind of pair, which `link` prefers over the spec's declared link."""

@@ -32,8 +32,18 @@ estimate, the simulator and the planner:
   holds, while the compiled order holds two); and the three-kind
   Llama-3-8B job on 2 + 2 + 4 GPUs left its L4s idle. Not built until the
   closed form follows NCCL's one stream per rank pair there and the
-  estimate holds what that order holds. A node's NICs (one stream reaching
-  1/nics of the pair's rate, as on 8-NIC DGX boards) wait for the same.
+  estimate holds what that order holds.
+
+A node group's `nics` (1 unless declared) bound one stream: it leaves
+through one NIC and arrives through one, so k streams between two nodes
+each move at 1/max(k, nics) of the pair's link (`Hardware.link`, the more
+NICs of the two ends). On rail-optimized boards (a DGX's eight NICs, one
+per GPU) one GPU's border or ring step reaches an eighth of the node's
+bandwidth, eight at once all of it; with one NIC one stream has the whole
+link, as before. Only specs that declare `nics` change: the published runs'
+DGX nodes (docs/benchmarks.md "Published runs": the three data-parallel
+rows' flat rings slow, 0.3-0.6 % on their steps; the pipelined ones run
+tp 8, eight streams a node, and do not move).
 
 Measured network fits (Sailor's) are the aggregate rate of `count` GPUs of
 a node sending at once; they are looked up at the same stream count.
