@@ -532,8 +532,7 @@ def _time_linear(torch: ModuleType, device: str, g: Gemm, facts: DeviceFacts, se
     found = []
     for layout, shape, run in (("fprop", g, lambda: x @ w.t()), ("dgrad", dgrad, lambda: dy @ w),
                                ("wgrad", wgrad, lambda: dy.t() @ x)):
-        rate = statistics.median(r for _, r in _timed_rates(torch, device, run, shape.flops, seconds, batch=5,
-                                                             warmup=2))
+        rate = _median_rate(torch, device, run, shape.flops, seconds)
         model_s = gemm_seconds(shape, facts)
         # compute-bound in the model where its time is the tiles' alone (the roofline's streaming not longer)
         tiles_s = gemm_seconds(shape, dataclasses.replace(facts, memory_bandwidth=math.inf))
@@ -563,13 +562,15 @@ def _time_flash(torch: ModuleType, device: str, heads: int, seq: int, d: int, se
     work = 4.0 * heads * seq ** 2 * d * CAUSAL_WORK
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     grad = torch.randn_like(out)
-    forward = statistics.median(r for _, r in _timed_rates(
-        torch, device, lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), work, seconds, batch=5,
-        warmup=2))
-    backward = statistics.median(r for _, r in _timed_rates(
-        torch, device, lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), 2 * work, seconds,
-        batch=5, warmup=2))
-    return forward, backward
+    return (_median_rate(torch, device, lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), work,
+                         seconds),
+            _median_rate(torch, device, lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True),
+                         2 * work, seconds))
+
+
+def _median_rate(torch: ModuleType, device: str, run: Callable[[], Any], work: float, seconds: float) -> float:
+    """The median `work` per second of batches of five `run()`s over `seconds` (`_timed_rates`)."""
+    return statistics.median(r for _, r in _timed_rates(torch, device, run, work, seconds, batch=5, warmup=2))
 
 
 def _catalog_kind(ctx: Context) -> DeviceSpec | None:

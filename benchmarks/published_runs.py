@@ -71,14 +71,17 @@ class Machine:
     @property
     def flat_text(self) -> str:
         """A `device` block of the same GPU timing every layer at `flat_efficiency` of peak (no `sms`)."""
-        flat = replace(self.kind, name=self.flat_device, sms=0, efficiency=self.flat_efficiency)
-        return format_spec(Spec(devices=(flat,)))
+        return self._variant(self.flat_device, sms=0, efficiency=self.flat_efficiency)
 
     def at_asymptote(self, asymptote: float) -> tuple[str, str]:
         """(the device's name, its `device` block): the catalog's kind, its SM count kept, with another
         asymptote, the `efficiency` of docs/costmodel.md "Compute time by shape"."""
         name = f"{self.device}-at-{round(asymptote * 100)}"
-        return name, format_spec(Spec(devices=(replace(self.kind, name=name, efficiency=asymptote),)))
+        return name, self._variant(name, efficiency=asymptote)
+
+    def _variant(self, name: str, **changes: float) -> str:
+        """A `device` block named `name`: the catalog's kind with `changes`."""
+        return format_spec(Spec(devices=(replace(self.kind, name=name, **changes),)))
 
 
 DGX_A100 = Machine("A100-80", 0.5, 300, 200)    # 8 HDR 200 Gb/s

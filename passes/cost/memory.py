@@ -245,11 +245,16 @@ def reduced_at_once(held: StatesHeld) -> float:
     unit where the stage gathers per block, else per ministage (0 where the gradients are not sharded)."""
     if held.shard.grads >= 1.0:
         return 0.0
-    with_output = 1.0 + held.shard.grads
+    return gathered_at_once(gradient_buffers(held), 1) * (1.0 + held.shard.grads)
+
+
+def gradient_buffers(held: StatesHeld) -> list[float]:
+    """The full gradients of each buffer a gradient op fills under ZeRO-2/3, in run order: a unit's where the
+    stage gathers per block, else a ministage's."""
     if not held.unit_params:
-        return gathered_at_once(held.grads, 1) * with_output
+        return list(held.grads)
     per_param = sum(held.grads) / sum(held.params) if sum(held.params) else 1.0
-    return gathered_at_once([u * per_param for u in held.unit_params], 1) * with_output
+    return [u * per_param for u in held.unit_params]
 
 
 def gathered_at_once(units: Sequence[float], prefetch: int) -> float:
@@ -298,12 +303,7 @@ def first_gradients(held: StatesHeld) -> float:
     """Gradients on the device while a step's first gradient op runs: every full gradient where they are not
     sharded (the runtime allocates them with the parameters), else the one buffer that op fills; the shards
     ZeRO-2/3 keep come with the reduce-scatters after it (Note [GPipe backward peak])."""
-    if held.shard.grads >= 1.0:
-        return held.grads_kept
-    if not held.unit_params:
-        return max(held.grads)
-    per_param = sum(held.grads) / sum(held.params) if sum(held.params) else 1.0
-    return max(held.unit_params) * per_param
+    return held.grads_kept if held.shard.grads >= 1.0 else max(gradient_buffers(held))
 
 
 def activation_memory(schedule: ScheduleKind, stage: int, num_stages: int, microbatches: int,
