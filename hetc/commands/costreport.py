@@ -22,7 +22,7 @@ def report(path: str, pipeline: Pipeline, e: Estimate) -> str:
         f"step time   {human_seconds(e.step_time_s)}  {_step_source(e)}",
         f"throughput  {e.tokens_per_s:,.0f} tokens/s   {utilization_text(e.utilization)}",
         "",
-        "memory per rank" + ("" if e.fits else "   ** DOES NOT FIT **"),
+        "memory per rank" + _memory_source(e) + ("" if e.fits else "   ** DOES NOT FIT **"),
     ]
     lines += _memory_rows(e.memory)
     lines += ["", "traffic per step (one rank)"]
@@ -44,6 +44,16 @@ def _step_source(e: Estimate) -> str:
     if e.closed_form_s is None:
         return f"({parts})"
     return f"(the compiled programs, simulated; the closed-form estimate {human_seconds(e.closed_form_s)}: {parts})"
+
+
+def _memory_source(e: Estimate) -> str:
+    """Where the memory comes from: the compiled programs' peaks, with the closed form's beside them (Note [one
+    step time])."""
+    if e.closed_form_memory is None:
+        return ""
+    gaps = [closed.total / m.total - 1 for m, closed in zip(e.memory, e.closed_form_memory, strict=True)]
+    worst = max(gaps, key=abs)
+    return f"  (the compiled programs' peaks; the closed-form estimate's furthest rank {100 * worst:+.1f}%)"
 
 
 def provenance_lines(pipeline: Pipeline, prov: Provenance) -> list[str]:

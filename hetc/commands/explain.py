@@ -52,5 +52,6 @@ def run(args: argparse.Namespace) -> int:
 
         print(report(args.spec, plan.pipeline, estimate))
     sys.stdout.flush()   # the breakdown before the verdict on it
-    enforce_fit("explain", plan, estimate_uses(estimate.memory), "the cost model estimates")
+    source = "the cost model estimates" if estimate.closed_form_memory is None else "the compiled programs show"
+    enforce_fit("explain", plan, estimate_uses(estimate.memory), source)
     return 0

@@ -55,6 +55,9 @@ class Estimate:
     # the closed form's own step where `step_time_s` is the compiled program's simulated one (Note [one step
     # time] in passes/simulated_step.py); None: `step_time_s` is the closed form's
     closed_form_s: float | None = None
+    # the closed form's memory where `memory` is the compiled programs' peaks (the same note); None: `memory` is
+    # the closed form's
+    closed_form_memory: tuple[RankMemory, ...] | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -64,6 +67,11 @@ class Estimate:
     def closed_form_step_s(self) -> float:
         """The closed form's step, whichever step `step_time_s` is (what the planner's score mirrors)."""
         return self.step_time_s if self.closed_form_s is None else self.closed_form_s
+
+    @property
+    def closed_form_ranks(self) -> tuple[RankMemory, ...]:
+        """The closed form's memory per rank, whichever memory `memory` is."""
+        return self.memory if self.closed_form_memory is None else self.closed_form_memory
 
     @property
     def mfu(self) -> float:
@@ -96,7 +104,9 @@ class Estimate:
             "time": {"pipeline_s": t.pipeline, "bubble_s": t.bubble, "tail_s": t.tail,
                      "bottleneck": list(t.bottleneck) if t.bottleneck else None},
             "fits": self.fits,
-            "memory": [{**asdict(m), "total": m.total, "fits": m.fits} for m in self.memory],
+            "memory_source": "estimate" if self.closed_form_memory is None else "compiled",
+            "memory": [{**asdict(m), "total": m.total, "fits": m.fits, "estimate_total": closed.total}
+                       for m, closed in zip(self.memory, self.closed_form_ranks, strict=True)],
             "traffic": [{**asdict(g), "ranks": list(g.ranks)} for g in self.traffic],
             "lanes": [{"stage": x.stage, "lane": x.lane, "microbatches": x.microbatches,
                        "forward_s": x.forward, "backward_s": x.backward, "p2p_s": x.p2p,
@@ -118,11 +128,14 @@ def build_estimate(cm: CostModel) -> Estimate:
                     provenance(cm))
 
 
-def with_simulated_step(estimate: Estimate, cm: CostModel, step: float) -> Estimate:
+def with_simulated_step(estimate: Estimate, cm: CostModel, step: float, memory: tuple[RankMemory, ...]) -> Estimate:
     """`estimate` with the compiled program's simulated `step` as its step time (throughput and utilization
-    follow), its own kept as `closed_form_s` (Note [one step time] in passes/simulated_step.py)."""
+    follow) and its ranks' compiled `memory`, its own kept as `closed_form_s` and `closed_form_memory` (Note
+    [one step time] in passes/simulated_step.py)."""
     return replace(estimate, step_time_s=step, utilization=utilization(cm.model, cm.pipeline, cm.topology, step),
-                   closed_form_s=estimate.closed_form_step_s)
+                   closed_form_s=estimate.closed_form_step_s, memory=memory,
+                   closed_form_memory=estimate.memory if estimate.closed_form_memory is None
+                   else estimate.closed_form_memory)
 
 
 # ------------------------------------------------------------------ traffic

@@ -53,11 +53,11 @@ from pathlib import Path
 
 from hetc.passes.cost import CostModel, Estimate
 from hetc.passes.plan.candidate_score import Score
-from hetc.passes.cost.estimate import with_simulated_step
 from hetc.passes.plan.baselines import Baseline
 from hetc.passes.plan.emit import emit_spec
 from hetc.passes.plan.search import Found, Search
-from hetc.passes.simulated_step import AGREEMENT, Simulated, compute_ops, quick_to_simulate, simulated_step
+from hetc.passes.simulated_step import (AGREEMENT, Simulated, compute_ops, quick_to_simulate, simulated_step,
+                                       with_simulated)
 from hetc.ir.errors import SpecError
 from hetc.passes.validate import check_spec
 from hetc.ir.plan import Plan
@@ -115,7 +115,7 @@ class Printed:
         if self.costs is None:
             return None
         closed = self.costs.estimate()
-        return closed if self.simulated is None else with_simulated_step(closed, self.costs, self.simulated.step_s)
+        return closed if self.simulated is None else with_simulated(closed, self.costs, self.simulated)
 
 
 @dataclass(frozen=True)
