@@ -224,13 +224,15 @@ def test_a_slowed_lane_is_routed_around_without_a_restart_and_gets_its_microbatc
     Detection is asked for while the slowdown lasts (steps 6..14), not at its earliest (step 10, the first
     window of slow steps only): the slowdown is relative to the median lane's, and under CI's load the
     other lanes' windows read slow too; a clean-clone run detected at step 12 so. 10x leaves that ratio
-    well above 3 even so."""
+    well above 3 even so. Nor is it asked for no earlier than that first whole window: the window's one
+    healthy step can read slow beside lanes that ran faster than their calibration (the full suite on two
+    cores detected at step 9)."""
     steps = 26
     plan, done, records = _rebalanced_hetero(tmp_path, steps, "--rebalance-threshold", "3",
                                              "--inject", "slow rank=1 factor=10 from=5 until=14")
     events = [r for r in records if r.get("event") == "rebalance"]
     detected = next(r for r in events if r.get("slow") == [1, 0])
-    assert 10 <= detected["step"] <= 14        # 1-based: slow in steps 6..14, a window of 5 to see it
+    assert 6 <= detected["step"] <= 14         # 1-based: while it is slow (steps 6..14)
     taken = [r for r in events if r.get("taken")]
     (before, after), = taken[0]["change"].values()
     assert before == [3, 1] and after[0] < 3 and taken[0]["step"] == detected["step"]
