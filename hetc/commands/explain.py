@@ -7,10 +7,10 @@ import json
 import sys
 
 from hetc.commands import Subparsers
-from hetc.commands.fitreport import enforce_fit
+from hetc.commands.fitreport import enforce_estimate_fit
 from hetc.ir.errors import SpecError, UsageError
 from hetc.compiler import load_checked
-from hetc.passes.validate_fit import cost_error, estimate_uses
+from hetc.passes.validate_fit import cost_error
 from hetc.plandir import PROFILE_ENV
 from hetc.commands.profileargs import add_profile_option, load_profile_args
 
@@ -52,6 +52,5 @@ def run(args: argparse.Namespace) -> int:
 
         print(report(args.spec, plan.pipeline, estimate))
     sys.stdout.flush()   # the breakdown before the verdict on it
-    source = "the cost model estimates" if estimate.closed_form_memory is None else "the compiled programs show"
-    enforce_fit("explain", plan, estimate_uses(estimate.memory), source)
+    enforce_estimate_fit("explain", plan, estimate)
     return 0

@@ -9,12 +9,23 @@ so the command exits 2, as check and compile do for the same plan.
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 from hetc.ir.errors import SpecError
-from hetc.passes.validate_fit import RankUse, near_capacity_warning, stage_overflows
+from hetc.passes.validate_fit import RankUse, estimate_uses, near_capacity_warning, stage_overflows
 from hetc.ir.plan import Plan
 
-__all__ = ["enforce_fit"]
+if TYPE_CHECKING:     # the cost model loads where a command needs it, not when the CLI starts
+    from hetc.passes.cost.estimate import Estimate
+
+__all__ = ["enforce_estimate_fit", "enforce_fit"]
+
+
+def enforce_estimate_fit(verb: str, plan: Plan, estimate: Estimate) -> None:
+    """`enforce_fit` on the memory `estimate` prints: the compiled programs' peaks where they were simulated,
+    else the closed form's (Note [one step time] in passes/simulated_step.py)."""
+    source = "the cost model estimates" if estimate.closed_form_memory is None else "the compiled programs show"
+    enforce_fit(verb, plan, estimate_uses(estimate.memory), source)
 
 
 def enforce_fit(verb: str, plan: Plan, uses: list[RankUse], source: str) -> None:

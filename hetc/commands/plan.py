@@ -10,13 +10,12 @@ from pathlib import Path
 
 from hetc.commands import Subparsers
 from hetc.commands.progress import progress_printer
-from hetc.commands.fitreport import enforce_fit
+from hetc.commands.fitreport import enforce_estimate_fit
 from hetc.commands.planargs import add_time_limit_option
 from hetc.commands.profileargs import add_profile_option, load_profile_args
 from hetc.plandir import PROFILE_ENV
 from hetc.compiler import load_checked
 from hetc.ir.jsontypes import JsonObject, JsonValue
-from hetc.passes.validate_fit import estimate_uses
 from hetc.ir.units import human_seconds
 
 __all__ = ["register"]
@@ -72,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         print(summary, file=sys.stderr)
     if result.estimate is not None:   # None above FULL_ESTIMATE_RANKS: the planner's own fit check stands
         sys.stdout.flush()
-        enforce_fit("plan", result.plan, estimate_uses(result.estimate.memory), "the cost model estimates")
+        enforce_estimate_fit("plan", result.plan, result.estimate)
     return 0
 
 
