@@ -67,6 +67,9 @@ def test_plan_of_an_auto_spec_prints_the_step_compile_builds(capsys, tmp_path):
     assert planned["step_source"] == "simulated"
     assert planned["step_time_s"] == pytest.approx(compiled, rel=1e-9)
     assert planned["estimate_step_s"] == pytest.approx(compiled, rel=0.10)
+    assert planned["memory_source"] == "compiled"       # the same programs' peaks, as explain prints them
+    explained = _json(capsys, str(tmp_path / "out" / "plan.het"))    # the plan compile wrote out
+    assert [m["total"] for m in planned["memory"]] == pytest.approx([m["total"] for m in explained["memory"]])
 
 
 def test_text_report(capsys):

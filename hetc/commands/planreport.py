@@ -196,6 +196,7 @@ def plan_json(path: str, result: PlanResult, text: str, prov: Provenance) -> Jso
            "baselines": [_baseline_json(b) for b in result.baselines],
            "planning": {"seconds": result.seconds, "structures": result.structures},
            "text": text, **prov.to_json()}
+    out.setdefault("memory_source", "estimate")     # the planner's classes: the closed form's
     if result.printed_score is not None:
         out["dollars_per_hour"] = result.printed_score.dollars_per_hour
         out["dollars_per_token"] = result.printed_score.dollars_per_token
