@@ -116,6 +116,6 @@ def simulated_estimate(costs: CostModel, estimate: Estimate, program: Program | 
 def with_simulated(estimate: Estimate, costs: CostModel, simulated: Simulated) -> Estimate:
     """`estimate` at `simulated`'s step, with its programs' memory peaks as compile's memory check walks them
     (Note [one step time])."""
-    peaks = rank_peaks(simulated.program, costs.pipeline, costs)
-    memory = tuple(compiled_memory(m, p) for m, p in zip(estimate.memory, peaks, strict=True))
+    peaks = {peak.rank: peak for peak in rank_peaks(simulated.program, costs.pipeline, costs)}
+    memory = tuple(compiled_memory(m, peaks[m.rank]) for m in estimate.memory)
     return with_simulated_step(estimate, costs, simulated.step_s, memory)

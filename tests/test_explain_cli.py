@@ -36,6 +36,29 @@ def test_json_fields(capsys, name):
     assert out["time"]["pipeline_s"] <= out["estimate_step_s"] + 1e-12     # the closed form's parts
 
 
+@pytest.mark.parametrize("name", ["hetero.het", "zero3.het", "zb.het", "interleaved.het", "gpipe.het",
+                                  "offload_act.het", "tied_pp.het", "moe_pp_ep2.het"])
+def test_explains_memory_is_compiles_on_every_rank(capsys, name):
+    """Note [one step time]: each rank's memory explain prints is its compiled program's peak, part by part
+    (ZeRO-3's gathered parameters among the buffers), with the closed form's total beside it."""
+    from hetc.compiler import load_checked
+    from hetc.passes.cost import CostModel
+    from hetc.passes.lower.by_class import lower_by_class
+    from hetc.passes.verify.memory import rank_peaks
+
+    _, checked = load_checked(DEMO / name)
+    plan = checked.explicit()
+    costs = CostModel(plan, None)
+    peaks = {p.rank: p for p in rank_peaks(lower_by_class(plan, costs).program, plan.pipeline, costs)}
+    out = _json(capsys, str(DEMO / name))
+    assert out["memory_source"] == "compiled" and {m["rank"] for m in out["memory"]} == set(peaks)
+    for m in out["memory"]:
+        parts = peaks[m["rank"]].parts
+        assert m["total"] == pytest.approx(peaks[m["rank"]].total, rel=1e-9)
+        assert m["activations"] == parts["activations"] and m["buffers"] == parts["gathered"] + parts["buffers"]
+        assert m["estimate_total"] == pytest.approx(m["total"], rel=0.10)   # the planner's closed form
+
+
 def test_the_step_is_the_compiled_programs_and_the_estimate_is_beside_it(capsys, tmp_path, monkeypatch):
     """Note [one step time]: explain prints the step `hetc compile` simulates, the closed form beside it; where
     the programs are too many to build in a moment it prints the closed form, and says so."""
