@@ -27,10 +27,10 @@ estimate, the simulator and the planner:
   154 of the 158 agreement tests (tests/test_plan_agreement.py) still held;
   the planner's new choices failed the rest: deep job 13 explained −11.5 %
   of its compiled step (the same overlap: its 8 stages of 2 tp-4 lanes, a
-  node each, send 8 slices at once, 178 us each against a 130 us forward;
-  rechecked 2026-12-05, each 1F1B cycle of stage 1 ran forward, the pair's
-  activation, then its gradient on the same NCCL line, then backward, 669
-  us, where the closed form overlaps the transfers with the ops); random
+  node each, send 8 slices at once, 178 us each; rechecked 2026-12-05, its
+  last stage, 592 us of ops a microbatch, ran a 668 us cycle: its next
+  activation waited behind the gradient it sent on the pair's NCCL line,
+  where the closed form overlaps both with its backward); random
   jobs 22 and 65 +18.5 % and +11.8 % of their compiled memory (explain
   now prints the compiled peaks, Note [one step time], but the planner
   searches with the closed form; slower borders raise a ZB lane's
