@@ -12,10 +12,11 @@ receives the closed form counts in full, and the estimate was 5.7 % over
 the compiled step. So explain and plan lower and simulate the plan as
 compile does, and print that step (the estimate's beside it, as
 `estimate_step_s`), and each rank's memory as the verifier walks those
-programs (Note [memory timeline] in passes/verify/memory.py), where the programs are small enough to build in about
-a second: at most SIMULATED_OPS compute ops over all ranks (a rank's: its
-lane's microbatches times its stage's ministages; about 0.1 ms each to
-lower, verify and simulate on this machine), with no group of more than
+programs (Note [memory timeline] in passes/verify/memory.py), where the
+programs are small enough to build in about a second: at most
+SIMULATED_OPS compute ops over all ranks (a rank's: its lane's
+microbatches times its stage's ministages; about 0.1 ms each to lower,
+verify and simulate on this machine), with no group of more than
 SIMULATED_LOCKSTEP_LANES lanes in lockstep (lowering's schedule simulation
 of such a group grows much faster than its ops: Note [coupled lanes] in
 passes/lower/lane_sim.py). Above that they print the estimate, and say so.
@@ -27,9 +28,8 @@ microbatches a lane) the closed form counted 3 stashes where the compiled
 lane holds 2: 14.09 GiB explained, 11.89 GiB compiled (+18.5 %); with
 compile's peak explain says what compile will, fits or not, and prints the
 closed form's total beside it. The planner's plans agree within 10 % either
-way (the same test). The planner
-chooses among its best plans and the baselines on this same step (Note [one
-number] in passes/plan/final.py).
+way (the same test). The planner chooses among its best plans and the
+baselines on this same step (Note [one number] in passes/plan/final.py).
 """
 
 from __future__ import annotations

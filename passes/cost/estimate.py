@@ -134,8 +134,7 @@ def with_simulated_step(estimate: Estimate, cm: CostModel, step: float, memory: 
     [one step time] in passes/simulated_step.py)."""
     return replace(estimate, step_time_s=step, utilization=utilization(cm.model, cm.pipeline, cm.topology, step),
                    closed_form_s=estimate.closed_form_step_s, memory=memory,
-                   closed_form_memory=estimate.memory if estimate.closed_form_memory is None
-                   else estimate.closed_form_memory)
+                   closed_form_memory=estimate.closed_form_ranks)
 
 
 # ------------------------------------------------------------------ traffic
