@@ -9,6 +9,7 @@ import pytest
 from hetc.cli import main
 from tests.conftest import DEMO, ROOT
 from tests.costspecs import plan_text, write_spec
+from tests.random_jobs import _node
 
 EXPLICIT_DEMOS = ["single.het", "dp.het", "pp.het", "hetero.het", "zero3_offload.het", "interleaved.het",
                   "zb.het", "gpipe.het", "hsdp.het"]
@@ -36,20 +37,25 @@ def test_json_fields(capsys, name):
     assert out["time"]["pipeline_s"] <= out["estimate_step_s"] + 1e-12     # the closed form's parts
 
 
-@pytest.mark.parametrize("name", ["hetero.het", "zero3.het", "zb.het", "interleaved.het", "gpipe.het",
-                                  "offload_act.het", "tied_pp.het", "moe_pp_ep2.het"])
-def test_explains_memory_is_compiles_on_every_rank(capsys, name):
-    """Note [one step time]: each rank's memory explain prints is its compiled program's peak, part by part
-    (ZeRO-3's gathered parameters among the buffers), with the closed form's total beside it."""
+def _compiled_peaks(spec) -> dict:
+    """Each rank's memory peak as compile's memory check walks the programs compile lowers from `spec`."""
     from hetc.compiler import load_checked
     from hetc.passes.cost import CostModel
     from hetc.passes.lower.by_class import lower_by_class
     from hetc.passes.verify.memory import rank_peaks
 
-    _, checked = load_checked(DEMO / name)
+    _, checked = load_checked(spec)
     plan = checked.explicit()
     costs = CostModel(plan, None)
-    peaks = {p.rank: p for p in rank_peaks(lower_by_class(plan, costs).program, plan.pipeline, costs)}
+    return {p.rank: p for p in rank_peaks(lower_by_class(plan, costs).program, plan.pipeline, costs)}
+
+
+@pytest.mark.parametrize("name", ["hetero.het", "zero3.het", "zb.het", "interleaved.het", "gpipe.het",
+                                  "offload_act.het", "tied_pp.het", "moe_pp_ep2.het"])
+def test_explains_memory_is_compiles_on_every_rank(capsys, name):
+    """Note [one step time]: each rank's memory explain prints is its compiled program's peak, part by part
+    (ZeRO-3's gathered parameters among the buffers), with the closed form's total beside it."""
+    peaks = _compiled_peaks(DEMO / name)
     out = _json(capsys, str(DEMO / name))
     assert out["memory_source"] == "compiled" and {m["rank"] for m in out["memory"]} == set(peaks)
     for m in out["memory"]:
@@ -178,28 +184,7 @@ model m2_7B {
 }
 
 cluster mix {
-  node g0 {
-    device = L40S_small
-    count = 1
-    gpus = 8
-    region = east
-    host_memory = 512 GiB
-    intra {
-      bandwidth = 150 GB/s
-      latency = 5 us
-    }
-  }
-  node g1 {
-    device = H100
-    count = 1
-    gpus = 2
-    region = west
-    host_memory = 512 GiB
-    intra {
-      bandwidth = 150 GB/s
-      latency = 5 us
-    }
-  }
+NODES
   link g0 <-> g1 {
     bandwidth = 5 GB/s
     latency = 500 us
@@ -260,22 +245,16 @@ def test_explain_prints_the_memory_compile_checks_and_its_verdict(capsys, tmp_pa
     """Note [one step time]: explain's memory per rank is the compiled programs' peak, as compile's memory check
     walks them, with the closed form beside it; where the closed form counts a stash no lane holds, explain
     still says what compile says (it fits) instead of refusing the plan."""
-    from hetc.compiler import load_checked
-    from hetc.passes.cost import CostModel
-    from hetc.passes.lower.by_class import lower_by_class
-    from hetc.passes.verify.memory import rank_peaks
-
     spec = tmp_path / "fed.het"
-    spec.write_text(FED_BY_LOCKSTEP.replace("CATALOG", str(ROOT / "specs" / "catalog.het")))
+    nodes = "\n".join(_node("g0", "L40S_small", 1, 8, "east") + _node("g1", "H100", 1, 2, "west"))
+    spec.write_text(FED_BY_LOCKSTEP.replace("CATALOG", str(ROOT / "specs" / "catalog.het")).replace("NODES", nodes))
     assert main(["compile", str(spec), "-o", str(tmp_path / "out")]) == 0
     capsys.readouterr()
-    _, checked = load_checked(spec)
-    plan = checked.explicit()
-    costs = CostModel(plan, None)
-    peaks = rank_peaks(lower_by_class(plan, costs).program, plan.pipeline, costs)
+    peaks = _compiled_peaks(spec)
     out = _json(capsys, str(spec))
     assert out["memory_source"] == "compiled"
-    assert [m["total"] for m in out["memory"]] == pytest.approx([p.total for p in peaks], rel=1e-9)
+    assert [m["total"] for m in out["memory"]] == pytest.approx([peaks[m["rank"]].total for m in out["memory"]],
+                                                               rel=1e-9)
     s3 = out["memory"][2]                     # stage s3's first lane
     assert s3["estimate_total"] > max(1.1 * s3["total"], s3["capacity"]) and s3["fits"]
     assert main(["explain", str(spec)]) == 0
