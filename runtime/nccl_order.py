@@ -4,13 +4,17 @@ Note [NCCL order on gloo]
 NCCL starts a rank's operations on one communicator in posting order, one
 at a time, and a receive (or send) holds the communicator's stream until its
 partner arrives (Note [NCCL order] in passes/verify/machine.py); gloo starts
-each op when it is posted. So a program that posts a receive ahead of a
-send to the same peer trains on gloo and hangs on GPUs. With the emulation
-on, `Comm` (runtime/comm.py) puts each of the interpreter's communication
-ops on a *line*, one per communicator as NCCL has them: the unordered rank
-pair of an isend/irecv (both directions share it, as `getKeySendRecv` keys
-them), the process group of a collective. An op is started on gloo only
-once every op its rank posted earlier on that line has completed.
+each op when it is posted. A program that trains on gloo could hang on GPUs
+(with one communicator a rank pair, a receive posted ahead of a send to the
+same peer did). With the emulation on, `Comm` (runtime/comm.py) puts each of
+the interpreter's communication ops on a *line*, one per communicator as
+NCCL has them: the direction (sender, receiver) of an isend/irecv, which
+travels on a process group of its own (Note [one communicator per
+direction] in runtime/comm.py), the process group of a collective. An op is
+started on gloo only once every op its rank posted earlier on that line has
+completed. So a CPU run holds the claim that NCCL's order hangs nothing
+gloo runs to the programs as they execute, and a hand-edited program that
+NCCL would hang fails fast here too.
 
 Each line that has ops runs one thread: it starts the op at the head of
 the line on gloo, waits for it, pops it, and takes the next; it ends when
@@ -23,22 +27,21 @@ busy line keeps the order, the start and the completion of every op in
 one place that a stalled wait can read to say what it is stuck behind.
 Starting ops from several threads keeps each group's calls in one order
 (one thread per group), and gloo matches point-to-point messages by tag,
-so the pair threads sharing the default group do not mix them up.
+so the direction threads sharing a group do not mix them up.
 
 A hang fails fast: a wait whose op has not completed after `stall_s`
 raises `NcclOrderDeadlock` naming the rank, the op, the communicator and
 the op it is queued behind (or the op queued behind it), instead of
 waiting out the collective timeout. Completed, not started: in the typical
-deadlock each rank waits on a receive that heads its line and has started;
-what has not started is the partner send, queued behind the *other* rank's
-receive (pp_receives_ahead.txt: rank 0 waits in `recv grad mb=0` with `send
-act mb=2` behind it, rank 2 in `recv act mb=2` with `send grad mb=0`).
+deadlock each rank waits on an op that heads its line and has started;
+what has not started is its partner, queued behind the *other* rank's op
+(two groups' collectives called in opposite orders, tests/test_nccl_emulation.py).
 
 Not on lines: the compute's own synchronous calls (tensor, context and
 expert parallelism's collectives, ring attention's batched exchanges). They
 run on groups only compute uses and are waited before the compute returns,
-and with collectives alone NCCL's rule never blocks more than gloo's (Note
-[NCCL order]), so no deadlock is lost.
+and NCCL's rule never blocks more than gloo's (Note [NCCL order]), so no
+deadlock is lost.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ if TYPE_CHECKING:
     from hetc.runtime.comm import Waitable
 
 __all__ = ["DEFAULT_STALL_S", "EMULATE_ENV", "STALL_ENV", "LineWork", "NcclEmulation", "NcclOrder",
-           "NcclOrderDeadlock", "emulation_from_env", "pair"]
+           "NcclOrderDeadlock", "emulation_from_env"]
 
 EMULATE_ENV = "HETC_EMULATE_NCCL"          # "1": hold gloo to NCCL's order
 STALL_ENV = "HETC_EMULATE_NCCL_STALL_S"    # seconds a wait may stall before it fails
@@ -96,11 +99,6 @@ def emulation_from_env(environ: Mapping[str, str] = os.environ) -> NcclEmulation
         return NcclEmulation(float(stall))
     except ValueError:
         raise UsageError(f"{STALL_ENV}={stall!r}: give the seconds a wait may stall, a positive number") from None
-
-
-def pair(rank: int, peer: int) -> Communicator:
-    """The communicator of point-to-point traffic between two ranks, either direction."""
-    return (min(rank, peer), max(rank, peer))
 
 
 class _Op:

@@ -16,7 +16,7 @@ from hetc.passes.lower import lower
 from hetc.passes.validate import check_spec
 from hetc.ir.pipeline import Pipeline
 from hetc.ir.plan import Plan
-from hetc.ir.program import Program
+from hetc.ir.program import Program, RankProgram, Recv, Send, Wait
 from hetc.ir.spec import ScheduleKind, Spec
 from hetc.ir.topology import Topology
 from tests.conftest import DEMO, ROOT
@@ -58,3 +58,16 @@ def compile_plan(path: Path, schedule: ScheduleKind | None = None) -> Lowered:
         checked = check_spec(dataclasses.replace(checked.spec, parallel=parallel), loaded.path.parent)
     plan = checked.explicit()
     return Lowered(plan, lower(plan))
+
+
+def waits_for_its_gradient_first(rp: RankProgram) -> RankProgram:
+    """Rank 0 of tests/listings/pp_receives_ahead.txt (specs/demo/pp.het), waiting for microbatch 2's gradient before it sends microbatch 2's activation."""
+    instrs = list(rp.instrs)
+    recv = next(i for i in instrs if isinstance(i, Recv) and i.mb == 2)
+    send = next(i for i in instrs if isinstance(i, Send) and i.mb == 2)
+    instrs.remove(recv)
+    wait = next(i for i in instrs if isinstance(i, Wait) and i.handle == recv.handle)
+    instrs.remove(wait)
+    at = instrs.index(send)
+    instrs[at:at] = [recv, wait]
+    return dataclasses.replace(rp, instrs=tuple(instrs))

@@ -1,10 +1,11 @@
 """NCCL's order on gloo (`HETC_EMULATE_NCCL=1`; Note [NCCL order on gloo] in runtime/nccl_order.py; issue 29, item 3).
 
-With the emulation a rank's ops on one communicator (the rank pair of a send or receive, the group of a
-collective) start on gloo only once the earlier ones completed, so a CPU run hangs where NCCL would, and
-fails fast instead of waiting out the collective timeout. The old pipeline order (receives posted ahead,
-tests/listings/pp_receives_ahead.txt) trains on gloo and is caught under the emulation; programs in NCCL's
-order train to the same losses both ways.
+With the emulation a rank's ops on one communicator (the direction of a send or receive, Note [one
+communicator per direction] in runtime/comm.py; the group of a collective) start on gloo only once the earlier
+ones completed, so a CPU run hangs where NCCL would, and fails fast instead of waiting out the collective
+timeout. The old pipeline order (receives posted ahead, tests/listings/pp_receives_ahead.txt), which hung when
+both directions of a pair shared a communicator, trains under the emulation; lowered programs train to the
+same losses both ways.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,9 +22,11 @@ import pytest
 from hetc.cli import main
 from hetc.ir.errors import UsageError
 from hetc.plandir import listing_name
+from hetc.ir.program import RankProgram
 from hetc.runtime.nccl_order import (EMULATE_ENV, STALL_ENV, NcclEmulation, NcclOrder, NcclOrderDeadlock,
-                                     emulation_from_env, pair)
+                                     emulation_from_env)
 from tests.conftest import DEMO, ROOT
+from tests.plans import waits_for_its_gradient_first
 from tests.rank_pool import COMM_ORDERS, PlanJob, agreed_losses, compile_plans
 
 OLD_PP = ROOT / "tests" / "listings" / "pp_receives_ahead.txt"
@@ -62,36 +66,39 @@ def _until(condition, what: str) -> None:
 
 def test_ops_on_one_communicator_start_in_posting_order_one_at_a_time_and_posting_never_blocks():
     order, started, works = NcclOrder(0, NcclEmulation(stall_s=GUARD_S)), [], {}
-    first = _post(order, pair(0, 2), "recv grad mb=0", started, works)
-    second = _post(order, pair(2, 0), "send act mb=2", started, works)    # the same pair, the other direction
+    first = _post(order, (2, 0), "recv grad mb=0", started, works)
+    second = _post(order, (2, 0), "recv grad mb=1", started, works)     # the same direction
+    back = _post(order, (0, 2), "send act mb=2", started, works)       # the other direction: its own line
     other = _post(order, "dp", "all_reduce on group 'dp'", started, works)   # another communicator
-    _until(lambda: len(started) == 2, "the heads of both lines started")
-    assert sorted(started) == ["all_reduce on group 'dp'", "recv grad mb=0"]   # the send waits its turn
-    works["all_reduce on group 'dp'"].finish.set()
-    other.wait()
-    assert "send act mb=2" not in started
+    _until(lambda: len(started) == 3, "the heads of the three lines started")
+    assert sorted(started) == ["all_reduce on group 'dp'", "recv grad mb=0", "send act mb=2"]
+    for name, work in (("all_reduce on group 'dp'", other), ("send act mb=2", back)):
+        works[name].finish.set()
+        work.wait()
+    assert "recv grad mb=1" not in started                               # it waits its turn
     works["recv grad mb=0"].finish.set()
     first.wait()
-    _until(lambda: "send act mb=2" in started, "the send started once the receive completed")
-    works["send act mb=2"].finish.set()
+    _until(lambda: "recv grad mb=1" in started, "the second receive started once the first completed")
+    works["recv grad mb=1"].finish.set()
     second.wait()
 
 
 def test_a_stalled_wait_fails_fast_naming_rank_op_communicator_and_what_it_is_stuck_behind():
     order, started, works = NcclOrder(2, NcclEmulation(stall_s=0.2)), [], {}
-    head = _post(order, pair(0, 2), "recv act ms=0 mb=2 from=0", started, works)
-    queued = _post(order, pair(0, 2), "send grad ms=1 mb=0 to=0", started, works)
+    head = _post(order, (0, 2), "recv act ms=0 mb=2 from=0", started, works)
+    queued = _post(order, (0, 2), "recv act ms=0 mb=4 from=0", started, works)
     with pytest.raises(NcclOrderDeadlock) as caught:
         queued.wait()
-    assert ("deadlock under NCCL's order: rank 2's `send grad ms=1 mb=0 to=0` has not started after 0.2 s: on the "
-            "pair (0, 2) it is queued behind `recv act ms=0 mb=2 from=0`, which has not completed") in str(caught.value)
+    assert ("deadlock under NCCL's order: rank 2's `recv act ms=0 mb=4 from=0` has not started after 0.2 s: on the "
+            "direction 0 -> 2 it is queued behind `recv act ms=0 mb=2 from=0`, which has not completed"
+            ) in str(caught.value)
     with pytest.raises(NcclOrderDeadlock) as caught:
         head.wait()
-    assert ("rank 2's `recv act ms=0 mb=2 from=0` has not completed after 0.2 s: it holds the pair (0, 2), "
-            "with `send grad ms=1 mb=0 to=0` queued behind it") in str(caught.value)
+    assert ("rank 2's `recv act ms=0 mb=2 from=0` has not completed after 0.2 s: it holds the direction 0 -> 2, "
+            "with `recv act ms=0 mb=4 from=0` queued behind it") in str(caught.value)
     works["recv act ms=0 mb=2 from=0"].finish.set()     # let the line's thread end
-    _until(lambda: "send grad ms=1 mb=0 to=0" in started, "the queued op started")
-    works["send grad ms=1 mb=0 to=0"].finish.set()
+    _until(lambda: "recv act ms=0 mb=4 from=0" in started, "the queued op started")
+    works["recv act ms=0 mb=4 from=0"].finish.set()
 
 
 def test_a_failed_op_fails_its_wait_and_the_line_goes_on():
@@ -99,8 +106,8 @@ def test_a_failed_op_fails_its_wait_and_the_line_goes_on():
 
     def fails():
         raise RuntimeError("Connection closed by peer")
-    broken = order.post(pair(0, 1), "recv act", fails)
-    after = order.post(pair(0, 1), "send grad", lambda: _Finished())
+    broken = order.post((1, 0), "recv act", fails)
+    after = order.post((1, 0), "recv grad", lambda: _Finished())
     with pytest.raises(RuntimeError, match="Connection closed by peer"):
         broken.wait()
     after.wait()
@@ -129,13 +136,15 @@ def test_a_bad_emulation_setting_is_a_usage_error(environ, message):
 
 # ------------------------------------------------------------------ whole runs
 
-def old_pp_plan(out: Path) -> Path:
-    """specs/demo/pp.het compiled, with the listings of the old order (receives posted ahead) in programs/."""
+def old_pp_plan(out: Path, edit: Callable[[RankProgram], RankProgram] | None = None) -> Path:
+    """specs/demo/pp.het compiled, with the listings of the old order (receives posted ahead) in programs/;
+    `edit` rewrites rank 0's."""
     plan_dir = out / "pp_old"
     assert main(["compile", str(DEMO / "pp.het"), "-o", str(plan_dir)]) == 0
     _, *rank_texts = OLD_PP.read_text().split("\nrank ")
     for rank, text in enumerate(rank_texts):
-        (plan_dir / "programs" / listing_name(rank)).write_text("rank " + text.rstrip("\n") + "\n")
+        rp = RankProgram.from_text("rank " + text)
+        (plan_dir / "programs" / listing_name(rank)).write_text((edit(rp) if edit and rank == 0 else rp).to_text())
     return plan_dir
 
 
@@ -152,18 +161,21 @@ def old_pp(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-def test_the_old_pipeline_order_trains_on_gloo(old_pp, tmp_path):
-    done = _run_local(old_pp, tmp_path)
+@pytest.mark.parametrize("emulated", [False, True], ids=["gloo", "emulated"])
+def test_the_old_pipeline_order_trains_on_gloo_and_under_the_emulation(old_pp, tmp_path, emulated):
+    """It hung under the emulation while a rank pair's two directions shared a line."""
+    done = _run_local(old_pp, tmp_path, **({EMULATE_ENV: "1", STALL_ENV: "20"} if emulated else {}))
     assert done.returncode == 0, done.stderr
 
 
 @pytest.mark.slow
-def test_the_old_pipeline_order_fails_fast_under_the_emulation_naming_the_deadlock(old_pp, tmp_path):
-    done = _run_local(old_pp, tmp_path, **{EMULATE_ENV: "1", STALL_ENV: "3"})
-    assert done.returncode != 0
-    assert ("deadlock under NCCL's order: rank 0's `recv grad ms=1 mb=0 from=2 shape=2x32x64 h=0` has not "
-            "completed after 3 s: it holds the pair (0, 2), with `send act ms=0 mb=2 to=2 shape=2x32x64 h=3` "
-            "queued behind it") in done.stderr, done.stderr
+def test_a_program_that_would_hang_is_refused_before_it_runs(tmp_path):
+    """Rank 0 waits for microbatch 2's gradient before it sends microbatch 2's activation: a hang under any
+    order. `hetc run` verifies the listings it is given first and names the wait (exit 2), emulation or not."""
+    plan = old_pp_plan(tmp_path, waits_for_its_gradient_first)
+    done = _run_local(plan, tmp_path, **{EMULATE_ENV: "1", STALL_ENV: "3"})
+    assert done.returncode == 2, done.stderr
+    assert "programs are unsafe" in done.stderr and "rank 0, instruction 7 `wait h=1`: deadlock" in done.stderr
     assert "Traceback" not in done.stderr
 
 

@@ -1,16 +1,16 @@
 """NCCL's ordering rule in the blocking machine (Note [NCCL order], passes/verify/machine.py; issue 29).
 
 Under gloo a posted op completes as soon as its partners are posted; under NCCL a rank's ops on one
-communicator (the rank pair of a send or receive, the group of a collective or of a compute op's tp/cp/ep
-part) also start in posting order, one at a time. The lowering before the `nccl_order` pass posted
-receives ahead, so its pipeline programs verified under gloo and hung under NCCL in their first step:
-tests/listings/pp_receives_ahead.txt keeps that old order, which these tests still refuse; the lowering
-now posts each pair's messages in one order (Note [NCCL channel order] in passes/lower/channel_order.py).
+communicator (the direction of a send or receive, the group of a collective or of a compute op's tp/cp/ep
+part) also start in posting order, one at a time. With one communicator a rank pair, both directions, the
+lowering that posted receives ahead made pipeline programs that verified under gloo and hung under NCCL in
+their first step (tests/listings/pp_receives_ahead.txt keeps that order); the runtime now gives each
+direction a communicator of its own (Note [one communicator per direction] in runtime/comm.py), under which
+NCCL's order hangs nothing gloo's runs: these tests hold the machine to that, and to the time the order adds.
 """
 
 from __future__ import annotations
 
-import itertools
 import random
 import re
 
@@ -21,14 +21,14 @@ from hetc.compiler import load_checked
 from hetc.passes.cost import CostModel
 from hetc.passes.lower import lower
 from hetc.passes.simulate import simulate, timed_machine
-from hetc.passes.verify import Backend, VerifyError, verify
+from hetc.passes.verify import Backend, verify
 from hetc.passes.verify.machine import Machine
 from hetc.passes.verify.protocol import check_protocol
 from hetc.plandir import listing_name
 from hetc.ir.program import AllReduce, Forward, Group, Program, RankProgram, Recv, Send, Shard, Tensor, Wait
 from hetc.ir.spec import ScheduleKind
 from tests.conftest import DEMO, ROOT
-from tests.plans import DEMO_PLANS, compile_plan, plan_id
+from tests.plans import DEMO_PLANS, compile_plan, plan_id, waits_for_its_gradient_first
 from tests.random_jobs import deep_job
 
 OLD_PP = ROOT / "tests" / "listings" / "pp_receives_ahead.txt"
@@ -74,42 +74,32 @@ def _times(program: Program, backend: Backend) -> dict[tuple[int, int], tuple[fl
 
 # ------------------------------------------------------------------ the old pipeline order (finding 1)
 
-def test_old_pp_verifies_under_gloo_and_deadlocks_under_nccl_naming_ranks_instructions_and_pair():
+def test_old_pp_order_verifies_under_nccl_now_that_each_direction_has_its_communicator():
+    """With one communicator a pair, rank 0's `recv grad mb=0` held the pair's stream ahead of its `send act
+    mb=2` while rank 2's `recv act mb=2` held its own ahead of `send grad mb=0`: a cycle. A direction's line
+    holds only the messages that match in its order, so the cycle cannot form."""
     lowered = compile_plan(DEMO / "pp.het")
-    program = _old_pp()
-    verify(program, lowered.plan)                       # gloo: proved safe
-    with pytest.raises(VerifyError) as caught:
-        verify(program, lowered.plan, backend=Backend.NCCL)
-    assert caught.value.check == "protocol"
-    text = _messages(*caught.value.findings)
-    # rank 0 waits for its `recv grad mb=0`; rank 2's send of it sits behind rank 2's `recv act mb=2`, whose
-    # send sits behind rank 0's `recv grad mb=0`: a cycle on the one communicator of the pair (0, 2)
-    assert re.search(r"rank 0, instruction 7: deadlock: waits for `recv grad ms=1 mb=0 from=2 [^`]*` \(instruction 3\)"
-                     r", which never completes: on the pair \(0, 2\), rank 2's matching `send grad ms=1 mb=0 to=0 "
-                     r"[^`]*` \(instruction 6\) is queued behind its `recv act ms=0 mb=2 from=0 [^`]*` "
-                     r"\(instruction 4\)", text), text
-    assert re.search(r"rank 2, instruction 7: deadlock: waits for `recv act ms=0 mb=2 [^`]*` \(instruction 4\), "
-                     r"which never completes: on the pair \(0, 2\), rank 0's matching `send act ms=0 mb=2 [^`]*` "
-                     r"\(instruction 6\) is queued behind its `recv grad ms=1 mb=0 [^`]*` \(instruction 3\)", text)
-    assert "on the pair (1, 3)" in text                                   # the other lane hangs the same way
+    for backend in Backend:
+        verify(_old_pp(), lowered.plan, backend=backend)
 
 
-def test_hetc_verify_backend_flag_refuses_the_old_order_under_nccl(tmp_path, capsys):
+def test_hetc_verify_backend_flag_takes_the_old_order_and_refuses_a_real_deadlock_under_both(tmp_path, capsys):
     plan_dir = tmp_path / "plan"
     assert main(["compile", str(DEMO / "pp.het"), "-o", str(plan_dir)]) == 0
-    _, *rank_texts = OLD_PP.read_text().split("\nrank ")
-    for r, text in enumerate(rank_texts):                                 # the listings in the old order
-        (plan_dir / "programs" / listing_name(r)).write_text("rank " + text.rstrip("\n") + "\n")
+    listings = plan_dir / "programs"
+    for rp in _old_pp().ranks:                                            # the listings in the old order
+        (listings / listing_name(rp.rank)).write_text(rp.to_text())
     capsys.readouterr()
     assert main(["verify", str(plan_dir)]) == 0
     assert "gloo rules" in capsys.readouterr().out
-    assert main(["verify", str(plan_dir), "--backend", "gloo"]) == 0
-    capsys.readouterr()
-    assert main(["verify", str(plan_dir), "--backend", "nccl"]) == 2
-    err = capsys.readouterr().err
-    assert "error: rank 0, instruction 7 `wait h=0`: deadlock" in err
-    assert "on the pair (0, 2), rank 2's matching `send grad ms=1 mb=0" in err
-    assert "Traceback" not in err
+    assert main(["verify", str(plan_dir), "--backend", "nccl"]) == 0
+    (listings / listing_name(0)).write_text(waits_for_its_gradient_first(_old_pp().ranks[0]).to_text())
+    for backend in Backend:
+        capsys.readouterr()
+        assert main(["verify", str(plan_dir), "--backend", backend.value]) == 2
+        err = capsys.readouterr().err
+        assert "error: rank 0, instruction 7 `wait h=1`: deadlock: waits for `recv grad ms=1 mb=2" in err, err
+        assert "Traceback" not in err
 
 
 def test_hetc_verify_refuses_an_unknown_backend(tmp_path, capsys):
@@ -120,36 +110,37 @@ def test_hetc_verify_refuses_an_unknown_backend(tmp_path, capsys):
 
 # ------------------------------------------------------------------ hand-written point-to-point
 
-def test_send_then_receive_matched_in_the_same_order_on_both_sides_passes_under_nccl():
-    program = _two_ranks([Send(Tensor.ACT, 0, 0, 1, SHAPE, 1), Recv(Tensor.GRAD, 1, 0, 1, SHAPE, 2), Wait(1), Wait(2)],
-                         [Recv(Tensor.ACT, 0, 0, 0, SHAPE, 1), Send(Tensor.GRAD, 1, 0, 0, SHAPE, 2), Wait(1), Wait(2)])
+def test_the_two_directions_of_a_pair_overlap_and_one_directions_messages_take_turns_under_nccl():
+    program = _two_ranks([Send(Tensor.ACT, 0, 0, 1, SHAPE, 1), Send(Tensor.ACT, 0, 1, 1, SHAPE, 2),
+                          Recv(Tensor.GRAD, 1, 0, 1, SHAPE, 3), Wait(1), Wait(2), Wait(3)],
+                         [Recv(Tensor.ACT, 0, 0, 0, SHAPE, 1), Recv(Tensor.ACT, 0, 1, 0, SHAPE, 2),
+                          Send(Tensor.GRAD, 1, 0, 0, SHAPE, 3), Wait(1), Wait(2), Wait(3)])
     for backend in Backend:
         assert check_protocol(program, backend=backend) == []
-    # one communicator per pair: under NCCL the second message starts when the first ends, under gloo at once
-    assert _times(program, Backend.GLOO)[(0, 1)] == (0.0, 2.0)
-    assert _times(program, Backend.NCCL)[(0, 1)] == (2.0, 4.0)
+    gloo, nccl = _times(program, Backend.GLOO), _times(program, Backend.NCCL)
+    assert gloo[(0, 1)] == gloo[(0, 2)] == (0.0, 2.0)     # gloo: every message when both ends are posted
+    assert nccl[(0, 0)] == (0.0, 2.0) and nccl[(0, 1)] == (2.0, 4.0)   # NCCL: one direction, one at a time ...
+    assert nccl[(0, 2)] == (0.0, 2.0)                      # ... the other direction on its own communicator
 
 
-def test_both_ranks_sending_first_hangs_under_nccl_only():
-    """NVIDIA/nccl#479: send-then-recv posted on both ranks is stuck (each send holds the pair's stream)."""
+def test_both_ranks_sending_first_runs_under_nccl():
+    """NVIDIA/nccl#479: send-then-recv posted on both ranks hangs when both directions share one communicator
+    (each send holds the pair's stream); with one communicator a direction it runs, as under gloo."""
     program = _two_ranks([Send(Tensor.ACT, 0, 0, 1, SHAPE, 1), Recv(Tensor.GRAD, 1, 0, 1, SHAPE, 2), Wait(1), Wait(2)],
                          [Send(Tensor.GRAD, 1, 0, 0, SHAPE, 1), Recv(Tensor.ACT, 0, 0, 0, SHAPE, 2), Wait(1), Wait(2)])
-    assert check_protocol(program) == []
-    text = _messages(*check_protocol(program, backend=Backend.NCCL))
-    assert "rank 0, instruction 2: deadlock: waits for `send act ms=0 mb=0 to=1 shape=1x4x8 h=1` (instruction 0)" \
-           ", which never completes: on the pair (0, 1), rank 1's matching `recv act" in text, text
-    assert "is queued behind its `send grad ms=1 mb=0 to=0 shape=1x4x8 h=1` (instruction 0)" in text
+    for backend in Backend:
+        assert check_protocol(program, backend=backend) == [], backend
 
 
-def test_a_blocking_op_queued_behind_the_ranks_own_op_names_it():
-    """Rank 0's send has no handle: it cannot start behind its own receive, which waits for that very send's
-    answer."""
-    program = _two_ranks([Recv(Tensor.GRAD, 1, 0, 1, SHAPE, 1), Send(Tensor.ACT, 0, 0, 1, SHAPE), Wait(1)],
+def test_a_gradient_awaited_before_the_activation_it_needs_is_sent_deadlocks_under_both():
+    """NCCL's order adds no deadlock, and takes none away: a wait on a message the peer can only send after
+    this rank's next send is refused under either rule, naming the wait."""
+    program = _two_ranks([Recv(Tensor.GRAD, 1, 0, 1, SHAPE, 1), Wait(1), Send(Tensor.ACT, 0, 0, 1, SHAPE)],
                          [Recv(Tensor.ACT, 0, 0, 0, SHAPE), Send(Tensor.GRAD, 1, 0, 0, SHAPE)])
-    assert check_protocol(program) == []
-    text = _messages(*check_protocol(program, backend=Backend.NCCL))
-    assert "rank 0, instruction 1: deadlock: blocks forever: on the pair (0, 1) it is queued behind this rank's " \
-           "`recv grad ms=1 mb=0 from=1 shape=1x4x8 h=1` (instruction 0), which never completes" in text, text
+    for backend in Backend:
+        text = _messages(*check_protocol(program, backend=backend))
+        assert "rank 0, instruction 1: deadlock: waits for `recv grad ms=1 mb=0 from=1 shape=1x4x8 h=1` " \
+               "(instruction 0), which never completes" in text, (backend, text)
 
 
 # ------------------------------------------------------------------ collectives and compute collectives
@@ -207,40 +198,18 @@ def test_compile_verifies_a_gpu_plan_under_nccl_and_a_cpu_plan_under_gloo():
     assert plan_backend(compile_plan(ROOT / "specs" / "zorse" / "b_llama7b.het").pipeline) is Backend.NCCL
 
 
-# ------------------------------------------------------------------ the pair order the step sends in (issue 32, 2)
+# ------------------------------------------------------------------ a deep pipeline on slow links
 
-def _deep_1f1b(tmp_path):
-    """tests/random_jobs.py `deep_job` 13: 1F1B over 8 stages of 2 lanes with tp 4, 32 microbatches a lane."""
+def test_a_deep_pipelines_two_directions_overlap_under_nccl_as_under_gloo(tmp_path):
+    """Note [one communicator per direction] in runtime/comm.py: 1F1B over 8 stages of 2 lanes with tp 4
+    (tests/random_jobs.py `deep_job` 13) across 25 Gb/s links, where a border's transfers are long beside its
+    ops. With one communicator a rank pair each lane's gradient out and the activation it waits for next took
+    turns: NCCL's step was 22 % longer than gloo's (41.1 against 33.8 ms, with the programs ordered for it).
+    With one a direction, NCCL's order adds no time to these programs."""
     path = tmp_path / "deep13.het"
-    path.write_text(deep_job(random.Random(13)))
+    path.write_text(re.sub(r"inter_bandwidth = \d+ Gb/s", "inter_bandwidth = 25 Gb/s", deep_job(random.Random(13))))
     plan = load_checked(path, require_complete=True)[1].explicit()
     assert plan is not None and plan.pipeline.schedule is ScheduleKind.ONE_F_ONE_B
-    return plan
-
-
-def _out_of_order_sends(program: Program, machine: Machine) -> list[tuple[int, int, int]]:
-    """(rank, peer, index) of each message of a rank pair whose send was posted after that of the pair's next
-    message, in the order the pair posts them (the same on both ranks, Note [NCCL channel order])."""
-    sent = {(recv.rank, recv.index): send.post for send, recv in machine.messages}
-    sent.update({(send.rank, send.index): send.post for send, _ in machine.messages})
-    out = []
-    for rp in program.ranks:
-        by_peer: dict[int, list[tuple[int, float]]] = {}
-        for index, instr in enumerate(rp.instrs):
-            if isinstance(instr, (Send, Recv)):
-                peer = instr.peer_to if isinstance(instr, Send) else instr.peer_from
-                by_peer.setdefault(peer, []).append((index, sent[(rp.rank, index)]))
-        out += [(rp.rank, peer, a) for peer, posts in by_peer.items()
-                for (a, ta), (_, tb) in itertools.pairwise(posts) if ta > tb]
-    return out
-
-
-def test_each_pair_posts_its_messages_in_the_order_the_step_sends_them(tmp_path):
-    """Note [NCCL channel order]: run under gloo's rule, which binds no pair to an order, a deep TP pipeline's
-    programs post every pair's sends in the pair's order, so NCCL's one stream per pair holds nothing back: its
-    step is within 5 % of gloo's (from each pair's run alone, where the upstream rank ran ahead of its own
-    inputs, 448 of 3,528 neighbours came out of order and NCCL's step was 16 % longer)."""
-    plan = _deep_1f1b(tmp_path)
     costs = CostModel(plan)
     program = lower(plan, costs=costs)
     steps = {}
@@ -248,6 +217,4 @@ def test_each_pair_posts_its_messages_in_the_order_the_step_sends_them(tmp_path)
         machine = timed_machine(program, costs, backend)
         assert machine.run() is None and not machine.unfinished()
         steps[backend] = simulate(program, plan, costs, ran=machine).step_time
-        if backend is Backend.GLOO:
-            assert _out_of_order_sends(program, machine) == []
-    assert steps[Backend.NCCL] <= 1.05 * steps[Backend.GLOO], steps
+    assert steps[Backend.NCCL] <= 1.01 * steps[Backend.GLOO], steps

@@ -30,7 +30,7 @@ def register(sub: Subparsers) -> None:
     p.add_argument("--backend", choices=[b.value for b in Backend], default=None,
                    help="whose blocking rule to prove the programs deadlock-free under: gloo (a posted send, "
                         "receive or collective completes once its partners are posted) or nccl (also, a rank's "
-                        "operations on one communicator -- the rank pair of a send or receive, the group of a "
+                        "operations on one communicator -- the direction of a send or receive (sender to receiver), the group of a "
                         "collective -- start in posting order, one at a time, as they do on a GPU); "
                         "default: the backend the plan's ranks run (nccl where they have GPUs, gloo on CPU)")
     p.set_defaults(func=run)

@@ -137,17 +137,15 @@ def lane_timings(engine: Engine, schedule: ScheduleKind, stages: Sequence[StageS
     of n microbatches that holds them all in one group (`lane_timing`), else None."""
     out = []
     leads = [(st, lanes[0]) for st in stages for lanes in st.lane_classes()]
-    # ZB-H1's and interleaved 1F1B's steady orders (Note [async sends]), but for lanes in lockstep behind their
-    # per-microbatch ZeRO collectives, whose gathers and reduce-scatters hold the ops a receive would run beside
+    # ZB-H1's and interleaved 1F1B's steady orders (Note [async sends]), lanes in lockstep included
     even = in_steady_order(schedule, [[st.count(lane) for lane in range(st.num_lanes)] for st in stages])
-    coupled = coupled_stages(schedule, stages)
     for st, lane in leads:
         f, i, w = st.compute(lane)
         f += st.overhead(lane)
         n = st.count(lane)
         out.append(lane_timing(engine, schedule, st.index, lane, n, (f, i, w), st.p2p(lane),
                                st.collectives(lane), st.shares(), st.unit_ops(lane),
-                               sweep(st.index, n) if sweep is not None else None, even and st.index not in coupled))
+                               sweep(st.index, n) if sweep is not None else None, even))
     return out
 
 

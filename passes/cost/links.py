@@ -36,9 +36,11 @@ estimate, the simulator and the planner:
   searches with the closed form; slower borders raise a ZB lane's
   in-flight limit to all three of its microbatches, which the estimate
   holds, while the compiled order holds two); and the three-kind
-  Llama-3-8B job on 2 + 2 + 4 GPUs left its L4s idle. Not built until the
-  closed form follows NCCL's one stream per rank pair there and the
-  estimate holds what that order holds.
+  Llama-3-8B job on 2 + 2 + 4 GPUs left its L4s idle. deep13's cause, the
+  pair's one NCCL line, is gone since each direction has a communicator of
+  its own (Note [one communicator per direction] in runtime/comm.py); the
+  memory of jobs 22 and 65 and the idle L4s remain, so sharing is not
+  built.
 
 A node group's `nics` (1 unless declared) bound one stream: it leaves
 through one NIC and arrives through one, so k streams between two nodes

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from hetc.passes.cost import CostModel
-from hetc.passes.lower.channel_order import order_channels
 from hetc.passes.lower.context import LowerContext
 from hetc.passes.lower.finish import report_loss
 from hetc.passes.lower.offload import insert_offload
@@ -30,8 +29,6 @@ PASSES: list[tuple[str, str, Callable[..., Program]]] = [
     ("zero", "ZeRO gathers, reductions, optimizer steps, clipping", insert_zero),
     ("offload", "host offload and prefetch of parameters and activations", insert_offload),
     ("finish", "loss reporting", report_loss),
-    ("nccl_order", "each rank pair's messages posted in one order, both directions, as NCCL runs them",
-     order_channels),
 ]
 PASS_NAMES = [name for name, _, _ in PASSES]
 

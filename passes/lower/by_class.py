@@ -1,7 +1,6 @@
 """Lowering by class: every rank's program as `lower` builds it, from one lowered representative per class.
 
-The `schedule` pass runs for every lane (the lanes' timing couples them;
-its timed run, `LowerContext.schedule`, also gives `nccl_order` its floors);
+The `schedule` pass runs for every lane (the lanes' timing couples them);
 the ranks then fall into classes (passes/lower/classes.py, Note [lowering
 by class]); the representatives go through the other passes, beside the
 ranks those passes read (below), and every other member's program is its
@@ -11,13 +10,10 @@ through here (passes/build.py), `lower` stays the reference that builds
 every rank (and dumps after a pass).
 
 Note [what a representative is lowered beside]: a pass after `schedule`
-builds a rank's program from its own, but for two: `p2p` orders a rank's
-receives by its senders' schedule programs, and `nccl_order` runs a rank
-beside each of its peers as `finish` left them. So the passes run on the
-representatives, their peers and their peers' peers (every sender of a
-peer among them) up to `p2p`, which makes the peers' programs right; on
-the representatives and their peers up to `finish`; and `nccl_order`
-orders the representatives alone.
+builds a rank's program from its own, but for `p2p`, which orders a rank's
+receives by its senders' schedule programs. So `p2p` runs on the
+representatives beside their peers, and the later passes on the
+representatives alone.
 """
 
 from __future__ import annotations
@@ -27,7 +23,6 @@ from dataclasses import dataclass
 from hetc.ir.errors import InternalError
 from hetc.passes.cost import CostModel
 from hetc.passes.lower import PASSES
-from hetc.passes.lower.channel_order import order_channels
 from hetc.passes.lower.classes import LaneGraph, RankClass, lane_graph, rank_classes
 from hetc.passes.lower.context import LowerContext
 from hetc.passes.lower.substitute import substitute
@@ -69,12 +64,11 @@ def _representatives(ctx: LowerContext, scheduled: Program, graph: LaneGraph, re
     """The representatives' programs, each pass run on the ranks it reads (Note [what a representative is
     lowered beside])."""
     peers = set(reps) | graph.neighbour_ranks(ctx.geometry.places[r] for r in reps)
-    senders = peers | graph.neighbour_ranks(ctx.geometry.places[r] for r in peers)
-    program = _only(scheduled, senders)
+    program = _only(scheduled, peers)
     for name, _, fn in PASSES[1:]:
-        program = order_channels(program, ctx, sorted(reps)) if fn is order_channels else fn(program, ctx)
+        program = fn(program, ctx)
         if name == "p2p":
-            program = _only(program, peers)
+            program = _only(program, set(reps))
     return {rp.rank: rp for rp in program.ranks}
 
 

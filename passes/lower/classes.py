@@ -4,10 +4,7 @@ Note [lowering by class]: after the `schedule` pass (one timed run of all
 lanes together) every later pass builds a rank's program from what it
 reads of the plan: its own compute order; the messages around each op
 (peers, shapes, token pieces); the send order of each sender; its own
-compute times and its links' transfer times (p2p's leads under Zorse, and
-`nccl_order`'s timed run of a rank pair), and when the schedule's run
-started each of its ops (that pair run's floors, Note [NCCL channel
-order]); the programs of its peers after `finish` (`nccl_order`); its
+compute times and its links' transfer times (p2p's leads under Zorse); its
 groups by name; and, for ties, the order of its peers' rank numbers. Two ranks that read the same of all that, up to
 renaming, get the same program up to that renaming. So the class key is
 built of exactly those readings, lane by lane (a lane's ranks share one
@@ -18,8 +15,7 @@ compute order; a rank is its lane's class and its position in the lane):
   and phase, the unit of a ZeRO-3 split included) and, per op that sends or
   receives, which of its neighbour lanes is at the other end (numbered by
   first appearance), the op there by its index in that lane's order, and
-  the border's pieces with their transfer times; and when each of its ops
-  started in the schedule's run (`LowerContext.schedule`);
+  the border's pieces with their transfer times;
 - refined to a fixed point with the classes of its neighbours (colour
   refinement): the lanes at the other end of every message are alike in
   turn, and theirs, so everything a pass reads through a peer is alike.
@@ -27,11 +23,10 @@ compute order; a rank is its lane's class and its position in the lane):
 This is stronger than the cost model's classes (passes/cost/classes.py
 groups lanes that *time* alike, by device kind and microbatch count, for
 an estimate): a program reads more than its time. A member's renaming
-(`Substitution`) maps its representative's lane to its own, neighbour by
-neighbour, two steps out; a member where that is not one-to-one or does
-not keep the order of rank numbers (ties among receives posted together
-and among a rank pair's messages go by rank number) forms a class of its
-own. Correctness first: the exactness test (tests/test_lower_by_class.py)
+(`Substitution`) maps its representative's lane and neighbours to its
+own; a member where that is not one-to-one or does not keep the order of
+rank numbers (ties among receives posted together go by rank number)
+forms a class of its own. Correctness first: the exactness test (tests/test_lower_by_class.py)
 lowers every spec under specs/ and random jobs both ways and compares the
 listings.
 """
@@ -49,14 +44,14 @@ from hetc.ir.geometry import RankPlace
 from hetc.passes.lower.context import LowerContext
 from hetc.passes.lower.substitute import Substitution
 from hetc.ir.pipeline import Lane, Stage
-from hetc.ir.program import (COMPUTE_TYPES, PHASE_OF, Backward, BackwardInput, ComputeInstr, Forward, Instr, Load,
+from hetc.ir.program import (COMPUTE_TYPES, Backward, BackwardInput, ComputeInstr, Forward, Instr, Load,
                           Program, Tensor)
 
 __all__ = ["LaneGraph", "RankClass", "lane_graph", "rank_classes"]
 
-# how far from a representative its renaming is built and checked: its peers, and their peers (whose send
-# orders and tie-breaks shape the peers' programs, which `nccl_order` runs beside it)
-_DEPTH = 2
+# how far from a representative its renaming is built and checked: its peers, whose programs' rank numbers
+# and send orders its program reads
+_DEPTH = 1
 
 
 @dataclass(frozen=True)
@@ -122,9 +117,7 @@ def lane_graph(ctx: LowerContext, scheduled: Program) -> LaneGraph:
         ranks = tuple(times(ctx.costs.compute_key(r)) for r in lane.ranks)
         microbatches.append(mbs)
         neighbours.append(tuple(near))
-        starts = tuple(ctx.schedule.starts[(PHASE_OF[type(op)], op.ms, op.mb)] for op in orders[i]
-                       if not isinstance(op, Load))
-        shapes.append(intern((stage.index, pattern, ranks, tuple(ends), times(starts))))
+        shapes.append(intern((stage.index, pattern, ranks, tuple(ends))))
     return LaneGraph(lanes, ids, tuple(microbatches), tuple(neighbours), tuple(shapes))
 
 

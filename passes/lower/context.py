@@ -53,7 +53,7 @@ class LowerContext:
     @cached_property
     def schedule(self) -> Run:
         """The timed run of every lane (Note [schedules by simulation]), made once: pass `schedule` takes
-        each lane's compute order from it, pass `nccl_order` when each op ran (Note [NCCL channel order])."""
+        each lane's compute order from it."""
         from hetc.passes.lower.schedule import timed_schedule   # that module reads this context: not at import
         return timed_schedule(self)
 

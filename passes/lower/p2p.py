@@ -23,10 +23,10 @@ order (NCCL and gloo both need it), so a rank posts the receives from one
 peer in the order that peer sends them. Where a rank consumes them in a
 different order (several ministages of a stage exchanging with the same
 peer, as in 1F1B over virtual stages), a receive is posted early enough not
-to overtake one the peer sends after it. NCCL needs more: the two
-directions of a pair share one stream, so both ranks must post the pair's
-messages in one order; the `nccl_order` pass moves receives to give them
-one (Note [NCCL channel order] in passes/lower/channel_order.py).
+to overtake one the peer sends after it. That is all NCCL needs too: each
+direction of a pair has a communicator and a stream of its own (Note [one
+communicator per direction] in runtime/comm.py), where messages start in
+the order they match in.
 
 Note [border pieces]: where the block layouts of two bordering lanes differ
 (hetc/ir/layout.py), a boundary tensor travels as pieces `seq=a:b` from the

@@ -59,7 +59,7 @@ def order_compute(ctx: LowerContext) -> Program:
 
 def timed_schedule(ctx: LowerContext) -> Run:
     """The timed run of every lane that pass `schedule` takes its orders from (`LowerContext.schedule` keeps
-    it): pass `nccl_order` reads when each op ran in it too (Note [NCCL channel order])."""
+    it)."""
     try:
         return _run(ctx, strict=True)
     except InternalError:

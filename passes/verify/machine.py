@@ -30,27 +30,40 @@ goes by posting order per channel and per group, never by time, so the
 times do not depend on the order ranks are visited in.
 
 Note [NCCL order]: gloo completes a posted op as soon as its partners are
-posted. NCCL does not: torch's ProcessGroupNCCL runs all point-to-point
-traffic between two ranks, both directions, on one communicator and one
-stream (`pointToPoint` keys it by `getKeySendRecv(rank, peer)`), and a
-process group's collectives on the group's communicator and stream. On a
-stream the kernels run in posting order, one at a time, and a receive (or
-send) kernel holds the stream until its partner arrives: "send(x1) is
-allowed to block until the corresponding recv() is called" (NVIDIA/nccl
-#783); send-then-recv posted on both ranks hangs (NVIDIA/nccl #479). So
-under `Backend.NCCL` each rank keeps one queue (a *line*) per communicator
--- the unordered pair for a send or receive, the group for a collective and
-for a compute op's part on a tp/cp/ep group -- and an op *starts* only at
-the head of its line, once every earlier op the rank posted there has
-completed. Matching is unchanged (FIFO per channel, k-th call per group),
-so mismatches are found as under gloo; a matched message or full call runs
+posted. NCCL does not: torch's ProcessGroupNCCL runs a process group's
+point-to-point traffic between two ranks on one communicator and one stream
+(`pointToPoint` keys it by `getKeySendRecv(rank, peer)`, both directions
+alike), and a process group's collectives on the group's communicator and
+stream. On a stream the kernels run in posting order, one at a time, and a
+receive (or send) kernel holds the stream until its partner arrives:
+"send(x1) is allowed to block until the corresponding recv() is called"
+(NVIDIA/nccl #783); send-then-recv posted on both ranks hangs (NVIDIA/nccl
+#479). So under `Backend.NCCL` each rank keeps one queue (a *line*) per
+communicator, and an op *starts* only at the head of its line, once every
+earlier op the rank posted there has completed. The communicators are: the
+group, for a collective and for a compute op's part on a tp/cp/ep group;
+the *direction* (sender, receiver), for a send or receive, since the
+runtime sends to a higher rank on one process group and to a lower rank on
+another (Note [one communicator per direction] in runtime/comm.py).
+Matching is unchanged (FIFO per channel, k-th call per group), so
+mismatches are found as under gloo; a matched message or full call runs
 when every one of its ops has started, at the latest start. Each op enters
 and leaves its line once, and a completion looks only at the next op of
-each line it frees, so the rule keeps a run linear. With collectives alone
-the rule never blocks more than gloo's (a member's (k+1)-th call on a group
-is posted after its k-th, so when the (k+1)-th call is full, the k-th is
-too); what it adds is the pair's shared line, and the serialized timing of
-a group's calls.
+each line it frees, so the rule keeps a run linear.
+
+The rule never blocks more than gloo's, so a program deadlocks under NCCL
+exactly where it does under gloo; what it adds is time: a direction's
+messages, and a group's calls, run one after the other. For collectives: a
+member's (k+1)-th call on a group is posted after its k-th, so when the
+(k+1)-th call is full, the k-th is too. For messages: a direction's line
+holds the sender's sends and the receiver's receives in posting order,
+which is the order they match in, so the k-th send and the k-th receive
+each wait only for messages 1..k-1 of that direction, which complete once
+posted, as under gloo. With both directions on one communicator (torch's
+default) that was not so: a receive posted ahead of a send to the same peer
+could hold the pair's one stream while the peer's receive held its own, and
+every 1F1B program that posts its receives ahead hung in its first step
+(tests/listings/pp_receives_ahead.txt).
 """
 
 from __future__ import annotations
@@ -79,12 +92,12 @@ class Backend(StrEnum):
     NCCL = "nccl"   # ... and only once every earlier op its rank posted on the same communicator has completed
 
 
-# A communicator, as NCCL sees it: the (lower, higher) rank pair of a send or receive, or a group's name.
+# A communicator, as NCCL sees it: the (sender, receiver) direction of a send or receive, or a group's name.
 Communicator = tuple[int, int] | str
 
 
 def communicator_name(comm: Communicator) -> str:
-    return f"the pair {comm}" if isinstance(comm, tuple) else f"group '{comm}'"
+    return f"the direction {comm[0]} -> {comm[1]}" if isinstance(comm, tuple) else f"group '{comm}'"
 
 
 def compute_groups(program: Program) -> dict[tuple[int, int], tuple[str, ...]]:
@@ -258,7 +271,7 @@ class Machine:
         if not 0 <= peer < len(self.ranks) or peer == op.rank:
             return at(self.program, op.rank, op.index, f"peer {peer} is not another rank of this "
                       f"{len(self.ranks)}-rank program")
-        self._enter_line(op, (min(channel), max(channel)))
+        self._enter_line(op, channel)
         waiting = theirs.get(channel)
         if not waiting:
             mine.setdefault(channel, deque()).append(op)
