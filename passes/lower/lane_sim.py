@@ -118,10 +118,9 @@ class Policy:
 
 @dataclass(frozen=True)
 class Run:
-    """What the lanes did: each lane's ops in the order it ran them, and when each op started."""
+    """What the lanes did: each lane's ops in the order it ran them."""
 
     orders: dict[LaneKey, list[Op]]
-    starts: dict[Op, float]
 
 
 class _Simulation:
@@ -134,7 +133,6 @@ class _Simulation:
         self.group_of = {key: g for g, lanes in enumerate(coupled) for key in lanes}   # lane -> lockstep group
         self.siblings = {g: sorted(lanes) for g, lanes in enumerate(coupled)}
         self.end: dict[Op, float] = {}
-        self.starts: dict[Op, float] = {}
         self.orders: dict[LaneKey, list[Op]] = {key: [] for key in policies}
         self.clock = {key: 0.0 for key in policies}
         self.version = {key: 0 for key in policies}
@@ -167,7 +165,7 @@ class _Simulation:
         stuck = [key for key, p in self.policies.items() if not p.finished]
         if stuck:
             raise InternalError(f"schedule generation is stuck: lanes {stuck} cannot proceed")
-        return Run(self.orders, self.starts)
+        return Run(self.orders)
 
     def _deps_of(self, key: LaneKey, op: Op) -> list[Op]:
         deps = self.deps(op)
@@ -216,7 +214,6 @@ class _Simulation:
         finish = now + _finite(self.duration(op), "duration", op)
         k = self.policies[key].done
         self.orders[key].append(op)
-        self.starts[op] = now
         self.policies[key].advance(op)
         self.clock[key] = finish
         self.version[key] += 1
