@@ -201,3 +201,27 @@ def test_a_stage_feeding_a_wider_lockstep_stage_drains_the_last_slot_one_backwar
     assert lockstep_fill(ScheduleKind.ZB, lanes, 2, {1: 4}, {0: 2, 1: 4}) == pytest.approx(0.1 + 0.2)
     assert lockstep_fill(ScheduleKind.ONE_F_ONE_B, lanes, 2, {1: 4}, {0: 2, 1: 4}) == pytest.approx(0.1 + 0.25)
     assert lockstep_fill(ScheduleKind.ZB, lanes, 2, {1: 4}, {0: 4, 1: 4}) == 0.0
+
+
+@pytest.mark.parametrize("kind", [ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZB])
+def test_a_paced_pipelines_round_trips_are_read_once_per_lane_however_many_lanes(monkeypatch, kind):
+    """A plan of thousands of lanes a stage (16,384 GPUs, 12,288 tp-1 lanes) paced each lane by summing the
+    later stages' shares over every lane: quadratic, 120 s of one compile. The shares are read a bounded number
+    of times per lane, and the step is that of the lanes alone."""
+    calls = 0
+    share = schedule._round_trip_share
+
+    def counted(kind: ScheduleKind, t: LaneTiming) -> float:
+        nonlocal calls
+        calls += 1
+        return share(kind, t)
+
+    monkeypatch.setattr(schedule, "_round_trip_share", counted)
+    totals = []
+    for lanes_a_stage in (500, 1000):
+        calls = 0
+        lanes = [LaneTiming(s, i, 2 + (i % 3 == 0), 1.0 + s / 10, 1.0, 0.5 + (i % 7) / 10, 0.1)
+                 for s in range(4) for i in range(lanes_a_stage)]
+        totals.append(pipeline_time(kind, lanes, limits={s: 4 - s for s in range(4)}).total)
+        assert calls <= 4 * len(lanes)
+    assert totals[0] == pytest.approx(totals[1])   # twice the lanes of the same kinds: the same step

@@ -28,6 +28,7 @@ from hetc.passes.cost.shapes import layer_kind
 from hetc.passes.cost.params import block_params
 from hetc.ir.program import Collective
 from hetc.ir.spec import OffloadTarget
+from hetc.ir.pipeline import Stage
 from hetc.ir.topology import Gpu
 
 __all__ = ["LinkSource", "Provenance", "UnusedProfile", "provenance"]
@@ -154,9 +155,20 @@ def _crossings(cm: CostModel) -> Iterator[tuple[str, Gpu, Gpu, int]]:
                     yield f"stage {stage.name}: ZeRO-{stage.zero.resolved_level} group", a, b, size
     for sa, sb in zip(p.stages, p.stages[1:]):
         used_by = f"pipeline {sa.name} -> {sb.name}"
-        for la in sa.lanes:
-            for lb in sb.lanes:   # alike pairs too: `_links` keeps the first of each kind
-                yield used_by, cm.gpu(la.ranks[0]), cm.gpu(lb.ranks[0]), 2
+        for a in _first_gpus(cm, sa):
+            for b in _first_gpus(cm, sb):   # `_links` keeps the first pair of each kind
+                yield used_by, a, b, 2
+
+
+def _first_gpus(cm: CostModel, stage: Stage) -> list[Gpu]:
+    """The first GPU of each of the stage's lanes, one per node (a border's kinds of pair read only the
+    node group and whether the two share a host): every lane by every lane was 18 million pairs at 16,384
+    GPUs."""
+    out: dict[tuple[str, int], Gpu] = {}
+    for lane in stage.lanes:
+        gpu = cm.gpu(lane.ranks[0])
+        out.setdefault(gpu.host, gpu)
+    return list(out.values())
 
 
 def _link_source(cm: CostModel, used_by: str, a: Gpu, b: Gpu, ring_size: int) -> LinkSource:
