@@ -38,9 +38,13 @@ estimate, the simulator and the planner:
   holds, while the compiled order holds two); and the three-kind
   Llama-3-8B job on 2 + 2 + 4 GPUs left its L4s idle. deep13's cause, the
   pair's one NCCL line, is gone since each direction has a communicator of
-  its own (Note [one communicator per direction] in runtime/comm.py); the
-  memory of jobs 22 and 65 and the idle L4s remain, so sharing is not
-  built.
+  its own (Note [one communicator per direction] in runtime/comm.py).
+  Rerun 2026-12-06 after that: 154 of 158 again, deep13 passing; failing
+  were jobs 22 and 65 (the same memory), the idle L4s, and random job 19
+  (interleaved 1F1B, two lanes of a node per stage: explain +11.9 % of its
+  compiled step, its border transfers 21.7 ms each at half the link, which
+  the compiled chunks overlap better than the closed form counts). So
+  sharing is not built.
 
 A node group's `nics` (1 unless declared) bound one stream: it leaves
 through one NIC and arrives through one, so k streams between two nodes
