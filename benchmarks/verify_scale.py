@@ -87,7 +87,7 @@ def section(m: dict) -> str:
     return f"""{HEADING}
 
 `benchmarks/verify_scale.py`: issue 31's Llama-70B-class job at {m['gpus']:,} GPUs (as in "Compile at
-scale": {m['ranks']:,} ranks in {m['classes']} classes), lowered by class as `hetc compile` lowers it; the
+scale": {m['ranks']:,} ranks in {m['classes']:,} classes), lowered by class as `hetc compile` lowers it; the
 programs verify in {m['clean_s']:.1f} s. Each fault kind of tests/test_verifier_mutations.py is then put
 into rank {m['member']:,}, the last of the {m['members']:,} members renamed from representative rank
 {m['rep']:,} (the largest class), and the whole job verified again: each is found, naming that rank.
