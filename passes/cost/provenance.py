@@ -153,10 +153,11 @@ def _crossings(cm: CostModel) -> Iterator[tuple[str, Gpu, Gpu, int]]:
             if len(group) > 1:
                 for a, b, size in ring_pair_kinds(Collective.ALL_GATHER, tuple(cm.gpu(r) for r in group)):
                     yield f"stage {stage.name}: ZeRO-{stage.zero.resolved_level} group", a, b, size
-    for sa, sb in zip(p.stages, p.stages[1:]):
-        used_by = f"pipeline {sa.name} -> {sb.name}"
-        for a in _first_gpus(cm, sa):
-            for b in _first_gpus(cm, sb):   # `_links` keeps the first pair of each kind
+    firsts = [_first_gpus(cm, stage) for stage in p.stages]
+    for k in range(len(p.stages) - 1):
+        used_by = f"pipeline {p.stages[k].name} -> {p.stages[k + 1].name}"
+        for a in firsts[k]:
+            for b in firsts[k + 1]:   # `_links` keeps the first pair of each kind
                 yield used_by, a, b, 2
 
 
