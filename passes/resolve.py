@@ -63,6 +63,7 @@ def resolve_pipeline(job: Job, errors: Diagnostics) -> Pipeline | None:
     par, model, train, topo = job.parallel, job.model, job.train, job.topology
     schedule, prefetch = par.schedule, par.prefetch
     if plan_has_auto(job.spec) or isinstance(schedule, Auto) or isinstance(prefetch, Auto):   # (the types' sake)
+        _check_given_ranks(par, topo, errors)
         return None
     before = len(errors)
     used = _rank_owners(par, topo, errors)
@@ -97,6 +98,15 @@ def _stage_auto(st: StageSpec, model: ModelSpec | None) -> bool:
     return AUTO in (st.layers, st.ranks, st.lanes, st.tp, st.cp, st.ministages, st.microbatches) or \
         (st.zero is not None and st.zero.level is AUTO) or \
         (model is not None and st.checkpoint_under(model) is AUTO)
+
+
+def _check_given_ranks(par: ParallelSpec, topo: Topology, errors: Diagnostics) -> None:
+    """In a plan the planner completes, the rank sets it is given must still name GPUs of the cluster: it
+    places its stages around them."""
+    stages = () if isinstance(par.stages, Auto) else par.stages
+    for slices in [st.ranks for st in stages] + [par.idle]:
+        if not isinstance(slices, Auto):
+            resolve_rank_slices(slices, topo, errors)
 
 
 def _rank_owners(par: ParallelSpec, topo: Topology, errors: Diagnostics) -> dict[int, str]:
