@@ -300,6 +300,29 @@ def test_cli_user_errors_exit_2(demo_dir, tmp_path, capsys):
         assert message in capsys.readouterr().err, argv
 
 
+@pytest.mark.parametrize(("where", "value", "message"), [
+    (("events", 3, 1), {"a": 1}, "events[3].index: expected int, got dict"),
+    (("events", 3, 2), 7, "events[3].text: expected str, got int"),
+    (("events", 3, 3), "fwd", "events[3].kind: 'fwd' is not one of forward, backward"),
+    (("events", 3), [0, 1], "events[3]: expected 7 fields (rank, index, text, kind, stream, start, end)"),
+    (("ranks", 0, "capacity"), "80 GB", "ranks[0].capacity: expected float, got str"),
+    (("flows",), None, "flows: expected a list, got NoneType"),
+    (("classes", 0, "compute"), True, "classes[0].compute: expected float, got bool"),
+])
+def test_a_timeline_of_the_wrong_shape_is_named_where(demo_dir, tmp_path, capsys, where, value, message):
+    """A timeline.json edited or written by something else: the first value of the wrong type is named by
+    its place, exit 2, not a traceback from deep in the page's encoder."""
+    obj = json.loads((demo_dir / "timeline.json").read_text())
+    parent = obj
+    for key in where[:-1]:
+        parent = parent[key]
+    parent[where[-1]] = value
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(obj))
+    assert hetc_main(["viz", str(demo_dir), "--trace", str(bad), "-o", str(tmp_path / "x.html")]) == 2
+    assert message in capsys.readouterr().err
+
+
 def _page_data(text: str) -> dict:
     match = re.search(r'<script id="hetc-data" type="application/json">(.*?)</script>', text, re.DOTALL)
     assert match

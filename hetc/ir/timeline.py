@@ -7,9 +7,11 @@ draws either, or both side by side.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
+from typing import Any, TypeVar
 
 from hetc.ir.program import (AllGather, AllReduce, AllToAll, Backward, BackwardInput, BackwardWeight, Forward,
                           Free, Instr, Load, Offload, Prefetch, Recv, ReduceScatter, Send, Step, Wait)
@@ -29,6 +31,7 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
+_R = TypeVar("_R")
 
 
 class Stream(StrEnum):
@@ -203,15 +206,89 @@ class Timeline:
 
     @classmethod
     def from_json(cls, text: str) -> Timeline:
+        """The timeline `to_json` wrote; ValueError or TypeError naming the first field that is not."""
         obj = json.loads(text)
-        if obj.get("version") != FORMAT_VERSION:
-            raise ValueError(f"timeline format version {obj.get('version')!r}, expected {FORMAT_VERSION}")
+        if not isinstance(obj, dict) or obj.get("version") != FORMAT_VERSION:
+            version = obj.get("version") if isinstance(obj, dict) else None
+            raise ValueError(f"timeline format version {version!r}, expected {FORMAT_VERSION}")
+        plan, classes = _listed(obj, "plan"), obj.get("classes", [])
+        if not isinstance(classes, list):
+            raise TypeError("classes: expected a list")
         return cls(
-            source=obj["source"], step_time=obj["step_time"],
-            plan=tuple((k, v) for k, v in obj["plan"]),
-            ranks=tuple(RankInfo(**r) for r in obj["ranks"]),
-            events=tuple(Event(r, i, t, EventKind(k), Stream(s), a, b) for r, i, t, k, s, a, b in obj["events"]),
-            flows=tuple(Flow(*f) for f in obj["flows"]),
-            memory=tuple(MemorySample(*m) for m in obj["memory"]),
-            classes=tuple({TimeClass(k).value: float(v) for k, v in r.items()} for r in obj.get("classes", ())),
+            source=_typed(obj.get("source"), "str", "source"),
+            step_time=_typed(obj.get("step_time"), "float", "step_time"),
+            plan=tuple(_plan_fact(p, f"plan[{i}]") for i, p in enumerate(plan)),
+            ranks=_records(RankInfo, _listed(obj, "ranks"), "ranks"),
+            events=_records(Event, _listed(obj, "events"), "events"),
+            flows=_records(Flow, _listed(obj, "flows"), "flows"),
+            memory=_records(MemorySample, _listed(obj, "memory"), "memory"),
+            classes=tuple(_class_times(r, f"classes[{i}]") for i, r in enumerate(classes)),
         )
+
+
+# the JSON values each field type of the records above takes, by the value's own type: cheap on timelines of
+# millions of events, and a bool (an int to isinstance) is not a number here
+_JSON_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "str": (str,)}
+_ENUMS: dict[str, type[StrEnum]] = {"EventKind": EventKind, "Stream": Stream}
+
+
+def _typed(value: Any, type_name: str, where: str) -> Any:
+    if type_name in _ENUMS:
+        choices = [k.value for k in _ENUMS[type_name]]
+        if value not in choices:
+            raise ValueError(f"{where}: {value!r} is not one of {', '.join(choices)}")
+        return _ENUMS[type_name](value)
+    if type(value) not in _JSON_TYPES[type_name]:
+        raise ValueError(f"{where}: expected {type_name}, got {type(value).__name__}")
+    return value
+
+
+def _records(kind: type[_R], rows: list[Any], key: str) -> tuple[_R, ...]:
+    """The records of JSON rows: lists in field order (events, flows, memory) or objects (ranks)."""
+    fields = dataclasses.fields(kind)   # type: ignore[arg-type]
+    types = [str(f.type) for f in fields]
+    allowed = [_JSON_TYPES.get(t, (str,)) for t in types]   # an enum's value is a string
+    enums = [(j, {k.value: k for k in _ENUMS[t]}) for j, t in enumerate(types) if t in _ENUMS]
+    out = []
+    for i, row in enumerate(rows):
+        if isinstance(row, dict):
+            row = [row.get(f.name) for f in fields]
+        if not isinstance(row, list) or len(row) != len(fields) or \
+                not all(type(v) in ok for v, ok in zip(row, allowed)):
+            _wrong(fields, types, row, f"{key}[{i}]")
+        for j, members in enums:
+            row[j] = members.get(row[j]) or _typed(row[j], types[j], f"{key}[{i}].{fields[j].name}")
+        out.append(kind(*row))
+    return tuple(out)
+
+
+def _wrong(fields: tuple[dataclasses.Field[Any], ...], types: list[str], row: Any, where: str) -> None:
+    """Raise the error that names what is wrong with a record's row."""
+    if not isinstance(row, list) or len(row) != len(fields):
+        raise ValueError(f"{where}: expected {len(fields)} fields ({', '.join(f.name for f in fields)})")
+    for f, t, v in zip(fields, types, row):
+        _typed(v, t, f"{where}.{f.name}")
+
+
+def _listed(obj: dict[str, Any], key: str) -> list[Any]:
+    value = obj.get(key)
+    if not isinstance(value, list):
+        raise TypeError(f"{key}: expected a list, got {type(value).__name__}")
+    return value
+
+
+def _plan_fact(value: Any, where: str) -> tuple[str, str]:
+    if not isinstance(value, list) or len(value) != 2:
+        raise ValueError(f"{where}: expected a [name, value] pair")
+    return _typed(value[0], "str", where), _typed(value[1], "str", where)
+
+
+def _class_times(row: Any, where: str) -> dict[str, float]:
+    if not isinstance(row, dict):
+        raise TypeError(f"{where}: expected an object of seconds per time class")
+    known = [c.value for c in TimeClass]
+    for k, v in row.items():
+        if k not in known:
+            raise ValueError(f"{where}: {k!r} is not one of {', '.join(known)}")
+        _typed(v, "float", f"{where}.{k}")
+    return {k: float(v) for k, v in row.items()}
