@@ -97,7 +97,7 @@ def test_gemm_curve_times_every_block_shape_and_flash_attention(tmp_path: Path, 
     blocks shrunk 16-fold): four multiplies a block in three layouts each, and flash attention where the run
     used it, each beside the model's figure; the first GPU session must not be where it first runs."""
     blocks = gpu_check._published_blocks()
-    assert {name for name, *_ in blocks} >= {"GPT 1.7B (N21)", "Nemotron-4 340B DP 16 (N24)"}
+    assert {name for name, *_ in blocks} >= {"GPT 1.7B (N21)", "Nemotron-4 340B DP 16 (N24)", "Llama 3 405B DP 64 (L24)"}
 
     def shrunk(model: Any) -> Any:
         return dataclasses.replace(model, hidden=model.hidden // 16, ffn=model.ffn // 16, heads=model.heads // 8,
@@ -109,7 +109,7 @@ def test_gemm_curve_times_every_block_shape_and_flash_attention(tmp_path: Path, 
     assert row.status == "ok" and len(row.data["shapes"]) == 2 * 4 * 3
     assert {s["layout"] for s in row.data["shapes"]} == {"fprop", "dgrad", "wgrad"}
     assert all(s["measured_s"] > 0 and 0 < s["model"] <= 1 for s in row.data["shapes"])
-    assert [a["run"] for a in row.data["attention"]] == ["Nemotron-4 340B DP 16 (N24)"]
+    assert [a["run"] for a in row.data["attention"]] == ["Llama 3 405B DP 64 (L24)"]   # the last block, SwiGLU
     assert all(isinstance(s["compute_bound"], bool) for s in row.data["shapes"]) and "implied_asymptote" in row.data
 
 

@@ -270,14 +270,16 @@ def test_a_slowed_link_is_routed_around_without_a_restart_and_the_losses_do_not_
     relative to the median link's, so at 3x (the plan's 0.5 ms a message added twice, against about 0.2 ms
     measured on loopback) a loaded clean-clone run once read the window below 3 and detected a step late.
     The detector at 3x is the test of the numbers above. No cool-down, so a change for another reason
-    first does not hold it up. Detection is asked for within 8 steps of the slowdown, not at the end of
-    its first window (step 10), as for the slowed lane above."""
+    first does not hold it up. Detection is asked for while the link is slow and within 8 steps of the
+    slowdown, not at the end of its first window (step 10), as for the slowed lane above: the full suite
+    on two cores once read step 5, the last before the slowdown, as slow on that link too, and detected at
+    step 9."""
     steps = 15
     plan, done, records = _rebalanced_hetero(tmp_path, steps, "--rebalance-threshold", "3", "--rebalance-cooldown",
                                              "0", "--inject", "slow link=0-1 factor=6 from=5")
     events = [r for r in records if r.get("event") == "rebalance"]
     detected = next(r for r in events if r.get("link") == [0, 1])
-    assert 10 <= detected["step"] <= 13 and detected["ratio"] >= 3    # 1-based: the slowdown starts in step 6
+    assert 6 <= detected["step"] <= 13 and detected["ratio"] >= 3    # 1-based: the slowdown starts in step 6
     assert "the link between ranks 0 and 1 carries messages" in done.stderr
     taken = next(r for r in events if r.get("taken") and r["step"] == detected["step"])
     (before, after), = taken["change"].values()
