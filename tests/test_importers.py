@@ -135,3 +135,52 @@ def test_bad_inputs_name_the_file(sailor, tmp_path, capsys):
     assert "cannot find the Sailor plan" in capsys.readouterr().err
     assert main(["import", "zorse", "--data", str(sailor), "--cluster", "c.json", "--model", "m"]) == 2
     assert "cannot find the Zorse model stats" in capsys.readouterr().err
+
+
+def _edited(src, dest, edit):
+    """A copy of the JSON file `src` at `dest`, `edit` applied to its parsed value."""
+    obj = json.loads(src.read_text())
+    edit(obj)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(json.dumps(obj))
+    return dest
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda o: o["machines"][0].update(gpus=[{"name": "l4", "global_rank": "x"}]),
+     "is not laid out as expected: invalid literal for int() with base 10: 'x'"),
+    (lambda o: o.update(bandwidth=[]), "is not laid out as expected: 'list' object has no attribute 'get'"),
+    (lambda o: o["machines"][0]["gpus"][0].pop("name"), "is not laid out as expected: no 'name'"),
+])
+def test_a_zorse_cluster_of_another_shape_names_the_file(zorse, tmp_path, capsys, edit, message):
+    """Zorse's files read by their layout: a value of another type or a missing key is a usage error that
+    names the file, exit 2, not an internal error."""
+    cluster = _edited(zorse / "example/cluster_info.json", tmp_path / "cluster_info.json", edit)
+    config = json.loads((zorse / "example/training_config.json").read_text())
+    assert main(["import", "zorse", "--data", str(zorse), "--cluster", str(cluster),
+                 "--model", config["model_name"], "--plan", str(zorse / "example/training_config.json")]) == 2
+    err = capsys.readouterr().err
+    assert f"the Zorse cluster description '{cluster}' {message}" in err
+
+
+def test_a_zorse_plan_of_another_shape_names_the_file(zorse, tmp_path, capsys):
+    plan = _edited(zorse / "example/training_config.json", tmp_path / "training_config.json",
+                   lambda o: o["pipeline_config"][0].update(layer_partition=7))
+    assert main(["import", "zorse", "--data", str(zorse), "--cluster", str(zorse / "example/cluster_info.json"),
+                 "--model", json.loads(plan.read_text())["model_name"], "--plan", str(plan)]) == 2
+    assert f"'{plan.name}': stage 0 lacks" in capsys.readouterr().err
+
+
+def test_a_sailor_network_table_of_another_shape_names_the_file(sailor, tmp_path, capsys):
+    """Sailor's network tables nest objects by GPU kind and count: a number where an object is names the file
+    (`hetc import` and `hetc explain --profile` read them alike)."""
+    import shutil
+
+    data = tmp_path / "sailor"
+    shutil.copytree(sailor, data, ignore=shutil.ignore_patterns("validation-samples"))
+    _edited(sailor / "intra_node_bandwidths.json", data / "intra_node_bandwidths.json",
+            lambda o: o.update({next(iter(o)): 5}))
+    plan = next((sailor / "validation-samples").rglob("*.json"))
+    assert main(["import", "sailor", "--data", str(data), "--plan", str(plan), "-o", str(tmp_path / "x.het")]) == 2
+    err = capsys.readouterr().err
+    assert f"{data / 'intra_node_bandwidths.json'}: not laid out as Sailor's network tables are" in err

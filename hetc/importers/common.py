@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ __all__ = [
     "NodeBook",
     "catalog_devices",
     "gpu_slice",
+    "laid_out",
     "layer_range",
     "read_input_json",
     "render",
@@ -36,6 +38,20 @@ def read_input_json(path: str | Path, what: str) -> Any:
         raise UsageError(f"the {what} '{p}' is a directory, not a JSON file") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise UsageError(f"the {what} '{p}' is not valid JSON: {err}") from None
+
+
+@contextmanager
+def laid_out(what: str, path: str | Path) -> Iterator[None]:
+    """Reading the values of a user-given JSON file by another system's layout: a value of the wrong type or
+    shape (a list where it writes an object, a word where it writes a number) is a UsageError naming the
+    file, not an internal error."""
+    try:
+        yield
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError) as err:
+        if isinstance(err, UsageError):
+            raise
+        detail = f"no {err}" if isinstance(err, KeyError) else str(err)
+        raise UsageError(f"the {what} '{path}' is not laid out as expected: {detail}") from None
 
 
 def require_dir(path: str | Path, what: str) -> Path:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from hetc.ir.errors import UsageError
-from hetc.importers.common import catalog_devices, read_input_json, render, require_dir
+from hetc.importers.common import catalog_devices, laid_out, read_input_json, render, require_dir
 from hetc.ir.jsontypes import RawJson
 from hetc.passes.cost.sources.devices import catalog_name
 from hetc.passes.cost.sources.zorse_data import DTYPES, STATS
@@ -54,22 +54,28 @@ class _Placed(NamedTuple):
 def import_zorse(data: str, cluster: str, model_name: str, plan: str | None) -> str:
     folder = require_dir(data, "Zorse folder")
     stats = read_input_json(folder / STATS, "Zorse model stats")
-    if model_name not in stats:
-        raise UsageError(f"model '{model_name}' is not in {folder / STATS}; "
-                         f"known: {', '.join(sorted(stats))}")
+    with laid_out("Zorse model stats", folder / STATS):
+        if model_name not in stats:
+            raise UsageError(f"model '{model_name}' is not in {folder / STATS}; "
+                             f"known: {', '.join(sorted(stats))}")
+        shape = stats[model_name]
     info = read_input_json(cluster, "Zorse cluster description")
     config = read_input_json(plan, "Zorse plan") if plan else {}
-    model = _model(model_name, stats[model_name], config)
-    gpus, nodes, links = _cluster(info, cluster)
+    with laid_out("Zorse plan", plan or ""):
+        model = _model(model_name, shape, config)
+    with laid_out("Zorse cluster description", cluster):
+        gpus, nodes, links = _cluster(info, cluster)
+        inter = _inter_bandwidth(info)
     kinds = {g.kind for g in gpus.values()}
     if plan:
-        parallel = _plan(config, model, gpus, Path(plan).name)
-        train = TrainSpec(global_batch=_int(config, "global_batch_size", plan),
-                          micro_batch=_int(config, "microbatch_size", plan))
+        with laid_out("Zorse plan", plan):
+            parallel = _plan(config, model, gpus, Path(plan).name)
+            train = TrainSpec(global_batch=_int(config, "global_batch_size", plan),
+                              micro_batch=_int(config, "microbatch_size", plan))
     else:
         parallel, train = ParallelSpec(schedule=AUTO, stages=AUTO), TrainSpec(global_batch=128)
     cluster_spec = ClusterSpec(name="zorse", nodes=nodes, links=links)
-    if (inter := _inter_bandwidth(info)) is not None:   # else the spec's default
+    if inter is not None:   # else the spec's default
         cluster_spec = dataclasses.replace(cluster_spec, inter_bandwidth=inter)
     spec = Spec(model=model, devices=catalog_devices(kinds), train=train, parallel=parallel,
                 cluster=cluster_spec)

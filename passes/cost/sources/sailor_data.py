@@ -16,6 +16,8 @@ of another shape would silently time the wrong model.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -166,23 +168,41 @@ def _network(folder: Path) -> NetworkFits:
     homo_path, intra_path = folder / "network_coeffs_all_homo.json", folder / "intra_node_bandwidths.json"
     het_path = folder / "multizone_bandwidths_het.json"
     homo = _optional_json(homo_path) or {}
-    for table, source in ((homo.get("intra", {}), homo_path), (_optional_json(intra_path) or {}, intra_path)):
-        for gpu, per_count in table.items():
+    with _laid_out(homo_path):
+        homo_intra, homo_inter = homo.get("intra", {}), homo.get("inter", {})
+    for table, source in ((homo_intra, homo_path), (_optional_json(intra_path) or {}, intra_path)):
+        with _laid_out(source):
+            for gpu, per_count in table.items():
+                for count, fit in per_count.items():
+                    intra[(catalog_name(gpu), int(count))] = _fit(fit, source)
+    with _laid_out(homo_path):
+        for gpu, per_count in homo_inter.items():
             for count, fit in per_count.items():
-                intra[(catalog_name(gpu), int(count))] = _fit(fit, source)
-    for gpu, per_count in homo.get("inter", {}).items():
-        for count, fit in per_count.items():
-            inter_any[(catalog_name(gpu), int(count))] = _fit(fit, homo_path)
+                inter_any[(catalog_name(gpu), int(count))] = _fit(fit, homo_path)
     het = _optional_json(het_path) or {}
-    for za, per_gpu in het.items():
-        for ga, per_count in per_gpu.items():
-            for ca, per_zone in per_count.items():
-                for zb, per_gpu_b in per_zone.items():
-                    for gb, per_count_b in per_gpu_b.items():
-                        for cb, fit in per_count_b.items():
-                            key = (za, catalog_name(ga), int(ca), zb, catalog_name(gb), int(cb))
-                            inter[key] = _fit(fit, het_path)
+    with _laid_out(het_path):
+        for za, per_gpu in het.items():
+            for ga, per_count in per_gpu.items():
+                for ca, per_zone in per_count.items():
+                    for zb, per_gpu_b in per_zone.items():
+                        for gb, per_count_b in per_gpu_b.items():
+                            for cb, fit in per_count_b.items():
+                                key = (za, catalog_name(ga), int(ca), zb, catalog_name(gb), int(cb))
+                                inter[key] = _fit(fit, het_path)
     return NetworkFits(intra, inter, inter_any)
+
+
+@contextmanager
+def _laid_out(source: Path) -> Iterator[None]:
+    """Walking a network table's nested objects (GPU kind -> GPU count -> fit, and by zone for the multizone
+    one): a level that is not an object, or a count that is not a number, is a ProfileError naming the file."""
+    try:
+        yield
+    except (AttributeError, TypeError, ValueError) as err:
+        if isinstance(err, ProfileError):
+            raise
+        raise ProfileError(f"not laid out as Sailor's network tables are (objects by GPU kind, then GPU count): "
+                           f"{err}", file=str(source)) from None
 
 
 def _fit(raw: Any, source: Path) -> QuadraticLogFit:    # raw: parsed JSON, ((a, b, c), cap)
