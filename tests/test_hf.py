@@ -646,6 +646,11 @@ def test_attention_dropout_comes_from_the_config_and_goes_back(tmp_path):
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ({"architectures": ["GPT2LMHeadModel"]}, "hetc reads LlamaForCausalLM, MistralForCausalLM"),
     ({"num_hidden_layers": 0}, "\"num_hidden_layers\" must be a positive integer"),
+    # values of another JSON type: each named, not an internal error from float() or int()
+    ({"rms_norm_eps": "x"}, "\"rms_norm_eps\" must be a number, not 'x'"),
+    ({"num_key_value_heads": [0, 1]}, "\"num_key_value_heads\" must be a positive integer, not [0, 1]"),
+    ({"tie_word_embeddings": -1}, "\"tie_word_embeddings\" must be true or false, not -1"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "\"low_freq_factor\" must be a number, not None"),
 ])
 def test_configs_hetc_cannot_take(config, message, tmp_path, capsys):
     assert hetc_main(["import", "hf", str(_config_dir(tmp_path, **config))]) == 2

@@ -84,23 +84,23 @@ def model_preset(config: dict[str, Any], source: str, span: Span) -> Preset:
         "layers": _int(config, "num_hidden_layers"),
         "hidden": hidden,
         "heads": heads,
-        "kv_heads": int(config.get("num_key_value_heads") or heads),
+        "kv_heads": heads if config.get("num_key_value_heads") is None else _int(config, "num_key_value_heads"),
         "ffn": _int(config, "intermediate_size"),
         "vocab": _int(config, "vocab_size"),
-        "tied_embeddings": bool(config.get("tie_word_embeddings", False)),
-        "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
-        "rope_theta": float(_rope(config).get("rope_theta", 10000.0)),
-        "head_dim": None if head_dim in (None, hidden // heads) else int(head_dim),
-        "qkv_bias": arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
-        "out_bias": arch != "Qwen2ForCausalLM" and bool(config.get("attention_bias", False)),
+        "tied_embeddings": _flag(config, "tie_word_embeddings"),
+        "norm_eps": _number(config, "rms_norm_eps", 1e-6),
+        "rope_theta": _number(_rope(config), "rope_theta", 10000.0),
+        "head_dim": None if head_dim in (None, hidden // heads) else _int(config, "head_dim"),
+        "qkv_bias": arch == "Qwen2ForCausalLM" or _flag(config, "attention_bias"),
+        "out_bias": arch != "Qwen2ForCausalLM" and _flag(config, "attention_bias"),
         "qk_norm": arch == "Qwen3ForCausalLM",
         "rope_scaling": _rope_scaling(config),
         "moe": _moe(config, span, source) if arch == "MixtralForCausalLM" else None,
         "seq": _int(config, "max_position_embeddings"),
-        "attention_dropout": float(config.get("attention_dropout", 0.0)),
+        "attention_dropout": _number(config, "attention_dropout", 0.0),
     }
     dtype = config.get("dtype", config.get("torch_dtype"))
-    if dtype in _DTYPES:
+    if isinstance(dtype, str) and dtype in _DTYPES:
         values["dtype"] = _DTYPES[dtype]
     _check_unsupported(config)
     locked = frozenset(values) - TRAINING_FIELDS
@@ -136,6 +136,23 @@ def _int(config: dict[str, Any], key: str) -> int:
     return value
 
 
+def _number(config: dict[str, Any], key: str, default: float | None = None) -> float:
+    """An optional number of the config (`default` where it is absent or null; None: it must be there)."""
+    value = config.get(key)
+    value = default if value is None else value
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise HfError(f"\"{key}\" must be a number, not {value!r}")
+    return float(value)
+
+
+def _flag(config: dict[str, Any], key: str) -> bool:
+    """An optional true/false of the config (false where it is absent or null)."""
+    value = config.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise HfError(f"\"{key}\" must be true or false, not {value!r}")
+    return bool(value)
+
+
 def _rope(config: dict[str, Any]) -> dict[str, Any]:
     """RoPE settings: transformers 5 nests them in rope_parameters, 4 writes rope_theta and rope_scaling."""
     params = config.get("rope_parameters")
@@ -153,15 +170,15 @@ def _rope_scaling(config: dict[str, Any]) -> RopeScalingSpec | None:
         return None
     if kind != RopeScalingKind.LLAMA3.value:
         raise HfError(f"RoPE scaling '{kind}' is not supported; hetc implements llama3 (Llama 3.1)")
-    return RopeScalingSpec(kind=RopeScalingKind.LLAMA3, factor=float(rope["factor"]),
-                           low_freq_factor=float(rope["low_freq_factor"]),
-                           high_freq_factor=float(rope["high_freq_factor"]),
-                           original_seq=int(rope["original_max_position_embeddings"]))
+    return RopeScalingSpec(kind=RopeScalingKind.LLAMA3, factor=_number(rope, "factor"),
+                           low_freq_factor=_number(rope, "low_freq_factor"),
+                           high_freq_factor=_number(rope, "high_freq_factor"),
+                           original_seq=_int(rope, "original_max_position_embeddings"))
 
 
 def _moe(config: dict[str, Any], span: Span, source: str) -> Preset:
     experts, top_k = _int(config, "num_local_experts"), _int(config, "num_experts_per_tok")
-    if config.get("router_jitter_noise", 0.0):
+    if _number(config, "router_jitter_noise", 0.0):
         raise HfError("router_jitter_noise is not supported (hetc's router is deterministic)")
     values = {"experts": experts, "top_k": top_k, "capacity_factor": experts / top_k}
     return Preset(values, frozenset({"experts", "top_k"}), span, source)
@@ -178,4 +195,4 @@ def _sliding_window(config: dict[str, Any]) -> int | None:
     """The attention window, when the config limits attention to one (hetc attends to the whole sequence)."""
     window = config.get("sliding_window")
     uses = config.get("use_sliding_window", True)
-    return int(window) if isinstance(window, int) and uses else None
+    return window if isinstance(window, int) and not isinstance(window, bool) and uses else None
