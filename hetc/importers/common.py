@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hetc.ir.errors import UsageError
+from hetc.ir.jsontypes import read_by_layout
 from hetc.frontend.load import BUNDLED_SPECS, load_spec
 from hetc.frontend.printer import format_spec
 from hetc.ir.spec import DeviceSpec, IntraLinkSpec, LayerRange, ModelSpec, NodeSpec, RankSlice, Spec
@@ -40,18 +41,10 @@ def read_input_json(path: str | Path, what: str) -> Any:
         raise UsageError(f"the {what} '{p}' is not valid JSON: {err}") from None
 
 
-@contextmanager
-def laid_out(what: str, path: str | Path) -> Iterator[None]:
-    """Reading the values of a user-given JSON file by another system's layout: a value of the wrong type or
-    shape (a list where it writes an object, a word where it writes a number) is a UsageError naming the
-    file, not an internal error."""
-    try:
-        yield
-    except (AttributeError, IndexError, KeyError, TypeError, ValueError) as err:
-        if isinstance(err, UsageError):
-            raise
-        detail = f"no {err}" if isinstance(err, KeyError) else str(err)
-        raise UsageError(f"the {what} '{path}' is not laid out as expected: {detail}") from None
+def laid_out(what: str, path: str | Path) -> AbstractContextManager[None]:
+    """Reading a user-given JSON file's values by its system's layout: one of another type or shape is a
+    UsageError naming the file (`read_by_layout`)."""
+    return read_by_layout(lambda detail: UsageError(f"the {what} '{path}' is not laid out as expected: {detail}"))
 
 
 def require_dir(path: str | Path, what: str) -> Path:

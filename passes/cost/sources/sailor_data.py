@@ -16,8 +16,7 @@ of another shape would silently time the wrong model.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from hetc.passes.cost.network import Bandwidth, QuadraticLogFit
 from hetc.passes.cost.profiles import ComputeTable, NetworkFits, ProfileError, Profiles, Rejected, fit_line
 from hetc.passes.cost.sources.measured_json import read_measurements
 from hetc.ir.program import Phase
+from hetc.ir.jsontypes import read_by_layout
 from hetc.ir.spec import Arch
 
 __all__ = ["SailorModel", "looks_like", "read_json", "read_models", "read_sailor"]
@@ -192,17 +192,12 @@ def _network(folder: Path) -> NetworkFits:
     return NetworkFits(intra, inter, inter_any)
 
 
-@contextmanager
-def _laid_out(source: Path) -> Iterator[None]:
+def _laid_out(source: Path) -> AbstractContextManager[None]:
     """Walking a network table's nested objects (GPU kind -> GPU count -> fit, and by zone for the multizone
     one): a level that is not an object, or a count that is not a number, is a ProfileError naming the file."""
-    try:
-        yield
-    except (AttributeError, TypeError, ValueError) as err:
-        if isinstance(err, ProfileError):
-            raise
-        raise ProfileError(f"not laid out as Sailor's network tables are (objects by GPU kind, then GPU count): "
-                           f"{err}", file=str(source)) from None
+    return read_by_layout(lambda detail: ProfileError("not laid out as Sailor's network tables are (objects by "
+                                                      f"GPU kind, then GPU count): {detail}", file=str(source)),
+                          keep=(ProfileError,))
 
 
 def _fit(raw: Any, source: Path) -> QuadraticLogFit:    # raw: parsed JSON, ((a, b, c), cap)
