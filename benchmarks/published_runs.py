@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.markdown import publish
 from hetc.frontend.printer import format_spec
 from hetc.importers.common import catalog_devices
-from hetc.ir.spec import DeviceSpec, Spec
+from hetc.ir.spec import Arch, DeviceSpec, Spec
 
 HEADING = "## Published runs"
 CATALOG = ROOT / "specs" / "catalog.het"
@@ -113,7 +113,7 @@ class Run:
     ffn: int | None = None          # None: 4 × hidden
     virtual: int = 1                # virtual stages a stage runs (interleaved 1F1B when > 1)
     lighter_ends: int = 0           # layers the first and the last stage hold fewer than the others
-    arch: str = "gpt"               # gpt: LayerNorm, a two-matrix MLP; llama: RMSNorm, SwiGLU's three matrices
+    arch: Arch = Arch.GPT           # gpt: LayerNorm, a two-matrix MLP; llama: RMSNorm, SwiGLU's three matrices
     dropout: float = 0.1
     attention: str = "unfused"
     machine: Machine = DGX_A100
@@ -141,7 +141,7 @@ class Run:
         h, s = self.hidden, self.seq
         head = h // self.heads
         kv = self.kv_heads or self.heads
-        mlp = 3 if self.arch == "llama" else 2
+        mlp = 3 if self.arch is Arch.LLAMA else 2
         layer = 2 * h * (h + 2 * kv * head) + 2 * h * h + 2 * mlp * h * (self.ffn or 4 * h) + 4 * s * h
         passes = 4 if recompute else 3
         per_token = passes * self.layers * layer + 3 * 2 * h * self.vocab
@@ -197,7 +197,7 @@ RUNS: tuple[Run, ...] = (
     # the step (the distributed optimizer's traffic, once a step), no recomputation; TFLOP/s of model FLOPs.
     *(Run(f"Llama 3 405B DP {dp} (L24)", LLAMA3, 126, 16384, 128, 8 * 16 * dp, 8, 16, 2048, "none",
           sequence_parallel=True, seq=8192, vocab=128256, kv_heads=8, ffn=53248, virtual=8, lighter_ends=1,
-          arch="llama", dropout=0.0, attention="flash", zero=1, machine=DGX_H100, engine=LLAMA3_ENGINE, tflops=t)
+          arch=Arch.LLAMA, dropout=0.0, attention="flash", zero=1, machine=DGX_H100, engine=LLAMA3_ENGINE, tflops=t)
       for dp, t in ((64, 430), (128, 400))),
     *(Run(f"MT-NLG 530B DP {dp} (S22)", SMITH, 105, 20480, 128, 8 * 35 * dp, 8, 35, 1920, "full",
           engine="Megatron-DeepSpeed", seconds=s)
@@ -217,9 +217,9 @@ def _stage_layers(run: Run, idx: int) -> str:
         chunk = j * run.pp + idx
         start = max(chunk * per - run.lighter_ends, 0)
         end = min((chunk + 1) * per - run.lighter_ends, run.layers) - 1
-        first = "embed" if chunk == 0 else f"block{start}" if end >= start else "head"
-        last = "head" if chunk == chunks - 1 else f"block{end}" if end >= start else "embed"
-        ranges.append(f"{first}..{last}")
+        names = (["embed"] if chunk == 0 else []) + ([f"block{start}", f"block{end}"] if end >= start else []) + \
+            (["head"] if chunk == chunks - 1 else [])
+        ranges.append(f"{names[0]}..{names[-1]}")
     return ", ".join(ranges)
 
 
@@ -246,8 +246,8 @@ def spec_text(run: Run, shaped: bool = True, asymptote: float | None = None) -> 
     return f"""use "{CATALOG}"
 
 {block}
-model {run.arch} {{
-  arch = {run.arch}
+model {run.arch.value} {{
+  arch = {run.arch.value}
   layers = {run.layers}
   hidden = {run.hidden}
   heads = {run.heads}
