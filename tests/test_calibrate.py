@@ -86,6 +86,26 @@ def test_calibrate_measured_refuses_what_is_not_a_metrics_file(single, tmp_path,
     assert "--measured names the metrics of a run made before" in capsys.readouterr().err
 
 
+_STEP = {"step": 2, "step_time_s": 0.5, "class_times_s": [{"compute": 0.2, "comm_wait": 0.1}]}
+
+
+@pytest.mark.parametrize("line, says", [
+    ("[1]", ":2: expected one JSON object a line, got list"),
+    ("{", ":2: not JSON"),
+    (json.dumps({**_STEP, "class_times_s": ["x"]}), ":2: class_times_s must list one object a rank"),
+    (json.dumps({**_STEP, "class_times_s": 3}), ":2: class_times_s must list one object a rank"),
+    (json.dumps({**_STEP, "class_times_s": [{"compute": "fast"}]}), ":2: class_times_s must list"),
+    (json.dumps({**_STEP, "class_times_s": [{"offload": -1}]}), ":2: class_times_s must list"),
+    (json.dumps({**_STEP, "step_time_s": None}), ":2: step_time_s must be seconds"),
+    (json.dumps({**_STEP, "step_time_s": [0.5]}), ":2: step_time_s must be seconds"),
+])
+def test_a_metrics_line_of_the_wrong_shape_is_named_where(single, tmp_path, capsys, line, says):
+    bad = tmp_path / "m.jsonl"
+    bad.write_text(json.dumps(_STEP) + "\n" + line + "\n")
+    assert main(["calibrate", str(single), "--measured", str(bad)]) == 2
+    assert f"{bad}{says}" in capsys.readouterr().err
+
+
 def test_calibrate_refuses_what_is_not_a_plan_directory(tmp_path, capsys):
     assert main(["calibrate", str(tmp_path)]) == 2
     assert "is not a plan directory" in capsys.readouterr().err

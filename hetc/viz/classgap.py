@@ -9,6 +9,7 @@ optimizer or offload (host copies).
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,19 +79,47 @@ def measured_from_metrics(path: Path, skip: int = 1) -> tuple[dict[str, float], 
 
     The first `skip` steps are left out while more remain (warm-up: allocation, first-touch, caches).
     """
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    records = [r for r in records if r.get("class_times_s")]
-    if not records:
+    steps = [step for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()
+             if (step := _timed_step(line, f"{path}:{n}")) is not None]
+    if not steps:
         raise ValueError(f"{path}: no step with class_times_s (write it with `hetc run --metrics`)")
-    kept = records[skip:] if len(records) > skip else records
-    per_step = [mean_class_times(r["class_times_s"]) for r in kept]
+    kept = steps[skip:] if len(steps) > skip else steps
+    per_step = [mean_class_times(per_rank) for per_rank, _ in kept]
     classes = {c.value: statistics.median(s[c.value] for s in per_step) for c in TimeClass}
-    return classes, statistics.median(r["step_time_s"] for r in kept)
+    return classes, statistics.median(seconds for _, seconds in kept)
+
+
+def _timed_step(line: str, where: str) -> tuple[list[dict[str, float]], float] | None:
+    """A metrics line's (seconds per class of each rank, step seconds); None for a step without class times."""
+    try:
+        record = json.loads(line)
+    except ValueError as err:
+        raise ValueError(f"{where}: not JSON ({err})") from None
+    if not isinstance(record, dict):
+        raise TypeError(f"{where}: expected one JSON object a line, got {type(record).__name__}")
+    per_rank, step = record.get("class_times_s"), record.get("step_time_s")
+    if not per_rank:
+        return None
+    if not _seconds(step):
+        raise ValueError(f"{where}: step_time_s must be seconds (a number ≥ 0), not {step!r}")
+    if not isinstance(per_rank, list) or not all(
+            isinstance(r, dict) and all(_seconds(r.get(c.value, 0.0)) for c in TimeClass) for r in per_rank):
+        classes = ", ".join(c.value for c in TimeClass)
+        raise ValueError(f"{where}: class_times_s must list one object a rank of seconds per class ({classes})")
+    return per_rank, float(step)   # type: ignore[arg-type]   # checked above
+
+
+def _seconds(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
 
 
 def read_measured(path: Path) -> tuple[dict[str, float], float]:
     """`measured_from_metrics` of a file the user named: a file that is not one is a UsageError."""
     try:
         return measured_from_metrics(path)
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise UsageError(f"{path}: {err}") from None
+    except OSError as err:
+        raise UsageError(f"{path}: {err.strerror or err}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"{path}: not a text file (a `hetc run --metrics` file is JSON lines)") from None
+    except (ValueError, TypeError) as err:   # names the file and line
+        raise UsageError(str(err)) from None
