@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from hetc.plandir import open_program, read_eval_rank, read_plan, require_verified
+from hetc.runtime.inject import check_ranks
 from hetc.runtime.options import RunOptions
 from hetc.runtime.placement import discover, place
 from hetc.runtime.report import StartupProgress
@@ -26,6 +27,8 @@ def run_worker(plan_dir: Path, opts: RunOptions) -> int:
     program = open_program(plan_dir, len(plan.pipeline.world))    # Note [a rank reads its own]
     if launch.world != program.world_size:
         raise EnvError(f"the plan has {program.world_size} ranks but WORLD_SIZE is {launch.world}")
+    if not opts.elastic:    # an elastic job's plans change size; an injection holds where its ranks exist
+        check_ranks(opts.inject, program.world_size)
     store = rendezvous_store(launch, opts.init_timeout_s)
     procs = discover(store, launch.process(discovery_device()), launch.world)
     placement = place(plan.pipeline.world, procs)

@@ -39,8 +39,8 @@ from hetc.ir.errors import UsageError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Injection", "LinkSlowdown", "Slowdown", "compute_factor", "injection_from_dict", "link_factor",
-           "parse_injection", "stretch", "synchronize"]
+__all__ = ["Injection", "LinkSlowdown", "Slowdown", "check_ranks", "compute_factor", "injection_from_dict",
+           "link_factor", "parse_injection", "stretch", "synchronize"]
 
 _KEYS = {"rank", "link", "factor", "from", "until"}
 _FORM = "`slow rank=R factor=F [from=S] [until=U]` or `slow link=A-B factor=F [from=S] [until=U]`"
@@ -111,9 +111,18 @@ def parse_injection(text: str) -> Injection:
     except ValueError as err:
         raise UsageError(f"--inject '{text}': {err}") from None
     who = got.rank if isinstance(got, Slowdown) else min(got.link)
-    if who < 0 or got.factor < 1 or got.start < 0 or (got.until is not None and got.until <= got.start):
-        raise UsageError(f"--inject '{text}': needs ranks >= 0, factor >= 1 and 0 <= from < until")
+    if who < 0 or not 1 <= got.factor < math.inf or got.start < 0 or (got.until is not None and got.until <= got.start):
+        raise UsageError(f"--inject '{text}': needs ranks >= 0, a finite factor >= 1 and 0 <= from < until")
     return got
+
+
+def check_ranks(injections: tuple[Injection, ...], world: int) -> None:
+    """A UsageError for an injection naming a rank the plan does not have (it would slow nothing)."""
+    for inj in injections:
+        ranks = (inj.rank,) if isinstance(inj, Slowdown) else inj.link
+        if max(ranks) >= world:
+            what = f"rank={inj.rank}" if isinstance(inj, Slowdown) else f"link={inj.link[0]}-{inj.link[1]}"
+            raise UsageError(f"--inject: {what} is not a rank of the plan's {world} (0..{world - 1})")
 
 
 def _link(text: str) -> tuple[int, int]:

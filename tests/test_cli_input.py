@@ -176,3 +176,18 @@ def test_no_grammar_terminal_name_reaches_a_syntax_message():
     for name in names:
         said = _describe_expected({name})
         assert said.startswith("; expected ") and not any(n in said for n in names), (name, said)
+
+
+@pytest.mark.parametrize("argv", [
+    ["run", "PLAN", "--local", "--timeout", "nan"], ["run", "PLAN", "--local", "--init-timeout", "inf"],
+    ["run", "PLAN", "--local", "--stop-timeout", "NaN"], ["run", "PLAN", "--local", "--heartbeat-timeout", "+inf"],
+    ["run", "PLAN", "--local", "--rebalance", "--rebalance-threshold", "nan"],
+    ["run", "PLAN", "--local", "--rebalance", "--rebalance-min-gain", "x"],
+    ["export", "hf", "CKPT", "-o", "OUT", "--max-shard-size", "nan"],
+])
+def test_a_number_option_that_is_not_finite_is_a_usage_error(argv, capsys):
+    """float() takes "nan" and "inf"; they passed the `<= 0` checks and failed inside the run."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert f"argument {argv[-2]}: wants a finite number, not '{argv[-1]}'" in capsys.readouterr().err

@@ -115,6 +115,8 @@ def test_a_bad_injection_is_a_usage_error(text):
     ("slow link=a-b factor=2", "link=a-b is not two different ranks A-B"),
     ("slow link=0-1", "factor missing"),
     ("slow link=0-1 factor=0.5", "factor >= 1"),
+    ("slow link=0-1 factor=nan", "a finite factor >= 1"),
+    ("slow rank=1 factor=inf", "a finite factor >= 1"),
     ("slow rank=1 link=0-1 factor=2", "name one rank= or one link=, not both"),
     ("slow factor=2", "name one rank= or one link=, not neither"),
 ])
@@ -187,6 +189,11 @@ def test_a_bad_injection_stops_hetc_run_before_any_rank(tmp_path, capsys):
     assert hetc_main(["compile", str(DEMO / "single.het"), "-o", str(plan)]) == 0
     assert hetc_main(["run", str(plan), "--local", "--inject", "slow rank=0"]) == 2
     assert "--inject 'slow rank=0': factor missing" in capsys.readouterr().err
+    # a rank the plan does not have would slow nothing: refused, not ignored
+    assert hetc_main(["run", str(plan), "--local", "--inject", "slow rank=1 factor=2"]) == 2
+    assert "--inject: rank=1 is not a rank of the plan's 1 (0..0)" in capsys.readouterr().err
+    assert hetc_main(["run", str(plan), "--local", "--inject", "slow link=0-3 factor=2"]) == 2
+    assert "--inject: link=0-3 is not a rank of the plan's 1" in capsys.readouterr().err
 
 
 def _rebalanced_hetero(tmp_path, steps: int, *flags: str) -> tuple[Path, subprocess.CompletedProcess, list[dict]]:

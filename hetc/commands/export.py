@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from hetc.commands import Subparsers
+from hetc.commands.argtypes import finite_number
 
 __all__ = ["register"]
 
@@ -28,7 +29,7 @@ def register(sub: Subparsers) -> None:
                         "(replaced whole); never one holding a file hetc did not write, such as a downloaded model")
     h.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
                    help="dtype of the written tensors (default fp32, the master weights)")
-    h.add_argument("--max-shard-size", type=float, default=2.0, metavar="GB",
+    h.add_argument("--max-shard-size", type=finite_number, default=2.0, metavar="GB",
                    help="largest shard in GiB (default 2)")
     h.set_defaults(func=_hf)
 

@@ -7,11 +7,11 @@ help are one definition (Note [an anytime search] in passes/plan/deadline.py).
 from __future__ import annotations
 
 import argparse
-import math
 
+from hetc.commands.argtypes import positive_seconds
 from hetc.passes.plan.deadline import DEFAULT_TIME_LIMIT_S
 
-__all__ = ["add_time_limit_option", "positive_seconds"]
+__all__ = ["add_time_limit_option"]
 
 
 def add_time_limit_option(p: argparse.ArgumentParser) -> None:
@@ -20,14 +20,3 @@ def add_time_limit_option(p: argparse.ArgumentParser) -> None:
                         "screens get the first half) and use the best plan found by then, with a note of what "
                         "was cut short; exit 2 if no plan was found by then. A spec without `auto` is not "
                         "searched (docs/planner.md \"Time limit\")")
-
-
-def positive_seconds(text: str) -> float:
-    """A positive, finite number of seconds (argparse turns the error into a usage error, exit 2)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"wants a positive number of seconds, not {text!r}")
-    return value

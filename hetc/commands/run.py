@@ -13,11 +13,12 @@ import sys
 from pathlib import Path
 
 from hetc.commands import Subparsers
+from hetc.commands.argtypes import finite_number
 from hetc.ir.errors import UsageError
 from hetc.passes.validate_runtime import require_trainable_dtype
 from hetc.passes.verify import VerifyError
 from hetc.ir.program import ProgramFormatError
-from hetc.runtime.inject import parse_injection
+from hetc.runtime.inject import check_ranks, parse_injection
 from hetc.runtime.local import LAUNCHER_ENV
 from hetc.runtime.options import RUN_OPTIONS_ENV, NonFinite, RunOptions
 from hetc.runtime.rebalance import RebalanceOptions
@@ -74,10 +75,10 @@ def register(sub: Subparsers) -> None:
     p.add_argument("--elastic", action="store_true",
                    help="under torchrun --nnodes MIN:MAX: on every (re)start re-plan SPEC on the nodes present, "
                         "compile, verify and resume from the latest complete checkpoint")
-    p.add_argument("--stop-timeout", type=float, default=30.0, metavar="S",
+    p.add_argument("--stop-timeout", type=finite_number, default=30.0, metavar="S",
                    help="on SIGTERM, finish the step in flight and save within S seconds, then exit with "
                         "status 143 (torchrun restarts)")
-    p.add_argument("--heartbeat-timeout", type=float, default=10.0, metavar="S",
+    p.add_argument("--heartbeat-timeout", type=finite_number, default=10.0, metavar="S",
                    help="a rank whose heartbeat stops for S seconds is taken for dead and every rank exits "
                         "(raise it where ranks share starved CPUs)")
     p.add_argument("--on-nonfinite", choices=("stop", "skip"), default="stop",
@@ -93,18 +94,18 @@ def register(sub: Subparsers) -> None:
     p.add_argument("--rebalance-window", type=int, default=RebalanceOptions.window, metavar="N",
                    help="steps whose median is a lane's rate; the N steps after the first are its reference "
                         f"(default {RebalanceOptions.window})")
-    p.add_argument("--rebalance-threshold", type=float, default=RebalanceOptions.threshold, metavar="X",
+    p.add_argument("--rebalance-threshold", type=finite_number, default=RebalanceOptions.threshold, metavar="X",
                    help="a lane X times slower than its reference is slow; it recovers below halfway back "
                         f"(default {RebalanceOptions.threshold}: above the step-to-step noise, docs/benchmarks.md)")
-    p.add_argument("--rebalance-link-threshold", type=float, default=RebalanceOptions.link_threshold, metavar="X",
+    p.add_argument("--rebalance-link-threshold", type=finite_number, default=RebalanceOptions.link_threshold, metavar="X",
                    help="a link whose messages take X times as long as at its reference is slow (default "
                         f"{RebalanceOptions.link_threshold}: a starved host reads as slow links, docs/metrics.md)")
     p.add_argument("--rebalance-cooldown", type=int, default=RebalanceOptions.cooldown, metavar="N",
                    help=f"steps between two changes of routing (default {RebalanceOptions.cooldown})")
-    p.add_argument("--rebalance-min-gain", type=float, default=RebalanceOptions.min_gain, metavar="F",
+    p.add_argument("--rebalance-min-gain", type=finite_number, default=RebalanceOptions.min_gain, metavar="F",
                    help="take a new routing only where the simulation predicts F more throughput "
                         f"(default {RebalanceOptions.min_gain}: 5 %%)")
-    p.add_argument("--rebalance-split-gain", type=float, default=RebalanceOptions.split_gain, metavar="F",
+    p.add_argument("--rebalance-split-gain", type=finite_number, default=RebalanceOptions.split_gain, metavar="F",
                    help="where no routing helps (a slow lane alone in its stage), move layers off it when the "
                         f"simulation predicts F more throughput (default {RebalanceOptions.split_gain}); goes "
                         "through a checkpoint of the step, in the same processes: needs --checkpoint")
@@ -114,10 +115,10 @@ def register(sub: Subparsers) -> None:
                         "factor=F from=S [until=U]' makes every message between plan ranks A and B arrive F times "
                         "as late (the plan's time of the message, stretched on the receiving rank)")
     p.add_argument("-q", "--quiet", action="store_true", help="print no line per step")
-    p.add_argument("--timeout", type=float, default=120.0, metavar="S",
+    p.add_argument("--timeout", type=finite_number, default=120.0, metavar="S",
                    help="a step's collective or message that waits S seconds fails the run (raise it for steps "
                         "that take minutes)")
-    p.add_argument("--init-timeout", type=float, default=300.0, metavar="S",
+    p.add_argument("--init-timeout", type=finite_number, default=300.0, metavar="S",
                    help="how long the ranks wait for each other to start and form their process groups "
                         "(raise it for a large or slowly starting cluster); --timeout holds from the first step")
     p.set_defaults(func=run)
@@ -284,6 +285,7 @@ def _local(args: argparse.Namespace) -> int:
         verify_and_record(args.dir, program, checked)
     if args.local not in (-1, world):
         raise UsageError(f"the plan has {world} ranks; --local {args.local} cannot run it")
+    check_ranks(run_options(args).inject, world)
     print(f"hetc run: starting {world} local rank{'s' if world > 1 else ''}", file=sys.stderr, flush=True)
     places = [(node_label(*gpu.host), gpu.local) for gpu in checked.pipeline.world]
     argv = [*(["--debug"] if getattr(args, "debug", False) else []), "run", str(args.dir)]

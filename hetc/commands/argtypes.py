@@ -1,0 +1,34 @@
+"""Argument types for numbers on the command line: argparse turns their errors into usage errors (exit 2).
+
+`float()` takes "nan" and "inf", which pass every `<= 0` check after it and then fail deep in the run
+(a timedelta, a shard size in bytes), so the verbs' float options parse through these.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+__all__ = ["finite_number", "positive_seconds"]
+
+
+def finite_number(text: str) -> float:
+    """A finite number; the verb checks its range and says which."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"wants a finite number, not {text!r}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """A positive, finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"wants a positive number of seconds, not {text!r}")
+    return value
