@@ -34,7 +34,7 @@ from hetc.ir.topology import MAX_GPUS, Topology
 # not a plan anyone runs, and resolving it would take seconds.
 MAX_MICROBATCHES = 65536
 
-__all__ = ["Checked", "check_spec", "validate"]
+__all__ = ["Checked", "check_model", "check_spec", "validate"]
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ def check_spec(spec: Spec, base_dir: Path | None = None) -> Checked:
 def _check(spec: Spec, base_dir: Path | None, errors: list[Diagnostic]) -> tuple[Topology | None, Pipeline | None]:
     _unique(spec.devices, "device kind", errors)
     if spec.model is not None:
-        _check_model(spec.model, errors)
+        check_model(spec.model, errors)
     if spec.train is not None:
         _check_train(spec, spec.train, base_dir, errors)
     topo = None
@@ -117,7 +117,8 @@ def _unique(nodes: Sequence[_Named], what: str, errors: list[Diagnostic]) -> Non
             seen[n.name] = n
 
 
-def _check_model(m: ModelSpec, errors: list[Diagnostic]) -> None:
+def check_model(m: ModelSpec, errors: list[Diagnostic]) -> None:
+    """The model's own rules (heads divide hidden, rotary head sizes even, MoE top_k, pretrained weights)."""
     if m.hidden % m.heads and m.head_dim is None:
         errors.append(Diagnostic(m.span_of("hidden"), f"hidden ({m.hidden}) is not divisible by heads ({m.heads})"))
     if m.heads % m.num_kv_heads:

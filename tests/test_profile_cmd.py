@@ -51,10 +51,32 @@ def test_profile_format_is_checked():
         profile_from_dict({"format": FORMAT, "version": VERSION, "device": {}}, "p.json")
 
 
-def test_bad_flags(capsys):
-    assert main(["profile", "--micro-batches", "x"]) == 2
-    assert "comma-separated integers" in capsys.readouterr().err
-    assert main(["profile", "--hidden", "30", "--heads", "4"]) == 2
+@pytest.mark.parametrize("flags, says", [
+    (["--micro-batches", "x"], "--micro-batches must be comma-separated integers, got 'x'"),
+    (["--hidden", "30", "--heads", "4"], "hidden (30) is not divisible by heads (4)"),
+    # the bounds and rules of a spec's model block, as the front end and the checker hold them
+    (["--heads", "0"], "--heads must be between 1 and 16,384, got 0"),
+    (["--seq", "0"], "--seq must be between 1 and 16,777,216, got 0"),
+    (["--kv-heads", "3"], "heads (4) is not divisible by kv_heads (3)"),
+    (["--hidden", "12", "--heads", "4"], "must be even for rotary embeddings"),
+    (["--ranks-at-once", "99999999999"], "--ranks-at-once must be between 1 and 1,024, got 99999999999"),
+    (["--ranks", "5000"], "--ranks must be between 1 and 1,024, got 5000"),
+])
+def test_bad_flags(capsys, flags, says):
+    assert main(["profile", *flags]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_a_shape_this_machine_cannot_hold_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    from hetc.runtime import measure
+
+    def out_of_memory(*_args, **_kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(measure, "time_layers", out_of_memory)
+    assert main(["profile", "-o", str(tmp_path / "p.json"), "--no-comm"]) == 2
+    assert "this machine ran out of memory measuring (starting): measure smaller shapes" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()
 
 
 def test_a_loaded_machine_is_named_in_a_warning(monkeypatch, capsys):

@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 
 from hetc.commands import Subparsers
-from hetc.ir.errors import UsageError
+from hetc.ir.errors import Diagnostic, UsageError
 from hetc.passes.cost.params import block_params
 from hetc.runtime.host_load import cpu_times, steal_share
-from hetc.ir.spec import Arch, DeviceSpec, DType, ModelSpec, Spec
+from hetc.ir.spec import Arch, DeviceSpec, DType, ModelSpec, NodeSpec, Spec
 
 __all__ = ["ranks_at_once", "register", "run"]
 
@@ -119,11 +119,27 @@ def _check_kind(kind: str, backend: str, name: str) -> None:
 def _model(args: argparse.Namespace, spec: Spec | None) -> ModelSpec:
     if spec is not None and spec.model is not None:   # _spec refuses a spec without a model
         return spec.model
-    if args.hidden % args.heads or (args.hidden // args.heads) % 2:
-        raise UsageError(f"--hidden ({args.hidden}) must be --heads ({args.heads}) × an even head size")
-    return ModelSpec(name="profiled", arch=Arch(args.arch), layers=1, hidden=args.hidden, heads=args.heads,
-                     kv_heads=args.kv_heads, ffn=args.ffn, vocab=args.vocab, seq=args.seq,
-                     dtype=DType(args.dtype))
+    flags = {"hidden": args.hidden, "heads": args.heads, "kv_heads": args.kv_heads, "ffn": args.ffn,
+             "vocab": args.vocab, "seq": args.seq}
+    for field, value in flags.items():
+        _within(ModelSpec, field, f"--{field.replace('_', '-')}", value)
+    model = ModelSpec(name="profiled", arch=Arch(args.arch), layers=1, dtype=DType(args.dtype), **flags)
+    from hetc.passes.validate import check_model
+
+    errors: list[Diagnostic] = []
+    check_model(model, errors)      # the rules a spec's model block is held to
+    if errors:
+        raise UsageError("; ".join(e.message for e in errors))
+    return model
+
+
+def _within(node: type, field: str, flag: str, value: int | None) -> None:
+    """A flag within the bounds of the spec field it stands for (the front end's, hetc/ir/spec.py)."""
+    from hetc.frontend.schema import fields_of
+
+    meta = next(info.meta for info in fields_of(node) if info.name == field)
+    if value is not None and ((meta.lo is not None and value < meta.lo) or (meta.hi is not None and value > meta.hi)):
+        raise UsageError(f"{flag} must be between {meta.lo:,.0f} and {meta.hi:,.0f}, got {value}")
 
 
 class _Progress:
@@ -132,8 +148,10 @@ class _Progress:
     def __init__(self) -> None:
         self.start = time.perf_counter()
         self.tty = sys.stderr.isatty()
+        self.what = "starting"     # the measurement in progress
 
     def __call__(self, what: str) -> None:
+        self.what = what
         line = f"hetc profile: {what} ({time.perf_counter() - self.start:.1f} s)"
         text, end = (f"\r{line:<72}", "") if self.tty else (line, "\n")
         print(text, end=end, file=sys.stderr, flush=True)
@@ -152,10 +170,31 @@ def run(args: argparse.Namespace) -> int:
     sizes = _ints(args.comm_sizes, "--comm-sizes")
     if args.repeats < 1 or args.ranks < 2:
         raise UsageError("--repeats must be at least 1 and --ranks at least 2")
-    if args.ranks_at_once is not None and args.ranks_at_once < 1:
-        raise UsageError(f"--ranks-at-once must be at least 1, got {args.ranks_at_once}")
+    _within(NodeSpec, "gpus", "--ranks", args.ranks)    # processes on this machine: at most a node's ranks
+    _within(NodeSpec, "gpus", "--ranks-at-once", args.ranks_at_once)
     progress = _Progress()
     progress("starting")
+    try:
+        return _measure(args, spec, model, (micro_batches, seqs, sizes), progress)
+    except Exception as err:
+        if not _out_of_memory(err):
+            raise
+        raise UsageError(f"this machine ran out of memory measuring ({progress.what}): measure smaller shapes "
+                         "(--hidden, --ffn, --vocab, --micro-batches, --seqs, --comm-sizes)") from None
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    """An allocation that failed, here or in a measuring process (whose error arrives as text)."""
+    import torch
+
+    return isinstance(err, MemoryError | torch.OutOfMemoryError) or \
+        any(text in str(err) for text in ("can't allocate memory", "CUDA out of memory", "MemoryError"))
+
+
+def _measure(args: argparse.Namespace, spec: Spec | None, model: ModelSpec,
+             shapes: tuple[list[int], list[int], list[int]], progress: _Progress) -> int:
+    """Measure this machine and write the profile (the flags are checked)."""
+    micro_batches, seqs, sizes = shapes
     load_before, ticks_before = os.getloadavg()[0], cpu_times()
     import torch
 
