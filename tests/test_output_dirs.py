@@ -222,3 +222,62 @@ def test_an_edit_of_plan_het_the_programs_still_fit_is_accepted(pp_plan, tmp_pat
     edited = _edited(pp_plan, tmp_path, lr.group(0), "lr = 0.5")
     assert main(["verify", str(edited)]) == 0
     assert "ok: 4 ranks" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- one-file outputs (Note [output files])
+
+_ONE_FILE_CASES = [
+    # (argv with {plan}/{spec}/{tmp}, the file that must stay, what the error says)
+    (["plan", "{spec}", "-o", "{spec}"], "{spec}", "-o '{spec}' is the spec, which this command reads"),
+    (["profile", "{spec}", "-o", "{spec}"], "{spec}", "-o '{spec}' is the spec"),
+    (["launch", "{spec}", "--emit", "slurm", "-o", "{spec}"], "{spec}", "is the plan or spec"),
+    (["launch", "{plan}", "--emit", "slurm", "-o", "{plan}/groups.txt"], "{plan}/groups.txt",
+     "is a file of a plan directory hetc wrote"),
+    (["viz", "{plan}", "--chrome-trace", "{plan}/timeline.json"], "{plan}/timeline.json",
+     ("--chrome-trace '{plan}/timeline.json' is a file of a plan directory hetc wrote ('{plan}'); replacing it "
+      "would break that directory")),
+    (["viz", "{plan}", "-o", "{plan}/plan.het"], "{plan}/plan.het", "is a file of a plan directory hetc wrote"),
+    (["viz", "{plan}", "--chrome-trace", "{tmp}/t.json", "-o", "{tmp}/t.json"], "{tmp}/t.json",
+     "is the --chrome-trace output"),
+    (["run", "{plan}", "--local", "--metrics", "{plan}/summary.json"], "{plan}/summary.json",
+     "--metrics '{plan}/summary.json' is a file of a plan directory"),
+    (["run", "{plan}", "--local", "--metrics", "{tmp}/m", "--trace", "{tmp}/m"], "{tmp}/m", "is the --metrics file"),
+    (["calibrate", "{plan}", "--metrics", "{plan}/timeline.json"], "{plan}/timeline.json", "is a file of a plan"),
+    (["data", "prepare", "{tmp}/t.json", "--tokenizer", "{tmp}", "-o", "{tmp}/t.json"], "{tmp}/t.json",
+     "-o '{tmp}/t.json' is an input, which this command reads"),
+]
+
+
+@pytest.mark.parametrize("argv, kept, says", _ONE_FILE_CASES, ids=lambda c: " ".join(c) if isinstance(c, list)
+                         else None)
+def test_a_one_file_output_replaces_no_input_and_no_file_of_a_plan_directory(pp_plan, tmp_path, capsys, argv,
+                                                                             kept, says):
+    """`hetc plan spec.het -o spec.het` replaced the spec with its filled plan; `viz --chrome-trace
+    DIR/timeline.json` left a plan directory that no longer loaded."""
+    plan = tmp_path / "plan"
+    shutil.copytree(pp_plan, plan)
+    shutil.copytree(DEMO, tmp_path / "demo")                # a spec of the user's, and what it imports
+    shutil.copy(SPECS / "catalog.het", tmp_path / "catalog.het")
+    (tmp_path / "t.json").write_text("{}\n")
+    (tmp_path / "m").write_text("{}\n")
+    names = {"plan": str(plan), "spec": str(tmp_path / "demo" / "pp.het"), "tmp": str(tmp_path)}
+    kept_path = Path(kept.format(**names))
+    before = kept_path.read_bytes()
+    status = main([word.format(**names) for word in argv])
+    assert status == 2
+    assert says.format(**names) in capsys.readouterr().err
+    assert kept_path.read_bytes() == before
+
+
+def test_a_directory_as_a_one_file_output_is_a_usage_error(pp_plan, tmp_path, capsys):
+    assert main(["viz", str(pp_plan), "--chrome-trace", str(tmp_path)]) == 2
+    assert f"--chrome-trace '{tmp_path}' is a directory; name a file" in capsys.readouterr().err
+
+
+def test_vizs_default_page_goes_with_its_plan_directory(tmp_path, capsys):
+    """`hetc viz DIR` writes DIR/schedule.html; compiling into DIR again replaces it, as any file of DIR."""
+    out = tmp_path / "plan"
+    assert main(["compile", str(DEMO / "pp.het"), "-o", str(out)]) == 0
+    assert main(["viz", str(out)]) == 0 and (out / "schedule.html").is_file()
+    assert main(["compile", str(DEMO / "single.het"), "-o", str(out)]) == 0
+    assert not (out / "schedule.html").exists()

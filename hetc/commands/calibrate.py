@@ -54,6 +54,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.dir} is not a plan directory (write one with `hetc compile SPEC -o DIR`)")
     if args.steps < 1:
         raise UsageError("--steps must be positive")
+    if args.metrics is not None:
+        from hetc.ir.outdir import check_output_file
+
+        check_output_file(args.metrics, "--metrics", [(p, "the --measured metrics") for p in [args.measured] if p])
     predicted = plan_prediction(args.dir, args.profile, "calibrate", True)
     if predicted is None:
         raise UsageError(f"{args.dir} has no timeline.json to compare with (compile it again)")

@@ -47,6 +47,11 @@ def _prepare(args: argparse.Namespace) -> int:
     out = args.output
     if args.megatron and out.suffix in (".bin", ".idx"):
         out = out.with_suffix("")
+    from hetc.ir.outdir import check_output_file
+
+    reads = [(Path(p), "an input") for p in args.inputs] + [(args.tokenizer / "tokenizer.json", "the tokenizer")]
+    for path in [out.with_name(out.name + suffix) for suffix in (".bin", ".idx")] if args.megatron else [out]:
+        check_output_file(path, "-o", reads)    # Note [output files]
     try:
         tok = load_tokenizer(args.tokenizer, args.eos)
         done = prepare(args.inputs, tok, out, field=args.field, megatron=args.megatron,

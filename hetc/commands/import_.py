@@ -59,12 +59,14 @@ def _sailor(args: argparse.Namespace) -> int:
         if args.plan is None:
             raise UsageError("hetc import sailor --quotas needs --model NAME (Sailor's model name)")
         model = plan_model(args.data, args.plan)
+    _check_output(args.output, [(args.plan, "the Sailor plan"), (args.quotas, "the quotas")])
     return _emit(import_sailor(args.data, model, args.plan, args.quotas), args.output)
 
 
 def _zorse(args: argparse.Namespace) -> int:
     from hetc.importers.zorse import import_zorse
 
+    _check_output(args.output, [(args.cluster, "the Zorse cluster"), (args.plan, "the Zorse plan")])
     return _emit(import_zorse(args.data, args.cluster, args.model, args.plan), args.output)
 
 
@@ -76,6 +78,7 @@ def _hf(args: argparse.Namespace) -> int:
     from hetc.ir.spec import Spec
 
     directory = Path(args.directory)
+    _check_output(args.output, [(str(directory / "config.json"), "the model's config.json")])
     name = args.name or directory.resolve().name.replace(".", "_") or "model"
     try:
         model = import_model(directory, name)
@@ -83,6 +86,14 @@ def _hf(args: argparse.Namespace) -> int:
         raise UsageError(str(err)) from None
     header = f"# {directory / 'config.json'}; `hf = \"{directory}\"` beside these keys also loads its weights\n"
     return _emit(header + format_spec(Spec(model=model)), args.output)
+
+
+def _check_output(output: str | None, reads: list[tuple[str | None, str]]) -> None:
+    """-o must not replace an input (Note [output files] in hetc/ir/outdir.py)."""
+    from hetc.ir.outdir import check_output_file
+
+    if output is not None:
+        check_output_file(Path(output), "-o", [(Path(path), what) for path, what in reads if path])
 
 
 def _emit(text: str, output: str | None) -> int:

@@ -43,6 +43,10 @@ def run(args: argparse.Namespace) -> int:
     from hetc.passes.plan.planner import plan_spec
     from hetc.commands.planreport import plan_json, plan_provenance, plan_summary
 
+    if args.out is not None:
+        from hetc.ir.outdir import check_output_file
+
+        check_output_file(args.out, "-o", [(Path(args.spec), "the spec")])   # Note [output files]
     loaded, _ = load_checked(args.spec, require_complete=True, plan_missing=True)
     profiles = load_profile_args(args.profile)
     start = time.perf_counter()

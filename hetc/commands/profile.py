@@ -172,6 +172,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--repeats must be at least 1 and --ranks at least 2")
     _within(NodeSpec, "gpus", "--ranks", args.ranks)    # processes on this machine: at most a node's ranks
     _within(NodeSpec, "gpus", "--ranks-at-once", args.ranks_at_once)
+    from hetc.ir.outdir import check_output_file
+
+    check_output_file(Path(args.output), "-o", [(Path(args.spec), "the spec")] if args.spec else [])
     progress = _Progress()
     progress("starting")
     try:

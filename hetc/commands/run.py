@@ -153,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--{flag.replace('_', '-')} needs --checkpoint DIR")
     _check_checkpoint_flags(args)
     _check_telemetry_flags(args)
+    _check_outputs(args)
     try:
         if args.local is not None:
             return _local(args)
@@ -191,6 +192,16 @@ def _check_checkpoint_flags(args: argparse.Namespace) -> None:
             check_writable(args.checkpoint)
         except CheckpointError as err:
             raise UsageError(str(err)) from None
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """--metrics and --trace replace no plan directory file and not each other (Note [output files])."""
+    from hetc.ir.outdir import check_output_file
+
+    if args.metrics is not None:
+        check_output_file(Path(args.metrics), "--metrics", [])
+    if args.trace is not None:
+        check_output_file(Path(args.trace), "--trace", [(Path(p), "the --metrics file") for p in [args.metrics] if p])
 
 
 def _check_telemetry_flags(args: argparse.Namespace) -> None:

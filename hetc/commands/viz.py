@@ -101,6 +101,19 @@ def _timelines(args: argparse.Namespace, path: Path) -> list[Timeline]:
     return [predicted]
 
 
+def _check_outputs(args: argparse.Namespace, path: Path, output: str | None) -> None:
+    """Neither output replaces an input, the other output or a file of a plan directory (Note [output files])."""
+    from hetc.ir.outdir import check_output_file
+
+    reads = [(Path(p), what) for p, what in ((args.trace, "the --trace timeline"), (args.metrics, "the --metrics file"))
+             if p] + ([(path, "the timeline drawn")] if path.is_file() else [])
+    if args.chrome_trace:
+        check_output_file(Path(args.chrome_trace), "--chrome-trace", reads)
+    if output:
+        check_output_file(Path(output), "-o", reads + [(Path(p), "the --chrome-trace output")
+                                                      for p in [args.chrome_trace] if p])
+
+
 def run(args: argparse.Namespace) -> int:
     path = Path(args.dir)
     if not path.exists():
@@ -121,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
         output = str((path.parent if path.is_file() else path) / "schedule.html")
     if output is None and not args.chrome_trace and not args.compare:
         return 0
+    _check_outputs(args, path, output)
     timelines = _timelines(args, path)
     gaps: list[ClassGap] = []
     if args.compare:

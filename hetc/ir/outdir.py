@@ -26,6 +26,17 @@ is replaced only when
 Anything else is a UsageError naming DIR and what hetc did not write there
 (exit 2), with every file left in place. The hashes also let `hetc verify`
 say which files changed since they were written (`edited_files`).
+
+Note [output files]: a one-file output (`-o FILE`, `--trace`, `--metrics`,
+`--chrome-trace`) replaces what is at its path, as any tool's `-o` does,
+except where that would lose what the user did not mean to
+(`check_output_file`): a directory; a file the same command reads (`hetc
+plan spec.het -o spec.het` would put the filled plan over the spec and its
+`auto`s; a measured trace over its metrics); and a file of a directory
+hetc wrote as one output (a plan directory's timeline.json or summary.json:
+the directory would no longer load). A page `hetc viz DIR` writes by
+default, DIR/schedule.html, is the plan kind's `derived` file: drawn from
+what DIR holds, it goes with DIR when compile replaces it.
 """
 
 from __future__ import annotations
@@ -43,7 +54,8 @@ from pathlib import Path
 
 from hetc.ir.errors import UsageError
 
-__all__ = ["MARKER", "Legacy", "OutputKind", "Protected", "check_output_dir", "edited_files", "file_hashes",
+__all__ = ["MARKER", "Legacy", "OutputKind", "Protected", "check_output_dir", "check_output_file", "edited_files",
+           "file_hashes",
            "is_marked", "restamp", "unmarked_or_edited", "write_marker", "write_output_dir"]
 
 MARKER = ".hetc-output.json"
@@ -62,6 +74,12 @@ class OutputKind(StrEnum):
     def noun(self) -> str:
         return {"plan": "a plan directory", "hf-export": "a Hugging Face export", "demo": "the demo's outputs"}[
             self.value]
+
+    @property
+    def derived(self) -> tuple[str, ...]:
+        """Files another verb writes into such a directory by default, from what it holds, and that go with
+        it: `hetc viz DIR`'s page."""
+        return ("schedule.html",) if self is OutputKind.PLAN else ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +148,24 @@ def write_output_dir(out: Path, kind: OutputKind, fill: Callable[[Path], None],
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def check_output_file(out: Path, flag: str, reads: Iterable[tuple[Path, str]] = ()) -> None:
+    """Raise UsageError unless the one-file output `out` (given as `flag`) may be written (Note [output
+    files]); `reads`: (path, what it is) of each file the command reads."""
+    target = out.resolve()
+    if target.is_dir():
+        raise UsageError(f"{flag} '{out}' is a directory; name a file")
+    for path, what in reads:
+        if path.resolve() == target:
+            raise UsageError(f"{flag} '{out}' is {what}, which this command reads; writing there would replace "
+                             "it: choose another path")
+    for folder in target.parents:
+        marked = _read_marker(folder)
+        if marked is not None and target.relative_to(folder).as_posix() in marked[1]:
+            kind = OutputKind(marked[0]).noun if marked[0] in set(OutputKind) else "an output"
+            raise UsageError(f"{flag} '{out}' is a file of {kind} hetc wrote ('{folder}'); replacing it would "
+                             "break that directory: choose a path outside it")
 
 
 def write_marker(directory: Path, kind: OutputKind, planned: Iterable[str] = ()) -> None:
@@ -233,7 +269,7 @@ def _foreign_entries(directory: Path, kind: OutputKind, legacy: Legacy | None = 
         every = _files(directory, skip_marked=False)
         return legacy.foreign(every) if legacy is not None and legacy.matches(every) else _top_level(every)
     _, files = marked
-    foreign = [rel for rel in _files(directory) if rel not in files]
+    foreign = [rel for rel in _files(directory) if rel not in files and rel not in kind.derived]
     for sub in _marked_subdirectories(directory):
         name = sub.relative_to(directory).as_posix() + "/"
         sub_kind = _read_marker(sub)
