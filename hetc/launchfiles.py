@@ -23,6 +23,7 @@ quoting, which YAML reads as they are) so that hetc needs no YAML package.
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from dataclasses import dataclass
 from typing import Literal
@@ -142,8 +143,8 @@ def _replicated_job(job: LaunchJob, comp: Component, image: str, rdzv: str) -> l
 
 
 def _k8s_name(group: str) -> str:
-    """A name as a Kubernetes name (DNS labels: lower case, no underscores)."""
-    return group.lower().replace("_", "-")
+    """A name as a Kubernetes name (a DNS label: lower case letters, digits and '-' inside)."""
+    return re.sub(r"[^a-z0-9-]", "-", group.lower()).strip("-") or "hetc"
 
 
 # ---------------------------------------------------------------- skypilot

@@ -113,6 +113,25 @@ def test_emit_usage_errors(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("kind, flag, value", [
+    ("slurm", "--partition", "gpu\nrm -rf ~"), ("slurm", "--rdzv-id", "job\n#SBATCH --exclusive"),
+    ("jobset", "--image", "reg/hetc:1\nbad: true"), ("jobset", "--rdzv-id", "a b"),
+    ("skypilot", "--rdzv", "$(hostname):29500"), ("skypilot", "--rdzv-id", 'a"b'),
+])
+def test_a_value_a_launch_file_cannot_carry_as_it_is_is_refused(three_kinds_plan, capsys, kind, flag, value):
+    """The values go into shell lines, #SBATCH lines and YAML as they are: a newline began a command."""
+    assert hetc_main(["launch", str(three_kinds_plan), "--emit", kind, flag, value]) == 2
+    assert f"{flag} {value!r}: a launch file carries " in capsys.readouterr().err
+
+
+def test_names_become_kubernetes_names(three_kinds_plan, capsys):
+    text = _emit(three_kinds_plan, "jobset", capsys, "--rdzv-id", "My.Run_1", "--image", "reg.io/team/hetc:1.2")
+    doc = yaml.safe_load(text)
+    assert doc["metadata"]["name"] == doc["spec"]["network"]["subdomain"] == "my-run-1"
+    containers = doc["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"]
+    assert containers[0]["image"] == "reg.io/team/hetc:1.2"
+
+
 # ---------------------------------------------------------------- the SLURM script, run
 
 # Each `srun --het-group=I --nodes=N ... CMD` starts N local "nodes" running CMD, with the variables

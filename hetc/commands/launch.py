@@ -120,6 +120,11 @@ def _require_checkpoints(run_args: list[str]) -> None:
 def _emit(args: argparse.Namespace) -> int:
     if args.node is not None or args.print or args.local_addr:
         raise UsageError("--emit writes the file for every node: leave out --node, --print and --local-addr")
+    _check_emitted_names(args)
+    if args.output is not None:
+        from hetc.ir.outdir import check_output_file
+
+        check_output_file(args.output, "-o", [(Path(args.target), "the plan or spec")])   # Note [output files]
     text = emitted(args.emit, launch_job(args), args.image, args.partition)
     if args.output is None:
         sys.stdout.write(text)
@@ -133,6 +138,26 @@ def _emit(args: argparse.Namespace) -> int:
 
 _SUBMIT = {"slurm": "submit it with `sbatch {}`", "jobset": "apply it with `kubectl apply -f {}`",
            "skypilot": "`sky launch` each of its tasks, the first one first (docs/launch.md)"}
+
+
+# What a launch file may carry of the command line: the values go into shell lines, `#SBATCH` lines and YAML
+# as they are, so a newline or a quote would start a line or a command of its own.
+_NAMES = {"--rdzv-id": (r"[A-Za-z0-9][A-Za-z0-9._-]*", "letters, digits, '.', '_' and '-'"),
+          "--partition": (r"[A-Za-z0-9._-]+(,[A-Za-z0-9._-]+)*",
+                          "letters, digits, '.', '_' and '-' (a comma-separated list for several)"),
+          "--image": (r"[A-Za-z0-9][A-Za-z0-9._/:@+-]*", "an image reference: letters, digits and . _ / : @ + -"),
+          "--rdzv": (r"\[?[A-Za-z0-9._:-]+\]?:[0-9]+", "HOST:PORT, the host a name or an address")}
+
+
+def _check_emitted_names(args: argparse.Namespace) -> None:
+    """A UsageError for a value a launch file cannot carry as it is."""
+    import re
+
+    for flag, value in (("--rdzv-id", args.rdzv_id), ("--partition", args.partition), ("--image", args.image),
+                        ("--rdzv", args.rdzv)):
+        pattern, allowed = _NAMES[flag]
+        if value is not None and re.fullmatch(pattern, value) is None:
+            raise UsageError(f"{flag} {value!r}: a launch file carries {allowed}")
 
 
 def launch_job(args: argparse.Namespace) -> LaunchJob:
