@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 from hetc.cli import main
+from hetc.commands.argtypes import finite_number
 from tests.conftest import DEMO
 
 
@@ -74,8 +75,9 @@ def _other_than_default(action) -> list[str]:
         return [flag]
     if action.choices:
         return [flag, next(str(c) for c in action.choices if c != action.default)]
-    value = next(v for v in ({float: "7.5", int: "5"}.get(action.type, f"x-{action.dest}"), "8.5" if action.type is
-                             float else "6") if str(v) != str(action.default))     # Path and str: a name
+    numeric = {float: "7.5", finite_number: "7.5", int: "5"}.get(action.type)
+    value = next(v for v in (numeric or f"x-{action.dest}", "8.5" if numeric == "7.5" else "6")
+                 if str(v) != str(action.default))     # Path and str: a name
     return [flag, value]
 
 

@@ -54,16 +54,16 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.dir} is not a plan directory (write one with `hetc compile SPEC -o DIR`)")
     if args.steps < 1:
         raise UsageError("--steps must be positive")
+    if args.measured is not None and args.metrics is not None:
+        raise UsageError("--measured names the metrics of a run made before; --metrics keeps a new run's")
     if args.metrics is not None:
         from hetc.ir.outdir import check_output_file
 
-        check_output_file(args.metrics, "--metrics", [(p, "the --measured metrics") for p in [args.measured] if p])
+        check_output_file(args.metrics, "--metrics")     # Note [output files]
     predicted = plan_prediction(args.dir, args.profile, "calibrate", True)
     if predicted is None:
         raise UsageError(f"{args.dir} has no timeline.json to compare with (compile it again)")
     if args.measured is not None:
-        if args.metrics is not None:
-            raise UsageError("--measured names the metrics of a run made before; --metrics keeps a new run's")
         measured, measured_step = read_measured(args.measured)
         where = f"the run of {args.measured}"
     else:
