@@ -294,7 +294,10 @@ def test_cli_user_errors_exit_2(demo_dir, tmp_path, capsys):
              ([str(tmp_path / "missing")], "no such directory"),
              ([str(bare), "--text"], "no programs/rank-*.txt"),
              ([str(demo_dir), "--text", "--ranks", "0,x"], "--ranks"),
-             ([str(demo_dir), "--text", "--ranks", "9"], "no rank 9")]
+             ([str(demo_dir), "--text", "--ranks", "9"], "no rank 9"),
+             # bounded before the range is spelt out (it was a MemoryError), and a list that names no rank
+             ([str(demo_dir), "--text", "--ranks", "0-99999999999"], "no rank 99999999999 in a program of"),
+             ([str(demo_dir), "--text", "--ranks", ","], "--ranks ',' names no rank")]
     for argv, message in cases:
         assert hetc_main(["viz", *argv]) == 2, argv
         assert message in capsys.readouterr().err, argv

@@ -50,8 +50,8 @@ def register(sub: Subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def parse_ranks(text: str) -> list[int]:
-    """'0,2,8-11' -> [0, 2, 8, 9, 10, 11]."""
+def parse_ranks(text: str, world: int) -> list[int]:
+    """'0,2,8-11' -> [0, 2, 8, 9, 10, 11], each a rank of a program of `world` ranks."""
     ranks: list[int] = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         first, dash, last = part.partition("-")
@@ -61,7 +61,11 @@ def parse_ranks(text: str) -> list[int]:
             raise UsageError(f"--ranks: '{part}' is not a rank or a range like 8-11") from None
         if lo > hi or lo < 0:
             raise UsageError(f"--ranks: bad range '{part}'")
+        if hi >= world:     # before the range is spelt out: 0-99999999999 is a few words
+            raise UsageError(f"--ranks: no rank {hi} in a program of {world} ranks")
         ranks.extend(range(lo, hi + 1))
+    if not ranks:
+        raise UsageError(f"--ranks '{text}' names no rank")
     return ranks
 
 
@@ -165,7 +169,7 @@ def _print_grid(path: Path, ranks: str | None) -> None:
         program = read_program(path)
     except (ProgramFormatError, FileNotFoundError) as err:
         raise UsageError(str(err)) from None
-    wanted = parse_ranks(ranks) if ranks else None
+    wanted = parse_ranks(ranks, program.world_size) if ranks is not None else None
     try:
         grid = render_grid(program, ranks=wanted)
     except ValueError as err:
