@@ -98,8 +98,19 @@ def launch_env() -> Launch:
                        "`torchrun --nproc-per-node N -m hetc run DIR` or `hetc run DIR --local`")
     label = os.environ.get(NODE_ENV, "")
     agent = label or f"{socket.gethostname()}/{os.environ.get('GROUP_RANK', '0')}"
-    return Launch(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0")),
-                  agent, label)
+    rank, world, local = (_env_int(key, least) for key, least in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
+    if rank >= world:
+        raise EnvError(f"RANK={rank} is not below WORLD_SIZE={world}")
+    return Launch(rank, world, local, agent, label)
+
+
+def _env_int(key: str, least: int) -> int:
+    """An integer torchrun sets (LOCAL_RANK 0 where unset), or an EnvError naming it."""
+    text = os.environ.get(key, "0")
+    if not text.strip().isdigit() or int(text) < least:
+        raise EnvError(f"{key}={text!r} is not a {'positive' if least else 'non-negative'} integer, as torchrun "
+                       "sets it")
+    return int(text)
 
 
 def rendezvous_store(launch: Launch, timeout_s: float):

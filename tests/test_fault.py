@@ -102,6 +102,30 @@ def test_wrong_world_size_is_a_usage_error(demo_plan_dirs, monkeypatch, capsys):
     assert "the plan has 4 ranks but WORLD_SIZE is 3" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name, value, says", [
+    ("WORLD_SIZE", "abc", "WORLD_SIZE='abc' is not a positive integer, as torchrun sets it"),
+    ("WORLD_SIZE", "0", "WORLD_SIZE='0' is not a positive integer"),
+    ("RANK", "-1", "RANK='-1' is not a non-negative integer"),
+    ("RANK", "4", "RANK=4 is not below WORLD_SIZE=4"),
+    ("LOCAL_RANK", "x", "LOCAL_RANK='x' is not a non-negative integer"),
+])
+def test_a_torchrun_variable_that_is_not_a_rank_is_a_usage_error(demo_plan_dirs, monkeypatch, capsys, name, value,
+                                                                 says):
+    """They were read with int(): WORLD_SIZE=abc was an internal error."""
+    env = {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
+    for key, text in {**env, name: value}.items():
+        monkeypatch.setenv(key, text)
+    assert hetc_main(["run", str(demo_plan_dirs["dp"])]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_a_bad_emulation_setting_stops_local_before_any_rank(demo_plan_dirs, monkeypatch, capsys):
+    monkeypatch.setenv("HETC_EMULATE_NCCL", "maybe")
+    assert hetc_main(["run", str(demo_plan_dirs["dp"]), "--local"]) == 2
+    err = capsys.readouterr().err
+    assert "HETC_EMULATE_NCCL='maybe': set it to 1" in err and "starting" not in err
+
+
 def test_local_with_the_wrong_rank_count_is_a_usage_error(demo_plan_dirs, capsys):
     assert hetc_main(["run", str(demo_plan_dirs["dp"]), "--local", "3"]) == 2
     assert "the plan has 4 ranks; --local 3 cannot run it" in capsys.readouterr().err

@@ -297,6 +297,9 @@ def _local(args: argparse.Namespace) -> int:
     if args.local not in (-1, world):
         raise UsageError(f"the plan has {world} ranks; --local {args.local} cannot run it")
     check_ranks(run_options(args).inject, world)
+    from hetc.runtime.nccl_order import emulation_from_env
+
+    emulation_from_env()    # a bad HETC_EMULATE_NCCL: one message here, not one from every rank
     print(f"hetc run: starting {world} local rank{'s' if world > 1 else ''}", file=sys.stderr, flush=True)
     places = [(node_label(*gpu.host), gpu.local) for gpu in checked.pipeline.world]
     argv = [*(["--debug"] if getattr(args, "debug", False) else []), "run", str(args.dir)]
