@@ -117,9 +117,14 @@ def rendezvous_store(launch: Launch, timeout_s: float):
     """The store the processes meet in: the agent's (torchrun's default, `--local`), or one that launch
     rank 0 hosts (torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), as torch's env:// would."""
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=launch.world,
-                          is_master=not agent_store and launch.rank == 0, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout_s))
+    host, port = os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 1)
+    try:
+        store = dist.TCPStore(host, port, world_size=launch.world, is_master=not agent_store and launch.rank == 0,
+                              wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
+    except dist.DistError as err:     # DistNetworkError: nothing answered there in time
+        raise EnvError(f"launch rank {launch.rank} could not reach the rendezvous store at {host}:{port} within "
+                       f"{timeout_s:g} s (--init-timeout): is every node started, with the same --rdzv? "
+                       f"({type(err).__name__})") from None
     return dist.PrefixStore(attempt_prefix(), store)
 
 

@@ -108,6 +108,7 @@ def test_wrong_world_size_is_a_usage_error(demo_plan_dirs, monkeypatch, capsys):
     ("RANK", "-1", "RANK='-1' is not a non-negative integer"),
     ("RANK", "4", "RANK=4 is not below WORLD_SIZE=4"),
     ("LOCAL_RANK", "x", "LOCAL_RANK='x' is not a non-negative integer"),
+    ("MASTER_PORT", "x", "MASTER_PORT='x' is not a positive integer"),
 ])
 def test_a_torchrun_variable_that_is_not_a_rank_is_a_usage_error(demo_plan_dirs, monkeypatch, capsys, name, value,
                                                                  says):
@@ -117,6 +118,20 @@ def test_a_torchrun_variable_that_is_not_a_rank_is_a_usage_error(demo_plan_dirs,
         monkeypatch.setenv(key, text)
     assert hetc_main(["run", str(demo_plan_dirs["dp"])]) == 2
     assert says in capsys.readouterr().err
+
+
+def test_a_store_nobody_serves_is_named_not_an_internal_error(monkeypatch):
+    """A rank that finds no rendezvous store in --init-timeout: torch's DistNetworkError was an internal error."""
+    from hetc.runtime.local import free_port
+    from hetc.runtime.worker import EnvError, Launch, rendezvous_store
+
+    port = free_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")     # the agent's store: this rank hosts none
+    with pytest.raises(EnvError, match=f"launch rank 1 could not reach the rendezvous store at 127.0.0.1:{port} "
+                                       "within 0.3 s"):
+        rendezvous_store(Launch(1, 2, 1, "host/0", ""), 0.3)
 
 
 def test_a_bad_emulation_setting_stops_local_before_any_rank(demo_plan_dirs, monkeypatch, capsys):
