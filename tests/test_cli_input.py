@@ -191,3 +191,10 @@ def test_a_number_option_that_is_not_finite_is_a_usage_error(argv, capsys):
         main(argv)
     assert exit_.value.code == 2
     assert f"argument {argv[-2]}: wants a finite number, not '{argv[-1]}'" in capsys.readouterr().err
+
+
+def test_demo_refuses_a_step_count_before_it_compiles(tmp_path, capsys):
+    assert main(["demo", "--steps", "0", "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr()
+    assert "hetc demo: error: --steps must be positive, got 0" in err.err and "[2/4]" not in err.out
+    assert not (tmp_path / "out").exists()

@@ -49,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
     spec_path = DEMO_DIR / f"{args.plan}.het"
     if spec_path not in plans:
         raise UsageError(f"no demo plan '{args.plan}'; choose from {', '.join(p.stem for p in plans)}")
+    if args.steps is not None and args.steps < 1:
+        raise UsageError(f"--steps must be positive, got {args.steps}")
     print(f"[1/4] checking the demo job's {len(plans)} plans ({DEMO_DIR})")
     for path in plans:
         _, checked = load_checked(path, require_complete=True)
