@@ -33,8 +33,9 @@ except where that would lose what the user did not mean to
 (`check_output_file`): a directory; a file the same command reads (`hetc
 plan spec.het -o spec.het` would put the filled plan over the spec and its
 `auto`s; a measured trace over its metrics); and a file of a directory
-hetc wrote as one output (a plan directory's timeline.json or summary.json:
-the directory would no longer load). A page `hetc viz DIR` writes by
+hetc wrote as one output that other commands read back (a plan directory's
+timeline.json or summary.json: the directory would no longer load; the
+demo's folder, read by people, takes its run's metrics and trace). A page `hetc viz DIR` writes by
 default, DIR/schedule.html, is the plan kind's `derived` file: drawn from
 what DIR holds, it goes with DIR when compile replaces it.
 """
@@ -74,6 +75,12 @@ class OutputKind(StrEnum):
     def noun(self) -> str:
         return {"plan": "a plan directory", "hf-export": "a Hugging Face export", "demo": "the demo's outputs"}[
             self.value]
+
+    @property
+    def read_back(self) -> bool:
+        """Whether other commands read such a directory (run a plan, load an export): its files are kept
+        whole. The demo's outputs are read by people; a run of its plan writes its metrics there."""
+        return self is not OutputKind.DEMO
 
     @property
     def derived(self) -> tuple[str, ...]:
@@ -162,10 +169,11 @@ def check_output_file(out: Path, flag: str, reads: Iterable[tuple[Path, str]] = 
                              "it: choose another path")
     for folder in target.parents:
         marked = _read_marker(folder)
-        if marked is not None and target.relative_to(folder).as_posix() in marked[1]:
-            kind = OutputKind(marked[0]).noun if marked[0] in set(OutputKind) else "an output"
-            raise UsageError(f"{flag} '{out}' is a file of {kind} hetc wrote ('{folder}'); replacing it would "
-                             "break that directory: choose a path outside it")
+        if marked is None or marked[0] not in set(OutputKind) or not OutputKind(marked[0]).read_back:
+            continue
+        if target.relative_to(folder).as_posix() in marked[1]:
+            raise UsageError(f"{flag} '{out}' is a file of {OutputKind(marked[0]).noun} hetc wrote ('{folder}'); "
+                             "replacing it would break that directory: choose a path outside it")
 
 
 def write_marker(directory: Path, kind: OutputKind, planned: Iterable[str] = ()) -> None:
