@@ -243,6 +243,70 @@ def test_finding_14_a_truncated_safetensors_file_is_named(tmp_path):
             read()
 
 
+def _rewrite_header(path, edit) -> None:
+    """`path`'s safetensors header passed through `edit`, the tensor bytes kept."""
+    import struct
+
+    raw = path.read_bytes()
+    (size,) = struct.unpack("<Q", raw[:8])
+    header = edit(json.loads(raw[8:8 + size]))
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + size:])
+
+
+@pytest.mark.parametrize("edit", [
+    lambda h: {**h, "a": {**h["a"], "dtype": "x"}},
+    lambda h: {**h, "a": {**h["a"], "shape": [64, "x"]}},
+    lambda h: {**h, "a": {**h["a"], "shape": [64, 65]}},                     # more elements than its bytes
+    lambda h: {**h, "b": {**h["b"], "data_offsets": [0, 256]}},              # overlapping the tensor before it
+    lambda h: {**h, "b": {k: v for k, v in h["b"].items() if k != "dtype"}},
+    lambda h: {**h, "b": []},
+], ids=["dtype", "shape type", "shape size", "overlap", "no dtype", "not an entry"])
+def test_a_safetensors_header_safetensors_would_refuse_is_named_by_check(tmp_path, edit):
+    """A header that only safetensors' own read refused: `hetc check` passed and every rank of the run failed
+    with an internal error (fuzzing, 2026-12-06)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from hetc.hf.config import HfError
+    from hetc.hf.weights import header_shapes
+
+    path = tmp_path / "model.safetensors"
+    save_file({"a": torch.zeros(64, 64), "b": torch.ones(64)}, str(path))
+    _rewrite_header(path, edit)
+    with pytest.raises(HfError, match=f"{path} is not a safetensors file: the header's entry for '[ab]' is not"):
+        header_shapes(tmp_path)
+
+
+@pytest.mark.parametrize("weight_map", [{"a": None}, {"a": 1.5}, {"a": "../model.safetensors"}, ["a"]])
+def test_an_index_naming_no_file_beside_it_is_named(tmp_path, weight_map):
+    from hetc.hf.config import HfError
+    from hetc.hf.weights import header_shapes
+
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(HfError, match="weight_map must map each tensor to the name of a file beside it"):
+        header_shapes(tmp_path)
+
+
+def test_weights_a_rank_cannot_read_are_a_usage_error(tmp_path, monkeypatch, capsys):
+    """Weights changed after the check (a copy still being written): the rank's HfError is bad input, exit 2."""
+    from hetc import rank
+    from hetc.hf.config import HfError
+
+    plan = tmp_path / "plan"
+    assert main(["compile", str(DEMO / "single.het"), "-o", str(plan)]) == 0
+
+    def unreadable(*_args, **_kwargs):
+        raise HfError("cannot read model.embed_tokens.weight from w/model.safetensors: invalid offset")
+
+    monkeypatch.setattr(rank, "run_worker", unreadable)
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}.items():
+        monkeypatch.setenv(key, value)
+    capsys.readouterr()
+    assert main(["run", str(plan)]) == 2
+    assert "hetc run: error: cannot read model.embed_tokens.weight from w/model.safetensors" in capsys.readouterr().err
+
+
 def test_finding_8_prepare_megatron_writes_a_sidecar_that_check_holds_the_model_to(tmp_path, capsys):
     from tokenizers import Tokenizer, models, pre_tokenizers
 

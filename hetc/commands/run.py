@@ -228,6 +228,7 @@ def _check_elastic(args: argparse.Namespace) -> None:
 
 
 def _rank(args: argparse.Namespace) -> int:
+    from hetc.hf.config import HfError
     from hetc.runtime.data import DataError
     from hetc.runtime.placement import ClusterMismatch
     from hetc.runtime.checkpoint_lock import CheckpointBusy
@@ -242,7 +243,7 @@ def _rank(args: argparse.Namespace) -> int:
 
             return run_elastic(args.dir, opts)
         return run_worker(args.dir, opts)
-    except (EnvError, ClusterMismatch, DataError, CheckpointBusy) as err:
+    except (EnvError, ClusterMismatch, DataError, CheckpointBusy, HfError) as err:   # HfError: pretrained weights
         raise UsageError(str(err)) from None
     except KeyboardInterrupt:
         if os.environ.get("RANK") == "0" and LAUNCHER_ENV not in os.environ:

@@ -13,6 +13,7 @@ a whole tensor it does not own (see runtime/hf_load.py).
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Iterable
 from pathlib import Path
@@ -32,6 +33,9 @@ __all__ = ["INDEX_FILE", "WeightReader", "expected_shapes", "has_weights", "head
 INDEX_FILE = "model.safetensors.index.json"
 _MAX_HEADER = 100 << 20      # safetensors' own bound on the JSON header
 _NOT_PARAMETERS = (".rotary_emb.inv_freq",)    # buffers some older checkpoints saved beside the weights
+# safetensors' dtypes and their bytes per element (the format's specification)
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+                "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 
 
 def has_weights(directory: Path) -> bool:
@@ -64,6 +68,9 @@ def weight_map(directory: Path) -> dict[str, Path]:
             mapping = json.loads(index.read_text())["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise HfError(f"cannot read {index}: {type(err).__name__}: {err}") from None
+        if not isinstance(mapping, dict) or not all(isinstance(f, str) and f and Path(f).name == f and f != ".."
+                                                    for f in mapping.values()):
+            raise HfError(f"{index}: weight_map must map each tensor to the name of a file beside it")
         files = {name: directory / file for name, file in mapping.items()}
         for path in sorted(set(files.values())):
             if not path.is_file():
@@ -140,16 +147,37 @@ def _header(path: Path) -> dict[str, Any]:
 
 
 def _check_complete(path: Path, table: dict[str, Any], data_start: int) -> None:
-    """A file cut short (a copy or download that stopped) is found here, by its size, not by the first read of
-    a tensor past its end (safetensors then fails without naming the file)."""
-    try:
-        need = data_start + max((int(e["data_offsets"][1]) for e in table.values()), default=0)
-    except (KeyError, TypeError, ValueError, IndexError):
-        raise HfError(f"{path} is not a safetensors file (a tensor without data_offsets)") from None
+    """Every entry a dtype, a shape and the offsets of exactly its bytes, the tensors back to back, as the
+    format specifies and safetensors checks only when a rank reads; and a file cut short (a copy or download
+    that stopped) found here, by its size, not by the first read past its end."""
+    end = 0
+    for name, entry in sorted(table.items(), key=lambda item: _offsets(item[1])):
+        if not _well_formed(entry) or entry["data_offsets"][0] != end:
+            raise HfError(f"{path} is not a safetensors file: the header's entry for {name!r} is not a dtype, a "
+                          "shape and the byte offsets of that tensor, following the one before it")
+        end = entry["data_offsets"][1]
     have = path.stat().st_size
-    if have < need:
-        raise HfError(f"{path} is cut short: its header places tensor data up to byte {need}, but it has {have} "
-                      "bytes (copy or download it again)")
+    if have < data_start + end:
+        raise HfError(f"{path} is cut short: its header places tensor data up to byte {data_start + end}, but it "
+                      f"has {have} bytes (copy or download it again)")
+
+
+def _offsets(entry: Any) -> tuple[int, int]:
+    """An entry's data offsets to sort by; a malformed entry sorts first, to be named."""
+    offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+    ok = isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+    return (offsets[0], offsets[1]) if ok else (-1, -1)   # type: ignore[index]
+
+
+def _well_formed(entry: Any) -> bool:
+    if not isinstance(entry, dict) or entry.get("dtype") not in _DTYPE_BYTES:
+        return False
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        return False
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int and o >= 0 for o in offsets):
+        return False
+    return bool(offsets[1] - offsets[0] == math.prod(shape) * _DTYPE_BYTES[entry["dtype"]])
 
 
 class WeightReader:
