@@ -184,3 +184,32 @@ def test_a_sailor_network_table_of_another_shape_names_the_file(sailor, tmp_path
     assert main(["import", "sailor", "--data", str(data), "--plan", str(plan), "-o", str(tmp_path / "x.het")]) == 2
     err = capsys.readouterr().err
     assert f"{data / 'intra_node_bandwidths.json'}: not laid out as Sailor's network tables are" in err
+
+
+_ZORSE_LATENCIES = {"llama": {"A100-40": {"2048": {"float16": [[1.5, 2.0], [3.0, 4.0]]}}}}
+_ZORSE_STATS = {"llama": {"hidden_size": 4096, "num_layers": 32, "parameters_per_layer": 202383360}}
+
+
+@pytest.mark.parametrize("latencies, stats, says", [
+    (_ZORSE_LATENCIES, {"llama": {"hidden_size": 4096, "num_layers": 32}}, "no 'parameters_per_layer'"),
+    (_ZORSE_LATENCIES, {"llama": 5}, "not subscriptable"),
+    (_ZORSE_LATENCIES, ["llama"], "has no attribute 'get'"),
+    ({"llama": {"A100-40": 3}}, _ZORSE_STATS, "has no attribute 'items'"),
+    ({"llama": {"A100-40": {"long": {"float16": [[1.5, 2.0], [3.0, 4.0]]}}}}, _ZORSE_STATS, "'long'"),
+    (_ZORSE_LATENCIES, {"llama": {**_ZORSE_STATS["llama"], "hidden_size": [4096]}}, "int() argument"),
+])
+def test_a_zorse_data_folder_of_another_shape_names_the_folder(tmp_path, latencies, stats, says):
+    """`explain --profile ZORSE_DIR` walked Zorse's tables unchecked: a number where an object is was a
+    TypeError or AttributeError (fuzzing, 2026-12-06)."""
+    from hetc.passes.cost import ProfileError
+    from hetc.passes.cost.sources.zorse_data import LATENCIES, STATS, read_zorse
+
+    (tmp_path / "data").mkdir()
+    for name, table in ((LATENCIES, _ZORSE_LATENCIES), (STATS, _ZORSE_STATS)):
+        (tmp_path / name).write_text(json.dumps(table))
+    assert len(read_zorse(tmp_path).compute) == 1          # the folder as Zorse writes it reads
+    (tmp_path / LATENCIES).write_text(json.dumps(latencies))
+    (tmp_path / STATS).write_text(json.dumps(stats))
+    with pytest.raises(ProfileError, match="not laid out as Zorse's data folder is") as err:
+        read_zorse(tmp_path)
+    assert says in str(err.value) and str(tmp_path) in str(err.value)

@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from hetc.passes.cost.sources.devices import catalog_name
-from hetc.passes.cost.profiles import ComputeTable, LinearFit, Profiles, Rejected
+from hetc.passes.cost.profiles import ComputeTable, LinearFit, ProfileError, Profiles, Rejected
 from hetc.passes.cost.shapes import LayerKind
 from hetc.passes.cost.sources.sailor_data import read_json
+from hetc.ir.jsontypes import read_by_layout
 from hetc.ir.program import Phase
 
 __all__ = ["DTYPES", "LATENCIES", "STATS", "looks_like", "read_zorse"]
@@ -34,6 +35,13 @@ def looks_like(path: Path) -> bool:
 def read_zorse(folder: Path) -> Profiles:
     latencies = read_json(folder / LATENCIES)
     stats = read_json(folder / STATS) if (folder / STATS).is_file() else {}
+    fail = f"not laid out as Zorse's data folder is ({LATENCIES}: objects by model, GPU, sequence length and dtype; " \
+           f"{STATS}: each model's hidden_size, num_layers and parameters_per_layer)"
+    with read_by_layout(lambda detail: ProfileError(f"{fail}: {detail}", file=str(folder)), keep=(ProfileError,)):
+        return _read(folder, latencies, stats)
+
+
+def _read(folder: Path, latencies: Any, stats: Any) -> Profiles:    # parsed JSON, walked by Zorse's layout
     tables, rejected = [], []
     for model, per_gpu in latencies.items():
         shape = stats.get(model)
