@@ -14,10 +14,7 @@ __all__ = ["finite_number", "positive_seconds"]
 
 def finite_number(text: str) -> float:
     """A finite number; the verb checks its range and says which."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
+    value = _float(text)
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"wants a finite number, not {text!r}")
     return value
@@ -25,10 +22,15 @@ def finite_number(text: str) -> float:
 
 def positive_seconds(text: str) -> float:
     """A positive, finite number of seconds."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
+    value = _float(text)
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"wants a positive number of seconds, not {text!r}")
     return value
+
+
+def _float(text: str) -> float:
+    """`text` as a float; nan for what is not one (refused by the callers' range checks)."""
+    try:
+        return float(text)
+    except ValueError:
+        return math.nan

@@ -35,9 +35,10 @@ plan spec.het -o spec.het` would put the filled plan over the spec and its
 `auto`s; a measured trace over its metrics); and a file of a directory
 hetc wrote as one output that other commands read back (a plan directory's
 timeline.json or summary.json: the directory would no longer load; the
-demo's folder, read by people, takes its run's metrics and trace). A page `hetc viz DIR` writes by
-default, DIR/schedule.html, is the plan kind's `derived` file: drawn from
-what DIR holds, it goes with DIR when compile replaces it.
+demo's folder, read by people, takes its run's metrics and trace). A page
+`hetc viz DIR` writes by default, DIR/schedule.html, is the plan kind's
+`derived` file: drawn from what DIR holds, it goes with DIR when compile
+replaces it.
 """
 
 from __future__ import annotations
