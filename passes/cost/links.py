@@ -44,7 +44,16 @@ estimate, the simulator and the planner:
   (interleaved 1F1B, two lanes of a node per stage: explain +11.9 % of its
   compiled step, its border transfers 21.7 ms each at half the link, which
   the compiled chunks overlap better than the closed form counts). So
-  sharing is not built.
+  sharing is not built. The memory cause, traced the same day on job 22
+  (stages of 1, 1, 2, 3 and 3 lanes under ZB-H1): the third stage's
+  lanes may hold 3 microbatches (Little's 2 plus ZB-H1's margin, Note
+  [in-flight limit]) and the estimate counts 3 stashes, but each holds 2.
+  A lane's third microbatch is the fourth forward of the upstream lane
+  that fed its first, and that forward waits at the upstream lane's own
+  limit of 3 for the gradient this lane returns: limits along a chain
+  cap what a later lane is sent, which no single stage's Little's law
+  sees. Counting it needs the arrivals the schedule's simulation
+  (passes/lower/lane_sim.py) computes, not another closed-form rule.
 
 A node group's `nics` (1 unless declared) bound one stream: it leaves
 through one NIC and arrives through one, so k streams between two nodes
