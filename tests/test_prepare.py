@@ -312,6 +312,46 @@ def test_parquet_gives_the_tokens_json_lines_give(prepared, corpus, tokenizer_di
     assert "no column 'text' (it has id, body); choose it with --field NAME" in capsys.readouterr().err
 
 
+def test_a_document_that_is_not_text_is_named_where(tokenizer_dir, tmp_path, capsys):
+    """A JSON value or Parquet column the tokenizer cannot take (a number, a list, bytes, a lone surrogate
+    that JSON's \\ud800 escape can name) is a usage error at its file and line, not a TypeError."""
+    pq = pytest.importorskip("pyarrow.parquet", reason="pyarrow is in the test extra; `make test` installs it")
+    import pyarrow as pa
+
+    (tmp_path / "number.jsonl").write_text('{"text": "fine"}\n{"text": 5}\n')
+    (tmp_path / "null.jsonl").write_text('{"text": null}\n')
+    (tmp_path / "surrogate.jsonl").write_text('{"text": "a\\ud800b"}\n')
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "ints.parquet")
+    pq.write_table(pa.table({"text": [b"a", b"b"]}), tmp_path / "bytes.parquet")
+    cases = {
+        "number.jsonl": "number.jsonl:2: the field 'text' holds int, not text",
+        "null.jsonl": "null.jsonl:1: the field 'text' holds null, not text",
+        "surrogate.jsonl": "surrogate.jsonl:1: the field 'text' holds a lone surrogate ('\\ud800') at character 1",
+        "ints.parquet": "ints.parquet: the column 'text' holds int64, not text",
+        "bytes.parquet": "bytes.parquet: the column 'text' holds binary, not text",
+    }
+    for name, message in cases.items():
+        status = main(["data", "prepare", str(tmp_path / name), "--tokenizer", str(tokenizer_dir),
+                       "-o", str(tmp_path / "o")])
+        err = capsys.readouterr().err
+        assert status == 2 and message in err, (name, err)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("eos", [99999, -5, True])
+def test_a_configured_eos_id_outside_the_vocabulary_is_refused(tokenizer_dir, tmp_path, capsys, eos):
+    """An eos_token_id in config.json beyond the vocabulary (or below 0) would be written after every
+    document, where no model can embed it; `true` is not an id."""
+    shutil.copy(tokenizer_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": eos}))
+    (tmp_path / "doc.txt").write_text("hello")
+    status = main(["data", "prepare", str(tmp_path / "doc.txt"), "--tokenizer", str(tmp_path),
+                   "-o", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert status == 2 and ("not in the vocabulary" in err or "names no EOS token" in err), err
+    assert not (tmp_path / "o").exists()
+
+
 def test_parquet_without_pyarrow_says_what_to_install(tokenizer_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)   # `import pyarrow.parquet` now fails
     (tmp_path / "t.parquet").write_bytes(b"PAR1")

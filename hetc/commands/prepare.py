@@ -76,11 +76,11 @@ def load_tokenizer(directory: Path, eos: str | None = None) -> Tokenizer:
     if token is None:
         raise PrepareError(f"'{directory}' names no EOS token (eos_token in tokenizer_config.json or "
                            "special_tokens_map.json, eos_token_id in config.json); name it with --eos TOKEN")
+    vocab = encoder.get_vocab_size(with_added_tokens=True)
     eos_id = token if isinstance(token, int) else encoder.token_to_id(token)
-    if eos_id is None:
-        raise PrepareError(f"the EOS token '{token}' is not in the vocabulary of '{path}'")
-    return Tokenizer(encoder, directory.resolve().name, tokenizer_digest(directory), encoder.get_vocab_size(with_added_tokens=True),
-                     int(eos_id))
+    if eos_id is None or not 0 <= eos_id < vocab:    # an id beyond it would be written into every document
+        raise PrepareError(f"the EOS token '{token}' is not in the vocabulary of '{path}' ({vocab} tokens)")
+    return Tokenizer(encoder, directory.resolve().name, tokenizer_digest(directory), vocab, int(eos_id))
 
 
 def _configured_eos(directory: Path) -> str | int | None:
@@ -91,7 +91,7 @@ def _configured_eos(directory: Path) -> str | int | None:
             value = value.get("content")
         if isinstance(value, list):        # several EOS ids: the first ends documents
             value = value[0] if value else None
-        if isinstance(value, (str, int)):
+        if isinstance(value, (str, int)) and not isinstance(value, bool):
             return value
     return None
 
@@ -130,16 +130,30 @@ def _json_lines(path: Path, field: str) -> Iterator[tuple[str, int]]:
                 obj = json.loads(raw)
             except ValueError as err:
                 raise PrepareError(f"{path}:{lineno}: not a JSON line ({err})") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get(field), str):
+            if not isinstance(obj, dict) or field not in obj:
                 keys = ", ".join(sorted(obj)) if isinstance(obj, dict) else type(obj).__name__
                 raise PrepareError(f"{path}:{lineno}: no text field '{field}' (it has {keys}); choose the "
                                    "field with --field NAME")
-            yield obj[field], done
+            yield _text(obj[field], f"{path}:{lineno}: the field '{field}'"), done
+
+
+def _text(value: RawJson, what: str) -> str:
+    """A document's text as the tokenizer takes it: a string UTF-8 can encode (JSON's \\ud800 escapes can
+    name a lone surrogate, which it cannot)."""
+    if not isinstance(value, str):
+        raise PrepareError(f"{what} holds {'null' if value is None else type(value).__name__}, not text")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise PrepareError(f"{what} holds a lone surrogate ({value[err.start]!a}) at character {err.start}, "
+                           "which is not text") from None
+    return value
 
 
 def _parquet(path: Path, field: str) -> Iterator[tuple[str, int]]:
     try:
-        import pyarrow.parquet as pq  # type: ignore[import-untyped]  # pyarrow ships no type stubs
+        import pyarrow as pa  # type: ignore[import-untyped]  # pyarrow ships no type stubs
+        import pyarrow.parquet as pq  # type: ignore[import-untyped]
     except ImportError:
         raise PrepareError(f"reading the Parquet file '{path}' needs pyarrow: pip install pyarrow "
                            "(or pip install 'hetc[parquet]')") from None
@@ -150,6 +164,10 @@ def _parquet(path: Path, field: str) -> Iterator[tuple[str, int]]:
     if field not in table.schema_arrow.names:
         raise PrepareError(f"{path}: no column '{field}' (it has {', '.join(table.schema_arrow.names)}); "
                            "choose it with --field NAME")
+    kind = table.schema_arrow.field(field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise PrepareError(f"{path}: the column '{field}' holds {kind}, not text; choose a text column with "
+                           "--field NAME")
     size, rows, total = path.stat().st_size, 0, max(1, table.metadata.num_rows)
     for batch in table.iter_batches(columns=[field]):
         for text in batch.column(0).to_pylist():
