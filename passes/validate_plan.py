@@ -9,7 +9,11 @@ here, beside the validation pass, and lowering only asserts them:
 - a lane's ranks must ascend where torch's group numbering matters
   (sequence-parallel gathers, Ulysses' all-to-alls, expert groups);
 - lanes that move in lockstep (Note [coupled lanes] in passes/lower/lane_sim.py)
-  must queue the same ops in the same order.
+  must queue the same ops in the same order;
+- hierarchical ZeRO (shard = node) needs as many of a stage's replicas on
+  every node (`uneven_node_shards` in hetc/ir/geometry.py): two replicas
+  on one node and one on another met in collectives of half and whole
+  buffers, which gloo stops on and NCCL does not check.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from hetc.ir.errors import Diagnostic
+from hetc.ir.geometry import hierarchical_zero, uneven_node_shards
 from hetc.passes.lower.schedule import LockstepReason, lane_queues, lockstep_groups, queue_shape
-from hetc.ir.pipeline import Lane, Stage
+from hetc.ir.pipeline import Lane, Pipeline, Stage
 from hetc.ir.plan import Plan
 from hetc.passes.validate_runtime import check_tied_embeddings
 from hetc.ir.spec import CPKind, StageSpec
@@ -32,8 +37,24 @@ def check_plan(plan: Plan, errors: list[Diagnostic]) -> None:
     if (problem := check_tied_embeddings(model, pipeline)) is not None:
         errors.append(Diagnostic(model.span_of("tied_embeddings"), problem))
     for stage in pipeline.stages:
-        _check_rank_order(plan.parallel.resolved_stages[stage.index], stage, errors)
+        st = plan.parallel.resolved_stages[stage.index]
+        _check_rank_order(st, stage, errors)
+        _check_node_shards(pipeline, st, stage, errors)
     _check_lockstep(plan, errors)
+
+
+def _check_node_shards(pipeline: Pipeline, st: StageSpec, stage: Stage, errors: list[Diagnostic]) -> None:
+    """Hierarchical ZeRO: every node holding replicas of the stage holds as many (`uneven_node_shards`)."""
+    if not hierarchical_zero(stage):
+        return
+    per_node = uneven_node_shards([[pipeline.world[r].host for r in lane.ranks] for lane in stage.lanes],
+                                  stage.tp, stage.cp)
+    if per_node is not None:
+        held = ", ".join(f"{group}[{i}] holds {n}" for (group, i), n in per_node.items())
+        errors.append(Diagnostic(stage.zero.span_of("shard"), f"hierarchical ZeRO (shard = node) shards stage "
+                                 f"'{st.name}' over each node's replicas and reduces shard i of every node "
+                                 f"together, so every node must hold as many: {held}; place the stage's lanes "
+                                 "evenly over its nodes, or shard = all"))
 
 
 def _ascending(ranks: Sequence[int]) -> bool:

@@ -179,6 +179,52 @@ def test_compile_plans_a_spec_with_auto_first(tmp_path):
     assert compiled.pipeline is not None and compiled.program.world_size == compiled.pipeline.world_size
 
 
+UNEVEN_NODES = f'''use "{SPECS / "catalog.het"}"
+model m {{
+  layers = 2
+  hidden = 512
+  heads = 8
+  ffn = 2048
+  vocab = 32000
+  seq = 1024
+}}
+cluster c {{
+  node big {{
+    device = A100-80
+    gpus = 3
+  }}
+  node small {{
+    device = A100-80
+    gpus = 1
+  }}
+}}
+train {{
+  global_batch = 256
+}}
+parallel {{
+  zero {{
+    shard = node
+    level = %d
+  }}
+}}
+'''
+
+
+@pytest.mark.parametrize("level", [1, 3])
+def test_hierarchical_zero_is_planned_only_where_every_node_holds_as_many_lanes(level, tmp_path, capsys):
+    """Three GPUs on one node and one on another: the data-parallel plans over all four would shard each
+    node's replicas into thirds and wholes, which the validator refuses (passes/validate_plan.py). The
+    planner plans around them, and says why the baselines that need them are not built; it used to print
+    such a plan (and refuse its own winner, or crash the run on gloo)."""
+    spec = _write(tmp_path, UNEVEN_NODES % level)
+    out = tmp_path / "planned.het"
+    assert main(["plan", str(spec), "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "not built: hierarchical ZeRO (shard = node) needs as many lanes of a stage on each of its nodes" \
+        in text, text
+    assert main(["compile", str(out), "-o", str(tmp_path / "plan")]) == 0
+
+
 def test_a_layer_that_fits_nowhere_is_named_with_the_gpu(tmp_path, capsys):
     text = (SMALL % "").replace("vocab = 32000", "vocab = 4000000").replace("seq = 1024", "seq = 4096")
     spec = _write(tmp_path, text)

@@ -19,11 +19,12 @@ import pytest
 
 from hetc.passes.cost import CostModel
 from hetc.passes.lower.by_class import lower_by_class
-from hetc.passes.verify import VerifyError, verify
+from hetc.passes.verify import Backend, VerifyError, verify
+from hetc.passes.verify.protocol import check_protocol
 from hetc.passes.verify.memory import format_bytes, rank_peaks
 from hetc.ir.pipeline import Pipeline
 from hetc.ir.plan import Plan
-from hetc.ir.program import COLLECTIVE_TYPES, Forward, Program, Recv, Send, Step, Wait
+from hetc.ir.program import COLLECTIVE_TYPES, Forward, Group, Program, Recv, Send, Step, Wait
 from tests.conftest import DEMO, ROOT
 from tests.golden.cases import GOLDEN_DIR
 from tests.plans import DEMO_PLANS, TEST_PLANS, compile_plan, plan_id
@@ -246,3 +247,20 @@ def test_memory_error_names_the_peak_and_the_capacity():
     assert f"needs {format_bytes(peaks[rank].total)} at its peak (instruction {peaks[rank].index}:" in \
         finding.message
     assert f"holds {format_bytes(peaks[rank].total - 1)}" in finding.message
+
+
+@pytest.mark.parametrize("backend", list(Backend))
+def test_an_outer_collective_over_buffers_cut_differently_is_a_protocol_error(backend):
+    """Hierarchical ZeRO reduces shard i of every node together; a member whose node cut the ministage into
+    other pieces (its shard group of another size) would send a buffer of another size, which gloo stops on
+    and NCCL does not check. The protocol check names it (passes/validate_plan.py refuses such plans before)."""
+    program = compile_plan(DEMO / "hsdp.het").program
+    rank = 2                                      # host[1]'s first replica: its shard group is [2, 3]
+    shards = tuple(dataclasses.replace(sh, group="alone") for sh in program.ranks[rank].shards)
+    ranks = list(program.ranks)
+    ranks[rank] = dataclasses.replace(ranks[rank], shards=shards)
+    cut = dataclasses.replace(program, ranks=tuple(ranks), groups=(*program.groups, Group("alone", (rank,))))
+    assert not check_protocol(program, backend=backend)
+    findings = check_protocol(cut, backend=backend)
+    assert findings and "buffers of different sizes" in findings[0].message, [str(f) for f in findings]
+    assert "1/1" in findings[0].message and "1/2" in findings[0].message

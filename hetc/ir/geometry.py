@@ -10,7 +10,10 @@ is Megatron's dp × cp group: cp ranks replicate the parameters and see differen
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from hetc.ir.groups import TIED, WORLD, Axis, Direction, GroupId, GroupKind
 from hetc.ir.memo import cached_property
@@ -18,7 +21,9 @@ from hetc.ir.pipeline import Lane, Pipeline, Stage
 from hetc.ir.program import Group
 from hetc.ir.spec import ModelSpec, ZeroShard
 
-__all__ = ["Geometry", "RankPlace", "hierarchical_zero"]
+__all__ = ["Geometry", "RankPlace", "hierarchical_zero", "uneven_node_shards"]
+
+H = TypeVar("H", bound=Hashable)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +45,19 @@ class RankPlace:
 def hierarchical_zero(stage: Stage) -> bool:
     """Shard inside nodes and replicate across them (HSDP); level 0 has nothing to shard."""
     return stage.zero.shard is ZeroShard.NODE and stage.zero.resolved_level > 0
+
+
+def uneven_node_shards(lanes: Sequence[Sequence[H]], tp: int, cp: int = 1) -> Counter[H] | None:
+    """Hierarchical ZeRO over lanes whose ranks sit on nodes `lanes` (each lane's hosts, cp-major): where the
+    nodes hold different numbers of one tp rank's replicas, how many each holds; None where every node
+    holds as many. Each node shards the state over its own replicas and shard i of every node is reduced
+    with shard i of the others, which only match where every node cuts the same pieces (HSDP's mesh):
+    the validator refuses such a stage (passes/validate_plan.py), the planner never proposes one."""
+    for t in range(tp):
+        per_node = Counter(lane[c * tp + t] for lane in lanes for c in range(cp))
+        if len(set(per_node.values())) > 1:
+            return per_node
+    return None
 
 
 class Geometry:

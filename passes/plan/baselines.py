@@ -81,6 +81,8 @@ def _builds(search: Structures, stages: list[StageGpus], knobs: Knobs, idle: tup
     units = search.units
     if len(stages) > units:
         return f"{len(stages)} stages for {units} layers"
+    if knobs.zero and not all(search.shardable(st) for st in stages):
+        return "hierarchical ZeRO (shard = node) needs as many lanes of a stage on each of its nodes"
     out, why = [], ""
     for b in sorted(search.space.micro_batches):
         m = search.prims[b].num_microbatches

@@ -31,11 +31,12 @@ from hetc.passes.plan.stages import StageRule, written_counts
 from hetc.passes.plan.tables import Option, StageTable, holds_all, placeable, stage_costs, stage_option
 from hetc.passes.plan.views import Resolver, view_of
 from hetc.ir.pipeline import route_microbatches
-from hetc.ir.spec import Checkpointing, ModelSpec, Objective, ScheduleKind
+from hetc.ir.spec import Checkpointing, ModelSpec, Objective, ScheduleKind, ZeroShard
 from hetc.passes.cost.schedule import group_width
 from hetc.passes.lower.schedule import first_positions, interleaved_groups
 from hetc.ir.topology import Gpu
 from hetc.ir.plan import Job
+from hetc.ir.geometry import uneven_node_shards
 
 __all__ = ["Found", "SearchLimits", "Structure", "Structures", "base_knobs"]
 
@@ -270,9 +271,21 @@ class Structures:
         return self._holds[key]
 
     def knobs(self, st: Structure, s: int, full: bool) -> list[Knobs]:
-        options = knob_options(self.space, st.schedule, st.interleave, len(self.resolve(st.layout[s]).lanes),
-                               self.rule(s))
-        return options if full else base_knobs(options)
+        space, sharded = self.space, self.shardable(st.layout[s])
+        if not sharded:   # only ZeRO-0, which shards nothing, is a configuration of this stage
+            space = replace(space, zero_levels=tuple(z for z in space.zero_levels if z == 0))
+        options = [k for k in knob_options(space, st.schedule, st.interleave, len(self.resolve(st.layout[s]).lanes),
+                                           self.rule(s))
+                   if sharded or k.zero == 0]
+        return options if full or not options else base_knobs(options)
+
+    def shardable(self, gpus: StageGpus) -> bool:
+        """Whether ZeRO may shard a stage on `gpus`: not where hierarchical ZeRO (shard = node) would, over lanes
+        spread unevenly on their nodes, which the validator refuses (`uneven_node_shards`)."""
+        if self.space.zero_base.shard is not ZeroShard.NODE:
+            return True
+        res = self.resolve(gpus)
+        return uneven_node_shards([[g.host for g in lane] for lane in res.lanes], res.tp) is None
 
     def assign(self, st: Structure, full: bool, around: tuple[int, ...] | None = None
                ) -> tuple[Assignment, list[StageTable]] | None:
