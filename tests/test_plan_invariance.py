@@ -86,6 +86,42 @@ def test_zero_bubble_with_sharded_gradients_matches_reference(level, rank_pool, 
     assert_params_close(latest_checkpoint(tmp_path / "ckpt"), demo_reference.params)
 
 
+HSDP_ON_ONE_NODE = """use "{job}"
+
+parallel {{
+  schedule = gpipe
+  zero {{
+    level = {level}
+    shard = node
+    across = 1
+  }}
+  stage first {{
+    layers = embed..block1
+    ranks = host[0]
+    lanes = 2
+  }}
+  stage second {{
+    layers = block2..head
+    ranks = host[1]
+    lanes = 2
+  }}
+}}
+"""
+
+
+@pytest.mark.parametrize("level", [1, 3])
+def test_hierarchical_zero_on_stages_of_one_node_each_matches_reference(level, rank_pool, demo_reference, tmp_path):
+    """shard = node with across = 1 where each stage's lanes sit on one node: no other node holds replicas, so
+    nothing is reduced across nodes (`Geometry.outer_group`). Lowering once reduced over a group of the rank
+    alone, which the runtime's buffers, sized by that group, had no room for (found by random plans)."""
+    spec = tmp_path / f"hsdp_one_node{level}.het"
+    spec.write_text(HSDP_ON_ONE_NODE.format(job=DEMO / "job.het", level=level))
+    plan_dir = compile_plans([spec], tmp_path / "plans")[spec.stem]
+    reports = rank_pool.run(PlanJob(plan_dir, REFERENCE_STEPS, save_to=tmp_path / "ckpt"))
+    assert_losses_close(agreed_losses(reports), demo_reference.losses)
+    assert_params_close(latest_checkpoint(tmp_path / "ckpt"), demo_reference.params)
+
+
 def _reference_of(demo_plan_dirs, single: str):
     """The 1-process reference run of the job of demo plan `single`."""
     plan_dir = demo_plan_dirs[single]

@@ -122,9 +122,13 @@ class Geometry:
         return self._dp_id(place)
 
     def outer_group(self, place: RankPlace) -> GroupId | None:
+        """Hierarchical ZeRO: this rank's shard on every other node; None where no other node holds replicas
+        (a stage on one node: its node group is its whole ZeRO group, and a group of one would reduce nothing)."""
         if len(self.replicas(place)) == 1 or not hierarchical_zero(place.stage):
             return None
         inner = self.node_replicas(place)
+        if len(inner) == len(self.replicas(place)):
+            return None
         return self._dp_id(place).of_kind(GroupKind.DPX).at(Axis.SHARD, inner.index(place.rank))
 
     def _node_index(self, place: RankPlace) -> int:
