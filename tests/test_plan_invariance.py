@@ -55,11 +55,11 @@ def test_plan_matches_reference(plan, order, rank_pool, demo_plan_dirs, demo_ref
     assert_params_close(latest_checkpoint(tmp_path), demo_reference.params)
 
 
-ZB_SHARDED = """use "{job}"
+TWO_NODE_STAGES = """use "{job}"
 
 parallel {{
-  schedule = zb
-  zero = {level}
+  schedule = {schedule}
+{zero}
   stage first {{
     layers = embed..block1
     ranks = host[0]
@@ -78,35 +78,17 @@ parallel {{
 def test_zero_bubble_with_sharded_gradients_matches_reference(level, rank_pool, demo_reference, tmp_path):
     """ZB-H1 with ZeRO-2/3 (no demo plan has both): the weight-gradient op fills the buffer the input-gradient
     op left alone, and each reduce-scatter is waited once the next op ran (Note [gradient buffer release])."""
-    spec = tmp_path / f"zb_zero{level}.het"
-    spec.write_text(ZB_SHARDED.format(job=DEMO / "job.het", level=level))
+    _two_node_stages_match(rank_pool, demo_reference, tmp_path, "zb", f"  zero = {level}")
+
+
+def _two_node_stages_match(rank_pool, demo_reference, tmp_path, schedule: str, zero: str) -> None:
+    """`TWO_NODE_STAGES` under `schedule` and the `zero` line(s) trains to the reference."""
+    spec = tmp_path / "two_node_stages.het"
+    spec.write_text(TWO_NODE_STAGES.format(job=DEMO / "job.het", schedule=schedule, zero=zero))
     plan_dir = compile_plans([spec], tmp_path / "plans")[spec.stem]
     reports = rank_pool.run(PlanJob(plan_dir, REFERENCE_STEPS, save_to=tmp_path / "ckpt"))
     assert_losses_close(agreed_losses(reports), demo_reference.losses)
     assert_params_close(latest_checkpoint(tmp_path / "ckpt"), demo_reference.params)
-
-
-HSDP_ON_ONE_NODE = """use "{job}"
-
-parallel {{
-  schedule = gpipe
-  zero {{
-    level = {level}
-    shard = node
-    across = 1
-  }}
-  stage first {{
-    layers = embed..block1
-    ranks = host[0]
-    lanes = 2
-  }}
-  stage second {{
-    layers = block2..head
-    ranks = host[1]
-    lanes = 2
-  }}
-}}
-"""
 
 
 @pytest.mark.parametrize("level", [1, 3])
@@ -114,12 +96,8 @@ def test_hierarchical_zero_on_stages_of_one_node_each_matches_reference(level, r
     """shard = node with across = 1 where each stage's lanes sit on one node: no other node holds replicas, so
     nothing is reduced across nodes (`Geometry.outer_group`). Lowering once reduced over a group of the rank
     alone, which the runtime's buffers, sized by that group, had no room for (found by random plans)."""
-    spec = tmp_path / f"hsdp_one_node{level}.het"
-    spec.write_text(HSDP_ON_ONE_NODE.format(job=DEMO / "job.het", level=level))
-    plan_dir = compile_plans([spec], tmp_path / "plans")[spec.stem]
-    reports = rank_pool.run(PlanJob(plan_dir, REFERENCE_STEPS, save_to=tmp_path / "ckpt"))
-    assert_losses_close(agreed_losses(reports), demo_reference.losses)
-    assert_params_close(latest_checkpoint(tmp_path / "ckpt"), demo_reference.params)
+    hsdp = f"  zero {{\n    level = {level}\n    shard = node\n    across = 1\n  }}"
+    _two_node_stages_match(rank_pool, demo_reference, tmp_path, "gpipe", hsdp)
 
 
 def _reference_of(demo_plan_dirs, single: str):
