@@ -103,15 +103,33 @@ def demo_plan_dirs(tmp_path_factory) -> dict:
     return compile_plans(DEMO_PLANS, tmp_path_factory.mktemp("demo_plans"))
 
 
-@pytest.fixture(scope="session")
-def demo_reference(demo_plan_dirs):
-    """The 1-process reference run of the demo job for REFERENCE_STEPS steps (losses, final params)."""
+def _reference_of(demo_plan_dirs, single: str):
+    """The 1-process reference run, for REFERENCE_STEPS steps (losses, final params), of the job of demo plan
+    `single`."""
     from hetc.plandir import read_plan
     from hetc.runtime.reference import train_reference
 
-    plan_dir = demo_plan_dirs["single"]
+    plan_dir = demo_plan_dirs[single]
     _, checked = read_plan(plan_dir)
     return train_reference(checked.spec.model, checked.spec.train, base_dir=plan_dir, steps=REFERENCE_STEPS)
+
+
+@pytest.fixture(scope="session")
+def demo_reference(demo_plan_dirs):
+    """The demo job's reference (specs/demo/job.het)."""
+    return _reference_of(demo_plan_dirs, "single")
+
+
+@pytest.fixture(scope="session")
+def moe_reference(demo_plan_dirs):
+    """The MoE demo job's reference (moe_job.het)."""
+    return _reference_of(demo_plan_dirs, "moe_single")
+
+
+@pytest.fixture(scope="session")
+def tied_reference(demo_plan_dirs):
+    """The tied demo job's reference (tied_job.het)."""
+    return _reference_of(demo_plan_dirs, "tied_single")
 
 
 # ---------------------------------------------------------------- planned plans
