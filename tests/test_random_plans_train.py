@@ -26,9 +26,8 @@ from tests.conftest import DEMO, REFERENCE_STEPS
 from tests.random_plans import random_demo_plan
 from tests.rank_pool import COMM_ORDERS, PlanJob, agreed_losses, assert_losses_close, assert_params_close
 
-# (job, seed): few enough to run in half a minute
-RANDOM_PLANS = [("job.het", seed) for seed in [*range(5), 468]] + [("moe_job.het", seed) for seed in range(2)] + \
-    [("tied_job.het", seed) for seed in range(2)]
+# (job, seed): few enough to run in a quarter of a minute (the suite's 15 minutes are nearly spent)
+RANDOM_PLANS = [("job.het", seed) for seed in [0, 1, 2, 468]] + [("moe_job.het", 0), ("tied_job.het", 0)]
 REFERENCES = {"job.het": "demo_reference", "moe_job.het": "moe_reference", "tied_job.het": "tied_reference"}
 LOCATED = re.compile(r"^\S+\.het:\d+:\d+: error: ", re.MULTILINE)   # the plan's or its job's file, line, column
 DRAWS = 20
