@@ -208,7 +208,9 @@ class Machine:
         self.compute_groups = compute_groups(program)
         self.lockstep = {key for key, groups in self.compute_groups.items() if groups}   # compute ops that are calls
         self.across_lanes = {sh.ep_group for rp in program.ranks for sh in rp.shards if sh.ep_group}
-        self.shards = {(rp.rank, sh.ms): sh for rp in program.ranks for sh in rp.shards}
+        # hierarchical ZeRO: (rank, outer group) -> the pieces its node group cut the buffer into (`_cut`)
+        self.outer_cuts = {(rp.rank, sh.outer): len(self.members.get(sh.group, ()))
+                           for rp in program.ranks for sh in rp.shards if sh.outer and sh.group}
         self.runnable: deque[int] = deque(range(len(program.ranks)))
         self.queued = set(self.runnable)
         self.ran: list[Op] = []                   # completed ops that did work (the timeline's events)
@@ -316,7 +318,7 @@ class Machine:
             if _collective_key(other.instr, any_mb) != _collective_key(op.instr, any_mb):
                 return at(self.program, op.rank, op.index, f"collective #{k} on group '{group}' differs: rank "
                           f"{other.rank} calls `{other.instr}` (its instruction {other.index})")
-            if (mine := self._cut(op.rank, op.instr, group)) != (theirs := self._cut(other.rank, other.instr, group)):
+            if self.outer_cuts and (mine := self._cut(op.rank, group)) != (theirs := self._cut(other.rank, group)):
                 return at(self.program, op.rank, op.index, f"collective #{k} on group '{group}' reduces this "
                           f"rank's 1/{mine} of its ministage's buffer with rank {other.rank}'s 1/{theirs}: "
                           "buffers of different sizes")
@@ -326,18 +328,11 @@ class Machine:
             calls[k] = {}   # matched: keep no references
         return None
 
-    def _cut(self, rank: int, instr: Instr, group: str) -> int:
-        """Into how many pieces `rank` has cut the buffer a collective on `group` acts on: its shard group's
-        size where `group` is the ministage's outer group (hierarchical ZeRO reduces shard i of every node
-        together), else 1. Every member must agree, or each moves a buffer of another size."""
-        ms = getattr(instr, "ms", None)
-        shard = self.shards.get((rank, ms)) if ms is not None else None
-        if shard is None or shard.group is None:
-            return 1
-        part = shard.part(group)
-        if part.outer is None or split_direction(group)[0] != split_direction(part.outer)[0]:
-            return 1
-        return len(self.members.get(part.group or "", ())) or 1
+    def _cut(self, rank: int, group: str) -> int:
+        """Into how many pieces `rank` has cut the buffer a collective on `group` acts on: its node group's size
+        where `group` is an outer group of its (hierarchical ZeRO reduces shard i of every node together), else
+        1. Every member must agree, or each moves a buffer of another size."""
+        return self.outer_cuts.get((rank, split_direction(group)[0]), 1)
 
     # -------------------------------------------------------------- starting (Note [NCCL order])
 
