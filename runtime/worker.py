@@ -259,6 +259,9 @@ def _steps(rt, opts: RunOptions, rank: int, plan: Plan, program: Program, device
         Rebalancer(plan_dir, plan, rank, opts.rebalance, reporter.store, reporter.event,
                    can_reshard=saver is not None)
     steps = plan.train.steps if opts.steps is None else opts.steps
+    if start >= steps and rank == 0:   # a resume past the end: say so, or the run looks as if it trained
+        print(f"hetc run: no step to run: resumed at step {start}, and the run ends at step {steps} "
+              f"({'--steps' if opts.steps is not None else 'train.steps'})", file=sys.stderr, flush=True)
     skipped = 0
     for step in range(start, steps):
         traced = opts.trace is not None and step == steps - 1

@@ -134,6 +134,13 @@ def test_resume_if_present_starts_at_step_0_when_there_is_nothing(plans, as_rank
     assert _steps_run(metrics) == [1, 2]
 
 
+def test_resume_at_or_past_the_last_step_says_there_is_no_step_to_run(plans, saved, tmp_path, capsys):
+    metrics = tmp_path / "m.jsonl"
+    assert _run(plans["demo"], "--steps", 3, "--checkpoint", saved, "--resume", "--metrics", metrics) == 0
+    assert "no step to run: resumed at step 4, and the run ends at step 3 (--steps)" in capsys.readouterr().err
+    assert _steps_run(metrics) == []
+
+
 # ---------------------------------------------------------------- finding 6: checksums
 
 
