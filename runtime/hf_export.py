@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from hetc.ir.errors import SpecError
 from hetc.hf.config import CONFIG_FILE, HfError
+from hetc.hf.files import GENERATION_CONFIG_FILE, TOKENIZER_FILES
 from hetc.hf.names import hf_name
 from hetc.hf.weights import INDEX_FILE
 from hetc.ir.outdir import OutputKind, Protected, check_output_dir, write_output_dir
@@ -47,11 +48,6 @@ __all__ = ["DEFAULT_SHARD_BYTES", "GENERATION_CONFIG_FILE", "TOKENIZER_FILES", "
 DEFAULT_SHARD_BYTES = 2 << 30
 _TORCH_NAMES = {DType.FP32: "float32", DType.BF16: "bfloat16", DType.FP16: "float16"}
 
-GENERATION_CONFIG_FILE = "generation_config.json"
-# What transformers' tokenizers save (save_pretrained of a fast or slow tokenizer, sentencepiece or BPE)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja",
-                   "chat_template.json")
 # config.json keys that GenerationConfig.from_model_config carries over (the rest are generation defaults)
 _GENERATION_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
 

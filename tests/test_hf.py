@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -359,6 +360,19 @@ def test_a_written_block_with_hf_round_trips(hf_dirs, tmp_path):
     (tmp_path / "again.het").write_text(format_spec(spec))
     again = load_spec(tmp_path / "again.het").spec
     assert again == spec and again.model.moe.capacity_factor == 2.0    # dropless: experts / top_k
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors"])
+def test_plan_output_replaces_no_file_of_the_model_directory(name, hf_dirs, tmp_path, capsys):
+    """Note [output files]: the spec reads the hf directory's files, so `-o` may not replace one."""
+    hf = tmp_path / "model"
+    shutil.copytree(hf_dirs["llama"], hf)
+    spec = write_job(tmp_path / "job.het", hf, "single")
+    before = (hf / name).read_bytes()
+    assert hetc_main(["plan", str(spec), "-o", str(hf / name)]) == 2
+    assert f"-o '{hf / name}' is a file of the model's hf directory" in capsys.readouterr().err
+    assert (hf / name).read_bytes() == before
+    assert hetc_main(["plan", str(spec), "-o", str(hf / "plan.het")]) == 0     # a new file there loses nothing
 
 
 # ---------------------------------------------------------------- a rank reads only its share

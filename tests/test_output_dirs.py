@@ -241,7 +241,13 @@ _ONE_FILE_CASES = [
     # (argv with {plan}/{spec}/{tmp}, the file that must stay, what the error says)
     (["plan", "{spec}", "-o", "{spec}"], "{spec}", "-o '{spec}' is the spec, which this command reads"),
     (["profile", "{spec}", "-o", "{spec}"], "{spec}", "-o '{spec}' is the spec"),
-    (["launch", "{spec}", "--emit", "slurm", "-o", "{spec}"], "{spec}", "is the plan or spec"),
+    (["plan", "{spec}", "-o", "{tmp}/demo/job.het"], "{tmp}/demo/job.het",
+     "-o '{tmp}/demo/job.het' is a file the spec imports, which this command reads"),
+    (["plan", "{spec}", "-o", "{tmp}/demo/data/tiny.txt"], "{tmp}/demo/data/tiny.txt", "is the training data"),
+    (["profile", "{spec}", "-o", "{tmp}/demo/job.het"], "{tmp}/demo/job.het", "is a file the spec imports"),
+    (["launch", "{spec}", "--emit", "slurm", "-o", "{spec}"], "{spec}", "is the spec"),
+    (["launch", "{spec}", "--emit", "slurm", "-o", "{tmp}/demo/job.het"], "{tmp}/demo/job.het",
+     "is a file the spec imports"),
     (["launch", "{plan}", "--emit", "slurm", "-o", "{plan}/groups.txt"], "{plan}/groups.txt",
      "is a file of a plan directory hetc wrote"),
     (["viz", "{plan}", "--chrome-trace", "{plan}/timeline.json"], "{plan}/timeline.json",
@@ -253,9 +259,15 @@ _ONE_FILE_CASES = [
     (["run", "{plan}", "--local", "--metrics", "{plan}/summary.json"], "{plan}/summary.json",
      "--metrics '{plan}/summary.json' is a file of a plan directory"),
     (["run", "{plan}", "--local", "--metrics", "{tmp}/m", "--trace", "{tmp}/m"], "{tmp}/m", "is the --metrics file"),
+    (["run", "{spec}", "--elastic", "--checkpoint", "{tmp}/c", "--every", "1", "--metrics", "{tmp}/demo/data/tiny.txt"],
+     "{tmp}/demo/data/tiny.txt", "--metrics '{tmp}/demo/data/tiny.txt' is the training data"),
+    (["run", "{spec}", "--elastic", "--checkpoint", "{tmp}/c", "--every", "1", "--trace", "{tmp}/demo/job.het"],
+     "{tmp}/demo/job.het", "is a file the spec imports"),
     (["calibrate", "{plan}", "--metrics", "{plan}/timeline.json"], "{plan}/timeline.json", "is a file of a plan"),
     (["data", "prepare", "{tmp}/t.json", "--tokenizer", "{tmp}", "-o", "{tmp}/t.json"], "{tmp}/t.json",
      "-o '{tmp}/t.json' is an input, which this command reads"),
+    (["data", "prepare", "{tmp}/t.json", "--tokenizer", "{tmp}", "-o", "{tmp}/tokenizer_config.json"],
+     "{tmp}/tokenizer_config.json", "-o '{tmp}/tokenizer_config.json' is a file of the tokenizer directory"),
 ]
 
 
@@ -271,6 +283,7 @@ def test_a_one_file_output_replaces_no_input_and_no_file_of_a_plan_directory(pp_
     shutil.copy(SPECS / "catalog.het", tmp_path / "catalog.het")
     (tmp_path / "t.json").write_text("{}\n")
     (tmp_path / "m").write_text("{}\n")
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "</s>"}\n')
     names = {"plan": str(plan), "spec": str(tmp_path / "demo" / "pp.het"), "tmp": str(tmp_path)}
     kept_path = Path(kept.format(**names))
     before = kept_path.read_bytes()

@@ -47,9 +47,10 @@ def _prepare(args: argparse.Namespace) -> int:
     out = args.output
     if args.megatron and out.suffix in (".bin", ".idx"):
         out = out.with_suffix("")
+    from hetc.hf.files import model_files
     from hetc.ir.outdir import check_output_file
 
-    reads = [(Path(p), "an input") for p in args.inputs] + [(args.tokenizer / "tokenizer.json", "the tokenizer")]
+    reads = [(Path(p), "an input") for p in args.inputs] + [(p, "a file of the tokenizer directory") for p in model_files(args.tokenizer)]
     for path in [out.with_name(out.name + suffix) for suffix in (".bin", ".idx")] if args.megatron else [out]:
         check_output_file(path, "-o", reads)    # Note [output files]
     try:

@@ -43,11 +43,11 @@ def run(args: argparse.Namespace) -> int:
     from hetc.passes.plan.planner import plan_spec
     from hetc.commands.planreport import plan_json, plan_provenance, plan_summary
 
+    loaded, _ = load_checked(args.spec, require_complete=True, plan_missing=True)
     if args.out is not None:
         from hetc.ir.outdir import check_output_file
 
-        check_output_file(args.out, "-o", [(Path(args.spec), "the spec")])   # Note [output files]
-    loaded, _ = load_checked(args.spec, require_complete=True, plan_missing=True)
+        check_output_file(args.out, "-o", loaded.inputs())   # Note [output files]
     profiles = load_profile_args(args.profile)
     start = time.perf_counter()
 

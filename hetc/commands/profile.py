@@ -77,15 +77,16 @@ def _ints(text: str, what: str) -> list[int]:
     return values
 
 
-def _spec(args: argparse.Namespace) -> Spec | None:
+def _spec(args: argparse.Namespace) -> tuple[Spec | None, list[tuple[Path, str]]]:
+    """The spec SPEC names (None without one), and what it reads (Note [output files])."""
     if not args.spec:
-        return None
+        return None, []
     from hetc.compiler import load_checked
 
-    _, checked = load_checked(args.spec)
+    loaded, checked = load_checked(args.spec)
     if checked.spec.model is None:
         raise UsageError(f"{args.spec} has no model block")
-    return checked.spec
+    return checked.spec, loaded.inputs()
 
 
 def ranks_at_once(spec: Spec | None, kind: str) -> int:
@@ -163,7 +164,7 @@ class _Progress:
 
 
 def run(args: argparse.Namespace) -> int:
-    spec = _spec(args)
+    spec, reads = _spec(args)
     model = _model(args, spec)
     micro_batches = _ints(args.micro_batches, "--micro-batches")
     seqs = _ints(args.seqs, "--seqs") if args.seqs else [model.seq]
@@ -174,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     _within(NodeSpec, "gpus", "--ranks-at-once", args.ranks_at_once)
     from hetc.ir.outdir import check_output_file
 
-    check_output_file(Path(args.output), "-o", [(Path(args.spec), "the spec")] if args.spec else [])
+    check_output_file(Path(args.output), "-o", reads)
     progress = _Progress()
     progress("starting")
     try:

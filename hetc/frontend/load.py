@@ -14,8 +14,9 @@ from pathlib import Path
 
 from hetc.frontend import syntax
 from hetc.frontend.convert import to_spec
+from hetc.hf.files import model_files
 from hetc.ir.errors import MAX_SOURCE_BYTES, Diagnostic, Sources, Span, SpecError, did_you_mean
-from hetc.ir.spec import ParallelSpec, Spec
+from hetc.ir.spec import ParallelSpec, Spec, declared_path
 
 __all__ = ["BUNDLED_SPECS", "LoadedSpec", "load_spec", "parse_file", "read_spec_bytes", "with_plan_to_fill"]
 
@@ -29,6 +30,31 @@ class LoadedSpec:
     path: Path
     sources: Sources
     files: list[Path] = field(default_factory=list)
+
+    def inputs(self) -> list[tuple[Path, str]]:
+        """(path, what it is) of every file the spec reads (its own, its data's, its models'), which an
+        output must not replace (Note [output files])."""
+        found = [(self.path, "the spec")] + [(f, "a file the spec imports") for f in self.files if f != self.path]
+        model, train = self.spec.model, self.spec.train
+        if model is not None and (hf := model.hf_dir(self.path.parent)) is not None:
+            found += [(p, "a file of the model's hf directory") for p in model_files(hf)]
+        for data, what in ((train.data, "the training data"), (train.eval, "the validation data")) \
+                if train is not None else ():
+            if data is None:
+                continue
+            if data.path:
+                found += [(p, what) for p in _data_files(data.resolve(self.path.parent))]
+            if data.tokenizer:
+                tokenizer = declared_path(data.tokenizer, data.span, self.path.parent)
+                found += [(p, "a file of the tokenizer directory") for p in model_files(tokenizer)]
+        return found
+
+
+def _data_files(path: Path) -> list[Path]:
+    """A data `path` and the files read with it: a Megatron PREFIX's .bin and .idx, a raw file's sidecar."""
+    prefix = path.with_suffix("") if path.suffix in (".bin", ".idx") else path
+    named = [path, prefix.with_name(prefix.name + ".bin"), prefix.with_name(prefix.name + ".idx")]
+    return named + [p.with_name(p.name + ".json") for p in named]
 
 
 def parse_file(path: Path, sources: Sources, at: Span | None = None) -> syntax.File:

@@ -32,7 +32,8 @@ Note [output files]: a one-file output (`-o FILE`, `--trace`, `--metrics`,
 except where that would lose what the user did not mean to
 (`check_output_file`): a directory; a file the same command reads (`hetc
 plan spec.het -o spec.het` would put the filled plan over the spec and its
-`auto`s; a measured trace over its metrics); and a file of a directory
+`auto`s, `-o job.het` over the job the spec imports, or over its data or
+its `hf` model's files; a measured trace over its metrics); and a file of a directory
 hetc wrote as one output that other commands read back (a plan directory's
 timeline.json or summary.json: the directory would no longer load; the
 demo's folder, read by people, takes its run's metrics and trace). A page
