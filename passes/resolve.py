@@ -12,6 +12,7 @@ from hetc.ir.pipeline import Lane, Ministage, Pipeline, Stage, route_microbatche
 from hetc.ir.plan import Job
 from hetc.ir.spec import AUTO, Auto, DType, ModelSpec, ParallelSpec, RankSlice, RoutingKind, Spec, StageSpec
 from hetc.ir.topology import Gpu, Topology
+from hetc.ir.units import counted
 
 __all__ = ["Diagnostics", "layer_index", "plan_has_auto", "proportional_counts", "resolve_pipeline",
            "resolve_rank_slices"]
@@ -144,7 +145,7 @@ def layer_index(model: ModelSpec, name: str, span: Span, errors: Diagnostics) ->
     if idx is None:
         last = f"block{model.layers - 1}"
         if name.startswith("block") and name[5:].isdigit():
-            msg = f"'{name}' does not exist: the model has {model.layers} blocks, block0..{last}"
+            msg = f"'{name}' does not exist: the model has {counted(model.layers, 'block')}, block0..{last}"
         else:
             msg = f"unknown layer '{name}'{_layer_hint(model, name)}; layers are embed, block0..{last} and head"
         errors.append(Diagnostic(span, msg))
