@@ -30,7 +30,7 @@ __all__ = ["LAUNCHER_ENV", "NODE_ENV", "free_port", "process_start_time", "spawn
 GRACE_S = 45.0
 STOP_MARGIN_S = 30.0       # after SIGTERM: a rank's --stop-timeout starts once it handles SIGTERM; this covers its start
 INTERRUPT_GRACE_S = 5.0    # after Ctrl-C: a rank still starting up holds SIGINT until hetc.cli runs
-LAUNCHER_ENV = "HETC_LOCAL_LAUNCHER"   # set in the ranks `--local` starts: the launcher speaks for them
+LAUNCHER_ENV = "HETC_LOCAL_LAUNCHER"   # the launcher's pid, in the ranks `--local` starts: it speaks for them
 NODE_ENV = "HETC_NODE"   # the plan node a process was launched for (`hetc launch --node`, `hetc run --local`)
 HELD_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})   # until a rank can take them
 STOP_NOW = frozenset({signal.SIGINT, signal.SIGHUP})         # Ctrl-C, the terminal closed: no save
@@ -70,11 +70,33 @@ def process_start_time() -> float | None:
 
 
 def take_signals_as_rank() -> None:
-    """In a rank `--local` started: end at once on SIGINT, and take it from now on (Note [signals under
-    --local]); SIGTERM stays held until Preemption handles it. Elsewhere: nothing."""
+    """In a rank `--local` started: end with the launcher (Note [ranks end with their launcher]); end at once
+    on SIGINT, and take it from now on (Note [signals under --local]); SIGTERM stays held until Preemption
+    handles it. Elsewhere: nothing."""
     if LAUNCHER_ENV in os.environ:
+        _end_with_launcher(os.environ[LAUNCHER_ENV])
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+# Note [ranks end with their launcher]
+# The ranks run in process groups of their own (Note [signals under --local]), so a launcher killed outright
+# (kill -9, the OOM killer) reaches none of them. They used to find out through the store it hosted: in a
+# step, within seconds, every rank printing c10d's C++ frames and blaming rank 0; still waiting to meet
+# there, only when --init-timeout ran out (ten minutes, an orphan holding its GPU). So each rank asks Linux
+# to kill it when its parent dies (prctl PR_SET_PDEATHSIG), and ends at once if the launcher is already
+# gone (its parent no longer the pid LAUNCHER_ENV names). SIGKILL: the launcher forwards what should save.
+_PR_SET_PDEATHSIG = 1
+
+
+def _end_with_launcher(launcher: str) -> None:
+    if not sys.platform.startswith("linux") or not launcher.isdigit():
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != int(launcher):     # it died before the prctl: nothing would kill this rank
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def spawn_local(world: int, argv: list[str], places: list[tuple[str, int]] | None = None,
@@ -101,7 +123,7 @@ def spawn_local(world: int, argv: list[str], places: list[tuple[str, int]] | Non
                 rank_env = dict(os.environ, **(env or {}), RANK=str(rank), WORLD_SIZE=str(world),
                                 LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                                 MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
-                                **{NODE_ENV: label, LAUNCHER_ENV: "1"})
+                                **{NODE_ENV: label, LAUNCHER_ENV: str(os.getpid())})
                 rank_env.setdefault("OMP_NUM_THREADS", "1")
                 signals.ranks.append(_start_rank([sys.executable, "-m", "hetc", *argv], rank_env))
             _store = _host_store(reserved, world) if signals.signum not in STOP_NOW else None   # kept alive

@@ -210,3 +210,35 @@ def test_a_ctrl_c_an_import_swallowed_still_stops_the_launcher_before_any_rank(m
     assert interrupt.seen()
     monkeypatch.setattr(local, "_start_rank", lambda *a: pytest.fail("a rank was started after Ctrl-C"))
     assert local.spawn_local(2, ["run", "nowhere"]) == 128 + signal.SIGINT
+
+
+_LAUNCHER = """
+import os, subprocess, sys
+from hetc.runtime import local
+rank = local._start_rank([sys.executable, "-c", "import time; from hetc.runtime.local import take_signals_as_rank; "
+                          "take_signals_as_rank(); print('ready', flush=True); time.sleep(600)"],
+                         dict(os.environ, **{local.LAUNCHER_ENV: str(os.getpid())}))
+print(rank.pid, flush=True)
+sys.stdin.readline()       # the test kills this process here
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_rank_ends_when_its_launcher_is_killed_outright(tmp_path):
+    """Note [ranks end with their launcher]: kill -9 of the launcher reaches no rank's process group, and a
+    rank still waiting at the rendezvous waited out --init-timeout as an orphan; now Linux ends it."""
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                text=True, cwd=ROOT)
+    assert launcher.stdout is not None
+    lines = sorted(launcher.stdout.readline().strip() for _ in range(2))   # its pid, and the rank's "ready"
+    assert lines[1] == "ready" and lines[0].isdigit()       # the rank has asked to end with its parent
+    rank = int(lines[0])
+    launcher.kill()
+    launcher.wait()
+    for _ in range(600):            # a liveness bound, not a timing: the rank sleeps 600 s if nothing ends it
+        if not Path(f"/proc/{rank}").exists() or " Z " in Path(f"/proc/{rank}/stat").read_text():
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(rank, signal.SIGKILL)
+        pytest.fail("the rank outlived its launcher")
