@@ -10,7 +10,8 @@ from hetc.ir.errors import SpecError
 from hetc.ir.pipeline import Pipeline
 from hetc.ir.spec import DataKind, DType, ModelSpec, Spec, TrainSpec
 
-__all__ = ["BYTE_VOCAB", "check_loss_scaling", "check_text_vocab", "check_tied_embeddings", "require_trainable_dtype"]
+__all__ = ["BYTE_VOCAB", "check_loss_scaling", "check_text_vocab", "check_tied_embeddings", "require_trainable_dtype",
+           "ties_in_one_ministage"]
 
 BYTE_VOCAB = 256  # byte-level text: one token per byte
 
@@ -24,7 +25,7 @@ def check_tied_embeddings(model: ModelSpec, pipeline: Pipeline) -> str | None:
     runtime/nn/model.py). Two ministages of one stage would put both copies
     on every rank of it, which checkpoints and the sum do not handle.
     """
-    if not model.tied_embeddings:
+    if not ties_in_one_ministage(model, 1):
         return None
     embed, head = pipeline.ministage_of_layer(0), pipeline.ministage_of_layer(model.layers + 1)
     if embed.index == head.index or embed.stage != head.stage:
@@ -32,6 +33,12 @@ def check_tied_embeddings(model: ModelSpec, pipeline: Pipeline) -> str | None:
     return (f"tied_embeddings needs the embedding and the head in one ministage or on different stages, but "
             f"stage {embed.stage} holds embed in ministage {embed.index} and head in ministage {head.index}; "
             "set tied_embeddings = false, give one ministage all layers, or put the head on another stage")
+
+
+def ties_in_one_ministage(model: ModelSpec, num_stages: int) -> bool:
+    """Whether a plan of `num_stages` stages must give `model` a single ministage (`check_tied_embeddings`):
+    its embedding and head are tied, and one stage holds both (the first and the last stage are one)."""
+    return model.tied_embeddings and num_stages == 1
 
 
 def check_text_vocab(model: ModelSpec, train: TrainSpec) -> str | None:

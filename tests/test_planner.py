@@ -225,6 +225,18 @@ def test_hierarchical_zero_is_planned_only_where_every_node_holds_as_many_lanes(
     assert main(["compile", str(out), "-o", str(tmp_path / "plan")]) == 0
 
 
+@pytest.mark.parametrize("fixed", ["schedule = auto", "schedule = interleaved", "zero {\n    level = 3\n  }"])
+def test_a_tied_model_on_one_stage_is_planned_with_one_ministage(fixed, tmp_path, capsys, caplog):
+    """The demo's tied job with its plan left to the planner: a stage holding the embedding and the tied head
+    keeps one ministage (`ties_in_one_ministage`, the validator's rule). The search chose ZeRO-3, Zorse and
+    interleaved stages split into ministages, and `hetc plan` refused its own winner at tied_embeddings."""
+    spec = _write(tmp_path, f'use "{DEMO / "tied_job.het"}"\nparallel {{\n  {fixed}\n}}\n')
+    out = tmp_path / "planned.het"
+    assert main(["plan", str(spec), "-o", str(out)]) == 0, capsys.readouterr().err
+    assert "bug in the planner" not in caplog.text     # no baseline of that shape either
+    assert main(["compile", str(out), "-o", str(tmp_path / "plan")]) == 0
+
+
 def test_a_layer_that_fits_nowhere_is_named_with_the_gpu(tmp_path, capsys):
     text = (SMALL % "").replace("vocab = 32000", "vocab = 4000000").replace("seq = 1024", "seq = 4096")
     spec = _write(tmp_path, text)

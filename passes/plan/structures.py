@@ -37,6 +37,7 @@ from hetc.passes.lower.schedule import first_positions, interleaved_groups
 from hetc.ir.topology import Gpu
 from hetc.ir.plan import Job
 from hetc.ir.geometry import uneven_node_shards
+from hetc.passes.validate_runtime import ties_in_one_ministage
 
 __all__ = ["Found", "SearchLimits", "Structure", "Structures", "base_knobs"]
 
@@ -274,9 +275,10 @@ class Structures:
         space, sharded = self.space, self.shardable(st.layout[s])
         if not sharded:   # only ZeRO-0, which shards nothing, is a configuration of this stage
             space = replace(space, zero_levels=tuple(z for z in space.zero_levels if z == 0))
+        one_ministage = ties_in_one_ministage(self.model, len(st.layout))
         options = [k for k in knob_options(space, st.schedule, st.interleave, len(self.resolve(st.layout[s]).lanes),
                                            self.rule(s))
-                   if sharded or k.zero == 0]
+                   if (sharded or k.zero == 0) and (k.ministages == 1 or not one_ministage)]
         return options if full or not options else base_knobs(options)
 
     def shardable(self, gpus: StageGpus) -> bool:
