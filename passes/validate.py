@@ -17,7 +17,7 @@ from pathlib import Path
 from hetc.ir.errors import Diagnostic, InternalError, SpecError, did_you_mean
 from hetc.frontend.values import words
 from hetc.ir.layout import layout_problem
-from hetc.passes.cost.intra_lane import LaneLayout
+from hetc.passes.cost.intra_lane import LaneLayout, splits_experts
 from hetc.passes.cost.memory import state_bytes_per_param
 from hetc.passes.data_check import check_data
 from hetc.passes.cost.params import model_params
@@ -244,7 +244,7 @@ def _check_layout(m: ModelSpec, st: StageSpec, layout: LaneLayout, errors: list[
         errors.append(Diagnostic(st.span_of(field), f"{why}, but seq ({m.seq}) does not split so: stage "
                                  f"'{st.name}' has no block layout for its borders"))
     tp, cp = layout.tp, layout.cp
-    if tp > 1 and m.moe is not None:
+    if splits_experts(m, tp):
         errors.append(Diagnostic(st.span_of("tp"), f"stage '{st.name}' splits MoE blocks over tp ({tp}), which "
                                  "hetc does not implement; use tp = 1 with cp, lanes or ep (expert parallelism)"))
     if cp > 1 and layout.cp_kind is CPKind.ULYSSES and m.heads % tp == 0 and (m.heads // tp) % cp:

@@ -22,6 +22,15 @@ def test_tp_stays_inside_a_node_and_splits_the_heads():
     assert tp_degrees(model, topo, across[:2], min_bandwidth=50e9) == (1,)   # 10 GB/s is no NVLink
 
 
+def test_tp_splits_no_moe_block():
+    """The validator refuses tp > 1 on MoE blocks; the planner's layouts and its Megatron-grid baseline asked
+    for it on a random MoE job, and `hetc plan` failed on its own candidate, located at <generated>."""
+    lowered = compile_plan(DEMO / "moe_single.het")
+    model, topo = lowered.spec.model, lowered.topology
+    assert model.moe is not None and tp_degrees(model, topo, topo.gpus[:2]) == (1,)
+    assert all(layout.tp == 1 for layout in lane_layouts(model, topo, topo.gpus))
+
+
 def test_lane_layouts_pair_tp_with_cp_the_sequence_allows():
     model, topo = _demo()
     got = lane_layouts(model, topo, topo.gpus)

@@ -25,7 +25,7 @@ from hetc.ir.layout import layout_problem
 from hetc.ir.spec import CPKind, ModelSpec
 from hetc.ir.topology import Gpu, Topology
 
-__all__ = ["LaneLayout", "lane_layouts", "tp_degrees"]
+__all__ = ["LaneLayout", "lane_layouts", "splits_experts", "tp_allowed", "tp_degrees"]
 
 
 def _divisors(n: int) -> list[int]:
@@ -38,11 +38,22 @@ def _fast_group(topology: Topology, gpus: Sequence[Gpu], min_bandwidth: float) -
     return all(topology.link(a, b).bandwidth >= min_bandwidth for a in gpus for b in gpus if a.id != b.id)
 
 
+def splits_experts(model: ModelSpec, tp: int) -> bool:
+    """Whether tensor parallelism of `tp` would split `model`'s MoE blocks, which hetc does not implement (the
+    validator says so; the planner and its baselines never propose it)."""
+    return tp > 1 and model.moe is not None
+
+
+def tp_allowed(model: ModelSpec, tp: int) -> bool:
+    """`tp` divides the query and key/value heads and splits no MoE block."""
+    return not (model.heads % tp or model.num_kv_heads % tp or splits_experts(model, tp))
+
+
 def tp_degrees(model: ModelSpec, topology: Topology, lane: Sequence[Gpu], min_bandwidth: float = 0.0
                ) -> tuple[int, ...]:
     """The tp sizes for a lane on `lane` (its GPUs in lane order) that keep each TP group in one fast domain."""
     n = len(lane)
-    return tuple(tp for tp in _divisors(n) if not (model.heads % tp or model.num_kv_heads % tp)
+    return tuple(tp for tp in _divisors(n) if tp_allowed(model, tp)
                  and all(_fast_group(topology, lane[i:i + tp], min_bandwidth) for i in range(0, n, tp)))
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hetc.passes.cost.intra_lane import tp_allowed
 from hetc.passes.plan.candidate import Candidate, GpuBlock, Knobs, Offload, StageGpus, split_evenly
 from hetc.passes.plan.candidate_score import Score
 from hetc.passes.plan.layouts import gpu_run, group_size, group_speed, whole_group
@@ -132,7 +133,7 @@ def _grid_baseline(search: Structures, name: str, title: str, groups: list[str])
     idle = tuple(g for g in topo.groups if g not in groups)
     grids, why = [], "no grid divides the GPUs"
     for tp in TP_DEGREES:
-        if per_node % tp or model.heads % tp or model.num_kv_heads % tp or total % tp:
+        if per_node % tp or not tp_allowed(model, tp) or total % tp:
             continue
         grids += [(pp, tp) for pp in range(1, min(search.units, total // tp) + 1) if (total // tp) % pp == 0]
     scored: list[tuple[tuple[bool, float], list[Candidate]]] = []
