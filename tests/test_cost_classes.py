@@ -78,7 +78,7 @@ def test_a_zorse_unit_syncs_on_its_own_and_takes_its_share_of_the_stages_step():
     lane = UnitLane.of((0, 1), 1.0, 2.0, 3.0, 0.0, 0.0)   # the boundary copy outlasts the compute
     assert (lane.forward, lane.backward) == (3.0, 3.0)
     # its sync is a collective of its own (latency and core wait included), its step a share of the stage's
-    unit = Unit.of(0, (lane,), 0.1, 25.0, 100.0, 4.0, 8.0, False)
+    unit = Unit.of(0, (lane,), 0.1, 25.0, 100.0, 4.0, 8.0)
     assert (unit.sync, unit.step) == (4.0, 2.0)
 
 

@@ -20,6 +20,7 @@ Activations in flight per rank depend on the schedule (see `in_flight`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import accumulate
@@ -30,11 +31,13 @@ from hetc.ir.topology import Gpu
 
 __all__ = [
     "GRAD_BUCKET_PARAMS",
+    "BackwardPeak",
     "RankMemory",
     "ShardFactors",
     "StateBytes",
     "StateMemory",
     "StatesHeld",
+    "ZorseParams",
     "activation_memory",
     "context_reserve",
     "gpipe_backward_peak",
@@ -47,6 +50,7 @@ __all__ = [
     "rank_headroom",
     "rank_memory",
     "resident_params",
+    "resident_window",
     "shard_factors",
     "state_bytes_per_param",
     "state_memory",
@@ -118,16 +122,29 @@ def interleaved_update(schedule: ScheduleKind, grad_clip: float) -> bool:
     return schedule is ScheduleKind.ZORSE and not grad_clip
 
 
-def resident_params(schedule: ScheduleKind, grad_clip: float, params: float, largest: float,
-                    prefetch: int) -> float:
+def resident_window(k: int, count: int, prefetch: int, regathers: bool) -> range:
+    """The ministages (of `count`, in forward order) whose offloaded parameters are on the device as Zorse's
+    interleaved update runs the backward of ministage k (Note [parameter residency] in
+    passes/lower/offload.py): k, the `prefetch` before it (its backward runs them next), and those after it
+    whose updates overlap it: the last one backward, its step after this op; the one before, its offload
+    waited one op later; where ZeRO-1/2 gathers each back after its step, one more, as that gather is waited
+    one op after the step and the offload after it (Note [regathers of offloaded parameters] in
+    passes/lower/zero.py)."""
+    behind = 3 if regathers else 2
+    return range(max(0, k - prefetch), min(count, k + 1 + behind))
+
+
+def resident_params(schedule: ScheduleKind, grad_clip: float, params: Sequence[float], prefetch: int,
+                    regathers: bool) -> float:
     """Bytes of offloaded parameters on the device at a rank's peak (Note [parameter residency] in
-    passes/lower/offload.py): Zorse with the interleaved update runs one ministage at a time, so the
-    current one and `prefetch` more; per-microbatch schedules interleave every ministage's ops (forwards
-    of one microbatch, backwards of another, weight gradients of a third), and steps at the end bring
-    every ministage back, so lowering's windows overlap and it keeps them all."""
+    passes/lower/offload.py): under Zorse's interleaved update the heaviest `resident_window`;
+    per-microbatch schedules interleave every ministage's ops (forwards of one microbatch, backwards of
+    another, weight gradients of a third), and steps at the end bring every ministage back, so lowering's
+    windows overlap and it keeps them all."""
     if interleaved_update(schedule, grad_clip):
-        return min(params, (1 + prefetch) * largest)
-    return params
+        return max(sum(params[j] for j in resident_window(k, len(params), prefetch, regathers))
+                   for k in range(len(params)))
+    return sum(params)
 
 
 def in_flight(schedule: ScheduleKind, stage: int, num_stages: int, microbatches: int,
@@ -236,6 +253,7 @@ class StatesHeld:
     # the parameters of each unit ZeRO-3 gathers at once (Note [zero-3 units] in zero_units.py): a layer's
     # where it gathers per block; empty: the ministages are the units
     unit_params: Sequence[float] = ()
+    regathers: bool = False   # ZeRO-1/2 over a group: each ministage's parameters are gathered after its step
 
 
 def reduced_at_once(held: StatesHeld) -> float:
@@ -284,8 +302,8 @@ def state_memory(held: StatesHeld, offload: OffloadSpec, schedule: ScheduleKind,
     and buffers: transfers plus ZeRO-3's gathered parameters (the current unit and `prefetch` more: a
     ministage each, or one layer each where the stage gathers per block; `gathered_at_once`)."""
     off_params, off_opt = offloaded(offload)
-    params, largest = sum(held.params), max(held.params)
-    resident = resident_params(schedule, grad_clip, params, largest, prefetch) if off_params else params
+    params = sum(held.params)
+    resident = resident_params(schedule, grad_clip, held.params, prefetch, held.regathers) if off_params else params
     reduced = reduced_at_once(held)
     grads = max(max(held.grads), reduced) if interleaved_update(schedule, grad_clip) else held.grads_kept + reduced
     gather = gathered_at_once(held.unit_params or held.params, prefetch) if held.gathers else 0.0
@@ -337,11 +355,31 @@ def activation_memory(schedule: ScheduleKind, stage: int, num_stages: int, micro
     return max(per_microbatch) + (2 + prefetch) * largest_input, microbatches * boundary_inputs
 
 
+class BackwardPeak(NamedTuple):
+    """What a rank holds at once at its peak in the backward (`zorse_backward_peak`, `gpipe_backward_peak`);
+    `params`: its offloaded parameters on the device then (None: `state_memory`'s)."""
+
+    activations: float
+    grads: float
+    params: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ZorseParams:
+    """A Zorse rank's offloaded parameters, for `zorse_backward_peak`: each ministage's on the device, and
+    what `resident_window` needs to know of lowering."""
+
+    params: Sequence[float]
+    prefetch: int
+    regathers: bool
+
+
 def zorse_backward_peak(schedule: ScheduleKind, grad_clip: float, offload_activations: bool, microbatches: int,
                         per_microbatch: Sequence[float], grads: Sequence[float], grads_kept: float,
-                        released: bool = False, stashed_inputs: float = 0.0) -> tuple[float, float] | None:
-    """(activations, gradients) on the device at a Zorse rank's peak, when the two are not at their
-    largest at once; None for the other schedules.
+                        released: bool = False, stashed_inputs: float = 0.0, offloaded_params: ZorseParams | None = None,
+                        to_end: int | None = None) -> BackwardPeak | None:
+    """(activations, gradients, offloaded parameters) on the device at a Zorse rank's peak, when they are not at
+    their largest at once; None for the other schedules.
 
     Note [Zorse backward peak]: Zorse runs its ministages one at a time, the
     backward in reverse order, so as the backward of ministage k starts, the
@@ -358,24 +396,43 @@ def zorse_backward_peak(schedule: ScheduleKind, grad_clip: float, offload_activa
     recomputed microbatch is on the device beside the stashed inputs
     (`stashed_inputs`, `activation_memory`'s) as its backward runs; without
     ZeRO-2/3 the largest of them with the most gradients is the estimate's
-    sum already, and None is returned.
+    sum already, and None is returned. Offloaded parameters under the
+    interleaved update (`offloaded_params`; the steps at the end bring them
+    all back otherwise, `resident_params`) come and go in the same order
+    (`resident_window`): the first backward, the stash's largest, holds
+    the fewest. `to_end`: a ministage whose update waits for the end of the
+    step (the head's copy of a tied embedding, Note [zero placement] in
+    passes/lower/zero.py): its gradients and parameters stay from its
+    backward on.
     """
-    if schedule is not ScheduleKind.ZORSE or not per_microbatch or (offload_activations and not released):
+    if schedule is not ScheduleKind.ZORSE or not per_microbatch or \
+            (offload_activations and not released and offloaded_params is None):
         return None
     kept_share = grads_kept / sum(grads) if sum(grads) else 0.0
     keeps = not interleaved_update(schedule, grad_clip)
-    best: tuple[float, float] = (0.0, 0.0)
+    best = BackwardPeak(0.0, 0.0)
     for k in range(len(per_microbatch)):
         pending = grads[k + 1] if released and k + 1 < len(grads) else 0.0   # Note [gradient buffer release]
         stash = per_microbatch[k] + stashed_inputs if offload_activations else microbatches * sum(per_microbatch[:k + 1])
-        at_k = (stash, grads[k] + pending + (kept_share * sum(grads[k + 1:]) if keeps else 0.0))
-        if sum(at_k) > sum(best):
+        kept = kept_share * sum(grads[k + 1:]) if keeps else \
+            (grads[to_end] if to_end is not None and to_end > k + (1 if released else 0) else 0.0)
+        at_k = BackwardPeak(stash, grads[k] + pending + kept, None if keeps else _resident_at(k, offloaded_params, to_end))
+        if sum(x or 0.0 for x in at_k) > sum(x or 0.0 for x in best):
             best = at_k
     return best
 
 
+def _resident_at(k: int, offloaded: ZorseParams | None, to_end: int | None) -> float | None:
+    """Offloaded parameters on the device during the backward of ministage k (`zorse_backward_peak`)."""
+    if offloaded is None:
+        return None
+    window = resident_window(k, len(offloaded.params), offloaded.prefetch, offloaded.regathers)
+    held = set(window) | ({to_end} if to_end is not None and to_end > k else set())
+    return sum(offloaded.params[j] for j in held)
+
+
 def gpipe_backward_peak(schedule: ScheduleKind, offload_activations: bool, held: float, stash: float,
-                        states: StateMemory) -> tuple[float, float] | None:
+                        states: StateMemory) -> BackwardPeak | None:
     """(activations, gradients) on the device at a GPipe rank's peak; None for the other schedules.
 
     Note [GPipe backward peak]: GPipe runs every forward before the first
@@ -397,7 +454,8 @@ def gpipe_backward_peak(schedule: ScheduleKind, offload_activations: bool, held:
     None."""
     if schedule is not ScheduleKind.GPIPE or offload_activations:
         return None
-    return max((held, states.first_backward), (max(held - stash, 0.0), states.grads), key=sum)
+    return max(BackwardPeak(held, states.first_backward), BackwardPeak(max(held - stash, 0.0), states.grads),
+               key=lambda peak: peak.activations + peak.grads)
 
 
 @dataclass(frozen=True)
@@ -425,34 +483,37 @@ class RankMemory:
 
 
 def rank_memory(rank: int, gpu: Gpu, stage: int, states: StateMemory, activations: tuple[float, float],
-                backward_peak: tuple[float, float] | None = None) -> RankMemory:
+                backward_peak: BackwardPeak | None = None) -> RankMemory:
     """The breakdown of one rank: `state_memory` and `activation_memory` on its device, or with
-    `backward_peak` (`zorse_backward_peak`, `gpipe_backward_peak`) the activations and gradients held at
-    once."""
-    grads, held = _at_peak(states, activations, backward_peak)
+    `backward_peak` (`zorse_backward_peak`, `gpipe_backward_peak`) what is held at once."""
+    params, grads, held = _at_peak(states, activations, backward_peak)
     context = context_reserve(gpu.device.memory, gpu.device.is_cpu)
-    return RankMemory(rank, str(gpu), gpu.device.name, stage, states.params, grads, states.optimizer,
+    return RankMemory(rank, str(gpu), gpu.device.name, stage, params, grads, states.optimizer,
                       held, states.buffers, context, gpu.device.memory, states.host + activations[1])
 
 
 def rank_headroom(gpu: Gpu, states: StateMemory, activations: tuple[float, float],
-                  backward_peak: tuple[float, float] | None = None) -> float:
+                  backward_peak: BackwardPeak | None = None) -> float:
     """`rank_memory(...)`'s capacity less its total, without building the breakdown (the planner asks
     this of thousands of stage options, for several microbatch counts each)."""
-    grads, held = _at_peak(states, activations, backward_peak)
+    params, grads, held = _at_peak(states, activations, backward_peak)
     device = gpu.device
-    return device.memory - _total(states.params, grads, states.optimizer, held, states.buffers,
+    return device.memory - _total(params, grads, states.optimizer, held, states.buffers,
                                   context_reserve(device.memory, device.is_cpu))
 
 
 def _at_peak(states: StateMemory, activations: tuple[float, float],
-             backward_peak: tuple[float, float] | None) -> tuple[float, float]:
-    """(gradients, activations) on the device at the rank's peak: in its backward, or after it where ZeRO-1's
-    reduced shard outweighs the activations held in it."""
-    grads, held = (states.grads, activations[0]) if backward_peak is None else (backward_peak[1], backward_peak[0])
+             backward_peak: BackwardPeak | None) -> tuple[float, float, float]:
+    """(parameters, gradients, activations) on the device at the rank's peak: in its backward, or after it
+    where ZeRO-1's reduced shard outweighs the activations held in it."""
+    if backward_peak is None:
+        params, grads, held = states.params, states.grads, activations[0]
+    else:
+        params = states.params if backward_peak.params is None else backward_peak.params
+        grads, held = backward_peak.grads, backward_peak.activations
     if states.after_backward > held:
-        return grads + states.after_backward, 0.0
-    return grads, held
+        return states.params, grads + states.after_backward, 0.0
+    return params, grads, held
 
 
 def _total(params: float, grads: float, optimizer: float, activations: float, buffers: float,

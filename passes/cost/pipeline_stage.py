@@ -18,7 +18,7 @@ from hetc.passes.cost import plan_time as pt
 from hetc.passes.cost.classes import ClassEstimate, PlanShape, evaluate_classes
 from hetc.passes.cost.experts import sharded_numel
 from hetc.passes.cost.memory import (RankMemory, StatesHeld, activation_memory, interleaved_group, rank_memory,
-                                    gpipe_backward_peak, state_memory, zorse_backward_peak)
+                                    ZorseParams, gpipe_backward_peak, state_memory, zorse_backward_peak)
 from hetc.passes.cost.schedule import Grouping, Unit, UnitOp
 from hetc.passes.cost.transfers import Borders
 from hetc.ir.pipeline import Lane, Pipeline, Stage
@@ -117,7 +117,8 @@ def rank_memory_of(cm: CostModel, rank: int, limit: int, grouping: Grouping) -> 
                       sum(sharded_numel(cm, ms, rank, "optimizer") for ms in mss) * cm.states.optimizer,
                       cm.shard(rank), stage.zero.resolved_level >= 3 and len(cm.zero_group(rank)) > 1,
                       len(stage.lanes), cm.largest_held_boundary(stage), cm.states.grads,
-                      [n * cm.states.params for n in pt.unit_numels(cm, stage, rank)])
+                      [n * cm.states.params for n in pt.unit_numels(cm, stage, rank)],
+                      stage.zero.resolved_level in (1, 2) and len(cm.zero_group(rank)) > 1)
     p = cm.pipeline
     states = state_memory(held, stage.offload, p.schedule, cm.train.grad_clip, p.prefetch)
     lane = p.lane_of_rank[rank]
@@ -127,8 +128,11 @@ def rank_memory_of(cm: CostModel, rank: int, limit: int, grouping: Grouping) -> 
     acts = activation_memory(p.schedule, stage.index, len(p.stages), len(lane.microbatches), per_microbatch, limit,
                              offload_activations, sum(inputs), max(inputs, default=0.0), p.prefetch,
                              lane_group(p, lane, grouping))
+    offloaded = ZorseParams([b * held.shard.params for b in held.params], p.prefetch, held.regathers) \
+        if stage.offload.params is not OffloadTarget.NONE else None
+    tied = [k for k, ms in enumerate(mss) if ms in p.tied_ministages(cm.model)]
     zorse = zorse_backward_peak(p.schedule, cm.train.grad_clip, offload_activations, len(lane.microbatches),
                                 per_microbatch, held.grads, held.grads_kept, held.shard.grads < 1.0,
-                                (2 + p.prefetch) * max(inputs, default=0.0))
+                                (2 + p.prefetch) * max(inputs, default=0.0), offloaded, tied[0] if tied else None)
     gpipe = gpipe_backward_peak(p.schedule, offload_activations, acts[0], sum(per_microbatch), states)
     return rank_memory(rank, cm.gpu(rank), stage.index, states, acts, zorse or gpipe)

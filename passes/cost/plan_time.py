@@ -260,8 +260,7 @@ def zorse_unit(cm: CostModel, stage: Stage, ms: int) -> Unit:
     fetch = fetch_time(stage.zero, stage.offload.params is not OffloadTarget.NONE, numel * cm.delta,
                        zero_rings(cm, rank), _copier(cm, rank), cm.shard(rank).params)
     return Unit.of(stage.index, lanes, fetch, numel, _stage_numel(cm, stage, rank),
-                   stage_sync_time(cm, stage, rank, ms), _opt_time(cm, stage, rank),
-                   offloaded(stage.offload)[1])
+                   stage_sync_time(cm, stage, rank, ms), _opt_time(cm, stage, rank))
 
 
 def unit_lane(cm: CostModel, stage: Stage, lane: Lane, ms: int) -> UnitLane:

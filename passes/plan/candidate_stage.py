@@ -19,9 +19,9 @@ from hetc.ir.program import Collective, Unit as LayerUnit
 from hetc.passes.plan.candidate_view import PlanView, StageContext, StageView
 from hetc.passes.cost.cores import Computing, busy_share
 from hetc.passes.cost.params import tied_copy_params
-from hetc.passes.cost.memory import (RankMemory, ShardFactors, StateMemory, StatesHeld, activation_memory,
+from hetc.passes.cost.memory import (BackwardPeak, RankMemory, ShardFactors, StateMemory, StatesHeld, activation_memory,
                                     interleaved_group, rank_headroom, rank_memory, shard_factors, state_memory,
-                                    gpipe_backward_peak, zorse_backward_peak)
+                                    ZorseParams, gpipe_backward_peak, zorse_backward_peak)
 from hetc.passes.cost.plan_time import border_crossings, lane_borders, ministage_borders, stage_borders
 from hetc.passes.cost.schedule import Grouping, Unit, UnitLane, UnitOp, unit_ops
 from hetc.passes.cost.zero_time import (ZeroRings, across_nodes, fetch_time, first_gather_time, flush_time,
@@ -237,7 +237,7 @@ class StageCosts:
         routes = self.s.routes   # (looked up by the lanes' counts: once, not per lane)
         lanes = tuple(per_class[rep[lane]].serving(routes[lane]) for lane in range(len(self.s.lanes)))
         return Unit.of(self.s.index, lanes, self.fetch(ms), self.numel(self.ministage_units(ms)), self.numel(),
-                       self.sync(0, ms), self.optimizer(0), self.s.knobs.offload.optimizer)
+                       self.sync(0, ms), self.optimizer(0))
 
     def memory_classes(self, limit: int | None, grouping: Grouping = Grouping.DEPTH_FIRST
                        ) -> list[tuple[RankMemory, tuple[int, ...]]]:
@@ -374,7 +374,7 @@ class StageCosts:
             return sum(self._per_mb_activations)
         return 0.0
 
-    def _backward_peak(self, node_share: int | None, count: int) -> tuple[float, float] | None:
+    def _backward_peak(self, node_share: int | None, count: int) -> BackwardPeak | None:
         """Activations and gradients at once at a Zorse or GPipe rank's peak (`memory.zorse_backward_peak`,
         `memory.gpipe_backward_peak`)."""
         schedule, offloaded = self.plan.schedule, bool(self.s.knobs.offload.activations)
@@ -384,9 +384,28 @@ class StageCosts:
         if schedule is not ScheduleKind.ZORSE:
             return None
         grads = [n * self.p.states.grads for n in self.ms_numel]
-        share = self.shard_of(node_share).grads
+        factors = self.shard_of(node_share)
+        params = ZorseParams([n * self.p.states.params * factors.params for n in self.ms_numel], self.plan.prefetch,
+                             self._regathers) if self.s.knobs.offload.params else None
         return zorse_backward_peak(schedule, self.p.train.grad_clip, offloaded, count, self._per_mb_activations,
-                                   grads, sum(grads) * share, share < 1.0, (2 + self.plan.prefetch) * self._borders[2])
+                                   grads, sum(grads) * factors.grads, factors.grads < 1.0,
+                                   (2 + self.plan.prefetch) * self._borders[2], params, self._tied_to_end)
+
+    @cached_property
+    def _regathers(self) -> bool:
+        """ZeRO-1/2 over a group: each ministage's parameters are gathered back after its step."""
+        return self.zero.resolved_level in (1, 2) and len(self.s.ring) > 1
+
+    @cached_property
+    def _tied_to_end(self) -> int | None:
+        """The stage's ministage (its index among them) holding the head's copy of a tied embedding, whose
+        update waits for the end of the step (`memory.zorse_backward_peak`)."""
+        if not self.p.model.tied_embeddings:
+            return None
+        tied = {ms for ms, (first, stop, _) in enumerate(self.plan.ministages)
+                if first == 0 or stop == self.p.model.num_model_layers}
+        mine = [k for k, ms in enumerate(self.s.ministages) if ms in tied]
+        return mine[-1] if len(tied) == 2 and mine else None
 
     def _static(self, node_share: int | None) -> StateMemory:
         """What a rank holds but activations and its reserve (`passes.cost.memory.state_memory`)."""
@@ -400,7 +419,7 @@ class StageCosts:
                               self.shard_of(node_share).optimizer, self.shard_of(node_share),
                               st.zero.resolved_level >= 3 and len(st.lanes) > 1, len(st.lanes),
                               self._borders[1] if st.ministages else 0.0, p.states.grads,
-                              [n * p.states.params for n in self.unit_numels])
+                              [n * p.states.params for n in self.unit_numels], self._regathers)
             got = self._statics[node_share] = state_memory(held, st.knobs.offload.to_spec(), self.plan.schedule,
                                                            p.train.grad_clip, self.plan.prefetch)
         return got
