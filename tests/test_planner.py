@@ -26,7 +26,7 @@ from hetc.commands.planreport import plan_summary
 from hetc.ir.spec import AUTO
 from hetc.ir.topology import Topology
 from hetc.ir.plan import Job
-from tests.conftest import DEMO, SPECS
+from tests.conftest import DEMO, ROOT, SPECS
 
 ZORSE = [SPECS / "zorse" / f"{c}_auto.het" for c in "abc"]
 BASELINES = ("megatron", "fastest", "hexiscale", "cephalo")
@@ -234,6 +234,35 @@ def test_a_tied_model_on_one_stage_is_planned_with_one_ministage(fixed, tmp_path
     out = tmp_path / "planned.het"
     assert main(["plan", str(spec), "-o", str(out)]) == 0, capsys.readouterr().err
     assert "bug in the planner" not in caplog.text     # no baseline of that shape either
+    assert main(["compile", str(out), "-o", str(tmp_path / "plan")]) == 0
+
+
+def test_a_winner_its_compiled_programs_refuse_gives_way_to_the_next_contender(tmp_path, monkeypatch, caplog):
+    """Note [the planner checks its winner]: a refusal of the search's own choice is a bug warned about, and
+    the planner chooses again (random MoE jobs under Zorse, their memory within the estimate's agreement of
+    the compiled peak but over the device, failed `hetc plan` outright); every contender refused raises."""
+    from hetc.passes.plan import planner
+
+    spec = load_spec(_write(tmp_path, f'use "{DEMO / "job.het"}"\nparallel {{\n  schedule = auto\n}}\n')).spec
+    checked = []
+
+    def refuse_the_first(plan, *args, **kwargs):
+        checked.append(plan)
+        if len(checked) == 1:
+            raise planner._Refused("the plan hetc plan chose (planner) does not fit in device memory once compiled")
+
+    monkeypatch.setattr(planner, "_check_winner", refuse_the_first)
+    result = plan_spec(spec, None, tmp_path)
+    assert len(checked) == 2 and result.plan != checked[0] and "chooses again without that plan" in caplog.text
+    monkeypatch.setattr(planner, "_check_winner", lambda *a, **k: (_ for _ in ()).throw(planner._Refused("no")))
+    with pytest.raises(planner._Refused):
+        plan_spec(spec, None, tmp_path)
+
+
+def test_a_job_whose_closed_form_choice_overflows_once_compiled_is_planned_and_compiles(tmp_path, capsys):
+    spec = ROOT / "tests" / "specs" / "planner" / "moe_zorse_tight.het"
+    out = tmp_path / "planned.het"
+    assert main(["plan", str(spec), "-o", str(out), "--time-limit", "10"]) == 0, capsys.readouterr().err
     assert main(["compile", str(out), "-o", str(tmp_path / "plan")]) == 0
 
 
