@@ -122,15 +122,16 @@ def interleaved_update(schedule: ScheduleKind, grad_clip: float) -> bool:
     return schedule is ScheduleKind.ZORSE and not grad_clip
 
 
-def resident_window(k: int, count: int, prefetch: int, regathers: bool) -> range:
+def resident_window(k: int, count: int, prefetch: int, regathers: bool, ops: int = 1) -> range:
     """The ministages (of `count`, in forward order) whose offloaded parameters are on the device as Zorse's
-    interleaved update runs the backward of ministage k (Note [parameter residency] in
-    passes/lower/offload.py): k, the `prefetch` before it (its backward runs them next), and those after it
-    whose updates overlap it: the last one backward, its step after this op; the one before, its offload
-    waited one op later; where ZeRO-1/2 gathers each back after its step, one more, as that gather is waited
-    one op after the step and the offload after it (Note [regathers of offloaded parameters] in
-    passes/lower/zero.py)."""
-    behind = 3 if regathers else 2
+    interleaved update runs the first backward op of ministage k, each ministage's backward `ops` ops (its
+    microbatches) (Note [parameter residency] in passes/lower/offload.py): k, the `prefetch` before it (its
+    backward runs them next), and those after it whose updates overlap that op. A ministage stays for two ops
+    after its last backward op: its step after the first, its offload waited one op later; three where
+    ZeRO-1/2 gathers it back after its step, that gather waited one op after the step (Note [regathers of
+    offloaded parameters] in passes/lower/zero.py). With one microbatch a lane that is two or three
+    ministages behind k, with two or more one."""
+    behind = (2 if regathers else 1) // max(ops, 1) + 1
     return range(max(0, k - prefetch), min(count, k + 1 + behind))
 
 
@@ -312,7 +313,8 @@ def state_memory(held: StatesHeld, offload: OffloadSpec, schedule: ScheduleKind,
     host = (params * held.shard.params if off_params else 0.0) + (held.optimizer_kept if off_opt else 0.0)
     # ZeRO-1 reduces once, after the last backward: its shard (in the compute dtype) comes when no activations
     # are held, and beside the full gradients it was reduced from (Note [reduced shard] in runtime/buffers.py)
-    after = sum(held.grads) * held.shard.reduced if held.shard.grads >= 1.0 else 0.0
+    after = sum(held.grads) * held.shard.reduced if held.shard.grads >= 1.0 and not interleaved_update(schedule,
+                                                                                                     grad_clip) else 0.0
     return StateMemory(resident * held.shard.params, grads, 0.0 if off_opt else held.optimizer_kept, buffers, host,
                        after, min(grads, first_gradients(held)))
 
@@ -377,7 +379,7 @@ class ZorseParams:
 def zorse_backward_peak(schedule: ScheduleKind, grad_clip: float, offload_activations: bool, microbatches: int,
                         per_microbatch: Sequence[float], grads: Sequence[float], grads_kept: float,
                         released: bool = False, stashed_inputs: float = 0.0, offloaded_params: ZorseParams | None = None,
-                        to_end: int | None = None) -> BackwardPeak | None:
+                        to_end: int | None = None, reduced: float = 0.0) -> BackwardPeak | None:
     """(activations, gradients, offloaded parameters) on the device at a Zorse rank's peak, when they are not at
     their largest at once; None for the other schedules.
 
@@ -412,21 +414,24 @@ def zorse_backward_peak(schedule: ScheduleKind, grad_clip: float, offload_activa
     keeps = not interleaved_update(schedule, grad_clip)
     best = BackwardPeak(0.0, 0.0)
     for k in range(len(per_microbatch)):
-        pending = grads[k + 1] if released and k + 1 < len(grads) else 0.0   # Note [gradient buffer release]
+        # Note [gradient buffer release]; under the interleaved update k + 1 steps after k's first op at every
+        # level, its full buffer kept until then, beside the shard its reduction wrote where ZeRO-1 keeps both
+        pending = grads[k + 1] * (1.0 if released else 1.0 + reduced) \
+            if (released or not keeps) and k + 1 < len(grads) else 0.0
         stash = per_microbatch[k] + stashed_inputs if offload_activations else microbatches * sum(per_microbatch[:k + 1])
         kept = kept_share * sum(grads[k + 1:]) if keeps else \
             (grads[to_end] if to_end is not None and to_end > k + (1 if released else 0) else 0.0)
-        at_k = BackwardPeak(stash, grads[k] + pending + kept, None if keeps else _resident_at(k, offloaded_params, to_end))
+        at_k = BackwardPeak(stash, grads[k] + pending + kept, None if keeps else _resident_at(k, offloaded_params, to_end, microbatches))
         if sum(x or 0.0 for x in at_k) > sum(x or 0.0 for x in best):
             best = at_k
     return best
 
 
-def _resident_at(k: int, offloaded: ZorseParams | None, to_end: int | None) -> float | None:
+def _resident_at(k: int, offloaded: ZorseParams | None, to_end: int | None, ops: int) -> float | None:
     """Offloaded parameters on the device during the backward of ministage k (`zorse_backward_peak`)."""
     if offloaded is None:
         return None
-    window = resident_window(k, len(offloaded.params), offloaded.prefetch, offloaded.regathers)
+    window = resident_window(k, len(offloaded.params), offloaded.prefetch, offloaded.regathers, ops)
     held = set(window) | ({to_end} if to_end is not None and to_end > k else set())
     return sum(offloaded.params[j] for j in held)
 

@@ -133,6 +133,7 @@ def rank_memory_of(cm: CostModel, rank: int, limit: int, grouping: Grouping) -> 
     tied = [k for k, ms in enumerate(mss) if ms in p.tied_ministages(cm.model)]
     zorse = zorse_backward_peak(p.schedule, cm.train.grad_clip, offload_activations, len(lane.microbatches),
                                 per_microbatch, held.grads, held.grads_kept, held.shard.grads < 1.0,
-                                (2 + p.prefetch) * max(inputs, default=0.0), offloaded, tied[0] if tied else None)
+                                (2 + p.prefetch) * max(inputs, default=0.0), offloaded, tied[0] if tied else None,
+                                held.shard.reduced)
     gpipe = gpipe_backward_peak(p.schedule, offload_activations, acts[0], sum(per_microbatch), states)
     return rank_memory(rank, cm.gpu(rank), stage.index, states, acts, zorse or gpipe)

@@ -389,7 +389,8 @@ class StageCosts:
                              self._regathers) if self.s.knobs.offload.params else None
         return zorse_backward_peak(schedule, self.p.train.grad_clip, offloaded, count, self._per_mb_activations,
                                    grads, sum(grads) * factors.grads, factors.grads < 1.0,
-                                   (2 + self.plan.prefetch) * self._borders[2], params, self._tied_to_end)
+                                   (2 + self.plan.prefetch) * self._borders[2], params, self._tied_to_end,
+                                   factors.reduced)
 
     @cached_property
     def _regathers(self) -> bool:
