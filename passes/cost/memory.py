@@ -143,9 +143,18 @@ def resident_params(schedule: ScheduleKind, grad_clip: float, params: Sequence[f
     another, weight gradients of a third), and steps at the end bring every ministage back, so lowering's
     windows overlap and it keeps them all."""
     if interleaved_update(schedule, grad_clip):
-        return max(sum(params[j] for j in resident_window(k, len(params), prefetch, regathers))
-                   for k in range(len(params)))
+        prefix = _prefix(params)
+        return max(_window_sum(prefix, resident_window(k, len(params), prefetch, regathers)) for k in range(len(params)))
     return sum(params)
+
+
+def _prefix(values: Sequence[float]) -> list[float]:
+    """0 and the running sums of `values`: a window's sum in one subtraction (`_window_sum`)."""
+    return [0.0, *accumulate(values)]
+
+
+def _window_sum(prefix: Sequence[float], window: range) -> float:
+    return prefix[window.stop] - prefix[window.start] if window else 0.0
 
 
 def in_flight(schedule: ScheduleKind, stage: int, num_stages: int, microbatches: int,
@@ -413,27 +422,32 @@ def zorse_backward_peak(schedule: ScheduleKind, grad_clip: float, offload_activa
     kept_share = grads_kept / sum(grads) if sum(grads) else 0.0
     keeps = not interleaved_update(schedule, grad_clip)
     best = BackwardPeak(0.0, 0.0)
+    prefix = _prefix(offloaded_params.params if offloaded_params is not None else ())
+    stashed, filled = _prefix(per_microbatch), _prefix(grads)   # running sums: a thousand ministages stay quick
     for k in range(len(per_microbatch)):
         # Note [gradient buffer release]; under the interleaved update k + 1 steps after k's first op at every
         # level, its full buffer kept until then, beside the shard its reduction wrote where ZeRO-1 keeps both
         pending = grads[k + 1] * (1.0 if released else 1.0 + reduced) \
             if (released or not keeps) and k + 1 < len(grads) else 0.0
-        stash = per_microbatch[k] + stashed_inputs if offload_activations else microbatches * sum(per_microbatch[:k + 1])
-        kept = kept_share * sum(grads[k + 1:]) if keeps else \
+        stash = per_microbatch[k] + stashed_inputs if offload_activations else microbatches * stashed[k + 1]
+        kept = kept_share * (filled[-1] - filled[k + 1]) if keeps else \
             (grads[to_end] if to_end is not None and to_end > k + (1 if released else 0) else 0.0)
-        at_k = BackwardPeak(stash, grads[k] + pending + kept, None if keeps else _resident_at(k, offloaded_params, to_end, microbatches))
+        resident = None if keeps else _resident_at(k, offloaded_params, prefix, to_end, microbatches)
+        at_k = BackwardPeak(stash, grads[k] + pending + kept, resident)
         if sum(x or 0.0 for x in at_k) > sum(x or 0.0 for x in best):
             best = at_k
     return best
 
 
-def _resident_at(k: int, offloaded: ZorseParams | None, to_end: int | None, ops: int) -> float | None:
-    """Offloaded parameters on the device during the backward of ministage k (`zorse_backward_peak`)."""
+def _resident_at(k: int, offloaded: ZorseParams | None, prefix: Sequence[float], to_end: int | None,
+                 ops: int) -> float | None:
+    """Offloaded parameters on the device during the backward of ministage k (`zorse_backward_peak`; `prefix`:
+    `_prefix` of their sizes)."""
     if offloaded is None:
         return None
     window = resident_window(k, len(offloaded.params), offloaded.prefetch, offloaded.regathers, ops)
-    held = set(window) | ({to_end} if to_end is not None and to_end > k else set())
-    return sum(offloaded.params[j] for j in held)
+    apart = to_end is not None and to_end > k and to_end not in window
+    return _window_sum(prefix, window) + (offloaded.params[to_end] if apart and to_end is not None else 0.0)
 
 
 def gpipe_backward_peak(schedule: ScheduleKind, offload_activations: bool, held: float, stash: float,
