@@ -32,7 +32,7 @@ from hetc.ir.program import Program
 from hetc.ir.timeline import Timeline
 from hetc.ir.units import counted
 
-__all__ = ["Compiled", "compile_spec", "load_checked", "plan_facts", "predict", "write_compiled"]
+__all__ = ["Compiled", "compile_spec", "load_checked", "plan_facts", "predict", "spec_inputs", "write_compiled"]
 
 
 def load_checked(path: str | Path, require_complete: bool = False,
@@ -53,6 +53,16 @@ def load_checked(path: str | Path, require_complete: bool = False,
         raise SpecError.at(loaded.spec.span, f"the spec has no {', '.join(missing)} block"
                            f"{'s' if len(missing) > 1 else ''}; this command needs a whole spec")
     return loaded, checked
+
+
+def spec_inputs(target: Path) -> list[tuple[Path, str]]:
+    """What the spec TARGET names reads, or a plan directory's plan.het (`LoadedSpec.inputs`): the files a
+    one-file output must not replace (Note [output files]); none where TARGET holds neither (the command says
+    so)."""
+    from hetc.plandir import PLAN_FILE
+
+    path = target if target.is_file() else target / PLAN_FILE
+    return load_checked(path)[0].inputs() if path.is_file() else []
 
 
 @dataclass(frozen=True)

@@ -122,9 +122,10 @@ def _emit(args: argparse.Namespace) -> int:
         raise UsageError("--emit writes the file for every node: leave out --node, --print and --local-addr")
     _check_emitted_names(args)
     if args.output is not None:
+        from hetc.compiler import spec_inputs
         from hetc.ir.outdir import check_output_file
 
-        check_output_file(args.output, "-o", _reads(Path(args.target)))   # Note [output files]
+        check_output_file(args.output, "-o", spec_inputs(Path(args.target)))   # Note [output files]
     text = emitted(args.emit, launch_job(args), args.image, args.partition)
     if args.output is None:
         sys.stdout.write(text)
@@ -194,15 +195,6 @@ def _plan_components(plan_dir: Path) -> tuple[Component, ...]:
         if nodes:
             components.append(Component(group.name, group.device, len(nodes), group.gpus))
     return tuple(components)
-
-
-def _reads(target: Path) -> list[tuple[Path, str]]:
-    """What a spec target reads (Note [output files]); a plan directory answers for itself (its marker)."""
-    if not target.is_file():
-        return []
-    from hetc.compiler import load_checked
-
-    return load_checked(target)[0].inputs()
 
 
 def _spec_components(spec_path: Path) -> tuple[Component, ...]:

@@ -197,26 +197,17 @@ def _check_checkpoint_flags(args: argparse.Namespace) -> None:
 def _check_outputs(args: argparse.Namespace) -> None:
     """--metrics and --trace replace no file the run reads, no plan directory file and not each other (Note
     [output files])."""
+    from hetc.compiler import spec_inputs
     from hetc.ir.outdir import check_output_file
 
     if args.metrics is None and args.trace is None:
         return
-    reads = _inputs(args.dir)
+    reads = spec_inputs(args.dir)
     if args.metrics is not None:
         check_output_file(Path(args.metrics), "--metrics", reads)
     if args.trace is not None:
         check_output_file(Path(args.trace), "--trace", reads + [(Path(p), "the --metrics file")
                                                                for p in [args.metrics] if p])
-
-
-def _inputs(target: Path) -> list[tuple[Path, str]]:
-    """The files the run's spec reads (with --elastic the spec, else DIR/plan.het): its own and its data's;
-    none where TARGET holds neither (the run says so)."""
-    from hetc.compiler import load_checked
-    from hetc.plandir import PLAN_FILE
-
-    path = target if target.is_file() else target / PLAN_FILE
-    return load_checked(path)[0].inputs() if path.is_file() else []
 
 
 def _check_telemetry_flags(args: argparse.Namespace) -> None:

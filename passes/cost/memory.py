@@ -322,8 +322,8 @@ def state_memory(held: StatesHeld, offload: OffloadSpec, schedule: ScheduleKind,
     host = (params * held.shard.params if off_params else 0.0) + (held.optimizer_kept if off_opt else 0.0)
     # ZeRO-1 reduces once, after the last backward: its shard (in the compute dtype) comes when no activations
     # are held, and beside the full gradients it was reduced from (Note [reduced shard] in runtime/buffers.py)
-    after = sum(held.grads) * held.shard.reduced if held.shard.grads >= 1.0 and not interleaved_update(schedule,
-                                                                                                     grad_clip) else 0.0
+    once = held.shard.grads >= 1.0 and not interleaved_update(schedule, grad_clip)   # else each ministage's, stepped
+    after = sum(held.grads) * held.shard.reduced if once else 0.0
     return StateMemory(resident * held.shard.params, grads, 0.0 if off_opt else held.optimizer_kept, buffers, host,
                        after, min(grads, first_gradients(held)))
 
@@ -373,6 +373,11 @@ class BackwardPeak(NamedTuple):
     activations: float
     grads: float
     params: float | None = None
+
+    @property
+    def total(self) -> float:
+        """What of the rank's memory the peak decides (the parameters where it says)."""
+        return self.activations + self.grads + (self.params or 0.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -434,7 +439,7 @@ def zorse_backward_peak(schedule: ScheduleKind, grad_clip: float, offload_activa
             (grads[to_end] if to_end is not None and to_end > k + (1 if released else 0) else 0.0)
         resident = None if keeps else _resident_at(k, offloaded_params, prefix, to_end, microbatches)
         at_k = BackwardPeak(stash, grads[k] + pending + kept, resident)
-        if sum(x or 0.0 for x in at_k) > sum(x or 0.0 for x in best):
+        if at_k.total > best.total:
             best = at_k
     return best
 
@@ -446,8 +451,8 @@ def _resident_at(k: int, offloaded: ZorseParams | None, prefix: Sequence[float],
     if offloaded is None:
         return None
     window = resident_window(k, len(offloaded.params), offloaded.prefetch, offloaded.regathers, ops)
-    apart = to_end is not None and to_end > k and to_end not in window
-    return _window_sum(prefix, window) + (offloaded.params[to_end] if apart and to_end is not None else 0.0)
+    kept = offloaded.params[to_end] if to_end is not None and to_end > k and to_end not in window else 0.0
+    return _window_sum(prefix, window) + kept
 
 
 def gpipe_backward_peak(schedule: ScheduleKind, offload_activations: bool, held: float, stash: float,
@@ -474,7 +479,7 @@ def gpipe_backward_peak(schedule: ScheduleKind, offload_activations: bool, held:
     if schedule is not ScheduleKind.GPIPE or offload_activations:
         return None
     return max(BackwardPeak(held, states.first_backward), BackwardPeak(max(held - stash, 0.0), states.grads),
-               key=lambda peak: peak.activations + peak.grads)
+               key=lambda peak: peak.total)
 
 
 @dataclass(frozen=True)

@@ -43,9 +43,9 @@ the gather after a ministage's step is waited one compute op later where its
 parameters are offloaded, not at the end of the step: the offload of a
 ministage waits for every reference to its parameters (Note [parameter
 residency] in passes/lower/offload.py), so a wait at the end kept every
-ministage of the stage on the device through the backward, where the
-estimate (`memory.resident_params`) and Zorse keep the current one and the
-prefetched. A random planned job (an MoE model on A100-40s, four ministages
+ministage of the stage on the device through the backward, where Zorse
+keeps the current one, the prefetched and those whose update overlaps it
+(the estimate's `memory.resident_window`). A random planned job (an MoE model on A100-40s, four ministages
 of 5.7 GiB) compiled to 56.8 GiB against the 39 GiB its estimate counted.
 Parameters that stay on the device keep the wait at the end, which overlaps
 the gather with the rest of the backward.
