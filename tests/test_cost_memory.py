@@ -312,3 +312,25 @@ def test_zorse_interleaved_update_holds_the_next_ministages_gradients_and_the_pa
     got = zorse_backward_peak(ScheduleKind.ZORSE, 0.0, True, microbatches, [2.0] * 4, [1.0] * 4, 4.0,
                               released=False, offloaded_params=ZorseParams([1.0] * 4, 1, True), reduced=0.25)
     assert got == peak
+
+
+def test_zorse_zero2_peaks_at_a_ministages_reduce_scatter_once_its_activations_are_gone():
+    """Zorse with clipping, ZeRO-2 over four lanes, one ministage of 4 GiB of gradients, 0.25 GiB of activations
+    a microbatch: as its reduce-scatter is posted after its last backward op, the shard it writes (a quarter)
+    sits beside the full gradients, its activations freed: 5 GiB, where its first backward holds 4.5. Planner
+    fuzz seed 216 (tests/specs/planner/moe_zorse_zero2.het) overflowed at that instruction once compiled."""
+    got = zorse_backward_peak(ScheduleKind.ZORSE, 1.0, False, 2, [0.25], [4.0], 1.0, released=True, reduced=0.25)
+    assert got == BackwardPeak(0.0, 5.0)
+
+
+@pytest.mark.parametrize("offload_activations, activations", [(False, 0.2), (True, 0.15)])
+def test_zorse_interleaved_update_holds_the_tied_heads_gradients_and_shard_to_the_end(offload_activations,
+                                                                                      activations):
+    """Zorse without clipping, ZeRO-1 over two lanes, three ministages of 1 GiB of gradients, the last the head's
+    copy of a tied embedding (its step waits for the end): as ministage 0's first backward runs, its own
+    gradients, ministage 1's with the half its reduction wrote, and the head's likewise are held (4 GiB).
+    The estimate counted the head's without its shard and, with activations offloaded, none of the pending
+    ones (tests/specs/planner/moe_zorse_tight.het: -11.5 % of the compiled peak, over the device)."""
+    got = zorse_backward_peak(ScheduleKind.ZORSE, 0.0, offload_activations, 2, [0.1] * 3, [1.0] * 3, 3.0,
+                              stashed_inputs=0.05, to_end=2, reduced=0.5)
+    assert got is not None and got.activations == pytest.approx(activations) and got.grads == 4.0

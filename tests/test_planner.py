@@ -259,10 +259,16 @@ def test_a_winner_its_compiled_programs_refuse_gives_way_to_the_next_contender(t
         plan_spec(spec, None, tmp_path)
 
 
-def test_a_job_whose_closed_form_choice_overflows_once_compiled_is_planned_and_compiles(tmp_path, capsys):
-    spec = ROOT / "tests" / "specs" / "planner" / "moe_zorse_tight.het"
+@pytest.mark.parametrize("name", ["moe_zorse_tight", "moe_zorse_zero2"])
+def test_a_job_whose_closed_form_choice_overflowed_once_compiled_is_planned_and_compiles(name, tmp_path, capsys,
+                                                                                       caplog):
+    """Random MoE jobs whose Zorse contenders the estimate placed within the device and their compiled programs
+    over it (the interleaved update's pending gradients and reduce-scatter shards, Note [Zorse backward peak]
+    in passes/cost/memory.py): the planner's first choice now compiles, refused by no check."""
+    spec = ROOT / "tests" / "specs" / "planner" / f"{name}.het"
     out = tmp_path / "planned.het"
     assert main(["plan", str(spec), "-o", str(out), "--time-limit", "10"]) == 0, capsys.readouterr().err
+    assert "chooses again" not in capsys.readouterr().err + caplog.text
     assert main(["compile", str(out), "-o", str(tmp_path / "plan")]) == 0
 
 

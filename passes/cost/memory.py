@@ -408,11 +408,17 @@ def zorse_backward_peak(schedule: ScheduleKind, grad_clip: float, offload_activa
     stash beside one ministage's gradients. Under ZeRO-2/3 (`released`) the
     full buffer of k + 1 is there too while k's first backward runs, its
     reduce-scatter waited after that op (Note [gradient buffer release] in
-    passes/lower/zero.py). With activations offloaded only ministage k's
-    recomputed microbatch is on the device beside the stashed inputs
-    (`stashed_inputs`, `activation_memory`'s) as its backward runs; without
-    ZeRO-2/3 the largest of them with the most gradients is the estimate's
-    sum already, and None is returned. Offloaded parameters under the
+    passes/lower/zero.py), and as k's own reduce-scatter is posted after its
+    last op, the shard it writes sits beside k's full gradients once k's
+    activations are gone: with few activations (full checkpointing, one
+    ministage) that is the peak. Under the interleaved update k + 1 steps
+    after k's first op, and the tied head's copy at the end, each beside
+    the shard its reduction wrote (ZeRO-1 to 3). With activations offloaded
+    only ministage k's recomputed microbatch is on the device beside the
+    stashed inputs (`stashed_inputs`, `activation_memory`'s) as its backward
+    runs; with every step at the end and without ZeRO-2/3 the largest of
+    them with the most gradients is the estimate's sum already, and None is
+    returned. Offloaded parameters under the
     interleaved update (`offloaded_params`; the steps at the end bring them
     all back otherwise, `resident_params`) come and go in the same order
     (`resident_window`): the first backward, the stash's largest, holds
@@ -421,27 +427,38 @@ def zorse_backward_peak(schedule: ScheduleKind, grad_clip: float, offload_activa
     passes/lower/zero.py): its gradients and parameters stay from its
     backward on.
     """
+    keeps = not interleaved_update(schedule, grad_clip)
     if schedule is not ScheduleKind.ZORSE or not per_microbatch or \
-            (offload_activations and not released and offloaded_params is None):
+            (keeps and offload_activations and not released and offloaded_params is None):
         return None
     kept_share = grads_kept / sum(grads) if sum(grads) else 0.0
-    keeps = not interleaved_update(schedule, grad_clip)
     best = BackwardPeak(0.0, 0.0)
     prefix = _prefix(offloaded_params.params if offloaded_params is not None else ())
     stashed, filled = _prefix(per_microbatch), _prefix(grads)   # running sums: a thousand ministages stay quick
-    for k in range(len(per_microbatch)):
-        # Note [gradient buffer release]; under the interleaved update k + 1 steps after k's first op at every
-        # level, its full buffer kept until then, beside the shard its reduction wrote where ZeRO-1 keeps both
-        pending = grads[k + 1] * (1.0 if released else 1.0 + reduced) \
-            if (released or not keeps) and k + 1 < len(grads) else 0.0
+    count = len(per_microbatch)
+    for k in range(count):
+        if keeps:
+            # k + 1's full buffer (ZeRO-2/3) until k's second op, the shards of k + 1 .. K - 1 until the step
+            pending = grads[k + 1] if released and k + 1 < count else 0.0
+            held = kept_share * (filled[-1] - filled[k + 1])
+        else:
+            # k + 1 steps after k's first op, the tied head's copy at the end, each beside its reduction's shard
+            pending = grads[k + 1] * (1.0 + reduced) if k + 1 < count and k + 1 != to_end else 0.0
+            held = grads[to_end] * (1.0 + reduced) if to_end is not None and to_end > k else 0.0
         stash = per_microbatch[k] + stashed_inputs if offload_activations else microbatches * stashed[k + 1]
-        kept = kept_share * (filled[-1] - filled[k + 1]) if keeps else \
-            (grads[to_end] if to_end is not None and to_end > k + (1 if released else 0) else 0.0)
         resident = None if keeps else _resident_at(k, offloaded_params, prefix, to_end, microbatches)
-        at_k = BackwardPeak(stash, grads[k] + pending + kept, resident)
-        if at_k.total > best.total:
-            best = at_k
+        best = max(best, BackwardPeak(stash, grads[k] + pending + held, resident), key=_total_of)
+        if released or not keeps:
+            # k's reduction posted: its shard beside its full gradients, k's activations gone; k + 1's buffer
+            # still there where its wait (the second gradient op after it) is still to come
+            behind = pending if keeps and microbatches == 1 else 0.0
+            left = stashed_inputs if offload_activations else microbatches * stashed[k]
+            best = max(best, BackwardPeak(left, grads[k] * (1.0 + reduced) + behind + held, resident), key=_total_of)
     return best
+
+
+def _total_of(peak: BackwardPeak) -> float:
+    return peak.total
 
 
 def _resident_at(k: int, offloaded: ZorseParams | None, prefix: Sequence[float], to_end: int | None,
