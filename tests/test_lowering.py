@@ -196,6 +196,21 @@ def test_an_interleaved_fan_in_runs_its_strict_order(caplog):
     assert first_backward == 8 + 1, "8 forwards of its first chunk and one of its second before a backward"
 
 
+@pytest.mark.parametrize("schedule, zero", [("1f1b", 3), ("zb", 2), ("gpipe", 2)])
+def test_lanes_in_lockstep_that_no_order_runs_are_a_located_error(tmp_path, capsys, schedule, zero):
+    """Four ZeRO-2/3 lanes in lockstep feeding one lane through chunks of layers that loop back (the fan-in of
+    tests/specs/interleaved_fan_in.het under a per-microbatch schedule): each waits for an input the
+    one-lane stage sends only after a sibling's next op. `hetc compile` said "internal error: schedule
+    generation is stuck"; it names the stage and what to change (explicit-plan fuzzing, 2026-12-06)."""
+    text = (TEST_SPECS / "interleaved_fan_in.het").read_text().replace('use "job16.het"', f'use "{TEST_SPECS}/job16.het"')
+    spec = tmp_path / "fan_in.het"
+    spec.write_text(text.replace("schedule = interleaved", f"schedule = {schedule}").replace("zero = 1", f"zero = {zero}"))
+    assert main(["compile", str(spec), "-o", str(tmp_path / "plan")]) == 2
+    err = capsys.readouterr().err
+    assert f"{spec}:12:3: error: the lanes of stage 's0' run their ops in lockstep (ZeRO-{zero} under {schedule}" in err
+    assert "internal error" not in err
+
+
 def test_coupled_lanes_run_the_same_ops():
     """ZeRO-3 lanes that gather every op move in lockstep (Note [coupled lanes]) and stay deadlock-free."""
     lowered = compile_plan(TEST_SPECS / "zero3_coupled.het")

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from enum import StrEnum
 from typing import NamedTuple, TypeVar
 
-from hetc.ir.errors import InternalError
+from hetc.ir.errors import Diagnostic, InternalError, SpecError
 from hetc.passes.cost.memory import interleaved_warmup
 from hetc.passes.cost.pipeline_stage import lane_group
 from hetc.passes.cost.schedule import Grouping, group_width
@@ -63,7 +63,29 @@ def timed_schedule(ctx: LowerContext) -> Run:
     try:
         return _run(ctx, strict=True)
     except InternalError:
+        pass
+    try:
         return _run(ctx, strict=False)
+    except InternalError:
+        groups = lockstep_groups(ctx.pipeline, ctx.model)
+        if not groups:
+            raise
+        raise SpecError([_unorderable(ctx, group) for group in groups]) from None
+
+
+def _unorderable(ctx: LowerContext, group: Lockstep) -> Diagnostic:
+    """Lanes in lockstep (Note [coupled lanes]) whose ops no order runs: each waits for a sibling's input
+    that the stage they feed sends only after the first lane's next op (a stage of several lanes under
+    ZeRO-2 or 3 feeding a stage of fewer through chunks of layers that loop back to it)."""
+    stage, schedule = group.stage, ctx.pipeline.schedule.value
+    why = (f"ZeRO-{stage.zero.resolved_level} under {schedule} reduces every microbatch"
+           if group.reason is LockstepReason.ZERO else "their expert-parallel all-to-alls run together")
+    fix = ("use the zorse schedule, ZeRO ≤ 1, or contiguous layers per stage" if group.reason is LockstepReason.ZERO
+           else "give the stages contiguous layers, or ep = 1")
+    return Diagnostic(ctx.parallel.resolved_stages[stage.index].span,
+                      f"the lanes of stage '{stage.name}' run their ops in lockstep ({why}), and no order of "
+                      f"them exists under {schedule} with the stages they feed and are fed by: each would wait "
+                      f"for an input that another stage sends only after a sibling lane's next op; {fix}")
 
 
 def _run(ctx: LowerContext, strict: bool) -> Run:
