@@ -259,7 +259,7 @@ def test_reserve_counts_context_and_buffers(tmp_path):
 
 
 ZORSE_OFFLOADED = """
-  schedule = zorse
+  schedule = {schedule}
   offload {{ activations = cpu {params} }}
   {zero}
   stage a {{
@@ -277,25 +277,32 @@ ZORSE_OFFLOADED = """
 """
 
 
+@pytest.mark.parametrize("schedule", ["zorse", "gpipe", "1f1b", "zb", "interleaved"])
 @pytest.mark.parametrize("global_batch", [16, 32])
-def test_zorse_with_offloaded_activations_is_estimated_as_compiled(tmp_path, global_batch):
+def test_offloaded_activations_are_estimated_as_compiled(tmp_path, global_batch, schedule):
     """Every rank's peak as the verifier walks the compiled program, against the estimate: the stashed inputs
     on the device (the one recomputed, those fetched ahead and the last forward's still copying out:
     `activation_memory`; the last stage's input, not its output, which it has none of), the receive buffers
     the verifier follows apart from its reserve (`CostModel.reserve_bytes`), and ZeRO-3's gathered
     neighbours (`gathered_at_once`, not in this plan). The planner fills devices to their capacity on these numbers: a
-    1024-GPU plan at 23.63 GiB by the estimate needed 24.01 GiB of a 24 GiB A10G once compiled."""
+    1024-GPU plan at 23.63 GiB by the estimate needed 24.01 GiB of a 24 GiB A10G once compiled. Every schedule
+    offloads as Zorse does (Note [activation offload] in passes/lower/offload.py); the estimate counted every
+    stash in flight on the device under the others (a GPipe stage of V100s: 127.7 GiB against 2.1 compiled)."""
     from hetc.passes.cost.memory import context_reserve
     from hetc.passes.lower import lower
     from hetc.passes.verify.memory import rank_peaks
 
-    text = plan_text(ZORSE_OFFLOADED.format(params="", zero="", ministages=1), global_batch=global_batch)
+    ministages = 2 if schedule == "interleaved" else 1
+    text = plan_text(ZORSE_OFFLOADED.format(schedule=schedule, params="", zero="", ministages=ministages),
+                     global_batch=global_batch)
     cm = cost_model(tmp_path, text)
     program = lower(cm.plan, costs=cm)
+    # per-microbatch schedules: a boundary buffer (128 KiB here) more or less at the peak, as without offload
+    rel = 1e-6 if schedule == "zorse" else 0.01
     for estimated, compiled in zip(cm.estimate().memory, rank_peaks(program, cm.pipeline, cm), strict=True):
         context = context_reserve(estimated.capacity, False)
-        assert compiled.total - context == pytest.approx(estimated.total - context)
-        assert compiled.parts["activations"] == pytest.approx(estimated.activations)
+        assert compiled.total - context == pytest.approx(estimated.total - context, rel=rel)
+        assert compiled.parts["activations"] == pytest.approx(estimated.activations, rel=rel * 3)
 
 
 @pytest.mark.parametrize("microbatches, peak", [

@@ -354,16 +354,16 @@ def activation_memory(schedule: ScheduleKind, stage: int, num_stages: int, micro
     host is still in flight as the first backward runs (passes/lower/offload.py
     waits for it after that backward).
     """
+    per_op = schedule is ScheduleKind.ZORSE or (schedule is ScheduleKind.INTERLEAVED and len(per_microbatch) > 1)
+    held = microbatches if per_op else \
+        in_flight(schedule, stage, num_stages, microbatches, len(per_microbatch), limit, group)
+    if offload_activations:
+        return max(per_microbatch) + (2 + prefetch) * largest_input, held * boundary_inputs
     if schedule is ScheduleKind.INTERLEAVED and len(per_microbatch) > 1:
         g = num_stages if group is None else group
         warmup = interleaved_warmup(stage, num_stages, len(per_microbatch), g)
         return interleaved_peak(tuple(per_microbatch), microbatches, g, warmup), 0.0
-    if schedule is not ScheduleKind.ZORSE:
-        held = in_flight(schedule, stage, num_stages, microbatches, len(per_microbatch), limit, group)
-        return held * sum(per_microbatch), 0.0
-    if not offload_activations:
-        return microbatches * sum(per_microbatch), 0.0
-    return max(per_microbatch) + (2 + prefetch) * largest_input, microbatches * boundary_inputs
+    return held * sum(per_microbatch), 0.0
 
 
 class BackwardPeak(NamedTuple):
