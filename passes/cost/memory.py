@@ -166,13 +166,13 @@ def in_flight(schedule: ScheduleKind, stage: int, num_stages: int, microbatches:
     Note [in-flight limit]; by default the stages ahead of it, itself included);
     interleaved 1F1B with v chunks warms up `interleaved_warmup` chunk-steps
     (the lane's `group`, `interleaved_group`; p by default) and each chunk
-    holds 1/v of the stage. Zorse runs one ministage at a time (handled by
-    the caller).
+    holds 1/v of the stage (with v = 1 too: lowering keeps that warm-up, not
+    1F1B's p − s). Zorse runs one ministage at a time (handled by the caller).
     """
     if schedule is ScheduleKind.GPIPE:
         return float(microbatches)
     ahead = num_stages - stage
-    if schedule is ScheduleKind.INTERLEAVED and chunks > 1:
+    if schedule is ScheduleKind.INTERLEAVED:
         warmup = interleaved_warmup(stage, num_stages, chunks, num_stages if group is None else group)
         return min(float(microbatches * chunks), float(warmup)) / chunks
     return float(min(microbatches, ahead if limit is None else limit))
@@ -354,12 +354,12 @@ def activation_memory(schedule: ScheduleKind, stage: int, num_stages: int, micro
     host is still in flight as the first backward runs (passes/lower/offload.py
     waits for it after that backward).
     """
-    per_op = schedule is ScheduleKind.ZORSE or (schedule is ScheduleKind.INTERLEAVED and len(per_microbatch) > 1)
+    per_op = schedule in (ScheduleKind.ZORSE, ScheduleKind.INTERLEAVED)
     held = microbatches if per_op else \
         in_flight(schedule, stage, num_stages, microbatches, len(per_microbatch), limit, group)
     if offload_activations:
         return max(per_microbatch) + (2 + prefetch) * largest_input, held * boundary_inputs
-    if schedule is ScheduleKind.INTERLEAVED and len(per_microbatch) > 1:
+    if schedule is ScheduleKind.INTERLEAVED:
         g = num_stages if group is None else group
         warmup = interleaved_warmup(stage, num_stages, len(per_microbatch), g)
         return interleaved_peak(tuple(per_microbatch), microbatches, g, warmup), 0.0
