@@ -21,12 +21,13 @@ from hetc.passes.cost.memory import offloaded
 from hetc.passes.cost.schedule import Unit, UnitLane, UnitOp, unit_ops
 from hetc.passes.cost.transfers import Borders
 from hetc.passes.cost.zero_time import (ZeroRings, across_nodes, fetch_time, first_gather_time, flush_time,
-                                       optimizer_step_time, piece_collectives, sync_time, zero_collectives)
+                                       optimizer_step_time, piece_collectives, publish_time, sync_time,
+                                       zero_collectives)
 from hetc.passes.cost.zero_units import gathers_per_block, ministage_units
 from hetc.ir.pipeline import Lane, Stage
 from hetc.ir.program import Phase
 from hetc.ir.program import Unit as GatherUnit
-from hetc.ir.spec import OffloadTarget, ZeroShard
+from hetc.ir.spec import OffloadTarget, ZeroShard, ZeroSpec
 
 if TYPE_CHECKING:     # the cost model imports this module
     from hetc.passes.cost.model import CostModel
@@ -217,24 +218,40 @@ def first_gather(cm: CostModel, stage: Stage) -> float:
     return first_gather_time(stage.zero, first * cm.delta, zero_rings(cm, rank))
 
 
-def stage_sync_time(cm: CostModel, stage: Stage, rank: int, ms: int | None = None) -> float:
+def stage_sync_time(cm: CostModel, stage: Stage, rank: int, ms: int | None = None, publish: bool = True) -> float:
     """`zero_time.sync_time` for `rank` of `stage`, or (`ms`) of its ministage `ms` alone, as Zorse syncs
     each ministage after its backward (a call of its own: its latency and core wait are its own). Under
     expert parallelism lowering keeps the experts in a buffer of their own, synced over their expert group
     beside the dense parameters' sync over the ZeRO group (both posted, then both waited:
-    passes/lower/zero.py `_parts`): the longer of the two."""
+    passes/lower/zero.py `_parts`): the longer of the two. `publish`: with the gather of the stepped shard
+    (Zorse without it: `zorse_publish_time`)."""
     ministages = stage.ministages if ms is None else (ms,)
     per_ministage = ms is not None
     numel = sum(cm.numel(m, rank) for m in ministages)
     experts = sum(cm.numel(m, rank) * cm.expert_fraction(m, rank) for m in ministages)
     dense = sync_time(stage.zero, (numel - experts) * cm.delta, zero_rings(cm, rank),
-                      per_ministage, [n * cm.delta for n in unit_numels(cm, stage, rank)])
+                      per_ministage, [n * cm.delta for n in unit_numels(cm, stage, rank)], publish)
     if not experts:
         return dense
+    flat, rings = _expert_rings(cm, stage, rank)
+    return max(dense, sync_time(flat, experts * cm.delta, rings, per_ministage, publish=publish))
+
+
+def _expert_rings(cm: CostModel, stage: Stage, rank: int) -> tuple[ZeroSpec, ZeroRings]:
+    """The experts' ZeRO (flat: their shard has no outer group) and the expert group they sync over."""
     rings = ZeroRings(lambda kind, ranks, nbytes: cm.collective_time(kind, ranks, nbytes, cm.groups_at_once(rank, ranks)),
                       expert_group(cm, rank))
-    flat = dataclasses.replace(stage.zero, shard=ZeroShard.ALL)   # the experts' shard has no outer group
-    return max(dense, sync_time(flat, experts * cm.delta, rings, per_ministage))
+    return dataclasses.replace(stage.zero, shard=ZeroShard.ALL), rings
+
+
+def zorse_publish_time(cm: CostModel, stage: Stage, rank: int, ms: int) -> float:
+    """`zero_time.publish_time` of Zorse's ministage `ms`: its dense and its experts' gathers, the longer."""
+    experts = cm.numel(ms, rank) * cm.expert_fraction(ms, rank)
+    dense = publish_time(stage.zero, (cm.numel(ms, rank) - experts) * cm.delta, zero_rings(cm, rank))
+    if not experts:
+        return dense
+    flat, rings = _expert_rings(cm, stage, rank)
+    return max(dense, publish_time(flat, experts * cm.delta, rings))
 
 
 def _opt_time(cm: CostModel, stage: Stage, rank: int) -> float:
@@ -260,7 +277,8 @@ def zorse_unit(cm: CostModel, stage: Stage, ms: int) -> Unit:
     fetch = fetch_time(stage.zero, stage.offload.params is not OffloadTarget.NONE, numel * cm.delta,
                        zero_rings(cm, rank), _copier(cm, rank), cm.shard(rank).params)
     return Unit.of(stage.index, lanes, fetch, numel, _stage_numel(cm, stage, rank),
-                   stage_sync_time(cm, stage, rank, ms), _opt_time(cm, stage, rank))
+                   stage_sync_time(cm, stage, rank, ms, publish=False), _opt_time(cm, stage, rank),
+                   zorse_publish_time(cm, stage, rank, ms))
 
 
 def unit_lane(cm: CostModel, stage: Stage, lane: Lane, ms: int) -> UnitLane:

@@ -747,14 +747,16 @@ class Unit:
     fetch: float = 0.0      # bring its parameters in (ZeRO-3 gather, host copy): prefetched
     sync: float = 0.0       # reduce its gradients after its backward: beside later compute
     step: float = 0.0       # its optimizer step, on the device or the host: on the rank's thread either way
+    publish: float = 0.0    # of `sync`, the gather of the stepped shard, which follows the step
 
     @classmethod
     def of(cls, stage: int, lanes: tuple[UnitLane, ...], fetch: float, numel: float, stage_numel: float,
-           sync: float, step: float) -> Unit:
+           sync: float, step: float, publish: float = 0.0) -> Unit:
         """A ministage of `numel` parameters of its stage's `stage_numel`: its own gradient sync (`sync`, a
-        collective of its own) and its share of the stage's optimizer step (`step`)."""
+        collective of its own, with the gather `publish` that follows its step) and its share of the
+        stage's optimizer step (`step`)."""
         ratio = numel / max(stage_numel, 1.0)
-        return cls(stage, lanes, fetch, sync, step * ratio)
+        return cls(stage, lanes, fetch, sync, step * ratio, publish)
 
 
 def sequential_time(units: list[Unit], num_microbatches: int, steps_at_end: bool = False) -> float:
@@ -767,7 +769,11 @@ def sequential_time(units: list[Unit], num_microbatches: int, steps_at_end: bool
     placement] in passes/lower/zero.py): after each lane's first op of the
     stage's next unit, so the sync overlaps that op; the stage's last unit
     steps right after its sync (`steps_at_end`: every step after every
-    unit's sync, as with gradient clipping). An optimizer on the host steps
+    unit's sync, as with gradient clipping). Under ZeRO-1/2 the gather that
+    publishes a stepped shard (`Unit.publish`) follows its step on the
+    communication stream, beside the next ops, as lowering posts it; it was
+    counted in the sync before the step (tests/specs/zorse_host_step.het:
+    8.0 s explained, 7.23 s compiled; now 7.38 s). An optimizer on the host steps
     on the rank's thread too, as the runtime runs it (Note [optimizer
     offload] in runtime/buffers.py): counted beside the compute, a random
     planned job (Zorse, ZeRO-2, 6 B parameters a rank stepped by the host's
@@ -775,22 +781,28 @@ def sequential_time(units: list[Unit], num_microbatches: int, steps_at_end: bool
     """
     stage_free: dict[int, float] = {}
     stage_started: dict[int, float] = {}
+    stepped: dict[int, float] = {}                 # stage -> when its last step taken ended
     comm_free: dict[int, float] = {}
-    pending: dict[int, tuple[float, float]] = {}   # stage -> (its last unit's sync done, that unit's step)
+    pending: dict[int, Unit] = {}                  # stage -> its unit whose step waits for its sync
     arrive = [0.0] * num_microbatches
     for unit in units:
         arrive = _run(unit, arrive, stage_free, stage_started, forward=True)
     last = {unit.stage: unit for unit in units}   # each stage's last unit: its backward sweep keeps the gather
     for unit in reversed(units):
-        arrive = _run(unit, arrive, stage_free, stage_started, forward=False, step=pending.pop(unit.stage, None),
-                      kept=last.pop(unit.stage, None) is unit)
+        before = pending.pop(unit.stage, None)
+        step = None if before is None else (comm_free[unit.stage], before.step)
+        arrive = _run(unit, arrive, stage_free, stage_started, forward=False, step=step,
+                      kept=last.pop(unit.stage, None) is unit, stepped=stepped)
+        comm = comm_free.get(unit.stage, 0.0)
+        if before is not None:   # the stepped shard's gather, posted after the step, before this unit's sync
+            comm = max(comm, stepped[unit.stage]) + before.publish
         end = stage_free[unit.stage]
-        comm_free[unit.stage] = max(comm_free.get(unit.stage, 0.0), end) + unit.sync
-        if steps_at_end:
-            continue
-        pending[unit.stage] = (comm_free[unit.stage], unit.step)
-    for stage, (synced, step) in pending.items():
-        stage_free[stage] = max(stage_free[stage], synced) + step
+        comm_free[unit.stage] = max(comm, end) + unit.sync + (unit.publish if steps_at_end else 0.0)
+        if not steps_at_end:
+            pending[unit.stage] = unit
+    for stage, unit in pending.items():
+        stage_free[stage] = max(stage_free[stage], comm_free[stage]) + unit.step
+        comm_free[stage] = stage_free[stage] + unit.publish
     if steps_at_end:   # every stage's steps after the last sync of the step (the global norm)
         synced_all = max([*stage_free.values(), *comm_free.values()])
         return synced_all + max(sum(u.step for u in units if u.stage == s) for s in stage_free)
@@ -798,11 +810,13 @@ def sequential_time(units: list[Unit], num_microbatches: int, steps_at_end: bool
 
 
 def _run(unit: Unit, arrive: list[float], stage_free: dict[int, float], stage_started: dict[int, float],
-         forward: bool, step: tuple[float, float] | None = None, kept: bool = False) -> list[float]:
+         forward: bool, step: tuple[float, float] | None = None, kept: bool = False,
+         stepped: dict[int, float] | None = None) -> list[float]:
     """One sweep of `unit` over its lanes' microbatches. Its parameters come in (`fetch`) from when the
     stage's previous sweep started its first op on every lane (lowering posts the gather there; `kept`:
     the sweep before was this unit's own, whose gather it keeps). `step`: (when the stage's previous
-    unit's sync is done, its optimizer step), taken after each lane's first op."""
+    unit's sync is done, its optimizer step), taken after each lane's first op; `stepped[stage]`: when
+    the last lane's step ended."""
     free = stage_free.get(unit.stage, 0.0)
     start = free if kept else max(free, stage_started.get(unit.stage, 0.0) + unit.fetch)
     out = list(arrive)
@@ -818,6 +832,8 @@ def _run(unit: Unit, arrive: list[float], stage_free: dict[int, float], stage_st
             out[j] = t + (lane.p2p_out if forward else lane.p2p_back)
             if k == 0 and step is not None:
                 t = max(t, step[0]) + step[1]
+                if stepped is not None:
+                    stepped[unit.stage] = max(stepped.get(unit.stage, 0.0), t)
         end_all = max(end_all, t)
     stage_started[unit.stage] = first_op
     stage_free[unit.stage] = end_all

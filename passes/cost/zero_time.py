@@ -27,7 +27,7 @@ from hetc.ir.program import Collective
 from hetc.ir.spec import ScheduleKind, ZeroShard, ZeroSpec
 
 __all__ = ["ZeroRings", "across_nodes", "fetch_time", "first_gather_time", "flush_time", "gathers_per_microbatch",
-           "optimizer_step_time", "piece_collectives", "sync_time", "zero_collectives"]
+           "optimizer_step_time", "piece_collectives", "publish_time", "sync_time", "zero_collectives"]
 
 # (kind, ranks, bytes) -> seconds of a ring collective, the rank's node link shared by its lane's ranks
 RingTime = Callable[[Collective, tuple[int, ...], float], float]
@@ -89,7 +89,7 @@ def piece_collectives(zero: ZeroSpec, rings: ZeroRings, pieces: Sequence[float])
 
 
 def sync_time(zero: ZeroSpec, nbytes: float, rings: ZeroRings, per_ministage: bool = False,
-              units: Sequence[float] = ()) -> float:
+              units: Sequence[float] = (), publish: bool = True) -> float:
     """Gradient reduction after the last backward (and ZeRO-1/2's parameter all-gather) for a stage of
     `nbytes` parameters; `units` as in `zero_collectives` (hierarchical ZeRO-3 reduces across nodes
     unit by unit).
@@ -104,12 +104,22 @@ def sync_time(zero: ZeroSpec, nbytes: float, rings: ZeroRings, per_ministage: bo
         node = max(len(rings.node), 1)
         pieces = units if units and level >= 3 else (nbytes,)
         return inner + sum(_reduced(zero.across, rings.across, b / node, rings) for b in pieces)
+    if not publish:   # Zorse's ministage before its step: the gather after it is `publish_time`
+        return rings.time(Collective.ALL_REDUCE if level == 0 else Collective.REDUCE_SCATTER, rings.group, nbytes)
     if level <= 1:
         return _reduced(level, rings.group, nbytes, rings)
     gather = rings.time(Collective.ALL_GATHER, rings.group, nbytes) if level == 2 else 0.0
     if per_ministage:  # Zorse: one reduce-scatter per ministage, then (ZeRO-2) one gather
         return rings.time(Collective.REDUCE_SCATTER, rings.group, nbytes) + gather
     return gather
+
+
+def publish_time(zero: ZeroSpec, nbytes: float, rings: ZeroRings) -> float:
+    """Of a Zorse ministage's `sync_time`, the all-gather that publishes its stepped shard (ZeRO-1/2 over a
+    flat group): posted after its step, not before it (Note [zero placement] in passes/lower/zero.py)."""
+    if zero.shard is ZeroShard.NODE or zero.resolved_level not in (1, 2) or len(rings.group) < 2:
+        return 0.0
+    return rings.time(Collective.ALL_GATHER, rings.group, nbytes)
 
 
 def _reduced(level: int, group: tuple[int, ...], nbytes: float, rings: ZeroRings) -> float:

@@ -25,7 +25,8 @@ from hetc.passes.cost.memory import (BackwardPeak, RankMemory, ShardFactors, Sta
 from hetc.passes.cost.plan_time import border_crossings, lane_borders, ministage_borders, stage_borders
 from hetc.passes.cost.schedule import Grouping, Unit, UnitLane, UnitOp, unit_ops
 from hetc.passes.cost.zero_time import (ZeroRings, across_nodes, fetch_time, first_gather_time, flush_time,
-                                       optimizer_step_time, piece_collectives, sync_time, zero_collectives)
+                                       optimizer_step_time, piece_collectives, publish_time, sync_time,
+                                       zero_collectives)
 from hetc.passes.cost.zero_units import gathers_per_block, ministage_units
 from hetc.passes.cost.shapes import LayerKind
 from hetc.passes.cost.transfers import Borders
@@ -236,8 +237,9 @@ class StageCosts:
         per_class = {r: unit_lane_times(self, r, ms) for r in set(rep.values())}
         routes = self.s.routes   # (looked up by the lanes' counts: once, not per lane)
         lanes = tuple(per_class[rep[lane]].serving(routes[lane]) for lane in range(len(self.s.lanes)))
-        return Unit.of(self.s.index, lanes, self.fetch(ms), self.numel(self.ministage_units(ms)), self.numel(),
-                       self.sync(0, ms), self.optimizer(0))
+        numel = self.numel(self.ministage_units(ms))
+        return Unit.of(self.s.index, lanes, self.fetch(ms), numel, self.numel(), self.sync(0, ms, publish=False),
+                       self.optimizer(0), publish_time(self.s.zero, numel * self.p.delta, self.rings(0)))
 
     def memory_classes(self, limit: int | None, grouping: Grouping = Grouping.DEPTH_FIRST
                        ) -> list[tuple[RankMemory, tuple[int, ...]]]:
@@ -305,11 +307,11 @@ class StageCosts:
                                self.numel() * self.p.delta, self.rings(lane), self._copier(lane),
                                self.shard(lane).params, [n * self.p.delta for n in self.unit_numels])
 
-    def sync(self, lane: int, ms: int | None = None) -> float:
+    def sync(self, lane: int, ms: int | None = None, publish: bool = True) -> float:
         """The stage's gradient sync, or (`ms`) ministage `ms`'s alone (`plan_time.stage_sync_time`)."""
         numel = self.numel() if ms is None else self.numel(self.ministage_units(ms))
         return sync_time(self.s.zero, numel * self.p.delta, self.rings(lane), ms is not None,
-                         [n * self.p.delta for n in self.unit_numels])
+                         [n * self.p.delta for n in self.unit_numels], publish)
 
     def first_gather(self) -> float:
         first = self.unit_numels[0] if self.unit_numels else self.ms_numel[0]
