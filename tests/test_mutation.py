@@ -17,6 +17,7 @@ Cases are seeded by (file, index): a failure names its case, and
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import random
 import re
@@ -265,7 +266,17 @@ def cached_parsing(monkeypatch):
     monkeypatch.setattr(hetc.frontend.syntax, "parse_text", functools.lru_cache(maxsize=512)(hetc.frontend.syntax.parse_text))
 
 
-def test_mutated_specs_fail_cleanly(scratch_specs, cached_parsing):
+@pytest.fixture
+def settled_heap():
+    """The worker's heap from earlier tests (programs of thousands of ranks) out of the collector's way: a
+    full collection of it inside a case once spent the case's CPU-time limit in a gc callback."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
+
+
+def test_mutated_specs_fail_cleanly(scratch_specs, cached_parsing, settled_heap):
     cases = plan_cases(scratch_specs)
     if ONLY_CASE:
         cases = [c for c in cases if str(c.target.relative_to(scratch_specs)) + f"#{c.index}" == ONLY_CASE]
