@@ -138,6 +138,8 @@ class _Costs:
         assert isinstance(instr, (Offload, Prefetch))   # the machine times only copies on the copy stream
         if instr.what is Tensor.ACT:
             return self.costs.boundary_bytes(instr.ms)
+        if isinstance(instr, Offload) and instr.host_current:
+            return 0.0        # released, not copied (Note [clean parameter offload] in passes/lower/offload.py)
         shard = self.shards[rank][instr.ms]
         full = self.costs.param_bytes(instr.ms, rank)
         return full / len(self.members[shard.group]) if shard.level == 3 and shard.group else full

@@ -573,6 +573,8 @@ class Interpreter:
             parts = self._buffers(instr.ms).parts()
 
             def to_host() -> None:
+                if instr.host_current:   # Note [clean parameter offload] in passes/lower/offload.py
+                    return
                 for p in parts:
                     p.to_host()
 

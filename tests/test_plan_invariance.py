@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import pytest
 
+from hetc.compiler import load_checked
+from hetc.ir.program import Offload
+from hetc.passes.lower import lower
 from hetc.plandir import read_plan
 from hetc.runtime.checkpoint import latest_checkpoint, read_params
 from hetc.runtime.reference import train_reference
@@ -136,6 +139,35 @@ def test_zorse_regathering_offloaded_parameters_one_op_after_each_step_matches_r
     gather after its step is waited one op later, and its parameters go back to the host then (Note
     [regathers of offloaded parameters] in passes/lower/zero.py), not at the end of the step."""
     _plan_matches(rank_pool, demo_reference, tmp_path, "zorse_offloaded", ZORSE_OFFLOADED.format(job=DEMO / "job.het"))
+
+
+INTERLEAVED_OFFLOADED = """use "{job}"
+
+parallel {{
+  schedule = interleaved
+  stage all {{
+    layers = embed..head
+    ranks = host
+    lanes = 4
+    ministages = 2
+    offload {{
+      params = cpu
+    }}
+  }}
+}}
+"""
+
+
+def test_offloaded_parameters_copied_back_only_after_their_step_match_reference(rank_pool, demo_reference, tmp_path):
+    """Interleaved 1F1B with its parameters on the host fetches a chunk's around nearly every op; only the window
+    holding the chunk's step (on the device) copies them back, the others release the device copy (Note
+    [clean parameter offload] in passes/lower/offload.py). A stale host copy would train other losses."""
+    text = INTERLEAVED_OFFLOADED.format(job=DEMO / "job.het")
+    (tmp_path / "check.het").write_text(text)
+    program = lower(load_checked(tmp_path / "check.het", require_complete=True)[1].explicit())
+    offloads = [i for i in program.ranks[0].instrs if isinstance(i, Offload)]
+    assert sum(not i.host_current for i in offloads) == 2 < len(offloads)   # one copy back per chunk, after its step
+    _plan_matches(rank_pool, demo_reference, tmp_path, "interleaved_offloaded", text)
 
 
 @pytest.mark.parametrize("plan", MOE_PLANS)

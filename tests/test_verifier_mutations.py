@@ -24,7 +24,7 @@ from hetc.passes.verify.protocol import check_protocol
 from hetc.passes.verify.memory import format_bytes, rank_peaks
 from hetc.ir.pipeline import Pipeline
 from hetc.ir.plan import Plan
-from hetc.ir.program import COLLECTIVE_TYPES, Forward, Group, Program, Recv, Send, Step, Wait
+from hetc.ir.program import COLLECTIVE_TYPES, Forward, Group, Offload, Program, Recv, Send, Step, Tensor, Wait
 from tests.conftest import DEMO, ROOT
 from tests.golden.cases import GOLDEN_DIR
 from tests.plans import DEMO_PLANS, TEST_PLANS, compile_plan, plan_id
@@ -112,6 +112,20 @@ def duplicate_forward(rng, program, pipeline, on=None):
     return rank, _edit(program, rank, instrs), pipeline
 
 
+def _copying_offloads(program: Program, on: int | None = None) -> list[tuple[int, int]]:
+    return [(rank, i) for rank, i in _positions(program, Offload, on)
+            if program.ranks[rank].instrs[i].what is Tensor.PARAMS and not program.ranks[rank].instrs[i].host_current]
+
+
+def release_stepped_params(rng, program, pipeline, on=None):
+    """The offload after a ministage's step releases its parameters without copying them back (Note [clean
+    parameter offload] in passes/lower/offload.py): the host copy would be a step behind."""
+    rank, i = rng.choice(_copying_offloads(program, on))
+    instrs = list(program.ranks[rank].instrs)
+    instrs[i] = dataclasses.replace(instrs[i], host_current=True)
+    return rank, _edit(program, rank, instrs), pipeline
+
+
 def shrink_memory(rng, program, pipeline, peaks, on=None):
     """The rank's device now holds a little (or a lot) less than the rank's peak use."""
     rank = rng.randrange(program.world_size) if on is None else on
@@ -123,7 +137,7 @@ def shrink_memory(rng, program, pipeline, peaks, on=None):
 
 FAULTS = {"drop_recv": drop_recv, "swap_collectives": swap_collectives, "change_peer": change_peer,
           "drop_wait": drop_wait, "duplicate_forward": duplicate_forward, "remove_step": remove_step,
-          "shrink_memory": shrink_memory}
+          "shrink_memory": shrink_memory, "release_stepped_params": release_stepped_params}
 
 
 def _applicable(program: Program, on: int | None = None) -> list[str]:
@@ -133,6 +147,8 @@ def _applicable(program: Program, on: int | None = None) -> list[str]:
             if _positions(program, kind, on)]
     if _positions(program, Recv, on):
         out += ["drop_recv", "change_peer"]
+    if _copying_offloads(program, on):
+        out.append("release_stepped_params")
     sizes = {g.name: len(g.ranks) for g in program.groups}
     ranks = program.ranks if on is None else [program.ranks[on]]
     if any(len({_collective_key(x) for x in rp.instrs if isinstance(x, COLLECTIVE_TYPES) and x.group == g}) > 1

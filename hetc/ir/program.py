@@ -176,6 +176,9 @@ class _Base:
             value = getattr(self, name)
             if name == "what":
                 parts.append(value.value)
+            elif isinstance(value, bool):
+                if value:
+                    parts.append(key)        # a flag: written by name where set
             elif value is not None:
                 parts.append(f"{key}={_fmt(name, value) if isinstance(value, tuple) else value}")
         return " ".join(parts)
@@ -184,7 +187,7 @@ class _Base:
         out: JsonObject = {"op": self.OP}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if value is not None:
+            if value is not None and value is not False:    # a flag is written where set
                 out[f.name] = value.value if isinstance(value, StrEnum) else (
                     list(value) if isinstance(value, tuple) else
                     [value.first, value.stop] if isinstance(value, Unit) else value)
@@ -336,7 +339,9 @@ class AllToAll(_Base):
 
 @dataclass(frozen=True, slots=True)
 class Offload(_Base):
-    """Copy to the host and release device memory (params of a ministage, or one stashed act)."""
+    """Copy to the host and release device memory (params of a ministage, or one stashed act); with
+    `host_current`, parameters whose host copy is still current (nothing changed them on the device since
+    they came: Note [clean parameter offload] in passes/lower/offload.py) are released without a copy."""
 
     OP: ClassVar[str] = "offload"
     WHAT: ClassVar[tuple[Tensor, ...]] = (Tensor.PARAMS, Tensor.ACT)
@@ -344,6 +349,7 @@ class Offload(_Base):
     ms: int
     mb: int | None = None
     handle: int | None = None
+    host_current: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -440,6 +446,9 @@ def parse_instr(text: str) -> Instr:
     for word in rest:
         key, sep, raw = word.partition("=")
         name = _FIELD_OF_KEY.get(key, key)
+        if not sep and name in fields and fields[name].type in (bool, "bool"):
+            values[name] = True
+            continue
         if not sep or name not in fields or name == "what":
             raise ValueError(f"unexpected '{word}' in '{cls.OP}'")
         if name in values:

@@ -6,8 +6,9 @@ learning taken out, so it keeps the schedule, the routing of microbatches
 to lanes, the layout pieces and the parameter traffic the plan was
 verified with. Kept: `load`, `fwd`, activation sends and receives, the
 ZeRO-3 gathers and frees (the parameters must be whole to compute), the
-host offload and prefetch of parameters, and the loss all-reduce (the mean
-loss of the batch, as in training). Dropped: backward ops, gradient sends
+host offload of parameters (a release: the host copy stays current) and
+their prefetch, and the loss all-reduce (the mean loss of the batch, as in
+training). Dropped: backward ops, gradient sends
 and receives, gradient reductions, the norm all-reduce, optimizer steps,
 the gathers that publish a stepped shard (ZeRO-1/2 and hierarchical outer
 gathers), the offload and prefetch of stashed activations, and the waits
@@ -23,6 +24,8 @@ why the memory check is not rerun on it.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from hetc.ir.program import (AllGather, AllReduce, AllToAll, Forward, Free, Instr, Load, Offload, Prefetch,
                           Program, RankProgram, Recv, Send, Shard, Tensor, Wait)
@@ -46,7 +49,9 @@ def _rank(rp: RankProgram) -> RankProgram:
             else:
                 kept.append(instr)
         elif _keeps(instr, shards):
-            kept.append(instr)
+            # no step changes the parameters: their offloads release the device copy only (Note [clean
+            # parameter offload] in offload.py)
+            kept.append(dataclasses.replace(instr, host_current=True) if isinstance(instr, Offload) else instr)
         elif (handle := getattr(instr, "handle", None)) is not None:
             dropped.add(handle)
     return RankProgram(rp.rank, rp.stage, rp.lane, rp.tp_rank, rp.cp_rank, rp.shards, tuple(kept))

@@ -12,6 +12,19 @@ compute op later (the device copy is only released when it completes), or
 before the same ministage is prefetched again if that comes first, or at
 the end of the step.
 
+Note [clean parameter offload]: the host copy of offloaded parameters is
+current at the start of every step (the runtime sets them up there, and
+each step ends with them there), and only the ministage's step changes
+them on the device (the step on the device, or the host's step publishing
+to the device copy, and ZeRO-1/2's gather after it). A window without a
+step of its ministage offloads with `host_current`: the device copy is
+released, not copied back. Per-microbatch schedules with several chunks
+fetch a ministage's parameters around nearly every compute op, and each
+window copied them back before (two copies a window on the rank's one copy
+stream where one is needed: Megatron's 65B interleaved plan with its
+parameters on the host simulated 233 s a step, now 120 s); only the window holding
+the step copies now.
+
 Note [activation offload]: with `act_offload` a ministage stashes only its
 boundary input; it goes to the host right after the forward (waited one
 compute op later) and comes back one compute op before its backward. A
@@ -113,7 +126,8 @@ def _param_windows(instrs: tuple[Instr, ...], params: set[int], depth: int, edit
         edits.add_before(post_at, Prefetch(Tensor.PARAMS, ms, None, h))
         edits.add_before(first, Wait(h))
         h_off = handles.take()
-        edits.add_after(last, Offload(Tensor.PARAMS, ms, None, h_off))
+        changed = any(isinstance(i, Step) and i.ms == ms for i in instrs[first:last + 1])
+        edits.add_after(last, Offload(Tensor.PARAMS, ms, None, h_off, host_current=not changed))
         # the device copy is released when the offload completes: wait one compute op later
         after = [i for i in compute if i > last][1:2]
         next_post = [s[1] for s in spans[k + 1:] if s[0] == ms][:1]   # where its next prefetch is posted

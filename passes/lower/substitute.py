@@ -99,7 +99,7 @@ def _all_to_all(i: AllToAll, s: Substitution) -> Instr:
 
 
 def _host_copy(i: Offload | Prefetch, s: Substitution) -> Instr:
-    return i if i.mb is None else type(i)(i.what, i.ms, s.microbatches[i.mb], i.handle)
+    return i if i.mb is None else dataclasses.replace(i, mb=s.microbatches[i.mb])
 
 
 # kind -> (its renaming, the fields that renaming reads, in order: the test holds them to the kind's fields)
@@ -115,7 +115,7 @@ _TABLE: dict[type, tuple[Callable[[Any, Substitution], Instr], tuple[str, ...]]]
     ReduceScatter: (_gather, ("what", "ms", "group", "handle", "unit")),
     AllReduce: (_all_reduce, ("what", "group", "ms", "handle", "unit")),
     AllToAll: (_all_to_all, ("what", "ms", "mb", "group", "handle")),
-    Offload: (_host_copy, ("what", "ms", "mb", "handle")),
+    Offload: (_host_copy, ("what", "ms", "mb", "handle", "host_current")),
     Prefetch: (_host_copy, ("what", "ms", "mb", "handle")),
     Free: (_same, ("what", "ms", "unit")),
     Step: (_same, ("ms",)),

@@ -61,6 +61,7 @@ class _State:
     # (op kind, ms, mb, unit) a unit's op ran; ("F" | "B", ms, mb, layer): a unit's output is here
     reached: set[tuple[str, int, int, Unit | int | None]] = field(default_factory=set)
     on_host: set[int] = field(default_factory=set)       # offloaded ministages' parameters now on the host
+    changed: set[int] = field(default_factory=set)       # ... stepped on the device since they came from it
     moving: set[_Moving] = field(default_factory=set)    # ("params", ms) / ("act", ms, mb) in flight
     act_host: set[_Key] = field(default_factory=set)     # (ms, mb) stashes on the host
     # (ms, unit) -> completed reductions after its last backward
@@ -326,7 +327,12 @@ class _Rank:
             if to_host == (instr.ms in self.s.on_host):
                 raise _Fault(f"the parameters of ministage {instr.ms} are already on the "
                              f"{'host' if to_host else 'device'}")
+            if isinstance(instr, Offload) and instr.host_current and instr.ms in self.s.changed:
+                raise _Fault(f"releases the parameters of ministage {instr.ms} without copying them to the host, "
+                             "but its step changed them on the device")
             self.s.moving.add(("params", instr.ms))
+        elif isinstance(instr, Offload) and instr.host_current:
+            raise _Fault("offloads a stash as host_current: a stash has no host copy until its offload makes one")
         else:
             key = (instr.ms, instr.mb)
             if key not in self.s.fwd or key in self.s.bwd:
@@ -350,6 +356,8 @@ class _Rank:
             raise _Fault("steps before the global gradient norm is known (all_reduce norm)")
         if not self.shards[instr.ms].opt_offload:
             self._on_device(instr.ms)
+        if self.shards[instr.ms].param_offload:
+            self.s.changed.add(instr.ms)    # the host copy is behind until an offload copies it back
         self.s.stepped.add(instr.ms)
 
     @staticmethod
@@ -400,6 +408,7 @@ class _Rank:
         if instr.what is Tensor.PARAMS:
             s.moving.discard(("params", instr.ms))
             (s.on_host.add if isinstance(instr, Offload) else s.on_host.discard)(instr.ms)
+            s.changed.discard(instr.ms)
         else:
             assert instr.mb is not None   # `copy` let only a live stash, (ms, mb), move
             s.moving.discard(("act", instr.ms, instr.mb))
