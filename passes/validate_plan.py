@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 from hetc.ir.errors import Diagnostic
 from hetc.ir.geometry import hierarchical_zero, uneven_node_shards
-from hetc.passes.lower.schedule import LockstepReason, lane_queues, lockstep_groups, queue_shape
+from hetc.passes.lower.schedule import LockstepReason, lane_queues, lockstep_cause, lockstep_groups, queue_shape
 from hetc.ir.pipeline import Lane, Pipeline, Stage
 from hetc.ir.plan import Plan
 from hetc.passes.validate_runtime import check_tied_embeddings
@@ -98,8 +98,8 @@ def _check_lockstep(plan: Plan, errors: list[Diagnostic]) -> None:
 def _lockstep_error(plan: Plan, stage: Stage, reason: LockstepReason, lanes: tuple[Lane, Lane]) -> Diagnostic:
     st = plan.parallel.resolved_stages[stage.index]
     if reason is LockstepReason.ZERO:
-        return Diagnostic(st.span, f"ZeRO-{stage.zero.resolved_level} under {plan.pipeline.schedule.value} reduces every "
-                                   f"microbatch, so every lane of stage '{stage.name}' must run the same sequence "
+        return Diagnostic(st.span, f"{lockstep_cause(stage, reason, plan.pipeline.schedule)}, so every lane of "
+                                   f"stage '{stage.name}' must run the same sequence "
                                    "of ops, but its lanes serve different microbatch patterns; use the zorse "
                                    "schedule, ZeRO ≤ 1, or equal lanes")
     first, odd = lanes

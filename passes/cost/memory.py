@@ -447,17 +447,17 @@ def zorse_backward_peak(schedule: ScheduleKind, grad_clip: float, offload_activa
             held = grads[to_end] * (1.0 + reduced) if to_end is not None and to_end > k else 0.0
         stash = per_microbatch[k] + stashed_inputs if offload_activations else microbatches * stashed[k + 1]
         resident = None if keeps else _resident_at(k, offloaded_params, prefix, to_end, microbatches)
-        best = max(best, BackwardPeak(stash, grads[k] + pending + held, resident), key=_total_of)
+        best = max(best, BackwardPeak(stash, grads[k] + pending + held, resident), key=_by_total)
         if released or not keeps:
             # k's reduction posted: its shard beside its full gradients, k's activations gone; k + 1's buffer
             # still there where its wait (the second gradient op after it) is still to come
             behind = pending if keeps and microbatches == 1 else 0.0
             left = stashed_inputs if offload_activations else microbatches * stashed[k]
-            best = max(best, BackwardPeak(left, grads[k] * (1.0 + reduced) + behind + held, resident), key=_total_of)
+            best = max(best, BackwardPeak(left, grads[k] * (1.0 + reduced) + behind + held, resident), key=_by_total)
     return best
 
 
-def _total_of(peak: BackwardPeak) -> float:
+def _by_total(peak: BackwardPeak) -> float:
     return peak.total
 
 
@@ -496,7 +496,7 @@ def gpipe_backward_peak(schedule: ScheduleKind, offload_activations: bool, held:
     if schedule is not ScheduleKind.GPIPE or offload_activations:
         return None
     return max(BackwardPeak(held, states.first_backward), BackwardPeak(max(held - stash, 0.0), states.grads),
-               key=lambda peak: peak.total)
+               key=_by_total)
 
 
 @dataclass(frozen=True)

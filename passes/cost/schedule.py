@@ -747,14 +747,14 @@ class Unit:
     fetch: float = 0.0      # bring its parameters in (ZeRO-3 gather, host copy): prefetched
     sync: float = 0.0       # reduce its gradients after its backward: beside later compute
     step: float = 0.0       # its optimizer step, on the device or the host: on the rank's thread either way
-    publish: float = 0.0    # of `sync`, the gather of the stepped shard, which follows the step
+    publish: float = 0.0    # the gather of its stepped shard (ZeRO-1/2), after its step: not in `sync`
 
     @classmethod
     def of(cls, stage: int, lanes: tuple[UnitLane, ...], fetch: float, numel: float, stage_numel: float,
            sync: float, step: float, publish: float = 0.0) -> Unit:
         """A ministage of `numel` parameters of its stage's `stage_numel`: its own gradient sync (`sync`, a
-        collective of its own, with the gather `publish` that follows its step) and its share of the
-        stage's optimizer step (`step`)."""
+        collective of its own), its share of the stage's optimizer step (`step`) and the gather that
+        publishes the stepped shard after it (`publish`)."""
         ratio = numel / max(stage_numel, 1.0)
         return cls(stage, lanes, fetch, sync, step * ratio, publish)
 

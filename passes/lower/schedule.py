@@ -32,8 +32,8 @@ from hetc.ir.pipeline import Lane, Pipeline, Stage
 from hetc.ir.program import Backward, BackwardInput, BackwardWeight, ComputeInstr, Forward, Instr, Load, Phase, Program
 from hetc.ir.spec import ModelSpec, ScheduleKind
 
-__all__ = ["Lockstep", "LockstepReason", "Op", "lane_queues", "lockstep_groups", "order_compute", "queue_shape",
-           "timed_schedule"]
+__all__ = ["Lockstep", "LockstepReason", "Op", "lane_queues", "lockstep_cause", "lockstep_groups", "order_compute",
+           "queue_shape", "timed_schedule"]
 
 
 def order_compute(ctx: LowerContext) -> Program:
@@ -78,12 +78,11 @@ def _unorderable(ctx: LowerContext, group: Lockstep) -> Diagnostic:
     that the stage they feed sends only after the first lane's next op (a stage of several lanes under
     ZeRO-2 or 3 feeding a stage of fewer through chunks of layers that loop back to it)."""
     stage, schedule = group.stage, ctx.pipeline.schedule.value
-    why = (f"ZeRO-{stage.zero.resolved_level} under {schedule} reduces every microbatch"
-           if group.reason is LockstepReason.ZERO else "their expert-parallel all-to-alls run together")
     fix = ("use the zorse schedule, ZeRO ≤ 1, or contiguous layers per stage" if group.reason is LockstepReason.ZERO
            else "give the stages contiguous layers, or ep = 1")
     return Diagnostic(ctx.parallel.resolved_stages[stage.index].span,
-                      f"the lanes of stage '{stage.name}' run their ops in lockstep ({why}), and no order of "
+                      f"the lanes of stage '{stage.name}' run their ops in lockstep "
+                      f"({lockstep_cause(group.stage, group.reason, ctx.pipeline.schedule)}), and no order of "
                       f"them exists under {schedule} with the stages they feed and are fed by: each would wait "
                       f"for an input that another stage sends only after a sibling lane's next op; {fix}")
 
@@ -258,6 +257,13 @@ class Lockstep(NamedTuple):
 class LockstepReason(StrEnum):
     ZERO = "zero"      # ZeRO-2/3 under a per-microbatch schedule: gradients reduced (and params gathered) per op
     EXPERTS = "ep"     # an expert-parallel group: all-to-alls inside every MoE block
+
+
+def lockstep_cause(stage: Stage, reason: LockstepReason, schedule: ScheduleKind) -> str:
+    """Why a stage's lanes run in lockstep, as the errors about them say it."""
+    if reason is LockstepReason.ZERO:
+        return f"ZeRO-{stage.zero.resolved_level} under {schedule.value} reduces every microbatch"
+    return "their expert-parallel all-to-alls run together"
 
 
 def lockstep_groups(pipeline: Pipeline, model: ModelSpec) -> list[Lockstep]:
