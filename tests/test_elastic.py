@@ -18,7 +18,7 @@ import pytest
 
 from hetc.cli import main as hetc_main
 from hetc.runtime.local import free_port
-from tests.agents import PATIENT_RDZV_CONF, metrics_records, start_agent, start_launched, wait_for, wait_listening
+from tests.agents import JOINER_RDZV_CONF, PATIENT_RDZV_CONF, metrics_records, start_agent, start_launched, wait_for, wait_listening
 from tests.conftest import ROOT
 from tests.rank_pool import LOSS_RTOL
 
@@ -152,7 +152,7 @@ def test_elastic_run_replans_when_a_node_leaves_and_when_one_joins(mixed_referen
         wait_for(lambda: replans()[-1:] == [("2", "big[0]")], "a re-plan onto the 2 ranks left")
         wait_for(lambda: len(metrics_records(metrics)) > done_on_3, "training on 2 ranks")
         agents.append(start_agent("small2", 1, port, args, tmp_path, nnodes="1:2", max_restarts=3,
-                                  rdzv_conf=PATIENT_RDZV_CONF))
+                                  rdzv_conf=JOINER_RDZV_CONF))
         codes = [a.proc.wait(400) for a in (agents[0], agents[2])]
     logs = _logs(agents)
     assert codes == [0, 0], logs
