@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hetc.runtime.local import free_port
+from hetc.runtime.local import spawned_store
 from hetc.runtime.nn.model import build_ministage
 from hetc.runtime.nn.ring_attention import Ring, wait_all
 from hetc.ir.spec import ModelSpec
@@ -83,8 +83,9 @@ def measure_core_wait(model: ModelSpec, micro_batch: int, ranks: int, calls: int
     processes, computing `model`'s block at `micro_batch` between the calls of the loaded rounds."""
     assert ranks >= 2 and calls >= 1
     queue: SimpleQueue[tuple[int, _Rounds]] = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_worker, args=(model, micro_batch, ranks, calls, free_port(), queue), nprocs=ranks,
-                       join=True, start_method="spawn")
+    with spawned_store(ranks) as env:
+        mp.start_processes(_worker, args=(model, micro_batch, ranks, calls, env, queue), nprocs=ranks,
+                           join=True, start_method="spawn")
     stamps: dict[int, _Rounds] = dict(queue.get() for _ in range(ranks))
     pairs = [(a, a + 1) for a in range(0, ranks - 1, 2)]
     collective = [_median([_call_times(stamps[a].collective[k], stamps[b].collective[k]) for a, b in pairs])
@@ -116,10 +117,10 @@ def _message_times(a: _Rounds, b: _Rounds, k: int) -> list[float]:
             for (send_in, _), (recv_in, recv_out) in zip(sender.sends[k], receiver.recvs[k], strict=True)]
 
 
-def _worker(rank: int, model: ModelSpec, micro_batch: int, ranks: int, calls: int, port: int,
+def _worker(rank: int, model: ModelSpec, micro_batch: int, ranks: int, calls: int, env: dict[str, str],
             queue: SimpleQueue[tuple[int, _Rounds]]) -> None:
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))   # a local-run rank's one thread
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(env)     # `spawned_store`'s
     dist.init_process_group("gloo", rank=rank, world_size=ranks)
     groups = [dist.new_group([a, a + 1]) for a in range(0, ranks - 1, 2)]   # every process creates every group
     partner = rank ^ 1 if (rank ^ 1) < ranks else None

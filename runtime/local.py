@@ -25,7 +25,8 @@ from types import FrameType
 
 from hetc.ir import interrupt
 
-__all__ = ["LAUNCHER_ENV", "NODE_ENV", "free_port", "process_start_time", "spawn_local", "take_signals_as_rank"]
+__all__ = ["LAUNCHER_ENV", "NODE_ENV", "free_port", "process_start_time", "spawn_local", "spawned_store",
+           "take_signals_as_rank"]
 
 GRACE_S = 45.0
 STOP_MARGIN_S = 30.0       # after SIGTERM: a rank's --stop-timeout starts once it handles SIGTERM; this covers its start
@@ -57,6 +58,17 @@ STOP_NOW = frozenset({signal.SIGINT, signal.SIGHUP})         # Ctrl-C, the termi
 def free_port() -> int:
     with _reserve_port() as s:
         return s.getsockname()[1]
+
+
+@contextmanager
+def spawned_store(world: int) -> Iterator[dict[str, str]]:
+    """A rendezvous store for `world` processes this one spawns, hosted here on a port the system gives it,
+    and the environment they rendezvous with (env://, the store as torchrun's agent hosts it). A port picked
+    free and bound again by rank 0 can be taken in between: `hetc profile` once failed with EADDRINUSE."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, world_size=world, is_master=True, wait_for_workers=False)
+    yield {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
 def process_start_time() -> float | None:

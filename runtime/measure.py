@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hetc.ir.program import Collective
-from hetc.runtime.local import free_port
+from hetc.runtime.local import spawned_store
 from hetc.runtime.nn.model import build_ministage, compute_dtype
 from hetc.ir.spec import ModelSpec
 
@@ -266,10 +266,10 @@ def comm_rates(ranks: int, sizes: list[int], repeats: int, at_once: int = 1) -> 
     """
     world = comm_world(ranks, at_once)
     _need_gpus(world)
-    port = free_port()
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_comm_worker, args=(ranks, world, port, sizes, repeats, queue), nprocs=world, join=True,
-                       start_method="spawn")
+    with spawned_store(world) as env:
+        mp.start_processes(_comm_worker, args=(ranks, world, env, sizes, repeats, queue), nprocs=world, join=True,
+                           start_method="spawn")
     return queue.get()
 
 
@@ -280,9 +280,10 @@ def _need_gpus(processes: int) -> None:
                          f"{torch.cuda.device_count()} (see measurable())")
 
 
-def _comm_worker(rank: int, ranks: int, world: int, port: int, sizes: list[int], repeats: int, queue) -> None:
+def _comm_worker(rank: int, ranks: int, world: int, env: dict[str, str], sizes: list[int], repeats: int,
+                 queue) -> None:
     use_nccl = torch.cuda.is_available()    # with a GPU per process: _need_gpus
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(env)     # `spawned_store`'s
     dist.init_process_group("nccl" if use_nccl else "gloo", rank=rank, world_size=world)
     device = torch.device("cuda", rank) if use_nccl else torch.device("cpu")
     if use_nccl:
