@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 
 import pytest
 
 from hetc.passes.cost import Engine
 from hetc.passes.lower import lower
-from hetc.passes.cost.memory import (BackwardPeak, ZorseParams, in_flight, interleaved_group, interleaved_peak,
+from hetc.passes.cost.memory import (BackwardPeak, ZorseParams, even_groups, in_flight, interleaved_group, interleaved_peak,
                                     interleaved_warmup, zorse_backward_peak)
 from hetc.passes.cost.schedule import group_width
 from hetc.passes.cost.shapes import activation_elements, params_per_rank
 from hetc.passes.verify.memory import rank_peaks
 from hetc.passes.cost.params import block_params, layer_params, stage_params
+from hetc.ir.program import Backward, Forward
 from hetc.ir.spec import Arch, Checkpointing, ScheduleKind
 from tests.costspecs import cluster, cost_model, plan_text
 
@@ -145,9 +147,9 @@ def test_interleaved_groups_follow_the_lanes_share():
 
 def test_interleaved_stash_is_counted_chunk_by_chunk():
     """Alike chunks: the warm-up over v chunks of the stage; unlike ones: what the strict order holds."""
-    assert interleaved_peak((1.0, 1.0), 16, 4, 11) == 11.0
-    assert interleaved_peak((1.0, 3.0), 128, 16, 17) == 16 * 1.0 + 3.0   # last stage: 16 of chunk 0, 1 of 1
-    assert interleaved_peak((1.0, 1.0), 3, 4, 11) == 6.0                 # never more than there are
+    assert interleaved_peak((1.0, 1.0), even_groups(16, 4), 11) == 11.0
+    assert interleaved_peak((1.0, 3.0), even_groups(128, 16), 17) == 16 * 1.0 + 3.0   # last stage: 16 of chunk 0, 1 of 1
+    assert interleaved_peak((1.0, 1.0), even_groups(3, 4), 11) == 6.0                 # never more than there are
 
 
 
@@ -174,7 +176,7 @@ def test_interleaved_peak_over_many_groups_is_the_walked_one():
         for microbatches in (1, 7, 40, 131, 512):
             for group in (1, 3, 4, 16):
                 for warmup in (1, 5, 2 * group + 3, 60):
-                    assert interleaved_peak(per_chunk, microbatches, group, warmup) == pytest.approx(
+                    assert interleaved_peak(per_chunk, even_groups(microbatches, group), warmup) == pytest.approx(
                         _walked_peak(per_chunk, microbatches, group, warmup), rel=1e-12)
 
 PIPE = """
@@ -217,6 +219,60 @@ def test_interleaved_with_one_chunk_a_stage_stashes_what_its_warm_up_runs(tmp_pa
     program = lower(cm.plan, None, None, cm)
     for memory, peak in zip(cm.estimate().memory, rank_peaks(program, cm.plan.pipeline, cm), strict=True):
         assert memory.activations == pytest.approx(peak.parts["activations"])
+
+
+CHUNKS = """
+  schedule = interleaved
+  stage a {{
+    layers = embed..block1
+    ranks = n[0, 0:{lanes}]
+    lanes = {lanes}
+    ministages = {a}
+    microbatches = {microbatches}
+  }}
+  stage b {{
+    layers = block2..block3
+    ranks = n[0, {lanes}:4]
+    lanes = {rest}
+    ministages = {b}
+  }}
+  stage c {{
+    layers = block4..head
+    ranks = n[1, 0:2]
+    lanes = 2
+    ministages = {c}
+  }}
+  idle = [n[1, 2:4]]
+"""
+
+
+@pytest.mark.parametrize("lanes, a, b, c, microbatches", [
+    (2, 1, 1, 3, "proportional"),     # a stage before one of 3 contiguous chunks (hetero64's pattern)
+    (2, 2, 2, 2, "[12, 4]"),          # first-stage lanes of different sizes in one group width (Zorse's routing)
+    (2, 2, 1, 3, "[10, 6]"),
+])
+def test_interleaved_contiguous_chunks_run_their_strict_order(tmp_path, caplog, lanes, a, b, c, microbatches):
+    """`ministages` under interleaved 1F1B are contiguous chunks: a later stage runs its first chunk for the
+    whole group before its second, so an earlier stage's warm-up counts that stage's chunks after its own
+    (`Pipeline.chunks_after`, Note [chunks after a stage]); and a first-stage lane's group is what lowering
+    cuts its queue at, not the even lanes' formula (`lane_group`). With Megatron's 2(p − s − 1) and the
+    formula, lowering lifted limits (Note [lifting a limit]) and stashed what the estimate did not know:
+    fuzzed explicit plans at −18 % and −28.6 % of their compiled peaks; here 0.39-0.71 of the activations
+    and lifts in every case."""
+    body = CHUNKS.format(lanes=lanes, rest=4 - lanes, a=a, b=b, c=c, microbatches=microbatches)
+    cm = cost_model(tmp_path, plan_text(body, global_batch=16))
+    with caplog.at_level(logging.DEBUG, logger="hetc.passes.lower.lane_sim"):
+        program = lower(cm.plan, None, None, cm)
+    assert "beyond its in-flight limit" not in caplog.text
+    for memory, rp in zip(cm.estimate().memory, program.ranks, strict=True):
+        held = most = 0.0
+        for instr in rp.instrs:     # the stash the compiled order holds at most
+            if isinstance(instr, (Forward, Backward)):
+                held += cm.activation_bytes(instr.ms, rp.rank) * (1 if isinstance(instr, Forward) else -1)
+                most = max(most, held)
+        # the strict order's peak (`interleaved_peak`), which the timed order reaches or, where a lane's next
+        # forward comes late, stays under: within the issue's 10 %
+        assert most <= memory.activations <= 1.1 * most
 
 
 def test_a_gpipe_stage_of_one_lane_fits_by_the_estimate_only_where_it_fits_compiled(tmp_path):
@@ -308,12 +364,15 @@ def test_offloaded_activations_are_estimated_as_compiled(tmp_path, global_batch,
                      global_batch=global_batch)
     cm = cost_model(tmp_path, text)
     program = lower(cm.plan, costs=cm)
-    # per-microbatch schedules: a boundary buffer (128 KiB here) more or less at the peak, as without offload
-    rel = 1e-6 if schedule == "zorse" else 0.01
+    # per-microbatch schedules: a boundary buffer (128 KiB here) more or less at the peak, as without offload;
+    # the estimate's stashed inputs on the device are the most the order can hold (one recomputed, those
+    # fetched ahead, the last forward's): where a stage's backward follows its last chunk's forward at once,
+    # two fewer (interleaved 1F1B's last stage)
+    rel, inputs = (1e-6, 0) if schedule == "zorse" else (0.01, 2 * 128 * 1024)
     for estimated, compiled in zip(cm.estimate().memory, rank_peaks(program, cm.pipeline, cm), strict=True):
         context = context_reserve(estimated.capacity, False)
         assert compiled.total - context == pytest.approx(estimated.total - context, rel=rel)
-        assert compiled.parts["activations"] == pytest.approx(estimated.activations, rel=rel * 3)
+        assert compiled.parts["activations"] == pytest.approx(estimated.activations, rel=rel, abs=inputs)
 
 
 @pytest.mark.parametrize("microbatches, peak", [

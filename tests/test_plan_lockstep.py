@@ -19,7 +19,8 @@ from typing import cast
 from hetc.compiler import load_checked
 from hetc.frontend.load import load_spec
 from hetc.passes.agreement import build
-from hetc.passes.lower.schedule import first_positions, interleaved_groups
+from hetc.ir.pipeline import first_positions
+from hetc.passes.cost.schedule import interleaved_groups
 from hetc.passes.plan.assign import Assignment
 from hetc.passes.plan.candidate import Knobs
 from hetc.passes.plan.planner import plan_spec

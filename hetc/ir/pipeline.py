@@ -8,13 +8,14 @@ Layers are indexed over [embed, block0, ..., block{L-1}, head].
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hetc.ir.memo import cached_property
 from hetc.ir.spec import Checkpointing, CPKind, ModelSpec, OffloadSpec, ScheduleKind, ZeroSpec
 from hetc.ir.topology import Gpu
 
-__all__ = ["Lane", "Ministage", "Pipeline", "Stage", "route_microbatches"]
+__all__ = ["Lane", "Ministage", "Pipeline", "Stage", "first_positions", "route_microbatches"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,11 +94,25 @@ class Pipeline:
     def lane_of_rank(self) -> dict[int, Lane]:
         return {r: lane for s in self.stages for lane in s.lanes for r in lane.ranks}
 
+    @cached_property
+    def first_stage_positions(self) -> dict[int, int]:
+        """Each microbatch's position in its lane of the first stage (`first_positions`)."""
+        return first_positions([lane.microbatches for lane in self.stages[0].lanes])
+
     def ministage_of_layer(self, layer: int) -> Ministage:
         for m in self.ministages:
             if m.first_layer <= layer < m.stop_layer:
                 return m
         raise KeyError(layer)
+
+    def chunks_after(self, stage: int) -> tuple[int, ...]:
+        """How many chunks each stage holds after `stage`'s last one, in the order a microbatch meets them
+        (Note [chunks after a stage] in passes/cost/memory.py): Megatron's loop gives one per later stage."""
+        last = max(self.stages[stage].ministages)
+        counts: dict[int, int] = {}
+        for m in self.ministages[last + 1:]:
+            counts[m.stage] = counts.get(m.stage, 0) + 1
+        return tuple(counts.values())
 
     def tied_ministages(self, model: ModelSpec) -> tuple[int, ...]:
         """The ministages holding a copy of `model`'s tied embedding, whose gradients `all_reduce tied` sums
@@ -111,6 +126,11 @@ class Pipeline:
         """Every rank of the stages holding the tied copies: the group `all_reduce tied` runs on."""
         stages = {self.ministages[ms].stage for ms in self.tied_ministages(model)}
         return tuple(sorted(r for s in stages for r in self.stages[s].ranks))
+
+
+def first_positions(first_lanes: Sequence[Sequence[int]]) -> dict[int, int]:
+    """Each microbatch's position in its lane of the first stage (`first_lanes`: each lane's microbatches)."""
+    return {mb: i for lane in first_lanes for i, mb in enumerate(lane)}
 
 
 def route_microbatches(counts: list[int]) -> list[list[int]]:

@@ -17,18 +17,18 @@ from hetc.ir.memo import cached_property
 from hetc.passes.cost import plan_time as pt
 from hetc.passes.cost.classes import ClassEstimate, PlanShape, evaluate_classes
 from hetc.passes.cost.experts import sharded_numel
-from hetc.passes.cost.memory import (RankMemory, StatesHeld, activation_memory, interleaved_group, rank_memory,
+from hetc.passes.cost.memory import (RankMemory, StatesHeld, activation_memory, rank_memory,
                                     ZorseParams, gpipe_backward_peak, state_memory, zorse_backward_peak)
-from hetc.passes.cost.schedule import Grouping, Unit, UnitOp
+from hetc.passes.cost.schedule import Grouping, Unit, UnitOp, group_width, interleaved_groups
 from hetc.passes.cost.transfers import Borders
 from hetc.ir.pipeline import Lane, Pipeline, Stage
 from hetc.ir.program import Collective, Phase
-from hetc.ir.spec import OffloadTarget, ZeroSpec
+from hetc.ir.spec import OffloadTarget, ScheduleKind, ZeroSpec
 
 if TYPE_CHECKING:     # the cost model imports this module
     from hetc.passes.cost.model import CostModel
 
-__all__ = ["PipelineStage", "evaluate_pipeline", "lane_group", "pipeline_stages"]
+__all__ = ["PipelineStage", "evaluate_pipeline", "lane_group", "lane_groups", "pipeline_stages"]
 
 
 class PipelineStage:
@@ -100,11 +100,21 @@ def evaluate_pipeline(cm: CostModel, memory: bool) -> ClassEstimate:
     return evaluate_classes(shape, pipeline_stages(cm), end, memory)
 
 
+def lane_groups(pipeline: Pipeline, lane: Lane, grouping: Grouping) -> list[list[int]]:
+    """The lane's microbatches in interleaved 1F1B's groups, in order (`schedule.interleaved_groups` at the
+    first stage's width, Note [interleaved groups]): what lowering's schedule queues them by."""
+    first = max(len(first_lane.microbatches) for first_lane in pipeline.stages[0].lanes)
+    width = first if grouping is Grouping.BREADTH_FIRST else group_width(len(pipeline.stages), first)
+    return interleaved_groups(pipeline.first_stage_positions, lane.microbatches, width)
+
+
 def lane_group(pipeline: Pipeline, lane: Lane, grouping: Grouping) -> int:
-    """The lane's microbatches per group of interleaved 1F1B (`memory.interleaved_group`): what lowering's
-    schedule cuts its queues by and the estimate counts its stash with (Note [interleaved groups])."""
-    return interleaved_group(len(pipeline.stages), len(pipeline.stages[0].lanes), len(lane.microbatches),
-                             pipeline.num_microbatches, grouping)
+    """The lane's microbatches in its largest group of interleaved 1F1B (`lane_groups`): what its warm-up
+    counts (`memory.interleaved_warmup`), in lowering's schedule and the estimate's stash alike. Lanes of
+    the first stage of different sizes share one width, so the formula of the planner's even lanes
+    (`memory.interleaved_group`) does not give theirs (a Zorse-routed A100 lane of 18 microbatches in groups
+    of 2 counted 3, and its warm-up stuck the schedule)."""
+    return max(map(len, lane_groups(pipeline, lane, grouping)), default=1)
 
 
 def rank_memory_of(cm: CostModel, rank: int, limit: int, grouping: Grouping) -> RankMemory:
@@ -123,11 +133,13 @@ def rank_memory_of(cm: CostModel, rank: int, limit: int, grouping: Grouping) -> 
     states = state_memory(held, stage.offload, p.schedule, cm.train.grad_clip, p.prefetch)
     lane = p.lane_of_rank[rank]
     per_microbatch = [cm.activation_bytes(ms, rank) for ms in mss]
+    interleaved = p.schedule is ScheduleKind.INTERLEAVED
+    groups = [len(g) for g in lane_groups(p, lane, grouping)] if interleaved else []
     offload_activations = stage.offload.activations is not OffloadTarget.NONE
     inputs = [cm.held_boundary_bytes(ms - 1, stage) for ms in mss if ms > 0]   # the boundaries it takes in
     acts = activation_memory(p.schedule, stage.index, len(p.stages), len(lane.microbatches), per_microbatch, limit,
                              offload_activations, sum(inputs), max(inputs, default=0.0), p.prefetch,
-                             lane_group(p, lane, grouping))
+                             max(groups, default=1), p.chunks_after(stage.index) if interleaved else None, groups)
     offloaded = ZorseParams([b * held.shard.params for b in held.params], p.prefetch, held.regathers) \
         if stage.offload.params is not OffloadTarget.NONE else None
     tied = [k for k, ms in enumerate(mss) if ms in p.tied_ministages(cm.model)]

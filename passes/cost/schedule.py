@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from itertools import pairwise
+from itertools import groupby, pairwise
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -34,6 +34,7 @@ from hetc.ir.spec import ScheduleKind
 
 __all__ = ["ChunkSweep", "Grouping", "LaneTiming", "PipelineTime", "Unit", "UnitLane", "UnitOp", "ZeroCycle",
            "chunk_loop_wait", "group_width", "in_flight_limits", "in_steady_order", "interleaved_grouping",
+           "interleaved_groups",
            "lockstep_fill", "pipeline_time", "round_trip_span", "sequential_time", "stage_max", "step_lower_bound",
            "unit_ops", "zero_cycle"]
 
@@ -672,6 +673,15 @@ class Grouping(StrEnum):
 
     DEPTH_FIRST = "depth-first"       # Megatron's: p microbatches of every first-stage lane in a group
     BREADTH_FIRST = "breadth-first"   # one group of every microbatch: each chunk of all of them, then the next
+
+
+def interleaved_groups(first: Mapping[int, int], mbs: Sequence[int], group: int) -> list[list[int]]:
+    """A lane's microbatches `mbs` in interleaved 1F1B's groups, in order (Note [interleaved groups] in
+    passes/lower/schedule.py): a microbatch's group is its position in its lane of the first stage
+    (`first`, `hetc.ir.pipeline.first_positions`) over `group`. Lanes in lockstep must get groups of the
+    same sizes (`validate_plan`); the planner keeps to that (passes/plan/structures.py)."""
+    return [list(chunk) for _, chunk in groupby(sorted(mbs, key=lambda mb: (first[mb] // group, mb)),
+                                                          key=lambda mb: first[mb] // group)]
 
 
 def group_width(num_stages: int, first_microbatches: int) -> int:

@@ -17,15 +17,14 @@ result is deterministic. The engine is in `lane_sim.py` (with Note
 from __future__ import annotations
 
 import dataclasses
-import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from enum import StrEnum
 from typing import NamedTuple, TypeVar
 
 from hetc.ir.errors import Diagnostic, InternalError, SpecError
 from hetc.passes.cost.memory import interleaved_warmup
-from hetc.passes.cost.pipeline_stage import lane_group
-from hetc.passes.cost.schedule import Grouping, group_width
+from hetc.passes.cost.pipeline_stage import lane_group, lane_groups
+from hetc.passes.cost.schedule import Grouping
 from hetc.passes.lower.context import LowerContext, rank_shell
 from hetc.passes.lower.lane_sim import Op, Policy, Run, simulate
 from hetc.ir.pipeline import Lane, Pipeline, Stage
@@ -126,7 +125,7 @@ def lane_queues(pipeline: Pipeline, stage: Stage, lane: Lane, grouping: Grouping
     if kind is ScheduleKind.ZORSE:
         return [("F", ms, mb) for ms in own for mb in mbs], [("B", ms, mb) for ms in reversed(own) for mb in mbs], []
     if kind is ScheduleKind.INTERLEAVED:
-        f, b = _interleaved_orders(pipeline, own, mbs, _group_width(pipeline, grouping))
+        f, b = _interleaved_orders(own, lane_groups(pipeline, lane, grouping))
         return f, b, []
     bkind = "I" if kind is ScheduleKind.ZB else "B"
     f = [("F", ms, mb) for mb in mbs for ms in own]
@@ -144,19 +143,13 @@ def _policy(ctx: LowerContext, stage: Stage, lane: Lane) -> Policy:
         return Policy(f, b)
     if kind is ScheduleKind.INTERLEAVED:
         return Policy(f, b, limit=interleaved_warmup(stage.index, num_stages, len(stage.ministages),
-                                                     lane_group(ctx.pipeline, lane, grouping)))
+                                                     lane_group(ctx.pipeline, lane, grouping),
+                                                     ctx.pipeline.chunks_after(stage.index)))
     return Policy(f, b, w, limit=ctx.in_flight_limit(stage.index), per_unit=len(stage.ministages))
 
 
-def _group_width(pipeline: Pipeline, grouping: Grouping) -> int:
-    """Microbatches of each first-stage lane in a group (Note [interleaved groups]): `group_width`, or all."""
-    first = max(len(lane.microbatches) for lane in pipeline.stages[0].lanes)
-    return first if grouping is Grouping.BREADTH_FIRST else group_width(len(pipeline.stages), first)
-
-
-def _interleaved_orders(pipeline: Pipeline, own: list[int], mbs: list[int], group: int
-                        ) -> tuple[list[Op], list[Op]]:
-    """Megatron's interleaved order: microbatches in groups of `group`, chunk by chunk.
+def _interleaved_orders(own: list[int], groups: list[list[int]]) -> tuple[list[Op], list[Op]]:
+    """Megatron's interleaved order: the lane's microbatches in `groups` (`lane_groups`), chunk by chunk.
 
     Note [interleaved groups]: a microbatch's group is its position in its
     lane of the *first* stage, divided by `group` (p, or the equal groups
@@ -208,25 +201,10 @@ def _interleaved_orders(pipeline: Pipeline, own: list[int], mbs: list[int], grou
     same way (random job 39: 5.76 s against 5.31 s without).
     """
     f, b = [], []
-    for chunk_mbs in interleaved_groups(first_positions([lane.microbatches for lane in pipeline.stages[0].lanes]),
-                                        mbs, group):
+    for chunk_mbs in groups:
         f += [("F", ms, mb) for ms in own for mb in chunk_mbs]
         b += [("B", ms, mb) for ms in reversed(own) for mb in chunk_mbs]
     return f, b
-
-
-def first_positions(first_lanes: Sequence[Sequence[int]]) -> dict[int, int]:
-    """Each microbatch's position in its lane of the first stage (`first_lanes`: each lane's microbatches)."""
-    return {mb: i for lane in first_lanes for i, mb in enumerate(lane)}
-
-
-def interleaved_groups(first: Mapping[int, int], mbs: Sequence[int], group: int) -> list[list[int]]:
-    """A lane's microbatches `mbs` in interleaved 1F1B's groups, in order (Note [interleaved groups]): a
-    microbatch's group is its position in its lane of the first stage (`first_positions`) over `group`.
-    Lanes in lockstep must get groups of the same sizes (`validate_plan`); the planner keeps to that
-    (passes/plan/structures.py `Structures.candidate`)."""
-    return [list(chunk) for _, chunk in itertools.groupby(sorted(mbs, key=lambda mb: (first[mb] // group, mb)),
-                                                          key=lambda mb: first[mb] // group)]
 
 
 def _coupled_lanes(ctx: LowerContext, policies: dict[tuple[int, int], Policy]) -> list[tuple[tuple[int, int], ...]]:

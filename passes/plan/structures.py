@@ -33,7 +33,8 @@ from hetc.passes.plan.views import Resolver, view_of
 from hetc.ir.pipeline import route_microbatches
 from hetc.ir.spec import Checkpointing, ModelSpec, Objective, ScheduleKind, ZeroShard
 from hetc.passes.cost.schedule import group_width
-from hetc.passes.lower.schedule import first_positions, interleaved_groups
+from hetc.ir.pipeline import first_positions
+from hetc.passes.cost.schedule import interleaved_groups
 from hetc.ir.topology import Gpu
 from hetc.ir.plan import Job
 from hetc.ir.geometry import uneven_node_shards
