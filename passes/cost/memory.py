@@ -37,6 +37,7 @@ __all__ = [
     "StateBytes",
     "StateMemory",
     "StatesHeld",
+    "ZorseGathers",
     "ZorseParams",
     "activation_memory",
     "context_reserve",
@@ -57,6 +58,7 @@ __all__ = [
     "state_memory",
     "transfer_buffers",
     "zorse_backward_peak",
+    "zorse_gathers",
 ]
 
 # Megatron's default DDP bucket (40M parameters): gradients are reduced bucket by bucket.
@@ -331,6 +333,7 @@ class StateMemory:
     host: float
     after_backward: float = 0.0   # held only once the backward is done: ZeRO-1's reduced gradient shard
     first_backward: float = 0.0   # gradients on the device while the step's first gradient op runs
+    gathered: float = 0.0         # of `buffers`, ZeRO-3's full parameters at once (`gathered_at_once`)
 
 
 def state_memory(held: StatesHeld, offload: OffloadSpec, schedule: ScheduleKind, grad_clip: float,
@@ -353,7 +356,7 @@ def state_memory(held: StatesHeld, offload: OffloadSpec, schedule: ScheduleKind,
     once = held.shard.grads >= 1.0 and not interleaved_update(schedule, grad_clip)   # else each ministage's, stepped
     after = sum(held.grads) * held.shard.reduced if once else 0.0
     return StateMemory(resident * held.shard.params, grads, 0.0 if off_opt else held.optimizer_kept, buffers, host,
-                       after, min(grads, first_gradients(held)))
+                       after, min(grads, first_gradients(held)), gather)
 
 
 def first_gradients(held: StatesHeld) -> float:
@@ -399,16 +402,33 @@ def activation_memory(schedule: ScheduleKind, stage: int, num_stages: int, micro
 
 class BackwardPeak(NamedTuple):
     """What a rank holds at once at its peak in the backward (`zorse_backward_peak`, `gpipe_backward_peak`);
-    `params`: its offloaded parameters on the device then (None: `state_memory`'s)."""
+    `params`: its offloaded parameters on the device then, `gathered`: ZeRO-3's full parameters then (None:
+    `state_memory`'s)."""
 
     activations: float
     grads: float
     params: float | None = None
+    gathered: float | None = None
 
     @property
     def total(self) -> float:
         """What of the rank's memory the peak decides (the parameters where it says)."""
-        return self.activations + self.grads + (self.params or 0.0)
+        return self.activations + self.grads + (self.params or 0.0) + (self.gathered or 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class ZorseGathers:
+    """A Zorse rank's ZeRO-3 ministages, each gathered whole (`zorse_backward_peak`): their full parameters,
+    and how many the rank gathers ahead of the one it runs."""
+
+    params: Sequence[float]
+    prefetch: int
+
+
+def zorse_gathers(held: StatesHeld, prefetch: int) -> ZorseGathers | None:
+    """The ministages a ZeRO-3 rank gathers whole, for `zorse_backward_peak` (None where it gathers none, or
+    per block, whose windows `gathered_at_once` counts)."""
+    return ZorseGathers(held.params, prefetch) if held.gathers and not held.unit_params else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -424,7 +444,8 @@ class ZorseParams:
 def zorse_backward_peak(schedule: ScheduleKind, grad_clip: float, offload_activations: bool, microbatches: int,
                         per_microbatch: Sequence[float], grads: Sequence[float], grads_kept: float,
                         released: bool = False, stashed_inputs: float = 0.0, offloaded_params: ZorseParams | None = None,
-                        to_end: int | None = None, reduced: float = 0.0) -> BackwardPeak | None:
+                        to_end: int | None = None, reduced: float = 0.0,
+                        gathers: ZorseGathers | None = None) -> BackwardPeak | None:
     """(activations, gradients, offloaded parameters) on the device at a Zorse rank's peak, when they are not at
     their largest at once; None for the other schedules.
 
@@ -456,7 +477,12 @@ def zorse_backward_peak(schedule: ScheduleKind, grad_clip: float, offload_activa
     the fewest. `to_end`: a ministage whose update waits for the end of the
     step (the head's copy of a tied embedding, Note [zero placement] in
     passes/lower/zero.py): its gradients and parameters stay from its
-    backward on.
+    backward on. Under ZeRO-3 (`gathers`) k's full parameters and those of
+    the `prefetch` ministages it runs next (k − 1, ...) are gathered: the
+    first backward holds two, ministage 0's only its own, where the
+    heaviest window beside every gradient counted them twice (a 65B Zorse
+    stage of two ministages, clipping off: 115.6 GiB estimated, 91.1 GiB
+    compiled).
     """
     keeps = not interleaved_update(schedule, grad_clip)
     if schedule is not ScheduleKind.ZORSE or not per_microbatch or \
@@ -478,13 +504,15 @@ def zorse_backward_peak(schedule: ScheduleKind, grad_clip: float, offload_activa
             held = grads[to_end] * (1.0 + reduced) if to_end is not None and to_end > k else 0.0
         stash = per_microbatch[k] + stashed_inputs if offload_activations else microbatches * stashed[k + 1]
         resident = None if keeps else _resident_at(k, offloaded_params, prefix, to_end, microbatches)
-        best = max(best, BackwardPeak(stash, grads[k] + pending + held, resident), key=_by_total)
+        gathered = sum(gathers.params[max(0, k - gathers.prefetch):k + 1]) if gathers is not None else None
+        best = max(best, BackwardPeak(stash, grads[k] + pending + held, resident, gathered), key=_by_total)
         if released or not keeps:
             # k's reduction posted: its shard beside its full gradients, k's activations gone; k + 1's buffer
             # still there where its wait (the second gradient op after it) is still to come
             behind = pending if keeps and microbatches == 1 else 0.0
             left = stashed_inputs if offload_activations else microbatches * stashed[k]
-            best = max(best, BackwardPeak(left, grads[k] * (1.0 + reduced) + behind + held, resident), key=_by_total)
+            best = max(best, BackwardPeak(left, grads[k] * (1.0 + reduced) + behind + held, resident, gathered),
+                       key=_by_total)
     return best
 
 
@@ -558,34 +586,37 @@ def rank_memory(rank: int, gpu: Gpu, stage: int, states: StateMemory, activation
                 backward_peak: BackwardPeak | None = None) -> RankMemory:
     """The breakdown of one rank: `state_memory` and `activation_memory` on its device, or with
     `backward_peak` (`zorse_backward_peak`, `gpipe_backward_peak`) what is held at once."""
-    params, grads, held = _at_peak(states, activations, backward_peak)
+    params, grads, held, buffers = _at_peak(states, activations, backward_peak)
     context = context_reserve(gpu.device.memory, gpu.device.is_cpu)
     return RankMemory(rank, str(gpu), gpu.device.name, stage, params, grads, states.optimizer,
-                      held, states.buffers, context, gpu.device.memory, states.host + activations[1])
+                      held, buffers, context, gpu.device.memory, states.host + activations[1])
 
 
 def rank_headroom(gpu: Gpu, states: StateMemory, activations: tuple[float, float],
                   backward_peak: BackwardPeak | None = None) -> float:
     """`rank_memory(...)`'s capacity less its total, without building the breakdown (the planner asks
     this of thousands of stage options, for several microbatch counts each)."""
-    params, grads, held = _at_peak(states, activations, backward_peak)
+    params, grads, held, buffers = _at_peak(states, activations, backward_peak)
     device = gpu.device
-    return device.memory - _total(params, grads, states.optimizer, held, states.buffers,
+    return device.memory - _total(params, grads, states.optimizer, held, buffers,
                                   context_reserve(device.memory, device.is_cpu))
 
 
 def _at_peak(states: StateMemory, activations: tuple[float, float],
-             backward_peak: BackwardPeak | None) -> tuple[float, float, float]:
-    """(parameters, gradients, activations) on the device at the rank's peak: in its backward, or after it
-    where ZeRO-1's reduced shard outweighs the activations held in it."""
+             backward_peak: BackwardPeak | None) -> tuple[float, float, float, float]:
+    """(parameters, gradients, activations, buffers) on the device at the rank's peak: in its backward, or after
+    it where ZeRO-1's reduced shard outweighs the activations held in it."""
+    buffers = states.buffers
     if backward_peak is None:
         params, grads, held = states.params, states.grads, activations[0]
     else:
         params = states.params if backward_peak.params is None else backward_peak.params
         grads, held = backward_peak.grads, backward_peak.activations
+        if backward_peak.gathered is not None:
+            buffers += backward_peak.gathered - states.gathered
     if states.after_backward > held:
-        return states.params, grads + states.after_backward, 0.0
-    return params, grads, held
+        return states.params, grads + states.after_backward, 0.0, buffers
+    return params, grads, held, buffers
 
 
 def _total(params: float, grads: float, optimizer: float, activations: float, buffers: float,

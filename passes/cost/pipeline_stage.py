@@ -18,7 +18,8 @@ from hetc.passes.cost import plan_time as pt
 from hetc.passes.cost.classes import ClassEstimate, PlanShape, evaluate_classes
 from hetc.passes.cost.experts import sharded_numel
 from hetc.passes.cost.memory import (RankMemory, StatesHeld, activation_memory, rank_memory,
-                                    ZorseParams, gpipe_backward_peak, state_memory, zorse_backward_peak)
+                                    ZorseParams, gpipe_backward_peak, state_memory, zorse_backward_peak,
+                                    zorse_gathers)
 from hetc.passes.cost.schedule import Grouping, Unit, UnitOp, group_width, interleaved_groups
 from hetc.passes.cost.transfers import Borders
 from hetc.ir.pipeline import Lane, Pipeline, Stage
@@ -146,6 +147,7 @@ def rank_memory_of(cm: CostModel, rank: int, limit: int, grouping: Grouping) -> 
     zorse = zorse_backward_peak(p.schedule, cm.train.grad_clip, offload_activations, len(lane.microbatches),
                                 per_microbatch, held.grads, held.grads_kept, held.shard.grads < 1.0,
                                 (2 + p.prefetch) * max(inputs, default=0.0), offloaded, tied[0] if tied else None,
-                                held.shard.reduced)
+                                held.shard.reduced,
+                                zorse_gathers(held, p.prefetch))
     gpipe = gpipe_backward_peak(p.schedule, offload_activations, acts[0], sum(per_microbatch), states)
     return rank_memory(rank, cm.gpu(rank), stage.index, states, acts, zorse or gpipe)

@@ -21,7 +21,7 @@ from hetc.passes.cost.cores import Computing, busy_share
 from hetc.passes.cost.params import tied_copy_params
 from hetc.passes.cost.memory import (BackwardPeak, RankMemory, ShardFactors, StateMemory, StatesHeld, activation_memory,
                                     interleaved_group, rank_headroom, rank_memory, shard_factors, state_memory,
-                                    ZorseParams, gpipe_backward_peak, zorse_backward_peak)
+                                    ZorseParams, gpipe_backward_peak, zorse_backward_peak, zorse_gathers)
 from hetc.passes.cost.plan_time import border_crossings, lane_borders, ministage_borders, stage_borders
 from hetc.passes.cost.schedule import Grouping, Unit, UnitLane, UnitOp, unit_ops
 from hetc.passes.cost.zero_time import (ZeroRings, across_nodes, fetch_time, first_gather_time, flush_time,
@@ -54,6 +54,7 @@ class StageCosts:
         self.in_flight_limit: int | None = None
         self.grouping = Grouping.DEPTH_FIRST   # interleaved 1F1B's, as the last `memory_classes` asked
         self._statics: dict[int | None, StateMemory] = {}
+        self._helds: dict[int | None, StatesHeld] = {}
         self._rooms: dict[tuple[str, int | None, int, int | None, Grouping], float] = {}
         self._numels: dict[tuple[int, int, int], float] = {}
         self._shards: dict[int | None, ShardFactors] = {}
@@ -392,7 +393,7 @@ class StageCosts:
         return zorse_backward_peak(schedule, self.p.train.grad_clip, offloaded, count, self._per_mb_activations,
                                    grads, sum(grads) * factors.grads, factors.grads < 1.0,
                                    (2 + self.plan.prefetch) * self._borders[2], params, self._tied_to_end,
-                                   factors.reduced)
+                                   factors.reduced, zorse_gathers(self._held(node_share), self.plan.prefetch))
 
     @cached_property
     def _regathers(self) -> bool:
@@ -414,18 +415,26 @@ class StageCosts:
         """What a rank holds but activations and its reserve (`passes.cost.memory.state_memory`)."""
         got = self._statics.get(node_share)
         if got is None:
-            st, p = self.s, self.p
-            held = StatesHeld([n * p.states.params for n in self.ms_numel],
-                              [n * p.states.grads for n in self.ms_numel],
-                              sum(n * p.states.grads for n in self.ms_numel) * self.shard_of(node_share).grads,
-                              sum(n * p.states.optimizer for n in self.ms_numel) *
-                              self.shard_of(node_share).optimizer, self.shard_of(node_share),
-                              st.zero.resolved_level >= 3 and len(st.lanes) > 1, len(st.lanes),
-                              self._borders[1] if st.ministages else 0.0, p.states.grads,
-                              [n * p.states.params for n in self.unit_numels], self._regathers)
-            got = self._statics[node_share] = state_memory(held, st.knobs.offload.to_spec(), self.plan.schedule,
-                                                           p.train.grad_clip, self.plan.prefetch)
+            got = self._statics[node_share] = state_memory(self._held(node_share), self.s.knobs.offload.to_spec(),
+                                                           self.plan.schedule, self.p.train.grad_clip,
+                                                           self.plan.prefetch)
         return got
+
+    def _held(self, node_share: int | None) -> StatesHeld:
+        """The states a rank holds, per ministage (`passes.cost.memory.StatesHeld`)."""
+        got = self._helds.get(node_share)
+        if got is None:
+            got = self._helds[node_share] = self._states_held(node_share)
+        return got
+
+    def _states_held(self, node_share: int | None) -> StatesHeld:
+        st, p, shard = self.s, self.p, self.shard_of(node_share)
+        return StatesHeld([n * p.states.params for n in self.ms_numel], [n * p.states.grads for n in self.ms_numel],
+                          sum(n * p.states.grads for n in self.ms_numel) * shard.grads,
+                          sum(n * p.states.optimizer for n in self.ms_numel) * shard.optimizer, shard,
+                          st.zero.resolved_level >= 3 and len(st.lanes) > 1, len(st.lanes),
+                          self._borders[1] if st.ministages else 0.0, p.states.grads,
+                          [n * p.states.params for n in self.unit_numels], self._regathers)
 
     @cached_property
     def _per_mb_activations(self) -> list[float]:
