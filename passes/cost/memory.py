@@ -439,6 +439,7 @@ class ZorseParams:
     params: Sequence[float]
     prefetch: int
     regathers: bool
+    gathers: bool = False   # ZeRO-3 gathers each ministage from its shards (Note [parameter residency])
 
 
 def zorse_backward_peak(schedule: ScheduleKind, grad_clip: float, offload_activations: bool, microbatches: int,
@@ -470,11 +471,15 @@ def zorse_backward_peak(schedule: ScheduleKind, grad_clip: float, offload_activa
     stashed inputs (`stashed_inputs`, `activation_memory`'s) as its backward
     runs; with every step at the end and without ZeRO-2/3 the largest of
     them with the most gradients is the estimate's sum already, and None is
-    returned. Offloaded parameters under the
-    interleaved update (`offloaded_params`; the steps at the end bring them
-    all back otherwise, `resident_params`) come and go in the same order
-    (`resident_window`): the first backward, the stash's largest, holds
-    the fewest. `to_end`: a ministage whose update waits for the end of the
+    returned. Offloaded parameters (`offloaded_params`) come and go in the
+    same order (`resident_window`; ZeRO-3 fetches the shard of one more
+    ahead): the first backward, the stash's largest, holds the fewest.
+    With the steps at the end a ministage's window runs from its backward
+    to its step (Note [parameter residency] in passes/lower/offload.py), so
+    the backward gathers them as the stash shrinks, all of them there for
+    the steps (the estimate added them all to the whole stash: ZeRO-2 with
+    parameters on the host and no checkpointing, 50.6 GiB estimated,
+    41.3 GiB compiled). `to_end`: a ministage whose update waits for the end of the
     step (the head's copy of a tied embedding, Note [zero placement] in
     passes/lower/zero.py): its gradients and parameters stay from its
     backward on. Under ZeRO-3 (`gathers`) k's full parameters and those of
@@ -503,7 +508,7 @@ def zorse_backward_peak(schedule: ScheduleKind, grad_clip: float, offload_activa
             pending = grads[k + 1] * (1.0 + reduced) if k + 1 < count and k + 1 != to_end else 0.0
             held = grads[to_end] * (1.0 + reduced) if to_end is not None and to_end > k else 0.0
         stash = per_microbatch[k] + stashed_inputs if offload_activations else microbatches * stashed[k + 1]
-        resident = None if keeps else _resident_at(k, offloaded_params, prefix, to_end, microbatches)
+        resident = _resident_at(k, offloaded_params, prefix, to_end, microbatches, not keeps)
         gathered = sum(gathers.params[max(0, k - gathers.prefetch):k + 1]) if gathers is not None else None
         best = max(best, BackwardPeak(stash, grads[k] + pending + held, resident, gathered), key=_by_total)
         if released or not keeps:
@@ -513,6 +518,9 @@ def zorse_backward_peak(schedule: ScheduleKind, grad_clip: float, offload_activa
             left = stashed_inputs if offload_activations else microbatches * stashed[k]
             best = max(best, BackwardPeak(left, grads[k] * (1.0 + reduced) + behind + held, resident, gathered),
                        key=_by_total)
+    if keeps and offloaded_params is not None:   # the steps at the end, every ministage back beside its gradients
+        best = max(best, BackwardPeak(0.0, kept_share * filled[-1], sum(offloaded_params.params),
+                                      None if gathers is None else 0.0), key=_by_total)
     return best
 
 
@@ -521,12 +529,17 @@ def _by_total(peak: BackwardPeak) -> float:
 
 
 def _resident_at(k: int, offloaded: ZorseParams | None, prefix: Sequence[float], to_end: int | None,
-                 ops: int) -> float | None:
+                 ops: int, steps: bool) -> float | None:
     """Offloaded parameters on the device during the backward of ministage k (`zorse_backward_peak`; `prefix`:
-    `_prefix` of their sizes)."""
+    `_prefix` of their sizes; `steps`: each ministage steps after its backward)."""
     if offloaded is None:
         return None
-    window = resident_window(k, len(offloaded.params), offloaded.prefetch, offloaded.regathers, ops)
+    count = len(offloaded.params)
+    # ZeRO-3 brings the shard of one more ahead: the gather posted one run ahead needs it
+    prefetch = offloaded.prefetch + offloaded.gathers
+    # where the steps wait for the end, a ministage's window runs from its backward to its step
+    window = resident_window(k, count, prefetch, offloaded.regathers, ops) if steps else range(max(0, k - prefetch),
+                                                                                                count)
     kept = offloaded.params[to_end] if to_end is not None and to_end > k and to_end not in window else 0.0
     return _window_sum(prefix, window) + kept
 

@@ -141,7 +141,7 @@ def rank_memory_of(cm: CostModel, rank: int, limit: int, grouping: Grouping) -> 
     acts = activation_memory(p.schedule, stage.index, len(p.stages), len(lane.microbatches), per_microbatch, limit,
                              offload_activations, sum(inputs), max(inputs, default=0.0), p.prefetch,
                              max(groups, default=1), p.chunks_after(stage.index) if interleaved else None, groups)
-    offloaded = ZorseParams([b * held.shard.params for b in held.params], p.prefetch, held.regathers) \
+    offloaded = ZorseParams([b * held.shard.params for b in held.params], p.prefetch, held.regathers, held.gathers) \
         if stage.offload.params is not OffloadTarget.NONE else None
     tied = [k for k, ms in enumerate(mss) if ms in p.tied_ministages(cm.model)]
     zorse = zorse_backward_peak(p.schedule, cm.train.grad_clip, offload_activations, len(lane.microbatches),

@@ -389,7 +389,7 @@ class StageCosts:
         grads = [n * self.p.states.grads for n in self.ms_numel]
         factors = self.shard_of(node_share)
         params = ZorseParams([n * self.p.states.params * factors.params for n in self.ms_numel], self.plan.prefetch,
-                             self._regathers) if self.s.knobs.offload.params else None
+                             self._regathers, self._held(node_share).gathers) if self.s.knobs.offload.params else None
         return zorse_backward_peak(schedule, self.p.train.grad_clip, offloaded, count, self._per_mb_activations,
                                    grads, sum(grads) * factors.grads, factors.grads < 1.0,
                                    (2 + self.plan.prefetch) * self._borders[2], params, self._tied_to_end,
