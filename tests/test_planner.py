@@ -272,6 +272,35 @@ def test_a_job_whose_closed_form_choice_overflowed_once_compiled_is_planned_and_
     assert main(["compile", str(out), "-o", str(tmp_path / "plan")]) == 0
 
 
+def test_a_tied_interleaved_job_that_fits_nowhere_is_a_located_error(capsys):
+    """Planner fuzz seed 684: interleaved 1F1B fixed, a tied embedding and head, and no plan that fits. A
+    one-stage layout's stage would hold both ends of the tie in two chunks (`ties_in_one_ministage`), so it
+    had no configuration, and the quick look and the screen's bound raised IndexError on it: an internal
+    error. Such layouts are not interleaved structures now, and a stage without configurations places
+    nothing."""
+    spec = ROOT / "tests" / "specs" / "planner" / "tied_interleaved_nofit.het"
+    assert main(["plan", str(spec), "--time-limit", "10"]) == 2
+    err = capsys.readouterr().err
+    assert f"{spec}:82:1: error: no plan fits in memory" in err and "internal error" not in err
+
+
+def test_interleaved_with_a_tied_model_on_one_gpu_names_the_schedule(tmp_path, capsys):
+    """The same rule where the cluster allows one stage only: no structure at all, which is said at the
+    schedule, not as a plan that does not fit (before: an internal error)."""
+    one_gpu = """  node a {
+    device = A100-40
+    count = 1
+    gpus = 1
+  }
+  inter_bandwidth = 12.5 GB/s"""
+    text = (SMALL % "").replace("dtype = bf16", "dtype = bf16\n  tied_embeddings = true")
+    text = text[:text.index("  node a {")] + one_gpu + text[text.index("\n}\ntrain"):]
+    spec = _write(tmp_path, text.replace("schedule = auto", "schedule = interleaved"))
+    assert main(["plan", str(spec)]) == 2
+    err = capsys.readouterr().err
+    assert f"{spec}:24:14: error: interleaved 1F1B runs every stage as two chunks" in err, err
+
+
 def test_a_layer_that_fits_nowhere_is_named_with_the_gpu(tmp_path, capsys):
     text = (SMALL % "").replace("vocab = 32000", "vocab = 4000000").replace("seq = 1024", "seq = 4096")
     spec = _write(tmp_path, text)

@@ -39,6 +39,11 @@ def no_plan_error(search: Structures, found: list[Found], baselines: list[Baseli
     """`found`: the search's plans (fitting or not); `baselines`: the baselines, scored; `advice`: what to
     change when nothing fits in memory (asked only then)."""
     par = search.job.parallel
+    if not found and _tied_in_one_stage_only(search):
+        return SpecError([Diagnostic(par.span_of("schedule"), "interleaved 1F1B runs every stage as two chunks, and "
+                                     "a one-stage plan keeps the tied embedding and head in one ministage "
+                                     "(tied_embeddings); this cluster gives the planner one stage only: use "
+                                     "another schedule, or more GPUs")])
     layer = _layer_that_cannot_fit(search)
     if layer is not None:
         return SpecError([Diagnostic(search.model.span, f"{layer}; {advice()}")])
@@ -49,6 +54,13 @@ def no_plan_error(search: Structures, found: list[Found], baselines: list[Baseli
         closest = min(tried, key=lambda cs: _overflow(cs[1]), default=None)
         return SpecError([Diagnostic(par.span, f"{_closest(search, closest)}; {advice()}")])
     return SpecError([Diagnostic(par.objective.span, _objective_miss(search, fitting))])
+
+
+def _tied_in_one_stage_only(search: Structures) -> bool:
+    """Interleaved 1F1B is the only schedule allowed, the model ties its embedding and head, and every layout
+    the planner may use has one stage: no structure at all (`ties_in_one_ministage`)."""
+    return search.space.schedules == (ScheduleKind.INTERLEAVED,) and search.model.tied_embeddings and \
+        all(len(layout) == 1 for _, layout in search.layouts())
 
 
 def _frugal(search: Structures, lanes: int) -> Knobs:

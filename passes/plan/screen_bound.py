@@ -85,6 +85,8 @@ def _stage_bounds(search: Structures, st: Structure, s: int, counts: range
     n_stages, schedule = len(st.layout), st.schedule
     res = search.resolve(st.layout[s])
     knobs = search.knobs(st, s, full=False)   # what assign(full=False) may choose from, its fallback included
+    if not knobs:   # the stage allows no configuration: nothing places it
+        return {}, {}
     # the recompute settings to bound: (activations offloaded, so the ministage reruns; activation checkpointing)
     recomputes = sorted({(k.offload.activations, k.checkpoint) for k in knobs})
     neighbours = search.neighbours(st, s)

@@ -37,7 +37,7 @@ from hetc.passes.plan.objective import Goal
 from hetc.passes.plan.screen_bound import screen_bound
 from hetc.passes.plan.shares import Call, Shares
 from hetc.passes.plan.space import SearchSpace
-from hetc.passes.plan.structures import Found, SearchLimits, Structure, Structures, base_knobs
+from hetc.passes.plan.structures import Found, SearchLimits, Structure, Structures
 from hetc.passes.plan.tables import StageTable
 from hetc.ir.spec import ScheduleKind
 from hetc.ir.worker import forked_worker
@@ -169,7 +169,9 @@ class Search(Structures):
             return (True, math.inf)
         options = []
         for s, n in enumerate(self._speed_split(st)):
-            knobs = base_knobs(self.knobs(st, s, full=False))
+            knobs = self.knobs(st, s, full=False)   # already `base_knobs`; none where the stage allows none
+            if not knobs:   # (a tied embedding and head in one stage of interleaved 1F1B's two chunks)
+                return (True, math.inf)
             table = self._table(st, s, range(n, n + 1), knobs[:1], knobs[-1] if len(knobs) > 1 else None)
             placeable = [o for o in table.options if o.work is not None]
             if not placeable:

@@ -30,11 +30,9 @@ from hetc.passes.plan.candidate_view import ResolvedStage
 from hetc.passes.plan.stages import StageRule, written_counts
 from hetc.passes.plan.tables import Option, StageTable, holds_all, placeable, stage_costs, stage_option
 from hetc.passes.plan.views import Resolver, view_of
-from hetc.ir.pipeline import route_microbatches
+from hetc.ir.pipeline import first_positions, route_microbatches
 from hetc.ir.spec import Checkpointing, ModelSpec, Objective, ScheduleKind, ZeroShard
-from hetc.passes.cost.schedule import group_width
-from hetc.ir.pipeline import first_positions
-from hetc.passes.cost.schedule import interleaved_groups
+from hetc.passes.cost.schedule import group_width, interleaved_groups
 from hetc.ir.topology import Gpu
 from hetc.ir.plan import Job
 from hetc.ir.geometry import uneven_node_shards
@@ -137,8 +135,9 @@ class Structures:
                 if max(st.num_lanes for st in shaped) > self.prims[b].num_microbatches:
                     continue
                 for schedule in schedules:
-                    if schedule is ScheduleKind.INTERLEAVED and len({st.num_lanes for st in shaped}) > 1:
-                        continue   # Note [interleaved lanes]
+                    if schedule is ScheduleKind.INTERLEAVED and (len({st.num_lanes for st in shaped}) > 1 or
+                                                                 ties_in_one_ministage(self.model, len(shaped))):
+                        continue   # Note [interleaved lanes]; a tied embedding and head in one stage: one chunk
                     for v in (self.space.interleave if schedule is ScheduleKind.INTERLEAVED else (0,)):
                         if not v or len(shaped) * v <= self.units:
                             yield Structure(idle, shaped, schedule, b, v)
