@@ -108,11 +108,17 @@ class Pipeline:
     def chunks_after(self, stage: int) -> tuple[int, ...]:
         """How many chunks each stage holds after `stage`'s last one, in the order a microbatch meets them
         (Note [chunks after a stage] in passes/cost/memory.py): Megatron's loop gives one per later stage."""
-        last = max(self.stages[stage].ministages)
-        counts: dict[int, int] = {}
-        for m in self.ministages[last + 1:]:
-            counts[m.stage] = counts.get(m.stage, 0) + 1
-        return tuple(counts.values())
+        return self._chunks_after[stage]
+
+    @cached_property
+    def _chunks_after(self) -> tuple[tuple[int, ...], ...]:
+        """`chunks_after` of every stage (asked per lane and per rank)."""
+        def after(last: int) -> tuple[int, ...]:
+            counts: dict[int, int] = {}
+            for m in self.ministages[last + 1:]:
+                counts[m.stage] = counts.get(m.stage, 0) + 1
+            return tuple(counts.values())
+        return tuple(after(max(s.ministages)) for s in self.stages)
 
     def tied_ministages(self, model: ModelSpec) -> tuple[int, ...]:
         """The ministages holding a copy of `model`'s tied embedding, whose gradients `all_reduce tied` sums
