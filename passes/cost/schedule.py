@@ -680,8 +680,10 @@ def interleaved_groups(first: Mapping[int, int], mbs: Sequence[int], group: int)
     passes/lower/schedule.py): a microbatch's group is its position in its lane of the first stage
     (`first`, `hetc.ir.pipeline.first_positions`) over `group`. Lanes in lockstep must get groups of the
     same sizes (`validate_plan`); the planner keeps to that (passes/plan/structures.py)."""
-    return [list(chunk) for _, chunk in groupby(sorted(mbs, key=lambda mb: (first[mb] // group, mb)),
-                                                          key=lambda mb: first[mb] // group)]
+    def of(mb: int) -> int:
+        return first[mb] // group
+
+    return [list(chunk) for _, chunk in groupby(sorted(mbs, key=lambda mb: (of(mb), mb)), key=of)]
 
 
 def group_width(num_stages: int, first_microbatches: int) -> int:

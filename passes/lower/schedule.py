@@ -23,7 +23,7 @@ from typing import NamedTuple, TypeVar
 
 from hetc.ir.errors import Diagnostic, InternalError, SpecError
 from hetc.passes.cost.memory import interleaved_warmup
-from hetc.passes.cost.pipeline_stage import lane_group, lane_groups
+from hetc.passes.cost.pipeline_stage import lane_groups
 from hetc.passes.cost.schedule import Grouping
 from hetc.passes.lower.context import LowerContext, rank_shell
 from hetc.passes.lower.lane_sim import Op, Policy, Run, simulate
@@ -137,14 +137,14 @@ def lane_queues(pipeline: Pipeline, stage: Stage, lane: Lane, grouping: Grouping
 def _policy(ctx: LowerContext, stage: Stage, lane: Lane) -> Policy:
     """The lane's queues with the schedule's in-flight limit."""
     kind, num_stages = ctx.pipeline.schedule, len(ctx.pipeline.stages)
-    grouping = ctx.costs.interleaved_grouping
-    f, b, w = lane_queues(ctx.pipeline, stage, lane, grouping)
+    if kind is ScheduleKind.INTERLEAVED:   # its groups cut once, for the queues and the warm-up
+        groups = lane_groups(ctx.pipeline, lane, ctx.costs.interleaved_grouping)
+        f, b = _interleaved_orders(list(stage.ministages), groups)
+        return Policy(f, b, limit=interleaved_warmup(stage.index, num_stages, len(stage.ministages),
+                                                     max(map(len, groups)), ctx.pipeline.chunks_after(stage.index)))
+    f, b, w = lane_queues(ctx.pipeline, stage, lane, ctx.costs.interleaved_grouping)
     if kind in (ScheduleKind.ZORSE, ScheduleKind.GPIPE):
         return Policy(f, b)
-    if kind is ScheduleKind.INTERLEAVED:
-        return Policy(f, b, limit=interleaved_warmup(stage.index, num_stages, len(stage.ministages),
-                                                     lane_group(ctx.pipeline, lane, grouping),
-                                                     ctx.pipeline.chunks_after(stage.index)))
     return Policy(f, b, w, limit=ctx.in_flight_limit(stage.index), per_unit=len(stage.ministages))
 
 
