@@ -14,6 +14,11 @@ activation checkpointing and offload, hierarchical ZeRO over even and uneven
 nodes. Running such plans against the 1-rank reference found two plans that
 compiled and verified but stopped the runtime (hierarchical ZeRO over
 uneven nodes, and on a stage of one node).
+
+`random_chunks_plan(rng, job)` writes interleaved 1F1B over 2-4 stages of
+contiguous chunks (`ministages` of a run of layers): a later stage runs a
+chunk for its whole group before the next (Note [chunks after a stage] in
+passes/cost/memory.py), which `random_demo_plan`'s looping chunks never do.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from pathlib import Path
 
 from tests.plans import TEST_SPECS
 
-__all__ = ["random_demo_plan", "random_plan"]
+__all__ = ["random_chunks_plan", "random_demo_plan", "random_plan"]
 
 LAYERS = ["embed"] + [f"block{i}" for i in range(14)] + ["head"]   # the model of tests/specs/job16.het
 GPUS_PER_NODE = 4
@@ -87,6 +92,30 @@ DEMO_SPLITS = {1: [[4], [2], [1]], 2: [[2, 2], [1, 1], [1, 3], [3, 1], [1, 2], [
 DEMO_INTERLEAVED = [["embed..block0", "block2"], ["block1", "block3..head"]]
 
 
+def random_chunks_plan(rng: random.Random, job: Path) -> str:
+    """The text of a plan of the demo job `job` under interleaved 1F1B, each stage 1-3 contiguous chunks."""
+    stages = rng.choice([2, 3, 4])
+    sizes = rng.choice(DEMO_SPLITS[stages])
+    layers = _demo_layers(rng, stages)
+    lines = [f'use "{job.as_posix()}"', "", "parallel {", "  schedule = interleaved", *_demo_zero(rng, sum(sizes) == 4)]
+    start = 0
+    for s, size in enumerate(sizes):
+        stage = [line for line in _demo_stage(rng, s, DEMO_GPUS[start:start + size], layers[s], "moe" in job.name)
+                 if "ministages" not in line]
+        stage.insert(-1, f"    ministages = {rng.randint(1, min(3, _units(layers[s][0])))}")
+        lines += stage
+        start += size
+    if start < len(DEMO_GPUS):
+        lines.append(f"  idle = [{', '.join(DEMO_GPUS[start:])}]")
+    return "\n".join(lines + ["}"]) + "\n"
+
+
+def _units(layers: str) -> int:
+    """How many of the demo model's units a range `lo..hi` (or one unit) holds."""
+    ends = layers.split("..")
+    return DEMO_UNITS.index(ends[-1]) - DEMO_UNITS.index(ends[0]) + 1
+
+
 def _demo_zero(rng: random.Random, whole: bool) -> list[str]:
     """The plan's ZeRO line(s); hierarchical only where the plan uses every rank (both nodes)."""
     level = rng.choice([0, 0, 1, 2, 3])
@@ -111,7 +140,7 @@ def _demo_stage(rng: random.Random, s: int, gpus: list[str], ranges: list[str], 
     lines += [f"    tp = {tp}"] if tp > 1 else []
     lines += [f"    cp = {cp}", f"    cp_kind = {rng.choice(['ring', 'ulysses'])}"] if cp > 1 else []
     lines += ["    sequence_parallel = true"] if tp > 1 and rng.random() < 0.5 else []
-    units = sum(DEMO_UNITS.index(r.split("..")[-1]) - DEMO_UNITS.index(r.split("..")[0]) + 1 for r in ranges)
+    units = sum(_units(r) for r in ranges)
     if len(ranges) == 1 and rng.random() < 0.3:
         lines.append(f"    ministages = {rng.choice([m for m in (1, 2, 3) if m <= units])}")
     if lanes > 1 and rng.random() < 0.4:
