@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from hetc.commands import Subparsers
+from hetc.commands.planwarnings import print_plan_warnings
 from hetc.compiler import load_checked
 from hetc.passes.cost.params import model_params
 from hetc.passes.validate import Checked
@@ -30,6 +31,8 @@ def register(sub: Subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     for path in args.specs:
         _loaded, checked = load_checked(path, require_fit=True)
+        if (plan := checked.explicit()) is not None:
+            print_plan_warnings(plan)
         if not args.quiet:
             print(f"{path}: ok: {summary(checked)}")
     return 0

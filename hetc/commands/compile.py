@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TextIO
 
 from hetc.commands import Subparsers
+from hetc.commands.planwarnings import print_plan_warnings
 from hetc.commands.progress import progress_printer
 from hetc.compiler import Compiled, compile_spec, write_compiled
 from hetc.membudget import MemoryBudgetExceeded, memory_budget, parse_memory
@@ -78,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
             compiled = compile_spec(Path(args.spec), args.dump_after, dump if args.dump_after else None, profiles,
                                     args.time_limit, tell)
             _warn_near_capacity(compiled)
+            print_plan_warnings(compiled.plan)
     except VerifyError as err:
         print(f"hetc compile: the lowered programs are unsafe (a bug in hetc's lowering):\n{err.render()}",
               file=sys.stderr)

@@ -8,6 +8,7 @@ import sys
 
 from hetc.commands import Subparsers
 from hetc.commands.fitreport import enforce_estimate_fit
+from hetc.commands.planwarnings import print_plan_warnings
 from hetc.ir.errors import SpecError, UsageError
 from hetc.compiler import load_checked
 from hetc.passes.validate_fit import cost_error
@@ -52,5 +53,6 @@ def run(args: argparse.Namespace) -> int:
 
         print(report(args.spec, plan.pipeline, estimate))
     sys.stdout.flush()   # the breakdown before the verdict on it
+    print_plan_warnings(plan)
     enforce_estimate_fit("explain", plan, estimate)
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import groupby
 
 from hetc.ir.memo import cached_property
 from hetc.ir.spec import Checkpointing, CPKind, ModelSpec, OffloadSpec, ScheduleKind, ZeroSpec
@@ -119,6 +120,13 @@ class Pipeline:
                 counts[m.stage] = counts.get(m.stage, 0) + 1
             return tuple(counts.values())
         return tuple(after(max(s.ministages)) for s in self.stages)
+
+    @cached_property
+    def revisits_stages(self) -> bool:
+        """Whether a microbatch comes back to a stage it left (Megatron's virtual stages loop over the stages);
+        False where every stage's chunks are consecutive layers."""
+        runs = [stage for stage, _ in groupby(m.stage for m in self.ministages)]
+        return len(runs) > len(set(runs))
 
     def tied_ministages(self, model: ModelSpec) -> tuple[int, ...]:
         """The ministages holding a copy of `model`'s tied embedding, whose gradients `all_reduce tied` sums
