@@ -30,8 +30,8 @@ __all__ = ["plan_warnings"]
 def plan_warnings(plan: Plan) -> list[Diagnostic]:
     """What `plan` runs that its spec most likely did not mean (module docstring)."""
     pipeline = plan.pipeline
-    if pipeline.schedule is not ScheduleKind.INTERLEAVED or pipeline.revisits_stages:
-        return []
+    if pipeline.schedule is not ScheduleKind.INTERLEAVED or pipeline.revisits_stages or len(pipeline.stages) < 2:
+        return []   # one stage has no fill to shrink
     return [Diagnostic(plan.parallel.span_of("schedule"), "interleaved 1F1B over chunks that never loop: every "
                        "stage holds consecutive layers, so no microbatch comes back to a stage and the chunks do not "
                        "shrink the pipeline's fill; loop each stage's ranges over the stages, "

@@ -19,8 +19,20 @@ def test_interleaved_over_chunks_that_never_loop_is_a_located_warning(capsys):
     assert f"interleaved_hetero.het:8:14: {NEVER_LOOP}" in err and "schedule = interleaved" in err
 
 
-def test_chunks_that_loop_warn_nothing(capsys):
-    assert main(["check", "-q", str(DEMO / "interleaved.het")]) == 0
+ONE_STAGE = """use "{job}"
+
+parallel {{
+  schedule = interleaved
+  stage s0 {{ layers = embed..head, ranks = [host[0, 0]], lanes = 1, ministages = 2 }}
+  idle = [host[0, 1], host[1, 0], host[1, 1]]
+}}
+"""
+
+
+def test_chunks_that_loop_warn_nothing_nor_one_stage_with_no_fill(tmp_path, capsys):
+    one_stage = tmp_path / "one_stage.het"
+    one_stage.write_text(ONE_STAGE.format(job=(DEMO / "job.het").as_posix()))
+    assert main(["check", "-q", str(DEMO / "interleaved.het"), str(one_stage)]) == 0
     assert capsys.readouterr().err == ""
 
 
