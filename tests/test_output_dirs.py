@@ -293,6 +293,34 @@ def test_a_one_file_output_replaces_no_input_and_no_file_of_a_plan_directory(pp_
     assert kept_path.read_bytes() == before
 
 
+_IN_THE_WAY = [   # (argv with {plan}/{spec}, the flag); the output goes under {tmp}/m, which is a file
+    (["viz", "{plan}", "--chrome-trace", "{tmp}/m/t.json"], "--chrome-trace '{tmp}/m/t.json'"),
+    (["viz", "{plan}", "-o", "{tmp}/m/page.html"], "-o '{tmp}/m/page.html'"),
+    (["plan", "{spec}", "-o", "{tmp}/m/planned.het"], "-o '{tmp}/m/planned.het'"),
+    (["run", "{plan}", "--local", "--metrics", "{tmp}/m/metrics.jsonl"], "--metrics '{tmp}/m/metrics.jsonl'"),
+    (["launch", "{spec}", "--emit", "slurm", "-o", "{tmp}/m/job.sh"], "-o '{tmp}/m/job.sh'"),
+    (["compile", "{spec}", "-o", "{tmp}/m/plan"], "'{tmp}/m/plan'"),
+]
+
+
+@pytest.mark.parametrize("argv, flag", _IN_THE_WAY, ids=lambda c: " ".join(c) if isinstance(c, list) else None)
+def test_an_output_under_a_file_is_a_usage_error_before_the_work(pp_plan, tmp_path, capsys, argv, flag):
+    """An output whose folder is a file ended `hetc viz` and `hetc plan` in an internal error after their work,
+    and `hetc run --metrics` in every rank's exit (status 3) after the model was built."""
+    (tmp_path / "m").write_text("{}\n")
+    names = {"plan": str(pp_plan), "spec": str(DEMO / "pp.het"), "tmp": str(tmp_path)}
+    assert main([word.format(**names) for word in argv]) == 2
+    assert f"{flag.format(**names)}: '{tmp_path / 'm'}' is a file, not a directory" in capsys.readouterr().err
+    assert (tmp_path / "m").read_text() == "{}\n"
+
+
+def test_a_one_file_output_goes_into_the_folders_it_names(pp_plan, tmp_path, capsys):
+    """As `hetc compile -o a/b/plan` makes its folders (an internal error before: no such file or directory)."""
+    page, trace = tmp_path / "a" / "b" / "page.html", tmp_path / "c" / "trace.json"
+    assert main(["viz", str(pp_plan), "-o", str(page), "--chrome-trace", str(trace)]) == 0
+    assert page.read_text().startswith("<!DOCTYPE html>") and json.loads(trace.read_text())["traceEvents"]
+
+
 def test_a_directory_as_a_one_file_output_is_a_usage_error(pp_plan, tmp_path, capsys):
     assert main(["viz", str(pp_plan), "--chrome-trace", str(tmp_path)]) == 2
     assert f"--chrome-trace '{tmp_path}' is a directory; name a file" in capsys.readouterr().err

@@ -218,6 +218,10 @@ def _check_telemetry_flags(args: argparse.Namespace) -> None:
     for flag, value in (("--tensorboard", args.tensorboard), ("--wandb", args.wandb)):
         if value is not None and (error := missing_package(flag)) is not None:
             raise UsageError(error)
+    if args.tensorboard is not None:
+        from hetc.ir.outdir import make_directory
+
+        make_directory(args.tensorboard, "--tensorboard", args.tensorboard)
 
 
 def _check_elastic(args: argparse.Namespace) -> None:

@@ -40,6 +40,10 @@ demo's folder, read by people, takes its run's metrics and trace). A page
 `hetc viz DIR` writes by default, DIR/schedule.html, is the plan kind's
 `derived` file: drawn from what DIR holds, it goes with DIR when compile
 replaces it.
+A one-file output's missing folders are made, as compile makes a plan
+directory's (`make_directory`), before the command's work: a file where one
+of them would go is a usage error then, not an internal error after the
+work (or, for `run --metrics`, every rank's exit once the model was built).
 """
 
 from __future__ import annotations
@@ -58,8 +62,7 @@ from pathlib import Path
 from hetc.ir.errors import UsageError
 
 __all__ = ["MARKER", "Legacy", "OutputKind", "Protected", "check_output_dir", "check_output_file", "edited_files",
-           "file_hashes",
-           "is_marked", "restamp", "unmarked_or_edited", "write_marker", "write_output_dir"]
+           "file_hashes", "is_marked", "make_directory", "restamp", "unmarked_or_edited", "write_marker", "write_output_dir"]
 
 MARKER = ".hetc-output.json"
 MAX_NAMED = 5       # foreign entries a message names before "and N more"
@@ -126,6 +129,8 @@ def check_output_dir(out: Path, kind: OutputKind, protect: Iterable[Protected] =
             raise UsageError(f"refusing to write {kind.noun} to '{out}': it {held} {guard.what}, and the output "
                              "replaces the whole directory; choose a new directory")
     if not target.exists():
+        if (blocking := _file_in_the_way(target)) is not None:
+            raise UsageError(f"'{out}': '{blocking}' is a file, not a directory; choose another path")
         return
     if not target.is_dir():
         raise UsageError(f"'{out}' is a file; {kind.noun} is a directory: choose another path")
@@ -176,6 +181,24 @@ def check_output_file(out: Path, flag: str, reads: Iterable[tuple[Path, str]] = 
         if target.relative_to(folder).as_posix() in marked[1]:
             raise UsageError(f"{flag} '{out}' is a file of {OutputKind(marked[0]).noun} hetc wrote ('{folder}'); "
                              "replacing it would break that directory: choose a path outside it")
+    make_directory(target.parent, flag, out)
+
+
+def make_directory(directory: Path, flag: str, given: Path) -> None:
+    """Create `directory` (what `flag` names as `given`, or where it goes) and its parents, as `hetc compile -o
+    a/b/plan` does; UsageError where a file stands in the way or it cannot be made. Commands check before
+    their work: a missing folder must not end a run at its first write, in a rank."""
+    if (blocking := _file_in_the_way(directory / "_")) is not None:
+        raise UsageError(f"{flag} '{given}': '{blocking}' is a file, not a directory; choose another path")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"{flag} '{given}': cannot create the directory '{directory}': {err.strerror}") from None
+
+
+def _file_in_the_way(target: Path) -> Path | None:
+    """An existing file among `target`'s parents, where a directory would have to be."""
+    return next((p for p in target.parents if p.exists() and not p.is_dir()), None)
 
 
 def write_marker(directory: Path, kind: OutputKind, planned: Iterable[str] = ()) -> None:
