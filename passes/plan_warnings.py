@@ -1,5 +1,5 @@
 """Warnings on a plan that is valid and runs, but not as its author most likely meant: located at the spec,
-printed by `hetc check`, `explain`, `plan` and `compile` on stderr, and never an exit status of their own.
+printed by `hetc check`, `explain` and `compile` on stderr, and never an exit status of their own.
 
 Note [contiguous chunks]: interleaved 1F1B shortens the pipeline's fill
 because its chunks loop: Megatron's virtual stages give stage s the layers
