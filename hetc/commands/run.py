@@ -221,7 +221,7 @@ def _check_telemetry_flags(args: argparse.Namespace) -> None:
     if args.tensorboard is not None:
         from hetc.ir.outdir import make_directory
 
-        make_directory(args.tensorboard, "--tensorboard", args.tensorboard)
+        make_directory(args.tensorboard, "--tensorboard")
 
 
 def _check_elastic(args: argparse.Namespace) -> None:

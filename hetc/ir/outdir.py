@@ -129,8 +129,7 @@ def check_output_dir(out: Path, kind: OutputKind, protect: Iterable[Protected] =
             raise UsageError(f"refusing to write {kind.noun} to '{out}': it {held} {guard.what}, and the output "
                              "replaces the whole directory; choose a new directory")
     if not target.exists():
-        if (blocking := _file_in_the_way(target)) is not None:
-            raise UsageError(f"'{out}': '{blocking}' is a file, not a directory; choose another path")
+        _refuse_a_file_in_the_way(target.parent, f"'{out}'")
         return
     if not target.is_dir():
         raise UsageError(f"'{out}' is a file; {kind.noun} is a directory: choose another path")
@@ -184,21 +183,24 @@ def check_output_file(out: Path, flag: str, reads: Iterable[tuple[Path, str]] = 
     make_directory(target.parent, flag, out)
 
 
-def make_directory(directory: Path, flag: str, given: Path) -> None:
-    """Create `directory` (what `flag` names as `given`, or where it goes) and its parents, as `hetc compile -o
-    a/b/plan` does; UsageError where a file stands in the way or it cannot be made. Commands check before
+def make_directory(directory: Path, flag: str, given: Path | None = None) -> None:
+    """Create `directory` (what `flag` names, or where the file `given` goes) and its parents, as `hetc compile
+    -o a/b/plan` does; UsageError where a file stands in the way or it cannot be made. Commands check before
     their work: a missing folder must not end a run at its first write, in a rank."""
-    if (blocking := _file_in_the_way(directory / "_")) is not None:
-        raise UsageError(f"{flag} '{given}': '{blocking}' is a file, not a directory; choose another path")
+    named = f"{flag} '{directory if given is None else given}'"
+    _refuse_a_file_in_the_way(directory, named)
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise UsageError(f"{flag} '{given}': cannot create the directory '{directory}': {err.strerror}") from None
+        raise UsageError(f"{named}: cannot create the directory '{directory}': {err.strerror}") from None
 
 
-def _file_in_the_way(target: Path) -> Path | None:
-    """An existing file among `target`'s parents, where a directory would have to be."""
-    return next((p for p in target.parents if p.exists() and not p.is_dir()), None)
+def _refuse_a_file_in_the_way(folder: Path, named: str) -> None:
+    """UsageError where `folder`, or a folder above it, exists as a file (`named`: the output, as its flag
+    names it)."""
+    blocking = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise UsageError(f"{named}: '{blocking}' is a file, not a directory; choose another path")
 
 
 def write_marker(directory: Path, kind: OutputKind, planned: Iterable[str] = ()) -> None:
