@@ -33,7 +33,8 @@ VERBS = ["demo", "check", "fmt", "plan", "compile", "verify", "run", "launch", "
          "calibrate", "import_", "export", "data"]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The whole command line; given the arguments, only the verb they name (Note [one verb's parser])."""
     parser = argparse.ArgumentParser(
         prog="hetc",
         description="Compile and run LLM training plans for heterogeneous GPU clusters.",
@@ -43,14 +44,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show Python tracebacks of internal errors")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
-    for name in VERBS:
+    for name in _verbs_to_register(argv):
         importlib.import_module(f"hetc.commands.{name}").register(sub)
     return parser
 
 
+# Note [one verb's parser]: each verb's module imports what its verb needs (`check` the whole compiler),
+# so registering all fifteen costs about half a second, in every process: each rank of `hetc run` is one.
+# Where the arguments name a verb (the first word not an option: hetc's own options take no value), only
+# that verb is registered; `hetc --help`, no verb or an unknown word register them all, so that usage,
+# help and "invalid choice" errors list every verb.
+
+
+def _verbs_to_register(argv: list[str] | None) -> list[str]:
+    words = [word for word in (sys.argv[1:] if argv is None else argv) if not word.startswith("-")]
+    module = {verb.rstrip("_"): verb for verb in VERBS}.get(words[0]) if words else None   # `import_` is `import`
+    return [module] if module else VERBS
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one verb in this process and return its exit status (what tests call)."""
-    return _run(build_parser().parse_args(argv))
+    return _run(build_parser(argv).parse_args(argv))
 
 
 # Note [ending a one-shot process at once]: `hetc plan` builds hundreds of thousands of small objects
@@ -83,7 +97,7 @@ def program() -> NoReturn:
 
 def _program() -> NoReturn:
     gc.disable()   # while the verbs import; back on below unless the verb ends at once
-    args = build_parser().parse_args()
+    args = build_parser(sys.argv[1:]).parse_args()
     # a profiler or tracer (cProfile, coverage) writes its findings as the interpreter ends: let it
     quick = bool(getattr(args, "quick_exit", False)) and sys.getprofile() is None and sys.gettrace() is None
     if not quick:

@@ -17,6 +17,7 @@ with e the expert's global index, whichever rank holds it (runtime/nn/moe.py).
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -42,9 +43,8 @@ class Embedding(TPAware, nn.Module):
 
     def __init__(self, model: ModelSpec, device=None) -> None:
         super().__init__()
-        self.tok_embeddings = nn.Embedding(model.vocab, model.hidden, device=device)
-        self.pos_embeddings = nn.Embedding(model.seq, model.hidden, device=device) \
-            if model.arch is Arch.GPT else None
+        self.tok_embeddings = _embedding(model.vocab, model.hidden, device)
+        self.pos_embeddings = _embedding(model.seq, model.hidden, device) if model.arch is Arch.GPT else None
         self.dropout_p = model.hidden_dropout
         self.dropout_part: int | None = None    # set where the lane holds the hidden state in parts (SP)
 
@@ -53,6 +53,13 @@ class Embedding(TPAware, nn.Module):
         if self.pos_embeddings is not None:
             x = x + F.embedding(positions, self.tp.replicated(self.pos_embeddings.weight))
         return dropout(x, self.dropout_p, self.training, self.dropout_part)
+
+
+def _embedding(rows: int, dim: int, device) -> nn.Embedding:
+    """An embedding table without nn.Embedding's own normal_ init: init_layer gives every parameter its
+    values, and normal_ on the meta device (where layers are built) imports torch._dynamo, 1-2 s of every
+    rank's start-up."""
+    return nn.Embedding(rows, dim, _weight=nn.Parameter(torch.empty(rows, dim, device=device)))
 
 
 class Block(nn.Module):

@@ -148,11 +148,21 @@ def build_layer(model: ModelSpec, idx: int, *, seed: int, shard: TPShard = NO_SH
     with torch.device("meta"):
         layer = _construct(model, idx, shard, experts, tied_copy)
     if list(layer.buffers()):
-        raise InternalError("layers hold no buffers: to_empty would leave them garbage")
+        raise InternalError("layers hold no buffers: they would be left on the meta device")
     if initialise:
-        layer.to_empty(device=device)
+        _materialise(layer, device)
         init_layer(layer, model, idx, seed)
     return layer
+
+
+def _materialise(layer: nn.Module, device: torch.device | str) -> None:
+    """Give each meta parameter of `layer` uninitialised storage on `device`: `layer.to_empty(device)`
+    without its torch.empty_like of a meta tensor, whose Python reference imports sympy (0.3-0.5 s of
+    every rank's start-up)."""
+    for module in layer.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            setattr(module, name, nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device),
+                                               requires_grad=param.requires_grad))
 
 
 def full_shapes(model: ModelSpec) -> dict[str, tuple[int, ...]]:
