@@ -413,7 +413,7 @@ def check_matmul(ctx: Context) -> list[Row]:
 
     from hetc.ir.spec import DType
 
-    n, seconds, dtype = (8192, 30.0, torch.bfloat16) if ctx.gpu else (384, 2.0 if ctx.quick else 4.0, torch.float32)
+    n, seconds, dtype = (8192, 30.0, torch.bfloat16) if ctx.gpu else (384, 1.0 if ctx.quick else 4.0, torch.float32)
     device = "cuda" if ctx.gpu else "cpu"
     a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
     rates = _timed_rates(torch, device, lambda: torch.mm(a, b), 2.0 * n ** 3, seconds,
@@ -438,7 +438,7 @@ def check_streaming(ctx: Context) -> list[Row]:
 
     device, dtype = ("cuda", torch.bfloat16) if ctx.gpu else ("cpu", torch.float32)
     numel = (256 << 20) if ctx.gpu else (8 << 20)   # 512 MiB of bf16 a tensor on a GPU, 32 MiB on the CPU
-    seconds = 5.0 if ctx.gpu else (1.0 if ctx.quick else 2.0)
+    seconds = 5.0 if ctx.gpu else (0.5 if ctx.quick else 2.0)
     a, b, c = (torch.ones(numel, dtype=dtype, device=device) for _ in range(3))
     # c = a + b: two tensors read, one written
     rates = [r for _, r in _timed_rates(torch, device, lambda: torch.add(a, b, out=c), 3.0 * numel * a.element_size(),
