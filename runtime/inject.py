@@ -1,11 +1,15 @@
 """Fault injection for tests and demos: `hetc run ... --inject 'slow rank=R factor=F from=S [until=U]'` and
-`--inject 'slow link=A-B factor=F from=S [until=U]'`.
+`--inject 'slow link=A-B factor=F from=S [until=U]'`, each with an optional `world=N`.
 
 A slowed rank computes `factor` times slower from step S (0-based, the step index the run prints as S+1)
 until step U (exclusive; for good when absent): after each of its compute instructions it waits
 (factor - 1) times as long as the instruction took, as a throttled GPU or a noisy neighbour would
 stretch it. The rest of the run is untouched, so the losses are those of an unperturbed run; only the
 time changes (what live rebalancing, runtime/rebalance.py, must notice).
+
+`world=N` holds an injection only while the run has N ranks: an elastic run (`--elastic`) re-plans as
+nodes leave and join, and each plan numbers its ranks afresh, so "rank 0" names a different GPU in each;
+`world=` says which plan's rank is meant.
 
 On a GPU the host times a kernel launch, not the kernel, so an injected rank synchronizes its device
 around each compute instruction to measure it: an injected run is a test of the job's reaction, not a
@@ -42,18 +46,21 @@ if TYPE_CHECKING:
 __all__ = ["Injection", "LinkSlowdown", "Slowdown", "check_ranks", "compute_factor", "injection_from_dict",
            "link_factor", "parse_injection", "stretch", "synchronize"]
 
-_KEYS = {"rank", "link", "factor", "from", "until"}
-_FORM = "`slow rank=R factor=F [from=S] [until=U]` or `slow link=A-B factor=F [from=S] [until=U]`"
+_KEYS = {"rank", "link", "factor", "from", "until", "world"}
+_FORM = ("`slow rank=R factor=F [from=S] [until=U] [world=N]` or "
+         "`slow link=A-B factor=F [from=S] [until=U] [world=N]`")
 
 
 class _Steps:
-    """The steps [start, until) an injection holds over (`until` None: for good)."""
+    """The steps [start, until) an injection holds over (`until` None: for good), in a run of `world` ranks
+    (None: of any size)."""
 
     start: int
     until: int | None
+    world: int | None
 
-    def active(self, step: int) -> bool:
-        return self.start <= step and (self.until is None or step < self.until)
+    def active(self, step: int, world: int) -> bool:
+        return self.start <= step and (self.until is None or step < self.until) and self.world in (None, world)
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,7 @@ class Slowdown(_Steps):
     factor: float
     start: int = 0
     until: int | None = None
+    world: int | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +83,7 @@ class LinkSlowdown(_Steps):
     factor: float
     start: int = 0
     until: int | None = None
+    world: int | None = None
 
 
 Injection = Slowdown | LinkSlowdown
@@ -106,21 +115,32 @@ def parse_injection(text: str) -> Injection:
     try:
         factor, start = float(fields["factor"]), int(fields.get("from", 0))
         until = int(fields["until"]) if "until" in fields else None
-        got: Injection = Slowdown(int(fields["rank"]), factor, start, until) if "rank" in fields else \
-            LinkSlowdown(_link(fields["link"]), factor, start, until)
+        world = int(fields["world"]) if "world" in fields else None
+        got: Injection = Slowdown(int(fields["rank"]), factor, start, until, world) if "rank" in fields else \
+            LinkSlowdown(_link(fields["link"]), factor, start, until, world)
     except ValueError as err:
         raise UsageError(f"--inject '{text}': {err}") from None
-    who = got.rank if isinstance(got, Slowdown) else min(got.link)
-    if who < 0 or not 1 <= got.factor < math.inf or got.start < 0 or (got.until is not None and got.until <= got.start):
+    who = got.rank if isinstance(got, Slowdown) else max(got.link)
+    if min(_ranks(got)) < 0 or not 1 <= got.factor < math.inf or got.start < 0 \
+            or (got.until is not None and got.until <= got.start):
         raise UsageError(f"--inject '{text}': needs ranks >= 0, a finite factor >= 1 and 0 <= from < until")
+    if got.world is not None and not who < got.world:     # a plan of N ranks numbers them 0..N-1
+        raise UsageError(f"--inject '{text}': a plan of world={got.world} ranks has no rank {who}")
     return got
 
 
+def _ranks(inj: Injection) -> tuple[int, ...]:
+    return (inj.rank,) if isinstance(inj, Slowdown) else inj.link
+
+
 def check_ranks(injections: tuple[Injection, ...], world: int) -> None:
-    """A UsageError for an injection naming a rank the plan does not have (it would slow nothing)."""
+    """A UsageError for an injection that would slow nothing in a run of this plan alone: one naming a rank
+    the plan does not have, or held to another number of ranks (`world=`, for elastic runs)."""
     for inj in injections:
-        ranks = (inj.rank,) if isinstance(inj, Slowdown) else inj.link
-        if max(ranks) >= world:
+        if inj.world not in (None, world):
+            raise UsageError(f"--inject: world={inj.world}, but the plan has {world} ranks and keeps them "
+                             "(world= is for --elastic runs, whose re-plans change it)")
+        if max(_ranks(inj)) >= world:
             what = f"rank={inj.rank}" if isinstance(inj, Slowdown) else f"link={inj.link[0]}-{inj.link[1]}"
             raise UsageError(f"--inject: {what} is not a rank of the plan's {world} (0..{world - 1})")
 
@@ -134,17 +154,19 @@ def _link(text: str) -> tuple[int, int]:
     return (min(a, b), max(a, b))
 
 
-def compute_factor(injections: tuple[Injection, ...], rank: int, step: int) -> float:
-    """How many times slower `rank` computes in `step`."""
+def compute_factor(injections: tuple[Injection, ...], rank: int, step: int, world: int) -> float:
+    """How many times slower `rank` of a `world`-rank plan computes in `step`."""
     return math.prod((inj.factor for inj in injections
-                      if isinstance(inj, Slowdown) and inj.rank == rank and inj.active(step)), start=1.0)
+                      if isinstance(inj, Slowdown) and inj.rank == rank and inj.active(step, world)), start=1.0)
 
 
-def link_factor(injections: tuple[Injection, ...], a: int, b: int, step: int) -> float:
-    """How many times as late messages between ranks `a` and `b` arrive in `step` (Note [a slowed link])."""
+def link_factor(injections: tuple[Injection, ...], a: int, b: int, step: int, world: int) -> float:
+    """How many times as late messages between ranks `a` and `b` of a `world`-rank plan arrive in `step`
+    (Note [a slowed link])."""
     link = (min(a, b), max(a, b))
     return math.prod((inj.factor for inj in injections
-                      if isinstance(inj, LinkSlowdown) and inj.link == link and inj.active(step)), start=1.0)
+                      if isinstance(inj, LinkSlowdown) and inj.link == link and inj.active(step, world)),
+                     start=1.0)
 
 
 def stretch(seconds: float, factor: float) -> None:

@@ -92,6 +92,7 @@ class Interpreter:
         self.spec, self.program, self.buffers, self.comm = plan.spec, program, buffers, comm
         self.data, self.m, self.device, self.place = data, plan.pipeline.num_microbatches, device, place
         self.model, self.train = plan.model, plan.train
+        self.world = plan.pipeline.world_size
         ministages = plan.pipeline.ministages
         self.first_layer = {m.index: m.first_layer for m in ministages}
         self.stop_layer = {m.index: m.stop_layer for m in ministages}
@@ -151,7 +152,7 @@ class Interpreter:
         self._begin(step)
         t0 = time.perf_counter()
         clock = StepClock(self.device) if trace or classes else None
-        slower = compute_factor(self.injected, self.program.rank, step) if self.training else 1.0
+        slower = compute_factor(self.injected, self.program.rank, step, self.world) if self.training else 1.0
         for index, instr in enumerate(self.program.instrs):
             if clock is not None:
                 clock.mark()
@@ -459,7 +460,7 @@ class Interpreter:
     def _late_on_slow_link(self, peer: int, buf: Tensor) -> None:
         """A message from `peer` over an injected slow link arrives (factor - 1) x its planned time late
         (Note [a slowed link] in runtime/inject.py)."""
-        factor = link_factor(self.injected, peer, self.program.rank, self.step_idx) if self.training else 1.0
+        factor = link_factor(self.injected, peer, self.program.rank, self.step_idx, self.world) if self.training else 1.0
         if factor > 1:
             assert self.message_time is not None, "a slowed link needs the plan's message times"
             stretch(self.message_time(peer, self.program.rank, buf.numel() * buf.element_size()), factor)

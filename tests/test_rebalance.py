@@ -16,7 +16,7 @@ from hetc.cli import main as hetc_main
 from hetc.compiler import load_checked
 from hetc.ir.errors import UsageError
 from hetc.plandir import read_plan
-from hetc.runtime.inject import LinkSlowdown, Slowdown, compute_factor, link_factor, parse_injection
+from hetc.runtime.inject import LinkSlowdown, Slowdown, check_ranks, compute_factor, link_factor, parse_injection
 from hetc.runtime.links import MessageLog, border_rates, border_seconds, link_transits
 from hetc.runtime.options import RunOptions
 from hetc.runtime.rebalance import LaneWatch, LinkWatch, RebalanceOptions, routing_of, target_routing
@@ -88,17 +88,30 @@ def test_the_slow_lane_gives_its_microbatches_to_the_other_and_gets_them_back():
 def test_injections_are_parsed_and_apply_to_their_rank_and_steps():
     inj = parse_injection("slow rank=1 factor=3 from=5 until=8")
     assert inj == Slowdown(1, 3.0, 5, 8)
-    assert [compute_factor((inj,), 1, s) for s in (4, 5, 7, 8)] == [1.0, 3.0, 3.0, 1.0]
-    assert compute_factor((inj,), 0, 6) == 1.0
+    assert [compute_factor((inj,), 1, s, 4) for s in (4, 5, 7, 8)] == [1.0, 3.0, 3.0, 1.0]
+    assert compute_factor((inj,), 0, 6, 4) == 1.0
+
+
+def test_an_injection_held_to_a_world_slows_only_plans_of_that_many_ranks():
+    """An elastic run re-plans onto the ranks left and numbers them afresh: `world=2` is rank 0 of the 2-rank
+    plans only (tests/test_elastic.py slows the steps on 2 ranks so that a joining node finds the run going)."""
+    inj = parse_injection("slow rank=0 factor=30 from=4 world=2")
+    assert inj == Slowdown(0, 30.0, 4, None, 2)
+    assert [compute_factor((inj,), 0, 5, world) for world in (1, 2, 3)] == [1.0, 30.0, 1.0]
+    link = parse_injection("slow link=0-2 factor=3 world=3")
+    assert [link_factor((link,), 2, 0, 0, world) for world in (3, 4)] == [3.0, 1.0]
+    with pytest.raises(UsageError, match="world=3, but the plan has 2 ranks and keeps them"):
+        check_ranks((link,), 2)        # a run of one plan: the injection would slow nothing
+    check_ranks((link,), 3)
 
 
 def test_a_link_injection_is_parsed_and_slows_both_ways_over_its_steps_only():
     inj = parse_injection("slow link=3-1 factor=3 from=5 until=8")
     assert inj == LinkSlowdown((1, 3), 3.0, 5, 8)
-    assert [link_factor((inj,), 1, 3, s) for s in (4, 5, 7, 8)] == [1.0, 3.0, 3.0, 1.0]
-    assert link_factor((inj,), 3, 1, 6) == 3.0 and link_factor((inj,), 1, 2, 6) == 1.0
-    assert compute_factor((inj,), 1, 6) == 1.0 and compute_factor((inj,), 3, 6) == 1.0
-    opts = RunOptions(inject=(inj, Slowdown(2, 2.0)))      # the options reach every rank as JSON
+    assert [link_factor((inj,), 1, 3, s, 4) for s in (4, 5, 7, 8)] == [1.0, 3.0, 3.0, 1.0]
+    assert link_factor((inj,), 3, 1, 6, 4) == 3.0 and link_factor((inj,), 1, 2, 6, 4) == 1.0
+    assert compute_factor((inj,), 1, 6, 4) == 1.0 and compute_factor((inj,), 3, 6, 4) == 1.0
+    opts = RunOptions(inject=(inj, Slowdown(2, 2.0, world=3)))      # the options reach every rank as JSON
     assert RunOptions.from_json(opts.to_json()).inject == opts.inject
 
 
@@ -119,6 +132,10 @@ def test_a_bad_injection_is_a_usage_error(text):
     ("slow rank=1 factor=inf", "a finite factor >= 1"),
     ("slow rank=1 link=0-1 factor=2", "name one rank= or one link=, not both"),
     ("slow factor=2", "name one rank= or one link=, not neither"),
+    ("slow rank=2 factor=2 world=2", "a plan of world=2 ranks has no rank 2"),
+    ("slow link=0-3 factor=2 world=3", "a plan of world=3 ranks has no rank 3"),
+    ("slow rank=0 factor=2 world=0", "a plan of world=0 ranks has no rank 0"),
+    ("slow rank=0 factor=2 world=two", "invalid literal"),
 ])
 def test_a_bad_link_injection_is_a_usage_error_quoting_it(text, says):
     with pytest.raises(UsageError, match="--inject") as err:

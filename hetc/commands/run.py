@@ -113,7 +113,8 @@ def register(sub: Subparsers) -> None:
                    help="fault injection for tests and demos: 'slow rank=R factor=F from=S [until=U]' makes plan "
                         "rank R compute F times slower over steps S..U-1 (0-based; repeatable); 'slow link=A-B "
                         "factor=F from=S [until=U]' makes every message between plan ranks A and B arrive F times "
-                        "as late (the plan's time of the message, stretched on the receiving rank)")
+                        "as late (the plan's time of the message, stretched on the receiving rank); either with world=N "
+                        "holds only while the run has N ranks (an --elastic run re-plans and renumbers its ranks)")
     p.add_argument("-q", "--quiet", action="store_true", help="print no line per step")
     p.add_argument("--timeout", type=finite_number, default=120.0, metavar="S",
                    help="a step's collective or message that waits S seconds fails the run (raise it for steps "
