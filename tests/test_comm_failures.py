@@ -101,6 +101,7 @@ def _interpreter(instrs: str, handlers: dict[type, Callable[[Interpreter], Calla
     interp = Interpreter.__new__(Interpreter)   # the step loop alone: no model, no process group
     interp.program = RankProgram(0, 0, 0, 0, 0, (), tuple(parse_instr(i) for i in instrs.splitlines()))
     interp.device = torch.device("cpu")
+    interp.world = 1
     interp._begin = lambda step: setattr(interp, "pending", {})
     interp._handlers = {kind: handler(interp) for kind, handler in handlers.items()}
     return interp
