@@ -32,7 +32,9 @@ of stage s with n microbatches:
   gathers per block, Note [zero-3 units]: a backward runs the units in
   reverse, each other unit's reduction beside the next one's compute),
   the hierarchical outer reductions and gathers back (each unit's, one
-  after another), the norm when clipping, every optimizer step (only the
+  after another; under ZeRO-2/3 only the last unit's reduction, the others
+  ran beside the backward: Note [outer reductions beside the backward] in
+  passes/lower/zero.py), the norm when clipping, every optimizer step (only the
   first ministage's, and its outer reduction, under Zorse's interleaved
   update: the others ran inside the step), the last parameter gather
   after a step, and the loss all-reduce over every rank;
@@ -394,7 +396,11 @@ class _Chains:
         if len(group) > 1:
             kind = Collective.ALL_REDUCE if level == 0 else Collective.REDUCE_SCATTER
             tail += self._last_reduction(kind, group, rank, first)
-            tail += sum(self._outer(stage, rank, ms) for ms in finals)
+            # Note [outer reductions beside the backward]: released buffers reduce across nodes beside the
+            # backward; that of the rank's last gradient op (its first ministage's first unit) cannot
+            released = level >= 2 and not self._interleaved_update()
+            tail += sum(self._outer(stage, rank, ms, reductions=(1 if ms == first else 0) if released else None)
+                        for ms in finals)
             stepped = first if self._interleaved_update() else last
             if level in (1, 2):
                 tail += self._collective(Collective.ALL_GATHER, group, rank, stepped)
@@ -404,19 +410,23 @@ class _Chains:
             tail += self.cm.tied_time
         return tail + sum(self._step(rank, ms) for ms in finals)
 
-    def _outer(self, stage: Stage, rank: int, ms: int) -> float:
+    def _outer(self, stage: Stage, rank: int, ms: int, reductions: int | None = None) -> float:
         """Hierarchical ZeRO: the reductions across nodes (and the gathers back) of one ministage, one per
-        unit where the stage gathers per block (each of the rank's shard of its buffer, one after another)."""
+        unit where the stage gathers per block (each of the rank's shard of its buffer, one after another);
+        `reductions`: of the first that many buffers only (None: all), the rest ran beside the backward."""
         if stage.zero.shard is not ZeroShard.NODE:
             return 0.0
         outer = self._across(rank)
         if len(outer) < 2:
             return 0.0
-        kinds = [Collective.ALL_REDUCE] if stage.zero.across == 0 else [Collective.REDUCE_SCATTER, Collective.ALL_GATHER]
         buffers = [self.cm.unit_param_bytes(u, rank) for u in stage_units(self.cm, stage, ms)] or \
             [self._dense_bytes(rank, ms)]
+        reduced = buffers if reductions is None else buffers[:reductions]
+        reduce = Collective.ALL_REDUCE if stage.zero.across == 0 else Collective.REDUCE_SCATTER
+        gathered = buffers if stage.zero.across != 0 else []
         inner = len(self._group(rank))
-        return sum(self._ring(kind, outer, rank, nbytes / inner) for kind in kinds for nbytes in buffers)
+        return sum(self._ring(reduce, outer, rank, nbytes / inner) for nbytes in reduced) + \
+            sum(self._ring(Collective.ALL_GATHER, outer, rank, nbytes / inner) for nbytes in gathered)
 
     def _group(self, rank: int) -> tuple[int, ...]:
         """The group sharding the rank's ministages: its node's share of the ZeRO group when hierarchical."""

@@ -103,7 +103,11 @@ def sync_time(zero: ZeroSpec, nbytes: float, rings: ZeroRings, per_ministage: bo
             (rings.time(Collective.ALL_GATHER, rings.node, nbytes) if level <= 2 else 0.0)
         node = max(len(rings.node), 1)
         pieces = units if units and level >= 3 else (nbytes,)
-        return inner + sum(_reduced(zero.across, rings.across, b / node, rings) for b in pieces)
+        # Note [outer reductions beside the backward] (passes/lower/zero.py): released buffers reduce across
+        # nodes beside the backward, but for those of the last two gradient ops (the first two, in layer order)
+        beside = level >= 2 and not per_ministage
+        return inner + sum(_reduced(zero.across, rings.across, b / node, rings, reduce=not beside or i < 2)
+                           for i, b in enumerate(pieces))
     if not publish:   # Zorse's ministage before its step: the gather after it is `publish_time`
         return rings.time(Collective.ALL_REDUCE if level == 0 else Collective.REDUCE_SCATTER, rings.group, nbytes)
     if level <= 1:
@@ -122,13 +126,15 @@ def publish_time(zero: ZeroSpec, nbytes: float, rings: ZeroRings) -> float:
     return rings.time(Collective.ALL_GATHER, rings.group, nbytes)
 
 
-def _reduced(level: int, group: tuple[int, ...], nbytes: float, rings: ZeroRings) -> float:
+def _reduced(level: int, group: tuple[int, ...], nbytes: float, rings: ZeroRings, reduce: bool = True) -> float:
     """Gradients reduced over `group` and, sharded (level 1 and up), the parameters gathered back after the
     step, as lowering issues them (Note [zero placement]): one all-reduce at level 0, else a reduce-scatter
-    and an all-gather. The ring model times both alike; each is a call of its own (Note [core wait])."""
+    and an all-gather. The ring model times both alike; each is a call of its own (Note [core wait]).
+    `reduce=False`: the reduction ran beside the backward; only the gather back is left."""
     if level == 0:
-        return rings.time(Collective.ALL_REDUCE, group, nbytes)
-    return rings.time(Collective.REDUCE_SCATTER, group, nbytes) + rings.time(Collective.ALL_GATHER, group, nbytes)
+        return rings.time(Collective.ALL_REDUCE, group, nbytes) if reduce else 0.0
+    return (rings.time(Collective.REDUCE_SCATTER, group, nbytes) if reduce else 0.0) + \
+        rings.time(Collective.ALL_GATHER, group, nbytes)
 
 
 def first_gather_time(zero: ZeroSpec, first_bytes: float, rings: ZeroRings) -> float:

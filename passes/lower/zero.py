@@ -58,7 +58,8 @@ collectives in the same order on every lane. Under Zorse without gradient
 clipping each ministage steps as soon as its gradients are reduced
 (interleaved optimizer update); otherwise all steps come at the end, after
 the global gradient norm when clipping. Hierarchical ZeRO adds a reduction
-over the outer group after the inner one, and a gather back after the step.
+over the outer group after the inner one (beside the backward where it can:
+Note [outer reductions beside the backward]), and a gather back after the step.
 A ministage holding a copy of a tied embedding (Note [tied gradients] in
 hetc/ir/program.py) sums it with the other copy after those reductions, before
 the norm and its step: at the end of the step, also under Zorse's
@@ -163,8 +164,9 @@ def _rank(rp: RankProgram, place: RankPlace, ctx: LowerContext) -> RankProgram:
     else:
         for reductions in finals:
             edits.end += _waits(reductions)
+        edits.end += _outer_reductions(shards, compute, gradient_ops, edits, handles, ctx)
         for shard in shards:
-            edits.end += _outer_reduce(shard) + _tied_reduce(shard, ctx)
+            edits.end += _tied_reduce(shard, ctx)
         if ctx.grad_clip:
             edits.end.append(AllReduce(Tensor.NORM, str(WORLD)))
         for shard in shards:
@@ -299,11 +301,61 @@ def _interleaved_update(ctx: LowerContext) -> bool:
 
 
 def _outer_reduce(shard: Shard) -> list[Instr]:
-    if shard.outer is None:
-        return []
+    """Hierarchical ZeRO's reductions across nodes, one per unit, each waited where it is posted."""
+    return [_outer_op(shard, unit) for unit in _units(shard)] if shard.outer is not None else []
+
+
+def _outer_op(shard: Shard, unit: Unit | None, handle: int | None = None) -> Instr:
+    assert shard.outer is not None
     if shard.outer_level == 0:
-        return [AllReduce(Tensor.GRADS, shard.outer, shard.ms, unit=u) for u in _units(shard)]
-    return [ReduceScatter(Tensor.GRADS, shard.ms, shard.outer, unit=u) for u in _units(shard)]
+        return AllReduce(Tensor.GRADS, shard.outer, shard.ms, handle, unit)
+    return ReduceScatter(Tensor.GRADS, shard.ms, shard.outer, handle, unit)
+
+
+# Note [outer reductions beside the backward]: hierarchical ZeRO reduces each buffer (a unit, or a ministage
+# whole) across nodes once its gradients are reduced within the node. Where those reductions are released as
+# the backward goes (Note [gradient buffer release]: ZeRO-2/3), the last one of a buffer completes at its wait,
+# two gradient ops after the buffer's last, and the reduction across nodes is posted right there, beside the
+# rest of the backward, as FSDP's HSDP posts its inter-node all-reduce as each unit's reduce-scatter finishes;
+# the step waits for them all. The rest (the buffers of the last two gradient ops, ZeRO-0/1, Zorse's
+# interleaved update) reduce across nodes after the last backward, one after another, each waited as it is
+# posted (`zero_time.sync_time` and the step bound count them so).
+# Every member of an outer group must post its collectives in one order (Note [blocking rules]): the
+# buffers go in one order on every rank (ministages last to first, units last to first: the order the backward
+# finishes them), each posted no sooner than the one before it, so that lanes whose schedules finish buffers
+# in another order (other microbatch counts) still agree. Under NCCL the outer group's collectives run on
+# their own communicator and stream (Note [NCCL order] in passes/verify/machine.py), beside the node's.
+
+
+def _outer_reductions(shards: tuple[Shard, ...], compute: list[tuple[int, ComputeInstr]], gradient_ops: list[int],
+                      edits: Edits, handles: Handles, ctx: LowerContext) -> list[Instr]:
+    """Post each reduction across nodes where its buffer's reduction within the node completes (Note [outer
+    reductions beside the backward]); return what goes after the last backward: their waits, then the
+    reductions of the buffers reduced within the node only there, each waited as it is posted."""
+    waits: list[Instr] = []
+    after: list[Instr] = []
+    at: int | None = 0                        # compute op the previous one went before (None: the end)
+    for shard in sorted((sh for sh in shards if sh.outer is not None), key=lambda sh: -sh.ms):
+        for unit in reversed(_units(shard)):
+            ready = _reduced_within_node(shard, unit, compute, gradient_ops, ctx)
+            at = None if ready is None or at is None else max(ready, at)
+            if at is None:
+                after.append(_outer_op(shard, unit))
+                continue
+            h = handles.take()
+            edits.add_before(compute[at][0], _outer_op(shard, unit, h))
+            waits.append(Wait(h))
+    return waits + after
+
+
+def _reduced_within_node(shard: Shard, unit: Unit | None, compute: list[tuple[int, ComputeInstr]],
+                         gradient_ops: list[int], ctx: LowerContext) -> int | None:
+    """The compute op before which the last reduction of a buffer within its shard group is waited (`_reduce`
+    places it: Note [gradient buffer release]), or None where the step waits for it."""
+    if shard.group is None or shard.level < 2 or _interleaved_update(ctx):
+        return None
+    own = [k for k in gradient_ops if compute[k][1].ms == shard.ms and compute[k][1].unit == unit]
+    return _release_point(gradient_ops, own[-1], None)
 
 
 def _tied_reduce(shard: Shard, ctx: LowerContext) -> list[Instr]:
