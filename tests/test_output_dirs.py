@@ -333,3 +333,46 @@ def test_vizs_default_page_goes_with_its_plan_directory(tmp_path, capsys):
     assert main(["viz", str(out)]) == 0 and (out / "schedule.html").is_file()
     assert main(["compile", str(DEMO / "single.het"), "-o", str(out)]) == 0
     assert not (out / "schedule.html").exists()
+
+
+def _hf_config(folder: Path) -> Path:
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "vocab_size": 100, "max_position_embeddings": 128}))
+    return folder
+
+
+_PRINTED = [   # verbs that print their output without -o: `-o -` is that, as for Unix tools (no file named '-')
+    ["plan", "{auto}"],
+    ["launch", "{plan}", "--emit", "slurm"],
+    ["import", "hf", "{hf}"],
+]
+
+
+@pytest.mark.parametrize("argv", _PRINTED, ids=lambda argv: argv[0])
+def test_dash_as_the_output_prints_it_as_without_o(argv, pp_plan, tmp_path, monkeypatch, capsys):
+    names = {"auto": str(SPECS / "examples" / "auto_demo.het"), "plan": str(pp_plan),
+             "hf": str(_hf_config(tmp_path / "hf"))}
+    monkeypatch.chdir(tmp_path)
+    words = [word.format(**names) for word in argv]
+    assert main(words) == 0
+    printed = capsys.readouterr().out
+    assert main([*words, "-o", "-"]) == 0
+    assert capsys.readouterr().out == printed and printed.strip()
+    assert not (tmp_path / "-").exists()
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["viz", "{plan}", "-o", "-"], "-o"),
+    (["viz", "{plan}", "--chrome-trace", "-"], "--chrome-trace"),
+    (["profile", "{spec}", "-o", "-"], "-o"),
+    (["run", "{plan}", "--local", "--metrics", "-"], "--metrics"),
+], ids=lambda c: " ".join(c) if isinstance(c, list) else None)
+def test_dash_is_a_usage_error_where_the_output_goes_only_to_a_file(argv, flag, pp_plan, tmp_path, monkeypatch,
+                                                                      capsys):
+    """It wrote a file named '-' in the current folder."""
+    monkeypatch.chdir(tmp_path)
+    assert main([word.format(plan=pp_plan, spec=DEMO / "job.het") for word in argv]) == 2
+    assert f"{flag} '-': this output goes to a file, not to standard output; name a file" in capsys.readouterr().err
+    assert not (tmp_path / "-").exists()

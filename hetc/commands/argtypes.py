@@ -1,15 +1,24 @@
-"""Argument types for numbers on the command line: argparse turns their errors into usage errors (exit 2).
+"""Argument types for the command line: argparse turns their errors into usage errors (exit 2).
 
 `float()` takes "nan" and "inf", which pass every `<= 0` check after it and then fail deep in the run
-(a timedelta, a shard size in bytes), so the verbs' float options parse through these.
+(a timedelta, a shard size in bytes), so the verbs' float options parse through these. A verb that prints
+its output unless `-o FILE` names a file reads `-o -` as standard output, as Unix tools do (`file_or_stdout`).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
-__all__ = ["finite_number", "positive_seconds"]
+__all__ = ["STDOUT", "file_or_stdout", "finite_number", "positive_seconds"]
+
+STDOUT = "-"    # an output path that names standard output
+
+
+def file_or_stdout(text: str) -> Path | None:
+    """A file to write, or None for `-`: the verb prints its output, as without `-o`."""
+    return None if text == STDOUT else Path(text)
 
 
 def finite_number(text: str) -> float:

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from hetc.commands import Subparsers
+from hetc.commands.argtypes import file_or_stdout
 
 __all__ = ["register"]
 
@@ -28,7 +29,8 @@ def register(sub: Subparsers) -> None:
     which.add_argument("--plan", metavar="PLAN.json", help="a Sailor plan: the spec carries it explicitly")
     which.add_argument("--quotas", metavar="QUOTAS.json",
                        help="{gpu_kind: {zone: GPUs}}: the spec's plan is auto, for hetc plan")
-    s.add_argument("-o", "--output", metavar="OUT.het", help="write here instead of stdout")
+    s.add_argument("-o", "--output", type=file_or_stdout, metavar="OUT.het",
+                   help="write here instead of stdout (`-`: stdout)")
     s.set_defaults(func=_sailor)
     z = systems.add_parser("zorse", help="Zorse's cluster_info.json and training_config.json",
                            description="DIR is Zorse's folder with data/model_stats.json and "
@@ -39,14 +41,16 @@ def register(sub: Subparsers) -> None:
     z.add_argument("--model", required=True, metavar="NAME",
                    help="Zorse's model name, e.g. deepspeedllama_7b")
     z.add_argument("--plan", metavar="training_config.json", help="a Zorse plan (without: the plan is auto)")
-    z.add_argument("-o", "--output", metavar="OUT.het", help="write here instead of stdout")
+    z.add_argument("-o", "--output", type=file_or_stdout, metavar="OUT.het",
+                   help="write here instead of stdout (`-`: stdout)")
     z.set_defaults(func=_zorse)
     h = systems.add_parser("hf", help="a Hugging Face model directory's config.json",
                            description="Print the explicit model block equivalent to `model NAME { hf = "
                                        "\"DIR\" }` (architecture and sizes; the weights stay in DIR).")
     h.add_argument("directory", metavar="DIR", help="a directory with config.json")
     h.add_argument("--name", metavar="NAME", help="the model's name (default: DIR's name)")
-    h.add_argument("-o", "--output", metavar="OUT.het", help="write here instead of stdout")
+    h.add_argument("-o", "--output", type=file_or_stdout, metavar="OUT.het",
+                   help="write here instead of stdout (`-`: stdout)")
     h.set_defaults(func=_hf)
 
 
@@ -88,17 +92,17 @@ def _hf(args: argparse.Namespace) -> int:
     return _emit(header + format_spec(Spec(model=model)), args.output)
 
 
-def _check_output(output: str | None, reads: list[tuple[str | None, str]]) -> None:
+def _check_output(output: Path | None, reads: list[tuple[str | None, str]]) -> None:
     """-o must not replace an input (Note [output files] in hetc/ir/outdir.py)."""
     from hetc.ir.outdir import check_output_file
 
     if output is not None:
-        check_output_file(Path(output), "-o", [(Path(path), what) for path, what in reads if path])
+        check_output_file(output, "-o", [(Path(path), what) for path, what in reads if path])
 
 
-def _emit(text: str, output: str | None) -> int:
+def _emit(text: str, output: Path | None) -> int:
     if output is None:
         sys.stdout.write(text)
     else:
-        Path(output).write_text(text)
+        output.write_text(text)
     return 0

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from hetc.commands import Subparsers
+from hetc.commands.argtypes import file_or_stdout
 from hetc.ir.errors import UsageError
 from hetc.launchfiles import EMITS, IMAGE_PLACEHOLDER, Component, LaunchJob, emitted
 from hetc.runtime.local import NODE_ENV
@@ -62,7 +63,8 @@ def register(sub: Subparsers) -> None:
                    help="write the launch file for every node instead: a SLURM heterogeneous job script "
                         "(`#SBATCH hetjob` components), a Kubernetes JobSet (a replicated job per node group) or "
                         "SkyPilot tasks (one per node group); each node runs `hetc launch --node GROUP[i]`")
-    p.add_argument("-o", "--output", type=Path, metavar="FILE", help="with --emit: write to FILE (default stdout)")
+    p.add_argument("-o", "--output", type=file_or_stdout, metavar="FILE",
+                   help="with --emit: write to FILE (default, or `-`: stdout)")
     p.add_argument("--image", default=IMAGE_PLACEHOLDER, metavar="IMAGE",
                    help="with --emit jobset: the container image with hetc and the plan (default: a placeholder "
                         "to replace)")

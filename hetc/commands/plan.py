@@ -6,9 +6,9 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 from hetc.commands import Subparsers
+from hetc.commands.argtypes import file_or_stdout
 from hetc.commands.progress import progress_printer
 from hetc.commands.fitreport import enforce_estimate_fit
 from hetc.commands.planargs import add_time_limit_option
@@ -31,7 +31,8 @@ def register(sub: Subparsers) -> None:
                     "Prints the explicit spec (or writes it with -o) and a summary; docs/planner.md. "
                     f"Measured profiles come from --profile and ${PROFILE_ENV}.")
     p.add_argument("spec", metavar="SPEC")
-    p.add_argument("-o", "--out", type=Path, metavar="OUT.het", help="write the explicit spec here")
+    p.add_argument("-o", "--out", type=file_or_stdout, metavar="OUT.het",
+                   help="write the explicit spec here (`-`: print it, as without -o)")
     p.add_argument("--json", action="store_true", help="print one JSON object (the spec's text in \"text\")")
     add_profile_option(p)
     add_time_limit_option(p)

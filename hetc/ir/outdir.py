@@ -44,6 +44,10 @@ A one-file output's missing folders are made, as compile makes a plan
 directory's (`make_directory`), before the command's work: a file where one
 of them would go is a usage error then, not an internal error after the
 work (or, for `run --metrics`, every rank's exit once the model was built).
+`-` names standard output, as for Unix tools: the verbs that print their
+output without `-o` (plan, launch --emit, import) read `-o -` so
+(`argtypes.file_or_stdout`); for an output that only goes to a file it is
+a usage error, not a file named '-'.
 """
 
 from __future__ import annotations
@@ -166,6 +170,8 @@ def write_output_dir(out: Path, kind: OutputKind, fill: Callable[[Path], None],
 def check_output_file(out: Path, flag: str, reads: Iterable[tuple[Path, str]] = ()) -> None:
     """Raise UsageError unless the one-file output `out` (given as `flag`) may be written (Note [output
     files]); `reads`: (path, what it is) of each file the command reads."""
+    if str(out) == "-":     # the verbs that can print their output read `-o -` as stdout before this
+        raise UsageError(f"{flag} '-': this output goes to a file, not to standard output; name a file")
     target = out.resolve()
     if target.is_dir():
         raise UsageError(f"{flag} '{out}' is a directory; name a file")
