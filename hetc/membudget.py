@@ -5,7 +5,8 @@ Note [a memory budget]: the kernel's out-of-memory killer ends a process with SI
 catch: the user sees "Killed" and no word of what ran out. So a command with a budget starts a watcher
 thread that reads the process's resident set (/proc/self/statm) every POLL_S seconds; when it passes the
 budget, the watcher sends the process SIGUSR1, whose handler (on the main thread, between two bytecodes)
-raises MemoryBudgetExceeded where the work is. The command then ends as any error does: its temporary
+raises MemoryBudgetExceeded where the work is (a BaseException: nothing on the way catches it as an error
+of its own). The command then ends as any error does: its temporary
 output removed by the code that made it, a message saying the phase, the resident set and the budget.
 A poll can miss a spike shorter than POLL_S; a budget some way under the machine's memory leaves room
 for that.
@@ -28,8 +29,12 @@ __all__ = ["MemoryBudgetExceeded", "memory_budget", "parse_memory", "resident_by
 POLL_S = 0.05
 
 
-class MemoryBudgetExceeded(MemoryError):
-    """The process's resident set passed the budget (`memory_budget`)."""
+class MemoryBudgetExceeded(BaseException):
+    """The process's resident set passed the budget (`memory_budget`).
+
+    A BaseException, as KeyboardInterrupt is, since it too is raised asynchronously, wherever the main thread
+    is: code that catches Exception there (lark's transformer wraps it in a VisitError, a worker pool falls
+    back to computing itself) must let it through to the command, which says what stopped."""
 
     def __init__(self, used: float, budget: float):
         super().__init__(f"the resident set reached {human_bytes(used)}, over --max-memory {human_bytes(budget)}")

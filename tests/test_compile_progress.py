@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+from lark import v_args
 
 from hetc.cli import main
 from hetc.commands import progress
@@ -33,7 +34,7 @@ def test_a_compile_over_its_memory_budget_stops_with_a_message_and_writes_nothin
     out = tmp_path / "plan"
     done = subprocess.run([sys.executable, "-m", "hetc", "compile", str(DEMO / "pp.het"), "-o", str(out),
                            "--max-memory", "40MB"], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
-    assert done.returncode == 2
+    assert done.returncode == 2, done.stderr
     assert "hetc compile: error: stopped (" in done.stderr and "over --max-memory 38.15 MiB" in done.stderr
     assert "Traceback" not in done.stderr and not out.exists()
 
@@ -52,3 +53,17 @@ def test_the_budget_raises_where_the_work_is():
             held.append(b"\x01" * 2**20)
             time.sleep(0.005)
     assert err.value.used > err.value.budget and len(held) < 400
+
+
+def test_a_budget_stop_inside_the_parsers_callbacks_reaches_the_command(monkeypatch):
+    """The budget's exception lands wherever the main thread is; while lark transforms a parse tree, lark
+    wrapped it in a VisitError (any Exception a callback raises), which ended `hetc compile --max-memory` in
+    an internal error instead of its message (once, in CI, parsing being the first work after start-up)."""
+    from hetc.frontend.syntax import _ToAst, parse_text
+
+    def stop(self, meta, children):
+        raise MemoryBudgetExceeded(2 * 2**30, 2**30)
+
+    monkeypatch.setattr(_ToAst, "block", v_args(meta=True)(stop))
+    with pytest.raises(MemoryBudgetExceeded):
+        parse_text((DEMO / "job.het").read_text(), "job.het")
