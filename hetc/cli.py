@@ -50,7 +50,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 
 # Note [one verb's parser]: each verb's module imports what its verb needs (`check` the whole compiler),
-# so registering all fifteen costs about half a second, in every process: each rank of `hetc run` is one.
+# so registering all fifteen costs every process the imports of verbs it does not run, and each rank of
+# `hetc run` is a process (0.05 s for `run`, whose own imports are most of them; more for lighter verbs).
 # Where the arguments name a verb (the first word not an option: hetc's own options take no value), only
 # that verb is registered; `hetc --help`, no verb or an unknown word register them all, so that usage,
 # help and "invalid choice" errors list every verb.

@@ -5,6 +5,7 @@ NCCL's rules too, whatever microbatches its lane runs."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from hetc.compiler import load_checked
@@ -73,8 +74,6 @@ def test_the_overlap_shortens_the_demos_simulated_step_and_explain_follows_it():
 
 def _outer_reductions_at_the_end(program):
     """The program as lowering built it before: every reduction across nodes blocking, after the last backward."""
-    from dataclasses import replace
-
     ranks = []
     for rp in program.ranks:
         outer = _outer(rp)

@@ -11,9 +11,9 @@ import argparse
 import math
 from pathlib import Path
 
-__all__ = ["STDOUT", "file_or_stdout", "finite_number", "positive_seconds"]
+from hetc.ir.outdir import STDOUT
 
-STDOUT = "-"    # an output path that names standard output
+__all__ = ["file_or_stdout", "finite_number", "positive_seconds"]
 
 
 def file_or_stdout(text: str) -> Path | None:

@@ -65,8 +65,10 @@ from pathlib import Path
 
 from hetc.ir.errors import UsageError
 
-__all__ = ["MARKER", "Legacy", "OutputKind", "Protected", "check_output_dir", "check_output_file", "edited_files",
+__all__ = ["MARKER", "STDOUT", "Legacy", "OutputKind", "Protected", "check_output_dir", "check_output_file", "edited_files",
            "file_hashes", "is_marked", "make_directory", "restamp", "unmarked_or_edited", "write_marker", "write_output_dir"]
+
+STDOUT = "-"    # an output path that names standard output (Note [output files])
 
 MARKER = ".hetc-output.json"
 MAX_NAMED = 5       # foreign entries a message names before "and N more"
@@ -170,7 +172,7 @@ def write_output_dir(out: Path, kind: OutputKind, fill: Callable[[Path], None],
 def check_output_file(out: Path, flag: str, reads: Iterable[tuple[Path, str]] = ()) -> None:
     """Raise UsageError unless the one-file output `out` (given as `flag`) may be written (Note [output
     files]); `reads`: (path, what it is) of each file the command reads."""
-    if str(out) == "-":     # the verbs that can print their output read `-o -` as stdout before this
+    if str(out) == STDOUT:     # the verbs that can print their output read `-o -` as stdout before this
         raise UsageError(f"{flag} '-': this output goes to a file, not to standard output; name a file")
     target = out.resolve()
     if target.is_dir():
