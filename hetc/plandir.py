@@ -137,7 +137,7 @@ def read_eval_rank(plan_dir: Path, rank: int) -> RankProgram | None:
     """Rank `rank`'s evaluation program as compile wrote it; None where it did not (no evaluation, or a plan
     directory from before compile wrote them)."""
     path = plan_dir / "programs" / eval_listing_name(rank)
-    return RankProgram.from_text(path.read_text(), source=str(path)) if path.is_file() else None
+    return RankProgram.from_text(_listing_text(path), source=str(path)) if path.is_file() else None
 
 
 def portable_spec(spec: Spec, spec_dir: Path, out_dir: Path) -> Spec:
@@ -216,7 +216,7 @@ def read_program(plan_dir: Path) -> Program:
     listings = sorted((plan_dir / "programs").glob("rank-*.txt"))
     if not listings:
         raise FileNotFoundError(f"{plan_dir}: no programs/rank-*.txt (is it a `hetc compile` directory?)")
-    ranks = sorted((RankProgram.from_text(p.read_text(), source=str(p)) for p in listings), key=lambda r: r.rank)
+    ranks = sorted((RankProgram.from_text(_listing_text(p), source=str(p)) for p in listings), key=lambda r: r.rank)
     for expect, rp in enumerate(ranks):
         if rp.rank != expect:
             raise ProgramFormatError(f"expected the program of rank {expect}, found rank {rp.rank}", 1,
@@ -261,7 +261,7 @@ class Listings(Sequence[RankProgram]):
         if not path.is_file():
             raise FileNotFoundError(f"{path}: the plan has {self._world} ranks but rank {rank} has no listing "
                                     "(is it a `hetc compile` directory?)")
-        rp = RankProgram.from_text(path.read_text(), source=str(path))
+        rp = RankProgram.from_text(_listing_text(path), source=str(path))
         if rp.rank != rank:
             raise ProgramFormatError(f"expected the program of rank {rank}, found rank {rp.rank}", 1, str(path))
         return rp
@@ -275,7 +275,17 @@ def open_program(plan_dir: Path, world: int) -> Program:
 
 def _read_groups(plan_dir: Path) -> tuple[Group, ...]:
     groups_file = plan_dir / "groups.txt"
-    return Program.parse_groups(groups_file.read_text(), str(groups_file)) if groups_file.is_file() else ()
+    return Program.parse_groups(_listing_text(groups_file), str(groups_file)) if groups_file.is_file() else ()
+
+
+def _listing_text(path: Path) -> str:
+    """A listing's or the group table's text; bytes that are not UTF-8 are a ProgramFormatError at their line
+    (the files are edited by hand, Note [verified once])."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ProgramFormatError("the file is not UTF-8 text", data[:err.start].count(b"\n") + 1, str(path)) from None
 
 
 def read_plan(plan_dir: Path) -> tuple[LoadedSpec, Plan]:

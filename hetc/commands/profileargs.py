@@ -56,7 +56,7 @@ def read_recorded(plan_dir: Path) -> list[RecordedProfile] | None:
         return None
     try:
         return [RecordedProfile(str(r["path"]), str(r["sha256"])) for r in json.loads(path.read_text())["profiles"]]
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
+    except (ValueError, KeyError, TypeError) as err:    # ValueError: not JSON, or not UTF-8
         raise UsageError(f"{path}: not a profiles record ({type(err).__name__}: {err})") from None
 
 

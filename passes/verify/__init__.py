@@ -22,14 +22,14 @@ from collections.abc import Callable
 
 from hetc.passes.lower.forward_only import forward_only
 from hetc.passes.verify.dataflow import check_dataflow
-from hetc.passes.verify.errors import Finding, VerifyError
+from hetc.passes.verify.errors import Finding, VerifyError, at
 from hetc.passes.verify.machine import Backend, Machine
 from hetc.passes.verify.memory import Sizes, check_memory
 from hetc.passes.verify.protocol import check_protocol
 from hetc.passes.verify.transfers import check_transfers
 from hetc.ir.pipeline import Pipeline
 from hetc.ir.plan import Plan
-from hetc.ir.program import Program, RankProgram
+from hetc.ir.program import Program, RankProgram, Recv, Send
 from hetc.ir.grid import render_grid
 
 __all__ = ["Backend", "Finding", "Sizes", "VerifyError", "plan_backend", "shape_problem", "verified_evaluation",
@@ -93,6 +93,23 @@ def _check_shape(program: Program, pipeline: Pipeline) -> None:
         problem = shape_problem(rp, r, pipeline)
         if problem:
             raise VerifyError([Finding(r, -1, "", problem)])
+    outside = _ranks_outside(program)
+    if outside:
+        raise VerifyError(outside)
+
+
+def _ranks_outside(program: Program) -> list[Finding]:
+    """Peers and group members that name no rank of the program (a listing edited by hand): every later
+    check indexes the plan's ranks by them."""
+    world = program.world_size
+    findings = [Finding(0, -1, str(g), f"group {g.name} names rank {r}, but the program has ranks 0-{world - 1}")
+                for g in program.groups for r in g.ranks if not 0 <= r < world]
+    for rank, rp in enumerate(program.ranks):
+        for i, instr in enumerate(rp.instrs):
+            peer = instr.peer_to if isinstance(instr, Send) else instr.peer_from if isinstance(instr, Recv) else 0
+            if not 0 <= peer < world:
+                findings.append(at(program, rank, i, f"peer rank {peer} is not a rank of the program (0-{world - 1})"))
+    return findings
 
 
 def shape_problem(rp: RankProgram, r: int, pipeline: Pipeline) -> str:
