@@ -61,3 +61,11 @@ def test_a_broken_profiles_record_names_the_file(plan, capsys, garbage):
     code = hetc_main(["viz", str(plan), "-o", str(plan.parent / "schedule.html")])
     assert code == 2
     assert f"{plan / 'profiles.json'}: not a profiles record" in capsys.readouterr().err
+
+
+def test_a_listing_without_a_ministages_buffer_line_is_refused(plan, capsys):
+    listing = plan / "programs" / "rank-0001.txt"
+    listing.write_text("\n".join(line for line in listing.read_text().split("\n") if not line.startswith("shard ")))
+    code, err = _verify(plan, capsys)
+    assert code == 2, err
+    assert "rank 1: the buffer table has `shard` lines for ministages none, but stage 0 runs ministages [0]" in err

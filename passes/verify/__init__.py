@@ -119,4 +119,8 @@ def shape_problem(rp: RankProgram, r: int, pipeline: Pipeline) -> str:
     if rp.rank != r or place is None or lane is None or (rp.stage, rp.lane) != (place.index, lane.index):
         return (f"the header says rank {rp.rank} stage {rp.stage} lane {rp.lane}, but in the plan rank {r} is "
                 f"stage {place.index if place else '?'} lane {lane.index if lane else '?'}")
+    held = [shard.ms for shard in rp.shards]
+    if sorted(held) != sorted(place.ministages):
+        return (f"the buffer table has `shard` lines for ministages {held or 'none'}, but stage {place.index} runs "
+                f"ministages {list(place.ministages)}: one line each")
     return ""
