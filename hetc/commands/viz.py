@@ -75,6 +75,8 @@ def read_timeline(path: Path) -> Timeline:
         return Timeline.from_json(path.read_text())
     except FileNotFoundError:
         raise UsageError(f"{path}: no such timeline") from None
+    except OSError as err:   # a directory, a file it may not read
+        raise UsageError(f"{path}: cannot read the timeline: {err.strerror or err}") from None
     except json.JSONDecodeError as err:
         raise UsageError(f"{path}: not JSON ({err})") from None
     except (ValueError, KeyError, TypeError) as err:
