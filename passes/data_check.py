@@ -17,6 +17,7 @@ from pathlib import Path
 from hetc.ir.errors import Diagnostic
 from hetc.passes.validate_runtime import check_text_vocab
 from hetc.ir.spec import DataKind, DataSpec, ModelSpec, TokenDType, TrainSpec
+from hetc.ir.userfile import regular_file_problem
 from hetc.ir.tokenfile import (TokenFile, TokenFileError, check_vocab, fits, inspect_tokens, looks_binary,
                             tokenizer_digest)
 
@@ -52,8 +53,9 @@ def _check_source(data: DataSpec, model: ModelSpec | None, base_dir: Path | None
 
 
 def _check_text(data: DataSpec, path: Path, errors: list[Diagnostic]) -> None:
-    if not path.is_file():
-        errors.append(Diagnostic(data.span_of("path"), f"cannot find the text file '{data.path}'"))
+    problem = regular_file_problem(path, "text file", data.path)
+    if problem:
+        errors.append(Diagnostic(data.span_of("path"), problem))
         return
     why = looks_binary(path)
     if why is not None:

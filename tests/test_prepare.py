@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import shutil
 import sys
@@ -285,8 +286,12 @@ def test_prepare_errors_exit_2(tokenizer_dir, corpus, tmp_path, capsys):
         ([str(corpus), "--dtype", "uint16", "--eos", "nope"], "the EOS token 'nope' is not in the vocabulary"),
         ([str(tmp_path / "missing.jsonl")], "cannot find the input"),
         ([str(tmp_path / "t.parquet")], "cannot read the Parquet file"),
+        # never opened: a pipe would block (Note [untrusted paths])
+        ([str(tmp_path / "pipe.jsonl")], f"the input '{tmp_path / 'pipe.jsonl'}' is a named pipe, not a regular file"),
+        ([str(tmp_path)], f"the input '{tmp_path}' is a directory, not a regular file"),
     ]
     (tmp_path / "t.parquet").write_bytes(b"PAR1")
+    os.mkfifo(tmp_path / "pipe.jsonl")
     for args, message in cases:
         status = main(["data", "prepare", *args, "--tokenizer", str(tokenizer_dir), "-o", str(tmp_path / "o")])
         err = capsys.readouterr().err

@@ -292,7 +292,7 @@ def test_cli_user_errors_exit_2(demo_dir, tmp_path, capsys):
              ([str(demo_dir), "--compare", "-o", str(tmp_path / "x.html")], "--compare needs"),
              ([str(demo_dir), "--trace", str(bad)], "not JSON"),
              ([str(demo_dir), "--trace", str(bare), "-o", str(tmp_path / "x.html")],
-              f"{bare}: cannot read the timeline: Is a directory"),
+              f"the timeline '{bare}' is a directory, not a regular file"),
              ([str(tmp_path / "missing")], "no such directory"),
              ([str(bare), "--text"], "no programs/rank-*.txt"),
              ([str(demo_dir), "--text", "--ranks", "0,x"], "--ranks"),

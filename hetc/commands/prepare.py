@@ -27,6 +27,7 @@ import numpy as np
 
 from hetc.ir.jsontypes import JsonObject, RawJson
 from hetc.ir.spec import TokenDType
+from hetc.ir.userfile import regular_file_problem
 from hetc.ir.tokenfile import (dtype_for_vocab, fits, sidecar_path, tokenizer_digest, write_hetc_header,
                             write_megatron_index, write_sidecar)
 
@@ -109,8 +110,9 @@ def _read_json(path: Path) -> dict[str, RawJson]:
 
 def documents(path: Path, field: str = "text") -> Iterator[tuple[str, int]]:
     """(document, bytes of `path` read so far) for each document of one input file."""
-    if not path.is_file():
-        raise PrepareError(f"cannot find the input '{path}'")
+    problem = regular_file_problem(path, "input")
+    if problem:
+        raise PrepareError(problem)
     if path.suffix in JSON_SUFFIXES:
         yield from _json_lines(path, field)
     elif path.suffix == ".parquet":

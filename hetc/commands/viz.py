@@ -10,6 +10,7 @@ from pathlib import Path
 from hetc.viz.classgap import ClassGap, class_gaps, gap_table, read_measured
 from hetc.commands import Subparsers
 from hetc.ir.errors import UsageError
+from hetc.ir.userfile import read_user_text
 from hetc.plandir import PROFILE_ENV, TIMELINE_FILE, read_program
 from hetc.commands.prediction import plan_prediction
 from hetc.commands.profileargs import add_profile_option
@@ -72,11 +73,7 @@ def parse_ranks(text: str, world: int) -> list[int]:
 def read_timeline(path: Path) -> Timeline:
     """A timeline file, or a UsageError that names it and says what is wrong."""
     try:
-        return Timeline.from_json(path.read_text())
-    except FileNotFoundError:
-        raise UsageError(f"{path}: no such timeline") from None
-    except OSError as err:   # a directory, a file it may not read
-        raise UsageError(f"{path}: cannot read the timeline: {err.strerror or err}") from None
+        return Timeline.from_json(read_user_text(path, "timeline"))
     except json.JSONDecodeError as err:
         raise UsageError(f"{path}: not JSON ({err})") from None
     except (ValueError, KeyError, TypeError) as err:

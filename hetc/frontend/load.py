@@ -17,6 +17,7 @@ from hetc.frontend.convert import to_spec
 from hetc.hf.files import model_files
 from hetc.ir.errors import MAX_SOURCE_BYTES, Diagnostic, Sources, Span, SpecError, did_you_mean
 from hetc.ir.spec import ParallelSpec, Spec, declared_path
+from hetc.ir.userfile import file_kind
 
 __all__ = ["BUNDLED_SPECS", "LoadedSpec", "load_spec", "parse_file", "read_spec_bytes", "with_plan_to_fill"]
 
@@ -92,7 +93,7 @@ def read_spec_bytes(path: Path, where: Span) -> bytes:
     if stat.S_ISDIR(info.st_mode):
         raise SpecError.at(where, f"'{path}' is a directory, not a spec file")
     if not stat.S_ISREG(info.st_mode):
-        raise SpecError.at(where, f"'{path}' is {_file_kind(info.st_mode)}, not a regular file; "
+        raise SpecError.at(where, f"'{path}' is {file_kind(info.st_mode)}, not a regular file; "
                                   "a spec is read only from a regular file")
     too_big = SpecError.at(where, f"'{path}' is larger than {MAX_SOURCE_BYTES >> 20} MiB, the limit for a "
                                   "spec file")
@@ -123,12 +124,6 @@ def _nearby_spec(missing: Path) -> str:
     near = {n for n in names if n != missing.name   # the same name: the folder is what is wrong
             and difflib.SequenceMatcher(None, missing.stem, Path(n).stem).ratio() >= NEAR_MISS}
     return did_you_mean(missing.name, near)
-
-
-def _file_kind(mode: int) -> str:
-    kinds = ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a character device"),
-             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
-    return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
 def _resolve(use: syntax.Use, importer: Path) -> Path:

@@ -12,6 +12,7 @@ from typing import Any
 
 from hetc.ir.errors import UsageError
 from hetc.ir.jsontypes import read_by_layout
+from hetc.ir.userfile import read_user_text
 from hetc.frontend.load import BUNDLED_SPECS, load_spec
 from hetc.frontend.printer import format_spec
 from hetc.ir.spec import DeviceSpec, IntraLinkSpec, LayerRange, ModelSpec, NodeSpec, RankSlice, Spec
@@ -32,12 +33,8 @@ def read_input_json(path: str | Path, what: str) -> Any:
     """A user-given JSON file; a missing or malformed one is a UsageError naming it."""
     p = Path(path)
     try:
-        return json.loads(p.read_text())
-    except FileNotFoundError:
-        raise UsageError(f"cannot find the {what} '{p}'") from None
-    except IsADirectoryError:
-        raise UsageError(f"the {what} '{p}' is a directory, not a JSON file") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        return json.loads(read_user_text(p, what))
+    except json.JSONDecodeError as err:
         raise UsageError(f"the {what} '{p}' is not valid JSON: {err}") from None
 
 

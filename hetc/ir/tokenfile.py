@@ -62,6 +62,7 @@ import numpy as np
 from hetc.ir.jsontypes import JsonObject, RawJson
 from hetc.ir.spec import TokenDType
 from hetc.ir.tokenstream import TokenStream
+from hetc.ir.userfile import regular_file_problem
 
 __all__ = [
     "HETC_MAGIC",
@@ -160,8 +161,9 @@ def inspect_tokens(path: Path, dtype: TokenDType | None) -> TokenFile:
     prefix = _megatron_prefix(path)
     if prefix is not None:
         return _inspect_megatron(prefix, dtype)
-    if not path.is_file():
-        raise TokenFileError(f"cannot find the token file '{path}'")
+    problem = regular_file_problem(path, "token file")
+    if problem:
+        raise TokenFileError(problem)
     with open(path, "rb") as f:
         head = f.read(len(HETC_MAGIC))
     if head == HETC_MAGIC:

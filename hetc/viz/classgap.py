@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hetc.ir.errors import UsageError
+from hetc.ir.userfile import require_regular_file
 from hetc.ir.jsontypes import JsonObject
 from hetc.ir.timeline import TimeClass, mean_class_times
 
@@ -115,6 +116,7 @@ def _seconds(value: object) -> bool:
 
 def read_measured(path: Path) -> tuple[dict[str, float], float]:
     """`measured_from_metrics` of a file the user named: a file that is not one is a UsageError."""
+    require_regular_file(path, "metrics file")   # Note [untrusted paths]
     try:
         return measured_from_metrics(path)
     except OSError as err:

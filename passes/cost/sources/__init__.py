@@ -9,6 +9,7 @@ from pathlib import Path
 
 from hetc.passes.cost.profiles import ProfileError, Profiles
 from hetc.passes.cost.sources import hetc_profile, sailor_data, zorse_data
+from hetc.ir.userfile import regular_file_problem
 
 __all__ = ["load_profiles"]
 
@@ -29,8 +30,8 @@ def load_profiles(paths: list[str | Path]) -> Profiles:
         elif path.is_dir():
             raise ProfileError(f"'{path}' is neither a Sailor data folder (profiles/<MODEL>/<GPU>/"
                                "profile.json) nor a Zorse one (data/model_latencies.json)")
-        else:
-            raise ProfileError(f"cannot find the profile '{path}'")
+        else:   # missing, or a pipe or a device: never opened (Note [untrusted paths])
+            raise ProfileError(regular_file_problem(path, "profile"))
     for r in out.rejected:
         log.info("%s: %s: %s", r.model, r.where, r.why)
     return out
