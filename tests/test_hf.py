@@ -671,6 +671,25 @@ def test_configs_hetc_cannot_take(config, message, tmp_path, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("config, message", [
+    ({"rms_norm_eps": 16}, "'norm_eps' of {config} must be between 0 and 1, got 16"),
+    ({"attention_dropout": -0.5}, "'attention_dropout' of {config} must be between 0 and 0.9, got -0.5"),
+])
+def test_config_values_are_held_to_the_keys_bounds(config, message, tmp_path, capsys):
+    """A value from config.json meets the bounds the same key written in a spec does, in `hetc import hf`
+    and beside `hf` (it passed `hetc check` and `hetc compile` and was refused only by the ranks of
+    `hetc run`, which read plan.het's explicit keys)."""
+    (tmp_path / "m").mkdir()
+    directory = _config_dir(tmp_path / "m", **config)
+    shown = message.format(config=directory / "config.json")
+    assert hetc_main(["import", "hf", str(directory)]) == 2
+    assert f"{directory / 'config.json'}:1:1: error: {shown}" in capsys.readouterr().err
+    spec = tmp_path / "job.het"
+    spec.write_text(f'model m {{\n  hf = "{directory}"\n}}\n')
+    assert hetc_main(["check", str(spec)]) == 2
+    assert f"{spec}:2:8: error: {shown}" in capsys.readouterr().err
+
+
 def test_seq_beyond_a_sliding_window_is_a_located_error(tmp_path, capsys):
     (tmp_path / "m").mkdir()
     directory = _config_dir(tmp_path / "m", architectures=["MistralForCausalLM"], sliding_window=32)

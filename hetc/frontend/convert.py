@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from hetc.frontend import syntax
-from hetc.ir.errors import NO_SPAN, Diagnostic, Span, SpecError, did_you_mean
+from hetc.ir.errors import Diagnostic, Span, SpecError, did_you_mean
 from hetc.frontend.schema import FieldInfo, fields_of, normalize_key
 from hetc.hf.config import CONFIG_FILE, TRAINING_FIELDS, HfError, Preset, model_preset, read_config
 from hetc.ir.spec import ModelSpec, Node, Spec, declared_path
-from hetc.frontend.values import ValueConverter, is_enum, words
+from hetc.frontend.values import ValueConverter, is_enum, out_of_bounds, words
 
 __all__ = ["Converter", "FieldInfo", "fields_of", "import_model", "normalize_key", "to_spec"]
 
@@ -159,11 +159,17 @@ class Converter(ValueConverter):
                                             f"({', '.join(sorted(TRAINING_FIELDS - {'hf'}))})")
                     ok = False
                 continue
+            info = next(i for i in infos if i.name == name)
             if isinstance(value, Preset):
-                info = next(i for i in infos if i.name == name)
                 value = self.block(info.base, (), preset.span, f"'{name}' of {preset.source}", preset=value)
                 if value is None:
                     return False
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):   # as a key's value is
+                problem = out_of_bounds(value, info, f"'{name}' of {preset.source}", f"{value:g}")
+                if problem:
+                    self.error(preset.span, problem)
+                    ok = False
+                    continue
             values[name], spans[name] = value, preset.span
             written.add(name)
         for name, (limit, why) in preset.limits.items():
@@ -243,8 +249,9 @@ def to_spec(items: list[syntax.Item], span: Span) -> Spec:
 def import_model(directory: Path, name: str) -> ModelSpec:
     """The explicit ModelSpec DIR/config.json describes (`hetc import hf`); HfError or SpecError."""
     conv = Converter()
-    preset = model_preset(read_config(directory), f"{directory}/{CONFIG_FILE}", NO_SPAN)
-    model = conv.block(ModelSpec, (), NO_SPAN, "model", preset=preset)
+    where = Span.file_start(Path(directory) / CONFIG_FILE)   # what an error in its values points at
+    preset = model_preset(read_config(directory), where.file, where)
+    model = conv.block(ModelSpec, (), where, "model", preset=preset)
     if conv.errors or not isinstance(model, ModelSpec):
         raise SpecError(conv.errors)
     return dataclasses.replace(model, name=name)

@@ -150,20 +150,11 @@ class ValueConverter:
         return base
 
     def _bounded(self, value: Num, info: FieldInfo, node: syntax.Number, what: str) -> Num | None:
-        lo, hi = info.meta.lo, info.meta.hi
-        below, above = lo is not None and value < lo, hi is not None and value > hi
-        if not (below or above):
-            return value
-        got = _shown(node)
-        if lo is not None and hi is not None and hi - lo <= 16:  # a small closed set: 0..3, 0..1
-            self.error(node.span, f"{what} must be between {lo:g} and {hi:g}, got {got}")
-        elif below and lo is not None:
-            rules: dict[float, str] = {0: "must not be negative", 1: "must be positive"}
-            rule = rules.get(lo, f"must be at least {lo:g}")
-            self.error(node.span, f"{what} {rule}, got {got}")
-        else:
-            self.error(node.span, f"{what} must be at most {hi:g}, got {got}")
-        return None
+        problem = out_of_bounds(value, info, what, _shown(node))
+        if problem:
+            self.error(node.span, problem)
+            return None
+        return value
 
     def _enum(self, enum: type[E], text: str, span: Span, what: str) -> E | None:
         low = text.lower()
@@ -243,6 +234,20 @@ def _enum_or_none(enum: type[E], text: str) -> E | None:
 
 def is_enum(tp: object) -> TypeGuard[type[StrEnum]]:
     return isinstance(tp, type) and issubclass(tp, StrEnum)
+
+
+def out_of_bounds(value: float, info: FieldInfo, what: str, got: str) -> str:
+    """'' where `value` is within the field's bounds, else the rule it breaks (`got`: the value as written)."""
+    lo, hi = info.meta.lo, info.meta.hi
+    below, above = lo is not None and value < lo, hi is not None and value > hi
+    if not (below or above):
+        return ""
+    if lo is not None and hi is not None and hi - lo <= 16:  # a small closed set: 0..3, 0..1
+        return f"{what} must be between {lo:g} and {hi:g}, got {got}"
+    if below and lo is not None:
+        rules: dict[float, str] = {0: "must not be negative", 1: "must be positive"}
+        return f"{what} {rules.get(lo, f'must be at least {lo:g}')}, got {got}"
+    return f"{what} must be at most {hi:g}, got {got}"
 
 
 def _shown(node: syntax.Value) -> str:
