@@ -291,6 +291,8 @@ def test_cli_user_errors_exit_2(demo_dir, tmp_path, capsys):
     cases = [([str(bare), "-o", str(tmp_path / "x.html")], "has no timeline.json"),
              ([str(demo_dir), "--compare", "-o", str(tmp_path / "x.html")], "--compare needs"),
              ([str(demo_dir), "--trace", str(bad)], "not JSON"),
+             # the trace is not drawn by --text alone, which prints the programs
+             ([str(demo_dir), "--trace", str(bad), "--text"], "--trace goes with a drawing of the timeline"),
              ([str(demo_dir), "--trace", str(bare), "-o", str(tmp_path / "x.html")],
               f"the timeline '{bare}' is a directory, not a regular file"),
              ([str(tmp_path / "missing")], "no such directory"),

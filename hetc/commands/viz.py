@@ -130,6 +130,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--metrics goes with --compare")
     if args.profile and path.is_file():
         raise UsageError("--profile predicts a plan directory's programs again; DIR is a timeline file")
+    unused = [flag for flag, given in (("--trace", args.trace), ("--profile", args.profile), ("--title", args.title))
+              if given]
+    if args.text and unused and not (args.output or args.chrome_trace or args.compare):
+        raise UsageError(f"{', '.join(unused)} go{'es' if len(unused) == 1 else ''} with a drawing of the timeline "
+                         "(-o FILE.html, --chrome-trace FILE.json or --compare); --text alone prints the programs")
     if args.text:
         _print_grid(path, args.ranks)
     output = args.output
