@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
+from hetc.ir.spec import TrainSpec
 from hetc.runtime.inject import Injection, injection_from_dict
 from hetc.runtime.rebalance import RebalanceOptions
 
@@ -71,3 +72,12 @@ class RunOptions:
         fields["rebalance"] = None if fields["rebalance"] is None else RebalanceOptions(**fields["rebalance"])
         fields["inject"] = tuple(injection_from_dict(s) for s in fields["inject"])
         return cls(**fields)
+
+    def plan_problem(self, train: TrainSpec) -> str:
+        """Why these options cannot run a job of `train` ('' where they can): checked by `hetc run --local`
+        once before any rank starts, and by every rank (under torchrun no launcher reads the plan)."""
+        if self.on_nonfinite is NonFinite.SKIP and not train.grad_clip:
+            return ("--on-nonfinite skip needs train.grad_clip in the spec: the global gradient norm it checks "
+                    "before the update is computed only under clipping (Note [non-finite steps] in "
+                    "runtime/worker.py)")
+        return ""

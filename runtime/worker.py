@@ -227,9 +227,8 @@ def _train(plan_dir: Path, opts: RunOptions, rank: int, plan: Plan, program: Pro
                     emulation=emulation_from_env())
     hooks.progress.done(_built(plan, resumes=start_from is not None))
     evaluator = make_evaluator(program, plan, rank, plan_dir, evaluation)
-    if opts.on_nonfinite is NonFinite.SKIP and not plan.train.grad_clip:
-        raise EnvError("--on-nonfinite skip needs train.grad_clip in the spec: the global gradient norm it "
-                       "checks before the update is computed only under clipping (Note [non-finite steps])")
+    if problem := opts.plan_problem(plan.train):
+        raise EnvError(problem)
     rt.interpreter.skip_nonfinite = opts.on_nonfinite is NonFinite.SKIP
     rt.interpreter.injected = opts.inject
     if any(isinstance(inj, LinkSlowdown) for inj in opts.inject):     # Note [a slowed link]

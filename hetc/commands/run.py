@@ -308,7 +308,10 @@ def _local(args: argparse.Namespace) -> int:
         verify_and_record(args.dir, program, checked)
     if args.local not in (-1, world):
         raise UsageError(f"the plan has {world} ranks; --local {args.local} cannot run it")
-    check_ranks(run_options(args).inject, world)
+    options = run_options(args)
+    check_ranks(options.inject, world)
+    if problem := options.plan_problem(checked.train):
+        raise UsageError(problem)
     from hetc.runtime.nccl_order import emulation_from_env
 
     emulation_from_env()    # a bad HETC_EMULATE_NCCL: one message here, not one from every rank
@@ -316,7 +319,7 @@ def _local(args: argparse.Namespace) -> int:
     places = [(node_label(*gpu.host), gpu.local) for gpu in checked.pipeline.world]
     argv = [*(["--debug"] if getattr(args, "debug", False) else []), "run", str(args.dir)]
     status = spawn_local(world, argv, places, stop_timeout_s=args.stop_timeout,
-                         env={RUN_OPTIONS_ENV: run_options(args).to_json()})
+                         env={RUN_OPTIONS_ENV: options.to_json()})
     if status == 130:
         from hetc.runtime.worker import describe_latest
 
