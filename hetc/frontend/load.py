@@ -83,6 +83,9 @@ def read_spec_bytes(path: Path, where: Span) -> bytes:
     Note [untrusted paths]: `use "/dev/zero"` or a named pipe would block or
     stream for ever, so only regular files are opened, and a file that grows
     past the cap while being read is still read no further than the cap.
+    The same holds for every other file a user names (a spec's data paths,
+    a timeline, a metrics file, a profile, another system's JSON):
+    hetc/ir/userfile.py.
     """
     try:
         info = path.stat()
