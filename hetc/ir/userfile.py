@@ -13,7 +13,7 @@ from pathlib import Path
 
 from hetc.ir.errors import UsageError
 
-__all__ = ["file_kind", "read_user_bytes", "read_user_text", "regular_file_problem", "require_regular_file"]
+__all__ = ["file_kind", "read_user_text", "regular_file_problem", "require_regular_file"]
 
 
 def file_kind(mode: int) -> str:
@@ -43,18 +43,14 @@ def require_regular_file(path: Path, what: str) -> None:
         raise UsageError(problem)
 
 
-def read_user_bytes(path: Path, what: str) -> bytes:
-    """The bytes of the regular file `path`, or a UsageError naming `what` it should be and why it is not."""
+def read_user_text(path: Path, what: str) -> str:
+    """The UTF-8 text of the regular file `path`, or a UsageError naming `what` it should be and why it is
+    not (bytes that are not UTF-8: at their line)."""
     require_regular_file(path, what)
     try:
-        return path.read_bytes()
+        data = path.read_bytes()
     except OSError as err:
         raise UsageError(f"cannot read the {what} '{path}': {err.strerror or err}") from None
-
-
-def read_user_text(path: Path, what: str) -> str:
-    """`read_user_bytes` as UTF-8 text; other bytes are a UsageError at their line."""
-    data = read_user_bytes(path, what)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
