@@ -47,20 +47,28 @@ def _check_source(data: DataSpec, model: ModelSpec | None, base_dir: Path | None
         return
     path = data.resolve(base_dir)
     if data.kind is DataKind.TEXT:
-        _check_text(data, path, errors)
+        _check_text(data, path, base_dir, errors)
     else:
         _check_tokens(data, path, model, base_dir, errors)
 
 
-def _check_text(data: DataSpec, path: Path, errors: list[Diagnostic]) -> None:
+def _check_text(data: DataSpec, path: Path, base_dir: Path, errors: list[Diagnostic]) -> None:
     problem = regular_file_problem(path, "text file", data.path)
     if problem:
-        errors.append(Diagnostic(data.span_of("path"), problem))
+        errors.append(Diagnostic(data.span_of("path"), problem + _resolved_hint(data.path, path, base_dir)))
         return
     why = looks_binary(path)
     if why is not None:
         errors.append(Diagnostic(data.span_of("path"), f"'{data.path}' is not a text file: {why}; read token "
                                  "ids with data tokens { path = ..., dtype = uint16 | uint32 }"))
+
+
+def _resolved_hint(written: str, path: Path, base_dir: Path) -> str:
+    """Where a missing relative path was looked for, when that is not where the user stands: a spec's paths
+    are read from its own folder, so a plan directory copied elsewhere without its data misses them there."""
+    if Path(written).is_absolute() or path.exists() or base_dir.resolve() == Path.cwd().resolve():
+        return ""
+    return f" (a relative path is read from the spec's folder: here {path.resolve()})"
 
 
 def _check_tokens(data: DataSpec, path: Path, model: ModelSpec | None, base_dir: Path, errors: list[Diagnostic]) -> None:

@@ -69,3 +69,19 @@ def test_a_listing_without_a_ministages_buffer_line_is_refused(plan, capsys):
     code, err = _verify(plan, capsys)
     assert code == 2, err
     assert "rank 1: the buffer table has `shard` lines for ministages none, but stage 0 runs ministages [0]" in err
+
+
+def test_a_copied_plan_without_its_data_says_where_it_looked(demo_plan_dirs, tmp_path, capsys, monkeypatch):
+    """plan.het names its data relative to the plan directory (hetc/plandir.py `portable_spec`): a copy at
+    another depth, without the data, names the folder it read from, not only the path as written."""
+    copy = tmp_path / "shared" / "plans" / "deep" / "pp"
+    shutil.copytree(demo_plan_dirs["pp"], copy)
+    monkeypatch.chdir(tmp_path)
+    code = hetc_main(["check", str(copy / "plan.het")])
+    err = capsys.readouterr().err
+    written = re.search(r'path = "([^"]+)"', (copy / "plan.het").read_text())
+    assert written is not None
+    looked = (copy / written[1]).resolve()
+    assert code == 2, err
+    assert f"cannot find the text file '{written[1]}' (a relative path is read from the spec's folder: here " \
+           f"{looked})" in err, err
