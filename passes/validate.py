@@ -26,7 +26,7 @@ from hetc.passes.validate_plan import check_plan
 from hetc.passes.validate_precision import check_precision
 from hetc.ir.pipeline import Pipeline
 from hetc.ir.plan import Job, Plan
-from hetc.ir.spec import (AUTO, AttentionKind, CPKind, DeviceSpec, LinkSpec, ModelSpec, NodeSpec, OffloadSpec, OffloadTarget, Spec, StageSpec,
+from hetc.ir.spec import (AUTO, AttentionKind, CPKind, DeviceSpec, LinkSpec, LrScheduleKind, ModelSpec, NodeSpec, OffloadSpec, OffloadTarget, Spec, StageSpec,
                        TrainSpec, ZeroShard, ZeroSpec, ClusterSpec)
 from hetc.ir.topology import MAX_GPUS, Topology
 
@@ -159,7 +159,36 @@ def _check_train(spec: Spec, t: TrainSpec, base_dir: Path | None, errors: list[D
         errors.append(Diagnostic(t.span_of("global_batch"), f"global_batch / micro_batch = {t.global_batch} / "
                                  f"{t.micro_batch} = {t.global_batch // t.micro_batch} microbatches a step; hetc "
                                  f"schedules at most {MAX_MICROBATCHES}: raise micro_batch"))
+    _check_lr_schedule(t, errors)
     check_data(spec.model, t, base_dir, errors)
+
+
+def _check_lr_schedule(t: TrainSpec, errors: list[Diagnostic]) -> None:
+    """The schedule's keys must mean something for its kind, and a decay must not raise the rate (Megatron-LM
+    asserts min_lr <= lr); runtime/optim.py `lr_at` computes it."""
+    sched = t.lr_schedule
+    kind = sched.kind
+    if kind is not LrScheduleKind.WSD and sched.written("decay"):
+        errors.append(Diagnostic(sched.span_of("decay"), f"decay shapes a wsd schedule's decay; lr_schedule "
+                                 f"{kind.value} " + ("does not decay" if kind is LrScheduleKind.CONSTANT else
+                                                     "decays as its name says (or write lr_schedule wsd)")))
+    if kind is LrScheduleKind.CONSTANT:
+        if sched.written("decay_steps"):
+            errors.append(Diagnostic(sched.span_of("decay_steps"), "lr_schedule constant does not decay; "
+                                     "decay_steps needs cosine, linear or wsd"))
+        return
+    if sched.min_lr > t.lr:
+        errors.append(Diagnostic(sched.span_of("min_lr"), f"min_lr = {sched.min_lr:g} is above lr = {t.lr:g}: "
+                                 "the decay would raise the learning rate"))
+    if kind is not LrScheduleKind.WSD:
+        return
+    if sched.decay_steps == 0:
+        errors.append(Diagnostic(sched.span, "lr_schedule wsd needs decay_steps = N: its last N steps decay from "
+                                 "lr to min_lr"))
+    elif sched.warmup + sched.decay_steps > t.steps:
+        errors.append(Diagnostic(sched.span_of("decay_steps"), f"warmup + decay_steps = {sched.warmup} + "
+                                 f"{sched.decay_steps} is more than the run's steps = {t.steps}: the decay "
+                                 "would begin during warm-up"))
 
 
 def _check_cluster(spec: Spec, c: ClusterSpec, errors: list[Diagnostic]) -> Topology | None:

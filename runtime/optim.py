@@ -28,7 +28,7 @@ from torch import Tensor
 from torch.optim.adam import adam as torch_adam
 
 from hetc.ir.errors import InternalError
-from hetc.ir.spec import LrScheduleKind, OptimizerKind, OptimizerSpec, TrainSpec
+from hetc.ir.spec import LrDecay, LrScheduleKind, LrScheduleSpec, OptimizerKind, OptimizerSpec, TrainSpec
 
 __all__ = ["OptimizerState", "clip_coefficient", "grad_sq_sum", "init_state", "lr_at", "optimizer_step"]
 
@@ -119,18 +119,37 @@ def lr_at(train: TrainSpec, step: int) -> float:
     """The learning rate of 0-based optimizer step `step`.
 
     Linear warm-up over the first `warmup` steps (reaching `lr` at step
-    warmup - 1), then constant, or a cosine / linear decay that reaches
-    `min_lr` at the last step (train.steps - 1).
+    warmup - 1), then constant, or a decay to `min_lr`: cosine and linear
+    over `decay_steps` from the end of warm-up (by default to the last step,
+    train.steps - 1), then `min_lr`; wsd holds `lr` until its last
+    `decay_steps` steps, which decay to `min_lr` at the last step in the
+    schedule's `decay` shape (Megatron-LM's `--lr-decay-style WSD`).
     """
     sched, peak = train.lr_schedule, train.lr
     if step < sched.warmup:
         return peak * (step + 1) / sched.warmup
     if sched.kind is LrScheduleKind.CONSTANT:
         return peak
-    span = train.steps - 1 - sched.warmup
-    progress = min(1.0, (step - sched.warmup) / span) if span > 0 else 1.0
-    factor = 0.5 * (1 + math.cos(math.pi * progress)) if sched.kind is LrScheduleKind.COSINE else 1 - progress
-    return sched.min_lr + (peak - sched.min_lr) * factor
+    shape = sched.decay if sched.kind is LrScheduleKind.WSD else LrDecay(sched.kind.value)
+    return sched.min_lr + (peak - sched.min_lr) * _remaining(shape, _decay_progress(sched, train.steps - 1, step))
+
+
+def _decay_progress(sched: LrScheduleSpec, last: int, step: int) -> float:
+    """How far into its decay step `step` is, from 0 (still `lr`) to 1 (`min_lr`)."""
+    if sched.kind is LrScheduleKind.WSD:
+        start, span = last - sched.decay_steps, sched.decay_steps
+    else:
+        start, span = sched.warmup, sched.decay_steps or last - sched.warmup
+    return min(1.0, max(0.0, (step - start) / span)) if span > 0 else 1.0
+
+
+def _remaining(shape: LrDecay, progress: float) -> float:
+    """The share of `lr - min_lr` left at `progress` through a decay."""
+    if shape is LrDecay.COSINE:
+        return 0.5 * (1 + math.cos(math.pi * progress))
+    if shape is LrDecay.SQRT:
+        return 1 - math.sqrt(progress)
+    return 1 - progress
 
 
 # Elements of a gradient shard squared in float64 at once: a bounded transient (32 MiB), inside the memory

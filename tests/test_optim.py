@@ -14,7 +14,7 @@ from hetc.runtime.buffers import GroupPos, MinistageBuffers
 from hetc.runtime.flat import FlatLayout, FlatParams, bind_grads, bind_params
 from hetc.runtime.nn.model import build_ministage
 from hetc.runtime.optim import clip_coefficient, grad_sq_sum, init_state, lr_at, optimizer_step
-from hetc.ir.spec import LrScheduleKind, LrScheduleSpec, ModelSpec, OptimizerKind, OptimizerSpec, TrainSpec
+from hetc.ir.spec import LrDecay, LrScheduleKind, LrScheduleSpec, ModelSpec, OptimizerKind, OptimizerSpec, TrainSpec
 
 
 def small_module(seed: int = 0) -> nn.Module:
@@ -155,6 +155,66 @@ def test_decay_ends_at_min_lr(kind):
 def test_constant_schedule():
     t = train(LrScheduleKind.CONSTANT, warmup=2)
     assert [lr_at(t, s) for s in range(5)] == [0.5, 1.0, 1.0, 1.0, 1.0]
+
+
+def torch_lrs(steps: int, warmup: int, phases) -> list[float]:
+    """The rates torch.optim.lr_scheduler gives a peak of 1 over `steps`: a linear warm-up as hetc's (LinearLR
+    from 1/warmup), then `phases`: (first step, scheduler factory) each."""
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
+    warm = torch.optim.lr_scheduler.LinearLR(opt, start_factor=1 / warmup, end_factor=1.0, total_iters=warmup - 1)
+    sched = torch.optim.lr_scheduler.SequentialLR(opt, [warm, *(make(opt) for _, make in phases)],
+                                                  milestones=[first for first, _ in phases])
+    lrs = []
+    for _ in range(steps):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return lrs
+
+
+def constant_phase(opt):
+    return torch.optim.lr_scheduler.ConstantLR(opt, factor=1.0, total_iters=0)
+
+
+def linear_decay(steps: int, min_lr: float):
+    return lambda opt: torch.optim.lr_scheduler.LinearLR(opt, start_factor=1.0, end_factor=min_lr, total_iters=steps)
+
+
+def cosine_decay(steps: int, min_lr: float):
+    return lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps, eta_min=min_lr)
+
+
+@pytest.mark.parametrize("shape, decay", [(LrDecay.LINEAR, linear_decay), (LrDecay.COSINE, cosine_decay)])
+def test_wsd_is_torchs_warmup_constant_and_decay_in_sequence(shape, decay):
+    """Megatron-LM's WSD: warm-up, the peak held, then the run's last decay_steps steps decay to min_lr, reached
+    at the last step; the same rates as torch's schedulers chained with SequentialLR."""
+    t = TrainSpec(global_batch=1, steps=20, lr=1.0, lr_schedule=LrScheduleSpec(
+        kind=LrScheduleKind.WSD, warmup=4, min_lr=0.1, decay_steps=8, decay=shape))
+    ours = [lr_at(t, s) for s in range(t.steps)]
+    theirs = torch_lrs(t.steps, 4, [(4, constant_phase), (11, decay(8, 0.1))])
+    assert ours[4:12] == [1.0] * 8 and math.isclose(ours[-1], 0.1), ours
+    assert all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(ours, theirs)), (ours, theirs)
+
+
+def test_wsd_sqrt_decay():
+    """Megatron-LM's minus_sqrt (torchtitan's sqrt): 1 - sqrt(progress) of the span left."""
+    t = TrainSpec(global_batch=1, steps=9, lr=1.0, lr_schedule=LrScheduleSpec(
+        kind=LrScheduleKind.WSD, min_lr=0.1, decay_steps=4, decay=LrDecay.SQRT))
+    assert [lr_at(t, s) for s in range(5)] == [1.0] * 5
+    assert [round(lr_at(t, s), 12) for s in range(5, 9)] == [round(0.1 + 0.9 * (1 - math.sqrt(k / 4)), 12)
+                                                           for k in range(1, 5)]
+
+
+@pytest.mark.parametrize("kind, decay", [(LrScheduleKind.COSINE, cosine_decay), (LrScheduleKind.LINEAR, linear_decay)])
+def test_decay_steps_end_the_decay_early_and_hold_min_lr(kind, decay):
+    """cosine and linear with decay_steps (Megatron-LM's lr_decay_iters less the warm-up): torch's annealing over
+    that many steps after warm-up, then min_lr to the end of the run."""
+    t = TrainSpec(global_batch=1, steps=30, lr=1.0, lr_schedule=LrScheduleSpec(
+        kind=kind, warmup=3, min_lr=0.1, decay_steps=10))
+    ours = [lr_at(t, s) for s in range(t.steps)]
+    theirs = torch_lrs(14, 3, [(3, decay(10, 0.1))])
+    assert all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(ours, theirs)), (ours, theirs)
+    assert all(math.isclose(lr, 0.1) for lr in ours[13:]), ours
 
 
 def test_clipping_matches_torch_and_is_shard_invariant():

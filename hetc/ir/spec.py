@@ -41,6 +41,7 @@ __all__ = [
     "IntraLinkSpec",
     "LayerRange",
     "LinkSpec",
+    "LrDecay",
     "LrScheduleKind",
     "LrScheduleSpec",
     "MoESpec",
@@ -101,6 +102,10 @@ class Node:
     def span_of(self, name: str) -> Span:
         """The span of attribute `name`'s value, or of the whole block."""
         return next((span for key, span in self.spans if key == name), self.span)
+
+    def written(self, name: str) -> bool:
+        """Whether the spec wrote attribute `name` (else it holds its default)."""
+        return any(key == name for key, _ in self.spans)
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,6 +248,14 @@ class LrScheduleKind(StrEnum):
     CONSTANT = "constant"
     COSINE = "cosine"
     LINEAR = "linear"
+    WSD = "wsd"          # warm-up, stable, decay (Megatron-LM's WSD, torchtitan's warmup_stable_decay)
+
+
+class LrDecay(StrEnum):
+    """The shape of a WSD schedule's decay from `lr` to `min_lr` over progress p in [0, 1]."""
+    LINEAR = "linear"    # 1 - p
+    COSINE = "cosine"    # (1 + cos(pi p)) / 2
+    SQRT = "sqrt"        # 1 - sqrt(p): Megatron-LM's minus_sqrt
 
 
 class Objective(StrEnum):
@@ -590,10 +603,16 @@ def declared_path(text: str, span: Span, fallback_dir: Path | str = ".") -> Path
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LrScheduleSpec(Node):
-    kind: LrScheduleKind = param(LrScheduleKind.CONSTANT, label=True, doc="constant, cosine or linear decay")
+    kind: LrScheduleKind = param(LrScheduleKind.CONSTANT, label=True,
+                                 doc="constant, cosine or linear decay, or wsd (warm-up, stable, decay)")
     warmup: int = param(0, lo=0, hi=10**9, aliases=("warmup_steps", "lr_warmup_iters"),
                         doc="linear warm-up steps")
     min_lr: float = param(0.0, lo=0, hi=1e3, doc="learning rate at the end of decay")
+    decay_steps: int = param(0, lo=0, hi=10**9, aliases=("lr_wsd_decay_iters",),
+                             doc="steps the decay takes: cosine and linear from the end of warm-up, then "
+                                 "min_lr (0: to the last step); wsd the run's last steps (needed)")
+    decay: LrDecay = param(LrDecay.LINEAR, aliases=("decay_type", "lr_wsd_decay_style"),
+                           doc="wsd: the decay's shape, linear, cosine or sqrt (1 - sqrt of its progress)")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

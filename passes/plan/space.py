@@ -23,7 +23,7 @@ from hetc.ir.errors import Diagnostic, SpecError
 from hetc.passes.plan.candidate import Candidate, Knobs, Offload
 from hetc.passes.plan.partition import bandwidth_domains
 from hetc.passes.plan.stages import StageRule, stage_rules
-from hetc.ir.spec import AUTO, Auto, Checkpointing, Node, ParallelSpec, ScheduleKind, ZeroSpec
+from hetc.ir.spec import AUTO, Auto, Checkpointing, ParallelSpec, ScheduleKind, ZeroSpec
 from hetc.ir.plan import Job
 
 __all__ = [
@@ -34,7 +34,6 @@ __all__ = [
     "SearchSpace",
     "knob_options",
     "space_from_spec",
-    "written",
 ]
 
 # 1F1B and GPipe are left out of `schedule = auto`: in the cost model zero-bubble (ZB-H1) runs the same
@@ -94,17 +93,13 @@ class SearchSpace:
     fixed: Fixed = field(default_factory=lambda: Fixed())
 
 
-def written(node: Node, name: str) -> bool:
-    return any(key == name for key, _ in node.spans)
-
-
 def space_from_spec(job: Job, **overrides: Any) -> SearchSpace:   # SearchSpace's fields
     """The space the job's spec leaves open (`overrides` narrow it further, e.g. in tests)."""
     par = job.parallel
     designing = par.stages is AUTO
 
     def free(name: str, value: object = None) -> bool:
-        return value is AUTO or (designing and not written(par, name))
+        return value is AUTO or (designing and not par.written(name))
 
     _whole_groups_idle(par)
     micro_batches = _micro_batches(job, designing)
@@ -152,7 +147,7 @@ def _whole_groups_idle(par: ParallelSpec) -> None:
 def _micro_batches(job: Job, designing: bool) -> tuple[int, ...]:
     train = job.train
     main_file = job.spec.span.file
-    if not designing or written(train, "micro_batch") or train.span.file != main_file or \
+    if not designing or train.written("micro_batch") or train.span.file != main_file or \
             train.grad_accum is not None:
         return (train.micro_batch,)
     return tuple(b for b in MICRO_BATCHES if train.global_batch % b == 0)
