@@ -563,7 +563,7 @@ class Interpreter:
                 grad = grad * self.clip
             if not self.skip_update:
                 optimizer_step(self.model.optimizer, buf.master, grad, buf.opt_state,
-                               lr=lr_at(self.train, self.step_idx), step=self.step_idx)
+                               lr=lr_at(self.train, self.step_idx), step=self.step_idx, no_decay=buf.no_decay)
             buf.publish()
             buf.drop_reduced()
 

@@ -9,7 +9,10 @@ update is elementwise, how the model is cut into ministages and shards cannot
 change the numbers.
 
 Weight decay applies to every element, as in torchtitan (one parameter
-group). Steps are 0-based indices of the optimizer step everywhere in hetc;
+group), unless the optimizer's `decay_norms_and_biases = false`: then the
+elements of one-dimensional parameters (`FlatLayout.vector_spans`) take
+none, as torch.optim with Megatron-LM's (and Hugging Face Trainer's) second
+parameter group of weight_decay 0 would. Steps are 0-based indices of the optimizer step everywhere in hetc;
 bias corrections use the 1-based count `step + 1`.
 
 Global gradient clipping is split in two: every rank sums the squares of its
@@ -20,7 +23,9 @@ the total into the factor every shard is multiplied by.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,8 +34,9 @@ from torch.optim.adam import adam as torch_adam
 
 from hetc.ir.errors import InternalError
 from hetc.ir.spec import LrDecay, LrScheduleKind, LrScheduleSpec, OptimizerKind, OptimizerSpec, TrainSpec
+from hetc.runtime.flat import FlatLayout
 
-__all__ = ["OptimizerState", "clip_coefficient", "grad_sq_sum", "init_state", "lr_at", "optimizer_step"]
+__all__ = ["OptimizerState", "clip_coefficient", "grad_sq_sum", "init_state", "lr_at", "optimizer_step", "undecayed"]
 
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s guard against a zero norm
 
@@ -62,19 +68,51 @@ def init_state(opt: OptimizerSpec, shard: Tensor) -> OptimizerState:
 
 
 def optimizer_step(opt: OptimizerSpec, param: Tensor, grad: Tensor, state: OptimizerState, *,
-                   lr: float, step: int) -> None:
+                   lr: float, step: int, no_decay: Sequence[slice] = ()) -> None:
     """Update the fp32 shard `param` in place from `grad` (any float dtype, same size).
 
-    `step` is the 0-based optimizer step. Matches torch.optim.AdamW (Adam,
-    SGD) on the same elements: bitwise on CPU (foreach or not), to the fused
-    kernel's rounding on CUDA.
+    `step` is the 0-based optimizer step; `no_decay`: the shard's spans without weight decay
+    (`undecayed`). Matches torch.optim.AdamW (Adam, SGD) on the same elements: bitwise on CPU (foreach or
+    not), to the fused kernel's rounding on CUDA.
     """
     if param.dtype != torch.float32:
         raise InternalError("master shards are fp32")
     if param.shape != grad.shape:
         raise InternalError(f"param shard {tuple(param.shape)} vs grad {tuple(grad.shape)}")
     grad = grad.to(torch.float32)
+    if opt.weight_decay and no_decay:
+        grad = _decay_spans(opt, param, grad, _complement(no_decay, param.numel()), lr)
+        opt = dataclasses.replace(opt, weight_decay=0.0)
     (_sgd if opt.kind is OptimizerKind.SGD else _adam)(opt, param, grad, state, lr, step)
+
+
+def undecayed(opt: OptimizerSpec, layout: FlatLayout, rng: slice) -> tuple[slice, ...]:
+    """The spans of the shard `rng` of `layout` that `optimizer_step` leaves without weight decay."""
+    return () if opt.decay_norms_and_biases or not opt.weight_decay else layout.vector_spans(rng)
+
+
+def _complement(spans: Sequence[slice], n: int) -> list[slice]:
+    """The spans of [0, n) outside `spans` (sorted, disjoint)."""
+    out, at = [], 0
+    for span in spans:
+        if span.start > at:
+            out.append(slice(at, span.start))
+        at = span.stop
+    return out + [slice(at, n)] if at < n else out
+
+
+def _decay_spans(opt: OptimizerSpec, param: Tensor, grad: Tensor, decayed: Sequence[slice], lr: float) -> Tensor:
+    """Weight decay of the `decayed` spans only, as torch applies it before the update: AdamW's decoupled
+    `param *= 1 - lr * wd` (the same multiply torch's kernels run first), Adam's and SGD's L2 `grad += wd *
+    param` (on a copy: the reduced gradient is the interpreter's). The update then runs without decay."""
+    if opt.kind is OptimizerKind.ADAMW:
+        for span in decayed:
+            param[span].mul_(1 - lr * opt.weight_decay)
+        return grad
+    grad = grad.clone()
+    for span in decayed:
+        grad[span].add_(param[span], alpha=opt.weight_decay)
+    return grad
 
 
 # Note [torch's Adam kernels]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -13,7 +14,7 @@ from hetc.ir.program import Shard
 from hetc.runtime.buffers import GroupPos, MinistageBuffers
 from hetc.runtime.flat import FlatLayout, FlatParams, bind_grads, bind_params
 from hetc.runtime.nn.model import build_ministage
-from hetc.runtime.optim import clip_coefficient, grad_sq_sum, init_state, lr_at, optimizer_step
+from hetc.runtime.optim import clip_coefficient, grad_sq_sum, init_state, lr_at, optimizer_step, undecayed
 from hetc.ir.spec import LrDecay, LrScheduleKind, LrScheduleSpec, ModelSpec, OptimizerKind, OptimizerSpec, TrainSpec
 
 
@@ -45,12 +46,26 @@ OPTIMIZERS = [
 ]
 
 
+def parameter_groups(module: nn.Module, opt: OptimizerSpec) -> list[dict]:
+    """torch.optim's parameter groups for `opt`: one, or Megatron-LM's two where norms' weights and biases
+    (one-dimensional parameters) take no weight decay."""
+    params = list(module.parameters())
+    if opt.decay_norms_and_biases:
+        return [{"params": params}]
+    return [{"params": [p for p in params if p.ndim >= 2]},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+
+
 @pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: f"{o.kind.value}-wd{o.weight_decay}-m{o.momentum}")
 @pytest.mark.parametrize("num_shards", [1, 3])
-def test_shard_step_is_bitwise_torch_optim(opt, num_shards):
+@pytest.mark.parametrize("decay_vectors", [True, False], ids=["decay-all", "matrices-only"])
+def test_shard_step_is_bitwise_torch_optim(opt, num_shards, decay_vectors):
+    """Each shard stepped on its own, as ZeRO ranks do, is torch.optim on the whole module; with decay on
+    matrices only, torch.optim with two parameter groups (the shards' edges cut the biases' and norms' spans)."""
+    opt = dataclasses.replace(opt, decay_norms_and_biases=decay_vectors)
     ref, ours = small_module(), small_module()
     lrs = [1e-2, 3e-3, 5e-3, 1e-3]
-    torch_opt = torch_optimizer(opt, ref.parameters(), lrs[0])
+    torch_opt = torch_optimizer(opt, parameter_groups(ref, opt), lrs[0])
     layout = FlatLayout.of(ours, num_shards)
     flat = layout.flatten(dict(ours.named_parameters()))
     states = [init_state(opt, flat[layout.shard_range(i)]) for i in range(num_shards)]
@@ -64,7 +79,8 @@ def test_shard_step_is_bitwise_torch_optim(opt, num_shards):
         flat_grad = layout.flatten(grads)
         for i in range(num_shards):  # each shard on its own, as ZeRO ranks do
             rng = layout.shard_range(i)
-            optimizer_step(opt, flat[rng], flat_grad[rng], states[i], lr=lr, step=step)
+            optimizer_step(opt, flat[rng], flat_grad[rng], states[i], lr=lr, step=step,
+                           no_decay=undecayed(opt, layout, rng))
     for name, view in layout.views(flat).items():
         assert torch.equal(view, ref.get_parameter(name).detach()), name
     assert torch.count_nonzero(flat[layout.numel:]) == 0, "padding stays zero"

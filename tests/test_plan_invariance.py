@@ -101,6 +101,26 @@ def _plan_matches(rank_pool, reference, tmp_path, name: str, text: str) -> None:
     assert_params_close(latest_checkpoint(tmp_path / "ckpt"), reference.params)
 
 
+def test_norms_and_biases_without_weight_decay_match_reference_under_zero3(rank_pool, tmp_path):
+    """`decay_norms_and_biases = false` (Megatron-LM's parameter groups): each rank leaves undecayed the spans of
+    its ZeRO-3 shards that hold norms' weights, which the shards' edges cut (`FlatLayout.vector_spans`); the
+    plan trains to the 1-rank reference of the same job, which decays them nowhere either."""
+    from hetc.runtime.reference import train_reference
+
+    job = (DEMO / "job.het").read_text()
+    job = job.replace('"../catalog.het"', f'"{DEMO.parent / "catalog.het"}"')
+    job = job.replace('"data/tiny.txt"', f'"{DEMO / "data" / "tiny.txt"}"')
+    job = job.replace("    weight_decay = 0.1\n", "    weight_decay = 0.1\n    decay_norms_and_biases = false\n")
+    assert "decay_norms_and_biases" in job
+    (tmp_path / "job.het").write_text(job)
+    _, checked = load_checked(tmp_path / "job.het")
+    spec = checked.spec
+    assert spec.model is not None and spec.train is not None
+    reference = train_reference(spec.model, spec.train, steps=REFERENCE_STEPS)
+    _plan_matches(rank_pool, reference, tmp_path, "zero3_no_decay",
+                  TWO_NODE_STAGES.format(job=tmp_path / "job.het", schedule="1f1b", zero="  zero = 3"))
+
+
 @pytest.mark.parametrize("level", [1, 3])
 def test_hierarchical_zero_on_stages_of_one_node_each_matches_reference(level, rank_pool, demo_reference, tmp_path):
     """shard = node with across = 1 where each stage's lanes sit on one node: no other node holds replicas, so

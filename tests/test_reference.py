@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -25,10 +26,14 @@ def job(grad_clip: float = 0.0, steps: int = 4) -> TrainSpec:
 
 
 def plain_torch_training(model: ModelSpec, train: TrainSpec):
-    """The same job written as an ordinary torch loop: torch.optim.AdamW, clip_grad_norm_."""
+    """The same job written as an ordinary torch loop: torch.optim.AdamW, clip_grad_norm_; without decay on
+    norms and biases, Megatron-LM's two parameter groups (one-dimensional parameters at weight_decay 0)."""
     module = build_ministage(model, range(model.num_model_layers), seed=train.seed)
     opt = model.optimizer
-    adamw = torch.optim.AdamW(module.parameters(), lr=train.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
+    params = list(module.parameters())
+    groups = [{"params": params}] if opt.decay_norms_and_biases else [
+        {"params": [p for p in params if p.ndim >= 2]}, {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    adamw = torch.optim.AdamW(groups, lr=train.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
                               weight_decay=opt.weight_decay, foreach=False)
     data = make_data_source(model, train)
     num_mb = train.global_batch // train.micro_batch
@@ -55,6 +60,20 @@ def test_reference_is_bitwise_a_plain_torch_loop():
     assert ref.params.keys() == params.keys()
     for name, p in params.items():
         assert torch.equal(ref.params[name], p.detach()), name
+
+
+def test_norms_and_biases_without_decay_are_megatrons_parameter_groups():
+    """`decay_norms_and_biases = false`: bitwise torch.optim.AdamW with the one-dimensional parameters in a group
+    of weight_decay 0. After one step only those parameters differ from a run that decays them."""
+    model = replace(MODEL, optimizer=replace(MODEL.optimizer, decay_norms_and_biases=False))
+    losses, params = plain_torch_training(model, job())
+    ref = train_reference(model, job())
+    assert list(ref.losses) == pytest.approx(losses, rel=1e-12, abs=0)
+    for name, p in params.items():
+        assert torch.equal(ref.params[name], p.detach()), name
+    once, decayed = train_reference(model, job(), steps=1), train_reference(MODEL, job(), steps=1)
+    differ = {name for name, p in once.params.items() if not torch.equal(p, decayed.params[name])}
+    assert differ == {name for name, p in params.items() if p.ndim < 2}, differ
 
 
 def test_reference_clips_like_clip_grad_norm():

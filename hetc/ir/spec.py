@@ -302,6 +302,9 @@ class OptimizerSpec(Node):
     beta2: float = param(0.95, lo=0, hi=1, doc="second-moment decay (Adam family)")
     eps: float = param(1e-8, lo=0, hi=1, doc="denominator epsilon")
     weight_decay: float = param(0.0, lo=0, hi=1e3, doc="decoupled weight decay")
+    decay_norms_and_biases: bool = param(True, doc="weight decay on parameters of one dimension too (norms' "
+                                                   "weights, biases), as torchtitan; false: on matrices only, "
+                                                   "as Megatron-LM and Hugging Face's Trainer")
     momentum: float = param(0.0, lo=0, hi=1, doc="SGD momentum")
     master_dtype: DType = param(DType.FP32, aliases=("master_weights_dtype",),
                                 doc="dtype of master weights and optimizer state (δ_opt)")
