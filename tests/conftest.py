@@ -68,6 +68,19 @@ def pytest_collection_finish(session) -> None:
         raise pytest.UsageError(message)
 
 
+def demo_job(*edits: tuple[str, str], job: str = "job.het") -> str:
+    """The demo job specs/demo/JOB with its `use` and data paths absolute, to write into any folder, and then
+    each (old, new) edit, which must find its text."""
+    text = (DEMO / job).read_text()
+    text = text.replace('use "../catalog.het"', f'use "{SPECS / "catalog.het"}"')
+    text = text.replace('path = "data/', f'path = "{DEMO / "data"}/')
+    for old, new in edits:
+        if old not in text:
+            raise AssertionError(f"{old!r} is not in specs/demo/{job}")
+        text = text.replace(old, new)
+    return text
+
+
 def all_spec_files() -> list[Path]:
     return sorted(SPECS.rglob("*.het"))
 

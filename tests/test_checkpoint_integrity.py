@@ -20,7 +20,7 @@ import torch.distributed as dist
 from hetc.cli import main as hetc_main
 from hetc.runtime.checkpoint_files import LATEST, MANIFEST_FILE
 from hetc.runtime.local import free_port
-from tests.conftest import DEMO, SPECS
+from tests.conftest import DEMO, demo_job
 
 STEPS = 4
 
@@ -29,9 +29,7 @@ STEPS = 4
 def plans(tmp_path_factory) -> dict[str, Path]:
     """The 1-rank demo plan, and variants of its job with one thing changed."""
     out = tmp_path_factory.mktemp("plans")
-    job = (DEMO / "job.het").read_text()
-    job = job.replace('"../catalog.het"', f'"{SPECS / "catalog.het"}"')
-    job = job.replace('"data/tiny.txt"', f'"{DEMO / "data" / "tiny.txt"}"')
+    job = demo_job()
     variants = {
         "demo": job,
         "layers3": job.replace("layers = 4", "layers = 3"),

@@ -14,7 +14,7 @@ import shutil
 import pytest
 
 from hetc.runtime.checkpoint import latest_checkpoint
-from tests.conftest import DEMO, REFERENCE_STEPS
+from tests.conftest import DEMO, REFERENCE_STEPS, demo_job
 from tests.rank_pool import PlanJob, agreed_losses, assert_losses_close, assert_params_close, compile_plans
 
 CLIP = 0.05
@@ -24,12 +24,7 @@ PLANS = ["single", "zero3", "hsdp", "pp", "zero3_offload", "tp2_cp2", "hetero_tp
 @pytest.fixture(scope="module")
 def clip_plans(tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("clip")
-    job = (DEMO / "job.het").read_text()
-    assert "  lr = 3e-3\n" in job
-    job = job.replace("  lr = 3e-3\n", f"  lr = 3e-3\n  grad_clip = {CLIP}\n")
-    job = job.replace('path = "data/tiny.txt"', f'path = "{DEMO / "data" / "tiny.txt"}"')
-    job = job.replace('use "../catalog.het"', f'use "{DEMO.parent / "catalog.het"}"')
-    (folder / "job.het").write_text(job)
+    (folder / "job.het").write_text(demo_job(("  lr = 3e-3\n", f"  lr = 3e-3\n  grad_clip = {CLIP}\n")))
     for name in PLANS:
         shutil.copy(DEMO / f"{name}.het", folder / f"{name}.het")
     return compile_plans([folder / f"{name}.het" for name in PLANS], folder / "plans")

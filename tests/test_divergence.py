@@ -22,7 +22,7 @@ import pytest
 from hetc.cli import main
 from hetc.runtime.checkpoint_lock import LOCK_FILE, CheckpointBusy, lock_checkpoint_dir
 from hetc.runtime.checkpoint_files import complete_steps
-from tests.conftest import DEMO, ROOT, SPECS
+from tests.conftest import ROOT, demo_job
 
 HANG_GUARD_S = 300
 TWO_RANKS = """
@@ -36,12 +36,8 @@ parallel {
 
 def _job(tmp_path: Path, lr: str, clip: str = "") -> Path:
     """The demo job at learning rate `lr` on two data-parallel ranks, as a spec in tmp_path."""
-    text = (DEMO / "job.het").read_text()
-    text = text.replace('use "../catalog.het"', f'use "{SPECS / "catalog.het"}"')
-    text = text.replace('path = "data/tiny.txt"', f'path = "{DEMO / "data" / "tiny.txt"}"')
-    text = text.replace("  lr = 3e-3\n", f"  lr = {lr}\n{clip}")
     spec = tmp_path / "job.het"
-    spec.write_text(text + TWO_RANKS)
+    spec.write_text(demo_job(("  lr = 3e-3\n", f"  lr = {lr}\n{clip}")) + TWO_RANKS)
     return spec
 
 

@@ -24,7 +24,7 @@ from hetc.runtime.nn.attention import causal_attention, unfused_causal_attention
 from hetc.runtime.nn.dropout import dropout, seed_step
 from hetc.runtime.nn.model import build_ministage
 from hetc.runtime.reference import train_reference
-from tests.conftest import DEMO, REFERENCE_STEPS
+from tests.conftest import DEMO, REFERENCE_STEPS, demo_job
 from tests.rank_pool import PlanJob, agreed_losses, assert_losses_close, compile_plans
 
 SAVED_AT = 2
@@ -134,12 +134,8 @@ PLANS = {
 
 def _dropout_job(folder: Path) -> None:
     """The demo job with GPT-3's dropouts, beside the plans that import it."""
-    text = (DEMO / "job.het").read_text()
-    text = text.replace('use "../catalog.het"', f'use "{DEMO.parent / "catalog.het"}"')
-    text = text.replace('path = "data/tiny.txt"', f'path = "{DEMO / "data" / "tiny.txt"}"')
-    text = text.replace("  seq = 32\n", "  seq = 32\n  hidden_dropout = 0.1\n  attention_dropout = 0.1\n")
-    assert "hidden_dropout" in text
-    (folder / "job.het").write_text(text)
+    (folder / "job.het").write_text(demo_job(("  seq = 32\n",
+                                              "  seq = 32\n  hidden_dropout = 0.1\n  attention_dropout = 0.1\n")))
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from hetc.passes.verify import VerifyError, verify
 from hetc.plandir import read_plan
 from hetc.ir.program import Backward, Forward, Recv, Step, Wait
 from hetc.runtime.reference import train_reference
-from tests.conftest import DEMO
+from tests.conftest import DEMO, demo_job
 from tests.rank_pool import PlanJob, agreed_losses, assert_losses_close, compile_plans
 
 STEPS = 4
@@ -35,11 +35,7 @@ PLANS = ["single", "zero1", "hsdp", "zero3_offload", "zb", "offload_act", "tp_to
 
 def eval_job(out, keys: str = EVAL_KEYS) -> None:
     """The demo job with `keys` added to its train block, in `out` (paths made absolute)."""
-    text = (DEMO / "job.het").read_text()
-    text = text.replace('use "../catalog.het"', f'use "{DEMO.parent / "catalog.het"}"')
-    text = text.replace('path = "data/tiny.txt"', f'path = "{DEMO / "data" / "tiny.txt"}"')
-    text = text.replace("train {\n", "train {\n  " + keys, 1)
-    (out / "job.het").write_text(text)
+    (out / "job.het").write_text(demo_job(("train {\n", "train {\n  " + keys)))
 
 
 @pytest.fixture(scope="module")

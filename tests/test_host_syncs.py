@@ -29,7 +29,7 @@ from hetc.runtime.interpreter import Interpreter
 from hetc.runtime.local import free_port
 from hetc.runtime.optim import grad_sq_sum
 from hetc.runtime.step_clock import StepClock
-from tests.conftest import DEMO
+from tests.conftest import DEMO, demo_job
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -57,11 +57,8 @@ parallel {
 
 
 def _job(folder: Path, clip: float) -> None:
-    job = (DEMO / "job.het").read_text()
-    job = job.replace("  lr = 3e-3\n", f"  lr = 3e-3\n  grad_clip = {clip}\n") if clip else job
-    job = job.replace('path = "data/tiny.txt"', f'path = "{DEMO / "data" / "tiny.txt"}"')
-    job = job.replace('use "../catalog.het"', f'use "{DEMO.parent / "catalog.het"}"')
-    (folder / "job.het").write_text(job)
+    edits = [("  lr = 3e-3\n", f"  lr = 3e-3\n  grad_clip = {clip}\n")] if clip else []
+    (folder / "job.het").write_text(demo_job(*edits))
 
 
 def _compile(folder: Path, name: str, text: str, clip: float = 0.0) -> Path:

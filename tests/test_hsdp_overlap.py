@@ -15,7 +15,7 @@ from hetc.passes.agreement import build, compare
 from hetc.passes.cost import CostModel
 from hetc.passes.lower import lower
 from hetc.passes.verify import Backend, verify
-from tests.conftest import DEMO, ROOT
+from tests.conftest import DEMO, demo_job
 
 OUTER_OPS = (ReduceScatter, AllReduce)
 
@@ -110,11 +110,8 @@ def test_lanes_of_other_microbatch_counts_reduce_across_nodes_in_one_order(tmp_p
     """Zorse with clipping releases each ministage's gradients as its sweep ends: a lane of three microbatches
     finishes its ministages at other points than its outer group's lane of one, and both post the reductions
     across nodes last ministage first (a collective's k-th call must be the same on every member)."""
-    job = (DEMO / "job.het").read_text().replace('use "../catalog.het"', f'use "{ROOT / "specs" / "catalog.het"}"')
-    job = job.replace('"data/tiny.txt"', f'"{DEMO / "data" / "tiny.txt"}"')
-    job = job.replace("global_batch = 8", "global_batch = 16").replace("  seed = 1234", "  seed = 1234\n  grad_clip = 1.0")
-    assert "global_batch = 16" in job and "grad_clip = 1.0" in job
-    (tmp_path / "job.het").write_text(job)
+    (tmp_path / "job.het").write_text(demo_job(("global_batch = 8", "global_batch = 16"),
+                                               ("  seed = 1234", "  seed = 1234\n  grad_clip = 1.0")))
     spec = tmp_path / "zorse_hsdp.het"
     spec.write_text(ZORSE_HSDP.format(job=tmp_path / "job.het"))
     plan = _plan(spec)

@@ -23,7 +23,7 @@ from hetc.passes.lower import lower
 from hetc.plandir import read_plan
 from hetc.runtime.checkpoint import latest_checkpoint, read_params
 from hetc.runtime.reference import train_reference
-from tests.conftest import DEMO, REFERENCE_STEPS
+from tests.conftest import DEMO, REFERENCE_STEPS, demo_job
 from tests.plans import DEMO_PLANS
 from tests.rank_pool import COMM_ORDERS, PlanJob, agreed_losses, assert_losses_close, assert_params_close, compile_plans
 from tests.test_checkpoint import SAVED_AT, _save_then_resume
@@ -107,12 +107,8 @@ def test_norms_and_biases_without_weight_decay_match_reference_under_zero3(rank_
     plan trains to the 1-rank reference of the same job, which decays them nowhere either."""
     from hetc.runtime.reference import train_reference
 
-    job = (DEMO / "job.het").read_text()
-    job = job.replace('"../catalog.het"', f'"{DEMO.parent / "catalog.het"}"')
-    job = job.replace('"data/tiny.txt"', f'"{DEMO / "data" / "tiny.txt"}"')
-    job = job.replace("    weight_decay = 0.1\n", "    weight_decay = 0.1\n    decay_norms_and_biases = false\n")
-    assert "decay_norms_and_biases" in job
-    (tmp_path / "job.het").write_text(job)
+    (tmp_path / "job.het").write_text(demo_job(("    weight_decay = 0.1\n",
+                                                "    weight_decay = 0.1\n    decay_norms_and_biases = false\n")))
     _, checked = load_checked(tmp_path / "job.het")
     spec = checked.spec
     assert spec.model is not None and spec.train is not None
@@ -284,10 +280,7 @@ parallel {
 def test_tied_copy_under_zorse_interleaved_update_matches_reference(rank_pool, tmp_path):
     """Zorse without clipping steps each ministage right after its reductions, but a ministage holding a tied
     copy waits for the sum with the other stage's (passes/lower/zero.py): the tied job without clipping."""
-    job = (DEMO / "tied_job.het").read_text()
-    assert "  grad_clip = 1.0\n" in job
-    job = job.replace("  grad_clip = 1.0\n", "").replace('path = "data/tiny.txt"', f'path = "{DEMO / "data" / "tiny.txt"}"')
-    (tmp_path / "job.het").write_text(job.replace('use "../catalog.het"', f'use "{DEMO.parent / "catalog.het"}"'))
+    (tmp_path / "job.het").write_text(demo_job(("  grad_clip = 1.0\n", ""), job="tied_job.het"))
     (tmp_path / "tied_zorse.het").write_text(TIED_ZORSE)
     plan_dir = compile_plans([tmp_path / "tied_zorse.het"], tmp_path / "plans")["tied_zorse"]
     _, checked = read_plan(plan_dir)
