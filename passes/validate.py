@@ -26,7 +26,7 @@ from hetc.passes.validate_plan import check_plan
 from hetc.passes.validate_precision import check_precision
 from hetc.ir.pipeline import Pipeline
 from hetc.ir.plan import Job, Plan
-from hetc.ir.spec import (AUTO, AttentionKind, CPKind, DeviceSpec, LinkSpec, LrScheduleKind, ModelSpec, NodeSpec, OffloadSpec, OffloadTarget, Spec, StageSpec,
+from hetc.ir.spec import (AUTO, AttentionKind, CPKind, DeviceSpec, DType, LinkSpec, LrScheduleKind, ModelSpec, NodeSpec, OffloadSpec, OffloadTarget, Spec, StageSpec,
                        TrainSpec, ZeroShard, ZeroSpec, ClusterSpec)
 from hetc.ir.topology import MAX_GPUS, Topology
 
@@ -160,7 +160,19 @@ def _check_train(spec: Spec, t: TrainSpec, base_dir: Path | None, errors: list[D
                                  f"{t.micro_batch} = {t.global_batch // t.micro_batch} microbatches a step; hetc "
                                  f"schedules at most {MAX_MICROBATCHES}: raise micro_batch"))
     _check_lr_schedule(t, errors)
+    _check_loss_scale(spec, t, errors)
     check_data(spec.model, t, base_dir, errors)
+
+
+def _check_loss_scale(spec: Spec, t: TrainSpec, errors: list[Diagnostic]) -> None:
+    """A loss scale is fp16's (runtime/loss_scale.py), and starts at or above its floor."""
+    scale = t.loss_scale
+    if t.written("loss_scale") and spec.model is not None and spec.model.dtype is not DType.FP16:
+        errors.append(Diagnostic(t.span_of("loss_scale"), f"loss_scale scales fp16 gradients; the model trains "
+                                 f"in {spec.model.dtype.value}, which needs none"))
+    if scale.initial < scale.min:
+        errors.append(Diagnostic(scale.span_of("initial"), f"initial = {scale.initial:g} is below min = "
+                                 f"{scale.min:g}, the floor the scale never falls under"))
 
 
 def _check_lr_schedule(t: TrainSpec, errors: list[Diagnostic]) -> None:

@@ -50,25 +50,22 @@ def check_text_vocab(model: ModelSpec, train: TrainSpec) -> str | None:
 
 
 
-def check_loss_scaling(model: ModelSpec) -> str | None:
-    """Why hetc's runtime cannot train `model`'s dtype (report at model.span_of("dtype")).
+def check_loss_scaling(model: ModelSpec, train: TrainSpec) -> str | None:
+    """Why hetc's runtime cannot train `model`'s dtype with `train` (report at model.span_of("dtype")).
 
-    fp16 training needs a dynamic loss scale (torch's GradScaler, DeepSpeed's
-    and Megatron's loss scalers), which the runtime does not have: gradients
-    below fp16's range would flush to zero. `--on-nonfinite skip` skips an
-    overflowing step but scales nothing. The cost model times fp16 right, so
-    compile, plan and explain accept it; only `hetc run` refuses it.
+    fp16 trains with a dynamic loss scale (runtime/loss_scale.py), which finds an overflow in the global
+    gradient norm; the programs compute that norm under clipping, so fp16 needs grad_clip. The cost model
+    times fp16 either way, so compile, plan and explain accept it; only `hetc run` refuses it.
     """
-    if model.dtype is not DType.FP16:
+    if model.dtype is not DType.FP16 or train.grad_clip > 0:
         return None
-    return ("dtype = fp16 needs loss scaling, which hetc's runtime does not do (small gradients would flush to "
-            "zero); train with dtype = bf16 (a kind without bf16 units, such as a V100 or T4, runs it at its fp32 "
-            "rate) or fp32, and recompile")
+    return ("dtype = fp16 trains with a dynamic loss scale, which finds overflows in the global gradient norm "
+            "that hetc computes under clipping: set train.grad_clip (Megatron-LM's default is 1.0) and recompile")
 
 
 def require_trainable_dtype(spec: Spec) -> None:
     """Raise a located SpecError when `hetc run` cannot train the plan's dtype (`check_loss_scaling`)."""
     model = spec.model
-    problem = None if model is None else check_loss_scaling(model)
+    problem = None if model is None or spec.train is None else check_loss_scaling(model, spec.train)
     if model is not None and problem is not None:
         raise SpecError.at(model.span_of("dtype"), problem)

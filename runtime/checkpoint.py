@@ -7,6 +7,7 @@ and stored flattened (1-D, the parameter's numel), whatever plan wrote it.
     model.<fqn>                      fp32 master weights of parameter <fqn>
     optimizer.state.<fqn>.<state>    its optimizer state (exp_avg, exp_avg_sq, momentum_buffer)
     train.step                       optimizer steps done = the next step to run
+    train.loss_scale                 fp16: the loss scaler's (scale, good steps, hysteresis left)
 
 Beside DCP's files rank 0 writes model.het, the model block the weights
 belong to (explicit: every field written, no hf directory), and, for a
@@ -19,7 +20,10 @@ checksums.json over every other file (Note [Checkpoint checksums] in
 runtime/checkpoint_files.py).
 
 The data source is stateless ((step, microbatch) -> tokens) and the
-learning rate a function of the step, so the step is all the trainer state.
+learning rate a function of the step, so the step is all the trainer state
+but fp16's loss scale (Note [dynamic loss scale] in runtime/loss_scale.py),
+saved beside it; a checkpoint without one (of another dtype) resumes at the
+spec's initial scale.
 On save each rank writes the pieces of its `unique_range` (replicas of a
 shard split it; MinistageBuffers.unique_range), as chunks at their offset in
 the flattened parameter (runtime/pieces.py); DCP's save planner rejects a
@@ -68,6 +72,7 @@ from hetc.runtime.checkpoint_identity import write_data_identity
 from hetc.runtime.checkpoint_files import (LATEST, CheckpointError, complete_steps, has_checkpoint, verify_manifest,
                                            write_manifest)
 from hetc.runtime.nn import collectives
+from hetc.runtime.loss_scale import LossScaler
 from hetc.frontend.printer import format_spec
 from hetc.runtime.pieces import FlatPieces, PieceLoadPlanner, PieceSavePlanner, layout_pieces
 from hetc.runtime.unit_buffers import Buffers
@@ -97,6 +102,7 @@ log = logging.getLogger("hetc.runtime")
 MODEL_FILE = "model.het"
 HF_CONFIG_FILE = "hf_config.json"
 STEP_KEY = "train.step"
+LOSS_SCALE_KEY = "train.loss_scale"
 MODEL_PREFIX = "model."
 OPTIM_PREFIX = "optimizer.state."
 
@@ -131,6 +137,8 @@ class Checkpointer:
                 shutil.rmtree(stale, ignore_errors=True)
         collectives.barrier(group=self.group)
         state = _save_state(self.rt.buffers, step)
+        if (scaler := self.rt.interpreter.scaler) is not None:
+            state[LOSS_SCALE_KEY] = scaler.state()
         if not _finite_everywhere(state, self.group):
             raise NonFiniteState(f"step {step}'s weights or optimizer state are not finite: not saved, so that "
                                  f"{self.directory / LATEST} keeps naming a usable checkpoint")
@@ -197,22 +205,29 @@ def load_checkpoint(rt, directory: Path) -> int:
     if path is None:
         log.warning("no checkpoint in %s yet: starting at step 0", directory)
         return 0
-    step = read_checkpoint(rt.buffers, path, rt.interpreter.comm.group("world"))
+    step = read_checkpoint(rt.buffers, path, rt.interpreter.comm.group("world"), scaler=rt.interpreter.scaler)
     log.info("resumed from %s at step %d", path, step)
     return step
 
 
-def read_checkpoint(buffers: dict[int, Buffers], path: Path, group, weights_only: bool = False) -> int:
-    """Fill `buffers` from checkpoint `path` (a step-N directory), each rank its own share (collective over
-    `group`, the plan's ranks); return the next step. `weights_only`: the parameters alone (the optimizer
-    state stays as built, fresh), and the next step is 0. The caller checked the files (`verify_manifest`)."""
+def read_checkpoint(buffers: dict[int, Buffers], path: Path, group, weights_only: bool = False,
+                    scaler: LossScaler | None = None) -> int:
+    """Fill `buffers` (and fp16's `scaler`, where the checkpoint has its state) from checkpoint `path` (a
+    step-N directory), each rank its own share (collective over `group`, the plan's ranks); return the next
+    step. `weights_only`: the parameters alone (the optimizer state and the scale stay as built, fresh), and
+    the next step is 0. The caller checked the files (`verify_manifest`)."""
     state, kept = _load_state(buffers)
+    reader = dcp.FileSystemReader(path)
     if weights_only:
         state = {k: v for k, v in state.items() if k.startswith(MODEL_PREFIX)}
+    elif scaler is not None and LOSS_SCALE_KEY in reader.read_metadata().state_dict_metadata:
+        state[LOSS_SCALE_KEY] = scaler.state()
     try:
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=PieceLoadPlanner(), process_group=group)
+        dcp.load(state, storage_reader=reader, planner=PieceLoadPlanner(), process_group=group)
     except dcp.CheckpointException as err:
         raise CheckpointError(f"cannot load {path}: {_cause(err)}") from None
+    if scaler is not None and LOSS_SCALE_KEY in state:
+        scaler.restore(_loss_scale_state(state[LOSS_SCALE_KEY], path))
     for ms, buf in buffers.items():
         for i, part in enumerate(buf.parts()):
             part.load_params(kept[(ms, i)], part.param_range)
@@ -220,6 +235,14 @@ def read_checkpoint(buffers: dict[int, Buffers], path: Path, group, weights_only
     if not isinstance(step, int):
         raise CheckpointError(f"cannot load {path}: its {STEP_KEY} is {step!r}, not a step number")
     return step
+
+
+def _loss_scale_state(value: object, path: Path) -> tuple[float, int, int]:
+    """The loss scaler's state as a checkpoint holds it, or a CheckpointError naming what it holds."""
+    if isinstance(value, (tuple, list)) and len(value) == 3 and all(isinstance(v, (int, float)) for v in value) \
+            and value[0] > 0:
+        return float(value[0]), int(value[1]), int(value[2])
+    raise CheckpointError(f"cannot load {path}: its {LOSS_SCALE_KEY} is {value!r}, not a loss scaler's state")
 
 
 # Note [Which checkpoint --resume loads]

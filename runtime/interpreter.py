@@ -40,6 +40,7 @@ from hetc.runtime.host_copy import host_buffer, upload
 from hetc.runtime.inject import Injection, compute_factor, link_factor, stretch, synchronize
 from hetc.runtime.lane import LanePlace, take_tokens
 from hetc.runtime.links import MessageLog
+from hetc.runtime.loss_scale import LossScaler
 from hetc.runtime.optim import clip_coefficient, grad_sq_sum, lr_at, optimizer_step
 from hetc.runtime.nn.dropout import RngState, replaying, rng_state, seed_step
 from hetc.runtime.nn.split_backward import DeferredWeightGrad, backward_input, backward_weight
@@ -47,6 +48,7 @@ from hetc.runtime.step_clock import StepClock
 from hetc.runtime.tied import put_tied_sum, tied_copy, tied_share
 from hetc.runtime.unit_buffers import Buffers, UnitBuffers
 from hetc.ir.plan import Plan
+from hetc.ir.spec import DType
 from hetc.ir.timeline import class_times
 
 __all__ = ["Interpreter", "ProtocolError", "StepResult"]
@@ -66,6 +68,7 @@ class StepResult:
     classes: dict[str, float] = field(default_factory=dict)   # seconds per TimeClass (Note [time classes])
     grad_norm: float | None = None     # the global gradient norm before clipping, where the step computes it
     skipped: bool = False              # the update was skipped: a non-finite gradient norm (Note [non-finite steps])
+    loss_scale: float | None = None    # fp16: the scale this step's backward ran at (Note [dynamic loss scale])
 
 
 @dataclass
@@ -105,6 +108,7 @@ class Interpreter:
         self.dropout_stream = program.rank if place.tp_group is None else \
             dist.get_process_group_ranks(cast(dist.ProcessGroup, place.tp_group))[0]
         self.skip_nonfinite = False    # set by `hetc run --on-nonfinite skip`: Note [non-finite steps]
+        self.scaler = LossScaler.start(plan.train.loss_scale) if plan.model.dtype is DType.FP16 else None
         # the host buffers of the rank's offloads: its stage's `offload { pin_memory }`
         self.pin_memory = pin_memory = plan.pipeline.stage_of_rank[program.rank].offload.pin_memory
         for buf in buffers.values():
@@ -172,7 +176,8 @@ class Interpreter:
         events = [(i, marks[i], marks[i + 1]) for i in range(len(marks) - 1)] if trace else []
         split = {c.value: s for c, s in class_times(self.program.instrs, marks[:-1], marks[-1]).items()} \
             if classes else {}
-        return StepResult(self.loss_total, time.perf_counter() - t0, events, split, self.grad_norm, self.skip_update)
+        return StepResult(self.loss_total, time.perf_counter() - t0, events, split, self.grad_norm, self.skip_update,
+                          self.scale_used)
 
     def _slowed(self, instr: Instr, factor: float) -> None:
         """A compute instruction of an injected slow rank: run, then wait (factor - 1) times its time."""
@@ -203,6 +208,7 @@ class Interpreter:
         self.clip = 1.0
         self.grad_norm: float | None = None
         self.skip_update = False
+        self.scale_used = None if self.scaler is None or not self.training else self.scaler.scale
         self.replay: dict[tuple[int, int], RngState] = {}   # activation offload's recomputations
         if self.training:
             if self.dropout:
@@ -354,7 +360,7 @@ class Interpreter:
     def _seed(self, ms: int, mb: int) -> tuple[Tensor, Tensor, Tensor | None]:
         x, out = self._graph_of(ms, mb)
         grad = self._output_grad(ms, mb)
-        return x, (out / self.m if grad is None else out), grad   # Note [Loss normalisation]
+        return x, (self._seeded(out) if grad is None else out), grad
 
     def _unit_seed(self, instr: ComputeInstr) -> tuple[Tensor, Tensor, Tensor | None]:
         ms, mb, unit = instr.ms, instr.mb, instr.unit
@@ -370,7 +376,12 @@ class Interpreter:
                                     f"backward on microbatch {mb}")
             return x, out, after
         grad = self._output_grad(ms, mb)
-        return x, (out / self.m if grad is None else out), grad   # Note [Loss normalisation]
+        return x, (self._seeded(out) if grad is None else out), grad
+
+    def _seeded(self, loss: Tensor) -> Tensor:
+        """What a microbatch's loss backward starts from: loss / m (Note [Loss normalisation]), times the
+        loss scale under fp16 (Note [dynamic loss scale] in runtime/loss_scale.py)."""
+        return loss / self.m if self.scale_used is None else loss * (self.scale_used / self.m)
 
     def _backward(self, instr: Backward) -> None:
         self._ready_grads(self._buffer(instr.ms, instr.unit))
@@ -544,10 +555,24 @@ class Interpreter:
 
         def done() -> None:
             total_sq = float(total.item())
+            if self.scale_used is not None:
+                self._unscale(total_sq, self.scale_used)
+                return
             self.grad_norm = math.sqrt(total_sq)
             self.skip_update = self.skip_nonfinite and not math.isfinite(self.grad_norm)
             self.clip = 1.0 if self.skip_update else clip_coefficient(total_sq, self.train.grad_clip)
         self._post(instr, self.comm.all_reduce(total, group), done)
+
+    def _unscale(self, scaled_sq: float, scale: float) -> None:
+        """fp16: the norm of gradients `scale` times the true ones. Non-finite: an overflow on some rank, so
+        every rank skips the update; else the step's factor unscales and clips at once (Note [dynamic loss
+        scale] in runtime/loss_scale.py)."""
+        assert self.scaler is not None    # `scale_used` is set from it
+        overflow = not math.isfinite(scaled_sq)
+        self.grad_norm = math.sqrt(scaled_sq) / scale
+        self.skip_update = overflow
+        self.clip = 1.0 if overflow else clip_coefficient(scaled_sq / scale ** 2, self.train.grad_clip) / scale
+        self.scaler.update(overflow)
 
     def _all_to_all(self, instr: AllToAll) -> None:
         raise ProtocolError("all_to_all of boundary tensors has no runtime: hetc lowers layout transforms "

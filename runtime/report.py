@@ -10,7 +10,7 @@ model's dtype), peak_memory_bytes and peak_memory_reserved_bytes per rank
 rank, the step's seconds per TimeClass, Note [time classes], val_loss on
 steps that evaluate, grad_norm where the step computes it (under clipping)
 and `"skipped": true` on a step whose update was skipped, Note [non-finite
-steps] in runtime/worker.py); docs/metrics.md is the schema. With
+steps] in runtime/worker.py; fp16: the loss_scale the step ran at); docs/metrics.md is the schema. With
 `--tensorboard DIR` and `--wandb PROJECT` the record's per-step numbers
 (`step_scalars`) go to TensorBoard and Weights & Biases too
 (runtime/scalars.py). Per-rank peak memory travels through the rendezvous
@@ -41,6 +41,7 @@ from hetc.ir.program import Program, Recv, Send
 from hetc.runtime.nn import collectives
 from hetc.runtime.optim import lr_at
 from hetc.runtime.scalars import ScalarSink, TensorBoardSink, WandbSink
+from hetc.runtime.interpreter import StepResult
 from hetc.ir.timeline import Event, Flow, MemorySample, RankInfo, Timeline, class_times, classify
 from hetc.ir.units import human_seconds
 
@@ -66,6 +67,15 @@ def peak_memory_reserved(device: torch.device) -> float:
 
 def _peak_rss() -> float:
     return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024   # Linux reports KiB
+
+
+def _skip_note(result: StepResult) -> str:
+    """The step line's note on a skipped update, and why it was skipped."""
+    if not result.skipped:
+        return ""
+    if result.loss_scale is not None:
+        return f"  update skipped (fp16 overflow at loss scale {result.loss_scale:g})"
+    return f"  update skipped (gradient norm {result.grad_norm})"
 
 
 def step_scalars(record: dict) -> dict[str, float]:
@@ -128,7 +138,7 @@ class Reporter:
         done = step + 1   # Note [step numbers]
         if not self.opts.quiet:
             val = "" if val_loss is None else f"  val_loss {val_loss:.4f}"
-            skipped = f"  update skipped (gradient norm {result.grad_norm})" if result.skipped else ""
+            skipped = _skip_note(result)
             print(f"step {done}/{total}  loss {result.loss:.4f}{val}  lr {lr:.2e}  {tps:,.0f} tokens/s  "
                   f"MFU {mfu:.1%}  {human_seconds(result.seconds)}/step{skipped}", flush=True)
         if not self.records:
@@ -144,6 +154,8 @@ class Reporter:
             record["grad_norm"] = result.grad_norm
         if result.skipped:
             record["skipped"] = True
+        if result.loss_scale is not None:
+            record["loss_scale"] = result.loss_scale
         self.event(record)
         for sink in self.sinks:
             sink.add(done, step_scalars(record))

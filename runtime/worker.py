@@ -144,7 +144,7 @@ def run_placed(plan_dir: Path, plan: Plan, program: Program, rank: int, launch: 
     `on_resumed(step, seconds)` hears where the run resumed and how long the load took,
     `on_first_step()` when the first step is done (elastic reports); `progress` tells the start-up
     phases on rank 0 (its clock running since placement)."""
-    require_trainable_dtype(plan.spec)   # fp16 has no loss scaling (torchrun and elastic ranks get here)
+    require_trainable_dtype(plan.spec)   # fp16's loss scale needs clipping (torchrun and elastic ranks get here)
     world = program.world_size
     device = _device(plan.pipeline.world[rank].device, launch.local_rank)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
@@ -292,8 +292,11 @@ def _steps(rt, opts: RunOptions, rank: int, plan: Plan, program: Program, device
         saver.wait()
     reporter.finish()
     if skipped and rank == 0:
+        scaler = rt.interpreter.scaler
+        why = "(--on-nonfinite skip)" if scaler is None else \
+            f"(fp16 overflows; the loss scale is now {scaler.scale:g})"
         print(f"hetc run: {skipped} of {steps - start} steps skipped their update: a non-finite gradient norm "
-              "(--on-nonfinite skip)", file=sys.stderr, flush=True)
+              f"{why}", file=sys.stderr, flush=True)
     return 0
 
 
@@ -526,7 +529,8 @@ def _load(rt, start: _Start) -> int:
     """Load `start` into `rt`; the next step (0 after --load-weights-only)."""
     from hetc.runtime.checkpoint import read_checkpoint
 
-    step = read_checkpoint(rt.buffers, start.path, rt.interpreter.comm.group("world"), start.weights_only)
+    step = read_checkpoint(rt.buffers, start.path, rt.interpreter.comm.group("world"), start.weights_only,
+                           rt.interpreter.scaler)
     if rt.interpreter.program.rank == 0:   # once, as a save says `saved step N to DIR`
         print(f"loaded the weights of {start.path}; starting at step 0" if start.weights_only
               else f"resumed from {start.path} at step {step}", flush=True)

@@ -297,7 +297,7 @@ def _local(args: argparse.Namespace) -> int:
     from hetc.runtime.placement import node_label
 
     _, checked = read_plan(args.dir)
-    require_trainable_dtype(checked.spec)    # fp16 has no loss scaling: refused once, before any rank starts
+    require_trainable_dtype(checked.spec)    # fp16's loss scale needs clipping: refused once, before any rank starts
     program = read_program(args.dir)
     world = checked.pipeline.world_size
     # the launcher checks edits once, before any rank starts, and records them for its ranks (Note [verified once])

@@ -41,6 +41,7 @@ __all__ = [
     "IntraLinkSpec",
     "LayerRange",
     "LinkSpec",
+    "LossScaleSpec",
     "LrDecay",
     "LrScheduleKind",
     "LrScheduleSpec",
@@ -619,6 +620,20 @@ class LrScheduleSpec(Node):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class LossScaleSpec(Node):
+    """fp16's dynamic loss scale (Megatron-LM's DynamicGradScaler, DeepSpeed's fp16 block): runtime/loss_scale.py."""
+
+    initial: float = param(65536.0, lo=1, hi=2.0**64, aliases=("initial_loss_scale",),
+                           doc="the scale of the first step (DeepSpeed's 2^initial_scale_power, 2^16)")
+    window: int = param(1000, lo=1, hi=10**9, aliases=("loss_scale_window", "growth_interval"),
+                        doc="steps without overflow after which the scale doubles")
+    hysteresis: int = param(2, lo=1, hi=10**6,
+                            doc="overflows since the scale last grew before it halves (each skips its update)")
+    min: float = param(1.0, lo=1e-4, hi=2.0**64, aliases=("min_loss_scale",),
+                       doc="the scale never falls below this")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TrainSpec(Node):
     global_batch: int = param(lo=1, hi=1 << 30, aliases=("global_batch_size", "train_batch_size"),
                               doc="sequences per optimizer step B")
@@ -644,6 +659,8 @@ class TrainSpec(Node):
                                   doc="validation data, written like data (`eval tokens { path = ... }`)")
     lr_schedule: LrScheduleSpec = param(factory=LrScheduleSpec, block="lr_schedule",
                                         doc="learning-rate schedule")
+    loss_scale: LossScaleSpec = param(factory=LossScaleSpec, block="loss_scale",
+                                      doc="dtype = fp16: the dynamic loss scale")
 
 
 # ---------------------------------------------------------------- parallel

@@ -84,8 +84,8 @@ def compute_dtype(dtype: DType) -> torch.dtype:
 
     tf32 stores fp32 (TF32 is a matmul mode, not a storage format:
     `float32_matmul_precision`). fp8 has no native training path here and
-    computes in bf16 (`executed_dtype`, which the cost model shares). fp16 has
-    no loss scaling, so `hetc run` refuses it (passes/validate_runtime.py).
+    computes in bf16 (`executed_dtype`, which the cost model shares). fp16
+    trains with a dynamic loss scale (runtime/loss_scale.py).
     """
     executed = executed_dtype(dtype)
     if executed is not dtype:

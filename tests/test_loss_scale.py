@@ -1,0 +1,94 @@
+"""fp16 trains with a dynamic loss scale (Note [dynamic loss scale] in runtime/loss_scale.py).
+
+The scaler's rule is torch.amp.GradScaler's kernel with hysteresis 1 and Megatron-LM's with more; an fp16
+pipeline skips the steps whose scaled gradients overflow, as the one-rank plan does, and trains to its
+losses; a resumed run goes on at the scale the checkpoint saved.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+
+import pytest
+import torch
+
+from hetc.cli import main as hetc_main
+from hetc.ir.spec import LossScaleSpec
+from hetc.runtime.loss_scale import LossScaler
+from tests.conftest import DEMO, REFERENCE_STEPS, demo_job
+from tests.rank_pool import PlanJob, agreed_losses, compile_plans
+
+# From 2^19 the demo's scaled gradients overflow on steps 1, 4 and 5 (the scale halves each time and doubles
+# after two good steps): a run that skips none, or resumes at the initial scale, trains to other losses.
+FP16 = (("  dtype = fp32\n", "  dtype = fp16\n"),
+        ("  seed = 1234\n", ("  seed = 1234\n  grad_clip = 1.0\n"
+                             "  loss_scale {\n    initial = 524288\n    window = 2\n    hysteresis = 1\n  }\n")))
+PLANS = ["single", "pp", "zero3"]
+
+
+def test_the_rule_is_torch_grad_scalers_kernel_with_hysteresis_one():
+    """torch._amp_update_scale_, what torch.amp.GradScaler.update runs, on 300 random overflows."""
+    ours = LossScaler.start(LossScaleSpec(initial=2.0 ** 16, window=2, hysteresis=1, min=2.0 ** -24))
+    scale, growth = torch.tensor([2.0 ** 16]), torch.tensor([0], dtype=torch.int32)
+    draws, seen = random.Random(7), []
+    for _ in range(300):
+        overflow = draws.random() < 0.25
+        torch._amp_update_scale_(scale, growth, torch.tensor([float(overflow)]), 2.0, 0.5, 2)
+        ours.update(overflow)
+        assert (ours.scale, ours.good_steps) == (scale.item(), growth.item())
+        seen.append(ours.scale)
+    assert min(seen) < 2.0 ** 16 < max(seen), "the draws both grow and shrink the scale"
+
+
+def test_hysteresis_spends_overflows_before_halving_and_the_minimum_holds():
+    """Megatron-LM's DynamicGradScaler: `hysteresis` overflows since the scale last grew before it halves,
+    then every overflow halves it (never below `min`); `window` good steps double it and restore them."""
+    scaler = LossScaler.start(LossScaleSpec(initial=1024, window=2, hysteresis=2, min=256))
+    scales = []
+    for overflow in (True, True, True, True, False, False, True, False, True):
+        scaler.update(overflow)
+        scales.append(scaler.scale)
+    assert scales == [1024, 512, 256, 256, 256, 512, 512, 512, 256]   # a good step does not restore one
+    assert scaler.state() == (256, 0, 0)
+
+
+@pytest.fixture(scope="module")
+def fp16_plans(tmp_path_factory) -> dict:
+    folder = tmp_path_factory.mktemp("fp16")
+    (folder / "job.het").write_text(demo_job(*FP16))
+    for name in PLANS:
+        shutil.copy(DEMO / f"{name}.het", folder / f"{name}.het")
+    return compile_plans([folder / f"{name}.het" for name in PLANS], folder / "plans")
+
+
+@pytest.mark.parametrize("plan", ["pp", "zero3"])
+def test_fp16_plans_skip_the_same_steps_and_train_to_the_one_rank_losses(plan, fp16_plans, rank_pool):
+    """Every rank skips a step exactly when the global norm of the scaled gradients overflows, so a pipeline
+    and ZeRO-3 skip the one-rank plan's steps; fp16 sums in another order, hence a tolerance."""
+    want = agreed_losses(rank_pool.run(PlanJob(fp16_plans["single"], REFERENCE_STEPS)))
+    got = agreed_losses(rank_pool.run(PlanJob(fp16_plans[plan], REFERENCE_STEPS)))
+    assert got == pytest.approx(want, rel=2e-3), (got, want)
+    assert got[2] < got[0] - 0.1, "the steps between overflows train"
+
+
+def test_a_resumed_fp16_run_goes_on_at_the_saved_scale(fp16_plans, rank_pool, tmp_path):
+    """After step 2 the scale is 2^18 with one good step: a resume at the initial 2^19 would overflow and
+    skip step 3, which the uninterrupted run trains."""
+    straight = agreed_losses(rank_pool.run(PlanJob(fp16_plans["pp"], REFERENCE_STEPS)))
+    agreed_losses(rank_pool.run(PlanJob(fp16_plans["pp"], 2, save_to=tmp_path / "ckpt")))
+    resumed = rank_pool.run(PlanJob(fp16_plans["pp"], REFERENCE_STEPS, resume_from=tmp_path / "ckpt"))
+    assert {r.start for r in resumed} == {2}
+    assert agreed_losses(resumed) == straight[2:]
+
+
+def test_fp16_without_clipping_is_refused_by_run_at_its_dtype(tmp_path, capsys):
+    """The overflow check reads the global gradient norm, which the programs compute under clipping."""
+    (tmp_path / "job.het").write_text(demo_job(("  dtype = fp32\n", "  dtype = fp16\n")))
+    shutil.copy(DEMO / "single.het", tmp_path / "single.het")
+    assert hetc_main(["compile", str(tmp_path / "single.het"), "-o", str(tmp_path / "plan")]) == 0
+    capsys.readouterr()
+    assert hetc_main(["run", str(tmp_path / "plan"), "--local", "--steps", "1", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "plan.het:" in err and "error: dtype = fp16 trains with a dynamic loss scale" in err, err
+    assert "set train.grad_clip" in err and "Traceback" not in err
