@@ -11,8 +11,8 @@ together with the clipping coefficient. An overflow anywhere shows as a non-fini
 which every rank reads from the same all-reduce (the norm's, lowered under clipping: hence fp16 needs
 grad_clip); then every rank skips the update and the scaler backs off, the same on every rank. That rests
 on an all-reduce delivering the same bits to every member, as NCCL's and gloo's do (each piece of the
-result is reduced once, then copied to every rank), so no rank can decide otherwise and leave the others in a collective. The rule
-(`LossScaler.update`) is Megatron-LM's: an overflow resets the count of good steps and spends one of
+result is reduced once, then copied to every rank), so no rank can decide otherwise and leave the others
+waiting in a collective. The rule (`LossScaler.update`) is Megatron-LM's: an overflow resets the count of good steps and spends one of
 `hysteresis`; once none is left each overflow halves S (never below `min`); `window` good steps in a row
 double S and restore the hysteresis. With hysteresis 1 it is torch.amp.GradScaler's rule.
 
