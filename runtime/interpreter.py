@@ -41,6 +41,7 @@ from hetc.runtime.inject import Injection, compute_factor, link_factor, stretch,
 from hetc.runtime.lane import LanePlace, take_tokens
 from hetc.runtime.links import MessageLog
 from hetc.runtime.loss_scale import LossScaler
+from hetc.runtime.nn.moe import moe_layers
 from hetc.runtime.optim import clip_coefficient, grad_sq_sum, lr_at, optimizer_step
 from hetc.runtime.nn.dropout import RngState, replaying, rng_state, seed_step
 from hetc.runtime.nn.split_backward import DeferredWeightGrad, backward_input, backward_weight
@@ -109,6 +110,7 @@ class Interpreter:
             dist.get_process_group_ranks(cast(dist.ProcessGroup, place.tp_group))[0]
         self.skip_nonfinite = False    # set by `hetc run --on-nonfinite skip`: Note [non-finite steps]
         self.scaler = LossScaler.start(plan.train.loss_scale) if plan.model.dtype is DType.FP16 else None
+        self.moe_layers = moe_layers(part.module for buf in buffers.values() for part in buf.parts())
         # the host buffers of the rank's offloads: its stage's `offload { pin_memory }`
         self.pin_memory = pin_memory = plan.pipeline.stage_of_rank[program.rank].offload.pin_memory
         for buf in buffers.values():
@@ -209,6 +211,8 @@ class Interpreter:
         self.grad_norm: float | None = None
         self.skip_update = False
         self.scale_used = None if self.scaler is None or not self.training else self.scaler.scale
+        for moe in self.moe_layers:     # Note [load-balancing loss]: the seed of the loss, 1/m (times the scale)
+            moe.aux_seed = (1.0 if self.scale_used is None else self.scale_used) / self.m
         self.replay: dict[tuple[int, int], RngState] = {}   # activation offload's recomputations
         if self.training:
             if self.dropout:

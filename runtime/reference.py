@@ -28,6 +28,7 @@ from hetc.hf.weights import pretrained_dir
 from hetc.runtime.data import DataSource, make_data_source, make_eval_source
 from hetc.runtime.flat import FlatParams
 from hetc.runtime.hf_load import load_whole
+from hetc.runtime.nn.moe import moe_layers
 from hetc.runtime.nn.dropout import seed_step
 from hetc.runtime.nn.model import build_ministage, compute_dtype
 from hetc.runtime.optim import clip_coefficient, grad_sq_sum, init_state, lr_at, optimizer_step, undecayed
@@ -64,6 +65,8 @@ def train_reference(model: ModelSpec, train: TrainSpec, *, base_dir: Path | str 
     data = data if data is not None else make_data_source(model, train, base_dir)
     held_out = make_eval_source(model, train, base_dir)
     num_mb = train.global_batch // train.micro_batch
+    for moe in moe_layers([module]):    # Note [load-balancing loss]: its gradient is the loss's seed
+        moe.aux_seed = 1.0 / num_mb
     losses, norms, times, vals = [], [], [], []
     for step in range(train.steps if steps is None else steps):
         start = time.perf_counter()

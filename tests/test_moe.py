@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hetc.runtime.nn.mlp import make_mlp
 from hetc.runtime.nn.model import build_layer
 from hetc.runtime.nn.moe import ALL_EXPERTS, ExpertShard, MoE, capacity, is_expert_param, keep_mask
 from hetc.ir.spec import MoESpec
@@ -118,3 +119,41 @@ def test_the_moe_demo_job_drops_token_choices():
         module(tokens, labels)
     assert len(kept) == model.layers
     assert any(not k.all() for k in kept)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_balancing_loss_is_megatrons_switch_loss_hugging_faces_over_k(top_k):
+    """Note [load-balancing loss]: c · E · Σ_e f_e P_e with f_e over the T·K assignments, which is Hugging Face's
+    Mixtral `load_balancing_loss_func` (over one layer) divided by K."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    torch.manual_seed(top_k)
+    experts, hidden = 8, 16
+    moe = MoE(hidden, MoESpec(experts=experts, top_k=top_k, aux_loss_coeff=0.01), lambda: torch.nn.Identity())
+    logits = moe.router(torch.randn(3 * 5, hidden)).float()
+    chosen = logits.topk(top_k, dim=-1).indices.view(3, 5, top_k)
+    hf = load_balancing_loss_func((logits,), experts, top_k)
+    assert torch.allclose(moe.balancing_loss(logits, chosen), 0.01 * hf / top_k, rtol=1e-6)
+
+
+def test_balancing_loss_reaches_the_router_with_the_seed_and_not_the_output():
+    """The layer's output is unchanged; backward adds the balancing loss's gradient, times `aux_seed`, to the
+    router's, as seeding that loss with the seed would."""
+    def layer(coeff: float) -> MoE:
+        torch.manual_seed(0)
+        moe = make_mlp(tiny(hidden=16, ffn=24, moe=MoESpec(experts=4, top_k=2, capacity_factor=4.0,
+                                                          aux_loss_coeff=coeff)))
+        assert isinstance(moe, MoE)
+        return moe
+
+    plain, balanced, probe = layer(0.0), layer(0.3), layer(0.3)
+    balanced.aux_seed = 0.25
+    x = torch.randn(2, 3, 16)
+    out_plain, out_balanced = plain(x), balanced(x)
+    assert torch.equal(out_plain, out_balanced)
+    out_plain.sum().backward()
+    out_balanced.sum().backward()
+    logits = probe.router(x.reshape(-1, 16)).float()
+    (0.25 * probe.balancing_loss(logits, logits.topk(2, dim=-1).indices.view(2, 3, 2))).backward()
+    assert probe.router.weight.grad is not None and probe.router.weight.grad.abs().sum() > 0
+    torch.testing.assert_close(balanced.router.weight.grad, plain.router.weight.grad + probe.router.weight.grad)

@@ -323,6 +323,9 @@ class MoESpec(Node):
     experts: int = param(doc="number of experts E", lo=1, hi=4096, aliases=("num_experts",))
     top_k: int = param(2, doc="experts per token K", lo=1, hi=64, aliases=("moe_router_topk", "topk"))
     capacity_factor: float = param(1.25, lo=0.01, hi=1e3, doc="expert capacity over the mean load")
+    aux_loss_coeff: float = param(0.0, lo=0, hi=1e3, aliases=("moe_aux_loss_coeff",),
+                                  doc="weight of each MoE layer's load-balancing loss (Switch's, as Megatron-LM "
+                                      "computes it; 0: none)")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

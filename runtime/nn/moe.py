@@ -30,6 +30,23 @@ replicas are only the ranks with the same EP rank in other EP groups.
 Every member runs these collectives in the same order, which the compute
 ops of an EP group guarantee (Note [compute collectives], hetc/ir/program.py).
 
+Note [load-balancing loss]
+With aux_loss_coeff = c > 0 each MoE layer adds Switch Transformer's
+balancing loss, as Megatron-LM's `switch_load_balancing_loss_func` computes
+it: c · E · Σ_e f_e · P_e over a microbatch, f_e the share of its T·K
+assignments that chose expert e (before capacity drops them) and P_e the
+mean over its T tokens of the router's softmax over all E experts; Hugging
+Face's Mixtral loss is K times this (it does not divide by K). It is not
+added to the loss the run reports: as Megatron-LM's MoEAuxLossAutoScaler
+does, the layer's output carries it into backward (`_WithBalancing`), whose
+gradient for it is the one the microbatch's loss is seeded with (1/m, times
+fp16's loss scale: `MoE.aux_seed`, set by the interpreter each step), so it
+trains every plan as the one-rank reference. Under context parallelism f_e
+counts the whole microbatch's routing (the gathered one capacity reads) and
+each cp rank adds its own tokens' share of Σ_t p_te, as its share of the
+language-model loss is its own tokens'. Its cost (a softmax over E logits a
+token) is not timed.
+
 Note [static routing shapes]
 Routing keeps every shape a function of the microbatch's size, never of
 the routing, so a layer reads nothing back to the host: all T·K
@@ -49,7 +66,7 @@ per (source, expert) pair, i.e. padded all-to-alls.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +87,7 @@ __all__ = [
     "capacity",
     "is_expert_param",
     "keep_mask",
+    "moe_layers",
 ]
 
 _EXPERTS = ".feed_forward.experts."
@@ -185,28 +203,43 @@ class MoE(nn.Module):
         self.experts = nn.ModuleDict({str(e): make_expert() for e in shard.local(moe.experts)})
         self.exchange = ExpertExchange()
         self.routing: SequenceRouting | None = None
+        self.aux_loss_coeff = moe.aux_loss_coeff
+        self.aux_seed = 1.0      # the gradient of the balancing loss: Note [load-balancing loss]
 
     def forward(self, x: Tensor) -> Tensor:
         tokens = x.reshape(-1, x.shape[-1])
-        top_logits, chosen = self.router(tokens).float().topk(self.top_k, dim=-1)
+        logits = self.router(tokens).float()
+        top_logits, chosen = logits.topk(self.top_k, dim=-1)
         gates = torch.softmax(top_logits, dim=-1).to(x.dtype).reshape(-1)
-        kept = self._kept(chosen.view(*x.shape[:2], self.top_k)).reshape(-1)
+        whole = chosen.view(*x.shape[:2], self.top_k)
+        whole = whole if self.routing is None else self.routing.whole(whole)
+        kept = self._kept(whole).reshape(-1)
         experts = torch.where(kept, chosen.reshape(-1), self.num_experts)     # dropped ones sort last
         order = torch.argsort(experts, stable=True)
         counts = experts.new_zeros(self.num_experts + 1).scatter_add_(0, experts, torch.ones_like(experts))
         rows = order // self.top_k
         y = self.exchange(tokens[rows], counts[:-1], self._run_experts)
         served = y.shape[0]                  # all T·K rows locally, the kept ones after an exchange
-        return torch.zeros_like(tokens).index_add(0, rows[:served], y * gates[order[:served], None]).view_as(x)
+        out = torch.zeros_like(tokens).index_add(0, rows[:served], y * gates[order[:served], None]).view_as(x)
+        if self.aux_loss_coeff and self.training and torch.is_grad_enabled():
+            out = _WithBalancing.apply(out, self.balancing_loss(logits, whole), self.aux_seed)
+        return out
 
-    def _kept(self, chosen: Tensor) -> Tensor:
-        b, s, _ = chosen.shape
-        if self.routing is None:
-            return keep_mask(chosen, self.num_experts, capacity(self.capacity_factor, b * s, self.top_k,
-                                                                 self.num_experts))
-        whole = self.routing.whole(chosen)
-        cap = capacity(self.capacity_factor, b * self.routing.seq, self.top_k, self.num_experts)
-        return keep_mask(whole, self.num_experts, cap)[:, self.routing.positions]
+    def _kept(self, whole: Tensor) -> Tensor:
+        """Which of this rank's assignments fit their expert's capacity, from the microbatch's routing."""
+        b, s, _ = whole.shape
+        mask = keep_mask(whole, self.num_experts, capacity(self.capacity_factor, b * s, self.top_k, self.num_experts))
+        return mask if self.routing is None else mask[:, self.routing.positions]
+
+    def balancing_loss(self, logits: Tensor, whole: Tensor) -> Tensor:
+        """This rank's share of the layer's load-balancing loss (Note [load-balancing loss]): `logits` of its
+        tokens, `whole` the microbatch's routing [b, S, K]."""
+        tokens = whole.shape[0] * whole.shape[1]
+        chosen = whole.reshape(-1)
+        counts = chosen.new_zeros(self.num_experts).scatter_add_(0, chosen, torch.ones_like(chosen))
+        probs = torch.softmax(logits, dim=-1).sum(0)
+        scale = self.aux_loss_coeff * self.num_experts / (tokens * tokens * self.top_k)
+        return (probs * counts.to(probs.dtype)).sum() * scale
 
     def _run_experts(self, received: Tensor, counts: Tensor) -> Tensor:
         """The local experts on all their rows at once; rows come by source, then by expert."""
@@ -216,6 +249,26 @@ class MoE(nn.Module):
         by_expert = _expert_major(counts, received.shape[0])
         y = grouped_mlp(experts, received[by_expert], counts.sum(0).cumsum(0).to(torch.int32))
         return y[torch.argsort(by_expert)]
+
+
+def moe_layers(modules: Iterable[nn.Module]) -> list[MoE]:
+    """The MoE layers inside `modules`, each once."""
+    found = {id(sub): sub for module in modules for sub in module.modules() if isinstance(sub, MoE)}
+    return list(found.values())
+
+
+class _WithBalancing(torch.autograd.Function):
+    """The layer's output unchanged, carrying its balancing loss into backward with gradient `seed` (Megatron-LM's
+    MoEAuxLossAutoScaler): Note [load-balancing loss]."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, loss: Tensor, seed: float) -> Tensor:
+        ctx.loss, ctx.seed = loss.detach(), seed
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, torch.full_like(ctx.loss, ctx.seed), None
 
 
 def _expert_major(counts: Tensor, rows: int) -> Tensor:
