@@ -70,12 +70,11 @@ def _peak_rss() -> float:
 
 
 def _skip_note(result: StepResult) -> str:
-    """The step line's note on a skipped update, and why it was skipped."""
-    if not result.skipped:
-        return ""
-    if result.loss_scale is not None:
-        return f"  update skipped (fp16 overflow at loss scale {result.loss_scale:g})"
-    return f"  update skipped (gradient norm {result.grad_norm})"
+    """The step line's end: fp16's loss scale, as Megatron-LM's and DeepSpeed's logs give it, and a skipped
+    update with why it was skipped."""
+    if result.loss_scale is None:
+        return f"  update skipped (gradient norm {result.grad_norm})" if result.skipped else ""
+    return f"  loss scale {result.loss_scale:g}" + ("  update skipped (fp16 overflow)" if result.skipped else "")
 
 
 def step_scalars(record: dict) -> dict[str, float]:

@@ -7,6 +7,7 @@ losses; a resumed run goes on at the scale the checkpoint saved.
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 
@@ -98,3 +99,18 @@ def test_fp16_without_clipping_is_refused_by_run_at_its_dtype(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "plan.het:" in err and "error: dtype = fp16 trains with a dynamic loss scale" in err, err
     assert "set train.grad_clip" in err and "Traceback" not in err
+
+
+def test_the_step_line_and_metrics_carry_the_scale_and_the_skips(fp16_plans, tmp_path, capfd):
+    """What Megatron-LM's and DeepSpeed's logs say each step: the loss scale, and an update skipped for an
+    overflow (docs/metrics.md)."""
+    metrics = tmp_path / "m.jsonl"
+    assert hetc_main(["run", str(fp16_plans["single"]), "--local", "--steps", "2", "--metrics", str(metrics)]) == 0
+    out, err = capfd.readouterr()
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert lines[0].endswith("loss scale 524288  update skipped (fp16 overflow)"), lines
+    assert lines[1].endswith("loss scale 262144"), lines
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [(r["loss_scale"], r.get("skipped", False)) for r in records] == [(524288, True), (262144, False)]
+    assert "1 of 2 steps skipped their update: a non-finite gradient norm (fp16 overflows; the loss scale is " \
+           "now 262144)" in err, err
