@@ -33,7 +33,9 @@ timed out and the script goes on), all within `--budget` seconds (480: eight min
 8. 2-stage: the 2-stage plan on this one GPU, both ranks on it, point-to-point through gloo with
    CUDA tensors (host-staged). The runtime starts CUDA ranks on NCCL (runtime/worker.py), so on a
    GPU this is recorded as `unsupported` with the error it gave, until the runtime has that path.
-9. loss falls: every run above ends below where it started.
+9. fp16 loss scale: the 1-rank plan in fp16 with grad_clip, its dynamic loss scale on every step
+   (runtime/loss_scale.py): the precision of V100s and T4s, through CUDA's fp16 kernels.
+10. loss falls: every run above ends below where it started.
 
 `--cpu` runs the same sequence on this machine's CPU as a dry run: the demo model (specs/demo/), a
 `cpu` device kind, gloo; the verify rows still compile the 1B plans for H200s (compiling needs no
@@ -106,6 +108,7 @@ class Job:
     global_batch: int
     micro_batch: int
     text_data: bool        # the repository's byte-level text (the loss falls), else synthetic tokens
+    grad_clip: float = 0.0
 
 
 LLAMA_1B = Model("llama1b", 16, 2048, 32, 8, 8192, 128256, 2048)      # Llama 3.2 1B's shape
@@ -155,6 +158,7 @@ train {{
   steps = 20
   lr = 1e-3
   seed = 1234
+  grad_clip = {job.grad_clip}
   data {data}
 }}
 """
@@ -659,6 +663,27 @@ def check_two_stage(ctx: Context) -> list[Row]:
     return [Row(name, "ok", f"{ctx.steps} steps, loss {ctx.losses['2-stage'][-1]:.4f}")]
 
 
+def check_fp16(ctx: Context) -> list[Row]:
+    """The 1-rank plan in fp16 with its dynamic loss scale (runtime/loss_scale.py), the precision V100s and T4s
+    train in: every step reports its scale, none goes non-finite, and the loss falls."""
+    job = ctx.job()
+    fp16 = dataclasses.replace(job, model=dataclasses.replace(job.model, dtype="fp16"), grad_clip=1.0)
+    specs = write_plans(fp16, ctx.work / "fp16")
+    plan, metrics = ctx.work / "fp16" / "out_single", ctx.work / "fp16" / "single.jsonl"
+    ctx.must("compile", str(specs / "single.het"), "-o", str(plan))
+    ctx.must("run", str(plan), "--local", "1", "--steps", str(ctx.steps), "--metrics", str(metrics), "--quiet")
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    ctx.losses["fp16"] = [r["loss"] for r in records]
+    scales = [r.get("loss_scale") for r in records]
+    skipped = sum(bool(r.get("skipped")) for r in records)
+    if None in scales or not all(math.isfinite(loss) for loss in ctx.losses["fp16"]):
+        return [Row("fp16 loss scale", "fail", f"scales {scales}, losses {ctx.losses['fp16']}",
+                    "every step scaled, finite")]
+    value = f"{skipped} of {len(records)} steps skipped, scale {scales[0]:g} -> {scales[-1]:g}"
+    return [Row("fp16 loss scale", "ok", value, "every step scaled, finite",
+                data={"losses": ctx.losses["fp16"], "scales": scales})]
+
+
 def check_gpu_tests(ctx: Context) -> list[Row]:
     """The suite's `gpu`-marked tests: the CUDA paths CPU CI skips (fused Adam, CUDA-event timing, stream-waited
     offload, ring blocks through flash attention, grouped experts)."""
@@ -695,6 +720,7 @@ CHECKS: list[tuple[str, float, Callable[[Context], list[Row]]]] = [
     ("offload overlap", 120, check_overlap),
     ("checkpoint + resume", 150, check_resume),
     ("2-stage", 90, check_two_stage),
+    ("fp16 loss scale", 90, check_fp16),
     ("gpu-marked tests", 120, check_gpu_tests),
     ("loss falls", 10, check_loss_falls),
 ]

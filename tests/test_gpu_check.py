@@ -26,7 +26,7 @@ STATUSES = {"ok", "fail", "n/a", "unsupported", "skipped", "error", "timeout"}
 # the rows the dry run writes, in order: a check may write more than one row (the 1-rank run: two)
 ROWS = ["versions", "verify 1B single (nccl)", "verify 1B zorse_offload (nccl)", "verify 1B pp2 (nccl)", "matmul asymptote",
         "streaming bandwidth", "GEMM curve", "profile", "step time, 1 rank", "peak memory, 1 rank", "offload overlap",
-        "checkpoint + resume", "2-stage, one device, gloo", "gpu-marked tests", "loss falls"]
+        "checkpoint + resume", "2-stage, one device, gloo", "fp16 loss scale", "gpu-marked tests", "loss falls"]
 ONLY_ON_A_GPU = {"gpu-marked tests"}     # a CPU dry run records them as skipped
 
 gpu = pytest.mark.gpu
