@@ -23,16 +23,26 @@ from __future__ import annotations
 from hetc.ir.errors import Diagnostic
 from hetc.ir.plan import Plan
 from hetc.ir.spec import ScheduleKind
+from hetc.passes.validate_runtime import check_loss_scaling
 
 __all__ = ["plan_warnings"]
 
 
 def plan_warnings(plan: Plan) -> list[Diagnostic]:
-    """What `plan` runs that its spec most likely did not mean (module docstring)."""
+    """What `plan` runs that its spec most likely did not mean (module docstring), and what `hetc run` will
+    refuse of a plan the cost model times (fp16 without clipping: passes/validate_runtime.py)."""
+    found = [_chunks_that_never_loop(plan)]
+    if (problem := check_loss_scaling(plan.model, plan.train)) is not None:
+        found.append(Diagnostic(plan.model.span_of("dtype"), f"{problem}; `hetc run` refuses this plan until then",
+                                severity="warning"))
+    return [d for d in found if d is not None]
+
+
+def _chunks_that_never_loop(plan: Plan) -> Diagnostic | None:
     pipeline = plan.pipeline
     if pipeline.schedule is not ScheduleKind.INTERLEAVED or pipeline.revisits_stages or len(pipeline.stages) < 2:
-        return []   # one stage has no fill to shrink
-    return [Diagnostic(plan.parallel.span_of("schedule"), "interleaved 1F1B over chunks that never loop: every "
+        return None   # one stage has no fill to shrink
+    return Diagnostic(plan.parallel.span_of("schedule"), "interleaved 1F1B over chunks that never loop: every "
                        "stage holds consecutive layers, so no microbatch comes back to a stage and the chunks do not "
                        "shrink the pipeline's fill; loop each stage's ranges over the stages, "
-                       "as Megatron's virtual stages do (`layers = [block0, block2]`), or use `schedule = 1f1b`", severity="warning")]
+                       "as Megatron's virtual stages do (`layers = [block0, block2]`), or use `schedule = 1f1b`", severity="warning")

@@ -90,11 +90,14 @@ def test_a_resumed_fp16_run_goes_on_at_the_saved_scale(fp16_plans, rank_pool, tm
 
 
 def test_fp16_without_clipping_is_refused_by_run_at_its_dtype(tmp_path, capsys):
-    """The overflow check reads the global gradient norm, which the programs compute under clipping."""
+    """The overflow check reads the global gradient norm, which the programs compute under clipping: compile
+    warns (the cost model times the plan) and run refuses it."""
     (tmp_path / "job.het").write_text(demo_job(("  dtype = fp32\n", "  dtype = fp16\n")))
     shutil.copy(DEMO / "single.het", tmp_path / "single.het")
     assert hetc_main(["compile", str(tmp_path / "single.het"), "-o", str(tmp_path / "plan")]) == 0
-    capsys.readouterr()
+    warned = capsys.readouterr().err
+    assert "job.het:" in warned and "warning: dtype = fp16 trains with a dynamic loss scale" in warned, warned
+    assert "`hetc run` refuses this plan until then" in warned
     assert hetc_main(["run", str(tmp_path / "plan"), "--local", "--steps", "1", "-q"]) == 2
     err = capsys.readouterr().err
     assert "plan.het:" in err and "error: dtype = fp16 trains with a dynamic loss scale" in err, err
