@@ -138,7 +138,7 @@ def compute_alone(buffers, spec, program, pipeline, data, step: int, stand_in) -
         elif isinstance(instr, Step):
             buf = buffers[instr.ms]
             optimizer_step(spec.model.optimizer, buf.master, buf.step_grad(), buf.opt_state,
-                           lr=lr_at(spec.train, step), step=step, no_decay=buf.no_decay)
+                           lr=lr_at(spec.train, step), step=step, decayed=buf.decayed)
             buf.publish()
     return time.perf_counter() - start
 

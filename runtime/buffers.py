@@ -96,7 +96,7 @@ from hetc.ir.program import Shard
 from hetc.runtime.flat import FlatLayout, bind_grads, bind_params
 from hetc.runtime.host_copy import host_buffer
 from hetc.runtime.nn.model import TIED_COPY, TIED_WEIGHT, Ministage
-from hetc.runtime.optim import OptimizerState, init_state, undecayed
+from hetc.runtime.optim import OptimizerState, decayed_spans, init_state
 from hetc.runtime.nn.tensor_parallel import NO_SHARD, ShardInfo, TPShard, shard_infos
 from hetc.ir.spec import OptimizerSpec
 
@@ -136,7 +136,7 @@ class MinistageBuffers:
             self.param_shard = None
         self.master = self._master(full)     # on the host under optimizer offload (Note [optimizer offload])
         self.opt_state: OptimizerState = init_state(optimizer, self.master)
-        self.no_decay = undecayed(optimizer, self.layout, self.opt_range)   # spans of `master` the step leaves
+        self.decayed = decayed_spans(optimizer, self.layout, self.opt_range)   # of `master`; None: all of it
         del full
         self.grad = torch.empty_like(self.compute) if self.level == 3 else torch.zeros_like(self.compute)
         self.across = across

@@ -86,11 +86,11 @@ class FlatLayout:
             raise InternalError(f"buffer of {flat.numel()} for layout of {self.padded_numel}")
         return {e.name: flat[e.offset:e.offset + e.numel].view(e.shape) for e in self.entries}
 
-    def vector_spans(self, rng: slice) -> tuple[slice, ...]:
-        """The elements of `rng` (as slices of it) that belong to parameters of fewer than two dimensions:
-        norms' weights and biases, which Megatron-LM and Hugging Face's Trainer leave without weight decay."""
+    def matrix_spans(self, rng: slice) -> tuple[slice, ...]:
+        """The elements of `rng` (as slices of it) that belong to parameters of two or more dimensions: what
+        Megatron-LM and Hugging Face's Trainer decay, leaving norms' weights, biases (and padding) alone."""
         return tuple(slice(start - rng.start, stop - rng.start)
-                     for e, start, stop in self.overlaps(rng) if len(e.shape) < 2)
+                     for e, start, stop in self.overlaps(rng) if len(e.shape) >= 2)
 
     def pieces(self, shard: int) -> list[tuple[str, int, int, int]]:
         """The parameter pieces inside shard `shard`: (name, start, stop, offset in the shard).

@@ -592,7 +592,7 @@ class Interpreter:
                 grad = grad * self.clip
             if not self.skip_update:
                 optimizer_step(self.model.optimizer, buf.master, grad, buf.opt_state,
-                               lr=lr_at(self.train, self.step_idx), step=self.step_idx, no_decay=buf.no_decay)
+                               lr=lr_at(self.train, self.step_idx), step=self.step_idx, decayed=buf.decayed)
             buf.publish()
             buf.drop_reduced()
 

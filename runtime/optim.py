@@ -9,11 +9,12 @@ update is elementwise, how the model is cut into ministages and shards cannot
 change the numbers.
 
 Weight decay applies to every element, as in torchtitan (one parameter
-group), unless the optimizer's `decay_norms_and_biases = false`: then the
-elements of one-dimensional parameters (`FlatLayout.vector_spans`) take
-none, as torch.optim with Megatron-LM's (and Hugging Face Trainer's) second
-parameter group of weight_decay 0 would. Steps are 0-based indices of the optimizer step everywhere in hetc;
-bias corrections use the 1-based count `step + 1`.
+group), unless the optimizer's `decay_norms_and_biases = false`: then only
+the elements of matrices decay (`FlatLayout.matrix_spans`), as torch.optim
+with Megatron-LM's (and Hugging Face Trainer's) second parameter group of
+weight_decay 0 for norms' weights and biases would. Steps are 0-based
+indices of the optimizer step everywhere in hetc; bias corrections use the
+1-based count `step + 1`.
 
 Global gradient clipping is split in two: every rank sums the squares of its
 gradient shards (`grad_sq_sum`), the interpreter all-reduces the sums over
@@ -36,7 +37,8 @@ from hetc.ir.errors import InternalError
 from hetc.ir.spec import LrDecay, LrScheduleKind, LrScheduleSpec, OptimizerKind, OptimizerSpec, TrainSpec
 from hetc.runtime.flat import FlatLayout
 
-__all__ = ["OptimizerState", "clip_coefficient", "grad_sq_sum", "init_state", "lr_at", "optimizer_step", "undecayed"]
+__all__ = ["OptimizerState", "clip_coefficient", "decayed_spans", "grad_sq_sum", "init_state", "lr_at",
+           "optimizer_step"]
 
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s guard against a zero norm
 
@@ -68,11 +70,11 @@ def init_state(opt: OptimizerSpec, shard: Tensor) -> OptimizerState:
 
 
 def optimizer_step(opt: OptimizerSpec, param: Tensor, grad: Tensor, state: OptimizerState, *,
-                   lr: float, step: int, no_decay: Sequence[slice] = ()) -> None:
+                   lr: float, step: int, decayed: Sequence[slice] | None = None) -> None:
     """Update the fp32 shard `param` in place from `grad` (any float dtype, same size).
 
-    `step` is the 0-based optimizer step; `no_decay`: the shard's spans without weight decay
-    (`undecayed`). Matches torch.optim.AdamW (Adam, SGD) on the same elements: bitwise on CPU (foreach or
+    `step` is the 0-based optimizer step; `decayed`: the shard's spans that take weight decay
+    (`decayed_spans`; None: every element). Matches torch.optim.AdamW (Adam, SGD) on the same elements: bitwise on CPU (foreach or
     not), to the fused kernel's rounding on CUDA.
     """
     if param.dtype != torch.float32:
@@ -80,25 +82,16 @@ def optimizer_step(opt: OptimizerSpec, param: Tensor, grad: Tensor, state: Optim
     if param.shape != grad.shape:
         raise InternalError(f"param shard {tuple(param.shape)} vs grad {tuple(grad.shape)}")
     grad = grad.to(torch.float32)
-    if opt.weight_decay and no_decay:
-        grad = _decay_spans(opt, param, grad, _complement(no_decay, param.numel()), lr)
+    if opt.weight_decay and decayed is not None:
+        grad = _decay_spans(opt, param, grad, decayed, lr)
         opt = dataclasses.replace(opt, weight_decay=0.0)
     (_sgd if opt.kind is OptimizerKind.SGD else _adam)(opt, param, grad, state, lr, step)
 
 
-def undecayed(opt: OptimizerSpec, layout: FlatLayout, rng: slice) -> tuple[slice, ...]:
-    """The spans of the shard `rng` of `layout` that `optimizer_step` leaves without weight decay."""
-    return () if opt.decay_norms_and_biases or not opt.weight_decay else layout.vector_spans(rng)
-
-
-def _complement(spans: Sequence[slice], n: int) -> list[slice]:
-    """The spans of [0, n) outside `spans` (sorted, disjoint)."""
-    out, at = [], 0
-    for span in spans:
-        if span.start > at:
-            out.append(slice(at, span.start))
-        at = span.stop
-    return out + [slice(at, n)] if at < n else out
+def decayed_spans(opt: OptimizerSpec, layout: FlatLayout, rng: slice) -> tuple[slice, ...] | None:
+    """The spans of the shard `rng` of `layout` that `optimizer_step` decays; None: all of it (torch's one
+    parameter group, decayed inside its kernels)."""
+    return None if opt.decay_norms_and_biases or not opt.weight_decay else layout.matrix_spans(rng)
 
 
 def _decay_spans(opt: OptimizerSpec, param: Tensor, grad: Tensor, decayed: Sequence[slice], lr: float) -> Tensor:

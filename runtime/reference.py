@@ -31,7 +31,7 @@ from hetc.runtime.hf_load import load_whole
 from hetc.runtime.nn.moe import moe_layers
 from hetc.runtime.nn.dropout import seed_step
 from hetc.runtime.nn.model import build_ministage, compute_dtype
-from hetc.runtime.optim import clip_coefficient, grad_sq_sum, init_state, lr_at, optimizer_step, undecayed
+from hetc.runtime.optim import clip_coefficient, decayed_spans, grad_sq_sum, init_state, lr_at, optimizer_step
 from hetc.runtime.nn.tensor_parallel import shard_infos
 from hetc.ir.spec import ModelSpec, TrainSpec
 
@@ -61,7 +61,7 @@ def train_reference(model: ModelSpec, train: TrainSpec, *, base_dir: Path | str 
     if (hf_dir := pretrained_dir(model)) is not None:   # every plan's ranks' initial weights (runtime/hf_load.py)
         flat.load(load_whole(flat.layout, shard_infos(module), hf_dir))
     state = init_state(model.optimizer, flat.master)
-    no_decay = undecayed(model.optimizer, flat.layout, flat.layout.shard_range(0))
+    decayed = decayed_spans(model.optimizer, flat.layout, flat.layout.shard_range(0))
     data = data if data is not None else make_data_source(model, train, base_dir)
     held_out = make_eval_source(model, train, base_dir)
     num_mb = train.global_batch // train.micro_batch
@@ -82,7 +82,7 @@ def train_reference(model: ModelSpec, train: TrainSpec, *, base_dir: Path | str 
         if train.grad_clip > 0:
             flat.grad.mul_(clip_coefficient(norm_sq, train.grad_clip))
         optimizer_step(model.optimizer, flat.master, flat.grad_shard, state, lr=lr_at(train, step), step=step,
-                       no_decay=no_decay)
+                       decayed=decayed)
         flat.publish_master()
         times.append(time.perf_counter() - start)
         losses.append(total / num_mb)

@@ -14,7 +14,7 @@ from hetc.ir.program import Shard
 from hetc.runtime.buffers import GroupPos, MinistageBuffers
 from hetc.runtime.flat import FlatLayout, FlatParams, bind_grads, bind_params
 from hetc.runtime.nn.model import build_ministage
-from hetc.runtime.optim import clip_coefficient, grad_sq_sum, init_state, lr_at, optimizer_step, undecayed
+from hetc.runtime.optim import clip_coefficient, decayed_spans, grad_sq_sum, init_state, lr_at, optimizer_step
 from hetc.ir.spec import LrDecay, LrScheduleKind, LrScheduleSpec, ModelSpec, OptimizerKind, OptimizerSpec, TrainSpec
 
 
@@ -80,7 +80,7 @@ def test_shard_step_is_bitwise_torch_optim(opt, num_shards, decay_vectors):
         for i in range(num_shards):  # each shard on its own, as ZeRO ranks do
             rng = layout.shard_range(i)
             optimizer_step(opt, flat[rng], flat_grad[rng], states[i], lr=lr, step=step,
-                           no_decay=undecayed(opt, layout, rng))
+                           decayed=decayed_spans(opt, layout, rng))
     for name, view in layout.views(flat).items():
         assert torch.equal(view, ref.get_parameter(name).detach()), name
     assert torch.count_nonzero(flat[layout.numel:]) == 0, "padding stays zero"

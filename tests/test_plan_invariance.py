@@ -103,8 +103,8 @@ def _plan_matches(rank_pool, reference, tmp_path, name: str, text: str) -> None:
 
 
 def test_norms_and_biases_without_weight_decay_match_reference_under_zero3(rank_pool, tmp_path):
-    """`decay_norms_and_biases = false` (Megatron-LM's parameter groups): each rank leaves undecayed the spans of
-    its ZeRO-3 shards that hold norms' weights, which the shards' edges cut (`FlatLayout.vector_spans`); the
+    """`decay_norms_and_biases = false` (Megatron-LM's parameter groups): each rank decays only the spans of its
+    ZeRO-3 shards that hold matrices, which the shards' edges cut (`FlatLayout.matrix_spans`); the
     plan trains to the 1-rank reference of the same job, which decays them nowhere either."""
     from hetc.runtime.reference import train_reference
 
