@@ -6,7 +6,8 @@ and stored flattened (1-D, the parameter's numel), whatever plan wrote it.
 
     model.<fqn>                      fp32 master weights of parameter <fqn>
     optimizer.state.<fqn>.<state>    its optimizer state (exp_avg, exp_avg_sq, momentum_buffer)
-    train.step                       optimizer steps done = the next step to run
+    train.step                       steps done = the next step to run
+    train.updates                    optimizer updates applied: the steps done less the skipped ones
     train.loss_scale                 fp16: the loss scaler's (scale, good steps, hysteresis left)
 
 Beside DCP's files rank 0 writes model.het, the model block the weights
@@ -20,10 +21,12 @@ checksums.json over every other file (Note [Checkpoint checksums] in
 runtime/checkpoint_files.py).
 
 The data source is stateless ((step, microbatch) -> tokens) and the
-learning rate a function of the step, so the step is all the trainer state
-but fp16's loss scale (Note [dynamic loss scale] in runtime/loss_scale.py),
-saved beside it; a checkpoint without one (of another dtype) resumes at the
-spec's initial scale.
+learning rate a function of the updates applied (Note [skipped updates] in
+runtime/optim.py), so the step and the update count are all the trainer
+state but fp16's loss scale (Note [dynamic loss scale] in
+runtime/loss_scale.py), saved beside them; a checkpoint without one (of
+another dtype) resumes at the spec's initial scale, one without an update
+count at its step.
 On save each rank writes the pieces of its `unique_range` (replicas of a
 shard split it; MinistageBuffers.unique_range), as chunks at their offset in
 the flattened parameter (runtime/pieces.py); DCP's save planner rejects a
@@ -83,10 +86,12 @@ __all__ = [
     "LATEST",
     "MODEL_FILE",
     "STEP_KEY",
+    "UPDATES_KEY",
     "CheckpointError",
     "Checkpointer",
     "NonFiniteState",
     "ResumePoint",
+    "Resumed",
     "complete_steps",
     "find_resumable",
     "has_checkpoint",
@@ -94,6 +99,7 @@ __all__ = [
     "load_checkpoint",
     "read_checkpoint",
     "read_params",
+    "restore",
     "save_checkpoint",
 ]
 
@@ -102,6 +108,7 @@ log = logging.getLogger("hetc.runtime")
 MODEL_FILE = "model.het"
 HF_CONFIG_FILE = "hf_config.json"
 STEP_KEY = "train.step"
+UPDATES_KEY = "train.updates"
 LOSS_SCALE_KEY = "train.loss_scale"
 MODEL_PREFIX = "model."
 OPTIM_PREFIX = "optimizer.state."
@@ -137,6 +144,7 @@ class Checkpointer:
                 shutil.rmtree(stale, ignore_errors=True)
         collectives.barrier(group=self.group)
         state = _save_state(self.rt.buffers, step)
+        state[UPDATES_KEY] = self.rt.interpreter.updates
         if (scaler := self.rt.interpreter.scaler) is not None:
             state[LOSS_SCALE_KEY] = scaler.state()
         if not _finite_everywhere(state, self.group):
@@ -205,23 +213,44 @@ def load_checkpoint(rt, directory: Path) -> int:
     if path is None:
         log.warning("no checkpoint in %s yet: starting at step 0", directory)
         return 0
-    step = read_checkpoint(rt.buffers, path, rt.interpreter.comm.group("world"), scaler=rt.interpreter.scaler)
+    step = restore(rt, path)
     log.info("resumed from %s at step %d", path, step)
     return step
 
 
+def restore(rt, path: Path, weights_only: bool = False) -> int:
+    """Load checkpoint `path` into rank runtime `rt` (collective over its plan): the weights, the optimizer
+    state, the update count and fp16's loss scale, or the weights alone; the next step (0 for weights_only)."""
+    interpreter = rt.interpreter
+    resumed = read_checkpoint(rt.buffers, path, interpreter.comm.group("world"), weights_only, interpreter.scaler)
+    interpreter.updates = resumed.updates
+    return resumed.step
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """Where a checkpoint's run stood."""
+
+    step: int       # steps done: the next step to run
+    updates: int    # optimizer updates applied (Note [skipped updates] in runtime/optim.py)
+
+
 def read_checkpoint(buffers: dict[int, Buffers], path: Path, group, weights_only: bool = False,
-                    scaler: LossScaler | None = None) -> int:
+                    scaler: LossScaler | None = None) -> Resumed:
     """Fill `buffers` (and fp16's `scaler`, where the checkpoint has its state) from checkpoint `path` (a
-    step-N directory), each rank its own share (collective over `group`, the plan's ranks); return the next
-    step. `weights_only`: the parameters alone (the optimizer state and the scale stay as built, fresh), and
-    the next step is 0. The caller checked the files (`verify_manifest`)."""
+    step-N directory), each rank its own share (collective over `group`, the plan's ranks); return where its
+    run stood. `weights_only`: the parameters alone (the optimizer state and the scale stay as built, fresh),
+    and the run starts over, at step 0. The caller checked the files (`verify_manifest`)."""
     state, kept = _load_state(buffers)
     reader = dcp.FileSystemReader(path)
+    saved = reader.read_metadata().state_dict_metadata
     if weights_only:
         state = {k: v for k, v in state.items() if k.startswith(MODEL_PREFIX)}
-    elif scaler is not None and LOSS_SCALE_KEY in reader.read_metadata().state_dict_metadata:
-        state[LOSS_SCALE_KEY] = scaler.state()
+    else:
+        if scaler is not None and LOSS_SCALE_KEY in saved:
+            state[LOSS_SCALE_KEY] = scaler.state()
+        if UPDATES_KEY in saved:
+            state[UPDATES_KEY] = 0
     try:
         dcp.load(state, storage_reader=reader, planner=PieceLoadPlanner(), process_group=group)
     except dcp.CheckpointException as err:
@@ -231,10 +260,16 @@ def read_checkpoint(buffers: dict[int, Buffers], path: Path, group, weights_only
     for ms, buf in buffers.items():
         for i, part in enumerate(buf.parts()):
             part.load_params(kept[(ms, i)], part.param_range)
-    step = state.get(STEP_KEY, 0)
-    if not isinstance(step, int):
-        raise CheckpointError(f"cannot load {path}: its {STEP_KEY} is {step!r}, not a step number")
-    return step
+    step = _count(state, STEP_KEY, 0, path)
+    return Resumed(step, _count(state, UPDATES_KEY, step, path))   # no count: written before hetc kept one
+
+
+def _count(state: dict[str, object], key: str, default: int, path: Path) -> int:
+    """The count `state` holds at `key`, or a CheckpointError naming what it holds."""
+    value = state.get(key, default)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise CheckpointError(f"cannot load {path}: its {key} is {value!r}, not a count of steps")
 
 
 def _loss_scale_state(value: object, path: Path) -> tuple[float, int, int]:

@@ -70,6 +70,7 @@ class StepResult:
     grad_norm: float | None = None     # the global gradient norm before clipping, where the step computes it
     skipped: bool = False              # the update was skipped: a non-finite gradient norm (Note [non-finite steps])
     loss_scale: float | None = None    # fp16: the scale this step's backward ran at (Note [dynamic loss scale])
+    lr: float = 0.0                    # the learning rate of this step's update (Note [skipped updates])
 
 
 @dataclass
@@ -109,6 +110,7 @@ class Interpreter:
         self.dropout_stream = program.rank if place.tp_group is None else \
             dist.get_process_group_ranks(cast(dist.ProcessGroup, place.tp_group))[0]
         self.skip_nonfinite = False    # set by `hetc run --on-nonfinite skip`: Note [non-finite steps]
+        self.updates = 0    # optimizer updates applied, skipped steps not counted (Note [skipped updates])
         self.scaler = LossScaler.start(plan.train.loss_scale) if plan.model.dtype is DType.FP16 else None
         self.moe_layers = moe_layers(part.module for buf in buffers.values() for part in buf.parts())
         # the host buffers of the rank's offloads: its stage's `offload { pin_memory }`
@@ -179,7 +181,7 @@ class Interpreter:
         split = {c.value: s for c, s in class_times(self.program.instrs, marks[:-1], marks[-1]).items()} \
             if classes else {}
         return StepResult(self.loss_total, time.perf_counter() - t0, events, split, self.grad_norm, self.skip_update,
-                          self.scale_used)
+                          self.scale_used, self.lr)
 
     def _slowed(self, instr: Instr, factor: float) -> None:
         """A compute instruction of an injected slow rank: run, then wait (factor - 1) times its time."""
@@ -210,6 +212,7 @@ class Interpreter:
         self.clip = 1.0
         self.grad_norm: float | None = None
         self.skip_update = False
+        self.lr = lr_at(self.train, self.updates)
         self.scale_used = None if self.scaler is None or not self.training else self.scaler.scale
         for moe in self.moe_layers:     # Note [load-balancing loss]: the seed of the loss, 1/m (times the scale)
             moe.aux_seed = (1.0 if self.scale_used is None else self.scale_used) / self.m
@@ -235,6 +238,8 @@ class Interpreter:
         if leftover:
             raise ProtocolError(f"[rank {self.program.rank}] step {step}: forward stashes {leftover[:3]} never "
                                 "ran backward")
+        if self.training and not self.skip_update:
+            self.updates += 1
 
     # ------------------------------------------------------------ async plumbing
 
@@ -592,7 +597,7 @@ class Interpreter:
                 grad = grad * self.clip
             if not self.skip_update:
                 optimizer_step(self.model.optimizer, buf.master, grad, buf.opt_state,
-                               lr=lr_at(self.train, self.step_idx), step=self.step_idx, decayed=buf.decayed)
+                               lr=self.lr, step=self.updates, decayed=buf.decayed)
             buf.publish()
             buf.drop_reduced()
 

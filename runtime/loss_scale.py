@@ -17,9 +17,9 @@ waiting in a collective. The rule (`LossScaler.update`) is Megatron-LM's: an ove
 double S and restore the hysteresis. With hysteresis 1 it is torch.amp.GradScaler's rule.
 
 The state (S, the good steps, the hysteresis left) is saved in every checkpoint (runtime/checkpoint.py), so
-a resumed run scales its next step as the uninterrupted one would. A skipped step still counts as a step:
-its index sets the learning rate and Adam's bias correction, as `--on-nonfinite skip` does (Megatron-LM
-instead holds its schedule back by the skipped steps).
+a resumed run scales its next step as the uninterrupted one would. A skipped step is not an update: the
+learning-rate schedule and Adam's step count stay where they were, as Megatron-LM's and DeepSpeed's do (Note
+[skipped updates] in runtime/optim.py).
 """
 
 from __future__ import annotations

@@ -146,8 +146,18 @@ def _sgd(opt: OptimizerSpec, param: Tensor, grad: Tensor, state: OptimizerState,
     param.add_(grad, alpha=-lr)
 
 
+# Note [skipped updates]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# A step whose update is skipped (fp16's overflow, Note [dynamic loss scale]; `--on-nonfinite skip`, Note
+# [non-finite steps]) leaves the weights and the optimizer state as they were, and is not an update: the
+# learning-rate schedule and Adam's step count (its bias corrections) both follow the updates applied, not
+# the steps run. That is Megatron-LM's rule (the scheduler steps only when `update_successful`), DeepSpeed's
+# (no lr_scheduler.step() on an overflow) and torch's (GradScaler.step skips optimizer.step, whose `step`
+# state counts the updates). So a run that skips k steps ends its schedule k updates short of `min_lr`, as
+# theirs do. The count is the interpreter's `updates`, saved in checkpoints as `train.updates`
+# (runtime/checkpoint.py); a checkpoint without it (written before it was kept) resumes at its step.
 def lr_at(train: TrainSpec, step: int) -> float:
-    """The learning rate of 0-based optimizer step `step`.
+    """The learning rate of 0-based optimizer update `step` (Note [skipped updates]).
 
     Linear warm-up over the first `warmup` steps (reaching `lr` at step
     warmup - 1), then constant, or a decay to `min_lr`: cosine and linear

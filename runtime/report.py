@@ -39,7 +39,6 @@ from hetc.passes.cost.utilization import flop_counts, used_peak_flops
 from hetc.ir.plan import Plan
 from hetc.ir.program import Program, Recv, Send
 from hetc.runtime.nn import collectives
-from hetc.runtime.optim import lr_at
 from hetc.runtime.scalars import ScalarSink, TensorBoardSink, WandbSink
 from hetc.runtime.interpreter import StepResult
 from hetc.ir.timeline import Event, Flow, MemorySample, RankInfo, Timeline, class_times, classify
@@ -133,7 +132,7 @@ class Reporter:
             return
         tps = self.tokens_per_step / result.seconds if result.seconds > 0 else 0.0
         mfu, hfu = self._utilization(result.seconds)
-        lr = lr_at(self.plan.train, step)   # the rate this step's update used (runtime/optim.py)
+        lr = result.lr      # the rate of this step's update: Note [skipped updates] in runtime/optim.py
         done = step + 1   # Note [step numbers]
         if not self.opts.quiet:
             val = "" if val_loss is None else f"  val_loss {val_loss:.4f}"

@@ -72,9 +72,10 @@ class PeerFailure(RuntimeError):
 # the step: every checkpoint it left has the finite weights of an earlier step, and `latest` names one of
 # them (a save also refuses non-finite weights: Note [finite saves] in runtime/checkpoint.py). `skip` does
 # what Megatron's and DeepSpeed's loss scalers do on an overflow: the optimizer update of that step is not
-# applied (the learning-rate schedule still advances), counted, and reported. Deciding before the update
-# needs the global gradient norm before any ministage steps, which hetc computes only under clipping
-# (passes/lower/zero.py: grad_clip turns off Zorse's interleaved update), so `skip` needs train.grad_clip.
+# applied, and the learning-rate schedule and Adam's step count hold (Note [skipped updates] in
+# runtime/optim.py); the skipped step is counted and reported. Deciding before the update needs the global
+# gradient norm before any ministage steps, which hetc computes only under clipping (passes/lower/zero.py:
+# grad_clip turns off Zorse's interleaved update), so `skip` needs train.grad_clip.
 
 
 @dataclass(frozen=True)
@@ -527,11 +528,10 @@ def _weights_checkpoint(path: Path) -> Path:
 
 def _load(rt, start: _Start) -> int:
     """Load `start` into `rt`; the next step (0 after --load-weights-only)."""
-    from hetc.runtime.checkpoint import read_checkpoint
+    from hetc.runtime.checkpoint import restore
 
-    step = read_checkpoint(rt.buffers, start.path, rt.interpreter.comm.group("world"), start.weights_only,
-                           rt.interpreter.scaler)
+    step = restore(rt, start.path, start.weights_only)
     if rt.interpreter.program.rank == 0:   # once, as a save says `saved step N to DIR`
         print(f"loaded the weights of {start.path}; starting at step 0" if start.weights_only
               else f"resumed from {start.path} at step {step}", flush=True)
-    return 0 if start.weights_only else step
+    return step

@@ -117,3 +117,34 @@ def test_the_step_line_and_metrics_carry_the_scale_and_the_skips(fp16_plans, tmp
     assert [(r["loss_scale"], r.get("skipped", False)) for r in records] == [(524288, True), (262144, False)]
     assert "1 of 2 steps skipped their update: a non-finite gradient norm (fp16 overflows; the loss scale is " \
            "now 262144)" in err, err
+
+
+def _saved_state(checkpoint, scratch) -> dict:
+    """Every value a checkpoint holds, read back whole by torch's own converter."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(checkpoint, scratch)
+    return torch.load(scratch, weights_only=False)
+
+
+def test_a_skipped_step_is_not_an_update_for_the_schedule_or_adam(fp16_plans, tmp_path):
+    """Note [skipped updates]: step 1 overflows, so step 2 makes the first update, at warm-up's first rate
+    and with Adam's bias corrections of step count 1, as Megatron-LM, DeepSpeed and torch.amp count; the
+    checkpoints say so (train.updates)."""
+    ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    assert hetc_main(["run", str(fp16_plans["single"]), "--local", "--steps", "2", "--checkpoint", str(ck),
+                      "--every", "1", "--metrics", str(metrics), "-q"]) == 0
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    lr = 3e-3 / 3      # the demo's first warm-up rate: lr = 3e-3 over warmup = 3 updates
+    assert [(r.get("skipped", False), r["lr"]) for r in records] == [(True, lr), (False, lr)]
+    before = _saved_state(ck / "step-1", tmp_path / "1.pt")
+    after = _saved_state(ck / "step-2", tmp_path / "2.pt")
+    assert (before["train.step"], before["train.updates"], after["train.step"], after["train.updates"]) == (1, 0, 2, 1)
+    beta1, beta2, weight_decay, eps = 0.9, 0.95, 0.1, 1e-8      # the demo's AdamW
+    names = [key.removeprefix("model.") for key in after if key.startswith("model.")]
+    for name in names:
+        m, v = after[f"optimizer.state.{name}.exp_avg"], after[f"optimizer.state.{name}.exp_avg_sq"]
+        assert not before[f"optimizer.state.{name}.exp_avg"].any(), "the skipped step left Adam's moments at 0"
+        first = before[f"model.{name}"] * (1 - lr * weight_decay) - lr * (m / (1 - beta1)) / ((v / (1 - beta2)).sqrt() + eps)
+        torch.testing.assert_close(after[f"model.{name}"], first, msg=name)
+    assert len(names) > 10
