@@ -184,10 +184,11 @@ def _check_lr_schedule(t: TrainSpec, errors: list[Diagnostic]) -> None:
         errors.append(Diagnostic(sched.span_of("decay"), f"decay shapes a wsd schedule's decay; lr_schedule "
                                  f"{kind.value} " + ("does not decay" if kind is LrScheduleKind.CONSTANT else
                                                      "decays as its name says (or write lr_schedule wsd)")))
+    if kind in (LrScheduleKind.CONSTANT, LrScheduleKind.INVERSE_SQRT) and sched.written("decay_steps"):
+        ends = "does not decay" if kind is LrScheduleKind.CONSTANT else "decays without an end"
+        errors.append(Diagnostic(sched.span_of("decay_steps"), f"lr_schedule {kind.value} {ends}; decay_steps "
+                                 "needs cosine, linear or wsd"))
     if kind is LrScheduleKind.CONSTANT:
-        if sched.written("decay_steps"):
-            errors.append(Diagnostic(sched.span_of("decay_steps"), "lr_schedule constant does not decay; "
-                                     "decay_steps needs cosine, linear or wsd"))
         return
     if sched.min_lr > t.lr:
         errors.append(Diagnostic(sched.span_of("min_lr"), f"min_lr = {sched.min_lr:g} is above lr = {t.lr:g}: "

@@ -164,13 +164,17 @@ def lr_at(train: TrainSpec, step: int) -> float:
     over `decay_steps` from the end of warm-up (by default to the last step,
     train.steps - 1), then `min_lr`; wsd holds `lr` until its last
     `decay_steps` steps, which decay to `min_lr` at the last step in the
-    schedule's `decay` shape (Megatron-LM's `--lr-decay-style WSD`).
+    schedule's `decay` shape (Megatron-LM's `--lr-decay-style WSD`);
+    inverse_sqrt falls as lr sqrt(warmup / n) at the n-th update, never
+    below `min_lr` (Megatron-LM's `inverse-square-root`).
     """
     sched, peak = train.lr_schedule, train.lr
     if step < sched.warmup:
         return peak * (step + 1) / sched.warmup
     if sched.kind is LrScheduleKind.CONSTANT:
         return peak
+    if sched.kind is LrScheduleKind.INVERSE_SQRT:
+        return max(sched.min_lr, peak * math.sqrt(max(sched.warmup, 1) / (step + 1)))
     shape = sched.decay if sched.kind is LrScheduleKind.WSD else LrDecay(sched.kind.value)
     return sched.min_lr + (peak - sched.min_lr) * _remaining(shape, _decay_progress(sched, train.steps - 1, step))
 

@@ -221,6 +221,29 @@ def test_wsd_sqrt_decay():
                                                            for k in range(1, 5)]
 
 
+@pytest.mark.parametrize("warmup", [1, 4, 10])
+def test_inverse_sqrt_is_transformers_schedule_one_update_on(warmup):
+    """Megatron-LM's inverse-square-root, lr sqrt(warmup / n) at the n-th update, is transformers'
+    get_inverse_sqrt_schedule, whose warm-up starts from 0 where hetc's starts at lr / warmup: hetc's update s
+    has its rate of step s + 1. `min_lr` floors the decay."""
+    from transformers.optimization import get_inverse_sqrt_schedule
+
+    t = TrainSpec(global_batch=1, steps=60, lr=1.0, lr_schedule=LrScheduleSpec(
+        kind=LrScheduleKind.INVERSE_SQRT, warmup=warmup))
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
+    theirs = get_inverse_sqrt_schedule(opt, num_warmup_steps=warmup).lr_lambdas[0]
+    ours = [lr_at(t, s) for s in range(t.steps)]
+    assert all(math.isclose(ours[s], theirs(s + 1), rel_tol=1e-12) for s in range(t.steps)), ours
+    assert ours[warmup - 1] == 1.0 and math.isclose(ours[4 * warmup - 1], 0.5)
+    floored = dataclasses.replace(t, lr_schedule=dataclasses.replace(t.lr_schedule, min_lr=0.3))
+    assert [lr_at(floored, s) for s in range(warmup, t.steps)] == [max(0.3, lr) for lr in ours[warmup:]]
+
+
+def test_inverse_sqrt_without_warmup_starts_at_the_peak():
+    t = TrainSpec(global_batch=1, steps=5, lr=1.0, lr_schedule=LrScheduleSpec(kind=LrScheduleKind.INVERSE_SQRT))
+    assert all(math.isclose(lr_at(t, n - 1), 1 / math.sqrt(n), rel_tol=1e-12) for n in range(1, 6))
+
+
 @pytest.mark.parametrize("kind, decay", [(LrScheduleKind.COSINE, cosine_decay), (LrScheduleKind.LINEAR, linear_decay)])
 def test_decay_steps_end_the_decay_early_and_hold_min_lr(kind, decay):
     """cosine and linear with decay_steps (Megatron-LM's lr_decay_iters less the warm-up): torch's annealing over

@@ -250,6 +250,7 @@ class LrScheduleKind(StrEnum):
     COSINE = "cosine"
     LINEAR = "linear"
     WSD = "wsd"          # warm-up, stable, decay (Megatron-LM's WSD, torchtitan's warmup_stable_decay)
+    INVERSE_SQRT = "inverse_sqrt"   # lr sqrt(warmup / n) after warm-up (Megatron-LM's inverse-square-root)
 
 
 class LrDecay(StrEnum):
@@ -611,7 +612,8 @@ def declared_path(text: str, span: Span, fallback_dir: Path | str = ".") -> Path
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LrScheduleSpec(Node):
     kind: LrScheduleKind = param(LrScheduleKind.CONSTANT, label=True,
-                                 doc="constant, cosine or linear decay, or wsd (warm-up, stable, decay)")
+                                 doc="constant, cosine or linear decay, wsd (warm-up, stable, decay), or "
+                                     "inverse_sqrt (lr sqrt(warmup / n) at update n)")
     warmup: int = param(0, lo=0, hi=10**9, aliases=("warmup_steps", "lr_warmup_iters"),
                         doc="linear warm-up steps")
     min_lr: float = param(0.0, lo=0, hi=1e3, doc="learning rate at the end of decay")
