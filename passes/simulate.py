@@ -167,11 +167,15 @@ def _finished(machine: Machine) -> Machine:
 
 def _events(machine: Machine) -> list[Event]:
     out = []
+    texts: dict[Instr, str] = {}    # lanes and microbatches repeat instructions: each is formatted once
     for op in machine.ran:
         instr = machine.program.ranks[op.rank].instrs[op.index]
         kind, stream = classify(instr)
         assert op.end is not None   # it ran
-        out.append(Event(op.rank, op.index, str(instr), kind, stream, op.start, op.end))
+        text = texts.get(instr)
+        if text is None:
+            text = texts[instr] = str(instr)
+        out.append(Event(op.rank, op.index, text, kind, stream, op.start, op.end))
     return sorted(out, key=lambda e: (e.rank, e.start, e.index))
 
 

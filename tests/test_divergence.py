@@ -138,8 +138,11 @@ def test_a_lock_left_by_a_killed_run_is_taken_over_with_a_message(tmp_path, capl
 @pytest.mark.timeout(HANG_GUARD_S)
 def test_a_second_run_on_a_checkpoint_directory_exits_2_at_once(demo_plan_dirs, tmp_path):
     ck, metrics = tmp_path / "ck", tmp_path / "a.jsonl"
+    # after its first checkpoint the first run mostly sleeps (its ranks' compute stretched 50 times): it holds
+    # the directory without taking the cores that the second run and the rest of the suite run on
+    idle = [arg for rank in range(4) for arg in ("--inject", f"slow rank={rank} factor=50 from=2")]
     first = subprocess.Popen([sys.executable, "-m", "hetc", "run", str(demo_plan_dirs["dp"]), "--local",
-                              "--steps", "1000000", "--checkpoint", str(ck), "--every", "2",
+                              "--steps", "1000000", "--checkpoint", str(ck), "--every", "2", *idle,
                               "--metrics", str(metrics)], cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:

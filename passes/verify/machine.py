@@ -129,7 +129,7 @@ class Op:
     group: str | None = None     # the group it is a collective on (a compute op's tp/cp/ep group)
     parent: Op | None = None     # the compute op this is one group's part of
     parts: list[Op] | None = None     # a compute op's parts, one per group
-    matched: list[Op] | None = None   # a part: every member's part of the same call
+    slowest: float = 0.0         # a part: the longest compute among the members of its call
     waiting: int = 0             # a compute op's parts not yet complete
     comm: Communicator | None = None  # the communicator a send, receive, collective or part runs on
     ready: float | None = None   # when it could start: posted, and (NCCL) at the head of its line
@@ -236,8 +236,7 @@ class Machine:
         parent.waiting -= 1
         if parent.waiting == 0:
             start = max(p.start for p in parent.parts)
-            duration = max(self.clock.local(o.rank, o.instr) for p in parent.parts for o in p.matched or ())
-            self._finish(parent, start, duration)
+            self._finish(parent, start, max(p.slowest for p in parent.parts))
 
     # -------------------------------------------------------------- posting
 
@@ -396,8 +395,9 @@ class Machine:
     def _complete_call(self, ops: list[Op]) -> None:
         start = max(_started(o) for o in ops)
         if ops[0].parent is not None:        # parts of compute ops: the compute itself is timed once all are in
+            slowest = max(self.clock.local(o.rank, o.instr) for o in ops)   # the call waits for its slowest
             for o in ops:
-                o.start, o.end, o.matched = start, start, ops
+                o.start, o.end, o.slowest = start, start, slowest
             for o in ops:
                 self._part_done(o)
             return
