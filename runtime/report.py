@@ -72,7 +72,7 @@ def _skip_note(result: StepResult) -> str:
     """The step line's end: fp16's loss scale, as Megatron-LM's and DeepSpeed's logs give it, and a skipped
     update with why it was skipped."""
     if result.loss_scale is None:
-        return f"  update skipped (gradient norm {result.grad_norm})" if result.skipped else ""
+        return "  update skipped (non-finite gradient norm)" if result.skipped else ""
     return f"  loss scale {result.loss_scale:g}" + ("  update skipped (fp16 overflow)" if result.skipped else "")
 
 
@@ -137,7 +137,9 @@ class Reporter:
         if not self.opts.quiet:
             val = "" if val_loss is None else f"  val_loss {val_loss:.4f}"
             skipped = _skip_note(result)
-            print(f"step {done}/{total}  loss {result.loss:.4f}{val}  lr {lr:.2e}  {tps:,.0f} tokens/s  "
+            # the global norm before clipping, where the step computes it (grad_clip), as Megatron-LM's log line
+            norm = "" if result.grad_norm is None else f"  grad norm {result.grad_norm:.4g}"
+            print(f"step {done}/{total}  loss {result.loss:.4f}{val}  lr {lr:.2e}{norm}  {tps:,.0f} tokens/s  "
                   f"MFU {mfu:.1%}  {human_seconds(result.seconds)}/step{skipped}", flush=True)
         if not self.records:
             return

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 
 import pytest
@@ -113,6 +114,8 @@ def test_the_step_line_and_metrics_carry_the_scale_and_the_skips(fp16_plans, tmp
     lines = [line for line in out.splitlines() if line.startswith("step ")]
     assert lines[0].endswith("loss scale 524288  update skipped (fp16 overflow)"), lines
     assert lines[1].endswith("loss scale 262144"), lines
+    norms = [re.search(r"  lr \S+  grad norm (\S+)  ", line) for line in lines]   # unscaled, as Megatron-LM logs it
+    assert norms[0] and norms[0].group(1) == "inf" and norms[1] and 0 < float(norms[1].group(1)) < 100, lines
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [(r["loss_scale"], r.get("skipped", False)) for r in records] == [(524288, True), (262144, False)]
     assert "1 of 2 steps skipped their update: a non-finite gradient norm (fp16 overflows; the loss scale is " \
