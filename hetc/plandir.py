@@ -29,14 +29,14 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, overload
+from typing import TYPE_CHECKING, TypeVar, overload
 
 from hetc.ir.errors import Span, SpecError, UsageError
 from hetc.frontend.printer import format_spec
 from hetc.ir.jsontypes import JsonObject
 from hetc.ir.outdir import Legacy, OutputKind, Protected, check_output_dir, is_marked, restamp, unmarked_or_edited, write_output_dir
 from hetc.ir.program import Group, Program, ProgramFormatError, RankProgram
-from hetc.ir.spec import DataKind, DataSpec, Spec
+from hetc.ir.spec import DataFileSpec, DataKind, DataSpec, Spec
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -140,19 +140,27 @@ def read_eval_rank(plan_dir: Path, rank: int) -> RankProgram | None:
     return RankProgram.from_text(_listing_text(path), source=str(path)) if path.is_file() else None
 
 
+F = TypeVar("F", bound=DataFileSpec)
+
+
 def portable_spec(spec: Spec, spec_dir: Path, out_dir: Path) -> Spec:
     """The spec with its data paths (training and eval) and its model's hf directory rewritten relative to
     the plan directory."""
 
-    def moved(data: DataSpec, path: str) -> str:
+    def moved(data: DataFileSpec, path: str) -> str:
         if not path or os.path.isabs(path):
             return path
         return os.path.relpath(data.resolve(spec_dir, path).resolve(), out_dir.resolve())
 
+    def portable_file(data: F) -> F:
+        return dataclasses.replace(data, path=moved(data, data.path), tokenizer=moved(data, data.tokenizer))
+
     def portable(data: DataSpec) -> DataSpec:
         if data.kind is DataKind.SYNTHETIC:
             return data
-        return dataclasses.replace(data, path=moved(data, data.path), tokenizer=moved(data, data.tokenizer))
+        if data.kind is DataKind.BLEND:
+            return dataclasses.replace(data, sources=tuple(portable_file(s) for s in data.sources))
+        return portable_file(data)
     model = spec.model
     hf_dir = None if model is None else model.hf_dir(spec_dir)
     if model is not None and hf_dir is not None and not os.path.isabs(model.hf):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from hetc.ir.errors import Diagnostic
 from hetc.passes.validate_runtime import check_text_vocab
-from hetc.ir.spec import DataKind, DataSpec, ModelSpec, TokenDType, TrainSpec
+from hetc.ir.spec import DataFileSpec, DataKind, DataSpec, ModelSpec, TokenDType, TrainSpec
 from hetc.ir.userfile import regular_file_problem
 from hetc.ir.tokenfile import (TokenFile, TokenFileError, check_vocab, fits, inspect_tokens, looks_binary,
                             tokenizer_digest)
@@ -27,13 +27,39 @@ __all__ = ["check_data"]
 def check_data(model: ModelSpec | None, t: TrainSpec, base_dir: Path | None, errors: list[Diagnostic]) -> None:
     """Diagnostics of the train block `t`'s data and eval data (for `model`, where the spec has one)."""
     for data in filter(None, (t.data, t.eval)):
-        _check_source(data, model, base_dir, errors)
+        _check_blend(data, errors)
+        for file in data.files():
+            _check_source(file, model, base_dir, errors)
     if model is not None and (problem := check_text_vocab(model, t)) is not None:
         errors.append(Diagnostic(model.span_of("vocab"), problem))
     _check_eval(t, errors)
 
 
-def _check_source(data: DataSpec, model: ModelSpec | None, base_dir: Path | None, errors: list[Diagnostic]) -> None:
+def _check_blend(data: DataSpec, errors: list[Diagnostic]) -> None:
+    """A blend is of text and token files, each with a weight that draws from it (Note [Blends] in
+    runtime/data.py); source blocks are a blend's."""
+    if data.kind is not DataKind.BLEND:
+        if data.sources:
+            errors.append(Diagnostic(data.sources[0].span, f"source blocks are a blend's (data blend {{ ... }}); "
+                                     f"data {data.kind.value} reads one file"))
+        return
+    if not data.sources:
+        errors.append(Diagnostic(data.span, "data blend needs source blocks, each a text or token file with its "
+                                 "weight: source tokens { path = \"web.bin\", weight = 0.7 }"))
+    for key in ("path", "dtype", "tokenizer", "shuffle"):
+        if data.written(key):
+            errors.append(Diagnostic(data.span_of(key), f"data blend reads its sources' files: {key} belongs in "
+                                     "each source block"))
+    for source in data.sources:
+        if source.kind not in (DataKind.TEXT, DataKind.TOKENS):
+            errors.append(Diagnostic(source.span, f"a blend's source is a text or token file, not "
+                                     f"{source.kind.value}"))
+        if source.weight == 0:
+            errors.append(Diagnostic(source.span_of("weight"), "weight = 0 never draws from this source; leave "
+                                     "the source out"))
+
+
+def _check_source(data: DataFileSpec, model: ModelSpec | None, base_dir: Path | None, errors: list[Diagnostic]) -> None:
     if data.kind is DataKind.SYNTHETIC:
         return
     if not data.path:
@@ -52,7 +78,7 @@ def _check_source(data: DataSpec, model: ModelSpec | None, base_dir: Path | None
         _check_tokens(data, path, model, base_dir, errors)
 
 
-def _check_text(data: DataSpec, path: Path, base_dir: Path, errors: list[Diagnostic]) -> None:
+def _check_text(data: DataFileSpec, path: Path, base_dir: Path, errors: list[Diagnostic]) -> None:
     problem = regular_file_problem(path, "text file", data.path)
     if problem:
         errors.append(Diagnostic(data.span_of("path"), problem + _resolved_hint(data.path, path, base_dir)))
@@ -71,7 +97,7 @@ def _resolved_hint(written: str, path: Path, base_dir: Path) -> str:
     return f" (a relative path is read from the spec's folder: here {path.resolve()})"
 
 
-def _check_tokens(data: DataSpec, path: Path, model: ModelSpec | None, base_dir: Path, errors: list[Diagnostic]) -> None:
+def _check_tokens(data: DataFileSpec, path: Path, model: ModelSpec | None, base_dir: Path, errors: list[Diagnostic]) -> None:
     try:
         tf = inspect_tokens(path, data.dtype)
         if model is not None and (tf.vocab is None or tf.vocab <= model.vocab):   # else: said below
@@ -93,7 +119,7 @@ def _check_tokens(data: DataSpec, path: Path, model: ModelSpec | None, base_dir:
                                  f"of seq = {model.seq} needs {model.seq + 1}"))
 
 
-def _check_tokenizer(data: DataSpec, tf: TokenFile, base_dir: Path, errors: list[Diagnostic]) -> None:
+def _check_tokenizer(data: DataFileSpec, tf: TokenFile, base_dir: Path, errors: list[Diagnostic]) -> None:
     """The tokenizer the spec names must be the one a hetc header says wrote the file."""
     where = data.span_of("tokenizer")
     try:
@@ -116,6 +142,9 @@ def _check_eval(t: TrainSpec, errors: list[Diagnostic]) -> None:
     elif t.eval_share > 0 and t.data.kind is DataKind.SYNTHETIC:
         errors.append(Diagnostic(t.span_of("eval_share"), "eval_share holds out part of a text or token file; "
                                  "synthetic data has none (use an eval block)"))
+    elif t.eval_share > 0 and t.data.kind is DataKind.BLEND:
+        errors.append(Diagnostic(t.span_of("eval_share"), "eval_share holds out part of one text or token file; "
+                                 "give a blend's validation data as an eval block (eval tokens { path = ... })"))
     elif t.eval_every > 0 and t.eval is None and t.eval_share == 0:
         errors.append(Diagnostic(t.span_of("eval_every"), "eval_every needs validation data: an eval block "
                                  "(eval tokens { path = ... }) or eval_share = 0.01 of the training data"))

@@ -43,7 +43,7 @@ def ties_in_one_ministage(model: ModelSpec, num_stages: int) -> bool:
 
 def check_text_vocab(model: ModelSpec, train: TrainSpec) -> str | None:
     """Why byte-level text (training or eval data) cannot feed `model` (report at model.span_of("vocab"))."""
-    texts = [d for d in (train.data, train.eval) if d is not None and d.kind is DataKind.TEXT]
+    texts = [f for d in (train.data, train.eval) if d is not None for f in d.files() if f.kind is DataKind.TEXT]
     if texts and model.vocab < BYTE_VOCAB:
         return f"byte-level text needs vocab >= {BYTE_VOCAB}, not {model.vocab}"
     return None

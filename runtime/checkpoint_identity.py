@@ -34,7 +34,7 @@ from typing import Any
 
 from hetc.hf.config import TRAINING_FIELDS
 from hetc.runtime.checkpoint_files import CheckpointError
-from hetc.ir.spec import DataKind, ModelSpec, Node, OptimizerKind, TrainSpec
+from hetc.ir.spec import DataFileSpec, DataKind, ModelSpec, Node, OptimizerKind, TrainSpec
 
 __all__ = ["DATA_FILE", "check_resumable", "data_identity", "model_differences", "write_data_identity"]
 
@@ -44,13 +44,20 @@ _DERIVED = {"kv_heads": "num_kv_heads", "head_dim": "head_size"}
 
 
 def data_identity(model: ModelSpec, train: TrainSpec) -> dict[str, Any]:
-    """What decides the token stream: data kind, file (path and size), dtype, seq, seed, shuffle."""
+    """What decides the token stream: data kind, file (path and size), dtype, seq, seed, shuffle; a blend's
+    sources each with its weight."""
     data = train.data
-    path = data.resolve() if data.kind is not DataKind.SYNTHETIC else None
+    identity = {**_file_identity(data), "seq": model.seq, "seed": train.seed}
+    if data.kind is DataKind.BLEND:
+        identity["sources"] = [{**_file_identity(s), "weight": s.weight} for s in data.sources]
+    return identity
+
+
+def _file_identity(data: DataFileSpec) -> dict[str, Any]:
+    path = data.resolve() if data.kind in (DataKind.TEXT, DataKind.TOKENS) else None
     size = path.stat().st_size if path is not None and path.is_file() else None
-    return {"kind": data.kind.value, "path": str(path.resolve()) if path is not None else "",
-            "bytes": size, "dtype": data.dtype.value if data.dtype is not None else None,
-            "seq": model.seq, "seed": train.seed, "shuffle": data.shuffle}
+    return {"kind": data.kind.value, "path": str(path.resolve()) if path is not None else "", "bytes": size,
+            "dtype": data.dtype.value if data.dtype is not None else None, "shuffle": data.shuffle}
 
 
 def write_data_identity(model: ModelSpec, train: TrainSpec, directory: Path) -> None:
@@ -100,12 +107,17 @@ def _optimizer_differences(saved: ModelSpec, now: ModelSpec) -> list[tuple[str, 
     return []
 
 
-def _data_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    diffs: list[tuple[str, Any, Any]] = [(key, saved.get(key), now[key]) for key in
-                                         ("kind", "dtype", "seq", "seed", "shuffle")
-                                         if key in saved and saved[key] != now[key]]
+def _data_differences(saved: dict[str, Any], now: dict[str, Any], prefix: str = "") -> list[tuple[str, Any, Any]]:
+    diffs: list[tuple[str, Any, Any]] = [(prefix + key, saved.get(key), now[key]) for key in
+                                         ("kind", "dtype", "seq", "seed", "shuffle", "weight")
+                                         if key in saved and key in now and saved[key] != now[key]]
     if not _same_file(saved, now):
-        diffs.append(("path", _file(saved), _file(now)))
+        diffs.append((prefix + "path", _file(saved), _file(now)))
+    theirs, ours = saved.get("sources") or [], now.get("sources") or []
+    if len(theirs) != len(ours):
+        return diffs + [(prefix + "sources", f"{len(theirs)} sources", f"{len(ours)} sources")]
+    for i, (a, b) in enumerate(zip(theirs, ours)):
+        diffs += _data_differences(a, b, f"{prefix}sources[{i}].")
     return diffs
 
 

@@ -24,6 +24,19 @@ epoch e = g div W visits every window once, in an order drawn from
 (seed, e) (a permutation of W indices, 8 bytes per window, made once per
 epoch). `eval_share` keeps the last ceil(W · share) windows for validation,
 read in order; training windows are the ones before them.
+
+Note [Blends]
+`data blend` mixes text and token files by weight, as Megatron-LM's
+`--data-path W1 P1 W2 P2` does, and by its rule: global sequence g goes to
+the source whose count of sequences so far falls furthest below its share
+of g + 1 (the first on a tie), and is that source's next sequence, read as
+the source alone would read it (its windows, its own shuffled epochs). The
+shares are the weights normalised, as whole slots of a period P (the
+smallest P <= 65,536 that makes every share whole: 10 for 0.7 and 0.3,
+else 65,536 with the largest remainders), so the assignment repeats every
+P sequences and sequence g is found in O(1): period q = g div P, slot
+r = g mod P, index q · (the source's slots) + (its slots before r). On
+exact shares it is Megatron-LM's blending index, sequence for sequence.
 """
 
 from __future__ import annotations
@@ -31,6 +44,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
@@ -40,12 +54,22 @@ from torch import Tensor
 from hetc.ir.errors import InternalError, Span, SpecError
 from hetc.passes.validate_runtime import check_text_vocab
 from hetc.runtime.nn.seeding import generator
-from hetc.ir.spec import DataKind, DataSpec, ModelSpec, TrainSpec
+from hetc.ir.spec import DataFileSpec, DataKind, DataSpec, ModelSpec, TrainSpec
 from hetc.ir.tokenfile import TokenFileError, check_vocab, inspect_tokens, open_tokens
 from hetc.ir.tokenstream import TokenStream, TruncatedError
 
-__all__ = ["DataError", "DataSource", "SyntheticData", "TextData", "Windows", "make_data_source", "make_eval_source",
-           "split_held_out"]
+__all__ = [
+    "BlendedData",
+    "DataError",
+    "DataSource",
+    "SyntheticData",
+    "TextData",
+    "Windows",
+    "blend_period",
+    "make_data_source",
+    "make_eval_source",
+    "split_held_out",
+]
 
 
 # A stream of ids: an array in memory, or a file's read as windows are (hetc/ir/tokenstream.py).
@@ -102,9 +126,10 @@ class Windows(_Sequences):
     """Windows of seq + 1 ids cut from a stream of ids (Note [Windows])."""
 
     def __init__(self, *, tokens: Ids, shuffle: bool = True, vocab: int | None = None,
-                 where: str = "the data", **kw) -> None:
+                 where: str = "the data", epochs: tuple[str | int, ...] = (), **kw) -> None:
         super().__init__(**kw)
         self.tokens, self.shuffle, self.vocab, self.where = tokens, shuffle, vocab, where
+        self.epochs = epochs    # what names its epochs' shuffles besides the seed: a blend's source index
         self.num_windows = (len(tokens) - 1) // self.seq
         if self.num_windows <= 0:
             raise InternalError("make_data_source checks the stream's length")
@@ -129,7 +154,7 @@ class Windows(_Sequences):
 
     def _order(self, epoch: int) -> Tensor:
         if self._epoch_order is None or self._epoch_order[0] != epoch:
-            gen = generator(self.seed, "text-epoch", epoch)
+            gen = generator(self.seed, "text-epoch", *self.epochs, epoch)
             self._epoch_order = (epoch, torch.randperm(self.num_windows, generator=gen))
         return self._epoch_order[1]
 
@@ -140,6 +165,40 @@ class TextData(Windows):
     def __init__(self, *, text: bytes | Ids, **kw) -> None:
         tokens = np.frombuffer(text, dtype=np.uint8) if isinstance(text, bytes) else text
         super().__init__(tokens=tokens, **kw)
+
+
+class BlendedData(_Sequences):
+    """Sequences of several sources, mixed by weight (Note [Blends])."""
+
+    def __init__(self, *, sources: Sequence[_Sequences], weights: list[float], **kw) -> None:
+        super().__init__(**kw)
+        self.sources = sources
+        self.slot_source, self.slot_index, self.per_period = blend_period(weights)
+
+    def sequence(self, g: int) -> Tensor:
+        period, slot = divmod(g, len(self.slot_source))
+        source = int(self.slot_source[slot])
+        return self.sources[source].sequence(period * self.per_period[source] + int(self.slot_index[slot]))
+
+
+MAX_PERIOD = 65_536
+
+
+def blend_period(weights: list[float]) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """(each slot's source, its index among that source's slots, each source's slots) of the period that
+    mixes `weights` by Megatron-LM's rule (Note [Blends])."""
+    shares = [w / sum(weights) for w in weights]
+    period = next((p for p in range(1, MAX_PERIOD) if all(abs(s * p - round(s * p)) < 1e-9 for s in shares)),
+                  MAX_PERIOD)
+    slots = [math.floor(s * period) for s in shares]      # the largest remainders take the slots left
+    for d in sorted(range(len(shares)), key=lambda d: slots[d] - shares[d] * period)[:period - sum(slots)]:
+        slots[d] += 1
+    source, index, taken = np.empty(period, np.int64), np.empty(period, np.int64), [0] * len(slots)
+    for g in range(period):     # integers: slots[d] (g + 1) / period - taken[d], times period
+        d = max(range(len(slots)), key=lambda d: (slots[d] * (g + 1) - taken[d] * period, -d))
+        source[g], index[g] = d, taken[d]
+        taken[d] += 1
+    return source, index, slots
 
 
 def split_held_out(tokens: Ids, seq: int, share: float) -> tuple[Ids, Ids]:
@@ -172,13 +231,22 @@ def make_eval_source(model: ModelSpec, train: TrainSpec, base_dir: Path | str = 
 
 
 def _source(model: ModelSpec, train: TrainSpec, data: DataSpec, base_dir: Path | str, *, held_out: bool,
-            stream: str = "data") -> DataSource:
+            stream: str = "data") -> _Sequences:
     common = {"seed": train.seed, "seq": model.seq, "micro_batch": train.micro_batch,
               "global_batch": train.global_batch}
     if data.kind is DataKind.SYNTHETIC:
         return SyntheticData(vocab=model.vocab, stream=stream, **common)
     if (problem := check_text_vocab(model, train)) is not None:
         raise SpecError.at(model.span_of("vocab"), problem)
+    if data.kind is DataKind.BLEND:     # Note [Blends]; the validator refuses eval_share on a blend
+        sources = [_file_source(model, train, s, base_dir, common, held_out=False, epochs=(i,))
+                   for i, s in enumerate(data.sources)]
+        return BlendedData(sources=sources, weights=[s.weight for s in data.sources], **common)
+    return _file_source(model, train, data, base_dir, common, held_out=held_out)
+
+
+def _file_source(model: ModelSpec, train: TrainSpec, data: DataFileSpec, base_dir: Path | str, common: dict[str, int],
+                 *, held_out: bool, epochs: tuple[str | int, ...] = ()) -> Windows:
     path = data.resolve(base_dir)
     tokens: Ids = _stream(data, path, model.vocab)
     where = data.span_of("path")
@@ -191,11 +259,11 @@ def _source(model: ModelSpec, train: TrainSpec, data: DataSpec, base_dir: Path |
     _check_length(tokens, model.seq, path, where)
     shuffle = data.shuffle and not held_out
     if data.kind is DataKind.TEXT:   # a byte is always below vocab >= 256
-        return TextData(text=tokens, shuffle=shuffle, where=f"'{path}'", **common)
-    return Windows(tokens=tokens, shuffle=shuffle, vocab=model.vocab, where=f"'{path}'", **common)
+        return TextData(text=tokens, shuffle=shuffle, where=f"'{path}'", epochs=epochs, **common)
+    return Windows(tokens=tokens, shuffle=shuffle, vocab=model.vocab, where=f"'{path}'", epochs=epochs, **common)
 
 
-def _stream(data: DataSpec, path: Path, vocab: int) -> TokenStream:
+def _stream(data: DataFileSpec, path: Path, vocab: int) -> TokenStream:
     """The file's ids, checked as `hetc check` checks them (passes/data_check.py), read as windows are."""
     try:
         if data.kind is DataKind.TEXT:

@@ -41,13 +41,12 @@ class LoadedSpec:
             found += [(p, "a file of the model's hf directory") for p in model_files(hf)]
         for data, what in ((train.data, "the training data"), (train.eval, "the validation data")) \
                 if train is not None else ():
-            if data is None:
-                continue
-            if data.path:
-                found += [(p, what) for p in _data_files(data.resolve(self.path.parent))]
-            if data.tokenizer:
-                tokenizer = declared_path(data.tokenizer, data.span, self.path.parent)
-                found += [(p, "a file of the tokenizer directory") for p in model_files(tokenizer)]
+            for file in data.files() if data is not None else ():
+                if file.path:
+                    found += [(p, what) for p in _data_files(file.resolve(self.path.parent))]
+                if file.tokenizer:
+                    tokenizer = declared_path(file.tokenizer, file.span, self.path.parent)
+                    found += [(p, "a file of the tokenizer directory") for p in model_files(tokenizer)]
         return found
 
 

@@ -29,10 +29,12 @@ __all__ = [
     "Arch",
     "AttentionKind",
     "Auto",
+    "BlendSourceSpec",
     "CPKind",
     "Checkpointing",
     "ClusterSpec",
     "DType",
+    "DataFileSpec",
     "DataKind",
     "DataSpec",
     "DeviceSpec",
@@ -236,6 +238,7 @@ class DataKind(StrEnum):
     SYNTHETIC = "synthetic"
     TEXT = "text"
     TOKENS = "tokens"
+    BLEND = "blend"      # sources mixed by weight (Megatron-LM's --data-path W1 P1 W2 P2)
 
 
 class TokenDType(StrEnum):
@@ -580,9 +583,12 @@ class ClusterSpec(Node):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class DataSpec(Node):
+class DataFileSpec(Node):
+    """Where sequences come from: generated, or windows of a file (runtime/data.py)."""
+
     kind: DataKind = param(DataKind.SYNTHETIC, label=True,
-                           doc="synthetic tokens, a byte-level text file, or a token file (`tokens`)")
+                           doc="synthetic tokens, a byte-level text file, a token file (`tokens`), or a `blend` "
+                               "of `source` blocks")
     path: str = param("", doc="the text or token file, relative to the file that declares it; for `tokens` a "
                               "flat token file (nanoGPT's raw ids, or `hetc data prepare`'s with a header) or "
                               "a Megatron indexed dataset (PREFIX, PREFIX.bin or PREFIX.idx)")
@@ -597,6 +603,28 @@ class DataSpec(Node):
     def resolve(self, fallback_dir: Path | str = ".", path: str | None = None) -> Path:
         """The data file (or `path`): relative paths are relative to the spec file that wrote them."""
         return declared_path(self.path if path is None else path, self.span, fallback_dir)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlendSourceSpec(DataFileSpec):
+    """One file of a blend and its share of the sequences (Note [Blends] in runtime/data.py)."""
+
+    weight: float = param(1.0, lo=0, hi=1e12, doc="its share of the sequences, relative to the other sources' "
+                                                  "weights (Megatron-LM's --data-path weights)")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DataSpec(DataFileSpec):
+    """The training (or evaluation) data: one source, or a blend of several."""
+
+    sources: tuple[BlendSourceSpec, ...] = param((), block="source",
+                                                 doc="`blend`: the text or token files mixed, each with its weight")
+
+    def files(self) -> tuple[DataFileSpec, ...]:
+        """The files it reads: a blend's sources, itself, or none (synthetic)."""
+        if self.kind is DataKind.BLEND:
+            return self.sources
+        return () if self.kind is DataKind.SYNTHETIC else (self,)
 
 
 def declared_path(text: str, span: Span, fallback_dir: Path | str = ".") -> Path:
