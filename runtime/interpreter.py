@@ -71,6 +71,7 @@ class StepResult:
     skipped: bool = False              # the update was skipped: a non-finite gradient norm (Note [non-finite steps])
     loss_scale: float | None = None    # fp16: the scale this step's backward ran at (Note [dynamic loss scale])
     lr: float = 0.0                    # the learning rate of this step's update (Note [skipped updates])
+    load_balancing_loss: float | None = None   # MoE with aux_loss_coeff: Note [load-balancing loss]
 
 
 @dataclass
@@ -181,7 +182,7 @@ class Interpreter:
         split = {c.value: s for c, s in class_times(self.program.instrs, marks[:-1], marks[-1]).items()} \
             if classes else {}
         return StepResult(self.loss_total, time.perf_counter() - t0, events, split, self.grad_norm, self.skip_update,
-                          self.scale_used, self.lr)
+                          self.scale_used, self.lr, self.balance_total)
 
     def _slowed(self, instr: Instr, factor: float) -> None:
         """A compute instruction of an injected slow rank: run, then wait (factor - 1) times its time."""
@@ -209,6 +210,7 @@ class Interpreter:
         self.loss_sum: Tensor | None = None                  # Note [the loss on the device]
         self.staged: list[Tensor] = []                       # page-locked token copies in flight (`upload`)
         self.loss_total = float("nan")
+        self.balance_total: float | None = None
         self.clip = 1.0
         self.grad_norm: float | None = None
         self.skip_update = False
@@ -216,6 +218,7 @@ class Interpreter:
         self.scale_used = None if self.scaler is None or not self.training else self.scaler.scale
         for moe in self.moe_layers:     # Note [load-balancing loss]: the seed of the loss, 1/m (times the scale)
             moe.aux_seed = (1.0 if self.scale_used is None else self.scale_used) / self.m
+            moe.aux_losses.clear()
         self.replay: dict[tuple[int, int], RngState] = {}   # activation offload's recomputations
         if self.training:
             if self.dropout:
@@ -546,13 +549,26 @@ class Interpreter:
         self._post(instr, self.comm.all_reduce(total, group), lambda: put_tied_sum(copy, total))
 
     def _reduce_loss(self, instr: AllReduce, group) -> None:
-        """All-reduce the mean of this rank's microbatch losses; its wait is where the host reads the loss."""
+        """All-reduce the mean of this rank's microbatch losses, and beside it, where the model's MoE layers
+        add a balancing loss, their tally (the same on every rank: the model's); its wait is where the host
+        reads both."""
+        balance = self.training and self.model.moe is not None and self.model.moe.aux_loss_coeff > 0
+        total = torch.zeros(2 if balance else 1, dtype=torch.float64, device=self.device)
         if self.counts_loss and self.loss_sum is not None:
-            total = (self.loss_sum / self.m).reshape(1)      # Note [the loss on the device]
-        else:
-            total = torch.zeros(1, dtype=torch.float64, device=self.device)
-        self._post(instr, self.comm.all_reduce(total, group),
-                   lambda: setattr(self, "loss_total", float(total.item())))
+            total[0] = self.loss_sum / self.m      # Note [the loss on the device]
+        tallied = [loss for moe in self.moe_layers for loss in moe.aux_losses]
+        if balance and self.counts_loss and tallied:
+            total[1] = torch.stack(tallied).sum()
+        self._post(instr, self.comm.all_reduce(total, group), lambda: self._read_losses(total))
+
+    def _read_losses(self, total: Tensor) -> None:
+        """The host's one read of the step's reduced losses (Note [load-balancing loss])."""
+        values = total.tolist()
+        self.loss_total = values[0]
+        if len(values) > 1:
+            moe = self.model.moe
+            assert moe is not None      # a balancing loss is an MoE model's
+            self.balance_total = values[1] / (self.m * self.model.layers * moe.aux_loss_coeff)
 
     def _reduce_norm(self, instr: AllReduce, group) -> None:
         """All-reduce the sum of squares of this rank's unique gradients, added on the device in part order;

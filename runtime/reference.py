@@ -47,6 +47,7 @@ class ReferenceResult:
     step_times: tuple[float, ...]    # per step: wall seconds (the compute-only baseline)
     params: dict[str, Tensor]        # after the last step: fp32, by global parameter name
     val_losses: tuple[float, ...] = ()   # per evaluation (train { eval_every }): mean over eval_batches
+    load_balancing: tuple[float, ...] = ()   # per step of an MoE model with aux_loss_coeff: Note [load-balancing loss]
 
 
 def train_reference(model: ModelSpec, train: TrainSpec, *, base_dir: Path | str = ".", steps: int | None = None,
@@ -65,13 +66,16 @@ def train_reference(model: ModelSpec, train: TrainSpec, *, base_dir: Path | str 
     data = data if data is not None else make_data_source(model, train, base_dir)
     held_out = make_eval_source(model, train, base_dir)
     num_mb = train.global_batch // train.micro_batch
-    for moe in moe_layers([module]):    # Note [load-balancing loss]: its gradient is the loss's seed
+    layers = moe_layers([module])
+    for moe in layers:    # Note [load-balancing loss]: its gradient is the loss's seed
         moe.aux_seed = 1.0 / num_mb
-    losses, norms, times, vals = [], [], [], []
+    losses, norms, times, vals, balancing = [], [], [], [], []
     for step in range(train.steps if steps is None else steps):
         start = time.perf_counter()
         seed_step(train.seed, step, 0)     # one rank: the stream a 1-rank plan's rank 0 draws (Note [dropout streams])
         flat.zero_grad()
+        for moe in layers:
+            moe.aux_losses.clear()
         total = 0.0
         for mb in range(num_mb):
             tokens, labels = data.get_microbatch(step, mb)
@@ -87,10 +91,14 @@ def train_reference(model: ModelSpec, train: TrainSpec, *, base_dir: Path | str 
         times.append(time.perf_counter() - start)
         losses.append(total / num_mb)
         norms.append(float(norm_sq) ** 0.5)
+        if model.moe is not None and model.moe.aux_loss_coeff > 0:
+            tallied = sum(float(loss) for moe in layers for loss in moe.aux_losses)
+            balancing.append(tallied / (num_mb * model.layers * model.moe.aux_loss_coeff))
         if held_out is not None and (step + 1) % train.eval_every == 0:
             vals.append(_validation_loss(module, held_out, train.eval_batches, num_mb, device))
         log.debug("reference step %d: loss %.6f, grad norm %.4f", step, losses[-1], norms[-1])
-    return ReferenceResult(tuple(losses), tuple(norms), tuple(times), flat.named_master(), tuple(vals))
+    return ReferenceResult(tuple(losses), tuple(norms), tuple(times), flat.named_master(), tuple(vals),
+                           tuple(balancing))
 
 
 @torch.no_grad()

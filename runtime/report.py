@@ -139,6 +139,8 @@ class Reporter:
             skipped = _skip_note(result)
             # the global norm before clipping, where the step computes it (grad_clip), as Megatron-LM's log line
             norm = "" if result.grad_norm is None else f"  grad norm {result.grad_norm:.4g}"
+            if result.load_balancing_loss is not None:      # Megatron-LM's load_balancing_loss
+                norm += f"  load balancing {result.load_balancing_loss:.4f}"
             print(f"step {done}/{total}  loss {result.loss:.4f}{val}  lr {lr:.2e}{norm}  {tps:,.0f} tokens/s  "
                   f"MFU {mfu:.1%}  {human_seconds(result.seconds)}/step{skipped}", flush=True)
         if not self.records:
@@ -156,6 +158,8 @@ class Reporter:
             record["skipped"] = True
         if result.loss_scale is not None:
             record["loss_scale"] = result.loss_scale
+        if result.load_balancing_loss is not None:
+            record["load_balancing_loss"] = result.load_balancing_loss
         self.event(record)
         for sink in self.sinks:
             sink.add(done, step_scalars(record))

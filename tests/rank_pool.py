@@ -50,6 +50,7 @@ __all__ = [
 POOL_SIZE = 4
 COLLECTIVE_TIMEOUT_S = 60.0
 REPLY_TIMEOUT_S = 240.0
+PORT_TRIES = 3      # jobs whose rank 0 found its port taken (RankPool.run)
 
 LOSS_RTOL = 1e-5      # the issue's bound: per-step losses within 1e-5 relative of the 1-rank run
 # Parameters after a few AdamW steps: another reduction order changes a
@@ -88,6 +89,7 @@ class RankReport:
     losses: tuple[float, ...]         # one per step run (the reduced loss every rank sees)
     error: str | None = None          # the traceback when the job failed on this rank
     val_losses: tuple[float, ...] = ()  # one per evaluation (train { eval_every })
+    load_balancing: tuple[float | None, ...] = ()   # one per step run: MoE's load_balancing_loss
 
 
 def compile_plans(specs: list[Path], out: Path) -> dict[str, Path]:
@@ -140,8 +142,17 @@ class RankPool:
         """Run `job` on every worker; the reports of the plan's ranks (workers beyond it report nothing).
 
         Raises TimeoutError when a worker does not answer within `timeout_s`
-        (after restarting the workers, so that the next job is not stuck behind this one).
+        (after restarting the workers, so that the next job is not stuck behind this one). A port taken
+        between `free_port` and rank 0's listen (another process's connection got it: the suite runs two
+        workers, each starting processes) is not the job's failure: it runs again on another port.
         """
+        for _ in range(PORT_TRIES - 1):
+            reports = self._run_once(job, timeout_s)
+            if not any(r.error is not None and "EADDRINUSE" in r.error for r in reports):
+                return reports
+        return self._run_once(job, timeout_s)
+
+    def _run_once(self, job: PlanJob, timeout_s: float) -> list[RankReport]:
         from hetc.runtime.local import free_port
 
         port = free_port()
@@ -243,15 +254,17 @@ def _train(rt, job: PlanJob, rank: int, evaluator) -> RankReport:
     from hetc.runtime.checkpoint import load_checkpoint, save_checkpoint
 
     start = load_checkpoint(rt, job.resume_from) if job.resume_from is not None else 0
-    losses, val_losses = [], []
+    losses, val_losses, balancing = [], [], []
     for step in range(start, job.steps):
-        losses.append(rt.interpreter.run_step(step).loss)
+        result = rt.interpreter.run_step(step)
+        losses.append(result.loss)
+        balancing.append(result.load_balancing_loss)
         if evaluator is not None and evaluator.due(step + 1):
             val_losses.append(evaluator.run(rt.interpreter))
     if job.save_to is not None:
         with _failing_writer(job.fail_save_on == rank):
             save_checkpoint(rt, job.save_to, job.steps)
-    return RankReport(rank, start, tuple(losses), val_losses=tuple(val_losses))
+    return RankReport(rank, start, tuple(losses), val_losses=tuple(val_losses), load_balancing=tuple(balancing))
 
 
 @contextmanager

@@ -157,3 +157,21 @@ def test_balancing_loss_reaches_the_router_with_the_seed_and_not_the_output():
     (0.25 * probe.balancing_loss(logits, logits.topk(2, dim=-1).indices.view(2, 3, 2))).backward()
     assert probe.router.weight.grad is not None and probe.router.weight.grad.abs().sum() > 0
     torch.testing.assert_close(balanced.router.weight.grad, plain.router.weight.grad + probe.router.weight.grad)
+
+
+def test_each_backward_tallies_the_balancing_loss_once_under_activation_checkpointing():
+    """The step's load_balancing_loss counts each microbatch once: backward tallies it, which runs once, and
+    not the forward, which full activation checkpointing runs again."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    moe = make_mlp(tiny(hidden=16, ffn=24, moe=MoESpec(experts=4, top_k=2, capacity_factor=4.0, aux_loss_coeff=0.3)))
+    assert isinstance(moe, MoE)
+    x = torch.randn(2, 3, 16, requires_grad=True)
+    out = checkpoint(moe, x, use_reentrant=False)
+    assert moe.aux_losses == [], "tallied in backward, not forward"
+    out.sum().backward()
+    logits = moe.router(x.detach().reshape(-1, 16)).float()
+    expected = moe.balancing_loss(logits, logits.topk(2, dim=-1).indices.view(2, 3, 2))
+    assert len(moe.aux_losses) == 1
+    torch.testing.assert_close(moe.aux_losses[0], expected.detach())

@@ -218,11 +218,15 @@ def balanced_moe(tmp_path_factory, moe_reference):
 @pytest.mark.parametrize("plan", [p for p in MOE_PLANS if p != "moe_single"])
 def test_moe_balancing_loss_trains_every_plan_as_one_rank(plan, rank_pool, balanced_moe, tmp_path):
     """Each layer's balancing loss reaches backward with the loss's seed on every rank: under EP, with its
-    counts over the whole sequence split by cp = 2, and in a zero-bubble pipeline's split backward."""
+    counts over the whole sequence split by cp = 2, and in a zero-bubble pipeline's split backward; and every
+    rank reports the one rank's load_balancing_loss (each microbatch and layer counted once)."""
     dirs, reference = balanced_moe
     reports = rank_pool.run(PlanJob(dirs[plan], REFERENCE_STEPS, save_to=tmp_path))
     assert_losses_close(agreed_losses(reports), reference.losses)
     assert_params_close(latest_checkpoint(tmp_path), reference.params)
+    assert all(r.load_balancing == reports[0].load_balancing for r in reports)
+    assert reports[0].load_balancing == pytest.approx(reference.load_balancing, rel=1e-6)
+    assert all(0.5 < b < 4 for b in reference.load_balancing), reference.load_balancing    # E = 4: at most E
 
 
 @pytest.mark.parametrize("saver, resumer", [("moe_ep2", "moe_ep2_cp2"), ("moe_pp_ep2", "moe_single")])

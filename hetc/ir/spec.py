@@ -329,7 +329,7 @@ class MoESpec(Node):
     capacity_factor: float = param(1.25, lo=0.01, hi=1e3, doc="expert capacity over the mean load")
     aux_loss_coeff: float = param(0.0, lo=0, hi=1e3, aliases=("moe_aux_loss_coeff",),
                                   doc="weight of each MoE layer's load-balancing loss (Switch's, as Megatron-LM "
-                                      "computes it; 0: none)")
+                                      "computes it; 0: none); each step reports it as load_balancing_loss")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

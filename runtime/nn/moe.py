@@ -41,7 +41,12 @@ added to the loss the run reports: as Megatron-LM's MoEAuxLossAutoScaler
 does, the layer's output carries it into backward (`_WithBalancing`), whose
 gradient for it is the one the microbatch's loss is seeded with (1/m, times
 fp16's loss scale: `MoE.aux_seed`, set by the interpreter each step), so it
-trains every plan as the one-rank reference. Under context parallelism f_e
+trains every plan as the one-rank reference. Each microbatch's backward
+tallies the layer's loss (not its forward, which activation checkpointing
+runs twice); the step reports their mean over microbatches and MoE layers,
+without the coefficient, as `load_balancing_loss` (Megatron-LM's log line,
+about 1 when the router spreads tokens evenly), reduced with the loss (one
+all-reduce: runtime/interpreter.py). Under context parallelism f_e
 counts the whole microbatch's routing (the gathered one capacity reads) and
 each cp rank adds its own tokens' share of Σ_t p_te, as its share of the
 language-model loss is its own tokens'. Its cost (a softmax over E logits a
@@ -205,6 +210,7 @@ class MoE(nn.Module):
         self.routing: SequenceRouting | None = None
         self.aux_loss_coeff = moe.aux_loss_coeff
         self.aux_seed = 1.0      # the gradient of the balancing loss: Note [load-balancing loss]
+        self.aux_losses: list[Tensor] = []     # the step's balancing losses, as each microbatch's backward ran
 
     def forward(self, x: Tensor) -> Tensor:
         tokens = x.reshape(-1, x.shape[-1])
@@ -222,7 +228,7 @@ class MoE(nn.Module):
         served = y.shape[0]                  # all T·K rows locally, the kept ones after an exchange
         out = torch.zeros_like(tokens).index_add(0, rows[:served], y * gates[order[:served], None]).view_as(x)
         if self.aux_loss_coeff and self.training and torch.is_grad_enabled():
-            out = _WithBalancing.apply(out, self.balancing_loss(logits, whole), self.aux_seed)
+            out = _WithBalancing.apply(out, self.balancing_loss(logits, whole), self.aux_seed, self.aux_losses)
         return out
 
     def _kept(self, whole: Tensor) -> Tensor:
@@ -262,13 +268,15 @@ class _WithBalancing(torch.autograd.Function):
     MoEAuxLossAutoScaler): Note [load-balancing loss]."""
 
     @staticmethod
-    def forward(ctx, out: Tensor, loss: Tensor, seed: float) -> Tensor:
-        ctx.loss, ctx.seed = loss.detach(), seed
+    def forward(ctx, out: Tensor, loss: Tensor, seed: float, tally: list[Tensor]) -> Tensor:
+        ctx.loss, ctx.seed, ctx.tally = loss.detach(), seed, tally
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return grad, torch.full_like(ctx.loss, ctx.seed), None
+        # tallied here, once per microbatch: activation checkpointing runs the forward again, backward never
+        ctx.tally.append(ctx.loss)
+        return grad, torch.full_like(ctx.loss, ctx.seed), None, None
 
 
 def _expert_major(counts: Tensor, rows: int) -> Tensor:
