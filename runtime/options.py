@@ -49,6 +49,7 @@ class RunOptions:
     init_timeout_s: float = 300.0       # the rendezvous and creating the process groups
     heartbeat_timeout_s: float = 10.0
     grace_s: float = 30.0
+    exit_after_s: float | None = None   # --exit-after: stop, save and exit 0 this long after a rank starts
     elastic: bool = False
     quiet: bool = False
     on_nonfinite: NonFinite = NonFinite.STOP

@@ -15,6 +15,12 @@ PREEMPTED_STATUS, which torchrun counts as a failure and restarts while
 --max-restarts allows. A rank that cannot finish within `grace_s` of the
 signal exits anyway with the same status; the checkpoint it could not
 complete never becomes `latest` (Note [Atomic saves]).
+
+A time limit (`--exit-after`, Megatron-LM's --exit-duration-in-mins) stops
+the same way: the first rank whose clock passes it announces, with the
+reason beside the step, and every rank stops after that step, saves and
+exits 0 (the run is not failed: a job script resumes it in its next
+allocation).
 """
 
 from __future__ import annotations
@@ -23,17 +29,26 @@ import os
 import signal
 import sys
 import threading
+import time
+from enum import StrEnum
 
-__all__ = ["PREEMPTED_STATUS", "Preemption"]
+__all__ = ["PREEMPTED_STATUS", "Preemption", "StopReason"]
 
 PREEMPTED_STATUS = 143      # 128 + SIGTERM, what a shell reports for a process SIGTERM ended
 STOP_KEY = "hetc/preempt/stop_after"
 
 
+class StopReason(StrEnum):
+    SIGTERM = "sigterm"
+    TIME_LIMIT = "time-limit"
+
+
 class Preemption:
-    def __init__(self, store, rank: int, grace_s: float = 30.0):
+    def __init__(self, store, rank: int, grace_s: float = 30.0, time_limit_s: float | None = None):
         self.store, self.rank, self.grace_s = store, rank, grace_s
         self.requested = threading.Event()
+        self.deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
+        self.reason: StopReason | None = None     # why every rank stops, once one announced it
         self._announced = False
         self._stop_after: int | None = None
         self._previous = signal.signal(signal.SIGTERM, self._on_signal)
@@ -55,11 +70,14 @@ class Preemption:
 
     def should_stop(self, done: int) -> bool:
         """After a step, with `done` steps done: whether every rank stops here (see Note [Preemption])."""
-        if self.requested.is_set() and not self._announced:
+        why = StopReason.SIGTERM if self.requested.is_set() else \
+            StopReason.TIME_LIMIT if self.deadline is not None and time.monotonic() >= self.deadline else None
+        if why is not None and not self._announced:
             self._announced = True
-            self.store.compare_set(STOP_KEY, "", str(done + 1))
+            self.store.compare_set(STOP_KEY, "", f"{done + 1} {why.value}")
         if self._stop_after is None and self.store.check([STOP_KEY]):
-            self._stop_after = int(self.store.get(STOP_KEY))
+            after, reason = self.store.get(STOP_KEY).decode().split()
+            self._stop_after, self.reason = int(after), StopReason(reason)
         return self._stop_after is not None and done >= self._stop_after
 
     def close(self) -> None:

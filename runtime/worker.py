@@ -43,7 +43,7 @@ from hetc.runtime.local import LAUNCHER_ENV, NODE_ENV
 from hetc.runtime.nn import collectives
 from hetc.runtime.nn.collectives import is_comm_failure
 from hetc.runtime.placement import ClusterMismatch, local_gpu, local_process
-from hetc.runtime.preempt import PREEMPTED_STATUS, Preemption
+from hetc.runtime.preempt import PREEMPTED_STATUS, Preemption, StopReason
 from hetc.runtime.options import DIVERGED_STATUS, NonFinite, RunOptions
 from hetc.runtime.rebalance import Rebalancer, Switch
 from hetc.runtime.report import Reporter, StartupProgress
@@ -160,7 +160,7 @@ def run_placed(plan_dir: Path, plan: Plan, program: Program, rank: int, launch: 
                         timeout=opts.heartbeat_timeout_s)
     watchdog.start()
     completed = False
-    preemption = Preemption(store, rank, opts.grace_s)
+    preemption = Preemption(store, rank, opts.grace_s, opts.exit_after_s)
     try:
         hooks = _Hooks(progress or StartupProgress(rank == 0 and not opts.quiet), on_resumed, on_first_step)
         status = _train(plan_dir, opts, rank, plan, program, evaluation, device, init_timeout, preemption, hooks)
@@ -275,6 +275,8 @@ def _steps(rt, opts: RunOptions, rank: int, plan: Plan, program: Program, device
             return _diverged(saver, rank, step + 1, what, opts)
         skipped += result.skipped
         if preemption.should_stop(step + 1) and step + 1 < steps:
+            if preemption.reason is StopReason.TIME_LIMIT:
+                return _time_limit(saver, rank, step + 1, opts)
             return _preempted(saver, rank, step + 1)
         saving = saver is not None and _saves_after(opts, step + 1, steps)
         if saving and not _saved(saver, step + 1):
@@ -424,6 +426,18 @@ def _preempted(saver, rank: int, done: int) -> int:
         print(f"hetc run: SIGTERM: stopped after step {done}; {where}; exiting with status {PREEMPTED_STATUS}{why}",
               file=sys.stderr, flush=True)
     return PREEMPTED_STATUS
+
+
+def _time_limit(saver, rank: int, done: int, opts: RunOptions) -> int:
+    """--exit-after: every rank stops after `done` steps, saves them and exits 0 (Note [Preemption])."""
+    assert saver is not None and opts.exit_after_s is not None     # the flag needs --checkpoint
+    saver.save(done)
+    saver.wait()
+    if rank == 0:
+        print(f"hetc run: --exit-after {opts.exit_after_s / 60:g} min: stopped after step {done}; checkpoint "
+              f"{saver.directory / f'step-{done}'} is complete; rerun with --resume-if-present to go on",
+              file=sys.stderr, flush=True)
+    return 0
 
 
 def describe_latest(directory: Path | None) -> str:

@@ -113,6 +113,26 @@ def test_sigterm_saves_the_step_in_flight_and_the_resume_runs_every_step_once(dp
     assert sorted(done + _steps(second)) == list(range(1, STEPS + 1))
 
 
+@pytest.mark.timeout(600)
+def test_a_time_limit_stops_every_rank_after_the_same_step_saves_it_and_exits_0(dp2_plan, tmp_path, capfd):
+    """--exit-after (Megatron-LM's --exit-duration-in-mins): a limit passed before the first step ends makes
+    every rank stop after step 2 (Note [Preemption]), save it whole and exit 0; a rerun goes on from there."""
+    ckpt, first, second = tmp_path / "ckpt", tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    assert hetc_main(["run", str(dp2_plan), "--local", "-q", "--steps", str(STEPS), "--checkpoint", str(ckpt),
+                      "--exit-after", "1e-6", "--metrics", str(first)]) == 0
+    err = capfd.readouterr().err
+    assert f"hetc run: --exit-after 1e-06 min: stopped after step 2; checkpoint {ckpt / 'step-2'} is complete" in err
+    assert _steps(first) == [1, 2] and latest_checkpoint(ckpt) == ckpt / "step-2"
+    assert hetc_main(["run", str(dp2_plan), "--local", "-q", "--steps", "4", "--checkpoint", str(ckpt),
+                      "--resume-if-present", "--metrics", str(second)]) == 0
+    assert _steps(second) == [3, 4]
+
+
+def test_a_time_limit_needs_somewhere_to_save(dp2_plan, capsys):
+    assert hetc_main(["run", str(dp2_plan), "--local", "--exit-after", "60"]) == 2
+    assert "--exit-after needs --checkpoint DIR" in capsys.readouterr().err
+
+
 # Python started, about to run `python -m hetc ...`: the first second counts from here. A Ctrl-C while the
 # interpreter itself starts (its `site` import, some tens of ms) ends any Python program with CPython's
 # "Fatal Python error: init_import_site" before a line of it runs.

@@ -75,6 +75,10 @@ def register(sub: Subparsers) -> None:
     p.add_argument("--elastic", action="store_true",
                    help="under torchrun --nnodes MIN:MAX: on every (re)start re-plan SPEC on the nodes present, "
                         "compile, verify and resume from the latest complete checkpoint")
+    p.add_argument("--exit-after", "--exit-duration-in-mins", type=finite_number, metavar="MIN",
+                   help="a time limit (a scheduler's, less a step and a save): once MIN minutes have passed since "
+                        "a rank started, every rank stops after the same step, saves it and exits 0; rerun with "
+                        "--resume-if-present to go on (Megatron-LM's --exit-duration-in-mins); needs --checkpoint")
     p.add_argument("--stop-timeout", type=finite_number, default=30.0, metavar="S",
                    help="on SIGTERM, finish the step in flight and save within S seconds, then exit with "
                         "status 143 (torchrun restarts)")
@@ -138,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--keep must be at least 1")
     if args.stop_timeout <= 0:
         raise UsageError("--stop-timeout must be positive")
+    if args.exit_after is not None and args.exit_after <= 0:
+        raise UsageError("--exit-after must be a positive number of minutes")
     if args.heartbeat_timeout <= 0:
         raise UsageError("--heartbeat-timeout must be positive")
     if args.rebalance_window < 1 or min(args.rebalance_threshold, args.rebalance_link_threshold) <= 1 \
@@ -149,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
         parse_injection(text)       # a UsageError quoting it, before any rank starts
     if args.timeout <= 0 or args.init_timeout <= 0:
         raise UsageError("--timeout and --init-timeout must be positive")
-    for flag in ("resume", "resume_if_present", "every", "keep"):
+    for flag in ("resume", "resume_if_present", "every", "keep", "exit_after"):
         if getattr(args, flag) and args.checkpoint is None:
             raise UsageError(f"--{flag.replace('_', '-')} needs --checkpoint DIR")
     _check_checkpoint_flags(args)
@@ -282,6 +288,7 @@ def run_options(args: argparse.Namespace) -> RunOptions:
                       resume_if_present=args.resume_if_present or args.elastic,
                       weights_from=args.load_weights_only, timeout_s=args.timeout, init_timeout_s=args.init_timeout,
                       grace_s=args.stop_timeout, heartbeat_timeout_s=args.heartbeat_timeout,
+                      exit_after_s=None if args.exit_after is None else 60 * args.exit_after,
                       elastic=args.elastic, quiet=args.quiet, on_nonfinite=NonFinite(args.on_nonfinite),
                       rebalance=RebalanceOptions(args.rebalance_window, args.rebalance_threshold,
                                                  args.rebalance_cooldown, args.rebalance_min_gain,
