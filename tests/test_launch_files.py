@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from hetc.cli import main as hetc_main
+from hetc.launchfiles import slurm_minutes
 from hetc.runtime.local import free_port
 from tests.conftest import ROOT
 
@@ -110,6 +111,37 @@ def test_an_elastic_spec_carries_its_checkpoints_into_every_component(kind, caps
 ])
 def test_emit_usage_errors(argv, message, capsys):
     assert hetc_main(["launch", str(MIXED_SPEC), "--emit", "slurm", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("limit, minutes", [("90", 90), ("90:30", 90.5), ("4:00:00", 240), ("1-12", 2160),
+                                            ("1-0:30", 1470), ("2-00:00:30", 2880.5)])
+def test_slurm_time_limits_read_as_sbatch_reads_them(limit, minutes):
+    assert slurm_minutes(limit) == minutes
+
+
+def test_a_slurm_time_limit_stops_every_run_before_it(three_kinds_plan, capsys):
+    """Note [A time limit]: each component gets the limit and each run `--exit-after` it less 5 % (at least
+    5, at most 30 minutes), to stop, save and exit 0 before SLURM's SIGTERM and SIGKILL."""
+    script = _emit(three_kinds_plan, "slurm", capsys, "--time", "4:00:00", "--run-args", "--checkpoint", "ck")
+    assert all("--time=4:00:00" in options for options in _slurm_components(script))
+    assert script.count("--run-args --checkpoint ck --exit-after 228") == len(GROUPS), script
+    day = _emit(three_kinds_plan, "slurm", capsys, "--time", "1-0", "--run-args", "--checkpoint", "ck")
+    assert day.count("--checkpoint ck --exit-after 1410") == len(GROUPS), day     # 30 minutes at most
+    own = _emit(three_kinds_plan, "slurm", capsys, "--time", "60", "--run-args", "--checkpoint", "ck",
+                "--exit-after", "50")
+    assert own.count("--exit-after") == len(GROUPS)      # the user's own, not a second one
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--emit", "slurm", "--time", "4:00:00"], "--time stops the runs before the limit to save them"),
+    (["--emit", "slurm", "--time", "4h", "--run-args", "--checkpoint", "ck"], "--time '4h': a launch file carries"),
+    (["--emit", "slurm", "--time", "3", "--run-args", "--checkpoint", "ck"], "needs more than 5 minutes"),
+    (["--emit", "jobset", "--time", "60", "--run-args", "--checkpoint", "ck"], "it goes with --emit slurm"),
+    (["--node", "big[0]", "--time", "60"], "it goes with --emit slurm"),
+])
+def test_time_limit_usage_errors(three_kinds_plan, argv, message, capsys):
+    assert hetc_main(["launch", str(three_kinds_plan), *argv]) == 2
     assert message in capsys.readouterr().err
 
 

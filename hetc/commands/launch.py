@@ -22,7 +22,7 @@ from pathlib import Path
 from hetc.commands import Subparsers
 from hetc.commands.argtypes import file_or_stdout
 from hetc.ir.errors import UsageError
-from hetc.launchfiles import EMITS, IMAGE_PLACEHOLDER, Component, LaunchJob, emitted
+from hetc.launchfiles import EMITS, IMAGE_PLACEHOLDER, Component, LaunchJob, emitted, slurm_minutes
 from hetc.runtime.local import NODE_ENV
 
 __all__ = ["launch_job", "register", "torchrun_command"]
@@ -69,6 +69,10 @@ def register(sub: Subparsers) -> None:
                    help="with --emit jobset: the container image with hetc and the plan (default: a placeholder "
                         "to replace)")
     p.add_argument("--partition", metavar="NAME", help="with --emit slurm: the partition of every component")
+    p.add_argument("--time", metavar="LIMIT",
+                   help="with --emit slurm: the job's time limit, as SLURM's --time (MIN, H:MM:SS, D-HH:MM, ...); "
+                        "the runs stop, save and exit 0 before it (`hetc run --exit-after`, 5 %% of it earlier, "
+                        "at least 5 and at most 30 minutes); needs --run-args --checkpoint DIR")
     p.add_argument("--run-args", nargs=argparse.REMAINDER, default=[], metavar="ARG",
                    help="the rest of the line goes to `hetc run` (last)")
     p.set_defaults(func=run)
@@ -77,6 +81,9 @@ def register(sub: Subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.emit:
         return _emit(args)
+    if args.time:
+        raise UsageError("--time is the time limit of a SLURM job: it goes with --emit slurm (a node launched "
+                         "by hand takes `--run-args --exit-after MIN`)")
     env, argv = torchrun_command(args)
     if args.print:
         print(" ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), "torchrun",
@@ -128,7 +135,7 @@ def _emit(args: argparse.Namespace) -> int:
         from hetc.ir.outdir import check_output_file
 
         check_output_file(args.output, "-o", spec_inputs(Path(args.target)))   # Note [output files]
-    text = emitted(args.emit, launch_job(args), args.image, args.partition)
+    text = emitted(args.emit, launch_job(args), args.image, args.partition, args.time)
     if args.output is None:
         sys.stdout.write(text)
         return 0
@@ -149,7 +156,8 @@ _NAMES = {"--rdzv-id": (r"[A-Za-z0-9][A-Za-z0-9._-]*", "letters, digits, '.', '_
           "--partition": (r"[A-Za-z0-9._-]+(,[A-Za-z0-9._-]+)*",
                           "letters, digits, '.', '_' and '-' (a comma-separated list for several)"),
           "--image": (r"[A-Za-z0-9][A-Za-z0-9._/:@+-]*", "an image reference: letters, digits and . _ / : @ + -"),
-          "--rdzv": (r"\[?[A-Za-z0-9._:-]+\]?:[0-9]+", "HOST:PORT, the host a name or an address")}
+          "--rdzv": (r"\[?[A-Za-z0-9._:-]+\]?:[0-9]+", "HOST:PORT, the host a name or an address"),
+          "--time": (r"[0-9:-]+", "SLURM's time forms: MIN, MIN:SS, H:MM:SS, D-H, D-H:MM, D-H:MM:SS")}
 
 
 def _check_emitted_names(args: argparse.Namespace) -> None:
@@ -157,7 +165,7 @@ def _check_emitted_names(args: argparse.Namespace) -> None:
     import re
 
     for flag, value in (("--rdzv-id", args.rdzv_id), ("--partition", args.partition), ("--image", args.image),
-                        ("--rdzv", args.rdzv)):
+                        ("--rdzv", args.rdzv), ("--time", args.time)):
         pattern, allowed = _NAMES[flag]
         if value is not None and re.fullmatch(pattern, value) is None:
             raise UsageError(f"{flag} {value!r}: a launch file carries {allowed}")
@@ -175,9 +183,27 @@ def launch_job(args: argparse.Namespace) -> LaunchJob:
         options += ["--nnodes", args.nnodes]
     if args.max_restarts is not None:
         options += ["--max-restarts", str(args.max_restarts)]
-    if args.run_args:
-        options += ["--run-args", *args.run_args]
+    run_args = [*args.run_args, *_exit_before(args.time, args.emit, args.run_args)]
+    if run_args:
+        options += ["--run-args", *run_args]
     return LaunchJob(str(args.target), components, args.rdzv_id, head, port, tuple(options))
+
+
+def _exit_before(limit: str | None, emit: str | None, run_args: list[str]) -> list[str]:
+    """The `hetc run` options that stop the runs before the job's time limit: Note [A time limit]."""
+    if limit is None:
+        return []
+    if emit != "slurm":
+        raise UsageError("--time is the time limit of a SLURM job: it goes with --emit slurm")
+    if "--checkpoint" not in run_args:
+        raise UsageError("--time stops the runs before the limit to save them: add --run-args --checkpoint DIR")
+    minutes = slurm_minutes(limit)
+    if "--exit-after" in run_args or "--exit-duration-in-mins" in run_args:
+        return []       # the user's own
+    margin = min(30.0, max(5.0, 0.05 * minutes))
+    if minutes <= margin:
+        raise UsageError(f"--time {limit}: a run needs more than {margin:g} minutes to train, save and exit")
+    return ["--exit-after", f"{minutes - margin:g}"]
 
 
 def _plan_components(plan_dir: Path) -> tuple[Component, ...]:
