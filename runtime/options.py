@@ -52,6 +52,7 @@ class RunOptions:
     exit_after_s: float | None = None   # --exit-after: stop, save and exit 0 this long after a rank starts
     elastic: bool = False
     quiet: bool = False
+    log_every: int = 1                  # --log-every: a step line every N steps (their means)
     on_nonfinite: NonFinite = NonFinite.STOP
     rebalance: RebalanceOptions | None = None     # --rebalance: Note [live rebalancing] in runtime/rebalance.py
     inject: tuple[Injection, ...] = ()            # --inject: runtime/inject.py

@@ -27,6 +27,7 @@ written after it all name the same step.
 
 from __future__ import annotations
 
+import math
 import json
 import resource
 import sys
@@ -68,12 +69,15 @@ def _peak_rss() -> float:
     return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024   # Linux reports KiB
 
 
-def _skip_note(result: StepResult) -> str:
-    """The step line's end: fp16's loss scale, as Megatron-LM's and DeepSpeed's logs give it, and a skipped
-    update with why it was skipped."""
-    if result.loss_scale is None:
-        return "  update skipped (non-finite gradient norm)" if result.skipped else ""
-    return f"  loss scale {result.loss_scale:g}" + ("  update skipped (fp16 overflow)" if result.skipped else "")
+def _skip_note(results: list[StepResult]) -> str:
+    """The step line's end: fp16's loss scale, as Megatron-LM's and DeepSpeed's logs give it (the last step's),
+    and the updates skipped among the line's steps, with why."""
+    last, skipped = results[-1], sum(r.skipped for r in results)
+    why = "non-finite gradient norm" if last.loss_scale is None else "fp16 overflow"
+    note = "" if last.loss_scale is None else f"  loss scale {last.loss_scale:g}"
+    if skipped and len(results) == 1:
+        return f"{note}  update skipped ({why})"
+    return f"{note}  {skipped} of {len(results)} updates skipped ({why})" if skipped else note
 
 
 def step_scalars(record: dict) -> dict[str, float]:
@@ -120,6 +124,9 @@ class Reporter:
         self.records = opts.metrics is not None or opts.tensorboard is not None or opts.wandb is not None
         self.traced: list | None = None
         self.step_time = 0.0
+        # rank 0's steps since its last step line (--log-every), and the last evaluation among them
+        self._unprinted: list[tuple[int, int, StepResult]] = []
+        self._val_loss: float | None = None
 
     def step(self, step: int, total: int, result, val_loss: float | None = None) -> None:
         """Report a finished step; `val_loss` when the step was followed by an evaluation."""
@@ -135,14 +142,10 @@ class Reporter:
         lr = result.lr      # the rate of this step's update: Note [skipped updates] in runtime/optim.py
         done = step + 1   # Note [step numbers]
         if not self.opts.quiet:
-            val = "" if val_loss is None else f"  val_loss {val_loss:.4f}"
-            skipped = _skip_note(result)
-            # the global norm before clipping, where the step computes it (grad_clip), as Megatron-LM's log line
-            norm = "" if result.grad_norm is None else f"  grad norm {result.grad_norm:.4g}"
-            if result.load_balancing_loss is not None:      # Megatron-LM's load_balancing_loss
-                norm += f"  load balancing {result.load_balancing_loss:.4f}"
-            print(f"step {done}/{total}  loss {result.loss:.4f}{val}  lr {lr:.2e}{norm}  {tps:,.0f} tokens/s  "
-                  f"MFU {mfu:.1%}  {human_seconds(result.seconds)}/step{skipped}", flush=True)
+            self._unprinted.append((done, total, result))
+            self._val_loss = val_loss if val_loss is not None else self._val_loss
+            if done % self.opts.log_every == 0 or done == total or not math.isfinite(result.loss):
+                self.flush_line()
         if not self.records:
             return
         memories = memories or []
@@ -163,6 +166,26 @@ class Reporter:
         self.event(record)
         for sink in self.sinks:
             sink.add(done, step_scalars(record))
+
+    def flush_line(self) -> None:
+        """Rank 0's step line for the steps since the last one (`--log-every`, Megatron-LM's log interval):
+        their mean loss and step time, and the last step's learning rate, norm and loss scale."""
+        if not self._unprinted:
+            return
+        done, total, last = self._unprinted[-1]
+        results = [result for _, _, result in self._unprinted]
+        seconds = sum(r.seconds for r in results) / len(results)
+        tps = self.tokens_per_step / seconds if seconds > 0 else 0.0
+        mfu, _ = self._utilization(seconds)
+        loss = sum(r.loss for r in results) / len(results)
+        val = "" if self._val_loss is None else f"  val_loss {self._val_loss:.4f}"
+        # the global norm before clipping, where the step computes it (grad_clip), as Megatron-LM's log line
+        norm = "" if last.grad_norm is None else f"  grad norm {last.grad_norm:.4g}"
+        if last.load_balancing_loss is not None:      # Megatron-LM's load_balancing_loss
+            norm += f"  load balancing {last.load_balancing_loss:.4f}"
+        print(f"step {done}/{total}  loss {loss:.4f}{val}  lr {last.lr:.2e}{norm}  {tps:,.0f} tokens/s  "
+              f"MFU {mfu:.1%}  {human_seconds(seconds)}/step{_skip_note(results)}", flush=True)
+        self._unprinted, self._val_loss = [], None
 
     def event(self, record: dict) -> None:
         """A --metrics record on rank 0: a step's, or live rebalancing's detections and changes."""

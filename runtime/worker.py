@@ -272,14 +272,17 @@ def _steps(rt, opts: RunOptions, rank: int, plan: Plan, program: Program, device
             hooks.on_first_step()
         what = _nonfinite(result)
         if what and not result.skipped:
+            reporter.flush_line()
             return _diverged(saver, rank, step + 1, what, opts)
         skipped += result.skipped
         if preemption.should_stop(step + 1) and step + 1 < steps:
+            reporter.flush_line()       # the steps since the last line, before the stop's message
             if preemption.reason is StopReason.TIME_LIMIT:
                 return _time_limit(saver, rank, step + 1, opts)
             return _preempted(saver, rank, step + 1)
         saving = saver is not None and _saves_after(opts, step + 1, steps)
         if saving and not _saved(saver, step + 1):
+            reporter.flush_line()
             return _diverged(saver, rank, step + 1, "its weights or optimizer state are not finite", opts)
         if saver is not None and not saving:
             saver.poll()

@@ -120,6 +120,9 @@ def test_the_step_line_and_metrics_carry_the_scale_and_the_skips(fp16_plans, tmp
     assert [(r["loss_scale"], r.get("skipped", False)) for r in records] == [(524288, True), (262144, False)]
     assert "1 of 2 steps skipped their update: a non-finite gradient norm (fp16 overflows; the loss scale is " \
            "now 262144)" in err, err
+    assert hetc_main(["run", str(fp16_plans["single"]), "--local", "--steps", "2", "--log-every", "2"]) == 0
+    lines = [line for line in capfd.readouterr().out.splitlines() if line.startswith("step ")]
+    assert len(lines) == 1 and lines[0].endswith("loss scale 262144  1 of 2 updates skipped (fp16 overflow)"), lines
 
 
 def _saved_state(checkpoint, scratch) -> dict:

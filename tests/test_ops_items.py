@@ -261,6 +261,21 @@ def test_compile_prints_a_long_step_in_seconds(tmp_path, capsys):
 
 # ---- item 1 (part): the step line and --metrics -------------------------------------------------------
 
+def test_log_every_prints_a_line_per_n_steps_with_their_mean_loss(plans, as_rank0, tmp_path, capsys):  # noqa: F811
+    """--log-every (Megatron-LM's --log-interval): a line every N steps and after the last, its loss the mean
+    of its steps'; --metrics keeps every step."""
+    from hetc.runtime.local import free_port
+
+    metrics = tmp_path / "m.jsonl"
+    os.environ["MASTER_PORT"] = str(free_port())
+    assert hetc_main(["run", str(plans["demo"]), "--steps", "5", "--log-every", "2", "--metrics", str(metrics)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    assert [line.split()[1] for line in lines] == ["2/5", "4/5", "5/5"], lines
+    printed = [float(line.split()[3]) for line in lines]
+    assert printed == pytest.approx([sum(losses[0:2]) / 2, sum(losses[2:4]) / 2, losses[4]], abs=6e-5), lines
+
+
 def test_each_step_reports_lr_and_mfu_and_each_save_is_announced_once(plans, as_rank0, tmp_path, capsys):  # noqa: F811
     """Item 1 (finding 1): lr and MFU/HFU in the step line and the metrics; "saved step N to DIR" once."""
     from hetc.plandir import read_plan

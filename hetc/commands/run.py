@@ -120,6 +120,10 @@ def register(sub: Subparsers) -> None:
                         "as late (the plan's time of the message, stretched on the receiving rank); either with world=N "
                         "holds only while the run has N ranks (an --elastic run re-plans and renumbers its ranks)")
     p.add_argument("-q", "--quiet", action="store_true", help="print no line per step")
+    p.add_argument("--log-every", "--log-interval", type=int, default=1, metavar="N",
+                   help="print a step line every N steps (and the last): their mean loss, tokens/s and step "
+                        "time, the last one's learning rate, and how many skipped their update (Megatron-LM's "
+                        "--log-interval); --metrics keeps every step")
     p.add_argument("--timeout", type=finite_number, default=120.0, metavar="S",
                    help="a step's collective or message that waits S seconds fails the run (raise it for steps "
                         "that take minutes)")
@@ -142,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--keep must be at least 1")
     if args.stop_timeout <= 0:
         raise UsageError("--stop-timeout must be positive")
+    if args.log_every < 1:
+        raise UsageError("--log-every must be at least 1")
     if args.exit_after is not None and args.exit_after <= 0:
         raise UsageError("--exit-after must be a positive number of minutes")
     if args.heartbeat_timeout <= 0:
@@ -289,7 +295,7 @@ def run_options(args: argparse.Namespace) -> RunOptions:
                       weights_from=args.load_weights_only, timeout_s=args.timeout, init_timeout_s=args.init_timeout,
                       grace_s=args.stop_timeout, heartbeat_timeout_s=args.heartbeat_timeout,
                       exit_after_s=None if args.exit_after is None else 60 * args.exit_after,
-                      elastic=args.elastic, quiet=args.quiet, on_nonfinite=NonFinite(args.on_nonfinite),
+                      elastic=args.elastic, quiet=args.quiet, log_every=args.log_every, on_nonfinite=NonFinite(args.on_nonfinite),
                       rebalance=RebalanceOptions(args.rebalance_window, args.rebalance_threshold,
                                                  args.rebalance_cooldown, args.rebalance_min_gain,
                                                  args.rebalance_split_gain, args.rebalance_link_threshold)
