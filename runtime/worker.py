@@ -548,7 +548,9 @@ def _load(rt, start: _Start) -> int:
     from hetc.runtime.checkpoint import restore
 
     step = restore(rt, start.path, start.weights_only)
+    updates = rt.interpreter.updates
     if rt.interpreter.program.rank == 0:   # once, as a save says `saved step N to DIR`
+        skipped = f" (updates applied: {updates}, skipped: {step - updates})" if updates != step else ""
         print(f"loaded the weights of {start.path}; starting at step 0" if start.weights_only
-              else f"resumed from {start.path} at step {step}", flush=True)
+              else f"resumed from {start.path} at step {step}{skipped}", flush=True)
     return step

@@ -133,7 +133,7 @@ def _saved_state(checkpoint, scratch) -> dict:
     return torch.load(scratch, weights_only=False)
 
 
-def test_a_skipped_step_is_not_an_update_for_the_schedule_or_adam(fp16_plans, tmp_path):
+def test_a_skipped_step_is_not_an_update_for_the_schedule_or_adam(fp16_plans, tmp_path, capfd):
     """Note [skipped updates]: step 1 overflows, so step 2 makes the first update, at warm-up's first rate
     and with Adam's bias corrections of step count 1, as Megatron-LM, DeepSpeed and torch.amp count; the
     checkpoints say so (train.updates)."""
@@ -154,3 +154,6 @@ def test_a_skipped_step_is_not_an_update_for_the_schedule_or_adam(fp16_plans, tm
         first = before[f"model.{name}"] * (1 - lr * weight_decay) - lr * (m / (1 - beta1)) / ((v / (1 - beta2)).sqrt() + eps)
         torch.testing.assert_close(after[f"model.{name}"], first, msg=name)
     assert len(names) > 10
+    assert hetc_main(["run", str(fp16_plans["single"]), "--local", "--steps", "3", "--checkpoint", str(ck),
+                      "--resume", "-q"]) == 0
+    assert f"resumed from {ck / 'step-2'} at step 2 (updates applied: 1, skipped: 1)" in capfd.readouterr().out
