@@ -142,9 +142,6 @@ def _check_eval(t: TrainSpec, errors: list[Diagnostic]) -> None:
     elif t.eval_share > 0 and t.data.kind is DataKind.SYNTHETIC:
         errors.append(Diagnostic(t.span_of("eval_share"), "eval_share holds out part of a text or token file; "
                                  "synthetic data has none (use an eval block)"))
-    elif t.eval_share > 0 and t.data.kind is DataKind.BLEND:
-        errors.append(Diagnostic(t.span_of("eval_share"), "eval_share holds out part of one text or token file; "
-                                 "give a blend's validation data as an eval block (eval tokens { path = ... })"))
     elif t.eval_every > 0 and t.eval is None and t.eval_share == 0:
         errors.append(Diagnostic(t.span_of("eval_every"), "eval_every needs validation data: an eval block "
                                  "(eval tokens { path = ... }) or eval_share = 0.01 of the training data"))

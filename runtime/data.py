@@ -37,6 +37,9 @@ else 65,536 with the largest remainders), so the assignment repeats every
 P sequences and sequence g is found in O(1): period q = g div P, slot
 r = g mod P, index q · (the source's slots) + (its slots before r). On
 exact shares it is Megatron-LM's blending index, sequence for sequence.
+`eval_share` holds out the end of every source (Note [Windows]), and the
+validation data is their held-out windows blended by the same weights, as
+Megatron-LM's --split divides each dataset of a blend.
 """
 
 from __future__ import annotations
@@ -238,19 +241,21 @@ def _source(model: ModelSpec, train: TrainSpec, data: DataSpec, base_dir: Path |
         return SyntheticData(vocab=model.vocab, stream=stream, **common)
     if (problem := check_text_vocab(model, train)) is not None:
         raise SpecError.at(model.span_of("vocab"), problem)
-    if data.kind is DataKind.BLEND:     # Note [Blends]; the validator refuses eval_share on a blend
-        sources = [_file_source(model, train, s, base_dir, common, held_out=False, epochs=(i,))
+    split = train.eval_share > 0 and data is train.data     # eval_share: each file's end is held out
+    if data.kind is DataKind.BLEND:     # Note [Blends]
+        sources = [_file_source(model, train, s, base_dir, common, split=split, held_out=held_out, epochs=(i,))
                    for i, s in enumerate(data.sources)]
         return BlendedData(sources=sources, weights=[s.weight for s in data.sources], **common)
-    return _file_source(model, train, data, base_dir, common, held_out=held_out)
+    return _file_source(model, train, data, base_dir, common, split=split, held_out=held_out)
 
 
 def _file_source(model: ModelSpec, train: TrainSpec, data: DataFileSpec, base_dir: Path | str, common: dict[str, int],
-                 *, held_out: bool, epochs: tuple[str | int, ...] = ()) -> Windows:
+                 *, split: bool, held_out: bool, epochs: tuple[str | int, ...] = ()) -> Windows:
+    """A file's windows: with `split`, those before its held-out share, or (`held_out`) that share."""
     path = data.resolve(base_dir)
     tokens: Ids = _stream(data, path, model.vocab)
     where = data.span_of("path")
-    if train.eval_share > 0 and data is train.data:
+    if split:
         try:
             kept, held = split_held_out(tokens, model.seq, train.eval_share)
         except ValueError as err:

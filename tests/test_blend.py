@@ -13,7 +13,7 @@ from hetc.cli import main as hetc_main
 from hetc.ir.spec import BlendSourceSpec, DataKind, DataSpec, ModelSpec, TrainSpec
 from hetc.runtime.checkpoint_files import CheckpointError
 from hetc.runtime.checkpoint_identity import check_resumable, write_data_identity
-from hetc.runtime.data import BlendedData, TextData, blend_period, make_data_source
+from hetc.runtime.data import BlendedData, TextData, blend_period, make_data_source, make_eval_source
 from tests.conftest import DEMO, demo_job
 
 MODEL = ModelSpec(layers=1, hidden=8, heads=2, ffn=8, vocab=256, seq=16)
@@ -75,6 +75,29 @@ def test_sequences_of_a_blend_are_those_of_its_files(tmp_path):
     tokens = torch.cat([blend.get_microbatch(step, mb)[0] for step in range(10) for mb in range(4)])
     assert torch.equal(tokens, torch.stack(expected))
     assert int((tokens[:, 0] >= 128).sum()) == 20      # high.txt's quarter of 80 sequences
+
+
+def test_eval_share_holds_out_the_end_of_every_source_and_blends_them_as_trained(tmp_path):
+    """Megatron-LM's --split on a blend: each file's last windows are held out of training, and validation
+    reads them, in order, blended by the same weights."""
+    (tmp_path / "low.txt").write_bytes(bytes(range(128)) * 3)
+    (tmp_path / "high.txt").write_bytes(bytes(range(128, 256)) * 5)
+    sources = (BlendSourceSpec(kind=DataKind.TEXT, path="low.txt", weight=3),
+               BlendSourceSpec(kind=DataKind.TEXT, path="high.txt", weight=1))
+    train = TrainSpec(global_batch=8, micro_batch=2, seed=5, eval_share=0.1, eval_every=10,
+                      data=DataSpec(kind=DataKind.BLEND, sources=sources))
+    trained, held = make_data_source(MODEL, train, tmp_path), make_eval_source(MODEL, train, tmp_path)
+    assert isinstance(trained, BlendedData) and isinstance(held, BlendedData)
+    for name, kept, out in zip(("low", "high"), trained.sources, held.sources):
+        ids = np.frombuffer((tmp_path / f"{name}.txt").read_bytes(), np.uint8)
+        windows = (len(ids) - 1) // MODEL.seq
+        cut = (windows - math.ceil(0.1 * windows)) * MODEL.seq
+        assert np.array_equal(np.asarray(kept.tokens[:]), ids[:cut + 1])
+        assert np.array_equal(np.asarray(out.tokens[:]), ids[cut:])
+        assert not out.shuffle
+    assert held.per_period == trained.per_period == [3, 1]
+    first = np.asarray(held.sources[0].tokens[:MODEL.seq + 1])    # low.txt's first held-out window
+    assert held.sequence(0).tolist() == first.tolist()      # validation's sequence 0
 
 
 def test_a_checkpoint_of_another_blend_is_refused(tmp_path):
