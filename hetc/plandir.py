@@ -36,7 +36,7 @@ from hetc.frontend.printer import format_spec
 from hetc.ir.jsontypes import JsonObject
 from hetc.ir.outdir import Legacy, OutputKind, Protected, check_output_dir, is_marked, restamp, unmarked_or_edited, write_output_dir
 from hetc.ir.program import Group, Program, ProgramFormatError, RankProgram
-from hetc.ir.spec import DataFileSpec, DataKind, DataSpec, Spec
+from hetc.ir.spec import DataFileSpec, DataSpec, Spec
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -155,12 +155,8 @@ def portable_spec(spec: Spec, spec_dir: Path, out_dir: Path) -> Spec:
     def portable_file(data: F) -> F:
         return dataclasses.replace(data, path=moved(data, data.path), tokenizer=moved(data, data.tokenizer))
 
-    def portable(data: DataSpec) -> DataSpec:
-        if data.kind is DataKind.SYNTHETIC:
-            return data
-        if data.kind is DataKind.BLEND:
-            return dataclasses.replace(data, sources=tuple(portable_file(s) for s in data.sources))
-        return portable_file(data)
+    def portable(data: DataSpec) -> DataSpec:     # a path left empty (synthetic, a blend's own) stays empty
+        return dataclasses.replace(portable_file(data), sources=tuple(portable_file(s) for s in data.sources))
     model = spec.model
     hf_dir = None if model is None else model.hf_dir(spec_dir)
     if model is not None and hf_dir is not None and not os.path.isabs(model.hf):

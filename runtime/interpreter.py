@@ -41,7 +41,7 @@ from hetc.runtime.inject import Injection, compute_factor, link_factor, stretch,
 from hetc.runtime.lane import LanePlace, take_tokens
 from hetc.runtime.links import MessageLog
 from hetc.runtime.loss_scale import LossScaler
-from hetc.runtime.nn.moe import moe_layers
+from hetc.runtime.nn.moe import load_balancing_loss, moe_layers, reports_balance
 from hetc.runtime.optim import clip_coefficient, grad_sq_sum, lr_at, optimizer_step
 from hetc.runtime.nn.dropout import RngState, replaying, rng_state, seed_step
 from hetc.runtime.nn.split_backward import DeferredWeightGrad, backward_input, backward_weight
@@ -552,7 +552,7 @@ class Interpreter:
         """All-reduce the mean of this rank's microbatch losses, and beside it, where the model's MoE layers
         add a balancing loss, their tally (the same on every rank: the model's); its wait is where the host
         reads both."""
-        balance = self.training and self.model.moe is not None and self.model.moe.aux_loss_coeff > 0
+        balance = self.training and reports_balance(self.model)
         total = torch.zeros(2 if balance else 1, dtype=torch.float64, device=self.device)
         if self.counts_loss and self.loss_sum is not None:
             total[0] = self.loss_sum / self.m      # Note [the loss on the device]
@@ -566,9 +566,7 @@ class Interpreter:
         values = total.tolist()
         self.loss_total = values[0]
         if len(values) > 1:
-            moe = self.model.moe
-            assert moe is not None      # a balancing loss is an MoE model's
-            self.balance_total = values[1] / (self.m * self.model.layers * moe.aux_loss_coeff)
+            self.balance_total = load_balancing_loss(values[1], self.model, self.m)
 
     def _reduce_norm(self, instr: AllReduce, group) -> None:
         """All-reduce the sum of squares of this rank's unique gradients, added on the device in part order;

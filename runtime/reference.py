@@ -28,7 +28,7 @@ from hetc.hf.weights import pretrained_dir
 from hetc.runtime.data import DataSource, make_data_source, make_eval_source
 from hetc.runtime.flat import FlatParams
 from hetc.runtime.hf_load import load_whole
-from hetc.runtime.nn.moe import moe_layers
+from hetc.runtime.nn.moe import load_balancing_loss, moe_layers, reports_balance
 from hetc.runtime.nn.dropout import seed_step
 from hetc.runtime.nn.model import build_ministage, compute_dtype
 from hetc.runtime.optim import clip_coefficient, decayed_spans, grad_sq_sum, init_state, lr_at, optimizer_step
@@ -91,9 +91,9 @@ def train_reference(model: ModelSpec, train: TrainSpec, *, base_dir: Path | str 
         times.append(time.perf_counter() - start)
         losses.append(total / num_mb)
         norms.append(float(norm_sq) ** 0.5)
-        if model.moe is not None and model.moe.aux_loss_coeff > 0:
+        if reports_balance(model):
             tallied = sum(float(loss) for moe in layers for loss in moe.aux_losses)
-            balancing.append(tallied / (num_mb * model.layers * model.moe.aux_loss_coeff))
+            balancing.append(load_balancing_loss(tallied, model, num_mb))
         if held_out is not None and (step + 1) % train.eval_every == 0:
             vals.append(_validation_loss(module, held_out, train.eval_batches, num_mb, device))
         log.debug("reference step %d: loss %.6f, grad norm %.4f", step, losses[-1], norms[-1])

@@ -27,7 +27,6 @@ written after it all name the same step.
 
 from __future__ import annotations
 
-import math
 import json
 import resource
 import sys
@@ -124,8 +123,10 @@ class Reporter:
         self.records = opts.metrics is not None or opts.tensorboard is not None or opts.wandb is not None
         self.traced: list | None = None
         self.step_time = 0.0
-        # rank 0's steps since its last step line (--log-every), and the last evaluation among them
-        self._unprinted: list[tuple[int, int, StepResult]] = []
+        # rank 0's steps since its last step line (--log-every), the last one's (done, total), and the last
+        # evaluation among them
+        self._unprinted: list[StepResult] = []
+        self._line_end = (0, 0)
         self._val_loss: float | None = None
 
     def step(self, step: int, total: int, result, val_loss: float | None = None) -> None:
@@ -142,9 +143,10 @@ class Reporter:
         lr = result.lr      # the rate of this step's update: Note [skipped updates] in runtime/optim.py
         done = step + 1   # Note [step numbers]
         if not self.opts.quiet:
-            self._unprinted.append((done, total, result))
+            self._unprinted.append(result)
+            self._line_end = (done, total)
             self._val_loss = val_loss if val_loss is not None else self._val_loss
-            if done % self.opts.log_every == 0 or done == total or not math.isfinite(result.loss):
+            if done % self.opts.log_every == 0 or done == total:
                 self.flush_line()
         if not self.records:
             return
@@ -169,11 +171,12 @@ class Reporter:
 
     def flush_line(self) -> None:
         """Rank 0's step line for the steps since the last one (`--log-every`, Megatron-LM's log interval):
-        their mean loss and step time, and the last step's learning rate, norm and loss scale."""
-        if not self._unprinted:
+        their mean loss and step time, and the last step's learning rate, norm and loss scale; the worker
+        calls it too before a stop's message."""
+        results = self._unprinted
+        if not results:
             return
-        done, total, last = self._unprinted[-1]
-        results = [result for _, _, result in self._unprinted]
+        (done, total), last = self._line_end, results[-1]
         seconds = sum(r.seconds for r in results) / len(results)
         tps = self.tokens_per_step / seconds if seconds > 0 else 0.0
         mfu, _ = self._utilization(seconds)

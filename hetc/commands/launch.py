@@ -82,8 +82,7 @@ def run(args: argparse.Namespace) -> int:
     if args.emit:
         return _emit(args)
     if args.time:
-        raise UsageError("--time is the time limit of a SLURM job: it goes with --emit slurm (a node launched "
-                         "by hand takes `--run-args --exit-after MIN`)")
+        raise UsageError(f"{_TIME_IS_SLURMS} (a node launched by hand takes `--run-args --exit-after MIN`)")
     env, argv = torchrun_command(args)
     if args.print:
         print(" ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), "torchrun",
@@ -189,12 +188,15 @@ def launch_job(args: argparse.Namespace) -> LaunchJob:
     return LaunchJob(str(args.target), components, args.rdzv_id, head, port, tuple(options))
 
 
+_TIME_IS_SLURMS = "--time is the time limit of a SLURM job: it goes with --emit slurm"
+
+
 def _exit_before(limit: str | None, emit: str | None, run_args: list[str]) -> list[str]:
     """The `hetc run` options that stop the runs before the job's time limit: Note [A time limit]."""
     if limit is None:
         return []
     if emit != "slurm":
-        raise UsageError("--time is the time limit of a SLURM job: it goes with --emit slurm")
+        raise UsageError(_TIME_IS_SLURMS)
     if "--checkpoint" not in run_args:
         raise UsageError("--time stops the runs before the limit to save them: add --run-args --checkpoint DIR")
     minutes = slurm_minutes(limit)

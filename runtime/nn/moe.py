@@ -81,7 +81,7 @@ from torch import Tensor, nn
 from hetc.runtime.nn import collectives
 from hetc.runtime.nn.grouped_experts import grouped_mlp
 from hetc.runtime.nn.tensor_parallel import ParallelLinear, all_gather_into
-from hetc.ir.spec import MoESpec
+from hetc.ir.spec import ModelSpec, MoESpec
 
 __all__ = [
     "ALL_EXPERTS",
@@ -92,7 +92,9 @@ __all__ = [
     "capacity",
     "is_expert_param",
     "keep_mask",
+    "load_balancing_loss",
     "moe_layers",
+    "reports_balance",
 ]
 
 _EXPERTS = ".feed_forward.experts."
@@ -255,6 +257,18 @@ class MoE(nn.Module):
         by_expert = _expert_major(counts, received.shape[0])
         y = grouped_mlp(experts, received[by_expert], counts.sum(0).cumsum(0).to(torch.int32))
         return y[torch.argsort(by_expert)]
+
+
+def reports_balance(model: ModelSpec) -> bool:
+    """Whether `model`'s MoE layers add a balancing loss, which each step reports (Note [load-balancing loss])."""
+    return model.moe is not None and model.moe.aux_loss_coeff > 0
+
+
+def load_balancing_loss(tallied: float, model: ModelSpec, microbatches: int) -> float:
+    """The step's `load_balancing_loss` from the sum of its layers' tallies over its `microbatches`: their mean
+    per microbatch and MoE layer (every block's), without the coefficient (Note [load-balancing loss])."""
+    assert model.moe is not None    # reports_balance(model)
+    return tallied / (microbatches * model.layers * model.moe.aux_loss_coeff)
 
 
 def moe_layers(modules: Iterable[nn.Module]) -> list[MoE]:
