@@ -31,12 +31,20 @@ settings.load_profile("hetc")
 
 # Hypothesis' own caches (the constants it collects while pytest collects, unicode
 # tables) go to a temporary directory removed at the end, not to .hypothesis/ here.
-_HYPOTHESIS_HOME = tempfile.mkdtemp(prefix="hetc-hypothesis-")
-set_hypothesis_home_dir(_HYPOTHESIS_HOME)
+# Made in pytest's configure, not at import: rank processes and tools that import
+# this module for its paths never configure or unconfigure, and each left one behind.
+_hypothesis_home: str | None = None
+
+
+def pytest_configure(config) -> None:
+    global _hypothesis_home
+    _hypothesis_home = tempfile.mkdtemp(prefix="hetc-hypothesis-")
+    set_hypothesis_home_dir(_hypothesis_home)
 
 
 def pytest_unconfigure(config) -> None:
-    shutil.rmtree(_HYPOTHESIS_HOME, ignore_errors=True)
+    if _hypothesis_home is not None:
+        shutil.rmtree(_hypothesis_home, ignore_errors=True)
 
 
 # Note [parallel suite]: `make test` runs the suite on two worker processes (pytest-xdist, `-n 2 --dist
