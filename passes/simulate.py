@@ -131,8 +131,8 @@ class _Costs:
             else self.costs.unit_param_bytes(instr.unit, rank)
         if instr.group == shard.outer:
             assert shard.group is not None   # an outer group is one across shard groups
-            return full / len(self.members[shard.group])
-        return full
+            full /= len(self.members[shard.group])
+        return self.costs.states.collective(COLLECTIVE_OF[type(instr)], full)   # a reduction moves gradients
 
     def _copy_bytes(self, rank: int, instr: Instr) -> float:
         assert isinstance(instr, (Offload, Prefetch))   # the machine times only copies on the copy stream

@@ -441,9 +441,11 @@ class _Chains:
         return self._ring(kind, group, rank, self._dense_bytes(rank, ms))
 
     def _ring(self, kind: Collective, group: Sequence[int], rank: int, nbytes: float) -> float:
-        """A ZeRO collective of `rank`'s, the stage's alike groups on the node running theirs at once as the
-        simulation has them (`CostModel.groups_at_once`)."""
-        return self.cm.collective_time(kind, tuple(group), nbytes, self.cm.groups_at_once(rank, group))
+        """A ZeRO collective of `rank`'s over a buffer of `nbytes` parameters (a reduction moves their
+        gradients), the stage's alike groups on the node running theirs at once as the simulation has them
+        (`CostModel.groups_at_once`)."""
+        return self.cm.collective_time(kind, tuple(group), self.cm.states.collective(kind, nbytes),
+                                       self.cm.groups_at_once(rank, group))
 
     def _dense_bytes(self, rank: int, ms: int) -> float:
         return self.cm.param_bytes(ms, rank) * (1.0 - self.cm.expert_fraction(ms, rank))

@@ -27,7 +27,7 @@ from hetc.passes.validate_precision import check_precision
 from hetc.ir.pipeline import Pipeline
 from hetc.ir.plan import Job, Plan
 from hetc.ir.spec import (AUTO, AttentionKind, CPKind, DeviceSpec, DType, LinkSpec, LrScheduleKind, ModelSpec, NodeSpec, OffloadSpec, OffloadTarget, Spec, StageSpec,
-                       TrainSpec, ZeroShard, ZeroSpec, ClusterSpec)
+                       TrainSpec, ZeroShard, ZeroSpec, ClusterSpec, storage_dtype)
 from hetc.ir.topology import MAX_GPUS, Topology
 
 # Every rank's program lists each of its microbatches; beyond this a step is
@@ -117,6 +117,15 @@ def _unique(nodes: Sequence[_Named], what: str, errors: list[Diagnostic]) -> Non
             seen[n.name] = n
 
 
+def _check_grad_dtype(m: ModelSpec, errors: list[Diagnostic]) -> None:
+    """Gradients in fp32 or in the format the model keeps its tensors in (Note [gradient dtype])."""
+    kept = storage_dtype(m.dtype)
+    if m.grad_dtype is not None and m.grad_dtype not in (DType.FP32, kept):
+        choices = " or ".join(sorted({DType.FP32.value, kept.value}))
+        errors.append(Diagnostic(m.span_of("grad_dtype"), f"grad_dtype = {m.grad_dtype.value}: a model of dtype "
+                                 f"{m.dtype.value} accumulates its gradients in {choices}"))
+
+
 def check_model(m: ModelSpec, errors: list[Diagnostic]) -> None:
     """The model's own rules (heads divide hidden, rotary head sizes even, MoE top_k, pretrained weights)."""
     if m.hidden % m.heads and m.head_dim is None:
@@ -130,6 +139,7 @@ def check_model(m: ModelSpec, errors: list[Diagnostic]) -> None:
     elif m.arch.value == "llama" and m.head_size % 2:
         errors.append(Diagnostic(m.span_of("head_dim"), f"head_dim ({m.head_size}) must be even for rotary "
                                  "embeddings (llama)"))
+    _check_grad_dtype(m, errors)
     _check_init(m, errors)
     if m.moe is not None and m.moe.top_k > m.moe.experts:
         errors.append(Diagnostic(m.moe.span_of("top_k"), f"top_k ({m.moe.top_k}) exceeds the number of "

@@ -11,12 +11,13 @@ sub-slice when sharded across.
     compute      full parameters in the compute dtype; module parameters are
                  views into it. ZeRO-3 releases it between uses and keeps
                  `param_shard` (the inner shard) instead.
-    grad         full gradient buffer; backward accumulates here. ZeRO-2
+    grad         full gradient buffer (fp32 for a bf16 model: Note [main
+                 gradients] in runtime/flat.py); backward accumulates here. ZeRO-2
                  and 3 allocate it before a backward (`ready_grads`) and release
                  it once reduce-scattered (`reduced`), so a rank holds only
                  its shards outside the backward of its ministage (its unit).
-    acc          the reduced gradients of the inner shard (levels 1-3, compute
-                 dtype), from the step's first reduction to its optimizer
+    acc          the reduced gradients of the inner shard (levels 1-3, the
+                 gradients' dtype), from the step's first reduction to its optimizer
                  step (Note [reduced shard]).
     opt_grad     gradients of the optimizer shard when sharded across (in
                  `acc`'s dtype), from their reduction to the step.
@@ -29,9 +30,9 @@ Note [reduced shard]: a reduction's output is the rank's shard of the
 summed gradients. The first of a step becomes `acc` as it is; a buffer
 reduced again in the step (ZeRO-2/3 under per-microbatch schedules: one
 reduce-scatter per microbatch) adds the others to it. The shard stays in the
-compute dtype, as the full buffer of ZeRO-0/1 sums its microbatches and as
-the memory model counts it (δΦ/N); the optimizer reads it in fp32 (a cast
-for the step). The step drops it (`drop_reduced`), so it is held from the
+gradients' dtype, as the full buffer of ZeRO-0/1 sums its microbatches and
+as the memory model counts it (Φ/N gradients); the optimizer reads it in
+fp32 (a cast for the step where the gradients are not fp32). The step drops it (`drop_reduced`), so it is held from the
 step's first reduction to its step only: what the verifier counts
 (passes/verify/memory.py, Note [memory timeline]).
 
@@ -50,8 +51,8 @@ both for whatever acts on all of a ministage's state.
 Note [optimizer offload]
 A shard with `opt_offload` keeps its master weights and optimizer state in
 host memory and steps there, as ZeRO-Offload and FSDP2's CPUOffloadPolicy
-do: at its `step` the reduced gradient shard comes down in the compute
-dtype (δ bytes a parameter), torch's foreach Adam updates the host master,
+do: at its `step` the reduced gradient shard comes down in the gradients'
+dtype (4 bytes a parameter for bf16: Note [gradient dtype]), torch's foreach Adam updates the host master,
 and the master goes back up cast to the compute dtype (δ again) into the
 parameters the next gathers read. That is what the cost model charges
 (`optimizer_step_time`: the host step plus both copies, not overlapped with
@@ -116,9 +117,10 @@ class MinistageBuffers:
 
     def __init__(self, module: Ministage, shard: Shard, inner: GroupPos, outer: GroupPos,
                  optimizer: OptimizerSpec, dtype: torch.dtype, device: torch.device,
-                 names: Collection[str] | None = None, *, tp: TPShard = NO_SHARD):
+                 names: Collection[str] | None = None, *, tp: TPShard = NO_SHARD, grad_dtype: torch.dtype | None = None):
         """`names`: the parameters of `module` this buffer holds (default all); `tp`: the rank's
-        tensor-parallel slice (tp rank 0 writes the parameters every tp rank holds whole)."""
+        tensor-parallel slice (tp rank 0 writes the parameters every tp rank holds whole); `grad_dtype`: the
+        gradients' (default `dtype`: Note [main gradients] in runtime/flat.py)."""
         self.module, self.shard, self.inner, self.outer = module, shard, inner, outer
         self.level = shard.level if shard.group is not None else 0
         across = outer.size if shard.outer_level == 1 else 1
@@ -138,7 +140,9 @@ class MinistageBuffers:
         self.opt_state: OptimizerState = init_state(optimizer, self.master)
         self.decayed = decayed_spans(optimizer, self.layout, self.opt_range)   # of `master`; None: all of it
         del full
-        self.grad = torch.empty_like(self.compute) if self.level == 3 else torch.zeros_like(self.compute)
+        grad_dtype = grad_dtype or dtype
+        self.grad = torch.empty_like(self.compute, dtype=grad_dtype) if self.level == 3 else \
+            torch.zeros_like(self.compute, dtype=grad_dtype)
         self.across = across
         self.acc: Tensor | None = None         # Note [reduced shard]
         self.opt_grad: Tensor | None = None
@@ -215,11 +219,11 @@ class MinistageBuffers:
         if not self.level:
             raise InternalError("this ministage buffer has no reduced gradient shard (ZeRO 1-3)")
         if self.acc is None:
-            self.acc = torch.zeros(self.inner_numel, dtype=self.dtype, device=self.device)
+            self.acc = torch.zeros(self.inner_numel, dtype=self.grad.dtype, device=self.device)
         return self.acc
 
     def accumulate(self, reduced: Tensor) -> None:
-        """Add one reduction's output (the inner shard, compute dtype) to `acc` (Note [reduced shard])."""
+        """Add one reduction's output (the inner shard, the gradients' dtype) to `acc` (Note [reduced shard])."""
         self.acc = reduced if self.acc is None else self.acc.add_(reduced)
 
     @property
@@ -294,7 +298,7 @@ class MinistageBuffers:
 
     def step_grad(self) -> Tensor:
         """fp32 gradients of the optimizer shard, fully reduced, where the step runs (brought to the host in
-        the compute dtype under optimizer offload: Note [optimizer offload])."""
+        the gradients' dtype under optimizer offload: Note [optimizer offload])."""
         return self.reduced_grad().to(self.state_device).float()
 
     def drop_reduced(self) -> None:

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from hetc.ir.errors import InternalError
 
-__all__ = ["FlatEntry", "FlatLayout", "FlatParams", "bind_grads", "bind_params"]
+__all__ = ["FlatEntry", "FlatLayout", "FlatParams", "bind_grads", "bind_params", "fold_main_grads"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,15 +140,43 @@ def _replace_param(module: nn.Module, old: nn.Parameter, new: nn.Parameter) -> n
 
 
 def bind_grads(module: nn.Module, layout: FlatLayout, flat_grad: Tensor) -> None:
-    """Make the `.grad` of every parameter of `layout` a view into `flat_grad`; backward then accumulates
-    into it in place.
+    """Make every parameter of `layout` accumulate its gradient into its view of `flat_grad`: as its
+    `.grad` (backward adds into it in place) where `flat_grad` has the parameters' dtype, else as its
+    `main_grad` (Note [main gradients]).
 
     Never call `module.zero_grad()` afterwards (it sets grads to None and
     unbinds them): zero `flat_grad` instead.
     """
     params = dict(module.named_parameters())
     for name, view in layout.views(flat_grad).items():
-        params[name].grad = view
+        param = params[name]
+        if param.dtype == view.dtype:
+            param.grad = view
+            continue
+        param.main_grad = view      # type: ignore[attr-defined]
+        if not getattr(param, "folds_into_main_grad", False):
+            param.register_post_accumulate_grad_hook(_fold)
+            param.folds_into_main_grad = True    # type: ignore[attr-defined]
+
+
+# Note [main gradients]
+# A bf16 model accumulates and reduces its gradients in fp32 (Note [gradient dtype] in hetc/ir/spec.py). torch
+# keeps a parameter's `.grad` in the parameter's dtype, so the fp32 buffer cannot be `.grad`: as Megatron-LM's
+# `main_grad`, each parameter's view of the fp32 buffer is its `main_grad`, and a post-accumulate-grad hook
+# adds each bf16 gradient autograd produces into it and drops it, so that a bf16 gradient lives only from its
+# computation to its addition. A zero-bubble W step assigns `.grad` itself (torch's `stage_backward_weight`,
+# no hook runs): `fold_main_grads` adds those after it.
+
+def _fold(param: Tensor) -> None:
+    param.main_grad.add_(param.grad)       # type: ignore[attr-defined]
+    param.grad = None
+
+
+def fold_main_grads(module: nn.Module) -> None:
+    """Add every gradient left in a parameter's `.grad` into its `main_grad` (Note [main gradients])."""
+    for param in module.parameters():
+        if param.grad is not None and getattr(param, "folds_into_main_grad", False):
+            _fold(param)
 
 
 class FlatParams:
@@ -157,14 +185,16 @@ class FlatParams:
     - `compute`: the full padded buffer in the compute dtype; the module's
       parameters are views into it. ZeRO-3 frees it between uses
       (`release`) and all-gathers into it again (`materialize` first).
-    - `grad`: the full padded gradient buffer (compute dtype); `.grad` views.
+    - `grad`: the full padded gradient buffer (`grad_dtype`, default the compute dtype); `.grad` views,
+      or `main_grad` ones (Note [main gradients]).
     - `master`: fp32 master weights of shard `shard_index` only — what the
       optimizer steps. When the compute dtype is fp32 and the master need
       not outlive `compute`, it is a view of `compute` (no master copy).
     """
 
     def __init__(self, module: nn.Module, *, num_shards: int = 1, shard_index: int = 0,
-                 dtype: torch.dtype = torch.float32, keep_master_apart: bool = False) -> None:
+                 dtype: torch.dtype = torch.float32, keep_master_apart: bool = False,
+                 grad_dtype: torch.dtype | None = None) -> None:
         """`module` holds fp32 initial values; `keep_master_apart` for ZeRO-3 (compute is freed)."""
         self.module = module
         self.layout = FlatLayout.of(module, num_shards)
@@ -174,7 +204,7 @@ class FlatParams:
         shard = full[self.layout.shard_range(shard_index)]
         shares = dtype == torch.float32 and not keep_master_apart
         self.master = shard if shares else shard.clone()
-        self.grad = torch.zeros_like(self.compute)
+        self.grad = torch.zeros_like(self.compute, dtype=grad_dtype or dtype)
         bind_params(module, self.layout, self.compute)
         bind_grads(module, self.layout, self.grad)
 

@@ -44,6 +44,7 @@ from hetc.runtime.loss_scale import LossScaler
 from hetc.runtime.nn.moe import load_balancing_loss, moe_layers, reports_balance
 from hetc.runtime.optim import clip_coefficient, grad_sq_sum, lr_at, optimizer_step
 from hetc.runtime.nn.dropout import RngState, replaying, rng_state, seed_step
+from hetc.runtime.flat import fold_main_grads
 from hetc.runtime.nn.split_backward import DeferredWeightGrad, backward_input, backward_weight
 from hetc.runtime.step_clock import StepClock
 from hetc.runtime.tied import put_tied_sum, tied_copy, tied_share
@@ -421,6 +422,7 @@ class Interpreter:
         buf = self._buffer(instr.ms, None)
         self._ready_grads(buf)
         backward_weight(buf.module, groups)
+        fold_main_grads(buf.module)      # torch assigned `.grad` itself (Note [main gradients] in runtime/flat.py)
 
     @staticmethod
     def _ready_grads(buf: MinistageBuffers) -> None:

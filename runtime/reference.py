@@ -30,7 +30,7 @@ from hetc.runtime.flat import FlatParams
 from hetc.runtime.hf_load import load_whole
 from hetc.runtime.nn.moe import load_balancing_loss, moe_layers, reports_balance
 from hetc.runtime.nn.dropout import seed_step
-from hetc.runtime.nn.model import build_ministage, compute_dtype
+from hetc.runtime.nn.model import build_ministage, compute_dtype, grad_dtype
 from hetc.runtime.optim import clip_coefficient, decayed_spans, grad_sq_sum, init_state, lr_at, optimizer_step
 from hetc.runtime.nn.tensor_parallel import shard_infos
 from hetc.ir.spec import ModelSpec, TrainSpec
@@ -58,7 +58,7 @@ def train_reference(model: ModelSpec, train: TrainSpec, *, base_dir: Path | str 
     overrides the data source.
     """
     module = build_ministage(model, range(model.num_model_layers), seed=train.seed, device=device)
-    flat = FlatParams(module, dtype=compute_dtype(model.dtype))
+    flat = FlatParams(module, dtype=compute_dtype(model.dtype), grad_dtype=grad_dtype(model))
     if (hf_dir := pretrained_dir(model)) is not None:   # every plan's ranks' initial weights (runtime/hf_load.py)
         flat.load(load_whole(flat.layout, shard_infos(module), hf_dir))
     state = init_state(model.optimizer, flat.master)

@@ -23,7 +23,7 @@ from hetc.runtime.hf_load import load_hf_weights
 from hetc.runtime.interpreter import Interpreter
 from hetc.runtime.lane import LanePlace, place_ministage
 from hetc.runtime.nccl_order import NcclEmulation
-from hetc.runtime.nn.model import build_ministage, compute_dtype
+from hetc.runtime.nn.model import build_ministage, compute_dtype, grad_dtype
 from hetc.runtime.nn.moe import ExpertShard, is_expert_param
 from hetc.runtime.unit_buffers import Buffers, UnitBuffers
 from hetc.ir.spec import Checkpointing
@@ -85,15 +85,17 @@ def _buffers(program: Program, plan: Plan, rank: int, shard: Shard, place: LaneP
     module = build_ministage(plan.model, layers, seed=plan.train.seed, shard=place.shard, device=device,
                              experts=place.experts, initialise=initialise, checkpoint=ckpt)
     place_ministage(module, place, device)
-    opt = plan.model.optimizer
+    opt, grads = plan.model.optimizer, grad_dtype(plan.model)
     if shard.experts is None:
         return MinistageBuffers(module, shard, _pos(program, shard.group, rank), _pos(program, shard.outer, rank),
-                                opt, dtype, device, tp=place.shard)
+                                opt, dtype, device, tp=place.shard, grad_dtype=grads)
     names = [n for n, _ in module.named_parameters()]
     dense = MinistageBuffers(module, shard, _pos(program, shard.group, rank), _pos(program, shard.outer, rank),
-                             opt, dtype, device, [n for n in names if not is_expert_param(n)], tp=place.shard)
+                             opt, dtype, device, [n for n in names if not is_expert_param(n)], tp=place.shard,
+                             grad_dtype=grads)
     dense.experts = MinistageBuffers(module, shard.experts, _pos(program, shard.expert_group, rank), GroupPos(),
-                                     opt, dtype, device, [n for n in names if is_expert_param(n)], tp=place.shard)
+                                     opt, dtype, device, [n for n in names if is_expert_param(n)], tp=place.shard,
+                                     grad_dtype=grads)
     return dense
 
 

@@ -34,8 +34,10 @@ def _node(name: str, device: str, gpus: int, region: str, intra: str, latency: s
 
 
 def llama_two_regions(size: str, h100: int, a100: int, l4: int, global_batch: int,
-                      activation_checkpoint: str = "none") -> str:
+                      activation_checkpoint: str = "none", grad_dtype: str = "") -> str:
+    """`grad_dtype`: the model's, where not its default (fp32 for bf16: Note [gradient dtype])."""
     m = _MODELS[size]
+    grads = f"\n  grad_dtype = {grad_dtype}" if grad_dtype else ""
     return f'''use "{(SPECS / "catalog.het").as_posix()}"
 
 model llama3_{size} {{
@@ -47,7 +49,7 @@ model llama3_{size} {{
   ffn = {m["ffn"]}
   vocab = 128256
   seq = 4096
-  dtype = bf16
+  dtype = bf16{grads}
   activation_checkpoint = {activation_checkpoint}
 }}
 

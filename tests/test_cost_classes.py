@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from hetc.passes.cost import schedule
@@ -10,6 +12,7 @@ from hetc.passes.cost.plan_time import ministage_borders, peer_lanes, stage_bord
 from hetc.passes.cost.schedule import (ChunkSweep, Grouping, LaneTiming, Unit, UnitLane, chunk_loop_wait,
                                       in_flight_limits, interleaved_grouping, lockstep_fill, pipeline_time,
                                       sequential_time, in_steady_order, zero_cycle)
+from hetc.passes.cost.memory import StateBytes
 from hetc.passes.cost.zero_time import ZeroRings, across_nodes, flush_time, sync_time
 from hetc.ir.spec import ScheduleKind, ZeroShard, ZeroSpec
 
@@ -99,9 +102,13 @@ def test_hierarchical_zero_syncs_inside_the_node_then_across_at_its_position():
     assert across_nodes((0, 1, 2, 3), hosts.__getitem__, 1) == (1, 3)
     seen = []
     rings = ZeroRings(lambda kind, ranks, nbytes: seen.append((kind, ranks, nbytes)) or 1.0,
-                      (0, 1, 2, 3), (0, 1), (0, 2))
+                      StateBytes(params=4, grads=4, optimizer=8), (0, 1, 2, 3), (0, 1), (0, 2))
     assert sync_time(ZeroSpec(level=1, shard=ZeroShard.NODE), 8.0, rings) == 3.0
     assert seen == [("reduce_scatter", (0, 1), 8.0), ("all_gather", (0, 1), 8.0), ("all_reduce", (0, 2), 4.0)]
+    seen.clear()     # bf16 parameters, fp32 gradients: the reductions move twice the bytes
+    rings = dataclasses.replace(rings, states=StateBytes(params=2, grads=4, optimizer=12))
+    assert sync_time(ZeroSpec(level=1, shard=ZeroShard.NODE), 8.0, rings) == 3.0
+    assert seen == [("reduce_scatter", (0, 1), 16.0), ("all_gather", (0, 1), 8.0), ("all_reduce", (0, 2), 8.0)]
     assert flush_time([1.0, 2.0], [0.5, 0.25]) == 2.5
     assert throughput(100, 0.0) == 0.0 and throughput(100, 4.0) == 25.0
 

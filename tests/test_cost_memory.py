@@ -65,14 +65,18 @@ def test_zero_levels_without_master_copy(tmp_path, level):
 
 
 @pytest.mark.parametrize("level", [0, 1, 2, 3])
-def test_zero_levels_with_master_copy(tmp_path, level):
-    """bf16 training, fp32 optimizer: (n_opt + 1)·δ_opt = 12 bytes of optimizer state per parameter."""
-    cm = cost_model(tmp_path, plan_text(ONE_STAGE.format(level=level, extra=""), dtype="bf16", master="fp32"))
+@pytest.mark.parametrize("grads", ["default", "bf16"])
+def test_zero_levels_with_master_copy(tmp_path, level, grads):
+    """bf16 training, fp32 optimizer: (n_opt + 1)·δ_opt = 12 bytes of optimizer state per parameter, and
+    gradients in fp32 (g = 4: Megatron-LM's main_grad, Note [gradient dtype]) unless bf16 is asked (g = δ)."""
+    dtype = "bf16" if grads == "default" else f"bf16\n  grad_dtype = {grads}"
+    cm = cost_model(tmp_path, plan_text(ONE_STAGE.format(level=level, extra=""), dtype=dtype, master="fp32"))
     phi, n, d, d_opt = stage_params(cm.model, range(cm.model.num_model_layers)), 8, 2, 4
+    g = 4 if grads == "default" else d
     total = sum(_static(cm))
-    design = {0: 2 * d + 3 * d_opt, 1: 2 * d + 3 * d_opt / n, 2: d + d / n + 3 * d_opt / n,
-              3: 2 * d / n + 3 * d_opt / n}
-    assert total == pytest.approx(design[level] * phi + _reduced_at_once(cm, level, d), rel=1e-12)
+    design = {0: d + g + 3 * d_opt, 1: d + g + 3 * d_opt / n, 2: d + g / n + 3 * d_opt / n,
+              3: d / n + g / n + 3 * d_opt / n}
+    assert total == pytest.approx(design[level] * phi + _reduced_at_once(cm, level, g), rel=1e-12)
     assert cm.optimizer_bytes(0, 0) == 3 * d_opt * cm.numel(0, 0)   # unsharded: master + 2 states
 
 
@@ -90,7 +94,7 @@ def test_hierarchical_zero_shards_inside_the_node(tmp_path):
 def test_unsharded_api_per_ministage(tmp_path):
     cm = cost_model(tmp_path, plan_text(ONE_STAGE.format(level=3, extra=""), dtype="bf16"))
     numel = stage_params(cm.model, range(cm.model.num_model_layers))
-    assert cm.param_bytes(0, 0) == 2 * numel and cm.grad_bytes(0, 0) == 2 * numel
+    assert cm.param_bytes(0, 0) == 2 * numel and cm.grad_bytes(0, 0) == 4 * numel   # fp32 gradients
     assert cm.boundary_bytes(0) == 0.0   # the only ministage: nothing leaves it
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from hetc.passes.cost import traffic
 from hetc.passes.cost.hardware import INTRA_NODE_NCCL_FRACTION
+from hetc.passes.cost.memory import StateBytes
 from hetc.passes.cost.network import MeasuredPoints, QuadraticLogFit, collective_bytes_per_rank
 from hetc.ir.spec import ScheduleKind
 from tests.costspecs import cluster, cost_model, plan_text
@@ -17,18 +18,34 @@ N = 8
 NVLINK = 100e9 * INTRA_NODE_NCCL_FRACTION   # the 100 GB/s intra link as NCCL moves it (Note [NCCL inside a node])
 
 
+SAME = StateBytes(params=4, grads=4, optimizer=8)       # fp32: gradients as wide as the parameters
+MAIN_GRADS = StateBytes(params=2, grads=4, optimizer=12)  # bf16 with fp32 gradients (Note [gradient dtype])
+
+
 def test_zero_traffic_per_level():
     ring = (N - 1) / N
+    zero = lambda level, schedule, group=N, states=SAME: traffic.zero_bytes(level, schedule, PHI_BYTES, group, 16,
+                                                                            states)
     for schedule in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZORSE):
         for level in (0, 1):
-            assert traffic.zero_bytes(level, schedule, PHI_BYTES, N, 16) == 2 * ring * PHI_BYTES   # 2δΦ
+            assert zero(level, schedule) == 2 * ring * PHI_BYTES   # 2δΦ
     # ZeRO-2 reduce-scatters every microbatch under gradient accumulation (DeepSpeed), then gathers once
-    assert traffic.zero_bytes(2, ScheduleKind.ONE_F_ONE_B, PHI_BYTES, N, 16) == 17 * ring * PHI_BYTES
-    assert traffic.zero_bytes(2, ScheduleKind.ZORSE, PHI_BYTES, N, 16) == 2 * ring * PHI_BYTES
+    assert zero(2, ScheduleKind.ONE_F_ONE_B) == 17 * ring * PHI_BYTES
+    assert zero(2, ScheduleKind.ZORSE) == 2 * ring * PHI_BYTES
     # ZeRO-3: 3δΦ, and that per microbatch under a plain pipeline; Zorse gathers once per ministage
-    assert traffic.zero_bytes(3, ScheduleKind.GPIPE, PHI_BYTES, N, 16) == 3 * 16 * ring * PHI_BYTES
-    assert traffic.zero_bytes(3, ScheduleKind.ZORSE, PHI_BYTES, N, 16) == 3 * ring * PHI_BYTES
-    assert traffic.zero_bytes(3, ScheduleKind.ZORSE, PHI_BYTES, 1, 16) == 0.0   # nothing to sync
+    assert zero(3, ScheduleKind.GPIPE) == 3 * 16 * ring * PHI_BYTES
+    assert zero(3, ScheduleKind.ZORSE) == 3 * ring * PHI_BYTES
+    assert zero(3, ScheduleKind.ZORSE, group=1) == 0.0   # nothing to sync
+
+
+def test_zero_reductions_move_fp32_gradients_of_a_bf16_model():
+    """`param_bytes` is δΦ of bf16 parameters; their gradients are reduced in fp32, twice the bytes, and the
+    parameters gathered in bf16 (Megatron-LM's distributed optimizer under --bf16)."""
+    ring = (N - 1) / N
+    zero = lambda level, schedule: traffic.zero_bytes(level, schedule, PHI_BYTES, N, 16, MAIN_GRADS)
+    assert zero(0, ScheduleKind.ONE_F_ONE_B) == zero(1, ScheduleKind.ONE_F_ONE_B) == 3 * ring * PHI_BYTES
+    assert zero(2, ScheduleKind.ONE_F_ONE_B) == (16 * 2 + 1) * ring * PHI_BYTES
+    assert zero(3, ScheduleKind.GPIPE) == (2 + 2) * 16 * ring * PHI_BYTES
 
 
 def test_parallelism_volumes():
@@ -123,7 +140,7 @@ def test_explained_traffic_lists_every_group(tmp_path):
     assert [g.bytes_per_step for g in gathered] == [4 * d * m.seq * m.hidden / 2] * 2
     dp = next(g for (k, name), g in groups.items() if k == "dp" and "stage a" in name)
     phi = cm.numel(0, 0) * d
-    assert dp.bytes_per_step == pytest.approx(traffic.zero_bytes(2, ScheduleKind.ONE_F_ONE_B, phi, 2, 4))
+    assert dp.bytes_per_step == pytest.approx(traffic.zero_bytes(2, ScheduleKind.ONE_F_ONE_B, phi, 2, 4, cm.states))
     tp = next(g for (k, name), g in groups.items() if k == "tp" and "stage a" in name)
     per_layer = traffic.tp_bytes(2, 1, m.seq, m.hidden, d)
     assert tp.bytes_per_step == pytest.approx(4 * 4 * per_layer)   # 4 blocks, 4 microbatches

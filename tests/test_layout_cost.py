@@ -75,7 +75,8 @@ def test_dp_traffic_counts_cp_ranks_as_replicas():
     dp = _traffic("ring2")["dp"][0]
     assert "over 2 lanes x cp 2" in dp.group
     phi = cm.numel(0, 0) * DELTA
-    assert dp.bytes_per_step == pytest.approx(traffic.zero_bytes(2, cm.pipeline.schedule, phi, 4, M // 2))
+    assert dp.bytes_per_step == pytest.approx(traffic.zero_bytes(2, cm.pipeline.schedule, phi, 4, M // 2,
+                                                                cm.states))
 
 
 @pytest.mark.parametrize("plan, replicas", [("pp", 2), ("tp_to_cp", 2), ("hetero_tp", 2), ("tp2_pp2", 2)])

@@ -122,7 +122,7 @@ def test_a_large_search_scores_leaving_a_kind_idle_exactly(tmp_path):
     scores: the plan printed is no slower than the one written with the H100s idle."""
     from tests.llama_jobs import llama_two_regions
 
-    text = llama_two_regions("70b", 8, 8, 96, 192, activation_checkpoint="auto")
+    text = llama_two_regions("70b", 8, 8, 96, 192, activation_checkpoint="auto", grad_dtype="bf16")   # fits all
     steps = []
     for name, spec in (("free.het", text), ("idle.het", text.replace("parallel {", "parallel {\n  idle = [h100]", 1))):
         path = tmp_path / name

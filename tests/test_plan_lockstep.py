@@ -52,7 +52,7 @@ def test_a_candidate_whose_lockstep_lanes_get_unequal_groups_is_not_built():
 
 def test_the_planner_writes_out_no_plan_the_validator_refuses(tmp_path):
     path = tmp_path / "llama70b.het"
-    path.write_text(llama_two_regions("70b", 4, 8, 48, 128, activation_checkpoint="auto"))
+    path.write_text(llama_two_regions("70b", 4, 8, 48, 128, activation_checkpoint="auto", grad_dtype="bf16"))
     loaded = load_spec(path)
     result = plan_spec(loaded.spec, None, tmp_path)     # raised the validator's error on <generated> before
     assert result.plan.pipeline.stages

@@ -190,6 +190,22 @@ def executed_dtype(dtype: DType) -> DType:
     return DType.BF16 if dtype is DType.FP8 else dtype
 
 
+def storage_dtype(dtype: DType) -> DType:
+    """The format a model of `dtype` keeps its tensors in: fp32 for tf32 (a matmul mode), else its executed dtype."""
+    executed = executed_dtype(dtype)
+    return DType.FP32 if executed is DType.TF32 else executed
+
+
+# Note [gradient dtype]
+# Gradients are accumulated over a step's microbatches and reduced across replicas in `gradient_dtype`:
+# fp32 for a bf16 model, as Megatron-LM does (its --bf16 forces --accumulate-allreduce-grads-in-fp32: each
+# parameter's `main_grad` is an fp32 buffer that backward's bf16 gradient is added to) and torchtitan's FSDP2
+# (MixedPrecisionPolicy reduce_dtype=float32): bf16's 8-bit mantissa would round away a microbatch's
+# contribution to a large sum. fp16 keeps fp16 gradients under its loss scale (Megatron-LM's default).
+# The cost model counts the gradient buffers, reduced shards and ZeRO reductions in this dtype
+# (`StateBytes.grads`); the runtime binds fp32 gradient buffers behind the parameters
+# (runtime/flat.py `bind_grads`, Note [main gradients]).
+
 _STORAGE_BYTES = {DType.FP32: 4, DType.TF32: 4, DType.BF16: 2, DType.FP16: 2, DType.FP8: 1}
 
 # Bytes per value of each model dtype in hetc's buffers (δ): those of the dtype it executes as.
@@ -372,7 +388,11 @@ class ModelSpec(Node):
     seq: int = param(doc="sequence length S", lo=1, hi=1 << 24,
                      aliases=("seq_length", "seq_len", "max_seq_len", "sequence_length"))
     dtype: DType = param(DType.BF16, aliases=("params_dtype", "precision"),
-                         doc="training dtype δ of parameters, gradients and activations")
+                         doc="training dtype δ of parameters and activations")
+    grad_dtype: DType | None = param(None, aliases=("main_grads_dtype", "grad_reduce_dtype"),
+                                     doc="dtype gradients are accumulated and reduced in: fp32 or the training "
+                                         "dtype; default fp32 for bf16 and fp8 (Megatron-LM's fp32 main_grad, "
+                                         "torchtitan's reduce_dtype), the training dtype otherwise")
     activation_checkpoint: Checkpointing | Auto = param(
         Checkpointing.NONE, aliases=("recompute", "activation_checkpointing", "recompute_granularity"),
         doc="activation checkpointing: none, selective or full; auto: the planner chooses per stage "
@@ -401,6 +421,13 @@ class ModelSpec(Node):
                                                  doc="RoPE frequency scaling (Llama 3.1: llama3)")
     optimizer: OptimizerSpec = param(factory=OptimizerSpec, block="optimizer", doc="the optimizer")
     moe: MoESpec | None = param(None, block="moe", doc="mixture of experts in every block")
+
+    @property
+    def gradient_dtype(self) -> DType:
+        """The dtype gradients are accumulated and reduced in (Note [gradient dtype])."""
+        if self.grad_dtype is not None:
+            return self.grad_dtype
+        return DType.FP32 if executed_dtype(self.dtype) is DType.BF16 else storage_dtype(self.dtype)
 
     @property
     def num_kv_heads(self) -> int:

@@ -154,7 +154,7 @@ def _traffic(cm: CostModel, timing: PlanTime) -> list[GroupTraffic]:
             dense = (cm.numel(ms, rank) * (1 - cm.expert_fraction(ms, rank)) for ms in stage.ministages)
             nbytes = sum(dense) * cm.delta
             level = stage.zero.resolved_level
-            sent = traffic.zero_bytes(level, p.schedule, nbytes, replicas, n_mb)
+            sent = traffic.zero_bytes(level, p.schedule, nbytes, replicas, n_mb, cm.states)
             if p.schedule is ScheduleKind.ZORSE:  # gathered for the forward and the backward, reduced once
                 seconds = sum(2 * u.fetch + u.sync for u in (zorse_unit(cm, stage, ms) for ms in stage.ministages))
             else:
@@ -196,12 +196,13 @@ def _expert_traffic(cm: CostModel, moe: MoESpec, stage: Stage, rank: int, blocks
         nbytes = sum(cm.numel(ms, rank) * cm.expert_fraction(ms, rank) for ms in stage.ministages) * cm.delta
         level = stage.zero.resolved_level
         per_mb = level == 2 and cm.pipeline.schedule is not ScheduleKind.ZORSE
-        seconds = cm.collective_time(Collective.ALL_REDUCE, replicas, nbytes) if level < 2 else \
-            cm.collective_time(Collective.REDUCE_SCATTER, replicas, nbytes) * (n_mb if per_mb else 1) + \
+        grads = cm.states.collective(Collective.REDUCE_SCATTER, nbytes)
+        seconds = cm.collective_time(Collective.ALL_REDUCE, replicas, grads) if level < 2 else \
+            cm.collective_time(Collective.REDUCE_SCATTER, replicas, grads) * (n_mb if per_mb else 1) + \
             cm.collective_time(Collective.ALL_GATHER, replicas, nbytes)
         out.append(GroupTraffic("dp", f"stage {stage.name}: experts' ZeRO-{level} over {len(replicas)} ranks",
                                 replicas, traffic.zero_bytes(level, cm.pipeline.schedule, nbytes, len(replicas),
-                                                             n_mb), seconds))
+                                                             n_mb, cm.states), seconds))
     return out
 
 

@@ -241,9 +241,11 @@ class Hardware:
         """One optimizer step over `numel` parameters: memory-bound (reads and writes every state), on the
         host (DeepSpeed's CPUAdam) when `on_host`."""
         delta_opt = DTYPE_BYTES[self.model.optimizer.master_dtype]
-        states = state_bytes_per_param(self.model).optimizer / delta_opt  # n_opt + master
+        per_param = state_bytes_per_param(self.model)
+        states = per_param.optimizer / delta_opt  # n_opt + master
         master = states - self.model.optimizer.num_states
-        moved = numel * (2 * self.delta + 2 * states * delta_opt + (0 if master else self.delta))
+        # the gradient read, the parameter written, every state read and written
+        moved = numel * (per_param.grads + self.delta + 2 * states * delta_opt + (0 if master else self.delta))
         if on_host:
             return moved / CPU_OPTIMIZER_BYTES_PER_S
         return moved / streaming_bandwidth(self.gpus[rank].device)

@@ -26,6 +26,7 @@ from functools import lru_cache
 from itertools import accumulate
 
 from hetc.passes.cost.schedule import Grouping, group_width
+from hetc.ir.program import Collective
 from hetc.ir.spec import DTYPE_BYTES, ModelSpec, OffloadSpec, OffloadTarget, ScheduleKind, ZeroSpec
 from hetc.ir.topology import Gpu
 
@@ -42,6 +43,7 @@ __all__ = [
     "activation_memory",
     "context_reserve",
     "even_groups",
+    "forwards_first",
     "gpipe_backward_peak",
     "in_flight",
     "interleaved_group",
@@ -79,12 +81,18 @@ class StateBytes:
     grads: float
     optimizer: float
 
+    def collective(self, kind: Collective, param_bytes: float) -> float:
+        """The bytes a ZeRO collective over a buffer of `param_bytes` parameters moves: a gather its
+        parameters, a reduction its gradients (Note [gradient dtype] in hetc/ir/spec.py)."""
+        return param_bytes if kind is Collective.ALL_GATHER else param_bytes * self.grads / self.params
+
 
 def state_bytes_per_param(model: ModelSpec) -> StateBytes:
     delta = DTYPE_BYTES[model.dtype]
     delta_opt = DTYPE_BYTES[model.optimizer.master_dtype]
     master = 1 if delta != delta_opt else 0
-    return StateBytes(delta, delta, (model.optimizer.num_states + master) * delta_opt)
+    grads = DTYPE_BYTES[model.gradient_dtype]    # fp32 main gradients for bf16 (Note [gradient dtype])
+    return StateBytes(delta, grads, (model.optimizer.num_states + master) * delta_opt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -544,12 +552,25 @@ def _resident_at(k: int, offloaded: ZorseParams | None, prefix: Sequence[float],
     return _window_sum(prefix, window) + kept
 
 
-def gpipe_backward_peak(schedule: ScheduleKind, offload_activations: bool, held: float, stash: float,
+def forwards_first(schedule: ScheduleKind, stage: int, num_stages: int, microbatches: int,
+                   limit: int | None = None) -> bool:
+    """Whether a rank of `stage` runs every forward of its `microbatches` before its first backward: under
+    GPipe always, under 1F1B and ZB-H1 when they all fit in its warm-up (`in_flight`)."""
+    if schedule is ScheduleKind.GPIPE:
+        return True
+    if schedule not in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZB):
+        return False
+    return in_flight(schedule, stage, num_stages, microbatches, 1, limit) >= microbatches
+
+
+def gpipe_backward_peak(all_forwards_first: bool, offload_activations: bool, held: float, stash: float,
                         states: StateMemory) -> BackwardPeak | None:
-    """(activations, gradients) on the device at a GPipe rank's peak; None for the other schedules.
+    """(activations, gradients) on the device at the peak of a rank that runs every forward first
+    (`forwards_first`); None for the others.
 
     Note [GPipe backward peak]: GPipe runs every forward before the first
-    backward, so the whole stash (`held`) is there as the first gradient op
+    backward (so do 1F1B and ZB-H1 on a rank whose microbatches all fit in
+    its warm-up), so the whole stash (`held`) is there as the first gradient op
     runs, beside the gradients that op holds (`states.first_backward`: all
     of them where they are not sharded, else the one buffer it fills); the
     runtime allocates them before the op and autograd frees the op's stash
@@ -562,10 +583,12 @@ def gpipe_backward_peak(schedule: ScheduleKind, offload_activations: bool, held:
     explained +13.6 % of its compiled peak counting both at once). Counting
     no gradients at the first op, a hand plan of job 68's model whose last
     stage holds 12 blocks and the head on one A100-80 (unsharded gradients)
-    was explained at 78.3 GiB and refused by compile at 80.3 GiB. With
-    activations offloaded the device holds a few inputs, not the stash:
-    None."""
-    if schedule is not ScheduleKind.GPIPE or offload_activations:
+    was explained at 78.3 GiB and refused by compile at 80.3 GiB. A zero-bubble
+    rank of four microbatches, all in its warm-up, under ZeRO-3 with fp32
+    gradients (random job 65) was explained +13.5 % of its compiled peak
+    counting its stash and gradients at once. With activations offloaded the
+    device holds a few inputs, not the stash: None."""
+    if not all_forwards_first or offload_activations:
         return None
     return max(BackwardPeak(held, states.first_backward), BackwardPeak(max(held - stash, 0.0), states.grads),
                key=_by_total)

@@ -259,9 +259,9 @@ class CostModel:
 
     @cached_property
     def tied_bytes(self) -> float:
-        """The gradient of a tied embedding's copy, V·H·δ: what `all_reduce tied` sums (Note [tied gradients]
-        in hetc/ir/program.py); every rank holding a copy reduces it whole."""
-        return float(self.model.vocab * self.model.hidden * self.delta)
+        """The gradient of a tied embedding's copy, V·H elements in the gradients' dtype: what `all_reduce
+        tied` sums (Note [tied gradients] in hetc/ir/program.py); every rank holding a copy reduces it whole."""
+        return float(self.model.vocab * self.model.hidden * self.states.grads)
 
     @cached_property
     def tied_time(self) -> float:

@@ -18,7 +18,7 @@ from hetc.passes.cost import plan_time as pt
 from hetc.passes.cost.classes import ClassEstimate, PlanShape, evaluate_classes
 from hetc.passes.cost.experts import sharded_numel
 from hetc.passes.cost.memory import (RankMemory, StatesHeld, activation_memory, rank_memory,
-                                    ZorseParams, gpipe_backward_peak, state_memory, zorse_backward_peak,
+                                    ZorseParams, forwards_first, gpipe_backward_peak, state_memory, zorse_backward_peak,
                                     zorse_gathers)
 from hetc.passes.cost.schedule import Grouping, Unit, UnitOp, group_width, interleaved_groups
 from hetc.passes.cost.transfers import Borders
@@ -149,5 +149,6 @@ def rank_memory_of(cm: CostModel, rank: int, limit: int, grouping: Grouping) -> 
                                 (2 + p.prefetch) * max(inputs, default=0.0), offloaded, tied[0] if tied else None,
                                 held.shard.reduced,
                                 zorse_gathers(held, p.prefetch))
-    gpipe = gpipe_backward_peak(p.schedule, offload_activations, acts[0], sum(per_microbatch), states)
+    first = forwards_first(p.schedule, stage.index, len(p.stages), len(lane.microbatches), limit)
+    gpipe = gpipe_backward_peak(first, offload_activations, acts[0], sum(per_microbatch), states)
     return rank_memory(rank, cm.gpu(rank), stage.index, states, acts, zorse or gpipe)

@@ -158,8 +158,8 @@ def zero_rings(cm: CostModel, rank: int) -> ZeroRings:
     group = cm.zero_group(rank)
     timer = lambda kind, ranks, nbytes: cm.collective_time(kind, ranks, nbytes, cm.groups_at_once(rank, ranks))
     if cm.stage_of(rank).zero.shard is not ZeroShard.NODE:
-        return ZeroRings(timer, group)
-    return ZeroRings(timer, group, cm.node_group(rank), across_nodes(group, lambda r: cm.gpu(r).host, rank))
+        return ZeroRings(timer, cm.states, group)
+    return ZeroRings(timer, cm.states, group, cm.node_group(rank), across_nodes(group, lambda r: cm.gpu(r).host, rank))
 
 
 def _copier(cm: CostModel, rank: int) -> Callable[[float], float]:
@@ -240,7 +240,7 @@ def stage_sync_time(cm: CostModel, stage: Stage, rank: int, ms: int | None = Non
 def _expert_rings(cm: CostModel, stage: Stage, rank: int) -> tuple[ZeroSpec, ZeroRings]:
     """The experts' ZeRO (flat: their shard has no outer group) and the expert group they sync over."""
     rings = ZeroRings(lambda kind, ranks, nbytes: cm.collective_time(kind, ranks, nbytes, cm.groups_at_once(rank, ranks)),
-                      expert_group(cm, rank))
+                      cm.states, expert_group(cm, rank))
     return dataclasses.replace(stage.zero, shard=ZeroShard.ALL), rings
 
 

@@ -20,6 +20,8 @@ its exact ring factor (n−1)/n, so a group of one sends nothing:
 from __future__ import annotations
 
 from hetc.ir.spec import ScheduleKind
+from hetc.ir.program import Collective
+from hetc.passes.cost.memory import StateBytes
 
 __all__ = ["ep_bytes", "gather_bytes", "pp_bytes", "ring_attention_bytes", "tp_bytes", "ulysses_bytes", "zero_bytes"]
 
@@ -29,15 +31,17 @@ def _ring(n: int) -> float:
 
 
 def zero_bytes(level: int, schedule: ScheduleKind, param_bytes: float, group: int,
-               microbatches: int) -> float:
-    """Per rank per step for a ZeRO group of `group` ranks over `param_bytes` (δΦ, this rank's TP shard)."""
-    once = _ring(group) * param_bytes
+               microbatches: int, states: StateBytes) -> float:
+    """Per rank per step for a ZeRO group of `group` ranks over `param_bytes` (δΦ, this rank's TP shard):
+    gathers move parameters, reductions gradients (`StateBytes.collective`)."""
+    gather = _ring(group) * states.collective(Collective.ALL_GATHER, param_bytes)
+    reduce = _ring(group) * states.collective(Collective.REDUCE_SCATTER, param_bytes)
     per_microbatch = microbatches if schedule is not ScheduleKind.ZORSE else 1
     if level <= 1:
-        return 2 * once
+        return reduce + gather
     if level == 2:
-        return once * per_microbatch + once
-    return 3 * once * per_microbatch
+        return reduce * per_microbatch + gather
+    return (2 * gather + reduce) * per_microbatch
 
 
 def pp_bytes(micro_batch: int, seq: int, hidden: int, delta: int, microbatches: int,

@@ -37,10 +37,16 @@ RingTime = Callable[[Collective, tuple[int, ...], float], float]
 class ZeroRings:
     """The groups one rank's ZeRO collectives run over, and how long one takes."""
 
-    time: RingTime
+    ring: RingTime                    # of the bytes the collective moves
+    states: StateBytes
     group: tuple[int, ...]            # the whole ZeRO group (DP × CP)
     node: tuple[int, ...] = ()        # hierarchical ZeRO: the group's ranks on this rank's node
     across: tuple[int, ...] = ()      # hierarchical ZeRO: the ranks at its position on every node
+
+    def time(self, kind: Collective, ranks: tuple[int, ...], param_bytes: float) -> float:
+        """A ZeRO collective over a buffer of `param_bytes` parameters: a gather moves them, a reduction their
+        gradients (`StateBytes.collective`)."""
+        return self.ring(kind, ranks, self.states.collective(kind, param_bytes))
 
     def sharded(self, zero: ZeroSpec) -> tuple[int, ...]:
         """The ranks a level-2/3 shard spans: the node's under `shard = node`, else the whole group."""

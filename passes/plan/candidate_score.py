@@ -65,7 +65,7 @@ def _tied_time(prims: Primitives, plan: PlanView) -> float:
     if not m.tied_embeddings or first == last:
         return 0.0
     ranks = tuple(sorted(g.id for s in (first, last) for g in plan.stages[s].res.gpus))
-    return prims.ring(Collective.ALL_REDUCE, ranks, m.vocab * m.hidden * prims.delta)
+    return prims.ring(Collective.ALL_REDUCE, ranks, m.vocab * m.hidden * prims.states.grads)
 
 
 def evaluate(prims: Primitives, plan: PlanView) -> Score:

@@ -21,7 +21,8 @@ from hetc.passes.cost.cores import Computing, busy_share
 from hetc.passes.cost.params import tied_copy_params
 from hetc.passes.cost.memory import (BackwardPeak, RankMemory, ShardFactors, StateMemory, StatesHeld, activation_memory,
                                     interleaved_group, rank_headroom, rank_memory, shard_factors, state_memory,
-                                    ZorseParams, gpipe_backward_peak, zorse_backward_peak, zorse_gathers)
+                                    ZorseParams, forwards_first, gpipe_backward_peak, zorse_backward_peak,
+                                    zorse_gathers)
 from hetc.passes.cost.plan_time import border_crossings, lane_borders, ministage_borders, stage_borders
 from hetc.passes.cost.schedule import Grouping, Unit, UnitLane, UnitOp, unit_ops
 from hetc.passes.cost.zero_time import (ZeroRings, across_nodes, fetch_time, first_gather_time, flush_time,
@@ -286,12 +287,12 @@ class StageCosts:
         res = self.s.res
         k = res.at_once(lane)
         if self.s.zero.shard is not ZeroShard.NODE:
-            return ZeroRings(lambda kind, ranks, nbytes: self.p.ring(kind, ranks, nbytes, k), self.s.ring)
+            return ZeroRings(lambda kind, ranks, nbytes: self.p.ring(kind, ranks, nbytes, k), self.p.states, self.s.ring)
         across = across_nodes(self.s.ring, lambda r: res.host_of_ring[r], self.s.ring[lane])
         k_across = res.at_once(lane, across=True)   # (the node's ring is inside the node: no link shared)
         return ZeroRings(lambda kind, ranks, nbytes: self.p.ring(kind, ranks, nbytes,
                                                                  k_across if ranks == across else k),
-                         self.s.ring, res.node_ring(lane), across)
+                         self.p.states, self.s.ring, res.node_ring(lane), across)
 
     def _copier(self, lane: int) -> Callable[[float], float]:
         gpu = self.s.lanes[lane][0]
@@ -381,8 +382,8 @@ class StageCosts:
         """Activations and gradients at once at a Zorse or GPipe rank's peak (`memory.zorse_backward_peak`,
         `memory.gpipe_backward_peak`)."""
         schedule, offloaded = self.plan.schedule, bool(self.s.knobs.offload.activations)
-        if schedule is ScheduleKind.GPIPE:
-            return gpipe_backward_peak(schedule, offloaded, self._activations(count)[0],
+        if forwards_first(schedule, self.s.index, self.plan.num_stages, count, self.in_flight_limit):
+            return gpipe_backward_peak(True, offloaded, self._activations(count)[0],
                                        sum(self._per_mb_activations), self._static(node_share))
         if schedule is not ScheduleKind.ZORSE:
             return None

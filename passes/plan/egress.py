@@ -63,7 +63,8 @@ def _ring(prims: Primitives, plan: PlanView, sc: StageCosts) -> float:
     n = len(st.lanes)
     if n < 2:
         return 0.0
-    sent = zero_bytes(st.zero.resolved_level, plan.schedule, sc.numel() * prims.delta, n, max(st.counts))
+    sent = zero_bytes(st.zero.resolved_level, plan.schedule, sc.numel() * prims.delta, n, max(st.counts),
+                      prims.states)
     gpus = [lane[0] for lane in st.lanes]  # the ring of every lane position looks alike
     edges = sum(_price(prims, gpus[i], gpus[(i + 1) % n]) for i in range(n))
     return sent * edges * st.tp / GB

@@ -65,6 +65,7 @@ __all__ = [
     "compute_dtype",
     "float32_matmul_precision",
     "full_shapes",
+    "grad_dtype",
     "init_layer",
     "stored_name",
     "use_matmul_precision",
@@ -91,6 +92,12 @@ def compute_dtype(dtype: DType) -> torch.dtype:
     if executed is not dtype:
         log.warning("%s training is not implemented; computing in %s", dtype.value, executed.value)
     return _TORCH_DTYPES[executed]
+
+
+def grad_dtype(model: ModelSpec) -> torch.dtype:
+    """The dtype of a ministage's gradient buffers: fp32 for a bf16 model (Note [gradient dtype] in
+    hetc/ir/spec.py)."""
+    return _TORCH_DTYPES[model.gradient_dtype]
 
 
 def float32_matmul_precision(dtype: DType) -> MatmulPrecision:

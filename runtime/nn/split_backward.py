@@ -41,7 +41,8 @@ def backward_input(out: Tensor, grad: Tensor | None, x: Tensor, module: nn.Modul
 
 
 def backward_weight(module: nn.Module, deferred: DeferredWeightGrad) -> None:
-    """Accumulate the weight gradients into the parameters' (flat-buffer) `.grad`.
+    """Accumulate the weight gradients into the parameters' (flat-buffer) `.grad` (where the buffer is in
+    another dtype, `.grad` of their own, for `fold_main_grads` to add: Note [main gradients] in runtime/flat.py).
 
     Runs with grad mode on: torch finds each weight's gradient accumulator
     through a view, which no-grad mode would not record.
