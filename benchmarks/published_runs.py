@@ -432,7 +432,7 @@ def _llama3_note(results: list[Result]) -> str:
             "published plan above 6,144 GPUs this benchmark has. Its pipeline schedule is not Megatron's: it runs "
             "a tunable number of consecutive microbatches through each virtual stage, and the paper trains "
             "without activation recomputation, where Megatron's interleaved 1F1B, which hetc lowers, holds up to "
-            "70 GiB of activations on a stage (`hetc explain` of the 8,192-GPU run: 87.6 GiB a GPU on the 80 GB "
+            "70 GiB of activations on a stage (`hetc explain` of the 8,192-GPU run: 93.6 GiB a GPU on the 80 GB "
             f"H100). Written as interleaved 1F1B its runs come out {errors}: fast, as Nemotron-4's above, against "
             "the catalog's H100 asymptote (a burst rate: the sensitivity table). The scaling from 8,192 to 16,384 "
             "GPUs at one batch (twice the data-parallel lanes, half the microbatches each) is the plan's: "
