@@ -175,3 +175,40 @@ def test_each_backward_tallies_the_balancing_loss_once_under_activation_checkpoi
     expected = moe.balancing_loss(logits, logits.topk(2, dim=-1).indices.view(2, 3, 2))
     assert len(moe.aux_losses) == 1
     torch.testing.assert_close(moe.aux_losses[0], expected.detach())
+
+
+def _megatron_z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
+    """Megatron-LM's z_loss_func (ST-MoE's router z-loss), ported: the mean of the squared log-sum-exp."""
+    return torch.mean(torch.square(torch.logsumexp(logits, dim=-1))) * coeff
+
+
+def _z_layer(coeff: float) -> MoE:
+    torch.manual_seed(0)
+    moe = make_mlp(tiny(hidden=16, ffn=24, moe=MoESpec(experts=4, top_k=2, capacity_factor=4.0, z_loss_coeff=coeff)))
+    assert isinstance(moe, MoE)
+    return moe
+
+
+def test_router_z_loss_is_megatrons_and_its_gradient_reaches_the_router_with_the_seed():
+    """Note [router z-loss]: the layer's z-loss equals Megatron-LM's z_loss_func over the microbatch's tokens
+    (each cp rank's share summing to it), the output is unchanged, and backward adds the z-loss's gradient,
+    times `aux_seed`, to the router's."""
+    layer = _z_layer(0.01)
+    x = torch.randn(2, 3, 16)
+    logits = layer.router(x.reshape(-1, 16)).float()
+    whole = logits.topk(2, dim=-1).indices.view(2, 3, 2)
+    torch.testing.assert_close(layer.z_loss(logits, whole), _megatron_z_loss(logits, 0.01))
+    halves = layer.z_loss(logits[:3], whole) + layer.z_loss(logits[3:], whole)     # two cp ranks' tokens
+    torch.testing.assert_close(halves, _megatron_z_loss(logits, 0.01))
+
+    plain, with_z, probe = _z_layer(0.0), _z_layer(0.01), _z_layer(0.01)
+    with_z.aux_seed = 0.25
+    out_plain, out_z = plain(x), with_z(x)
+    assert torch.equal(out_plain, out_z)
+    out_plain.sum().backward()
+    out_z.sum().backward()
+    probe_logits = probe.router(x.reshape(-1, 16)).float()
+    (0.25 * _megatron_z_loss(probe_logits, 0.01)).backward()
+    assert probe.router.weight.grad is not None and probe.router.weight.grad.abs().sum() > 0
+    torch.testing.assert_close(with_z.router.weight.grad, plain.router.weight.grad + probe.router.weight.grad)
+    assert with_z.aux_losses == []     # not tallied with the balancing loss

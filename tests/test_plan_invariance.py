@@ -14,6 +14,7 @@ clipping), whose reference is tied_single's.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -198,28 +199,34 @@ def test_moe_plan_matches_reference(plan, rank_pool, demo_plan_dirs, moe_referen
 
 @pytest.fixture(scope="module")
 def balanced_moe(tmp_path_factory, moe_reference):
-    """The MoE demo job with a load-balancing loss (Note [load-balancing loss] in runtime/nn/moe.py): its plans
-    and its one-rank reference, which the loss moves off the job's without it."""
+    """The MoE demo job with a load-balancing loss and a router z-loss (Notes [load-balancing loss] and [router
+    z-loss] in runtime/nn/moe.py): its plans and its one-rank reference, which each loss moves off the job's
+    without it."""
     from hetc.runtime.reference import train_reference
 
     folder = tmp_path_factory.mktemp("balanced")
-    (folder / "moe_job.het").write_text(demo_job(("    capacity_factor", "    aux_loss_coeff = 0.5\n    capacity_factor"),
-                                                 job="moe_job.het"))
+    losses = "    aux_loss_coeff = 0.5\n    z_loss_coeff = 0.05\n    capacity_factor"
+    (folder / "moe_job.het").write_text(demo_job(("    capacity_factor", losses), job="moe_job.het"))
     for name in MOE_PLANS:
         shutil.copy(DEMO / f"{name}.het", folder / f"{name}.het")
     dirs = compile_plans([folder / f"{name}.het" for name in MOE_PLANS], folder / "plans")
     _, checked = read_plan(dirs["moe_single"])
-    reference = train_reference(checked.spec.model, checked.spec.train, base_dir=dirs["moe_single"],
-                                steps=REFERENCE_STEPS)
-    assert reference.losses[1:] != moe_reference.losses[1:], "the balancing loss must change training"
+    model, train = checked.spec.model, checked.spec.train
+    reference = train_reference(model, train, base_dir=dirs["moe_single"], steps=REFERENCE_STEPS)
+    assert model.moe is not None
+    without_z = dataclasses.replace(model, moe=dataclasses.replace(model.moe, z_loss_coeff=0.0))
+    balanced_only = train_reference(without_z, train, base_dir=dirs["moe_single"], steps=REFERENCE_STEPS)
+    assert reference.losses[1:] != moe_reference.losses[1:], "the auxiliary losses must change training"
+    assert reference.losses[1:] != balanced_only.losses[1:], "the z-loss must change training"
     return dirs, reference
 
 
 @pytest.mark.parametrize("plan", [p for p in MOE_PLANS if p != "moe_single"])
-def test_moe_balancing_loss_trains_every_plan_as_one_rank(plan, rank_pool, balanced_moe, tmp_path):
-    """Each layer's balancing loss reaches backward with the loss's seed on every rank: under EP, with its
-    counts over the whole sequence split by cp = 2, and in a zero-bubble pipeline's split backward; and every
-    rank reports the one rank's load_balancing_loss (each microbatch and layer counted once)."""
+def test_moe_auxiliary_losses_train_every_plan_as_one_rank(plan, rank_pool, balanced_moe, tmp_path):
+    """Each layer's balancing loss and z-loss reach backward with the loss's seed on every rank: under EP, with
+    the balancing counts over the whole sequence split by cp = 2, and in a zero-bubble pipeline's split
+    backward; and every rank reports the one rank's load_balancing_loss (each microbatch and layer counted
+    once)."""
     dirs, reference = balanced_moe
     reports = rank_pool.run(PlanJob(dirs[plan], REFERENCE_STEPS, save_to=tmp_path))
     assert_losses_close(agreed_losses(reports), reference.losses)

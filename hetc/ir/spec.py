@@ -346,6 +346,10 @@ class MoESpec(Node):
     aux_loss_coeff: float = param(0.0, lo=0, hi=1e3, aliases=("moe_aux_loss_coeff",),
                                   doc="weight of each MoE layer's load-balancing loss (Switch's, as Megatron-LM "
                                       "computes it; 0: none); each step reports it as load_balancing_loss")
+    z_loss_coeff: float = param(0.0, lo=0, hi=1e3, aliases=("moe_z_loss_coeff", "router_z_loss_coef"),
+                                doc="weight of each MoE layer's router z-loss, the mean over tokens of the "
+                                    "squared log-sum-exp of the router's logits (ST-MoE's, as Megatron-LM's "
+                                    "--moe-z-loss-coeff; 0: none): it keeps the logits small")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -52,6 +52,16 @@ each cp rank adds its own tokens' share of Σ_t p_te, as its share of the
 language-model loss is its own tokens'. Its cost (a softmax over E logits a
 token) is not timed.
 
+Note [router z-loss]
+With z_loss_coeff = c > 0 each MoE layer adds ST-MoE's router z-loss, as
+Megatron-LM's `z_loss_func` computes it: c times the mean over a
+microbatch's tokens of logsumexp(router logits)², which keeps the logits
+(and the softmax's exponent in bf16) small. It reaches backward as the
+balancing loss does (`_WithAuxLoss`, with the loss's seed), so every plan
+trains as the one-rank reference; under context parallelism each cp rank
+adds its own tokens' share of the mean. Its cost is not timed, and it is not
+reported (Megatron-LM logs it as z_loss).
+
 Note [static routing shapes]
 Routing keeps every shape a function of the microbatch's size, never of
 the routing, so a layer reads nothing back to the host: all T·K
@@ -210,8 +220,8 @@ class MoE(nn.Module):
         self.experts = nn.ModuleDict({str(e): make_expert() for e in shard.local(moe.experts)})
         self.exchange = ExpertExchange()
         self.routing: SequenceRouting | None = None
-        self.aux_loss_coeff = moe.aux_loss_coeff
-        self.aux_seed = 1.0      # the gradient of the balancing loss: Note [load-balancing loss]
+        self.aux_loss_coeff, self.z_loss_coeff = moe.aux_loss_coeff, moe.z_loss_coeff
+        self.aux_seed = 1.0      # the gradient of the balancing loss and z-loss: Note [load-balancing loss]
         self.aux_losses: list[Tensor] = []     # the step's balancing losses, as each microbatch's backward ran
 
     def forward(self, x: Tensor) -> Tensor:
@@ -229,8 +239,11 @@ class MoE(nn.Module):
         y = self.exchange(tokens[rows], counts[:-1], self._run_experts)
         served = y.shape[0]                  # all T·K rows locally, the kept ones after an exchange
         out = torch.zeros_like(tokens).index_add(0, rows[:served], y * gates[order[:served], None]).view_as(x)
-        if self.aux_loss_coeff and self.training and torch.is_grad_enabled():
-            out = _WithBalancing.apply(out, self.balancing_loss(logits, whole), self.aux_seed, self.aux_losses)
+        if self.training and torch.is_grad_enabled():
+            if self.aux_loss_coeff:
+                out = _WithAuxLoss.apply(out, self.balancing_loss(logits, whole), self.aux_seed, self.aux_losses)
+            if self.z_loss_coeff:
+                out = _WithAuxLoss.apply(out, self.z_loss(logits, whole), self.aux_seed, None)   # not reported
         return out
 
     def _kept(self, whole: Tensor) -> Tensor:
@@ -248,6 +261,12 @@ class MoE(nn.Module):
         probs = torch.softmax(logits, dim=-1).sum(0)
         scale = self.aux_loss_coeff * self.num_experts / (tokens * tokens * self.top_k)
         return (probs * counts.to(probs.dtype)).sum() * scale
+
+    def z_loss(self, logits: Tensor, whole: Tensor) -> Tensor:
+        """This rank's share of the layer's router z-loss (Note [router z-loss]): `logits` of its tokens, `whole`
+        the microbatch's routing [b, S, K] (whose tokens the mean is over)."""
+        tokens = whole.shape[0] * whole.shape[1]
+        return torch.logsumexp(logits, dim=-1).square().sum() * (self.z_loss_coeff / tokens)
 
     def _run_experts(self, received: Tensor, counts: Tensor) -> Tensor:
         """The local experts on all their rows at once; rows come by source, then by expert."""
@@ -277,19 +296,20 @@ def moe_layers(modules: Iterable[nn.Module]) -> list[MoE]:
     return list(found.values())
 
 
-class _WithBalancing(torch.autograd.Function):
-    """The layer's output unchanged, carrying its balancing loss into backward with gradient `seed` (Megatron-LM's
-    MoEAuxLossAutoScaler): Note [load-balancing loss]."""
+class _WithAuxLoss(torch.autograd.Function):
+    """The layer's output unchanged, carrying an auxiliary loss (balancing, z) into backward with gradient `seed`
+    (Megatron-LM's MoEAuxLossAutoScaler): Note [load-balancing loss]."""
 
     @staticmethod
-    def forward(ctx, out: Tensor, loss: Tensor, seed: float, tally: list[Tensor]) -> Tensor:
+    def forward(ctx, out: Tensor, loss: Tensor, seed: float, tally: list[Tensor] | None) -> Tensor:
         ctx.loss, ctx.seed, ctx.tally = loss.detach(), seed, tally
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         # tallied here, once per microbatch: activation checkpointing runs the forward again, backward never
-        ctx.tally.append(ctx.loss)
+        if ctx.tally is not None:
+            ctx.tally.append(ctx.loss)
         return grad, torch.full_like(ctx.loss, ctx.seed), None, None
 
 
