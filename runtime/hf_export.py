@@ -83,6 +83,7 @@ def hf_config(model: ModelSpec, dtype: DType = DType.FP32, base: dict[str, Any] 
         "tie_word_embeddings": model.tied_embeddings, "rope_parameters": rope, "rope_theta": model.rope_theta,
         "max_position_embeddings": max(int(config.get("max_position_embeddings", 0)), model.seq),
         "dtype": _TORCH_NAMES[dtype], "attention_dropout": model.attention_dropout,
+        "initializer_range": model.init_std,
     })
     if model_type in ("llama", "qwen3"):
         config["attention_bias"] = model.qkv_bias

@@ -655,6 +655,16 @@ def test_attention_dropout_comes_from_the_config_and_goes_back(tmp_path):
     assert model.attention_dropout == 0.2 and hf_config(model)["attention_dropout"] == 0.2
 
 
+def test_initializer_range_is_init_std_both_ways(tmp_path):
+    """config.json's initializer_range is the model's init_std (a training field), and an export writes it."""
+    from hetc.frontend.convert import import_model
+    from hetc.runtime.hf_export import hf_config
+
+    model = import_model(_config_dir(tmp_path, initializer_range=0.006), "llama")
+    assert model.init_std == 0.006 and hf_config(model)["initializer_range"] == 0.006
+    assert import_model(_config_dir(tmp_path), "llama").init_std == 0.02     # transformers' default
+
+
 @pytest.mark.parametrize("config, message", [
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "RoPE scaling 'yarn' is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),

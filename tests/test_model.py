@@ -254,3 +254,17 @@ def test_bf16_compute_keeps_fp32_master_weights():
     loss = stage(tokens(model), tokens(model, seed=1))
     loss.backward()
     assert loss.dtype is torch.float32 and flat.grad.dtype is torch.bfloat16 and flat.grad.abs().sum() > 0
+
+
+def test_init_std_scales_a_random_start_and_its_residual_outputs_by_depth():
+    """`init_std` (Megatron-LM's --init-method-std): matrices drawn N(0, init_std), residual output projections
+    N(0, init_std / sqrt(2L)); the same draws as the default's, scaled."""
+    default, narrow = whole(tiny(hidden=64, ffn=128)), whole(tiny(hidden=64, ffn=128, init_std=0.006))
+    params = {n: p.detach() for n, p in default.named_parameters()}
+    narrowed = {n: p.detach() for n, p in narrow.named_parameters()}
+    embed = next(n for n in params if n.startswith("embed"))
+    out = next(n for n in params if n.endswith("w2.weight"))
+    assert float(params[embed].std()) == pytest.approx(0.02, rel=0.05)
+    assert float(params[out].std()) == pytest.approx(0.02 / (2 * 3) ** 0.5, rel=0.05)
+    for name in (embed, out):
+        torch.testing.assert_close(narrowed[name], params[name] * (0.006 / 0.02))

@@ -35,8 +35,9 @@ SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen
              "MixtralForCausalLM")
 
 # fields a key beside `hf` may set (Note [hf presets]); MoE: only capacity_factor
-TRAINING_FIELDS = frozenset({"name", "hf", "init", "seq", "dtype", "activation_checkpoint", "attention",
-                             "hidden_dropout", "attention_dropout", "optimizer", "capacity_factor"})
+TRAINING_FIELDS = frozenset({"name", "hf", "init", "init_std", "seq", "dtype", "grad_dtype",
+                             "activation_checkpoint", "attention", "hidden_dropout", "attention_dropout",
+                             "optimizer", "capacity_factor", "aux_loss_coeff", "z_loss_coeff"})
 
 _DTYPES = {"float32": DType.FP32, "bfloat16": DType.BF16, "float16": DType.FP16}
 
@@ -98,6 +99,7 @@ def model_preset(config: dict[str, Any], source: str, span: Span) -> Preset:
         "moe": _moe(config, span, source) if arch == "MixtralForCausalLM" else None,
         "seq": _int(config, "max_position_embeddings"),
         "attention_dropout": _number(config, "attention_dropout", 0.0),
+        "init_std": _number(config, "initializer_range", 0.02),
     }
     dtype = config.get("dtype", config.get("torch_dtype"))
     if isinstance(dtype, str) and dtype in _DTYPES:

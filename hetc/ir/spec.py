@@ -377,6 +377,10 @@ class ModelSpec(Node):
     init: InitKind | None = param(None, aliases=("init_weights",),
                                   doc="random (seeded) or pretrained (the hf directory's safetensors); "
                                       "default: pretrained when the hf directory holds safetensors")
+    init_std: float = param(0.02, lo=1e-6, hi=10, aliases=("init_method_std", "initializer_range"),
+                            doc="standard deviation of a random start's matrices (Megatron-LM's "
+                                "--init-method-std, Hugging Face's initializer_range); residual output "
+                                "projections get init_std / sqrt(2L), as GPT-2 and Megatron-LM")
     arch: Arch = param(Arch.LLAMA, doc="llama (RMSNorm, RoPE, GQA, SwiGLU) or gpt (LayerNorm, GELU)")
     layers: int = param(doc="transformer blocks L", lo=1, hi=100_000,
                         aliases=("num_layers", "n_layers", "num_hidden_layers"))

@@ -55,7 +55,6 @@ from hetc.runtime.nn.tensor_parallel import NO_SHARD, ParallelLinear, TPShard, s
 from hetc.ir.spec import Arch, Auto, Checkpointing, DType, ModelSpec, executed_dtype
 
 __all__ = [
-    "INIT_STD",
     "TIED_COPY",
     "TIED_WEIGHT",
     "Ministage",
@@ -73,7 +72,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-INIT_STD = 0.02  # GPT-2 / Megatron `init_method_std`; residual outputs get INIT_STD / sqrt(2L)
 
 _TORCH_DTYPES = {DType.FP32: torch.float32, DType.TF32: torch.float32, DType.BF16: torch.bfloat16,
                  DType.FP16: torch.float16}
@@ -192,7 +190,7 @@ def _initial_value(owner: nn.Module, name: str, shape: tuple[int, ...], model: M
     if not isinstance(owner, (ParallelLinear, nn.Embedding)):
         raise InternalError(f"no init rule for {type(owner).__name__}")
     scaled = isinstance(owner, ParallelLinear) and owner.scaled_init
-    std = INIT_STD / math.sqrt(2 * model.layers) if scaled else INIT_STD
+    std = model.init_std / math.sqrt(2 * model.layers) if scaled else model.init_std
     return torch.randn(shape, generator=gen) * std
 
 
@@ -211,7 +209,7 @@ def init_layer(layer: nn.Module, model: ModelSpec, idx: int, seed: int) -> None:
 
 def _drawn_as(model: ModelSpec, idx: int, name: str) -> tuple[int, str]:
     """(layer index, name) that seed parameter `name` of layer `idx`: the tied copy draws the embedding's
-    values (Note [tied copies]; both are N(0, INIT_STD) matrices of shape [V, H])."""
+    values (Note [tied copies]; both are N(0, init_std) matrices of shape [V, H])."""
     if stored_name(model, f"{model.layer_name(idx)}.{name}") == TIED_WEIGHT:
         return 0, TIED_WEIGHT.removeprefix("embed.")
     return idx, name
