@@ -15,7 +15,7 @@ from hetc.ir.spec import DType
 from hetc.plandir import read_plan
 from hetc.runtime.flat import FlatParams, fold_main_grads
 from hetc.runtime.nn.split_backward import backward_input, backward_weight
-from hetc.runtime.checkpoint import latest_checkpoint
+from hetc.runtime.checkpoint import latest_checkpoint, read_params
 from hetc.runtime.reference import ReferenceResult, train_reference
 from tests.conftest import DEMO, REFERENCE_STEPS, demo_job
 from tests.costspecs import write_spec
@@ -128,3 +128,20 @@ def test_bf16_plans_train_as_the_reference_with_fp32_gradients(plan, bf16_plans,
     assert_losses_close(losses, fp32_grads.losses)
     assert_params_close(latest_checkpoint(tmp_path), fp32_grads.params)
     assert losses != pytest.approx(bf16_grads.losses, rel=1e-6, abs=0)
+
+
+def test_an_fp16_model_asked_for_fp32_gradients_trains_under_its_loss_scale_as_one_rank(rank_pool, tmp_path):
+    """fp16 with `main_grads_dtype = fp32` (Megatron-LM's --fp16 --accumulate-allreduce-grads-in-fp32): scaled
+    fp16 gradients summed into fp32 buffers and unscaled there, under ZeRO-2 as on one rank (the one-rank
+    reference trains without the loss scale, whose fp16 gradients underflow elsewhere)."""
+    job = demo_job(("dtype = fp32", "dtype = fp16\n  main_grads_dtype = fp32"), ("lr = 3e-3", "lr = 3e-3\n  grad_clip = 1.0"))
+    (tmp_path / "job.het").write_text(job)
+    for name in ("single", "zero2"):
+        (tmp_path / f"{name}.het").write_text((DEMO / f"{name}.het").read_text())
+    dirs = compile_plans([tmp_path / "single.het", tmp_path / "zero2.het"], tmp_path / "plans")
+    _, checked = read_plan(dirs["zero2"])
+    assert checked.spec.model.gradient_dtype is DType.FP32
+    one = agreed_losses(rank_pool.run(PlanJob(dirs["single"], REFERENCE_STEPS, save_to=tmp_path / "one")))
+    two = agreed_losses(rank_pool.run(PlanJob(dirs["zero2"], REFERENCE_STEPS, save_to=tmp_path / "two")))
+    assert_losses_close(two, one)
+    assert_params_close(latest_checkpoint(tmp_path / "two"), read_params(latest_checkpoint(tmp_path / "one")))
