@@ -41,7 +41,7 @@ from hetc.runtime.inject import Injection, compute_factor, link_factor, stretch,
 from hetc.runtime.lane import LanePlace, take_tokens
 from hetc.runtime.links import MessageLog
 from hetc.runtime.loss_scale import LossScaler
-from hetc.runtime.nn.moe import load_balancing_loss, moe_layers, reports_balance
+from hetc.runtime.nn.moe import AuxLoss, aux_loss_mean, clear_aux_tallies, moe_layers, reported_aux_losses
 from hetc.runtime.optim import clip_coefficient, grad_sq_sum, lr_at, optimizer_step
 from hetc.runtime.nn.dropout import RngState, replaying, rng_state, seed_step
 from hetc.runtime.flat import fold_main_grads
@@ -72,7 +72,7 @@ class StepResult:
     skipped: bool = False              # the update was skipped: a non-finite gradient norm (Note [non-finite steps])
     loss_scale: float | None = None    # fp16: the scale this step's backward ran at (Note [dynamic loss scale])
     lr: float = 0.0                    # the learning rate of this step's update (Note [skipped updates])
-    load_balancing_loss: float | None = None   # MoE with aux_loss_coeff: Note [load-balancing loss]
+    aux_losses: dict[AuxLoss, float] = field(default_factory=dict)   # MoE's reported ones (`reported_aux_losses`)
 
 
 @dataclass
@@ -183,7 +183,7 @@ class Interpreter:
         split = {c.value: s for c, s in class_times(self.program.instrs, marks[:-1], marks[-1]).items()} \
             if classes else {}
         return StepResult(self.loss_total, time.perf_counter() - t0, events, split, self.grad_norm, self.skip_update,
-                          self.scale_used, self.lr, self.balance_total)
+                          self.scale_used, self.lr, self.aux_totals)
 
     def _slowed(self, instr: Instr, factor: float) -> None:
         """A compute instruction of an injected slow rank: run, then wait (factor - 1) times its time."""
@@ -211,7 +211,7 @@ class Interpreter:
         self.loss_sum: Tensor | None = None                  # Note [the loss on the device]
         self.staged: list[Tensor] = []                       # page-locked token copies in flight (`upload`)
         self.loss_total = float("nan")
-        self.balance_total: float | None = None
+        self.aux_totals: dict[AuxLoss, float] = {}
         self.clip = 1.0
         self.grad_norm: float | None = None
         self.skip_update = False
@@ -219,7 +219,7 @@ class Interpreter:
         self.scale_used = None if self.scaler is None or not self.training else self.scaler.scale
         for moe in self.moe_layers:     # Note [load-balancing loss]: the seed of the loss, 1/m (times the scale)
             moe.aux_seed = (1.0 if self.scale_used is None else self.scale_used) / self.m
-            moe.aux_losses.clear()
+        clear_aux_tallies(self.moe_layers)
         self.replay: dict[tuple[int, int], RngState] = {}   # activation offload's recomputations
         if self.training:
             if self.dropout:
@@ -552,23 +552,24 @@ class Interpreter:
 
     def _reduce_loss(self, instr: AllReduce, group) -> None:
         """All-reduce the mean of this rank's microbatch losses, and beside it, where the model's MoE layers
-        add a balancing loss, their tally (the same on every rank: the model's); its wait is where the host
-        reads both."""
-        balance = self.training and reports_balance(self.model)
-        total = torch.zeros(2 if balance else 1, dtype=torch.float64, device=self.device)
+        add auxiliary losses, their tallies (the same on every rank: the model's); its wait is where the host
+        reads them all."""
+        reported = reported_aux_losses(self.model) if self.training else ()
+        total = torch.zeros(1 + len(reported), dtype=torch.float64, device=self.device)
         if self.counts_loss and self.loss_sum is not None:
             total[0] = self.loss_sum / self.m      # Note [the loss on the device]
-        tallied = [loss for moe in self.moe_layers for loss in moe.aux_losses]
-        if balance and self.counts_loss and tallied:
-            total[1] = torch.stack(tallied).sum()
-        self._post(instr, self.comm.all_reduce(total, group), lambda: self._read_losses(total))
+        for i, kind in enumerate(reported, 1):
+            tallied = [loss for moe in self.moe_layers for loss in kind.tallies(moe)]
+            if self.counts_loss and tallied:
+                total[i] = torch.stack(tallied).sum()
+        self._post(instr, self.comm.all_reduce(total, group), lambda: self._read_losses(total, reported))
 
-    def _read_losses(self, total: Tensor) -> None:
+    def _read_losses(self, total: Tensor, reported: tuple[AuxLoss, ...]) -> None:
         """The host's one read of the step's reduced losses (Note [load-balancing loss])."""
         values = total.tolist()
         self.loss_total = values[0]
-        if len(values) > 1:
-            self.balance_total = load_balancing_loss(values[1], self.model, self.m)
+        self.aux_totals = {kind: aux_loss_mean(kind, value, self.model, self.m)
+                           for kind, value in zip(reported, values[1:], strict=True)}
 
     def _reduce_norm(self, instr: AllReduce, group) -> None:
         """All-reduce the sum of squares of this rank's unique gradients, added on the device in part order;

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -28,7 +28,7 @@ from hetc.hf.weights import pretrained_dir
 from hetc.runtime.data import DataSource, make_data_source, make_eval_source
 from hetc.runtime.flat import FlatParams
 from hetc.runtime.hf_load import load_whole
-from hetc.runtime.nn.moe import load_balancing_loss, moe_layers, reports_balance
+from hetc.runtime.nn.moe import AuxLoss, aux_loss_mean, clear_aux_tallies, moe_layers, reported_aux_losses
 from hetc.runtime.nn.dropout import seed_step
 from hetc.runtime.nn.model import build_ministage, compute_dtype, grad_dtype
 from hetc.runtime.optim import clip_coefficient, decayed_spans, grad_sq_sum, init_state, lr_at, optimizer_step
@@ -47,7 +47,8 @@ class ReferenceResult:
     step_times: tuple[float, ...]    # per step: wall seconds (the compute-only baseline)
     params: dict[str, Tensor]        # after the last step: fp32, by global parameter name
     val_losses: tuple[float, ...] = ()   # per evaluation (train { eval_every }): mean over eval_batches
-    load_balancing: tuple[float, ...] = ()   # per step of an MoE model with aux_loss_coeff: Note [load-balancing loss]
+    # per reported MoE auxiliary loss (`reported_aux_losses`), its value at each step: Note [load-balancing loss]
+    aux_losses: dict[AuxLoss, tuple[float, ...]] = field(default_factory=dict)
 
 
 def train_reference(model: ModelSpec, train: TrainSpec, *, base_dir: Path | str = ".", steps: int | None = None,
@@ -69,13 +70,13 @@ def train_reference(model: ModelSpec, train: TrainSpec, *, base_dir: Path | str 
     layers = moe_layers([module])
     for moe in layers:    # Note [load-balancing loss]: its gradient is the loss's seed
         moe.aux_seed = 1.0 / num_mb
-    losses, norms, times, vals, balancing = [], [], [], [], []
+    losses, norms, times, vals = [], [], [], []
+    aux: dict[AuxLoss, list[float]] = {kind: [] for kind in reported_aux_losses(model)}
     for step in range(train.steps if steps is None else steps):
         start = time.perf_counter()
         seed_step(train.seed, step, 0)     # one rank: the stream a 1-rank plan's rank 0 draws (Note [dropout streams])
         flat.zero_grad()
-        for moe in layers:
-            moe.aux_losses.clear()
+        clear_aux_tallies(layers)
         total = 0.0
         for mb in range(num_mb):
             tokens, labels = data.get_microbatch(step, mb)
@@ -91,14 +92,14 @@ def train_reference(model: ModelSpec, train: TrainSpec, *, base_dir: Path | str 
         times.append(time.perf_counter() - start)
         losses.append(total / num_mb)
         norms.append(float(norm_sq) ** 0.5)
-        if reports_balance(model):
-            tallied = sum(float(loss) for moe in layers for loss in moe.aux_losses)
-            balancing.append(load_balancing_loss(tallied, model, num_mb))
+        for kind, values in aux.items():
+            tallied = sum(float(loss) for moe in layers for loss in kind.tallies(moe))
+            values.append(aux_loss_mean(kind, tallied, model, num_mb))
         if held_out is not None and (step + 1) % train.eval_every == 0:
             vals.append(_validation_loss(module, held_out, train.eval_batches, num_mb, device))
         log.debug("reference step %d: loss %.6f, grad norm %.4f", step, losses[-1], norms[-1])
     return ReferenceResult(tuple(losses), tuple(norms), tuple(times), flat.named_master(), tuple(vals),
-                           tuple(balancing))
+                           {kind: tuple(values) for kind, values in aux.items()})
 
 
 @torch.no_grad()

@@ -89,7 +89,7 @@ class RankReport:
     losses: tuple[float, ...]         # one per step run (the reduced loss every rank sees)
     error: str | None = None          # the traceback when the job failed on this rank
     val_losses: tuple[float, ...] = ()  # one per evaluation (train { eval_every })
-    load_balancing: tuple[float | None, ...] = ()   # one per step run: MoE's load_balancing_loss
+    aux_losses: tuple[dict, ...] = ()   # one per step run: MoE's reported auxiliary losses, by AuxLoss
 
 
 def compile_plans(specs: list[Path], out: Path) -> dict[str, Path]:
@@ -254,17 +254,17 @@ def _train(rt, job: PlanJob, rank: int, evaluator) -> RankReport:
     from hetc.runtime.checkpoint import load_checkpoint, save_checkpoint
 
     start = load_checkpoint(rt, job.resume_from) if job.resume_from is not None else 0
-    losses, val_losses, balancing = [], [], []
+    losses, val_losses, aux = [], [], []
     for step in range(start, job.steps):
         result = rt.interpreter.run_step(step)
         losses.append(result.loss)
-        balancing.append(result.load_balancing_loss)
+        aux.append(result.aux_losses)
         if evaluator is not None and evaluator.due(step + 1):
             val_losses.append(evaluator.run(rt.interpreter))
     if job.save_to is not None:
         with _failing_writer(job.fail_save_on == rank):
             save_checkpoint(rt, job.save_to, job.steps)
-    return RankReport(rank, start, tuple(losses), val_losses=tuple(val_losses), load_balancing=tuple(balancing))
+    return RankReport(rank, start, tuple(losses), val_losses=tuple(val_losses), aux_losses=tuple(aux))
 
 
 @contextmanager

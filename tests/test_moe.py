@@ -211,4 +211,4 @@ def test_router_z_loss_is_megatrons_and_its_gradient_reaches_the_router_with_the
     (0.25 * _megatron_z_loss(probe_logits, 0.01)).backward()
     assert probe.router.weight.grad is not None and probe.router.weight.grad.abs().sum() > 0
     torch.testing.assert_close(with_z.router.weight.grad, plain.router.weight.grad + probe.router.weight.grad)
-    assert with_z.aux_losses == []     # not tallied with the balancing loss
+    assert with_z.aux_losses == [] and len(with_z.z_losses) == 1    # tallied apart, once, by backward

@@ -24,6 +24,7 @@ from hetc.ir.program import Offload
 from hetc.passes.lower import lower
 from hetc.plandir import read_plan
 from hetc.runtime.checkpoint import latest_checkpoint, read_params
+from hetc.runtime.nn.moe import AuxLoss
 from hetc.runtime.reference import train_reference
 from tests.conftest import DEMO, REFERENCE_STEPS, demo_job
 from tests.plans import DEMO_PLANS
@@ -225,15 +226,19 @@ def balanced_moe(tmp_path_factory, moe_reference):
 def test_moe_auxiliary_losses_train_every_plan_as_one_rank(plan, rank_pool, balanced_moe, tmp_path):
     """Each layer's balancing loss and z-loss reach backward with the loss's seed on every rank: under EP, with
     the balancing counts over the whole sequence split by cp = 2, and in a zero-bubble pipeline's split
-    backward; and every rank reports the one rank's load_balancing_loss (each microbatch and layer counted
-    once)."""
+    backward; and every rank reports the one rank's load_balancing_loss and z_loss (each microbatch and layer
+    counted once)."""
     dirs, reference = balanced_moe
     reports = rank_pool.run(PlanJob(dirs[plan], REFERENCE_STEPS, save_to=tmp_path))
     assert_losses_close(agreed_losses(reports), reference.losses)
     assert_params_close(latest_checkpoint(tmp_path), reference.params)
-    assert all(r.load_balancing == reports[0].load_balancing for r in reports)
-    assert reports[0].load_balancing == pytest.approx(reference.load_balancing, rel=1e-6)
-    assert all(0.5 < b < 4 for b in reference.load_balancing), reference.load_balancing    # E = 4: at most E
+    assert all(r.aux_losses == reports[0].aux_losses for r in reports)
+    for kind in AuxLoss:
+        reported = [step[kind] for step in reports[0].aux_losses]
+        assert reported == pytest.approx(reference.aux_losses[kind], rel=1e-6), kind
+    balancing, z = reference.aux_losses[AuxLoss.LOAD_BALANCING], reference.aux_losses[AuxLoss.Z]
+    assert all(0.5 < b < 4 for b in balancing), balancing    # E = 4: at most E
+    assert all(0 < v < 100 for v in z), z                   # logsumexp² of 4 small logits: about ln(4)² = 1.9
 
 
 @pytest.mark.parametrize("saver, resumer", [("moe_ep2", "moe_ep2_cp2"), ("moe_pp_ep2", "moe_single")])

@@ -349,7 +349,8 @@ class MoESpec(Node):
     z_loss_coeff: float = param(0.0, lo=0, hi=1e3, aliases=("moe_z_loss_coeff", "router_z_loss_coef"),
                                 doc="weight of each MoE layer's router z-loss, the mean over tokens of the "
                                     "squared log-sum-exp of the router's logits (ST-MoE's, as Megatron-LM's "
-                                    "--moe-z-loss-coeff; 0: none): it keeps the logits small")
+                                    "--moe-z-loss-coeff; 0: none): it keeps the logits small; each step "
+                                    "reports it as z_loss")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

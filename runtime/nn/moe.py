@@ -59,8 +59,9 @@ microbatch's tokens of logsumexp(router logits)², which keeps the logits
 (and the softmax's exponent in bf16) small. It reaches backward as the
 balancing loss does (`_WithAuxLoss`, with the loss's seed), so every plan
 trains as the one-rank reference; under context parallelism each cp rank
-adds its own tokens' share of the mean. Its cost is not timed, and it is not
-reported (Megatron-LM logs it as z_loss).
+adds its own tokens' share of the mean. Each step reports it as `z_loss`,
+tallied and reduced as the balancing loss is, without the coefficient
+(Megatron-LM's z_loss). Its cost is not timed.
 
 Note [static routing shapes]
 Routing keeps every shape a function of the microbatch's size, never of
@@ -83,6 +84,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
 import torch.nn.functional as F
@@ -95,16 +97,18 @@ from hetc.ir.spec import ModelSpec, MoESpec
 
 __all__ = [
     "ALL_EXPERTS",
+    "AuxLoss",
     "ExpertExchange",
     "ExpertShard",
     "MoE",
     "SequenceRouting",
+    "aux_loss_mean",
     "capacity",
+    "clear_aux_tallies",
     "is_expert_param",
     "keep_mask",
-    "load_balancing_loss",
     "moe_layers",
-    "reports_balance",
+    "reported_aux_losses",
 ]
 
 _EXPERTS = ".feed_forward.experts."
@@ -223,6 +227,7 @@ class MoE(nn.Module):
         self.aux_loss_coeff, self.z_loss_coeff = moe.aux_loss_coeff, moe.z_loss_coeff
         self.aux_seed = 1.0      # the gradient of the balancing loss and z-loss: Note [load-balancing loss]
         self.aux_losses: list[Tensor] = []     # the step's balancing losses, as each microbatch's backward ran
+        self.z_losses: list[Tensor] = []       # likewise its z-losses (Note [router z-loss])
 
     def forward(self, x: Tensor) -> Tensor:
         tokens = x.reshape(-1, x.shape[-1])
@@ -243,7 +248,7 @@ class MoE(nn.Module):
             if self.aux_loss_coeff:
                 out = _WithAuxLoss.apply(out, self.balancing_loss(logits, whole), self.aux_seed, self.aux_losses)
             if self.z_loss_coeff:
-                out = _WithAuxLoss.apply(out, self.z_loss(logits, whole), self.aux_seed, None)   # not reported
+                out = _WithAuxLoss.apply(out, self.z_loss(logits, whole), self.aux_seed, self.z_losses)
         return out
 
     def _kept(self, whole: Tensor) -> Tensor:
@@ -278,16 +283,36 @@ class MoE(nn.Module):
         return y[torch.argsort(by_expert)]
 
 
-def reports_balance(model: ModelSpec) -> bool:
-    """Whether `model`'s MoE layers add a balancing loss, which each step reports (Note [load-balancing loss])."""
-    return model.moe is not None and model.moe.aux_loss_coeff > 0
+class AuxLoss(StrEnum):
+    """The MoE layers' auxiliary losses each step reports, by their metric names (Megatron-LM's)."""
+
+    LOAD_BALANCING = "load_balancing_loss"    # Note [load-balancing loss]
+    Z = "z_loss"                              # Note [router z-loss]
+
+    def coeff(self, moe: MoESpec) -> float:
+        return moe.aux_loss_coeff if self is AuxLoss.LOAD_BALANCING else moe.z_loss_coeff
+
+    def tallies(self, layer: MoE) -> list[Tensor]:
+        """What `layer`'s backwards tallied of this loss this step."""
+        return layer.aux_losses if self is AuxLoss.LOAD_BALANCING else layer.z_losses
 
 
-def load_balancing_loss(tallied: float, model: ModelSpec, microbatches: int) -> float:
-    """The step's `load_balancing_loss` from the sum of its layers' tallies over its `microbatches`: their mean
-    per microbatch and MoE layer (every block's), without the coefficient (Note [load-balancing loss])."""
-    assert model.moe is not None    # reports_balance(model)
-    return tallied / (microbatches * model.layers * model.moe.aux_loss_coeff)
+def reported_aux_losses(model: ModelSpec) -> tuple[AuxLoss, ...]:
+    """The auxiliary losses `model`'s MoE layers add, which each step reports: those with a coefficient."""
+    return tuple(kind for kind in AuxLoss if model.moe is not None and kind.coeff(model.moe) > 0)
+
+
+def aux_loss_mean(kind: AuxLoss, tallied: float, model: ModelSpec, microbatches: int) -> float:
+    """The step's reported `kind` from the sum of its layers' tallies over its `microbatches`: their mean per
+    microbatch and MoE layer (every block's), without the coefficient, as Megatron-LM logs it."""
+    assert model.moe is not None    # reported_aux_losses(model)
+    return tallied / (microbatches * model.layers * kind.coeff(model.moe))
+
+
+def clear_aux_tallies(layers: Iterable[MoE]) -> None:
+    for layer in layers:
+        layer.aux_losses.clear()
+        layer.z_losses.clear()
 
 
 def moe_layers(modules: Iterable[nn.Module]) -> list[MoE]:
@@ -301,15 +326,14 @@ class _WithAuxLoss(torch.autograd.Function):
     (Megatron-LM's MoEAuxLossAutoScaler): Note [load-balancing loss]."""
 
     @staticmethod
-    def forward(ctx, out: Tensor, loss: Tensor, seed: float, tally: list[Tensor] | None) -> Tensor:
+    def forward(ctx, out: Tensor, loss: Tensor, seed: float, tally: list[Tensor]) -> Tensor:
         ctx.loss, ctx.seed, ctx.tally = loss.detach(), seed, tally
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         # tallied here, once per microbatch: activation checkpointing runs the forward again, backward never
-        if ctx.tally is not None:
-            ctx.tally.append(ctx.loss)
+        ctx.tally.append(ctx.loss)
         return grad, torch.full_like(ctx.loss, ctx.seed), None, None
 
 
