@@ -54,7 +54,7 @@ def pytest_unconfigure(config) -> None:
 # xdist groups a test by appending `@group` to its node id; where it cannot (pytest 9.2 with xdist 3.8),
 # every test goes to whichever worker is free and each worker plans the family again, minutes of CPU
 # lost without a word, so a worker that finds a test ungrouped stops the run.
-_SHARED_PLANS = frozenset({"test_plan_agreement", "test_step_bound", "test_plan_one_number"})
+_SHARED_PLANS = frozenset({"test_plan_agreement", "test_step_bound", "test_plan_one_number", "test_lower_by_class"})
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -4,7 +4,8 @@
 representative per class of alike ranks and renames it for the others
 (Note [lowering by class] in passes/lower/classes.py); `lower` builds every
 rank. For every spec under specs/ and tests/specs/ that is a whole plan (or
-a plan with `auto`, planned narrowly first), a sample of the random agreement
+a plan with `auto`: specs/'s as the agreement family plans them, once a
+session, tests/planned.py; the others narrowly), a sample of the random agreement
 family (tests/random_jobs.py: planned jobs, and deep explicit pipelines
 of long alike lanes) and small plans made to tell classes apart, the two
 listings agree line for line.
@@ -29,8 +30,9 @@ from hetc.passes.plan.planner import plan_spec
 from hetc.ir.plan import Plan
 from hetc.ir.program import Instr, Program, Shard
 from tests.conftest import DEMO, ROOT, all_spec_files
-from tests.planned import NARROW
-from tests.random_jobs import deep_job, random_job
+from tests.planned import NARROW, PlanCache, Planned
+from tests.planned import SPECS as AGREEMENT_SPECS
+from tests.random_jobs import deep_job
 
 SPEC_FILES = [p for p in all_spec_files() + sorted((ROOT / "tests" / "specs").rglob("*.het"))
               if p.name not in ("job.het", "moe_job.het", "tied_job.het", "catalog.het")]
@@ -73,9 +75,15 @@ def _assert_same(per_rank: Program, by_class: ClassLowering) -> None:
         list(range(per_rank.world_size))
 
 
+def _shared(got: Planned | None) -> Plan | None:
+    return None if got is None else got.result.plan
+
+
 @pytest.mark.parametrize("path", SPEC_FILES, ids=lambda p: p.relative_to(ROOT).as_posix())
-def test_every_spec_lowers_by_class_as_rank_by_rank(path: Path):
-    plan = _plan(path)
+def test_every_spec_lowers_by_class_as_rank_by_rank(path: Path, plan_cache: PlanCache):
+    """specs/'s jobs as tests/test_plan_agreement.py plans them (tests/planned.py: once a session); the rest of
+    the files as `_plan` reads them."""
+    plan = _shared(plan_cache.spec(path)) if path in AGREEMENT_SPECS else _plan(path)
     if plan is None:
         pytest.skip("not a whole job, or nothing fits")
     _assert_same(*_both_ways(plan))
@@ -83,10 +91,14 @@ def test_every_spec_lowers_by_class_as_rank_by_rank(path: Path):
 
 @pytest.mark.parametrize("family, seed", [("job", s) for s in JOB_SEEDS] + [("deep", s) for s in DEEP_SEEDS],
                          ids=lambda v: str(v))
-def test_random_and_deep_jobs_lower_by_class_as_rank_by_rank(family: str, seed: int, tmp_path: Path):
-    path = tmp_path / "job.het"
-    path.write_text(random_job(random.Random(seed), max_gpus=8) if family == "job" else deep_job(random.Random(seed)))
-    plan = _plan(path)
+def test_random_and_deep_jobs_lower_by_class_as_rank_by_rank(family: str, seed: int, tmp_path: Path,
+                                                             plan_cache: PlanCache):
+    if family == "job":      # planned as the agreement family plans it
+        plan = _shared(plan_cache.job(seed))
+    else:
+        path = tmp_path / "job.het"
+        path.write_text(deep_job(random.Random(seed)))
+        plan = _plan(path)
     if plan is None:
         assert family == "job", "a deep job always fits"
         pytest.skip("nothing fits")
