@@ -109,6 +109,18 @@ def test_text_report(capsys):
         assert needle in text
 
 
+@pytest.mark.parametrize("dtype, line", [
+    ("bf16", "gradients in fp32, parameters in bf16: summed and reduced in fp32"),
+    ("bf16\n  grad_dtype = bf16", None), ("fp32", None)])
+def test_the_report_says_where_gradients_are_wider_than_the_parameters(dtype, line, capsys, tmp_path):
+    """A bf16 model's grads column holds fp32 gradients (Note [gradient dtype]): the report says so."""
+    spec = write_spec(tmp_path, plan_text("  stage all {\n    layers = embed..head\n    ranks = n\n    lanes = 8\n  }",
+                                          dtype=dtype))
+    assert main(["explain", str(spec)]) == 0
+    text = capsys.readouterr().out
+    assert (line in text) if line else ("gradients in" not in text)
+
+
 def test_auto_plan_is_an_error(tmp_path, capsys):
     spec = write_spec(tmp_path, plan_text("  schedule = auto", global_batch=8))
     assert main(["explain", str(spec)]) == 2

@@ -6,6 +6,8 @@ from hetc.passes.cost.estimate import Estimate, RankMemory
 from hetc.passes.cost.provenance import Provenance
 from hetc.passes.cost.utilization import Utilization
 from hetc.ir.pipeline import Pipeline
+from hetc.ir.plan import Plan
+from hetc.ir.spec import ModelSpec, storage_dtype
 from hetc.ir.units import counted, human_bytes, human_rate, human_seconds
 
 __all__ = ["provenance_lines", "report", "utilization_text"]
@@ -13,7 +15,8 @@ __all__ = ["provenance_lines", "report", "utilization_text"]
 _COLUMNS = ("params", "grads", "optimizer", "activations", "buffers", "reserve")
 
 
-def report(path: str, pipeline: Pipeline, e: Estimate) -> str:
+def report(path: str, plan: Plan, e: Estimate) -> str:
+    pipeline = plan.pipeline
     lines = [
         (f"{path}: {counted(pipeline.world_size, 'rank')}, {counted(len(pipeline.stages), 'stage')}, "
          f"{counted(len(pipeline.ministages), 'ministage')}, "
@@ -24,7 +27,7 @@ def report(path: str, pipeline: Pipeline, e: Estimate) -> str:
         "",
         "memory per rank" + _memory_source(e) + ("" if e.fits else "   ** DOES NOT FIT **"),
     ]
-    lines += _memory_rows(e.memory)
+    lines += _memory_rows(e.memory) + _gradient_dtype(plan.model)
     lines += ["", "traffic per step (one rank)"]
     for g in e.traffic:
         note = f"  ({g.note})" if g.note else ""
@@ -34,6 +37,16 @@ def report(path: str, pipeline: Pipeline, e: Estimate) -> str:
         lines.append("  none")
     lines += ["", *provenance_lines(pipeline, e.provenance)]
     return "\n".join(lines)
+
+
+def _gradient_dtype(model: ModelSpec) -> list[str]:
+    """Where the gradients are wider than the parameters, a line saying so: the grads column counts them."""
+    grads, kept = model.gradient_dtype, storage_dtype(model.dtype)
+    if grads is kept:
+        return []
+    line = (f"  gradients in {grads.value}, parameters in {kept.value}: summed and reduced in {grads.value} "
+            "(grad_dtype; Megatron-LM's main_grad)")
+    return [line]
 
 
 def _step_source(e: Estimate) -> str:

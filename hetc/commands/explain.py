@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         from hetc.commands.costreport import report
 
-        print(report(args.spec, plan.pipeline, estimate))
+        print(report(args.spec, plan, estimate))
     sys.stdout.flush()   # the breakdown before the verdict on it
     print_plan_warnings(plan)
     enforce_estimate_fit("explain", plan, estimate)
