@@ -12,13 +12,13 @@ sub-slice when sharded across.
                  views into it. ZeRO-3 releases it between uses and keeps
                  `param_shard` (the inner shard) instead.
     grad         full gradient buffer (fp32 for a bf16 model: Note [main
-                 gradients] in runtime/flat.py); backward accumulates here. ZeRO-2
-                 and 3 allocate it before a backward (`ready_grads`) and release
+                 gradients] in runtime/flat.py); backward accumulates here.
+                 ZeRO-2 and 3 allocate it before a backward (`ready_grads`) and release
                  it once reduce-scattered (`reduced`), so a rank holds only
                  its shards outside the backward of its ministage (its unit).
     acc          the reduced gradients of the inner shard (levels 1-3, the
-                 gradients' dtype), from the step's first reduction to its optimizer
-                 step (Note [reduced shard]).
+                 gradients' dtype), from the step's first reduction to its
+                 optimizer step (Note [reduced shard]).
     opt_grad     gradients of the optimizer shard when sharded across (in
                  `acc`'s dtype), from their reduction to the step.
     master       fp32 master weights of the optimizer shard, and its
@@ -32,9 +32,10 @@ reduced again in the step (ZeRO-2/3 under per-microbatch schedules: one
 reduce-scatter per microbatch) adds the others to it. The shard stays in the
 gradients' dtype, as the full buffer of ZeRO-0/1 sums its microbatches and
 as the memory model counts it (Φ/N gradients); the optimizer reads it in
-fp32 (a cast for the step where the gradients are not fp32). The step drops it (`drop_reduced`), so it is held from the
-step's first reduction to its step only: what the verifier counts
-(passes/verify/memory.py, Note [memory timeline]).
+fp32 (a cast for the step where the gradients are not fp32). The step drops
+it (`drop_reduced`), so it is held from the step's first reduction to its
+step only: what the verifier counts (passes/verify/memory.py, Note [memory
+timeline]).
 
 All sums are plain sums: the loss of each microbatch is already divided by
 the number of microbatches (Note [Loss normalisation] in reference.py).
@@ -52,9 +53,10 @@ Note [optimizer offload]
 A shard with `opt_offload` keeps its master weights and optimizer state in
 host memory and steps there, as ZeRO-Offload and FSDP2's CPUOffloadPolicy
 do: at its `step` the reduced gradient shard comes down in the gradients'
-dtype (4 bytes a parameter for bf16: Note [gradient dtype]), torch's foreach Adam updates the host master,
-and the master goes back up cast to the compute dtype (δ again) into the
-parameters the next gathers read. That is what the cost model charges
+dtype (4 bytes a parameter for bf16: Note [gradient dtype]), torch's
+foreach Adam updates the host master, and the master goes back up cast to
+the compute dtype (δ bytes a parameter) into the parameters the next
+gathers read. That is what the cost model charges
 (`optimizer_step_time`: the host step plus both copies, not overlapped with
 compute) and what the memory verifier leaves off the device (the
 optimizer part). The step's two copies are host synchronisations the
@@ -117,7 +119,8 @@ class MinistageBuffers:
 
     def __init__(self, module: Ministage, shard: Shard, inner: GroupPos, outer: GroupPos,
                  optimizer: OptimizerSpec, dtype: torch.dtype, device: torch.device,
-                 names: Collection[str] | None = None, *, tp: TPShard = NO_SHARD, grad_dtype: torch.dtype | None = None):
+                 names: Collection[str] | None = None, *, tp: TPShard = NO_SHARD,
+                 grad_dtype: torch.dtype | None = None):
         """`names`: the parameters of `module` this buffer holds (default all); `tp`: the rank's
         tensor-parallel slice (tp rank 0 writes the parameters every tp rank holds whole); `grad_dtype`: the
         gradients' (default `dtype`: Note [main gradients] in runtime/flat.py)."""
