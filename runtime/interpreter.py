@@ -554,12 +554,12 @@ class Interpreter:
         """All-reduce the mean of this rank's microbatch losses, and beside it, where the model's MoE layers
         add auxiliary losses, their tallies (the same on every rank: the model's); its wait is where the host
         reads them all."""
-        reported = reported_aux_losses(self.model) if self.training else ()
+        reported = reported_aux_losses(self.model.moe) if self.training else ()
         total = torch.zeros(1 + len(reported), dtype=torch.float64, device=self.device)
         if self.counts_loss and self.loss_sum is not None:
             total[0] = self.loss_sum / self.m      # Note [the loss on the device]
         for i, kind in enumerate(reported, 1):
-            tallied = [loss for moe in self.moe_layers for loss in kind.tallies(moe)]
+            tallied = [loss for moe in self.moe_layers for loss in moe.tallied[kind]]
             if self.counts_loss and tallied:
                 total[i] = torch.stack(tallied).sum()
         self._post(instr, self.comm.all_reduce(total, group), lambda: self._read_losses(total, reported))

@@ -71,7 +71,7 @@ def train_reference(model: ModelSpec, train: TrainSpec, *, base_dir: Path | str 
     for moe in layers:    # Note [load-balancing loss]: its gradient is the loss's seed
         moe.aux_seed = 1.0 / num_mb
     losses, norms, times, vals = [], [], [], []
-    aux: dict[AuxLoss, list[float]] = {kind: [] for kind in reported_aux_losses(model)}
+    aux: dict[AuxLoss, list[float]] = {kind: [] for kind in reported_aux_losses(model.moe)}
     for step in range(train.steps if steps is None else steps):
         start = time.perf_counter()
         seed_step(train.seed, step, 0)     # one rank: the stream a 1-rank plan's rank 0 draws (Note [dropout streams])
@@ -93,7 +93,7 @@ def train_reference(model: ModelSpec, train: TrainSpec, *, base_dir: Path | str 
         losses.append(total / num_mb)
         norms.append(float(norm_sq) ** 0.5)
         for kind, values in aux.items():
-            tallied = sum(float(loss) for moe in layers for loss in kind.tallies(moe))
+            tallied = sum(float(loss) for moe in layers for loss in moe.tallied[kind])
             values.append(aux_loss_mean(kind, tallied, model, num_mb))
         if held_out is not None and (step + 1) % train.eval_every == 0:
             vals.append(_validation_loss(module, held_out, train.eval_batches, num_mb, device))

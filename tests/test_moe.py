@@ -7,7 +7,7 @@ import torch
 
 from hetc.runtime.nn.mlp import make_mlp
 from hetc.runtime.nn.model import build_layer
-from hetc.runtime.nn.moe import ALL_EXPERTS, ExpertShard, MoE, capacity, is_expert_param, keep_mask
+from hetc.runtime.nn.moe import ALL_EXPERTS, AuxLoss, ExpertShard, MoE, capacity, is_expert_param, keep_mask
 from hetc.ir.spec import MoESpec
 from tests.test_model import tiny
 
@@ -169,12 +169,12 @@ def test_each_backward_tallies_the_balancing_loss_once_under_activation_checkpoi
     assert isinstance(moe, MoE)
     x = torch.randn(2, 3, 16, requires_grad=True)
     out = checkpoint(moe, x, use_reentrant=False)
-    assert moe.aux_losses == [], "tallied in backward, not forward"
+    assert moe.tallied[AuxLoss.LOAD_BALANCING] == [], "tallied in backward, not forward"
     out.sum().backward()
     logits = moe.router(x.detach().reshape(-1, 16)).float()
     expected = moe.balancing_loss(logits, logits.topk(2, dim=-1).indices.view(2, 3, 2))
-    assert len(moe.aux_losses) == 1
-    torch.testing.assert_close(moe.aux_losses[0], expected.detach())
+    assert len(moe.tallied[AuxLoss.LOAD_BALANCING]) == 1
+    torch.testing.assert_close(moe.tallied[AuxLoss.LOAD_BALANCING][0], expected.detach())
 
 
 def _megatron_z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
@@ -211,4 +211,4 @@ def test_router_z_loss_is_megatrons_and_its_gradient_reaches_the_router_with_the
     (0.25 * _megatron_z_loss(probe_logits, 0.01)).backward()
     assert probe.router.weight.grad is not None and probe.router.weight.grad.abs().sum() > 0
     torch.testing.assert_close(with_z.router.weight.grad, plain.router.weight.grad + probe.router.weight.grad)
-    assert with_z.aux_losses == [] and len(with_z.z_losses) == 1    # tallied apart, once, by backward
+    assert list(with_z.tallied) == [AuxLoss.Z] and len(with_z.tallied[AuxLoss.Z]) == 1    # once, by backward

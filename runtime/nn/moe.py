@@ -226,8 +226,9 @@ class MoE(nn.Module):
         self.routing: SequenceRouting | None = None
         self.aux_loss_coeff, self.z_loss_coeff = moe.aux_loss_coeff, moe.z_loss_coeff
         self.aux_seed = 1.0      # the gradient of the balancing loss and z-loss: Note [load-balancing loss]
-        self.aux_losses: list[Tensor] = []     # the step's balancing losses, as each microbatch's backward ran
-        self.z_losses: list[Tensor] = []       # likewise its z-losses (Note [router z-loss])
+        self.added = reported_aux_losses(moe)    # the auxiliary losses it adds: those with a coefficient
+        # each one's values this step, as each microbatch's backward ran
+        self.tallied: dict[AuxLoss, list[Tensor]] = {kind: [] for kind in self.added}
 
     def forward(self, x: Tensor) -> Tensor:
         tokens = x.reshape(-1, x.shape[-1])
@@ -245,10 +246,10 @@ class MoE(nn.Module):
         served = y.shape[0]                  # all T·K rows locally, the kept ones after an exchange
         out = torch.zeros_like(tokens).index_add(0, rows[:served], y * gates[order[:served], None]).view_as(x)
         if self.training and torch.is_grad_enabled():
-            if self.aux_loss_coeff:
-                out = _WithAuxLoss.apply(out, self.balancing_loss(logits, whole), self.aux_seed, self.aux_losses)
-            if self.z_loss_coeff:
-                out = _WithAuxLoss.apply(out, self.z_loss(logits, whole), self.aux_seed, self.z_losses)
+            for kind in self.added:
+                loss = self.balancing_loss(logits, whole) if kind is AuxLoss.LOAD_BALANCING else \
+                    self.z_loss(logits, whole)
+                out = _WithAuxLoss.apply(out, loss, self.aux_seed, self.tallied[kind])
         return out
 
     def _kept(self, whole: Tensor) -> Tensor:
@@ -292,27 +293,23 @@ class AuxLoss(StrEnum):
     def coeff(self, moe: MoESpec) -> float:
         return moe.aux_loss_coeff if self is AuxLoss.LOAD_BALANCING else moe.z_loss_coeff
 
-    def tallies(self, layer: MoE) -> list[Tensor]:
-        """What `layer`'s backwards tallied of this loss this step."""
-        return layer.aux_losses if self is AuxLoss.LOAD_BALANCING else layer.z_losses
 
-
-def reported_aux_losses(model: ModelSpec) -> tuple[AuxLoss, ...]:
-    """The auxiliary losses `model`'s MoE layers add, which each step reports: those with a coefficient."""
-    return tuple(kind for kind in AuxLoss if model.moe is not None and kind.coeff(model.moe) > 0)
+def reported_aux_losses(moe: MoESpec | None) -> tuple[AuxLoss, ...]:
+    """The auxiliary losses the MoE layers of `moe` add, which each step reports: those with a coefficient."""
+    return tuple(kind for kind in AuxLoss if moe is not None and kind.coeff(moe) > 0)
 
 
 def aux_loss_mean(kind: AuxLoss, tallied: float, model: ModelSpec, microbatches: int) -> float:
     """The step's reported `kind` from the sum of its layers' tallies over its `microbatches`: their mean per
     microbatch and MoE layer (every block's), without the coefficient, as Megatron-LM logs it."""
-    assert model.moe is not None    # reported_aux_losses(model)
+    assert model.moe is not None    # reported_aux_losses(model.moe)
     return tallied / (microbatches * model.layers * kind.coeff(model.moe))
 
 
 def clear_aux_tallies(layers: Iterable[MoE]) -> None:
     for layer in layers:
-        layer.aux_losses.clear()
-        layer.z_losses.clear()
+        for values in layer.tallied.values():
+            values.clear()
 
 
 def moe_layers(modules: Iterable[nn.Module]) -> list[MoE]:
