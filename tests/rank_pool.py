@@ -8,6 +8,10 @@ no special case for the pool; they create the plan's groups, build their
 rank runtime, run the steps, optionally resume from / save a checkpoint,
 destroy every group and report. The other workers sit the job out.
 
+A test of code below the plan (a lane's kernels, say) may instead call a
+function of its own on the workers (`RankPool.call`), in a default group of
+all four, rather than start four processes of its own.
+
 A job may hold gloo to NCCL's order (`PlanJob.emulation`, per job, since the
 workers outlive it; `COMM_ORDERS` names the two ways to run a plan for a
 parametrized test: Note [NCCL order on gloo] in runtime/nccl_order.py).
@@ -24,6 +28,7 @@ import os
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +43,7 @@ __all__ = [
     "LOSS_RTOL",
     "PARAM_ATOL",
     "PARAM_RTOL",
+    "CallJob",
     "PlanJob",
     "RankPool",
     "RankReport",
@@ -80,6 +86,15 @@ class PlanJob:
     fail_save_on: int | None = None   # test hook: this rank's storage writer fails during the save
     hang_on: int | None = None        # test hook: this rank never answers
     emulation: NcclEmulation | None = None   # hold gloo to NCCL's order (HETC_EMULATE_NCCL=1 of `hetc run`)
+
+
+@dataclass(frozen=True)
+class CallJob:
+    """`fn(rank)` on every worker, in a default gloo group of all of them (torch.distributed initialised, as
+    torchrun's processes have it); each worker's answer, or its traceback. `fn`: a module-level function (the
+    workers unpickle it by name)."""
+    fn: Callable[[int], object]
+    world: int                        # the workers: the pool's size
 
 
 @dataclass(frozen=True)
@@ -142,33 +157,46 @@ class RankPool:
         """Run `job` on every worker; the reports of the plan's ranks (workers beyond it report nothing).
 
         Raises TimeoutError when a worker does not answer within `timeout_s`
-        (after restarting the workers, so that the next job is not stuck behind this one). A port taken
-        between `free_port` and rank 0's listen (another process's connection got it: the suite runs two
-        workers, each starting processes) is not the job's failure: it runs again on another port.
+        (after restarting the workers, so that the next job is not stuck behind this one).
         """
+        return [r for r in self._answers(job, timeout_s) if r is not None]
+
+    def call(self, fn: Callable[[int], object], timeout_s: float = REPLY_TIMEOUT_S) -> list[object]:
+        """`fn(rank)` on every worker (`CallJob`), their answers in rank order; a worker's exception fails the
+        test with its traceback."""
+        answers = self._answers(CallJob(fn, self.size), timeout_s)
+        failed = [a for a in answers if isinstance(a, RankReport)]
+        assert not failed, f"pool rank {failed[0].rank} failed:\n{failed[0].error}"
+        return answers
+
+    def _answers(self, job: PlanJob | CallJob, timeout_s: float) -> list:
+        """Every worker's answer to `job`. A port taken between `free_port` and rank 0's listen (another
+        process's connection got it: the suite runs two workers, each starting processes) is not the job's
+        failure: it runs again on another port."""
         for _ in range(PORT_TRIES - 1):
-            reports = self._run_once(job, timeout_s)
-            if not any(r.error is not None and "EADDRINUSE" in r.error for r in reports):
-                return reports
+            answers = self._run_once(job, timeout_s)
+            if not any(isinstance(a, RankReport) and a.error is not None and "EADDRINUSE" in a.error
+                       for a in answers):
+                return answers
         return self._run_once(job, timeout_s)
 
-    def _run_once(self, job: PlanJob, timeout_s: float) -> list[RankReport]:
+    def _run_once(self, job: PlanJob | CallJob, timeout_s: float) -> list:
         from hetc.runtime.local import free_port
 
         port = free_port()
         deadline = time.monotonic() + timeout_s
-        reports = []
+        answers = []
         try:
             for conn in self.conns:
                 conn.send((job, port))
             for rank, conn in enumerate(self.conns):
                 if not conn.poll(max(0.0, deadline - time.monotonic())):
                     raise TimeoutError(f"pool rank {rank} did not answer within {timeout_s:.0f} s")
-                reports.append(conn.recv())
+                answers.append(conn.recv())
         except (TimeoutError, EOFError, OSError):
             self._restart()
             raise
-        return [r for r in reports if r is not None]
+        return answers
 
     def close(self) -> None:
         for conn in self.conns:
@@ -212,9 +240,20 @@ def _serve(rank: int, conn) -> None:
     while (message := conn.recv()) is not None:
         job, port = message
         try:
-            conn.send(_run_job(job, rank, port))
+            conn.send(_run_call(job, rank, port) if isinstance(job, CallJob) else _run_job(job, rank, port))
         except BaseException:  # noqa: BLE001 - report every failure to the test, keep serving
             conn.send(RankReport(rank, 0, (), traceback.format_exc()))
+
+
+def _run_call(job: CallJob, rank: int, port: int) -> object:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=job.world,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    try:
+        return job.fn(rank)
+    finally:
+        dist.destroy_process_group()   # the default group and every group `fn` made from it
 
 
 def _run_job(job: PlanJob, rank: int, port: int) -> RankReport | None:

@@ -1,4 +1,4 @@
-"""TP, sequence parallelism, Ulysses and ring attention against the unsharded model (4 gloo processes).
+"""TP, sequence parallelism, Ulysses and ring attention against the unsharded model (the 4 gloo pool ranks).
 
 Each case builds the whole tiny model twice on every rank of a lane: once
 unsharded (the reference) and once as the rank's shard, wired by
@@ -12,12 +12,9 @@ group does) must equal its slice of the reference gradients.
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import os
 import traceback
 
 import pytest
-import torch.multiprocessing as mp
 
 from hetc.ir.spec import Arch, Checkpointing, CPKind, DType, ModelSpec
 
@@ -80,25 +77,10 @@ def model_for(case: Case) -> ModelSpec:
 
 
 @pytest.fixture(scope="module")
-def outcomes() -> dict[str, str | None]:
-    """{case name: None, or the first rank's traceback}, from one run of every case on 4 processes."""
-    from hetc.runtime.local import free_port
-
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    pipes, procs = [], []
-    for rank in range(WORLD):
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_worker, args=(rank, port, child), daemon=True)
-        proc.start()
-        pipes.append(parent)
-        procs.append(proc)
-    results = []
-    for rank, pipe in enumerate(pipes):
-        assert pipe.poll(TIMEOUT_S), f"rank {rank} did not finish within {TIMEOUT_S} s"
-        results.append(pipe.recv())
-    for proc in procs:
-        proc.join(10)
+def outcomes(rank_pool) -> dict[str, str | None]:
+    """{case name: None, or the first rank's traceback}, from one run of every case on the 4 pool ranks."""
+    assert rank_pool.size == WORLD
+    results = rank_pool.call(_cases)
     names = [case.name for case in CASES] + [RING_BF16] + [dropout_name(case) for case in DROPOUT_CASES]
     return {name: next((r[name] for r in results if r[name]), None) for name in names}
 
@@ -121,14 +103,10 @@ def test_bf16_ring_attention_matches_full_sdpa(outcomes):
 # ---------------------------------------------------------------- inside a worker
 
 
-def _worker(rank: int, port: int, conn) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    import torch
+def _cases(rank: int) -> dict[str, str | None]:
+    """Every case on this rank (torch.distributed initialised on the 4 ranks): {name: None or a traceback}."""
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=60))
     groups = _groups()
     out = {}
     for case in CASES:
@@ -150,8 +128,7 @@ def _worker(rank: int, port: int, conn) -> None:
         except Exception:  # noqa: BLE001 - report to the test
             out[dropout_name(case)] = f"rank {rank}:\n{traceback.format_exc()}"
         dist.barrier()
-    conn.send(out)
-    dist.destroy_process_group()
+    return out
 
 
 def _groups() -> dict[tuple[int, ...], object]:
