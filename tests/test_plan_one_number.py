@@ -26,6 +26,7 @@ from hetc.ir.plan import Job
 from tests.llama_jobs import LLAMA_8B_TWO_REGIONS
 from tests.planned import JOBS, NARROW
 from tests.random_jobs import random_job
+from tests.test_planner import BASELINES, ZORSE
 
 # the random family as tests/planned.py plans it (at most 8 GPUs, a narrow search): about 0.4 s a job. Choosing on
 # the closed form, job 50 printed 4.313 s against the Megatron grid's 4.306 s.
@@ -49,6 +50,27 @@ def test_the_plan_printed_is_never_slower_than_a_fitting_baseline_printed(seed, 
     if got is None:
         return   # nothing fits: nothing printed
     assert _slower_fitting_baselines(load_spec(got.path).spec, got.result) == []
+
+
+@pytest.mark.parametrize("path", ZORSE, ids=lambda p: p.stem)
+def test_zorse_clusters_plan_and_beat_the_baselines(path: Path, plan_cache):
+    """Zorse's three clusters as the agreement tests plan specs/ (tests/planned.py, once per session): a plan
+    that fits, every baseline tried, none that fits printed faster, each in the summary. How long planning them
+    takes is benchmarks/examples.py's figure, not an assertion."""
+    got = plan_cache.spec(path)
+    assert got is not None, "nothing fits"
+    result = got.result
+    assert result.planned and result.estimate is not None and result.estimate.fits
+    assert result.estimate.closed_form_step_s == pytest.approx(result.score.step_time_s, rel=1e-6)
+    assert {b.name for b in result.baselines} == set(BASELINES)
+    assert any(b.score is not None and b.score.fits for b in result.baselines), "no baseline to beat"
+    for b in result.baselines:  # never worse than a baseline that fits
+        if b.score is not None and b.score.fits:
+            assert result.step_time_s <= b.score.step_time_s * (1 + 1e-9), b.name
+    table = plan_summary(str(path), result)
+    assert "baselines" in table
+    for b in result.baselines:
+        assert b.title[:40] in table
 
 
 @pytest.fixture(scope="module")
