@@ -64,15 +64,18 @@ def _both_ways(plan: Plan) -> tuple[Program, ClassLowering]:
 
 
 def _assert_same(per_rank: Program, by_class: ClassLowering) -> None:
-    got = by_class.program
+    _assert_same_programs(per_rank, by_class.program)
+    assert sorted(r for c in by_class.classes for r in (c.rep, *(m for m, _ in c.members))) == \
+        list(range(per_rank.world_size))
+
+
+def _assert_same_programs(per_rank: Program, got: Program) -> None:
     assert got.groups == per_rank.groups
     assert [rp.rank for rp in got.ranks] == [rp.rank for rp in per_rank.ranks]
     for want, have in zip(per_rank.ranks, got.ranks, strict=True):
         if have != want:   # (the same objects print the same listing; the listings say where they differ)
             assert have.to_text() == want.to_text(), f"rank {want.rank} differs from its lowering by itself"
             assert have == want, f"rank {want.rank}: the same listing from different instructions"
-    assert sorted(r for c in by_class.classes for r in (c.rep, *(m for m, _ in c.members))) == \
-        list(range(per_rank.world_size))
 
 
 def _shared(got: Planned | None) -> Plan | None:
@@ -81,9 +84,15 @@ def _shared(got: Planned | None) -> Plan | None:
 
 @pytest.mark.parametrize("path", SPEC_FILES, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_every_spec_lowers_by_class_as_rank_by_rank(path: Path, plan_cache: PlanCache):
-    """specs/'s jobs as tests/test_plan_agreement.py plans them (tests/planned.py: once a session); the rest of
-    the files as `_plan` reads them."""
-    plan = _shared(plan_cache.spec(path)) if path in AGREEMENT_SPECS else _plan(path)
+    """specs/'s jobs as tests/test_plan_agreement.py plans and compiles them (tests/planned.py: once a session);
+    the rest of the files as `_plan` reads them."""
+    if path in AGREEMENT_SPECS:   # the programs the session compiled (lowered by class) against rank by rank
+        got = plan_cache.spec(path)
+        if got is None:
+            pytest.skip("nothing fits")
+        _assert_same_programs(lower(got.result.plan, costs=CostModel(got.result.plan)), got.built.program)
+        return
+    plan = _plan(path)
     if plan is None:
         pytest.skip("not a whole job, or nothing fits")
     _assert_same(*_both_ways(plan))
