@@ -41,11 +41,8 @@ from hetc.ir.program import Program, Recv, Send
 from hetc.runtime.nn import collectives
 from hetc.runtime.scalars import ScalarSink, TensorBoardSink, WandbSink
 from hetc.runtime.interpreter import StepResult
-from hetc.runtime.nn.moe import AuxLoss
 from hetc.ir.timeline import Event, Flow, MemorySample, RankInfo, Timeline, class_times, classify
 from hetc.ir.units import human_seconds
-
-_AUX_LABELS = {AuxLoss.LOAD_BALANCING: "load balancing", AuxLoss.Z: "z loss"}   # in the step line
 
 __all__ = ["Reporter", "StartupProgress", "peak_memory", "peak_memory_reserved", "step_scalars"]
 
@@ -188,7 +185,7 @@ class Reporter:
         # the global norm before clipping, where the step computes it (grad_clip), as Megatron-LM's log line
         norm = "" if last.grad_norm is None else f"  grad norm {last.grad_norm:.4g}"
         for kind, value in last.aux_losses.items():       # Megatron-LM's load_balancing_loss and z_loss
-            norm += f"  {_AUX_LABELS[kind]} {value:.4f}"
+            norm += f"  {kind.label} {value:.4f}"
         print(f"step {done}/{total}  loss {loss:.4f}{val}  lr {last.lr:.2e}{norm}  {tps:,.0f} tokens/s  "
               f"MFU {mfu:.1%}  {human_seconds(seconds)}/step{_skip_note(results)}", flush=True)
         self._unprinted, self._val_loss = [], None

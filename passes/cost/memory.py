@@ -563,10 +563,10 @@ def forwards_first(schedule: ScheduleKind, stage: int, num_stages: int, microbat
     return in_flight(schedule, stage, num_stages, microbatches, 1, limit) >= microbatches
 
 
-def gpipe_backward_peak(all_forwards_first: bool, offload_activations: bool, held: float, stash: float,
+def gpipe_backward_peak(offload_activations: bool, held: float, stash: float,
                         states: StateMemory) -> BackwardPeak | None:
-    """(activations, gradients) on the device at the peak of a rank that runs every forward first
-    (`forwards_first`); None for the others.
+    """(activations, gradients) on the device at the peak of a rank that runs every forward first (the
+    caller asks `forwards_first`).
 
     Note [GPipe backward peak]: GPipe runs every forward before the first
     backward (so do 1F1B and ZB-H1 on a rank whose microbatches all fit in
@@ -588,7 +588,7 @@ def gpipe_backward_peak(all_forwards_first: bool, offload_activations: bool, hel
     gradients (random job 65) was explained +13.5 % of its compiled peak
     counting its stash and gradients at once. With activations offloaded the
     device holds a few inputs, not the stash: None."""
-    if not all_forwards_first or offload_activations:
+    if offload_activations:
         return None
     return max(BackwardPeak(held, states.first_backward), BackwardPeak(max(held - stash, 0.0), states.grads),
                key=_by_total)

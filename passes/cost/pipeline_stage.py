@@ -149,6 +149,6 @@ def rank_memory_of(cm: CostModel, rank: int, limit: int, grouping: Grouping) -> 
                                 (2 + p.prefetch) * max(inputs, default=0.0), offloaded, tied[0] if tied else None,
                                 held.shard.reduced,
                                 zorse_gathers(held, p.prefetch))
-    first = forwards_first(p.schedule, stage.index, len(p.stages), len(lane.microbatches), limit)
-    gpipe = gpipe_backward_peak(first, offload_activations, acts[0], sum(per_microbatch), states)
+    gpipe = gpipe_backward_peak(offload_activations, acts[0], sum(per_microbatch), states) \
+        if forwards_first(p.schedule, stage.index, len(p.stages), len(lane.microbatches), limit) else None
     return rank_memory(rank, cm.gpu(rank), stage.index, states, acts, zorse or gpipe)

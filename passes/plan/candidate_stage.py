@@ -383,7 +383,7 @@ class StageCosts:
         `memory.gpipe_backward_peak`)."""
         schedule, offloaded = self.plan.schedule, bool(self.s.knobs.offload.activations)
         if forwards_first(schedule, self.s.index, self.plan.num_stages, count, self.in_flight_limit):
-            return gpipe_backward_peak(True, offloaded, self._activations(count)[0],
+            return gpipe_backward_peak(offloaded, self._activations(count)[0],
                                        sum(self._per_mb_activations), self._static(node_share))
         if schedule is not ScheduleKind.ZORSE:
             return None

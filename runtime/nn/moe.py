@@ -293,6 +293,11 @@ class AuxLoss(StrEnum):
     def coeff(self, moe: MoESpec) -> float:
         return moe.aux_loss_coeff if self is AuxLoss.LOAD_BALANCING else moe.z_loss_coeff
 
+    @property
+    def label(self) -> str:
+        """Its name in the step line (`load balancing 0.9871`)."""
+        return "load balancing" if self is AuxLoss.LOAD_BALANCING else "z loss"
+
 
 def reported_aux_losses(moe: MoESpec | None) -> tuple[AuxLoss, ...]:
     """The auxiliary losses the MoE layers of `moe` add, which each step reports: those with a coefficient."""
