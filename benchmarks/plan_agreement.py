@@ -49,7 +49,7 @@ def measure(seed: int, size: int, folder: Path) -> dict:
     except InternalError as err:   # the planner's own check refused its plan
         return {"outcome": "refused", "why": str(err).splitlines()[0]}
     planned = time.perf_counter() - start
-    built = build(result.plan, verified=result.program)
+    built = build(result.plan, lowered=result.lowered)
     agreement = compare(built)
     gap = bound_gap(built)
     return {"outcome": "agrees" if agreement.within(TOLERANCE) else "gap", "step_gap": agreement.step_gap,

@@ -18,7 +18,8 @@ from hetc.frontend.load import LoadedSpec, load_spec, with_plan_to_fill
 from hetc.ir.jsontypes import JsonObject
 from hetc.passes.cost import CostError, CostModel, Profiles
 from hetc.passes.cost.provenance import provenance
-from hetc.passes.build import build
+from hetc.passes.build import Lowered, build
+from hetc.passes.lower.by_class import lower_by_class
 from hetc.passes.export_torch import torch_pipelines
 from hetc.passes.plan.deadline import DEFAULT_TIME_LIMIT_S
 from hetc.passes.validate import Checked, check_spec
@@ -92,34 +93,34 @@ def compile_spec(spec_path: Path, dump_after: str | None = None,
     say = progress or (lambda _: None)
     loaded, checked = load_checked(spec_path, require_complete=True, plan_missing=True)
     explicit = checked.explicit()
-    plan, program = (explicit, None) if explicit is not None else _planned(loaded, profiles, time_limit_s)
+    plan, planned = (explicit, None) if explicit is not None else _planned(loaded, profiles, time_limit_s)
     say(f"{'checked' if explicit is not None else 'planned'}: {plan.pipeline.world_size:,} ranks, "
         f"{len(plan.pipeline.stages)} stages, {plan.pipeline.num_microbatches} microbatches")
     # the schedule is timed with the cost model that predicts and verifies it (Note [in-flight limit])
     costs = CostModel(plan, profiles)
-    reuse = program if dump_after is None else None   # the planner lowered it, from the same inputs
+    reuse = planned if dump_after is None else None   # the planner lowered it, from the same inputs
     try:
-        got = build(plan, costs=costs, program=reuse, evaluation=True, facts=plan_facts(plan),
+        got = build(plan, costs=costs, lowered=reuse, evaluation=True, facts=plan_facts(plan),
                     dump_after=dump_after, on_dump=on_dump, progress=progress)
     except CostError as err:
         raise SpecError(cost_error(plan, err)) from None
     except VerifyError as err:
         if err.check != "memory":
             raise
-        lowered = build(plan, costs=costs, program=reuse, verified=True, simulated=False).program
-        raise SpecError(_memory_overflows(lowered, plan, costs, err)) from None
+        program = reuse.program if reuse is not None else lower_by_class(plan, costs).program
+        raise SpecError(_memory_overflows(program, plan, costs, err)) from None
     assert got.timeline is not None   # simulated
     return Compiled(loaded, plan, got.program, costs, got.timeline, got.eval_timeline, got.evaluation)
 
 
 def _planned(loaded: LoadedSpec, profiles: Profiles | None,
-             time_limit_s: float | None) -> tuple[Plan, Program | None]:
-    """`auto` left: plan first (`hetc plan SPEC -o OUT.het` shows the plan); with the program the planner
-    checked its winner with (Note [the planner checks its winner]), if it did."""
+             time_limit_s: float | None) -> tuple[Plan, Lowered | None]:
+    """`auto` left: plan first (`hetc plan SPEC -o OUT.het` shows the plan); with its programs as the planner
+    lowered, ran and checked them (Note [the planner checks its winner]), where it did."""
     from hetc.passes.plan.planner import plan_checked
 
     result = plan_checked(loaded.spec, loaded.path.parent, profiles, time_limit_s)
-    return result.plan, result.program
+    return result.plan, result.lowered
 
 
 def _memory_overflows(program: Program, plan: Plan, costs: CostModel,
@@ -132,7 +133,7 @@ def _memory_overflows(program: Program, plan: Plan, costs: CostModel,
 
 def predict(program: Program, plan: Plan, profiles: Profiles | None = None) -> tuple[CostModel, Timeline]:
     """(the CostModel, the predicted Timeline) of verified-to-be `program`: `compile` and `viz --profile`."""
-    got = build(plan, profiles, program=program, facts=plan_facts(plan))
+    got = build(plan, profiles, lowered=Lowered(program), facts=plan_facts(plan))
     assert got.timeline is not None   # simulated
     return got.costs, got.timeline
 

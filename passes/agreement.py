@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hetc.passes.build import build as build_plan
+from hetc.passes.build import Lowered, build as build_plan
 from hetc.passes.cost import CostModel, Estimate, Profiles
 from hetc.passes.verify.memory import Peak, rank_peaks
 from hetc.ir.plan import Plan
@@ -38,13 +38,13 @@ class Built:
 
 
 def build(plan: Plan, profiles: Profiles | None = None, simulated: bool = True,
-          verified: Program | None = None) -> Built:
+          lowered: Lowered | None = None) -> Built:
     """Lower and verify `plan` (VerifyError if it is unsafe or does not fit), then simulate it
     (passes/build.py), with every rank's memory peak.
 
-    `verified`: the plan's program, lowered and verified already with these `profiles` (the planner's
-    check of its winner, `PlanResult.program`); it is simulated only."""
-    got = build_plan(plan, profiles, program=verified, verified=verified is not None, simulated=simulated)
+    `lowered`: the plan's programs, lowered already with these `profiles`, and run and verified as it says
+    (the planner's winner, `PlanResult.lowered`); what they have not had is done here."""
+    got = build_plan(plan, profiles, lowered=lowered, simulated=simulated)
     return Built(plan, got.program, got.costs, got.step_time_s,
                  tuple(rank_peaks(got.program, plan.pipeline, got.costs)), got.timeline)
 

@@ -198,10 +198,11 @@ def simulate(program: Program, plan: Plan, costs: CostModel,
              plan_facts: Iterable[tuple[str, str]] = (), ran: Machine | None = None) -> Timeline:
     """The predicted Timeline of one step (source "predicted"), with each rank's memory curve.
 
-    `ran`: `timed_machine(program, costs)` after `verify` ran it; by default the programs are run here."""
+    `ran`: `timed_machine(program, costs)`, which `verify` or the planner may have run already (Note [one run]);
+    by default the programs are run here."""
     if ran is None:
         ran = timed_machine(program, costs)
-        ran.run()
+    ran.run()   # a machine runs once: run already, it only says what its run met
     machine = _finished(ran)
     clock = cast(_Costs, machine.clock)
     flows = tuple(Flow(send.rank, send.index, recv.rank, recv.index, clock.message_bytes(send))

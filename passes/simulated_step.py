@@ -39,6 +39,7 @@ from dataclasses import dataclass, replace
 from hetc.passes.cost import CostModel
 from hetc.passes.cost.estimate import Estimate, RankMemory, with_simulated_step
 from hetc.passes.simulate import timed_machine
+from hetc.passes.verify.machine import Machine
 from hetc.passes.verify.memory import Peak, rank_peaks
 from hetc.ir.pipeline import Pipeline
 from hetc.ir.program import Program
@@ -58,10 +59,13 @@ AGREEMENT = 0.10
 
 @dataclass(frozen=True)
 class Simulated:
-    """The programs `hetc compile` builds from a plan, and their step, simulated."""
+    """The programs `hetc compile` builds from a plan, run once on the blocking machine timed by the plan's
+    cost model: their step, and the machine, which the verifier's protocol check and the simulator read
+    after (Note [one run] in passes/verify/protocol.py) wherever the plan is built next."""
 
     step_s: float
     program: Program
+    machine: Machine      # run, and finished
 
 
 def compiled_memory(closed: RankMemory, peak: Peak) -> RankMemory:
@@ -102,7 +106,7 @@ def simulated_step(costs: CostModel, program: Program | None = None) -> Simulate
     machine = timed_machine(program, costs)
     if machine.run() is not None or machine.unfinished():
         return None   # programs compile would refuse (and name why)
-    return Simulated(machine.end_time(), program)
+    return Simulated(machine.end_time(), program, machine)
 
 
 def simulated_estimate(costs: CostModel, estimate: Estimate, program: Program | None = None) -> Estimate:

@@ -104,4 +104,4 @@ def _planned(path: Path, limits: SearchLimits | None) -> Planned | None:
         # located in the spec: not a plan the planner wrote out and the validator refused (<generated>)
         assert err.diagnostics[0].span.file not in ("", NO_SPAN.file), f"not a located 'nothing fits': {message}"
         return None
-    return Planned(path, result, build(result.plan, verified=result.program))
+    return Planned(path, result, build(result.plan, lowered=result.lowered))

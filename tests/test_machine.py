@@ -78,3 +78,21 @@ def test_untimed_runs_are_the_verifiers():
     fixed = _program([Send(Tensor.ACT, 0, 0, 1, SHAPE), Recv(Tensor.GRAD, 1, 0, 1, SHAPE)],
                      [Recv(Tensor.ACT, 0, 0, 0, SHAPE), Send(Tensor.GRAD, 1, 0, 0, SHAPE)])
     assert check_protocol(fixed) == [] and _run(fixed).end_time() == 4.0   # two 2 s messages in a row
+
+
+def test_a_machine_runs_once_and_then_only_says_what_its_run_met():
+    """Note [one run]: the planner hands its run machine to the winner's check and to `hetc compile`; run again,
+    it must neither move past a mismatch it stopped at nor change the times it found."""
+    mismatched = _program([Send(Tensor.ACT, 0, 0, 1, SHAPE), Forward(0, 0)],
+                          [Recv(Tensor.ACT, 0, 0, 0, (1, 4, 9)), Forward(1, 0)])
+    machine = Machine(mismatched, _Clock(), record=True)
+    problem = machine.run()
+    assert problem is not None and "shape" in problem.message
+    pcs = [state.pc for state in machine.ranks]
+    assert machine.run() is problem and [state.pc for state in machine.ranks] == pcs
+    assert check_protocol(mismatched, machine) == [problem]
+    ran = _run(_program([Forward(0, 0), Send(Tensor.ACT, 0, 0, 1, SHAPE, 1), Wait(1)],
+                        [Recv(Tensor.ACT, 0, 0, 0, SHAPE, 1), Forward(1, 1), Wait(1), Forward(1, 0)]))
+    events = list(ran.ran)
+    assert ran.run() is None and ran.ran == events and ran.end_time() == 4.0
+    assert check_protocol(ran.program, ran) == []

@@ -160,6 +160,29 @@ def test_compile_plans_a_spec_with_auto_first(tmp_path):
     assert compiled.pipeline is not None and compiled.program.world_size == compiled.pipeline.world_size
 
 
+def test_compile_builds_on_the_programs_the_planner_ran_and_checked(tmp_path, monkeypatch):
+    """Note [one run]: the planner lowers and runs its winner's programs to print their step, checks them on that
+    run, and `hetc compile` takes them as they are: nobody lowers, runs or verifies them a second time."""
+    from hetc.passes import build as build_module
+
+    def never(*args, **kwargs):
+        raise AssertionError("lowered or run a second time")
+
+    verified = []
+
+    def counted_verify(program, *args, **kwargs):
+        verified.append(program)
+        build_module_verify(program, *args, **kwargs)
+
+    build_module_verify = build_module.verify
+    monkeypatch.setattr(build_module, "lower_by_class", never)
+    monkeypatch.setattr(build_module, "timed_machine", never)
+    monkeypatch.setattr(build_module, "verify", counted_verify)
+    compiled = compile_spec(_write(tmp_path, f'use "{DEMO / "job.het"}"\n\nparallel {{\n  schedule = auto\n}}\n'))
+    assert verified == [compiled.program]     # the planner's check, on the programs compile wrote
+    assert compiled.timeline.step_time > 0
+
+
 UNEVEN_NODES = f'''use "{SPECS / "catalog.het"}"
 model m {{
   layers = 2

@@ -22,6 +22,7 @@ from typing import Any
 from hetc.ir.errors import InternalError, SpecError
 from hetc.ir.gc_pause import paused_collector
 from hetc.passes.cost import CostModel, Estimate, Profiles
+from hetc.passes.build import Lowered, build
 from hetc.passes.plan.baselines import Baseline
 from hetc.passes.plan.candidate import Candidate
 from hetc.passes.plan.deadline import DEFAULT_TIME_LIMIT_S, SCREEN_SHARE, Deadline
@@ -35,10 +36,9 @@ from hetc.passes.plan.search import Found, Search, SearchLimits
 from hetc.passes.plan.space import space_from_spec
 from hetc.passes.plan.would_fit import would_fit
 from hetc.passes.resolve import plan_has_auto as needs_plan   # one rule for what is left to plan
-from hetc.passes.simulated_step import simulated_estimate
+from hetc.passes.simulated_step import Simulated, simulated_estimate
 from hetc.passes.validate import check_spec
 from hetc.ir.plan import Plan
-from hetc.ir.program import Program
 from hetc.ir.spec import Spec
 
 __all__ = ["FULL_ESTIMATE_RANKS", "PlanResult", "needs_plan", "plan_checked", "plan_spec"]
@@ -58,10 +58,10 @@ class PlanResult:
     chosen: str = "planner"            # or the name of the baseline that won
     seconds: float = 0.0
     structures: int = 0
-    # the winner as Note [the planner checks its winner] lowered and verified it (with the `profiles` the
-    # plan was made with), for whoever builds the plan next; None where it was not checked, or checked by
-    # lane position (no `keep_program`)
-    program: Program | None = None
+    # the winner's programs as the planner lowered, ran (Note [one number]) and checked them (Note [the planner
+    # checks its winner]) with the `profiles` the plan was made with, for whoever builds the plan next (passes/
+    # build.py); None where it did neither, or kept nothing (no `keep_program`)
+    lowered: Lowered | None = None
     # what the time limit left unsearched, where the search met it (Note [an anytime search])
     time_limit_note: str | None = None
     idle: tuple[IdleReason, ...] = ()  # why each node group the plan leaves idle is idle (passes/plan/idle.py)
@@ -104,7 +104,7 @@ def plan_spec(spec: Spec, profiles: Profiles | None = None, base_dir: Path | Non
               **space_overrides: Any) -> PlanResult:   # `space_from_spec`'s
     """The explicit plan for `spec` (returned as is, estimated, when it has no `auto`).
 
-    `keep_program`: check the winner on every rank's program and return it (`PlanResult.program`, which
+    `keep_program`: check the winner on every rank's program and return it (`PlanResult.lowered`, which
     `hetc compile` builds on); else the check may read one lane position (Note [the planner checks its
     winner]). `time_limit_s`: the search's time (None: no limit), after which it returns the best plan it
     found so far (Note [an anytime search])."""
@@ -138,14 +138,14 @@ def _plan_spec(spec: Spec, profiles: Profiles | None, base_dir: Path | None,
     if best is None or not goal.admits(best.score):
         raise no_plan_error(search, found, scored,
                             lambda: would_fit(job, profiles, search.space, goal, deadline))
-    final, program = _checked_choice(search, pool, scored, base_dir, keep_program)   # Note [one number]
+    final, lowered = _checked_choice(search, pool, scored, base_dir, keep_program)   # Note [one number]
     note = _time_limit_note(search, found)   # the limit may have cut the re-timing short
     winner, best = final.chosen, final.chosen.found
     estimate = winner.estimate()   # at the printed step, simulated on the programs checked if they were kept
     _cross_check(best.score, estimate)
     idle = idle_reasons(search, found, scored, best, written=search.space.fixed.idle is not None)
     return PlanResult(winner.explicit, winner.plan, goal, best.score, estimate, best.candidate, final.baselines,
-                      winner.name, time.perf_counter() - start, search.visited, program, note, idle)
+                      winner.name, time.perf_counter() - start, search.visited, lowered, note, idle)
 
 
 def _time_limit_note(search: Search, found: list[Found]) -> str | None:
@@ -199,9 +199,9 @@ class _Refused(InternalError):
 
 
 def _checked_choice(search: Search, pool: list[tuple[Found, str]], scored: list[Baseline], base_dir: Path | None,
-                    keep_program: bool) -> tuple[FinalChoice, Program | None]:
+                    keep_program: bool) -> tuple[FinalChoice, Lowered | None]:
     """The choice on the printed step (Note [one number]) whose programs pass the winner's check, and those
-    programs where the check kept them. Where the winner is refused the planner says so and chooses again
+    programs where they are kept. Where the winner is refused the planner says so and chooses again
     without it (Note [the planner checks its winner]); the first refusal is raised once no contender that
     fits is left."""
     refused: list[tuple[Found, str]] = []
@@ -216,7 +216,7 @@ def _checked_choice(search: Search, pool: list[tuple[Found, str]], scored: list[
         if search.aside == (winner.found.candidate, True):   # Note [the check beside the refinement]
             return final, None
         try:
-            return final, _check_winner(winner.plan, search.profiles, winner.name, keep_program, winner.program)
+            return final, _check_winner(winner.plan, search.profiles, winner.name, keep_program, winner.simulated)
         except _Refused as err:
             log.warning("%s\nhetc plan chooses again without that plan", err)
             first = first or err
@@ -224,26 +224,27 @@ def _checked_choice(search: Search, pool: list[tuple[Found, str]], scored: list[
 
 
 def _check_winner(plan: Plan, profiles: Profiles | None, chosen: str, keep_program: bool,
-                  lowered: Program | None = None) -> Program | None:
-    """Note [the planner checks its winner]; `lowered`: its programs, lowered already (Note [one number])."""
-    from hetc.passes.build import build
+                  simulated: Simulated | None = None) -> Lowered | None:
+    """Note [the planner checks its winner]; `simulated`: its programs as the planner ran them to print their step
+    (Note [one number]), checked on that run. The programs, checked or not, where they are kept (`keep_program`)."""
     from hetc.passes.verify import VerifyError
     from hetc.passes.verify.positions import passes_by_position
 
+    ran = None if simulated is None else Lowered(simulated.program, simulated.machine)
     if plan.pipeline.num_microbatches * len(plan.pipeline.ministages) > CHECK_OPS:
-        return None
+        return ran if keep_program else None     # `hetc compile` verifies them
     costs = CostModel(plan, profiles)
     if not keep_program and passes_by_position(plan, costs):
         return None
     try:   # what `hetc compile` runs, without the timeline and the per-rank report it writes beside
-        program = build(plan, costs=costs, program=lowered, simulated=False).program
+        program = build(plan, costs=costs, lowered=ran, simulated=False).program
     except VerifyError as err:
         what = "does not fit in device memory" if err.check == "memory" else f"fails the {err.check} check"
         raise _Refused(f"the plan hetc plan chose ({chosen}) {what} once compiled, though its cost model "
                        f"said it fits; this is a bug in hetc's cost model or lowering:\n" +
                        "\n".join(f"  {f}" for f in err.findings[:4])
                        ) from None
-    return program
+    return Lowered(program, None if ran is None else ran.ran, verified=True) if keep_program else None
 
 
 # Note [the check beside the refinement]: on large clusters the search's last step (CP-SAT and local search

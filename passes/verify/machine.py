@@ -466,14 +466,13 @@ class Machine:
     def run(self) -> Finding | None:
         """Advance ranks until none can move (Note [event-driven]); the first protocol error, if any.
 
-        The outcome is also kept as `problem`, so whoever reads a machine that already ran sees it."""
-        while self.runnable:
+        The outcome is also kept as `problem`. A machine runs once: run again, it moves nothing and says what
+        its run met, so whoever ran it can hand it on to whoever checks it (Note [one run] in protocol.py)."""
+        while self.problem is None and self.runnable:
             r = self.runnable.popleft()
             self.queued.discard(r)
             self.problem = self.advance(r)
-            if self.problem:
-                return self.problem
-        return None
+        return self.problem
 
     def unfinished(self) -> list[int]:
         return [r for r, state in enumerate(self.ranks) if not state.finished(len(self.program.ranks[r].instrs))]

@@ -9,7 +9,11 @@ timed by the cost model (the simulator's) therefore proves the same thing
 as an untimed one: `hetc compile` runs the programs once, the protocol
 check reads the outcome and the simulator the times (passes/simulate.py
 `timed_machine`), where running the machine twice was a fifth of compiling
-a 64-rank, 512-microbatch plan.
+a 64-rank, 512-microbatch plan. The planner runs its winner's programs so to
+print their step (`Simulated`, passes/simulated_step.py) and hands that
+machine on to its check of the winner and to `hetc compile` (passes/build.py
+`ran` of `Lowered`); run again, a machine only says what its run met. Each
+plan the agreement family plans and compiles ran three times before.
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ def check_protocol(program: Program, machine: Machine | None = None,
                    backend: Backend = Backend.GLOO) -> list[Finding]:
     """Every finding of running all ranks together (empty: deadlock-free and matched).
 
-    `machine`: a machine of `program` not yet run, with the clock of whoever reads it after (Note [one run]);
-    by default an untimed one. `backend`: whose blocking rule (Note [NCCL order] in machine.py)."""
+    `machine`: a machine of `program`, with the clock of whoever reads it after, run already or not (Note
+    [one run]); by default an untimed one. `backend`: whose blocking rule (Note [NCCL order] in machine.py)."""
     machine = Machine(program, backend=backend) if machine is None else machine
     assert machine.backend is backend   # a machine given is of the backend asked for
     problem = machine.run()
