@@ -160,10 +160,16 @@ def test_compile_plans_a_spec_with_auto_first(tmp_path):
     assert compiled.pipeline is not None and compiled.program.world_size == compiled.pipeline.world_size
 
 
-def test_compile_builds_on_the_programs_the_planner_ran_and_checked(tmp_path, monkeypatch):
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "too_many_ops_to_check"])
+def test_compile_builds_on_the_programs_the_planner_ran_and_checked(checked, tmp_path, monkeypatch):
     """Note [one run]: the planner lowers and runs its winner's programs to print their step, checks them on that
-    run, and `hetc compile` takes them as they are: nobody lowers, runs or verifies them a second time."""
+    run, and `hetc compile` takes them as they are: nobody lowers, runs or verifies them a second time. Where
+    they have more ops than the planner checks (CHECK_OPS), compile verifies them, on the planner's run."""
     from hetc.passes import build as build_module
+    from hetc.passes.plan import planner
+
+    if not checked:
+        monkeypatch.setattr(planner, "CHECK_OPS", 0)
 
     def never(*args, **kwargs):
         raise AssertionError("lowered or run a second time")
@@ -179,7 +185,7 @@ def test_compile_builds_on_the_programs_the_planner_ran_and_checked(tmp_path, mo
     monkeypatch.setattr(build_module, "timed_machine", never)
     monkeypatch.setattr(build_module, "verify", counted_verify)
     compiled = compile_spec(_write(tmp_path, f'use "{DEMO / "job.het"}"\n\nparallel {{\n  schedule = auto\n}}\n'))
-    assert verified == [compiled.program]     # the planner's check, on the programs compile wrote
+    assert verified == [compiled.program]     # the planner's check, or compile's, on the programs compile wrote
     assert compiled.timeline.step_time > 0
 
 
