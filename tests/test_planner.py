@@ -174,13 +174,12 @@ def test_compile_builds_on_the_programs_the_planner_ran_and_checked(checked, tmp
     def never(*args, **kwargs):
         raise AssertionError("lowered or run a second time")
 
-    verified = []
+    verified, verify = [], build_module.verify
 
     def counted_verify(program, *args, **kwargs):
         verified.append(program)
-        build_module_verify(program, *args, **kwargs)
+        verify(program, *args, **kwargs)
 
-    build_module_verify = build_module.verify
     monkeypatch.setattr(build_module, "lower_by_class", never)
     monkeypatch.setattr(build_module, "timed_machine", never)
     monkeypatch.setattr(build_module, "verify", counted_verify)

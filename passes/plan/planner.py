@@ -244,7 +244,7 @@ def _check_winner(plan: Plan, profiles: Profiles | None, chosen: str, keep_progr
                        f"said it fits; this is a bug in hetc's cost model or lowering:\n" +
                        "\n".join(f"  {f}" for f in err.findings[:4])
                        ) from None
-    return Lowered(program, None if ran is None else ran.ran, verified=True) if keep_program else None
+    return Lowered(program, ran.ran if ran else None, verified=True) if keep_program else None
 
 
 # Note [the check beside the refinement]: on large clusters the search's last step (CP-SAT and local search
