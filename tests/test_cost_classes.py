@@ -10,8 +10,8 @@ from hetc.passes.cost import schedule
 from hetc.passes.cost.classes import flush_tail, throughput
 from hetc.passes.cost.plan_time import ministage_borders, peer_lanes, stage_borders
 from hetc.passes.cost.schedule import (ChunkSweep, Grouping, LaneTiming, Unit, UnitLane, chunk_loop_wait,
-                                      in_flight_limits, interleaved_grouping, lockstep_fill, pipeline_time,
-                                      sequential_time, in_steady_order, zero_cycle)
+                                      chain_held, in_flight_limits, interleaved_grouping, lockstep_fill,
+                                      pipeline_time, sequential_time, in_steady_order, zero_cycle)
 from hetc.passes.cost.memory import StateBytes
 from hetc.passes.cost.zero_time import ZeroRings, across_nodes, flush_time, sync_time
 from hetc.ir.spec import ScheduleKind, ZeroShard, ZeroSpec
@@ -156,7 +156,31 @@ def test_zb_lanes_keep_their_steady_order_where_each_border_trades_in_a_fixed_ro
     assert not in_steady_order(ScheduleKind.ZB, [[2] * 8, [171, 171, 170]])
     assert not in_steady_order(ScheduleKind.ONE_F_ONE_B, [[4], [4]])
     assert in_steady_order(ScheduleKind.INTERLEAVED, [[4], [4]])
+    # lanes lined up stage to stage (random job 19: two a stage) are side-by-side pipelines
+    assert in_steady_order(ScheduleKind.INTERLEAVED, [[4, 4], [4, 4]])
     assert not in_steady_order(ScheduleKind.INTERLEAVED, [[4], [2, 2]])
+    assert not in_steady_order(ScheduleKind.INTERLEAVED, [[4, 4, 4, 4], [1, 1, 7, 7]])
+
+
+def test_a_lane_holds_no_more_than_the_lanes_before_it_let_it():
+    """Note [in-flight limit] (`chain_held`): random job 22's shape, stages of 1, 1, 2, 3 and 3 lanes over 8
+    microbatches. The fourth stage's first lane takes microbatches 0, 3 and 6; 0 and 6 are the first and fourth
+    of the third stage's first lane, which holds 3, so it never holds all three at once, nor does the second
+    (1, 4, 7); the third serves 2. The last stage is lined up with it and capped by its limit."""
+    counts = ((8,), (8,), (4, 4), (3, 3, 2), (3, 3, 2))
+    assert chain_held(counts, (8, 8, 3, 3, 1)) == (8, 8, 3, 2, 1)
+    assert chain_held(counts, (8, 8, 3, 3, 3)) == (8, 8, 3, 2, 2)
+    # lanes that line up (or one lane a stage) hold what their own limits allow, the chain capping nothing
+    assert chain_held(((4, 4), (4, 4), (4, 4)), (3, 2, 1)) == (3, 2, 1)
+    # one lane feeding two in turn: each holds about half of it
+    assert chain_held(((16,), (8, 8)), (5, 5)) == (5, 3)
+    # the limits lowering holds lanes to and memory counts: the stage rules' (3 on the third stage), then the chain
+    lanes = [LaneTiming(0, 0, 8, 0.1, 0.1, 0.1), *(LaneTiming(1, k, 4, 0.1, 0.1, 0.1) for k in range(2)),
+             *(LaneTiming(s, k, 3 if k < 2 else 2, 0.2, 0.2, 0.1) for s in (2, 3) for k in range(3))]
+    widths = {0: 1, 1: 2, 2: 3, 3: 3}
+    assert in_flight_limits(ScheduleKind.ZB, lanes, 4, lane_counts=widths) == {0: 8, 1: 3, 2: 3, 3: 1}
+    assert in_flight_limits(ScheduleKind.ZB, lanes, 4, lane_counts=widths, counts=counts[1:]) == \
+        {0: 8, 1: 3, 2: 2, 3: 1}
 
 
 def test_a_zb_stage_wider_than_the_one_before_it_keeps_no_margin_of_its_own():

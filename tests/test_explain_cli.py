@@ -7,6 +7,7 @@ import json
 import pytest
 
 from hetc.cli import main
+from hetc.passes.cost import schedule
 from tests.conftest import DEMO, ROOT
 from tests.costspecs import plan_text, write_spec
 from tests.random_jobs import _node
@@ -256,10 +257,15 @@ parallel {
 def test_explain_prints_the_memory_compile_checks_and_its_verdict(capsys, tmp_path, monkeypatch):
     """Note [one step time]: explain's memory per rank is the compiled programs' peak, as compile's memory check
     walks them, with the closed form beside it; where the closed form counts a stash no lane holds, explain
-    still says what compile says (it fits) instead of refusing the plan."""
+    still says what compile says (it fits) instead of refusing the plan. Stage s3's lanes are fed by two
+    lanes in turn, so they hold fewer microbatches than their limit (`schedule.chain_held`, Note [in-flight
+    limit]); the closed form counted the limit before it counted the chain, and counts it here again."""
     spec = tmp_path / "fed.het"
     nodes = "\n".join(_node("g0", "L40S_small", 1, 8, "east") + _node("g1", "H100", 1, 2, "west"))
     spec.write_text(FED_BY_LOCKSTEP.replace("CATALOG", str(ROOT / "specs" / "catalog.het")).replace("NODES", nodes))
+    chained = _json(capsys, str(spec))["memory"][2]
+    assert chained["estimate_total"] == pytest.approx(chained["total"], rel=0.10)
+    monkeypatch.setattr(schedule, "chain_held", lambda counts, limits: limits)
     assert main(["compile", str(spec), "-o", str(tmp_path / "out")]) == 0
     capsys.readouterr()
     peaks = _compiled_peaks(spec)

@@ -175,7 +175,8 @@ def evaluate_classes(shape: PlanShape, stages: Sequence[StageSource], end: float
     lanes = lane_timings(shape.engine, shape.schedule, stages)
     coupled = coupled_stages(shape.schedule, stages)
     widths = {s.index: s.num_lanes for s in stages}
-    limits = in_flight_limits(shape.schedule, lanes, len(stages), coupled, widths)
+    counts = [[s.count(lane) for lane in range(s.num_lanes)] for s in stages]
+    limits = in_flight_limits(shape.schedule, lanes, len(stages), coupled, widths, counts)
     grouping, entries = _grouping(shape, stages, lanes, limits)
     step = StepShape(shape.schedule, len(stages), shape.chunks, shape.num_microbatches, shape.grad_clip,
                      coupled, widths, limits, grouping)

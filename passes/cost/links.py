@@ -43,17 +43,23 @@ estimate, the simulator and the planner:
   were jobs 22 and 65 (the same memory), the idle L4s, and random job 19
   (interleaved 1F1B, two lanes of a node per stage: explain +11.9 % of its
   compiled step, its border transfers 21.7 ms each at half the link, which
-  the compiled chunks overlap better than the closed form counts). So
-  sharing is not built. The memory cause, traced the same day on job 22
-  (stages of 1, 1, 2, 3 and 3 lanes under ZB-H1): the third stage's
-  lanes may hold 3 microbatches (Little's 2 plus ZB-H1's margin, Note
-  [in-flight limit]) and the estimate counts 3 stashes, but each holds 2.
-  A lane's third microbatch is the fourth forward of the upstream lane
-  that fed its first, and that forward waits at the upstream lane's own
-  limit of 3 for the gradient this lane returns: limits along a chain
-  cap what a later lane is sent, which no single stage's Little's law
-  sees. Counting it needs the arrivals the schedule's simulation
-  (passes/lower/lane_sim.py) computes, not another closed-form rule.
+  the compiled chunks overlap better than the closed form counts). Both
+  causes are closed since 2026-12-07: job 22's lanes held fewer than
+  their limit because the limits of the lanes that fed them cap what they
+  are sent (`schedule.chain_held`, Note [in-flight limit]), and job 19's
+  lanes line up stage to stage, so their transfers overlap as one lane's
+  do (`schedule.in_steady_order`, Note [async sends]). With them, all 158
+  agreement tests hold with sharing counted, but four other tests fail.
+  The worst: on Llama-3-70B over 8 H100 + 8 A100-40 + 96 L4 (tests/
+  test_plan_idle.py) `hetc plan` finds nothing that fits, and the plan it
+  printed before (ZB-H1, twelve L4 stages of 8 lanes, one node each, then
+  four A100 stages) explains 74.3 s and compiles to 90.0 s with sharing
+  counted (73.9 s and 73.8 s without): eight lanes' borders sharing a
+  node's link cost the compiled schedule far more than the closed form's
+  overlapped transfers (Note [async sends]) count. Also random job 27's
+  new interleaved plan runs 1.13 × its lower bound, and an exhaustive
+  search of a small cluster beats the planner by 1.6 %. So sharing is not
+  built.
 
 A node group's `nics` (1 unless declared) bound one stream: it leaves
 through one NIC and arrives through one, so k streams between two nodes
