@@ -52,14 +52,19 @@ estimate, the simulator and the planner:
   agreement tests hold with sharing counted, but four other tests fail.
   The worst: on Llama-3-70B over 8 H100 + 8 A100-40 + 96 L4 (tests/
   test_plan_idle.py) `hetc plan` finds nothing that fits, and the plan it
-  printed before (ZB-H1, twelve L4 stages of 8 lanes, one node each, then
-  four A100 stages) explains 74.3 s and compiles to 90.0 s with sharing
-  counted (73.9 s and 73.8 s without): eight lanes' borders sharing a
-  node's link cost the compiled schedule far more than the closed form's
-  overlapped transfers (Note [async sends]) count. Also random job 27's
-  new interleaved plan runs 1.13 × its lower bound, and an exhaustive
-  search of a small cluster beats the planner by 1.6 %. So sharing is not
-  built.
+  printed before (ZB-H1, twelve L4 stages of 8 lanes, a node each, then
+  four A100 stages of 2 lanes on one node) explains 74.3 s and compiles
+  to 90.0 s with sharing counted (73.9 s and 73.8 s without). Traced
+  2026-12-07: the last L4 stage's activations cross the regions' link
+  eight at once (0.288 s each), and its first microbatch's gradient comes
+  back 4.5 s after it left, through the four A100 stages; every L4 lane
+  then idles 20-60 s of the step (the busiest, 55 s of compute, ends at
+  87 s), where the closed form's in-flight limits and overlapped
+  transfers (Note [async sends]) count a shorter round trip. Also random
+  job 27's new interleaved plan runs 1.13 × its lower bound
+  (tests/test_plan_lockstep.py), an exhaustive search of a small cluster
+  beats the planner by 1.6 % (tests/test_planner_optimality.py), and a
+  step tests/test_profiles_cli.py pins moves. So sharing is not built.
 
 A node group's `nics` (1 unless declared) bound one stream: it leaves
 through one NIC and arrives through one, so k streams between two nodes
