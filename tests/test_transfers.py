@@ -17,7 +17,7 @@ from hetc.passes.cost import Borders, CostModel, Engine
 from hetc.passes.cost.transfers import transfer_waits
 from hetc.ir.program import Collective, ReduceScatter
 from hetc.ir.spec import ScheduleKind
-from tests.costspecs import cluster, plan_text, write_spec
+from tests.costspecs import cluster, cost_model, plan_text, write_spec
 
 # (F, I, W) of one microbatch; a lane receiving an activation of 0.8 s and a gradient of 0.5 s
 COMPUTE = (1.0, 0.6, 0.6)
@@ -110,3 +110,24 @@ def test_a_zero_collective_shares_the_node_link_with_its_lane_mates(tmp_path):
     assert shared > alone
     assert events[0].end - events[0].start == pytest.approx(shared)
     assert abs(compare(built).step_gap) <= 0.10
+
+
+# PIPELINE with stage a a lane of two tp ranks
+MIXED_TP = PIPELINE.replace("ranks = n[0, 0]\n    lanes = 1", "ranks = n[0, 0:2]\n    lanes = 1\n    tp = 2") \
+    .replace("idle = [n[0, 1:4]", "idle = [n[0, 2:4]")
+
+
+def test_a_lane_times_the_borders_it_receives_at_the_senders_streams(tmp_path):
+    """Note [node links]: a message leaves through its sender's node, shared by the sender's lane's ranks there
+    (`CostModel.message_time`, what the simulator charges every message). The closed form times each border a
+    lane receives the same way: stage b's one GPU receives from stage a's two tp ranks, which send at once."""
+    from hetc.passes.cost.plan_time import border_time
+
+    cm = cost_model(tmp_path, plan_text(MIXED_TP, clusters=cluster(inter="1 GB/s")))
+    a, b = cm.pipeline.stages
+    sender, receiver = a.lanes[0].ranks[0], b.lanes[0].ranks[0]
+    assert (cm.node_streams(sender), cm.node_streams(receiver)) == (2, 1)
+    ms = b.ministages[0]
+    share = cm.boundary_bytes(ms - 1)
+    assert border_time(cm, b, b.lanes[0], a, ms - 1) == cm.message_time(sender, receiver, share)
+    assert cm.message_time(sender, receiver, share) > cm.p2p_time(receiver, sender, share, 1)

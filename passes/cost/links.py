@@ -15,7 +15,8 @@ estimate, the simulator and the planner:
 - a pipeline border counts its own lane's ranks on the node
   (`CostModel.node_streams`): each sends its 1/tp slice at once (Note
   [scatter-gather borders] in hetc/ir/layout.py), in the estimate, the
-  planner and each message of the compiled programs (`message_time`). The
+  planner and each message of the compiled programs (`message_time`:
+  at the streams of the message's sender). The
   other lanes of the stage are not counted. Counting every lane's ranks on
   the node (the stage's ranks there, in `node_streams` and the planner's
   `ResolvedStage.concurrent` alike) was tried twice. When hetc's programs
@@ -49,22 +50,27 @@ estimate, the simulator and the planner:
   are sent (`schedule.chain_held`, Note [in-flight limit]), and job 19's
   lanes line up stage to stage, so their transfers overlap as one lane's
   do (`schedule.in_steady_order`, Note [async sends]). With them, all 158
-  agreement tests hold with sharing counted, but four other tests fail.
-  The worst: on Llama-3-70B over 8 H100 + 8 A100-40 + 96 L4 (tests/
-  test_plan_idle.py) `hetc plan` finds nothing that fits, and the plan it
-  printed before (ZB-H1, twelve L4 stages of 8 lanes, a node each, then
-  four A100 stages of 2 lanes on one node) explains 74.3 s and compiles
-  to 90.0 s with sharing counted (73.9 s and 73.8 s without). Traced
-  2026-12-07: the last L4 stage's activations cross the regions' link
-  eight at once (0.288 s each), and its first microbatch's gradient comes
-  back 4.5 s after it left, through the four A100 stages; every L4 lane
-  then idles 20-60 s of the step (the busiest, 55 s of compute, ends at
-  87 s), where the closed form's in-flight limits and overlapped
-  transfers (Note [async sends]) count a shorter round trip. Also random
-  job 27's new interleaved plan runs 1.13 × its lower bound
+  agreement tests hold with sharing counted, but other tests fail. One:
+  on Llama-3-70B over 8 H100 + 8 A100-40 + 96 L4 (tests/
+  test_plan_idle.py) `hetc plan` found nothing that fits: its plan before
+  (ZB-H1, twelve L4 stages of 8 lanes, a node each, then four A100 stages
+  of 2 lanes on one node) explained 74.3 s and compiled to 90.0 s with
+  sharing counted. Traced 2026-12-07: the closed form timed the borders a
+  lane receives at its own lane's streams, the simulator each message at
+  its sender's; the A100 lanes' activations, sent by eight L4 lanes of a
+  node at once, took 0.288 s in the compiled programs and 0.086 s in the
+  closed form. Both now time a message at its sender's streams
+  (`plan_time.border_time`, the planner's `StageCosts.border`), which
+  matters without sharing too wherever the two sides' lanes differ in tp;
+  with it that plan explains 89.6 s of its 90.0 s and the planner finds
+  plans again. What still fails with sharing counted: random job 27's
+  interleaved plan (four lanes of 4 microbatches feeding lanes of 1, 1, 7
+  and 7, not lined up) runs 1.13 × its lower bound
   (tests/test_plan_lockstep.py), an exhaustive search of a small cluster
-  beats the planner by 1.6 % (tests/test_planner_optimality.py), and a
-  step tests/test_profiles_cli.py pins moves. So sharing is not built.
+  beats the planner by 1.6 % (tests/test_planner_optimality.py seed 6: a
+  Zorse plan of one lane and four), a step tests/test_profiles_cli.py
+  pins moves, and the plans far from the bound change (docs/costmodel.md).
+  So sharing is not built.
 
 A node group's `nics` (1 unless declared) bound one stream: it leaves
 through one NIC and arrives through one, so k streams between two nodes

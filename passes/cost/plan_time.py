@@ -78,7 +78,8 @@ def _peer_lane(cm: CostModel, stage: Stage, lane: Lane) -> Lane:
 
 
 def border_time(cm: CostModel, stage: Stage, lane: Lane, other: Stage, ms: int) -> float:
-    """One transfer (each rank its share of the activation) between `lane` and its peer in `other`.
+    """One transfer (each rank its share of the activation) that `lane` receives from its peer in `other`,
+    timed as the simulator times the message: at the sender's streams on its node (`CostModel.message_time`).
 
     The share is 1/(tp·cp), sent by the lane's ranks at once: with sequence
     parallelism each holds that share; without it each sends its tp part and
@@ -88,9 +89,8 @@ def border_time(cm: CostModel, stage: Stage, lane: Lane, other: Stage, ms: int) 
     measured runs).
     """
     peer = _peer_lane(cm, other, lane)
-    src, dst = lane.ranks[0], peer.ranks[0]
     share = cm.boundary_bytes(ms) / (stage.tp * stage.cp)
-    return cm.message_time(src, dst, share)
+    return cm.message_time(peer.ranks[0], lane.ranks[0], share)   # the sender's streams share its node's link
 
 
 def ministage_borders(ms: int, stage: int, stage_of: Callable[[int], int], count: int

@@ -192,10 +192,12 @@ class StageCosts:
 
     def border(self, lane: int, other: int, ms: int) -> float:
         """`plan_time.border_time` for the candidate: the lane's tp shares sent at once (Note [scatter-gather
-        borders] in hetc/ir/layout.py; the gather of the parts is the consumer's, `compute`)."""
+        borders] in hetc/ir/layout.py; the gather of the parts is the consumer's, `compute`), at the streams
+        of the sending lane on its node (the lane's own where the stand-in plan does not know them)."""
         peer = self.plan.peer_gpu(self.s.index, lane, other)
         share = self.boundary_bytes(ms) / self.s.tp
-        return self.p.p2p(self.s.lanes[lane][0], peer, share, self.s.concurrent(lane))
+        streams = self.plan.peer_streams(self.s.index, lane, other) or self.s.concurrent(lane)
+        return self.p.p2p(peer, self.s.lanes[lane][0], share, streams)
 
     def border_gather(self, lane: int) -> float:
         """`CostModel.border_gather_time` for the lane: its tp group's all-gather of a boundary tensor received

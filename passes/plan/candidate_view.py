@@ -181,6 +181,11 @@ class PlanView:
         """For every lane of stage a, the lane of stage b serving most of its microbatches."""
         return _peers(self.stages[a].counts, self.stages[b].counts)
 
+    def peer_streams(self, stage: int, lane: int, other: int) -> int | None:
+        """The streams a border from stage `other` to this lane is sent at: its peer lane's GPUs on the
+        peer's node (`CostModel.node_streams`, Note [node links])."""
+        return self.stages[other].concurrent(self.peer_lanes(stage, other)[lane])
+
 
 @dataclass(frozen=True)
 class StageContext:
@@ -199,6 +204,10 @@ class StageContext:
 
     def peer_gpu(self, stage: int, lane: int, other: int) -> Gpu:
         return self.neighbours[other]
+
+    def peer_streams(self, stage: int, lane: int, other: int) -> int | None:
+        """Not known around one stage: the caller counts its own lane's."""
+        return None
 
     @property
     def gpus(self) -> tuple[Gpu, ...]:
