@@ -25,7 +25,10 @@ So do lanes that line up stage to stage (every stage the same lanes
 serving as many microbatches each: each lane's microbatches go round the
 same lanes, independent pipelines side by side; random job 19, two lanes
 of a node a stage whose borders share its link, was explained +11.9 %
-of its compiled step counted whole, +1.6 % so). Where a lane's inputs
+of its compiled step counted whole, +1.6 % so; the published interleaved
+runs, whose data-parallel lanes line up, came out 2-3 points faster:
+Nemotron-4 340B −9.5 % to −12.2 % of its measured step, docs/benchmarks.md
+"Published runs"). Where a lane's inputs
 come from lanes that serve other microbatches between them, the count
 stays whole (random jobs 27 and 81 and zorse/c_auto.het fell to −11.8 %,
 −10.7 % and −14.8 % counted overlapped). And ZB-H1 runs each microbatch's F, I, W
