@@ -69,8 +69,9 @@ estimate, the simulator and the planner:
   (tests/test_plan_lockstep.py), an exhaustive search of a small cluster
   beats the planner by 1.6 % (tests/test_planner_optimality.py seed 6: a
   Zorse plan of one lane and four, its second stage under ZeRO-3, 0.0989
-  s; the planner configures that layout with ZeRO-1, 0.1186 s, and does
-  not refine it to ZeRO-3), a step tests/test_profiles_cli.py
+  s; the planner configures that layout with ZeRO-1, 0.1186 s, and
+  refines only the best Zorse plan of two stages with lanes, one lane and
+  two at 0.1026 s: `search._to_refine`), a step tests/test_profiles_cli.py
   pins moves, and the plans far from the bound change (docs/costmodel.md).
   So sharing is not built.
 
