@@ -131,3 +131,32 @@ def test_a_lane_times_the_borders_it_receives_at_the_senders_streams(tmp_path):
     share = cm.boundary_bytes(ms - 1)
     assert border_time(cm, b, b.lanes[0], a, ms - 1) == cm.message_time(sender, receiver, share)
     assert cm.message_time(sender, receiver, share) > cm.p2p_time(receiver, sender, share, 1)
+
+
+TWO_LANES_A_NODE = """
+  schedule = 1f1b
+  stage a {
+    layers = embed..block3
+    ranks = n[0, 0:2]
+    lanes = 2
+  }
+  stage b {
+    layers = block4..head
+    ranks = n[1, 0:2]
+    lanes = 2
+  }
+  idle = [n[0, 2:4], n[1, 2:4]]
+"""
+
+
+def test_a_border_shares_the_node_link_with_every_lane_of_its_stage(tmp_path):
+    """Note [node links]: the two lanes of a stage run the same phase at once, each sending its activation to
+    the next node over the pair's one link, so each message moves at half its rate, in the estimate and in
+    every message of the simulated programs alike."""
+    _, checked = load_checked(write_spec(tmp_path, plan_text(TWO_LANES_A_NODE, clusters=cluster(inter="1 GB/s"))))
+    built = build(checked.explicit())
+    cm = built.costs
+    assert [cm.node_streams(r) for r in range(4)] == [2, 2, 2, 2]
+    nbytes = cm.hidden_bytes
+    assert cm.message_time(0, 2, nbytes) == cm.p2p_time(0, 2, nbytes, 2) > cm.p2p_time(0, 2, nbytes, 1)
+    assert abs(compare(built).step_gap) <= 0.10

@@ -12,68 +12,40 @@ estimate, the simulator and the planner:
   send their pieces over the link at once, `hierarchical_time`). Eight tp
   ranks of a node, each in its own data-parallel group, share the node's
   link eight ways;
-- a pipeline border counts its own lane's ranks on the node
-  (`CostModel.node_streams`): each sends its 1/tp slice at once (Note
-  [scatter-gather borders] in hetc/ir/layout.py), in the estimate, the
-  planner and each message of the compiled programs (`message_time`:
-  at the streams of the message's sender). The
-  other lanes of the stage are not counted. Counting every lane's ranks on
-  the node (the stage's ranks there, in `node_streams` and the planner's
-  `ResolvedStage.concurrent` alike) was tried twice. When hetc's programs
-  still sent every tp rank the whole activation, tp pipelines whose borders
-  cross nodes became transfer-bound and the closed form's overlap of border
-  transfers (Note [async sends] in transfers.py) read them 14-35 % short of
-  the compiled programs. With 1/tp parts (2026-12-05) and GPipe's first
-  backward counted as compiled (Note [GPipe backward peak] in memory.py),
-  154 of the 158 agreement tests (tests/test_plan_agreement.py) still held;
-  the planner's new choices failed the rest: deep job 13 explained −11.5 %
-  of its compiled step (the same overlap: its 8 stages of 2 tp-4 lanes, a
-  node each, send 8 slices at once, 178 us each; rechecked 2026-12-05, its
-  last stage, 592 us of ops a microbatch, ran a 668 us cycle: its next
-  activation waited behind the gradient it sent on the pair's NCCL line,
-  where the closed form overlaps both with its backward); random
-  jobs 22 and 65 +18.5 % and +11.8 % of their compiled memory (explain
-  now prints the compiled peaks, Note [one step time], but the planner
-  searches with the closed form; slower borders raise a ZB lane's
-  in-flight limit to all three of its microbatches, which the estimate
-  holds, while the compiled order holds two); and the three-kind
-  Llama-3-8B job on 2 + 2 + 4 GPUs left its L4s idle. deep13's cause, the
-  pair's one NCCL line, is gone since each direction has a communicator of
-  its own (Note [one communicator per direction] in runtime/comm.py).
-  Rerun 2026-12-06 after that: 154 of 158 again, deep13 passing; failing
-  were jobs 22 and 65 (the same memory), the idle L4s, and random job 19
-  (interleaved 1F1B, two lanes of a node per stage: explain +11.9 % of its
-  compiled step, its border transfers 21.7 ms each at half the link, which
-  the compiled chunks overlap better than the closed form counts). Both
-  causes are closed since 2026-12-07: job 22's lanes held fewer than
-  their limit because the limits of the lanes that fed them cap what they
-  are sent (`schedule.chain_held`, Note [in-flight limit]), and job 19's
-  lanes line up stage to stage, so their transfers overlap as one lane's
-  do (`schedule.in_steady_order`, Note [async sends]). With them, all 158
-  agreement tests hold with sharing counted, but other tests fail. One:
-  on Llama-3-70B over 8 H100 + 8 A100-40 + 96 L4 (tests/
-  test_plan_idle.py) `hetc plan` found nothing that fits: its plan before
-  (ZB-H1, twelve L4 stages of 8 lanes, a node each, then four A100 stages
-  of 2 lanes on one node) explained 74.3 s and compiled to 90.0 s with
-  sharing counted. Traced 2026-12-07: the closed form timed the borders a
-  lane receives at its own lane's streams, the simulator each message at
-  its sender's; the A100 lanes' activations, sent by eight L4 lanes of a
-  node at once, took 0.288 s in the compiled programs and 0.086 s in the
-  closed form. Both now time a message at its sender's streams
-  (`plan_time.border_time`, the planner's `StageCosts.border`), which
-  matters without sharing too wherever the two sides' lanes differ in tp;
-  with it that plan explains 89.6 s of its 90.0 s and the planner finds
-  plans again. What still fails with sharing counted: random job 27's
-  interleaved plan (four lanes of 4 microbatches feeding lanes of 1, 1, 7
-  and 7, not lined up) runs 1.13 × its lower bound
-  (tests/test_plan_lockstep.py), an exhaustive search of a small cluster
-  beats the planner by 1.6 % (tests/test_planner_optimality.py seed 6: a
-  Zorse plan of one lane and four, its second stage under ZeRO-3, 0.0989
-  s; the planner configures that layout with ZeRO-1, 0.1186 s, and
-  refines only the best Zorse plan of two stages with lanes, one lane and
-  two at 0.1026 s: `search._to_refine`), a step tests/test_profiles_cli.py
-  pins moves, and the plans far from the bound change (docs/costmodel.md).
-  So sharing is not built.
+- a pipeline border counts the stage's ranks on the node
+  (`CostModel.node_streams`): every lane of a stage runs the same phase at
+  once, and each of its ranks sends its 1/tp slice (Note [scatter-gather
+  borders] in hetc/ir/layout.py), in the estimate, the planner
+  (`ResolvedStage.concurrent`) and each message of the compiled programs
+  (`message_time`), each message at the streams of its sender
+  (`plan_time.border_time` and the planner's `StageCosts.border` time the
+  borders a lane receives so). Two lanes of a node each sending at the
+  whole link were 2x optimistic. Counting the lane's own ranks only was
+  what the agreement family (tests/test_plan_agreement.py) held until
+  2026-12-07; counting the stage's moved the planner to plans that exposed
+  gaps, each closed at its cause:
+  - random job 22's lanes held fewer microbatches than their limit, the
+    limits of the lanes that fed them capping what they are sent
+    (`schedule.chain_held`, Note [in-flight limit]): explain's memory was
+    +18.5 % of the compiled peak;
+  - random job 19's interleaved lanes line up stage to stage, so their
+    transfers overlap as one lane's do (`schedule.in_steady_order`, Note
+    [async sends]): explained +11.9 % of its compiled step;
+  - the closed form timed a border a lane receives at its own lane's
+    streams, the simulator at the sender's: on Llama-3-70B over 8 H100 +
+    8 A100-40 + 96 L4 (tests/test_plan_idle.py) eight L4 lanes of a node
+    send to two A100 lanes, 0.288 s an activation compiled against 0.086 s
+    explained; its plan explained 74.3 s and compiled to 90.0 s, and
+    `hetc plan` then found nothing that fits;
+  - the planner's refinement of small searches took one structure per
+    schedule, depth and whether a stage has lanes (`search._to_refine`);
+    on the optimality family's seed 6 it refined a Zorse plan of one lane
+    and two and left one lane and four under the ZeRO-1 its assignment
+    chose (0.1186 s; under ZeRO-3 it runs 0.0989 s, an exhaustive search's
+    best): it now takes one per schedule and lanes of each stage;
+  - deep job 13's pair's one NCCL line, gone with a communicator a
+    direction (Note [one communicator per direction] in runtime/comm.py).
+  Other stages' traffic on the same link is not counted.
 
 A node group's `nics` (1 unless declared) bound one stream: it leaves
 through one NIC and arrives through one, so k streams between two nodes

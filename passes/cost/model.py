@@ -126,11 +126,11 @@ class CostModel:
         return self.geometry.cp_members(self.geometry.place(rank))
 
     def node_streams(self, rank: int) -> int:
-        """Ranks of this rank's lane on its node. They send their border pieces at once, so they share the
-        node's link: the estimate times a border at this concurrency."""
-        lane = self.pipeline.lane_of_rank[rank]
+        """Ranks of this rank's stage on its node. Its lanes run the same phase at once and each rank sends its
+        border piece, so they share the node's link: a border is timed at this concurrency (Note [node links])."""
+        stage = self.stage_of(rank)
         host = self.gpu(rank).host
-        return sum(1 for r in lane.ranks if self.gpu(r).host == host)
+        return sum(1 for lane in stage.lanes for r in lane.ranks if self.gpu(r).host == host)
 
     def border_gather_time(self, rank: int) -> float:
         """The all-gather over this rank's tp group that rebuilds a boundary tensor it received as its tp part

@@ -79,12 +79,13 @@ class ResolvedStage:
         return tuple(self._ring_by_host[self.lane_hosts[lane]])
 
     def concurrent(self, lane: int) -> int:
-        """Ranks of a lane on its first rank's node: they share the node's link with its border transfers."""
+        """The stage's GPUs on the node of the lane's first GPU: their border transfers share the node's link
+        (`CostModel.node_streams`, Note [node links])."""
         return self._concurrent[lane]
 
     @cached_property
     def _concurrent(self) -> list[int]:
-        return [sum(1 for g in lane if g.host == lane[0].host) for lane in self.lanes]
+        return [self._on_host[lane[0].host] for lane in self.lanes]
 
     def at_once(self, lane: int, across: bool = False) -> int:
         """ZeRO groups like the lane's crossing its node's link at once (`links.groups_at_once`): the stage's

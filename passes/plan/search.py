@@ -303,20 +303,22 @@ class Search(Structures):
 
 def _to_refine(found: list[Found], k: int, by_depth: bool = False) -> list[Structure]:
     """The k best structures, and the best of every schedule kind (the model times them differently);
-    `by_depth` (small searches): of every schedule kind, pipeline depth, whether a stage has lanes to
-    shard over and micro-batch size, since the fast assignment's model paces a pipeline by its busiest lane where the exact
+    `by_depth` (small searches): of every schedule kind, lanes of each stage (the pipeline's depth and
+    what each stage shards over) and micro-batch size, since the fast assignment's model paces a pipeline by its busiest lane where the exact
     score paces it by its longest chain (Note [paced pipeline]), and misjudges uneven depths most; and
     it picks a stage's ZeRO level and ministages on that model too, which only matter beside other lanes
     (tests/test_planner_optimality.py cluster 0: a tp-1 pipeline configured ZeRO-3 on both stages, 4 %
     slower than with ZeRO-1 on its last, ranked below the tp-2 ones and left unrefined; cluster 1: 1F1B at
     micro-batch 2 split its layers 3 + 2 under ZeRO-3 there, below micro-batch 1's and left unrefined, 1.6 %
-    slower than 4 + 1 under ZeRO-1, which is what the exact score ranks first)."""
+    slower than 4 + 1 under ZeRO-1, which is what the exact score ranks first; seed 6 with borders sharing
+    their node's link: a Zorse plan of one lane and four left under ZeRO-1, 1.6 % behind ZeRO-3 there, as
+    one lane and two stood for every two-stage Zorse plan with lanes, Note [node links])."""
     structures = [f.structure for f in found if f.structure is not None]   # the search's (not baselines)
     picks = _top_distinct(list(enumerate(structures)), k, key=lambda st: st)
     firsts: dict[object, Structure] = {}   # `structures` is best first: a group's first is its best
     for st in structures:
-        lanes = any(s.num_lanes > 1 for s in st.layout)
-        firsts.setdefault((st.schedule, len(st.layout), lanes, st.micro_batch) if by_depth else st.schedule, st)
+        lanes = tuple(s.num_lanes for s in st.layout)
+        firsts.setdefault((st.schedule, lanes, st.micro_batch) if by_depth else st.schedule, st)
     picks += [st for st in firsts.values() if st not in picks]
     return picks
 
