@@ -392,9 +392,7 @@ def section(results: list[Result], retimed: dict[float, dict[str, float]] | None
                    "(41.0-42.4 %) is what this file's FLOP count gives its iteration times. What the model "
                    "leaves out: Narayanan's 2021 software is slower than Korthikanti's 2022 on the same pipeline "
                    "(1T: 512 microbatches of one sequence through 64 stages of TP 8 in both, 102.6 s at DP 6 "
-                   "against 94.4 s at DP 1), which no term of the plan explains; and pipeline borders do not yet "
-                   "share their node pair's link between the lanes that cross it at once (the data-parallel "
-                   "groups do: Note [node links] in passes/cost/links.py).")]
+                   "against 94.4 s at DP 1), which no term of the plan explains.")]
     if retimed:
         lines += ["", ("What the H100 rows rest on: the catalog's H100 asymptote, 0.80 of the bf16 peak, is the "
                        "burst rate published matmul maxima report (about 794 of 989 TFLOP/s); a training step "
