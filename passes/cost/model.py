@@ -128,9 +128,7 @@ class CostModel:
     def node_streams(self, rank: int) -> int:
         """Ranks of this rank's stage on its node. Its lanes run the same phase at once and each rank sends its
         border piece, so they share the node's link: a border is timed at this concurrency (Note [node links])."""
-        stage = self.stage_of(rank)
-        host = self.gpu(rank).host
-        return sum(1 for lane in stage.lanes for r in lane.ranks if self.gpu(r).host == host)
+        return self._stage_on_host(self.stage_of(rank).index)[self.gpu(rank).host]
 
     def border_gather_time(self, rank: int) -> float:
         """The all-gather over this rank's tp group that rebuilds a boundary tensor it received as its tp part

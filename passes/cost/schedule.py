@@ -25,7 +25,7 @@ microbatch by microbatch in `sequential_time`.
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import lru_cache
 from itertools import groupby, pairwise
@@ -606,12 +606,13 @@ def _positions(counts: tuple[int, ...]) -> dict[int, tuple[int, int]]:
 def _longest_window(route: list[int], feeders: list[tuple[dict[int, tuple[int, int]], int]], most: int) -> int:
     """The most consecutive microbatches of `route`, up to `most`, that lie, on every earlier stage (`feeders`:
     where each microbatch sat there and that stage's limit), within the limit of each lane that passed them."""
-    held: dict[tuple[int, int], deque[int]] = {}   # (feeder, lane) -> positions there of the window's microbatches
+    # (feeder, lane) -> positions there of the window's microbatches
+    held: defaultdict[tuple[int, int], deque[int]] = defaultdict(deque)
     start = best = 0
     for end, mb in enumerate(route):
         for u, (where, limit) in enumerate(feeders):
             lane, pos = where[mb]
-            window = held.setdefault((u, lane), deque())
+            window = held[u, lane]
             while window and pos - window[0] + 1 > limit:
                 for v, (earlier, _) in enumerate(feeders):   # drop the window's first microbatch everywhere
                     held[v, earlier[route[start]][0]].popleft()
