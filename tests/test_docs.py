@@ -70,3 +70,15 @@ def test_errors_md_covers_every_invalid_case():
     cases = [p.name for p in Path(ROOT / "tests" / "invalid").glob("*.het") if not p.name.startswith("_")]
     assert cases, "no invalid cases found"
     assert all(f"`tests/invalid/{name}`" in text for name in cases)
+
+
+def test_the_readme_quickstart_is_the_demo_and_the_test_command_ci_runs():
+    """The quickstart is exactly two commands, one that runs the demo and one that runs the tests, and CI
+    runs that same test command."""
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"^## Quickstart\n\n```sh\n(.*?)^```", readme, re.MULTILINE | re.DOTALL)
+    assert block is not None, "README.md: no ```sh block right under ## Quickstart"
+    commands = [line.split("#", 1)[0].strip() for line in block.group(1).splitlines() if line.strip()]
+    assert commands == ["make demo", "make test"], commands
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert "make test" in [line.strip() for line in ci], ".ci/run must run the README's test command"
