@@ -90,8 +90,13 @@ def piece_collectives(zero: ZeroSpec, rings: ZeroRings, pieces: Sequence[float])
     """Per buffer of `pieces` bytes (a unit, or the stage whole) that a per-microbatch ZeRO stage gathers and
     reduces on its own: (its ZeRO-3 gather, its ZeRO-2/3 reduce-scatter) seconds over the shard's ring."""
     level, ring = zero.resolved_level, rings.sharded(zero)
-    return [(rings.time(Collective.ALL_GATHER, ring, b) if level >= 3 else 0.0,
-             rings.time(Collective.REDUCE_SCATTER, ring, b) if level >= 2 else 0.0) for b in pieces]
+
+    def both(b: float) -> tuple[float, float]:
+        return (rings.time(Collective.ALL_GATHER, ring, b) if level >= 3 else 0.0,
+                rings.time(Collective.REDUCE_SCATTER, ring, b) if level >= 2 else 0.0)
+
+    once = {b: both(b) for b in dict.fromkeys(pieces)}   # a model's blocks are units of one size
+    return [once[b] for b in pieces]
 
 
 def sync_time(zero: ZeroSpec, nbytes: float, rings: ZeroRings, per_ministage: bool = False,
