@@ -9,6 +9,9 @@ diagnostics the way the CLI does, and restores the file. A mutated file is
 loaded itself or through a file that imports it, so errors located in
 imported files are covered too.
 
+A second test takes the demo specs' mutations that load and explains each
+(`hetc explain`): 0 or 2, never an internal error or a hang.
+
 Cases are seeded by (file, index): a failure names its case, and
 `HETC_MUTATION_CASE=demo/job.het#17` reruns just that one. The default run is
 1200 cases (the suite's time budget); `HETC_MUTATIONS=20000` runs more.
@@ -298,3 +301,48 @@ def test_mutations_are_reproducible():
     rng_a, rng_b = random.Random("x#1"), random.Random("x#1")
     data = (SPECS / "demo" / "job.het").read_bytes()
     assert mutate(rng_a, data, "job.het") == mutate(rng_b, data, "job.het")
+
+
+
+EXPLAINED_PER_FILE = 6   # cases a demo spec: each mutated spec that loads is explained whole
+
+
+def _explain(path: Path) -> int | str | None:
+    """`hetc explain PATH`'s exit status, None where the front end refuses the spec (the test above's part)."""
+    from hetc.cli import main
+
+    try:
+        with time_limit(CASE_TIME_LIMIT_S):
+            load_checked(path, require_fit=False)
+    except (SpecError, CaseTimeout):
+        return None
+    try:
+        with time_limit(30.0):
+            return main(["explain", str(path)])
+    except CaseTimeout as err:
+        return f"hang: {err}"
+
+
+def test_mutated_specs_that_load_are_explained_or_refused(scratch_specs, capsys):
+    """A mutation the front end accepts (a number changed, a line doubled) is a spec the later passes see:
+    `hetc explain` answers it with its prediction or a located error (exit 0 or 2), never an internal error
+    (exit 1) or a hang."""
+    failures, explained = [], 0
+    for target in sorted((scratch_specs / "demo").glob("*.het")):
+        original = target.read_bytes()
+        for index in range(EXPLAINED_PER_FILE):
+            data, what = mutate(random.Random(f"explain:{target.name}#{index}"), original, target.name)
+            target.write_bytes(data)
+            try:
+                status = _explain(target)
+            finally:
+                target.write_bytes(original)
+            err = capsys.readouterr().err
+            if status is None:
+                continue
+            explained += 1
+            if status not in (0, 2):
+                failures.append(f"demo/{target.name}#{index} ({'; '.join(what)}): {status}: {err[-500:]}")
+    assert not failures, "\n".join(failures)
+    assert explained >= 20, f"only {explained} mutated specs loaded: too few to say anything"
+    print(f"{explained} mutated specs explained")
