@@ -34,6 +34,7 @@ from pathlib import Path
 import pytest
 
 import hetc.frontend.syntax
+from hetc.cli import main
 from hetc.ir.errors import Sources, SpecError
 from hetc.compiler import load_checked
 from tests.conftest import SPECS
@@ -304,18 +305,11 @@ def test_mutations_are_reproducible():
 
 
 
-EXPLAINED_PER_FILE = 6   # cases a demo spec: each mutated spec that loads is explained whole
+EXPLAINED_PER_FILE = 6   # cases a demo spec: each mutated spec is explained whole
 
 
-def _explain(path: Path) -> int | str | None:
-    """`hetc explain PATH`'s exit status, None where the front end refuses the spec (the test above's part)."""
-    from hetc.cli import main
-
-    try:
-        with time_limit(CASE_TIME_LIMIT_S):
-            load_checked(path, require_fit=False)
-    except (SpecError, CaseTimeout):
-        return None
+def _explain(path: Path) -> int | str:
+    """`hetc explain PATH`'s exit status, or what hung."""
     try:
         with time_limit(30.0):
             return main(["explain", str(path)])
@@ -327,7 +321,7 @@ def test_mutated_specs_that_load_are_explained_or_refused(scratch_specs, capsys)
     """A mutation the front end accepts (a number changed, a line doubled) is a spec the later passes see:
     `hetc explain` answers it with its prediction or a located error (exit 0 or 2), never an internal error
     (exit 1) or a hang."""
-    failures, explained = [], 0
+    failures, predicted = [], 0
     for target in sorted((scratch_specs / "demo").glob("*.het")):
         original = target.read_bytes()
         for index in range(EXPLAINED_PER_FILE):
@@ -338,11 +332,9 @@ def test_mutated_specs_that_load_are_explained_or_refused(scratch_specs, capsys)
             finally:
                 target.write_bytes(original)
             err = capsys.readouterr().err
-            if status is None:
-                continue
-            explained += 1
+            predicted += status == 0
             if status not in (0, 2):
                 failures.append(f"demo/{target.name}#{index} ({'; '.join(what)}): {status}: {err[-500:]}")
     assert not failures, "\n".join(failures)
-    assert explained >= 20, f"only {explained} mutated specs loaded: too few to say anything"
-    print(f"{explained} mutated specs explained")
+    assert predicted >= 20, f"only {predicted} mutated specs were explained: too few to say anything"
+    print(f"{predicted} mutated specs explained")

@@ -138,7 +138,7 @@ def lane_timings(engine: Engine, schedule: ScheduleKind, stages: Sequence[StageS
     out = []
     leads = [(st, lanes[0]) for st in stages for lanes in st.lane_classes()]
     # ZB-H1's and interleaved 1F1B's steady orders (Note [async sends]), lanes in lockstep included
-    even = in_steady_order(schedule, lane_counts(stages))
+    even = in_steady_order(schedule, microbatch_counts(stages))
     for st, lane in leads:
         f, i, w = st.compute(lane)
         f += st.overhead(lane)
@@ -149,7 +149,7 @@ def lane_timings(engine: Engine, schedule: ScheduleKind, stages: Sequence[StageS
     return out
 
 
-def lane_counts(stages: Sequence[StageSource]) -> list[list[int]]:
+def microbatch_counts(stages: Sequence[StageSource]) -> list[list[int]]:
     """Per stage, the microbatches each of its lanes serves (what routes them, `route_microbatches`)."""
     return [[st.count(lane) for lane in range(st.num_lanes)] for st in stages]
 
@@ -180,7 +180,7 @@ def evaluate_classes(shape: PlanShape, stages: Sequence[StageSource], end: float
     lanes = lane_timings(shape.engine, shape.schedule, stages)
     coupled = coupled_stages(shape.schedule, stages)
     widths = {s.index: s.num_lanes for s in stages}
-    limits = in_flight_limits(shape.schedule, lanes, len(stages), coupled, widths, lane_counts(stages))
+    limits = in_flight_limits(shape.schedule, lanes, len(stages), coupled, widths, microbatch_counts(stages))
     grouping, entries = _grouping(shape, stages, lanes, limits)
     step = StepShape(shape.schedule, len(stages), shape.chunks, shape.num_microbatches, shape.grad_clip,
                      coupled, widths, limits, grouping)
