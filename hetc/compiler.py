@@ -147,10 +147,7 @@ def plan_facts(plan: Plan) -> list[tuple[str, str]]:
              ("micro batch", str(p.micro_batch)),
              ("tokens_per_step", str(plan.train.global_batch * model.seq))]
     for st in p.stages:
-        first = p.ministages[st.ministages[0]]
-        last = p.ministages[st.ministages[-1]]
-        layers = f"{model.layer_name(first.first_layer)}..{model.layer_name(last.stop_layer - 1)}"
-        facts.append((f"stage {st.name}", (f"{layers}, {counted(len(st.lanes), 'lane')} × "
+        facts.append((f"stage {st.name}", (f"{p.layers_text(model, st.index)}, {counted(len(st.lanes), 'lane')} × "
                                            f"{counted(st.lane_size, 'rank')}, ZeRO-{st.zero.level}, "
                                            f"{counted(len(st.ministages), 'ministage')}")))
     return facts

@@ -207,7 +207,8 @@ def layer_splits(plan: Plan, stage: int) -> list[Spec]:
         a, b = stages[left], stages[left + 1]
         if isinstance(a.layers, Auto) or isinstance(b.layers, Auto) or len(a.layers) != 1 or len(b.layers) != 1:
             continue
-        (first, border), (_, last) = _layers(pipeline, left), _layers(pipeline, left + 1)
+        [(first, border)] = pipeline.layer_runs(left)
+        [(_, last)] = pipeline.layer_runs(left + 1)
         for shift in (-2, -1, 1, 2):
             moved = border + shift
             if not first < moved < last:
@@ -218,12 +219,6 @@ def layer_splits(plan: Plan, stage: int) -> list[Spec]:
             new[left + 1] = dataclasses.replace(b, layers=(LayerRange(first=name(moved), last=name(last - 1)),))
             out.append(dataclasses.replace(plan.spec, parallel=dataclasses.replace(parallel, stages=tuple(new))))
     return out
-
-
-def _layers(pipeline: Pipeline, stage: int) -> tuple[int, int]:
-    """(first layer, stop layer) of a stage."""
-    ms = pipeline.stages[stage].ministages
-    return pipeline.ministages[ms[0]].first_layer, pipeline.ministages[ms[-1]].stop_layer
 
 
 @dataclass(frozen=True)
@@ -426,8 +421,7 @@ class Rebalancer:
 
     def _describe_split(self, pipeline: Pipeline) -> str:
         model = self.plan.model
-        spans = [(st.name, *_layers(pipeline, st.index)) for st in pipeline.stages]
-        return ", ".join(f"{name} {model.layer_name(a)}..{model.layer_name(b - 1)}" for name, a, b in spans)
+        return ", ".join(f"{st.name} {pipeline.layers_text(model, st.index)}" for st in pipeline.stages)
 
     def _link_extra_s(self) -> dict[LinkId, float]:
         """Each slow link's seconds per message more than at its reference."""

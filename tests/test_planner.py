@@ -12,7 +12,7 @@ import pytest
 
 from hetc.cli import main
 from hetc.compiler import compile_spec
-from hetc.compiler import load_checked
+from hetc.compiler import load_checked, plan_facts
 from hetc.frontend.load import load_spec
 from hetc.passes.plan.partition import bandwidth_domains
 from hetc.passes.plan.objective import Goal
@@ -99,6 +99,24 @@ def test_plan_prints_the_spec_and_json(tmp_path, capsys):
     assert all(m["total"] <= m["capacity"] for m in doc["memory"])
     assert [b["name"] for b in doc["baselines"]] == list(BASELINES)
     assert doc["text"].startswith('use "catalog.het"')
+
+
+def test_a_stage_of_virtual_stages_is_summarised_by_its_layer_runs(capsys):
+    """An interleaved stage holds layers that are not one range: the summary, the JSON and the viewer's facts
+    list each run as the spec does, not first..last over the other stage's layers."""
+    spec = str(DEMO / "interleaved.het")
+    assert main(["plan", spec]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert any(" first " in ln and "embed..block0, block2 " in ln for ln in lines)
+    assert any(" second " in ln and "block1, block3..head " in ln for ln in lines)
+    assert main(["plan", spec, "--json"]) == 0
+    stages = json.loads(capsys.readouterr().out)["plan"]["stages"]
+    assert [st["layers"] for st in stages] == [[["embed", "block0"], ["block2", "block2"]],
+                                               [["block1", "block1"], ["block3", "head"]]]
+    plan = load_checked(DEMO / "interleaved.het")[1].explicit()
+    assert plan is not None
+    facts = dict(plan_facts(plan))
+    assert facts["stage first"].startswith("embed..block0, block2, ")
 
 
 def test_relative_imports_follow_the_output(tmp_path):

@@ -62,12 +62,13 @@ def plan_summary(path: str, result: PlanResult, prov: Provenance | None = None) 
                  f"{counted(len(p.stages), 'stage')} on {counted(p.world_size, 'rank')} (idle: {idle})")
     lines += [f"    idle {reason.group}: {reason.text}" for reason in result.idle]
     width = max(4, *(len(st.name) for st in p.stages))
-    for st, sp in zip(p.stages, plan.parallel.resolved_stages):
-        layers = _layers(plan.model, p, st)
+    layer_texts = [p.layers_text(plan.model, st.index) for st in p.stages]
+    layer_width = max(18, *map(len, layer_texts))
+    for st, sp, layers in zip(p.stages, plan.parallel.resolved_stages, layer_texts):
         counts = sorted({len(lane.microbatches) for lane in st.lanes})
         mbs = str(counts[0]) if len(counts) == 1 else f"{counts[0]}..{counts[-1]}"
         lanes = counted(len(st.lanes), "lane")
-        lines.append(f"    {st.name:{width}s} {_ranks(sp):28s} {layers:18s} {lanes:>9s} × tp {st.tp}  "
+        lines.append(f"    {st.name:{width}s} {_ranks(sp):28s} {layers:{layer_width}s} {lanes:>9s} × tp {st.tp}  "
                      f"ZeRO-{st.zero.level}  {counted(len(st.ministages), 'ministage')}  "
                      f"{mbs} microbatches/lane" + _offload(st.offload) + _recompute(st.checkpoint))
     memory = _memory(result)
@@ -89,12 +90,6 @@ def plan_summary(path: str, result: PlanResult, prov: Provenance | None = None) 
     if prov is not None:
         lines += ["", *provenance_lines(p, prov)]
     return "\n".join(lines)
-
-
-def _layers(model: ModelSpec, p: Pipeline, st: Stage) -> str:
-    first = model.layer_name(p.ministages[st.ministages[0]].first_layer)
-    last = model.layer_name(p.ministages[st.ministages[-1]].stop_layer - 1)
-    return first if first == last else f"{first}..{last}"
 
 
 def _ranks(stage_spec: StageSpec) -> str:
@@ -210,9 +205,10 @@ def _score_json(score: Score, result: PlanResult) -> JsonObject:
 
 
 def _stage_json(model: ModelSpec, p: Pipeline, st: Stage) -> JsonObject:
-    first, last = p.ministages[st.ministages[0]], p.ministages[st.ministages[-1]]
-    return {"name": st.name, "first_layer": model.layer_name(first.first_layer),
-            "last_layer": model.layer_name(last.stop_layer - 1), "ranks": list(st.ranks),
+    runs = p.layer_runs(st.index)
+    return {"name": st.name, "first_layer": model.layer_name(runs[0][0]),
+            "last_layer": model.layer_name(runs[-1][1] - 1),
+            "layers": [[model.layer_name(a), model.layer_name(b - 1)] for a, b in runs], "ranks": list(st.ranks),
             "lanes": len(st.lanes), "tp": st.tp, "zero": st.zero.resolved_level,
             "ministages": len(st.ministages),
             "microbatches": [len(lane.microbatches) for lane in st.lanes],

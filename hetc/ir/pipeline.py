@@ -100,6 +100,21 @@ class Pipeline:
         """Each microbatch's position in its lane of the first stage (`first_positions`)."""
         return first_positions([lane.microbatches for lane in self.stages[0].lanes])
 
+    def layer_runs(self, stage: int) -> tuple[tuple[int, int], ...]:
+        """(first, stop) of each contiguous run of `stage`'s layers, in model order: one for a stage of
+        consecutive chunks, one a chunk for Megatron's virtual stages."""
+        runs: list[tuple[int, int]] = []
+        for m in sorted((self.ministages[i] for i in self.stages[stage].ministages), key=lambda m: m.first_layer):
+            if runs and runs[-1][1] == m.first_layer:
+                runs[-1] = (runs[-1][0], m.stop_layer)
+            else:
+                runs.append((m.first_layer, m.stop_layer))
+        return tuple(runs)
+
+    def layers_text(self, model: ModelSpec, stage: int) -> str:
+        """`stage`'s layers as a spec lists them: 'embed..block7, block16..block24'."""
+        return ", ".join(model.span_name(a, b) for a, b in self.layer_runs(stage))
+
     def ministage_of_layer(self, layer: int) -> Ministage:
         for m in self.ministages:
             if m.first_layer <= layer < m.stop_layer:

@@ -471,6 +471,11 @@ class ModelSpec(Node):
             return "head"
         return f"block{idx - 1}"
 
+    def span_name(self, first: int, stop: int) -> str:
+        """Layers first..stop-1 as a spec writes them: 'head' or 'embed..block7'."""
+        a, b = self.layer_name(first), self.layer_name(stop - 1)
+        return a if a == b else f"{a}..{b}"
+
     def layer_index(self, name: str) -> int | None:
         """Index in [embed, block0, ..., head], or None for an unknown name."""
         if name == "embed":
