@@ -71,11 +71,13 @@ class Simulated:
 def compiled_memory(closed: RankMemory, peak: Peak) -> RankMemory:
     """A rank's closed-form breakdown with the compiled program's peak in its place (Note [one step time]):
     ZeRO-3's gathered parameters count as buffers, as the closed form counts them; what the rank offloads to
-    the host is the closed form's."""
+    the host is the closed form's, and so are the activations it holds in the step where the compiled peak, as
+    the closed form's, comes after the last backward and holds none."""
     parts = peak.parts
+    in_step = closed.activations_in_step if parts["activations"] == 0 else None
     return replace(closed, params=parts["params"], grads=parts["grads"], optimizer=parts["optimizer"],
                    activations=parts["activations"], buffers=parts["gathered"] + parts["buffers"],
-                   reserve=parts["reserve"])
+                   reserve=parts["reserve"], activations_in_step=in_step)
 
 
 def compute_ops(pipeline: Pipeline) -> int:

@@ -122,6 +122,22 @@ def test_the_report_says_where_gradients_are_wider_than_the_parameters(dtype, li
     assert (line in text) if line else ("gradients in" not in text)
 
 
+def test_a_peak_after_the_last_backward_says_what_activations_the_step_holds(capsys):
+    """Megatron's 65B recipe under ZeRO-1 peaks after its last backward, where the reduced shard sits beside the
+    full fp32 gradients and no activations are held: the activations column is 0, and the report says so and
+    gives what the step holds, up to the first stage's warm-up, most on the first stage and least on the last."""
+    spec = str(ROOT / "specs" / "examples" / "megatron_llama65b.het")
+    memory = _json(capsys, spec)["memory"]
+    assert all(m["activations"] == 0 for m in memory)
+    held = [memory[r]["activations_in_step"] for r in (0, 16, 32, 48)]
+    assert held == sorted(held, reverse=True) and held[-1] > 2**30
+    assert main(["explain", spec]) == 0
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if " A100-80 " in ln and "GiB" in ln]
+    assert len(rows) == 4 and all("(peak after the last backward; " in ln for ln in rows)
+    for m in _json(capsys, str(DEMO / "hetero.het"))["memory"]:
+        assert m["activations"] > 0 and m["activations_in_step"] is None
+
+
 def test_auto_plan_is_an_error(tmp_path, capsys):
     spec = write_spec(tmp_path, plan_text("  schedule = auto", global_batch=8))
     assert main(["explain", str(spec)]) == 2

@@ -105,9 +105,17 @@ def _memory_rows(memory: tuple[RankMemory, ...]) -> list[str]:
         flag = "" if m.fits else "  over"
         host = f"  (+{human_bytes(m.host)} on host)" if m.host else ""
         rows.append(f"  {ranks:12s} {m.device:10s}{cells}{human_bytes(m.total):>12s}"
-                    f"{human_bytes(m.capacity):>12s}{flag}{host}")
+                    f"{human_bytes(m.capacity):>12s}{flag}{host}{_after_backward(m)}")
         start = i
     return rows
+
+
+def _after_backward(m: RankMemory) -> str:
+    """Why a rank's peak holds no activations: it comes after the last backward, where ZeRO-1's reduced shard
+    (in grads) sits beside the full gradients; and what the step holds at most."""
+    if m.activations_in_step is None:
+        return ""
+    return f"  (peak after the last backward; {human_bytes(m.activations_in_step)} of activations in the step)"
 
 
 def _same(a: RankMemory, b: RankMemory) -> bool:

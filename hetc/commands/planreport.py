@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hetc.commands.costreport import provenance_lines, utilization_text
 from hetc.ir.units import counted, human_bytes, human_seconds
 from hetc.passes.cost import CostModel, Profiles, RankMemory
@@ -33,8 +35,7 @@ def _memory(result: PlanResult) -> list[RankMemory]:
         return list(result.estimate.memory)
     plan, score = result.plan, _known(result.score)
     rank_of = {g.id: r for r, g in enumerate(plan.pipeline.world)}
-    return sorted((RankMemory(rank_of[i], str(plan.topology.gpus[i]), m.device, m.stage, m.params, m.grads,
-                              m.optimizer, m.activations, m.buffers, m.reserve, m.capacity, m.host)
+    return sorted((replace(m, rank=rank_of[i], gpu=str(plan.topology.gpus[i]))
                    for m, ids in zip(score.memory, score.classes) for i in ids), key=lambda m: m.rank)
 
 

@@ -608,6 +608,9 @@ class RankMemory:
     reserve: float
     capacity: float
     host: float   # offloaded to host memory
+    # where the rank's peak comes after its last backward (ZeRO-1's reduced shard beside the full gradients,
+    # no activations held): the most activations it holds in the step, which `activations` (0) does not show
+    activations_in_step: float | None = None
 
     @property
     def total(self) -> float:
@@ -622,26 +625,27 @@ def rank_memory(rank: int, gpu: Gpu, stage: int, states: StateMemory, activation
                 backward_peak: BackwardPeak | None = None) -> RankMemory:
     """The breakdown of one rank: `state_memory` and `activation_memory` on its device, or with
     `backward_peak` (`zorse_backward_peak`, `gpipe_backward_peak`) what is held at once."""
-    params, grads, held, buffers = _at_peak(states, activations, backward_peak)
+    params, grads, held, buffers, in_step = _at_peak(states, activations, backward_peak)
     context = context_reserve(gpu.device.memory, gpu.device.is_cpu)
     return RankMemory(rank, str(gpu), gpu.device.name, stage, params, grads, states.optimizer,
-                      held, buffers, context, gpu.device.memory, states.host + activations[1])
+                      held, buffers, context, gpu.device.memory, states.host + activations[1], in_step)
 
 
 def rank_headroom(gpu: Gpu, states: StateMemory, activations: tuple[float, float],
                   backward_peak: BackwardPeak | None = None) -> float:
     """`rank_memory(...)`'s capacity less its total, without building the breakdown (the planner asks
     this of thousands of stage options, for several microbatch counts each)."""
-    params, grads, held, buffers = _at_peak(states, activations, backward_peak)
+    params, grads, held, buffers, _ = _at_peak(states, activations, backward_peak)
     device = gpu.device
     return device.memory - _total(params, grads, states.optimizer, held, buffers,
                                   context_reserve(device.memory, device.is_cpu))
 
 
 def _at_peak(states: StateMemory, activations: tuple[float, float],
-             backward_peak: BackwardPeak | None) -> tuple[float, float, float, float]:
+             backward_peak: BackwardPeak | None) -> tuple[float, float, float, float, float | None]:
     """(parameters, gradients, activations, buffers) on the device at the rank's peak: in its backward, or after
-    it where ZeRO-1's reduced shard outweighs the activations held in it."""
+    it where ZeRO-1's reduced shard outweighs the activations held in it; and in that case those activations
+    (`RankMemory.activations_in_step`), else None."""
     buffers = states.buffers
     if backward_peak is None:
         params, grads, held = states.params, states.grads, activations[0]
@@ -651,8 +655,8 @@ def _at_peak(states: StateMemory, activations: tuple[float, float],
         if backward_peak.gathered is not None:
             buffers += backward_peak.gathered - states.gathered
     if states.after_backward > held:
-        return states.params, grads + states.after_backward, 0.0, buffers
-    return params, grads, held, buffers
+        return states.params, grads + states.after_backward, 0.0, buffers, held
+    return params, grads, held, buffers, None
 
 
 def _total(params: float, grads: float, optimizer: float, activations: float, buffers: float,
