@@ -130,3 +130,19 @@ def test_a_large_search_scores_leaving_a_kind_idle_exactly(tmp_path):
         steps.append(plan_spec(load_spec(path).spec, base_dir=tmp_path).step_time_s)
     free, h100_idle = steps
     assert free <= h100_idle * (1 + 1e-9), (free, h100_idle)
+
+
+def test_a_slow_stage_is_placed_by_the_border_it_feeds_or_the_last_stage_by_the_one_that_feeds_it():
+    """`_border` reads only the candidate's layer ranges and the model's layer names: a first or middle stage
+    feeds the border after it; the last stage feeds none, so its reason names the border it takes in."""
+    from types import SimpleNamespace
+
+    from hetc.passes.plan.idle import _border
+
+    model = SimpleNamespace(layer_name=lambda i: {0: "embed", 9: "head"}.get(i, f"block{i - 1}"))
+    search = SimpleNamespace(model=model)
+    three = SimpleNamespace(stages=[None] * 3, ranges=[[(0, 3)], [(3, 6)], [(6, 10)]])
+    assert _border(search, three, 1) == (("it would feed", "feed"), "the border s1 -> s2 (block4 | block5)")
+    assert _border(search, three, 2) == (("that would feed it", "take in"), "the border s1 -> s2 (block4 | block5)")
+    one = SimpleNamespace(stages=[None], ranges=[[(0, 10)]])
+    assert _border(search, one, 0)[1] == "the whole model (one stage)"
