@@ -100,6 +100,9 @@ def test_plan_of_an_auto_spec_prints_the_step_compile_builds(capsys, tmp_path):
     assert planned["memory_source"] == "compiled"       # the same programs' peaks, as explain prints them
     explained = _json(capsys, str(tmp_path / "out" / "plan.het"))    # the plan compile wrote out
     assert [m["total"] for m in planned["memory"]] == pytest.approx([m["total"] for m in explained["memory"]])
+    assert main(["plan", spec]) == 0
+    summary = [ln for ln in capsys.readouterr().err.splitlines() if "fullest GPU" in ln]
+    assert len(summary) == 1 and summary[0].endswith("and their memory peaks)"), summary   # not the estimate's
 
 
 def test_text_report(capsys):

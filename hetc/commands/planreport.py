@@ -77,7 +77,7 @@ def plan_summary(path: str, result: PlanResult, prov: Provenance | None = None) 
     source = "the cost model's estimate" if result.estimate is not None else "the planner's score"
     if result.estimate is not None and result.estimate.closed_form_s is not None:   # Note [one step time]
         source = (f"the step of the compiled programs, simulated (closed form "
-                  f"{human_seconds(result.estimate.closed_form_s)}); memory: {source}")
+                  f"{human_seconds(result.estimate.closed_form_s)}), and their memory peaks")
     lines.append(f"  predicted {human_seconds(result.step_time_s)}/step, {result.tokens_per_s:,.0f} tokens/s; "
                  f"fullest GPU {fullest.gpu} at {fullest.total / fullest.capacity:.0%} of "
                  f"{human_bytes(fullest.capacity)} ({source})")
