@@ -141,6 +141,20 @@ def test_a_peak_after_the_last_backward_says_what_activations_the_step_holds(cap
         assert m["activations"] > 0 and m["activations_in_step"] is None
 
 
+def test_a_tied_embedding_on_two_stages_lists_its_sum_as_the_program_runs_it(capsys):
+    """Megatron's embedding group: the tied copies on the first and the last stage are summed once a step, over
+    the ranks of both stages, as the compiled programs' `all_reduce tied` runs it; traffic lists it (`emb`)."""
+    from hetc.compiler import compile_spec
+
+    traffic = _json(capsys, str(DEMO / "tied_hetero.het"))["traffic"]
+    (tied,) = [g for g in traffic if g["kind"] == "emb"]
+    ranks = compile_spec(DEMO / "tied_hetero.het").program.group("tied").ranks
+    assert tuple(tied["ranks"]) == tuple(ranks) and len(ranks) == 3
+    vocab, hidden, fp32 = 256, 64, 4      # the demo model's V × H, its gradients' dtype
+    assert tied["bytes_per_step"] == pytest.approx(2 * 2 / 3 * vocab * hidden * fp32) and tied["seconds_per_step"] > 0
+    assert not [g for g in _json(capsys, str(DEMO / "tied_single.het"))["traffic"] if g["kind"] == "emb"]
+
+
 def test_auto_plan_is_an_error(tmp_path, capsys):
     spec = write_spec(tmp_path, plan_text("  schedule = auto", global_batch=8))
     assert main(["explain", str(spec)]) == 2

@@ -31,7 +31,7 @@ __all__ = ["Estimate", "GroupTraffic", "RankMemory", "build_estimate", "with_sim
 
 @dataclass(frozen=True)
 class GroupTraffic:
-    kind: str                  # dp, pp, tp, cp, ep
+    kind: str                  # dp, pp, tp, cp, ep, emb (a tied embedding's copies)
     group: str
     ranks: tuple[int, ...]     # one representative group
     bytes_per_step: float      # sent by one rank (pp: the whole border)
@@ -181,7 +181,19 @@ def _traffic(cm: CostModel, timing: PlanTime) -> list[GroupTraffic]:
             out.append(GroupTraffic("cp", f"stage {stage.name}: {stage.cp_kind.value} cp {stage.cp}",
                                     cm.cp_group(rank), sent * blocks * n_mb, (f + b) * blocks * n_mb))
     out += _borders(cm, lanes)
+    out += _tied(cm)
     return out
+
+
+def _tied(cm: CostModel) -> list[GroupTraffic]:
+    """The sum of a tied embedding's copies on the first and the last stage, once a step (Megatron-LM's
+    embedding group; Note [tied gradients] in hetc/ir/program.py)."""
+    ranks = cm.pipeline.tied_ranks(cm.model)
+    if not ranks:
+        return []
+    names = " and ".join(st.name for st in cm.pipeline.stages if set(st.ranks) & set(ranks))
+    return [GroupTraffic("emb", f"tied embedding and head: stages {names}", ranks,
+                         traffic.all_reduce_bytes(len(ranks), cm.tied_bytes), cm.tied_time)]
 
 
 def _expert_traffic(cm: CostModel, moe: MoESpec, stage: Stage, rank: int, blocks: int,

@@ -23,7 +23,7 @@ from hetc.ir.spec import ScheduleKind
 from hetc.ir.program import Collective
 from hetc.passes.cost.memory import StateBytes
 
-__all__ = ["ep_bytes", "gather_bytes", "pp_bytes", "ring_attention_bytes", "tp_bytes", "ulysses_bytes", "zero_bytes"]
+__all__ = ["all_reduce_bytes", "ep_bytes", "gather_bytes", "pp_bytes", "ring_attention_bytes", "tp_bytes", "ulysses_bytes", "zero_bytes"]
 
 
 def _ring(n: int) -> float:
@@ -54,6 +54,12 @@ def pp_bytes(micro_batch: int, seq: int, hidden: int, delta: int, microbatches: 
 def gather_bytes(ranks: int, nbytes: float) -> float:
     """Per rank: an all-gather of a tensor of `nbytes` over `ranks` (a ring: (N−1)/N of it)."""
     return _ring(ranks) * nbytes
+
+
+def all_reduce_bytes(ranks: int, nbytes: float) -> float:
+    """Per rank: an all-reduce of a tensor of `nbytes` over `ranks` (a ring: a reduce-scatter and an all-gather,
+    2(N−1)/N of it)."""
+    return 2 * _ring(ranks) * nbytes
 
 
 def tp_bytes(tp: int, micro_batch: int, seq: int, hidden: int, delta: int) -> float:
