@@ -122,8 +122,9 @@ def test_a_large_search_scores_leaving_a_kind_idle_exactly(tmp_path):
     scores: the plan printed is no slower than the one written with the H100s idle. (Since the GEMM curve the
     H100s idle run 156 s and the job plans 72.0 s with that screen or without it: the test holds the property,
     no longer the screen. 4 H100 + 8 A100-40 + 96 L4 breaks the property today, 87.0 s printed against 74.0 s
-    with the A100s written idle: the search's layouts step times tp 1 only, where none of that idle set's
-    layouts places, and the plan found with the A100s written idle runs tp 2.)"""
+    with the A100s written idle: the quick look, at tp 1, places none of that idle set's 20 layouts, so one
+    of them reaches the layouts screen, which places it under none of its knobs; the plan found with the A100s
+    written idle runs tp 2 on another layout.)"""
     from tests.llama_jobs import llama_two_regions
 
     text = llama_two_regions("70b", 8, 8, 96, 192, activation_checkpoint="auto", grad_dtype="bf16")   # fits all
