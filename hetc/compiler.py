@@ -50,9 +50,11 @@ def load_checked(path: str | Path, require_complete: bool = False,
     if require_fit and (plan := checked.explicit()) is not None and (overflows := estimate_overflows(plan)):
         raise SpecError(overflows)
     if require_complete and not loaded.spec.is_complete:
-        missing = [k for k in ("model", "cluster", "train", "parallel") if getattr(loaded.spec, k) is None]
+        needed = ("model", "cluster", "train") + (() if plan_missing else ("parallel",))   # else planned
+        missing = [k for k in needed if getattr(loaded.spec, k) is None]
         raise SpecError.at(loaded.spec.span, f"the spec has no {', '.join(missing)} block"
-                           f"{'s' if len(missing) > 1 else ''}; this command needs a whole spec")
+                           f"{'s' if len(missing) > 1 else ''}; this command needs a whole spec"
+                           f"{' (without a parallel block it plans one)' if plan_missing else ''}")
     return loaded, checked
 
 

@@ -109,6 +109,18 @@ def test_stage_auto_as_documented_leaves_the_stages_to_the_planner(tmp_path, cap
     assert capsys.readouterr().out.endswith("; plan: auto\n")
 
 
+@pytest.mark.parametrize("verb, wants", [("plan", "no train block"), ("explain", "no train, parallel blocks")])
+def test_a_spec_short_of_a_block_names_the_blocks_the_verb_needs(tmp_path, capsys, verb, wants):
+    """`hetc plan` and `compile` plan a spec without a parallel block, so they do not ask for one; `explain`
+    times the plan written, so it does."""
+    text = JOB.read_text().replace('use "../catalog.het"', f'use "{ROOT / "specs" / "catalog.het"}"')
+    spec = tmp_path / "short.het"
+    spec.write_text(text[:text.index("train {")])
+    assert main([verb, str(spec)]) == 2
+    err = capsys.readouterr().err
+    assert f"error: the spec has {wants}; this command needs a whole spec" in err
+
+
 def test_viz_of_a_spec_says_it_wants_a_plan_directory(capsys):
     assert main(["viz", str(DEMO / "pp.het")]) == 2
     assert capsys.readouterr().err == (f"hetc viz: error: {DEMO / 'pp.het'} is a spec, and viz draws a plan "

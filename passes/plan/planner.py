@@ -120,7 +120,7 @@ def _plan_spec(spec: Spec, profiles: Profiles | None, base_dir: Path | None,
     job = checked.job()
     if job is None:
         raise SpecError.at(spec.span, "the planner needs a whole spec: a model, a cluster, a train and a "
-                                      "parallel block (`parallel { auto }` to plan everything)")
+                                      "parallel block (an empty `parallel { }` plans everything)")
     goal = Goal.of(job.parallel.objective)
     if not needs_plan(spec):  # nothing searched: the cost model's estimate at any size
         plan = checked.plan()
