@@ -121,6 +121,19 @@ def test_a_spec_short_of_a_block_names_the_blocks_the_verb_needs(tmp_path, capsy
     assert f"error: the spec has {wants}; this command needs a whole spec" in err
 
 
+@pytest.mark.parametrize("body, at", [("parallel { auto }\n", "2:17"), ("parallel {\n  auto\n}\n", "3:7")])
+def test_a_lone_auto_in_a_block_is_told_what_to_write(tmp_path, capsys, body, at):
+    """`parallel { auto }` reads as a key without its value: the error says what plans everything."""
+    spec = tmp_path / "auto.het"
+    spec.write_text(f'use "{JOB}"\n{body}')
+    status, err = _check(capsys, spec)
+    assert status == 2 and err[0].startswith(f"{spec}:{at}: error: unexpected ")
+    assert err[0].endswith("; `auto` alone is no statement: an empty `parallel { }` leaves every choice to the "
+                           "planner, or write `KEY = auto` for one")
+    spec.write_text(f'use "{JOB}"\nparallel {{\n  zero 3\n}}\n')
+    assert "alone is no statement" not in _check(capsys, spec)[1][0]
+
+
 def test_viz_of_a_spec_says_it_wants_a_plan_directory(capsys):
     assert main(["viz", str(DEMO / "pp.het")]) == 2
     assert capsys.readouterr().err == (f"hetc viz: error: {DEMO / 'pp.het'} is a spec, and viz draws a plan "

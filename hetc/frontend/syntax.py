@@ -255,7 +255,21 @@ def _syntax_diagnostic(err: UnexpectedInput, text: str, path: str) -> Diagnostic
     line, column = _known(tok.line, tok), _known(tok.column, tok)
     end_col = column + 1 if tok.type == "_NL" else (tok.end_column or column + 1)
     return Diagnostic(Span(path, line, column, line, end_col),
-                      f"unexpected {shown}" + _describe_expected(expected))
+                      f"unexpected {shown}" + _describe_expected(expected) + _lone_auto(text, line, column))
+
+
+_LONE_AUTO = re.compile(r"(?:^|[{,;])\s*auto\s*$")
+
+
+def _lone_auto(text: str, line: int, column: int) -> str:
+    """`parallel { auto }`: the word the statement before the unexpected token is, where it is `auto` alone,
+    gets what to write instead."""
+    lines = text.split("\n")
+    before = lines[line - 1][: column - 1] if line <= len(lines) else ""
+    if not _LONE_AUTO.search(before):
+        return ""
+    return ("; `auto` alone is no statement: an empty `parallel { }` leaves every choice to the planner, or "
+            "write `KEY = auto` for one")
 
 
 def _expected_at_end(err: UnexpectedEOF | UnexpectedToken) -> set[str]:
