@@ -102,3 +102,12 @@ def test_the_ranks_of_local_take_every_option_of_the_launcher_as_one_value():
     assert unset == [], f"options that never reach RunOptions: {unset}"
     assert RunOptions.from_json(opts.to_json()) == opts
     assert opts.heartbeat_timeout_s == 7.5
+
+def test_a_spec_given_to_run_is_told_of_compile_and_of_elastic(tmp_path, capsys):
+    """`hetc run SPEC`: a spec is no plan directory; `--elastic` runs one, planned on the nodes present."""
+    assert main(["run", str(DEMO / "pp.het"), "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "is not a plan directory (write one with `hetc compile SPEC -o DIR`); or run the spec itself with " \
+           "--elastic" in err
+    assert main(["run", str(tmp_path / "missing"), "--steps", "1"]) == 2
+    assert "--elastic" not in capsys.readouterr().err   # not a spec either

@@ -137,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
     if args.elastic:
         _check_elastic(args)
     elif not (args.dir / "plan.het").is_file():
-        raise UsageError(f"{args.dir} is not a plan directory (write one with `hetc compile SPEC -o DIR`)")
+        spec = "; or run the spec itself with --elastic, planned on the nodes present" if args.dir.is_file() else ""
+        raise UsageError(f"{args.dir} is not a plan directory (write one with `hetc compile SPEC -o DIR`){spec}")
     if args.steps is not None and args.steps < 1:
         raise UsageError("--steps must be positive")
     if args.every < 0:
