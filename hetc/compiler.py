@@ -62,7 +62,7 @@ def spec_inputs(target: Path) -> list[tuple[Path, str]]:
     """What the spec TARGET names reads, or a plan directory's plan.het (`LoadedSpec.inputs`): the files a
     one-file output must not replace (Note [output files]); none where TARGET holds neither (the command says
     so)."""
-    from hetc.plandir import PLAN_FILE
+    from hetc.ir.outdir import PLAN_FILE
 
     path = target if target.is_file() else target / PLAN_FILE
     return load_checked(path)[0].inputs() if path.is_file() else []

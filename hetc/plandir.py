@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, TypeVar, overload
 from hetc.ir.errors import Span, SpecError, UsageError
 from hetc.frontend.printer import format_spec
 from hetc.ir.jsontypes import JsonObject
-from hetc.ir.outdir import Legacy, OutputKind, Protected, check_output_dir, is_marked, restamp, unmarked_or_edited, write_output_dir
+from hetc.ir.outdir import PLAN_FILE, Legacy, OutputKind, Protected, check_output_dir, is_marked, restamp, unmarked_or_edited, write_output_dir
 from hetc.ir.program import Group, Program, ProgramFormatError, RankProgram
 from hetc.ir.spec import DataFileSpec, DataSpec, Spec
 
@@ -51,7 +51,6 @@ __all__ = ["LEGACY_PLAN", "PLAN_FILE", "PROFILES_FILE", "PROFILE_ENV", "TIMELINE
            "profile_paths", "read_eval_rank", "read_plan", "read_program", "record_profiles", "record_verified",
            "require_verified", "unverified_files", "verify_and_record", "write_plan_dir"]
 
-PLAN_FILE = "plan.het"
 TIMELINE_FILE = "timeline.json"
 SUMMARY_FILE = "summary.json"
 PROFILES_FILE = "profiles.json"

@@ -111,3 +111,15 @@ def test_a_spec_given_to_run_is_told_of_compile_and_of_elastic(tmp_path, capsys)
            "--elastic" in err
     assert main(["run", str(tmp_path / "missing"), "--steps", "1"]) == 2
     assert "--elastic" not in capsys.readouterr().err   # not a spec either
+
+
+def test_a_plan_directory_given_where_a_spec_goes_names_the_spec_it_holds(tmp_path, capsys):
+    """`hetc explain DIR` of a plan directory: its plan.het is the spec to name."""
+    out = tmp_path / "plan"
+    assert main(["compile", str(DEMO / "pp.het"), "-o", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["explain", str(out)]) == 2
+    assert capsys.readouterr().err.startswith(f"{out}:1:1: error: '{out}' is a directory, not a spec file; its plan "
+                                              f"is the spec '{out / 'plan.het'}'")
+    assert main(["explain", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.rstrip().endswith("is a directory, not a spec file")

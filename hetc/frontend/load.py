@@ -15,6 +15,7 @@ from pathlib import Path
 from hetc.frontend import syntax
 from hetc.frontend.convert import to_spec
 from hetc.hf.files import model_files
+from hetc.ir.outdir import PLAN_FILE
 from hetc.ir.errors import MAX_SOURCE_BYTES, Diagnostic, Sources, Span, SpecError, did_you_mean
 from hetc.ir.spec import ParallelSpec, Spec, declared_path
 from hetc.ir.userfile import file_kind
@@ -93,7 +94,9 @@ def read_spec_bytes(path: Path, where: Span) -> bytes:
     except OSError as err:
         raise SpecError.at(where, f"cannot read '{path}': {err.strerror}") from None
     if stat.S_ISDIR(info.st_mode):
-        raise SpecError.at(where, f"'{path}' is a directory, not a spec file")
+        plan = path / PLAN_FILE
+        inside = f"; its plan is the spec '{plan}'" if plan.is_file() else ""
+        raise SpecError.at(where, f"'{path}' is a directory, not a spec file{inside}")
     if not stat.S_ISREG(info.st_mode):
         raise SpecError.at(where, f"'{path}' is {file_kind(info.st_mode)}, not a regular file; "
                                   "a spec is read only from a regular file")

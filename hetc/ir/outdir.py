@@ -65,6 +65,8 @@ from pathlib import Path
 
 from hetc.ir.errors import UsageError
 
+PLAN_FILE = "plan.het"   # a plan directory's spec: the plan it was compiled from, written out explicit
+
 __all__ = ["MARKER", "STDOUT", "Legacy", "OutputKind", "Protected", "check_output_dir", "check_output_file", "edited_files",
            "file_hashes", "is_marked", "make_directory", "restamp", "unmarked_or_edited", "write_marker", "write_output_dir"]
 
