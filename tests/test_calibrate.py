@@ -69,7 +69,11 @@ def test_calibrate_lists_each_class_against_the_prediction(single, tmp_path, cap
     again = json.loads(capsys.readouterr().out)
     assert again["classes"] == got["classes"] and again["measured"] == f"the run of {metrics}"
     assert main(["calibrate", str(single), "--measured", str(metrics)]) == 0
-    table = capsys.readouterr().out.splitlines()
+    out = capsys.readouterr()
+    table = out.out.splitlines()
+    # compiled without a profile: the note says how to make and use one
+    assert "no measured profile (the catalog's arithmetic; `hetc profile SPEC -o FILE` measures this machine, " \
+           "--profile FILE predicts with it)" in out.err
     assert table[0].startswith(f"{single}: the run of {metrics}; ")
     assert [line.split()[0] for line in table[2:7]] == [c.value for c in TimeClass] + ["step"]
     assert table[7].startswith("most off: ")

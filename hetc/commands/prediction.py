@@ -31,7 +31,9 @@ def plan_prediction(path: Path, profile_args: list[str], verb: str, note_recorde
     if path.is_dir() and profile_paths(profile_args) and not same_as_recorded(profile_args, recorded):
         return _predict_again(path, profile_args, verb)
     if note_recorded and recorded is not None:
-        names = ", ".join(r.path for r in recorded) or "no measured profile (the catalog's arithmetic)"
+        names = ", ".join(r.path for r in recorded) or ("no measured profile (the catalog's arithmetic; `hetc "
+                                                        "profile SPEC -o FILE` measures this machine, --profile "
+                                                        "FILE predicts with it)")
         print(f"hetc {verb}: the prediction in {path} was made with {names}", file=sys.stderr)
         for line in stale_profiles(recorded):
             print(f"hetc {verb}: warning: {line}", file=sys.stderr)
