@@ -29,6 +29,7 @@ from hetc.ir.plan import Job, Plan
 from hetc.ir.spec import (AUTO, AttentionKind, CPKind, DeviceSpec, DType, LinkSpec, LrScheduleKind, ModelSpec, NodeSpec, OffloadSpec, OffloadTarget, Spec, StageSpec,
                        TrainSpec, ZeroShard, ZeroSpec, ClusterSpec, storage_dtype)
 from hetc.ir.topology import MAX_GPUS, Topology
+from hetc.ir.units import human_count
 
 # Every rank's program lists each of its microbatches; beyond this a step is
 # not a plan anyone runs, and resolving it would take seconds.
@@ -375,5 +376,5 @@ def _check_fit(job: Job, errors: list[Diagnostic]) -> None:
     if need > gpu_memory + host_memory:
         host = f" and {host_memory / 2**30:.1f} GiB of host memory for offload" if host_memory else ""
         errors.append(Diagnostic(m.span, f"the model's parameters, gradients and optimizer state need "
-                                 f"{need / 2**30:.1f} GiB ({phi / 1e9:.2f}B parameters) but even fully sharded "
+                                 f"{need / 2**30:.1f} GiB ({human_count(phi)} parameters) but even fully sharded "
                                  f"the cluster has {gpu_memory / 2**30:.1f} GiB on {topo.num_gpus} GPUs{host}"))

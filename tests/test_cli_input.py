@@ -134,6 +134,13 @@ def test_a_lone_auto_in_a_block_is_told_what_to_write(tmp_path, capsys, body, at
     assert "alone is no statement" not in _check(capsys, spec)[1][0]
 
 
+def test_check_counts_parameters_as_model_cards_do(capsys):
+    """65,285.7M reads as 65.29B; a demo's fraction of a million stays in M."""
+    assert main(["check", str(ROOT / "specs" / "examples" / "megatron_llama65b.het"), str(JOB.parent / "pp.het")]) == 0
+    out = capsys.readouterr().out
+    assert "(llama, 80 blocks, 65.29B params)" in out and "(llama, 4 blocks, 0.2M params)" in out
+
+
 def test_viz_of_a_spec_says_it_wants_a_plan_directory(capsys):
     assert main(["viz", str(DEMO / "pp.het")]) == 2
     assert capsys.readouterr().err == (f"hetc viz: error: {DEMO / 'pp.het'} is a spec, and viz draws a plan "

@@ -10,7 +10,7 @@ from hetc.compiler import load_checked
 from hetc.passes.cost.params import model_params
 from hetc.passes.validate import Checked
 from hetc.ir.spec import AUTO
-from hetc.ir.units import counted
+from hetc.ir.units import counted, human_count
 
 __all__ = ["register", "summary"]
 
@@ -43,7 +43,7 @@ def summary(checked: Checked) -> str:
     parts: list[str] = []
     if spec.model is not None:
         m = spec.model
-        parts.append(f"model {m.name} ({m.arch.value}, {m.layers} blocks, {model_params(m) / 1e6:,.1f}M params)")
+        parts.append(f"model {m.name} ({m.arch.value}, {m.layers} blocks, {human_count(model_params(m))} params)")
     if checked.topology is not None:
         kinds = sorted({g.device.name for g in checked.topology.gpus})
         parts.append(f"{checked.topology.num_gpus} GPUs ({', '.join(kinds)})")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from enum import StrEnum
 
-__all__ = ["DISPLAY", "UNITS", "Dim", "counted", "format_quantity", "human_bytes", "human_rate",
+__all__ = ["DISPLAY", "UNITS", "Dim", "counted", "format_quantity", "human_bytes", "human_count", "human_rate",
            "human_seconds", "to_base", "units_of"]
 
 
@@ -117,6 +117,11 @@ def human_rate(flops: float) -> str:
         if flops >= size:
             return f"{flops / size:.2f} {unit}"
     return f"{flops:.0f} FLOP/s"
+
+
+def human_count(n: float) -> str:
+    """A parameter count as model cards write it: '65.29B', '124.4M', '0.2M'."""
+    return f"{n / 1e9:.2f}B" if abs(n) >= 1e9 else f"{n / 1e6:.1f}M"
 
 
 def counted(count: int, noun: str) -> str:
