@@ -119,5 +119,5 @@ def _after_backward(m: RankMemory) -> str:
 
 
 def _same(a: RankMemory, b: RankMemory) -> bool:
-    return a.device == b.device and a.stage == b.stage and \
+    return a.device == b.device and a.stage == b.stage and a.activations_in_step == b.activations_in_step and \
         all(abs(getattr(a, c) - getattr(b, c)) < 1 for c in (*_COLUMNS, "host"))
