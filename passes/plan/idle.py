@@ -114,7 +114,7 @@ def _memory(search: Structures, group: str, closest: Found) -> IdleReason:
     over = [e for e in entries if e[0].total > e[0].capacity] or entries
     own = [e for e in over if e[1].group == group] or over
     m, gpu = max(own, key=lambda e: e[0].total / e[0].capacity)
-    return IdleReason(group, "memory", f"does not fit in memory: the closest plan that uses it "
+    return IdleReason(group, "memory", f"no plan the search scored that uses it fits in memory: the closest "
                                        f"({_describe(closest.candidate)}) needs {human_bytes(m.total)} on {gpu} "
                                        f"({gpu.device.name}, {human_bytes(m.capacity)})",
                       closest.score.step_time_s)
