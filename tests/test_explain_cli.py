@@ -113,6 +113,22 @@ def test_text_report(capsys):
         assert needle in text
 
 
+def test_the_report_gives_each_lanes_time_and_marks_the_one_that_paces(capsys):
+    """demo hetero's middle stage has a lane of 3 microbatches and one of 1: two rows; the last stage's one lane
+    serves both (Note [paced pipeline]) and is marked, as --json's bottleneck says."""
+    out = _json(capsys, str(DEMO / "hetero.het"))
+    assert main(["explain", str(DEMO / "hetero.het")]) == 0
+    text = capsys.readouterr().out.splitlines()
+    at = text.index("time per lane (closed form: a microbatch, and busy, its lane's step of them)")
+    rows = [ln.split() for ln in text[at + 2:at + 6]]
+    assert [(r[0], r[1], r[2]) for r in rows] == [("head_end", "0", "4"), ("middle", "0", "3"), ("middle", "1", "1"),
+                                                 ("tail", "0", "4")]
+    assert text[at + 6] == ""
+    marked = [r[0] for r in rows if r[-3:] == ["paces", "the", "pipeline"]]
+    stage, _ = out["time"]["bottleneck"]
+    assert marked == [["head_end", "middle", "tail"][stage]]
+
+
 @pytest.mark.parametrize("dtype, line", [
     ("bf16", "gradients in fp32, parameters in bf16: summed and reduced in fp32"),
     ("bf16\n  grad_dtype = bf16", None), ("fp32", None)])

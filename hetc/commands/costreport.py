@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from hetc.passes.cost.estimate import Estimate, RankMemory
+from hetc.passes.cost.schedule import LaneTiming
 from hetc.passes.cost.provenance import Provenance
 from hetc.passes.cost.utilization import Utilization
 from hetc.ir.pipeline import Pipeline
@@ -25,6 +26,8 @@ def report(path: str, plan: Plan, e: Estimate) -> str:
         f"step time   {human_seconds(e.step_time_s)}  {_step_source(e)}",
         f"throughput  {e.tokens_per_s:,.0f} tokens/s   {utilization_text(e.utilization)}",
         "",
+        *_lane_rows(pipeline, e),
+        "",
         "memory per rank" + _memory_source(e) + ("" if e.fits else "   ** DOES NOT FIT **"),
     ]
     lines += _memory_rows(e.memory) + _gradient_dtype(plan.model)
@@ -37,6 +40,36 @@ def report(path: str, plan: Plan, e: Estimate) -> str:
         lines.append("  none")
     lines += ["", *provenance_lines(pipeline, e.provenance)]
     return "\n".join(lines)
+
+
+def _lane_rows(pipeline: Pipeline, e: Estimate) -> list[str]:
+    """Each lane's seconds a microbatch and a step, by the closed form, lanes of a stage that time alike on one
+    row; the lane that paces the pipeline (`PlanTime.bottleneck`) marked: where a heterogeneous plan's time
+    goes, stage by stage."""
+    head = (f"  {'stage':12s} {'lanes':>7s} {'microbatches':>12s} {'forward':>10s} {'backward':>10s} "
+            f"{'waits p2p':>10s} {'busy':>10s}")
+    rows = ["time per lane (closed form: a microbatch, and busy, its lane's step of them)", head]
+    lanes = e.time.lanes
+    start = 0
+    for i in range(1, len(lanes) + 1):
+        if i < len(lanes) and _alike(lanes[i], lanes[start]):
+            continue
+        t, last = lanes[start], lanes[i - 1]
+        which = f"{t.lane}" if last.lane == t.lane else f"{t.lane}-{last.lane}"
+        paces = e.time.bottleneck is not None and e.time.bottleneck[0] == t.stage and \
+            t.lane <= e.time.bottleneck[1] <= last.lane
+        rows.append(f"  {pipeline.stages[t.stage].name:12s} {which:>7s} {t.microbatches:>12d} "
+                    f"{human_seconds(t.forward):>10s} {human_seconds(t.backward):>10s} "
+                    f"{human_seconds(t.p2p_wait):>10s} {human_seconds(t.work):>10s}"
+                    + ("  <- paces the pipeline" if paces else ""))
+        start = i
+    return rows
+
+
+def _alike(a: LaneTiming, b: LaneTiming) -> bool:
+    return a.stage == b.stage and a.microbatches == b.microbatches and \
+        all(abs(x - y) <= 1e-12 for x, y in ((a.forward, b.forward), (a.backward, b.backward),
+                                              (a.p2p_wait, b.p2p_wait), (a.work, b.work)))
 
 
 def _gradient_dtype(model: ModelSpec) -> list[str]:
