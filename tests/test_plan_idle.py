@@ -147,7 +147,7 @@ def test_a_slow_stage_is_placed_by_the_border_it_feeds_or_the_last_stage_by_the_
     model = SimpleNamespace(layer_name=lambda i: {0: "embed", 9: "head"}.get(i, f"block{i - 1}"))
     search = SimpleNamespace(model=model)
     three = SimpleNamespace(stages=[None] * 3, ranges=[[(0, 3)], [(3, 6)], [(6, 10)]])
-    assert _border(search, three, 1) == (("it would feed", "feed"), "the border s1 -> s2 (block4 | block5)")
-    assert _border(search, three, 2) == (("that would feed it", "take in"), "the border s1 -> s2 (block4 | block5)")
+    assert _border(search, three, 1) == ("it would feed", "feed", "the border s1 -> s2 (block4 | block5)")
+    assert _border(search, three, 2) == ("that would feed it", "take in", "the border s1 -> s2 (block4 | block5)")
     one = SimpleNamespace(stages=[None], ranges=[[(0, 10)]])
-    assert _border(search, one, 0)[1] == "the whole model (one stage)"
+    assert _border(search, one, 0)[2] == "the whole model (one stage)"

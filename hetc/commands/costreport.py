@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
 from hetc.passes.cost.estimate import Estimate, RankMemory
 from hetc.passes.cost.schedule import LaneTiming
 from hetc.passes.cost.provenance import Provenance
@@ -12,6 +15,8 @@ from hetc.ir.spec import ModelSpec, storage_dtype
 from hetc.ir.units import counted, human_bytes, human_rate, human_seconds
 
 __all__ = ["provenance_lines", "report", "utilization_text"]
+
+_T = TypeVar("_T")
 
 _COLUMNS = ("params", "grads", "optimizer", "activations", "buffers", "reserve")
 
@@ -49,12 +54,7 @@ def _lane_rows(pipeline: Pipeline, e: Estimate) -> list[str]:
     head = (f"  {'stage':12s} {'lanes':>7s} {'microbatches':>12s} {'forward':>10s} {'backward':>10s} "
             f"{'waits p2p':>10s} {'busy':>10s}")
     rows = ["time per lane (closed form: a microbatch, and busy, its lane's step of them)", head]
-    lanes = e.time.lanes
-    start = 0
-    for i in range(1, len(lanes) + 1):
-        if i < len(lanes) and _alike(lanes[i], lanes[start]):
-            continue
-        t, last = lanes[start], lanes[i - 1]
+    for t, last in _runs(e.time.lanes, _alike):
         which = f"{t.lane}" if last.lane == t.lane else f"{t.lane}-{last.lane}"
         paces = e.time.bottleneck is not None and e.time.bottleneck[0] == t.stage and \
             t.lane <= e.time.bottleneck[1] <= last.lane
@@ -62,8 +62,18 @@ def _lane_rows(pipeline: Pipeline, e: Estimate) -> list[str]:
                     f"{human_seconds(t.forward):>10s} {human_seconds(t.backward):>10s} "
                     f"{human_seconds(t.p2p_wait):>10s} {human_seconds(t.work):>10s}"
                     + ("  <- paces the pipeline" if paces else ""))
-        start = i
     return rows
+
+
+def _runs(items: Sequence[_T], same: Callable[[_T, _T], bool]) -> list[tuple[_T, _T]]:
+    """(first, last) of each run of consecutive `items` that are `same` as the run's first: one table row each."""
+    out: list[tuple[_T, _T]] = []
+    start = 0
+    for i in range(1, len(items) + 1):
+        if i == len(items) or not same(items[i], items[start]):
+            out.append((items[start], items[i - 1]))
+            start = i
+    return out
 
 
 def _alike(a: LaneTiming, b: LaneTiming) -> bool:
@@ -128,18 +138,14 @@ def utilization_text(u: Utilization) -> str:
 
 def _memory_rows(memory: tuple[RankMemory, ...]) -> list[str]:
     head = "  ranks        device     " + "".join(f"{c:>12s}" for c in (*_COLUMNS, "total", "capacity"))
-    rows, start = [head], 0
-    for i in range(1, len(memory) + 1):
-        if i < len(memory) and _same(memory[i], memory[start]):
-            continue
-        m = memory[start]
-        ranks = f"{m.rank}" if i - 1 == start else f"{m.rank}-{memory[i - 1].rank}"
+    rows = [head]
+    for m, last in _runs(memory, _same):
+        ranks = f"{m.rank}" if last is m else f"{m.rank}-{last.rank}"
         cells = "".join(f"{human_bytes(getattr(m, c)):>12s}" for c in _COLUMNS)
         flag = "" if m.fits else "  over"
         host = f"  (+{human_bytes(m.host)} on host)" if m.host else ""
         rows.append(f"  {ranks:12s} {m.device:10s}{cells}{human_bytes(m.total):>12s}"
                     f"{human_bytes(m.capacity):>12s}{flag}{host}{_after_backward(m)}")
-        start = i
     return rows
 
 

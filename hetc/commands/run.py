@@ -15,6 +15,7 @@ from pathlib import Path
 from hetc.commands import Subparsers
 from hetc.commands.argtypes import finite_number
 from hetc.ir.errors import UsageError
+from hetc.ir.outdir import PLAN_FILE
 from hetc.passes.validate_runtime import require_trainable_dtype
 from hetc.passes.verify import VerifyError
 from hetc.ir.program import ProgramFormatError
@@ -136,7 +137,7 @@ def register(sub: Subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.elastic:
         _check_elastic(args)
-    elif not (args.dir / "plan.het").is_file():
+    elif not (args.dir / PLAN_FILE).is_file():
         spec = "; or run the spec itself with --elastic, planned on the nodes present" if args.dir.is_file() else ""
         raise UsageError(f"{args.dir} is not a plan directory (write one with `hetc compile SPEC -o DIR`){spec}")
     if args.steps is not None and args.steps < 1:

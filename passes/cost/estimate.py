@@ -188,10 +188,11 @@ def _traffic(cm: CostModel, timing: PlanTime) -> list[GroupTraffic]:
 def _tied(cm: CostModel) -> list[GroupTraffic]:
     """The sum of a tied embedding's copies on the first and the last stage, once a step (Megatron-LM's
     embedding group; Note [tied gradients] in hetc/ir/program.py)."""
-    ranks = cm.pipeline.tied_ranks(cm.model)
+    p = cm.pipeline
+    ranks = p.tied_ranks(cm.model)
     if not ranks:
         return []
-    names = " and ".join(st.name for st in cm.pipeline.stages if set(st.ranks) & set(ranks))
+    names = " and ".join(p.stages[p.ministages[ms].stage].name for ms in p.tied_ministages(cm.model))
     return [GroupTraffic("emb", f"tied embedding and head: stages {names}", ranks,
                          traffic.all_reduce_bytes(len(ranks), cm.tied_bytes), cm.tied_time)]
 

@@ -169,11 +169,11 @@ def _loses(search: Structures, chosen: Found, best: Found, group: str) -> IdleRe
                                          "of compute", step)
     others = [p.busiest for p in paces if p.index != worst.index]
     if not others or worst.busiest > max(others):
-        role, border = _border(search, c, worst.index)
+        which, verb, border = _border(search, c, worst.index)
         rest = f", the other stages at most {human_seconds(max(others))}" if others else ""
-        return IdleReason(group, "slow", f"too slow for the border {role[0]} {against}: stage {name} on "
+        return IdleReason(group, "slow", f"too slow for the border {which} {against}: stage {name} on "
                                          f"{group} takes {human_seconds(worst.busiest)} a step "
-                                         f"({human_seconds(worst.compute)} a microbatch) to {role[1]} {border}"
+                                         f"({human_seconds(worst.compute)} a microbatch) to {verb} {border}"
                                          f"{rest}", step)
     flushes = [p.flush for p in paces if p.index != worst.index]
     if best.score.tail_s > chosen.score.tail_s and (not flushes or worst.flush > max(flushes)):
@@ -191,16 +191,16 @@ def _loses(search: Structures, chosen: Found, best: Found, group: str) -> IdleRe
                                         f"{human_seconds(chosen.score.tail_s)}", step)
 
 
-def _border(search: Structures, c: Candidate, s: int) -> tuple[tuple[str, str], str]:
-    """((how the stage's pace meets its border, for the headline and the detail), the border): the one stage s
-    sends its activations over, or the last stage's, the one it takes them in over."""
+def _border(search: Structures, c: Candidate, s: int) -> tuple[str, str, str]:
+    """(which border, for the headline; what the stage does to it; the border): the one stage s sends its
+    activations over, or the last stage's, the one it takes them in over."""
     first, last = c.ranges[s][0][0], c.ranges[s][-1][1]
     name = search.model.layer_name
     if s + 1 < len(c.stages):
-        return ("it would feed", "feed"), f"the border s{s} -> s{s + 1} ({name(last - 1)} | {name(last)})"
+        return "it would feed", "feed", f"the border s{s} -> s{s + 1} ({name(last - 1)} | {name(last)})"
     if s > 0:
-        return ("that would feed it", "take in"), f"the border s{s - 1} -> s{s} ({name(first - 1)} | {name(first)})"
-    return ("it would feed", "run"), "the whole model (one stage)"
+        return "that would feed it", "take in", f"the border s{s - 1} -> s{s} ({name(first - 1)} | {name(first)})"
+    return "it would feed", "run", "the whole model (one stage)"
 
 
 def _link(search: Structures, c: Candidate, pace: _StagePace) -> str:
