@@ -115,7 +115,8 @@ def transfer_waits(engine: Engine, schedule: ScheduleKind, borders: Borders,
 
 
 # (the op before a forward, the op before a backward) in a lane's steady order, from its (F, I, W): the schedules
-# whose order is fixed (Megatron's strict 1F1B, GPipe's sweeps); the others count every transfer
+# whose steady order is set (1F1B's alternation, which it keeps wherever inputs come on time, Note [1F1B by
+# readiness]; GPipe's sweeps); the others count every transfer
 _Order = Callable[[float, float, float], tuple[float, float]]
 _STEADY_ORDER: dict[ScheduleKind, _Order] = {
     ScheduleKind.GPIPE: lambda f, i, w: (f, i + w),

@@ -27,6 +27,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 
 from hetc.ir.errors import InternalError
 
@@ -39,6 +40,14 @@ Op = tuple[str, int, int]
 LaneKey = tuple[int, int]   # (stage, lane)
 
 
+class Order(Enum):
+    """How a lane under an in-flight limit picks its next op (Note [schedules by simulation])."""
+
+    STRICT = "strict"                   # Megatron's 1F1B: a forward whenever the limit allows, else a backward
+    READY_FORWARD = "ready forward"     # the same preferences among the ops whose inputs are there
+    READY_BACKWARD = "ready backward"   # a backward whenever one is ready, else a forward
+
+
 @dataclass
 class Policy:
     """Which op a lane runs next. `f_order` / `b_order` are its queues in order."""
@@ -48,7 +57,7 @@ class Policy:
     w_order: list[Op] = field(default_factory=list)
     limit: int | None = None      # None: strict sequence f_order + b_order
     per_unit: int = 1             # ops of one microbatch unit (ministages run back to back)
-    forward_first: bool = False   # Megatron's strict 1F1B: a forward whenever the limit allows, else a backward
+    order: Order = Order.READY_BACKWARD
     fi: int = 0
     bi: int = 0
     wi: int = 0
@@ -70,9 +79,9 @@ class Policy:
         by_input = -(-self.fi // self.per_unit) - self.bi // self.per_unit
         first, then = (w, b) if f is not None and by_input < self.limit else (b, w)
         backs = [op for op in (first, then) if op is not None]
-        if self.forward_first and not self.bi % self.per_unit:
+        if self.order is Order.STRICT and not self.bi % self.per_unit:
             return [f] if forward_allowed and f is not None else backs
-        if self.w_order:   # the same preferences, without waiting for a forward whose input is late
+        if self.order is Order.READY_FORWARD:   # the same preferences, without waiting for a late forward input
             return ([f] if forward_allowed and f is not None else []) + backs
         out = [b] if b is not None else []
         if forward_allowed and f is not None:

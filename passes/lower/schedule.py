@@ -1,8 +1,9 @@
 """The first lowering pass: each rank's compute order, per schedule kind.
 
 Note [schedules by simulation]: every lane gets a *policy* that names its
-next compute op (strict sequences for GPipe and Zorse; "backward first, at
-most `limit` microbatches in flight" for 1F1B, interleaved 1F1B and ZB-H1).
+next compute op (strict sequences for GPipe and Zorse; at most `limit`
+microbatches in flight for 1F1B, interleaved 1F1B and ZB-H1, each with its
+`lane_sim.Order` of preference among forwards and backwards).
 A small discrete-event simulation runs all lanes together with the cost
 model's durations and border transfers (Note [timed schedule]) and records
 the order in which each lane ran its ops. Because the orders come out of
@@ -26,7 +27,7 @@ from hetc.passes.cost.memory import interleaved_warmup
 from hetc.passes.cost.pipeline_stage import lane_groups
 from hetc.passes.cost.schedule import Grouping
 from hetc.passes.lower.context import LowerContext, rank_shell
-from hetc.passes.lower.lane_sim import Op, Policy, Run, simulate
+from hetc.passes.lower.lane_sim import Op, Order, Policy, Run, simulate
 from hetc.ir.pipeline import Lane, Pipeline, Stage
 from hetc.ir.program import Backward, BackwardInput, BackwardWeight, ComputeInstr, Forward, Instr, Load, Phase, Program
 from hetc.ir.spec import ModelSpec, ScheduleKind
@@ -38,12 +39,25 @@ __all__ = ["Lockstep", "LockstepReason", "Op", "lane_queues", "lockstep_cause", 
 def order_compute(ctx: LowerContext) -> Program:
     """Pass `schedule`: a Program holding only loads and compute, in run order.
 
-    1F1B and interleaved 1F1B follow Megatron's strict order (a forward
-    whenever the in-flight limit allows, else a backward), which does not
-    depend on how long ops take; ZB-H1 runs what is ready in its order of
-    preference; only where many-to-many routing makes the strict order wait
-    on itself does the pass fall back to "a backward whenever one is ready"
-    (Note [schedules by simulation]). The timed run is `ctx.schedule`, made once.
+    Interleaved 1F1B follows Megatron's strict order (a forward whenever
+    the in-flight limit allows, else a backward), which does not depend on
+    how long ops take; 1F1B and ZB-H1 run, in that order of preference, what
+    is ready (Note [1F1B by readiness]); only where many-to-many routing
+    makes an order wait on itself does the pass fall back to "a backward
+    whenever one is ready" (Note [schedules by simulation]). The timed run
+    is `ctx.schedule`, made once.
+
+    Note [1F1B by readiness]: Megatron's strict 1F1B waits for a forward's
+    input whenever the in-flight limit allows a forward, though a backward
+    may be ready. On lanes fed unevenly (a stage of 3 lanes feeding 4, then
+    1: Zorse's heterogeneous pipelines) inputs come late and each wait
+    holds up the gradients behind it: specs/zorse/a_auto.het's 65B model
+    over H100 and A100 lanes as 1F1B simulated 231 s a step where the
+    closed form, which counts no such wait, gives 114 s, and the same plan
+    as ZB-H1 117 s. Preferring the forward, but running a ready backward
+    while its input is late, it runs 118 s (tests/test_plan_agreement.py
+    holds every 1F1B plan of the random family to the closed form). Where
+    inputs come on time the order is Megatron's.
     """
     orders = ctx.schedule.orders
     programs = []
@@ -91,12 +105,21 @@ def _run(ctx: LowerContext, strict: bool) -> Run:
     lanes = [(stage, lane) for stage in ctx.pipeline.stages for lane in stage.lanes]
     policies = {(s.index, lane.index): _policy(ctx, s, lane) for s, lane in lanes}
     for policy in policies.values():
-        # ZB-H1 keeps its own preferences without waiting for a forward whose input is late: a weight gradient
-        # it holds fills the wait (Note [timed schedule])
-        policy.forward_first = strict and kind in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED)
+        policy.order = _lane_order(kind, strict)
     split = kind is ScheduleKind.ZB
     return simulate(policies, _memo(lambda op: _deps(ctx, op, split)), _memo(lambda op: _duration(ctx, op)),
                     _coupled_lanes(ctx, policies), lift_limits=not strict, lag=lambda dep, op: _lag(ctx, dep, op))
+
+
+def _lane_order(kind: ScheduleKind, strict: bool) -> Order:
+    """How a lane picks its next op (Note [schedules by simulation]). ZB-H1 keeps its preferences without
+    waiting for a forward whose input is late: a weight gradient it holds fills the wait (Note [timed
+    schedule]); 1F1B does too, a backward filling it (Note [1F1B by readiness]); interleaved 1F1B follows
+    Megatron's strict order, its warm-up counted as Megatron's; the fallback takes a backward whenever one
+    is ready."""
+    if kind is ScheduleKind.ZB or (strict and kind is ScheduleKind.ONE_F_ONE_B):
+        return Order.READY_FORWARD
+    return Order.STRICT if strict and kind is ScheduleKind.INTERLEAVED else Order.READY_BACKWARD
 
 
 _T = TypeVar("_T")

@@ -36,9 +36,13 @@ __all__ = [
     "space_from_spec",
 ]
 
-# 1F1B and GPipe are left out of `schedule = auto`: in the cost model zero-bubble (ZB-H1) runs the same
-# steady state with a bubble shrunk by the weight-gradient work and holds 1F1B's activations, and GPipe
-# takes 1F1B's time with every microbatch's activations held. A spec that names them gets them.
+# 1F1B and GPipe are left out of `schedule = auto`: in the cost model zero-bubble (ZB-H1) runs 1F1B's
+# steady state with a bubble shrunk by the weight-gradient work, and GPipe takes 1F1B's time with every
+# microbatch's activations held. ZB-H1 keeps one microbatch more in flight than 1F1B on a stage with
+# stages after it (Note [in-flight limit] in passes/cost/schedule.py), so where memory binds 1F1B can
+# fit where ZB does not; but on lanes of uneven width its compiled step can run well past the closed
+# form the search ranks by (specs/zorse/c_auto.het's cluster: a 1F1B plan of 24.4 s compiled to 30.4 s),
+# so the search would chase plans that lose. A spec that names a schedule gets it.
 DEFAULT_SCHEDULES = (ScheduleKind.ZB, ScheduleKind.INTERLEAVED, ScheduleKind.ZORSE)
 PLAIN_OFFLOADS = (Offload(), Offload(optimizer=True), Offload(params=True, optimizer=True))
 ZORSE_OFFLOADS = (Offload(), Offload(activations=True), Offload(params=True, activations=True),
