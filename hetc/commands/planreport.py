@@ -165,7 +165,8 @@ def _cells(result: PlanResult, b: Baseline, cost: bool) -> str:
         ratio = b.score.dollars_per_token / _known(result.printed_score).dollars_per_token
     else:
         ratio = b.score.step_time_s / result.step_time_s
-    oom = "" if b.score.fits else "   does not fit in memory"
+    oom = ("" if b.score.fits else "   does not fit in memory" if not b.score.fits_device
+           else f"   fills more than {b.score.fill:.0%} of a device's memory")   # Note [planning headroom]
     fixed = "" if b.allowed else "   outside what the spec fixes"
     return f"{cells} {f'{ratio:.2f}×':>11s}{oom}{fixed}"
 
@@ -190,7 +191,8 @@ def plan_json(path: str, result: PlanResult, text: str, prov: Provenance) -> Jso
                     "idle_reasons": [reason.to_json() for reason in result.idle],
                     "stages": [_stage_json(plan.model, p, st) for st in p.stages]},
            "baselines": [_baseline_json(b) for b in result.baselines],
-           "planning": {"seconds": result.seconds, "structures": result.structures},
+           "planning": {"seconds": result.seconds, "structures": result.structures,
+                        "memory_share": result.score.fill if result.score is not None else None},
            "text": text, **prov.to_json()}
     out.setdefault("memory_source", "estimate")     # the planner's classes: the closed form's
     if result.printed_score is not None:
@@ -202,7 +204,7 @@ def plan_json(path: str, result: PlanResult, text: str, prov: Provenance) -> Jso
 def _score_json(score: Score, result: PlanResult) -> JsonObject:
     """The headline numbers from the planner's score, where no full estimate was made."""
     return {"step_time_s": score.step_time_s, "tokens_per_step": score.tokens_per_step,
-            "tokens_per_s": score.tokens_per_s, "fits": score.fits, **_utilization(result).to_json()}
+            "tokens_per_s": score.tokens_per_s, "fits": score.fits_device, **_utilization(result).to_json()}
 
 
 def _stage_json(model: ModelSpec, p: Pipeline, st: Stage) -> JsonObject:
@@ -224,5 +226,5 @@ def _baseline_json(b: Baseline) -> JsonObject:
     return {"name": b.name, "title": b.title, "built": True, "step_time_s": b.score.step_time_s,
             "step_source": "estimate" if b.closed_form_s is None else "simulated", "estimate_step_s": closed,
             "allowed": b.allowed,
-            "tokens_per_s": b.score.tokens_per_s, "fits": b.score.fits,
+            "tokens_per_s": b.score.tokens_per_s, "fits": b.score.fits_device, "within_memory_share": b.score.fits,
             "dollars_per_token": b.score.dollars_per_token}

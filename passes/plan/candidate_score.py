@@ -36,6 +36,7 @@ class Score:
     classes: tuple[tuple[int, ...], ...]   # GPU ids of each memory entry
     price_per_hour: float
     egress_per_step: float            # $ per step for bytes crossing priced links
+    fill: float = 1.0                 # the share of each device's memory the plan may fill (Note [planning headroom])
 
     @property
     def tokens_per_s(self) -> float:
@@ -43,6 +44,16 @@ class Score:
 
     @property
     def fits(self) -> bool:
+        """Whether every rank fits in the share of its device the search plans to (`fill`)."""
+        return self.fits_within(self.fill)
+
+    def fits_within(self, share: float) -> bool:
+        """Whether every rank fits in `share` of its device's memory."""
+        return all(m.total <= share * m.capacity for m in self.memory)
+
+    @property
+    def fits_device(self) -> bool:
+        """Whether every rank fits in its device's memory, as the cost model says of any plan."""
         return all(m.fits for m in self.memory)
 
     @property
@@ -81,4 +92,4 @@ def evaluate(prims: Primitives, plan: PlanView) -> Score:
     tokens = tokens_per_step(plan.num_microbatches, plan.micro_batch, prims.model.seq)
     price = sum(g.device.price for g in plan.gpus)
     return Score(t.step, t.pipeline, t.bubble, t.tail, tokens, got.memory, got.classes, price,
-                 egress_per_step(prims, plan, costs))
+                 egress_per_step(prims, plan, costs), prims.fill)

@@ -355,12 +355,13 @@ class StageCosts:
         return {g.device.name: g for g in self.s.lanes[lane]}.values()
 
     def _room(self, gpu: Gpu, node_share: int | None, count: int) -> float:
-        """Bytes left on a rank of `gpu`'s kind; memoised (the option tables search counts)."""
+        """Bytes left on a rank of `gpu`'s kind below the share a plan may fill (Note [planning headroom]);
+        memoised (the option tables search counts)."""
         key = (gpu.device.name, node_share, count, self.in_flight_limit, self.grouping)
         got = self._rooms.get(key)
         if got is None:
             got = self._rooms[key] = rank_headroom(gpu, self._static(node_share), self._activations(count),
-                                                   self._backward_peak(node_share, count))
+                                                   self._backward_peak(node_share, count)) - self.p.spare(gpu)
         return got
 
     @cached_property

@@ -34,7 +34,7 @@ from hetc.ir.spec import Objective
 from hetc.ir.topology import Gpu
 from hetc.ir.units import human_bytes, human_seconds
 
-__all__ = ["IdleReason", "idle_reasons"]
+__all__ = ["IdleReason", "describe_candidate", "idle_reasons"]
 
 IdleKind = Literal["memory", "link", "slow", "overall", "written"]
 
@@ -103,20 +103,21 @@ def _look(search: Structures, chosen: Found, group: str) -> list[Found]:
 
 
 def _overflow(score: Score) -> float:
-    return max(m.total - m.capacity for m in score.memory)
+    return max(m.total - score.fill * m.capacity for m in score.memory)
 
 
 def _memory(search: Structures, group: str, closest: Found) -> IdleReason:
     """No plan that uses `group` fits: the closest one's fullest GPU, preferring one of the group's, of those
-    over their capacity (the group's GPUs may fit where another kind's do not: that one is named)."""
-    gpus = search.topo.gpus
+    over the share the search fills (the group's GPUs may fit where another kind's do not: that one is named)."""
+    gpus, fill = search.topo.gpus, closest.score.fill
     entries = [(m, gpus[ids[0]]) for m, ids in zip(closest.score.memory, closest.score.classes) if ids]
-    over = [e for e in entries if e[0].total > e[0].capacity] or entries
+    over = [e for e in entries if e[0].total > fill * e[0].capacity] or entries
     own = [e for e in over if e[1].group == group] or over
     m, gpu = max(own, key=lambda e: e[0].total / e[0].capacity)
-    return IdleReason(group, "memory", f"no plan the search scored that uses it fits in memory: the closest "
-                                       f"({_describe(closest.candidate)}) needs {human_bytes(m.total)} on {gpu} "
-                                       f"({gpu.device.name}, {human_bytes(m.capacity)})",
+    within = "in memory" if fill >= 1 else f"within {fill:.0%} of device memory, the headroom hetc plan keeps"
+    return IdleReason(group, "memory", f"no plan the search scored that uses it fits {within}: the closest "
+                                       f"({describe_candidate(closest.candidate)}) needs {human_bytes(m.total)} on "
+                                       f"{gpu} ({gpu.device.name}, {human_bytes(m.capacity)})",
                       closest.score.step_time_s)
 
 
@@ -154,7 +155,7 @@ def _loses(search: Structures, chosen: Found, best: Found, group: str) -> IdleRe
     """A fitting plan uses `group` but loses to `chosen`: by its link, its pace, or overall."""
     c = best.candidate
     paces = _paces(search, c, group)
-    against = (f"in the best plan that uses it ({_describe(c)}, {human_seconds(best.score.step_time_s)}/step "
+    against = (f"in the best plan that uses it ({describe_candidate(c)}, {human_seconds(best.score.step_time_s)}/step "
                f"against {human_seconds(chosen.score.step_time_s)})")
     mine = [p for p in paces if p.lane_gpu is not None]
     step = best.score.step_time_s
@@ -216,6 +217,7 @@ def _link(search: Structures, c: Candidate, pace: _StagePace) -> str:
     return "; ".join(links) or "no border"
 
 
-def _describe(c: Candidate) -> str:
+def describe_candidate(c: Candidate) -> str:
+    """A candidate in a few words: its stages, schedule and micro-batch size."""
     stages = len(c.stages)
     return f"{stages} stage{'s' if stages != 1 else ''}, {c.schedule.value}, micro_batch {c.micro_batch}"

@@ -31,8 +31,12 @@ __all__ = ["Primitives"]
 class Primitives:
     """Cost-model arithmetic for one spec, cluster and micro-batch size."""
 
-    def __init__(self, job: Job, profiles: Profiles | None, micro_batch: int):
+    def __init__(self, job: Job, profiles: Profiles | None, micro_batch: int, fill: float = 1.0,
+                 options_to_fill: bool = False):
         train = replace(job.train, micro_batch=micro_batch)
+        # the share of each device's memory a plan may fill, and whether stage options are built to it or to
+        # the whole device (Note [planning headroom])
+        self.fill, self.options_to_fill = fill, options_to_fill
         self.topo = job.topology
         self.model: ModelSpec = job.model
         self.train: TrainSpec = train
@@ -115,6 +119,10 @@ class Primitives:
 
     def context(self, gpu: Gpu) -> float:
         return context_reserve(gpu.device.memory, gpu.device.is_cpu)
+
+    def spare(self, gpu: Gpu) -> float:
+        """Bytes of `gpu` a stage option leaves unfilled beyond its reserve (Note [planning headroom])."""
+        return (1.0 - self.fill) * gpu.device.memory if self.options_to_fill else 0.0
 
 
 _KINDS = (LayerKind.EMBED, LayerKind.BLOCK, LayerKind.HEAD)

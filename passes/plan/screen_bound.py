@@ -123,12 +123,14 @@ def _stage_bounds(search: Structures, st: Structure, s: int, counts: range
 
 class _Holds:
     """Zorse's schedule holds every microbatch's activations at a rank's peak (unless they are offloaded), so
-    a lane holds at most (its device's memory − its reserve) / (one microbatch's activations) of them
-    (`memory.activation_memory`, `zorse_backward_peak`: the rest of its memory only lowers that)."""
+    a lane holds at most (its device's memory − its reserve − what the plan leaves spare) / (one microbatch's
+    activations) of them (`memory.activation_memory`, `zorse_backward_peak`: the rest of its memory only
+    lowers that)."""
 
     def __init__(self, prims: Primitives, res: ResolvedStage, m: int, sizes: list[int]):
         self.m, self.sizes = m, sizes
-        self.rooms = [min(g.device.memory - prims.context(g) for g in res.lanes[lanes[0]]) for lanes in res.classes]
+        self.rooms = [min(g.device.memory - prims.context(g) - prims.spare(g) for g in res.lanes[lanes[0]])
+                      for lanes in res.classes]
         self.prims, self.tp = prims, res.tp
 
     def all(self, units: tuple[int, int, int], checkpoint: Checkpointing) -> bool:

@@ -24,6 +24,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Hashable, Iterator
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from hetc.passes.cost import Profiles
@@ -54,8 +55,9 @@ class Search(Structures):
     """The coarse-to-fine search over structures (module docstring)."""
 
     def __init__(self, job: Job, profiles: Profiles | None, space: SearchSpace, goal: Goal,
-                 limits: SearchLimits | None = None, deadline: Deadline | None = None):
-        super().__init__(job, profiles, space, goal, limits, deadline)
+                 limits: SearchLimits | None = None, deadline: Deadline | None = None, fill: float = 1.0,
+                 options_to_fill: bool = False):
+        super().__init__(job, profiles, space, goal, limits, deadline, fill, options_to_fill)
         self.screens_until = self.deadline.share(SCREEN_SHARE)   # Note [an anytime search] in deadline.py
         # the steps that ended after their share of the time limit: cut short, or skipped (empty: none)
         self.cut_short: list[str] = []
@@ -153,6 +155,14 @@ class Search(Structures):
     def _aside(self, job: tuple[Callable[[Search, Candidate, Any], Any], Candidate, Any]) -> Any:
         fn, best, arg = job
         return fn(self, best, arg)
+
+    def refill(self, found: list[Found], fill: float) -> list[Found]:
+        """`found` held to `fill` of each device's memory instead, best first; the baselines and every later
+        score too (Note [planning headroom]: the stage options stay as they were built)."""
+        for prims in self.prims.values():
+            prims.fill = fill
+        self._baselines = None
+        return sorted((replace(f, score=replace(f.score, fill=fill)) for f in found), key=self.rank)
 
     def baselines(self) -> list[Baseline]:
         """The baselines (baselines.py), under the search's cost model."""

@@ -87,7 +87,8 @@ class Found:
 
 class Structures:
     def __init__(self, job: Job, profiles: Profiles | None, space: SearchSpace, goal: Goal,
-                 limits: SearchLimits | None = None, deadline: Deadline | None = None):
+                 limits: SearchLimits | None = None, deadline: Deadline | None = None, fill: float = 1.0,
+                 options_to_fill: bool = False):
         self.job, self.spec, self.topo = job, job.spec, job.topology
         self.space, self.goal, self.profiles = space, goal, profiles
         topo = job.topology
@@ -96,7 +97,7 @@ class Structures:
         self.model: ModelSpec = job.model
         self.limits = limits or SearchLimits.for_cluster(topo.num_gpus, job.model.num_model_layers)
         self.resolve = Resolver(topo)
-        self.prims = {b: Primitives(job, profiles, b) for b in space.micro_batches}
+        self.prims = {b: Primitives(job, profiles, b, fill, options_to_fill) for b in space.micro_batches}
         self.units = job.model.num_model_layers
         self.grain = layer_grain(job.model.layers)   # Note [a grid of layer counts] in grid.py
         # options by what they depend on (`_key`)
