@@ -6,6 +6,7 @@ device is a located error, not a bug."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -53,11 +54,15 @@ def test_plan_prints_no_near_capacity_warning_and_says_why_a_faster_baseline_los
     captured = capsys.readouterr()
     assert "warning" not in captured.err
     assert f"fills more than {NEAR_CAPACITY:.0%} of a device's memory" in captured.err   # the summary
+    assert re.search(r"\n  headroom: planned within 95% of each device's memory; the best plan for the whole "
+                     r"device, [0-9.]+ s/step against this plan's [0-9.]+ s by the closed form, fills 97\.8% of "
+                     r"host\[0, 0\] \(box\)\n", captured.err)
     assert main(["plan", str(tight), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["planning"]["memory_share"] == NEAR_CAPACITY
     megatron = next(b for b in report["baselines"] if b["name"] == "megatron")
     assert megatron["fits"] and not megatron["within_memory_share"]
+    assert report["planning"]["passed_over"]["fullest"] > NEAR_CAPACITY
 
 
 def test_past_its_price_the_plan_for_the_whole_device_stands_and_is_warned_about(tight, monkeypatch, capsys):
@@ -65,7 +70,8 @@ def test_past_its_price_the_plan_for_the_whole_device_stands_and_is_warned_about
     assert _fullest(_plan(tight)) > NEAR_CAPACITY
     assert main(["plan", str(tight), "--json"]) == 0
     captured = capsys.readouterr()
-    assert json.loads(captured.out)["planning"]["memory_share"] == 1.0
+    planning = json.loads(captured.out)["planning"]
+    assert planning["memory_share"] == 1.0 and planning["passed_over"] is None
     assert f"fill more than {NEAR_CAPACITY:.0%} of their device memory" in captured.err
 
 

@@ -82,6 +82,8 @@ def plan_summary(path: str, result: PlanResult, prov: Provenance | None = None) 
                  f"fullest GPU {fullest.gpu} at {fullest.total / fullest.capacity:.0%} of "
                  f"{human_bytes(fullest.capacity)} ({source})")
     lines.append(f"  {utilization_text(_utilization(result))}")
+    if result.passed_over is not None:
+        lines.append(f"  {_headroom_text(result, result.passed_over)}")
     if result.printed_score is not None and result.goal.kind is Objective.COST:
         score = result.printed_score   # at the printed step (Note [one number])
         lines.append(f"  cost {score.dollars_per_hour:,.2f} $/h, {score.dollars_per_token * 1e6:.4g} $ per "
@@ -91,6 +93,19 @@ def plan_summary(path: str, result: PlanResult, prov: Provenance | None = None) 
     if prov is not None:
         lines += ["", *provenance_lines(p, prov)]
     return "\n".join(lines)
+
+
+def _headroom_text(result: PlanResult, over: Score) -> str:
+    """What the planner's memory headroom gave up (Note [planning headroom] in passes/plan/planner.py)."""
+    fullest = max(over.memory, key=lambda m: m.total / m.capacity)
+    mine = _known(result.score)
+    compared = (f"{human_seconds(over.step_time_s)}/step against this plan's {human_seconds(mine.step_time_s)}"
+                if result.goal.kind is not Objective.COST else
+                f"{over.dollars_per_token * 1e6:.4g} $ per million tokens against this plan's "
+                f"{mine.dollars_per_token * 1e6:.4g}")
+    return (f"headroom: planned within {mine.fill:.0%} of each device's memory; the best plan for the whole "
+            f"device, {compared} by the closed form, fills {fullest.total / fullest.capacity:.1%} of "
+            f"{fullest.gpu} ({fullest.device})")
 
 
 def _ranks(stage_spec: StageSpec) -> str:
@@ -192,13 +207,21 @@ def plan_json(path: str, result: PlanResult, text: str, prov: Provenance) -> Jso
                     "stages": [_stage_json(plan.model, p, st) for st in p.stages]},
            "baselines": [_baseline_json(b) for b in result.baselines],
            "planning": {"seconds": result.seconds, "structures": result.structures,
-                        "memory_share": result.score.fill if result.score is not None else None},
+                        "memory_share": result.score.fill if result.score is not None else None,
+                        "passed_over": None if result.passed_over is None else _passed_over_json(result.passed_over)},
            "text": text, **prov.to_json()}
     out.setdefault("memory_source", "estimate")     # the planner's classes: the closed form's
     if result.printed_score is not None:
         out["dollars_per_hour"] = result.printed_score.dollars_per_hour
         out["dollars_per_token"] = result.printed_score.dollars_per_token
     return out
+
+
+def _passed_over_json(over: Score) -> JsonObject:
+    """The best plan for the whole device the headroom passed over: its closed form and fullest rank."""
+    fullest = max(over.memory, key=lambda m: m.total / m.capacity)
+    return {"step_time_s": over.step_time_s, "dollars_per_token": over.dollars_per_token, "gpu": fullest.gpu,
+            "fullest": fullest.total / fullest.capacity}
 
 
 def _score_json(score: Score, result: PlanResult) -> JsonObject:

@@ -66,6 +66,8 @@ class PlanResult:
     # what the time limit left unsearched, where the search met it (Note [an anytime search])
     time_limit_note: str | None = None
     idle: tuple[IdleReason, ...] = ()  # why each node group the plan leaves idle is idle (passes/plan/idle.py)
+    # the best plan for the whole device, which the headroom passed over (Note [planning headroom]); None: none
+    passed_over: Score | None = None
 
     @property
     def planned(self) -> bool:
@@ -127,8 +129,9 @@ def _plan_spec(spec: Spec, profiles: Profiles | None, base_dir: Path | None,
         plan = checked.plan()
         return PlanResult(spec, plan, goal, None, _estimate(plan, profiles))
     start = time.perf_counter()
-    search, found = _search_with_headroom(job, profiles, space_from_spec(job, **space_overrides), goal, limits,
-                                          deadline, progress, None if keep_program else (_checks_out, base_dir))
+    search, found, passed_over = _search_with_headroom(job, profiles, space_from_spec(job, **space_overrides), goal,
+                                                       limits, deadline, progress,
+                                                       None if keep_program else (_checks_out, base_dir))
     scored = search.baselines()
     pool = contenders(search, found, scored)
     best = pool[0][0] if pool else None   # by the closed form: what a plan that does not fit is told of
@@ -146,7 +149,7 @@ def _plan_spec(spec: Spec, profiles: Profiles | None, base_dir: Path | None,
     _cross_check(best.score, estimate)
     idle = idle_reasons(search, found, scored, best, written=search.space.fixed.idle is not None)
     return PlanResult(winner.explicit, winner.plan, goal, best.score, estimate, best.candidate, final.baselines,
-                      winner.name, time.perf_counter() - start, search.visited, lowered, note, idle)
+                      winner.name, time.perf_counter() - start, search.visited, lowered, note, idle, passed_over)
 
 
 # Note [planning headroom]: the planner prefers plans within NEAR_CAPACITY of each device's memory (Note
@@ -172,21 +175,22 @@ HEADROOM_PRICE = 0.05
 
 def _search_with_headroom(job: Job, profiles: Profiles | None, space: SearchSpace, goal: Goal,
                           limits: SearchLimits | None, deadline: Deadline, progress: Callable[[str], None] | None,
-                          aside: tuple[Callable[..., Any], Any] | None) -> tuple[Search, list[Found]]:
+                          aside: tuple[Callable[..., Any], Any] | None
+                          ) -> tuple[Search, list[Found], Score | None]:
     """The search and its plans, best first: within NEAR_CAPACITY of each device where the best there is at
     most HEADROOM_PRICE worse than the best for the whole device, else within the devices (Note [planning
-    headroom])."""
+    headroom]); and the best plan for the whole device where the first are chosen from."""
     search = Search(job, profiles, space, goal, limits, deadline)
     found = search.run(progress, aside)
     if not found or not goal.admits(found[0].score) or found[0].score.fits_within(NEAR_CAPACITY):
-        return search, found
+        return search, found, None
     second = Search(job, profiles, space, goal, limits, deadline, fill=NEAR_CAPACITY, options_to_fill=True)
     tailored = second.run(progress)
     search.visited += second.visited   # what `hetc plan` says it searched
     held = search.refill(found + tailored, NEAR_CAPACITY)
     if goal.admits(held[0].score) and goal.value(held[0].score) <= (1 + HEADROOM_PRICE) * goal.value(found[0].score):
-        return search, held
-    return search, search.refill(found + tailored, 1.0)
+        return search, held, found[0].score
+    return search, search.refill(found + tailored, 1.0), None
 
 
 def _time_limit_note(search: Search, found: list[Found]) -> str | None:
