@@ -24,7 +24,7 @@ if TYPE_CHECKING:     # both import this module's callers' modules at run time
     from hetc.passes.cost.memory import RankMemory
     from hetc.ir.plan import Plan
 
-__all__ = ["NEAR_CAPACITY", "RankUse", "cost_error", "estimate_overflows", "estimate_uses", "near_capacity_warning",
+__all__ = ["HEADROOM_PRICE", "NEAR_CAPACITY", "RankUse", "cost_error", "estimate_overflows", "estimate_uses", "near_capacity_warning",
            "peak_overflows", "peak_uses", "stage_overflows"]
 
 # Note [Near capacity]: a rank the estimate puts above this share of its device's memory fits on paper,
@@ -32,6 +32,9 @@ __all__ = ["NEAR_CAPACITY", "RankUse", "cost_error", "estimate_overflows", "esti
 # demand, a library's workspace); a few percent of those is an out-of-memory error at step 1. Such plans are accepted (the
 # estimate may be right) with a warning naming the ranks, so the first OOM is not a surprise.
 NEAR_CAPACITY = 0.95
+# what the planner pays for a plan within NEAR_CAPACITY over the best for the whole device, at most: a share of
+# its objective (Note [planning headroom] in passes/plan/planner.py)
+HEADROOM_PRICE = 0.05
 
 
 @dataclass(frozen=True)

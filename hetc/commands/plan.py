@@ -15,6 +15,7 @@ from hetc.commands.planargs import add_time_limit_option
 from hetc.commands.profileargs import add_profile_option, load_profile_args
 from hetc.plandir import PROFILE_ENV
 from hetc.compiler import load_checked
+from hetc.passes.validate_fit import HEADROOM_PRICE, NEAR_CAPACITY
 from hetc.ir.jsontypes import JsonObject, JsonValue
 from hetc.ir.units import human_seconds
 
@@ -28,6 +29,8 @@ def register(sub: Subparsers) -> None:
                     "micro-batch size, tensor parallelism, ZeRO level, offload and ministages of every "
                     "stage, and the GPUs to leave idle, under the spec's objective (throughput, or $ per "
                     "token within a budget), and compare the plan with baselines under the same cost model. "
+                    f"Plans keep a headroom: within {NEAR_CAPACITY:.0%} of each device's memory where that "
+                    f"costs at most {HEADROOM_PRICE:.0%} of the objective (the summary says what it gave up). "
                     "Prints the explicit spec (or writes it with -o) and a summary; docs/planner.md. "
                     f"Measured profiles come from --profile and ${PROFILE_ENV}.")
     p.add_argument("spec", metavar="SPEC")

@@ -38,7 +38,7 @@ from hetc.passes.plan.would_fit import would_fit
 from hetc.passes.resolve import plan_has_auto as needs_plan   # one rule for what is left to plan
 from hetc.passes.simulated_step import Simulated, simulated_estimate
 from hetc.passes.validate import check_spec
-from hetc.passes.validate_fit import NEAR_CAPACITY
+from hetc.passes.validate_fit import HEADROOM_PRICE, NEAR_CAPACITY
 from hetc.ir.plan import Job, Plan
 from hetc.ir.spec import Spec
 
@@ -170,7 +170,6 @@ def _plan_spec(spec: Spec, profiles: Profiles | None, base_dir: Path | None,
 # whole device. A plan above the share that compiles over its device is what an estimate may miss, not a
 # bug (Note [the planner checks its winner]): where every such contender does, `hetc plan` says no plan
 # fits once compiled (exit 2), naming the closest and the verifier's finding.
-HEADROOM_PRICE = 0.05
 
 
 def _search_with_headroom(job: Job, profiles: Profiles | None, space: SearchSpace, goal: Goal,
