@@ -185,7 +185,8 @@ def _search_with_headroom(job: Job, profiles: Profiles | None, space: SearchSpac
         return search, found, None
     second = Search(job, profiles, space, goal, limits, deadline, fill=NEAR_CAPACITY, options_to_fill=True)
     tailored = second.run(progress)
-    search.visited += second.visited   # what `hetc plan` says it searched
+    search.visited += second.visited   # what `hetc plan` says it searched, and what the time limit cut
+    search.cut_short += [step for step in second.cut_short if step not in search.cut_short]
     held = search.refill(found + tailored, NEAR_CAPACITY)
     if goal.admits(held[0].score) and goal.value(held[0].score) <= (1 + HEADROOM_PRICE) * goal.value(found[0].score):
         return search, held, found[0].score
