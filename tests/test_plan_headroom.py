@@ -62,7 +62,8 @@ def test_plan_prints_no_near_capacity_warning_and_says_why_a_faster_baseline_los
     assert report["planning"]["memory_share"] == NEAR_CAPACITY
     megatron = next(b for b in report["baselines"] if b["name"] == "megatron")
     assert megatron["fits"] and not megatron["within_memory_share"]
-    assert report["planning"]["passed_over"]["fullest"] > NEAR_CAPACITY
+    headroom = report["planning"]["headroom"]
+    assert headroom["kept"] and headroom["other"]["fullest"] > NEAR_CAPACITY
 
 
 def test_past_its_price_the_plan_for_the_whole_device_stands_and_is_warned_about(tight, monkeypatch, capsys):
@@ -71,8 +72,14 @@ def test_past_its_price_the_plan_for_the_whole_device_stands_and_is_warned_about
     assert main(["plan", str(tight), "--json"]) == 0
     captured = capsys.readouterr()
     planning = json.loads(captured.out)["planning"]
-    assert planning["memory_share"] == 1.0 and planning["passed_over"] is None
+    assert planning["memory_share"] == 1.0
+    assert not planning["headroom"]["kept"] and planning["headroom"]["other"]["fullest"] <= NEAR_CAPACITY
     assert f"fill more than {NEAR_CAPACITY:.0%} of their device memory" in captured.err
+    assert main(["plan", str(tight)]) == 0
+    assert re.search(r"\n  headroom: none kept, this plan filling 97\.8% of host\[0, 0\] \(box\) by the planner's "
+                     r"estimate; the best plan within 95% of each device's memory, [0-9.]+ s/step against this "
+                     r"plan's [0-9.]+ s by the closed form, costs more than the 5% the planner pays for it\n",
+                     capsys.readouterr().err)
 
 
 def test_a_plan_above_the_headroom_that_compiles_over_its_device_is_a_located_error(tmp_path, capsys):

@@ -13,7 +13,8 @@ from hetc.ir.errors import InternalError
 from hetc.ir.jsontypes import JsonObject
 from hetc.passes.plan.baselines import Baseline
 from hetc.passes.plan.candidate_score import Score
-from hetc.passes.plan.planner import PlanResult
+from hetc.passes.plan.planner import Headroom, PlanResult
+from hetc.passes.validate_fit import HEADROOM_PRICE, NEAR_CAPACITY
 from hetc.passes.simulated_step import AGREEMENT
 from hetc.ir.pipeline import Pipeline, Stage
 from hetc.ir.spec import Checkpointing, ModelSpec, Objective, OffloadSpec, OffloadTarget, RankSlice, StageSpec
@@ -82,8 +83,8 @@ def plan_summary(path: str, result: PlanResult, prov: Provenance | None = None) 
                  f"fullest GPU {fullest.gpu} at {fullest.total / fullest.capacity:.0%} of "
                  f"{human_bytes(fullest.capacity)} ({source})")
     lines.append(f"  {utilization_text(_utilization(result))}")
-    if result.passed_over is not None:
-        lines.append(f"  {_headroom_text(result, result.passed_over)}")
+    if result.headroom is not None:
+        lines.append(f"  {_headroom_text(result, result.headroom)}")
     if result.printed_score is not None and result.goal.kind is Objective.COST:
         score = result.printed_score   # at the printed step (Note [one number])
         lines.append(f"  cost {score.dollars_per_hour:,.2f} $/h, {score.dollars_per_token * 1e6:.4g} $ per "
@@ -95,17 +96,24 @@ def plan_summary(path: str, result: PlanResult, prov: Provenance | None = None) 
     return "\n".join(lines)
 
 
-def _headroom_text(result: PlanResult, over: Score) -> str:
-    """What the planner's memory headroom gave up (Note [planning headroom] in passes/plan/planner.py)."""
-    fullest = max(over.memory, key=lambda m: m.total / m.capacity)
-    mine = _known(result.score)
-    compared = (f"{human_seconds(over.step_time_s)}/step against this plan's {human_seconds(mine.step_time_s)}"
+def _headroom_text(result: PlanResult, headroom: Headroom) -> str:
+    """What the planner's memory headroom weighed (Note [planning headroom] in passes/plan/planner.py)."""
+    other, mine = headroom.other, _known(result.score)
+    compared = (f"{human_seconds(other.step_time_s)}/step against this plan's {human_seconds(mine.step_time_s)}"
                 if result.goal.kind is not Objective.COST else
-                f"{over.dollars_per_token * 1e6:.4g} $ per million tokens against this plan's "
+                f"{other.dollars_per_token * 1e6:.4g} $ per million tokens against this plan's "
                 f"{mine.dollars_per_token * 1e6:.4g}")
+    if not headroom.kept:
+        return (f"headroom: none kept, this plan filling {_fullest_text(mine)} by the planner's estimate; the best "
+                f"plan within {NEAR_CAPACITY:.0%} of each device's memory, {compared} by the closed form, costs "
+                f"more than the {HEADROOM_PRICE:.0%} the planner pays for it")
     return (f"headroom: planned within {mine.fill:.0%} of each device's memory; the best plan for the whole "
-            f"device, {compared} by the closed form, fills {fullest.total / fullest.capacity:.1%} of "
-            f"{fullest.gpu} ({fullest.device})")
+            f"device, {compared} by the closed form, fills {_fullest_text(other)}")
+
+
+def _fullest_text(score: Score) -> str:
+    fullest = max(score.memory, key=lambda m: m.total / m.capacity)
+    return f"{fullest.total / fullest.capacity:.1%} of {fullest.gpu} ({fullest.device})"
 
 
 def _ranks(stage_spec: StageSpec) -> str:
@@ -208,7 +216,7 @@ def plan_json(path: str, result: PlanResult, text: str, prov: Provenance) -> Jso
            "baselines": [_baseline_json(b) for b in result.baselines],
            "planning": {"seconds": result.seconds, "structures": result.structures,
                         "memory_share": result.score.fill if result.score is not None else None,
-                        "passed_over": None if result.passed_over is None else _passed_over_json(result.passed_over)},
+                        "headroom": None if result.headroom is None else _headroom_json(result.headroom)},
            "text": text, **prov.to_json()}
     out.setdefault("memory_source", "estimate")     # the planner's classes: the closed form's
     if result.printed_score is not None:
@@ -217,11 +225,13 @@ def plan_json(path: str, result: PlanResult, text: str, prov: Provenance) -> Jso
     return out
 
 
-def _passed_over_json(over: Score) -> JsonObject:
-    """The best plan for the whole device the headroom passed over: its closed form and fullest rank."""
-    fullest = max(over.memory, key=lambda m: m.total / m.capacity)
-    return {"step_time_s": over.step_time_s, "dollars_per_token": over.dollars_per_token, "gpu": fullest.gpu,
-            "fullest": fullest.total / fullest.capacity}
+def _headroom_json(headroom: Headroom) -> JsonObject:
+    """What the headroom weighed: whether it was kept, and the other plan's closed form and fullest rank."""
+    other = headroom.other
+    fullest = max(other.memory, key=lambda m: m.total / m.capacity)
+    return {"kept": headroom.kept, "other": {"step_time_s": other.step_time_s,
+                                             "dollars_per_token": other.dollars_per_token, "gpu": fullest.gpu,
+                                             "fullest": fullest.total / fullest.capacity}}
 
 
 def _score_json(score: Score, result: PlanResult) -> JsonObject:

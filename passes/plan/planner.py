@@ -42,9 +42,19 @@ from hetc.passes.validate_fit import HEADROOM_PRICE, NEAR_CAPACITY
 from hetc.ir.plan import Job, Plan
 from hetc.ir.spec import Spec
 
-__all__ = ["FULL_ESTIMATE_RANKS", "PlanResult", "needs_plan", "plan_checked", "plan_spec"]
+__all__ = ["FULL_ESTIMATE_RANKS", "Headroom", "PlanResult", "needs_plan", "plan_checked", "plan_spec"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Headroom:
+    """What the memory headroom weighed (Note [planning headroom]). `kept`: the plan is held to NEAR_CAPACITY
+    of each device, and `other` is the best plan for the whole device, which it passed over; else `other` is
+    the best plan within that share, which cost more than HEADROOM_PRICE."""
+
+    kept: bool
+    other: Score
 
 
 @dataclass(frozen=True)
@@ -66,8 +76,7 @@ class PlanResult:
     # what the time limit left unsearched, where the search met it (Note [an anytime search])
     time_limit_note: str | None = None
     idle: tuple[IdleReason, ...] = ()  # why each node group the plan leaves idle is idle (passes/plan/idle.py)
-    # the best plan for the whole device, which the headroom passed over (Note [planning headroom]); None: none
-    passed_over: Score | None = None
+    headroom: Headroom | None = None   # what the memory headroom weighed; None: nothing (Note [planning headroom])
 
     @property
     def planned(self) -> bool:
@@ -129,7 +138,7 @@ def _plan_spec(spec: Spec, profiles: Profiles | None, base_dir: Path | None,
         plan = checked.plan()
         return PlanResult(spec, plan, goal, None, _estimate(plan, profiles))
     start = time.perf_counter()
-    search, found, passed_over = _search_with_headroom(job, profiles, space_from_spec(job, **space_overrides), goal,
+    search, found, headroom = _search_with_headroom(job, profiles, space_from_spec(job, **space_overrides), goal,
                                                        limits, deadline, progress,
                                                        None if keep_program else (_checks_out, base_dir))
     scored = search.baselines()
@@ -149,7 +158,7 @@ def _plan_spec(spec: Spec, profiles: Profiles | None, base_dir: Path | None,
     _cross_check(best.score, estimate)
     idle = idle_reasons(search, found, scored, best, written=search.space.fixed.idle is not None)
     return PlanResult(winner.explicit, winner.plan, goal, best.score, estimate, best.candidate, final.baselines,
-                      winner.name, time.perf_counter() - start, search.visited, lowered, note, idle, passed_over)
+                      winner.name, time.perf_counter() - start, search.visited, lowered, note, idle, headroom)
 
 
 # Note [planning headroom]: the planner prefers plans within NEAR_CAPACITY of each device's memory (Note
@@ -175,10 +184,10 @@ def _plan_spec(spec: Spec, profiles: Profiles | None, base_dir: Path | None,
 def _search_with_headroom(job: Job, profiles: Profiles | None, space: SearchSpace, goal: Goal,
                           limits: SearchLimits | None, deadline: Deadline, progress: Callable[[str], None] | None,
                           aside: tuple[Callable[..., Any], Any] | None
-                          ) -> tuple[Search, list[Found], Score | None]:
+                          ) -> tuple[Search, list[Found], Headroom | None]:
     """The search and its plans, best first: within NEAR_CAPACITY of each device where the best there is at
     most HEADROOM_PRICE worse than the best for the whole device, else within the devices (Note [planning
-    headroom]); and the best plan for the whole device where the first are chosen from."""
+    headroom]); and what was weighed, where anything was."""
     search = Search(job, profiles, space, goal, limits, deadline)
     found = search.run(progress, aside)
     if not found or not goal.admits(found[0].score) or found[0].score.fits_within(NEAR_CAPACITY):
@@ -188,9 +197,10 @@ def _search_with_headroom(job: Job, profiles: Profiles | None, space: SearchSpac
     search.visited += second.visited   # what `hetc plan` says it searched, and what the time limit cut
     search.cut_short += [step for step in second.cut_short if step not in search.cut_short]
     held = search.refill(found + tailored, NEAR_CAPACITY)
-    if goal.admits(held[0].score) and goal.value(held[0].score) <= (1 + HEADROOM_PRICE) * goal.value(found[0].score):
-        return search, held, found[0].score
-    return search, search.refill(found + tailored, 1.0), None
+    within = held[0].score if goal.admits(held[0].score) else None
+    if within is not None and goal.value(within) <= (1 + HEADROOM_PRICE) * goal.value(found[0].score):
+        return search, held, Headroom(True, found[0].score)
+    return search, search.refill(found + tailored, 1.0), None if within is None else Headroom(False, within)
 
 
 def _time_limit_note(search: Search, found: list[Found]) -> str | None:
