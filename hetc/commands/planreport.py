@@ -74,13 +74,13 @@ def plan_summary(path: str, result: PlanResult, prov: Provenance | None = None) 
                      f"ZeRO-{st.zero.level}  {counted(len(st.ministages), 'ministage')}  "
                      f"{mbs} microbatches/lane" + _offload(st.offload) + _recompute(st.checkpoint))
     memory = _memory(result)
-    fullest = max(memory, key=lambda m: m.total / m.capacity)
+    fullest = max(memory, key=lambda m: m.share)
     source = "the cost model's estimate" if result.estimate is not None else "the planner's score"
     if result.estimate is not None and result.estimate.closed_form_s is not None:   # Note [one step time]
         source = (f"the step of the compiled programs, simulated (closed form "
                   f"{human_seconds(result.estimate.closed_form_s)}), and their memory peaks")
     lines.append(f"  predicted {human_seconds(result.step_time_s)}/step, {result.tokens_per_s:,.0f} tokens/s; "
-                 f"fullest GPU {fullest.gpu} at {fullest.total / fullest.capacity:.0%} of "
+                 f"fullest GPU {fullest.gpu} at {fullest.share:.0%} of "
                  f"{human_bytes(fullest.capacity)} ({source})")
     lines.append(f"  {utilization_text(_utilization(result))}")
     if result.headroom is not None:
@@ -112,8 +112,8 @@ def _headroom_text(result: PlanResult, headroom: Headroom) -> str:
 
 
 def _fullest_text(score: Score) -> str:
-    fullest = max(score.memory, key=lambda m: m.total / m.capacity)
-    return f"{fullest.total / fullest.capacity:.1%} of {fullest.gpu} ({fullest.device})"
+    fullest = score.fullest
+    return f"{fullest.share:.1%} of {fullest.gpu} ({fullest.device})"
 
 
 def _ranks(stage_spec: StageSpec) -> str:
@@ -228,10 +228,9 @@ def plan_json(path: str, result: PlanResult, text: str, prov: Provenance) -> Jso
 def _headroom_json(headroom: Headroom) -> JsonObject:
     """What the headroom weighed: whether it was kept, and the other plan's closed form and fullest rank."""
     other = headroom.other
-    fullest = max(other.memory, key=lambda m: m.total / m.capacity)
     return {"kept": headroom.kept, "other": {"step_time_s": other.step_time_s,
-                                             "dollars_per_token": other.dollars_per_token, "gpu": fullest.gpu,
-                                             "fullest": fullest.total / fullest.capacity}}
+                                             "dollars_per_token": other.dollars_per_token, "gpu": other.fullest.gpu,
+                                             "fullest": other.fullest.share}}
 
 
 def _score_json(score: Score, result: PlanResult) -> JsonObject:

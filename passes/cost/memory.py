@@ -620,6 +620,11 @@ class RankMemory:
     def fits(self) -> bool:
         return self.total <= self.capacity
 
+    @property
+    def share(self) -> float:
+        """The share of its device's memory the rank fills."""
+        return self.total / self.capacity
+
 
 def rank_memory(rank: int, gpu: Gpu, stage: int, states: StateMemory, activations: tuple[float, float],
                 backward_peak: BackwardPeak | None = None) -> RankMemory:

@@ -54,7 +54,12 @@ class Score:
     @property
     def fits_device(self) -> bool:
         """Whether every rank fits in its device's memory, as the cost model says of any plan."""
-        return all(m.fits for m in self.memory)
+        return self.fits_within(1.0)
+
+    @property
+    def fullest(self) -> RankMemory:
+        """The class of ranks that fills the largest share of its device."""
+        return max(self.memory, key=lambda m: m.share)
 
     @property
     def dollars_per_token(self) -> float:

@@ -34,7 +34,7 @@ from hetc.ir.spec import Objective
 from hetc.ir.topology import Gpu
 from hetc.ir.units import human_bytes, human_seconds
 
-__all__ = ["IdleReason", "describe_candidate", "idle_reasons"]
+__all__ = ["IdleReason", "idle_reasons"]
 
 IdleKind = Literal["memory", "link", "slow", "overall", "written"]
 
@@ -113,10 +113,10 @@ def _memory(search: Structures, group: str, closest: Found) -> IdleReason:
     entries = [(m, gpus[ids[0]]) for m, ids in zip(closest.score.memory, closest.score.classes) if ids]
     over = [e for e in entries if e[0].total > fill * e[0].capacity] or entries
     own = [e for e in over if e[1].group == group] or over
-    m, gpu = max(own, key=lambda e: e[0].total / e[0].capacity)
+    m, gpu = max(own, key=lambda e: e[0].share)
     within = "in memory" if fill >= 1 else f"within {fill:.0%} of device memory, the headroom hetc plan keeps"
     return IdleReason(group, "memory", f"no plan the search scored that uses it fits {within}: the closest "
-                                       f"({describe_candidate(closest.candidate)}) needs {human_bytes(m.total)} on "
+                                       f"({_describe(closest.candidate)}) needs {human_bytes(m.total)} on "
                                        f"{gpu} ({gpu.device.name}, {human_bytes(m.capacity)})",
                       closest.score.step_time_s)
 
@@ -155,7 +155,7 @@ def _loses(search: Structures, chosen: Found, best: Found, group: str) -> IdleRe
     """A fitting plan uses `group` but loses to `chosen`: by its link, its pace, or overall."""
     c = best.candidate
     paces = _paces(search, c, group)
-    against = (f"in the best plan that uses it ({describe_candidate(c)}, {human_seconds(best.score.step_time_s)}/step "
+    against = (f"in the best plan that uses it ({_describe(c)}, {human_seconds(best.score.step_time_s)}/step "
                f"against {human_seconds(chosen.score.step_time_s)})")
     mine = [p for p in paces if p.lane_gpu is not None]
     step = best.score.step_time_s
@@ -217,7 +217,6 @@ def _link(search: Structures, c: Candidate, pace: _StagePace) -> str:
     return "; ".join(links) or "no border"
 
 
-def describe_candidate(c: Candidate) -> str:
-    """A candidate in a few words: its stages, schedule and micro-batch size."""
+def _describe(c: Candidate) -> str:
     stages = len(c.stages)
     return f"{stages} stage{'s' if stages != 1 else ''}, {c.schedule.value}, micro_batch {c.micro_batch}"

@@ -106,7 +106,7 @@ def _offloaded(off: Offload) -> str:
 
 
 def _overflow(score: Score) -> float:
-    return max(m.total / m.capacity for m in score.memory)
+    return score.fullest.share
 
 
 def _closest(search: Structures, closest: tuple[Candidate, Score] | None) -> str:
@@ -117,7 +117,7 @@ def _closest(search: Structures, closest: tuple[Candidate, Score] | None) -> str
                 "memory on this cluster: every stage layout the planner tried overflows some GPU even at one "
                 "microbatch per lane")
     c, score = closest
-    mem = max(score.memory, key=lambda r: r.total / r.capacity)
+    mem = score.fullest
     first, stop = c.ranges[mem.stage][0][0], c.ranges[mem.stage][-1][1]
     model = search.model
     layers = f"{model.layer_name(first)}..{model.layer_name(stop - 1)}"

@@ -60,10 +60,9 @@ def would_fit(job: Job, profiles: Profiles | None, space: SearchSpace, goal: Goa
             return "the planner's time limit left no time to look for a change to the spec that would fit"
         if fitting:
             best = fitting[0]
-            fullest = max(m.total / m.capacity for m in best.score.memory)
             return (f"with {change.says}, a plan fits ({len(best.candidate.stages)} stages, "
                     f"{best.candidate.schedule.value}, {human_seconds(best.score.step_time_s)}/step, fullest GPU at "
-                    f"{100 * fullest:.0f} %)")
+                    f"{100 * best.score.fullest.share:.0f} %)")
         tried.append(change.says)
     if not tried:
         return "add GPUs, or GPUs with more memory"
